@@ -1,0 +1,144 @@
+"""The ``memory`` backend: the simplest complete backend, and the one tests lean on.
+
+Pages live in a :class:`MemoryMedium` - an LRU dict bounded by bytes. Two ``MemoryStorage``
+objects given the same ``store_id`` share one medium (as two processes share a file root), each
+seeing only its own namespace. Everything is in-process, so the primitives run inline: a
+``memcpy`` of a page is cheaper than a hop to a thread.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+from hicache.errors import ConfigError
+from hicache.keys import Namespace
+from hicache.storage import AsyncHiCacheStorage, HiCacheStorageConfig, PageKey
+
+__all__ = ["MemoryMedium", "MemoryStorage"]
+
+_Entry = tuple[str, str, str]  # (namespace digest, key, pool)
+
+
+class MemoryMedium:
+    """A byte-bounded LRU map of pages shared by every store that names the same ``store_id``."""
+
+    _shared: ClassVar[dict[str, MemoryMedium]] = {}
+    _shared_lock: ClassVar[threading.Lock] = threading.Lock()
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.pages: OrderedDict[_Entry, bytes] = OrderedDict()
+        self.nbytes = 0
+        self.evicted_pages = 0
+        self.lock = threading.Lock()
+
+    @classmethod
+    def shared(cls, store_id: str, max_bytes: int) -> MemoryMedium:
+        with cls._shared_lock:
+            medium = cls._shared.get(store_id)
+            if medium is None:
+                medium = cls._shared[store_id] = cls(max_bytes)
+            return medium
+
+    @classmethod
+    def drop_shared(cls, store_id: str) -> None:
+        with cls._shared_lock:
+            cls._shared.pop(store_id, None)
+
+    def put(self, entry: _Entry, payload: bytes) -> bool:
+        if len(payload) > self.max_bytes:
+            return False
+        with self.lock:
+            old = self.pages.pop(entry, None)
+            if old is not None:
+                self.nbytes -= len(old)
+            while self.pages and self.nbytes + len(payload) > self.max_bytes:
+                _, gone = self.pages.popitem(last=False)
+                self.nbytes -= len(gone)
+                self.evicted_pages += 1
+            self.pages[entry] = payload
+            self.nbytes += len(payload)
+            return True
+
+    def get(self, entry: _Entry) -> bytes | None:
+        with self.lock:
+            payload = self.pages.get(entry)
+            if payload is not None:
+                self.pages.move_to_end(entry)
+            return payload
+
+    def has(self, entry: _Entry) -> bool:
+        with self.lock:
+            return entry in self.pages
+
+    def drop_namespace(self, digest: str) -> int:
+        with self.lock:
+            doomed = [e for e in self.pages if e[0] == digest]
+            for e in doomed:
+                self.nbytes -= len(self.pages.pop(e))
+            return len(doomed)
+
+
+class MemoryStorage(AsyncHiCacheStorage):
+    """In-process storage bounded by ``max_bytes`` with LRU eviction.
+
+    Options:
+        max_bytes: capacity of the medium in bytes (default 1 GiB).
+        store_id: share the medium with every other store of this process that names the same
+            id (default: a private medium).
+        namespace: override the namespace derived from the storage config.
+    """
+
+    backend_name = "memory"
+
+    def __init__(
+        self,
+        storage_config: HiCacheStorageConfig | None = None,
+        *,
+        max_bytes: int = 1 << 30,
+        store_id: str | None = None,
+        namespace: Namespace | dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__(storage_config, namespace=namespace)
+        if not isinstance(max_bytes, int) or max_bytes <= 0:
+            raise ConfigError(f"memory backend: max_bytes must be a positive integer, got {max_bytes!r}")
+        self.medium = MemoryMedium.shared(store_id, max_bytes) if store_id else MemoryMedium(max_bytes)
+
+    def _entry(self, page: PageKey) -> _Entry:
+        return (self.namespace.digest, page.key, page.pool)
+
+    async def _exists(self, pages: Sequence[PageKey]) -> list[bool]:
+        return [self.medium.has(self._entry(p)) for p in pages]
+
+    async def _read(self, pages: Sequence[PageKey], buffers: Sequence[memoryview]) -> list[bool]:
+        ok = []
+        for page, buf in zip(pages, buffers):
+            payload = self.medium.get(self._entry(page))
+            if payload is None or len(payload) != len(buf):
+                ok.append(False)
+                continue
+            buf[:] = payload
+            ok.append(True)
+        return ok
+
+    async def _write(
+        self, pages: Sequence[PageKey], buffers: Sequence[memoryview], parents: Sequence[PageKey | None]
+    ) -> list[bool]:
+        return [self.medium.put(self._entry(p), bytes(b)) for p, b in zip(pages, buffers)]
+
+    async def _read_bytes(self, page: PageKey) -> bytes | None:
+        return self.medium.get(self._entry(page))
+
+    async def _clear(self) -> None:
+        self.medium.drop_namespace(self.namespace.digest)
+
+    def _backend_stats(self) -> dict[str, Any]:
+        return {
+            "stored_pages": len(self.medium.pages),
+            "stored_bytes": self.medium.nbytes,
+            "max_bytes": self.medium.max_bytes,
+            "evicted_pages": self.medium.evicted_pages,
+        }

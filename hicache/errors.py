@@ -1,0 +1,62 @@
+"""The hicache exception tree.
+
+Every error hicache raises on purpose derives from :class:`HiCacheError` and, where one fits,
+from the built-in it resembles, so callers may catch either::
+
+    HiCacheError
+    ├── ConfigError (ValueError)            bad option, unknown key, value out of range
+    ├── BackendNotFoundError (LookupError)  no backend registered under that name
+    ├── BackendLoadError (ImportError)      a backend is registered but cannot be imported
+    ├── InvalidKeyError (ValueError)        a page key that can never be stored
+    ├── StorageStateError (RuntimeError)    storage used before open / after close
+    ├── LoopMisuseError (RuntimeError)      blocking facade called from inside an event loop
+    └── CacheClosedError (RuntimeError)     cache or controller used after aclose()
+
+A *miss* is never an exception: reads return ``None``/``False`` for pages that are absent,
+corrupt or unreachable, because in a cache a miss is the normal path.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "HiCacheError",
+    "ConfigError",
+    "BackendNotFoundError",
+    "BackendLoadError",
+    "InvalidKeyError",
+    "StorageStateError",
+    "LoopMisuseError",
+    "CacheClosedError",
+]
+
+
+class HiCacheError(Exception):
+    """Base of every error raised by hicache on purpose."""
+
+
+class ConfigError(HiCacheError, ValueError):
+    """A configuration value or option is invalid; the message names it and what is allowed."""
+
+
+class BackendNotFoundError(HiCacheError, LookupError):
+    """No storage backend is registered under the requested name."""
+
+
+class BackendLoadError(HiCacheError, ImportError):
+    """A backend is registered but importing it failed (usually a missing extra)."""
+
+
+class InvalidKeyError(HiCacheError, ValueError):
+    """A page key that no backend may store (wrong type, empty, too long, NUL byte)."""
+
+
+class StorageStateError(HiCacheError, RuntimeError):
+    """A storage object was used in a state that does not allow it (for example after close)."""
+
+
+class LoopMisuseError(HiCacheError, RuntimeError):
+    """The blocking facade was called from a thread that runs an event loop."""
+
+
+class CacheClosedError(HiCacheError, RuntimeError):
+    """A cache, controller or facade was used after it was closed."""

@@ -1,0 +1,542 @@
+"""``AsyncHiCacheStorage``: the one async interface every storage backend implements.
+
+A backend implements five small coroutines over *pages* - ``(key, pool)`` pairs holding opaque
+bytes - and inherits the whole SGLang-compatible surface built on them: v2 batches with per-pool
+hit policies, v1 batches, and the v0 single-key calls. The split keeps semantics in one place:
+the hit policy, index validation, staging and counting are written once here, and a backend
+only moves bytes.
+
+Primitives (override in a backend)::
+
+    _exists(pages)                 -> list[bool]
+    _read(pages, buffers)          -> list[bool]     payload lands in buffers (exact size)
+    _write(pages, buffers, parents)-> list[bool]     parents: the page before each, or None
+    _read_bytes(page)              -> bytes | None   payload of unknown size (v0 ``get``)
+    _clear()                       -> None           this namespace only
+    _open(), _close(), _backend_stats()              optional
+
+Every primitive call is guarded: an exception inside a backend is logged, counted as
+``backend_errors`` and turned into misses/False. Nothing a backend raises reaches the caller's
+background tasks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import torch
+
+from hicache.errors import StorageStateError
+from hicache.keys import Namespace, validate_key, validate_keys
+from hicache.storage import pages as page_io
+from hicache.storage.hit_policy import leading_run, resolve_v2_hits
+from hicache.storage.stats import StorageStats
+from hicache.storage.types import (
+    HiCacheStorageConfig,
+    HiCacheStorageExtraInfo,
+    PageKey,
+    PoolName,
+    PoolTransfer,
+    PoolTransferResult,
+    pool_name_str,
+)
+
+__all__ = ["AsyncHiCacheStorage", "StorageState"]
+
+logger = logging.getLogger("hicache.storage")
+
+KV = PoolName.KV.value
+
+
+class StorageState(enum.Enum):
+    UNOPENED = "unopened"
+    OPEN = "open"
+    CLOSED = "closed"
+
+
+class AsyncHiCacheStorage(ABC):
+    """Async storage of KV pages; see the module docstring for what a backend implements.
+
+    Use as ``async with backend:`` or call :meth:`open`/:meth:`aclose`. Calls made before
+    ``open`` open the backend on first use; calls after ``aclose`` raise
+    :class:`~hicache.errors.StorageStateError`.
+    """
+
+    #: Name under which the backend is registered (informational).
+    backend_name: ClassVar[str] = "abstract"
+
+    def __init__(
+        self,
+        storage_config: HiCacheStorageConfig | None = None,
+        *,
+        namespace: Namespace | dict[str, Any] | None = None,
+    ) -> None:
+        self.storage_config = storage_config or HiCacheStorageConfig()
+        if isinstance(namespace, dict):
+            namespace = Namespace.from_dict(namespace)
+        self._namespace: Namespace = namespace or Namespace.from_storage_config(self.storage_config)
+        self.registered_pools: dict[str, Any] = {}
+        self.mem_pool_host: Any = None
+        self.stats = StorageStats()
+        self._state = StorageState.UNOPENED
+        self._open_lock: asyncio.Lock | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @property
+    def namespace(self) -> Namespace:
+        """The namespace this backend reads and writes (fixed once the backend is open)."""
+        return self._namespace
+
+    @property
+    def state(self) -> StorageState:
+        return self._state
+
+    async def open(self) -> None:
+        """Open the backend (idempotent). Backends do their set-up in :meth:`_open`."""
+        if self._state is StorageState.OPEN:
+            return
+        if self._state is StorageState.CLOSED:
+            raise StorageStateError(f"{type(self).__name__} is closed; create a new one")
+        if self._open_lock is None:
+            self._open_lock = asyncio.Lock()
+        async with self._open_lock:
+            if self._state is StorageState.UNOPENED:
+                await self._open()
+                self._state = StorageState.OPEN
+
+    async def aclose(self) -> None:
+        """Release everything the backend holds (idempotent)."""
+        if self._state is StorageState.CLOSED:
+            return
+        was_open = self._state is StorageState.OPEN
+        self._state = StorageState.CLOSED
+        if was_open:
+            try:
+                await self._close()
+            except Exception:  # noqa: BLE001 - closing must not raise into shutdown paths
+                logger.exception("%s: error while closing", type(self).__name__)
+
+    async def __aenter__(self) -> AsyncHiCacheStorage:
+        await self.open()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    async def _ensure_open(self) -> None:
+        if self._state is not StorageState.OPEN:
+            await self.open()
+
+    # ------------------------------------------------------------------ backend primitives
+
+    async def _open(self) -> None:  # noqa: B027 - optional hook
+        """Set up the medium (create folders, connect, start background tasks)."""
+
+    async def _close(self) -> None:  # noqa: B027 - optional hook
+        """Stop background work and release the medium."""
+
+    @abstractmethod
+    async def _exists(self, pages: Sequence[PageKey]) -> list[bool]:
+        """Whether each page is stored (a positive answer must be readable)."""
+
+    @abstractmethod
+    async def _read(self, pages: Sequence[PageKey], buffers: Sequence[memoryview]) -> list[bool]:
+        """Read each page's verified payload into its buffer; ``False`` for a miss."""
+
+    @abstractmethod
+    async def _write(
+        self,
+        pages: Sequence[PageKey],
+        buffers: Sequence[memoryview],
+        parents: Sequence[PageKey | None],
+    ) -> list[bool]:
+        """Store each buffer as the page's payload; ``False`` when not stored."""
+
+    @abstractmethod
+    async def _read_bytes(self, page: PageKey) -> bytes | None:
+        """The verified payload of one page whose size the caller does not know."""
+
+    @abstractmethod
+    async def _clear(self) -> None:
+        """Remove every page of this namespace (and nothing else)."""
+
+    def _backend_stats(self) -> dict[str, Any]:
+        """Backend-specific figures merged into :meth:`get_stats`."""
+        return {}
+
+    # ------------------------------------------------------------------ guarded calls
+
+    async def _guard(self, what: str, coro: Any, fallback: Any) -> Any:
+        try:
+            return await coro
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # noqa: BLE001 - see module docstring
+            self.stats.incr("backend_errors")
+            logger.exception("%s: %s failed; answering with misses", type(self).__name__, what)
+            return fallback
+
+    async def _exists_guarded(self, pages: Sequence[PageKey]) -> list[bool]:
+        if not pages:
+            return []
+        t0 = time.perf_counter()
+        flags = await self._guard("exists", self._exists(pages), [False] * len(pages))
+        flags = [bool(f) for f in flags]
+        self.stats.incr("exists_calls")
+        self.stats.incr("exists_keys", len(pages))
+        self.stats.incr("exists_hits", sum(flags))
+        self.stats.incr("exists_seconds", time.perf_counter() - t0)
+        return flags
+
+    async def _read_guarded(self, pages: Sequence[PageKey], buffers: Sequence[memoryview]) -> list[bool]:
+        if not pages:
+            return []
+        t0 = time.perf_counter()
+        ok = await self._guard("read", self._read(pages, buffers), [False] * len(pages))
+        ok = [bool(f) for f in ok]
+        hits = sum(ok)
+        self.stats.incr("read_pages", len(pages))
+        self.stats.incr("read_hits", hits)
+        self.stats.incr("read_misses", len(pages) - hits)
+        self.stats.incr("read_bytes", sum(len(b) for b, f in zip(buffers, ok) if f))
+        self.stats.incr("read_seconds", time.perf_counter() - t0)
+        return ok
+
+    async def _write_guarded(
+        self,
+        pages: Sequence[PageKey],
+        buffers: Sequence[memoryview],
+        parents: Sequence[PageKey | None],
+    ) -> list[bool]:
+        if not pages:
+            return []
+        t0 = time.perf_counter()
+        ok = await self._guard("write", self._write(pages, buffers, parents), [False] * len(pages))
+        ok = [bool(f) for f in ok]
+        done = sum(ok)
+        self.stats.incr("write_pages", len(pages))
+        self.stats.incr("write_ok", done)
+        self.stats.incr("write_failures", len(pages) - done)
+        self.stats.incr("write_bytes", sum(len(b) for b, f in zip(buffers, ok) if f))
+        self.stats.incr("write_seconds", time.perf_counter() - t0)
+        return ok
+
+    # ------------------------------------------------------------------ pools
+
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        """Register the KV host pool used by the v1 calls (and by v2 as pool ``kv``)."""
+        self.mem_pool_host = mem_pool_host
+        self.register_mem_host_pool_v2(mem_pool_host, PoolName.KV)
+
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: PoolName | str) -> None:
+        """Register the host pool that v2 transfers of ``host_pool_name`` read from/write to.
+
+        A pool that reports ``storage_signature()`` fills the namespace's unknown geometry; that
+        must happen before the backend opens, since the namespace decides where pages live.
+        """
+        name = pool_name_str(host_pool_name)
+        missing = [
+            m
+            for m in ("get_data_page", "get_dummy_flat_data_page", "set_from_flat_data_page")
+            if not callable(getattr(host_pool, m, None))
+        ]
+        if missing or not isinstance(getattr(host_pool, "page_size", None), int):
+            raise TypeError(
+                f"host pool for {name!r} does not follow the page protocol: missing "
+                f"{missing or ['page_size']}"
+            )
+        self.registered_pools[name] = host_pool
+        signature = getattr(host_pool, "storage_signature", None)
+        if name == KV and callable(signature):
+            refined = self._namespace.with_signature(signature())
+            if refined != self._namespace:
+                if self._state is not StorageState.UNOPENED:
+                    raise StorageStateError(
+                        "register host pools before the backend opens: the pool's geometry "
+                        "changes the namespace, and pages already live under the old one"
+                    )
+                self._namespace = refined
+
+    def _pool(self, name: str) -> Any:
+        pool = self.registered_pools.get(name)
+        if pool is None:
+            raise StorageStateError(
+                f"no host pool registered for pool {name!r}; call register_mem_host_pool_v2 "
+                f"(registered: {sorted(self.registered_pools)})"
+            )
+        return pool
+
+    # ------------------------------------------------------------------ v2
+
+    async def exists_pages(self, keys: Sequence[str], pool: PoolName | str = PoolName.KV) -> list[bool]:
+        """Whether each key's page of ``pool`` exists (one batched backend call)."""
+        keys = validate_keys(keys)
+        await self._ensure_open()
+        name = pool_name_str(pool)
+        return await self._exists_guarded([PageKey(k, name) for k in keys])
+
+    async def batch_exists_v2(
+        self,
+        keys: list[str],
+        pool_transfers: list[PoolTransfer] | None = None,
+        extra_info: HiCacheStorageExtraInfo | None = None,
+    ) -> PoolTransferResult:
+        """Usable prefix length in pages, honouring each extra pool's hit policy."""
+        keys = validate_keys(keys)
+        await self._ensure_open()
+        kv_flags = await self._exists_guarded([PageKey(k, KV) for k in keys])
+        kv_pages = leading_run(kv_flags)
+        extra = [t for t in (pool_transfers or ()) if pool_name_str(t.name) != KV]
+        pool_flags: dict[str, list[bool]] = {}
+        if kv_pages and extra:
+            names = list(dict.fromkeys(pool_name_str(t.name) for t in extra))
+            asked = [PageKey(k, n) for n in names for k in keys[:kv_pages]]
+            flags = await self._exists_guarded(asked)
+            for j, n in enumerate(names):
+                pool_flags[n] = flags[j * kv_pages : (j + 1) * kv_pages]
+        return resolve_v2_hits(kv_flags, pool_flags, extra)
+
+    async def batch_get_v2(
+        self,
+        transfers: list[PoolTransfer],
+        extra_info: HiCacheStorageExtraInfo | None = None,
+    ) -> dict[str, list[bool]]:
+        """Read each transfer's pages from storage into its host pool."""
+        await self._ensure_open()
+        results: dict[str, list[bool]] = {}
+        for transfer in transfers:
+            name = pool_name_str(transfer.name)
+            keys = validate_keys(transfer.keys or [])
+            results[name] = await self._get_pool_pages(name, keys, transfer.host_indices)
+        return results
+
+    async def batch_set_v2(
+        self,
+        transfers: list[PoolTransfer],
+        extra_info: HiCacheStorageExtraInfo | None = None,
+    ) -> dict[str, list[bool]]:
+        """Write each transfer's pages from its host pool to storage."""
+        await self._ensure_open()
+        prefix = (extra_info.prefix_keys if extra_info is not None else None) or []
+        prefix = [k for k in prefix if isinstance(k, str) and k]
+        results: dict[str, list[bool]] = {}
+        for transfer in transfers:
+            name = pool_name_str(transfer.name)
+            keys = validate_keys(transfer.keys or [])
+            if name == KV:
+                chain = [prefix[-1] if prefix else None, *keys[:-1]]
+                parents = [PageKey(p, KV) if p else None for p in chain]
+            else:  # an extra pool's page lives and dies with the KV page of the same key
+                parents = [PageKey(k, KV) for k in keys]
+            results[name] = await self._set_pool_pages(name, keys, transfer.host_indices, parents)
+        return results
+
+    def _starts(self, name: str, keys: list[str], host_indices: torch.Tensor | None, op: str) -> tuple[Any, list[int] | None]:
+        pool = self._pool(name)
+        starts = page_io.page_starts(host_indices, len(keys), pool.page_size)
+        if starts is None:
+            self.stats.incr("invalid_requests")
+            got = host_indices.numel() if isinstance(host_indices, torch.Tensor) else None
+            logger.error(
+                "%s %s: pool %r expects %d host indices (%d keys x page %d), got %s",
+                type(self).__name__, op, name, len(keys) * pool.page_size, len(keys),
+                pool.page_size, got,
+            )
+        return pool, starts
+
+    async def _get_pool_pages(self, name: str, keys: list[str], host_indices: torch.Tensor | None) -> list[bool]:
+        pool, starts = self._starts(name, keys, host_indices, "get")
+        if not starts:
+            return [False] * len(keys)
+        if page_io.needs_thread(pool, starts):
+            targets = await asyncio.to_thread(page_io.read_targets, pool, starts)
+        else:
+            targets = page_io.read_targets(pool, starts)
+        live = [i for i, t in enumerate(targets) if t is not None]
+        ok = [False] * len(keys)
+        got = await self._read_guarded(
+            [PageKey(keys[i], name) for i in live], [targets[i].buffer for i in live]  # type: ignore[union-attr]
+        )
+        for i, flag in zip(live, got):
+            ok[i] = flag
+        if any(t is not None and t.staging is not None for t in targets):
+            ok = await asyncio.to_thread(page_io.commit_reads, pool, targets, ok)
+        return ok
+
+    async def _set_pool_pages(
+        self,
+        name: str,
+        keys: list[str],
+        host_indices: torch.Tensor | None,
+        parents: list[PageKey | None],
+    ) -> list[bool]:
+        pool, starts = self._starts(name, keys, host_indices, "set")
+        if not starts:
+            return [False] * len(keys)
+        if page_io.needs_thread(pool, starts):
+            sources = await asyncio.to_thread(page_io.write_sources, pool, starts)
+        else:
+            sources = page_io.write_sources(pool, starts)
+        live = [i for i, s in enumerate(sources) if s is not None]
+        ok = [False] * len(keys)
+        done = await self._write_guarded(
+            [PageKey(keys[i], name) for i in live],
+            [sources[i] for i in live],  # type: ignore[misc]
+            [parents[i] for i in live],
+        )
+        for i, flag in zip(live, done):
+            ok[i] = flag
+        return ok
+
+    # ------------------------------------------------------------------ v1
+
+    def _kv_pool_registered(self) -> None:
+        if KV not in self.registered_pools:
+            raise StorageStateError("the v1 calls need register_mem_pool_host(host_pool) first")
+
+    async def batch_get_v1(
+        self,
+        keys: list[str],
+        host_indices: torch.Tensor,
+        extra_info: HiCacheStorageExtraInfo | None = None,
+    ) -> list[bool]:
+        """Read KV pages into the registered host pool at ``host_indices``."""
+        self._kv_pool_registered()
+        result = await self.batch_get_v2([PoolTransfer(PoolName.KV, host_indices, keys=keys)], extra_info)
+        return result[KV]
+
+    async def batch_set_v1(
+        self,
+        keys: list[str],
+        host_indices: torch.Tensor,
+        extra_info: HiCacheStorageExtraInfo | None = None,
+    ) -> list[bool]:
+        """Write KV pages from the registered host pool at ``host_indices``."""
+        self._kv_pool_registered()
+        result = await self.batch_set_v2([PoolTransfer(PoolName.KV, host_indices, keys=keys)], extra_info)
+        return result[KV]
+
+    # ------------------------------------------------------------------ v0 (single keys, tensors)
+
+    async def get(
+        self,
+        key: str,
+        target_location: torch.Tensor | None = None,
+        target_sizes: Any = None,
+    ) -> torch.Tensor | None:
+        """The tensor stored under ``key``: read into ``target_location`` when given (its size
+        must match), else a new uint8 tensor. ``None`` on a miss."""
+        return (await self.batch_get([key], [target_location]))[0]
+
+    async def batch_get(
+        self,
+        keys: list[str],
+        target_locations: Sequence[torch.Tensor | None] | None = None,
+        target_sizes: Any = None,
+    ) -> list[torch.Tensor | None]:
+        keys = validate_keys(keys)
+        await self._ensure_open()
+        targets = list(target_locations) if target_locations is not None else [None] * len(keys)
+        if len(targets) != len(keys):
+            self.stats.incr("invalid_requests")
+            logger.error("batch_get: %d keys but %d target locations", len(keys), len(targets))
+            return [None] * len(keys)
+        out: list[torch.Tensor | None] = [None] * len(keys)
+        direct = [i for i, t in enumerate(targets) if t is not None]
+        bufs: list[memoryview] = []
+        stage: dict[int, torch.Tensor] = {}
+        for i in direct:
+            t = targets[i]
+            assert t is not None
+            if t.device.type == "cpu" and t.is_contiguous():
+                bufs.append(page_io.as_bytes(t))
+            else:
+                stage[i] = torch.empty(t.numel() * t.element_size(), dtype=torch.uint8)
+                bufs.append(page_io.as_bytes(stage[i]))
+        got = await self._read_guarded([PageKey(keys[i], KV) for i in direct], bufs)
+        for i, flag in zip(direct, got):
+            if flag:
+                t = targets[i]
+                assert t is not None
+                if i in stage:
+                    t.copy_(stage[i].view(t.dtype).view(t.shape))
+                out[i] = t
+        for i, t in enumerate(targets):
+            if t is None:
+                payload = await self._guard("read", self._read_bytes(PageKey(keys[i], KV)), None)
+                self.stats.incr("read_pages")
+                self.stats.incr("read_hits" if payload is not None else "read_misses")
+                if payload is not None:
+                    self.stats.incr("read_bytes", len(payload))
+                    out[i] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        return out
+
+    async def set(
+        self,
+        key: str,
+        value: torch.Tensor | None = None,
+        target_location: torch.Tensor | None = None,
+        target_sizes: Any = None,
+    ) -> bool:
+        """Store ``value`` (or ``target_location`` when no value is given) under ``key``."""
+        return await self.batch_set([key], [value if value is not None else target_location])
+
+    async def batch_set(
+        self,
+        keys: list[str],
+        values: Sequence[torch.Tensor | None] | None = None,
+        target_locations: Sequence[torch.Tensor | None] | None = None,
+        target_sizes: Any = None,
+    ) -> bool:
+        """Store each tensor under its key; True only if every one was stored."""
+        keys = validate_keys(keys)
+        await self._ensure_open()
+        vals = list(values if values is not None else (target_locations or []))
+        if len(vals) != len(keys) or any(not isinstance(v, torch.Tensor) for v in vals):
+            self.stats.incr("invalid_requests")
+            logger.error("batch_set: need one tensor per key (%d keys, %d values)", len(keys), len(vals))
+            return False
+        bufs = [page_io.as_bytes(v.detach().cpu().contiguous()) for v in vals]  # type: ignore[union-attr]
+        chain: list[PageKey | None] = [None, *(PageKey(k, KV) for k in keys[:-1])]
+        ok = await self._write_guarded([PageKey(k, KV) for k in keys], bufs, chain)
+        return all(ok)
+
+    async def exists(self, key: str) -> bool:
+        validate_key(key)
+        return (await self.exists_pages([key]))[0]
+
+    async def batch_exists(
+        self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> int:
+        """Number of consecutive existing keys from the start."""
+        return leading_run(await self.exists_pages(keys))
+
+    async def clear(self) -> bool:
+        """Remove every page of this namespace; other namespaces are untouched."""
+        await self._ensure_open()
+        try:
+            await self._clear()
+            return True
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # noqa: BLE001
+            self.stats.incr("backend_errors")
+            logger.exception("%s: clear failed", type(self).__name__)
+            return False
+
+    def get_stats(self) -> dict[str, Any]:
+        """Counters (see :class:`~hicache.storage.stats.StorageStats`) plus backend figures."""
+        out: dict[str, Any] = {"backend": self.backend_name, "namespace": self._namespace.digest}
+        out.update(self.stats.snapshot())
+        try:
+            out.update(self._backend_stats())
+        except Exception:  # noqa: BLE001
+            logger.exception("%s: stats failed", type(self).__name__)
+        return out

@@ -1,0 +1,146 @@
+"""Moving page bytes between host pools and storage buffers without extra copies.
+
+Host pools follow the page protocol (see ``docs/architecture.md``). When a pool offers a live
+contiguous view of a page (``page_view``), storage reads straight into it and writes straight
+from it. Otherwise reads land in a staging page that is committed with
+``set_from_flat_data_page`` only after the backend verified it, so a failed read never leaves
+garbage behind.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+__all__ = [
+    "HostPagePool",
+    "ReadTarget",
+    "as_bytes",
+    "page_nbytes",
+    "page_starts",
+    "read_targets",
+    "commit_reads",
+    "write_sources",
+]
+
+
+@runtime_checkable
+class HostPagePool(Protocol):
+    """The page protocol every host pool implements (SGLang's ``HostKVCache`` included)."""
+
+    page_size: int
+
+    def get_data_page(self, index: int, flat: bool = True) -> torch.Tensor: ...
+
+    def get_dummy_flat_data_page(self) -> torch.Tensor: ...
+
+    def set_from_flat_data_page(self, index: int, data_page: torch.Tensor) -> None: ...
+
+
+def as_bytes(tensor: torch.Tensor) -> memoryview:
+    """A writable byte view of a contiguous CPU tensor's memory (no copy)."""
+    if tensor.device.type != "cpu":
+        raise ValueError(f"storage I/O needs CPU tensors, got one on {tensor.device}")
+    if not tensor.is_contiguous():
+        raise ValueError("storage I/O needs a contiguous tensor")
+    flat = tensor.detach().reshape(-1)
+    if flat.dtype != torch.uint8:
+        flat = flat.view(torch.uint8)
+    return memoryview(flat.numpy()).cast("B")
+
+
+def page_nbytes(pool: Any) -> int:
+    """Bytes of one flat page of ``pool``."""
+    n = getattr(pool, "page_nbytes", None)
+    if isinstance(n, int) and n > 0:
+        return n
+    dummy = pool.get_dummy_flat_data_page()
+    return dummy.numel() * dummy.element_size()
+
+
+def page_starts(host_indices: torch.Tensor | None, num_keys: int, page_size: int) -> list[int] | None:
+    """First token index of each page, or ``None`` when indices and keys disagree in length."""
+    if host_indices is None or not isinstance(host_indices, torch.Tensor):
+        return None
+    if host_indices.numel() != num_keys * page_size:
+        return None
+    if num_keys == 0:
+        return []
+    return host_indices.reshape(-1)[::page_size].tolist()
+
+
+def _live_view(pool: Any, index: int) -> torch.Tensor | None:
+    view_fn = getattr(pool, "page_view", None)
+    if view_fn is None:
+        return None
+    view = view_fn(index)
+    if view is None or view.device.type != "cpu" or not view.is_contiguous():
+        return None
+    return view
+
+
+def write_sources(pool: Any, starts: Sequence[int]) -> list[memoryview | None]:
+    """Byte views of each page to write; ``None`` for a page the pool cannot produce."""
+    out: list[memoryview | None] = []
+    for index in starts:
+        try:
+            view = _live_view(pool, index)
+            if view is None:
+                page = pool.get_data_page(index, flat=True)
+                if page.device.type != "cpu":
+                    page = page.cpu()
+                view = page if page.is_contiguous() else page.contiguous()
+            out.append(as_bytes(view))
+        except Exception:  # noqa: BLE001 - a bad index is a failed page, not a failed batch
+            out.append(None)
+    return out
+
+
+@dataclass
+class ReadTarget:
+    """Where one page's payload goes: the pool's own memory, or a staging page to commit."""
+
+    index: int
+    buffer: memoryview
+    staging: torch.Tensor | None
+
+
+def read_targets(pool: Any, starts: Sequence[int]) -> list[ReadTarget | None]:
+    """One target per page; ``None`` for an index the pool rejects."""
+    out: list[ReadTarget | None] = []
+    for index in starts:
+        try:
+            view = _live_view(pool, index)
+            if view is not None:
+                out.append(ReadTarget(index, as_bytes(view), None))
+                continue
+            staging = pool.get_dummy_flat_data_page()
+            if staging.device.type != "cpu" or not staging.is_contiguous():
+                staging = torch.empty(staging.shape, dtype=staging.dtype)
+            out.append(ReadTarget(index, as_bytes(staging), staging))
+        except Exception:  # noqa: BLE001
+            out.append(None)
+    return out
+
+
+def commit_reads(pool: Any, targets: Sequence[ReadTarget | None], ok: list[bool]) -> list[bool]:
+    """Copy verified staging pages into the pool; returns the final per-page success."""
+    for i, target in enumerate(targets):
+        if target is None or not ok[i] or target.staging is None:
+            continue
+        try:
+            pool.set_from_flat_data_page(target.index, target.staging)
+        except Exception:  # noqa: BLE001
+            ok[i] = False
+    return ok
+
+
+def needs_thread(pool: Any, starts: Sequence[int]) -> bool:
+    """Whether page access on ``pool`` copies tensors (then it belongs off the event loop)."""
+    try:
+        return not starts or _live_view(pool, starts[0]) is None
+    except Exception:  # noqa: BLE001
+        return True

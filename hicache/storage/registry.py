@@ -1,0 +1,169 @@
+"""Finding storage backends through the ``hicache.backends`` entry-point group.
+
+Discovery reads entry-point metadata without importing anything; a backend is imported on first
+use. Our own backends are registered exactly like a third-party plugin::
+
+    [project.entry-points."hicache.backends"]
+    mybackend = "my_package.module:MyStorage"
+
+``register_backend`` adds one at run time (for applications that do not install a package).
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import logging
+import threading
+from importlib.metadata import EntryPoint, entry_points
+from typing import Any
+
+from hicache.errors import BackendLoadError, BackendNotFoundError, ConfigError
+from hicache.storage.base import AsyncHiCacheStorage
+from hicache.storage.sync import HiCacheStorage
+from hicache.storage.types import HiCacheStorageConfig
+
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "available_backends",
+    "backend_class",
+    "backend_options",
+    "create_async_storage",
+    "create_storage",
+    "refresh_backends",
+    "register_backend",
+]
+
+ENTRY_POINT_GROUP = "hicache.backends"
+logger = logging.getLogger("hicache.storage")
+
+_lock = threading.Lock()
+_discovered: dict[str, EntryPoint] | None = None
+_runtime: dict[str, type[AsyncHiCacheStorage] | str] = {}
+_loaded: dict[str, type[AsyncHiCacheStorage]] = {}
+_EXTRA_HINT = {"s3": "s3", "fsspec": "s3"}
+
+
+def _discover() -> dict[str, EntryPoint]:
+    global _discovered
+    with _lock:
+        if _discovered is None:
+            found: dict[str, EntryPoint] = {}
+            for ep in entry_points(group=ENTRY_POINT_GROUP):
+                if ep.name in found and found[ep.name].value != ep.value:
+                    logger.warning(
+                        "two distributions register backend %r (%s and %s); using the first",
+                        ep.name, found[ep.name].value, ep.value,
+                    )
+                    continue
+                found[ep.name] = ep
+            _discovered = found
+        return _discovered
+
+
+def refresh_backends() -> None:
+    """Forget what was discovered and loaded (after installing a plugin at run time)."""
+    global _discovered
+    with _lock:
+        _discovered = None
+        _loaded.clear()
+
+
+def available_backends() -> list[str]:
+    """Names of every registered backend, installed plugins included."""
+    return sorted(set(_discover()) | set(_runtime))
+
+
+def register_backend(name: str, target: type[AsyncHiCacheStorage] | str) -> None:
+    """Register a backend class (or ``"module:Class"``) under ``name`` for this process."""
+    _runtime[name] = target
+    _loaded.pop(name, None)
+
+
+def _import_target(name: str, value: str) -> Any:
+    module_name, _, attr = value.partition(":")
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ImportError as exc:
+        hint = _EXTRA_HINT.get(name)
+        extra = f" (pip install 'hicache[{hint}]')" if hint else ""
+        raise BackendLoadError(f"storage backend {name!r} could not be imported: {exc}{extra}") from exc
+    for part in filter(None, attr.split(".")):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError as exc:
+            raise BackendLoadError(f"storage backend {name!r}: {value} does not exist") from exc
+    return obj
+
+
+def backend_class(name: str) -> type[AsyncHiCacheStorage]:
+    """The class registered under ``name``, imported now if it was not yet."""
+    if name in _loaded:
+        return _loaded[name]
+    target: Any
+    if name in _runtime:
+        target = _runtime[name]
+        if isinstance(target, str):
+            target = _import_target(name, target)
+    else:
+        eps = _discover()
+        if name not in eps:
+            raise BackendNotFoundError(
+                f"no storage backend named {name!r}; available: {available_backends()} "
+                f"(plugins register in the {ENTRY_POINT_GROUP!r} entry-point group)"
+            )
+        target = _import_target(name, eps[name].value)
+    if not (isinstance(target, type) and issubclass(target, AsyncHiCacheStorage)):
+        raise BackendLoadError(
+            f"storage backend {name!r} is {target!r}, which is not an AsyncHiCacheStorage subclass"
+        )
+    _loaded[name] = target
+    return target
+
+
+def backend_options(name: str) -> dict[str, inspect.Parameter]:
+    """The keyword options a backend's constructor accepts."""
+    cls = backend_class(name)
+    params = inspect.signature(cls.__init__).parameters
+    return {
+        k: p
+        for k, p in params.items()
+        if k not in ("self", "storage_config") and p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)
+    }
+
+
+def create_async_storage(
+    name: str, storage_config: HiCacheStorageConfig | None = None, **options: Any
+) -> AsyncHiCacheStorage:
+    """Build the backend registered as ``name``; unknown or missing options are clear errors."""
+    cls = backend_class(name)
+    params = inspect.signature(cls.__init__).parameters
+    if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        allowed = backend_options(name)
+        unknown = sorted(set(options) - set(allowed))
+        if unknown:
+            raise ConfigError(
+                f"storage backend {name!r} has no option(s) {unknown}; allowed: {sorted(allowed)}"
+            )
+        missing = sorted(
+            k for k, p in allowed.items() if p.default is p.empty and k not in options
+        )
+        if missing:
+            raise ConfigError(f"storage backend {name!r} needs option(s) {missing}")
+    try:
+        return cls(storage_config, **options)
+    except (TypeError, ValueError) as exc:
+        if isinstance(exc, ConfigError):
+            raise
+        raise ConfigError(f"storage backend {name!r}: {exc}") from exc
+
+
+def create_storage(
+    name: str,
+    storage_config: HiCacheStorageConfig | None = None,
+    *,
+    call_timeout: float | None = None,
+    **options: Any,
+) -> HiCacheStorage:
+    """Like :func:`create_async_storage`, wrapped in the blocking :class:`HiCacheStorage`."""
+    return HiCacheStorage(create_async_storage(name, storage_config, **options), call_timeout=call_timeout)

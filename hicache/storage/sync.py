@@ -1,0 +1,181 @@
+"""``HiCacheStorage``: the blocking facade, with exactly SGLang's method names and signatures.
+
+For callers without an event loop (SGLang's storage threads, scripts). The async backend runs on
+a private event loop in a daemon thread owned by the facade; each call is submitted there and
+waited for. Calling the facade from a thread that already runs an event loop would block that
+loop, so it raises :class:`~hicache.errors.LoopMisuseError` pointing at the async interface.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import weakref
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+import torch
+
+from hicache.errors import LoopMisuseError, StorageStateError
+from hicache.storage.base import AsyncHiCacheStorage
+from hicache.storage.types import (
+    HiCacheStorageExtraInfo,
+    PoolName,
+    PoolTransfer,
+    PoolTransferResult,
+)
+
+__all__ = ["HiCacheStorage", "LoopThread"]
+
+T = TypeVar("T")
+
+
+class LoopThread:
+    """An event loop running forever in a daemon thread, for blocking callers."""
+
+    def __init__(self, name: str = "hicache-storage-loop") -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+
+    def call(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            pass
+        else:
+            coro.close()
+            raise LoopMisuseError(
+                "HiCacheStorage (the blocking facade) was called from inside a running event "
+                "loop, which it would block; await the AsyncHiCacheStorage methods instead "
+                "(create_async_storage(...))"
+            )
+        if not self._thread.is_alive():
+            coro.close()
+            raise StorageStateError("the storage loop thread is stopped (facade closed)")
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def stop(self) -> None:
+        if self._thread.is_alive():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(timeout=10)
+        if not self.loop.is_running() and not self.loop.is_closed():
+            self.loop.close()
+
+
+def _stop_loop(loop_thread: LoopThread) -> None:
+    loop_thread.stop()
+
+
+class HiCacheStorage:
+    """Blocking view of an :class:`AsyncHiCacheStorage` (SGLang's ``HiCacheStorage`` surface)."""
+
+    def __init__(self, backend: AsyncHiCacheStorage, *, call_timeout: float | None = None) -> None:
+        self.backend = backend
+        self.call_timeout = call_timeout
+        self._loop_thread = LoopThread()
+        self._finalizer = weakref.finalize(self, _stop_loop, self._loop_thread)
+        self._closed = False
+
+    def _call(self, coro: Coroutine[Any, Any, T]) -> T:
+        if self._closed:
+            coro.close()
+            raise StorageStateError("HiCacheStorage is closed")
+        return self._loop_thread.call(coro, self.call_timeout)
+
+    # lifecycle
+    def close(self) -> None:
+        """Close the backend and stop the private loop (idempotent)."""
+        if self._closed:
+            return
+        try:
+            self._loop_thread.call(self.backend.aclose(), self.call_timeout)
+        finally:
+            self._closed = True
+            self._finalizer()
+
+    def __enter__(self) -> HiCacheStorage:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # pools
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        self.backend.register_mem_pool_host(mem_pool_host)
+
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: PoolName | str) -> None:
+        self.backend.register_mem_host_pool_v2(host_pool, host_pool_name)
+
+    @property
+    def registered_pools(self) -> dict[str, Any]:
+        return self.backend.registered_pools
+
+    # v2
+    def batch_exists_v2(
+        self,
+        keys: list[str],
+        pool_transfers: list[PoolTransfer] | None = None,
+        extra_info: HiCacheStorageExtraInfo | None = None,
+    ) -> PoolTransferResult:
+        return self._call(self.backend.batch_exists_v2(keys, pool_transfers, extra_info))
+
+    def batch_get_v2(
+        self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> dict[str, list[bool]]:
+        return self._call(self.backend.batch_get_v2(transfers, extra_info))
+
+    def batch_set_v2(
+        self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> dict[str, list[bool]]:
+        return self._call(self.backend.batch_set_v2(transfers, extra_info))
+
+    # v1
+    def batch_get_v1(
+        self, keys: list[str], host_indices: torch.Tensor, extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> list[bool]:
+        return self._call(self.backend.batch_get_v1(keys, host_indices, extra_info))
+
+    def batch_set_v1(
+        self, keys: list[str], host_indices: torch.Tensor, extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> list[bool]:
+        return self._call(self.backend.batch_set_v1(keys, host_indices, extra_info))
+
+    # v0
+    def get(self, key: str, target_location: Any | None = None, target_sizes: Any | None = None) -> torch.Tensor | None:
+        return self._call(self.backend.get(key, target_location, target_sizes))
+
+    def batch_get(
+        self, keys: list[str], target_locations: Any | None = None, target_sizes: Any | None = None
+    ) -> list[torch.Tensor | None]:
+        return self._call(self.backend.batch_get(keys, target_locations, target_sizes))
+
+    def set(
+        self, key: str, value: Any | None = None, target_location: Any | None = None, target_sizes: Any | None = None
+    ) -> bool:
+        return self._call(self.backend.set(key, value, target_location, target_sizes))
+
+    def batch_set(
+        self,
+        keys: list[str],
+        values: Any | None = None,
+        target_locations: Any | None = None,
+        target_sizes: Any | None = None,
+    ) -> bool:
+        return self._call(self.backend.batch_set(keys, values, target_locations, target_sizes))
+
+    def exists(self, key: str) -> bool:
+        return self._call(self.backend.exists(key))
+
+    def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
+        return self._call(self.backend.batch_exists(keys, extra_info))
+
+    def clear(self) -> bool:
+        return self._call(self.backend.clear())
+
+    def get_stats(self) -> dict[str, Any]:
+        return self.backend.get_stats()

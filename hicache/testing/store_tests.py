@@ -1,0 +1,464 @@
+"""``StoreTests``: the conformance suite every storage backend's tests subclass.
+
+Usage in a backend's test module::
+
+    class TestMyStore(StoreTests):
+        @pytest.fixture
+        def store_factory(self, tmp_path):
+            def make(namespace=None):
+                return MyStorage(None, root=tmp_path, namespace=namespace)
+            return make                     # unopened stores that share one medium
+
+        async def raw_payload(self, store, key, pool="kv"):
+            ...                             # payload bytes read from the medium directly
+
+Results are checked against the medium through ``raw_payload``, not only through the store.
+Tests are marked ``asyncio`` explicitly so the suite runs in strict and auto mode alike. To skip
+a test a medium cannot support, override it with ``pytest.mark.skip(reason=...)``, never with a
+body that passes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import pytest_asyncio
+import torch
+
+from hicache.errors import InvalidKeyError, LoopMisuseError, StorageStateError
+from hicache.keys import Namespace, page_hashes
+from hicache.storage import (
+    AsyncHiCacheStorage,
+    HiCacheStorage,
+    HiCacheStorageExtraInfo,
+    PoolHitPolicy,
+    PoolName,
+    PoolTransfer,
+    PoolTransferResult,
+)
+from hicache.testing.pools import ArrayHostPool
+
+__all__ = ["StoreTests", "reference_v2_hits"]
+
+PAGE = 4
+NS_A = Namespace(model="conformance/model-a", kv_dtype="float16", page_size=PAGE)
+NS_B = Namespace(model="conformance/model-b", kv_dtype="float16", page_size=PAGE)
+ODD_KEYS = [
+    "a/b/c",
+    "../../../../etc/passwd",
+    "..",
+    ".",
+    "/absolute/path",
+    "C:\\windows\\system32",
+    "spaces and\ttabs\nnewline",
+    "ünïcødé-键-🙂",
+    "x" * 1000,
+    "%2e%2e%2f",
+    "~",
+]
+BAD_KEYS: list[Any] = ["", "nul\x00byte", "y" * 1025, 42, None, b"bytes"]
+
+
+def keys_for(n: int, salt: int = 0) -> list[str]:
+    """``n`` chained page keys, like a real prefix."""
+    return page_hashes(list(range(salt * 1000, salt * 1000 + n * PAGE)), PAGE)
+
+
+def reference_v2_hits(
+    present: set[tuple[str, str]], keys: list[str], transfers: list[PoolTransfer]
+) -> PoolTransferResult:
+    """The v2 hit policy written the slow, obvious way, to check backends against."""
+    kv = 0
+    while kv < len(keys) and (keys[kv], "kv") in present:
+        kv += 1
+    hits = {"kv": kv} if kv else {}
+    final = kv
+    for t in transfers:
+        if final == 0:
+            break
+        name = t.name.value if isinstance(t.name, PoolName) else t.name
+        if t.hit_policy == PoolHitPolicy.ALL_PAGES:
+            b = 0
+            while b < kv and (keys[b], name) in present:
+                b += 1
+        else:
+            n = max(1, len(t.keys or ()))
+            b = 0
+            for p in range(kv, 0, -1):
+                if all((keys[i], name) in present for i in range(max(0, p - n), p)):
+                    b = p
+                    break
+        if b:
+            hits[name] = b
+        final = min(final, b)
+    return PoolTransferResult(final, hits)
+
+
+@pytest.mark.hicache_conformance
+class StoreTests:
+    """Conformance suite; see the module docstring for what a subclass supplies."""
+
+    # -- what a backend's test class supplies -------------------------------------------------
+
+    @pytest.fixture
+    def store_factory(self) -> Callable[..., AsyncHiCacheStorage]:
+        raise NotImplementedError("subclass StoreTests and define the store_factory fixture")
+
+    async def raw_payload(self, store: AsyncHiCacheStorage, key: str, pool: str = "kv") -> bytes | None:
+        raise NotImplementedError("subclass StoreTests and define raw_payload")
+
+    # -- fixtures ------------------------------------------------------------------------------
+
+    @pytest_asyncio.fixture
+    async def store(self, store_factory: Callable[..., AsyncHiCacheStorage]):
+        s = store_factory(namespace=NS_A)
+        await s.open()
+        try:
+            yield s
+        finally:
+            await s.aclose()
+
+    @staticmethod
+    def pools(store: AsyncHiCacheStorage, direct: bool = True) -> tuple[ArrayHostPool, ArrayHostPool]:
+        """A source pool full of data and an empty destination pool, both registered as KV."""
+        src = ArrayHostPool(16, PAGE, direct=direct)
+        src.fill_random(1)
+        dst = ArrayHostPool(16, PAGE, direct=direct)
+        store.register_mem_pool_host(src)
+        return src, dst
+
+    async def _put(self, store: AsyncHiCacheStorage, pool: ArrayHostPool, keys: list[str], first_page: int = 0, name: str = "kv") -> dict[str, list[bool]]:
+        store.register_mem_host_pool_v2(pool, name)
+        t = PoolTransfer(name, host_indices=pool.indices(first_page, len(keys)), keys=keys)
+        return await store.batch_set_v2([t])
+
+    # -- v2 round trips --------------------------------------------------------------------------
+
+    @pytest.mark.asyncio
+    @pytest.mark.parametrize("direct", [True, False], ids=["direct", "staged"])
+    async def test_v2_round_trip_checked_against_medium(self, store: AsyncHiCacheStorage, direct: bool) -> None:
+        src, dst = self.pools(store, direct)
+        keys = keys_for(5)
+        assert (await self._put(store, src, keys, first_page=2))["kv"] == [True] * 5
+        for i, k in enumerate(keys):
+            assert await self.raw_payload(store, k) == src.page_bytes((2 + i) * PAGE)
+        store.register_mem_host_pool_v2(dst, "kv")
+        got = await store.batch_get_v2([PoolTransfer("kv", host_indices=dst.indices(7, 5), keys=keys)])
+        assert got == {"kv": [True] * 5}
+        for i in range(5):
+            assert dst.page_bytes((7 + i) * PAGE) == src.page_bytes((2 + i) * PAGE)
+        # untouched pages keep their zeros
+        assert dst.page_bytes(0) == bytes(src.page_nbytes)
+
+    @pytest.mark.asyncio
+    async def test_v2_extra_pool_round_trip(self, store: AsyncHiCacheStorage) -> None:
+        kv_src, kv_dst = self.pools(store)
+        mamba_src = ArrayHostPool(8, 1, token_elems=32, dtype=torch.float32)
+        mamba_src.fill_random(7)
+        mamba_dst = ArrayHostPool(8, 1, token_elems=32, dtype=torch.float32)
+        keys = keys_for(3)
+        store.register_mem_host_pool_v2(mamba_src, PoolName.MAMBA)
+        res = await store.batch_set_v2(
+            [
+                PoolTransfer(PoolName.KV, host_indices=kv_src.indices(0, 3), keys=keys),
+                PoolTransfer(PoolName.MAMBA, host_indices=torch.tensor([5]), keys=keys[-1:],
+                             hit_policy=PoolHitPolicy.TRAILING_PAGES),
+            ]
+        )
+        assert res == {"kv": [True] * 3, "mamba": [True]}
+        assert await self.raw_payload(store, keys[-1], "mamba") == mamba_src.page_bytes(5)
+        assert await self.raw_payload(store, keys[0], "mamba") is None
+        store.register_mem_host_pool_v2(kv_dst, PoolName.KV)
+        store.register_mem_host_pool_v2(mamba_dst, PoolName.MAMBA)
+        hit = await store.batch_exists_v2(
+            keys, [PoolTransfer(PoolName.MAMBA, keys=keys[-1:], hit_policy=PoolHitPolicy.TRAILING_PAGES)]
+        )
+        assert (hit.kv_hit_pages, hit.extra_pool_hit_pages) == (3, {"kv": 3, "mamba": 3})
+        got = await store.batch_get_v2(
+            [
+                PoolTransfer(PoolName.KV, host_indices=kv_dst.indices(0, 3), keys=keys),
+                PoolTransfer(PoolName.MAMBA, host_indices=torch.tensor([2]), keys=keys[-1:]),
+            ]
+        )
+        assert got == {"kv": [True] * 3, "mamba": [True]}
+        assert mamba_dst.page_bytes(2) == mamba_src.page_bytes(5)
+
+    @pytest.mark.asyncio
+    async def test_v1_round_trip(self, store: AsyncHiCacheStorage) -> None:
+        src, dst = self.pools(store)
+        keys = keys_for(4, salt=3)
+        assert await store.batch_set_v1(keys, src.indices(0, 4)) == [True] * 4
+        store.register_mem_pool_host(dst)
+        assert await store.batch_get_v1(keys, dst.indices(4, 4)) == [True] * 4
+        for i in range(4):
+            assert dst.page_bytes((4 + i) * PAGE) == src.page_bytes(i * PAGE)
+
+    # -- v0 --------------------------------------------------------------------------------------
+
+    @pytest.mark.asyncio
+    async def test_v0_get_set_exists(self, store: AsyncHiCacheStorage) -> None:
+        value = torch.randn(3, 5, generator=torch.Generator().manual_seed(3))
+        assert await store.set("v0-key", value)
+        assert await store.exists("v0-key")
+        assert not await store.exists("v0-other")
+        assert await self.raw_payload(store, "v0-key") == value.numpy().tobytes()
+        into = torch.empty(3, 5)
+        got = await store.get("v0-key", into)
+        assert got is into and torch.equal(into, value)
+        strided = torch.empty(5, 3).t()  # non-contiguous target goes through a staging copy
+        got = await store.get("v0-key", strided)
+        assert got is strided and torch.equal(strided, value)
+        raw = await store.get("v0-key")
+        assert raw is not None and raw.dtype == torch.uint8
+        assert bytes(raw.numpy()) == value.numpy().tobytes()
+        assert await store.get("v0-missing") is None
+        assert await store.get("v0-missing", torch.empty(3, 5)) is None
+        assert await store.get("v0-key", torch.empty(2)) is None  # wrong size is a miss
+
+    @pytest.mark.asyncio
+    async def test_v0_batches(self, store: AsyncHiCacheStorage) -> None:
+        keys = keys_for(3, salt=9)
+        vals = [torch.full((8,), float(i)) for i in range(3)]
+        assert await store.batch_set(keys, vals)
+        assert await store.batch_exists(keys + ["nope"]) == 3
+        assert await store.batch_exists(["nope"] + keys) == 0
+        got = await store.batch_get(keys + ["nope"], [torch.empty(8) for _ in range(4)])
+        assert [g is not None for g in got] == [True, True, True, False]
+        assert all(torch.equal(g, v) for g, v in zip(got, vals))
+        assert not await store.batch_set(keys, vals[:2])  # mismatched lengths: False, no raise
+
+    # -- hit policies ---------------------------------------------------------------------------
+
+    @pytest.mark.asyncio
+    async def test_hit_policies_every_combination(self, store: AsyncHiCacheStorage) -> None:
+        n = 4
+        src, _ = self.pools(store)
+        extra = ArrayHostPool(16, PAGE, direct=True)
+        extra.fill_random(5)
+        store.register_mem_host_pool_v2(extra, "indexer")
+        store.register_mem_host_pool_v2(extra, "mamba")
+        # Every subset of missing KV pages x missing indexer pages x missing mamba pages would be
+        # 2^12 writes; instead enumerate all 2^4 KV patterns against all 2^4 extra patterns
+        # for each policy, on distinct key sets in one store.
+        scenarios = list(itertools.product(range(1 << n), range(1 << n)))
+        for case, (kv_mask, ex_mask) in enumerate(scenarios):
+            keys = keys_for(n, salt=100 + case)
+            kv_keys = [k for i, k in enumerate(keys) if kv_mask >> i & 1]
+            kv_idx = [i for i in range(n) if kv_mask >> i & 1]
+            ex_keys = [k for i, k in enumerate(keys) if ex_mask >> i & 1]
+            ex_idx = [i for i in range(n) if ex_mask >> i & 1]
+            transfers = []
+            if kv_keys:
+                transfers.append(PoolTransfer("kv", host_indices=torch.cat([src.indices(i, 1) for i in kv_idx]), keys=kv_keys))
+            if ex_keys:
+                idx = torch.cat([extra.indices(i, 1) for i in ex_idx])
+                transfers.append(PoolTransfer("indexer", host_indices=idx, keys=ex_keys))
+                transfers.append(PoolTransfer("mamba", host_indices=idx, keys=ex_keys))
+            res = await store.batch_set_v2(transfers)
+            assert all(all(v) for v in res.values())
+            present = {(k, "kv") for k in kv_keys} | {(k, p) for k in ex_keys for p in ("indexer", "mamba")}
+            for policy_set in (
+                [],
+                [PoolTransfer("indexer", keys=keys, hit_policy=PoolHitPolicy.ALL_PAGES)],
+                [PoolTransfer("mamba", keys=keys[-1:], hit_policy=PoolHitPolicy.TRAILING_PAGES)],
+                [PoolTransfer("mamba", keys=keys[-2:], hit_policy=PoolHitPolicy.TRAILING_PAGES)],
+                [
+                    PoolTransfer("indexer", keys=keys, hit_policy=PoolHitPolicy.ALL_PAGES),
+                    PoolTransfer("mamba", keys=keys[-1:], hit_policy=PoolHitPolicy.TRAILING_PAGES),
+                ],
+            ):
+                got = await store.batch_exists_v2(keys, policy_set)
+                want = reference_v2_hits(present, keys, policy_set)
+                assert (got.kv_hit_pages, got.extra_pool_hit_pages) == (
+                    want.kv_hit_pages,
+                    want.extra_pool_hit_pages,
+                ), (kv_mask, ex_mask, policy_set)
+
+    # -- partial, empty and malformed batches -------------------------------------------------
+
+    @pytest.mark.asyncio
+    async def test_partial_batch_reports_per_page(self, store: AsyncHiCacheStorage) -> None:
+        src, dst = self.pools(store)
+        keys = keys_for(6, salt=7)
+        await self._put(store, src, [keys[0], keys[2], keys[5]])
+        store.register_mem_host_pool_v2(dst, "kv")
+        got = await store.batch_get_v2([PoolTransfer("kv", host_indices=dst.indices(0, 6), keys=keys)])
+        assert got["kv"] == [True, False, True, False, False, True]
+        assert await store.exists_pages(keys) == got["kv"]
+        assert dst.page_bytes(0) == src.page_bytes(0)
+        assert dst.page_bytes(2 * PAGE) == src.page_bytes(1 * PAGE)
+
+    @pytest.mark.asyncio
+    async def test_empty_batches(self, store: AsyncHiCacheStorage) -> None:
+        src, _ = self.pools(store)
+        empty = torch.empty(0, dtype=torch.int64)
+        assert await store.batch_set_v2([PoolTransfer("kv", host_indices=empty, keys=[])]) == {"kv": []}
+        assert await store.batch_get_v2([PoolTransfer("kv", host_indices=empty, keys=[])]) == {"kv": []}
+        assert await store.batch_get_v2([]) == {}
+        res = await store.batch_exists_v2([])
+        assert (res.kv_hit_pages, res.extra_pool_hit_pages) == (0, {})
+        assert await store.batch_exists([]) == 0
+        assert await store.batch_get_v1([], empty) == []
+        assert await store.batch_set([], []) is True
+        assert await store.batch_get([]) == []
+
+    @pytest.mark.asyncio
+    async def test_mismatched_lengths_fail_cleanly(self, store: AsyncHiCacheStorage) -> None:
+        src, _ = self.pools(store)
+        keys = keys_for(3, salt=11)
+        before = store.get_stats().get("invalid_requests", 0)
+        bad = [src.indices(0, 2), src.indices(0, 3)[:-1], None, torch.arange(13)]
+        for idx in bad:
+            assert await store.batch_set_v2([PoolTransfer("kv", host_indices=idx, keys=keys)]) == {"kv": [False] * 3}
+            assert await store.batch_get_v2([PoolTransfer("kv", host_indices=idx, keys=keys)]) == {"kv": [False] * 3}
+        assert store.get_stats()["invalid_requests"] == before + 2 * len(bad)
+        assert await store.exists_pages(keys) == [False] * 3
+        # an index outside the pool fails that page only
+        idx = torch.cat([src.indices(0, 1), torch.arange(10_000, 10_000 + PAGE), src.indices(2, 1)])
+        assert (await store.batch_set_v2([PoolTransfer("kv", host_indices=idx, keys=keys)]))["kv"] == [True, False, True]
+        with pytest.raises(StorageStateError, match="register"):
+            await store.batch_get_v2([PoolTransfer("unregistered", host_indices=src.indices(0, 1), keys=keys[:1])])
+
+    @pytest.mark.asyncio
+    async def test_odd_keys_round_trip(self, store: AsyncHiCacheStorage) -> None:
+        src, dst = self.pools(store)
+        keys = ODD_KEYS[:10]
+        assert (await self._put(store, src, keys))["kv"] == [True] * len(keys)
+        store.register_mem_host_pool_v2(dst, "kv")
+        assert (await store.batch_get_v2([PoolTransfer("kv", host_indices=dst.indices(0, 10), keys=keys)]))["kv"] == [True] * 10
+        for i, k in enumerate(keys):
+            assert await self.raw_payload(store, k) == src.page_bytes(i * PAGE)
+        assert await store.batch_exists(ODD_KEYS[10:]) == 0
+
+    @pytest.mark.asyncio
+    @pytest.mark.parametrize("bad", BAD_KEYS, ids=["empty", "nul", "too-long", "int", "none", "bytes"])
+    async def test_invalid_keys_are_clear_errors(self, store: AsyncHiCacheStorage, bad: Any) -> None:
+        src, _ = self.pools(store)
+        with pytest.raises(InvalidKeyError):
+            await store.exists(bad)
+        with pytest.raises(InvalidKeyError):
+            await store.batch_exists_v2(["ok", bad])
+        with pytest.raises(InvalidKeyError):
+            await store.batch_set_v2([PoolTransfer("kv", host_indices=src.indices(0, 1), keys=[bad])])
+
+    # -- concurrency, clear, namespaces, stats -------------------------------------------------
+
+    @pytest.mark.asyncio
+    async def test_concurrent_sets_of_one_key(self, store: AsyncHiCacheStorage) -> None:
+        values = [torch.full((4096,), float(i)) for i in range(12)]
+        results = await asyncio.gather(*(store.set("contended", v) for v in values))
+        assert all(results)
+        payload = await self.raw_payload(store, "contended")
+        assert payload in {v.numpy().tobytes() for v in values}
+        got = await store.get("contended", torch.empty(4096))
+        assert got is not None and any(torch.equal(got, v) for v in values)
+
+    @pytest.mark.asyncio
+    async def test_concurrent_batches_of_overlapping_keys(self, store: AsyncHiCacheStorage) -> None:
+        src, dst = self.pools(store)
+        keys = keys_for(6, salt=21)
+        res = await asyncio.gather(*(self._put(store, src, keys[i : i + 3], first_page=i) for i in range(4)))
+        assert all(all(r["kv"]) for r in res)
+        store.register_mem_host_pool_v2(dst, "kv")
+        got = await store.batch_get_v2([PoolTransfer("kv", host_indices=dst.indices(0, 6), keys=keys)])
+        assert got["kv"] == [True] * 6
+
+    @pytest.mark.asyncio
+    async def test_clear_removes_only_this_namespace(self, store: AsyncHiCacheStorage, store_factory: Callable[..., AsyncHiCacheStorage]) -> None:
+        other = store_factory(namespace=NS_B)
+        async with other:
+            src, _ = self.pools(store)
+            other.register_mem_pool_host(src)
+            keys = keys_for(3, salt=31)
+            await self._put(store, src, keys)
+            await self._put(other, src, keys, first_page=4)
+            assert await store.clear() is True
+            assert await store.exists_pages(keys) == [False] * 3
+            assert [await self.raw_payload(store, k) for k in keys] == [None] * 3
+            assert await other.exists_pages(keys) == [True] * 3
+            assert await self.raw_payload(other, keys[0]) == src.page_bytes(4 * PAGE)
+
+    @pytest.mark.asyncio
+    async def test_namespaces_never_read_each_other(self, store: AsyncHiCacheStorage, store_factory: Callable[..., AsyncHiCacheStorage]) -> None:
+        src, dst = self.pools(store)
+        keys = keys_for(2, salt=41)
+        await self._put(store, src, keys)
+        async with store_factory(namespace=NS_B) as other:
+            other.register_mem_pool_host(dst)
+            assert await other.exists_pages(keys) == [False, False]
+            assert (await other.batch_exists_v2(keys)).kv_hit_pages == 0
+            assert await other.batch_get_v1(keys, dst.indices(0, 2)) == [False, False]
+        async with store_factory(namespace=NS_A) as same:
+            same.register_mem_pool_host(dst)
+            assert await same.batch_get_v1(keys, dst.indices(0, 2)) == [True, True]
+
+    @pytest.mark.asyncio
+    async def test_stats_count_traffic(self, store: AsyncHiCacheStorage) -> None:
+        src, dst = self.pools(store)
+        keys = keys_for(2, salt=51)
+        await self._put(store, src, keys)
+        store.register_mem_host_pool_v2(dst, "kv")
+        await store.batch_get_v2([PoolTransfer("kv", host_indices=dst.indices(0, 3), keys=keys + ["missing"])])
+        s = store.get_stats()
+        assert s["write_ok"] >= 2 and s["write_bytes"] >= 2 * src.page_nbytes
+        assert s["read_hits"] >= 2 and s["read_misses"] >= 1
+        assert s["read_bytes"] >= 2 * src.page_nbytes
+        assert s["namespace"] == store.namespace.digest
+
+    @pytest.mark.asyncio
+    async def test_lifecycle(self, store_factory: Callable[..., AsyncHiCacheStorage]) -> None:
+        s = store_factory(namespace=NS_A)
+        assert await s.batch_exists(["lazy-open"]) == 0  # first use opens
+        await s.aclose()
+        await s.aclose()  # idempotent
+        with pytest.raises(StorageStateError):
+            await s.exists("after-close")
+
+    # -- the blocking facade ---------------------------------------------------------------------
+
+    def test_sync_facade(self, store_factory: Callable[..., AsyncHiCacheStorage]) -> None:
+        facade = HiCacheStorage(store_factory(namespace=NS_A))
+        try:
+            src = ArrayHostPool(8, PAGE)
+            src.fill_random(2)
+            dst = ArrayHostPool(8, PAGE)
+            facade.register_mem_pool_host(src)
+            keys = keys_for(3, salt=61)
+            assert facade.batch_set_v1(keys, src.indices(0, 3)) == [True] * 3
+            assert facade.batch_exists(keys) == 3
+            assert facade.batch_exists_v2(keys).kv_hit_pages == 3
+            facade.register_mem_pool_host(dst)
+            assert facade.batch_get_v1(keys, dst.indices(1, 3)) == [True] * 3
+            assert dst.page_bytes(PAGE) == src.page_bytes(0)
+            assert facade.set("s", torch.ones(4)) and facade.exists("s")
+            assert torch.equal(facade.get("s", torch.empty(4)), torch.ones(4))
+            assert facade.batch_get(["s", "t"], [torch.empty(4), torch.empty(4)])[1] is None
+            assert facade.batch_set(["t"], [torch.zeros(4)])
+            assert facade.get_stats()["write_ok"] >= 4
+            assert facade.clear() is True and not facade.exists("s")
+
+            async def inside_loop() -> None:
+                facade.exists("s")
+
+            with pytest.raises(LoopMisuseError, match="async"):
+                asyncio.run(inside_loop())
+        finally:
+            facade.close()
+            facade.close()
+        with pytest.raises(StorageStateError):
+            facade.exists("s")
+
+    @pytest.mark.asyncio
+    async def test_prefix_keys_extra_info_accepted(self, store: AsyncHiCacheStorage) -> None:
+        src, _ = self.pools(store)
+        keys = keys_for(4, salt=71)
+        await self._put(store, src, keys[:2])
+        store.register_mem_host_pool_v2(src, "kv")
+        info = HiCacheStorageExtraInfo(prefix_keys=keys[:2])
+        res = await store.batch_set_v2([PoolTransfer("kv", host_indices=src.indices(2, 2), keys=keys[2:])], info)
+        assert res == {"kv": [True, True]}
+        assert await store.batch_exists(keys) == 4
