@@ -1,0 +1,172 @@
+"""The ``hicache`` command line.
+
+Subcommands: ``demo`` (the main job), ``serve`` (the demo server), ``replay`` (trace replay),
+``bench`` (storage, s3 and copy benchmarks), ``inspect`` (a store's namespaces and integrity),
+``backends`` (what is installed). ``--json`` prints machine-readable output; otherwise a readable
+summary table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import runpy
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["main"]
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _table(data: dict[str, Any], indent: int = 0) -> str:
+    lines: list[str] = []
+    width = max((len(str(k)) for k in data), default=0)
+    for key, value in data.items():
+        if isinstance(value, dict):
+            lines.append(" " * indent + f"{key}:")
+            lines.append(_table(value, indent + 2))
+        else:
+            if isinstance(value, float):
+                value = f"{value:.4g}"
+            lines.append(" " * indent + f"{str(key).ljust(width)}  {value}")
+    return "\n".join(lines)
+
+
+def _emit(result: Any, as_json: bool) -> None:
+    if as_json or not isinstance(result, dict):
+        print(json.dumps(result, indent=2, default=str))
+    else:
+        print(_table(result))
+
+
+def _config_arg(p: argparse.ArgumentParser, default: str | None = "configs/default.toml") -> None:
+    p.add_argument("--config", "-c", default=default, help="config file (TOML/JSON/YAML); HICACHE__* env vars override")
+
+
+def _load(path: str | None):
+    from hicache.config import load_config
+
+    if path and not Path(path).exists() and (REPO / path).exists():
+        path = str(REPO / path)
+    return load_config(path)
+
+
+def _cmd_backends(args: argparse.Namespace) -> Any:
+    from hicache.storage.registry import available_backends, backend_options
+
+    out: dict[str, Any] = {}
+    for name in available_backends():
+        try:
+            out[name] = ", ".join(sorted(k for k in backend_options(name) if k != "namespace")) or "-"
+        except Exception as exc:  # noqa: BLE001 - report, keep listing
+            out[name] = f"unavailable: {exc}"
+    return out
+
+
+def _cmd_demo(args: argparse.Namespace) -> Any:
+    from hicache.demo import run_demo
+
+    return run_demo(_load(args.config), quick=args.quick)
+
+
+def _cmd_serve(args: argparse.Namespace) -> Any:
+    from hicache.server import serve
+
+    config = _load(args.config)
+    if args.port is not None:
+        config = config.model_copy(update={"server": config.server.model_copy(update={"port": args.port})})
+    serve(config)
+    return None
+
+
+def _cmd_replay(args: argparse.Namespace) -> Any:
+    from hicache.replay import run_replay
+
+    kwargs: dict[str, Any] = {"progress": not args.no_progress}
+    if args.limit is not None:
+        kwargs["limit"] = args.limit
+    return run_replay(args.config, args.trace, **kwargs)
+
+
+def _cmd_bench(args: argparse.Namespace) -> Any:
+    scripts = {"storage": "bench_storage.py", "s3": "bench_s3.py", "copy": "bench_copy.py"}
+    script = REPO / "scripts" / scripts[args.what]
+    if not script.exists():
+        raise SystemExit(f"benchmark script {script} not found (installed without the repo?)")
+    sys.argv = [str(script), *args.rest]
+    runpy.run_path(str(script), run_name="__main__")
+    return None
+
+
+def _cmd_inspect(args: argparse.Namespace) -> Any:
+    from hicache.inspect import inspect_store
+
+    return asyncio.run(inspect_store(args.root, verify=args.verify, sample=args.sample, progress=not args.json))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hicache", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--log-level", default="WARNING", help="logging level (DEBUG, INFO, ...)")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("demo", help="start the demo server, run a multi-turn chat workload, report hit rates and TTFT")
+    _config_arg(p)
+    p.add_argument("--quick", action="store_true", help="a shorter workload")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_cmd_demo)
+
+    p = sub.add_parser("serve", help="run the demo HTTP server")
+    _config_arg(p)
+    p.add_argument("--port", type=int, default=None)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_cmd_serve)
+
+    p = sub.add_parser("replay", help="replay a Mooncake-format trace through the real cache")
+    _config_arg(p, default="configs/replay-20pct.toml")
+    p.add_argument("--trace", default=None, help="trace file (default: ../shared/traces/...)")
+    p.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_cmd_replay)
+
+    p = sub.add_parser("bench", help="run a benchmark script (JSON output); extra args go to the script")
+    p.add_argument("what", choices=["storage", "s3", "copy"])
+    p.add_argument("rest", nargs=argparse.REMAINDER)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_cmd_bench)
+
+    p = sub.add_parser("inspect", help="a file store's namespaces, pages, bytes and integrity")
+    p.add_argument("root", help="the file backend's root folder")
+    p.add_argument("--verify", choices=["none", "sample", "all"], default="sample")
+    p.add_argument("--sample", type=int, default=256, help="pages to verify with --verify sample")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_cmd_inspect)
+
+    p = sub.add_parser("backends", help="list installed storage backends and their options")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_cmd_backends)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from hicache.errors import HiCacheError
+
+    try:
+        result = args.func(args)
+    except HiCacheError as exc:
+        print(f"hicache: error: {exc}", file=sys.stderr)
+        return 2
+    if result is not None:
+        _emit(result, getattr(args, "json", False))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

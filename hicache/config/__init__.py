@@ -1,0 +1,33 @@
+"""Config-driven deployment: the schema and its loader."""
+
+from hicache.config.loader import ENV_PREFIX, check_backend, config_from_dict, env_overrides, load_config
+from hicache.config.schema import (
+    CacheConfig,
+    DeviceConfig,
+    ExtraPoolConfig,
+    HiCacheConfig,
+    HostConfig,
+    ModelConfig,
+    PrefetchConfig,
+    ServerConfig,
+    SessionConfig,
+    StorageConfig,
+)
+
+__all__ = [
+    "CacheConfig",
+    "DeviceConfig",
+    "ENV_PREFIX",
+    "ExtraPoolConfig",
+    "HiCacheConfig",
+    "HostConfig",
+    "ModelConfig",
+    "PrefetchConfig",
+    "ServerConfig",
+    "SessionConfig",
+    "StorageConfig",
+    "check_backend",
+    "config_from_dict",
+    "env_overrides",
+    "load_config",
+]

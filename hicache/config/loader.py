@@ -1,0 +1,182 @@
+"""Loading a :class:`~hicache.config.schema.HiCacheConfig` from files, dicts and the environment.
+
+Layers, last wins: defaults, then the file (TOML, JSON or YAML by extension), then environment
+variables named ``HICACHE__<SECTION>__<FIELD>`` (double underscores separate levels, case does
+not matter, values are parsed as JSON when they parse, else taken as strings)::
+
+    HICACHE__DEVICE__PAGE_SIZE=64
+    HICACHE__STORAGE__BACKEND=s3
+    HICACHE__STORAGE__OPTIONS__URL=s3://bucket/prefix
+
+Every problem becomes one :class:`~hicache.errors.ConfigError` listing each bad field by its
+dotted path, with what was given and what is allowed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from hicache.config.schema import HiCacheConfig
+from hicache.errors import BackendLoadError, BackendNotFoundError, ConfigError
+
+__all__ = ["ENV_PREFIX", "load_config", "config_from_dict", "env_overrides", "check_backend"]
+
+ENV_PREFIX = "HICACHE__"
+
+
+def _read_file(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror or exc}") from exc
+    suffix = path.suffix.lower()
+    try:
+        if suffix == ".toml":
+            data = tomllib.loads(text)
+        elif suffix == ".json":
+            data = json.loads(text)
+        elif suffix in (".yaml", ".yml"):
+            data = yaml.safe_load(text) or {}
+        else:
+            raise ConfigError(f"config file {path}: unknown extension {suffix!r}; use .toml, .json, .yaml or .yml")
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError, yaml.YAMLError) as exc:
+        raise ConfigError(f"config file {path} is not valid {suffix[1:].upper()}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a table/object at the top level")
+    return data
+
+
+def _parse_env_value(raw: str) -> Any:
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError:
+        return raw
+
+
+def env_overrides(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The nested dict that ``HICACHE__...`` variables describe."""
+    environ = os.environ if environ is None else environ
+    out: dict[str, Any] = {}
+    for name, raw in environ.items():
+        if not name.upper().startswith(ENV_PREFIX):
+            continue
+        path = [p.lower() for p in name[len(ENV_PREFIX) :].split("__") if p]
+        if not path:
+            continue
+        node = out
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"environment variable {name} conflicts with another override")
+        node[path[-1]] = _parse_env_value(raw)
+    return out
+
+
+def _merge(base: dict[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in top.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+            out[key] = _merge(dict(out[key]), value)
+        else:
+            out[key] = value
+    return out
+
+
+def _format_errors(exc: ValidationError, source: str) -> str:
+    lines = [f"invalid configuration ({source}):"]
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"]) or "<top level>"
+        msg = err["msg"]
+        if err["type"] == "extra_forbidden":
+            parent = _allowed_fields(err["loc"][:-1])
+            msg = f"unknown key; allowed here: {', '.join(parent)}" if parent else "unknown key"
+        elif "input" in err and err["type"] not in ("missing",):
+            msg = f"{msg} (got {err['input']!r})"
+        lines.append(f"  - {loc}: {msg}")
+    return "\n".join(lines)
+
+
+def _allowed_fields(loc: tuple[Any, ...]) -> list[str]:
+    model: Any = HiCacheConfig
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        field = getattr(model, "model_fields", {}).get(part)
+        if field is None:
+            return []
+        ann = field.annotation
+        args = getattr(ann, "__args__", ())
+        model = next((a for a in (ann, *args) if hasattr(a, "model_fields")), None)
+        if model is None:
+            return []
+    return sorted(getattr(model, "model_fields", {}))
+
+
+def config_from_dict(data: Mapping[str, Any], *, source: str = "dict") -> HiCacheConfig:
+    """Validate a plain dict into a config (no environment layer)."""
+    try:
+        return HiCacheConfig.model_validate(dict(data))
+    except ValidationError as exc:
+        raise ConfigError(_format_errors(exc, source)) from None
+
+
+def load_config(
+    source: str | os.PathLike[str] | Mapping[str, Any] | HiCacheConfig | None = None,
+    *,
+    environ: Mapping[str, str] | None = None,
+    use_env: bool = True,
+    check: bool = True,
+) -> HiCacheConfig:
+    """Defaults <- file or dict <- ``HICACHE__*`` environment; validated.
+
+    With ``check`` the storage backend is also looked up and its options checked, so a missing
+    plugin or a misspelt option fails at start-up rather than at the first write.
+    """
+    if isinstance(source, HiCacheConfig):
+        data: dict[str, Any] = source.model_dump()
+        label = "config object"
+    elif isinstance(source, Mapping):
+        data, label = dict(source), "dict"
+    elif source is None:
+        data, label = {}, "defaults"
+    else:
+        path = Path(source)
+        data, label = _read_file(path), str(path)
+    if use_env:
+        env = env_overrides(environ)
+        if env:
+            data = _merge(data, env)
+            label += " + HICACHE__ environment"
+    config = config_from_dict(data, source=label)
+    if check:
+        check_backend(config)
+    return config
+
+
+def check_backend(config: HiCacheConfig) -> None:
+    """Fail early if the storage backend does not exist or its options are wrong."""
+    name = config.storage.backend
+    if not name:
+        return
+    from hicache.storage.registry import available_backends, backend_options
+
+    try:
+        allowed = backend_options(name)
+    except BackendNotFoundError as exc:
+        raise ConfigError(f"storage.backend: {exc}") from None
+    except BackendLoadError as exc:
+        raise ConfigError(f"storage.backend: {exc}") from None
+    unknown = sorted(set(config.storage.options) - set(allowed) - {"namespace"})
+    if unknown:
+        raise ConfigError(
+            f"storage.options: backend {name!r} has no option(s) {unknown}; allowed: "
+            f"{sorted(k for k in allowed if k != 'namespace')} (backends: {available_backends()})"
+        )

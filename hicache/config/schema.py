@@ -1,0 +1,158 @@
+"""The deployment configuration: every field, its default, and what values are allowed.
+
+One :class:`HiCacheConfig` describes a whole embedded cache: the model's KV geometry, the device
+pool, the host pool, the storage backend, the prefix cache and controller policies, streaming
+sessions, and the demo server. Files in ``configs/`` are instances of it (TOML, JSON or YAML).
+
+Unknown keys are errors (a typo must not silently fall back to a default), and messages name
+the field and the allowed values. Environment variables override any field, see
+:mod:`hicache.config.loader`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+__all__ = [
+    "CacheConfig",
+    "DeviceConfig",
+    "ExtraPoolConfig",
+    "HiCacheConfig",
+    "HostConfig",
+    "ModelConfig",
+    "PrefetchConfig",
+    "ServerConfig",
+    "SessionConfig",
+    "StorageConfig",
+]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+
+class ModelConfig(_Section):
+    """KV geometry of the served model; it decides the pools' shapes and the storage namespace."""
+
+    name: str = Field("hicache/tiny-gqa", description="Model id; part of the storage namespace.")
+    revision: str | None = Field(None, description="Model revision; part of the namespace.")
+    attention: Literal["mha", "mla"] = Field("mha", description="MHA/GQA keeps K and V; MLA one latent.")
+    num_layers: int = Field(4, gt=0, description="Transformer layers (one KV buffer each).")
+    num_kv_heads: int = Field(2, gt=0, description="KV heads per layer (MHA/GQA).")
+    head_dim: int = Field(32, gt=0, description="Dimension of one head (MHA/GQA).")
+    kv_lora_rank: int = Field(64, gt=0, description="MLA latent rank.")
+    qk_rope_head_dim: int = Field(16, gt=0, description="MLA rope dimension.")
+    kv_dtype: Literal["float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"] = Field(
+        "float32", description="Dtype of the KV pools; part of the namespace."
+    )
+
+
+class DeviceConfig(_Section):
+    """The L1 pool: KV slots on the accelerator (or on the CPU when there is none)."""
+
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="'auto' picks CUDA when present.")
+    size_tokens: int = Field(16384, gt=0, description="KV slots in the device pool.")
+    page_size: int = Field(16, gt=0, description="Tokens per page, on every tier.")
+    max_requests: int = Field(64, gt=0, description="Request slots (req_to_token rows).")
+    max_context_len: int = Field(8192, gt=0, description="Longest sequence a request slot holds.")
+
+    @model_validator(mode="after")
+    def _pages_fit(self) -> DeviceConfig:
+        if self.size_tokens % self.page_size:
+            raise ValueError(
+                f"device.size_tokens ({self.size_tokens}) must be a multiple of device.page_size ({self.page_size})"
+            )
+        return self
+
+
+class HostConfig(_Section):
+    """The L2 pool in host memory (pinned when CUDA is present)."""
+
+    enabled: bool = Field(True, description="Keep an L2 host tier.")
+    size_bytes: int | None = Field(None, gt=0, description="Host pool size in bytes (wins over ratio).")
+    ratio: float = Field(4.0, gt=0, description="Host pool size as a multiple of the device pool.")
+    layout: Literal["layer_first", "page_first", "page_first_direct"] = Field(
+        "page_first", description="Host memory layout; page_first lets storage I/O skip copies."
+    )
+    pin_memory: bool | None = Field(None, description="Pin host memory; default: when CUDA is present.")
+
+
+class StorageConfig(_Section):
+    """The L3 backend, found by name through the ``hicache.backends`` entry points."""
+
+    backend: str | None = Field("file", description="Backend name (file, s3, fsspec, memory, or a plugin); null disables L3.")
+    options: dict[str, Any] = Field(default_factory=dict, description="Keyword options of the backend.")
+    namespace_salt: str | None = Field(None, description="Tenant/LoRA salt: pages never mix across salts.")
+
+
+class PrefetchConfig(_Section):
+    """Storage -> host prefetch when a request arrives."""
+
+    policy: Literal["best_effort", "wait_complete", "timeout"] = Field("timeout")
+    threshold_tokens: int = Field(256, ge=0, description="Skip prefetches shorter than this.")
+    timeout_base_s: float = Field(2.0, ge=0)
+    timeout_per_ki_token_s: float = Field(0.1, ge=0)
+    timeout_max_s: float = Field(30.0, gt=0)
+    max_inflight_pages: int = Field(4096, gt=0, description="Rate limit on pages being fetched.")
+
+
+class CacheConfig(_Section):
+    """Prefix cache and controller policies."""
+
+    eviction_policy: Literal["lru", "lfu", "slru", "priority"] = Field("lru")
+    write_policy: Literal["write_through", "write_through_selective", "write_back"] = Field("write_through")
+    write_through_threshold: int = Field(2, gt=0, description="Hits before write_through_selective backs up.")
+    load_back_quota_tokens: int | None = Field(None, gt=0, description="Most tokens loaded back per request.")
+    backup_batch_pages: int = Field(64, gt=0, description="Pages per host->storage batch.")
+    queue_size: int = Field(1024, gt=0, description="Bound of every controller queue (backpressure).")
+    backup_retries: int = Field(3, ge=0)
+    prefetch: PrefetchConfig = Field(default_factory=PrefetchConfig)
+
+
+class SessionConfig(_Section):
+    """Streaming sessions kept between turns."""
+
+    enabled: bool = True
+    idle_timeout_s: float = Field(300.0, gt=0, description="Idle sessions are written back and released.")
+    writeback_on_release: bool = Field(True, description="Queue a session's KV to host before freeing it.")
+
+
+class ExtraPoolConfig(_Section):
+    """An extra state pool of a hybrid model (for example Mamba's recurrent state)."""
+
+    name: str = Field("mamba", description="Pool name used in storage (kv is reserved).")
+    state_shapes: dict[str, list[int]] = Field(default_factory=lambda: {"conv": [4, 64], "ssm": [8, 16]})
+    dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+    slots: int = Field(64, gt=0)
+    host_slots: int = Field(256, gt=0)
+    hit_policy: Literal["all_pages", "trailing_pages"] = "trailing_pages"
+
+    @model_validator(mode="after")
+    def _not_kv(self) -> ExtraPoolConfig:
+        if self.name == "kv":
+            raise ValueError("extra_pools[].name 'kv' is reserved for the KV pool")
+        return self
+
+
+class ServerConfig(_Section):
+    """The demo HTTP server."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(8471, ge=0, le=65535)
+    max_batch: int = Field(8, gt=0, description="Requests prefilled together.")
+    max_new_tokens: int = Field(16, gt=0)
+
+
+class HiCacheConfig(_Section):
+    """A whole deployment. Every section is optional and has working defaults."""
+
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    device: DeviceConfig = Field(default_factory=DeviceConfig)
+    host: HostConfig = Field(default_factory=HostConfig)
+    storage: StorageConfig = Field(default_factory=StorageConfig)
+    cache: CacheConfig = Field(default_factory=CacheConfig)
+    session: SessionConfig = Field(default_factory=SessionConfig)
+    extra_pools: list[ExtraPoolConfig] = Field(default_factory=list)
+    server: ServerConfig = Field(default_factory=ServerConfig)
