@@ -1,0 +1,104 @@
+"""Every shipped config loads; bad values, unknown keys and missing backends are actionable."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from hicache.config import HiCacheConfig, env_overrides, load_config
+from hicache.errors import ConfigError
+
+CONFIGS = sorted((Path(__file__).parents[2] / "configs").glob("*.toml"))
+
+
+def test_configs_exist() -> None:
+    names = {p.name for p in CONFIGS}
+    assert {"default.toml", "memory.toml", "s3.toml", "hybrid.toml"} <= names
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_every_config_file_loads(path: Path) -> None:
+    config = load_config(path, environ={}, check=path.name != "s3.toml" or _has_s3())
+    assert isinstance(config, HiCacheConfig)
+
+
+def _has_s3() -> bool:
+    try:
+        import s3fs  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def test_default_is_the_embedded_file_backend() -> None:
+    config = load_config(CONFIGS[0].parent / "default.toml", environ={}, check=False)
+    assert config.storage.backend == "file"
+
+
+def test_json_and_yaml_equivalents(tmp_path: Path) -> None:
+    data = {"device": {"page_size": 32, "size_tokens": 1024}, "storage": {"backend": "memory"}}
+    (tmp_path / "c.json").write_text(json.dumps(data))
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(data))
+    a = load_config(tmp_path / "c.json", environ={})
+    b = load_config(tmp_path / "c.yaml", environ={})
+    assert a == b and a.device.page_size == 32
+
+
+def test_bad_values_name_field_and_allowed() -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config({"cache": {"eviction_policy": "fifo"}, "device": {"page_size": -2}}, environ={}, check=False)
+    msg = str(info.value)
+    assert "cache.eviction_policy" in msg and "'lru'" in msg and "fifo" in msg
+    assert "device.page_size" in msg
+
+
+def test_unknown_keys_are_errors() -> None:
+    with pytest.raises(ConfigError, match=r"devise: unknown key; allowed here: .*device"):
+        load_config({"devise": {}}, environ={}, check=False)
+    with pytest.raises(ConfigError, match=r"host.layuot: unknown key; allowed here: .*layout"):
+        load_config({"host": {"layuot": "page_first"}}, environ={}, check=False)
+
+
+def test_cross_field_validation() -> None:
+    with pytest.raises(ConfigError, match="multiple of device.page_size"):
+        load_config({"device": {"size_tokens": 100, "page_size": 16}}, environ={}, check=False)
+    with pytest.raises(ConfigError, match="reserved"):
+        load_config({"extra_pools": [{"name": "kv"}]}, environ={}, check=False)
+
+
+def test_missing_backend_and_bad_options() -> None:
+    with pytest.raises(ConfigError, match=r"no storage backend named 'nope'; available: .*memory"):
+        load_config({"storage": {"backend": "nope"}}, environ={})
+    with pytest.raises(ConfigError, match=r"no option\(s\) \['bogus'\]"):
+        load_config({"storage": {"backend": "memory", "options": {"bogus": 1}}}, environ={})
+
+
+def test_environment_overrides() -> None:
+    env = {
+        "HICACHE__DEVICE__PAGE_SIZE": "64",
+        "HICACHE__STORAGE__BACKEND": "memory",
+        "HICACHE__STORAGE__OPTIONS__MAX_BYTES": "1024",
+        "HICACHE__CACHE__PREFETCH__POLICY": "best_effort",
+        "UNRELATED": "x",
+    }
+    assert env_overrides(env)["storage"]["options"] == {"max_bytes": 1024}
+    config = load_config({"device": {"page_size": 16}}, environ=env)
+    assert config.device.page_size == 64
+    assert config.storage.backend == "memory" and config.storage.options == {"max_bytes": 1024}
+    assert config.cache.prefetch.policy == "best_effort"
+    with pytest.raises(ConfigError, match="device.page_size"):
+        load_config(None, environ={"HICACHE__DEVICE__PAGE_SIZE": "many"}, check=False)
+
+
+def test_unreadable_and_malformed_files(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(tmp_path / "missing.toml", environ={})
+    (tmp_path / "bad.toml").write_text("[device\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(tmp_path / "bad.toml", environ={})
+    (tmp_path / "c.ini").write_text("")
+    with pytest.raises(ConfigError, match="unknown extension"):
+        load_config(tmp_path / "c.ini", environ={})
