@@ -1,0 +1,303 @@
+"""Moving pages between a device pool and its host pool, off the event loop.
+
+Backup (device -> host) copies all layers of a set of pages and completes as a whole. Load
+(host -> device) copies layer by layer and reports each layer through a
+:class:`~hicache.memory.layer_counter.LayerDoneCounter`, so attention of layer ``i`` waits for
+layer ``i`` only.
+
+Where copies run:
+
+* CPU: on one dedicated executor thread (torch releases the GIL while copying), never on the
+  event loop thread. One thread makes the engine a FIFO, like a CUDA stream: a load queued after
+  a backup sees the backup's result.
+* CUDA: on a dedicated stream that first waits for the caller's current stream (so KV written by
+  the forward pass is complete before it is backed up), with one event per loaded layer and
+  pinned host memory. Enqueueing and event waits happen on the executor thread too, because a
+  copy from a strided host view makes torch stage it synchronously.
+
+Cancelling ``await backup(...)`` does not abandon a half-done copy: the caller still waits for it
+to finish before the cancellation propagates, so it cannot free or reuse pages mid-copy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import threading
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+
+from hicache.errors import CacheClosedError
+from hicache.memory.device import IndexLike
+from hicache.memory.layer_counter import LayerDoneCounter
+from hicache.memory.transfer import TransferPlan, copy_units, copy_units_cuda, make_plan, widen_pair
+
+__all__ = ["CopyEngine", "LayerLoadHandle", "TransferPool"]
+
+
+class TransferPool(Protocol):
+    """What a pool offers the copy engine (KV pools, host pools and the Mamba pools do)."""
+
+    size: int
+
+    @property
+    def transfer_unit(self) -> int: ...
+
+    @property
+    def transfer_layer_num(self) -> int: ...
+
+    def transfer_views(self) -> list[torch.Tensor]: ...
+
+
+class LayerLoadHandle:
+    """A running load. ``counter`` reports layers; ``await wait()`` waits for all of them.
+
+    The device pages being loaded must not be read (beyond completed layers) or freed before the
+    handle is done; cancelling ``wait()`` does not stop the copy.
+    """
+
+    def __init__(
+        self,
+        counter: LayerDoneCounter,
+        future: concurrent.futures.Future[None] | None,
+        events: list[Any] | None = None,
+        enqueued: LayerDoneCounter | None = None,
+    ) -> None:
+        self.counter: LayerDoneCounter = counter
+        self.num_layers: int = counter.num_layers
+        self._future = future
+        self._events = events
+        self._enqueued = enqueued
+
+    async def wait(self) -> None:
+        """Until every layer is on the device (raises the copy's error, if any)."""
+        await self.counter.wait_all()
+
+    def wait_sync(self, timeout: float | None = None) -> None:
+        """Blocking :meth:`wait` for threads without an event loop."""
+        self.counter.wait_all_sync(timeout)
+
+    async def wait_layer(self, layer: int) -> None:
+        await self.counter.wait(layer)
+
+    def wait_layer_sync(self, layer: int, timeout: float | None = None) -> None:
+        self.counter.wait_sync(layer, timeout)
+
+    def done(self) -> bool:
+        """Whether the whole load finished (raises its error if it failed)."""
+        return self.counter.all_done()
+
+    def wait_on_stream(self, layer: int, stream: Any = None) -> None:
+        """Make ``stream`` (default: the current CUDA stream) wait for ``layer`` without blocking
+        the host, as SGLang's forward does. On CPU this is :meth:`wait_layer_sync`."""
+        if self._events is None or self._enqueued is None:
+            self.counter.wait_sync(layer)
+            return
+        self._enqueued.wait_sync(layer)  # an event waited on before it is recorded is a no-op
+        stream = stream if stream is not None else torch.cuda.current_stream()
+        stream.wait_event(self._events[layer])
+
+
+class CopyEngine:
+    """Copies between ``device_pool`` and ``host_pool`` (KV pools, or the Mamba state pools).
+
+    ``executor``: where copies (CPU) or event waits (CUDA) run; by default the engine owns a
+    one-thread executor and shuts it down in :meth:`close`. A shared executor is used as given
+    and never shut down here; give it one worker if FIFO order between operations matters.
+    """
+
+    def __init__(
+        self,
+        device_pool: TransferPool,
+        host_pool: TransferPool,
+        *,
+        executor: concurrent.futures.Executor | None = None,
+    ) -> None:
+        dev_views, host_views = device_pool.transfer_views(), host_pool.transfer_views()
+        if device_pool.transfer_unit != host_pool.transfer_unit:
+            raise ValueError(
+                f"page sizes differ: device {device_pool.transfer_unit}, host {host_pool.transfer_unit}"
+            )
+        dev_dtype, host_dtype = getattr(device_pool, "dtype", None), getattr(host_pool, "dtype", None)
+        if dev_dtype != host_dtype:
+            raise ValueError(f"dtypes differ: device {dev_dtype}, host {host_dtype}")
+        if len(dev_views) != len(host_views) or any(
+            d.shape[1:] != h.shape[1:] for d, h in zip(dev_views, host_views)
+        ):
+            raise ValueError(
+                "device and host pools have different geometry: "
+                f"{[tuple(d.shape[1:]) for d in dev_views]} vs {[tuple(h.shape[1:]) for h in host_views]}"
+            )
+        self.device_pool = device_pool
+        self.host_pool = host_pool
+        self.unit: int = device_pool.transfer_unit
+        self.num_layers: int = device_pool.transfer_layer_num
+        # (device, host) view pairs, widened once: all layers (backup) and per layer (load)
+        self._pairs: list[tuple[torch.Tensor, torch.Tensor]] = [
+            widen_pair(d, h) for d, h in zip(dev_views, host_views)
+        ]
+        self._layer_pairs: list[list[tuple[torch.Tensor, torch.Tensor]]] = [
+            [(d[:, :, layer], h[:, :, layer]) for d, h in self._pairs] for layer in range(self.num_layers)
+        ]
+        self.device: torch.device = dev_views[0].device
+        self.is_cuda: bool = self.device.type == "cuda"
+        self._stream: Any = torch.cuda.Stream(device=self.device) if self.is_cuda else None
+        self._owns_executor = executor is None
+        self._executor: concurrent.futures.Executor = executor or concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="hicache-copy"
+        )
+        self._closed = False
+        self._lock = threading.Lock()
+
+    # -- lifecycle
+    def close(self) -> None:
+        """Finish queued copies and release the owned executor. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        if self._owns_executor:
+            self._executor.shutdown(wait=True)
+
+    async def aclose(self) -> None:
+        await asyncio.to_thread(self.close)
+
+    def __enter__(self) -> CopyEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    async def __aenter__(self) -> CopyEngine:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    # -- planning (caller's thread: misuse fails at the call site)
+    def plan_backup(self, device_indices: IndexLike, host_indices: IndexLike) -> TransferPlan:
+        return make_plan(
+            device_indices, self.device_pool.size, host_indices, self.host_pool.size, self.unit,
+            src_what="device_indices", dst_what="host_indices",
+        )
+
+    def plan_load(self, host_indices: IndexLike, device_indices: IndexLike) -> TransferPlan:
+        return make_plan(
+            host_indices, self.host_pool.size, device_indices, self.device_pool.size, self.unit,
+            src_what="host_indices", dst_what="device_indices",
+        )
+
+    # -- backup
+    async def backup(self, device_indices: IndexLike, host_indices: IndexLike) -> None:
+        """Copy all layers of the pages at ``device_indices`` to ``host_indices``; returns when
+        the host pages hold the data."""
+        plan = self.plan_backup(device_indices, host_indices)
+        if plan.num_units == 0:
+            return
+        job = self._backup_job(plan)
+        fut = asyncio.get_running_loop().run_in_executor(self._executor_or_raise(), job)
+        try:
+            await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            with contextlib.suppress(BaseException):
+                await asyncio.wait({fut})
+            raise
+
+    def backup_sync(self, device_indices: IndexLike, host_indices: IndexLike) -> None:
+        """Blocking :meth:`backup` (queued behind earlier operations of this engine)."""
+        plan = self.plan_backup(device_indices, host_indices)
+        if plan.num_units:
+            self._executor_or_raise().submit(self._backup_job(plan)).result()
+
+    def _backup_job(self, plan: TransferPlan) -> Callable[[], None]:
+        if not self.is_cuda:
+            return lambda: self._backup_cpu(plan)
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(self.device))
+        return lambda: self._backup_cuda(plan, ready)
+
+    def _backup_cpu(self, plan: TransferPlan) -> None:
+        for dev, host in self._pairs:
+            copy_units(host, dev, plan)
+
+    def _backup_cuda(self, plan: TransferPlan, ready: Any) -> None:
+        with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
+            self._stream.wait_event(ready)
+            for dev, host in self._pairs:
+                copy_units_cuda(host, dev, plan)
+            done = torch.cuda.Event()
+            done.record(self._stream)
+        done.synchronize()
+
+    # -- load
+    def load(self, host_indices: IndexLike, device_indices: IndexLike) -> LayerLoadHandle:
+        """Start copying the pages at ``host_indices`` to ``device_indices`` layer by layer and
+        return at once; the handle's counter reports each layer as it lands."""
+        plan = self.plan_load(host_indices, device_indices)
+        counter = LayerDoneCounter(self.num_layers)
+        if plan.num_units == 0:
+            counter.mark_all_done()
+            return LayerLoadHandle(counter, None)
+        executor = self._executor_or_raise()
+        if not self.is_cuda:
+            fut = executor.submit(self._load_cpu, plan, counter)
+            return LayerLoadHandle(counter, fut)
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(self.device))
+        events = [torch.cuda.Event() for _ in range(self.num_layers)]
+        enqueued = LayerDoneCounter(self.num_layers)
+        fut = executor.submit(self._load_cuda, plan, counter, ready, events, enqueued)
+        return LayerLoadHandle(counter, fut, events, enqueued)
+
+    def load_sync(self, host_indices: IndexLike, device_indices: IndexLike) -> None:
+        """Blocking load of all layers."""
+        self.load(host_indices, device_indices).wait_sync()
+
+    def _load_layer(self, plan: TransferPlan, layer: int) -> None:
+        """Copy one layer of every segment (CPU). Separate so tests can observe ordering."""
+        for dev, host in self._layer_pairs[layer]:
+            copy_units(dev, host, plan)
+
+    def _load_cpu(self, plan: TransferPlan, counter: LayerDoneCounter) -> None:
+        try:
+            for layer in range(self.num_layers):
+                self._load_layer(plan, layer)
+                counter.mark_done(layer)
+        except BaseException as exc:
+            counter.fail(exc)
+            raise
+
+    def _load_cuda(
+        self,
+        plan: TransferPlan,
+        counter: LayerDoneCounter,
+        ready: Any,
+        events: list[Any],
+        enqueued: LayerDoneCounter,
+    ) -> None:
+        try:
+            with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
+                self._stream.wait_event(ready)
+                for layer in range(self.num_layers):
+                    for dev, host in self._layer_pairs[layer]:
+                        copy_units_cuda(dev, host, plan)
+                    events[layer].record(self._stream)
+                    enqueued.mark_done(layer)
+            for layer in range(self.num_layers):
+                events[layer].synchronize()
+                counter.mark_done(layer)
+        except BaseException as exc:
+            enqueued.fail(exc)
+            counter.fail(exc)
+            raise
+
+    def _executor_or_raise(self) -> concurrent.futures.Executor:
+        if self._closed:
+            raise CacheClosedError("CopyEngine is closed")
+        return self._executor
+
+    def __repr__(self) -> str:
+        return f"CopyEngine(device={self.device}, unit={self.unit}, layers={self.num_layers}, closed={self._closed})"

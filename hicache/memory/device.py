@@ -1,0 +1,59 @@
+"""Choosing the device the pools live on, and index normalisation shared by the pools.
+
+The whole memory package runs on CUDA when a GPU is present and on CPU otherwise, so that the
+same code paths (and tests) run on a laptop and on a server.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+__all__ = ["device_for", "as_index_array"]
+
+logger = logging.getLogger(__name__)
+
+IndexLike = torch.Tensor | Sequence[int] | np.ndarray | int
+
+
+def device_for(preferred: str | torch.device | None = None) -> torch.device:
+    """The device to put pools on: ``preferred`` if usable, else CUDA when present, else CPU.
+
+    A CUDA device asked for on a machine without CUDA falls back to CPU (logged) instead of
+    failing, because configs are shared between GPU servers and CPU test machines.
+    """
+    if preferred is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(preferred)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        logger.info("CUDA requested (%s) but not available; using CPU", dev)
+        return torch.device("cpu")
+    return dev
+
+
+def as_index_array(indices: IndexLike, *, what: str = "indices") -> np.ndarray:
+    """Indices as a 1-D int64 numpy array on the host.
+
+    Bookkeeping (free lists, run detection) happens on the host in numpy because it is a few
+    thousand integers at most, and doing it in torch on a GPU would force a sync per call anyway.
+    """
+    if isinstance(indices, torch.Tensor):
+        if indices.is_floating_point() or indices.is_complex() or indices.dtype == torch.bool:
+            raise TypeError(f"{what} must be an integer tensor, got {indices.dtype}")
+        flat = indices.detach().reshape(-1)
+        if flat.device.type != "cpu" or flat.dtype != torch.int64:
+            flat = flat.to("cpu", torch.int64)
+        arr = flat.numpy()
+    elif isinstance(indices, (int, np.integer)):
+        arr = np.asarray([int(indices)], dtype=np.int64)
+    else:
+        arr = np.asarray(indices)
+        if arr.size == 0:
+            return np.zeros(0, dtype=np.int64)
+        if not np.issubdtype(arr.dtype, np.integer):
+            raise TypeError(f"{what} must be integers, got {arr.dtype}")
+        arr = arr.reshape(-1).astype(np.int64, copy=False)
+    return arr

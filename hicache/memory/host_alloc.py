@@ -1,0 +1,82 @@
+"""Sizing and allocating host (L2) buffers: bytes or a ratio of the device pool, pinned on CUDA.
+
+Why pinned only with CUDA: pinned (page-locked) memory is what lets a CUDA stream copy
+asynchronously at full PCIe speed; without CUDA it buys nothing and may be refused by the OS
+limits on locked memory.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["resolve_host_units", "alloc_host_bytes", "want_pinned", "available_host_memory"]
+
+DEFAULT_HOST_TO_DEVICE_RATIO = 2.0
+
+
+def available_host_memory() -> int | None:
+    """``MemAvailable`` from ``/proc/meminfo`` in bytes, or ``None`` where it cannot be read."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def resolve_host_units(
+    *,
+    device_units: int,
+    unit_nbytes: int,
+    host_size_bytes: int | None,
+    host_to_device_ratio: float | None,
+    what: str,
+) -> int:
+    """Number of units (pages, or state slots) a host pool gets.
+
+    Exactly one of ``host_size_bytes`` / ``host_to_device_ratio`` may be given; with neither the
+    ratio defaults to 2.0 (SGLang's default). The result is rounded down to whole units and must
+    be at least one unit and fit in available memory, else ``ValueError`` / ``MemoryError`` with
+    the numbers in the message.
+    """
+    if host_size_bytes is not None and host_to_device_ratio is not None:
+        raise ValueError(f"{what}: give host_size_bytes or host_to_device_ratio, not both")
+    if host_size_bytes is not None:
+        if host_size_bytes <= 0:
+            raise ValueError(f"{what}: host_size_bytes must be positive, got {host_size_bytes}")
+        units = int(host_size_bytes) // unit_nbytes
+    else:
+        ratio = DEFAULT_HOST_TO_DEVICE_RATIO if host_to_device_ratio is None else float(host_to_device_ratio)
+        if ratio <= 0:
+            raise ValueError(f"{what}: host_to_device_ratio must be positive, got {ratio}")
+        units = int(device_units * ratio)
+    if units < 1:
+        raise ValueError(
+            f"{what}: host pool would hold no page (one page is {unit_nbytes} bytes; "
+            f"asked for {host_size_bytes} bytes / ratio {host_to_device_ratio})"
+        )
+    need = units * unit_nbytes
+    avail = available_host_memory()
+    if avail is not None and need > avail:
+        raise MemoryError(
+            f"{what}: host pool needs {need / 2**30:.2f} GiB but only {avail / 2**30:.2f} GiB "
+            f"of host memory is available; lower host_size_bytes or host_to_device_ratio"
+        )
+    return units
+
+
+def want_pinned(pin_memory: bool | None) -> bool:
+    """Resolve ``pin_memory=None`` to "pinned iff CUDA is present"; refuse pinning without CUDA."""
+    if pin_memory is None:
+        return torch.cuda.is_available()
+    if pin_memory and not torch.cuda.is_available():
+        raise ValueError("pin_memory=True needs CUDA; pass None or False on a machine without a GPU")
+    return bool(pin_memory)
+
+
+def alloc_host_bytes(shape: tuple[int, ...], pinned: bool) -> torch.Tensor:
+    """An uninitialised uint8 CPU tensor (pinned if asked). Not zeroed: touching many GiB at
+    start-up is slow, and a host page is only read after something was copied into it."""
+    return torch.empty(shape, dtype=torch.uint8, pin_memory=pinned)

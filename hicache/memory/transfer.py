@@ -1,0 +1,179 @@
+"""Planning and executing page copies between two pools' unit views.
+
+Both pools expose *unit views*: byte tensors whose dim 0 is the unit (a page, or a state slot)
+and whose remaining dims match on both sides (``(C, L, page_bytes)`` for KV). A transfer is a
+list of (source unit, destination unit) pairs; the plan groups them into *runs* where both sides
+are consecutive, and each run is one strided ``copy_`` covering every layer at once.
+
+Why runs and not ``index_select``/``index_copy_`` everywhere: measured on CPU (torch 2.13, bf16
+Llama-8B geometry, 64-token pages) a run copy moves 12-17 GB/s, the same as a contiguous
+``copy_``, while index ops on the same bytes reach 0.5-2.6 GB/s (they materialise a temporary
+and copy element-wise through strided views). Index ops win only when runs are tiny (a few KiB
+per copy: page size 1, small models), so they are used exactly then. On CUDA the device side is
+gathered/scattered with index ops (fast in device memory) and the host side is copied run by run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from hicache.memory.allocator import AllocatorError, pages_of
+from hicache.memory.device import IndexLike
+
+__all__ = ["TransferPlan", "make_plan", "copy_units", "copy_units_cuda", "copy_across", "widen_pair", "RUN_COPY_MIN_BYTES"]
+
+#: Below this many bytes per run copy (on average), CPU copies switch to index gather/scatter.
+RUN_COPY_MIN_BYTES = 8 * 1024  # measured crossover: between 4 and 16 KiB per copy
+#: Upper bound of the device-side temporary the CUDA path gathers into, per chunk.
+CUDA_CHUNK_BYTES = 256 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class TransferPlan:
+    """Unit pairs sorted by source unit, and their runs ``(src_start, dst_start, length)``."""
+
+    src_units: np.ndarray
+    dst_units: np.ndarray
+    runs: np.ndarray
+
+    @property
+    def num_units(self) -> int:
+        return int(self.src_units.size)
+
+
+def _runs(src: np.ndarray, dst: np.ndarray) -> np.ndarray:
+    n = src.size
+    if n == 0:
+        return np.zeros((0, 3), dtype=np.int64)
+    breaks = np.nonzero((np.diff(src) != 1) | (np.diff(dst) != 1))[0] + 1
+    starts = np.concatenate([[0], breaks])
+    ends = np.concatenate([breaks, [n]])
+    return np.stack([src[starts], dst[starts], ends - starts], axis=1).astype(np.int64)
+
+
+def make_plan(
+    src_indices: IndexLike,
+    src_size: int,
+    dst_indices: IndexLike,
+    dst_size: int,
+    unit: int,
+    *,
+    src_what: str,
+    dst_what: str,
+) -> TransferPlan:
+    """Validate token indices on both sides (whole units, in range, same count, no destination
+    written twice) and group them into runs. Raises ``AllocatorError`` on misuse."""
+    su = pages_of(src_indices, unit, src_size, what=src_what)
+    du = pages_of(dst_indices, unit, dst_size, what=dst_what)
+    if su.size != du.size:
+        raise AllocatorError(
+            f"{src_what} covers {su.size} pages but {dst_what} covers {du.size}; they must match"
+        )
+    if du.size > 1:
+        sorted_du = np.sort(du)
+        if (sorted_du[1:] == sorted_du[:-1]).any():
+            raise AllocatorError(f"{dst_what} names a destination page twice")
+    if su.size > 1 and (su[1:] < su[:-1]).any():
+        order = np.argsort(su, kind="stable")
+        su, du = su[order], du[order]
+    return TransferPlan(su, du, _runs(su, du))
+
+
+def _widest_view(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (uint8) reinterpreted as the widest integer type its strides allow; index kernels
+    move one element per step, so 8-byte elements are ~8x faster than bytes."""
+    for dtype, w in ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2)):
+        if t.shape[-1] % w == 0 and t.storage_offset() % w == 0 and all(
+            s % w == 0 for s in t.stride()[:-1]
+        ):
+            try:
+                return t.view(dtype)
+            except RuntimeError:
+                continue
+    return t
+
+
+def widen_pair(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two byte views reinterpreted with the widest element type both allow (same bytes).
+
+    Wide elements matter twice: index kernels move one element per step, and torch splits a
+    copy across threads by element count, so with 8-byte elements only big copies pay the
+    fork/join (which on a busy machine costs more than a 256 KiB copy itself)."""
+    if a.dtype != torch.uint8 or b.dtype != torch.uint8:
+        return a, b
+    wa, wb = _widest_view(a), _widest_view(b)
+    if wa.dtype == wb.dtype:
+        return wa, wb
+    size = min(wa.element_size(), wb.element_size())
+    narrow = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[size]
+    return a.view(narrow), b.view(narrow)
+
+
+def copy_units(dst: torch.Tensor, src: torch.Tensor, plan: TransferPlan) -> None:
+    """Copy units on one device (CPU-CPU, or GPU-GPU): ``dst[d] = src[s]`` for the plan's pairs."""
+    n = plan.num_units
+    if n == 0:
+        return
+    runs = plan.runs
+    src, dst = widen_pair(src, dst)
+    bytes_per_unit = src[0].numel() * src.element_size()
+    if runs.shape[0] <= 4 or n * bytes_per_unit / runs.shape[0] >= RUN_COPY_MIN_BYTES:
+        for s, d, k in runs.tolist():
+            dst[d : d + k].copy_(src[s : s + k])
+        return
+    s_idx = torch.from_numpy(plan.src_units).to(src.device)
+    d_idx = torch.from_numpy(plan.dst_units).to(dst.device)
+    dst.index_copy_(0, d_idx, src.index_select(0, s_idx))
+
+
+def _consecutive_runs(units: np.ndarray) -> list[tuple[int, int, int]]:
+    """``(position, first unit, length)`` of maximal runs of consecutive units."""
+    if units.size == 0:
+        return []
+    breaks = np.nonzero(np.diff(units) != 1)[0] + 1
+    starts = np.concatenate([[0], breaks])
+    ends = np.concatenate([breaks, [units.size]])
+    return [(int(a), int(units[a]), int(b - a)) for a, b in zip(starts, ends)]
+
+
+def copy_units_cuda(dst: torch.Tensor, src: torch.Tensor, plan: TransferPlan) -> None:
+    """Copy between host and a CUDA device, enqueued on the current stream.
+
+    Device side: one ``index_select`` (gather) or ``index_copy_`` (scatter) per chunk, in device
+    memory. Host side: one ``copy_(non_blocking=True)`` per run of consecutive host units, which
+    is a single DMA when the host run is contiguous (``page_first``). Must be called with the
+    copy stream current; temporaries are allocated on, and recycled by, that stream.
+    """
+    if plan.num_units == 0:
+        return
+    if src.is_cuda == dst.is_cuda:
+        copy_units(dst, src, plan)
+        return
+    copy_across(dst, src, plan, src_is_device=src.is_cuda)
+
+
+def copy_across(dst: torch.Tensor, src: torch.Tensor, plan: TransferPlan, *, src_is_device: bool) -> None:
+    """The device/host copy of :func:`copy_units_cuda` with the direction given explicitly, so
+    its gather/run/scatter logic also runs (and is tested) on CPU tensors."""
+    n = plan.num_units
+    unit_bytes = src[0].numel() * src.element_size()
+    chunk = max(1, CUDA_CHUNK_BYTES // max(1, unit_bytes))
+    if src_is_device:  # device -> host: gather on device, then host runs in host order
+        order = np.argsort(plan.dst_units, kind="stable")
+        s_units, d_units = plan.src_units[order], plan.dst_units[order]
+        for a in range(0, n, chunk):
+            s_part, d_part = s_units[a : a + chunk], d_units[a : a + chunk]
+            tmp = src.index_select(0, torch.from_numpy(s_part).to(src.device, non_blocking=True))
+            for pos, first, k in _consecutive_runs(d_part):
+                dst[first : first + k].copy_(tmp[pos : pos + k], non_blocking=True)
+    else:  # host -> device: host runs into a device temporary, then scatter on device
+        s_units, d_units = plan.src_units, plan.dst_units
+        for a in range(0, n, chunk):
+            s_part, d_part = s_units[a : a + chunk], d_units[a : a + chunk]
+            tmp = torch.empty((s_part.size, *src.shape[1:]), dtype=src.dtype, device=dst.device)
+            for pos, first, k in _consecutive_runs(s_part):
+                tmp[pos : pos + k].copy_(src[first : first + k], non_blocking=True)
+            dst.index_copy_(0, torch.from_numpy(d_part).to(dst.device, non_blocking=True), tmp)

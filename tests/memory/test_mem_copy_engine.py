@@ -1,0 +1,290 @@
+"""CopyEngine: off-loop execution, layer-wise load ordering, failures, cancellation, strategies."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from hicache.errors import CacheClosedError
+from hicache.memory import AllocatorError, CopyEngine, LayerDoneCounter
+from hicache.memory import transfer
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]
+DEVICE_SENTINEL = 0xCD
+
+
+def token_idx(pages: list[int], ps: int) -> torch.Tensor:
+    return torch.tensor([p * ps + j for p in pages for j in range(ps)], dtype=torch.int64)
+
+
+def layer_bytes(pool, layer: int, pages: list[int]) -> bytes:
+    ps = pool.page_size
+    parts = [pool.kv_data[:, layer, p * ps : (p + 1) * ps].contiguous().cpu() for p in pages]
+    return b"".join(t.view(torch.uint8).numpy().tobytes() for t in parts)
+
+
+@pytest.fixture
+def pools(device_pool_factory, host_pool_factory, fill_bytes):
+    def build(device: str = "cpu", layout: str = "page_first", kind: str = "mha", layers: int = 6):
+        src = device_pool_factory(kind, size=16 * 4, page_size=4, layers=layers, device=device)
+        dst = device_pool_factory(kind, size=16 * 4, page_size=4, layers=layers, device=device)
+        fill_bytes(src.kv_data, 21)
+        dst.kv_data.view(torch.uint8).fill_(DEVICE_SENTINEL)
+        host = host_pool_factory(src, layout=layout, pages=16)
+        return src, dst, host
+
+    return build
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct"])
+async def test_async_backup_and_load(device, layout, pools):
+    src, dst, host = pools(device, layout)
+    async with CopyEngine(src, host) as eng:
+        await eng.backup(token_idx([3, 4, 5, 9], 4), token_idx([0, 1, 7, 8], 4))
+    async with CopyEngine(dst, host) as eng:
+        handle = eng.load(token_idx([0, 1, 7, 8], 4), token_idx([10, 11, 12, 2], 4))
+        assert isinstance(handle.counter, LayerDoneCounter)
+        await handle.wait()
+        assert handle.done()
+    for layer in range(src.layer_num):
+        assert layer_bytes(dst, layer, [10, 11, 12, 2]) == layer_bytes(src, layer, [3, 4, 5, 9])
+
+
+async def test_backup_runs_off_the_event_loop(pools):
+    src, _, host = pools()
+    threads: list[int] = []
+
+    class Spy(CopyEngine):
+        def _backup_cpu(self, plan):
+            threads.append(threading.get_ident())
+            super()._backup_cpu(plan)
+
+    async with Spy(src, host) as eng:
+        await eng.backup(token_idx([1], 4), token_idx([1], 4))
+    assert threads and threads[0] != threading.get_ident()
+
+
+async def test_layer_wise_load_never_exposes_a_layer_early(pools):
+    """Gate each layer's copy; a consumer awaiting layer i wakes only after layer i landed, and
+    layer i+1 is still untouched at that point."""
+    src, dst, host = pools(layers=5)
+    async with CopyEngine(src, host) as eng:
+        await eng.backup(token_idx([2, 3, 8], 4), token_idx([4, 5, 6], 4))
+    gates = [threading.Event() for _ in range(src.layer_num)]
+    copied: list[int] = []
+
+    class Gated(CopyEngine):
+        def _load_layer(self, plan, layer):
+            assert gates[layer].wait(10)
+            super()._load_layer(plan, layer)
+            copied.append(layer)
+
+    sentinel_layer = bytes([DEVICE_SENTINEL]) * len(layer_bytes(src, 0, [2, 3, 8]))
+    async with Gated(dst, host) as eng:
+        handle = eng.load(token_idx([4, 5, 6], 4), token_idx([0, 1, 9], 4))
+        for i in range(src.layer_num):
+            waiter = asyncio.create_task(handle.counter.wait(i))
+            await asyncio.sleep(0.01)
+            assert not waiter.done() and not handle.counter.is_done(i)
+            assert layer_bytes(dst, i, [0, 1, 9]) == sentinel_layer
+            gates[i].set()
+            await asyncio.wait_for(waiter, 10)
+            assert i in copied
+            assert layer_bytes(dst, i, [0, 1, 9]) == layer_bytes(src, i, [2, 3, 8])
+            if i + 1 < src.layer_num:
+                assert layer_bytes(dst, i + 1, [0, 1, 9]) == sentinel_layer
+        await handle.wait()
+
+
+async def test_many_consumers_see_complete_layers(pools):
+    """Ungated but slowed copies; every consumer (async and thread) checks its layer's bytes
+    the moment it wakes."""
+    src, dst, host = pools(layers=8)
+    pages_d, pages_h, pages_t = [0, 1, 2, 3, 7], [9, 10, 11, 12, 15], [4, 5, 6, 13, 14]
+    async with CopyEngine(src, host) as eng:
+        await eng.backup(token_idx(pages_d, 4), token_idx(pages_h, 4))
+    expected = [layer_bytes(src, i, pages_d) for i in range(src.layer_num)]
+
+    class Slow(CopyEngine):
+        def _load_layer(self, plan, layer):
+            threading.Event().wait(0.003)
+            super()._load_layer(plan, layer)
+
+    seen_bad: list[int] = []
+
+    async with Slow(dst, host) as eng:
+        handle = eng.load(token_idx(pages_h, 4), token_idx(pages_t, 4))
+
+        async def consumer(i: int) -> None:
+            await handle.counter.wait(i)
+            if layer_bytes(dst, i, pages_t) != expected[i]:
+                seen_bad.append(i)
+
+        def thread_consumer(i: int) -> None:
+            handle.counter.wait_sync(i, timeout=10)
+            if layer_bytes(dst, i, pages_t) != expected[i]:
+                seen_bad.append(i)
+
+        threads = [threading.Thread(target=thread_consumer, args=(i,)) for i in range(src.layer_num)]
+        for t in threads:
+            t.start()
+        await asyncio.gather(*(consumer(i) for i in reversed(range(src.layer_num))))
+        for t in threads:
+            t.join()
+    assert seen_bad == []
+
+
+async def test_load_failure_reaches_waiters(pools):
+    src, dst, host = pools(layers=4)
+
+    class Broken(CopyEngine):
+        def _load_layer(self, plan, layer):
+            if layer == 2:
+                raise RuntimeError("DMA exploded")
+            super()._load_layer(plan, layer)
+
+    async with Broken(dst, host) as eng:
+        handle = eng.load(token_idx([0], 4), token_idx([0], 4))
+        await handle.counter.wait(1)
+        with pytest.raises(RuntimeError, match="DMA exploded"):
+            await handle.counter.wait(2)
+        with pytest.raises(RuntimeError):
+            await handle.wait()
+        with pytest.raises(RuntimeError):
+            handle.counter.is_done(3)
+
+
+async def test_cancelled_backup_waits_for_the_copy(pools):
+    src, _, host = pools()
+    gate = threading.Event()
+    finished = threading.Event()
+
+    class Gated(CopyEngine):
+        def _backup_cpu(self, plan):
+            assert gate.wait(10)
+            super()._backup_cpu(plan)
+            finished.set()
+
+    async with Gated(src, host) as eng:
+        task = asyncio.create_task(eng.backup(token_idx([5], 4), token_idx([2], 4)))
+        await asyncio.sleep(0.01)
+        task.cancel()
+        await asyncio.sleep(0.02)
+        assert not task.done()  # still waiting for the copy it started
+        gate.set()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert finished.is_set()
+    ps = 4
+    assert host.get_data_page(2 * ps).view(torch.uint8).numpy().tobytes() == (
+        src.kv_data[:, :, 5 * ps : 6 * ps].contiguous().view(torch.uint8).numpy().tobytes()
+    )
+
+
+async def test_misuse_fails_at_the_call_site(pools):
+    src, _, host = pools()
+    async with CopyEngine(src, host) as eng:
+        with pytest.raises(AllocatorError, match="match"):
+            await eng.backup(token_idx([1, 2], 4), token_idx([1], 4))
+        with pytest.raises(AllocatorError, match="twice"):
+            await eng.backup(token_idx([1, 2], 4), token_idx([3, 3], 4))
+        with pytest.raises(AllocatorError, match="out of range"):
+            eng.load(token_idx([16], 4), token_idx([0], 4))
+        with pytest.raises(AllocatorError, match="whole page"):
+            eng.load(torch.arange(1, 5), token_idx([0], 4))
+        empty = eng.load(torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int64))
+        await empty.wait()
+    with pytest.raises(CacheClosedError):
+        await eng.backup(token_idx([1], 4), token_idx([1], 4))
+    with pytest.raises(CacheClosedError):
+        eng.load(token_idx([1], 4), token_idx([1], 4))
+
+
+def test_geometry_mismatch_rejected(device_pool_factory, host_pool_factory):
+    a = device_pool_factory("mha", size=16, page_size=4, layers=2)
+    b = device_pool_factory("mha", size=16, page_size=4, layers=3)
+    with pytest.raises(ValueError, match="geometry"):
+        CopyEngine(a, host_pool_factory(b, layout="page_first", pages=2))
+    c = device_pool_factory("mha", size=16, page_size=4, layers=2, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="dtypes"):
+        CopyEngine(a, host_pool_factory(c, layout="page_first", pages=2))
+
+
+@pytest.mark.parametrize("min_bytes", [0, 1 << 40], ids=["runs", "index"])
+@pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct"])
+def test_both_copy_strategies_agree(min_bytes, layout, monkeypatch, device_pool_factory, host_pool_factory, fill_bytes):
+    """Many scattered pages: run copies and index gather/scatter must give the same bytes."""
+    monkeypatch.setattr(transfer, "RUN_COPY_MIN_BYTES", min_bytes)
+    rng = np.random.default_rng(5)
+    ps = 2
+    src = device_pool_factory("mha", size=64 * ps, page_size=ps, layers=3)
+    dst = device_pool_factory("mha", size=64 * ps, page_size=ps, layers=3)
+    fill_bytes(src.kv_data, 2)
+    host = host_pool_factory(src, layout=layout, pages=64)
+    d = [int(x) for x in rng.permutation(64)[:40]]
+    h = [int(x) for x in rng.permutation(64)[:40]]
+    t = [int(x) for x in rng.permutation(64)[:40]]
+    with CopyEngine(src, host) as eng:
+        eng.backup_sync(token_idx(d, ps), token_idx(h, ps))
+    with CopyEngine(dst, host) as eng:
+        eng.load_sync(token_idx(h, ps), token_idx(t, ps))
+    for layer in range(3):
+        assert layer_bytes(dst, layer, t) == layer_bytes(src, layer, d)
+
+
+def test_plan_groups_runs():
+    plan = transfer.make_plan(
+        token_idx([5, 6, 7, 1, 2], 2), 20, token_idx([0, 1, 2, 8, 3], 2), 20, 2,
+        src_what="s", dst_what="d",
+    )
+    assert plan.runs.tolist() == [[1, 8, 1], [2, 3, 1], [5, 0, 3]]
+
+
+@CUDA
+async def test_cuda_load_events_and_stream_wait(pools):
+    src, dst, host = pools("cuda", "page_first")
+    async with CopyEngine(src, host) as eng:
+        await eng.backup(token_idx([1, 2], 4), token_idx([3, 4], 4))
+    async with CopyEngine(dst, host) as eng:
+        handle = eng.load(token_idx([3, 4], 4), token_idx([7, 8], 4))
+        for layer in range(src.layer_num):
+            handle.wait_on_stream(layer)
+        torch.cuda.current_stream().synchronize()
+        await handle.wait()
+    for layer in range(src.layer_num):
+        assert layer_bytes(dst, layer, [7, 8]) == layer_bytes(src, layer, [1, 2])
+
+
+@pytest.mark.parametrize("chunk_bytes", [1, 1 << 30], ids=["tiny-chunks", "one-chunk"])
+@pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct"])
+def test_cuda_copy_logic_on_cpu_tensors(chunk_bytes, layout, monkeypatch, device_pool_factory,
+                                        host_pool_factory, fill_bytes):
+    """The CUDA path's gather -> host runs -> scatter logic, run on CPU tensors so it is
+    checked on machines without a GPU too."""
+    monkeypatch.setattr(transfer, "CUDA_CHUNK_BYTES", chunk_bytes)
+    rng = np.random.default_rng(8)
+    ps = 2
+    src = device_pool_factory("mla", size=32 * ps, page_size=ps, layers=3)
+    dst = device_pool_factory("mla", size=32 * ps, page_size=ps, layers=3)
+    fill_bytes(src.kv_data, 4)
+    host = host_pool_factory(src, layout=layout, pages=32)
+    d = [int(x) for x in rng.permutation(32)[:13]]
+    h = [0, 1, 2, 3, 9, 10, 20, 5, 6, 7, 30, 31, 15]
+    t = [int(x) for x in rng.permutation(32)[:13]]
+    (dev_v,), (host_v,) = src.transfer_views(), host.transfer_views()
+    plan = transfer.make_plan(token_idx(d, ps), src.size, token_idx(h, ps), host.size, ps,
+                              src_what="d", dst_what="h")
+    transfer.copy_across(host_v, dev_v, plan, src_is_device=True)
+    (dst_v,) = dst.transfer_views()
+    plan = transfer.make_plan(token_idx(h, ps), host.size, token_idx(t, ps), dst.size, ps,
+                              src_what="h", dst_what="t")
+    for layer in range(3):
+        transfer.copy_across(dst_v[:, :, layer], host_v[:, :, layer], plan, src_is_device=False)
+    for layer in range(3):
+        assert layer_bytes(dst, layer, t) == layer_bytes(src, layer, d)

@@ -1,0 +1,198 @@
+"""Device pools, host pools (sizing, layouts, page protocol) and the Mamba state pools."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hicache.keys import Namespace
+from hicache.memory import (
+    LAYOUTS,
+    CopyEngine,
+    MambaHostPool,
+    MambaStatePool,
+    MHATokenToKVPool,
+    MHATokenToKVPoolHost,
+    MLATokenToKVPool,
+    MLATokenToKVPoolHost,
+    device_for,
+)
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]
+FP8 = getattr(torch, "float8_e4m3fn", None)
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Byte equality (random bytes may be NaN patterns)."""
+    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+class _Layer:
+    layer_id = 1
+
+
+def test_device_for():
+    assert device_for("cpu") == torch.device("cpu")
+    expected = "cuda" if torch.cuda.is_available() else "cpu"
+    assert device_for(None).type == expected
+    assert device_for("cuda").type == expected
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_mha_pool_buffers(device):
+    pool = MHATokenToKVPool(16, 4, torch.bfloat16, head_num=2, head_dim=8, layer_num=3, device=device)
+    assert pool.bytes_per_token == 2 * 3 * 2 * 8 * 2
+    assert pool.size == 16 and pool.page_size == 4 and pool.layer_num == 3 and pool.dtype == torch.bfloat16
+    k, v = pool.get_kv_buffer(1)
+    assert k.shape == (16, 2, 8) and k.is_contiguous() and v.shape == (16, 2, 8)
+    loc = torch.tensor([3, 9], device=device)
+    ck, cv = torch.randn(2, 2, 8), torch.randn(2, 16)  # cache_v given flat: reshaped per token
+    pool.set_kv_buffer(_Layer(), loc, ck, cv)
+    assert torch.equal(pool.get_key_buffer(1)[loc].cpu(), ck.to(torch.bfloat16))
+    assert torch.equal(pool.get_value_buffer(1)[loc].cpu(), cv.view(2, 2, 8).to(torch.bfloat16))
+    assert pool.get_key_buffer(0).abs().sum() == 0  # other layers untouched
+
+
+def test_mla_pool_buffers():
+    pool = MLATokenToKVPool(8, 2, torch.float16, kv_lora_rank=6, qk_rope_head_dim=2, layer_num=2, device="cpu")
+    assert pool.bytes_per_token == 2 * 8 * 2
+    latent = torch.randn(2, 1, 8)
+    pool.set_kv_buffer(0, torch.tensor([1, 4]), latent, None)
+    assert torch.equal(pool.get_key_buffer(0)[[1, 4]], latent.half())
+    assert pool.get_value_buffer(0).shape == (8, 1, 6)
+    assert torch.equal(pool.get_value_buffer(0)[[1, 4]], latent[..., :6].half())
+    pool.set_mla_kv_buffer(1, torch.tensor([0]), latent[:1, :, :6], latent[:1, :, 6:])
+    assert torch.equal(pool.get_key_buffer(1)[0], latent[0].half())
+
+
+@pytest.mark.skipif(FP8 is None, reason="torch without float8")
+def test_fp8_pool_stores_dtype_and_writes_via_bytes():
+    pool = MHATokenToKVPool(8, 2, FP8, head_num=1, head_dim=4, layer_num=1, device="cpu")
+    assert pool.get_key_buffer(0).dtype == FP8
+    vals = torch.tensor([[[0.5, 1.0, -2.0, 0.25]]])
+    pool.set_kv_buffer(0, torch.tensor([5]), vals, vals)
+    assert torch.equal(pool.get_key_buffer(0)[5].float(), vals[0])
+
+
+def test_host_sizing_bytes_and_ratio():
+    dev = MHATokenToKVPool(64, 4, torch.float16, head_num=2, head_dim=4, layer_num=2, device="cpu")
+    page = 4 * dev.bytes_per_token
+    h = MHATokenToKVPoolHost(dev, host_size_bytes=5 * page + 7, page_size=4)
+    assert h.size == 20 and h.num_pages == 5 and h.page_nbytes == page and h.layout == "page_first"
+    assert h.available_size() == 20
+    h = MHATokenToKVPoolHost(dev, host_to_device_ratio=1.5, page_size=4, layout="layer_first")
+    assert h.size == 96
+    h = MHATokenToKVPoolHost(dev, page_size=4)
+    assert h.size == 128  # default ratio 2.0
+    assert h.pin_memory == torch.cuda.is_available()
+
+
+def test_host_validation():
+    dev = MHATokenToKVPool(16, 4, torch.float16, head_num=2, head_dim=4, layer_num=2, device="cpu")
+    with pytest.raises(ValueError, match="not both"):
+        MHATokenToKVPoolHost(dev, host_size_bytes=10**6, host_to_device_ratio=2, page_size=4)
+    with pytest.raises(ValueError, match="no page"):
+        MHATokenToKVPoolHost(dev, host_size_bytes=10, page_size=4)
+    with pytest.raises(ValueError, match="page_size"):
+        MHATokenToKVPoolHost(dev, page_size=8)
+    with pytest.raises(ValueError, match="unknown host layout"):
+        MHATokenToKVPoolHost(dev, page_size=4, layout="token_first")
+    with pytest.raises(TypeError):
+        MLATokenToKVPoolHost(dev, page_size=4)
+    with pytest.raises(MemoryError, match="GiB"):
+        MHATokenToKVPoolHost(dev, host_size_bytes=1 << 60, page_size=4)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="pin_memory"):
+            MHATokenToKVPoolHost(dev, page_size=4, pin_memory=True)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_page_protocol_semantics(layout):
+    dev = MHATokenToKVPool(16, 4, torch.bfloat16, head_num=2, head_dim=4, layer_num=3, device="cpu")
+    host = MHATokenToKVPoolHost(dev, host_size_bytes=4 * 4 * dev.bytes_per_token, page_size=4, layout=layout)
+    dummy = host.get_dummy_flat_data_page()
+    assert dummy.dtype == torch.bfloat16 and dummy.dim() == 1
+    assert dummy.numel() * 2 == host.page_nbytes == 4 * dev.bytes_per_token
+    data = torch.randn(dummy.numel()).to(torch.bfloat16)
+    host.set_from_flat_data_page(8, data)
+    got = host.get_data_page(8)
+    assert torch.equal(got, data)
+    assert host.get_data_page(8, flat=False).shape == (2, 3, 4, 2, 4)
+    got.zero_()  # a snapshot, not the pool's memory
+    assert torch.equal(host.get_data_page(8), data)
+    host.set_from_flat_data_page(4, data.view(torch.uint8))  # any dtype with the right byte count
+    assert torch.equal(host.get_data_page(4), data)
+    with pytest.raises(IndexError):
+        host.get_data_page(5)  # not a page start
+    with pytest.raises(IndexError):
+        host.get_data_page(16)
+    with pytest.raises(ValueError, match="bytes"):
+        host.set_from_flat_data_page(0, data[:-1])
+    view = host.page_view(8)
+    if layout == "page_first":
+        assert view is not None and view.dtype == torch.uint8 and view.is_contiguous() and view.dim() == 1
+        assert view.numel() == host.page_nbytes
+        view.fill_(0)  # live: writes land in the pool
+        assert (host.get_data_page(8).view(torch.uint8) == 0).all()
+    else:
+        assert view is None
+
+
+def test_storage_signature_is_layout_independent_and_feeds_namespace():
+    dev = MLATokenToKVPool(8, 4, torch.bfloat16, kv_lora_rank=6, qk_rope_head_dim=2, layer_num=3, device="cpu")
+    sigs = [MLATokenToKVPoolHost(dev, page_size=4, layout=lay).storage_signature() for lay in LAYOUTS]
+    assert sigs[0] == sigs[1] == sigs[2]
+    sig = sigs[0]
+    assert sig["dtype"] == "bfloat16" and sig["is_mla"] is True and sig["layer_num"] == 3
+    assert sig["head_num"] == 1 and sig["head_dim"] == 8 and sig["page_size"] == 4
+    assert "layout" not in sig
+    ns = Namespace(model="m").with_signature(sig)
+    assert ns.kv_dtype == "bfloat16" and ns.num_layers == 3 and ns.page_size == 4 and ns.layout is None
+
+
+def test_host_alloc_and_typed_view():
+    dev = MHATokenToKVPool(16, 4, torch.float16, head_num=2, head_dim=4, layer_num=3, device="cpu")
+    for layout, shape in [("layer_first", (2, 3, 32, 2, 4)), ("page_first", (8, 2, 3, 4, 2, 4)),
+                          ("page_first_direct", (2, 8, 3, 4, 2, 4))]:
+        host = MHATokenToKVPoolHost(dev, page_size=4, layout=layout)
+        assert host.kv_buffer.shape == shape and host.kv_buffer.dtype == torch.float16
+        got = host.alloc(8)
+        assert got.tolist() == list(range(8)) and host.available_size() == 24
+        host.free(got)
+        host.alloc(4)
+        host.clear()
+        assert host.available_size() == 32
+
+
+def test_mamba_host_pool_round_trip(fill_bytes):
+    shapes = {"conv": (2, 3), "ssm": (5,)}
+    dev = MambaStatePool(6, shapes, torch.bfloat16, "cpu")
+    for t in dev.states.values():
+        fill_bytes(t, 3)
+    host = MambaHostPool(dev, host_size=4)
+    assert host.size == 4 and host.page_size == 1 and host.page_nbytes == (6 + 5) * 2
+    sig = host.storage_signature()
+    assert sig["page_size"] == 1 and sig["state_shapes"] == {"conv": [2, 3], "ssm": [5]}
+    with CopyEngine(dev, host) as eng:
+        assert eng.num_layers == 1
+        eng.backup_sync(torch.tensor([4, 1, 2]), torch.tensor([0, 1, 3]))
+        assert same(host.states["conv"][0], dev.states["conv"][4])
+        assert same(host.states["ssm"][3], dev.states["ssm"][2])
+        flat = host.get_data_page(1)
+        expected = torch.cat([dev.states["conv"][1].reshape(-1), dev.states["ssm"][1].reshape(-1)])
+        assert same(flat, expected)
+        assert host.page_view(1).numel() == host.page_nbytes
+        # storage round trip into another slot, then back to the device
+        dummy = host.get_dummy_flat_data_page()
+        dummy.copy_(flat)
+        host.set_from_flat_data_page(2, dummy)
+        eng.load_sync(torch.tensor([2]), torch.tensor([5]))
+        assert same(dev.states["conv"][5], dev.states["conv"][1])
+        assert same(dev.states["ssm"][5], dev.states["ssm"][1])
+    with pytest.raises(IndexError):
+        host.get_data_page(4)
+    with pytest.raises(ValueError):
+        host.set_from_flat_data_page(0, dummy[:-1])
+    with pytest.raises(ValueError):
+        MambaHostPool(dev, host_size=2, host_to_device_ratio=1.0)
