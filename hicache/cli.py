@@ -106,7 +106,13 @@ def _cmd_bench(args: argparse.Namespace) -> Any:
 def _cmd_inspect(args: argparse.Namespace) -> Any:
     from hicache.inspect import inspect_store
 
-    return asyncio.run(inspect_store(args.root, verify=args.verify, sample=args.sample, progress=not args.json))
+    options = json.loads(args.options) if args.options else {}
+    root = args.root if args.backend == "file" else None
+    if args.backend != "file" and args.root:
+        options.setdefault("url", args.root)
+    return asyncio.run(
+        inspect_store(root, backend=args.backend, options=options, verify=args.verify, sample=args.sample, progress=not args.json)
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -140,8 +146,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd_bench)
 
-    p = sub.add_parser("inspect", help="a file store's namespaces, pages, bytes and integrity")
-    p.add_argument("root", help="the file backend's root folder")
+    p = sub.add_parser("inspect", help="a store's namespaces, pages, bytes and integrity")
+    p.add_argument("root", help="the file backend's root folder (or the URL of an s3/fsspec store)")
+    p.add_argument("--backend", default="file", help="backend name (default: file)")
+    p.add_argument("--options", default=None, help="backend options as JSON")
     p.add_argument("--verify", choices=["none", "sample", "all"], default="sample")
     p.add_argument("--sample", type=int, default=256, help="pages to verify with --verify sample")
     p.add_argument("--json", action="store_true")

@@ -171,6 +171,21 @@ class AsyncHiCacheStorage(ABC):
         """Backend-specific figures merged into :meth:`get_stats`."""
         return {}
 
+    # ------------------------------------------------------------------ optional introspection
+
+    async def list_namespaces(self) -> list[Namespace]:
+        """Every namespace stored on this backend's medium (for ``hicache inspect``)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot list namespaces")
+
+    async def list_pages(self) -> list[tuple[PageKey, int]]:
+        """Every page of this namespace with its stored size in bytes (for ``hicache inspect``)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot list pages")
+
+    async def verify_page(self, page: PageKey) -> bool:
+        """Read and verify one page; a corrupt page is a miss (and is dropped, as on any read)."""
+        await self._ensure_open()
+        return await self._guard("verify", self._read_bytes(page), None) is not None
+
     # ------------------------------------------------------------------ guarded calls
 
     async def _guard(self, what: str, coro: Any, fallback: Any) -> Any:

@@ -135,6 +135,11 @@ class MemoryStorage(AsyncHiCacheStorage):
     async def _clear(self) -> None:
         self.medium.drop_namespace(self.namespace.digest)
 
+    async def list_pages(self) -> list[tuple[PageKey, int]]:
+        digest = self.namespace.digest
+        with self.medium.lock:
+            return [(PageKey(k, p), len(v)) for (d, k, p), v in self.medium.pages.items() if d == digest]
+
     def _backend_stats(self) -> dict[str, Any]:
         return {
             "stored_pages": len(self.medium.pages),

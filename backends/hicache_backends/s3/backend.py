@@ -1,0 +1,446 @@
+"""``FsspecStorage`` (any fsspec URL) and ``S3Storage`` (object stores through s3fs).
+
+The shared L3 tier: every inference process on every machine reads and writes one bucket. The
+design follows from three facts about object stores:
+
+* **Round trips dominate.** A page of known size is read with one ranged GET of header+payload
+  (the header length is a function of key and pool), and every batch runs its requests
+  concurrently under a per-loop semaphore sized like the HTTP connection pool. Lookups are
+  concurrent HEADs, skipped for pages this process already knows exist (:mod:`.cache`).
+* **The service fails.** Every request has a timeout, transient errors are retried with
+  backoff (:mod:`.retry`), a circuit breaker turns an outage into instant misses
+  (:mod:`.breaker`), and every batch is bounded by ``call_timeout`` as a whole - all in
+  :mod:`.runner`. A background prober notices the service is back without a user request. A miss is the
+  answer to every failure; nothing raises out of a primitive.
+* **Many writers share one bucket.** Pages use the same self-verifying format as the file
+  backend (:class:`~hicache.storage.page_format.PageCodec`), checked on every read, so a torn,
+  foreign or tampered object is a counted miss, never returned bytes. Objects are named by a
+  hash of (key, pool) under a per-namespace prefix that also holds a ``manifest.json``.
+
+Capacity and lifetime are left to the bucket's own policy (lifecycle rules); ``_clear`` removes
+this namespace's pages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import fsspec
+
+from hicache.errors import BackendLoadError, ConfigError
+from hicache.keys import Namespace
+from hicache.storage import AsyncHiCacheStorage, HiCacheStorageConfig, PageCodec, PageKey, Verdict
+from hicache_backends.s3.breaker import BreakerState, CircuitBreaker
+from hicache_backends.s3.cache import ExistsCache
+from hicache_backends.s3.fs import LoopLocal, LoopResources, ObjectOps, close_all, make_ops
+from hicache_backends.s3.naming import ObjectNames, Redactor, redact_options, redact_url
+from hicache_backends.s3.retry import RetryPolicy
+from hicache_backends.s3.runner import GaveUp, RequestRunner
+
+__all__ = ["FsspecStorage", "S3Storage"]
+
+logger = logging.getLogger("hicache.storage.s3")
+
+_S3_PROTOCOLS = ("s3", "s3a")
+
+
+def _positive(name: str, value: Any, kind: type = float, allow_zero: bool = False) -> Any:
+    """``value`` if it is a finite number of the right kind and sign, else a ConfigError naming it."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if kind is int:
+        ok = ok and isinstance(value, int)
+    if not ok or value < 0 or (value == 0 and not allow_zero):
+        raise ConfigError(f"option {name} must be a {'non-negative' if allow_zero else 'positive'} {kind.__name__}, got {value!r}")
+    return value
+
+
+class FsspecStorage(AsyncHiCacheStorage):
+    """Pages as objects under any fsspec URL (``s3://``, ``gs://``, ``memory://``, ``file://``...).
+
+    Async filesystems run natively on the caller's event loop (one filesystem per loop);
+    synchronous ones (``memory://``, ``file://``) run each call in a worker thread.
+
+    Options:
+        url: where the store lives, e.g. ``s3://bucket/prefix`` or ``memory://hicache``.
+        storage_options: passed to the fsspec filesystem (for s3: ``endpoint_url``,
+            ``key``/``secret``/``token``, ``client_kwargs={"region_name": ...}``,
+            ``config_kwargs``...). Never logged, printed or shown in ``repr``.
+        concurrency: requests in flight per event loop; also the HTTP connection pool size.
+        request_timeout: seconds one request attempt may take.
+        call_timeout: seconds one backend call (a whole batch, retries included) may take;
+            pages not done by then are misses/failures.
+        retries: extra attempts after a transient failure (connection, timeout, 5xx, throttling).
+        retry_backoff, retry_backoff_max: first and largest wait between attempts (seconds).
+        breaker_threshold: consecutive transient failures that open the circuit breaker.
+        breaker_cooldown: seconds the breaker stays open before one probe request.
+        exists_cache_size, exists_cache_ttl: how many known-present pages to remember, and for
+            how long (0 entries disables the cache). Stores of one process on the same location
+            and namespace share the cache, so a clear through one is seen by all.
+        namespace: override the namespace derived from the storage config.
+    """
+
+    backend_name: ClassVar[str] = "fsspec"
+
+    def __init__(
+        self,
+        storage_config: HiCacheStorageConfig | None = None,
+        *,
+        url: str,
+        storage_options: dict[str, Any] | None = None,
+        concurrency: int = 32,
+        request_timeout: float = 5.0,
+        call_timeout: float = 30.0,
+        retries: int = 2,
+        retry_backoff: float = 0.05,
+        retry_backoff_max: float = 1.0,
+        breaker_threshold: int = 5,
+        breaker_cooldown: float = 5.0,
+        exists_cache_size: int = 100_000,
+        exists_cache_ttl: float = 300.0,
+        namespace: Namespace | dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__(storage_config, namespace=namespace)
+        if not isinstance(url, str) or "://" not in url:
+            raise ConfigError(f"{self.backend_name} backend: url must look like 'protocol://path', got {redact_url(str(url))!r}")
+        if storage_options is not None and not isinstance(storage_options, dict):
+            raise ConfigError(f"{self.backend_name} backend: storage_options must be a dict")
+        self.url = url
+        self.protocol = url.split("://", 1)[0].lower()
+        self._check_protocol()
+        try:
+            self._fs_class: Any = fsspec.get_filesystem_class(self.protocol)
+        except ImportError as exc:
+            raise BackendLoadError(
+                f"{self.backend_name} backend: the {self.protocol!r} filesystem needs a package: {exc} "
+                "(pip install 'hicache[s3]' for s3)"
+            ) from None
+        except ValueError as exc:
+            raise ConfigError(f"{self.backend_name} backend: no fsspec filesystem for {self.protocol!r}: {exc}") from None
+        self._storage_options: dict[str, Any] = dict(storage_options or {})
+        self._redactor = Redactor(self._storage_options, url)
+        self.concurrency = _positive("concurrency", concurrency, int)
+        self.request_timeout = float(_positive("request_timeout", request_timeout))
+        self.call_timeout = float(_positive("call_timeout", call_timeout))
+        try:
+            self.retry_policy = RetryPolicy(
+                retries=_positive("retries", retries, int, allow_zero=True),
+                backoff=float(_positive("retry_backoff", retry_backoff, allow_zero=True)),
+                backoff_max=float(_positive("retry_backoff_max", retry_backoff_max, allow_zero=True)),
+            )
+            self.breaker = CircuitBreaker(
+                _positive("breaker_threshold", breaker_threshold, int),
+                float(_positive("breaker_cooldown", breaker_cooldown, allow_zero=True)),
+            )
+        except ValueError as exc:
+            raise ConfigError(f"{self.backend_name} backend: {exc}") from None
+        self.exists_cache = ExistsCache(
+            _positive("exists_cache_size", exists_cache_size, int, allow_zero=True),
+            float(_positive("exists_cache_ttl", exists_cache_ttl, allow_zero=True)),
+        )
+        self.root = self._fs_class._strip_protocol(url).rstrip("/")
+        self._local: LoopLocal[LoopResources] = LoopLocal(self._make_resources)
+        self.runner = RequestRunner(
+            name=type(self).__name__,
+            location=redact_url(url),
+            local=self._local,
+            breaker=self.breaker,
+            policy=self.retry_policy,
+            request_timeout=self.request_timeout,
+            call_timeout=self.call_timeout,
+            stats=self.stats,
+            redactor=self._redactor,
+        )
+        self._names: ObjectNames | None = None
+        self._codec: PageCodec | None = None
+        self._manifest_ok = False
+        self._prober: asyncio.Task[None] | None = None
+
+    # ------------------------------------------------------------------ configuration
+
+    def _check_protocol(self) -> None:
+        """Hook for subclasses that accept only some protocols."""
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(url={redact_url(self.url)!r}, namespace={self.namespace.digest!r}, "
+            f"storage_options={redact_options(self._storage_options)!r}, concurrency={self.concurrency})"
+        )
+
+    __str__ = __repr__
+
+    def _filesystem_options(self) -> dict[str, Any]:
+        """Options for one filesystem instance (called per event loop)."""
+        opts = dict(self._storage_options)
+        if getattr(self._fs_class, "async_impl", False):
+            opts["asynchronous"] = True
+        opts["skip_instance_cache"] = True  # an instance is bound to one loop: never share it
+        if self.protocol in _S3_PROTOCOLS:
+            opts.setdefault("use_listings_cache", False)  # other processes write the bucket
+            cfg = dict(opts.get("config_kwargs") or {})
+            # one connection per request in flight, or requests queue inside botocore
+            cfg["max_pool_connections"] = max(int(cfg.get("max_pool_connections") or 0), self.concurrency)
+            cfg.setdefault("connect_timeout", self.request_timeout)
+            cfg.setdefault("read_timeout", self.request_timeout)
+            # we retry (and count, and trip the breaker) ourselves; botocore's retries would
+            # multiply ours and hide outages
+            cfg.setdefault("retries", {"total_max_attempts": 1})
+            # pages carry their own xxh3 checksum, verified on every read
+            cfg.setdefault("request_checksum_calculation", "when_required")
+            cfg.setdefault("response_checksum_validation", "when_required")
+            opts["config_kwargs"] = cfg
+        return opts
+
+    def _make_resources(self) -> LoopResources:
+        fs = self._fs_class(**self._filesystem_options())
+        if self.protocol in _S3_PROTOCOLS:
+            # s3fs's own retry loop: one attempt (see _filesystem_options). It still sleeps 0.1 s
+            # after a transient error before giving up; the breaker keeps that rare.
+            fs.retries = 1
+        return LoopResources(make_ops(fs), asyncio.Semaphore(self.concurrency))
+
+    def _cache_scope(self) -> tuple[str, ...]:
+        """What identifies this store's objects within the process: protocol, service, path."""
+        opts = self._storage_options
+        endpoint = opts.get("endpoint_url") or (opts.get("client_kwargs") or {}).get("endpoint_url") or ""
+        return (self.protocol, str(endpoint), self.names.namespace_dir)
+
+    @property
+    def names(self) -> ObjectNames:
+        """Object paths of this store's namespace (fixed when the store opens)."""
+        if self._names is None:
+            self._names = ObjectNames(self.root, self.namespace.digest)
+        return self._names
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def _open(self) -> None:
+        self._names = ObjectNames(self.root, self.namespace.digest)
+        self._codec = PageCodec(self.namespace.digest_bytes)
+        self.exists_cache = ExistsCache.shared(
+            self._cache_scope(), self.exists_cache.max_entries, self.exists_cache.ttl
+        )
+        try:  # never raises and never hangs: an unreachable store opens, misses, and probes
+            async with asyncio.timeout(self.call_timeout):
+                await self._ensure_manifest()
+        except TimeoutError:
+            self.stats.incr("manifest_errors")
+        self._prober = asyncio.get_running_loop().create_task(self._probe_loop(), name="hicache-s3-prober")
+
+    async def _close(self) -> None:
+        prober, self._prober = self._prober, None
+        if prober is not None and not prober.done():
+            if prober.get_loop() is asyncio.get_running_loop():
+                prober.cancel()
+                await asyncio.gather(prober, return_exceptions=True)
+            else:
+                try:
+                    prober.get_loop().call_soon_threadsafe(prober.cancel)
+                except RuntimeError:  # its loop is closed, and the task with it
+                    pass
+        await close_all(self._local)
+
+    async def _probe_loop(self) -> None:
+        """While the breaker is open (or the manifest is unwritten), probe the store so it is
+        noticed as back without sacrificing a user request. Never dies on an error."""
+        interval = max(0.05, min(self.breaker.cooldown / 2, 5.0))
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                if self.breaker.state is not BreakerState.CLOSED or not self._manifest_ok:
+                    await self._ensure_manifest()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - a background task must survive anything
+                self.stats.incr("probe_errors")
+                logger.warning("%s: probe failed", type(self).__name__, exc_info=True)
+
+    async def _ensure_manifest(self) -> bool:
+        """Write ``manifest.json`` (namespace.to_dict()) once; ``False`` if the store is unreachable."""
+        names = self.names
+        try:
+            size = await self.runner.request("head manifest", lambda ops: ops.size(names.manifest))
+            if size is None:
+                body = json.dumps(self.namespace.to_dict(), indent=1, sort_keys=True).encode()
+                await self.runner.request("put manifest", lambda ops: ops.put(names.manifest, body))
+        except (GaveUp, FileNotFoundError):
+            self.stats.incr("manifest_errors")
+            return False
+        self._manifest_ok = True
+        return True
+
+    # ------------------------------------------------------------------ one request
+
+    # ------------------------------------------------------------------ primitives
+
+    async def _exists(self, pages: Sequence[PageKey]) -> list[bool]:
+        names = self.names
+        generation = self.exists_cache.generation
+        paths = [names.page(p.key, p.pool) for p in pages]
+        out = [self.exists_cache.contains(path) for path in paths]
+        todo = [i for i, known in enumerate(out) if not known]
+        self.stats.incr("exists_cache_hits", len(pages) - len(todo))
+        found = await self.runner.batch(
+            "exists",
+            [self._exists_one(paths[i], PageCodec.header_len(pages[i].key, pages[i].pool), generation) for i in todo],
+        )
+        for i, flag in zip(todo, found):
+            out[i] = flag
+        return out
+
+    async def _exists_one(self, path: str, min_size: int, generation: int) -> bool:
+        try:
+            size = await self.runner.request("exists", lambda ops: ops.size(path))
+        except (GaveUp, FileNotFoundError):
+            return False
+        if size is None or size < min_size:
+            return False
+        self.exists_cache.add(path, generation)
+        return True
+
+    async def _read(self, pages: Sequence[PageKey], buffers: Sequence[memoryview]) -> list[bool]:
+        generation = self.exists_cache.generation
+        return await self.runner.batch("read", [self._read_one(p, b, generation) for p, b in zip(pages, buffers)])
+
+    async def _read_one(self, page: PageKey, buf: memoryview, generation: int) -> bool:
+        path = self.names.page(page.key, page.pool)
+        hlen = PageCodec.header_len(page.key, page.pool)
+        want = len(buf)
+        try:  # header and payload in one ranged GET
+            data = await self.runner.request("read", lambda ops: ops.get_range(path, 0, hlen + want))
+        except FileNotFoundError:
+            self.exists_cache.discard(path)
+            return False
+        except GaveUp:
+            return False
+        view = memoryview(data)
+        verdict = self._verify(view[:hlen], view[hlen:], page, want)
+        if verdict is not Verdict.OK:
+            await self._reject(path, view[:hlen], verdict, want)
+            return False
+        buf[:] = view[hlen:]  # verified first: a bad page never lands in pool memory
+        self.exists_cache.add(path, generation)
+        return True
+
+    async def _read_bytes(self, page: PageKey) -> bytes | None:
+        path = self.names.page(page.key, page.pool)
+
+        async def one() -> bytes | None:
+            try:
+                data = await self.runner.request("read", lambda ops: ops.get(path))
+            except FileNotFoundError:
+                self.exists_cache.discard(path)
+                return None
+            except GaveUp:
+                return None
+            view = memoryview(data)
+            parsed = PageCodec.parse(view)
+            hlen = parsed.header_len if parsed is not None else PageCodec.header_len(page.key, page.pool)
+            verdict = self._verify(view[:hlen], view[hlen:], page, None)
+            if verdict is not Verdict.OK:
+                await self._reject(path, view[:hlen], verdict, None)
+                return None
+            return bytes(view[hlen:])
+
+        try:
+            async with asyncio.timeout(self.call_timeout):
+                return await one()
+        except TimeoutError:
+            self.stats.incr("call_timeouts")
+            return None
+
+    def _verify(self, header: memoryview, payload: memoryview, page: PageKey, want: int | None) -> Verdict:
+        codec = self._codec or PageCodec(self.namespace.digest_bytes)
+        return codec.verify(header, payload, page.key, page.pool, expected_len=want)
+
+    async def _reject(self, path: str, header: memoryview, verdict: Verdict, want: int | None) -> None:
+        """A page that failed verification: a size the caller did not expect is just a miss;
+        anything else is corrupt - counted, forgotten, and deleted so lookups stop finding it
+        (a concurrent good rewrite lost to that delete costs one miss, never wrong bytes)."""
+        parsed = PageCodec.parse(header)
+        if verdict is Verdict.WRONG_LENGTH and parsed is not None and want is not None and parsed.payload_len != want:
+            self.stats.incr("size_mismatches")
+            return
+        self.stats.incr("corrupt_pages")
+        self.exists_cache.discard(path)
+        logger.warning("%s: corrupt page %s (%s); deleting it", type(self).__name__, path, verdict.value)
+        try:
+            await self.runner.request("delete corrupt", lambda ops: ops.remove(path))
+        except (GaveUp, FileNotFoundError):
+            pass
+
+    async def _write(
+        self, pages: Sequence[PageKey], buffers: Sequence[memoryview], parents: Sequence[PageKey | None]
+    ) -> list[bool]:
+        # a missing manifest is written by the prober, never on the write path: the manifest
+        # only describes the namespace, and waiting for it would stretch a batch past its timeout
+        generation = self.exists_cache.generation
+        return await self.runner.batch("write", [self._write_one(p, b, generation) for p, b in zip(pages, buffers)])
+
+    async def _write_one(self, page: PageKey, buf: memoryview, generation: int) -> bool:
+        codec = self._codec or PageCodec(self.namespace.digest_bytes)
+        path = self.names.page(page.key, page.pool)
+
+        async def put(ops: ObjectOps) -> None:
+            # one PUT of header+payload: an object store publishes an object whole or not at all.
+            # The body is built once a slot is held, so a huge batch never holds a copy of every
+            # page at once.
+            await ops.put(path, b"".join((codec.encode(page.key, page.pool, buf), buf)))
+
+        try:
+            await self.runner.request("write", put)
+        except FileNotFoundError:
+            self.stats.incr("permanent_errors")
+            logger.warning("%s: write to %s failed: bucket not found", type(self).__name__, redact_url(self.url))
+            return False
+        except GaveUp:
+            return False
+        self.exists_cache.add(path, generation)
+        return True
+
+    async def _clear(self) -> None:
+        """Remove this namespace's pages (the manifest stays: it only describes the namespace).
+        Bounded by ``max(call_timeout, 300)`` s: a big namespace takes many list/delete calls."""
+        self.exists_cache.clear()
+        try:
+            removed = await self.runner.request(
+                "clear", lambda ops: ops.remove_tree(self.names.pages_dir), timeout=max(self.call_timeout, 300.0)
+            )
+        except FileNotFoundError:
+            removed = 0
+        except GaveUp as exc:
+            cause = exc.__cause__
+            detail = f": {type(cause).__name__}: {self._redactor.scrub(str(cause))}" if cause else ""
+            raise RuntimeError(f"clearing {redact_url(self.url)} failed{detail}") from None
+        finally:
+            self.exists_cache.clear()  # also drops answers of lookups that overlapped the delete
+        logger.info("%s: cleared %d objects of namespace %s", type(self).__name__, removed, self.namespace.digest)
+
+    def _backend_stats(self) -> dict[str, Any]:
+        return {
+            "url": redact_url(self.url),
+            "breaker_state": self.breaker.state.value,
+            "breaker_times_opened": self.breaker.times_opened,
+            "exists_cache_entries": len(self.exists_cache),
+            "concurrency": self.concurrency,
+            "event_loops": len(self._local),
+        }
+
+
+class S3Storage(FsspecStorage):
+    """Pages in an S3-compatible bucket through s3fs, natively async (see :class:`FsspecStorage`
+    for the options). ``url`` is ``s3://bucket[/prefix]``; point ``storage_options`` at a non-AWS
+    service with ``endpoint_url``."""
+
+    backend_name: ClassVar[str] = "s3"
+
+    def _check_protocol(self) -> None:
+        if self.protocol not in _S3_PROTOCOLS:
+            raise ConfigError(f"s3 backend: url must start with s3://, got {redact_url(self.url)!r} (use the fsspec backend for other protocols)")
+        bucket = self.url.split("://", 1)[1].rsplit("@", 1)[-1].split("/", 1)[0]
+        if not bucket:
+            raise ConfigError("s3 backend: url must name a bucket (s3://bucket/prefix)")

@@ -1,0 +1,89 @@
+"""A bounded cache of objects known to exist, so repeated lookups of a prefix cost no HEADs.
+
+Only *positive* answers are cached (another process may write a page at any time, so a miss is
+never remembered). An entry expires after ``ttl`` seconds, bounding how long a page removed by
+someone else (bucket lifecycle, another process's clear) is still reported - and such a page
+then reads as a miss and is dropped here. Pages removed by *this* process are never reported:
+deletes, clears and corrupt reads invalidate, and ``generation`` stops a lookup that started
+before a clear from re-adding its (now stale) answer after it. Stores of one process that open
+the same namespace at the same location share one cache (:meth:`ExistsCache.shared`), so a clear
+through any of them is seen by all.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+from typing import ClassVar
+
+__all__ = ["ExistsCache"]
+
+
+class ExistsCache:
+    """LRU of object paths with a time-to-live; thread-safe."""
+
+    _shared: ClassVar[weakref.WeakValueDictionary[Hashable, ExistsCache]] = weakref.WeakValueDictionary()
+    _shared_lock: ClassVar[threading.Lock] = threading.Lock()
+
+    @classmethod
+    def shared(cls, scope: Hashable, max_entries: int, ttl: float) -> ExistsCache:
+        """The process-wide cache of ``scope`` (location + namespace); the first store to ask
+        sets its size and TTL. It lives as long as some store holds it."""
+        with cls._shared_lock:
+            cache = cls._shared.get(scope)
+            if cache is None:
+                cache = cls(max_entries, ttl)
+                cls._shared[scope] = cache
+            return cache
+
+    def __init__(self, max_entries: int, ttl: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.max_entries = max(0, int(max_entries))
+        self.ttl = float(ttl)
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._entries: OrderedDict[str, float] = OrderedDict()
+        self._generation = 0
+
+    @property
+    def generation(self) -> int:
+        """Take this before a request; pass it to :meth:`add` with the answer."""
+        return self._generation
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def contains(self, path: str) -> bool:
+        if not self.max_entries:
+            return False
+        with self._lock:
+            stamp = self._entries.get(path)
+            if stamp is None:
+                return False
+            if self._clock() - stamp > self.ttl:
+                del self._entries[path]
+                return False
+            self._entries.move_to_end(path)
+            return True
+
+    def add(self, path: str, generation: int) -> None:
+        if not self.max_entries:
+            return
+        with self._lock:
+            if generation != self._generation:
+                return  # a clear happened while the request was in flight
+            self._entries[path] = self._clock()
+            self._entries.move_to_end(path)
+            while len(self._entries) > self.max_entries:
+                self._entries.popitem(last=False)
+
+    def discard(self, path: str) -> None:
+        with self._lock:
+            self._entries.pop(path, None)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._generation += 1
+            self._entries.clear()

@@ -1,0 +1,279 @@
+"""Filesystems bound to event loops, behind four object operations the backend needs.
+
+Async fsspec filesystems (s3fs, gcsfs, ...) hold an aiohttp session, which belongs to the event
+loop that created it. A backend may be used from several loops (a server's loop, the blocking
+facade's private loop, one loop per test), so :class:`LoopLocal` creates one filesystem - and
+one semaphore, also loop-bound - per running loop, lazily on first use, and closes them on
+``aclose``. Every call then runs natively on the caller's loop: no thread hop per request.
+
+Synchronous filesystems (``memory://``, ``file://`` ...) have no coroutine API; for them
+:class:`ThreadObjectOps` runs each call in the default thread pool via ``asyncio.to_thread``.
+Timeouts still bound how long the *caller* waits, but a call already running in a thread runs to
+completion in the background (threads cannot be cancelled).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Generic, Protocol, TypeVar
+
+__all__ = [
+    "AsyncObjectOps",
+    "LoopLocal",
+    "LoopResources",
+    "ObjectOps",
+    "S3ObjectOps",
+    "ThreadObjectOps",
+    "make_ops",
+]
+
+logger = logging.getLogger("hicache.storage.s3")
+
+T = TypeVar("T")
+
+
+class ObjectOps(Protocol):
+    """What the backend asks of a filesystem; paths carry no protocol."""
+
+    fs: Any
+
+    async def put(self, path: str, data: bytes) -> None: ...
+
+    async def get_range(self, path: str, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)``; fewer if the object is shorter; ``FileNotFoundError`` if absent."""
+        ...
+
+    async def get(self, path: str) -> bytes: ...
+
+    async def size(self, path: str) -> int | None:
+        """The object's size, or ``None`` if it does not exist."""
+        ...
+
+    async def remove(self, path: str) -> None: ...
+
+    async def remove_tree(self, prefix: str) -> int:
+        """Delete every object under ``prefix``; returns how many."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+class AsyncObjectOps:
+    """Any async fsspec filesystem, through its coroutine methods."""
+
+    def __init__(self, fs: Any) -> None:
+        self.fs = fs
+
+    async def put(self, path: str, data: bytes) -> None:
+        await self.fs._pipe_file(path, data)
+
+    async def get_range(self, path: str, start: int, end: int) -> bytes:
+        return await self.fs._cat_file(path, start=start, end=end)
+
+    async def get(self, path: str) -> bytes:
+        return await self.fs._cat_file(path)
+
+    async def size(self, path: str) -> int | None:
+        try:
+            info = await self.fs._info(path)
+        except FileNotFoundError:
+            return None
+        if info.get("type") == "directory":
+            return None
+        return int(info.get("size") or 0)
+
+    async def remove(self, path: str) -> None:
+        await self.fs._rm_file(path)
+
+    async def remove_tree(self, prefix: str) -> int:
+        try:
+            files = await self.fs._find(prefix)
+        except FileNotFoundError:
+            return 0
+        if files:
+            await self.fs._rm(files)
+        return len(files)
+
+    async def close(self) -> None:
+        session = getattr(self.fs, "_session", None)
+        closer = getattr(session, "close", None)
+        if callable(closer):
+            result = closer()
+            if asyncio.iscoroutine(result):
+                await result
+
+
+class S3ObjectOps(AsyncObjectOps):
+    """s3fs, with one round trip per lookup.
+
+    ``S3FileSystem._info`` answers a missing key with a HEAD *and* a LIST (it checks for a
+    "directory"); a page is never a directory, so ``size`` sends the HEAD only. A GET with a range
+    starting past the end of an (empty, so corrupt) object answers 416; that is a short read here,
+    which the page check then rejects. Whole-object reads ask for ``bytes=0-`` so s3fs does not
+    HEAD first to plan a multi-part download.
+    """
+
+    async def get_range(self, path: str, start: int, end: int) -> bytes:
+        try:
+            return await self.fs._cat_file(path, start=start, end=end)
+        except OSError as exc:
+            if _is_invalid_range(exc):
+                return b""
+            raise
+
+    async def get(self, path: str) -> bytes:
+        try:
+            return await self.fs._cat_file(path, start=0)
+        except OSError as exc:
+            if _is_invalid_range(exc):
+                return b""
+            raise
+
+    async def size(self, path: str) -> int | None:
+        bucket, key, _ = self.fs.split_path(path)
+        try:
+            out = await self.fs._call_s3("head_object", Bucket=bucket, Key=key)
+        except FileNotFoundError:
+            return None
+        return int(out.get("ContentLength", 0))
+
+    async def remove_tree(self, prefix: str) -> int:
+        try:
+            files = await self.fs._find(prefix)
+        except FileNotFoundError:
+            return 0
+        for i in range(0, len(files), 1000):  # DeleteObjects takes at most 1000 keys
+            await self.fs._bulk_delete(files[i : i + 1000])
+        return len(files)
+
+    async def close(self) -> None:
+        client = getattr(self.fs, "_s3", None)
+        if client is not None:
+            self.fs._s3 = None
+            await client.close()
+
+
+def _is_invalid_range(exc: BaseException) -> bool:
+    cur: BaseException | None = exc
+    for _ in range(4):
+        if cur is None:
+            return False
+        response = getattr(cur, "response", None)
+        if isinstance(response, dict):
+            err = response.get("Error", {})
+            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            return err.get("Code") in ("InvalidRange", "416") or status == 416
+        cur = cur.__cause__
+    return False
+
+
+class ThreadObjectOps:
+    """A synchronous fsspec filesystem, each call in a worker thread (see module docstring)."""
+
+    def __init__(self, fs: Any) -> None:
+        self.fs = fs
+
+    async def put(self, path: str, data: bytes) -> None:
+        await asyncio.to_thread(self.fs.pipe_file, path, data)
+
+    async def get_range(self, path: str, start: int, end: int) -> bytes:
+        return await asyncio.to_thread(self.fs.cat_file, path, start=start, end=end)
+
+    async def get(self, path: str) -> bytes:
+        return await asyncio.to_thread(self.fs.cat_file, path)
+
+    async def size(self, path: str) -> int | None:
+        def info() -> int | None:
+            try:
+                got = self.fs.info(path)
+            except FileNotFoundError:
+                return None
+            return None if got.get("type") == "directory" else int(got.get("size") or 0)
+
+        return await asyncio.to_thread(info)
+
+    async def remove(self, path: str) -> None:
+        await asyncio.to_thread(self.fs.rm_file, path)
+
+    async def remove_tree(self, prefix: str) -> int:
+        def rm() -> int:
+            try:
+                files = self.fs.find(prefix)
+            except FileNotFoundError:
+                return 0
+            if files:
+                self.fs.rm(files)
+            return len(files)
+
+        return await asyncio.to_thread(rm)
+
+    async def close(self) -> None:
+        return None
+
+
+def make_ops(fs: Any) -> ObjectOps:
+    """The adapter for ``fs``: native coroutines where the filesystem has them."""
+    if getattr(fs, "async_impl", False):
+        try:
+            from s3fs import S3FileSystem
+        except ImportError:  # pragma: no cover
+            S3FileSystem = None  # type: ignore[assignment,misc]  # noqa: N806
+        if S3FileSystem is not None and isinstance(fs, S3FileSystem):
+            return S3ObjectOps(fs)
+        return AsyncObjectOps(fs)
+    return ThreadObjectOps(fs)
+
+
+@dataclass
+class LoopResources:
+    """What one event loop needs: its filesystem adapter and its concurrency limit."""
+
+    ops: ObjectOps
+    semaphore: asyncio.Semaphore
+
+
+class LoopLocal(Generic[T]):
+    """One value per running event loop, created on first use in that loop."""
+
+    def __init__(self, factory: Callable[[], T]) -> None:
+        self._factory = factory
+        self._values: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, T] = weakref.WeakKeyDictionary()
+        self._lock = threading.Lock()  # loops may live in different threads
+
+    def get(self) -> T:
+        loop = asyncio.get_running_loop()
+        value = self._values.get(loop)
+        if value is None:
+            with self._lock:
+                value = self._values.get(loop)
+                if value is None:
+                    value = self._values[loop] = self._factory()
+        return value
+
+    def pop_all(self) -> list[tuple[asyncio.AbstractEventLoop, T]]:
+        with self._lock:
+            items = list(self._values.items())
+            self._values.clear()
+        return items
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+
+async def close_all(local: LoopLocal[LoopResources]) -> None:
+    """Close every loop's filesystem: this loop's inline, running loops' through their thread,
+    closed loops' are dropped (their sessions died with the loop)."""
+    current = asyncio.get_running_loop()
+    for loop, res in local.pop_all():
+        try:
+            if loop is current:
+                await res.ops.close()
+            elif loop.is_running() and not loop.is_closed():
+                asyncio.run_coroutine_threadsafe(res.ops.close(), loop)
+        except Exception:  # noqa: BLE001 - closing must not raise into shutdown paths
+            logger.warning("closing a filesystem failed", exc_info=True)

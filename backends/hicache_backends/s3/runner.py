@@ -1,0 +1,149 @@
+"""Running requests against an object store that may be slow, throttling, or gone.
+
+:class:`RequestRunner` is the one place where a request meets the service's failure modes, so
+the storage classes only say *what* to ask:
+
+* a circuit-breaker gate (:mod:`.breaker`): an outage costs microseconds per call, not a timeout;
+* a concurrency slot from the current event loop's semaphore (the HTTP pool is sized alike);
+* a timeout on every attempt (``asyncio.timeout``);
+* retries with jittered backoff for transient errors only (:mod:`.retry`);
+* a bound on a whole batch (``call_timeout``): pages not done by then are failures.
+
+Everything is counted in the store's :class:`~hicache.storage.stats.StorageStats`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, TypeVar
+
+from hicache.storage.stats import StorageStats
+from hicache_backends.s3.breaker import BreakerState, CircuitBreaker
+from hicache_backends.s3.fs import LoopLocal, LoopResources, ObjectOps
+from hicache_backends.s3.naming import Redactor
+from hicache_backends.s3.retry import RetryPolicy, is_throttle, is_transient
+
+__all__ = ["GaveUp", "RequestRunner"]
+
+logger = logging.getLogger("hicache.storage.s3")
+
+T = TypeVar("T")
+
+
+class GaveUp(Exception):
+    """A request failed for good (refused by the breaker, retries spent, or a permanent error);
+    already counted and logged, the caller answers with a miss."""
+
+
+class RequestRunner:
+    """Runs object operations for one store (see the module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        name: str,
+        location: str,
+        local: LoopLocal[LoopResources],
+        breaker: CircuitBreaker,
+        policy: RetryPolicy,
+        request_timeout: float,
+        call_timeout: float,
+        stats: StorageStats,
+        redactor: Redactor,
+    ) -> None:
+        self.name = name  # for log lines: the store's class
+        self.location = location  # for log lines: the URL, already redacted
+        self.local = local
+        self.breaker = breaker
+        self.policy = policy
+        self.request_timeout = request_timeout
+        self.call_timeout = call_timeout
+        self.stats = stats
+        self.redactor = redactor
+
+    async def request(self, what: str, op: Callable[[ObjectOps], Awaitable[T]], timeout: float | None = None) -> T:
+        """Run ``op`` with breaker gate, concurrency slot, timeout and retries.
+
+        Raises ``FileNotFoundError`` (an answer: the object or bucket is absent) or
+        :class:`GaveUp`; every other outcome is counted.
+        """
+        res = self.local.get()
+        timeout = self.request_timeout if timeout is None else timeout
+        for attempt in range(self.policy.attempts):
+            if not self.breaker.allow():
+                self.stats.incr("breaker_rejected")
+                raise GaveUp(what)
+            self.stats.incr("requests")
+            try:
+                async with res.semaphore:  # waiting for a slot is bounded by call_timeout
+                    async with asyncio.timeout(timeout):
+                        result = await op(res.ops)
+            except FileNotFoundError:
+                self.breaker.record_success()  # the service answered
+                raise
+            except Exception as exc:  # noqa: BLE001 - classified below
+                if isinstance(exc, TimeoutError):
+                    self.stats.incr("timeouts")
+                if not is_transient(exc):
+                    self.breaker.record_success()  # the service answered, just not with data
+                    self.stats.incr("permanent_errors")
+                    logger.warning("%s: %s failed: %s: %s", self.name, what, type(exc).__name__,
+                                   self.redactor.scrub(str(exc)))
+                    raise GaveUp(what) from exc
+                self.stats.incr("transient_errors")
+                throttled = is_throttle(exc)
+                if throttled:
+                    self.stats.incr("throttled")
+                if self.breaker.record_failure():
+                    self.stats.incr("breaker_open")
+                    logger.warning(
+                        "%s: %s unreachable (%s); answering misses for %.1f s before probing",
+                        self.name, self.location, type(exc).__name__, self.breaker.cooldown,
+                    )
+                if attempt + 1 >= self.policy.attempts:
+                    logger.debug("%s: %s gave up after %d attempts: %s: %s", self.name, what, attempt + 1,
+                                 type(exc).__name__, self.redactor.scrub(str(exc)))
+                    raise GaveUp(what) from exc
+                self.stats.incr("retries")
+                await asyncio.sleep(self.policy.delay(attempt, throttled=throttled))
+            else:
+                if self.breaker.state is not BreakerState.CLOSED:
+                    logger.info("%s: %s is reachable again", self.name, self.location)
+                self.breaker.record_success()
+                return result
+        raise GaveUp(what)  # pragma: no cover - the loop always returns or raises
+
+    async def batch(self, what: str, coros: list[Coroutine[Any, Any, bool]]) -> list[bool]:
+        """Run per-page coroutines concurrently; whatever is not done after ``call_timeout`` is a
+        failure. The coroutines bound their own I/O through :meth:`request` and never raise; a
+        caller cancelled mid-batch cancels and drains every page's task before re-raising."""
+        if not coros:
+            return []
+        tasks = [asyncio.ensure_future(c) for c in coros]
+        try:
+            _, pending = await asyncio.wait(tasks, timeout=self.call_timeout)
+        except asyncio.CancelledError:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+        if pending:
+            self.stats.incr("call_timeouts")
+            logger.warning("%s: %s: %d of %d pages not done within %.1f s", self.name, what,
+                           len(pending), len(tasks), self.call_timeout)
+            for t in pending:
+                t.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+        out: list[bool] = []
+        for t in tasks:
+            if t.cancelled():
+                out.append(False)
+            elif t.exception() is not None:
+                self.stats.incr("backend_errors")
+                logger.error("%s: %s page failed", self.name, what, exc_info=t.exception())
+                out.append(False)
+            else:
+                out.append(bool(t.result()))
+        return out

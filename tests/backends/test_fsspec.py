@@ -1,0 +1,166 @@
+"""The ``fsspec`` backend: the conformance suite on ``memory://`` (a synchronous filesystem, run
+in worker threads), and the same backend on an ``s3://`` URL, which runs natively async."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from typing import Any
+
+import fsspec
+import pytest
+import torch
+
+from hicache.storage import AsyncHiCacheStorage, PageCodec, create_async_storage
+from hicache.testing import StoreTests
+from hicache.testing.store_tests import NS_A
+from hicache_backends.s3.fs import S3ObjectOps, ThreadObjectOps
+from s3_server import s3_options
+
+
+class TestFsspecMemoryStore(StoreTests):
+    @pytest.fixture
+    def store_factory(self):
+        root = f"memory://hicache-tests/{uuid.uuid4().hex}"
+
+        def make(namespace: Any = None) -> AsyncHiCacheStorage:
+            return create_async_storage("fsspec", None, url=root, namespace=namespace)
+
+        yield make
+        fs = fsspec.filesystem("memory")
+        if fs.exists(root):
+            fs.rm(root, recursive=True)
+
+    async def raw_payload(self, store: Any, key: str, pool: str = "kv") -> bytes | None:
+        try:
+            data = fsspec.filesystem("memory").cat_file(store.names.page(key, pool))
+        except FileNotFoundError:
+            return None
+        header = PageCodec.parse(data)
+        assert header is not None and header.key == key and header.pool == pool
+        return data[header.header_len :]
+
+
+async def test_memory_url_uses_threads_and_s3_url_is_native(moto_endpoint: str, moto_bucket: str) -> None:
+    mem = create_async_storage("fsspec", None, url=f"memory://hicache-tests/{uuid.uuid4().hex}", namespace=NS_A)
+    s3 = create_async_storage(
+        "fsspec", None, url=f"s3://{moto_bucket}/fsspec/{uuid.uuid4().hex}",
+        storage_options=s3_options(moto_endpoint), namespace=NS_A,
+    )
+    for store, ops_type in ((mem, ThreadObjectOps), (s3, S3ObjectOps)):
+        async with store:
+            assert await store.set("k", torch.arange(16, dtype=torch.float32))
+            got = await store.get("k", torch.empty(16))
+            assert got is not None and torch.equal(got, torch.arange(16, dtype=torch.float32))
+            assert isinstance(store._local.get().ops, ops_type)
+
+
+async def test_file_url_round_trip(tmp_path: Any) -> None:
+    store = create_async_storage(
+        "fsspec", None, url=f"file://{tmp_path}/store", storage_options={"auto_mkdir": True}, namespace=NS_A
+    )
+    async with store:
+        assert await store.set("k", torch.ones(8))
+        assert await store.exists("k")
+        assert (tmp_path / "store" / NS_A.digest / "manifest.json").exists()
+        got = await store.get("k", torch.empty(8))
+        assert got is not None and torch.equal(got, torch.ones(8))
+        assert await store.clear() and not await store.exists("k")
+
+
+def test_unknown_protocol_is_config_error() -> None:
+    from hicache.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="no fsspec filesystem"):
+        create_async_storage("fsspec", None, url="nosuchproto://x")
+
+
+# -- fault injection on the generic backend (no server needed) ----------------------------------
+
+
+class FlakyOps:
+    """Wraps a store's object operations; raises the queued errors first, then behaves."""
+
+    def __init__(self, inner: Any, errors: list[BaseException]) -> None:
+        self.inner, self.errors, self.calls = inner, list(errors), 0
+        self.fs = inner.fs
+
+    def __getattr__(self, name: str) -> Any:
+        target = getattr(self.inner, name)
+
+        async def call(*args: Any, **kwargs: Any) -> Any:
+            self.calls += 1
+            if self.errors:
+                raise self.errors.pop(0)
+            return await target(*args, **kwargs)
+
+        return call
+
+
+def _client_error(status: int, code: str) -> Exception:
+    from botocore.exceptions import ClientError
+
+    return ClientError({"Error": {"Code": code, "Message": "m"}, "ResponseMetadata": {"HTTPStatusCode": status}}, "PutObject")
+
+
+def _memory_store(**options: Any) -> Any:
+    return create_async_storage(
+        "fsspec", None, url=f"memory://hicache-tests/{uuid.uuid4().hex}", namespace=NS_A,
+        retry_backoff=0.001, retry_backoff_max=0.01, **options,
+    )
+
+
+async def test_transient_errors_are_retried_permanent_ones_are_not() -> None:
+    store = _memory_store(retries=2)
+    async with store:
+        res = store._local.get()
+        res.ops = FlakyOps(res.ops, [_client_error(503, "SlowDown"), TimeoutError()])
+        assert await store.set("k", torch.ones(4))  # third attempt succeeds
+        stats = store.get_stats()
+        assert stats["retries"] == 2 and stats["throttled"] == 1 and stats["timeouts"] == 1
+        res.ops = FlakyOps(res.ops.inner, [_client_error(403, "AccessDenied")])
+        assert await store.set("k2", torch.ones(4)) is False
+        assert res.ops.calls == 1 and store.get_stats()["permanent_errors"] == 1
+        assert store.get_stats()["breaker_state"] == "closed"  # the service answered
+
+
+async def test_request_timeout_bounds_a_hanging_call() -> None:
+    store = _memory_store(request_timeout=0.05, retries=1, call_timeout=1.0)
+    async with store:
+        res = store._local.get()
+
+        class Hanging:
+            fs = res.ops.fs
+
+            async def get_range(self, *a: Any, **k: Any) -> bytes:
+                await asyncio.sleep(3600)
+                return b""
+
+            def __getattr__(self, name: str) -> Any:
+                return getattr(res.ops, name)
+
+        assert await store.set("k", torch.ones(4))
+        real, res.ops = res.ops, Hanging()
+        got = await asyncio.wait_for(store.get("k", torch.empty(4)), 2.0)
+        assert got is None and store.get_stats()["timeouts"] == 2
+        res.ops = real
+
+
+async def test_prober_survives_errors() -> None:
+    store = _memory_store(breaker_cooldown=0.1)
+    async with store:
+        calls = 0
+
+        async def broken() -> bool:
+            nonlocal calls
+            calls += 1
+            raise RuntimeError("probe bug")
+
+        store._manifest_ok = False
+        store._ensure_manifest = broken  # type: ignore[method-assign]
+        for _ in range(100):
+            if calls >= 3:
+                break
+            await asyncio.sleep(0.05)
+        assert calls >= 3 and store.get_stats()["probe_errors"] >= 2
+        assert store._prober is not None and not store._prober.done()

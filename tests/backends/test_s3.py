@@ -1,0 +1,290 @@
+"""The ``s3`` backend against a moto S3 server on loopback: the conformance suite, checked
+against the bucket through plain botocore, plus what only an object store has - two processes
+sharing a bucket, ranged single-GET reads, the existence cache, corrupt objects, secrets."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import subprocess
+import sys
+import textwrap
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from hicache.keys import Namespace
+from hicache.storage import AsyncHiCacheStorage, PageCodec, create_async_storage
+from hicache.testing import ArrayHostPool, StoreTests
+from hicache.testing.store_tests import NS_A, PAGE, keys_for
+from s3_server import TEST_KEY, TEST_SECRET, s3_options
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _client(endpoint: str) -> Any:
+    import botocore.session
+
+    return botocore.session.get_session().create_client(
+        "s3", endpoint_url=endpoint, aws_access_key_id=TEST_KEY, aws_secret_access_key=TEST_SECRET,
+        region_name="us-east-1",
+    )
+
+
+def _split(path: str) -> tuple[str, str]:
+    bucket, _, key = path.partition("/")
+    return bucket, key
+
+
+def raw_get(endpoint: str, path: str) -> bytes | None:
+    client = _client(endpoint)
+    bucket, key = _split(path)
+    try:
+        return client.get_object(Bucket=bucket, Key=key)["Body"].read()
+    except client.exceptions.NoSuchKey:
+        return None
+    finally:
+        client.close()
+
+
+def raw_put(endpoint: str, path: str, data: bytes) -> None:
+    client = _client(endpoint)
+    bucket, key = _split(path)
+    try:
+        client.put_object(Bucket=bucket, Key=key, Body=data)
+    finally:
+        client.close()
+
+
+def make_s3(endpoint: str, bucket: str, prefix: str, namespace: Any = None, **options: Any) -> AsyncHiCacheStorage:
+    return create_async_storage(
+        "s3", None, url=f"s3://{bucket}/{prefix}", storage_options=s3_options(endpoint), namespace=namespace,
+        **options,
+    )
+
+
+class TestS3Store(StoreTests):
+    @pytest.fixture
+    def store_factory(self, moto_endpoint: str, moto_bucket: str):
+        prefix = f"conformance/{uuid.uuid4().hex}"
+
+        def make(namespace: Any = None) -> AsyncHiCacheStorage:
+            return make_s3(moto_endpoint, moto_bucket, prefix, namespace)
+
+        self.endpoint = moto_endpoint
+        return make
+
+    async def raw_payload(self, store: Any, key: str, pool: str = "kv") -> bytes | None:
+        """The payload in the bucket, read with plain botocore (not through the store)."""
+        data = await asyncio.to_thread(raw_get, self.endpoint, store.names.page(key, pool))
+        if data is None:
+            return None
+        header = PageCodec.parse(data)
+        assert header is not None and header.key == key and header.pool == pool
+        return data[header.header_len :]
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def prefix() -> str:
+    return f"t/{uuid.uuid4().hex}"
+
+
+async def _write_pages(store: AsyncHiCacheStorage, keys: list[str], seed: int = 1) -> ArrayHostPool:
+    src = ArrayHostPool(len(keys), PAGE)
+    src.fill_random(seed)
+    store.register_mem_pool_host(src)
+    assert await store.batch_set_v1(keys, src.indices(0, len(keys))) == [True] * len(keys)
+    return src
+
+
+async def test_layout_manifest_and_hashed_names(moto_endpoint: str, moto_bucket: str, prefix: str) -> None:
+    keys = ["../../escape", "plain"]
+    async with make_s3(moto_endpoint, moto_bucket, prefix, NS_A) as store:
+        await _write_pages(store, keys)
+        names = store.names
+        assert names.namespace_dir == f"{moto_bucket}/{prefix}/{NS_A.digest}"
+        manifest = raw_get(moto_endpoint, names.manifest)
+        assert manifest is not None and json.loads(manifest) == NS_A.to_dict()
+        for k in keys:
+            path = names.page(k, "kv")
+            assert path.startswith(names.pages_dir + "/") and k not in path
+            assert raw_get(moto_endpoint, path) is not None
+
+
+async def test_read_is_one_ranged_get_per_page(moto_endpoint: str, moto_bucket: str, prefix: str) -> None:
+    keys = keys_for(6, salt=3)
+    async with make_s3(moto_endpoint, moto_bucket, prefix, NS_A) as store:
+        src = await _write_pages(store, keys)
+        dst = ArrayHostPool(len(keys), PAGE)
+        store.register_mem_pool_host(dst)
+        before = store.get_stats()["requests"]
+        assert await store.batch_get_v1(keys, dst.indices(0, 6)) == [True] * 6
+        assert store.get_stats()["requests"] - before == 6  # no HEAD before the GET
+        assert torch.equal(dst.buffer, src.buffer)
+        # the connection pool is sized to the concurrency
+        fs = store._local.get().ops.fs
+        assert fs._s3._client_config.max_pool_connections == store.concurrency
+
+
+async def test_exists_cache_saves_round_trips_and_forgets_cleared_pages(moto_endpoint: str, moto_bucket: str, prefix: str) -> None:
+    keys = keys_for(5, salt=4)
+    async with make_s3(moto_endpoint, moto_bucket, prefix, NS_A) as store:
+        await _write_pages(store, keys[:3])
+        before = store.get_stats()["requests"]
+        assert await store.exists_pages(keys) == [True, True, True, False, False]
+        assert store.get_stats()["requests"] - before == 2  # the three written pages are known
+        # a second store of this process on the same namespace
+        async with make_s3(moto_endpoint, moto_bucket, prefix, NS_A) as twin:
+            assert await twin.exists_pages(keys[:3]) == [True] * 3
+            assert await store.clear() is True
+            assert await store.exists_pages(keys) == [False] * 5
+            assert await twin.exists_pages(keys[:3]) == [False] * 3  # it saw the clear
+        # another store sees what this one writes
+        async with make_s3(moto_endpoint, moto_bucket, prefix, NS_A) as other:
+            await _write_pages(other, keys[:1])
+        assert await store.exists_pages(keys[:1]) == [True]
+
+
+async def test_corrupt_objects_are_counted_misses(moto_endpoint: str, moto_bucket: str, prefix: str) -> None:
+    keys = keys_for(5, salt=5)
+    async with make_s3(moto_endpoint, moto_bucket, prefix, NS_A) as store:
+        src = await _write_pages(store, keys)
+        names = store.names
+        good = raw_get(moto_endpoint, names.page(keys[0], "kv"))
+        assert good is not None
+        flipped = bytearray(good)
+        flipped[-1] ^= 0xFF
+        raw_put(moto_endpoint, names.page(keys[0], "kv"), bytes(flipped))  # bad checksum
+        raw_put(moto_endpoint, names.page(keys[1], "kv"), good[: len(good) // 2])  # torn
+        raw_put(moto_endpoint, names.page(keys[2], "kv"), good)  # another key's page
+        raw_put(moto_endpoint, names.page(keys[3], "kv"), b"")  # empty object
+        assert await store.exists_pages(keys) == [True] * 5  # known from the writes
+        dst = ArrayHostPool(len(keys), PAGE)
+        store.register_mem_pool_host(dst)
+        assert await store.batch_get_v1(keys, dst.indices(0, 5)) == [False, False, False, False, True]
+        assert dst.page_bytes(0) == bytes(src.page_nbytes)  # nothing unverified reached the pool
+        assert dst.page_bytes(4 * PAGE) == src.page_bytes(4 * PAGE)
+        stats = store.get_stats()
+        assert stats["corrupt_pages"] == 4
+        # corrupt pages are forgotten and removed, so lookups stop finding them
+        assert await store.exists_pages(keys) == [False, False, False, False, True]
+        assert await store.get(keys[0]) is None
+        # v0 reads of unknown size verify too
+        raw_put(moto_endpoint, names.page("v0", "kv"), flipped)
+        assert await store.get("v0") is None
+        assert store.get_stats()["corrupt_pages"] == 5
+        # a read that only asked for a different size is a miss, not corruption
+        assert await store.set("sized", torch.zeros(16))
+        assert await store.get("sized", torch.empty(8)) is None
+        assert store.get_stats()["corrupt_pages"] == 5 and store.get_stats()["size_mismatches"] == 1
+        assert store.get_stats().get("backend_errors", 0) == 0
+
+
+_WRITER = textwrap.dedent(
+    """
+    import asyncio, json, sys
+    from hicache.keys import Namespace
+    from hicache.storage import create_async_storage
+    from hicache.testing import ArrayHostPool
+    from hicache.testing.store_tests import keys_for
+
+    endpoint, url, opts = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+
+    async def main():
+        ns = Namespace(model="two-process", kv_dtype="float16", page_size=4)
+        store = create_async_storage("s3", None, url=url, storage_options=opts, namespace=ns)
+        async with store:
+            pool = ArrayHostPool(8, 4)
+            pool.fill_random(1234)
+            store.register_mem_pool_host(pool)
+            ok = await store.batch_set_v1(keys_for(8, salt=77), pool.indices(0, 8))
+            print(json.dumps(ok))
+
+    asyncio.run(main())
+    """
+)
+
+
+async def test_two_processes_share_one_bucket(moto_endpoint: str, moto_bucket: str, prefix: str) -> None:
+    url = f"s3://{moto_bucket}/{prefix}"
+    opts = s3_options(moto_endpoint)
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", _WRITER, moto_endpoint, url, json.dumps(opts),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=str(REPO),
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), 120)
+    assert proc.returncode == 0, err.decode()[-2000:]
+    assert json.loads(out.decode().strip().splitlines()[-1]) == [True] * 8
+    expected = ArrayHostPool(8, 4)
+    expected.fill_random(1234)
+    ns = Namespace(model="two-process", kv_dtype="float16", page_size=4)
+    store = create_async_storage("s3", None, url=url, storage_options=opts, namespace=ns)
+    async with store:
+        keys = keys_for(8, salt=77)
+        assert await store.batch_exists(keys) == 8
+        dst = ArrayHostPool(8, 4)
+        store.register_mem_pool_host(dst)
+        assert await store.batch_get_v1(keys, dst.indices(0, 8)) == [True] * 8
+        assert torch.equal(dst.buffer, expected.buffer)
+
+
+async def test_secrets_never_shown(moto_endpoint: str, moto_bucket: str, prefix: str, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG, logger="hicache")
+    store = make_s3(moto_endpoint, moto_bucket, prefix, NS_A, request_timeout=0.5, retries=0)
+    shown = [repr(store), str(store)]
+    async with store:
+        await _write_pages(store, keys_for(2))
+        shown.append(repr(store.get_stats()))
+    # a store pointed at a dead endpoint logs failures: still no secrets
+    dead = create_async_storage(
+        "s3", None, url=f"s3://{moto_bucket}/{prefix}",
+        storage_options={**s3_options("http://127.0.0.1:9"), "token": "session-token-secret"},
+        request_timeout=0.5, retries=0, breaker_threshold=1,
+    )
+    shown.append(repr(dead))
+    async with dead:
+        assert await dead.exists_pages(["a"]) == [False]
+        shown.append(repr(dead.get_stats()))
+    text = "\n".join(shown) + "\n" + caplog.text
+    for secret in (TEST_KEY, TEST_SECRET, "session-token-secret"):
+        assert secret not in text
+    assert "***" in repr(store)
+    # a secret in the URL is redacted too
+    with pytest.raises(Exception) as info:
+        create_async_storage("s3", None, url=f"ftp://{TEST_KEY}:{TEST_SECRET}@bucket/x")
+    assert TEST_SECRET not in str(info.value)
+
+
+def test_bad_options_are_config_errors() -> None:
+    from hicache.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="s3://"):
+        create_async_storage("s3", None, url="memory://x")
+    with pytest.raises(ConfigError, match="concurrency"):
+        create_async_storage("s3", None, url="s3://b/p", concurrency=0)
+    with pytest.raises(ConfigError, match="request_timeout"):
+        create_async_storage("s3", None, url="s3://b/p", request_timeout=-1)
+    with pytest.raises(ConfigError, match="needs option"):
+        create_async_storage("s3", None)
+
+
+async def test_one_store_on_two_event_loops(moto_endpoint: str, moto_bucket: str, prefix: str) -> None:
+    """The blocking facade drives the store on its own loop; this loop gets its own filesystem."""
+    from hicache.storage import HiCacheStorage
+
+    store = make_s3(moto_endpoint, moto_bucket, prefix, NS_A)
+    facade = HiCacheStorage(store)
+    try:
+        assert await asyncio.to_thread(facade.set, "shared", torch.ones(8))
+        got = await store.get("shared", torch.empty(8))  # this loop
+        assert got is not None and torch.equal(got, torch.ones(8))
+        assert store.get_stats()["event_loops"] == 2
+    finally:
+        await asyncio.to_thread(facade.close)
