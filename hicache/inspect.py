@@ -35,8 +35,10 @@ async def inspect_store(
     if root is not None:
         opts["root"] = root
     probe = create_async_storage(backend, None, **opts)
-    async with probe:
+    try:  # not opened: opening would create the probe's own (empty) namespace
         namespaces = await probe.list_namespaces()
+    finally:
+        await probe.aclose()
     report: dict[str, Any] = {"backend": backend, "namespaces": {}, "pages": 0, "bytes": 0, "checked": 0, "corrupt": 0}
     rng = random.Random(seed)
     for ns in namespaces:

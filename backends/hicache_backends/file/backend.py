@@ -1,0 +1,633 @@
+"""``FileStorage``: KV pages as verified, atomically published files under a shared root.
+
+What it improves over SGLang's ``HiCacheFile`` (see FIELD-NOTES):
+
+* integrity - every page carries the shared :class:`~hicache.storage.page_format.PageCodec`
+  header (namespace, key, pool, length, xxh3) and is verified on every read; a page that fails
+  is deleted, counted (``corrupt_pages``) and reported as a miss;
+* namespaces - a folder per namespace digest with a manifest, so pages of another model, dtype,
+  layout or rank are never even looked at;
+* lookups - ``exists`` answers from an in-memory index (O(keys asked)); an index miss falls back
+  to one ``stat`` so pages that other processes add to the same root are found;
+* I/O - pages move on a dedicated thread pool in parallel chunks, straight between the file and
+  the host pool's memory (``preadv``/``pwritev``, no staging copy);
+* capacity - ``max_bytes`` and a free-space floor, enforced before each write by evicting
+  leaves first (a page's descendants before the page), least recently used first; sizes and
+  parent links are rebuilt from the files after a restart;
+* robustness - writes are atomic (temp file + ``os.replace``); a full disk fails the write,
+  removes its temp file and leaves reads working; the background scan never dies.
+
+The index is mutated only on the event loop thread; executor threads only return facts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import os
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from hicache.errors import ConfigError
+from hicache.keys import Namespace
+from hicache.storage import AsyncHiCacheStorage, HiCacheStorageConfig, PageCodec, PageKey
+
+from hicache_backends.file import io as page_io
+from hicache_backends.file.index import PageIndex
+from hicache_backends.file.layout import NamespaceLayout, page_id
+
+__all__ = ["DEFAULT_MAX_BYTES", "DEFAULT_MIN_FREE_BYTES", "FileStorage"]
+
+logger = logging.getLogger("hicache.storage.file")
+
+T = TypeVar("T")
+
+#: 64 GiB: bounded by default (an unbounded cache fills disks; see FIELD-NOTES), yet large
+#: enough that most single-machine users never tune it. ``max_bytes=None`` opts out.
+DEFAULT_MAX_BYTES = 64 << 30
+#: Keep 1 GiB free on the file system whatever ``max_bytes`` says: other programs need the disk.
+DEFAULT_MIN_FREE_BYTES = 1 << 30
+DEFAULT_ROOT = "/tmp/hicache"
+ROOT_ENV = "HICACHE_FILE_ROOT"
+_FREE_SPACE_TTL = 1.0  # seconds a statvfs answer is reused (adjusted by our own writes)
+_STALE_TMP_SECONDS = 3600.0
+_CLEAR_WAIT_SECONDS = 1.0
+_BYTES_PER_CHUNK = 1 << 20  # below this much work per thread, fewer threads are faster
+_FILE_OP_COST = 32 << 10  # an open+close costs about as much as copying 32 KiB
+
+
+def _run_calls(fn: Callable[..., T], calls: Sequence[tuple[Any, ...]]) -> list[T]:
+    return [fn(*args) for args in calls]
+
+
+@dataclass(slots=True)
+class _WriteJob:
+    index: int  # position in the caller's batch
+    pid: str
+    page: PageKey
+    buf: memoryview
+    parent: str | None
+    size: int
+    skip_size: int | None
+
+
+class FileStorage(AsyncHiCacheStorage):
+    """Pages as files under ``root/<namespace digest>/pages/<xx>/<page id>.page``.
+
+    Options:
+        root: the store directory, shared by every process and namespace that uses it
+            (default ``$HICACHE_FILE_ROOT`` or ``/tmp/hicache``).
+        max_bytes: bytes this namespace may take on disk (files counted whole), default 64 GiB;
+            ``None`` for unbounded. Enforced by leaf-first LRU eviction before each write.
+            Pages another process writes count once this store sees them (scan, stat or read).
+        min_free_bytes: free space to leave on the file system (default 1 GiB); writes evict
+            this namespace's pages, then fail, rather than go below it. 0 disables the check.
+        fsync: fsync each page and its folder before a write reports success (default off:
+            a crash then loses recent pages, but never exposes a torn one).
+        io_threads: threads doing page I/O (default 4); a batch is split into at most this
+            many chunks, which bounds its concurrency.
+        skip_existing: do not rewrite a page already stored with the same size (default on:
+            keys are chained content hashes within a namespace, as in SGLang's HiCacheFile,
+            so the bytes would be the same). Turn off for overwrite semantics.
+        shared: other processes may add pages to this root (default on), so a key the index
+            does not know is checked with one ``stat``. Off: once the index is built, a key it
+            does not know is a miss without touching the disk (for a store's only writer).
+        namespace: override the namespace derived from the storage config.
+    """
+
+    backend_name = "file"
+
+    def __init__(
+        self,
+        storage_config: HiCacheStorageConfig | None = None,
+        *,
+        root: str | os.PathLike[str] | None = None,
+        max_bytes: int | None = DEFAULT_MAX_BYTES,
+        min_free_bytes: int = DEFAULT_MIN_FREE_BYTES,
+        fsync: bool = False,
+        io_threads: int = 4,
+        skip_existing: bool = True,
+        shared: bool = True,
+        namespace: Namespace | dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__(storage_config, namespace=namespace)
+        if root is None:
+            root = os.environ.get(ROOT_ENV) or DEFAULT_ROOT
+        if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes <= 0):
+            raise ConfigError(f"file backend: max_bytes must be a positive integer or None, got {max_bytes!r}")
+        if isinstance(min_free_bytes, bool) or not isinstance(min_free_bytes, int) or min_free_bytes < 0:
+            raise ConfigError(f"file backend: min_free_bytes must be an integer >= 0, got {min_free_bytes!r}")
+        if isinstance(io_threads, bool) or not isinstance(io_threads, int) or not 1 <= io_threads <= 256:
+            raise ConfigError(f"file backend: io_threads must be an integer in 1..256, got {io_threads!r}")
+        self.root = os.path.abspath(os.fspath(root))
+        self.max_bytes = max_bytes
+        self.min_free_bytes = min_free_bytes
+        self.fsync = bool(fsync)
+        self.io_threads = io_threads
+        self.skip_existing = bool(skip_existing)
+        self.shared = bool(shared)
+
+        self.index = PageIndex()
+        self._layout: NamespaceLayout | None = None
+        self._codec: PageCodec | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        self._scan_executor: ThreadPoolExecutor | None = None
+        self._scan_task: asyncio.Task[None] | None = None
+        self._index_ready: asyncio.Event | None = None
+        self._tombstones: set[str] | None = None  # pages forgotten while the scan runs
+        self._busy: Counter[str] = Counter()  # pages being read or written: never evicted
+        self._deleting: set[str] = set()  # evicted, unlink pending: not "existing"
+        self._reserved = 0  # bytes of writes in flight
+        self._generation = 0  # bumped by clear(): older writes do not re-enter the index
+        self._free_est = 0
+        self._free_at = float("-inf")
+        self._scan_seconds: float | None = None
+        self._stop = threading.Event()  # tells long background deletions to give up (close)
+        self._background: set[asyncio.Task[None]] = set()
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def layout(self) -> NamespaceLayout:
+        """Paths of this store's namespace (available once open)."""
+        if self._layout is None:
+            self._layout = NamespaceLayout(self.root, self.namespace.digest)
+        return self._layout
+
+    @property
+    def index_ready(self) -> bool:
+        """Whether the background scan has indexed every page that was on disk at open."""
+        return self._index_ready is not None and self._index_ready.is_set()
+
+    async def wait_index_ready(self, timeout: float | None = None) -> bool:
+        """Wait for the background scan; ``False`` if ``timeout`` passed first."""
+        await self._ensure_open()
+        assert self._index_ready is not None
+        try:
+            async with asyncio.timeout(timeout):
+                await self._index_ready.wait()
+        except TimeoutError:
+            return False
+        return True
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def _open(self) -> None:
+        self._layout = NamespaceLayout(self.root, self.namespace.digest)
+        self._codec = PageCodec(self.namespace.digest_bytes)
+        self._executor = ThreadPoolExecutor(self.io_threads, thread_name_prefix="hicache-file-io")
+        # The scan gets its own thread so it never queues in front of requests.
+        self._scan_executor = ThreadPoolExecutor(1, thread_name_prefix="hicache-file-scan")
+        self._index_ready = asyncio.Event()
+        try:
+            await self._run(page_io.prepare_namespace, self._layout, self.namespace.to_dict())
+        except BaseException as exc:
+            self._shutdown_executors(wait=False)
+            if isinstance(exc, OSError):
+                raise ConfigError(f"file backend: cannot use root {self.root!r}: {exc}") from exc
+            raise
+        self._tombstones = set()
+        self._scan_task = asyncio.get_running_loop().create_task(
+            self._scan(self._generation), name=f"hicache-file-scan-{self.namespace.digest[:8]}"
+        )
+
+    async def _close(self) -> None:
+        self._stop.set()  # background deletions stop at the next file; the next open resumes them
+        await self._stop_scan()
+        if self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)
+        executors = [e for e in (self._executor, self._scan_executor) if e is not None]
+        if executors:
+            # Let in-flight page writes finish (each cleans up after itself), off the loop.
+            await asyncio.to_thread(lambda: [e.shutdown(wait=True) for e in executors])
+
+    def _shutdown_executors(self, wait: bool) -> None:
+        for e in (self._executor, self._scan_executor):
+            if e is not None:
+                e.shutdown(wait=wait)
+
+    async def _stop_scan(self) -> None:
+        task, self._scan_task = self._scan_task, None
+        if task is not None and not task.done():
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+
+    # ------------------------------------------------------------------ helpers
+
+    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
+        assert self._executor is not None
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    async def _run_chunked(
+        self, fn: Callable[..., T], calls: Sequence[tuple[Any, ...]], nbytes: int = 0, per_call: int = 0
+    ) -> list[T]:
+        """Run ``fn(*args)`` for each call on the I/O threads; results come back in call order.
+
+        A batch is cut into at most ``io_threads`` contiguous chunks (which bounds its
+        concurrency), and into fewer when it is cheap: a hop to a thread costs tens of
+        microseconds, more than a stat of a missing file, so a batch goes to one thread unless
+        its bytes (``nbytes``) plus a per-call cost (``per_call``, bytes-equivalent: opening,
+        creating and renaming files cost more than they move) add up to a chunk per thread.
+        """
+        if not calls:
+            return []
+        assert self._executor is not None
+        loop = asyncio.get_running_loop()
+        n = min(self.io_threads, len(calls), max(1, (nbytes + per_call * len(calls)) // _BYTES_PER_CHUNK))
+        size = -(-len(calls) // n)
+        work = asyncio.gather(
+            *(
+                loop.run_in_executor(self._executor, _run_calls, fn, calls[i : i + size])
+                for i in range(0, len(calls), size)
+            )
+        )
+        try:
+            parts = await asyncio.shield(work)
+        except asyncio.CancelledError:
+            # The threads may be filling the caller's buffers (host-pool memory that the caller
+            # reuses once we return): let them finish before the cancellation unwinds.
+            while not work.done():
+                try:
+                    await asyncio.shield(work)
+                except asyncio.CancelledError:
+                    continue
+                except Exception:  # noqa: BLE001 - we are cancelled anyway
+                    break
+            raise
+        return [r for part in parts for r in part]
+
+    def _forget(self, pid: str) -> None:
+        """Drop a page known to be gone from disk; the running scan must not bring it back."""
+        self.index.remove(pid)
+        if self._tombstones is not None:
+            self._tombstones.add(pid)
+
+    def _adopt(self, pid: str, result: page_io.ReadResult) -> None:
+        """Index a page this store did not know (written by another process, or not scanned yet)."""
+        if pid in self.index or pid in self._deleting:
+            return
+        self.index.add(pid, result.size, result.parent, result.mtime or time.time())
+        self.stats.incr("adopted_pages")
+
+    def _corrupt(self, page: PageKey, pid: str, result: page_io.ReadResult) -> None:
+        self.stats.incr("corrupt_pages")
+        self._forget(pid)
+        logger.warning(
+            "file store %s: page %s failed verification (%s); removed, served as a miss",
+            self.root, page.label()[:80], result.reason,
+        )
+
+    # ------------------------------------------------------------------ background scan
+
+    async def _scan(self, generation: int) -> None:
+        """Index every page on disk, one hashed folder at a time, never dying on an error."""
+        assert self._layout is not None and self._scan_executor is not None
+        loop = asyncio.get_running_loop()
+        t0 = time.perf_counter()
+        found = removed_tmp = 0
+        try:
+            subdirs = await loop.run_in_executor(self._scan_executor, page_io.list_subdirs, self._layout)
+            for subdir in subdirs:
+                try:
+                    entries, removed = await loop.run_in_executor(
+                        self._scan_executor, page_io.scan_subdir, subdir, _STALE_TMP_SECONDS
+                    )
+                except asyncio.CancelledError:
+                    raise
+                except Exception:  # noqa: BLE001 - one bad folder must not stop the scan
+                    self.stats.incr("scan_errors")
+                    logger.exception("file store %s: scanning %s failed", self.root, subdir)
+                    continue
+                if generation != self._generation:
+                    return
+                removed_tmp += removed
+                tomb = self._tombstones or set()
+                for e in entries:
+                    if e.pid in self.index or e.pid in tomb or e.pid in self._deleting:
+                        continue
+                    self.index.add(e.pid, e.size, e.parent, e.atime)
+                    found += 1
+            self._scan_seconds = time.perf_counter() - t0
+            logger.info(
+                "file store %s: indexed %d pages (%d bytes) in %.3fs; removed %d stale temp files",
+                self._layout.ns_dir, found, self.index.nbytes, self._scan_seconds, removed_tmp,
+            )
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # noqa: BLE001 - the index then relies on stat fallbacks
+            self.stats.incr("scan_errors")
+            logger.exception("file store %s: index scan failed", self.root)
+        finally:
+            if generation == self._generation:
+                self._tombstones = None
+                assert self._index_ready is not None
+                self._index_ready.set()
+        if removed_tmp:
+            self.stats.incr("stale_tmp_removed", removed_tmp)
+        try:  # pages found on disk may exceed a max_bytes lowered since the last run
+            await self._evict_for(False, frozenset())
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # noqa: BLE001
+            logger.exception("file store %s: eviction after scan failed", self.root)
+        await self._housekeeping()
+
+    async def _housekeeping(self) -> None:
+        """Off the request path: create missing page folders, then finish clears that a killed
+        (or closed) process left half deleted. Never raises but cancellation."""
+        assert self._layout is not None and self._scan_executor is not None
+        loop = asyncio.get_running_loop()
+        for what, fn, args in (
+            ("creating page folders", page_io.ensure_subdirs, (self._layout, self._stop)),
+            ("removing stale trash", page_io.remove_stale_trash, (self._layout.root, self._layout.digest, self._stop)),
+        ):
+            try:
+                await loop.run_in_executor(self._scan_executor, fn, *args)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - writes create folders themselves; trash is only space
+                logger.exception("file store %s: %s failed", self.root, what)
+
+    # ------------------------------------------------------------------ capacity
+
+    async def _free_bytes(self) -> int:
+        now = time.monotonic()
+        if now - self._free_at > _FREE_SPACE_TTL:
+            self._free_est = await self._run(page_io.free_bytes, self.root)
+            self._free_at = time.monotonic()
+        return self._free_est
+
+    async def _evict_for(self, check_free: bool, protect: frozenset[str] | set[str]) -> int:
+        """Evict until stored + reserved bytes fit; returns the bytes still missing (0 = fits).
+
+        Callers reserve their incoming bytes in ``_reserved`` *before* calling, so batches that
+        run concurrently (this awaits) never count the same free space twice.
+        """
+        want = 0
+        if self.max_bytes is not None:
+            want = self.index.nbytes + self._reserved - self.max_bytes
+        if self.min_free_bytes and check_free:
+            free = await self._free_bytes()
+            want = max(want, self.min_free_bytes + self._reserved - free)
+        if want <= 0:
+            return 0
+        guard = set(protect) | set(self._busy)
+        victims = self.index.pick_victims(want, guard)
+        freed = sum(e.size for _, e in victims)
+        if victims:
+            assert self._layout is not None
+            ids = [pid for pid, _ in victims]
+            if self._tombstones is not None:
+                self._tombstones.update(ids)
+            self._deleting.update(ids)
+            try:
+                await self._run(page_io.remove_files, [self._layout.path(p) for p in ids])
+            finally:
+                self._deleting.difference_update(ids)
+            self._free_est += freed
+            self.stats.incr("evicted_pages", len(victims))
+            self.stats.incr("evicted_bytes", freed)
+            logger.debug("file store %s: evicted %d pages (%d bytes)", self.root, len(victims), freed)
+        return max(0, want - freed)
+
+    # ------------------------------------------------------------------ primitives
+
+    async def _exists(self, pages: Sequence[PageKey]) -> list[bool]:
+        ids = [page_id(p.key, p.pool) for p in pages]
+        entries = self.index.entries
+        deleting = self._deleting
+        out = [pid in entries and pid not in deleting for pid in ids]
+        missing = [i for i, hit in enumerate(out) if not hit]
+        if missing and (self.shared or not self.index_ready):
+            # Not indexed: another process may have written it, or the scan has not reached it.
+            assert self._layout is not None
+            paths = [(self._layout.path(ids[i]),) for i in missing]
+            results = await self._run_chunked(page_io.probe_page, paths)
+            for i, r in zip(missing, results):
+                if r.status is page_io.ReadStatus.OK and ids[i] not in self._deleting:
+                    self._adopt(ids[i], r)
+                    out[i] = True
+        return out
+
+    async def _read(self, pages: Sequence[PageKey], buffers: Sequence[memoryview]) -> list[bool]:
+        assert self._layout is not None and self._codec is not None
+        ids = [page_id(p.key, p.pool) for p in pages]
+        before = [self.index.get(pid) for pid in ids]
+        calls = [
+            (self._layout.path(pid), self._codec, p.key, p.pool, buf) for pid, p, buf in zip(ids, pages, buffers)
+        ]
+        self._busy.update(ids)
+        try:
+            results = await self._run_chunked(
+                page_io.read_page_into, calls, sum(b.nbytes for b in buffers), _FILE_OP_COST
+            )
+        finally:
+            self._busy.subtract(ids)
+            self._busy += Counter()  # drop zero counts
+        now = time.time()
+        ok = [False] * len(pages)
+        for i, (pid, r) in enumerate(zip(ids, results)):
+            if r.status is page_io.ReadStatus.OK:
+                ok[i] = True
+                if pid in self.index:
+                    self.index.touch(pid, now)
+                else:
+                    self._adopt(pid, r)
+            else:
+                self._after_failed_read(pages[i], pid, r, before[i])
+        return ok
+
+    def _after_failed_read(self, page: PageKey, pid: str, r: page_io.ReadResult, before: Any) -> None:
+        if r.status is page_io.ReadStatus.CORRUPT:
+            self._corrupt(page, pid, r)
+        elif r.status is page_io.ReadStatus.MISSING:
+            # Gone (evicted or cleared by another process): forget it, unless a write of ours
+            # re-created it while we were reading.
+            if self.index.get(pid) is before:
+                if before is not None:
+                    self.stats.incr("vanished_pages")
+                self._forget(pid)
+        elif r.status is page_io.ReadStatus.ERROR:
+            self.stats.incr("io_errors")
+            logger.warning("file store %s: reading %s failed: %s", self.root, page.label()[:80], r.reason)
+
+    async def _read_bytes(self, page: PageKey) -> bytes | None:
+        assert self._layout is not None and self._codec is not None
+        pid = page_id(page.key, page.pool)
+        before = self.index.get(pid)
+        self._busy[pid] += 1
+        try:
+            r = await self._run(page_io.read_page_bytes, self._layout.path(pid), self._codec, page.key, page.pool)
+        finally:
+            self._busy[pid] -= 1
+            if self._busy[pid] <= 0:
+                del self._busy[pid]
+        if r.status is page_io.ReadStatus.OK:
+            if pid in self.index:
+                self.index.touch(pid, time.time())
+            else:
+                self._adopt(pid, r)
+            return r.payload
+        self._after_failed_read(page, pid, r, before)
+        return None
+
+    async def _write(
+        self,
+        pages: Sequence[PageKey],
+        buffers: Sequence[memoryview],
+        parents: Sequence[PageKey | None],
+    ) -> list[bool]:
+        assert self._layout is not None and self._codec is not None
+        ok = [False] * len(pages)
+        jobs: list[_WriteJob] = []
+        for i, (page, buf, parent) in enumerate(zip(pages, buffers, parents)):
+            pid = page_id(page.key, page.pool)
+            size = self._layout.file_size(page.key, page.pool, buf.nbytes)
+            if self.max_bytes is not None and size > self.max_bytes:
+                self.stats.incr("oversized_pages")
+                continue
+            entry = self.index.get(pid)
+            skip = size if self.skip_existing and entry is not None and entry.size == size else None
+            ppid = page_id(parent.key, parent.pool) if parent is not None else None
+            jobs.append(_WriteJob(i, pid, page, buf, ppid, size, skip))
+        if not jobs:
+            return ok
+
+        # Reserve, then make room: the reservation is taken synchronously so that concurrent
+        # batches cannot both claim the same space. Parents of the new pages and pages in
+        # flight are protected from eviction.
+        protect = {j.pid for j in jobs} | {j.parent for j in jobs if j.parent is not None}
+        incoming = sum(j.size for j in jobs if j.skip_size is None)
+        generation = self._generation
+        ids = [j.pid for j in jobs]
+        self._reserved += incoming
+        self._busy.update(ids)
+        try:
+            missing = await self._evict_for(incoming > 0, protect)
+            while missing > 0 and jobs:  # cannot fit them all: drop the deepest pages (batch tail)
+                dropped = jobs.pop()
+                if dropped.skip_size is None:
+                    missing -= dropped.size
+                    incoming -= dropped.size
+                    self._reserved -= dropped.size
+                self.stats.incr("rejected_pages_no_space")
+            calls = [
+                (self._layout, self._codec, j.pid, j.page.key, j.page.pool, j.buf, j.parent, self.fsync, j.skip_size)
+                for j in jobs
+            ]
+            results = await self._run_chunked(
+                page_io.write_page, calls, sum(j.buf.nbytes for j in jobs), 4 * _FILE_OP_COST
+            )
+        finally:
+            self._reserved -= incoming
+            self._busy.subtract(ids)
+            self._busy += Counter()
+        now = time.time()
+        written = 0
+        for j, r in zip(jobs, results):
+            if r.ok:
+                ok[j.index] = True
+                if generation == self._generation:
+                    if r.skipped:
+                        self.index.touch(j.pid, now)
+                    else:
+                        written += r.size
+                        self.index.add(j.pid, r.size, j.parent, now)
+                        if self._tombstones is not None:
+                            self._tombstones.discard(j.pid)
+            else:
+                self._write_failed(j, r)
+        self._free_est -= written
+        return ok
+
+    def _write_failed(self, job: _WriteJob, r: page_io.WriteResult) -> None:
+        if r.errno in (errno.ENOSPC, errno.EDQUOT):
+            self.stats.incr("enospc_errors")
+            self._free_at = float("-inf")  # ask the file system again next time
+            logger.warning("file store %s: disk full writing %s; page not stored", self.root, job.page.label()[:80])
+        else:
+            self.stats.incr("io_errors")
+            logger.warning("file store %s: writing %s failed: %s", self.root, job.page.label()[:80], r.reason)
+
+    async def _clear(self) -> None:
+        assert self._layout is not None
+        self._generation += 1
+        await self._stop_scan()
+        self.index.clear()
+        self._tombstones = None
+        trash = await self._run(page_io.clear_namespace, self._layout, self.namespace.to_dict())
+        assert self._index_ready is not None
+        self._index_ready.set()
+        if trash is not None:
+            task = asyncio.get_running_loop().create_task(self._remove_trash(trash))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+            # A small namespace is gone before clear() returns (its space is free at once); a
+            # huge one keeps being deleted in the background instead of stalling the caller.
+            await asyncio.wait({task}, timeout=_CLEAR_WAIT_SECONDS)
+
+    async def _remove_trash(self, trash: str) -> None:
+        """Delete a cleared namespace's old files off the request path; never raises."""
+        assert self._scan_executor is not None
+        t0 = time.perf_counter()
+        try:
+            done = await asyncio.get_running_loop().run_in_executor(
+                self._scan_executor, page_io.remove_tree, trash, self._stop
+            )
+        except Exception:  # noqa: BLE001 - leftovers are only wasted space, retried at next open
+            logger.exception("file store %s: deleting cleared pages in %s failed", self.root, trash)
+            return
+        logger.debug("file store %s: deleted %s in %.3fs (complete: %s)", self.root, trash, time.perf_counter() - t0, done)
+        await self._housekeeping()
+
+    async def wait_background(self) -> None:
+        """Wait until the start-up scan and its housekeeping, and the deletion of cleared pages,
+        are done (for tests and benchmarks; requests never need to wait for these)."""
+        await self._ensure_open()
+        while True:
+            pending = [t for t in (self._scan_task, *self._background) if t is not None and not t.done()]
+            if not pending:
+                return
+            await asyncio.gather(*pending, return_exceptions=True)
+
+    async def list_namespaces(self) -> list[Namespace]:
+        manifests = await asyncio.to_thread(page_io.list_manifests, str(self.root))
+        out = []
+        for m in manifests:
+            try:
+                out.append(Namespace.from_dict(m))
+            except (ConfigError, TypeError):
+                logger.warning("file store %s: skipping a manifest of another format: %r", self.root, m)
+        return out
+
+    async def list_pages(self) -> list[tuple[PageKey, int]]:
+        await self._ensure_open()
+        assert self._layout is not None
+        rows = await asyncio.to_thread(page_io.list_pages, self._layout)
+        return [(PageKey(key, pool), size) for key, pool, size in rows]
+
+    def _backend_stats(self) -> dict[str, Any]:
+        return {
+            "root": self.root,
+            "stored_pages": len(self.index),
+            "stored_bytes": self.index.nbytes,
+            "max_bytes": self.max_bytes,
+            "min_free_bytes": self.min_free_bytes,
+            "evicted_pages": self.stats.get("evicted_pages"),
+            "evicted_bytes": self.stats.get("evicted_bytes"),
+            "corrupt_pages": self.stats.get("corrupt_pages"),
+            "index_ready": self.index_ready,
+            "scan_seconds": self._scan_seconds,
+            "io_threads": self.io_threads,
+            "fsync": self.fsync,
+            "shared": self.shared,
+        }

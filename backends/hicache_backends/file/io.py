@@ -1,0 +1,622 @@
+"""Blocking page I/O for the ``file`` backend. Everything here runs on executor threads.
+
+Functions return facts (what was found, how big, which parent) instead of touching the index:
+the index belongs to the event loop thread, which applies the facts.
+
+Reads fetch header, payload and footer with one ``preadv`` whose payload buffer *is* the
+destination (the host pool's page when it is contiguous), then verify before saying yes.
+Writes checksum the payload on this thread, ``pwritev`` header + payload view + footer to a
+temporary file in the page's own folder and publish it with ``os.replace``: a reader, or a
+process restarted after a crash at any instant, sees the old page, the new page or none,
+never a torn one. Any failure removes the temporary file.
+"""
+
+from __future__ import annotations
+
+import enum
+import errno
+import itertools
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+from hicache.storage.page_format import PageCodec, Verdict, checksum
+
+from hicache_backends.file.layout import (
+    FOOTER_LEN,
+    ID_LEN,
+    PAGE_SUFFIX,
+    NamespaceLayout,
+    decode_footer,
+    encode_footer,
+    parse_tmp_name,
+)
+
+__all__ = [
+    "ReadResult",
+    "ReadStatus",
+    "ScanEntry",
+    "WriteResult",
+    "clear_namespace",
+    "ensure_subdirs",
+    "free_bytes",
+    "list_subdirs",
+    "payload_checksum",
+    "prepare_namespace",
+    "probe_page",
+    "read_page_bytes",
+    "read_page_into",
+    "remove_files",
+    "remove_stale_trash",
+    "remove_tree",
+    "scan_subdir",
+    "write_page",
+]
+
+logger = logging.getLogger("hicache.storage.file")
+
+_serial = itertools.count()
+_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+# Page paths are hashed, but a symlink planted at one must not redirect a read elsewhere.
+_O_READ = os.O_RDONLY | _O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0)
+_ID_HEX = frozenset("0123456789abcdef")
+# The functions tests patch to simulate a full disk (ENOSPC) without a real one.
+_pwritev = os.pwritev
+_preadv = os.preadv
+
+
+class ReadStatus(enum.Enum):
+    OK = "ok"
+    MISSING = "missing"  # no such file (never written, evicted or cleared by anyone)
+    SIZE_MISMATCH = "size_mismatch"  # a sound page, but not of the size the caller asked for
+    CORRUPT = "corrupt"  # failed verification; the file was removed
+    ERROR = "error"  # an I/O error (EIO, EACCES...); the file is left alone
+
+
+@dataclass(slots=True)
+class ReadResult:
+    status: ReadStatus
+    size: int = 0  # file size (what capacity counts)
+    parent: str | None = None
+    mtime: float = 0.0
+    reason: str = ""
+    payload: bytes | None = None  # only for read_page_bytes
+
+
+@dataclass(slots=True)
+class WriteResult:
+    ok: bool
+    size: int = 0
+    skipped: bool = False  # an identical-size page was already there (keys are content hashes)
+    errno: int | None = None
+    reason: str = ""
+
+
+@dataclass(slots=True)
+class ScanEntry:
+    pid: str
+    size: int
+    parent: str | None
+    atime: float
+
+
+# ---------------------------------------------------------------------- full-length vector I/O
+
+
+def _advance(bufs: list[memoryview], done: int) -> list[memoryview]:
+    out: list[memoryview] = []
+    for b in bufs:
+        if done >= len(b):
+            done -= len(b)
+            continue
+        out.append(b[done:] if done else b)
+        done = 0
+    return out
+
+
+def _write_all(fd: int, bufs: Sequence[bytes | memoryview]) -> None:
+    views = [memoryview(b).cast("B") if not isinstance(b, memoryview) or b.format != "B" else b for b in bufs]
+    total = sum(len(v) for v in views)
+    offset = 0
+    while offset < total:
+        n = _pwritev(fd, views, offset)
+        if n <= 0:
+            raise OSError(errno.EIO, "pwritev wrote nothing")
+        offset += n
+        views = _advance(views, n)
+
+
+def _read_all(fd: int, bufs: list[memoryview]) -> int:
+    """Fill ``bufs`` from offset 0; returns bytes read (less only at end of file)."""
+    total = sum(len(v) for v in bufs)
+    offset = 0
+    views = bufs
+    while offset < total:
+        n = _preadv(fd, views, offset)
+        if n <= 0:
+            break
+        offset += n
+        views = _advance(views, n)
+    return offset
+
+
+
+
+def payload_checksum(data: memoryview | bytes | bytearray) -> int:
+    """The PageCodec checksum (xxh3_64; the core releases the GIL for large payloads)."""
+    return checksum(data)
+
+
+def _as_bytes_view(buf: memoryview) -> memoryview:
+    return buf if buf.format == "B" and buf.ndim == 1 else buf.cast("B")
+
+
+# ---------------------------------------------------------------------- reads
+
+
+def _open_page(path: str) -> int | ReadResult:
+    """An fd for reading a page, or the result that explains why there is none."""
+    try:
+        return os.open(path, _O_READ)
+    except FileNotFoundError:
+        return ReadResult(ReadStatus.MISSING)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:  # a symlink where a page belongs: not ours, remove it
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+            return ReadResult(ReadStatus.CORRUPT, reason="symlink")
+        return ReadResult(ReadStatus.ERROR, reason=f"open: {exc}")
+
+
+def _discard(path: str, st: os.stat_result) -> None:
+    """Remove a corrupt page, unless another writer replaced it since we opened it."""
+    try:
+        now = os.stat(path)
+        if (now.st_ino, now.st_dev) == (st.st_ino, st.st_dev):
+            os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        logger.warning("could not remove corrupt page %s: %s", path, exc)
+
+
+def _corrupt(path: str, st: os.stat_result, reason: str) -> ReadResult:
+    _discard(path, st)
+    return ReadResult(ReadStatus.CORRUPT, st.st_size, reason=reason)
+
+
+def _verify(codec: PageCodec, header: memoryview, payload: memoryview, key: str, pool: str) -> Verdict:
+    """``codec.verify`` of header and payload, with the payload hashed by :func:`payload_checksum`."""
+    verdict = codec.verify(header, None, key, pool, expected_len=len(payload))
+    if verdict is not Verdict.OK:
+        return verdict
+    parsed = codec.parse(header)
+    if parsed is None:  # pragma: no cover - verify() parsed it already
+        return Verdict.BAD_HEADER
+    return Verdict.OK if payload_checksum(payload) == parsed.checksum else Verdict.BAD_CHECKSUM
+
+
+def read_page_into(path: str, codec: PageCodec, key: str, pool: str, buf: memoryview) -> ReadResult:
+    """Read and verify one page whose payload must be exactly ``len(buf)`` bytes."""
+    buf = _as_bytes_view(buf)
+    fd = _open_page(path)
+    if isinstance(fd, ReadResult):
+        return fd
+    try:
+        st = os.fstat(fd)
+        hlen = codec.header_len(key, pool)
+        want = hlen + len(buf) + FOOTER_LEN
+        if st.st_size != want:
+            # Either the caller asked for another size (a miss, the page stays) or the file is
+            # damaged. The header alone tells which; the caller's buffer is never touched.
+            head = os.pread(fd, hlen, 0)
+            verdict = codec.verify(head, None, key, pool)
+            if verdict is Verdict.OK:
+                parsed = codec.parse(head)
+                if parsed is not None and st.st_size == hlen + parsed.payload_len + FOOTER_LEN:
+                    return ReadResult(ReadStatus.SIZE_MISMATCH, st.st_size, reason="size")
+                return _corrupt(path, st, "truncated")
+            return _corrupt(path, st, verdict.value)
+        header = memoryview(bytearray(hlen))
+        footer = memoryview(bytearray(FOOTER_LEN))
+        got = _read_all(fd, [header, buf, footer])
+        if got != want:
+            return _corrupt(path, st, "short_read")
+        verdict = _verify(codec, header, buf, key, pool)
+        if verdict is not Verdict.OK:
+            return _corrupt(path, st, verdict.value)
+        foot = decode_footer(footer)
+        if foot is None:
+            return _corrupt(path, st, "bad_footer")
+        return ReadResult(ReadStatus.OK, st.st_size, foot.parent, st.st_mtime)
+    except OSError as exc:
+        return ReadResult(ReadStatus.ERROR, reason=f"read: {exc}")
+    finally:
+        os.close(fd)
+
+
+def read_page_bytes(path: str, codec: PageCodec, key: str, pool: str, max_bytes: int = 1 << 34) -> ReadResult:
+    """Read and verify one page of unknown size; ``payload`` holds it on success."""
+    fd = _open_page(path)
+    if isinstance(fd, ReadResult):
+        return fd
+    try:
+        st = os.fstat(fd)
+        hlen = codec.header_len(key, pool)
+        plen = st.st_size - hlen - FOOTER_LEN
+        if plen < 0 or plen > max_bytes:
+            return _corrupt(path, st, "truncated")
+        payload = bytearray(plen)
+        header = memoryview(bytearray(hlen))
+        footer = memoryview(bytearray(FOOTER_LEN))
+        if _read_all(fd, [header, memoryview(payload), footer]) != st.st_size:
+            return _corrupt(path, st, "short_read")
+        verdict = _verify(codec, header, memoryview(payload), key, pool)
+        if verdict is not Verdict.OK:
+            return _corrupt(path, st, verdict.value)
+        foot = decode_footer(footer)
+        if foot is None:
+            return _corrupt(path, st, "bad_footer")
+        return ReadResult(ReadStatus.OK, st.st_size, foot.parent, st.st_mtime, payload=bytes(payload))
+    except OSError as exc:
+        return ReadResult(ReadStatus.ERROR, reason=f"read: {exc}")
+    finally:
+        os.close(fd)
+
+
+def _read_footer(path: str, size: int) -> str | None:
+    """The parent id in a page's footer (``None`` if it has none or the footer is damaged)."""
+    if size < FOOTER_LEN:
+        return None
+    fd = os.open(path, _O_READ)
+    try:
+        foot = decode_footer(os.pread(fd, FOOTER_LEN, size - FOOTER_LEN))
+    finally:
+        os.close(fd)
+    return foot.parent if foot is not None else None
+
+
+def probe_page(path: str) -> ReadResult:
+    """Whether a page file exists (written by anyone), with its size and parent; no payload read."""
+    if not os.access(path, os.F_OK):  # the common miss, without raising an exception
+        return ReadResult(ReadStatus.MISSING)
+    try:
+        st = os.stat(path, follow_symlinks=False)
+        parent = _read_footer(path, st.st_size)
+    except FileNotFoundError:
+        return ReadResult(ReadStatus.MISSING)
+    except OSError as exc:
+        return ReadResult(ReadStatus.ERROR, reason=str(exc))
+    return ReadResult(ReadStatus.OK, st.st_size, parent, max(st.st_mtime, st.st_atime))
+
+
+# ---------------------------------------------------------------------- writes
+
+
+def write_page(
+    layout: NamespaceLayout,
+    codec: PageCodec,
+    pid: str,
+    key: str,
+    pool: str,
+    payload: memoryview,
+    parent: str | None,
+    fsync: bool,
+    skip_size: int | None,
+) -> WriteResult:
+    """Publish one page atomically (see the module docstring)."""
+    path = layout.path(pid)
+    if skip_size is not None:
+        try:
+            if os.stat(path).st_size == skip_size:
+                return WriteResult(True, skip_size, skipped=True)
+        except OSError:
+            pass
+    payload = _as_bytes_view(payload)
+    header = codec.encode(key, pool, payload, payload_checksum(payload))  # the hash pass, off the GIL
+    footer = encode_footer(parent)
+    size = len(header) + len(payload) + FOOTER_LEN
+    tmp = layout.tmp_path(pid, next(_serial))
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_CLOEXEC
+    try:
+        try:
+            fd = os.open(tmp, flags, 0o644)
+        except FileNotFoundError:  # folder gone (a concurrent clear): recreate it once
+            os.makedirs(layout.subdir(pid), exist_ok=True)
+            fd = os.open(tmp, flags, 0o644)
+    except OSError as exc:
+        return WriteResult(False, errno=exc.errno, reason=f"create: {exc}")
+    try:
+        try:
+            _write_all(fd, [header, payload, footer])
+            if fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException as exc:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        if isinstance(exc, OSError):
+            return WriteResult(False, errno=exc.errno, reason=f"write: {exc}")
+        raise
+    if fsync:
+        _fsync_dir(layout.subdir(pid))
+    return WriteResult(True, size)
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY | _O_CLOEXEC)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def remove_files(paths: Sequence[str]) -> int:
+    """Unlink each path; returns how many were removed (gone already is fine)."""
+    n = 0
+    for p in paths:
+        try:
+            os.unlink(p)
+            n += 1
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            logger.warning("could not remove %s: %s", p, exc)
+    return n
+
+
+def free_bytes(path: str) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+# ---------------------------------------------------------------------- namespace set-up and scan
+
+
+def _write_manifest(layout: NamespaceLayout, manifest: dict) -> None:
+    text = json.dumps(manifest, sort_keys=True, indent=2) + "\n"
+    try:
+        with open(layout.manifest_path, encoding="utf-8") as f:
+            if f.read() == text:
+                return
+    except (OSError, UnicodeDecodeError):
+        pass
+    tmp = f"{layout.manifest_path}.{os.getpid()}.{next(_serial)}.tmp"
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, layout.manifest_path)
+    except OSError:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def prepare_namespace(layout: NamespaceLayout, manifest: dict) -> None:
+    """Create the namespace folder and its manifest (idempotent).
+
+    The 256 hashed page folders are created by the first write into each: creating them all
+    up front costs hundreds of milliseconds on a busy journaling file system.
+    """
+    os.makedirs(layout.pages_dir, exist_ok=True)
+    _write_manifest(layout, manifest)
+
+
+def ensure_subdirs(layout: NamespaceLayout, stop: threading.Event | None = None) -> int:
+    """Create the hashed page folders that do not exist yet (in the background, after the scan,
+    so that writes find their folder and never pay a ``mkdir``); returns how many were made."""
+    made = 0
+    for d in layout.subdirs:
+        if stop is not None and stop.is_set():
+            break
+        if not os.path.isdir(d):
+            os.makedirs(d, exist_ok=True)
+            made += 1
+    return made
+
+
+def list_subdirs(layout: NamespaceLayout) -> list[str]:
+    """The hashed page folders that exist, so a scan visits only those."""
+    try:
+        names = os.listdir(layout.pages_dir)
+    except FileNotFoundError:
+        return []
+    wanted = {os.path.basename(d) for d in layout.subdirs}
+    return [os.path.join(layout.pages_dir, n) for n in sorted(names) if n in wanted]
+
+
+def clear_namespace(layout: NamespaceLayout, manifest: dict) -> str | None:
+    """Empty this namespace (and only it) at once; returns the folder left to delete.
+
+    The namespace folder is renamed aside and set up afresh, so the clear is instant for
+    every reader, and a write racing with it lands in the doomed folder or the fresh one,
+    never half in each. Deleting the old files (slow: minutes for 10^5 files on a busy disk)
+    is left to :func:`remove_tree`, which the caller runs in the background.
+    """
+    trash = os.path.join(layout.root, f".trash-{layout.digest}-{os.getpid()}-{next(_serial)}")
+    try:
+        os.rename(layout.ns_dir, trash)
+    except FileNotFoundError:
+        prepare_namespace(layout, manifest)
+        return None
+    prepare_namespace(layout, manifest)
+    return trash
+
+
+_removing: set[str] = set()  # trash folders this process is deleting right now
+_removing_lock = threading.Lock()
+
+
+def remove_tree(path: str, stop: threading.Event | None = None) -> bool:
+    """Delete a folder tree bottom-up, giving up early when ``stop`` is set; True if all gone.
+
+    Unlike ``shutil.rmtree`` it can be interrupted, so closing a store never waits for the
+    deletion of a huge cleared namespace; what is left is finished by the next open.
+    """
+    with _removing_lock:
+        _removing.add(path)
+    try:
+        for dirpath, _, filenames in os.walk(path, topdown=False):
+            for name in filenames:
+                if stop is not None and stop.is_set():
+                    return False
+                try:
+                    os.unlink(os.path.join(dirpath, name))
+                except FileNotFoundError:
+                    pass
+            try:
+                os.rmdir(dirpath)
+            except OSError:
+                pass
+        return not os.path.lexists(path)
+    finally:
+        with _removing_lock:
+            _removing.discard(path)
+
+
+def remove_stale_trash(root: str, digest: str, stop: threading.Event | None = None) -> int:
+    """Finish deletions of cleared namespaces that nobody is doing any more
+    (``.trash-<digest>-<pid>-<n>`` of a dead process, or an interrupted one of ours)."""
+    removed = 0
+    prefix = f".trash-{digest}-"
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return 0
+    for name in names:
+        if not name.startswith(prefix):
+            continue
+        path = os.path.join(root, name)
+        parts = name[len(prefix) :].split("-")
+        if not parts or not parts[0].isdigit():
+            continue
+        owner = int(parts[0])
+        with _removing_lock:
+            busy = path in _removing
+        if busy or (owner != os.getpid() and _pid_alive(owner)):
+            continue
+        if remove_tree(path, stop):
+            removed += 1
+    return removed
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    except OSError:
+        return True
+    return True
+
+
+def scan_subdir(path: str, stale_tmp_seconds: float) -> tuple[list[ScanEntry], int]:
+    """Every page file in one hashed folder, and how many dead writers' temp files were removed.
+
+    A temporary file is garbage when its writer (pid in the name) is dead, or when it is older
+    than ``stale_tmp_seconds`` (the pid may belong to another machine or have been reused).
+    """
+    entries: list[ScanEntry] = []
+    removed = 0
+    now = time.time()
+    try:
+        it = os.scandir(path)
+    except FileNotFoundError:
+        return entries, removed
+    with it:
+        for e in it:
+            name = e.name
+            try:
+                if name.endswith(PAGE_SUFFIX):
+                    pid = name[: -len(PAGE_SUFFIX)]
+                    if len(pid) != 2 * ID_LEN or not set(pid) <= _ID_HEX:
+                        continue
+                    st = e.stat(follow_symlinks=False)
+                    if not e.is_file(follow_symlinks=False):
+                        continue
+                    parent = _read_footer(e.path, st.st_size)
+                    entries.append(ScanEntry(pid, st.st_size, parent, max(st.st_mtime, st.st_atime)))
+                else:
+                    writer = parse_tmp_name(name)
+                    if writer is None:
+                        continue
+                    if writer != os.getpid() and not _pid_alive(writer):
+                        stale = True
+                    else:
+                        stale = now - e.stat(follow_symlinks=False).st_mtime > stale_tmp_seconds
+                    if stale:
+                        os.unlink(e.path)
+                        removed += 1
+            except FileNotFoundError:
+                continue  # removed while we looked: someone else's business
+    return entries, removed
+
+
+# ---------------------------------------------------------------------- introspection (inspect)
+
+
+def list_manifests(root: str) -> list[dict]:
+    """The manifest of every namespace folder under ``root`` (unreadable ones are skipped)."""
+    out: list[dict] = []
+    try:
+        names = sorted(os.listdir(root))
+    except FileNotFoundError:
+        return out
+    for name in names:
+        if len(name) != 32 or not set(name) <= _ID_HEX:
+            continue
+        try:
+            with open(os.path.join(root, name, "manifest.json"), encoding="utf-8") as f:
+                manifest = json.load(f)
+        except (OSError, ValueError):
+            logger.warning("file store %s: namespace folder %s has no readable manifest", root, name)
+            continue
+        if isinstance(manifest, dict):
+            out.append(manifest)
+    return out
+
+
+def page_identity(path: str) -> tuple[str, str] | None:
+    """(key, pool) from a page file's header, without reading its payload."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except OSError:
+        return None
+    try:
+        head = os.pread(fd, 4096, 0)
+    finally:
+        os.close(fd)
+    parsed = PageCodec.parse(head)
+    return None if parsed is None else (parsed.key, parsed.pool)
+
+
+def list_pages(layout: NamespaceLayout) -> list[tuple[str, str, int]]:
+    """(key, pool, file size) of every readable page file of a namespace."""
+    out: list[tuple[str, str, int]] = []
+    for subdir in list_subdirs(layout):
+        entries, _ = scan_subdir(subdir, float("inf"))
+        for e in entries:
+            ident = page_identity(layout.path(e.pid))
+            if ident is not None:
+                out.append((ident[0], ident[1], e.size))
+    return out

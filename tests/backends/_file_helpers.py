@@ -1,0 +1,50 @@
+"""Helpers shared by the ``file`` backend tests: raw access to the medium, deterministic payloads."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+from hicache.storage.page_format import PageCodec
+from hicache_backends.file.layout import FOOTER_LEN, NamespaceLayout, decode_footer, page_id
+
+
+def page_path(root: str | Path, digest: str, key: str, pool: str = "kv") -> str:
+    return NamespaceLayout(str(root), digest).path(page_id(key, pool))
+
+
+def raw_payload_from_disk(root: str | Path, digest: str, key: str, pool: str = "kv") -> bytes | None:
+    """The payload of a page file read straight from disk, header (and footer) stripped."""
+    try:
+        with open(page_path(root, digest, key, pool), "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        return None
+    header = PageCodec.parse(data)
+    assert header is not None, "page file without a valid header"
+    assert header.key == key and header.pool == pool
+    assert len(data) == header.header_len + header.payload_len + FOOTER_LEN
+    return data[header.header_len : header.header_len + header.payload_len]
+
+
+def parent_on_disk(path: str) -> str | None:
+    with open(path, "rb") as f:
+        data = f.read()
+    foot = decode_footer(data[-FOOTER_LEN:])
+    assert foot is not None
+    return foot.parent
+
+
+def payload_for(key: str, size: int) -> bytes:
+    """Deterministic bytes for ``key``: what any writer of ``key`` stores, so readers can check."""
+    seed = hashlib.sha256(key.encode()).digest()
+    reps = -(-size // len(seed))
+    return (seed * reps)[:size]
+
+
+def all_files(root: str | Path) -> list[str]:
+    out = []
+    for d, _, files in os.walk(root):
+        out.extend(os.path.join(d, f) for f in files)
+    return out

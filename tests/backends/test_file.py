@@ -1,0 +1,482 @@
+"""The ``file`` backend: conformance suite plus restart, corruption, capacity, disk-full and
+path-safety checks, all against the files on disk."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import json
+import os
+import random
+import shutil
+import subprocess
+import threading
+
+import pytest
+import torch
+
+from hicache.storage import PoolName, PoolTransfer, create_async_storage
+from hicache.testing import ArrayHostPool, StoreTests
+from hicache.testing.store_tests import NS_A, NS_B, ODD_KEYS, PAGE, keys_for
+from hicache_backends.file import FileStorage
+from hicache_backends.file import io as file_io
+from hicache_backends.file.layout import page_id
+
+from _file_helpers import all_files, page_path, parent_on_disk, raw_payload_from_disk
+
+
+def make_store(root, namespace=NS_A, **options) -> FileStorage:
+    store = create_async_storage("file", None, root=str(root), namespace=namespace, **options)
+    assert isinstance(store, FileStorage)
+    return store
+
+
+class TestFileStore(StoreTests):
+    @pytest.fixture
+    def store_factory(self, tmp_path):
+        def make(namespace=None):
+            return create_async_storage("file", None, root=str(tmp_path / "store"), namespace=namespace)
+
+        return make
+
+    async def raw_payload(self, store, key, pool="kv"):
+        return raw_payload_from_disk(store.root, store.namespace.digest, key, pool)
+
+
+# ---------------------------------------------------------------------- helpers
+
+def v0(size: int, fill: int) -> torch.Tensor:
+    return torch.full((size,), fill, dtype=torch.uint8)
+
+
+async def put_chain(store: FileStorage, pool: ArrayHostPool, keys: list[str], prefix: list[str], first_page: int = 0):
+    from hicache.storage import HiCacheStorageExtraInfo
+
+    store.register_mem_host_pool_v2(pool, "kv")
+    t = PoolTransfer("kv", host_indices=pool.indices(first_page, len(keys)), keys=keys)
+    return (await store.batch_set_v2([t], HiCacheStorageExtraInfo(prefix_keys=prefix)))["kv"]
+
+
+def disk_pages(store: FileStorage) -> dict[str, tuple[int, str | None]]:
+    """page id -> (file size, parent id from its footer), read from disk."""
+    out = {}
+    for f in all_files(store.layout.pages_dir):
+        if f.endswith(".page"):
+            out[os.path.basename(f)[:-5]] = (os.path.getsize(f), parent_on_disk(f))
+    return out
+
+
+# ---------------------------------------------------------------------- layout and restart
+
+async def test_layout_manifest_and_restart(tmp_path) -> None:
+    async with make_store(tmp_path) as store:
+        src = ArrayHostPool(8, PAGE)
+        src.fill_random(3)
+        keys = keys_for(5, salt=500)
+        assert await put_chain(store, src, keys, []) == [True] * 5
+        ns_dir = tmp_path / store.namespace.digest
+        manifest = json.loads((ns_dir / "manifest.json").read_text())
+        assert manifest == store.namespace.to_dict()
+        # hashed subfolders, names never derived from key text
+        for k in keys:
+            p = page_path(tmp_path, store.namespace.digest, k)
+            assert os.path.dirname(p) == str(ns_dir / "pages" / page_id(k, "kv")[:2])
+            assert k not in p
+        before = {p: (e.size, e.parent) for p, e in store.index.entries.items()}
+    async with make_store(tmp_path) as again:
+        assert await again.wait_index_ready(10)
+        assert {p: (e.size, e.parent) for p, e in again.index.entries.items()} == before
+        assert await again.batch_exists(keys) == 5
+        dst = ArrayHostPool(8, PAGE)
+        again.register_mem_pool_host(dst)
+        assert await again.batch_get_v1(keys, dst.indices(0, 5)) == [True] * 5
+        assert all(dst.page_bytes(i * PAGE) == src.page_bytes(i * PAGE) for i in range(5))
+        assert again.get_stats()["stored_bytes"] == sum(s for s, _ in disk_pages(again).values())
+
+
+async def test_scan_does_not_block_requests_and_survives_errors(tmp_path, monkeypatch) -> None:
+    keys = [f"scan-{i}" for i in range(40)]
+    async with make_store(tmp_path) as store:
+        assert await store.batch_set(keys, [v0(100, i) for i in range(len(keys))])
+    release = threading.Event()
+    real_scan = file_io.scan_subdir
+    bad_dir = os.path.basename(os.path.dirname(page_path(tmp_path, NS_A.digest, keys[0])))
+
+    def slow_scan(path, stale):
+        release.wait(10)
+        if os.path.basename(path) == bad_dir:
+            raise OSError(errno.EIO, "injected scan failure")
+        return real_scan(path, stale)
+
+    monkeypatch.setattr(file_io, "scan_subdir", slow_scan)
+    store = make_store(tmp_path)
+    async with store:
+        assert not store.index_ready
+        # lookups and reads work before the scan (one stat per unindexed key)
+        assert await store.batch_exists(keys) == len(keys)
+        got = await store.get(keys[7], torch.empty(100, dtype=torch.uint8))
+        assert got is not None and torch.equal(got, v0(100, 7))
+        release.set()
+        assert await store.wait_index_ready(10)
+        stats = store.get_stats()
+        assert stats["index_ready"] and stats["scan_errors"] == 1
+        assert stats["stored_pages"] == len(keys)  # the failed folder's pages were adopted by stat
+        # after the scan, exists never lists a directory
+        monkeypatch.setattr(os, "scandir", lambda *a: (_ for _ in ()).throw(AssertionError("scan per call")))
+        assert await store.batch_exists(keys + ["nope"]) == len(keys)
+    assert store._scan_task is None and store._executor._shutdown
+
+
+async def test_stale_temp_files_are_removed_at_open(tmp_path) -> None:
+    async with make_store(tmp_path) as store:
+        assert await store.set("k", v0(10, 1))
+        sub = os.path.dirname(page_path(tmp_path, store.namespace.digest, "k"))
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    dead_tmp = os.path.join(sub, f".{'0' * 32}.{proc.pid}.0.tmp")
+    live_tmp = os.path.join(sub, f".{'0' * 32}.{os.getpid()}.99.tmp")
+    for p in (dead_tmp, live_tmp):
+        with open(p, "wb") as f:
+            f.write(b"partial")
+    trash = tmp_path / f".trash-{NS_A.digest}-{proc.pid}-0"  # a clear killed half way
+    (trash / "pages").mkdir(parents=True)
+    (trash / "pages" / "x.page").write_bytes(b"old")
+    async with make_store(tmp_path) as store:
+        assert await store.wait_index_ready(10)
+        assert not os.path.exists(dead_tmp)
+        assert os.path.exists(live_tmp)  # a live writer's (ours) recent temp file is left alone
+        assert store.get_stats()["stale_tmp_removed"] == 1
+        await asyncio.wait_for(store.wait_background(), 10)
+        assert not trash.exists()
+
+
+# ---------------------------------------------------------------------- corruption
+
+async def test_corrupt_pages_are_misses_removed_and_counted(tmp_path) -> None:
+    size = 3000
+    keys = [f"c-{i}" for i in range(8)]
+    async with make_store(tmp_path) as store, make_store(tmp_path, namespace=NS_B) as other:
+        assert await store.batch_set(keys, [v0(size, i + 1) for i in range(8)])
+        assert await other.set(keys[4], v0(size, 99))
+        digest = store.namespace.digest
+        path = {k: page_path(tmp_path, digest, k) for k in keys}
+
+        def flip(p: str, offset: int) -> None:
+            with open(p, "r+b") as f:
+                f.seek(offset)
+                b = f.read(1)
+                f.seek(offset)
+                f.write(bytes([b[0] ^ 0x40]))
+
+        flip(path[keys[0]], os.path.getsize(path[keys[0]]) - 100)  # payload byte
+        flip(path[keys[1]], 20)  # header checksum field
+        with open(path[keys[2]], "r+b") as f:  # truncated
+            f.truncate(os.path.getsize(path[keys[2]]) - 500)
+        shutil.copyfile(path[keys[5]], path[keys[3]])  # another key's page under this name
+        shutil.copyfile(page_path(tmp_path, other.namespace.digest, keys[4]), path[keys[4]])  # foreign ns
+        flip(path[keys[6]], os.path.getsize(path[keys[6]]) - 1)  # parent footer
+        bad = keys[:5] + [keys[6]]
+
+        targets = [torch.empty(size, dtype=torch.uint8) for _ in keys]
+        got = await store.batch_get(keys, targets)
+        assert [g is not None for g in got] == [k not in bad for k in keys]
+        assert torch.equal(got[5], v0(size, 6)) and torch.equal(got[7], v0(size, 8))
+        assert store.get_stats()["corrupt_pages"] == len(bad)
+        assert all(not os.path.exists(path[k]) for k in bad)
+        assert await store.exists_pages(keys) == [k not in bad for k in keys]
+        # the unknown-size path verifies too
+        flip(path[keys[7]], os.path.getsize(path[keys[7]]) - 100)
+        assert await store.get(keys[7]) is None
+        assert store.get_stats()["corrupt_pages"] == len(bad) + 1
+        # asking for the wrong size is a miss, not corruption: the page stays
+        assert await store.get(keys[5], torch.empty(size + 1, dtype=torch.uint8)) is None
+        assert os.path.exists(path[keys[5]]) and store.get_stats()["corrupt_pages"] == len(bad) + 1
+        # the foreign namespace's own page is untouched
+        assert torch.equal(await other.get(keys[4], torch.empty(size, dtype=torch.uint8)), v0(size, 99))
+
+
+# ---------------------------------------------------------------------- path safety
+
+async def test_odd_keys_and_pools_never_escape_the_root(tmp_path) -> None:
+    root = tmp_path / "root"
+    outside_before = set(os.listdir(tmp_path))
+    async with make_store(root) as store:
+        src = ArrayHostPool(16, PAGE)
+        src.fill_random(4)
+        for pool in ("kv", "../../evil", "/abs"):
+            store.register_mem_host_pool_v2(src, pool)
+            res = await store.batch_set_v2([PoolTransfer(pool, host_indices=src.indices(0, 11), keys=ODD_KEYS)])
+            assert res[pool] == [True] * 11
+        assert await store.batch_exists(ODD_KEYS) == 11
+    files = all_files(root)
+    real_root = os.path.realpath(root)
+    assert all(os.path.realpath(f).startswith(real_root + os.sep) for f in files)
+    assert len([f for f in files if f.endswith(".page")]) == 33
+    assert not any(bad in f for f in files for bad in ("passwd", "evil", "abs", "system32", "..."))
+    assert set(os.listdir(tmp_path)) == outside_before | {"root"}
+
+
+# ---------------------------------------------------------------------- capacity
+
+async def test_leaves_go_first_then_lru(tmp_path) -> None:
+    page = make_store(tmp_path).layout.file_size("x0", "kv", 64)
+    async with make_store(tmp_path, max_bytes=4 * page) as store:
+        assert await store.batch_set(["x0", "x1", "x2"], [v0(64, i) for i in range(3)])  # chain
+        assert await store.set("y0", v0(64, 9))
+        assert await store.set("z0", v0(64, 8))  # full: the oldest *leaf* (x2) goes, not x0
+        assert await store.exists_pages(["x0", "x1", "x2", "y0", "z0"]) == [True, True, False, True, True]
+        assert await store.get("y0", torch.empty(64, dtype=torch.uint8)) is not None  # y0 now recent
+        assert await store.set("w0", v0(64, 7))  # leaves: x1, z0, y0 -> x1 (oldest leaf)
+        assert await store.exists_pages(["x0", "x1", "y0", "z0", "w0"]) == [True, False, True, True, True]
+        assert store.get_stats()["evicted_pages"] == 2
+        assert not await store.set("huge", v0(5 * page, 1))  # larger than max_bytes: refused
+
+
+async def test_capacity_bound_parent_links_and_restart(tmp_path) -> None:
+    rng = random.Random(7)
+    src = ArrayHostPool(16, PAGE)
+    src.fill_random(11)
+    mamba = ArrayHostPool(16, 1, token_elems=32, dtype=torch.float32)
+    mamba.fill_random(12)
+    probe = make_store(tmp_path)
+    page = probe.layout.file_size(keys_for(1)[0], "kv", src.page_nbytes)
+    max_bytes = 30 * page
+    chains = [keys_for(40, salt=900 + c) for c in range(6)]
+    store = make_store(tmp_path, max_bytes=max_bytes)
+    async with store:
+        store.register_mem_host_pool_v2(mamba, PoolName.MAMBA)
+        for step in range(120):
+            chain = rng.choice(chains)
+            have = await store.batch_exists(chain)
+            if have >= len(chain):
+                continue
+            n = rng.randint(1, 4)
+            new = chain[have : have + n]
+            res = await put_chain(store, src, new, chain[:have], first_page=rng.randrange(0, 16 - n))
+            assert res[0], "a write whose parent is stored must fit"
+            if rng.random() < 0.5:  # a state snapshot beside the last KV page
+                t = PoolTransfer(PoolName.MAMBA, host_indices=torch.tensor([rng.randrange(16)]), keys=new[-1:])
+                await store.batch_set_v2([t])
+            on_disk = disk_pages(store)
+            assert store.index.nbytes <= max_bytes + page
+            assert sum(s for s, _ in on_disk.values()) <= max_bytes + page
+            orphans = [p for p, (_, parent) in on_disk.items() if parent is not None and parent not in on_disk]
+            assert not orphans, f"step {step}: a page outlived its parent"
+        stats = store.get_stats()
+        assert stats["evicted_pages"] > 50
+        before = {p: (e.size, e.parent) for p, e in store.index.entries.items()}
+    assert before == disk_pages(store)
+    async with make_store(tmp_path, max_bytes=max_bytes) as again:
+        assert await again.wait_index_ready(10)
+        assert {p: (e.size, e.parent) for p, e in again.index.entries.items()} == before
+        assert again.get_stats()["stored_bytes"] == sum(s for s, _ in before.values())
+    # a lower limit after restart is enforced right after the scan, still leaves first
+    async with make_store(tmp_path, max_bytes=10 * page) as small:
+        assert await small.wait_index_ready(10)
+        await asyncio.wait_for(small.wait_background(), 10)  # the scan task evicts right after indexing
+        assert small.index.nbytes <= 10 * page
+        assert sum(s for s, _ in disk_pages(small).values()) <= 10 * page
+        on_disk = disk_pages(small)
+        assert not [p for p, (_, parent) in on_disk.items() if parent is not None and parent not in on_disk]
+
+
+def test_index_breaks_parent_cycles_only_when_no_leaf_is_left() -> None:
+    from hicache_backends.file.index import PageIndex
+
+    idx = PageIndex()
+    idx.add("a", 10, "b", 1.0)
+    idx.add("b", 10, "a", 2.0)  # keys reused with swapped parents: a cycle
+    idx.add("c", 10, None, 3.0)
+    idx.add("d", 10, "c", 4.0)
+    assert [p for p, _ in idx.pick_victims(10)] == ["d"]
+    assert [p for p, _ in idx.pick_victims(10)] == ["c"]
+    assert [p for p, _ in idx.pick_victims(10, protect={"a"})] == ["b"]
+    assert [p for p, _ in idx.pick_victims(10, protect={"a"})] == []  # protected
+    assert [p for p, _ in idx.pick_victims(10)] == ["a"] and idx.nbytes == 0
+
+
+# ---------------------------------------------------------------------- disk full
+
+@pytest.fixture
+def tiny_tmpfs(tmp_path):
+    mnt = tmp_path / "tmpfs"
+    mnt.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("needs root to mount a 2 MiB tmpfs (the injected-ENOSPC test covers this)")
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], capture_output=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount tmpfs here ({r.stderr.decode().strip()}); injected-ENOSPC test covers this")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+async def _fill_until_full(store: FileStorage, size: int, n: int) -> list[bool]:
+    results = []
+    for i in range(n):
+        results.append(await store.set(f"full-{i}", v0(size, i % 250 + 1)))
+    return results
+
+
+async def _check_after_full(store: FileStorage, results: list[bool], size: int) -> None:
+    assert any(results) and not all(results)
+    assert store.get_stats()["enospc_errors"] >= 1
+    assert not [f for f in all_files(store.root) if f.endswith(".tmp")], "failed write left its temp file"
+    for i, stored in enumerate(results):  # reads go on; every reported page is exact
+        got = await store.get(f"full-{i}", torch.empty(size, dtype=torch.uint8))
+        if stored:
+            assert got is not None and torch.equal(got, v0(size, i % 250 + 1))
+    assert store.get_stats().get("corrupt_pages", 0) == 0
+
+
+async def test_disk_full_on_a_real_tmpfs(tiny_tmpfs) -> None:
+    """Runs when a 2 MiB tmpfs can be mounted (root); the injected variant below always runs."""
+    size = 300_000
+    async with make_store(tiny_tmpfs, max_bytes=None, min_free_bytes=0) as store:
+        results = await _fill_until_full(store, size, 10)
+        await _check_after_full(store, results, size)
+        assert await store.clear()
+        assert await store.set("after-clear", v0(size, 5))  # space is back
+    # with the default free-space floor the store refuses cleanly before the disk fills
+    async with make_store(tiny_tmpfs, namespace=NS_B) as floor:
+        assert not await floor.set("refused", v0(size, 1))
+        assert floor.get_stats()["rejected_pages_no_space"] == 1
+        assert floor.get_stats().get("enospc_errors", 0) == 0
+
+
+async def test_disk_full_injected(tmp_path, monkeypatch) -> None:
+    """ENOSPC injected into the page write after ~1 MiB (partial write first, like a real disk)."""
+    budget = {"left": 1_000_000}
+    real = file_io._pwritev
+
+    def pwritev(fd, bufs, offset):
+        want = sum(len(b) for b in bufs)
+        if budget["left"] <= 0:
+            raise OSError(errno.ENOSPC, "No space left on device (injected)")
+        if want > budget["left"]:
+            n = budget["left"]
+            budget["left"] = 0
+            first = memoryview(b"".join(bytes(b) for b in bufs))[:n]
+            return real(fd, [first], offset)
+        budget["left"] -= want
+        return real(fd, bufs, offset)
+
+    monkeypatch.setattr(file_io, "_pwritev", pwritev)
+    size = 300_000
+    async with make_store(tmp_path, max_bytes=None, min_free_bytes=0) as store:
+        results = await _fill_until_full(store, size, 6)
+        assert results[:3] == [True] * 3 and results[3:] == [False] * 3
+        await _check_after_full(store, results, size)
+        budget["left"] = 10**9
+        assert await store.set("recovered", v0(size, 3))
+
+
+# ---------------------------------------------------------------------- options
+
+async def test_options_fsync_and_errors(tmp_path) -> None:
+    from hicache.errors import ConfigError
+
+    async with make_store(tmp_path, fsync=True, io_threads=1, skip_existing=False) as store:
+        assert await store.set("durable", v0(5000, 3))
+        assert await store.set("durable", v0(5000, 4))  # overwrite semantics when asked
+        assert torch.equal(await store.get("durable", torch.empty(5000, dtype=torch.uint8)), v0(5000, 4))
+        assert store.get_stats()["fsync"] is True
+    for bad in ({"max_bytes": 0}, {"max_bytes": "1G"}, {"min_free_bytes": -1}, {"io_threads": 0}, {"nope": 1}):
+        with pytest.raises(ConfigError):
+            make_store(tmp_path, **bad)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    with pytest.raises(ConfigError, match="cannot use root"):
+        await make_store(blocker / "root").open()
+
+
+async def test_skip_existing_does_not_rewrite_same_size_pages(tmp_path) -> None:
+    async with make_store(tmp_path) as store:
+        assert await store.set("same", v0(100, 1))
+        path = page_path(tmp_path, store.namespace.digest, "same")
+        ino = os.stat(path).st_ino
+        assert await store.set("same", v0(100, 1))
+        assert os.stat(path).st_ino == ino  # not rewritten
+        assert await store.set("same", v0(200, 2))  # another size: rewritten
+        assert torch.equal(await store.get("same", torch.empty(200, dtype=torch.uint8)), v0(200, 2))
+
+
+async def test_cancelled_read_waits_for_threads_touching_its_buffers(tmp_path, monkeypatch) -> None:
+    async with make_store(tmp_path) as store:
+        assert await store.set("slow", v0(4096, 7))
+        entered, release, finished = threading.Event(), threading.Event(), threading.Event()
+        real = file_io.read_page_into
+
+        def slow_read(*args):
+            entered.set()
+            release.wait(5)
+            try:
+                return real(*args)
+            finally:
+                finished.set()
+
+        monkeypatch.setattr(file_io, "read_page_into", slow_read)
+        target = torch.empty(4096, dtype=torch.uint8)
+        task = asyncio.create_task(store.get("slow", target))
+        await asyncio.to_thread(entered.wait, 5)
+        task.cancel()
+        await asyncio.sleep(0.05)
+        assert not task.done()  # still waiting for the thread that writes into `target`
+        release.set()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert finished.is_set()
+
+
+async def test_symlink_at_a_page_path_is_never_followed(tmp_path) -> None:
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"s" * 4096)
+    async with make_store(tmp_path / "root") as store:
+        assert await store.set("linked", v0(64, 1))
+        path = page_path(store.root, store.namespace.digest, "linked")
+        os.unlink(path)
+        os.symlink(secret, path)
+        assert await store.get("linked", torch.empty(64, dtype=torch.uint8)) is None
+        assert not os.path.lexists(path) and secret.read_bytes() == b"s" * 4096
+        assert store.get_stats()["corrupt_pages"] == 1
+
+
+async def test_unshared_store_answers_misses_from_memory(tmp_path, monkeypatch) -> None:
+    async with make_store(tmp_path) as writer:
+        assert await writer.set("there", v0(10, 1))
+    async with make_store(tmp_path, shared=False) as store:
+        assert await store.wait_index_ready(10)
+        calls = []
+        monkeypatch.setattr(file_io, "probe_page", lambda p: calls.append(p) or file_io.ReadResult(file_io.ReadStatus.MISSING))
+        assert await store.exists_pages(["there", "absent"]) == [True, False]
+        assert calls == []  # no stat for a miss once the index is complete
+
+
+async def test_clear_is_instant_and_deletion_survives_close(tmp_path) -> None:
+    keys = [f"cl-{i}" for i in range(300)]
+    store = make_store(tmp_path)
+    async with store:
+        assert await store.batch_set(keys, [v0(64, 1)] * len(keys))
+        assert await store.clear()
+        assert await store.batch_exists(keys) == 0
+        # the old files are deleted in the background, outside the namespace folder
+        assert not [f for f in all_files(store.layout.ns_dir) if f.endswith(".page")]
+        await store.wait_background()
+        assert not [n for n in os.listdir(tmp_path) if n.startswith(".trash")]
+        assert await store.batch_set(keys[:10], [v0(64, 2)] * 10)
+        assert await store.clear()
+    # closed right after the clear: whatever deletion was left is finished by the next open
+    async with make_store(tmp_path) as again:
+        assert await again.wait_index_ready(10)
+        await asyncio.wait_for(again.wait_background(), 10)
+        assert not [n for n in os.listdir(tmp_path) if n.startswith(".trash")]
+        assert again.get_stats()["stored_pages"] == 0
+
+
+def test_gil_free_checksum_matches_the_page_format() -> None:
+    from hicache.storage.page_format import checksum
+
+    for n in (0, 1, 1000, (1 << 16) - 1, 1 << 16, 3 << 20):
+        data = os.urandom(n)
+        assert file_io.payload_checksum(memoryview(data)) == checksum(data)
