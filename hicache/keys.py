@@ -16,6 +16,7 @@ read each other's pages.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from collections.abc import Iterable, Sequence
@@ -149,13 +150,15 @@ class Namespace:
             data["extra"] = tuple(sorted((str(k), str(v)) for k, v in dict(data["extra"]).items()))
         return cls(**data)
 
-    @property
+    @functools.cached_property
     def digest(self) -> str:
-        """A stable 32-hex-digit id of this namespace (same in every process and Python)."""
+        """A stable 32-hex-digit id of this namespace (same in every process and Python).
+
+        Cached: backends ask for it once per page, and the namespace is immutable."""
         blob = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(blob.encode()).hexdigest()[:32]
 
-    @property
+    @functools.cached_property
     def digest_bytes(self) -> bytes:
         return bytes.fromhex(self.digest)
 

@@ -1,0 +1,98 @@
+"""``ControllerConfig``: every knob of the controller, validated once.
+
+Defaults follow SGLang where it has one (prefetch timeout 2.0 s + 0.1 s per 1Ki tokens, at most
+30 s; prefetch threshold 256 tokens; write-through threshold 1, selective 2).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from hicache.errors import ConfigError
+
+__all__ = ["ControllerConfig", "WRITE_POLICIES", "PREFETCH_POLICIES"]
+
+WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
+
+
+@dataclasses.dataclass(kw_only=True)
+class ControllerConfig:
+    """Controller settings; unknown keys in :meth:`from_dict` are errors naming the allowed ones.
+
+    write_policy: when device pages are copied to host. ``write_through`` on insert,
+        ``write_through_selective`` once a node was hit ``write_through_threshold`` times,
+        ``write_back`` only when the device copy is evicted.
+    backup_queue_size / storage_queue_size: bounded queues; a full queue refuses new work
+        (counted as ``backup_rejected``) instead of growing without limit.
+    storage_max_retries, storage_retry_base_s, storage_retry_max_s: a failed storage write is
+        retried with exponential backoff, then reported as failed (never as written).
+    storage_io_timeout_s: one storage call that takes longer counts as failed.
+    prefetch_policy: ``best_effort`` (take what arrived), ``wait_complete`` or ``timeout``.
+    prefetch_threshold: fewer storage tokens than this are not worth a prefetch.
+    max_inflight_prefetch_tokens: rate limit; prefetches beyond it are skipped.
+    cancelled_io_grace_s: host pages an interrupted storage call may still touch are held
+        this long before they are reused.
+    """
+
+    write_policy: str = "write_through"
+    write_through_threshold: int | None = None
+    backup_queue_size: int = 1024
+    backup_batch_pages: int = 512
+    load_back_threshold: int = 0
+    storage_queue_size: int = 4096
+    storage_batch_pages: int = 64
+    storage_max_retries: int = 3
+    storage_retry_base_s: float = 0.05
+    storage_retry_max_s: float = 2.0
+    storage_io_timeout_s: float = 30.0
+    prefetch_policy: str = "best_effort"
+    prefetch_threshold: int = 256
+    prefetch_timeout_base_s: float = 2.0
+    prefetch_timeout_per_ki_token_s: float = 0.1
+    prefetch_timeout_max_s: float = 30.0
+    prefetch_batch_pages: int = 64
+    max_inflight_prefetch_tokens: int = 1 << 20
+    max_concurrent_prefetches: int = 16
+    cancelled_io_grace_s: float = 1.0
+    close_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.write_policy not in WRITE_POLICIES:
+            raise ConfigError(f"write_policy {self.write_policy!r} unknown; allowed: {list(WRITE_POLICIES)}")
+        if self.prefetch_policy not in PREFETCH_POLICIES:
+            raise ConfigError(
+                f"prefetch_policy {self.prefetch_policy!r} unknown; allowed: {list(PREFETCH_POLICIES)}"
+            )
+        if self.write_through_threshold is None:
+            self.write_through_threshold = 2 if self.write_policy == "write_through_selective" else 1
+        positive = (
+            "backup_queue_size", "backup_batch_pages", "storage_queue_size", "storage_batch_pages",
+            "prefetch_batch_pages", "max_inflight_prefetch_tokens", "max_concurrent_prefetches",
+            "write_through_threshold",
+        )
+        for name in positive:
+            if int(getattr(self, name)) <= 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)!r}")
+        non_negative = (
+            "storage_max_retries", "storage_retry_base_s", "storage_retry_max_s", "prefetch_threshold",
+            "prefetch_timeout_base_s", "prefetch_timeout_per_ki_token_s", "prefetch_timeout_max_s",
+            "cancelled_io_grace_s", "close_timeout_s", "storage_io_timeout_s", "load_back_threshold",
+        )
+        for name in non_negative:
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must not be negative, got {getattr(self, name)!r}")
+
+    def prefetch_timeout(self, num_tokens: int) -> float:
+        """Seconds a request may wait for its prefetch under the ``timeout`` policy."""
+        t = self.prefetch_timeout_base_s + self.prefetch_timeout_per_ki_token_s * num_tokens / 1024
+        return min(self.prefetch_timeout_max_s, t)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ControllerConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"unknown controller option(s) {unknown}; allowed: {sorted(known)}")
+        return cls(**data)

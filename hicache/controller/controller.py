@@ -1,0 +1,488 @@
+"""``HiCacheController``: the one asyncio component that moves KV pages between tiers.
+
+It runs in the caller's event loop, next to the server's scheduler, and never blocks it: torch
+copies run on the copy engine's thread, storage I/O is awaited, and the tree the cache keeps is
+only touched from completion callbacks that run on the loop. That is why no lock guards the
+tree: there is one thread.
+
+Work and who owns it::
+
+    submit_backup()          -> backup queue (bounded)  -> backup worker  -> CopyEngine.backup
+    start_load()             -> CopyEngine.load (per layer) + a watcher task
+    submit_storage_write()   -> storage queue (bounded) -> storage worker -> batch_set_v2 (retries)
+    start_prefetch()         -> one task per request    -> batch_exists_v2, batch_get_v2 in batches
+                                (:mod:`hicache.controller.prefetch`)
+
+Storage coroutines run on a private I/O loop thread (:mod:`hicache.controller.io_thread`), so
+whatever a backend does before its first ``await`` never runs on the server's loop.
+
+Every task is created by :meth:`_spawn` and kept in ``self._tasks`` until it ends; ``aclose()``
+drains the queues (or reports what it could not write), cancels the rest and awaits them all.
+A backend that raises or hangs costs a counter and a log line, never a worker.
+
+The controller does not know the tree. The cache hands it indices, keys and callbacks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import logging
+import time
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+import torch
+
+from hicache.controller.config import ControllerConfig
+from hicache.controller.io_thread import IoThread
+from hicache.controller.jobs import (
+    BackupJob,
+    CloseReport,
+    PrefetchOp,
+    StorageWriteJob,
+    UnwrittenBackup,
+)
+from hicache.controller.metrics import ControllerMetrics
+from hicache.controller.prefetch import PrefetchMixin
+from hicache.controller.transfers import all_pools_ok, call_back, slice_transfer
+from hicache.errors import CacheClosedError, ConfigError, LoopMisuseError
+from hicache.storage import (
+    AsyncHiCacheStorage,
+    HiCacheStorageExtraInfo,
+    PoolName,
+    PoolTransfer,
+)
+from hicache.storage.hit_policy import leading_run
+
+__all__ = ["HiCacheController", "ControllerState"]
+
+logger = logging.getLogger("hicache.controller")
+
+KV = PoolName.KV.value
+
+
+class ControllerState(enum.Enum):
+    UNSTARTED = "unstarted"
+    RUNNING = "running"
+    CLOSING = "closing"
+    CLOSED = "closed"
+
+
+class HiCacheController(PrefetchMixin):
+    """Moves pages device<->host (copy engine) and host<->storage (async backend).
+
+    Args:
+        copy_engine: ``hicache.memory.CopyEngine`` between the device pool and ``host_pool``.
+        host_pool: the host KV pool (page protocol; ``page_size``, ``page_nbytes``).
+        storage: an ``AsyncHiCacheStorage`` or ``None`` (no L3).
+        config: :class:`ControllerConfig`.
+        metrics: shared :class:`ControllerMetrics` (one is made when omitted).
+        own_storage: close ``storage`` in :meth:`aclose`.
+        storage_thread: run storage coroutines on a private I/O loop thread (see
+            :mod:`hicache.controller.io_thread`) so backend work never runs on this loop.
+    """
+
+    def __init__(
+        self,
+        *,
+        copy_engine: Any,
+        host_pool: Any,
+        storage: AsyncHiCacheStorage | None = None,
+        config: ControllerConfig | None = None,
+        metrics: ControllerMetrics | None = None,
+        own_storage: bool = False,
+        storage_thread: bool = True,
+    ) -> None:
+        self.copy_engine = copy_engine
+        self.host_pool = host_pool
+        self.storage = storage
+        self.config = config or ControllerConfig()
+        self.metrics = metrics or ControllerMetrics()
+        self.own_storage = own_storage
+        self._io = IoThread() if storage is not None and storage_thread else None
+        self.page_size: int = int(host_pool.page_size)
+        self.page_nbytes: int = int(getattr(host_pool, "page_nbytes", 0) or 0)
+        self.state = ControllerState.UNSTARTED
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._backup_q: asyncio.Queue[BackupJob] | None = None
+        self._storage_q: asyncio.Queue[StorageWriteJob] | None = None
+        self._prefetch_sem: asyncio.Semaphore | None = None
+        self._prefetches: dict[str, PrefetchOp] = {}
+        self._inflight_prefetch_tokens = 0
+        self._loads: set[asyncio.Task[Any]] = set()
+        self._storage_busy: list[StorageWriteJob] = []
+        self._backup_busy: list[BackupJob] = []
+        self._quarantine: list[asyncio.Task[Any]] = []
+        self._free_host: Callable[[torch.Tensor], None] = host_pool.free
+        if storage is not None:
+            registered = getattr(storage, "registered_pools", {}).get(KV)
+            if registered is None:
+                storage.register_mem_pool_host(host_pool)
+            elif registered is not host_pool:
+                raise ConfigError(
+                    "the storage backend moves pages of another host pool; give each cache its "
+                    "own backend object (share a medium instead, e.g. the memory backend's store_id)"
+                )
+        self.metrics.gauge("backup_queue_depth", lambda: self._backup_q.qsize() if self._backup_q else 0)
+        self.metrics.gauge("storage_queue_depth", lambda: self._storage_q.qsize() if self._storage_q else 0)
+        self.metrics.gauge("prefetch_inflight", lambda: len(self._prefetches))
+        self.metrics.gauge("prefetch_inflight_tokens", lambda: self._inflight_prefetch_tokens)
+        self.metrics.gauge("loads_inflight", lambda: len(self._loads))
+        self.metrics.gauge("tasks", lambda: len(self._tasks))
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @property
+    def has_storage(self) -> bool:
+        return self.storage is not None
+
+    def set_host_free(self, free: Callable[[torch.Tensor], None]) -> None:
+        """Route host-page frees through the cache (which keeps its own accounting)."""
+        self._free_host = free
+
+    def start(self) -> None:
+        """Create queues and workers on the running loop (called lazily on first use)."""
+        if self.state is ControllerState.RUNNING:
+            return
+        if self.state is not ControllerState.UNSTARTED:
+            raise CacheClosedError("the controller is closed")
+        try:
+            asyncio.get_running_loop()  # the loop that will own the tasks
+        except RuntimeError:
+            raise LoopMisuseError(
+                "HiCacheController runs in the server's event loop: call the cache from a "
+                "coroutine (or a callback) on that loop's thread"
+            ) from None
+        self._backup_q = asyncio.Queue(self.config.backup_queue_size)
+        self._storage_q = asyncio.Queue(self.config.storage_queue_size)
+        self._prefetch_sem = asyncio.Semaphore(self.config.max_concurrent_prefetches)
+        self.state = ControllerState.RUNNING
+        self._spawn(self._backup_worker(), "hicache-backup")
+        if self.storage is not None:
+            self._spawn(self._storage_worker(), "hicache-storage-write")
+
+    def _accepting(self, continuation: bool = False) -> bool:
+        """Whether new work is taken. While closing, only continuations of work already
+        accepted (a finished host backup queueing its storage write) are, so that ``aclose``
+        drains them or reports them."""
+        if self.state is ControllerState.UNSTARTED:
+            self.start()
+        if self.state is ControllerState.CLOSING:
+            return continuation
+        return self.state is ControllerState.RUNNING
+
+    def _spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
+        task = asyncio.get_running_loop().create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+        return task
+
+    def _task_done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            self.metrics.incr("worker_errors")
+            logger.error("controller task %s died", task.get_name(), exc_info=task.exception())
+
+    async def drain(self) -> None:
+        """Wait until every queued and running backup and load has completed (a completion may
+        queue more work, e.g. a host backup queues its storage write, so loop until quiet)."""
+        if self.state is ControllerState.UNSTARTED:
+            return
+        while True:
+            if self._backup_q is not None:
+                await self._backup_q.join()
+            if self._storage_q is not None:
+                await self._storage_q.join()
+            if self._loads:
+                await asyncio.wait(set(self._loads))
+            await asyncio.sleep(0)
+            if (
+                (self._backup_q is None or self._backup_q._unfinished_tasks == 0)  # type: ignore[attr-defined]
+                and (self._storage_q is None or self._storage_q._unfinished_tasks == 0)  # type: ignore[attr-defined]
+                and not self._loads
+            ):
+                return
+
+    async def wait_prefetches(self) -> None:
+        """Wait until every prefetch task has ended and every page it held is back (tests,
+        replay)."""
+        while True:
+            pending = [t for t in self._tasks if t.get_name().startswith(("hicache-prefetch", "hicache-quarantine"))]
+            if not pending:
+                return
+            await asyncio.wait(pending)
+
+    async def aclose(self, timeout: float | None = None) -> CloseReport:
+        """Stop accepting work, drain the queues (up to ``timeout``, default
+        ``config.close_timeout_s``), report each backup left unwritten, and leave no task
+        running. Idempotent: a second call returns an empty report."""
+        if self.state in (ControllerState.CLOSED, ControllerState.CLOSING):
+            return CloseReport(drained=True)
+        was_running = self.state is ControllerState.RUNNING
+        self.state = ControllerState.CLOSING
+        report = CloseReport(drained=True)
+        if was_running:
+            limit = self.config.close_timeout_s if timeout is None else timeout
+            for op in list(self._prefetches.values()):
+                self._abort_op(op)
+                report.cancelled_prefetches += 1
+            try:
+                async with asyncio.timeout(limit):
+                    await self._drain_for_close()
+            except TimeoutError:
+                report.drained = False
+                logger.warning("controller close: queues did not drain within %.1f s", limit)
+            for task in list(self._tasks):
+                task.cancel()
+            if self._tasks:
+                await asyncio.gather(*self._tasks, return_exceptions=True)
+            self._report_leftovers(report)
+        if self.own_storage and self.storage is not None:
+            try:
+                await self._on_io(self.storage.aclose())
+            except Exception:  # noqa: BLE001 - closing must not raise into shutdown
+                logger.exception("closing the storage backend failed")
+        if self._io is not None:
+            await self._io.stop()
+        self.state = ControllerState.CLOSED
+        return report
+
+    async def _drain_for_close(self) -> None:
+        while True:
+            await self.drain()
+            quarantine = [t for t in self._quarantine if not t.done()]
+            if quarantine:
+                await asyncio.wait(quarantine)
+            if not [t for t in self._tasks if t.get_name().startswith("hicache-prefetch")]:
+                return
+            await asyncio.wait([t for t in self._tasks if t.get_name().startswith("hicache-prefetch")])
+
+    def _report_leftovers(self, report: CloseReport) -> None:
+        """Fail every job the cancelled workers left behind; report storage writes. Their
+        callbacks may queue more (nothing succeeds now), so repeat until the queues are empty."""
+        while True:
+            backups: list[BackupJob] = list(self._backup_busy)
+            self._backup_busy = []
+            if self._backup_q is not None:
+                while not self._backup_q.empty():
+                    backups.append(self._backup_q.get_nowait())
+                    self._backup_q.task_done()
+            leftovers: list[StorageWriteJob] = list(self._storage_busy)
+            self._storage_busy = []
+            if self._storage_q is not None:
+                while not self._storage_q.empty():
+                    leftovers.append(self._storage_q.get_nowait())
+                    self._storage_q.task_done()
+            if not backups and not leftovers:
+                return
+            for bjob in backups:
+                report.failed_device_backups += 1
+                call_back(bjob.on_done, False)
+            for job in leftovers:
+                pages = len(job.keys)
+                first = job.keys[0] if job.keys else ""
+                report.unwritten.append(UnwrittenBackup(first, pages, "closed"))
+                self.metrics.incr("unwritten_on_close", pages)
+                logger.warning("controller close: %d page(s) from key %.16s... were not written to storage",
+                               pages, first)
+                call_back(job.on_done, 0)
+
+    # ------------------------------------------------------------------ device -> host
+
+    def submit_backup(self, device_indices: torch.Tensor, host_indices: torch.Tensor,
+                      on_done: Callable[[bool], None]) -> bool:
+        """Queue a device->host copy; ``False`` (and nothing queued) when the queue is full or
+        the controller is closed. ``on_done(ok)`` runs on the loop once the host pages hold the
+        data (or the copy failed)."""
+        if not self._accepting(continuation=True):
+            return False
+        assert self._backup_q is not None
+        try:
+            self._backup_q.put_nowait(BackupJob(device_indices, host_indices, on_done))
+        except asyncio.QueueFull:
+            self.metrics.incr("backup_rejected")
+            return False
+        return True
+
+    async def backup(self, device_indices: torch.Tensor, host_indices: torch.Tensor) -> bool:
+        """Queue a device->host copy and wait for it (waits for room instead of refusing)."""
+        if not self._accepting():
+            raise CacheClosedError("the controller is closed")
+        assert self._backup_q is not None
+        fut: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+
+        def done(ok: bool) -> None:
+            if not fut.done():
+                fut.set_result(ok)
+
+        await self._backup_q.put(BackupJob(device_indices, host_indices, done))
+        return await asyncio.shield(fut)
+
+    async def _backup_worker(self) -> None:
+        assert self._backup_q is not None
+        q = self._backup_q
+        while True:
+            first = await q.get()
+            jobs = [first]
+            pages = first.num_tokens // self.page_size
+            while pages < self.config.backup_batch_pages and not q.empty():
+                job = q.get_nowait()
+                jobs.append(job)
+                pages += job.num_tokens // self.page_size
+            self._backup_busy = jobs
+            ok = False
+            t0 = time.perf_counter()
+            try:
+                dev = torch.cat([j.device_indices.reshape(-1) for j in jobs])
+                host = torch.cat([j.host_indices.reshape(-1).to(torch.int64) for j in jobs])
+                await self.copy_engine.backup(dev, host)
+                ok = True
+            except asyncio.CancelledError:
+                raise  # the jobs stay in _backup_busy; aclose reports them as failed
+            except Exception:  # noqa: BLE001 - a failed copy fails its jobs, not the worker
+                self.metrics.incr("backup_failures", len(jobs))
+                logger.exception("device->host backup of %d page(s) failed", pages)
+            if ok:
+                self.metrics.transfer("d2h", pages, pages * self.page_nbytes, time.perf_counter() - t0)
+            self._backup_busy = []
+            for job in jobs:
+                call_back(job.on_done, ok)
+                q.task_done()
+
+    # ------------------------------------------------------------------ host -> device
+
+    def start_load(self, host_indices: torch.Tensor, device_indices: torch.Tensor,
+                   on_done: Callable[[bool], None]) -> Any:
+        """Start a layer-by-layer host->device copy; returns the copy engine's handle
+        (``.counter`` is the ``LayerDoneCounter``). ``on_done(ok)`` runs when all layers landed
+        or the load failed. Raises ``CacheClosedError`` after close."""
+        if not self._accepting():
+            raise CacheClosedError("the controller is closed")
+        t0 = time.perf_counter()
+        handle = self.copy_engine.load(host_indices, device_indices)
+        pages = int(host_indices.numel()) // self.page_size
+
+        async def watch() -> None:
+            ok = False
+            try:
+                await handle.wait()
+                ok = True
+            except asyncio.CancelledError:
+                with contextlib.suppress(BaseException):
+                    await asyncio.shield(handle.wait())
+                    ok = True
+                raise
+            except Exception:  # noqa: BLE001
+                self.metrics.incr("load_failures")
+                logger.exception("host->device load of %d page(s) failed", pages)
+            finally:
+                if ok:
+                    self.metrics.transfer("h2d", pages, pages * self.page_nbytes, time.perf_counter() - t0)
+                call_back(on_done, ok)
+
+        task = self._spawn(watch(), "hicache-load")
+        self._loads.add(task)
+        task.add_done_callback(self._loads.discard)
+        return handle
+
+    # ------------------------------------------------------------------ host -> storage
+
+    def submit_storage_write(self, job: StorageWriteJob) -> bool:
+        """Queue a host->storage write; ``False`` when there is no storage, the queue is full
+        or the controller is closed."""
+        if self.storage is None or not self._accepting(continuation=True):
+            return False
+        assert self._storage_q is not None
+        try:
+            self._storage_q.put_nowait(job)
+        except asyncio.QueueFull:
+            self.metrics.incr("storage_rejected")
+            return False
+        return True
+
+    async def _storage_worker(self) -> None:
+        assert self._storage_q is not None
+        q = self._storage_q
+        while True:
+            job = await q.get()
+            self._storage_busy = [job]
+            written = 0
+            try:
+                written = await self._write_job(job)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001
+                self.metrics.incr("worker_errors")
+                logger.exception("storage write job failed unexpectedly")
+            if self._storage_busy:
+                self._storage_busy = []
+                call_back(job.on_done, written)
+                q.task_done()
+
+    async def _write_job(self, job: StorageWriteJob) -> int:
+        """Write ``job`` in batches; returns the leading pages written."""
+        assert self.storage is not None
+        ps = self.page_size
+        cfg = self.config
+        done = 0
+        total = len(job.keys)
+        prior = job.prior_key
+        attempt = 0
+        while done < total:
+            n = min(cfg.storage_batch_pages, total - done)
+            keys = job.keys[done : done + n]
+            host = job.host_indices[done * ps : (done + n) * ps]
+            transfers = [PoolTransfer(PoolName.KV, host, keys=keys)]
+            for extra in job.extra:
+                transfers.append(slice_transfer(extra, done, n))
+            info = HiCacheStorageExtraInfo(prefix_keys=[prior] if prior else None)
+            t0 = time.perf_counter()
+            result = await self._storage_call(self.storage.batch_set_v2(transfers, info), "write")
+            flags = all_pools_ok(result, n)
+            ok = leading_run(flags)
+            if ok:
+                self.metrics.transfer("h2s", ok, ok * self.page_nbytes, time.perf_counter() - t0)
+                done += ok
+                prior = keys[ok - 1]
+            if ok == n:
+                attempt = 0
+                continue
+            attempt += 1
+            if attempt > cfg.storage_max_retries:
+                failed = total - done
+                self.metrics.incr("storage_write_failures", failed)
+                logger.warning("storage write: %d page(s) from key %.16s... failed after %d retries",
+                               failed, job.keys[done], cfg.storage_max_retries)
+                return done
+            self.metrics.incr("storage_write_retries")
+            await asyncio.sleep(min(cfg.storage_retry_max_s, cfg.storage_retry_base_s * 2 ** (attempt - 1)))
+        return done
+
+    async def _on_io(self, coro: Coroutine[Any, Any, Any]) -> Any:
+        if self._io is None:
+            return await coro
+        return await self._io.run(coro)
+
+    async def _storage_call(self, coro: Coroutine[Any, Any, Any], what: str) -> Any:
+        """Await a storage call under the I/O timeout; a timeout or an exception is ``None``.
+
+        After a timeout the interrupted call may still be touching host pages on a backend
+        thread, so the caller waits ``cancelled_io_grace_s`` before the pages can be reused.
+        """
+        try:
+            async with asyncio.timeout(self.config.storage_io_timeout_s):
+                return await self._on_io(coro)
+        except TimeoutError:
+            self.metrics.incr("storage_timeouts")
+            logger.warning("storage %s timed out after %.1f s", what, self.config.storage_io_timeout_s)
+            await asyncio.sleep(self.config.cancelled_io_grace_s)
+            return None
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # noqa: BLE001 - the backend's base class guards, but be sure
+            if what != "write":
+                self.metrics.incr("storage_read_failures")
+            logger.exception("storage %s failed", what)
+            return None

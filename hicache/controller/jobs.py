@@ -1,0 +1,109 @@
+"""The units of work the controller queues, and the close report.
+
+Jobs carry a completion callback instead of a future: the callback runs on the event loop (the
+tree's thread) as soon as the copy is done, so the cache updates node state without a polling
+step, and a job nobody awaits cannot leave an unretrieved-exception warning behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import Callable
+
+import torch
+
+from hicache.storage import PoolTransfer
+
+__all__ = ["BackupJob", "StorageWriteJob", "PrefetchOp", "PrefetchResult", "UnwrittenBackup", "CloseReport"]
+
+
+@dataclasses.dataclass(eq=False)
+class BackupJob:
+    """Copy device pages to host pages; ``on_done(ok)``."""
+
+    device_indices: torch.Tensor
+    host_indices: torch.Tensor
+    on_done: Callable[[bool], None]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.host_indices.numel())
+
+
+@dataclasses.dataclass(eq=False)
+class StorageWriteJob:
+    """Write host pages to storage under chained ``keys``; ``on_done(pages)`` gets the number
+    of leading pages known written (a page after a failed one is not reachable by a prefix
+    lookup, so it does not count)."""
+
+    keys: list[str]
+    host_indices: torch.Tensor
+    prior_key: str | None
+    on_done: Callable[[int], None]
+    extra: list[PoolTransfer] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass(eq=False)
+class PrefetchOp:
+    """One request's storage->host prefetch.
+
+    The op owns the host pages it allocated until the request takes the completed ones
+    (``take``) or aborts; whatever is not taken is freed when the op's task ends.
+    """
+
+    rid: str
+    keys: list[str]
+    page_size: int
+    extra: list[PoolTransfer] = dataclasses.field(default_factory=list)
+    started: float = dataclasses.field(default_factory=time.monotonic)
+    found_pages: int = 0
+    completed_pages: int = 0
+    host_indices: torch.Tensor | None = None
+    taken_pages: int | None = None
+    stop_requested: bool = False
+    finished: bool = False
+    done: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+    task: asyncio.Task[None] | None = None
+    inflight_start: int = 0
+    inflight_end: int = 0
+    released: bool = False
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.keys) * self.page_size
+
+
+@dataclasses.dataclass
+class PrefetchResult:
+    """What a request gets from its prefetch: ``pages`` complete pages at ``host_indices``
+    (owned by the caller from now on)."""
+
+    pages: int
+    host_indices: torch.Tensor
+    waited_s: float = 0.0
+    found_pages: int = 0
+
+
+@dataclasses.dataclass
+class UnwrittenBackup:
+    """A storage backup the controller could not write before it closed."""
+
+    first_key: str
+    pages: int
+    reason: str
+
+
+@dataclasses.dataclass
+class CloseReport:
+    """What ``aclose()`` did: whether the queues drained, and every backup left unwritten."""
+
+    drained: bool
+    unwritten: list[UnwrittenBackup] = dataclasses.field(default_factory=list)
+    cancelled_prefetches: int = 0
+    failed_device_backups: int = 0
+
+    @property
+    def unwritten_pages(self) -> int:
+        return sum(u.pages for u in self.unwritten)

@@ -1,0 +1,231 @@
+"""Storage->host prefetch: the controller's per-request background fetch and its stop policies.
+
+When a request arrives, the cache asks storage how far the chain of page keys after the host
+hit extends, allocates host pages for that many and fetches them in batches, counting complete
+pages as they land. The request then stops waiting as its policy says (``best_effort``: now;
+``wait_complete``: when done; ``timeout``: at most ``min(max, base + per_ki_token * tokens /
+1024)`` seconds after the prefetch started), takes the complete pages, and the op frees the
+rest. Abort cancels the op; host pages a cancelled read may still be writing into are held for
+``cancelled_io_grace_s`` before reuse.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+
+from hicache.controller.jobs import PrefetchOp, PrefetchResult
+from hicache.controller.transfers import all_pools_ok, slice_transfer
+from hicache.storage import PoolName, PoolTransfer
+from hicache.storage.hit_policy import leading_run
+
+if TYPE_CHECKING:
+    from hicache.controller.controller import HiCacheController
+
+__all__ = ["PrefetchMixin"]
+
+logger = logging.getLogger("hicache.controller")
+
+
+class PrefetchMixin:
+    """Prefetch half of :class:`~hicache.controller.HiCacheController` (mixed in)."""
+
+    def start_prefetch(
+        self: HiCacheController,
+        rid: str,
+        keys: list[str],
+        *,
+        alloc_host: Callable[[int], torch.Tensor | None],
+        extra: list[PoolTransfer] | None = None,
+    ) -> PrefetchOp | None:
+        """Start fetching the pages under ``keys`` (a chain continuing the host hit) into host
+        memory in the background. ``alloc_host(max_tokens)`` returns up to that many host
+        slots (whole pages) or ``None``. Returns ``None`` when not started (no storage, closed,
+        below threshold, rate limited, or ``rid`` already prefetching)."""
+        if self.storage is None or not keys or not self._accepting():
+            return None
+        tokens = len(keys) * self.page_size
+        if tokens < self.config.prefetch_threshold:
+            self.metrics.incr("prefetch_skipped_threshold")
+            return None
+        if rid in self._prefetches:
+            return None
+        if self._inflight_prefetch_tokens + tokens > self.config.max_inflight_prefetch_tokens:
+            self.metrics.incr("prefetch_rate_limited")
+            return None
+        op = PrefetchOp(rid=rid, keys=list(keys), page_size=self.page_size, extra=list(extra or ()))
+        self._prefetches[rid] = op
+        self._inflight_prefetch_tokens += tokens
+        self.metrics.incr("prefetch_started")
+        op.task = self._spawn(self._run_prefetch(op, alloc_host), f"hicache-prefetch-{rid}")
+        return op
+
+    async def _run_prefetch(self: HiCacheController, op: PrefetchOp, alloc_host: Callable[[int], torch.Tensor | None]) -> None:
+        assert self.storage is not None and self._prefetch_sem is not None
+        ps = self.page_size
+        interrupted = False
+        try:
+            async with self._prefetch_sem:
+                if op.stop_requested:
+                    return
+                hit = await self._storage_call(self.storage.batch_exists_v2(op.keys, op.extra or None), "exists")
+                found = min(len(op.keys), hit.kv_hit_pages if hit is not None else 0)
+                op.found_pages = found
+                if found == 0 or op.stop_requested:
+                    return
+                host = alloc_host(found * ps)
+                if host is None or host.numel() == 0:
+                    return
+                op.host_indices = host
+                pages = host.numel() // ps
+                while op.completed_pages < pages and not op.stop_requested:
+                    a = op.completed_pages
+                    n = min(self.config.prefetch_batch_pages, pages - a)
+                    keys = op.keys[a : a + n]
+                    transfers = [PoolTransfer(PoolName.KV, host[a * ps : (a + n) * ps], keys=keys)]
+                    for extra in op.extra:
+                        transfers.append(slice_transfer(extra, a, n))
+                    op.inflight_start, op.inflight_end = a, a + n
+                    t0 = time.perf_counter()
+                    try:
+                        result = await self._storage_call(self.storage.batch_get_v2(transfers), "read")
+                    except asyncio.CancelledError:
+                        interrupted = True
+                        raise
+                    op.inflight_start = op.inflight_end = 0
+                    got = leading_run(all_pools_ok(result, n))
+                    if got:
+                        op.completed_pages += got
+                        self.metrics.incr("prefetch_pages_done", got)
+                        self.metrics.transfer("s2h", got, got * self.page_nbytes, time.perf_counter() - t0)
+                    if got < n:
+                        if result is None:
+                            self.metrics.incr("storage_read_failures")
+                        break
+        except asyncio.CancelledError:
+            pass  # abort: the finally block gives the pages back
+        except Exception:  # noqa: BLE001
+            self.metrics.incr("worker_errors")
+            logger.exception("prefetch %s failed", op.rid)
+        finally:
+            self._finish_op(op, interrupted)
+
+    def _finish_op(
+        self: HiCacheController, op: PrefetchOp, interrupted: bool) -> None:
+        op.finished = True
+        op.done.set()
+        if self._prefetches.get(op.rid) is op and op.taken_pages is not None:
+            del self._prefetches[op.rid]
+        if not op.released:
+            op.released = True
+            self._inflight_prefetch_tokens -= op.num_tokens
+        if op.taken_pages is not None:
+            self._release_untaken(op, interrupted)
+
+    def _release_untaken(
+        self: HiCacheController, op: PrefetchOp, interrupted: bool) -> None:
+        """Free the op's host pages the request did not take. Pages a cancelled storage read
+        may still be writing into are held for the grace period first."""
+        if op.host_indices is None:
+            return
+        ps = self.page_size
+        start = (op.taken_pages or 0) * ps
+        rest = op.host_indices[start:]
+        op.host_indices = op.host_indices[:start]
+        if rest.numel() == 0:
+            return
+        if interrupted and self.config.cancelled_io_grace_s > 0:
+            self._quarantine = [t for t in self._quarantine if not t.done()]
+            task = self._spawn(self._free_later(rest), "hicache-quarantine")
+            self._quarantine.append(task)
+        else:
+            self._free_host(rest)
+
+    async def _free_later(self: HiCacheController, indices: torch.Tensor) -> None:
+        try:
+            await asyncio.sleep(self.config.cancelled_io_grace_s)
+        finally:
+            self._free_host(indices)
+
+    def prefetch_op(
+        self: HiCacheController, rid: str) -> PrefetchOp | None:
+        return self._prefetches.get(rid)
+
+    def prefetch_ready(
+        self: HiCacheController, rid: str) -> bool:
+        """Non-blocking: may the request stop waiting for its prefetch, under the policy?"""
+        op = self._prefetches.get(rid)
+        if op is None or op.finished:
+            return True
+        policy = self.config.prefetch_policy
+        if policy == "best_effort":
+            return True
+        if policy == "wait_complete":
+            return False
+        return time.monotonic() - op.started >= self.config.prefetch_timeout(op.num_tokens)
+
+    async def wait_prefetch(self: HiCacheController, rid: str, policy: str | None = None) -> PrefetchResult | None:
+        """Wait as long as the stop policy allows, then take what completed (see
+        :meth:`take_prefetch`). ``None`` when ``rid`` has no prefetch."""
+        op = self._prefetches.get(rid)
+        if op is None:
+            return None
+        policy = policy or self.config.prefetch_policy
+        t0 = time.monotonic()
+        if not op.finished and policy != "best_effort":
+            if policy == "wait_complete":
+                await op.done.wait()
+            else:
+                remaining = self.config.prefetch_timeout(op.num_tokens) - (t0 - op.started)
+                if remaining > 0:
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout(remaining):
+                            await op.done.wait()
+        result = self.take_prefetch(rid)
+        if result is not None:
+            result.waited_s = time.monotonic() - t0
+        return result
+
+    def take_prefetch(
+        self: HiCacheController, rid: str) -> PrefetchResult | None:
+        """Stop ``rid``'s prefetch and hand over the pages completed so far (the caller owns
+        them now); the op frees the rest when its task ends."""
+        op = self._prefetches.pop(rid, None)
+        if op is None:
+            return None
+        op.stop_requested = True
+        taken = op.completed_pages
+        op.taken_pages = taken
+        ps = self.page_size
+        host = op.host_indices[: taken * ps] if op.host_indices is not None else torch.empty(0, dtype=torch.int64)
+        if op.finished:
+            self._release_untaken(op, False)
+        self.metrics.incr("prefetch_pages_used", taken)
+        return PrefetchResult(pages=taken, host_indices=host, found_pages=op.found_pages)
+
+    def abort_prefetch(
+        self: HiCacheController, rid: str) -> bool:
+        """Cancel ``rid``'s prefetch; its host pages are freed (after the grace period for a
+        storage read that was interrupted). Returns whether there was one."""
+        op = self._prefetches.pop(rid, None)
+        if op is None:
+            return False
+        self._abort_op(op)
+        return True
+
+    def _abort_op(
+        self: HiCacheController, op: PrefetchOp) -> None:
+        self._prefetches.pop(op.rid, None)
+        self.metrics.incr("prefetch_aborted")
+        op.stop_requested = True
+        op.taken_pages = 0
+        if op.finished:
+            self._release_untaken(op, False)
+        elif op.task is not None:
+            op.task.cancel()

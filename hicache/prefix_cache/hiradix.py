@@ -1,0 +1,608 @@
+"""``HiRadixCache``: the radix cache with host and storage tiers behind it.
+
+Why tiers inside the tree rather than beside it: a prefix is useful only from the root, so
+whether a page is worth keeping depends on its place in the tree. Each node records where its
+KV lives (device slots, host slots, how many of its pages storage holds) and the tree decides
+what moves; :class:`~hicache.controller.HiCacheController` only moves bytes and calls back.
+
+Tier rules kept here:
+
+* Device eviction takes unlocked device leaves by policy. A node with a complete host copy is
+  *demoted* (device slots freed, node kept as host-only); without one it is deleted
+  (``write_back`` copies it to host first, see :meth:`evict_async`).
+* Host eviction takes host-only leaves in LRU order, never a locked node, a prefetch anchor, or
+  a node with a copy to host or storage in flight.
+* Storage writes follow the tree from the root: a node is written only once its parent is in
+  storage, because a page whose parent is missing can never be found by a prefix lookup.
+* A match walks through host-only nodes: the device hit, the host hit, and the anchor where a
+  storage lookup continues (``last_host_node`` and the chain hash after it).
+
+Server flow (all on the event loop)::
+
+    cache.match_req(req)               # device/host hit, fills req fields
+    cache.start_prefetch(req)          # storage lookup + background fetch past the host hit
+    res = await cache.admit(req)       # wait per stop policy, load host->device, lock prefix
+    ... compute req.fill_ids[len(req.prefix_indices):] into its row of req_to_token ...
+    cache.cache_finished_req(req)      # insert; write-through to host and storage follows
+    cache.abort_req(req)               # instead, on abort: prefetch cancelled, pages freed
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import heapq
+import logging
+from typing import Any
+
+import torch
+
+from hicache.controller.controller import HiCacheController
+from hicache.controller.jobs import PrefetchResult, StorageWriteJob
+from hicache.prefix_cache.facade import RequestFlowMixin
+from hicache.prefix_cache.hashing import fast_page_hashes, namespace_seed
+from hicache.prefix_cache.node import TreeNode
+from hicache.prefix_cache.radix import RadixCache
+from hicache.prefix_cache.types import EvictParams, EvictResult, InitLoadBackParams
+
+__all__ = ["HiRadixCache"]
+
+logger = logging.getLogger("hicache.controller")
+
+
+@dataclasses.dataclass(eq=False)
+class _Prefetch:
+    anchor: TreeNode
+    tokens: list[int]  # from the root through the prefetched pages
+    start: int  # first prefetched token
+    keys: list[str]
+    extra_key: str | None
+
+
+@dataclasses.dataclass(eq=False)
+class _Load:
+    node: TreeNode
+    chain: list[TreeNode]
+    done: asyncio.Future[bool] | None
+
+
+class HiRadixCache(RequestFlowMixin, RadixCache):
+    """Radix cache over device, host and storage tiers.
+
+    Args (beyond :class:`RadixCache`'s):
+        host_pool: the host KV pool (``alloc``/``free``/``available_size``, page protocol).
+        controller: the :class:`HiCacheController` that moves pages for this cache.
+    """
+
+    def __init__(
+        self,
+        *,
+        req_to_token_pool: Any,
+        token_to_kv_pool_allocator: Any,
+        page_size: int,
+        host_pool: Any,
+        controller: HiCacheController,
+        eviction_policy: str = "lru",
+        disable: bool = False,
+    ) -> None:
+        if host_pool.page_size != page_size:
+            raise ValueError(f"host page_size {host_pool.page_size} != cache page_size {page_size}")
+        self.host_pool = host_pool
+        self.controller = controller
+        self.config = controller.config
+        self.metrics = controller.metrics
+        self.write_policy: str = self.config.write_policy
+        self.write_through_threshold: int = int(self.config.write_through_threshold or 1)
+        self._generation = 0
+        self._prefetching: dict[str, _Prefetch] = {}
+        self._loads: list[_Load] = []
+        self._new_handles: list[Any] = []
+        self._matched: set[str] = set()  # rids whose hit was counted by match_req
+        self._admitted: set[str] = set()  # rids admit() locked a prefix for
+        super().__init__(
+            req_to_token_pool=req_to_token_pool,
+            token_to_kv_pool_allocator=token_to_kv_pool_allocator,
+            page_size=page_size,
+            eviction_policy=eviction_policy,
+            disable=disable,
+        )
+        controller.set_host_free(self._free_host)
+        self.metrics.gauge("device_tokens", self.total_size)
+        self.metrics.gauge("device_evictable_tokens", self.evictable_size)
+        self.metrics.gauge("host_tokens", self.host_size)
+        self.metrics.gauge("host_available_tokens", lambda: self.host_pool.available_size())
+
+    # ------------------------------------------------------------------ state
+
+    def reset(self) -> None:
+        """Drop the tree and give back its host pages. Drain the controller first: copies
+        still in flight complete into a tree that no longer exists and are ignored."""
+        old = getattr(self, "root_node", None)
+        if old is not None:
+            for node in self._nodes():
+                if node.host_value is not None and node.backup_op is None and node.storage_op is None:
+                    self._free_host(node.host_value)
+                    node.host_value = None
+            for rid in list(self._prefetching):
+                self.controller.abort_prefetch(rid)
+        self._generation = getattr(self, "_generation", 0) + 1
+        self._prefetching = {}
+        self._loads = []
+        self._new_handles = []
+        super().reset()
+
+    def cache_finished_req(self, req: Any, is_insert: bool = True, **kwargs: Any) -> None:
+        self._admitted.discard(req.rid)
+        self._matched.discard(req.rid)
+        super().cache_finished_req(req, is_insert=is_insert, **kwargs)
+
+    def _free_host(self, indices: torch.Tensor) -> None:
+        if indices is not None and indices.numel():
+            self.host_pool.free(indices)
+
+    def host_size(self) -> int:
+        """Tokens of host memory held by tree nodes."""
+        return sum(int(n.host_value.numel()) for n in self._nodes() if n.host_value is not None)
+
+    def _prior_hash(self, node: TreeNode, extra_key: str | None) -> str | None:
+        if node is self.root_node or not node.hash_value:
+            return namespace_seed(extra_key)
+        return node.hash_value[-1]
+
+    # ------------------------------------------------------------------ hooks
+
+    def _on_new_node(self, node: TreeNode) -> None:
+        assert node.parent is not None
+        node.hash_value = fast_page_hashes(
+            node.key, self.page_size, self._prior_hash(node.parent, node.extra_key)
+        )
+        if self.write_policy != "write_back" and node.hit_count >= self.write_through_threshold:
+            self._backup(node)
+
+    def _on_hit(self, node: TreeNode) -> None:
+        if node.host_value is None:
+            if (
+                self.write_policy != "write_back"
+                and node.value is not None
+                and node.hit_count >= self.write_through_threshold
+            ):
+                self._backup(node)
+        elif node.backuped and node.storage_op is None and not node.on_storage:
+            self._maybe_write_storage(node)
+
+    # ------------------------------------------------------------------ host memory
+
+    def _alloc_host(self, num_tokens: int) -> torch.Tensor | None:
+        host = self.host_pool.alloc(num_tokens)
+        if host is None:
+            self.evict_host(num_tokens - self.host_pool.available_size())
+            host = self.host_pool.alloc(num_tokens)
+        return host
+
+    def _alloc_host_upto(self, max_tokens: int) -> torch.Tensor | None:
+        """Up to ``max_tokens`` host slots (whole pages), evicting host leaves for room."""
+        host = self._alloc_host(max_tokens)
+        if host is not None:
+            return host
+        avail = self.host_pool.available_size() // self.page_size * self.page_size
+        return self.host_pool.alloc(avail) if avail > 0 else None
+
+    def _host_evictable(self, node: TreeNode) -> bool:
+        return (
+            node.value is None
+            and node.host_value is not None
+            and not node.children
+            and node.lock_ref == 0
+            and node.host_ref == 0
+            and node.backup_op is None
+            and node.storage_op is None
+            and node is not self.root_node
+        )
+
+    def evict_host(self, num_tokens: int) -> int:
+        """Free host copies of host-only leaves, least recently used first; returns tokens
+        freed (possibly fewer than asked)."""
+        if num_tokens <= 0:
+            return 0
+        heap = [(n.last_access_time, n.id, n) for n in self._nodes() if self._host_evictable(n)]
+        heapq.heapify(heap)
+        freed = 0
+        while freed < num_tokens and heap:
+            _, _, node = heapq.heappop(heap)
+            if not self._host_evictable(node):
+                continue
+            parent = node.parent
+            host = node.host_value
+            assert host is not None
+            node.host_value = None
+            self._free_host(host)
+            freed += int(host.numel())
+            self._delete_leaf(node)
+            if parent is not None and self._host_evictable(parent):
+                heapq.heappush(heap, (parent.last_access_time, parent.id, parent))
+        self.metrics.incr("host_evicted_tokens", freed)
+        return freed
+
+    def _inc_host_ref(self, node: TreeNode) -> None:
+        while node is not None and node is not self.root_node:
+            node.host_ref += 1
+            node = node.parent  # type: ignore[assignment]
+
+    def _dec_host_ref(self, node: TreeNode) -> None:
+        while node is not None and node is not self.root_node:
+            node.host_ref -= 1
+            assert node.host_ref >= 0, node
+            node = node.parent  # type: ignore[assignment]
+
+    # ------------------------------------------------------------------ device -> host
+
+    def _op_chain(self, node: TreeNode, attr: str, op: object) -> list[TreeNode]:
+        """``node`` and the ancestors split off it while ``op`` was in flight, root first."""
+        chain: list[TreeNode] = []
+        n: TreeNode | None = node
+        while n is not None and n is not self.root_node and getattr(n, attr) is op:
+            chain.append(n)
+            n = n.parent
+        chain.reverse()
+        return chain
+
+    def _backup(self, node: TreeNode) -> bool:
+        """Start copying ``node``'s device pages to host; the node stays locked until the
+        copy completes, so its device slots cannot be freed or reused mid-copy."""
+        if node.value is None or node.host_value is not None or node.backup_op is not None:
+            return False
+        host = self._alloc_host(len(node.key))
+        if host is None:
+            self.metrics.incr("backup_rejected")
+            return False
+        op = object()
+        node.host_value = host
+        node.backup_op = op
+        self.inc_lock_ref(node)
+        gen = self._generation
+        if not self.controller.submit_backup(node.value, host, lambda ok: self._backup_done(gen, node, op, ok)):
+            node.host_value = None
+            node.backup_op = None
+            self.dec_lock_ref(node)
+            self._free_host(host)
+            return False
+        return True
+
+    def _backup_done(self, gen: int, node: TreeNode, op: object, ok: bool) -> None:
+        if gen != self._generation:
+            return
+        chain = self._op_chain(node, "backup_op", op)
+        for n in chain:
+            n.backup_op = None
+            if not ok and n.host_value is not None:
+                self._free_host(n.host_value)
+                n.host_value = None
+        self.dec_lock_ref(node)
+        if ok:
+            for n in chain:
+                self._maybe_write_storage(n)
+
+    def write_backup(self, node: TreeNode) -> bool:
+        """Back ``node`` up to host now, whatever the policy (SGLang's name)."""
+        return self._backup(node)
+
+    # ------------------------------------------------------------------ host -> storage
+
+    def _maybe_write_storage(self, node: TreeNode) -> None:
+        """Queue ``node``'s pages for storage if its parent is there already; a node already
+        in storage passes the turn to its children (iteratively: chains can be long)."""
+        if not self.controller.has_storage:
+            return
+        stack = [node]
+        while stack:
+            n = stack.pop()
+            if not n.backuped or n.storage_op is not None:
+                continue
+            if n.on_storage:
+                stack.extend(n.children.values())
+                continue
+            self._write_storage(n)
+
+    def _write_storage(self, node: TreeNode) -> None:
+        parent = node.parent
+        assert parent is not None and node.host_value is not None
+        if parent is not self.root_node and not parent.on_storage:
+            return  # continuity: written once the parent is
+        ps = self.page_size
+        k = node.storage_pages
+        prior = node.hash_value[k - 1] if k else (
+            parent.hash_value[-1] if parent is not self.root_node and parent.hash_value else None
+        )
+        op = object()
+        node.storage_op = op
+        gen = self._generation
+        job = StorageWriteJob(
+            keys=node.hash_value[k:],
+            host_indices=node.host_value[k * ps :],
+            prior_key=prior,
+            on_done=lambda pages: self._storage_done(gen, node, op, pages),
+        )
+        if not self.controller.submit_storage_write(job):
+            node.storage_op = None
+
+    def _storage_done(self, gen: int, node: TreeNode, op: object, pages: int) -> None:
+        if gen != self._generation:
+            return
+        remaining = pages
+        for n in self._op_chain(node, "storage_op", op):
+            n.storage_op = None
+            take = min(remaining, len(n.hash_value) - n.storage_pages)
+            n.storage_pages += take
+            remaining -= take
+        if node.on_storage and node.parent is not None:
+            self._maybe_write_storage(node)
+
+    # ------------------------------------------------------------------ device eviction
+
+    def _evict_device_node(self, node: TreeNode) -> int:
+        n = len(node.key)
+        if node.backuped:
+            self._free(self._drop_device(node))
+            self.metrics.incr("device_evicted_tokens", n)
+            return n
+        if node.backup_op is not None or node.host_ref:
+            return 0  # a copy in flight, or a prefetch anchor: keep the node
+        if self.write_policy == "write_back" and self._backup(node):
+            return 0  # freed by a later eviction once the copy is done
+        # no host copy and none possible (write-through refused, or no host room): drop it
+        if node.children:
+            if not all(self._host_evictable(c) or self._droppable(c) for c in node.children.values()):
+                return 0
+            for child in list(node.children.values()):
+                self._drop_subtree(child)
+            if node.children:
+                return 0
+        self._free(self._drop_device(node))
+        if node.host_value is not None:  # a host copy still being written cannot be here
+            self._free_host(node.host_value)
+            node.host_value = None
+        self._delete_leaf(node)
+        self.metrics.incr("device_evicted_tokens", n)
+        return n
+
+    def _droppable(self, node: TreeNode) -> bool:
+        if node.value is not None or node.lock_ref or node.host_ref or node.backup_op or node.storage_op:
+            return False
+        return all(self._droppable(c) for c in node.children.values())
+
+    def _drop_subtree(self, node: TreeNode) -> None:
+        for child in list(node.children.values()):
+            self._drop_subtree(child)
+        if node.host_value is not None:
+            self._free_host(node.host_value)
+            node.host_value = None
+        self._delete_leaf(node)
+
+    async def evict_async(self, params: EvictParams | int) -> EvictResult:
+        """:meth:`evict`, waiting for write-back copies so their device pages can go too."""
+        need = params if isinstance(params, int) else params.num_tokens
+        freed = self.evict(need).num_tokens_evicted
+        for _ in range(3):
+            if freed >= need:
+                break
+            await self.controller.drain()
+            got = self.evict(need - freed).num_tokens_evicted
+            if got == 0:
+                break
+            freed += got
+        return EvictResult(num_tokens_evicted=freed)
+
+    # ------------------------------------------------------------------ host -> device
+
+    def init_load_back(self, params: InitLoadBackParams) -> tuple[torch.Tensor, Any]:
+        """Allocate device slots for the host part of a match and start loading it layer by
+        layer. All or nothing: when the chain exceeds ``mem_quota`` or device memory cannot be
+        found, nothing is loaded. Returns ``(new device indices, new deepest device node)``;
+        :meth:`ready_to_load_host_cache` hands out the load handles (per-layer counters)."""
+        node = params.node
+        if node is None and params.req is not None:
+            node = params.req.last_host_node
+        if node is None or node is self.root_node or self.disable:
+            return self._empty(), node if node is not None else self.root_node
+        chain: list[TreeNode] = []
+        n = node
+        while n is not self.root_node and n.value is None:
+            chain.append(n)
+            n = n.parent
+        anchor = n
+        chain.reverse()
+        cut = next((i for i, c in enumerate(chain) if not c.backuped), len(chain))
+        if cut < len(chain):
+            chain = chain[:cut]
+            node = chain[-1] if chain else anchor
+        if not chain:
+            return self._empty(), anchor
+        total = sum(len(c.key) for c in chain)
+        if total < self.config.load_back_threshold or (params.mem_quota is not None and total > params.mem_quota):
+            self.metrics.incr("load_back_skipped")
+            return self._empty(), anchor
+        self.inc_lock_ref(node)  # keeps the chain on host and the prefix on device meanwhile
+        alloc = self.token_to_kv_pool_allocator
+        dev = alloc.alloc(total)
+        if dev is None:
+            self.evict(total - alloc.available_size())
+            dev = alloc.alloc(total)
+        if dev is None:
+            self.dec_lock_ref(node)
+            self.metrics.incr("load_back_skipped")
+            return self._empty(), anchor
+        host = torch.cat([c.host_value for c in chain])  # type: ignore[misc]
+        off = 0
+        for c in chain:
+            self._add_device(c, dev[off : off + len(c.key)])
+            off += len(c.key)
+        gen = self._generation
+        try:
+            fut = asyncio.get_running_loop().create_future()
+        except RuntimeError:
+            fut = None
+        load = _Load(node, chain, fut)
+        try:
+            handle = self.controller.start_load(host, dev, lambda ok: self._load_done(gen, load, ok))
+        except Exception:  # noqa: BLE001 - a closed controller: fall back to compute
+            logger.exception("load-back could not start")
+            self._load_done(gen, load, False)
+            return self._empty(), anchor
+        self._loads.append(load)
+        self._new_handles.append(handle)
+        return dev, node
+
+    def _load_done(self, gen: int, load: _Load, ok: bool) -> None:
+        if gen != self._generation:
+            return
+        if load in self._loads:
+            self._loads.remove(load)
+        if not ok:
+            for c in reversed(load.chain):
+                if c.value is not None:
+                    self._free(self._drop_device(c))
+        self.dec_lock_ref(load.node)
+        if load.done is not None and not load.done.done():
+            load.done.set_result(ok)
+
+    def ready_to_load_host_cache(self) -> list[Any]:
+        """Load handles started since the last call (``handle.counter`` is the per-layer
+        ``LayerDoneCounter`` the forward pass waits on)."""
+        handles, self._new_handles = self._new_handles, []
+        return handles
+
+    # ------------------------------------------------------------------ storage -> host
+
+    def prefetch_from_storage(
+        self,
+        req_id: str,
+        last_host_node: TreeNode,
+        new_input_tokens: list[int],
+        last_hash: str | None = None,
+        *,
+        prefix_tokens: list[int] | None = None,
+        extra_key: str | None = None,
+    ) -> bool:
+        """Start fetching the pages of ``new_input_tokens`` (which continue the prefix ending
+        at ``last_host_node``) from storage into host memory. ``prefix_tokens`` are the tokens
+        from the root through ``last_host_node``; returns whether a prefetch started."""
+        if not self.controller.has_storage or self.disable or req_id in self._prefetching:
+            return False
+        ps = self.page_size
+        aligned = len(new_input_tokens) // ps * ps
+        if aligned < self.config.prefetch_threshold or aligned == 0:
+            self.metrics.incr("prefetch_skipped_threshold")
+            return False
+        tokens = list(new_input_tokens[:aligned])
+        prior = last_hash if last_hash is not None else self._prior_hash(last_host_node, extra_key)
+        keys = fast_page_hashes(tokens, ps, prior)
+        prefix = list(prefix_tokens) if prefix_tokens is not None else self._path_tokens(last_host_node)
+        self._inc_host_ref(last_host_node)
+        op = self.controller.start_prefetch(req_id, keys, alloc_host=self._alloc_host_upto)
+        if op is None:
+            self._dec_host_ref(last_host_node)
+            return False
+        self._prefetching[req_id] = _Prefetch(last_host_node, prefix + tokens, len(prefix), keys, extra_key)
+        return True
+
+    def _path_tokens(self, node: TreeNode) -> list[int]:
+        parts: list[list[int]] = []
+        while node is not None and node is not self.root_node:
+            parts.append(node.key)
+            node = node.parent  # type: ignore[assignment]
+        return [t for part in reversed(parts) for t in part]
+
+    def check_prefetch_progress(self, req_id: str) -> bool:
+        """Non-blocking (SGLang's scheduler polls this): ``True`` once the request may proceed
+        under the stop policy; the fetched pages are then in the tree."""
+        if req_id not in self._prefetching:
+            return True
+        if not self.controller.prefetch_ready(req_id):
+            return False
+        self._finish_prefetch(req_id, self.controller.take_prefetch(req_id))
+        return True
+
+    async def wait_prefetch(self, req_id: str) -> int:
+        """Wait as the stop policy allows; returns the tokens the prefetch added to the tree."""
+        if req_id not in self._prefetching:
+            return 0
+        return self._finish_prefetch(req_id, await self.controller.wait_prefetch(req_id))
+
+    def _finish_prefetch(self, req_id: str, result: PrefetchResult | None) -> int:
+        state = self._prefetching.pop(req_id, None)
+        if state is None:
+            if result is not None:
+                self._free_host(result.host_indices)
+            return 0
+        self._dec_host_ref(state.anchor)
+        if result is None or result.pages == 0:
+            if result is not None:
+                self._free_host(result.host_indices)
+            return 0
+        return self._insert_host(state, result)
+
+    def _insert_host(self, state: _Prefetch, result: PrefetchResult) -> int:
+        """Hang fetched pages under their prefix as host-only nodes; pages already present are
+        freed (or adopted as the host copy of a device-only node). Returns new tokens."""
+        ps = self.page_size
+        start = state.start
+        end = start + result.pages * ps
+        host = result.host_indices
+        tokens = state.tokens
+        node = self.root_node
+        pos = 0
+        now = self._tick()
+        while pos < end:
+            child = node.children.get(self._child_key(state.extra_key, tokens, pos))
+            if child is None:
+                break
+            m = self._match_len(child.key, tokens, pos, end)
+            if pos < start < pos + m:
+                m = start - pos
+            if m < len(child.key):
+                child = self._split(child, m)
+            if pos + m > start:
+                part = host[pos - start : pos + m - start]
+                if child.host_value is None and child.backup_op is None:
+                    child.host_value = part
+                    child.storage_pages = len(child.hash_value)
+                else:
+                    self._free_host(part)
+            child.last_access_time = now
+            pos += m
+            node = child
+        if pos < start:  # the prefix left the tree meanwhile: the pages cannot be attached
+            self._free_host(host)
+            return 0
+        if pos >= end:
+            return 0
+        new = TreeNode(parent=node, extra_key=state.extra_key)
+        new.key = tokens[pos:end]
+        new.host_value = host[pos - start :]
+        new.hash_value = state.keys[(pos - start) // ps : (end - start) // ps]
+        new.storage_pages = len(new.hash_value)
+        new.last_access_time = now
+        node.children[self._child_key(state.extra_key, tokens, pos)] = new
+        return end - pos
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def drain(self) -> None:
+        """Wait for every queued copy (device->host, host->storage, loads) to complete."""
+        await self.controller.drain()
+
+    async def aclose(self) -> Any:
+        """Close the controller (drains backups, reports what it could not write)."""
+        for rid in list(self._prefetching):
+            self.controller.abort_prefetch(rid)
+            state = self._prefetching.pop(rid)
+            self._dec_host_ref(state.anchor)
+        return await self.controller.aclose()
+
+    def sanity_check(self) -> None:
+        super().sanity_check()
+        for node in self._nodes():
+            assert node.value is not None or node.host_value is not None, f"node without data: {node!r}"
+            if node.host_value is not None:
+                assert node.host_value.numel() == len(node.key), node
+            assert len(node.hash_value) == len(node.key) // self.page_size, node

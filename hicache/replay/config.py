@@ -1,0 +1,201 @@
+"""Replay configuration: tier capacities, KV geometry, storage and controller options.
+
+A replay config file is a deployment config (:class:`hicache.config.HiCacheConfig`, the same
+TOML schema as every file in ``configs/``): ``device.size_tokens``, ``host.size_bytes`` and the
+storage backend's ``options.max_bytes`` give each tier's capacity, ``model`` the (tiny) KV
+geometry, ``cache`` the policies. ``configs/replay-20pct.toml`` sizes the tiers at 1% / 5% / 20%
+of the Mooncake trace's 43,924 unique blocks.
+
+For programs, :meth:`ReplayConfig.from_dict` also takes capacities relative to the trace::
+
+    {"tiers": {"device_fraction": 0.01, "host_fraction": 0.05, "storage_fraction": 0.2},
+     "kv": {"page_size": 512, "layer_num": 1, "head_num": 1, "head_dim": 2, "dtype": "float32"},
+     "storage": {"backend": "memory"}, "controller": {"prefetch_policy": "wait_complete"}}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from typing import Any
+
+from hicache.controller.config import ControllerConfig
+from hicache.errors import ConfigError
+
+__all__ = ["ReplayConfig", "load_replay_config"]
+
+_TIERS = ("device", "host", "storage")
+
+
+@dataclasses.dataclass(kw_only=True)
+class ReplayConfig:
+    """Everything one replay needs (see the module docstring for the TOML layout)."""
+
+    fractions: dict[str, float] = dataclasses.field(
+        default_factory=lambda: {"device": 0.01, "host": 0.05, "storage": 0.20}
+    )
+    blocks: dict[str, int] = dataclasses.field(default_factory=dict)
+    pages: dict[str, int] = dataclasses.field(default_factory=dict)
+    capacity_basis: str = "trace"
+    device: str = "cpu"
+    host_layout: str = "page_first"
+    load_back_quota_tokens: int | None = None
+    page_size: int = 512
+    layer_num: int = 1
+    head_num: int = 1
+    head_dim: int = 2
+    dtype: str = "float32"
+    storage_backend: str | None = "memory"
+    storage_options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    eviction_policy: str = "lru"
+    drain_between_requests: bool = True
+    verify: bool = True
+    max_requests: int | None = None
+    controller: dict[str, Any] = dataclasses.field(
+        default_factory=lambda: {"write_policy": "write_through", "prefetch_policy": "wait_complete"}
+    )
+
+    def controller_config(self) -> ControllerConfig:
+        return ControllerConfig.from_dict(dict(self.controller))
+
+    def capacity_blocks(self, unique: int) -> dict[str, int]:
+        """Capacity of each tier in trace blocks for ``unique`` unique blocks."""
+        out = {}
+        for tier in _TIERS:
+            if tier in self.pages:
+                out[tier] = int(self.pages[tier]) * self.page_size // 512
+            elif tier in self.blocks:
+                out[tier] = int(self.blocks[tier])
+            else:
+                out[tier] = int(unique * float(self.fractions.get(tier, 0.0)))
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ReplayConfig:
+        data = dict(data)
+        cfg = cls()
+        sections = {"tiers", "kv", "storage", "controller", "replay"}
+        unknown = sorted(set(data) - sections)
+        if unknown:
+            raise ConfigError(f"unknown replay config section(s) {unknown}; allowed: {sorted(sections)}")
+        tiers = dict(data.get("tiers", {}))
+        if tiers:
+            cfg.fractions, cfg.blocks = {}, {}
+        basis = tiers.pop("basis", "trace")
+        if basis not in ("trace", "replayed"):
+            raise ConfigError(f"[tiers] basis must be 'trace' or 'replayed', got {basis!r}")
+        cfg.capacity_basis = basis
+        for key, value in tiers.items():
+            tier, _, kind = key.partition("_")
+            if tier not in _TIERS or kind not in ("fraction", "blocks"):
+                raise ConfigError(
+                    f"[tiers] {key!r} unknown; use <tier>_fraction or <tier>_blocks with tier in {list(_TIERS)}"
+                )
+            (cfg.fractions if kind == "fraction" else cfg.blocks)[tier] = value
+        kv = dict(data.get("kv", {}))
+        for key, value in kv.items():
+            if key not in ("page_size", "layer_num", "head_num", "head_dim", "dtype"):
+                raise ConfigError(f"[kv] {key!r} unknown; allowed: page_size, layer_num, head_num, head_dim, dtype")
+            setattr(cfg, key, value)
+        storage = dict(data.get("storage", {}))
+        for key in storage:
+            if key not in ("backend", "options"):
+                raise ConfigError(f"[storage] {key!r} unknown; allowed: backend, options")
+        if "backend" in storage:
+            cfg.storage_backend = storage["backend"] or None
+        cfg.storage_options = dict(storage.get("options", {}))
+        replay = dict(data.get("replay", {}))
+        for key, value in replay.items():
+            if key not in ("eviction_policy", "drain_between_requests", "verify", "max_requests"):
+                raise ConfigError(
+                    f"[replay] {key!r} unknown; allowed: eviction_policy, drain_between_requests, verify, max_requests"
+                )
+            setattr(cfg, key, value)
+        if "controller" in data:
+            cfg.controller = {**cfg.controller, **dict(data["controller"])}
+        if 512 % cfg.page_size:
+            raise ConfigError(f"page_size must divide the trace block (512), got {cfg.page_size}")
+        cfg.controller_config()  # validate now, not mid-replay
+        return cfg
+
+
+    def capacity_pages(self, unique: int) -> dict[str, int]:
+        """Capacity of each tier in pages (absolute pages win over blocks and fractions)."""
+        per_block = 512 // self.page_size
+        blocks = self.capacity_blocks(unique)
+        return {tier: int(self.pages[tier]) if tier in self.pages else blocks[tier] * per_block for tier in _TIERS}
+
+    @classmethod
+    def from_hicache_config(cls, config: Any) -> ReplayConfig:
+        """Replay settings from a deployment config (``hicache.config.HiCacheConfig``)."""
+        model, device, host, storage, cache = config.model, config.device, config.host, config.storage, config.cache
+        if model.attention != "mha":
+            raise ConfigError("replay: only MHA geometry is supported (model.attention = 'mha')")
+        itemsize = {"float32": 4, "float16": 2, "bfloat16": 2}.get(model.kv_dtype)
+        if itemsize is None:
+            raise ConfigError(f"replay: model.kv_dtype {model.kv_dtype!r} cannot hold exact synthetic KV")
+        ps = device.page_size
+        page_nbytes = 2 * model.num_layers * model.num_kv_heads * model.head_dim * itemsize * ps
+        device_pages = device.size_tokens // ps
+        if not host.enabled:
+            raise ConfigError("replay: needs a host tier (host.enabled = true)")
+        host_pages = (host.size_bytes // page_nbytes) if host.size_bytes else int(device_pages * host.ratio)
+        options = dict(storage.options)
+        pages = {"device": device_pages, "host": host_pages}
+        if storage.backend and "max_bytes" in options:
+            pages["storage"] = int(options["max_bytes"]) // page_nbytes
+        elif not storage.backend:
+            pages["storage"] = 0
+        prefetch = cache.prefetch
+        controller: dict[str, Any] = {
+            "write_policy": cache.write_policy,
+            "backup_queue_size": cache.queue_size,
+            "storage_queue_size": cache.queue_size,
+            "storage_batch_pages": cache.backup_batch_pages,
+            "storage_max_retries": cache.backup_retries,
+            "prefetch_policy": prefetch.policy,
+            "prefetch_threshold": prefetch.threshold_tokens,
+            "prefetch_timeout_base_s": prefetch.timeout_base_s,
+            "prefetch_timeout_per_ki_token_s": prefetch.timeout_per_ki_token_s,
+            "prefetch_timeout_max_s": prefetch.timeout_max_s,
+            "max_inflight_prefetch_tokens": prefetch.max_inflight_pages * ps,
+        }
+        if cache.write_policy == "write_through_selective":
+            controller["write_through_threshold"] = cache.write_through_threshold
+        cfg = cls(
+            fractions={},
+            pages=pages,
+            page_size=ps,
+            layer_num=model.num_layers,
+            head_num=model.num_kv_heads,
+            head_dim=model.head_dim,
+            dtype=model.kv_dtype,
+            storage_backend=storage.backend or None,
+            storage_options=options,
+            eviction_policy=cache.eviction_policy,
+            controller=controller,
+            device="cpu" if device.device == "auto" else device.device,
+            host_layout=host.layout,
+            load_back_quota_tokens=cache.load_back_quota_tokens,
+        )
+        if device.device == "auto":
+            from hicache.memory import device_for
+
+            cfg.device = str(device_for(None))
+        if 512 % ps:
+            raise ConfigError(f"replay: device.page_size must divide the trace block (512), got {ps}")
+        cfg.controller_config()
+        return cfg
+
+
+def load_replay_config(path: str | os.PathLike[str]) -> ReplayConfig:
+    """A replay config from a file: a deployment config (``configs/*.toml``), or the
+    replay-native layout of :meth:`ReplayConfig.from_dict` (sections ``tiers``/``kv``/...)."""
+    with open(path, "rb") as f:
+        data = tomllib.load(f)
+    if set(data) & {"tiers", "kv", "replay", "controller"}:
+        return ReplayConfig.from_dict(data)
+    from hicache.config import load_config
+
+    return ReplayConfig.from_hicache_config(load_config(path))

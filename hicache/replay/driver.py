@@ -1,0 +1,80 @@
+"""Serving one request against a cache stack the way a server would, minus the model.
+
+match -> prefetch -> admit (wait, load back, lock) -> verify the reused KV -> "compute" the rest
+(synthetic KV) -> insert. Used by the replay and by the tests, so both exercise the real path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import torch
+
+from hicache.prefix_cache.req import Req
+from hicache.replay.stack import CacheStack
+from hicache.replay.synthetic import verify_kv, write_synthetic_kv
+
+__all__ = ["RequestOutcome", "serve_request", "OutOfDeviceMemory"]
+
+
+class OutOfDeviceMemory(RuntimeError):
+    """The device pool cannot hold the request even after evicting everything evictable."""
+
+
+@dataclasses.dataclass
+class RequestOutcome:
+    tokens: int
+    device_hit: int
+    host_hit: int
+    storage_hit: int
+    computed: int
+    verify_failures: int
+
+
+async def serve_request(
+    stack: CacheStack,
+    tokens: list[int],
+    *,
+    rid: str,
+    extra_key: str | None = None,
+    priority: int = 0,
+    prefetch: bool = True,
+    verify: bool = True,
+    mem_quota: int | None = None,
+) -> RequestOutcome:
+    """Run one request through the cache; returns where its prefix came from."""
+    cache = stack.cache
+    ps = stack.config.page_size
+    req = Req(rid=rid, origin_input_ids=tokens, fill_ids=tokens, extra_key=extra_key, priority=priority)
+    token_tensor = torch.from_numpy(np.asarray(tokens, dtype=np.int64))
+    cache.match_req(req)
+    if prefetch:
+        cache.start_prefetch(req)
+    slots = stack.req_to_token_pool.alloc(1)
+    if slots is None:
+        cache.abort_req(req)
+        raise RuntimeError("no free request slot")
+    req.req_pool_idx = slots[0]
+    res = await cache.admit(req, mem_quota=mem_quota)
+    prefix = req.prefix_indices
+    p = int(prefix.numel())
+    failures = verify_kv(stack.device_pool, prefix, token_tensor[:p]) if verify and p else 0
+    need = len(tokens) - p
+    n_alloc = -(-need // ps) * ps
+    dev = stack.allocator.alloc(n_alloc)
+    if dev is None:
+        await cache.evict_async(n_alloc - stack.allocator.available_size())
+        dev = stack.allocator.alloc(n_alloc)
+    if dev is None:
+        cache.abort_req(req)
+        raise OutOfDeviceMemory(f"request {rid}: {n_alloc} tokens do not fit on device")
+    row = stack.req_to_token_pool.req_to_token[req.req_pool_idx]
+    row[:p] = prefix
+    row[p : p + n_alloc] = dev
+    if need:
+        write_synthetic_kv(stack.device_pool, dev[:need], token_tensor[p:])
+    req.kv_committed_len = len(tokens)
+    req.kv_allocated_len = p + n_alloc
+    cache.release_req(req)
+    return RequestOutcome(len(tokens), res.device_hit, res.host_hit, res.storage_hit, need, failures)

@@ -1,0 +1,177 @@
+"""``run_replay``: drive the real cache stack with a trace and compare with the reference LRU.
+
+Each request is matched, prefetched from storage, loaded back, verified bit for bit against the
+synthetic KV, completed ("computed") and inserted; the controller then backs pages up to host
+and storage and evicts. With ``drain_between_requests`` every copy finishes before the next
+request, so results are deterministic and comparable with the reference LRU, which has no
+notion of time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from hicache.errors import ConfigError
+from hicache.replay.config import ReplayConfig, load_replay_config
+from hicache.replay.driver import serve_request
+from hicache.replay.reference import reference_lru, unique_blocks
+from hicache.replay.stack import StackConfig, build_stack
+from hicache.replay.trace import BLOCK_TOKENS, TraceRequest, find_trace, load_trace, request_tokens
+
+__all__ = ["run_replay", "arun_replay", "replay_requests"]
+
+logger = logging.getLogger("hicache.controller")
+
+
+def run_replay(
+    config: ReplayConfig | str | os.PathLike[str] | dict[str, Any] | None = None,
+    trace_path: str | os.PathLike[str] | None = None,
+    *,
+    max_requests: int | None = None,
+    limit: int | None = None,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Replay a trace file (blocking; runs its own event loop). See :func:`arun_replay`;
+    ``limit`` is another name for ``max_requests``."""
+    return asyncio.run(
+        arun_replay(config, trace_path, max_requests=max_requests if max_requests is not None else limit,
+                    progress=progress)
+    )
+
+
+async def arun_replay(
+    config: ReplayConfig | str | os.PathLike[str] | dict[str, Any] | None = None,
+    trace_path: str | os.PathLike[str] | None = None,
+    *,
+    max_requests: int | None = None,
+    limit: int | None = None,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Replay the first ``max_requests`` (or ``limit``) requests of a trace; returns the result
+    dict. ``config``: a path (a ``configs/*.toml`` deployment config), a ``HiCacheConfig``, a
+    :class:`ReplayConfig`, a replay-native dict, or ``None`` (1% / 5% / 20% of the trace).
+    ``trace_path``: default ``$HICACHE_TRACE`` or ``../shared/traces/`` next to the repo."""
+    if max_requests is None:
+        max_requests = limit
+    if config is None:
+        cfg = ReplayConfig()
+    elif isinstance(config, ReplayConfig):
+        cfg = config
+    elif isinstance(config, dict):
+        cfg = ReplayConfig.from_dict(config)
+    elif hasattr(config, "model_fields"):  # a hicache.config.HiCacheConfig
+        cfg = ReplayConfig.from_hicache_config(config)
+    else:
+        cfg = load_replay_config(config)
+    path = find_trace(trace_path)
+    limit = max_requests if max_requests is not None else cfg.max_requests
+    everything = load_trace(path)
+    requests = everything[:limit] if limit is not None else everything
+    basis = unique_blocks(everything) if cfg.capacity_basis == "trace" else None
+    result = await replay_requests(cfg, requests, progress=progress, basis_unique_blocks=basis)
+    result["trace"] = str(path)
+    return result
+
+
+async def replay_requests(
+    cfg: ReplayConfig,
+    requests: Sequence[TraceRequest],
+    *,
+    progress: bool = False,
+    basis_unique_blocks: int | None = None,
+) -> dict[str, Any]:
+    """Replay ``requests`` through a fresh stack sized by ``cfg``. Fractions apply to
+    ``basis_unique_blocks`` (default: the unique blocks of ``requests``)."""
+    unique = unique_blocks(requests)
+    basis = basis_unique_blocks if basis_unique_blocks is not None else unique
+    caps = cfg.capacity_blocks(basis)
+    pages = cfg.capacity_pages(basis)
+    largest = max((r.input_length for r in requests), default=0)
+    if pages["device"] * cfg.page_size < largest:
+        raise ConfigError(
+            f"the device tier holds {pages['device'] * cfg.page_size} tokens but a request needs "
+            f"{largest}; give the device tier more room"
+        )
+    stack_cfg = StackConfig(
+        page_size=cfg.page_size,
+        layer_num=cfg.layer_num,
+        head_num=cfg.head_num,
+        head_dim=cfg.head_dim,
+        dtype=cfg.dtype,
+        device=cfg.device,
+        host_layout=cfg.host_layout,
+        device_pages=max(1, pages["device"]),
+        host_pages=max(1, pages["host"]),
+        storage_backend=cfg.storage_backend if pages["storage"] > 0 else None,
+        storage_pages=pages["storage"],
+        storage_options=dict(cfg.storage_options),
+        eviction_policy=cfg.eviction_policy,
+        req_slots=4,
+        max_context_len=max((r.input_length for r in requests), default=1) + BLOCK_TOKENS,
+        controller=cfg.controller_config(),
+    )
+    stack = build_stack(stack_cfg)
+    totals = {"prompt_tokens": 0, "device_hit_tokens": 0, "host_hit_tokens": 0, "storage_hit_tokens": 0,
+              "computed_tokens": 0, "verification_failures": 0}
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(requests), desc="replay", unit="req", file=sys.stderr, dynamic_ncols=True)
+    t0 = time.perf_counter()
+    try:
+        for i, req in enumerate(requests):
+            out = await serve_request(stack, request_tokens(req), rid=f"r{i}", verify=cfg.verify,
+                                      mem_quota=cfg.load_back_quota_tokens)
+            totals["prompt_tokens"] += out.tokens
+            totals["device_hit_tokens"] += out.device_hit
+            totals["host_hit_tokens"] += out.host_hit
+            totals["storage_hit_tokens"] += out.storage_hit
+            totals["computed_tokens"] += out.computed
+            totals["verification_failures"] += out.verify_failures
+            if cfg.drain_between_requests:
+                await stack.controller.wait_prefetches()
+                await stack.cache.drain()
+            if bar is not None:
+                bar.update(1)
+                if i % 64 == 0:
+                    hit = totals["prompt_tokens"] - totals["computed_tokens"]
+                    bar.set_postfix(hit=f"{hit / max(1, totals['prompt_tokens']):.3f}")
+        stack.cache.sanity_check()
+    finally:
+        if bar is not None:
+            bar.close()
+        wall = time.perf_counter() - t0
+        snap = stack.controller.metrics.snapshot()
+        report = await stack.aclose()
+    ref = reference_lru(requests, [caps["device"], caps["host"], caps["storage"]])
+    hit_tokens = totals["device_hit_tokens"] + totals["host_hit_tokens"] + totals["storage_hit_tokens"]
+    counters = snap["counters"]
+    return {
+        "requests": len(requests),
+        **totals,
+        "hit_tokens": hit_tokens,
+        "hit_ratio_tokens": hit_tokens / max(1, totals["prompt_tokens"]),
+        "bytes": snap["bytes"],
+        "pages_moved": snap["pages"],
+        "transfer_seconds": snap["seconds"],
+        "failures": {k: counters[k] for k in (
+            "backup_failures", "load_failures", "storage_write_failures", "storage_read_failures",
+            "storage_timeouts", "backup_rejected", "storage_rejected", "worker_errors",
+        )},
+        "unwritten_on_close": report.unwritten_pages,
+        "wall_time_s": round(wall, 3),
+        "capacities_blocks": caps,
+        "capacities_pages": pages,
+        "unique_blocks": unique,
+        "capacity_basis_blocks": basis_unique_blocks if basis_unique_blocks is not None else unique,
+        "page_size": cfg.page_size,
+        "reference_lru": ref,
+        "hit_tokens_vs_reference": hit_tokens - ref["hit_tokens"],
+    }

@@ -1,0 +1,81 @@
+"""Reading the Mooncake trace and turning its block ids into token ids.
+
+Format (``/work/shared/traces/README.md``): one JSON object per line with ``timestamp`` (ms),
+``input_length``, ``output_length`` and ``hash_ids``; each hash id stands for one block of 512
+prompt tokens and identifies the whole prefix through that block. Block ``h`` becomes tokens
+``h * 512 + j``; the last block is cut to ``input_length``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["TraceRequest", "load_trace", "find_trace", "request_tokens", "DEFAULT_TRACE_NAME"]
+
+DEFAULT_TRACE_NAME = "mooncake_fast25_synthetic_trace.jsonl"
+BLOCK_TOKENS = 512
+
+
+@dataclasses.dataclass(frozen=True)
+class TraceRequest:
+    timestamp: int
+    input_length: int
+    output_length: int
+    hash_ids: tuple[int, ...]
+
+    def block_lengths(self, block_tokens: int = BLOCK_TOKENS) -> list[int]:
+        """Tokens of each block in this request (the last may be partial)."""
+        n = len(self.hash_ids)
+        return [min(block_tokens, self.input_length - i * block_tokens) for i in range(n)]
+
+
+def load_trace(path: str | os.PathLike[str], limit: int | None = None) -> list[TraceRequest]:
+    """The first ``limit`` requests of a trace file (all when ``None``)."""
+    out: list[TraceRequest] = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            d = json.loads(line)
+            out.append(TraceRequest(int(d["timestamp"]), int(d["input_length"]), int(d["output_length"]),
+                                    tuple(int(h) for h in d["hash_ids"])))
+            if limit is not None and len(out) >= limit:
+                break
+    return out
+
+
+def find_trace(explicit: str | os.PathLike[str] | None = None) -> Path:
+    """The trace: ``explicit``, else ``$HICACHE_TRACE``, else ``../shared/traces/`` next to the
+    repository (and the current directory's equivalents)."""
+    candidates: list[Path] = []
+    if explicit:
+        candidates.append(Path(explicit))
+    env = os.environ.get("HICACHE_TRACE")
+    if env:
+        candidates.append(Path(env))
+    repo = Path(__file__).resolve().parents[2]
+    candidates += [
+        repo.parent / "shared" / "traces" / DEFAULT_TRACE_NAME,
+        Path.cwd().parent / "shared" / "traces" / DEFAULT_TRACE_NAME,
+        Path("/work/shared/traces") / DEFAULT_TRACE_NAME,
+    ]
+    for c in candidates:
+        if c.is_file():
+            return c
+    raise FileNotFoundError(
+        "trace not found; pass --trace or set HICACHE_TRACE (looked in: "
+        + ", ".join(str(c) for c in candidates) + ")"
+    )
+
+
+def request_tokens(req: TraceRequest, block_tokens: int = BLOCK_TOKENS) -> list[int]:
+    """Token ids of a request's prompt."""
+    if not req.hash_ids:
+        return []
+    ids = np.asarray(req.hash_ids, dtype=np.int64)[:, None] * block_tokens + np.arange(block_tokens, dtype=np.int64)
+    return ids.reshape(-1)[: req.input_length].tolist()

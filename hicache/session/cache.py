@@ -1,0 +1,810 @@
+"""``SessionAwareCache``: streaming sessions keep their KV between turns, without pinning it.
+
+Behaviour kept from SGLang's session-aware cache (seed ``000``), re-implemented on our caches:
+
+* A decorator around any :class:`~hicache.prefix_cache.BasePrefixCache`. Requests that are not
+  part of a streaming session pass straight through.
+* When a streaming turn finishes, its ``req_to_token`` row and pages stay in a
+  :class:`~hicache.session.slot.SessionSlot`; the next turn restores them without a tree match
+  and reuses the committed length. Restoring is idempotent (a turn rejected by the scheduler
+  and retried restores again). Chunked prefill of a restored turn does not touch the tree.
+  Locks on the session's virtual node are no-ops. ``release_session`` frees exactly what the
+  slot held beyond the tree-protected part and returns the row.
+
+Beyond the seed (its known flaw is that slots pin device memory until the client closes the
+session, so bursts of idle sessions deadlock the device pool, SGLang #27024):
+
+* Giving KV up never throws it away: the session's committed, page-aligned KV is inserted into
+  the inner tree, which then owns it, and its host (and storage) copy is started through the
+  :class:`~hicache.session.writeback.WriteBackQueue`. The next turn of the conversation (or a
+  restart, with storage) finds it with an ordinary match, from whichever tier it is on.
+* That happens on ``release_session``, after ``idle_offload_s`` of inactivity
+  (:meth:`reap_idle`, or the owned reaper task), and under memory pressure: :meth:`evict`,
+  :meth:`ensure_free` and :meth:`ensure_req_slots` offload idle sessions in LRU order before
+  anything fails.
+* Aborts leave the session consistent: the aborted turn's new pages are freed and the slot goes
+  back to its state before the turn.
+
+A server drives it per turn (all calls on one event loop)::
+
+    cache.match_req(req)                # restore the slot, or match the tree
+    cache.start_prefetch(req)           # storage prefetch (no-op for a restored turn)
+    await cache.admit(req)              # load host KV back, lock; req.prefix_indices is the prefix
+    await cache.alloc_extend(req, n)    # row + pages for tokens [0, n) (prefill, then each decode)
+    cache.cache_unfinished_req(req, chunked=True)   # between prefill chunks
+    cache.release_req(req)              # turn done: the slot keeps the KV (others: the tree)
+    cache.abort_req(req)                # instead, on abort
+    cache.release_session(sid)          # conversation over: KV written back, memory returned
+
+and around the turns: ``start()`` (owned reaper task) or ``reap_idle()`` from the server's own
+loop; ``ensure_free(n)`` / ``evict_async(n)`` / ``evict(params)`` under memory pressure (the
+facade's own allocator calls; ``alloc_extend`` already does it); ``metrics()``; ``aclose()``.
+
+What cannot be reclaimed is the memory of *running* turns: when they hold everything,
+``alloc_extend`` returns ``None`` and the server must abort or requeue a request.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from hicache.errors import CacheClosedError
+from hicache.prefix_cache.base import BasePrefixCache
+from hicache.prefix_cache.facade import AdmitResult
+from hicache.prefix_cache.radix import free_token_pages
+from hicache.prefix_cache.req import Req
+from hicache.prefix_cache.types import (
+    DecLockRefParams,
+    DecLockRefResult,
+    EvictParams,
+    EvictResult,
+    IncLockRefResult,
+    MatchPrefixParams,
+    MatchResult,
+    RadixKey,
+)
+from hicache.session.config import SessionConfig
+from hicache.session.forward import ForwardingCache
+from hicache.session.handover import free_row, hand_over
+from hicache.session.metrics import SessionMetrics
+from hicache.session.reaper import Reaper
+from hicache.session.slot import SessionSlot, VirtualNode, ceil_align
+from hicache.session.writeback import WriteBackQueue
+
+__all__ = ["SessionAwareCache", "TurnAdmit"]
+
+logger = logging.getLogger("hicache.session")
+
+
+class _State(enum.Enum):
+    OPEN = "open"
+    CLOSED = "closed"
+
+
+@dataclasses.dataclass
+class TurnAdmit(AdmitResult):
+    """``HiRadixCache.admit``'s result plus ``restored``: the prefix came from the session
+    slot (no lookup, nothing loaded)."""
+
+    restored: bool = False
+
+
+def _session_id(req: Req | None) -> str | None:
+    """The streaming session of ``req``, or ``None`` for everything that passes through."""
+    if req is None or req.session is None or not req.session.streaming:
+        return None
+    return req.session.session_id
+
+
+class SessionAwareCache(ForwardingCache):
+    """Decorator around a prefix cache that keeps streaming sessions' KV between turns.
+
+    Args:
+        inner: the prefix cache to wrap (``RadixCache``, ``HiRadixCache`` or any
+            ``BasePrefixCache``; without ``insert`` KV given up is freed instead of kept).
+        config: :class:`SessionConfig`.
+        clock: monotonic seconds (tests pass a fake one).
+    """
+
+    def __init__(self, inner: BasePrefixCache, config: SessionConfig | None = None, *,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__(inner)
+        self.config = config or SessionConfig()
+        self._clock = clock
+        self.slots: dict[str, SessionSlot] = {}
+        self._bypass: set[str] = set()
+        self.session_metrics = SessionMetrics(self.config.keep_closed_stats)
+        self.writeback = WriteBackQueue(inner, max_attempts=self.config.writeback_max_attempts,
+                                        count=self.session_metrics.incr)
+        self._reaper: Reaper | None = None
+        self._state = _State.OPEN
+
+    # ------------------------------------------------------------------ helpers
+
+    def _now(self) -> float:
+        return self._clock()
+
+    def _row(self, idx: int) -> torch.Tensor:
+        return self.req_to_token_pool.req_to_token[idx]
+
+    def _free_pages(self, indices: torch.Tensor) -> None:
+        free_token_pages(self.token_to_kv_pool_allocator, indices, self.page_size)
+
+    def _free_row(self, idx: int) -> None:
+        free_row(self.req_to_token_pool, idx)
+
+    def _is_tree(self) -> bool:
+        inner = self.inner
+        return (
+            not inner.disable
+            and inner.is_tree_cache()
+            and callable(getattr(inner, "insert", None))
+            and getattr(inner, "root_node", None) is not None
+        )
+
+    def _check_open(self) -> None:
+        if self._state is _State.CLOSED:
+            raise CacheClosedError("the session cache is closed")
+
+    def _slot_for(self, req: Req) -> SessionSlot | None:
+        """The slot whose turn ``req`` is (attached to it), or ``None``: ``req`` goes to the
+        inner cache."""
+        sid = _session_id(req)
+        if sid is None or req.rid in self._bypass:
+            return None
+        slot = self.slots.get(sid)
+        if slot is None or slot.attached_rid != req.rid:
+            return None
+        return slot
+
+    # ------------------------------------------------------------------ match / restore
+
+    def _attach(self, req: Req, sid: str) -> SessionSlot | None:
+        """Make ``req`` the running turn of ``sid``; ``None`` when another turn runs already
+        (a protocol error of the client: this request then passes through as a plain one)."""
+        if req.rid in self._bypass:
+            return None
+        slot = self.slots.get(sid)
+        if slot is None:
+            slot = self.slots[sid] = SessionSlot(sid, last_used=self._now())
+            self.session_metrics.session(sid)
+        if slot.attached_rid is None:
+            if slot.closing:
+                return self._bypass_req(req, sid)
+            slot.attached_rid = req.rid
+            slot.attached_req = req
+            slot.last_used = self._now()
+            if slot.is_holding_kv and not self._history_matches(slot, req):
+                self._give_up_kv(slot, reason="mismatch")
+            return slot
+        if slot.attached_rid == req.rid:
+            return slot
+        return self._bypass_req(req, sid)
+
+    def _bypass_req(self, req: Req, sid: str) -> None:
+        logger.warning("session %s: request %s arrived while another turn runs or the session "
+                       "closes; served as a plain request", sid, req.rid)
+        self.session_metrics.incr("busy_bypass")
+        self._bypass.add(req.rid)
+        return None
+
+    def _history_matches(self, slot: SessionSlot, req: Req) -> bool:
+        """Can ``req`` continue the slot in place? Its tokens must start with the slot's
+        committed history (same namespace), and the turn must not rewrite tree-owned positions."""
+        tokens = req.fill_ids or req.origin_input_ids
+        n = slot.kv_committed_len
+        if req.extra_key != slot.extra_key or len(tokens) <= slot.cache_protected_len:
+            return False
+        return tokens[:n] == slot.token_ids
+
+    def _restore(self, req: Req, slot: SessionSlot, key_len: int) -> MatchResult:
+        """Hand the slot's row to ``req``; the committed KV is the prefix (at least one token
+        is left to compute, for the logits)."""
+        assert slot.req_pool_idx is not None
+        keep = req.req_pool_idx == slot.req_pool_idx  # same request again (a retry)
+        slot.restore_to_req(req, keep_allocated=keep)
+        prefix_len = max(min(slot.kv_committed_len, key_len - 1), slot.cache_protected_len)
+        slot.turn_prefix_len = prefix_len
+        indices = self._row(slot.req_pool_idx)[:prefix_len].to(torch.int64)
+        vn = slot.virtual_node
+        return MatchResult(
+            device_indices=indices,
+            last_device_node=vn,
+            last_host_node=vn,
+            best_match_node=vn,
+            cache_protected_len=slot.cache_protected_len,
+            full_kv_hit_length=prefix_len,
+        )
+
+    def match_prefix(self, params: MatchPrefixParams, **kwargs: Any) -> MatchResult:
+        """Restore a streaming session's slot (no tree walk), else the inner cache's match."""
+        slot = self._restorable(params.req)
+        if slot is None:
+            return self.inner.match_prefix(params, **kwargs)
+        assert params.req is not None
+        return self._restore(params.req, slot, len(params.key))
+
+    def _restorable(self, req: Req | None) -> SessionSlot | None:
+        """Attach a streaming request to its session; the slot if it holds KV to restore."""
+        sid = _session_id(req)
+        if sid is None:
+            return None
+        assert req is not None
+        slot = self._attach(req, sid)
+        return slot if slot is not None and slot.is_holding_kv else None
+
+    def match_req(self, req: Req, max_prefix_len: int | None = None) -> MatchResult:
+        """``HiRadixCache.match_req`` made session-aware: restore the slot, or let the inner
+        cache match; the result is recorded in ``req``'s fields; no lock is taken."""
+        tokens = req.fill_ids or req.origin_input_ids
+        if max_prefix_len is not None:
+            tokens = tokens[:max_prefix_len]
+        slot = self._restorable(req)
+        if slot is None:
+            inner_match_req = getattr(self.inner, "match_req", None)
+            if inner_match_req is not None:
+                return inner_match_req(req, max_prefix_len)
+            m = self.inner.match_prefix(MatchPrefixParams(key=RadixKey(list(tokens), req.extra_key), req=req))
+        else:
+            m = self._restore(req, slot, len(tokens))
+        req.prefix_indices = m.device_indices
+        req.last_node = m.last_device_node
+        req.last_host_node = m.last_host_node
+        req.best_match_node = m.best_match_node
+        req.host_hit_length = m.host_hit_length
+        req.storage_prior_hash = m.storage_prior_hash
+        req.last_matched_prefix_len = m.full_kv_hit_length
+        return m
+
+    def _restored(self, req: Req) -> SessionSlot | None:
+        slot = self._slot_for(req)
+        if slot is not None and slot.is_holding_kv:
+            return slot
+        return None
+
+    def start_prefetch(self, req: Req, max_prefix_len: int | None = None) -> bool:
+        """Storage prefetch past the host hit (never for a turn restored from its slot)."""
+        if self._restored(req) is not None:
+            return False
+        fn = getattr(self.inner, "start_prefetch", None)
+        return bool(fn(req, max_prefix_len)) if fn is not None else False
+
+    async def admit(self, req: Req, *, mem_quota: int | None = None, wait_load: bool = True,
+                    max_prefix_len: int | None = None) -> TurnAdmit:
+        """The scheduler picked ``req``. A restored turn is ready at once (its prefix is the
+        slot's committed KV). Otherwise the inner cache admits it (prefetch wait, host load,
+        lock), after room for the host part was made, idle sessions offloaded first if needed.
+
+        On return ``req.prefix_indices`` are the device slots of the reusable prefix and
+        ``req.cache_protected_len`` is set (as ``HiRadixCache.admit`` leaves them).
+        """
+        self._check_open()
+        self.writeback.pump()
+        sid = _session_id(req)
+        m = self.match_req(req, max_prefix_len)
+        slot = self._restored(req)
+        if slot is not None:
+            req.cache_protected_len = slot.cache_protected_len
+            if not slot.admitted:
+                slot.admitted = True
+                self._count_admit(sid, req, slot.turn_prefix_len, "slot")
+            return TurnAdmit(slot.turn_prefix_len, 0, 0, slot.turn_prefix_len, restored=True)
+        inner_admit = getattr(self.inner, "admit", None)
+        if inner_admit is None:
+            node = m.last_device_node
+            self.inner.inc_lock_ref(node)
+            req.last_node = node
+            req.cache_protected_len = int(req.prefix_indices.numel())
+            res = TurnAdmit(req.cache_protected_len, 0, 0, req.cache_protected_len)
+        else:
+            if m.host_hit_length:
+                await self.ensure_free(m.host_hit_length)
+            r = await inner_admit(req, mem_quota=mem_quota, wait_load=wait_load, max_prefix_len=max_prefix_len)
+            res = TurnAdmit(r.device_hit, r.host_hit, r.storage_hit, r.prefix_len, r.load_handle)
+        slot = self._slot_for(req) if sid is not None else None
+        if slot is not None and not slot.admitted:
+            slot.admitted = True
+            slot.turn_prefix_len = res.prefix_len
+            stats = self.session_metrics.session(sid)
+            if stats.turns:  # the session had history: where did it come back from?
+                tier = ("storage" if res.storage_hit else "host" if res.host_hit
+                        else "device" if res.device_hit else "recompute")
+                self.session_metrics.resume(sid, tier, res.prefix_len)
+            self._count_admit(sid, req, res.prefix_len, None)
+        return res
+
+    def _count_admit(self, sid: str | None, req: Req, prefix_len: int, tier: str | None) -> None:
+        if sid is None:
+            return
+        if tier is not None:
+            self.session_metrics.resume(sid, tier, prefix_len)
+        stats = self.session_metrics.session(sid)
+        stats.restored_tokens += prefix_len
+        self.session_metrics.incr("restored_tokens", prefix_len)
+
+    # ------------------------------------------------------------------ allocation
+
+    async def alloc_extend(self, req: Req, seq_len: int) -> torch.Tensor | None:
+        """Make ``req``'s row cover token positions ``[0, seq_len)`` and return those slots.
+
+        A request without a row gets one (its prefix slots copied in); pages past the ones the
+        row already has are allocated, reusing the partly filled last page. Room is made first
+        (:meth:`ensure_free`, :meth:`ensure_req_slots`), so idle sessions are offloaded rather
+        than the request failing. ``None`` when the memory cannot be found even so (nothing
+        of this call stays allocated; the request keeps what it had).
+        """
+        self._check_open()
+        pool = self.req_to_token_pool
+        if seq_len > pool.max_context_len:
+            raise ValueError(f"seq_len {seq_len} exceeds max_context_len {pool.max_context_len}")
+        ps = self.page_size
+        new_row = req.req_pool_idx is None
+        if new_row:
+            if not self.ensure_req_slots(1):
+                return None
+            got = pool.alloc(1)
+            if not got:
+                return None
+            req.req_pool_idx = got[0]
+            n = int(req.prefix_indices.numel())
+            row = self._row(req.req_pool_idx)
+            if n:
+                row[:n] = req.prefix_indices.to(row.device)
+            req.kv_allocated_len = n
+            req.kv_committed_len = n
+        row = self._row(req.req_pool_idx)
+        have = ceil_align(int(req.kv_allocated_len), ps)
+        want = ceil_align(seq_len, ps)
+        if want > have:
+            alloc = self.token_to_kv_pool_allocator
+            new = None
+            for _ in range(8):  # another coroutine may take the room made while we waited
+                if not await self.ensure_free(want - have):
+                    break
+                new = alloc.alloc(want - have)
+                if new is not None:
+                    break
+            if new is None:
+                if new_row:  # leave the request as it came
+                    self._free_row(req.req_pool_idx)
+                    req.req_pool_idx = None
+                    req.kv_allocated_len = req.kv_committed_len = 0
+                return None
+            row[have:want] = new.to(row.device)
+        req.kv_allocated_len = max(int(req.kv_allocated_len), seq_len)
+        return row[:seq_len].clone()
+
+    # ------------------------------------------------------------------ finish / chunk / abort
+
+    def cache_finished_req(self, req: Req, is_insert: bool = True, **kwargs: Any) -> None:
+        """A streaming turn's row goes to (or back to) its slot; everything else to the inner
+        cache. After this ``req.req_pool_idx`` is ``None`` for a session turn: the slot owns
+        the row, and the server must not free it."""
+        sid = _session_id(req)
+        if sid is not None and req.rid in self._bypass:
+            self._bypass.discard(req.rid)
+            return self.inner.cache_finished_req(req, is_insert=is_insert, **kwargs)
+        slot = self._slot_for(req)
+        if slot is None and sid is not None and req.req_pool_idx is not None:
+            # finished without a match through us: adopt it only as a first turn of a free session
+            existing = self.slots.get(sid)
+            if existing is None or (existing.attached_rid is None and not existing.is_holding_kv):
+                slot = self._attach(req, sid)
+        if slot is None or req.req_pool_idx is None:
+            if slot is not None:
+                self._detach(slot)
+            return self.inner.cache_finished_req(req, is_insert=is_insert, **kwargs)
+        is_first = not slot.is_holding_kv
+        before = slot.kv_committed_len
+        slot.save_from_req(req, is_first=is_first)
+        req.prefix_indices = torch.empty((0,), dtype=torch.int64)
+        stats = self.session_metrics.session(sid)  # type: ignore[arg-type]
+        stats.turns += 1
+        computed = max(0, slot.kv_committed_len - slot.turn_prefix_len)
+        stats.computed_tokens += computed
+        self.session_metrics.incr("turns")
+        self.session_metrics.incr("computed_tokens", computed)
+        logger.debug("session %s: turn %s saved (%d committed, %d before)", sid, req.rid,
+                     slot.kv_committed_len, before)
+        self._detach(slot)
+
+    def release_req(self, req: Req, is_insert: bool = True) -> None:
+        """:meth:`cache_finished_req`, then free the request's row unless a slot took it."""
+        self.cache_finished_req(req, is_insert=is_insert)
+        if req.req_pool_idx is not None:
+            self._free_row(req.req_pool_idx)
+            req.req_pool_idx = None
+
+    def cache_unfinished_req(self, req: Req, **kwargs: Any) -> None:
+        """Between prefill chunks. A restored turn never touches the tree (its prefix indices
+        are its own row); the first turn of a session goes to the inner cache, so its prompt is
+        inserted and protected chunk by chunk like any request's."""
+        slot = self._restored(req)
+        if slot is None:
+            return self.inner.cache_unfinished_req(req, **kwargs)
+        if kwargs.get("chunked", False):
+            assert req.req_pool_idx is not None
+            n = len(req.fill_ids)
+            req.prefix_indices = self._row(req.req_pool_idx)[:n].to(torch.int64, copy=True)
+
+    def abort_req(self, req: Req) -> None:
+        """Abort ``req``. A session turn restored from its slot frees only the pages this turn
+        added and returns the slot to its state before the turn (an abort before the turn ran
+        frees nothing); the session stays usable. Anything else is aborted by the inner cache
+        (prefetch cancelled, lock dropped, its own KV freed, row returned)."""
+        sid = _session_id(req)
+        self._bypass.discard(req.rid)
+        slot = self._slot_for(req) if sid is not None else None
+        if slot is not None and slot.is_holding_kv and req.req_pool_idx == slot.req_pool_idx:
+            ps = self.page_size
+            start = ceil_align(slot.kv_allocated_len, ps)
+            end = ceil_align(int(req.kv_allocated_len), ps)
+            if end > start:
+                self._free_pages(self._row(slot.req_pool_idx)[start:end].clone())
+            # positions from the restored prefix on may have been overwritten by this turn
+            slot.truncate(slot.turn_prefix_len)
+            req.req_pool_idx = None
+            req.prefix_indices = torch.empty((0,), dtype=torch.int64)
+            req.last_node = None
+            stats = self.session_metrics.session(sid)  # type: ignore[arg-type]
+            stats.aborts += 1
+            self.session_metrics.incr("aborts")
+            self._detach(slot)
+            return
+        if slot is not None:
+            self._detach(slot, fire=False)
+            stats = self.session_metrics.session(sid)  # type: ignore[arg-type]
+            stats.aborts += 1
+            self.session_metrics.incr("aborts")
+        self._inner_abort(req)
+        if slot is not None:
+            self._after_detach(slot)
+
+    def _inner_abort(self, req: Req) -> None:
+        fn = getattr(self.inner, "abort_req", None)
+        if fn is not None:
+            fn(req)
+            return
+        if req.req_pool_idx is not None:
+            self.inner.cache_finished_req(req, is_insert=False)
+            self._free_row(req.req_pool_idx)
+            req.req_pool_idx = None
+        elif req.last_node is not None and req.cache_protected_len:
+            self.inner.dec_lock_ref(req.last_node)
+            req.last_node = None
+
+    def _detach(self, slot: SessionSlot, *, fire: bool = True) -> None:
+        slot.attached_rid = None
+        slot.attached_req = None
+        slot.turn_prefix_len = 0
+        slot.admitted = False
+        slot.last_used = self._now()
+        if fire:
+            self._after_detach(slot)
+
+    def _after_detach(self, slot: SessionSlot) -> None:
+        if slot.closing and slot.attached_rid is None:
+            self._close_slot(slot, expired=False)
+
+    # ------------------------------------------------------------------ locks
+
+    def inc_lock_ref(self, node: Any) -> IncLockRefResult:
+        if isinstance(node, VirtualNode):
+            return IncLockRefResult(delta=0)
+        return self.inner.inc_lock_ref(node)
+
+    def dec_lock_ref(self, node: Any, params: DecLockRefParams | None = None) -> DecLockRefResult:
+        if isinstance(node, VirtualNode):
+            return DecLockRefResult(delta=0)
+        return self.inner.dec_lock_ref(node, params)
+
+    # ------------------------------------------------------------------ giving KV up
+
+    def _give_up_kv(self, slot: SessionSlot, *, reason: str) -> int:
+        """Hand the slot's KV to the tree (see :func:`hand_over`); returns device tokens freed
+        at once (pages handed to the tree are freed later, by the tree's eviction)."""
+        if not slot.is_holding_kv:
+            return 0
+        alloc = self.token_to_kv_pool_allocator
+        before = alloc.available_size()
+        handed = hand_over(self.inner, slot, tree=self._is_tree(), writeback=self.writeback)
+        freed = alloc.available_size() - before
+        stats = self.session_metrics.session(slot.session_id)
+        if reason in ("idle", "pressure", "mismatch"):
+            stats.offloads += 1
+            self.session_metrics.incr(f"offloads_{reason}")
+        self.session_metrics.incr("offloaded_tokens", handed)
+        self.session_metrics.incr("freed_tokens", freed)
+        logger.debug("session %s: KV given up (%s): %d token(s) to the tree, %d freed",
+                     slot.session_id, reason, handed, freed)
+        return freed
+
+    def offload_session(self, session_id: str, *, reason: str = "idle") -> bool:
+        """Give an idle session's KV to the tree now (write-back started); the session stays
+        open and its next turn resumes from whichever tier holds the KV then. ``False`` when
+        the session holds no KV or a turn is running on it."""
+        slot = self.slots.get(session_id)
+        if slot is None or not slot.is_idle:
+            return False
+        self._give_up_kv(slot, reason=reason)
+        return True
+
+    def release_session(self, session_id: str) -> bool:
+        """The conversation is over: its KV goes to the tree (write-back started), its pages
+        beyond the tree-protected part and its row are returned. With a turn running, the
+        release happens when the turn finishes or aborts. Returns whether the session existed."""
+        slot = self.slots.get(session_id)
+        if slot is None:
+            return False
+        if slot.attached_rid is not None:
+            slot.closing = True
+            return True
+        self._close_slot(slot, expired=False)
+        return True
+
+    def _close_slot(self, slot: SessionSlot, *, expired: bool) -> None:
+        self._give_up_kv(slot, reason="release")
+        self.slots.pop(slot.session_id, None)
+        self.session_metrics.incr("sessions_expired" if expired else "sessions_released")
+        self.session_metrics.close(slot.session_id)
+
+    # ------------------------------------------------------------------ pressure
+
+    def _queued(self, slot: SessionSlot) -> bool:
+        """Restored for a request that is only queued: matched, not admitted, nothing
+        reserved yet. Its KV can be handed to the tree as safely as an idle slot's, because
+        ``admit`` matches again (and then finds the KV in the tree)."""
+        req = slot.attached_req
+        return (
+            self.config.preempt_queued_turns
+            and slot.is_holding_kv
+            and req is not None
+            and not slot.admitted
+            and req.req_pool_idx == slot.req_pool_idx
+            and int(req.kv_allocated_len) <= slot.kv_allocated_len
+        )
+
+    def _offload_candidates(self) -> list[SessionSlot]:
+        """Idle slots, least recently used first; then slots of merely queued turns."""
+        idle = sorted((s for s in self.slots.values() if s.is_idle), key=lambda s: s.last_used)
+        queued = sorted((s for s in self.slots.values() if self._queued(s)), key=lambda s: s.last_used)
+        return idle + queued
+
+    def _preempt(self, slot: SessionSlot) -> None:
+        """Take a queued turn's restored state back from its request (it re-attaches, and
+        matches the tree, when it is admitted)."""
+        req = slot.attached_req
+        assert req is not None
+        req.req_pool_idx = None
+        req.prefix_indices = torch.empty((0,), dtype=torch.int64)
+        req.last_node = req.last_host_node = req.best_match_node = None
+        req.kv_committed_len = req.kv_allocated_len = 0
+        req.cache_protected_len = 0
+        req.last_matched_prefix_len = 0
+        self.session_metrics.incr("preempted_queued_turns")
+        self._detach(slot, fire=False)
+
+    def _offload_lru(self, *, tokens: int = 0, rows: int = 0) -> int:
+        """Offload sessions until their held tokens cover ``tokens`` and ``rows`` rows were
+        returned: idle ones least recently used first, then those whose next turn is only
+        queued. Returns sessions offloaded."""
+        done = 0
+        for slot in self._offload_candidates():
+            if tokens <= 0 and rows <= 0:
+                break
+            tokens -= slot.held_tokens(self.page_size)
+            rows -= 1
+            if slot.attached_rid is not None:
+                self._preempt(slot)
+            self._give_up_kv(slot, reason="pressure")
+            done += 1
+        return done
+
+    def evict(self, params: EvictParams | int) -> EvictResult:
+        """Free device memory: the tree's evictable pages first, then idle sessions LRU (their
+        KV goes to the tree with its write-back started; pages whose copy is still running are
+        freed by a later eviction, once the copy is done)."""
+        need = params if isinstance(params, int) else params.num_tokens
+        alloc = self.token_to_kv_pool_allocator
+        before = alloc.available_size()
+        self.inner.evict(EvictParams(num_tokens=need))
+        short = need - (alloc.available_size() - before)
+        if short > 0 and self._offload_lru(tokens=short):
+            short = need - (alloc.available_size() - before)
+            if short > 0:
+                self.inner.evict(EvictParams(num_tokens=short))
+        return EvictResult(num_tokens_evicted=max(0, alloc.available_size() - before))
+
+    async def ensure_free(self, num_tokens: int) -> bool:
+        """Make ``num_tokens`` device slots free if at all possible: evict the tree, offload
+        idle sessions LRU, and wait for write-backs that still pin pages. ``False`` only when
+        running requests hold the memory."""
+        alloc = self.token_to_kv_pool_allocator
+        evict_async = getattr(self.inner, "evict_async", None)
+        for _ in range(8):
+            short = num_tokens - alloc.available_size()
+            if short <= 0:
+                return True
+            self.inner.evict(EvictParams(num_tokens=short))
+            short = num_tokens - alloc.available_size()
+            if short <= 0:
+                return True
+            offloaded = self._offload_lru(tokens=short)
+            if offloaded:
+                self.inner.evict(EvictParams(num_tokens=max(0, num_tokens - alloc.available_size())))
+            short = num_tokens - alloc.available_size()
+            if short <= 0:
+                return True
+            if evict_async is None:
+                if not offloaded:
+                    return False
+                continue
+            before = alloc.available_size()
+            await evict_async(short)
+            self.writeback.pump()
+            # other turns ran meanwhile: some sessions may have become idle since
+            if alloc.available_size() == before and not offloaded and not self._offload_candidates():
+                return alloc.available_size() >= num_tokens
+        return alloc.available_size() >= num_tokens
+
+    async def evict_async(self, params: EvictParams | int) -> EvictResult:
+        """:meth:`evict`, waiting for the write-backs that pin pages (the inner cache's
+        ``evict_async`` would not offload sessions)."""
+        need = params if isinstance(params, int) else params.num_tokens
+        alloc = self.token_to_kv_pool_allocator
+        before = alloc.available_size()
+        await self.ensure_free(before + need)
+        return EvictResult(num_tokens_evicted=max(0, alloc.available_size() - before))
+
+    def ensure_req_slots(self, n: int = 1) -> bool:
+        """Make ``n`` ``req_to_token`` rows free, offloading idle sessions LRU if needed."""
+        pool = self.req_to_token_pool
+        short = n - pool.available_size()
+        if short > 0:
+            self._offload_lru(rows=short)
+        return pool.available_size() >= n
+
+    # ------------------------------------------------------------------ reaping
+
+    def reap_idle(self, now: float | None = None) -> int:
+        """Offload sessions idle longer than ``idle_offload_s`` and release those idle longer
+        than ``session_timeout_s``; restart refused write-backs. Returns sessions acted on.
+        Call it from the server's loop, or let :meth:`start` run it periodically."""
+        now = self._now() if now is None else now
+        cfg = self.config
+        acted = 0
+        for slot in list(self.slots.values()):
+            if slot.attached_rid is not None:
+                continue
+            idle = now - slot.last_used
+            if cfg.session_timeout_s is not None and idle > cfg.session_timeout_s:
+                self._close_slot(slot, expired=True)
+                acted += 1
+            elif cfg.idle_offload_s is not None and slot.is_holding_kv and idle > cfg.idle_offload_s:
+                self._give_up_kv(slot, reason="idle")
+                acted += 1
+        self.writeback.pump()
+        return acted
+
+    def _reaper_error(self) -> None:
+        self.session_metrics.incr("reaper_errors")
+
+    def start(self) -> None:
+        """Start the owned reaper task (when ``reap_interval_s`` is set) on the running loop."""
+        self._check_open()
+        if self.config.reap_interval_s is None:
+            return
+        if self._reaper is None:
+            self._reaper = Reaper(self.reap_idle, self.config.reap_interval_s, on_error=self._reaper_error)
+        self._reaper.start()
+
+    async def drain_writeback(self) -> None:
+        """Wait until every queued write-back finished (copies done, or given up)."""
+        await self.writeback.drain()
+
+    async def drain(self) -> None:
+        """Wait for the write-backs, then for everything the inner cache's controller still
+        moves (host copies on to storage, loads)."""
+        await self.writeback.drain()
+        fn = getattr(self.inner, "drain", None)
+        if fn is not None:
+            await fn()
+
+    async def aclose(self, *, close_inner: bool = True) -> Any:
+        """Stop the reaper, release every session (when ``release_on_close``), wait for the
+        write-backs, then close the inner cache (its controller drains to storage). Idempotent."""
+        if self._state is _State.CLOSED:
+            return None
+        self._state = _State.CLOSED
+        if self._reaper is not None:
+            await self._reaper.aclose()
+        if self.config.release_on_close:
+            for sid in list(self.slots):
+                self.release_session(sid)
+        await self.writeback.drain()
+        fn = getattr(self.inner, "aclose", None)
+        if close_inner and fn is not None:
+            return await fn()
+        return None
+
+    async def __aenter__(self) -> SessionAwareCache:
+        self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    # ------------------------------------------------------------------ accounting
+
+    def session_held_tokens(self) -> int:
+        """Device tokens held by session slots and not by the tree (whole pages). A running
+        turn's new pages count once the turn finished (until then they are the request's)."""
+        return sum(s.held_tokens(self.page_size) for s in self.slots.values())
+
+    def session_held_full_tokens(self) -> int:
+        return self.session_held_tokens()
+
+    def session_held_swa_tokens(self) -> int:
+        return 0
+
+    def session_held_req_count(self) -> int:
+        """``req_to_token`` rows held by session slots."""
+        return sum(1 for s in self.slots.values() if s.is_holding_kv)
+
+    def metrics(self) -> dict[str, Any]:
+        """Aggregate counters plus current gauges and every open session's stats."""
+        out = self.session_metrics.snapshot()
+        out["sessions_open"] = len(self.slots)
+        out["sessions_holding_kv"] = self.session_held_req_count()
+        out["session_held_tokens"] = self.session_held_tokens()
+        out["writeback_pending"] = len(self.writeback)
+        out["writeback_pending_tokens"] = self.writeback.pending_tokens
+        sessions = {}
+        for sid, stats in self.session_metrics.sessions.items():
+            slot = self.slots.get(sid)
+            stats.held_tokens = slot.held_tokens(self.page_size) if slot is not None else 0
+            sessions[sid] = stats.as_dict()
+        out["sessions"] = sessions
+        return out
+
+    # ------------------------------------------------------------------ pass-through
+
+    def reset(self) -> None:
+        """Forget every slot and reset the inner cache. Like the inner cache, memory is not
+        freed here: the server resets its pools together with the cache."""
+        self.slots.clear()
+        self._bypass.clear()
+        self.writeback.discard_all()
+        self.inner.reset()
+
+    def available_and_evictable_str(self) -> str:
+        return (f"{self.inner.available_and_evictable_str()}, "
+                f"session_held={self.session_held_tokens()}")
+
+    def sanity_check(self) -> None:
+        """The inner cache's check (ours counts sizes, not idle locks, so it holds with
+        sessions open), plus the slots' own invariants."""
+        self.inner.sanity_check()
+        alloc = self.token_to_kv_pool_allocator
+        ps = self.page_size
+        rows: set[int] = set()
+        for slot in self.slots.values():
+            if not slot.is_holding_kv:
+                assert slot.attached_rid is None or slot.kv_committed_len == 0, slot
+                continue
+            assert slot.req_pool_idx not in rows, f"two slots share row {slot.req_pool_idx}"
+            rows.add(slot.req_pool_idx)  # type: ignore[arg-type]
+            assert slot.cache_protected_len <= slot.kv_committed_len <= slot.kv_allocated_len, slot
+            assert slot.cache_protected_len % ps == 0, slot
+            assert len(slot.token_ids) == slot.kv_committed_len, slot
+            end = ceil_align(slot.kv_allocated_len, ps)
+            owned = self._row(slot.req_pool_idx)[slot.cache_protected_len:end]  # type: ignore[arg-type]
+            if owned.numel() and callable(getattr(alloc, "is_allocated", None)):
+                assert alloc.is_allocated(owned.cpu()), f"slot {slot.session_id} lists free pages"

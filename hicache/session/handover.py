@@ -1,0 +1,83 @@
+"""Giving a session slot's KV up: its committed whole pages go to the tree, the rest is freed.
+
+Why to the tree rather than freed (what SGLang's ``release_session`` does): the KV of a
+conversation is what its next turn needs; once the inner radix tree owns the pages, every tier
+rule of the tree applies to them (write-back to host and storage, demotion under pressure,
+locking while a copy runs) and any later request with that history finds them with an ordinary
+match. Only the partly filled last page and pages allocated past the committed length are
+freed, plus pages the tree already had for the same tokens (duplicates).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from typing import Any
+
+from hicache.prefix_cache.radix import free_token_pages
+from hicache.prefix_cache.types import DecLockRefParams, InsertParams, MatchPrefixParams, RadixKey
+from hicache.session.slot import SessionSlot, ceil_align, floor_align
+from hicache.session.writeback import WriteBackQueue
+
+__all__ = ["free_row", "hand_over"]
+
+logger = logging.getLogger("hicache.session")
+
+
+def free_row(req_to_token_pool: Any, idx: int) -> None:
+    """Return a ``req_to_token`` row (our pool checks double frees; SGLang's is a list)."""
+    if callable(getattr(req_to_token_pool, "free", None)):
+        req_to_token_pool.free(idx)
+    else:
+        req_to_token_pool.free_slots.append(idx)
+
+
+def _match_quietly(inner: Any, params: MatchPrefixParams) -> Any:
+    """Look the handed-over path up without counting a hit where the cache allows it (the
+    insert counted one already; a second would skew eviction and selective write-through)."""
+    if "count_hit" in inspect.signature(inner.match_prefix).parameters:
+        return inner.match_prefix(params, count_hit=False)
+    return inner.match_prefix(params)
+
+
+def hand_over(inner: Any, slot: SessionSlot, *, tree: bool, writeback: WriteBackQueue) -> int:
+    """Give ``slot``'s KV up: insert its committed whole pages into ``inner`` (when ``tree``)
+    and queue their write-back, free every other page it owns, drop its tree lock, return its
+    row and clear it. Returns the tokens handed to the tree."""
+    assert slot.req_pool_idx is not None
+    ps = inner.page_size
+    allocator = inner.token_to_kv_pool_allocator
+    row = inner.req_to_token_pool.req_to_token[slot.req_pool_idx]
+    protected = slot.cache_protected_len
+    committed = min(slot.kv_committed_len, len(slot.token_ids))
+    aligned = floor_align(committed, ps)
+    end = ceil_align(max(slot.kv_allocated_len, committed), ps)
+    kept = protected
+    handed = 0
+    if tree and aligned > protected:
+        key = RadixKey(list(slot.token_ids[:aligned]), slot.extra_key)
+        ours = row[:aligned].clone()
+        inner.insert(InsertParams(key=key, value=ours, priority=slot.priority))
+        m = _match_quietly(inner, MatchPrefixParams(key=key))
+        theirs = m.device_indices.to(ours.device)
+        if theirs.numel() < aligned:  # cannot happen: an inserted path is on device
+            logger.error("session %s: the tree holds %d of %d inserted tokens", slot.session_id,
+                         theirs.numel(), aligned)
+        n = min(aligned, int(theirs.numel()))
+        mine = ours[protected:n]
+        dup = mine[mine != theirs[protected:n]]
+        if dup.numel():  # positions the tree had already: our pages there are duplicates
+            free_token_pages(allocator, dup, ps)
+        kept = max(protected, n)
+        handed = kept - protected - int(dup.numel())
+        writeback.enqueue(slot.session_id, m.last_device_node, kept - protected)
+    if end > kept:
+        free_token_pages(allocator, row[kept:end].clone(), ps)
+    if slot.last_node is not None:
+        if slot.swa_uuid_for_lock is not None:
+            inner.dec_lock_ref(slot.last_node, DecLockRefParams(swa_uuid_for_lock=slot.swa_uuid_for_lock))
+        else:
+            inner.dec_lock_ref(slot.last_node)
+    free_row(inner.req_to_token_pool, slot.req_pool_idx)
+    slot.clear_kv()
+    return handed

@@ -1,0 +1,115 @@
+"""Per-session and aggregate counters of the session cache.
+
+Why per session: a chat server wants to know which conversations are expensive (many turns
+recomputed, resumed from storage) as well as the totals; both are plain dicts so any metrics
+registry can take them. Everything is updated on the event loop thread.
+
+Resume tiers: a turn of a session that already had turns is a *resume* (counted when the turn
+is admitted, so a turn aborted later still counts); it is counted by where
+its history came from: ``slot`` (the device slot, no lookup), ``device`` (the tree's device
+pages after an offload), ``host``, ``storage`` (the deepest tier that contributed), or
+``recompute`` (nothing reusable was found).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import OrderedDict
+from typing import Any
+
+__all__ = ["RESUME_TIERS", "SessionMetrics", "SessionStats"]
+
+RESUME_TIERS = ("slot", "device", "host", "storage", "recompute")
+
+_COUNTERS = (
+    "sessions_opened",
+    "sessions_released",
+    "sessions_expired",
+    "turns",
+    "aborts",
+    "restored_tokens",
+    "computed_tokens",
+    "offloads_idle",
+    "offloads_pressure",
+    "offloads_mismatch",
+    "offloaded_tokens",
+    "freed_tokens",
+    "busy_bypass",
+    "preempted_queued_turns",
+    "writeback_queued",
+    "writeback_queued_tokens",
+    "writeback_done",
+    "writeback_lost",
+    "writeback_dropped",
+    "writeback_attempts",
+    "reaper_errors",
+)
+
+
+@dataclasses.dataclass
+class SessionStats:
+    """Counters of one session (``held_tokens`` is filled in when a snapshot is taken)."""
+
+    session_id: str
+    turns: int = 0
+    aborts: int = 0
+    restored_tokens: int = 0
+    computed_tokens: int = 0
+    offloads: int = 0
+    resumes: dict[str, int] = dataclasses.field(default_factory=lambda: dict.fromkeys(RESUME_TIERS, 0))
+    resume_tokens: dict[str, int] = dataclasses.field(default_factory=lambda: dict.fromkeys(RESUME_TIERS, 0))
+    held_tokens: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+class SessionMetrics:
+    """Aggregate counters plus the stats of open (and recently released) sessions."""
+
+    def __init__(self, keep_closed: int = 1024) -> None:
+        self.counters: dict[str, int] = dict.fromkeys(_COUNTERS, 0)
+        self.resumes: dict[str, int] = dict.fromkeys(RESUME_TIERS, 0)
+        self.resume_tokens: dict[str, int] = dict.fromkeys(RESUME_TIERS, 0)
+        self.sessions: dict[str, SessionStats] = {}
+        self._closed: OrderedDict[str, SessionStats] = OrderedDict()
+        self._keep_closed = keep_closed
+
+    def incr(self, name: str, amount: int = 1) -> None:
+        self.counters[name] = self.counters.get(name, 0) + amount
+
+    def session(self, session_id: str) -> SessionStats:
+        """Stats of ``session_id``; a recently released session's stats come back to life."""
+        stats = self.sessions.get(session_id)
+        if stats is None:
+            stats = self._closed.pop(session_id, None)
+            if stats is None:
+                stats = SessionStats(session_id)
+                self.incr("sessions_opened")
+            self.sessions[session_id] = stats
+        return stats
+
+    def close(self, session_id: str) -> None:
+        """Move a released session's stats to the bounded history."""
+        stats = self.sessions.pop(session_id, None)
+        if stats is None or self._keep_closed == 0:
+            return
+        stats.held_tokens = 0
+        self._closed[session_id] = stats
+        while len(self._closed) > self._keep_closed:
+            self._closed.popitem(last=False)
+
+    def resume(self, session_id: str, tier: str, tokens: int) -> None:
+        stats = self.session(session_id)
+        stats.resumes[tier] += 1
+        stats.resume_tokens[tier] += tokens
+        self.resumes[tier] += 1
+        self.resume_tokens[tier] += tokens
+
+    def snapshot(self) -> dict[str, Any]:
+        """Aggregate counters (``resumes_<tier>``, ``resume_tokens_<tier>`` flattened in)."""
+        out: dict[str, Any] = dict(self.counters)
+        for tier in RESUME_TIERS:
+            out[f"resumes_{tier}"] = self.resumes[tier]
+            out[f"resume_tokens_{tier}"] = self.resume_tokens[tier]
+        return out

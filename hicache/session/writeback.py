@@ -1,0 +1,146 @@
+"""``WriteBackQueue``: sessions' KV handed to the tree, followed until its host copy exists.
+
+Why hand KV to the tree instead of copying it beside the tree: once a session's committed,
+page-aligned KV is inserted into the inner radix tree, the tree owns the pages. Every tier rule
+then holds for it with no second implementation: a node being copied to host is locked, so its
+device pages cannot be freed mid-copy; a node with a host copy is demoted when device memory is
+needed; host copies go on to storage through the controller's normal backup path; a later turn
+of the conversation finds it with an ordinary match (device, host or storage hit), even while
+the copy is still in flight (the device pages are still there then).
+
+What this queue adds is the guarantee that the copy is *started* whatever the write policy
+(``write_back`` and ``write_through_selective`` would otherwise not copy a fresh node), retries
+when the controller refused (queue or host pool full), and a ``drain()`` for shutdown and
+tests. Everything runs on the event loop; :meth:`pump` never waits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["WriteBackQueue"]
+
+logger = logging.getLogger("hicache.session")
+
+
+@dataclasses.dataclass(eq=False)
+class _Entry:
+    session_id: str
+    leaf: Any
+    tokens: int
+    attempts: int = 0  # submissions refused (controller queue or host pool full)
+    submits: int = 0  # submissions accepted (a failed copy is submitted again)
+
+
+class WriteBackQueue:
+    """Follows tree paths (given by their deepest node) until every node on them has a host
+    copy, the node left the tree, or the attempts ran out.
+
+    Args:
+        tree: the inner cache; it needs ``write_backup(node)`` (``HiRadixCache``) for anything
+            to be copied; without it (a device-only tree) entries complete at once.
+        max_attempts: refused submissions per entry before it is given up.
+        count: ``count(name, amount)`` metrics callback.
+    """
+
+    def __init__(self, tree: Any, *, max_attempts: int = 4,
+                 count: Callable[[str, int], None] | None = None) -> None:
+        self._tree = tree
+        self._max_attempts = max_attempts
+        self._count = count or (lambda name, amount: None)
+        self._entries: list[_Entry] = []
+        self.enabled: bool = callable(getattr(tree, "write_backup", None))
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def pending_tokens(self) -> int:
+        return sum(e.tokens for e in self._entries)
+
+    def enqueue(self, session_id: str, leaf: Any, tokens: int) -> None:
+        """Follow the path ending at ``leaf`` (just inserted for ``session_id``)."""
+        self._count("writeback_queued", 1)
+        self._count("writeback_queued_tokens", tokens)
+        if not self.enabled:
+            self._count("writeback_done", 1)
+            return
+        entry = _Entry(session_id, leaf, tokens)
+        self._entries.append(entry)
+        self.pump()
+
+    def pump(self, *, count_refusals: bool = False) -> None:
+        """Start the copies that can start; drop entries that are finished. Entries are tried
+        oldest first; after the first refusal the rest wait for the next pump (the controller
+        is full). A refusal counts against an entry only with ``count_refusals`` (after the
+        controller drained, when it is no longer mere backpressure)."""
+        blocked = False
+        keep: list[_Entry] = []
+        for e in self._entries:
+            alive, refused = self._advance(e, submit=not blocked, count_refusals=count_refusals)
+            blocked = blocked or refused
+            if alive:
+                keep.append(e)
+        self._entries = keep
+
+    def discard_all(self) -> None:
+        """Forget every entry (the tree was reset)."""
+        self._entries.clear()
+
+    def _path(self, leaf: Any) -> list[Any]:
+        root = self._tree.root_node
+        path = []
+        node = leaf
+        while node is not None and node is not root:
+            path.append(node)
+            node = node.parent
+        return path if node is root else []
+
+    def _advance(self, e: _Entry, *, submit: bool, count_refusals: bool) -> tuple[bool, bool]:
+        """Move ``e`` on; returns (still needs watching, a submission was refused)."""
+        path = self._path(e.leaf)
+        if not path:
+            self._count("writeback_lost", 1)  # evicted without a host copy (or tree reset)
+            logger.debug("session %s: write-back path left the tree before its backup", e.session_id)
+            return False, False
+        todo = [n for n in path if n.host_value is None and n.backup_op is None and n.value is not None]
+        in_flight = any(n.backup_op is not None for n in path)
+        if not todo:
+            if in_flight:
+                return True, False
+            self._count("writeback_done", 1)
+            return False, False
+        if e.attempts >= self._max_attempts or e.submits > 4 * self._max_attempts:
+            self._count("writeback_dropped", 1)
+            logger.warning("session %s: giving up the write-back of %d token(s) after %d refusals",
+                           e.session_id, e.tokens, e.attempts)
+            return False, False
+        if not submit:
+            return True, False
+        self._count("writeback_attempts", 1)
+        refused = False
+        for node in reversed(todo):  # root side first: storage writes follow the tree downwards
+            if not self._tree.write_backup(node):
+                refused = True
+                break
+        if refused:
+            e.attempts += int(count_refusals)
+        else:
+            e.submits += 1
+        return True, refused
+
+    async def drain(self) -> None:
+        """Wait until every entry finished: copies complete (the tree's controller drains),
+        refused ones are retried up to the attempt limit."""
+        drain = getattr(self._tree, "drain", None)
+        while self._entries:
+            self.pump()
+            if not self._entries:
+                return
+            if drain is None:
+                return
+            await drain()
+            self.pump(count_refusals=True)

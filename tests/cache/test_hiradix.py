@@ -1,0 +1,287 @@
+"""The hierarchical cache: host and storage tiers behind the radix tree."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import uuid
+
+import pytest
+import torch
+
+from hicache.controller import ControllerConfig
+from hicache.keys import page_hashes
+from hicache.prefix_cache import (
+    EvictParams,
+    InitLoadBackParams,
+    MatchPrefixParams,
+    RadixKey,
+    Req,
+    fast_page_hashes,
+    namespace_seed,
+)
+from hicache.replay import StackConfig, build_stack, serve_request, verify_kv
+from hicache.storage import create_async_storage
+
+PS = 4
+
+
+def cfg(**controller: object) -> StackConfig:
+    base = dict(prefetch_threshold=PS, prefetch_policy="wait_complete")
+    base.update(controller)
+    return StackConfig(page_size=PS, device_pages=16, host_pages=32, storage_backend=None,
+                       controller=ControllerConfig(**base))  # type: ignore[arg-type]
+
+
+def toks(base: int, n: int) -> list[int]:
+    return list(range(base, base + n))
+
+
+def node_of(cache, tokens):  # type: ignore[no-untyped-def]
+    return cache.match_prefix(MatchPrefixParams(key=RadixKey(tokens))).last_host_node
+
+
+async def test_write_through_after_n_hits() -> None:
+    stack = build_stack(cfg(write_policy="write_through_selective"))
+    cache = stack.cache
+    t = toks(0, 8)
+    await serve_request(stack, t, rid="1")
+    await cache.drain()
+    node = cache.root_node.children[next(iter(cache.root_node.children))]
+    assert node.host_value is None  # one hit (the insert): not yet
+    await serve_request(stack, t, rid="2")  # the match is the second hit
+    await cache.drain()
+    assert node.backuped
+    assert stack.controller.metrics.pages["d2h"] == 2
+    await stack.aclose()
+
+
+async def test_write_through_copies_on_insert() -> None:
+    stack = build_stack(cfg(write_policy="write_through"))
+    await serve_request(stack, toks(0, 8), rid="1")
+    await stack.cache.drain()
+    assert node_of(stack.cache, toks(0, 8)).backuped
+    await stack.aclose()
+
+
+async def test_demotion_match_through_evicted_and_exact_load_back() -> None:
+    stack = build_stack(cfg())
+    cache = stack.cache
+    a = toks(0, 16)
+    b = a[:8] + toks(500, 8)
+    await serve_request(stack, a, rid="a")
+    await serve_request(stack, b, rid="b")
+    await cache.drain()
+    # evict the leaf of a only: it becomes host-only, the shared prefix stays on device
+    leaf_a = node_of(cache, a)
+    cache.inc_lock_ref(node_of(cache, b))
+    cache.evict(EvictParams(num_tokens=8))
+    cache.dec_lock_ref(node_of(cache, b))
+    assert leaf_a.value is None and leaf_a.host_value is not None
+    m = cache.match_prefix(MatchPrefixParams(key=RadixKey(a)))
+    assert m.device_hit_length == 8 and m.host_hit_length == 8
+    assert m.last_host_node is leaf_a and m.last_device_node is leaf_a.parent
+    # evict everything: the whole tree is host-only now, and still matches
+    cache.evict(EvictParams(num_tokens=10**6))
+    assert cache.total_size() == 0
+    m = cache.match_prefix(MatchPrefixParams(key=RadixKey(a)))
+    assert m.device_hit_length == 0 and m.host_hit_length == 16
+    # load back: layer counters, exact KV
+    new, node = cache.init_load_back(InitLoadBackParams(m.last_host_node, m.host_hit_length))
+    handles = cache.ready_to_load_host_cache()
+    assert len(handles) == 1 and node is leaf_a
+    await handles[0].counter.wait(0)
+    await handles[0].wait()
+    assert verify_kv(stack.device_pool, new, torch.tensor(a)) == 0
+    await cache.drain()
+    out = await serve_request(stack, a, rid="again")
+    assert (out.device_hit, out.verify_failures) == (16, 0)
+    cache.sanity_check()
+    await stack.aclose()
+
+
+async def test_load_back_is_all_or_nothing_under_quota() -> None:
+    stack = build_stack(cfg())
+    cache = stack.cache
+    a = toks(0, 16)
+    await serve_request(stack, a, rid="a")
+    await cache.drain()
+    cache.evict(EvictParams(num_tokens=10**6))
+    m = cache.match_prefix(MatchPrefixParams(key=RadixKey(a)))
+    new, node = cache.init_load_back(InitLoadBackParams(m.last_host_node, m.host_hit_length, mem_quota=8))
+    assert new.numel() == 0 and node is cache.root_node
+    assert cache.total_size() == 0 and stack.controller.metrics.counters["load_back_skipped"] == 1
+    req = Req(rid="q", origin_input_ids=a)
+    cache.match_req(req)
+    res = await cache.admit(req, mem_quota=8)
+    assert res.prefix_len == 0  # falls back to compute, nothing half-loaded
+    cache.dec_lock_ref(req.last_node)
+    await stack.aclose()
+
+
+async def test_host_leaf_eviction_lru_and_protection() -> None:
+    stack = build_stack(dataclasses.replace(cfg(), host_pages=8))
+    cache = stack.cache
+    seqs = [toks(100 * i, 8) for i in range(4)]  # 4 x 2 pages = all of host
+    for i, s in enumerate(seqs):
+        await serve_request(stack, s, rid=str(i))
+        await cache.drain()
+    cache.evict(EvictParams(num_tokens=10**6))
+    assert stack.host_pool.available_size() == 0
+    cache.match_prefix(MatchPrefixParams(key=RadixKey(seqs[0])))  # seq 0 is recent now
+    anchor = node_of(cache, seqs[1])
+    cache._inc_host_ref(anchor)  # a prefetch anchor is never evicted
+    assert cache.evict_host(16) == 16
+    gone = [i for i, s in enumerate(seqs) if cache.match_prefix(MatchPrefixParams(key=RadixKey(s))).host_hit_length == 0]
+    assert gone == [2, 3]
+    cache._dec_host_ref(anchor)
+    assert stack.host_pool.available_size() == 4 * PS
+    cache.sanity_check()
+    await stack.aclose()
+
+
+def test_page_hashes_match_keys_module_and_namespaces_differ() -> None:
+    tokens = list(range(1000, 1000 + 64))
+    assert fast_page_hashes(tokens, 16) == page_hashes(tokens, 16)
+    assert fast_page_hashes(tokens, 16, "ab" * 32) == page_hashes(tokens, 16, "ab" * 32)
+    a = fast_page_hashes(tokens, 16, namespace_seed("tenant-a"))
+    b = fast_page_hashes(tokens, 16, namespace_seed("tenant-b"))
+    assert not set(a) & set(b) and not set(a) & set(page_hashes(tokens, 16))
+
+
+async def test_node_hashes_chain_from_parent() -> None:
+    stack = build_stack(cfg())
+    cache = stack.cache
+    a = toks(0, 12)
+    await serve_request(stack, a, rid="a", extra_key="ns")
+    await serve_request(stack, a[:8] + toks(77, 4), rid="b", extra_key="ns")
+    leaf = cache.match_prefix(MatchPrefixParams(key=RadixKey(a, "ns"))).last_host_node
+    chain = []
+    n = leaf
+    while n is not cache.root_node:
+        chain = n.hash_value + chain
+        n = n.parent
+    assert chain == page_hashes(a, PS, namespace_seed("ns"))
+    await stack.aclose()
+
+
+async def test_write_back_copies_on_eviction() -> None:
+    stack = build_stack(cfg(write_policy="write_back"))
+    cache = stack.cache
+    a = toks(0, 8)
+    await serve_request(stack, a, rid="a")
+    await cache.drain()
+    assert stack.controller.metrics.pages["d2h"] == 0
+    res = await cache.evict_async(EvictParams(num_tokens=8))
+    assert res.num_tokens_evicted == 8
+    m = cache.match_prefix(MatchPrefixParams(key=RadixKey(a)))
+    assert m.host_hit_length == 8
+    out = await serve_request(stack, a, rid="b")
+    assert (out.host_hit, out.verify_failures) == (8, 0)
+    await stack.aclose()
+
+
+async def test_storage_round_trip_between_two_caches() -> None:
+    store = f"roundtrip-{uuid.uuid4()}"
+    c = dataclasses.replace(cfg(), storage_backend="memory", storage_options={"store_id": store})
+    first = build_stack(c)
+    a = toks(0, 40)
+    await serve_request(first, a, rid="w")
+    await first.cache.drain()
+    leaf = node_of(first.cache, a)
+    assert leaf.on_storage
+    second = build_stack(c)  # its own backend object over the same medium
+    out = await serve_request(second, a, rid="r")
+    assert out.storage_hit == 40 and out.computed == 0 and out.verify_failures == 0
+    assert second.controller.metrics.pages["s2h"] == 10
+    # continuing a partly shared prompt: device hit + storage for the rest
+    out = await serve_request(second, a + toks(900, 8), rid="r2")
+    assert out.device_hit == 40 and out.computed == 8
+    await first.aclose()
+    await second.aclose()
+
+
+async def test_backup_continuity_from_root() -> None:
+    """A child is written to storage only after its parent is: a page whose parent is missing
+    can never be reached by a prefix lookup."""
+    store = create_async_storage("memory", None, store_id=f"cont-{uuid.uuid4()}")
+    stack = build_stack(cfg(storage_max_retries=0, storage_retry_base_s=0.0), storage=store)
+    cache = stack.cache
+    parent_keys = set(page_hashes(toks(0, 8), PS))
+    real_write = store._write
+
+    async def refuse_parent(pages, buffers, parents):  # type: ignore[no-untyped-def]
+        flags = await real_write(pages, buffers, parents)
+        return [f and p.key not in parent_keys for p, f in zip(pages, flags)]
+
+    store._write = refuse_parent  # type: ignore[method-assign]
+    await serve_request(stack, toks(0, 8), rid="p")
+    await cache.drain()
+    await serve_request(stack, toks(0, 8) + toks(50, 8), rid="c")
+    await cache.drain()
+    parent = node_of(cache, toks(0, 8))
+    child = node_of(cache, toks(0, 8) + toks(50, 8))
+    assert parent.storage_pages == 0 and child.storage_pages == 0
+    assert stack.controller.metrics.counters["storage_write_failures"] >= 2
+    assert not any(await store.exists_pages(page_hashes(toks(0, 8) + toks(50, 8), PS)[2:]))
+    store._write = real_write  # type: ignore[method-assign]
+    cache.match_prefix(MatchPrefixParams(key=RadixKey(toks(0, 8) + toks(50, 8))))  # a hit retries
+    await cache.drain()
+    assert parent.on_storage and child.on_storage
+    await stack.aclose()
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu", "slru", "priority"])
+async def test_policies_run_the_hierarchy(policy: str) -> None:
+    stack = build_stack(dataclasses.replace(cfg(), eviction_policy=policy, device_pages=8))
+    for i in range(12):
+        out = await serve_request(stack, toks(1000 * (i % 5), 12), rid=str(i))
+        assert out.verify_failures == 0
+        await stack.cache.drain()
+    stack.cache.sanity_check()
+    await stack.aclose()
+
+
+async def test_cancelled_admit_and_abort_release_everything() -> None:
+    stack = build_stack(cfg())
+    cache = stack.cache
+    a = toks(0, 16)
+    await serve_request(stack, a, rid="a")
+    await cache.drain()
+    cache.evict(EvictParams(num_tokens=10**6))
+    req = Req(rid="c", origin_input_ids=a)
+    cache.match_req(req)
+    task = asyncio.ensure_future(cache.admit(req))
+    await asyncio.sleep(0)  # admit has started the load and waits for it
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await cache.drain()
+    assert cache.protected_size() == 0 and all(n.lock_ref == 0 for n in cache._nodes())
+    # abort after a match (and a request slot) only: nothing was locked, nothing released twice
+    other = Req(rid="d", origin_input_ids=a)
+    cache.match_req(other)
+    other.req_pool_idx = stack.req_to_token_pool.alloc(1)[0]
+    cache.abort_req(other)
+    assert cache.protected_size() == 0 and other.req_pool_idx is None
+    # abort after admit: the lock is released
+    third = Req(rid="e", origin_input_ids=a)
+    cache.match_req(third)
+    await cache.admit(third)
+    assert cache.protected_size() == 16
+    cache.abort_req(third)
+    assert cache.protected_size() == 0
+    cache.sanity_check()
+    await stack.aclose()
+
+
+async def test_write_back_without_host_room_drops_instead_of_pinning() -> None:
+    stack = build_stack(dataclasses.replace(cfg(write_policy="write_back"), host_pages=1))
+    cache = stack.cache
+    await serve_request(stack, toks(0, 8), rid="a")  # 2 pages: the host cannot take them
+    await cache.drain()
+    res = await cache.evict_async(EvictParams(num_tokens=8))
+    assert res.num_tokens_evicted == 8 and cache.total_size() == 0
+    assert stack.host_pool.available_size() == PS
+    cache.sanity_check()
+    await stack.aclose()

@@ -1,0 +1,448 @@
+"""The controller: metrics, queues and backpressure, retries, faults, prefetch policies,
+abort, close, and an event loop that stays responsive."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+from typing import Any
+import uuid
+
+import pytest
+import torch
+
+from _hicache_faults import FaultyStorage
+from hicache.controller import ControllerConfig, ControllerMetrics, ControllerState
+from hicache.errors import ConfigError
+from hicache.prefix_cache import MatchPrefixParams, RadixKey, Req
+from hicache.replay import StackConfig, build_stack, serve_request
+from hicache.replay.stack import storage_namespace
+
+PS = 4
+
+
+def toks(base: int, n: int) -> list[int]:
+    return list(range(base, base + n))
+
+
+def make(storage: bool = True, **controller: object):  # type: ignore[no-untyped-def]
+    base: dict[str, object] = dict(prefetch_threshold=PS, prefetch_policy="wait_complete",
+                                   storage_retry_base_s=0.001, cancelled_io_grace_s=0.0)
+    base.update(controller)
+    cfg = StackConfig(page_size=PS, device_pages=16, host_pages=64, storage_backend=None,
+                      controller=ControllerConfig(**base))  # type: ignore[arg-type]
+    store = None
+    if storage:
+        store = FaultyStorage(store_id=f"faulty-{uuid.uuid4()}")
+    stack = build_stack(cfg, storage=store)
+    return stack, store
+
+
+async def seed_storage(store_id: str, tokens: list[int]) -> None:
+    """Write ``tokens``' pages to a shared medium through a separate, well-behaved cache."""
+    writer, _ = make(storage=False)
+    await writer.aclose()
+    cfg = StackConfig(page_size=PS, device_pages=16, host_pages=64, storage_backend="memory",
+                      storage_options={"store_id": store_id})
+    w = build_stack(cfg)
+    await serve_request(w, tokens, rid="seed")
+    await w.cache.drain()
+    await w.aclose()
+
+
+def test_config_validation_and_timeout_formula() -> None:
+    with pytest.raises(ConfigError, match="allowed"):
+        ControllerConfig(write_policy="sometimes")
+    with pytest.raises(ConfigError, match="allowed"):
+        ControllerConfig.from_dict({"bogus": 1})
+    c = ControllerConfig()
+    assert c.write_through_threshold == 1
+    assert ControllerConfig(write_policy="write_through_selective").write_through_threshold == 2
+    assert c.prefetch_threshold == 256
+    assert c.prefetch_timeout(0) == pytest.approx(2.0)
+    assert c.prefetch_timeout(10 * 1024) == pytest.approx(3.0)
+    assert c.prefetch_timeout(10**9) == pytest.approx(30.0)
+
+
+def test_metrics_snapshot_and_prometheus_text() -> None:
+    m = ControllerMetrics()
+    m.hit("host", 128)
+    m.transfer("d2h", 2, 4096, 0.5)
+    m.incr("backup_failures")
+    m.gauge("backup_queue_depth", lambda: 3)
+    snap = m.snapshot()
+    assert snap["hit_tokens"]["host"] == 128 and snap["bytes"]["d2h"] == 4096
+    assert snap["gauges"]["backup_queue_depth"] == 3
+    text = m.prometheus_text()
+    assert '# TYPE hicache_hit_tokens_total counter' in text
+    assert 'hicache_hit_tokens_total{tier="host"} 128' in text
+    assert 'hicache_transfer_bytes_total{direction="d2h"} 4096' in text
+    assert 'hicache_backup_failures_total 1' in text
+    assert '# TYPE hicache_backup_queue_depth gauge' in text
+    for line in text.splitlines():
+        assert line.startswith("#") or len(line.split(" ")) == 2
+
+
+async def test_backup_queue_backpressure() -> None:
+    stack, _ = make(storage=False, backup_queue_size=1)
+    cache = stack.cache
+    for i in range(4):  # each insert queues one backup; the queue holds one
+        await serve_request(stack, toks(100 * i, 8), rid=str(i), verify=False)
+    assert stack.controller.metrics.counters["backup_rejected"] >= 1
+    await cache.drain()
+    cache.sanity_check()
+    # rejected backups leave no host page behind
+    held = cache.host_size()
+    assert stack.host_pool.available_size() + held == 64 * PS
+    await stack.aclose()
+
+
+async def test_storage_write_failures_are_retried_counted_never_acked() -> None:
+    stack, store = make(storage_max_retries=2)
+    store.fail_writes = 10**6
+    await serve_request(stack, toks(0, 8), rid="a")
+    await stack.cache.drain()
+    c = stack.controller.metrics.counters
+    assert c["storage_write_retries"] == 2 and c["storage_write_failures"] == 2
+    node = stack.cache.match_prefix(MatchPrefixParams(key=RadixKey(toks(0, 8)))).last_host_node
+    assert node.storage_pages == 0 and not node.on_storage
+    assert store.write_calls == 3
+    await stack.aclose()
+
+
+async def test_backend_exception_does_not_kill_the_worker() -> None:
+    stack, store = make(storage_max_retries=1)
+    store.raise_writes = 1  # the first attempt raises, the retry succeeds
+    await serve_request(stack, toks(0, 8), rid="a")
+    await stack.cache.drain()
+    await serve_request(stack, toks(500, 8), rid="b")
+    await stack.cache.drain()
+    for t in (toks(0, 8), toks(500, 8)):
+        assert stack.cache.match_prefix(MatchPrefixParams(key=RadixKey(t))).last_host_node.on_storage
+    assert store.stats.get("backend_errors") == 1
+    assert stack.controller.metrics.counters["worker_errors"] == 0
+    await stack.aclose()
+
+
+async def test_hanging_backend_requests_fall_back_to_compute() -> None:
+    stack, store = make(prefetch_policy="timeout", prefetch_timeout_base_s=0.05,
+                        prefetch_timeout_per_ki_token_s=0.0, storage_io_timeout_s=60.0)
+    store.hang_now()
+    t0 = time.monotonic()
+    out = await serve_request(stack, toks(0, 16), rid="h")
+    assert time.monotonic() - t0 < 1.0  # the request did not wait past its policy
+    assert out.computed == 16 and out.verify_failures == 0
+    out = await serve_request(stack, toks(0, 16), rid="h2")  # the device tier still works
+    assert out.device_hit == 16
+    report = await stack.controller.aclose(timeout=0.2)
+    assert not report.drained and report.unwritten_pages >= 4  # the hung backup is reported
+    assert all(u.reason == "closed" for u in report.unwritten)
+    assert not stack.controller._tasks
+    store.release()
+
+
+async def test_abort_mid_prefetch_leaks_nothing() -> None:
+    store_id = f"abort-{uuid.uuid4()}"
+    data = toks(0, 64)
+    await seed_storage(store_id, data)
+    stack, _ = make(storage=False)
+    await stack.aclose()
+    store = FaultyStorage(store_id=store_id)
+    cfg = StackConfig(page_size=PS, device_pages=16, host_pages=64, storage_backend=None,
+                      controller=ControllerConfig(prefetch_threshold=PS, prefetch_batch_pages=2,
+                                                  cancelled_io_grace_s=0.05))
+    stack = build_stack(cfg, storage=store)
+    store.delay = 0.02
+    cache = stack.cache
+    req = Req(rid="x", origin_input_ids=data)
+    cache.match_req(req)
+    assert cache.start_prefetch(req)
+    await asyncio.sleep(0.1)  # some batches landed, one is in flight
+    op = stack.controller.prefetch_op("x")
+    assert op is not None and 0 < op.completed_pages < 16
+    cache.abort_req(req)
+    await stack.controller.wait_prefetches()
+    assert stack.host_pool.available_size() == 64 * PS
+    assert all(n.host_ref == 0 and n.lock_ref == 0 for n in cache._nodes())
+    assert stack.controller.metrics.counters["prefetch_aborted"] == 1
+    assert stack.controller._inflight_prefetch_tokens == 0
+    await stack.aclose()
+
+
+async def _prefetch_with(policy: str, delay: float, **extra: object):  # type: ignore[no-untyped-def]
+    store_id = f"pol-{uuid.uuid4()}"
+    data = toks(0, 64)
+    await seed_storage(store_id, data)
+    store = FaultyStorage(store_id=store_id)
+    cfg = StackConfig(page_size=PS, device_pages=32, host_pages=64, storage_backend=None,
+                      controller=ControllerConfig(prefetch_threshold=PS, prefetch_batch_pages=2,
+                                                  prefetch_policy=policy, **extra))  # type: ignore[arg-type]
+    stack = build_stack(cfg, storage=store)
+    store.delay = delay
+    t0 = time.monotonic()
+    out = await serve_request(stack, data, rid="p")
+    waited = time.monotonic() - t0
+    await stack.controller.wait_prefetches()
+    await stack.aclose()
+    return out, waited
+
+
+async def test_prefetch_policy_wait_complete_takes_everything() -> None:
+    out, _ = await _prefetch_with("wait_complete", 0.001)
+    assert out.storage_hit == 64 and out.verify_failures == 0
+
+
+async def test_prefetch_policy_best_effort_takes_what_arrived() -> None:
+    out, waited = await _prefetch_with("best_effort", 0.05)
+    assert out.storage_hit < 64 and out.verify_failures == 0
+    assert waited < 0.5
+
+
+async def test_prefetch_policy_timeout_stops_at_the_deadline() -> None:
+    out, waited = await _prefetch_with("timeout", 0.03, prefetch_timeout_base_s=0.1,
+                                       prefetch_timeout_per_ki_token_s=0.0)
+    assert 0 < out.storage_hit < 64 and out.verify_failures == 0
+    assert waited < 0.6
+
+
+async def test_prefetch_rate_limit() -> None:
+    store_id = f"rate-{uuid.uuid4()}"
+    await seed_storage(store_id, toks(0, 32))
+    store = FaultyStorage(store_id=store_id)
+    cfg = StackConfig(page_size=PS, device_pages=32, host_pages=64, storage_backend=None,
+                      controller=ControllerConfig(prefetch_threshold=PS, max_inflight_prefetch_tokens=40))
+    stack = build_stack(cfg, storage=store)
+    store.hang_now()
+    a, b = Req(rid="a", origin_input_ids=toks(0, 32)), Req(rid="b", origin_input_ids=toks(0, 32))
+    for r in (a, b):
+        stack.cache.match_req(r)
+    assert stack.cache.start_prefetch(a)
+    assert not stack.cache.start_prefetch(b)
+    assert stack.controller.metrics.counters["prefetch_rate_limited"] == 1
+    stack.cache.abort_req(a)
+    store.release()
+    await stack.controller.wait_prefetches()
+    await stack.aclose()
+    assert stack.host_pool.available_size() == 64 * PS
+
+
+async def test_close_drains_queued_backups() -> None:
+    stack, store = make()
+    store.delay = 0.01
+    for i in range(5):
+        await serve_request(stack, toks(100 * i, 8), rid=str(i), verify=False)
+    report = await stack.controller.aclose()
+    assert report.drained and report.unwritten == []
+    assert stack.controller.state is ControllerState.CLOSED
+    assert not stack.controller._tasks
+    for node in stack.cache._nodes():
+        assert node.on_storage
+        assert all(await store.exists_pages(node.hash_value))
+    assert not stack.controller.submit_backup(torch.arange(4), torch.arange(4), lambda ok: None)
+
+
+class _StepTimer:
+    """Measures the loop-thread CPU time of every callback the loop runs (each task step)."""
+
+    def __init__(self, skip: asyncio.Task | None) -> None:  # type: ignore[type-arg]
+        self.skip = skip
+        self.worst = 0.0
+        self.worst_name = ""
+        self.count = 0
+
+    def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        original = asyncio.events.Handle._run
+        timer = self
+        loop_thread = threading.get_ident()
+
+        def _run(handle: asyncio.Handle) -> None:
+            if threading.get_ident() != loop_thread:  # the storage I/O loop: not ours to time
+                original(handle)
+                return
+            owner = getattr(handle._callback, "__self__", None)  # type: ignore[attr-defined]
+            t0 = time.thread_time()
+            original(handle)
+            took = time.thread_time() - t0
+            if owner is timer.skip:
+                return
+            timer.count += 1
+            if took > timer.worst:
+                timer.worst = took
+                timer.worst_name = (
+                    f"{owner.get_name()} {owner.get_coro()!r:.60}" if isinstance(owner, asyncio.Task) else repr(handle)[:80]
+                )
+
+        monkeypatch.setattr(asyncio.events.Handle, "_run", _run)
+
+
+async def test_event_loop_stays_responsive_while_pages_stream(
+    monkeypatch: pytest.MonkeyPatch, record_property: Any
+) -> None:
+    """A ticker on the loop is never late by more than a few milliseconds while ~0.5 GiB move
+    device->host->storage and back (copies on the copy thread, storage in bounded batches).
+
+    The "server" here does no model work on the loop: KV is written once before the clock
+    starts, so what the ticker measures is the cache and the controller.
+    """
+    cfg = StackConfig(page_size=64, head_num=8, head_dim=64, layer_num=2, dtype="float16",
+                      device_pages=512, host_pages=1024, storage_backend=None,
+                      controller=ControllerConfig(storage_batch_pages=16, prefetch_batch_pages=16,
+                                                  backup_batch_pages=64, prefetch_threshold=64,
+                                                  prefetch_policy="wait_complete"))
+    from hicache_backends.memory import MemoryStorage
+
+    probe = build_stack(cfg)
+    ns = storage_namespace(probe.host_pool)
+    await probe.aclose()
+    stack = build_stack(cfg, storage=MemoryStorage(max_bytes=1 << 31, namespace=ns))
+    cache = stack.cache
+    stack.device_pool.kv_data.view(torch.int16).random_()
+    prompts = [toks(10**6 * (i + 1), 64 * 64) for i in range(8)]
+    lateness: list[float] = []
+    stop = asyncio.Event()
+
+    async def ticker() -> None:
+        period = 0.002
+        nxt = time.perf_counter() + period
+        while not stop.is_set():
+            await asyncio.sleep(max(0.0, nxt - time.perf_counter()))
+            now = time.perf_counter()
+            lateness.append(now - nxt)
+            nxt = now + period
+
+    idle = await _ticker_baseline()
+    steps = _StepTimer(skip=asyncio.current_task())  # the test body plays the server
+    steps.install(monkeypatch)
+    tick = asyncio.create_task(ticker(), name="ticker")
+    for i, prompt in enumerate(prompts):  # insert 64 pages each: write-through to host, storage
+        req = Req(rid=f"w{i}", origin_input_ids=prompt)
+        req.req_pool_idx = stack.req_to_token_pool.alloc(1)[0]
+        stack.req_to_token_pool.req_to_token[req.req_pool_idx, : len(prompt)] = stack.allocator.alloc(len(prompt))
+        req.kv_committed_len = req.kv_allocated_len = len(prompt)
+        cache.release_req(req)
+        await asyncio.sleep(0)
+    # a server yields between scheduler steps; each cache call below is one step
+    await cache.drain()
+    cache.evict(10**9)
+    await asyncio.sleep(0)
+    cache.evict_host(10**9)
+    for i, prompt in enumerate(prompts):  # read back: storage -> host -> device
+        req = Req(rid=f"r{i}", origin_input_ids=prompt)
+        cache.match_req(req)
+        assert cache.start_prefetch(req)
+        res = await cache.admit(req)
+        assert res.storage_hit == len(prompt)
+        cache.dec_lock_ref(req.last_node)
+        await asyncio.sleep(0)
+        cache.evict(10**9)
+        await asyncio.sleep(0)
+        cache.evict_host(10**9)
+        await asyncio.sleep(0)
+    stop.set()
+    await tick
+    monkeypatch.undo()
+    m = stack.controller.metrics.snapshot()
+    await stack.aclose()
+    moved = sum(m["bytes"].values()) / 2**20
+    assert moved >= 512, moved
+    # No step of the controller's tasks holds the loop for more than a few milliseconds of
+    # CPU (thread time: what the loop itself did, not time the OS gave other threads).
+    assert steps.count > 100
+    assert steps.worst < 0.005, f"a controller step held the loop for {steps.worst * 1e3:.1f} ms ({steps.worst_name})"
+    # Wall-clock lateness also includes the OS and the GIL handing the CPU to the copy and I/O
+    # threads and, on a shared 2-core runner, to other processes: report it, compare it with an
+    # idle ticker measured in the same run, and hold it to "a few ms" only where asked
+    # (HICACHE_STRICT_LATENCY=1, on a machine with cores to spare).
+    p99 = sorted(lateness)[int(0.99 * len(lateness))]
+    record_property("ticker_p99_ms", round(p99 * 1e3, 2))
+    record_property("idle_ticker_p99_ms", round(idle * 1e3, 2))
+    record_property("worst_step_cpu_ms", round(steps.worst * 1e3, 2))
+    print(f"ticker p99 {p99 * 1e3:.1f} ms (idle {idle * 1e3:.1f} ms); worst loop step {steps.worst * 1e3:.2f} ms CPU")
+    limit = 0.005 + idle if os.environ.get("HICACHE_STRICT_LATENCY") else max(0.25, 10 * idle)
+    assert p99 < limit, f"p99 lateness {p99 * 1e3:.1f} ms (idle p99 {idle * 1e3:.1f} ms)"
+
+
+async def _ticker_baseline(seconds: float = 0.3) -> float:
+    """p99 lateness of a 2 ms ticker on an otherwise idle loop (machine noise)."""
+    late: list[float] = []
+    period = 0.002
+    end = time.perf_counter() + seconds
+    nxt = time.perf_counter() + period
+    while time.perf_counter() < end:
+        await asyncio.sleep(max(0.0, nxt - time.perf_counter()))
+        now = time.perf_counter()
+        late.append(now - nxt)
+        nxt = now + period
+    return sorted(late)[int(0.99 * len(late))]
+
+
+async def test_storage_round_trip_with_an_extra_pool() -> None:
+    """Backups and prefetches carry extra pools (indexer/mamba pages) through the v2 calls."""
+    from hicache_backends.memory import MemoryStorage
+
+    from hicache.controller import StorageWriteJob
+    from hicache.keys import page_hashes
+    from hicache.storage import PoolHitPolicy, PoolTransfer
+    from hicache.testing.pools import ArrayHostPool
+
+    store = MemoryStorage(store_id=f"extra-{uuid.uuid4()}")
+    extra = ArrayHostPool(num_pages=8, page_size=PS, token_elems=4, dtype=torch.float32)
+    extra.fill_random(7)
+    store.register_mem_host_pool_v2(extra, "indexer")
+    stack, _ = make(storage=False)
+    await stack.aclose()
+    cfg = StackConfig(page_size=PS, device_pages=16, host_pages=64, storage_backend=None,
+                      controller=ControllerConfig(prefetch_threshold=PS))
+    stack = build_stack(cfg, storage=store)
+    ctl = stack.controller
+    keys = page_hashes(toks(0, 8), PS)
+    host = stack.host_pool.alloc(2 * PS)
+    written: list[int] = []
+    job = StorageWriteJob(keys=keys, host_indices=host, prior_key=None, on_done=written.append,
+                          extra=[PoolTransfer("indexer", extra.indices(0, 2), keys=keys)])
+    assert ctl.submit_storage_write(job)
+    await ctl.drain()
+    assert written == [2]
+    assert all(await store.exists_pages(keys, "indexer"))
+    op = ctl.start_prefetch("x", keys, alloc_host=stack.host_pool.alloc,
+                            extra=[PoolTransfer("indexer", extra.indices(4, 2), keys=keys,
+                                                hit_policy=PoolHitPolicy.ALL_PAGES)])
+    assert op is not None
+    res = await ctl.wait_prefetch("x", "wait_complete")
+    assert res is not None and res.pages == 2
+    for p in range(2):
+        assert extra.page_bytes((4 + p) * PS) == extra.page_bytes(p * PS)
+    stack.host_pool.free(res.host_indices)
+    stack.host_pool.free(host)
+    await stack.aclose()
+
+
+def test_controller_outside_a_loop_is_a_clear_error() -> None:
+    from hicache.errors import LoopMisuseError
+
+    stack, _ = make(storage=False)
+    with pytest.raises(LoopMisuseError, match="event loop"):
+        stack.controller.submit_backup(torch.arange(4), torch.arange(4), lambda ok: None)
+    stack.copy_engine.close()
+
+
+async def test_polling_prefetch_progress_like_sglang_scheduler() -> None:
+    store_id = f"poll-{uuid.uuid4()}"
+    data = toks(0, 32)
+    await seed_storage(store_id, data)
+    store = FaultyStorage(store_id=store_id)
+    cfg = StackConfig(page_size=PS, device_pages=16, host_pages=64, storage_backend=None,
+                      controller=ControllerConfig(prefetch_threshold=PS, prefetch_policy="wait_complete"))
+    stack = build_stack(cfg, storage=store)
+    cache = stack.cache
+    req = Req(rid="p", origin_input_ids=data)
+    cache.match_req(req)
+    assert cache.start_prefetch(req)
+    while not cache.check_prefetch_progress("p"):
+        await asyncio.sleep(0.001)
+    m = cache.match_req(req)
+    assert m.host_hit_length == 32 and m.device_hit_length == 0
+    assert all(n.host_ref == 0 for n in cache._nodes())
+    await stack.aclose()

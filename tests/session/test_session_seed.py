@@ -1,0 +1,225 @@
+"""The seed's behaviours (SGLang's SessionAwareCache), on our radix caches."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hicache.prefix_cache import EvictParams, MatchPrefixParams, RadixKey, Req, Session
+from hicache.session import SessionAwareCache, VirtualNode
+from session_helpers import PS, Conversation, kv_matches, make_stack
+
+
+@pytest.fixture(params=["radix", "hiradix"])
+async def stack(request):
+    s = make_stack(hier=request.param == "hiradix")
+    yield s
+    await s.aclose()
+
+
+async def test_non_streaming_requests_pass_through(stack) -> None:
+    conv = Conversation(stack, "plain", seed=1, streaming=False)
+    r1 = await conv.turn(12, 3)
+    assert not stack.cache.slots
+    assert stack.req_pool.available_size() == stack.req_pool.size
+    # the tree has the prompt: the second request hits it by an ordinary match
+    r2 = await conv.turn(5, 2)
+    assert r2.prefix_len == (len(r1.req.full_ids) - 1) // PS * PS
+    assert not r2.restored
+    # a request with a non-streaming session passes through too
+    req = Req(rid="x", origin_input_ids=list(range(9)), session=Session("s", streaming=False))
+    m = stack.cache.match_prefix(MatchPrefixParams(key=RadixKey(req.origin_input_ids), req=req))
+    assert not isinstance(m.last_device_node, VirtualNode)
+    assert not stack.cache.slots
+    await stack.empty_everything()
+    stack.assert_initial()
+
+
+async def test_next_turn_restores_without_tree_match(stack, monkeypatch) -> None:
+    conv = Conversation(stack, "s1", seed=2)
+    await conv.turn(10, 4)
+    slot = stack.cache.slots["s1"]
+    assert slot.is_holding_kv and slot.kv_committed_len == 10 + 4 - 1
+    calls = []
+    real = stack.inner.match_prefix
+    monkeypatch.setattr(stack.inner, "match_prefix", lambda p: calls.append(p) or real(p))
+    if stack.hier:
+        monkeypatch.setattr(stack.inner, "match_req", lambda *a, **k: calls.append(a) or None)
+    req = conv.request(5)
+    m = stack.cache.match_prefix(MatchPrefixParams(key=RadixKey(req.origin_input_ids), req=req))
+    assert calls == []  # no tree walk
+    assert isinstance(m.last_device_node, VirtualNode) and m.last_host_node is m.last_device_node
+    assert m.device_indices.numel() == slot.kv_committed_len  # the committed length is reused
+    assert req.req_pool_idx == slot.req_pool_idx
+    assert m.cache_protected_len == slot.cache_protected_len
+    assert kv_matches(stack.device_pool, m.device_indices, req.origin_input_ids[: slot.kv_committed_len])
+    # locks on the virtual node are no-ops
+    before = (stack.inner.evictable_size(), stack.inner.protected_size())
+    assert stack.cache.inc_lock_ref(m.last_device_node).delta == 0
+    assert stack.cache.dec_lock_ref(m.last_device_node).delta == 0
+    assert stack.cache.dec_lock_ref(m.last_device_node).delta == 0
+    assert (stack.inner.evictable_size(), stack.inner.protected_size()) == before
+    monkeypatch.undo()
+    stack.cache.abort_req(req)
+    await stack.empty_everything()
+    stack.assert_initial()
+
+
+async def test_restore_is_idempotent_on_retry(stack) -> None:
+    conv = Conversation(stack, "s", seed=3)
+    await conv.turn(9, 3)
+    slot = stack.cache.slots["s"]
+    state = (slot.req_pool_idx, slot.kv_committed_len, slot.kv_allocated_len)
+    req = conv.request(7)
+    first = stack.cache.match_req(req)
+    # rejected by the scheduler, retried: the same restore again, the slot untouched
+    second = stack.cache.match_req(req)
+    assert torch.equal(first.device_indices, second.device_indices)
+    assert (slot.req_pool_idx, slot.kv_committed_len, slot.kv_allocated_len) == state
+    # rejected after it reserved pages: a retry keeps them accounted to the request
+    await stack.cache.admit(req)
+    await stack.cache.alloc_extend(req, len(req.origin_input_ids))
+    grown = req.kv_allocated_len
+    stack.cache.match_req(req)
+    assert req.kv_allocated_len == grown
+    await conv.prefill(req)
+    await conv.decode(req, 2)
+    conv.finish(req)
+    conv.check_slot()
+    await conv.turn(4, 2, retries=2)
+    await stack.empty_everything()
+    stack.assert_initial()
+
+
+async def test_chunked_turns_touch_the_tree_only_on_the_first_turn(stack) -> None:
+    conv = Conversation(stack, "c", seed=4)
+    await conv.turn(23, 3, chunk=8)
+    slot = stack.cache.slots["c"]
+    # the first turn's chunks were inserted and are protected by the slot's lock
+    assert slot.cache_protected_len == 16
+    assert stack.inner.protected_size() >= 16
+    tree_before = stack.inner.total_size()
+    nodes_before = stack.inner.pretty_print()
+    for _ in range(3):
+        r = await conv.turn(19, 2, chunk=5)
+        assert r.restored and r.computed == 19 + 1
+    assert stack.inner.total_size() == tree_before  # later turns never inserted anything
+    assert stack.inner.pretty_print() == nodes_before
+    assert slot.cache_protected_len == 16
+    await stack.empty_everything()
+    stack.assert_initial()
+
+
+async def test_release_frees_exactly_what_the_slot_held(stack) -> None:
+    a = Conversation(stack, "a", seed=5)
+    b = Conversation(stack, "b", seed=6)
+    for _ in range(3):
+        await a.turn(7, 3)
+        await b.turn(5, 4, chunk=3)
+    cache = stack.cache
+    assert cache.session_held_req_count() == 2
+    held = cache.session_held_tokens()
+    expect = sum(
+        -(-s.kv_allocated_len // PS) * PS - s.cache_protected_len for s in cache.slots.values()
+    )
+    assert held == expect > 0
+    assert stack.accounted() == stack.allocator.capacity
+    rows_before = stack.req_pool.available_size()
+    free_before = stack.allocator.available_size()
+    tree_before = stack.inner.total_size()
+    slot = cache.slots["a"]
+    a_held = slot.held_tokens(PS)
+    cache.release_session("a")
+    assert "a" not in cache.slots
+    assert stack.req_pool.available_size() == rows_before + 1
+    assert cache.session_held_tokens() == held - a_held
+    # what the slot held is now either free or owned by the tree (its committed whole pages)
+    gained = (stack.allocator.available_size() - free_before) + (stack.inner.total_size() - tree_before)
+    assert gained == a_held
+    assert stack.accounted() == stack.allocator.capacity
+    assert cache.release_session("a") is False
+    stack.inner.sanity_check()
+    cache.sanity_check()
+    await stack.empty_everything()
+    stack.assert_initial()
+
+
+async def test_seed_style_release_with_a_cache_that_is_not_a_tree() -> None:
+    """Without a tree to hand KV to, release frees [cache_protected_len, allocated) like the seed."""
+    s = make_stack(hier=False)
+    s.inner.disable = True
+    conv = Conversation(s, "d", seed=7)
+    await conv.turn(10, 3)
+    await conv.turn(6, 3)
+    assert s.cache.session_held_tokens() == s.allocator.capacity - s.allocator.available_size()
+    s.cache.release_session("d")
+    s.assert_initial()
+    await s.aclose()
+
+
+async def test_evict_passes_through_when_no_session_is_idle(stack) -> None:
+    conv = Conversation(stack, "p", seed=8, streaming=False)
+    await conv.turn(16, 2)
+    size = stack.inner.total_size()
+    assert size > 0
+    if stack.hier:
+        await stack.inner.drain()
+    freed = stack.cache.evict(EvictParams(num_tokens=size)).num_tokens_evicted
+    assert freed == size
+    await stack.empty_everything()
+    stack.assert_initial()
+
+
+def test_forwarded_attributes() -> None:
+    s = make_stack(hier=False)
+    cache = s.cache
+    assert isinstance(cache, SessionAwareCache)
+    assert cache.page_size == PS and cache.req_to_token_pool is s.req_pool
+    assert cache.token_to_kv_pool_allocator is s.allocator
+    assert cache.root_node is s.inner.root_node  # anything else is the inner cache's
+    assert cache.is_tree_cache() and not cache.disable
+    cache.disable = True
+    assert s.inner.disable
+
+
+async def test_turn_that_resends_only_the_committed_history(stack) -> None:
+    """A "regenerate" turn sends exactly the committed history: one token is recomputed (for
+    the logits) and the answer is generated anew."""
+    conv = Conversation(stack, "regen", seed=9)
+    await conv.turn(10, 4)
+    slot = stack.cache.slots["regen"]
+    committed = slot.kv_committed_len
+    conv.history = conv.history[:committed]
+    r = await conv.turn(0, 3)
+    assert r.restored and r.prefix_len == committed - 1 and r.computed == 1
+    await conv.turn(2, 2)
+    await stack.empty_everything()
+    stack.assert_initial()
+
+
+def test_config_is_validated() -> None:
+    from hicache.errors import ConfigError
+    from hicache.session import SessionConfig
+
+    with pytest.raises(ConfigError):
+        SessionConfig(idle_offload_s=-1)
+    with pytest.raises(ConfigError):
+        SessionConfig(reap_interval_s=0)
+    with pytest.raises(ConfigError, match="allowed"):
+        SessionConfig.from_dict({"idle_offload": 3})
+    assert SessionConfig.from_dict({"idle_offload_s": 3}).idle_offload_s == 3
+
+
+async def test_closed_cache_refuses_turns_and_closes_once() -> None:
+    from hicache.errors import CacheClosedError
+
+    s = make_stack(hier=True)
+    conv = Conversation(s, "z", seed=10)
+    await conv.turn(9, 2)
+    await s.cache.aclose()  # releases the session and drains its write-back first
+    assert not s.cache.slots and s.req_pool.available_size() == s.req_pool.size
+    assert s.cache.metrics()["writeback_done"] == 1
+    assert await s.cache.aclose() is None
+    with pytest.raises(CacheClosedError):
+        await s.cache.admit(conv.request(3))
+    await s.engine.aclose()
