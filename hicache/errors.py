@@ -10,7 +10,8 @@ from the built-in it resembles, so callers may catch either::
     ├── InvalidKeyError (ValueError)        a page key that can never be stored
     ├── StorageStateError (RuntimeError)    storage used before open / after close
     ├── LoopMisuseError (RuntimeError)      blocking facade called from inside an event loop
-    └── CacheClosedError (RuntimeError)     cache or controller used after aclose()
+    ├── CacheClosedError (RuntimeError)     cache or controller used after aclose()
+    └── OutOfKVSlotsError (MemoryError)     no device KV slots even after eviction and offload
 
 A *miss* is never an exception: reads return ``None``/``False`` for pages that are absent,
 corrupt or unreachable, because in a cache a miss is the normal path.
@@ -27,6 +28,7 @@ __all__ = [
     "StorageStateError",
     "LoopMisuseError",
     "CacheClosedError",
+    "OutOfKVSlotsError",
 ]
 
 
@@ -60,3 +62,8 @@ class LoopMisuseError(HiCacheError, RuntimeError):
 
 class CacheClosedError(HiCacheError, RuntimeError):
     """A cache, controller or facade was used after it was closed."""
+
+
+class OutOfKVSlotsError(HiCacheError, MemoryError):
+    """No device KV slots (or request slots) are left even after eviction and session offload;
+    the request should be retried when others finish, or aborted."""

@@ -1,15 +1,358 @@
 """``HiCache``: the one object an inference server embeds.
 
-INTERFACE DRAFT - implementation lands once the prefix cache and controller are in. The
-signatures below are stable; the server and engine code against them.
-
-A server's request path::
+It builds everything from a config (device pool, host pool, storage backend, controller, radix
+prefix cache, session cache) and gives a server the request path it needs, as coroutines on the
+server's own event loop::
 
     async with HiCache.from_config("configs/default.toml") as cache:
         h = await cache.begin(rid, token_ids, session_id=sid)   # match + load-back + prefetch
-        # prefill tokens h.token_ids[h.prefix_len:] writing KV at h.kv_indices[h.prefix_len:];
-        # attention of layer i first awaits h.wait_layer(i) (prefix KV being loaded from host)
+        # prefill h.token_ids[h.prefix_len:] writing KV at h.kv_indices[h.prefix_len:];
+        # attention of layer i first waits h.wait_layer(i) (prefix KV being loaded from host)
         new = await cache.extend(h, [next_token])                # decode: slots for new tokens
         await cache.commit(h, finished=True)                     # KV into the prefix cache / session
         await cache.release_session(sid)                         # conversation over
+
+Leaving the ``async with`` (or ``aclose()``) releases every session, drains the queued
+write-backs and backups to host and storage, and reports any page it could not write; a second
+close is a no-op and any call after it raises :class:`~hicache.errors.CacheClosedError`.
 """
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from hicache.config import HiCacheConfig, load_config
+from hicache.errors import CacheClosedError, OutOfKVSlotsError
+from hicache.memory import MambaHostPool, MambaStatePool
+from hicache.prefix_cache import Req, Session
+from hicache.session import SessionAwareCache
+from hicache.session.config import SessionConfig as SessionCacheConfig
+from hicache.stack import CacheStack, build_stack, stack_config_from, torch_dtype
+
+__all__ = ["HiCache", "RequestHandle"]
+
+logger = logging.getLogger("hicache")
+
+
+class _State(enum.Enum):
+    UNOPENED = "unopened"
+    OPEN = "open"
+    CLOSED = "closed"
+
+
+@dataclass(eq=False)
+class RequestHandle:
+    """One request's view of its KV.
+
+    ``token_ids`` is the whole sequence whose KV the request holds or will write;
+    ``kv_indices[i]`` is the device slot of ``token_ids[i]``; the first ``prefix_len`` tokens'
+    KV is already valid (from device, host or storage: ``hits`` says how many from each)."""
+
+    rid: str
+    session_id: str | None
+    token_ids: list[int]
+    prefix_len: int
+    kv_indices: torch.Tensor
+    hits: dict[str, int]
+    req: Req = field(repr=False)
+    load: Any = field(default=None, repr=False)
+    done: bool = False
+
+    async def wait_layer(self, layer: int) -> None:
+        """Return once layer ``layer`` of the prefix KV is on device."""
+        if self.load is not None:
+            await self.load.wait_layer(layer)
+
+    def wait_layer_sync(self, layer: int) -> None:
+        """Blocking :meth:`wait_layer`, for a model's forward running on a worker thread."""
+        if self.load is not None:
+            self.load.wait_layer_sync(layer)
+
+
+class HiCache:
+    """A hierarchical KV cache built from a :class:`~hicache.config.HiCacheConfig`.
+
+    Attributes a server may use: ``config``, ``device_pool`` (the L1 KV tensors the model reads
+    and writes by slot), ``host_pool``, ``storage`` (``None`` without L3), ``cache`` (the
+    session-aware prefix cache), ``extra_pools`` (hybrid models' state pools by name).
+    """
+
+    def __init__(self, config: HiCacheConfig) -> None:
+        self.config = config
+        self._stack_config = stack_config_from(config)
+        self._stack: CacheStack | None = None
+        self.cache: SessionAwareCache | None = None
+        self.extra_pools: dict[str, tuple[MambaStatePool, MambaHostPool]] = {}
+        self._state = _State.UNOPENED
+        self._live: dict[int, RequestHandle] = {}
+        self.close_report: Any = None
+
+    @classmethod
+    def from_config(cls, source: str | os.PathLike[str] | dict | HiCacheConfig | None = None) -> HiCache:
+        """Build from a config file, dict or object (``HICACHE__*`` environment overrides apply)."""
+        return cls(load_config(source))
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @property
+    def device_pool(self) -> Any:
+        return self._require_stack().device_pool
+
+    @property
+    def host_pool(self) -> Any:
+        return self._require_stack().host_pool
+
+    @property
+    def storage(self) -> Any:
+        return self._require_stack().storage
+
+    def _require_stack(self) -> CacheStack:
+        if self._stack is None:
+            raise CacheClosedError("HiCache is not open; use `async with HiCache.from_config(...)` or await start()")
+        return self._stack
+
+    async def start(self) -> HiCache:
+        """Allocate the pools, open the storage backend and start the controller."""
+        if self._state is _State.OPEN:
+            return self
+        if self._state is _State.CLOSED:
+            raise CacheClosedError("HiCache is closed; build a new one")
+        stack = build_stack(self._stack_config)
+        self._stack = stack
+        for spec in self.config.extra_pools:
+            shapes = {k: tuple(v) for k, v in spec.state_shapes.items()}
+            state = MambaStatePool(spec.slots, shapes, torch_dtype(spec.dtype), stack.device_pool.device)
+            host = MambaHostPool(state, host_size=spec.host_slots)
+            self.extra_pools[spec.name] = (state, host)
+            if stack.storage is not None:
+                stack.storage.register_mem_host_pool_v2(host, spec.name)
+        if stack.storage is not None:
+            await stack.storage.open()
+        s = self.config.session
+        session_config = SessionCacheConfig(
+            idle_offload_s=s.idle_offload_s if s.enabled else None,
+            session_timeout_s=s.session_timeout_s if s.enabled else None,
+            reap_interval_s=s.reap_interval_s if s.enabled else None,
+            preempt_queued_turns=s.preempt_queued_turns,
+        )
+        self.cache = SessionAwareCache(stack.cache, session_config)
+        self.cache.start()
+        self._state = _State.OPEN
+        logger.info(
+            "hicache open: device %d tokens, host %d tokens, storage %s",
+            self._stack_config.device_pages * self._stack_config.page_size,
+            stack.host_pool.size, self.config.storage.backend or "none",
+        )
+        return self
+
+    async def aclose(self) -> Any:
+        """Release every session, drain write-backs and backups, close storage; idempotent.
+
+        Returns the controller's close report (pages it could not write, if any)."""
+        if self._state is not _State.OPEN:
+            self._state = _State.CLOSED
+            return self.close_report
+        self._state = _State.CLOSED
+        assert self.cache is not None and self._stack is not None
+        for handle in list(self._live.values()):
+            self._abort_now(handle)
+        try:
+            report = await self.cache.aclose()
+        finally:
+            await self._stack.copy_engine.aclose()
+        self.close_report = report
+        return report
+
+    async def __aenter__(self) -> HiCache:
+        return await self.start()
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    def _check_open(self) -> SessionAwareCache:
+        if self._state is not _State.OPEN or self.cache is None:
+            state = "closed" if self._state is _State.CLOSED else "not started"
+            raise CacheClosedError(f"HiCache is {state}")
+        return self.cache
+
+    # ------------------------------------------------------------------ request path
+
+    async def begin(self, rid: str, token_ids: list[int], *, session_id: str | None = None) -> RequestHandle:
+        """Admit a request: match its prefix on every tier, load what is on host (layer by
+        layer, see :meth:`RequestHandle.wait_layer`), fetch from storage per the prefetch
+        policy, and give it device slots for the rest of its tokens.
+
+        For a streaming session, send the whole conversation so far (history + new turn): the
+        session's slot restores its KV without a tree match.
+        """
+        cache = self._check_open()
+        tokens = [int(t) for t in token_ids]
+        if not tokens:
+            raise ValueError("begin() needs at least one token")
+        if len(tokens) > self.config.device.max_context_len:
+            raise ValueError(
+                f"{len(tokens)} tokens exceed device.max_context_len ({self.config.device.max_context_len})"
+            )
+        session = Session(session_id, streaming=True) if session_id is not None and self.config.session.enabled else None
+        req = Req(rid=rid, origin_input_ids=tokens, session=session)
+        cache.match_req(req)
+        cache.start_prefetch(req)
+        try:
+            admitted = await cache.admit(req, mem_quota=self.config.cache.load_back_quota_tokens, wait_load=False)
+            slots = await cache.alloc_extend(req, len(tokens))
+        except BaseException:
+            cache.abort_req(req)
+            raise
+        if slots is None:
+            cache.abort_req(req)
+            raise OutOfKVSlotsError(
+                f"no room for {len(tokens)} tokens on device even after eviction and session offload"
+            )
+        restored = bool(getattr(admitted, "restored", False))
+        hits = {
+            "device": int(admitted.device_hit) if not restored else int(admitted.prefix_len),
+            "host": int(admitted.host_hit),
+            "storage": int(admitted.storage_hit),
+        }
+        handle = RequestHandle(
+            rid=rid,
+            session_id=session_id,
+            token_ids=tokens,
+            prefix_len=min(int(admitted.prefix_len), len(tokens)),
+            kv_indices=slots,
+            hits=hits,
+            req=req,
+            load=admitted.load_handle,
+        )
+        self._live[id(handle)] = handle
+        return handle
+
+    async def extend(self, handle: RequestHandle, new_token_ids: list[int]) -> torch.Tensor:
+        """Device slots for tokens appended to the request (decode); returns the new slots."""
+        cache = self._check_open()
+        self._check_live(handle)
+        new = [int(t) for t in new_token_ids]
+        old = len(handle.token_ids)
+        slots = await cache.alloc_extend(handle.req, old + len(new))
+        if slots is None:
+            raise OutOfKVSlotsError(f"no room on device for {len(new)} more tokens of request {handle.rid}")
+        handle.token_ids.extend(new)
+        handle.kv_indices = slots
+        return slots[old:]
+
+    async def commit(self, handle: RequestHandle, *, finished: bool = True) -> None:
+        """The KV of every token in ``handle.token_ids`` is written: make it reusable.
+
+        ``finished``: the request is over (its KV goes to the prefix cache, or stays in its
+        session's slot); otherwise it is a prefill chunk and the request goes on."""
+        cache = self._check_open()
+        self._check_live(handle)
+        await self._wait_load(handle)
+        req = handle.req
+        n_prompt = len(req.origin_input_ids)
+        req.output_ids = list(handle.token_ids[n_prompt:])
+        req.fill_ids = list(handle.token_ids)
+        req.kv_committed_len = len(handle.token_ids)
+        if finished:
+            cache.release_req(req)
+            handle.done = True
+            self._live.pop(id(handle), None)
+        else:
+            cache.cache_unfinished_req(req, chunked=True)
+
+    async def abort(self, handle: RequestHandle) -> None:
+        """Drop a request: its prefetch is cancelled and every page it held is freed; a
+        session keeps its state from before this turn. Safe to call twice."""
+        self._check_open()
+        if handle.done:
+            return
+        await self._wait_load(handle)
+        self._abort_now(handle)
+
+    def _abort_now(self, handle: RequestHandle) -> None:
+        assert self.cache is not None
+        handle.done = True
+        self._live.pop(id(handle), None)
+        self.cache.abort_req(handle.req)
+
+    async def _wait_load(self, handle: RequestHandle) -> None:
+        """Slots under a running host->device load must not be freed or reused mid-copy."""
+        if handle.load is not None:
+            try:
+                await handle.load.wait()
+            except Exception:  # noqa: BLE001 - a failed load only means the prefix is not reusable
+                logger.warning("request %s: load-back failed; its prefix is recomputed", handle.rid)
+
+    def _check_live(self, handle: RequestHandle) -> None:
+        if handle.done:
+            raise ValueError(f"request {handle.rid} is already committed or aborted")
+
+    async def release_session(self, session_id: str) -> None:
+        """The conversation is over: its KV is handed to the prefix cache (written back to host
+        and storage) and its request slot freed."""
+        self._check_open().release_session(session_id)
+
+    async def drain(self) -> None:
+        """Wait until every queued write-back, backup and storage write has completed."""
+        await self._check_open().drain()
+
+    # ------------------------------------------------------------------ observability
+
+    def metrics(self) -> dict[str, Any]:
+        """Hits per tier, bytes and time per direction, queue depths, failures, sessions."""
+        stack = self._require_stack()
+        out: dict[str, Any] = {"controller": stack.controller.metrics.snapshot()}
+        if self.cache is not None:
+            out["sessions"] = self.cache.metrics()
+        if stack.storage is not None:
+            out["storage"] = stack.storage.get_stats()
+        out["device"] = {
+            "size_tokens": int(stack.allocator.size),
+            "free_tokens": int(stack.allocator.available_size()),
+            "cached_tokens": int(stack.cache.total_size()),
+            "evictable_tokens": int(stack.cache.evictable_size()),
+        }
+        out["host"] = {
+            "size_tokens": int(stack.host_pool.size),
+            "free_tokens": int(stack.host_pool.available_size()),
+        }
+        return out
+
+    def prometheus_text(self) -> str:
+        """:meth:`metrics` in the Prometheus text exposition format."""
+        stack = self._require_stack()
+        text = stack.controller.metrics.prometheus_text()
+        lines = [text.rstrip("\n")] if text else []
+        extra: dict[str, float] = {}
+        m = self.metrics()
+        for section in ("device", "host"):
+            for key, value in m[section].items():
+                extra[f"hicache_{section}_{key}"] = value
+        for key, value in (m.get("storage") or {}).items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                extra[f"hicache_storage_{key}"] = value
+        sessions = m.get("sessions") or {}
+        for key, value in sessions.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                extra[f"hicache_session_{key}"] = value
+        for name, value in extra.items():
+            lines.append(f"# TYPE {name} gauge")
+            lines.append(f"{name} {float(value):g}")
+        return "\n".join(lines) + "\n"
+
+
+async def _smoke() -> None:  # pragma: no cover - manual check
+    async with HiCache.from_config({"storage": {"backend": "memory"}}) as cache:
+        h = await cache.begin("r", list(range(40)))
+        await cache.commit(h)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    asyncio.run(_smoke())

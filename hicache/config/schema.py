@@ -112,11 +112,21 @@ class CacheConfig(_Section):
 
 
 class SessionConfig(_Section):
-    """Streaming sessions kept between turns."""
+    """Streaming sessions: a conversation's KV stays on device between turns.
 
-    enabled: bool = True
-    idle_timeout_s: float = Field(300.0, gt=0, description="Idle sessions are written back and released.")
-    writeback_on_release: bool = Field(True, description="Queue a session's KV to host before freeing it.")
+    A released, idle or pressured session gives its KV to the prefix tree, which writes it back
+    to host (and storage) before the device pages are reused, so a later turn resumes from a
+    lower tier instead of recomputing."""
+
+    enabled: bool = Field(True, description="Keep streaming sessions' KV between turns.")
+    idle_offload_s: float | None = Field(
+        60.0, ge=0, description="Idle this long: KV written back, device pages freed; session stays open. null: only under pressure."
+    )
+    session_timeout_s: float | None = Field(
+        600.0, ge=0, description="Idle this long: the session is released. null: sessions live until released."
+    )
+    reap_interval_s: float | None = Field(1.0, gt=0, description="Period of the reaper task. null: no task.")
+    preempt_queued_turns: bool = Field(True, description="Under pressure, queued (not yet admitted) turns give their KV up too.")
 
 
 class ExtraPoolConfig(_Section):

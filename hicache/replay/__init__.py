@@ -7,7 +7,7 @@ from hicache.replay.config import ReplayConfig, load_replay_config
 from hicache.replay.driver import OutOfDeviceMemory, RequestOutcome, serve_request
 from hicache.replay.reference import reference_lru, unique_blocks
 from hicache.replay.runner import arun_replay, replay_requests, run_replay
-from hicache.replay.stack import CacheStack, StackConfig, build_stack
+from hicache.stack import CacheStack, StackConfig, build_stack
 from hicache.replay.synthetic import synthetic_kv, verify_kv, write_synthetic_kv
 from hicache.replay.trace import TraceRequest, find_trace, load_trace, request_tokens
 

@@ -22,6 +22,7 @@ from typing import Any
 
 from hicache.controller.config import ControllerConfig
 from hicache.errors import ConfigError
+from hicache.stack import controller_options
 
 __all__ = ["ReplayConfig", "load_replay_config"]
 
@@ -147,22 +148,7 @@ class ReplayConfig:
             pages["storage"] = int(options["max_bytes"]) // page_nbytes
         elif not storage.backend:
             pages["storage"] = 0
-        prefetch = cache.prefetch
-        controller: dict[str, Any] = {
-            "write_policy": cache.write_policy,
-            "backup_queue_size": cache.queue_size,
-            "storage_queue_size": cache.queue_size,
-            "storage_batch_pages": cache.backup_batch_pages,
-            "storage_max_retries": cache.backup_retries,
-            "prefetch_policy": prefetch.policy,
-            "prefetch_threshold": prefetch.threshold_tokens,
-            "prefetch_timeout_base_s": prefetch.timeout_base_s,
-            "prefetch_timeout_per_ki_token_s": prefetch.timeout_per_ki_token_s,
-            "prefetch_timeout_max_s": prefetch.timeout_max_s,
-            "max_inflight_prefetch_tokens": prefetch.max_inflight_pages * ps,
-        }
-        if cache.write_policy == "write_through_selective":
-            controller["write_through_threshold"] = cache.write_through_threshold
+        controller = controller_options(config)
         cfg = cls(
             fractions={},
             pages=pages,

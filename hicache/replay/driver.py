@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from hicache.prefix_cache.req import Req
-from hicache.replay.stack import CacheStack
+from hicache.stack import CacheStack
 from hicache.replay.synthetic import verify_kv, write_synthetic_kv
 
 __all__ = ["RequestOutcome", "serve_request", "OutOfDeviceMemory"]

@@ -21,7 +21,7 @@ from hicache.errors import ConfigError
 from hicache.replay.config import ReplayConfig, load_replay_config
 from hicache.replay.driver import serve_request
 from hicache.replay.reference import reference_lru, unique_blocks
-from hicache.replay.stack import StackConfig, build_stack
+from hicache.stack import StackConfig, build_stack
 from hicache.replay.trace import BLOCK_TOKENS, TraceRequest, find_trace, load_trace, request_tokens
 
 __all__ = ["run_replay", "arun_replay", "replay_requests"]

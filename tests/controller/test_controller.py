@@ -18,7 +18,7 @@ from hicache.controller import ControllerConfig, ControllerMetrics, ControllerSt
 from hicache.errors import ConfigError
 from hicache.prefix_cache import MatchPrefixParams, RadixKey, Req
 from hicache.replay import StackConfig, build_stack, serve_request
-from hicache.replay.stack import storage_namespace
+from hicache.stack import storage_namespace
 
 PS = 4
 

@@ -1,0 +1,245 @@
+"""Building a complete cache stack (pools, copy engine, storage, controller, cache) from sizes.
+
+The facade, the replay and the tests all wire the same pieces; doing it in one place keeps them
+honest (tests exercise exactly what the server runs and the replay measures). Capacities are in
+pages; :func:`stack_config_from` derives them from a deployment config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from hicache.controller.config import ControllerConfig
+from hicache.controller.controller import HiCacheController
+from hicache.errors import ConfigError
+from hicache.keys import Namespace
+from hicache.memory import (
+    CopyEngine,
+    MHATokenToKVPool,
+    MHATokenToKVPoolHost,
+    MLATokenToKVPool,
+    MLATokenToKVPoolHost,
+    PagedTokenAllocator,
+    ReqToTokenPool,
+    device_for,
+)
+from hicache.memory.layouts import PAGE_FORMAT
+from hicache.prefix_cache.hiradix import HiRadixCache
+from hicache.storage import AsyncHiCacheStorage, HiCacheStorageConfig, create_async_storage
+
+__all__ = [
+    "CacheStack",
+    "StackConfig",
+    "build_stack",
+    "controller_options",
+    "stack_config_from",
+    "storage_namespace",
+    "torch_dtype",
+]
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float8_e4m3fn": getattr(torch, "float8_e4m3fn", None),
+    "float8_e5m2": getattr(torch, "float8_e5m2", None),
+}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a config's ``kv_dtype`` name (a clear error when torch lacks it)."""
+    dtype = _DTYPES.get(name)
+    if dtype is None:
+        raise ConfigError(f"kv dtype {name!r} is not available in this torch; allowed: "
+                          f"{sorted(k for k, v in _DTYPES.items() if v is not None)}")
+    return dtype
+
+
+@dataclasses.dataclass(kw_only=True)
+class StackConfig:
+    """Geometry and capacities. ``storage_backend`` ``None`` means no L3; ``storage_pages``
+    sizes a ``memory`` store (``max_bytes``); other backends take ``storage_options``."""
+
+    page_size: int = 64
+    layer_num: int = 1
+    head_num: int = 1
+    head_dim: int = 2
+    dtype: str = "float32"
+    device: str = "cpu"
+    device_pages: int = 64
+    host_pages: int = 256
+    storage_backend: str | None = "memory"
+    storage_pages: int | None = None
+    storage_options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    host_layout: str = "page_first"
+    host_size_bytes: int | None = None
+    pin_memory: bool | None = None
+    eviction_policy: str = "lru"
+    req_slots: int = 8
+    max_context_len: int = 1 << 18
+    controller: ControllerConfig = dataclasses.field(default_factory=ControllerConfig)
+    attention: str = "mha"
+    kv_lora_rank: int = 64
+    qk_rope_head_dim: int = 16
+    namespace: Namespace | None = None
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return torch_dtype(self.dtype)
+
+    @property
+    def page_nbytes(self) -> int:
+        itemsize = torch.empty((), dtype=self.torch_dtype).element_size()
+        if self.attention == "mla":
+            return self.layer_num * (self.kv_lora_rank + self.qk_rope_head_dim) * itemsize * self.page_size
+        return 2 * self.layer_num * self.head_num * self.head_dim * itemsize * self.page_size
+
+
+@dataclasses.dataclass
+class CacheStack:
+    """Everything a server (or the replay) holds; :meth:`aclose` closes it in order."""
+
+    config: StackConfig
+    device_pool: MHATokenToKVPool | MLATokenToKVPool
+    allocator: PagedTokenAllocator
+    req_to_token_pool: ReqToTokenPool
+    host_pool: MHATokenToKVPoolHost | MLATokenToKVPoolHost
+    copy_engine: CopyEngine
+    storage: AsyncHiCacheStorage | None
+    controller: HiCacheController
+    cache: HiRadixCache
+
+    async def aclose(self) -> Any:
+        """Close the cache and controller (which closes a storage the stack created) and
+        the copy engine. A storage passed to :func:`build_stack` stays open."""
+        report = await self.cache.aclose()
+        await self.copy_engine.aclose()
+        return report
+
+
+def storage_namespace(host_pool: MHATokenToKVPoolHost, storage_config: HiCacheStorageConfig | None = None) -> Namespace:
+    """The namespace a backend built with ``storage_config`` gives ``host_pool``'s pages (the
+    same one it would derive itself)."""
+    ns = Namespace.from_storage_config(storage_config or HiCacheStorageConfig())
+    return ns.with_signature(host_pool.storage_signature())
+
+
+def build_stack(cfg: StackConfig, *, storage: AsyncHiCacheStorage | None = None) -> CacheStack:
+    """Wire a stack. Pass ``storage`` to share one store between two stacks."""
+    ps = cfg.page_size
+    host_bytes = cfg.host_size_bytes or cfg.host_pages * cfg.page_nbytes
+    pin = False if str(cfg.device) == "cpu" else cfg.pin_memory
+    if cfg.attention == "mla":
+        device_pool: Any = MLATokenToKVPool(
+            cfg.device_pages * ps, ps, cfg.torch_dtype, cfg.kv_lora_rank, cfg.qk_rope_head_dim,
+            cfg.layer_num, cfg.device,
+        )
+        host_pool: Any = MLATokenToKVPoolHost(
+            device_pool, host_size_bytes=host_bytes, page_size=ps, layout=cfg.host_layout, pin_memory=pin
+        )
+    elif cfg.attention == "mha":
+        device_pool = MHATokenToKVPool(
+            cfg.device_pages * ps, ps, cfg.torch_dtype, cfg.head_num, cfg.head_dim, cfg.layer_num, cfg.device
+        )
+        host_pool = MHATokenToKVPoolHost(
+            device_pool, host_size_bytes=host_bytes, page_size=ps, layout=cfg.host_layout, pin_memory=pin
+        )
+    else:
+        raise ConfigError(f"attention {cfg.attention!r} unknown; allowed: ['mha', 'mla']")
+    allocator = PagedTokenAllocator(cfg.device_pages * ps, ps, cfg.device)
+    req_pool = ReqToTokenPool(cfg.req_slots, cfg.max_context_len, cfg.device)
+    engine = CopyEngine(device_pool, host_pool)
+    own = storage is None and cfg.storage_backend is not None
+    if storage is None and cfg.storage_backend is not None:
+        options = dict(cfg.storage_options)
+        if cfg.storage_backend == "memory" and cfg.storage_pages is not None:
+            options.setdefault("max_bytes", cfg.storage_pages * cfg.page_nbytes)
+        options.setdefault("namespace", cfg.namespace or storage_namespace(host_pool))
+        storage = create_async_storage(cfg.storage_backend, None, **options)
+    if storage is not None and "kv" not in storage.registered_pools:
+        storage.register_mem_pool_host(host_pool)
+    controller = HiCacheController(
+        copy_engine=engine, host_pool=host_pool, storage=storage, config=cfg.controller, own_storage=own
+    )
+    cache = HiRadixCache(
+        req_to_token_pool=req_pool,
+        token_to_kv_pool_allocator=allocator,
+        page_size=ps,
+        host_pool=host_pool,
+        controller=controller,
+        eviction_policy=cfg.eviction_policy,
+    )
+    return CacheStack(cfg, device_pool, allocator, req_pool, host_pool, engine, storage, controller, cache)
+
+
+def controller_options(config: Any) -> dict[str, Any]:
+    """:class:`ControllerConfig` options from a deployment config's ``cache`` section."""
+    cache, prefetch, ps = config.cache, config.cache.prefetch, config.device.page_size
+    options: dict[str, Any] = {
+        "write_policy": cache.write_policy,
+        "backup_queue_size": cache.queue_size,
+        "storage_queue_size": cache.queue_size,
+        "storage_batch_pages": cache.backup_batch_pages,
+        "storage_max_retries": cache.backup_retries,
+        "prefetch_policy": prefetch.policy,
+        "prefetch_threshold": prefetch.threshold_tokens,
+        "prefetch_timeout_base_s": prefetch.timeout_base_s,
+        "prefetch_timeout_per_ki_token_s": prefetch.timeout_per_ki_token_s,
+        "prefetch_timeout_max_s": prefetch.timeout_max_s,
+        "max_inflight_prefetch_tokens": prefetch.max_inflight_pages * ps,
+    }
+    if cache.write_policy == "write_through_selective":
+        options["write_through_threshold"] = cache.write_through_threshold
+    return options
+
+
+def config_namespace(config: Any) -> Namespace:
+    """The storage namespace of a deployment: what makes its pages incompatible with others'.
+
+    The layout is the canonical flat page format (the same bytes whatever the host layout), so
+    deployments that differ only in host layout share pages."""
+    m = config.model
+    return Namespace(
+        model=m.name,
+        revision=m.revision,
+        kv_dtype=m.kv_dtype,
+        layout=PAGE_FORMAT,
+        page_size=config.device.page_size,
+        num_layers=m.num_layers,
+        num_kv_heads=None if m.attention == "mla" else m.num_kv_heads,
+        head_dim=(m.kv_lora_rank + m.qk_rope_head_dim) if m.attention == "mla" else m.head_dim,
+        is_mla=m.attention == "mla",
+        salt=config.storage.namespace_salt,
+    )
+
+
+def stack_config_from(config: Any) -> StackConfig:
+    """A :class:`StackConfig` for a deployment config (``hicache.config.HiCacheConfig``)."""
+    m, d, h, st = config.model, config.device, config.host, config.storage
+    device = str(device_for(None if d.device == "auto" else d.device))
+    ps = d.page_size
+    device_pages = d.size_tokens // ps
+    probe = StackConfig(page_size=ps, layer_num=m.num_layers, head_num=m.num_kv_heads, head_dim=m.head_dim,
+                        dtype=m.kv_dtype, attention=m.attention, kv_lora_rank=m.kv_lora_rank,
+                        qk_rope_head_dim=m.qk_rope_head_dim)
+    host_pages = (h.size_bytes // probe.page_nbytes) if h.size_bytes else int(device_pages * h.ratio)
+    if host_pages <= 0:
+        raise ConfigError(f"host: {h.size_bytes} bytes hold no page of {probe.page_nbytes} bytes")
+    return dataclasses.replace(
+        probe,
+        device=device,
+        device_pages=device_pages,
+        host_pages=host_pages,
+        host_layout=h.layout,
+        pin_memory=h.pin_memory,
+        storage_backend=st.backend or None,
+        storage_options=dict(st.options),
+        eviction_policy=config.cache.eviction_policy,
+        req_slots=d.max_requests,
+        max_context_len=d.max_context_len,
+        controller=ControllerConfig.from_dict(controller_options(config)),
+        namespace=config_namespace(config),
+    )

@@ -1,0 +1,158 @@
+"""The HiCache facade: lifecycle, the request path on every tier, sessions, aborts, metrics.
+
+KV is "computed" deterministically from token ids (``hicache.replay.synthetic``), so every
+restored slot is checked bit for bit against what a full recompute would write.
+"""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+
+from hicache.errors import CacheClosedError, OutOfKVSlotsError
+from hicache.facade import HiCache
+from hicache.replay.synthetic import verify_kv, write_synthetic_kv
+
+PS = 16
+
+
+def config(tmp_path: Path | None = None, **over) -> dict:
+    storage = (
+        {"backend": "file", "options": {"root": str(tmp_path / "store")}}
+        if tmp_path is not None
+        else {"backend": "memory", "options": {"store_id": uuid.uuid4().hex}}
+    )
+    cfg = {
+        "model": {"name": "test/facade", "num_layers": 2, "num_kv_heads": 2, "head_dim": 8},
+        "device": {"device": "cpu", "size_tokens": 64 * PS, "page_size": PS, "max_requests": 8, "max_context_len": 2048},
+        "host": {"ratio": 4.0},
+        "storage": storage,
+        "cache": {"prefetch": {"policy": "wait_complete", "threshold_tokens": 0}},
+        "session": {"reap_interval_s": None},
+    }
+    for section, values in over.items():
+        cfg.setdefault(section, {}).update(values)
+    return cfg
+
+
+async def run(cache: HiCache, rid: str, tokens: list[int], session_id: str | None = None):
+    """One request the way a server runs it: begin, check the reused prefix, compute the rest."""
+    h = await cache.begin(rid, tokens, session_id=session_id)
+    for layer in range(cache.device_pool.layer_num):
+        await h.wait_layer(layer)
+    t = torch.tensor(tokens)
+    assert verify_kv(cache.device_pool, h.kv_indices[: h.prefix_len], t[: h.prefix_len]) == 0
+    write_synthetic_kv(cache.device_pool, h.kv_indices[h.prefix_len :], t[h.prefix_len :])
+    await cache.commit(h, finished=True)
+    return h
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    return [seed * 10_000 + i for i in range(n)]
+
+
+async def test_lifecycle() -> None:
+    cache = HiCache.from_config(config())
+    with pytest.raises(CacheClosedError, match="not started"):
+        await cache.begin("r", [1, 2, 3])
+    async with cache:
+        h = await run(cache, "r0", prompt(1, 40))
+        assert h.prefix_len == 0
+    await cache.aclose()  # double close is safe
+    with pytest.raises(CacheClosedError, match="closed"):
+        await cache.begin("r1", [1])
+    with pytest.raises(CacheClosedError):
+        await cache.start()
+
+
+async def test_device_then_host_hits_restore_exact_kv() -> None:
+    async with HiCache.from_config(config()) as cache:
+        shared = prompt(2, 5 * PS)
+        await run(cache, "a", shared + prompt(3, 20))
+        h = await run(cache, "b", shared + prompt(4, 20))
+        assert h.hits["device"] >= 5 * PS and h.prefix_len >= 5 * PS
+        # flood the device pool so the shared prefix is demoted to host
+        for i in range(12):
+            await run(cache, f"flood{i}", prompt(100 + i, 10 * PS))
+        await cache.drain()
+        h = await run(cache, "c", shared + prompt(5, 7))
+        assert h.hits["host"] > 0, h.hits
+        assert h.prefix_len == 5 * PS
+        await cache.drain()  # transfer metrics are recorded when each copy's watcher finishes
+        m = cache.metrics()
+        assert m["controller"]["hit_tokens"]["host"] > 0
+        assert m["controller"]["bytes"]["h2d"] > 0 and m["controller"]["bytes"]["d2h"] > 0
+        text = cache.prometheus_text()
+        assert 'hicache_hit_tokens_total{tier="host"}' in text
+        assert "hicache_device_free_tokens" in text and "hicache_storage_write_ok" in text
+
+
+async def test_storage_round_trip_across_restart(tmp_path: Path) -> None:
+    tokens = prompt(7, 6 * PS + 5)
+    async with HiCache.from_config(config(tmp_path)) as first:
+        await run(first, "w", tokens)
+    assert first.close_report is None or not getattr(first.close_report, "unwritten", None)
+    async with HiCache.from_config(config(tmp_path)) as second:
+        h = await run(second, "r", tokens + [1, 2, 3])
+        assert h.hits["storage"] == 6 * PS, h.hits
+        assert h.prefix_len == 6 * PS
+
+
+async def test_streaming_session_turns_reuse_their_slot() -> None:
+    async with HiCache.from_config(config()) as cache:
+        history = prompt(8, 30)
+        for turn in range(5):
+            history = history + prompt(200 + turn, 9)
+            h = await run(cache, f"t{turn}", history, session_id="chat")
+            if turn:
+                assert h.prefix_len >= len(history) - 9 - 1
+            history = list(h.token_ids)
+        m = cache.metrics()["sessions"]
+        assert m["sessions_open"] == 1 and m["turns"] == 5
+        assert m["sessions"]["chat"]["resumes"]["slot"] == 4
+        await cache.release_session("chat")
+        await cache.drain()
+        h = await run(cache, "after", history + [5])
+        assert h.prefix_len >= (len(history) // PS) * PS - PS
+
+
+async def test_abort_and_capacity_leak_nothing() -> None:
+    async with HiCache.from_config(config()) as cache:
+        free0 = cache.metrics()["device"]["free_tokens"]
+        h = await cache.begin("x", prompt(9, 50))
+        await cache.abort(h)
+        await cache.abort(h)
+        with pytest.raises(ValueError, match="already"):
+            await cache.commit(h)
+        with pytest.raises(OutOfKVSlotsError):
+            await cache.begin("huge", prompt(10, 65 * PS - 1) if 65 * PS - 1 <= 2048 else prompt(10, 2048))
+        assert cache.metrics()["device"]["free_tokens"] == free0
+        with pytest.raises(ValueError, match="max_context_len"):
+            await cache.begin("toolong", list(range(3000)))
+
+
+async def test_decode_extend_and_chunked_commit() -> None:
+    async with HiCache.from_config(config()) as cache:
+        tokens = prompt(11, 33)
+        h = await cache.begin("d", tokens)
+        write_synthetic_kv(cache.device_pool, h.kv_indices, torch.tensor(tokens))
+        for step in range(20):
+            new = await cache.extend(h, [50_000 + step])
+            assert new.numel() == 1
+            write_synthetic_kv(cache.device_pool, new, torch.tensor([50_000 + step]))
+        assert h.kv_indices.numel() == 53
+        await cache.commit(h)
+        h2 = await run(cache, "d2", list(h.token_ids) + [7])
+        assert h2.prefix_len == 48
+
+
+async def test_hybrid_config_registers_extra_pool(tmp_path: Path) -> None:
+    cfg = config(tmp_path)
+    cfg["extra_pools"] = [{"name": "mamba", "state_shapes": {"conv": [2, 4]}, "slots": 4, "host_slots": 8}]
+    async with HiCache.from_config(cfg) as cache:
+        assert "mamba" in cache.extra_pools
+        assert "mamba" in cache.storage.registered_pools
+        await run(cache, "h", prompt(12, 20))
