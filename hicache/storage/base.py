@@ -16,8 +16,13 @@ Primitives (override in a backend)::
     _open(), _close(), _backend_stats()              optional
 
 Every primitive call is guarded: an exception inside a backend is logged, counted as
-``backend_errors`` and turned into misses/False. Nothing a backend raises reaches the caller's
-background tasks.
+``backend_errors`` and turned into misses/False (so is a result list of the wrong length).
+Nothing a backend raises reaches the caller's background tasks.
+
+Cancellation: once ``_read``/``_write`` returns *or raises* (``CancelledError`` included), the
+backend must not touch the buffers any more - they are host-pool pages the caller reuses. A
+backend that fills buffers on threads waits for them before letting a cancellation unwind
+(:func:`hicache.storage.offload.run_to_completion`).
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from hicache.errors import StorageStateError
 from hicache.keys import Namespace, validate_key, validate_keys
 from hicache.storage import pages as page_io
 from hicache.storage.hit_policy import leading_run, resolve_v2_hits
+from hicache.storage.offload import run_to_completion
 from hicache.storage.stats import StorageStats
 from hicache.storage.types import (
     HiCacheStorageConfig,
@@ -109,19 +115,33 @@ class AsyncHiCacheStorage(ABC):
         async with self._open_lock:
             if self._state is StorageState.UNOPENED:
                 await self._open()
+                if self._state is StorageState.CLOSED:
+                    # aclose() ran while _open() was awaiting: release what _open() just built
+                    # (aclose waits for this lock, so it returns only once that is done).
+                    await self._close_quietly()
+                    raise StorageStateError(f"{type(self).__name__} was closed while opening")
                 self._state = StorageState.OPEN
+            elif self._state is StorageState.CLOSED:
+                raise StorageStateError(f"{type(self).__name__} is closed; create a new one")
 
     async def aclose(self) -> None:
-        """Release everything the backend holds (idempotent)."""
+        """Release everything the backend holds (idempotent). An open in progress is waited
+        for and then undone, so nothing it creates outlives this call."""
         if self._state is StorageState.CLOSED:
             return
         was_open = self._state is StorageState.OPEN
         self._state = StorageState.CLOSED
         if was_open:
-            try:
-                await self._close()
-            except Exception:  # noqa: BLE001 - closing must not raise into shutdown paths
-                logger.exception("%s: error while closing", type(self).__name__)
+            await self._close_quietly()
+        elif self._open_lock is not None and self._open_lock.locked():
+            async with self._open_lock:  # open() sees CLOSED and closes what it opened
+                pass
+
+    async def _close_quietly(self) -> None:
+        try:
+            await self._close()
+        except Exception:  # noqa: BLE001 - closing must not raise into shutdown paths
+            logger.exception("%s: error while closing", type(self).__name__)
 
     async def __aenter__(self) -> AsyncHiCacheStorage:
         await self.open()
@@ -198,12 +218,30 @@ class AsyncHiCacheStorage(ABC):
             logger.exception("%s: %s failed; answering with misses", type(self).__name__, what)
             return fallback
 
+    async def _guard_flags(self, what: str, coro: Any, n: int) -> list[bool]:
+        """A guarded primitive that answers one flag per page; a list of another length is a
+        backend bug, and trusting it would shift every answer onto the wrong page."""
+        flags = await self._guard(what, coro, None)
+        if flags is None:
+            return [False] * n
+        try:
+            flags = [bool(f) for f in flags]
+        except TypeError:
+            flags = []
+        if len(flags) != n:
+            self.stats.incr("backend_errors")
+            logger.error(
+                "%s: %s answered %d flags for %d pages; answering with misses",
+                type(self).__name__, what, len(flags), n,
+            )
+            return [False] * n
+        return flags
+
     async def _exists_guarded(self, pages: Sequence[PageKey]) -> list[bool]:
         if not pages:
             return []
         t0 = time.perf_counter()
-        flags = await self._guard("exists", self._exists(pages), [False] * len(pages))
-        flags = [bool(f) for f in flags]
+        flags = await self._guard_flags("exists", self._exists(pages), len(pages))
         self.stats.incr("exists_calls")
         self.stats.incr("exists_keys", len(pages))
         self.stats.incr("exists_hits", sum(flags))
@@ -214,8 +252,7 @@ class AsyncHiCacheStorage(ABC):
         if not pages:
             return []
         t0 = time.perf_counter()
-        ok = await self._guard("read", self._read(pages, buffers), [False] * len(pages))
-        ok = [bool(f) for f in ok]
+        ok = await self._guard_flags("read", self._read(pages, buffers), len(pages))
         hits = sum(ok)
         self.stats.incr("read_pages", len(pages))
         self.stats.incr("read_hits", hits)
@@ -233,8 +270,7 @@ class AsyncHiCacheStorage(ABC):
         if not pages:
             return []
         t0 = time.perf_counter()
-        ok = await self._guard("write", self._write(pages, buffers, parents), [False] * len(pages))
-        ok = [bool(f) for f in ok]
+        ok = await self._guard_flags("write", self._write(pages, buffers, parents), len(pages))
         done = sum(ok)
         self.stats.incr("write_pages", len(pages))
         self.stats.incr("write_ok", done)
@@ -353,27 +389,52 @@ class AsyncHiCacheStorage(ABC):
             results[name] = await self._set_pool_pages(name, keys, transfer.host_indices, parents)
         return results
 
-    def _starts(self, name: str, keys: list[str], host_indices: torch.Tensor | None, op: str) -> tuple[Any, list[int] | None]:
+    def _starts(self, name: str, keys: list[str], host_indices: torch.Tensor | None, op: str) -> tuple[Any, list[int | None] | None]:
+        """The pool and each page's first token index (``None`` for a page whose indices are
+        malformed); ``None`` instead of the list when the batch as a whole is malformed."""
         pool = self._pool(name)
+        if isinstance(host_indices, torch.Tensor) and host_indices.device.type != "cpu":
+            host_indices = host_indices.cpu()  # one device sync for both checks below
         starts = page_io.page_starts(host_indices, len(keys), pool.page_size)
         if starts is None:
             self.stats.incr("invalid_requests")
             got = host_indices.numel() if isinstance(host_indices, torch.Tensor) else None
             logger.error(
-                "%s %s: pool %r expects %d host indices (%d keys x page %d), got %s",
+                "%s %s: pool %r expects %d integer host indices (%d keys x page %d), got %s",
                 type(self).__name__, op, name, len(keys) * pool.page_size, len(keys),
                 pool.page_size, got,
             )
-        return pool, starts
+            return pool, None
+        assert host_indices is not None
+        bad = page_io.malformed_pages(host_indices, len(keys), pool.page_size)
+        if bad:
+            self.stats.incr("invalid_requests")
+            logger.error(
+                "%s %s: pool %r: %d page(s) whose host indices are not %d consecutive "
+                "non-negative token indices (first at position %d); those pages fail",
+                type(self).__name__, op, name, len(bad), pool.page_size, bad[0],
+            )
+        out: list[int | None] = list(starts)
+        for i in bad:
+            out[i] = None
+        return pool, out
 
     async def _get_pool_pages(self, name: str, keys: list[str], host_indices: torch.Tensor | None) -> list[bool]:
         pool, starts = self._starts(name, keys, host_indices, "get")
         if not starts:
             return [False] * len(keys)
-        if page_io.needs_thread(pool, starts):
-            targets = await asyncio.to_thread(page_io.read_targets, pool, starts)
+        self._drop_overlapping_targets(name, starts, pool.page_size)
+        good = [i for i, st in enumerate(starts) if st is not None]
+        good_starts = [starts[i] for i in good]
+        if not good:
+            return [False] * len(keys)
+        if page_io.needs_thread(pool, good_starts):
+            found = await run_to_completion(page_io.read_targets, pool, good_starts)
         else:
-            targets = page_io.read_targets(pool, starts)
+            found = page_io.read_targets(pool, good_starts)
+        targets: list[page_io.ReadTarget | None] = [None] * len(keys)
+        for i, t in zip(good, found):
+            targets[i] = t
         live = [i for i, t in enumerate(targets) if t is not None]
         ok = [False] * len(keys)
         got = await self._read_guarded(
@@ -382,8 +443,33 @@ class AsyncHiCacheStorage(ABC):
         for i, flag in zip(live, got):
             ok[i] = flag
         if any(t is not None and t.staging is not None for t in targets):
-            ok = await asyncio.to_thread(page_io.commit_reads, pool, targets, ok)
+            # Commits write into the pool: a cancelled caller must not get the pages back while
+            # a thread is still copying into them.
+            ok = await run_to_completion(page_io.commit_reads, pool, targets, ok)
         return ok
+
+    def _drop_overlapping_targets(self, name: str, starts: list[int | None], page_size: int) -> None:
+        """Fail (set to ``None``) every read target that overlaps an earlier one.
+
+        Two pages read into the same host memory are filled concurrently: each may be verified
+        and reported True while the other's bytes end up there. The first page (lowest start)
+        is kept; writes may share a source page freely and are not checked.
+        """
+        order = sorted((st, i) for i, st in enumerate(starts) if st is not None)
+        end = None
+        dropped = 0
+        for st, i in order:
+            if end is not None and st < end:
+                starts[i] = None
+                dropped += 1
+            else:
+                end = st + page_size
+        if dropped:
+            self.stats.incr("invalid_requests")
+            logger.error(
+                "%s get: pool %r: %d page(s) would be read into host memory another page of the "
+                "batch is read into; those pages fail", type(self).__name__, name, dropped,
+            )
 
     async def _set_pool_pages(
         self,
@@ -395,11 +481,18 @@ class AsyncHiCacheStorage(ABC):
         pool, starts = self._starts(name, keys, host_indices, "set")
         if not starts:
             return [False] * len(keys)
-        if page_io.needs_thread(pool, starts):
-            sources = await asyncio.to_thread(page_io.write_sources, pool, starts)
+        good = [i for i, st in enumerate(starts) if st is not None]
+        good_starts = [starts[i] for i in good]
+        if not good:
+            return [False] * len(keys)
+        if page_io.needs_thread(pool, good_starts):
+            found = await run_to_completion(page_io.write_sources, pool, good_starts)
         else:
-            sources = page_io.write_sources(pool, starts)
-        live = [i for i, s in enumerate(sources) if s is not None]
+            found = page_io.write_sources(pool, good_starts)
+        sources: list[memoryview | None] = [None] * len(keys)
+        for i, src in zip(good, found):
+            sources[i] = src
+        live = [i for i, src in enumerate(sources) if src is not None]
         ok = [False] * len(keys)
         done = await self._write_guarded(
             [PageKey(keys[i], name) for i in live],
@@ -464,7 +557,14 @@ class AsyncHiCacheStorage(ABC):
             logger.error("batch_get: %d keys but %d target locations", len(keys), len(targets))
             return [None] * len(keys)
         out: list[torch.Tensor | None] = [None] * len(keys)
-        direct = [i for i, t in enumerate(targets) if t is not None]
+        wrong = [i for i, t in enumerate(targets) if t is not None and not isinstance(t, torch.Tensor)]
+        if wrong:
+            self.stats.incr("invalid_requests")
+            logger.error(
+                "batch_get: target_locations must be tensors (or None); got %s for key %d: a miss",
+                type(targets[wrong[0]]).__name__, wrong[0],
+            )
+        direct = [i for i, t in enumerate(targets) if isinstance(t, torch.Tensor)]
         bufs: list[memoryview] = []
         stage: dict[int, torch.Tensor] = {}
         for i in direct:
@@ -476,13 +576,18 @@ class AsyncHiCacheStorage(ABC):
                 stage[i] = torch.empty(t.numel() * t.element_size(), dtype=torch.uint8)
                 bufs.append(page_io.as_bytes(stage[i]))
         got = await self._read_guarded([PageKey(keys[i], KV) for i in direct], bufs)
+        commit = []
         for i, flag in zip(direct, got):
             if flag:
                 t = targets[i]
                 assert t is not None
                 if i in stage:
-                    t.copy_(stage[i].view(t.dtype).view(t.shape))
+                    commit.append((t, stage[i]))
                 out[i] = t
+        if commit:
+            # A device or strided target takes a real copy: off the loop, and finished before a
+            # cancellation unwinds (the caller owns the target).
+            await run_to_completion(_copy_into_targets, commit)
         for i, t in enumerate(targets):
             if t is None:
                 payload = await self._guard("read", self._read_bytes(PageKey(keys[i], KV)), None)
@@ -518,7 +623,11 @@ class AsyncHiCacheStorage(ABC):
             self.stats.incr("invalid_requests")
             logger.error("batch_set: need one tensor per key (%d keys, %d values)", len(keys), len(vals))
             return False
-        bufs = [page_io.as_bytes(v.detach().cpu().contiguous()) for v in vals]  # type: ignore[union-attr]
+        if any(v.device.type != "cpu" or not v.is_contiguous() for v in vals):  # type: ignore[union-attr]
+            flat = await run_to_completion(_host_contiguous, vals)  # device copies: off the loop
+        else:
+            flat = [v.detach() for v in vals]  # type: ignore[union-attr]
+        bufs = [page_io.as_bytes(v) for v in flat]
         chain: list[PageKey | None] = [None, *(PageKey(k, KV) for k in keys[:-1])]
         ok = await self._write_guarded([PageKey(k, KV) for k in keys], bufs, chain)
         return all(ok)
@@ -555,3 +664,12 @@ class AsyncHiCacheStorage(ABC):
         except Exception:  # noqa: BLE001
             logger.exception("%s: stats failed", type(self).__name__)
         return out
+
+
+def _copy_into_targets(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    for target, staged in pairs:
+        target.copy_(staged.view(target.dtype).view(target.shape))
+
+
+def _host_contiguous(values: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    return [v.detach().cpu().contiguous() for v in values]

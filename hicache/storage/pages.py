@@ -62,14 +62,38 @@ def page_nbytes(pool: Any) -> int:
 
 
 def page_starts(host_indices: torch.Tensor | None, num_keys: int, page_size: int) -> list[int] | None:
-    """First token index of each page, or ``None`` when indices and keys disagree in length."""
+    """First token index of each page, or ``None`` when indices and keys disagree in length
+    (or the indices are not integers)."""
     if host_indices is None or not isinstance(host_indices, torch.Tensor):
         return None
     if host_indices.numel() != num_keys * page_size:
         return None
+    if host_indices.is_floating_point() or host_indices.is_complex() or host_indices.dtype is torch.bool:
+        return None
     if num_keys == 0:
         return []
     return host_indices.reshape(-1)[::page_size].tolist()
+
+
+def malformed_pages(host_indices: torch.Tensor, num_keys: int, page_size: int) -> list[int]:
+    """Positions of pages whose ``page_size`` token indices are not one run ``start, start+1,
+    ...`` from a non-negative start.
+
+    A page is moved as a whole from its first index, so for such a page the bytes would land
+    on (or come from) tokens the caller did not name - another request's KV.
+    Call after :func:`page_starts` accepted the indices.
+    """
+    if num_keys == 0:
+        return []
+    grid = host_indices.detach().reshape(num_keys, page_size)
+    if grid.device.type != "cpu":
+        grid = grid.cpu()
+    grid = grid.to(torch.int64)
+    bad = grid[:, 0] < 0
+    if page_size > 1:
+        step = torch.arange(page_size, dtype=torch.int64)
+        bad |= ~(grid - grid[:, :1] == step).all(dim=1)
+    return bad.nonzero().reshape(-1).tolist()
 
 
 def _live_view(pool: Any, index: int) -> torch.Tensor | None:
@@ -109,8 +133,14 @@ class ReadTarget:
 
 
 def read_targets(pool: Any, starts: Sequence[int]) -> list[ReadTarget | None]:
-    """One target per page; ``None`` for an index the pool rejects."""
+    """One target per page; ``None`` for an index the pool rejects.
+
+    Every staged page gets its own memory: a pool whose ``get_dummy_flat_data_page`` hands out
+    one shared scratch tensor (fine for a read-then-commit loop) would otherwise have every page
+    of the batch read into the same bytes and commit the last page's payload under every key.
+    """
     out: list[ReadTarget | None] = []
+    staged: set[int] = set()
     for index in starts:
         try:
             view = _live_view(pool, index)
@@ -120,6 +150,10 @@ def read_targets(pool: Any, starts: Sequence[int]) -> list[ReadTarget | None]:
             staging = pool.get_dummy_flat_data_page()
             if staging.device.type != "cpu" or not staging.is_contiguous():
                 staging = torch.empty(staging.shape, dtype=staging.dtype)
+            elif staging.numel() and staging.data_ptr() in staged:
+                staging = torch.empty_like(staging)
+            if staging.numel():
+                staged.add(staging.data_ptr())
             out.append(ReadTarget(index, as_bytes(staging), staging))
         except Exception:  # noqa: BLE001
             out.append(None)

@@ -88,6 +88,10 @@ def _import_target(name: str, value: str) -> Any:
         hint = _EXTRA_HINT.get(name)
         extra = f" (pip install 'hicache[{hint}]')" if hint else ""
         raise BackendLoadError(f"storage backend {name!r} could not be imported: {exc}{extra}") from exc
+    except Exception as exc:  # noqa: BLE001 - a plugin that crashes on import, or a bad target
+        raise BackendLoadError(
+            f"storage backend {name!r}: importing {value!r} failed: {type(exc).__name__}: {exc}"
+        ) from exc
     for part in filter(None, attr.split(".")):
         try:
             obj = getattr(obj, part)

@@ -9,6 +9,7 @@ loop, so it raises :class:`~hicache.errors.LoopMisuseError` pointing at the asyn
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
 import weakref
 from collections.abc import Coroutine
@@ -17,7 +18,7 @@ from typing import Any, TypeVar
 import torch
 
 from hicache.errors import LoopMisuseError, StorageStateError
-from hicache.storage.base import AsyncHiCacheStorage
+from hicache.storage.base import AsyncHiCacheStorage, StorageState
 from hicache.storage.types import (
     HiCacheStorageExtraInfo,
     PoolName,
@@ -43,6 +44,12 @@ class LoopThread:
         self.loop.run_forever()
 
     def call(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        """Run ``coro`` on the loop and wait for its result.
+
+        If the wait ends early (``timeout``, ``KeyboardInterrupt``...), the coroutine is
+        cancelled and *waited for* before the exception reaches the caller: it may be reading
+        into the caller's host pool, which the caller is free to reuse once we return.
+        """
         try:
             asyncio.get_running_loop()
         except RuntimeError:
@@ -54,20 +61,76 @@ class LoopThread:
                 "loop, which it would block; await the AsyncHiCacheStorage methods instead "
                 "(create_async_storage(...))"
             )
-        if not self._thread.is_alive():
+        if not self._thread.is_alive() or self.loop.is_closed():
             coro.close()
             raise StorageStateError("the storage loop thread is stopped (facade closed)")
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+        result: concurrent.futures.Future[T] = concurrent.futures.Future()
+        tasks: list[asyncio.Task[T]] = []
+
+        def finish(task: asyncio.Task[T]) -> None:
+            if task.cancelled():
+                result.set_exception(concurrent.futures.CancelledError())
+            elif task.exception() is not None:
+                result.set_exception(task.exception())  # type: ignore[arg-type]
+            else:
+                result.set_result(task.result())
+
+        def start() -> None:
+            task = self.loop.create_task(coro)
+            tasks.append(task)
+            task.add_done_callback(finish)
+
+        def cancel() -> None:
+            for task in tasks:
+                task.cancel()
+
+        try:
+            self.loop.call_soon_threadsafe(start)
+        except RuntimeError:  # the loop closed in between
+            coro.close()
+            raise StorageStateError("the storage loop thread is stopped (facade closed)") from None
+        try:
+            return result.result(timeout)
+        except BaseException:
+            if not result.done():
+                try:
+                    self.loop.call_soon_threadsafe(cancel)  # runs after start(): FIFO
+                    # wait until the task has really ended (or the loop died under it)
+                    while not result.done() and self._thread.is_alive():
+                        concurrent.futures.wait([result], timeout=0.5)
+                except BaseException:  # noqa: BLE001 - loop closed, or a second interrupt
+                    pass
+            raise
 
     def stop(self) -> None:
+        if threading.current_thread() is self._thread:
+            # Called on the loop thread itself (a finalizer run by the collector there): it
+            # cannot join itself; stopping the loop ends the thread, which closes nothing else.
+            self.loop.stop()
+            return
         if self._thread.is_alive():
-            self.loop.call_soon_threadsafe(self.loop.stop)
+            try:
+                self.loop.call_soon_threadsafe(self.loop.stop)
+            except RuntimeError:
+                pass
             self._thread.join(timeout=10)
         if not self.loop.is_running() and not self.loop.is_closed():
             self.loop.close()
 
 
-def _stop_loop(loop_thread: LoopThread) -> None:
+def _stop_loop(loop_thread: LoopThread, backend: AsyncHiCacheStorage | None = None) -> None:
+    """Finalizer of a facade: close the backend it owns (file executors, HTTP sessions), then
+    stop its loop. Runs on ``close()``, when the facade is collected, or at interpreter exit."""
+    if (
+        backend is not None
+        and backend.state is not StorageState.CLOSED
+        and threading.current_thread() is not loop_thread._thread
+        and loop_thread._thread.is_alive()
+    ):
+        try:
+            loop_thread.call(backend.aclose(), timeout=30)
+        except BaseException:  # noqa: BLE001 - a finalizer must not raise
+            pass
     loop_thread.stop()
 
 
@@ -78,7 +141,7 @@ class HiCacheStorage:
         self.backend = backend
         self.call_timeout = call_timeout
         self._loop_thread = LoopThread()
-        self._finalizer = weakref.finalize(self, _stop_loop, self._loop_thread)
+        self._finalizer = weakref.finalize(self, _stop_loop, self._loop_thread, backend)
         self._closed = False
 
     def _call(self, coro: Coroutine[Any, Any, T]) -> T:

@@ -13,6 +13,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from hicache.errors import InvalidKeyError
+
 __all__ = [
     "HiCacheStorageConfig",
     "HiCacheStorageExtraInfo",
@@ -107,13 +109,28 @@ class PoolTransferResult:
         self.extra_pool_hit_pages.update({name: sum(rs) for name, rs in results.items()})
 
 
+#: Longest pool name in UTF-8 bytes; pool names are stored in every page header beside the key.
+MAX_POOL_NAME_BYTES = 255
+
+
 def pool_name_str(name: PoolName | str | Any) -> str:
-    """The plain string of a pool name (``PoolName.KV`` -> ``"kv"``)."""
+    """The plain string of a pool name (``PoolName.KV`` -> ``"kv"``).
+
+    Raises ``TypeError`` for a non-string and :class:`~hicache.errors.InvalidKeyError` for a
+    name no backend can store (empty, NUL, not UTF-8, over ``MAX_POOL_NAME_BYTES``)."""
     if isinstance(name, PoolName):
         return name.value
-    if isinstance(name, str):
-        return name
-    raise TypeError(f"pool name must be a PoolName or str, got {type(name).__name__}")
+    if not isinstance(name, str):
+        raise TypeError(f"pool name must be a PoolName or str, got {type(name).__name__}")
+    if not name or "\x00" in name:
+        raise InvalidKeyError(f"pool name must be non-empty and free of NUL: {name!r:.80}")
+    try:
+        n = len(name.encode("utf-8"))
+    except UnicodeEncodeError as exc:
+        raise InvalidKeyError(f"pool name is not valid UTF-8 text: {name!r:.80}") from exc
+    if n > MAX_POOL_NAME_BYTES:
+        raise InvalidKeyError(f"pool name is {n} bytes long; the limit is {MAX_POOL_NAME_BYTES}")
+    return name
 
 
 class PageKey(NamedTuple):

@@ -197,6 +197,38 @@ class StoreTests:
         for i in range(4):
             assert dst.page_bytes((4 + i) * PAGE) == src.page_bytes(i * PAGE)
 
+    @pytest.mark.asyncio
+    @pytest.mark.parametrize("direct", [True, False], ids=["direct", "staged"])
+    async def test_cancelled_read_leaves_no_writer_behind(self, store: AsyncHiCacheStorage, direct: bool) -> None:
+        """Once a cancelled ``batch_get_v2`` has unwound, nothing writes into the pool any more:
+        the caller frees those pages at once (a backend that fills buffers on threads must wait
+        for them). Large pages (256 KiB, 2 MiB a batch) so that backends offload the copies."""
+        elems = 32 * 1024
+        src = ArrayHostPool(8, PAGE, token_elems=elems)
+        src.fill_random(11)
+        store.register_mem_pool_host(src)
+        keys = keys_for(8, salt=81)
+        assert (await store.batch_set_v1(keys, src.indices(0, 8))) == [True] * 8
+        dst = ArrayHostPool(8, PAGE, token_elems=elems, direct=direct)
+        store.register_mem_pool_host(dst)
+        for delay in (0.0, 0.001, 0.005):
+            dst.buffer.zero_()
+            task = asyncio.ensure_future(
+                store.batch_get_v2([PoolTransfer("kv", host_indices=dst.indices(0, 8), keys=keys)])
+            )
+            await asyncio.sleep(delay)
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+            snapshot = dst.buffer.clone()
+            await asyncio.sleep(0.02)
+            assert torch.equal(dst.buffer, snapshot), f"pool written after cancellation (delay {delay})"
+        got = await store.batch_get_v2([PoolTransfer("kv", host_indices=dst.indices(0, 8), keys=keys)])
+        assert got == {"kv": [True] * 8}
+        assert torch.equal(dst.buffer, src.buffer)
+
     # -- v0 --------------------------------------------------------------------------------------
 
     @pytest.mark.asyncio
@@ -245,22 +277,45 @@ class StoreTests:
         # extra-pool pages (2^3), under each policy mix, on distinct key sets in one store. The
         # pure hit-policy function is checked on longer random chains in tests/storage.
         scenarios = list(itertools.product(range(1 << n), range(1 << n)))
+        # All scenarios are written in one batch per pool and checked concurrently: the same
+        # assertions, without paying a medium's round trip (an object store's) per step.
+        kv_keys_all: list[str] = []
+        kv_idx_all: list[torch.Tensor] = []
+        ex_keys_all: list[str] = []
+        ex_idx_all: list[torch.Tensor] = []
+        cases = []
         for case, (kv_mask, ex_mask) in enumerate(scenarios):
             keys = keys_for(n, salt=100 + case)
             kv_keys = [k for i, k in enumerate(keys) if kv_mask >> i & 1]
             kv_idx = [i for i in range(n) if kv_mask >> i & 1]
             ex_keys = [k for i, k in enumerate(keys) if ex_mask >> i & 1]
             ex_idx = [i for i in range(n) if ex_mask >> i & 1]
-            transfers = []
-            if kv_keys:
-                transfers.append(PoolTransfer("kv", host_indices=torch.cat([src.indices(i, 1) for i in kv_idx]), keys=kv_keys))
-            if ex_keys:
-                idx = torch.cat([extra.indices(i, 1) for i in ex_idx])
-                transfers.append(PoolTransfer("indexer", host_indices=idx, keys=ex_keys))
-                transfers.append(PoolTransfer("mamba", host_indices=idx, keys=ex_keys))
-            res = await store.batch_set_v2(transfers)
-            assert all(all(v) for v in res.values())
+            kv_keys_all += kv_keys
+            kv_idx_all += [src.indices(i, 1) for i in kv_idx]
+            ex_keys_all += ex_keys
+            ex_idx_all += [extra.indices(i, 1) for i in ex_idx]
             present = {(k, "kv") for k in kv_keys} | {(k, p) for k in ex_keys for p in ("indexer", "mamba")}
+            cases.append((keys, present, kv_mask, ex_mask))
+        ex_idx_cat = torch.cat(ex_idx_all)
+        res = await store.batch_set_v2(
+            [
+                PoolTransfer("kv", host_indices=torch.cat(kv_idx_all), keys=kv_keys_all),
+                PoolTransfer("indexer", host_indices=ex_idx_cat, keys=ex_keys_all),
+                PoolTransfer("mamba", host_indices=ex_idx_cat, keys=ex_keys_all),
+            ]
+        )
+        assert all(all(v) for v in res.values())
+
+        async def check(keys: list[str], present: set[tuple[str, str]], kv_mask: int, ex_mask: int, policy_set: list[PoolTransfer]) -> None:
+            got = await store.batch_exists_v2(keys, policy_set)
+            want = reference_v2_hits(present, keys, policy_set)
+            assert (got.kv_hit_pages, got.extra_pool_hit_pages) == (
+                want.kv_hit_pages,
+                want.extra_pool_hit_pages,
+            ), (kv_mask, ex_mask, policy_set)
+
+        checks = []
+        for keys, present, kv_mask, ex_mask in cases:
             for policy_set in (
                 [],
                 [PoolTransfer("indexer", keys=keys, hit_policy=PoolHitPolicy.ALL_PAGES)],
@@ -271,12 +326,8 @@ class StoreTests:
                     PoolTransfer("mamba", keys=keys[-1:], hit_policy=PoolHitPolicy.TRAILING_PAGES),
                 ],
             ):
-                got = await store.batch_exists_v2(keys, policy_set)
-                want = reference_v2_hits(present, keys, policy_set)
-                assert (got.kv_hit_pages, got.extra_pool_hit_pages) == (
-                    want.kv_hit_pages,
-                    want.extra_pool_hit_pages,
-                ), (kv_mask, ex_mask, policy_set)
+                checks.append(check(keys, present, kv_mask, ex_mask, policy_set))
+        await asyncio.gather(*checks)
 
     # -- partial, empty and malformed batches -------------------------------------------------
 

@@ -11,6 +11,7 @@ import random
 import shutil
 import subprocess
 import threading
+import time
 
 import pytest
 import torch
@@ -480,3 +481,76 @@ def test_gil_free_checksum_matches_the_page_format() -> None:
     for n in (0, 1, 1000, (1 << 16) - 1, 1 << 16, 3 << 20):
         data = os.urandom(n)
         assert file_io.payload_checksum(memoryview(data)) == checksum(data)
+
+
+# ---------------------------------------------------------------------- cancellation (review)
+
+
+async def test_cancelled_write_still_indexes_the_pages_it_wrote(tmp_path, monkeypatch) -> None:
+    """A batch write cancelled while its threads ran used to leave the pages on disk but out of
+    the index: with shared=False they were misses, and they escaped max_bytes until a restart."""
+    real_write = file_io.write_page
+    started = threading.Event()
+
+    def slow_write(*args):
+        started.set()
+        time.sleep(0.2)
+        return real_write(*args)
+
+    monkeypatch.setattr(file_io, "write_page", slow_write)
+    store = make_store(tmp_path, shared=False, min_free_bytes=0)
+    async with store:
+        await store.wait_index_ready()
+        src = ArrayHostPool(4, PAGE)
+        src.fill_random(3)
+        store.register_mem_pool_host(src)
+        keys = keys_for(2, salt=901)
+        task = asyncio.create_task(store.batch_set_v1(keys, src.indices(0, 2)))
+        while not started.is_set():
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        ids = [page_id(k, "kv") for k in keys]
+        assert all(os.path.exists(page_path(store.root, store.namespace.digest, k)) for k in keys)
+        assert all(pid in store.index for pid in ids)  # indexed although the caller gave up
+        assert store.get_stats()["stored_bytes"] == store.index.nbytes > 0
+        assert await store.exists_pages(keys) == [True, True]
+
+
+async def test_chunk_failure_waits_for_the_other_chunks(tmp_path, monkeypatch) -> None:
+    """When one I/O chunk raised, the batch used to return at once while the other chunks'
+    threads were still reading into the caller's buffers."""
+    real_read = file_io.read_page_into
+    finished: list[float] = []
+
+    def flaky_read(path, codec, key, pool, buf):
+        if key == "boom":
+            raise RuntimeError("simulated bug in a reader")
+        if key == "p0":
+            time.sleep(0.2)  # the first chunk is still reading when the second one fails
+        out = real_read(path, codec, key, pool, buf)
+        finished.append(time.monotonic())
+        return out
+
+    store = make_store(tmp_path, min_free_bytes=0, io_threads=2)
+    async with store:
+        src = ArrayHostPool(64, PAGE)  # 64 file opens: enough work to split the batch in two
+        src.fill_random(5)
+        store.register_mem_pool_host(src)
+        keys = [f"p{i}" for i in range(63)] + ["boom"]
+        assert all(await store.batch_set_v1(keys, src.indices(0, 64)))
+        monkeypatch.setattr(file_io, "read_page_into", flaky_read)
+        dst = ArrayHostPool(64, PAGE)
+        store.register_mem_pool_host(dst)
+        got = await store.batch_get_v1(keys, dst.indices(0, 64))
+        returned = time.monotonic()
+        assert got == [False] * 64  # the batch failed as a whole (counted as a backend error)
+        assert len(finished) == 63 and max(finished) <= returned  # every other read had ended
+
+
+def test_empty_root_is_a_config_error() -> None:
+    from hicache.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="root"):
+        create_async_storage("file", None, root="")

@@ -164,3 +164,30 @@ async def test_prober_survives_errors() -> None:
             await asyncio.sleep(0.05)
         assert calls >= 3 and store.get_stats()["probe_errors"] >= 2
         assert store._prober is not None and not store._prober.done()
+
+
+async def test_big_pages_are_verified_and_copied_off_the_loop() -> None:
+    """Pages of at least OFFLOAD_MIN_BYTES are hashed and copied on a worker thread (the event
+    loop used to do both for every page of a batch); the result and the integrity check are the
+    same: a tampered big page is a miss that leaves the destination untouched."""
+    from hicache.storage.offload import OFFLOAD_MIN_BYTES
+    from hicache.testing import ArrayHostPool
+
+    url = f"memory://hicache-tests/{uuid.uuid4().hex}"
+    elems = OFFLOAD_MIN_BYTES // (4 * 2)  # float16, 4 tokens a page: exactly the threshold
+    async with create_async_storage("fsspec", None, url=url, namespace=NS_A) as store:
+        src = ArrayHostPool(2, 4, token_elems=elems)
+        src.fill_random(4)
+        store.register_mem_pool_host(src)
+        assert await store.batch_set_v1(["b0", "b1"], src.indices(0, 2)) == [True, True]
+        fs = fsspec.filesystem("memory")
+        path = store.names.page("b1", "kv")
+        data = bytearray(fs.cat_file(path))
+        data[-1] ^= 0xFF
+        fs.pipe_file(path, bytes(data))
+        dst = ArrayHostPool(2, 4, token_elems=elems)
+        store.register_mem_pool_host(dst)
+        assert await store.batch_get_v1(["b0", "b1"], dst.indices(0, 2)) == [True, False]
+        assert dst.page_bytes(0) == src.page_bytes(0)
+        assert dst.page_bytes(4) == bytes(dst.page_nbytes)
+        assert store.get_stats()["corrupt_pages"] == 1

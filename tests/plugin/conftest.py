@@ -3,6 +3,7 @@ on ``sys.path``, the way a user's ``pip install`` would make it visible."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -18,9 +19,13 @@ PLUGIN_SRC = Path(__file__).parent / "sample_plugin"
 def installed_plugin(tmp_path_factory: pytest.TempPathFactory):
     target = tmp_path_factory.mktemp("site")
     build = tmp_path_factory.mktemp("build")
+    # Build from a copy: setuptools writes build/ and *.egg-info next to the sources, which
+    # would litter the repository (and race between concurrent test runs).
+    src = build / "sample_plugin"
+    shutil.copytree(PLUGIN_SRC, src, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
     subprocess.run(
         [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
-         "--disable-pip-version-check", "--no-index", "--target", str(target), str(PLUGIN_SRC)],
+         "--disable-pip-version-check", "--no-index", "--target", str(target), str(src)],
         check=True, cwd=build,
     )
     sys.path.insert(0, str(target))

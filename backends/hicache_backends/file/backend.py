@@ -119,6 +119,9 @@ class FileStorage(AsyncHiCacheStorage):
         super().__init__(storage_config, namespace=namespace)
         if root is None:
             root = os.environ.get(ROOT_ENV) or DEFAULT_ROOT
+        if not isinstance(root, (str, os.PathLike)) or not os.fspath(root):
+            # "" would silently become the current directory
+            raise ConfigError(f"file backend: root must be a non-empty path, got {root!r}")
         if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes <= 0):
             raise ConfigError(f"file backend: max_bytes must be a positive integer or None, got {max_bytes!r}")
         if isinstance(min_free_bytes, bool) or not isinstance(min_free_bytes, int) or min_free_bytes < 0:
@@ -237,9 +240,22 @@ class FileStorage(AsyncHiCacheStorage):
         microseconds, more than a stat of a missing file, so a batch goes to one thread unless
         its bytes (``nbytes``) plus a per-call cost (``per_call``, bytes-equivalent: opening,
         creating and renaming files cost more than they move) add up to a chunk per thread.
+        A cancelled caller waits for the threads (see :meth:`_run_chunked_to_end`).
         """
+        results, cancelled = await self._run_chunked_to_end(fn, calls, nbytes, per_call)
+        if cancelled:
+            raise asyncio.CancelledError
+        return results  # type: ignore[return-value]
+
+    async def _run_chunked_to_end(
+        self, fn: Callable[..., T], calls: Sequence[tuple[Any, ...]], nbytes: int = 0, per_call: int = 0
+    ) -> tuple[list[T] | None, bool]:
+        """:meth:`_run_chunked` that always lets the threads finish - they may be filling the
+        caller's buffers (host-pool memory the caller reuses once we return) - and returns
+        ``(results, cancelled)``: the results (``None`` if a chunk raised) even when the caller
+        was cancelled meanwhile, so facts about the disk (pages written) are never lost."""
         if not calls:
-            return []
+            return [], False
         assert self._executor is not None
         loop = asyncio.get_running_loop()
         n = min(self.io_threads, len(calls), max(1, (nbytes + per_call * len(calls)) // _BYTES_PER_CHUNK))
@@ -248,22 +264,24 @@ class FileStorage(AsyncHiCacheStorage):
             *(
                 loop.run_in_executor(self._executor, _run_calls, fn, calls[i : i + size])
                 for i in range(0, len(calls), size)
-            )
+            ),
+            return_exceptions=True,  # one chunk failing must not stop us waiting for the others
         )
-        try:
-            parts = await asyncio.shield(work)
-        except asyncio.CancelledError:
-            # The threads may be filling the caller's buffers (host-pool memory that the caller
-            # reuses once we return): let them finish before the cancellation unwinds.
-            while not work.done():
-                try:
-                    await asyncio.shield(work)
-                except asyncio.CancelledError:
-                    continue
-                except Exception:  # noqa: BLE001 - we are cancelled anyway
-                    break
-            raise
-        return [r for part in parts for r in part]
+        cancelled = False
+        while True:
+            try:
+                parts = await asyncio.shield(work)
+                break
+            except asyncio.CancelledError:
+                cancelled = True
+                if work.done():  # the work itself was cancelled (loop shutting down)
+                    return None, True
+        for part in parts:
+            if isinstance(part, BaseException):
+                if cancelled or isinstance(part, asyncio.CancelledError):
+                    return None, True
+                raise part
+        return [r for part in parts for r in part], cancelled
 
     def _forget(self, pid: str) -> None:
         """Drop a page known to be gone from disk; the running scan must not bring it back."""
@@ -524,13 +542,25 @@ class FileStorage(AsyncHiCacheStorage):
                 (self._layout, self._codec, j.pid, j.page.key, j.page.pool, j.buf, j.parent, self.fsync, j.skip_size)
                 for j in jobs
             ]
-            results = await self._run_chunked(
+            results, cancelled = await self._run_chunked_to_end(
                 page_io.write_page, calls, sum(j.buf.nbytes for j in jobs), 4 * _FILE_OP_COST
             )
         finally:
             self._reserved -= incoming
             self._busy.subtract(ids)
             self._busy += Counter()
+        if results is None:
+            raise asyncio.CancelledError
+        # Pages on disk are indexed even when the caller was cancelled meanwhile: an unindexed
+        # page would escape max_bytes (and, unshared, lookups) until the next restart.
+        self._apply_writes(jobs, results, generation, ok)
+        if cancelled:
+            raise asyncio.CancelledError
+        return ok
+
+    def _apply_writes(
+        self, jobs: list[_WriteJob], results: Sequence[page_io.WriteResult], generation: int, ok: list[bool]
+    ) -> None:
         now = time.time()
         written = 0
         for j, r in zip(jobs, results):
@@ -547,7 +577,6 @@ class FileStorage(AsyncHiCacheStorage):
             else:
                 self._write_failed(j, r)
         self._free_est -= written
-        return ok
 
     def _write_failed(self, job: _WriteJob, r: page_io.WriteResult) -> None:
         if r.errno in (errno.ENOSPC, errno.EDQUOT):

@@ -2,8 +2,10 @@
 
 Pages live in a :class:`MemoryMedium` - an LRU dict bounded by bytes. Two ``MemoryStorage``
 objects given the same ``store_id`` share one medium (as two processes share a file root), each
-seeing only its own namespace. Everything is in-process, so the primitives run inline: a
-``memcpy`` of a page is cheaper than a hop to a thread.
+seeing only its own namespace. Everything is in-process, so small batches run inline (a
+``memcpy`` of a small page is cheaper than a hop to a thread); a batch of at least
+``OFFLOAD_MIN_BYTES`` is copied on a worker thread so the event loop never stalls on it (a batch
+of 8 MiB pages is hundreds of MiB), and a cancelled caller waits for that copy to finish.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any, ClassVar
 from hicache.errors import ConfigError
 from hicache.keys import Namespace
 from hicache.storage import AsyncHiCacheStorage, HiCacheStorageConfig, PageKey
+from hicache.storage.offload import OFFLOAD_MIN_BYTES, copy_bytes, run_to_completion
 
 __all__ = ["MemoryMedium", "MemoryStorage"]
 
@@ -103,7 +106,7 @@ class MemoryStorage(AsyncHiCacheStorage):
         namespace: Namespace | dict[str, Any] | None = None,
     ) -> None:
         super().__init__(storage_config, namespace=namespace)
-        if not isinstance(max_bytes, int) or max_bytes <= 0:
+        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes <= 0:
             raise ConfigError(f"memory backend: max_bytes must be a positive integer, got {max_bytes!r}")
         self.medium = MemoryMedium.shared(store_id, max_bytes) if store_id else MemoryMedium(max_bytes)
 
@@ -114,19 +117,29 @@ class MemoryStorage(AsyncHiCacheStorage):
         return [self.medium.has(self._entry(p)) for p in pages]
 
     async def _read(self, pages: Sequence[PageKey], buffers: Sequence[memoryview]) -> list[bool]:
+        if sum(len(b) for b in buffers) >= OFFLOAD_MIN_BYTES:
+            return await run_to_completion(self._read_into, pages, buffers)
+        return self._read_into(pages, buffers)
+
+    def _read_into(self, pages: Sequence[PageKey], buffers: Sequence[memoryview]) -> list[bool]:
         ok = []
         for page, buf in zip(pages, buffers):
             payload = self.medium.get(self._entry(page))
             if payload is None or len(payload) != len(buf):
                 ok.append(False)
                 continue
-            buf[:] = payload
+            copy_bytes(buf, payload)
             ok.append(True)
         return ok
 
     async def _write(
         self, pages: Sequence[PageKey], buffers: Sequence[memoryview], parents: Sequence[PageKey | None]
     ) -> list[bool]:
+        if sum(len(b) for b in buffers) >= OFFLOAD_MIN_BYTES:
+            return await run_to_completion(self._store, pages, buffers)
+        return self._store(pages, buffers)
+
+    def _store(self, pages: Sequence[PageKey], buffers: Sequence[memoryview]) -> list[bool]:
         return [self.medium.put(self._entry(p), bytes(b)) for p, b in zip(pages, buffers)]
 
     async def _read_bytes(self, page: PageKey) -> bytes | None:

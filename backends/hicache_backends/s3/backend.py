@@ -35,6 +35,7 @@ import fsspec
 from hicache.errors import BackendLoadError, ConfigError
 from hicache.keys import Namespace
 from hicache.storage import AsyncHiCacheStorage, HiCacheStorageConfig, PageCodec, PageKey, Verdict
+from hicache.storage.offload import OFFLOAD_MIN_BYTES, copy_bytes, run_to_completion
 from hicache_backends.s3.breaker import BreakerState, CircuitBreaker
 from hicache_backends.s3.cache import ExistsCache
 from hicache_backends.s3.fs import LoopLocal, LoopResources, ObjectOps, close_all, make_ops
@@ -318,13 +319,23 @@ class FsspecStorage(AsyncHiCacheStorage):
         except GaveUp:
             return False
         view = memoryview(data)
-        verdict = self._verify(view[:hlen], view[hlen:], page, want)
+        if want >= OFFLOAD_MIN_BYTES:
+            # hashing and copying a big page would stall the loop for milliseconds; the thread
+            # is waited for on cancellation, since it writes into the caller's buffer
+            verdict = await run_to_completion(self._verify_and_copy, view, hlen, page, buf)
+        else:
+            verdict = self._verify_and_copy(view, hlen, page, buf)
         if verdict is not Verdict.OK:
             await self._reject(path, view[:hlen], verdict, want)
             return False
-        buf[:] = view[hlen:]  # verified first: a bad page never lands in pool memory
         self.exists_cache.add(path, generation)
         return True
+
+    def _verify_and_copy(self, view: memoryview, hlen: int, page: PageKey, buf: memoryview) -> Verdict:
+        verdict = self._verify(view[:hlen], view[hlen:], page, len(buf))
+        if verdict is Verdict.OK:
+            copy_bytes(buf, view[hlen:])  # verified first: a bad page never lands in pool memory
+        return verdict
 
     async def _read_bytes(self, page: PageKey) -> bytes | None:
         path = self.names.page(page.key, page.pool)
@@ -385,11 +396,15 @@ class FsspecStorage(AsyncHiCacheStorage):
         codec = self._codec or PageCodec(self.namespace.digest_bytes)
         path = self.names.page(page.key, page.pool)
 
+        def body() -> bytes:
+            return b"".join((codec.encode(page.key, page.pool, buf), buf))
+
         async def put(ops: ObjectOps) -> None:
             # one PUT of header+payload: an object store publishes an object whole or not at all.
             # The body is built once a slot is held, so a huge batch never holds a copy of every
-            # page at once.
-            await ops.put(path, b"".join((codec.encode(page.key, page.pool, buf), buf)))
+            # page at once; a big one is hashed and copied on a thread, off the event loop.
+            data = await run_to_completion(body) if len(buf) >= OFFLOAD_MIN_BYTES else body()
+            await ops.put(path, data)
 
         try:
             await self.runner.request("write", put)

@@ -1,0 +1,379 @@
+"""Regression tests of the storage core (``hicache.storage``): lifecycle races, cancellation,
+malformed transfers, staging, the blocking facade and the registry - with tiny in-test backends
+whose timing the tests control, so nothing here depends on a real medium's speed."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+import torch
+
+from hicache.errors import BackendLoadError, InvalidKeyError, StorageStateError
+from hicache.storage import (
+    AsyncHiCacheStorage,
+    HiCacheStorage,
+    PageKey,
+    PoolTransfer,
+    StorageState,
+    backend_class,
+    register_backend,
+)
+from hicache.storage.offload import run_to_completion
+from hicache.testing import ArrayHostPool
+from hicache_backends.memory import MemoryStorage
+
+PAGE = 4
+
+
+class DictStore(AsyncHiCacheStorage):
+    """A minimal backend; hooks let a test slow down or break one primitive."""
+
+    backend_name = "dict-test"
+
+    def __init__(self, storage_config: Any = None, **kw: Any) -> None:
+        super().__init__(storage_config, **kw)
+        self.pages: dict[PageKey, bytes] = {}
+        self.opened = 0
+        self.closed = 0
+        self.open_gate: asyncio.Event | None = None
+        self.read_delay = 0.0
+        self.read_in_thread = False
+        self.flags_override: list[bool] | None = None
+
+    async def _open(self) -> None:
+        if self.open_gate is not None:
+            await self.open_gate.wait()
+        self.opened += 1
+
+    async def _close(self) -> None:
+        self.closed += 1
+
+    async def _exists(self, pages: Sequence[PageKey]) -> list[bool]:
+        if self.flags_override is not None:
+            return self.flags_override
+        return [p in self.pages for p in pages]
+
+    async def _read(self, pages: Sequence[PageKey], buffers: Sequence[memoryview]) -> list[bool]:
+        def fill() -> list[bool]:
+            time.sleep(self.read_delay)
+            out = []
+            for p, b in zip(pages, buffers):
+                data = self.pages.get(p)
+                if data is None or len(data) != len(b):
+                    out.append(False)
+                else:
+                    b[:] = data
+                    out.append(True)
+            return out
+
+        if self.read_in_thread:
+            return await run_to_completion(fill)
+        if self.read_delay:
+            await asyncio.sleep(self.read_delay)
+        delay, self.read_delay = self.read_delay, 0.0
+        try:
+            return fill()
+        finally:
+            self.read_delay = delay
+
+    async def _write(self, pages: Sequence[PageKey], buffers: Sequence[memoryview], parents: Sequence[PageKey | None]) -> list[bool]:
+        for p, b in zip(pages, buffers):
+            self.pages[p] = bytes(b)
+        return [True] * len(pages)
+
+    async def _read_bytes(self, page: PageKey) -> bytes | None:
+        return self.pages.get(page)
+
+    async def _clear(self) -> None:
+        self.pages.clear()
+
+
+def filled_pool(num_pages: int = 8, direct: bool = True, seed: int = 1) -> ArrayHostPool:
+    pool = ArrayHostPool(num_pages, PAGE, direct=direct)
+    pool.fill_random(seed)
+    return pool
+
+
+# ---------------------------------------------------------------------- lifecycle
+
+
+async def test_aclose_while_opening_undoes_the_open() -> None:
+    """aclose() racing an open() in progress used to leave the store OPEN after aclose (and
+    whatever _open built - executors, sessions, tasks - alive for ever)."""
+    store = DictStore()
+    store.open_gate = asyncio.Event()
+    opening = asyncio.create_task(store.open())
+    await asyncio.sleep(0)  # open() is now waiting inside _open()
+    closing = asyncio.create_task(store.aclose())
+    await asyncio.sleep(0)
+    store.open_gate.set()
+    await closing
+    with pytest.raises(StorageStateError, match="closed"):
+        await opening
+    assert store.state is StorageState.CLOSED
+    assert (store.opened, store.closed) == (1, 1)
+    with pytest.raises(StorageStateError):
+        await store.exists("k")
+
+
+async def test_aclose_while_opening_file_backend_shuts_executors(tmp_path) -> None:
+    from hicache_backends.file import FileStorage
+
+    store = FileStorage(None, root=str(tmp_path), min_free_bytes=0)
+    opening = asyncio.create_task(store.open())
+    await asyncio.sleep(0)
+    await store.aclose()
+    with pytest.raises(StorageStateError):
+        await opening
+    assert store.state is StorageState.CLOSED
+    assert store._executor is not None and store._executor._shutdown
+
+
+# ---------------------------------------------------------------------- malformed transfers
+
+
+async def test_pages_with_scattered_or_negative_indices_fail_alone() -> None:
+    """Page i is moved from host_indices[i * page_size]; indices that are not one run from a
+    non-negative start used to move the page onto tokens the caller never named."""
+    store = MemoryStorage()
+    src = filled_pool()
+    store.register_mem_pool_host(src)
+    keys = ["a", "b", "c"]
+    assert await store.batch_set_v1(keys, src.indices(0, 3)) == [True] * 3
+    dst = ArrayHostPool(8, PAGE)
+    store.register_mem_pool_host(dst)
+    scattered = torch.tensor([4, 9, 10, 11])  # starts at 4, but tokens 5..7 are not named
+    idx = torch.cat([src.indices(0, 1), scattered, src.indices(2, 1)])
+    before = store.get_stats().get("invalid_requests", 0)
+    assert await store.batch_get_v1(keys, idx) == [True, False, True]
+    assert store.get_stats()["invalid_requests"] == before + 1
+    assert dst.page_bytes(4) == bytes(dst.page_nbytes)  # untouched
+    assert dst.page_bytes(0) == src.page_bytes(0) and dst.page_bytes(8) == src.page_bytes(8)
+    # writes: a negative start (Python slicing would wrap to the pool's end) fails that page
+    neg = torch.cat([torch.arange(-4, 0), src.indices(1, 1)])
+    assert await store.batch_set_v1(["n0", "n1"], neg) == [False, True]
+    assert not await store.exists("n0")
+    # float indices are not indices at all: the batch is invalid
+    assert await store.batch_set_v1(["f"], src.indices(0, 1).float()) == [False]
+
+
+async def test_pool_names_are_validated_with_clear_errors() -> None:
+    store = MemoryStorage()
+    pool = filled_pool()
+    for bad in ("", "nul\x00", "p" * 256):
+        with pytest.raises(InvalidKeyError, match="pool name"):
+            store.register_mem_host_pool_v2(pool, bad)
+        with pytest.raises(InvalidKeyError, match="pool name"):
+            await store.batch_exists_v2(["k"], [PoolTransfer(bad, keys=["k"])])
+        with pytest.raises(InvalidKeyError, match="pool name"):
+            await store.exists_pages(["k"], bad)
+    store.register_mem_host_pool_v2(pool, "p" * 255)  # the limit itself is fine
+    with pytest.raises(TypeError):
+        store.register_mem_host_pool_v2(pool, 3)
+
+
+async def test_backend_answering_wrong_number_of_flags_is_a_miss() -> None:
+    store = DictStore()
+    store.flags_override = [True]  # one flag for three pages: a backend bug
+    assert await store.exists_pages(["a", "b", "c"]) == [False, False, False]
+    assert store.get_stats()["backend_errors"] == 1
+    store.flags_override = [True, True, True, True]
+    assert await store.batch_exists(["a", "b", "c"]) == 0
+
+
+async def test_v0_non_tensor_target_is_a_miss_not_a_crash() -> None:
+    store = MemoryStorage()
+    assert await store.set("k", torch.ones(4))
+    got = await store.batch_get(["k", "k"], [bytearray(16), torch.empty(4)])
+    assert got[0] is None and torch.equal(got[1], torch.ones(4))
+    assert store.get_stats()["invalid_requests"] == 1
+
+
+async def test_v0_strided_values_are_stored_in_order() -> None:
+    store = MemoryStorage()
+    value = torch.arange(12, dtype=torch.float32).reshape(3, 4).t()  # non-contiguous
+    assert await store.set("s", value)
+    out = torch.empty(4, 3)
+    assert torch.equal(await store.get("s", out), value)
+
+
+# ---------------------------------------------------------------------- staging
+
+
+class SharedScratchPool(ArrayHostPool):
+    """A pool that hands out one scratch page for every ``get_dummy_flat_data_page`` call - fine
+    for SGLang's read-then-commit loop, fatal for read-all-then-commit-all."""
+
+    def __init__(self, *a: Any, **k: Any) -> None:
+        super().__init__(*a, **k)
+        self._scratch = super().get_dummy_flat_data_page()
+
+    def get_dummy_flat_data_page(self) -> torch.Tensor:
+        return self._scratch
+
+
+async def test_shared_scratch_page_does_not_mix_pages() -> None:
+    store = MemoryStorage()
+    src = filled_pool()
+    store.register_mem_pool_host(src)
+    keys = ["a", "b", "c"]
+    await store.batch_set_v1(keys, src.indices(0, 3))
+    dst = SharedScratchPool(8, PAGE, direct=False)
+    store.register_mem_pool_host(dst)
+    assert await store.batch_get_v1(keys, dst.indices(0, 3)) == [True] * 3
+    for i in range(3):
+        assert dst.page_bytes(i * PAGE) == src.page_bytes(i * PAGE), i
+
+
+class SlowCommitPool(ArrayHostPool):
+    def __init__(self, *a: Any, **k: Any) -> None:
+        super().__init__(*a, **k)
+        self.commits: list[float] = []
+
+    def set_from_flat_data_page(self, index: int, data_page: torch.Tensor) -> None:
+        time.sleep(0.05)
+        super().set_from_flat_data_page(index, data_page)
+        self.commits.append(time.monotonic())
+
+
+async def test_cancelled_staged_read_finishes_commits_before_unwinding() -> None:
+    """Staged pages are committed into the pool on a thread; a cancelled caller used to get
+    control back while that thread was still writing into the pages it then frees."""
+    store = MemoryStorage()
+    src = filled_pool()
+    store.register_mem_pool_host(src)
+    keys = [f"k{i}" for i in range(4)]
+    await store.batch_set_v1(keys, src.indices(0, 4))
+    dst = SlowCommitPool(8, PAGE, direct=False)
+    store.register_mem_pool_host(dst)
+    task = asyncio.create_task(store.batch_get_v1(keys, dst.indices(0, 4)))
+    while not dst.commits:  # the commit thread is running
+        await asyncio.sleep(0.005)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    unwound = time.monotonic()
+    n = len(dst.commits)
+    await asyncio.sleep(0.15)
+    assert len(dst.commits) == n and all(t <= unwound for t in dst.commits)
+
+
+# ---------------------------------------------------------------------- the blocking facade
+
+
+def test_facade_timeout_cancels_the_call_before_returning() -> None:
+    """A facade call that timed out used to leave its coroutine running: it later wrote into
+    the host pool the caller had already taken back."""
+    backend = DictStore()
+    facade = HiCacheStorage(backend, call_timeout=0.1)
+    try:
+        src = filled_pool()
+        facade.register_mem_pool_host(src)
+        assert facade.batch_set_v1(["a"], src.indices(0, 1)) == [True]
+        dst = ArrayHostPool(8, PAGE)
+        facade.register_mem_pool_host(dst)
+        backend.read_delay = 0.3  # awaits, then fills the buffer
+        with pytest.raises(TimeoutError):
+            facade.batch_get_v1(["a"], dst.indices(0, 1))
+        time.sleep(0.4)
+        assert dst.page_bytes(0) == bytes(dst.page_nbytes)  # nothing landed after the timeout
+        # a read that fills buffers on a thread is waited for, so the pool is stable once the
+        # exception reaches the caller
+        backend.read_in_thread = True
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError):
+            facade.batch_get_v1(["a"], dst.indices(1, 1))
+        assert time.monotonic() - t0 >= 0.25
+        snapshot = dst.buffer.clone()
+        time.sleep(0.1)
+        assert torch.equal(dst.buffer, snapshot)
+    finally:
+        backend.read_delay = 0.0
+        facade.close()
+
+
+def test_dropped_facade_closes_its_backend_and_thread() -> None:
+    backend = DictStore()
+    facade = HiCacheStorage(backend)
+    assert facade.batch_exists(["x"]) == 0
+    thread = facade._loop_thread._thread
+    del facade
+    gc.collect()
+    thread.join(timeout=5)
+    assert not thread.is_alive()
+    assert backend.state is StorageState.CLOSED and backend.closed == 1
+
+
+def test_facade_close_is_idempotent_and_joins_thread() -> None:
+    facade = HiCacheStorage(DictStore())
+    facade.batch_exists(["x"])
+    thread = facade._loop_thread._thread
+    facade.close()
+    facade.close()
+    assert not thread.is_alive()
+    assert threading.active_count() >= 1
+
+
+# ---------------------------------------------------------------------- registry
+
+
+def test_backend_whose_import_fails_oddly_is_a_load_error() -> None:
+    register_backend("empty-module", ":Thing")  # importlib raises ValueError, not ImportError
+    with pytest.raises(BackendLoadError, match="empty-module"):
+        backend_class("empty-module")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+async def test_device_tensors_and_device_indices() -> None:
+    """v0 values/targets on the GPU are copied on a worker thread; device host_indices are
+    brought to the CPU once."""
+    store = MemoryStorage()
+    value = torch.arange(1024, dtype=torch.float16, device="cuda")
+    assert await store.set("g", value)
+    target = torch.empty(1024, dtype=torch.float16, device="cuda")
+    got = await store.get("g", target)
+    assert got is target and torch.equal(target, value)
+    src = filled_pool()
+    store.register_mem_pool_host(src)
+    assert await store.batch_set_v1(["a", "b"], src.indices(0, 2).cuda()) == [True, True]
+    dst = ArrayHostPool(8, PAGE)
+    store.register_mem_pool_host(dst)
+    assert await store.batch_get_v1(["a", "b"], dst.indices(2, 2).cuda()) == [True, True]
+    assert dst.page_bytes(2 * PAGE) == src.page_bytes(0)
+
+
+def test_loop_thread_stopped_from_its_own_thread_ends() -> None:
+    """A facade collected on its own loop thread runs the finalizer there; stop() used to try to
+    join the current thread (RuntimeError) and leave the loop running for ever."""
+    from hicache.storage.sync import LoopThread
+
+    lt = LoopThread(name="hicache-test-loop")
+    lt.loop.call_soon_threadsafe(lt.stop)
+    lt._thread.join(timeout=5)
+    assert not lt._thread.is_alive()
+    lt.stop()  # and again from outside: closes the loop
+    assert lt.loop.is_closed()
+
+
+async def test_reads_into_overlapping_host_pages_fail_except_the_first() -> None:
+    """Two keys read into the same host page were filled concurrently (file: two threads) and
+    both could be reported True while the page held only one of them."""
+    store = MemoryStorage()
+    src = filled_pool()
+    store.register_mem_pool_host(src)
+    assert await store.batch_set_v1(["a", "b", "c"], src.indices(0, 3)) == [True] * 3
+    dst = ArrayHostPool(8, PAGE)
+    store.register_mem_pool_host(dst)
+    same = torch.cat([dst.indices(1, 1), dst.indices(1, 1), dst.indices(3, 1)])
+    assert await store.batch_get_v1(["a", "b", "c"], same) == [True, False, True]
+    assert dst.page_bytes(PAGE) == src.page_bytes(0)
+    assert dst.page_bytes(3 * PAGE) == src.page_bytes(2 * PAGE)
+    # writes may share a source page: both keys get its bytes
+    assert await store.batch_set_v1(["x", "y"], torch.cat([src.indices(0, 1), src.indices(0, 1)])) == [True, True]
