@@ -1,0 +1,244 @@
+"""The main job: serve a multi-turn chat workload with and without hicache and report the gain.
+
+``run_demo(config)`` starts the demo server in-process on a loopback port (port 0), drives it
+over real HTTP with the load generator, and compares three runs of one fixed, seeded workload:
+
+1. **baseline** - the same server, model, scheduler and pool size with the cache replaced by
+   :class:`~hicache.engine.recompute.RecomputeCache`: every prompt is prefilled from token 0.
+   Its answers are, by construction, the no-cache reference answers.
+2. **cached** - hicache as configured (device, host, storage), starting empty: its storage
+   namespace gets a salt unique to this run, so pages of earlier runs cannot make it look better.
+3. **restart** (when a storage backend is configured) - the cached server is stopped (its
+   controller drains write-backs) and a fresh one on the same storage replays every
+   conversation's first turn: those prefixes can only come from storage.
+
+It reports hit rates per tier, prefill tokens saved, TTFT p50/mean with and without the cache,
+and whether every cached answer equals the no-cache answer (greedy decoding of a seeded model,
+so any wrong KV slot, layer or page would change tokens).
+
+Budget: about a minute on two CPU cores; ``quick`` is a smaller workload (~15 s).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import sys
+import time
+import uuid
+from dataclasses import replace
+from typing import Any
+
+from hicache.config.schema import HiCacheConfig
+from hicache.server.loadgen import Workload, run_load
+from hicache.server.run import running_server
+
+__all__ = ["DEMO_DEVICE_TOKENS", "FULL_WORKLOAD", "QUICK_WORKLOAD", "baseline_config", "demo_config", "format_report", "run_demo", "run_demo_async"]
+
+logger = logging.getLogger("hicache.demo")
+
+#: 8 conversations x 4 turns sharing a 1k-token system prompt: ~32 requests of 1.1k-1.4k tokens.
+FULL_WORKLOAD = Workload(clients=8, turns=4, system_tokens=1024, user_tokens=64, max_new_tokens=16, seed=0)
+#: 4 conversations x 3 turns sharing a 512-token system prompt.
+QUICK_WORKLOAD = Workload(clients=4, turns=3, system_tokens=512, user_tokens=48, max_new_tokens=8, seed=0)
+
+
+def _say(msg: str) -> None:
+    print(f"[hicache demo] {msg}", file=sys.stderr, flush=True)
+
+
+#: Device pool of each preset: about two conversations' worth, so the running requests fit but
+#: the history of the others is evicted to host and later turns are served from there too (a
+#: pool that holds everything shows one tier only). Never more than the configured pool.
+DEMO_DEVICE_TOKENS = {FULL_WORKLOAD: 2688, QUICK_WORKLOAD: 1024}
+
+
+def _longest_request(w: Workload) -> int:
+    return w.system_tokens + w.turns * (w.user_tokens + w.max_new_tokens)
+
+
+def demo_config(config: HiCacheConfig, workload: Workload, *, salt: str) -> HiCacheConfig:
+    """``config`` adapted to an in-process demo.
+
+    - loopback on a free port; every conversation admitted at once (``max_batch`` >= clients);
+    - a device pool of :data:`DEMO_DEVICE_TOKENS` (other workloads: twice the longest request),
+      capped by the configured size, so history spills to host;
+    - a storage namespace salt unique to this run, so no page of an earlier run is reused.
+    """
+    page = config.device.page_size
+    longest = _longest_request(workload)
+    want = DEMO_DEVICE_TOKENS.get(workload, 2 * longest)
+    floor = -(-(longest + page) // page) * page  # one request must always fit
+    tokens = max(floor, -(-min(config.device.size_tokens, want) // page) * page)
+    device = config.device.model_copy(update={"size_tokens": tokens})
+    server = config.server.model_copy(update={"host": "127.0.0.1", "port": 0, "max_batch": max(config.server.max_batch, workload.clients)})
+    old = config.storage.namespace_salt
+    storage = config.storage.model_copy(update={"namespace_salt": f"{old}:{salt}" if old else salt})
+    return config.model_copy(update={"device": device, "server": server, "storage": storage})
+
+
+def baseline_config(config: HiCacheConfig, workload: Workload) -> HiCacheConfig:
+    """The baseline's pool must hold every running conversation's whole sequence, because
+    without prefix sharing each request keeps its own copy of the system prompt; it gets that
+    many slots even where the cached run's pool is smaller (memory is not what is compared)."""
+    longest = _longest_request(workload)
+    page = config.device.page_size
+    need = (-(-(longest + page) // page) * page) * min(workload.clients, config.server.max_batch)
+    if need <= config.device.size_tokens:
+        return config
+    return config.model_copy(update={"device": config.device.model_copy(update={"size_tokens": need})})
+
+
+def _ms(v: float | None) -> float | None:
+    return None if v is None else round(v * 1e3, 2)
+
+
+def _phase(report: dict[str, Any]) -> dict[str, Any]:
+    s = report["summary"]
+    return {
+        "requests": s["requests"],
+        "errors": s["errors"],
+        "wall_s": round(report["wall_s"], 3),
+        "ttft_p50_ms": _ms(s["ttft_p50_s"]),
+        "ttft_mean_ms": _ms(s["ttft_mean_s"]),
+        "ttft_p90_ms": _ms(s["ttft_p90_s"]),
+        "client_ttft_p50_ms": _ms(s["client_ttft_p50_s"]),
+        "prompt_tokens": s["prompt_tokens"],
+        "prefill_tokens": s["prefill_tokens"],
+        "prefill_tokens_saved": s["cached_tokens"],
+        "saved_fraction": round(s["saved_fraction"], 4),
+        "hit_tokens": s["hit_tokens"],
+        "hit_rate": {k: round(v, 4) for k, v in s["hit_rate"].items()},
+        "memory_retries": report.get("memory_retries", 0),
+    }
+
+
+def _answers(report: dict[str, Any]) -> dict[tuple[int, int], list[int]]:
+    return {(r["client"], r["turn"]): r["tokens"] for r in report["records"] if r["error"] is None}
+
+
+def _compare(got: dict[tuple[int, int], list[int]], want: dict[tuple[int, int], list[int]]) -> tuple[int, int]:
+    """(answers compared, answers that differ); an answer missing on either side differs."""
+    keys = set(got) | set(want)
+    return len(keys), sum(1 for k in keys if got.get(k) != want.get(k) or k not in got or k not in want)
+
+
+async def run_demo_async(config: HiCacheConfig, *, quick: bool = False, workload: Workload | None = None) -> dict[str, Any]:
+    """The demo as a coroutine (see the module docstring); returns the report dict."""
+    t_start = time.perf_counter()
+    w = workload or (QUICK_WORKLOAD if quick else FULL_WORKLOAD)
+    salt = f"demo-{uuid.uuid4().hex[:12]}"
+    cfg = demo_config(config, w, salt=salt)
+    tag = salt
+
+    _say(f"baseline (no cache): {w.clients} conversations x {w.turns} turns, system prompt {w.system_tokens} tokens")
+    async with running_server(baseline_config(cfg, w), mode="recompute") as srv:
+        base = await run_load(srv.url, w, run_tag=f"{tag}-base")
+        base["memory_retries"] = srv.state.metrics.memory_retries
+    _say(f"baseline done in {base['wall_s']:.1f} s")
+
+    _say(f"cached (hicache, storage={cfg.storage.backend or 'none'}, fresh namespace {salt})")
+    async with running_server(cfg, mode="hicache") as srv:
+        cached = await run_load(srv.url, w, run_tag=f"{tag}-cached")
+        cached["memory_retries"] = srv.state.metrics.memory_retries
+        cache_metrics = srv.cache.metrics() if hasattr(srv.cache, "metrics") else {}
+    _say(f"cached done in {cached['wall_s']:.1f} s")
+
+    restart = None
+    if cfg.storage.backend is not None:
+        _say("restart: a fresh server on the same storage replays every first turn")
+        async with running_server(cfg, mode="hicache") as srv:
+            restart = await run_load(srv.url, replace(w, first_turn_only=True, warmup=False), run_tag=f"{tag}-restart")
+            restart["memory_retries"] = srv.state.metrics.memory_retries
+        _say(f"restart done in {restart['wall_s']:.1f} s")
+
+    ref = _answers(base)
+    compared, mismatches = _compare(_answers(cached), ref)
+    if restart is not None:
+        first_turns = {k: v for k, v in ref.items() if k[1] == 0}
+        n, bad = _compare(_answers(restart), first_turns)
+        compared, mismatches = compared + n, mismatches + bad
+
+    b, c = _phase(base), _phase(cached)
+
+    def ratio(key: str) -> float | None:
+        return round(b[key] / c[key], 2) if b[key] and c[key] else None
+
+    report: dict[str, Any] = {
+        "workload": {k: getattr(w, k) for k in ("clients", "turns", "system_tokens", "user_tokens", "max_new_tokens", "seed")},
+        "config": {
+            "device_tokens": cfg.device.size_tokens,
+            "device_tokens_configured": config.device.size_tokens,
+            "max_batch": cfg.server.max_batch,
+            "page_size": cfg.device.page_size,
+            "host": f"ratio {cfg.host.ratio}" if cfg.host.enabled else "disabled",
+            "storage": cfg.storage.backend or "none",
+            "namespace_salt": cfg.storage.namespace_salt,
+        },
+        "baseline": b,
+        "cached": c,
+        "restart": _phase(restart) if restart is not None else None,
+        "ttft_speedup_p50": ratio("ttft_p50_ms"),
+        "ttft_speedup_mean": ratio("ttft_mean_ms"),
+        "answers_compared": compared,
+        "answers_mismatched": mismatches,
+        "all_answers_match": mismatches == 0 and compared > 0
+        and not (base["summary"]["errors"] or cached["summary"]["errors"] or (restart and restart["summary"]["errors"])),
+        "cache_metrics": cache_metrics,
+        "elapsed_s": round(time.perf_counter() - t_start, 2),
+    }
+    return report
+
+
+def format_report(r: dict[str, Any]) -> str:
+    """A short human-readable summary of a demo report."""
+    w, b, c, rs = r["workload"], r["baseline"], r["cached"], r["restart"]
+    lines = [
+        f"workload: {w['clients']} conversations x {w['turns']} turns, shared system prompt {w['system_tokens']} tokens, "
+        f"{w['user_tokens']} user tokens/turn, {w['max_new_tokens']} new tokens/answer",
+        f"cache: device {r['config']['device_tokens']} tokens (configured {r['config']['device_tokens_configured']}; "
+        f"the demo keeps ~2 conversations on device so history spills to host), host {r['config']['host']}, "
+        f"storage {r['config']['storage']}; {r['config']['max_batch']} requests generate at once",
+        "",
+        f"{'':24}{'no cache':>12}{'hicache':>12}",
+        f"{'TTFT p50 (ms)':24}{b['ttft_p50_ms']:>12}{c['ttft_p50_ms']:>12}",
+        f"{'TTFT mean (ms)':24}{b['ttft_mean_ms']:>12}{c['ttft_mean_ms']:>12}",
+        f"{'prefill tokens':24}{b['prefill_tokens']:>12}{c['prefill_tokens']:>12}",
+        f"{'wall time (s)':24}{b['wall_s']:>12}{c['wall_s']:>12}",
+        "",
+        f"prefill tokens saved: {c['prefill_tokens_saved']} of {c['prompt_tokens']} ({100 * c['saved_fraction']:.1f}%)",
+        "hit rate by tier: " + ", ".join(f"{t} {100 * v:.1f}%" for t, v in c["hit_rate"].items()),
+        f"TTFT speed-up: p50 x{r['ttft_speedup_p50']}, mean x{r['ttft_speedup_mean']}",
+    ]
+    if c["memory_retries"]:
+        lines.append(
+            f"device full: {c['memory_retries']} request starts waited for another request to finish "
+            f"(the small demo pool; these waits count in TTFT)"
+        )
+    if rs is not None:
+        h = rs["hit_tokens"]
+        lines.append(
+            f"after restart (fresh server, same storage): {rs['requests']} first turns, {100 * rs['saved_fraction']:.1f}% of "
+            f"prompt tokens cached - storage {h['storage']}, host {h['host']}, device {h['device']} (pages an earlier "
+            f"request had just loaded from storage); TTFT p50 {rs['ttft_p50_ms']} ms"
+        )
+    verdict = "yes" if r["all_answers_match"] else f"NO ({r['answers_mismatched']} differ)"
+    lines.append(f"every cached answer equals the no-cache recompute: {verdict} ({r['answers_compared']} answers)")
+    lines.append(f"elapsed: {r['elapsed_s']} s")
+    return "\n".join(lines)
+
+
+def run_demo(config: HiCacheConfig, *, quick: bool = False, json_out: bool = False, echo: bool = True) -> dict[str, Any]:
+    """Run the demo (blocking; not from inside an event loop) and return the report dict.
+
+    With ``echo`` the readable summary goes to stderr (next to the progress lines), so stdout
+    carries only machine output: the report as JSON when ``json_out``, else nothing - a caller
+    that prints the returned dict itself (the CLI) does not print it twice.
+    """
+    report = asyncio.run(run_demo_async(config, quick=quick))
+    if echo:
+        print(format_report(report), file=sys.stderr, flush=True)
+    if json_out:
+        print(json.dumps(report, indent=2, default=str), flush=True)
+    return report

@@ -1,0 +1,267 @@
+"""``Engine``: greedy generation on a :class:`TinyTransformer` with hicache supplying the KV.
+
+Request path (one coroutine per request, any number running concurrently on one loop)::
+
+    handle = await cache.begin(rid, prompt)        # prefix match, load-back, prefetch
+    prefill prompt[prefix_len:] on the worker      # layer i waits handle.wait_layer_sync(i)
+    loop: slot = await cache.extend(handle, [t])    # decode one token at a time
+          forward [t] on the worker
+    await cache.commit(handle)                     # the KV becomes reusable
+
+Why one worker thread: forwards of different requests must not run at once (they would fight
+over the CPU's cores and over torch's intra-op pool, and two writers to one pool are a hazard),
+and the event loop must never run a forward itself (it would stall the controller's copies and
+every other request). One :class:`~hicache.engine.worker.ForwardWorker` gives both: forwards are
+serialised, requests interleave between forwards, the loop stays free, and queued prefills run
+before queued decode steps so time-to-first-token does not grow with the number of requests
+decoding.
+
+Why the layer waits happen on the worker (``wait_layer_sync``) rather than one ``await`` before
+the prefill: layer 0 of a prefix loaded back from host is ready long before layer ``L-1``, so
+computing layer 0 while later layers are still copying hides part of the load.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, TypeVar
+
+import torch
+
+from hicache.engine.model import KVPoolLike, TinyTransformer
+from hicache.engine.worker import DECODE, PREFILL, ForwardWorker
+from hicache.memory.device_pool import MHATokenToKVPool
+
+__all__ = ["CacheLike", "Engine", "GenerateResult", "reference_generate", "reference_logits"]
+
+logger = logging.getLogger("hicache.engine")
+
+T = TypeVar("T")
+
+
+class HandleLike(Protocol):
+    rid: str
+    token_ids: list[int]
+    prefix_len: int
+    kv_indices: torch.Tensor
+    hits: dict[str, int]
+
+    def wait_layer_sync(self, layer: int) -> None: ...
+
+
+class CacheLike(Protocol):
+    """The part of :class:`hicache.facade.HiCache` the engine uses (``RecomputeCache`` has it too)."""
+
+    device_pool: Any
+
+    async def begin(self, rid: str, token_ids: list[int], *, session_id: str | None = None) -> Any: ...
+
+    async def extend(self, handle: Any, new_token_ids: list[int]) -> torch.Tensor: ...
+
+    async def commit(self, handle: Any, *, finished: bool = True) -> None: ...
+
+    async def abort(self, handle: Any) -> None: ...
+
+
+@dataclass
+class GenerateResult:
+    """One finished request.
+
+    ``ttft_s`` runs from ``arrival`` (the server's receipt of the request, so queueing counts)
+    to the first token; ``prefill_tokens`` are the prompt tokens actually computed, the rest
+    (``cached_tokens``) came from the cache, split by tier in ``hits``.
+    """
+
+    rid: str
+    tokens: list[int]
+    prompt_tokens: int
+    prefill_tokens: int
+    cached_tokens: int
+    hits: dict[str, int]
+    ttft_s: float
+    latency_s: float
+    first_logits: torch.Tensor | None = field(default=None, repr=False)
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON-able fields (no tensors)."""
+        return {
+            "rid": self.rid,
+            "tokens": self.tokens,
+            "prompt_tokens": self.prompt_tokens,
+            "prefill_tokens": self.prefill_tokens,
+            "cached_tokens": self.cached_tokens,
+            "hits": dict(self.hits),
+            "ttft_s": self.ttft_s,
+            "latency_s": self.latency_s,
+        }
+
+
+def _argmax(logits: torch.Tensor) -> int:
+    return int(torch.argmax(logits[-1]).item())
+
+
+def _scratch_pool(model: TinyTransformer, tokens: int) -> tuple[MHATokenToKVPool, torch.Tensor]:
+    """A private pool just big enough for one sequence, with slots ``0..tokens-1``."""
+    s = model.spec
+    page = 16
+    size = max(page, -(-tokens // page) * page)
+    pool = MHATokenToKVPool(size, page, model.kv_dtype, s.num_kv_heads, s.head_dim, s.num_layers, model.device)
+    return pool, torch.arange(size, dtype=torch.int64, device=model.device)
+
+
+def reference_logits(model: TinyTransformer, token_ids: Sequence[int]) -> torch.Tensor:
+    """Logits ``[len, vocab]`` of every position, computed from scratch in a private pool."""
+    pool, idx = _scratch_pool(model, len(token_ids))
+    return model.forward(list(token_ids), 0, pool, idx, last_only=False)
+
+
+def reference_generate(model: TinyTransformer, token_ids: Sequence[int], n: int) -> list[int]:
+    """Greedy continuation of ``token_ids`` by ``n`` tokens with no cache: a private pool, a
+    full prefill, then one decode step per token - exactly the steps :class:`Engine` takes on
+    a cache miss, so this is the answer every cached run must reproduce."""
+    if n <= 0:
+        return []
+    tokens = list(token_ids)
+    pool, idx = _scratch_pool(model, len(tokens) + n)
+    tok = _argmax(model.forward(tokens, 0, pool, idx))
+    out = [tok]
+    for _ in range(n - 1):
+        tokens.append(tok)
+        tok = _argmax(model.forward([tok], len(tokens) - 1, pool, idx))
+        out.append(tok)
+    return out
+
+
+class Engine:
+    """Runs greedy generation for concurrent requests over a shared cache and one model.
+
+    ``cache`` is an entered :class:`hicache.facade.HiCache` (or a
+    :class:`~hicache.engine.recompute.RecomputeCache` for a no-reuse baseline). The engine owns
+    its worker thread; :meth:`aclose` waits for the queued forwards and stops it.
+    """
+
+    def __init__(self, cache: CacheLike, model: TinyTransformer) -> None:
+        pool: KVPoolLike = cache.device_pool
+        model.check_pool(pool)
+        self.cache: CacheLike = cache
+        self.model: TinyTransformer = model
+        self._worker = ForwardWorker()
+        self._closed = False
+        self.forwards: int = 0
+
+    # -- lifecycle
+    async def aclose(self) -> None:
+        """Stop the worker after the forward in flight (never abandons a half-written KV)."""
+        if self._closed:
+            return
+        self._closed = True
+        await asyncio.to_thread(self._worker.shutdown, True)
+
+    async def run(self, fn: Callable[..., T], *args: Any, priority: int = DECODE, **kwargs: Any) -> T:
+        """Run ``fn`` on the worker thread (``PREFILL`` priority jumps queued decode steps). If
+        the caller is cancelled, wait for ``fn`` to finish before re-raising: the forward writes
+        into slots the caller is about to give back."""
+        if self._closed:
+            raise RuntimeError("engine is closed")
+        fut = asyncio.wrap_future(self._worker.submit(lambda: fn(*args, **kwargs), priority))
+        try:
+            return await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            await asyncio.wait([fut])
+            raise
+
+    # -- generation
+    async def generate(
+        self,
+        rid: str,
+        token_ids: Sequence[int],
+        max_new_tokens: int,
+        session_id: str | None = None,
+        *,
+        arrival: float | None = None,
+        on_token: Callable[[int], None] | None = None,
+        return_logits: bool = False,
+    ) -> GenerateResult:
+        """Greedy-decode ``max_new_tokens`` tokens after ``token_ids``.
+
+        ``arrival`` (a ``time.perf_counter()`` value) is when the request arrived; TTFT is
+        measured from it. ``on_token`` is called on the loop with each token as it is produced
+        (streaming). On any error or cancellation the request is aborted, so no slot leaks.
+        """
+        if max_new_tokens <= 0:
+            raise ValueError(f"max_new_tokens must be positive, got {max_new_tokens}")
+        if not token_ids:
+            raise ValueError("generate needs at least one prompt token")
+        t0 = time.perf_counter() if arrival is None else arrival
+        handle = await self.cache.begin(rid, [int(t) for t in token_ids], session_id=session_id)
+        try:
+            result = await self._generate(handle, max_new_tokens, t0, on_token, return_logits)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(self.cache.abort(handle))
+            raise
+        await self.cache.commit(handle, finished=True)
+        result.latency_s = time.perf_counter() - t0
+        return result
+
+    async def _generate(
+        self,
+        handle: Any,
+        max_new_tokens: int,
+        t0: float,
+        on_token: Callable[[int], None] | None,
+        return_logits: bool,
+    ) -> GenerateResult:
+        pool = self.cache.device_pool
+        prompt = list(handle.token_ids)
+        n_prompt = len(prompt)
+        prefix = max(0, min(int(handle.prefix_len), n_prompt))
+        # a fully cached prompt still needs its last position's logits: recompute that one token
+        # without writing, because its slot belongs to the prefix cache and may be shared
+        start = min(prefix, n_prompt - 1)
+        write = prefix < n_prompt
+        logits = await self.run(
+            self.model.forward,
+            prompt[start:],
+            start,
+            pool,
+            handle.kv_indices,
+            wait_layer=handle.wait_layer_sync if start else None,
+            write_kv=write,
+            priority=PREFILL,
+        )
+        self.forwards += 1
+        tok = _argmax(logits)
+        ttft = time.perf_counter() - t0
+        result = GenerateResult(
+            rid=handle.rid,
+            tokens=[tok],
+            prompt_tokens=n_prompt,
+            prefill_tokens=n_prompt - prefix,
+            cached_tokens=prefix,
+            hits={k: int(v) for k, v in dict(handle.hits).items()},
+            ttft_s=ttft,
+            latency_s=ttft,
+            first_logits=logits[-1].clone() if return_logits else None,
+        )
+        if on_token is not None:
+            on_token(tok)
+        for _ in range(max_new_tokens - 1):
+            await self.cache.extend(handle, [tok])
+            logits = await self.run(self.model.forward, [tok], len(handle.token_ids) - 1, pool, handle.kv_indices)
+            self.forwards += 1
+            tok = _argmax(logits)
+            result.tokens.append(tok)
+            if on_token is not None:
+                on_token(tok)
+        return result
+
+    def reference_generate(self, token_ids: Sequence[int], n: int) -> list[int]:
+        """Blocking full recompute (no cache), for verification; see :func:`reference_generate`.
+        From a coroutine use ``await engine.run(engine.reference_generate, ...)``."""
+        return reference_generate(self.model, token_ids, n)

@@ -1,0 +1,227 @@
+"""The aiohttp application: HTTP handlers over a :class:`Scheduler` with hicache embedded.
+
+Routes:
+
+- ``POST /v1/generate`` - see :mod:`hicache.server.protocol`; JSON, or NDJSON with ``stream``
+- ``POST /v1/sessions/{id}/release`` - end a session (its KV is written back and freed)
+- ``GET /v1/model`` - the model spec, so a client can rebuild the same model and verify answers
+- ``GET /metrics`` - Prometheus text: the cache's metrics, then the server's
+- ``GET /health`` - 200 while serving, 503 while draining
+
+The app does not own the cache: whoever created it (``serve``, ``running_server``, a test)
+enters it before and closes it after the app, so the drain order is HTTP -> scheduler -> engine
+-> cache.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from hicache.config.schema import HiCacheConfig
+from hicache.engine.model import ModelSpec, TinyTransformer
+from hicache.engine.runner import CacheLike, Engine, GenerateResult
+from hicache.errors import CacheClosedError, HiCacheError
+from hicache.server.metrics import ServerMetrics
+from hicache.server.protocol import GenerateRequest, RequestError, parse_generate, text_of_tokens
+from hicache.server.scheduler import Job, QueueFullError, Scheduler
+
+__all__ = ["ServerState", "STATE", "create_app"]
+
+logger = logging.getLogger("hicache.server")
+
+
+@dataclass(eq=False)
+class ServerState:
+    """Everything the handlers share, stored on the app under :data:`STATE`."""
+
+    config: HiCacheConfig
+    cache: CacheLike
+    engine: Engine
+    scheduler: Scheduler
+    metrics: ServerMetrics
+    spec: ModelSpec
+    draining: bool = False
+
+
+STATE: web.AppKey[ServerState] = web.AppKey("hicache_state", ServerState)
+
+
+def _error(status: int, message: str, **headers: str) -> web.Response:
+    return web.json_response({"error": message}, status=status, headers=headers or None)
+
+
+def _payload(req: GenerateRequest, result: GenerateResult, job: Job) -> dict[str, Any]:
+    out = result.to_json()
+    out["session_id"] = req.session_id
+    if req.from_text:
+        out["text"] = text_of_tokens(result.tokens)
+    if job.reference is not None:
+        out["reference_tokens"] = job.reference
+        out["reference_match"] = job.reference == result.tokens
+    return out
+
+
+def _status_of(exc: BaseException) -> tuple[int, str]:
+    """HTTP status and outcome label for an exception raised while serving."""
+    if isinstance(exc, (QueueFullError, CacheClosedError, MemoryError)):
+        return 503, "rejected"
+    if isinstance(exc, ValueError):
+        return 400, "bad_request"
+    return 500, "error"
+
+
+async def _generate(request: web.Request) -> web.StreamResponse:
+    arrival = time.perf_counter()
+    st = request.app[STATE]
+    if st.draining:
+        return _error(503, "the server is shutting down", **{"Retry-After": "1"})
+    try:
+        body = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        st.metrics.requests["bad_request"] += 1
+        return _error(400, "the body is not valid JSON")
+    try:
+        req = parse_generate(
+            body,
+            vocab_size=st.spec.vocab_size,
+            max_context_len=min(st.config.device.max_context_len, st.spec.max_positions),
+            default_max_new_tokens=st.config.server.max_new_tokens,
+        )
+    except RequestError as exc:
+        st.metrics.requests["bad_request"] += 1
+        return _error(400, str(exc))
+    if req.stream:
+        return await _generate_stream(request, st, req, arrival)
+    try:
+        job = st.scheduler.submit(req, arrival=arrival)
+        result = await job.future
+    except (HiCacheError, MemoryError, ValueError) as exc:
+        status, outcome = _status_of(exc)
+        if isinstance(exc, (QueueFullError, CacheClosedError)):
+            st.metrics.requests[outcome] += 1
+        return _error(status, str(exc) or type(exc).__name__, **({"Retry-After": "1"} if status == 503 else {}))
+    except Exception as exc:
+        logger.exception("request %s failed", req.rid)
+        return _error(500, f"internal error: {type(exc).__name__}")
+    if job.reference is not None:
+        st.metrics.reference_checks["match" if job.reference == result.tokens else "mismatch"] += 1
+    return web.json_response(_payload(req, result, job))
+
+
+async def _generate_stream(request: web.Request, st: ServerState, req: GenerateRequest, arrival: float) -> web.StreamResponse:
+    """NDJSON: ``{"token": t, "index": i}`` per token as it is produced, then the summary line
+    (the non-streaming payload plus ``"done": true``), or ``{"error": ...}`` on failure."""
+    tokens: asyncio.Queue[int] = asyncio.Queue()
+    try:
+        job = st.scheduler.submit(req, arrival=arrival, on_token=tokens.put_nowait)
+    except (QueueFullError, CacheClosedError) as exc:
+        st.metrics.requests["rejected"] += 1
+        return _error(503, str(exc), **{"Retry-After": "1"})
+    resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+    await resp.prepare(request)
+    index = 0
+    getter: asyncio.Task[int] | None = None
+    try:
+        while True:
+            getter = asyncio.ensure_future(tokens.get())
+            await asyncio.wait([getter, job.future], return_when=asyncio.FIRST_COMPLETED)
+            if not getter.done():
+                getter.cancel()
+                break
+            await resp.write(json.dumps({"token": getter.result(), "index": index}).encode() + b"\n")
+            index += 1
+        while not tokens.empty():  # tokens produced in the same step as completion
+            await resp.write(json.dumps({"token": tokens.get_nowait(), "index": index}).encode() + b"\n")
+            index += 1
+        try:
+            result = job.future.result()
+            line: dict[str, Any] = {"done": True, **_payload(req, result, job)}
+            if job.reference is not None:
+                st.metrics.reference_checks["match" if job.reference == result.tokens else "mismatch"] += 1
+        except Exception as exc:
+            line = {"done": True, "error": str(exc) or type(exc).__name__}
+        await resp.write(json.dumps(line).encode() + b"\n")
+    finally:
+        if getter is not None and not getter.done():
+            getter.cancel()
+    await resp.write_eof()
+    return resp
+
+
+async def _release(request: web.Request) -> web.Response:
+    st = request.app[STATE]
+    sid = request.match_info["session_id"]
+    await st.cache.release_session(sid)
+    return web.json_response({"released": sid})
+
+
+async def _model(request: web.Request) -> web.Response:
+    st = request.app[STATE]
+    return web.json_response({"spec": st.spec.to_dict(), "model": st.config.model.model_dump()})
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    st = request.app[STATE]
+    cache_text = st.cache.prometheus_text() if hasattr(st.cache, "prometheus_text") else ""
+    if cache_text and not cache_text.endswith("\n"):
+        cache_text += "\n"
+    return web.Response(text=cache_text + st.metrics.prometheus_text(), content_type="text/plain",
+                        headers={"X-Content-Type-Options": "nosniff"})
+
+
+async def _health(request: web.Request) -> web.Response:
+    st = request.app[STATE]
+    body = {"status": "draining" if st.draining else "ok", **st.metrics.snapshot()}
+    return web.json_response(body, status=503 if st.draining else 200)
+
+
+def create_app(
+    cache: CacheLike,
+    config: HiCacheConfig,
+    *,
+    spec: ModelSpec | None = None,
+    model: TinyTransformer | None = None,
+) -> web.Application:
+    """An aiohttp app serving ``cache`` (an entered ``HiCache`` or a ``RecomputeCache``).
+
+    The model is built from ``config.model`` (or ``spec``) on the device pool's device; the
+    scheduler starts with the app and drains on shutdown. ``server.max_batch`` bounds the
+    requests generating at once, ``cache.queue_size`` the queue in front of them.
+    """
+    if model is None:
+        spec = spec or ModelSpec.from_model_config(config.model, max_positions=config.device.max_context_len)
+        model = TinyTransformer(spec, device=cache.device_pool.get_key_buffer(0).device)
+    spec = model.spec
+    metrics = ServerMetrics()
+    engine = Engine(cache, model)
+    scheduler = Scheduler(engine, max_active=config.server.max_batch, queue_size=config.cache.queue_size, metrics=metrics)
+    app = web.Application(client_max_size=8 * 1024 * 1024)
+    app[STATE] = ServerState(config=config, cache=cache, engine=engine, scheduler=scheduler, metrics=metrics, spec=spec)
+
+    async def on_startup(app: web.Application) -> None:
+        await scheduler.start()
+        logger.info("scheduler started (max_active=%d, queue=%d)", scheduler.max_active, config.cache.queue_size)
+
+    async def on_shutdown(app: web.Application) -> None:
+        app[STATE].draining = True
+
+    async def on_cleanup(app: web.Application) -> None:
+        await scheduler.aclose()
+        await engine.aclose()
+
+    app.on_startup.append(on_startup)
+    app.on_shutdown.append(on_shutdown)
+    app.on_cleanup.append(on_cleanup)
+    app.router.add_post("/v1/generate", _generate)
+    app.router.add_post("/v1/sessions/{session_id}/release", _release)
+    app.router.add_get("/v1/model", _model)
+    app.router.add_get("/metrics", _metrics)
+    app.router.add_get("/health", _health)
+    return app

@@ -1,0 +1,114 @@
+"""The demo server's wire format: parsing and validating ``POST /v1/generate`` bodies.
+
+Kept apart from the handlers so the rules (what a prompt may be, how long, which flags exist)
+are in one place and testable without HTTP. A bad request raises :class:`RequestError`, which
+the app turns into a 400 whose message names the field.
+
+Body::
+
+    {"tokens": [int, ...]  |  "prompt": "text",   # text maps to its UTF-8 bytes (token = byte)
+     "max_new_tokens": int,                        # default: server.max_new_tokens
+     "session_id": str, "end_session": bool,       # multi-turn sessions (optional)
+     "stream": bool,                               # NDJSON, one line per token, then a summary
+     "debug_reference": bool,                      # also return the no-cache recompute
+     "rid": str}                                   # request id (default: generated)
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from hicache.errors import HiCacheError
+
+__all__ = ["GenerateRequest", "RequestError", "parse_generate", "text_of_tokens", "tokens_of_text"]
+
+_KNOWN = {"tokens", "prompt", "max_new_tokens", "session_id", "end_session", "stream", "debug_reference", "rid"}
+
+
+class RequestError(HiCacheError, ValueError):
+    """A request body the server cannot accept; the message is safe to return to the client."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class GenerateRequest:
+    rid: str
+    tokens: list[int]
+    max_new_tokens: int
+    session_id: str | None = None
+    end_session: bool = False
+    stream: bool = False
+    debug_reference: bool = False
+    from_text: bool = False
+
+
+def tokens_of_text(text: str) -> list[int]:
+    """The byte-level "tokenizer": one token per UTF-8 byte."""
+    return list(text.encode("utf-8"))
+
+
+def text_of_tokens(tokens: list[int]) -> str:
+    """Inverse of :func:`tokens_of_text`; tokens above 255 and broken UTF-8 become U+FFFD."""
+    return bytes(t if 0 <= t < 256 else 0x3F for t in tokens).decode("utf-8", errors="replace")
+
+
+def _flag(body: dict[str, Any], name: str) -> bool:
+    value = body.get(name, False)
+    if not isinstance(value, bool):
+        raise RequestError(f"{name} must be true or false, got {value!r}")
+    return value
+
+
+def _opt_str(body: dict[str, Any], name: str) -> str | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value or len(value) > 256:
+        raise RequestError(f"{name} must be a non-empty string of at most 256 characters")
+    return value
+
+
+def parse_generate(
+    body: Any, *, vocab_size: int, max_context_len: int, default_max_new_tokens: int
+) -> GenerateRequest:
+    """Validate a decoded JSON body; raises :class:`RequestError` naming the bad field."""
+    if not isinstance(body, dict):
+        raise RequestError("the body must be a JSON object")
+    unknown = sorted(set(body) - _KNOWN)
+    if unknown:
+        raise RequestError(f"unknown field(s) {unknown}; allowed: {sorted(_KNOWN)}")
+    has_tokens, has_prompt = "tokens" in body, "prompt" in body
+    if has_tokens == has_prompt:
+        raise RequestError("give exactly one of 'tokens' (list of ints) or 'prompt' (string)")
+    if has_prompt:
+        if not isinstance(body["prompt"], str):
+            raise RequestError("prompt must be a string")
+        tokens = tokens_of_text(body["prompt"])
+    else:
+        raw = body["tokens"]
+        if not isinstance(raw, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in raw):
+            raise RequestError("tokens must be a list of integers")
+        tokens = raw
+    if not tokens:
+        raise RequestError("the prompt is empty")
+    bad = next((t for t in tokens if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise RequestError(f"token {bad} is outside the vocabulary [0, {vocab_size})")
+    n_new = body.get("max_new_tokens", default_max_new_tokens)
+    if not isinstance(n_new, int) or isinstance(n_new, bool) or n_new <= 0:
+        raise RequestError(f"max_new_tokens must be a positive integer, got {n_new!r}")
+    if len(tokens) + n_new > max_context_len:
+        raise RequestError(
+            f"prompt ({len(tokens)} tokens) plus max_new_tokens ({n_new}) exceeds the context limit {max_context_len}"
+        )
+    return GenerateRequest(
+        rid=_opt_str(body, "rid") or uuid.uuid4().hex[:16],
+        tokens=tokens,
+        max_new_tokens=n_new,
+        session_id=_opt_str(body, "session_id"),
+        end_session=_flag(body, "end_session"),
+        stream=_flag(body, "stream"),
+        debug_reference=_flag(body, "debug_reference"),
+        from_text=has_prompt,
+    )

@@ -1,0 +1,107 @@
+"""Starting and stopping the demo server: ``serve`` (the CLI's blocking entry) and
+``running_server`` (an async context manager for the demo and tests).
+
+Why both share one context manager: the start-up and drain order is the part that is easy to
+get wrong - the cache must be entered before the app starts and closed only after the HTTP
+server has stopped taking requests and the scheduler has finished the ones it took.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from aiohttp import web
+
+from hicache.config.schema import HiCacheConfig
+from hicache.engine.model import ModelSpec
+from hicache.engine.recompute import RecomputeCache
+from hicache.engine.runner import CacheLike
+from hicache.server.app import STATE, ServerState, create_app
+
+__all__ = ["RunningServer", "running_server", "serve"]
+
+logger = logging.getLogger("hicache.server")
+
+
+@dataclass(eq=False)
+class RunningServer:
+    """A started server: where it listens and what it serves."""
+
+    url: str
+    port: int
+    app: web.Application
+    cache: CacheLike
+
+    @property
+    def state(self) -> ServerState:
+        return self.app[STATE]
+
+
+def _open_cache(config: HiCacheConfig, mode: Literal["hicache", "recompute"]) -> Any:
+    if mode == "recompute":
+        return RecomputeCache(config)
+    from hicache.facade import HiCache  # imported late: the facade pulls in the whole controller
+
+    return HiCache.from_config(config)
+
+
+@contextlib.asynccontextmanager
+async def running_server(
+    config: HiCacheConfig,
+    *,
+    mode: Literal["hicache", "recompute"] = "hicache",
+    cache: CacheLike | None = None,
+    host: str | None = None,
+    port: int | None = None,
+    spec: ModelSpec | None = None,
+    shutdown_timeout: float = 30.0,
+) -> AsyncIterator[RunningServer]:
+    """Serve on ``host:port`` (default: ``config.server``; port 0 picks a free one) until the
+    block exits, then drain: stop listening, finish in-flight requests, close the cache.
+
+    ``mode="recompute"`` serves with no cache at all (the baseline); ``cache`` serves an
+    already entered cache that the caller keeps ownership of.
+    """
+    host = config.server.host if host is None else host
+    port = config.server.port if port is None else port
+    external = cache is not None
+    async with contextlib.AsyncExitStack() as stack:
+        if cache is None:
+            cache = await stack.enter_async_context(_open_cache(config, mode))
+        app = create_app(cache, config, spec=spec)
+        runner = web.AppRunner(app, access_log=None, shutdown_timeout=shutdown_timeout)
+        await runner.setup()
+        stack.push_async_callback(runner.cleanup)
+        site = web.TCPSite(runner, host, port)
+        await site.start()
+        bound = runner.addresses[0][1] if runner.addresses else port
+        url_host = f"[{host}]" if ":" in host else host
+        server = RunningServer(url=f"http://{url_host}:{bound}", port=bound, app=app, cache=cache)
+        logger.info("serving on %s (%s)", server.url, "caller's cache" if external else mode)
+        yield server
+    logger.info("server stopped")
+
+
+async def _serve_until_signal(config: HiCacheConfig, mode: Literal["hicache", "recompute"]) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, stop.set)
+    async with running_server(config, mode=mode) as server:
+        print(f"hicache server on {server.url} (Ctrl-C to stop)", flush=True)
+        await stop.wait()
+        logger.info("shutting down: draining requests and the cache")
+
+
+def serve(config: HiCacheConfig, *, mode: Literal["hicache", "recompute"] = "hicache") -> None:
+    """Run the server on ``config.server.host:port`` until SIGINT/SIGTERM, then drain the
+    requests in flight and close the cache (its controller finishes pending write-backs).
+    ``mode="recompute"`` serves the no-cache baseline instead."""
+    asyncio.run(_serve_until_signal(config, mode))

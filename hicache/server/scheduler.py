@@ -1,0 +1,233 @@
+"""The request scheduler: a bounded queue in front of the engine, one asyncio task draining it.
+
+Why a scheduler between HTTP handlers and the engine:
+
+- backpressure: the queue is bounded; when it is full a request is refused at once (the server
+  answers 503) instead of piling up coroutines and memory;
+- admission: at most ``max_active`` requests generate at a time, so the device pool is shared by
+  a known number of sequences, and each admitted request's forwards interleave with the others'
+  on the engine's single worker thread (continuous batching by time slicing);
+- memory admission: a request that finds no free device slots (``OutOfKVSlotsError``) waits
+  for another request to finish (or, alone, backs off briefly while write-backs release slots)
+  and starts again, a bounded number of times, instead of failing at once. Greedy decoding is deterministic, so a
+  restarted stream resumes without repeating the tokens it already sent;
+- ordering within a session: turns of one session run one after another (a later turn must see
+  the earlier turn's KV committed), different sessions run concurrently;
+- a graceful drain: :meth:`Scheduler.aclose` refuses new work, lets queued and running requests
+  finish, and only then returns, so the cache is closed with nothing in flight.
+
+All job tasks belong to one ``asyncio.TaskGroup`` owned by the dispatcher task; nothing is fire
+and forget.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from hicache.engine.runner import Engine, GenerateResult
+from hicache.errors import CacheClosedError, HiCacheError, OutOfKVSlotsError
+from hicache.server.metrics import ServerMetrics
+from hicache.server.protocol import GenerateRequest
+
+__all__ = ["Job", "QueueFullError", "Scheduler", "SchedulerClosedError"]
+
+logger = logging.getLogger("hicache.server")
+
+
+class QueueFullError(HiCacheError, RuntimeError):
+    """The request queue is full; retry later (HTTP 503)."""
+
+
+class SchedulerClosedError(CacheClosedError):
+    """The scheduler is draining or closed and takes no new requests (HTTP 503)."""
+
+
+@dataclass(eq=False)
+class Job:
+    """One queued request and the future its handler awaits."""
+
+    request: GenerateRequest
+    arrival: float
+    future: asyncio.Future[GenerateResult]
+    on_token: Callable[[int], None] | None = None
+    reference: list[int] | None = field(default=None)
+
+
+_STOP = object()
+
+
+class _SessionLocks:
+    """One lock per live session id, dropped when nobody holds or waits for it."""
+
+    def __init__(self) -> None:
+        self._locks: dict[str, tuple[asyncio.Lock, int]] = {}
+
+    @contextlib.asynccontextmanager
+    async def hold(self, session_id: str | None) -> AsyncIterator[None]:
+        if session_id is None:
+            yield
+            return
+        lock, users = self._locks.get(session_id, (asyncio.Lock(), 0))
+        self._locks[session_id] = (lock, users + 1)
+        try:
+            async with lock:
+                yield
+        finally:
+            lock, users = self._locks[session_id]
+            if users <= 1:
+                del self._locks[session_id]
+            else:
+                self._locks[session_id] = (lock, users - 1)
+
+
+class Scheduler:
+    """Feeds requests from a bounded queue to an :class:`Engine`."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        max_active: int,
+        queue_size: int,
+        metrics: ServerMetrics | None = None,
+        max_memory_retries: int = 8,
+        memory_wait_s: float = 5.0,
+    ) -> None:
+        if max_active <= 0 or queue_size <= 0:
+            raise ValueError("max_active and queue_size must be positive")
+        self.engine: Engine = engine
+        self.metrics: ServerMetrics = metrics or ServerMetrics()
+        self.max_active: int = max_active
+        self._queue: asyncio.Queue[Any] = asyncio.Queue(queue_size)
+        self._slots = asyncio.Semaphore(max_active)
+        self._sessions = _SessionLocks()
+        self._finished = asyncio.Condition()  # notified whenever a request ends
+        self.max_memory_retries = max_memory_retries
+        self.memory_wait_s = memory_wait_s
+        self._main: asyncio.Task[None] | None = None
+        self._tg: asyncio.TaskGroup | None = None
+        self._closing = False
+
+    # -- lifecycle
+    async def start(self) -> None:
+        if self._main is not None:
+            raise RuntimeError("scheduler already started")
+        ready = asyncio.Event()
+        self._main = asyncio.create_task(self._run(ready), name="hicache-scheduler")
+        await ready.wait()
+
+    async def aclose(self) -> None:
+        """Refuse new requests, finish every queued and running one, then stop."""
+        if self._closing:
+            if self._main is not None:
+                await asyncio.shield(self._main)
+            return
+        self._closing = True
+        if self._main is None:
+            return
+        await self._queue.put(_STOP)
+        await asyncio.shield(self._main)
+        logger.info("scheduler drained")
+
+    @property
+    def closing(self) -> bool:
+        return self._closing
+
+    # -- submission
+    def submit(self, request: GenerateRequest, *, arrival: float | None = None,
+               on_token: Callable[[int], None] | None = None) -> Job:
+        """Queue ``request``; await ``job.future`` for its result. Raises
+        :class:`QueueFullError` or :class:`SchedulerClosedError` instead of waiting."""
+        if self._closing or self._main is None:
+            raise SchedulerClosedError("the server is shutting down" if self._closing else "scheduler not started")
+        job = Job(request, time.perf_counter() if arrival is None else arrival,
+                  asyncio.get_running_loop().create_future(), on_token)
+        try:
+            self._queue.put_nowait(job)
+        except asyncio.QueueFull:
+            raise QueueFullError(f"request queue full ({self._queue.maxsize} waiting)") from None
+        self.metrics.queue_depth = self._queue.qsize()
+        return job
+
+    # -- internals
+    async def _run(self, ready: asyncio.Event) -> None:
+        async with asyncio.TaskGroup() as tg:
+            self._tg = tg
+            ready.set()
+            while True:
+                item = await self._queue.get()
+                self.metrics.queue_depth = self._queue.qsize()
+                if item is _STOP:
+                    break
+                job: Job = item
+                await self._slots.acquire()
+                if job.future.done():  # the client went away while queued
+                    self._slots.release()
+                    continue
+                tg.create_task(self._serve(job), name=f"hicache-req-{job.request.rid}")
+        self._tg = None
+
+    async def _serve(self, job: Job) -> None:
+        req = job.request
+        self.metrics.active += 1
+        try:
+            async with self._sessions.hold(req.session_id):
+                result = await self._generate_with_memory_retry(job)
+                if req.end_session and req.session_id is not None:
+                    await self.engine.cache.release_session(req.session_id)
+                if req.debug_reference:
+                    job.reference = await self.engine.run(self.engine.reference_generate, req.tokens, req.max_new_tokens)
+            self.metrics.observe(result)
+            if not job.future.done():
+                job.future.set_result(result)
+        except Exception as exc:  # a failed request must not take the scheduler down
+            self.metrics.requests["error"] += 1
+            logger.warning("request %s failed: %r", req.rid, exc)
+            if not job.future.done():
+                job.future.set_exception(exc)
+        finally:
+            self.metrics.active -= 1
+            self._slots.release()
+            async with self._finished:
+                self._finished.notify_all()
+
+    async def _generate_with_memory_retry(self, job: Job) -> GenerateResult:
+        """``engine.generate``; on ``OutOfKVSlotsError`` wait for a running request to end (or
+        back off when none runs) and start over, at most ``max_memory_retries`` times."""
+        req = job.request
+        sent = 0  # tokens already passed to the stream: a restart must not send them twice
+        produced = 0  # tokens produced by the current attempt
+
+        def forward(tok: int) -> None:
+            nonlocal sent, produced
+            produced += 1
+            if produced > sent:
+                sent = produced
+                if job.on_token is not None:
+                    job.on_token(tok)
+
+        for attempt in range(self.max_memory_retries + 1):
+            produced = 0
+            try:
+                return await self.engine.generate(
+                    req.rid, req.tokens, req.max_new_tokens, req.session_id, arrival=job.arrival, on_token=forward
+                )
+            except OutOfKVSlotsError:
+                if attempt == self.max_memory_retries:
+                    raise
+                self.metrics.memory_retries += 1
+                if self.metrics.active > 1:
+                    logger.info("request %s: device full, waiting for a running request to finish", req.rid)
+                    async with self._finished:
+                        with contextlib.suppress(TimeoutError):
+                            async with asyncio.timeout(self.memory_wait_s):
+                                await self._finished.wait()
+                else:  # alone: slots may still be held by write-backs the cache completes shortly
+                    await asyncio.sleep(min(0.05 * 2**attempt, 1.0))
+        raise AssertionError("unreachable")

@@ -1,0 +1,160 @@
+"""``Engine``: cached prefixes give the no-cache answers; errors and cancellation free slots;
+``RecomputeCache`` (the baseline) never reuses and never leaks."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+import torch
+
+from engine_helpers import DevicePrefixCache, prompt_of, small_config, small_spec
+from hicache.engine import Engine, OutOfKVSlotsError, RecomputeCache, TinyTransformer, reference_generate, reference_logits
+
+
+async def test_cached_prefix_gives_the_recompute_answer(model: TinyTransformer) -> None:
+    cache = DevicePrefixCache(model.spec)
+    engine = Engine(cache, model)
+    try:
+        system = prompt_of(100, seed=1)
+        first = await engine.generate("a", system + prompt_of(20, seed=2), 6)
+        assert first.cached_tokens == 0 and first.prefill_tokens == 120
+        prompt = system + prompt_of(30, seed=3)
+        second = await engine.generate("b", prompt, 6, return_logits=True)
+        assert second.cached_tokens == 96  # whole pages of the shared system prompt
+        assert second.prefill_tokens == len(prompt) - 96
+        assert second.tokens == reference_generate(model, prompt, 6)
+        want = reference_logits(model, prompt)[-1]
+        assert torch.allclose(second.first_logits, want, atol=1e-4, rtol=1e-5)
+    finally:
+        await engine.aclose()
+
+
+async def test_multi_turn_history_is_reused_and_correct(model: TinyTransformer) -> None:
+    cache = DevicePrefixCache(model.spec)
+    engine = Engine(cache, model)
+    history = prompt_of(70, seed=10)
+    try:
+        for turn in range(3):
+            history = history + prompt_of(20, seed=20 + turn)
+            res = await engine.generate(f"t{turn}", history, 5)
+            assert res.tokens == reference_generate(model, history, 5)
+            if turn:
+                assert res.cached_tokens > 0
+            history = history + res.tokens
+    finally:
+        await engine.aclose()
+
+
+async def test_fully_cached_prompt_recomputes_only_the_last_token(model: TinyTransformer) -> None:
+    cache = DevicePrefixCache(model.spec)
+    engine = Engine(cache, model)
+    prompt = prompt_of(64, seed=4)
+    try:
+        await engine.generate("warm", prompt + [1, 2, 3], 2)
+        before = cache.device_pool.kv_data.clone()
+        res = await engine.generate("hit", prompt, 1)
+        assert res.cached_tokens == 64 and res.prefill_tokens == 0
+        assert torch.equal(cache.device_pool.kv_data, before)  # shared slots untouched
+        assert res.tokens == reference_generate(model, prompt, 1)
+    finally:
+        await engine.aclose()
+
+
+async def test_concurrent_requests_are_correct_and_forwards_never_overlap(model: TinyTransformer) -> None:
+    cache = DevicePrefixCache(model.spec, size=8192)
+    engine = Engine(cache, model)
+    active, peak = 0, 0
+    lock = threading.Lock()
+    real = model.forward
+
+    def tracked(*args, **kwargs):
+        nonlocal active, peak
+        with lock:
+            active += 1
+            peak = max(peak, active)
+        try:
+            return real(*args, **kwargs)
+        finally:
+            with lock:
+                active -= 1
+
+    model.forward = tracked  # type: ignore[method-assign]
+    system = prompt_of(48, seed=9)
+    prompts = [system + prompt_of(10 + i, seed=100 + i) for i in range(6)]
+    try:
+        results = await asyncio.gather(*(engine.generate(f"r{i}", p, 4) for i, p in enumerate(prompts)))
+    finally:
+        model.forward = real  # type: ignore[method-assign]
+        await engine.aclose()
+    assert peak == 1
+    for p, r in zip(prompts, results):
+        assert r.tokens == reference_generate(model, p, 4)
+
+
+async def test_streaming_callback_sees_every_token_in_order(model: TinyTransformer) -> None:
+    async with RecomputeCache(small_config()) as cache:
+        engine = Engine(cache, model)
+        seen: list[int] = []
+        res = await engine.generate("s", prompt_of(30, seed=5), 5, on_token=seen.append)
+        await engine.aclose()
+    assert seen == res.tokens and len(seen) == 5
+    assert res.ttft_s <= res.latency_s
+
+
+async def test_recompute_cache_never_reuses_and_frees_every_slot(model: TinyTransformer) -> None:
+    cfg = small_config()
+    async with RecomputeCache(cfg) as cache:
+        engine = Engine(cache, model)
+        prompt = prompt_of(50, seed=6)
+        a = await engine.generate("a", prompt, 20)  # decode crosses a page boundary
+        b = await engine.generate("b", prompt, 20)
+        assert a.tokens == b.tokens == reference_generate(model, prompt, 20)
+        assert a.cached_tokens == b.cached_tokens == 0 and b.prefill_tokens == 50
+        assert cache.metrics()["device_free_tokens"] == cfg.device.size_tokens
+        await engine.aclose()
+
+
+async def test_out_of_slots_is_an_error_and_leaks_nothing(model: TinyTransformer) -> None:
+    async with RecomputeCache(small_config(size_tokens=64)) as cache:
+        engine = Engine(cache, model)
+        with pytest.raises(OutOfKVSlotsError):
+            await engine.generate("big", prompt_of(100, seed=7), 2)
+        with pytest.raises(OutOfKVSlotsError):  # decode runs out mid-way: aborted, slots back
+            await engine.generate("long", prompt_of(60, seed=7), 10)
+        assert cache.metrics()["device_free_tokens"] == 64
+        await engine.aclose()
+
+
+async def test_cancelled_request_waits_for_its_forward_then_aborts(spec) -> None:
+    model = TinyTransformer(spec)
+    cache = DevicePrefixCache(spec)
+    engine = Engine(cache, model)
+    started, finished = threading.Event(), threading.Event()
+    real = model.forward
+
+    def slow(*args, **kwargs):
+        started.set()
+        time.sleep(0.2)
+        out = real(*args, **kwargs)
+        finished.set()
+        return out
+
+    model.forward = slow  # type: ignore[method-assign]
+    task = asyncio.create_task(engine.generate("c", prompt_of(40, seed=8), 3))
+    while not started.is_set():
+        await asyncio.sleep(0.01)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert finished.is_set()  # the forward completed before the slots were given back
+    assert cache.aborted == 1 and cache.live == 0
+    model.forward = real  # type: ignore[method-assign]
+    await engine.aclose()
+
+
+def test_engine_rejects_a_pool_of_another_geometry(model: TinyTransformer) -> None:
+    with pytest.raises(ValueError, match="does not fit"):
+        Engine(DevicePrefixCache(small_spec(num_layers=2)), model)

@@ -1,0 +1,94 @@
+"""The engine on the real facade: a prompt whose prefix is served from device, from host and from
+storage gets exactly the answer (and first-token logits) of a full recompute."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine_helpers import prompt_of, small_spec
+from hicache.config import HiCacheConfig
+from hicache.engine import Engine, ModelSpec, TinyTransformer, reference_generate, reference_logits
+
+
+def _facade():
+    try:
+        from hicache.facade import HiCache
+    except ImportError:
+        return None
+    return HiCache if hasattr(HiCache, "begin") else None
+
+
+HiCache = _facade()
+pytestmark = pytest.mark.skipif(HiCache is None, reason="hicache.facade.HiCache is not implemented yet")
+
+N_NEW = 4
+
+
+def tier_config(root: Path, device_tokens: int = 512) -> HiCacheConfig:
+    """A device pool of a few pages (so other traffic evicts a prefix to host), a large host
+    pool, and the file backend under ``root`` with prefetch of any length, waited for."""
+    return HiCacheConfig.model_validate({
+        "model": {"num_layers": 3, "num_kv_heads": 2, "head_dim": 16},
+        "device": {"device": "cpu", "size_tokens": device_tokens, "page_size": 16, "max_context_len": 1024},
+        "host": {"ratio": 8.0},
+        "storage": {"backend": "file", "options": {"root": str(root), "max_bytes": 1 << 30, "min_free_bytes": 0}},
+        "cache": {"write_policy": "write_through", "prefetch": {"policy": "wait_complete", "threshold_tokens": 0}},
+        "session": {"enabled": True},
+    })
+
+
+def spec_for(cfg: HiCacheConfig) -> ModelSpec:
+    m = cfg.model
+    return small_spec(num_layers=m.num_layers, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim)
+
+
+async def _check(engine: Engine, model: TinyTransformer, rid: str, prompt: list[int]):
+    res = await engine.generate(rid, prompt, N_NEW, return_logits=True)
+    assert res.tokens == reference_generate(model, prompt, N_NEW), rid
+    want = reference_logits(model, prompt)[-1]
+    assert torch.allclose(res.first_logits, want, atol=1e-4, rtol=1e-5), (res.first_logits - want).abs().max()
+    return res
+
+
+async def test_device_hit_equals_recompute(tmp_path: Path) -> None:
+    cfg = tier_config(tmp_path, device_tokens=2048)
+    model = TinyTransformer(spec_for(cfg))
+    shared = prompt_of(160, seed=1)
+    async with HiCache.from_config(cfg) as cache:
+        engine = Engine(cache, model)
+        await _check(engine, model, "a", shared + prompt_of(20, seed=2))
+        res = await _check(engine, model, "b", shared + prompt_of(30, seed=3))
+        await engine.aclose()
+    assert res.hits.get("device", 0) >= 160 and res.cached_tokens >= 160
+
+
+async def test_host_hit_equals_recompute(tmp_path: Path) -> None:
+    cfg = tier_config(tmp_path, device_tokens=512)
+    model = TinyTransformer(spec_for(cfg))
+    target = prompt_of(200, seed=4)
+    async with HiCache.from_config(cfg) as cache:
+        engine = Engine(cache, model)
+        await _check(engine, model, "first", target + [1])
+        for i in range(4):  # unrelated prompts push the target's pages off the device
+            await engine.generate(f"evict{i}", prompt_of(220, seed=50 + i), 2)
+        res = await _check(engine, model, "again", target + [2, 3])
+        await engine.aclose()
+    assert res.hits.get("host", 0) > 0, res.hits
+
+
+async def test_storage_hit_after_restart_equals_recompute(tmp_path: Path) -> None:
+    cfg = tier_config(tmp_path, device_tokens=1024)
+    model = TinyTransformer(spec_for(cfg))
+    target = prompt_of(256, seed=6)
+    async with HiCache.from_config(cfg) as cache:
+        engine = Engine(cache, model)
+        await _check(engine, model, "before", target + [7])
+        await engine.aclose()
+    async with HiCache.from_config(cfg) as cache:  # a new process, as far as the cache knows
+        engine = Engine(cache, model)
+        res = await _check(engine, model, "after", target + [8, 9])
+        await engine.aclose()
+    assert res.hits.get("storage", 0) > 0, res.hits

@@ -1,0 +1,26 @@
+"""The main job end to end on a tiny workload: three phases, a complete report, every cached
+answer equal to the no-cache one, storage hits after the restart."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from server_helpers import requires_facade, small_config
+from hicache.demo import format_report, run_demo_async
+from hicache.server.loadgen import Workload
+
+
+@requires_facade
+async def test_demo_reports_hits_ttft_and_matching_answers(tmp_path: Path) -> None:
+    cfg = small_config(tmp_path / "store")
+    w = Workload(clients=3, turns=2, system_tokens=128, user_tokens=32, max_new_tokens=4)
+    report = await run_demo_async(cfg, workload=w)
+    assert report["all_answers_match"] is True
+    assert report["answers_compared"] == 3 * 2 + 3
+    base, cached, restart = report["baseline"], report["cached"], report["restart"]
+    assert base["prefill_tokens_saved"] == 0 and base["errors"] == 0
+    assert cached["prefill_tokens_saved"] > 0 and cached["prefill_tokens"] < base["prefill_tokens"]
+    assert restart["hit_tokens"]["storage"] > 0
+    assert report["ttft_speedup_p50"] is not None
+    text = format_report(report)
+    assert "hit rate by tier" in text and "every cached answer equals the no-cache recompute: yes" in text

@@ -1,0 +1,134 @@
+"""The demo server over real HTTP: concurrent multi-turn chats get the no-cache answers, the
+endpoints behave, shutdown drains, and a restart serves an old conversation from storage."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from server_helpers import requires_facade, small_config
+from hicache.server import running_server
+from hicache.server.loadgen import Workload, run_load
+
+CHAT = Workload(clients=4, turns=3, system_tokens=96, user_tokens=24, max_new_tokens=4, vocab_size=256)
+
+
+async def test_concurrent_multi_turn_clients_get_correct_answers(mode: str, tmp_path: Path) -> None:
+    cfg = small_config(tmp_path / "store" if mode == "hicache" else None)
+    async with running_server(cfg, mode=mode, port=0) as srv:
+        report = await run_load(srv.url, CHAT, verify="client", run_tag="chat")
+    s = report["summary"]
+    assert s["requests"] == 12 and s["errors"] == 0
+    assert s["verified"] is True and s["mismatches"] == 0
+    if mode == "hicache":
+        assert s["hit_tokens"]["device"] > 0 and s["cached_tokens"] > 0
+        later = [r for r in report["records"] if r["turn"] > 0]
+        assert all(r["cached_tokens"] > 0 for r in later)  # each turn reuses its history
+    else:
+        assert s["cached_tokens"] == 0 and s["prefill_tokens"] == s["prompt_tokens"]
+
+
+async def test_server_side_reference_check_and_text_prompts(mode: str, tmp_path: Path) -> None:
+    cfg = small_config(tmp_path / "store" if mode == "hicache" else None)
+    async with running_server(cfg, mode=mode, port=0) as srv, aiohttp.ClientSession() as http:
+        body = {"prompt": "The quick brown fox jumps over the lazy dog. " * 4, "max_new_tokens": 5,
+                "debug_reference": True}
+        for _ in range(2):  # the second one hits the cache (hicache mode)
+            async with http.post(f"{srv.url}/v1/generate", json=body) as resp:
+                assert resp.status == 200
+                out = await resp.json()
+            assert out["reference_match"] is True and len(out["tokens"]) == 5
+            assert isinstance(out["text"], str) and out["prompt_tokens"] == 180
+        async with http.get(f"{srv.url}/metrics") as resp:
+            text = await resp.text()
+        assert 'hicache_server_reference_checks_total{result="match"} 2' in text
+
+
+async def test_streaming_sends_tokens_then_a_summary(tmp_path: Path) -> None:
+    async with running_server(small_config(), mode="recompute", port=0) as srv, aiohttp.ClientSession() as http:
+        body = {"tokens": list(range(40)), "max_new_tokens": 6, "stream": True}
+        async with http.post(f"{srv.url}/v1/generate", json=body) as resp:
+            assert resp.status == 200 and resp.content_type == "application/x-ndjson"
+            lines = [json.loads(line) async for line in resp.content if line.strip()]
+    tokens = [line["token"] for line in lines if "token" in line]
+    assert [line["index"] for line in lines[:-1]] == list(range(6))
+    assert lines[-1]["done"] is True and lines[-1]["tokens"] == tokens
+
+
+async def test_bad_requests_are_400_with_the_field_named() -> None:
+    cases = [
+        ({"tokens": [1, 2], "prompt": "x"}, "exactly one"),
+        ({"tokens": [1, 999]}, "outside the vocabulary"),
+        ({"tokens": []}, "empty"),
+        ({"tokens": [1], "max_new_tokens": 0}, "max_new_tokens"),
+        ({"tokens": [1] * 2040, "max_new_tokens": 16}, "context limit"),
+        ({"tokens": [1], "temperature": 0.5}, "unknown field"),
+        ({"tokens": [1], "stream": "yes"}, "stream"),
+    ]
+    async with running_server(small_config(), mode="recompute", port=0) as srv, aiohttp.ClientSession() as http:
+        for body, words in cases:
+            async with http.post(f"{srv.url}/v1/generate", json=body) as resp:
+                assert resp.status == 400, body
+                assert words in (await resp.json())["error"]
+        async with http.post(f"{srv.url}/v1/generate", data=b"{not json") as resp:
+            assert resp.status == 400
+
+
+async def test_health_metrics_model_and_session_release(mode: str, tmp_path: Path) -> None:
+    cfg = small_config(tmp_path / "store" if mode == "hicache" else None)
+    async with running_server(cfg, mode=mode, port=0) as srv, aiohttp.ClientSession() as http:
+        async with http.get(f"{srv.url}/health") as resp:
+            assert resp.status == 200 and (await resp.json())["status"] == "ok"
+        body = {"tokens": list(range(50)), "max_new_tokens": 3, "session_id": "s1"}
+        async with http.post(f"{srv.url}/v1/generate", json=body) as resp:
+            assert resp.status == 200 and (await resp.json())["session_id"] == "s1"
+        async with http.post(f"{srv.url}/v1/sessions/s1/release") as resp:
+            assert resp.status == 200 and (await resp.json()) == {"released": "s1"}
+        async with http.get(f"{srv.url}/v1/model") as resp:
+            spec = (await resp.json())["spec"]
+        assert spec["num_layers"] == 3 and spec["head_dim"] == 16
+        async with http.get(f"{srv.url}/metrics") as resp:
+            assert resp.status == 200 and resp.content_type == "text/plain"
+            text = await resp.text()
+        assert 'hicache_server_requests_total{outcome="ok"} 1' in text
+        assert "hicache_server_ttft_seconds_count 1" in text
+        assert "# TYPE hicache_server_hit_tokens_total counter" in text
+
+
+async def test_shutdown_finishes_requests_in_flight() -> None:
+    """Leaving ``running_server`` while requests run: they complete, later ones are refused."""
+    cfg = small_config()
+    async with aiohttp.ClientSession() as http:
+        async with running_server(cfg, mode="recompute", port=0) as srv:
+            url = srv.url
+            body = {"tokens": list(range(200)), "max_new_tokens": 24}
+            pending = [asyncio.create_task(http.post(f"{url}/v1/generate", json=body)) for _ in range(3)]
+            while srv.state.metrics.active == 0:
+                await asyncio.sleep(0.005)
+        responses = await asyncio.gather(*pending)
+        for resp in responses:
+            assert resp.status == 200 and len((await resp.json())["tokens"]) == 24
+        assert srv.state.scheduler.closing
+        with pytest.raises(aiohttp.ClientConnectionError):
+            await http.get(f"{url}/health")
+
+
+@requires_facade
+async def test_restart_serves_an_earlier_conversation_from_storage(tmp_path: Path) -> None:
+    """A conversation served, the server stopped (cache drained to the file backend), a new
+    server on the same root: the first turn's prompt comes back from storage, and correct."""
+    cfg = small_config(tmp_path / "store")
+    w = Workload(clients=2, turns=2, system_tokens=128, user_tokens=32, max_new_tokens=4, warmup=False)
+    async with running_server(cfg, port=0) as srv:
+        first = await run_load(srv.url, w, run_tag="before")
+    assert first["summary"]["errors"] == 0
+    async with running_server(cfg, port=0) as srv:
+        again = await run_load(srv.url, Workload(**{**w.__dict__, "first_turn_only": True}), verify="client",
+                               run_tag="after")
+    s = again["summary"]
+    assert s["errors"] == 0 and s["verified"] is True
+    assert s["hit_tokens"]["storage"] > 0, s

@@ -1,0 +1,160 @@
+"""The scheduler on its own (a scripted engine): admission bound, backpressure, per-session
+ordering, failures that do not stop it, and a drain that finishes queued work."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from hicache.engine.runner import GenerateResult
+from hicache.errors import OutOfKVSlotsError
+from hicache.server.protocol import GenerateRequest
+from hicache.server.scheduler import QueueFullError, Scheduler, SchedulerClosedError
+
+
+class ScriptedEngine:
+    """Sleeps ``delay`` per request, records order and concurrency; fails on ``fail`` rids."""
+
+    def __init__(self, delay: float = 0.02, fail: set[str] | None = None) -> None:
+        self.delay = delay
+        self.fail = fail or set()
+        self.active = 0
+        self.peak = 0
+        self.log: list[tuple[str, str]] = []
+        self.released: list[str] = []
+        self.cache = self
+
+    async def generate(self, rid: str, tokens: list[int], n: int, session_id: str | None = None, **kw: Any) -> GenerateResult:
+        self.active += 1
+        self.peak = max(self.peak, self.active)
+        self.log.append(("start", rid))
+        try:
+            await asyncio.sleep(self.delay)
+            if rid in self.fail:
+                raise RuntimeError(f"boom {rid}")
+            return GenerateResult(rid=rid, tokens=[1] * n, prompt_tokens=len(tokens), prefill_tokens=len(tokens),
+                                  cached_tokens=0, hits={}, ttft_s=0.001, latency_s=0.002)
+        finally:
+            self.log.append(("end", rid))
+            self.active -= 1
+
+    async def release_session(self, sid: str) -> None:
+        self.released.append(sid)
+
+
+def req(rid: str, session: str | None = None, end: bool = False) -> GenerateRequest:
+    return GenerateRequest(rid=rid, tokens=[1, 2, 3], max_new_tokens=2, session_id=session, end_session=end)
+
+
+async def test_at_most_max_active_requests_run_at_once() -> None:
+    engine = ScriptedEngine()
+    sched = Scheduler(engine, max_active=3, queue_size=100)  # type: ignore[arg-type]
+    await sched.start()
+    jobs = [sched.submit(req(f"r{i}")) for i in range(10)]
+    results = await asyncio.gather(*(j.future for j in jobs))
+    await sched.aclose()
+    assert engine.peak == 3 and [r.rid for r in results] == [f"r{i}" for i in range(10)]
+    assert sched.metrics.requests["ok"] == 10 and sched.metrics.active == 0
+
+
+async def test_a_full_queue_refuses_instead_of_waiting() -> None:
+    engine = ScriptedEngine(delay=0.1)
+    sched = Scheduler(engine, max_active=1, queue_size=2)  # type: ignore[arg-type]
+    await sched.start()
+    accepted = [sched.submit(req("a"))]
+    await asyncio.sleep(0.02)  # "a" admitted, queue empty again
+    accepted += [sched.submit(req("b")), sched.submit(req("c"))]
+    with pytest.raises(QueueFullError):
+        sched.submit(req("d"))
+    await asyncio.gather(*(j.future for j in accepted))
+    await sched.aclose()
+
+
+async def test_turns_of_one_session_run_in_order_other_sessions_overlap() -> None:
+    engine = ScriptedEngine()
+    sched = Scheduler(engine, max_active=4, queue_size=100)  # type: ignore[arg-type]
+    await sched.start()
+    jobs = [sched.submit(req("s1-t0", "s1")), sched.submit(req("s1-t1", "s1", end=True)), sched.submit(req("s2-t0", "s2"))]
+    await asyncio.gather(*(j.future for j in jobs))
+    await sched.aclose()
+    log = engine.log
+    assert log.index(("end", "s1-t0")) < log.index(("start", "s1-t1"))
+    assert log.index(("start", "s2-t0")) < log.index(("end", "s1-t0"))
+    assert engine.released == ["s1"]
+
+
+async def test_a_failing_request_fails_alone() -> None:
+    engine = ScriptedEngine(fail={"bad"})
+    sched = Scheduler(engine, max_active=2, queue_size=10)  # type: ignore[arg-type]
+    await sched.start()
+    bad, good = sched.submit(req("bad")), sched.submit(req("good"))
+    with pytest.raises(RuntimeError, match="boom"):
+        await bad.future
+    assert (await good.future).rid == "good"
+    await sched.aclose()
+    assert sched.metrics.requests == {"ok": 1, "error": 1}
+
+
+async def test_aclose_drains_queued_work_then_refuses() -> None:
+    engine = ScriptedEngine(delay=0.03)
+    sched = Scheduler(engine, max_active=1, queue_size=10)  # type: ignore[arg-type]
+    await sched.start()
+    jobs = [sched.submit(req(f"r{i}")) for i in range(4)]
+    await sched.aclose()
+    assert all(j.future.done() and not j.future.exception() for j in jobs)
+    with pytest.raises(SchedulerClosedError):
+        sched.submit(req("late"))
+    await sched.aclose()  # idempotent
+
+
+class MemoryTightEngine(ScriptedEngine):
+    """Request "mem" streams two tokens then finds the device full while "hog" runs."""
+
+    def __init__(self) -> None:
+        super().__init__(delay=0.05)
+        self.attempts = 0
+
+    async def generate(self, rid, tokens, n, session_id=None, *, on_token=None, **kw):
+        if rid != "mem":
+            return await super().generate(rid, tokens, n, session_id)
+        self.attempts += 1
+        for tok in range(n):
+            if self.attempts == 1 and tok == 2:
+                raise OutOfKVSlotsError("device full")
+            on_token(tok)
+            await asyncio.sleep(0)
+        return GenerateResult(rid=rid, tokens=list(range(n)), prompt_tokens=3, prefill_tokens=3, cached_tokens=0,
+                              hits={}, ttft_s=0.0, latency_s=0.0)
+
+
+async def test_device_full_waits_for_a_running_request_and_resumes_the_stream() -> None:
+    engine = MemoryTightEngine()
+    sched = Scheduler(engine, max_active=2, queue_size=10)  # type: ignore[arg-type]
+    await sched.start()
+    streamed: list[int] = []
+    hog = sched.submit(req("hog"))
+    mem = sched.submit(GenerateRequest(rid="mem", tokens=[1, 2, 3], max_new_tokens=5), on_token=streamed.append)
+    assert (await mem.future).tokens == [0, 1, 2, 3, 4]
+    await hog.future
+    await sched.aclose()
+    assert engine.attempts == 2 and sched.metrics.memory_retries == 1
+    assert streamed == [0, 1, 2, 3, 4]  # the restart did not resend tokens 0 and 1
+
+
+async def test_device_full_alone_backs_off_then_gives_up() -> None:
+    engine = MemoryTightEngine()
+
+    async def always_full(rid, tokens, n, session_id=None, **kw):
+        engine.attempts += 1
+        raise OutOfKVSlotsError("device full")
+
+    engine.generate = always_full  # type: ignore[method-assign]
+    sched = Scheduler(engine, max_active=2, queue_size=10, max_memory_retries=2)  # type: ignore[arg-type]
+    await sched.start()
+    job = sched.submit(GenerateRequest(rid="mem", tokens=[1], max_new_tokens=5))
+    with pytest.raises(OutOfKVSlotsError):
+        await job.future
+    await sched.aclose()
+    assert engine.attempts == 3 and sched.metrics.memory_retries == 2
