@@ -69,9 +69,13 @@ def _cmd_backends(args: argparse.Namespace) -> Any:
 
 
 def _cmd_demo(args: argparse.Namespace) -> Any:
-    from hicache.demo import run_demo
+    from hicache.demo import format_report, run_demo
 
-    return run_demo(_load(args.config), quick=args.quick)
+    report = run_demo(_load(args.config), quick=args.quick, echo=False)
+    if args.json:
+        return report
+    print(format_report(report))
+    return None
 
 
 def _cmd_serve(args: argparse.Namespace) -> Any:
