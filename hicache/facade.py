@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from hicache.config import HiCacheConfig, load_config
-from hicache.errors import CacheClosedError, OutOfKVSlotsError
+from hicache.errors import CacheClosedError, HiCacheError, OutOfKVSlotsError
 from hicache.memory import MambaHostPool, MambaStatePool
 from hicache.prefix_cache import Req, Session
 from hicache.session import SessionAwareCache
@@ -92,6 +92,9 @@ class HiCache:
         self.extra_pools: dict[str, tuple[MambaStatePool, MambaHostPool]] = {}
         self._state = _State.UNOPENED
         self._live: dict[int, RequestHandle] = {}
+        self._rids: set[str] = set()  # the cache's request ids in use (begun, not finished)
+        self._rid_seq = 0
+        self._close_task: asyncio.Task[Any] | None = None
         self.close_report: Any = None
 
     @classmethod
@@ -126,15 +129,26 @@ class HiCache:
             raise CacheClosedError("HiCache is closed; build a new one")
         stack = build_stack(self._stack_config)
         self._stack = stack
-        for spec in self.config.extra_pools:
-            shapes = {k: tuple(v) for k, v in spec.state_shapes.items()}
-            state = MambaStatePool(spec.slots, shapes, torch_dtype(spec.dtype), stack.device_pool.device)
-            host = MambaHostPool(state, host_size=spec.host_slots)
-            self.extra_pools[spec.name] = (state, host)
-            if stack.storage is not None:
-                stack.storage.register_mem_host_pool_v2(host, spec.name)
-        if stack.storage is not None:
-            await stack.storage.open()
+        try:
+            for spec in self.config.extra_pools:
+                shapes = {k: tuple(v) for k, v in spec.state_shapes.items()}
+                state = MambaStatePool(spec.slots, shapes, torch_dtype(spec.dtype), stack.device_pool.device)
+                host = MambaHostPool(state, host_size=spec.host_slots)
+                self.extra_pools[spec.name] = (state, host)
+                if stack.storage is not None:
+                    stack.storage.register_mem_host_pool_v2(host, spec.name)
+            # on the controller's I/O loop: the loop every later storage call (and the close)
+            # runs on; a backend opened on this loop would bind its tasks and events here
+            await stack.controller.open_storage()
+        except BaseException:
+            # nothing half-built outlives a failed start (copy thread, I/O thread, storage)
+            self._stack = None
+            self.extra_pools = {}
+            try:
+                await stack.aclose()
+            except Exception:  # noqa: BLE001 - the start error is the one to report
+                logger.exception("hicache: cleaning up after a failed start failed")
+            raise
         s = self.config.session
         session_config = SessionCacheConfig(
             idle_offload_s=s.idle_offload_s if s.enabled else None,
@@ -156,10 +170,18 @@ class HiCache:
         """Release every session, drain write-backs and backups, close storage; idempotent.
 
         Returns the controller's close report (pages it could not write, if any)."""
-        if self._state is not _State.OPEN:
+        if self._close_task is None:
+            if self._state is not _State.OPEN:
+                self._state = _State.CLOSED
+                return self.close_report
             self._state = _State.CLOSED
-            return self.close_report
-        self._state = _State.CLOSED
+            # One close, run to its end even if this caller is cancelled (a half-done close
+            # would leave the copy thread and the storage open); a concurrent or later aclose()
+            # waits for the same one.
+            self._close_task = asyncio.get_running_loop().create_task(self._close(), name="hicache-close")
+        return await asyncio.shield(self._close_task)
+
+    async def _close(self) -> Any:
         assert self.cache is not None and self._stack is not None
         for handle in list(self._live.values()):
             self._abort_now(handle)
@@ -201,17 +223,24 @@ class HiCache:
                 f"{len(tokens)} tokens exceed device.max_context_len ({self.config.device.max_context_len})"
             )
         session = Session(session_id, streaming=True) if session_id is not None and self.config.session.enabled else None
-        req = Req(rid=rid, origin_input_ids=tokens, session=session)
-        cache.match_req(req)
-        cache.start_prefetch(req)
+        # The cache tracks requests by id (prefetches, locks, session turns): two live requests
+        # under one caller id must not share it, or one's finish would release the other's state.
+        cache_rid = self._claim_rid(rid)
+        req = Req(rid=cache_rid, origin_input_ids=tokens, session=session)
         try:
+            cache.match_req(req)
+            cache.start_prefetch(req)
             admitted = await cache.admit(req, mem_quota=self.config.cache.load_back_quota_tokens, wait_load=False)
             slots = await cache.alloc_extend(req, len(tokens))
+            if self._state is not _State.OPEN:  # closed while this request was being admitted
+                raise CacheClosedError("HiCache was closed while the request was being admitted")
         except BaseException:
             cache.abort_req(req)
+            self._rids.discard(cache_rid)
             raise
         if slots is None:
             cache.abort_req(req)
+            self._rids.discard(cache_rid)
             raise OutOfKVSlotsError(
                 f"no room for {len(tokens)} tokens on device even after eviction and session offload"
             )
@@ -234,6 +263,14 @@ class HiCache:
         self._live[id(handle)] = handle
         return handle
 
+    def _claim_rid(self, rid: str) -> str:
+        cache_rid = rid
+        while cache_rid in self._rids:
+            self._rid_seq += 1
+            cache_rid = f"{rid}#{self._rid_seq}"
+        self._rids.add(cache_rid)
+        return cache_rid
+
     async def extend(self, handle: RequestHandle, new_token_ids: list[int]) -> torch.Tensor:
         """Device slots for tokens appended to the request (decode); returns the new slots."""
         cache = self._check_open()
@@ -251,10 +288,22 @@ class HiCache:
         """The KV of every token in ``handle.token_ids`` is written: make it reusable.
 
         ``finished``: the request is over (its KV goes to the prefix cache, or stays in its
-        session's slot); otherwise it is a prefill chunk and the request goes on."""
+        session's slot); otherwise it is a prefill chunk and the request goes on.
+
+        Raises :class:`~hicache.errors.HiCacheError` (the request is then aborted, its pages
+        freed) when the prefix KV it was handed never arrived: its load from host failed."""
         cache = self._check_open()
         self._check_live(handle)
-        await self._wait_load(handle)
+        if not await self._wait_load(handle):
+            # The prefix KV never arrived and the tree freed its slots: inserting the request
+            # would hand freed slots to the tree. Its KV is not reusable; the request is over.
+            self._abort_now(handle)
+            raise HiCacheError(
+                f"request {handle.rid}: loading its prefix from host failed; the request was "
+                "aborted (begin it again to recompute)"
+            )
+        self._check_open()
+        self._check_live(handle)
         req = handle.req
         n_prompt = len(req.origin_input_ids)
         req.output_ids = list(handle.token_ids[n_prompt:])
@@ -262,10 +311,23 @@ class HiCache:
         req.kv_committed_len = len(handle.token_ids)
         if finished:
             cache.release_req(req)
-            handle.done = True
-            self._live.pop(id(handle), None)
+            self._finish(handle)
         else:
             cache.cache_unfinished_req(req, chunked=True)
+            # the insert may have replaced the request's slots by the tree's (and freed its
+            # duplicates): kv_indices must not keep naming freed slots
+            if int(req.prefix_indices.numel()) == len(handle.token_ids):
+                handle.kv_indices = req.prefix_indices.clone()
+            # The chunk's prefix may now point at tree slots another request is still loading
+            # from host (the insert found them "on device" and freed our duplicates): the next
+            # chunk reads them, so wait for those loads.
+            wait_loads = getattr(cache.inner, "wait_loads", None)
+            if wait_loads is not None and not await wait_loads(req.prefix_indices):
+                if not handle.done:
+                    self._abort_now(handle)
+                raise HiCacheError(
+                    f"request {handle.rid}: a prefix load it shares failed; the request was aborted"
+                )
 
     async def abort(self, handle: RequestHandle) -> None:
         """Drop a request: its prefetch is cancelled and every page it held is freed; a
@@ -274,21 +336,30 @@ class HiCache:
         if handle.done:
             return
         await self._wait_load(handle)
+        if handle.done:  # committed or aborted by someone else meanwhile
+            return
         self._abort_now(handle)
+
+    def _finish(self, handle: RequestHandle) -> None:
+        handle.done = True
+        self._live.pop(id(handle), None)
+        self._rids.discard(handle.req.rid)
 
     def _abort_now(self, handle: RequestHandle) -> None:
         assert self.cache is not None
-        handle.done = True
-        self._live.pop(id(handle), None)
+        self._finish(handle)
         self.cache.abort_req(handle.req)
 
-    async def _wait_load(self, handle: RequestHandle) -> None:
-        """Slots under a running host->device load must not be freed or reused mid-copy."""
+    async def _wait_load(self, handle: RequestHandle) -> bool:
+        """Slots under a running host->device load must not be freed or reused mid-copy.
+        Returns whether the prefix KV arrived (``False``: the load failed)."""
         if handle.load is not None:
             try:
                 await handle.load.wait()
             except Exception:  # noqa: BLE001 - a failed load only means the prefix is not reusable
-                logger.warning("request %s: load-back failed; its prefix is recomputed", handle.rid)
+                logger.warning("request %s: load-back failed; its prefix is not reusable", handle.rid)
+                return False
+        return True
 
     def _check_live(self, handle: RequestHandle) -> None:
         if handle.done:

@@ -138,6 +138,13 @@ class HiCacheController(PrefetchMixin):
     def has_storage(self) -> bool:
         return self.storage is not None
 
+    async def open_storage(self) -> None:
+        """Open the storage backend on the loop its calls run on (the private I/O loop when
+        there is one): backends bind locks, events and background tasks to the loop that opens
+        them, and that loop is also the one that closes them in :meth:`aclose`."""
+        if self.storage is not None:
+            await self._on_io(self.storage.open())
+
     def set_host_free(self, free: Callable[[torch.Tensor], None]) -> None:
         """Route host-page frees through the cache (which keeps its own accounting)."""
         self._free_host = free
@@ -188,8 +195,8 @@ class HiCacheController(PrefetchMixin):
     async def drain(self) -> None:
         """Wait until every queued and running backup and load has completed (a completion may
         queue more work, e.g. a host backup queues its storage write, so loop until quiet)."""
-        if self.state is ControllerState.UNSTARTED:
-            return
+        if self.state in (ControllerState.UNSTARTED, ControllerState.CLOSED):
+            return  # closed: every job was completed or reported; nothing will ever finish
         while True:
             if self._backup_q is not None:
                 await self._backup_q.join()
@@ -203,6 +210,21 @@ class HiCacheController(PrefetchMixin):
                 and (self._storage_q is None or self._storage_q._unfinished_tasks == 0)  # type: ignore[attr-defined]
                 and not self._loads
             ):
+                return
+
+    async def drain_backups(self) -> None:
+        """Wait until every queued device->host copy and every load has completed; storage
+        writes may still be running. What device eviction waits for: a slow or hung storage
+        backend must not hold up freeing device memory whose host copy is already done."""
+        if self.state in (ControllerState.UNSTARTED, ControllerState.CLOSED):
+            return
+        while True:
+            if self._backup_q is not None:
+                await self._backup_q.join()
+            if self._loads:
+                await asyncio.wait(set(self._loads))
+            await asyncio.sleep(0)
+            if (self._backup_q is None or self._backup_q._unfinished_tasks == 0) and not self._loads:  # type: ignore[attr-defined]
                 return
 
     async def wait_prefetches(self) -> None:
@@ -239,13 +261,20 @@ class HiCacheController(PrefetchMixin):
             if self._tasks:
                 await asyncio.gather(*self._tasks, return_exceptions=True)
             self._report_leftovers(report)
+        # A backend that blocks its I/O loop (a hung mount) must not make close hang: its
+        # close and the I/O thread's exit are each waited for at most max(1 s,
+        # close_timeout_s); the thread is a daemon and is left behind with a warning.
+        limit = max(1.0, self.config.close_timeout_s if timeout is None else timeout)
         if self.own_storage and self.storage is not None:
             try:
-                await self._on_io(self.storage.aclose())
+                async with asyncio.timeout(limit):
+                    await self._on_io(self.storage.aclose())
+            except TimeoutError:
+                logger.warning("controller close: the storage backend did not close within %.1f s", limit)
             except Exception:  # noqa: BLE001 - closing must not raise into shutdown
                 logger.exception("closing the storage backend failed")
         if self._io is not None:
-            await self._io.stop()
+            await self._io.stop(timeout=limit)
         self.state = ControllerState.CLOSED
         return report
 
@@ -265,12 +294,20 @@ class HiCacheController(PrefetchMixin):
         while True:
             backups: list[BackupJob] = list(self._backup_busy)
             self._backup_busy = []
+            # jobs a cancelled worker had taken were never marked done: mark them, or every
+            # later join() (drain) would wait forever
+            for _ in backups:
+                if self._backup_q is not None:
+                    self._backup_q.task_done()
             if self._backup_q is not None:
                 while not self._backup_q.empty():
                     backups.append(self._backup_q.get_nowait())
                     self._backup_q.task_done()
             leftovers: list[StorageWriteJob] = list(self._storage_busy)
             self._storage_busy = []
+            for _ in leftovers:
+                if self._storage_q is not None:
+                    self._storage_q.task_done()
             if self._storage_q is not None:
                 while not self._storage_q.empty():
                     leftovers.append(self._storage_q.get_nowait())

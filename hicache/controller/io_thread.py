@@ -70,12 +70,22 @@ class IoThread:
         fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
         return await asyncio.wrap_future(fut)
 
-    async def stop(self) -> None:
-        """Stop the loop (cancelling what still runs there) and join the thread off-loop."""
+    async def stop(self, timeout: float | None = None) -> bool:
+        """Stop the loop (cancelling what still runs there) and join the thread off-loop, for
+        at most ``timeout`` seconds (``None``: no limit). A coroutine that blocks the I/O loop
+        (a backend stuck in a synchronous call) would otherwise make this wait forever; the
+        thread is a daemon, so it is left behind with a warning. Returns whether it ended."""
         if self._loop is None or self._thread is None:
-            return
+            return True
         loop, thread = self._loop, self._thread
         self._loop = self._thread = None
-        if loop.is_running():
-            loop.call_soon_threadsafe(loop.stop)
-        await asyncio.to_thread(thread.join)
+        if not loop.is_closed():
+            try:
+                loop.call_soon_threadsafe(loop.stop)
+            except RuntimeError:  # closed meanwhile
+                pass
+        await asyncio.to_thread(thread.join, timeout)
+        if thread.is_alive():
+            logger.warning("%s: the storage I/O loop is blocked; its thread is left behind", self.name)
+            return False
+        return True

@@ -86,6 +86,15 @@ class RequestFlowMixin:
         """
         fetched = await self.wait_prefetch(req.rid) if req.rid in self._prefetching else 0
         m = self.match_req(req, max_prefix_len)
+        while True:
+            # Part of the device hit may be a prefix another request is still loading from
+            # host (its nodes got their device slots when the load started): wait for those
+            # loads before using their slots, then match again (a failed load drops them).
+            pending = self.loads_in_flight(m.device_indices)
+            if not pending:
+                break
+            await asyncio.wait(pending)
+            m = self.match_req(req, max_prefix_len)
         device = m.device_hit_length
         host = m.host_hit_length
         handle = None
@@ -117,7 +126,7 @@ class RequestFlowMixin:
             else:
                 host = 0
         self._matched.discard(req.rid)
-        self._admitted.add(req.rid)
+        self._admitted[req.rid] = req
         storage = min(fetched, host)
         req.last_node = node
         req.cache_protected_len = int(req.prefix_indices.numel())
@@ -143,7 +152,7 @@ class RequestFlowMixin:
         """Abort: cancel the prefetch (its host pages are freed), drop the lock and free the
         request's own KV without inserting it. Safe at any point after :meth:`match_req`."""
         self._matched.discard(req.rid)
-        if req.rid not in self._admitted:  # match_req set last_node but locked nothing
+        if not self.is_admitted(req):  # match_req set last_node but locked nothing
             req.last_node = None
             req.cache_protected_len = 0
         if self.controller.abort_prefetch(req.rid) or req.rid in self._prefetching:
@@ -155,5 +164,6 @@ class RequestFlowMixin:
         elif req.last_node is not None:
             self.dec_lock_ref(req.last_node)
             req.last_node = None
-        self._admitted.discard(req.rid)
+        if self._admitted.get(req.rid) is req:
+            del self._admitted[req.rid]
 

@@ -64,6 +64,7 @@ class _Load:
     node: TreeNode
     chain: list[TreeNode]
     done: asyncio.Future[bool] | None
+    dev: torch.Tensor | None = None  # the device slots being written (whatever splits happen)
 
 
 class HiRadixCache(RequestFlowMixin, RadixCache):
@@ -98,7 +99,9 @@ class HiRadixCache(RequestFlowMixin, RadixCache):
         self._loads: list[_Load] = []
         self._new_handles: list[Any] = []
         self._matched: set[str] = set()  # rids whose hit was counted by match_req
-        self._admitted: set[str] = set()  # rids admit() locked a prefix for
+        # requests admit() locked a prefix for, by rid; the Req itself is kept so that a later
+        # request reusing the rid is never mistaken for one holding a lock
+        self._admitted: dict[str, Any] = {}
         super().__init__(
             req_to_token_pool=req_to_token_pool,
             token_to_kv_pool_allocator=token_to_kv_pool_allocator,
@@ -126,15 +129,29 @@ class HiRadixCache(RequestFlowMixin, RadixCache):
             for rid in list(self._prefetching):
                 self.controller.abort_prefetch(rid)
         self._generation = getattr(self, "_generation", 0) + 1
+        for load in getattr(self, "_loads", []):
+            if load.done is not None and not load.done.done():
+                load.done.set_result(False)  # whoever waits for it must not wait forever
         self._prefetching = {}
         self._loads = []
         self._new_handles = []
         super().reset()
 
     def cache_finished_req(self, req: Any, is_insert: bool = True, **kwargs: Any) -> None:
-        self._admitted.discard(req.rid)
-        self._matched.discard(req.rid)
+        self.forget_req(req)
         super().cache_finished_req(req, is_insert=is_insert, **kwargs)
+
+    def forget_req(self, req: Any) -> None:
+        """``req`` is over for this cache (finished, or its lock taken over by a decorator such
+        as the session cache): drop what the cache remembers about it by rid."""
+        if self._admitted.get(req.rid) is req:
+            del self._admitted[req.rid]
+        self._matched.discard(req.rid)
+
+    def is_admitted(self, req: Any) -> bool:
+        """Whether :meth:`admit` locked a prefix for this very request (not another one that
+        used the same rid)."""
+        return self._admitted.get(req.rid) is req
 
     def _free_host(self, indices: torch.Tensor) -> None:
         if indices is not None and indices.numel():
@@ -385,7 +402,7 @@ class HiRadixCache(RequestFlowMixin, RadixCache):
         for _ in range(3):
             if freed >= need:
                 break
-            await self.controller.drain()
+            await self.controller.drain_backups()  # not the storage writes behind them
             got = self.evict(need - freed).num_tokens_evicted
             if got == 0:
                 break
@@ -441,7 +458,7 @@ class HiRadixCache(RequestFlowMixin, RadixCache):
             fut = asyncio.get_running_loop().create_future()
         except RuntimeError:
             fut = None
-        load = _Load(node, chain, fut)
+        load = _Load(node, chain, fut, dev)
         try:
             handle = self.controller.start_load(host, dev, lambda ok: self._load_done(gen, load, ok))
         except Exception:  # noqa: BLE001 - a closed controller: fall back to compute
@@ -453,17 +470,52 @@ class HiRadixCache(RequestFlowMixin, RadixCache):
         return dev, node
 
     def _load_done(self, gen: int, load: _Load, ok: bool) -> None:
-        if gen != self._generation:
+        if gen != self._generation:  # the tree was reset meanwhile: nothing to update
+            if load.done is not None and not load.done.done():
+                load.done.set_result(False)
             return
         if load in self._loads:
             self._loads.remove(load)
         if not ok:
-            for c in reversed(load.chain):
-                if c.value is not None:
-                    self._free(self._drop_device(c))
+            # Drop every node holding slots of this load, deepest first. Walk up from the
+            # load's node rather than over ``load.chain``: a match or insert may have split a
+            # chain node meanwhile, and the new upper half (not in the chain) holds loaded slots
+            # too; leaving it would serve unloaded KV as a device hit.
+            n: TreeNode | None = load.node
+            while (
+                n is not None and n is not self.root_node and n.value is not None
+                and load.dev is not None and bool(torch.isin(n.value, load.dev).all())
+            ):
+                self._free(self._drop_device(n))
+                n = n.parent
         self.dec_lock_ref(load.node)
         if load.done is not None and not load.done.done():
             load.done.set_result(ok)
+
+    def loads_in_flight(self, indices: torch.Tensor) -> list[asyncio.Future[bool]]:
+        """Completion futures of the host->device loads still writing into any of the device
+        slots ``indices``. A node gets its device slots when its load *starts*, so a match
+        during the load sees them as a device hit: whoever reuses them must wait for these."""
+        if not self._loads or indices is None or indices.numel() == 0:
+            return []
+        out: list[asyncio.Future[bool]] = []
+        for load in self._loads:
+            if load.done is None or load.done.done() or load.dev is None:
+                continue
+            if bool(torch.isin(indices, load.dev.to(indices.device)).any()):
+                out.append(load.done)
+        return out
+
+    async def wait_loads(self, indices: torch.Tensor) -> bool:
+        """Wait until no load writes into ``indices``; ``False`` when one of them failed (its
+        slots were then freed by the tree: KV at ``indices`` is not valid)."""
+        ok = True
+        while True:
+            pending = self.loads_in_flight(indices)
+            if not pending:
+                return ok
+            await asyncio.wait(pending)
+            ok = ok and all(f.result() for f in pending if not f.cancelled())
 
     def ready_to_load_host_cache(self) -> list[Any]:
         """Load handles started since the last call (``handle.counter`` is the per-layer
@@ -590,6 +642,10 @@ class HiRadixCache(RequestFlowMixin, RadixCache):
     async def drain(self) -> None:
         """Wait for every queued copy (device->host, host->storage, loads) to complete."""
         await self.controller.drain()
+
+    async def drain_backups(self) -> None:
+        """Wait for the device->host copies and loads only (storage writes may go on)."""
+        await self.controller.drain_backups()
 
     async def aclose(self) -> Any:
         """Close the controller (drains backups, reports what it could not write)."""

@@ -365,15 +365,9 @@ class RadixCache(BasePrefixCache):
             self._free(row[protected:alloc_end])
         else:
             tokens = req.full_ids[:aligned]
-            result = self.insert(
-                InsertParams(
-                    key=RadixKey(tokens, req.extra_key),
-                    value=row[:aligned],
-                    priority=req.priority,
-                )
-            )
-            if result.prefix_len > protected:
-                self._free(row[protected : result.prefix_len])
+            key = RadixKey(tokens, req.extra_key)
+            result = self.insert(InsertParams(key=key, value=row[:aligned], priority=req.priority))
+            self._free_duplicates(row, protected, aligned, result)
             if alloc_end > aligned:
                 self._free(row[aligned:alloc_end])
         if req.last_node is not None:
@@ -399,10 +393,9 @@ class RadixCache(BasePrefixCache):
         protected = req.cache_protected_len
         key = RadixKey(tokens[:aligned], req.extra_key)
         result = self.insert(InsertParams(key=key, value=kv[:aligned], priority=req.priority))
-        if result.prefix_len > protected:
-            self._free(kv[protected : result.prefix_len].clone())
         path = self._walk(key, aligned)
         new_indices = torch.cat([p.value for p in path]) if path else self._empty()
+        self._free_duplicates(kv, protected, aligned, result, new_indices)
         new_last = path[-1] if path else self.root_node
         if new_indices.numel() > protected:
             row[protected : new_indices.numel()] = new_indices[protected:].to(row.device)
@@ -412,6 +405,36 @@ class RadixCache(BasePrefixCache):
         req.prefix_indices = torch.cat([new_indices, row[new_indices.numel() : n].clone()])
         req.cache_protected_len = int(new_indices.numel())
         req.last_node = new_last
+
+    def _free_duplicates(self, row: torch.Tensor, protected: int, aligned: int, result: InsertResult,
+                         tree: torch.Tensor | None = None) -> None:
+        """Free the request's slots in ``[protected, aligned)`` that the tree did not adopt
+        (it had KV there already). Usually that is the leading run ``result.prefix_len``; but a
+        node revived by the insert (host-only, given our slots) may be followed by nodes that
+        were on device, whose duplicates lie past it, so compare with the tree's slots."""
+        if aligned <= protected:
+            return
+        if tree is None:
+            tree = self._path_slots(result.last_device_node)
+        if int(tree.numel()) != aligned:  # cannot happen (the inserted path is on device)
+            if result.prefix_len > protected:
+                self._free(row[protected : result.prefix_len].clone())
+            return
+        mine = row[protected:aligned].to(torch.int64)
+        dup = mine[mine != tree[protected:aligned].to(mine.device)]
+        if dup.numel():
+            self._free(dup.clone())
+
+    def _path_slots(self, node: Any) -> torch.Tensor:
+        """Device slots from the root through ``node`` (empty if one of them has none)."""
+        values: list[torch.Tensor] = []
+        while node is not None and node is not self.root_node:
+            if node.value is None:
+                return self._empty()
+            values.append(node.value)
+            node = node.parent
+        values.reverse()
+        return torch.cat(values) if values else self._empty()
 
     # ------------------------------------------------------------------ locks
 

@@ -404,6 +404,11 @@ class SessionAwareCache(ForwardingCache):
         is_first = not slot.is_holding_kv
         before = slot.kv_committed_len
         slot.save_from_req(req, is_first=is_first)
+        # the slot owns the turn's row and (first turn) its tree lock now: the inner cache must
+        # forget the request, or a later request reusing its rid would be taken for it
+        forget = getattr(self.inner, "forget_req", None)
+        if forget is not None:
+            forget(req)
         req.prefix_indices = torch.empty((0,), dtype=torch.int64)
         stats = self.session_metrics.session(sid)  # type: ignore[arg-type]
         stats.turns += 1

@@ -135,7 +135,11 @@ class WriteBackQueue:
     async def drain(self) -> None:
         """Wait until every entry finished: copies complete (the tree's controller drains),
         refused ones are retried up to the attempt limit."""
-        drain = getattr(self._tree, "drain", None)
+        # Only the host copies are followed here: wait for the device->host copies, not for
+        # the storage writes queued behind them (a slow or hung backend would hold up a
+        # session close, or aclose() past its close timeout; the controller's close bounds
+        # and reports those writes).
+        drain = getattr(self._tree, "drain_backups", None) or getattr(self._tree, "drain", None)
         while self._entries:
             self.pump()
             if not self._entries:

@@ -1,0 +1,165 @@
+"""Host->device loads seen by other requests: a prefix being loaded is not usable until the
+copy ends, and a failed load takes back every slot it handed out, even after splits."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import torch
+
+from hicache.controller import ControllerConfig
+from hicache.prefix_cache import EvictParams, MatchPrefixParams, RadixKey, Req
+from hicache.replay import StackConfig, build_stack, serve_request, verify_kv
+
+PS = 4
+
+
+def make():  # type: ignore[no-untyped-def]
+    cfg = StackConfig(page_size=PS, device_pages=16, host_pages=32, storage_backend=None,
+                      controller=ControllerConfig(prefetch_threshold=PS))
+    return build_stack(cfg)
+
+
+def patch_loads(stack, *, delay: float, fail: bool) -> None:  # type: ignore[no-untyped-def]
+    engine = stack.copy_engine
+    orig = engine._load_layer
+
+    def layer(plan, i):  # type: ignore[no-untyped-def]
+        time.sleep(delay)
+        if fail:
+            raise RuntimeError("injected load failure")
+        orig(plan, i)
+
+    engine._load_layer = layer
+
+
+async def host_only(stack, tokens: list[int]) -> None:  # type: ignore[no-untyped-def]
+    await serve_request(stack, tokens, rid="seed")
+    await stack.cache.drain()
+    stack.cache.evict(EvictParams(num_tokens=10**6))
+    assert stack.cache.total_size() == 0
+
+
+async def test_admit_waits_for_a_load_of_its_prefix_started_by_another_request() -> None:
+    stack = make()
+    cache = stack.cache
+    a = list(range(16))
+    await host_only(stack, a)
+    patch_loads(stack, delay=0.03, fail=False)
+    first = Req(rid="first", origin_input_ids=a + [99])
+    cache.match_req(first)
+    r1 = await cache.admit(first, wait_load=False)
+    assert r1.host_hit == 16 and r1.load_handle is not None
+    second = Req(rid="second", origin_input_ids=a + [98])
+    cache.match_req(second)
+    r2 = await cache.admit(second, wait_load=False)
+    assert r2.device_hit == 16 and r2.load_handle is None
+    # second got no handle to wait on: its prefix must be loaded already
+    assert verify_kv(stack.device_pool, second.prefix_indices, torch.tensor(a)) == 0
+    cache.abort_req(first)
+    cache.abort_req(second)
+    await cache.drain()
+    assert cache.protected_size() == 0
+    cache.sanity_check()
+    await stack.aclose()
+
+
+async def test_failed_load_drops_slots_of_nodes_split_during_the_load() -> None:
+    stack = make()
+    cache = stack.cache
+    a = list(range(16))
+    await host_only(stack, a)
+    patch_loads(stack, delay=0.02, fail=True)
+    req = Req(rid="r", origin_input_ids=a + [99])
+    cache.match_req(req)
+    res = await cache.admit(req, wait_load=False)
+    assert res.load_handle is not None
+    # another request's match diverges inside the loading node: the node is split
+    cache.match_prefix(MatchPrefixParams(key=RadixKey(a[:8] + [500, 501, 502, 503])))
+    upper = cache.match_prefix(MatchPrefixParams(key=RadixKey(a[:8]))).last_host_node
+    assert len(upper.key) == 8
+    await cache.drain()  # the load fails
+    assert upper.value is None, "the split-off half still serves slots that were never loaded"
+    cache.abort_req(req)
+    await cache.drain()
+    tree = cache.all_device_indices()
+    assert tree.numel() == 0 or stack.allocator.is_allocated(tree)
+    assert stack.allocator.available_size() + tree.numel() == stack.allocator.size
+    cache.sanity_check()
+    # a later request loads the prefix from host correctly
+    patch_loads(stack, delay=0.0, fail=False)
+    stack.copy_engine._load_layer = type(stack.copy_engine)._load_layer.__get__(stack.copy_engine)
+    out = await serve_request(stack, a + [7], rid="later")
+    assert out.verify_failures == 0 and out.host_hit == 16
+    await stack.aclose()
+
+
+async def test_cancelled_admit_waiting_for_another_load_holds_nothing() -> None:
+    stack = make()
+    cache = stack.cache
+    a = list(range(16))
+    await host_only(stack, a)
+    patch_loads(stack, delay=0.03, fail=False)
+    first = Req(rid="first", origin_input_ids=a + [99])
+    cache.match_req(first)
+    await cache.admit(first, wait_load=False)
+    second = Req(rid="second", origin_input_ids=a + [98])
+    cache.match_req(second)
+    task = asyncio.ensure_future(cache.admit(second, wait_load=False))
+    await asyncio.sleep(0.005)
+    task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        pass
+    cache.abort_req(second)
+    cache.abort_req(first)
+    await cache.drain()
+    assert cache.protected_size() == 0
+    cache.sanity_check()
+    await stack.aclose()
+
+
+async def test_insert_through_a_revived_node_frees_every_duplicate() -> None:
+    """After a failed load a host-only node may have a device child (inserted during the
+    load). A later insert revives the node with the request's slots; the request's slots under
+    the device child are duplicates too and must be freed, not leaked."""
+    stack = make()
+    cache = stack.cache
+    a = list(range(16))
+    await serve_request(stack, a, rid="seed")
+    await cache.drain()
+    cache.match_prefix(MatchPrefixParams(key=RadixKey(a[:8] + [500, 501, 502, 503])))  # split at 8
+    upper = cache.match_prefix(MatchPrefixParams(key=RadixKey(a[:8]))).last_host_node
+    assert len(upper.key) == 8 and upper.backuped
+    cache._free(cache._drop_device(upper))  # what a failed load leaves: host-only above device
+    out = await serve_request(stack, a + [1, 2, 3, 4], rid="again", prefetch=False)
+    assert out.device_hit == 0
+    await cache.drain()
+    tree = cache.all_device_indices()
+    assert stack.allocator.is_allocated(tree)
+    assert stack.allocator.available_size() + tree.numel() == stack.allocator.size, "duplicates leaked"
+    cache.sanity_check()
+    await stack.aclose()
+
+
+async def test_reset_during_a_load_wakes_whoever_waits_for_it() -> None:
+    stack = make()
+    cache = stack.cache
+    a = list(range(16))
+    await host_only(stack, a)
+    patch_loads(stack, delay=0.03, fail=False)
+    first = Req(rid="first", origin_input_ids=a + [99])
+    cache.match_req(first)
+    await cache.admit(first, wait_load=False)
+    second = Req(rid="second", origin_input_ids=a + [98])
+    cache.match_req(second)
+    waiting = asyncio.ensure_future(cache.admit(second, wait_load=False))
+    await asyncio.sleep(0.005)
+    assert not waiting.done()
+    cache.reset()  # a flush: the load completes into a tree that no longer exists
+    res = await asyncio.wait_for(waiting, 2.0)
+    assert res.prefix_len == 0
+    await stack.controller.drain()
+    await stack.aclose()

@@ -1,0 +1,112 @@
+"""Closing the controller against a storage backend that hangs or blocks its I/O loop."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import uuid
+
+from _hicache_faults import FaultyStorage
+from hicache.controller import ControllerConfig
+from hicache.replay import StackConfig, build_stack, serve_request
+
+PS = 4
+
+
+class LoopBlockingStorage(FaultyStorage):
+    """Writes block the storage I/O loop's thread (a synchronous call on a hung mount)."""
+
+    def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(*args, **kwargs)
+        self.unblock = threading.Event()
+
+    async def _write(self, pages, buffers, parents):  # type: ignore[no-untyped-def]
+        self.unblock.wait(10)
+        return await super()._write(pages, buffers, parents)
+
+
+def make(store: FaultyStorage):  # type: ignore[no-untyped-def]
+    cfg = StackConfig(page_size=PS, device_pages=16, host_pages=64, storage_backend=None,
+                      controller=ControllerConfig(prefetch_threshold=PS, storage_io_timeout_s=0.2,
+                                                  cancelled_io_grace_s=0.0, close_timeout_s=0.3))
+    return build_stack(cfg, storage=store)
+
+
+async def test_drain_after_a_close_that_timed_out_returns() -> None:
+    store = FaultyStorage(store_id=f"faulty-{uuid.uuid4()}")
+    stack = make(store)
+    store.hang_now()
+    await serve_request(stack, list(range(8)), rid="a")
+    await asyncio.sleep(0.02)  # the storage write is in flight, hung
+    report = await stack.aclose()
+    assert not report.drained and report.unwritten_pages == 2
+    # the job the cancelled worker held was reported: nothing is left "unfinished"
+    await asyncio.wait_for(stack.controller.drain(), 1.0)
+    await asyncio.wait_for(stack.cache.drain(), 1.0)
+
+
+async def test_close_returns_when_the_backend_blocks_its_io_loop() -> None:
+    store = LoopBlockingStorage(store_id=f"faulty-{uuid.uuid4()}")
+    stack = make(store)
+    try:
+        await serve_request(stack, list(range(8)), rid="a")
+        await asyncio.sleep(0.02)
+        t0 = time.monotonic()
+        report = await asyncio.wait_for(stack.aclose(), 8.0)
+        assert time.monotonic() - t0 < 5.0
+        assert not report.drained
+    finally:
+        store.unblock.set()
+
+
+async def test_device_eviction_does_not_wait_for_a_hung_storage_write() -> None:
+    """Making device room needs the device->host copies, not the storage writes queued behind
+    them: with storage hung, evict_async must return as soon as the backups are done."""
+    from hicache.prefix_cache import EvictParams
+
+    store = FaultyStorage(store_id=f"faulty-{uuid.uuid4()}")
+    cfg = StackConfig(page_size=PS, device_pages=16, host_pages=64, storage_backend=None,
+                      controller=ControllerConfig(prefetch_threshold=PS, write_policy="write_back",
+                                                  storage_io_timeout_s=30.0, cancelled_io_grace_s=0.0,
+                                                  close_timeout_s=1.0))
+    stack = build_stack(cfg, storage=store)
+    try:
+        await serve_request(stack, list(range(32)), rid="a")
+        store.hang_now()
+        await serve_request(stack, list(range(100, 132)), rid="b")
+        t0 = time.monotonic()
+        res = await asyncio.wait_for(stack.cache.evict_async(EvictParams(num_tokens=64)), 10.0)
+        assert res.num_tokens_evicted == 64
+        assert time.monotonic() - t0 < 2.0
+    finally:
+        store.release()
+        await stack.aclose()
+
+
+async def test_session_close_is_bounded_by_the_close_timeout_with_storage_hung() -> None:
+    """Closing sessions waits for their host copies, not for storage writes: with storage hung
+    the whole close still ends within the controller's close timeout (it reports the rest)."""
+    from hicache.prefix_cache import Req, Session
+    from hicache.session import SessionAwareCache
+
+    store = FaultyStorage(store_id=f"faulty-{uuid.uuid4()}")
+    stack = make(store)  # close_timeout_s=0.3, storage_io_timeout_s=0.2
+    stack.controller.config.storage_io_timeout_s = 5.0
+    cache = SessionAwareCache(stack.cache)
+    try:
+        store.hang_now()
+        await serve_request(stack, list(range(8)), rid="plain", verify=False)
+        req = Req(rid="turn", origin_input_ids=list(range(100, 112)), session=Session("chat", streaming=True))
+        cache.match_req(req)
+        await cache.admit(req)
+        assert await cache.alloc_extend(req, 12) is not None
+        req.kv_committed_len = 12
+        cache.release_req(req)
+        assert cache.session_held_req_count() == 1
+        t0 = time.monotonic()
+        report = await asyncio.wait_for(cache.aclose(), 10.0)
+        assert time.monotonic() - t0 < 3.0
+        assert report is not None and not report.drained
+    finally:
+        store.release()

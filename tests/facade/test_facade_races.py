@@ -1,0 +1,250 @@
+"""Facade regressions: concurrency, failures and lifecycle edges of the request path.
+
+Each test pins one defect found in review: KV read from slots still being loaded, a lock leaked
+by two requests sharing an id, freed slots handed to the tree after a failed load, storage
+opened on the wrong loop, begin() succeeding on a closed cache, close races and failed starts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import hicache.facade as facade_mod
+from hicache.errors import CacheClosedError, HiCacheError
+from hicache.facade import HiCache
+from hicache.replay.synthetic import verify_kv, write_synthetic_kv
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_facade import PS, config, prompt, run  # noqa: E402
+
+
+async def demote_shared(cache: HiCache, shared: list[int]) -> None:
+    """Put ``shared`` in the tree, then flood the device so that it lives on host only."""
+    await run(cache, "seed", shared + prompt(3, 20))
+    for i in range(12):
+        await run(cache, f"flood{i}", prompt(100 + i, 10 * PS))
+    await cache.drain()
+
+
+def slow_loads(cache: HiCache, delay: float = 0.05, fail: bool = False) -> None:
+    engine = cache._stack.copy_engine
+    orig = engine._load_layer
+
+    def layer(plan, i):  # type: ignore[no-untyped-def]
+        time.sleep(delay)
+        if fail:
+            raise RuntimeError("injected load failure")
+        orig(plan, i)
+
+    engine._load_layer = layer
+
+
+def assert_no_leak(cache: HiCache) -> None:
+    stack = cache._stack
+    inner = cache.cache.inner
+    inner.sanity_check()
+    assert inner.protected_size() == 0, "a lock outlived every request"
+    tree = inner.all_device_indices()
+    if tree.numel():
+        assert stack.allocator.is_allocated(tree), "the tree holds free slots"
+    assert stack.allocator.available_size() + tree.numel() == stack.allocator.size
+    assert stack.req_to_token_pool.available_size() == stack.req_to_token_pool.size
+
+
+async def test_second_request_waits_for_a_load_in_flight() -> None:
+    """B matches A's prefix while A's host->device load is still copying: B must not read
+    those slots before the copy ends (it got no load handle of its own)."""
+    async with HiCache.from_config(config()) as cache:
+        shared = prompt(2, 5 * PS)
+        await demote_shared(cache, shared)
+        slow_loads(cache)
+        a = await cache.begin("a", shared + prompt(5, 7))
+        assert a.hits["host"] == 5 * PS and a.load is not None
+        b = await cache.begin("b", shared + prompt(6, 7))
+        assert b.prefix_len == 5 * PS
+        tb = torch.tensor(b.token_ids)
+        for layer in range(cache.device_pool.layer_num):
+            await b.wait_layer(layer)
+        assert verify_kv(cache.device_pool, b.kv_indices[: b.prefix_len], tb[: b.prefix_len]) == 0
+        await cache.abort(a)
+        await cache.abort(b)
+        await cache.drain()
+        assert_no_leak(cache)
+
+
+async def test_requests_sharing_an_id_do_not_leak_locks() -> None:
+    async with HiCache.from_config(config()) as cache:
+        shared = prompt(2, 5 * PS)
+        await run(cache, "a", shared + prompt(3, 20))
+        h1 = await cache.begin("dup", shared + prompt(4, 3))
+        h2 = await cache.begin("dup", shared + prompt(5, 3))
+        assert h1.rid == h2.rid == "dup"
+        write_synthetic_kv(cache.device_pool, h1.kv_indices, torch.tensor(h1.token_ids))
+        await cache.commit(h1)
+        await cache.abort(h2)  # must release h2's own lock, not think h1's finish did
+        await cache.drain()
+        assert_no_leak(cache)
+
+
+async def test_commit_after_a_failed_load_aborts_instead_of_inserting_freed_slots() -> None:
+    async with HiCache.from_config(config()) as cache:
+        shared = prompt(2, 5 * PS)
+        await demote_shared(cache, shared)
+        slow_loads(cache, delay=0.001, fail=True)
+        h = await cache.begin("f", shared + prompt(5, 7))
+        assert h.load is not None and h.prefix_len == 5 * PS
+        write_synthetic_kv(cache.device_pool, h.kv_indices[h.prefix_len :], torch.tensor(h.token_ids[h.prefix_len :]))
+        with pytest.raises(HiCacheError, match="load"):
+            await cache.commit(h)
+        assert h.done
+        await cache.drain()
+        assert_no_leak(cache)
+        # the prefix is still on host and loads fine once copies work again
+        slow_loads(cache, delay=0.0)
+        cache._stack.copy_engine._load_layer = type(cache._stack.copy_engine)._load_layer.__get__(
+            cache._stack.copy_engine
+        )
+        h = await run(cache, "g", shared + prompt(6, 7))
+        assert h.prefix_len == 5 * PS
+
+
+async def test_file_storage_is_opened_and_closed_on_the_controller_loop(tmp_path: Path, caplog) -> None:
+    caplog.set_level(logging.ERROR)
+    async with HiCache.from_config(config(tmp_path)) as cache:
+        await run(cache, "w", prompt(7, 3 * PS))
+        scan = cache.storage._scan_task
+        assert scan is None or scan.get_loop() is not asyncio.get_running_loop()
+    assert not [r for r in caplog.records if "closing" in r.getMessage()], caplog.text
+    async with HiCache.from_config(config(tmp_path)) as again:
+        h = await run(again, "r", prompt(7, 3 * PS) + [1])
+        assert h.hits["storage"] == 3 * PS
+
+
+async def test_begin_that_finishes_after_close_raises_and_releases() -> None:
+    cache = await HiCache.from_config(config()).start()
+    stack = cache._stack
+    inner_alloc = cache.cache.alloc_extend
+    gate = asyncio.Event()
+    entered = asyncio.Event()
+
+    async def alloc_then_wait(req, n):  # type: ignore[no-untyped-def]
+        slots = await inner_alloc(req, n)
+        entered.set()
+        await gate.wait()  # aclose() runs while this begin is still inside
+        return slots
+
+    cache.cache.alloc_extend = alloc_then_wait  # type: ignore[method-assign]
+    task = asyncio.ensure_future(cache.begin("late", prompt(1, 40)))
+    await entered.wait()
+    close = asyncio.ensure_future(cache.aclose())
+    await asyncio.sleep(0)
+    gate.set()
+    with pytest.raises(CacheClosedError):
+        await task
+    await close
+    assert stack.req_to_token_pool.available_size() == stack.req_to_token_pool.size
+    assert not cache._live
+
+
+async def test_concurrent_aclose_waits_for_the_one_close() -> None:
+    cache = await HiCache.from_config(config()).start()
+    await run(cache, "a", prompt(1, 40))
+    engine = cache._stack.copy_engine
+    first = asyncio.ensure_future(cache.aclose())
+    await asyncio.sleep(0)
+    await cache.aclose()  # returns only once the close is complete
+    assert engine._closed
+    await first
+    with pytest.raises(CacheClosedError):
+        await cache.begin("x", [1])
+
+
+async def test_cancelled_aclose_still_closes_everything() -> None:
+    cache = await HiCache.from_config(config()).start()
+    await run(cache, "a", prompt(1, 40))
+    engine = cache._stack.copy_engine
+    t = asyncio.ensure_future(cache.aclose())
+    await asyncio.sleep(0)
+    t.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await t
+    await cache.aclose()
+    assert engine._closed
+    assert cache._stack.controller.state.value == "closed"
+
+
+async def test_failed_start_leaves_no_thread_behind(tmp_path: Path, monkeypatch) -> None:
+    root = tmp_path / "not-a-dir"
+    root.write_text("x")
+    built = []
+    orig = facade_mod.build_stack
+
+    def record(cfg, **kw):  # type: ignore[no-untyped-def]
+        stack = orig(cfg, **kw)
+        built.append(stack)
+        return stack
+
+    monkeypatch.setattr(facade_mod, "build_stack", record)
+    cfg = config()
+    cfg["storage"] = {"backend": "file", "options": {"root": str(root)}}
+    cache = HiCache.from_config(cfg)
+    before = set(threading.enumerate())
+    with pytest.raises(Exception):
+        await cache.start()
+    assert built and built[0].copy_engine._closed
+    assert built[0].controller._io is None or not built[0].controller._io.running
+    await asyncio.sleep(0.05)
+    left = [t for t in threading.enumerate() if t not in before and t.name.startswith("hicache")]
+    assert not left, left
+    with pytest.raises(CacheClosedError):
+        await cache.begin("x", [1])
+
+
+async def test_chunk_commit_waits_for_a_load_of_the_slots_it_now_points_at() -> None:
+    """C computed a prefix itself; meanwhile the same prefix was cached, demoted to host, and
+    another request started loading it. C's chunk commit finds those nodes "on device" (their
+    slots are being loaded), drops its own copies and points at the tree's: the next chunk
+    reads them, so commit returns only once they hold the KV."""
+    async with HiCache.from_config(config()) as cache:
+        shared = prompt(2, 5 * PS)
+        c = await cache.begin("c", shared + prompt(9, 3))
+        assert c.prefix_len == 0
+        await demote_shared(cache, shared)
+        slow_loads(cache, delay=0.05)
+        a = await cache.begin("a", shared + prompt(5, 7))
+        assert a.load is not None
+        tc = torch.tensor(c.token_ids)
+        write_synthetic_kv(cache.device_pool, c.kv_indices, tc)
+        await cache.commit(c, finished=False)
+        prefix = c.req.prefix_indices
+        assert prefix.numel() >= 5 * PS
+        assert verify_kv(cache.device_pool, prefix, tc[: prefix.numel()]) == 0
+        await cache.commit(c)
+        await cache.abort(a)
+        await cache.drain()
+        assert_no_leak(cache)
+
+
+async def test_chunk_commit_refreshes_kv_indices() -> None:
+    """After a chunk commit the request's duplicates of cached pages are freed; its handle
+    must name the slots that now hold its KV, not the freed ones."""
+    async with HiCache.from_config(config()) as cache:
+        shared = prompt(2, 5 * PS)
+        c = await cache.begin("c", shared + prompt(9, 3))
+        await run(cache, "other", shared + prompt(3, 20))  # caches the same prefix meanwhile
+        t = torch.tensor(c.token_ids)
+        write_synthetic_kv(cache.device_pool, c.kv_indices, t)
+        await cache.commit(c, finished=False)
+        assert cache._stack.allocator.is_allocated(c.kv_indices[: 5 * PS])
+        assert verify_kv(cache.device_pool, c.kv_indices, t) == 0
+        await cache.commit(c)
+        await cache.drain()
+        assert_no_leak(cache)
