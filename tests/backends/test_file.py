@@ -554,3 +554,29 @@ def test_empty_root_is_a_config_error() -> None:
 
     with pytest.raises(ConfigError, match="root"):
         create_async_storage("file", None, root="")
+
+
+async def test_huge_stray_file_is_rejected_before_allocating_it(tmp_path) -> None:
+    """A v0 ``get`` of unknown size reads and checks the header before allocating the payload:
+    a 4 GiB (sparse) stray file under a page's name costs a header read, not 4 GiB of RAM."""
+    import tracemalloc
+
+    store = make_store(tmp_path)
+    async with store:
+        assert await store.set("real", v0(64, 1))
+        assert await store.set("other", v0(64, 2))
+        target = page_path(tmp_path, store.namespace.digest, "real")
+        with open(page_path(tmp_path, store.namespace.digest, "other"), "rb") as f:
+            foreign_header = f.read(256)
+        with open(target, "wb") as f:
+            f.write(foreign_header)
+            f.truncate(4 << 30)
+        tracemalloc.start()
+        try:
+            assert await store.get("real") is None
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        assert peak < 64 << 20, peak
+        assert store.get_stats()["corrupt_pages"] >= 1
+        assert not os.path.exists(target)

@@ -131,18 +131,18 @@ def _write_all(fd: int, bufs: Sequence[bytes | memoryview]) -> None:
         views = _advance(views, n)
 
 
-def _read_all(fd: int, bufs: list[memoryview]) -> int:
-    """Fill ``bufs`` from offset 0; returns bytes read (less only at end of file)."""
+def _read_all(fd: int, bufs: list[memoryview], start: int = 0) -> int:
+    """Fill ``bufs`` from file offset ``start``; returns bytes read (less only at end of file)."""
     total = sum(len(v) for v in bufs)
-    offset = 0
+    done = 0
     views = bufs
-    while offset < total:
-        n = _preadv(fd, views, offset)
+    while done < total:
+        n = _preadv(fd, views, start + done)
         if n <= 0:
             break
-        offset += n
+        done += n
         views = _advance(views, n)
-    return offset
+    return done
 
 
 
@@ -253,10 +253,16 @@ def read_page_bytes(path: str, codec: PageCodec, key: str, pool: str, max_bytes:
         plen = st.st_size - hlen - FOOTER_LEN
         if plen < 0 or plen > max_bytes:
             return _corrupt(path, st, "truncated")
-        payload = bytearray(plen)
+        # The header first: a stray or foreign file is rejected before its size is allocated.
         header = memoryview(bytearray(hlen))
+        if _read_all(fd, [header]) != hlen:
+            return _corrupt(path, st, "short_read")
+        early = codec.verify(header, None, key, pool, expected_len=plen)
+        if early is not Verdict.OK:
+            return _corrupt(path, st, early.value)
+        payload = bytearray(plen)
         footer = memoryview(bytearray(FOOTER_LEN))
-        if _read_all(fd, [header, memoryview(payload), footer]) != st.st_size:
+        if _read_all(fd, [memoryview(payload), footer], hlen) != plen + FOOTER_LEN:
             return _corrupt(path, st, "short_read")
         verdict = _verify(codec, header, memoryview(payload), key, pool)
         if verdict is not Verdict.OK:
