@@ -87,17 +87,23 @@ def validate_key(key: object) -> str:
     """
     if not isinstance(key, str):
         raise InvalidKeyError(f"page key must be str, got {type(key).__name__}: {key!r:.80}")
-    if not key:
-        raise InvalidKeyError("page key must not be empty")
-    if "\x00" in key:
-        raise InvalidKeyError(f"page key must not contain NUL: {key!r:.80}")
+    return validate_text(key, "page key", MAX_KEY_BYTES)
+
+
+def validate_text(value: str, what: str, max_bytes: int) -> str:
+    """``value`` if it is non-empty UTF-8 text without NUL of at most ``max_bytes`` bytes (what
+    a page header can carry), else :class:`InvalidKeyError` naming ``what``."""
+    if not value:
+        raise InvalidKeyError(f"{what} must not be empty")
+    if "\x00" in value:
+        raise InvalidKeyError(f"{what} must not contain NUL: {value!r:.80}")
     try:
-        n = len(key.encode("utf-8"))
+        n = len(value.encode("utf-8"))
     except UnicodeEncodeError as exc:
-        raise InvalidKeyError(f"page key is not valid UTF-8 text: {key!r:.80}") from exc
-    if n > MAX_KEY_BYTES:
-        raise InvalidKeyError(f"page key is {n} bytes long; the limit is {MAX_KEY_BYTES}")
-    return key
+        raise InvalidKeyError(f"{what} is not valid UTF-8 text: {value!r:.80}") from exc
+    if n > max_bytes:
+        raise InvalidKeyError(f"{what} is {n} bytes long; the limit is {max_bytes}")
+    return value
 
 
 def validate_keys(keys: Iterable[object]) -> list[str]:

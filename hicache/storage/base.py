@@ -516,9 +516,7 @@ class AsyncHiCacheStorage(ABC):
         extra_info: HiCacheStorageExtraInfo | None = None,
     ) -> list[bool]:
         """Read KV pages into the registered host pool at ``host_indices``."""
-        self._kv_pool_registered()
-        result = await self.batch_get_v2([PoolTransfer(PoolName.KV, host_indices, keys=keys)], extra_info)
-        return result[KV]
+        return await self._v1(self.batch_get_v2, keys, host_indices, extra_info)
 
     async def batch_set_v1(
         self,
@@ -527,8 +525,12 @@ class AsyncHiCacheStorage(ABC):
         extra_info: HiCacheStorageExtraInfo | None = None,
     ) -> list[bool]:
         """Write KV pages from the registered host pool at ``host_indices``."""
+        return await self._v1(self.batch_set_v2, keys, host_indices, extra_info)
+
+    async def _v1(self, v2: Any, keys: list[str], host_indices: torch.Tensor, extra_info: Any) -> list[bool]:
+        """A v1 call is the v2 call with one KV transfer."""
         self._kv_pool_registered()
-        result = await self.batch_set_v2([PoolTransfer(PoolName.KV, host_indices, keys=keys)], extra_info)
+        result = await v2([PoolTransfer(PoolName.KV, host_indices, keys=keys)], extra_info)
         return result[KV]
 
     # ------------------------------------------------------------------ v0 (single keys, tensors)

@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from hicache.errors import InvalidKeyError
+from hicache.keys import validate_text
 
 __all__ = [
     "HiCacheStorageConfig",
@@ -122,15 +122,7 @@ def pool_name_str(name: PoolName | str | Any) -> str:
         return name.value
     if not isinstance(name, str):
         raise TypeError(f"pool name must be a PoolName or str, got {type(name).__name__}")
-    if not name or "\x00" in name:
-        raise InvalidKeyError(f"pool name must be non-empty and free of NUL: {name!r:.80}")
-    try:
-        n = len(name.encode("utf-8"))
-    except UnicodeEncodeError as exc:
-        raise InvalidKeyError(f"pool name is not valid UTF-8 text: {name!r:.80}") from exc
-    if n > MAX_POOL_NAME_BYTES:
-        raise InvalidKeyError(f"pool name is {n} bytes long; the limit is {MAX_POOL_NAME_BYTES}")
-    return name
+    return validate_text(name, "pool name", MAX_POOL_NAME_BYTES)
 
 
 class PageKey(NamedTuple):
