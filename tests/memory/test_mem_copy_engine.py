@@ -288,3 +288,73 @@ def test_cuda_copy_logic_on_cpu_tensors(chunk_bytes, layout, monkeypatch, device
         transfer.copy_across(dst_v[:, :, layer], host_v[:, :, layer], plan, src_is_device=False)
     for layer in range(3):
         assert layer_bytes(dst, layer, t) == layer_bytes(src, layer, d)
+
+
+@pytest.mark.parametrize("np_max", [0, 1 << 40], ids=["torch_runs", "numpy_runs"])
+@pytest.mark.parametrize("pattern", ["runs", "scattered"])
+@pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+def test_numpy_and_torch_run_copies_agree(
+    np_max, pattern, layout, dtype, monkeypatch, device_pool_factory, host_pool_factory, fill_bytes
+):
+    """CPU runs copied by ``np.copyto`` or by ``Tensor.copy_``: identical bytes, every layer,
+    and nothing outside the named pages is touched (host and device sentinels survive)."""
+    monkeypatch.setattr(transfer, "NUMPY_RUN_MAX_BYTES", np_max)
+    rng = np.random.default_rng(11)
+    ps, pages, layers = 4, 24, 3
+    src = device_pool_factory("mha", size=pages * ps, page_size=ps, layers=layers, dtype=dtype)
+    dst = device_pool_factory("mha", size=pages * ps, page_size=ps, layers=layers, dtype=dtype)
+    fill_bytes(src.kv_data, 3)
+    dst.kv_data.view(torch.uint8).fill_(DEVICE_SENTINEL)
+    host = host_pool_factory(src, layout=layout, pages=pages)
+    host._buf.fill_(0xAB)
+    if pattern == "runs":
+        d, h, t = list(range(2, 14)), list(range(5, 17)), list(range(8, 20))
+    else:
+        d, h, t = ([int(x) for x in rng.permutation(pages)[:12]] for _ in range(3))
+    with CopyEngine(src, host) as eng:
+        eng.backup_sync(token_idx(d, ps), token_idx(h, ps))
+    untouched = [p for p in range(pages) if p not in h]
+    for p in untouched:
+        assert bool((host.get_data_page(p * ps).view(torch.uint8) == 0xAB).all())
+    for i, p in enumerate(h):
+        want = src.kv_data[:, :, d[i] * ps : (d[i] + 1) * ps].contiguous().view(torch.uint8).reshape(-1)
+        assert torch.equal(host.get_data_page(p * ps).view(torch.uint8), want)
+    with CopyEngine(dst, host) as eng:
+        eng.load_sync(token_idx(h, ps), token_idx(t, ps))
+    for layer in range(layers):
+        assert layer_bytes(dst, layer, t) == layer_bytes(src, layer, d)
+        others = [p for p in range(pages) if p not in t]
+        assert set(layer_bytes(dst, layer, others)) == {DEVICE_SENTINEL}
+
+
+def test_numpy_run_choice():
+    plan = transfer.make_plan(token_idx([0, 1, 2, 7], 2), 20, token_idx([3, 4, 5, 9], 2), 20, 2,
+                              src_what="s", dst_what="d")
+    assert plan.run_list() == [(0, 3, 3), (7, 9, 1)]
+    assert plan.run_list() is plan.run_list()  # cached
+    assert transfer.prefers_numpy_runs(plan, 1024)  # 2 KiB per run: overhead-bound
+    assert not transfer.prefers_numpy_runs(plan, 1 << 20)  # 2 MiB per run: torch's threaded copy
+    assert transfer.numpy_view(torch.zeros(4, dtype=torch.bfloat16)) is None
+    view = transfer.numpy_view(torch.zeros(4, dtype=torch.uint8))
+    assert view is not None and view.shape == (4,)
+
+
+async def test_numpy_copies_run_off_the_loop(monkeypatch, pools):
+    """The numpy run path runs on the engine's thread, never the event loop's."""
+    seen: list[int] = []
+    orig = transfer.copy_runs_np
+
+    def spy(segments, runs):
+        seen.append(threading.get_ident())
+        orig(segments, runs)
+
+    monkeypatch.setattr("hicache.memory.copy_engine.copy_runs_np", spy)
+    src, dst, host = pools("cpu", "page_first")
+    async with CopyEngine(src, host) as eng:
+        await eng.backup(token_idx([1, 3], 4), token_idx([2, 5], 4))
+    async with CopyEngine(dst, host) as eng:
+        await eng.load(token_idx([2, 5], 4), token_idx([0, 9], 4)).wait()
+    assert seen and threading.get_ident() not in seen
+    for layer in range(src.layer_num):
+        assert layer_bytes(dst, layer, [0, 9]) == layer_bytes(src, layer, [1, 3])
