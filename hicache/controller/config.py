@@ -34,6 +34,11 @@ class ControllerConfig:
     max_inflight_prefetch_tokens: rate limit; prefetches beyond it are skipped.
     cancelled_io_grace_s: host pages an interrupted storage call may still touch are held
         this long before they are reused.
+    io_thread_nice: lower the CPU priority of the storage I/O thread, and of the threads it
+        starts (the backend's copy threads), by this much (Linux; 0: unchanged). When page
+        traffic keeps more threads runnable than there are cores, this lets the server's loop
+        thread run first; storage I/O then gets the cores the loop leaves (see
+        :mod:`hicache.controller.io_thread`).
     """
 
     write_policy: str = "write_through"
@@ -57,6 +62,7 @@ class ControllerConfig:
     max_concurrent_prefetches: int = 16
     cancelled_io_grace_s: float = 1.0
     close_timeout_s: float = 30.0
+    io_thread_nice: int = 0
 
     def __post_init__(self) -> None:
         if self.write_policy not in WRITE_POLICIES:
@@ -79,6 +85,7 @@ class ControllerConfig:
             "storage_max_retries", "storage_retry_base_s", "storage_retry_max_s", "prefetch_threshold",
             "prefetch_timeout_base_s", "prefetch_timeout_per_ki_token_s", "prefetch_timeout_max_s",
             "cancelled_io_grace_s", "close_timeout_s", "storage_io_timeout_s", "load_back_threshold",
+            "io_thread_nice",
         )
         for name in non_negative:
             if getattr(self, name) < 0:

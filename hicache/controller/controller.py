@@ -101,7 +101,7 @@ class HiCacheController(PrefetchMixin):
         self.config = config or ControllerConfig()
         self.metrics = metrics or ControllerMetrics()
         self.own_storage = own_storage
-        self._io = IoThread() if storage is not None and storage_thread else None
+        self._io = IoThread(nice=self.config.io_thread_nice) if storage is not None and storage_thread else None
         self.page_size: int = int(host_pool.page_size)
         self.page_nbytes: int = int(getattr(host_pool, "page_nbytes", 0) or 0)
         self.state = ControllerState.UNSTARTED

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sys
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 import uuid
 
@@ -277,8 +279,29 @@ class _StepTimer:
         monkeypatch.setattr(asyncio.events.Handle, "_run", _run)
 
 
+@pytest.fixture
+def strict_latency() -> Iterator[bool]:
+    """``HICACHE_STRICT_LATENCY=1``: hold the ticker to idle + 5 ms, with the GIL switch
+    interval at 1 ms for this test (restored after).
+
+    The switch interval is process-wide and the application's to set, never the library's: a
+    thread running Python (a worker between copies, a garbage collection on it) keeps the GIL
+    for up to that long once the loop thread asks for it, 5 ms by default, which alone is the
+    whole budget. Measured on a 2-core runner it is worth about 3 ms of p99 here. A server that
+    wants a loop this tight sets it itself (see :mod:`hicache.controller.io_thread`).
+    """
+    strict = bool(os.environ.get("HICACHE_STRICT_LATENCY"))
+    old = sys.getswitchinterval()
+    if strict:
+        sys.setswitchinterval(0.001)
+    try:
+        yield strict
+    finally:
+        sys.setswitchinterval(old)
+
+
 async def test_event_loop_stays_responsive_while_pages_stream(
-    monkeypatch: pytest.MonkeyPatch, record_property: Any
+    monkeypatch: pytest.MonkeyPatch, record_property: Any, strict_latency: bool
 ) -> None:
     """A ticker on the loop is never late by more than a few milliseconds while ~0.5 GiB move
     device->host->storage and back (copies on the copy thread, storage in bounded batches).
@@ -290,7 +313,10 @@ async def test_event_loop_stays_responsive_while_pages_stream(
                       device_pages=512, host_pages=1024, storage_backend=None,
                       controller=ControllerConfig(storage_batch_pages=16, prefetch_batch_pages=16,
                                                   backup_batch_pages=64, prefetch_threshold=64,
-                                                  prefetch_policy="wait_complete"))
+                                                  prefetch_policy="wait_complete",
+                                                  # storage copies yield the cores to the loop
+                                                  # thread (see hicache.controller.io_thread)
+                                                  io_thread_nice=19))
     from hicache_backends.memory import MemoryStorage
 
     probe = build_stack(cfg)
@@ -360,7 +386,7 @@ async def test_event_loop_stays_responsive_while_pages_stream(
     record_property("idle_ticker_p99_ms", round(idle * 1e3, 2))
     record_property("worst_step_cpu_ms", round(steps.worst * 1e3, 2))
     print(f"ticker p99 {p99 * 1e3:.1f} ms (idle {idle * 1e3:.1f} ms); worst loop step {steps.worst * 1e3:.2f} ms CPU")
-    limit = 0.005 + idle if os.environ.get("HICACHE_STRICT_LATENCY") else max(0.25, 10 * idle)
+    limit = 0.005 + idle if strict_latency else max(0.25, 10 * idle)
     assert p99 < limit, f"p99 lateness {p99 * 1e3:.1f} ms (idle p99 {idle * 1e3:.1f} ms)"
 
 
@@ -446,3 +472,27 @@ async def test_polling_prefetch_progress_like_sglang_scheduler() -> None:
     assert m.host_hit_length == 32 and m.device_hit_length == 0
     assert all(n.host_ref == 0 for n in cache._nodes())
     await stack.aclose()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread niceness is Linux's")
+async def test_io_thread_nice_lowers_its_own_threads_only() -> None:
+    """``io_thread_nice`` lowers the I/O thread and the threads it starts (the backend's copy
+    threads), and leaves the loop thread alone."""
+    from hicache.controller.io_thread import IoThread
+
+    def nice() -> int:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    base = nice()
+
+    async def probe() -> tuple[int, int]:
+        loop = asyncio.get_running_loop()
+        return nice(), await loop.run_in_executor(None, nice)
+
+    io = IoThread(nice=5)
+    here, worker = await io.run(probe())
+    assert await io.stop(timeout=5)
+    assert here == worker == min(19, base + 5)
+    assert nice() == base
+    with pytest.raises(ConfigError, match="io_thread_nice"):
+        ControllerConfig(io_thread_nice=-1)
