@@ -11,9 +11,12 @@ Where copies run:
   engine a FIFO, like a CUDA stream: a load queued after a backup sees the backup's result.
   Runs of pages are copied with ``np.copyto`` on numpy views of the pools made once: the same
   bytes as ``Tensor.copy_`` (and the GIL is released likewise) at a fraction of its per-call
-  cost, which dominates scattered loads (one call per 256 KiB page-layer). Splitting a step
-  across two threads (per layer, or pipelined across layers) was measured on a 2-core box and
-  did not help, so it is not done.
+  cost, which dominates scattered loads (one call per 256 KiB page-layer). Splitting a load
+  step across two threads (per layer, or pipelined across layers) was measured on a 2-core box
+  and did not help, so it is not done. A backup of scattered big pages is split: with two or
+  more CPUs, half of its pages are copied by a second copy thread (started on first use, shut
+  down in :meth:`CopyEngine.close`) while the engine thread copies the other half, and the
+  backup completes only when both halves have.
 * CUDA: on a dedicated stream that first waits for the caller's current stream (so KV written by
   the forward pass is complete before it is backed up), with one event per loaded layer and
   pinned host memory. Enqueueing and event waits happen on the executor thread too, because a
@@ -28,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import os
 import threading
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -45,6 +49,7 @@ from hicache.memory.transfer import (
     make_plan,
     numpy_view,
     prefers_numpy_runs,
+    prefers_unitwise_split,
     widen_pair,
 )
 
@@ -175,6 +180,10 @@ class CopyEngine:
         )
         self._closed = False
         self._lock = threading.Lock()
+        # CPU: a second copy thread, started on first use, that copies half of a step of big
+        # scattered units (see ``prefers_unitwise_split``)
+        self._split_ok: bool = not self.is_cuda and (os.cpu_count() or 1) >= 2
+        self._helper: concurrent.futures.ThreadPoolExecutor | None = None
 
     # -- lifecycle
     def close(self) -> None:
@@ -185,6 +194,10 @@ class CopyEngine:
             self._closed = True
         if self._owns_executor:
             self._executor.shutdown(wait=True)
+        with self._lock:
+            helper, self._helper = self._helper, None
+        if helper is not None:
+            helper.shutdown(wait=True)  # a step of a shared executor's job may still use it
 
     async def aclose(self) -> None:
         await asyncio.to_thread(self.close)
@@ -258,20 +271,65 @@ class CopyEngine:
         to_host: bool,
     ) -> None:
         """One CPU copy step: every ``(device, host)`` pair, in the direction given. Runs go
-        through ``np.copyto`` where numpy can view both sides and runs are small, else through
-        :func:`copy_units` (big runs: torch's threaded copy; tiny ones: index gather/scatter)."""
-        segments: list[tuple[Any, Any]] = []
+        through ``np.copyto`` where numpy can view both sides and runs are small, big scattered
+        units through ``np.copyto`` unit by unit on two threads (two or more CPUs), else through
+        :func:`copy_units` (big runs: torch's threaded copy; tiny ones: index gather/scatter).
+        Returns only when every byte of the step is copied."""
+        segments: list[tuple[Any, Any]] = []  # numpy, run by run
+        unit_segments: list[tuple[Any, Any]] = []  # numpy, unit by unit, split over two threads
         for (dev, host), np_pair, nbytes in zip(pairs, np_pairs, unit_bytes):
-            if np_pair is None or not prefers_numpy_runs(plan, nbytes):
-                if to_host:
-                    copy_units(host, dev, plan)
-                else:
-                    copy_units(dev, host, plan)
-                continue
-            d, h = np_pair
-            segments.append((h, d) if to_host else (d, h))
+            if np_pair is not None and prefers_numpy_runs(plan, nbytes):
+                segments.append(np_pair[::-1] if to_host else np_pair)
+            elif np_pair is not None and self._split_ok and prefers_unitwise_split(plan, nbytes):
+                unit_segments.append(np_pair[::-1] if to_host else np_pair)
+            elif to_host:
+                copy_units(host, dev, plan)
+            else:
+                copy_units(dev, host, plan)
         if segments:
             copy_runs_np(segments, plan.run_list())
+        if unit_segments:
+            first, second = plan.unit_halves()
+            self._copy_np_split(unit_segments, (first, second), first + second)
+
+    def _copy_np_split(
+        self,
+        segments: list[tuple[Any, Any]],
+        halves: tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]],
+        runs: list[tuple[int, int, int]],
+    ) -> None:
+        """:func:`copy_runs_np` of ``halves[0]`` here and ``halves[1]`` on the second copy thread
+        at once; returns when both are copied (``runs``: all of them, copied here if the second
+        thread is gone because the engine closed)."""
+        helper = self._split_helper()
+        if helper is not None:
+            try:
+                fut = helper.submit(copy_runs_np, segments, halves[1])
+            except RuntimeError:  # shut down by a concurrent close()
+                helper = None
+        if helper is None:
+            copy_runs_np(segments, runs)
+            return
+        try:
+            copy_runs_np(segments, halves[0])
+        finally:
+            # the step is done only when both halves are (also when this one failed)
+            concurrent.futures.wait([fut])
+        fut.result()
+
+    def _split_helper(self) -> concurrent.futures.ThreadPoolExecutor | None:
+        """The second copy thread (started on first use), or ``None`` once closed."""
+        helper = self._helper
+        if helper is not None:
+            return helper
+        with self._lock:
+            if self._closed:
+                return None
+            if self._helper is None:
+                self._helper = concurrent.futures.ThreadPoolExecutor(
+                    max_workers=1, thread_name_prefix="hicache-copy-split"
+                )
+            return self._helper
 
     def _backup_cpu(self, plan: TransferPlan) -> None:
         self._copy_cpu(self._pairs, self._np_pairs, self._unit_bytes, plan, to_host=True)

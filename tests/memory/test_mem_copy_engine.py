@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -358,3 +359,114 @@ async def test_numpy_copies_run_off_the_loop(monkeypatch, pools):
     assert seen and threading.get_ident() not in seen
     for layer in range(src.layer_num):
         assert layer_bytes(dst, layer, [0, 9]) == layer_bytes(src, layer, [1, 3])
+
+
+def test_split_runs_halves():
+    first, second = transfer.split_runs([(0, 10, 3), (7, 2, 1), (20, 30, 4)])
+    assert first == [(0, 10, 3), (7, 2, 1)] and second == [(20, 30, 4)]
+    first, second = transfer.split_runs([(0, 5, 5)])  # the middle run is cut
+    assert first == [(0, 5, 3)] and second == [(3, 8, 2)]
+    assert transfer.split_runs([(4, 4, 1)]) == ([(4, 4, 1)], [])
+
+
+@pytest.mark.parametrize("pattern", ["runs", "scattered"])
+@pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct"])
+def test_split_copy_is_byte_exact_and_close_stops_its_thread(
+    pattern, layout, monkeypatch, device_pool_factory, host_pool_factory, fill_bytes
+):
+    """Big scattered units are copied half on the engine thread, half on a second thread: both
+    halves land byte-exact (nothing else touched), the step completes only after both, and
+    close() stops the second thread."""
+    monkeypatch.setattr("hicache.memory.copy_engine.os.cpu_count", lambda: 2)
+    monkeypatch.setattr(transfer, "SPLIT_MIN_BYTES", 1)
+    monkeypatch.setattr(transfer, "SPLIT_UNIT_MIN_BYTES", 1)
+    monkeypatch.setattr(transfer, "SPLIT_UNIT_MAX_RUN_BYTES", 1 << 40)
+    monkeypatch.setattr(transfer, "NUMPY_RUN_MAX_BYTES", 0)  # every step takes the split path
+    calls: list[tuple[str, list]] = []
+    orig = transfer.copy_runs_np
+
+    def spy(segments, runs):
+        calls.append((threading.current_thread().name, list(runs)))
+        orig(segments, runs)
+
+    monkeypatch.setattr("hicache.memory.copy_engine.copy_runs_np", spy)
+    rng = np.random.default_rng(5)
+    ps, pages, layers = 4, 24, 3
+    src = device_pool_factory("mha", size=pages * ps, page_size=ps, layers=layers)
+    dst = device_pool_factory("mha", size=pages * ps, page_size=ps, layers=layers)
+    fill_bytes(src.kv_data, 9)
+    dst.kv_data.view(torch.uint8).fill_(DEVICE_SENTINEL)
+    host = host_pool_factory(src, layout=layout, pages=pages)
+    if pattern == "runs":
+        d, h, t = list(range(2, 13)), list(range(5, 16)), list(range(8, 19))
+    else:
+        d, h, t = ([int(x) for x in rng.permutation(pages)[:11]] for _ in range(3))
+
+    def split_threads() -> list[threading.Thread]:
+        return [th for th in threading.enumerate() if th.name.startswith("hicache-copy-split")]
+
+    before = set(split_threads())
+    eng = CopyEngine(src, host)
+    eng.backup_sync(token_idx(d, ps), token_idx(h, ps))
+    assert {name.split("_")[0] for name, _ in calls} == {"hicache-copy", "hicache-copy-split"}
+    assert sorted(u for _, runs in calls for s, _, k in runs for u in range(s, s + k)) == sorted(d)
+    assert set(split_threads()) - before
+    eng.close()
+    assert not set(split_threads()) - before  # close() joined the second thread
+    for p in range(pages):
+        page = host.get_data_page(p * ps).view(torch.uint8)
+        if p in h:
+            i = h.index(p)
+            want = src.kv_data[:, :, d[i] * ps : (d[i] + 1) * ps].contiguous().view(torch.uint8).reshape(-1)
+            assert torch.equal(page, want)
+        else:
+            assert bool((page == 0xAB).all())
+    calls.clear()
+    with CopyEngine(dst, host) as eng2:
+        handle = eng2.load(token_idx(h, ps), token_idx(t, ps))
+        handle.wait_sync()
+        assert handle.done()
+    assert {name.split("_")[0] for name, _ in calls} == {"hicache-copy", "hicache-copy-split"}
+    assert not set(split_threads()) - before
+    for layer in range(layers):
+        assert layer_bytes(dst, layer, t) == layer_bytes(src, layer, d)
+        assert set(layer_bytes(dst, layer, [p for p in range(pages) if p not in t])) == {DEVICE_SENTINEL}
+
+
+def test_no_split_thread_on_one_cpu(monkeypatch, pools):
+    monkeypatch.setattr("hicache.memory.copy_engine.os.cpu_count", lambda: 1)
+    monkeypatch.setattr(transfer, "SPLIT_MIN_BYTES", 1)
+    monkeypatch.setattr(transfer, "SPLIT_UNIT_MIN_BYTES", 1)
+    monkeypatch.setattr(transfer, "NUMPY_RUN_MAX_BYTES", 0)
+    src, dst, host = pools()
+    with CopyEngine(src, host) as eng:
+        eng.backup_sync(token_idx([1, 5, 3], 4), token_idx([2, 9, 4], 4))
+        assert eng._helper is None
+    with CopyEngine(dst, host) as eng:
+        eng.load_sync(token_idx([2, 9, 4], 4), token_idx([0, 7, 6], 4))
+    for layer in range(src.layer_num):
+        assert layer_bytes(dst, layer, [0, 7, 6]) == layer_bytes(src, layer, [1, 5, 3])
+
+
+def test_split_half_failure_waits_for_the_other_half(monkeypatch, pools):
+    """If the engine thread's half fails, the step still waits for the second thread's half
+    before the error surfaces (no copy outlives the failed operation)."""
+    monkeypatch.setattr("hicache.memory.copy_engine.os.cpu_count", lambda: 2)
+    monkeypatch.setattr(transfer, "SPLIT_MIN_BYTES", 1)
+    monkeypatch.setattr(transfer, "SPLIT_UNIT_MIN_BYTES", 1)
+    monkeypatch.setattr(transfer, "NUMPY_RUN_MAX_BYTES", 0)
+    other_done = threading.Event()
+
+    def fake(segments, runs):
+        if threading.current_thread().name.startswith("hicache-copy-split"):
+            time.sleep(0.05)
+            other_done.set()
+        else:
+            raise RuntimeError("boom")
+
+    monkeypatch.setattr("hicache.memory.copy_engine.copy_runs_np", fake)
+    src, _, host = pools()
+    with CopyEngine(src, host) as eng:
+        with pytest.raises(RuntimeError, match="boom"):
+            eng.backup_sync(token_idx([1, 5, 3, 8], 4), token_idx([2, 9, 4, 0], 4))
+        assert other_done.is_set()
