@@ -196,3 +196,25 @@ class PagedTokenAllocator:
             f"{type(self).__name__}(size={self.size}, page_size={self.page_size}, "
             f"available={self.available_size()}, device={self.device})"
         )
+
+
+class AllocatorBacked:
+    """Mixin for pools whose slots come from a :class:`PagedTokenAllocator` in ``self.allocator``:
+    the pool's ``alloc``/``free``/``available_size``/``clear`` are the allocator's."""
+
+    allocator: PagedTokenAllocator
+
+    def alloc(self, num: int = 1) -> torch.Tensor | None:
+        """``num`` free slots (tokens, or state slots), or ``None``."""
+        return self.allocator.alloc(num)
+
+    def free(self, indices: IndexLike) -> None:
+        """Return slots; double free or foreign slots raise :class:`AllocatorError`."""
+        self.allocator.free(indices)
+
+    def available_size(self) -> int:
+        return self.allocator.available_size()
+
+    def clear(self) -> None:
+        """Free every slot (contents are left as they are)."""
+        self.allocator.clear()

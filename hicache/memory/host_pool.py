@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from hicache.memory.allocator import PagedTokenAllocator
+from hicache.memory.allocator import AllocatorBacked, PagedTokenAllocator
 from hicache.memory.device import IndexLike
 from hicache.memory.device_pool import KVPool
 from hicache.memory.host_alloc import alloc_host_bytes, resolve_host_units, want_pinned
@@ -28,7 +28,7 @@ from hicache.memory.layouts import (
 __all__ = ["HostKVPool", "MHATokenToKVPoolHost", "MLATokenToKVPoolHost"]
 
 
-class HostKVPool:
+class HostKVPool(AllocatorBacked):
     """A host KV pool shadowing ``device_pool``: same geometry and dtype, its own size/layout."""
 
     def __init__(
@@ -41,6 +41,10 @@ class HostKVPool:
         layout: str = PAGE_FIRST,
         pin_memory: bool | None = None,
     ) -> None:
+        mla = getattr(type(self), "_mla", None)
+        if mla is not None and bool(device_pool.is_mla) != mla:
+            want, other = ("MLA", "MHATokenToKVPoolHost") if mla else ("MHA", "MLATokenToKVPoolHost")
+            raise TypeError(f"{type(self).__name__} needs an {want} device pool; use {other}")
         if page_size != device_pool.page_size:
             raise ValueError(
                 f"host page_size ({page_size}) must equal the device pool's ({device_pool.page_size}): "
@@ -68,6 +72,10 @@ class HostKVPool:
         )
         self._units: torch.Tensor = host_unit_view(self.layout, self._buf, self.geometry, self.num_pages, page_size)
         self.allocator: PagedTokenAllocator = PagedTokenAllocator(self.size, page_size, "cpu")
+        self._init_geometry(device_pool)
+
+    def _init_geometry(self, device_pool: KVPool) -> None:
+        """Copy the attention-specific geometry of ``device_pool`` (subclasses)."""
 
     # -- memory
     @property
@@ -79,19 +87,7 @@ class HostKVPool:
     def nbytes(self) -> int:
         return self._buf.numel()
 
-    # -- allocation
-    def alloc(self, num_tokens: int) -> torch.Tensor | None:
-        return self.allocator.alloc(num_tokens)
-
-    def free(self, indices: IndexLike) -> None:
-        self.allocator.free(indices)
-
-    def available_size(self) -> int:
-        return self.allocator.available_size()
-
-    def clear(self) -> None:
-        """Free every page (contents are left as they are)."""
-        self.allocator.clear()
+    # -- allocation: alloc/free/available_size/clear come from AllocatorBacked
 
     # -- copy-engine interface
     @property
@@ -184,53 +180,19 @@ class HostKVPool:
 class MHATokenToKVPoolHost(HostKVPool):
     """Host counterpart of :class:`~hicache.memory.device_pool.MHATokenToKVPool`."""
 
-    def __init__(
-        self,
-        device_pool: KVPool,
-        *,
-        host_size_bytes: int | None = None,
-        host_to_device_ratio: float | None = None,
-        page_size: int,
-        layout: str = PAGE_FIRST,
-        pin_memory: bool | None = None,
-    ) -> None:
-        if device_pool.is_mla:
-            raise TypeError("MHATokenToKVPoolHost needs an MHA device pool; use MLATokenToKVPoolHost")
-        super().__init__(
-            device_pool,
-            host_size_bytes=host_size_bytes,
-            host_to_device_ratio=host_to_device_ratio,
-            page_size=page_size,
-            layout=layout,
-            pin_memory=pin_memory,
-        )
-        self.head_num: int = device_pool.head_num
-        self.head_dim: int = device_pool.head_dim
+    _mla = False
+
+    def _init_geometry(self, device_pool: KVPool) -> None:
+        self.head_num: int = device_pool.head_num  # type: ignore[attr-defined]
+        self.head_dim: int = device_pool.head_dim  # type: ignore[attr-defined]
 
 
 class MLATokenToKVPoolHost(HostKVPool):
     """Host counterpart of :class:`~hicache.memory.device_pool.MLATokenToKVPool`."""
 
-    def __init__(
-        self,
-        device_pool: KVPool,
-        *,
-        host_size_bytes: int | None = None,
-        host_to_device_ratio: float | None = None,
-        page_size: int,
-        layout: str = PAGE_FIRST,
-        pin_memory: bool | None = None,
-    ) -> None:
-        if not device_pool.is_mla:
-            raise TypeError("MLATokenToKVPoolHost needs an MLA device pool; use MHATokenToKVPoolHost")
-        super().__init__(
-            device_pool,
-            host_size_bytes=host_size_bytes,
-            host_to_device_ratio=host_to_device_ratio,
-            page_size=page_size,
-            layout=layout,
-            pin_memory=pin_memory,
-        )
+    _mla = True
+
+    def _init_geometry(self, device_pool: KVPool) -> None:
         self.kv_lora_rank: int = device_pool.kv_lora_rank  # type: ignore[attr-defined]
         self.qk_rope_head_dim: int = device_pool.qk_rope_head_dim  # type: ignore[attr-defined]
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from hicache.memory.allocator import PagedTokenAllocator
+from hicache.memory.allocator import AllocatorBacked, PagedTokenAllocator
 from hicache.memory.device import IndexLike
 from hicache.memory.host_alloc import alloc_host_bytes, resolve_host_units, want_pinned
 
@@ -35,7 +35,7 @@ def _check_shapes(state_shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[i
     return out
 
 
-class MambaStatePool:
+class MambaStatePool(AllocatorBacked):
     """``size`` state slots on the device; ``alloc``/``free`` hand out slot indices (int64)."""
 
     page_size: int = 1
@@ -68,20 +68,6 @@ class MambaStatePool:
         """The ``(size, *shape)`` tensor of one state."""
         return self.states[name]
 
-    def alloc(self, n: int = 1) -> torch.Tensor | None:
-        """``n`` free slots, or ``None``."""
-        return self.allocator.alloc(n)
-
-    def free(self, indices: IndexLike) -> None:
-        """Return slots; double free or foreign slots raise ``AllocatorError``."""
-        self.allocator.free(indices)
-
-    def available_size(self) -> int:
-        return self.allocator.available_size()
-
-    def clear(self) -> None:
-        self.allocator.clear()
-
     # -- copy-engine interface: each state is one segment of shape (slots, 1, 1, bytes)
     def transfer_views(self) -> list[torch.Tensor]:
         return [t.reshape(self.size, -1).view(torch.uint8).view(self.size, 1, 1, -1) for t in self.states.values()]
@@ -90,7 +76,7 @@ class MambaStatePool:
         return f"MambaStatePool(size={self.size}, states={self.state_shapes}, dtype={self.dtype}, device={self.device})"
 
 
-class MambaHostPool:
+class MambaHostPool(AllocatorBacked):
     """Host counterpart of :class:`MambaStatePool`; one slot's states are one contiguous row,
     so every page has a live ``page_view`` and storage I/O never stages."""
 
@@ -134,18 +120,6 @@ class MambaHostPool:
             self.states[name] = seg.view(self.dtype).view(self.size, *shape)
             offset += nb
         self.allocator: PagedTokenAllocator = PagedTokenAllocator(self.size, 1, "cpu")
-
-    def alloc(self, n: int = 1) -> torch.Tensor | None:
-        return self.allocator.alloc(n)
-
-    def free(self, indices: IndexLike) -> None:
-        self.allocator.free(indices)
-
-    def available_size(self) -> int:
-        return self.allocator.available_size()
-
-    def clear(self) -> None:
-        self.allocator.clear()
 
     def transfer_views(self) -> list[torch.Tensor]:
         return list(self._segments)
