@@ -384,9 +384,18 @@ class HiCacheController(PrefetchMixin):
             if ok:
                 self.metrics.transfer("d2h", pages, pages * self.page_nbytes, time.perf_counter() - t0)
             self._backup_busy = []
-            for job in jobs:
+            for i, job in enumerate(jobs):
                 call_back(job.on_done, ok)
                 q.task_done()
+                if i % 8 == 7 and i + 1 < len(jobs):
+                    # a batch of many jobs must not hold the loop through all their callbacks
+                    try:
+                        await asyncio.sleep(0)
+                    except asyncio.CancelledError:
+                        for rest in jobs[i + 1 :]:
+                            call_back(rest.on_done, ok)
+                            q.task_done()
+                        raise
 
     # ------------------------------------------------------------------ host -> device
 
