@@ -1,6 +1,6 @@
 """Reading the Mooncake trace and turning its block ids into token ids.
 
-Format (``/work/shared/traces/README.md``): one JSON object per line with ``timestamp`` (ms),
+Format (``shared/traces/README.md`` beside the repository): one JSON object per line with ``timestamp`` (ms),
 ``input_length``, ``output_length`` and ``hash_ids``; each hash id stands for one block of 512
 prompt tokens and identifies the whole prefix through that block. Block ``h`` becomes tokens
 ``h * 512 + j``; the last block is cut to ``input_length``.
@@ -62,7 +62,6 @@ def find_trace(explicit: str | os.PathLike[str] | None = None) -> Path:
     candidates += [
         repo.parent / "shared" / "traces" / DEFAULT_TRACE_NAME,
         Path.cwd().parent / "shared" / "traces" / DEFAULT_TRACE_NAME,
-        Path("/work/shared/traces") / DEFAULT_TRACE_NAME,
     ]
     for c in candidates:
         if c.is_file():
