@@ -22,7 +22,7 @@ from typing import Any
 
 from hicache.controller.config import ControllerConfig
 from hicache.errors import ConfigError
-from hicache.stack import controller_options
+from hicache.stack import controller_options, stack_config_from
 
 __all__ = ["ReplayConfig", "load_replay_config"]
 
@@ -129,46 +129,38 @@ class ReplayConfig:
 
     @classmethod
     def from_hicache_config(cls, config: Any) -> ReplayConfig:
-        """Replay settings from a deployment config (``hicache.config.HiCacheConfig``)."""
-        model, device, host, storage, cache = config.model, config.device, config.host, config.storage, config.cache
+        """Replay settings from a deployment config (``hicache.config.HiCacheConfig``): the
+        same geometry and capacities the facade would build (:func:`stack_config_from`)."""
+        model, host = config.model, config.host
         if model.attention != "mha":
             raise ConfigError("replay: only MHA geometry is supported (model.attention = 'mha')")
-        itemsize = {"float32": 4, "float16": 2, "bfloat16": 2}.get(model.kv_dtype)
-        if itemsize is None:
+        if model.kv_dtype not in ("float32", "float16", "bfloat16"):
             raise ConfigError(f"replay: model.kv_dtype {model.kv_dtype!r} cannot hold exact synthetic KV")
-        ps = device.page_size
-        page_nbytes = 2 * model.num_layers * model.num_kv_heads * model.head_dim * itemsize * ps
-        device_pages = device.size_tokens // ps
         if not host.enabled:
             raise ConfigError("replay: needs a host tier (host.enabled = true)")
-        host_pages = (host.size_bytes // page_nbytes) if host.size_bytes else int(device_pages * host.ratio)
-        options = dict(storage.options)
-        pages = {"device": device_pages, "host": host_pages}
-        if storage.backend and "max_bytes" in options:
-            pages["storage"] = int(options["max_bytes"]) // page_nbytes
-        elif not storage.backend:
+        st = stack_config_from(config)
+        ps = st.page_size
+        pages = {"device": st.device_pages, "host": st.host_pages}
+        if st.storage_backend and "max_bytes" in st.storage_options:
+            pages["storage"] = int(st.storage_options["max_bytes"]) // st.page_nbytes
+        elif not st.storage_backend:
             pages["storage"] = 0
-        controller = controller_options(config)
         cfg = cls(
             fractions={},
             pages=pages,
             page_size=ps,
-            layer_num=model.num_layers,
-            head_num=model.num_kv_heads,
-            head_dim=model.head_dim,
-            dtype=model.kv_dtype,
-            storage_backend=storage.backend or None,
-            storage_options=options,
-            eviction_policy=cache.eviction_policy,
-            controller=controller,
-            device="cpu" if device.device == "auto" else device.device,
-            host_layout=host.layout,
-            load_back_quota_tokens=cache.load_back_quota_tokens,
+            layer_num=st.layer_num,
+            head_num=st.head_num,
+            head_dim=st.head_dim,
+            dtype=st.dtype,
+            storage_backend=st.storage_backend,
+            storage_options=dict(st.storage_options),
+            eviction_policy=st.eviction_policy,
+            controller=controller_options(config),
+            device=st.device,
+            host_layout=st.host_layout,
+            load_back_quota_tokens=config.cache.load_back_quota_tokens,
         )
-        if device.device == "auto":
-            from hicache.memory import device_for
-
-            cfg.device = str(device_for(None))
         if 512 % ps:
             raise ConfigError(f"replay: device.page_size must divide the trace block (512), got {ps}")
         cfg.controller_config()
