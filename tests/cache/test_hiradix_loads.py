@@ -95,8 +95,9 @@ async def test_failed_load_drops_slots_of_nodes_split_during_the_load() -> None:
     await stack.aclose()
 
 
-async def test_cancelled_admit_waiting_for_another_load_holds_nothing() -> None:
-    stack = make()
+async def second_admit_behind_a_load(stack):  # type: ignore[no-untyped-def]
+    """A host-only prefix; ``first`` starts loading it (slowly), ``second`` matches the same
+    prefix and is about to be admitted behind that load."""
     cache = stack.cache
     a = list(range(16))
     await host_only(stack, a)
@@ -106,6 +107,12 @@ async def test_cancelled_admit_waiting_for_another_load_holds_nothing() -> None:
     await cache.admit(first, wait_load=False)
     second = Req(rid="second", origin_input_ids=a + [98])
     cache.match_req(second)
+    return cache, first, second
+
+
+async def test_cancelled_admit_waiting_for_another_load_holds_nothing() -> None:
+    stack = make()
+    cache, first, second = await second_admit_behind_a_load(stack)
     task = asyncio.ensure_future(cache.admit(second, wait_load=False))
     await asyncio.sleep(0.005)
     task.cancel()
@@ -146,15 +153,7 @@ async def test_insert_through_a_revived_node_frees_every_duplicate() -> None:
 
 async def test_reset_during_a_load_wakes_whoever_waits_for_it() -> None:
     stack = make()
-    cache = stack.cache
-    a = list(range(16))
-    await host_only(stack, a)
-    patch_loads(stack, delay=0.03, fail=False)
-    first = Req(rid="first", origin_input_ids=a + [99])
-    cache.match_req(first)
-    await cache.admit(first, wait_load=False)
-    second = Req(rid="second", origin_input_ids=a + [98])
-    cache.match_req(second)
+    cache, first, second = await second_admit_behind_a_load(stack)
     waiting = asyncio.ensure_future(cache.admit(second, wait_load=False))
     await asyncio.sleep(0.005)
     assert not waiting.done()
