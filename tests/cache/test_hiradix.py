@@ -23,6 +23,8 @@ from hicache.prefix_cache import (
 from hicache.replay import StackConfig, build_stack, serve_request, verify_kv
 from hicache.storage import create_async_storage
 
+from _tiers import host_only
+
 PS = 4
 
 
@@ -104,9 +106,7 @@ async def test_load_back_is_all_or_nothing_under_quota() -> None:
     stack = build_stack(cfg())
     cache = stack.cache
     a = toks(0, 16)
-    await serve_request(stack, a, rid="a")
-    await cache.drain()
-    cache.evict(EvictParams(num_tokens=10**6))
+    await host_only(stack, a, rid="a")
     m = cache.match_prefix(MatchPrefixParams(key=RadixKey(a)))
     new, node = cache.init_load_back(InitLoadBackParams(m.last_host_node, m.host_hit_length, mem_quota=8))
     assert new.numel() == 0 and node is cache.root_node
@@ -246,9 +246,7 @@ async def test_cancelled_admit_and_abort_release_everything() -> None:
     stack = build_stack(cfg())
     cache = stack.cache
     a = toks(0, 16)
-    await serve_request(stack, a, rid="a")
-    await cache.drain()
-    cache.evict(EvictParams(num_tokens=10**6))
+    await host_only(stack, a, rid="a")
     req = Req(rid="c", origin_input_ids=a)
     cache.match_req(req)
     task = asyncio.ensure_future(cache.admit(req))

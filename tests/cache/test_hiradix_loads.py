@@ -9,8 +9,10 @@ import time
 import torch
 
 from hicache.controller import ControllerConfig
-from hicache.prefix_cache import EvictParams, MatchPrefixParams, RadixKey, Req
+from hicache.prefix_cache import MatchPrefixParams, RadixKey, Req
 from hicache.replay import StackConfig, build_stack, serve_request, verify_kv
+
+from _tiers import host_only
 
 PS = 4
 
@@ -32,13 +34,6 @@ def patch_loads(stack, *, delay: float, fail: bool) -> None:  # type: ignore[no-
         orig(plan, i)
 
     engine._load_layer = layer
-
-
-async def host_only(stack, tokens: list[int]) -> None:  # type: ignore[no-untyped-def]
-    await serve_request(stack, tokens, rid="seed")
-    await stack.cache.drain()
-    stack.cache.evict(EvictParams(num_tokens=10**6))
-    assert stack.cache.total_size() == 0
 
 
 async def test_admit_waits_for_a_load_of_its_prefix_started_by_another_request() -> None:
