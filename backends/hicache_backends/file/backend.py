@@ -37,6 +37,7 @@ from typing import Any, TypeVar
 from hicache.errors import ConfigError
 from hicache.keys import Namespace
 from hicache.storage import AsyncHiCacheStorage, HiCacheStorageConfig, PageCodec, PageKey
+from hicache.storage.offload import run_to_completion
 
 from hicache_backends.file import io as page_io
 from hicache_backends.file.index import PageIndex
@@ -227,8 +228,10 @@ class FileStorage(AsyncHiCacheStorage):
     # ------------------------------------------------------------------ helpers
 
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
+        """One blocking call on the I/O threads; a cancelled caller still waits for it (a
+        rename or delete half seen by the index is worse than a late cancellation)."""
         assert self._executor is not None
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        return await run_to_completion(fn, *args, executor=self._executor)
 
     async def _run_chunked(
         self, fn: Callable[..., T], calls: Sequence[tuple[Any, ...]], nbytes: int = 0, per_call: int = 0
