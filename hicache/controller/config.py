@@ -10,6 +10,7 @@ import dataclasses
 from typing import Any
 
 from hicache.errors import ConfigError
+from hicache.options import options_from_dict
 
 __all__ = ["ControllerConfig", "WRITE_POLICIES", "PREFETCH_POLICIES"]
 
@@ -98,8 +99,4 @@ class ControllerConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ControllerConfig:
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ConfigError(f"unknown controller option(s) {unknown}; allowed: {sorted(known)}")
-        return cls(**data)
+        return options_from_dict(cls, data, "controller")

@@ -49,13 +49,7 @@ class RequestFlowMixin:
         m = self.match_prefix(
             MatchPrefixParams(key=RadixKey(list(tokens), req.extra_key), req=req), count_hit=count
         )
-        req.prefix_indices = m.device_indices
-        req.last_node = m.last_device_node
-        req.last_host_node = m.last_host_node
-        req.best_match_node = m.best_match_node
-        req.host_hit_length = m.host_hit_length
-        req.storage_prior_hash = m.storage_prior_hash
-        req.last_matched_prefix_len = m.full_kv_hit_length
+        req.record_match(m)
         return m
 
     def start_prefetch(self: HiRadixCache, req: Req, max_prefix_len: int | None = None) -> bool:

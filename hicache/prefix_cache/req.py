@@ -96,6 +96,17 @@ class Req:
     def finished(self) -> bool:
         return self.finished_reason is not None
 
+    def record_match(self, m: Any) -> None:
+        """Keep a :class:`~hicache.prefix_cache.types.MatchResult` in the fields the cache, the
+        scheduler and the session cache read later (no lock is taken here)."""
+        self.prefix_indices = m.device_indices
+        self.last_node = m.last_device_node
+        self.last_host_node = m.last_host_node
+        self.best_match_node = m.best_match_node
+        self.host_hit_length = m.host_hit_length
+        self.storage_prior_hash = m.storage_prior_hash
+        self.last_matched_prefix_len = m.full_kv_hit_length
+
     def pop_committed_kv_cache(self) -> int:
         """Committed KV length, as SGLang's ``Req`` reports it when the request finishes."""
         return self.kv_committed_len

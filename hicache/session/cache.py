@@ -254,13 +254,7 @@ class SessionAwareCache(ForwardingCache):
             m = self.inner.match_prefix(MatchPrefixParams(key=RadixKey(list(tokens), req.extra_key), req=req))
         else:
             m = self._restore(req, slot, len(tokens))
-        req.prefix_indices = m.device_indices
-        req.last_node = m.last_device_node
-        req.last_host_node = m.last_host_node
-        req.best_match_node = m.best_match_node
-        req.host_hit_length = m.host_hit_length
-        req.storage_prior_hash = m.storage_prior_hash
-        req.last_matched_prefix_len = m.full_kv_hit_length
+        req.record_match(m)
         return m
 
     def _restored(self, req: Req) -> SessionSlot | None:

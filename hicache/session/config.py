@@ -6,6 +6,7 @@ import dataclasses
 from typing import Any
 
 from hicache.errors import ConfigError
+from hicache.options import options_from_dict
 
 __all__ = ["SessionConfig"]
 
@@ -56,8 +57,4 @@ class SessionConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SessionConfig:
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ConfigError(f"unknown session option(s) {unknown}; allowed: {sorted(known)}")
-        return cls(**data)
+        return options_from_dict(cls, data, "session")
