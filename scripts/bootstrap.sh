@@ -14,7 +14,7 @@ if ! "$VPY" -c "import torch" >/dev/null 2>&1; then
   "$VPY" -m pip install -q --disable-pip-version-check "torch==${HICACHE_TORCH_VERSION:-2.13.0}"
 fi
 stamp="$VENV/.hicache-installed"
-want=$(cat pyproject.toml | sha256sum | cut -d' ' -f1)
+want=$(cat pyproject.toml setup.py hicache/memory/_spancopy.c | sha256sum | cut -d' ' -f1)
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ] || ! "$VPY" -c "import hicache, hicache_backends" >/dev/null 2>&1; then
   "$VPY" -m pip install -q --disable-pip-version-check -e ".[dev]"
   echo "$want" > "$stamp"

@@ -1,5 +1,9 @@
 """Planning and executing page copies between two pools' unit views.
 
+The plan (:func:`make_plan`) serves every path. On CPU the engine copies through the native
+span copier (:mod:`hicache.memory.spans`) where it is built; the copy functions here are the
+CUDA path and the CPU fallback without it.
+
 Both pools expose *unit views*: byte tensors whose dim 0 is the unit (a page, or a state slot)
 and whose remaining dims match on both sides (``(C, L, page_bytes)`` for KV). A transfer is a
 list of (source unit, destination unit) pairs; the plan groups them into *runs* where both sides
@@ -27,13 +31,17 @@ against 0.67x for the same numpy copies on one thread).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
 
 from hicache.memory.allocator import AllocatorError, pages_of
 from hicache.memory.device import IndexLike
+
+_T = TypeVar("_T")
 
 __all__ = [
     "TransferPlan",
@@ -89,9 +97,19 @@ class TransferPlan:
         default=None, init=False, repr=False, compare=False
     )
 
+    _memo: dict[Hashable, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
+
     @property
     def num_units(self) -> int:
         return int(self.src_units.size)
+
+    def memo(self, key: Hashable, build: Callable[[], _T]) -> _T:
+        """``build()``, computed once per plan and ``key`` (what a copy derives from the plan and
+        reuses for every layer of a load)."""
+        try:
+            return self._memo[key]
+        except KeyError:
+            return self._memo.setdefault(key, build())
 
     def run_list(self) -> list[tuple[int, int, int]]:
         """The runs as Python tuples (cached: a load reuses them for every layer)."""

@@ -13,10 +13,16 @@ import torch
 from hicache.errors import CacheClosedError
 from hicache.memory import AllocatorError, CopyEngine, LayerDoneCounter
 from hicache.memory import transfer
+from hicache.memory.spans import NATIVE_AVAILABLE
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]
 DEVICE_SENTINEL = 0xCD
+#: CPU copy paths: the native span copier (where built) and the numpy/torch fallback
+COPY_PATHS = [
+    pytest.param(True, id="native", marks=pytest.mark.skipif(not NATIVE_AVAILABLE, reason="span copier not built")),
+    pytest.param(False, id="numpy"),
+]
 
 
 def token_idx(pages: list[int], ps: int) -> torch.Tensor:
@@ -42,13 +48,15 @@ def pools(device_pool_factory, host_pool_factory, fill_bytes):
     return build
 
 
+@pytest.mark.parametrize("native", COPY_PATHS)
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct"])
-async def test_async_backup_and_load(device, layout, pools):
+async def test_async_backup_and_load(device, layout, native, pools):
     src, dst, host = pools(device, layout)
-    async with CopyEngine(src, host) as eng:
+    async with CopyEngine(src, host, native=native) as eng:
+        assert eng.native == (native and device == "cpu")
         await eng.backup(token_idx([3, 4, 5, 9], 4), token_idx([0, 1, 7, 8], 4))
-    async with CopyEngine(dst, host) as eng:
+    async with CopyEngine(dst, host, native=native) as eng:
         handle = eng.load(token_idx([0, 1, 7, 8], 4), token_idx([10, 11, 12, 2], 4))
         assert isinstance(handle.counter, LayerDoneCounter)
         await handle.wait()
@@ -291,16 +299,21 @@ def test_cuda_copy_logic_on_cpu_tensors(chunk_bytes, layout, monkeypatch, device
         assert layer_bytes(dst, layer, t) == layer_bytes(src, layer, d)
 
 
-@pytest.mark.parametrize("np_max", [0, 1 << 40], ids=["torch_runs", "numpy_runs"])
+@pytest.mark.parametrize("np_max", [None, 0, 1 << 40], ids=["native", "torch_runs", "numpy_runs"])
 @pytest.mark.parametrize("pattern", ["runs", "scattered"])
 @pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
 def test_numpy_and_torch_run_copies_agree(
     np_max, pattern, layout, dtype, monkeypatch, device_pool_factory, host_pool_factory, fill_bytes
 ):
-    """CPU runs copied by ``np.copyto`` or by ``Tensor.copy_``: identical bytes, every layer,
-    and nothing outside the named pages is touched (host and device sentinels survive)."""
-    monkeypatch.setattr(transfer, "NUMPY_RUN_MAX_BYTES", np_max)
+    """CPU runs copied by the span copier, ``np.copyto`` or ``Tensor.copy_``: identical bytes,
+    every layer, and nothing outside the named pages is touched (host and device sentinels
+    survive)."""
+    native = np_max is None
+    if native and not NATIVE_AVAILABLE:
+        pytest.skip("span copier not built")
+    if not native:
+        monkeypatch.setattr(transfer, "NUMPY_RUN_MAX_BYTES", np_max)
     rng = np.random.default_rng(11)
     ps, pages, layers = 4, 24, 3
     src = device_pool_factory("mha", size=pages * ps, page_size=ps, layers=layers, dtype=dtype)
@@ -313,7 +326,7 @@ def test_numpy_and_torch_run_copies_agree(
         d, h, t = list(range(2, 14)), list(range(5, 17)), list(range(8, 20))
     else:
         d, h, t = ([int(x) for x in rng.permutation(pages)[:12]] for _ in range(3))
-    with CopyEngine(src, host) as eng:
+    with CopyEngine(src, host, native=native) as eng:
         eng.backup_sync(token_idx(d, ps), token_idx(h, ps))
     untouched = [p for p in range(pages) if p not in h]
     for p in untouched:
@@ -321,7 +334,7 @@ def test_numpy_and_torch_run_copies_agree(
     for i, p in enumerate(h):
         want = src.kv_data[:, :, d[i] * ps : (d[i] + 1) * ps].contiguous().view(torch.uint8).reshape(-1)
         assert torch.equal(host.get_data_page(p * ps).view(torch.uint8), want)
-    with CopyEngine(dst, host) as eng:
+    with CopyEngine(dst, host, native=native) as eng:
         eng.load_sync(token_idx(h, ps), token_idx(t, ps))
     for layer in range(layers):
         assert layer_bytes(dst, layer, t) == layer_bytes(src, layer, d)
@@ -352,9 +365,9 @@ async def test_numpy_copies_run_off_the_loop(monkeypatch, pools):
 
     monkeypatch.setattr("hicache.memory.copy_engine.copy_runs_np", spy)
     src, dst, host = pools("cpu", "page_first")
-    async with CopyEngine(src, host) as eng:
+    async with CopyEngine(src, host, native=False) as eng:
         await eng.backup(token_idx([1, 3], 4), token_idx([2, 5], 4))
-    async with CopyEngine(dst, host) as eng:
+    async with CopyEngine(dst, host, native=False) as eng:
         await eng.load(token_idx([2, 5], 4), token_idx([0, 9], 4)).wait()
     assert seen and threading.get_ident() not in seen
     for layer in range(src.layer_num):
@@ -406,7 +419,7 @@ def test_split_copy_is_byte_exact_and_close_stops_its_thread(
         return [th for th in threading.enumerate() if th.name.startswith("hicache-copy-split")]
 
     before = set(split_threads())
-    eng = CopyEngine(src, host)
+    eng = CopyEngine(src, host, native=False)
     eng.backup_sync(token_idx(d, ps), token_idx(h, ps))
     assert {name.split("_")[0] for name, _ in calls} == {"hicache-copy", "hicache-copy-split"}
     assert sorted(u for _, runs in calls for s, _, k in runs for u in range(s, s + k)) == sorted(d)
@@ -422,7 +435,7 @@ def test_split_copy_is_byte_exact_and_close_stops_its_thread(
         else:
             assert bool((page == 0xAB).all())
     calls.clear()
-    with CopyEngine(dst, host) as eng2:
+    with CopyEngine(dst, host, native=False) as eng2:
         handle = eng2.load(token_idx(h, ps), token_idx(t, ps))
         handle.wait_sync()
         assert handle.done()
@@ -439,10 +452,10 @@ def test_no_split_thread_on_one_cpu(monkeypatch, pools):
     monkeypatch.setattr(transfer, "SPLIT_UNIT_MIN_BYTES", 1)
     monkeypatch.setattr(transfer, "NUMPY_RUN_MAX_BYTES", 0)
     src, dst, host = pools()
-    with CopyEngine(src, host) as eng:
+    with CopyEngine(src, host, native=False) as eng:
         eng.backup_sync(token_idx([1, 5, 3], 4), token_idx([2, 9, 4], 4))
         assert eng._helper is None
-    with CopyEngine(dst, host) as eng:
+    with CopyEngine(dst, host, native=False) as eng:
         eng.load_sync(token_idx([2, 9, 4], 4), token_idx([0, 7, 6], 4))
     for layer in range(src.layer_num):
         assert layer_bytes(dst, layer, [0, 7, 6]) == layer_bytes(src, layer, [1, 5, 3])
@@ -466,7 +479,7 @@ def test_split_half_failure_waits_for_the_other_half(monkeypatch, pools):
 
     monkeypatch.setattr("hicache.memory.copy_engine.copy_runs_np", fake)
     src, _, host = pools()
-    with CopyEngine(src, host) as eng:
+    with CopyEngine(src, host, native=False) as eng:
         with pytest.raises(RuntimeError, match="boom"):
             eng.backup_sync(token_idx([1, 5, 3, 8], 4), token_idx([2, 9, 4, 0], 4))
         assert other_done.is_set()

@@ -12,9 +12,16 @@ import pytest
 import torch
 
 from hicache.memory import LAYOUTS, CopyEngine
+from hicache.memory.spans import NATIVE_AVAILABLE
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]
+#: (device, CopyEngine's ``native``): both CPU copy paths, and CUDA
+ENGINES = [
+    pytest.param("cpu", True, id="cpu-native",
+                 marks=pytest.mark.skipif(not NATIVE_AVAILABLE, reason="span copier not built")),
+    pytest.param("cpu", False, id="cpu-numpy"),
+    pytest.param("cuda", None, id="cuda", marks=CUDA),
+]
 HOST_SENTINEL = 0xAB
 DEVICE_SENTINEL = 0xCD
 
@@ -66,12 +73,12 @@ def sentinel_ok(t: torch.Tensor, value: int) -> bool:
     return bool((t.reshape(-1).view(torch.uint8) == value).all())
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(("device", "native"), ENGINES)
 @pytest.mark.parametrize("kind", ["mha", "mla"])
 @pytest.mark.parametrize("page_size", [1, 4, 16])
 @pytest.mark.parametrize("layout_out", LAYOUTS)
 @pytest.mark.parametrize("layout_in", LAYOUTS)
-def test_round_trip_all_layouts(device, kind, page_size, layout_out, layout_in,
+def test_round_trip_all_layouts(device, native, kind, page_size, layout_out, layout_in,
                                 device_pool_factory, host_pool_factory, fill_bytes):
     rng = np.random.default_rng(page_size * 7 + len(layout_out) + 3 * len(layout_in))
     dev_pages_total, host_pages_total = 12, 10
@@ -87,7 +94,7 @@ def test_round_trip_all_layouts(device, kind, page_size, layout_out, layout_in,
     rest = [int(p) for p in rng.permutation(dev_pages_total) if p not in (start, start + 1)]
     dev_pages = [start, start + 1, *rest[: n - 2]]
     host_pages = [0, 1, 2, 6, 9]
-    with CopyEngine(src_dev, host_out) as eng:
+    with CopyEngine(src_dev, host_out, native=native) as eng:
         eng.backup_sync(token_idx(dev_pages, page_size), token_idx(host_pages, page_size))
 
     # host holds the canonical bytes; untouched host pages keep the sentinel
@@ -103,7 +110,7 @@ def test_round_trip_all_layouts(device, kind, page_size, layout_out, layout_in,
         assert sentinel_ok(host_in.get_data_page(h * page_size), HOST_SENTINEL)
 
     out_dev_pages = [11, 2, 3, 7, 0]
-    with CopyEngine(dst_dev, host_in) as eng:
+    with CopyEngine(dst_dev, host_in, native=native) as eng:
         handle = eng.load(token_idx(in_pages, page_size), token_idx(out_dev_pages, page_size))
         handle.wait_sync(timeout=30)
     for d_src, d_dst in zip(dev_pages, out_dev_pages):
