@@ -2,7 +2,8 @@
 """Copy-engine throughput: backup (device -> host) and layer-wise load (host -> device).
 
 Each measurement is compared with a plain torch copy of the same number of bytes measured in
-the same run, interleaved rep by rep so that noise from other processes hits both alike:
+the same run, before and after every rep of ours, so that noise from other processes (on a
+shared VM, mostly other tenants' memory traffic) hits both alike:
 
 * CPU: a contiguous ``dst.copy_(src)``;
 * CUDA: a contiguous device -> pinned host copy (backup) and pinned host -> device (load).
@@ -11,7 +12,7 @@ Two index patterns: ``runs`` (pages as a fresh allocator hands them out: consecu
 ``scattered`` (random pages on both sides: the worst case after long churn). A scattered
 layer-wise load is made of ``page_size * head_num * head_dim * itemsize``-byte pieces (128 KiB
 by default), so scattered rows also report ``torch_chunked_gbps``: torch copying the same bytes
-in pieces of that size in random order, the bound for that pattern.
+in pieces of that size in random order, what a loop of ``Tensor.copy_`` per piece reaches.
 
 ``ratio`` is median(torch) / median(ours); ``ratio_paired`` the median of the per-rep ratios
 against the same baseline (more robust when other processes share the machine).
@@ -65,7 +66,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument("--page-size", type=int, default=64)
     p.add_argument("--pages", type=int, default=32, help="pages moved per operation")
-    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--reps", type=int, default=7)
     p.add_argument("--layouts", default=",".join(LAYOUTS))
     p.add_argument("--patterns", default="runs,scattered")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
@@ -169,8 +170,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     ref()
                     mine, theirs, chunked = [], [], []
                     for _ in range(args.reps):
+                        # the baseline brackets each rep of ours (before and after, averaged), so
+                        # a slow drift of the machine's memory bandwidth hits both alike
+                        before = timed(ref, device)
                         mine.append(timed(fn, device))
-                        theirs.append(timed(ref, device))
+                        theirs.append((before + timed(ref, device)) / 2)
                         if pattern == "scattered":
                             chunked.append(timed(ref_chunked, device))
                     if path == default_path:

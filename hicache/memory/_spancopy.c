@@ -76,68 +76,106 @@ __attribute__((target("avx2"))) static void copy_stream_avx2(char *dst, const ch
 static copy_fn copy_stream = copy_plain;
 static const char *stream_kind = "none";
 
-static int64_t read_i64(const char *p) {
-    int64_t v;
-    memcpy(&v, p, sizeof v); /* the span table need not be aligned */
-    return v;
+typedef struct {
+    int64_t dst, src, n;
+} span_t;
+
+/* a + b, or -1 if it overflows int64 (checked before adding: signed overflow is undefined) */
+static int add_i64(int64_t a, int64_t b, int64_t *out) {
+    if ((b > 0 && a > INT64_MAX - b) || (b < 0 && a < INT64_MIN - b)) return -1;
+    *out = a + b;
+    return 0;
+}
+
+/* whether a buffer format describes native 8-byte signed integers ("q", or "l" where long is 8) */
+static int is_native_int64(const char *fmt, Py_ssize_t itemsize) {
+    if (fmt == NULL || itemsize != 8) return 0;
+    if (*fmt == '@' || *fmt == '=') fmt++;
+#if PY_LITTLE_ENDIAN
+    else if (*fmt == '<') fmt++;
+#endif
+    return (fmt[0] == 'q' || fmt[0] == 'l') && fmt[1] == '\0';
 }
 
 PyDoc_STRVAR(copy_spans_doc,
 "copy_spans(dst, src, spans, dst_shift=0, src_shift=0, streaming=False) -> int\n\n"
-"For each row (d, s, n) of ``spans`` (native int64, n rows of 3), copy ``n`` bytes from\n"
-"``src[s + src_shift:]`` to ``dst[d + dst_shift:]``. ``dst`` is a writable buffer, ``src`` any\n"
-"buffer. Every span is bounds-checked first; a bad one raises ValueError and nothing is copied.\n"
-"``streaming`` uses non-temporal stores for spans of 4 KiB and more (big copies whose\n"
-"destination is not read again soon). The GIL is released while copying. Returns the bytes\n"
-"copied.");
+"For each row (d, s, n) of ``spans`` (a C-contiguous native int64 buffer of n rows of 3), copy\n"
+"``n`` bytes from ``src[s + src_shift:]`` to ``dst[d + dst_shift:]``. ``dst`` is a writable\n"
+"buffer, ``src`` any buffer. Every span is bounds-checked first and copied from a private\n"
+"snapshot of the table, so a table that changes during the copy cannot redirect it; a bad span\n"
+"raises ValueError and nothing is copied. ``streaming`` uses non-temporal stores for spans of\n"
+"4 KiB and more (big copies whose destination is not read again soon). The GIL is released\n"
+"while copying. Returns the bytes copied.");
 
 static PyObject *copy_spans(PyObject *self, PyObject *args, PyObject *kwargs) {
     static char *keywords[] = {"dst", "src", "spans", "dst_shift", "src_shift", "streaming", NULL};
     Py_buffer dst, src, spans;
+    PyObject *spans_obj;
     long long dst_shift = 0, src_shift = 0;
     int streaming = 0;
     (void)self;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "w*y*y*|LLp:copy_spans", keywords, &dst, &src,
-                                     &spans, &dst_shift, &src_shift, &streaming))
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "w*y*O|LLp:copy_spans", keywords, &dst, &src,
+                                     &spans_obj, &dst_shift, &src_shift, &streaming))
         return NULL;
     PyObject *result = NULL;
-    const Py_ssize_t row = 3 * (Py_ssize_t)sizeof(int64_t);
+    span_t *rows = NULL;
+    int have_spans = 0;
+    if (PyObject_GetBuffer(spans_obj, &spans, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) goto done;
+    have_spans = 1;
+    if (!is_native_int64(spans.format, spans.itemsize)) {
+        PyErr_Format(PyExc_TypeError, "spans must hold native int64 values, not format '%s' of %zd bytes",
+                     spans.format ? spans.format : "B", spans.itemsize);
+        goto done;
+    }
+    const Py_ssize_t row = (Py_ssize_t)sizeof(span_t);
     if (spans.len % row != 0) {
         PyErr_Format(PyExc_ValueError, "spans holds %zd bytes, not a whole number of (dst, src, nbytes) int64 rows",
                      spans.len);
         goto done;
     }
     const Py_ssize_t count = spans.len / row;
+    rows = PyMem_Malloc(count > 0 ? (size_t)count * sizeof(span_t) : 1);
+    if (rows == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
     const char *table = (const char *)spans.buf;
     int64_t total = 0;
     for (Py_ssize_t k = 0; k < count; k++) {
-        int64_t d = read_i64(table + k * row) + dst_shift;
-        int64_t s = read_i64(table + k * row + 8) + src_shift;
-        int64_t n = read_i64(table + k * row + 16);
-        if (n < 0 || d < 0 || s < 0 || d > (int64_t)dst.len - n || s > (int64_t)src.len - n) {
+        int64_t raw[3];
+        memcpy(raw, table + k * row, sizeof raw); /* the table need not be aligned */
+        int64_t d, s, n = raw[2];
+        if (add_i64(raw[0], (int64_t)dst_shift, &d) < 0 || add_i64(raw[1], (int64_t)src_shift, &s) < 0 ||
+            n < 0 || d < 0 || s < 0 || d > (int64_t)dst.len - n || s > (int64_t)src.len - n) {
             PyErr_Format(PyExc_ValueError,
-                         "span %zd (dst %lld, src %lld, %lld bytes) falls outside the buffers "
-                         "(dst %zd bytes, src %zd bytes); nothing was copied",
-                         k, (long long)d, (long long)s, (long long)n, dst.len, src.len);
+                         "span %zd (dst %lld + %lld, src %lld + %lld, %lld bytes) falls outside the "
+                         "buffers (dst %zd bytes, src %zd bytes); nothing was copied",
+                         k, (long long)raw[0], dst_shift, (long long)raw[1], src_shift, (long long)n,
+                         dst.len, src.len);
             goto done;
         }
-        total += n;
+        rows[k].dst = d;
+        rows[k].src = s;
+        rows[k].n = n;
+        total += n; /* no overflow: each n fits in a buffer */
     }
     char *dbase = (char *)dst.buf;
     const char *sbase = (const char *)src.buf;
-    /* buffers that share memory are copied with memmove, span by span */
-    int overlap = dbase < sbase + src.len && sbase < dbase + dst.len;
+    /* buffers that share memory are copied with memmove, span by span, in order */
+    uintptr_t d0 = (uintptr_t)dbase, s0 = (uintptr_t)sbase;
+    int overlap = d0 < s0 + (uintptr_t)src.len && s0 < d0 + (uintptr_t)dst.len;
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t k = 0; k < count; k++) {
-        int64_t d = read_i64(table + k * row) + dst_shift;
-        int64_t s = read_i64(table + k * row + 8) + src_shift;
-        size_t n = (size_t)read_i64(table + k * row + 16);
+        size_t n = (size_t)rows[k].n;
+        if (n == 0) continue;
+        char *to = dbase + rows[k].dst;
+        const char *from = sbase + rows[k].src;
         if (overlap)
-            memmove(dbase + d, sbase + s, n);
+            memmove(to, from, n);
         else if (streaming && n >= STREAM_MIN_SPAN)
-            copy_stream(dbase + d, sbase + s, n);
+            copy_stream(to, from, n);
         else
-            memcpy(dbase + d, sbase + s, n);
+            memcpy(to, from, n);
     }
 #ifdef HICACHE_X86
     if (streaming) _mm_sfence(); /* streaming stores are weakly ordered: publish them */
@@ -145,14 +183,52 @@ static PyObject *copy_spans(PyObject *self, PyObject *args, PyObject *kwargs) {
     Py_END_ALLOW_THREADS
     result = PyLong_FromLongLong(total);
 done:
+    PyMem_Free(rows);
     PyBuffer_Release(&dst);
     PyBuffer_Release(&src);
-    PyBuffer_Release(&spans);
+    if (have_spans) PyBuffer_Release(&spans);
     return result;
+}
+
+/* Choose the streaming copy: "avx2" (where the CPU has it), "sse2" (x86-64) or "none"
+ * (memcpy). Picked once at import; tests switch it to cover every variant on one machine. */
+static int select_stream_kind(const char *kind) {
+#ifdef HICACHE_X86
+    if (strcmp(kind, "avx2") == 0 && __builtin_cpu_supports("avx2")) {
+        copy_stream = copy_stream_avx2;
+        stream_kind = "avx2";
+        return 0;
+    }
+    if (strcmp(kind, "sse2") == 0) {
+        copy_stream = copy_stream_sse2;
+        stream_kind = "sse2";
+        return 0;
+    }
+#endif
+    if (strcmp(kind, "none") == 0) {
+        copy_stream = copy_plain;
+        stream_kind = "none";
+        return 0;
+    }
+    return -1;
+}
+
+static PyObject *set_stream_kind(PyObject *self, PyObject *arg) {
+    (void)self;
+    const char *kind = PyUnicode_AsUTF8(arg);
+    if (kind == NULL) return NULL;
+    const char *previous = stream_kind;
+    if (select_stream_kind(kind) < 0) {
+        PyErr_Format(PyExc_ValueError, "streaming copy %R is not available on this CPU", arg);
+        return NULL;
+    }
+    return PyUnicode_FromString(previous);
 }
 
 static PyMethodDef methods[] = {
     {"copy_spans", (PyCFunction)(void (*)(void))copy_spans, METH_VARARGS | METH_KEYWORDS, copy_spans_doc},
+    {"_set_stream_kind", set_stream_kind, METH_O,
+     "_set_stream_kind(kind) -> previous kind: 'avx2', 'sse2' or 'none' (for tests)."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -167,13 +243,7 @@ static struct PyModuleDef module = {
 PyMODINIT_FUNC PyInit__spancopy(void) {
 #ifdef HICACHE_X86
     __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx2")) {
-        copy_stream = copy_stream_avx2;
-        stream_kind = "avx2";
-    } else {
-        copy_stream = copy_stream_sse2;
-        stream_kind = "sse2";
-    }
+    if (select_stream_kind("avx2") < 0) select_stream_kind("sse2");
 #endif
     PyObject *m = PyModule_Create(&module);
     if (m != NULL && PyModule_AddStringConstant(m, "STREAM_KIND", stream_kind) < 0) {

@@ -105,11 +105,19 @@ class SpanPair:
         table[:, :, 0] = np.add.outer(dst.base + d_units * dst.unit_stride, dst.pieces)
         table[:, :, 1] = np.add.outer(src.base + s_units * src.unit_stride, src.pieces)
         table[:, :, 2] = length[:, None]
-        return table.reshape(-1, 3)
+        table = table.reshape(-1, 3)
+        table.setflags(write=False)  # cached and shared by every layer (and thread) of a copy
+        return table
 
     def halves(self, plan: TransferPlan, *, to_host: bool) -> tuple[np.ndarray, np.ndarray]:
         """:meth:`table` cut in two tables of (nearly) equal bytes, for two threads (cached)."""
-        return plan.memo((self, to_host, "halves"), lambda: split_table(self.table(plan, to_host=to_host)))
+        def build() -> tuple[np.ndarray, np.ndarray]:
+            halves = split_table(self.table(plan, to_host=to_host))
+            for half in halves:
+                half.setflags(write=False)
+            return halves
+
+        return plan.memo((self, to_host, "halves"), build)
 
     def copy(self, plan: TransferPlan, *, to_host: bool, layer: int = 0, half: int | None = None) -> int:
         """Copy ``plan``'s units (one layer of them for a per-layer pair), or only ``half`` 0 or 1
@@ -155,7 +163,7 @@ def _piece_offsets(t: torch.Tensor, dims: list[int]) -> np.ndarray:
 def span_pair(device_view: torch.Tensor, host_view: torch.Tensor, *, layer_dim: int | None = None) -> SpanPair | None:
     """Describe a pair of byte unit views (dim 0: the unit; the other dims equal on both sides)
     for span copies, or ``None`` where the span copier cannot serve it (not built, not CPU, not
-    bytes, or pieces under :data:`MIN_PIECE_BYTES`).
+    bytes, pieces under :data:`MIN_PIECE_BYTES`, or both views in one storage).
 
     ``layer_dim``: a dim that a per-layer copy fixes (its stride becomes the layer shift); ``None``
     copies all of it."""
@@ -165,6 +173,7 @@ def span_pair(device_view: torch.Tensor, host_view: torch.Tensor, *, layer_dim: 
         or any(v.device.type != "cpu" or v.dtype != torch.uint8 for v in views)
         or device_view.shape[1:] != host_view.shape[1:]
         or device_view.dim() < 2
+        or (layer_dim is not None and not 0 < layer_dim < device_view.dim())
     ):
         return None
     inner = [j for j in range(1, device_view.dim()) if j != layer_dim]
@@ -183,15 +192,18 @@ def span_pair(device_view: torch.Tensor, host_view: torch.Tensor, *, layer_dim: 
             rest.insert(0, j)
     if piece < MIN_PIECE_BYTES:
         return None
+    buffers = [storage_bytes(v) for v in views]
+    if np.may_share_memory(buffers[0], buffers[1]):
+        return None  # one storage for both pools: a step split over two threads could race
     sides = [
         SpanSide(
-            buffer=storage_bytes(v),
+            buffer=buf,
             base=v.storage_offset(),
             unit_stride=v.stride(0),
             pieces=_piece_offsets(v, rest),
             layer_stride=v.stride(layer_dim) if layer_dim is not None else 0,
         )
-        for v in views
+        for v, buf in zip(views, buffers)
     ]
     runs_merge = all(v.stride(0) == piece for v in views)
     return SpanPair(sides[0], sides[1], piece, runs_merge)

@@ -40,9 +40,25 @@ def copy_spans(*args, **kwargs) -> int:
     return spans._spancopy.copy_spans(*args, **kwargs)
 
 
+STREAM_KINDS = ["avx2", "sse2", "none"]
+
+
+@pytest.fixture(params=STREAM_KINDS)
+def stream_kind(request):
+    """Each streaming copy variant this CPU can run (the import picks one; switch for the test)."""
+    if not NATIVE_AVAILABLE:
+        pytest.skip("span copier not built")
+    try:
+        previous = spans._spancopy._set_stream_kind(request.param)
+    except ValueError:
+        pytest.skip(f"{request.param} not available on this CPU")
+    yield request.param
+    spans._spancopy._set_stream_kind(previous)
+
+
 @native_only
 @pytest.mark.parametrize("streaming", [False, True])
-def test_copies_spans_and_returns_bytes(streaming):
+def test_copies_spans_and_returns_bytes(streaming, stream_kind):
     src = np.arange(1 << 16, dtype=np.uint8)
     dst = np.zeros(1 << 16, dtype=np.uint8)
     table = rows((0, 100, 5000), (9000, 3, 40000), (60000, 0, 7))
@@ -62,16 +78,24 @@ def test_copies_spans_and_returns_bytes(streaming):
     streaming=st.booleans(),
 )
 @settings(max_examples=150, deadline=None)
-def test_matches_a_python_reference_for_any_spans(data, dst_shift, src_shift, streaming):
+@pytest.mark.parametrize("kind", STREAM_KINDS)
+def test_matches_a_python_reference_for_any_spans(kind, data, dst_shift, src_shift, streaming):
     """Unaligned starts, odd lengths, overlapping destinations (later spans win), shifts, with
     and without streaming stores: byte for byte what a Python loop gives."""
+    try:
+        previous = spans._spancopy._set_stream_kind(kind)
+    except ValueError:
+        pytest.skip(f"{kind} not available on this CPU")
     size = 32 * 1024 + 64
     src = np.random.default_rng(len(data)).integers(0, 256, size, dtype=np.uint8)
     dst = np.full(size, 0xEE, dtype=np.uint8)
     want = dst.copy()
     table = rows(*data)
     reference(want, src, table, dst_shift, src_shift)
-    copy_spans(dst, src, table, dst_shift=dst_shift, src_shift=src_shift, streaming=streaming)
+    try:
+        copy_spans(dst, src, table, dst_shift=dst_shift, src_shift=src_shift, streaming=streaming)
+    finally:
+        spans._spancopy._set_stream_kind(previous)
     assert np.array_equal(dst, want)
 
 
@@ -87,6 +111,9 @@ def test_matches_a_python_reference_for_any_spans(data, dst_shift, src_shift, st
         (rows((0, 0, 10)), 91, 0),  # the shift pushes dst out
         (rows((0, 0, 10)), 0, 55),  # the shift pushes src out
         (rows((0, 0, 2**62)), 0, 0),  # overflowing length
+        (rows((-(2**63) + 10, 0, 5)), -(2**63), 0),  # the shift overflows int64 (would wrap to 10)
+        (rows((2**63 - 1, 0, 5)), 1, 0),  # ... and the other way
+        (rows((0, 2**63 - 1, 5)), 0, 2**62),
     ],
 )
 def test_bad_spans_raise_and_copy_nothing(table, dst_shift, src_shift):
@@ -108,7 +135,30 @@ def test_malformed_tables_and_read_only_destinations_are_rejected():
         copy_spans(ro, src, rows((0, 0, 8)))
     with pytest.raises(TypeError):
         copy_spans(dst, src, [[0, 0, 8]])  # not a buffer
+    with pytest.raises(TypeError, match="native int64"):
+        copy_spans(dst, src, np.zeros((1, 3), dtype=np.int32))
+    with pytest.raises(TypeError, match="native int64"):
+        copy_spans(dst, src, np.zeros((1, 3), dtype=np.float64))
+    with pytest.raises(TypeError, match="native int64"):
+        copy_spans(dst, src, bytes(24))
+    with pytest.raises(TypeError, match="native int64"):
+        copy_spans(dst, src, np.zeros((1, 3), dtype=">i8" if np.little_endian else "<i8"))
+    with pytest.raises(ValueError, match="contiguous"):
+        copy_spans(dst, src, np.zeros((3, 3), dtype=np.int64)[:, ::2])
     assert copy_spans(dst, src, rows()) == 0 and not dst.any()
+
+
+@native_only
+def test_a_table_that_changes_during_the_copy_cannot_redirect_it():
+    """The table is checked, then copied from a snapshot: here the first span rewrites the second
+    row (the table lives in ``dst``) into one far outside the buffer, after the check."""
+    dst = np.zeros(4096, dtype=np.uint8)
+    table = dst[:48].view(np.int64).reshape(2, 3)
+    table[0] = (24, 0, 24)
+    table[1] = (0, 0, 0)
+    src = np.array([1 << 40, 0, 4096], dtype=np.int64).view(np.uint8).copy()
+    assert copy_spans(dst, src, table) == 24
+    assert table[1].tolist() == [1 << 40, 0, 4096]  # rewritten, but never used
 
 
 @native_only
@@ -149,6 +199,7 @@ def test_span_pair_merges_contiguous_dims_and_runs(device_pool_factory, host_poo
     table = per_layer.table(plan, to_host=False)
     assert table.shape == (2 * 2, 3)  # two runs, K and V each
     assert per_layer.table(plan, to_host=False) is table  # cached on the plan
+    assert not table.flags.writeable and not any(h.flags.writeable for h in per_layer.halves(plan, to_host=False))
     assert sorted(table[:, 2].tolist()) == sorted([3 * per_layer.piece_bytes, per_layer.piece_bytes] * 2)
 
     direct = host_pool_factory(dev, layout="page_first_direct", pages=16)
@@ -163,6 +214,8 @@ def test_span_pair_declines_what_it_cannot_serve(device_pool_factory, host_pool_
     (d,), (h,) = dev.transfer_views(), host.transfer_views()
     assert span_pair(d.view(torch.int64), h.view(torch.int64)) is None  # not byte views
     assert span_pair(d[..., ::2], h[..., ::2]) is None  # 1-byte pieces
+    assert span_pair(d, h, layer_dim=d.dim()) is None  # no such dim
+    assert span_pair(d, d) is None  # one storage for both sides
 
 
 @native_only
@@ -254,3 +307,95 @@ def test_split_native_backup_is_byte_exact(device_pool_factory, host_pool_factor
                                src.kv_data[:, layer, b * ps : (b + 1) * ps].view(torch.uint8))
         others = [p for p in range(pages) if p not in t]
         assert all(bool((dst.kv_data[:, layer, p * ps : (p + 1) * ps].view(torch.uint8) == 0xCD).all()) for p in others)
+
+
+@native_only
+def test_native_split_half_failure_waits_for_the_other_half(device_pool_factory, host_pool_factory, monkeypatch):
+    """If the engine thread's half of a split backup fails, the step still waits for the second
+    thread's half before the error surfaces (no copy outlives the failed operation)."""
+    import threading
+    import time
+
+    monkeypatch.setattr("hicache.memory.copy_engine.os.cpu_count", lambda: 2)
+    monkeypatch.setattr(transfer, "SPLIT_MIN_BYTES", 1)
+    other_done = threading.Event()
+
+    def fake(self, plan, *, to_host, layer=0, half=None):
+        if half == 1:
+            time.sleep(0.05)
+            other_done.set()
+            return 0
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(spans.SpanPair, "copy", fake)
+    dev = device_pool_factory("mha", size=8 * 4, page_size=4)
+    host = host_pool_factory(dev, layout="page_first", pages=8)
+    with CopyEngine(dev, host) as eng:
+        with pytest.raises(RuntimeError, match="boom"):
+            eng.backup_sync(token_idx([1, 5, 3, 6], 4), token_idx([2, 0, 4, 7], 4))
+        assert other_done.is_set()
+
+
+def strided_view(shape: list[int], order: list[int], pad: list[int], seed: int) -> torch.Tensor:
+    """A byte view of logical ``shape`` whose dims lie in memory in ``order`` (outermost first),
+    each padded by ``pad`` elements and started at an offset inside a bigger random tensor."""
+    g = torch.Generator().manual_seed(seed)
+    phys = [shape[j] for j in order]
+    big = torch.randint(0, 256, [s + p for s, p in zip(phys, pad)], dtype=torch.uint8, generator=g)
+    v = big[tuple(slice(p // 2, p // 2 + s) for s, p in zip(phys, pad))]
+    return v.permute(*[order.index(j) for j in range(len(shape))])
+
+
+@st.composite
+def view_pairs(draw):
+    inner = [draw(st.integers(1, 3)), draw(st.integers(1, 3)), draw(st.sampled_from([16, 17, 32, 48]))]
+    units = [draw(st.integers(2, 6)), draw(st.integers(2, 6))]
+    views = []
+    for i, u in enumerate(units):
+        # mostly with the last dim innermost (as every real pool), sometimes anywhere
+        order = [*draw(st.permutations(range(3))), 3] if draw(st.integers(0, 5)) else draw(st.permutations(range(4)))
+        pad = [draw(st.sampled_from([0, 0, 1, 3])) for _ in range(4)]
+        views.append(strided_view([u, *inner], list(order), pad, seed=draw(st.integers(0, 1000)) + i))
+    n = draw(st.integers(1, min(units)))
+    src = draw(st.permutations(range(units[0])))[:n]
+    dst = draw(st.permutations(range(units[1])))[:n]
+    if draw(st.booleans()):
+        src, dst = sorted(src), sorted(dst)  # runs
+    return views[0], views[1], list(src), list(dst)
+
+
+def storage_copy(t: torch.Tensor) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage()).clone()
+
+
+@native_only
+@given(pair=view_pairs(), per_layer=st.booleans(), to_host=st.booleans(), split=st.booleans())
+@settings(max_examples=200, deadline=None)
+def test_span_tables_match_torch_for_any_strided_views(pair, per_layer, to_host, split):
+    """Random layouts (any dim order, padding, offsets): the span copy writes exactly what a
+    per-unit torch assignment writes, into the whole storage (nothing outside the units)."""
+    dev, host, dev_units, host_units = pair
+    sp = span_pair(dev, host, layer_dim=2 if per_layer else None)
+    if sp is None:
+        return  # pieces too small to serve; the engine uses its numpy/torch path then
+    src, dst = (dev, host) if to_host else (host, dev)
+    s_units, d_units = (dev_units, host_units) if to_host else (host_units, dev_units)
+    plan = transfer.make_plan(torch.tensor(s_units), src.shape[0], torch.tensor(d_units), dst.shape[0], 1,
+                              src_what="s", dst_what="d")
+    for layer in range(dev.shape[2]) if per_layer else [None]:
+        want_storage = storage_copy(dst)
+        want = torch.empty(0, dtype=torch.uint8).set_(want_storage.untyped_storage()).as_strided(
+            dst.shape, dst.stride(), dst.storage_offset()
+        )
+        for s, d in zip(s_units, d_units):
+            if layer is None:
+                want[d] = src[s]
+            else:
+                want[d, :, layer] = src[s, :, layer]
+        kw = {"to_host": to_host, "layer": layer or 0}
+        if split:
+            sp.copy(plan, half=0, **kw)
+            sp.copy(plan, half=1, **kw)
+        else:
+            sp.copy(plan, **kw)
+        assert torch.equal(storage_copy(dst), want_storage)
