@@ -7,6 +7,8 @@
 * :mod:`~hicache.memory.host_pool` - host KV pools implementing the storage page protocol
 * :mod:`~hicache.memory.mamba` - per-request recurrent state pools for hybrid models
 * :mod:`~hicache.memory.copy_engine` - backup/load off the event loop, layer by layer
+* :mod:`~hicache.memory.transfer` - copy plans (runs of units); the CUDA and numpy/torch copies
+* :mod:`~hicache.memory.spans` - CPU copies as byte-span tables for the native span copier
 * :mod:`~hicache.memory.layer_counter` - per-layer completion for asyncio and threads
 
 Typical wiring::
