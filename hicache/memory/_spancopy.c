@@ -32,45 +32,33 @@ typedef void (*copy_fn)(char *dst, const char *src, size_t n);
 static void copy_plain(char *dst, const char *src, size_t n) { memcpy(dst, src, n); }
 
 #ifdef HICACHE_X86
-/* Streaming copy with 16-byte SSE2 stores (every x86-64 CPU has them). */
-static void copy_stream_sse2(char *dst, const char *src, size_t n) {
-    size_t head = (16 - ((uintptr_t)dst & 15)) & 15;
-    if (head > n) head = n;
-    memcpy(dst, src, head);
-    dst += head; src += head; n -= head;
-    size_t body = n & ~(size_t)63;
-    for (size_t i = 0; i < body; i += 64) {
-        __m128i a = _mm_loadu_si128((const __m128i *)(src + i));
-        __m128i b = _mm_loadu_si128((const __m128i *)(src + i + 16));
-        __m128i c = _mm_loadu_si128((const __m128i *)(src + i + 32));
-        __m128i d = _mm_loadu_si128((const __m128i *)(src + i + 48));
-        _mm_stream_si128((__m128i *)(dst + i), a);
-        _mm_stream_si128((__m128i *)(dst + i + 16), b);
-        _mm_stream_si128((__m128i *)(dst + i + 32), c);
-        _mm_stream_si128((__m128i *)(dst + i + 48), d);
+/* One streaming copy per vector width: plain copies up to the first W-aligned destination byte,
+ * then four unaligned W-byte loads and four aligned streaming stores per step, then the tail. */
+#define STREAM_COPY(NAME, ATTR, W, VEC, LOAD, STREAM)                                  \
+    ATTR static void NAME(char *dst, const char *src, size_t n) {                      \
+        size_t head = (W - ((uintptr_t)dst & (W - 1))) & (W - 1);                      \
+        if (head > n) head = n;                                                        \
+        memcpy(dst, src, head);                                                        \
+        dst += head; src += head; n -= head;                                           \
+        size_t body = n & ~(size_t)(4 * W - 1);                                        \
+        for (size_t i = 0; i < body; i += 4 * W) {                                     \
+            VEC a = LOAD((const VEC *)(src + i));                                      \
+            VEC b = LOAD((const VEC *)(src + i + W));                                  \
+            VEC c = LOAD((const VEC *)(src + i + 2 * W));                              \
+            VEC d = LOAD((const VEC *)(src + i + 3 * W));                              \
+            STREAM((VEC *)(dst + i), a);                                               \
+            STREAM((VEC *)(dst + i + W), b);                                           \
+            STREAM((VEC *)(dst + i + 2 * W), c);                                       \
+            STREAM((VEC *)(dst + i + 3 * W), d);                                       \
+        }                                                                              \
+        memcpy(dst + body, src + body, n - body);                                      \
     }
-    memcpy(dst + body, src + body, n - body);
-}
 
-/* The same with 32-byte AVX2 stores, compiled for AVX2 only here and chosen at import time. */
-__attribute__((target("avx2"))) static void copy_stream_avx2(char *dst, const char *src, size_t n) {
-    size_t head = (32 - ((uintptr_t)dst & 31)) & 31;
-    if (head > n) head = n;
-    memcpy(dst, src, head);
-    dst += head; src += head; n -= head;
-    size_t body = n & ~(size_t)127;
-    for (size_t i = 0; i < body; i += 128) {
-        __m256i a = _mm256_loadu_si256((const __m256i *)(src + i));
-        __m256i b = _mm256_loadu_si256((const __m256i *)(src + i + 32));
-        __m256i c = _mm256_loadu_si256((const __m256i *)(src + i + 64));
-        __m256i d = _mm256_loadu_si256((const __m256i *)(src + i + 96));
-        _mm256_stream_si256((__m256i *)(dst + i), a);
-        _mm256_stream_si256((__m256i *)(dst + i + 32), b);
-        _mm256_stream_si256((__m256i *)(dst + i + 64), c);
-        _mm256_stream_si256((__m256i *)(dst + i + 96), d);
-    }
-    memcpy(dst + body, src + body, n - body);
-}
+/* 16-byte SSE2 stores: every x86-64 CPU has them */
+STREAM_COPY(copy_stream_sse2, , 16, __m128i, _mm_loadu_si128, _mm_stream_si128)
+/* 32-byte AVX2 stores: compiled for AVX2 here only, chosen at import where the CPU has it */
+STREAM_COPY(copy_stream_avx2, __attribute__((target("avx2"))), 32, __m256i, _mm256_loadu_si256,
+            _mm256_stream_si256)
 #endif
 
 static copy_fn copy_stream = copy_plain;
