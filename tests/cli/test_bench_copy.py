@@ -1,0 +1,34 @@
+"""``hicache bench copy`` end to end on a tiny geometry: JSON out, every layout, pattern and copy
+path measured, ratios against the baseline reported (behaviour, not time: no threshold here)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from hicache.cli import main
+from hicache.memory.spans import NATIVE_AVAILABLE
+
+TINY = ["--layers", "2", "--heads", "1", "--head-dim", "8", "--page-size", "4", "--pages", "4", "--reps", "1"]
+
+
+def test_bench_copy_reports_every_row(tmp_path: Path, capsys, monkeypatch) -> None:
+    monkeypatch.setattr(sys, "argv", list(sys.argv))  # the CLI hands the script its own argv
+    out = tmp_path / "copy.json"
+    main(["bench", "copy", *TINY, "--out", str(out)])
+    report = json.loads(capsys.readouterr().out)
+    assert report == json.loads(out.read_text())
+    paths = ["native", "numpy"] if NATIVE_AVAILABLE else ["numpy"]
+    assert report["default_path"] == paths[0]
+    rows = {(r["path"], r["layout"], r["pattern"], r["op"]) for r in report["results"]}
+    assert rows == {
+        (p, lo, pa, op)
+        for p in paths
+        for lo in ("layer_first", "page_first", "page_first_direct")
+        for pa in ("runs", "scattered")
+        for op in ("backup", "load")
+    }
+    assert all(r["ratio"] > 0 and r["gbps"] > 0 for r in report["results"])
+    assert report["min_ratio"] == min(r["ratio"] for r in report["results"] if r["path"] == paths[0])
+    assert report["config"]["bytes_per_op"] == 4 * 4 * 2 * 2 * 8 * 2  # pages x tokens x K/V x layers x dim x bf16
