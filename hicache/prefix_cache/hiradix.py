@@ -12,6 +12,10 @@ Tier rules kept here:
   (``write_back`` copies it to host first, see :meth:`evict_async`).
 * Host eviction takes host-only leaves in LRU order, never a locked node, a prefetch anchor, or
   a node with a copy to host or storage in flight.
+* Both evictions pop their candidates from an :class:`~hicache.prefix_cache.eviction_index.EvictionIndex`
+  (O(log n) per victim) instead of walking the tree. Every change that can make a node a
+  candidate notes it: ``_note`` is called on device slots added or dropped, locks and host
+  protections released, copies finished, host pages attached and children deleted.
 * Storage writes follow the tree from the root: a node is written only once its parent is in
   storage, because a page whose parent is missing can never be found by a prefix lookup.
 * A match walks through host-only nodes: the device hit, the host hit, and the anchor where a
@@ -31,7 +35,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import heapq
 import logging
 from typing import Any
 
@@ -40,8 +43,10 @@ import torch
 from hicache.controller.controller import HiCacheController
 from hicache.controller.jobs import PrefetchResult, StorageWriteJob
 from hicache.prefix_cache.facade import RequestFlowMixin
+from hicache.prefix_cache.eviction_index import EvictionIndex
 from hicache.prefix_cache.hashing import fast_page_hashes, namespace_seed
 from hicache.prefix_cache.node import TreeNode
+from hicache.prefix_cache.policy import eviction_key
 from hicache.prefix_cache.radix import RadixCache
 from hicache.prefix_cache.types import EvictParams, EvictResult, InitLoadBackParams
 
@@ -112,6 +117,7 @@ class HiRadixCache(RequestFlowMixin, RadixCache):
         controller.set_host_free(self._free_host)
         self.metrics.gauge("device_tokens", self.total_size)
         self.metrics.gauge("device_evictable_tokens", self.evictable_size)
+        self.metrics.gauge("eviction_index_repairs", lambda: self.eviction_index_repairs)
         self.metrics.gauge("host_tokens", self.host_size)
         self.metrics.gauge("host_available_tokens", lambda: self.host_pool.available_size())
 
@@ -136,6 +142,9 @@ class HiRadixCache(RequestFlowMixin, RadixCache):
         self._loads = []
         self._new_handles = []
         super().reset()
+        #: host-only leaves, least recently used first
+        self._host_index = EvictionIndex(self._host_evictable, eviction_key("lru"))
+        self._eviction_indexes.append(self._host_index)
 
     def cache_finished_req(self, req: Any, is_insert: bool = True, **kwargs: Any) -> None:
         self.forget_req(req)
@@ -221,22 +230,17 @@ class HiRadixCache(RequestFlowMixin, RadixCache):
         freed (possibly fewer than asked)."""
         if num_tokens <= 0:
             return 0
-        heap = [(n.last_access_time, n.id, n) for n in self._nodes() if self._host_evictable(n)]
-        heapq.heapify(heap)
         freed = 0
-        while freed < num_tokens and heap:
-            _, _, node = heapq.heappop(heap)
-            if not self._host_evictable(node):
-                continue
-            parent = node.parent
+        while freed < num_tokens:
+            node = self._host_index.pop()
+            if node is None:
+                break
             host = node.host_value
             assert host is not None
             node.host_value = None
             self._free_host(host)
             freed += int(host.numel())
-            self._delete_leaf(node)
-            if parent is not None and self._host_evictable(parent):
-                heapq.heappush(heap, (parent.last_access_time, parent.id, parent))
+            self._delete_leaf(node)  # notes the parent, which may be a host-only leaf now
         self.metrics.incr("host_evicted_tokens", freed)
         return freed
 
@@ -249,6 +253,8 @@ class HiRadixCache(RequestFlowMixin, RadixCache):
         while node is not None and node is not self.root_node:
             node.host_ref -= 1
             assert node.host_ref >= 0, node
+            if node.host_ref == 0:
+                self._note(node)
             node = node.parent  # type: ignore[assignment]
 
     # ------------------------------------------------------------------ device -> host
@@ -294,7 +300,7 @@ class HiRadixCache(RequestFlowMixin, RadixCache):
             if not ok and n.host_value is not None:
                 self._free_host(n.host_value)
                 n.host_value = None
-        self.dec_lock_ref(node)
+        self.dec_lock_ref(node)  # notes every node it unlocks
         if ok:
             for n in chain:
                 self._maybe_write_storage(n)
@@ -341,6 +347,7 @@ class HiRadixCache(RequestFlowMixin, RadixCache):
         )
         if not self.controller.submit_storage_write(job):
             node.storage_op = None
+            self._note(node)
 
     def _storage_done(self, gen: int, node: TreeNode, op: object, pages: int) -> None:
         if gen != self._generation:
@@ -348,6 +355,7 @@ class HiRadixCache(RequestFlowMixin, RadixCache):
         remaining = pages
         for n in self._op_chain(node, "storage_op", op):
             n.storage_op = None
+            self._note(n)
             take = min(remaining, len(n.hash_value) - n.storage_pages)
             n.storage_pages += take
             remaining -= take
@@ -618,6 +626,7 @@ class HiRadixCache(RequestFlowMixin, RadixCache):
                 if child.host_value is None and child.backup_op is None:
                     child.host_value = part
                     child.storage_pages = len(child.hash_value)
+                    self._note(child)
                 else:
                     self._free_host(part)
             child.last_access_time = now
@@ -635,6 +644,7 @@ class HiRadixCache(RequestFlowMixin, RadixCache):
         new.storage_pages = len(new.hash_value)
         new.last_access_time = now
         node.children[self._child_key(state.extra_key, tokens, pos)] = new
+        self._note(new)
         return end - pos
 
     # ------------------------------------------------------------------ lifecycle
