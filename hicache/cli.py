@@ -1,7 +1,7 @@
 """The ``hicache`` command line.
 
 Subcommands: ``demo`` (the main job), ``serve`` (the demo server), ``replay`` (trace replay),
-``bench`` (storage, s3 and copy benchmarks), ``inspect`` (a store's namespaces and integrity),
+``bench`` (storage, s3, copy and eviction benchmarks), ``inspect`` (a store's namespaces and integrity),
 ``backends`` (what is installed). ``--json`` prints machine-readable output; otherwise a readable
 summary table.
 """
@@ -98,7 +98,7 @@ def _cmd_replay(args: argparse.Namespace) -> Any:
 
 
 def _cmd_bench(args: argparse.Namespace) -> Any:
-    scripts = {"storage": "bench_storage.py", "s3": "bench_s3.py", "copy": "bench_copy.py"}
+    scripts = {"storage": "bench_storage.py", "s3": "bench_s3.py", "copy": "bench_copy.py", "evict": "bench_evict.py"}
     script = REPO / "scripts" / scripts[args.what]
     if not script.exists():
         raise SystemExit(f"benchmark script {script} not found (installed without the repo?)")
@@ -145,7 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_replay)
 
     p = sub.add_parser("bench", help="run a benchmark script (JSON output); extra args go to the script")
-    p.add_argument("what", choices=["storage", "s3", "copy"])
+    p.add_argument("what", choices=["storage", "s3", "copy", "evict"])
     p.add_argument("rest", nargs=argparse.REMAINDER)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd_bench)

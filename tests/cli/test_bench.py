@@ -1,5 +1,5 @@
-"""``hicache bench copy`` end to end on a tiny geometry: JSON out, every layout, pattern and copy
-path measured, ratios against the baseline reported (behaviour, not time: no threshold here)."""
+"""``hicache bench copy`` and ``hicache bench evict`` end to end on tiny sizes: JSON out, every row
+measured against its baseline (behaviour, not time: no threshold here)."""
 
 from __future__ import annotations
 
@@ -32,3 +32,11 @@ def test_bench_copy_reports_every_row(tmp_path: Path, capsys, monkeypatch) -> No
     assert all(r["ratio"] > 0 and r["gbps"] > 0 for r in report["results"])
     assert report["min_ratio"] == min(r["ratio"] for r in report["results"] if r["path"] == paths[0])
     assert report["config"]["bytes_per_op"] == 4 * 4 * 2 * 2 * 8 * 2  # pages x tokens x K/V x layers x dim x bf16
+
+
+def test_bench_evict_checks_victims_and_reports(capsys, monkeypatch) -> None:
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    main(["bench", "evict", "--sizes", "50,200", "--reps", "3"])
+    report = json.loads(capsys.readouterr().out)
+    assert [r["requests"] for r in report["results"]] == [50, 200]
+    assert all(r["nodes"] >= r["requests"] and r["index_evict_ms"] > 0 for r in report["results"])
