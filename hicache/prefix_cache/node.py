@@ -47,6 +47,7 @@ class TreeNode:
         "backup_op",
         "storage_op",
         "storage_pages",
+        "tree",
     )
 
     def __init__(self, parent: TreeNode | None = None, extra_key: str | None = None) -> None:
@@ -66,6 +67,8 @@ class TreeNode:
         self.backup_op: Any = None
         self.storage_op: Any = None
         self.storage_pages: int = 0
+        #: the tree this node belongs to (a token its root holds): nodes of a reset tree differ
+        self.tree: object = parent.tree if parent is not None else None
 
     @property
     def evicted(self) -> bool:

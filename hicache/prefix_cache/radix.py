@@ -101,6 +101,7 @@ class RadixCache(BasePrefixCache):
         """Drop the whole tree. Memory the tree held is *not* freed here: callers reset their
         allocators together with the cache (as SGLang's scheduler does on flush)."""
         self.root_node = TreeNode()
+        self.root_node.tree = object()  # every node of this tree inherits it (see _note)
         self.root_node.lock_ref = 1
         self.root_node.value = torch.empty((0,), dtype=torch.int64)
         self.evictable_size_ = 0
@@ -155,8 +156,11 @@ class RadixCache(BasePrefixCache):
 
     def _note(self, node: TreeNode | None) -> None:
         """``node`` changed in a way that may make it an eviction candidate (see
-        :mod:`~hicache.prefix_cache.eviction_index`). Every such change must call this."""
-        if node is not None and node is not self.root_node:
+        :mod:`~hicache.prefix_cache.eviction_index`). Every such change must call this.
+
+        Nodes of a tree dropped by :meth:`reset` are ignored: a lock released on one after the
+        reset must not put it, and slots the new tree may own, up for eviction."""
+        if node is not None and node is not self.root_node and node.tree is self.root_node.tree:
             for index in self._eviction_indexes:
                 index.note(node)
 
@@ -511,24 +515,36 @@ class RadixCache(BasePrefixCache):
             return EvictResult(0)
         index = self._device_index
         freed = 0
-        kept: list[TreeNode] = []  # leaves that could not go now; candidates again next call
+        tried: set[TreeNode] = set()  # each node gets one try per call
+        kept: set[TreeNode] = set()  # leaves that could not go now: candidates again next call
+        node: TreeNode | None = None
         rescanned = False
-        while freed < need:
-            node = index.pop()
-            if node is None:
-                # Unlocked device tokens always include an unlocked device leaf, so an empty
-                # index with evictable tokens left (and none kept back) means a missed note.
-                if rescanned or kept or self.evictable_size_ == 0:
-                    break
-                rescanned = True
-                self._repair(index)
-                continue
-            got = self._evict_device_node(node)  # a freed leaf notes its parent
-            if got == 0 and self._is_device_leaf(node):
-                kept.append(node)
-            freed += got
-        for node in kept:
-            index.note(node)
+        try:
+            while freed < need:
+                node = index.pop()
+                if node is None:
+                    # Unlocked device tokens always include an unlocked device leaf, so an empty
+                    # index with evictable tokens left (and none kept back) means a missed note.
+                    if rescanned or kept or self.evictable_size_ == 0:
+                        break
+                    rescanned = True
+                    self._repair(index)
+                    continue
+                if node in tried:
+                    # noted again by its own failed attempt (a write-back refused by a full
+                    # queue unlocks it): trying again in this call could loop forever
+                    kept.add(node)
+                    continue
+                tried.add(node)
+                got = self._evict_device_node(node)  # a freed leaf notes its parent
+                if got == 0 and self._is_device_leaf(node):
+                    kept.add(node)
+                freed += got
+                node = None
+        finally:
+            for n in kept:
+                index.note(n)
+            index.note(node)  # the node an exception interrupted, if any
         return EvictResult(num_tokens_evicted=freed)
 
     def _repair(self, index: EvictionIndex) -> None:

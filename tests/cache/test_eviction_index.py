@@ -177,3 +177,69 @@ def test_a_missed_note_is_repaired_and_counted() -> None:
     assert cache.evict(EvictParams(num_tokens=PS)).num_tokens_evicted == 2 * PS
     assert cache.eviction_index_repairs == 1
     cache.sanity_check()
+
+
+@pytest.mark.timeout(30)
+async def test_a_leaf_noted_again_by_its_own_failed_eviction_is_tried_once() -> None:
+    """write_back with a full backup queue: evicting leaf K starts a backup, which is refused and
+    unlocks K again (noting it). K is still the smallest key; it must not be tried again in the
+    same call (that looped forever), and the call must go on to the next victim."""
+    from hicache.prefix_cache import InsertParams, Req
+
+    cfg = StackConfig(page_size=PS, device_pages=16, host_pages=32, storage_backend=None,
+                      controller=ControllerConfig(write_policy="write_back", backup_queue_size=1))
+    stack = build_stack(cfg)
+    cache = stack.cache
+    p, q, s, z = [1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12], [20, 21, 22, 23]
+    await serve_request(stack, p + q, rid="a")  # one node p+q, device only
+    cache.match_prefix(MatchPrefixParams(key=RadixKey(p + [99, 98, 97, 96])))  # split: K=p, C=q
+    await cache.evict_async(EvictParams(num_tokens=PS))  # C: backed up, then demoted to host
+    await cache.drain()
+    await serve_request(stack, z, rid="z")  # an unrelated device node
+    k = cache.root_node.children[(None, tuple(p))]
+    c = k.children[(None, tuple(q))]
+    assert k.value is not None and c.value is None and c.host_value is not None
+    # a load-back of C that fails, with an insert below C while it runs: C loses its device
+    # slots but its new child G keeps its own, so K's eviction can neither demote nor drop K
+    engine = stack.copy_engine
+
+    def failing_layer(plan, layer):  # type: ignore[no-untyped-def]
+        raise RuntimeError("injected load failure")
+
+    engine._load_layer = failing_layer
+    req = Req(rid="r", origin_input_ids=p + q + s + [0])
+    cache.match_req(req)
+    await cache.admit(req, wait_load=False)
+    dev = stack.allocator.alloc(3 * PS)
+    res = cache.insert(InsertParams(key=RadixKey(p + q + s), value=dev))
+    stack.allocator.free(dev[: res.prefix_len])
+    await cache.drain()
+    cache.abort_req(req)
+    del engine._load_layer
+    g = c.children[(None, tuple(s))]
+    assert c.value is None and g.value is not None and k.lock_ref == 0
+    cache.sanity_check()
+    assert cache.write_backup(cache.root_node.children[(None, tuple(z))])  # the queue is full now
+    assert cache.evict(EvictParams(num_tokens=PS)).num_tokens_evicted == PS  # G goes instead
+    assert g.value is None and k.value is not None
+    cache.sanity_check()  # K is queued again for the next call
+    await cache.drain()
+    await stack.aclose()
+
+
+async def test_a_lock_released_after_reset_does_not_reach_the_new_tree() -> None:
+    stack = build_stack(StackConfig(page_size=PS, device_pages=16, host_pages=32, storage_backend=None,
+                                    controller=ControllerConfig(write_policy="write_through")))
+    cache = stack.cache
+    from hicache.prefix_cache import Req
+
+    await serve_request(stack, list(range(8)), rid="a")
+    req = Req(rid="b", origin_input_ids=list(range(8)) + [50])
+    cache.match_req(req)
+    await cache.admit(req)  # locks a node of the tree about to be dropped
+    await cache.drain()
+    cache.reset()
+    cache.dec_lock_ref(req.last_node)  # released late, on the old tree
+    assert len(cache._device_index) == 0
+    assert cache.evict(EvictParams(num_tokens=8)).num_tokens_evicted == 0
+    await stack.aclose()
