@@ -29,7 +29,6 @@ Prints one JSON document (also written to ``--out``). Example::
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -52,6 +51,7 @@ from hicache.memory import (  # noqa: E402
     device_for,
 )
 from hicache.memory.spans import NATIVE_AVAILABLE, STREAM_KIND  # noqa: E402
+from hicache.bench_output import emit_report  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 if hasattr(torch, "float8_e4m3fn"):
@@ -219,10 +219,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "target_ratio": 0.8,
         "elapsed_s": round(time.perf_counter() - t_start, 2),
     }
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    emit_report(report, args.out)
     return report
 
 

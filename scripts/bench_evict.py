@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import heapq
-import json
 import random
 import statistics
 import sys
@@ -27,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hicache.memory import PagedTokenAllocator  # noqa: E402
 from hicache.prefix_cache import EvictParams, InsertParams, RadixCache, RadixKey  # noqa: E402
+from hicache.bench_output import emit_report  # noqa: E402
 
 
 def build(n_requests: int, page_size: int, seed: int) -> tuple[RadixCache, PagedTokenAllocator]:
@@ -80,10 +80,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         })
     report = {"benchmark": "hicache.prefix_cache eviction", "page_size": args.page_size, "reps": args.reps,
               "results": rows}
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    emit_report(report, args.out)
     return report
 
 

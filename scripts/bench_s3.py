@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import platform
 import signal
@@ -51,6 +50,7 @@ import torch
 from hicache.keys import Namespace
 from hicache.storage import PoolTransfer, create_async_storage
 from hicache.testing import ArrayHostPool
+from hicache.bench_output import emit_report  # noqa: E402
 
 KEY, SECRET = "bench-key", "bench-secret"
 TOKENS_PER_PAGE = 16
@@ -317,10 +317,7 @@ def main(argv: list[str] | None = None) -> int:
                 proc.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 proc.kill()
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    emit_report(report, args.out)
     return 0
 
 

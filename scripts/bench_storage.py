@@ -46,6 +46,7 @@ import torch
 from hicache.keys import Namespace, page_hashes
 from hicache.storage import AsyncHiCacheStorage, PoolTransfer, create_async_storage
 from hicache.testing import ArrayHostPool
+from hicache.bench_output import emit_report  # noqa: E402
 
 TOKENS_PER_PAGE = 64
 # A 64-token page of 32 layers x 8 KV heads x 128 dims x (K, V) is 4 MiB with an 8-bit KV cache
@@ -422,10 +423,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         p.error(f"unknown baseline(s) {unknown}; known: {sorted(BASELINES)}")
     result = asyncio.run(run(args))
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    emit_report(result, args.out)
     return 0
 
 

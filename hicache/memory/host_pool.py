@@ -13,7 +13,6 @@ from typing import Any
 import torch
 
 from hicache.memory.allocator import AllocatorBacked, PagedTokenAllocator
-from hicache.memory.device import IndexLike
 from hicache.memory.device_pool import KVPool
 from hicache.memory.host_alloc import alloc_host_bytes, resolve_host_units, want_pinned
 from hicache.memory.layouts import (
