@@ -1,10 +1,12 @@
 """Test helpers shipped with hicache, for our backends and third-party ones.
 
 ``StoreTests`` is the storage conformance suite: subclass it in a backend's test module and
-supply ``store_factory`` and ``raw_payload`` (see its docstring).
+supply ``store_factory`` and ``raw_payload`` (see its docstring). ``inject_load_faults`` makes
+a copy engine's loads slow or failing.
 """
 
+from hicache.testing.faults import inject_load_faults
 from hicache.testing.pools import ArrayHostPool
 from hicache.testing.store_tests import StoreTests, reference_v2_hits
 
-__all__ = ["ArrayHostPool", "StoreTests", "reference_v2_hits"]
+__all__ = ["ArrayHostPool", "StoreTests", "inject_load_faults", "reference_v2_hits"]

@@ -15,6 +15,7 @@ from hicache.prefix_cache.eviction_index import EvictionIndex
 from hicache.prefix_cache.node import TreeNode
 from hicache.prefix_cache.policy import EVICTION_POLICIES
 from hicache.replay import StackConfig, build_stack, serve_request
+from hicache.testing import inject_load_faults
 
 PS = 4
 
@@ -201,12 +202,7 @@ async def test_a_leaf_noted_again_by_its_own_failed_eviction_is_tried_once() -> 
     assert k.value is not None and c.value is None and c.host_value is not None
     # a load-back of C that fails, with an insert below C while it runs: C loses its device
     # slots but its new child G keeps its own, so K's eviction can neither demote nor drop K
-    engine = stack.copy_engine
-
-    def failing_layer(plan, layer):  # type: ignore[no-untyped-def]
-        raise RuntimeError("injected load failure")
-
-    engine._load_layer = failing_layer
+    restore = inject_load_faults(stack.copy_engine, fail=True)
     req = Req(rid="r", origin_input_ids=p + q + s + [0])
     cache.match_req(req)
     await cache.admit(req, wait_load=False)
@@ -215,7 +211,7 @@ async def test_a_leaf_noted_again_by_its_own_failed_eviction_is_tried_once() -> 
     stack.allocator.free(dev[: res.prefix_len])
     await cache.drain()
     cache.abort_req(req)
-    del engine._load_layer
+    restore()
     g = c.children[(None, tuple(s))]
     assert c.value is None and g.value is not None and k.lock_ref == 0
     cache.sanity_check()

@@ -4,13 +4,13 @@ copy ends, and a failed load takes back every slot it handed out, even after spl
 from __future__ import annotations
 
 import asyncio
-import time
 
 import torch
 
 from hicache.controller import ControllerConfig
 from hicache.prefix_cache import MatchPrefixParams, RadixKey, Req
 from hicache.replay import StackConfig, build_stack, serve_request, verify_kv
+from hicache.testing import inject_load_faults
 
 from _tiers import host_only
 
@@ -23,25 +23,12 @@ def make():  # type: ignore[no-untyped-def]
     return build_stack(cfg)
 
 
-def patch_loads(stack, *, delay: float, fail: bool) -> None:  # type: ignore[no-untyped-def]
-    engine = stack.copy_engine
-    orig = engine._load_layer
-
-    def layer(plan, i):  # type: ignore[no-untyped-def]
-        time.sleep(delay)
-        if fail:
-            raise RuntimeError("injected load failure")
-        orig(plan, i)
-
-    engine._load_layer = layer
-
-
 async def test_admit_waits_for_a_load_of_its_prefix_started_by_another_request() -> None:
     stack = make()
     cache = stack.cache
     a = list(range(16))
     await host_only(stack, a)
-    patch_loads(stack, delay=0.03, fail=False)
+    inject_load_faults(stack.copy_engine, delay=0.03)
     first = Req(rid="first", origin_input_ids=a + [99])
     cache.match_req(first)
     r1 = await cache.admit(first, wait_load=False)
@@ -65,7 +52,7 @@ async def test_failed_load_drops_slots_of_nodes_split_during_the_load() -> None:
     cache = stack.cache
     a = list(range(16))
     await host_only(stack, a)
-    patch_loads(stack, delay=0.02, fail=True)
+    restore = inject_load_faults(stack.copy_engine, delay=0.02, fail=True)
     req = Req(rid="r", origin_input_ids=a + [99])
     cache.match_req(req)
     res = await cache.admit(req, wait_load=False)
@@ -83,8 +70,7 @@ async def test_failed_load_drops_slots_of_nodes_split_during_the_load() -> None:
     assert stack.allocator.available_size() + tree.numel() == stack.allocator.size
     cache.sanity_check()
     # a later request loads the prefix from host correctly
-    patch_loads(stack, delay=0.0, fail=False)
-    stack.copy_engine._load_layer = type(stack.copy_engine)._load_layer.__get__(stack.copy_engine)
+    restore()
     out = await serve_request(stack, a + [7], rid="later")
     assert out.verify_failures == 0 and out.host_hit == 16
     await stack.aclose()
@@ -96,7 +82,7 @@ async def second_admit_behind_a_load(stack):  # type: ignore[no-untyped-def]
     cache = stack.cache
     a = list(range(16))
     await host_only(stack, a)
-    patch_loads(stack, delay=0.03, fail=False)
+    inject_load_faults(stack.copy_engine, delay=0.03)
     first = Req(rid="first", origin_input_ids=a + [99])
     cache.match_req(first)
     await cache.admit(first, wait_load=False)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import random
-import time
 import uuid
 
 import pytest
@@ -22,6 +21,7 @@ from hicache_backends.memory import MemoryStorage
 
 import hicache.facade as facade_mod
 import hicache.stack as stack_mod
+from hicache.testing import inject_load_faults
 from hicache.errors import CacheClosedError, HiCacheError, OutOfKVSlotsError
 from hicache.facade import HiCache
 from hicache.replay.synthetic import verify_kv, write_synthetic_kv
@@ -97,17 +97,8 @@ async def scenario(seed: int, monkeypatch: pytest.MonkeyPatch) -> list[str]:
     ctrl.storage_io_timeout_s, ctrl.cancelled_io_grace_s, ctrl.storage_retry_base_s = 0.1, 0.02, 0.001
     await cache.start()
     stack = cache._stack
-    engine = stack.copy_engine
-    load_layer = engine._load_layer
     fail_rnd = random.Random(seed * 7)
-
-    def flaky_load(plan, layer):  # type: ignore[no-untyped-def]
-        time.sleep(0.002)
-        if fail_rnd.random() < 0.1:
-            raise RuntimeError("injected load failure")
-        load_layer(plan, layer)
-
-    engine._load_layer = flaky_load
+    inject_load_faults(stack.copy_engine, delay=0.002, fail=lambda: fail_rnd.random() < 0.1)
     problems: list[str] = []
     bases = [[1000 * b + i for i in range(40)] for b in range(4)]
     history: dict[str, list[int]] = {}

@@ -11,7 +11,7 @@ import asyncio
 import logging
 import sys
 import threading
-import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -21,6 +21,7 @@ import hicache.facade as facade_mod
 from hicache.errors import CacheClosedError, HiCacheError
 from hicache.facade import HiCache
 from hicache.replay.synthetic import verify_kv, write_synthetic_kv
+from hicache.testing import inject_load_faults
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_facade import PS, config, prompt, run  # noqa: E402
@@ -34,17 +35,8 @@ async def demote_shared(cache: HiCache, shared: list[int]) -> None:
     await cache.drain()
 
 
-def slow_loads(cache: HiCache, delay: float = 0.05, fail: bool = False) -> None:
-    engine = cache._stack.copy_engine
-    orig = engine._load_layer
-
-    def layer(plan, i):  # type: ignore[no-untyped-def]
-        time.sleep(delay)
-        if fail:
-            raise RuntimeError("injected load failure")
-        orig(plan, i)
-
-    engine._load_layer = layer
+def slow_loads(cache: HiCache, delay: float = 0.05, fail: bool = False) -> Callable[[], None]:
+    return inject_load_faults(cache._stack.copy_engine, delay=delay, fail=fail)
 
 
 def assert_no_leak(cache: HiCache) -> None:
@@ -98,7 +90,7 @@ async def test_commit_after_a_failed_load_aborts_instead_of_inserting_freed_slot
     async with HiCache.from_config(config()) as cache:
         shared = prompt(2, 5 * PS)
         await demote_shared(cache, shared)
-        slow_loads(cache, delay=0.001, fail=True)
+        restore = slow_loads(cache, delay=0.001, fail=True)
         h = await cache.begin("f", shared + prompt(5, 7))
         assert h.load is not None and h.prefix_len == 5 * PS
         write_synthetic_kv(cache.device_pool, h.kv_indices[h.prefix_len :], torch.tensor(h.token_ids[h.prefix_len :]))
@@ -108,10 +100,7 @@ async def test_commit_after_a_failed_load_aborts_instead_of_inserting_freed_slot
         await cache.drain()
         assert_no_leak(cache)
         # the prefix is still on host and loads fine once copies work again
-        slow_loads(cache, delay=0.0)
-        cache._stack.copy_engine._load_layer = type(cache._stack.copy_engine)._load_layer.__get__(
-            cache._stack.copy_engine
-        )
+        restore()
         h = await run(cache, "g", shared + prompt(6, 7))
         assert h.prefix_len == 5 * PS
 

@@ -7,11 +7,10 @@ import random
 import uuid
 
 import pytest
-import torch
 
 from hicache.prefix_cache import EvictParams
 from hicache.session import SessionConfig
-from session_helpers import PS, Conversation, Stack, kv_matches, make_stack
+from session_helpers import PS, Conversation, Stack, make_stack
 
 
 @pytest.fixture(params=["radix", "hiradix"])
