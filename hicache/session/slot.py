@@ -29,6 +29,21 @@ from hicache.prefix_cache.req import Req
 __all__ = ["SessionSlot", "VirtualNode", "ceil_align", "floor_align"]
 
 
+#: Mamba state a slot carries between turns for SGLang interface parity (not interpreted here)
+MAMBA_FIELDS = (
+    "mamba_pool_idx",
+    "mamba_ping_pong_track_buffer",
+    "mamba_next_track_idx",
+    "mamba_last_track_seqlen",
+    "mamba_branching_seqlen",
+)
+
+
+def _copy_fields(src: object, dst: object, names: tuple[str, ...]) -> None:
+    for name in names:
+        setattr(dst, name, getattr(src, name))
+
+
 def ceil_align(n: int, page_size: int) -> int:
     """``n`` rounded up to a whole number of pages."""
     return -(-n // page_size) * page_size
@@ -127,11 +142,7 @@ class SessionSlot:
             self.last_node = req.last_node
             self.cache_protected_len = int(req.cache_protected_len)
             self.swa_uuid_for_lock = req.swa_uuid_for_lock
-        self.mamba_pool_idx = req.mamba_pool_idx
-        self.mamba_ping_pong_track_buffer = req.mamba_ping_pong_track_buffer
-        self.mamba_next_track_idx = req.mamba_next_track_idx
-        self.mamba_last_track_seqlen = req.mamba_last_track_seqlen
-        self.mamba_branching_seqlen = req.mamba_branching_seqlen
+        _copy_fields(req, self, MAMBA_FIELDS)
         req.req_pool_idx = None
         req.mamba_pool_idx = None
         req.last_node = None
@@ -147,13 +158,7 @@ class SessionSlot:
         if keep_allocated:
             allocated = max(allocated, int(req.kv_allocated_len))
         req.kv_allocated_len = allocated
-        req.swa_evicted_seqlen = self.swa_evicted_seqlen
-        req.swa_uuid_for_lock = self.swa_uuid_for_lock
-        req.mamba_pool_idx = self.mamba_pool_idx
-        req.mamba_ping_pong_track_buffer = self.mamba_ping_pong_track_buffer
-        req.mamba_next_track_idx = self.mamba_next_track_idx
-        req.mamba_last_track_seqlen = self.mamba_last_track_seqlen
-        req.mamba_branching_seqlen = self.mamba_branching_seqlen
+        _copy_fields(self, req, ("swa_evicted_seqlen", "swa_uuid_for_lock", *MAMBA_FIELDS))
 
     def truncate(self, length: int) -> None:
         """Forget committed KV past ``length`` (an aborted turn may have overwritten it)."""
