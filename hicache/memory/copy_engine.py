@@ -402,17 +402,14 @@ class CopyEngine:
         better than one with streaming stores (0.9-1.0x: the memory bus is the limit), and one
         thread leaves a core to the event loop."""
 
-        def copy(half: int | None) -> Callable[[], None]:
-            def run() -> None:
-                for pair in pairs:
-                    pair.copy(plan, to_host=to_host, layer=layer, half=half)
-
-            return run
+        def copy(half: int | None) -> None:
+            for pair in pairs:
+                pair.copy(plan, to_host=to_host, layer=layer, half=half)
 
         if split and self._split_ok and prefers_split(plan, sum(p.unit_bytes for p in pairs)):
-            self._run_split(copy(0), copy(1), copy(None))
+            self._run_split(lambda: copy(0), lambda: copy(1), lambda: copy(None))
         else:
-            copy(None)()
+            copy(None)
 
     def _backup_cpu(self, plan: TransferPlan) -> None:
         if self._spans is not None:
