@@ -1,0 +1,99 @@
+"""Page keys and the namespace of hicache's vLLM secondary tier.
+
+vLLM names an offloaded chunk by an ``OffloadKey``: the raw bytes of its block hash (a chained
+hash of every token up to the chunk, plus the request's LoRA, multimodal inputs and
+``cache_salt``) followed by the KV-cache group index as 4 big-endian bytes. With vLLM's default
+``sha256`` hashes the chain starts from a fixed seed, so the same prompt gives the same key in
+every process and after a restart (a non-cryptographic hash needs ``PYTHONHASHSEED``; vLLM warns
+then). The page key is that key in hex: stable, and reversible for inspection.
+
+What the key does not carry is what makes two chunks of the same tokens incompatible: the
+model, KV dtype, block and chunk size, the layers of each group, the parallel layout, the byte
+format of a chunk. :func:`tier_namespace` puts all of that into hicache's
+:class:`~hicache.keys.Namespace`, so two engines that differ in any of them never read each
+other's pages. The scheduler-side chunk holds every worker's slice side by side, so the world
+layout (TP/PP/PCP/DCP sizes) is part of the namespace, not one rank.
+
+Nothing here imports vLLM: the functions read the attributes of vLLM's ``OffloadingConfig``.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from hicache.errors import ConfigError
+from hicache.keys import Namespace
+
+__all__ = ["GROUP_BYTES", "offload_key_group", "page_key", "tier_namespace"]
+
+#: Bytes of the KV-cache group index at the end of an ``OffloadKey``.
+GROUP_BYTES = 4
+
+
+def page_key(offload_key: bytes) -> str:
+    """The storage key of a vLLM ``OffloadKey``: its bytes in lower-case hex."""
+    if not isinstance(offload_key, (bytes, bytearray)) or len(offload_key) <= GROUP_BYTES:
+        raise ConfigError(
+            f"a vLLM offload key is a block hash plus {GROUP_BYTES} group bytes, got {offload_key!r:.80}"
+        )
+    return bytes(offload_key).hex()
+
+
+def offload_key_group(offload_key: bytes) -> int:
+    """The KV-cache group index packed at the end of an ``OffloadKey``."""
+    return int.from_bytes(offload_key[-GROUP_BYTES:], "big", signed=False)
+
+
+def tier_namespace(
+    config: Any,
+    chunk_bytes: int,
+    *,
+    salt: str | None = None,
+    model_revision: str | None = None,
+) -> Namespace:
+    """The namespace of the chunks an engine with vLLM ``OffloadingConfig`` ``config`` stores.
+
+    ``chunk_bytes`` is the stride of one chunk in the primary tier (padding included: a chunk
+    is stored whole). ``salt`` separates tenants that must never share KV even for equal keys;
+    ``model_revision`` separates weights published under one model name.
+    """
+    if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
+        raise ConfigError(f"chunk_bytes must be a positive integer, got {chunk_bytes!r}")
+    for name, value in (("namespace_salt", salt), ("model_revision", model_revision)):
+        if value is not None and (not isinstance(value, str) or not value):
+            raise ConfigError(f"{name} must be a non-empty string or null, got {value!r}")
+    parallel = config.parallel
+    # vLLM's own claim: concatenated worker slices (or the canonical layout) are the same bytes
+    # under any topology, so engines of different TP sizes may share pages.
+    agnostic = bool(parallel.is_parallelism_agnostic or getattr(config, "replicated_layout", False))
+    groups = [
+        {"tokens_per_block": int(g.tokens_per_block), "layers": list(g.layer_names)}
+        for g in config.groups
+    ]
+    extra = {
+        "engine": "vllm",
+        "route": "offloading-tier",
+        "tokens_per_hash": str(int(config.cache.tokens_per_hash)),
+        "blocks_per_chunk": str(int(config.cache.blocks_per_chunk)),
+        "chunk_bytes": str(chunk_bytes),
+        "worker_kv_bytes_per_block": str(int(config.worker_kv_bytes_per_block)),
+        "groups": json.dumps(groups, sort_keys=True, separators=(",", ":")),
+        "parallel": "agnostic" if agnostic else (
+            f"tp{parallel.tp_size}-pp{parallel.pp_size}-pcp{parallel.pcp_size}-dcp{parallel.dcp_size}"
+        ),
+        "replicated_layout": str(bool(getattr(config, "replicated_layout", False))),
+        "canonical_layout": str(getattr(config, "kv_cache_layout", None))
+        if getattr(config, "canonical_layout", False) else "direct",
+    }
+    return Namespace(
+        model=str(config.model.name),
+        revision=model_revision,
+        kv_dtype=str(config.model.dtype),
+        layout="vllm-offload-chunk",
+        page_size=int(config.cache.tokens_per_hash) * int(config.cache.blocks_per_chunk),
+        tp_size=1 if agnostic else int(parallel.tp_size),
+        pp_size=1 if agnostic else int(parallel.pp_size),
+        salt=salt,
+        extra=tuple(sorted(extra.items())),
+    )

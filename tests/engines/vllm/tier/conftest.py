@@ -1,0 +1,43 @@
+"""Fixtures of the vLLM tier tests: temporary stores and a moto S3 server on port 0.
+
+vLLM's CPU build imports on a machine without a GPU as is; these tests use only its scheduler
+side (the tiering manager and spec), which never touches a device.
+"""
+
+from __future__ import annotations
+
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))  # for ``import _tiering``
+sys.path.insert(0, str(HERE.parents[2] / "backends"))  # the S3 tests' moto helpers
+
+from s3_server import create_bucket, s3_options, threaded_moto  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def moto_endpoint() -> Iterator[str]:
+    server, endpoint = threaded_moto()
+    try:
+        yield endpoint
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def s3_tier_options(moto_endpoint: str) -> dict:
+    """Options of the ``s3`` backend for a fresh bucket prefix on the moto server."""
+    bucket = "hicache-vllm-tier"
+    create_bucket(moto_endpoint, bucket)
+    return {"url": f"s3://{bucket}/{uuid.uuid4().hex}", "storage_options": s3_options(moto_endpoint)}
+
+
+@pytest.fixture
+def file_tier_options(tmp_path: Path) -> dict:
+    """Options of the ``file`` backend in a temporary root (no free-space floor: tmp is small)."""
+    return {"root": str(tmp_path / "store"), "min_free_bytes": 0}
