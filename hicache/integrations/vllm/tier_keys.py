@@ -77,7 +77,6 @@ def tier_namespace(
         "tokens_per_hash": str(int(config.cache.tokens_per_hash)),
         "blocks_per_chunk": str(int(config.cache.blocks_per_chunk)),
         "chunk_bytes": str(chunk_bytes),
-        "worker_kv_bytes_per_block": str(int(config.worker_kv_bytes_per_block)),
         "groups": json.dumps(groups, sort_keys=True, separators=(",", ":")),
         "parallel": "agnostic" if agnostic else (
             f"tp{parallel.tp_size}-pp{parallel.pp_size}-pcp{parallel.pcp_size}-dcp{parallel.dcp_size}"

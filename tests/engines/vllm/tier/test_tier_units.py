@@ -1,0 +1,206 @@
+"""The tier's parts one by one: the zero-copy chunk pool, keys and namespaces, the job runner's
+bad inputs, and configuration errors as vLLM's factory meets them."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from _tiering import BLOCK, Engine, block_keys, offloading_config, tier_config
+from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+
+from hicache.errors import BackendNotFoundError, ConfigError, StorageStateError
+from hicache.integrations.vllm.tier_keys import offload_key_group, page_key, tier_namespace
+from hicache.integrations.vllm.tier_pool import ChunkPool
+from hicache.integrations.vllm.tier_runner import TierRunner, parent_runs
+from hicache.storage import create_async_storage
+
+
+def _view(chunks: int = 8, stride: int = 256) -> tuple[np.ndarray, memoryview]:
+    backing = np.zeros((chunks, stride), dtype=np.int8)  # vLLM's view is int8 rows
+    return backing, memoryview(backing)
+
+
+# ---------------------------------------------------------------------------- chunk pool
+
+def test_chunk_pool_pages_are_live_rows_of_the_view() -> None:
+    backing, view = _view()
+    pool = ChunkPool(view)
+    assert (pool.num_chunks, pool.page_nbytes, pool.page_size) == (8, 256, 1)
+    page = pool.page_view(3)
+    assert page.data_ptr() == backing[3].ctypes.data  # no copy
+    page.fill_(7)
+    assert (backing[3] == 7).all() and not backing[2].any()
+    pool.set_from_flat_data_page(5, torch.full((256,), 9, dtype=torch.uint8))
+    assert (backing[5] == 9).all()
+    for bad in (-1, 8, True, "1"):
+        with pytest.raises(IndexError):
+            pool.page_view(bad)
+    pool.close()
+    with pytest.raises(StorageStateError):
+        pool.page_view(0)
+    view.release()  # the pool kept no export
+
+
+def test_chunk_pool_rejects_views_it_cannot_use() -> None:
+    with pytest.raises(TypeError):
+        ChunkPool(memoryview(bytes(64)).cast("B", (4, 16)))  # read-only
+    with pytest.raises(TypeError):
+        ChunkPool(memoryview(bytearray(64)))  # 1-D
+    with pytest.raises(TypeError):
+        ChunkPool(memoryview(np.zeros((4, 32), dtype=np.int8)[:, ::2]))  # strided rows
+
+
+# ---------------------------------------------------------------------------- keys, namespace
+
+def test_page_key_is_the_offload_key_in_hex() -> None:
+    key = block_keys(list(range(BLOCK)), group=3)[0]
+    assert page_key(key) == key.hex() and offload_key_group(key) == 3
+    for bad in (b"", b"\x00" * 4, "abc", None):
+        with pytest.raises(ConfigError):
+            page_key(bad)  # type: ignore[arg-type]
+
+
+def test_namespace_carries_what_makes_kv_incompatible() -> None:
+    base = offloading_config([])
+    ns = tier_namespace(base, 4096)
+    assert ns == tier_namespace(base, 4096) and ns.digest == tier_namespace(base, 4096).digest
+    assert ns.model == "tiny/model" and ns.kv_dtype == "bfloat16"
+    variants = [
+        tier_namespace(offloading_config([], model="m2"), 4096),
+        tier_namespace(offloading_config([], dtype="float16"), 4096),
+        tier_namespace(offloading_config([], tp_size=2), 4096),
+        tier_namespace(base, 8192),
+        tier_namespace(base, 4096, salt="tenant"),
+        tier_namespace(base, 4096, model_revision="r2"),
+        tier_namespace(dataclasses.replace(base, cache=dataclasses.replace(base.cache, blocks_per_chunk=2)), 4096),
+        tier_namespace(dataclasses.replace(base, groups=(dataclasses.replace(base.groups[0], layer_names=("x",)),)), 4096),
+    ]
+    digests = {v.digest for v in variants} | {ns.digest}
+    assert len(digests) == len(variants) + 1
+
+
+def test_parallelism_agnostic_chunks_share_across_tp_sizes() -> None:
+    def agnostic(tp: int) -> object:
+        cfg = offloading_config([], tp_size=tp)
+        return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, is_parallelism_agnostic=True))
+
+    assert tier_namespace(agnostic(1), 4096) == tier_namespace(agnostic(4), 4096)
+
+
+def test_namespace_rejects_bad_values() -> None:
+    base = offloading_config([])
+    for bad in (0, -1, True, 1.5):
+        with pytest.raises(ConfigError):
+            tier_namespace(base, bad)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError):
+        tier_namespace(base, 4096, salt="")
+
+
+# ---------------------------------------------------------------------------- runner
+
+def test_parent_runs_split_where_the_chain_breaks() -> None:
+    keys = ["a", "b", "c", "d", "e"]
+    parents = [None, "a", "b", "x", "d"]
+    assert parent_runs(range(5), keys, parents) == [[0, 1, 2], [3, 4]]
+    assert parent_runs([0, 2, 3, 4], keys, parents) == [[0], [2], [3, 4]]  # b is already stored
+
+
+def _wait(runner: TierRunner, n: int) -> list:
+    assert runner.drain(timeout=30)
+    out = runner.finished()
+    assert len(out) == n
+    return out
+
+
+@pytest.fixture
+def runner() -> TierRunner:
+    backing, view = _view()
+    r = TierRunner(create_async_storage("memory", None), ChunkPool(view))
+    r.backing = backing  # type: ignore[attr-defined]
+    yield r
+    r.close()
+
+
+def test_runner_bad_jobs_fail_alone(runner: TierRunner) -> None:
+    backing = runner.backing  # type: ignore[attr-defined]
+    backing[:] = np.arange(1, 9, dtype=np.int8)[:, None]  # chunk i holds bytes i + 1
+    runner.submit_store(1, ["k0", "k1"], [0], [None, "k0"])  # lengths disagree
+    runner.submit_store(2, ["k0", "k1", "k2"], [0, 1, 99], [None, "k0", "k1"])  # no chunk 99
+    bad, partial = sorted(_wait(runner, 2), key=lambda o: o.job_id)
+    assert bad.ok == (False, False) and not bad.success
+    assert partial.ok == (True, True, False) and partial.nbytes == 2 * 256
+    backing[:] = 0
+    runner.submit_load(3, ["k0", "k1", "nope"], [4, 4, 5])  # two pages into one chunk; no page
+    runner.submit_load(4, ["k1"], [1, 2])  # lengths disagree
+    load, wrong = sorted(_wait(runner, 2), key=lambda o: o.job_id)
+    assert load.ok == (True, False, False) and wrong.ok == (False,)
+    assert (backing[4] == 1).all()  # the first page wins the chunk, whole
+    assert not backing[5].any() and not backing[1].any()
+
+
+def test_runner_after_close_answers_failures(runner: TierRunner) -> None:
+    runner.close()
+    runner.submit_load(1, ["k"], [0])
+    assert [o.ok for o in runner.finished()] == [(False,)]
+    assert runner.exists(["k"]) == [False]
+    runner.close()  # idempotent
+
+
+def test_runner_exists_is_bounded_by_its_timeout() -> None:
+    _, view = _view()
+    storage = create_async_storage("memory", None)
+    slow = TierRunner(storage, ChunkPool(view), lookup_timeout=0.2)
+    try:
+        async def stuck(pages):  # a store that never answers
+            import asyncio
+
+            await asyncio.sleep(3600)
+
+        storage._exists = stuck  # type: ignore[method-assign]
+        t0 = time.monotonic()
+        assert slow.exists(["a", "b"]) == [False, False]
+        assert time.monotonic() - t0 < 5
+    finally:
+        slow.close()
+
+
+# ---------------------------------------------------------------------------- config through vLLM
+
+@pytest.mark.parametrize(
+    ("tier", "error"),
+    [
+        ({"bogus": 1}, ConfigError),
+        ({"backend": "no-such-backend"}, BackendNotFoundError),
+        ({"options": "root=/x"}, ConfigError),
+        ({"options": {"namespace": {}}}, ConfigError),
+        ({"options": {"no_such_option": 1}}, ConfigError),
+        ({"locality": "MARS"}, ConfigError),
+        ({"lookup_timeout": 0}, ConfigError),
+    ],
+)
+def test_bad_tier_config_fails_engine_start_clearly(tier: dict, error: type, tmp_path: Path) -> None:
+    spec = TieringOffloadingSpec(offloading_config([{**tier_config(options={"root": str(tmp_path)}), **tier}]))
+    with pytest.raises(error):
+        spec.get_manager()
+
+
+def test_unusable_root_fails_engine_start(tmp_path: Path) -> None:
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("x")
+    spec = TieringOffloadingSpec(offloading_config([tier_config(options={"root": str(not_a_dir)})]))
+    with pytest.raises(ConfigError, match="root"):
+        spec.get_manager()
+
+
+def test_memory_backend_works_as_a_tier() -> None:
+    keys = block_keys(list(range(4 * BLOCK)))
+    with Engine([tier_config("memory")]) as engine:
+        engine.store(keys)
+        engine.manager.reset_cache()  # the primary tier forgets; the secondary keeps the chunks
+        got = engine.load(keys)
+        assert all(g is not None for g in got)
