@@ -1,0 +1,151 @@
+"""The tier route as a vLLM user turns it on: ``--kv-transfer-config`` with vLLM's
+``OffloadingConnector`` and ``TieringOffloadingSpec``, built by vLLM's ``KVConnectorFactory``
+from a real ``VllmConfig``; real ``Request`` objects with vLLM's own block hasher.
+
+The scheduler side is vLLM's end to end here: a fresh engine's connector reports the prompt's
+tokens as cached from hicache. The worker side is where this stops on CPU: vLLM's native
+GPU<->CPU offloading worker refuses a non-CUDA/XPU platform
+(``CPUOffloadingSpec.get_worker``), so a CPU engine cannot start with this connector at all;
+:func:`test_worker_side_needs_a_gpu` pins that boundary, and fails (asking for a real-engine
+test here) the day vLLM lifts it.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from _tiering import BLOCK, TIER_MODULE, payload
+from transformers import LlamaConfig
+from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, VllmConfig, set_current_vllm_config
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
+from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext, make_offload_key
+from vllm.v1.request import Request
+
+from hicache.integrations.vllm.tier import HiCacheTier
+
+LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
+PROMPT = list(range(300, 300 + 5 * BLOCK))
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A tiny Llama's config (no weights: the scheduler side never loads them)."""
+    path = tmp_path_factory.mktemp("tiny-llama")
+    LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=1000, max_position_embeddings=512,
+    ).save_pretrained(path)
+    return str(path)
+
+
+def kv_transfer_config(root: str) -> dict[str, Any]:
+    """Exactly what a user passes as ``--kv-transfer-config`` (docs/vllm-tier.md)."""
+    return {
+        "kv_connector": "OffloadingConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {
+            "spec_name": "TieringOffloadingSpec",
+            "cpu_bytes_to_use": 64 << 20,
+            "secondary_tiers": [
+                {"type": "HiCacheTier", "module_path": TIER_MODULE, "backend": "file",
+                 "options": {"root": root, "min_free_bytes": 0}},
+            ],
+        },
+    }
+
+
+def connector(model_dir: str, root: str, role: KVConnectorRole) -> Any:
+    vllm_config = VllmConfig(
+        model_config=ModelConfig(model=model_dir, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=512),
+        cache_config=CacheConfig(block_size=BLOCK),
+        kv_transfer_config=KVTransferConfig(**kv_transfer_config(root)),
+    )
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=16, dtype=torch.bfloat16)
+    kv_cache_config = KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(LAYERS, spec)])
+    with set_current_vllm_config(vllm_config):
+        return KVConnectorFactory.create_connector(vllm_config, role, kv_cache_config)
+
+
+def request(request_id: str) -> Request:
+    init_none_hash(sha256)
+    return Request(request_id, list(PROMPT), SamplingParams(max_tokens=1), None,
+                   block_hasher=get_request_block_hasher(BLOCK, sha256))
+
+
+def settle(manager: Any) -> None:
+    deadline = time.monotonic() + 30
+    while manager.has_pending_work():
+        assert time.monotonic() < deadline
+        manager.on_schedule_end(ScheduleEndContext((), ()))
+        time.sleep(0.005)
+    manager.on_schedule_end(ScheduleEndContext((), ()))
+
+
+def test_fresh_engine_reports_prompt_cached_from_hicache(model_dir: str, tmp_path: Path) -> None:
+    root = str(tmp_path / "store")
+    first = connector(model_dir, root, KVConnectorRole.SCHEDULER)
+    manager = first.scheduler.manager
+    tier = manager.secondary_tiers[0]
+    assert isinstance(tier, HiCacheTier)
+    # the namespace comes from the engine's real config
+    assert tier.namespace.model == model_dir and tier.namespace.kv_dtype == "bfloat16"
+    keys = [make_offload_key(h, 0) for h in request("r1").block_hashes]
+    assert len(keys) == len(PROMPT) // BLOCK
+    # a finished prefill: the worker's GPU->CPU copy lands in the chunks, then vLLM cascades
+    ctx = ReqContext("prefill")
+    manager.on_new_request(ctx)
+    for i, key in enumerate(keys):
+        ctx.set_offload_key_position(key, BLOCK * (i + 1))
+    out = manager.prepare_store(keys, ctx)
+    view = manager.primary_tier.get_kv_memoryview()
+    rows = np.frombuffer(view, dtype=np.uint8).reshape(view.shape)
+    for key, chunk in zip(out.keys_to_store, out.store_spec.chunk_ids):
+        rows[int(chunk)] = np.frombuffer(payload(key, view.strides[0]), dtype=np.uint8)
+    del rows, view
+    manager.complete_store(keys, ctx)
+    manager.on_request_finished(ctx)
+    settle(manager)
+    assert tier.storage.get_stats()["write_ok"] == len(keys)
+    first.shutdown()
+
+    # a fresh engine on the same store: vLLM's own lookup path asks hicache, step by step
+    second = connector(model_dir, root, KVConnectorRole.SCHEDULER)
+    manager = second.scheduler.manager
+    req = request("r2")
+    second.on_new_request(req)
+    deadline = time.monotonic() + 30
+    while (answer := second.get_num_new_matched_tokens(req, 0)) == (None, False):
+        assert time.monotonic() < deadline, "lookup never settled"
+        manager.on_schedule_end(ScheduleEndContext((), ()))  # build_connector_meta does this per step
+        time.sleep(0.005)
+    assert answer == (len(PROMPT), True)
+    assert manager.secondary_tiers[0].storage.get_stats()["read_hits"] == len(keys)
+    # the promoted chunks hold the stored bytes (what the worker would copy to the GPU)
+    check = ReqContext("check")
+    manager.on_new_request(check)
+    assert [manager.lookup(k, check) for k in keys] == [LookupResult.HIT] * len(keys)
+    load = manager.prepare_load(keys, check)
+    view = manager.primary_tier.get_kv_memoryview()
+    rows = np.frombuffer(view, dtype=np.uint8).reshape(view.shape)
+    assert all(rows[int(c)].tobytes() == payload(k, view.strides[0]) for k, c in zip(keys, load.chunk_ids))
+    del rows, view
+    manager.complete_load(keys, check)
+    manager.on_request_finished(check)
+    second.shutdown()
+
+
+def test_worker_side_needs_a_gpu(model_dir: str, tmp_path: Path) -> None:
+    worker = connector(model_dir, str(tmp_path / "store"), KVConnectorRole.WORKER)
+    caches = {name: torch.zeros(64, 2, BLOCK, 2, 16, dtype=torch.bfloat16) for name in LAYERS}
+    with pytest.raises(Exception, match="only supported on CUDA-alike and XPU"):
+        worker.register_kv_caches(caches)
