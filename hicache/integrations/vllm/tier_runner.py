@@ -85,6 +85,7 @@ class TierRunner:
     ) -> None:
         for what, value in (("lookup_timeout", lookup_timeout), ("open_timeout", open_timeout)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                pool.close()  # vLLM releases its view when start-up fails: hold no export of it
                 raise ConfigError(f"{what} must be a positive number of seconds, got {value!r}")
         self.storage = storage
         self.pool = pool

@@ -10,6 +10,7 @@ Keys come from vLLM's own block hasher (``sha256``, as the engine's default).
 
 from __future__ import annotations
 
+import functools
 import time
 import uuid
 from collections.abc import Sequence
@@ -44,6 +45,7 @@ def block_keys(tokens: Sequence[int], salt: str | None = None, group: int = 0) -
     return keys
 
 
+@functools.lru_cache(maxsize=256)
 def payload(key: bytes, nbytes: int) -> bytes:
     """Deterministic chunk bytes for a key (what the model's KV would be)."""
     rng = np.random.default_rng(int.from_bytes(key[:8], "little"))
