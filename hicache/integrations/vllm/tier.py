@@ -216,21 +216,27 @@ class HiCacheTier(SecondaryTierManager):
     def submit_store(self, job_metadata: TransferJob) -> None:
         keys = list(job_metadata.keys)
         ctx = job_metadata.req_context
-        self._chains.record(keys, ctx)
-        parents = [self._chains.parent(k, ctx) for k in keys]
-        self._runner.submit_store(
-            job_metadata.job_id,
-            [page_key(k) for k in keys],
-            [int(c) for c in job_metadata.chunk_ids],
-            [page_key(p) if p is not None else None for p in parents],
-        )
+        try:
+            self._chains.record(keys, ctx)
+            parents = [self._chains.parent(k, ctx) for k in keys]
+            names = [page_key(k) for k in keys]
+            chunks = [int(c) for c in job_metadata.chunk_ids]
+            parent_names = [page_key(p) if p is not None else None for p in parents]
+        except (ConfigError, TypeError, ValueError) as exc:  # a malformed job fails alone
+            self._runner.fail(job_metadata.job_id, False, len(keys), f"{type(exc).__name__}: {exc}")
+            return
+        self._runner.submit_store(job_metadata.job_id, names, chunks, parent_names)
 
     def submit_load(self, job_metadata: TransferJob) -> None:
         keys = list(job_metadata.keys)
         self._load_keys[job_metadata.job_id] = keys
-        self._runner.submit_load(
-            job_metadata.job_id, [page_key(k) for k in keys], [int(c) for c in job_metadata.chunk_ids]
-        )
+        try:
+            names = [page_key(k) for k in keys]
+            chunks = [int(c) for c in job_metadata.chunk_ids]
+        except (ConfigError, TypeError, ValueError) as exc:
+            self._runner.fail(job_metadata.job_id, True, len(keys), f"{type(exc).__name__}: {exc}")
+            return
+        self._runner.submit_load(job_metadata.job_id, names, chunks)
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
         results = []

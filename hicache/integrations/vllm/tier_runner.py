@@ -24,8 +24,9 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -115,16 +116,21 @@ class TierRunner:
     ) -> None:
         """Store chunk ``chunk_ids[i]`` as page ``keys[i]`` (parent ``parents[i]``); non-blocking."""
         if not len(keys) == len(chunk_ids) == len(parents):
-            self._reject(job_id, False, len(keys), f"{len(keys)} keys, {len(chunk_ids)} chunks, {len(parents)} parents")
+            self.fail(job_id, False, len(keys), f"{len(keys)} keys, {len(chunk_ids)} chunks, {len(parents)} parents")
             return
         self._submit(job_id, False, len(keys), self._store(job_id, list(keys), list(chunk_ids), list(parents)))
 
     def submit_load(self, job_id: int, keys: Sequence[str], chunk_ids: Sequence[int]) -> None:
         """Load page ``keys[i]`` into chunk ``chunk_ids[i]``; non-blocking."""
         if len(keys) != len(chunk_ids):
-            self._reject(job_id, True, len(keys), f"{len(keys)} keys but {len(chunk_ids)} chunks")
+            self.fail(job_id, True, len(keys), f"{len(keys)} keys but {len(chunk_ids)} chunks")
             return
         self._submit(job_id, True, len(keys), self._load(job_id, list(keys), list(chunk_ids)))
+
+    def fail(self, job_id: int, is_load: bool, n: int, why: str) -> None:
+        """Report job ``job_id`` of ``n`` pages as failed without running it (a malformed job)."""
+        logger.error("hicache tier: job %d rejected (%s); its pages fail", job_id, why)
+        self._finished.put(JobOutcome(job_id, is_load, (False,) * n, 0.0, 0))
 
     def finished(self) -> list[JobOutcome]:
         """Every outcome queued since the last call."""
@@ -174,18 +180,14 @@ class TierRunner:
 
     # ------------------------------------------------------------------ internals
 
-    def _reject(self, job_id: int, is_load: bool, n: int, why: str) -> None:
-        logger.error("hicache tier: job %d rejected (%s); its pages fail", job_id, why)
-        self._finished.put(JobOutcome(job_id, is_load, (False,) * n, 0.0, 0))
-
-    def _submit(self, job_id: int, is_load: bool, n: int, coro: object) -> None:
+    def _submit(self, job_id: int, is_load: bool, n: int, coro: Coroutine[Any, Any, JobOutcome]) -> None:
         with self._lock:
             if self._closed or job_id in self._inflight:
-                coro.close()  # type: ignore[attr-defined]
+                coro.close()
                 why = "tier closed" if self._closed else "job id already in flight"
-                self._reject(job_id, is_load, n, why)
+                self.fail(job_id, is_load, n, why)
                 return
-            fut = asyncio.run_coroutine_threadsafe(coro, self._loop_thread.loop)  # type: ignore[arg-type]
+            fut = asyncio.run_coroutine_threadsafe(coro, self._loop_thread.loop)
             self._inflight[job_id] = fut
         fut.add_done_callback(lambda f: self._done(job_id, is_load, n, f))
 

@@ -209,3 +209,16 @@ def test_memory_backend_works_as_a_tier() -> None:
         engine.manager.reset_cache()  # the primary tier forgets; the secondary keeps the chunks
         got = engine.load(keys)
         assert all(g is not None for g in got)
+
+
+def test_malformed_jobs_fail_without_raising_into_vllm(file_tier_options: dict) -> None:
+    from vllm.v1.kv_offload.base import ReqContext
+    from vllm.v1.kv_offload.tiering.base import TransferJob
+
+    with Engine([tier_config(options=file_tier_options)]) as engine:
+        tier, ctx = engine.tier, ReqContext("bad")
+        tier.submit_store(TransferJob(1, [b"\x00\x01"], np.array([0]), False, ctx))
+        tier.submit_load(TransferJob(2, [b"\x01" * 36], np.array(["x"]), True, ctx))
+        assert tier._runner.drain(timeout=10)
+        results = sorted(tier.get_finished_jobs(), key=lambda r: r.job_id)
+        assert [(r.job_id, r.success) for r in results] == [(1, False), (2, False)]
