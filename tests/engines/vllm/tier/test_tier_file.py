@@ -191,3 +191,12 @@ def test_shutdown_releases_the_primary_view(file_tier_options: dict) -> None:
     engine.close()  # vLLM releases the view and closes the mmap: no export of ours may remain
     with pytest.raises(ValueError):
         view.tobytes()
+
+
+def test_shutdown_finishes_stores_in_flight(file_tier_options: dict) -> None:
+    """vLLM shuts the tier down right after the last request: queued cascades still land."""
+    keys = block_keys(TOKENS)
+    with Engine([tier_config(options=file_tier_options)]) as first:
+        first.store(keys, jobs=4, settle=False)
+    with Engine([tier_config(options=file_tier_options)]) as second:
+        assert second.load(keys) == [payload(k, second.chunk_bytes) for k in keys]
