@@ -37,7 +37,6 @@ This module imports vLLM; only vLLM imports it (through ``module_path``).
 
 from __future__ import annotations
 
-import bisect
 import logging
 from collections.abc import Collection, Iterable
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -55,7 +54,8 @@ from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
 from hicache.errors import ConfigError
-from hicache.integrations.vllm.tier_keys import offload_key_group, page_key, tier_namespace
+from hicache.integrations.vllm.tier_chains import PrefixChains
+from hicache.integrations.vllm.tier_keys import page_key, tier_namespace
 from hicache.integrations.vllm.tier_pool import ChunkPool
 from hicache.integrations.vllm.tier_runner import TierRunner
 from hicache.storage import create_async_storage
@@ -78,43 +78,6 @@ class _Lookups(AsyncLookupManager):
 
     def batch_lookup(self, keys: list[OffloadKey], req_context: ReqContext) -> Iterable[bool]:
         return self._runner.exists([page_key(k) for k in keys])
-
-
-class _Chains:
-    """The offload keys each request has shown the tier, by group and token position.
-
-    A page's parent is the request's key just before it in the same group (the prefix it
-    extends); hicache's bounded file store uses parent links to evict a prefix's tail before its
-    head. A key whose predecessor the tier never saw gets an earlier ancestor, or none.
-    """
-
-    def __init__(self) -> None:
-        self._by_req: dict[str, dict[int, tuple[list[int], list[OffloadKey]]]] = {}
-
-    def record(self, keys: Iterable[OffloadKey], ctx: ReqContext) -> None:
-        groups = self._by_req.setdefault(ctx.req_id, {})
-        for key in keys:
-            pos = ctx.get_offload_key_position(key)
-            if pos is None:
-                continue
-            positions, known = groups.setdefault(offload_key_group(key), ([], []))
-            at = bisect.bisect_left(positions, pos)
-            if at < len(positions) and positions[at] == pos:
-                continue
-            positions.insert(at, pos)
-            known.insert(at, key)
-
-    def parent(self, key: OffloadKey, ctx: ReqContext) -> OffloadKey | None:
-        pos = ctx.get_offload_key_position(key)
-        entry = self._by_req.get(ctx.req_id, {}).get(offload_key_group(key))
-        if pos is None or entry is None:
-            return None
-        positions, known = entry
-        at = bisect.bisect_left(positions, pos)
-        return known[at - 1] if at else None
-
-    def forget(self, req_id: str) -> None:
-        self._by_req.pop(req_id, None)
 
 
 class HiCacheTier(SecondaryTierManager):
@@ -177,7 +140,7 @@ class HiCacheTier(SecondaryTierManager):
             open_timeout=open_timeout,
         )
         self._lookups = _Lookups(self._runner, tier_type)
-        self._chains = _Chains()
+        self._chains = PrefixChains()
         self._load_keys: dict[int, list[OffloadKey]] = {}
         logger.info(
             "hicache tier %r: backend %s, namespace %s, %d-byte chunks",

@@ -222,3 +222,26 @@ def test_malformed_jobs_fail_without_raising_into_vllm(file_tier_options: dict) 
         assert tier._runner.drain(timeout=10)
         results = sorted(tier.get_finished_jobs(), key=lambda r: r.job_id)
         assert [(r.job_id, r.success) for r in results] == [(1, False), (2, False)]
+
+
+def test_prefix_chains_link_each_key_to_the_one_before_it() -> None:
+    from vllm.v1.kv_offload.base import ReqContext
+
+    from hicache.integrations.vllm.tier_chains import PrefixChains
+
+    keys = block_keys(list(range(6 * BLOCK)))
+    other_group = block_keys(list(range(6 * BLOCK)), group=1)
+    ctx = ReqContext("r")
+    for i, (k, g) in enumerate(zip(keys, other_group)):
+        ctx.set_offload_key_position(k, BLOCK * (i + 1))
+        ctx.set_offload_key_position(g, BLOCK * (i + 1))
+    chains = PrefixChains()
+    chains.record([keys[4], keys[0], keys[2]], ctx)  # out of order, with gaps
+    chains.record(other_group[:3], ctx)
+    assert chains.parent(keys[0], ctx) is None
+    assert chains.parent(keys[2], ctx) == keys[0]  # the closest ancestor seen
+    assert chains.parent(keys[5], ctx) == keys[4]
+    assert chains.parent(other_group[1], ctx) == other_group[0]  # groups do not mix
+    assert chains.parent(b"\x09" * 36, ctx) is None  # no position known
+    chains.forget("r")
+    assert chains.parent(keys[5], ctx) is None
