@@ -1,7 +1,7 @@
 """Store and load throughput of hicache's tier against vLLM's own ``fs`` tier, both behind
 vLLM's ``TieringOffloadingManager`` in the same process, interleaved and repeated.
 
-    HICACHE_ENGINE_TESTS=vllm python tests/engines/vllm/tier/bench_tier.py [--chunks 64] [--mib 2] [--repeats 5]
+    .venv-vllm/bin/python tests/engines/vllm/tier/bench_tier.py [--chunks 64] [--mib 2] [--repeats 5]
 
 Per repeat and tier: a fresh engine stores ``chunks`` chunks of ``mib`` MiB (cascade from the
 primary tier to the secondary tier, timed until every job is finished), then another fresh
