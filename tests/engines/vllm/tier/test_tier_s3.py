@@ -84,3 +84,29 @@ def test_store_that_is_down_costs_only_recompute() -> None:
         assert results == [LookupResult.MISS] * len(keys)
         assert engine.load(keys) == [None] * len(keys)
     assert time.monotonic() - t0 < 30
+
+
+def test_store_lost_between_lookup_and_load_is_recompute() -> None:
+    """The server dies after the lookups found every chunk: the promotions fail, vLLM gets
+    misses (no garbage, no exception), and the failed keys are not promoted again."""
+    from s3_server import MotoProcess, create_bucket
+
+    with MotoProcess() as server:
+        create_bucket(server.endpoint, "lost")
+        options = {
+            "url": "s3://lost/kv", "storage_options": s3_options(server.endpoint),
+            "request_timeout": 0.5, "call_timeout": 2.0, "retries": 0,
+        }
+        keys = block_keys(TOKENS)
+        with Engine([tier_config("s3", options=options)]) as first:
+            first.store(keys)
+            assert first.tier.storage.get_stats()["write_ok"] == len(keys)
+        with Engine([tier_config("s3", options=options)]) as second:
+            ctx = second.begin(keys)
+            assert {second.manager.lookup(k, ctx) for k in keys} == {LookupResult.RETRY}
+            second.step()
+            time.sleep(1.0)  # the lookup thread answers: every page exists
+            server.stop()
+            assert second.load(keys) == [None] * len(keys)
+            _, results = second.lookup(keys)
+            assert results == [LookupResult.MISS] * len(keys)
