@@ -58,7 +58,7 @@ from hicache.integrations.vllm.tier_chains import PrefixChains
 from hicache.integrations.vllm.tier_keys import page_key, tier_namespace
 from hicache.integrations.vllm.tier_pool import ChunkPool
 from hicache.integrations.vllm.tier_runner import TierRunner
-from hicache.storage import create_async_storage
+from hicache.storage import AsyncHiCacheStorage, create_async_storage
 
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.base import OffloadingSpec
@@ -148,7 +148,7 @@ class HiCacheTier(SecondaryTierManager):
         )
 
     @property
-    def storage(self) -> Any:
+    def storage(self) -> AsyncHiCacheStorage:
         """The hicache backend (for its ``get_stats()``)."""
         return self._runner.storage
 
