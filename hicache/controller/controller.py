@@ -11,7 +11,7 @@ Work and who owns it::
     start_load()             -> CopyEngine.load (per layer) + a watcher task
     submit_storage_write()   -> storage queue (bounded) -> storage worker -> batch_set_v2 (retries)
     start_prefetch()         -> one task per request    -> batch_exists_v2, batch_get_v2 in batches
-                                (:mod:`hicache.controller.prefetch`)
+                                (a :class:`~hicache.controller.prefetch.Prefetcher` it owns)
 
 Storage coroutines run on a private I/O loop thread (:mod:`hicache.controller.io_thread`), so
 whatever a backend does before its first ``await`` never runs on the server's loop.
@@ -41,11 +41,12 @@ from hicache.controller.jobs import (
     BackupJob,
     CloseReport,
     PrefetchOp,
+    PrefetchResult,
     StorageWriteJob,
     UnwrittenBackup,
 )
 from hicache.controller.metrics import ControllerMetrics
-from hicache.controller.prefetch import PrefetchMixin
+from hicache.controller.prefetch import Prefetcher
 from hicache.controller.transfers import all_pools_ok, call_back, slice_transfer
 from hicache.errors import CacheClosedError, ConfigError, LoopMisuseError
 from hicache.storage import (
@@ -70,7 +71,7 @@ class ControllerState(enum.Enum):
     CLOSED = "closed"
 
 
-class HiCacheController(PrefetchMixin):
+class HiCacheController:
     """Moves pages device<->host (copy engine) and host<->storage (async backend).
 
     Args:
@@ -108,14 +109,11 @@ class HiCacheController(PrefetchMixin):
         self._tasks: set[asyncio.Task[Any]] = set()
         self._backup_q: asyncio.Queue[BackupJob] | None = None
         self._storage_q: asyncio.Queue[StorageWriteJob] | None = None
-        self._prefetch_sem: asyncio.Semaphore | None = None
-        self._prefetches: dict[str, PrefetchOp] = {}
-        self._inflight_prefetch_tokens = 0
         self._loads: set[asyncio.Task[Any]] = set()
         self._storage_busy: list[StorageWriteJob] = []
         self._backup_busy: list[BackupJob] = []
-        self._quarantine: list[asyncio.Task[Any]] = []
         self._free_host: Callable[[torch.Tensor], None] = host_pool.free
+        self._prefetcher: Prefetcher | None = None
         if storage is not None:
             registered = getattr(storage, "registered_pools", {}).get(KV)
             if registered is None:
@@ -125,10 +123,16 @@ class HiCacheController(PrefetchMixin):
                     "the storage backend moves pages of another host pool; give each cache its "
                     "own backend object (share a medium instead, e.g. the memory backend's store_id)"
                 )
+            self._prefetcher = Prefetcher(
+                storage=storage, config=self.config, metrics=self.metrics, page_size=self.page_size,
+                page_nbytes=self.page_nbytes, spawn=self._spawn, storage_call=self._storage_call,
+                free_host=lambda indices: self._free_host(indices),
+            )
         self.metrics.gauge("backup_queue_depth", lambda: self._backup_q.qsize() if self._backup_q else 0)
         self.metrics.gauge("storage_queue_depth", lambda: self._storage_q.qsize() if self._storage_q else 0)
-        self.metrics.gauge("prefetch_inflight", lambda: len(self._prefetches))
-        self.metrics.gauge("prefetch_inflight_tokens", lambda: self._inflight_prefetch_tokens)
+        self.metrics.gauge("prefetch_inflight", lambda: self._prefetcher.inflight if self._prefetcher else 0)
+        self.metrics.gauge("prefetch_inflight_tokens",
+                           lambda: self._prefetcher.inflight_tokens if self._prefetcher else 0)
         self.metrics.gauge("loads_inflight", lambda: len(self._loads))
         self.metrics.gauge("tasks", lambda: len(self._tasks))
 
@@ -164,7 +168,6 @@ class HiCacheController(PrefetchMixin):
             ) from None
         self._backup_q = asyncio.Queue(self.config.backup_queue_size)
         self._storage_q = asyncio.Queue(self.config.storage_queue_size)
-        self._prefetch_sem = asyncio.Semaphore(self.config.max_concurrent_prefetches)
         self.state = ControllerState.RUNNING
         self._spawn(self._backup_worker(), "hicache-backup")
         if self.storage is not None:
@@ -247,9 +250,8 @@ class HiCacheController(PrefetchMixin):
         report = CloseReport(drained=True)
         if was_running:
             limit = self.config.close_timeout_s if timeout is None else timeout
-            for op in list(self._prefetches.values()):
-                self._abort_op(op)
-                report.cancelled_prefetches += 1
+            if self._prefetcher is not None:
+                report.cancelled_prefetches += self._prefetcher.abort_all()
             try:
                 async with asyncio.timeout(limit):
                     await self._drain_for_close()
@@ -281,7 +283,7 @@ class HiCacheController(PrefetchMixin):
     async def _drain_for_close(self) -> None:
         while True:
             await self.drain()
-            quarantine = [t for t in self._quarantine if not t.done()]
+            quarantine = self._prefetcher.quarantined() if self._prefetcher is not None else []
             if quarantine:
                 await asyncio.wait(quarantine)
             if not [t for t in self._tasks if t.get_name().startswith("hicache-prefetch")]:
@@ -505,6 +507,41 @@ class HiCacheController(PrefetchMixin):
             self.metrics.incr("storage_write_retries")
             await asyncio.sleep(min(cfg.storage_retry_max_s, cfg.storage_retry_base_s * 2 ** (attempt - 1)))
         return done
+
+    # ------------------------------------------------------------------ storage -> host
+
+    def start_prefetch(
+        self,
+        rid: str,
+        keys: list[str],
+        *,
+        alloc_host: Callable[[int], torch.Tensor | None],
+        extra: list[PoolTransfer] | None = None,
+    ) -> PrefetchOp | None:
+        """Start fetching the pages under ``keys`` (a chain continuing the host hit) into host
+        memory in the background (see :meth:`Prefetcher.start`). ``None`` when not started."""
+        if self._prefetcher is None or not self._accepting():
+            return None
+        return self._prefetcher.start(rid, keys, alloc_host=alloc_host, extra=extra)
+
+    def prefetch_op(self, rid: str) -> PrefetchOp | None:
+        return self._prefetcher.op(rid) if self._prefetcher is not None else None
+
+    def prefetch_ready(self, rid: str) -> bool:
+        """Non-blocking: may the request stop waiting for its prefetch, under the policy?"""
+        return self._prefetcher.ready(rid) if self._prefetcher is not None else True
+
+    async def wait_prefetch(self, rid: str, policy: str | None = None) -> PrefetchResult | None:
+        """Wait as the stop policy allows, then take what completed; ``None`` without a prefetch."""
+        return await self._prefetcher.wait(rid, policy) if self._prefetcher is not None else None
+
+    def take_prefetch(self, rid: str) -> PrefetchResult | None:
+        """Stop ``rid``'s prefetch and hand over the pages completed so far (the caller owns them)."""
+        return self._prefetcher.take(rid) if self._prefetcher is not None else None
+
+    def abort_prefetch(self, rid: str) -> bool:
+        """Cancel ``rid``'s prefetch (its host pages are freed); whether there was one."""
+        return self._prefetcher.abort(rid) if self._prefetcher is not None else False
 
     async def _on_io(self, coro: Coroutine[Any, Any, Any]) -> Any:
         if self._io is None:

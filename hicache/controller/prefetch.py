@@ -7,6 +7,10 @@ pages as they land. The request then stops waiting as its policy says (``best_ef
 1024)`` seconds after the prefetch started), takes the complete pages, and the op frees the
 rest. Abort cancels the op; host pages a cancelled read may still be writing into are held for
 ``cancelled_io_grace_s`` before reuse.
+
+Why a collaborator and not a part of the controller class: the prefetcher needs only a few of
+the controller's services (spawn an owned task, run a storage call under the I/O timeout, free
+host pages), passed in as callables, so it neither imports the controller nor sees its queues.
 """
 
 from __future__ import annotations
@@ -15,29 +19,90 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 import torch
 
+from hicache.controller.config import ControllerConfig
 from hicache.controller.jobs import PrefetchOp, PrefetchResult
+from hicache.controller.metrics import ControllerMetrics
 from hicache.controller.transfers import all_pools_ok, slice_transfer
-from hicache.storage import PoolName, PoolTransfer
+from hicache.storage import AsyncHiCacheStorage, PoolName, PoolTransfer
 from hicache.storage.hit_policy import leading_run
 
-if TYPE_CHECKING:
-    from hicache.controller.controller import HiCacheController
+__all__ = ["Prefetcher"]
 
-__all__ = ["PrefetchMixin"]
+#: ``spawn(coro, name) -> task``: start a task its owner keeps and drains on close
+Spawn = Callable[[Coroutine[Any, Any, Any], str], "asyncio.Task[Any]"]
+#: ``storage_call(coro, what) -> result | None``: a storage call under the I/O timeout
+StorageCall = Callable[[Coroutine[Any, Any, Any], str], Coroutine[Any, Any, Any]]
 
 logger = logging.getLogger("hicache.controller")
 
 
-class PrefetchMixin:
-    """Prefetch half of :class:`~hicache.controller.HiCacheController` (mixed in)."""
+class Prefetcher:
+    """The storage->host prefetches of one controller: their ops, tasks and host pages.
 
-    def start_prefetch(
-        self: HiCacheController,
+    Args:
+        storage: the backend prefetches read from.
+        config, metrics: the controller's.
+        page_size, page_nbytes: of the host pool.
+        spawn: starts a task the controller owns (and cancels and awaits on close).
+        storage_call: runs a storage coroutine under the controller's I/O timeout and health
+            rules; ``None`` is a failed call.
+        free_host: gives host pages back (looked up on every call: the cache may reroute it).
+    """
+
+    def __init__(
+        self,
+        *,
+        storage: AsyncHiCacheStorage,
+        config: ControllerConfig,
+        metrics: ControllerMetrics,
+        page_size: int,
+        page_nbytes: int,
+        spawn: Spawn,
+        storage_call: StorageCall,
+        free_host: Callable[[torch.Tensor], None],
+    ) -> None:
+        self.storage = storage
+        self.config = config
+        self.metrics = metrics
+        self.page_size = page_size
+        self.page_nbytes = page_nbytes
+        self._spawn = spawn
+        self._storage_call = storage_call
+        self._free_host = free_host
+        self._sem = asyncio.Semaphore(config.max_concurrent_prefetches)
+        self._prefetches: dict[str, PrefetchOp] = {}
+        self._inflight_tokens = 0
+        self._quarantine: list[asyncio.Task[Any]] = []
+
+    @property
+    def inflight(self) -> int:
+        """Prefetch ops not yet taken or aborted."""
+        return len(self._prefetches)
+
+    @property
+    def inflight_tokens(self) -> int:
+        """Tokens of the ops counted against ``max_inflight_prefetch_tokens``."""
+        return self._inflight_tokens
+
+    def quarantined(self) -> list[asyncio.Task[Any]]:
+        """Tasks still holding host pages an interrupted read may write into."""
+        self._quarantine = [t for t in self._quarantine if not t.done()]
+        return list(self._quarantine)
+
+    def abort_all(self) -> int:
+        """Abort every op (close); returns how many."""
+        ops = list(self._prefetches.values())
+        for op in ops:
+            self._abort_op(op)
+        return len(ops)
+
+    def start(
+        self,
         rid: str,
         keys: list[str],
         *,
@@ -48,7 +113,7 @@ class PrefetchMixin:
         memory in the background. ``alloc_host(max_tokens)`` returns up to that many host
         slots (whole pages) or ``None``. Returns ``None`` when not started (no storage, closed,
         below threshold, rate limited, or ``rid`` already prefetching)."""
-        if self.storage is None or not keys or not self._accepting():
+        if not keys:
             return None
         tokens = len(keys) * self.page_size
         if tokens < self.config.prefetch_threshold:
@@ -56,22 +121,21 @@ class PrefetchMixin:
             return None
         if rid in self._prefetches:
             return None
-        if self._inflight_prefetch_tokens + tokens > self.config.max_inflight_prefetch_tokens:
+        if self._inflight_tokens + tokens > self.config.max_inflight_prefetch_tokens:
             self.metrics.incr("prefetch_rate_limited")
             return None
         op = PrefetchOp(rid=rid, keys=list(keys), page_size=self.page_size, extra=list(extra or ()))
         self._prefetches[rid] = op
-        self._inflight_prefetch_tokens += tokens
+        self._inflight_tokens += tokens
         self.metrics.incr("prefetch_started")
         op.task = self._spawn(self._run_prefetch(op, alloc_host), f"hicache-prefetch-{rid}")
         return op
 
-    async def _run_prefetch(self: HiCacheController, op: PrefetchOp, alloc_host: Callable[[int], torch.Tensor | None]) -> None:
-        assert self.storage is not None and self._prefetch_sem is not None
+    async def _run_prefetch(self, op: PrefetchOp, alloc_host: Callable[[int], torch.Tensor | None]) -> None:
         ps = self.page_size
         interrupted = False
         try:
-            async with self._prefetch_sem:
+            async with self._sem:
                 if op.stop_requested:
                     return
                 hit = await self._storage_call(self.storage.batch_exists_v2(op.keys, op.extra or None), "exists")
@@ -116,20 +180,18 @@ class PrefetchMixin:
         finally:
             self._finish_op(op, interrupted)
 
-    def _finish_op(
-        self: HiCacheController, op: PrefetchOp, interrupted: bool) -> None:
+    def _finish_op(self, op: PrefetchOp, interrupted: bool) -> None:
         op.finished = True
         op.done.set()
         if self._prefetches.get(op.rid) is op and op.taken_pages is not None:
             del self._prefetches[op.rid]
         if not op.released:
             op.released = True
-            self._inflight_prefetch_tokens -= op.num_tokens
+            self._inflight_tokens -= op.num_tokens
         if op.taken_pages is not None:
             self._release_untaken(op, interrupted)
 
-    def _release_untaken(
-        self: HiCacheController, op: PrefetchOp, interrupted: bool) -> None:
+    def _release_untaken(self, op: PrefetchOp, interrupted: bool) -> None:
         """Free the op's host pages the request did not take. Pages a cancelled storage read
         may still be writing into are held for the grace period first."""
         if op.host_indices is None:
@@ -142,23 +204,20 @@ class PrefetchMixin:
             return
         if interrupted and self.config.cancelled_io_grace_s > 0:
             self._quarantine = [t for t in self._quarantine if not t.done()]
-            task = self._spawn(self._free_later(rest), "hicache-quarantine")
-            self._quarantine.append(task)
+            self._quarantine.append(self._spawn(self._free_later(rest), "hicache-quarantine"))
         else:
             self._free_host(rest)
 
-    async def _free_later(self: HiCacheController, indices: torch.Tensor) -> None:
+    async def _free_later(self, indices: torch.Tensor) -> None:
         try:
             await asyncio.sleep(self.config.cancelled_io_grace_s)
         finally:
             self._free_host(indices)
 
-    def prefetch_op(
-        self: HiCacheController, rid: str) -> PrefetchOp | None:
+    def op(self, rid: str) -> PrefetchOp | None:
         return self._prefetches.get(rid)
 
-    def prefetch_ready(
-        self: HiCacheController, rid: str) -> bool:
+    def ready(self, rid: str) -> bool:
         """Non-blocking: may the request stop waiting for its prefetch, under the policy?"""
         op = self._prefetches.get(rid)
         if op is None or op.finished:
@@ -170,9 +229,9 @@ class PrefetchMixin:
             return False
         return time.monotonic() - op.started >= self.config.prefetch_timeout(op.num_tokens)
 
-    async def wait_prefetch(self: HiCacheController, rid: str, policy: str | None = None) -> PrefetchResult | None:
+    async def wait(self, rid: str, policy: str | None = None) -> PrefetchResult | None:
         """Wait as long as the stop policy allows, then take what completed (see
-        :meth:`take_prefetch`). ``None`` when ``rid`` has no prefetch."""
+        :meth:`take`). ``None`` when ``rid`` has no prefetch."""
         op = self._prefetches.get(rid)
         if op is None:
             return None
@@ -187,13 +246,12 @@ class PrefetchMixin:
                     with contextlib.suppress(TimeoutError):
                         async with asyncio.timeout(remaining):
                             await op.done.wait()
-        result = self.take_prefetch(rid)
+        result = self.take(rid)
         if result is not None:
             result.waited_s = time.monotonic() - t0
         return result
 
-    def take_prefetch(
-        self: HiCacheController, rid: str) -> PrefetchResult | None:
+    def take(self, rid: str) -> PrefetchResult | None:
         """Stop ``rid``'s prefetch and hand over the pages completed so far (the caller owns
         them now); the op frees the rest when its task ends."""
         op = self._prefetches.pop(rid, None)
@@ -209,8 +267,7 @@ class PrefetchMixin:
         self.metrics.incr("prefetch_pages_used", taken)
         return PrefetchResult(pages=taken, host_indices=host, found_pages=op.found_pages)
 
-    def abort_prefetch(
-        self: HiCacheController, rid: str) -> bool:
+    def abort(self, rid: str) -> bool:
         """Cancel ``rid``'s prefetch; its host pages are freed (after the grace period for a
         storage read that was interrupted). Returns whether there was one."""
         op = self._prefetches.pop(rid, None)
@@ -219,8 +276,7 @@ class PrefetchMixin:
         self._abort_op(op)
         return True
 
-    def _abort_op(
-        self: HiCacheController, op: PrefetchOp) -> None:
+    def _abort_op(self, op: PrefetchOp) -> None:
         self._prefetches.pop(op.rid, None)
         self.metrics.incr("prefetch_aborted")
         op.stop_requested = True

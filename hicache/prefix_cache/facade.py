@@ -4,23 +4,32 @@ These wrap the SGLang-style primitives of :class:`~hicache.prefix_cache.hiradix.
 (``match_prefix``, ``prefetch_from_storage``, ``init_load_back``, ``inc_lock_ref``,
 ``cache_finished_req``) into the few calls an asyncio server makes per request, and record
 where each prefix came from (device, host, storage) in the request and the metrics.
+
+Why a collaborator the cache owns (``cache.flow``) and not a base class: the flow needs only a
+narrow slice of the cache, spelled out as :class:`FlowHost`, so this module does not import the
+cache class, and the per-request bookkeeping (which requests were matched, which admitted) lives
+here, next to the calls that change it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
 from hicache.prefix_cache.req import Req
-from hicache.prefix_cache.types import InitLoadBackParams, MatchPrefixParams, MatchResult, RadixKey
+from hicache.prefix_cache.types import (
+    DecLockRefResult,
+    IncLockRefResult,
+    InitLoadBackParams,
+    MatchPrefixParams,
+    MatchResult,
+    RadixKey,
+)
 
-if TYPE_CHECKING:
-    from hicache.prefix_cache.hiradix import HiRadixCache
-
-__all__ = ["AdmitResult", "RequestFlowMixin"]
+__all__ = ["AdmitResult", "FlowHost", "LoadBack", "RequestFlow"]
 
 
 @dataclasses.dataclass
@@ -34,40 +43,89 @@ class AdmitResult:
     load_handle: Any = None
 
 
-class RequestFlowMixin:
-    """Per-request calls of :class:`HiRadixCache` (mixed in; uses its primitives)."""
+@dataclasses.dataclass
+class LoadBack:
+    """A started host->device load of a matched prefix: the device slots it fills, the node
+    now deepest on device, the completion future (``None`` off a loop) and the engine's handle."""
 
-    def match_req(self: HiRadixCache, req: Req, max_prefix_len: int | None = None) -> MatchResult:
+    indices: torch.Tensor
+    node: Any
+    done: asyncio.Future[bool] | None = None
+    handle: Any = None
+
+
+class FlowHost(Protocol):
+    """What :class:`RequestFlow` uses of its cache (a :class:`~hicache.prefix_cache.HiRadixCache`)."""
+
+    root_node: Any
+    req_to_token_pool: Any
+    metrics: Any
+
+    def match_prefix(self, params: MatchPrefixParams, *, count_hit: bool = True) -> MatchResult: ...
+    def prefetch_from_storage(self, req_id: str, last_host_node: Any, new_input_tokens: list[int],
+                              last_hash: str | None = None, *, prefix_tokens: list[int] | None = None,
+                              extra_key: str | None = None) -> bool: ...
+    def is_prefetching(self, req_id: str) -> bool: ...
+    async def wait_prefetch(self, req_id: str) -> int: ...
+    def cancel_prefetch(self, req_id: str) -> None: ...
+    def loads_in_flight(self, indices: torch.Tensor) -> list[asyncio.Future[bool]]: ...
+    def start_load_back(self, params: InitLoadBackParams) -> LoadBack | None: ...
+    def inc_lock_ref(self, node: Any) -> IncLockRefResult: ...
+    def dec_lock_ref(self, node: Any) -> DecLockRefResult: ...
+    def cache_finished_req(self, req: Any, is_insert: bool = True) -> None: ...
+
+
+class RequestFlow:
+    """Per-request calls of a tiered cache, over the primitives of :class:`FlowHost`."""
+
+    def __init__(self, cache: FlowHost) -> None:
+        self.cache = cache
+        self.matched: set[str] = set()  # rids whose hit was counted by match_req
+        # requests admit() locked a prefix for, by rid; the Req itself is kept so that a later
+        # request reusing the rid is never mistaken for one holding a lock
+        self.admitted: dict[str, Req] = {}
+
+    def forget(self, req: Any) -> None:
+        """``req`` is over (finished, or its lock taken over by a decorator)."""
+        if self.admitted.get(req.rid) is req:
+            del self.admitted[req.rid]
+        self.matched.discard(req.rid)
+
+    def is_admitted(self, req: Any) -> bool:
+        """Whether :meth:`admit` locked a prefix for this very request."""
+        return self.admitted.get(req.rid) is req
+
+    def match_req(self, req: Req, max_prefix_len: int | None = None) -> MatchResult:
         """Match ``req``'s tokens and record the result in its fields (no lock taken). Only
         the first match of a request until :meth:`admit` counts as a hit (eviction policies and
         selective write-through count hits)."""
         tokens = req.fill_ids or req.origin_input_ids
         if max_prefix_len is not None:
             tokens = tokens[:max_prefix_len]
-        count = req.rid not in self._matched
-        self._matched.add(req.rid)
-        m = self.match_prefix(
+        count = req.rid not in self.matched
+        self.matched.add(req.rid)
+        m = self.cache.match_prefix(
             MatchPrefixParams(key=RadixKey(list(tokens), req.extra_key), req=req), count_hit=count
         )
         req.record_match(m)
         return m
 
-    def start_prefetch(self: HiRadixCache, req: Req, max_prefix_len: int | None = None) -> bool:
+    def start_prefetch(self, req: Req, max_prefix_len: int | None = None) -> bool:
         """After :meth:`match_req`: prefetch from storage what follows the host hit."""
         tokens = req.fill_ids or req.origin_input_ids
         if max_prefix_len is not None:
             tokens = tokens[:max_prefix_len]
         hit = req.last_matched_prefix_len
-        return self.prefetch_from_storage(
+        return self.cache.prefetch_from_storage(
             req.rid,
-            req.last_host_node or self.root_node,
+            req.last_host_node or self.cache.root_node,
             list(tokens[hit:]),
             req.storage_prior_hash,
             prefix_tokens=list(tokens[:hit]),
             extra_key=req.extra_key,
         )
 
-    async def admit(self: HiRadixCache, req: Req, *, mem_quota: int | None = None, wait_load: bool = True,
+    async def admit(self, req: Req, *, mem_quota: int | None = None, wait_load: bool = True,
                     max_prefix_len: int | None = None) -> AdmitResult:
         """The scheduler picked ``req``: finish its prefetch (as the stop policy allows),
         re-match, load the host part to device (all or nothing) and lock the prefix.
@@ -78,13 +136,14 @@ class RequestFlowMixin:
         A failed load falls back to the device hit alone. Cancelling ``admit`` releases
         what it locked (the load itself completes and its pages stay in the tree).
         """
-        fetched = await self.wait_prefetch(req.rid) if req.rid in self._prefetching else 0
+        cache = self.cache
+        fetched = await cache.wait_prefetch(req.rid) if cache.is_prefetching(req.rid) else 0
         m = self.match_req(req, max_prefix_len)
         while True:
             # Part of the device hit may be a prefix another request is still loading from
             # host (its nodes got their device slots when the load started): wait for those
             # loads before using their slots, then match again (a failed load drops them).
-            pending = self.loads_in_flight(m.device_indices)
+            pending = cache.loads_in_flight(m.device_indices)
             if not pending:
                 break
             await asyncio.wait(pending)
@@ -93,71 +152,68 @@ class RequestFlowMixin:
         host = m.host_hit_length
         handle = None
         node = m.last_device_node
-        self.inc_lock_ref(node)  # hold the device prefix while making room for the load
+        cache.inc_lock_ref(node)  # hold the device prefix while making room for the load
         if host:
-            new, loaded_node = self.init_load_back(InitLoadBackParams(m.last_host_node, host, mem_quota, req))
-            if new.numel():
-                handle = self._new_handles[-1] if self._new_handles else None
-                load = self._loads[-1] if self._loads else None
-                self.inc_lock_ref(loaded_node)
-                self.dec_lock_ref(node)
-                node = loaded_node
-                req.prefix_indices = torch.cat([m.device_indices, new.to(m.device_indices.device)])
-                host = int(new.numel())
-                if wait_load and load is not None and load.done is not None:
+            load = cache.start_load_back(InitLoadBackParams(m.last_host_node, host, mem_quota, req))
+            if load is not None:
+                handle = load.handle
+                cache.inc_lock_ref(load.node)
+                cache.dec_lock_ref(node)
+                node = load.node
+                req.prefix_indices = torch.cat([m.device_indices, load.indices.to(m.device_indices.device)])
+                host = int(load.indices.numel())
+                if wait_load and load.done is not None:
                     try:
                         ok = await asyncio.shield(load.done)
                     except asyncio.CancelledError:
-                        self.dec_lock_ref(node)  # the request is gone: nothing stays locked
-                        self._matched.discard(req.rid)
+                        cache.dec_lock_ref(node)  # the request is gone: nothing stays locked
+                        self.matched.discard(req.rid)
                         req.last_node = None
                         raise
                     if not ok:
-                        self.inc_lock_ref(m.last_device_node)
-                        self.dec_lock_ref(node)
+                        cache.inc_lock_ref(m.last_device_node)
+                        cache.dec_lock_ref(node)
                         node, host, handle = m.last_device_node, 0, None
                         req.prefix_indices = m.device_indices
             else:
                 host = 0
-        self._matched.discard(req.rid)
-        self._admitted[req.rid] = req
+        self.matched.discard(req.rid)
+        self.admitted[req.rid] = req
         storage = min(fetched, host)
         req.last_node = node
         req.cache_protected_len = int(req.prefix_indices.numel())
         req.host_hit_length = host - storage
         req.storage_hit_length = storage
         total = len(req.fill_ids or req.origin_input_ids)
-        self.metrics.incr("requests")
-        self.metrics.incr("prompt_tokens", total)
-        self.metrics.incr("computed_tokens", total - req.cache_protected_len)
-        self.metrics.hit("device", device)
-        self.metrics.hit("host", host - storage)
-        self.metrics.hit("storage", storage)
+        metrics = cache.metrics
+        metrics.incr("requests")
+        metrics.incr("prompt_tokens", total)
+        metrics.incr("computed_tokens", total - req.cache_protected_len)
+        metrics.hit("device", device)
+        metrics.hit("host", host - storage)
+        metrics.hit("storage", storage)
         return AdmitResult(device, host - storage, storage, req.cache_protected_len, handle)
 
-    def release_req(self: HiRadixCache, req: Req, is_insert: bool = True) -> None:
+    def release_req(self, req: Req, is_insert: bool = True) -> None:
         """:meth:`cache_finished_req`, then give the request's ``req_to_token`` slot back."""
-        self.cache_finished_req(req, is_insert=is_insert)
+        self.cache.cache_finished_req(req, is_insert=is_insert)
         if req.req_pool_idx is not None:
-            self.req_to_token_pool.free(req.req_pool_idx)
+            self.cache.req_to_token_pool.free(req.req_pool_idx)
             req.req_pool_idx = None
 
-    def abort_req(self: HiRadixCache, req: Req) -> None:
+    def abort_req(self, req: Req) -> None:
         """Abort: cancel the prefetch (its host pages are freed), drop the lock and free the
         request's own KV without inserting it. Safe at any point after :meth:`match_req`."""
-        self._matched.discard(req.rid)
+        self.matched.discard(req.rid)
         if not self.is_admitted(req):  # match_req set last_node but locked nothing
             req.last_node = None
             req.cache_protected_len = 0
-        if self.controller.abort_prefetch(req.rid) or req.rid in self._prefetching:
-            state = self._prefetching.pop(req.rid, None)
-            if state is not None:
-                self._dec_host_ref(state.anchor)
+        self.cache.cancel_prefetch(req.rid)
         if req.req_pool_idx is not None:
             self.release_req(req, is_insert=False)
         elif req.last_node is not None:
-            self.dec_lock_ref(req.last_node)
+            self.cache.dec_lock_ref(req.last_node)
             req.last_node = None
-        if self._admitted.get(req.rid) is req:
-            del self._admitted[req.rid]
+        if self.admitted.get(req.rid) is req:
+            del self.admitted[req.rid]
 

@@ -42,12 +42,13 @@ import torch
 
 from hicache.controller.controller import HiCacheController
 from hicache.controller.jobs import PrefetchResult, StorageWriteJob
-from hicache.prefix_cache.facade import RequestFlowMixin
+from hicache.prefix_cache.facade import AdmitResult, LoadBack, RequestFlow
 from hicache.prefix_cache.eviction_index import EvictionIndex
 from hicache.prefix_cache.hashing import fast_page_hashes, namespace_seed
 from hicache.prefix_cache.node import TreeNode
 from hicache.prefix_cache.policy import eviction_key
 from hicache.prefix_cache.radix import RadixCache
+from hicache.prefix_cache.req import Req
 from hicache.prefix_cache.types import EvictParams, EvictResult, InitLoadBackParams
 
 __all__ = ["HiRadixCache"]
@@ -72,7 +73,7 @@ class _Load:
     dev: torch.Tensor | None = None  # the device slots being written (whatever splits happen)
 
 
-class HiRadixCache(RequestFlowMixin, RadixCache):
+class HiRadixCache(RadixCache):
     """Radix cache over device, host and storage tiers.
 
     Args (beyond :class:`RadixCache`'s):
@@ -103,10 +104,8 @@ class HiRadixCache(RequestFlowMixin, RadixCache):
         self._prefetching: dict[str, _Prefetch] = {}
         self._loads: list[_Load] = []
         self._new_handles: list[Any] = []
-        self._matched: set[str] = set()  # rids whose hit was counted by match_req
-        # requests admit() locked a prefix for, by rid; the Req itself is kept so that a later
-        # request reusing the rid is never mistaken for one holding a lock
-        self._admitted: dict[str, Any] = {}
+        #: the per-request calls (match, prefetch, admit, release, abort) and their bookkeeping
+        self.flow = RequestFlow(self)
         super().__init__(
             req_to_token_pool=req_to_token_pool,
             token_to_kv_pool_allocator=token_to_kv_pool_allocator,
@@ -153,14 +152,35 @@ class HiRadixCache(RequestFlowMixin, RadixCache):
     def forget_req(self, req: Any) -> None:
         """``req`` is over for this cache (finished, or its lock taken over by a decorator such
         as the session cache): drop what the cache remembers about it by rid."""
-        if self._admitted.get(req.rid) is req:
-            del self._admitted[req.rid]
-        self._matched.discard(req.rid)
+        self.flow.forget(req)
 
     def is_admitted(self, req: Any) -> bool:
         """Whether :meth:`admit` locked a prefix for this very request (not another one that
         used the same rid)."""
-        return self._admitted.get(req.rid) is req
+        return self.flow.is_admitted(req)
+
+    # ------------------------------------------------------------------ request flow
+
+    def match_req(self, req: Req, max_prefix_len: int | None = None) -> Any:
+        """See :meth:`RequestFlow.match_req`."""
+        return self.flow.match_req(req, max_prefix_len)
+
+    def start_prefetch(self, req: Req, max_prefix_len: int | None = None) -> bool:
+        """See :meth:`RequestFlow.start_prefetch`."""
+        return self.flow.start_prefetch(req, max_prefix_len)
+
+    async def admit(self, req: Req, *, mem_quota: int | None = None, wait_load: bool = True,
+                    max_prefix_len: int | None = None) -> AdmitResult:
+        """See :meth:`RequestFlow.admit`."""
+        return await self.flow.admit(req, mem_quota=mem_quota, wait_load=wait_load, max_prefix_len=max_prefix_len)
+
+    def release_req(self, req: Req, is_insert: bool = True) -> None:
+        """See :meth:`RequestFlow.release_req`."""
+        self.flow.release_req(req, is_insert)
+
+    def abort_req(self, req: Req) -> None:
+        """See :meth:`RequestFlow.abort_req`."""
+        self.flow.abort_req(req)
 
     def _free_host(self, indices: torch.Tensor) -> None:
         if indices is not None and indices.numel():
@@ -424,11 +444,25 @@ class HiRadixCache(RequestFlowMixin, RadixCache):
         layer. All or nothing: when the chain exceeds ``mem_quota`` or device memory cannot be
         found, nothing is loaded. Returns ``(new device indices, new deepest device node)``;
         :meth:`ready_to_load_host_cache` hands out the load handles (per-layer counters)."""
+        load = self.start_load_back(params)
+        if load is not None:
+            return load.indices, load.node
+        node = params.node
+        if node is None and params.req is not None:
+            node = params.req.last_host_node
+        if node is None:
+            return self._empty(), self.root_node
+        while node is not self.root_node and node.value is None:
+            node = node.parent
+        return self._empty(), node
+
+    def start_load_back(self, params: InitLoadBackParams) -> LoadBack | None:
+        """:meth:`init_load_back` returning the started load (``None``: nothing loaded)."""
         node = params.node
         if node is None and params.req is not None:
             node = params.req.last_host_node
         if node is None or node is self.root_node or self.disable:
-            return self._empty(), node if node is not None else self.root_node
+            return None
         chain: list[TreeNode] = []
         n = node
         while n is not self.root_node and n.value is None:
@@ -441,11 +475,11 @@ class HiRadixCache(RequestFlowMixin, RadixCache):
             chain = chain[:cut]
             node = chain[-1] if chain else anchor
         if not chain:
-            return self._empty(), anchor
+            return None
         total = sum(len(c.key) for c in chain)
         if total < self.config.load_back_threshold or (params.mem_quota is not None and total > params.mem_quota):
             self.metrics.incr("load_back_skipped")
-            return self._empty(), anchor
+            return None
         self.inc_lock_ref(node)  # keeps the chain on host and the prefix on device meanwhile
         alloc = self.token_to_kv_pool_allocator
         dev = alloc.alloc(total)
@@ -455,7 +489,7 @@ class HiRadixCache(RequestFlowMixin, RadixCache):
         if dev is None:
             self.dec_lock_ref(node)
             self.metrics.incr("load_back_skipped")
-            return self._empty(), anchor
+            return None
         host = torch.cat([c.host_value for c in chain])  # type: ignore[misc]
         off = 0
         for c in chain:
@@ -472,10 +506,10 @@ class HiRadixCache(RequestFlowMixin, RadixCache):
         except Exception:  # noqa: BLE001 - a closed controller: fall back to compute
             logger.exception("load-back could not start")
             self._load_done(gen, load, False)
-            return self._empty(), anchor
+            return None
         self._loads.append(load)
         self._new_handles.append(handle)
-        return dev, node
+        return LoadBack(dev, node, fut, handle)
 
     def _load_done(self, gen: int, load: _Load, ok: bool) -> None:
         if gen != self._generation:  # the tree was reset meanwhile: nothing to update
@@ -564,6 +598,17 @@ class HiRadixCache(RequestFlowMixin, RadixCache):
             return False
         self._prefetching[req_id] = _Prefetch(last_host_node, prefix + tokens, len(prefix), keys, extra_key)
         return True
+
+    def is_prefetching(self, req_id: str) -> bool:
+        """Whether ``req_id`` has a storage prefetch whose pages are not yet in the tree."""
+        return req_id in self._prefetching
+
+    def cancel_prefetch(self, req_id: str) -> None:
+        """Abort ``req_id``'s prefetch, if any: its host pages are freed, its anchor released."""
+        self.controller.abort_prefetch(req_id)
+        state = self._prefetching.pop(req_id, None)
+        if state is not None:
+            self._dec_host_ref(state.anchor)
 
     def _path_tokens(self, node: TreeNode) -> list[int]:
         parts: list[list[int]] = []
@@ -660,9 +705,7 @@ class HiRadixCache(RequestFlowMixin, RadixCache):
     async def aclose(self) -> Any:
         """Close the controller (drains backups, reports what it could not write)."""
         for rid in list(self._prefetching):
-            self.controller.abort_prefetch(rid)
-            state = self._prefetching.pop(rid)
-            self._dec_host_ref(state.anchor)
+            self.cancel_prefetch(rid)
         return await self.controller.aclose()
 
     def sanity_check(self) -> None:

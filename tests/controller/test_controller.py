@@ -170,7 +170,7 @@ async def test_abort_mid_prefetch_leaks_nothing() -> None:
     assert stack.host_pool.available_size() == 64 * PS
     assert all(n.host_ref == 0 and n.lock_ref == 0 for n in cache._nodes())
     assert stack.controller.metrics.counters["prefetch_aborted"] == 1
-    assert stack.controller._inflight_prefetch_tokens == 0
+    assert stack.controller.metrics.snapshot()["gauges"]["prefetch_inflight_tokens"] == 0
     await stack.aclose()
 
 
