@@ -30,6 +30,11 @@ class ControllerConfig:
     storage_max_retries, storage_retry_base_s, storage_retry_max_s: a failed storage write is
         retried with exponential backoff, then reported as failed (never as written).
     storage_io_timeout_s: one storage call that takes longer counts as failed.
+    storage_stall_s: a storage call still unanswered after this long marks the store down
+        (see :mod:`hicache.controller.health`); 0 leaves it to ``storage_io_timeout_s``.
+    storage_health_errors: consecutive failing storage calls that mark the store down.
+    storage_probe_base_s / storage_probe_max_s: while the store is down, a probe runs after
+        this backoff, doubled after each failed probe up to the maximum.
     prefetch_policy: ``best_effort`` (take what arrived), ``wait_complete`` or ``timeout``.
     prefetch_threshold: fewer storage tokens than this are not worth a prefetch.
     max_inflight_prefetch_tokens: rate limit; prefetches beyond it are skipped.
@@ -53,6 +58,10 @@ class ControllerConfig:
     storage_retry_base_s: float = 0.05
     storage_retry_max_s: float = 2.0
     storage_io_timeout_s: float = 30.0
+    storage_stall_s: float = 5.0
+    storage_health_errors: int = 3
+    storage_probe_base_s: float = 1.0
+    storage_probe_max_s: float = 30.0
     prefetch_policy: str = "best_effort"
     prefetch_threshold: int = 256
     prefetch_timeout_base_s: float = 2.0
@@ -77,7 +86,7 @@ class ControllerConfig:
         positive = (
             "backup_queue_size", "backup_batch_pages", "storage_queue_size", "storage_batch_pages",
             "prefetch_batch_pages", "max_inflight_prefetch_tokens", "max_concurrent_prefetches",
-            "write_through_threshold",
+            "write_through_threshold", "storage_health_errors",
         )
         for name in positive:
             if int(getattr(self, name)) <= 0:
@@ -86,7 +95,7 @@ class ControllerConfig:
             "storage_max_retries", "storage_retry_base_s", "storage_retry_max_s", "prefetch_threshold",
             "prefetch_timeout_base_s", "prefetch_timeout_per_ki_token_s", "prefetch_timeout_max_s",
             "cancelled_io_grace_s", "close_timeout_s", "storage_io_timeout_s", "load_back_threshold",
-            "io_thread_nice",
+            "io_thread_nice", "storage_stall_s", "storage_probe_base_s", "storage_probe_max_s",
         )
         for name in non_negative:
             if getattr(self, name) < 0:

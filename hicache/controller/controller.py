@@ -16,6 +16,9 @@ Work and who owns it::
 Storage coroutines run on a private I/O loop thread (:mod:`hicache.controller.io_thread`), so
 whatever a backend does before its first ``await`` never runs on the server's loop.
 
+Whether the store answers is remembered (:mod:`hicache.controller.health`): a store that hangs
+or keeps failing is skipped, for every backend, until a probe finds it back.
+
 Every task is created by :meth:`_spawn` and kept in ``self._tasks`` until it ends; ``aclose()``
 drains the queues (or reports what it could not write), cancels the rest and awaits them all.
 A backend that raises or hangs costs a counter and a log line, never a worker.
@@ -36,6 +39,7 @@ from typing import Any
 import torch
 
 from hicache.controller.config import ControllerConfig
+from hicache.controller.health import HealthState, StorageHealth
 from hicache.controller.io_thread import IoThread
 from hicache.controller.jobs import (
     BackupJob,
@@ -62,6 +66,8 @@ __all__ = ["HiCacheController", "ControllerState"]
 logger = logging.getLogger("hicache.controller")
 
 KV = PoolName.KV.value
+#: the key health probes look up: never written, so a probe only asks the store to answer
+_PROBE_KEY = "hicache-health-probe"
 
 
 class ControllerState(enum.Enum):
@@ -114,6 +120,15 @@ class HiCacheController:
         self._backup_busy: list[BackupJob] = []
         self._free_host: Callable[[torch.Tensor], None] = host_pool.free
         self._prefetcher: Prefetcher | None = None
+        self.health = StorageHealth(
+            errors_to_trip=self.config.storage_health_errors,
+            probe_base_s=self.config.storage_probe_base_s,
+            probe_max_s=self.config.storage_probe_max_s,
+            on_change=self._health_changed,
+            count=self.metrics.incr,
+        )
+        self._calls: set[asyncio.Future[Any]] = set()  # storage calls in flight
+        self._prober: asyncio.Task[None] | None = None
         if storage is not None:
             registered = getattr(storage, "registered_pools", {}).get(KV)
             if registered is None:
@@ -135,6 +150,8 @@ class HiCacheController:
                            lambda: self._prefetcher.inflight_tokens if self._prefetcher else 0)
         self.metrics.gauge("loads_inflight", lambda: len(self._loads))
         self.metrics.gauge("tasks", lambda: len(self._tasks))
+        if storage is not None:
+            self.metrics.gauge("storage_up", lambda: 1.0 if self.health.up else 0.0)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -479,6 +496,9 @@ class HiCacheController:
         prior = job.prior_key
         attempt = 0
         while done < total:
+            if not self.health.up:
+                self.metrics.incr("storage_write_skipped_unhealthy", total - done)
+                return done
             n = min(cfg.storage_batch_pages, total - done)
             keys = job.keys[done : done + n]
             host = job.host_indices[done * ps : (done + n) * ps]
@@ -522,6 +542,9 @@ class HiCacheController:
         memory in the background (see :meth:`Prefetcher.start`). ``None`` when not started."""
         if self._prefetcher is None or not self._accepting():
             return None
+        if not self.health.up:
+            self.metrics.incr("prefetch_skipped_unhealthy")
+            return None
         return self._prefetcher.start(rid, keys, alloc_host=alloc_host, extra=extra)
 
     def prefetch_op(self, rid: str) -> PrefetchOp | None:
@@ -549,23 +572,92 @@ class HiCacheController:
         return await self._io.run(coro)
 
     async def _storage_call(self, coro: Coroutine[Any, Any, Any], what: str) -> Any:
-        """Await a storage call under the I/O timeout; a timeout or an exception is ``None``.
+        """Await a storage call under the health rules and the I/O timeout; ``None`` when it
+        failed, timed out, was interrupted because the store went down, or was not made
+        because the store is down.
 
-        After a timeout the interrupted call may still be touching host pages on a backend
-        thread, so the caller waits ``cancelled_io_grace_s`` before the pages can be reused.
+        After an interruption the call may still be touching host pages on a backend thread,
+        so the caller waits ``cancelled_io_grace_s`` before the pages can be reused.
         """
-        try:
-            async with asyncio.timeout(self.config.storage_io_timeout_s):
-                return await self._on_io(coro)
-        except TimeoutError:
-            self.metrics.incr("storage_timeouts")
-            logger.warning("storage %s timed out after %.1f s", what, self.config.storage_io_timeout_s)
-            await asyncio.sleep(self.config.cancelled_io_grace_s)
+        if not self.health.up:
+            coro.close()
+            self.metrics.incr("storage_calls_skipped")
             return None
+        cfg = self.config
+        errors = self._backend_errors()
+        call = asyncio.ensure_future(self._on_io(coro))
+        self._calls.add(call)
+        try:
+            stall = cfg.storage_stall_s if 0 < cfg.storage_stall_s < cfg.storage_io_timeout_s else 0.0
+            done: set[Any] = set()
+            if stall:
+                done, _ = await asyncio.wait({call}, timeout=stall)
+                if not done:
+                    self.metrics.incr("storage_stalls")
+                    self.health.trip(f"a storage {what} gave no answer within {stall:.1f} s")
+            if not done and not call.done():
+                done, _ = await asyncio.wait({call}, timeout=cfg.storage_io_timeout_s - stall)
+            if not done and not call.done():
+                self.metrics.incr("storage_timeouts")
+                logger.warning("storage %s timed out after %.1f s", what, cfg.storage_io_timeout_s)
+                self.health.trip(f"a storage {what} timed out after {cfg.storage_io_timeout_s:.1f} s")
+                call.cancel()
         except asyncio.CancelledError:
+            call.cancel()
             raise
-        except Exception:  # noqa: BLE001 - the backend's base class guards, but be sure
+        finally:
+            self._calls.discard(call)
+        if call.cancelled() or not call.done():
+            await asyncio.sleep(cfg.cancelled_io_grace_s)
+            return None
+        exc = call.exception()
+        if exc is not None:  # the backend's base class guards, but be sure
             if what != "write":
                 self.metrics.incr("storage_read_failures")
-            logger.exception("storage %s failed", what)
+            logger.error("storage %s failed", what, exc_info=exc)
+            self.health.failed(f"{what} raised {type(exc).__name__}")
             return None
+        if self._backend_errors() > errors:
+            self.health.failed(f"the backend counted an error during a {what}")
+        else:
+            self.health.succeeded()
+        return call.result()
+
+    def _backend_errors(self) -> float:
+        stats = getattr(self.storage, "stats", None)
+        return stats.get("backend_errors") if stats is not None else 0
+
+    # ------------------------------------------------------------------ storage health
+
+    def _health_changed(self, state: HealthState) -> None:
+        """Down: interrupt the calls in flight (they wait for a store that does not answer)
+        and start the prober. Up: the prober has ended by itself."""
+        if state is not HealthState.DOWN:
+            return
+        for call in list(self._calls):
+            call.cancel()
+        if self.state is ControllerState.RUNNING and (self._prober is None or self._prober.done()):
+            self._prober = self._spawn(self._probe_until_up(), "hicache-storage-probe")
+
+    async def _probe_until_up(self) -> None:
+        """Probe the store after each backoff until it answers (or the controller closes)."""
+        assert self.storage is not None
+        cfg = self.config
+        limit = cfg.storage_stall_s if 0 < cfg.storage_stall_s < cfg.storage_io_timeout_s else cfg.storage_io_timeout_s
+        while not self.health.up:
+            await asyncio.sleep(self.health.next_probe_in())
+            self.metrics.incr("storage_probes")
+            errors = self._backend_errors()
+            call = asyncio.ensure_future(self._on_io(self.storage.batch_exists_v2([_PROBE_KEY])))
+            try:
+                done, _ = await asyncio.wait({call}, timeout=limit)
+            except asyncio.CancelledError:
+                call.cancel()
+                raise
+            if not done:
+                call.cancel()
+            ok = bool(done) and not call.cancelled() and call.exception() is None
+            if ok and self._backend_errors() == errors:
+                self.health.probe_passed()
+            else:
+                self.health.probe_failed()

@@ -28,7 +28,7 @@ class LoopBlockingStorage(FaultyStorage):
 
 def make(store: FaultyStorage):  # type: ignore[no-untyped-def]
     cfg = StackConfig(page_size=PS, device_pages=16, host_pages=64, storage_backend=None,
-                      controller=ControllerConfig(prefetch_threshold=PS, storage_io_timeout_s=0.2,
+                      controller=ControllerConfig(prefetch_threshold=PS, storage_io_timeout_s=2.0, storage_stall_s=0,
                                                   cancelled_io_grace_s=0.0, close_timeout_s=0.3))
     return build_stack(cfg, storage=store)
 

@@ -1,0 +1,190 @@
+"""Storage health: a store that hangs or fails is noticed once, skipped, probed and taken back.
+
+The store is the memory backend with a switch the test flips from its own thread (storage calls
+run on the controller's I/O loop thread, so the switch is a plain attribute, polled)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Sequence
+
+from hicache_backends.memory import MemoryStorage
+
+from hicache.controller import ControllerConfig
+from hicache.controller.health import HealthState, StorageHealth
+from hicache.prefix_cache import fast_page_hashes, namespace_seed
+from hicache.replay import StackConfig, build_stack, serve_request
+from hicache.storage import PageKey
+
+PS = 4
+
+
+class SwitchStorage(MemoryStorage):
+    """``mode``: ``"ok"``, ``"hang"`` (every call waits while it stays so) or ``"raise"``."""
+
+    backend_name = "switch-memory"
+
+    def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(*args, **kwargs)
+        self.mode = "ok"
+        self.calls = 0
+
+    async def _gate(self) -> None:
+        self.calls += 1
+        while self.mode == "hang":
+            await asyncio.sleep(0.005)
+        if self.mode == "raise":
+            raise OSError("injected: the store is gone")
+
+    async def _exists(self, pages: Sequence[PageKey]) -> list[bool]:
+        await self._gate()
+        return await super()._exists(pages)
+
+    async def _read(self, pages, buffers):  # type: ignore[no-untyped-def]
+        await self._gate()
+        return await super()._read(pages, buffers)
+
+    async def _write(self, pages, buffers, parents):  # type: ignore[no-untyped-def]
+        await self._gate()
+        return await super()._write(pages, buffers, parents)
+
+
+def make(store: MemoryStorage, **controller: object):  # type: ignore[no-untyped-def]
+    base: dict[str, object] = dict(
+        prefetch_threshold=PS, prefetch_policy="timeout", prefetch_timeout_base_s=0.3,
+        prefetch_timeout_per_ki_token_s=0.0, storage_io_timeout_s=5.0, storage_stall_s=0.15,
+        storage_probe_base_s=0.05, storage_probe_max_s=0.2, storage_retry_base_s=0.001,
+        cancelled_io_grace_s=0.0, close_timeout_s=2.0,
+    )
+    base.update(controller)
+    cfg = StackConfig(page_size=PS, device_pages=64, host_pages=128, storage_backend=None,
+                      controller=ControllerConfig(**base))  # type: ignore[arg-type]
+    return build_stack(cfg, storage=store)
+
+
+async def seed(store_id: str, prompts: list[list[int]]) -> None:
+    """Write the prompts' pages to the shared medium through a well-behaved stack."""
+    w = make(MemoryStorage(store_id=store_id))
+    for i, p in enumerate(prompts):
+        await serve_request(w, p, rid=f"seed-{i}")
+    await w.cache.drain()
+    await w.aclose()
+
+
+def prompt(i: int) -> list[int]:
+    return list(range(1000 * i, 1000 * i + 16 * PS))
+
+
+async def timed(stack, tokens: list[int], rid: str) -> tuple[float, object]:  # type: ignore[no-untyped-def]
+    t0 = time.monotonic()
+    out = await serve_request(stack, tokens, rid=rid)
+    return time.monotonic() - t0, out
+
+
+async def test_a_hanging_store_costs_one_stall_then_requests_skip_it_until_a_probe_passes() -> None:
+    store_id = f"hang-{uuid.uuid4()}"
+    await seed(store_id, [prompt(i) for i in range(8)])
+    store = SwitchStorage(store_id=store_id)
+    stack = make(store)
+    m = stack.controller.metrics
+    try:
+        store.mode = "hang"
+        first, _ = await timed(stack, prompt(0), "r0")
+        assert first < 0.4  # the first request pays at most the stall (0.15 s) or its prefetch timeout
+        await asyncio.sleep(0.05)
+        assert stack.controller.health.state is HealthState.DOWN
+        later = [(await timed(stack, prompt(i), f"r{i}"))[0] for i in range(1, 5)]
+        assert max(later) < 0.15, later  # skipped: no prefetch waits on a store that hangs
+        assert m.counters["prefetch_skipped_unhealthy"] >= 4
+        assert m.counters["storage_trips"] == 1
+        assert m.snapshot()["gauges"]["storage_up"] == 0.0
+        probes = m.counters["storage_probes"]
+        await asyncio.sleep(0.4)
+        assert m.counters["storage_probes"] > probes  # probing with backoff, in the background
+
+        store.mode = "ok"  # the store comes back: a probe finds it, prefetches start again
+        for _ in range(100):
+            if stack.controller.health.up:
+                break
+            await asyncio.sleep(0.02)
+        assert stack.controller.health.up and m.counters["storage_recoveries"] == 1
+        _, out = await timed(stack, prompt(6), "r6")
+        assert out.storage_hit == 16 * PS and out.verify_failures == 0  # type: ignore[attr-defined]
+    finally:
+        store.mode = "ok"
+        await stack.aclose()
+
+
+async def test_a_failing_store_is_skipped_after_a_few_errors_and_writes_end_at_once() -> None:
+    store = SwitchStorage(store_id=f"raise-{uuid.uuid4()}")
+    stack = make(store, storage_health_errors=3, storage_max_retries=3)
+    m = stack.controller.metrics
+    try:
+        store.mode = "raise"
+        for i in range(6):
+            await serve_request(stack, prompt(i), rid=f"w{i}", prefetch=False)
+        t0 = time.monotonic()
+        await asyncio.wait_for(stack.cache.drain(), 2.0)
+        assert time.monotonic() - t0 < 1.0
+        assert stack.controller.health.state is HealthState.DOWN
+        assert m.counters["storage_write_skipped_unhealthy"] > 0
+        calls = store.calls
+        await serve_request(stack, prompt(7), rid="w7", prefetch=False)
+        await stack.cache.drain()
+        # while down, only the probes reach the store
+        assert store.calls - calls <= m.counters["storage_probes"] + 1
+        store.mode = "ok"
+        for _ in range(100):
+            if stack.controller.health.up:
+                break
+            await asyncio.sleep(0.02)
+        assert stack.controller.health.up
+        # a later hit offers the pages that were not written again
+        await serve_request(stack, prompt(7), rid="w7b", prefetch=False)
+        await stack.cache.drain()
+        keys = fast_page_hashes(prompt(7), PS, namespace_seed(None))
+        assert all(await store.exists_pages(keys))
+    finally:
+        store.mode = "ok"
+        await stack.aclose()
+
+
+async def test_drain_returns_in_bounded_time_while_the_store_hangs() -> None:
+    store = SwitchStorage(store_id=f"drain-{uuid.uuid4()}")
+    stack = make(store, storage_io_timeout_s=30.0, storage_stall_s=0.2)
+    try:
+        store.mode = "hang"
+        for i in range(8):
+            await serve_request(stack, prompt(i), rid=f"d{i}", prefetch=False)
+        t0 = time.monotonic()
+        await asyncio.wait_for(stack.cache.drain(), 5.0)
+        assert time.monotonic() - t0 < 1.5  # one stall, not 8 jobs x retries x 30 s
+        t0 = time.monotonic()
+        report = await stack.aclose()
+        assert time.monotonic() - t0 < 1.5 and report.drained
+    finally:
+        store.mode = "ok"
+
+
+def test_health_state_machine_backoff() -> None:
+    now = [0.0]
+    seen: list[HealthState] = []
+    h = StorageHealth(errors_to_trip=2, probe_base_s=0.5, probe_max_s=2.0, on_change=seen.append,
+                      clock=lambda: now[0])
+    h.failed("x")
+    h.succeeded()
+    h.failed("x")
+    assert h.up  # not consecutive
+    h.failed("x")
+    assert not h.up and seen == [HealthState.DOWN] and h.next_probe_in() == 0.5
+    h.probe_failed()
+    h.probe_failed()
+    h.probe_failed()
+    assert h.next_probe_in() == 2.0
+    now[0] = 3.0
+    h.probe_passed()
+    assert h.up and seen == [HealthState.DOWN, HealthState.UP] and h.consecutive_errors == 0
+    h.trip("hang")
+    assert h.next_probe_in() == 0.5  # the backoff starts over
