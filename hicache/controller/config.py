@@ -26,7 +26,8 @@ class ControllerConfig:
         ``write_through_selective`` once a node was hit ``write_through_threshold`` times,
         ``write_back`` only when the device copy is evicted.
     backup_queue_size / storage_queue_size: bounded queues; a full queue refuses new work
-        (counted as ``backup_rejected``) instead of growing without limit.
+        (counted as ``backup_rejected``; the cache defers such a backup and starts it later)
+        instead of growing without limit.
     storage_max_retries, storage_retry_base_s, storage_retry_max_s: a failed storage write is
         retried with exponential backoff, then reported as failed (never as written).
     storage_io_timeout_s: one storage call that takes longer counts as failed.

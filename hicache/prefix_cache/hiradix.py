@@ -16,6 +16,9 @@ Tier rules kept here:
   (O(log n) per victim) instead of walking the tree. Every change that can make a node a
   candidate notes it: ``_note`` is called on device slots added or dropped, locks and host
   protections released, copies finished, host pages attached and children deleted.
+* Backups never drop committed KV for want of host room: a backup that finds no host page (even
+  after host eviction) or a full queue is *deferred* and started as host pages free up, and
+  host copies that device and storage both hold are shed to make room (``_shed_host_copies``).
 * Storage writes follow the tree from the root: a node is written only once its parent is in
   storage, because a page whose parent is missing can never be found by a prefix lookup.
 * A match walks through host-only nodes: the device hit, the host hit, and the anchor where a
@@ -140,6 +143,11 @@ class HiRadixCache(RadixCache):
         self._prefetching = {}
         self._loads = []
         self._new_handles = []
+        #: device nodes whose backup found no host room or a full queue, oldest first
+        self._deferred: dict[TreeNode, None] = {}
+        #: device nodes whose host copy became redundant (storage holds it too), oldest first
+        self._sheddable: dict[TreeNode, None] = {}
+        self._prune_at = 1024
         super().reset()
         #: host-only leaves, least recently used first
         self._host_index = EvictionIndex(self._host_evictable, eviction_key("lru"))
@@ -223,7 +231,43 @@ class HiRadixCache(RadixCache):
         if host is None:
             self.evict_host(num_tokens - self.host_pool.available_size())
             host = self.host_pool.alloc(num_tokens)
+        if host is None:
+            self._shed_host_copies(num_tokens - self.host_pool.available_size())
+            host = self.host_pool.alloc(num_tokens)
         return host
+
+    def _sheds(self, node: TreeNode) -> bool:
+        """May ``node``'s host copy go? Only when the device and storage hold every page too,
+        and nothing reads it (a load-back locks its node) or writes it."""
+        return (
+            node.tree is self.root_node.tree
+            and node.value is not None
+            and node.host_value is not None
+            and node.on_storage
+            and node.lock_ref == 0
+            and node.host_ref == 0
+            and node.backup_op is None
+            and node.storage_op is None
+        )
+
+    def _shed_host_copies(self, num_tokens: int) -> int:
+        """Free host copies that are redundant (device and storage hold the pages), oldest
+        first; returns tokens freed. The nodes stay, on device."""
+        freed = 0
+        while freed < num_tokens and self._sheddable:
+            node = next(iter(self._sheddable))
+            del self._sheddable[node]
+            if not self._sheds(node):
+                continue
+            host = node.host_value
+            assert host is not None
+            node.host_value = None
+            self._free_host(host)
+            self._note(node)
+            freed += int(host.numel())
+        if freed:
+            self.metrics.incr("host_copies_shed_tokens", freed)
+        return freed
 
     def _alloc_host_upto(self, max_tokens: int) -> torch.Tensor | None:
         """Up to ``max_tokens`` host slots (whole pages), evicting host leaves for room."""
@@ -296,7 +340,7 @@ class HiRadixCache(RadixCache):
             return False
         host = self._alloc_host(len(node.key))
         if host is None:
-            self.metrics.incr("backup_rejected")
+            self._defer_backup(node)
             return False
         op = object()
         node.host_value = host
@@ -308,8 +352,31 @@ class HiRadixCache(RadixCache):
             node.backup_op = None
             self.dec_lock_ref(node)
             self._free_host(host)
+            self._defer_backup(node)
             return False
+        self._deferred.pop(node, None)
         return True
+
+    def _defer_backup(self, node: TreeNode) -> None:
+        """Backpressure: remember a backup that found no room, to start it when room frees up
+        (:meth:`_retry_deferred`) instead of dropping committed KV."""
+        if node not in self._deferred:
+            self._deferred[node] = None
+            self.metrics.incr("backup_deferred")
+
+    def _retry_deferred(self) -> int:
+        """Start deferred backups, oldest first, until one finds no room; returns how many
+        started. Nodes that left the device (or the tree) meanwhile are dropped from the list."""
+        started = 0
+        while self._deferred:
+            node = next(iter(self._deferred))
+            if node.tree is not self.root_node.tree or node.value is None or node.host_value is not None:
+                del self._deferred[node]
+                continue
+            if node.backup_op is not None or not self._backup(node):
+                break
+            started += 1
+        return started
 
     def _backup_done(self, gen: int, node: TreeNode, op: object, ok: bool) -> None:
         if gen != self._generation:
@@ -324,6 +391,7 @@ class HiRadixCache(RadixCache):
         if ok:
             for n in chain:
                 self._maybe_write_storage(n)
+        self._retry_deferred()
 
     def write_backup(self, node: TreeNode) -> bool:
         """Back ``node`` up to host now, whatever the policy (SGLang's name)."""
@@ -379,8 +447,22 @@ class HiRadixCache(RadixCache):
             take = min(remaining, len(n.hash_value) - n.storage_pages)
             n.storage_pages += take
             remaining -= take
+            if n.on_storage and n.value is not None:
+                self._sheddable[n] = None
         if node.on_storage and node.parent is not None:
             self._maybe_write_storage(node)
+        if len(self._sheddable) + len(self._deferred) > self._prune_at:
+            self._prune_lists()
+        self._retry_deferred()
+
+    def _prune_lists(self) -> None:
+        """Forget listed nodes that left the tree or the device (amortized: the limit doubles
+        with what stays), so the lists never hold more than about twice the live nodes."""
+        live = self.root_node.tree
+        for d in (self._sheddable, self._deferred):
+            for n in [n for n in d if n.parent is None or n.tree is not live or n.value is None]:
+                del d[n]
+        self._prune_at = max(1024, 2 * (len(self._sheddable) + len(self._deferred)))
 
     # ------------------------------------------------------------------ device eviction
 
@@ -392,7 +474,7 @@ class HiRadixCache(RadixCache):
             return n
         if node.backup_op is not None or node.host_ref:
             return 0  # a copy in flight, or a prefetch anchor: keep the node
-        if self.write_policy == "write_back" and self._backup(node):
+        if (self.write_policy == "write_back" or node in self._deferred) and self._backup(node):
             return 0  # freed by a later eviction once the copy is done
         # no host copy and none possible (write-through refused, or no host room): drop it
         if node.children:
@@ -695,8 +777,12 @@ class HiRadixCache(RadixCache):
     # ------------------------------------------------------------------ lifecycle
 
     async def drain(self) -> None:
-        """Wait for every queued copy (device->host, host->storage, loads) to complete."""
-        await self.controller.drain()
+        """Wait for every queued copy (device->host, host->storage, loads) to complete, and
+        for the deferred backups that room freed by those copies lets start."""
+        while True:
+            await self.controller.drain()
+            if not self._retry_deferred():
+                return
 
     async def drain_backups(self) -> None:
         """Wait for the device->host copies and loads only (storage writes may go on)."""
