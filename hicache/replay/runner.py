@@ -163,7 +163,7 @@ async def replay_requests(
         "transfer_seconds": snap["seconds"],
         "failures": {k: counters[k] for k in (
             "backup_failures", "load_failures", "storage_write_failures", "storage_read_failures",
-            "storage_timeouts", "backup_rejected", "backup_deferred", "storage_rejected", "worker_errors",
+            "storage_timeouts", "backup_rejected", "storage_rejected", "worker_errors",
         )},
         "unwritten_on_close": report.unwritten_pages,
         "wall_time_s": round(wall, 3),
