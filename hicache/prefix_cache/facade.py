@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 import torch
@@ -45,13 +46,28 @@ class AdmitResult:
 
 @dataclasses.dataclass
 class LoadBack:
-    """A started host->device load of a matched prefix: the device slots it fills, the node
-    now deepest on device, the completion future (``None`` off a loop) and the engine's handle."""
+    """A host->device load of a matched prefix: the device slots it fills, the node now
+    deepest on device, the completion future (``None`` off a loop) and the engine's handle.
+    One that could not start for want of device memory has no slots and says how many
+    tokens it needed (``lacking``)."""
 
     indices: torch.Tensor
     node: Any
     done: asyncio.Future[bool] | None = None
     handle: Any = None
+    lacking: int = 0
+
+    @property
+    def started(self) -> bool:
+        return self.lacking == 0 and self.indices.numel() > 0
+
+
+#: ``make_room(tokens) -> bool``: free that many device slots, waiting if need be
+MakeRoom = Callable[[int], Awaitable[bool]]
+
+#: how often admit makes room and tries a load-back again (another turn may take the room
+#: while it waits; each try re-matches, so what it loads is always what the tree holds then)
+LOAD_BACK_TRIES = 4
 
 
 class FlowHost(Protocol):
@@ -73,6 +89,7 @@ class FlowHost(Protocol):
     def inc_lock_ref(self, node: Any) -> IncLockRefResult: ...
     def dec_lock_ref(self, node: Any) -> DecLockRefResult: ...
     def cache_finished_req(self, req: Any, is_insert: bool = True) -> None: ...
+    async def make_device_room(self, num_tokens: int) -> bool: ...
 
 
 class RequestFlow:
@@ -126,7 +143,7 @@ class RequestFlow:
         )
 
     async def admit(self, req: Req, *, mem_quota: int | None = None, wait_load: bool = True,
-                    max_prefix_len: int | None = None) -> AdmitResult:
+                    max_prefix_len: int | None = None, make_room: MakeRoom | None = None) -> AdmitResult:
         """The scheduler picked ``req``: finish its prefetch (as the stop policy allows),
         re-match, load the host part to device (all or nothing) and lock the prefix.
 
@@ -135,48 +152,64 @@ class RequestFlow:
         ``wait_load=False`` the load may still be running: wait on ``result.load_handle``.
         A failed load falls back to the device hit alone. Cancelling ``admit`` releases
         what it locked (the load itself completes and its pages stay in the tree).
+
+        When eviction alone cannot find device slots for the host part, ``make_room`` (default:
+        the cache's ``make_device_room``; the session cache passes one that offloads idle
+        sessions) is awaited and the load tried again on a fresh match, up to
+        :data:`LOAD_BACK_TRIES` times: concurrent turns then take turns with the room instead
+        of recomputing histories that sit on host.
         """
         cache = self.cache
         fetched = await cache.wait_prefetch(req.rid) if cache.is_prefetching(req.rid) else 0
-        m = self.match_req(req, max_prefix_len)
-        while True:
-            # Part of the device hit may be a prefix another request is still loading from
-            # host (its nodes got their device slots when the load started): wait for those
-            # loads before using their slots, then match again (a failed load drops them).
-            pending = cache.loads_in_flight(m.device_indices)
-            if not pending:
-                break
-            await asyncio.wait(pending)
-            m = self.match_req(req, max_prefix_len)
-        device = m.device_hit_length
-        host = m.host_hit_length
-        handle = None
+        room = make_room or cache.make_device_room
+        m = await self._settled_match(req, max_prefix_len)
         node = m.last_device_node
         cache.inc_lock_ref(node)  # hold the device prefix while making room for the load
-        if host:
-            load = cache.start_load_back(InitLoadBackParams(m.last_host_node, host, mem_quota, req))
-            if load is not None:
-                handle = load.handle
-                cache.inc_lock_ref(load.node)
+        load: LoadBack | None = None
+        try:
+            for attempt in range(LOAD_BACK_TRIES):
+                if not m.host_hit_length:
+                    break
+                params = InitLoadBackParams(m.last_host_node, m.host_hit_length, mem_quota, req)
+                load = cache.start_load_back(params)
+                if load is None or load.started or attempt == LOAD_BACK_TRIES - 1:
+                    break
+                if not await room(load.lacking):
+                    break
+                m = await self._settled_match(req, max_prefix_len)  # the tree moved meanwhile
+                cache.inc_lock_ref(m.last_device_node)
                 cache.dec_lock_ref(node)
-                node = load.node
-                req.prefix_indices = torch.cat([m.device_indices, load.indices.to(m.device_indices.device)])
-                host = int(load.indices.numel())
-                if wait_load and load.done is not None:
-                    try:
-                        ok = await asyncio.shield(load.done)
-                    except asyncio.CancelledError:
-                        cache.dec_lock_ref(node)  # the request is gone: nothing stays locked
-                        self.matched.discard(req.rid)
-                        req.last_node = None
-                        raise
-                    if not ok:
-                        cache.inc_lock_ref(m.last_device_node)
-                        cache.dec_lock_ref(node)
-                        node, host, handle = m.last_device_node, 0, None
-                        req.prefix_indices = m.device_indices
-            else:
-                host = 0
+                node = m.last_device_node
+        except asyncio.CancelledError:
+            cache.dec_lock_ref(node)  # the request is gone: nothing stays locked
+            self.matched.discard(req.rid)
+            req.last_node = None
+            raise
+        device = m.device_hit_length
+        host = 0
+        handle = None
+        if load is not None and load.started:
+            handle = load.handle
+            cache.inc_lock_ref(load.node)
+            cache.dec_lock_ref(node)
+            node = load.node
+            req.prefix_indices = torch.cat([m.device_indices, load.indices.to(m.device_indices.device)])
+            host = int(load.indices.numel())
+            if wait_load and load.done is not None:
+                try:
+                    ok = await asyncio.shield(load.done)
+                except asyncio.CancelledError:
+                    cache.dec_lock_ref(node)  # the request is gone: nothing stays locked
+                    self.matched.discard(req.rid)
+                    req.last_node = None
+                    raise
+                if not ok:
+                    cache.inc_lock_ref(m.last_device_node)
+                    cache.dec_lock_ref(node)
+                    node, host, handle = m.last_device_node, 0, None
+                    req.prefix_indices = m.device_indices
+        elif load is not None:
+            cache.metrics.incr("load_back_skipped")
         self.matched.discard(req.rid)
         self.admitted[req.rid] = req
         storage = min(fetched, host)
@@ -193,6 +226,18 @@ class RequestFlow:
         metrics.hit("host", host - storage)
         metrics.hit("storage", storage)
         return AdmitResult(device, host - storage, storage, req.cache_protected_len, handle)
+
+    async def _settled_match(self, req: Req, max_prefix_len: int | None) -> MatchResult:
+        """Match, waiting first for loads that still write into the device hit: another
+        request's load gives its nodes their device slots when it *starts*, so their KV is
+        valid only once it ends (a failed load drops them; the match after shows that)."""
+        m = self.match_req(req, max_prefix_len)
+        while True:
+            pending = self.cache.loads_in_flight(m.device_indices)
+            if not pending:
+                return m
+            await asyncio.wait(pending)
+            m = self.match_req(req, max_prefix_len)
 
     def release_req(self, req: Req, is_insert: bool = True) -> None:
         """:meth:`cache_finished_req`, then give the request's ``req_to_token`` slot back."""

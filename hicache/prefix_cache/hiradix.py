@@ -45,7 +45,7 @@ import torch
 
 from hicache.controller.controller import HiCacheController
 from hicache.controller.jobs import PrefetchResult, StorageWriteJob
-from hicache.prefix_cache.facade import AdmitResult, LoadBack, RequestFlow
+from hicache.prefix_cache.facade import AdmitResult, LoadBack, MakeRoom, RequestFlow
 from hicache.prefix_cache.eviction_index import EvictionIndex
 from hicache.prefix_cache.hashing import fast_page_hashes, namespace_seed
 from hicache.prefix_cache.node import TreeNode
@@ -144,7 +144,7 @@ class HiRadixCache(RadixCache):
         self._loads = []
         self._new_handles = []
         #: device nodes whose backup found no host room or a full queue, oldest first
-        self._deferred: dict[TreeNode, None] = {}
+        self._deferred: dict[TreeNode, bool] = {}  # node -> keep it on device meanwhile
         #: device nodes whose host copy became redundant (storage holds it too), oldest first
         self._sheddable: dict[TreeNode, None] = {}
         self._prune_at = 1024
@@ -178,9 +178,10 @@ class HiRadixCache(RadixCache):
         return self.flow.start_prefetch(req, max_prefix_len)
 
     async def admit(self, req: Req, *, mem_quota: int | None = None, wait_load: bool = True,
-                    max_prefix_len: int | None = None) -> AdmitResult:
+                    max_prefix_len: int | None = None, make_room: MakeRoom | None = None) -> AdmitResult:
         """See :meth:`RequestFlow.admit`."""
-        return await self.flow.admit(req, mem_quota=mem_quota, wait_load=wait_load, max_prefix_len=max_prefix_len)
+        return await self.flow.admit(req, mem_quota=mem_quota, wait_load=wait_load,
+                                     max_prefix_len=max_prefix_len, make_room=make_room)
 
     def release_req(self, req: Req, is_insert: bool = True) -> None:
         """See :meth:`RequestFlow.release_req`."""
@@ -333,14 +334,16 @@ class HiRadixCache(RadixCache):
         chain.reverse()
         return chain
 
-    def _backup(self, node: TreeNode) -> bool:
+    def _backup(self, node: TreeNode, keep: bool = False) -> bool:
         """Start copying ``node``'s device pages to host; the node stays locked until the
-        copy completes, so its device slots cannot be freed or reused mid-copy."""
+        copy completes, so its device slots cannot be freed or reused mid-copy. Without room
+        the backup is deferred; with ``keep`` device eviction keeps the node until it starts
+        (KV that must not be lost, such as a session's handed-over history)."""
         if node.value is None or node.host_value is not None or node.backup_op is not None:
             return False
         host = self._alloc_host(len(node.key))
         if host is None:
-            self._defer_backup(node)
+            self._defer_backup(node, keep)
             return False
         op = object()
         node.host_value = host
@@ -352,17 +355,23 @@ class HiRadixCache(RadixCache):
             node.backup_op = None
             self.dec_lock_ref(node)
             self._free_host(host)
-            self._defer_backup(node)
+            self._defer_backup(node, keep)
             return False
         self._deferred.pop(node, None)
         return True
 
-    def _defer_backup(self, node: TreeNode) -> None:
+    def release_backup(self, node: TreeNode) -> None:
+        """Stop keeping ``node`` on device for its backup (the caller gave up waiting for host
+        room); the backup stays deferred, as a best effort."""
+        if node in self._deferred:
+            self._deferred[node] = False
+
+    def _defer_backup(self, node: TreeNode, keep: bool) -> None:
         """Backpressure: remember a backup that found no room, to start it when room frees up
         (:meth:`_retry_deferred`) instead of dropping committed KV."""
         if node not in self._deferred:
-            self._deferred[node] = None
             self.metrics.incr("backup_deferred")
+        self._deferred[node] = keep or self._deferred.get(node, False)
 
     def _retry_deferred(self) -> int:
         """Start deferred backups, oldest first, until one finds no room; returns how many
@@ -373,7 +382,7 @@ class HiRadixCache(RadixCache):
             if node.tree is not self.root_node.tree or node.value is None or node.host_value is not None:
                 del self._deferred[node]
                 continue
-            if node.backup_op is not None or not self._backup(node):
+            if node.backup_op is not None or not self._backup(node, self._deferred[node]):
                 break
             started += 1
         return started
@@ -394,8 +403,9 @@ class HiRadixCache(RadixCache):
         self._retry_deferred()
 
     def write_backup(self, node: TreeNode) -> bool:
-        """Back ``node`` up to host now, whatever the policy (SGLang's name)."""
-        return self._backup(node)
+        """Back ``node`` up to host now, whatever the policy (SGLang's name). Until the copy
+        has started, device eviction keeps the node: the caller needs the KV written."""
+        return self._backup(node, keep=True)
 
     # ------------------------------------------------------------------ host -> storage
 
@@ -476,6 +486,8 @@ class HiRadixCache(RadixCache):
             return 0  # a copy in flight, or a prefetch anchor: keep the node
         if (self.write_policy == "write_back" or node in self._deferred) and self._backup(node):
             return 0  # freed by a later eviction once the copy is done
+        if self._deferred.get(node):
+            return 0  # KV that must be written waits on device for host room
         # no host copy and none possible (write-through refused, or no host room): drop it
         if node.children:
             if not all(self._host_evictable(c) or self._droppable(c) for c in node.children.values()):
@@ -505,6 +517,15 @@ class HiRadixCache(RadixCache):
             node.host_value = None
         self._delete_leaf(node)
 
+    async def make_device_room(self, num_tokens: int) -> bool:
+        """Free device slots until ``num_tokens`` are available, waiting for backups that pin
+        pages; whether they are."""
+        alloc = self.token_to_kv_pool_allocator
+        short = num_tokens - alloc.available_size()
+        if short > 0:
+            await self.evict_async(short)
+        return alloc.available_size() >= num_tokens
+
     async def evict_async(self, params: EvictParams | int) -> EvictResult:
         """:meth:`evict`, waiting for write-back copies so their device pages can go too."""
         need = params if isinstance(params, int) else params.num_tokens
@@ -512,8 +533,16 @@ class HiRadixCache(RadixCache):
         for _ in range(3):
             if freed >= need:
                 break
+            self._retry_deferred()  # kept nodes go once their host copy exists
             await self.controller.drain_backups()  # not the storage writes behind them
             got = self.evict(need - freed).num_tokens_evicted
+            if got == 0 and any(self._deferred.values()) and self.controller.has_storage:
+                # KV kept on device waits for host room, which storage writes free (redundant
+                # host copies are shed once written); their time is bounded by storage health
+                await self.controller.drain()
+                self._retry_deferred()
+                await self.controller.drain_backups()
+                got = self.evict(need - freed).num_tokens_evicted
             if got == 0:
                 break
             freed += got
@@ -527,8 +556,10 @@ class HiRadixCache(RadixCache):
         found, nothing is loaded. Returns ``(new device indices, new deepest device node)``;
         :meth:`ready_to_load_host_cache` hands out the load handles (per-layer counters)."""
         load = self.start_load_back(params)
-        if load is not None:
+        if load is not None and load.started:
             return load.indices, load.node
+        if load is not None:
+            self.metrics.incr("load_back_skipped")
         node = params.node
         if node is None and params.req is not None:
             node = params.req.last_host_node
@@ -539,7 +570,10 @@ class HiRadixCache(RadixCache):
         return self._empty(), node
 
     def start_load_back(self, params: InitLoadBackParams) -> LoadBack | None:
-        """:meth:`init_load_back` returning the started load (``None``: nothing loaded)."""
+        """:meth:`init_load_back` returning the started load; ``None`` when there is nothing
+        to load (or it is below the threshold, or over the quota). When device memory cannot be
+        found even by eviction, the result has not started and says how much it lacked
+        (``lacking``): the caller may make room asynchronously and try again."""
         node = params.node
         if node is None and params.req is not None:
             node = params.req.last_host_node
@@ -570,8 +604,7 @@ class HiRadixCache(RadixCache):
             dev = alloc.alloc(total)
         if dev is None:
             self.dec_lock_ref(node)
-            self.metrics.incr("load_back_skipped")
-            return None
+            return LoadBack(self._empty(), anchor, lacking=total)
         host = torch.cat([c.host_value for c in chain])  # type: ignore[misc]
         off = 0
         for c in chain:

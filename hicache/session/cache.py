@@ -298,9 +298,10 @@ class SessionAwareCache(ForwardingCache):
             req.cache_protected_len = int(req.prefix_indices.numel())
             res = TurnAdmit(req.cache_protected_len, 0, 0, req.cache_protected_len)
         else:
-            if m.host_hit_length:
-                await self.ensure_free(m.host_hit_length)
-            r = await inner_admit(req, mem_quota=mem_quota, wait_load=wait_load, max_prefix_len=max_prefix_len)
+            # room for the host part is made inside admit, between its match and its load,
+            # so that no other turn can take it in between (see RequestFlow.admit)
+            r = await inner_admit(req, mem_quota=mem_quota, wait_load=wait_load, max_prefix_len=max_prefix_len,
+                                  make_room=self.ensure_free)
             res = TurnAdmit(r.device_hit, r.host_hit, r.storage_hit, r.prefix_len, r.load_handle)
         slot = self._slot_for(req) if sid is not None else None
         if slot is not None and not slot.admitted:

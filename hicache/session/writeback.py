@@ -33,6 +33,7 @@ class _Entry:
     tokens: int
     attempts: int = 0  # submissions refused (controller queue or host pool full)
     submits: int = 0  # submissions accepted (a failed copy is submitted again)
+    started: bool = False  # every node's copy was seen started (in flight or done)
 
 
 class WriteBackQueue:
@@ -73,18 +74,12 @@ class WriteBackQueue:
         self.pump()
 
     def pump(self, *, count_refusals: bool = False) -> None:
-        """Start the copies that can start; drop entries that are finished. Entries are tried
-        oldest first; after the first refusal the rest wait for the next pump (the controller
-        is full). A refusal counts against an entry only with ``count_refusals`` (after the
-        controller drained, when it is no longer mere backpressure)."""
-        blocked = False
-        keep: list[_Entry] = []
-        for e in self._entries:
-            alive, refused = self._advance(e, submit=not blocked, count_refusals=count_refusals)
-            blocked = blocked or refused
-            if alive:
-                keep.append(e)
-        self._entries = keep
+        """Start the copies that can start; drop entries that are finished. Every entry is
+        offered, oldest first, even after a refusal: the tree defers a refused backup and
+        keeps the node on device until it starts (``write_backup``), so offering it is what
+        protects the KV. A refusal counts against an entry only with ``count_refusals``
+        (after the controller drained, when it is no longer mere backpressure)."""
+        self._entries = [e for e in self._entries if self._advance(e, count_refusals=count_refusals)]
 
     def discard_all(self) -> None:
         """Forget every entry (the tree was reset)."""
@@ -99,38 +94,42 @@ class WriteBackQueue:
             node = node.parent
         return path if node is root else []
 
-    def _advance(self, e: _Entry, *, submit: bool, count_refusals: bool) -> tuple[bool, bool]:
-        """Move ``e`` on; returns (still needs watching, a submission was refused)."""
+    def _advance(self, e: _Entry, *, count_refusals: bool) -> bool:
+        """Move ``e`` on; returns whether it still needs watching."""
         path = self._path(e.leaf)
         if not path:
+            if e.started:  # copied, then evicted from host by the tree's rules before we looked
+                self._count("writeback_done", 1)
+                return False
             self._count("writeback_lost", 1)  # evicted without a host copy (or tree reset)
             logger.debug("session %s: write-back path left the tree before its backup", e.session_id)
-            return False, False
+            return False
         todo = [n for n in path if n.host_value is None and n.backup_op is None and n.value is not None]
         in_flight = any(n.backup_op is not None for n in path)
         if not todo:
             if in_flight:
-                return True, False
+                e.started = True  # a node being copied is locked until the copy is done
+                return True
             self._count("writeback_done", 1)
-            return False, False
+            return False
         if e.attempts >= self._max_attempts or e.submits > 4 * self._max_attempts:
             self._count("writeback_dropped", 1)
             logger.warning("session %s: giving up the write-back of %d token(s) after %d refusals",
                            e.session_id, e.tokens, e.attempts)
-            return False, False
-        if not submit:
-            return True, False
+            release = getattr(self._tree, "release_backup", None)
+            for node in todo if release is not None else ():
+                release(node)  # device eviction may take it now: no host room will come
+            return False
         self._count("writeback_attempts", 1)
         refused = False
         for node in reversed(todo):  # root side first: storage writes follow the tree downwards
-            if not self._tree.write_backup(node):
-                refused = True
-                break
+            refused = not self._tree.write_backup(node) or refused  # a refused one stays deferred
         if refused:
             e.attempts += int(count_refusals)
         else:
             e.submits += 1
-        return True, refused
+            e.started = True
+        return True
 
     async def drain(self) -> None:
         """Wait until every entry finished: copies complete (the tree's controller drains),
