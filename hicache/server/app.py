@@ -8,6 +8,12 @@ Routes:
 - ``GET /metrics`` - Prometheus text: the cache's metrics, then the server's
 - ``GET /health`` - 200 while serving, 503 while draining
 
+Hostile clients: a body is decoded and validated off the event loop when it is large (a 6 MiB
+token list would hold the loop for a second), and anything it cannot be (bad JSON, too deep,
+too-long integers, lone surrogates) is a 400 with one log line. A client that hangs up, queued
+or mid-stream, has its request dropped (:meth:`Scheduler.abandon`): aiohttp does not cancel the
+handler on disconnect, so the handler watches the connection itself while it waits.
+
 The app does not own the cache: whoever created it (``serve``, ``running_server``, a test)
 enters it before and closes it after the app, so the drain order is HTTP -> scheduler -> engine
 -> cache.
@@ -29,7 +35,7 @@ from hicache.engine.model import ModelSpec, TinyTransformer
 from hicache.engine.runner import CacheLike, Engine, GenerateResult
 from hicache.errors import CacheClosedError, HiCacheError
 from hicache.server.metrics import ServerMetrics
-from hicache.server.protocol import GenerateRequest, RequestError, parse_generate, text_of_tokens
+from hicache.server.protocol import GenerateRequest, RequestError, decode_generate, text_of_tokens
 from hicache.server.scheduler import Job, QueueFullError, Scheduler
 
 __all__ = ["ServerState", "STATE", "create_app"]
@@ -51,6 +57,34 @@ class ServerState:
 
 
 STATE: web.AppKey[ServerState] = web.AppKey("hicache_state", ServerState)
+
+#: bodies larger than this are decoded on a worker thread, not on the loop
+OFFLOOP_BODY_BYTES = 64 * 1024
+#: how often a waiting handler checks that its client is still connected
+DISCONNECT_POLL_S = 0.05
+
+
+def _client_gone(request: web.Request) -> bool:
+    transport = request.transport
+    return transport is None or transport.is_closing()
+
+
+async def _wait_for_client(request: web.Request, st: ServerState, job: Job,
+                           waitable: asyncio.Future[Any]) -> bool:
+    """Wait for ``waitable`` while the client stays connected; when it hangs up (or the
+    handler is cancelled) the job is abandoned. Returns whether ``waitable`` is done."""
+    try:
+        while True:
+            done, _ = await asyncio.wait({waitable}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return True
+            if _client_gone(request):
+                logger.info("request %s: the client hung up; dropped", job.request.rid)
+                st.scheduler.abandon(job)
+                return False
+    except asyncio.CancelledError:
+        st.scheduler.abandon(job)
+        raise
 
 
 def _error(status: int, message: str, **headers: str) -> web.Response:
@@ -83,25 +117,25 @@ async def _generate(request: web.Request) -> web.StreamResponse:
     if st.draining:
         return _error(503, "the server is shutting down", **{"Retry-After": "1"})
     try:
-        body = await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        st.metrics.requests["bad_request"] += 1
-        return _error(400, "the body is not valid JSON")
-    try:
-        req = parse_generate(
-            body,
-            vocab_size=st.spec.vocab_size,
-            max_context_len=min(st.config.device.max_context_len, st.spec.max_positions),
-            default_max_new_tokens=st.config.server.max_new_tokens,
-        )
+        raw = await request.read()
+        limits = dict(vocab_size=st.spec.vocab_size,
+                      max_context_len=min(st.config.device.max_context_len, st.spec.max_positions),
+                      default_max_new_tokens=st.config.server.max_new_tokens)
+        if len(raw) > OFFLOOP_BODY_BYTES:
+            req = await asyncio.get_running_loop().run_in_executor(None, lambda: decode_generate(raw, **limits))
+        else:
+            req = decode_generate(raw, **limits)
     except RequestError as exc:
         st.metrics.requests["bad_request"] += 1
+        logger.info("bad request from %s: %s", request.remote, exc)
         return _error(400, str(exc))
     if req.stream:
         return await _generate_stream(request, st, req, arrival)
     try:
         job = st.scheduler.submit(req, arrival=arrival)
-        result = await job.future
+        if not await _wait_for_client(request, st, job, job.future):
+            return _error(499, "client closed the request")
+        result = job.future.result()
     except (HiCacheError, MemoryError, ValueError) as exc:
         status, outcome = _status_of(exc)
         if isinstance(exc, (QueueFullError, CacheClosedError)):
@@ -125,34 +159,50 @@ async def _generate_stream(request: web.Request, st: ServerState, req: GenerateR
         st.metrics.requests["rejected"] += 1
         return _error(503, str(exc), **{"Retry-After": "1"})
     resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+    try:
+        await _stream_tokens(request, st, req, job, tokens, resp)
+    except ConnectionError as exc:  # aiohttp's reset error on a write is one too
+        # the client hung up mid-stream: one line, no traceback, and the work is dropped
+        logger.info("request %s: the client hung up while streaming (%s); dropped", req.rid, type(exc).__name__)
+        st.scheduler.abandon(job)
+    except asyncio.CancelledError:
+        st.scheduler.abandon(job)
+        raise
+    return resp
+
+
+async def _stream_tokens(request: web.Request, st: ServerState, req: GenerateRequest, job: Job,
+                         tokens: asyncio.Queue[int], resp: web.StreamResponse) -> None:
     await resp.prepare(request)
     index = 0
-    getter: asyncio.Task[int] | None = None
-    try:
-        while True:
-            getter = asyncio.ensure_future(tokens.get())
-            await asyncio.wait([getter, job.future], return_when=asyncio.FIRST_COMPLETED)
+    while True:
+        getter = asyncio.ensure_future(tokens.get())
+        try:
+            while not getter.done() and not job.future.done():
+                await asyncio.wait({getter, job.future}, timeout=DISCONNECT_POLL_S, return_when=asyncio.FIRST_COMPLETED)
+                if not getter.done() and not job.future.done() and _client_gone(request):
+                    raise ConnectionResetError("client hung up")
+        finally:
             if not getter.done():
                 getter.cancel()
-                break
-            await resp.write(json.dumps({"token": getter.result(), "index": index}).encode() + b"\n")
-            index += 1
-        while not tokens.empty():  # tokens produced in the same step as completion
-            await resp.write(json.dumps({"token": tokens.get_nowait(), "index": index}).encode() + b"\n")
-            index += 1
-        try:
-            result = job.future.result()
-            line: dict[str, Any] = {"done": True, **_payload(req, result, job)}
-            if job.reference is not None:
-                st.metrics.reference_checks["match" if job.reference == result.tokens else "mismatch"] += 1
-        except Exception as exc:
-            line = {"done": True, "error": str(exc) or type(exc).__name__}
-        await resp.write(json.dumps(line).encode() + b"\n")
-    finally:
-        if getter is not None and not getter.done():
-            getter.cancel()
+        if not getter.done() or getter.cancelled():
+            break
+        await resp.write(json.dumps({"token": getter.result(), "index": index}).encode() + b"\n")
+        index += 1
+    while not tokens.empty():  # tokens produced in the same step as completion
+        await resp.write(json.dumps({"token": tokens.get_nowait(), "index": index}).encode() + b"\n")
+        index += 1
+    try:
+        result = job.future.result()
+        line: dict[str, Any] = {"done": True, **_payload(req, result, job)}
+        if job.reference is not None:
+            st.metrics.reference_checks["match" if job.reference == result.tokens else "mismatch"] += 1
+    except asyncio.CancelledError:
+        line = {"done": True, "error": "cancelled"}
+    except Exception as exc:
+        line = {"done": True, "error": str(exc) or type(exc).__name__}
+    await resp.write(json.dumps(line).encode() + b"\n")
     await resp.write_eof()
-    return resp
 
 
 async def _release(request: web.Request) -> web.Response:

@@ -16,13 +16,14 @@ Body::
 
 from __future__ import annotations
 
+import json
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
 from hicache.errors import HiCacheError
 
-__all__ = ["GenerateRequest", "RequestError", "parse_generate", "text_of_tokens", "tokens_of_text"]
+__all__ = ["GenerateRequest", "RequestError", "decode_generate", "parse_generate", "text_of_tokens", "tokens_of_text"]
 
 _KNOWN = {"tokens", "prompt", "max_new_tokens", "session_id", "end_session", "stream", "debug_reference", "rid"}
 
@@ -44,8 +45,30 @@ class GenerateRequest:
 
 
 def tokens_of_text(text: str) -> list[int]:
-    """The byte-level "tokenizer": one token per UTF-8 byte."""
-    return list(text.encode("utf-8"))
+    """The byte-level "tokenizer": one token per UTF-8 byte. Text that has no UTF-8 form (a
+    lone surrogate, which JSON's ``\\ud800`` escapes can carry) is a :class:`RequestError`."""
+    try:
+        return list(text.encode("utf-8"))
+    except UnicodeEncodeError as exc:
+        raise RequestError(f"prompt is not valid Unicode text ({exc.reason} at character {exc.start})") from None
+
+
+def decode_generate(
+    raw: bytes, *, vocab_size: int, max_context_len: int, default_max_new_tokens: int
+) -> GenerateRequest:
+    """Decode and validate a raw body. Every way JSON can be hostile - invalid UTF-8, bad
+    syntax, integers past Python's digit limit, nesting deeper than the recursion limit - is a
+    :class:`RequestError`, never an exception a handler would turn into a 500."""
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise RequestError("the body is not valid JSON") from None
+    except RecursionError:
+        raise RequestError("the body nests too deeply") from None
+    except ValueError as exc:  # e.g. "Exceeds the limit (4300 digits) for integer string conversion"
+        raise RequestError(f"the body has a value JSON decoding refused: {str(exc)[:120]}") from None
+    return parse_generate(body, vocab_size=vocab_size, max_context_len=max_context_len,
+                          default_max_new_tokens=default_max_new_tokens)
 
 
 def text_of_tokens(tokens: list[int]) -> str:
@@ -66,6 +89,10 @@ def _opt_str(body: dict[str, Any], name: str) -> str | None:
         return None
     if not isinstance(value, str) or not value or len(value) > 256:
         raise RequestError(f"{name} must be a non-empty string of at most 256 characters")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise RequestError(f"{name} is not valid Unicode text") from None
     return value
 
 

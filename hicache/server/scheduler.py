@@ -57,6 +57,7 @@ class Job:
     future: asyncio.Future[GenerateResult]
     on_token: Callable[[int], None] | None = None
     reference: list[int] | None = field(default=None)
+    task: asyncio.Task[None] | None = field(default=None, repr=False)  # set once it runs
 
 
 _STOP = object()
@@ -155,6 +156,16 @@ class Scheduler:
         self.metrics.queue_depth = self._queue.qsize()
         return job
 
+    def abandon(self, job: Job) -> None:
+        """The client went away: drop ``job``. A queued job is skipped when its turn comes; a
+        running one is cancelled (the engine aborts the request and frees what it held)."""
+        if job.future.done() and (job.task is None or job.task.done()):
+            return
+        self.metrics.requests["abandoned"] += 1
+        job.future.cancel()
+        if job.task is not None and not job.task.done():
+            job.task.cancel()
+
     # -- internals
     async def _run(self, ready: asyncio.Event) -> None:
         async with asyncio.TaskGroup() as tg:
@@ -170,7 +181,7 @@ class Scheduler:
                 if job.future.done():  # the client went away while queued
                     self._slots.release()
                     continue
-                tg.create_task(self._serve(job), name=f"hicache-req-{job.request.rid}")
+                job.task = tg.create_task(self._serve(job), name=f"hicache-req-{job.request.rid}")
         self._tg = None
 
     async def _serve(self, job: Job) -> None:

@@ -1,0 +1,138 @@
+"""The server against hostile clients: bodies built to break a JSON decoder get a 400 and one
+log line, clients that hang up (queued or mid-stream) have their work dropped, and a huge body
+is decoded off the event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+
+import aiohttp
+import pytest
+
+from server_helpers import small_config
+from hicache.server import running_server
+
+
+def _request(path: str, body: bytes) -> bytes:
+    return (f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+
+
+async def _post_and_hang_up(port: int, body: dict) -> None:  # type: ignore[type-arg]
+    """A client that sends a whole request and closes the connection without reading."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(_request("/v1/generate", json.dumps(body).encode()))
+    await writer.drain()
+    writer.close()
+    await writer.wait_closed()
+
+
+class _Gate:
+    """Wraps the engine's ``generate``: counts the requests generated, holds them until open."""
+
+    def __init__(self, engine) -> None:  # type: ignore[no-untyped-def]
+        self.calls = 0
+        self.open = asyncio.Event()
+        self._generate = engine.generate
+        engine.generate = self
+
+    async def __call__(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        self.calls += 1
+        await self.open.wait()
+        return await self._generate(*args, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "raw, words",
+    [
+        (b'{"tokens": [' + b"9" * 5000 + b"]}", "refused"),
+        (b"[" * 100_000 + b"]" * 100_000, "deep"),
+        (b'{"prompt": "abc\\ud800def"}', "Unicode"),
+        (b'{"tokens": [1], "session_id": "\\udfff"}', "Unicode"),
+        (b"\xff\xfe{}", "JSON"),
+    ],
+    ids=["5000-digit-int", "100k-deep", "lone-surrogate-prompt", "lone-surrogate-session", "not-utf8"],
+)
+async def test_hostile_bodies_are_400_with_one_log_line(raw: bytes, words: str, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO)
+    async with running_server(small_config(), mode="recompute", port=0) as srv, aiohttp.ClientSession() as http:
+        caplog.clear()
+        async with http.post(f"{srv.url}/v1/generate", data=raw, headers={"Content-Type": "application/json"}) as resp:
+            assert resp.status == 400
+            assert words in (await resp.json())["error"]
+        assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR]
+        assert len([r for r in caplog.records if "bad request" in r.getMessage()]) == 1
+        async with http.post(f"{srv.url}/v1/generate", json={"tokens": [1, 2, 3]}) as resp:
+            assert resp.status == 200  # and the server goes on serving
+
+
+async def test_clients_that_hang_up_while_queued_are_not_generated_for() -> None:
+    cfg = small_config(server={"max_batch": 1})
+    async with running_server(cfg, mode="recompute", port=0) as srv, aiohttp.ClientSession() as http:
+        gate = _Gate(srv.state.engine)
+        try:
+            first = asyncio.ensure_future(http.post(f"{srv.url}/v1/generate", json={"tokens": [1, 2, 3]}))
+            for _ in range(100):
+                if gate.calls:
+                    break
+                await asyncio.sleep(0.01)
+            assert gate.calls == 1  # the first request runs (held), the rest queue behind it
+            await asyncio.gather(*(_post_and_hang_up(srv.port, {"tokens": [4, 5, i]}) for i in range(10)))
+            for _ in range(200):
+                if srv.state.metrics.requests["abandoned"] >= 10:
+                    break
+                await asyncio.sleep(0.01)
+            assert srv.state.metrics.requests["abandoned"] == 10
+            gate.open.set()
+            async with await first as resp:
+                assert resp.status == 200
+            async with http.post(f"{srv.url}/v1/generate", json={"tokens": [7, 8]}) as resp:
+                assert resp.status == 200
+        finally:
+            gate.open.set()  # never leave the server draining requests held here
+        assert gate.calls == 2  # nothing was generated for the ten that left
+
+
+async def test_a_streaming_client_that_hangs_up_is_dropped_without_a_traceback(caplog: pytest.LogCaptureFixture) -> None:
+    cfg = small_config(server={"max_batch": 1, "max_new_tokens": 1500})
+    async with running_server(cfg, mode="recompute", port=0) as srv:
+        caplog.clear()
+        reader, writer = await asyncio.open_connection("127.0.0.1", srv.port)
+        body = json.dumps({"tokens": [1, 2, 3], "max_new_tokens": 1500, "stream": True}).encode()
+        writer.write(_request("/v1/generate", body))
+        await writer.drain()
+        await reader.readuntil(b'"index": 0')  # the stream has started
+        writer.close()
+        await writer.wait_closed()
+        for _ in range(300):
+            if srv.state.metrics.requests["abandoned"] and not srv.state.metrics.active:
+                break
+            await asyncio.sleep(0.01)
+        assert srv.state.metrics.requests["abandoned"] == 1
+        assert srv.state.metrics.active == 0  # the generation was cancelled, not run to the end
+        assert srv.state.metrics.generated_tokens == 0  # it never finished
+    assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR]
+
+
+async def test_a_huge_body_is_decoded_off_the_event_loop() -> None:
+    async with running_server(small_config(), mode="recompute", port=0) as srv, aiohttp.ClientSession() as http:
+        big = b'{"tokens": [' + b",".join([b"1"] * 3_000_000) + b"]}"  # 6 MiB
+        reader, writer = await asyncio.open_connection("127.0.0.1", srv.port)
+        writer.write(_request("/v1/generate", big))
+        await writer.drain()
+        order: list[str] = []
+
+        async def big_answer() -> None:
+            await reader.readuntil(b"\r\n\r\n")
+            order.append("big")
+
+        waiter = asyncio.ensure_future(big_answer())
+        await asyncio.sleep(0.05)  # the server is decoding the big body now
+        async with http.get(f"{srv.url}/health") as resp:
+            assert resp.status == 200
+            order.append("health")
+        await asyncio.wait_for(waiter, 30)
+        writer.close()
+        assert order == ["health", "big"]  # /health did not wait for the decode
