@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from hicache.config.budget import check_memory, memory_needs, system_memory_bytes
 from hicache.controller.config import ControllerConfig
 from hicache.controller.controller import HiCacheController
 from hicache.errors import ConfigError
@@ -228,6 +229,12 @@ def stack_config_from(config: Any) -> StackConfig:
     host_pages = (h.size_bytes // probe.page_nbytes) if h.size_bytes else int(device_pages * h.ratio)
     if host_pages <= 0:
         raise ConfigError(f"host: {h.size_bytes} bytes hold no page of {probe.page_nbytes} bytes")
+    on_host = not device.startswith("cuda")
+    check_memory(
+        memory_needs(config, page_nbytes=probe.page_nbytes, host_pages=host_pages, device_is_host=on_host),
+        host_bytes=system_memory_bytes(),
+        device_bytes=None if on_host else int(torch.cuda.mem_get_info(torch.device(device))[1]),
+    )
     return dataclasses.replace(
         probe,
         device=device,

@@ -8,14 +8,24 @@ not matter, values are parsed as JSON when they parse, else taken as strings)::
     HICACHE__STORAGE__BACKEND=s3
     HICACHE__STORAGE__OPTIONS__URL=s3://bucket/prefix
 
+A value is parsed as JSON unless the field it sets is a string field (``HICACHE__MODEL__REVISION=2024``
+is the string ``"2024"``). A variable that sets a field and another that sets a field *inside*
+it (``..__PAGE_SIZE`` and ``..__PAGE_SIZE__X``) is an error whatever their order. Storage options
+from the environment that the configured backend does not take are dropped with a warning (one
+global ``HICACHE__STORAGE__OPTIONS__ROOT`` must not break a config whose backend has no root);
+in a file they stay errors.
+
 Every problem becomes one :class:`~hicache.errors.ConfigError` listing each bad field by its
-dotted path, with what was given and what is allowed.
+dotted path, with what was given (shortened: an alias bomb must not take minutes to print) and
+what is allowed. A file nested deeper than the parser can follow is an error too.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
+import reprlib
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
@@ -29,7 +39,14 @@ from hicache.errors import BackendLoadError, BackendNotFoundError, ConfigError
 
 __all__ = ["ENV_PREFIX", "load_config", "config_from_dict", "env_overrides", "check_backend"]
 
+logger = logging.getLogger("hicache.config")
+
 ENV_PREFIX = "HICACHE__"
+
+# what an error message shows of a bad value: a few levels, a few items, a short string
+_SHORT = reprlib.Repr()
+_SHORT.maxlevel, _SHORT.maxdict, _SHORT.maxlist, _SHORT.maxtuple, _SHORT.maxset = 3, 6, 6, 6, 6
+_SHORT.maxstring, _SHORT.maxother, _SHORT.maxlong = 80, 80, 40
 
 
 def _read_file(path: Path) -> dict[str, Any]:
@@ -49,34 +66,65 @@ def _read_file(path: Path) -> dict[str, Any]:
             raise ConfigError(f"config file {path}: unknown extension {suffix!r}; use .toml, .json, .yaml or .yml")
     except (tomllib.TOMLDecodeError, json.JSONDecodeError, yaml.YAMLError) as exc:
         raise ConfigError(f"config file {path} is not valid {suffix[1:].upper()}: {exc}") from exc
+    except RecursionError:
+        raise ConfigError(f"config file {path} nests too deeply to be a configuration") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path} must hold a table/object at the top level")
     return data
 
 
-def _parse_env_value(raw: str) -> Any:
+def _parse_env_value(raw: str, as_string: bool) -> Any:
+    if as_string:
+        return raw
     try:
         return json.loads(raw)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError, ValueError):
         return raw
+
+
+def _is_string_field(path: list[str]) -> bool:
+    """Whether ``path`` names a field of the schema typed ``str`` (or ``str | None``)."""
+    model: Any = HiCacheConfig
+    for part in path[:-1]:
+        field = getattr(model, "model_fields", {}).get(part)
+        if field is None:
+            return False
+        args = getattr(field.annotation, "__args__", ())
+        model = next((a for a in (field.annotation, *args) if hasattr(a, "model_fields")), None)
+        if model is None:
+            return False
+    field = getattr(model, "model_fields", {}).get(path[-1])
+    if field is None:
+        return False
+    ann = field.annotation
+    return ann is str or (str in getattr(ann, "__args__", ()) and not any(
+        hasattr(a, "model_fields") for a in getattr(ann, "__args__", ())))
 
 
 def env_overrides(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
     """The nested dict that ``HICACHE__...`` variables describe."""
     environ = os.environ if environ is None else environ
     out: dict[str, Any] = {}
-    for name, raw in environ.items():
+    leaves: dict[tuple[str, ...], str] = {}  # path -> the variable that set it
+    for name, raw in sorted(environ.items()):
         if not name.upper().startswith(ENV_PREFIX):
             continue
         path = [p.lower() for p in name[len(ENV_PREFIX) :].split("__") if p]
         if not path:
             continue
+        for i in range(1, len(path)):
+            if tuple(path[:i]) in leaves:
+                raise ConfigError(f"environment variables {leaves[tuple(path[:i])]} and {name} conflict: "
+                                  f"one sets {'.'.join(path[:i])}, the other a field inside it")
+        inside = next((v for p, v in leaves.items() if len(p) > len(path) and list(p[: len(path)]) == path), None)
+        if inside is not None:
+            raise ConfigError(f"environment variables {name} and {inside} conflict: "
+                              f"one sets {'.'.join(path)}, the other a field inside it")
         node = out
         for part in path[:-1]:
             node = node.setdefault(part, {})
-            if not isinstance(node, dict):
-                raise ConfigError(f"environment variable {name} conflicts with another override")
-        node[path[-1]] = _parse_env_value(raw)
+        node[path[-1]] = _parse_env_value(raw, _is_string_field(path))
+        leaves[tuple(path)] = name
     return out
 
 
@@ -99,7 +147,7 @@ def _format_errors(exc: ValidationError, source: str) -> str:
             parent = _allowed_fields(err["loc"][:-1])
             msg = f"unknown key; allowed here: {', '.join(parent)}" if parent else "unknown key"
         elif "input" in err and err["type"] not in ("missing",):
-            msg = f"{msg} (got {err['input']!r})"
+            msg = f"{msg} (got {_SHORT.repr(err['input'])})"
         lines.append(f"  - {loc}: {msg}")
     return "\n".join(lines)
 
@@ -126,6 +174,8 @@ def config_from_dict(data: Mapping[str, Any], *, source: str = "dict") -> HiCach
         return HiCacheConfig.model_validate(dict(data))
     except ValidationError as exc:
         raise ConfigError(_format_errors(exc, source)) from None
+    except RecursionError:
+        raise ConfigError(f"invalid configuration ({source}): nested too deeply") from None
 
 
 def load_config(
@@ -153,12 +203,38 @@ def load_config(
     if use_env:
         env = env_overrides(environ)
         if env:
+            if check:
+                _drop_foreign_env_options(data, env)
             data = _merge(data, env)
             label += " + HICACHE__ environment"
     config = config_from_dict(data, source=label)
     if check:
         check_backend(config)
     return config
+
+
+def _drop_foreign_env_options(data: Mapping[str, Any], env: dict[str, Any]) -> None:
+    """Remove from ``env`` the storage options the configured backend does not take (and the
+    file did not set): a global override such as ``..__OPTIONS__ROOT`` is meant for the
+    backends that have that option."""
+    options = env.get("storage", {}).get("options") if isinstance(env.get("storage"), dict) else None
+    if not isinstance(options, dict) or not options:
+        return
+    storage = _merge(dict(data.get("storage") or {}) if isinstance(data.get("storage"), Mapping) else {},
+                     {k: v for k, v in env["storage"].items() if k != "options"})
+    name = storage.get("backend", "file")
+    if not isinstance(name, str) or not name:
+        return
+    from hicache.storage.registry import backend_options
+
+    try:
+        allowed = set(backend_options(name)) - {"namespace"}
+    except (BackendNotFoundError, BackendLoadError):
+        return  # check_backend reports the backend itself
+    file_options = storage.get("options") if isinstance(storage.get("options"), Mapping) else {}
+    for key in sorted(set(options) - allowed - set(file_options or {})):
+        logger.warning("ignoring HICACHE__STORAGE__OPTIONS__%s: backend %r has no option %r", key.upper(), name, key)
+        del options[key]
 
 
 def check_backend(config: HiCacheConfig) -> None:

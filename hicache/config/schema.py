@@ -11,7 +11,7 @@ the field and the allowed values. Environment variables override any field, see
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -30,7 +30,12 @@ __all__ = [
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+    # inf and nan are never a size or a time: they reach int() and torch as OverflowError
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, allow_inf_nan=False)
+
+
+#: one dimension of a state shape
+_Dim = Annotated[int, Field(gt=0, le=1 << 31)]
 
 
 class ModelConfig(_Section):
@@ -133,7 +138,9 @@ class ExtraPoolConfig(_Section):
     """An extra state pool of a hybrid model (for example Mamba's recurrent state)."""
 
     name: str = Field("mamba", description="Pool name used in storage (kv is reserved).")
-    state_shapes: dict[str, list[int]] = Field(default_factory=lambda: {"conv": [4, 64], "ssm": [8, 16]})
+    state_shapes: dict[str, Annotated[list[_Dim], Field(min_length=1, max_length=8)]] = Field(
+        default_factory=lambda: {"conv": [4, 64], "ssm": [8, 16]}, min_length=1,
+        description="Per-slot shape of each state; positive dimensions.")
     dtype: Literal["float32", "float16", "bfloat16"] = "float32"
     slots: int = Field(64, gt=0)
     host_slots: int = Field(256, gt=0)
@@ -166,3 +173,11 @@ class HiCacheConfig(_Section):
     session: SessionConfig = Field(default_factory=SessionConfig)
     extra_pools: list[ExtraPoolConfig] = Field(default_factory=list)
     server: ServerConfig = Field(default_factory=ServerConfig)
+
+    @model_validator(mode="after")
+    def _unique_pools(self) -> HiCacheConfig:
+        names = [p.name for p in self.extra_pools]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"extra_pools: pool name(s) {dup} given more than once; each pool needs its own name")
+        return self

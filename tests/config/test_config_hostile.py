@@ -1,0 +1,92 @@
+"""Configs built to break the loader: each is one ConfigError that names the field (and, for
+sizes, the memory it would need), never a raw RuntimeError, OverflowError or RecursionError."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import pytest
+
+from hicache.config import env_overrides, load_config
+from hicache.errors import ConfigError
+from hicache.stack import stack_config_from
+
+
+def _stack(data: dict) -> None:  # type: ignore[type-arg]
+    stack_config_from(load_config(data, environ={}, check=False))
+
+
+@pytest.mark.parametrize(
+    "data, words",
+    [
+        ({"device": {"max_context_len": 10**9}}, r"device\.max_context_len \(1000000000\) needs 476\.8 GiB"),
+        ({"device": {"size_tokens": 16 * 10**10}}, r"device\.size_tokens .* needs .* GiB for the device KV pool"),
+        ({"host": {"ratio": 1e9}}, r"host\.ratio .* needs .* GiB for the host KV pool"),
+        ({"extra_pools": [{"slots": 10**9, "state_shapes": {"s": [1 << 20]}}]}, r"extra_pools\[0\]\.slots"),
+    ],
+)
+def test_absurd_sizes_name_the_field_and_the_memory(data: dict, words: str) -> None:  # type: ignore[type-arg]
+    with pytest.raises(ConfigError, match=words):
+        _stack(data)
+
+
+@pytest.mark.parametrize(
+    "data, words",
+    [
+        ({"host": {"ratio": float("inf")}}, r"host\.ratio: .*finite"),
+        ({"cache": {"prefetch": {"timeout_base_s": float("nan")}}}, r"timeout_base_s: .*finite"),
+        ({"extra_pools": [{"state_shapes": {"conv": [4, -1]}}]}, r"state_shapes\.conv\.1: .*greater than 0"),
+        ({"extra_pools": [{"state_shapes": {"conv": []}}]}, r"state_shapes\.conv"),
+        ({"extra_pools": [{"name": "m"}, {"name": "m"}]}, r"\['m'\] given more than once"),
+    ],
+)
+def test_bad_values_are_field_named_errors(data: dict, words: str) -> None:  # type: ignore[type-arg]
+    with pytest.raises(ConfigError, match=words):
+        load_config(data, environ={}, check=False)
+
+
+def test_deeply_nested_files_are_config_errors(tmp_path: Path) -> None:
+    for name, text in [("deep.json", '{"model": ' + "[" * 100_000 + "]" * 100_000 + "}"),
+                       ("deep.yaml", "model: " + "[" * 3_000 + "]" * 3_000 + "\n")]:
+        (tmp_path / name).write_text(text)
+        with pytest.raises(ConfigError, match="nest"):
+            load_config(tmp_path / name, environ={})
+    with pytest.raises(ConfigError):
+        nested: dict = {}  # type: ignore[type-arg]
+        node = nested
+        for _ in range(3000):
+            node["x"] = {}
+            node = node["x"]
+        load_config({"storage": {"options": nested}, "model": nested}, environ={}, check=False)
+
+
+def test_a_yaml_alias_bomb_is_reported_quickly(tmp_path: Path) -> None:
+    lines = ["a0: &a0 [x, x, x, x, x, x, x, x, x]"]
+    for i in range(1, 9):
+        lines.append(f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 9) + "]")
+    lines.append("model:\n  name: *a8")
+    (tmp_path / "bomb.yaml").write_text("\n".join(lines) + "\n")
+    t0 = time.monotonic()
+    with pytest.raises(ConfigError) as err:
+        load_config(tmp_path / "bomb.yaml", environ={})
+    assert time.monotonic() - t0 < 5  # the message shows a few items, not 9**9
+    assert "model.name" in str(err.value) and len(str(err.value)) < 5000
+
+
+def test_environment_strings_conflicts_and_foreign_options(caplog: pytest.LogCaptureFixture) -> None:
+    cfg = load_config(None, environ={"HICACHE__MODEL__REVISION": "2024"}, check=False)
+    assert cfg.model.revision == "2024"  # a string field takes the text, not the JSON number
+    for order in ([("HICACHE__DEVICE__PAGE_SIZE", "64"), ("HICACHE__DEVICE__PAGE_SIZE__X", "1")],
+                  [("HICACHE__DEVICE__PAGE_SIZE__X", "1"), ("HICACHE__DEVICE__PAGE_SIZE", "64")]):
+        with pytest.raises(ConfigError, match="conflict"):
+            env_overrides(dict(order))
+    caplog.set_level(logging.WARNING)
+    cfg = load_config({"storage": {"backend": "memory"}}, environ={"HICACHE__STORAGE__OPTIONS__ROOT": "/srv/kv"})
+    assert cfg.storage.options == {}
+    assert any("OPTIONS__ROOT" in r.getMessage() for r in caplog.records)
+    cfg = load_config({"storage": {"backend": "file"}}, environ={"HICACHE__STORAGE__OPTIONS__ROOT": "/srv/kv"})
+    assert cfg.storage.options == {"root": "/srv/kv"}  # the backends that have it still get it
+    with pytest.raises(ConfigError, match="no option"):  # in a file it stays an error
+        load_config({"storage": {"backend": "memory", "options": {"root": "/x"}}}, environ={})
