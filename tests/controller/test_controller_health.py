@@ -6,9 +6,10 @@ run on the controller's I/O loop thread, so the switch is a plain attribute, pol
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 
 from hicache_backends.memory import MemoryStorage
 
@@ -17,6 +18,7 @@ from hicache.controller.health import HealthState, StorageHealth
 from hicache.prefix_cache import fast_page_hashes, namespace_seed
 from hicache.replay import StackConfig, build_stack, serve_request
 from hicache.storage import PageKey
+from hicache.testing import eventually
 
 PS = 4
 
@@ -64,6 +66,18 @@ def make(store: MemoryStorage, **controller: object):  # type: ignore[no-untyped
     return build_stack(cfg, storage=store)
 
 
+@contextlib.asynccontextmanager
+async def switched(store_id: str | None = None, **controller: object) -> AsyncIterator[tuple[SwitchStorage, object]]:
+    """A stack over a :class:`SwitchStorage`; on exit the store answers again and the stack closes."""
+    store = SwitchStorage(store_id=store_id or f"switch-{uuid.uuid4()}")
+    stack = make(store, **controller)
+    try:
+        yield store, stack
+    finally:
+        store.mode = "ok"
+        await stack.aclose()
+
+
 async def seed(store_id: str, prompts: list[list[int]]) -> None:
     """Write the prompts' pages to the shared medium through a well-behaved stack."""
     w = make(MemoryStorage(store_id=store_id))
@@ -86,10 +100,8 @@ async def timed(stack, tokens: list[int], rid: str) -> tuple[float, object]:  # 
 async def test_a_hanging_store_costs_one_stall_then_requests_skip_it_until_a_probe_passes() -> None:
     store_id = f"hang-{uuid.uuid4()}"
     await seed(store_id, [prompt(i) for i in range(8)])
-    store = SwitchStorage(store_id=store_id)
-    stack = make(store)
-    m = stack.controller.metrics
-    try:
+    async with switched(store_id) as (store, stack):
+        m = stack.controller.metrics
         store.mode = "hang"
         first, _ = await timed(stack, prompt(0), "r0")
         assert first < 0.4  # the first request pays at most the stall (0.15 s) or its prefetch timeout
@@ -105,23 +117,15 @@ async def test_a_hanging_store_costs_one_stall_then_requests_skip_it_until_a_pro
         assert m.counters["storage_probes"] > probes  # probing with backoff, in the background
 
         store.mode = "ok"  # the store comes back: a probe finds it, prefetches start again
-        for _ in range(100):
-            if stack.controller.health.up:
-                break
-            await asyncio.sleep(0.02)
-        assert stack.controller.health.up and m.counters["storage_recoveries"] == 1
+        await eventually(lambda: stack.controller.health.up)
+        assert m.counters["storage_recoveries"] == 1
         _, out = await timed(stack, prompt(6), "r6")
         assert out.storage_hit == 16 * PS and out.verify_failures == 0  # type: ignore[attr-defined]
-    finally:
-        store.mode = "ok"
-        await stack.aclose()
 
 
 async def test_a_failing_store_is_skipped_after_a_few_errors_and_writes_end_at_once() -> None:
-    store = SwitchStorage(store_id=f"raise-{uuid.uuid4()}")
-    stack = make(store, storage_health_errors=3, storage_max_retries=3)
-    m = stack.controller.metrics
-    try:
+    async with switched(storage_health_errors=3, storage_max_retries=3) as (store, stack):
+        m = stack.controller.metrics
         store.mode = "raise"
         for i in range(6):
             await serve_request(stack, prompt(i), rid=f"w{i}", prefetch=False)
@@ -136,25 +140,18 @@ async def test_a_failing_store_is_skipped_after_a_few_errors_and_writes_end_at_o
         # while down, only the probes reach the store
         assert store.calls - calls <= m.counters["storage_probes"] + 1
         store.mode = "ok"
-        for _ in range(100):
-            if stack.controller.health.up:
-                break
-            await asyncio.sleep(0.02)
-        assert stack.controller.health.up
+        await eventually(lambda: stack.controller.health.up)
         # a later hit offers the pages that were not written again
         await serve_request(stack, prompt(7), rid="w7b", prefetch=False)
         await stack.cache.drain()
         keys = fast_page_hashes(prompt(7), PS, namespace_seed(None))
         assert all(await store.exists_pages(keys))
-    finally:
-        store.mode = "ok"
-        await stack.aclose()
 
 
 async def test_drain_returns_in_bounded_time_while_the_store_hangs() -> None:
     store = SwitchStorage(store_id=f"drain-{uuid.uuid4()}")
     stack = make(store, storage_io_timeout_s=30.0, storage_stall_s=0.2)
-    try:
+    try:  # not switched(): the close is what is measured here
         store.mode = "hang"
         for i in range(8):
             await serve_request(stack, prompt(i), rid=f"d{i}", prefetch=False)

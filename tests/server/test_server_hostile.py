@@ -13,6 +13,7 @@ import pytest
 
 from server_helpers import small_config
 from hicache.server import running_server
+from hicache.testing import eventually
 
 
 def _request(path: str, body: bytes) -> bytes:
@@ -74,16 +75,10 @@ async def test_clients_that_hang_up_while_queued_are_not_generated_for() -> None
         gate = _Gate(srv.state.engine)
         try:
             first = asyncio.ensure_future(http.post(f"{srv.url}/v1/generate", json={"tokens": [1, 2, 3]}))
-            for _ in range(100):
-                if gate.calls:
-                    break
-                await asyncio.sleep(0.01)
+            await eventually(lambda: gate.calls > 0)
             assert gate.calls == 1  # the first request runs (held), the rest queue behind it
             await asyncio.gather(*(_post_and_hang_up(srv.port, {"tokens": [4, 5, i]}) for i in range(10)))
-            for _ in range(200):
-                if srv.state.metrics.requests["abandoned"] >= 10:
-                    break
-                await asyncio.sleep(0.01)
+            await eventually(lambda: srv.state.metrics.requests["abandoned"] >= 10)
             assert srv.state.metrics.requests["abandoned"] == 10
             gate.open.set()
             async with await first as resp:
@@ -106,10 +101,7 @@ async def test_a_streaming_client_that_hangs_up_is_dropped_without_a_traceback(c
         await reader.readuntil(b'"index": 0')  # the stream has started
         writer.close()
         await writer.wait_closed()
-        for _ in range(300):
-            if srv.state.metrics.requests["abandoned"] and not srv.state.metrics.active:
-                break
-            await asyncio.sleep(0.01)
+        await eventually(lambda: srv.state.metrics.requests["abandoned"] and not srv.state.metrics.active)
         assert srv.state.metrics.requests["abandoned"] == 1
         assert srv.state.metrics.active == 0  # the generation was cancelled, not run to the end
         assert srv.state.metrics.generated_tokens == 0  # it never finished
