@@ -22,7 +22,7 @@ class ServerMetrics:
     """Request, token and latency counters plus the scheduler's gauges."""
 
     def __init__(self) -> None:
-        self.requests: Counter[str] = Counter()  # by outcome: ok, bad_request, rejected, error
+        self.requests: Counter[str] = Counter()  # by outcome: ok, bad_request, rejected, error, abandoned
         self.prompt_tokens = 0
         self.prefill_tokens = 0
         self.generated_tokens = 0
