@@ -177,6 +177,7 @@ class RequestFlow:
                 if not await room(load.lacking):
                     break
                 m = await self._settled_match(req, max_prefix_len)  # the tree moved meanwhile
+                load = None
                 cache.inc_lock_ref(m.last_device_node)
                 cache.dec_lock_ref(node)
                 node = m.last_device_node

@@ -204,7 +204,7 @@ async def test_prefetch_policy_best_effort_takes_what_arrived() -> None:
 
 
 async def test_prefetch_policy_timeout_stops_at_the_deadline() -> None:
-    out, waited = await _prefetch_with("timeout", 0.03, prefetch_timeout_base_s=0.1,
+    out, waited = await _prefetch_with("timeout", 0.03, prefetch_timeout_base_s=0.25,
                                        prefetch_timeout_per_ki_token_s=0.0)
     assert 0 < out.storage_hit < 64 and out.verify_failures == 0
     assert waited < 0.6
