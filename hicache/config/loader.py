@@ -9,7 +9,7 @@ not matter, values are parsed as JSON when they parse, else taken as strings)::
     HICACHE__STORAGE__OPTIONS__URL=s3://bucket/prefix
 
 A value is parsed as JSON unless the field it sets is a string field (``HICACHE__MODEL__REVISION=2024``
-is the string ``"2024"``). A variable that sets a field and another that sets a field *inside*
+is the string ``"2024"``; ``null`` still means none). A variable that sets a field and another that sets a field *inside*
 it (``..__PAGE_SIZE`` and ``..__PAGE_SIZE__X``) is an error whatever their order. Storage options
 from the environment that the configured backend does not take are dropped with a warning (one
 global ``HICACHE__STORAGE__OPTIONS__ROOT`` must not break a config whose backend has no root);
@@ -75,7 +75,7 @@ def _read_file(path: Path) -> dict[str, Any]:
 
 def _parse_env_value(raw: str, as_string: bool) -> Any:
     if as_string:
-        return raw
+        return None if raw.strip() == "null" else raw  # null still clears an optional field
     try:
         return json.loads(raw)
     except (json.JSONDecodeError, RecursionError, ValueError):

@@ -78,6 +78,7 @@ def test_a_yaml_alias_bomb_is_reported_quickly(tmp_path: Path) -> None:
 def test_environment_strings_conflicts_and_foreign_options(caplog: pytest.LogCaptureFixture) -> None:
     cfg = load_config(None, environ={"HICACHE__MODEL__REVISION": "2024"}, check=False)
     assert cfg.model.revision == "2024"  # a string field takes the text, not the JSON number
+    assert load_config(None, environ={"HICACHE__STORAGE__BACKEND": "null"}).storage.backend is None
     for order in ([("HICACHE__DEVICE__PAGE_SIZE", "64"), ("HICACHE__DEVICE__PAGE_SIZE__X", "1")],
                   [("HICACHE__DEVICE__PAGE_SIZE__X", "1"), ("HICACHE__DEVICE__PAGE_SIZE", "64")]):
         with pytest.raises(ConfigError, match="conflict"):
