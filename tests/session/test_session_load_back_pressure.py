@@ -57,3 +57,37 @@ async def test_no_session_kv_is_freed_before_it_is_written() -> None:
                                  storage=True)
     assert m["offloads_pressure"] > 0
     assert m["writeback_lost"] == 0, m
+
+
+async def test_admit_cancelled_while_making_room_leaves_nothing_locked() -> None:
+    from hicache.prefix_cache import Req
+    from hicache.replay import StackConfig, build_stack, serve_request
+
+    stack = build_stack(StackConfig(page_size=PS, device_pages=8, host_pages=64, storage_backend=None))
+    try:
+        tokens = list(range(100, 100 + 4 * PS))
+        await serve_request(stack, tokens, rid="a")
+        await stack.cache.drain()
+        await stack.cache.evict_async(1 << 20)  # its KV is on host only now
+        held = stack.allocator.alloc(stack.allocator.available_size())  # the device is full
+        waiting = asyncio.Event()
+
+        async def never(tokens: int) -> bool:
+            waiting.set()
+            await asyncio.Event().wait()
+            return False
+
+        req = Req(rid="b", origin_input_ids=tokens + [1, 2, 3])
+        stack.cache.match_req(req)
+        task = asyncio.ensure_future(stack.cache.admit(req, make_room=never))
+        await waiting.wait()  # admit found no room and is making some
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert all(n.lock_ref == 0 for n in stack.cache._nodes())
+        stack.allocator.free(held)
+        res = await stack.cache.admit(Req(rid="c", origin_input_ids=tokens + [4]))
+        assert res.host_hit == 4 * PS  # with room, the same history loads back
+        stack.cache.sanity_check()
+    finally:
+        await stack.aclose()
