@@ -1,0 +1,111 @@
+"""The ``file`` backend against a hostile root: FIFOs and other non-regular files where pages and
+manifests belong, a 100% full file system (a real tmpfs), a free-space floor larger than the
+disk, and several processes sharing one ``max_bytes``. Each test failed before its fix (issue 14,
+items 1-4)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from hicache.inspect import inspect_store
+from hicache.testing.store_tests import NS_A, NS_B
+from hicache_backends.file import FileStorage
+
+from _file_helpers import all_files, page_path
+
+LIMIT = 3.0  # seconds any call may take here (a blocked open would take forever)
+
+
+def make_store(root, namespace=NS_A, **options) -> FileStorage:
+    options.setdefault("min_free_bytes", 0)
+    return FileStorage(None, root=str(root), namespace=namespace, **options)
+
+
+def v0(size: int, fill: int) -> torch.Tensor:
+    return torch.full((size,), fill, dtype=torch.uint8)
+
+
+@contextlib.contextmanager
+def fifos_released(paths: list[str]) -> Iterator[None]:
+    """On the way out, open every FIFO for writing: a thread blocked opening one for reading
+    (the bug this guards against) is then released, so a failing test fails instead of hanging."""
+    try:
+        yield
+    finally:
+        for p in paths:
+            try:
+                fd = os.open(p, os.O_WRONLY | os.O_NONBLOCK)
+            except OSError:
+                continue
+            os.close(fd)
+
+
+async def within(coro, limit: float = LIMIT):
+    t0 = time.monotonic()
+    out = await asyncio.wait_for(coro, limit)
+    assert time.monotonic() - t0 < limit
+    return out
+
+
+# ---------------------------------------------------------------------- item 1: non-regular files
+
+
+async def test_fifo_at_a_page_path_never_blocks_and_is_a_miss(tmp_path) -> None:
+    size = 4096
+    store = make_store(tmp_path)
+    await store.__aenter__()
+    fifo = page_path(store.root, store.namespace.digest, "fifo")
+    with fifos_released([fifo]):
+        try:
+            assert await store.set("fifo", v0(size, 1))
+            os.unlink(fifo)
+            os.mkfifo(fifo)
+            assert await within(store.get("fifo", torch.empty(size, dtype=torch.uint8))) is None
+            assert await within(store.get("fifo")) is None  # the unknown-size path
+            assert not await within(store.exists("fifo"))
+            assert not os.path.lexists(fifo)  # not ours: removed, like a symlink
+            os.mkfifo(fifo)  # planted again while the index no longer knows the page
+            assert not await within(store.exists("fifo"))  # the stat fallback sees no page
+            assert await within(store.set("fifo", v0(size, 2)))  # a write replaces it
+            got = await within(store.get("fifo", torch.empty(size, dtype=torch.uint8)))
+            assert got is not None and torch.equal(got, v0(size, 2))
+        finally:
+            await within(store.aclose())
+
+
+async def test_fifos_and_devices_in_a_root_do_not_block_open_scan_or_inspect(tmp_path) -> None:
+    size = 2048
+    async with make_store(tmp_path) as store:
+        assert await store.batch_set(["a", "b"], [v0(size, 1), v0(size, 2)])
+        digest = store.namespace.digest
+    fifos = [page_path(tmp_path, digest, "a"), str(tmp_path / digest / "manifest.json")]
+    with fifos_released(fifos):
+        for p in fifos:
+            os.unlink(p)
+            os.mkfifo(p)
+        null_page = page_path(tmp_path, digest, "b")
+        os.unlink(null_page)
+        os.symlink("/dev/zero", null_page)
+        # inspect lists namespaces (reads manifests) and their pages (reads headers)
+        report = await within(inspect_store(str(tmp_path), progress=False))
+        assert report["corrupt"] == 0
+        # open reads the manifest, the scan reads footers: a FIFO at either blocks neither
+        store = make_store(tmp_path)
+        await within(store.__aenter__())
+        try:
+            assert await within(store.wait_index_ready(LIMIT))
+            assert await within(store.batch_exists(["a", "b"])) == 0
+            assert await within(store.get("a", torch.empty(size, dtype=torch.uint8))) is None
+            assert await within(store.get("b")) is None
+            assert os.path.isfile(fifos[1])  # the manifest was rewritten as a regular file
+        finally:
+            await within(store.aclose())
