@@ -299,18 +299,8 @@ def test_index_breaks_parent_cycles_only_when_no_leaf_is_left() -> None:
 # ---------------------------------------------------------------------- disk full
 
 @pytest.fixture
-def tiny_tmpfs(tmp_path):
-    mnt = tmp_path / "tmpfs"
-    mnt.mkdir()
-    if os.geteuid() != 0:
-        pytest.skip("needs root to mount a 2 MiB tmpfs (the injected-ENOSPC test covers this)")
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], capture_output=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount tmpfs here ({r.stderr.decode().strip()}); injected-ENOSPC test covers this")
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+def tiny_tmpfs(small_tmpfs):
+    return small_tmpfs(2 << 20)
 
 
 async def _fill_until_full(store: FileStorage, size: int, n: int) -> list[bool]:

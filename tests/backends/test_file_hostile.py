@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -109,3 +110,66 @@ async def test_fifos_and_devices_in_a_root_do_not_block_open_scan_or_inspect(tmp
             assert os.path.isfile(fifos[1])  # the manifest was rewritten as a regular file
         finally:
             await within(store.aclose())
+
+
+# ---------------------------------------------------------------------- item 2: a 100% full disk
+
+
+def fill_to_the_brim(folder: Path, name: str = "filler") -> Path:
+    """Write a file until the file system refuses even one more byte (ENOSPC)."""
+    path = folder / name
+    with open(path, "ab", buffering=0) as f:
+        chunk = 1 << 16
+        while chunk:
+            try:
+                f.write(b"\0" * chunk)
+            except OSError:
+                chunk //= 2
+    st = os.statvfs(folder)
+    assert st.f_bavail * st.f_frsize == 0
+    return path
+
+
+def dead_pid() -> int:
+    """The pid of a process that has exited (and been reaped)."""
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
+
+
+async def test_clear_on_a_full_disk_reclaims_its_trash_and_keeps_working(small_tmpfs) -> None:
+    mnt = small_tmpfs(2 << 20)
+    size = 150_000
+    async with make_store(mnt, max_bytes=None) as store:
+        n = 0
+        while await store.set(f"p{n}", v0(size, n % 250 + 1)):
+            n += 1
+        assert n >= 5
+        fill_to_the_brim(mnt)
+        assert await within(store.clear())
+        await within(store.wait_background())
+        # the trash is gone (the disk has room again) and the fresh manifest was written after
+        assert not [x for x in os.listdir(mnt) if x.startswith(".trash")]
+        assert os.path.isfile(store.layout.manifest_path)
+        assert await store.set("after", v0(size, 7))
+        got = await store.get("after", torch.empty(size, dtype=torch.uint8))
+        assert got is not None and torch.equal(got, v0(size, 7))
+
+
+async def test_store_opens_on_a_full_disk_and_reclaims_a_dead_clear(small_tmpfs) -> None:
+    """A process killed mid-clear left its trash, and the disk is 100% full: the next store must
+    open anyway (it used to write the manifest first and fail), delete the trash in the
+    background, then write its manifest and accept pages again."""
+    mnt = small_tmpfs(2 << 20)
+    size = 150_000
+    async with make_store(mnt, max_bytes=None) as store:
+        assert await store.batch_set([f"q{i}" for i in range(8)], [v0(size, i + 1) for i in range(8)])
+        digest = store.namespace.digest
+    os.rename(mnt / digest, mnt / f".trash-{digest}-{dead_pid()}-0")  # what a killed clear leaves
+    filler = fill_to_the_brim(mnt)
+    async with make_store(mnt, max_bytes=None) as again:
+        await within(again.wait_background(), 10)
+        assert not [x for x in os.listdir(mnt) if x.startswith(".trash")]
+        assert os.path.isfile(again.layout.manifest_path)
+        assert await again.set("back", v0(size, 9))
+    assert filler.exists()  # what is not ours is never touched

@@ -153,6 +153,7 @@ class FileStorage(AsyncHiCacheStorage):
         self._free_at = float("-inf")
         self._scan_seconds: float | None = None
         self._stop = threading.Event()  # tells long background deletions to give up (close)
+        self._manifest_pending = False  # the disk was too full to write it: housekeeping retries
         self._background: set[asyncio.Task[None]] = set()
 
     # ------------------------------------------------------------------ properties
@@ -190,12 +191,16 @@ class FileStorage(AsyncHiCacheStorage):
         self._scan_executor = ThreadPoolExecutor(1, thread_name_prefix="hicache-file-scan")
         self._index_ready = asyncio.Event()
         try:
-            await self._run(page_io.prepare_namespace, self._layout, self.namespace.to_dict())
+            self._manifest_pending = not await self._run(
+                page_io.prepare_namespace, self._layout, self.namespace.to_dict()
+            )
         except BaseException as exc:
             self._shutdown_executors(wait=False)
             if isinstance(exc, OSError):
                 raise ConfigError(f"file backend: cannot use root {self.root!r}: {exc}") from exc
             raise
+        if self._manifest_pending:
+            self._warn_manifest_deferred()
         self._tombstones = set()
         self._scan_task = asyncio.get_running_loop().create_task(
             self._scan(self._generation), name=f"hicache-file-scan-{self.namespace.digest[:8]}"
@@ -363,13 +368,16 @@ class FileStorage(AsyncHiCacheStorage):
         await self._housekeeping()
 
     async def _housekeeping(self) -> None:
-        """Off the request path: create missing page folders, then finish clears that a killed
-        (or closed) process left half deleted. Never raises but cancellation."""
+        """Off the request path: finish clears that a killed (or closed) process left half
+        deleted - first, since on a full disk that is what frees space -, write the manifest if
+        the disk was too full for it, then create missing page folders. Never raises but
+        cancellation."""
         assert self._layout is not None and self._scan_executor is not None
         loop = asyncio.get_running_loop()
         for what, fn, args in (
-            ("creating page folders", page_io.ensure_subdirs, (self._layout, self._stop)),
             ("removing stale trash", page_io.remove_stale_trash, (self._layout.root, self._layout.digest, self._stop)),
+            ("writing the manifest", self._retry_manifest, ()),
+            ("creating page folders", page_io.ensure_subdirs, (self._layout, self._stop)),
         ):
             try:
                 await loop.run_in_executor(self._scan_executor, fn, *args)
@@ -377,6 +385,19 @@ class FileStorage(AsyncHiCacheStorage):
                 raise
             except Exception:  # noqa: BLE001 - writes create folders themselves; trash is only space
                 logger.exception("file store %s: %s failed", self.root, what)
+
+    def _retry_manifest(self) -> None:
+        """(On the scan thread.) Write a manifest that a full disk deferred; a flag, no index."""
+        if self._manifest_pending and self._layout is not None:
+            if page_io.prepare_namespace(self._layout, self.namespace.to_dict()):
+                self._manifest_pending = False
+                logger.info("file store %s: manifest of namespace %s written", self.root, self.namespace.digest)
+
+    def _warn_manifest_deferred(self) -> None:
+        logger.warning(
+            "file store %s: disk full, the manifest of namespace %s is written once space is reclaimed",
+            self.root, self.namespace.digest,
+        )
 
     # ------------------------------------------------------------------ capacity
 
@@ -596,11 +617,15 @@ class FileStorage(AsyncHiCacheStorage):
         await self._stop_scan()
         self.index.clear()
         self._tombstones = None
-        trash = await self._run(page_io.clear_namespace, self._layout, self.namespace.to_dict())
+        trash, written = await self._run(page_io.clear_namespace, self._layout, self.namespace.to_dict())
+        self._manifest_pending = not written
+        if not written:
+            self._warn_manifest_deferred()
         assert self._index_ready is not None
         self._index_ready.set()
-        if trash is not None:
-            task = asyncio.get_running_loop().create_task(self._remove_trash(trash))
+        if trash is not None or self._manifest_pending:
+            work = self._remove_trash(trash) if trash is not None else self._housekeeping()
+            task = asyncio.get_running_loop().create_task(work)
             self._background.add(task)
             task.add_done_callback(self._background.discard)
             # A small namespace is gone before clear() returns (its space is free at once); a

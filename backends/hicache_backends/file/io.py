@@ -46,12 +46,14 @@ __all__ = [
     "clear_namespace",
     "ensure_subdirs",
     "free_bytes",
+    "is_no_space",
     "list_subdirs",
     "payload_checksum",
     "prepare_namespace",
     "probe_page",
     "read_page_bytes",
     "read_page_into",
+    "read_small_file",
     "remove_files",
     "remove_stale_trash",
     "remove_tree",
@@ -460,14 +462,30 @@ def _write_manifest(layout: NamespaceLayout, manifest: dict) -> None:
         raise
 
 
-def prepare_namespace(layout: NamespaceLayout, manifest: dict) -> None:
-    """Create the namespace folder and its manifest (idempotent).
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
+def is_no_space(exc: BaseException) -> bool:
+    """Whether ``exc`` says the file system (or the user's quota) is full."""
+    return isinstance(exc, OSError) and exc.errno in _NO_SPACE
+
+
+def prepare_namespace(layout: NamespaceLayout, manifest: dict) -> bool:
+    """Create the namespace folder and its manifest (idempotent); ``False`` if the disk is too
+    full for them just now (the caller retries once space is reclaimed: a store must open on a
+    full disk, or it could never delete the garbage that fills it). Other errors raise.
 
     The 256 hashed page folders are created by the first write into each: creating them all
     up front costs hundreds of milliseconds on a busy journaling file system.
     """
-    os.makedirs(layout.pages_dir, exist_ok=True)
-    _write_manifest(layout, manifest)
+    try:
+        os.makedirs(layout.pages_dir, exist_ok=True)
+        _write_manifest(layout, manifest)
+    except OSError as exc:
+        if is_no_space(exc):
+            return False
+        raise
+    return True
 
 
 def ensure_subdirs(layout: NamespaceLayout, stop: threading.Event | None = None) -> int:
@@ -478,7 +496,12 @@ def ensure_subdirs(layout: NamespaceLayout, stop: threading.Event | None = None)
         if stop is not None and stop.is_set():
             break
         if not os.path.isdir(d):
-            os.makedirs(d, exist_ok=True)
+            try:
+                os.makedirs(d, exist_ok=True)
+            except OSError as exc:
+                if is_no_space(exc):  # a full disk: writes create their folder when they can
+                    break
+                raise
             made += 1
     return made
 
@@ -493,8 +516,10 @@ def list_subdirs(layout: NamespaceLayout) -> list[str]:
     return [os.path.join(layout.pages_dir, n) for n in sorted(names) if n in wanted]
 
 
-def clear_namespace(layout: NamespaceLayout, manifest: dict) -> str | None:
-    """Empty this namespace (and only it) at once; returns the folder left to delete.
+def clear_namespace(layout: NamespaceLayout, manifest: dict) -> tuple[str | None, bool]:
+    """Empty this namespace (and only it) at once; returns the folder left to delete and
+    whether the fresh manifest could be written (not on a full disk: retried later, after the
+    old files are gone - which is what frees the disk).
 
     The namespace folder is renamed aside and set up afresh, so the clear is instant for
     every reader, and a write racing with it lands in the doomed folder or the fresh one,
@@ -505,10 +530,8 @@ def clear_namespace(layout: NamespaceLayout, manifest: dict) -> str | None:
     try:
         os.rename(layout.ns_dir, trash)
     except FileNotFoundError:
-        prepare_namespace(layout, manifest)
-        return None
-    prepare_namespace(layout, manifest)
-    return trash
+        return None, prepare_namespace(layout, manifest)
+    return trash, prepare_namespace(layout, manifest)
 
 
 _removing: set[str] = set()  # trash folders this process is deleting right now
