@@ -20,6 +20,7 @@ import torch
 from hicache.inspect import inspect_store
 from hicache.testing.store_tests import NS_A, NS_B
 from hicache_backends.file import FileStorage
+from hicache_backends.file.ledger import LEDGER_NAME, read_usage
 
 from _file_helpers import all_files, page_path
 
@@ -173,3 +174,83 @@ async def test_store_opens_on_a_full_disk_and_reclaims_a_dead_clear(small_tmpfs)
         assert os.path.isfile(again.layout.manifest_path)
         assert await again.set("back", v0(size, 9))
     assert filler.exists()  # what is not ours is never touched
+
+
+# ---------------------------------------------------------------------- item 3: one bound, N processes
+
+
+def namespace_bytes(ns_dir: str) -> int:
+    """Bytes of page files and in-flight temporary files under a namespace folder, by size."""
+    total = 0
+    pages = os.path.join(ns_dir, "pages")
+    try:
+        subdirs = os.listdir(pages)
+    except FileNotFoundError:
+        return 0
+    for sub in subdirs:
+        try:
+            with os.scandir(os.path.join(pages, sub)) as it:
+                for e in it:
+                    try:
+                        total += e.stat(follow_symlinks=False).st_size
+                    except FileNotFoundError:
+                        pass
+        except (FileNotFoundError, NotADirectoryError):
+            pass
+    return total
+
+
+@pytest.fixture(scope="module")
+def forkserver():
+    from _file_helpers import ForkServer
+
+    server = ForkServer()
+    yield server
+    server.close()
+
+
+async def test_max_bytes_holds_across_processes_sharing_a_root(forkserver, tmp_path) -> None:
+    """Four writer processes, each told ``max_bytes`` = 24 pages, write 4 x 60 distinct pages
+    (rewriting some) at once: disk use of the namespace, sampled every few milliseconds, stays
+    within ``max_bytes`` (plus the stated slack: one page), during and after; then a fifth
+    process that never saw their pages can still make room for its own."""
+    import signal
+
+    size = 64 * 1024
+    ns = NS_A.to_dict()
+    page = make_store(tmp_path).layout.file_size("w0-0", "kv", size)
+    limit = 24 * page
+    ns_dir = str(tmp_path / make_store(tmp_path).namespace.digest)
+    pids = [
+        forkserver.call(
+            op="write", root=str(tmp_path), ns=ns, keys=[f"w{w}-{i}" for i in range(60)], size=size,
+            forever=True, max_bytes=limit,
+        )["pid"]
+        for w in range(4)
+    ]
+    peak = 0
+    t_end = time.monotonic() + 2.5
+    try:
+        while time.monotonic() < t_end:
+            peak = max(peak, namespace_bytes(ns_dir))
+            await asyncio.sleep(0.005)
+    finally:
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
+        for pid in pids:
+            forkserver.call(op="wait", pid=pid)
+    after = namespace_bytes(ns_dir)
+    print(f"peak {peak / limit:.3f}x max_bytes, after {after / limit:.3f}x")
+    assert peak > limit // 2, "the writers never filled the store: the test measured nothing"
+    assert peak <= limit + page, f"peak {peak / limit:.2f}x max_bytes"
+    assert after <= limit, f"{after / limit:.2f}x max_bytes after the writers died"
+    # a new process knows none of those pages, yet its writes make room (it indexes them)
+    async with make_store(tmp_path, max_bytes=limit) as store:
+        assert await store.wait_index_ready(10)
+        # alone on the root, its scan replaced the count (killed writers' reservations in it)
+        # with what is on disk
+        usage = read_usage(os.path.join(ns_dir, LEDGER_NAME))
+        assert usage is not None and usage.used == namespace_bytes(ns_dir)
+        ok = await store.batch_set([f"new-{i}" for i in range(8)], [v0(size, i + 1) for i in range(8)])
+        assert ok
+    assert namespace_bytes(ns_dir) <= limit

@@ -102,6 +102,7 @@ class WriteResult:
     skipped: bool = False  # an identical-size page was already there (keys are content hashes)
     errno: int | None = None
     reason: str = ""
+    replaced: int = 0  # bytes of the page file this write replaced (the shared usage ledger)
 
 
 @dataclass(slots=True)
@@ -396,6 +397,7 @@ def write_page(
                 os.fsync(fd)
         finally:
             os.close(fd)
+        replaced = _regular_size(path)
         os.replace(tmp, path)
     except BaseException as exc:
         try:
@@ -407,7 +409,16 @@ def write_page(
         raise
     if fsync:
         _fsync_dir(layout.subdir(pid))
-    return WriteResult(True, size)
+    return WriteResult(True, size, replaced=replaced)
+
+
+def _regular_size(path: str) -> int:
+    """The size of the regular file at ``path`` (0 if none): what replacing it frees."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return 0
+    return st.st_size if stat.S_ISREG(st.st_mode) else 0
 
 
 def _fsync_dir(path: str) -> None:
@@ -423,18 +434,19 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def remove_files(paths: Sequence[str]) -> int:
-    """Unlink each path; returns how many were removed (gone already is fine)."""
-    n = 0
-    for p in paths:
+def remove_files(paths: Sequence[str], sizes: Sequence[int]) -> int:
+    """Unlink each path; returns the bytes (``sizes``) of those this call removed (a file
+    gone already - another process evicted it - frees nothing here)."""
+    freed = 0
+    for p, size in zip(paths, sizes):
         try:
             os.unlink(p)
-            n += 1
+            freed += size
         except FileNotFoundError:
             pass
         except OSError as exc:
             logger.warning("could not remove %s: %s", p, exc)
-    return n
+    return freed
 
 
 def free_bytes(path: str) -> int:
