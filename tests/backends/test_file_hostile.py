@@ -254,3 +254,28 @@ async def test_max_bytes_holds_across_processes_sharing_a_root(forkserver, tmp_p
         ok = await store.batch_set([f"new-{i}" for i in range(8)], [v0(size, i + 1) for i in range(8)])
         assert ok
     assert namespace_bytes(ns_dir) <= limit
+
+
+# ---------------------------------------------------------------------- item 4: refusals are visible
+
+
+async def test_a_floor_above_a_small_disk_refuses_visibly(small_tmpfs, caplog) -> None:
+    """The default ``min_free_bytes`` (1 GiB) on an 8 MiB file system refuses every write: once a
+    minute a WARNING says so and why, the metric counts it, and ``hicache inspect`` (another
+    store, as another process would be) shows it."""
+    mnt = small_tmpfs(8 << 20)
+    size = 4096
+    with caplog.at_level(logging.WARNING, logger="hicache.storage.file"):
+        async with FileStorage(None, root=str(mnt), namespace=NS_B) as store:  # default floor
+            for i in range(5):
+                assert not await store.set(f"r{i}", v0(size, 1))
+            stats = store.get_stats()
+            assert stats["rejected_pages_no_space"] == 5
+    warnings = [r for r in caplog.records if "refused" in r.getMessage()]
+    assert len(warnings) == 1, [r.getMessage() for r in warnings]
+    assert "min_free_bytes" in warnings[0].getMessage()
+    report = await inspect_store(str(mnt), progress=False)
+    assert report["writes_refused_for_free_space"] is True
+    assert report["free_bytes"] < report["min_free_bytes"] == 1 << 30
+    (ns,) = report["namespaces"].values()
+    assert ns["refused_pages_no_space"] == 5 and "last_refused_at" in ns

@@ -43,7 +43,7 @@ from hicache.storage.offload import run_to_completion
 from hicache_backends.file import io as page_io
 from hicache_backends.file.index import PageIndex
 from hicache_backends.file.layout import NamespaceLayout, page_id
-from hicache_backends.file.ledger import Usage, UsageLedger
+from hicache_backends.file.ledger import LEDGER_NAME, Usage, UsageLedger, read_usage
 
 __all__ = ["DEFAULT_MAX_BYTES", "DEFAULT_MIN_FREE_BYTES", "FileStorage"]
 
@@ -70,6 +70,25 @@ _EVICT_ROUNDS = 4  # victims may turn out gone already (evicted by another proce
 
 def _run_calls(fn: Callable[..., T], calls: Sequence[tuple[Any, ...]]) -> list[T]:
     return [fn(*args) for args in calls]
+
+
+class _Throttle:
+    """At most one report per ``period`` seconds; counts the events in between."""
+
+    def __init__(self, period: float) -> None:
+        self.period = period
+        self._last = float("-inf")
+        self._pending = 0
+
+    def due(self, n: int = 1) -> int:
+        """Record ``n`` events; returns how many to report now (0: stay quiet)."""
+        self._pending += n
+        now = time.monotonic()
+        if now - self._last < self.period:
+            return 0
+        self._last = now
+        count, self._pending = self._pending, 0
+        return count
 
 
 @dataclass(slots=True)
@@ -173,8 +192,8 @@ class FileStorage(AsyncHiCacheStorage):
         self._ledger_debt = 0  # bytes of corrupt pages removed, given back with the next write
         self._writes_in_flight = 0  # batches between their reservation and its settlement
         self._last_rescan = float("-inf")
-        self._refusal_warned_at = float("-inf")
-        self._refusals_unwarned = 0
+        self._refusal_warnings = _Throttle(_REFUSAL_WARN_SECONDS)
+        self._enospc_warnings = _Throttle(_REFUSAL_WARN_SECONDS)
         self._background: set[asyncio.Task[None]] = set()
 
     # ------------------------------------------------------------------ properties
@@ -723,12 +742,9 @@ class FileStorage(AsyncHiCacheStorage):
         """Say, at most once a minute, that and why writes are refused (DEBUG is not enough:
         a free-space floor above a small disk's size would otherwise refuse every write
         silently)."""
-        now = time.monotonic()
-        self._refusals_unwarned += n
-        if now - self._refusal_warned_at < _REFUSAL_WARN_SECONDS:
+        count = self._refusal_warnings.due(n)
+        if not count:
             return
-        count, self._refusals_unwarned = self._refusals_unwarned, 0
-        self._refusal_warned_at = now
         free = await self._free_bytes() if self.min_free_bytes else None
         if free is not None and free < self.min_free_bytes + self._reserved:
             why = (
@@ -767,7 +783,12 @@ class FileStorage(AsyncHiCacheStorage):
         if r.errno in (errno.ENOSPC, errno.EDQUOT):
             self.stats.incr("enospc_errors")
             self._free_at = float("-inf")  # ask the file system again next time
-            logger.warning("file store %s: disk full writing %s; page not stored", self.root, job.page.label()[:80])
+            count = self._enospc_warnings.due()
+            if count:
+                logger.warning(
+                    "file store %s: disk full; %d page write(s) failed since the last warning (%s)",
+                    self.root, count, job.page.label()[:80],
+                )
         else:
             self.stats.incr("io_errors")
             logger.warning("file store %s: writing %s failed: %s", self.root, job.page.label()[:80], r.reason)
@@ -833,6 +854,30 @@ class FileStorage(AsyncHiCacheStorage):
         rows = await asyncio.to_thread(page_io.list_pages, self._layout)
         return [(PageKey(key, pool), size) for key, pool, size in rows]
 
+    async def describe_space(self) -> dict[str, Any]:
+        """The file system's free space against ``min_free_bytes``, and this namespace's shared
+        count and refused writes (recorded by every process in the usage ledger)."""
+        ledger_path = os.path.join(self.layout.ns_dir, LEDGER_NAME)
+
+        def facts() -> tuple[os.statvfs_result | None, Usage | None]:
+            try:
+                st = os.statvfs(self.root)
+            except OSError:
+                st = None
+            return st, read_usage(ledger_path)
+
+        st, usage = await asyncio.to_thread(facts)
+        out: dict[str, Any] = {"min_free_bytes": self.min_free_bytes, "max_bytes": self.max_bytes}
+        if st is not None:
+            free = st.f_bavail * st.f_frsize
+            out.update(free_bytes=free, fs_bytes=st.f_blocks * st.f_frsize)
+            out["writes_refused_for_free_space"] = bool(self.min_free_bytes) and free < self.min_free_bytes
+        if usage is not None:
+            out.update(used_bytes=usage.used, refused_pages_no_space=usage.refused)
+            if usage.refused:
+                out["last_refused_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(usage.refused_at))
+        return out
+
     def _backend_stats(self) -> dict[str, Any]:
         return {
             "root": self.root,
@@ -843,6 +888,7 @@ class FileStorage(AsyncHiCacheStorage):
             "evicted_pages": self.stats.get("evicted_pages"),
             "evicted_bytes": self.stats.get("evicted_bytes"),
             "corrupt_pages": self.stats.get("corrupt_pages"),
+            "rejected_pages_no_space": self.stats.get("rejected_pages_no_space"),
             "index_ready": self.index_ready,
             "scan_seconds": self._scan_seconds,
             "io_threads": self.io_threads,
