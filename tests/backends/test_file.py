@@ -22,6 +22,7 @@ from hicache.testing.store_tests import NS_A, NS_B, ODD_KEYS, PAGE, keys_for
 from hicache_backends.file import FileStorage
 from hicache_backends.file import io as file_io
 from hicache_backends.file.layout import page_id
+from hicache_backends.file.ledger import LEDGER_NAME, read_usage
 
 from _file_helpers import all_files, page_path, parent_on_disk, raw_payload_from_disk
 
@@ -261,6 +262,9 @@ async def test_capacity_bound_parent_links_and_restart(tmp_path) -> None:
             on_disk = disk_pages(store)
             assert store.index.nbytes <= max_bytes + page
             assert sum(s for s, _ in on_disk.values()) <= max_bytes + page
+            # the count shared with other processes is exact when only this one writes
+            usage = read_usage(os.path.join(store.layout.ns_dir, LEDGER_NAME))
+            assert usage is not None and usage.used == sum(s for s, _ in on_disk.values()), f"step {step}"
             orphans = [p for p, (_, parent) in on_disk.items() if parent is not None and parent not in on_disk]
             assert not orphans, f"step {step}: a page outlived its parent"
         stats = store.get_stats()

@@ -191,6 +191,7 @@ class FileStorage(AsyncHiCacheStorage):
         self._ledger: UsageLedger | None = None  # shared usage (shared stores only)
         self._ledger_debt = 0  # bytes of corrupt pages removed, given back with the next write
         self._writes_in_flight = 0  # batches between their reservation and its settlement
+        self._writes_started = 0
         self._last_rescan = float("-inf")
         self._refusal_warnings = _Throttle(_REFUSAL_WARN_SECONDS)
         self._enospc_warnings = _Throttle(_REFUSAL_WARN_SECONDS)
@@ -369,10 +370,17 @@ class FileStorage(AsyncHiCacheStorage):
         try:
             # What the scan measures replaces the shared count (correcting what killed writers
             # left behind) only if nothing can be in flight meanwhile (see .ledger).
-            before = None
-            if self._ledger is not None and not self._writes_in_flight and not self._ledger_debt:
-                if await loop.run_in_executor(self._scan_executor, self._ledger.alone):
-                    before = await self._ledger_call(self._scan_executor, 0, token=-1)
+            # The order matters: no write of ours in flight from before the reading until after
+            # it (one that reserved before it may publish during the scan without changing seq),
+            # then "alone" (a process that reserved before the reading holds the users lock by
+            # then); any reservation after the reading changes seq.
+            quiet = not self._writes_in_flight and not self._ledger_debt
+            started = self._writes_started
+            before = await self._ledger_call(self._scan_executor, 0, token=-1) if quiet else None
+            if before is not None and self._ledger is not None:
+                alone = await loop.run_in_executor(self._scan_executor, self._ledger.alone)
+                if not alone or self._writes_started != started or self._ledger_debt:
+                    before = None
             subdirs = await loop.run_in_executor(self._scan_executor, page_io.list_subdirs, self._layout)
             for subdir in subdirs:
                 try:
@@ -662,6 +670,7 @@ class FileStorage(AsyncHiCacheStorage):
         self._reserved += incoming
         self._busy.update(ids)
         self._writes_in_flight += 1
+        self._writes_started += 1
         res = _Reservation()
         results: list[page_io.WriteResult] | None = None
         refused = 0
