@@ -17,10 +17,11 @@ import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 __all__ = [
-    "MotoProcess", "create_bucket", "free_port", "make_s3", "raw_client", "raw_get", "raw_put", "s3_options",
+    "MotoProcess", "create_bucket", "eventually", "free_port", "make_s3", "raw_client", "raw_get", "raw_put", "s3_options",
     "threaded_moto", "wait_ready",
 ]
 
@@ -196,3 +197,15 @@ def make_s3(endpoint: str, bucket: str, prefix: str, namespace: Any = None, **op
         storage_options={**s3_options(endpoint), "session": shared_session()}, namespace=namespace,
         **options,
     )
+
+
+async def eventually(check: Callable[[], Awaitable[bool]], timeout: float = 10.0) -> None:
+    """Poll ``check`` until it is true; fail after ``timeout`` seconds."""
+    import asyncio
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if await check():
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError("condition not reached in time")

@@ -5,7 +5,6 @@ before its fix (issue 14, items 5-7)."""
 from __future__ import annotations
 
 import asyncio
-import time
 import uuid
 from typing import Any
 
@@ -14,7 +13,7 @@ import pytest
 from hicache.testing import ArrayHostPool
 from hicache.testing.store_tests import NS_A, PAGE, keys_for
 from s3_proxy import FaultProxy
-from s3_server import create_bucket, make_s3, raw_client, raw_get, raw_put
+from s3_server import create_bucket, eventually, make_s3, raw_client, raw_get, raw_put
 
 FAST: dict[str, Any] = dict(
     request_timeout=1.0, call_timeout=3.0, retries=1, retry_backoff=0.01, retry_backoff_max=0.05,
@@ -45,15 +44,6 @@ async def read_pages(store: Any, keys: list[str]) -> tuple[list[bool], ArrayHost
     dst = ArrayHostPool(len(keys), PAGE)
     store.register_mem_pool_host(dst)
     return await store.batch_get_v1(keys, dst.indices(0, len(keys))), dst
-
-
-async def eventually(check: Any, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if await check():
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError("condition not reached in time")
 
 
 # ---------------------------------------------------------------------- item 5: bit flips in transit
@@ -128,10 +118,19 @@ async def test_lookups_answer_misses_while_the_store_is_unreachable(
 
 
 def _delete_bucket(endpoint: str, bucket: str) -> None:
+    """Empty and delete ``bucket``; again if the store's prober re-created its manifest in the
+    meantime (BucketNotEmpty)."""
     client = raw_client(endpoint)
-    for obj in client.list_objects_v2(Bucket=bucket).get("Contents", []):
-        client.delete_object(Bucket=bucket, Key=obj["Key"])
-    client.delete_bucket(Bucket=bucket)
+    for _ in range(20):
+        for obj in client.list_objects_v2(Bucket=bucket).get("Contents", []):
+            client.delete_object(Bucket=bucket, Key=obj["Key"])
+        try:
+            client.delete_bucket(Bucket=bucket)
+            return
+        except client.exceptions.ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") != "BucketNotEmpty":
+                raise
+    raise AssertionError(f"could not delete bucket {bucket}")
 
 
 def _has_object(endpoint: str, bucket: str, key: str) -> bool:
