@@ -279,3 +279,33 @@ async def test_a_floor_above_a_small_disk_refuses_visibly(small_tmpfs, caplog) -
     assert report["free_bytes"] < report["min_free_bytes"] == 1 << 30
     (ns,) = report["namespaces"].values()
     assert ns["refused_pages_no_space"] == 5 and "last_refused_at" in ns
+
+
+async def test_a_frozen_process_holding_the_ledger_lock_does_not_hang_writers(tmp_path) -> None:
+    """A process stopped (SIGSTOP) while it holds the usage ledger's lock: writes here go on
+    within a bounded wait, counting this process only, and use the ledger again after."""
+    import signal
+    import sys
+
+    async with make_store(tmp_path, max_bytes=1 << 20) as store:
+        assert await store.set("before", v0(4096, 1))
+        ledger = os.path.join(store.layout.ns_dir, LEDGER_NAME)
+        holder = subprocess.Popen(
+            [sys.executable, "-c", (
+                "import fcntl, os, signal, sys\n"
+                f"fd = os.open({ledger!r}, os.O_RDWR)\n"
+                "fcntl.flock(fd, fcntl.LOCK_EX)\n"
+                "print('locked', flush=True)\n"
+                "os.kill(os.getpid(), signal.SIGSTOP)\n"
+            )],
+            stdout=subprocess.PIPE, text=True,
+        )
+        try:
+            assert holder.stdout is not None and holder.stdout.readline().strip() == "locked"
+            assert await within(store.set("during", v0(4096, 2)))
+        finally:
+            os.kill(holder.pid, signal.SIGKILL)
+            holder.wait()
+        assert await within(store.set("after", v0(4096, 3)))
+        usage = read_usage(ledger)
+        assert usage is not None and usage.used >= 2 * store.layout.file_size("after", "kv", 4096)

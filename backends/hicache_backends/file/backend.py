@@ -490,10 +490,10 @@ class FileStorage(AsyncHiCacheStorage):
         add = functools.partial(self._ledger.add, delta, refused=refused, token=token, if_seq=if_seq)
         return await run_to_completion(add, executor=executor)
 
-    def _reserve(self, res: _Reservation, amount: int) -> None:
-        """(On an I/O thread.) Reserve ``amount`` bytes, giving back the corrupt pages' debt."""
+    def _reserve(self, res: _Reservation, amount: int, debt: int) -> None:
+        """(On an I/O thread.) Reserve ``amount`` bytes, giving back ``debt`` (bytes of corrupt
+        pages reads removed); the outcome lands in ``res``."""
         assert self._ledger is not None
-        debt, self._ledger_debt = self._ledger_debt, 0
         res.usage = self._ledger.add(amount - debt)
         if res.usage is not None:
             res.amount = amount
@@ -676,7 +676,8 @@ class FileStorage(AsyncHiCacheStorage):
         refused = 0
         try:
             if self._ledger is not None and incoming:
-                await self._run(self._reserve, res, incoming)
+                debt, self._ledger_debt = self._ledger_debt, 0
+                await self._run(self._reserve, res, incoming, debt)
             missing = await self._evict_for(incoming > 0, protect, res.usage)
             while missing > 0 and jobs:  # cannot fit them all: drop the deepest pages (batch tail)
                 dropped = jobs.pop()

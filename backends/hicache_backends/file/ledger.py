@@ -87,6 +87,25 @@ def read_usage(path: str) -> Usage | None:
         os.close(fd)
 
 
+_LOCK_PATIENCE = 0.5  # seconds to wait for a lock before answering "unavailable"
+
+
+def _flock(fd: int, op: int) -> None:
+    """``flock`` that gives up (``TimeoutError``, an ``OSError``) after ``_LOCK_PATIENCE``: a
+    holder frozen mid-update (SIGSTOP) must not hang every writer of the root."""
+    deadline = time.monotonic() + _LOCK_PATIENCE
+    pause = 0.0005
+    while True:
+        try:
+            fcntl.flock(fd, op | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"lock held by another process for over {_LOCK_PATIENCE} s") from None
+            time.sleep(pause)
+            pause = min(pause * 2, 0.02)
+
+
 class _SharedFile:
     """A small regular file at a fixed path, reopened when the path names another file (a clear
     renamed the namespace folder away). Not thread-safe: the ledger's lock guards it."""
@@ -148,7 +167,7 @@ class UsageLedger:
             try:
                 self._join()
                 fd, _ = self._counters.current()
-                fcntl.flock(fd, fcntl.LOCK_EX)
+                _flock(fd, fcntl.LOCK_EX)
                 try:
                     raw = os.pread(fd, _FORMAT.size, 0)
                     used, nref, at, seq = _decode(raw)
@@ -162,7 +181,7 @@ class UsageLedger:
                         os.pwrite(fd, _FORMAT.pack(_MAGIC, used, nref, at, seq), 0)
                 finally:
                     fcntl.flock(fd, fcntl.LOCK_UN)
-            except OSError as exc:
+            except OSError as exc:  # TimeoutError included
                 self._counters.close()
                 if not self._warned:
                     self._warned = True
@@ -186,11 +205,11 @@ class UsageLedger:
                 except BlockingIOError:
                     return False
                 finally:
-                    # back to shared (a failed conversion may have dropped the shared lock; other
-                    # holders only ever hold it shared or try exclusive without waiting)
-                    fcntl.flock(fd, fcntl.LOCK_SH)
+                    # back to shared (a failed conversion may have dropped the shared lock)
+                    _flock(fd, fcntl.LOCK_SH)
                 return True
             except OSError:
+                self._users.close()  # rejoin on the next call
                 return False
 
     def close(self) -> None:
@@ -202,5 +221,9 @@ class UsageLedger:
         """Hold the shared ``users`` lock on the current namespace folder's file."""
         fd, fresh = self._users.current()
         if fresh:
-            fcntl.flock(fd, fcntl.LOCK_SH)
+            try:
+                _flock(fd, fcntl.LOCK_SH)
+            except OSError:
+                self._users.close()
+                raise
         return fd
