@@ -309,3 +309,59 @@ async def test_a_frozen_process_holding_the_ledger_lock_does_not_hang_writers(tm
         assert await within(store.set("after", v0(4096, 3)))
         usage = read_usage(ledger)
         assert usage is not None and usage.used >= 2 * store.layout.file_size("after", "kv", 4096)
+
+
+async def test_the_shared_count_stays_exact_through_cancellations_failures_and_foreign_clears(tmp_path, monkeypatch) -> None:
+    """Two stores on one root (as two processes would be): a write cancelled mid-batch, a write
+    that fails (ENOSPC injected), rewrites, and a clear by the *other* store leave the shared
+    count equal to the bytes on disk."""
+    import errno
+    import threading
+
+    from hicache_backends.file import io as file_io
+
+    size = 8192
+    a, b = make_store(tmp_path, max_bytes=1 << 22), make_store(tmp_path, max_bytes=1 << 22)
+    ledger = os.path.join(a.layout.ns_dir, LEDGER_NAME)
+    ns_dir = a.layout.ns_dir
+
+    def exact() -> bool:
+        usage = read_usage(os.path.join(ns_dir, LEDGER_NAME))
+        return usage is not None and usage.used == namespace_bytes(ns_dir)
+
+    async with a, b:
+        await a.wait_index_ready(10)
+        await b.wait_index_ready(10)
+        assert await a.batch_set([f"a{i}" for i in range(4)], [v0(size, 1)] * 4)
+        assert await b.batch_set([f"a{i}" for i in range(2)] + ["b0"], [v0(size, 2)] * 3)  # rewrites
+        assert exact()
+        real_write = file_io.write_page
+        started = threading.Event()
+
+        def slow_write(*args):
+            started.set()
+            time.sleep(0.1)
+            return real_write(*args)
+
+        monkeypatch.setattr(file_io, "write_page", slow_write)
+        task = asyncio.create_task(a.batch_set([f"c{i}" for i in range(3)], [v0(size, 3)] * 3))
+        while not started.is_set():
+            await asyncio.sleep(0.005)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert exact()
+        real_pwritev = file_io._pwritev
+        monkeypatch.setattr(file_io, "write_page", real_write)
+
+        def full(fd, bufs, offset):
+            raise OSError(errno.ENOSPC, "No space left on device (injected)")
+
+        monkeypatch.setattr(file_io, "_pwritev", full)
+        assert not await a.set("d0", v0(size, 4))
+        monkeypatch.setattr(file_io, "_pwritev", real_pwritev)
+        assert exact()
+        assert await b.clear()  # the other store clears: the ledger goes with the old folder
+        await b.wait_background()
+        assert await a.batch_set(["e0", "e1"], [v0(size, 5)] * 2)  # a's next write: new ledger
+        assert exact() and read_usage(ledger).used == 2 * a.layout.file_size("e0", "kv", size)
