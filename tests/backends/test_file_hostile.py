@@ -20,7 +20,7 @@ import torch
 from hicache.inspect import inspect_store
 from hicache.testing.store_tests import NS_A, NS_B
 from hicache_backends.file import FileStorage
-from hicache_backends.file.ledger import LEDGER_NAME, read_usage
+from hicache_backends.file.ledger import LEDGER_NAME, USERS_NAME, read_usage
 
 from _file_helpers import all_files, page_path
 
@@ -82,6 +82,15 @@ async def test_fifo_at_a_page_path_never_blocks_and_is_a_miss(tmp_path) -> None:
             assert got is not None and torch.equal(got, v0(size, 2))
         finally:
             await within(store.aclose())
+    # FIFOs where the shared usage ledger and its users lock live: replaced, never waited on
+    ledger_files = [os.path.join(store.layout.ns_dir, n) for n in (LEDGER_NAME, USERS_NAME)]
+    with fifos_released(ledger_files):
+        for p in ledger_files:
+            os.unlink(p)
+            os.mkfifo(p)
+        async with make_store(tmp_path, max_bytes=1 << 20) as again:
+            assert await within(again.set("after-fifos", v0(size, 3)))
+        assert all(os.path.isfile(p) for p in ledger_files)
 
 
 async def test_fifos_and_devices_in_a_root_do_not_block_open_scan_or_inspect(tmp_path) -> None:
