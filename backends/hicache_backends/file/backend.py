@@ -39,6 +39,7 @@ from hicache.errors import ConfigError
 from hicache.keys import Namespace
 from hicache.storage import AsyncHiCacheStorage, HiCacheStorageConfig, PageCodec, PageKey
 from hicache.storage.offload import run_to_completion
+from hicache.storage.stats import Throttle
 
 from hicache_backends.file import io as page_io
 from hicache_backends.file.index import PageIndex
@@ -70,25 +71,6 @@ _EVICT_ROUNDS = 4  # victims may turn out gone already (evicted by another proce
 
 def _run_calls(fn: Callable[..., T], calls: Sequence[tuple[Any, ...]]) -> list[T]:
     return [fn(*args) for args in calls]
-
-
-class _Throttle:
-    """At most one report per ``period`` seconds; counts the events in between."""
-
-    def __init__(self, period: float) -> None:
-        self.period = period
-        self._last = float("-inf")
-        self._pending = 0
-
-    def due(self, n: int = 1) -> int:
-        """Record ``n`` events; returns how many to report now (0: stay quiet)."""
-        self._pending += n
-        now = time.monotonic()
-        if now - self._last < self.period:
-            return 0
-        self._last = now
-        count, self._pending = self._pending, 0
-        return count
 
 
 @dataclass(slots=True)
@@ -193,8 +175,8 @@ class FileStorage(AsyncHiCacheStorage):
         self._writes_in_flight = 0  # batches between their reservation and its settlement
         self._writes_started = 0
         self._last_rescan = float("-inf")
-        self._refusal_warnings = _Throttle(_REFUSAL_WARN_SECONDS)
-        self._enospc_warnings = _Throttle(_REFUSAL_WARN_SECONDS)
+        self._refusal_warnings = Throttle(_REFUSAL_WARN_SECONDS)
+        self._enospc_warnings = Throttle(_REFUSAL_WARN_SECONDS)
         self._background: set[asyncio.Task[None]] = set()
 
     # ------------------------------------------------------------------ properties

@@ -38,6 +38,7 @@ from hicache.errors import BackendLoadError, ConfigError
 from hicache.keys import Namespace
 from hicache.storage import AsyncHiCacheStorage, HiCacheStorageConfig, PageCodec, PageKey, Verdict
 from hicache.storage.offload import OFFLOAD_MIN_BYTES, copy_bytes, run_to_completion
+from hicache.storage.stats import Throttle
 from hicache_backends.s3.breaker import BreakerState, CircuitBreaker
 from hicache_backends.s3.cache import ExistsCache
 from hicache_backends.s3.fs import LoopLocal, LoopResources, ObjectOps, close_all, make_ops
@@ -153,6 +154,7 @@ class FsspecStorage(AsyncHiCacheStorage):
         # bytes can be damaged on the way only from a network store (async fsspec filesystems);
         # memory:// or file:// deliver what they hold
         self._remote = bool(getattr(self._fs_class, "async_impl", False))
+        self._transit_warnings = Throttle(60.0)
         self.root = self._fs_class._strip_protocol(url).rstrip("/")
         self._local: LoopLocal[LoopResources] = LoopLocal(self._make_resources)
         self.runner = RequestRunner(
@@ -398,8 +400,11 @@ class FsspecStorage(AsyncHiCacheStorage):
             return
         if not await self._corrupt_at_rest(path, data):
             self.stats.incr("transit_errors")
-            logger.warning("%s: page %s failed verification (%s) but the stored object may be intact; kept, "
-                           "served as a miss", type(self).__name__, path, verdict.value)
+            count = self._transit_warnings.due()
+            if count:
+                logger.warning("%s: %d page read(s) failed verification but the stored objects may be intact "
+                               "(damaged in transit?); kept, served as misses (last: %s, %s)",
+                               type(self).__name__, count, path, verdict.value)
             return
         self.stats.incr("corrupt_pages")
         self.exists_cache.discard(path)
