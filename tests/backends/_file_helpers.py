@@ -7,6 +7,8 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 from hicache.storage.page_format import PageCodec
@@ -87,3 +89,20 @@ class ForkServer:
         if self.proc.stdin:
             self.proc.stdin.close()
         self.proc.wait(timeout=10)
+
+
+def slow_page_writes(monkeypatch, seconds: float) -> threading.Event:
+    """Make every page write of the file backend take ``seconds`` longer (a window in which to
+    cancel a batch); the returned event is set once the first write has started."""
+    from hicache_backends.file import io as file_io
+
+    real_write = file_io.write_page
+    started = threading.Event()
+
+    def slow_write(*args):
+        started.set()
+        time.sleep(seconds)
+        return real_write(*args)
+
+    monkeypatch.setattr(file_io, "write_page", slow_write)
+    return started

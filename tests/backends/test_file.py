@@ -24,7 +24,7 @@ from hicache_backends.file import io as file_io
 from hicache_backends.file.layout import page_id
 from hicache_backends.file.ledger import LEDGER_NAME, read_usage
 
-from _file_helpers import all_files, page_path, parent_on_disk, raw_payload_from_disk
+from _file_helpers import all_files, page_path, parent_on_disk, raw_payload_from_disk, slow_page_writes
 
 
 def make_store(root, namespace=NS_A, **options) -> FileStorage:
@@ -483,15 +483,7 @@ def test_gil_free_checksum_matches_the_page_format() -> None:
 async def test_cancelled_write_still_indexes_the_pages_it_wrote(tmp_path, monkeypatch) -> None:
     """A batch write cancelled while its threads ran used to leave the pages on disk but out of
     the index: with shared=False they were misses, and they escaped max_bytes until a restart."""
-    real_write = file_io.write_page
-    started = threading.Event()
-
-    def slow_write(*args):
-        started.set()
-        time.sleep(0.2)
-        return real_write(*args)
-
-    monkeypatch.setattr(file_io, "write_page", slow_write)
+    started = slow_page_writes(monkeypatch, 0.2)
     store = make_store(tmp_path, shared=False, min_free_bytes=0)
     async with store:
         await store.wait_index_ready()

@@ -22,7 +22,7 @@ from hicache.testing.store_tests import NS_A, NS_B
 from hicache_backends.file import FileStorage
 from hicache_backends.file.ledger import LEDGER_NAME, USERS_NAME, read_usage
 
-from _file_helpers import all_files, page_path
+from _file_helpers import page_path, slow_page_writes
 
 LIMIT = 3.0  # seconds any call may take here (a blocked open would take forever)
 
@@ -338,7 +338,6 @@ async def test_the_shared_count_stays_exact_through_cancellations_failures_and_f
     that fails (ENOSPC injected), rewrites, and a clear by the *other* store leave the shared
     count equal to the bytes on disk."""
     import errno
-    import threading
 
     from hicache_backends.file import io as file_io
 
@@ -358,14 +357,7 @@ async def test_the_shared_count_stays_exact_through_cancellations_failures_and_f
         assert await b.batch_set([f"a{i}" for i in range(2)] + ["b0"], [v0(size, 2)] * 3)  # rewrites
         assert exact()
         real_write = file_io.write_page
-        started = threading.Event()
-
-        def slow_write(*args):
-            started.set()
-            time.sleep(0.1)
-            return real_write(*args)
-
-        monkeypatch.setattr(file_io, "write_page", slow_write)
+        started = slow_page_writes(monkeypatch, 0.1)
         task = asyncio.create_task(a.batch_set([f"c{i}" for i in range(3)], [v0(size, 3)] * 3))
         while not started.is_set():
             await asyncio.sleep(0.005)
