@@ -17,6 +17,10 @@ from hicache.storage import create_async_storage
 
 __all__ = ["inspect_store"]
 
+# describe_space() keys about the medium as a whole (reported once), and about one namespace
+_MEDIUM_KEYS = ("free_bytes", "fs_bytes", "min_free_bytes", "writes_refused_for_free_space")
+_NAMESPACE_KEYS = ("used_bytes", "refused_pages_no_space", "last_refused_at")
+
 
 async def inspect_store(
     root: str | None = None,
@@ -37,9 +41,13 @@ async def inspect_store(
     probe = create_async_storage(backend, None, **opts)
     try:  # not opened: opening would create the probe's own (empty) namespace
         namespaces = await probe.list_namespaces()
+        space = await probe.describe_space()
     finally:
         await probe.aclose()
     report: dict[str, Any] = {"backend": backend, "namespaces": {}, "pages": 0, "bytes": 0, "checked": 0, "corrupt": 0}
+    # the medium's free space against the floor (the default one unless options say otherwise):
+    # a floor above it makes a store refuse every write
+    report.update({k: v for k, v in space.items() if k in _MEDIUM_KEYS})
     rng = random.Random(seed)
     for ns in namespaces:
         store = create_async_storage(backend, None, namespace=ns, **opts)
@@ -59,6 +67,7 @@ async def inspect_store(
             pools: dict[str, int] = {}
             for page, _ in pages:
                 pools[page.pool] = pools.get(page.pool, 0) + 1
+            ns_space = {k: v for k, v in (await store.describe_space()).items() if k in _NAMESPACE_KEYS}
         report["namespaces"][ns.digest] = {
             "model": ns.model,
             "kv_dtype": ns.kv_dtype,
@@ -69,6 +78,7 @@ async def inspect_store(
             "bytes": nbytes,
             "checked": len(chosen),
             "corrupt": bad,
+            **ns_space,  # the shared count, and writes refused for space (by any process)
         }
         report["pages"] += len(pages)
         report["bytes"] += nbytes

@@ -201,6 +201,11 @@ class AsyncHiCacheStorage(ABC):
         """Every page of this namespace with its stored size in bytes (for ``hicache inspect``)."""
         raise NotImplementedError(f"{type(self).__name__} cannot list pages")
 
+    async def describe_space(self) -> dict[str, Any]:
+        """Space facts for ``hicache inspect``: free space, limits, and whether (and how many)
+        writes were refused for space. Empty when the backend has none to give."""
+        return {}
+
     async def verify_page(self, page: PageKey) -> bool:
         """Read and verify one page; a corrupt page is a miss (and is dropped, as on any read)."""
         await self._ensure_open()

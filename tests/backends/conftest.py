@@ -7,9 +7,11 @@ hand and parallel runs never collide.
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
 import sys
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -38,3 +40,27 @@ def moto_bucket(moto_endpoint: str) -> str:
     name = f"hicache-{uuid.uuid4().hex[:12]}"
     create_bucket(moto_endpoint, name)
     return name
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path: Path) -> Iterator[Callable[[int], Path]]:
+    """``mount(size_bytes) -> folder``: a real tmpfs of that size (a real full disk: writes there
+    fail with ENOSPC). Needs root (CI runs as root); unmounted after the test."""
+    mounted: list[Path] = []
+
+    def mount(size: int) -> Path:
+        mnt = tmp_path / f"tmpfs{len(mounted)}"
+        mnt.mkdir()
+        if os.geteuid() != 0:
+            pytest.skip("needs root to mount a small tmpfs")
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)], capture_output=True)
+        if r.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here: {r.stderr.decode().strip()}")
+        mounted.append(mnt)
+        return mnt
+
+    try:
+        yield mount
+    finally:
+        for mnt in mounted:
+            subprocess.run(["umount", "-l", str(mnt)], capture_output=True)

@@ -14,11 +14,16 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
+from collections.abc import Awaitable, Callable
 from typing import Any
 
-__all__ = ["MotoProcess", "create_bucket", "free_port", "s3_options", "threaded_moto", "wait_ready"]
+__all__ = [
+    "MotoProcess", "create_bucket", "eventually", "free_port", "make_s3", "raw_client", "raw_get", "raw_put", "s3_options",
+    "threaded_moto", "wait_ready",
+]
 
 # Fake credentials for moto; tests check that they never show up in repr, stats or logs.
 TEST_KEY = "AKIAHICACHETESTKEY01"
@@ -128,3 +133,79 @@ class MotoProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+_CLIENTS: dict[str, Any] = {}
+_CLIENTS_LOCK = threading.Lock()
+
+
+def raw_client(endpoint: str) -> Any:
+    """One plain botocore client per endpoint (thread-safe; a new session per call reloads the
+    service models, ~0.1-0.2 s a time, which used to dominate the checks against the bucket)."""
+    import botocore.session
+
+    with _CLIENTS_LOCK:
+        client = _CLIENTS.get(endpoint)
+        if client is None:
+            client = _CLIENTS[endpoint] = botocore.session.get_session().create_client(
+                "s3", endpoint_url=endpoint, aws_access_key_id=TEST_KEY, aws_secret_access_key=TEST_SECRET,
+                region_name="us-east-1",
+            )
+        return client
+
+
+def _split(path: str) -> tuple[str, str]:
+    bucket, _, key = path.partition("/")
+    return bucket, key
+
+
+def raw_get(endpoint: str, path: str) -> bytes | None:
+    client = raw_client(endpoint)
+    bucket, key = _split(path)
+    try:
+        return client.get_object(Bucket=bucket, Key=key)["Body"].read()
+    except client.exceptions.NoSuchKey:
+        return None
+
+
+def raw_put(endpoint: str, path: str, data: bytes) -> None:
+    client = raw_client(endpoint)
+    bucket, key = _split(path)
+    client.put_object(Bucket=bucket, Key=key, Body=data)
+
+
+_SESSION: Any = None
+
+
+def shared_session() -> Any:
+    """One aiobotocore session for the stores of this module: a fresh session loads botocore's
+    service models again (0.1-0.4 s per store); clients, the loop-bound part, stay per store."""
+    global _SESSION
+    if _SESSION is None:
+        from aiobotocore.session import get_session
+
+        _SESSION = get_session()
+    return _SESSION
+
+
+def make_s3(endpoint: str, bucket: str, prefix: str, namespace: Any = None, **options: Any) -> Any:
+    """An ``s3`` store on ``endpoint`` under ``s3://bucket/prefix`` (the shared botocore session)."""
+    from hicache.storage import create_async_storage
+
+    return create_async_storage(
+        "s3", None, url=f"s3://{bucket}/{prefix}",
+        storage_options={**s3_options(endpoint), "session": shared_session()}, namespace=namespace,
+        **options,
+    )
+
+
+async def eventually(check: Callable[[], Awaitable[bool]], timeout: float = 10.0) -> None:
+    """Poll ``check`` until it is true; fail after ``timeout`` seconds."""
+    import asyncio
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if await check():
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError("condition not reached in time")

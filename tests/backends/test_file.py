@@ -22,8 +22,9 @@ from hicache.testing.store_tests import NS_A, NS_B, ODD_KEYS, PAGE, keys_for
 from hicache_backends.file import FileStorage
 from hicache_backends.file import io as file_io
 from hicache_backends.file.layout import page_id
+from hicache_backends.file.ledger import LEDGER_NAME, read_usage
 
-from _file_helpers import all_files, page_path, parent_on_disk, raw_payload_from_disk
+from _file_helpers import all_files, page_path, parent_on_disk, raw_payload_from_disk, slow_page_writes
 
 
 def make_store(root, namespace=NS_A, **options) -> FileStorage:
@@ -261,6 +262,9 @@ async def test_capacity_bound_parent_links_and_restart(tmp_path) -> None:
             on_disk = disk_pages(store)
             assert store.index.nbytes <= max_bytes + page
             assert sum(s for s, _ in on_disk.values()) <= max_bytes + page
+            # the count shared with other processes is exact when only this one writes
+            usage = read_usage(os.path.join(store.layout.ns_dir, LEDGER_NAME))
+            assert usage is not None and usage.used == sum(s for s, _ in on_disk.values()), f"step {step}"
             orphans = [p for p, (_, parent) in on_disk.items() if parent is not None and parent not in on_disk]
             assert not orphans, f"step {step}: a page outlived its parent"
         stats = store.get_stats()
@@ -299,18 +303,8 @@ def test_index_breaks_parent_cycles_only_when_no_leaf_is_left() -> None:
 # ---------------------------------------------------------------------- disk full
 
 @pytest.fixture
-def tiny_tmpfs(tmp_path):
-    mnt = tmp_path / "tmpfs"
-    mnt.mkdir()
-    if os.geteuid() != 0:
-        pytest.skip("needs root to mount a 2 MiB tmpfs (the injected-ENOSPC test covers this)")
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], capture_output=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount tmpfs here ({r.stderr.decode().strip()}); injected-ENOSPC test covers this")
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+def tiny_tmpfs(small_tmpfs):
+    return small_tmpfs(2 << 20)
 
 
 async def _fill_until_full(store: FileStorage, size: int, n: int) -> list[bool]:
@@ -489,15 +483,7 @@ def test_gil_free_checksum_matches_the_page_format() -> None:
 async def test_cancelled_write_still_indexes_the_pages_it_wrote(tmp_path, monkeypatch) -> None:
     """A batch write cancelled while its threads ran used to leave the pages on disk but out of
     the index: with shared=False they were misses, and they escaped max_bytes until a restart."""
-    real_write = file_io.write_page
-    started = threading.Event()
-
-    def slow_write(*args):
-        started.set()
-        time.sleep(0.2)
-        return real_write(*args)
-
-    monkeypatch.setattr(file_io, "write_page", slow_write)
+    started = slow_page_writes(monkeypatch, 0.2)
     store = make_store(tmp_path, shared=False, min_free_bytes=0)
     async with store:
         await store.wait_index_ready()

@@ -7,10 +7,7 @@ import json
 import os
 import random
 import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,42 +15,9 @@ import torch
 from hicache.testing.store_tests import NS_A
 from hicache_backends.file import FileStorage
 
-from _file_helpers import all_files, page_path, payload_for
+from _file_helpers import ForkServer, all_files, page_path, payload_for
 
-WORKER = Path(__file__).with_name("_file_worker.py")
 NS = NS_A.to_dict()
-
-
-class ForkServer:
-    def __init__(self) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, str(WORKER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1
-        )
-        hello = self._reply()
-        assert "ready" in hello
-
-    def _reply(self) -> dict:
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"fork server died (rc={self.proc.poll()})")
-        return json.loads(line)
-
-    def call(self, **cmd) -> dict:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        self.proc.stdin.flush()
-        return self._reply()
-
-    def run(self, **cmd) -> int:
-        """Fork a child for ``cmd`` and wait for it; returns its exit status."""
-        pid = self.call(**cmd)["pid"]
-        return self.call(op="wait", pid=pid)["status"]
-
-    def close(self) -> None:
-        if self.proc.stdin:
-            self.proc.stdin.close()
-        self.proc.wait(timeout=10)
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,6 @@ import logging
 import subprocess
 import sys
 import textwrap
-import threading
 import uuid
 from pathlib import Path
 from typing import Any
@@ -22,70 +21,9 @@ from hicache.keys import Namespace
 from hicache.storage import AsyncHiCacheStorage, PageCodec, create_async_storage
 from hicache.testing import ArrayHostPool, StoreTests
 from hicache.testing.store_tests import NS_A, PAGE, keys_for
-from s3_server import TEST_KEY, TEST_SECRET, s3_options
+from s3_server import TEST_KEY, TEST_SECRET, make_s3, raw_get, raw_put, s3_options
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-_CLIENTS: dict[str, Any] = {}
-_CLIENTS_LOCK = threading.Lock()
-
-
-def _client(endpoint: str) -> Any:
-    """One plain botocore client per endpoint (thread-safe; a new session per call reloads the
-    service models, ~0.1-0.2 s a time, which used to dominate the checks against the bucket)."""
-    import botocore.session
-
-    with _CLIENTS_LOCK:
-        client = _CLIENTS.get(endpoint)
-        if client is None:
-            client = _CLIENTS[endpoint] = botocore.session.get_session().create_client(
-                "s3", endpoint_url=endpoint, aws_access_key_id=TEST_KEY, aws_secret_access_key=TEST_SECRET,
-                region_name="us-east-1",
-            )
-        return client
-
-
-def _split(path: str) -> tuple[str, str]:
-    bucket, _, key = path.partition("/")
-    return bucket, key
-
-
-def raw_get(endpoint: str, path: str) -> bytes | None:
-    client = _client(endpoint)
-    bucket, key = _split(path)
-    try:
-        return client.get_object(Bucket=bucket, Key=key)["Body"].read()
-    except client.exceptions.NoSuchKey:
-        return None
-
-
-def raw_put(endpoint: str, path: str, data: bytes) -> None:
-    client = _client(endpoint)
-    bucket, key = _split(path)
-    client.put_object(Bucket=bucket, Key=key, Body=data)
-
-
-_SESSION: Any = None
-
-
-def shared_session() -> Any:
-    """One aiobotocore session for the stores of this module: a fresh session loads botocore's
-    service models again (0.1-0.4 s per store); clients, the loop-bound part, stay per store."""
-    global _SESSION
-    if _SESSION is None:
-        from aiobotocore.session import get_session
-
-        _SESSION = get_session()
-    return _SESSION
-
-
-def make_s3(endpoint: str, bucket: str, prefix: str, namespace: Any = None, **options: Any) -> AsyncHiCacheStorage:
-    return create_async_storage(
-        "s3", None, url=f"s3://{bucket}/{prefix}",
-        storage_options={**s3_options(endpoint), "session": shared_session()}, namespace=namespace,
-        **options,
-    )
 
 
 class TestS3Store(StoreTests):

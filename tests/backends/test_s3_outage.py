@@ -16,7 +16,7 @@ import torch
 from hicache.storage import create_async_storage
 from hicache.testing import ArrayHostPool
 from hicache.testing.store_tests import NS_A, PAGE, keys_for
-from s3_server import MotoProcess, create_bucket, s3_options
+from s3_server import MotoProcess, create_bucket, eventually, s3_options
 
 T = TypeVar("T")
 
@@ -39,15 +39,6 @@ async def within_limit(coro: Awaitable[T]) -> T:
     took = time.monotonic() - t0
     assert took < LIMIT, f"call took {took:.2f} s"
     return result
-
-
-async def eventually(check: Any, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if await check():
-            return
-        await asyncio.sleep(0.1)
-    raise AssertionError("condition not reached in time")
 
 
 @pytest.fixture

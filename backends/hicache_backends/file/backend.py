@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import functools
 import logging
 import os
 import threading
@@ -38,10 +39,12 @@ from hicache.errors import ConfigError
 from hicache.keys import Namespace
 from hicache.storage import AsyncHiCacheStorage, HiCacheStorageConfig, PageCodec, PageKey
 from hicache.storage.offload import run_to_completion
+from hicache.storage.stats import Throttle
 
 from hicache_backends.file import io as page_io
 from hicache_backends.file.index import PageIndex
 from hicache_backends.file.layout import NamespaceLayout, page_id
+from hicache_backends.file.ledger import LEDGER_NAME, Usage, UsageLedger, read_usage
 
 __all__ = ["DEFAULT_MAX_BYTES", "DEFAULT_MIN_FREE_BYTES", "FileStorage"]
 
@@ -61,10 +64,22 @@ _STALE_TMP_SECONDS = 3600.0
 _CLEAR_WAIT_SECONDS = 1.0
 _BYTES_PER_CHUNK = 1 << 20  # below this much work per thread, fewer threads are faster
 _FILE_OP_COST = 32 << 10  # an open+close costs about as much as copying 32 KiB
+_REFUSAL_WARN_SECONDS = 60.0  # at most one "writes refused for space" warning per store this often
+_RESCAN_SECONDS = 5.0  # at least this long between rescans for pages other processes wrote
+_EVICT_ROUNDS = 4  # victims may turn out gone already (evicted by another process): retry
 
 
 def _run_calls(fn: Callable[..., T], calls: Sequence[tuple[Any, ...]]) -> list[T]:
     return [fn(*args) for args in calls]
+
+
+@dataclass(slots=True)
+class _Reservation:
+    """Bytes a write batch reserved in the shared ledger; filled in on the I/O thread, so a
+    caller cancelled while waiting still knows what to give back."""
+
+    amount: int = 0
+    usage: Usage | None = None
 
 
 @dataclass(slots=True)
@@ -84,9 +99,10 @@ class FileStorage(AsyncHiCacheStorage):
     Options:
         root: the store directory, shared by every process and namespace that uses it
             (default ``$HICACHE_FILE_ROOT`` or ``/tmp/hicache``).
-        max_bytes: bytes this namespace may take on disk (files counted whole), default 64 GiB;
-            ``None`` for unbounded. Enforced by leaf-first LRU eviction before each write.
-            Pages another process writes count once this store sees them (scan, stat or read).
+        max_bytes: bytes this namespace may take on disk (page files counted whole by size),
+            default 64 GiB; ``None`` for unbounded. Enforced by leaf-first LRU eviction before
+            each write, against a usage ledger shared by every process on the root (see
+            :mod:`.ledger` and the README's reliability section for the slack).
         min_free_bytes: free space to leave on the file system (default 1 GiB); writes evict
             this namespace's pages, then fail, rather than go below it. 0 disables the check.
         fsync: fsync each page and its folder before a write reports success (default off:
@@ -153,6 +169,14 @@ class FileStorage(AsyncHiCacheStorage):
         self._free_at = float("-inf")
         self._scan_seconds: float | None = None
         self._stop = threading.Event()  # tells long background deletions to give up (close)
+        self._manifest_pending = False  # the disk was too full to write it: housekeeping retries
+        self._ledger: UsageLedger | None = None  # shared usage (shared stores only)
+        self._ledger_debt = 0  # bytes of corrupt pages removed, given back with the next write
+        self._writes_in_flight = 0  # batches between their reservation and its settlement
+        self._writes_started = 0
+        self._last_rescan = float("-inf")
+        self._refusal_warnings = Throttle(_REFUSAL_WARN_SECONDS)
+        self._enospc_warnings = Throttle(_REFUSAL_WARN_SECONDS)
         self._background: set[asyncio.Task[None]] = set()
 
     # ------------------------------------------------------------------ properties
@@ -190,12 +214,18 @@ class FileStorage(AsyncHiCacheStorage):
         self._scan_executor = ThreadPoolExecutor(1, thread_name_prefix="hicache-file-scan")
         self._index_ready = asyncio.Event()
         try:
-            await self._run(page_io.prepare_namespace, self._layout, self.namespace.to_dict())
+            self._manifest_pending = not await self._run(
+                page_io.prepare_namespace, self._layout, self.namespace.to_dict()
+            )
         except BaseException as exc:
             self._shutdown_executors(wait=False)
             if isinstance(exc, OSError):
                 raise ConfigError(f"file backend: cannot use root {self.root!r}: {exc}") from exc
             raise
+        if self._manifest_pending:
+            self._warn_manifest_deferred()
+        if self.shared:
+            self._ledger = UsageLedger(self._layout.ns_dir)
         self._tombstones = set()
         self._scan_task = asyncio.get_running_loop().create_task(
             self._scan(self._generation), name=f"hicache-file-scan-{self.namespace.digest[:8]}"
@@ -210,6 +240,8 @@ class FileStorage(AsyncHiCacheStorage):
         if executors:
             # Let in-flight page writes finish (each cleans up after itself), off the loop.
             await asyncio.to_thread(lambda: [e.shutdown(wait=True) for e in executors])
+        if self._ledger is not None:
+            self._ledger.close()
 
     def _shutdown_executors(self, wait: bool) -> None:
         for e in (self._executor, self._scan_executor):
@@ -302,6 +334,7 @@ class FileStorage(AsyncHiCacheStorage):
     def _corrupt(self, page: PageKey, pid: str, result: page_io.ReadResult) -> None:
         self.stats.incr("corrupt_pages")
         self._forget(pid)
+        self._ledger_debt += result.size  # the read removed the file
         logger.warning(
             "file store %s: page %s failed verification (%s); removed, served as a miss",
             self.root, page.label()[:80], result.reason,
@@ -314,8 +347,22 @@ class FileStorage(AsyncHiCacheStorage):
         assert self._layout is not None and self._scan_executor is not None
         loop = asyncio.get_running_loop()
         t0 = time.perf_counter()
-        found = removed_tmp = 0
+        found = removed_tmp = on_disk = 0
+        complete = True
         try:
+            # What the scan measures replaces the shared count (correcting what killed writers
+            # left behind) only if nothing can be in flight meanwhile (see .ledger).
+            # The order matters: no write of ours in flight from before the reading until after
+            # it (one that reserved before it may publish during the scan without changing seq),
+            # then "alone" (a process that reserved before the reading holds the users lock by
+            # then); any reservation after the reading changes seq.
+            quiet = not self._writes_in_flight and not self._ledger_debt
+            started = self._writes_started
+            before = await self._ledger_call(self._scan_executor, 0, token=-1) if quiet else None
+            if before is not None and self._ledger is not None:
+                alone = await loop.run_in_executor(self._scan_executor, self._ledger.alone)
+                if not alone or self._writes_started != started or self._ledger_debt:
+                    before = None
             subdirs = await loop.run_in_executor(self._scan_executor, page_io.list_subdirs, self._layout)
             for subdir in subdirs:
                 try:
@@ -327,16 +374,23 @@ class FileStorage(AsyncHiCacheStorage):
                 except Exception:  # noqa: BLE001 - one bad folder must not stop the scan
                     self.stats.incr("scan_errors")
                     logger.exception("file store %s: scanning %s failed", self.root, subdir)
+                    complete = False
                     continue
                 if generation != self._generation:
                     return
                 removed_tmp += removed
                 tomb = self._tombstones or set()
                 for e in entries:
+                    on_disk += e.size
                     if e.pid in self.index or e.pid in tomb or e.pid in self._deleting:
                         continue
                     self.index.add(e.pid, e.size, e.parent, e.atime)
                     found += 1
+            if complete and before is not None and not self._ledger_debt:
+                # applied only if nobody changed the ledger during the scan (seq)
+                await self._ledger_call(
+                    self._scan_executor, on_disk - before.used, token=before.token, if_seq=before.seq
+                )
             self._scan_seconds = time.perf_counter() - t0
             logger.info(
                 "file store %s: indexed %d pages (%d bytes) in %.3fs; removed %d stale temp files",
@@ -363,13 +417,16 @@ class FileStorage(AsyncHiCacheStorage):
         await self._housekeeping()
 
     async def _housekeeping(self) -> None:
-        """Off the request path: create missing page folders, then finish clears that a killed
-        (or closed) process left half deleted. Never raises but cancellation."""
+        """Off the request path: finish clears that a killed (or closed) process left half
+        deleted - first, since on a full disk that is what frees space -, write the manifest if
+        the disk was too full for it, then create missing page folders. Never raises but
+        cancellation."""
         assert self._layout is not None and self._scan_executor is not None
         loop = asyncio.get_running_loop()
         for what, fn, args in (
-            ("creating page folders", page_io.ensure_subdirs, (self._layout, self._stop)),
             ("removing stale trash", page_io.remove_stale_trash, (self._layout.root, self._layout.digest, self._stop)),
+            ("writing the manifest", self._retry_manifest, ()),
+            ("creating page folders", page_io.ensure_subdirs, (self._layout, self._stop)),
         ):
             try:
                 await loop.run_in_executor(self._scan_executor, fn, *args)
@@ -377,6 +434,19 @@ class FileStorage(AsyncHiCacheStorage):
                 raise
             except Exception:  # noqa: BLE001 - writes create folders themselves; trash is only space
                 logger.exception("file store %s: %s failed", self.root, what)
+
+    def _retry_manifest(self) -> None:
+        """(On the scan thread.) Write a manifest that a full disk deferred; a flag, no index."""
+        if self._manifest_pending and self._layout is not None:
+            if page_io.prepare_namespace(self._layout, self.namespace.to_dict()):
+                self._manifest_pending = False
+                logger.info("file store %s: manifest of namespace %s written", self.root, self.namespace.digest)
+
+    def _warn_manifest_deferred(self) -> None:
+        logger.warning(
+            "file store %s: disk full, the manifest of namespace %s is written once space is reclaimed",
+            self.root, self.namespace.digest,
+        )
 
     # ------------------------------------------------------------------ capacity
 
@@ -387,38 +457,86 @@ class FileStorage(AsyncHiCacheStorage):
             self._free_at = time.monotonic()
         return self._free_est
 
-    async def _evict_for(self, check_free: bool, protect: frozenset[str] | set[str]) -> int:
+    async def _ledger_call(
+        self,
+        executor: ThreadPoolExecutor | None,
+        delta: int,
+        *,
+        refused: int = 0,
+        token: int | None = None,
+        if_seq: int | None = None,
+    ) -> Usage | None:
+        """``ledger.add`` on a thread (``None`` without a ledger or when it is unavailable)."""
+        if self._ledger is None:
+            return None
+        add = functools.partial(self._ledger.add, delta, refused=refused, token=token, if_seq=if_seq)
+        return await run_to_completion(add, executor=executor)
+
+    def _reserve(self, res: _Reservation, amount: int, debt: int) -> None:
+        """(On an I/O thread.) Reserve ``amount`` bytes, giving back ``debt`` (bytes of corrupt
+        pages reads removed); the outcome lands in ``res``."""
+        assert self._ledger is not None
+        res.usage = self._ledger.add(amount - debt)
+        if res.usage is not None:
+            res.amount = amount
+
+    def _remove_victims(self, paths: list[str], sizes: list[int]) -> int:
+        """(On an I/O thread.) Unlink evicted pages; returns, and releases in the ledger, the
+        bytes actually removed."""
+        freed = page_io.remove_files(paths, sizes)
+        if freed and self._ledger is not None:
+            self._ledger.add(-freed)
+        return freed
+
+    async def _evict_for(
+        self, check_free: bool, protect: frozenset[str] | set[str], usage: Usage | None = None
+    ) -> int:
         """Evict until stored + reserved bytes fit; returns the bytes still missing (0 = fits).
 
-        Callers reserve their incoming bytes in ``_reserved`` *before* calling, so batches that
-        run concurrently (this awaits) never count the same free space twice.
+        Callers reserve their incoming bytes in ``_reserved`` (and in the shared ledger, whose
+        reading they pass as ``usage``) *before* calling, so batches that run concurrently
+        (this awaits), in this process or another, never count the same free space twice.
+        With the ledger, the bound is on every process's pages together; victims are this
+        process's (and the pages it has seen) - each writer makes room for its own writes.
         """
         want = 0
+        shared = False
         if self.max_bytes is not None:
-            want = self.index.nbytes + self._reserved - self.max_bytes
+            if usage is None and self._ledger is not None:
+                usage = await self._ledger_call(self._executor, 0, token=-1)
+            shared = usage is not None
+            used = usage.used if usage is not None else self.index.nbytes + self._reserved
+            want = used - self.max_bytes
         if self.min_free_bytes and check_free:
             free = await self._free_bytes()
             want = max(want, self.min_free_bytes + self._reserved - free)
         if want <= 0:
             return 0
         guard = set(protect) | set(self._busy)
-        victims = self.index.pick_victims(want, guard)
-        freed = sum(e.size for _, e in victims)
-        if victims:
-            assert self._layout is not None
+        assert self._layout is not None
+        for _ in range(_EVICT_ROUNDS):
+            victims = self.index.pick_victims(want, guard)
+            if not victims:
+                break
             ids = [pid for pid, _ in victims]
+            sizes = [e.size for _, e in victims]
             if self._tombstones is not None:
                 self._tombstones.update(ids)
             self._deleting.update(ids)
             try:
-                await self._run(page_io.remove_files, [self._layout.path(p) for p in ids])
+                removed = await self._run(self._remove_victims, [self._layout.path(p) for p in ids], sizes)
             finally:
                 self._deleting.difference_update(ids)
-            self._free_est += freed
+            self._free_est += removed
             self.stats.incr("evicted_pages", len(victims))
-            self.stats.incr("evicted_bytes", freed)
-            logger.debug("file store %s: evicted %d pages (%d bytes)", self.root, len(victims), freed)
-        return max(0, want - freed)
+            self.stats.incr("evicted_bytes", removed)
+            logger.debug("file store %s: evicted %d pages (%d bytes)", self.root, len(victims), removed)
+            # a victim another process had evicted already frees nothing: against the shared
+            # count only bytes really removed count; the local count dropped with the index
+            want -= removed if shared else sum(sizes)
+            if want <= 0:
+                return 0
+        return max(0, want)
 
     # ------------------------------------------------------------------ primitives
 
@@ -524,7 +642,8 @@ class FileStorage(AsyncHiCacheStorage):
             return ok
 
         # Reserve, then make room: the reservation is taken synchronously so that concurrent
-        # batches cannot both claim the same space. Parents of the new pages and pages in
+        # batches cannot both claim the same space (and in the shared ledger, before any byte is
+        # written, so that other processes cannot either). Parents of the new pages and pages in
         # flight are protected from eviction.
         protect = {j.pid for j in jobs} | {j.parent for j in jobs if j.parent is not None}
         incoming = sum(j.size for j in jobs if j.skip_size is None)
@@ -532,15 +651,27 @@ class FileStorage(AsyncHiCacheStorage):
         ids = [j.pid for j in jobs]
         self._reserved += incoming
         self._busy.update(ids)
+        self._writes_in_flight += 1
+        self._writes_started += 1
+        res = _Reservation()
+        results: list[page_io.WriteResult] | None = None
+        refused = 0
         try:
-            missing = await self._evict_for(incoming > 0, protect)
+            if self._ledger is not None and incoming:
+                debt, self._ledger_debt = self._ledger_debt, 0
+                await self._run(self._reserve, res, incoming, debt)
+            missing = await self._evict_for(incoming > 0, protect, res.usage)
             while missing > 0 and jobs:  # cannot fit them all: drop the deepest pages (batch tail)
                 dropped = jobs.pop()
                 if dropped.skip_size is None:
                     missing -= dropped.size
                     incoming -= dropped.size
                     self._reserved -= dropped.size
-                self.stats.incr("rejected_pages_no_space")
+                refused += 1
+            if refused:
+                self.stats.incr("rejected_pages_no_space", refused)
+                self._maybe_rescan(res.usage)
+                await self._refused_for_space(refused, res.usage)
             calls = [
                 (self._layout, self._codec, j.pid, j.page.key, j.page.pool, j.buf, j.parent, self.fsync, j.skip_size)
                 for j in jobs
@@ -552,6 +683,11 @@ class FileStorage(AsyncHiCacheStorage):
             self._reserved -= incoming
             self._busy.subtract(ids)
             self._busy += Counter()
+            try:
+                if res.usage is not None:
+                    await self._settle(res, jobs, results, refused)
+            finally:
+                self._writes_in_flight -= 1
         if results is None:
             raise asyncio.CancelledError
         # Pages on disk are indexed even when the caller was cancelled meanwhile: an unindexed
@@ -560,6 +696,60 @@ class FileStorage(AsyncHiCacheStorage):
         if cancelled:
             raise asyncio.CancelledError
         return ok
+
+    async def _settle(
+        self, res: _Reservation, jobs: list[_WriteJob], results: Sequence[page_io.WriteResult] | None, refused: int
+    ) -> None:
+        """Give back what a batch reserved but did not publish (failed, dropped, cancelled),
+        and the bytes of the pages its writes replaced; record refused pages."""
+        assert res.usage is not None
+        kept = 0
+        if results is not None:
+            for r in results:
+                if r.ok and not r.skipped:
+                    kept += r.size - r.replaced
+        delta = kept - res.amount
+        if delta or refused:
+            await self._ledger_call(self._executor, delta, refused=refused, token=res.usage.token)
+
+    def _maybe_rescan(self, usage: Usage | None) -> None:
+        """When the shared count holds bytes this store does not know (pages other processes
+        wrote since it opened; they may have exited), index them so they can be evicted."""
+        if usage is None or usage.used <= self.index.nbytes + self._reserved:
+            return
+        if (self._scan_task is not None and not self._scan_task.done()) or not self.index_ready:
+            return
+        now = time.monotonic()
+        if now - self._last_rescan < _RESCAN_SECONDS:
+            return
+        self._last_rescan = now
+        self.stats.incr("rescans")
+        if self._tombstones is None:
+            self._tombstones = set()
+        self._scan_task = asyncio.get_running_loop().create_task(
+            self._scan(self._generation), name=f"hicache-file-rescan-{self.namespace.digest[:8]}"
+        )
+
+    async def _refused_for_space(self, n: int, usage: Usage | None) -> None:
+        """Say, at most once a minute, that and why writes are refused (DEBUG is not enough:
+        a free-space floor above a small disk's size would otherwise refuse every write
+        silently)."""
+        count = self._refusal_warnings.due(n)
+        if not count:
+            return
+        free = await self._free_bytes() if self.min_free_bytes else None
+        if free is not None and free < self.min_free_bytes + self._reserved:
+            why = (
+                f"{free} bytes free on the file system, below min_free_bytes={self.min_free_bytes}; "
+                "lower min_free_bytes or free disk space"
+            )
+        else:
+            used = usage.used if usage is not None else self.index.nbytes
+            why = (
+                f"the namespace holds {used} bytes of max_bytes={self.max_bytes} and nothing more "
+                "of it may be evicted now (pages in use, or written by other processes)"
+            )
+        logger.warning("file store %s: refused %d page write(s) for space: %s", self.root, count, why)
 
     def _apply_writes(
         self, jobs: list[_WriteJob], results: Sequence[page_io.WriteResult], generation: int, ok: list[bool]
@@ -585,7 +775,12 @@ class FileStorage(AsyncHiCacheStorage):
         if r.errno in (errno.ENOSPC, errno.EDQUOT):
             self.stats.incr("enospc_errors")
             self._free_at = float("-inf")  # ask the file system again next time
-            logger.warning("file store %s: disk full writing %s; page not stored", self.root, job.page.label()[:80])
+            count = self._enospc_warnings.due()
+            if count:
+                logger.warning(
+                    "file store %s: disk full; %d page write(s) failed since the last warning (%s)",
+                    self.root, count, job.page.label()[:80],
+                )
         else:
             self.stats.incr("io_errors")
             logger.warning("file store %s: writing %s failed: %s", self.root, job.page.label()[:80], r.reason)
@@ -596,11 +791,15 @@ class FileStorage(AsyncHiCacheStorage):
         await self._stop_scan()
         self.index.clear()
         self._tombstones = None
-        trash = await self._run(page_io.clear_namespace, self._layout, self.namespace.to_dict())
+        trash, written = await self._run(page_io.clear_namespace, self._layout, self.namespace.to_dict())
+        self._manifest_pending = not written
+        if not written:
+            self._warn_manifest_deferred()
         assert self._index_ready is not None
         self._index_ready.set()
-        if trash is not None:
-            task = asyncio.get_running_loop().create_task(self._remove_trash(trash))
+        if trash is not None or self._manifest_pending:
+            work = self._remove_trash(trash) if trash is not None else self._housekeeping()
+            task = asyncio.get_running_loop().create_task(work)
             self._background.add(task)
             task.add_done_callback(self._background.discard)
             # A small namespace is gone before clear() returns (its space is free at once); a
@@ -647,6 +846,30 @@ class FileStorage(AsyncHiCacheStorage):
         rows = await asyncio.to_thread(page_io.list_pages, self._layout)
         return [(PageKey(key, pool), size) for key, pool, size in rows]
 
+    async def describe_space(self) -> dict[str, Any]:
+        """The file system's free space against ``min_free_bytes``, and this namespace's shared
+        count and refused writes (recorded by every process in the usage ledger)."""
+        ledger_path = os.path.join(self.layout.ns_dir, LEDGER_NAME)
+
+        def facts() -> tuple[os.statvfs_result | None, Usage | None]:
+            try:
+                st = os.statvfs(self.root)
+            except OSError:
+                st = None
+            return st, read_usage(ledger_path)
+
+        st, usage = await asyncio.to_thread(facts)
+        out: dict[str, Any] = {"min_free_bytes": self.min_free_bytes, "max_bytes": self.max_bytes}
+        if st is not None:
+            free = st.f_bavail * st.f_frsize
+            out.update(free_bytes=free, fs_bytes=st.f_blocks * st.f_frsize)
+            out["writes_refused_for_free_space"] = bool(self.min_free_bytes) and free < self.min_free_bytes
+        if usage is not None:
+            out.update(used_bytes=usage.used, refused_pages_no_space=usage.refused)
+            if usage.refused:
+                out["last_refused_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(usage.refused_at))
+        return out
+
     def _backend_stats(self) -> dict[str, Any]:
         return {
             "root": self.root,
@@ -657,6 +880,7 @@ class FileStorage(AsyncHiCacheStorage):
             "evicted_pages": self.stats.get("evicted_pages"),
             "evicted_bytes": self.stats.get("evicted_bytes"),
             "corrupt_pages": self.stats.get("corrupt_pages"),
+            "rejected_pages_no_space": self.stats.get("rejected_pages_no_space"),
             "index_ready": self.index_ready,
             "scan_seconds": self._scan_seconds,
             "io_threads": self.io_threads,

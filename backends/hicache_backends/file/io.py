@@ -19,6 +19,7 @@ import itertools
 import json
 import logging
 import os
+import stat
 import threading
 import time
 from collections.abc import Sequence
@@ -45,12 +46,14 @@ __all__ = [
     "clear_namespace",
     "ensure_subdirs",
     "free_bytes",
+    "is_no_space",
     "list_subdirs",
     "payload_checksum",
     "prepare_namespace",
     "probe_page",
     "read_page_bytes",
     "read_page_into",
+    "read_small_file",
     "remove_files",
     "remove_stale_trash",
     "remove_tree",
@@ -62,8 +65,12 @@ logger = logging.getLogger("hicache.storage.file")
 
 _serial = itertools.count()
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
-# Page paths are hashed, but a symlink planted at one must not redirect a read elsewhere.
-_O_READ = os.O_RDONLY | _O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0)
+# Page paths are hashed, but a symlink planted at one must not redirect a read elsewhere, and a
+# FIFO or device planted at one must not block the opening thread forever: O_NONBLOCK makes
+# ``open`` of a FIFO return at once (it changes nothing for regular files), and every reader
+# checks ``S_ISREG`` on the open fd before reading a byte.
+_O_READ = os.O_RDONLY | _O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+_MANIFEST_MAX_BYTES = 1 << 20  # a manifest is a few hundred bytes; anything huge is not ours
 _ID_HEX = frozenset("0123456789abcdef")
 # The functions tests patch to simulate a full disk (ENOSPC) without a real one.
 _pwritev = os.pwritev
@@ -95,6 +102,7 @@ class WriteResult:
     skipped: bool = False  # an identical-size page was already there (keys are content hashes)
     errno: int | None = None
     reason: str = ""
+    replaced: int = 0  # bytes of the page file this write replaced (the shared usage ledger)
 
 
 @dataclass(slots=True)
@@ -175,6 +183,40 @@ def _open_page(path: str) -> int | ReadResult:
         return ReadResult(ReadStatus.ERROR, reason=f"open: {exc}")
 
 
+def _not_regular(path: str, st: os.stat_result) -> ReadResult:
+    """A FIFO, device, socket or folder where a page belongs: not ours, removed, a miss."""
+    _remove_stray(path, st)
+    return ReadResult(ReadStatus.CORRUPT, reason="not a regular file")
+
+
+def _remove_stray(path: str, st: os.stat_result) -> None:
+    try:
+        if stat.S_ISDIR(st.st_mode):
+            os.rmdir(path)  # only an empty one: a folder tree is left for a human
+        else:
+            _discard(path, st)
+    except OSError as exc:
+        logger.warning("could not remove %s (not a regular file): %s", path, exc)
+
+
+def read_small_file(path: str, limit: int = _MANIFEST_MAX_BYTES) -> bytes | None:
+    """The bytes of a small regular file (a manifest), or ``None`` if it is absent, not a
+    regular file (a FIFO there must not block us), a symlink, or larger than ``limit``."""
+    try:
+        fd = os.open(path, _O_READ)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > limit:
+            return None
+        return os.pread(fd, limit + 1, 0)[:limit]
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
 def _discard(path: str, st: os.stat_result) -> None:
     """Remove a corrupt page, unless another writer replaced it since we opened it."""
     try:
@@ -211,6 +253,8 @@ def read_page_into(path: str, codec: PageCodec, key: str, pool: str, buf: memory
         return fd
     try:
         st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return _not_regular(path, st)
         hlen = codec.header_len(key, pool)
         want = hlen + len(buf) + FOOTER_LEN
         if st.st_size != want:
@@ -249,6 +293,8 @@ def read_page_bytes(path: str, codec: PageCodec, key: str, pool: str, max_bytes:
         return fd
     try:
         st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return _not_regular(path, st)
         hlen = codec.header_len(key, pool)
         plen = st.st_size - hlen - FOOTER_LEN
         if plen < 0 or plen > max_bytes:
@@ -283,6 +329,8 @@ def _read_footer(path: str, size: int) -> str | None:
         return None
     fd = os.open(path, _O_READ)
     try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):  # swapped for a FIFO since the stat
+            return None
         foot = decode_footer(os.pread(fd, FOOTER_LEN, size - FOOTER_LEN))
     finally:
         os.close(fd)
@@ -295,6 +343,9 @@ def probe_page(path: str) -> ReadResult:
         return ReadResult(ReadStatus.MISSING)
     try:
         st = os.stat(path, follow_symlinks=False)
+        if not stat.S_ISREG(st.st_mode):  # a FIFO, device, folder or symlink is no page
+            _remove_stray(path, st)
+            return ReadResult(ReadStatus.MISSING)
         parent = _read_footer(path, st.st_size)
     except FileNotFoundError:
         return ReadResult(ReadStatus.MISSING)
@@ -346,6 +397,7 @@ def write_page(
                 os.fsync(fd)
         finally:
             os.close(fd)
+        replaced = _regular_size(path)
         os.replace(tmp, path)
     except BaseException as exc:
         try:
@@ -357,12 +409,21 @@ def write_page(
         raise
     if fsync:
         _fsync_dir(layout.subdir(pid))
-    return WriteResult(True, size)
+    return WriteResult(True, size, replaced=replaced)
+
+
+def _regular_size(path: str) -> int:
+    """The size of the regular file at ``path`` (0 if none): what replacing it frees."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return 0
+    return st.st_size if stat.S_ISREG(st.st_mode) else 0
 
 
 def _fsync_dir(path: str) -> None:
     try:
-        fd = os.open(path, os.O_RDONLY | _O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | _O_CLOEXEC | getattr(os, "O_DIRECTORY", 0))
     except OSError:
         return
     try:
@@ -373,18 +434,19 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def remove_files(paths: Sequence[str]) -> int:
-    """Unlink each path; returns how many were removed (gone already is fine)."""
-    n = 0
-    for p in paths:
+def remove_files(paths: Sequence[str], sizes: Sequence[int]) -> int:
+    """Unlink each path; returns the bytes (``sizes``) of those this call removed (a file
+    gone already - another process evicted it - frees nothing here)."""
+    freed = 0
+    for p, size in zip(paths, sizes):
         try:
             os.unlink(p)
-            n += 1
+            freed += size
         except FileNotFoundError:
             pass
         except OSError as exc:
             logger.warning("could not remove %s: %s", p, exc)
-    return n
+    return freed
 
 
 def free_bytes(path: str) -> int:
@@ -397,12 +459,8 @@ def free_bytes(path: str) -> int:
 
 def _write_manifest(layout: NamespaceLayout, manifest: dict) -> None:
     text = json.dumps(manifest, sort_keys=True, indent=2) + "\n"
-    try:
-        with open(layout.manifest_path, encoding="utf-8") as f:
-            if f.read() == text:
-                return
-    except (OSError, UnicodeDecodeError):
-        pass
+    if read_small_file(layout.manifest_path) == text.encode():
+        return
     tmp = f"{layout.manifest_path}.{os.getpid()}.{next(_serial)}.tmp"
     try:
         with open(tmp, "w", encoding="utf-8") as f:
@@ -416,14 +474,30 @@ def _write_manifest(layout: NamespaceLayout, manifest: dict) -> None:
         raise
 
 
-def prepare_namespace(layout: NamespaceLayout, manifest: dict) -> None:
-    """Create the namespace folder and its manifest (idempotent).
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
+def is_no_space(exc: BaseException) -> bool:
+    """Whether ``exc`` says the file system (or the user's quota) is full."""
+    return isinstance(exc, OSError) and exc.errno in _NO_SPACE
+
+
+def prepare_namespace(layout: NamespaceLayout, manifest: dict) -> bool:
+    """Create the namespace folder and its manifest (idempotent); ``False`` if the disk is too
+    full for them just now (the caller retries once space is reclaimed: a store must open on a
+    full disk, or it could never delete the garbage that fills it). Other errors raise.
 
     The 256 hashed page folders are created by the first write into each: creating them all
     up front costs hundreds of milliseconds on a busy journaling file system.
     """
-    os.makedirs(layout.pages_dir, exist_ok=True)
-    _write_manifest(layout, manifest)
+    try:
+        os.makedirs(layout.pages_dir, exist_ok=True)
+        _write_manifest(layout, manifest)
+    except OSError as exc:
+        if is_no_space(exc):
+            return False
+        raise
+    return True
 
 
 def ensure_subdirs(layout: NamespaceLayout, stop: threading.Event | None = None) -> int:
@@ -434,7 +508,12 @@ def ensure_subdirs(layout: NamespaceLayout, stop: threading.Event | None = None)
         if stop is not None and stop.is_set():
             break
         if not os.path.isdir(d):
-            os.makedirs(d, exist_ok=True)
+            try:
+                os.makedirs(d, exist_ok=True)
+            except OSError as exc:
+                if is_no_space(exc):  # a full disk: writes create their folder when they can
+                    break
+                raise
             made += 1
     return made
 
@@ -449,8 +528,10 @@ def list_subdirs(layout: NamespaceLayout) -> list[str]:
     return [os.path.join(layout.pages_dir, n) for n in sorted(names) if n in wanted]
 
 
-def clear_namespace(layout: NamespaceLayout, manifest: dict) -> str | None:
-    """Empty this namespace (and only it) at once; returns the folder left to delete.
+def clear_namespace(layout: NamespaceLayout, manifest: dict) -> tuple[str | None, bool]:
+    """Empty this namespace (and only it) at once; returns the folder left to delete and
+    whether the fresh manifest could be written (not on a full disk: retried later, after the
+    old files are gone - which is what frees the disk).
 
     The namespace folder is renamed aside and set up afresh, so the clear is instant for
     every reader, and a write racing with it lands in the doomed folder or the fresh one,
@@ -461,10 +542,8 @@ def clear_namespace(layout: NamespaceLayout, manifest: dict) -> str | None:
     try:
         os.rename(layout.ns_dir, trash)
     except FileNotFoundError:
-        prepare_namespace(layout, manifest)
-        return None
-    prepare_namespace(layout, manifest)
-    return trash
+        return None, prepare_namespace(layout, manifest)
+    return trash, prepare_namespace(layout, manifest)
 
 
 _removing: set[str] = set()  # trash folders this process is deleting right now
@@ -480,8 +559,10 @@ def remove_tree(path: str, stop: threading.Event | None = None) -> bool:
     with _removing_lock:
         _removing.add(path)
     try:
-        for dirpath, _, filenames in os.walk(path, topdown=False):
-            for name in filenames:
+        for dirpath, dirnames, filenames in os.walk(path, topdown=False):
+            # os.walk lists a symlink to a folder among the folders and never enters it
+            links = [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))]
+            for name in filenames + links:
                 if stop is not None and stop.is_set():
                     return False
                 try:
@@ -591,10 +672,12 @@ def list_manifests(root: str) -> list[dict]:
     for name in names:
         if len(name) != 32 or not set(name) <= _ID_HEX:
             continue
+        raw = read_small_file(os.path.join(root, name, "manifest.json"))
         try:
-            with open(os.path.join(root, name, "manifest.json"), encoding="utf-8") as f:
-                manifest = json.load(f)
-        except (OSError, ValueError):
+            if raw is None:
+                raise ValueError("absent, not a regular file, or too large")
+            manifest = json.loads(raw)
+        except ValueError:
             logger.warning("file store %s: namespace folder %s has no readable manifest", root, name)
             continue
         if isinstance(manifest, dict):
@@ -605,10 +688,12 @@ def list_manifests(root: str) -> list[dict]:
 def page_identity(path: str) -> tuple[str, str] | None:
     """(key, pool) from a page file's header, without reading its payload."""
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        fd = os.open(path, _O_READ)
     except OSError:
         return None
     try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
         head = os.pread(fd, 4096, 0)
     finally:
         os.close(fd)

@@ -24,9 +24,11 @@ this namespace's pages.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import math
+import time
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
@@ -36,6 +38,7 @@ from hicache.errors import BackendLoadError, ConfigError
 from hicache.keys import Namespace
 from hicache.storage import AsyncHiCacheStorage, HiCacheStorageConfig, PageCodec, PageKey, Verdict
 from hicache.storage.offload import OFFLOAD_MIN_BYTES, copy_bytes, run_to_completion
+from hicache.storage.stats import Throttle
 from hicache_backends.s3.breaker import BreakerState, CircuitBreaker
 from hicache_backends.s3.cache import ExistsCache
 from hicache_backends.s3.fs import LoopLocal, LoopResources, ObjectOps, close_all, make_ops
@@ -81,7 +84,10 @@ class FsspecStorage(AsyncHiCacheStorage):
         breaker_cooldown: seconds the breaker stays open before one probe request.
         exists_cache_size, exists_cache_ttl: how many known-present pages to remember, and for
             how long (0 entries disables the cache). Stores of one process on the same location
-            and namespace share the cache, so a clear through one is seen by all.
+            and namespace share the cache, so a clear through one is seen by all. While the
+            breaker is not closed the cache is not consulted: lookups answer misses.
+        manifest_check_interval: seconds between checks that the namespace manifest is still
+            there (a bucket deleted and re-created loses it); it is rewritten when missing.
         namespace: override the namespace derived from the storage config.
     """
 
@@ -103,6 +109,7 @@ class FsspecStorage(AsyncHiCacheStorage):
         breaker_cooldown: float = 5.0,
         exists_cache_size: int = 100_000,
         exists_cache_ttl: float = 300.0,
+        manifest_check_interval: float = 60.0,
         namespace: Namespace | dict[str, Any] | None = None,
     ) -> None:
         super().__init__(storage_config, namespace=namespace)
@@ -143,6 +150,11 @@ class FsspecStorage(AsyncHiCacheStorage):
             _positive("exists_cache_size", exists_cache_size, int, allow_zero=True),
             float(_positive("exists_cache_ttl", exists_cache_ttl, allow_zero=True)),
         )
+        self.manifest_check_interval = float(_positive("manifest_check_interval", manifest_check_interval))
+        # bytes can be damaged on the way only from a network store (async fsspec filesystems);
+        # memory:// or file:// deliver what they hold
+        self._remote = bool(getattr(self._fs_class, "async_impl", False))
+        self._transit_warnings = Throttle(60.0)
         self.root = self._fs_class._strip_protocol(url).rstrip("/")
         self._local: LoopLocal[LoopResources] = LoopLocal(self._make_resources)
         self.runner = RequestRunner(
@@ -248,11 +260,14 @@ class FsspecStorage(AsyncHiCacheStorage):
     async def _probe_loop(self) -> None:
         """While the breaker is open (or the manifest is unwritten), probe the store so it is
         noticed as back without sacrificing a user request. Never dies on an error."""
-        interval = max(0.05, min(self.breaker.cooldown / 2, 5.0))
+        interval = max(0.05, min(self.breaker.cooldown / 2, 5.0, self.manifest_check_interval))
+        checked = time.monotonic()
         while True:
             await asyncio.sleep(interval)
             try:
-                if self.breaker.state is not BreakerState.CLOSED or not self._manifest_ok:
+                due = time.monotonic() - checked >= self.manifest_check_interval
+                if due or self.breaker.state is not BreakerState.CLOSED or not self._manifest_ok:
+                    checked = time.monotonic()
                     await self._ensure_manifest()
             except asyncio.CancelledError:
                 raise
@@ -268,8 +283,9 @@ class FsspecStorage(AsyncHiCacheStorage):
             if size is None:
                 body = json.dumps(self.namespace.to_dict(), indent=1, sort_keys=True).encode()
                 await self.runner.request("put manifest", lambda ops: ops.put(names.manifest, body))
-        except (GaveUp, FileNotFoundError):
+        except (GaveUp, FileNotFoundError):  # unreachable, or the bucket is gone: check again soon
             self.stats.incr("manifest_errors")
+            self._manifest_ok = False
             return False
         self._manifest_ok = True
         return True
@@ -282,7 +298,10 @@ class FsspecStorage(AsyncHiCacheStorage):
         names = self.names
         generation = self.exists_cache.generation
         paths = [names.page(p.key, p.pool) for p in pages]
-        out = [self.exists_cache.contains(path) for path in paths]
+        if self.breaker.state is BreakerState.CLOSED:
+            out = [self.exists_cache.contains(path) for path in paths]
+        else:  # unreachable: a remembered page cannot be read either, so it is a miss (the
+            out = [False] * len(paths)  # HEADs below are refused, or one of them is the probe)
         todo = [i for i, known in enumerate(out) if not known]
         self.stats.incr("exists_cache_hits", len(pages) - len(todo))
         found = await self.runner.batch(
@@ -326,7 +345,7 @@ class FsspecStorage(AsyncHiCacheStorage):
         else:
             verdict = self._verify_and_copy(view, hlen, page, buf)
         if verdict is not Verdict.OK:
-            await self._reject(path, view[:hlen], verdict, want)
+            await self._reject(path, view, hlen, verdict, want)
             return False
         self.exists_cache.add(path, generation)
         return True
@@ -353,7 +372,7 @@ class FsspecStorage(AsyncHiCacheStorage):
             hlen = parsed.header_len if parsed is not None else PageCodec.header_len(page.key, page.pool)
             verdict = self._verify(view[:hlen], view[hlen:], page, None)
             if verdict is not Verdict.OK:
-                await self._reject(path, view[:hlen], verdict, None)
+                await self._reject(path, view, hlen, verdict, None)
                 return None
             return bytes(view[hlen:])
 
@@ -368,13 +387,24 @@ class FsspecStorage(AsyncHiCacheStorage):
         codec = self._codec or PageCodec(self.namespace.digest_bytes)
         return codec.verify(header, payload, page.key, page.pool, expected_len=want)
 
-    async def _reject(self, path: str, header: memoryview, verdict: Verdict, want: int | None) -> None:
-        """A page that failed verification: a size the caller did not expect is just a miss;
-        anything else is corrupt - counted, forgotten, and deleted so lookups stop finding it
-        (a concurrent good rewrite lost to that delete costs one miss, never wrong bytes)."""
-        parsed = PageCodec.parse(header)
+    async def _reject(self, path: str, data: memoryview, hlen: int, verdict: Verdict, want: int | None) -> None:
+        """A page that failed verification. A size the caller did not expect is just a miss.
+        Otherwise it is deleted only when the bytes received are the bytes stored (their MD5 is
+        the object's ETag): a link that flips bits must not delete a good page that every other
+        reader shares. Without that evidence it is a counted miss (``transit_errors``) and the
+        object stays. (A concurrent good rewrite lost to a delete costs one miss, never wrong
+        bytes.)"""
+        parsed = PageCodec.parse(data[:hlen])
         if verdict is Verdict.WRONG_LENGTH and parsed is not None and want is not None and parsed.payload_len != want:
             self.stats.incr("size_mismatches")
+            return
+        if not await self._corrupt_at_rest(path, data):
+            self.stats.incr("transit_errors")
+            count = self._transit_warnings.due()
+            if count:
+                logger.warning("%s: %d page read(s) failed verification but the stored objects may be intact "
+                               "(damaged in transit?); kept, served as misses (last: %s, %s)",
+                               type(self).__name__, count, path, verdict.value)
             return
         self.stats.incr("corrupt_pages")
         self.exists_cache.discard(path)
@@ -383,6 +413,22 @@ class FsspecStorage(AsyncHiCacheStorage):
             await self.runner.request("delete corrupt", lambda ops: ops.remove(path))
         except (GaveUp, FileNotFoundError):
             pass
+
+    async def _corrupt_at_rest(self, path: str, data: memoryview) -> bool:
+        """Whether ``data`` (which failed verification) is exactly what the store holds."""
+        if not self._remote:
+            return True
+        try:
+            stored = await self.runner.request("head corrupt", lambda ops: ops.stored_md5(path))
+        except (GaveUp, FileNotFoundError):
+            return False
+        if stored is None or stored[0] != len(data):
+            return False
+        if len(data) >= OFFLOAD_MIN_BYTES:
+            digest = await run_to_completion(_md5_hex, data)
+        else:
+            digest = _md5_hex(data)
+        return digest == stored[1]
 
     async def _write(
         self, pages: Sequence[PageKey], buffers: Sequence[memoryview], parents: Sequence[PageKey | None]
@@ -410,6 +456,7 @@ class FsspecStorage(AsyncHiCacheStorage):
             await self.runner.request("write", put)
         except FileNotFoundError:
             self.stats.incr("permanent_errors")
+            self._manifest_ok = False  # the bucket is gone; if it comes back, so must the manifest
             logger.warning("%s: write to %s failed: bucket not found", type(self).__name__, redact_url(self.url))
             return False
         except GaveUp:
@@ -444,6 +491,10 @@ class FsspecStorage(AsyncHiCacheStorage):
             "concurrency": self.concurrency,
             "event_loops": len(self._local),
         }
+
+
+def _md5_hex(data: memoryview) -> str:
+    return hashlib.md5(data, usedforsecurity=False).hexdigest()
 
 
 class S3Storage(FsspecStorage):

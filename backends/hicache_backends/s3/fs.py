@@ -56,6 +56,11 @@ class ObjectOps(Protocol):
 
     async def remove(self, path: str) -> None: ...
 
+    async def stored_md5(self, path: str) -> tuple[int, str] | None:
+        """``(size, MD5 hex)`` of the object as stored, where the service says (S3's ETag of a
+        single-part upload); ``None`` when it cannot tell. ``FileNotFoundError`` if absent."""
+        ...
+
     async def remove_tree(self, prefix: str) -> int:
         """Delete every object under ``prefix``; returns how many."""
         ...
@@ -89,6 +94,9 @@ class AsyncObjectOps:
 
     async def remove(self, path: str) -> None:
         await self.fs._rm_file(path)
+
+    async def stored_md5(self, path: str) -> tuple[int, str] | None:
+        return None  # no portable digest: never delete on a verification failure alone
 
     async def remove_tree(self, prefix: str) -> int:
         try:
@@ -141,6 +149,15 @@ class S3ObjectOps(AsyncObjectOps):
         except FileNotFoundError:
             return None
         return int(out.get("ContentLength", 0))
+
+    async def stored_md5(self, path: str) -> tuple[int, str] | None:
+        bucket, key, _ = self.fs.split_path(path)
+        out = await self.fs._call_s3("head_object", Bucket=bucket, Key=key)
+        etag = str(out.get("ETag", "")).strip('"').lower()
+        # a multipart or SSE-KMS ETag is not the MD5 of the bytes: then we cannot tell
+        if len(etag) != 32 or not all(c in "0123456789abcdef" for c in etag):
+            return None
+        return int(out.get("ContentLength", 0)), etag
 
     async def remove_tree(self, prefix: str) -> int:
         try:
@@ -199,6 +216,9 @@ class ThreadObjectOps:
 
     async def remove(self, path: str) -> None:
         await asyncio.to_thread(self.fs.rm_file, path)
+
+    async def stored_md5(self, path: str) -> tuple[int, str] | None:
+        return None
 
     async def remove_tree(self, prefix: str) -> int:
         def rm() -> int:

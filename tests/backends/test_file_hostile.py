@@ -1,0 +1,381 @@
+"""The ``file`` backend against a hostile root: FIFOs and other non-regular files where pages and
+manifests belong, a 100% full file system (a real tmpfs), a free-space floor larger than the
+disk, and several processes sharing one ``max_bytes``. Each test failed before its fix (issue 14,
+items 1-4)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from hicache.inspect import inspect_store
+from hicache.testing.store_tests import NS_A, NS_B
+from hicache_backends.file import FileStorage
+from hicache_backends.file.ledger import LEDGER_NAME, USERS_NAME, read_usage
+
+from _file_helpers import page_path, slow_page_writes
+
+LIMIT = 3.0  # seconds any call may take here (a blocked open would take forever)
+
+
+def make_store(root, namespace=NS_A, **options) -> FileStorage:
+    options.setdefault("min_free_bytes", 0)
+    return FileStorage(None, root=str(root), namespace=namespace, **options)
+
+
+def v0(size: int, fill: int) -> torch.Tensor:
+    return torch.full((size,), fill, dtype=torch.uint8)
+
+
+@contextlib.contextmanager
+def fifos_released(paths: list[str]) -> Iterator[None]:
+    """On the way out, open every FIFO for writing: a thread blocked opening one for reading
+    (the bug this guards against) is then released, so a failing test fails instead of hanging."""
+    try:
+        yield
+    finally:
+        for p in paths:
+            try:
+                fd = os.open(p, os.O_WRONLY | os.O_NONBLOCK)
+            except OSError:
+                continue
+            os.close(fd)
+
+
+async def within(coro, limit: float = LIMIT):
+    t0 = time.monotonic()
+    out = await asyncio.wait_for(coro, limit)
+    assert time.monotonic() - t0 < limit
+    return out
+
+
+# ---------------------------------------------------------------------- item 1: non-regular files
+
+
+async def test_fifo_at_a_page_path_never_blocks_and_is_a_miss(tmp_path) -> None:
+    size = 4096
+    store = make_store(tmp_path)
+    await store.__aenter__()
+    fifo = page_path(store.root, store.namespace.digest, "fifo")
+    with fifos_released([fifo]):
+        try:
+            assert await store.set("fifo", v0(size, 1))
+            os.unlink(fifo)
+            os.mkfifo(fifo)
+            assert await within(store.get("fifo", torch.empty(size, dtype=torch.uint8))) is None
+            assert await within(store.get("fifo")) is None  # the unknown-size path
+            assert not await within(store.exists("fifo"))
+            assert not os.path.lexists(fifo)  # not ours: removed, like a symlink
+            os.mkfifo(fifo)  # planted again while the index no longer knows the page
+            assert not await within(store.exists("fifo"))  # the stat fallback sees no page
+            assert await within(store.set("fifo", v0(size, 2)))  # a write replaces it
+            got = await within(store.get("fifo", torch.empty(size, dtype=torch.uint8)))
+            assert got is not None and torch.equal(got, v0(size, 2))
+        finally:
+            await within(store.aclose())
+    # FIFOs where the shared usage ledger and its users lock live: replaced, never waited on
+    ledger_files = [os.path.join(store.layout.ns_dir, n) for n in (LEDGER_NAME, USERS_NAME)]
+    with fifos_released(ledger_files):
+        for p in ledger_files:
+            os.unlink(p)
+            os.mkfifo(p)
+        async with make_store(tmp_path, max_bytes=1 << 20) as again:
+            assert await within(again.set("after-fifos", v0(size, 3)))
+        assert all(os.path.isfile(p) for p in ledger_files)
+
+
+async def test_fifos_and_devices_in_a_root_do_not_block_open_scan_or_inspect(tmp_path) -> None:
+    size = 2048
+    async with make_store(tmp_path) as store:
+        assert await store.batch_set(["a", "b"], [v0(size, 1), v0(size, 2)])
+        digest = store.namespace.digest
+    fifos = [page_path(tmp_path, digest, "a"), str(tmp_path / digest / "manifest.json")]
+    with fifos_released(fifos):
+        for p in fifos:
+            os.unlink(p)
+            os.mkfifo(p)
+        null_page = page_path(tmp_path, digest, "b")
+        os.unlink(null_page)
+        os.symlink("/dev/zero", null_page)
+        # inspect lists namespaces (reads manifests) and their pages (reads headers)
+        report = await within(inspect_store(str(tmp_path), progress=False))
+        assert report["corrupt"] == 0
+        # open reads the manifest, the scan reads footers: a FIFO at either blocks neither
+        store = make_store(tmp_path)
+        await within(store.__aenter__())
+        try:
+            assert await within(store.wait_index_ready(LIMIT))
+            assert await within(store.batch_exists(["a", "b"])) == 0
+            assert await within(store.get("a", torch.empty(size, dtype=torch.uint8))) is None
+            assert await within(store.get("b")) is None
+            assert os.path.isfile(fifos[1])  # the manifest was rewritten as a regular file
+        finally:
+            await within(store.aclose())
+
+
+# ---------------------------------------------------------------------- item 2: a 100% full disk
+
+
+def fill_to_the_brim(folder: Path, name: str = "filler") -> Path:
+    """Write a file until the file system refuses even one more byte (ENOSPC)."""
+    path = folder / name
+    with open(path, "ab", buffering=0) as f:
+        chunk = 1 << 16
+        while chunk:
+            try:
+                f.write(b"\0" * chunk)
+            except OSError:
+                chunk //= 2
+    st = os.statvfs(folder)
+    assert st.f_bavail * st.f_frsize == 0
+    return path
+
+
+def dead_pid() -> int:
+    """The pid of a process that has exited (and been reaped)."""
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
+
+
+async def test_clear_on_a_full_disk_reclaims_its_trash_and_keeps_working(small_tmpfs) -> None:
+    mnt = small_tmpfs(2 << 20)
+    size = 150_000
+    async with make_store(mnt, max_bytes=None) as store:
+        n = 0
+        while await store.set(f"p{n}", v0(size, n % 250 + 1)):
+            n += 1
+        assert n >= 5
+        fill_to_the_brim(mnt)
+        assert await within(store.clear())
+        await within(store.wait_background())
+        # the trash is gone (the disk has room again) and the fresh manifest was written after
+        assert not [x for x in os.listdir(mnt) if x.startswith(".trash")]
+        assert os.path.isfile(store.layout.manifest_path)
+        assert await store.set("after", v0(size, 7))
+        got = await store.get("after", torch.empty(size, dtype=torch.uint8))
+        assert got is not None and torch.equal(got, v0(size, 7))
+
+
+async def test_store_opens_on_a_full_disk_and_reclaims_a_dead_clear(small_tmpfs) -> None:
+    """A process killed mid-clear left its trash, and the disk is 100% full: the next store must
+    open anyway (it used to write the manifest first and fail), delete the trash in the
+    background, then write its manifest and accept pages again."""
+    mnt = small_tmpfs(2 << 20)
+    size = 150_000
+    async with make_store(mnt, max_bytes=None) as store:
+        assert await store.batch_set([f"q{i}" for i in range(8)], [v0(size, i + 1) for i in range(8)])
+        digest = store.namespace.digest
+    os.rename(mnt / digest, mnt / f".trash-{digest}-{dead_pid()}-0")  # what a killed clear leaves
+    filler = fill_to_the_brim(mnt)
+    async with make_store(mnt, max_bytes=None) as again:
+        await within(again.wait_background(), 10)
+        assert not [x for x in os.listdir(mnt) if x.startswith(".trash")]
+        assert os.path.isfile(again.layout.manifest_path)
+        assert await again.set("back", v0(size, 9))
+    assert filler.exists()  # what is not ours is never touched
+
+
+# ---------------------------------------------------------------------- item 3: one bound, N processes
+
+
+def namespace_bytes(ns_dir: str) -> int:
+    """Bytes of page files and in-flight temporary files under a namespace folder, by size."""
+    total = 0
+    pages = os.path.join(ns_dir, "pages")
+    try:
+        subdirs = os.listdir(pages)
+    except FileNotFoundError:
+        return 0
+    for sub in subdirs:
+        try:
+            with os.scandir(os.path.join(pages, sub)) as it:
+                for e in it:
+                    try:
+                        total += e.stat(follow_symlinks=False).st_size
+                    except FileNotFoundError:
+                        pass
+        except (FileNotFoundError, NotADirectoryError):
+            pass
+    return total
+
+
+@pytest.fixture(scope="module")
+def forkserver():
+    from _file_helpers import ForkServer
+
+    server = ForkServer()
+    yield server
+    server.close()
+
+
+async def test_max_bytes_holds_across_processes_sharing_a_root(forkserver, small_tmpfs) -> None:
+    """Four writer processes, each told ``max_bytes`` = 24 pages, write 4 x 60 distinct pages
+    (rewriting some) at once on one tmpfs: its used blocks, sampled every few milliseconds with
+    ``statvfs`` (an atomic reading, unlike a walk of the folders while they churn), stay within
+    ``max_bytes`` plus the stated slack of one page, during and after; then a fifth process
+    that never saw their pages still makes room for its own."""
+    import signal
+
+    root = small_tmpfs(64 << 20)
+    size = 64 * 1024
+    ns = NS_A.to_dict()
+    probe = make_store(root)
+    page = probe.layout.file_size("w0-0", "kv", size)
+    limit = 24 * page
+    ns_dir = probe.layout.ns_dir
+    async with make_store(root) as first:  # manifest, ledger, folders: the baseline
+        await first.wait_background()
+    block = os.statvfs(root).f_frsize
+    page_blocks = -(-page // block) * block  # what one page takes on this file system
+
+    def used() -> int:
+        st = os.statvfs(root)
+        return (st.f_blocks - st.f_bfree) * st.f_frsize
+
+    baseline = used()
+    pids = [
+        forkserver.call(
+            op="write", root=str(root), ns=ns, keys=[f"w{w}-{i}" for i in range(60)], size=size,
+            forever=True, max_bytes=limit,
+        )["pid"]
+        for w in range(4)
+    ]
+    peak = 0
+    t_end = time.monotonic() + 2.5
+    try:
+        while time.monotonic() < t_end:
+            peak = max(peak, used() - baseline)
+            await asyncio.sleep(0.002)
+    finally:
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
+        for pid in pids:
+            forkserver.call(op="wait", pid=pid)
+    peak_pages, after = peak / page_blocks, namespace_bytes(ns_dir)
+    print(f"peak {peak_pages:.2f} pages of 24 allowed, after {after / limit:.3f}x max_bytes")
+    assert peak_pages > 12, "the writers never filled the store: the test measured nothing"
+    assert peak_pages <= 25, f"peak {peak_pages:.2f} pages, max_bytes allows 24"
+    assert after <= limit, f"{after / limit:.2f}x max_bytes after the writers died"
+    # a new process knows none of those pages, yet its writes make room (it indexes them)
+    async with make_store(root, max_bytes=limit) as store:
+        assert await store.wait_index_ready(10)
+        # alone on the root, its scan replaced the count (killed writers' reservations in it)
+        # with what is on disk
+        usage = read_usage(os.path.join(ns_dir, LEDGER_NAME))
+        assert usage is not None and usage.used == namespace_bytes(ns_dir)
+        ok = await store.batch_set([f"new-{i}" for i in range(8)], [v0(size, i + 1) for i in range(8)])
+        assert ok
+    assert namespace_bytes(ns_dir) <= limit
+
+
+# ---------------------------------------------------------------------- item 4: refusals are visible
+
+
+async def test_a_floor_above_a_small_disk_refuses_visibly(small_tmpfs, caplog) -> None:
+    """The default ``min_free_bytes`` (1 GiB) on an 8 MiB file system refuses every write: once a
+    minute a WARNING says so and why, the metric counts it, and ``hicache inspect`` (another
+    store, as another process would be) shows it."""
+    mnt = small_tmpfs(8 << 20)
+    size = 4096
+    with caplog.at_level(logging.WARNING, logger="hicache.storage.file"):
+        async with FileStorage(None, root=str(mnt), namespace=NS_B) as store:  # default floor
+            for i in range(5):
+                assert not await store.set(f"r{i}", v0(size, 1))
+            stats = store.get_stats()
+            assert stats["rejected_pages_no_space"] == 5
+    warnings = [r for r in caplog.records if "refused" in r.getMessage()]
+    assert len(warnings) == 1, [r.getMessage() for r in warnings]
+    assert "min_free_bytes" in warnings[0].getMessage()
+    report = await inspect_store(str(mnt), progress=False)
+    assert report["writes_refused_for_free_space"] is True
+    assert report["free_bytes"] < report["min_free_bytes"] == 1 << 30
+    (ns,) = report["namespaces"].values()
+    assert ns["refused_pages_no_space"] == 5 and "last_refused_at" in ns
+
+
+async def test_a_frozen_process_holding_the_ledger_lock_does_not_hang_writers(tmp_path) -> None:
+    """A process stopped (SIGSTOP) while it holds the usage ledger's lock: writes here go on
+    within a bounded wait, counting this process only, and use the ledger again after."""
+    import signal
+    import sys
+
+    async with make_store(tmp_path, max_bytes=1 << 20) as store:
+        assert await store.set("before", v0(4096, 1))
+        ledger = os.path.join(store.layout.ns_dir, LEDGER_NAME)
+        holder = subprocess.Popen(
+            [sys.executable, "-c", (
+                "import fcntl, os, signal, sys\n"
+                f"fd = os.open({ledger!r}, os.O_RDWR)\n"
+                "fcntl.flock(fd, fcntl.LOCK_EX)\n"
+                "print('locked', flush=True)\n"
+                "os.kill(os.getpid(), signal.SIGSTOP)\n"
+            )],
+            stdout=subprocess.PIPE, text=True,
+        )
+        try:
+            assert holder.stdout is not None and holder.stdout.readline().strip() == "locked"
+            assert await within(store.set("during", v0(4096, 2)))
+        finally:
+            os.kill(holder.pid, signal.SIGKILL)
+            holder.wait()
+        assert await within(store.set("after", v0(4096, 3)))
+        usage = read_usage(ledger)
+        assert usage is not None and usage.used >= 2 * store.layout.file_size("after", "kv", 4096)
+
+
+async def test_the_shared_count_stays_exact_through_cancellations_failures_and_foreign_clears(tmp_path, monkeypatch) -> None:
+    """Two stores on one root (as two processes would be): a write cancelled mid-batch, a write
+    that fails (ENOSPC injected), rewrites, and a clear by the *other* store leave the shared
+    count equal to the bytes on disk."""
+    import errno
+
+    from hicache_backends.file import io as file_io
+
+    size = 8192
+    a, b = make_store(tmp_path, max_bytes=1 << 22), make_store(tmp_path, max_bytes=1 << 22)
+    ledger = os.path.join(a.layout.ns_dir, LEDGER_NAME)
+    ns_dir = a.layout.ns_dir
+
+    def exact() -> bool:
+        usage = read_usage(os.path.join(ns_dir, LEDGER_NAME))
+        return usage is not None and usage.used == namespace_bytes(ns_dir)
+
+    async with a, b:
+        await a.wait_index_ready(10)
+        await b.wait_index_ready(10)
+        assert await a.batch_set([f"a{i}" for i in range(4)], [v0(size, 1)] * 4)
+        assert await b.batch_set([f"a{i}" for i in range(2)] + ["b0"], [v0(size, 2)] * 3)  # rewrites
+        assert exact()
+        real_write = file_io.write_page
+        started = slow_page_writes(monkeypatch, 0.1)
+        task = asyncio.create_task(a.batch_set([f"c{i}" for i in range(3)], [v0(size, 3)] * 3))
+        while not started.is_set():
+            await asyncio.sleep(0.005)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert exact()
+        real_pwritev = file_io._pwritev
+        monkeypatch.setattr(file_io, "write_page", real_write)
+
+        def full(fd, bufs, offset):
+            raise OSError(errno.ENOSPC, "No space left on device (injected)")
+
+        monkeypatch.setattr(file_io, "_pwritev", full)
+        assert not await a.set("d0", v0(size, 4))
+        monkeypatch.setattr(file_io, "_pwritev", real_pwritev)
+        assert exact()
+        assert await b.clear()  # the other store clears: the ledger goes with the old folder
+        await b.wait_background()
+        assert await a.batch_set(["e0", "e1"], [v0(size, 5)] * 2)  # a's next write: new ledger
+        assert exact() and read_usage(ledger).used == 2 * a.layout.file_size("e0", "kv", size)
