@@ -61,11 +61,11 @@ def device_pool(
 
 def host_pool(dev: Any, layout: str, *, ratio: float = 2.0) -> Any:
     info = dev.get_device_pool_infos()[0].buffer_info
-    cls = MLATokenToKVPoolHost if isinstance(dev, MLATokenToKVPool) else MHATokenToKVPoolHost
-    return cls(
-        info, ratio, 0, dev.page_size, layout, pin_memory=False, device="cpu",
-        device_capacity_tokens=dev.size, start_layer=dev.start_layer, end_layer=dev.end_layer,
-    )
+    common = dict(pin_memory=False, device="cpu", device_capacity_tokens=dev.size,
+                  start_layer=dev.start_layer, end_layer=dev.end_layer)
+    if isinstance(dev, MLATokenToKVPool):
+        return MLATokenToKVPoolHost(info, ratio, 0, dev.page_size, layout, target_layer_num=dev.layer_num, **common)
+    return MHATokenToKVPoolHost(info, ratio, 0, dev.page_size, layout, **common)
 
 
 def fill_random(host: Any, seed: int = 0) -> None:
