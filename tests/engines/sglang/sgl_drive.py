@@ -89,3 +89,13 @@ def pages_equal(a: Any, a_idx: torch.Tensor, b: Any, b_idx: torch.Tensor, layers
             if not torch.equal(token_kv(a, layer, ta), token_kv(b, layer, tb)):
                 return False
     return True
+
+
+def write_then_read(writer: Any, w_host: Any, reader: Any, r_host: Any, pages: int, layers: int, seed: int = 3) -> None:
+    """One server backs ``pages`` pages up, another prefetches them: all of them, same K/V."""
+    toks = tokens(writer.page_size * pages, seed=seed)
+    src = writer.mem_pool_host.alloc(len(toks))
+    assert backup(writer, toks, src) == len(toks)
+    done, dst = prefetch(reader, toks)
+    assert done == len(toks)
+    assert pages_equal(w_host, src, r_host, dst, layers)

@@ -213,11 +213,7 @@ def test_s3_round_trip_through_the_controller(w_layout, r_layout, s3_options):
     w_host, writer = _pair(helpers.extra_config("s3", **s3_options), w_layout, seed=1)
     r_host, reader = _pair(helpers.extra_config("s3", **s3_options), r_layout, seed=2)
     try:
-        toks = drive.tokens(PAGE * 5)
-        src = writer.mem_pool_host.alloc(len(toks))
-        assert drive.backup(writer, toks, src) == len(toks)
-        done, dst = drive.prefetch(reader, toks)
-        assert done == len(toks) and drive.pages_equal(w_host, src, r_host, dst, LAYERS)
+        drive.write_then_read(writer, w_host, reader, r_host, 5, LAYERS)
     finally:
         writer.detach_storage_backend()
         reader.detach_storage_backend()

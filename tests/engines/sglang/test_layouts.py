@@ -29,12 +29,7 @@ def _round_trip(w_layout: str, r_layout: str, root: str, *, mla: bool = False, i
     writer_host, writer = _server(w_layout, root, mla=mla, interface_v1=interface_v1, seed=1)
     reader_host, reader = _server(r_layout, root, mla=mla, interface_v1=interface_v1, seed=2)
     try:
-        toks = drive.tokens(PAGE * 6, seed=3)
-        src = writer.mem_pool_host.alloc(len(toks))
-        assert drive.backup(writer, toks, src) == len(toks)
-        done, dst = drive.prefetch(reader, toks)
-        assert done == len(toks)
-        assert drive.pages_equal(writer_host, src, reader_host, dst, LAYERS)
+        drive.write_then_read(writer, writer_host, reader, reader_host, 6, LAYERS)
     finally:
         writer.detach_storage_backend()
         reader.detach_storage_backend()
@@ -61,11 +56,7 @@ def test_v0_and_v1_servers_share_pages(store_root):
     w_host, writer = _server("page_head", store_root, interface_v1=0, seed=1)
     r_host, reader = _server("page_first", store_root, seed=2)
     try:
-        toks = drive.tokens(PAGE * 3, seed=4)
-        src = writer.mem_pool_host.alloc(len(toks))
-        assert drive.backup(writer, toks, src) == len(toks)
-        done, dst = drive.prefetch(reader, toks)
-        assert done == len(toks) and drive.pages_equal(w_host, src, r_host, dst, LAYERS)
+        drive.write_then_read(writer, w_host, reader, r_host, 3, LAYERS, seed=4)
     finally:
         writer.detach_storage_backend()
         reader.detach_storage_backend()
