@@ -174,14 +174,10 @@ class CanonicalPagePool:
     def scatter(self, index: int, src: torch.Tensor) -> None:
         """Store a canonical page (any dtype, exactly ``page_nbytes`` bytes) into the pool."""
         self._page(index)
-        src = src.detach()
-        if src.device.type != "cpu":
-            src = src.cpu()
-        src = src.reshape(-1)
-        if not src.is_contiguous():
-            src = src.contiguous()
-        if src.numel() * src.element_size() != self.page_nbytes:
-            raise ValueError(f"flat page has {src.numel() * src.element_size()} bytes, expected {self.page_nbytes}")
+        src = src.detach().reshape(-1).cpu().contiguous()  # no-ops for a CPU staging page
+        nbytes = src.numel() * src.element_size()
+        if nbytes != self.page_nbytes:
+            raise ValueError(f"flat page has {nbytes} bytes, expected {self.page_nbytes}")
         dst = self._canonical(index)
         typed = src.view(torch.uint8).view(self.dtype).view(self.page_shape)
         if typed.data_ptr() == dst.data_ptr() and dst.is_contiguous():
