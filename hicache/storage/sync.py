@@ -150,6 +150,12 @@ class HiCacheStorage:
             raise StorageStateError("HiCacheStorage is closed")
         return self._loop_thread.call(coro, self.call_timeout)
 
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run a coroutine of the caller's on the facade's loop (where the backend lives) and
+        wait for it, under ``call_timeout``: for engine adapters that compose several backend
+        calls into one blocking call. A timeout cancels the coroutine and waits for it."""
+        return self._call(coro)
+
     # lifecycle
     def close(self) -> None:
         """Close the backend and stop the private loop (idempotent)."""

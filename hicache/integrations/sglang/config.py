@@ -1,0 +1,153 @@
+"""What the SGLang adapter reads from ``--hicache-storage-backend-extra-config``, and the
+namespace it derives from SGLang's storage config.
+
+SGLang hands a dynamic backend one dict: its own keys (``backend_name``, ``module_path``,
+``class_name``, ``interface_v1``, ...) beside the backend's. Ours all start with ``hicache_``::
+
+    hicache_backend       backend name: file (default), s3, fsspec, memory, or any plugin
+    hicache_options       dict of that backend's keyword options (e.g. {"root": "/data/kv"})
+    hicache_config        path of a hicache config file (TOML/JSON/YAML); its [storage]
+                          section gives backend and options (the two keys above override it)
+    hicache_call_timeout  seconds one storage call may take before it is cancelled and
+                          answered as a miss (default 60; null: no limit)
+    hicache_staging_mib   staging memory per direction for layouts without a contiguous
+                          page (default 32 MiB; two halves, so reads and copies overlap)
+    hicache_namespace_salt  extra text in the namespace (tenant, LoRA set, anything that
+                          makes pages of the same tokens differ)
+
+An unknown ``hicache_*`` key is an error that lists the allowed ones; SGLang's keys are left
+to SGLang. No SGLang import here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from hicache.errors import ConfigError
+from hicache.keys import Namespace
+
+__all__ = ["AdapterSettings", "namespace_for", "PREFIX"]
+
+PREFIX = "hicache_"
+_KEYS = (
+    "hicache_backend",
+    "hicache_options",
+    "hicache_config",
+    "hicache_call_timeout",
+    "hicache_staging_mib",
+    "hicache_namespace_salt",
+)
+DEFAULT_CALL_TIMEOUT = 60.0
+DEFAULT_STAGING_MIB = 32
+
+
+@dataclass(frozen=True)
+class AdapterSettings:
+    """The adapter's part of SGLang's extra config, validated."""
+
+    backend: str = "file"
+    options: dict[str, Any] = field(default_factory=dict)
+    call_timeout: float | None = DEFAULT_CALL_TIMEOUT
+    staging_bytes: int = DEFAULT_STAGING_MIB << 20
+    namespace_salt: str | None = None
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any] | None) -> AdapterSettings:
+        extra = dict(extra or {})
+        unknown = sorted(k for k in extra if isinstance(k, str) and k.startswith(PREFIX) and k not in _KEYS)
+        if unknown:
+            raise ConfigError(f"SGLang extra config: unknown key(s) {unknown}; allowed: {list(_KEYS)}")
+        backend: Any = None
+        options: dict[str, Any] = {}
+        path = extra.get("hicache_config")
+        if path is not None:
+            if not isinstance(path, str) or not path:
+                raise ConfigError(f"hicache_config must be a file path, got {path!r}")
+            from hicache.config.loader import load_config
+
+            storage = load_config(path).storage
+            backend, options = storage.backend, dict(storage.options)
+            if not backend:
+                raise ConfigError(f"hicache_config {path!r}: storage.backend is null; SGLang needs a backend")
+        if "hicache_backend" in extra:
+            backend = extra["hicache_backend"]
+        if backend is None:
+            backend = "file"
+        if not isinstance(backend, str) or not backend:
+            raise ConfigError(f"hicache_backend must be a backend name, got {backend!r}")
+        if "hicache_options" in extra:
+            given = extra["hicache_options"]
+            if not isinstance(given, Mapping):
+                raise ConfigError(f"hicache_options must be a dict of backend options, got {type(given).__name__}")
+            options = {**options, **dict(given)}
+        timeout = extra.get("hicache_call_timeout", DEFAULT_CALL_TIMEOUT)
+        if timeout is not None and (
+            isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0
+        ):
+            raise ConfigError(f"hicache_call_timeout must be a positive number of seconds or null, got {timeout!r}")
+        staging = extra.get("hicache_staging_mib", DEFAULT_STAGING_MIB)
+        if isinstance(staging, bool) or not isinstance(staging, int) or not 1 <= staging <= 4096:
+            raise ConfigError(f"hicache_staging_mib must be an integer in 1..4096, got {staging!r}")
+        salt = extra.get("hicache_namespace_salt")
+        if salt is not None and not isinstance(salt, str):
+            raise ConfigError(f"hicache_namespace_salt must be a string, got {salt!r}")
+        return cls(
+            backend=backend,
+            options=options,
+            call_timeout=None if timeout is None else float(timeout),
+            staging_bytes=staging << 20,
+            namespace_salt=salt,
+        )
+
+
+def namespace_for(
+    config: Any,
+    *,
+    signature: Mapping[str, Any] | None = None,
+    kv_format: str | None = None,
+    pool_formats: Mapping[str, str] | None = None,
+    salt: str | None = None,
+) -> Namespace:
+    """The namespace of an SGLang server's pages.
+
+    From SGLang's ``HiCacheStorageConfig``: the model name (SGLang already tags it with a host
+    pool's own page format), TP/PP ranks, attention-CP and decode-CP shards, the DP-attention
+    rank, and MLA (MLA latents are replicated over TP, so TP does not split those namespaces,
+    as in SGLang). From the KV host pool (``signature``): dtype, layers, heads, head size, page
+    size. The host *layout* is not part of it: pages are stored in canonical order, so every
+    layout shares them. Only pools stored in SGLang's own bytes (``kv_format``,
+    ``pool_formats``) put their layout in, so that no other layout ever reads them.
+    """
+    sig = dict(signature or {})
+    is_mla = bool(getattr(config, "is_mla_model", False))
+    extra: dict[str, str] = {"engine": "sglang"}
+    for name in ("dp_rank", "attn_cp_rank", "attn_cp_size", "dcp_rank", "dcp_size", "logical_page_size"):
+        value = getattr(config, name, None)
+        if value is not None:
+            extra[name] = str(value)
+    if getattr(config, "should_split_heads", False):
+        extra["tp_lcm_size"] = str(getattr(config, "tp_lcm_size", None))
+    for key in ("page_format", "kv_lora_rank", "qk_rope_head_dim", "page_nbytes"):
+        if key in sig:
+            extra[key] = str(sig[key])
+    for pool, tag in sorted((pool_formats or {}).items()):
+        extra[f"pool.{pool}"] = tag
+    tp_rank, tp_size = int(getattr(config, "tp_rank", 0)), int(getattr(config, "tp_size", 1))
+    return Namespace(
+        model=getattr(config, "model_name", None) or "",
+        kv_dtype=None if "dtype" not in sig else str(sig["dtype"]),
+        layout=kv_format,
+        page_size=None if "page_size" not in sig else int(sig["page_size"]),
+        num_layers=None if "layer_num" not in sig else int(sig["layer_num"]),
+        num_kv_heads=None if "head_num" not in sig else int(sig["head_num"]),
+        head_dim=None if "head_dim" not in sig else int(sig["head_dim"]),
+        is_mla=is_mla,
+        tp_rank=0 if is_mla else tp_rank,
+        tp_size=1 if is_mla else tp_size,
+        pp_rank=int(getattr(config, "pp_rank", 0)),
+        pp_size=int(getattr(config, "pp_size", 1)),
+        salt=salt,
+        extra=tuple(sorted(extra.items())),
+    )

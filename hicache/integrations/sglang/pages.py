@@ -1,0 +1,268 @@
+"""SGLang host pools seen through hicache's page protocol, in the canonical byte order.
+
+SGLang's host pools keep KV in one of several layouts, and their own flat pages
+(``get_data_page(flat=True)``) are the layout's bytes: a page written by a ``page_head`` server
+and read by a ``layer_first`` server is a hit with scrambled KV (SGLang #33268). hicache stores
+every page in one canonical order whatever the layout (:mod:`hicache.memory.layouts`)::
+
+    [component][layer][token in page][*token shape]     C = 2 (K, V) for MHA, 1 for MLA
+
+:class:`CanonicalPagePool` wraps one SGLang KV host pool and gives hicache's storage that
+order: a *live* view of a page where the layout keeps it contiguous (MLA ``page_first_direct``),
+otherwise a permuted view that one ``copy_`` turns into canonical bytes or scatters back. No
+SGLang import is needed here: the pool is read through its documented attributes
+(``layout``, ``kv_buffer``, ``page_size``).
+
+Pools whose layout is not known here (``page_unified``, quantized or sparse pools, Mamba state)
+are passed through unchanged by :func:`adapt_host_pool`; their pages keep SGLang's own bytes,
+and the pool's class and layout go into the namespace so that no other layout ever reads them.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hicache.memory.layouts import PAGE_FORMAT
+
+__all__ = [
+    "CanonicalPagePool",
+    "KNOWN_LAYOUTS",
+    "adapt_host_pool",
+    "passthrough_tag",
+]
+
+#: SGLang host layouts with a known canonical reorder (MHA and MLA pools).
+KNOWN_LAYOUTS: tuple[str, ...] = ("layer_first", "page_first", "page_first_direct", "page_head")
+
+# (kind, layout) -> (page slicer, permutation of the slice to canonical order). The slicer takes
+# (kv_buffer, first token, page index, page_size) and returns the page as SGLang's
+# ``get_data_page(flat=False)`` sees it; the permutation maps that to (C, L, ps, *token).
+_Slicer = Callable[[torch.Tensor, int, int, int], torch.Tensor]
+_MHA: dict[str, tuple[_Slicer, tuple[int, ...]]] = {
+    # (2, L, T, H, D)
+    "layer_first": (lambda b, s, p, ps: b[:, :, s : s + ps], (0, 1, 2, 3, 4)),
+    # (2, T, L, H, D)
+    "page_first": (lambda b, s, p, ps: b[:, s : s + ps], (0, 2, 1, 3, 4)),
+    # (2, P, L, ps, H, D)
+    "page_first_direct": (lambda b, s, p, ps: b[:, p], (0, 1, 2, 3, 4)),
+    # (2, P, H, ps, L, D)
+    "page_head": (lambda b, s, p, ps: b[:, p], (0, 3, 2, 1, 4)),
+}
+_MLA: dict[str, tuple[_Slicer, tuple[int, ...]]] = {
+    # (L, T, 1, D); one component, added as dim 0 below
+    "layer_first": (lambda b, s, p, ps: b[:, s : s + ps], (0, 1, 2, 3)),
+    # (T, L, 1, D)
+    "page_first": (lambda b, s, p, ps: b[s : s + ps], (1, 0, 2, 3)),
+    # (P, L, ps, 1, D)
+    "page_first_direct": (lambda b, s, p, ps: b[p], (0, 1, 2, 3)),
+}
+
+
+def _is_mla(pool: Any) -> bool:
+    return getattr(pool, "kv_cache_dim", None) is not None or "MLA" in type(pool).__name__
+
+
+def passthrough_tag(pool: Any) -> str:
+    """What identifies the byte format of a pool whose pages are stored as SGLang gives them."""
+    return f"{type(pool).__name__}/{getattr(pool, 'layout', None)}"
+
+
+@dataclass
+class _Binding:
+    buffer: torch.Tensor  # uint8, one page
+
+
+class CanonicalPagePool:
+    """hicache's page protocol over an SGLang KV host pool, in canonical byte order.
+
+    ``page_view(index)`` is what makes storage I/O zero-copy: a live contiguous 1-D byte view
+    of the page when the layout has one. For the other layouts, a caller that moves many pages
+    (:mod:`hicache.integrations.sglang.transfer`) *binds* a reusable staging page to an index:
+    storage then reads into / writes from the staging page, and the caller moves it to or from
+    the pool with one strided copy (:meth:`scatter` / :meth:`gather`), off the storage threads.
+    Unbound pages take the ordinary staging path of the page protocol, which is correct too.
+    """
+
+    def __init__(self, pool: Any) -> None:
+        layout = getattr(pool, "layout", None)
+        kv = getattr(pool, "kv_buffer", None)
+        if not isinstance(kv, torch.Tensor):
+            raise TypeError(f"{type(pool).__name__} has no kv_buffer tensor")
+        if kv.device.type != "cpu":
+            raise ValueError(f"{type(pool).__name__}: host kv_buffer must be in CPU memory, got {kv.device}")
+        self.mla = _is_mla(pool)
+        table = _MLA if self.mla else _MHA
+        if layout not in table:
+            raise ValueError(
+                f"{type(pool).__name__}: no canonical reorder for layout {layout!r} "
+                f"(known: {sorted(table)})"
+            )
+        self.pool = pool
+        self.layout: str = layout
+        self.page_size: int = int(pool.page_size)
+        self.dtype: torch.dtype = kv.dtype
+        self._kv = kv
+        self._slice, self._perm = table[layout]
+        probe = self._canonical(0)
+        self.page_shape: tuple[int, ...] = tuple(probe.shape)
+        self.page_numel: int = probe.numel()
+        self.page_nbytes: int = self.page_numel * kv.element_size()
+        self.size: int = int(getattr(pool, "size", 0)) or (kv.numel() // (self.page_numel // self.page_size))
+        self._live = probe.is_contiguous()
+        self._bound: dict[int, _Binding] = {}
+        self._lock = threading.Lock()
+
+    # -- geometry
+    def _page(self, index: int) -> tuple[int, int]:
+        index = int(index)
+        if index < 0 or index % self.page_size or index + self.page_size > self.size:
+            raise IndexError(
+                f"page index {index} is not the first token of a page in a host pool of "
+                f"{self.size} tokens (page_size={self.page_size})"
+            )
+        return index, index // self.page_size
+
+    def _canonical(self, index: int) -> torch.Tensor:
+        """A (strided) view of the page in canonical order: (C, L, ps, *token)."""
+        start, page = index, index // self.page_size
+        native = self._slice(self._kv, start, page, self.page_size)
+        view = native.permute(*self._perm)
+        return view.unsqueeze(0) if self.mla else view
+
+    def canonical_view(self, index: int) -> torch.Tensor:
+        """The page at ``index`` in canonical order, as a view of the pool (no copy)."""
+        self._page(index)
+        return self._canonical(index)
+
+    # -- binding of staging pages (see class docstring)
+    @property
+    def has_live_pages(self) -> bool:
+        return self._live
+
+    def new_staging(self, pages: int) -> torch.Tensor:
+        """Staging memory for ``pages`` canonical pages (uint8, ``(pages, page_nbytes)``)."""
+        return torch.empty((pages, self.page_nbytes), dtype=torch.uint8)
+
+    def bind(self, pairs: Iterable[tuple[int, torch.Tensor]]) -> list[int]:
+        """Route storage I/O of each ``(index, staging page)`` pair to the staging page; returns
+        the indices bound (an index another call holds is left to the ordinary staging path)."""
+        done: list[int] = []
+        with self._lock:
+            for index, buffer in pairs:
+                index = int(index)
+                if index in self._bound:
+                    continue
+                self._bound[index] = _Binding(buffer)
+                done.append(index)
+        return done
+
+    def unbind(self, indices: Iterable[int]) -> None:
+        with self._lock:
+            for index in indices:
+                self._bound.pop(int(index), None)
+
+    def gather(self, index: int, out: torch.Tensor) -> None:
+        """Copy the page into ``out`` (uint8, one page) in canonical order."""
+        self._page(index)
+        out.view(self.dtype).view(self.page_shape).copy_(self._canonical(index))
+
+    def scatter(self, index: int, src: torch.Tensor) -> None:
+        """Store a canonical page (any dtype, exactly ``page_nbytes`` bytes) into the pool."""
+        self._page(index)
+        src = src.detach().reshape(-1).cpu().contiguous()  # no-ops for a CPU staging page
+        nbytes = src.numel() * src.element_size()
+        if nbytes != self.page_nbytes:
+            raise ValueError(f"flat page has {nbytes} bytes, expected {self.page_nbytes}")
+        dst = self._canonical(index)
+        typed = src.view(torch.uint8).view(self.dtype).view(self.page_shape)
+        if typed.data_ptr() == dst.data_ptr() and dst.is_contiguous():
+            return  # read straight into the live page
+        dst.copy_(typed)
+
+    # -- hicache's page protocol
+    def page_view(self, index: int) -> torch.Tensor | None:
+        """Live 1-D byte view of the page (or of the staging page bound to it); ``None`` when
+        neither exists, so that storage takes the staging path."""
+        self._page(index)
+        bound = self._bound.get(int(index))
+        if bound is not None:
+            return bound.buffer
+        if self._live:
+            return self._canonical(index).reshape(-1).view(torch.uint8)
+        return None
+
+    def get_data_page(self, index: int, flat: bool = True) -> torch.Tensor:
+        """A canonical copy of the page (pool dtype; 1-D when ``flat``)."""
+        self._page(index)
+        page = self._canonical(index).clone(memory_format=torch.contiguous_format)  # a snapshot
+        return page.reshape(-1) if flat else page
+
+    def get_dummy_flat_data_page(self) -> torch.Tensor:
+        return torch.empty(self.page_numel, dtype=self.dtype)
+
+    def set_from_flat_data_page(self, index: int, data_page: torch.Tensor) -> None:
+        self.scatter(index, data_page)
+
+    # -- v0 (SGLang's own flat pages) <-> canonical
+    def native_to_canonical(self, flat: torch.Tensor) -> torch.Tensor:
+        """SGLang's flat page of this layout (``get_data_page(flat=True)``) -> canonical bytes."""
+        native = self._slice(self._kv, 0, 0, self.page_size)
+        typed = flat.detach().reshape(-1).view(self.dtype).view(native.shape)
+        view = typed.permute(*self._perm)
+        view = view.unsqueeze(0) if self.mla else view
+        return view.contiguous().reshape(-1).view(torch.uint8)
+
+    def canonical_into_native(self, canonical: torch.Tensor, out: torch.Tensor) -> None:
+        """Write canonical page bytes into ``out``, a flat page in SGLang's order of this layout."""
+        native = self._slice(self._kv, 0, 0, self.page_size)
+        target = out.view(-1).view(self.dtype).view(native.shape).permute(*self._perm)
+        target = target.unsqueeze(0) if self.mla else target
+        target.copy_(canonical.reshape(-1).view(torch.uint8).view(self.dtype).view(self.page_shape))
+
+    def storage_signature(self) -> dict[str, Any]:
+        """What makes pages incompatible. The layout is absent on purpose: every layout stores
+        the same canonical bytes."""
+        pool = self.pool
+        sig: dict[str, Any] = {
+            "page_format": PAGE_FORMAT,
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "layer_num": int(self.page_shape[1]),
+            "page_size": self.page_size,
+            "is_mla": self.mla,
+            "page_nbytes": self.page_nbytes,
+        }
+        if self.mla:
+            sig["head_dim"] = int(self.page_shape[-1])
+            for name in ("kv_lora_rank", "qk_rope_head_dim"):
+                if getattr(pool, name, None) is not None:
+                    sig[name] = int(getattr(pool, name))
+        else:
+            sig["head_num"] = int(self.page_shape[3])
+            sig["head_dim"] = int(self.page_shape[4])
+        return sig
+
+    def __repr__(self) -> str:
+        return (
+            f"CanonicalPagePool({type(self.pool).__name__}, layout={self.layout!r}, "
+            f"page_size={self.page_size}, page_nbytes={self.page_nbytes}, live={self._live})"
+        )
+
+
+def adapt_host_pool(pool: Any) -> tuple[Any, str | None]:
+    """The pool hicache's storage should see, and (for a pass-through pool) the tag of its own
+    byte format that the namespace must carry. A pool that already is a canonical adapter
+    (or hicache's own host pool) is returned as is."""
+    if isinstance(pool, CanonicalPagePool) or callable(getattr(pool, "storage_signature", None)):
+        return pool, None
+    table = _MLA if _is_mla(pool) else _MHA
+    if getattr(pool, "layout", None) in table and isinstance(getattr(pool, "kv_buffer", None), torch.Tensor):
+        try:
+            return CanonicalPagePool(pool), None
+        except (TypeError, ValueError, RuntimeError):
+            pass  # a shape this table does not describe: keep SGLang's bytes, tagged
+    return pool, passthrough_tag(pool)

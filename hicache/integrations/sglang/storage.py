@@ -1,0 +1,381 @@
+"""``HiCacheSGLangStorage``: any hicache backend as SGLang's L3 storage.
+
+SGLang loads it through its own factory (``--hicache-storage-backend dynamic``), which checks
+``issubclass(cls, HiCacheStorage)`` against *SGLang's* class and builds ``cls(storage_config,
+{})``; so this module imports SGLang (and only this module of hicache does). Lifecycle, as
+SGLang's controller drives it:
+
+1. construction: the extra config is validated (a bad key or option fails the factory) and
+   ``interface_v1`` is switched on unless the user set it, which makes the controller use the
+   zero-copy ``batch_get_v1``/``batch_set_v1`` path (it reads the key from the very dict it
+   passed us, after construction);
+2. ``register_mem_pool_host`` / ``register_mem_host_pool_v2``: pools are collected;
+3. ``on_host_pools_registered``: the namespace is built from SGLang's config and the pools'
+   geometry, the backend is created and opened (a store that cannot open fails the attach
+   with an error naming the backend and the cause);
+4. I/O calls from SGLang's threads, each a blocking call into the backend's event loop thread,
+   bounded by ``hicache_call_timeout``; any failure is logged and answered as a miss, so no
+   SGLang I/O thread ever sees an exception from us;
+5. ``close`` at detach (and at exit, through the facade's finalizer) drains queued writes.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorage as _SGLangStorage
+from sglang.srt.mem_cache.hicache_storage import PoolName as _SGLangPoolName
+from sglang.srt.mem_cache.hicache_storage import PoolTransferResult as _SGLangResult
+
+from hicache.errors import HiCacheError
+from hicache.integrations.sglang.config import AdapterSettings, namespace_for
+from hicache.integrations.sglang.hits import resolve_hits
+from hicache.integrations.sglang.pages import CanonicalPagePool, adapt_host_pool
+from hicache.integrations.sglang.transfer import PageMover
+from hicache.storage import (
+    AsyncHiCacheStorage,
+    HiCacheStorage,
+    HiCacheStorageConfig,
+    HiCacheStorageExtraInfo,
+    PoolTransfer,
+    create_async_storage,
+)
+
+__all__ = ["HiCacheSGLangStorage", "SGLangAttachError"]
+
+logger = logging.getLogger("hicache.integrations.sglang")
+
+T = TypeVar("T")
+KV = "kv"
+
+
+class SGLangAttachError(HiCacheError, RuntimeError):
+    """The store could not be opened when SGLang attached it."""
+
+
+def _name(pool_name: Any) -> str:
+    """Plain pool name of SGLang's ``PoolName`` (a str enum whose hash is not the str's)."""
+    return str(getattr(pool_name, "value", pool_name))
+
+
+def _hicache_config(cfg: Any) -> HiCacheStorageConfig:
+    """hicache's storage config with the fields SGLang's config shares with it."""
+    return HiCacheStorageConfig(
+        tp_rank=int(getattr(cfg, "tp_rank", 0)),
+        tp_size=int(getattr(cfg, "tp_size", 1)),
+        pp_rank=int(getattr(cfg, "pp_rank", 0)),
+        pp_size=int(getattr(cfg, "pp_size", 1)),
+        attn_cp_rank=int(getattr(cfg, "attn_cp_rank", 0)),
+        attn_cp_size=int(getattr(cfg, "attn_cp_size", 1)),
+        is_mla_model=bool(getattr(cfg, "is_mla_model", False)),
+        enable_storage_metrics=bool(getattr(cfg, "enable_storage_metrics", False)),
+        is_page_first_layout=bool(getattr(cfg, "is_page_first_layout", False)),
+        model_name=getattr(cfg, "model_name", None),
+        extra_config=None,
+    )
+
+
+class HiCacheSGLangStorage(_SGLangStorage):
+    """SGLang's ``HiCacheStorage`` backed by a hicache backend (file, s3, fsspec, memory, plugins).
+
+    Pages are stored in hicache's canonical byte order whatever SGLang's host layout, with
+    hicache's page format (verified checksum, key and namespace in every page).
+    """
+
+    def __init__(self, storage_config: Any, kwargs: dict[str, Any] | None = None) -> None:
+        if storage_config.extra_config is None:
+            storage_config.extra_config = {}
+        extra = storage_config.extra_config
+        self.settings = AdapterSettings.from_extra_config(extra)
+        extra.setdefault("interface_v1", 1)
+        self.storage_config = storage_config
+        self.enable_metrics = bool(getattr(storage_config, "enable_storage_metrics", False))
+        # fails the factory on an unknown backend or option, before any pool exists
+        create_async_storage(self.settings.backend, _hicache_config(storage_config), **self.settings.options)
+        self.mem_pool_host: Any = None
+        self.registered_pools: dict[Any, Any] = {}
+        self._adapted: dict[str, Any] = {}
+        self._tags: dict[str, str] = {}
+        self._facade: HiCacheStorage | None = None
+        self._backend: AsyncHiCacheStorage | None = None
+        self._kv: CanonicalPagePool | None = None
+        self._mover: PageMover | None = None
+        self._open_lock = threading.Lock()
+        self._closed = False
+        self._metrics_lock = threading.Lock()
+        self._metrics: dict[str, list[float]] = {k: [] for k in ("prefetch_pgs", "backup_pgs", "prefetch_bw", "backup_bw")}
+
+    # ------------------------------------------------------------------ pools and opening
+
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        self.mem_pool_host = mem_pool_host
+        self._register(mem_pool_host, KV)
+
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        self.registered_pools[host_pool_name] = host_pool
+        self._register(host_pool, _name(host_pool_name))
+
+    def _register(self, pool: Any, name: str) -> None:
+        prior = self._adapted.get(name)
+        if prior is not None and getattr(prior, "pool", prior) is pool:
+            return  # the same SGLang pool again (KV: once as the anchor, once by name)
+        adapted, tag = adapt_host_pool(pool)
+        if self._facade is not None:  # a dynamic sidecar, after the store opened
+            if tag is not None:
+                logger.error(
+                    "hicache SGLang storage: pool %r (%s) keeps SGLang's own byte order, which must "
+                    "be part of the namespace, but it was registered after the store opened; its "
+                    "pages are not stored (every read of it is a miss)", name, tag,
+                )
+                return
+            self._facade.register_mem_host_pool_v2(adapted, name)
+        self._adapted[name] = adapted
+        if tag is not None:
+            self._tags[name] = tag
+
+    def on_host_pools_registered(self) -> None:
+        """Open the store now that every pool is known; raising fails SGLang's attach."""
+        self._ensure_open()
+
+    def _ensure_open(self) -> HiCacheStorage:
+        facade = self._facade
+        if facade is not None:
+            return facade
+        with self._open_lock:
+            if self._facade is not None:
+                return self._facade
+            if self._closed:
+                raise SGLangAttachError("the hicache SGLang storage is closed")
+            kv = self._adapted.get(KV)
+            if kv is None:
+                raise SGLangAttachError("no KV host pool registered (register_mem_pool_host first)")
+            tags = dict(self._tags)
+            signature = kv.storage_signature() if callable(getattr(kv, "storage_signature", None)) else {}
+            namespace = namespace_for(
+                self.storage_config,
+                signature=signature,
+                kv_format=tags.pop(KV, None),
+                pool_formats=tags,
+                salt=self.settings.namespace_salt,
+            )
+            options = dict(self.settings.options)
+            options["namespace"] = namespace
+            backend = create_async_storage(self.settings.backend, _hicache_config(self.storage_config), **options)
+            facade = HiCacheStorage(backend, call_timeout=self.settings.call_timeout)
+            try:
+                for name, pool in self._adapted.items():
+                    if name == KV:
+                        facade.register_mem_pool_host(pool)
+                    else:
+                        facade.register_mem_host_pool_v2(pool, name)
+                facade.run(backend.open())
+            except BaseException as exc:
+                try:
+                    facade.close()
+                except Exception:  # noqa: BLE001 - the open error is the one to report
+                    pass
+                raise SGLangAttachError(
+                    f"hicache backend {self.settings.backend!r} could not open its store "
+                    f"(options {sorted(self.settings.options)}): {type(exc).__name__}: {exc}"
+                ) from exc
+            self._backend = backend
+            if isinstance(kv, CanonicalPagePool):
+                self._kv = kv
+                self._mover = PageMover(backend, kv, KV, self.settings.staging_bytes)
+            logger.info("hicache SGLang storage: backend %r, namespace %s", self.settings.backend, namespace.digest)
+            self._facade = facade
+            return facade
+
+    @property
+    def backend(self) -> AsyncHiCacheStorage | None:
+        """The hicache backend (``None`` until the store opened)."""
+        return self._backend
+
+    # ------------------------------------------------------------------ guarded calls
+
+    def _do(self, what: str, fn: Callable[[HiCacheStorage], T], fallback: T) -> T:
+        """Run ``fn`` against the open facade; any failure is logged and becomes ``fallback``
+        (SGLang's I/O threads must not die, and a failed read must read as a miss)."""
+        try:
+            return fn(self._ensure_open())
+        except Exception as exc:  # noqa: BLE001
+            logger.error("hicache SGLang storage: %s failed (%s: %s); answering with misses", what, type(exc).__name__, exc)
+            return fallback
+
+    def _record(self, kind: str, pages: int, t0: float) -> None:
+        if not self.enable_metrics or not pages:
+            return
+        seconds = max(time.perf_counter() - t0, 1e-9)
+        nbytes = self._kv.page_nbytes if self._kv is not None else 0
+        with self._metrics_lock:
+            self._metrics[f"{kind}_pgs"].append(pages)
+            self._metrics[f"{kind}_bw"].append(pages * nbytes / seconds / 1e9)
+
+    # ------------------------------------------------------------------ hit queries
+
+    def exists(self, key: str) -> bool:
+        return self._do("exists", lambda f: f.exists(key), False)
+
+    def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
+        return self._do("batch_exists", lambda f: f.batch_exists(list(keys)), 0)
+
+    def batch_exists_v2(self, keys: list[str], pool_transfers: list[Any] | None = None, extra_info: Any = None) -> Any:
+        transfers = [t for t in (pool_transfers or ()) if _name(t.name) != KV]
+
+        async def query(backend: AsyncHiCacheStorage) -> Any:
+            kv_flags = await backend.exists_pages(keys, KV)
+            kv_pages = next((i for i, f in enumerate(kv_flags) if not f), len(kv_flags))
+            flags: dict[Any, list[bool]] = {}
+            if kv_pages:
+                for t in transfers:
+                    flags[t.name] = await backend.exists_pages(keys[:kv_pages], _name(t.name))
+            return resolve_hits(kv_flags, flags, transfers, kv_name=_SGLangPoolName.KV)
+
+        def run(f: HiCacheStorage) -> Any:
+            assert self._backend is not None
+            hits = f.run(query(self._backend))
+            return _SGLangResult(hits.kv_hit_pages, hits.extra_pool_hit_pages, hits.restorable_prefix_pages)
+
+        return self._do("batch_exists_v2", run, _SGLangResult(0, {}, []))
+
+    # ------------------------------------------------------------------ v1 (zero-copy path)
+
+    def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None) -> list[bool]:
+        t0 = time.perf_counter()
+        out = self._do("batch_get_v1", lambda f: self._get_kv(f, list(keys), host_indices), [False] * len(keys))
+        self._record("prefetch", sum(out), t0)
+        return out
+
+    def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None) -> list[bool]:
+        t0 = time.perf_counter()
+        prefix = getattr(extra_info, "prefix_keys", None)
+        out = self._do("batch_set_v1", lambda f: self._set_kv(f, list(keys), host_indices, prefix), [False] * len(keys))
+        self._record("backup", sum(out), t0)
+        return out
+
+    def _get_kv(self, facade: HiCacheStorage, keys: list[str], host_indices: torch.Tensor) -> list[bool]:
+        if self._mover is not None:
+            return facade.run(self._mover.get(keys, host_indices))
+        return facade.batch_get_v1(keys, host_indices)
+
+    def _set_kv(self, facade: HiCacheStorage, keys: list[str], host_indices: torch.Tensor, prefix: Any) -> list[bool]:
+        if self._mover is not None:
+            return facade.run(self._mover.set(keys, host_indices, prefix))
+        return facade.batch_set_v1(keys, host_indices, _extra(prefix))
+
+    # ------------------------------------------------------------------ v2 (hybrid models)
+
+    def batch_get_v2(self, transfers: list[Any], extra_info: Any = None) -> dict[Any, list[bool]]:
+        return self._v2("batch_get_v2", transfers, extra_info, write=False)
+
+    def batch_set_v2(self, transfers: list[Any], extra_info: Any = None) -> dict[Any, list[bool]]:
+        return self._v2("batch_set_v2", transfers, extra_info, write=True)
+
+    def _v2(self, what: str, transfers: list[Any], extra_info: Any, *, write: bool) -> dict[Any, list[bool]]:
+        prefix = getattr(extra_info, "prefix_keys", None)
+        out: dict[Any, list[bool]] = {}
+        for t in transfers:
+            keys = list(t.keys or [])
+
+            def one(f: HiCacheStorage, t: Any = t, keys: list[str] = keys) -> list[bool]:
+                name = _name(t.name)
+                if name == KV:
+                    return (self._set_kv if write else self._get_kv)(f, keys, t.host_indices, *((prefix,) if write else ()))
+                call = f.batch_set_v2 if write else f.batch_get_v2
+                ours = PoolTransfer(name, t.host_indices, keys=keys)
+                return call([ours], _extra(prefix))[name]
+
+            out[t.name] = self._do(f"{what}[{_name(t.name)}]", one, [False] * len(keys))
+        return out
+
+    # ------------------------------------------------------------------ v0 (SGLang's flat pages)
+
+    def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> torch.Tensor | None:
+        return self.batch_get([key], [target_location])[0]
+
+    def batch_get(self, keys: list[str], target_locations: Any = None, target_sizes: Any = None) -> list[torch.Tensor | None]:
+        keys = list(keys)
+        targets = list(target_locations) if target_locations is not None else [None] * len(keys)
+        kv = self._kv
+
+        def run(f: HiCacheStorage) -> list[torch.Tensor | None]:
+            if kv is None:
+                return f.batch_get(keys, targets)
+            staged = [kv.new_staging(1)[0] if t is not None else None for t in targets]
+            got = f.batch_get(keys, staged)
+            out: list[torch.Tensor | None] = []
+            for t, page in zip(targets, got):
+                if page is None or t is None:
+                    out.append(page)
+                    continue
+                kv.canonical_into_native(page, t)
+                out.append(t)
+            return out
+
+        t0 = time.perf_counter()
+        out = self._do("batch_get", run, [None] * len(keys))
+        self._record("prefetch", sum(o is not None for o in out), t0)
+        return out
+
+    def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
+        return self.batch_set([key], [value if value is not None else target_location])
+
+    def batch_set(self, keys: list[str], values: Any = None, target_locations: Any = None, target_sizes: Any = None) -> bool:
+        keys = list(keys)
+        vals = list(values if values is not None else (target_locations or []))
+        kv = self._kv
+
+        def run(f: HiCacheStorage) -> bool:
+            pages = vals if kv is None else [kv.native_to_canonical(v) for v in vals]
+            return f.batch_set(keys, pages)
+
+        t0 = time.perf_counter()
+        ok = self._do("batch_set", run, False)
+        self._record("backup", len(keys) if ok else 0, t0)
+        return ok
+
+    # ------------------------------------------------------------------ the rest of SGLang's surface
+
+    def clear(self) -> bool:
+        return self._do("clear", lambda f: f.clear(), False)
+
+    def get_stats(self) -> Any:
+        """SGLang's ``StorageMetrics`` with the pages and GB/s of each call since the last call
+        (what SGLang's metrics logger expects); ``None`` when metrics are off."""
+        if not self.enable_metrics:
+            return None
+        from sglang.srt.observability.metrics_collector import StorageMetrics
+
+        m = StorageMetrics()
+        with self._metrics_lock:
+            m.prefetch_pgs.extend(int(x) for x in self._metrics["prefetch_pgs"])
+            m.backup_pgs.extend(int(x) for x in self._metrics["backup_pgs"])
+            m.prefetch_bandwidth.extend(self._metrics["prefetch_bw"])
+            m.backup_bandwidth.extend(self._metrics["backup_bw"])
+            for v in self._metrics.values():
+                v.clear()
+        return m
+
+    def hicache_stats(self) -> dict[str, Any]:
+        """hicache's own counters (reads, hits, verification failures, bytes, evictions)."""
+        return self._facade.get_stats() if self._facade is not None else {}
+
+    def close(self) -> None:
+        """Drain queued writes and release the store (idempotent)."""
+        with self._open_lock:
+            self._closed = True
+            facade, self._facade = self._facade, None
+        if facade is not None:
+            try:
+                facade.close()
+            except Exception as exc:  # noqa: BLE001 - detach must go on
+                logger.error("hicache SGLang storage: close failed: %s: %s", type(exc).__name__, exc)
+
+
+def _extra(prefix: Any) -> HiCacheStorageExtraInfo:
+    return HiCacheStorageExtraInfo(prefix_keys=list(prefix) if prefix else None)

@@ -1,0 +1,127 @@
+"""hicache's file backend vs SGLang's own ``file`` backend, both driven by SGLang's controller.
+
+Same pages, same process, interleaved repetitions: for every SGLang host layout, each backend
+backs up the same host pages (``_page_backup``, set) and prefetches them back into fresh host
+pages (``_storage_hit_query`` + ``_page_transfer``, get), from a warm page cache. Every get is
+checked byte for byte against the source pages (hicache also verifies each page's checksum as
+it reads). Reported: medians of GB/s per backend and of the per-repetition ratio hicache/SGLang.
+
+Needs SGLang: run in the engine venv (``bash scripts/test_sglang.sh`` creates it)::
+
+    .venv-sglang/bin/python scripts/bench_sglang.py [--reps 7] [--pages 24] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "tests" / "engines" / "sglang"))
+
+import torch  # noqa: E402
+
+import conftest  # noqa: E402,F401 - SGLang's CPU import setup (test doubles of CUDA-built modules)
+import sgl_drive as drive  # noqa: E402
+import sgl_helpers as helpers  # noqa: E402
+
+
+def _make(layout: str, backend: str, root: str, dev, host):
+    if backend == "sglang":
+        extra = {"file_storage_path": root}
+        return helpers.controller(dev, host, extra, backend="file")
+    return helpers.controller(dev, host, helpers.extra_config("file", root=root))
+
+
+def _one(ctl, host, toks) -> tuple[float, float, bool]:
+    src = ctl.mem_pool_host.alloc(len(toks))
+    t0 = time.perf_counter()
+    written = drive.backup(ctl, toks, src)
+    t_set = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    done, dst = drive.prefetch(ctl, toks)
+    t_get = time.perf_counter() - t0
+    ps = host.page_size
+    ok = written == len(toks) and done == len(toks) and all(
+        torch.equal(host.get_data_page(int(s)), host.get_data_page(int(d)))  # same layout: SGLang's own pages
+        for s, d in zip(src[::ps].tolist(), dst[::ps].tolist())
+    )
+    ctl.mem_pool_host.free(src)
+    if dst is not None:
+        ctl.mem_pool_host.free(dst)
+    ctl.storage_backend.clear()
+    return t_set, t_get, ok
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--pages", type=int, default=24, help="pages per operation (96 MiB at the default geometry)")
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--page-size", type=int, default=32)
+    ap.add_argument("--layouts", default=",".join(helpers.MHA_LAYOUTS))
+    ap.add_argument("--out", help="also write the JSON report here")
+    args = ap.parse_args(argv)
+
+    tokens_per_op = args.pages * args.page_size
+    page_bytes = 2 * args.layers * args.page_size * args.heads * args.head_dim * 2
+    report: dict = {
+        "what": "SGLang controller set (_page_backup) and get (_storage_hit_query + _page_transfer), "
+        "hicache file backend vs SGLang's file backend, warm page cache",
+        "geometry": {"layers": args.layers, "kv_heads": args.heads, "head_dim": args.head_dim,
+                     "page_size": args.page_size, "dtype": "bfloat16", "page_bytes": page_bytes,
+                     "pages_per_op": args.pages, "bytes_per_op": page_bytes * args.pages},
+        "reps": args.reps,
+        "torch_threads": torch.get_num_threads(),
+        "layouts": {},
+    }
+    for layout in args.layouts.split(","):
+        dev = helpers.device_pool(size=tokens_per_op, page_size=args.page_size, layers=args.layers,
+                                  heads=args.heads, head_dim=args.head_dim)
+        host = helpers.host_pool(dev, layout, ratio=2.5)
+        helpers.fill_random(host, 1)
+        with tempfile.TemporaryDirectory(prefix="bench-sglang-") as tmp:
+            ctls = {name: _make(layout, name, f"{tmp}/{name}", dev, host) for name in ("sglang", "hicache")}
+            times: dict[str, dict[str, list[float]]] = {n: {"set": [], "get": []} for n in ctls}
+            verified = True
+            try:
+                for rep in range(args.reps + 1):  # rep 0 warms both paths up and is dropped
+                    order = list(ctls) if rep % 2 else list(reversed(ctls))
+                    toks = drive.tokens(tokens_per_op, seed=1000 + rep)
+                    for name in order:
+                        t_set, t_get, ok = _one(ctls[name], host, toks)
+                        verified &= ok
+                        if rep:
+                            times[name]["set"].append(t_set)
+                            times[name]["get"].append(t_get)
+            finally:
+                for ctl in ctls.values():
+                    ctl.detach_storage_backend()
+        nbytes = page_bytes * args.pages
+        row: dict = {"verified": verified}
+        for op in ("set", "get"):
+            ratios = [s / h for s, h in zip(times["sglang"][op], times["hicache"][op])]
+            row[op] = {
+                "hicache_gbps": round(nbytes / statistics.median(times["hicache"][op]) / 1e9, 2),
+                "sglang_gbps": round(nbytes / statistics.median(times["sglang"][op]) / 1e9, 2),
+                "speedup_median": round(statistics.median(ratios), 2),
+                "speedup_range": [round(min(ratios), 2), round(max(ratios), 2)],
+            }
+        report["layouts"][layout] = row
+        print(f"{layout}: {json.dumps(row)}", file=sys.stderr)
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    return 0 if all(r["verified"] for r in report["layouts"].values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

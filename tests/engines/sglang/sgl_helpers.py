@@ -1,0 +1,92 @@
+"""Builders of SGLang's own objects on CPU: device pools, host pools in every layout, the
+pool group and the controller every 0.5.23 stack uses (``HybridCacheController``)."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+from sglang.srt.mem_cache.hicache_storage import PoolName
+from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
+from sglang.srt.mem_cache.pool_host import HostPoolGroup, PoolEntry
+from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+
+MHA_LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")
+MLA_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
+MODULE = "hicache.integrations.sglang"
+CLASS = "HiCacheSGLangStorage"
+
+
+def s3_backend_options(endpoint: str, bucket: str) -> dict[str, Any]:
+    return {
+        "url": f"s3://{bucket}/kv",
+        "storage_options": {
+            "endpoint_url": endpoint,
+            "key": "testing",
+            "secret": "testing",
+            "client_kwargs": {"region_name": "us-east-1"},
+        },
+    }
+
+
+def extra_config(backend: str = "file", **options: Any) -> dict[str, Any]:
+    """What a user passes as ``--hicache-storage-backend-extra-config``."""
+    return {
+        "backend_name": "hicache",
+        "module_path": MODULE,
+        "class_name": CLASS,
+        "hicache_backend": backend,
+        "hicache_options": options,
+    }
+
+
+def device_pool(
+    *, size: int = 512, page_size: int = 16, layers: int = 4, heads: int = 2, head_dim: int = 32,
+    dtype: torch.dtype = torch.bfloat16, mla: bool = False,
+) -> Any:
+    if mla:
+        return MLATokenToKVPool(
+            size, page_size, dtype, kv_lora_rank=head_dim, qk_rope_head_dim=16, layer_num=layers,
+            device="cpu", enable_memory_saver=False, start_layer=0, end_layer=layers - 1,
+        )
+    return MHATokenToKVPool(
+        size, page_size, dtype, heads, head_dim, layers, "cpu", enable_memory_saver=False,
+        start_layer=0, end_layer=layers - 1,
+    )
+
+
+def host_pool(dev: Any, layout: str, *, ratio: float = 2.0) -> Any:
+    info = dev.get_device_pool_infos()[0].buffer_info
+    common = dict(pin_memory=False, device="cpu", device_capacity_tokens=dev.size,
+                  start_layer=dev.start_layer, end_layer=dev.end_layer)
+    if isinstance(dev, MLATokenToKVPool):
+        return MLATokenToKVPoolHost(info, ratio, 0, dev.page_size, layout, target_layer_num=dev.layer_num, **common)
+    return MHATokenToKVPoolHost(info, ratio, 0, dev.page_size, layout, **common)
+
+
+def fill_random(host: Any, seed: int = 0) -> None:
+    """Distinct values everywhere, so a reordered page can never compare equal by accident."""
+    g = torch.Generator().manual_seed(seed)
+    buf = host.kv_buffer
+    buf.copy_(torch.randn(buf.shape, generator=g, dtype=torch.float32).to(buf.dtype))
+
+
+def controller(
+    dev: Any, host: Any, extra: dict[str, Any], *, backend: str = "dynamic",
+    extra_entries: list[PoolEntry] | None = None, metrics: bool = False,
+) -> HybridCacheController:
+    """SGLang's HybridCacheController over ``host``, with storage attached as at start-up."""
+    allocator = PagedTokenToKVPoolAllocator(dev.size, dev.page_size, torch.int64, "cpu", dev, need_sort=False)
+    entries = [PoolEntry(name=PoolName.KV, host_pool=host, device_pool=dev, layer_mapper=lambda i: i,
+                         is_primary_index_anchor=True)]
+    entries += extra_entries or []
+    group = HostPoolGroup(entries)
+    return HybridCacheController(
+        allocator, group, dev.page_size, None, threading.Event(),
+        storage_backend=backend, model_name="test/model", storage_backend_extra_config=extra,
+        transfer_layer_id_max=dev.layer_num, enable_storage_metrics=metrics,
+    )
