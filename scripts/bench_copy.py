@@ -58,6 +58,11 @@ if hasattr(torch, "float8_e4m3fn"):
     DTYPES["fp8"] = torch.float8_e4m3fn
 
 
+
+def _sig(x: float, digits: int = 4) -> float:
+    """``x`` to ``digits`` significant digits: tiny test sizes must not round a real rate to 0."""
+    return float(f"{x:.{digits}g}")
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layers", type=int, default=32)
@@ -182,17 +187,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     t_mine, t_ref = statistics.median(mine), statistics.median(theirs)
                     row = {
                         "layout": layout, "pattern": pattern, "op": op, "path": path,
-                        "gbps": round(nbytes / t_mine / 1e9, 3),
-                        "torch_copy_gbps": round(nbytes / t_ref / 1e9, 3),
-                        "ratio": round(t_ref / t_mine, 3),
+                        "gbps": _sig(nbytes / t_mine / 1e9),
+                        "torch_copy_gbps": _sig(nbytes / t_ref / 1e9),
+                        "ratio": _sig(t_ref / t_mine),
                         # the same baseline, paired rep by rep (median of per-rep ratios): less
                         # sensitive to another process stealing a core for part of the row
-                        "ratio_paired": round(statistics.median(r / m for r, m in zip(theirs, mine)), 3),
+                        "ratio_paired": _sig(statistics.median(r / m for r, m in zip(theirs, mine))),
                     }
                     if chunked:
                         t_chunk = statistics.median(chunked)
-                        row["torch_chunked_gbps"] = round(nbytes / t_chunk / 1e9, 3)
-                        row["ratio_vs_chunked"] = round(t_chunk / t_mine, 3)
+                        row["torch_chunked_gbps"] = _sig(nbytes / t_chunk / 1e9)
+                        row["ratio_vs_chunked"] = _sig(t_chunk / t_mine)
                     results.append(row)
         del host
     default_rows = [r for r in results if r["path"] == default_path]
@@ -209,7 +214,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "page_bytes": ps * dev.bytes_per_token, "chunk_bytes": chunk, "reps": args.reps,
             "quick": args.quick,
         },
-        "torch_copy_gbps": {op: round(nbytes / statistics.median(t) / 1e9, 3) for op, t in ref_times.items() if t},
+        "torch_copy_gbps": {op: _sig(nbytes / statistics.median(t) / 1e9) for op, t in ref_times.items() if t},
         "results": results,
         "default_path": default_path,
         "stream_kind": STREAM_KIND if default_path == "native" else None,
