@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from hicache.config import HiCacheConfig, load_config
+from hicache.config import HiCacheConfig, aload_config, load_config
 from hicache.errors import CacheClosedError, HiCacheError, OutOfKVSlotsError
 from hicache.memory import MambaHostPool, MambaStatePool
 from hicache.prefix_cache import Req, Session
@@ -101,6 +101,14 @@ class HiCache:
     def from_config(cls, source: str | os.PathLike[str] | dict | HiCacheConfig | None = None) -> HiCache:
         """Build from a config file, dict or object (``HICACHE__*`` environment overrides apply)."""
         return cls(load_config(source))
+
+    @classmethod
+    async def afrom_config(
+        cls, source: str | os.PathLike[str] | dict | HiCacheConfig | None = None
+    ) -> HiCache:
+        """:meth:`from_config` for a server already on its event loop: the config file is read
+        without blocking the loop (``aiofiles``)."""
+        return cls(await aload_config(source))
 
     # ------------------------------------------------------------------ lifecycle
 

@@ -31,13 +31,14 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import aiofiles
 import yaml
 from pydantic import ValidationError
 
 from hicache.config.schema import HiCacheConfig
 from hicache.errors import BackendLoadError, BackendNotFoundError, ConfigError
 
-__all__ = ["ENV_PREFIX", "load_config", "config_from_dict", "env_overrides", "check_backend"]
+__all__ = ["ENV_PREFIX", "load_config", "aload_config", "config_from_dict", "env_overrides", "check_backend"]
 
 logger = logging.getLogger("hicache.config")
 
@@ -54,6 +55,21 @@ def _read_file(path: Path) -> dict[str, Any]:
         text = path.read_text()
     except OSError as exc:
         raise ConfigError(f"cannot read config file {path}: {exc.strerror or exc}") from exc
+    return _parse_file(path, text)
+
+
+async def _aread_file(path: Path) -> dict[str, Any]:
+    """The file read without blocking the loop: a config on a network filesystem (a shared
+    deployment folder) can take seconds to open, and a server reloading it must keep serving."""
+    try:
+        async with aiofiles.open(path, encoding="utf-8") as f:
+            text = await f.read()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot read config file {path}: {getattr(exc, 'strerror', None) or exc}") from exc
+    return _parse_file(path, text)
+
+
+def _parse_file(path: Path, text: str) -> dict[str, Any]:
     suffix = path.suffix.lower()
     try:
         if suffix == ".toml":
@@ -190,16 +206,41 @@ def load_config(
     With ``check`` the storage backend is also looked up and its options checked, so a missing
     plugin or a misspelt option fails at start-up rather than at the first write.
     """
-    if isinstance(source, HiCacheConfig):
-        data: dict[str, Any] = source.model_dump()
-        label = "config object"
-    elif isinstance(source, Mapping):
-        data, label = dict(source), "dict"
-    elif source is None:
-        data, label = {}, "defaults"
-    else:
+    if isinstance(source, (str, os.PathLike)):
         path = Path(source)
-        data, label = _read_file(path), str(path)
+        return _finish(_read_file(path), str(path), environ, use_env, check)
+    return _finish(*_in_memory(source), environ, use_env, check)
+
+
+async def aload_config(
+    source: str | os.PathLike[str] | Mapping[str, Any] | HiCacheConfig | None = None,
+    *,
+    environ: Mapping[str, str] | None = None,
+    use_env: bool = True,
+    check: bool = True,
+) -> HiCacheConfig:
+    """:func:`load_config` for code on a running event loop: the file is read with ``aiofiles``
+    so a slow filesystem never stalls the loop; layering and checks are the same."""
+    if isinstance(source, (str, os.PathLike)):
+        path = Path(source)
+        return _finish(await _aread_file(path), str(path), environ, use_env, check)
+    return _finish(*_in_memory(source), environ, use_env, check)
+
+
+def _in_memory(source: Mapping[str, Any] | HiCacheConfig | None) -> tuple[dict[str, Any], str]:
+    if isinstance(source, HiCacheConfig):
+        return source.model_dump(), "config object"
+    if isinstance(source, Mapping):
+        return dict(source), "dict"
+    if source is None:
+        return {}, "defaults"
+    raise ConfigError(f"a config source is a path, a dict or a HiCacheConfig, not {type(source).__name__}")
+
+
+def _finish(
+    data: dict[str, Any], label: str, environ: Mapping[str, str] | None, use_env: bool, check: bool
+) -> HiCacheConfig:
+    """Environment overrides on top of ``data``, then validation (and the backend check)."""
     if use_env:
         env = env_overrides(environ)
         if env:

@@ -102,3 +102,26 @@ def test_unreadable_and_malformed_files(tmp_path: Path) -> None:
     (tmp_path / "c.ini").write_text("")
     with pytest.raises(ConfigError, match="unknown extension"):
         load_config(tmp_path / "c.ini", environ={})
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+async def test_async_load_matches_sync_load(path: Path) -> None:
+    """``aload_config`` (aiofiles, for code on a running loop) builds the same config."""
+    from hicache.config import aload_config
+
+    assert await aload_config(path, environ={}) == load_config(path, environ={})
+
+
+async def test_async_load_errors_are_config_errors(tmp_path: Path) -> None:
+    from hicache.config import aload_config
+    from hicache.facade import HiCache
+
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        await aload_config(tmp_path / "missing.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_bytes(b"\xff\xfe not utf-8")
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        await aload_config(bad)
+    bad.write_text("[device\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        await HiCache.afrom_config(bad)

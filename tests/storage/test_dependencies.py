@@ -1,7 +1,7 @@
 """Every runtime dependency declared in ``pyproject.toml`` is imported by the package: a declared
 dependency that nothing imports costs every install a download and says something untrue about
-the design (issue 14, item 14: ``aiofiles`` was one; the README says why the file backend does
-its own I/O threads instead)."""
+the design (issue 14, item 14: ``aiofiles`` was one until the config loader's async path used it;
+the README says why the page path does its own I/O threads instead)."""
 
 from __future__ import annotations
 
