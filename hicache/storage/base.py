@@ -40,6 +40,7 @@ import torch
 from hicache.errors import StorageStateError
 from hicache.keys import Namespace, validate_key, validate_keys
 from hicache.storage import pages as page_io
+from hicache.storage import staging
 from hicache.storage.hit_policy import leading_run, resolve_v2_hits
 from hicache.storage.offload import run_to_completion
 from hicache.storage.stats import StorageStats
@@ -90,6 +91,7 @@ class AsyncHiCacheStorage(ABC):
         self.registered_pools: dict[str, Any] = {}
         self.mem_pool_host: Any = None
         self.stats = StorageStats()
+        self._staging = staging.StagingArena()  # reused staging pages of pools without page_view
         self._state = StorageState.UNOPENED
         self._open_lock: asyncio.Lock | None = None
 
@@ -434,9 +436,16 @@ class AsyncHiCacheStorage(ABC):
         if not good:
             return [False] * len(keys)
         if page_io.needs_thread(pool, good_starts):
-            found = await run_to_completion(page_io.read_targets, pool, good_starts)
-        else:
-            found = page_io.read_targets(pool, good_starts)
+            # no live page view: the seed page protocol alone, through reused staging pages
+            async def read(positions: list[int], bufs: list[memoryview]) -> list[bool]:
+                return await self._read_guarded([PageKey(keys[good[j]], name) for j in positions], bufs)
+
+            flags = await staging.read_staged(pool, good_starts, read, self._staging, page_io.page_nbytes_hint(pool))
+            ok = [False] * len(keys)
+            for i, flag in zip(good, flags):
+                ok[i] = flag
+            return ok
+        found = page_io.read_targets(pool, good_starts)
         targets: list[page_io.ReadTarget | None] = [None] * len(keys)
         for i, t in zip(good, found):
             targets[i] = t
@@ -491,9 +500,24 @@ class AsyncHiCacheStorage(ABC):
         if not good:
             return [False] * len(keys)
         if page_io.needs_thread(pool, good_starts):
-            found = await run_to_completion(page_io.write_sources, pool, good_starts)
-        else:
-            found = page_io.write_sources(pool, good_starts)
+            # no live page view: copies of one chunk are made while the previous one is written
+            async def write(positions: list[int], bufs: list[memoryview]) -> list[bool]:
+                return await self._write_guarded(
+                    [PageKey(keys[good[j]], name) for j in positions], bufs, [parents[good[j]] for j in positions]
+                )
+
+            nbytes = page_io.page_nbytes_hint(pool)
+            if nbytes is None:
+                try:
+                    nbytes = await run_to_completion(page_io.page_nbytes, pool)
+                except Exception:  # noqa: BLE001 - sized per page below instead
+                    nbytes = staging.CHUNK_BYTES
+            flags = await staging.write_staged(pool, good_starts, write, nbytes)
+            ok = [False] * len(keys)
+            for i, flag in zip(good, flags):
+                ok[i] = flag
+            return ok
+        found = page_io.write_sources(pool, good_starts)
         sources: list[memoryview | None] = [None] * len(keys)
         for i, src in zip(good, found):
             sources[i] = src
