@@ -193,6 +193,12 @@ class AsyncHiCacheStorage(ABC):
         """Backend-specific figures merged into :meth:`get_stats`."""
         return {}
 
+    async def _exists_prefix(self, pages: Sequence[PageKey]) -> int:
+        """How many of ``pages``, from the first, exist: all a prefix lookup needs. Optional;
+        the default asks :meth:`_exists` about every page. A backend whose lookups cost round
+        trips overrides it to stop at the first miss (and never to answer past one)."""
+        return leading_run(await self._exists(pages))
+
     # ------------------------------------------------------------------ optional introspection
 
     async def list_namespaces(self) -> list[Namespace]:
@@ -254,6 +260,25 @@ class AsyncHiCacheStorage(ABC):
         self.stats.incr("exists_hits", sum(flags))
         self.stats.incr("exists_seconds", time.perf_counter() - t0)
         return flags
+
+    async def _kv_prefix(self, pages: Sequence[PageKey]) -> int:
+        """The guarded :meth:`_exists_prefix`, through :meth:`_exists_guarded` when the backend
+        keeps the default (so its counters stay per page)."""
+        if type(self)._exists_prefix is AsyncHiCacheStorage._exists_prefix:
+            return leading_run(await self._exists_guarded(pages))
+        if not pages:
+            return 0
+        t0 = time.perf_counter()
+        run = await self._guard("exists", self._exists_prefix(pages), 0)
+        if isinstance(run, bool) or not isinstance(run, int) or not 0 <= run <= len(pages):
+            self.stats.incr("backend_errors")
+            logger.error("%s: exists answered %r for %d pages; a miss", type(self).__name__, run, len(pages))
+            run = 0
+        self.stats.incr("exists_calls")
+        self.stats.incr("exists_keys", len(pages))
+        self.stats.incr("exists_hits", run)
+        self.stats.incr("exists_seconds", time.perf_counter() - t0)
+        return run
 
     async def _read_guarded(self, pages: Sequence[PageKey], buffers: Sequence[memoryview]) -> list[bool]:
         if not pages:
@@ -349,8 +374,8 @@ class AsyncHiCacheStorage(ABC):
         """Usable prefix length in pages, honouring each extra pool's hit policy."""
         keys = validate_keys(keys)
         await self._ensure_open()
-        kv_flags = await self._exists_guarded([PageKey(k, KV) for k in keys])
-        kv_pages = leading_run(kv_flags)
+        kv_pages = await self._kv_prefix([PageKey(k, KV) for k in keys])
+        kv_flags = [True] * kv_pages + [False] * (len(keys) - kv_pages)  # only its leading run counts
         extra = [t for t in (pool_transfers or ()) if pool_name_str(t.name) != KV]
         pool_flags: dict[str, list[bool]] = {}
         if kv_pages and extra:

@@ -37,12 +37,14 @@ import fsspec
 from hicache.errors import BackendLoadError, ConfigError
 from hicache.keys import Namespace
 from hicache.storage import AsyncHiCacheStorage, HiCacheStorageConfig, PageCodec, PageKey, Verdict
+from hicache.storage.hit_policy import leading_run
 from hicache.storage.offload import OFFLOAD_MIN_BYTES, copy_bytes, run_to_completion
 from hicache.storage.stats import Throttle
 from hicache_backends.s3.breaker import BreakerState, CircuitBreaker
 from hicache_backends.s3.cache import ExistsCache
 from hicache_backends.s3.fs import LoopLocal, LoopResources, ObjectOps, close_all, make_ops
 from hicache_backends.s3.naming import ObjectNames, Redactor, redact_options, redact_url
+from hicache_backends.s3.runs import MIN_RUN, decode_run, encode_run
 from hicache_backends.s3.retry import RetryPolicy
 from hicache_backends.s3.runner import GaveUp, RequestRunner
 
@@ -312,6 +314,62 @@ class FsspecStorage(AsyncHiCacheStorage):
             out[i] = flag
         return out
 
+    async def _exists_prefix(self, pages: Sequence[PageKey]) -> int:
+        """How many pages from the start exist, in waves of one round trip: each wave asks for
+        the run index of the chain starting at the first unknown page (:mod:`.runs`) and HEADs
+        the next ``concurrency - 1`` pages; it stops at the first page known to be missing."""
+        names, cache = self.names, self.exists_cache
+        generation = cache.generation
+        paths = [names.page(p.key, p.pool) for p in pages]
+        n, pos = len(pages), 0
+        while pos < n and cache.contains(paths[pos]):
+            pos += 1
+        self.stats.incr("exists_cache_hits", pos)
+        wave = max(1, self.concurrency - 1)
+        while pos < n:
+            width = min(wave, n - pos)
+            index, flags = await asyncio.gather(
+                self._read_run(pages[pos]),
+                self.runner.batch("exists", [
+                    self._exists_one(paths[i], PageCodec.header_len(pages[i].key, pages[i].pool), generation)
+                    for i in range(pos, pos + width)
+                ]),
+            )
+            self.stats.incr("exists_waves")
+            run = 0
+            if index:
+                want = [ObjectNames.page_hash(p.key, p.pool) for p in pages[pos : pos + len(index)]]
+                while run < len(want) and index[run] == want[run]:
+                    cache.add(paths[pos + run], generation)
+                    run += 1
+            heads = leading_run(flags)
+            if heads < width:
+                return pos + heads  # a HEAD found this page missing (fresher than any index)
+            pos += max(run, width)
+        return n
+
+    async def _read_run(self, first: PageKey) -> list[str] | None:
+        path = self.names.run_index(first.key, first.pool)
+        try:
+            data = await self.runner.request("exists", lambda ops: ops.get(path))
+        except (GaveUp, FileNotFoundError):
+            return None
+        return decode_run(data)
+
+    async def _write_run(self, pages: Sequence[PageKey], ok: Sequence[bool], parents: Sequence[PageKey | None]) -> None:
+        """After a batch is stored: index its leading chain of stored pages (best effort)."""
+        run = 0
+        while run < len(pages) and ok[run] and (run == 0 or parents[run] == pages[run - 1]):
+            run += 1
+        if run < MIN_RUN:
+            return
+        body = encode_run([ObjectNames.page_hash(p.key, p.pool) for p in pages[:run]])
+        path = self.names.run_index(pages[0].key, pages[0].pool)
+        try:
+            await self.runner.request("write run index", lambda ops: ops.put(path, body))
+        except (GaveUp, FileNotFoundError):
+            self.stats.incr("run_index_failures")
+
     async def _exists_one(self, path: str, min_size: int, generation: int) -> bool:
         try:
             size = await self.runner.request("exists", lambda ops: ops.size(path))
@@ -436,7 +494,9 @@ class FsspecStorage(AsyncHiCacheStorage):
         # a missing manifest is written by the prober, never on the write path: the manifest
         # only describes the namespace, and waiting for it would stretch a batch past its timeout
         generation = self.exists_cache.generation
-        return await self.runner.batch("write", [self._write_one(p, b, generation) for p, b in zip(pages, buffers)])
+        ok = await self.runner.batch("write", [self._write_one(p, b, generation) for p, b in zip(pages, buffers)])
+        await self._write_run(pages, ok, parents)
+        return ok
 
     async def _write_one(self, page: PageKey, buf: memoryview, generation: int) -> bool:
         codec = self._codec or PageCodec(self.namespace.digest_bytes)
