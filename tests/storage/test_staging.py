@@ -46,31 +46,42 @@ class CountingPool(ArrayHostPool):
         super().set_from_flat_data_page(index, data_page)
 
 
-async def _store(root: Path, pool: Any) -> Any:
+def _keys(n: int) -> list[str]:
+    return [f"page-{i}" for i in range(n)]
+
+
+async def _opened(root: Path, pool: Any, seed: int) -> Any:
+    """An open file store under ``root`` writing from ``pool`` (filled with random pages)."""
+    pool.fill_random(seed)
     store = create_async_storage("file", None, root=str(root), namespace={"model": "staging-test"})
     store.register_mem_host_pool_v2(pool, "kv")
     await store.open()
     return store
 
 
-def _keys(n: int) -> list[str]:
-    return [f"page-{i}" for i in range(n)]
+async def _written(root: Path, n: int, seed: int) -> tuple[Any, CountingPool]:
+    """An open file store under ``root`` holding pages ``page-0..n-1`` of a random pool."""
+    src = CountingPool(16, PAGE, ELEMS)
+    store = await _opened(root, src, seed)
+    res = await store.batch_set_v2([PoolTransfer("kv", host_indices=src.indices(0, n), keys=_keys(n))])
+    assert res["kv"] == [True] * n
+    return store, src
+
+
+async def _get(store: Any, pool: Any, first_page: int, n: int) -> list[bool]:
+    store.register_mem_host_pool_v2(pool, "kv")
+    got = await store.batch_get_v2([PoolTransfer("kv", host_indices=pool.indices(first_page, n), keys=_keys(n))])
+    return got["kv"]
 
 
 async def test_round_trip_over_many_chunks_reuses_staging(tmp_path: Path) -> None:
     n = 10
-    src = CountingPool(16, PAGE, ELEMS)
-    src.fill_random(1)
-    store = await _store(tmp_path, src)
+    store, src = await _written(tmp_path, n, 1)
     try:
-        res = await store.batch_set_v2([PoolTransfer("kv", host_indices=src.indices(0, n), keys=_keys(n))])
-        assert res["kv"] == [True] * n
         dst = CountingPool(16, PAGE, ELEMS)
-        store.register_mem_host_pool_v2(dst, "kv")
         for _ in range(2):
             dst.buffer.zero_()
-            got = await store.batch_get_v2([PoolTransfer("kv", host_indices=dst.indices(2, n), keys=_keys(n))])
-            assert got["kv"] == [True] * n
+            assert await _get(store, dst, 2, n) == [True] * n
             for i in range(n):
                 assert dst.page_bytes((i + 2) * PAGE) == src.page_bytes(i * PAGE), i
         # one dummy page per batch to learn the staging shape, not one per page
@@ -82,24 +93,18 @@ async def test_round_trip_over_many_chunks_reuses_staging(tmp_path: Path) -> Non
 
 async def test_a_corrupt_page_never_reaches_the_pool(tmp_path: Path) -> None:
     n = 7
-    src = CountingPool(16, PAGE, ELEMS)
-    src.fill_random(2)
-    store = await _store(tmp_path, src)
+    store, src = await _written(tmp_path, n, 2)
     try:
-        await store.batch_set_v2([PoolTransfer("kv", host_indices=src.indices(0, n), keys=_keys(n))])
         files = sorted(p for p in tmp_path.rglob("*.page"))
         assert len(files) == n
-        # flip one payload byte of every page file, then restore all but one
-        originals = {f: f.read_bytes() for f in files}
-        victim = files[3]
-        data = bytearray(originals[victim])
+        victim = files[3]  # one payload byte flipped on disk
+        data = bytearray(victim.read_bytes())
         data[len(data) // 2] ^= 0xFF
         victim.write_bytes(bytes(data))
         dst = CountingPool(16, PAGE, ELEMS)
         sentinel = torch.full_like(dst.buffer, 7.0)
         dst.buffer.copy_(sentinel)
-        store.register_mem_host_pool_v2(dst, "kv")
-        got = (await store.batch_get_v2([PoolTransfer("kv", host_indices=dst.indices(0, n), keys=_keys(n))]))["kv"]
+        got = await _get(store, dst, 0, n)
         assert sum(got) == n - 1 and store.get_stats()["corrupt_pages"] == 1
         bad = got.index(False)
         assert bad * PAGE not in dst.commits
@@ -112,16 +117,10 @@ async def test_a_corrupt_page_never_reaches_the_pool(tmp_path: Path) -> None:
 
 
 async def test_a_page_the_pool_refuses_fails_alone(tmp_path: Path) -> None:
-    n = 6
-    src = CountingPool(16, PAGE, ELEMS)
-    src.fill_random(3)
-    store = await _store(tmp_path, src)
+    store, _ = await _written(tmp_path, 6, 3)
     try:
-        await store.batch_set_v2([PoolTransfer("kv", host_indices=src.indices(0, n), keys=_keys(n))])
         dst = CountingPool(16, PAGE, ELEMS, fail_commit_at=4 * PAGE)
-        store.register_mem_host_pool_v2(dst, "kv")
-        got = (await store.batch_get_v2([PoolTransfer("kv", host_indices=dst.indices(0, n), keys=_keys(n))]))["kv"]
-        assert got == [True, True, True, True, False, True]
+        assert await _get(store, dst, 0, 6) == [True, True, True, True, False, True]
     finally:
         await store.aclose()
 
@@ -132,14 +131,9 @@ class NoDummyPool(CountingPool):
 
 
 async def test_a_pool_that_cannot_stage_gives_misses_not_errors(tmp_path: Path) -> None:
-    src = CountingPool(16, PAGE, ELEMS)
-    src.fill_random(4)
-    store = await _store(tmp_path, src)
+    store, _ = await _written(tmp_path, 3, 4)
     try:
-        await store.batch_set_v2([PoolTransfer("kv", host_indices=src.indices(0, 3), keys=_keys(3))])
-        store.register_mem_host_pool_v2(NoDummyPool(16, PAGE, ELEMS), "kv")
-        got = await store.batch_get_v2([PoolTransfer("kv", host_indices=src.indices(0, 3), keys=_keys(3))])
-        assert got["kv"] == [False] * 3
+        assert await _get(store, NoDummyPool(16, PAGE, ELEMS), 0, 3) == [False] * 3
     finally:
         await store.aclose()
 
@@ -161,8 +155,7 @@ class SlowCopyPool(CountingPool):
 
 async def test_cancelled_staged_write_waits_for_pool_copies(tmp_path: Path) -> None:
     src = SlowCopyPool(32, PAGE, ELEMS)
-    src.fill_random(5)
-    store = await _store(tmp_path, src)
+    store = await _opened(tmp_path, src, 5)
     try:
         task = asyncio.create_task(
             store.batch_set_v2([PoolTransfer("kv", host_indices=src.indices(0, 12), keys=_keys(12))])
