@@ -295,6 +295,7 @@ async def measure_lookup(store: Any, pages: int, concurrency: int) -> dict[str, 
     store.register_mem_host_pool_v2(pool, "kv")
     res = await store.batch_set_v2([PoolTransfer("kv", host_indices=pool.indices(0, pages), keys=keys)])
     assert all(res["kv"]), "lookup pages not stored"
+    await store.wait_index_writes()
     asked = keys + ["lookup-absent"]  # the prompt goes on past what is stored, as usual
     out: dict[str, Any] = {"pages": pages, "concurrency": concurrency}
     for name, call in (("run_index", lambda: store.batch_exists_v2(asked)), ("head_per_page", lambda: store.exists_pages(asked))):

@@ -29,6 +29,7 @@ async def _filled(store, n: int, tag: str = "p") -> tuple[list[str], ArrayHostPo
     store.register_mem_pool_host(src)
     res = await store.batch_set_v2([PoolTransfer("kv", host_indices=src.indices(0, n), keys=keys)])
     assert res["kv"] == [True] * n
+    await store.wait_index_writes()
     store.exists_cache.clear()  # a fresh process: nothing known locally
     return keys, src
 
@@ -71,6 +72,7 @@ async def test_batches_of_several_writes_chain_their_indexes(moto_endpoint: str,
                 HiCacheStorageExtraInfo(prefix_keys=prior),
             )
             assert all(res["kv"])
+        await store.wait_index_writes()
         store.exists_cache.clear()
         hit = await store.batch_exists_v2(keys)
         assert hit.kv_hit_pages == 60

@@ -174,6 +174,7 @@ class FsspecStorage(AsyncHiCacheStorage):
         self._codec: PageCodec | None = None
         self._manifest_ok = False
         self._prober: asyncio.Task[None] | None = None
+        self._index_writes: set[asyncio.Task[None]] = set()  # run indexes still being stored
 
     # ------------------------------------------------------------------ configuration
 
@@ -247,6 +248,7 @@ class FsspecStorage(AsyncHiCacheStorage):
         self._prober = asyncio.get_running_loop().create_task(self._probe_loop(), name="hicache-s3-prober")
 
     async def _close(self) -> None:
+        await self.wait_index_writes()
         prober, self._prober = self._prober, None
         if prober is not None and not prober.done():
             if prober.get_loop() is asyncio.get_running_loop():
@@ -258,6 +260,18 @@ class FsspecStorage(AsyncHiCacheStorage):
                 except RuntimeError:  # its loop is closed, and the task with it
                     pass
         await close_all(self._local)
+
+    async def wait_index_writes(self) -> None:
+        """Wait for the run indexes of finished writes (this loop's; others' are cancelled)."""
+        here = asyncio.get_running_loop()
+        mine = [t for t in self._index_writes if t.get_loop() is here]
+        for t in self._index_writes - set(mine):
+            try:
+                t.get_loop().call_soon_threadsafe(t.cancel)
+            except RuntimeError:  # that loop is closed, and the task with it
+                pass
+        if mine:
+            await asyncio.gather(*mine, return_exceptions=True)
 
     async def _probe_loop(self) -> None:
         """While the breaker is open (or the manifest is unwritten), probe the store so it is
@@ -357,7 +371,8 @@ class FsspecStorage(AsyncHiCacheStorage):
         return decode_run(data)
 
     async def _write_run(self, pages: Sequence[PageKey], ok: Sequence[bool], parents: Sequence[PageKey | None]) -> None:
-        """After a batch is stored: index its leading chain of stored pages (best effort)."""
+        """After a batch is stored: index its leading chain of stored pages (best effort, never
+        raises: it runs as a task of this store, drained by close)."""
         run = 0
         while run < len(pages) and ok[run] and (run == 0 or parents[run] == pages[run - 1]):
             run += 1
@@ -367,7 +382,9 @@ class FsspecStorage(AsyncHiCacheStorage):
         path = self.names.run_index(pages[0].key, pages[0].pool)
         try:
             await self.runner.request("write run index", lambda ops: ops.put(path, body))
-        except (GaveUp, FileNotFoundError):
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # noqa: BLE001 - GaveUp, a missing bucket, anything: the index is optional
             self.stats.incr("run_index_failures")
 
     async def _exists_one(self, path: str, min_size: int, generation: int) -> bool:
@@ -495,7 +512,10 @@ class FsspecStorage(AsyncHiCacheStorage):
         # only describes the namespace, and waiting for it would stretch a batch past its timeout
         generation = self.exists_cache.generation
         ok = await self.runner.batch("write", [self._write_one(p, b, generation) for p, b in zip(pages, buffers)])
-        await self._write_run(pages, ok, parents)
+        # the index follows the pages in the background: the batch does not wait a round trip
+        task = asyncio.get_running_loop().create_task(self._write_run(list(pages), ok, list(parents)))
+        self._index_writes.add(task)
+        task.add_done_callback(self._index_writes.discard)
         return ok
 
     async def _write_one(self, page: PageKey, buf: memoryview, generation: int) -> bool:
