@@ -466,10 +466,7 @@ class AsyncHiCacheStorage(ABC):
                 return await self._read_guarded([PageKey(keys[good[j]], name) for j in positions], bufs)
 
             flags = await staging.read_staged(pool, good_starts, read, self._staging, page_io.page_nbytes_hint(pool))
-            ok = [False] * len(keys)
-            for i, flag in zip(good, flags):
-                ok[i] = flag
-            return ok
+            return _scatter(len(keys), good, flags)
         found = page_io.read_targets(pool, good_starts)
         targets: list[page_io.ReadTarget | None] = [None] * len(keys)
         for i, t in zip(good, found):
@@ -535,13 +532,10 @@ class AsyncHiCacheStorage(ABC):
             if nbytes is None:
                 try:
                     nbytes = await run_to_completion(page_io.page_nbytes, pool)
-                except Exception:  # noqa: BLE001 - sized per page below instead
+                except Exception:  # noqa: BLE001 - then one page a chunk
                     nbytes = staging.CHUNK_BYTES
             flags = await staging.write_staged(pool, good_starts, write, nbytes)
-            ok = [False] * len(keys)
-            for i, flag in zip(good, flags):
-                ok[i] = flag
-            return ok
+            return _scatter(len(keys), good, flags)
         found = page_io.write_sources(pool, good_starts)
         sources: list[memoryview | None] = [None] * len(keys)
         for i, src in zip(good, found):
@@ -720,6 +714,14 @@ class AsyncHiCacheStorage(ABC):
         except Exception:  # noqa: BLE001
             logger.exception("%s: stats failed", type(self).__name__)
         return out
+
+
+def _scatter(n: int, positions: Sequence[int], flags: Sequence[bool]) -> list[bool]:
+    """``n`` flags, ``flags[j]`` at ``positions[j]`` and False elsewhere."""
+    out = [False] * n
+    for i, flag in zip(positions, flags):
+        out[i] = flag
+    return out
 
 
 def _copy_into_targets(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
