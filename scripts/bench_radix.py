@@ -18,17 +18,17 @@ matched tokens for every request (the script fails otherwise). Methods are inter
 repeat on fresh trees; medians are reported. Then the loop time of one 16k-token prompt
 (shares half with a cached prompt, the rest new) is measured on warm trees.
 
-Getting SGLang (never needed by hicache itself)::
+Getting SGLang (never needed by hicache itself), into a venv of your choice (``VENV``)::
 
-    python3.11 -m venv /tmp/venv-sglang-bench
-    /tmp/venv-sglang-bench/bin/pip install torch==2.13.0
-    /tmp/venv-sglang-bench/bin/pip install -e .   # this repository
-    /tmp/venv-sglang-bench/bin/pip install --no-deps sglang==0.5.23
-    echo torch==2.13.0 > /tmp/pin.txt
-    /tmp/venv-sglang-bench/bin/pip install -c /tmp/pin.txt numpy orjson psutil pybase64 pillow \\
+    python3.11 -m venv $VENV
+    $VENV/bin/pip install torch==2.13.0
+    $VENV/bin/pip install -e .   # this repository
+    $VENV/bin/pip install --no-deps sglang==0.5.23
+    echo torch==2.13.0 > pin.txt
+    $VENV/bin/pip install -c pin.txt numpy orjson psutil pybase64 pillow \\
         starlette msgspec pyzmq ipython apache-tvm-ffi transformers torchvision dill requests \\
         pydantic aiohttp tqdm triton torchvision sentencepiece compressed-tensors gguf
-    /tmp/venv-sglang-bench/bin/python scripts/bench_radix.py
+    $VENV/bin/python scripts/bench_radix.py
 
 Without SGLang the ``sglang`` columns are skipped with a message saying so. Example::
 
