@@ -240,6 +240,7 @@ async def _measure(args: argparse.Namespace, fs: Any, endpoint: str, base: str, 
         t, _ = await timed(serial_get)
         samples["serial_get"].append(t * n / serial_n)
 
+    lookup = await measure_lookup(store, args.lookup_pages, c)
     stats = store.get_stats()
     await store.clear()
     await store.aclose()
@@ -280,13 +281,43 @@ async def _measure(args: argparse.Namespace, fs: Any, endpoint: str, base: str, 
         "targets_met": all(v >= 0.9 for k, v in ratios.items() if k.endswith("_vs_s3fs"))
         and all(v >= 5.0 for k, v in ratios.items() if k.endswith("_vs_serial")),
         "backend_stats": {k: v for k, v in stats.items() if k in ("requests", "retries", "timeouts", "corrupt_pages", "breaker_open")},
+        "prefix_lookup": lookup,
     }
+
+
+async def measure_lookup(store: Any, pages: int, concurrency: int) -> dict[str, Any]:
+    """A ``pages``-page prompt's existence check from a cold process (nothing known locally):
+    ``batch_exists_v2`` (run index + HEADs per wave) against one HEAD per page
+    (``exists_pages``, what every lookup cost before), the prompt stored as one batch of tiny
+    pages. Wall time and requests sent, median of 5."""
+    keys = [f"lookup-{i:06d}" for i in range(pages)]
+    pool = ArrayHostPool(pages, TOKENS_PER_PAGE, token_elems=2)
+    store.register_mem_host_pool_v2(pool, "kv")
+    res = await store.batch_set_v2([PoolTransfer("kv", host_indices=pool.indices(0, pages), keys=keys)])
+    assert all(res["kv"]), "lookup pages not stored"
+    await store.wait_index_writes()
+    asked = keys + ["lookup-absent"]  # the prompt goes on past what is stored, as usual
+    out: dict[str, Any] = {"pages": pages, "concurrency": concurrency}
+    for name, call in (("run_index", lambda: store.batch_exists_v2(asked)), ("head_per_page", lambda: store.exists_pages(asked))):
+        times, reqs = [], []
+        for _ in range(5):
+            store.exists_cache.clear()
+            before = store.get_stats()["requests"]
+            t0 = time.perf_counter()
+            await call()
+            times.append(time.perf_counter() - t0)
+            reqs.append(store.get_stats()["requests"] - before)
+        out[name] = {"median_ms": round(statistics.median(times) * 1e3, 1), "requests": statistics.median(reqs)}
+    out["speedup"] = round(out["head_per_page"]["median_ms"] / out["run_index"]["median_ms"], 2)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--endpoint", help="S3 endpoint URL (default: start a moto server on loopback)")
     parser.add_argument("--bucket", default="hicache-bench")
+    parser.add_argument(
+        "--lookup-pages", type=int, default=512, help="pages of the prompt whose existence check is timed (default 512)")
     parser.add_argument(
         "--latency-ms", type=float, default=50.0,
         help="delay moto adds to each request (default 50; AWS quotes 100-200 ms first-byte latency "

@@ -1,8 +1,8 @@
 """Storage keys of tree pages: :func:`hicache.keys.page_hashes`, computed fast.
 
 ``hicache.keys`` converts tokens one by one in Python; a tree hashes every page it inserts, so
-here the tokens of all pages are packed to uint32 little-endian with numpy in one call and only
-the sha256 chain runs per page. The bytes hashed, and so the keys, are identical (a test checks).
+here the tokens of all pages are packed to uint32 little-endian in one call and only the sha256
+chain runs per page. The bytes hashed, and so the keys, are identical (a test checks).
 
 A namespace (``extra_key``) seeds the chain: its first page is chained to a digest of the
 namespace instead of to nothing, so the same tokens under two namespaces get disjoint keys.
@@ -11,6 +11,8 @@ namespace instead of to nothing, so the same tokens under two namespaces get dis
 from __future__ import annotations
 
 import hashlib
+import sys
+from array import array
 from collections.abc import Sequence
 
 import numpy as np
@@ -18,6 +20,7 @@ import numpy as np
 __all__ = ["namespace_seed", "fast_page_hashes"]
 
 _UINT32_MAX = 0xFFFFFFFF
+_ARRAY_U32 = array("I").itemsize == 4
 
 
 def namespace_seed(extra_key: str | None) -> str | None:
@@ -27,23 +30,43 @@ def namespace_seed(extra_key: str | None) -> str | None:
     return hashlib.sha256(b"hicache-namespace\x00" + extra_key.encode("utf-8")).hexdigest()
 
 
+def _uint32_le(tokens: Sequence[int], count: int) -> bytes:
+    """The first ``count`` tokens packed as uint32 little-endian.
+
+    ``array('I', list)`` converts a list 4-5x faster than ``numpy.asarray`` (measured on 16k
+    tokens: 0.12 ms against 0.46-0.64 ms), and it rejects what is not an integer in range
+    instead of silently truncating it.
+    """
+    part = tokens if len(tokens) == count else tokens[:count]
+    if _ARRAY_U32:
+        try:
+            arr = array("I", part)
+        except (OverflowError, TypeError) as exc:
+            raise ValueError(f"token ids must be integers that fit in uint32 ({exc})") from None
+        if sys.byteorder != "little":
+            arr.byteswap()
+        return arr.tobytes()
+    values = np.asarray(part, dtype=np.int64)  # pragma: no cover - platforms with a 2-byte int
+    if values.size and (values.min() < 0 or values.max() > _UINT32_MAX):
+        raise ValueError("token ids must be integers that fit in uint32")
+    return values.astype("<u4").tobytes()
+
+
 def fast_page_hashes(tokens: Sequence[int], page_size: int, prior_hash: str | None = None) -> list[str]:
-    """Chained keys of every full page of ``tokens`` (same values as ``hicache.keys.page_hashes``)."""
+    """Chained keys of every full page of ``tokens`` (same values as ``hicache.keys.page_hashes``).
+
+    One ``sha256(previous digest + page)`` per page: hashing the concatenation in one call is
+    the same digest as two updates, with fewer calls per page (0.9 against 1.2 us a page).
+    """
     n = len(tokens) // page_size
     if n == 0:
         return []
-    arr = np.asarray(tokens[: n * page_size], dtype=np.int64)
-    if arr.size and (arr.min() < 0 or arr.max() > _UINT32_MAX):
-        raise ValueError("token ids must fit in uint32")
-    raw = arr.astype("<u4").tobytes()
+    raw = _uint32_le(tokens, n * page_size)
     step = 4 * page_size
-    out: list[str] = []
-    prev = bytes.fromhex(prior_hash) if prior_hash is not None else None
+    sha = hashlib.sha256
+    out: list[str] = [""] * n
+    prev = bytes.fromhex(prior_hash) if prior_hash is not None else b""
     for i in range(n):
-        h = hashlib.sha256()
-        if prev is not None:
-            h.update(prev)
-        h.update(raw[i * step : (i + 1) * step])
-        prev = h.digest()
-        out.append(prev.hex())
+        prev = sha(prev + raw[i * step : (i + 1) * step]).digest()
+        out[i] = prev.hex()
     return out

@@ -26,6 +26,7 @@ from hicache.prefix_cache.eviction_index import EvictionIndex
 from hicache.prefix_cache.node import TreeNode
 from hicache.prefix_cache.policy import eviction_key
 from hicache.prefix_cache.req import Req
+from hicache.prefix_cache.slots import cat_slots, copy_slots
 from hicache.prefix_cache.types import (
     DecLockRefParams,
     DecLockRefResult,
@@ -177,15 +178,41 @@ class RadixCache(BasePrefixCache):
     # ------------------------------------------------------------------ walking
 
     def _match_len(self, node_key: list[int], tokens: list[int], pos: int, end: int) -> int:
-        """Whole-page length of the common prefix of ``node_key`` and ``tokens[pos:end]``."""
+        """Whole-page length of the common prefix of ``node_key`` and ``tokens[pos:end]``
+        (the first page is known to match: it is the child key).
+
+        Runs for every node of every walk, on keys of up to the whole prompt: a node key is
+        compared in one C-level list comparison without being copied, and a divergence is
+        found by galloping then bisecting over pages, so the Python work per node is
+        logarithmic in its length (a page-by-page loop was 300 iterations on long prompts).
+        """
         ps = self.page_size
-        limit = min(len(node_key), end - pos)
-        if node_key[:limit] == tokens[pos : pos + limit]:
+        n = len(node_key)
+        limit = n if n <= end - pos else end - pos
+        if limit == n:
+            if tokens[pos : pos + n] == node_key:
+                return n
+        elif node_key[:limit] == tokens[pos : pos + limit]:
             return limit
-        i = ps  # the first page matched already (it is the child key)
-        while i < limit and node_key[i : i + ps] == tokens[pos + i : pos + i + ps]:
-            i += ps
-        return i
+        # pages [0, lo) match; the first mismatch lies within the first `limit` tokens
+        lo, step = ps, ps
+        while True:
+            hi = lo + step
+            if hi >= limit:
+                hi = limit
+                break
+            if node_key[lo:hi] != tokens[pos + lo : pos + hi]:
+                break
+            lo = hi
+            step += step
+        # the mismatch is in [lo, hi): bisect over whole pages
+        while hi - lo > ps:
+            mid = lo + (hi - lo) // ps // 2 * ps
+            if node_key[lo:mid] == tokens[pos + lo : pos + mid]:
+                lo = mid
+            else:
+                hi = mid
+        return lo
 
     def _split(self, child: TreeNode, m: int) -> TreeNode:
         """Split ``child`` after ``m`` tokens; returns the new parent holding the first part.
@@ -289,7 +316,7 @@ class RadixCache(BasePrefixCache):
             if hit:
                 node.hit_count += 1
                 self._on_hit(node)
-        device_indices = torch.cat(values) if values else self._empty()
+        device_indices = cat_slots(values, self._empty())
         return MatchResult(
             device_indices=device_indices,
             last_device_node=last_device,
@@ -332,7 +359,7 @@ class RadixCache(BasePrefixCache):
             child.last_access_time = now
             child.priority = max(child.priority, params.priority)
             if child.value is None:
-                self._add_device(child, value[pos : pos + m].clone())
+                self._add_device(child, copy_slots(value[pos : pos + m]))
                 self._on_revive(child)
             else:
                 if prefix_len == pos:
@@ -348,7 +375,7 @@ class RadixCache(BasePrefixCache):
             new.priority = params.priority
             new.hit_count = 1
             node.children[self._child_key(key.extra_key, tokens, pos)] = new
-            self._add_device(new, value[pos:end].clone())
+            self._add_device(new, copy_slots(value[pos:end]))
             self._on_new_node(new)
             node = new
         return InsertResult(prefix_len=prefix_len, total_len=end, last_device_node=node)
@@ -407,14 +434,14 @@ class RadixCache(BasePrefixCache):
         row = self._row(req)
         kv = row[:n]
         if self.disable:
-            req.prefix_indices = kv.clone()
+            req.prefix_indices = copy_slots(kv)
             return
         aligned = self._aligned(n)
         protected = req.cache_protected_len
         key = RadixKey(tokens[:aligned], req.extra_key)
         result = self.insert(InsertParams(key=key, value=kv[:aligned], priority=req.priority))
         path = self._walk(key, aligned)
-        new_indices = torch.cat([p.value for p in path]) if path else self._empty()
+        new_indices = cat_slots([p.value for p in path], self._empty())
         self._free_duplicates(kv, protected, aligned, result, new_indices)
         new_last = path[-1] if path else self.root_node
         if new_indices.numel() > protected:
@@ -422,7 +449,7 @@ class RadixCache(BasePrefixCache):
         if req.last_node is not None:
             self.dec_lock_ref(req.last_node)
         self.inc_lock_ref(new_last)
-        req.prefix_indices = torch.cat([new_indices, row[new_indices.numel() : n].clone()])
+        req.prefix_indices = cat_slots([new_indices, row[new_indices.numel() : n]], self._empty())
         req.cache_protected_len = int(new_indices.numel())
         req.last_node = new_last
 
@@ -454,7 +481,7 @@ class RadixCache(BasePrefixCache):
             values.append(node.value)
             node = node.parent
         values.reverse()
-        return torch.cat(values) if values else self._empty()
+        return cat_slots(values, self._empty())
 
     # ------------------------------------------------------------------ locks
 
@@ -499,12 +526,12 @@ class RadixCache(BasePrefixCache):
             stack.extend(node.children.values())
 
     def _is_device_leaf(self, node: TreeNode) -> bool:
-        return (
-            node.value is not None
-            and node.lock_ref == 0
-            and node is not self.root_node
-            and not any(c.value is not None for c in node.children.values())
-        )
+        if node.value is None or node.lock_ref or node is self.root_node:
+            return False
+        for child in node.children.values():  # a loop, not any(): this runs per noted node
+            if child.value is not None:
+                return False
+        return True
 
     def evict(self, params: EvictParams | int) -> EvictResult:
         """Free device slots of unlocked leaves, in policy order, until ``num_tokens`` are

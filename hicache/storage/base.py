@@ -40,6 +40,7 @@ import torch
 from hicache.errors import StorageStateError
 from hicache.keys import Namespace, validate_key, validate_keys
 from hicache.storage import pages as page_io
+from hicache.storage import staging
 from hicache.storage.hit_policy import leading_run, resolve_v2_hits
 from hicache.storage.offload import run_to_completion
 from hicache.storage.stats import StorageStats
@@ -90,6 +91,7 @@ class AsyncHiCacheStorage(ABC):
         self.registered_pools: dict[str, Any] = {}
         self.mem_pool_host: Any = None
         self.stats = StorageStats()
+        self._staging = staging.StagingArena()  # reused staging pages of pools without page_view
         self._state = StorageState.UNOPENED
         self._open_lock: asyncio.Lock | None = None
 
@@ -191,6 +193,12 @@ class AsyncHiCacheStorage(ABC):
         """Backend-specific figures merged into :meth:`get_stats`."""
         return {}
 
+    async def _exists_prefix(self, pages: Sequence[PageKey]) -> int:
+        """How many of ``pages``, from the first, exist: all a prefix lookup needs. Optional;
+        the default asks :meth:`_exists` about every page. A backend whose lookups cost round
+        trips overrides it to stop at the first miss (and never to answer past one)."""
+        return leading_run(await self._exists(pages))
+
     # ------------------------------------------------------------------ optional introspection
 
     async def list_namespaces(self) -> list[Namespace]:
@@ -252,6 +260,25 @@ class AsyncHiCacheStorage(ABC):
         self.stats.incr("exists_hits", sum(flags))
         self.stats.incr("exists_seconds", time.perf_counter() - t0)
         return flags
+
+    async def _kv_prefix(self, pages: Sequence[PageKey]) -> int:
+        """The guarded :meth:`_exists_prefix`, through :meth:`_exists_guarded` when the backend
+        keeps the default (so its counters stay per page)."""
+        if type(self)._exists_prefix is AsyncHiCacheStorage._exists_prefix:
+            return leading_run(await self._exists_guarded(pages))
+        if not pages:
+            return 0
+        t0 = time.perf_counter()
+        run = await self._guard("exists", self._exists_prefix(pages), 0)
+        if isinstance(run, bool) or not isinstance(run, int) or not 0 <= run <= len(pages):
+            self.stats.incr("backend_errors")
+            logger.error("%s: exists answered %r for %d pages; a miss", type(self).__name__, run, len(pages))
+            run = 0
+        self.stats.incr("exists_calls")
+        self.stats.incr("exists_keys", len(pages))
+        self.stats.incr("exists_hits", run)
+        self.stats.incr("exists_seconds", time.perf_counter() - t0)
+        return run
 
     async def _read_guarded(self, pages: Sequence[PageKey], buffers: Sequence[memoryview]) -> list[bool]:
         if not pages:
@@ -347,8 +374,8 @@ class AsyncHiCacheStorage(ABC):
         """Usable prefix length in pages, honouring each extra pool's hit policy."""
         keys = validate_keys(keys)
         await self._ensure_open()
-        kv_flags = await self._exists_guarded([PageKey(k, KV) for k in keys])
-        kv_pages = leading_run(kv_flags)
+        kv_pages = await self._kv_prefix([PageKey(k, KV) for k in keys])
+        kv_flags = [True] * kv_pages + [False] * (len(keys) - kv_pages)  # only its leading run counts
         extra = [t for t in (pool_transfers or ()) if pool_name_str(t.name) != KV]
         pool_flags: dict[str, list[bool]] = {}
         if kv_pages and extra:
@@ -434,9 +461,13 @@ class AsyncHiCacheStorage(ABC):
         if not good:
             return [False] * len(keys)
         if page_io.needs_thread(pool, good_starts):
-            found = await run_to_completion(page_io.read_targets, pool, good_starts)
-        else:
-            found = page_io.read_targets(pool, good_starts)
+            # no live page view: the seed page protocol alone, through reused staging pages
+            async def read(positions: list[int], bufs: list[memoryview]) -> list[bool]:
+                return await self._read_guarded([PageKey(keys[good[j]], name) for j in positions], bufs)
+
+            flags = await staging.read_staged(pool, good_starts, read, self._staging, page_io.page_nbytes_hint(pool))
+            return _scatter(len(keys), good, flags)
+        found = page_io.read_targets(pool, good_starts)
         targets: list[page_io.ReadTarget | None] = [None] * len(keys)
         for i, t in zip(good, found):
             targets[i] = t
@@ -491,9 +522,21 @@ class AsyncHiCacheStorage(ABC):
         if not good:
             return [False] * len(keys)
         if page_io.needs_thread(pool, good_starts):
-            found = await run_to_completion(page_io.write_sources, pool, good_starts)
-        else:
-            found = page_io.write_sources(pool, good_starts)
+            # no live page view: copies of one chunk are made while the previous one is written
+            async def write(positions: list[int], bufs: list[memoryview]) -> list[bool]:
+                return await self._write_guarded(
+                    [PageKey(keys[good[j]], name) for j in positions], bufs, [parents[good[j]] for j in positions]
+                )
+
+            nbytes = page_io.page_nbytes_hint(pool)
+            if nbytes is None:
+                try:
+                    nbytes = await run_to_completion(page_io.page_nbytes, pool)
+                except Exception:  # noqa: BLE001 - then one page a chunk
+                    nbytes = staging.CHUNK_BYTES
+            flags = await staging.write_staged(pool, good_starts, write, nbytes)
+            return _scatter(len(keys), good, flags)
+        found = page_io.write_sources(pool, good_starts)
         sources: list[memoryview | None] = [None] * len(keys)
         for i, src in zip(good, found):
             sources[i] = src
@@ -671,6 +714,14 @@ class AsyncHiCacheStorage(ABC):
         except Exception:  # noqa: BLE001
             logger.exception("%s: stats failed", type(self).__name__)
         return out
+
+
+def _scatter(n: int, positions: Sequence[int], flags: Sequence[bool]) -> list[bool]:
+    """``n`` flags, ``flags[j]`` at ``positions[j]`` and False elsewhere."""
+    out = [False] * n
+    for i, flag in zip(positions, flags):
+        out[i] = flag
+    return out
 
 
 def _copy_into_targets(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:

@@ -61,6 +61,12 @@ def page_nbytes(pool: Any) -> int:
     return dummy.numel() * dummy.element_size()
 
 
+def page_nbytes_hint(pool: Any) -> int | None:
+    """The pool's ``page_nbytes`` when it says (ours do), else ``None`` (no page is made)."""
+    n = getattr(pool, "page_nbytes", None)
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
+
+
 def page_starts(host_indices: torch.Tensor | None, num_keys: int, page_size: int) -> list[int] | None:
     """First token index of each page, or ``None`` when indices and keys disagree in length
     (or the indices are not integers)."""

@@ -60,6 +60,7 @@ async def _write_pages(store: AsyncHiCacheStorage, keys: list[str], seed: int = 
     src.fill_random(seed)
     store.register_mem_pool_host(src)
     assert await store.batch_set_v1(keys, src.indices(0, len(keys))) == [True] * len(keys)
+    await store.wait_index_writes()  # its run index is stored in the background
     return src
 
 

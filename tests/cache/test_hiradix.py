@@ -147,6 +147,14 @@ def test_page_hashes_match_keys_module_and_namespaces_differ() -> None:
     a = fast_page_hashes(tokens, 16, namespace_seed("tenant-a"))
     b = fast_page_hashes(tokens, 16, namespace_seed("tenant-b"))
     assert not set(a) & set(b) and not set(a) & set(page_hashes(tokens, 16))
+    edge = [0, 1, 0xFFFFFFFF, 2**31, 7] * 8  # the whole uint32 range, a partial page dropped
+    assert fast_page_hashes(edge, 16) == page_hashes(edge, 16)
+
+
+@pytest.mark.parametrize("bad", [[-1] * 16, [2**32] * 16, [1.5] * 16, ["7"] * 16])
+def test_page_hashes_reject_tokens_outside_uint32(bad: list) -> None:
+    with pytest.raises(ValueError, match="uint32"):
+        fast_page_hashes(bad, 16)
 
 
 async def test_node_hashes_chain_from_parent() -> None:

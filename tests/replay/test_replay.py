@@ -108,6 +108,9 @@ def test_replay_small_pages_verifies_every_page() -> None:
     assert result["verification_failures"] == 0
     assert result["page_size"] == 64
     assert result["hit_tokens"] > 0
+    # pinned with the tree before its hot-path work: the same hits in every tier, exactly
+    assert (result["device_hit_tokens"], result["host_hit_tokens"], result["storage_hit_tokens"],
+            result["computed_tokens"]) == (46080, 47296, 65536, 1878858)
 
 
 def test_replay_on_the_file_backend(tmp_path: Path) -> None:

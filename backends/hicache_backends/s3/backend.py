@@ -37,12 +37,14 @@ import fsspec
 from hicache.errors import BackendLoadError, ConfigError
 from hicache.keys import Namespace
 from hicache.storage import AsyncHiCacheStorage, HiCacheStorageConfig, PageCodec, PageKey, Verdict
+from hicache.storage.hit_policy import leading_run
 from hicache.storage.offload import OFFLOAD_MIN_BYTES, copy_bytes, run_to_completion
 from hicache.storage.stats import Throttle
 from hicache_backends.s3.breaker import BreakerState, CircuitBreaker
 from hicache_backends.s3.cache import ExistsCache
 from hicache_backends.s3.fs import LoopLocal, LoopResources, ObjectOps, close_all, make_ops
 from hicache_backends.s3.naming import ObjectNames, Redactor, redact_options, redact_url
+from hicache_backends.s3.runs import MIN_RUN, decode_run, encode_run
 from hicache_backends.s3.retry import RetryPolicy
 from hicache_backends.s3.runner import GaveUp, RequestRunner
 
@@ -172,6 +174,7 @@ class FsspecStorage(AsyncHiCacheStorage):
         self._codec: PageCodec | None = None
         self._manifest_ok = False
         self._prober: asyncio.Task[None] | None = None
+        self._index_writes: set[asyncio.Task[None]] = set()  # run indexes still being stored
 
     # ------------------------------------------------------------------ configuration
 
@@ -245,6 +248,7 @@ class FsspecStorage(AsyncHiCacheStorage):
         self._prober = asyncio.get_running_loop().create_task(self._probe_loop(), name="hicache-s3-prober")
 
     async def _close(self) -> None:
+        await self.wait_index_writes()
         prober, self._prober = self._prober, None
         if prober is not None and not prober.done():
             if prober.get_loop() is asyncio.get_running_loop():
@@ -256,6 +260,18 @@ class FsspecStorage(AsyncHiCacheStorage):
                 except RuntimeError:  # its loop is closed, and the task with it
                     pass
         await close_all(self._local)
+
+    async def wait_index_writes(self) -> None:
+        """Wait for the run indexes of finished writes (this loop's; others' are cancelled)."""
+        here = asyncio.get_running_loop()
+        mine = [t for t in self._index_writes if t.get_loop() is here]
+        for t in self._index_writes - set(mine):
+            try:
+                t.get_loop().call_soon_threadsafe(t.cancel)
+            except RuntimeError:  # that loop is closed, and the task with it
+                pass
+        if mine:
+            await asyncio.gather(*mine, return_exceptions=True)
 
     async def _probe_loop(self) -> None:
         """While the breaker is open (or the manifest is unwritten), probe the store so it is
@@ -311,6 +327,65 @@ class FsspecStorage(AsyncHiCacheStorage):
         for i, flag in zip(todo, found):
             out[i] = flag
         return out
+
+    async def _exists_prefix(self, pages: Sequence[PageKey]) -> int:
+        """How many pages from the start exist, in waves of one round trip: each wave asks for
+        the run index of the chain starting at the first unknown page (:mod:`.runs`) and HEADs
+        the next ``concurrency - 1`` pages; it stops at the first page known to be missing."""
+        names, cache = self.names, self.exists_cache
+        generation = cache.generation
+        paths = [names.page(p.key, p.pool) for p in pages]
+        n, pos = len(pages), 0
+        while pos < n and cache.contains(paths[pos]):
+            pos += 1
+        self.stats.incr("exists_cache_hits", pos)
+        wave = max(1, self.concurrency - 1)
+        while pos < n:
+            width = min(wave, n - pos)
+            index, flags = await asyncio.gather(
+                self._read_run(pages[pos]),
+                self.runner.batch("exists", [
+                    self._exists_one(paths[i], PageCodec.header_len(pages[i].key, pages[i].pool), generation)
+                    for i in range(pos, pos + width)
+                ]),
+            )
+            self.stats.incr("exists_waves")
+            run = 0
+            if index:
+                want = [ObjectNames.page_hash(p.key, p.pool) for p in pages[pos : pos + len(index)]]
+                while run < len(want) and index[run] == want[run]:
+                    cache.add(paths[pos + run], generation)
+                    run += 1
+            heads = leading_run(flags)
+            if heads < width:
+                return pos + heads  # a HEAD found this page missing (fresher than any index)
+            pos += max(run, width)
+        return n
+
+    async def _read_run(self, first: PageKey) -> list[str] | None:
+        path = self.names.run_index(first.key, first.pool)
+        try:
+            data = await self.runner.request("exists", lambda ops: ops.get(path))
+        except (GaveUp, FileNotFoundError):
+            return None
+        return decode_run(data)
+
+    async def _write_run(self, pages: Sequence[PageKey], ok: Sequence[bool], parents: Sequence[PageKey | None]) -> None:
+        """After a batch is stored: index its leading chain of stored pages (best effort, never
+        raises: it runs as a task of this store, drained by close)."""
+        run = 0
+        while run < len(pages) and ok[run] and (run == 0 or parents[run] == pages[run - 1]):
+            run += 1
+        if run < MIN_RUN:
+            return
+        body = encode_run([ObjectNames.page_hash(p.key, p.pool) for p in pages[:run]])
+        path = self.names.run_index(pages[0].key, pages[0].pool)
+        try:
+            await self.runner.request("write run index", lambda ops: ops.put(path, body))
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # noqa: BLE001 - GaveUp, a missing bucket, anything: the index is optional
+            self.stats.incr("run_index_failures")
 
     async def _exists_one(self, path: str, min_size: int, generation: int) -> bool:
         try:
@@ -436,7 +511,12 @@ class FsspecStorage(AsyncHiCacheStorage):
         # a missing manifest is written by the prober, never on the write path: the manifest
         # only describes the namespace, and waiting for it would stretch a batch past its timeout
         generation = self.exists_cache.generation
-        return await self.runner.batch("write", [self._write_one(p, b, generation) for p, b in zip(pages, buffers)])
+        ok = await self.runner.batch("write", [self._write_one(p, b, generation) for p, b in zip(pages, buffers)])
+        # the index follows the pages in the background: the batch does not wait a round trip
+        task = asyncio.get_running_loop().create_task(self._write_run(list(pages), ok, list(parents)))
+        self._index_writes.add(task)
+        task.add_done_callback(self._index_writes.discard)
+        return ok
 
     async def _write_one(self, page: PageKey, buf: memoryview, generation: int) -> bool:
         codec = self._codec or PageCodec(self.namespace.digest_bytes)

@@ -46,6 +46,12 @@ class ObjectNames:
         h = self.page_hash(key, pool)
         return f"{self.pages_dir}/{h[:2]}/{h}"
 
+    def run_index(self, key: str, pool: str) -> str:
+        """The run index of the chain whose first page is (key, pool) (see :mod:`.runs`);
+        under the page prefix, so a clear removes it too (``runs`` never is a 2-char shard)."""
+        h = self.page_hash(key, pool)
+        return f"{self.pages_dir}/runs/{h[:2]}/{h}"
+
 
 def redact_url(url: str) -> str:
     """``url`` without user info (``s3://KEY:SECRET@bucket`` must never reach a log).

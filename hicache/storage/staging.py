@@ -1,0 +1,157 @@
+"""Pages moved through the seed page protocol alone, in pipelined chunks with reused staging.
+
+A host pool without ``page_view`` (SGLang's ``HostKVCache`` among them) hands out copies:
+``get_data_page`` for writes, ``get_dummy_flat_data_page`` + ``set_from_flat_data_page`` for
+reads. Done naively - every page copied or staged before the first byte moves, then every
+page committed after the last byte arrived, each staged read into a freshly zeroed page - a
+128 x 4 MiB batch ran at 0.06-0.18x a plain readinto loop (get) and 0.55-0.66x (set).
+
+Here a batch moves in chunks of about :data:`CHUNK_BYTES`, a few at a time: while the backend
+reads (or writes) one chunk on its I/O threads, the pool copies of the other run on a thread.
+Reads land in staging pages reused from a bounded :class:`StagingArena` (warm memory: no page
+faults, no zeroing), and a page is committed only after the backend verified it, so a failed
+read never reaches the pool. Every step keeps the base class's cancellation rule: a cancelled
+caller returns only once no thread touches its pages any more.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+import torch
+
+from hicache.storage.offload import run_to_completion
+from hicache.storage.pages import ReadTarget, as_bytes, commit_reads, write_sources
+
+__all__ = ["CHUNK_BYTES", "StagingArena", "read_staged", "write_staged"]
+
+logger = logging.getLogger("hicache.storage")
+
+#: Bytes per chunk: large enough that a chunk keeps every I/O thread busy, small enough that
+#: the pool copies of one chunk overlap the I/O of the next (and staging stays cache-friendly).
+CHUNK_BYTES = 16 << 20
+#: Chunks in flight: some moving through the backend while another goes through the pool's
+#: copies (128 x 4 MiB reads, medians of 4 runs: 16 MiB x 3 took 0.16 s, 32 MiB x 2 0.28 s).
+IN_FLIGHT = 3
+
+ReadFn = Callable[[list[int], list[memoryview]], Awaitable[list[bool]]]
+WriteFn = Callable[[list[int], list[memoryview]], Awaitable[list[bool]]]
+
+
+class StagingArena:
+    """Staging pages kept between batches, by (dtype, shape); at most ``max_bytes`` kept idle.
+
+    Used from the event loop thread only. A page taken is the caller's alone until given back.
+    """
+
+    def __init__(self, max_bytes: int = IN_FLIGHT * CHUNK_BYTES) -> None:
+        self.max_bytes = max_bytes
+        self._idle: dict[tuple[torch.dtype, tuple[int, ...]], list[torch.Tensor]] = {}
+        self._idle_bytes = 0
+
+    def take(self, like: torch.Tensor, n: int) -> list[torch.Tensor]:
+        """``n`` CPU contiguous pages of ``like``'s dtype and shape (contents undefined)."""
+        free = self._idle.get((like.dtype, tuple(like.shape)), [])
+        out = []
+        while free and len(out) < n:
+            t = free.pop()
+            self._idle_bytes -= t.numel() * t.element_size()
+            out.append(t)
+        out.extend(torch.empty(like.shape, dtype=like.dtype) for _ in range(n - len(out)))
+        return out
+
+    def give(self, pages: Sequence[torch.Tensor]) -> None:
+        for t in pages:
+            nbytes = t.numel() * t.element_size()
+            if self._idle_bytes + nbytes > self.max_bytes:
+                return
+            self._idle.setdefault((t.dtype, tuple(t.shape)), []).append(t)
+            self._idle_bytes += nbytes
+
+    @property
+    def idle_bytes(self) -> int:
+        return self._idle_bytes
+
+
+def _chunks(n: int, per_chunk: int) -> list[range]:
+    return [range(i, min(n, i + per_chunk)) for i in range(0, n, per_chunk)]
+
+
+async def _pipelined(parts: list[range], one: Callable[[range], Awaitable[None]]) -> None:
+    """Run ``one(part)`` for every part, :data:`IN_FLIGHT` at a time. A TaskGroup, not gather:
+    on cancellation it waits for every part, and so for the threads that touch pool memory."""
+    gate = asyncio.Semaphore(IN_FLIGHT)
+
+    async def gated(part: range) -> None:
+        async with gate:
+            try:
+                await one(part)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - the chunk's pages fail; the batch goes on
+                logger.exception("staged storage I/O of %d pages failed", len(part))
+
+    async with asyncio.TaskGroup() as tg:
+        for part in parts:
+            tg.create_task(gated(part))
+
+
+def _staging_like(pool: Any) -> torch.Tensor:
+    like = pool.get_dummy_flat_data_page()
+    if like.device.type != "cpu" or not like.is_contiguous():
+        like = torch.empty(like.shape, dtype=like.dtype)
+    return like
+
+
+async def read_staged(
+    pool: Any, starts: Sequence[int], read: ReadFn, arena: StagingArena, nbytes_hint: int | None = None
+) -> list[bool]:
+    """Read pages ``starts`` of ``pool`` through staging: ``read(positions, buffers)`` fills and
+    verifies the buffers of the pages at those positions of ``starts``; verified pages are
+    committed with ``set_from_flat_data_page``. Returns one flag per start."""
+    ok = [False] * len(starts)
+    if not starts:
+        return ok
+    try:
+        like = await run_to_completion(_staging_like, pool)
+    except Exception:  # noqa: BLE001 - a pool that cannot stage: every page is a miss
+        return ok
+    page_bytes = nbytes_hint or like.numel() * like.element_size() or 1
+
+    async def one(part: range) -> None:
+        pages = arena.take(like, len(part))
+        try:
+            got = await read(list(part), [as_bytes(p) for p in pages])
+            if not any(got):
+                return
+            targets: list[ReadTarget | None] = [ReadTarget(starts[i], as_bytes(p), p) for i, p in zip(part, pages)]
+            done = await run_to_completion(commit_reads, pool, targets, list(got))
+            for i, flag in zip(part, done):
+                ok[i] = flag
+        finally:
+            arena.give(pages)
+
+    await _pipelined(_chunks(len(starts), max(1, CHUNK_BYTES // page_bytes)), one)
+    return ok
+
+
+async def write_staged(pool: Any, starts: Sequence[int], write: WriteFn, page_bytes: int) -> list[bool]:
+    """Write pages ``starts`` of ``pool``: each chunk's ``get_data_page`` copies are made on a
+    thread while the previous chunk is written by ``write(positions, buffers)``. A page the pool
+    cannot produce fails alone. Returns one flag per start."""
+    ok = [False] * len(starts)
+
+    async def one(part: range) -> None:
+        sources = await run_to_completion(write_sources, pool, [starts[i] for i in part])
+        live = [(i, src) for i, src in zip(part, sources) if src is not None]
+        if not live:
+            return
+        done = await write([i for i, _ in live], [src for _, src in live])
+        for (i, _), flag in zip(live, done):
+            ok[i] = flag
+
+    await _pipelined(_chunks(len(starts), max(1, CHUNK_BYTES // max(1, page_bytes))), one)
+    return ok

@@ -1,0 +1,419 @@
+#!/usr/bin/env python3
+"""Radix tree hot path: match then insert of each prompt, hicache against SGLang's ``RadixCache``.
+
+The tree runs on the server's event loop for every request, so its cost is loop time. One run
+replays the first ``--requests`` prompts of the Mooncake trace (``--trace``, ``$HICACHE_TRACE``
+or ``../shared/traces/`` beside the repository) through, on the same token streams:
+
+* ``hicache``: :class:`hicache.prefix_cache.RadixCache` (device tier only);
+* ``hicache_tiers``: :class:`hicache.prefix_cache.HiRadixCache` with a host pool and a
+  ``memory`` storage tier attached (write-through: every insert also starts a backup);
+* ``sglang``: SGLang's own ``sglang.srt.mem_cache.radix_cache.RadixCache`` when it is
+  importable, keys built from the same token lists inside the timed region, as its scheduler
+  builds them (and ``sglang_prebuilt``: the same with its ``array`` keys built beforehand).
+
+Each request is ``match_prefix`` of the page-aligned prompt, then ``insert`` of it with fresh
+device slots after the matched part; no eviction. Every implementation must report the same
+matched tokens for every request (the script fails otherwise). Methods are interleaved per
+repeat on fresh trees; medians are reported. Then the loop time of one 16k-token prompt
+(shares half with a cached prompt, the rest new) is measured on warm trees.
+
+Getting SGLang (never needed by hicache itself), into a venv of your choice (``VENV``)::
+
+    python3.11 -m venv $VENV
+    $VENV/bin/pip install torch==2.13.0
+    $VENV/bin/pip install -e .   # this repository
+    $VENV/bin/pip install --no-deps sglang==0.5.23
+    echo torch==2.13.0 > pin.txt
+    $VENV/bin/pip install -c pin.txt numpy orjson psutil pybase64 pillow \\
+        starlette msgspec pyzmq ipython apache-tvm-ffi transformers torchvision dill requests \\
+        pydantic aiohttp tqdm triton torchvision sentencepiece compressed-tensors gguf
+    $VENV/bin/python scripts/bench_radix.py
+
+Without SGLang the ``sglang`` columns are skipped with a message saying so. Example::
+
+    .venv/bin/python scripts/bench_radix.py --requests 2000 --repeats 3 --out radix.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import importlib
+import importlib.machinery
+import importlib.util
+import statistics
+import sys
+import time
+import types
+from array import array
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from hicache.bench_output import emit_report  # noqa: E402
+from hicache.controller import ControllerConfig  # noqa: E402
+from hicache.prefix_cache import InsertParams, MatchPrefixParams, RadixCache, RadixKey  # noqa: E402
+from hicache.replay.trace import find_trace, load_trace, request_tokens  # noqa: E402
+from hicache.stack import StackConfig, build_stack  # noqa: E402
+
+# ---------------------------------------------------------------------- SGLang, if installed
+
+
+#: Packages SGLang imports while loading that cannot load with the CPU torch here: the
+#: registry's torchvision is built against the CUDA torch (its ops fail to register). The radix
+#: tree never calls them; for this process only they become inert modules.
+_CPU_UNLOADABLE = ("torchvision",)
+
+
+class _UnusableType(type):
+    def __getattr__(cls, name: str) -> Any:  # InterpolationMode.BILINEAR and the like
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return cls
+
+
+class _Unusable(metaclass=_UnusableType):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("a CUDA-built module was used by the radix benchmark")
+
+    def __class_getitem__(cls, item: Any) -> Any:
+        return cls
+
+
+class _InertModule(types.ModuleType):
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _Unusable
+
+
+class _InertFinder:
+    """Resolves every module under the :data:`_CPU_UNLOADABLE` packages to an inert one."""
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
+        if name.split(".")[0] in _CPU_UNLOADABLE:
+            return importlib.machinery.ModuleSpec(name, self, is_package=True)
+        return None
+
+    def create_module(self, spec: Any) -> types.ModuleType:
+        module = _InertModule(spec.name)
+        module.__path__ = []
+        return module
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        return None
+
+
+def _inert_unloadable() -> None:
+    try:  # transformers decides at import which optional packages exist: let it look first
+        importlib.import_module("transformers.utils.import_utils")
+    except Exception:  # noqa: BLE001
+        pass
+    broken = []
+    for top in _CPU_UNLOADABLE:
+        try:
+            importlib.import_module(top)  # loadable here (a CPU build): the real one
+        except Exception:  # noqa: BLE001 - missing, or built for CUDA
+            broken.append(top)
+            for name in [n for n in sys.modules if n == top or n.startswith(top + ".")]:
+                del sys.modules[name]
+    if broken:
+        sys.meta_path.insert(0, _InertFinder())
+
+
+def import_sglang() -> tuple[Any, str | None]:
+    """SGLang's radix module and parameter classes, or ``(None, why)``. The radix tree is
+    SGLang's own code, unchanged; see :data:`_CPU_UNLOADABLE` for what is made inert."""
+    if importlib.util.find_spec("sglang") is None:
+        return None, "sglang is not installed"
+    try:
+        import torch._dynamo  # noqa: F401 - torch settles its optional backends first
+
+        _inert_unloadable()
+        import sglang.srt.mem_cache.radix_cache as radix
+        from sglang.srt.mem_cache.base_prefix_cache import InsertParams as SInsert
+        from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams as SMatch
+    except Exception as exc:  # noqa: BLE001 - any failure means: no SGLang column
+        return None, f"{type(exc).__name__}: {exc}"
+    return (radix, SInsert, SMatch), None
+
+
+# ---------------------------------------------------------------------- one pass over the streams
+
+
+class _Slots:
+    """Fresh fake device slots (never freed: the benchmark does not evict)."""
+
+    def __init__(self, total: int) -> None:
+        self.all = torch.arange(total, dtype=torch.int64)
+        self.at = 0
+
+    def take(self, n: int) -> torch.Tensor:
+        out = self.all[self.at : self.at + n]
+        self.at += n
+        return out
+
+
+class _NoFree:
+    device = torch.device("cpu")
+
+    def free(self, indices: Any) -> None:  # pragma: no cover - no eviction here
+        raise AssertionError("the benchmark must not evict")
+
+    def available_size(self) -> int:
+        return 0
+
+
+def run_hicache(streams: list[list[int]], page_size: int) -> tuple[float, list[int], list[float]]:
+    cache = RadixCache(req_to_token_pool=None, token_to_kv_pool_allocator=_NoFree(), page_size=page_size)
+    slots = _Slots(sum(len(s) for s in streams))
+    matched: list[int] = []
+    lat: list[float] = []
+    clock = time.perf_counter
+    for tokens in streams:
+        value = slots.take(len(tokens))
+        t0 = clock()
+        key = RadixKey(tokens)
+        m = cache.match_prefix(MatchPrefixParams(key=key))
+        cache.insert(InsertParams(key=key, value=value))
+        lat.append(clock() - t0)
+        matched.append(int(m.device_indices.numel()))
+    return sum(lat), matched, lat
+
+
+def run_sglang(sgl: Any, streams: list[list[int]], page_size: int, prebuilt: bool) -> tuple[float, list[int], list[float]]:
+    radix, SInsert, SMatch = sgl
+    cache = radix.RadixCache.create_simulated(page_size=page_size)
+    slots = _Slots(sum(len(s) for s in streams))
+    keys = [radix.RadixKey(array("q", s)) for s in streams] if prebuilt else None
+    matched: list[int] = []
+    lat: list[float] = []
+    clock = time.perf_counter
+    for i, tokens in enumerate(streams):
+        value = slots.take(len(tokens))
+        t0 = clock()
+        key = keys[i] if keys is not None else radix.RadixKey(array("q", tokens))
+        m = cache.match_prefix(SMatch(key=key))
+        cache.insert(SInsert(key=key, value=value))
+        lat.append(clock() - t0)
+        matched.append(int(m.device_prefix_len))
+    return sum(lat), matched, lat
+
+
+def _tier_stack(streams: list[list[int]], page_size: int) -> Any:
+    unique = sum(len(s) for s in streams) // page_size + 16
+    cfg = StackConfig(
+        page_size=page_size, layer_num=1, head_num=1, head_dim=1, dtype="float16",
+        device_pages=unique, host_pages=unique, storage_backend="memory", storage_pages=unique,
+        controller=ControllerConfig(write_policy="write_through"), req_slots=2, max_context_len=1 << 17,
+    )
+    return build_stack(cfg)
+
+
+async def _run_tiers(streams: list[list[int]], page_size: int) -> tuple[float, list[int], list[float]]:
+    stack = _tier_stack(streams, page_size)
+    cache = stack.cache
+    matched: list[int] = []
+    lat: list[float] = []
+    clock = time.perf_counter
+    try:
+        for tokens in streams:
+            n = len(tokens)
+            value = stack.allocator.alloc(n)
+            assert value is not None, "device pool too small: the benchmark must not evict"
+            t0 = clock()
+            key = RadixKey(tokens)
+            m = cache.match_prefix(MatchPrefixParams(key=key))
+            res = cache.insert(InsertParams(key=key, value=value))
+            lat.append(clock() - t0)
+            matched.append(int(m.device_indices.numel()))
+            if res.prefix_len:
+                stack.allocator.free(value[: res.prefix_len])
+            await asyncio.sleep(0)  # the controller's backups run between requests
+        await cache.drain()
+    finally:
+        await stack.aclose()
+    return sum(lat), matched, lat
+
+
+def run_tiers(streams: list[list[int]], page_size: int) -> tuple[float, list[int], list[float]]:
+    return asyncio.run(_run_tiers(streams, page_size))
+
+
+# ---------------------------------------------------------------------- one 16k-token prompt
+
+
+def long_prompt_ms(make: Callable[[], tuple[Callable[[list[int], torch.Tensor], int], Callable[[], None] | None]],
+                   tokens: int, page_size: int, reps: int) -> dict[str, float]:
+    """Loop time of match+insert of a ``tokens``-token prompt whose first half is cached."""
+    samples = []
+    for r in range(reps):
+        step, done = make()
+        base = 10_000_000 + r * 4 * tokens
+        cached = list(range(base, base + tokens))
+        step(cached, torch.arange(tokens, dtype=torch.int64))
+        prompt = cached[: tokens // 2] + list(range(base + 2 * tokens, base + 2 * tokens + tokens - tokens // 2))
+        value = torch.arange(tokens, 2 * tokens, dtype=torch.int64)
+        gc.collect()
+        t0 = time.perf_counter()
+        got = step(prompt, value)
+        samples.append(time.perf_counter() - t0)
+        assert got == tokens // 2 // page_size * page_size, got
+        if done is not None:
+            done()
+    return {"p50_ms": round(statistics.median(samples) * 1e3, 4), "max_ms": round(max(samples) * 1e3, 4)}
+
+
+def hicache_step(page_size: int) -> tuple[Callable[[list[int], torch.Tensor], int], None]:
+    cache = RadixCache(req_to_token_pool=None, token_to_kv_pool_allocator=_NoFree(), page_size=page_size)
+
+    def step(tokens: list[int], value: torch.Tensor) -> int:
+        key = RadixKey(tokens)
+        m = cache.match_prefix(MatchPrefixParams(key=key))
+        cache.insert(InsertParams(key=key, value=value))
+        return int(m.device_indices.numel())
+
+    return step, None
+
+
+def sglang_step(sgl: Any, page_size: int) -> tuple[Callable[[list[int], torch.Tensor], int], None]:
+    radix, SInsert, SMatch = sgl
+    cache = radix.RadixCache.create_simulated(page_size=page_size)
+
+    def step(tokens: list[int], value: torch.Tensor) -> int:
+        key = radix.RadixKey(array("q", tokens))
+        m = cache.match_prefix(SMatch(key=key))
+        cache.insert(SInsert(key=key, value=value))
+        return int(m.device_prefix_len)
+
+    return step, None
+
+
+def tiers_long_prompt_ms(page_size: int, tokens: int, reps: int) -> dict[str, float]:
+    """:func:`long_prompt_ms` for the hierarchical tree, inside a running loop (its controller
+    belongs to one); each repeat drains and closes its stack."""
+
+    async def run() -> dict[str, float]:
+        stacks: list[Any] = []
+
+        def make() -> tuple[Callable[[list[int], torch.Tensor], int], None]:
+            stack = _tier_stack([[0] * (4 * tokens)], page_size)
+            stacks.append(stack)
+
+            def step(toks: list[int], value: torch.Tensor) -> int:
+                slots = stack.allocator.alloc(len(toks))
+                assert slots is not None
+                key = RadixKey(toks)
+                m = stack.cache.match_prefix(MatchPrefixParams(key=key))
+                stack.cache.insert(InsertParams(key=key, value=slots))
+                return int(m.device_indices.numel())
+
+            return step, None
+
+        try:
+            return long_prompt_ms(make, tokens, page_size, reps)
+        finally:
+            for stack in stacks:
+                await stack.cache.drain()
+                await stack.aclose()
+
+    return asyncio.run(run())
+
+
+# ---------------------------------------------------------------------- main
+
+
+def summarize(name: str, totals: list[float], lats: list[float], tokens: int) -> dict[str, Any]:
+    med = statistics.median(totals)
+    s = sorted(lats)
+    return {
+        "total_s_runs": [round(t, 4) for t in totals],
+        "total_s": round(med, 4),
+        "mtokens_per_s": round(tokens / med / 1e6, 3),
+        "request_p50_ms": round(statistics.median(s) * 1e3, 4),
+        "request_p99_ms": round(s[min(len(s) - 1, int(len(s) * 0.99))] * 1e3, 4),
+    }
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--trace", default=None, help="trace file (default: $HICACHE_TRACE or ../shared/traces/)")
+    p.add_argument("--requests", type=int, default=2000)
+    p.add_argument("--page-size", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3, help="interleaved runs of each method; medians reported")
+    p.add_argument("--long-tokens", type=int, default=16384)
+    p.add_argument("--long-reps", type=int, default=15)
+    p.add_argument("--no-tiers", action="store_true", help="skip the hierarchical tree")
+    p.add_argument("--no-sglang", action="store_true", help="skip SGLang even if installed")
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args(argv)
+    ps = args.page_size
+    reqs = load_trace(find_trace(args.trace), limit=args.requests)
+    streams = [t[: len(t) // ps * ps] for t in (request_tokens(r) for r in reqs)]
+    total_tokens = sum(len(s) for s in streams)
+
+    sgl, why = (None, "--no-sglang") if args.no_sglang else import_sglang()
+    methods: dict[str, Callable[[], tuple[float, list[int], list[float]]]] = {
+        "hicache": lambda: run_hicache(streams, ps),
+    }
+    if not args.no_tiers:
+        methods["hicache_tiers"] = lambda: run_tiers(streams, ps)
+    if sgl is not None:
+        methods["sglang"] = lambda: run_sglang(sgl, streams, ps, prebuilt=False)
+        methods["sglang_prebuilt"] = lambda: run_sglang(sgl, streams, ps, prebuilt=True)
+    else:
+        print(f"SGLang not importable ({why}); its columns are skipped. See this script's docstring "
+              "for how to install it.", file=sys.stderr)
+
+    totals: dict[str, list[float]] = {m: [] for m in methods}
+    lats: dict[str, list[float]] = {}
+    matched_ref: list[int] | None = None
+    names = list(methods)
+    for rep in range(args.repeats):
+        for name in names[rep % len(names) :] + names[: rep % len(names)]:
+            gc.collect()
+            total, matched, lat = methods[name]()
+            if matched_ref is None:
+                matched_ref = matched
+            elif matched != matched_ref:
+                bad = next(i for i, (a, b) in enumerate(zip(matched, matched_ref)) if a != b)
+                raise SystemExit(f"{name} matched {matched[bad]} tokens of request {bad}, another method {matched_ref[bad]}")
+            totals[name].append(total)
+            lats[name] = lat
+    assert matched_ref is not None
+    results = {m: summarize(m, totals[m], lats[m], total_tokens) for m in methods}
+
+    long: dict[str, Any] = {"hicache": long_prompt_ms(lambda: hicache_step(ps), args.long_tokens, ps, args.long_reps)}
+    if not args.no_tiers:
+        long["hicache_tiers"] = tiers_long_prompt_ms(ps, args.long_tokens, args.long_reps)
+    if sgl is not None:
+        long["sglang"] = long_prompt_ms(lambda: sglang_step(sgl, ps), args.long_tokens, ps, args.long_reps)
+
+    ratios: dict[str, float] = {}
+    if sgl is not None:
+        for ours in ("hicache", "hicache_tiers"):
+            if ours in results:
+                ratios[f"{ours}_vs_sglang"] = round(results["sglang"]["total_s"] / results[ours]["total_s"], 3)
+                ratios[f"{ours}_vs_sglang_prebuilt"] = round(
+                    results["sglang_prebuilt"]["total_s"] / results[ours]["total_s"], 3)
+    report = {
+        "benchmark": "radix match+insert per prompt",
+        "requests": len(streams), "page_size": ps, "prompt_tokens": total_tokens,
+        "matched_tokens": sum(matched_ref), "repeats": args.repeats,
+        "sglang": None if sgl is None else "sglang.srt.mem_cache.radix_cache.RadixCache",
+        "sglang_skipped": why,
+        "results": results, "ratios": ratios,
+        f"prompt_{args.long_tokens}_match_insert": long,
+    }
+    emit_report(report, args.out)
+    return report
+
+
+if __name__ == "__main__":
+    main()

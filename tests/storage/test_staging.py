@@ -1,0 +1,185 @@
+"""Pools without ``page_view``: pipelined chunks, reused staging, verify-then-commit.
+
+The file backend on real files under ``tmp_path``; chunks are made small so that a batch of a
+few pages spans several of them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from hicache.storage import PoolTransfer, create_async_storage, staging
+from hicache.testing import ArrayHostPool
+
+PAGE = 4
+ELEMS = 256  # 2 KiB pages (float16)
+
+
+@pytest.fixture(autouse=True)
+def small_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(staging, "CHUNK_BYTES", 3 * PAGE * ELEMS * 2)  # 3 pages a chunk
+
+
+class CountingPool(ArrayHostPool):
+    """A seed-protocol pool (copies out, staged in) that records what storage asked of it."""
+
+    def __init__(self, *a: Any, fail_commit_at: int | None = None, **k: Any) -> None:
+        super().__init__(*a, direct=False, **k)
+        self.dummies = 0
+        self.commits: list[int] = []
+        self.fail_commit_at = fail_commit_at
+
+    def get_dummy_flat_data_page(self) -> torch.Tensor:
+        self.dummies += 1
+        return super().get_dummy_flat_data_page()
+
+    def set_from_flat_data_page(self, index: int, data_page: torch.Tensor) -> None:
+        if index == self.fail_commit_at:
+            raise RuntimeError("pool refuses this page")
+        self.commits.append(index)
+        super().set_from_flat_data_page(index, data_page)
+
+
+def _keys(n: int) -> list[str]:
+    return [f"page-{i}" for i in range(n)]
+
+
+async def _opened(root: Path, pool: Any, seed: int) -> Any:
+    """An open file store under ``root`` writing from ``pool`` (filled with random pages)."""
+    pool.fill_random(seed)
+    store = create_async_storage("file", None, root=str(root), namespace={"model": "staging-test"})
+    store.register_mem_host_pool_v2(pool, "kv")
+    await store.open()
+    return store
+
+
+async def _written(root: Path, n: int, seed: int) -> tuple[Any, CountingPool]:
+    """An open file store under ``root`` holding pages ``page-0..n-1`` of a random pool."""
+    src = CountingPool(16, PAGE, ELEMS)
+    store = await _opened(root, src, seed)
+    res = await store.batch_set_v2([PoolTransfer("kv", host_indices=src.indices(0, n), keys=_keys(n))])
+    assert res["kv"] == [True] * n
+    return store, src
+
+
+async def _get(store: Any, pool: Any, first_page: int, n: int) -> list[bool]:
+    store.register_mem_host_pool_v2(pool, "kv")
+    got = await store.batch_get_v2([PoolTransfer("kv", host_indices=pool.indices(first_page, n), keys=_keys(n))])
+    return got["kv"]
+
+
+async def test_round_trip_over_many_chunks_reuses_staging(tmp_path: Path) -> None:
+    n = 10
+    store, src = await _written(tmp_path, n, 1)
+    try:
+        dst = CountingPool(16, PAGE, ELEMS)
+        for _ in range(2):
+            dst.buffer.zero_()
+            assert await _get(store, dst, 2, n) == [True] * n
+            for i in range(n):
+                assert dst.page_bytes((i + 2) * PAGE) == src.page_bytes(i * PAGE), i
+        # one dummy page per batch to learn the staging shape, not one per page
+        assert dst.dummies == 2
+        assert 0 < store._staging.idle_bytes <= store._staging.max_bytes
+    finally:
+        await store.aclose()
+
+
+async def test_a_corrupt_page_never_reaches_the_pool(tmp_path: Path) -> None:
+    n = 7
+    store, src = await _written(tmp_path, n, 2)
+    try:
+        files = sorted(p for p in tmp_path.rglob("*.page"))
+        assert len(files) == n
+        victim = files[3]  # one payload byte flipped on disk
+        data = bytearray(victim.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        victim.write_bytes(bytes(data))
+        dst = CountingPool(16, PAGE, ELEMS)
+        sentinel = torch.full_like(dst.buffer, 7.0)
+        dst.buffer.copy_(sentinel)
+        got = await _get(store, dst, 0, n)
+        assert sum(got) == n - 1 and store.get_stats()["corrupt_pages"] == 1
+        bad = got.index(False)
+        assert bad * PAGE not in dst.commits
+        assert torch.equal(dst.buffer[bad * PAGE : (bad + 1) * PAGE], sentinel[: PAGE])  # untouched
+        for i in range(n):
+            if i != bad:
+                assert dst.page_bytes(i * PAGE) == src.page_bytes(i * PAGE), i
+    finally:
+        await store.aclose()
+
+
+async def test_a_page_the_pool_refuses_fails_alone(tmp_path: Path) -> None:
+    store, _ = await _written(tmp_path, 6, 3)
+    try:
+        dst = CountingPool(16, PAGE, ELEMS, fail_commit_at=4 * PAGE)
+        assert await _get(store, dst, 0, 6) == [True, True, True, True, False, True]
+    finally:
+        await store.aclose()
+
+
+class NoDummyPool(CountingPool):
+    def get_dummy_flat_data_page(self) -> torch.Tensor:
+        raise RuntimeError("no scratch pages today")
+
+
+async def test_a_pool_that_cannot_stage_gives_misses_not_errors(tmp_path: Path) -> None:
+    store, _ = await _written(tmp_path, 3, 4)
+    try:
+        assert await _get(store, NoDummyPool(16, PAGE, ELEMS), 0, 3) == [False] * 3
+    finally:
+        await store.aclose()
+
+
+class SlowCopyPool(CountingPool):
+    """``get_data_page`` is slow: a write batch cancelled meanwhile must wait for it."""
+
+    def __init__(self, *a: Any, **k: Any) -> None:
+        super().__init__(*a, **k)
+        self.copying = 0
+        self.done = 0
+
+    def get_data_page(self, index: int, flat: bool = True) -> torch.Tensor:
+        self.copying += 1
+        time.sleep(0.05)
+        self.done += 1
+        return super().get_data_page(index, flat)
+
+
+async def test_cancelled_staged_write_waits_for_pool_copies(tmp_path: Path) -> None:
+    src = SlowCopyPool(32, PAGE, ELEMS)
+    store = await _opened(tmp_path, src, 5)
+    try:
+        task = asyncio.create_task(
+            store.batch_set_v2([PoolTransfer("kv", host_indices=src.indices(0, 12), keys=_keys(12))])
+        )
+        while not src.copying:
+            await asyncio.sleep(0.005)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        started = src.copying
+        assert src.done == started  # every copy that began had finished before we got control
+        await asyncio.sleep(0.2)
+        assert src.copying == started  # and no new chunk started after the cancellation
+    finally:
+        await store.aclose()
+
+
+def test_arena_bounds_idle_pages() -> None:
+    arena = staging.StagingArena(max_bytes=3 * 1024)
+    like = torch.empty(256, dtype=torch.float32)  # 1 KiB
+    pages = arena.take(like, 5)
+    assert len(pages) == 5 and all(p.shape == like.shape and p.dtype == like.dtype for p in pages)
+    arena.give(pages)
+    assert arena.idle_bytes == 3 * 1024
+    again = arena.take(like, 2)
+    assert {p.data_ptr() for p in again} <= {p.data_ptr() for p in pages}
+    assert arena.take(torch.empty(8, dtype=torch.int64), 1)[0].dtype == torch.int64
