@@ -112,6 +112,8 @@ async def replay_requests(
         storage_pages=pages["storage"],
         storage_options=dict(cfg.storage_options),
         eviction_policy=cfg.eviction_policy,
+        placement=cfg.placement,
+        placement_options=dict(cfg.placement_options),
         req_slots=4,
         max_context_len=max((r.input_length for r in requests), default=1) + BLOCK_TOKENS,
         controller=cfg.controller_config(),
