@@ -115,8 +115,11 @@ class TieredPlacement(ReusePlacement):
         self.tail_tokens = tail_tokens
 
     def host_key(self, node: TreeNode) -> tuple[Any, ...]:
-        # pages storage already holds go first: dropping them costs a read, not a recompute
-        return (0 if node.on_storage else 1, node.last_access_time)
+        # Nodes storage (mostly) holds go first: dropping them costs a read, not a recompute.
+        # "Mostly": a long prompt's node is admitted but for its tail, whose few pages are the
+        # least likely to be reused; counting it as private would pin the whole body on host.
+        stored, pages = node.storage_pages, len(node.hash_value)
+        return (0 if stored and 4 * stored >= 3 * pages else 1, node.last_access_time)
 
     def on_new_node(self, node: TreeNode) -> None:
         super().on_new_node(node)
