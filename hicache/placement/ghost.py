@@ -15,7 +15,8 @@ __all__ = ["GhostList"]
 
 
 class GhostList:
-    """At most ``capacity`` keys, oldest dropped first."""
+    """At most ``capacity`` keys, oldest dropped first (also the set of pages admitted ahead
+    of their node's first hit)."""
 
     def __init__(self, capacity: int) -> None:
         if capacity < 0:

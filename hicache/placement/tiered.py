@@ -20,7 +20,6 @@ Why each choice (``docs/placement.md`` has the measurements):
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
 from hicache.placement.base import PlacementPolicy, node_end_tokens
@@ -49,8 +48,7 @@ class ReusePlacement(PlacementPolicy):
         self.reuse_hits = reuse_hits
         # page keys admitted before their node was hit (ghost hits, early admission); bounded
         # like the ghost list, since a page may leave the tree before it is ever written
-        self._wanted: OrderedDict[str, None] = OrderedDict()
-        self._wanted_cap = max(1, ghost_pages)
+        self._wanted = GhostList(max(1, ghost_pages))
         self.early_pages = 0
 
     def host_key(self, node: TreeNode) -> tuple[Any, ...]:
@@ -66,18 +64,10 @@ class ReusePlacement(PlacementPolicy):
             n += 1
         return n
 
-    def _want(self, keys: list[str]) -> None:
-        wanted = self._wanted
-        for key in keys:
-            wanted[key] = None
-            wanted.move_to_end(key)
-        while len(wanted) > self._wanted_cap:
-            wanted.popitem(last=False)
-
     def on_new_node(self, node: TreeNode) -> None:
         returned = [k for k in node.hash_value if self.ghost.take(k)]
         if returned:
-            self._want(returned)
+            self._wanted.add(returned)
 
     def on_host_evicted(self, node: TreeNode) -> None:
         if not node.on_storage:
@@ -130,5 +120,5 @@ class TieredPlacement(ReusePlacement):
         page = len(node.key) // len(node.hash_value)
         body = len(node.hash_value) - -(-self.tail_tokens // page)
         if body > 0:
-            self._want(node.hash_value[:body])
+            self._wanted.add(node.hash_value[:body])
             self.early_pages += body

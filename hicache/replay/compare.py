@@ -67,6 +67,7 @@ async def compare_policies(
             "host_hit": result["host_hit_tokens"] / prompt,
             "storage_hit": result["storage_hit_tokens"] / prompt,
             "total_hit": result["hit_ratio_tokens"],
+            "hit_tokens": {t: result[f"{t}_hit_tokens"] for t in ("device", "host", "storage")},
             "host_written_bytes": result["bytes"]["d2h"],
             "storage_written_bytes": result["bytes"]["h2s"],
             "verification_failures": result["verification_failures"],

@@ -26,8 +26,8 @@ __all__ = ["WORKLOADS", "agent_workload", "write_trace"]
 def agent_workload(
     *,
     seed: int = 0,
-    sessions: int = 800,
-    concurrent: int = 120,
+    sessions: int = 300,
+    concurrent: int = 60,
     prefixes: int = 6,
     prefix_blocks: tuple[int, int] = (8, 24),
     turns: tuple[int, int] = (3, 12),
