@@ -122,6 +122,8 @@ def _cmd_size(args: argparse.Namespace) -> Any:
 def _cmd_workload(args: argparse.Namespace) -> Any:
     from hicache.replay.workloads import WORKLOADS, write_trace
 
+    if args.seed < 0:
+        raise SystemExit(f"hicache workload: --seed must not be negative, got {args.seed}")
     requests = WORKLOADS[args.kind](seed=args.seed)
     write_trace(args.out, requests)
     return {"workload": args.kind, "out": args.out, "requests": len(requests),

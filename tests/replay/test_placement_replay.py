@@ -78,8 +78,15 @@ def test_size_and_workload_commands(tmp_path: Path, capsys: pytest.CaptureFixtur
     out = capsys.readouterr().out
     assert "LRU hit (tokens)" in out and "Belady" in out
     xml.dom.minidom.parse(str(plot))  # a well-formed SVG
-    with pytest.raises(SystemExit):
+    bad = tmp_path / "bad.jsonl"
+    for text in ("", '{"timestamp": 0, "input_length": 5}\n', "not json\n"):  # empty, a field missing, garbage
+        bad.write_text(text)
+        with pytest.raises(SystemExit, match="bad.jsonl"):
+            main(["size", str(bad), "--plot", str(tmp_path / "no.svg")])
+    with pytest.raises(SystemExit, match="missing.jsonl"):
         main(["size", str(tmp_path / "missing.jsonl"), "--plot", str(plot)])
+    with pytest.raises(SystemExit, match="seed"):
+        main(["workload", "agents", str(trace), "--seed", "-1"])
 
 
 def test_agents_workload_shape() -> None:
