@@ -106,9 +106,9 @@ def test_agents_workload_shape() -> None:
 def test_replay_command_prints_the_table(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     trace = tmp_path / "agents.jsonl"
     write_trace(trace, agent_workload(seed=2, sessions=6, concurrent=3))
-    cfg = tmp_path / "tiers.toml"
-    cfg.write_text((REPO / "configs" / "replay-agents.toml").read_text().replace(
-        "host_fraction = 0.03", "host_blocks = 100").replace("storage_fraction = 0.1", "storage_blocks = 200"))
+    cfg = tmp_path / "tiers.toml"  # the agents config, smaller tiers for this small trace
+    cfg.write_text((REPO / "configs" / "replay-agents.toml").read_text()
+                   .replace("1114112", str(100 * 8192)).replace("3710976", str(200 * 8192)))
     assert main(["replay", "-c", str(cfg), "--trace", str(trace), "--no-progress", "--policies", "lru,tiered"]) == 0
     out = capsys.readouterr().out
     assert "lru" in out and "tiered" in out and "infinite_cache" in out and "reuse " not in out
