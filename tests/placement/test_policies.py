@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from hicache.controller import ControllerConfig
 from hicache.errors import ConfigError
 from hicache.placement import (
     PLACEMENT_POLICIES,
@@ -29,9 +30,10 @@ PS = 4
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
-def _stack(policy: str, **options):  # type: ignore[no-untyped-def]
+def _stack(policy: str, controller: ControllerConfig | None = None, **options):  # type: ignore[no-untyped-def]
     return build_stack(StackConfig(page_size=PS, device_pages=16, host_pages=24, storage_pages=48,
-                                   placement=policy, placement_options=options, req_slots=4, max_context_len=256))
+                                   placement=policy, placement_options=options, req_slots=4, max_context_len=256,
+                                   controller=controller or ControllerConfig()))
 
 
 def _prompts(seed: int, n: int) -> list[list[int]]:
@@ -199,3 +201,29 @@ def test_bad_policy_names_and_options_are_config_errors() -> None:
     with pytest.raises(ConfigError, match="placement"):
         load_config(CONFIGS / "default.toml", environ={"HICACHE__CACHE__PLACEMENT": "arc"})
     assert load_config(CONFIGS / "default.toml", environ={"HICACHE__CACHE__PLACEMENT": "tiered"}).cache.placement == "tiered"
+
+
+@pytest.mark.parametrize("policy", ["reuse", "tiered"])
+async def test_failing_storage_writes_leave_the_tree_consistent(policy: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every storage write fails: admitted pages are never marked stored, hosts still evict, no
+    worker dies, and every page served still verifies."""
+    early = {"long_prompt_tokens": 6 * PS} if policy == "tiered" else {}
+    stack = _stack(policy, ControllerConfig(storage_max_retries=0), **early)
+
+    async def refuse(pages, buffers, parents):  # type: ignore[no-untyped-def]
+        raise OSError("disk full")
+
+    monkeypatch.setattr(stack.storage, "_write", refuse)
+    try:
+        failures = 0
+        for i, tokens in enumerate(_prompts(11, 60)):
+            out = await serve_request(stack, tokens, rid=f"r{i}")
+            failures += out.verify_failures
+            await stack.cache.drain()
+            _check_tiers(stack)
+        assert failures == 0
+        assert all(n.storage_pages == 0 for n in stack.cache._nodes() if n.storage_op is None)
+        assert stack.controller.metrics.counters["worker_errors"] == 0
+        assert stack.controller.metrics.counters["storage_write_failures"] > 0
+    finally:
+        await stack.aclose()
