@@ -59,18 +59,23 @@ def _check_tiers(stack) -> None:  # type: ignore[no-untyped-def]
     assert stats.get("stored_bytes", 0) <= stack.config.storage_pages * stack.config.page_nbytes
 
 
+async def _serve_checked(stack, prompts: list[list[int]]) -> int:  # type: ignore[no-untyped-def]
+    """Serve ``prompts`` one by one, letting every copy land and checking the tiers after each;
+    returns the tokens whose reused KV failed verification."""
+    failures = 0
+    for i, tokens in enumerate(prompts):
+        failures += (await serve_request(stack, tokens, rid=f"r{i}")).verify_failures
+        await stack.controller.wait_prefetches()
+        await stack.cache.drain()
+        _check_tiers(stack)
+    return failures
+
+
 @pytest.mark.parametrize("policy", sorted(PLACEMENT_POLICIES))
 async def test_invariants_hold_under_pressure(policy: str) -> None:
     stack = _stack(policy)
     try:
-        failures = 0
-        for i, tokens in enumerate(_prompts(7, 120)):
-            out = await serve_request(stack, tokens, rid=f"r{i}")
-            failures += out.verify_failures
-            await stack.controller.wait_prefetches()
-            await stack.cache.drain()
-            _check_tiers(stack)
-        assert failures == 0
+        assert await _serve_checked(stack, _prompts(7, 120)) == 0
         assert stack.controller.metrics.counters["worker_errors"] == 0
     finally:
         await stack.aclose()
@@ -215,13 +220,7 @@ async def test_failing_storage_writes_leave_the_tree_consistent(policy: str, mon
 
     monkeypatch.setattr(stack.storage, "_write", refuse)
     try:
-        failures = 0
-        for i, tokens in enumerate(_prompts(11, 60)):
-            out = await serve_request(stack, tokens, rid=f"r{i}")
-            failures += out.verify_failures
-            await stack.cache.drain()
-            _check_tiers(stack)
-        assert failures == 0
+        assert await _serve_checked(stack, _prompts(11, 60)) == 0
         assert all(n.storage_pages == 0 for n in stack.cache._nodes() if n.storage_op is None)
         assert stack.controller.metrics.counters["worker_errors"] == 0
         assert stack.controller.metrics.counters["storage_write_failures"] > 0
