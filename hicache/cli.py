@@ -1,6 +1,8 @@
 """The ``hicache`` command line.
 
-Subcommands: ``demo`` (the main job), ``serve`` (the demo server), ``replay`` (trace replay),
+Subcommands: ``demo`` (the main job), ``serve`` (the demo server), ``replay`` (trace replay, every
+placement policy side by side), ``size`` (hit ratio against tier capacity), ``workload`` (a
+generated trace),
 ``bench`` (storage, s3, copy and eviction benchmarks), ``inspect`` (a store's namespaces and integrity),
 ``backends`` (what is installed). ``--json`` prints machine-readable output; otherwise a readable
 summary table.
@@ -89,12 +91,43 @@ def _cmd_serve(args: argparse.Namespace) -> Any:
 
 
 def _cmd_replay(args: argparse.Namespace) -> Any:
-    from hicache.replay import run_replay
+    from hicache.replay.compare import format_comparison, run_comparison
 
-    kwargs: dict[str, Any] = {"progress": not args.no_progress}
-    if args.limit is not None:
-        kwargs["limit"] = args.limit
-    return run_replay(args.config, args.trace, **kwargs)
+    policies = [p for p in args.policies.split(",") if p] if args.policies else None
+    report = run_comparison(_replay_config_path(args.config), args.trace, policies, max_requests=args.limit,
+                            progress=not args.no_progress)
+    if args.json:
+        return report
+    print(format_comparison(report))
+    return None
+
+
+def _replay_config_path(path: str) -> str:
+    return str(REPO / path) if not Path(path).exists() and (REPO / path).exists() else path
+
+
+def _cmd_size(args: argparse.Namespace) -> Any:
+    from hicache.replay.size_report import format_size_report, size_report
+
+    try:
+        report = size_report(args.trace, plot=args.plot, kv_bytes_per_token=args.kv_bytes_per_token)
+    except (OSError, ValueError, KeyError) as exc:
+        raise SystemExit(f"hicache size: {args.trace}: {exc}") from None
+    if args.json:
+        return report
+    print(format_size_report(report))
+    return None
+
+
+def _cmd_workload(args: argparse.Namespace) -> Any:
+    from hicache.replay.workloads import WORKLOADS, write_trace
+
+    if args.seed < 0:
+        raise SystemExit(f"hicache workload: --seed must not be negative, got {args.seed}")
+    requests = WORKLOADS[args.kind](seed=args.seed)
+    write_trace(args.out, requests)
+    return {"workload": args.kind, "out": args.out, "requests": len(requests),
+            "unique_blocks": len({h for r in requests for h in r.hash_ids})}
 
 
 def _cmd_bench(args: argparse.Namespace) -> Any:
@@ -140,9 +173,25 @@ def build_parser() -> argparse.ArgumentParser:
     _config_arg(p, default="configs/replay-20pct.toml")
     p.add_argument("--trace", default=None, help="trace file (default: ../shared/traces/...)")
     p.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
+    p.add_argument("--policies", default=None,
+                   help="comma-separated placement policies to compare (default: all: lru,reuse,tiered)")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd_replay)
+
+    p = sub.add_parser("size", help="hit ratio against tier capacity for a Mooncake-format trace (one pass), with a plot")
+    p.add_argument("trace", help="trace file (JSON lines: timestamp, input_length, output_length, hash_ids)")
+    p.add_argument("--plot", default="hicache-size.svg", help="SVG file for the curve (default: hicache-size.svg)")
+    p.add_argument("--kv-bytes-per-token", type=int, default=None, help="your model's KV bytes per token: capacities in bytes too")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_cmd_size)
+
+    p = sub.add_parser("workload", help="write a generated trace in the Mooncake format")
+    p.add_argument("kind", choices=["agents"], help="agents: many short agent turns over a few long shared prefixes")
+    p.add_argument("out", help="output file (JSON lines)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_cmd_workload)
 
     p = sub.add_parser("bench", help="run a benchmark script (JSON output); extra args go to the script")
     p.add_argument("what", choices=["storage", "s3", "copy", "evict"])

@@ -28,6 +28,7 @@ from hicache.memory import (
     device_for,
 )
 from hicache.memory.layouts import PAGE_FORMAT
+from hicache.placement import make_placement
 from hicache.prefix_cache.hiradix import HiRadixCache
 from hicache.storage import AsyncHiCacheStorage, HiCacheStorageConfig, create_async_storage
 
@@ -36,6 +37,7 @@ __all__ = [
     "StackConfig",
     "build_stack",
     "controller_options",
+    "placement_defaults",
     "stack_config_from",
     "storage_namespace",
     "torch_dtype",
@@ -79,6 +81,9 @@ class StackConfig:
     host_size_bytes: int | None = None
     pin_memory: bool | None = None
     eviction_policy: str = "lru"
+    #: host eviction order and storage admission (:mod:`hicache.placement`)
+    placement: str = "lru"
+    placement_options: dict[str, Any] = dataclasses.field(default_factory=dict)
     req_slots: int = 8
     max_context_len: int = 1 << 18
     controller: ControllerConfig = dataclasses.field(default_factory=ControllerConfig)
@@ -172,8 +177,16 @@ def build_stack(cfg: StackConfig, *, storage: AsyncHiCacheStorage | None = None)
         host_pool=host_pool,
         controller=controller,
         eviction_policy=cfg.eviction_policy,
+        placement=make_placement(cfg.placement, cfg.placement_options, defaults=placement_defaults(cfg)),
     )
     return CacheStack(cfg, device_pool, allocator, req_pool, host_pool, engine, storage, controller, cache)
+
+
+def placement_defaults(cfg: StackConfig) -> dict[str, Any]:
+    """Sizes a placement policy takes from the stack: a ghost list twice the pages host and
+    storage can hold (a page dropped unwritten is remembered about as long as it could have been
+    kept)."""
+    return {"ghost_pages": 2 * (cfg.host_pages + (cfg.storage_pages or 0))}
 
 
 def controller_options(config: Any) -> dict[str, Any]:
@@ -245,6 +258,8 @@ def stack_config_from(config: Any) -> StackConfig:
         storage_backend=st.backend or None,
         storage_options=dict(st.options),
         eviction_policy=config.cache.eviction_policy,
+        placement=config.cache.placement,
+        placement_options=dict(config.cache.placement_options),
         req_slots=d.max_requests,
         max_context_len=d.max_context_len,
         controller=ControllerConfig.from_dict(controller_options(config)),

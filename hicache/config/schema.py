@@ -107,6 +107,12 @@ class CacheConfig(_Section):
     """Prefix cache and controller policies."""
 
     eviction_policy: Literal["lru", "lfu", "slru", "priority"] = Field("lru")
+    placement: Literal["lru", "reuse", "tiered"] = Field(
+        "lru", description="Host eviction and storage admission (hicache.placement): lru writes every page to every tier."
+    )
+    placement_options: dict[str, Any] = Field(
+        default_factory=dict, description="Options of the placement policy (ghost_pages, long_prompt_tokens, tail_tokens, reuse_hits)."
+    )
     write_policy: Literal["write_through", "write_through_selective", "write_back"] = Field("write_through")
     write_through_threshold: int = Field(2, gt=0, description="Hits before write_through_selective backs up.")
     load_back_quota_tokens: int | None = Field(None, gt=0, description="Most tokens loaded back per request.")

@@ -57,6 +57,15 @@ class EvictionIndex:
         if node is not None and node not in self._queued and self._is_candidate(node):
             self._push(node, self._key(node))
 
+    def requeue(self, node: TreeNode) -> None:
+        """``node``'s key may have *dropped* (the lazy heap only handles keys that grow): queue
+        it under its current key if it is queued under another one."""
+        old = self._queued.get(node)
+        if old is not None:
+            now = self._key(node)
+            if now != old:
+                self._push(node, now)
+
     def discard(self, node: TreeNode) -> None:
         """Forget ``node`` (it left the tree); its heap entry is skipped when popped."""
         self._queued.pop(node, None)

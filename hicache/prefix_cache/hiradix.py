@@ -45,11 +45,11 @@ import torch
 
 from hicache.controller.controller import HiCacheController
 from hicache.controller.jobs import PrefetchResult, StorageWriteJob
+from hicache.placement import PlacementPolicy, make_placement
 from hicache.prefix_cache.facade import AdmitResult, LoadBack, MakeRoom, RequestFlow
 from hicache.prefix_cache.eviction_index import EvictionIndex
 from hicache.prefix_cache.hashing import fast_page_hashes, namespace_seed
 from hicache.prefix_cache.node import TreeNode
-from hicache.prefix_cache.policy import eviction_key
 from hicache.prefix_cache.radix import RadixCache
 from hicache.prefix_cache.req import Req
 from hicache.prefix_cache.types import EvictParams, EvictResult, InitLoadBackParams
@@ -82,6 +82,8 @@ class HiRadixCache(RadixCache):
     Args (beyond :class:`RadixCache`'s):
         host_pool: the host KV pool (``alloc``/``free``/``available_size``, page protocol).
         controller: the :class:`HiCacheController` that moves pages for this cache.
+        placement: a :class:`~hicache.placement.PlacementPolicy` or its name (``lru``,
+            ``reuse``, ``tiered``): host eviction order and storage admission.
     """
 
     def __init__(
@@ -93,8 +95,11 @@ class HiRadixCache(RadixCache):
         host_pool: Any,
         controller: HiCacheController,
         eviction_policy: str = "lru",
+        placement: str | PlacementPolicy = "lru",
         disable: bool = False,
     ) -> None:
+        #: what host keeps and what storage admits (see :mod:`hicache.placement`)
+        self.placement: PlacementPolicy = make_placement(placement)
         if host_pool.page_size != page_size:
             raise ValueError(f"host page_size {host_pool.page_size} != cache page_size {page_size}")
         self.host_pool = host_pool
@@ -149,8 +154,8 @@ class HiRadixCache(RadixCache):
         self._sheddable: dict[TreeNode, None] = {}
         self._prune_at = 1024
         super().reset()
-        #: host-only leaves, least recently used first
-        self._host_index = EvictionIndex(self._host_evictable, eviction_key("lru"))
+        #: host-only leaves in the placement policy's order (LRU for ``lru``)
+        self._host_index = EvictionIndex(self._host_evictable, self.placement.host_key)
         self._eviction_indexes.append(self._host_index)
 
     def cache_finished_req(self, req: Any, is_insert: bool = True, **kwargs: Any) -> None:
@@ -211,6 +216,7 @@ class HiRadixCache(RadixCache):
         node.hash_value = fast_page_hashes(
             node.key, self.page_size, self._prior_hash(node.parent, node.extra_key)
         )
+        self.placement.on_new_node(node)
         if self.write_policy != "write_back" and node.hit_count >= self.write_through_threshold:
             self._backup(node)
 
@@ -302,6 +308,7 @@ class HiRadixCache(RadixCache):
                 break
             host = node.host_value
             assert host is not None
+            self.placement.on_host_evicted(node)
             node.host_value = None
             self._free_host(host)
             freed += int(host.numel())
@@ -431,6 +438,9 @@ class HiRadixCache(RadixCache):
             return  # continuity: written once the parent is
         ps = self.page_size
         k = node.storage_pages
+        upto = min(self.placement.storage_pages(node), len(node.hash_value))
+        if upto <= k:
+            return  # not admitted (yet): a later hit or ghost hit may admit it
         prior = node.hash_value[k - 1] if k else (
             parent.hash_value[-1] if parent is not self.root_node and parent.hash_value else None
         )
@@ -438,8 +448,8 @@ class HiRadixCache(RadixCache):
         node.storage_op = op
         gen = self._generation
         job = StorageWriteJob(
-            keys=node.hash_value[k:],
-            host_indices=node.host_value[k * ps :],
+            keys=node.hash_value[k:upto],
+            host_indices=node.host_value[k * ps : upto * ps],
             prior_key=prior,
             on_done=lambda pages: self._storage_done(gen, node, op, pages),
         )
@@ -453,12 +463,13 @@ class HiRadixCache(RadixCache):
         remaining = pages
         for n in self._op_chain(node, "storage_op", op):
             n.storage_op = None
-            self._note(n)
             take = min(remaining, len(n.hash_value) - n.storage_pages)
             n.storage_pages += take
             remaining -= take
+            self._note(n)
             if n.on_storage and n.value is not None:
                 self._sheddable[n] = None
+            self._host_index.requeue(n)  # its host eviction key may have dropped (now in storage)
         if node.on_storage and node.parent is not None:
             self._maybe_write_storage(node)
         if len(self._sheddable) + len(self._deferred) > self._prune_at:

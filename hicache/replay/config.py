@@ -27,6 +27,9 @@ from hicache.stack import controller_options, stack_config_from
 __all__ = ["ReplayConfig", "load_replay_config"]
 
 _TIERS = ("device", "host", "storage")
+_REPLAY_KEYS = (
+    "eviction_policy", "placement", "placement_options", "drain_between_requests", "verify", "max_requests",
+)
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -50,6 +53,8 @@ class ReplayConfig:
     storage_backend: str | None = "memory"
     storage_options: dict[str, Any] = dataclasses.field(default_factory=dict)
     eviction_policy: str = "lru"
+    placement: str = "lru"
+    placement_options: dict[str, Any] = dataclasses.field(default_factory=dict)
     drain_between_requests: bool = True
     verify: bool = True
     max_requests: int | None = None
@@ -108,10 +113,8 @@ class ReplayConfig:
         cfg.storage_options = dict(storage.get("options", {}))
         replay = dict(data.get("replay", {}))
         for key, value in replay.items():
-            if key not in ("eviction_policy", "drain_between_requests", "verify", "max_requests"):
-                raise ConfigError(
-                    f"[replay] {key!r} unknown; allowed: eviction_policy, drain_between_requests, verify, max_requests"
-                )
+            if key not in _REPLAY_KEYS:
+                raise ConfigError(f"[replay] {key!r} unknown; allowed: {', '.join(_REPLAY_KEYS)}")
             setattr(cfg, key, value)
         if "controller" in data:
             cfg.controller = {**cfg.controller, **dict(data["controller"])}
@@ -156,6 +159,8 @@ class ReplayConfig:
             storage_backend=st.storage_backend,
             storage_options=dict(st.storage_options),
             eviction_policy=st.eviction_policy,
+            placement=st.placement,
+            placement_options=dict(st.placement_options),
             controller=controller_options(config),
             device=st.device,
             host_layout=st.host_layout,

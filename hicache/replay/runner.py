@@ -14,6 +14,7 @@ import logging
 import os
 import sys
 import time
+from pathlib import Path
 from collections.abc import Sequence
 from typing import Any
 
@@ -24,7 +25,7 @@ from hicache.replay.reference import reference_lru, unique_blocks
 from hicache.stack import StackConfig, build_stack
 from hicache.replay.trace import BLOCK_TOKENS, TraceRequest, find_trace, load_trace, request_tokens
 
-__all__ = ["run_replay", "arun_replay", "replay_requests"]
+__all__ = ["run_replay", "arun_replay", "replay_inputs", "replay_requests"]
 
 logger = logging.getLogger("hicache.controller")
 
@@ -57,8 +58,19 @@ async def arun_replay(
     dict. ``config``: a path (a ``configs/*.toml`` deployment config), a ``HiCacheConfig``, a
     :class:`ReplayConfig`, a replay-native dict, or ``None`` (1% / 5% / 20% of the trace).
     ``trace_path``: default ``$HICACHE_TRACE`` or ``../shared/traces/`` next to the repo."""
-    if max_requests is None:
-        max_requests = limit
+    cfg, requests, basis, path = replay_inputs(config, trace_path, max_requests if max_requests is not None else limit)
+    result = await replay_requests(cfg, requests, progress=progress, basis_unique_blocks=basis)
+    result["trace"] = str(path)
+    return result
+
+
+def replay_inputs(
+    config: ReplayConfig | str | os.PathLike[str] | dict[str, Any] | None,
+    trace_path: str | os.PathLike[str] | None,
+    max_requests: int | None = None,
+) -> tuple[ReplayConfig, list[TraceRequest], int | None, Path]:
+    """The config, the requests to replay, the unique blocks capacities are fractions of, and
+    the trace's path, from what :func:`arun_replay` takes."""
     if config is None:
         cfg = ReplayConfig()
     elif isinstance(config, ReplayConfig):
@@ -74,9 +86,7 @@ async def arun_replay(
     everything = load_trace(path)
     requests = everything[:limit] if limit is not None else everything
     basis = unique_blocks(everything) if cfg.capacity_basis == "trace" else None
-    result = await replay_requests(cfg, requests, progress=progress, basis_unique_blocks=basis)
-    result["trace"] = str(path)
-    return result
+    return cfg, requests, basis, path
 
 
 async def replay_requests(
@@ -112,6 +122,8 @@ async def replay_requests(
         storage_pages=pages["storage"],
         storage_options=dict(cfg.storage_options),
         eviction_policy=cfg.eviction_policy,
+        placement=cfg.placement,
+        placement_options=dict(cfg.placement_options),
         req_slots=4,
         max_context_len=max((r.input_length for r in requests), default=1) + BLOCK_TOKENS,
         controller=cfg.controller_config(),

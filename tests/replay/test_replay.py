@@ -16,7 +16,6 @@ from hicache.errors import ConfigError
 from hicache.replay import (
     ReplayConfig,
     TraceRequest,
-    find_trace,
     load_replay_config,
     load_trace,
     reference_lru,
@@ -24,15 +23,7 @@ from hicache.replay import (
     run_replay,
 )
 
-REPO = Path(__file__).resolve().parents[2]
-CONFIG = REPO / "configs" / "replay-20pct.toml"
-
-
-def _trace() -> Path:
-    try:
-        return find_trace()
-    except FileNotFoundError:
-        pytest.skip("the shared Mooncake trace is not available")
+from _replay_paths import CONFIG, REPO, shared_trace as _trace
 
 
 def test_reference_lru_matches_the_trace_readme() -> None:

@@ -1,0 +1,54 @@
+"""The interface between the radix tree and a placement policy.
+
+Why an interface the tree calls rather than a policy that walks the tree: the tree already knows
+every fact a policy needs at the moment it changes (a node created, hit, written, evicted), so a
+policy keeps O(1) state per event and never scans. Every hook runs on the event loop, must not
+block and must not raise for any node it is given.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from hicache.prefix_cache.node import TreeNode
+
+
+__all__ = ["PlacementPolicy", "node_end_tokens"]
+
+
+def node_end_tokens(node: TreeNode) -> int:
+    """Tokens from the root through the end of ``node`` (its depth plus its own length)."""
+    total = 0
+    n: TreeNode | None = node
+    while n is not None and n.parent is not None:
+        total += len(n.key)
+        n = n.parent
+    return total
+
+
+class PlacementPolicy(ABC):
+    """What each tier keeps and admits. Subclasses set ``name``."""
+
+    name: str = ""
+
+    @abstractmethod
+    def host_key(self, node: TreeNode) -> tuple[Any, ...]:
+        """Sort key of a host-only leaf; the smallest is evicted from host first. It ends in
+        ``last_access_time`` so ties break LRU-wise."""
+
+    @abstractmethod
+    def storage_pages(self, node: TreeNode) -> int:
+        """How many of ``node``'s pages, counted from its first, may be in storage now
+        (``len(node.hash_value)`` admits all; the tree writes those not written yet)."""
+
+    def on_new_node(self, node: TreeNode) -> None:
+        """An insert created ``node`` (device KV, hashes set)."""
+
+    def on_host_evicted(self, node: TreeNode) -> None:
+        """``node``'s host copy is being dropped (it is not on device)."""
+
+    def stats(self) -> dict[str, int]:
+        """Counters for the replay report."""
+        return {}

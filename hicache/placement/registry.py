@@ -1,0 +1,41 @@
+"""Placement policies by name (the ``cache.placement`` config value)."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+from hicache.errors import ConfigError
+from hicache.placement.base import PlacementPolicy
+from hicache.placement.lru import LruPlacement
+from hicache.placement.tiered import ReusePlacement, TieredPlacement
+
+__all__ = ["PLACEMENT_POLICIES", "make_placement"]
+
+PLACEMENT_POLICIES: dict[str, type[PlacementPolicy]] = {
+    "lru": LruPlacement,
+    "reuse": ReusePlacement,
+    "tiered": TieredPlacement,
+}
+
+
+def make_placement(
+    name: str | PlacementPolicy, options: dict[str, Any] | None = None, *, defaults: dict[str, Any] | None = None
+) -> PlacementPolicy:
+    """The policy ``name`` built with ``options``; unknown names and options are a
+    :class:`ConfigError` that names the allowed ones. ``defaults`` (sizes the stack knows, such
+    as ``ghost_pages``) apply only to policies that take them. A policy object is returned as is."""
+    if isinstance(name, PlacementPolicy):
+        return name
+    cls = PLACEMENT_POLICIES.get(name)
+    if cls is None:
+        raise ConfigError(f"unknown placement policy {name!r}; allowed: {sorted(PLACEMENT_POLICIES)}")
+    accepted = set(inspect.signature(cls).parameters)
+    options = {**{k: v for k, v in (defaults or {}).items() if k in accepted}, **(options or {})}
+    unknown = sorted(set(options) - accepted)
+    if unknown:
+        raise ConfigError(f"placement {name!r}: unknown option(s) {unknown}; allowed: {sorted(accepted)}")
+    try:
+        return cls(**options)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"placement {name!r}: {exc}") from None

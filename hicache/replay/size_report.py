@@ -1,0 +1,94 @@
+"""``hicache size TRACE``: hit ratio against tier capacity, to choose host and storage sizes.
+
+One pass over the trace (:func:`~hicache.replay.sizing.lru_miss_ratio_curve`) gives the LRU
+curve; the infinite-cache ceiling and Belady at a few sizes show how much a smarter policy could
+add. The report lists capacities in blocks, pages-worth of tokens and as a share of the trace's
+unique blocks, and writes the curve as an SVG.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from hicache.replay.bounds import belady, infinite_cache
+from hicache.replay.plot import write_svg_plot
+from hicache.replay.sizing import lru_miss_ratio_curve
+from hicache.replay.trace import BLOCK_TOKENS, load_trace
+
+__all__ = ["format_size_report", "size_report"]
+
+_FRACTIONS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0)
+
+
+def size_report(
+    trace: str | os.PathLike[str],
+    *,
+    plot: str | os.PathLike[str] | None = None,
+    belady_fractions: tuple[float, ...] = (0.01, 0.05, 0.2),
+    points: int = 64,
+    kv_bytes_per_token: int | None = None,
+) -> dict[str, Any]:
+    """The sizing table of ``trace`` (Mooncake format); writes the SVG to ``plot`` if given.
+    ``kv_bytes_per_token`` adds each capacity in bytes (a model's KV size per token)."""
+    requests = load_trace(trace)
+    if not requests:
+        raise ValueError(f"{trace}: no requests")
+    mrc = lru_miss_ratio_curve(requests)
+    unique = mrc.unique_blocks
+    ideal = infinite_cache(requests)
+    rows = []
+    caps = sorted({max(1, int(unique * f)) for f in _FRACTIONS})
+    for cap, hit in mrc.curve(caps):
+        row: dict[str, Any] = {"share_of_unique": round(cap / unique, 4), "blocks": cap, "tokens": cap * BLOCK_TOKENS,
+                               "lru_hit_tokens": round(hit, 4), "lru_hit_blocks": round(mrc.hit_ratio(cap, tokens=False), 4)}
+        if kv_bytes_per_token:
+            row["bytes"] = cap * BLOCK_TOKENS * kv_bytes_per_token
+        rows.append(row)
+    bel = {f"{f:g}": round(belady(requests, max(1, int(unique * f)))["hit_ratio_tokens"], 4) for f in belady_fractions}
+    out: dict[str, Any] = {
+        "trace": str(trace),
+        "requests": len(requests),
+        "block_references": mrc.references,
+        "unique_blocks": unique,
+        "infinite_cache_hit_tokens": round(ideal["hit_ratio_tokens"], 4),
+        "belady_hit_tokens_by_share": bel,
+        "lru_curve": rows,
+    }
+    if plot is not None:
+        n = max(2, points)
+        grid = sorted({max(1, round(unique ** (i / (n - 1)))) for i in range(n)})
+        bel_pts = [(max(1, int(unique * f)), v) for f, v in zip(belady_fractions, bel.values())]
+        write_svg_plot(
+            plot,
+            {"LRU (one pass, stack distances)": mrc.curve(grid),
+             "Belady (offline optimum)": bel_pts,
+             "infinite cache": [(1, ideal["hit_ratio_tokens"]), (unique, ideal["hit_ratio_tokens"])]},
+            title=f"Hit ratio of prompt tokens vs cache size: {os.path.basename(str(trace))}",
+            x_label="cache capacity (blocks of 512 tokens, log scale)",
+            y_label="hit ratio (tokens)",
+            markers=[(max(1, int(unique * f)), f"{f:.0%}") for f in belady_fractions],
+        )
+        out["plot"] = str(plot)
+    return out
+
+
+def format_size_report(report: dict[str, Any]) -> str:
+    """The sizing report as text: one line per capacity."""
+    lines = [
+        f"{report['trace']}: {report['requests']} requests, {report['block_references']} block references, "
+        f"{report['unique_blocks']} unique blocks of {BLOCK_TOKENS} tokens",
+        f"infinite cache: {report['infinite_cache_hit_tokens']:.4f} of prompt tokens; Belady (offline optimum) at "
+        + ", ".join(f"{float(k):.0%}: {v:.4f}" for k, v in report["belady_hit_tokens_by_share"].items()),
+        f"{'share':>8}{'blocks':>10}{'tokens':>14}{'LRU hit (tokens)':>18}{'LRU hit (blocks)':>18}"
+        + (f"{'bytes':>16}" if report["lru_curve"] and "bytes" in report["lru_curve"][0] else ""),
+    ]
+    for row in report["lru_curve"]:
+        line = (f"{row['share_of_unique']:>8.1%}{row['blocks']:>10,}{row['tokens']:>14,}"
+                f"{row['lru_hit_tokens']:>18.4f}{row['lru_hit_blocks']:>18.4f}")
+        if "bytes" in row:
+            line += f"{row['bytes']:>16,}"
+        lines.append(line)
+    if "plot" in report:
+        lines.append(f"plot: {report['plot']}")
+    return "\n".join(lines)

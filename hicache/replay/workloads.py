@@ -1,0 +1,74 @@
+"""Generated traces in the Mooncake format, with shapes the Mooncake trace lacks.
+
+``agents``: many agent sessions, each a loop of short turns over one of a few long shared
+prefixes (system prompt plus tool definitions). Every turn resends the session's whole context
+and appends a little (a tool result, a reply), so the previous turn's tail is reused exactly once,
+soon; the shared prefixes are reused by every session, all the time; sessions end and new ones
+start. Popularity of the prefixes is skewed (Zipf). The Mooncake trace's shape is the opposite:
+long documents asked about several times with a private question each time.
+
+Deterministic for a seed (numpy's PCG64), so tests and the README reproduce the same numbers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from hicache.replay.trace import BLOCK_TOKENS, TraceRequest
+
+__all__ = ["WORKLOADS", "agent_workload", "write_trace"]
+
+
+def agent_workload(
+    *,
+    seed: int = 0,
+    sessions: int = 300,
+    concurrent: int = 60,
+    prefixes: int = 6,
+    prefix_blocks: tuple[int, int] = (8, 24),
+    turns: tuple[int, int] = (3, 12),
+    append_blocks: tuple[int, int] = (1, 3),
+    turn_gap_ms: tuple[int, int] = (200, 4000),
+) -> list[TraceRequest]:
+    """Agent sessions as trace requests in time order (see the module docstring)."""
+    rng = np.random.default_rng(seed)
+    next_id = 0
+
+    def fresh(n: int) -> list[int]:
+        nonlocal next_id
+        ids = list(range(next_id, next_id + n))
+        next_id += n
+        return ids
+
+    shared = [fresh(int(rng.integers(prefix_blocks[0], prefix_blocks[1] + 1))) for _ in range(prefixes)]
+    weights = 1.0 / np.arange(1, prefixes + 1)
+    weights /= weights.sum()
+    events: list[tuple[int, int, list[int], int]] = []  # (time, order, hash ids, input length)
+    clock = [0] * concurrent  # each lane runs one session after another
+    for s in range(sessions):
+        lane = s % concurrent
+        t = clock[lane] + int(rng.integers(0, 2000))
+        context = list(shared[int(rng.choice(prefixes, p=weights))])
+        for _ in range(int(rng.integers(turns[0], turns[1] + 1))):
+            context += fresh(int(rng.integers(append_blocks[0], append_blocks[1] + 1)))
+            partial = int(rng.integers(1, BLOCK_TOKENS + 1))  # the last block is partly filled
+            events.append((t, len(events), list(context), (len(context) - 1) * BLOCK_TOKENS + partial))
+            t += int(rng.integers(turn_gap_ms[0], turn_gap_ms[1] + 1))
+        clock[lane] = t
+    events.sort()
+    return [TraceRequest(t, length, 1, tuple(ids)) for t, _, ids, length in events]
+
+
+def write_trace(path: str | os.PathLike[str], requests: Sequence[TraceRequest]) -> None:
+    """Write ``requests`` as Mooncake-format JSON lines."""
+    with open(path, "w", encoding="utf-8") as f:
+        for r in requests:
+            f.write(json.dumps({"timestamp": r.timestamp, "input_length": r.input_length,
+                                "output_length": r.output_length, "hash_ids": list(r.hash_ids)}) + "\n")
+
+
+WORKLOADS: dict[str, Callable[..., list[TraceRequest]]] = {"agents": agent_workload}

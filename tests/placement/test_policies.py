@@ -1,0 +1,228 @@
+"""Placement policies: each one's invariants on the real stack, and its admission rules.
+
+Every test drives a real :func:`~hicache.stack.build_stack` (torch pools, copy engine, memory
+backend) with random prompts over shared prefixes, and checks after every request that the tree
+is consistent, that device residency is closed upwards (a parent is never evicted before its
+children), that a locked prefix keeps its KV, and that no tier holds more than its capacity.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from hicache.controller import ControllerConfig
+from hicache.errors import ConfigError
+from hicache.placement import (
+    PLACEMENT_POLICIES,
+    GhostList,
+    LruPlacement,
+    TieredPlacement,
+    make_placement,
+)
+from hicache.prefix_cache import EvictParams
+from hicache.replay import serve_request
+from hicache.stack import StackConfig, build_stack
+
+PS = 4
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+
+
+def _stack(policy: str, controller: ControllerConfig | None = None, **options):  # type: ignore[no-untyped-def]
+    return build_stack(StackConfig(page_size=PS, device_pages=16, host_pages=24, storage_pages=48,
+                                   placement=policy, placement_options=options, req_slots=4, max_context_len=256,
+                                   controller=controller or ControllerConfig()))
+
+
+def _prompts(seed: int, n: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(1000) for _ in range(PS * rng.randint(1, 4))] for _ in range(4)]
+    out = []
+    for _ in range(n):
+        p = list(rng.choice(prefixes))
+        p += [rng.randrange(1000) for _ in range(rng.randint(1, PS * 6))]
+        out.append(p)
+    return out
+
+
+def _check_tiers(stack) -> None:  # type: ignore[no-untyped-def]
+    cache = stack.cache
+    cache.sanity_check()
+    for node in cache._nodes():
+        if node.value is None:  # not on device: no child may be (parents go last)
+            assert all(c.value is None for c in node.children.values()), node
+    assert cache.total_size() <= stack.config.device_pages * PS
+    assert cache.host_size() <= stack.config.host_pages * PS
+    stats = stack.storage.get_stats()
+    assert stats.get("stored_bytes", 0) <= stack.config.storage_pages * stack.config.page_nbytes
+
+
+async def _serve_checked(stack, prompts: list[list[int]]) -> int:  # type: ignore[no-untyped-def]
+    """Serve ``prompts`` one by one, letting every copy land and checking the tiers after each;
+    returns the tokens whose reused KV failed verification."""
+    failures = 0
+    for i, tokens in enumerate(prompts):
+        failures += (await serve_request(stack, tokens, rid=f"r{i}")).verify_failures
+        await stack.controller.wait_prefetches()
+        await stack.cache.drain()
+        _check_tiers(stack)
+    return failures
+
+
+@pytest.mark.parametrize("policy", sorted(PLACEMENT_POLICIES))
+async def test_invariants_hold_under_pressure(policy: str) -> None:
+    stack = _stack(policy)
+    try:
+        assert await _serve_checked(stack, _prompts(7, 120)) == 0
+        assert stack.controller.metrics.counters["worker_errors"] == 0
+    finally:
+        await stack.aclose()
+
+
+@pytest.mark.parametrize("policy", sorted(PLACEMENT_POLICIES))
+async def test_a_locked_prefix_is_never_evicted(policy: str) -> None:
+    stack = _stack(policy)
+    try:
+        cache = stack.cache
+        keep = list(range(5000, 5000 + 3 * PS))
+        await serve_request(stack, keep, rid="keep")
+        await cache.drain()
+        from hicache.prefix_cache import MatchPrefixParams, RadixKey
+
+        node = cache.match_prefix(MatchPrefixParams(key=RadixKey(keep))).last_device_node
+        cache.inc_lock_ref(node)
+        for i, tokens in enumerate(_prompts(3, 60)):
+            await serve_request(stack, tokens, rid=f"r{i}")
+            await cache.drain()
+            cache.evict(EvictParams(num_tokens=10**6))
+            cache.evict_host(10**6)
+            n = node
+            while n is not cache.root_node:
+                assert n.value is not None and n.parent is not None, n  # still on device, still in the tree
+                n = n.parent
+        cache.dec_lock_ref(node)
+        cache.sanity_check()
+    finally:
+        await stack.aclose()
+
+
+async def test_reuse_writes_to_storage_only_what_was_reused() -> None:
+    stack = _stack("reuse")
+    try:
+        once = list(range(100, 100 + 4 * PS))
+        await serve_request(stack, once, rid="a")
+        await stack.cache.drain()
+        assert stack.controller.metrics.bytes["h2s"] == 0  # seen once: host only
+        await serve_request(stack, once, rid="b")  # a hit on host: reuse proven
+        await stack.cache.drain()
+        assert stack.controller.metrics.pages["h2s"] == 4
+    finally:
+        await stack.aclose()
+
+
+async def test_a_ghost_hit_admits_the_recomputed_pages() -> None:
+    stack = _stack("reuse")
+    try:
+        cache = stack.cache
+        first = list(range(100, 100 + 3 * PS))
+        await serve_request(stack, first, rid="a")
+        await cache.drain()
+        cache.evict(EvictParams(num_tokens=10**6))
+        cache.evict_host(10**6)  # dropped unwritten: its keys go to the ghost list
+        assert len(cache.placement.ghost) == 3 and stack.controller.metrics.bytes["h2s"] == 0
+        out = await serve_request(stack, first, rid="b")  # recomputed ...
+        assert out.computed == len(first)
+        await cache.drain()
+        assert stack.controller.metrics.pages["h2s"] == 3  # ... and written, since it came back
+        assert cache.placement.ghost.hits == 3
+    finally:
+        await stack.aclose()
+
+
+async def test_tiered_admits_the_body_of_a_long_prompt_but_not_its_tail() -> None:
+    stack = _stack("tiered", long_prompt_tokens=8 * PS, tail_tokens=2 * PS)
+    try:
+        await serve_request(stack, list(range(10 * PS)), rid="long")
+        await serve_request(stack, list(range(20000, 20000 + 3 * PS)), rid="short")
+        await stack.cache.drain()
+        assert stack.controller.metrics.pages["h2s"] == 8  # 10 pages, the last 2 held back
+    finally:
+        await stack.aclose()
+
+
+async def test_tiered_host_evicts_pages_storage_holds_first() -> None:
+    stack = _stack("tiered", long_prompt_tokens=None)
+    try:
+        cache = stack.cache
+        stored = list(range(300, 300 + 2 * PS))
+        await serve_request(stack, stored, rid="s1")
+        await serve_request(stack, stored, rid="s2")  # hit: admitted to storage
+        private = list(range(900, 900 + 2 * PS))
+        await serve_request(stack, private, rid="p")  # newer, but only on host
+        await cache.drain()
+        cache.evict(EvictParams(num_tokens=10**6))
+        assert cache.evict_host(2 * PS) == 2 * PS
+        from hicache.prefix_cache import MatchPrefixParams, RadixKey
+
+        assert cache.match_prefix(MatchPrefixParams(key=RadixKey(private))).host_hit_length == 2 * PS
+        assert cache.match_prefix(MatchPrefixParams(key=RadixKey(stored))).host_hit_length == 0
+    finally:
+        await stack.aclose()
+
+
+def test_lru_admits_everything_and_orders_by_recency() -> None:
+    from hicache.prefix_cache import TreeNode
+
+    node = TreeNode()
+    node.hash_value = ["a", "b", "c"]
+    node.last_access_time = 5
+    assert LruPlacement().storage_pages(node) == 3 and LruPlacement().host_key(node) == (5,)
+    tiered = TieredPlacement()
+    assert tiered.storage_pages(node) == 0  # inserted once, never hit
+
+
+def test_ghost_list_is_bounded() -> None:
+    g = GhostList(3)
+    g.add(["a", "b", "c", "d"])
+    assert len(g) == 3 and "a" not in g and g.take("d") and not g.take("d") and g.hits == 1
+    GhostList(0).add(["x"])
+    with pytest.raises(ValueError):
+        GhostList(-1)
+
+
+def test_bad_policy_names_and_options_are_config_errors() -> None:
+    with pytest.raises(ConfigError, match="allowed"):
+        make_placement("arc")
+    with pytest.raises(ConfigError, match="ghost_pagez"):
+        make_placement("tiered", {"ghost_pagez": 1})
+    with pytest.raises(ConfigError, match="reuse_hits"):
+        make_placement("reuse", {"reuse_hits": 0})
+    assert make_placement("lru", defaults={"ghost_pages": 5}).name == "lru"  # defaults only where taken
+    assert make_placement("tiered", defaults={"ghost_pages": 5}).ghost.capacity == 5
+    from hicache.config import load_config
+
+    with pytest.raises(ConfigError, match="placement"):
+        load_config(CONFIGS / "default.toml", environ={"HICACHE__CACHE__PLACEMENT": "arc"})
+    assert load_config(CONFIGS / "default.toml", environ={"HICACHE__CACHE__PLACEMENT": "tiered"}).cache.placement == "tiered"
+
+
+@pytest.mark.parametrize("policy", ["reuse", "tiered"])
+async def test_failing_storage_writes_leave_the_tree_consistent(policy: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every storage write fails: admitted pages are never marked stored, hosts still evict, no
+    worker dies, and every page served still verifies."""
+    early = {"long_prompt_tokens": 6 * PS} if policy == "tiered" else {}
+    stack = _stack(policy, ControllerConfig(storage_max_retries=0), **early)
+
+    async def refuse(pages, buffers, parents):  # type: ignore[no-untyped-def]
+        raise OSError("disk full")
+
+    monkeypatch.setattr(stack.storage, "_write", refuse)
+    try:
+        assert await _serve_checked(stack, _prompts(11, 60)) == 0
+        assert all(n.storage_pages == 0 for n in stack.cache._nodes() if n.storage_op is None)
+        assert stack.controller.metrics.counters["worker_errors"] == 0
+        assert stack.controller.metrics.counters["storage_write_failures"] > 0
+    finally:
+        await stack.aclose()

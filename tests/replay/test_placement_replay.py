@@ -1,0 +1,115 @@
+"""Placement in the replay: every policy verified bit for bit on a prefix of the Mooncake trace,
+the bounds and the one-pass miss-ratio curve checked against the reference LRU, and the CLI's
+``replay``, ``size`` and ``workload`` commands."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import xml.dom.minidom
+from pathlib import Path
+
+import pytest
+
+from hicache.cli import main
+from hicache.replay import load_replay_config, load_trace, reference_lru, unique_blocks
+from hicache.replay.bounds import belady, infinite_cache
+from hicache.replay.compare import compare_policies, format_comparison
+from hicache.replay.sizing import lru_miss_ratio_curve
+from hicache.replay.workloads import agent_workload, write_trace
+
+from _replay_paths import CONFIG, REPO, shared_trace as _trace
+
+
+def test_every_policy_verifies_and_lru_is_unchanged() -> None:
+    """300 requests, capacities of the whole trace: every restored page verifies; lru gives
+    exactly the hits and bytes it gave before placement existed; tiered writes less to storage
+    (``reuse`` is ``tiered`` minus two rules: tests/placement checks it on its own)."""
+    everything = load_trace(_trace())
+    cfg = load_replay_config(CONFIG)
+    report = asyncio.run(compare_policies(cfg, everything[:300], ["lru", "tiered"],
+                                           basis_unique_blocks=unique_blocks(everything)))
+    rows = report["policies"]
+    assert list(rows) == ["lru", "tiered"]
+    assert all(r["verification_failures"] == 0 for r in rows.values())
+    # hicache before placement existed (commit 21f54e4), same 300 requests and tiers
+    assert rows["lru"]["hit_tokens"] == {"device": 60416, "host": 61440, "storage": 65536}
+    assert rows["lru"]["storage_written_bytes"] == rows["lru"]["host_written_bytes"] == 57794560
+    assert rows["tiered"]["storage_written_bytes"] < rows["lru"]["storage_written_bytes"]
+    bounds = report["bounds"]
+    assert bounds["infinite_cache"] >= bounds["belady_at_8784_blocks"] >= max(r["total_hit"] for r in rows.values())
+    text = format_comparison(report)
+    assert "tiered" in text and "belady_at_8784_blocks" in text
+
+
+def test_miss_ratio_curve_equals_the_reference_lru() -> None:
+    requests = load_trace(_trace(), limit=600)
+    mrc = lru_miss_ratio_curve(requests)
+    for cap in (1, 50, 400, 3000, 10**6):
+        ref = reference_lru(requests, [cap])
+        assert mrc.hit_ratio(cap, tokens=False) == pytest.approx(ref["hit_ratio"], abs=1e-12)
+        assert round(mrc.hit_ratio(cap) * mrc.total_tokens) == ref["hit_tokens"]
+    assert mrc.curve([0, 10**9], tokens=False)[1][1] == pytest.approx(infinite_cache(requests)["hit_ratio_blocks"])
+
+
+def test_belady_bounds() -> None:
+    requests = load_trace(_trace(), limit=600)
+    unique = unique_blocks(requests)
+    ideal = infinite_cache(requests)
+    last = -1.0
+    for cap in (0, 10, 100, 1000, unique):
+        b = belady(requests, cap)
+        assert b["hit_ratio_blocks"] >= reference_lru(requests, [cap])["hit_ratio"] if cap else b["hit_blocks"] == 0
+        assert last <= b["hit_ratio_blocks"] <= ideal["hit_ratio_blocks"]
+        last = b["hit_ratio_blocks"]
+    assert belady(requests, unique)["hit_blocks"] == ideal["hit_blocks"]
+    with pytest.raises(ValueError):
+        belady(requests, -1)
+
+
+def test_size_and_workload_commands(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    trace = tmp_path / "agents.jsonl"
+    assert main(["workload", "agents", str(trace), "--seed", "3", "--json"]) == 0
+    written = json.loads(capsys.readouterr().out)
+    assert written["requests"] == len(load_trace(trace)) > 0
+    assert load_trace(trace) == agent_workload(seed=3)  # deterministic, and it round-trips
+    plot = tmp_path / "curve.svg"
+    assert main(["size", str(trace), "--plot", str(plot), "--kv-bytes-per-token", "4096"]) == 0
+    out = capsys.readouterr().out
+    assert "LRU hit (tokens)" in out and "Belady" in out
+    xml.dom.minidom.parse(str(plot))  # a well-formed SVG
+    bad = tmp_path / "bad.jsonl"
+    for text in ("", '{"timestamp": 0, "input_length": 5}\n', "not json\n"):  # empty, a field missing, garbage
+        bad.write_text(text)
+        with pytest.raises(SystemExit, match="bad.jsonl"):
+            main(["size", str(bad), "--plot", str(tmp_path / "no.svg")])
+    with pytest.raises(SystemExit, match="missing.jsonl"):
+        main(["size", str(tmp_path / "missing.jsonl"), "--plot", str(plot)])
+    with pytest.raises(SystemExit, match="seed"):
+        main(["workload", "agents", str(trace), "--seed", "-1"])
+
+
+def test_agents_workload_shape() -> None:
+    requests = agent_workload(seed=1, sessions=40, concurrent=8)
+    assert requests == sorted(requests, key=lambda r: r.timestamp)
+    for r in requests:
+        assert (len(r.hash_ids) - 1) * 512 < r.input_length <= len(r.hash_ids) * 512
+    # a turn resends its session's previous turn and appends 1 to 3 blocks
+    earlier: set[tuple[int, ...]] = set()
+    extended = 0
+    for r in requests:
+        extended += any(r.hash_ids[:-k] in earlier for k in (1, 2, 3))
+        earlier.add(r.hash_ids)
+    assert extended > len(requests) // 2
+
+
+def test_replay_command_prints_the_table(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    trace = tmp_path / "agents.jsonl"
+    write_trace(trace, agent_workload(seed=2, sessions=6, concurrent=3))
+    cfg = tmp_path / "tiers.toml"  # the agents config, smaller tiers for this small trace
+    cfg.write_text((REPO / "configs" / "replay-agents.toml").read_text()
+                   .replace("1114112", str(100 * 8192)).replace("3710976", str(200 * 8192)))
+    assert main(["replay", "-c", str(cfg), "--trace", str(trace), "--no-progress", "--policies", "lru,tiered"]) == 0
+    out = capsys.readouterr().out
+    assert "lru" in out and "tiered" in out and "infinite_cache" in out and "reuse " not in out
+    assert main(["replay", "-c", str(cfg), "--trace", str(trace), "--policies", "nope"]) == 2
