@@ -1,0 +1,215 @@
+"""``HiCacheConnector``: hicache as a vLLM v1 KV connector.
+
+vLLM builds one instance in its scheduler (engine core) process and one in every worker
+process. This class only translates vLLM's objects into the engine-free halves:
+:class:`~.scheduler_side.SchedulerSide` (lookup, which pages to load and save) and
+:class:`~.worker_side.WorkerSide` (moving them). Metadata from the first to the second is
+:class:`HiCacheConnectorMetadata`, plain lists of page transfers.
+
+Loads are synchronous in vLLM's sense (``load_kv_async=False``): a hit is loaded inside the
+forward pass of the step that schedules it, layer by layer, overlapped with attention through
+``wait_for_layer_load``. Saves copy whole pages out at the end of the step, so vLLM frees
+blocks when it wants (``request_finished`` never holds them).
+
+Failed loads are reported through ``get_block_ids_with_load_errors``; configure
+``"kv_load_failure_policy": "recompute"`` so that vLLM recomputes those blocks instead of
+failing the request.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from hicache.integrations.vllm.naming import KVGeometry, deployment_namespace
+from hicache.integrations.vllm.options import ConnectorOptions
+from hicache.integrations.vllm.scheduler_side import SchedulerSide
+from hicache.integrations.vllm.store_io import StoreIO
+from hicache.integrations.vllm.worker_side import PageTransfer, WorkerSide
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+__all__ = ["HiCacheConnector", "HiCacheConnectorMetadata"]
+
+logger = logging.getLogger("hicache.integrations.vllm")
+
+
+@dataclass
+class HiCacheConnectorMetadata(KVConnectorMetadata):
+    """One step's page loads and saves, from the scheduler to the workers."""
+
+    loads: list[PageTransfer] = field(default_factory=list)
+    saves: list[PageTransfer] = field(default_factory=list)
+
+
+def _geometry(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> tuple[KVGeometry, list[str]]:
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        raise ValueError(
+            f"HiCacheConnector supports models with one KV cache group; this one has {len(groups)} "
+            "(hybrid models need --disable-hybrid-kv-cache-manager or another connector)"
+        )
+    spec = groups[0].kv_cache_spec
+    for attr in ("num_kv_heads", "head_size", "dtype"):
+        if not hasattr(spec, attr):
+            raise ValueError(f"HiCacheConnector needs an attention KV cache, got {type(spec).__name__}")
+    dtype = vllm_config.cache_config.cache_dtype
+    if dtype == "auto":
+        dtype = str(spec.dtype).removeprefix("torch.")
+    geometry = KVGeometry(
+        block_size=int(spec.block_size),
+        num_layers=len(groups[0].layer_names),
+        num_kv_heads=int(spec.num_kv_heads),
+        head_size=int(spec.head_size),
+        dtype=str(dtype),
+        block_nbytes=int(spec.page_size_bytes),
+    )
+    return geometry, list(groups[0].layer_names)
+
+
+def _worker_ranks() -> tuple[int, int]:
+    """This worker's (tp_rank, pp_rank); (0, 0) where vLLM's groups are not set up."""
+    try:
+        from vllm.distributed import parallel_state
+
+        return parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pp_group().rank_in_group
+    except Exception:  # noqa: BLE001 - single-process set-ups have no groups
+        return 0, 0
+
+
+class HiCacheConnector(KVConnectorBase_V1):
+    """hicache's host pool and storage behind vLLM's KV connector interface."""
+
+    _cache_hit_source = CacheHitSource.DISK
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        self.options = ConnectorOptions.from_extra_config(self._kv_transfer_config.kv_connector_extra_config)
+        self.geometry, self._layer_names = _geometry(vllm_config, kv_cache_config)
+        model = vllm_config.model_config
+        par = vllm_config.parallel_config
+        tp_size, pp_size = int(par.tensor_parallel_size), int(par.pipeline_parallel_size)
+
+        def ns(tp: int, pp: int) -> Any:
+            return deployment_namespace(
+                model=str(model.model), revision=model.revision, geometry=self.geometry,
+                tp_rank=tp, tp_size=tp_size, pp_rank=pp, pp_size=pp_size, salt=self.options.namespace_salt,
+            )
+
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        if role is KVConnectorRole.SCHEDULER:
+            namespaces = [ns(tp, pp) for pp in range(pp_size) for tp in range(tp_size)]
+            store = StoreIO(self.options.backend, self.options.backend_options, namespaces, name="hicache-vllm-sched")
+            self._scheduler = SchedulerSide(
+                store, block_size=self.geometry.block_size,
+                lookup_wait_s=self.options.lookup_wait_s, lookup_timeout_s=self.options.lookup_timeout_s,
+            )
+            self._requests: dict[str, Request] = {}
+        else:
+            tp, pp = _worker_ranks()
+            store = StoreIO(self.options.backend, self.options.backend_options, [ns(tp, pp)], name="hicache-vllm-worker")
+            self._worker = WorkerSide(
+                self.geometry, store, host_pages=self.options.host_pages, load_timeout_s=self.options.load_timeout_s
+            )
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a cache: a save that does not happen is a future miss, nothing more
+
+    # ================================================================== worker side
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self._worker is not None
+        missing = [n for n in self._layer_names if n not in kv_caches]
+        if missing:
+            raise ValueError(f"HiCacheConnector: KV caches of layers {missing} were not registered")
+        self._worker.register([(n, kv_caches[n]) for n in self._layer_names])
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        if self._worker is not None and self.has_connector_metadata():
+            meta = self._get_connector_metadata()
+            if isinstance(meta, HiCacheConnectorMetadata):
+                self._worker.start(meta.loads)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        if self._worker is not None:
+            self._worker.wait_layer(layer_name)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        # pages are saved whole (every layer of a block in one page) once the step is done
+        return
+
+    def wait_for_save(self) -> None:
+        if self._worker is None:
+            return
+        self._worker.finish_step()
+        if self.has_connector_metadata():
+            meta = self._get_connector_metadata()
+            if isinstance(meta, HiCacheConnectorMetadata):
+                self._worker.save(meta.saves)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.take_failed_blocks() if self._worker is not None else set()
+
+    def shutdown(self) -> None:
+        timeout = self.options.close_timeout_s
+        if self._worker is not None:
+            self._worker.close(timeout)
+            self._worker = None
+        if self._scheduler is not None:
+            self._scheduler.close(timeout)
+            self._scheduler = None
+
+    # ================================================================== scheduler side
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self._scheduler is not None
+        self._requests[request.request_id] = request
+        hit = self._scheduler.matched_tokens(
+            request.request_id, request.prompt_token_ids or [], request.cache_salt, num_computed_tokens
+        )
+        if hit is None:
+            return None, False
+        return max(0, hit - num_computed_tokens), False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        assert self._scheduler is not None
+        if num_external_tokens > 0:
+            self._scheduler.allocated(request.request_id, blocks.get_block_ids()[0], num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        assert self._scheduler is not None
+        manager = self._kv_cache_manager
+        scheduled: list[tuple[str, int, Any, Any]] = []
+        num_scheduled = scheduler_output.num_scheduled_tokens
+        computed = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
+        cached = scheduler_output.scheduled_cached_reqs
+        computed.update(zip(cached.req_ids, cached.num_computed_tokens))
+        for req_id, n_before in computed.items():
+            request = self._requests.get(req_id)
+            if request is None or manager is None:
+                continue
+            block_ids = manager.get_block_ids(req_id)[0]
+            scheduled.append((req_id, n_before + num_scheduled.get(req_id, 0), request.all_token_ids, block_ids))
+        plan = self._scheduler.plan_step(scheduled)
+        return HiCacheConnectorMetadata(loads=plan.loads, saves=plan.saves)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        if self._scheduler is not None:
+            self._scheduler.finished(request.request_id)
+            self._requests.pop(request.request_id, None)
+        return False, None

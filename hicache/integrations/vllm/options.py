@@ -1,0 +1,62 @@
+"""The connector's options, read from vLLM's ``kv_connector_extra_config``.
+
+One frozen object for both sides of the connector, so the scheduler process and the worker
+processes agree on the store and the namespace. A typo in a key is an error that names the
+allowed keys (a silently ignored option would be a cache that never hits).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from hicache.errors import ConfigError
+from hicache.options import options_from_dict
+
+__all__ = ["ConnectorOptions"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ConnectorOptions:
+    """What the connector needs beyond vLLM's own config.
+
+    - ``backend``/``backend_options``: the hicache storage backend and its options, exactly as
+      :func:`hicache.storage.create_async_storage` takes them (``{"root": ...}`` for ``file``).
+    - ``host_pages``: pages of the worker's host pool (L2). Saves stage through it, and pages
+      still there are loaded without touching storage.
+    - ``lookup_wait_s``: how long the scheduler waits inline for a storage lookup before it
+      answers "not yet" and asks again next step (vLLM skips the request meanwhile).
+    - ``lookup_timeout_s``: a lookup still pending after this counts as a miss (recompute).
+    - ``load_timeout_s``: the longest a forward pass waits for a page read; then the page's
+      blocks are reported failed and vLLM recomputes them.
+    - ``close_timeout_s``: how long shutdown waits for queued writes to reach storage.
+    - ``namespace_salt``: set it to keep deployments that must not share pages apart.
+    """
+
+    backend: str = "file"
+    backend_options: dict[str, Any] = field(default_factory=dict)
+    host_pages: int = 4096
+    lookup_wait_s: float = 0.005
+    lookup_timeout_s: float = 5.0
+    load_timeout_s: float = 30.0
+    close_timeout_s: float = 30.0
+    namespace_salt: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.backend, str) or not self.backend:
+            raise ConfigError(f"backend must be a backend name, got {self.backend!r}")
+        if not isinstance(self.backend_options, dict):
+            raise ConfigError(f"backend_options must be a mapping, got {self.backend_options!r}")
+        if isinstance(self.host_pages, bool) or not isinstance(self.host_pages, int) or self.host_pages < 1:
+            raise ConfigError(f"host_pages must be an integer >= 1, got {self.host_pages!r}")
+        for name in ("lookup_wait_s", "lookup_timeout_s", "load_timeout_s", "close_timeout_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                raise ConfigError(f"{name} must be a finite number >= 0, got {value!r}")
+        if self.namespace_salt is not None and not isinstance(self.namespace_salt, str):
+            raise ConfigError(f"namespace_salt must be a string, got {self.namespace_salt!r}")
+
+    @classmethod
+    def from_extra_config(cls, extra: dict[str, Any] | None) -> ConnectorOptions:
+        return options_from_dict(cls, dict(extra or {}), "HiCacheConnector")

@@ -1,0 +1,93 @@
+"""Storage for a connector half: hicache backends on a private event-loop thread.
+
+vLLM's scheduler and model runner are synchronous loops that must never wait on I/O. Each
+connector half therefore owns one :class:`StoreIO`: its backends live on a loop thread, and the
+connector hands them coroutines and gets ``concurrent.futures.Future`` objects back at once.
+Backends turn their own failures into misses; a future that still raises (a bug, a closed
+store) is logged by its consumer, never propagated into vLLM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+from hicache.keys import Namespace
+from hicache.storage import AsyncHiCacheStorage, HiCacheStorageConfig, create_async_storage
+from hicache.storage.sync import LoopThread
+
+__all__ = ["StoreIO"]
+
+logger = logging.getLogger("hicache.integrations.vllm")
+
+T = TypeVar("T")
+
+
+class StoreIO:
+    """Backends of one or more namespaces (one per parallel rank the caller needs) and the loop
+    thread they run on. :meth:`close` drains what was submitted, then closes everything."""
+
+    def __init__(self, backend: str, options: dict[str, Any], namespaces: list[Namespace], *, name: str) -> None:
+        if not namespaces:
+            raise ValueError("StoreIO needs at least one namespace")
+        self._lock = threading.Lock()
+        self._pending: set[concurrent.futures.Future[Any]] = set()
+        self._closed = False
+        # built here (not on the loop): option errors reach the caller as ConfigError at start-up
+        self.backends: list[AsyncHiCacheStorage] = [
+            create_async_storage(backend, HiCacheStorageConfig(model_name=ns.model), namespace=ns, **options)
+            for ns in namespaces
+        ]
+        self._loop = LoopThread(name=name)
+
+    @property
+    def primary(self) -> AsyncHiCacheStorage:
+        """The backend of this process's own rank (the first namespace)."""
+        return self.backends[0]
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Run ``coro`` on the loop thread; the future is tracked until it completes."""
+        with self._lock:
+            if self._closed:
+                coro.close()
+                fut: concurrent.futures.Future[T] = concurrent.futures.Future()
+                fut.set_exception(RuntimeError("the connector's storage is closed"))
+                return fut
+            fut = asyncio.run_coroutine_threadsafe(coro, self._loop.loop)
+            self._pending.add(fut)
+        fut.add_done_callback(self._forget)
+        return fut
+
+    def call(self, coro: Coroutine[Any, Any, T], timeout: float | None) -> T:
+        """Run ``coro`` and wait for it; on timeout it is cancelled *and waited for* before
+        ``TimeoutError`` is raised (it may be filling host pages the caller reuses)."""
+        return self._loop.call(coro, timeout)
+
+    def _forget(self, fut: concurrent.futures.Future[Any]) -> None:
+        with self._lock:
+            self._pending.discard(fut)
+
+    def close(self, timeout: float) -> int:
+        """Wait up to ``timeout`` s for submitted work, then close the backends and the loop.
+        Returns how many submitted operations had not finished (they are cancelled)."""
+        with self._lock:
+            if self._closed:
+                return 0
+            self._closed = True
+            pending = list(self._pending)
+        _, not_done = concurrent.futures.wait(pending, timeout=timeout)
+        for fut in not_done:
+            fut.cancel()
+        if not_done:
+            logger.warning("hicache: %d storage operation(s) still queued at close were cancelled", len(not_done))
+        for backend in self.backends:
+            try:
+                self._loop.call(backend.aclose(), timeout=timeout)
+            except BaseException as exc:  # noqa: BLE001 - closing must not raise into vLLM
+                logger.warning("hicache: closing storage %s failed: %r", backend.backend_name, exc)
+        self._loop.stop()
+        return len(not_done)

@@ -1,0 +1,68 @@
+"""One vLLM engine, in its own process: ``python engine_run.py SPEC.json``.
+
+The spec names the model, the connector config (or none), the prompts (token ids) and where to
+write the result: every prompt's generated token ids and how many prompt tokens vLLM reported
+as cached. Optional ``phases`` run prompt groups one after the other with a file barrier in
+between (two engines sharing one store). Used by the end-to-end tests and the benchmark.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+
+def _wait_for(path: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"barrier file {path} did not appear in {timeout} s")
+        time.sleep(0.2)
+
+
+def main(spec_path: str) -> None:
+    spec: dict[str, Any] = json.loads(Path(spec_path).read_text())
+    for p in spec.get("sys_path", []):
+        sys.path.insert(0, p)
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.inputs import TokensPrompt
+
+    kwargs: dict[str, Any] = {}
+    if spec.get("connector") is not None:
+        kwargs["kv_transfer_config"] = KVTransferConfig(**spec["connector"])
+    if spec.get("num_gpu_blocks_override"):
+        kwargs["num_gpu_blocks_override"] = int(spec["num_gpu_blocks_override"])
+    t0 = time.monotonic()
+    llm = LLM(
+        model=spec["model"], skip_tokenizer_init=True, dtype="bfloat16", max_model_len=spec.get("max_model_len", 2048),
+        block_size=spec.get("block_size", 32), enforce_eager=True, seed=0, max_num_seqs=spec.get("max_num_seqs", 8),
+        enable_prefix_caching=spec.get("prefix_caching", True),
+        distributed_executor_backend=None if spec.get("multiprocess") else "uni", **kwargs,
+    )
+    started = time.monotonic() - t0
+    sp = SamplingParams(max_tokens=spec.get("max_tokens", 16), temperature=0.0, ignore_eos=True, detokenize=False)
+    phases = spec.get("phases") or [{"prompts": spec["prompts"]}]
+    results = []
+    for phase in phases:
+        if phase.get("wait_for"):
+            _wait_for(phase["wait_for"], spec.get("barrier_timeout", 240))
+        t = time.monotonic()
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in phase["prompts"]], sp, use_tqdm=False)
+        results.append({
+            "outputs": [list(o.outputs[0].token_ids) for o in outs],
+            "cached": [int(o.num_cached_tokens or 0) for o in outs],
+            "seconds": time.monotonic() - t,
+        })
+        if phase.get("signal"):
+            Path(phase["signal"]).write_text("done")
+    Path(spec["out"]).write_text(json.dumps({"startup_s": started, "phases": results}))
+    del llm
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
