@@ -184,7 +184,7 @@ class HiCacheConnector(KVConnectorBase_V1):
         )
         if hit is None:
             return None, False
-        return max(0, hit - num_computed_tokens), False
+        return hit, False
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         assert self._scheduler is not None

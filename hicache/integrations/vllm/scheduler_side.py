@@ -102,7 +102,7 @@ class SchedulerSide:
             except BaseException as exc:  # noqa: BLE001 - a broken lookup is a miss
                 logger.warning("hicache: lookup of %s failed: %r", req_id, exc)
                 lk.hit_pages = 0
-        return lk.hit_pages * bs
+        return max(0, (start + lk.hit_pages) * bs - num_computed)
 
     async def _leading_hits(self, keys: list[str]) -> int:
         """Length of the run of ``keys`` from the start that every rank's store holds."""

@@ -1,0 +1,183 @@
+"""End to end with a real vLLM (the CPU build): engines in their own processes generate text
+from KV that hicache stored and restored.
+
+Every engine is a subprocess running ``engine_run.py`` with a tiny local Llama (seeded
+weights, no download) and greedy sampling, so equal KV means equal tokens. One engine start
+costs 20-60 s on two cores, so engines are shared: ``computed`` (the first run, which stores)
+is made once per module.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tiny_model import make_tiny_llama
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[2]
+BLOCK = 32
+ENGINE_TIMEOUT = 420
+
+# three prompts: 3, 2 and 4 full blocks that hicache can serve (one token is always computed)
+PROMPTS = [
+    [(i * 7919 + 13) % 500 + 3 for i in range(3 * BLOCK + 5)],
+    [(i * 104729 + 7) % 500 + 3 for i in range(2 * BLOCK + 1)],
+    [(i * 31 + 101) % 500 + 3 for i in range(4 * BLOCK + 20)],
+]
+HITS = [3 * BLOCK, 2 * BLOCK, 4 * BLOCK]
+
+
+def connector(extra: dict[str, Any], cls: str = "HiCacheConnector", module: str = "hicache.integrations.vllm") -> dict[str, Any]:
+    return {
+        "kv_connector": cls,
+        "kv_connector_module_path": module,
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": extra,
+    }
+
+
+def file_store(root: Path) -> dict[str, Any]:
+    return {"backend": "file", "backend_options": {"root": str(root)}}
+
+
+def engine_cmd(tmp: Path, name: str, spec: dict[str, Any]) -> tuple[list[str], Path, Path, dict[str, str]]:
+    spec = dict(spec, out=str(tmp / f"{name}.out.json"), sys_path=[str(REPO), str(HERE)])
+    spec_path = tmp / f"{name}.spec.json"
+    spec_path.write_text(json.dumps(spec))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(HERE), os.environ.get("PYTHONPATH", "")]))
+    if not spec.get("multiprocess"):
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # one process per engine: faster to start
+    return [sys.executable, str(HERE / "engine_run.py"), str(spec_path)], Path(spec["out"]), tmp / f"{name}.log", env
+
+
+def run_engine(tmp: Path, name: str, spec: dict[str, Any]) -> dict[str, Any]:
+    cmd, out, log, env = engine_cmd(tmp, name, spec)
+    with log.open("wb") as f:
+        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=ENGINE_TIMEOUT, cwd=tmp)
+    assert proc.returncode == 0, f"engine {name} failed:\n{log.read_text(errors='replace')[-6000:]}"
+    return json.loads(out.read_text())
+
+
+def spec_for(model: Path, store: dict[str, Any] | None, **kw: Any) -> dict[str, Any]:
+    return {"model": str(model), "connector": None if store is None else connector(store), "prompts": PROMPTS,
+            "block_size": BLOCK, "max_tokens": 12, **kw}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_llama(tmp_path_factory.mktemp("model") / "tiny-llama")
+
+
+@pytest.fixture(scope="module")
+def computed(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+    """Run 1: a fresh store, everything computed and stored."""
+    tmp = tmp_path_factory.mktemp("run1")
+    store = tmp / "store"
+    result = run_engine(tmp, "run1", spec_for(tiny, file_store(store)))
+    phase = result["phases"][0]
+    assert phase["cached"] == [0, 0, 0]
+    assert all(len(o) == 12 for o in phase["outputs"])
+    return store, phase
+
+
+def test_fresh_engine_restores_from_hicache_and_writes_the_same_text(tiny: Path, computed: Any, tmp_path: Path) -> None:
+    """Run 2, a new engine process (scheduler and worker in separate processes here) on the
+    same store: every full block but the last token's comes from hicache, same text."""
+    store, first = computed
+    result = run_engine(tmp_path, "run2", spec_for(tiny, file_store(store), multiprocess=True))
+    phase = result["phases"][0]
+    assert phase["cached"] == HITS
+    assert phase["outputs"] == first["outputs"]
+
+
+def test_negative_control_corrupted_restore_changes_the_text(tiny: Path, computed: Any, tmp_path: Path) -> None:
+    """The same restore, with the restored KV overwritten by noise: the text must change, or
+    the test above could not tell restored KV from recomputed KV."""
+    store, first = computed
+    spec = spec_for(tiny, None)
+    spec["connector"] = connector(file_store(store), "CorruptingConnector", "corrupting_connector")
+    phase = run_engine(tmp_path, "corrupt", spec)["phases"][0]
+    assert phase["cached"] == HITS
+    changed = [a != b for a, b in zip(phase["outputs"], first["outputs"])]
+    assert all(changed), changed
+
+
+def test_pages_damaged_on_disk_are_misses_not_garbage(tiny: Path, computed: Any, tmp_path: Path) -> None:
+    """Every stored page with one byte flipped in its payload: hicache's checksum rejects them,
+    vLLM recomputes, the text is the computed one."""
+    store, first = computed
+    damaged = tmp_path / "store"
+    shutil.copytree(store, damaged)
+    pages = [p for p in damaged.rglob("*") if p.is_file() and p.name != "manifest.json" and p.stat().st_size > 4096]
+    assert pages
+    for p in pages:
+        data = bytearray(p.read_bytes())
+        data[-100] ^= 0xFF
+        p.write_bytes(bytes(data))
+    phase = run_engine(tmp_path, "damaged", spec_for(tiny, file_store(damaged)))["phases"][0]
+    assert phase["cached"] == [0, 0, 0]
+    assert phase["outputs"] == first["outputs"]
+
+
+def test_store_that_is_down_costs_only_recompute(tiny: Path, computed: Any, tmp_path: Path) -> None:
+    """An S3 store nobody listens on: every lookup and write fails fast, requests succeed with
+    the computed text and nothing cached."""
+    _, first = computed
+    import socket
+
+    with socket.socket() as s:  # a port that was free a moment ago: connection refused
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    down = {
+        "backend": "s3",
+        "backend_options": {
+            "url": "s3://hicache-down/kv",
+            "storage_options": {"endpoint_url": f"http://127.0.0.1:{port}", "key": "k", "secret": "s"},
+            "request_timeout": 1.0, "call_timeout": 3.0, "retries": 0,
+        },
+    }
+    phase = run_engine(tmp_path, "down", spec_for(tiny, down))["phases"][0]
+    assert phase["cached"] == [0, 0, 0]
+    assert phase["outputs"] == first["outputs"]
+
+
+def test_two_engines_share_one_store(tiny: Path, computed: Any, tmp_path: Path) -> None:
+    """Two engine processes at once on one store: each computes its own prompts, then serves
+    the other's from hicache with the other's text."""
+    _, first = computed
+    store = file_store(tmp_path / "shared")
+    a_done, b_done = str(tmp_path / "a.done"), str(tmp_path / "b.done")
+    specs = {
+        "a": spec_for(tiny, store, phases=[{"prompts": PROMPTS[:2], "signal": a_done},
+                                           {"prompts": [PROMPTS[2]], "wait_for": b_done}]),
+        "b": spec_for(tiny, store, phases=[{"prompts": [PROMPTS[2]], "signal": b_done},
+                                           {"prompts": PROMPTS[:2], "wait_for": a_done}]),
+    }
+    procs = {}
+    for name, spec in specs.items():
+        cmd, out, log, env = engine_cmd(tmp_path, name, spec)
+        procs[name] = (subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env, cwd=tmp_path), out, log)
+    try:
+        for name, (proc, _, log) in procs.items():
+            rc = proc.wait(timeout=ENGINE_TIMEOUT)
+            assert rc == 0, f"engine {name} failed:\n{log.read_text(errors='replace')[-6000:]}"
+    finally:
+        for proc, _, _ in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    a = json.loads(procs["a"][1].read_text())["phases"]
+    b = json.loads(procs["b"][1].read_text())["phases"]
+    assert a[0]["cached"] == [0, 0] and b[0]["cached"] == [0]
+    assert a[1]["cached"] == [HITS[2]] and b[1]["cached"] == HITS[:2]
+    assert a[1]["outputs"] == b[0]["outputs"] == [first["outputs"][2]]
+    assert b[1]["outputs"] == a[0]["outputs"] == first["outputs"][:2]
