@@ -128,6 +128,10 @@ class HiCacheConnector(KVConnectorBase_V1):
                 self.geometry, store, host_pages=self.options.host_pages, load_timeout_s=self.options.load_timeout_s
             )
 
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        return True  # wait_for_layer_load runs between layers: graphs must leave room for it
+
     @property
     def requires_kv_delivery(self) -> bool:
         return False  # a cache: a save that does not happen is a future miss, nothing more

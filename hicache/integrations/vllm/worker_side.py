@@ -52,10 +52,13 @@ class PageTransfer:
 class _Load:
     """One step's load: its per-layer completion and the blocks that failed."""
 
-    def __init__(self, num_layers: int) -> None:
+    def __init__(self, num_layers: int, blocks: set[int]) -> None:
         self.counter = LayerDoneCounter(num_layers)
+        self.blocks = blocks  # every block this load writes
         self.failed_blocks: set[int] = set()
         self.done = threading.Event()
+        # set when the forward pass stopped waiting: the copier writes no further layer
+        self.abandoned = threading.Event()
 
 
 class WorkerSide:
@@ -97,7 +100,7 @@ class WorkerSide:
         """Begin this step's loads (returns at once)."""
         if not loads or not self.layers:
             return
-        job = _Load(len(self.layers))
+        job = _Load(len(self.layers), {b for spec in loads for b in spec.block_ids})
         self._load = job
         self._executor.submit(self._run_load, job, list(loads))
 
@@ -112,7 +115,11 @@ class WorkerSide:
         try:
             job.counter.wait_sync(i, timeout=self.load_timeout_s + 5.0)
         except BaseException as exc:  # noqa: BLE001 - a failed load is reported, not raised
+            # the forward goes on without this layer: every block of the load is suspect
             logger.warning("hicache: layer %s load did not complete: %r", layer_name, exc)
+            job.abandoned.set()
+            with self._lock:
+                self._failed |= job.blocks
 
     def finish_step(self) -> None:
         """End of the step: the load thread must be done with vLLM's blocks before they are
@@ -120,6 +127,9 @@ class WorkerSide:
         job, self._load = self._load, None
         if job is not None and not job.done.wait(self.load_timeout_s + 10.0):
             logger.error("hicache: a load is still running after the step; its blocks are reported failed")
+            job.abandoned.set()
+            with self._lock:
+                self._failed |= job.blocks
 
     def take_failed_blocks(self) -> set[int]:
         with self._lock:
@@ -194,6 +204,8 @@ class WorkerSide:
     def _copy_layers(self, job: _Load, plan: list[tuple[int, int]]) -> None:
         nb = self.geometry.block_nbytes
         for i, layer in enumerate(self.layers):
+            if job.abandoned.is_set():
+                return
             for slot, block in plan:
                 src = self.pool.buffer[slot, i * nb : (i + 1) * nb]
                 dst = layer[block]

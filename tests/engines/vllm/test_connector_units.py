@@ -238,3 +238,34 @@ def test_scheduler_lookup_past_its_timeout_is_a_miss(tmp_path: Path) -> None:
         assert s.matched_tokens("a", TOKENS, None, 0) == 0
     finally:
         s.close(timeout=10)
+
+
+def test_a_read_slower_than_the_load_timeout_fails_its_blocks_and_writes_nothing(tmp_path: Path) -> None:
+    import asyncio
+
+    src = kv_layers(seed=5)
+    keys = PageKeyChain(BS).extend(TOKENS, 2)
+    w1 = worker(tmp_path, src)
+    w1.save([PageTransfer("r", tuple(keys), (0, 1))])
+    w1.close(timeout=30)
+
+    dst = kv_layers(seed=None)
+    w2 = WorkerSide(GEOM, StoreIO("file", {"root": str(tmp_path)}, [namespace()], name="t-slow"),
+                    host_pages=8, load_timeout_s=0.5)
+    w2.register([(f"layer.{i}", t) for i, t in enumerate(dst)])
+    backend = w2.store.primary
+    real_read = backend._read
+
+    async def slow_read(pages, buffers):  # type: ignore[no-untyped-def]
+        await asyncio.sleep(3.0)
+        return await real_read(pages, buffers)
+
+    backend._read = slow_read  # type: ignore[method-assign]
+    try:
+        t = time.monotonic()
+        assert load(w2, [PageTransfer("r", tuple(keys), (3, 4))]) == {3, 4}
+        assert time.monotonic() - t < 2.5
+        assert not dst[0][3:5].any() and not dst[1][3:5].any()
+        assert w2.pool.stats()["pinned"] == 0  # nothing left pinned by the failed load
+    finally:
+        w2.close(timeout=10)

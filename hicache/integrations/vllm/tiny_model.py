@@ -1,6 +1,7 @@
-"""A tiny Llama checkpoint made on the spot: a local config.json and seeded safetensors
-weights (no hub download). Weights are random but large enough that the output depends on
-every token's KV, which the negative-control test relies on."""
+"""A small Llama checkpoint made on the spot, for the vLLM tests and benchmark: a local
+config.json and seeded safetensors weights, so nothing is downloaded. The weights are random
+but scaled so that the output depends on every token's KV (the negative-control test relies
+on it). Needs ``safetensors`` (vLLM installs it)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,6 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 __all__ = ["make_tiny_llama"]
 
@@ -19,6 +19,8 @@ def make_tiny_llama(
 ) -> Path:
     """Write the model into ``path`` (head size hidden/heads must be one the CPU backend has,
     e.g. 64) and return it."""
+    from safetensors.torch import save_file
+
     path.mkdir(parents=True, exist_ok=True)
     head_dim = hidden // heads
     config = {
