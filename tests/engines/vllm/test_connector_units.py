@@ -44,6 +44,17 @@ def worker(root: Path, layers: list[torch.Tensor], host_pages: int = 64) -> Work
     return w
 
 
+def stored(root: Path, seed: int, num_pages: int) -> tuple[list[torch.Tensor], list[str]]:
+    """KV layers from ``seed`` whose blocks 0..num_pages-1 a worker saved under ``root``, and
+    their keys (the worker is closed: every write reached the store)."""
+    src = kv_layers(seed)
+    keys = PageKeyChain(BS).extend(TOKENS, num_pages)
+    w = worker(root, src)
+    w.save([PageTransfer("r", tuple(keys), tuple(range(num_pages)))])
+    assert w.close(timeout=30) == 0
+    return src, keys
+
+
 def load(w: WorkerSide, transfers: list[PageTransfer]) -> set[int]:
     w.start(transfers)
     for i in range(GEOM.num_layers):
@@ -131,11 +142,7 @@ def test_saved_pages_load_back_bit_exact_in_a_new_worker(tmp_path: Path) -> None
 
 
 def test_a_damaged_page_fails_with_the_pages_after_it_and_writes_nothing(tmp_path: Path) -> None:
-    src = kv_layers(seed=2)
-    keys = PageKeyChain(BS).extend(TOKENS, 4)
-    w1 = worker(tmp_path, src)
-    w1.save([PageTransfer("r", tuple(keys), (0, 1, 2, 3))])
-    w1.close(timeout=30)
+    src, keys = stored(tmp_path, seed=2, num_pages=4)
     pages = sorted(p for p in tmp_path.rglob("*") if p.is_file() and p.stat().st_size > GEOM.page_nbytes)
     assert len(pages) == 4
     # damage the page of keys[1]: find its file by the payload it holds, flip one payload byte
@@ -180,10 +187,8 @@ def scheduler(backend: str, options: dict, **kw: float) -> SchedulerSide:
 
 
 def test_scheduler_hits_stored_pages_and_plans_loads_and_saves(tmp_path: Path) -> None:
+    _, keys = stored(tmp_path, seed=4, num_pages=3)
     keys = PageKeyChain(BS).extend(TOKENS, 5)
-    w = worker(tmp_path, kv_layers(seed=4))
-    w.save([PageTransfer("r", tuple(keys[:3]), (0, 1, 2))])
-    w.close(timeout=30)
     s = scheduler("file", {"root": str(tmp_path)})
     try:
         assert s.matched_tokens("a", TOKENS, None, 0) == 3 * BS
@@ -243,11 +248,7 @@ def test_scheduler_lookup_past_its_timeout_is_a_miss(tmp_path: Path) -> None:
 def test_a_read_slower_than_the_load_timeout_fails_its_blocks_and_writes_nothing(tmp_path: Path) -> None:
     import asyncio
 
-    src = kv_layers(seed=5)
-    keys = PageKeyChain(BS).extend(TOKENS, 2)
-    w1 = worker(tmp_path, src)
-    w1.save([PageTransfer("r", tuple(keys), (0, 1))])
-    w1.close(timeout=30)
+    _, keys = stored(tmp_path, seed=5, num_pages=2)
 
     dst = kv_layers(seed=None)
     w2 = WorkerSide(GEOM, StoreIO("file", {"root": str(tmp_path)}, [namespace()], name="t-slow"),

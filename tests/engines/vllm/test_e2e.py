@@ -111,9 +111,10 @@ def test_negative_control_corrupted_restore_changes_the_text(tiny: Path, compute
     assert all(changed), changed
 
 
-def test_pages_damaged_on_disk_are_misses_not_garbage(tiny: Path, computed: Any, tmp_path: Path) -> None:
-    """Every stored page with one byte flipped in its payload: hicache's checksum rejects them,
-    vLLM recomputes, the text is the computed one."""
+def test_pages_damaged_on_disk_are_recomputed_not_served(tiny: Path, computed: Any, tmp_path: Path) -> None:
+    """Every stored page with one payload byte flipped. The lookup still finds them (existence
+    is not a read), but every read fails hicache's checksum: the worker reports the blocks,
+    vLLM recomputes them, the text is the computed one, and the bad pages are gone."""
     store, first = computed
     damaged = tmp_path / "store"
     shutil.copytree(store, damaged)
@@ -124,8 +125,9 @@ def test_pages_damaged_on_disk_are_misses_not_garbage(tiny: Path, computed: Any,
         data[-100] ^= 0xFF
         p.write_bytes(bytes(data))
     phase = run_engine(tmp_path, "damaged", spec_for(tiny, file_store(damaged)))["phases"][0]
-    assert phase["cached"] == [0, 0, 0]
     assert phase["outputs"] == first["outputs"]
+    assert "Recovered from KV load failure" in (tmp_path / "damaged.log").read_text(errors="replace")
+    assert not any(p.exists() for p in pages)  # verification failures are dropped from the store
 
 
 def test_store_that_is_down_costs_only_recompute(tiny: Path, computed: Any, tmp_path: Path) -> None:
