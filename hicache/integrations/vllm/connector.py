@@ -198,7 +198,7 @@ class HiCacheConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self._scheduler is not None
         manager = self._kv_cache_manager
-        scheduled: list[tuple[str, int, Any, Any]] = []
+        scheduled: list[tuple[str, int, int, Any, Any]] = []
         num_scheduled = scheduler_output.num_scheduled_tokens
         computed = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
         cached = scheduler_output.scheduled_cached_reqs
@@ -208,7 +208,8 @@ class HiCacheConnector(KVConnectorBase_V1):
             if request is None or manager is None:
                 continue
             block_ids = manager.get_block_ids(req_id)[0]
-            scheduled.append((req_id, n_before + num_scheduled.get(req_id, 0), request.all_token_ids, block_ids))
+            n_after = n_before + num_scheduled.get(req_id, 0)
+            scheduled.append((req_id, n_before, n_after, request.all_token_ids, block_ids))
         plan = self._scheduler.plan_step(scheduled)
         return HiCacheConnectorMetadata(loads=plan.loads, saves=plan.saves)
 

@@ -138,18 +138,24 @@ class SchedulerSide:
         self.stats["pages_to_load"] += n
 
     # ------------------------------------------------------------------ steps
-    def plan_step(self, scheduled: Sequence[tuple[str, int, Sequence[int], Sequence[int]]]) -> StepPlan:
-        """``scheduled``: (req_id, tokens with KV once this step ran, all token ids, block ids)
-        of every request in the step. Returns the loads queued for them and the new saves."""
+    def plan_step(self, scheduled: Sequence[tuple[str, int, int, Sequence[int], Sequence[int]]]) -> StepPlan:
+        """``scheduled``: (req_id, tokens with KV before this step, tokens with KV once it ran,
+        all token ids, block ids) of every request in the step. Returns the loads queued for
+        them and the new saves.
+
+        A request that computes again tokens of pages counted as saved (vLLM recomputes blocks
+        whose load failed, or a preempted request) has those pages saved again."""
         plan = StepPlan()
         bs = self.block_size
-        for req_id, computed_after, token_ids, block_ids in scheduled:
+        for req_id, computed_before, computed_after, token_ids, block_ids in scheduled:
             load = self._loads.pop(req_id, None)
             if load is not None:
                 plan.loads.append(load)
             state = self._reqs.get(req_id)
             if state is None:
                 continue
+            if load is None and computed_before < state.saved_pages * bs:
+                state.saved_pages = computed_before // bs
             full = min(computed_after, len(token_ids), len(block_ids) * bs) // bs
             if full <= state.saved_pages:
                 continue

@@ -198,13 +198,16 @@ def test_scheduler_hits_stored_pages_and_plans_loads_and_saves(tmp_path: Path) -
         assert s.matched_tokens("d", TOKENS, None, BS) == 2 * BS  # vLLM holds block 0 already
         blocks = list(range(100, 106))
         s.allocated("d", blocks, 2 * BS)
-        plan = s.plan_step([("d", len(TOKENS), TOKENS, blocks)])
+        plan = s.plan_step([("d", 3 * BS, len(TOKENS), TOKENS, blocks)])
         assert plan.loads == [PageTransfer("d", tuple(keys[1:3]), (101, 102))]
         # blocks 3 and 4 became full this step and were not loaded: they are saved
         assert plan.saves == [PageTransfer("d", tuple(keys[3:5]), (103, 104))]
-        assert s.plan_step([("d", len(TOKENS) + 1, TOKENS, blocks)]).saves == []
+        assert s.plan_step([("d", len(TOKENS), len(TOKENS) + 1, TOKENS, blocks)]).saves == []
+        # vLLM recomputes from block 2 on (its load failed): blocks 2.. are saved again
+        again = s.plan_step([("d", 2 * BS, len(TOKENS), TOKENS, blocks)]).saves
+        assert again == [PageTransfer("d", tuple(keys[2:5]), (102, 103, 104))]
         s.finished("d")
-        assert s.plan_step([("d", len(TOKENS), TOKENS, blocks)]).saves == []
+        assert s.plan_step([("d", 0, len(TOKENS), TOKENS, blocks)]).saves == []
     finally:
         s.close(timeout=10)
 
