@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
                 if name != "vllm":
                     connector = {"kv_connector": "HiCacheConnector", "kv_connector_module_path": "hicache.integrations.vllm",
                                  "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-                                 "kv_connector_extra_config": {"backend": "file",
+                                 "kv_connector_extra_config": {"backend": "file", "host_pages": 1024,
                                                                "backend_options": {"root": str(tmp / f"store-{rep}")}}}
                 t = time.perf_counter()
                 result = spawn(dict(base, connector=connector), tmp, f"{name}-{rep}", args.timeout)
