@@ -77,6 +77,7 @@ class WorkerSide:
         self._load: _Load | None = None
         self._failed: set[int] = set()
         self._lock = threading.Lock()
+        self._closed = False
         self.stats: dict[str, int] = dict.fromkeys(
             ("pages_loaded", "pages_from_host", "pages_failed", "pages_saved", "saves_dropped", "save_errors"), 0
         )
@@ -98,7 +99,8 @@ class WorkerSide:
     # ------------------------------------------------------------------ loads
     def start(self, loads: Sequence[PageTransfer]) -> None:
         """Begin this step's loads (returns at once)."""
-        if not loads or not self.layers:
+        self.finish_step()  # a load left from a step that never reached wait_for_save
+        if not loads or not self.layers or self._closed:
             return
         job = _Load(len(self.layers), {b for spec in loads for b in spec.block_ids})
         self._load = job
@@ -215,7 +217,7 @@ class WorkerSide:
     # ------------------------------------------------------------------ saves
     def save(self, saves: Sequence[PageTransfer]) -> None:
         """Gather each page into the host pool now, write them to storage in the background."""
-        if not saves or not self.layers:
+        if not saves or not self.layers or self._closed:
             return
         nb = self.geometry.block_nbytes
         keys: list[str] = []
@@ -256,6 +258,9 @@ class WorkerSide:
     def close(self, timeout: float) -> int:
         """Finish loads, drain queued writes (up to ``timeout`` s), close storage. Returns the
         number of writes that did not make it."""
+        if self._closed:
+            return 0
+        self._closed = True
         self.finish_step()
         self._executor.shutdown(wait=True)
         lost = self.store.close(timeout)

@@ -273,3 +273,15 @@ def test_a_read_slower_than_the_load_timeout_fails_its_blocks_and_writes_nothing
         assert w2.pool.stats()["pinned"] == 0  # nothing left pinned by the failed load
     finally:
         w2.close(timeout=10)
+
+
+def test_a_closed_worker_ignores_further_steps(tmp_path: Path) -> None:
+    src, keys = stored(tmp_path, seed=6, num_pages=1)
+    w = worker(tmp_path, src)
+    assert w.close(timeout=10) == 0
+    assert w.close(timeout=10) == 0  # twice is fine
+    w.start([PageTransfer("r", tuple(keys), (3,))])
+    w.wait_layer("layer.0")
+    w.save([PageTransfer("r", tuple(keys), (3,))])
+    w.finish_step()
+    assert w.take_failed_blocks() == set()
