@@ -14,8 +14,10 @@ next turn: without hicache that turn recomputes the whole history, with hicache 
 back from hicache's host pool or file store.
 
 Both configurations run the same engine (a local Llama made on the spot, seeded weights),
-each in its own process, alternated ``--repeats`` times (baseline first); the report gives
-medians over repeats of the TTFT percentiles and the throughput, and how many answers are equal in both configurations (greedy decoding; see the report's
+each in its own process, side by side: they take turns request by request, so load from
+elsewhere on the machine falls on both alike. ``--repeats`` passes over the workload (new chats
+each pass); the report gives medians over passes of the TTFT percentiles and the throughput
+(requests per second of engine time), and how many answers are equal in both configurations (greedy decoding; see the report's
 comment on ``answers_equal``).
 """
 
@@ -43,8 +45,12 @@ def _percentile(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
 
 
-def run_engine(spec: dict[str, Any]) -> dict[str, Any]:
-    """Inside the engine process: play the workload, return per-request figures."""
+TAG = "@@hicache-bench "
+
+
+def serve_engine(spec: dict[str, Any]) -> None:
+    """Inside an engine process: start the engine, then answer one request per stdin line
+    (token ids as JSON) with one tagged stdout line (answer, cached tokens, TTFT)."""
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
@@ -57,59 +63,69 @@ def run_engine(spec: dict[str, Any]) -> dict[str, Any]:
               num_gpu_blocks_override=spec["gpu_blocks"], disable_log_stats=False,
               distributed_executor_backend="uni", **kwargs)
     sp = SamplingParams(max_tokens=spec["answer_tokens"], temperature=0.0, ignore_eos=True, detokenize=False)
-    vocab, u = spec["vocab"], spec["user_tokens"]
-    history = [[(c * 7919 + i * 31 + 17) % (vocab - 3) + 3 for i in range(spec["system_tokens"])]
-               for c in range(spec["chats"])]
-    # warm-up request (not measured): kernels, allocator
-    llm.generate([TokensPrompt(prompt_token_ids=[5] * 64)], sp, use_tqdm=False)
-    rows = []
-    t_start = time.perf_counter()
-    for turn in range(spec["turns"]):
-        for c in range(spec["chats"]):
-            user = [(c * 104729 + turn * 613 + i * 7) % (vocab - 3) + 3 for i in range(u)]
-            prompt = history[c] + user
-            t = time.perf_counter()
-            out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], sp, use_tqdm=False)[0]
-            wall = time.perf_counter() - t
-            answer = list(out.outputs[0].token_ids)
-            m = out.metrics
-            ttft = float(m.first_token_latency) if m is not None and m.first_token_latency else wall
-            rows.append({"chat": c, "turn": turn, "prompt_tokens": len(prompt), "cached_tokens": int(out.num_cached_tokens or 0),
-                         "ttft_s": ttft, "wall_s": wall, "answer": answer})
-            history[c] = prompt + answer
-    total = time.perf_counter() - t_start
-    return {"rows": rows, "total_s": total}
+    llm.generate([TokensPrompt(prompt_token_ids=[5] * 64)], sp, use_tqdm=False)  # warm-up, not measured
+    print(TAG + json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        prompt = json.loads(line)
+        t = time.perf_counter()
+        out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], sp, use_tqdm=False)[0]
+        wall = time.perf_counter() - t
+        m = out.metrics
+        ttft = float(m.first_token_latency) if m is not None and m.first_token_latency else wall
+        print(TAG + json.dumps({"answer": list(out.outputs[0].token_ids), "cached": int(out.num_cached_tokens or 0),
+                                "ttft_s": ttft, "wall_s": wall}), flush=True)
 
 
-def summarize(result: dict[str, Any]) -> dict[str, Any]:
-    rows = result["rows"]
+class Engine:
+    """One engine process and its request pipe."""
+
+    def __init__(self, spec: dict[str, Any], log: Path) -> None:
+        env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", PYTHONPATH=str(REPO))
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        self.log = log
+        self._log_file = log.open("w")
+        self.proc = subprocess.Popen([sys.executable, __file__, "--engine", json.dumps(spec)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self._log_file, text=True, env=env)
+
+    def reply(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith(TAG):
+                return json.loads(line[len(TAG):])
+            self._log_file.write(line)
+        self._log_file.flush()
+        raise SystemExit(f"engine died (rc {self.proc.wait()}); log tail:\n{self.log.read_text()[-4000:]}")
+
+    def ask(self, prompt: list[int]) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(prompt) + "\n")
+        self.proc.stdin.flush()
+        return self.reply()
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self._log_file.close()
+
+
+def summarize(rows: list[dict[str, Any]], total_s: float) -> dict[str, Any]:
     later = [r for r in rows if r["turn"] > 0]
     prompt = sum(r["prompt_tokens"] for r in rows)
     return {
         "ttft_p50_ms": 1000 * _percentile([r["ttft_s"] for r in rows], 0.5),
         "ttft_p90_ms": 1000 * _percentile([r["ttft_s"] for r in rows], 0.9),
-        "ttft_p50_later_turns_ms": 1000 * _percentile([r["ttft_s"] for r in later], 0.5) if later else None,
-        "requests_per_s": len(rows) / result["total_s"],
-        "output_tokens_per_s": sum(len(r["answer"]) for r in rows) / result["total_s"],
+        "ttft_p50_later_turns_ms": 1000 * _percentile([r["ttft_s"] for r in later], 0.5),
+        "requests_per_s": len(rows) / total_s,
         "prompt_tokens": prompt,
-        "cached_fraction": sum(r["cached_tokens"] for r in rows) / prompt,
-        "total_s": result["total_s"],
+        "cached_fraction": sum(r["cached"] for r in rows) / prompt,
+        "busy_s": total_s,
     }
-
-
-def spawn(spec: dict[str, Any], tmp: Path, name: str, timeout: float) -> dict[str, Any]:
-    spec_path, out_path, log_path = tmp / f"{name}.json", tmp / f"{name}.out.json", tmp / f"{name}.log"
-    spec_path.write_text(json.dumps(dict(spec, out=str(out_path))))
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", PYTHONPATH=str(REPO))
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-    with log_path.open("wb") as log:
-        rc = subprocess.run([sys.executable, __file__, "--engine", str(spec_path)], stdout=log,
-                            stderr=subprocess.STDOUT, env=env, timeout=timeout).returncode
-    if rc != 0:
-        tail = log_path.read_text(errors="replace")[-4000:]
-        raise SystemExit(f"engine run {name} failed (rc {rc}):\n{tail}")
-    return json.loads(out_path.read_text())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -123,61 +139,73 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--answer-tokens", type=int, default=8)
     ap.add_argument("--gpu-blocks", type=int, default=96, help="vLLM's KV cache, in blocks")
     ap.add_argument("--block-size", type=int, default=32)
-    ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--timeout", type=float, default=900.0, help="seconds per engine run")
+    ap.add_argument("--repeats", type=int, default=3, help="passes over the workload (new chats each time)")
     ap.add_argument("--out", help="also write the JSON report here")
     args = ap.parse_args(argv)
     if args.engine:
-        spec = json.loads(Path(args.engine).read_text())
-        Path(spec["out"]).write_text(json.dumps(run_engine(spec)))
+        serve_engine(json.loads(args.engine))
         return 0
     if args.quick:
         args.chats, args.turns, args.repeats = 4, 3, 1
     from hicache.integrations.vllm.tiny_model import make_tiny_llama
 
+    names = ("vllm", "vllm+hicache")
     with tempfile.TemporaryDirectory(prefix="hicache-bench-vllm-") as d:
         tmp = Path(d)
         shape = dict(hidden=512, layers=8, heads=8, kv_heads=2, intermediate=1536, vocab=512)
         model = make_tiny_llama(tmp / "model", **shape)
         base = {"model": str(model), "block_size": args.block_size, "gpu_blocks": args.gpu_blocks,
-                "chats": args.chats, "turns": args.turns, "system_tokens": args.system_tokens,
-                "user_tokens": args.user_tokens, "answer_tokens": args.answer_tokens, "vocab": shape["vocab"]}
-        runs: dict[str, list[dict[str, Any]]] = {"vllm": [], "vllm+hicache": []}
-        answers: dict[str, list[Any]] = {}
-        for rep in range(args.repeats):
-            for name in runs:
-                connector = None
-                if name != "vllm":
-                    connector = {"kv_connector": "HiCacheConnector", "kv_connector_module_path": "hicache.integrations.vllm",
-                                 "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-                                 "kv_connector_extra_config": {"backend": "file", "host_pages": 1024,
-                                                               "backend_options": {"root": str(tmp / f"store-{rep}")}}}
-                t = time.perf_counter()
-                result = spawn(dict(base, connector=connector), tmp, f"{name}-{rep}", args.timeout)
-                print(f"# {name} repeat {rep}: {time.perf_counter() - t:.0f} s", file=sys.stderr)
-                summary = summarize(result)
-                summary["requests"] = [{k: r[k] for k in ("chat", "turn", "prompt_tokens", "cached_tokens", "ttft_s")}
-                                       for r in result["rows"]]
-                runs[name].append(summary)
-                answers.setdefault(name, [r["answer"] for r in result["rows"]])
-        med = {name: {k: statistics.median(s[k] for s in sums) for k in sums[0]
-                      if k != "requests" and sums[0][k] is not None}
-               for name, sums in runs.items()}
-        pairs = list(zip(answers["vllm"], answers["vllm+hicache"]))
-        report = {
-            "workload": {k: v for k, v in base.items() if k != "model"} | {"model": shape, "repeats": args.repeats},
-            "median": med,
-            "runs": runs,
-            "ttft_p50_speedup": med["vllm"]["ttft_p50_ms"] / med["vllm+hicache"]["ttft_p50_ms"],
-            "throughput_speedup": med["vllm+hicache"]["requests_per_s"] / med["vllm"]["requests_per_s"],
-            # greedy answers of the two configurations, request by request. The first token of
-            # every answer depends only on the prompt's KV; later turns also attend to KV of
-            # generated tokens, which decode computed (with hicache restored, as vLLM's own
-            # prefix cache would) while the baseline recomputes it in a prefill: bf16 rounds the
-            # two differently, and a random-weight model's near-flat logits can flip.
-            "first_answer_tokens_equal": sum(a[:1] == b[:1] for a, b in pairs) / len(pairs),
-            "answers_equal": sum(a == b for a, b in pairs) / len(pairs),
-        }
+                "answer_tokens": args.answer_tokens}
+        hicache = {"kv_connector": "HiCacheConnector", "kv_connector_module_path": "hicache.integrations.vllm",
+                   "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+                   "kv_connector_extra_config": {"backend": "file", "host_pages": 1024,
+                                                 "backend_options": {"root": str(tmp / "store")}}}
+        # both engines run side by side and take turns request by request, so that load from
+        # elsewhere on the machine falls on both alike
+        engines = {n: Engine(dict(base, connector=None if n == "vllm" else hicache), tmp / f"{n}.log") for n in names}
+        try:
+            for e in engines.values():
+                e.reply()  # ready
+            vocab, u = shape["vocab"], args.user_tokens
+            rows: dict[str, list[list[dict[str, Any]]]] = {n: [] for n in names}
+            for rep in range(args.repeats):
+                hist = {n: [[(rep * 7 + c * 7919 + i * 31 + 17) % (vocab - 3) + 3 for i in range(args.system_tokens)]
+                            for c in range(args.chats)] for n in names}
+                for n in names:
+                    rows[n].append([])
+                for turn in range(args.turns):
+                    for c in range(args.chats):
+                        user = [(rep * 13 + c * 104729 + turn * 613 + i * 7) % (vocab - 3) + 3 for i in range(u)]
+                        order = names if (turn + c) % 2 == 0 else names[::-1]
+                        for n in order:
+                            prompt = hist[n][c] + user
+                            r = engines[n].ask(prompt)
+                            rows[n][rep].append({"chat": c, "turn": turn, "prompt_tokens": len(prompt), **r})
+                            hist[n][c] = prompt + r["answer"]
+                print(f"# repeat {rep} done", file=sys.stderr)
+        finally:
+            for e in engines.values():
+                e.close()
+    runs = {n: [summarize(rs, sum(r["wall_s"] for r in rs)) for rs in rows[n]] for n in names}
+    med = {n: {k: statistics.median(s[k] for s in runs[n]) for k in runs[n][0]} for n in names}
+    pairs = [(a["answer"], b["answer"]) for ra, rb in zip(rows["vllm"], rows["vllm+hicache"]) for a, b in zip(ra, rb)]
+    report = {
+        "workload": {"chats": args.chats, "turns": args.turns, "system_tokens": args.system_tokens,
+                     "user_tokens": u, "answer_tokens": args.answer_tokens, "gpu_blocks": args.gpu_blocks,
+                     "block_size": args.block_size, "repeats": args.repeats, "model": shape},
+        "median": med,
+        "runs": runs,
+        "ttft_p50_speedup": med["vllm"]["ttft_p50_ms"] / med["vllm+hicache"]["ttft_p50_ms"],
+        "ttft_p50_later_turns_speedup": med["vllm"]["ttft_p50_later_turns_ms"] / med["vllm+hicache"]["ttft_p50_later_turns_ms"],
+        "throughput_speedup": med["vllm+hicache"]["requests_per_s"] / med["vllm"]["requests_per_s"],
+        # greedy answers of the two configurations, request by request. The first token of
+        # every answer depends only on the prompt's KV; later turns also attend to KV of
+        # generated tokens, which decode computed (with hicache restored, as vLLM's own
+        # prefix cache would) while the baseline recomputes it in a prefill: bf16 rounds the
+        # two differently, and a random-weight model's near-flat logits can flip.
+        "first_answer_tokens_equal": sum(a[:1] == b[:1] for a, b in pairs) / len(pairs),
+        "answers_equal": sum(a == b for a, b in pairs) / len(pairs),
+    }
     emit_report(report, args.out)
     return 0
 
