@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Iterable
+
 import torch
 
 from hicache.integrations.sglang.pages import CanonicalPagePool
@@ -83,6 +85,14 @@ class PageMover:
             for ci, (lo, hi) in enumerate(self._chunks(n, area.chunk_pages)):
                 half = ci % 2
                 bound = self.pool.bind(zip(starts[lo:hi], area.halves[half]))
+                k = _owned_run(starts[lo:hi], bound, range(hi - lo))
+                if k < hi - lo:  # ask only for the pages routed to this call's staging
+                    keep = set(starts[lo : lo + k])
+                    self.pool.unbind([x for x in bound if x not in keep])
+                    bound = [x for x in bound if x in keep]
+                cut, hi = k < hi - lo, lo + k
+                if hi == lo:
+                    break
                 try:
                     async with asyncio.TaskGroup() as tg:
                         read = tg.create_task(
@@ -100,7 +110,7 @@ class PageMover:
                 flags = read.result()[self.pool_name]
                 ok[lo:hi] = flags
                 previous = (lo, hi, half, bound)
-                if not all(flags):
+                if cut or not all(flags):
                     break
             if previous is not None:
                 try:
@@ -135,9 +145,14 @@ class PageMover:
             ready = await run_to_completion(_gather_pages, self.pool, starts[chunks[0][0] : chunks[0][1]], area.halves[0])
             for ci, (lo, hi) in enumerate(chunks):
                 half = ci % 2
-                # pages the pool could not produce fail below; an index another call holds is
-                # left unbound and takes the ordinary (copying) path of the page protocol
+                # only the leading pages this call gathered and bound are written: an index
+                # another call holds would route the backend to that call's staging bytes
                 bound = self.pool.bind((starts[lo + j], area.halves[half][j]) for j in ready)
+                k = _owned_run(starts[lo:hi], bound, ready)
+                cut, hi = k < hi - lo, lo + k
+                if hi == lo:
+                    self.pool.unbind(bound)
+                    break
                 extra = info if ci == 0 else HiCacheStorageExtraInfo(prefix_keys=[keys[lo - 1]])
                 try:
                     async with asyncio.TaskGroup() as tg:
@@ -153,12 +168,23 @@ class PageMover:
                 finally:
                     self.pool.unbind(bound)
                 flags = write.result()[self.pool_name]
-                good = set(ready)
-                ok[lo:hi] = [bool(f) and (j in good) for j, f in enumerate(flags)]
-                if not all(ok[lo:hi]):
+                ok[lo:hi] = [bool(f) for f in flags]
+                if cut or not all(ok[lo:hi]):
                     break
                 ready = nxt.result() if nxt is not None else []
         return _leading(ok)
+
+
+def _owned_run(chunk_starts: list[int], bound: list[int], usable: Iterable[int]) -> int:
+    """How many leading pages of a chunk this call may move through its staging: each must be
+    usable (gathered, for a write), bound by this call, and its host page not named earlier in
+    the chunk (two keys into one page would share one staging page)."""
+    owned, ok, seen = set(bound), set(usable), set()
+    for j, start in enumerate(chunk_starts):
+        if j not in ok or start not in owned or start in seen:
+            return j
+        seen.add(start)
+    return len(chunk_starts)
 
 
 def _leading(flags: list[bool]) -> list[bool]:

@@ -82,6 +82,24 @@ def _geometry(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> tuple[
     return geometry, list(groups[0].layer_names)
 
 
+def request_salt(request: Any) -> str | None:
+    """What besides its tokens decides a request's KV, as the root of its page-key chain: the
+    cache salt, the LoRA adapter, and each multimodal input (an image's placeholder tokens are
+    the same for every image, so without its identifier two images would share pages). A
+    request with only a cache salt keeps the salt alone, so its keys stay what they were."""
+    salt = getattr(request, "cache_salt", None)
+    parts: list[str] = []
+    lora = getattr(request, "lora_request", None)
+    if lora is not None:
+        parts.append(f"lora={lora.lora_name}:{getattr(lora, 'lora_path', '')}")
+    for feature in getattr(request, "mm_features", None) or []:
+        pos = feature.mm_position
+        parts.append(f"mm={feature.identifier}@{pos.offset}+{pos.length}")
+    if not parts:
+        return salt
+    return "\x00".join([f"salt={salt or ''}", *parts])
+
+
 def _worker_ranks() -> tuple[int, int]:
     """This worker's (tp_rank, pp_rank); (0, 0) where vLLM's groups are not set up."""
     try:
@@ -184,7 +202,7 @@ class HiCacheConnector(KVConnectorBase_V1):
         assert self._scheduler is not None
         self._requests[request.request_id] = request
         hit = self._scheduler.matched_tokens(
-            request.request_id, request.prompt_token_ids or [], request.cache_salt, num_computed_tokens
+            request.request_id, request.prompt_token_ids or [], request_salt(request), num_computed_tokens
         )
         if hit is None:
             return None, False

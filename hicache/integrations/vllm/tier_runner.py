@@ -39,6 +39,9 @@ __all__ = ["JobOutcome", "TierRunner"]
 
 logger = logging.getLogger("hicache.integrations.vllm.tier")
 
+# how long close() waits for jobs in flight before it gives up on them (and says so)
+CLOSE_DRAIN_TIMEOUT_S = 60.0
+
 KV = PoolName.KV.value
 
 
@@ -169,7 +172,12 @@ class TierRunner:
                 return
             self._closed = True
         try:
-            self.drain()
+            if not self.drain(CLOSE_DRAIN_TIMEOUT_S):
+                # a job stuck in the backend (a hung mount) must not hang vLLM's shutdown
+                with self._lock:
+                    stuck = len(self._inflight)
+                logger.error("hicache tier: %d job(s) still running after %.0f s at close; their "
+                             "chunks are lost", stuck, CLOSE_DRAIN_TIMEOUT_S)
             try:
                 self._loop_thread.call(self.storage.aclose(), timeout=60)
             except Exception:  # noqa: BLE001 - closing must not raise into vLLM's shutdown

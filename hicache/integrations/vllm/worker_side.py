@@ -87,14 +87,28 @@ class WorkerSide:
         """Bind vLLM's KV tensors; each must hold blocks of exactly the geometry's size."""
         if len(named_layers) != self.geometry.num_layers:
             raise ValueError(f"{len(named_layers)} KV layers registered, the geometry has {self.geometry.num_layers}")
+        want = self.geometry.block_nbytes
+        kv_first: list[bool] = []
         for name, t in named_layers:
-            block_nbytes = t[0].numel() * t.element_size()
-            if block_nbytes != self.geometry.block_nbytes:
+            # blocks first (vLLM's CPU backend: [blocks, ...]) or K/V first (FlashAttention:
+            # [2, blocks, block_size, heads, dim]); a block is the same bytes either way
+            if t[0].numel() * t.element_size() == want:
+                kv_first.append(False)
+            elif t.dim() >= 3 and t.shape[0] == 2 and t[:, 0].numel() * t.element_size() == want:
+                kv_first.append(True)
+            else:
                 raise ValueError(
-                    f"layer {name}: a block is {block_nbytes} bytes, the namespace says {self.geometry.block_nbytes}"
+                    f"layer {name}: KV tensor of shape {tuple(t.shape)} holds no block of the "
+                    f"{want} bytes the namespace says (neither [blocks, ...] nor [2, blocks, ...])"
                 )
+        self._kv_first = kv_first
         self.layers = [t for _, t in named_layers]
         self._layer_index = {name: i for i, (name, _) in enumerate(named_layers)}
+
+    def _block(self, layer: int, block: int) -> torch.Tensor:
+        """Block ``block`` of layer ``layer`` as a view (two pieces when K/V come first)."""
+        t = self.layers[layer]
+        return t[:, block] if self._kv_first[layer] else t[block]
 
     # ------------------------------------------------------------------ loads
     def start(self, loads: Sequence[PageTransfer]) -> None:
@@ -112,14 +126,15 @@ class WorkerSide:
         if job is None:
             return
         i = self._layer_index.get(layer_name)
-        if i is None:
-            return
+        if i is None or job.abandoned.is_set():
+            return  # an abandoned load's blocks are reported failed already: no layer waits again
         try:
             job.counter.wait_sync(i, timeout=self.load_timeout_s + 5.0)
         except BaseException as exc:  # noqa: BLE001 - a failed load is reported, not raised
             # the forward goes on without this layer: every block of the load is suspect
             logger.warning("hicache: layer %s load did not complete: %r", layer_name, exc)
             job.abandoned.set()
+            job.counter.fail(exc if isinstance(exc, Exception) else RuntimeError(repr(exc)))
             with self._lock:
                 self._failed |= job.blocks
 
@@ -205,12 +220,12 @@ class WorkerSide:
 
     def _copy_layers(self, job: _Load, plan: list[tuple[int, int]]) -> None:
         nb = self.geometry.block_nbytes
-        for i, layer in enumerate(self.layers):
+        for i in range(len(self.layers)):
             if job.abandoned.is_set():
                 return
             for slot, block in plan:
                 src = self.pool.buffer[slot, i * nb : (i + 1) * nb]
-                dst = layer[block]
+                dst = self._block(i, block)
                 dst.copy_(src.view(dst.dtype).view(dst.shape))
             job.counter.mark_done(i)
 
@@ -231,8 +246,8 @@ class WorkerSide:
                     self.stats["saves_dropped"] += 1
                     continue
                 page = self.pool.buffer[slot]
-                for i, layer in enumerate(self.layers):
-                    page[i * nb : (i + 1) * nb].copy_(layer[block].reshape(-1).view(torch.uint8))
+                for i in range(len(self.layers)):
+                    page[i * nb : (i + 1) * nb].copy_(self._block(i, block).reshape(-1).view(torch.uint8))
                 self.pool.publish(slot, key)
                 keys.append(key)
                 slots.append(slot)

@@ -116,3 +116,39 @@ def test_batches_larger_than_the_staging_area(layout, store_root):
         drive.write_then_read(ctl, host, ctl, host, 40, LAYERS)
     finally:
         ctl.detach_storage_backend()
+
+
+def test_a_page_another_call_holds_is_neither_read_into_nor_written_from():
+    """A host page bound to another in-flight call's staging page (a get and a set of one page
+    at once) must not route this call's I/O to that staging page: the run stops before it."""
+    host, ctl = _ctl("memory", layout="page_head")
+    try:
+        backend = ctl.storage_backend
+        pool = backend._kv
+        assert pool is not None and not pool.has_live_pages
+        toks = drive.tokens(PAGE * 4, seed=3)
+        keys = drive.get_storage_hash_str(toks, None, page_size=PAGE)
+        src = ctl.mem_pool_host.alloc(len(toks))
+        foreign = torch.full((pool.page_nbytes,), 0xAB, dtype=torch.uint8)
+        held = int(src[2 * PAGE])
+        assert pool.bind([(held, foreign)]) == [held]
+        try:
+            assert backend.batch_set_v1(keys, src) == [True, True, False, False]
+        finally:
+            pool.unbind([held])
+        assert torch.all(foreign == 0xAB)
+        dst = ctl.mem_pool_host.alloc(len(toks))
+        assert backend.batch_get_v1(keys, dst) == [True, True, False, False]  # page 2 never stored
+        assert drive.backup(ctl, toks, src) == len(toks)  # nothing held now: all four land
+        held = int(dst[1 * PAGE])
+        assert pool.bind([(held, foreign)]) == [held]
+        try:
+            assert backend.batch_get_v1(keys, dst) == [True, False, False, False]
+        finally:
+            pool.unbind([held])
+        assert torch.all(foreign == 0xAB)  # the other call's staging page was not read into
+        assert backend.batch_get_v1(keys, dst) == [True] * 4
+        for i in range(4):
+            assert torch.equal(host.get_data_page(int(src[i * PAGE])), host.get_data_page(int(dst[i * PAGE])))
+    finally:
+        ctl.detach_storage_backend()

@@ -285,3 +285,45 @@ def test_a_closed_worker_ignores_further_steps(tmp_path: Path) -> None:
     w.save([PageTransfer("r", tuple(keys), (3,))])
     w.finish_step()
     assert w.take_failed_blocks() == set()
+
+
+def test_kv_first_layers_round_trip_block_by_block(tmp_path: Path) -> None:
+    """FlashAttention's per-layer tensors are [2, blocks, block_size, heads, dim]: a block is
+    then two pieces, K and V, and still moves as one page."""
+    g = torch.Generator().manual_seed(7)
+    src = [torch.randn(2, 16, BS, 1, 64, generator=g).to(torch.bfloat16) for _ in range(2)]
+    keys = PageKeyChain(BS).extend(TOKENS, 3)
+    w1 = worker(tmp_path, src)
+    w1.save([PageTransfer("r", tuple(keys), (5, 0, 9))])
+    assert w1.close(timeout=30) == 0
+    dst = [torch.zeros(2, 16, BS, 1, 64, dtype=torch.bfloat16) for _ in range(2)]
+    w2 = worker(tmp_path, dst)
+    try:
+        assert load(w2, [PageTransfer("r", tuple(keys), (1, 2, 3))]) == set()
+        for a, b in zip(src, dst):
+            for s, d in zip((5, 0, 9), (1, 2, 3)):
+                assert torch.equal(a[:, s], b[:, d])
+        assert torch.count_nonzero(dst[0][:, 4]) == 0
+    finally:
+        w2.close(timeout=10)
+    with pytest.raises(ValueError, match="holds no block"):
+        worker(tmp_path, [torch.zeros(3, 16, BS, 64, dtype=torch.bfloat16) for _ in range(2)])
+
+
+def test_lora_and_multimodal_inputs_root_their_own_key_chains() -> None:
+    """Same tokens under another LoRA adapter or with another image are other KV."""
+    from types import SimpleNamespace as NS
+
+    from hicache.integrations.vllm.connector import request_salt
+
+    def req(salt=None, lora=None, images=()):
+        feats = [NS(identifier=i, mm_position=NS(offset=4, length=8)) for i in images]
+        return NS(cache_salt=salt, lora_request=lora, mm_features=feats)
+
+    assert request_salt(req()) is None and request_salt(req("s")) == "s"  # keys kept as they were
+    a, b = NS(lora_name="a", lora_path="/a"), NS(lora_name="b", lora_path="/b")
+    salts = [request_salt(r) for r in (req(), req("s"), req(lora=a), req(lora=b), req(images=["x"]),
+                                       req(images=["y"]), req("s", lora=a, images=["x"]))]
+    assert len(set(salts)) == len(salts)
+    chains = {tuple(PageKeyChain(BS, s).extend(TOKENS, 2)) for s in salts}
+    assert len(chains) == len(salts)
