@@ -4,6 +4,7 @@ of SGLang's I/O threads, never KV written after a call gave up."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import pytest
@@ -118,6 +119,16 @@ def test_batches_larger_than_the_staging_area(layout, store_root):
         ctl.detach_storage_backend()
 
 
+@contextlib.contextmanager
+def _held_by_another_call(pool, index: int, staging: torch.Tensor):
+    """Host page ``index`` bound to ``staging``, as an overlapping call would hold it."""
+    assert pool.bind([(index, staging)]) == [index]
+    try:
+        yield
+    finally:
+        pool.unbind([index])
+
+
 def test_a_page_another_call_holds_is_neither_read_into_nor_written_from():
     """A host page bound to another in-flight call's staging page (a get and a set of one page
     at once) must not route this call's I/O to that staging page: the run stops before it."""
@@ -130,22 +141,14 @@ def test_a_page_another_call_holds_is_neither_read_into_nor_written_from():
         keys = drive.get_storage_hash_str(toks, None, page_size=PAGE)
         src = ctl.mem_pool_host.alloc(len(toks))
         foreign = torch.full((pool.page_nbytes,), 0xAB, dtype=torch.uint8)
-        held = int(src[2 * PAGE])
-        assert pool.bind([(held, foreign)]) == [held]
-        try:
+        with _held_by_another_call(pool, int(src[2 * PAGE]), foreign):
             assert backend.batch_set_v1(keys, src) == [True, True, False, False]
-        finally:
-            pool.unbind([held])
         assert torch.all(foreign == 0xAB)
         dst = ctl.mem_pool_host.alloc(len(toks))
         assert backend.batch_get_v1(keys, dst) == [True, True, False, False]  # page 2 never stored
         assert drive.backup(ctl, toks, src) == len(toks)  # nothing held now: all four land
-        held = int(dst[1 * PAGE])
-        assert pool.bind([(held, foreign)]) == [held]
-        try:
+        with _held_by_another_call(pool, int(dst[1 * PAGE]), foreign):
             assert backend.batch_get_v1(keys, dst) == [True, False, False, False]
-        finally:
-            pool.unbind([held])
         assert torch.all(foreign == 0xAB)  # the other call's staging page was not read into
         assert backend.batch_get_v1(keys, dst) == [True] * 4
         for i in range(4):
