@@ -1,0 +1,99 @@
+"""One in-process fan-out for "a tier stored, removed or cleared pages".
+
+Why a hub rather than direct calls: the device tree, the host pool and every storage backend
+change what they hold on different threads (the event loop, I/O threads, other processes seen
+through a shared store), and several consumers want to know (KV events for cache-aware routers,
+miss attribution, metrics). Each tier reports once, here; consumers subscribe without the tier
+knowing them.
+
+Contract for subscribers: a callback runs synchronously on the emitting thread (possibly an I/O
+thread, never assume the event loop), must be thread-safe and cheap (append to a bounded buffer,
+bump a counter), and must not block. An exception in a subscriber is logged and counted, never
+propagated into the tier that emitted.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import Enum
+
+__all__ = ["ChangeKind", "Tier", "TierChange", "TierChangeHub"]
+
+log = logging.getLogger(__name__)
+
+
+class Tier(str, Enum):
+    """Where a page lives: device (GPU) pages, pinned host pages, shared storage."""
+
+    DEVICE = "device"
+    HOST = "host"
+    STORAGE = "storage"
+
+
+class ChangeKind(str, Enum):
+    STORED = "stored"
+    REMOVED = "removed"
+    CLEARED = "cleared"
+
+
+@dataclass(frozen=True, slots=True)
+class TierChange:
+    """Pages that one tier started or stopped holding.
+
+    ``keys`` are hicache's chained page hashes (the storage keys), in prefix order for
+    ``STORED``; empty for ``CLEARED``. ``token_ids`` and ``parent_key`` are filled when the tier
+    knows them (the tree does, a storage deletion does not). ``backend`` names the storage
+    backend (``"file"``, ``"s3"``...) for storage changes. ``origin`` is ``"local"`` for changes
+    this process made and ``"peer"`` for ones another process sharing the store made and this
+    process observed.
+    """
+
+    kind: ChangeKind
+    tier: Tier
+    keys: tuple[str, ...] = ()
+    token_ids: tuple[int, ...] = ()
+    parent_key: str | None = None
+    page_size: int = 0
+    backend: str | None = None
+    origin: str = "local"
+    reason: str | None = None
+
+
+Subscriber = Callable[[TierChange], None]
+
+
+class TierChangeHub:
+    """Thread-safe fan-out of :class:`TierChange` to subscribers; see the module docstring."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._subscribers: tuple[Subscriber, ...] = ()
+        self.subscriber_errors = 0
+
+    def subscribe(self, callback: Subscriber) -> Callable[[], None]:
+        """Add ``callback``; returns a function that removes it again (idempotent)."""
+        with self._lock:
+            self._subscribers = (*self._subscribers, callback)
+
+        def unsubscribe() -> None:
+            with self._lock:
+                self._subscribers = tuple(s for s in self._subscribers if s is not callback)
+
+        return unsubscribe
+
+    @property
+    def active(self) -> bool:
+        """True when anyone listens: tiers may skip building a change nobody reads."""
+        return bool(self._subscribers)
+
+    def emit(self, change: TierChange) -> None:
+        for callback in self._subscribers:  # a tuple snapshot: subscribe/unsubscribe never race us
+            try:
+                callback(change)
+            except Exception:  # noqa: BLE001 - a consumer's bug must never break a tier
+                with self._lock:
+                    self.subscriber_errors += 1
+                log.exception("tier change subscriber %r failed on %s", callback, change.kind.value)
