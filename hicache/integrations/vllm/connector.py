@@ -2,9 +2,12 @@
 
 vLLM builds one instance in its scheduler (engine core) process and one in every worker
 process. This class only translates vLLM's objects into the engine-free halves:
-:class:`~.scheduler_side.SchedulerSide` (lookup, which pages to load and save) and
-:class:`~.worker_side.WorkerSide` (moving them). Metadata from the first to the second is
-:class:`HiCacheConnectorMetadata`, plain lists of page transfers.
+:class:`~.scheduler_side.SchedulerSide` (lookup in hicache's radix tree over the host tier, then
+in storage; which pages to load and save, and into which host slots) and
+:class:`~.worker_side.WorkerSide` (moving them, through hicache's host pool and controller).
+Metadata from the first to the second is :class:`HiCacheConnectorMetadata`, plain lists of page
+loads and saves; the way back is :class:`HiCacheWorkerMetadata` (writes that ended, host slots
+that did not hold their page), which vLLM hands to ``update_connector_output``.
 
 Loads are synchronous in vLLM's sense (``load_kv_async=False``): a hit is loaded inside the
 forward pass of the step that schedules it, layer by layer, overlapped with attention through
@@ -26,14 +29,17 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from hicache.integrations.vllm.naming import KVGeometry, deployment_namespace
 from hicache.integrations.vllm.options import ConnectorOptions
+from hicache.integrations.vllm.host_tree import HostPageTree
 from hicache.integrations.vllm.scheduler_side import SchedulerSide
-from hicache.integrations.vllm.store_io import StoreIO
-from hicache.integrations.vllm.worker_side import PageTransfer, WorkerSide
+from hicache.integrations.vllm.store_io import StoreIO, make_backend
+from hicache.integrations.vllm.transfers import PageLoad, PageSave, WorkerReport
+from hicache.integrations.vllm.worker_side import WorkerSide
 
 if TYPE_CHECKING:
     import torch
@@ -42,9 +48,10 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-__all__ = ["HiCacheConnector", "HiCacheConnectorMetadata"]
+__all__ = ["HiCacheConnector", "HiCacheConnectorMetadata", "HiCacheWorkerMetadata"]
 
 logger = logging.getLogger("hicache.integrations.vllm")
 
@@ -53,8 +60,21 @@ logger = logging.getLogger("hicache.integrations.vllm")
 class HiCacheConnectorMetadata(KVConnectorMetadata):
     """One step's page loads and saves, from the scheduler to the workers."""
 
-    loads: list[PageTransfer] = field(default_factory=list)
-    saves: list[PageTransfer] = field(default_factory=list)
+    loads: list[PageLoad] = field(default_factory=list)
+    saves: list[PageSave] = field(default_factory=list)
+
+
+@dataclass
+class HiCacheWorkerMetadata(KVConnectorWorkerMetadata):
+    """A step's report from the workers to the scheduler (storage writes ended, slots that did
+    not hold their page); vLLM merges the workers' reports with :meth:`aggregate`."""
+
+    report: WorkerReport = field(default_factory=WorkerReport)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if not isinstance(other, HiCacheWorkerMetadata):
+            return self
+        return HiCacheWorkerMetadata(self.report.merge(other.report))
 
 
 def _geometry(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> tuple[KVGeometry, list[str]]:
@@ -131,19 +151,21 @@ class HiCacheConnector(KVConnectorBase_V1):
 
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
+        opts = self.options
         if role is KVConnectorRole.SCHEDULER:
             namespaces = [ns(tp, pp) for pp in range(pp_size) for tp in range(tp_size)]
-            store = StoreIO(self.options.backend, self.options.backend_options, namespaces, name="hicache-vllm-sched")
+            store = StoreIO(opts.backend, opts.backend_options, namespaces, name="hicache-vllm-sched")
+            tree = HostPageTree(opts.host_pages, self.geometry.block_size, eviction_policy=opts.eviction_policy)
             self._scheduler = SchedulerSide(
-                store, block_size=self.geometry.block_size,
-                lookup_wait_s=self.options.lookup_wait_s, lookup_timeout_s=self.options.lookup_timeout_s,
+                store, tree, lookup_wait_s=opts.lookup_wait_s, lookup_timeout_s=opts.lookup_timeout_s,
+                num_workers=tp_size * pp_size,
             )
             self._requests: dict[str, Request] = {}
         else:
             tp, pp = _worker_ranks()
-            store = StoreIO(self.options.backend, self.options.backend_options, [ns(tp, pp)], name="hicache-vllm-worker")
             self._worker = WorkerSide(
-                self.geometry, store, host_pages=self.options.host_pages, load_timeout_s=self.options.load_timeout_s
+                self.geometry, make_backend(opts.backend, opts.backend_options, ns(tp, pp)),
+                host_pages=opts.host_pages, load_timeout_s=opts.load_timeout_s, controller=opts.controller_config(),
             )
 
     @classmethod
@@ -188,6 +210,12 @@ class HiCacheConnector(KVConnectorBase_V1):
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_failed_blocks() if self._worker is not None else set()
 
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        if self._worker is None:
+            return None
+        report = self._worker.take_report()
+        return HiCacheWorkerMetadata(report) if report else None
+
     def shutdown(self) -> None:
         timeout = self.options.close_timeout_s
         if self._worker is not None:
@@ -230,6 +258,12 @@ class HiCacheConnector(KVConnectorBase_V1):
             scheduled.append((req_id, n_before, n_after, request.all_token_ids, block_ids))
         plan = self._scheduler.plan_step(scheduled)
         return HiCacheConnectorMetadata(loads=plan.loads, saves=plan.saves)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        super().update_connector_output(connector_output)
+        meta = connector_output.kv_connector_worker_meta
+        if self._scheduler is not None and isinstance(meta, HiCacheWorkerMetadata):
+            self._scheduler.on_report(meta.report)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         if self._scheduler is not None:

@@ -11,10 +11,14 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from hicache.controller.config import ControllerConfig
 from hicache.errors import ConfigError
 from hicache.options import options_from_dict
+from hicache.prefix_cache.policy import eviction_key
 
 __all__ = ["ConnectorOptions"]
+
+_FIXED = {"prefetch_threshold": 0, "prefetch_policy": "wait_complete"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -23,8 +27,12 @@ class ConnectorOptions:
 
     - ``backend``/``backend_options``: the hicache storage backend and its options, exactly as
       :func:`hicache.storage.create_async_storage` takes them (``{"root": ...}`` for ``file``).
-    - ``host_pages``: pages of the worker's host pool (L2). Saves stage through it, and pages
-      still there are loaded without touching storage.
+    - ``host_pages``: pages of each worker's host pool (L2, hicache's ``HostKVPool``). Every
+      saved page goes through it, and pages still there are hits without touching storage.
+    - ``eviction_policy``: which host pages go first when the pool is full (``lru``, ``lfu``,
+      ``slru``, ``priority``: the radix tree's policies).
+    - ``controller``: options of the worker's :class:`~hicache.controller.ControllerConfig`
+      (storage queue size, retries, I/O timeout, health probes, ...).
     - ``lookup_wait_s``: how long the scheduler waits inline for a storage lookup before it
       answers "not yet" and asks again next step (vLLM skips the request meanwhile).
     - ``lookup_timeout_s``: a lookup still pending after this counts as a miss (recompute).
@@ -37,6 +45,8 @@ class ConnectorOptions:
     backend: str = "file"
     backend_options: dict[str, Any] = field(default_factory=dict)
     host_pages: int = 4096
+    eviction_policy: str = "lru"
+    controller: dict[str, Any] = field(default_factory=dict)
     lookup_wait_s: float = 0.005
     lookup_timeout_s: float = 5.0
     load_timeout_s: float = 30.0
@@ -56,6 +66,18 @@ class ConnectorOptions:
                 raise ConfigError(f"{name} must be a finite number >= 0, got {value!r}")
         if self.namespace_salt is not None and not isinstance(self.namespace_salt, str):
             raise ConfigError(f"namespace_salt must be a string, got {self.namespace_salt!r}")
+        eviction_key(self.eviction_policy)  # an unknown policy is a ConfigError naming the known ones
+        if not isinstance(self.controller, dict):
+            raise ConfigError(f"controller must be a mapping, got {self.controller!r}")
+        self.controller_config()
+
+    def controller_config(self) -> ControllerConfig:
+        """The worker's controller settings: ``controller`` plus what the connector fixes (a
+        scheduled load reads every page it was given, and waits for all of them)."""
+        fixed = sorted(k for k in _FIXED if k in self.controller)
+        if fixed:
+            raise ConfigError(f"controller options {fixed} are set by the connector")
+        return ControllerConfig.from_dict({**self.controller, **_FIXED})
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> ConnectorOptions:

@@ -1,8 +1,10 @@
-"""Storage for a connector half: hicache backends on a private event-loop thread.
+"""Storage for the scheduler half: hicache backends on a private event-loop thread.
 
-vLLM's scheduler and model runner are synchronous loops that must never wait on I/O. Each
-connector half therefore owns one :class:`StoreIO`: its backends live on a loop thread, and the
-connector hands them coroutines and gets ``concurrent.futures.Future`` objects back at once.
+vLLM's scheduler is a synchronous loop that must never wait on I/O. The scheduler half
+therefore owns one :class:`StoreIO` for its existence lookups: its backends (one per parallel
+rank) live on a loop thread, and the connector hands them coroutines and gets
+``concurrent.futures.Future`` objects back at once. (The worker half moves pages through
+hicache's controller instead, see :mod:`.worker_side`.)
 Backends turn their own failures into misses; a future that still raises (a bug, a closed
 store) is logged by its consumer, never propagated into vLLM.
 """
@@ -20,11 +22,16 @@ from hicache.keys import Namespace
 from hicache.storage import AsyncHiCacheStorage, HiCacheStorageConfig, create_async_storage
 from hicache.storage.sync import LoopThread
 
-__all__ = ["StoreIO"]
+__all__ = ["StoreIO", "make_backend"]
 
 logger = logging.getLogger("hicache.integrations.vllm")
 
 T = TypeVar("T")
+
+
+def make_backend(backend: str, options: dict[str, Any], namespace: Namespace) -> AsyncHiCacheStorage:
+    """The backend ``backend`` for pages of ``namespace``; option errors are ``ConfigError``."""
+    return create_async_storage(backend, HiCacheStorageConfig(model_name=namespace.model), namespace=namespace, **options)
 
 
 class StoreIO:
@@ -38,10 +45,7 @@ class StoreIO:
         self._pending: set[concurrent.futures.Future[Any]] = set()
         self._closed = False
         # built here (not on the loop): option errors reach the caller as ConfigError at start-up
-        self.backends: list[AsyncHiCacheStorage] = [
-            create_async_storage(backend, HiCacheStorageConfig(model_name=ns.model), namespace=ns, **options)
-            for ns in namespaces
-        ]
+        self.backends: list[AsyncHiCacheStorage] = [make_backend(backend, options, ns) for ns in namespaces]
         self._loop = LoopThread(name=name)
 
     @property

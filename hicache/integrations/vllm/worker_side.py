@@ -1,53 +1,58 @@
-"""The worker half of the connector: pages between vLLM's paged KV tensors, the host pool and
-storage, without stalling the forward pass.
+"""The worker half of the connector: pages between vLLM's paged KV tensors, hicache's host pool
+and storage, without stalling the forward pass.
 
-Loads (``start``/``wait_layer``): the pages a step needs are taken from the host pool or read
-from storage on the load thread, then copied into vLLM's blocks layer by layer; the forward
-pass waits only for the layer it is about to attend (``wait_layer``), so the copies of layer
-``i+1..`` overlap the compute of layer ``i``. A page that cannot be read (missing, torn,
-foreign: storage verifies every page) fails alone with every later page of its request, and its
-blocks are reported so vLLM recomputes them; garbage never reaches a block.
+The host tier is hicache's :class:`~hicache.memory.host_pool.HostKVPool` (:mod:`.host_pool`),
+and host<->storage traffic goes through hicache's
+:class:`~hicache.controller.HiCacheController` on a loop thread of its own: its bounded storage
+write queue with retries, its storage health (a store that hangs or keeps failing is skipped
+until a probe finds it back), its prefetcher for reads. The scheduler decides which slot holds
+which page (:mod:`.host_tree`); this side moves the bytes and tells the scheduler, through
+:meth:`take_report`, which writes ended and which slots did not hold what it believed.
+
+Loads (``start``/``wait_layer``): pages the host pool holds are checked (the slot must hold the
+key the scheduler names) and the others are read from storage into their slots through the
+controller's prefetcher; then everything is copied into vLLM's blocks layer by layer on the
+load thread. The forward pass waits only for the layer it is about to attend (``wait_layer``),
+so copies of layer ``i+1..`` overlap the compute of layer ``i``. A page that cannot be had
+(missing, torn, foreign: storage verifies every page; a host slot that lost it) fails alone with
+every later page of its request, and its blocks are reported so vLLM recomputes them; garbage
+never reaches a block.
 
 Saves (``save``): each newly completed block is gathered, all layers into one host page, at the
-end of the step (when every layer's KV is written), then written to storage in the background.
-A full pool or a failing store drops the save (a future miss), never blocks or raises.
+end of the step (when every layer's KV is written), and the new pages are queued for storage in
+the background. A slot that an earlier storage read or write still uses is never overwritten:
+that save is dropped (a future miss) and the slot reported.
 
 Nothing here imports vLLM: the connector passes plain tensors and ids.
 """
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
+import dataclasses
+import itertools
 import logging
 import threading
+from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from hicache.integrations.vllm.host_pages import HostPagePool
+from hicache.controller import ControllerConfig, HiCacheController
+from hicache.controller.jobs import StorageWriteJob
+from hicache.integrations.vllm.host_pool import block_host_pool
 from hicache.integrations.vllm.naming import KVGeometry
-from hicache.integrations.vllm.store_io import StoreIO
+from hicache.integrations.vllm.options import ConnectorOptions
+from hicache.integrations.vllm.transfers import PageLoad, PageSave, WorkerReport
 from hicache.memory.layer_counter import LayerDoneCounter
+from hicache.storage import AsyncHiCacheStorage
+from hicache.storage.sync import LoopThread
 
-__all__ = ["PageTransfer", "WorkerSide"]
+__all__ = ["WorkerSide"]
 
 logger = logging.getLogger("hicache.integrations.vllm")
-
-
-@dataclass(frozen=True)
-class PageTransfer:
-    """Pages of one request: ``keys[i]`` lives in vLLM block ``block_ids[i]``. Loads list a
-    request's pages in prefix order (a failed page fails the ones after it)."""
-
-    req_id: str
-    keys: tuple[str, ...]
-    block_ids: tuple[int, ...]
-
-    def __post_init__(self) -> None:
-        if len(self.keys) != len(self.block_ids):
-            raise ValueError(f"{len(self.keys)} keys for {len(self.block_ids)} blocks")
-
 
 class _Load:
     """One step's load: its per-layer completion and the blocks that failed."""
@@ -61,22 +66,53 @@ class _Load:
         self.abandoned = threading.Event()
 
 
+@dataclasses.dataclass
+class _Fetch:
+    """Pages of one request read from storage into their slots."""
+
+    rid: str
+    keys: list[str]
+    slots: list[int]
+
+
 class WorkerSide:
     """Moves pages for one worker (one tp/pp rank). ``layers`` are vLLM's per-layer KV
-    tensors, block-indexed on dim 0, in the order pages lay them out."""
+    tensors, block-indexed on dim 0 (or on dim 1 when K/V come first)."""
 
-    def __init__(self, geometry: KVGeometry, store: StoreIO, *, host_pages: int, load_timeout_s: float) -> None:
+    def __init__(
+        self,
+        geometry: KVGeometry,
+        storage: AsyncHiCacheStorage | None,
+        *,
+        host_pages: int,
+        load_timeout_s: float,
+        controller: ControllerConfig | None = None,
+    ) -> None:
         self.geometry = geometry
-        self.store = store
         self.load_timeout_s = load_timeout_s
-        self.pool = HostPagePool(host_pages, geometry.page_nbytes, geometry.block_size)
-        self.store.primary.register_mem_pool_host(self.pool)
+        self.pool = block_host_pool(geometry, host_pages)
+        self.num_pages = self.pool.num_pages
         self.layers: list[torch.Tensor] = []
         self._layer_index: dict[str, int] = {}
+        self._kv_first: list[bool] = []
+        self._lock = threading.Lock()
+        # what each slot holds (the key of a complete page), and storage I/O still using it
+        self._resident: list[str | None] = [None] * self.num_pages
+        self._reading: Counter[int] = Counter()  # storage reads into the slot
+        self._writing: Counter[int] = Counter()  # storage writes from the slot
+        self._report = WorkerReport()
+        self._failed: set[int] = set()
+        self._rids = itertools.count()
+        self._loop = LoopThread(name="hicache-vllm-worker")
+        self.controller = HiCacheController(
+            copy_engine=None,  # device<->host copies are vLLM blocks, done here (no device pool)
+            host_pool=self.pool, storage=storage, config=controller or ConnectorOptions().controller_config(),
+            own_storage=True,
+        )
+        # the prefetcher gives back the slots of pages it did not complete: they hold nothing now
+        self.controller.set_host_free(self._fetch_released)
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hicache-vllm-load")
         self._load: _Load | None = None
-        self._failed: set[int] = set()
-        self._lock = threading.Lock()
         self._closed = False
         self.stats: dict[str, int] = dict.fromkeys(
             ("pages_loaded", "pages_from_host", "pages_failed", "pages_saved", "saves_dropped", "save_errors"), 0
@@ -110,8 +146,27 @@ class WorkerSide:
         t = self.layers[layer]
         return t[:, block] if self._kv_first[layer] else t[block]
 
+    def _page(self, slot: int) -> torch.Tensor:
+        """Slot ``slot``'s page: a live 1-D byte view of the host pool."""
+        view = self.pool.page_view(slot * self.pool.page_size)
+        assert view is not None  # page_first pools always have one
+        return view
+
+    def _indices(self, slots: Sequence[int]) -> torch.Tensor:
+        ps = self.pool.page_size
+        base = torch.tensor(list(slots), dtype=torch.int64).unsqueeze(1) * ps
+        return (base + torch.arange(ps, dtype=torch.int64)).reshape(-1)
+
+    def _valid_slot(self, slot: int) -> bool:
+        return 0 <= slot < self.num_pages
+
+    def holds(self, slot: int) -> str | None:
+        """The key of the page ``slot`` holds (``None``: nothing usable)."""
+        with self._lock:
+            return self._resident[slot] if self._valid_slot(slot) else None
+
     # ------------------------------------------------------------------ loads
-    def start(self, loads: Sequence[PageTransfer]) -> None:
+    def start(self, loads: Sequence[PageLoad]) -> None:
         """Begin this step's loads (returns at once)."""
         self.finish_step()  # a load left from a step that never reached wait_for_save
         if not loads or not self.layers or self._closed:
@@ -153,131 +208,217 @@ class WorkerSide:
             failed, self._failed = self._failed, set()
         return failed
 
-    def _run_load(self, job: _Load, loads: list[PageTransfer]) -> None:
+    def _run_load(self, job: _Load, loads: list[PageLoad]) -> None:
         plan: list[tuple[int, int]] = []  # (slot, block) of every page that is good to copy
-        pinned: list[int] = []
         try:
-            reads: list[tuple[str, int]] = []  # (key, slot) to read from storage
-            per_req: list[list[tuple[str, int, int, bool]]] = []  # key, slot, block, from_host
-            for spec in loads:
-                pages: list[tuple[str, int, int, bool]] = []
-                for key, block in zip(spec.keys, spec.block_ids):
-                    slot = self.pool.lookup_pin(key)
-                    from_host = slot is not None
-                    if slot is None:
-                        slot = self.pool.alloc_pin()
-                        if slot is None:  # every host page is busy: this page and the rest fail
-                            pages.append((key, -1, block, False))
+            fetches: list[_Fetch | None] = []
+            with self._lock:
+                for spec in loads:
+                    keys, slots = [], []
+                    for key, slot in zip(spec.keys[spec.from_host :], spec.slots[spec.from_host :]):
+                        if not self._valid_slot(slot) or self._reading[slot] or self._writing[slot]:
+                            break  # no room, or a storage I/O still uses the slot: this page fails
+                        keys.append(key)
+                        slots.append(slot)
+                    for slot in slots:
+                        self._resident[slot] = None  # being overwritten
+                        self._reading[slot] += 1
+                    fetches.append(_Fetch(f"{spec.req_id}#{next(self._rids)}", keys, slots) if keys else None)
+            fetched = self._fetch([f for f in fetches if f is not None])
+            bad: set[int] = set()
+            with self._lock:
+                for spec, fetch in zip(loads, fetches):
+                    got = fetched.get(fetch.rid, 0) if fetch is not None else 0
+                    broken = False
+                    for i, (key, slot, block) in enumerate(zip(spec.keys, spec.slots, spec.block_ids)):
+                        if i < spec.from_host:
+                            good = self._valid_slot(slot) and self._resident[slot] == key and not self._reading[slot]
+                            source = "pages_from_host"
+                        else:
+                            good = i - spec.from_host < got
+                            if good:
+                                self._resident[slot] = key
+                            source = "pages_loaded"
+                        good = good and not broken
+                        if good:
+                            plan.append((slot, block))
+                            self.stats[source] += 1
                             continue
-                        reads.append((key, slot))
-                    pinned.append(slot)
-                    pages.append((key, slot, block, from_host))
-                per_req.append(pages)
-            ok_read: dict[int, bool] = {}
-            if reads:
-                ok_read = self._read(reads)
-            for pages in per_req:
-                broken = False
-                for key, slot, block, from_host in pages:
-                    good = not broken and slot >= 0 and (from_host or ok_read.get(slot, False))
-                    if good:
-                        if not from_host:
-                            self.pool.publish(slot, key)
-                        plan.append((slot, block))
-                        self.stats["pages_from_host" if from_host else "pages_loaded"] += 1
-                    else:
                         broken = True
-                        if slot >= 0 and not from_host:
-                            if ok_read.get(slot, False):
-                                self.pool.publish(slot, key)  # valid, only not usable here
-                            else:
-                                self.pool.discard(slot)
                         job.failed_blocks.add(block)
                         self.stats["pages_failed"] += 1
+                        if self._valid_slot(slot) and self._resident[slot] != key:
+                            bad.add(slot)  # the scheduler believes (or will believe) it holds key
+                self._report.bad_slots |= bad
             self._copy_layers(job, plan)
         except BaseException as exc:  # noqa: BLE001 - the load thread must never die
             logger.exception("hicache: load failed")
             job.failed_blocks.update(b for _, b in plan)
             job.counter.fail(exc)
         finally:
-            for slot in pinned:
-                self.pool.unpin(slot)
             with self._lock:
                 self._failed |= job.failed_blocks
             job.done.set()
 
-    def _read(self, reads: list[tuple[str, int]]) -> dict[int, bool]:
-        keys = [k for k, _ in reads]
-        slots = [s for _, s in reads]
+    def _fetch(self, fetches: list[_Fetch]) -> dict[str, int]:
+        """Read each fetch's pages into its slots through the controller; how many leading
+        pages of each landed (verified). Bounded by the load timeout."""
+        if not fetches:
+            return {}
         try:
-            flags = self.store.call(
-                self.store.primary.batch_get_v1(keys, self.pool.token_indices(slots)), self.load_timeout_s
-            )
-        except BaseException as exc:  # noqa: BLE001 - timeout, closed store: every page misses
-            logger.warning("hicache: reading %d page(s) failed: %r", len(keys), exc)
-            flags = [False] * len(keys)
-        return {slot: bool(f) for slot, f in zip(slots, flags)}
+            return self._loop.call(self._fetch_all(fetches), timeout=self.load_timeout_s)
+        except BaseException as exc:  # noqa: BLE001 - timeout, closed loop: every page misses
+            logger.warning("hicache: reading %d page(s) failed: %r", sum(len(f.keys) for f in fetches), exc)
+            return {}
+
+    async def _fetch_all(self, fetches: list[_Fetch]) -> dict[str, int]:
+        counts = await asyncio.gather(*(self._fetch_one(f) for f in fetches))
+        return {f.rid: n for f, n in zip(fetches, counts)}
+
+    async def _fetch_one(self, fetch: _Fetch) -> int:
+        """One request's pages through the controller's prefetcher (existence, batched reads,
+        health, I/O timeout). The slots it is not handed back are released here; the ones it
+        hands back come through :meth:`_fetch_released`."""
+        indices = self._indices(fetch.slots)
+        handed = 0
+
+        def alloc_host(num_tokens: int) -> torch.Tensor:
+            nonlocal handed
+            handed = min(len(fetch.slots), num_tokens // self.pool.page_size)
+            self._unread(fetch.slots[handed:])
+            return indices[: handed * self.pool.page_size]
+
+        got = 0
+        try:
+            if self.controller.start_prefetch(fetch.rid, fetch.keys, alloc_host=alloc_host) is None:
+                return 0
+            try:
+                result = await self.controller.wait_prefetch(fetch.rid, "wait_complete")
+            except asyncio.CancelledError:
+                self.controller.abort_prefetch(fetch.rid)  # its slots come back after the grace period
+                raise
+            got = result.pages if result is not None else 0
+            self._unread(fetch.slots[:got])
+            return got
+        finally:
+            if handed == 0:
+                self._unread(fetch.slots)
+
+    def _unread(self, slots: Sequence[int]) -> None:
+        with self._lock:
+            for slot in slots:
+                if self._reading[slot] > 0:
+                    self._reading[slot] -= 1
+                    if not self._reading[slot]:
+                        del self._reading[slot]
+
+    def _fetch_released(self, indices: torch.Tensor) -> None:
+        """The prefetcher is done with these slots and did not complete their pages."""
+        slots = sorted({int(i) // self.pool.page_size for i in indices.reshape(-1).tolist()})
+        with self._lock:
+            for slot in slots:
+                self._resident[slot] = None
+        self._unread(slots)
 
     def _copy_layers(self, job: _Load, plan: list[tuple[int, int]]) -> None:
         nb = self.geometry.block_nbytes
+        pages = [(self._page(slot), block) for slot, block in plan]
         for i in range(len(self.layers)):
             if job.abandoned.is_set():
                 return
-            for slot, block in plan:
-                src = self.pool.buffer[slot, i * nb : (i + 1) * nb]
+            for page, block in pages:
                 dst = self._block(i, block)
-                dst.copy_(src.view(dst.dtype).view(dst.shape))
+                dst.copy_(page[i * nb : (i + 1) * nb].view(dst.dtype).view(dst.shape))
             job.counter.mark_done(i)
 
     # ------------------------------------------------------------------ saves
-    def save(self, saves: Sequence[PageTransfer]) -> None:
-        """Gather each page into the host pool now, write them to storage in the background."""
+    def save(self, saves: Sequence[PageSave]) -> None:
+        """Gather each page into its host slot now, queue the new ones for storage."""
         if not saves or not self.layers or self._closed:
+            for spec in saves:
+                self._job_done(spec, [], 0)
             return
         nb = self.geometry.block_nbytes
-        keys: list[str] = []
-        slots: list[int] = []
         for spec in saves:
-            for key, block in zip(spec.keys, spec.block_ids):
-                if self.pool.contains(key):
-                    continue  # in the host pool already: written (or being written) before
-                slot = self.pool.alloc_pin()
-                if slot is None:
-                    self.stats["saves_dropped"] += 1
-                    continue
-                page = self.pool.buffer[slot]
+            slots: list[int] = []
+            with self._lock:
+                for key, slot in zip(spec.keys, spec.slots):
+                    if not self._valid_slot(slot) or self._reading[slot] or self._writing[slot]:
+                        break
+                    slots.append(slot)
+                    self._resident[slot] = None  # not a complete page until the copy is done
+                for slot in spec.slots[len(slots) :]:
+                    if self._valid_slot(slot):
+                        self._report.bad_slots.add(slot)
+                        if not (self._reading[slot] or self._writing[slot]):
+                            self._resident[slot] = None
+                writes = slots[spec.write_from :]
+                for slot in writes:
+                    self._writing[slot] += 1
+            self.stats["saves_dropped"] += len(spec.slots) - len(slots)
+            for key, slot, block in zip(spec.keys, slots, spec.block_ids):
+                page = self._page(slot)
                 for i in range(len(self.layers)):
                     page[i * nb : (i + 1) * nb].copy_(self._block(i, block).reshape(-1).view(torch.uint8))
-                self.pool.publish(slot, key)
-                keys.append(key)
-                slots.append(slot)
-        if not keys:
-            return
-        fut = self.store.submit(self.store.primary.batch_set_v1(keys, self.pool.token_indices(slots)))
-        fut.add_done_callback(lambda f: self._saved(f, slots))
+                with self._lock:
+                    self._resident[slot] = key
+            if not writes:
+                self._job_done(spec, [], 0)
+                continue
+            job = StorageWriteJob(
+                keys=list(spec.keys[spec.write_from : len(slots)]), host_indices=self._indices(writes),
+                prior_key=spec.prior_key, on_done=lambda n, spec=spec, writes=writes: self._job_done(spec, writes, n),
+            )
+            try:
+                self._loop.loop.call_soon_threadsafe(self._submit_write, job, spec, writes)
+            except RuntimeError:  # the loop is gone (closing)
+                self._job_done(spec, writes, 0)
 
-    def _saved(self, fut: concurrent.futures.Future[list[bool]], slots: list[int]) -> None:
+    def _submit_write(self, job: StorageWriteJob, spec: PageSave, writes: list[int]) -> None:
+        """On the controller's loop: queue the write, or end the job at once when the queue is
+        full, the store is off or the controller is closing."""
         try:
-            flags = [] if fut.cancelled() else fut.result()
-            n = sum(1 for f in flags if f)
-            self.stats["pages_saved"] += n
-            self.stats["save_errors"] += len(slots) - n
-        except BaseException as exc:  # noqa: BLE001 - a callback must not raise
-            logger.warning("hicache: writing %d page(s) failed: %r", len(slots), exc)
-            self.stats["save_errors"] += len(slots)
-        finally:
-            for slot in slots:
-                self.pool.unpin(slot)
+            queued = self.controller.submit_storage_write(job)
+        except Exception:  # noqa: BLE001 - a closed controller refuses by raising
+            queued = False
+        if not queued:
+            self._job_done(spec, writes, 0)
+
+    def _job_done(self, spec: PageSave, writes: list[int], written: int) -> None:
+        """A save's storage write ended (``written`` leading pages made it)."""
+        with self._lock:
+            for slot in writes:
+                self._writing[slot] -= 1
+                if self._writing[slot] <= 0:
+                    del self._writing[slot]
+            self._report.jobs_done[spec.job] += 1
+        self.stats["pages_saved"] += written
+        self.stats["save_errors"] += len(writes) - written
+
+    def take_report(self) -> WorkerReport:
+        """What the scheduler should learn since the last call (writes ended, bad slots)."""
+        with self._lock:
+            report, self._report = self._report, WorkerReport()
+        return report
 
     # ------------------------------------------------------------------ close
     def close(self, timeout: float) -> int:
-        """Finish loads, drain queued writes (up to ``timeout`` s), close storage. Returns the
-        number of writes that did not make it."""
+        """Finish loads, drain the storage queue (up to ``timeout`` s), close storage. Returns
+        the number of pages that were queued for storage and not written."""
         if self._closed:
             return 0
         self._closed = True
         self.finish_step()
         self._executor.shutdown(wait=True)
-        lost = self.store.close(timeout)
-        logger.info("hicache worker: %s, host pool %s", self.stats, self.pool.stats())
+        lost = 0
+        try:
+            report = self._loop.call(self.controller.aclose(timeout), timeout=timeout + max(1.0, timeout) + 5.0)
+            lost = report.unwritten_pages
+            if not report.drained:
+                logger.warning("hicache worker: the storage queue did not drain within %.1f s", timeout)
+        except BaseException as exc:  # noqa: BLE001 - closing must not raise into vLLM
+            logger.warning("hicache worker: closing the controller failed: %r", exc)
+        finally:
+            self._loop.stop()
+        logger.info("hicache worker: %s", self.stats)
         return lost

@@ -1,0 +1,164 @@
+"""The scheduler's map of the workers' host pools: hicache's radix tree over host page slots.
+
+Why the scheduler owns the host pool's layout: vLLM runs the scheduler and the workers in
+different processes, and the scheduler must answer "how much of this prompt is cached" at once,
+without asking a worker. So the scheduler decides which host page slot holds which page (the
+slots of every worker's :class:`~hicache.memory.host_pool.HostKVPool` are laid out alike), and
+the workers only do what each step's metadata says. The tree is hicache's
+:class:`~hicache.prefix_cache.radix.RadixCache`, keyed by token ids under the request's salt
+(the same root the page-key chain has), with its eviction policies and its incremental
+eviction index; a node's slots are host page slots instead of device ones.
+
+Nothing the scheduler believes can turn into garbage KV: a worker checks, for every page it
+loads from its host pool, that the slot holds the key the scheduler names, and reports a slot
+that does not (:meth:`HostPageTree.drop_slots` then forgets what the tree held there).
+
+Locks: a node whose pages a worker is still writing to storage is locked (so its slots are not
+given to other pages while the write reads them) until every worker reported the write done.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from hicache.memory.allocator import PagedTokenAllocator
+from hicache.prefix_cache.node import TreeNode
+from hicache.prefix_cache.radix import RadixCache
+from hicache.prefix_cache.types import EvictParams, InsertParams, MatchPrefixParams, RadixKey
+
+__all__ = ["HostMatch", "HostPageTree"]
+
+
+class HostMatch:
+    """The leading pages of a prompt the host pools hold: ``slots[i]`` holds page ``i``;
+    ``node`` is the deepest node of the match (lock it to keep the pages)."""
+
+    __slots__ = ("node", "slots")
+
+    def __init__(self, node: TreeNode, slots: list[int]) -> None:
+        self.node = node
+        self.slots = slots
+
+    @property
+    def pages(self) -> int:
+        return len(self.slots)
+
+
+class HostPageTree:
+    """``num_pages`` host page slots, and which page prefixes they hold."""
+
+    def __init__(self, num_pages: int, block_size: int, *, eviction_policy: str = "lru") -> None:
+        if num_pages < 1 or block_size < 1:
+            raise ValueError(f"bad host tier: {num_pages} pages of {block_size} tokens")
+        self.block_size = block_size
+        self.num_pages = num_pages
+        self.allocator = PagedTokenAllocator(num_pages * block_size, block_size, "cpu")
+        self.tree = RadixCache(
+            req_to_token_pool=None, token_to_kv_pool_allocator=self.allocator, page_size=block_size,
+            eviction_policy=eviction_policy,
+        )
+        self.stats: dict[str, int] = dict.fromkeys(("evicted_pages", "dropped_pages", "alloc_failures"), 0)
+
+    # ------------------------------------------------------------------ slots <-> token indices
+    def _slots(self, indices: torch.Tensor) -> list[int]:
+        return [int(i) // self.block_size for i in indices[:: self.block_size].tolist()]
+
+    def _indices(self, slots: Sequence[int]) -> torch.Tensor:
+        if not slots:
+            return torch.empty(0, dtype=torch.int64)
+        base = torch.tensor(list(slots), dtype=torch.int64).unsqueeze(1) * self.block_size
+        return (base + torch.arange(self.block_size, dtype=torch.int64)).reshape(-1)
+
+    # ------------------------------------------------------------------ lookup
+    def match(self, tokens: Sequence[int], salt: str | None, max_pages: int, *, count_hit: bool = True) -> HostMatch:
+        """The longest run of the first ``max_pages`` pages of ``tokens`` the host pools hold."""
+        n = max(0, min(max_pages, len(tokens) // self.block_size)) * self.block_size
+        key = RadixKey(list(tokens[:n]), salt)
+        result = self.tree.match_prefix(MatchPrefixParams(key=key), count_hit=count_hit)
+        return HostMatch(result.last_device_node, self._slots(result.device_indices))
+
+    # ------------------------------------------------------------------ slots
+    def reserve(self, num_pages: int, keep: TreeNode | None = None) -> list[int] | None:
+        """``num_pages`` free slots, evicting unlocked leaves by policy for room (never ``keep``
+        or its ancestors); ``None`` when not that many can be freed."""
+        if num_pages <= 0:
+            return []
+        need = num_pages * self.block_size
+        if keep is not None:
+            self.tree.inc_lock_ref(keep)
+        try:
+            got = self.allocator.alloc(need)
+            if got is None:
+                before = self.allocator.available_size()
+                self.stats["evicted_pages"] += self.tree.evict(EvictParams(need - before)).num_tokens_evicted // self.block_size
+                got = self.allocator.alloc(need)
+        finally:
+            if keep is not None:
+                self.tree.dec_lock_ref(keep)
+        if got is None:
+            self.stats["alloc_failures"] += 1
+            return None
+        return self._slots(got)
+
+    def release(self, slots: Iterable[int]) -> None:
+        """Give back slots that never joined the tree (staging for one step)."""
+        slots = list(slots)
+        if slots:
+            self.allocator.free(self._indices(slots))
+
+    # ------------------------------------------------------------------ insert, locks
+    def insert(self, tokens: Sequence[int], salt: str | None, prefix: HostMatch, slots: Sequence[int]) -> TreeNode:
+        """Pages ``[prefix.pages, prefix.pages + len(slots))`` of ``tokens`` now live in
+        ``slots`` (the pages before them are ``prefix``, a match made in this same call
+        sequence). Returns the node of the last page. Slots the tree did not take (it held the
+        page already) are given back."""
+        bs = self.block_size
+        end = prefix.pages + len(slots)
+        key = RadixKey(list(tokens[: end * bs]), salt)
+        value = self._indices([*prefix.slots, *slots])
+        result = self.tree.insert(InsertParams(key=key, value=value))
+        node = result.last_device_node
+        held = self._slots(self.tree._path_slots(node))
+        extra = [s for s, h in zip(slots, held[prefix.pages :]) if s != h]
+        if len(held) != end:  # cannot happen: the path was just inserted
+            extra = list(slots)
+        self.release(extra)
+        return node
+
+    def lock(self, node: TreeNode) -> None:
+        self.tree.inc_lock_ref(node)
+
+    def unlock(self, node: TreeNode) -> None:
+        if node.tree is self.tree.root_node.tree:
+            self.tree.dec_lock_ref(node)
+
+    # ------------------------------------------------------------------ repair
+    def drop_slots(self, bad: Iterable[int]) -> int:
+        """A worker found that these slots do not hold what the tree says: forget the nodes
+        holding them (with the pages after them, unreachable now). Locked subtrees stay until
+        their write is done; the worker keeps refusing their pages meanwhile. Returns the pages
+        dropped."""
+        bad = set(bad)
+        if not bad:
+            return 0
+        victims = [n for n in self.tree._nodes() if n.value is not None and bad.intersection(self._slots(n.value))]
+        dropped = 0
+        for node in victims:
+            if node.parent is None:
+                continue  # gone with an earlier victim's subtree
+            subtree = [node]
+            i = 0
+            while i < len(subtree):
+                subtree.extend(subtree[i].children.values())
+                i += 1
+            if any(n.lock_ref for n in subtree):
+                continue
+            for n in reversed(subtree):  # leaves first
+                dropped += self.tree._evict_device_node(n) // self.block_size
+        self.stats["dropped_pages"] += dropped
+        return dropped
+
+    def held_pages(self) -> int:
+        return self.tree.total_size() // self.block_size
