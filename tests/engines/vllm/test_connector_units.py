@@ -1,27 +1,33 @@
 """The connector's engine-free halves against a real file store and real torch tensors shaped
-like vLLM's CPU KV cache (blocks x heads x block_size x (K|V content))."""
+like vLLM's CPU KV cache (blocks x heads x block_size x (K|V content)): the scheduler's radix
+tree over host slots, the worker's HostKVPool and controller, and the reports between them."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 import torch
 
 from hicache.errors import ConfigError
+from hicache.integrations.vllm.host_tree import HostPageTree
 from hicache.integrations.vllm.naming import KVGeometry, PageKeyChain, deployment_namespace
 from hicache.integrations.vllm.options import ConnectorOptions
-from hicache.integrations.vllm.scheduler_side import SchedulerSide
-from hicache.integrations.vllm.store_io import StoreIO
-from hicache.integrations.vllm.worker_side import PageTransfer, WorkerSide
+from hicache.integrations.vllm.scheduler_side import SchedulerSide, StepPlan
+from hicache.integrations.vllm.store_io import StoreIO, make_backend
+from hicache.integrations.vllm.transfers import PageLoad, PageSave
+from hicache.integrations.vllm.worker_side import WorkerSide
 
 BS = 32
 GEOM = KVGeometry(block_size=BS, num_layers=2, num_kv_heads=1, head_size=64, dtype="bfloat16", block_nbytes=BS * 128 * 2)
 TOKENS = [(i * 37 + 11) % 500 for i in range(5 * BS + 3)]
+OTHER = [(i * 53 + 5) % 500 for i in range(5 * BS + 3)]
 
 
 def namespace(**kw: object):
@@ -37,11 +43,22 @@ def kv_layers(seed: int | None, blocks: int = 16) -> list[torch.Tensor]:
     return [torch.randn(blocks, 1, BS, 128, generator=g).to(torch.bfloat16) for _ in range(2)]
 
 
-def worker(root: Path, layers: list[torch.Tensor], host_pages: int = 64) -> WorkerSide:
-    w = WorkerSide(GEOM, StoreIO("file", {"root": str(root)}, [namespace()], name="t-worker"),
-                   host_pages=host_pages, load_timeout_s=10.0)
+def worker(root: Path, layers: list[torch.Tensor], host_pages: int = 64, load_timeout_s: float = 10.0,
+           **controller: object) -> WorkerSide:
+    opts = ConnectorOptions(controller=dict(controller))
+    w = WorkerSide(GEOM, make_backend("file", {"root": str(root)}, namespace()), host_pages=host_pages,
+                   load_timeout_s=load_timeout_s, controller=opts.controller_config())
     w.register([(f"layer.{i}", t) for i, t in enumerate(layers)])
     return w
+
+
+def scheduler(backend: str, options: dict, host_pages: int = 64, **kw: float) -> SchedulerSide:
+    return SchedulerSide(StoreIO(backend, options, [namespace()], name="t-sched"), HostPageTree(host_pages, BS),
+                         lookup_wait_s=kw.get("wait", 5.0), lookup_timeout_s=kw.get("timeout", 5.0))
+
+
+def saves(keys: Sequence[str], slots: Sequence[int], blocks: Sequence[int], job: int = 1) -> PageSave:
+    return PageSave("r", tuple(keys), tuple(slots), tuple(blocks), job=job)
 
 
 def stored(root: Path, seed: int, num_pages: int) -> tuple[list[torch.Tensor], list[str]]:
@@ -50,17 +67,49 @@ def stored(root: Path, seed: int, num_pages: int) -> tuple[list[torch.Tensor], l
     src = kv_layers(seed)
     keys = PageKeyChain(BS).extend(TOKENS, num_pages)
     w = worker(root, src)
-    w.save([PageTransfer("r", tuple(keys), tuple(range(num_pages)))])
+    w.save([saves(keys, range(num_pages), range(num_pages))])
     assert w.close(timeout=30) == 0
     return src, keys
 
 
-def load(w: WorkerSide, transfers: list[PageTransfer]) -> set[int]:
-    w.start(transfers)
+def load(w: WorkerSide, loads: list[PageLoad]) -> set[int]:
+    w.start(loads)
     for i in range(GEOM.num_layers):
         w.wait_layer(f"layer.{i}")
     w.finish_step()
     return w.take_failed_blocks()
+
+
+def run_step(s: SchedulerSide, w: WorkerSide, scheduled: list, *, report: bool = True) -> tuple[StepPlan, set[int]]:
+    """One vLLM step of both halves: plan, the worker's loads and saves, its report back."""
+    plan = s.plan_step(scheduled)
+    failed = load(w, plan.loads)
+    w.save(plan.saves)
+    if report:
+        s.on_report(w.take_report())
+    return plan, failed
+
+
+def wait_report(s: SchedulerSide, w: WorkerSide, timeout: float = 20.0) -> None:
+    """Hand the worker's reports to the scheduler until every storage write ended."""
+    deadline = time.monotonic() + timeout
+    while s._writes and time.monotonic() < deadline:
+        s.on_report(w.take_report())
+        time.sleep(0.02)
+    assert not s._writes, "storage writes never reported done"
+
+
+def request(s: SchedulerSide, rid: str, tokens: list[int], blocks: list[int], num_computed: int = 0) -> int:
+    """A request's lookup and allocation as vLLM makes them; returns the tokens hicache serves."""
+    hit = s.matched_tokens(rid, tokens, None, num_computed)
+    assert hit is not None
+    if hit:
+        s.allocated(rid, blocks, hit)
+    return hit
+
+
+def page_files(root: Path) -> list[Path]:
+    return [p for p in root.rglob("*") if p.is_file() and p.stat().st_size > GEOM.page_nbytes]
 
 
 # ---------------------------------------------------------------- keys and namespace
@@ -113,6 +162,15 @@ def test_options_refuse_unknown_keys_and_bad_values() -> None:
             ConnectorOptions.from_extra_config(bad)
     with pytest.raises(ConfigError, match="no option"):
         StoreIO("file", {"rooot": "/nonexistent"}, [namespace()], name="t")
+    with pytest.raises(ConfigError, match="lru"):
+        ConnectorOptions.from_extra_config({"eviction_policy": "newest"})
+    with pytest.raises(ConfigError, match="storage_queue_size"):
+        ConnectorOptions.from_extra_config({"controller": {"storage_queue_sise": 8}})
+    with pytest.raises(ConfigError, match="set by the connector"):
+        ConnectorOptions.from_extra_config({"controller": {"prefetch_threshold": 64}})
+    opts = ConnectorOptions.from_extra_config({"controller": {"storage_max_retries": 1}, "eviction_policy": "slru"})
+    cfg = opts.controller_config()
+    assert cfg.storage_max_retries == 1 and cfg.prefetch_threshold == 0 and cfg.prefetch_policy == "wait_complete"
 
 
 # ---------------------------------------------------------------- worker: save, load
@@ -120,22 +178,22 @@ def test_saved_pages_load_back_bit_exact_in_a_new_worker(tmp_path: Path) -> None
     src = kv_layers(seed=1)
     keys = PageKeyChain(BS).extend(TOKENS, 5)
     w1 = worker(tmp_path, src)
-    w1.save([PageTransfer("r", tuple(keys[:3]), (4, 9, 2)), PageTransfer("q", tuple(keys[3:5]), (11, 0))])
+    w1.save([saves(keys[:3], (0, 1, 2), (4, 9, 2), job=1), PageSave("q", tuple(keys[3:5]), (3, 4), (11, 0), job=2)])
     assert w1.close(timeout=30) == 0
     assert w1.stats["pages_saved"] == 5
 
     dst = kv_layers(seed=None)
     w2 = worker(tmp_path, dst)
     try:
-        failed = load(w2, [PageTransfer("r", tuple(keys[:5]), (1, 2, 3, 4, 5))])
+        failed = load(w2, [PageLoad("r", tuple(keys[:5]), (7, 8, 9, 10, 11), (1, 2, 3, 4, 5))])
         assert failed == set()
         for layer_src, layer_dst in zip(src, dst):
             for s, d in zip((4, 9, 2, 11, 0), (1, 2, 3, 4, 5)):
                 assert torch.equal(layer_src[s], layer_dst[d])
         assert w2.stats["pages_loaded"] == 5
         # the second time the pages come from the host pool, not from storage
-        assert load(w2, [PageTransfer("r", tuple(keys[:2]), (6, 7))]) == set()
-        assert w2.stats["pages_from_host"] == 2
+        assert load(w2, [PageLoad("r", tuple(keys[:2]), (7, 8), (6, 7), from_host=2)]) == set()
+        assert w2.stats["pages_from_host"] == 2 and w2.stats["pages_loaded"] == 5
         assert torch.equal(dst[1][6], src[1][4])
     finally:
         w2.close(timeout=10)
@@ -143,7 +201,7 @@ def test_saved_pages_load_back_bit_exact_in_a_new_worker(tmp_path: Path) -> None
 
 def test_a_damaged_page_fails_with_the_pages_after_it_and_writes_nothing(tmp_path: Path) -> None:
     src, keys = stored(tmp_path, seed=2, num_pages=4)
-    pages = sorted(p for p in tmp_path.rglob("*") if p.is_file() and p.stat().st_size > GEOM.page_nbytes)
+    pages = sorted(page_files(tmp_path))
     assert len(pages) == 4
     # damage the page of keys[1]: find its file by the payload it holds, flip one payload byte
     payload = torch.cat([t[1].reshape(-1).view(torch.uint8) for t in src]).numpy().tobytes()
@@ -155,39 +213,122 @@ def test_a_damaged_page_fails_with_the_pages_after_it_and_writes_nothing(tmp_pat
     dst = kv_layers(seed=None)
     w2 = worker(tmp_path, dst)
     try:
-        failed = load(w2, [PageTransfer("r", tuple(keys), (8, 9, 10, 11)), PageTransfer("x", ("missing-key",), (12,))])
+        failed = load(w2, [PageLoad("r", tuple(keys), (0, 1, 2, 3), (8, 9, 10, 11)),
+                           PageLoad("x", ("missing-key",), (4,), (12,))])
         assert failed == {9, 10, 11, 12}
         assert torch.equal(dst[0][8], src[0][0])
         for b in (9, 10, 11, 12):
             assert not dst[0][b].any() and not dst[1][b].any()  # nothing written into failed blocks
+        # the slots the scheduler put those pages in are reported: they hold nothing
+        assert w2.take_report().bad_slots == {1, 2, 3, 4}
+        assert w2.holds(0) == keys[0] and w2.holds(1) is None
     finally:
         w2.close(timeout=10)
 
 
-def test_saves_never_block_when_the_host_pool_is_pinned_full(tmp_path: Path) -> None:
-    src = kv_layers(seed=3)
+def test_a_read_slower_than_the_load_timeout_fails_its_blocks_and_writes_nothing(tmp_path: Path) -> None:
+    _, keys = stored(tmp_path, seed=5, num_pages=2)
+    dst = kv_layers(seed=None)
+    w2 = worker(tmp_path, dst, host_pages=8, load_timeout_s=0.5, cancelled_io_grace_s=0.2)
+    backend = w2.controller.storage
+    real_read = backend._read
+
+    async def slow_read(pages, buffers):  # type: ignore[no-untyped-def]
+        await asyncio.sleep(3.0)
+        return await real_read(pages, buffers)
+
+    backend._read = slow_read  # type: ignore[method-assign]
+    try:
+        t = time.monotonic()
+        assert load(w2, [PageLoad("r", tuple(keys), (3, 4), (3, 4))]) == {3, 4}
+        assert time.monotonic() - t < 2.5
+        assert not dst[0][3:5].any() and not dst[1][3:5].any()
+        # the slots a cancelled read may still touch are refused until the grace period ends
+        w2.save([saves(keys, (3, 4), (3, 4))])
+        assert w2.stats["saves_dropped"] == 2 and w2.take_report().bad_slots == {3, 4}
+        deadline = time.monotonic() + 10
+        while w2._reading and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not w2._reading
+    finally:
+        w2.close(timeout=10)
+
+
+def test_a_closed_worker_ignores_further_steps(tmp_path: Path) -> None:
+    src, keys = stored(tmp_path, seed=6, num_pages=1)
+    w = worker(tmp_path, src)
+    assert w.close(timeout=10) == 0
+    assert w.close(timeout=10) == 0  # twice is fine
+    w.start([PageLoad("r", tuple(keys), (3,), (3,))])
+    w.wait_layer("layer.0")
+    w.save([saves(keys, (3,), (3,), job=7)])
+    w.finish_step()
+    assert w.take_failed_blocks() == set()
+    assert w.take_report().jobs_done[7] == 1  # the scheduler still learns the job ended
+
+
+def test_close_drains_the_storage_queue_or_reports_what_it_left(tmp_path: Path) -> None:
+    """Writes still queued at shutdown reach the store (close waits for the controller's
+    queue), or, past the close timeout, are counted as lost, never half written."""
+    src = kv_layers(seed=8)
     keys = PageKeyChain(BS).extend(TOKENS, 5)
-    w = worker(tmp_path, src, host_pages=2)
-    pinned = [w.pool.alloc_pin(), w.pool.alloc_pin()]
-    t = time.monotonic()
-    w.save([PageTransfer("r", tuple(keys), (0, 1, 2, 3, 4))])
-    assert time.monotonic() - t < 1.0
-    assert w.stats["saves_dropped"] == 5
-    for slot in pinned:
-        w.pool.unpin(slot)
-    w.save([PageTransfer("r", tuple(keys[:2]), (0, 1))])
+    for root, timeout in ((tmp_path / "drained", 30.0), (tmp_path / "cut", 0.2)):
+        w = worker(root, src, storage_batch_pages=1)
+        backend = w.controller.storage
+        real_write = backend._write
+
+        async def slow_write(pages, buffers, parents, real_write=real_write):  # type: ignore[no-untyped-def]
+            await asyncio.sleep(0.3)
+            return await real_write(pages, buffers, parents)
+
+        backend._write = slow_write  # type: ignore[method-assign]
+        w.save([saves(keys, range(5), range(5))])
+        lost = w.close(timeout=timeout)
+        if timeout > 1:
+            assert lost == 0 and w.stats["pages_saved"] == 5
+            dst = kv_layers(seed=None)
+            w2 = worker(root, dst)
+            try:
+                assert load(w2, [PageLoad("r", tuple(keys), tuple(range(5)), (10, 11, 12, 13, 14))]) == set()
+                assert all(torch.equal(src[i][b], dst[i][10 + b]) for i in range(2) for b in range(5))
+            finally:
+                w2.close(timeout=10)
+        else:
+            assert lost > 0 and w.stats["pages_saved"] + lost == 5
+            assert len(page_files(root)) == w.stats["pages_saved"]
+
+
+def test_a_slot_still_being_written_is_never_overwritten(tmp_path: Path) -> None:
+    src = kv_layers(seed=9)
+    keys = PageKeyChain(BS).extend(TOKENS, 2)
+    other = PageKeyChain(BS).extend(OTHER, 1)
+    w = worker(tmp_path, src)
+    backend = w.controller.storage
+    real_write = backend._write
+
+    async def slow_write(pages, buffers, parents):  # type: ignore[no-untyped-def]
+        await asyncio.sleep(0.5)
+        return await real_write(pages, buffers, parents)
+
+    backend._write = slow_write  # type: ignore[method-assign]
+    w.save([saves(keys, (0, 1), (0, 1), job=1)])
+    w.save([saves(other, (1,), (7,), job=2)])  # a (buggy) plan reusing slot 1 at once
+    report = w.take_report()
+    assert report.bad_slots == {1} and report.jobs_done[2] == 1 and w.stats["saves_dropped"] == 1
+    assert w.holds(1) == keys[1]
     assert w.close(timeout=30) == 0
-    assert w.stats["pages_saved"] == 2
+    dst = kv_layers(seed=None)
+    w2 = worker(tmp_path, dst)
+    try:
+        assert load(w2, [PageLoad("r", tuple(keys), (0, 1), (3, 4))]) == set()
+        assert torch.equal(dst[0][4], src[0][1])  # the page written is the first one, whole
+    finally:
+        w2.close(timeout=10)
 
 
 # ---------------------------------------------------------------- scheduler
-def scheduler(backend: str, options: dict, **kw: float) -> SchedulerSide:
-    return SchedulerSide(StoreIO(backend, options, [namespace()], name="t-sched"), block_size=BS,
-                         lookup_wait_s=kw.get("wait", 5.0), lookup_timeout_s=kw.get("timeout", 5.0))
-
-
 def test_scheduler_hits_stored_pages_and_plans_loads_and_saves(tmp_path: Path) -> None:
-    _, keys = stored(tmp_path, seed=4, num_pages=3)
+    stored(tmp_path, seed=4, num_pages=3)
     keys = PageKeyChain(BS).extend(TOKENS, 5)
     s = scheduler("file", {"root": str(tmp_path)})
     try:
@@ -199,13 +340,16 @@ def test_scheduler_hits_stored_pages_and_plans_loads_and_saves(tmp_path: Path) -
         blocks = list(range(100, 106))
         s.allocated("d", blocks, 2 * BS)
         plan = s.plan_step([("d", 3 * BS, len(TOKENS), TOKENS, blocks)])
-        assert plan.loads == [PageTransfer("d", tuple(keys[1:3]), (101, 102))]
-        # blocks 3 and 4 became full this step and were not loaded: they are saved
-        assert plan.saves == [PageTransfer("d", tuple(keys[3:5]), (103, 104))]
+        # the tree holds no prefix of them (vLLM holds block 0): read into staging slots
+        (ld,) = plan.loads
+        assert (ld.keys, ld.block_ids, ld.from_host) == (tuple(keys[1:3]), (101, 102), 0)
+        # every page from the tree's end on goes to host slots; 3 and 4 are new: written
+        (sv,) = plan.saves
+        assert sv.keys == tuple(keys) and sv.block_ids == tuple(blocks[:5]) and sv.write_from == 3
+        assert sv.prior_key == keys[2] and s.tree.held_pages() == 5
         assert s.plan_step([("d", len(TOKENS), len(TOKENS) + 1, TOKENS, blocks)]).saves == []
-        # vLLM recomputes from block 2 on (its load failed): blocks 2.. are saved again
-        again = s.plan_step([("d", 2 * BS, len(TOKENS), TOKENS, blocks)]).saves
-        assert again == [PageTransfer("d", tuple(keys[2:5]), (102, 103, 104))]
+        # another request with the same prompt is served from the host tier at once
+        assert s.matched_tokens("e", TOKENS, None, 0) == 5 * BS
         s.finished("d")
         assert s.plan_step([("d", 0, len(TOKENS), TOKENS, blocks)]).saves == []
     finally:
@@ -248,43 +392,136 @@ def test_scheduler_lookup_past_its_timeout_is_a_miss(tmp_path: Path) -> None:
         s.close(timeout=10)
 
 
-def test_a_read_slower_than_the_load_timeout_fails_its_blocks_and_writes_nothing(tmp_path: Path) -> None:
-    import asyncio
-
-    _, keys = stored(tmp_path, seed=5, num_pages=2)
-
-    dst = kv_layers(seed=None)
-    w2 = WorkerSide(GEOM, StoreIO("file", {"root": str(tmp_path)}, [namespace()], name="t-slow"),
-                    host_pages=8, load_timeout_s=0.5)
-    w2.register([(f"layer.{i}", t) for i, t in enumerate(dst)])
-    backend = w2.store.primary
-    real_read = backend._read
-
-    async def slow_read(pages, buffers):  # type: ignore[no-untyped-def]
-        await asyncio.sleep(3.0)
-        return await real_read(pages, buffers)
-
-    backend._read = slow_read  # type: ignore[method-assign]
+# ---------------------------------------------------------------- both halves together
+def test_a_prompt_is_served_from_the_host_tier_without_storage(tmp_path: Path) -> None:
+    """Computed once, its blocks freed by vLLM, asked again: the tree says the host pool holds
+    it, the worker copies it from there (the store is emptied first: it cannot come from it)."""
+    src = kv_layers(seed=10)
+    s = scheduler("file", {"root": str(tmp_path)})
+    w = worker(tmp_path, src)
     try:
-        t = time.monotonic()
-        assert load(w2, [PageTransfer("r", tuple(keys), (3, 4))]) == {3, 4}
-        assert time.monotonic() - t < 2.5
-        assert not dst[0][3:5].any() and not dst[1][3:5].any()
-        assert w2.pool.stats()["pinned"] == 0  # nothing left pinned by the failed load
+        assert request(s, "a", TOKENS, list(range(6))) == 0
+        run_step(s, w, [("a", 0, len(TOKENS), TOKENS, list(range(6)))])
+        s.finished("a")
+        wait_report(s, w)
+        for p in page_files(tmp_path):
+            p.unlink()
+        blocks = list(range(8, 14))
+        assert request(s, "b", TOKENS, blocks) == 5 * BS
+        plan, failed = run_step(s, w, [("b", 5 * BS, len(TOKENS), TOKENS, blocks)])
+        assert failed == set() and plan.loads[0].from_host == 5 and plan.saves == []
+        assert w.stats["pages_from_host"] == 5 and w.stats["pages_loaded"] == 0
+        assert all(torch.equal(src[i][b], src[i][8 + b]) for i in range(2) for b in range(5))
+        assert s.stats["host_hit_tokens"] == 5 * BS
+    finally:
+        w.close(timeout=10)
+        s.close(timeout=10)
+
+
+def test_evicted_host_pages_come_back_from_storage(tmp_path: Path) -> None:
+    """A host tier of 6 pages: a second prompt evicts the first one's pages by LRU (locked
+    pages, still being written, are not evicted); the first prompt then hits storage and loads
+    bit-exact into new slots, which join the tree again."""
+    src = kv_layers(seed=11)
+    orig = [t.clone() for t in src]
+    s = scheduler("file", {"root": str(tmp_path)}, host_pages=6)
+    w = worker(tmp_path, src, host_pages=6)
+    try:
+        request(s, "a", TOKENS, list(range(6)))
+        run_step(s, w, [("a", 0, len(TOKENS), TOKENS, list(range(6)))])
+        assert s.tree.held_pages() == 5
+        # while a's pages are being written they are locked: b finds no room and saves nothing
+        before = s.stats["saves_dropped"]
+        request(s, "b", OTHER, list(range(6, 12)))
+        if s._writes:
+            plan = s.plan_step([("b", 0, len(OTHER), OTHER, list(range(6, 12)))])
+            assert plan.saves == [] and s.stats["saves_dropped"] == before + 5
+            s.finished("b")
+            request(s, "b", OTHER, list(range(6, 12)))
+        wait_report(s, w)
+        run_step(s, w, [("b", 0, len(OTHER), OTHER, list(range(6, 12)))])
+        wait_report(s, w)
+        # the tree evicts whole nodes: a's pages (one node) went at once
+        assert s.tree.held_pages() == 5 and s.tree.stats["evicted_pages"] == 5
+        held = s.tree.match(TOKENS, None, 5, count_hit=False).pages
+        assert held == 0
+        s.finished("a")
+        blocks = [12, 13, 14, 15, 0, 1]
+        assert request(s, "a2", TOKENS, blocks) == 5 * BS  # host part, then storage
+        plan, failed = run_step(s, w, [("a2", 5 * BS, len(TOKENS), TOKENS, blocks)])
+        assert failed == set()
+        (ld,) = plan.loads
+        assert ld.from_host == held
+        assert w.stats["pages_loaded"] == 5 - held
+        assert all(torch.equal(orig[i][b], src[i][blocks[b]]) for i in range(2) for b in range(5))
+        assert s.tree.match(TOKENS, None, 5, count_hit=False).pages == 5  # in the host tier again
+        s.tree.tree.sanity_check()
+    finally:
+        w.close(timeout=10)
+        s.close(timeout=10)
+
+
+def test_a_worker_that_lost_its_host_pages_reports_them_and_nothing_wrong_is_served(tmp_path: Path) -> None:
+    """The scheduler's tree says the host pool holds a prompt, but the worker restarted (an
+    empty pool): the load fails for those blocks (vLLM recomputes them), the worker reports the
+    slots, the scheduler forgets them, and the next lookup goes to storage and loads right."""
+    src = kv_layers(seed=12)
+    s = scheduler("file", {"root": str(tmp_path)})
+    w = worker(tmp_path, src)
+    request(s, "a", TOKENS, list(range(6)))
+    run_step(s, w, [("a", 0, len(TOKENS), TOKENS, list(range(6)))])
+    wait_report(s, w)
+    assert w.close(timeout=30) == 0
+    s.finished("a")
+    dst = kv_layers(seed=None)
+    w2 = worker(tmp_path, dst)
+    try:
+        blocks = list(range(8, 14))
+        assert request(s, "b", TOKENS, blocks) == 5 * BS
+        plan, failed = run_step(s, w2, [("b", 5 * BS, len(TOKENS), TOKENS, blocks)])
+        assert failed == set(blocks[:5])
+        assert not dst[0][8:13].any()  # nothing copied from slots that hold nothing
+        assert s.tree.held_pages() == 0  # the report dropped every node
+        s.finished("b")
+        assert request(s, "c", TOKENS, blocks) == 5 * BS  # from storage now
+        plan, failed = run_step(s, w2, [("c", 5 * BS, len(TOKENS), TOKENS, blocks)])
+        assert failed == set() and plan.loads[0].from_host == 0
+        assert all(torch.equal(src[i][b], dst[i][8 + b]) for i in range(2) for b in range(5))
     finally:
         w2.close(timeout=10)
+        s.close(timeout=10)
 
 
-def test_a_closed_worker_ignores_further_steps(tmp_path: Path) -> None:
-    src, keys = stored(tmp_path, seed=6, num_pages=1)
-    w = worker(tmp_path, src)
-    assert w.close(timeout=10) == 0
-    assert w.close(timeout=10) == 0  # twice is fine
-    w.start([PageTransfer("r", tuple(keys), (3,))])
-    w.wait_layer("layer.0")
-    w.save([PageTransfer("r", tuple(keys), (3,))])
-    w.finish_step()
-    assert w.take_failed_blocks() == set()
+def test_writes_unlock_only_when_every_worker_reported(tmp_path: Path) -> None:
+    from hicache.integrations.vllm.transfers import WorkerReport
+
+    s = SchedulerSide(StoreIO("file", {"root": str(tmp_path)}, [namespace()], name="t"), HostPageTree(8, BS),
+                      lookup_wait_s=5.0, lookup_timeout_s=5.0, num_workers=2)
+    try:
+        request(s, "a", TOKENS, list(range(6)))
+        (sv,) = s.plan_step([("a", 0, len(TOKENS), TOKENS, list(range(6)))]).saves
+        s.on_report(WorkerReport(jobs_done=__import__("collections").Counter({sv.job: 1})))
+        assert sv.job in s._writes
+        merged = WorkerReport().merge(WorkerReport(jobs_done=__import__("collections").Counter({sv.job: 1})))
+        s.on_report(merged)
+        assert not s._writes and s.tree.tree.protected_size() == 0
+    finally:
+        s.close(timeout=10)
+
+
+def test_the_worker_report_crosses_vllm_as_mergeable_worker_metadata() -> None:
+    from collections import Counter
+
+    from hicache.integrations.vllm.connector import HiCacheWorkerMetadata
+    from hicache.integrations.vllm.transfers import WorkerReport
+
+    a = HiCacheWorkerMetadata(WorkerReport(Counter({1: 1}), {3}))
+    b = HiCacheWorkerMetadata(WorkerReport(Counter({1: 1, 2: 1}), {4}))
+    merged = a.aggregate(b)
+    assert merged.report.jobs_done == Counter({1: 2, 2: 1}) and merged.report.bad_slots == {3, 4}
+    import pickle
+
+    assert pickle.loads(pickle.dumps(merged)).report == merged.report
 
 
 def test_kv_first_layers_round_trip_block_by_block(tmp_path: Path) -> None:
@@ -294,12 +531,12 @@ def test_kv_first_layers_round_trip_block_by_block(tmp_path: Path) -> None:
     src = [torch.randn(2, 16, BS, 1, 64, generator=g).to(torch.bfloat16) for _ in range(2)]
     keys = PageKeyChain(BS).extend(TOKENS, 3)
     w1 = worker(tmp_path, src)
-    w1.save([PageTransfer("r", tuple(keys), (5, 0, 9))])
+    w1.save([saves(keys, (0, 1, 2), (5, 0, 9))])
     assert w1.close(timeout=30) == 0
     dst = [torch.zeros(2, 16, BS, 1, 64, dtype=torch.bfloat16) for _ in range(2)]
     w2 = worker(tmp_path, dst)
     try:
-        assert load(w2, [PageTransfer("r", tuple(keys), (1, 2, 3))]) == set()
+        assert load(w2, [PageLoad("r", tuple(keys), (0, 1, 2), (1, 2, 3))]) == set()
         for a, b in zip(src, dst):
             for s, d in zip((5, 0, 9), (1, 2, 3)):
                 assert torch.equal(a[:, s], b[:, d])
