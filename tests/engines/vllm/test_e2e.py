@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -189,3 +190,36 @@ def test_two_engines_share_one_store(tiny: Path, computed: Any, tmp_path: Path) 
     assert a[1]["cached"] == [HITS[2]] and b[1]["cached"] == HITS[:2]
     assert a[1]["outputs"] == b[0]["outputs"] == [first["outputs"][2]]
     assert b[1]["outputs"] == a[0]["outputs"] == first["outputs"][:2]
+
+
+def test_host_tier_serves_a_prompt_after_vllm_freed_its_blocks(tiny: Path, computed: Any, tmp_path: Path) -> None:
+    """One engine without vLLM's own prefix cache (its blocks are freed when a request ends):
+    the prompts computed once are asked again after the store was emptied, so the cached
+    tokens can only come from hicache's host pool, and the text is the computed one."""
+    _, first = computed
+    root = tmp_path / "store"
+    stored, go = str(tmp_path / "stored"), str(tmp_path / "go")
+    spec = spec_for(tiny, file_store(root), prefix_caching=False,
+                    phases=[{"prompts": PROMPTS, "signal": stored}, {"prompts": PROMPTS, "wait_for": go}])
+    cmd, out, log, env = engine_cmd(tmp_path, "host", spec)
+    proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env, cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + ENGINE_TIMEOUT
+        while not os.path.exists(stored) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        time.sleep(1.0)  # the last storage writes of phase 1 land
+        pages = [p for p in root.rglob("*") if p.is_file() and p.name != "manifest.json" and p.stat().st_size > 4096]
+        assert pages, f"nothing was stored:\n{log.read_text(errors='replace')[-4000:]}"
+        for p in pages:
+            p.unlink()
+        Path(go).write_text("go")
+        rc = proc.wait(timeout=ENGINE_TIMEOUT)
+        assert rc == 0, f"engine failed:\n{log.read_text(errors='replace')[-6000:]}"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    phases = json.loads(out.read_text())["phases"]
+    assert phases[0]["cached"] == [0, 0, 0] and phases[0]["outputs"] == first["outputs"]
+    assert phases[1]["cached"] == HITS
+    assert phases[1]["outputs"] == first["outputs"]
