@@ -31,6 +31,32 @@ from hicache.prefix_cache.types import EvictParams, InsertParams, MatchPrefixPar
 __all__ = ["HostMatch", "HostPageTree"]
 
 
+class _SlotTree(RadixCache):
+    """hicache's radix tree whose "device" slots are host page slots; the two walks the host
+    tier needs beyond the tree's own interface."""
+
+    def path_slots(self, node: TreeNode) -> torch.Tensor:
+        """Slots from the root through ``node``."""
+        return self._path_slots(node)
+
+    def drop_subtree(self, node: TreeNode) -> int | None:
+        """Free ``node`` and everything below it; ``None`` (nothing dropped) when a lock is
+        held anywhere in it. Returns the tokens freed."""
+        subtree = [node]
+        i = 0
+        while i < len(subtree):
+            subtree.extend(subtree[i].children.values())
+            i += 1
+        if any(n.lock_ref for n in subtree):
+            return None
+        return sum(self._evict_device_node(n) for n in reversed(subtree))  # leaves first
+
+    def nodes_holding(self, slots: set[int]) -> list[TreeNode]:
+        ps = self.page_size
+        return [n for n in self._nodes() if n.value is not None
+                and slots.intersection(int(i) // ps for i in n.value[::ps].tolist())]
+
+
 class HostMatch:
     """The leading pages of a prompt the host pools hold: ``slots[i]`` holds page ``i``;
     ``node`` is the deepest node of the match (lock it to keep the pages)."""
@@ -55,7 +81,7 @@ class HostPageTree:
         self.block_size = block_size
         self.num_pages = num_pages
         self.allocator = PagedTokenAllocator(num_pages * block_size, block_size, "cpu")
-        self.tree = RadixCache(
+        self.tree = _SlotTree(
             req_to_token_pool=None, token_to_kv_pool_allocator=self.allocator, page_size=block_size,
             eviction_policy=eviction_policy,
         )
@@ -120,7 +146,7 @@ class HostPageTree:
         value = self._indices([*prefix.slots, *slots])
         result = self.tree.insert(InsertParams(key=key, value=value))
         node = result.last_device_node
-        held = self._slots(self.tree._path_slots(node))
+        held = self._slots(self.tree.path_slots(node))
         extra = [s for s, h in zip(slots, held[prefix.pages :]) if s != h]
         if len(held) != end:  # cannot happen: the path was just inserted
             extra = list(slots)
@@ -143,20 +169,10 @@ class HostPageTree:
         bad = set(bad)
         if not bad:
             return 0
-        victims = [n for n in self.tree._nodes() if n.value is not None and bad.intersection(self._slots(n.value))]
         dropped = 0
-        for node in victims:
-            if node.parent is None:
-                continue  # gone with an earlier victim's subtree
-            subtree = [node]
-            i = 0
-            while i < len(subtree):
-                subtree.extend(subtree[i].children.values())
-                i += 1
-            if any(n.lock_ref for n in subtree):
-                continue
-            for n in reversed(subtree):  # leaves first
-                dropped += self.tree._evict_device_node(n) // self.block_size
+        for node in self.tree.nodes_holding(bad):
+            if node.parent is not None:  # not gone with an earlier victim's subtree
+                dropped += (self.tree.drop_subtree(node) or 0) // self.block_size
         self.stats["dropped_pages"] += dropped
         return dropped
 
