@@ -10,8 +10,9 @@ Turn it on with one config line (the module path is this package)::
 
 Importing this package never imports vLLM: the connector class is resolved on first attribute
 access (vLLM's factory does ``getattr(module, "HiCacheConnector")``), so the core and its tests
-stay engine-free. The engine-independent halves (:mod:`.scheduler_side`, :mod:`.worker_side`,
-:mod:`.naming`, :mod:`.options`) import no vLLM at all.
+stay engine-free. The engine-independent halves (:mod:`.scheduler_side` with its host tier
+tree :mod:`.host_tree`, :mod:`.worker_side` with its host pool :mod:`.host_pool`, the step
+plan :mod:`.transfers`, :mod:`.naming`, :mod:`.options`) import no vLLM at all.
 """
 
 from __future__ import annotations

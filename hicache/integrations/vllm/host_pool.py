@@ -11,6 +11,8 @@ CUDA is there (what lets copies to and from a GPU run asynchronously), plain mem
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from hicache.integrations.vllm.naming import KVGeometry
@@ -18,7 +20,16 @@ from hicache.memory.host_pool import HostKVPool
 from hicache.memory.layouts import PAGE_FIRST
 from hicache.memory.layouts import KVGeometry as PoolGeometry
 
-__all__ = ["block_host_pool"]
+__all__ = ["block_host_pool", "slot_indices"]
+
+
+def slot_indices(slots: Sequence[int], page_size: int) -> torch.Tensor:
+    """Host token indices of page slots ``slots`` (each page's consecutive tokens), as host
+    pools, allocators and storage take them."""
+    if not slots:
+        return torch.empty(0, dtype=torch.int64)
+    base = torch.tensor(list(slots), dtype=torch.int64).unsqueeze(1) * page_size
+    return (base + torch.arange(page_size, dtype=torch.int64)).reshape(-1)
 
 
 class _BlockLayout:

@@ -19,16 +19,20 @@ given to other pages while the write reads them) until every worker reported the
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Sequence
 
 import torch
 
+from hicache.integrations.vllm.host_pool import slot_indices
 from hicache.memory.allocator import PagedTokenAllocator
 from hicache.prefix_cache.node import TreeNode
 from hicache.prefix_cache.radix import RadixCache
 from hicache.prefix_cache.types import EvictParams, InsertParams, MatchPrefixParams, RadixKey
 
 __all__ = ["HostMatch", "HostPageTree"]
+
+logger = logging.getLogger("hicache.integrations.vllm")
 
 
 class _SlotTree(RadixCache):
@@ -92,10 +96,7 @@ class HostPageTree:
         return [int(i) // self.block_size for i in indices[:: self.block_size].tolist()]
 
     def _indices(self, slots: Sequence[int]) -> torch.Tensor:
-        if not slots:
-            return torch.empty(0, dtype=torch.int64)
-        base = torch.tensor(list(slots), dtype=torch.int64).unsqueeze(1) * self.block_size
-        return (base + torch.arange(self.block_size, dtype=torch.int64)).reshape(-1)
+        return slot_indices(slots, self.block_size)
 
     # ------------------------------------------------------------------ lookup
     def match(self, tokens: Sequence[int], salt: str | None, max_pages: int, *, count_hit: bool = True) -> HostMatch:
@@ -157,8 +158,12 @@ class HostPageTree:
         self.tree.inc_lock_ref(node)
 
     def unlock(self, node: TreeNode) -> None:
-        if node.tree is self.tree.root_node.tree:
+        if node.tree is not self.tree.root_node.tree:
+            return
+        try:
             self.tree.dec_lock_ref(node)
+        except RuntimeError:  # a lock released twice: a bug here, never a reason to stop vLLM
+            logger.exception("hicache: host tier lock bookkeeping is off")
 
     # ------------------------------------------------------------------ repair
     def drop_slots(self, bad: Iterable[int]) -> int:

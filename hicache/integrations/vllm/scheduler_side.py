@@ -93,6 +93,7 @@ class SchedulerSide:
         self._reqs: dict[str, _Request] = {}
         self._loads: dict[str, PageLoad] = {}
         self._staging: list[int] = []  # slots of this step's storage reads that join no node
+        self._step_locks: list[TreeNode] = []  # pages this step loads: not evicted while it is planned
         self._writes: dict[int, _Write] = {}
         self._jobs = itertools.count(1)
         self.stats: dict[str, int] = dict.fromkeys(
@@ -175,6 +176,7 @@ class SchedulerSide:
         held = min(host.pages, end)
         slots = host.slots[start:held]
         missing = end - max(start, held)
+        self._lock_for_step(host.node)
         if missing:
             new = self.tree.reserve(missing, keep=host.node)
             if new is None:
@@ -182,7 +184,7 @@ class SchedulerSide:
                 new = [-1] * missing  # no room: those pages fail and vLLM recomputes them
             elif held >= start:
                 # the pages follow the tree's: they join it (the worker reports them if the read fails)
-                self.tree.insert(state.tokens, state.salt, host, new)
+                self._lock_for_step(self.tree.insert(state.tokens, state.salt, host, new))
             else:
                 self._staging.extend(new)  # vLLM holds the pages before them, the tree does not
             slots = [*slots, *new]
@@ -194,6 +196,13 @@ class SchedulerSide:
         self.stats["hit_tokens"] += n * bs
         self.stats["host_hit_tokens"] += max(0, held - start) * bs
         self.stats["pages_to_load"] += n
+
+    def _lock_for_step(self, node: TreeNode) -> None:
+        """Keep ``node``'s slots out of this step's evictions: a load planned into a slot that a
+        later request of the same step got again would fail (the worker refuses two reads into
+        one slot)."""
+        self.tree.lock(node)
+        self._step_locks.append(node)
 
     # ------------------------------------------------------------------ steps
     def plan_step(self, scheduled: Sequence[tuple[str, int, int, Sequence[int], Sequence[int]]]) -> StepPlan:
@@ -227,6 +236,9 @@ class SchedulerSide:
             # staging slots are free for later steps: the worker reads into them in this one
             self.tree.release(self._staging)
             self._staging = []
+            for node in self._step_locks:
+                self.tree.unlock(node)
+            self._step_locks = []
         return plan
 
     def _save(

@@ -42,7 +42,7 @@ import torch
 
 from hicache.controller import ControllerConfig, HiCacheController
 from hicache.controller.jobs import StorageWriteJob
-from hicache.integrations.vllm.host_pool import block_host_pool
+from hicache.integrations.vllm.host_pool import block_host_pool, slot_indices
 from hicache.integrations.vllm.naming import KVGeometry
 from hicache.integrations.vllm.options import ConnectorOptions
 from hicache.integrations.vllm.transfers import PageLoad, PageSave, WorkerReport
@@ -153,9 +153,7 @@ class WorkerSide:
         return view
 
     def _indices(self, slots: Sequence[int]) -> torch.Tensor:
-        ps = self.pool.page_size
-        base = torch.tensor(list(slots), dtype=torch.int64).unsqueeze(1) * ps
-        return (base + torch.arange(ps, dtype=torch.int64)).reshape(-1)
+        return slot_indices(slots, self.pool.page_size)
 
     def _valid_slot(self, slot: int) -> bool:
         return 0 <= slot < self.num_pages
