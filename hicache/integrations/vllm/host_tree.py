@@ -107,19 +107,27 @@ class HostPageTree:
         return HostMatch(result.last_device_node, self._slots(result.device_indices))
 
     # ------------------------------------------------------------------ slots
-    def reserve(self, num_pages: int, keep: TreeNode | None = None) -> list[int] | None:
+    def reserve(self, num_pages: int, keep: TreeNode | None = None, *, partial: bool = False) -> list[int] | None:
         """``num_pages`` free slots, evicting unlocked leaves by policy for room (never ``keep``
-        or its ancestors); ``None`` when not that many can be freed."""
+        or its ancestors); ``None`` when not that many can be freed, or with ``partial`` as
+        many as can be (``None`` when none)."""
         if num_pages <= 0:
             return []
-        need = num_pages * self.block_size
+        bs = self.block_size
         if keep is not None:
             self.tree.inc_lock_ref(keep)
         try:
+            if partial:  # every unlocked page can be evicted: locks reach up to the root
+                room = (self.allocator.available_size() + self.tree.evictable_size()) // bs
+                num_pages = min(num_pages, room)
+                if num_pages <= 0:
+                    self.stats["alloc_failures"] += 1
+                    return None
+            need = num_pages * bs
             got = self.allocator.alloc(need)
             if got is None:
                 before = self.allocator.available_size()
-                self.stats["evicted_pages"] += self.tree.evict(EvictParams(need - before)).num_tokens_evicted // self.block_size
+                self.stats["evicted_pages"] += self.tree.evict(EvictParams(need - before)).num_tokens_evicted // bs
                 got = self.allocator.alloc(need)
         finally:
             if keep is not None:

@@ -231,7 +231,6 @@ class SchedulerSide:
                 save = self._save(req_id, state, token_ids, keys, block_ids)
                 if save is not None:
                     plan.saves.append(save)
-                state.saved_pages = len(keys)
         finally:
             # staging slots are free for later steps: the worker reads into them in this one
             self.tree.release(self._staging)
@@ -245,26 +244,34 @@ class SchedulerSide:
         self, req_id: str, state: _Request, token_ids: Sequence[int], keys: list[str], block_ids: Sequence[int]
     ) -> PageSave | None:
         """Pages ``[saved_pages, len(keys))`` are new: put every page from the end of the
-        tree's match on into host slots, and write the new ones to storage."""
+        tree's match on into host slots (as many as there is room for, the first ones first),
+        and write the new ones to storage. Sets ``saved_pages`` to the end of what is saved:
+        pages that found no room are tried again next step."""
         full = len(keys)
         host: HostMatch = self.tree.match(token_ids, state.salt, full, count_hit=False)
         held = min(host.pages, full)
         if held >= full:
+            state.saved_pages = full
             return None  # the host tier holds them all already (so storage does too)
-        slots = self.tree.reserve(full - held, keep=host.node)
+        slots = self.tree.reserve(full - held, keep=host.node, partial=True)
         if slots is None:
-            self.stats["saves_dropped"] += full - held
+            self.stats["saves_dropped"] += full - max(held, state.saved_pages)
+            state.saved_pages = max(state.saved_pages, held)
             return None
+        end = held + len(slots)
         node = self.tree.insert(token_ids, state.salt, host, slots)
-        write_from = max(state.saved_pages, held)
+        write_from = min(max(state.saved_pages, held), end)
         job = 0
-        if write_from < full:
+        if write_from < end:
             job = next(self._jobs)
             self.tree.lock(node)  # its slots stay put while a worker writes them to storage
             self._writes[job] = _Write(node, self.num_workers)
-            self.stats["pages_to_save"] += full - write_from
+            self.stats["pages_to_save"] += end - write_from
+        if end < full:
+            self.stats["saves_dropped"] += full - end
+        state.saved_pages = max(state.saved_pages, end)
         return PageSave(
-            req_id, tuple(keys[held:full]), tuple(slots), tuple(int(b) for b in block_ids[held:full]),
+            req_id, tuple(keys[held:end]), tuple(slots), tuple(int(b) for b in block_ids[held:end]),
             write_from=write_from - held, prior_key=keys[write_from - 1] if write_from > 0 else None, job=job,
         )
 

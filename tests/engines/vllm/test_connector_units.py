@@ -419,9 +419,8 @@ def test_a_prompt_is_served_from_the_host_tier_without_storage(tmp_path: Path) -
 
 
 def test_evicted_host_pages_come_back_from_storage(tmp_path: Path) -> None:
-    """A host tier of 6 pages: a second prompt evicts the first one's pages by LRU (locked
-    pages, still being written, are not evicted); the first prompt then hits storage and loads
-    bit-exact into new slots, which join the tree again."""
+    """A host tier of 6 pages: a second prompt evicts the first one's pages by LRU; the first
+    prompt then hits storage and loads bit-exact into new slots, which join the tree again."""
     src = kv_layers(seed=11)
     orig = [t.clone() for t in src]
     s = scheduler("file", {"root": str(tmp_path)}, host_pages=6)
@@ -430,15 +429,8 @@ def test_evicted_host_pages_come_back_from_storage(tmp_path: Path) -> None:
         request(s, "a", TOKENS, list(range(6)))
         run_step(s, w, [("a", 0, len(TOKENS), TOKENS, list(range(6)))])
         assert s.tree.held_pages() == 5
-        # while a's pages are being written they are locked: b finds no room and saves nothing
-        before = s.stats["saves_dropped"]
+        wait_report(s, w)  # a's writes ended: its pages may be evicted now
         request(s, "b", OTHER, list(range(6, 12)))
-        if s._writes:
-            plan = s.plan_step([("b", 0, len(OTHER), OTHER, list(range(6, 12)))])
-            assert plan.saves == [] and s.stats["saves_dropped"] == before + 5
-            s.finished("b")
-            request(s, "b", OTHER, list(range(6, 12)))
-        wait_report(s, w)
         run_step(s, w, [("b", 0, len(OTHER), OTHER, list(range(6, 12)))])
         wait_report(s, w)
         # the tree evicts whole nodes: a's pages (one node) went at once
@@ -489,6 +481,31 @@ def test_a_worker_that_lost_its_host_pages_reports_them_and_nothing_wrong_is_ser
         assert all(torch.equal(src[i][b], dst[i][8 + b]) for i in range(2) for b in range(5))
     finally:
         w2.close(timeout=10)
+        s.close(timeout=10)
+
+
+def test_a_load_without_host_room_fails_its_blocks_for_recompute(tmp_path: Path) -> None:
+    """Every host slot is locked by writes still running: a storage hit gets no slot to read
+    into, so its blocks are reported failed (vLLM recomputes them); nothing waits or raises.
+    A save bigger than the room saves its first pages and tries the rest next step."""
+    stored(tmp_path, seed=13, num_pages=4)
+    src = kv_layers(seed=14)
+    s = scheduler("file", {"root": str(tmp_path)}, host_pages=3)
+    w = worker(tmp_path, src, host_pages=3)
+    try:
+        request(s, "a", OTHER, list(range(6)))
+        (sv,), _ = run_step(s, w, [("a", 0, len(OTHER), OTHER, list(range(6)))], report=False)[0].saves, None
+        assert len(sv.keys) == 3 and s.tree.held_pages() == 3  # five pages, three slots: the first three
+        assert s.tree.tree.protected_size() == 3 * BS  # locked while being written
+        # the rest finds no room while the writes run: nothing saved, nothing waits
+        assert s.plan_step([("a", len(OTHER), len(OTHER) + 1, OTHER, list(range(6)))]).saves == []
+        blocks = list(range(10, 15))
+        assert request(s, "c", TOKENS, blocks) == 4 * BS  # the storage hit is real
+        plan, failed = run_step(s, w, [("c", 4 * BS, len(TOKENS), TOKENS, blocks)], report=False)
+        assert plan.loads[0].slots == (-1,) * 4 and failed == set(blocks[:4])
+        assert s.stats["loads_without_room"] == 1
+    finally:
+        w.close(timeout=10)
         s.close(timeout=10)
 
 
