@@ -95,6 +95,7 @@ class WorkerSide:
         self.layers: list[torch.Tensor] = []
         self._layer_index: dict[str, int] = {}
         self._kv_first: list[bool] = []
+        self._num_blocks = 0
         self._lock = threading.Lock()
         # what each slot holds (the key of a complete page), and storage I/O still using it
         self._resident: list[str | None] = [None] * self.num_pages
@@ -138,6 +139,7 @@ class WorkerSide:
                     f"{want} bytes the namespace says (neither [blocks, ...] nor [2, blocks, ...])"
                 )
         self._kv_first = kv_first
+        self._num_blocks = min(int(t.shape[1] if first else t.shape[0]) for (_, t), first in zip(named_layers, kv_first))
         self.layers = [t for _, t in named_layers]
         self._layer_index = {name: i for i, (name, _) in enumerate(named_layers)}
 
@@ -157,6 +159,9 @@ class WorkerSide:
 
     def _valid_slot(self, slot: int) -> bool:
         return 0 <= slot < self.num_pages
+
+    def _valid_block(self, block: int) -> bool:
+        return 0 <= block < self._num_blocks
 
     def holds(self, slot: int) -> str | None:
         """The key of the page ``slot`` holds (``None``: nothing usable)."""
@@ -237,7 +242,7 @@ class WorkerSide:
                             if good:
                                 self._resident[slot] = key
                             source = "pages_loaded"
-                        good = good and not broken
+                        good = good and not broken and self._valid_block(block)
                         if good:
                             plan.append((slot, block))
                             self.stats[source] += 1
@@ -340,8 +345,12 @@ class WorkerSide:
         for spec in saves:
             slots: list[int] = []
             with self._lock:
-                for key, slot in zip(spec.keys, spec.slots):
+                for slot, block in zip(spec.slots, spec.block_ids):
                     if not self._valid_slot(slot) or self._reading[slot] or self._writing[slot]:
+                        break
+                    if not self._valid_block(block):
+                        logger.error("hicache: save of %s names block %d of %d; not saved", spec.req_id, block,
+                                     self._num_blocks)
                         break
                     slots.append(slot)
                     self._resident[slot] = None  # not a complete page until the copy is done

@@ -267,6 +267,20 @@ def test_a_closed_worker_ignores_further_steps(tmp_path: Path) -> None:
     assert w.take_report().jobs_done[7] == 1  # the scheduler still learns the job ended
 
 
+def test_block_ids_outside_vllms_cache_fail_cleanly(tmp_path: Path) -> None:
+    src = kv_layers(seed=15)
+    keys = PageKeyChain(BS).extend(TOKENS, 3)
+    w = worker(tmp_path, src)
+    try:
+        w.save([saves(keys, (0, 1, 2), (3, 99, 4), job=5)])  # block 99 does not exist
+        assert w.holds(0) == keys[0] and w.holds(1) is None
+        assert load(w, [PageLoad("r", tuple(keys[:1]), (0,), (-1,), from_host=1)]) == {-1}
+    finally:
+        assert w.close(timeout=10) == 0
+    report = w.take_report()
+    assert report.jobs_done[5] == 1 and report.bad_slots == {1, 2} and w.stats["pages_saved"] == 1
+
+
 def test_close_drains_the_storage_queue_or_reports_what_it_left(tmp_path: Path) -> None:
     """Writes still queued at shutdown reach the store (close waits for the controller's
     queue), or, past the close timeout, are counted as lost, never half written."""
