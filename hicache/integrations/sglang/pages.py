@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from hicache.memory.layouts import PAGE_FORMAT
+from hicache.storage.segments import BOUNCE_BYTES, PageSegments, StridedPiece
 
 __all__ = [
     "CanonicalPagePool",
@@ -114,6 +115,9 @@ class CanonicalPagePool:
         self.page_nbytes: int = self.page_numel * kv.element_size()
         self.size: int = int(getattr(pool, "size", 0)) or (kv.numel() // (self.page_numel // self.page_size))
         self._live = probe.is_contiguous()
+        self._pieces = _piece_plan(probe, kv.element_size())
+        # the pool's bytes, sliced for each direct piece (cheaper than a tensor view per piece)
+        self._kv_bytes = memoryview(kv.reshape(-1).view(torch.uint8).numpy()).cast("B") if kv.is_contiguous() else None
         self._bound: dict[int, _Binding] = {}
         self._lock = threading.Lock()
 
@@ -196,6 +200,28 @@ class CanonicalPagePool:
             return self._canonical(index).reshape(-1).view(torch.uint8)
         return None
 
+    def page_segments(self, index: int) -> PageSegments | None:
+        """The page as pieces of the pool's memory in canonical order, for backends that do
+        scatter/gather I/O (:mod:`hicache.storage.segments`): direct byte runs where the layout
+        keeps a (K/V, layer) block contiguous (``layer_first``, ``page_first_direct``), strided
+        views of a few layers each otherwise (``page_first``, ``page_head``). ``None`` for a
+        live page (its ``page_view`` is simpler) or a page bound to a staging page."""
+        self._page(index)
+        if self._live or self._kv_bytes is None or int(index) in self._bound:
+            return None
+        view = self._canonical(index)
+        elsize = self._kv.element_size()
+        base = (view.storage_offset() - self._kv.storage_offset()) * elsize
+        pieces: list[Any] = []
+        for c, spans in enumerate(self._pieces):
+            for l0, l1, nbytes, direct in spans:
+                if direct:
+                    at = base + c * view.stride(0) * elsize + l0 * view.stride(1) * elsize
+                    pieces.append(self._kv_bytes[at : at + nbytes])
+                else:
+                    pieces.append(StridedPiece(view[c, l0:l1]))
+        return PageSegments(pieces)
+
     def get_data_page(self, index: int, flat: bool = True) -> torch.Tensor:
         """A canonical copy of the page (pool dtype; 1-D when ``flat``)."""
         self._page(index)
@@ -251,6 +277,25 @@ class CanonicalPagePool:
             f"CanonicalPagePool({type(self.pool).__name__}, layout={self.layout!r}, "
             f"page_size={self.page_size}, page_nbytes={self.page_nbytes}, live={self._live})"
         )
+
+
+def _piece_plan(probe: torch.Tensor, elsize: int) -> list[list[tuple[int, int, int, bool]]]:
+    """For each component of a canonical page view ``(C, L, ps, *token)``, its pieces as
+    ``(first layer, end layer, bytes, direct)``: one direct piece when the component is one
+    contiguous run, one per layer when each layer's block is, else strided pieces of as many
+    layers as fit the bounce buffer. The same for every page of a pool (strides do not vary)."""
+    plan: list[list[tuple[int, int, int, bool]]] = []
+    layers = probe.shape[1]
+    block = probe[0, 0].numel() * elsize
+    for c in range(probe.shape[0]):
+        if probe[c].is_contiguous():
+            plan.append([(0, layers, block * layers, True)])
+        elif probe[c, 0].is_contiguous():
+            plan.append([(l, l + 1, block, True) for l in range(layers)])
+        else:
+            step = max(1, BOUNCE_BYTES // max(block, 1))
+            plan.append([(l, min(layers, l + step), block * (min(layers, l + step) - l), False) for l in range(0, layers, step)])
+    return plan
 
 
 def adapt_host_pool(pool: Any) -> tuple[Any, str | None]:
