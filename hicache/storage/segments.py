@@ -32,7 +32,7 @@ import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-import torch
+import numpy as np
 
 __all__ = [
     "BOUNCE_BYTES",
@@ -54,33 +54,35 @@ _IOV_MAX = 512  # well below Linux's 1024 iovecs per call
 
 
 class StridedPiece:
-    """A run of the canonical page that is strided in the pool: a typed tensor view of it.
+    """A run of the canonical page that is strided in the pool: a numpy view of it.
 
-    ``view`` is in canonical order (its row-major bytes are the payload bytes of this piece);
-    it is copied through a contiguous bounce buffer.
+    ``view``'s row-major bytes are this piece's payload bytes. It is copied through a
+    contiguous bounce buffer with numpy, which copies on the calling thread with the GIL
+    released (a torch copy would start its own intra-op threads from every I/O thread and
+    oversubscribe the cores).
     """
 
     __slots__ = ("view", "nbytes")
 
-    def __init__(self, view: torch.Tensor) -> None:
-        if view.device.type != "cpu":
-            raise ValueError(f"a page piece must be in CPU memory, got {view.device}")
+    def __init__(self, view: np.ndarray) -> None:
+        if not isinstance(view, np.ndarray):
+            raise TypeError(f"a strided page piece is a numpy view, got {type(view).__name__}")
         self.view = view
-        self.nbytes = view.numel() * view.element_size()
+        self.nbytes = int(view.nbytes)
 
-    def _typed(self, buffer: torch.Tensor) -> torch.Tensor:
-        return buffer[: self.nbytes].view(self.view.dtype).view(self.view.shape)
+    def _typed(self, buffer: np.ndarray) -> np.ndarray:
+        return buffer[: self.nbytes].view(self.view.dtype).reshape(self.view.shape)
 
-    def gather(self, buffer: torch.Tensor) -> None:
+    def gather(self, buffer: np.ndarray) -> None:
         """Copy the piece into the first ``nbytes`` of ``buffer`` (uint8, contiguous)."""
-        self._typed(buffer).copy_(self.view)
+        np.copyto(self._typed(buffer), self.view)
 
-    def scatter(self, buffer: torch.Tensor) -> None:
+    def scatter(self, buffer: np.ndarray) -> None:
         """Copy the first ``nbytes`` of ``buffer`` into the pool."""
-        self.view.copy_(self._typed(buffer))
+        np.copyto(self.view, self._typed(buffer))
 
     def __repr__(self) -> str:
-        return f"StridedPiece({tuple(self.view.shape)}, {self.view.dtype}, {self.nbytes} B)"
+        return f"StridedPiece({self.view.shape}, {self.view.dtype}, {self.nbytes} B)"
 
 
 Piece = memoryview | StridedPiece
@@ -121,9 +123,7 @@ class PageSegments:
                 view[offset : offset + len(p)] = p
                 offset += len(p)
             else:
-                target = torch.frombuffer(out, dtype=torch.uint8, count=p.nbytes, offset=offset) if p.nbytes else None
-                if target is not None:
-                    p.gather(target)
+                p.gather(np.frombuffer(view[offset : offset + p.nbytes], dtype=np.uint8))
                 offset += p.nbytes
         return out
 
@@ -138,9 +138,7 @@ class PageSegments:
                 p[:] = src[offset : offset + len(p)]
                 offset += len(p)
             else:
-                if p.nbytes:
-                    tmp = torch.frombuffer(bytearray(src[offset : offset + p.nbytes]), dtype=torch.uint8)
-                    p.scatter(tmp)
+                p.scatter(np.frombuffer(src[offset : offset + p.nbytes], dtype=np.uint8))
                 offset += p.nbytes
 
     def __repr__(self) -> str:
@@ -173,14 +171,14 @@ def io_runs(segments: PageSegments, run_bytes: int = RUN_BYTES) -> Iterator[list
 _local = threading.local()
 
 
-def bounce(nbytes: int) -> tuple[torch.Tensor, memoryview]:
-    """This thread's bounce buffer, at least ``nbytes`` long, as a uint8 tensor and a byte
-    view of the same memory (first ``nbytes`` bytes). Reused by every call on the thread."""
-    have: torch.Tensor | None = getattr(_local, "buffer", None)
-    if have is None or have.numel() < nbytes:
-        have = torch.empty(max(nbytes, BOUNCE_BYTES), dtype=torch.uint8)
+def bounce(nbytes: int) -> tuple[np.ndarray, memoryview]:
+    """This thread's bounce buffer, at least ``nbytes`` long, as a uint8 array and a byte view
+    of the same memory (first ``nbytes`` bytes). Reused by every call on the thread."""
+    have: np.ndarray | None = getattr(_local, "buffer", None)
+    if have is None or have.size < nbytes:
+        have = np.empty(max(nbytes, BOUNCE_BYTES), dtype=np.uint8)
         _local.buffer = have
-        _local.view = memoryview(have.numpy()).cast("B")
+        _local.view = memoryview(have).cast("B")
     return have, _local.view[:nbytes]
 
 

@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from hicache.memory.layouts import PAGE_FORMAT
@@ -62,6 +63,11 @@ _MLA: dict[str, tuple[_Slicer, tuple[int, ...]]] = {
     # (P, L, ps, 1, D)
     "page_first_direct": (lambda b, s, p, ps: b[p], (0, 1, 2, 3)),
 }
+
+
+# a numpy integer type of each element size: the pool's memory seen by numpy (which has no
+# bfloat16 or float8), to copy strided pieces with numpy
+_SAME_SIZE_INT: dict[int, torch.dtype] = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def _is_mla(pool: Any) -> bool:
@@ -117,7 +123,12 @@ class CanonicalPagePool:
         self._live = probe.is_contiguous()
         self._pieces = _piece_plan(probe, kv.element_size())
         # the pool's bytes, sliced for each direct piece (cheaper than a tensor view per piece)
-        self._kv_bytes = memoryview(kv.reshape(-1).view(torch.uint8).numpy()).cast("B") if kv.is_contiguous() else None
+        self._kv_bytes: memoryview | None = None
+        self._kv_np: np.ndarray | None = None
+        if kv.is_contiguous() and kv.element_size() in _SAME_SIZE_INT:
+            self._kv_bytes = memoryview(kv.reshape(-1).view(torch.uint8).numpy()).cast("B")
+            # the same memory as numpy (strided pieces are copied with numpy, see segments)
+            self._kv_np = kv.view(_SAME_SIZE_INT[kv.element_size()]).numpy()
         self._bound: dict[int, _Binding] = {}
         self._lock = threading.Lock()
 
@@ -207,16 +218,18 @@ class CanonicalPagePool:
         views of a few layers each otherwise (``page_first``, ``page_head``). ``None`` for a
         live page (its ``page_view`` is simpler) or a page bound to a staging page."""
         self._page(index)
-        if self._live or self._kv_bytes is None or int(index) in self._bound:
+        if self._live or self._kv_bytes is None or self._kv_np is None or int(index) in self._bound:
             return None
-        view = self._canonical(index)
-        elsize = self._kv.element_size()
-        base = (view.storage_offset() - self._kv.storage_offset()) * elsize
+        start, page = int(index), int(index) // self.page_size
+        view = self._slice(self._kv_np, start, page, self.page_size).transpose(self._perm)
+        if self.mla:
+            view = view[np.newaxis]
+        base = view.__array_interface__["data"][0] - self._kv_np.__array_interface__["data"][0]
         pieces: list[Any] = []
         for c, spans in enumerate(self._pieces):
             for l0, l1, nbytes, direct in spans:
                 if direct:
-                    at = base + c * view.stride(0) * elsize + l0 * view.stride(1) * elsize
+                    at = base + c * view.strides[0] + l0 * view.strides[1]
                     pieces.append(self._kv_bytes[at : at + nbytes])
                 else:
                     pieces.append(StridedPiece(view[c, l0:l1]))

@@ -228,8 +228,10 @@ class HiCacheSGLangStorage(_SGLangStorage):
         transfers = [t for t in (pool_transfers or ()) if _name(t.name) != KV]
 
         async def query(backend: AsyncHiCacheStorage) -> Any:
-            kv_flags = await backend.exists_pages(keys, KV)
-            kv_pages = next((i for i, f in enumerate(kv_flags) if not f), len(kv_flags))
+            # the KV prefix in as few round trips as the backend allows (S3: it stops at the
+            # first miss instead of one HEAD per page); extra pools only over that prefix
+            kv_pages = await backend.exists_prefix(keys, KV)
+            kv_flags = [True] * kv_pages + [False] * (len(keys) - kv_pages)
             flags: dict[Any, list[bool]] = {}
             if kv_pages:
                 for t in transfers:
