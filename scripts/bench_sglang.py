@@ -59,14 +59,20 @@ def _settle(ctl) -> None:
     os.sync()
 
 
-def _one(ctl, host, toks) -> tuple[float, float, bool]:
+def _cpu() -> float:
+    """CPU seconds (user + system, every thread) this process has used."""
+    t = os.times()
+    return t.user + t.system
+
+
+def _one(ctl, host, toks) -> tuple[float, float, float, float, bool]:
     src = ctl.mem_pool_host.alloc(len(toks))
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), _cpu()
     written = drive.backup(ctl, toks, src)
-    t_set = time.perf_counter() - t0
-    t0 = time.perf_counter()
+    t_set, c_set = time.perf_counter() - t0, _cpu() - c0
+    t0, c0 = time.perf_counter(), _cpu()
     done, dst = drive.prefetch(ctl, toks)
-    t_get = time.perf_counter() - t0
+    t_get, c_get = time.perf_counter() - t0, _cpu() - c0
     ps = host.page_size
     ok = written == len(toks) and done == len(toks) and all(
         torch.equal(host.get_data_page(int(s)), host.get_data_page(int(d)))  # same layout: SGLang's own pages
@@ -77,7 +83,7 @@ def _one(ctl, host, toks) -> tuple[float, float, bool]:
         ctl.mem_pool_host.free(dst)
     ctl.storage_backend.clear()
     _settle(ctl)
-    return t_set, t_get, ok
+    return t_set, t_get, c_set, c_get, ok
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -96,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     tokens_per_op = args.pages * args.page_size
     page_bytes = 2 * args.layers * args.page_size * args.heads * args.head_dim * 2
     report: dict = {
+        "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
         "what": "SGLang controller set (_page_backup) and get (_storage_hit_query + _page_transfer), "
         "hicache file backend vs SGLang's file backend, warm page cache",
         "geometry": {"layers": args.layers, "kv_heads": args.heads, "head_dim": args.head_dim,
@@ -114,17 +121,20 @@ def main(argv: list[str] | None = None) -> int:
             names = ["sglang", "hicache", *[v for v in args.variants.split(",") if v]]
             ctls = {name: _make(layout, name, f"{tmp}/{name}", dev, host) for name in names}
             times: dict[str, dict[str, list[float]]] = {n: {"set": [], "get": []} for n in ctls}
+            cpu: dict[str, dict[str, list[float]]] = {n: {"set": [], "get": []} for n in ctls}
             verified = True
             try:
                 for rep in range(args.reps + 1):  # rep 0 warms both paths up and is dropped
                     order = list(ctls)[rep % len(ctls) :] + list(ctls)[: rep % len(ctls)]  # each goes first in turn
                     toks = drive.tokens(tokens_per_op, seed=1000 + rep)
                     for name in order:
-                        t_set, t_get, ok = _one(ctls[name], host, toks)
+                        t_set, t_get, c_set, c_get, ok = _one(ctls[name], host, toks)
                         verified &= ok
                         if rep:
                             times[name]["set"].append(t_set)
                             times[name]["get"].append(t_get)
+                            cpu[name]["set"].append(c_set)
+                            cpu[name]["get"].append(c_get)
             finally:
                 for ctl in ctls.values():
                     ctl.detach_storage_backend()
@@ -137,11 +147,15 @@ def main(argv: list[str] | None = None) -> int:
                 "sglang_gbps": round(nbytes / statistics.median(times["sglang"][op]) / 1e9, 2),
                 "speedup_median": round(statistics.median(ratios), 2),
                 "speedup_range": [round(min(ratios), 2), round(max(ratios), 2)],
+                # CPU seconds per op, SGLang's over hicache's: the work each does, which a loaded
+                # machine disturbs far less than wall time (hicache spreads it over threads)
+                "cpu_ratio_median": round(statistics.median(cpu["sglang"][op]) / max(statistics.median(cpu["hicache"][op]), 1e-9), 2),
             }
             for name in names[2:]:
                 vr = [s / h for s, h in zip(times["sglang"][op], times[name][op])]
                 row[op][f"{name}_gbps"] = round(nbytes / statistics.median(times[name][op]) / 1e9, 2)
                 row[op][f"{name}_speedup_median"] = round(statistics.median(vr), 2)
+        row["load_average"] = [round(x, 2) for x in os.getloadavg()]
         report["layouts"][layout] = row
         print(f"{layout}: {json.dumps(row)}", file=sys.stderr)
     text = json.dumps(report, indent=2)

@@ -183,8 +183,10 @@ def bounce(nbytes: int) -> tuple[np.ndarray, memoryview]:
 
 
 def segment_sources(pool: Any, starts: Sequence[int]) -> list[PageSegments | None] | None:
-    """``pool.page_segments(start)`` for each page (``None`` for an index it rejects), or
-    ``None`` when the pool does not describe its pages as segments."""
+    """``pool.page_segments(start)`` for each page (``None`` for an index the pool rejects
+    with an error: that page fails), or ``None`` for the whole batch when the pool does not
+    describe its pages as segments - it has no such method, or answers ``None`` (or something
+    else) for a page it accepts - so that the batch takes the staging path."""
     fn = getattr(pool, "page_segments", None)
     if not callable(fn):
         return None
@@ -193,10 +195,9 @@ def segment_sources(pool: Any, starts: Sequence[int]) -> list[PageSegments | Non
         try:
             seg = fn(start)
         except Exception:  # noqa: BLE001 - a bad index is a failed page, not a failed batch
-            seg = None
-        if seg is not None and not isinstance(seg, PageSegments):
-            return None  # not ours: take the staging path
+            out.append(None)
+            continue
+        if not isinstance(seg, PageSegments):
+            return None
         out.append(seg)
-    if out and all(s is None for s in out):
-        return None
     return out

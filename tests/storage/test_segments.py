@@ -276,3 +276,50 @@ async def test_exists_prefix_stops_at_the_first_miss(tmp_path) -> None:
         assert await s.exists_prefix(["a", "b", "c", "d"]) == 2
         assert await s.batch_exists(["a", "b", "c", "d"]) == 2
         assert await s.exists_prefix([]) == 0
+
+
+class _Pool(SimpleNamespace):
+    """A page-protocol pool whose ``page_segments`` answers per page as told."""
+
+    def __init__(self, inner: CanonicalPagePool, answer) -> None:
+        super().__init__(page_size=inner.page_size, page_nbytes=inner.page_nbytes, inner=inner, answer=answer)
+
+    def get_data_page(self, index, flat=True):
+        return self.inner.get_data_page(index, flat)
+
+    def get_dummy_flat_data_page(self):
+        return self.inner.get_dummy_flat_data_page()
+
+    def set_from_flat_data_page(self, index, data):
+        self.inner.set_from_flat_data_page(index, data)
+
+    def page_segments(self, index):
+        return self.answer(self.inner, index)
+
+
+def test_segment_sources_fail_only_pages_the_pool_rejects() -> None:
+    from hicache.storage.segments import segment_sources
+
+    inner = _pool("page_head")
+
+    def reject_page_one(pool, index):
+        if index == PS:
+            raise IndexError("no such page")
+        return pool.page_segments(index)
+
+    got = segment_sources(_Pool(inner, reject_page_one), [0, PS, 2 * PS])
+    assert got is not None and got[1] is None and isinstance(got[0], PageSegments)
+    # a page the pool cannot describe (None, or anything else) sends the batch to staging
+    assert segment_sources(_Pool(inner, lambda p, i: None if i == PS else p.page_segments(i)), [0, PS]) is None
+    assert segment_sources(_Pool(inner, lambda p, i: b"x"), [0]) is None
+    assert segment_sources(SimpleNamespace(), [0]) is None
+
+
+async def test_a_pool_answering_none_is_read_through_staging(tmp_path) -> None:
+    writer, inner = _pool("page_first", seed=1), _pool("page_first", seed=2)
+    reader = _Pool(inner, lambda p, i: None)
+    async with await _store(tmp_path, writer) as s:
+        assert await _write(s, writer, ["a"], [1]) == [True]
+        s.register_mem_host_pool_v2(reader, "kv")
+        assert await s.batch_get_v1(["a"], _indices([2])) == [True]
+        assert _canonical_bytes(inner, 2) == _canonical_bytes(writer, 1)
