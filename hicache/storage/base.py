@@ -738,8 +738,8 @@ class AsyncHiCacheStorage(ABC):
     async def batch_exists(
         self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None
     ) -> int:
-        """Number of consecutive existing keys from the start (stops at the first miss)."""
-        return await self.exists_prefix(keys)
+        """Number of consecutive existing keys from the start."""
+        return leading_run(await self.exists_pages(keys))
 
     async def clear(self) -> bool:
         """Remove every page of this namespace; other namespaces are untouched."""

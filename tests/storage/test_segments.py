@@ -274,7 +274,7 @@ async def test_exists_prefix_stops_at_the_first_miss(tmp_path) -> None:
     async with await _store(tmp_path, pool) as s:
         assert await _write(s, pool, ["a", "b", "d"], [0, 1, 2]) == [True] * 3
         assert await s.exists_prefix(["a", "b", "c", "d"]) == 2
-        assert await s.batch_exists(["a", "b", "c", "d"]) == 2
+        assert await s.exists_prefix(["c", "a"]) == 0
         assert await s.exists_prefix([]) == 0
 
 

@@ -222,7 +222,11 @@ class HiCacheSGLangStorage(_SGLangStorage):
         return self._do("exists", lambda f: f.exists(key), False)
 
     def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
-        return self._do("batch_exists", lambda f: f.batch_exists(list(keys)), 0)
+        def run(f: HiCacheStorage) -> int:
+            assert self._backend is not None
+            return f.run(self._backend.exists_prefix(list(keys), KV))  # stops at the first miss
+
+        return self._do("batch_exists", run, 0)
 
     def batch_exists_v2(self, keys: list[str], pool_transfers: list[Any] | None = None, extra_info: Any = None) -> Any:
         transfers = [t for t in (pool_transfers or ()) if _name(t.name) != KV]
