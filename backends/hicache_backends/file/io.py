@@ -279,11 +279,11 @@ def _read_segments(
                 digest.update(v)
         else:
             n = run.nbytes
-            tensor, view = bounce(n)
+            array, view = bounce(n)
             if _read_all(fd, [view], offset) != n:
                 return Verdict.WRONG_LENGTH
             digest.update(view)
-            run.scatter(tensor)
+            run.scatter(array)
         offset += n
     if _read_all(fd, [footer], offset) != FOOTER_LEN:
         return Verdict.WRONG_LENGTH
@@ -302,8 +302,8 @@ def _write_segments(fd: int, codec: PageCodec, key: str, pool: str, page: PageSe
             _write_all(fd, run, offset)
             offset += sum(len(v) for v in run)
         else:
-            tensor, view = bounce(run.nbytes)
-            run.gather(tensor)
+            array, view = bounce(run.nbytes)
+            run.gather(array)
             digest.update(view)
             _write_all(fd, [view], offset)
             offset += run.nbytes
