@@ -6,15 +6,22 @@ pages (``_storage_hit_query`` + ``_page_transfer``, get), from a warm page cache
 checked byte for byte against the source pages (hicache also verifies each page's checksum as
 it reads). Reported: medians of GB/s per backend and of the per-repetition ratio hicache/SGLang.
 
+Between runs each store is cleared, hicache's background deletion is waited for and dirty
+pages are flushed (``os.sync``), so no run pays for the one before it (writeback of the other
+backend's pages, or its deletion). ``--variants`` adds hicache configurations to the same
+interleaved run, to price what they cost against SGLang's backend: ``unshared`` (no cross-process
+usage ledger: ``shared=False``), ``fsync`` (each page and its folder synced before success).
+
 Needs SGLang: run in the engine venv (``bash scripts/test_sglang.sh`` creates it)::
 
-    .venv-sglang/bin/python scripts/bench_sglang.py [--reps 7] [--pages 24] [--out FILE]
+    .venv-sglang/bin/python scripts/bench_sglang.py [--reps 7] [--pages 24] [--variants unshared,fsync] [--out FILE]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -31,21 +38,41 @@ import sgl_drive as drive  # noqa: E402
 import sgl_helpers as helpers  # noqa: E402
 
 
+#: hicache configurations a run can add beside the default (options of the file backend)
+VARIANTS: dict[str, dict] = {"hicache": {}, "unshared": {"shared": False}, "fsync": {"fsync": True}}
+
+
 def _make(layout: str, backend: str, root: str, dev, host):
     if backend == "sglang":
         extra = {"file_storage_path": root}
         return helpers.controller(dev, host, extra, backend="file")
-    return helpers.controller(dev, host, helpers.extra_config("file", root=root))
+    return helpers.controller(dev, host, helpers.extra_config("file", root=root, **VARIANTS[backend]))
 
 
-def _one(ctl, host, toks) -> tuple[float, float, bool]:
+def _settle(ctl) -> None:
+    """Nothing of this run may spill into the next: hicache's background deletion of the
+    cleared pages is waited for, and every dirty page is written back."""
+    store = ctl.storage_backend
+    backend = getattr(store, "backend", None)
+    if backend is not None and hasattr(backend, "wait_background"):
+        store._ensure_open().run(backend.wait_background())
+    os.sync()
+
+
+def _cpu() -> float:
+    """CPU seconds (user + system, every thread) this process has used."""
+    t = os.times()
+    return t.user + t.system
+
+
+def _one(ctl, host, toks) -> tuple[float, float, float, float, bool]:
     src = ctl.mem_pool_host.alloc(len(toks))
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), _cpu()
     written = drive.backup(ctl, toks, src)
-    t_set = time.perf_counter() - t0
-    t0 = time.perf_counter()
+    t_set, c_set = time.perf_counter() - t0, _cpu() - c0
+    t0, c0 = time.perf_counter(), _cpu()
     done, dst = drive.prefetch(ctl, toks)
-    t_get = time.perf_counter() - t0
+    t_get, c_get = time.perf_counter() - t0, _cpu() - c0
     ps = host.page_size
     ok = written == len(toks) and done == len(toks) and all(
         torch.equal(host.get_data_page(int(s)), host.get_data_page(int(d)))  # same layout: SGLang's own pages
@@ -55,7 +82,8 @@ def _one(ctl, host, toks) -> tuple[float, float, bool]:
     if dst is not None:
         ctl.mem_pool_host.free(dst)
     ctl.storage_backend.clear()
-    return t_set, t_get, ok
+    _settle(ctl)
+    return t_set, t_get, c_set, c_get, ok
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -67,12 +95,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--page-size", type=int, default=32)
     ap.add_argument("--layouts", default=",".join(helpers.MHA_LAYOUTS))
+    ap.add_argument("--variants", default="", help=f"extra hicache configurations, comma-separated: {sorted(set(VARIANTS) - {'hicache'})}")
     ap.add_argument("--out", help="also write the JSON report here")
     args = ap.parse_args(argv)
 
     tokens_per_op = args.pages * args.page_size
     page_bytes = 2 * args.layers * args.page_size * args.heads * args.head_dim * 2
     report: dict = {
+        "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
         "what": "SGLang controller set (_page_backup) and get (_storage_hit_query + _page_transfer), "
         "hicache file backend vs SGLang's file backend, warm page cache",
         "geometry": {"layers": args.layers, "kv_heads": args.heads, "head_dim": args.head_dim,
@@ -88,19 +118,23 @@ def main(argv: list[str] | None = None) -> int:
         host = helpers.host_pool(dev, layout, ratio=2.5)
         helpers.fill_random(host, 1)
         with tempfile.TemporaryDirectory(prefix="bench-sglang-") as tmp:
-            ctls = {name: _make(layout, name, f"{tmp}/{name}", dev, host) for name in ("sglang", "hicache")}
+            names = ["sglang", "hicache", *[v for v in args.variants.split(",") if v]]
+            ctls = {name: _make(layout, name, f"{tmp}/{name}", dev, host) for name in names}
             times: dict[str, dict[str, list[float]]] = {n: {"set": [], "get": []} for n in ctls}
+            cpu: dict[str, dict[str, list[float]]] = {n: {"set": [], "get": []} for n in ctls}
             verified = True
             try:
                 for rep in range(args.reps + 1):  # rep 0 warms both paths up and is dropped
-                    order = list(ctls) if rep % 2 else list(reversed(ctls))
+                    order = list(ctls)[rep % len(ctls) :] + list(ctls)[: rep % len(ctls)]  # each goes first in turn
                     toks = drive.tokens(tokens_per_op, seed=1000 + rep)
                     for name in order:
-                        t_set, t_get, ok = _one(ctls[name], host, toks)
+                        t_set, t_get, c_set, c_get, ok = _one(ctls[name], host, toks)
                         verified &= ok
                         if rep:
                             times[name]["set"].append(t_set)
                             times[name]["get"].append(t_get)
+                            cpu[name]["set"].append(c_set)
+                            cpu[name]["get"].append(c_get)
             finally:
                 for ctl in ctls.values():
                     ctl.detach_storage_backend()
@@ -113,7 +147,15 @@ def main(argv: list[str] | None = None) -> int:
                 "sglang_gbps": round(nbytes / statistics.median(times["sglang"][op]) / 1e9, 2),
                 "speedup_median": round(statistics.median(ratios), 2),
                 "speedup_range": [round(min(ratios), 2), round(max(ratios), 2)],
+                # CPU seconds per op, SGLang's over hicache's: the work each does, which a loaded
+                # machine disturbs far less than wall time (hicache spreads it over threads)
+                "cpu_ratio_median": round(statistics.median(cpu["sglang"][op]) / max(statistics.median(cpu["hicache"][op]), 1e-9), 2),
             }
+            for name in names[2:]:
+                vr = [s / h for s, h in zip(times["sglang"][op], times[name][op])]
+                row[op][f"{name}_gbps"] = round(nbytes / statistics.median(times[name][op]) / 1e9, 2)
+                row[op][f"{name}_speedup_median"] = round(statistics.median(vr), 2)
+        row["load_average"] = [round(x, 2) for x in os.getloadavg()]
         report["layouts"][layout] = row
         print(f"{layout}: {json.dumps(row)}", file=sys.stderr)
     text = json.dumps(report, indent=2)

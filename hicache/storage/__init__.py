@@ -1,9 +1,11 @@
 """The storage interface: SGLang-compatible types, the async backend base, the blocking facade,
-the v2 hit policy, the shared page format and the backend registry."""
+the v2 hit policy, the shared page format, pages as pool memory pieces (scatter/gather I/O)
+and the backend registry."""
 
 from hicache.storage.base import AsyncHiCacheStorage, StorageState
 from hicache.storage.hit_policy import resolve_v2_hits
 from hicache.storage.page_format import PageCodec, Verdict
+from hicache.storage.segments import PageSegments, StridedPiece
 from hicache.storage.registry import (
     ENTRY_POINT_GROUP,
     available_backends,
@@ -33,12 +35,14 @@ __all__ = [
     "HiCacheStorageExtraInfo",
     "PageCodec",
     "PageKey",
+    "PageSegments",
     "PoolHitPolicy",
     "PoolName",
     "PoolTransfer",
     "PoolTransferResult",
     "StorageState",
     "StorageStats",
+    "StridedPiece",
     "Verdict",
     "available_backends",
     "backend_class",

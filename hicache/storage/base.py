@@ -9,7 +9,8 @@ only moves bytes.
 Primitives (override in a backend)::
 
     _exists(pages)                 -> list[bool]
-    _read(pages, buffers)          -> list[bool]     payload lands in buffers (exact size)
+    _read(pages, buffers)          -> list[bool]     payload lands in buffers (exact size;
+                                                     PageSegments too if supports_segments)
     _write(pages, buffers, parents)-> list[bool]     parents: the page before each, or None
     _read_bytes(page)              -> bytes | None   payload of unknown size (v0 ``get``)
     _clear()                       -> None           this namespace only
@@ -41,6 +42,7 @@ from hicache.errors import StorageStateError
 from hicache.keys import Namespace, validate_key, validate_keys
 from hicache.storage import pages as page_io
 from hicache.storage import staging
+from hicache.storage.segments import PageSegments, segment_sources
 from hicache.storage.hit_policy import leading_run, resolve_v2_hits
 from hicache.storage.offload import run_to_completion
 from hicache.storage.stats import StorageStats
@@ -77,6 +79,10 @@ class AsyncHiCacheStorage(ABC):
 
     #: Name under which the backend is registered (informational).
     backend_name: ClassVar[str] = "abstract"
+    #: Whether ``_read``/``_write`` accept :class:`~hicache.storage.segments.PageSegments` as a
+    #: buffer (a page as pieces of pool memory). Then pages of a pool that describes them so
+    #: move without a staging copy; otherwise they take the staging path.
+    supports_segments: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -365,6 +371,13 @@ class AsyncHiCacheStorage(ABC):
         name = pool_name_str(pool)
         return await self._exists_guarded([PageKey(k, name) for k in keys])
 
+    async def exists_prefix(self, keys: Sequence[str], pool: PoolName | str = PoolName.KV) -> int:
+        """How many of ``keys``, from the first, have a page of ``pool`` stored: a prefix lookup
+        in as few backend round trips as the backend allows (it stops at the first miss)."""
+        keys = validate_keys(keys)
+        await self._ensure_open()
+        return await self._kv_prefix([PageKey(k, pool_name_str(pool)) for k in keys])
+
     async def batch_exists_v2(
         self,
         keys: list[str],
@@ -460,6 +473,9 @@ class AsyncHiCacheStorage(ABC):
         good_starts = [starts[i] for i in good]
         if not good:
             return [False] * len(keys)
+        pieces = self._segments(pool, good_starts)
+        if pieces is not None:
+            return await self._move_segments(name, keys, good, pieces, None)
         if page_io.needs_thread(pool, good_starts):
             # no live page view: the seed page protocol alone, through reused staging pages
             async def read(positions: list[int], bufs: list[memoryview]) -> list[bool]:
@@ -521,6 +537,9 @@ class AsyncHiCacheStorage(ABC):
         good_starts = [starts[i] for i in good]
         if not good:
             return [False] * len(keys)
+        pieces = self._segments(pool, good_starts)
+        if pieces is not None:
+            return await self._move_segments(name, keys, good, pieces, parents)
         if page_io.needs_thread(pool, good_starts):
             # no live page view: copies of one chunk are made while the previous one is written
             async def write(positions: list[int], bufs: list[memoryview]) -> list[bool]:
@@ -548,6 +567,36 @@ class AsyncHiCacheStorage(ABC):
             [parents[i] for i in live],
         )
         for i, flag in zip(live, done):
+            ok[i] = flag
+        return ok
+
+    def _segments(self, pool: Any, starts: list[int]) -> list[PageSegments | None] | None:
+        """The pages as pool memory pieces, when this backend takes them and the pool has no
+        live contiguous view of its pages (which is simpler still)."""
+        if not self.supports_segments or not page_io.needs_thread(pool, starts):
+            return None
+        return segment_sources(pool, starts)
+
+    async def _move_segments(
+        self,
+        name: str,
+        keys: list[str],
+        good: list[int],
+        pieces: list[PageSegments | None],
+        parents: list[PageKey | None] | None,
+    ) -> list[bool]:
+        """Read (``parents is None``) or write the pages straight from/into pool memory."""
+        live = [(i, seg) for i, seg in zip(good, pieces) if seg is not None]
+        ok = [False] * len(keys)
+        if not live:
+            return ok
+        pages = [PageKey(keys[i], name) for i, _ in live]
+        bufs: list[Any] = [seg for _, seg in live]
+        if parents is None:
+            flags = await self._read_guarded(pages, bufs)
+        else:
+            flags = await self._write_guarded(pages, bufs, [parents[i] for i, _ in live])
+        for (i, _), flag in zip(live, flags):
             ok[i] = flag
         return ok
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import xxhash
 
-__all__ = ["MAGIC", "FORMAT_VERSION", "PageCodec", "PageHeader", "Verdict", "checksum"]
+__all__ = ["MAGIC", "FORMAT_VERSION", "PageCodec", "PageHeader", "Verdict", "checksum", "checksum_stream"]
 
 MAGIC = b"HKVP"
 FORMAT_VERSION = 1
@@ -48,6 +48,12 @@ def checksum(data: memoryview | bytes | bytearray) -> int:
     if len(data) >= _GIL_FREE_MIN:
         return xxhash.xxh3_64(data).intdigest()
     return xxhash.xxh3_64_intdigest(data)
+
+
+def checksum_stream() -> xxhash.xxh3_64:
+    """A streaming form of :func:`checksum`: ``update`` it with the payload's pieces in order
+    (a page scattered in pool memory) and ``intdigest()`` equals ``checksum`` of the whole."""
+    return xxhash.xxh3_64()
 
 
 class Verdict(enum.Enum):

@@ -39,6 +39,7 @@ from hicache.errors import ConfigError
 from hicache.keys import Namespace
 from hicache.storage import AsyncHiCacheStorage, HiCacheStorageConfig, PageCodec, PageKey
 from hicache.storage.offload import run_to_completion
+from hicache.storage.segments import PageSegments
 from hicache.storage.stats import Throttle
 
 from hicache_backends.file import io as page_io
@@ -87,7 +88,7 @@ class _WriteJob:
     index: int  # position in the caller's batch
     pid: str
     page: PageKey
-    buf: memoryview
+    buf: memoryview | PageSegments
     parent: str | None
     size: int
     skip_size: int | None
@@ -119,6 +120,7 @@ class FileStorage(AsyncHiCacheStorage):
     """
 
     backend_name = "file"
+    supports_segments = True  # pages scattered in pool memory move by preadv/pwritev, no staging
 
     def __init__(
         self,
@@ -557,7 +559,7 @@ class FileStorage(AsyncHiCacheStorage):
                     out[i] = True
         return out
 
-    async def _read(self, pages: Sequence[PageKey], buffers: Sequence[memoryview]) -> list[bool]:
+    async def _read(self, pages: Sequence[PageKey], buffers: Sequence[memoryview | PageSegments]) -> list[bool]:
         assert self._layout is not None and self._codec is not None
         ids = [page_id(p.key, p.pool) for p in pages]
         before = [self.index.get(pid) for pid in ids]
@@ -622,7 +624,7 @@ class FileStorage(AsyncHiCacheStorage):
     async def _write(
         self,
         pages: Sequence[PageKey],
-        buffers: Sequence[memoryview],
+        buffers: Sequence[memoryview | PageSegments],
         parents: Sequence[PageKey | None],
     ) -> list[bool]:
         assert self._layout is not None and self._codec is not None

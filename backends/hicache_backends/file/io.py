@@ -9,6 +9,13 @@ Writes checksum the payload on this thread, ``pwritev`` header + payload view + 
 temporary file in the page's own folder and publish it with ``os.replace``: a reader, or a
 process restarted after a crash at any instant, sees the old page, the new page or none,
 never a torn one. Any failure removes the temporary file.
+
+A page given as :class:`~hicache.storage.segments.PageSegments` (pieces of a host pool page
+that is not contiguous) moves piece by piece: runs of direct pieces with one vector call each,
+strided pieces through this thread's cache-sized bounce buffer, and each run hashed right
+after its read or right before its write, while it is still in the CPU cache. A read checks
+the header before it reads any payload into the pool; a write puts the payload first and the
+header (which holds the checksum) last, into the same unpublished temporary file.
 """
 
 from __future__ import annotations
@@ -26,7 +33,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 
-from hicache.storage.page_format import PageCodec, Verdict, checksum
+from hicache.storage.page_format import PageCodec, Verdict, checksum, checksum_stream
+from hicache.storage.segments import PageSegments, bounce, io_runs
 
 from hicache_backends.file.layout import (
     FOOTER_LEN,
@@ -127,15 +135,16 @@ def _advance(bufs: list[memoryview], done: int) -> list[memoryview]:
     return out
 
 
-def _write_all(fd: int, bufs: Sequence[bytes | memoryview]) -> None:
+def _write_all(fd: int, bufs: Sequence[bytes | memoryview], start: int = 0) -> None:
+    """Write all of ``bufs`` at file offset ``start``."""
     views = [memoryview(b).cast("B") if not isinstance(b, memoryview) or b.format != "B" else b for b in bufs]
     total = sum(len(v) for v in views)
-    offset = 0
-    while offset < total:
-        n = _pwritev(fd, views, offset)
+    done = 0
+    while done < total:
+        n = _pwritev(fd, views, start + done)
         if n <= 0:
             raise OSError(errno.EIO, "pwritev wrote nothing")
-        offset += n
+        done += n
         views = _advance(views, n)
 
 
@@ -245,9 +254,67 @@ def _verify(codec: PageCodec, header: memoryview, payload: memoryview, key: str,
     return Verdict.OK if payload_checksum(payload) == parsed.checksum else Verdict.BAD_CHECKSUM
 
 
-def read_page_into(path: str, codec: PageCodec, key: str, pool: str, buf: memoryview) -> ReadResult:
+def _read_segments(
+    fd: int, codec: PageCodec, header: memoryview, page: PageSegments, footer: memoryview, key: str, pool: str
+) -> Verdict:
+    """Read a page of the expected file size into its pieces, hashing as it goes; the header is
+    checked first, so a foreign page puts no byte into the pool."""
+    hlen = len(header)
+    if _read_all(fd, [header]) != hlen:
+        return Verdict.WRONG_LENGTH
+    verdict = codec.verify(header, None, key, pool, expected_len=page.nbytes)
+    if verdict is not Verdict.OK:
+        return verdict
+    parsed = codec.parse(header)
+    if parsed is None:  # pragma: no cover - verify() parsed it already
+        return Verdict.BAD_HEADER
+    digest = checksum_stream()
+    offset = hlen
+    for run in io_runs(page):
+        if isinstance(run, list):
+            n = sum(len(v) for v in run)
+            if _read_all(fd, run, offset) != n:
+                return Verdict.WRONG_LENGTH
+            for v in run:
+                digest.update(v)
+        else:
+            n = run.nbytes
+            array, view = bounce(n)
+            if _read_all(fd, [view], offset) != n:
+                return Verdict.WRONG_LENGTH
+            digest.update(view)
+            run.scatter(array)
+        offset += n
+    if _read_all(fd, [footer], offset) != FOOTER_LEN:
+        return Verdict.WRONG_LENGTH
+    return Verdict.OK if digest.intdigest() == parsed.checksum else Verdict.BAD_CHECKSUM
+
+
+def _write_segments(fd: int, codec: PageCodec, key: str, pool: str, page: PageSegments, footer: bytes) -> None:
+    """Write a page's pieces after its header's place, then the header and footer."""
+    hlen = codec.header_len(key, pool)
+    digest = checksum_stream()
+    offset = hlen
+    for run in io_runs(page):
+        if isinstance(run, list):
+            for v in run:
+                digest.update(v)
+            _write_all(fd, run, offset)
+            offset += sum(len(v) for v in run)
+        else:
+            array, view = bounce(run.nbytes)
+            run.gather(array)
+            digest.update(view)
+            _write_all(fd, [view], offset)
+            offset += run.nbytes
+    _write_all(fd, [footer], offset)
+    _write_all(fd, [codec.encode(key, pool, page, digest.intdigest())], 0)
+
+
+def read_page_into(path: str, codec: PageCodec, key: str, pool: str, buf: memoryview | PageSegments) -> ReadResult:
     """Read and verify one page whose payload must be exactly ``len(buf)`` bytes."""
-    buf = _as_bytes_view(buf)
+    if not isinstance(buf, PageSegments):
+        buf = _as_bytes_view(buf)
     fd = _open_page(path)
     if isinstance(fd, ReadResult):
         return fd
@@ -270,12 +337,17 @@ def read_page_into(path: str, codec: PageCodec, key: str, pool: str, buf: memory
             return _corrupt(path, st, verdict.value)
         header = memoryview(bytearray(hlen))
         footer = memoryview(bytearray(FOOTER_LEN))
-        got = _read_all(fd, [header, buf, footer])
-        if got != want:
-            return _corrupt(path, st, "short_read")
-        verdict = _verify(codec, header, buf, key, pool)
-        if verdict is not Verdict.OK:
-            return _corrupt(path, st, verdict.value)
+        if isinstance(buf, PageSegments):
+            verdict = _read_segments(fd, codec, header, buf, footer, key, pool)
+            if verdict is not Verdict.OK:
+                return _corrupt(path, st, verdict.value)
+        else:
+            got = _read_all(fd, [header, buf, footer])
+            if got != want:
+                return _corrupt(path, st, "short_read")
+            verdict = _verify(codec, header, buf, key, pool)
+            if verdict is not Verdict.OK:
+                return _corrupt(path, st, verdict.value)
         foot = decode_footer(footer)
         if foot is None:
             return _corrupt(path, st, "bad_footer")
@@ -363,7 +435,7 @@ def write_page(
     pid: str,
     key: str,
     pool: str,
-    payload: memoryview,
+    payload: memoryview | PageSegments,
     parent: str | None,
     fsync: bool,
     skip_size: int | None,
@@ -376,10 +448,12 @@ def write_page(
                 return WriteResult(True, skip_size, skipped=True)
         except OSError:
             pass
-    payload = _as_bytes_view(payload)
-    header = codec.encode(key, pool, payload, payload_checksum(payload))  # the hash pass, off the GIL
+    segments = payload if isinstance(payload, PageSegments) else None
+    if segments is None:
+        payload = _as_bytes_view(payload)
+        header = codec.encode(key, pool, payload, payload_checksum(payload))  # the hash pass, off the GIL
     footer = encode_footer(parent)
-    size = len(header) + len(payload) + FOOTER_LEN
+    size = codec.header_len(key, pool) + len(payload) + FOOTER_LEN
     tmp = layout.tmp_path(pid, next(_serial))
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_CLOEXEC
     try:
@@ -392,7 +466,10 @@ def write_page(
         return WriteResult(False, errno=exc.errno, reason=f"create: {exc}")
     try:
         try:
-            _write_all(fd, [header, payload, footer])
+            if segments is not None:
+                _write_segments(fd, codec, key, pool, segments, footer)
+            else:
+                _write_all(fd, [header, payload, footer])
             if fsync:
                 os.fsync(fd)
         finally:

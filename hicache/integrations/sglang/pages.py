@@ -25,9 +25,11 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from hicache.memory.layouts import PAGE_FORMAT
+from hicache.storage.segments import BOUNCE_BYTES, PageSegments, StridedPiece
 
 __all__ = [
     "CanonicalPagePool",
@@ -61,6 +63,11 @@ _MLA: dict[str, tuple[_Slicer, tuple[int, ...]]] = {
     # (P, L, ps, 1, D)
     "page_first_direct": (lambda b, s, p, ps: b[p], (0, 1, 2, 3)),
 }
+
+
+# a numpy integer type of each element size: the pool's memory seen by numpy (which has no
+# bfloat16 or float8), to copy strided pieces with numpy
+_SAME_SIZE_INT: dict[int, torch.dtype] = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def _is_mla(pool: Any) -> bool:
@@ -114,6 +121,14 @@ class CanonicalPagePool:
         self.page_nbytes: int = self.page_numel * kv.element_size()
         self.size: int = int(getattr(pool, "size", 0)) or (kv.numel() // (self.page_numel // self.page_size))
         self._live = probe.is_contiguous()
+        self._pieces = _piece_plan(probe, kv.element_size())
+        # the pool's bytes, sliced for each direct piece (cheaper than a tensor view per piece)
+        self._kv_bytes: memoryview | None = None
+        self._kv_np: np.ndarray | None = None
+        if kv.is_contiguous() and kv.element_size() in _SAME_SIZE_INT:
+            self._kv_bytes = memoryview(kv.reshape(-1).view(torch.uint8).numpy()).cast("B")
+            # the same memory as numpy (strided pieces are copied with numpy, see segments)
+            self._kv_np = kv.view(_SAME_SIZE_INT[kv.element_size()]).numpy()
         self._bound: dict[int, _Binding] = {}
         self._lock = threading.Lock()
 
@@ -196,6 +211,30 @@ class CanonicalPagePool:
             return self._canonical(index).reshape(-1).view(torch.uint8)
         return None
 
+    def page_segments(self, index: int) -> PageSegments | None:
+        """The page as pieces of the pool's memory in canonical order, for backends that do
+        scatter/gather I/O (:mod:`hicache.storage.segments`): direct byte runs where the layout
+        keeps a (K/V, layer) block contiguous (``layer_first``, ``page_first_direct``), strided
+        views of a few layers each otherwise (``page_first``, ``page_head``). ``None`` for a
+        live page (its ``page_view`` is simpler) or a page bound to a staging page."""
+        self._page(index)
+        if self._live or self._kv_bytes is None or self._kv_np is None or int(index) in self._bound:
+            return None
+        start, page = int(index), int(index) // self.page_size
+        view = self._slice(self._kv_np, start, page, self.page_size).transpose(self._perm)
+        if self.mla:
+            view = view[np.newaxis]
+        base = view.__array_interface__["data"][0] - self._kv_np.__array_interface__["data"][0]
+        pieces: list[Any] = []
+        for c, spans in enumerate(self._pieces):
+            for l0, l1, nbytes, direct in spans:
+                if direct:
+                    at = base + c * view.strides[0] + l0 * view.strides[1]
+                    pieces.append(self._kv_bytes[at : at + nbytes])
+                else:
+                    pieces.append(StridedPiece(view[c, l0:l1]))
+        return PageSegments(pieces)
+
     def get_data_page(self, index: int, flat: bool = True) -> torch.Tensor:
         """A canonical copy of the page (pool dtype; 1-D when ``flat``)."""
         self._page(index)
@@ -251,6 +290,25 @@ class CanonicalPagePool:
             f"CanonicalPagePool({type(self.pool).__name__}, layout={self.layout!r}, "
             f"page_size={self.page_size}, page_nbytes={self.page_nbytes}, live={self._live})"
         )
+
+
+def _piece_plan(probe: torch.Tensor, elsize: int) -> list[list[tuple[int, int, int, bool]]]:
+    """For each component of a canonical page view ``(C, L, ps, *token)``, its pieces as
+    ``(first layer, end layer, bytes, direct)``: one direct piece when the component is one
+    contiguous run, one per layer when each layer's block is, else strided pieces of as many
+    layers as fit the bounce buffer. The same for every page of a pool (strides do not vary)."""
+    plan: list[list[tuple[int, int, int, bool]]] = []
+    layers = probe.shape[1]
+    block = probe[0, 0].numel() * elsize
+    for c in range(probe.shape[0]):
+        if probe[c].is_contiguous():
+            plan.append([(0, layers, block * layers, True)])
+        elif probe[c, 0].is_contiguous():
+            plan.append([(l, l + 1, block, True) for l in range(layers)])
+        else:
+            step = max(1, BOUNCE_BYTES // max(block, 1))
+            plan.append([(l, min(layers, l + step), block * (min(layers, l + step) - l), False) for l in range(0, layers, step)])
+    return plan
 
 
 def adapt_host_pool(pool: Any) -> tuple[Any, str | None]:

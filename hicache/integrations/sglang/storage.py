@@ -222,14 +222,20 @@ class HiCacheSGLangStorage(_SGLangStorage):
         return self._do("exists", lambda f: f.exists(key), False)
 
     def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
-        return self._do("batch_exists", lambda f: f.batch_exists(list(keys)), 0)
+        def run(f: HiCacheStorage) -> int:
+            assert self._backend is not None
+            return f.run(self._backend.exists_prefix(list(keys), KV))  # stops at the first miss
+
+        return self._do("batch_exists", run, 0)
 
     def batch_exists_v2(self, keys: list[str], pool_transfers: list[Any] | None = None, extra_info: Any = None) -> Any:
         transfers = [t for t in (pool_transfers or ()) if _name(t.name) != KV]
 
         async def query(backend: AsyncHiCacheStorage) -> Any:
-            kv_flags = await backend.exists_pages(keys, KV)
-            kv_pages = next((i for i, f in enumerate(kv_flags) if not f), len(kv_flags))
+            # the KV prefix in as few round trips as the backend allows (S3: it stops at the
+            # first miss instead of one HEAD per page); extra pools only over that prefix
+            kv_pages = await backend.exists_prefix(keys, KV)
+            kv_flags = [True] * kv_pages + [False] * (len(keys) - kv_pages)
             flags: dict[Any, list[bool]] = {}
             if kv_pages:
                 for t in transfers:

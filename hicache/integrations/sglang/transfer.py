@@ -1,5 +1,9 @@
 """KV pages between an SGLang host pool and a hicache backend, with reorder and I/O overlapped.
 
+A backend with scatter/gather I/O (``supports_segments``: the file backend) needs none of
+this: it reads and writes the pool's pieces of each page itself, and this class hands the
+batch straight over. What follows is for the others (S3, fsspec, memory, plugins).
+
 For a layout whose pages are not one contiguous canonical region, every page needs one strided
 copy between the pool and canonical bytes. Done per page on the storage path (the page
 protocol's staging), that copy runs after the read and before the write, and a fresh staging
@@ -69,12 +73,17 @@ class PageMover:
             return None
         return host_indices.reshape(-1)[::ps].cpu().tolist()
 
+    def _direct(self, starts: list[int] | None, n: int) -> bool:
+        """Whether the backend moves these pages itself, without this class's staging:
+        contiguous pages, a backend that takes pages as pool memory pieces (scatter/gather
+        I/O, :mod:`hicache.storage.segments`), or a malformed request it reports itself."""
+        return self.pool.has_live_pages or self.backend.supports_segments or starts is None or n == 0
+
     async def get(self, keys: list[str], host_indices: torch.Tensor) -> list[bool]:
         """Read ``keys`` into the pool at ``host_indices``; one flag per key."""
         n = len(keys)
         starts = self._starts(host_indices, n)
-        if self.pool.has_live_pages or starts is None or n == 0:
-            # contiguous pages (or a malformed request the backend reports itself)
+        if self._direct(starts, n):
             got = await self.backend.batch_get_v2(self._transfer(keys, host_indices))
             return got[self.pool_name]
         area = self._area("get")
@@ -134,7 +143,7 @@ class PageMover:
         n = len(keys)
         starts = self._starts(host_indices, n)
         info = HiCacheStorageExtraInfo(prefix_keys=list(prefix_keys) if prefix_keys else None)
-        if self.pool.has_live_pages or starts is None or n == 0:
+        if self._direct(starts, n):
             got = await self.backend.batch_set_v2(self._transfer(keys, host_indices), info)
             return got[self.pool_name]
         area = self._area("set")
