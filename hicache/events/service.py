@@ -19,7 +19,7 @@ from hicache.events.publisher import EventPublisher
 from hicache.events.stream import EventStream
 from hicache.observability.tier_events import Tier, TierChange, TierChangeHub
 
-__all__ = ["KVEventService"]
+__all__ = ["KVEventService", "start_events"]
 
 
 class KVEventService:
@@ -67,3 +67,19 @@ class KVEventService:
         """Stop listening, publish what is queued, close the sockets (off the event loop)."""
         self._unsubscribe()
         return await asyncio.get_running_loop().run_in_executor(None, self.publisher.close)
+
+
+def start_events(hub: TierChangeHub, config: Any) -> KVEventService:
+    """A service for a deployment config's ``events`` section
+    (:class:`~hicache.config.schema.EventsConfig`); raises ``ConfigError`` when a socket
+    cannot be opened."""
+    publisher = EventPublisher(
+        config.endpoint,
+        config.replay_endpoint,
+        topic=config.topic,
+        buffer_steps=config.buffer_steps,
+        max_queue_events=config.max_queue_events,
+        hwm=config.hwm,
+        data_parallel_rank=config.data_parallel_rank,
+    )
+    return KVEventService(hub, publisher, hash_format=config.hash_format, tiers=config.tiers)
