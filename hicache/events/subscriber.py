@@ -60,11 +60,8 @@ class EventSubscriber:
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint
         self._ctx = zmq.Context.instance()
-        self._sub = self._ctx.socket(zmq.SUB)
-        self._sub.setsockopt(zmq.LINGER, 0)
-        self._sub.setsockopt(zmq.RCVHWM, 0)
-        self._sub.setsockopt(zmq.SUBSCRIBE, topic.encode("utf-8"))
-        self._sub.connect(endpoint)
+        self._topic = topic.encode("utf-8")
+        self._sub = self._connect()
         self._replay: zmq.Socket | None = None
         self._replay_timeout = replay_timeout_s
         self.next_seq: int | None = start_seq
@@ -74,6 +71,20 @@ class EventSubscriber:
         self.replayed = 0
         self.restarts = 0
         self.bad_messages = 0
+
+    def _connect(self) -> zmq.Socket:
+        sub = self._ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.RCVHWM, 0)
+        sub.setsockopt(zmq.SUBSCRIBE, self._topic)
+        sub.connect(self.endpoint)
+        return sub
+
+    def reconnect(self) -> None:
+        """Drop the connection and make a new one, keeping the position: what was published
+        meanwhile comes through the replay when the next live batch shows the gap."""
+        self._sub.close(0)
+        self._sub = self._connect()
 
     def close(self) -> None:
         for s in (self._sub, self._replay):
