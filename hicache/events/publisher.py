@@ -138,7 +138,9 @@ class EventPublisher:
 
     def remove_stream(self, stream: EventStream) -> None:
         with self._lock:
-            self._streams = tuple(s for s in self._streams if s is not stream)
+            if stream in self._streams:
+                self._streams = tuple(s for s in self._streams if s is not stream)
+                self.dropped_events += stream.dropped  # a closed stream drops no more
 
     def stats(self) -> dict[str, Any]:
         with self._lock:

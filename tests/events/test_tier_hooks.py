@@ -35,6 +35,14 @@ def of(seen: list[TierChange], kind: ChangeKind, tier: Tier) -> list[TierChange]
     return [c for c in seen if c.kind is kind and c.tier is tier]
 
 
+async def served(stack, tokens: list[int]) -> tuple[list[TierChange], list[str]]:  # type: ignore[no-untyped-def]
+    """Record the stack's changes, serve ``tokens`` once and let the copies land."""
+    seen = record(stack.tier_changes)
+    await serve_request(stack, tokens, rid="a")
+    await stack.cache.drain()
+    return seen, page_hashes(tokens, PS)
+
+
 def stack_for(**kw: object):  # type: ignore[no-untyped-def]
     ctl = ControllerConfig(prefetch_threshold=PS, prefetch_policy="wait_complete")
     base: dict = dict(page_size=PS, device_pages=16, host_pages=32, storage_backend=None, controller=ctl)
@@ -44,11 +52,8 @@ def stack_for(**kw: object):  # type: ignore[no-untyped-def]
 
 async def test_device_and_host_stores_and_removals_carry_chained_keys() -> None:
     stack = stack_for()
-    seen = record(stack.tier_changes)
     a = toks(0, 16)
-    await serve_request(stack, a, rid="a")
-    await stack.cache.drain()
-    keys = page_hashes(a, PS)
+    seen, keys = await served(stack, a)
     dev = of(seen, ChangeKind.STORED, Tier.DEVICE)
     assert [k for c in dev for k in c.keys] == keys
     assert dev[0].token_ids == tuple(a) and dev[0].parent_key is None and dev[0].page_size == PS
@@ -110,11 +115,8 @@ async def test_take_events_returns_vllm_events_since_the_last_call() -> None:
 
 async def test_storage_writes_and_prefetched_pages_are_reported(tmp_path: Path) -> None:
     stack = stack_for(storage_backend="file", storage_options={"root": str(tmp_path), "max_bytes": None})
-    seen = record(stack.tier_changes)
     a = toks(0, 16)
-    await serve_request(stack, a, rid="a")
-    await stack.cache.drain()
-    keys = page_hashes(a, PS)
+    seen, keys = await served(stack, a)
     written = of(seen, ChangeKind.STORED, Tier.STORAGE)
     assert [k for c in written for k in c.keys] == keys and written[0].backend == "file"
     assert written[0].parent_key is None and written[0].page_size == PS
