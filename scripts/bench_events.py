@@ -10,6 +10,10 @@ serves the same prompts (a few shared system prompts, distinct turns) through
   pays before a router connects);
 * ``zmq+consumer`` - the same with a live subscriber on a thread that decodes every batch.
 
+Also measured in isolation (less noisy than whole requests on a shared machine): the time a
+tier pays per change it reports (convert a 4-page ``STORED`` change to a vLLM event and queue
+it), and the publisher's end-to-end rate to a live ZMQ consumer.
+
 Reports requests/s per variant (median of ``--repeats``), the ratio to ``off`` per run, the
 events published, and what the consumer received. Example::
 
@@ -77,6 +81,58 @@ async def one_run(variant: str, reqs: list[list[int]]) -> dict[str, Any]:
             "dropped": stats.get("dropped_events", 0), "received": received[0]}
 
 
+def per_change_us(n: int = 20_000) -> float:
+    """Median over 5 rounds of the microseconds one 4-page stored change costs its tier."""
+    from hicache.keys import page_hashes
+    from hicache.observability import ChangeKind, Tier, TierChange, TierChangeHub
+
+    tokens = list(range(4 * PS))
+    change = TierChange(ChangeKind.STORED, Tier.DEVICE, tuple(page_hashes(tokens, PS)), token_ids=tuple(tokens),
+                        page_size=PS)
+    hub = TierChangeHub()
+    pub = EventPublisher(None, max_queue_events=1 << 30)
+    service = KVEventService(hub, pub)
+    rounds = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            hub.emit(change)
+        rounds.append((time.perf_counter() - t0) / n * 1e6)
+    pub.close(timeout=60)
+    del service
+    return round(statistics.median(rounds), 2)
+
+
+def zmq_rate(n: int = 20_000) -> dict[str, Any]:
+    """Events/s from ``publish`` to a live consumer's decoded batches, over loopback TCP."""
+    from hicache.events.schema import BlockStored
+
+    pub = EventPublisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0")
+    sub = EventSubscriber(pub.endpoint, pub.replay_endpoint, start_seq=0)
+    got = [0]
+
+    def consume() -> None:
+        for r in sub.receive(timeout_s=2.0):
+            got[0] += len(r.batch.events)
+            if got[0] >= n:
+                return
+
+    t = threading.Thread(target=consume)
+    t.start()
+    time.sleep(0.3)
+    ev = BlockStored(block_hashes=[bytes(32)] * 4, parent_block_hash=None, token_ids=list(range(4 * PS)),
+                     block_size=PS, lora_id=None, medium="GPU", lora_name=None)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        pub.publish([ev])
+    t.join(120)
+    elapsed = time.perf_counter() - t0
+    sub.close()
+    stats = pub.close()
+    return {"events_per_s": round(got[0] / elapsed), "received": got[0], "dropped": stats["dropped_events"],
+            "lost": sub.lost}
+
+
 async def main(args: argparse.Namespace) -> dict[str, Any]:
     reqs = prompts(args.requests, args.seed)
     variants = ["off", "zmq", "zmq+consumer"]
@@ -97,6 +153,8 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         "events_per_run": runs["zmq"][0]["events"],
         "dropped": sum(r["dropped"] for v in variants for r in runs[v]),
         "consumer_received_all": all(r["received"] == r["events"] for r in runs["zmq+consumer"]),
+        "per_change_us": per_change_us(),
+        "zmq_to_consumer": zmq_rate(),
     }
 
 

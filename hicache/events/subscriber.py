@@ -5,7 +5,8 @@ high-water mark when it is slow. Every batch carries its sequence number, so a g
 the subscriber then asks the publisher's replay socket for everything since the first missing
 number (vLLM's protocol, see :mod:`hicache.events.publisher`) and yields those batches in order
 before going on, skipping live duplicates. Batches older than the publisher's replay buffer are
-lost, and counted (``lost``). A sequence that restarts at 0 is a restarted publisher.
+lost, and counted (``lost``). A live sequence number that goes back (live numbers only grow) is
+a restarted publisher: the subscriber follows its new numbers (``restarts``).
 
 Used by ``hicache events URL`` and by the tests; synchronous (a router would run it on a thread).
 """
@@ -65,6 +66,7 @@ class EventSubscriber:
         self._replay: zmq.Socket | None = None
         self._replay_timeout = replay_timeout_s
         self.next_seq: int | None = start_seq
+        self._last_live: int | None = None  # the last sequence seen on the live socket
         self._catch_up = start_seq is not None
         self.gaps = 0
         self.lost = 0
@@ -116,11 +118,12 @@ class EventSubscriber:
             if item is None:
                 continue
             seq, batch = item
-            if self.next_seq is not None and seq < self.next_seq:
-                if seq == 0:  # the publisher restarted: its numbers begin again
-                    self.restarts += 1
-                else:
-                    continue  # a duplicate of something a replay gave us
+            restarted = self._last_live is not None and seq <= self._last_live  # live numbers only grow
+            self._last_live = seq
+            if restarted:
+                self.restarts += 1  # a new publisher numbers from 0 again: follow it
+            elif self.next_seq is not None and seq < self.next_seq:
+                continue  # a duplicate of something a replay gave us
             elif self.next_seq is not None and seq > self.next_seq:
                 self.gaps += 1
                 yield from self._replay_from(self.next_seq, upto=seq)

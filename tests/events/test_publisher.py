@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -113,6 +114,41 @@ async def test_a_consumer_that_reconnects_catches_up_through_replay(tmp_path: Pa
         got = [r.seq for r in await asyncio.to_thread(lambda: list(sub.receive(timeout_s=1.5)))]
         assert got == list(range(total, end)) and sub.lost == 0
         sub.close()
+
+
+def test_live_batches_a_replay_already_gave_are_not_repeated_and_restarts_are_followed() -> None:
+    pub = EventPublisher(LOOPBACK, LOOPBACK)
+    sub = EventSubscriber(pub.endpoint, pub.replay_endpoint, start_seq=0)
+    time.sleep(0.3)  # subscribed: every batch arrives live *and* through the replay below
+    for i in range(5):
+        pub.publish([stored(i)])
+        time.sleep(0.02)  # one batch each
+    time.sleep(0.3)
+    got = [(r.seq, r.batch.events[0].token_ids[0]) for r in sub.receive(timeout_s=1.0)]
+    assert got == [(i, i) for i in range(5)] and sub.restarts == 0
+    for i in range(5, 100):  # the restarted publisher's numbers stay below these for 10 s
+        pub.publish([stored(i)])
+        time.sleep(0.01)
+    time.sleep(0.3)
+    assert sum(len(r.batch.events) for r in sub.receive(timeout_s=1.0)) == 95 and sub.next_seq >= 20
+    pub.close()
+    again = EventPublisher(pub.endpoint)  # a restarted publisher on the same address numbers from 0
+    stop = threading.Event()
+
+    def keep_publishing() -> None:  # until the subscriber has reconnected by itself
+        while not stop.wait(0.1):
+            again.publish([stored(7)])
+
+    t = threading.Thread(target=keep_publishing)
+    t.start()
+    try:
+        first = next(iter(sub.receive(timeout_s=10.0)))
+    finally:
+        stop.set()
+        t.join()
+    assert first.batch.events[0].token_ids == [7] and first.seq < 100 and sub.restarts == 1
+    again.close()
+    sub.close()
 
 
 def test_absent_and_stuck_consumers_never_block_publishing() -> None:
