@@ -153,10 +153,16 @@ def _cmd_inspect(args: argparse.Namespace) -> Any:
 
 
 def _cmd_events(args: argparse.Namespace) -> Any:
+    import zmq
+
+    from hicache.errors import ConfigError
     from hicache.events.cli import run
 
-    stats = run(args.url, args.replay, topic=args.topic, start_seq=args.from_seq, as_json=args.json,
-                count=args.count, timeout_s=args.timeout)
+    try:
+        stats = run(args.url, args.replay, topic=args.topic, start_seq=args.from_seq, as_json=args.json,
+                    count=args.count, timeout_s=args.timeout)
+    except zmq.ZMQError as exc:
+        raise ConfigError(f"events: cannot connect to {args.url!r} / {args.replay!r}: {exc}") from None
     return stats if args.stats else None
 
 

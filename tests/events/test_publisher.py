@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hicache.events import BlockStored
+from hicache.events import BlockStored, KVEventBatch, encode_batch
 from hicache.events.publisher import EventPublisher
 from hicache.events.subscriber import EventSubscriber
 from hicache.facade import HiCache
@@ -217,3 +217,39 @@ async def test_events_off_by_default_and_bad_endpoints_fail_start(tmp_path: Path
     else:  # pragma: no cover
         raise AssertionError("a bad endpoint must fail the start")
     await cache.aclose()
+
+
+def test_malformed_replay_requests_and_foreign_messages_are_survived() -> None:
+    import zmq
+
+    pub = EventPublisher(LOOPBACK, LOOPBACK)
+    ctx = zmq.Context.instance()
+    bad = ctx.socket(zmq.DEALER)
+    bad.connect(pub.replay_endpoint)
+    for frames in ([b"", b"short"], [b"x", b"y", b"z"], [b""]):
+        bad.send_multipart(frames)
+    assert bad.poll(5000)
+    assert bad.recv_multipart()[2] == (-1).to_bytes(8, "big", signed=True)  # an empty answer, not a hang
+    bad.close(0)
+    pub.publish([stored(1)])
+    with EventSubscriber(pub.endpoint, pub.replay_endpoint, start_seq=0) as sub:
+        assert [r.seq for r in sub.receive(timeout_s=1.0)] == [0]  # the publisher goes on
+    # a foreign publisher's garbage on the subscriber's socket is counted and skipped
+    foreign = ctx.socket(zmq.PUB)
+    foreign.bind(LOOPBACK)
+    url = foreign.getsockopt_string(zmq.LAST_ENDPOINT)
+    with EventSubscriber(url) as sub:
+        time.sleep(0.3)
+        foreign.send_multipart([b"", b"\x00" * 8, b"\xc1garbage"])
+        foreign.send_multipart([b"only one frame"])
+        foreign.send_multipart([b"", (3).to_bytes(8, "big"), encode_batch(KVEventBatch(ts=1.0, events=[stored(3)]))])
+        got = [r.seq for r in sub.receive(timeout_s=1.0)]
+        assert got == [3] and sub.bad_messages == 2
+    foreign.close(0)
+    assert pub.close()["errors"] == 0
+
+
+def test_the_cli_names_a_bad_endpoint() -> None:
+    out = subprocess.run([sys.executable, "-m", "hicache.cli", "events", "nonsense://x", "--timeout", "0.1"],
+                         capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(REPO)), cwd=REPO)
+    assert out.returncode == 2 and "nonsense://x" in out.stderr and "Traceback" not in out.stderr
