@@ -62,9 +62,9 @@ class EventStream:
     def close(self) -> None:
         """(Any thread.) End the iteration once what is queued has been read. Idempotent."""
         with self._lock:
-            if self._closed:
-                return
-            self._closed = True
+            already, self._closed = self._closed, True
+        if already:
+            return
         try:
             self._loop.call_soon_threadsafe(self._queue.put_nowait, _CLOSED)
         except RuntimeError:
