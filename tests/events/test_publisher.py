@@ -60,6 +60,17 @@ def contiguous(seqs: list[int]) -> bool:
     return distinct == list(range(distinct[0], distinct[-1] + 1)) and seqs == sorted(seqs)
 
 
+async def settled(pub: EventPublisher) -> int:
+    """The publisher's next sequence once everything queued has been published."""
+    last = -1
+    while True:
+        stats = pub.stats()
+        if stats["queued"] == 0 and stats["next_seq"] == last:
+            return last
+        last = stats["next_seq"]
+        await asyncio.sleep(0.2)
+
+
 async def workload(cache: HiCache, n: int, base: int = 0) -> None:
     for i in range(n):
         h = await cache.begin(f"r{base + i}", list(range((base + i) * 1000, (base + i) * 1000 + 64)))
@@ -74,8 +85,7 @@ async def test_a_subscriber_in_another_process_gets_every_tiers_events(tmp_path:
         await workload(cache, 8)  # 32 pages through a device and a host of 8 and a store of ~10
         stack = cache._require_stack()
         assert await stack.controller._on_io(stack.storage.clear())
-        await asyncio.sleep(0.2)
-        total = pub.stats()["next_seq"]
+        total = await settled(pub)
         got = await asyncio.to_thread(lines_of, proc)
     seqs = [g["seq"] for g in got]
     assert seqs and seqs[0] == 0 and contiguous(seqs) and seqs[-1] == total - 1
@@ -95,11 +105,11 @@ async def test_a_consumer_that_reconnects_catches_up_through_replay(tmp_path: Pa
                                                            "--from", "0", "--count", "3"))
         last = first[-1]["seq"]
         await workload(cache, 3, base=10)  # published while no consumer is connected
-        total = pub.stats()["next_seq"]
+        total = await settled(pub)
         again = await asyncio.to_thread(lines_of, consumer(pub.endpoint, "--replay", pub.replay_endpoint,
                                                            "--from", str(last + 1), "--timeout", "2"))
         seqs = [g["seq"] for g in again]
-        assert seqs[0] == last + 1 and seqs[-1] == total - 1 and contiguous(seqs)
+        assert seqs[0] == last + 1 and seqs[-1] == total - 1 and contiguous(seqs), (last, total, seqs)
         assert all(g["replayed"] for g in again)
 
         # in-process: a live subscriber that loses its connection sees the gap and replays it
@@ -110,7 +120,7 @@ async def test_a_consumer_that_reconnects_catches_up_through_replay(tmp_path: Pa
         await workload(cache, 2, base=20)
         await asyncio.sleep(0.2)
         await workload(cache, 1, base=30)  # a live batch after the reconnect settled: shows the gap
-        end = pub.stats()["next_seq"]
+        end = await settled(pub)
         got = [r.seq for r in await asyncio.to_thread(lambda: list(sub.receive(timeout_s=1.5)))]
         assert got == list(range(total, end)) and sub.lost == 0
         sub.close()
@@ -193,8 +203,8 @@ async def test_in_process_streams_are_bounded_per_consumer(tmp_path: Path) -> No
 
         reader = asyncio.create_task(read())
         await workload(cache, 6)
-        await asyncio.sleep(0.3)
-        total = cache.metrics()["events"]["next_seq"]
+        total = await settled(cache._events.publisher)
+        await asyncio.sleep(0.2)  # the last batches reach the streams' loop
         assert seen == list(range(total))  # the fast one lost nothing
         assert slow.dropped == total - 2 and cache.metrics()["events"]["dropped_events"] == total - 2
     await asyncio.wait_for(reader, 5)  # the close ends every iteration
@@ -206,6 +216,11 @@ async def test_events_off_by_default_and_bad_endpoints_fail_start(tmp_path: Path
     del cfg["events"]
     async with HiCache.from_config(cfg) as cache:
         assert cache._events is None and "events" not in cache.metrics()
+        stream = cache.events()  # in-process events work with the section off, no socket opened
+        assert cache._events.publisher.endpoint is None
+        await workload(cache, 1)
+        seq, batch = await asyncio.wait_for(stream.get(), 10)
+        assert seq == 0 and isinstance(batch.events[0], BlockStored)
     from hicache.errors import ConfigError
 
     bad = config(tmp_path / "store", endpoint="tcp://*:notaport")
