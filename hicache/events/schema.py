@@ -31,6 +31,7 @@ __all__ = [
     "KVEventBatch",
     "decode_batch",
     "encode_batch",
+    "event_to_dict",
 ]
 
 MEDIUM_GPU = "GPU"

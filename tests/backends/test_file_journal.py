@@ -116,7 +116,7 @@ def test_journal_is_bounded_skips_its_own_and_malformed_lines(tmp_path: Path) ->
     theirs.close()
 
 
-def test_a_journal_created_after_open_is_read_from_its_start(tmp_path: Path) -> None:
+def test_lines_a_later_writer_appends_are_read_from_the_journals_start(tmp_path: Path) -> None:
     reader = RemovalJournal(str(tmp_path))
     assert reader.poll() == []
     RemovalJournal(str(tmp_path)).append_removed([("k", "kv")], "corrupt")

@@ -11,7 +11,7 @@ from hicache.controller import ControllerConfig
 from hicache.events import BlockRemoved, BlockStored
 from hicache.keys import page_hashes
 from hicache.observability import ChangeKind, Tier, TierChange
-from hicache.prefix_cache import EvictParams, MatchPrefixParams, RadixKey
+from hicache.prefix_cache import EvictParams
 from hicache.replay import StackConfig, build_stack, serve_request
 from hicache.storage import create_async_storage
 from hicache.testing import ArrayHostPool

@@ -20,8 +20,9 @@ it moves to the new file; only a reader more than one whole rotation behind betw
 loses lines (the default 256 KiB holds about 3,000 removed pages).
 
 A clear renames the whole namespace folder, journal included; the clearing store writes a
-``clear`` line into the fresh journal, and readers, finding a new file under the name, read it
-from its start. Every call here blocks (``flock``, file I/O): run it on an executor thread.
+``clear`` line into the fresh journal, and readers, finding a new file under the name, read the
+old one to its end and the new one from its start (a reader creates the journal when it opens,
+so it holds the file before any line is written). Every call here blocks (``flock``, file I/O): run it on an executor thread.
 Any ``OSError`` is logged and the call does nothing: a journal problem never breaks the store.
 """
 
@@ -112,7 +113,9 @@ class RemovalJournal:
 
     def _open_reader(self, *, at_end: bool) -> None:
         try:
-            fd = os.open(self.path, _O_READ)
+            # created if missing, so that a reader holds the file from the start and reads it to
+            # its end even if a clear or a rotation moves it away before the first poll
+            fd = os.open(self.path, _O_READ | (os.O_CREAT if at_end else 0), 0o644)
         except OSError:
             self._fd = None
             return
@@ -133,13 +136,13 @@ class RemovalJournal:
                 now = os.stat(self.path).st_ino
             except FileNotFoundError:
                 now = None
-            if now != os.fstat(self._fd).st_ino:  # rotated or cleared: we finished the old file
+            if now is not None and now != os.fstat(self._fd).st_ino:
+                # rotated or cleared, and the next file exists: we finished the old one
                 os.close(self._fd)
                 self._fd = None
-                if now is not None:
-                    self._open_reader(at_end=False)
-                    if self._fd is not None:
-                        self._read_lines(out)
+                self._open_reader(at_end=False)
+                if self._fd is not None:
+                    self._read_lines(out)
         except OSError as exc:
             logger.warning("file store %s: reading the removal journal failed: %s", self.ns_dir, exc)
         return out
