@@ -152,6 +152,20 @@ def _cmd_inspect(args: argparse.Namespace) -> Any:
     )
 
 
+def _cmd_events(args: argparse.Namespace) -> Any:
+    import zmq
+
+    from hicache.errors import ConfigError
+    from hicache.events.cli import run
+
+    try:
+        stats = run(args.url, args.replay, topic=args.topic, start_seq=args.from_seq, as_json=args.json,
+                    count=args.count, timeout_s=args.timeout)
+    except zmq.ZMQError as exc:
+        raise ConfigError(f"events: cannot connect to {args.url!r} / {args.replay!r}: {exc}") from None
+    return stats if args.stats else None
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hicache", description=__doc__.split("\n\n")[0])
     parser.add_argument("--log-level", default="WARNING", help="logging level (DEBUG, INFO, ...)")
@@ -207,6 +221,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sample", type=int, default=256, help="pages to verify with --verify sample")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd_inspect)
+
+    p = sub.add_parser("events", help="print a cache's KV events (vLLM schema over ZMQ), one per line")
+    p.add_argument("url", help="the publisher's PUB endpoint, e.g. tcp://127.0.0.1:5557")
+    p.add_argument("--replay", default=None, help="its replay endpoint (e.g. tcp://127.0.0.1:5558): catch up on gaps")
+    p.add_argument("--from", dest="from_seq", type=int, default=None, help="replay from this sequence first")
+    p.add_argument("--topic", default="")
+    p.add_argument("--count", type=int, default=None, help="exit after this many events")
+    p.add_argument("--timeout", type=float, default=None, help="exit after this many seconds without a batch")
+    p.add_argument("--stats", action="store_true", help="print the counters (gaps, replayed, lost) at the end")
+    p.add_argument("--json", action="store_true", help="one JSON object per event")
+    p.set_defaults(func=_cmd_events)
 
     p = sub.add_parser("backends", help="list installed storage backends and their options")
     p.add_argument("--json", action="store_true")

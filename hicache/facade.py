@@ -30,6 +30,7 @@ import torch
 
 from hicache.config import HiCacheConfig, aload_config, load_config
 from hicache.errors import CacheClosedError, HiCacheError, OutOfKVSlotsError
+from hicache.events.service import start_events
 from hicache.memory import MambaHostPool, MambaStatePool
 from hicache.prefix_cache import Req, Session
 from hicache.session import SessionAwareCache
@@ -95,6 +96,7 @@ class HiCache:
         self._rids: set[str] = set()  # the cache's request ids in use (begun, not finished)
         self._rid_seq = 0
         self._close_task: asyncio.Task[Any] | None = None
+        self._events: Any = None  # hicache.events.service.KVEventService, once events are on
         self.close_report: Any = None
 
     @classmethod
@@ -145,10 +147,15 @@ class HiCache:
                 self.extra_pools[spec.name] = (state, host)
                 if stack.storage is not None:
                     stack.storage.register_mem_host_pool_v2(host, spec.name)
+            if self.config.events.enabled:
+                self._events = start_events(stack.tier_changes, self.config.events)
             # on the controller's I/O loop: the loop every later storage call (and the close)
             # runs on; a backend opened on this loop would bind its tasks and events here
             await stack.controller.open_storage()
         except BaseException:
+            if self._events is not None:
+                await self._events.aclose()
+                self._events = None
             # nothing half-built outlives a failed start (copy thread, I/O thread, storage)
             self._stack = None
             self.extra_pools = {}
@@ -197,6 +204,8 @@ class HiCache:
             report = await self.cache.aclose()
         finally:
             await self._stack.copy_engine.aclose()
+            if self._events is not None:  # after the close: its last removals are published too
+                await self._events.aclose()
         self.close_report = report
         return report
 
@@ -384,6 +393,20 @@ class HiCache:
 
     # ------------------------------------------------------------------ observability
 
+    def events(self, maxsize: int = 1024) -> Any:
+        """KV events in-process: ``async for seq, batch in cache.events(): ...`` yields every
+        :class:`~hicache.events.KVEventBatch` published from now on (a bounded queue of
+        ``maxsize`` batches per consumer; a slow consumer loses batches, counted and visible as
+        a gap in ``seq``). Works with events off in the config too (then in-process only).
+        The iteration ends when the cache closes."""
+        self._check_open()
+        if self._events is None:
+            self._events = start_events(
+                self._require_stack().tier_changes,
+                self.config.events.model_copy(update={"endpoint": None, "replay_endpoint": None}),
+            )
+        return self._events.stream(maxsize)
+
     def metrics(self) -> dict[str, Any]:
         """Hits per tier, bytes and time per direction, queue depths, failures, sessions."""
         stack = self._require_stack()
@@ -402,6 +425,8 @@ class HiCache:
             "size_tokens": int(stack.host_pool.size),
             "free_tokens": int(stack.host_pool.available_size()),
         }
+        if self._events is not None:
+            out["events"] = self._events.stats()
         return out
 
     def prometheus_text(self) -> str:

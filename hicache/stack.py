@@ -28,6 +28,7 @@ from hicache.memory import (
     device_for,
 )
 from hicache.memory.layouts import PAGE_FORMAT
+from hicache.observability.tier_events import TierChangeHub
 from hicache.placement import make_placement
 from hicache.prefix_cache.hiradix import HiRadixCache
 from hicache.storage import AsyncHiCacheStorage, HiCacheStorageConfig, create_async_storage
@@ -117,12 +118,17 @@ class CacheStack:
     storage: AsyncHiCacheStorage | None
     controller: HiCacheController
     cache: HiRadixCache
+    #: every tier's stores and removals (the tree's device and host tiers, the storage's)
+    tier_changes: TierChangeHub = dataclasses.field(default_factory=TierChangeHub)
+    _detach_storage: Any = None
 
     async def aclose(self) -> Any:
         """Close the cache and controller (which closes a storage the stack created) and
         the copy engine. A storage passed to :func:`build_stack` stays open."""
         report = await self.cache.aclose()
         await self.copy_engine.aclose()
+        if self._detach_storage is not None:
+            self._detach_storage()
         return report
 
 
@@ -170,7 +176,9 @@ def build_stack(cfg: StackConfig, *, storage: AsyncHiCacheStorage | None = None)
     controller = HiCacheController(
         copy_engine=engine, host_pool=host_pool, storage=storage, config=cfg.controller, own_storage=own
     )
+    hub = TierChangeHub()
     cache = HiRadixCache(
+        tier_changes=hub,
         req_to_token_pool=req_pool,
         token_to_kv_pool_allocator=allocator,
         page_size=ps,
@@ -179,7 +187,12 @@ def build_stack(cfg: StackConfig, *, storage: AsyncHiCacheStorage | None = None)
         eviction_policy=cfg.eviction_policy,
         placement=make_placement(cfg.placement, cfg.placement_options, defaults=placement_defaults(cfg)),
     )
-    return CacheStack(cfg, device_pool, allocator, req_pool, host_pool, engine, storage, controller, cache)
+    detach = None
+    if own:
+        storage.tier_changes = hub  # type: ignore[union-attr]
+    elif storage is not None:  # shared by several stacks: each gets its changes forwarded
+        detach = storage.tier_changes.subscribe(hub.emit)
+    return CacheStack(cfg, device_pool, allocator, req_pool, host_pool, engine, storage, controller, cache, hub, detach)
 
 
 def placement_defaults(cfg: StackConfig) -> dict[str, Any]:

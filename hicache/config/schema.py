@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 __all__ = [
     "CacheConfig",
     "DeviceConfig",
+    "EventsConfig",
     "ExtraPoolConfig",
     "HiCacheConfig",
     "HostConfig",
@@ -168,6 +169,24 @@ class ServerConfig(_Section):
     max_new_tokens: int = Field(16, gt=0)
 
 
+class EventsConfig(_Section):
+    """KV events for cache-aware routers (vLLM's schema over ZMQ; ``hicache.events``). Off by default."""
+
+    enabled: bool = Field(False, description="Publish every tier's stores and removals.")
+    endpoint: str | None = Field(
+        "tcp://*:5557", description="ZMQ PUB address (wildcard, loopback, ipc and inproc bind; others connect); null: in-process only.")
+    replay_endpoint: str | None = Field(
+        "tcp://*:5558", description="ZMQ ROUTER address where consumers ask for batches since a sequence; null: no replay.")
+    topic: str = Field("", description="First frame of every message.")
+    buffer_steps: int = Field(10_000, gt=0, description="Batches kept for replay.")
+    max_queue_events: int = Field(100_000, gt=0, description="Event lists queued before new ones are dropped (counted).")
+    hwm: int = Field(100_000, gt=0, description="ZMQ high-water mark of the PUB socket.")
+    hash_format: Literal["bytes", "int"] = Field("bytes", description="Block hashes: 32 sha256 bytes, or their low 64 bits.")
+    tiers: list[Literal["device", "host", "storage"]] = Field(
+        default_factory=lambda: ["device", "host", "storage"], description="Tiers to publish.")
+    data_parallel_rank: int | None = Field(None, ge=0, description="Stamped on every batch.")
+
+
 class HiCacheConfig(_Section):
     """A whole deployment. Every section is optional and has working defaults."""
 
@@ -179,6 +198,7 @@ class HiCacheConfig(_Section):
     session: SessionConfig = Field(default_factory=SessionConfig)
     extra_pools: list[ExtraPoolConfig] = Field(default_factory=list)
     server: ServerConfig = Field(default_factory=ServerConfig)
+    events: EventsConfig = Field(default_factory=EventsConfig)
 
     @model_validator(mode="after")
     def _unique_pools(self) -> HiCacheConfig:

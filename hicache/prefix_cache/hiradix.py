@@ -45,6 +45,8 @@ import torch
 
 from hicache.controller.controller import HiCacheController
 from hicache.controller.jobs import PrefetchResult, StorageWriteJob
+from hicache.events.log import EventLog
+from hicache.observability.tier_events import ChangeKind, Tier, TierChange, TierChangeHub
 from hicache.placement import PlacementPolicy, make_placement
 from hicache.prefix_cache.facade import AdmitResult, LoadBack, MakeRoom, RequestFlow
 from hicache.prefix_cache.eviction_index import EvictionIndex
@@ -84,6 +86,8 @@ class HiRadixCache(RadixCache):
         controller: the :class:`HiCacheController` that moves pages for this cache.
         placement: a :class:`~hicache.placement.PlacementPolicy` or its name (``lru``,
             ``reuse``, ``tiered``): host eviction order and storage admission.
+        tier_changes: the hub this tree reports device and host stores and removals to
+            (the stack's; a private one by default).
     """
 
     def __init__(
@@ -97,7 +101,10 @@ class HiRadixCache(RadixCache):
         eviction_policy: str = "lru",
         placement: str | PlacementPolicy = "lru",
         disable: bool = False,
+        tier_changes: TierChangeHub | None = None,
     ) -> None:
+        self.tier_changes = tier_changes if tier_changes is not None else TierChangeHub()
+        self._event_log = EventLog(self.tier_changes)
         #: what host keeps and what storage admits (see :mod:`hicache.placement`)
         self.placement: PlacementPolicy = make_placement(placement)
         if host_pool.page_size != page_size:
@@ -135,6 +142,8 @@ class HiRadixCache(RadixCache):
         still in flight complete into a tree that no longer exists and are ignored."""
         old = getattr(self, "root_node", None)
         if old is not None:
+            for tier in (Tier.DEVICE, Tier.HOST):
+                self.tier_changes.emit(TierChange(ChangeKind.CLEARED, tier))
             for node in self._nodes():
                 if node.host_value is not None and node.backup_op is None and node.storage_op is None:
                     self._free_host(node.host_value)
@@ -209,6 +218,42 @@ class HiRadixCache(RadixCache):
             return namespace_seed(extra_key)
         return node.hash_value[-1]
 
+    # ------------------------------------------------------------------ tier changes
+
+    def _report(self, kind: ChangeKind, tier: Tier, node: TreeNode) -> None:
+        """Tell the hub that ``tier`` started (``STORED``) or stopped holding ``node``'s pages."""
+        hub = self.tier_changes
+        if not hub.active or not node.hash_value:
+            return
+        parent = node.parent if kind is ChangeKind.STORED else None
+        hub.emit(TierChange(
+            kind, tier, tuple(node.hash_value),
+            token_ids=tuple(node.key) if kind is ChangeKind.STORED else (),
+            parent_key=parent.hash_value[-1] if parent is not None and parent is not self.root_node and parent.hash_value else None,
+            page_size=self.page_size,
+        ))
+
+    def _add_device(self, node: TreeNode, value: torch.Tensor) -> None:
+        super()._add_device(node, value)
+        self._report(ChangeKind.STORED, Tier.DEVICE, node)  # a new node reports once hashed
+
+    def _drop_device(self, node: TreeNode) -> torch.Tensor:
+        self._report(ChangeKind.REMOVED, Tier.DEVICE, node)
+        return super()._drop_device(node)
+
+    def _drop_host(self, node: TreeNode) -> torch.Tensor:
+        """Detach ``node``'s (complete) host copy, reporting it; the caller frees it."""
+        host = node.host_value
+        assert host is not None
+        self._report(ChangeKind.REMOVED, Tier.HOST, node)
+        node.host_value = None
+        return host
+
+    def take_events(self) -> list[Any]:
+        """vLLM-schema KV events since the last call (SGLang's scheduler polls this); the
+        first call starts the bounded log (:class:`~hicache.events.log.EventLog`)."""
+        return self._event_log.take()
+
     # ------------------------------------------------------------------ hooks
 
     def _on_new_node(self, node: TreeNode) -> None:
@@ -216,6 +261,7 @@ class HiRadixCache(RadixCache):
         node.hash_value = fast_page_hashes(
             node.key, self.page_size, self._prior_hash(node.parent, node.extra_key)
         )
+        self._report(ChangeKind.STORED, Tier.DEVICE, node)
         self.placement.on_new_node(node)
         if self.write_policy != "write_back" and node.hit_count >= self.write_through_threshold:
             self._backup(node)
@@ -266,9 +312,7 @@ class HiRadixCache(RadixCache):
             del self._sheddable[node]
             if not self._sheds(node):
                 continue
-            host = node.host_value
-            assert host is not None
-            node.host_value = None
+            host = self._drop_host(node)
             self._free_host(host)
             self._note(node)
             freed += int(host.numel())
@@ -306,10 +350,8 @@ class HiRadixCache(RadixCache):
             node = self._host_index.pop()
             if node is None:
                 break
-            host = node.host_value
-            assert host is not None
             self.placement.on_host_evicted(node)
-            node.host_value = None
+            host = self._drop_host(node)
             self._free_host(host)
             freed += int(host.numel())
             self._delete_leaf(node)  # notes the parent, which may be a host-only leaf now
@@ -406,6 +448,7 @@ class HiRadixCache(RadixCache):
         self.dec_lock_ref(node)  # notes every node it unlocks
         if ok:
             for n in chain:
+                self._report(ChangeKind.STORED, Tier.HOST, n)
                 self._maybe_write_storage(n)
         self._retry_deferred()
 
@@ -509,8 +552,7 @@ class HiRadixCache(RadixCache):
                 return 0
         self._free(self._drop_device(node))
         if node.host_value is not None:  # a host copy still being written cannot be here
-            self._free_host(node.host_value)
-            node.host_value = None
+            self._free_host(self._drop_host(node))
         self._delete_leaf(node)
         self.metrics.incr("device_evicted_tokens", n)
         return n
@@ -524,8 +566,7 @@ class HiRadixCache(RadixCache):
         for child in list(node.children.values()):
             self._drop_subtree(child)
         if node.host_value is not None:
-            self._free_host(node.host_value)
-            node.host_value = None
+            self._free_host(self._drop_host(node))
         self._delete_leaf(node)
 
     async def make_device_room(self, num_tokens: int) -> bool:
@@ -798,6 +839,7 @@ class HiRadixCache(RadixCache):
                     child.host_value = part
                     child.storage_pages = len(child.hash_value)
                     self._note(child)
+                    self._report(ChangeKind.STORED, Tier.HOST, child)
                 else:
                     self._free_host(part)
             child.last_access_time = now
@@ -816,6 +858,7 @@ class HiRadixCache(RadixCache):
         new.last_access_time = now
         node.children[self._child_key(state.extra_key, tokens, pos)] = new
         self._note(new)
+        self._report(ChangeKind.STORED, Tier.HOST, new)
         return end - pos
 
     # ------------------------------------------------------------------ lifecycle

@@ -40,6 +40,8 @@ import torch
 
 from hicache.errors import StorageStateError
 from hicache.keys import Namespace, validate_key, validate_keys
+from hicache.observability.tier_events import TierChangeHub
+from hicache.storage import changes
 from hicache.storage import pages as page_io
 from hicache.storage import staging
 from hicache.storage.segments import PageSegments, segment_sources
@@ -100,6 +102,8 @@ class AsyncHiCacheStorage(ABC):
         self._staging = staging.StagingArena()  # reused staging pages of pools without page_view
         self._state = StorageState.UNOPENED
         self._open_lock: asyncio.Lock | None = None
+        #: stores, removals and clears of KV pages are reported here (:mod:`hicache.storage.changes`)
+        self.tier_changes = TierChangeHub()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -315,7 +319,18 @@ class AsyncHiCacheStorage(ABC):
         self.stats.incr("write_failures", len(pages) - done)
         self.stats.incr("write_bytes", sum(len(b) for b, f in zip(buffers, ok) if f))
         self.stats.incr("write_seconds", time.perf_counter() - t0)
+        if self.tier_changes.active:
+            changes.report_written(self.tier_changes, self.backend_name, self._kv_page_size(), pages, parents, ok)
         return ok
+
+    def _kv_page_size(self) -> int:
+        pool = self.registered_pools.get(KV)
+        return int(getattr(pool, "page_size", 0) or 0)
+
+    def report_removed(self, pages: Sequence[PageKey], *, reason: str, origin: str = "local") -> None:
+        """For backends: ``pages`` left the store (evicted, deleted as corrupt, removed by a
+        peer process); reported to :attr:`tier_changes`."""
+        changes.report_removed(self.tier_changes, self.backend_name, pages, reason=reason, origin=origin)
 
     # ------------------------------------------------------------------ pools
 
@@ -746,6 +761,7 @@ class AsyncHiCacheStorage(ABC):
         await self._ensure_open()
         try:
             await self._clear()
+            changes.report_cleared(self.tier_changes, self.backend_name)
             return True
         except asyncio.CancelledError:
             raise

@@ -38,12 +38,14 @@ from typing import Any, TypeVar
 from hicache.errors import ConfigError
 from hicache.keys import Namespace
 from hicache.storage import AsyncHiCacheStorage, HiCacheStorageConfig, PageCodec, PageKey
+from hicache.storage.changes import report_cleared
 from hicache.storage.offload import run_to_completion
 from hicache.storage.segments import PageSegments
 from hicache.storage.stats import Throttle
 
 from hicache_backends.file import io as page_io
 from hicache_backends.file.index import PageIndex
+from hicache_backends.file.journal import PeerRemoval, RemovalJournal
 from hicache_backends.file.layout import NamespaceLayout, page_id
 from hicache_backends.file.ledger import LEDGER_NAME, Usage, UsageLedger, read_usage
 
@@ -116,6 +118,10 @@ class FileStorage(AsyncHiCacheStorage):
         shared: other processes may add pages to this root (default on), so a key the index
             does not know is checked with one ``stat``. Off: once the index is built, a key it
             does not know is a miss without touching the disk (for a store's only writer).
+        removal_journal: append this store's removals (evictions, corrupt pages, clears) to
+            the namespace's journal and tail the other processes' (default on for shared
+            stores), so every process reports every removal as a KV event (:mod:`.journal`).
+        journal_poll_s: how often the journal is read (default 0.5 s).
         namespace: override the namespace derived from the storage config.
     """
 
@@ -133,6 +139,8 @@ class FileStorage(AsyncHiCacheStorage):
         io_threads: int = 4,
         skip_existing: bool = True,
         shared: bool = True,
+        removal_journal: bool = True,
+        journal_poll_s: float = 0.5,
         namespace: Namespace | dict[str, Any] | None = None,
     ) -> None:
         super().__init__(storage_config, namespace=namespace)
@@ -154,6 +162,12 @@ class FileStorage(AsyncHiCacheStorage):
         self.io_threads = io_threads
         self.skip_existing = bool(skip_existing)
         self.shared = bool(shared)
+        if isinstance(journal_poll_s, bool) or not isinstance(journal_poll_s, (int, float)) or not 0 < journal_poll_s <= 3600:
+            raise ConfigError(f"file backend: journal_poll_s must be a number of seconds in (0, 3600], got {journal_poll_s!r}")
+        self.removal_journal = bool(removal_journal) and self.shared
+        self.journal_poll_s = float(journal_poll_s)
+        self._journal: RemovalJournal | None = None
+        self._journal_task: asyncio.Task[None] | None = None
 
         self.index = PageIndex()
         self._layout: NamespaceLayout | None = None
@@ -228,6 +242,11 @@ class FileStorage(AsyncHiCacheStorage):
             self._warn_manifest_deferred()
         if self.shared:
             self._ledger = UsageLedger(self._layout.ns_dir)
+        if self.removal_journal:
+            self._journal = await self._run(RemovalJournal, self._layout.ns_dir)
+            self._journal_task = asyncio.get_running_loop().create_task(
+                self._tail_journal(self._journal), name=f"hicache-file-journal-{self.namespace.digest[:8]}"
+            )
         self._tombstones = set()
         self._scan_task = asyncio.get_running_loop().create_task(
             self._scan(self._generation), name=f"hicache-file-scan-{self.namespace.digest[:8]}"
@@ -236,6 +255,10 @@ class FileStorage(AsyncHiCacheStorage):
     async def _close(self) -> None:
         self._stop.set()  # background deletions stop at the next file; the next open resumes them
         await self._stop_scan()
+        task, self._journal_task = self._journal_task, None
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
         if self._background:
             await asyncio.gather(*self._background, return_exceptions=True)
         executors = [e for e in (self._executor, self._scan_executor) if e is not None]
@@ -244,6 +267,8 @@ class FileStorage(AsyncHiCacheStorage):
             await asyncio.to_thread(lambda: [e.shutdown(wait=True) for e in executors])
         if self._ledger is not None:
             self._ledger.close()
+        if self._journal is not None:
+            self._journal.close()
 
     def _shutdown_executors(self, wait: bool) -> None:
         for e in (self._executor, self._scan_executor):
@@ -337,6 +362,8 @@ class FileStorage(AsyncHiCacheStorage):
         self.stats.incr("corrupt_pages")
         self._forget(pid)
         self._ledger_debt += result.size  # the read removed the file
+        self.report_removed([page], reason="corrupt")
+        self._journal_later([(page.key, page.pool)], "corrupt")
         logger.warning(
             "file store %s: page %s failed verification (%s); removed, served as a miss",
             self.root, page.label()[:80], result.reason,
@@ -482,13 +509,18 @@ class FileStorage(AsyncHiCacheStorage):
         if res.usage is not None:
             res.amount = amount
 
-    def _remove_victims(self, paths: list[str], sizes: list[int]) -> int:
+    def _remove_victims(self, paths: list[str], sizes: list[int]) -> tuple[int, list[tuple[str, str]]]:
         """(On an I/O thread.) Unlink evicted pages; returns, and releases in the ledger, the
-        bytes actually removed."""
+        bytes actually removed, and the ``(key, pool)`` of the pages (read from their headers
+        first when anyone needs them: KV-event subscribers or the removal journal)."""
+        wanted = self._journal is not None or self.tier_changes.active
+        idents = [i for i in map(page_io.page_identity, paths) if i is not None] if wanted else []
         freed = page_io.remove_files(paths, sizes)
         if freed and self._ledger is not None:
             self._ledger.add(-freed)
-        return freed
+        if self._journal is not None:
+            self._journal.append_removed(idents, "evicted")
+        return freed, idents
 
     async def _evict_for(
         self, check_free: bool, protect: frozenset[str] | set[str], usage: Usage | None = None
@@ -526,9 +558,10 @@ class FileStorage(AsyncHiCacheStorage):
                 self._tombstones.update(ids)
             self._deleting.update(ids)
             try:
-                removed = await self._run(self._remove_victims, [self._layout.path(p) for p in ids], sizes)
+                removed, idents = await self._run(self._remove_victims, [self._layout.path(p) for p in ids], sizes)
             finally:
                 self._deleting.difference_update(ids)
+            self.report_removed([PageKey(k, p) for k, p in idents], reason="evicted")
             self._free_est += removed
             self.stats.incr("evicted_pages", len(victims))
             self.stats.incr("evicted_bytes", removed)
@@ -794,6 +827,8 @@ class FileStorage(AsyncHiCacheStorage):
         self.index.clear()
         self._tombstones = None
         trash, written = await self._run(page_io.clear_namespace, self._layout, self.namespace.to_dict())
+        if self._journal is not None:
+            await self._run(self._journal.append_cleared)
         self._manifest_pending = not written
         if not written:
             self._warn_manifest_deferred()
@@ -807,6 +842,43 @@ class FileStorage(AsyncHiCacheStorage):
             # A small namespace is gone before clear() returns (its space is free at once); a
             # huge one keeps being deleted in the background instead of stalling the caller.
             await asyncio.wait({task}, timeout=_CLEAR_WAIT_SECONDS)
+
+    # ------------------------------------------------------------------ removal journal
+
+    def _journal_later(self, pages: list[tuple[str, str]], reason: str) -> None:
+        """Append to the journal on an I/O thread, not waited for (called on the loop)."""
+        if self._journal is None or self._executor is None:
+            return
+        try:
+            self._executor.submit(self._journal.append_removed, pages, reason)
+        except RuntimeError:  # the executor is shutting down: the store is closing
+            pass
+
+    async def _tail_journal(self, journal: RemovalJournal) -> None:
+        """Report what other processes removed, every ``journal_poll_s``; never dies."""
+        while True:
+            await asyncio.sleep(self.journal_poll_s)
+            try:
+                removals = await self._run(journal.poll)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - the journal is advisory; the next poll retries
+                logger.exception("file store %s: polling the removal journal failed", self.root)
+                continue
+            for removal in removals:
+                self._peer_removal(removal)
+
+    def _peer_removal(self, removal: PeerRemoval) -> None:
+        if removal.cleared:
+            self.stats.incr("peer_clears")
+            report_cleared(self.tier_changes, self.backend_name, origin="peer")
+            return
+        for key, pool in removal.pages:
+            pid = page_id(key, pool)
+            if pid in self.index and not self._busy[pid]:
+                self._forget(pid)  # a page we wrote again since is found again by its stat
+        self.stats.incr("peer_removed_pages", len(removal.pages))
+        self.report_removed([PageKey(k, p) for k, p in removal.pages], reason=removal.reason, origin="peer")
 
     async def _remove_trash(self, trash: str) -> None:
         """Delete a cleared namespace's old files off the request path; never raises."""

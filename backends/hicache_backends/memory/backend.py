@@ -73,7 +73,8 @@ class MemoryMedium:
         with cls._shared_lock:
             cls._shared.pop(store_id, None)
 
-    def put(self, entry: _Entry, payload: Payload) -> bool:
+    def put(self, entry: _Entry, payload: Payload, evicted: list[_Entry] | None = None) -> bool:
+        """Store a page, evicting least recently used ones for room (appended to ``evicted``)."""
         if len(payload) > self.max_bytes:
             return False
         with self.lock:
@@ -81,9 +82,11 @@ class MemoryMedium:
             if old is not None:
                 self.nbytes -= len(old)
             while self.pages and self.nbytes + len(payload) > self.max_bytes:
-                _, gone = self.pages.popitem(last=False)
+                victim, gone = self.pages.popitem(last=False)
                 self.nbytes -= len(gone)
                 self.evicted_pages += 1
+                if evicted is not None:
+                    evicted.append(victim)
             self.pages[entry] = payload
             self.nbytes += len(payload)
             return True
@@ -162,7 +165,12 @@ class MemoryStorage(AsyncHiCacheStorage):
         return self._store(pages, buffers)
 
     def _store(self, pages: Sequence[PageKey], buffers: Sequence[memoryview]) -> list[bool]:
-        return [self.medium.put(self._entry(p), _snapshot(b)) for p, b in zip(pages, buffers)]
+        evicted: list[_Entry] = []
+        ok = [self.medium.put(self._entry(p), _snapshot(b), evicted) for p, b in zip(pages, buffers)]
+        if evicted:  # a shared medium evicts other namespaces' pages too: report only ours
+            digest = self.namespace.digest
+            self.report_removed([PageKey(k, p) for d, k, p in evicted if d == digest], reason="evicted")
+        return ok
 
     async def _read_bytes(self, page: PageKey) -> bytes | None:
         payload = self.medium.get(self._entry(page))

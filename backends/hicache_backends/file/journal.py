@@ -1,0 +1,185 @@
+"""The removal journal: how every process sharing a file store learns what the others removed.
+
+Why: a process that evicts pages (to keep ``max_bytes``) or deletes a corrupt one knows what it
+removed, but the other processes on the root only find out when a read misses, and a router
+fed by *their* KV events would keep sending prompts to a prefix that is gone. So each removal
+is appended, as one line, to ``removals`` in the namespace folder, and every open store tails
+that file (``journal_poll_s``) and reports the lines other writers added as removals of its
+own storage tier (``origin="peer"``), forgetting those pages in its index too.
+
+Format: one JSON object per line, ``{"w": writer, "rm": [[key, pool], ...], "r": reason}`` or
+``{"w": writer, "clear": 1}``; ``writer`` is a random id per open store, so a store skips its
+own lines. Appends happen under an exclusive ``flock`` on ``removals.lock`` (released by the
+kernel if the holder dies), one ``write`` per batch.
+
+Bounded: an append that finds the journal over ``max_bytes`` first renames it to
+``removals.1`` (replacing the previous one), so the journal never takes more than about twice
+``max_bytes``. It is store metadata like the manifest and the ledger: the store's
+``max_bytes`` bounds page files, and the journal adds at most ``2 * max_bytes`` of its own. A reader keeps its file open across the rename and reads it to the end before
+it moves to the new file; only a reader more than one whole rotation behind between two polls
+loses lines (the default 256 KiB holds about 3,000 removed pages).
+
+A clear renames the whole namespace folder, journal included; the clearing store writes a
+``clear`` line into the fresh journal, and readers, finding a new file under the name, read the
+old one to its end and the new one from its start (a reader creates the journal when it opens,
+so it holds the file before any line is written). Every call here blocks (``flock``, file I/O): run it on an executor thread.
+Any ``OSError`` is logged and the call does nothing: a journal problem never breaks the store.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import secrets
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = ["JOURNAL_NAME", "PeerRemoval", "RemovalJournal"]
+
+logger = logging.getLogger("hicache.storage.file")
+
+JOURNAL_NAME = "removals"
+_LOCK_NAME = "removals.lock"
+DEFAULT_JOURNAL_BYTES = 256 << 10
+_READ_LIMIT = 16 << 20  # most bytes one poll reads (the rest waits for the next poll)
+_O_APPEND = os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
+_O_READ = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+
+
+@dataclass(frozen=True, slots=True)
+class PeerRemoval:
+    """What another process removed: ``pages`` as ``(key, pool)``, or everything (``cleared``)."""
+
+    pages: tuple[tuple[str, str], ...] = ()
+    reason: str = "evicted"
+    cleared: bool = False
+
+
+class RemovalJournal:
+    """One store's end of a namespace's journal: appends its removals, tails the others'."""
+
+    def __init__(self, ns_dir: str, *, max_bytes: int = DEFAULT_JOURNAL_BYTES) -> None:
+        self.ns_dir = ns_dir
+        self.path = os.path.join(ns_dir, JOURNAL_NAME)
+        self.max_bytes = max_bytes
+        self.writer = secrets.token_hex(8)
+        self._fd: int | None = None
+        self._pos = 0
+        self._tail = b""  # an incomplete last line, completed by a later poll
+        self.malformed_lines = 0
+        self.lines_read = 0
+        self._open_reader(at_end=True)  # what was removed before we opened is not news
+
+    # ------------------------------------------------------------------ writing
+
+    def append_removed(self, pages: Sequence[tuple[str, str]], reason: str) -> None:
+        if pages:
+            self._append({"w": self.writer, "rm": [list(p) for p in pages], "r": reason})
+
+    def append_cleared(self) -> None:
+        self._append({"w": self.writer, "clear": 1})
+
+    def _append(self, record: dict) -> None:
+        line = (json.dumps(record, separators=(",", ":"), ensure_ascii=False) + "\n").encode("utf-8", "surrogatepass")
+        try:
+            lock = os.open(os.path.join(self.ns_dir, _LOCK_NAME), os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+        except OSError as exc:
+            logger.warning("file store %s: removal journal unavailable: %s", self.ns_dir, exc)
+            return
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            self._rotate()
+            fd = os.open(self.path, _O_APPEND, 0o644)
+            try:
+                os.write(fd, line)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            logger.warning("file store %s: could not append to the removal journal: %s", self.ns_dir, exc)
+        finally:
+            os.close(lock)  # releases the flock
+
+    def _rotate(self) -> None:
+        """(Under the lock.) Move a full journal aside, replacing the previous one."""
+        try:
+            if os.stat(self.path).st_size > self.max_bytes:
+                os.replace(self.path, self.path + ".1")
+        except FileNotFoundError:
+            pass
+
+    # ------------------------------------------------------------------ reading
+
+    def _open_reader(self, *, at_end: bool) -> None:
+        try:
+            # created if missing, so that a reader holds the file from the start and reads it to
+            # its end even if a clear or a rotation moves it away before the first poll
+            fd = os.open(self.path, _O_READ | (os.O_CREAT if at_end else 0), 0o644)
+        except OSError:
+            self._fd = None
+            return
+        self._fd = fd
+        self._pos = os.fstat(fd).st_size if at_end else 0
+        self._tail = b""
+
+    def poll(self) -> list[PeerRemoval]:
+        """Removals other writers appended since the last poll, oldest first."""
+        out: list[PeerRemoval] = []
+        try:
+            if self._fd is None:
+                self._open_reader(at_end=False)  # created after we opened: all of it is news
+                if self._fd is None:
+                    return out
+            self._read_lines(out)
+            try:
+                now = os.stat(self.path).st_ino
+            except FileNotFoundError:
+                now = None
+            if now is not None and now != os.fstat(self._fd).st_ino:
+                # rotated or cleared, and the next file exists: we finished the old one
+                os.close(self._fd)
+                self._fd = None
+                self._open_reader(at_end=False)
+                if self._fd is not None:
+                    self._read_lines(out)
+        except OSError as exc:
+            logger.warning("file store %s: reading the removal journal failed: %s", self.ns_dir, exc)
+        return out
+
+    def _read_lines(self, out: list[PeerRemoval]) -> None:
+        assert self._fd is not None
+        data = os.pread(self._fd, _READ_LIMIT, self._pos)
+        if not data:
+            return
+        self._pos += len(data)
+        data = self._tail + data
+        *lines, self._tail = data.split(b"\n")
+        for raw in lines:
+            record = self._parse(raw)
+            if record is not None:
+                out.append(record)
+
+    def _parse(self, raw: bytes) -> PeerRemoval | None:
+        if not raw:
+            return None
+        self.lines_read += 1
+        try:
+            rec = json.loads(raw.decode("utf-8", "surrogatepass"))
+            if not isinstance(rec, dict):
+                raise ValueError("not an object")
+            if rec.get("w") == self.writer:
+                return None
+            if rec.get("clear"):
+                return PeerRemoval(cleared=True, reason="clear")
+            pages = tuple((str(k), str(p)) for k, p in rec["rm"])
+            return PeerRemoval(pages=pages, reason=str(rec.get("r", "evicted")))
+        except (ValueError, KeyError, TypeError) as exc:
+            self.malformed_lines += 1
+            logger.warning("file store %s: skipped a malformed removal journal line (%s)", self.ns_dir, exc)
+            return None
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None

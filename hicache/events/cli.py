@@ -1,0 +1,86 @@
+"""``hicache events URL``: print a publisher's KV events, one per line, without gaps.
+
+Connects as a subscriber (:class:`~hicache.events.subscriber.EventSubscriber`); with
+``--replay URL`` it catches up through the publisher's replay socket on start (``--from SEQ``)
+and whenever a sequence number is skipped (a reconnect, a slow terminal). Lines::
+
+    seq=12 GPU stored 4 blocks 3f2a19c0..,9b1e..(4) parent=77aa01.. tokens=64
+    seq=13 STORAGE removed 2 blocks c0ffee12..,d00d..(2)
+    seq=14 CPU cleared
+
+or, with ``--json``, one object per event: ``{"seq", "ts", "replayed", "rank", "event"}``.
+What was missed for good (older than the replay buffer) is reported on stderr at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any, TextIO
+
+from hicache.events.schema import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, event_to_dict
+from hicache.events.subscriber import EventSubscriber
+
+__all__ = ["format_event", "run"]
+
+
+def _short(h: bytes | int) -> str:
+    return h.hex()[:8] + ".." if isinstance(h, bytes) else str(h)
+
+
+def _blocks(hashes: list[Any]) -> str:
+    shown = ",".join(_short(h) for h in hashes[:2])
+    return f"{len(hashes)} blocks {shown}" + (f"..({len(hashes)})" if len(hashes) > 2 else "")
+
+
+def format_event(seq: int, event: KVEvent) -> str:
+    """One human-readable line for an event."""
+    if isinstance(event, BlockStored):
+        parent = _short(event.parent_block_hash) if event.parent_block_hash is not None else "-"
+        return f"seq={seq} {event.medium} stored {_blocks(event.block_hashes)} parent={parent} tokens={len(event.token_ids)}"
+    if isinstance(event, BlockRemoved):
+        return f"seq={seq} {event.medium} removed {_blocks(event.block_hashes)}"
+    if isinstance(event, AllBlocksCleared):
+        return f"seq={seq} {event.medium or 'ALL'} cleared"
+    return f"seq={seq} {type(event).__name__}"
+
+
+def run(
+    endpoint: str,
+    replay_endpoint: str | None = None,
+    *,
+    topic: str = "",
+    start_seq: int | None = None,
+    as_json: bool = False,
+    count: int | None = None,
+    timeout_s: float | None = None,
+    out: TextIO = sys.stdout,
+    err: TextIO = sys.stderr,
+) -> dict[str, int]:
+    """Print events until ``count`` were printed or ``timeout_s`` passed without one (both
+    ``None``: until interrupted); returns the subscriber's counters."""
+    printed = 0
+    with EventSubscriber(endpoint, replay_endpoint, topic=topic, start_seq=start_seq) as sub:
+        try:
+            for got in sub.receive(timeout_s):
+                for event in got.batch.events:
+                    if as_json:
+                        line = json.dumps({"seq": got.seq, "ts": got.batch.ts, "replayed": got.replayed,
+                                           "rank": got.batch.data_parallel_rank, "event": event_to_dict(event)})
+                    else:
+                        line = format_event(got.seq, event)
+                    out.write(line + "\n")
+                    printed += 1
+                    if count is not None and printed >= count:
+                        break
+                out.flush()
+                if count is not None and printed >= count:
+                    break
+        except KeyboardInterrupt:
+            pass
+        stats = {"events": printed, "next_seq": sub.next_seq if sub.next_seq is not None else -1,
+                 "gaps": sub.gaps, "replayed": sub.replayed, "lost": sub.lost, "restarts": sub.restarts,
+                 "bad_messages": sub.bad_messages}
+    if stats["lost"] or stats["bad_messages"]:
+        err.write(f"hicache events: lost {stats['lost']} batches, {stats['bad_messages']} undecodable\n")
+    return stats

@@ -1,0 +1,73 @@
+"""What a storage backend tells its :class:`~hicache.observability.TierChangeHub`.
+
+Why in the base class: every backend, ours or a plugin, and every caller (our controller,
+SGLang's, vLLM's connector) goes through :meth:`AsyncHiCacheStorage._write_guarded` and
+:meth:`~AsyncHiCacheStorage.clear`, so writes and clears are reported once, here. Removals are
+backend-specific (file-store eviction, a corrupt page deleted, an S3 delete); backends call
+:func:`report_removed`. Only pages of the KV pool are reported: a router tracks KV blocks, and
+extra pools (Mamba state, indexer) hang off the same keys.
+
+Storage knows keys and parents, not tokens: a stored event's ``token_ids`` is empty.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from hicache.observability.tier_events import ChangeKind, Tier, TierChange, TierChangeHub
+from hicache.storage.types import PageKey, PoolName
+
+__all__ = ["report_cleared", "report_removed", "report_written"]
+
+KV = PoolName.KV.value
+
+
+def report_written(
+    hub: TierChangeHub,
+    backend: str,
+    page_size: int,
+    pages: Sequence[PageKey],
+    parents: Sequence[PageKey | None],
+    ok: Sequence[bool],
+) -> None:
+    """Report the KV pages a write stored, as runs chained page to page (a run breaks where a
+    page failed or its parent is not the page before it)."""
+    if not hub.active:
+        return
+    run: list[str] = []
+    run_parent: str | None = None
+    for page, parent, done in zip(pages, parents, ok):
+        if not done or page.pool != KV:
+            _flush(hub, backend, page_size, run, run_parent)
+            run = []
+            continue
+        parent_key = parent.key if parent is not None else None
+        if run and parent_key != run[-1]:
+            _flush(hub, backend, page_size, run, run_parent)
+            run = []
+        if not run:
+            run_parent = parent_key
+        run.append(page.key)
+    _flush(hub, backend, page_size, run, run_parent)
+
+
+def _flush(hub: TierChangeHub, backend: str, page_size: int, keys: list[str], parent: str | None) -> None:
+    if keys:
+        hub.emit(TierChange(ChangeKind.STORED, Tier.STORAGE, tuple(keys), parent_key=parent,
+                            page_size=page_size, backend=backend))
+
+
+def report_removed(
+    hub: TierChangeHub, backend: str, pages: Sequence[PageKey], *, reason: str, origin: str = "local"
+) -> None:
+    """Report KV pages gone from the store (``origin="peer"``: another process removed them)."""
+    if not hub.active:
+        return
+    keys = tuple(p.key for p in pages if p.pool == KV)
+    if keys:
+        hub.emit(TierChange(ChangeKind.REMOVED, Tier.STORAGE, keys, backend=backend, origin=origin, reason=reason))
+
+
+def report_cleared(hub: TierChangeHub, backend: str, *, origin: str = "local") -> None:
+    """Report that every page of the namespace is gone."""
+    hub.emit(TierChange(ChangeKind.CLEARED, Tier.STORAGE, backend=backend, origin=origin, reason="clear"))

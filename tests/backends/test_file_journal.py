@@ -1,0 +1,125 @@
+"""The removal journal: a file store learns what other processes sharing its root removed."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+from hicache.observability import ChangeKind, Tier, TierChange
+from hicache.storage import create_async_storage
+from hicache.testing import ArrayHostPool
+from hicache.testing.store_tests import NS_A, PAGE, keys_for
+from hicache_backends.file.journal import JOURNAL_NAME, RemovalJournal
+
+REPO = Path(__file__).resolve().parents[2]
+
+_PEER = textwrap.dedent(
+    """
+    import asyncio, sys
+    from hicache.storage import create_async_storage
+    from hicache.testing import ArrayHostPool
+    from hicache.testing.store_tests import NS_A, PAGE, keys_for
+
+    async def main(root, n, max_bytes, clear):
+        pool = ArrayHostPool(n, PAGE)
+        pool.fill_random(9)
+        store = create_async_storage("file", None, root=root, namespace=NS_A, max_bytes=max_bytes)
+        store.register_mem_pool_host(pool)
+        async with store:
+            await store.wait_index_ready()  # knows the other process's pages: may evict them
+            keys = keys_for(n, salt=99)
+            for i in range(n):
+                assert await store.batch_set_v1(keys[i:i + 1], pool.indices(i, 1)) == [True]
+            if clear:
+                assert await store.clear()
+        print("peer done", store.get_stats()["evicted_pages"])
+
+    asyncio.run(main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1"))
+    """
+)
+
+
+def run_peer(root: Path, n: int, max_bytes: int, clear: bool) -> str:
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    out = subprocess.run([sys.executable, "-c", _PEER, str(root), str(n), str(max_bytes), "1" if clear else "0"],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+async def wait_for(cond, timeout: float = 10.0) -> bool:  # type: ignore[no-untyped-def]
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return True
+        await asyncio.sleep(0.05)
+    return cond()
+
+
+async def test_evictions_and_clears_by_another_process_are_reported_as_peer_removals(tmp_path: Path) -> None:
+    keys = keys_for(6, salt=1)
+    pool = ArrayHostPool(len(keys), PAGE)
+    pool.fill_random(1)
+    store = create_async_storage("file", None, root=str(tmp_path), namespace=NS_A, max_bytes=None,
+                                 journal_poll_s=0.05)
+    store.register_mem_pool_host(pool)
+    seen: list[TierChange] = []
+    store.tier_changes.subscribe(seen.append)
+    async with store:
+        assert all(await store.batch_set_v1(keys, pool.indices(0, len(keys))))
+        page = store.layout.file_size(keys[0], "kv", pool.page_nbytes)
+        # the peer is bounded to 4 pages: its 4 writes evict our 6 (older) pages; then it clears
+        out = await asyncio.to_thread(run_peer, tmp_path, 4, 4 * page, True)
+        assert "peer done 6" in out
+        assert await wait_for(lambda: any(c.kind is ChangeKind.CLEARED for c in seen))
+        peer = [c for c in seen if c.origin == "peer"]
+        removed = [c for c in peer if c.kind is ChangeKind.REMOVED]
+        assert sorted(k for c in removed for k in c.keys) == sorted(keys)
+        assert all(c.tier is Tier.STORAGE and c.reason == "evicted" for c in removed)
+        assert [c.kind for c in peer][-1] is ChangeKind.CLEARED  # in the order the peer made them
+        assert store.get_stats()["peer_removed_pages"] == len(keys)
+        assert await store.exists_pages(keys) == [False] * len(keys)
+        # our own removals are not reported twice (as peer lines of our own)
+        seen.clear()
+        assert await store.clear()
+        await asyncio.sleep(0.3)
+        assert [(c.kind, c.origin) for c in seen] == [(ChangeKind.CLEARED, "local")]
+
+
+def test_journal_is_bounded_skips_its_own_and_malformed_lines(tmp_path: Path) -> None:
+    ours = RemovalJournal(str(tmp_path), max_bytes=2000)
+    theirs = RemovalJournal(str(tmp_path), max_bytes=2000)
+    for i in range(200):
+        theirs.append_removed([(f"k{i}", "kv")], "evicted")
+        if i % 20 == 19:  # a reader that keeps up through rotations loses nothing
+            got = [k for r in ours.poll() for k, _ in r.pages]
+            assert got == [f"k{j}" for j in range(i - 19, i + 1)]
+    sizes = [os.path.getsize(tmp_path / n) for n in (JOURNAL_NAME, JOURNAL_NAME + ".1")]
+    assert all(s <= 2000 + 100 for s in sizes)  # bounded: two files of about max_bytes
+    ours.append_removed([("mine", "kv")], "evicted")
+    with open(tmp_path / JOURNAL_NAME, "ab") as f:
+        f.write(b"not json\n[1,2]\n" + json.dumps({"w": "x", "rm": [["a", "kv"]]}).encode() + b"\n{\"w\": \"x\", \"rm\"")
+    got = theirs.poll()
+    assert [r.pages for r in got] == [(("mine", "kv"),), (("a", "kv"),)]  # not its own lines
+    got = ours.poll()
+    assert [r.pages for r in got] == [(("a", "kv"),)] and ours.malformed_lines == 2
+    with open(tmp_path / JOURNAL_NAME, "ab") as f:
+        f.write(b": [[\"b\", \"kv\"]]}\n")  # the torn last line completes later
+    assert [r.pages for r in ours.poll()] == [(("b", "kv"),)]
+    ours.close()
+    theirs.close()
+
+
+def test_lines_a_later_writer_appends_are_read_from_the_journals_start(tmp_path: Path) -> None:
+    reader = RemovalJournal(str(tmp_path))
+    assert reader.poll() == []
+    RemovalJournal(str(tmp_path)).append_removed([("k", "kv")], "corrupt")
+    got = reader.poll()
+    assert [(r.pages, r.reason) for r in got] == [((("k", "kv"),), "corrupt")]
+    reader.close()

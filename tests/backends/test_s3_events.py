@@ -1,0 +1,35 @@
+"""S3 deletions reach the tier-change hub: a corrupt object deleted, a namespace cleared."""
+
+from __future__ import annotations
+
+import uuid
+
+from hicache.observability import ChangeKind, Tier, TierChange
+from hicache.testing import ArrayHostPool
+from hicache.testing.store_tests import NS_A, PAGE, keys_for
+from s3_server import make_s3, raw_get, raw_put
+
+
+async def test_s3_deletions_and_clears_are_reported(moto_endpoint: str, moto_bucket: str) -> None:
+    keys = keys_for(4, salt=17)
+    async with make_s3(moto_endpoint, moto_bucket, f"t/{uuid.uuid4().hex}", NS_A) as store:
+        seen: list[TierChange] = []
+        store.tier_changes.subscribe(seen.append)
+        pool = ArrayHostPool(len(keys), PAGE)
+        pool.fill_random(3)
+        store.register_mem_pool_host(pool)
+        assert all(await store.batch_set_v1(keys, pool.indices(0, len(keys))))
+        stored = [c for c in seen if c.kind is ChangeKind.STORED]
+        assert [k for c in stored for k in c.keys] == keys and {c.backend for c in stored} == {"s3"}
+        good = raw_get(moto_endpoint, store.names.page(keys[1], "kv"))
+        assert good is not None
+        flipped = bytearray(good)
+        flipped[-1] ^= 0xFF
+        raw_put(moto_endpoint, store.names.page(keys[1], "kv"), bytes(flipped))
+        seen.clear()
+        assert await store.batch_get_v1(keys[1:2], pool.indices(1, 1)) == [False]
+        assert [(c.kind, c.tier, c.keys, c.reason) for c in seen] == [
+            (ChangeKind.REMOVED, Tier.STORAGE, (keys[1],), "corrupt")]
+        seen.clear()
+        assert await store.clear()
+        assert [(c.kind, c.tier) for c in seen] == [(ChangeKind.CLEARED, Tier.STORAGE)]

@@ -1,0 +1,270 @@
+"""The publisher with real ZMQ sockets and real consumers, in this process and in others:
+sequence numbers without gaps, replay after a reconnect, and consumers that cannot slow the
+cache down (drops are counted instead)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from hicache.events import BlockStored, KVEventBatch, encode_batch
+from hicache.events.publisher import EventPublisher
+from hicache.events.subscriber import EventSubscriber
+from hicache.facade import HiCache
+
+LOOPBACK = "tcp://127.0.0.1:0"
+REPO = Path(__file__).resolve().parents[2]
+
+
+def stored(i: int) -> BlockStored:
+    return BlockStored(block_hashes=[i.to_bytes(32, "big")], parent_block_hash=None, token_ids=[i], block_size=1,
+                       lora_id=None, medium="GPU", lora_name=None)
+
+
+def config(root: Path, **events: Any) -> dict[str, Any]:
+    ev = {"enabled": True, "endpoint": LOOPBACK, "replay_endpoint": LOOPBACK}
+    ev.update(events)
+    page = 16 * 2 * 4 * 2 * 32 * 4  # tokens x (K, V) x layers x heads x head_dim x float32
+    return {
+        "model": {"num_layers": 4, "num_kv_heads": 2, "head_dim": 32, "kv_dtype": "float32"},
+        "device": {"device": "cpu", "size_tokens": 128, "page_size": 16, "max_context_len": 1024},
+        "host": {"ratio": 1.0},
+        "storage": {"backend": "file", "options": {"root": str(root), "max_bytes": 10 * (page + 512)}},
+        "cache": {"prefetch": {"threshold_tokens": 16}},
+        "events": ev,
+    }
+
+
+def consumer(*args: str) -> subprocess.Popen[str]:
+    """``hicache events`` in another process (JSON lines on stdout)."""
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    return subprocess.Popen([sys.executable, "-m", "hicache.cli", "events", *args, "--json"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
+
+
+def lines_of(proc: subprocess.Popen[str]) -> list[dict[str, Any]]:
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    return [json.loads(line) for line in out.splitlines() if line.startswith("{\"seq\"")]
+
+
+def contiguous(seqs: list[int]) -> bool:
+    distinct = sorted(set(seqs))
+    return distinct == list(range(distinct[0], distinct[-1] + 1)) and seqs == sorted(seqs)
+
+
+async def settled(pub: EventPublisher) -> int:
+    """The publisher's next sequence once everything queued has been published."""
+    last = -1
+    while True:
+        stats = pub.stats()
+        if stats["queued"] == 0 and stats["next_seq"] == last:
+            return last
+        last = stats["next_seq"]
+        await asyncio.sleep(0.2)
+
+
+async def workload(cache: HiCache, n: int, base: int = 0) -> None:
+    for i in range(n):
+        h = await cache.begin(f"r{base + i}", list(range((base + i) * 1000, (base + i) * 1000 + 64)))
+        await cache.commit(h)
+        await cache.drain()
+
+
+async def test_a_subscriber_in_another_process_gets_every_tiers_events(tmp_path: Path) -> None:
+    async with HiCache.from_config(config(tmp_path / "store")) as cache:
+        pub = cache._events.publisher
+        proc = consumer(pub.endpoint, "--replay", pub.replay_endpoint, "--from", "0", "--timeout", "3")
+        await workload(cache, 8)  # 32 pages through a device and a host of 8 and a store of ~10
+        stack = cache._require_stack()
+        assert await stack.controller._on_io(stack.storage.clear())
+        total = await settled(pub)
+        got = await asyncio.to_thread(lines_of, proc)
+    seqs = [g["seq"] for g in got]
+    assert seqs and seqs[0] == 0 and contiguous(seqs) and seqs[-1] == total - 1
+    kinds = {(g["event"]["type"], g["event"]["medium"]) for g in got}
+    for medium in ("GPU", "CPU", "STORAGE"):
+        assert ("BlockStored", medium) in kinds and ("BlockRemoved", medium) in kinds, (medium, kinds)
+    assert ("AllBlocksCleared", "STORAGE") in kinds
+    first = next(g["event"] for g in got if g["event"]["type"] == "BlockStored")
+    assert len(first["block_hashes"][0]) == 64 and first["token_ids"] == list(range(64))[: 16 * len(first["block_hashes"])]
+
+
+async def test_a_consumer_that_reconnects_catches_up_through_replay(tmp_path: Path) -> None:
+    async with HiCache.from_config(config(tmp_path / "store")) as cache:
+        pub = cache._events.publisher
+        await workload(cache, 2)
+        first = await asyncio.to_thread(lines_of, consumer(pub.endpoint, "--replay", pub.replay_endpoint,
+                                                           "--from", "0", "--count", "3"))
+        last = first[-1]["seq"]
+        await workload(cache, 3, base=10)  # published while no consumer is connected
+        total = await settled(pub)
+        again = await asyncio.to_thread(lines_of, consumer(pub.endpoint, "--replay", pub.replay_endpoint,
+                                                           "--from", str(last + 1), "--timeout", "2"))
+        seqs = [g["seq"] for g in again]
+        assert seqs[0] == last + 1 and seqs[-1] == total - 1 and contiguous(seqs), (last, total, seqs)
+        assert all(g["replayed"] for g in again)
+
+        # in-process: a live subscriber that loses its connection sees the gap and replays it
+        sub = EventSubscriber(pub.endpoint, pub.replay_endpoint, start_seq=total - 1)
+        got = [r.seq for r in await asyncio.to_thread(lambda: list(sub.receive(timeout_s=1.0)))]
+        assert got == [total - 1]
+        sub.reconnect()
+        await workload(cache, 2, base=20)
+        await asyncio.sleep(0.2)
+        await workload(cache, 1, base=30)  # a live batch after the reconnect settled: shows the gap
+        end = await settled(pub)
+        got = [r.seq for r in await asyncio.to_thread(lambda: list(sub.receive(timeout_s=1.5)))]
+        assert got == list(range(total, end)) and sub.lost == 0
+        sub.close()
+
+
+def test_live_batches_a_replay_already_gave_are_not_repeated_and_restarts_are_followed() -> None:
+    pub = EventPublisher(LOOPBACK, LOOPBACK)
+    sub = EventSubscriber(pub.endpoint, pub.replay_endpoint, start_seq=0)
+    time.sleep(0.3)  # subscribed: every batch arrives live *and* through the replay below
+    for i in range(5):
+        pub.publish([stored(i)])
+        time.sleep(0.02)  # one batch each
+    time.sleep(0.3)
+    got = [(r.seq, r.batch.events[0].token_ids[0]) for r in sub.receive(timeout_s=1.0)]
+    assert got == [(i, i) for i in range(5)] and sub.restarts == 0
+    for i in range(5, 100):  # the restarted publisher's numbers stay below these for 10 s
+        pub.publish([stored(i)])
+        time.sleep(0.01)
+    time.sleep(0.3)
+    assert sum(len(r.batch.events) for r in sub.receive(timeout_s=1.0)) == 95 and sub.next_seq >= 20
+    pub.close()
+    again = EventPublisher(pub.endpoint)  # a restarted publisher on the same address numbers from 0
+    stop = threading.Event()
+
+    def keep_publishing() -> None:  # until the subscriber has reconnected by itself
+        while not stop.wait(0.1):
+            again.publish([stored(7)])
+
+    t = threading.Thread(target=keep_publishing)
+    t.start()
+    try:
+        first = next(iter(sub.receive(timeout_s=10.0)))
+    finally:
+        stop.set()
+        t.join()
+    assert first.batch.events[0].token_ids == [7] and first.seq < 100 and sub.restarts == 1
+    again.close()
+    sub.close()
+
+
+def test_absent_and_stuck_consumers_never_block_publishing() -> None:
+    pub = EventPublisher(LOOPBACK, LOOPBACK, hwm=4, max_queue_events=100_000)
+    stuck = EventSubscriber(pub.endpoint)  # connected, never reads
+    n = 5000
+    for i in range(n):
+        assert pub.publish([stored(i)])
+    stats = pub.close(timeout=30)
+    assert stats["published_events"] + stats["dropped_events"] == n
+    assert stats["published_events"] == n and stats["errors"] == 0  # PUB drops for the stuck one
+    stuck.close()
+
+
+def test_a_full_queue_drops_and_counts_instead_of_blocking() -> None:
+    pub = EventPublisher(None, max_queue_events=4)
+    n, results = 20_000, []
+
+    def flood() -> None:
+        results.extend(pub.publish([stored(i)]) for i in range(n))
+
+    t = threading.Thread(target=flood)
+    t.start()
+    t.join(60)
+    assert not t.is_alive()
+    stats = pub.close(timeout=30)
+    assert stats["dropped_events"] == results.count(False) > 0
+    assert stats["published_events"] == results.count(True)
+    assert not pub.publish([stored(0)]) and pub.stats()["dropped_events"] == results.count(False) + 1
+
+
+async def test_in_process_streams_are_bounded_per_consumer(tmp_path: Path) -> None:
+    cfg = config(tmp_path / "store", endpoint=None, replay_endpoint=None)
+    async with HiCache.from_config(cfg) as cache:
+        slow = cache.events(maxsize=2)  # never read until the end
+        fast = cache.events()
+        seen: list[int] = []
+
+        async def read() -> None:
+            async for seq, _batch in fast:
+                seen.append(seq)
+
+        reader = asyncio.create_task(read())
+        await workload(cache, 6)
+        total = await settled(cache._events.publisher)
+        await asyncio.sleep(0.2)  # the last batches reach the streams' loop
+        assert seen == list(range(total))  # the fast one lost nothing
+        assert slow.dropped == total - 2 and cache.metrics()["events"]["dropped_events"] == total - 2
+    await asyncio.wait_for(reader, 5)  # the close ends every iteration
+    assert [s for s, _ in [await slow.get(), await slow.get()]] == [0, 1] and await slow.get() is None
+
+
+async def test_events_off_by_default_and_bad_endpoints_fail_start(tmp_path: Path) -> None:
+    cfg = config(tmp_path / "store")
+    del cfg["events"]
+    async with HiCache.from_config(cfg) as cache:
+        assert cache._events is None and "events" not in cache.metrics()
+        stream = cache.events()  # in-process events work with the section off, no socket opened
+        assert cache._events.publisher.endpoint is None
+        await workload(cache, 1)
+        seq, batch = await asyncio.wait_for(stream.get(), 10)
+        assert seq == 0 and isinstance(batch.events[0], BlockStored)
+    from hicache.errors import ConfigError
+
+    bad = config(tmp_path / "store", endpoint="tcp://*:notaport")
+    cache = HiCache.from_config(bad)
+    try:
+        await cache.start()
+    except ConfigError as exc:
+        assert "notaport" in str(exc)
+    else:  # pragma: no cover
+        raise AssertionError("a bad endpoint must fail the start")
+    await cache.aclose()
+
+
+def test_malformed_replay_requests_and_foreign_messages_are_survived() -> None:
+    import zmq
+
+    pub = EventPublisher(LOOPBACK, LOOPBACK)
+    ctx = zmq.Context.instance()
+    bad = ctx.socket(zmq.DEALER)
+    bad.connect(pub.replay_endpoint)
+    for frames in ([b"", b"short"], [b"x", b"y", b"z"], [b""]):
+        bad.send_multipart(frames)
+    assert bad.poll(5000)
+    assert bad.recv_multipart()[2] == (-1).to_bytes(8, "big", signed=True)  # an empty answer, not a hang
+    bad.close(0)
+    pub.publish([stored(1)])
+    with EventSubscriber(pub.endpoint, pub.replay_endpoint, start_seq=0) as sub:
+        assert [r.seq for r in sub.receive(timeout_s=1.0)] == [0]  # the publisher goes on
+    # a foreign publisher's garbage on the subscriber's socket is counted and skipped
+    foreign = ctx.socket(zmq.PUB)
+    foreign.bind(LOOPBACK)
+    url = foreign.getsockopt_string(zmq.LAST_ENDPOINT)
+    with EventSubscriber(url) as sub:
+        time.sleep(0.3)
+        foreign.send_multipart([b"", b"\x00" * 8, b"\xc1garbage"])
+        foreign.send_multipart([b"only one frame"])
+        foreign.send_multipart([b"", (3).to_bytes(8, "big"), encode_batch(KVEventBatch(ts=1.0, events=[stored(3)]))])
+        got = [r.seq for r in sub.receive(timeout_s=1.0)]
+        assert got == [3] and sub.bad_messages == 2
+    foreign.close(0)
+    assert pub.close()["errors"] == 0
+
+
+def test_the_cli_names_a_bad_endpoint() -> None:
+    out = subprocess.run([sys.executable, "-m", "hicache.cli", "events", "nonsense://x", "--timeout", "0.1"],
+                         capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(REPO)), cwd=REPO)
+    assert out.returncode == 2 and "nonsense://x" in out.stderr and "Traceback" not in out.stderr

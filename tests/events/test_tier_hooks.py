@@ -1,0 +1,202 @@
+"""Every tier reports its stores and removals to the stack's hub: the tree (device, host) and
+the storage (writes, evictions, corrupt pages, clears), each with the page keys it holds."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+
+from hicache.controller import ControllerConfig
+from hicache.events import BlockRemoved, BlockStored
+from hicache.keys import page_hashes
+from hicache.observability import ChangeKind, Tier, TierChange
+from hicache.prefix_cache import EvictParams
+from hicache.replay import StackConfig, build_stack, serve_request
+from hicache.storage import create_async_storage
+from hicache.testing import ArrayHostPool
+from hicache.testing.store_tests import NS_A, PAGE, keys_for
+from hicache_backends.file.layout import page_id
+
+PS = 4
+
+
+def toks(base: int, n: int) -> list[int]:
+    return list(range(base, base + n))
+
+
+def record(hub) -> list[TierChange]:  # type: ignore[no-untyped-def]
+    seen: list[TierChange] = []
+    hub.subscribe(seen.append)
+    return seen
+
+
+def of(seen: list[TierChange], kind: ChangeKind, tier: Tier) -> list[TierChange]:
+    return [c for c in seen if c.kind is kind and c.tier is tier]
+
+
+async def served(stack, tokens: list[int]) -> tuple[list[TierChange], list[str]]:  # type: ignore[no-untyped-def]
+    """Record the stack's changes, serve ``tokens`` once and let the copies land."""
+    seen = record(stack.tier_changes)
+    await serve_request(stack, tokens, rid="a")
+    await stack.cache.drain()
+    return seen, page_hashes(tokens, PS)
+
+
+def stack_for(**kw: object):  # type: ignore[no-untyped-def]
+    ctl = ControllerConfig(prefetch_threshold=PS, prefetch_policy="wait_complete")
+    base: dict = dict(page_size=PS, device_pages=16, host_pages=32, storage_backend=None, controller=ctl)
+    base.update(kw)
+    return build_stack(StackConfig(**base))
+
+
+async def test_device_and_host_stores_and_removals_carry_chained_keys() -> None:
+    stack = stack_for()
+    a = toks(0, 16)
+    seen, keys = await served(stack, a)
+    dev = of(seen, ChangeKind.STORED, Tier.DEVICE)
+    assert [k for c in dev for k in c.keys] == keys
+    assert dev[0].token_ids == tuple(a) and dev[0].parent_key is None and dev[0].page_size == PS
+    host = of(seen, ChangeKind.STORED, Tier.HOST)
+    assert [k for c in host for k in c.keys] == keys  # after the backup landed
+    # a second prompt sharing 8 tokens: its new node's parent is the shared page's key
+    b = a[:8] + toks(500, 8)
+    await serve_request(stack, b, rid="b")
+    new = of(seen, ChangeKind.STORED, Tier.DEVICE)[-1]
+    assert new.keys == tuple(page_hashes(b, PS)[2:]) and new.parent_key == keys[1]
+    await stack.cache.drain()
+    # demotion: device removed, host kept
+    seen.clear()
+    stack.cache.evict(EvictParams(num_tokens=10**6))
+    assert sorted(k for c in of(seen, ChangeKind.REMOVED, Tier.DEVICE) for k in c.keys) == sorted(
+        set(keys) | set(page_hashes(b, PS)))
+    assert not of(seen, ChangeKind.REMOVED, Tier.HOST)
+    # host eviction: host removed, leaves first
+    seen.clear()
+    stack.cache.evict_host(10**6)
+    assert sorted(k for c in of(seen, ChangeKind.REMOVED, Tier.HOST) for k in c.keys) == sorted(
+        set(keys) | set(page_hashes(b, PS)))
+    # a load back from host reports the device copy again; reset clears both tiers
+    await serve_request(stack, a, rid="again")
+    seen.clear()
+    stack.cache.reset()
+    assert [(c.kind, c.tier) for c in seen] == [(ChangeKind.CLEARED, Tier.DEVICE), (ChangeKind.CLEARED, Tier.HOST)]
+    await stack.aclose()
+
+
+async def test_load_back_reports_the_device_copy() -> None:
+    stack = stack_for()
+    a = toks(0, 16)
+    await serve_request(stack, a, rid="a")
+    await stack.cache.drain()
+    stack.cache.evict(EvictParams(num_tokens=10**6))
+    seen = record(stack.tier_changes)
+    out = await serve_request(stack, a, rid="b")
+    assert out.verify_failures == 0
+    assert {k for c in of(seen, ChangeKind.STORED, Tier.DEVICE) for k in c.keys} >= set(page_hashes(a, PS))
+    await stack.aclose()
+
+
+async def test_take_events_returns_vllm_events_since_the_last_call() -> None:
+    stack = stack_for()
+    cache = stack.cache
+    assert cache.take_events() == []  # starts the log
+    a = toks(0, 8)
+    await serve_request(stack, a, rid="a")
+    await cache.drain()
+    events = cache.take_events()
+    assert [(type(e), e.medium) for e in events] == [(BlockStored, "GPU"), (BlockStored, "CPU")]
+    assert events[0].block_hashes == [bytes.fromhex(k) for k in page_hashes(a, PS)]
+    assert cache.take_events() == []
+    cache.evict(EvictParams(num_tokens=10**6))
+    assert [type(e) for e in cache.take_events()] == [BlockRemoved]
+    await stack.aclose()
+
+
+async def test_storage_writes_and_prefetched_pages_are_reported(tmp_path: Path) -> None:
+    stack = stack_for(storage_backend="file", storage_options={"root": str(tmp_path), "max_bytes": None})
+    a = toks(0, 16)
+    seen, keys = await served(stack, a)
+    written = of(seen, ChangeKind.STORED, Tier.STORAGE)
+    assert [k for c in written for k in c.keys] == keys and written[0].backend == "file"
+    assert written[0].parent_key is None and written[0].page_size == PS
+    # drop device and host: a new request prefetches from storage into host, reported as host
+    stack.cache.evict(EvictParams(num_tokens=10**6))
+    stack.cache.evict_host(10**6)
+    seen.clear()
+    out = await serve_request(stack, a + [1, 2, 3, 4], rid="b")
+    assert out.verify_failures == 0
+    assert {k for c in of(seen, ChangeKind.STORED, Tier.HOST) for k in c.keys} == set(keys)
+    await stack.aclose()
+
+
+async def _pool_with(keys: list[str]) -> ArrayHostPool:
+    pool = ArrayHostPool(len(keys), PAGE)
+    pool.fill_random(1)
+    return pool
+
+
+async def test_file_evictions_and_corrupt_pages_are_reported(tmp_path: Path) -> None:
+    keys = keys_for(12, salt=3)
+    pool = await _pool_with(keys)
+    store = create_async_storage("file", None, root=str(tmp_path / "a"), namespace=NS_A, max_bytes=None)
+    store.register_mem_pool_host(pool)
+    seen = record(store.tier_changes)
+    async with store:
+        assert all(await store.batch_set_v1(keys, pool.indices(0, len(keys))))
+        assert [k for c in of(seen, ChangeKind.STORED, Tier.STORAGE) for k in c.keys] == keys
+        # a page that fails verification is deleted and reported removed
+        with open(store.layout.path(page_id(keys[0], "kv")), "r+b") as f:
+            f.seek(-40, os.SEEK_END)
+            f.write(b"\xff" * 4)
+        assert await store.batch_get_v1(keys[:1], pool.indices(0, 1)) == [False]
+        gone = of(seen, ChangeKind.REMOVED, Tier.STORAGE)
+        assert [(c.keys, c.reason) for c in gone] == [((keys[0],), "corrupt")]
+        # clear() reports the storage tier cleared
+        seen.clear()
+        assert await store.clear()
+        assert [(c.kind, c.tier, c.origin) for c in seen] == [(ChangeKind.CLEARED, Tier.STORAGE, "local")]
+    # a bounded store evicts to make room: the victims are reported by key
+    page = store.layout.file_size(keys[0], "kv", pool.page_nbytes)
+    small = create_async_storage("file", None, root=str(tmp_path / "b"), namespace=NS_A, max_bytes=4 * page)
+    small.register_mem_pool_host(pool)
+    seen = record(small.tier_changes)
+    async with small:
+        for i in range(len(keys)):
+            assert await small.batch_set_v1(keys[i : i + 1], pool.indices(i, 1)) == [True]
+        gone = of(seen, ChangeKind.REMOVED, Tier.STORAGE)
+        removed = [k for c in gone for k in c.keys]
+        assert sorted(removed) == sorted(keys[:-4])  # least recently used first
+        assert all(c.reason == "evicted" and c.origin == "local" for c in gone)
+        assert await small.exists_pages(removed) == [False] * len(removed)
+
+
+async def test_memory_evictions_are_reported() -> None:
+    keys = keys_for(6, salt=4)
+    pool = await _pool_with(keys)
+    store = create_async_storage("memory", None, namespace=NS_A, max_bytes=3 * pool.page_nbytes)
+    store.register_mem_pool_host(pool)
+    seen = record(store.tier_changes)
+    async with store:
+        for i in range(len(keys)):
+            await store.batch_set_v1(keys[i : i + 1], pool.indices(i, 1))
+    removed = [k for c in of(seen, ChangeKind.REMOVED, Tier.STORAGE) for k in c.keys]
+    assert removed == keys[:3]
+
+
+def test_a_subscriber_that_raises_never_breaks_a_tier() -> None:
+    stack = stack_for()
+
+    def bad(change: TierChange) -> None:
+        raise RuntimeError("consumer bug")
+
+    stack.tier_changes.subscribe(bad)
+
+    async def go() -> None:
+        out = await serve_request(stack, toks(0, 8), rid="a")
+        assert out.verify_failures == 0
+        await stack.cache.drain()
+        await stack.aclose()
+
+    asyncio.run(go())
+    assert stack.tier_changes.subscriber_errors >= 2
