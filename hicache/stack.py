@@ -28,6 +28,9 @@ from hicache.memory import (
     device_for,
 )
 from hicache.memory.layouts import PAGE_FORMAT
+from hicache.observability.attribution import Attributor
+from hicache.observability.attribution_flow import TreeAttribution
+from hicache.observability.tier_events import Tier, TierChangeHub
 from hicache.placement import make_placement
 from hicache.prefix_cache.hiradix import HiRadixCache
 from hicache.storage import AsyncHiCacheStorage, HiCacheStorageConfig, create_async_storage
@@ -91,6 +94,12 @@ class StackConfig:
     kv_lora_rank: int = 64
     qk_rope_head_dim: int = 16
     namespace: Namespace | None = None
+    #: per-request attribution of hits and misses (:mod:`hicache.observability.attribution`)
+    attribution: bool = True
+    #: explain mode: probe other namespaces of the store for pages never stored here
+    explain_misses: bool = False
+    #: page keys the attribution's ledger remembers
+    attribution_ledger_pages: int = 1 << 17
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -117,12 +126,20 @@ class CacheStack:
     storage: AsyncHiCacheStorage | None
     controller: HiCacheController
     cache: HiRadixCache
+    #: the one hub every tier of this stack reports page changes to
+    tier_changes: TierChangeHub = dataclasses.field(default_factory=TierChangeHub)
+    #: explains each request's misses (``None`` when ``config.attribution`` is off)
+    attributor: Attributor | None = None
 
     async def aclose(self) -> Any:
         """Close the cache and controller (which closes a storage the stack created) and
         the copy engine. A storage passed to :func:`build_stack` stays open."""
-        report = await self.cache.aclose()
-        await self.copy_engine.aclose()
+        try:
+            report = await self.cache.aclose()
+            await self.copy_engine.aclose()
+        finally:
+            if self.attributor is not None:
+                self.attributor.close()
         return report
 
 
@@ -179,7 +196,25 @@ def build_stack(cfg: StackConfig, *, storage: AsyncHiCacheStorage | None = None)
         eviction_policy=cfg.eviction_policy,
         placement=make_placement(cfg.placement, cfg.placement_options, defaults=placement_defaults(cfg)),
     )
-    return CacheStack(cfg, device_pool, allocator, req_pool, host_pool, engine, storage, controller, cache)
+    stack = CacheStack(cfg, device_pool, allocator, req_pool, host_pool, engine, storage, controller, cache)
+    _wire_observability(stack)
+    return stack
+
+
+def _wire_observability(stack: CacheStack) -> None:
+    """Give the tiers the stack's hub, and the tree its attribution."""
+    cfg, hub = stack.config, stack.tier_changes
+    stack.cache.tier_changes = hub
+    store = stack.storage
+    if store is not None:
+        if getattr(store, "tier_changes", None) is None:
+            store.tier_changes = hub
+        else:  # a store shared by two stacks reports to the first: pass its storage changes on
+            store.tier_changes.subscribe(lambda change: hub.emit(change) if change.tier is Tier.STORAGE else None)
+    if cfg.attribution:
+        stack.attributor = Attributor(hub, page_size=cfg.page_size, ledger_pages=cfg.attribution_ledger_pages,
+                                      explain=cfg.explain_misses)
+        stack.cache.explain_admit = TreeAttribution(stack.cache, stack.attributor)
 
 
 def placement_defaults(cfg: StackConfig) -> dict[str, Any]:
@@ -264,4 +299,5 @@ def stack_config_from(config: Any) -> StackConfig:
         max_context_len=d.max_context_len,
         controller=ControllerConfig.from_dict(controller_options(config)),
         namespace=config_namespace(config),
+        explain_misses=config.cache.explain_misses,
     )

@@ -45,6 +45,7 @@ import torch
 
 from hicache.controller.controller import HiCacheController
 from hicache.controller.jobs import PrefetchResult, StorageWriteJob
+from hicache.observability.tier_events import ChangeKind, Tier, TierChange, TierChangeHub
 from hicache.placement import PlacementPolicy, make_placement
 from hicache.prefix_cache.facade import AdmitResult, LoadBack, MakeRoom, RequestFlow
 from hicache.prefix_cache.eviction_index import EvictionIndex
@@ -114,6 +115,11 @@ class HiRadixCache(RadixCache):
         self._new_handles: list[Any] = []
         #: the per-request calls (match, prefetch, admit, release, abort) and their bookkeeping
         self.flow = RequestFlow(self)
+        #: where the tree reports pages leaving device and host, and pages written to storage
+        #: (the stack passes its own hub)
+        self.tier_changes = TierChangeHub()
+        #: explains each admitted request's misses (``None``: no attribution); set by the stack
+        self.explain_admit: Any = None
         super().__init__(
             req_to_token_pool=req_to_token_pool,
             token_to_kv_pool_allocator=token_to_kv_pool_allocator,
@@ -271,6 +277,7 @@ class HiRadixCache(RadixCache):
             node.host_value = None
             self._free_host(host)
             self._note(node)
+            self._emit_removed(Tier.HOST, node)
             freed += int(host.numel())
         if freed:
             self.metrics.incr("host_copies_shed_tokens", freed)
@@ -311,10 +318,16 @@ class HiRadixCache(RadixCache):
             self.placement.on_host_evicted(node)
             node.host_value = None
             self._free_host(host)
+            self._emit_removed(Tier.HOST, node)
             freed += int(host.numel())
             self._delete_leaf(node)  # notes the parent, which may be a host-only leaf now
         self.metrics.incr("host_evicted_tokens", freed)
         return freed
+
+    def _emit_removed(self, tier: Tier, node: TreeNode) -> None:
+        hub = self.tier_changes
+        if hub.active and node.hash_value:
+            hub.emit(TierChange(ChangeKind.REMOVED, tier, tuple(node.hash_value), page_size=self.page_size))
 
     def _inc_host_ref(self, node: TreeNode) -> None:
         while node is not None and node is not self.root_node:
@@ -464,6 +477,9 @@ class HiRadixCache(RadixCache):
         for n in self._op_chain(node, "storage_op", op):
             n.storage_op = None
             take = min(remaining, len(n.hash_value) - n.storage_pages)
+            if take > 0 and self.tier_changes.active:
+                written = tuple(n.hash_value[n.storage_pages : n.storage_pages + take])
+                self.tier_changes.emit(TierChange(ChangeKind.STORED, Tier.STORAGE, written, page_size=self.page_size))
             n.storage_pages += take
             remaining -= take
             self._note(n)
@@ -491,6 +507,7 @@ class HiRadixCache(RadixCache):
         n = len(node.key)
         if node.backuped:
             self._free(self._drop_device(node))
+            self._emit_removed(Tier.DEVICE, node)
             self.metrics.incr("device_evicted_tokens", n)
             return n
         if node.backup_op is not None or node.host_ref:
@@ -508,6 +525,7 @@ class HiRadixCache(RadixCache):
             if node.children:
                 return 0
         self._free(self._drop_device(node))
+        self._emit_removed(Tier.DEVICE, node)
         if node.host_value is not None:  # a host copy still being written cannot be here
             self._free_host(node.host_value)
             node.host_value = None
@@ -526,6 +544,7 @@ class HiRadixCache(RadixCache):
         if node.host_value is not None:
             self._free_host(node.host_value)
             node.host_value = None
+            self._emit_removed(Tier.HOST, node)
         self._delete_leaf(node)
 
     async def make_device_room(self, num_tokens: int) -> bool:
@@ -724,6 +743,14 @@ class HiRadixCache(RadixCache):
             return False
         self._prefetching[req_id] = _Prefetch(last_host_node, prefix + tokens, len(prefix), keys, extra_key)
         return True
+
+    def prefetch_view(self, req_id: str) -> tuple[int, list[str], Any] | None:
+        """``(first token, page keys, controller op)`` of ``req_id``'s running prefetch
+        (the miss attribution reads how it ended); ``None`` without one."""
+        state = self._prefetching.get(req_id)
+        if state is None:
+            return None
+        return state.start, state.keys, self.controller.prefetch_op(req_id)
 
     def is_prefetching(self, req_id: str) -> bool:
         """Whether ``req_id`` has a storage prefetch whose pages are not yet in the tree."""

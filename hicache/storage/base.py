@@ -94,6 +94,9 @@ class AsyncHiCacheStorage(ABC):
         self._staging = staging.StagingArena()  # reused staging pages of pools without page_view
         self._state = StorageState.UNOPENED
         self._open_lock: asyncio.Lock | None = None
+        #: the stack's :class:`~hicache.observability.tier_events.TierChangeHub`, set by the
+        #: stack; backends report pages they remove through :meth:`_report_removed`
+        self.tier_changes: Any = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -213,6 +216,24 @@ class AsyncHiCacheStorage(ABC):
         """Space facts for ``hicache inspect``: free space, limits, and whether (and how many)
         writes were refused for space. Empty when the backend has none to give."""
         return {}
+
+    def other_namespaces_holding(self, key: str, pool: str = "kv", *, limit: int = 8) -> list[str] | None:
+        """(On a worker thread; miss attribution's explain mode.) Digests of up to ``limit``
+        other namespaces of this medium that hold the page ``(key, pool)``; ``None`` when the
+        backend cannot tell. Must stay cheap: a few stats, no page read."""
+        return None
+
+    def _report_removed(self, keys: Sequence[str], reason: str | None = None, origin: str = "local") -> None:
+        """Tell the stack's hub pages left this store (``reason``: ``"corrupt"`` for a page
+        that failed verification; ``origin="peer"``: removed by another process, seen here).
+        Never raises into the backend."""
+        hub = self.tier_changes
+        if hub is None or not hub.active or not keys:
+            return
+        from hicache.observability.tier_events import ChangeKind, Tier, TierChange
+
+        hub.emit(TierChange(ChangeKind.REMOVED, Tier.STORAGE, tuple(keys), backend=self.backend_name,
+                            origin=origin, reason=reason))
 
     async def verify_page(self, page: PageKey) -> bool:
         """Read and verify one page; a corrupt page is a miss (and is dropped, as on any read)."""

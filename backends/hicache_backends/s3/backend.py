@@ -420,7 +420,7 @@ class FsspecStorage(AsyncHiCacheStorage):
         else:
             verdict = self._verify_and_copy(view, hlen, page, buf)
         if verdict is not Verdict.OK:
-            await self._reject(path, view, hlen, verdict, want)
+            await self._reject(path, view, hlen, verdict, want, page)
             return False
         self.exists_cache.add(path, generation)
         return True
@@ -447,7 +447,7 @@ class FsspecStorage(AsyncHiCacheStorage):
             hlen = parsed.header_len if parsed is not None else PageCodec.header_len(page.key, page.pool)
             verdict = self._verify(view[:hlen], view[hlen:], page, None)
             if verdict is not Verdict.OK:
-                await self._reject(path, view, hlen, verdict, None)
+                await self._reject(path, view, hlen, verdict, None, page)
                 return None
             return bytes(view[hlen:])
 
@@ -462,7 +462,8 @@ class FsspecStorage(AsyncHiCacheStorage):
         codec = self._codec or PageCodec(self.namespace.digest_bytes)
         return codec.verify(header, payload, page.key, page.pool, expected_len=want)
 
-    async def _reject(self, path: str, data: memoryview, hlen: int, verdict: Verdict, want: int | None) -> None:
+    async def _reject(self, path: str, data: memoryview, hlen: int, verdict: Verdict, want: int | None,
+                      page: PageKey) -> None:
         """A page that failed verification. A size the caller did not expect is just a miss.
         Otherwise it is deleted only when the bytes received are the bytes stored (their MD5 is
         the object's ETag): a link that flips bits must not delete a good page that every other
@@ -483,6 +484,7 @@ class FsspecStorage(AsyncHiCacheStorage):
             return
         self.stats.incr("corrupt_pages")
         self.exists_cache.discard(path)
+        self._report_removed([page.key], "corrupt")
         logger.warning("%s: corrupt page %s (%s); deleting it", type(self).__name__, path, verdict.value)
         try:
             await self.runner.request("delete corrupt", lambda ops: ops.remove(path))
