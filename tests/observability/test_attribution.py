@@ -262,3 +262,96 @@ async def test_counters_and_debug_log(caplog: pytest.LogCaptureFixture) -> None:
     lines = [r.getMessage() for r in caplog.records if r.name == "hicache.attribution"]
     assert any("request a: 42 tokens: hit device=0 host=0 storage=0; missed never_stored=40 partial_page=2" in m
                for m in lines), lines
+
+
+# ---------------------------------------------------------------------- through the facade
+
+
+def facade_config(root: Path, model: str, **cache: object) -> dict:
+    return {
+        "model": {"name": model, "num_layers": 2, "num_kv_heads": 2, "head_dim": 8},
+        "device": {"device": "cpu", "size_tokens": 64 * 16, "page_size": 16, "max_requests": 8,
+                   "max_context_len": 2048},
+        "host": {"ratio": 4.0},
+        "storage": {"backend": "file", "options": {"root": str(root)}},
+        "cache": {"prefetch": {"policy": "wait_complete", "threshold_tokens": 0}, **cache},
+        "session": {"reap_interval_s": None},
+    }
+
+
+async def facade_run(cache, rid: str, tokens: list[int], session_id: str | None = None):  # type: ignore[no-untyped-def]
+    import torch
+
+    from hicache.replay.synthetic import write_synthetic_kv
+
+    h = await cache.begin(rid, tokens, session_id=session_id)
+    for layer in range(cache.device_pool.layer_num):
+        await h.wait_layer(layer)
+    write_synthetic_kv(cache.device_pool, h.kv_indices[h.prefix_len :], torch.tensor(tokens)[h.prefix_len :])
+    await cache.commit(h, finished=True)
+    check(h.attribution, len(tokens))
+    return h
+
+
+async def test_facade_handle_carries_it_and_explains_a_namespace_mismatch(tmp_path: Path) -> None:
+    from hicache.facade import HiCache
+
+    tokens = prompt(5, 100)
+    async with HiCache.from_config(facade_config(tmp_path, "model/a")) as a:
+        h = await facade_run(a, "r1", tokens)
+        assert h.attribution.misses == {"never_stored": 96, "partial_page": 4}
+        h = await facade_run(a, "r2", tokens)
+        assert h.attribution.hits == {"device": 96, "host": 0, "storage": 0} == h.hits
+        await a.drain()
+    async with HiCache.from_config(facade_config(tmp_path, "model/b", explain_misses=True)) as b:
+        h = await facade_run(b, "r3", tokens)
+        assert h.attribution.misses == {"namespace_mismatch": 96, "partial_page": 4}, h.attribution
+        assert h.attribution.probe_key is None
+    async with HiCache.from_config(facade_config(tmp_path, "model/a")) as again:  # same model, restarted
+        h = await facade_run(again, "r4", tokens)
+        assert h.attribution.hits["storage"] == 96, h.attribution
+
+
+async def test_session_turn_restored_from_its_slot(tmp_path: Path) -> None:
+    from hicache.facade import HiCache
+
+    async with HiCache.from_config(facade_config(tmp_path, "model/s")) as cache:
+        first = prompt(6, 40)
+        await facade_run(cache, "t1", first, session_id="chat")
+        h = await facade_run(cache, "t2", first + [1, 2, 3] * 8, session_id="chat")
+        a = h.attribution
+        assert a.hits["device"] == h.prefix_len > 0, a
+        assert a.misses == {"never_stored": 64 - h.prefix_len}, a
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+async def test_random_evictions_always_add_up(tmp_path: Path, seed: int) -> None:
+    """Shared prefixes, random evictions on every tier and damaged pages: every request's hits
+    and misses add up to its prompt, and a page this process saw is never "unknown"."""
+    import random
+
+    rnd = random.Random(seed)
+    base = prompt(9, 6 * PS)
+    prompts = [base + prompt(20 + i, rnd.randrange(1, 6) * PS + rnd.randrange(PS)) for i in range(4)]
+    async with stack_on(tmp_path) as (stack, _):
+        for step in range(20):
+            tokens = rnd.choice(prompts)
+            a = await serve(stack, tokens, f"r{step}")
+            assert "unknown" not in a.misses, a
+            await stack.cache.drain()
+            action = rnd.randrange(5)
+            if action == 0:
+                stack.cache.evict(stack.allocator.size)
+            elif action == 1:
+                drop_device_and_host(stack)
+            elif action == 2:
+                files = page_files(tmp_path)
+                for f in rnd.sample(files, min(len(files), 3)):
+                    f.unlink()
+            elif action == 3:
+                files = page_files(tmp_path)
+                if files:
+                    f = rnd.choice(files)
+                    data = bytearray(f.read_bytes())
+                    data[-40] ^= 0x55
+                    f.write_bytes(bytes(data))
