@@ -98,8 +98,9 @@ class StackConfig:
     attribution: bool = True
     #: explain mode: probe other namespaces of the store for pages never stored here
     explain_misses: bool = False
-    #: page keys the attribution's ledger remembers
-    attribution_ledger_pages: int = 1 << 17
+    #: page keys the attribution's ledger remembers (about 200 bytes each); default twice the
+    #: pages device, host and a sized store hold, at least 16Ki and at most 256Ki
+    attribution_ledger_pages: int | None = None
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -212,8 +213,10 @@ def _wire_observability(stack: CacheStack) -> None:
         else:  # a store shared by two stacks reports to the first: pass its storage changes on
             store.tier_changes.subscribe(lambda change: hub.emit(change) if change.tier is Tier.STORAGE else None)
     if cfg.attribution:
-        stack.attributor = Attributor(hub, page_size=cfg.page_size, ledger_pages=cfg.attribution_ledger_pages,
-                                      explain=cfg.explain_misses)
+        pages = cfg.attribution_ledger_pages
+        if pages is None:
+            pages = min(1 << 18, max(1 << 14, 2 * (cfg.device_pages + cfg.host_pages + (cfg.storage_pages or 0))))
+        stack.attributor = Attributor(hub, page_size=cfg.page_size, ledger_pages=pages, explain=cfg.explain_misses)
         stack.cache.explain_admit = TreeAttribution(stack.cache, stack.attributor)
 
 

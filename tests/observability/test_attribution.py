@@ -355,3 +355,40 @@ async def test_random_evictions_always_add_up(tmp_path: Path, seed: int) -> None
                     data = bytearray(f.read_bytes())
                     data[-40] ^= 0x55
                     f.write_bytes(bytes(data))
+
+
+async def test_stored_but_below_the_prefetch_threshold_is_prefetch_skipped(tmp_path: Path) -> None:
+    async with stack_on(tmp_path, prefetch_threshold=1000 * PS) as (stack, _):
+        await serve(stack, prompt(1), "a")
+        await stack.cache.drain()
+        drop_device_and_host(stack)
+        a = await serve(stack, prompt(1), "b")
+        assert a.misses == {"prefetch_skipped": 10 * PS, "partial_page": 2}, a
+
+
+async def test_a_record_the_ledger_forgot_is_unknown() -> None:
+    cfg = StackConfig(page_size=PS, device_pages=64, host_pages=128, storage_backend=None,
+                      controller=controller(), attribution_ledger_pages=3)
+    stack = build_stack(cfg)
+    try:
+        await serve(stack, prompt(1), "a")
+        await stack.cache.drain()
+        drop_device_and_host(stack)  # ten pages leave host: the ledger keeps the last three
+        a = await serve(stack, prompt(1), "b")
+        assert a.misses.get("unknown", 0) >= 7 * PS - 2 * PS, a  # bitmap collisions aside
+        assert a.misses.get("evicted_host", 0) + a.misses.get("unknown", 0) == 10 * PS, a
+        fresh = await serve(stack, prompt(2), "c")
+        assert fresh.misses == {"never_stored": 10 * PS, "partial_page": 2}, fresh
+    finally:
+        await stack.aclose()
+
+
+async def test_attribution_off() -> None:
+    cfg = StackConfig(page_size=PS, device_pages=64, host_pages=128, storage_backend=None,
+                      controller=controller(), attribution=False)
+    stack = build_stack(cfg)
+    try:
+        out = await serve_request(stack, prompt(1), rid="a")
+        assert out.attribution is None and stack.attributor is None
+    finally:
+        await stack.aclose()
