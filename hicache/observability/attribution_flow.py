@@ -28,11 +28,15 @@ class TreeAttribution:
 
     def before_wait(self, req: Any) -> PrefetchView | None:
         """The request's prefetch (keys and op) before admit waits for it and drops it."""
-        view = self.cache.prefetch_view(req.rid)
-        if view is None:
+        try:
+            view = self.cache.prefetch_view(req.rid)
+            if view is None:
+                return None
+            start, keys, op = view
+            return PrefetchView(start // self.attributor.page_size, keys, op)
+        except Exception:  # noqa: BLE001 - attribution must never fail a request
+            logger.exception("reading the prefetch of request %s failed", req.rid)
             return None
-        start, keys, op = view
-        return PrefetchView(start // self.attributor.page_size, keys, op)
 
     def storage_state(self) -> str:
         ctl = self.cache.controller
