@@ -30,7 +30,7 @@ from hicache.memory import (
 from hicache.memory.layouts import PAGE_FORMAT
 from hicache.observability.attribution import Attributor
 from hicache.observability.attribution_flow import TreeAttribution
-from hicache.observability.tier_events import Tier, TierChangeHub
+from hicache.observability.tier_events import TierChangeHub
 from hicache.placement import make_placement
 from hicache.prefix_cache.hiradix import HiRadixCache
 from hicache.storage import AsyncHiCacheStorage, HiCacheStorageConfig, create_async_storage
@@ -129,6 +129,7 @@ class CacheStack:
     cache: HiRadixCache
     #: the one hub every tier of this stack reports page changes to
     tier_changes: TierChangeHub = dataclasses.field(default_factory=TierChangeHub)
+    _detach_storage: Any = None
     #: explains each request's misses (``None`` when ``config.attribution`` is off)
     attributor: Attributor | None = None
 
@@ -139,6 +140,8 @@ class CacheStack:
             report = await self.cache.aclose()
             await self.copy_engine.aclose()
         finally:
+            if self._detach_storage is not None:
+                self._detach_storage()
             if self.attributor is not None:
                 self.attributor.close()
         return report
@@ -188,7 +191,9 @@ def build_stack(cfg: StackConfig, *, storage: AsyncHiCacheStorage | None = None)
     controller = HiCacheController(
         copy_engine=engine, host_pool=host_pool, storage=storage, config=cfg.controller, own_storage=own
     )
+    hub = TierChangeHub()
     cache = HiRadixCache(
+        tier_changes=hub,
         req_to_token_pool=req_pool,
         token_to_kv_pool_allocator=allocator,
         page_size=ps,
@@ -197,21 +202,20 @@ def build_stack(cfg: StackConfig, *, storage: AsyncHiCacheStorage | None = None)
         eviction_policy=cfg.eviction_policy,
         placement=make_placement(cfg.placement, cfg.placement_options, defaults=placement_defaults(cfg)),
     )
-    stack = CacheStack(cfg, device_pool, allocator, req_pool, host_pool, engine, storage, controller, cache)
-    _wire_observability(stack)
+    detach = None
+    if own:
+        storage.tier_changes = hub  # type: ignore[union-attr]
+    elif storage is not None:  # shared by several stacks: each gets the store's changes forwarded
+        detach = storage.tier_changes.subscribe(hub.emit)
+    stack = CacheStack(cfg, device_pool, allocator, req_pool, host_pool, engine, storage, controller, cache, hub,
+                       detach)
+    _wire_attribution(stack)
     return stack
 
 
-def _wire_observability(stack: CacheStack) -> None:
-    """Give the tiers the stack's hub, and the tree its attribution."""
+def _wire_attribution(stack: CacheStack) -> None:
+    """Give the tree its miss attribution, fed by the stack's hub."""
     cfg, hub = stack.config, stack.tier_changes
-    stack.cache.tier_changes = hub
-    store = stack.storage
-    if store is not None:
-        if getattr(store, "tier_changes", None) is None:
-            store.tier_changes = hub
-        else:  # a store shared by two stacks reports to the first: pass its storage changes on
-            store.tier_changes.subscribe(lambda change: hub.emit(change) if change.tier is Tier.STORAGE else None)
     if cfg.attribution:
         pages = cfg.attribution_ledger_pages
         if pages is None:

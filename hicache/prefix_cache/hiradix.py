@@ -85,6 +85,8 @@ class HiRadixCache(RadixCache):
         controller: the :class:`HiCacheController` that moves pages for this cache.
         placement: a :class:`~hicache.placement.PlacementPolicy` or its name (``lru``,
             ``reuse``, ``tiered``): host eviction order and storage admission.
+        tier_changes: the hub this tree reports pages leaving device and host to (the
+            stack's; a private one by default).
     """
 
     def __init__(
@@ -98,7 +100,9 @@ class HiRadixCache(RadixCache):
         eviction_policy: str = "lru",
         placement: str | PlacementPolicy = "lru",
         disable: bool = False,
+        tier_changes: TierChangeHub | None = None,
     ) -> None:
+        self.tier_changes = tier_changes if tier_changes is not None else TierChangeHub()
         #: what host keeps and what storage admits (see :mod:`hicache.placement`)
         self.placement: PlacementPolicy = make_placement(placement)
         if host_pool.page_size != page_size:
@@ -115,9 +119,6 @@ class HiRadixCache(RadixCache):
         self._new_handles: list[Any] = []
         #: the per-request calls (match, prefetch, admit, release, abort) and their bookkeeping
         self.flow = RequestFlow(self)
-        #: where the tree reports pages leaving device and host, and pages written to storage
-        #: (the stack passes its own hub)
-        self.tier_changes = TierChangeHub()
         #: explains each admitted request's misses (``None``: no attribution); set by the stack
         self.explain_admit: Any = None
         super().__init__(
@@ -215,6 +216,26 @@ class HiRadixCache(RadixCache):
             return namespace_seed(extra_key)
         return node.hash_value[-1]
 
+    # ------------------------------------------------------------------ tier changes
+
+    def _report_removed(self, tier: Tier, node: TreeNode) -> None:
+        """Tell the hub that ``tier`` stopped holding ``node``'s pages."""
+        hub = self.tier_changes
+        if hub.active and node.hash_value:
+            hub.emit(TierChange(ChangeKind.REMOVED, tier, tuple(node.hash_value), page_size=self.page_size))
+
+    def _drop_device(self, node: TreeNode) -> torch.Tensor:
+        self._report_removed(Tier.DEVICE, node)
+        return super()._drop_device(node)
+
+    def _drop_host(self, node: TreeNode) -> torch.Tensor:
+        """Detach ``node``'s host copy, reporting it; the caller frees it."""
+        host = node.host_value
+        assert host is not None
+        self._report_removed(Tier.HOST, node)
+        node.host_value = None
+        return host
+
     # ------------------------------------------------------------------ hooks
 
     def _on_new_node(self, node: TreeNode) -> None:
@@ -272,12 +293,9 @@ class HiRadixCache(RadixCache):
             del self._sheddable[node]
             if not self._sheds(node):
                 continue
-            host = node.host_value
-            assert host is not None
-            node.host_value = None
+            host = self._drop_host(node)
             self._free_host(host)
             self._note(node)
-            self._emit_removed(Tier.HOST, node)
             freed += int(host.numel())
         if freed:
             self.metrics.incr("host_copies_shed_tokens", freed)
@@ -313,21 +331,13 @@ class HiRadixCache(RadixCache):
             node = self._host_index.pop()
             if node is None:
                 break
-            host = node.host_value
-            assert host is not None
             self.placement.on_host_evicted(node)
-            node.host_value = None
+            host = self._drop_host(node)
             self._free_host(host)
-            self._emit_removed(Tier.HOST, node)
             freed += int(host.numel())
             self._delete_leaf(node)  # notes the parent, which may be a host-only leaf now
         self.metrics.incr("host_evicted_tokens", freed)
         return freed
-
-    def _emit_removed(self, tier: Tier, node: TreeNode) -> None:
-        hub = self.tier_changes
-        if hub.active and node.hash_value:
-            hub.emit(TierChange(ChangeKind.REMOVED, tier, tuple(node.hash_value), page_size=self.page_size))
 
     def _inc_host_ref(self, node: TreeNode) -> None:
         while node is not None and node is not self.root_node:
@@ -477,9 +487,6 @@ class HiRadixCache(RadixCache):
         for n in self._op_chain(node, "storage_op", op):
             n.storage_op = None
             take = min(remaining, len(n.hash_value) - n.storage_pages)
-            if take > 0 and self.tier_changes.active:
-                written = tuple(n.hash_value[n.storage_pages : n.storage_pages + take])
-                self.tier_changes.emit(TierChange(ChangeKind.STORED, Tier.STORAGE, written, page_size=self.page_size))
             n.storage_pages += take
             remaining -= take
             self._note(n)
@@ -507,7 +514,6 @@ class HiRadixCache(RadixCache):
         n = len(node.key)
         if node.backuped:
             self._free(self._drop_device(node))
-            self._emit_removed(Tier.DEVICE, node)
             self.metrics.incr("device_evicted_tokens", n)
             return n
         if node.backup_op is not None or node.host_ref:
@@ -525,10 +531,8 @@ class HiRadixCache(RadixCache):
             if node.children:
                 return 0
         self._free(self._drop_device(node))
-        self._emit_removed(Tier.DEVICE, node)
         if node.host_value is not None:  # a host copy still being written cannot be here
-            self._free_host(node.host_value)
-            node.host_value = None
+            self._free_host(self._drop_host(node))
         self._delete_leaf(node)
         self.metrics.incr("device_evicted_tokens", n)
         return n
@@ -542,9 +546,7 @@ class HiRadixCache(RadixCache):
         for child in list(node.children.values()):
             self._drop_subtree(child)
         if node.host_value is not None:
-            self._free_host(node.host_value)
-            node.host_value = None
-            self._emit_removed(Tier.HOST, node)
+            self._free_host(self._drop_host(node))
         self._delete_leaf(node)
 
     async def make_device_room(self, num_tokens: int) -> bool:

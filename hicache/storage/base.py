@@ -39,6 +39,7 @@ import torch
 
 from hicache.errors import StorageStateError
 from hicache.keys import Namespace, validate_key, validate_keys
+from hicache.observability.tier_events import ChangeKind, Tier, TierChange, TierChangeHub
 from hicache.storage import pages as page_io
 from hicache.storage import staging
 from hicache.storage.hit_policy import leading_run, resolve_v2_hits
@@ -94,9 +95,9 @@ class AsyncHiCacheStorage(ABC):
         self._staging = staging.StagingArena()  # reused staging pages of pools without page_view
         self._state = StorageState.UNOPENED
         self._open_lock: asyncio.Lock | None = None
-        #: the stack's :class:`~hicache.observability.tier_events.TierChangeHub`, set by the
-        #: stack; backends report pages they remove through :meth:`_report_removed`
-        self.tier_changes: Any = None
+        #: pages this store wrote, removed and cleared are reported here (a stack that owns the
+        #: store passes its own hub; backends report removals through :meth:`report_removed`)
+        self.tier_changes = TierChangeHub()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -223,17 +224,14 @@ class AsyncHiCacheStorage(ABC):
         backend cannot tell. Must stay cheap: a few stats, no page read."""
         return None
 
-    def _report_removed(self, keys: Sequence[str], reason: str | None = None, origin: str = "local") -> None:
-        """Tell the stack's hub pages left this store (``reason``: ``"corrupt"`` for a page
-        that failed verification; ``origin="peer"``: removed by another process, seen here).
-        Never raises into the backend."""
-        hub = self.tier_changes
-        if hub is None or not hub.active or not keys:
-            return
-        from hicache.observability.tier_events import ChangeKind, Tier, TierChange
-
-        hub.emit(TierChange(ChangeKind.REMOVED, Tier.STORAGE, tuple(keys), backend=self.backend_name,
-                            origin=origin, reason=reason))
+    def report_removed(self, pages: Sequence[PageKey], *, reason: str, origin: str = "local") -> None:
+        """For backends: KV ``pages`` left the store (``reason``: ``"corrupt"`` for a page that
+        failed verification, ``"evicted"``...; ``origin="peer"``: another process removed them
+        and this one saw it). The hub never raises into the backend."""
+        keys = tuple(p.key for p in pages if p.pool == KV)
+        if keys and self.tier_changes.active:
+            self.tier_changes.emit(TierChange(ChangeKind.REMOVED, Tier.STORAGE, keys, backend=self.backend_name,
+                                              origin=origin, reason=reason))
 
     async def verify_page(self, page: PageKey) -> bool:
         """Read and verify one page; a corrupt page is a miss (and is dropped, as on any read)."""
@@ -325,6 +323,10 @@ class AsyncHiCacheStorage(ABC):
         t0 = time.perf_counter()
         ok = await self._guard_flags("write", self._write(pages, buffers, parents), len(pages))
         done = sum(ok)
+        if done and self.tier_changes.active:
+            stored = tuple(p.key for p, f in zip(pages, ok) if f and p.pool == KV)
+            if stored:
+                self.tier_changes.emit(TierChange(ChangeKind.STORED, Tier.STORAGE, stored, backend=self.backend_name))
         self.stats.incr("write_pages", len(pages))
         self.stats.incr("write_ok", done)
         self.stats.incr("write_failures", len(pages) - done)
@@ -718,6 +720,9 @@ class AsyncHiCacheStorage(ABC):
         await self._ensure_open()
         try:
             await self._clear()
+            if self.tier_changes.active:
+                self.tier_changes.emit(TierChange(ChangeKind.CLEARED, Tier.STORAGE, backend=self.backend_name,
+                                                  reason="clear"))
             return True
         except asyncio.CancelledError:
             raise

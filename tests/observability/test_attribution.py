@@ -392,3 +392,13 @@ async def test_attribution_off() -> None:
         assert out.attribution is None and stack.attributor is None
     finally:
         await stack.aclose()
+
+
+async def test_storage_cleared_is_evicted_storage(tmp_path: Path) -> None:
+    async with stack_on(tmp_path) as (stack, store):
+        await serve(stack, prompt(1), "a")
+        await stack.cache.drain()
+        drop_device_and_host(stack)
+        assert await store.clear()
+        a = await serve(stack, prompt(1), "b")
+        assert a.misses == {"evicted_storage": 10 * PS, "partial_page": 2}, a

@@ -334,7 +334,7 @@ class FileStorage(AsyncHiCacheStorage):
     def _corrupt(self, page: PageKey, pid: str, result: page_io.ReadResult) -> None:
         self.stats.incr("corrupt_pages")
         self._forget(pid)
-        self._report_removed([page.key], "corrupt")
+        self.report_removed([page], reason="corrupt")
         self._ledger_debt += result.size  # the read removed the file
         logger.warning(
             "file store %s: page %s failed verification (%s); removed, served as a miss",
@@ -595,7 +595,7 @@ class FileStorage(AsyncHiCacheStorage):
             if self.index.get(pid) is before:
                 if before is not None:
                     self.stats.incr("vanished_pages")
-                    self._report_removed([page.key], "vanished", origin="peer")
+                    self.report_removed([page], reason="vanished", origin="peer")
                 self._forget(pid)
         elif r.status is page_io.ReadStatus.ERROR:
             self.stats.incr("io_errors")

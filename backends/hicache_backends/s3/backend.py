@@ -484,7 +484,7 @@ class FsspecStorage(AsyncHiCacheStorage):
             return
         self.stats.incr("corrupt_pages")
         self.exists_cache.discard(path)
-        self._report_removed([page.key], "corrupt")
+        self.report_removed([page], reason="corrupt")
         logger.warning("%s: corrupt page %s (%s); deleting it", type(self).__name__, path, verdict.value)
         try:
             await self.runner.request("delete corrupt", lambda ops: ops.remove(path))
