@@ -399,6 +399,6 @@ async def test_storage_cleared_is_evicted_storage(tmp_path: Path) -> None:
         await serve(stack, prompt(1), "a")
         await stack.cache.drain()
         drop_device_and_host(stack)
-        assert await store.clear()
+        assert await stack.controller._on_io(store.clear())  # on the loop the store runs on
         a = await serve(stack, prompt(1), "b")
         assert a.misses == {"evicted_storage": 10 * PS, "partial_page": 2}, a
