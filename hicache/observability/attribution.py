@@ -335,7 +335,7 @@ class Attributor:
             reasons.append(r)
         return reasons, probe_key
 
-    def _own(self, f: int | None, key: str) -> MissReason | None:
+    def _own(self, f: int | None) -> MissReason | None:
         """The reason the ledger alone gives (the tier the page was last lost from)."""
         if f is None:
             return None
@@ -352,7 +352,7 @@ class Attributor:
 
     def _unasked_reason(self, f: int | None, key: str, storage: str) -> MissReason:
         """A page storage was not asked about (no prefetch, or outside it)."""
-        own = self._own(f, key)
+        own = self._own(f)
         if storage == "down" and own not in (MissReason.EVICTED_STORAGE, MissReason.VERIFICATION_FAILED):
             return MissReason.STORAGE_DOWN
         if storage == "up" and f is not None and f & IN_STORAGE:
@@ -363,7 +363,7 @@ class Attributor:
         self, op: Any, rel: int, f: int | None, key: str, storage: str, broke: MissReason | None
     ) -> tuple[MissReason, MissReason | None]:
         """A page inside the request's prefetch: what happened to it there."""
-        own = self._own(f, key)
+        own = self._own(f)
         failure = MissReason.STORAGE_DOWN if storage == "down" else MissReason.BACKEND_ERROR
         if not op.exists_answered:  # storage was asked and gave no answer (yet)
             if own in (MissReason.EVICTED_STORAGE, MissReason.VERIFICATION_FAILED):

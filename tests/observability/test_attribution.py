@@ -62,7 +62,7 @@ class SwitchFileStorage(FileStorage):
 def controller(**over: object) -> ControllerConfig:
     base: dict[str, object] = dict(
         prefetch_threshold=PS, prefetch_policy="wait_complete", storage_io_timeout_s=5.0,
-        storage_stall_s=0.3, storage_probe_base_s=30.0, storage_probe_max_s=30.0,
+        storage_stall_s=5.0, storage_probe_base_s=30.0, storage_probe_max_s=30.0,
         storage_retry_base_s=0.001, cancelled_io_grace_s=0.0, close_timeout_s=2.0,
     )
     base.update(over)
