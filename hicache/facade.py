@@ -65,6 +65,9 @@ class RequestHandle:
     req: Req = field(repr=False)
     load: Any = field(default=None, repr=False)
     done: bool = False
+    #: hits per tier and misses per reason of the prompt's tokens
+    #: (:class:`~hicache.observability.attribution.RequestAttribution`; ``None`` when off)
+    attribution: Any = None
 
     async def wait_layer(self, layer: int) -> None:
         """Return once layer ``layer`` of the prefix KV is on device."""
@@ -243,11 +246,12 @@ class HiCache:
         # The cache tracks requests by id (prefetches, locks, session turns): two live requests
         # under one caller id must not share it, or one's finish would release the other's state.
         cache_rid = self._claim_rid(rid)
-        req = Req(rid=cache_rid, origin_input_ids=tokens, session=session)
+        req = Req(rid=cache_rid, origin_input_ids=tokens, session=session, explain_misses=True)
         try:
             cache.match_req(req)
             cache.start_prefetch(req)
             admitted = await cache.admit(req, mem_quota=self.config.cache.load_back_quota_tokens, wait_load=False)
+            attribution = await self._explain(admitted.attribution)
             slots = await cache.alloc_extend(req, len(tokens))
             if self._state is not _State.OPEN:  # closed while this request was being admitted
                 raise CacheClosedError("HiCache was closed while the request was being admitted")
@@ -276,9 +280,17 @@ class HiCache:
             hits=hits,
             req=req,
             load=admitted.load_handle,
+            attribution=attribution,
         )
         self._live[id(handle)] = handle
         return handle
+
+    async def _explain(self, attribution: Any) -> Any:
+        """Count the admitted request's attribution, after its namespace probe in explain mode."""
+        stack = self._require_stack()
+        if attribution is None or stack.attributor is None:
+            return attribution
+        return await stack.attributor.explain(attribution, stack.storage)
 
     def _claim_rid(self, rid: str) -> str:
         cache_rid = rid

@@ -28,6 +28,8 @@ from hicache.memory import (
     device_for,
 )
 from hicache.memory.layouts import PAGE_FORMAT
+from hicache.observability.attribution import Attributor
+from hicache.observability.attribution_flow import TreeAttribution
 from hicache.observability.tier_events import TierChangeHub
 from hicache.placement import make_placement
 from hicache.prefix_cache.hiradix import HiRadixCache
@@ -92,6 +94,13 @@ class StackConfig:
     kv_lora_rank: int = 64
     qk_rope_head_dim: int = 16
     namespace: Namespace | None = None
+    #: per-request attribution of hits and misses (:mod:`hicache.observability.attribution`)
+    attribution: bool = True
+    #: explain mode: probe other namespaces of the store for pages never stored here
+    explain_misses: bool = False
+    #: page keys the attribution's ledger remembers (about 200 bytes each); default twice the
+    #: pages device, host and a sized store hold, at least 16Ki and at most 256Ki
+    attribution_ledger_pages: int | None = None
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -118,17 +127,23 @@ class CacheStack:
     storage: AsyncHiCacheStorage | None
     controller: HiCacheController
     cache: HiRadixCache
-    #: every tier's stores and removals (the tree's device and host tiers, the storage's)
+    #: the one hub every tier of this stack reports page changes to
     tier_changes: TierChangeHub = dataclasses.field(default_factory=TierChangeHub)
     _detach_storage: Any = None
+    #: explains each request's misses (``None`` when ``config.attribution`` is off)
+    attributor: Attributor | None = None
 
     async def aclose(self) -> Any:
         """Close the cache and controller (which closes a storage the stack created) and
         the copy engine. A storage passed to :func:`build_stack` stays open."""
-        report = await self.cache.aclose()
-        await self.copy_engine.aclose()
-        if self._detach_storage is not None:
-            self._detach_storage()
+        try:
+            report = await self.cache.aclose()
+            await self.copy_engine.aclose()
+        finally:
+            if self._detach_storage is not None:
+                self._detach_storage()
+            if self.attributor is not None:
+                self.attributor.close()
         return report
 
 
@@ -190,9 +205,23 @@ def build_stack(cfg: StackConfig, *, storage: AsyncHiCacheStorage | None = None)
     detach = None
     if own:
         storage.tier_changes = hub  # type: ignore[union-attr]
-    elif storage is not None:  # shared by several stacks: each gets its changes forwarded
+    elif storage is not None:  # shared by several stacks: each gets the store's changes forwarded
         detach = storage.tier_changes.subscribe(hub.emit)
-    return CacheStack(cfg, device_pool, allocator, req_pool, host_pool, engine, storage, controller, cache, hub, detach)
+    stack = CacheStack(cfg, device_pool, allocator, req_pool, host_pool, engine, storage, controller, cache, hub,
+                       detach)
+    _wire_attribution(stack)
+    return stack
+
+
+def _wire_attribution(stack: CacheStack) -> None:
+    """Give the tree its miss attribution, fed by the stack's hub."""
+    cfg, hub = stack.config, stack.tier_changes
+    if cfg.attribution:
+        pages = cfg.attribution_ledger_pages
+        if pages is None:
+            pages = min(1 << 18, max(1 << 14, 2 * (cfg.device_pages + cfg.host_pages + (cfg.storage_pages or 0))))
+        stack.attributor = Attributor(hub, page_size=cfg.page_size, ledger_pages=pages, explain=cfg.explain_misses)
+        stack.cache.explain_admit = TreeAttribution(stack.cache, stack.attributor)
 
 
 def placement_defaults(cfg: StackConfig) -> dict[str, Any]:
@@ -277,4 +306,5 @@ def stack_config_from(config: Any) -> StackConfig:
         max_context_len=d.max_context_len,
         controller=ControllerConfig.from_dict(controller_options(config)),
         namespace=config_namespace(config),
+        explain_misses=config.cache.explain_misses,
     )

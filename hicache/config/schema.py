@@ -121,6 +121,10 @@ class CacheConfig(_Section):
     queue_size: int = Field(1024, gt=0, description="Bound of every controller queue (backpressure).")
     backup_retries: int = Field(3, ge=0)
     prefetch: PrefetchConfig = Field(default_factory=PrefetchConfig)
+    explain_misses: bool = Field(
+        False, description="Explain mode of the miss attribution: probe other namespaces of the store (one page, "
+        "at most 8 namespaces) for a page never stored here; also on while logger hicache.attribution is at DEBUG."
+    )
 
 
 class SessionConfig(_Section):

@@ -69,6 +69,14 @@ class PrefetchOp:
     inflight_start: int = 0
     inflight_end: int = 0
     released: bool = False
+    #: (ours, for miss attribution) whether ``exists`` answered, and why the fetch stopped
+    #: short of ``found_pages``: ``"cut"`` (the stop policy took it early), ``"exists_failed"``,
+    #: ``"read_failed"`` (a read call gave no answer), ``"page_failed"`` (a page read as a
+    #: miss), ``"backend_error"`` (that read made the backend count an error),
+    #: ``"no_host_room"``, ``"error"``; ``room_pages``: found pages host memory was found for
+    exists_answered: bool = False
+    room_pages: int = 0
+    stop: str | None = None
 
     @property
     def num_tokens(self) -> int:

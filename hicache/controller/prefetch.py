@@ -138,16 +138,22 @@ class Prefetcher:
             async with self._sem:
                 if op.stop_requested:
                     return
+                errors = self._backend_errors()
                 hit = await self._storage_call(self.storage.batch_exists_v2(op.keys, op.extra or None), "exists")
                 found = min(len(op.keys), hit.kv_hit_pages if hit is not None else 0)
                 op.found_pages = found
+                # an exists the backend answered with misses after an error is no answer
+                op.exists_answered = hit is not None and self._backend_errors() == errors
+                if not op.exists_answered:
+                    op.stop = op.stop or "exists_failed"
                 if found == 0 or op.stop_requested:
                     return
                 host = alloc_host(found * ps)
                 if host is None or host.numel() == 0:
+                    op.stop = op.stop or "no_host_room"
                     return
                 op.host_indices = host
-                pages = host.numel() // ps
+                pages = op.room_pages = host.numel() // ps
                 while op.completed_pages < pages and not op.stop_requested:
                     a = op.completed_pages
                     n = min(self.config.prefetch_batch_pages, pages - a)
@@ -157,6 +163,7 @@ class Prefetcher:
                         transfers.append(slice_transfer(extra, a, n))
                     op.inflight_start, op.inflight_end = a, a + n
                     t0 = time.perf_counter()
+                    errors = self._backend_errors()
                     try:
                         result = await self._storage_call(self.storage.batch_get_v2(transfers), "read")
                     except asyncio.CancelledError:
@@ -171,10 +178,13 @@ class Prefetcher:
                     if got < n:
                         if result is None:
                             self.metrics.incr("storage_read_failures")
+                        op.stop = op.stop or ("read_failed" if result is None else
+                                   "backend_error" if self._backend_errors() > errors else "page_failed")
                         break
         except asyncio.CancelledError:
             pass  # abort: the finally block gives the pages back
         except Exception:  # noqa: BLE001
+            op.stop = op.stop or "error"
             self.metrics.incr("worker_errors")
             logger.exception("prefetch %s failed", op.rid)
         finally:
@@ -213,6 +223,10 @@ class Prefetcher:
             await asyncio.sleep(self.config.cancelled_io_grace_s)
         finally:
             self._free_host(indices)
+
+    def _backend_errors(self) -> float:
+        stats = getattr(self.storage, "stats", None)
+        return stats.get("backend_errors") if stats is not None else 0
 
     def op(self, rid: str) -> PrefetchOp | None:
         return self._prefetches.get(rid)
@@ -258,6 +272,8 @@ class Prefetcher:
         if op is None:
             return None
         op.stop_requested = True
+        if not op.finished and op.stop is None:
+            op.stop = "cut"  # the stop policy ended the wait before the fetch did
         taken = op.completed_pages
         op.taken_pages = taken
         ps = self.page_size

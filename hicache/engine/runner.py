@@ -86,6 +86,8 @@ class GenerateResult:
     ttft_s: float
     latency_s: float
     first_logits: torch.Tensor | None = field(default=None, repr=False)
+    #: prompt tokens not reused, per reason (``hicache.observability.attribution.MissReason``)
+    misses: dict[str, int] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         """The JSON-able fields (no tensors)."""
@@ -96,6 +98,7 @@ class GenerateResult:
             "prefill_tokens": self.prefill_tokens,
             "cached_tokens": self.cached_tokens,
             "hits": dict(self.hits),
+            "misses": dict(self.misses),
             "ttft_s": self.ttft_s,
             "latency_s": self.latency_s,
         }
@@ -248,6 +251,7 @@ class Engine:
             ttft_s=ttft,
             latency_s=ttft,
             first_logits=logits[-1].clone() if return_logits else None,
+            misses=dict(getattr(getattr(handle, "attribution", None), "misses", None) or {}),
         )
         if on_token is not None:
             on_token(tok)

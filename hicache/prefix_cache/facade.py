@@ -42,6 +42,9 @@ class AdmitResult:
     storage_hit: int
     prefix_len: int
     load_handle: Any = None
+    #: (ours) a :class:`~hicache.observability.attribution.RequestAttribution` when the cache
+    #: has an attributor
+    attribution: Any = None
 
 
 @dataclasses.dataclass
@@ -160,6 +163,8 @@ class RequestFlow:
         of recomputing histories that sit on host.
         """
         cache = self.cache
+        explain = getattr(cache, "explain_admit", None)
+        pending = explain.before_wait(req) if explain is not None else None
         fetched = await cache.wait_prefetch(req.rid) if cache.is_prefetching(req.rid) else 0
         room = make_room or cache.make_device_room
         m = await self._settled_match(req, max_prefix_len)
@@ -226,7 +231,9 @@ class RequestFlow:
         metrics.hit("device", device)
         metrics.hit("host", host - storage)
         metrics.hit("storage", storage)
-        return AdmitResult(device, host - storage, storage, req.cache_protected_len, handle)
+        if explain is not None:
+            req.attribution = explain.after_admit(req, pending, m, device, host - storage, storage)
+        return AdmitResult(device, host - storage, storage, req.cache_protected_len, handle, req.attribution)
 
     async def _settled_match(self, req: Req, max_prefix_len: int | None) -> MatchResult:
         """Match, waiting first for loads that still write into the device hit: another

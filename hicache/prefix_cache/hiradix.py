@@ -121,6 +121,8 @@ class HiRadixCache(RadixCache):
         self._new_handles: list[Any] = []
         #: the per-request calls (match, prefetch, admit, release, abort) and their bookkeeping
         self.flow = RequestFlow(self)
+        #: explains each admitted request's misses (``None``: no attribution); set by the stack
+        self.explain_admit: Any = None
         super().__init__(
             req_to_token_pool=req_to_token_pool,
             token_to_kv_pool_allocator=token_to_kv_pool_allocator,
@@ -765,6 +767,14 @@ class HiRadixCache(RadixCache):
             return False
         self._prefetching[req_id] = _Prefetch(last_host_node, prefix + tokens, len(prefix), keys, extra_key)
         return True
+
+    def prefetch_view(self, req_id: str) -> tuple[int, list[str], Any] | None:
+        """``(first token, page keys, controller op)`` of ``req_id``'s running prefetch
+        (the miss attribution reads how it ended); ``None`` without one."""
+        state = self._prefetching.get(req_id)
+        if state is None:
+            return None
+        return state.start, state.keys, self.controller.prefetch_op(req_id)
 
     def is_prefetching(self, req_id: str) -> bool:
         """Whether ``req_id`` has a storage prefetch whose pages are not yet in the tree."""

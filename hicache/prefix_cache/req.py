@@ -63,6 +63,10 @@ class Req:
     host_hit_length: int = 0
     storage_hit_length: int = 0
     storage_prior_hash: str | None = None
+    #: (ours) the admitted request's RequestAttribution (hits per tier, misses per reason)
+    attribution: Any = None
+    #: (ours) whoever admits this request awaits the attributor's explain step (the facade)
+    explain_misses: bool = False
 
     # sliding-window attention state (kept for interface parity)
     swa_evicted_seqlen: int = 0

@@ -67,12 +67,16 @@ async def compare_policies(
             "host_hit": result["host_hit_tokens"] / prompt,
             "storage_hit": result["storage_hit_tokens"] / prompt,
             "total_hit": result["hit_ratio_tokens"],
+            "prompt_tokens": result["prompt_tokens"],
             "hit_tokens": {t: result[f"{t}_hit_tokens"] for t in ("device", "host", "storage")},
             "host_written_bytes": result["bytes"]["d2h"],
             "storage_written_bytes": result["bytes"]["h2s"],
             "verification_failures": result["verification_failures"],
             "wall_time_s": result["wall_time_s"],
             "nested_lru_hit": result["reference_lru"]["hit_tokens"] / prompt,
+            # why the rest was recomputed: tokens per miss reason (and their share of the prompts)
+            "miss_tokens": result["attribution"]["miss_tokens"],
+            "miss_share": {r: n / prompt for r, n in result["attribution"]["miss_tokens"].items()},
         }
     base = rows.get("lru")
     for row in rows.values():
@@ -111,4 +115,22 @@ def format_comparison(report: dict[str, Any]) -> str:
         lines.append(f"{'nested LRU':<12}{'':>36}{any_row['nested_lru_hit']:>12.4f}   (block-level reference)")
     for name, v in report["bounds"].items():
         lines.append(f"{name:<24}{'':>24}{v:>12.4f}   (bound)")
+    lines.extend(_format_misses(report["policies"]))
     return "\n".join(lines)
+
+
+def _format_misses(rows: dict[str, dict[str, Any]]) -> list[str]:
+    """Why prompt tokens were not reused, per policy: share of prompt tokens per reason."""
+    reasons: list[str] = []
+    for r in rows.values():
+        reasons += [k for k in r.get("miss_share", {}) if k not in reasons]
+    if not reasons:
+        return []
+    reasons.sort(key=lambda k: -max(r.get("miss_share", {}).get(k, 0.0) for r in rows.values()))
+    width = max(12, *(len(k) + 2 for k in reasons))
+    lines = ["misses (share of prompt tokens, by reason):",
+             f"{'policy':<12}" + "".join(f"{k:>{width}}" for k in reasons)]
+    for name, r in rows.items():
+        share = r.get("miss_share", {})
+        lines.append(f"{name:<12}" + "".join(f"{share.get(k, 0.0):>{width}.4f}" for k in reasons))
+    return lines

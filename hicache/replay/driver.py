@@ -7,6 +7,7 @@ match -> prefetch -> admit (wait, load back, lock) -> verify the reused KV -> "c
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import numpy as np
 import torch
@@ -30,6 +31,8 @@ class RequestOutcome:
     storage_hit: int
     computed: int
     verify_failures: int
+    #: hits per tier and misses per reason (``None`` when the stack's attribution is off)
+    attribution: Any = None
 
 
 async def serve_request(
@@ -77,4 +80,5 @@ async def serve_request(
     req.kv_committed_len = len(tokens)
     req.kv_allocated_len = p + n_alloc
     cache.release_req(req)
-    return RequestOutcome(len(tokens), res.device_hit, res.host_hit, res.storage_hit, need, failures)
+    return RequestOutcome(len(tokens), res.device_hit, res.host_hit, res.storage_hit, need, failures,
+                          res.attribution)

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from hicache.errors import ConfigError
+from hicache.observability.attribution import AttributionTotals
 from hicache.replay.config import ReplayConfig, load_replay_config
 from hicache.replay.driver import serve_request
 from hicache.replay.reference import reference_lru, unique_blocks
@@ -131,6 +132,7 @@ async def replay_requests(
     stack = build_stack(stack_cfg)
     totals = {"prompt_tokens": 0, "device_hit_tokens": 0, "host_hit_tokens": 0, "storage_hit_tokens": 0,
               "computed_tokens": 0, "verification_failures": 0}
+    attribution = AttributionTotals()  # hits per tier and misses per reason, over the trace
     bar = None
     if progress:
         from tqdm import tqdm
@@ -147,6 +149,7 @@ async def replay_requests(
             totals["storage_hit_tokens"] += out.storage_hit
             totals["computed_tokens"] += out.computed
             totals["verification_failures"] += out.verify_failures
+            attribution.add(out.attribution)
             if cfg.drain_between_requests:
                 await stack.controller.wait_prefetches()
                 await stack.cache.drain()
@@ -186,4 +189,5 @@ async def replay_requests(
         "page_size": cfg.page_size,
         "reference_lru": ref,
         "hit_tokens_vs_reference": hit_tokens - ref["hit_tokens"],
+        "attribution": attribution.as_dict(),
     }

@@ -289,7 +289,9 @@ class SessionAwareCache(ForwardingCache):
             if not slot.admitted:
                 slot.admitted = True
                 self._count_admit(sid, req, slot.turn_prefix_len, "slot")
-            return TurnAdmit(slot.turn_prefix_len, 0, 0, slot.turn_prefix_len, restored=True)
+                self._attribute_restored(req, slot.turn_prefix_len)
+            return TurnAdmit(slot.turn_prefix_len, 0, 0, slot.turn_prefix_len, restored=True,
+                             attribution=req.attribution)
         inner_admit = getattr(self.inner, "admit", None)
         if inner_admit is None:
             node = m.last_device_node
@@ -302,7 +304,7 @@ class SessionAwareCache(ForwardingCache):
             # so that no other turn can take it in between (see RequestFlow.admit)
             r = await inner_admit(req, mem_quota=mem_quota, wait_load=wait_load, max_prefix_len=max_prefix_len,
                                   make_room=self.ensure_free)
-            res = TurnAdmit(r.device_hit, r.host_hit, r.storage_hit, r.prefix_len, r.load_handle)
+            res = TurnAdmit(r.device_hit, r.host_hit, r.storage_hit, r.prefix_len, r.load_handle, r.attribution)
         slot = self._slot_for(req) if sid is not None else None
         if slot is not None and not slot.admitted:
             slot.admitted = True
@@ -314,6 +316,14 @@ class SessionAwareCache(ForwardingCache):
                 self.session_metrics.resume(sid, tier, res.prefix_len)
             self._count_admit(sid, req, res.prefix_len, None)
         return res
+
+    def _attribute_restored(self, req: Req, prefix_len: int) -> None:
+        """A turn restored from its slot: its history hit on device (miss attribution)."""
+        explain = getattr(self.inner, "explain_admit", None)
+        if explain is not None:
+            tokens = req.fill_ids or req.origin_input_ids
+            req.attribution = explain.attributor.restored(req.rid, len(tokens), prefix_len,
+                                                          record=not req.explain_misses)
 
     def _count_admit(self, sid: str | None, req: Req, prefix_len: int, tier: str | None) -> None:
         if sid is None:

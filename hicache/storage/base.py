@@ -224,6 +224,12 @@ class AsyncHiCacheStorage(ABC):
         writes were refused for space. Empty when the backend has none to give."""
         return {}
 
+    def other_namespaces_holding(self, key: str, pool: str = "kv", *, limit: int = 8) -> list[str] | None:
+        """(On a worker thread; miss attribution's explain mode.) Digests of up to ``limit``
+        other namespaces of this medium that hold the page ``(key, pool)``; ``None`` when the
+        backend cannot tell. Must stay cheap: a few stats, no page read."""
+        return None
+
     async def verify_page(self, page: PageKey) -> bool:
         """Read and verify one page; a corrupt page is a miss (and is dropped, as on any read)."""
         await self._ensure_open()

@@ -162,8 +162,11 @@ async def test_abort_mid_prefetch_leaks_nothing() -> None:
     req = Req(rid="x", origin_input_ids=data)
     cache.match_req(req)
     assert cache.start_prefetch(req)
-    await asyncio.sleep(0.1)  # some batches landed, one is in flight
     op = stack.controller.prefetch_op("x")
+    for _ in range(5000):  # until some batches landed, one is in flight (not a fixed sleep: load)
+        if op is None or op.completed_pages or op.finished:
+            break
+        await asyncio.sleep(0.001)
     assert op is not None and 0 < op.completed_pages < 16
     cache.abort_req(req)
     await stack.controller.wait_prefetches()

@@ -38,8 +38,12 @@ def test_every_policy_verifies_and_lru_is_unchanged() -> None:
     assert rows["tiered"]["storage_written_bytes"] < rows["lru"]["storage_written_bytes"]
     bounds = report["bounds"]
     assert bounds["infinite_cache"] >= bounds["belady_at_8784_blocks"] >= max(r["total_hit"] for r in rows.values())
+    for r in rows.values():  # every prompt token is a hit on a tier or a miss with its reason
+        assert sum(r["hit_tokens"].values()) + sum(r["miss_tokens"].values()) == r["prompt_tokens"]
+        assert "unknown" not in r["miss_tokens"], r["miss_tokens"]
     text = format_comparison(report)
     assert "tiered" in text and "belady_at_8784_blocks" in text
+    assert "misses (share of prompt tokens, by reason):" in text
 
 
 def test_miss_ratio_curve_equals_the_reference_lru() -> None:

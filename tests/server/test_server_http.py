@@ -43,6 +43,8 @@ async def test_server_side_reference_check_and_text_prompts(mode: str, tmp_path:
                 out = await resp.json()
             assert out["reference_match"] is True and len(out["tokens"]) == 5
             assert isinstance(out["text"], str) and out["prompt_tokens"] == 180
+            if mode == "hicache":  # every prompt token is a hit on a tier or a miss with its reason
+                assert sum(out["hits"].values()) + sum(out["misses"].values()) == 180, out
         async with http.get(f"{srv.url}/metrics") as resp:
             text = await resp.text()
         assert 'hicache_server_reference_checks_total{result="match"} 2' in text

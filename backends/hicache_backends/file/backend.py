@@ -629,6 +629,7 @@ class FileStorage(AsyncHiCacheStorage):
             if self.index.get(pid) is before:
                 if before is not None:
                     self.stats.incr("vanished_pages")
+                    self.report_removed([page], reason="vanished", origin="peer")
                 self._forget(pid)
         elif r.status is page_io.ReadStatus.ERROR:
             self.stats.incr("io_errors")
@@ -913,6 +914,20 @@ class FileStorage(AsyncHiCacheStorage):
             except (ConfigError, TypeError):
                 logger.warning("file store %s: skipping a manifest of another format: %r", self.root, m)
         return out
+
+    def other_namespaces_holding(self, key: str, pool: str = "kv", *, limit: int = 8) -> list[str] | None:
+        """Other namespaces under this root (the first ``limit`` by digest) with a file for the
+        page: one ``listdir`` and at most ``limit`` ``lstat`` calls; no page is read."""
+        pid = page_id(key, pool)
+        own = self.namespace.digest
+        found = []
+        for digest in [d for d in page_io.namespace_dirs(self.root) if d != own][:limit]:
+            try:
+                os.lstat(NamespaceLayout(self.root, digest).path(pid))
+            except OSError:
+                continue
+            found.append(digest)
+        return found
 
     async def list_pages(self) -> list[tuple[PageKey, int]]:
         await self._ensure_open()

@@ -739,16 +739,19 @@ def scan_subdir(path: str, stale_tmp_seconds: float) -> tuple[list[ScanEntry], i
 # ---------------------------------------------------------------------- introspection (inspect)
 
 
-def list_manifests(root: str) -> list[dict]:
-    """The manifest of every namespace folder under ``root`` (unreadable ones are skipped)."""
-    out: list[dict] = []
+def namespace_dirs(root: str) -> list[str]:
+    """The namespace digests that have a folder under ``root``, sorted (one ``listdir``)."""
     try:
         names = sorted(os.listdir(root))
     except FileNotFoundError:
-        return out
-    for name in names:
-        if len(name) != 32 or not set(name) <= _ID_HEX:
-            continue
+        return []
+    return [name for name in names if len(name) == 32 and set(name) <= _ID_HEX]
+
+
+def list_manifests(root: str) -> list[dict]:
+    """The manifest of every namespace folder under ``root`` (unreadable ones are skipped)."""
+    out: list[dict] = []
+    for name in namespace_dirs(root):
         raw = read_small_file(os.path.join(root, name, "manifest.json"))
         try:
             if raw is None:

@@ -485,13 +485,12 @@ class FsspecStorage(AsyncHiCacheStorage):
             return
         self.stats.incr("corrupt_pages")
         self.exists_cache.discard(path)
+        self.report_removed([page], reason="corrupt")
         logger.warning("%s: corrupt page %s (%s); deleting it", type(self).__name__, path, verdict.value)
         try:
             await self.runner.request("delete corrupt", lambda ops: ops.remove(path))
         except (GaveUp, FileNotFoundError):
             pass
-        else:
-            self.report_removed([page], reason="corrupt")
 
     async def _corrupt_at_rest(self, path: str, data: memoryview) -> bool:
         """Whether ``data`` (which failed verification) is exactly what the store holds."""
