@@ -73,6 +73,7 @@ async def compare_policies(
             "verification_failures": result["verification_failures"],
             "wall_time_s": result["wall_time_s"],
             "nested_lru_hit": result["reference_lru"]["hit_tokens"] / prompt,
+            "placement": result["placement"],
         }
     base = rows.get("lru")
     for row in rows.values():
