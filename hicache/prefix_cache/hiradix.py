@@ -363,13 +363,7 @@ class HiRadixCache(RadixCache):
             self.metrics.incr("victim_writes_skipped_pages", want - node.storage_pages)
             return False
         ps = self.page_size
-        first = chain[0]
-        k = first.storage_pages
-        parent = first.parent
-        prior = first.hash_value[k - 1] if k else (
-            parent.hash_value[-1] if parent is not None and parent is not self.root_node and parent.hash_value
-            else None
-        )
+        prior = self._page_prior(chain[0], chain[0].storage_pages)
         keys: list[str] = []
         hosts: list[torch.Tensor] = []
         for c, u in zip(chain, upto):
@@ -526,9 +520,7 @@ class HiRadixCache(RadixCache):
         upto = min(self.placement.storage_pages(node), len(node.hash_value))
         if upto <= k:
             return  # not admitted (yet): a later hit or ghost hit may admit it
-        prior = node.hash_value[k - 1] if k else (
-            parent.hash_value[-1] if parent is not self.root_node and parent.hash_value else None
-        )
+        prior = self._page_prior(node, k)
         op = object()
         node.storage_op = op
         gen = self._generation
@@ -541,6 +533,13 @@ class HiRadixCache(RadixCache):
         if not self.controller.submit_storage_write(job):
             node.storage_op = None
             self._note(node)
+
+    def _page_prior(self, node: TreeNode, k: int) -> str | None:
+        """The key before ``node``'s page ``k`` in storage's chain (``None`` at the root)."""
+        if k:
+            return node.hash_value[k - 1]
+        parent = node.parent
+        return parent.hash_value[-1] if parent is not None and parent is not self.root_node and parent.hash_value else None
 
     def _storage_done(self, gen: int, node: TreeNode, op: object, pages: int) -> None:
         if gen != self._generation:
