@@ -631,9 +631,11 @@ class HiRadixCache(RadixCache):
             self._retry_deferred()  # kept nodes go once their host copy exists
             await self.controller.drain_backups()  # not the storage writes behind them
             got = self.evict(need - freed).num_tokens_evicted
-            if got == 0 and any(self._deferred.values()) and self.controller.has_storage:
+            if got == 0 and (any(self._deferred.values()) or self._victim_pages_in_flight) and self.controller.has_storage:
                 # KV kept on device waits for host room, which storage writes free (redundant
-                # host copies are shed once written); their time is bounded by storage health
+                # host copies are shed once written), and a write-back at host eviction keeps its
+                # chain (and so a device parent that has no host copy) until it lands; their time
+                # is bounded by storage health
                 await self.controller.drain()
                 self._retry_deferred()
                 await self.controller.drain_backups()
