@@ -201,7 +201,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_size)
 
     p = sub.add_parser("workload", help="write a generated trace in the Mooncake format")
-    p.add_argument("kind", choices=["agents"], help="agents: many short agent turns over a few long shared prefixes")
+    p.add_argument("kind", choices=["agents", "chat"],
+                   help="agents: many short agent turns over a few long shared prefixes; chat: conversations "
+                   "with think time over long shared system prompts, some opening with a private document")
     p.add_argument("out", help="output file (JSON lines)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true")

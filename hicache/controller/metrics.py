@@ -48,6 +48,9 @@ _COUNTERS: dict[str, str] = {
     "prefetch_pages_done": "pages fetched from storage",
     "prefetch_pages_used": "fetched pages handed to requests",
     "host_evicted_tokens": "tokens evicted from host",
+    "victim_write_pages": "pages host eviction queued for storage (write-back at eviction, unwritten ancestors included)",
+    "victim_write_failed_pages": "pages of write-backs at host eviction that storage did not take (dropped from host later, not retried)",
+    "victim_writes_skipped_pages": "pages the placement wanted written at host eviction but host dropped (write-back bound reached, an ancestor not writable now, or the queue full)",
     "device_evicted_tokens": "tokens evicted from device",
     "worker_errors": "unexpected errors caught in controller workers",
 }

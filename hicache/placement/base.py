@@ -43,6 +43,13 @@ class PlacementPolicy(ABC):
         """How many of ``node``'s pages, counted from its first, may be in storage now
         (``len(node.hash_value)`` admits all; the tree writes those not written yet)."""
 
+    def victim_pages(self, node: TreeNode) -> int:
+        """How many of ``node``'s pages, from its first, storage should hold before host drops
+        ``node`` (write-back at host eviction; 0: none, the page is dropped as before). The
+        tree writes the unwritten ancestors in the same job, so a stored page's prefix is
+        always stored."""
+        return 0
+
     def on_new_node(self, node: TreeNode) -> None:
         """An insert created ``node`` (device KV, hashes set)."""
 

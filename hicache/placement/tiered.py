@@ -55,6 +55,10 @@ class ReusePlacement(PlacementPolicy):
         return (node.last_access_time,)
 
     def storage_pages(self, node: TreeNode) -> int:
+        return self.admitted_pages(node)
+
+    def admitted_pages(self, node: TreeNode) -> int:
+        """How many of ``node``'s pages, from its first, proved (or promise) reuse."""
         keys = node.hash_value
         if node.hit_count >= self.reuse_hits:
             return len(keys)
@@ -110,6 +114,12 @@ class TieredPlacement(ReusePlacement):
         # least likely to be reused; counting it as private would pin the whole body on host.
         stored, pages = node.storage_pages, len(node.hash_value)
         return (0 if stored and 4 * stored >= 3 * pages else 1, node.last_access_time)
+
+    def storage_pages(self, node: TreeNode) -> int:
+        return 0  # nothing is written while host keeps it: see victim_pages
+
+    def victim_pages(self, node: TreeNode) -> int:
+        return self.admitted_pages(node)
 
     def on_new_node(self, node: TreeNode) -> None:
         super().on_new_node(node)

@@ -47,7 +47,7 @@ from hicache.controller.controller import HiCacheController
 from hicache.controller.jobs import PrefetchResult, StorageWriteJob
 from hicache.events.log import EventLog
 from hicache.observability.tier_events import ChangeKind, Tier, TierChange, TierChangeHub
-from hicache.placement import PlacementPolicy, make_placement
+from hicache.placement import GhostList, PlacementPolicy, make_placement
 from hicache.prefix_cache.facade import AdmitResult, LoadBack, MakeRoom, RequestFlow
 from hicache.prefix_cache.eviction_index import EvictionIndex
 from hicache.prefix_cache.hashing import fast_page_hashes, namespace_seed
@@ -86,6 +86,8 @@ class HiRadixCache(RadixCache):
         controller: the :class:`HiCacheController` that moves pages for this cache.
         placement: a :class:`~hicache.placement.PlacementPolicy` or its name (``lru``,
             ``reuse``, ``tiered``): host eviction order and storage admission.
+        victim_write_limit: pages host eviction may have queued for storage at once
+            (write-back at eviction, see :meth:`_write_victim`; 0: off); default a quarter of host.
         tier_changes: the hub this tree reports device and host stores and removals to
             (the stack's; a private one by default).
     """
@@ -100,6 +102,7 @@ class HiRadixCache(RadixCache):
         controller: HiCacheController,
         eviction_policy: str = "lru",
         placement: str | PlacementPolicy = "lru",
+        victim_write_limit: int | None = None,
         disable: bool = False,
         tier_changes: TierChangeHub | None = None,
     ) -> None:
@@ -110,6 +113,11 @@ class HiRadixCache(RadixCache):
         if host_pool.page_size != page_size:
             raise ValueError(f"host page_size {host_pool.page_size} != cache page_size {page_size}")
         self.host_pool = host_pool
+        #: pages host eviction may have queued for storage at once (default: a quarter of host)
+        self.victim_write_limit: int = (
+            victim_write_limit if victim_write_limit is not None
+            else max(1, int(host_pool.size) // page_size // 4)
+        )
         self.controller = controller
         self.config = controller.config
         self.metrics = controller.metrics
@@ -164,6 +172,10 @@ class HiRadixCache(RadixCache):
         #: device nodes whose host copy became redundant (storage holds it too), oldest first
         self._sheddable: dict[TreeNode, None] = {}
         self._prune_at = 1024
+        #: pages of host-eviction write-backs queued or being written (bounded)
+        self._victim_pages_in_flight = 0
+        #: first keys of write-backs that failed (not retried; bounded, oldest forgotten)
+        self._victim_failed = GhostList(4096)
         super().reset()
         #: host-only leaves in the placement policy's order (LRU for ``lru``)
         self._host_index = EvictionIndex(self._host_evictable, self.placement.host_key)
@@ -352,6 +364,8 @@ class HiRadixCache(RadixCache):
             node = self._host_index.pop()
             if node is None:
                 break
+            if self._write_victim(node):
+                continue  # host drops it once storage holds it (it is then evicted first)
             self.placement.on_host_evicted(node)
             host = self._drop_host(node)
             self._free_host(host)
@@ -359,6 +373,71 @@ class HiRadixCache(RadixCache):
             self._delete_leaf(node)  # notes the parent, which may be a host-only leaf now
         self.metrics.incr("host_evicted_tokens", freed)
         return freed
+
+    def _write_victim(self, node: TreeNode) -> bool:
+        """Write-back at host eviction: queue the pages of ``node`` the policy wants in storage
+        (:meth:`PlacementPolicy.victim_pages`), with every unwritten ancestor before them in the
+        same job, so a stored page's prefix is always stored. Whether a write was queued; the
+        node then stays on host (``storage_op`` keeps it) until the write lands, when it is a
+        storage-backed leaf and host drops it first. Never more than ``victim_write_limit``
+        pages in flight (one job always may start, however long its chain; 0 turns write-back
+        off): past it, or when an ancestor cannot be written now (no host copy, or
+        a write of its own in flight), the page is dropped as before and counted
+        (``victim_writes_skipped_pages``)."""
+        if not self.controller.has_storage or not self.controller.health.up:
+            return False
+        want = min(self.placement.victim_pages(node), len(node.hash_value))
+        if want <= node.storage_pages:
+            return False
+        if node.hash_value[node.storage_pages] in self._victim_failed:
+            return False  # its write-back failed once: drop it rather than retry at every eviction
+        chain = [node]
+        n = node.parent
+        while n is not None and n is not self.root_node and not n.on_storage:
+            if not n.backuped or n.storage_op is not None:
+                self.metrics.incr("victim_writes_skipped_pages", want - node.storage_pages)
+                return False
+            chain.append(n)
+            n = n.parent
+        chain.reverse()
+        upto = [len(c.hash_value) for c in chain[:-1]] + [want]
+        pages = sum(u - c.storage_pages for c, u in zip(chain, upto))
+        in_flight = self._victim_pages_in_flight
+        if self.victim_write_limit <= 0 or (in_flight and in_flight + pages > self.victim_write_limit):
+            self.metrics.incr("victim_writes_skipped_pages", want - node.storage_pages)
+            return False
+        ps = self.page_size
+        prior = self._page_prior(chain[0], chain[0].storage_pages)
+        keys: list[str] = []
+        hosts: list[torch.Tensor] = []
+        for c, u in zip(chain, upto):
+            assert c.host_value is not None
+            keys.extend(c.hash_value[c.storage_pages : u])
+            hosts.append(c.host_value[c.storage_pages * ps : u * ps])
+        op = object()
+        for c in chain:
+            c.storage_op = op
+        gen = self._generation
+
+        def done(written: int) -> None:
+            if gen != self._generation:
+                return
+            self._victim_pages_in_flight -= pages
+            if written < pages:
+                self.metrics.incr("victim_write_failed_pages", pages - written)
+                self._victim_failed.add(keys[written : written + 1])
+            self._storage_done(gen, node, op, written)
+
+        job = StorageWriteJob(keys=keys, host_indices=torch.cat(hosts), prior_key=prior, on_done=done)
+        if not self.controller.submit_storage_write(job):
+            for c in chain:
+                c.storage_op = None
+                self._note(c)
+            self.metrics.incr("victim_writes_skipped_pages", want - node.storage_pages)
+            return False
+        self._victim_pages_in_flight += pages
+        self.metrics.incr("victim_write_pages", pages)
+        return True
 
     def _inc_host_ref(self, node: TreeNode) -> None:
         while node is not None and node is not self.root_node:
@@ -486,9 +565,7 @@ class HiRadixCache(RadixCache):
         upto = min(self.placement.storage_pages(node), len(node.hash_value))
         if upto <= k:
             return  # not admitted (yet): a later hit or ghost hit may admit it
-        prior = node.hash_value[k - 1] if k else (
-            parent.hash_value[-1] if parent is not self.root_node and parent.hash_value else None
-        )
+        prior = self._page_prior(node, k)
         op = object()
         node.storage_op = op
         gen = self._generation
@@ -501,6 +578,13 @@ class HiRadixCache(RadixCache):
         if not self.controller.submit_storage_write(job):
             node.storage_op = None
             self._note(node)
+
+    def _page_prior(self, node: TreeNode, k: int) -> str | None:
+        """The key before ``node``'s page ``k`` in storage's chain (``None`` at the root)."""
+        if k:
+            return node.hash_value[k - 1]
+        parent = node.parent
+        return parent.hash_value[-1] if parent is not None and parent is not self.root_node and parent.hash_value else None
 
     def _storage_done(self, gen: int, node: TreeNode, op: object, pages: int) -> None:
         if gen != self._generation:
@@ -590,9 +674,11 @@ class HiRadixCache(RadixCache):
             self._retry_deferred()  # kept nodes go once their host copy exists
             await self.controller.drain_backups()  # not the storage writes behind them
             got = self.evict(need - freed).num_tokens_evicted
-            if got == 0 and any(self._deferred.values()) and self.controller.has_storage:
+            if got == 0 and (any(self._deferred.values()) or self._victim_pages_in_flight) and self.controller.has_storage:
                 # KV kept on device waits for host room, which storage writes free (redundant
-                # host copies are shed once written); their time is bounded by storage health
+                # host copies are shed once written), and a write-back at host eviction keeps its
+                # chain (and so a device parent that has no host copy) until it lands; their time
+                # is bounded by storage health
                 await self.controller.drain()
                 self._retry_deferred()
                 await self.controller.drain_backups()

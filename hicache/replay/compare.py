@@ -77,6 +77,7 @@ async def compare_policies(
             # why the rest was recomputed: tokens per miss reason (and their share of the prompts)
             "miss_tokens": result["attribution"]["miss_tokens"],
             "miss_share": {r: n / prompt for r, n in result["attribution"]["miss_tokens"].items()},
+            "placement": result["placement"],
         }
     base = rows.get("lru")
     for row in rows.values():

@@ -181,6 +181,11 @@ async def replay_requests(
             "storage_timeouts", "backup_rejected", "storage_rejected", "worker_errors",
         )},
         "unwritten_on_close": report.unwritten_pages,
+        "placement": {
+            **stack.cache.placement.stats(),
+            **{k: counters[k] for k in ("victim_write_pages", "victim_writes_skipped_pages",
+                                        "victim_write_failed_pages", "host_evicted_tokens")},
+        },
         "wall_time_s": round(wall, 3),
         "capacities_blocks": caps,
         "capacities_pages": pages,

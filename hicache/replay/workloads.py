@@ -7,6 +7,10 @@ soon; the shared prefixes are reused by every session, all the time; sessions en
 start. Popularity of the prefixes is skewed (Zipf). The Mooncake trace's shape is the opposite:
 long documents asked about several times with a private question each time.
 
+``chat``: conversations over a few long shared system prompts, with human think time between
+turns (so a conversation's tail is often evicted from host before it is reused), and some
+conversations opening with a pasted private document.
+
 Deterministic for a seed (numpy's PCG64), so tests and the README reproduce the same numbers.
 """
 
@@ -20,7 +24,7 @@ import numpy as np
 
 from hicache.replay.trace import BLOCK_TOKENS, TraceRequest
 
-__all__ = ["WORKLOADS", "agent_workload", "write_trace"]
+__all__ = ["WORKLOADS", "agent_workload", "chat_workload", "session_workload", "write_trace"]
 
 
 def agent_workload(
@@ -35,6 +39,53 @@ def agent_workload(
     turn_gap_ms: tuple[int, int] = (200, 4000),
 ) -> list[TraceRequest]:
     """Agent sessions as trace requests in time order (see the module docstring)."""
+    return session_workload(seed=seed, sessions=sessions, concurrent=concurrent, prefixes=prefixes,
+                            prefix_blocks=prefix_blocks, turns=turns, append_blocks=append_blocks,
+                            turn_gap_ms=turn_gap_ms)
+
+
+def chat_workload(
+    *,
+    seed: int = 0,
+    sessions: int = 600,
+    concurrent: int = 150,
+    prefixes: int = 3,
+    prefix_blocks: tuple[int, int] = (16, 48),
+    turns: tuple[int, int] = (1, 8),
+    append_blocks: tuple[int, int] = (1, 4),
+    turn_gap_ms: tuple[int, int] = (5000, 90000),
+    document_share: float = 0.3,
+    document_blocks: tuple[int, int] = (8, 64),
+) -> list[TraceRequest]:
+    """Chat: a few long shared system prompts (8k-24k tokens), short conversations with a
+    human's think time between turns (5-90 s, so a conversation's tail often outlives the host
+    tier), and a share of conversations that open by pasting a private document. Sessions are
+    many and concurrent; the shared prompts are reused all the time, documents only within their
+    conversation."""
+    return session_workload(seed=seed, sessions=sessions, concurrent=concurrent, prefixes=prefixes,
+                            prefix_blocks=prefix_blocks, turns=turns, append_blocks=append_blocks,
+                            turn_gap_ms=turn_gap_ms, document_share=document_share,
+                            document_blocks=document_blocks)
+
+
+def session_workload(
+    *,
+    seed: int,
+    sessions: int,
+    concurrent: int,
+    prefixes: int,
+    prefix_blocks: tuple[int, int],
+    turns: tuple[int, int],
+    append_blocks: tuple[int, int],
+    turn_gap_ms: tuple[int, int],
+    document_share: float = 0.0,
+    document_blocks: tuple[int, int] = (0, 0),
+) -> list[TraceRequest]:
+    """Sessions over shared prefixes (Zipf popularity), each a run of turns that resend the
+    whole context and append a few blocks; ``document_share`` of sessions first append a private
+    document of ``document_blocks``."""
+    if not 0.0 <= document_share <= 1.0:
+        raise ValueError(f"document_share must be in [0, 1], got {document_share}")
     rng = np.random.default_rng(seed)
     next_id = 0
 
@@ -53,6 +104,8 @@ def agent_workload(
         lane = s % concurrent
         t = clock[lane] + int(rng.integers(0, 2000))
         context = list(shared[int(rng.choice(prefixes, p=weights))])
+        if document_share and rng.random() < document_share:  # no draw at all when 0: seeds stay
+            context += fresh(int(rng.integers(document_blocks[0], document_blocks[1] + 1)))
         for _ in range(int(rng.integers(turns[0], turns[1] + 1))):
             context += fresh(int(rng.integers(append_blocks[0], append_blocks[1] + 1)))
             partial = int(rng.integers(1, BLOCK_TOKENS + 1))  # the last block is partly filled
@@ -71,4 +124,4 @@ def write_trace(path: str | os.PathLike[str], requests: Sequence[TraceRequest]) 
                                 "output_length": r.output_length, "hash_ids": list(r.hash_ids)}) + "\n")
 
 
-WORKLOADS: dict[str, Callable[..., list[TraceRequest]]] = {"agents": agent_workload}
+WORKLOADS: dict[str, Callable[..., list[TraceRequest]]] = {"agents": agent_workload, "chat": chat_workload}

@@ -144,10 +144,78 @@ async def test_a_ghost_hit_admits_the_recomputed_pages() -> None:
 async def test_tiered_admits_the_body_of_a_long_prompt_but_not_its_tail() -> None:
     stack = _stack("tiered", long_prompt_tokens=8 * PS, tail_tokens=2 * PS)
     try:
+        cache = stack.cache
         await serve_request(stack, list(range(10 * PS)), rid="long")
         await serve_request(stack, list(range(20000, 20000 + 3 * PS)), rid="short")
-        await stack.cache.drain()
+        await cache.drain()
+        assert stack.controller.metrics.pages["h2s"] == 0  # written when host drops it, not before
+        cache.evict(EvictParams(num_tokens=10**6))
+        cache.evict_host(10**6)
+        await cache.drain()
         assert stack.controller.metrics.pages["h2s"] == 8  # 10 pages, the last 2 held back
+        cache.evict_host(10**6)  # now storage holds the body: host drops it, the tail goes to the ghost list
+        assert cache.host_size() == 0 and len(cache.placement.ghost) == 2 + 3
+    finally:
+        await stack.aclose()
+
+
+def _stored_keys(stack) -> set[str]:  # type: ignore[no-untyped-def]
+    digest = stack.storage.namespace.digest
+    return {k for (d, k, _), _ in stack.storage.medium.pages.items() if d == digest}
+
+
+async def test_tiered_writes_at_host_eviction_with_its_ancestors_first() -> None:
+    """A reused leaf whose parent storage lacks: host eviction writes parent and leaf in one job
+    (parent first), keeps both on host until the write lands, then drops them first; a later
+    request finds the whole chain in storage and every page verifies."""
+    stack = _stack("tiered", ControllerConfig(prefetch_threshold=PS, prefetch_policy="wait_complete"),
+                   long_prompt_tokens=None)
+    try:
+        cache, counters = stack.cache, stack.controller.metrics.counters
+        prefix = list(range(100, 100 + 3 * PS))
+        x, y = prefix + list(range(500, 500 + 2 * PS)), prefix + list(range(700, 700 + 2 * PS))
+        for i, tokens in enumerate((x, y, y)):  # prefix reused, y reused, x seen once
+            await serve_request(stack, tokens, rid=f"a{i}")
+        await cache.drain()
+        cache.evict(EvictParams(num_tokens=10**6))
+        assert stack.controller.metrics.pages["h2s"] == 0
+        assert cache.evict_host(10**6) == 2 * PS  # x dropped; y and its parent wait for storage
+        assert counters["victim_write_pages"] == 5 and cache.host_size() == 5 * PS
+        await cache.drain()
+        from hicache.prefix_cache import MatchPrefixParams, RadixKey
+
+        chain = cache.match_prefix(MatchPrefixParams(key=RadixKey(y))).last_host_node
+        keys = chain.parent.hash_value + chain.hash_value
+        assert _stored_keys(stack) == set(keys)
+        assert chain.on_storage and chain.parent.on_storage
+        assert cache.evict_host(10**6) == 5 * PS  # storage holds them: host lets them go
+        out = await serve_request(stack, y, rid="back")
+        assert (out.storage_hit, out.verify_failures) == (5 * PS, 0)
+        out = await serve_request(stack, x, rid="x")  # x's tail was dropped, its prefix is stored
+        assert out.computed == 2 * PS
+        assert counters["victim_writes_skipped_pages"] == 0
+    finally:
+        await stack.aclose()
+
+
+async def test_tiered_write_back_is_bounded_and_counted() -> None:
+    """Past ``victim_write_limit`` pages in flight, host drops an admitted page as before,
+    remembers it as a ghost and counts it."""
+    stack = _stack("tiered", long_prompt_tokens=None)
+    try:
+        cache, counters = stack.cache, stack.controller.metrics.counters
+        for base in (100, 200):
+            tokens = list(range(base, base + 3 * PS))
+            await serve_request(stack, tokens, rid=f"a{base}")
+            await serve_request(stack, tokens, rid=f"b{base}")  # reused: admitted
+        await cache.drain()
+        cache.evict(EvictParams(num_tokens=10**6))
+        cache.victim_write_limit = 2  # one job may always start, even past the limit
+        assert cache.evict_host(10**6) == 3 * PS  # the older written, the newer dropped
+        assert counters["victim_write_pages"] == 3 and counters["victim_writes_skipped_pages"] == 3
+        assert len(cache.placement.ghost) == 3
+        await cache.drain()
+        assert stack.controller.metrics.pages["h2s"] == 3
     finally:
         await stack.aclose()
 
@@ -158,9 +226,14 @@ async def test_tiered_host_evicts_pages_storage_holds_first() -> None:
         cache = stack.cache
         stored = list(range(300, 300 + 2 * PS))
         await serve_request(stack, stored, rid="s1")
-        await serve_request(stack, stored, rid="s2")  # hit: admitted to storage
+        await serve_request(stack, stored, rid="s2")  # hit: admitted
+        await cache.drain()
+        cache.evict(EvictParams(num_tokens=10**6))
+        cache.evict_host(10**6)  # written to storage at host eviction ...
+        await cache.drain()  # ... and still on host once written
         private = list(range(900, 900 + 2 * PS))
-        await serve_request(stack, private, rid="p")  # newer, but only on host
+        await serve_request(stack, private, rid="p")  # only on host
+        await serve_request(stack, stored, rid="s3")  # newer than private, and in storage
         await cache.drain()
         cache.evict(EvictParams(num_tokens=10**6))
         assert cache.evict_host(2 * PS) == 2 * PS
@@ -224,5 +297,7 @@ async def test_failing_storage_writes_leave_the_tree_consistent(policy: str, mon
         assert all(n.storage_pages == 0 for n in stack.cache._nodes() if n.storage_op is None)
         assert stack.controller.metrics.counters["worker_errors"] == 0
         assert stack.controller.metrics.counters["storage_write_failures"] > 0
+        if policy == "tiered":  # failed write-backs are counted and not retried at every eviction
+            assert stack.controller.metrics.counters["victim_write_failed_pages"] > 0
     finally:
         await stack.aclose()

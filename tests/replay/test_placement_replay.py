@@ -16,7 +16,7 @@ from hicache.replay import load_replay_config, load_trace, reference_lru, unique
 from hicache.replay.bounds import belady, infinite_cache
 from hicache.replay.compare import compare_policies, format_comparison
 from hicache.replay.sizing import lru_miss_ratio_curve
-from hicache.replay.workloads import agent_workload, write_trace
+from hicache.replay.workloads import agent_workload, chat_workload, write_trace
 
 from _replay_paths import CONFIG, REPO, shared_trace as _trace
 
@@ -105,6 +105,22 @@ def test_agents_workload_shape() -> None:
         extended += any(r.hash_ids[:-k] in earlier for k in (1, 2, 3))
         earlier.add(r.hash_ids)
     assert extended > len(requests) // 2
+
+
+def test_chat_workload_shape(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Long shared system prompts, some conversations open with a private document, turns
+    resend the context; the CLI writes the same trace."""
+    requests = chat_workload(seed=1, sessions=60, concurrent=12)
+    assert requests == sorted(requests, key=lambda r: r.timestamp)
+    firsts = {r.hash_ids[:16] for r in requests}
+    assert len(firsts) <= 3  # every prompt starts with one of the 3 shared system prompts (>= 16 blocks)
+    assert max(len(r.hash_ids) for r in requests) > 48 + 8  # a document was pasted somewhere
+    trace = tmp_path / "chat.jsonl"
+    assert main(["workload", "chat", str(trace), "--seed", "4", "--json"]) == 0
+    capsys.readouterr()
+    assert load_trace(trace) == chat_workload(seed=4)
+    with pytest.raises(ValueError, match="document_share"):
+        chat_workload(document_share=1.5)
 
 
 def test_replay_command_prints_the_table(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
