@@ -5,12 +5,19 @@ The tree runs on the server's event loop for every request, so its cost is loop 
 replays the first ``--requests`` prompts of the Mooncake trace (``--trace``, ``$HICACHE_TRACE``
 or ``../shared/traces/`` beside the repository) through, on the same token streams:
 
-* ``hicache``: :class:`hicache.prefix_cache.RadixCache` (device tier only);
+* ``hicache``: :class:`hicache.prefix_cache.RadixCache` (device tier only), keys from the
+  token lists (the tree packs them itself), and ``hicache_prebuilt``: keys packed beforehand
+  (``array('I')``, kept by ``RadixKey`` as they are);
 * ``hicache_tiers``: :class:`hicache.prefix_cache.HiRadixCache` with a host pool and a
   ``memory`` storage tier attached (write-through: every insert also starts a backup);
 * ``sglang``: SGLang's own ``sglang.srt.mem_cache.radix_cache.RadixCache`` when it is
-  importable, keys built from the same token lists inside the timed region, as its scheduler
-  builds them (and ``sglang_prebuilt``: the same with its ``array`` keys built beforehand).
+  importable, its ``array('q')`` keys built from the same token lists inside the timed region
+  (and ``sglang_prebuilt``: built beforehand, as its server pays it: SGLang's ``Req`` holds
+  its tokens in ``array('q')`` already).
+
+Ratios pair like with like (``hicache_vs_sglang``: both convert inside the timed region;
+``hicache_prebuilt_vs_sglang_prebuilt``: neither does) plus the harshest mix
+(``hicache_vs_sglang_prebuilt``), each as the ratio of medians and per interleaved repeat.
 
 Each request is ``match_prefix`` of the page-aligned prompt, then ``insert`` of it with fresh
 device slots after the matched part; no eviction. Every implementation must report the same
@@ -59,6 +66,7 @@ import torch  # noqa: E402
 from hicache.bench_output import emit_report  # noqa: E402
 from hicache.controller import ControllerConfig  # noqa: E402
 from hicache.prefix_cache import InsertParams, MatchPrefixParams, RadixCache, RadixKey  # noqa: E402
+from hicache.prefix_cache.tokens import pack_tokens  # noqa: E402
 from hicache.replay.trace import find_trace, load_trace, request_tokens  # noqa: E402
 from hicache.stack import StackConfig, build_stack  # noqa: E402
 
@@ -170,16 +178,17 @@ class _NoFree:
         return 0
 
 
-def run_hicache(streams: list[list[int]], page_size: int) -> tuple[float, list[int], list[float]]:
+def run_hicache(streams: list[list[int]], page_size: int, prebuilt: bool = False) -> tuple[float, list[int], list[float]]:
     cache = RadixCache(req_to_token_pool=None, token_to_kv_pool_allocator=_NoFree(), page_size=page_size)
     slots = _Slots(sum(len(s) for s in streams))
+    keys = [RadixKey(pack_tokens(s)) for s in streams] if prebuilt else None
     matched: list[int] = []
     lat: list[float] = []
     clock = time.perf_counter
-    for tokens in streams:
+    for i, tokens in enumerate(streams):
         value = slots.take(len(tokens))
         t0 = clock()
-        key = RadixKey(tokens)
+        key = keys[i] if keys is not None else RadixKey(tokens)
         m = cache.match_prefix(MatchPrefixParams(key=key))
         cache.insert(InsertParams(key=key, value=value))
         lat.append(clock() - t0)
@@ -361,6 +370,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     sgl, why = (None, "--no-sglang") if args.no_sglang else import_sglang()
     methods: dict[str, Callable[[], tuple[float, list[int], list[float]]]] = {
         "hicache": lambda: run_hicache(streams, ps),
+        "hicache_prebuilt": lambda: run_hicache(streams, ps, prebuilt=True),
     }
     if not args.no_tiers:
         methods["hicache_tiers"] = lambda: run_tiers(streams, ps)
@@ -395,13 +405,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if sgl is not None:
         long["sglang"] = long_prompt_ms(lambda: sglang_step(sgl, ps), args.long_tokens, ps, args.long_reps)
 
-    ratios: dict[str, float] = {}
-    if sgl is not None:
-        for ours in ("hicache", "hicache_tiers"):
-            if ours in results:
-                ratios[f"{ours}_vs_sglang"] = round(results["sglang"]["total_s"] / results[ours]["total_s"], 3)
-                ratios[f"{ours}_vs_sglang_prebuilt"] = round(
-                    results["sglang_prebuilt"]["total_s"] / results[ours]["total_s"], 3)
+    # (ours, theirs): both build their keys from the token lists inside the timed region (what
+    # a server holding lists pays), both with keys built beforehand (what a server holding
+    # packed tokens pays: SGLang's Req holds array('q')), and the harshest mix
+    pairs = [("hicache", "sglang"), ("hicache_prebuilt", "sglang_prebuilt"), ("hicache", "sglang_prebuilt"),
+             ("hicache_tiers", "sglang"), ("hicache_tiers", "sglang_prebuilt")]
+    ratios: dict[str, Any] = {}
+    for ours, theirs in pairs:
+        if ours in totals and theirs in totals:
+            per_run = sorted(b / a for a, b in zip(totals[ours], totals[theirs]))
+            ratios[f"{ours}_vs_{theirs}"] = {
+                "of_medians": round(results[theirs]["total_s"] / results[ours]["total_s"], 3),
+                "per_run": [round(r, 3) for r in per_run],
+                "median_per_run": round(statistics.median(per_run), 3),
+            }
     report = {
         "benchmark": "radix match+insert per prompt",
         "requests": len(streams), "page_size": ps, "prompt_tokens": total_tokens,

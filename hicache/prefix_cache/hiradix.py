@@ -52,6 +52,7 @@ from hicache.prefix_cache.hashing import fast_page_hashes, namespace_seed
 from hicache.prefix_cache.node import TreeNode
 from hicache.prefix_cache.radix import RadixCache
 from hicache.prefix_cache.req import Req
+from hicache.prefix_cache.tokens import pack_tokens
 from hicache.prefix_cache.types import EvictParams, EvictResult, InitLoadBackParams
 
 __all__ = ["HiRadixCache"]
@@ -809,7 +810,7 @@ class HiRadixCache(RadixCache):
         if pos >= end:
             return 0
         new = TreeNode(parent=node, extra_key=state.extra_key)
-        new.key = tokens[pos:end]
+        new.key = pack_tokens(tokens[pos:end])
         new.host_value = host[pos - start :]
         new.hash_value = state.keys[(pos - start) // ps : (end - start) // ps]
         new.storage_pages = len(new.hash_value)

@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from hicache.prefix_cache.tokens import TokenRun, empty_run
+
 __all__ = ["TreeNode"]
 
 _ids = itertools.count(1)
@@ -54,7 +56,7 @@ class TreeNode:
         self.id: int = next(_ids)
         self.children: dict[Any, TreeNode] = {}
         self.parent: TreeNode | None = parent
-        self.key: list[int] = []
+        self.key: TokenRun = empty_run()  # packed token ids (see prefix_cache.tokens)
         self.extra_key: str | None = extra_key
         self.value: torch.Tensor | None = None
         self.host_value: torch.Tensor | None = None
