@@ -198,7 +198,7 @@ class RadixCache(BasePrefixCache):
                 return n
         elif node_key[:limit] == seg:
             return limit
-        same = np.asarray(node_key)[:limit] == np.asarray(seg)
+        same = np.frombuffer(node_key, node_key.typecode)[:limit] == np.frombuffer(seg, seg.typecode)
         first = int(same.argmin())  # the first differing token (one exists)
         return first - first % self.page_size
 
