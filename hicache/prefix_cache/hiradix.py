@@ -210,13 +210,31 @@ class HiRadixCache(RadixCache):
             return namespace_seed(extra_key)
         return node.hash_value[-1]
 
+    def _hash_pages(self, node: TreeNode) -> list[str]:
+        """``node``'s page keys, and those of the ancestors they chain from that have none yet
+        (top-down, in a loop: a chain of unhashed nodes may be deep)."""
+        chain: list[TreeNode] = []
+        n: TreeNode | None = node
+        while n is not None and n._hash_value is None:
+            chain.append(n)
+            n = n.parent
+        if n is None:  # left the tree before anyone asked: its chain is gone, so no keys
+            for c in chain:
+                c._hash_value = []
+            return []
+        ps = self.page_size
+        for c in reversed(chain):
+            c._hash_value = fast_page_hashes(c.key, ps, self._prior_hash(c.parent, c.extra_key))
+        return node._hash_value  # type: ignore[return-value]
+
     # ------------------------------------------------------------------ hooks
 
     def _on_new_node(self, node: TreeNode) -> None:
         assert node.parent is not None
-        node.hash_value = fast_page_hashes(
-            node.key, self.page_size, self._prior_hash(node.parent, node.extra_key)
-        )
+        if node.key.typecode != "I":  # storage keys hash uint32 token ids
+            raise ValueError("token ids must be integers that fit in uint32")
+        node.hasher = self._hash_pages
+        node._hash_value = None  # computed when first asked for (see TreeNode.hash_value)
         self.placement.on_new_node(node)
         if self.write_policy != "write_back" and node.hit_count >= self.write_through_threshold:
             self._backup(node)

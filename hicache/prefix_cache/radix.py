@@ -216,7 +216,11 @@ class RadixCache(BasePrefixCache):
         new.value = child.value[:m] if child.value is not None else None
         new.host_value = child.host_value[:m] if child.host_value is not None else None
         pages = m // ps
-        new.hash_value = child.hash_value[:pages]
+        new.hasher = child.hasher
+        if child._hash_value is not None:
+            new.hash_value = child.hash_value[:pages]
+        else:  # not computed yet: both halves compute theirs from their own keys when asked
+            new._hash_value = None
         new.storage_pages = min(child.storage_pages, pages)
         new.lock_ref = child.lock_ref
         new.host_ref = child.host_ref
@@ -229,7 +233,8 @@ class RadixCache(BasePrefixCache):
         child.key = child.key[m:]
         child.value = child.value[m:] if child.value is not None else None
         child.host_value = child.host_value[m:] if child.host_value is not None else None
-        child.hash_value = child.hash_value[pages:]
+        if child._hash_value is not None:
+            child.hash_value = child.hash_value[pages:]
         child.storage_pages = max(0, child.storage_pages - pages)
         child.parent = new
         new.children[self._child_key(child.extra_key, child.key, 0)] = child
