@@ -55,7 +55,7 @@ import sys
 import time
 import types
 from array import array
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -258,8 +258,22 @@ def run_tiers(streams: list[list[int]], page_size: int) -> tuple[float, list[int
 # ---------------------------------------------------------------------- one 16k-token prompt
 
 
-def long_prompt_ms(make: Callable[[], tuple[Callable[[list[int], torch.Tensor], int], Callable[[], None] | None]],
-                   tokens: int, page_size: int, reps: int) -> dict[str, float]:
+Step = Callable[[list[int], torch.Tensor], int]
+
+
+class LongCase:
+    """One tree for :func:`long_prompt_ms`: ``step(tokens, slots)`` matches and inserts and
+    returns the matched tokens; ``slots(n)`` gives device slots (outside the timed step);
+    ``settle()`` runs between the seeding request and the timed one (the tiers' copies land,
+    as they do between requests on a server); ``close()`` releases the tree."""
+
+    def __init__(self, step: Step, slots: Callable[[int], torch.Tensor] | None = None,
+                 settle: Callable[[], Awaitable[None]] | None = None,
+                 close: Callable[[], Awaitable[None]] | None = None) -> None:
+        self.step, self.slots, self.settle, self.close = step, slots, settle, close
+
+
+async def long_prompt_ms(make: Callable[[], LongCase], tokens: int, page_size: int, reps: int) -> dict[str, float]:
     """Loop time of match+insert of a ``tokens``-token prompt whose first half is cached.
 
     Two samples per repeat, on two trees built alike: ``p50_ms`` with the garbage collector
@@ -274,30 +288,33 @@ def long_prompt_ms(make: Callable[[], tuple[Callable[[list[int], torch.Tensor], 
     for r in range(reps):
         for samples in (warm, cold) if r % 2 == 0 else (cold, warm):
             gc.collect()
-            step, done = make()
+            case = make()
+            slots = case.slots or (lambda n: torch.arange(n, dtype=torch.int64))
             base = 10_000_000 + r * 4 * tokens
             cached = list(range(base, base + tokens))
-            step(cached, torch.arange(tokens, dtype=torch.int64))
+            case.step(cached, slots(tokens))
+            if case.settle is not None:
+                await case.settle()
             prompt = cached[: tokens // 2] + list(range(base + 2 * tokens, base + 2 * tokens + tokens - tokens // 2))
-            value = torch.arange(tokens, 2 * tokens, dtype=torch.int64)
+            value = slots(tokens)
             if samples is cold:
                 gc.collect()
             gc.disable()
             try:
                 t0 = time.perf_counter()
-                got = step(prompt, value)
+                got = case.step(prompt, value)
                 samples.append(time.perf_counter() - t0)
             finally:
                 gc.enable()
             assert got == tokens // 2 // page_size * page_size, got
-            if done is not None:
-                done()
+            if case.close is not None:
+                await case.close()
     ms = lambda xs: round(statistics.median(xs) * 1e3, 4)  # noqa: E731
     return {"p50_ms": ms(warm), "max_ms": round(max(warm) * 1e3, 4),
             "after_gc_p50_ms": ms(cold), "after_gc_max_ms": round(max(cold) * 1e3, 4)}
 
 
-def hicache_step(page_size: int) -> tuple[Callable[[list[int], torch.Tensor], int], None]:
+def hicache_case(page_size: int) -> LongCase:
     cache = RadixCache(req_to_token_pool=None, token_to_kv_pool_allocator=_NoFree(), page_size=page_size)
 
     def step(tokens: list[int], value: torch.Tensor) -> int:
@@ -306,10 +323,10 @@ def hicache_step(page_size: int) -> tuple[Callable[[list[int], torch.Tensor], in
         cache.insert(InsertParams(key=key, value=value))
         return int(m.device_indices.numel())
 
-    return step, None
+    return LongCase(step)
 
 
-def sglang_step(sgl: Any, page_size: int) -> tuple[Callable[[list[int], torch.Tensor], int], None]:
+def sglang_case(sgl: Any, page_size: int) -> LongCase:
     radix, SInsert, SMatch = sgl
     cache = radix.RadixCache.create_simulated(page_size=page_size)
 
@@ -319,38 +336,29 @@ def sglang_step(sgl: Any, page_size: int) -> tuple[Callable[[list[int], torch.Te
         cache.insert(SInsert(key=key, value=value))
         return int(m.device_prefix_len)
 
-    return step, None
+    return LongCase(step)
 
 
-def tiers_long_prompt_ms(page_size: int, tokens: int, reps: int) -> dict[str, float]:
-    """:func:`long_prompt_ms` for the hierarchical tree, inside a running loop (its controller
-    belongs to one); each repeat drains and closes its stack."""
+def tiers_case(page_size: int, tokens: int) -> LongCase:
+    """The hierarchical tree (host pool, ``memory`` storage, write-through); run inside a loop."""
+    stack = _tier_stack([[0] * (4 * tokens)], page_size)
 
-    async def run() -> dict[str, float]:
-        stacks: list[Any] = []
+    def step(toks: list[int], value: torch.Tensor) -> int:
+        key = RadixKey(toks)
+        m = stack.cache.match_prefix(MatchPrefixParams(key=key))
+        stack.cache.insert(InsertParams(key=key, value=value))
+        return int(m.device_indices.numel())
 
-        def make() -> tuple[Callable[[list[int], torch.Tensor], int], None]:
-            stack = _tier_stack([[0] * (4 * tokens)], page_size)
-            stacks.append(stack)
+    def slots(n: int) -> torch.Tensor:
+        got = stack.allocator.alloc(n)
+        assert got is not None
+        return got
 
-            def step(toks: list[int], value: torch.Tensor) -> int:
-                slots = stack.allocator.alloc(len(toks))
-                assert slots is not None
-                key = RadixKey(toks)
-                m = stack.cache.match_prefix(MatchPrefixParams(key=key))
-                stack.cache.insert(InsertParams(key=key, value=slots))
-                return int(m.device_indices.numel())
+    async def close() -> None:
+        await stack.cache.drain()
+        await stack.aclose()
 
-            return step, None
-
-        try:
-            return long_prompt_ms(make, tokens, page_size, reps)
-        finally:
-            for stack in stacks:
-                await stack.cache.drain()
-                await stack.aclose()
-
-    return asyncio.run(run())
+    return LongCase(step, slots, stack.cache.drain, close)
 
 
 # ---------------------------------------------------------------------- main
@@ -378,8 +386,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--long-reps", type=int, default=15)
     p.add_argument("--no-tiers", action="store_true", help="skip the hierarchical tree")
     p.add_argument("--no-sglang", action="store_true", help="skip SGLang even if installed")
+    p.add_argument("--torch-threads", type=int, default=1,
+                   help="torch intra-op threads (default 1: SGLang's clone of a long slot tensor runs on "
+                        "torch's pool, whose threads spin on a shared machine and slow SGLang 3-7x; hicache "
+                        "copies slots with numpy either way)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
+    torch.set_num_threads(args.torch_threads)
     ps = args.page_size
     reqs = load_trace(find_trace(args.trace), limit=args.requests)
     streams = [t[: len(t) // ps * ps] for t in (request_tokens(r) for r in reqs)]
@@ -417,11 +430,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     assert matched_ref is not None
     results = {m: summarize(m, totals[m], lats[m], total_tokens) for m in methods}
 
-    long: dict[str, Any] = {"hicache": long_prompt_ms(lambda: hicache_step(ps), args.long_tokens, ps, args.long_reps)}
+    lt, lr = args.long_tokens, args.long_reps
+    long: dict[str, Any] = {"hicache": asyncio.run(long_prompt_ms(lambda: hicache_case(ps), lt, ps, lr))}
     if not args.no_tiers:
-        long["hicache_tiers"] = tiers_long_prompt_ms(ps, args.long_tokens, args.long_reps)
+        long["hicache_tiers"] = asyncio.run(long_prompt_ms(lambda: tiers_case(ps, lt), lt, ps, lr))
     if sgl is not None:
-        long["sglang"] = long_prompt_ms(lambda: sglang_step(sgl, ps), args.long_tokens, ps, args.long_reps)
+        long["sglang"] = asyncio.run(long_prompt_ms(lambda: sglang_case(sgl, ps), lt, ps, lr))
 
     # (ours, theirs): both build their keys from the token lists inside the timed region (what
     # a server holding lists pays), both with keys built beforehand (what a server holding
@@ -440,7 +454,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     report = {
         "benchmark": "radix match+insert per prompt",
         "requests": len(streams), "page_size": ps, "prompt_tokens": total_tokens,
-        "matched_tokens": sum(matched_ref), "repeats": args.repeats,
+        "matched_tokens": sum(matched_ref), "repeats": args.repeats, "torch_threads": args.torch_threads,
         "sglang": None if sgl is None else "sglang.srt.mem_cache.radix_cache.RadixCache",
         "sglang_skipped": why,
         "results": results, "ratios": ratios,
