@@ -5,12 +5,19 @@ The tree runs on the server's event loop for every request, so its cost is loop 
 replays the first ``--requests`` prompts of the Mooncake trace (``--trace``, ``$HICACHE_TRACE``
 or ``../shared/traces/`` beside the repository) through, on the same token streams:
 
-* ``hicache``: :class:`hicache.prefix_cache.RadixCache` (device tier only);
+* ``hicache``: :class:`hicache.prefix_cache.RadixCache` (device tier only), keys from the
+  token lists (the tree packs them itself), and ``hicache_prebuilt``: keys packed beforehand
+  (``array('I')``, kept by ``RadixKey`` as they are);
 * ``hicache_tiers``: :class:`hicache.prefix_cache.HiRadixCache` with a host pool and a
   ``memory`` storage tier attached (write-through: every insert also starts a backup);
 * ``sglang``: SGLang's own ``sglang.srt.mem_cache.radix_cache.RadixCache`` when it is
-  importable, keys built from the same token lists inside the timed region, as its scheduler
-  builds them (and ``sglang_prebuilt``: the same with its ``array`` keys built beforehand).
+  importable, its ``array('q')`` keys built from the same token lists inside the timed region
+  (and ``sglang_prebuilt``: built beforehand, as its server pays it: SGLang's ``Req`` holds
+  its tokens in ``array('q')`` already).
+
+Ratios pair like with like (``hicache_vs_sglang``: both convert inside the timed region;
+``hicache_prebuilt_vs_sglang_prebuilt``: neither does) plus the harshest mix
+(``hicache_vs_sglang_prebuilt``), each as the ratio of medians and per interleaved repeat.
 
 Each request is ``match_prefix`` of the page-aligned prompt, then ``insert`` of it with fresh
 device slots after the matched part; no eviction. Every implementation must report the same
@@ -48,7 +55,7 @@ import sys
 import time
 import types
 from array import array
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +66,7 @@ import torch  # noqa: E402
 from hicache.bench_output import emit_report  # noqa: E402
 from hicache.controller import ControllerConfig  # noqa: E402
 from hicache.prefix_cache import InsertParams, MatchPrefixParams, RadixCache, RadixKey  # noqa: E402
+from hicache.prefix_cache.tokens import pack_tokens  # noqa: E402
 from hicache.replay.trace import find_trace, load_trace, request_tokens  # noqa: E402
 from hicache.stack import StackConfig, build_stack  # noqa: E402
 
@@ -170,16 +178,17 @@ class _NoFree:
         return 0
 
 
-def run_hicache(streams: list[list[int]], page_size: int) -> tuple[float, list[int], list[float]]:
+def run_hicache(streams: list[list[int]], page_size: int, prebuilt: bool = False) -> tuple[float, list[int], list[float]]:
     cache = RadixCache(req_to_token_pool=None, token_to_kv_pool_allocator=_NoFree(), page_size=page_size)
     slots = _Slots(sum(len(s) for s in streams))
+    keys = [RadixKey(pack_tokens(s)) for s in streams] if prebuilt else None
     matched: list[int] = []
     lat: list[float] = []
     clock = time.perf_counter
-    for tokens in streams:
+    for i, tokens in enumerate(streams):
         value = slots.take(len(tokens))
         t0 = clock()
-        key = RadixKey(tokens)
+        key = keys[i] if keys is not None else RadixKey(tokens)
         m = cache.match_prefix(MatchPrefixParams(key=key))
         cache.insert(InsertParams(key=key, value=value))
         lat.append(clock() - t0)
@@ -249,28 +258,63 @@ def run_tiers(streams: list[list[int]], page_size: int) -> tuple[float, list[int
 # ---------------------------------------------------------------------- one 16k-token prompt
 
 
-def long_prompt_ms(make: Callable[[], tuple[Callable[[list[int], torch.Tensor], int], Callable[[], None] | None]],
-                   tokens: int, page_size: int, reps: int) -> dict[str, float]:
-    """Loop time of match+insert of a ``tokens``-token prompt whose first half is cached."""
-    samples = []
+Step = Callable[[list[int], torch.Tensor], int]
+
+
+class LongCase:
+    """One tree for :func:`long_prompt_ms`: ``step(tokens, slots)`` matches and inserts and
+    returns the matched tokens; ``slots(n)`` gives device slots (outside the timed step);
+    ``settle()`` runs between the seeding request and the timed one (the tiers' copies land,
+    as they do between requests on a server); ``close()`` releases the tree."""
+
+    def __init__(self, step: Step, slots: Callable[[int], torch.Tensor] | None = None,
+                 settle: Callable[[], Awaitable[None]] | None = None,
+                 close: Callable[[], Awaitable[None]] | None = None) -> None:
+        self.step, self.slots, self.settle, self.close = step, slots, settle, close
+
+
+async def long_prompt_ms(make: Callable[[], LongCase], tokens: int, page_size: int, reps: int) -> dict[str, float]:
+    """Loop time of match+insert of a ``tokens``-token prompt whose first half is cached.
+
+    Two samples per repeat, on two trees built alike: ``p50_ms`` with the garbage collector
+    run before the tree is built and paused while the step runs (a server's steady state),
+    and ``after_gc_p50_ms`` with a full ``gc.collect()`` just before the step (as the earlier
+    versions of this script measured). The second includes refaulting the memory that the
+    collection handed back: on this sandboxed machine a first touch of a page costs ~16 us,
+    so it measures the allocator as much as the tree.
+    """
+    warm: list[float] = []
+    cold: list[float] = []
     for r in range(reps):
-        step, done = make()
-        base = 10_000_000 + r * 4 * tokens
-        cached = list(range(base, base + tokens))
-        step(cached, torch.arange(tokens, dtype=torch.int64))
-        prompt = cached[: tokens // 2] + list(range(base + 2 * tokens, base + 2 * tokens + tokens - tokens // 2))
-        value = torch.arange(tokens, 2 * tokens, dtype=torch.int64)
-        gc.collect()
-        t0 = time.perf_counter()
-        got = step(prompt, value)
-        samples.append(time.perf_counter() - t0)
-        assert got == tokens // 2 // page_size * page_size, got
-        if done is not None:
-            done()
-    return {"p50_ms": round(statistics.median(samples) * 1e3, 4), "max_ms": round(max(samples) * 1e3, 4)}
+        for samples in (warm, cold) if r % 2 == 0 else (cold, warm):
+            gc.collect()
+            case = make()
+            slots = case.slots or (lambda n: torch.arange(n, dtype=torch.int64))
+            base = 10_000_000 + r * 4 * tokens
+            cached = list(range(base, base + tokens))
+            case.step(cached, slots(tokens))
+            if case.settle is not None:
+                await case.settle()
+            prompt = cached[: tokens // 2] + list(range(base + 2 * tokens, base + 2 * tokens + tokens - tokens // 2))
+            value = slots(tokens)
+            if samples is cold:
+                gc.collect()
+            gc.disable()
+            try:
+                t0 = time.perf_counter()
+                got = case.step(prompt, value)
+                samples.append(time.perf_counter() - t0)
+            finally:
+                gc.enable()
+            assert got == tokens // 2 // page_size * page_size, got
+            if case.close is not None:
+                await case.close()
+    ms = lambda xs: round(statistics.median(xs) * 1e3, 4)  # noqa: E731
+    return {"p50_ms": ms(warm), "max_ms": round(max(warm) * 1e3, 4),
+            "after_gc_p50_ms": ms(cold), "after_gc_max_ms": round(max(cold) * 1e3, 4)}
 
 
-def hicache_step(page_size: int) -> tuple[Callable[[list[int], torch.Tensor], int], None]:
+def hicache_case(page_size: int) -> LongCase:
     cache = RadixCache(req_to_token_pool=None, token_to_kv_pool_allocator=_NoFree(), page_size=page_size)
 
     def step(tokens: list[int], value: torch.Tensor) -> int:
@@ -279,10 +323,10 @@ def hicache_step(page_size: int) -> tuple[Callable[[list[int], torch.Tensor], in
         cache.insert(InsertParams(key=key, value=value))
         return int(m.device_indices.numel())
 
-    return step, None
+    return LongCase(step)
 
 
-def sglang_step(sgl: Any, page_size: int) -> tuple[Callable[[list[int], torch.Tensor], int], None]:
+def sglang_case(sgl: Any, page_size: int) -> LongCase:
     radix, SInsert, SMatch = sgl
     cache = radix.RadixCache.create_simulated(page_size=page_size)
 
@@ -292,38 +336,29 @@ def sglang_step(sgl: Any, page_size: int) -> tuple[Callable[[list[int], torch.Te
         cache.insert(SInsert(key=key, value=value))
         return int(m.device_prefix_len)
 
-    return step, None
+    return LongCase(step)
 
 
-def tiers_long_prompt_ms(page_size: int, tokens: int, reps: int) -> dict[str, float]:
-    """:func:`long_prompt_ms` for the hierarchical tree, inside a running loop (its controller
-    belongs to one); each repeat drains and closes its stack."""
+def tiers_case(page_size: int, tokens: int) -> LongCase:
+    """The hierarchical tree (host pool, ``memory`` storage, write-through); run inside a loop."""
+    stack = _tier_stack([[0] * (4 * tokens)], page_size)
 
-    async def run() -> dict[str, float]:
-        stacks: list[Any] = []
+    def step(toks: list[int], value: torch.Tensor) -> int:
+        key = RadixKey(toks)
+        m = stack.cache.match_prefix(MatchPrefixParams(key=key))
+        stack.cache.insert(InsertParams(key=key, value=value))
+        return int(m.device_indices.numel())
 
-        def make() -> tuple[Callable[[list[int], torch.Tensor], int], None]:
-            stack = _tier_stack([[0] * (4 * tokens)], page_size)
-            stacks.append(stack)
+    def slots(n: int) -> torch.Tensor:
+        got = stack.allocator.alloc(n)
+        assert got is not None
+        return got
 
-            def step(toks: list[int], value: torch.Tensor) -> int:
-                slots = stack.allocator.alloc(len(toks))
-                assert slots is not None
-                key = RadixKey(toks)
-                m = stack.cache.match_prefix(MatchPrefixParams(key=key))
-                stack.cache.insert(InsertParams(key=key, value=slots))
-                return int(m.device_indices.numel())
+    async def close() -> None:
+        await stack.cache.drain()
+        await stack.aclose()
 
-            return step, None
-
-        try:
-            return long_prompt_ms(make, tokens, page_size, reps)
-        finally:
-            for stack in stacks:
-                await stack.cache.drain()
-                await stack.aclose()
-
-    return asyncio.run(run())
+    return LongCase(step, slots, stack.cache.drain, close)
 
 
 # ---------------------------------------------------------------------- main
@@ -351,8 +386,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--long-reps", type=int, default=15)
     p.add_argument("--no-tiers", action="store_true", help="skip the hierarchical tree")
     p.add_argument("--no-sglang", action="store_true", help="skip SGLang even if installed")
+    p.add_argument("--torch-threads", type=int, default=1,
+                   help="torch intra-op threads (default 1: SGLang's clone of a long slot tensor runs on "
+                        "torch's pool, whose threads spin on a shared machine and slow SGLang 3-7x; hicache "
+                        "copies slots with numpy either way)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
+    torch.set_num_threads(args.torch_threads)
     ps = args.page_size
     reqs = load_trace(find_trace(args.trace), limit=args.requests)
     streams = [t[: len(t) // ps * ps] for t in (request_tokens(r) for r in reqs)]
@@ -361,6 +401,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     sgl, why = (None, "--no-sglang") if args.no_sglang else import_sglang()
     methods: dict[str, Callable[[], tuple[float, list[int], list[float]]]] = {
         "hicache": lambda: run_hicache(streams, ps),
+        "hicache_prebuilt": lambda: run_hicache(streams, ps, prebuilt=True),
     }
     if not args.no_tiers:
         methods["hicache_tiers"] = lambda: run_tiers(streams, ps)
@@ -389,23 +430,31 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     assert matched_ref is not None
     results = {m: summarize(m, totals[m], lats[m], total_tokens) for m in methods}
 
-    long: dict[str, Any] = {"hicache": long_prompt_ms(lambda: hicache_step(ps), args.long_tokens, ps, args.long_reps)}
+    lt, lr = args.long_tokens, args.long_reps
+    long: dict[str, Any] = {"hicache": asyncio.run(long_prompt_ms(lambda: hicache_case(ps), lt, ps, lr))}
     if not args.no_tiers:
-        long["hicache_tiers"] = tiers_long_prompt_ms(ps, args.long_tokens, args.long_reps)
+        long["hicache_tiers"] = asyncio.run(long_prompt_ms(lambda: tiers_case(ps, lt), lt, ps, lr))
     if sgl is not None:
-        long["sglang"] = long_prompt_ms(lambda: sglang_step(sgl, ps), args.long_tokens, ps, args.long_reps)
+        long["sglang"] = asyncio.run(long_prompt_ms(lambda: sglang_case(sgl, ps), lt, ps, lr))
 
-    ratios: dict[str, float] = {}
-    if sgl is not None:
-        for ours in ("hicache", "hicache_tiers"):
-            if ours in results:
-                ratios[f"{ours}_vs_sglang"] = round(results["sglang"]["total_s"] / results[ours]["total_s"], 3)
-                ratios[f"{ours}_vs_sglang_prebuilt"] = round(
-                    results["sglang_prebuilt"]["total_s"] / results[ours]["total_s"], 3)
+    # (ours, theirs): both build their keys from the token lists inside the timed region (what
+    # a server holding lists pays), both with keys built beforehand (what a server holding
+    # packed tokens pays: SGLang's Req holds array('q')), and the harshest mix
+    pairs = [("hicache", "sglang"), ("hicache_prebuilt", "sglang_prebuilt"), ("hicache", "sglang_prebuilt"),
+             ("hicache_tiers", "sglang"), ("hicache_tiers", "sglang_prebuilt")]
+    ratios: dict[str, Any] = {}
+    for ours, theirs in pairs:
+        if ours in totals and theirs in totals:
+            per_run = sorted(b / a for a, b in zip(totals[ours], totals[theirs]))
+            ratios[f"{ours}_vs_{theirs}"] = {
+                "of_medians": round(results[theirs]["total_s"] / results[ours]["total_s"], 3),
+                "per_run": [round(r, 3) for r in per_run],
+                "median_per_run": round(statistics.median(per_run), 3),
+            }
     report = {
         "benchmark": "radix match+insert per prompt",
         "requests": len(streams), "page_size": ps, "prompt_tokens": total_tokens,
-        "matched_tokens": sum(matched_ref), "repeats": args.repeats,
+        "matched_tokens": sum(matched_ref), "repeats": args.repeats, "torch_threads": args.torch_threads,
         "sglang": None if sgl is None else "sglang.srt.mem_cache.radix_cache.RadixCache",
         "sglang_skipped": why,
         "results": results, "ratios": ratios,

@@ -35,6 +35,12 @@ LOST_STORAGE = 8
 CORRUPT = 16
 
 _LOST = {Tier.DEVICE: LOST_DEVICE, Tier.HOST: LOST_HOST, Tier.STORAGE: LOST_STORAGE}
+#: the changes the ledger reads: every removal and clear, and stores only to storage (a device
+#: or host store needs no memory, and asking for it would make the tree hash every new node)
+LEDGER_WANTS = frozenset(
+    {(ChangeKind.STORED, Tier.STORAGE)}
+    | {(kind, tier) for kind in (ChangeKind.REMOVED, ChangeKind.CLEARED) for tier in Tier}
+)
 _LOST_MASK = LOST_DEVICE | LOST_HOST | LOST_STORAGE | CORRUPT
 #: removal reasons a tier gives for a page that failed verification
 CORRUPT_REASONS = frozenset({"corrupt", "verification_failed", "verification"})
@@ -69,7 +75,7 @@ class PageLedger:
     def attach(self, hub: TierChangeHub) -> None:
         """Follow ``hub`` (once; :meth:`detach` stops)."""
         if self._unsubscribe is None:
-            self._unsubscribe = hub.subscribe(self.observe)
+            self._unsubscribe = hub.subscribe(self.observe, wants=LEDGER_WANTS)
 
     def detach(self) -> None:
         if self._unsubscribe is not None:

@@ -63,6 +63,9 @@ class TierChange:
 
 
 Subscriber = Callable[[TierChange], None]
+#: which changes a subscriber wants: ``(kind, tier)`` pairs; ``None`` means every change
+Wants = frozenset[tuple[ChangeKind, Tier]] | None
+EVERY: frozenset[tuple[ChangeKind, Tier]] = frozenset((k, t) for k in ChangeKind for t in Tier)
 
 
 class TierChangeHub:
@@ -70,27 +73,46 @@ class TierChangeHub:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._subscribers: tuple[Subscriber, ...] = ()
+        self._subscribers: tuple[tuple[Subscriber, frozenset[tuple[ChangeKind, Tier]]], ...] = ()
+        self._wanted: frozenset[tuple[ChangeKind, Tier]] = frozenset()
         self.subscriber_errors = 0
 
-    def subscribe(self, callback: Subscriber) -> Callable[[], None]:
-        """Add ``callback``; returns a function that removes it again (idempotent)."""
+    def subscribe(self, callback: Subscriber, *, wants: Wants = None) -> Callable[[], None]:
+        """Add ``callback`` for the changes in ``wants`` (every change by default); returns a
+        function that removes it again (idempotent).
+
+        Why ``wants``: some changes cost the tier work to describe (the tree hashes a new
+        node's pages lazily, only when someone needs its keys), so a consumer that never reads
+        device stores should say so and keep that work off the request path."""
+        wanted = EVERY if wants is None else frozenset(wants)
         with self._lock:
-            self._subscribers = (*self._subscribers, callback)
+            self._subscribers = (*self._subscribers, (callback, wanted))
+            self._refresh()
 
         def unsubscribe() -> None:
             with self._lock:
-                self._subscribers = tuple(s for s in self._subscribers if s is not callback)
+                self._subscribers = tuple(s for s in self._subscribers if s[0] is not callback)
+                self._refresh()
 
         return unsubscribe
+
+    def _refresh(self) -> None:
+        self._wanted = frozenset().union(*(w for _, w in self._subscribers))
 
     @property
     def active(self) -> bool:
         """True when anyone listens: tiers may skip building a change nobody reads."""
         return bool(self._subscribers)
 
+    def wants(self, kind: ChangeKind, tier: Tier) -> bool:
+        """Whether any subscriber reads ``kind`` changes of ``tier``."""
+        return (kind, tier) in self._wanted
+
     def emit(self, change: TierChange) -> None:
-        for callback in self._subscribers:  # a tuple snapshot: subscribe/unsubscribe never race us
+        key = (change.kind, change.tier)
+        for callback, wanted in self._subscribers:  # a tuple snapshot: never races (un)subscribe
+            if key not in wanted:
+                continue
             try:
                 callback(change)
             except Exception:  # noqa: BLE001 - a consumer's bug must never break a tier

@@ -38,6 +38,8 @@ def _uint32_le(tokens: Sequence[int], count: int) -> bytes:
     instead of silently truncating it.
     """
     part = tokens if len(tokens) == count else tokens[:count]
+    if _ARRAY_U32 and type(part) is array and part.typecode == "I" and sys.byteorder == "little":
+        return part.tobytes()  # a tree key, packed already (prefix_cache.tokens)
     if _ARRAY_U32:
         try:
             arr = array("I", part)

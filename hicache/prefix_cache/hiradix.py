@@ -54,6 +54,7 @@ from hicache.prefix_cache.hashing import fast_page_hashes, namespace_seed
 from hicache.prefix_cache.node import TreeNode
 from hicache.prefix_cache.radix import RadixCache
 from hicache.prefix_cache.req import Req
+from hicache.prefix_cache.tokens import pack_tokens
 from hicache.prefix_cache.types import EvictParams, EvictResult, InitLoadBackParams
 
 __all__ = ["HiRadixCache"]
@@ -237,7 +238,7 @@ class HiRadixCache(RadixCache):
     def _report(self, kind: ChangeKind, tier: Tier, node: TreeNode) -> None:
         """Tell the hub that ``tier`` started (``STORED``) or stopped holding ``node``'s pages."""
         hub = self.tier_changes
-        if not hub.active or not node.hash_value:
+        if not hub.wants(kind, tier) or not node.hash_value:  # asking for keys hashes the node
             return
         parent = node.parent if kind is ChangeKind.STORED else None
         hub.emit(TierChange(
@@ -268,14 +269,34 @@ class HiRadixCache(RadixCache):
         first call starts the bounded log (:class:`~hicache.events.log.EventLog`)."""
         return self._event_log.take()
 
+    # ------------------------------------------------------------------ page keys
+
+    def _hash_pages(self, node: TreeNode) -> list[str]:
+        """``node``'s page keys, and those of the ancestors they chain from that have none yet
+        (top-down, in a loop: a chain of unhashed nodes may be deep)."""
+        chain: list[TreeNode] = []
+        n: TreeNode | None = node
+        while n is not None and n._hash_value is None:
+            chain.append(n)
+            n = n.parent
+        if n is None:  # left the tree before anyone asked: its chain is gone, so no keys
+            for c in chain:
+                c._hash_value = []
+            return []
+        ps = self.page_size
+        for c in reversed(chain):
+            c._hash_value = fast_page_hashes(c.key, ps, self._prior_hash(c.parent, c.extra_key))
+        return node._hash_value  # type: ignore[return-value]
+
     # ------------------------------------------------------------------ hooks
 
     def _on_new_node(self, node: TreeNode) -> None:
         assert node.parent is not None
-        node.hash_value = fast_page_hashes(
-            node.key, self.page_size, self._prior_hash(node.parent, node.extra_key)
-        )
-        self._report(ChangeKind.STORED, Tier.DEVICE, node)
+        if node.key.typecode != "I":  # storage keys hash uint32 token ids
+            raise ValueError("token ids must be integers that fit in uint32")
+        node.hasher = self._hash_pages
+        node._hash_value = None  # computed when first asked for (see TreeNode.hash_value)
+        self._report(ChangeKind.STORED, Tier.DEVICE, node)  # hashes it only if someone wants it
         self.placement.on_new_node(node)
         if self.write_policy != "write_back" and node.hit_count >= self.write_through_threshold:
             self._backup(node)
@@ -947,7 +968,7 @@ class HiRadixCache(RadixCache):
         if pos >= end:
             return 0
         new = TreeNode(parent=node, extra_key=state.extra_key)
-        new.key = tokens[pos:end]
+        new.key = pack_tokens(tokens[pos:end])
         new.host_value = host[pos - start :]
         new.hash_value = state.keys[(pos - start) // ps : (end - start) // ps]
         new.storage_pages = len(new.hash_value)

@@ -8,9 +8,12 @@ page); ``storage_pages`` counts how many of them are known to be written.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from hicache.prefix_cache.tokens import TokenRun, empty_run
 
 __all__ = ["TreeNode"]
 
@@ -38,7 +41,8 @@ class TreeNode:
         "extra_key",
         "value",
         "host_value",
-        "hash_value",
+        "_hash_value",
+        "hasher",
         "lock_ref",
         "host_ref",
         "last_access_time",
@@ -54,11 +58,13 @@ class TreeNode:
         self.id: int = next(_ids)
         self.children: dict[Any, TreeNode] = {}
         self.parent: TreeNode | None = parent
-        self.key: list[int] = []
+        self.key: TokenRun = empty_run()  # packed token ids (see prefix_cache.tokens)
         self.extra_key: str | None = extra_key
         self.value: torch.Tensor | None = None
         self.host_value: torch.Tensor | None = None
-        self.hash_value: list[str] = []
+        #: ``None``: not computed yet, ``hasher`` computes it on first use (see ``hash_value``)
+        self._hash_value: list[str] | None = []
+        self.hasher: Callable[[TreeNode], list[str]] | None = None
         self.lock_ref: int = 0
         self.host_ref: int = 0
         self.last_access_time: int = 0
@@ -69,6 +75,24 @@ class TreeNode:
         self.storage_pages: int = 0
         #: the tree this node belongs to (a token its root holds): nodes of a reset tree differ
         self.tree: object = parent.tree if parent is not None else None
+
+    @property
+    def hash_value(self) -> list[str]:
+        """Storage keys of this node's pages, one chained hash per page.
+
+        A tree with a storage tier may leave them to be computed on first use (``hasher``):
+        hashing every inserted page on the request's path cost more than the rest of the
+        insert, and most pages are never asked for by key (matched on device, or evicted
+        before storage takes them)."""
+        hv = self._hash_value
+        if hv is None:
+            assert self.hasher is not None, self
+            hv = self._hash_value = self.hasher(self)
+        return hv
+
+    @hash_value.setter
+    def hash_value(self, value: list[str]) -> None:
+        self._hash_value = value
 
     @property
     def evicted(self) -> bool:
@@ -83,7 +107,9 @@ class TreeNode:
     @property
     def on_storage(self) -> bool:
         """Every page of this node is known to be in storage."""
-        return self.storage_pages >= len(self.hash_value) > 0
+        if self.storage_pages <= 0:  # no need to compute keys to know that
+            return False
+        return self.storage_pages >= len(self.hash_value)
 
     def get_last_hash_value(self) -> str | None:
         return self.hash_value[-1] if self.hash_value else None

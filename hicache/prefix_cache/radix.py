@@ -19,6 +19,7 @@ import logging
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import torch
 
 from hicache.prefix_cache.base import BasePrefixCache
@@ -27,6 +28,7 @@ from hicache.prefix_cache.node import TreeNode
 from hicache.prefix_cache.policy import eviction_key
 from hicache.prefix_cache.req import Req
 from hicache.prefix_cache.slots import cat_slots, copy_slots
+from hicache.prefix_cache.tokens import TokenRun, pack_tokens
 from hicache.prefix_cache.types import (
     DecLockRefParams,
     DecLockRefResult,
@@ -121,7 +123,7 @@ class RadixCache(BasePrefixCache):
     def _empty(self) -> torch.Tensor:
         return torch.empty((0,), dtype=torch.int64, device=self.device)
 
-    def _child_key(self, extra_key: str | None, tokens: list[int], pos: int) -> tuple[Any, ...]:
+    def _child_key(self, extra_key: str | None, tokens: list[int] | TokenRun, pos: int) -> tuple[Any, ...]:
         return (extra_key, tuple(tokens[pos : pos + self.page_size]))
 
     def _aligned(self, n: int) -> int:
@@ -177,42 +179,28 @@ class RadixCache(BasePrefixCache):
 
     # ------------------------------------------------------------------ walking
 
-    def _match_len(self, node_key: list[int], tokens: list[int], pos: int, end: int) -> int:
+    def _match_len(self, node_key: TokenRun, tokens: list[int] | TokenRun, pos: int, end: int) -> int:
         """Whole-page length of the common prefix of ``node_key`` and ``tokens[pos:end]``
         (the first page is known to match: it is the child key).
 
-        Runs for every node of every walk, on keys of up to the whole prompt: a node key is
-        compared in one C-level list comparison without being copied, and a divergence is
-        found by galloping then bisecting over pages, so the Python work per node is
-        logarithmic in its length (a page-by-page loop was 300 iterations on long prompts).
+        Runs for every node of every walk, on keys of up to the whole prompt: the request's
+        part is packed (unless ``tokens`` is packed already) and compared with the packed node
+        key in one C-level comparison; only on a divergence does numpy locate it (one
+        vectorised pass, no Python loop over pages).
         """
-        ps = self.page_size
         n = len(node_key)
         limit = n if n <= end - pos else end - pos
+        seg = tokens[pos : pos + limit]
+        if type(seg) is not TokenRun:
+            seg = pack_tokens(seg)
         if limit == n:
-            if tokens[pos : pos + n] == node_key:
+            if node_key == seg:
                 return n
-        elif node_key[:limit] == tokens[pos : pos + limit]:
+        elif node_key[:limit] == seg:
             return limit
-        # pages [0, lo) match; the first mismatch lies within the first `limit` tokens
-        lo, step = ps, ps
-        while True:
-            hi = lo + step
-            if hi >= limit:
-                hi = limit
-                break
-            if node_key[lo:hi] != tokens[pos + lo : pos + hi]:
-                break
-            lo = hi
-            step += step
-        # the mismatch is in [lo, hi): bisect over whole pages
-        while hi - lo > ps:
-            mid = lo + (hi - lo) // ps // 2 * ps
-            if node_key[lo:mid] == tokens[pos + lo : pos + mid]:
-                lo = mid
-            else:
-                hi = mid
-        return lo
+        same = np.frombuffer(node_key, node_key.typecode)[:limit] == np.frombuffer(seg, seg.typecode)
+        first = int(same.argmin())  # the first differing token (one exists)
+        return first - first % self.page_size
 
     def _split(self, child: TreeNode, m: int) -> TreeNode:
         """Split ``child`` after ``m`` tokens; returns the new parent holding the first part.
@@ -228,7 +216,11 @@ class RadixCache(BasePrefixCache):
         new.value = child.value[:m] if child.value is not None else None
         new.host_value = child.host_value[:m] if child.host_value is not None else None
         pages = m // ps
-        new.hash_value = child.hash_value[:pages]
+        new.hasher = child.hasher
+        if child._hash_value is not None:
+            new.hash_value = child.hash_value[:pages]
+        else:  # not computed yet: both halves compute theirs from their own keys when asked
+            new._hash_value = None
         new.storage_pages = min(child.storage_pages, pages)
         new.lock_ref = child.lock_ref
         new.host_ref = child.host_ref
@@ -241,7 +233,8 @@ class RadixCache(BasePrefixCache):
         child.key = child.key[m:]
         child.value = child.value[m:] if child.value is not None else None
         child.host_value = child.host_value[m:] if child.host_value is not None else None
-        child.hash_value = child.hash_value[pages:]
+        if child._hash_value is not None:
+            child.hash_value = child.hash_value[pages:]
         child.storage_pages = max(0, child.storage_pages - pages)
         child.parent = new
         new.children[self._child_key(child.extra_key, child.key, 0)] = child
@@ -344,7 +337,10 @@ class RadixCache(BasePrefixCache):
         assert key is not None and params.value is not None
         end = self._aligned(len(key))
         value = params.value
-        tokens = key.token_ids
+        # packed once, before the tree changes: a bad token id fails here, and every
+        # comparison and the new node's key are slices of it
+        ids = key.token_ids
+        tokens = ids if type(ids) is TokenRun else pack_tokens(ids if len(ids) == end else ids[:end])
         node = self.root_node
         pos = 0
         prefix_len = 0

@@ -12,6 +12,7 @@ Additions (ours) are marked; they never change the meaning of an SGLang field.
 from __future__ import annotations
 
 import dataclasses
+from array import array
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -34,6 +35,16 @@ __all__ = [
     "RadixKey",
 ]
 
+#: typecodes of packed token runs a key keeps as they are
+_PACKED = ("I", "q")
+
+
+def _same_tokens(a: list[int] | array, b: list[int] | array) -> bool:
+    """Equal token ids, whether held as a list or packed (a list never equals an array)."""
+    if type(a) is type(b):
+        return a == b
+    return len(a) == len(b) and list(a) == list(b)
+
 
 class RadixKey:
     """Token ids plus an optional namespace (``extra_key``: LoRA id, tenant, cache salt).
@@ -47,7 +58,15 @@ class RadixKey:
     def __init__(self, token_ids: Sequence[int], extra_key: str | None = None) -> None:
         if isinstance(token_ids, torch.Tensor):
             token_ids = token_ids.tolist()
-        self.token_ids: list[int] = token_ids if isinstance(token_ids, list) else list(token_ids)
+        # A list is kept as given; so is a packed run (``array('I')`` or ``array('q')``, see
+        # :mod:`~hicache.prefix_cache.tokens`), which the tree then compares without
+        # converting: a server that holds its requests' tokens packed (as SGLang holds them
+        # in ``array('q')``) pays no conversion per walk. Anything else becomes a list.
+        if not isinstance(token_ids, list) and not (
+            type(token_ids) is array and token_ids.typecode in _PACKED
+        ):
+            token_ids = list(token_ids)
+        self.token_ids: list[int] | array = token_ids
         self.extra_key: str | None = extra_key
 
     def __len__(self) -> int:
@@ -65,7 +84,7 @@ class RadixKey:
         return (
             isinstance(other, RadixKey)
             and self.extra_key == other.extra_key
-            and self.token_ids == other.token_ids
+            and _same_tokens(self.token_ids, other.token_ids)
         )
 
     def __repr__(self) -> str:

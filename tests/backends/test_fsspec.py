@@ -191,3 +191,43 @@ async def test_big_pages_are_verified_and_copied_off_the_loop() -> None:
         assert dst.page_bytes(0) == src.page_bytes(0)
         assert dst.page_bytes(4) == bytes(dst.page_nbytes)
         assert store.get_stats()["corrupt_pages"] == 1
+
+
+async def test_write_bodies_are_built_ahead_of_a_slot_but_bounded() -> None:
+    """Each PUT's body is ready when a request slot frees, yet at most 2 x concurrency bodies
+    exist at once (a huge batch never holds a copy of every page), and every page lands."""
+    store = _memory_store(concurrency=2)
+    async with store:
+        res = store._local.get()
+        real = res.ops
+        in_flight = 0
+        most = 0
+        most_bodies_waiting = 0
+
+        class Slow:
+            fs = real.fs
+
+            async def put(self, path: str, data: bytes) -> None:
+                nonlocal in_flight, most
+                in_flight += 1
+                most = max(most, in_flight)
+                await asyncio.sleep(0.01)
+                await real.put(path, data)
+                in_flight -= 1
+
+            def __getattr__(self, name: str) -> Any:
+                return getattr(real, name)
+
+        res.ops = Slow()
+        staging = res.staging
+        keys = [f"k{i}" for i in range(24)]
+        task = asyncio.ensure_future(store.batch_set(keys, [torch.full((4,), float(i)) for i in range(24)]))
+        while not task.done():
+            most_bodies_waiting = max(most_bodies_waiting, 4 - staging._value)  # bodies held now
+            await asyncio.sleep(0.002)
+        assert await task
+        res.ops = real
+        assert most <= 2 and most_bodies_waiting <= 4 and most_bodies_waiting > 2
+        for i, k in enumerate(keys):
+            out = await store.get(k, torch.empty(4))
+            assert out is not None and torch.equal(out, torch.full((4,), float(i)))

@@ -54,3 +54,21 @@ def test_emit_from_many_threads() -> None:
         t.join()
     assert len(seen) == 800
     assert hub.active
+
+
+def test_wants_filters_changes_and_tells_tiers() -> None:
+    hub = TierChangeHub()
+    storage_only: list[TierChange] = []
+    stop = hub.subscribe(storage_only.append, wants=frozenset({(ChangeKind.STORED, Tier.STORAGE)}))
+    assert hub.wants(ChangeKind.STORED, Tier.STORAGE)
+    assert not hub.wants(ChangeKind.STORED, Tier.DEVICE)  # the tree skips hashing for nobody
+    hub.emit(TierChange(ChangeKind.STORED, Tier.DEVICE, ("d",)))
+    hub.emit(TierChange(ChangeKind.STORED, Tier.STORAGE, ("s",), backend="file"))
+    assert [c.keys for c in storage_only] == [("s",)]
+    everything: list[TierChange] = []
+    hub.subscribe(everything.append)
+    assert hub.wants(ChangeKind.STORED, Tier.DEVICE)
+    stop()
+    assert not hub.wants(ChangeKind.STORED, Tier.STORAGE) or hub.wants(ChangeKind.REMOVED, Tier.HOST)
+    hub.emit(TierChange(ChangeKind.REMOVED, Tier.HOST, ("h",)))
+    assert [c.keys for c in everything] == [("h",)]

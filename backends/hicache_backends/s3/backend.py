@@ -42,7 +42,7 @@ from hicache.storage.offload import OFFLOAD_MIN_BYTES, copy_bytes, run_to_comple
 from hicache.storage.stats import Throttle
 from hicache_backends.s3.breaker import BreakerState, CircuitBreaker
 from hicache_backends.s3.cache import ExistsCache
-from hicache_backends.s3.fs import LoopLocal, LoopResources, ObjectOps, close_all, make_ops
+from hicache_backends.s3.fs import LoopLocal, LoopResources, close_all, make_ops
 from hicache_backends.s3.naming import ObjectNames, Redactor, redact_options, redact_url
 from hicache_backends.s3.runs import MIN_RUN, decode_run, encode_run
 from hicache_backends.s3.retry import RetryPolicy
@@ -217,7 +217,8 @@ class FsspecStorage(AsyncHiCacheStorage):
             # s3fs's own retry loop: one attempt (see _filesystem_options). It still sleeps 0.1 s
             # after a transient error before giving up; the breaker keeps that rare.
             fs.retries = 1
-        return LoopResources(make_ops(fs), asyncio.Semaphore(self.concurrency))
+        # twice the request slots: every request in flight can have the next body ready
+        return LoopResources(make_ops(fs), asyncio.Semaphore(self.concurrency), asyncio.Semaphore(2 * self.concurrency))
 
     def _cache_scope(self) -> tuple[str, ...]:
         """What identifies this store's objects within the process: protocol, service, path."""
@@ -528,15 +529,15 @@ class FsspecStorage(AsyncHiCacheStorage):
         def body() -> bytes:
             return b"".join((codec.encode(page.key, page.pool, buf), buf))
 
-        async def put(ops: ObjectOps) -> None:
-            # one PUT of header+payload: an object store publishes an object whole or not at all.
-            # The body is built once a slot is held, so a huge batch never holds a copy of every
-            # page at once; a big one is hashed and copied on a thread, off the event loop.
-            data = await run_to_completion(body) if len(buf) >= OFFLOAD_MIN_BYTES else body()
-            await ops.put(path, data)
-
         try:
-            await self.runner.request("write", put)
+            # One PUT of header+payload: an object store publishes an object whole or not at all.
+            # The body is built before a request slot is free, so a PUT starts the moment one
+            # frees (built inside the slot, every PUT waited for its own hashing and copy: set
+            # was 0.96x plain s3fs with ready bytes). At most 2 x concurrency bodies exist, so a
+            # huge batch never holds a copy of every page; a big one is built on a thread.
+            async with self._local.get().staging:
+                data = await run_to_completion(body) if len(buf) >= OFFLOAD_MIN_BYTES else body()
+                await self.runner.request("write", lambda ops: ops.put(path, data))
         except FileNotFoundError:
             self.stats.incr("permanent_errors")
             self._manifest_ok = False  # the bucket is gone; if it comes back, so must the manifest

@@ -251,10 +251,12 @@ def make_ops(fs: Any) -> ObjectOps:
 
 @dataclass
 class LoopResources:
-    """What one event loop needs: its filesystem adapter and its concurrency limit."""
+    """What one event loop needs: its filesystem adapter, its concurrency limit, and the limit
+    on write bodies built ahead of a request slot (``staging``, see ``FsspecStorage._write_one``)."""
 
     ops: ObjectOps
     semaphore: asyncio.Semaphore
+    staging: asyncio.Semaphore
 
 
 class LoopLocal(Generic[T]):

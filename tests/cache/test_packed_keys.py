@@ -1,0 +1,170 @@
+"""Packed tree keys (``prefix_cache.tokens``) and page keys computed on first use.
+
+The tree compares and stores token ids packed in C arrays and hashes a node's pages only when
+someone asks for them. Neither may change what the tree answers: the same matches as a plain
+reference, the same nodes for list and packed keys, the same storage keys as
+``hicache.keys.page_hashes`` of the node's path.
+"""
+
+from __future__ import annotations
+
+import random
+from array import array
+
+import pytest
+import torch
+
+from hicache.controller import ControllerConfig
+from hicache.keys import page_hashes
+from hicache.memory import PagedTokenAllocator, ReqToTokenPool
+from hicache.prefix_cache import InsertParams, MatchPrefixParams, RadixCache, RadixKey
+from hicache.prefix_cache.hashing import namespace_seed
+from hicache.prefix_cache.node import TreeNode
+from hicache.prefix_cache.tokens import pack_tokens
+from hicache.replay import StackConfig, build_stack, serve_request
+
+PS = 4
+
+
+def make(pages: int = 4096) -> RadixCache:
+    alloc = PagedTokenAllocator(pages * PS, PS)
+    return RadixCache(req_to_token_pool=ReqToTokenPool(2, 64), token_to_kv_pool_allocator=alloc, page_size=PS)
+
+
+def put(cache: RadixCache, key: RadixKey) -> None:
+    n = len(key) // PS * PS
+    value = cache.token_to_kv_pool_allocator.alloc(n)
+    res = cache.insert(InsertParams(key=key, value=value))
+    if res.prefix_len:
+        cache.token_to_kv_pool_allocator.free(value[: res.prefix_len])
+
+
+def matched(cache: RadixCache, key: RadixKey) -> int:
+    return int(cache.match_prefix(MatchPrefixParams(key=key)).device_indices.numel())
+
+
+def reference_match(stored: list[list[int]], tokens: list[int]) -> int:
+    """Longest whole-page prefix of ``tokens`` that some stored prompt shares."""
+    best = 0
+    for s in stored:
+        n = 0
+        while n < min(len(s), len(tokens)) and s[n] == tokens[n]:
+            n += 1
+        best = max(best, n // PS * PS)
+    return best
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_matches_equal_a_reference_on_random_prompts(packed: bool) -> None:
+    """Prompts that diverge at every offset (inside pages, at page ends, inside long nodes)."""
+    rng = random.Random(5)
+    cache = make()
+    stored: list[list[int]] = []
+    base = [rng.randrange(50) for _ in range(400)]
+    for i in range(80):
+        cut = rng.randrange(0, 400)
+        tokens = base[:cut] + [rng.randrange(50) for _ in range(rng.randrange(0, 60))]
+        tokens = tokens[: len(tokens) // PS * PS]
+        key = RadixKey(array("I", tokens) if packed else list(tokens))
+        assert matched(cache, key) == reference_match(stored, tokens), i
+        put(cache, key)
+        stored.append(tokens)
+        assert matched(cache, key) == len(tokens)
+    cache.sanity_check()
+
+
+def test_list_and_packed_keys_share_nodes() -> None:
+    cache = make()
+    tokens = list(range(100, 164))
+    put(cache, RadixKey(tokens))
+    m = cache.match_prefix(MatchPrefixParams(key=RadixKey(array("I", tokens))))
+    assert int(m.device_indices.numel()) == 64
+    put(cache, RadixKey(array("q", tokens[:32] + [7] * 32)))  # int64-packed: splits the same node
+    assert matched(cache, RadixKey(tokens[:32] + [7] * 32)) == 64
+    assert len(cache.root_node.children) == 1
+    cache.sanity_check()
+
+
+def test_radix_key_keeps_packed_runs_and_compares_by_value() -> None:
+    run = array("I", [1, 2, 3])
+    assert RadixKey(run).token_ids is run
+    assert RadixKey(run) == RadixKey([1, 2, 3])
+    assert RadixKey(array("b", [1, 2, 3])).token_ids == [1, 2, 3]  # other typecodes: a list
+    assert RadixKey(torch.tensor([1, 2])).token_ids == [1, 2]
+
+
+def test_ids_outside_uint32_are_exact_in_the_device_tree() -> None:
+    cache = make()
+    wide = [-5, 2**40, 3, 2**63 - 1] * 4
+    put(cache, RadixKey(wide))
+    assert matched(cache, RadixKey(wide)) == 16
+    assert matched(cache, RadixKey(wide[:12] + [0, 0, 0, 0])) == 12
+    assert matched(cache, RadixKey([x % 2**32 for x in wide])) == 0  # no wrap-around aliasing
+    cache.sanity_check()
+
+
+@pytest.mark.parametrize("bad", [[1.5] * 8, ["7"] * 8, [2**64] * 8])
+def test_tokens_that_are_not_int64_are_a_clear_error(bad: list) -> None:
+    cache = make()
+    with pytest.raises(ValueError, match="token ids"):
+        put(cache, RadixKey(bad))
+    assert not cache.root_node.children
+    with pytest.raises(ValueError, match="token ids"):
+        pack_tokens(bad)
+
+
+def cfg() -> StackConfig:
+    return StackConfig(page_size=PS, layer_num=1, head_num=1, head_dim=2, dtype="float32", device_pages=512,
+                       host_pages=512, storage_backend="memory", storage_pages=1024, req_slots=4)
+
+
+def path_keys(cache, node) -> list[str]:  # type: ignore[no-untyped-def]
+    chain: list[str] = []
+    while node is not cache.root_node:
+        chain = node.hash_value + chain
+        node = node.parent
+    return chain
+
+
+async def test_page_keys_are_computed_on_first_use_and_equal_the_chained_hashes() -> None:
+    stack = build_stack(cfg())
+    cache = stack.cache
+    a = list(range(1000, 1064))
+    await serve_request(stack, a, rid="a", extra_key="ns")
+    leaf = cache.match_prefix(MatchPrefixParams(key=RadixKey(a, "ns"))).last_host_node
+    await cache.drain()  # storage writes asked for the keys
+    assert leaf._hash_value is not None
+    # a split of a node whose keys are not computed yet: both halves compute their own
+    b = a[:24] + list(range(5000, 5040))
+    key_b = RadixKey(b, "ns")
+    fresh = cache.insert(InsertParams(key=key_b, value=stack.allocator.alloc(64))).last_device_node
+    assert fresh._hash_value is None and fresh.parent._hash_value is not None  # the split half kept its slice
+    assert path_keys(cache, fresh) == page_hashes(b, PS, namespace_seed("ns"))
+    assert path_keys(cache, leaf) == page_hashes(a, PS, namespace_seed("ns"))
+    cache.sanity_check()
+    await cache.drain()
+    await stack.aclose()
+
+
+async def test_a_deep_chain_of_unhashed_nodes_hashes_without_recursion() -> None:
+    stack = build_stack(cfg())
+    cache = stack.cache
+    node, tokens = cache.root_node, []
+    for i in range(1100):  # deeper than the recursion limit, as a long chat's turns make it
+        child = TreeNode(parent=node)
+        child.key = pack_tokens([i] * PS)
+        child.hasher, child._hash_value = cache._hash_pages, None
+        node.children[(None, tuple(child.key))] = child
+        node, tokens = child, tokens + [i] * PS
+    assert path_keys(cache, node) == page_hashes(tokens, PS)
+    gone = TreeNode(parent=None)
+    gone.key, gone.hasher, gone._hash_value = pack_tokens([1] * PS), cache._hash_pages, None
+    assert gone.hash_value == []  # left the tree before anyone asked: no keys, not wrong ones
+    await stack.aclose()
+
+
+async def test_uint32_only_in_the_tree_with_storage() -> None:
+    stack = build_stack(cfg())
+    with pytest.raises(ValueError, match="uint32"):
+        stack.cache.insert(InsertParams(key=RadixKey([-1] * 8), value=stack.allocator.alloc(8)))
+    await stack.aclose()
