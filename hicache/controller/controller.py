@@ -68,6 +68,8 @@ logger = logging.getLogger("hicache.controller")
 KV = PoolName.KV.value
 #: the key health probes look up: never written, so a probe only asks the store to answer
 _PROBE_KEY = "hicache-health-probe"
+# the storage call kinds the controller makes, named as the latency histogram names them
+_OPS = {"exists": "exists", "read": "get", "write": "set"}
 
 
 class ControllerState(enum.Enum):
@@ -295,6 +297,7 @@ class HiCacheController:
         if self._io is not None:
             await self._io.stop(timeout=limit)
         self.state = ControllerState.CLOSED
+        self.metrics.close()  # this cache's families leave the scrape
         return report
 
     async def _drain_for_close(self) -> None:
@@ -402,6 +405,7 @@ class HiCacheController:
                 logger.exception("device->host backup of %d page(s) failed", pages)
             if ok:
                 self.metrics.transfer("d2h", pages, pages * self.page_nbytes, time.perf_counter() - t0)
+                self.metrics.observe("backup", "host", time.perf_counter() - t0)
             self._backup_busy = []
             for i, job in enumerate(jobs):
                 call_back(job.on_done, ok)
@@ -445,6 +449,7 @@ class HiCacheController:
             finally:
                 if ok:
                     self.metrics.transfer("h2d", pages, pages * self.page_nbytes, time.perf_counter() - t0)
+                    self.metrics.observe("load_back", "host", time.perf_counter() - t0)
                 call_back(on_done, ok)
 
         task = self._spawn(watch(), "hicache-load")
@@ -474,8 +479,11 @@ class HiCacheController:
             job = await q.get()
             self._storage_busy = [job]
             written = 0
+            t0 = time.perf_counter()
             try:
                 written = await self._write_job(job)
+                if written:
+                    self.metrics.observe("backup", "storage", time.perf_counter() - t0)
             except asyncio.CancelledError:
                 raise
             except Exception:  # noqa: BLE001
@@ -585,7 +593,9 @@ class HiCacheController:
             return None
         cfg = self.config
         errors = self._backend_errors()
+        t0 = time.perf_counter()
         call = asyncio.ensure_future(self._on_io(coro))
+        call.add_done_callback(lambda _: self.metrics.observe(_OPS.get(what, what), "storage", time.perf_counter() - t0))
         self._calls.add(call)
         try:
             stall = cfg.storage_stall_s if 0 < cfg.storage_stall_s < cfg.storage_io_timeout_s else 0.0

@@ -134,6 +134,7 @@ class Prefetcher:
     async def _run_prefetch(self, op: PrefetchOp, alloc_host: Callable[[int], torch.Tensor | None]) -> None:
         ps = self.page_size
         interrupted = False
+        t0 = time.perf_counter()
         try:
             async with self._sem:
                 if op.stop_requested:
@@ -188,6 +189,8 @@ class Prefetcher:
             self.metrics.incr("worker_errors")
             logger.exception("prefetch %s failed", op.rid)
         finally:
+            if op.completed_pages:
+                self.metrics.observe("prefetch", "storage", time.perf_counter() - t0)
             self._finish_op(op, interrupted)
 
     def _finish_op(self, op: PrefetchOp, interrupted: bool) -> None:
