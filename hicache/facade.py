@@ -33,6 +33,8 @@ from hicache.errors import CacheClosedError, HiCacheError, OutOfKVSlotsError
 from hicache.events.service import start_events
 from hicache.memory import MambaHostPool, MambaStatePool
 from hicache.prefix_cache import Req, Session
+from hicache.observability.cache_gauges import export_cache_state
+from hicache.observability.metrics import exposition_text
 from hicache.session import SessionAwareCache
 from hicache.session.config import SessionConfig as SessionCacheConfig
 from hicache.stack import CacheStack, build_stack, stack_config_from, torch_dtype
@@ -176,6 +178,7 @@ class HiCache:
         )
         self.cache = SessionAwareCache(stack.cache, session_config)
         self.cache.start()
+        export_cache_state(stack.controller.metrics, stack, lambda: self.cache)
         self._state = _State.OPEN
         logger.info(
             "hicache open: device %d tokens, host %d tokens, storage %s",
@@ -441,27 +444,17 @@ class HiCache:
             out["events"] = self._events.stats()
         return out
 
+    @property
+    def metrics_label(self) -> str | None:
+        """The ``cache`` label of this cache's metric families (None before :meth:`start`)."""
+        return self._stack.controller.metrics.label if self._stack is not None else None
+
     def prometheus_text(self) -> str:
-        """:meth:`metrics` in the Prometheus text exposition format."""
-        stack = self._require_stack()
-        text = stack.controller.metrics.prometheus_text()
-        lines = [text.rstrip("\n")] if text else []
-        extra: dict[str, float] = {}
-        m = self.metrics()
-        for section in ("device", "host"):
-            for key, value in m[section].items():
-                extra[f"hicache_{section}_{key}"] = value
-        for key, value in (m.get("storage") or {}).items():
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                extra[f"hicache_storage_{key}"] = value
-        sessions = m.get("sessions") or {}
-        for key, value in sessions.items():
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                extra[f"hicache_session_{key}"] = value
-        for name, value in extra.items():
-            lines.append(f"# TYPE {name} gauge")
-            lines.append(f"{name} {float(value):g}")
-        return "\n".join(lines) + "\n"
+        """The process's Prometheus scrape: this cache's families (under its ``cache`` label),
+        every other family on the default registry, or every worker's in multi-process mode
+        (see :mod:`hicache.observability.metrics`)."""
+        self._require_stack()
+        return exposition_text()
 
 
 async def _smoke() -> None:  # pragma: no cover - manual check

@@ -265,13 +265,14 @@ class InstanceMetrics:
         are only known then, e.g. a backend's own figures)."""
         self._refreshers.append(fn)
 
-    def mirror(self, kind: str, name: str, value: float, doc: str = "", labels: Mapping[str, str] | None = None) -> bool:
+    def mirror(self, kind: str, name: str, value: float, doc: str = "", labels: Mapping[str, str] | None = None,
+               **kw: Any) -> bool:
         """Publish a figure kept elsewhere: a gauge is set to ``value``; a counter (``value``
         a running total) is increased by what it grew since the last call (a total that went
         down was reset: it counts from zero again). False when ``name`` is taken by a family of
         another kind or labels (dynamic names must never break a scrape)."""
         try:
-            child = self.child(kind, name, doc, labels)
+            child = self.child(kind, name, doc, labels, **kw)
         except ValueError:
             return False
         if kind == "gauge":
