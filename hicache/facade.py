@@ -34,6 +34,7 @@ from hicache.events.service import start_events
 from hicache.memory import MambaHostPool, MambaStatePool
 from hicache.prefix_cache import Req, Session
 from hicache.observability.cache_gauges import export_cache_state
+from hicache.observability import tracing
 from hicache.observability.metrics import exposition_text
 from hicache.session import SessionAwareCache
 from hicache.session.config import SessionConfig as SessionCacheConfig
@@ -142,6 +143,8 @@ class HiCache:
             return self
         if self._state is _State.CLOSED:
             raise CacheClosedError("HiCache is closed; build a new one")
+        if self.config.tracing.enabled:
+            tracing.enable()  # before anything is built: a missing otel extra fails the start
         stack = build_stack(self._stack_config)
         self._stack = stack
         try:
@@ -251,11 +254,16 @@ class HiCache:
         cache_rid = self._claim_rid(rid)
         req = Req(rid=cache_rid, origin_input_ids=tokens, session=session, explain_misses=True)
         try:
-            cache.match_req(req)
-            cache.start_prefetch(req)
-            admitted = await cache.admit(req, mem_quota=self.config.cache.load_back_quota_tokens, wait_load=False)
-            attribution = await self._explain(admitted.attribution)
-            slots = await cache.alloc_extend(req, len(tokens))
+            with tracing.span("hicache.begin") as span:
+                span.set_attribute("hicache.tokens", len(tokens))
+                with tracing.span("hicache.match"):
+                    cache.match_req(req)
+                cache.start_prefetch(req)
+                with tracing.span("hicache.admit"):
+                    admitted = await cache.admit(req, mem_quota=self.config.cache.load_back_quota_tokens, wait_load=False)
+                span.set_attribute("hicache.prefix_tokens", int(admitted.prefix_len))
+                attribution = await self._explain(admitted.attribution)
+                slots = await cache.alloc_extend(req, len(tokens))
             if self._state is not _State.OPEN:  # closed while this request was being admitted
                 raise CacheClosedError("HiCache was closed while the request was being admitted")
         except BaseException:

@@ -53,6 +53,7 @@ from hicache.controller.metrics import ControllerMetrics
 from hicache.controller.prefetch import Prefetcher
 from hicache.controller.transfers import all_pools_ok, call_back, slice_transfer
 from hicache.errors import CacheClosedError, ConfigError, LoopMisuseError
+from hicache.observability import tracing
 from hicache.storage import (
     AsyncHiCacheStorage,
     HiCacheStorageExtraInfo,
@@ -396,7 +397,9 @@ class HiCacheController:
             try:
                 dev = torch.cat([j.device_indices.reshape(-1) for j in jobs])
                 host = torch.cat([j.host_indices.reshape(-1).to(torch.int64) for j in jobs])
-                await self.copy_engine.backup(dev, host)
+                with tracing.span("hicache.backup") as span:
+                    span.set_attribute("hicache.pages", pages)
+                    await self.copy_engine.backup(dev, host)
                 ok = True
             except asyncio.CancelledError:
                 raise  # the jobs stay in _backup_busy; aclose reports them as failed
@@ -436,7 +439,9 @@ class HiCacheController:
         async def watch() -> None:
             ok = False
             try:
-                await handle.wait()
+                with tracing.span("hicache.load_back") as span:
+                    span.set_attribute("hicache.pages", pages)
+                    await handle.wait()
                 ok = True
             except asyncio.CancelledError:
                 with contextlib.suppress(BaseException):
@@ -481,7 +486,9 @@ class HiCacheController:
             written = 0
             t0 = time.perf_counter()
             try:
-                written = await self._write_job(job)
+                with tracing.span("hicache.backup.storage") as span:
+                    span.set_attribute("hicache.pages", len(job.keys))
+                    written = await self._write_job(job)
                 if written:
                     self.metrics.observe("backup", "storage", time.perf_counter() - t0)
             except asyncio.CancelledError:

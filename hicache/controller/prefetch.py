@@ -28,6 +28,7 @@ from hicache.controller.config import ControllerConfig
 from hicache.controller.jobs import PrefetchOp, PrefetchResult
 from hicache.controller.metrics import ControllerMetrics
 from hicache.controller.transfers import all_pools_ok, slice_transfer
+from hicache.observability import tracing
 from hicache.storage import AsyncHiCacheStorage, PoolName, PoolTransfer
 from hicache.storage.hit_policy import leading_run
 
@@ -135,6 +136,8 @@ class Prefetcher:
         ps = self.page_size
         interrupted = False
         t0 = time.perf_counter()
+        traced = tracing.span("hicache.prefetch")  # entered and left by hand: the body is long
+        span = traced.__enter__()
         try:
             async with self._sem:
                 if op.stop_requested:
@@ -191,6 +194,8 @@ class Prefetcher:
         finally:
             if op.completed_pages:
                 self.metrics.observe("prefetch", "storage", time.perf_counter() - t0)
+            span.set_attribute("hicache.pages", op.completed_pages)
+            traced.__exit__(None, None, None)
             self._finish_op(op, interrupted)
 
     def _finish_op(self, op: PrefetchOp, interrupted: bool) -> None:
