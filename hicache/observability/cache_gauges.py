@@ -32,6 +32,11 @@ BREAKER_STATES = {"closed": 0.0, "half_open": 1.0, "open": 2.0}
 # (a family's kind is fixed for the process by the first backend that reports it)
 _BACKEND_TOTALS = frozenset({"evicted_pages", "evicted_bytes", "corrupt_pages", "rejected_pages_no_space",
                              "breaker_times_opened", "transit_errors"})
+# StorageStats' well-known counters: published as zeros before a backend first counts one, so a
+# dashboard sees "no errors", not "no data"
+_BACKEND_COUNTERS = ("exists_calls", "exists_keys", "exists_hits", "read_pages", "read_hits", "read_misses",
+                     "read_bytes", "write_pages", "write_ok", "write_failures", "write_bytes", "backend_errors",
+                     "invalid_requests", "corrupt_pages", "evicted_pages", "evicted_bytes")
 _SESSION_GAUGES = ("sessions_open", "sessions_holding_kv", "session_held_tokens", "writeback_pending",
                    "writeback_pending_tokens")
 
@@ -53,8 +58,9 @@ def export_cache_state(metrics: InstanceMetrics, stack: Any, sessions: Callable[
 
 
 def _export_storage(metrics: InstanceMetrics, storage: Any) -> None:
-    stats = storage.get_stats()
-    counters = set(storage.stats.snapshot()) | _BACKEND_TOTALS
+    stats = {name: 0 for name in _BACKEND_COUNTERS}
+    stats.update(storage.get_stats())
+    counters = set(storage.stats.snapshot()) | _BACKEND_TOTALS | set(_BACKEND_COUNTERS)
     labels = {"backend": str(stats.get("backend", "unknown")).lower()}
     for key, value in numeric_items(stats):
         kind = "counter" if key in counters else "gauge"
