@@ -205,6 +205,24 @@ def _unbind(used: dict[MetricWrapperBase, set[tuple[str, ...]]]) -> None:
     used.clear()
 
 
+class _Dropped:
+    """What a closed owner's late updates go to: its series have left the registry."""
+
+    __slots__ = ()
+
+    def inc(self, amount: float = 1) -> None:
+        return None
+
+    def set(self, value: float) -> None:
+        return None
+
+    def observe(self, value: float) -> None:
+        return None
+
+
+_DROPPED = _Dropped()
+
+
 class InstanceMetrics:
     """One owner's children in the process-wide families, under its own ``cache`` label.
 
@@ -247,6 +265,8 @@ class InstanceMetrics:
         have = self._children.get(key)
         if have is not None:
             return have
+        if self._closed:  # a late update (a task finishing after close) must not re-add a series
+            return _DROPPED
         family = self._family(kind, name, doc or name.replace("_", " "), [k for k, _ in items], **kw)
         values = (self.label, *(str(v) for _, v in items))
         have = family.labels(*values)
