@@ -55,6 +55,8 @@ import prometheus_client
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.metrics import MetricWrapperBase
 
+from hicache.errors import ConfigError
+
 __all__ = [
     "CONTENT_TYPE",
     "INSTANCE_LABEL",
@@ -242,7 +244,12 @@ class InstanceMetrics:
         self._next_refresh = 0.0
         self._closed = False
         if self._multiprocess:
-            _mark_dead_at_exit(multiprocess_dir() or "")
+            path = multiprocess_dir() or ""
+            if not os.path.isdir(path):
+                raise ConfigError(
+                    f"PROMETHEUS_MULTIPROC_DIR={path!r} is not a directory: create it (empty) before the workers start"
+                )
+            _mark_dead_at_exit(path)
         _live.add(self)
         _unbind_pending()
         self._finalizer = weakref.finalize(self, _defer_unbind, self._used)

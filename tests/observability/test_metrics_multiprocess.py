@@ -76,3 +76,12 @@ def test_one_scrape_sees_every_worker_and_only_live_gauges(tmp_path: Path) -> No
             if proc is not None and proc.poll() is None:
                 proc.kill()
                 proc.wait()
+
+
+def test_a_missing_multiprocess_dir_is_one_clear_error(tmp_path: Path) -> None:
+    code = ("from hicache.errors import ConfigError\n"
+            "from hicache.controller.metrics import ControllerMetrics\n"
+            "try:\n    ControllerMetrics()\nexcept ConfigError as exc:\n    print(exc)\n")
+    out = subprocess.run([sys.executable, "-c", code], env=_env(tmp_path / "absent"), capture_output=True,
+                         text=True, timeout=120, check=True)
+    assert "is not a directory" in out.stdout, out
