@@ -32,10 +32,10 @@ from hicache.config import HiCacheConfig, aload_config, load_config
 from hicache.errors import CacheClosedError, HiCacheError, OutOfKVSlotsError
 from hicache.events.service import start_events
 from hicache.memory import MambaHostPool, MambaStatePool
-from hicache.prefix_cache import Req, Session
-from hicache.observability.cache_gauges import export_cache_state
 from hicache.observability import tracing
+from hicache.observability.cache_gauges import export_cache_state
 from hicache.observability.metrics import exposition_text
+from hicache.prefix_cache import Req, Session
 from hicache.session import SessionAwareCache
 from hicache.session.config import SessionConfig as SessionCacheConfig
 from hicache.stack import CacheStack, build_stack, stack_config_from, torch_dtype
