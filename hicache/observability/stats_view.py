@@ -14,6 +14,7 @@ CI log, an incident over ssh) one command answers "is the cache working".
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 import time
 import urllib.parse
@@ -155,6 +156,10 @@ def run_stats(target: str, *, interval: float = 2.0, once: bool = False, backend
     """Print the screen for ``target`` once, or every ``interval`` seconds until interrupted
     (``rounds`` bounds the loop, for tests). Returns the exit status."""
     out = out or sys.stdout
+    if not is_url(target) and backend == "file" and not os.path.isdir(target):
+        print(f"hicache stats: {target!r} is neither a store root (no such folder) nor a server URL "
+              f"(those start with http:// or https://)", file=sys.stderr)
+        return 2
     live = not once and out.isatty()
     previous: tuple[float, Scrape] | None = None
     n = 0

@@ -102,6 +102,7 @@ def test_stats_rates_between_refreshes_and_an_unreachable_url() -> None:
     out = io.StringIO()
     assert run_stats("http://127.0.0.1:9/metrics", once=True, out=out) == 1
     assert "cannot scrape" in out.getvalue()
+    assert run_stats("localhost:8471", once=True, out=io.StringIO()) == 2  # neither a folder nor a URL
 
 
 def test_histogram_quantile_interpolates_like_prometheus() -> None:
