@@ -181,7 +181,7 @@ class HiCache:
         )
         self.cache = SessionAwareCache(stack.cache, session_config)
         self.cache.start()
-        export_cache_state(stack.controller.metrics, stack, lambda: self.cache)
+        export_cache_state(stack.controller.metrics, stack, lambda: self.cache, lambda: self._events)
         self._state = _State.OPEN
         logger.info(
             "hicache open: device %d tokens, host %d tokens, storage %s",

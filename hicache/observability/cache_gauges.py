@@ -16,6 +16,8 @@ Families (all with the instance's ``cache`` label):
   ``hicache_backend_breaker_state{backend}`` (0 closed, 1 half open, 2 open) for a backend with
   a circuit breaker (S3)
 - ``hicache_session_<counter>_total`` and ``hicache_session_{sessions_open,...}`` gauges
+- with KV events on: ``hicache_events_{published_batches,published_events,dropped_events,
+  replay_requests,errors}_total`` and the ``hicache_events_queued`` gauge (the publisher's stats)
 """
 
 from __future__ import annotations
@@ -37,13 +39,16 @@ _BACKEND_TOTALS = frozenset({"evicted_pages", "evicted_bytes", "corrupt_pages", 
 _BACKEND_COUNTERS = ("exists_calls", "exists_keys", "exists_hits", "read_pages", "read_hits", "read_misses",
                      "read_bytes", "write_pages", "write_ok", "write_failures", "write_bytes", "backend_errors",
                      "invalid_requests", "corrupt_pages", "evicted_pages", "evicted_bytes")
+_EVENT_COUNTERS = ("published_batches", "published_events", "dropped_events", "replay_requests", "errors")
 _SESSION_GAUGES = ("sessions_open", "sessions_holding_kv", "session_held_tokens", "writeback_pending",
                    "writeback_pending_tokens")
 
 
-def export_cache_state(metrics: InstanceMetrics, stack: Any, sessions: Callable[[], Any] | None = None) -> None:
+def export_cache_state(metrics: InstanceMetrics, stack: Any, sessions: Callable[[], Any] | None = None,
+                       events: Callable[[], Any] | None = None) -> None:
     """Register the device, host, storage and session figures of a built stack on ``metrics``
-    (``sessions()`` returns the session cache, or None while there is none)."""
+    (``sessions()`` returns the session cache, ``events()`` the KV-event service; either may
+    return None while there is none)."""
     alloc, tree, host = stack.allocator, stack.cache, stack.host_pool
     metrics.gauge("device_size_tokens", lambda: alloc.size, "device KV slots")
     metrics.gauge("device_free_tokens", alloc.available_size, "device KV slots free")
@@ -55,6 +60,19 @@ def export_cache_state(metrics: InstanceMetrics, stack: Any, sessions: Callable[
         metrics.on_refresh(lambda m: _export_storage(m, stack.storage))
     if sessions is not None:
         metrics.on_refresh(lambda m: _export_sessions(m, sessions()))
+    if events is not None:
+        metrics.on_refresh(lambda m: _export_events(m, events()))
+
+
+def _export_events(metrics: InstanceMetrics, service: Any) -> None:
+    if service is None:
+        return
+    stats = service.stats()
+    for key in _EVENT_COUNTERS:
+        if key in stats:
+            metrics.mirror("counter", f"events_{key}", float(stats[key]), f"kv events: {key.replace('_', ' ')}")
+    if "queued" in stats:
+        metrics.mirror("gauge", "events_queued", float(stats["queued"]), "kv events: event lists waiting to be published")
 
 
 def _export_storage(metrics: InstanceMetrics, storage: Any) -> None:

@@ -111,3 +111,23 @@ def test_histogram_quantile_interpolates_like_prometheus() -> None:
     assert histogram_quantile(0.75, buckets) == pytest.approx(0.15)
     assert histogram_quantile(0.5, []) is None
     assert histogram_quantile(0.99, [(0.1, 1.0), (float("inf"), 10.0)]) == pytest.approx(0.1)
+
+
+async def test_kv_event_publisher_counts_are_in_the_scrape(tmp_path: Path) -> None:
+    cfg = small_config(tmp_path / "store").model_copy(deep=True)
+    cfg = HiCacheConfig.model_validate({**cfg.model_dump(), "events": {"enabled": True, "endpoint": None,
+                                                                        "replay_endpoint": None}})
+    async with HiCache.from_config(cfg) as cache:
+        h = await cache.begin("w", TOKENS)
+        await cache.commit(h)
+        await cache.drain()
+        published = 0.0
+        for _ in range(200):  # the publisher thread takes the changes off the hub's queue
+            scrape = Scrape(cache.prometheus_text())
+            published = scrape.value("hicache_events_published_events_total", cache=cache.metrics_label) or 0.0
+            if published:
+                break
+            await asyncio.sleep(0.02)
+        assert published > 0
+        assert scrape.value("hicache_events_dropped_events_total", cache=cache.metrics_label) == 0
+        assert scrape.value("hicache_events_queued", cache=cache.metrics_label) is not None
