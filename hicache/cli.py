@@ -4,6 +4,7 @@ Subcommands: ``demo`` (the main job), ``serve`` (the demo server), ``replay`` (t
 placement policy side by side), ``size`` (hit ratio against tier capacity), ``workload`` (a
 generated trace),
 ``bench`` (storage, s3, copy and eviction benchmarks), ``inspect`` (a store's namespaces and integrity),
+``stats`` (a live view of a server's or a store's tiers),
 ``backends`` (what is installed). ``--json`` prints machine-readable output; otherwise a readable
 summary table.
 """
@@ -166,6 +167,18 @@ def _cmd_events(args: argparse.Namespace) -> Any:
     return stats if args.stats else None
 
 
+def _cmd_stats(args: argparse.Namespace) -> Any:
+    from hicache.observability.stats_view import is_url, run_stats
+
+    options = json.loads(args.options) if args.options else {}
+    if args.backend != "file" and not is_url(args.target):
+        options.setdefault("url", args.target)
+    code = run_stats(args.target, interval=args.interval, once=args.once, backend=args.backend, options=options)
+    if code:
+        raise SystemExit(code)
+    return None
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hicache", description=__doc__.split("\n\n")[0])
     parser.add_argument("--log-level", default="WARNING", help="logging level (DEBUG, INFO, ...)")
@@ -234,6 +247,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stats", action="store_true", help="print the counters (gaps, replayed, lost) at the end")
     p.add_argument("--json", action="store_true", help="one JSON object per event")
     p.set_defaults(func=_cmd_events)
+
+    p = sub.add_parser("stats", help="a live one-screen view of a server's tiers (URL) or a store's (ROOT)")
+    p.add_argument("target", help="a server URL (its /metrics is scraped) or a store root")
+    p.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes (default: 2)")
+    p.add_argument("--once", action="store_true", help="print one screen and exit")
+    p.add_argument("--backend", default="file", help="backend of a store ROOT (default: file)")
+    p.add_argument("--options", default=None, help="backend options as JSON")
+    p.set_defaults(func=_cmd_stats)
 
     p = sub.add_parser("backends", help="list installed storage backends and their options")
     p.add_argument("--json", action="store_true")

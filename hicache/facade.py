@@ -32,6 +32,9 @@ from hicache.config import HiCacheConfig, aload_config, load_config
 from hicache.errors import CacheClosedError, HiCacheError, OutOfKVSlotsError
 from hicache.events.service import start_events
 from hicache.memory import MambaHostPool, MambaStatePool
+from hicache.observability import tracing
+from hicache.observability.cache_gauges import export_cache_state
+from hicache.observability.metrics import exposition_text
 from hicache.prefix_cache import Req, Session
 from hicache.session import SessionAwareCache
 from hicache.session.config import SessionConfig as SessionCacheConfig
@@ -140,6 +143,8 @@ class HiCache:
             return self
         if self._state is _State.CLOSED:
             raise CacheClosedError("HiCache is closed; build a new one")
+        if self.config.tracing.enabled:
+            tracing.enable()  # before anything is built: a missing otel extra fails the start
         stack = build_stack(self._stack_config)
         self._stack = stack
         try:
@@ -176,6 +181,7 @@ class HiCache:
         )
         self.cache = SessionAwareCache(stack.cache, session_config)
         self.cache.start()
+        export_cache_state(stack.controller.metrics, stack, lambda: self.cache, lambda: self._events)
         self._state = _State.OPEN
         logger.info(
             "hicache open: device %d tokens, host %d tokens, storage %s",
@@ -248,11 +254,16 @@ class HiCache:
         cache_rid = self._claim_rid(rid)
         req = Req(rid=cache_rid, origin_input_ids=tokens, session=session, explain_misses=True)
         try:
-            cache.match_req(req)
-            cache.start_prefetch(req)
-            admitted = await cache.admit(req, mem_quota=self.config.cache.load_back_quota_tokens, wait_load=False)
-            attribution = await self._explain(admitted.attribution)
-            slots = await cache.alloc_extend(req, len(tokens))
+            with tracing.span("hicache.begin") as span:
+                span.set_attribute("hicache.tokens", len(tokens))
+                with tracing.span("hicache.match"):
+                    cache.match_req(req)
+                cache.start_prefetch(req)
+                with tracing.span("hicache.admit"):
+                    admitted = await cache.admit(req, mem_quota=self.config.cache.load_back_quota_tokens, wait_load=False)
+                span.set_attribute("hicache.prefix_tokens", int(admitted.prefix_len))
+                attribution = await self._explain(admitted.attribution)
+                slots = await cache.alloc_extend(req, len(tokens))
             if self._state is not _State.OPEN:  # closed while this request was being admitted
                 raise CacheClosedError("HiCache was closed while the request was being admitted")
         except BaseException:
@@ -441,27 +452,17 @@ class HiCache:
             out["events"] = self._events.stats()
         return out
 
+    @property
+    def metrics_label(self) -> str | None:
+        """The ``cache`` label of this cache's metric families (None before :meth:`start`)."""
+        return self._stack.controller.metrics.label if self._stack is not None else None
+
     def prometheus_text(self) -> str:
-        """:meth:`metrics` in the Prometheus text exposition format."""
-        stack = self._require_stack()
-        text = stack.controller.metrics.prometheus_text()
-        lines = [text.rstrip("\n")] if text else []
-        extra: dict[str, float] = {}
-        m = self.metrics()
-        for section in ("device", "host"):
-            for key, value in m[section].items():
-                extra[f"hicache_{section}_{key}"] = value
-        for key, value in (m.get("storage") or {}).items():
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                extra[f"hicache_storage_{key}"] = value
-        sessions = m.get("sessions") or {}
-        for key, value in sessions.items():
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                extra[f"hicache_session_{key}"] = value
-        for name, value in extra.items():
-            lines.append(f"# TYPE {name} gauge")
-            lines.append(f"{name} {float(value):g}")
-        return "\n".join(lines) + "\n"
+        """The process's Prometheus scrape: this cache's families (under its ``cache`` label),
+        every other family on the default registry, or every worker's in multi-process mode
+        (see :mod:`hicache.observability.metrics`)."""
+        self._require_stack()
+        return exposition_text()
 
 
 async def _smoke() -> None:  # pragma: no cover - manual check

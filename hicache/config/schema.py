@@ -191,6 +191,12 @@ class EventsConfig(_Section):
     data_parallel_rank: int | None = Field(None, ge=0, description="Stamped on every batch.")
 
 
+class TracingConfig(_Section):
+    """OpenTelemetry spans around a request's cache work (``hicache/observability/tracing.py``)."""
+
+    enabled: bool = Field(False, description="Emit spans through the global tracer provider (needs hicache[otel]).")
+
+
 class HiCacheConfig(_Section):
     """A whole deployment. Every section is optional and has working defaults."""
 
@@ -203,6 +209,7 @@ class HiCacheConfig(_Section):
     extra_pools: list[ExtraPoolConfig] = Field(default_factory=list)
     server: ServerConfig = Field(default_factory=ServerConfig)
     events: EventsConfig = Field(default_factory=EventsConfig)
+    tracing: TracingConfig = Field(default_factory=TracingConfig)
 
     @model_validator(mode="after")
     def _unique_pools(self) -> HiCacheConfig:

@@ -53,6 +53,7 @@ from hicache.controller.metrics import ControllerMetrics
 from hicache.controller.prefetch import Prefetcher
 from hicache.controller.transfers import all_pools_ok, call_back, slice_transfer
 from hicache.errors import CacheClosedError, ConfigError, LoopMisuseError
+from hicache.observability import tracing
 from hicache.storage import (
     AsyncHiCacheStorage,
     HiCacheStorageExtraInfo,
@@ -68,6 +69,8 @@ logger = logging.getLogger("hicache.controller")
 KV = PoolName.KV.value
 #: the key health probes look up: never written, so a probe only asks the store to answer
 _PROBE_KEY = "hicache-health-probe"
+# the storage call kinds the controller makes, named as the latency histogram names them
+_OPS = {"exists": "exists", "read": "get", "write": "set"}
 
 
 class ControllerState(enum.Enum):
@@ -295,6 +298,7 @@ class HiCacheController:
         if self._io is not None:
             await self._io.stop(timeout=limit)
         self.state = ControllerState.CLOSED
+        self.metrics.close()  # this cache's families leave the scrape
         return report
 
     async def _drain_for_close(self) -> None:
@@ -393,7 +397,9 @@ class HiCacheController:
             try:
                 dev = torch.cat([j.device_indices.reshape(-1) for j in jobs])
                 host = torch.cat([j.host_indices.reshape(-1).to(torch.int64) for j in jobs])
-                await self.copy_engine.backup(dev, host)
+                with tracing.span("hicache.backup") as span:
+                    span.set_attribute("hicache.pages", pages)
+                    await self.copy_engine.backup(dev, host)
                 ok = True
             except asyncio.CancelledError:
                 raise  # the jobs stay in _backup_busy; aclose reports them as failed
@@ -402,6 +408,7 @@ class HiCacheController:
                 logger.exception("device->host backup of %d page(s) failed", pages)
             if ok:
                 self.metrics.transfer("d2h", pages, pages * self.page_nbytes, time.perf_counter() - t0)
+                self.metrics.observe("backup", "host", time.perf_counter() - t0)
             self._backup_busy = []
             for i, job in enumerate(jobs):
                 call_back(job.on_done, ok)
@@ -432,7 +439,9 @@ class HiCacheController:
         async def watch() -> None:
             ok = False
             try:
-                await handle.wait()
+                with tracing.span("hicache.load_back") as span:
+                    span.set_attribute("hicache.pages", pages)
+                    await handle.wait()
                 ok = True
             except asyncio.CancelledError:
                 with contextlib.suppress(BaseException):
@@ -445,6 +454,7 @@ class HiCacheController:
             finally:
                 if ok:
                     self.metrics.transfer("h2d", pages, pages * self.page_nbytes, time.perf_counter() - t0)
+                    self.metrics.observe("load_back", "host", time.perf_counter() - t0)
                 call_back(on_done, ok)
 
         task = self._spawn(watch(), "hicache-load")
@@ -474,8 +484,13 @@ class HiCacheController:
             job = await q.get()
             self._storage_busy = [job]
             written = 0
+            t0 = time.perf_counter()
             try:
-                written = await self._write_job(job)
+                with tracing.span("hicache.backup.storage") as span:
+                    span.set_attribute("hicache.pages", len(job.keys))
+                    written = await self._write_job(job)
+                if written:
+                    self.metrics.observe("backup", "storage", time.perf_counter() - t0)
             except asyncio.CancelledError:
                 raise
             except Exception:  # noqa: BLE001
@@ -585,7 +600,9 @@ class HiCacheController:
             return None
         cfg = self.config
         errors = self._backend_errors()
+        t0 = time.perf_counter()
         call = asyncio.ensure_future(self._on_io(coro))
+        call.add_done_callback(lambda _: self.metrics.observe(_OPS.get(what, what), "storage", time.perf_counter() - t0))
         self._calls.add(call)
         try:
             stall = cfg.storage_stall_s if 0 < cfg.storage_stall_s < cfg.storage_io_timeout_s else 0.0

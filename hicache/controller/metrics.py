@@ -1,21 +1,37 @@
-"""Controller metrics: counters and gauges, as a dict and in Prometheus text format.
+"""Controller metrics: ``snapshot()`` dicts for code and tests, ``prometheus_client`` families
+for scrapes.
 
-Why plain counters and not a metrics library: the controller runs in someone else's server,
-which already has its own registry; ``snapshot()`` feeds any of them and ``prometheus_text()``
-serves a scrape endpoint without a dependency. Everything is updated on the event loop thread.
+Why both: code in this repository (replay, the demo, tests) reads per-instance numbers as plain
+dicts, while a scrape wants process-wide families; every update goes to both. The families and
+the per-instance ``cache`` label are explained in :mod:`hicache.observability.metrics`.
+Everything is updated on the event loop thread.
 
 Directions: ``d2h`` device->host backup, ``h2d`` host->device load-back, ``h2s`` host->storage
-backup, ``s2h`` storage->host prefetch.
+backup, ``s2h`` storage->host prefetch. Each moves pages out of one tier and into another, so a
+transfer also counts ``hicache_tier_{bytes,pages}_total{tier, io="read"|"written"}``.
+Latency histograms (``hicache_operation_seconds{op, tier}``): ``exists``, ``get``, ``set``
+(one storage call), ``backup`` (``host``: one device->host batch; ``storage``: one job's pages,
+retries included), ``load_back`` (host->device, all layers), ``prefetch`` (one request's whole
+storage fetch).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-__all__ = ["ControllerMetrics", "DIRECTIONS", "TIERS"]
+from hicache.observability import metrics as obs
+
+__all__ = ["ControllerMetrics", "DIRECTIONS", "OPERATIONS", "TIERS"]
 
 DIRECTIONS = ("d2h", "h2d", "h2s", "s2h")
 TIERS = ("device", "host", "storage")
+OPERATIONS = ("exists", "get", "set", "backup", "load_back", "prefetch")
+# direction -> (tier read, tier written)
+_ENDS: dict[str, tuple[str, str]] = {
+    "d2h": ("device", "host"), "h2d": ("host", "device"), "h2s": ("host", "storage"), "s2h": ("storage", "host"),
+}
+# gauges whose sum over workers means nothing (multi-process aggregation)
+_GAUGE_MODES = {"storage_up": "livemin", "tasks": "livemax"}
 
 _COUNTERS: dict[str, str] = {
     "requests": "requests matched",
@@ -56,10 +72,16 @@ _COUNTERS: dict[str, str] = {
 }
 
 
-class ControllerMetrics:
-    """Counters of the controller and its cache; gauges are read through callbacks."""
+class ControllerMetrics(obs.InstanceMetrics):
+    """Counters of the controller and its cache; gauges are read through callbacks.
 
-    def __init__(self) -> None:
+    Args:
+        label: the ``cache`` label value of this instance's families (default: the next
+            per-process number, see :mod:`hicache.observability.metrics`).
+    """
+
+    def __init__(self, label: str | None = None) -> None:
+        super().__init__(label)
         self.counters: dict[str, float] = {name: 0 for name in _COUNTERS}
         self.hit_tokens: dict[str, int] = {tier: 0 for tier in TIERS}
         self.bytes: dict[str, int] = {d: 0 for d in DIRECTIONS}
@@ -67,22 +89,80 @@ class ControllerMetrics:
         self.seconds: dict[str, float] = {d: 0.0 for d in DIRECTIONS}
         self.ops: dict[str, int] = {d: 0 for d in DIRECTIONS}
         self._gauges: dict[str, Callable[[], float]] = {}
+        self._counter_children: dict[str, object] = {}
+        self._transfers: dict[str, tuple[object, ...]] = {}  # the hot paths' children, looked up once
+        self._latency: dict[tuple[str, str], object] = {}
+        self._hits: dict[str, object] = {}
+        # every family exists from the start, so a scrape (and a dashboard) sees zeros, not gaps
+        for name in _COUNTERS:
+            self._counter(name)
+        for tier in TIERS:
+            self.child("counter", "hit_tokens", "prefix tokens served per tier", {"tier": tier})
+        for d in DIRECTIONS:
+            self._transfer_children(d)
+
+    def _counter(self, name: str) -> object:
+        child = self._counter_children.get(name)
+        if child is None:
+            child = self.child("counter", name, _COUNTERS.get(name, name.replace("_", " ")))
+            self._counter_children[name] = child
+        return child
+
+    def _transfer_children(self, direction: str) -> tuple[object, ...]:
+        have = self._transfers.get(direction)
+        if have is not None:
+            return have
+        src, dst = _ENDS[direction]
+        d = {"direction": direction}
+        have = self._transfers[direction] = (
+            self.child("counter", "transfer_bytes", "bytes moved per direction", d),
+            self.child("counter", "transfer_pages", "pages moved per direction", d),
+            self.child("counter", "transfer_seconds", "time spent moving pages per direction", d),
+            self.child("counter", "tier_bytes", "bytes read from / written to each tier", {"tier": src, "io": "read"}),
+            self.child("counter", "tier_pages", "pages read from / written to each tier", {"tier": src, "io": "read"}),
+            self.child("counter", "tier_bytes", "bytes read from / written to each tier", {"tier": dst, "io": "written"}),
+            self.child("counter", "tier_pages", "pages read from / written to each tier", {"tier": dst, "io": "written"}),
+        )
+        return have
 
     def incr(self, name: str, amount: float = 1) -> None:
         self.counters[name] = self.counters.get(name, 0) + amount
+        if amount > 0:
+            self._counter(name).inc(amount)  # type: ignore[attr-defined]
+        self.touched()
 
     def hit(self, tier: str, tokens: int) -> None:
         self.hit_tokens[tier] += int(tokens)
+        if tokens > 0:
+            child = self._hits.get(tier)
+            if child is None:
+                child = self._hits[tier] = self.child("counter", "hit_tokens", "prefix tokens served per tier", {"tier": tier})
+            child.inc(int(tokens))  # type: ignore[attr-defined]
 
     def transfer(self, direction: str, pages: int, nbytes: int, seconds: float) -> None:
         self.pages[direction] += int(pages)
         self.bytes[direction] += int(nbytes)
         self.seconds[direction] += float(seconds)
         self.ops[direction] += 1
+        b, p, s, rb, rp, wb, wp = self._transfer_children(direction)
+        for child, value in ((b, nbytes), (p, pages), (s, seconds), (rb, nbytes), (rp, pages), (wb, nbytes), (wp, pages)):
+            if value > 0:
+                child.inc(value)  # type: ignore[attr-defined]
+        self.touched()
 
-    def gauge(self, name: str, fn: Callable[[], float]) -> None:
-        """Register a gauge read at snapshot time (queue depths, pages in use)."""
+    def observe(self, op: str, tier: str, seconds: float) -> None:
+        """One latency sample of ``op`` (see :data:`OPERATIONS`) on ``tier``."""
+        child = self._latency.get((op, tier))
+        if child is None:
+            child = self._latency[(op, tier)] = self.child(
+                "histogram", "operation_seconds", "latency of cache operations per tier", {"op": op, "tier": tier})
+        child.observe(max(0.0, float(seconds)))  # type: ignore[attr-defined]
+
+    def gauge(self, name: str, fn: Callable[[], float], doc: str = "", mode: str | None = None,  # type: ignore[override]
+              labels: dict[str, str] | None = None) -> None:
+        """Register a gauge read at snapshot and scrape time (queue depths, pages in use)."""
         self._gauges[name] = fn
+        super().gauge(name, fn, doc or name.replace("_", " "), mode or _GAUGE_MODES.get(name, "livesum"), labels)
 
     def snapshot(self) -> dict[str, object]:
         gauges: dict[str, float] = {}
@@ -101,35 +181,6 @@ class ControllerMetrics:
             "gauges": gauges,
         }
 
-    def prometheus_text(self, prefix: str = "hicache") -> str:
-        """Prometheus exposition format (text 0.0.4)."""
-        snap = self.snapshot()
-        out: list[str] = []
-
-        def family(name: str, kind: str, help_: str, samples: list[tuple[str, float]]) -> None:
-            out.append(f"# HELP {prefix}_{name} {help_}")
-            out.append(f"# TYPE {prefix}_{name} {kind}")
-            for labels, value in samples:
-                out.append(f"{prefix}_{name}{labels} {_fmt(value)}")
-
-        family("hit_tokens_total", "counter", "prefix tokens served per tier",
-               [(f'{{tier="{t}"}}', v) for t, v in snap["hit_tokens"].items()])  # type: ignore[union-attr]
-        family("transfer_bytes_total", "counter", "bytes moved per direction",
-               [(f'{{direction="{d}"}}', v) for d, v in snap["bytes"].items()])  # type: ignore[union-attr]
-        family("transfer_pages_total", "counter", "pages moved per direction",
-               [(f'{{direction="{d}"}}', v) for d, v in snap["pages"].items()])  # type: ignore[union-attr]
-        family("transfer_seconds_total", "counter", "time spent moving pages per direction",
-               [(f'{{direction="{d}"}}', v) for d, v in snap["seconds"].items()])  # type: ignore[union-attr]
-        for name, value in snap["counters"].items():  # type: ignore[union-attr]
-            family(f"{name}_total", "counter", _COUNTERS.get(name, name), [("", value)])
-        for name, value in snap["gauges"].items():  # type: ignore[union-attr]
-            family(name, "gauge", name.replace("_", " "), [("", value)])
-        return "\n".join(out) + "\n"
-
-
-def _fmt(value: float) -> str:
-    if value != value:  # NaN
-        return "NaN"
-    if float(value).is_integer():
-        return str(int(value))
-    return repr(float(value))
+    def prometheus_text(self) -> str:
+        """The process's scrape (every registered family, this instance's included)."""
+        return obs.exposition_text()

@@ -28,6 +28,7 @@ from hicache.controller.config import ControllerConfig
 from hicache.controller.jobs import PrefetchOp, PrefetchResult
 from hicache.controller.metrics import ControllerMetrics
 from hicache.controller.transfers import all_pools_ok, slice_transfer
+from hicache.observability import tracing
 from hicache.storage import AsyncHiCacheStorage, PoolName, PoolTransfer
 from hicache.storage.hit_policy import leading_run
 
@@ -134,6 +135,9 @@ class Prefetcher:
     async def _run_prefetch(self, op: PrefetchOp, alloc_host: Callable[[int], torch.Tensor | None]) -> None:
         ps = self.page_size
         interrupted = False
+        t0 = time.perf_counter()
+        traced = tracing.span("hicache.prefetch")  # entered and left by hand: the body is long
+        span = traced.__enter__()
         try:
             async with self._sem:
                 if op.stop_requested:
@@ -188,6 +192,10 @@ class Prefetcher:
             self.metrics.incr("worker_errors")
             logger.exception("prefetch %s failed", op.rid)
         finally:
+            if op.completed_pages:
+                self.metrics.observe("prefetch", "storage", time.perf_counter() - t0)
+            span.set_attribute("hicache.pages", op.completed_pages)
+            traced.__exit__(None, None, None)
             self._finish_op(op, interrupted)
 
     def _finish_op(self, op: PrefetchOp, interrupted: bool) -> None:

@@ -23,6 +23,7 @@ from hicache.memory.allocator import PagedTokenAllocator
 from hicache.memory.device import device_for
 from hicache.memory.device_pool import MHATokenToKVPool
 from hicache.engine.model import kv_dtype_of
+from hicache.observability.metrics import InstanceMetrics, exposition_text
 
 __all__ = ["OutOfKVSlotsError", "RecomputeCache", "RecomputeHandle"]
 
@@ -66,6 +67,14 @@ class RecomputeCache:
         self._closed = False
         self._requests = 0
         self._prefill_tokens = 0
+        self._metrics = InstanceMetrics()
+        self._metrics.gauge("recompute_device_free_tokens", self._alloc.available_size,
+                            "free slots in the baseline's device pool")
+
+    @property
+    def metrics_label(self) -> str:
+        """The ``cache`` label of this baseline's metric families."""
+        return self._metrics.label
 
     @classmethod
     def from_config(cls, config: HiCacheConfig) -> RecomputeCache:
@@ -82,6 +91,7 @@ class RecomputeCache:
         for handle in list(self._live.values()):
             self._free(handle)
         self._closed = True
+        self._metrics.close()
 
     # -- request API (same shapes as HiCache)
     async def begin(self, rid: str, token_ids: list[int], *, session_id: str | None = None) -> RecomputeHandle:
@@ -124,11 +134,8 @@ class RecomputeCache:
         }
 
     def prometheus_text(self) -> str:
-        return (
-            "# HELP hicache_recompute_device_free_tokens Free slots in the baseline's device pool.\n"
-            "# TYPE hicache_recompute_device_free_tokens gauge\n"
-            f"hicache_recompute_device_free_tokens {self._alloc.available_size()}\n"
-        )
+        """The process's Prometheus scrape (see :mod:`hicache.observability.metrics`)."""
+        return exposition_text()
 
     # -- internals
     def _grab(self, tokens: int) -> torch.Tensor:

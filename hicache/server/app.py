@@ -5,7 +5,8 @@ Routes:
 - ``POST /v1/generate`` - see :mod:`hicache.server.protocol`; JSON, or NDJSON with ``stream``
 - ``POST /v1/sessions/{id}/release`` - end a session (its KV is written back and freed)
 - ``GET /v1/model`` - the model spec, so a client can rebuild the same model and verify answers
-- ``GET /metrics`` - Prometheus text: the cache's metrics, then the server's
+- ``GET /metrics`` - the process's Prometheus scrape (the cache's, the server's and every other
+  family on the default registry; every worker's in multi-process mode)
 - ``GET /health`` - 200 while serving, 503 while draining
 
 Hostile clients: a body is decoded and validated off the event loop when it is large (a 6 MiB
@@ -34,6 +35,7 @@ from hicache.config.schema import HiCacheConfig
 from hicache.engine.model import ModelSpec, TinyTransformer
 from hicache.engine.runner import CacheLike, Engine, GenerateResult
 from hicache.errors import CacheClosedError, HiCacheError
+from hicache.observability.metrics import CONTENT_TYPE, exposition
 from hicache.server.metrics import ServerMetrics
 from hicache.server.protocol import GenerateRequest, RequestError, decode_generate, text_of_tokens
 from hicache.server.scheduler import Job, QueueFullError, Scheduler
@@ -218,12 +220,7 @@ async def _model(request: web.Request) -> web.Response:
 
 
 async def _metrics(request: web.Request) -> web.Response:
-    st = request.app[STATE]
-    cache_text = st.cache.prometheus_text() if hasattr(st.cache, "prometheus_text") else ""
-    if cache_text and not cache_text.endswith("\n"):
-        cache_text += "\n"
-    return web.Response(text=cache_text + st.metrics.prometheus_text(), content_type="text/plain",
-                        headers={"X-Content-Type-Options": "nosniff"})
+    return web.Response(body=exposition(), headers={"Content-Type": CONTENT_TYPE, "X-Content-Type-Options": "nosniff"})
 
 
 async def _health(request: web.Request) -> web.Response:
@@ -249,7 +246,7 @@ def create_app(
         spec = spec or ModelSpec.from_model_config(config.model, max_positions=config.device.max_context_len)
         model = TinyTransformer(spec, device=cache.device_pool.get_key_buffer(0).device)
     spec = model.spec
-    metrics = ServerMetrics()
+    metrics = ServerMetrics(getattr(cache, "metrics_label", None))  # the cache's label: one row per deployment
     engine = Engine(cache, model)
     scheduler = Scheduler(engine, max_active=config.server.max_batch, queue_size=config.cache.queue_size, metrics=metrics)
     app = web.Application(client_max_size=8 * 1024 * 1024)
@@ -265,6 +262,7 @@ def create_app(
     async def on_cleanup(app: web.Application) -> None:
         await scheduler.aclose()
         await engine.aclose()
+        metrics.close()
 
     app.on_startup.append(on_startup)
     app.on_shutdown.append(on_shutdown)

@@ -1,52 +1,105 @@
-"""Server-side counters, rendered in the Prometheus text format next to the cache's own.
+"""Server-side metrics: requests, tokens, time-to-first-token and the scheduler's gauges.
 
 Why the server counts anything when the cache has metrics: the cache knows pages and tiers, but
 only the server knows requests, queueing and time-to-first-token, which is what prefix caching
-is for. Everything here is touched from the event loop only, so plain ints suffice.
+is for. The numbers are kept as plain attributes (``snapshot()``, ``/health`` and the demo read
+them) and every change also goes to ``prometheus_client`` families (``hicache_server_*``, with
+the ``cache`` label of the cache the server runs, see :mod:`hicache.observability.metrics`).
+The call sites keep the plain-attribute style (``requests["ok"] += 1``): the tallies below pass
+each increase on. Everything here is touched from the event loop only.
 """
 
 from __future__ import annotations
 
-from bisect import bisect_left
 from collections import Counter
 from typing import Any
 
 from hicache.engine.runner import GenerateResult
+from hicache.observability.metrics import InstanceMetrics
 
-__all__ = ["ServerMetrics"]
+__all__ = ["ServerMetrics", "TTFT_BUCKETS"]
 
-_TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
-class ServerMetrics:
-    """Request, token and latency counters plus the scheduler's gauges."""
+class _Tally(Counter[str]):
+    """A ``Counter`` whose increases also go to a labelled prometheus counter."""
 
-    def __init__(self) -> None:
-        self.requests: Counter[str] = Counter()  # by outcome: ok, bad_request, rejected, error, abandoned
+    def __init__(self, owner: InstanceMetrics, name: str, doc: str, label: str) -> None:
+        super().__init__()
+        self._inc = lambda key, n: owner.child("counter", name, doc, {label: str(key)}).inc(n)
+
+    def __setitem__(self, key: str, value: int) -> None:
+        grew = value - self.get(key, 0)
+        super().__setitem__(key, value)
+        if grew > 0:
+            self._inc(key, grew)
+
+
+class ServerMetrics(InstanceMetrics):
+    """Request, token and latency counters plus the scheduler's gauges.
+
+    Args:
+        label: the ``cache`` label value; the app passes its cache's, so one dashboard row
+            joins the server's TTFT with the cache's tiers.
+    """
+
+    def __init__(self, label: str | None = None) -> None:
+        super().__init__(label)
+        # by outcome: ok, bad_request, rejected, error, abandoned
+        self.requests: Counter[str] = _Tally(self, "server_requests", "generate requests by outcome", "outcome")
         self.prompt_tokens = 0
         self.prefill_tokens = 0
         self.generated_tokens = 0
-        self.hit_tokens: Counter[str] = Counter()  # by tier
-        self.ttft_buckets: list[int] = [0] * len(_TTFT_BUCKETS)
+        self.hit_tokens: Counter[str] = _Tally(self, "server_hit_tokens", "prompt tokens served from cache, by tier", "tier")
         self.ttft_sum = 0.0
         self.ttft_count = 0
         self.queue_depth = 0
         self.active = 0
-        self.reference_checks: Counter[str] = Counter()  # match, mismatch
-        self.memory_retries = 0  # requests restarted after finding the device full
+        self.reference_checks: Counter[str] = _Tally(self, "server_reference_checks",
+                                                    "debug_reference comparisons by result", "result")
+        self._memory_retries = 0
+        self._ttft = self.child("histogram", "server_ttft_seconds", "time from request arrival to first token",
+                                buckets=TTFT_BUCKETS)
+        self._tokens = {
+            kind: self.child("counter", f"server_{kind}_tokens", doc)
+            for kind, doc in (("prompt", "prompt tokens received"),
+                              ("prefill", "prompt tokens computed (not served from cache)"),
+                              ("generated", "tokens generated"))
+        }
+        self._retries = self.child("counter", "server_memory_retries", "requests restarted after finding the device full")
+        self.gauge("server_queue_depth", lambda: self.queue_depth, "requests waiting for the scheduler")
+        self.gauge("server_active_requests", lambda: self.active, "requests being generated")
+        for tier in ("device", "host", "storage"):  # zeros from the start: a dashboard sees no gap
+            self.child("counter", "server_hit_tokens", "prompt tokens served from cache, by tier", {"tier": tier})
+        self.child("counter", "server_requests", "generate requests by outcome", {"outcome": "ok"})
+
+    @property
+    def memory_retries(self) -> int:
+        """Requests restarted after finding the device full."""
+        return self._memory_retries
+
+    @memory_retries.setter
+    def memory_retries(self, value: int) -> None:
+        if value > self._memory_retries:
+            self._retries.inc(value - self._memory_retries)
+        self._memory_retries = value
 
     def observe(self, result: GenerateResult) -> None:
         self.requests["ok"] += 1
         self.prompt_tokens += result.prompt_tokens
         self.prefill_tokens += result.prefill_tokens
         self.generated_tokens += len(result.tokens)
+        for kind, n in (("prompt", result.prompt_tokens), ("prefill", result.prefill_tokens),
+                        ("generated", len(result.tokens))):
+            if n > 0:
+                self._tokens[kind].inc(n)
         for tier, n in result.hits.items():
             self.hit_tokens[tier] += int(n)
-        i = bisect_left(_TTFT_BUCKETS, result.ttft_s)
-        if i < len(self.ttft_buckets):
-            self.ttft_buckets[i] += 1
+        self._ttft.observe(max(0.0, result.ttft_s))
         self.ttft_sum += result.ttft_s
         self.ttft_count += 1
+        self.touched()
 
     def snapshot(self) -> dict[str, Any]:
         return {
@@ -61,36 +114,3 @@ class ServerMetrics:
             "reference_checks": dict(self.reference_checks),
             "memory_retries": self.memory_retries,
         }
-
-    def prometheus_text(self) -> str:
-        out: list[str] = []
-
-        def metric(name: str, kind: str, help_: str, samples: list[tuple[str, float]]) -> None:
-            out.append(f"# HELP {name} {help_}")
-            out.append(f"# TYPE {name} {kind}")
-            out.extend(f"{name}{labels} {value}" for labels, value in samples)
-
-        metric("hicache_server_requests_total", "counter", "Generate requests by outcome.",
-               [(f'{{outcome="{k}"}}', v) for k, v in sorted(self.requests.items())] or [('{outcome="ok"}', 0)])
-        metric("hicache_server_prompt_tokens_total", "counter", "Prompt tokens received.", [("", self.prompt_tokens)])
-        metric("hicache_server_prefill_tokens_total", "counter", "Prompt tokens computed (not served from cache).",
-               [("", self.prefill_tokens)])
-        metric("hicache_server_generated_tokens_total", "counter", "Tokens generated.", [("", self.generated_tokens)])
-        metric("hicache_server_hit_tokens_total", "counter", "Prompt tokens served from cache, by tier.",
-               [(f'{{tier="{t}"}}', self.hit_tokens.get(t, 0)) for t in ("device", "host", "storage")])
-        cumulative, samples = 0, []
-        for bound, count in zip(_TTFT_BUCKETS, self.ttft_buckets):
-            cumulative += count
-            samples.append((f'_bucket{{le="{bound}"}}', cumulative))
-        samples += [('_bucket{le="+Inf"}', self.ttft_count), ("_sum", self.ttft_sum), ("_count", self.ttft_count)]
-        out.append("# HELP hicache_server_ttft_seconds Time from request arrival to first token.")
-        out.append("# TYPE hicache_server_ttft_seconds histogram")
-        out.extend(f"hicache_server_ttft_seconds{suffix} {value}" for suffix, value in samples)
-        metric("hicache_server_memory_retries_total", "counter", "Requests restarted after finding the device full.",
-               [("", self.memory_retries)])
-        metric("hicache_server_queue_depth", "gauge", "Requests waiting for the scheduler.", [("", self.queue_depth)])
-        metric("hicache_server_active_requests", "gauge", "Requests being generated.", [("", self.active)])
-        if self.reference_checks:
-            metric("hicache_server_reference_checks_total", "counter", "debug_reference comparisons by result.",
-                   [(f'{{result="{k}"}}', v) for k, v in sorted(self.reference_checks.items())])
-        return "\n".join(out) + "\n"

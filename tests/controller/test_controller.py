@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import Iterator
 from typing import Any
+import math
 import uuid
 
 import pytest
@@ -19,6 +20,7 @@ import torch
 from _hicache_faults import FaultyStorage
 from hicache.controller import ControllerConfig, ControllerMetrics, ControllerState
 from hicache.errors import ConfigError
+from hicache.observability.scrape import Scrape
 from hicache.prefix_cache import MatchPrefixParams, RadixKey, Req
 from hicache.replay import StackConfig, build_stack, serve_request
 from hicache.stack import storage_namespace
@@ -75,17 +77,36 @@ def test_metrics_snapshot_and_prometheus_text() -> None:
     m.transfer("d2h", 2, 4096, 0.5)
     m.incr("backup_failures")
     m.gauge("backup_queue_depth", lambda: 3)
+    m.gauge("broken_gauge", lambda: 1 / 0)
+    m.observe("get", "storage", 0.003)
     snap = m.snapshot()
     assert snap["hit_tokens"]["host"] == 128 and snap["bytes"]["d2h"] == 4096
     assert snap["gauges"]["backup_queue_depth"] == 3
     text = m.prometheus_text()
-    assert '# TYPE hicache_hit_tokens_total counter' in text
-    assert 'hicache_hit_tokens_total{tier="host"} 128' in text
-    assert 'hicache_transfer_bytes_total{direction="d2h"} 4096' in text
-    assert 'hicache_backup_failures_total 1' in text
-    assert '# TYPE hicache_backup_queue_depth gauge' in text
-    for line in text.splitlines():
-        assert line.startswith("#") or len(line.split(" ")) == 2
+    assert "# TYPE hicache_hit_tokens_total counter" in text
+    assert "# TYPE hicache_backup_queue_depth gauge" in text
+    scrape = Scrape(text)
+    mine = {"cache": m.label}
+    assert scrape.value("hicache_hit_tokens_total", tier="host", **mine) == 128
+    assert scrape.value("hicache_transfer_bytes_total", direction="d2h", **mine) == 4096
+    assert scrape.value("hicache_tier_bytes_total", tier="host", io="written", **mine) == 4096
+    assert scrape.value("hicache_tier_pages_total", tier="device", io="read", **mine) == 2
+    assert scrape.value("hicache_backup_failures_total", **mine) == 1
+    assert scrape.value("hicache_backup_queue_depth", **mine) == 3
+    assert math.isnan(scrape.value("hicache_broken_gauge", **mine))
+    assert scrape.value("hicache_operation_seconds_count", op="get", tier="storage", **mine) == 1
+    # a second instance in the same process neither collides nor mixes its numbers in
+    other = ControllerMetrics()
+    other.hit("host", 5)
+    scrape = Scrape(other.prometheus_text())
+    assert scrape.value("hicache_hit_tokens_total", tier="host", **mine) == 128
+    assert scrape.value("hicache_hit_tokens_total", tier="host", cache=other.label) == 5
+    # closing removes the instance's series from the scrape
+    m.close()
+    scrape = Scrape(other.prometheus_text())
+    assert scrape.select("hicache_hit_tokens_total", **mine) == []
+    assert scrape.value("hicache_hit_tokens_total", tier="host", cache=other.label) == 5
+    other.close()
 
 
 async def test_backup_queue_backpressure() -> None:

@@ -14,6 +14,7 @@ import torch
 
 from hicache.errors import CacheClosedError, OutOfKVSlotsError
 from hicache.facade import HiCache
+from hicache.observability.scrape import Scrape
 from hicache.replay.synthetic import verify_kv, write_synthetic_kv
 
 PS = 16
@@ -85,9 +86,15 @@ async def test_device_then_host_hits_restore_exact_kv() -> None:
         m = cache.metrics()
         assert m["controller"]["hit_tokens"]["host"] > 0
         assert m["controller"]["bytes"]["h2d"] > 0 and m["controller"]["bytes"]["d2h"] > 0
-        text = cache.prometheus_text()
-        assert 'hicache_hit_tokens_total{tier="host"}' in text
-        assert "hicache_device_free_tokens" in text and "hicache_storage_write_ok" in text
+        scrape = Scrape(cache.prometheus_text())
+        mine = {"cache": cache.metrics_label}
+        assert scrape.value("hicache_hit_tokens_total", tier="host", **mine) == m["controller"]["hit_tokens"]["host"]
+        assert scrape.value("hicache_device_free_tokens", **mine) == m["device"]["free_tokens"]
+        assert scrape.value("hicache_backend_write_ok_total", backend="memory", **mine) == m["storage"]["write_ok"]
+        assert scrape.value("hicache_backend_stored_pages", backend="memory", **mine) is not None
+        assert scrape.value("hicache_operation_seconds_count", op="load_back", tier="host", **mine) >= 1
+        assert scrape.value("hicache_operation_seconds_count", op="backup", tier="host", **mine) >= 1
+        assert scrape.value("hicache_session_turns_total", **mine) is not None
 
 
 async def test_storage_round_trip_across_restart(tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ import pytest
 from server_helpers import requires_facade, small_config
 from hicache.server import running_server
 from hicache.server.loadgen import Workload, run_load
+from hicache.observability.scrape import Scrape
 
 CHAT = Workload(clients=4, turns=3, system_tokens=96, user_tokens=24, max_new_tokens=4, vocab_size=256)
 
@@ -47,7 +48,8 @@ async def test_server_side_reference_check_and_text_prompts(mode: str, tmp_path:
                 assert sum(out["hits"].values()) + sum(out["misses"].values()) == 180, out
         async with http.get(f"{srv.url}/metrics") as resp:
             text = await resp.text()
-        assert 'hicache_server_reference_checks_total{result="match"} 2' in text
+        mine = {"cache": srv.state.metrics.label}
+        assert Scrape(text).value("hicache_server_reference_checks_total", result="match", **mine) == 2
 
 
 async def test_streaming_sends_tokens_then_a_summary(tmp_path: Path) -> None:
@@ -96,8 +98,12 @@ async def test_health_metrics_model_and_session_release(mode: str, tmp_path: Pat
         async with http.get(f"{srv.url}/metrics") as resp:
             assert resp.status == 200 and resp.content_type == "text/plain"
             text = await resp.text()
-        assert 'hicache_server_requests_total{outcome="ok"} 1' in text
-        assert "hicache_server_ttft_seconds_count 1" in text
+        scrape, mine = Scrape(text), {"cache": srv.state.metrics.label}
+        assert scrape.value("hicache_server_requests_total", outcome="ok", **mine) == 1
+        assert scrape.value("hicache_server_ttft_seconds_count", **mine) == 1
+        assert scrape.value("hicache_server_prompt_tokens_total", **mine) == 50
+        gauge = "hicache_recompute_device_free_tokens" if mode == "recompute" else "hicache_device_free_tokens"
+        assert scrape.value(gauge, **mine) is not None  # the cache's families share the server's label
         assert "# TYPE hicache_server_hit_tokens_total counter" in text
 
 

@@ -1,0 +1,100 @@
+"""The facade's figures that live in other objects (pools, the storage backend, sessions),
+published as metrics of the cache's own instance at every scrape.
+
+Why read at scrape time and not counted where they change: the pools' free counts and the
+backend's counters are already kept, thread-safely, by their owners; copying them at scrape
+time costs the request path nothing. A backend's running totals become counters (they only
+grow; a reset counts from zero again), its other figures gauges.
+
+Families (all with the instance's ``cache`` label):
+
+- ``hicache_device_{size,free,cached,evictable}_tokens``, ``hicache_host_{size,free}_tokens``
+- ``hicache_backend_<counter>_total{backend}`` for each of the backend's
+  :class:`~hicache.storage.stats.StorageStats` counters (``read_bytes``, ``write_ok``,
+  ``backend_errors``, ``evicted_pages``...), ``hicache_backend_<figure>{backend}`` for its other
+  numeric figures (``stored_pages``, ``stored_bytes``...), and
+  ``hicache_backend_breaker_state{backend}`` (0 closed, 1 half open, 2 open) for a backend with
+  a circuit breaker (S3)
+- ``hicache_session_<counter>_total`` and ``hicache_session_{sessions_open,...}`` gauges
+- with KV events on: ``hicache_events_{published_batches,published_events,dropped_events,
+  replay_requests,errors}_total`` and the ``hicache_events_queued`` gauge (the publisher's stats)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from hicache.observability.metrics import InstanceMetrics, numeric_items
+
+__all__ = ["BREAKER_STATES", "export_cache_state"]
+
+BREAKER_STATES = {"closed": 0.0, "half_open": 1.0, "open": 2.0}
+# running totals some backends keep outside StorageStats: counters whichever backend reports them
+# (a family's kind is fixed for the process by the first backend that reports it)
+_BACKEND_TOTALS = frozenset({"evicted_pages", "evicted_bytes", "corrupt_pages", "rejected_pages_no_space",
+                             "breaker_times_opened", "transit_errors"})
+# StorageStats' well-known counters: published as zeros before a backend first counts one, so a
+# dashboard sees "no errors", not "no data"
+_BACKEND_COUNTERS = ("exists_calls", "exists_keys", "exists_hits", "read_pages", "read_hits", "read_misses",
+                     "read_bytes", "write_pages", "write_ok", "write_failures", "write_bytes", "backend_errors",
+                     "invalid_requests", "corrupt_pages", "evicted_pages", "evicted_bytes")
+_EVENT_COUNTERS = ("published_batches", "published_events", "dropped_events", "replay_requests", "errors")
+_SESSION_GAUGES = ("sessions_open", "sessions_holding_kv", "session_held_tokens", "writeback_pending",
+                   "writeback_pending_tokens")
+
+
+def export_cache_state(metrics: InstanceMetrics, stack: Any, sessions: Callable[[], Any] | None = None,
+                       events: Callable[[], Any] | None = None) -> None:
+    """Register the device, host, storage and session figures of a built stack on ``metrics``
+    (``sessions()`` returns the session cache, ``events()`` the KV-event service; either may
+    return None while there is none)."""
+    alloc, tree, host = stack.allocator, stack.cache, stack.host_pool
+    metrics.gauge("device_size_tokens", lambda: alloc.size, "device KV slots")
+    metrics.gauge("device_free_tokens", alloc.available_size, "device KV slots free")
+    metrics.gauge("device_cached_tokens", tree.total_size, "tokens the device prefix tree holds")
+    metrics.gauge("device_evictable_tokens", tree.evictable_size, "device tokens evictable now")
+    metrics.gauge("host_size_tokens", lambda: host.size, "host pool slots")
+    metrics.gauge("host_free_tokens", host.available_size, "host pool slots free")
+    if stack.storage is not None:
+        metrics.on_refresh(lambda m: _export_storage(m, stack.storage))
+    if sessions is not None:
+        metrics.on_refresh(lambda m: _export_sessions(m, sessions()))
+    if events is not None:
+        metrics.on_refresh(lambda m: _export_events(m, events()))
+
+
+def _export_events(metrics: InstanceMetrics, service: Any) -> None:
+    if service is None:
+        return
+    stats = service.stats()
+    for key in _EVENT_COUNTERS:
+        if key in stats:
+            metrics.mirror("counter", f"events_{key}", float(stats[key]), f"kv events: {key.replace('_', ' ')}")
+    if "queued" in stats:
+        metrics.mirror("gauge", "events_queued", float(stats["queued"]), "kv events: event lists waiting to be published")
+
+
+def _export_storage(metrics: InstanceMetrics, storage: Any) -> None:
+    stats = {name: 0 for name in _BACKEND_COUNTERS}
+    stats.update(storage.get_stats())
+    counters = set(storage.stats.snapshot()) | _BACKEND_TOTALS | set(_BACKEND_COUNTERS)
+    labels = {"backend": str(stats.get("backend", "unknown")).lower()}
+    for key, value in numeric_items(stats):
+        kind = "counter" if key in counters else "gauge"
+        metrics.mirror(kind, f"backend_{key}", value, f"storage backend {key.replace('_', ' ')}", labels)
+    state = stats.get("breaker_state")
+    if isinstance(state, str) and state in BREAKER_STATES:
+        metrics.mirror("gauge", "backend_breaker_state", BREAKER_STATES[state],
+                       "storage backend circuit breaker: 0 closed, 1 half open, 2 open", labels, mode="livemax")
+
+
+def _export_sessions(metrics: InstanceMetrics, cache: Any) -> None:
+    if cache is None:
+        return
+    for key, value in numeric_items(cache.session_metrics.snapshot()):
+        metrics.mirror("counter", f"session_{key}", value, f"sessions: {key.replace('_', ' ')}")
+    figures = cache.metrics()
+    for key in _SESSION_GAUGES:
+        if key in figures:
+            metrics.mirror("gauge", f"session_{key}", float(figures[key]), f"sessions: {key.replace('_', ' ')}")

@@ -1,0 +1,363 @@
+"""Every hicache metric is a ``prometheus_client`` object on the default registry.
+
+Why ``prometheus_client`` and not hand-written text: the engines that embed hicache (vLLM,
+SGLang) export through it, so our families land on the same ``/metrics`` as theirs; its
+multi-process mode gives several workers one scrape; and whatever else registers on the default
+registry (miss attribution, KV events, an engine) renders beside ours through :func:`exposition`.
+
+**Several caches in one process** (the test suite opens hundreds; a process may embed two).
+A family name can be registered once per process, so families are process-wide and every family
+an owner writes carries a ``cache`` label: each owner (a controller's metrics, a server, the
+recompute baseline) is an :class:`InstanceMetrics` that takes a label value from
+:func:`next_instance_label` (``"0"``, ``"1"``, ... in creation order in the process, or a name
+its creator gives) and binds its own children under it. :meth:`InstanceMetrics.close` (or the
+owner's garbage collection) removes its children, so a process that opens and closes many caches
+does not grow its registry or its scrape. In multi-process mode every worker's first cache is
+``"0"``, so one scrape sums the workers' counters and histograms per label set, which is what a
+dashboard of a deployment wants.
+
+**Gauges that are callbacks.** Queue depths, pages in use, whether the store answers: their
+value lives in the owner's objects, so the owner registers a function (:meth:`InstanceMetrics.gauge`)
+and :func:`refresh` reads every live owner's functions into real gauges right before an exposition.
+In multi-process mode a scrape in another process cannot call them, so each owner also refreshes
+its own gauges, at most once a second, when it updates any of its metrics. A function that
+raises sets its gauge to NaN; the scrape goes on.
+
+**Multi-process mode.** Set ``PROMETHEUS_MULTIPROC_DIR`` to an empty directory shared by the
+workers before they import ``prometheus_client`` (``prometheus_client``'s own rule: the value
+class is chosen at import). :func:`exposition` then renders a ``MultiProcessCollector`` over the
+directory, so whichever process serves the scrape shows all of them. Gauges take a
+``multiprocess_mode``: ``livesum`` (queue depths, pages: the deployment's total over live
+workers) unless a family says otherwise (``storage_up`` is ``livemin``: one worker that lost its
+store shows). A process marks its live gauges dead when it exits (``atexit``); counters of dead
+workers keep counting, as totals should.
+
+Metric names: ``hicache_`` then the name the owner gives; counters get ``_total`` from
+``prometheus_client``; label values are lower case.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import itertools
+import logging
+import math
+import os
+import re
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import prometheus_client
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics import MetricWrapperBase
+
+from hicache.errors import ConfigError
+
+__all__ = [
+    "CONTENT_TYPE",
+    "INSTANCE_LABEL",
+    "LATENCY_BUCKETS",
+    "InstanceMetrics",
+    "counter",
+    "exposition",
+    "exposition_text",
+    "gauge",
+    "histogram",
+    "multiprocess_dir",
+    "next_instance_label",
+    "refresh",
+]
+
+logger = logging.getLogger("hicache.metrics")
+
+INSTANCE_LABEL = "cache"
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+#: seconds; from a page-cache hit (~100 us) to a stalled store (the default stall trip is 5 s)
+LATENCY_BUCKETS: tuple[float, ...] = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+)
+_NAME = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")
+_REFRESH_EVERY_S = 1.0
+
+_lock = threading.RLock()
+_families: dict[str, MetricWrapperBase] = {}
+_labels = itertools.count()
+_live: weakref.WeakSet[InstanceMetrics] = weakref.WeakSet()
+_atexit_done = False
+_pending: collections.deque[dict[MetricWrapperBase, set[tuple[str, ...]]]] = collections.deque()
+
+
+def multiprocess_dir() -> str | None:
+    """The multi-process directory when this process runs in multi-process mode, else None."""
+    return os.environ.get("PROMETHEUS_MULTIPROC_DIR") or os.environ.get("prometheus_multiproc_dir") or None
+
+
+def _get_or_create(kind: type[MetricWrapperBase], name: str, doc: str, labels: Sequence[str], **kw: Any) -> Any:
+    if not _NAME.match(name):
+        raise ValueError(f"invalid metric name {name!r}")
+    with _lock:
+        have = _families.get(name)
+        if have is None:
+            have = kind(name, doc, labelnames=tuple(labels), **kw)
+            _families[name] = have
+            return have
+    if type(have) is not kind or tuple(have._labelnames) != tuple(labels):
+        raise ValueError(
+            f"metric {name!r} is already a {type(have).__name__} with labels {have._labelnames}, "
+            f"not a {kind.__name__} with labels {tuple(labels)}"
+        )
+    return have
+
+
+def counter(name: str, doc: str, labels: Sequence[str] = ()) -> Counter:
+    """The process-wide counter ``name`` (created on first use; ``_total`` is added on export)."""
+    return _get_or_create(Counter, name.removesuffix("_total"), doc, labels)
+
+
+def gauge(name: str, doc: str, labels: Sequence[str] = (), mode: str = "livesum") -> Gauge:
+    """The process-wide gauge ``name``; ``mode`` is its multi-process aggregation."""
+    return _get_or_create(Gauge, name, doc, labels, multiprocess_mode=mode)
+
+
+def histogram(name: str, doc: str, labels: Sequence[str] = (), buckets: Sequence[float] = LATENCY_BUCKETS) -> Histogram:
+    """The process-wide histogram ``name``."""
+    return _get_or_create(Histogram, name, doc, labels, buckets=tuple(buckets))
+
+
+def next_instance_label() -> str:
+    """``"0"``, ``"1"``, ...: the ``cache`` label of the next owner that does not name itself."""
+    return str(next(_labels))
+
+
+def refresh() -> None:
+    """Read every live owner's gauge functions into their gauges (before an exposition)."""
+    _unbind_pending()
+    for owner in list(_live):
+        owner.refresh()
+
+
+def _scrape_registry() -> CollectorRegistry:
+    path = multiprocess_dir()
+    if path is None:
+        return prometheus_client.REGISTRY
+    from prometheus_client import multiprocess
+
+    registry = CollectorRegistry()
+    multiprocess.MultiProcessCollector(registry, path=path)
+    return registry
+
+
+def exposition() -> bytes:
+    """The scrape body: the default registry, or every worker's files in multi-process mode."""
+    refresh()
+    return generate_latest(_scrape_registry())
+
+
+def exposition_text() -> str:
+    return exposition().decode("utf-8")
+
+
+def _mark_dead_at_exit(path: str) -> None:
+    global _atexit_done
+    with _lock:
+        if _atexit_done:
+            return
+        _atexit_done = True
+    pid = os.getpid()
+
+    def mark() -> None:
+        if os.getpid() != pid:  # a forked child inherits atexit hooks; it is not us
+            return
+        from prometheus_client import multiprocess
+
+        try:
+            multiprocess.mark_process_dead(pid, path)
+        except OSError:
+            logger.debug("could not mark pid %d dead in %s", pid, path, exc_info=True)
+
+    atexit.register(mark)
+
+
+def _defer_unbind(used: dict[MetricWrapperBase, set[tuple[str, ...]]]) -> None:
+    """The garbage collector's path: it may run while this thread holds a family's
+    (non-reentrant) lock, so only queue the work; :func:`_unbind_pending` does it later."""
+    _pending.append(used)
+
+
+def _unbind_pending() -> None:
+    while _pending:
+        try:
+            used = _pending.popleft()
+        except IndexError:
+            return
+        _unbind(used)
+
+
+def _unbind(used: dict[MetricWrapperBase, set[tuple[str, ...]]]) -> None:
+    for family, label_sets in list(used.items()):
+        for values in list(label_sets):
+            try:
+                family.remove(*values)
+            except KeyError:
+                pass
+    used.clear()
+
+
+class _Dropped:
+    """What a closed owner's late updates go to: its series have left the registry."""
+
+    __slots__ = ()
+
+    def inc(self, amount: float = 1) -> None:
+        return None
+
+    def set(self, value: float) -> None:
+        return None
+
+    def observe(self, value: float) -> None:
+        return None
+
+
+_DROPPED = _Dropped()
+
+
+class InstanceMetrics:
+    """One owner's children in the process-wide families, under its own ``cache`` label.
+
+    Families are named without the ``hicache_`` prefix here (``child("hit_tokens", ...)``), the
+    ``cache`` label is added to every family this class creates, and children are cached so a
+    hot-path increment is one dict lookup and ``prometheus_client``'s own lock.
+    """
+
+    def __init__(self, label: str | None = None) -> None:
+        self.label: str = label if label is not None else next_instance_label()
+        self._used: dict[MetricWrapperBase, set[tuple[str, ...]]] = {}
+        self._children: dict[tuple[str, tuple[str, ...]], Any] = {}
+        self._gauge_fns: list[tuple[Any, Callable[[], float]]] = []
+        self._refreshers: list[Callable[[InstanceMetrics], None]] = []
+        self._mirrors: dict[tuple[str, tuple[str, ...]], float] = {}
+        self._multiprocess = multiprocess_dir() is not None
+        self._next_refresh = 0.0
+        self._closed = False
+        if self._multiprocess:
+            path = multiprocess_dir() or ""
+            if not os.path.isdir(path):
+                raise ConfigError(
+                    f"PROMETHEUS_MULTIPROC_DIR={path!r} is not a directory: create it (empty) before the workers start"
+                )
+            _mark_dead_at_exit(path)
+        _live.add(self)
+        _unbind_pending()
+        self._finalizer = weakref.finalize(self, _defer_unbind, self._used)
+
+    # -- children
+    def _family(self, kind: str, name: str, doc: str, labels: Sequence[str], **kw: Any) -> MetricWrapperBase:
+        full = f"hicache_{name}"
+        names = (INSTANCE_LABEL, *labels)
+        if kind == "counter":
+            return counter(full, doc, names)
+        if kind == "gauge":
+            return gauge(full, doc, names, **kw)
+        return histogram(full, doc, names, **kw)
+
+    def child(self, kind: str, name: str, doc: str = "", labels: Mapping[str, str] | None = None, **kw: Any) -> Any:
+        """The child of family ``hicache_<name>`` (``kind``: counter, gauge or histogram) for
+        this owner and ``labels``; created, with the family, on first use."""
+        items = tuple(sorted((labels or {}).items()))
+        key = (name, tuple(v for _, v in items))
+        have = self._children.get(key)
+        if have is not None:
+            return have
+        if self._closed:  # a late update (a task finishing after close) must not re-add a series
+            return _DROPPED
+        family = self._family(kind, name, doc or name.replace("_", " "), [k for k, _ in items], **kw)
+        values = (self.label, *(str(v) for _, v in items))
+        have = family.labels(*values)
+        self._used.setdefault(family, set()).add(values)
+        self._children[key] = have
+        return have
+
+    # -- gauges read from callbacks
+    def gauge(self, name: str, fn: Callable[[], float], doc: str = "", mode: str = "livesum",
+              labels: Mapping[str, str] | None = None) -> None:
+        """Gauge ``hicache_<name>`` read from ``fn()`` at each :meth:`refresh`."""
+        self._gauge_fns.append((self.child("gauge", name, doc, labels, mode=mode), fn))
+
+    def on_refresh(self, fn: Callable[[InstanceMetrics], None]) -> None:
+        """Call ``fn(self)`` at each :meth:`refresh` (gauges or mirrored counters whose names
+        are only known then, e.g. a backend's own figures)."""
+        self._refreshers.append(fn)
+
+    def mirror(self, kind: str, name: str, value: float, doc: str = "", labels: Mapping[str, str] | None = None,
+               **kw: Any) -> bool:
+        """Publish a figure kept elsewhere: a gauge is set to ``value``; a counter (``value``
+        a running total) is increased by what it grew since the last call (a total that went
+        down was reset: it counts from zero again). False when ``name`` is taken by a family of
+        another kind or labels (dynamic names must never break a scrape)."""
+        try:
+            child = self.child(kind, name, doc, labels, **kw)
+        except ValueError:
+            return False
+        if kind == "gauge":
+            child.set(value)
+            return True
+        key = (name, tuple(sorted((labels or {}).items())))  # type: ignore[arg-type]
+        last = self._mirrors.get(key, 0.0)
+        grew = value - last if value >= last else value
+        if grew > 0:
+            child.inc(grew)
+        self._mirrors[key] = value
+        return True
+
+    def refresh(self) -> None:
+        """Read the gauge functions (NaN for one that raises) and run the refreshers."""
+        if self._closed:
+            return
+        for child, fn in self._gauge_fns:
+            try:
+                value = float(fn())
+            except Exception:  # noqa: BLE001 - a broken gauge must not break scraping
+                value = math.nan
+            child.set(value)
+        for fn in self._refreshers:
+            try:
+                fn(self)
+            except Exception:  # noqa: BLE001
+                logger.debug("metrics refresher %r failed", fn, exc_info=True)
+
+    def touched(self) -> None:
+        """Called on updates: in multi-process mode, refresh this owner's gauges now and then,
+        since no scrape in this process will."""
+        if self._multiprocess:
+            now = time.monotonic()
+            if now >= self._next_refresh:
+                self._next_refresh = now + _REFRESH_EVERY_S
+                self.refresh()
+
+    def close(self) -> None:
+        """Remove this owner's children from the registry (its values leave the scrape);
+        idempotent. In multi-process mode the files stay (counters keep counting)."""
+        if self._closed:
+            return
+        if self._multiprocess:
+            self.refresh()
+        self._closed = True
+        _live.discard(self)
+        self._gauge_fns.clear()
+        self._refreshers.clear()
+        self._children.clear()
+        self._finalizer.detach()
+        _unbind(self._used)
+
+
+def numeric_items(stats: Mapping[str, Any]) -> Iterable[tuple[str, float]]:
+    """``(key, value)`` of the numeric entries of a stats dict whose keys can be metric names."""
+    for key, value in stats.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        if _NAME.match(key) and key.islower():
+            yield key, float(value)
