@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import inspect
 import logging
 import time
 from collections.abc import Callable, Coroutine
@@ -603,6 +604,7 @@ class HiCacheController:
         t0 = time.perf_counter()
         call = asyncio.ensure_future(self._on_io(coro))
         call.add_done_callback(lambda _: self.metrics.observe(_OPS.get(what, what), "storage", time.perf_counter() - t0))
+        call.add_done_callback(lambda _: _close_unstarted(coro))
         self._calls.add(call)
         try:
             stall = cfg.storage_stall_s if 0 < cfg.storage_stall_s < cfg.storage_io_timeout_s else 0.0
@@ -678,3 +680,10 @@ class HiCacheController:
                 self.health.probe_passed()
             else:
                 self.health.probe_failed()
+
+
+def _close_unstarted(coro: Coroutine[Any, Any, Any]) -> None:
+    """A storage call cancelled before its task first ran never starts its coroutine: close it,
+    so it is released without a "never awaited" warning (a started one is its runner's)."""
+    if inspect.getcoroutinestate(coro) == inspect.CORO_CREATED:
+        coro.close()
