@@ -178,41 +178,52 @@ class _NoFree:
         return 0
 
 
-def run_hicache(streams: list[list[int]], page_size: int, prebuilt: bool = False) -> tuple[float, list[int], list[float]]:
-    cache = RadixCache(req_to_token_pool=None, token_to_kv_pool_allocator=_NoFree(), page_size=page_size)
+def _time_match_insert(
+    streams: list[list[int]],
+    key_of: Callable[[list[int]], Any],
+    step: Callable[[Any, Any], int],
+    prebuilt_key_of: Callable[[list[int]], Any] | None = None,
+) -> tuple[float, list[int], list[float]]:
+    """Time ``step(key, slots)`` (one match then insert, returning the matched tokens) per
+    stream. Keys are built inside the timed region by ``key_of``, or beforehand by
+    ``prebuilt_key_of`` when given (what a server holding packed tokens pays)."""
     slots = _Slots(sum(len(s) for s in streams))
-    keys = [RadixKey(pack_tokens(s)) for s in streams] if prebuilt else None
+    keys = [prebuilt_key_of(s) for s in streams] if prebuilt_key_of is not None else None
     matched: list[int] = []
     lat: list[float] = []
     clock = time.perf_counter
     for i, tokens in enumerate(streams):
         value = slots.take(len(tokens))
         t0 = clock()
-        key = keys[i] if keys is not None else RadixKey(tokens)
+        matched.append(step(keys[i] if keys is not None else key_of(tokens), value))
+        lat.append(clock() - t0)
+    return sum(lat), matched, lat
+
+
+def run_hicache(streams: list[list[int]], page_size: int, prebuilt: bool = False) -> tuple[float, list[int], list[float]]:
+    cache = RadixCache(req_to_token_pool=None, token_to_kv_pool_allocator=_NoFree(), page_size=page_size)
+
+    def step(key: RadixKey, value: Any) -> int:
         m = cache.match_prefix(MatchPrefixParams(key=key))
         cache.insert(InsertParams(key=key, value=value))
-        lat.append(clock() - t0)
-        matched.append(int(m.device_indices.numel()))
-    return sum(lat), matched, lat
+        return int(m.device_indices.numel())
+
+    return _time_match_insert(streams, RadixKey, step, (lambda s: RadixKey(pack_tokens(s))) if prebuilt else None)
 
 
 def run_sglang(sgl: Any, streams: list[list[int]], page_size: int, prebuilt: bool) -> tuple[float, list[int], list[float]]:
     radix, SInsert, SMatch = sgl
     cache = radix.RadixCache.create_simulated(page_size=page_size)
-    slots = _Slots(sum(len(s) for s in streams))
-    keys = [radix.RadixKey(array("q", s)) for s in streams] if prebuilt else None
-    matched: list[int] = []
-    lat: list[float] = []
-    clock = time.perf_counter
-    for i, tokens in enumerate(streams):
-        value = slots.take(len(tokens))
-        t0 = clock()
-        key = keys[i] if keys is not None else radix.RadixKey(array("q", tokens))
+
+    def key_of(tokens: list[int]) -> Any:
+        return radix.RadixKey(array("q", tokens))
+
+    def step(key: Any, value: Any) -> int:
         m = cache.match_prefix(SMatch(key=key))
         cache.insert(SInsert(key=key, value=value))
-        lat.append(clock() - t0)
-        matched.append(int(m.device_prefix_len))
-    return sum(lat), matched, lat
+        return int(m.device_prefix_len)
+
+    return _time_match_insert(streams, key_of, step, key_of if prebuilt else None)
 
 
 def _tier_stack(streams: list[list[int]], page_size: int) -> Any:
