@@ -325,8 +325,7 @@ class AsyncHiCacheStorage(ABC):
         self.stats.incr("write_failures", len(pages) - done)
         self.stats.incr("write_bytes", sum(len(b) for b, f in zip(buffers, ok) if f))
         self.stats.incr("write_seconds", time.perf_counter() - t0)
-        if self.tier_changes.active:
-            changes.report_written(self.tier_changes, self.backend_name, self._kv_page_size(), pages, parents, ok)
+        changes.report_written(self.tier_changes, self.backend_name, self._kv_page_size(), pages, parents, ok)
         return ok
 
     def _kv_page_size(self) -> int:

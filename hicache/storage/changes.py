@@ -32,7 +32,7 @@ def report_written(
 ) -> None:
     """Report the KV pages a write stored, as runs chained page to page (a run breaks where a
     page failed or its parent is not the page before it)."""
-    if not hub.active:
+    if not hub.wants(ChangeKind.STORED, Tier.STORAGE):
         return
     run: list[str] = []
     run_parent: str | None = None
@@ -61,7 +61,7 @@ def report_removed(
     hub: TierChangeHub, backend: str, pages: Sequence[PageKey], *, reason: str, origin: str = "local"
 ) -> None:
     """Report KV pages gone from the store (``origin="peer"``: another process removed them)."""
-    if not hub.active:
+    if not hub.wants(ChangeKind.REMOVED, Tier.STORAGE):
         return
     keys = tuple(p.key for p in pages if p.pool == KV)
     if keys:
