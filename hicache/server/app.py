@@ -220,7 +220,10 @@ async def _model(request: web.Request) -> web.Response:
 
 
 async def _metrics(request: web.Request) -> web.Response:
-    return web.Response(body=exposition(), headers={"Content-Type": CONTENT_TYPE, "X-Content-Type-Options": "nosniff"})
+    # off the loop: a scrape refreshes every cache's gauges (a backend's get_stats may touch
+    # disk or the network) and, in multi-process mode, reads every worker's files
+    body = await asyncio.to_thread(exposition)
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE, "X-Content-Type-Options": "nosniff"})
 
 
 async def _health(request: web.Request) -> web.Response:

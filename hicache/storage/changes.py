@@ -70,4 +70,6 @@ def report_removed(
 
 def report_cleared(hub: TierChangeHub, backend: str, *, origin: str = "local") -> None:
     """Report that every page of the namespace is gone."""
+    if not hub.wants(ChangeKind.CLEARED, Tier.STORAGE):
+        return
     hub.emit(TierChange(ChangeKind.CLEARED, Tier.STORAGE, backend=backend, origin=origin, reason="clear"))

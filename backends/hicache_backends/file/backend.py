@@ -37,6 +37,7 @@ from typing import Any, TypeVar
 
 from hicache.errors import ConfigError
 from hicache.keys import Namespace
+from hicache.observability.tier_events import ChangeKind, Tier
 from hicache.storage import AsyncHiCacheStorage, HiCacheStorageConfig, PageCodec, PageKey
 from hicache.storage.changes import report_cleared
 from hicache.storage.offload import run_to_completion
@@ -513,7 +514,7 @@ class FileStorage(AsyncHiCacheStorage):
         """(On an I/O thread.) Unlink evicted pages; returns, and releases in the ledger, the
         bytes actually removed, and the ``(key, pool)`` of the pages (read from their headers
         first when anyone needs them: KV-event subscribers or the removal journal)."""
-        wanted = self._journal is not None or self.tier_changes.active
+        wanted = self._journal is not None or self.tier_changes.wants(ChangeKind.REMOVED, Tier.STORAGE)
         idents = [i for i in map(page_io.page_identity, paths) if i is not None] if wanted else []
         freed = page_io.remove_files(paths, sizes)
         if freed and self._ledger is not None:

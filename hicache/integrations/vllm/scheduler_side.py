@@ -33,6 +33,7 @@ from hicache.integrations.vllm.naming import PageKeyChain
 from hicache.integrations.vllm.store_io import StoreIO
 from hicache.integrations.vllm.transfers import PageLoad, PageSave, WorkerReport
 from hicache.prefix_cache.node import TreeNode
+from hicache.storage.hit_policy import leading_run
 
 __all__ = ["SchedulerSide", "StepPlan"]
 
@@ -147,13 +148,7 @@ class SchedulerSide:
         """Length of the run of ``keys`` from the start that every rank's store holds."""
         best = len(keys)
         for backend in self.store.backends:
-            flags = await backend.exists_pages(keys[:best])
-            run = 0
-            for f in flags:
-                if not f:
-                    break
-                run += 1
-            best = min(best, run)
+            best = min(best, leading_run(await backend.exists_pages(keys[:best])))
             if best == 0:
                 break
         return best
