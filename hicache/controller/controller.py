@@ -299,7 +299,7 @@ class HiCacheController:
         if self._io is not None:
             await self._io.stop(timeout=limit)
         self.state = ControllerState.CLOSED
-        self.metrics.close()  # this cache's families leave the scrape
+        await self.metrics.aclose()  # this cache's families leave the scrape
         return report
 
     async def _drain_for_close(self) -> None:

@@ -89,32 +89,25 @@ class ControllerMetrics(obs.InstanceMetrics):
         self.seconds: dict[str, float] = {d: 0.0 for d in DIRECTIONS}
         self.ops: dict[str, int] = {d: 0 for d in DIRECTIONS}
         self._gauges: dict[str, Callable[[], float]] = {}
-        self._counter_children: dict[str, object] = {}
-        self._transfers: dict[str, tuple[object, ...]] = {}  # the hot paths' children, looked up once
-        self._latency: dict[tuple[str, str], object] = {}
-        self._hits: dict[str, object] = {}
-        # every family exists from the start, so a scrape (and a dashboard) sees zeros, not gaps
+        # every family exists from the start, so a scrape (and a dashboard) sees zeros, not gaps;
+        # children are looked up in InstanceMetrics.child's memo, the only one
         for name in _COUNTERS:
             self._counter(name)
         for tier in TIERS:
-            self.child("counter", "hit_tokens", "prefix tokens served per tier", {"tier": tier})
+            self._hit_child(tier)
         for d in DIRECTIONS:
             self._transfer_children(d)
 
     def _counter(self, name: str) -> object:
-        child = self._counter_children.get(name)
-        if child is None:
-            child = self.child("counter", name, _COUNTERS.get(name, name.replace("_", " ")))
-            self._counter_children[name] = child
-        return child
+        return self.child("counter", name, _COUNTERS.get(name, name.replace("_", " ")))
+
+    def _hit_child(self, tier: str) -> object:
+        return self.child("counter", "hit_tokens", "prefix tokens served per tier", {"tier": tier})
 
     def _transfer_children(self, direction: str) -> tuple[object, ...]:
-        have = self._transfers.get(direction)
-        if have is not None:
-            return have
         src, dst = _ENDS[direction]
         d = {"direction": direction}
-        have = self._transfers[direction] = (
+        return (
             self.child("counter", "transfer_bytes", "bytes moved per direction", d),
             self.child("counter", "transfer_pages", "pages moved per direction", d),
             self.child("counter", "transfer_seconds", "time spent moving pages per direction", d),
@@ -123,7 +116,6 @@ class ControllerMetrics(obs.InstanceMetrics):
             self.child("counter", "tier_bytes", "bytes read from / written to each tier", {"tier": dst, "io": "written"}),
             self.child("counter", "tier_pages", "pages read from / written to each tier", {"tier": dst, "io": "written"}),
         )
-        return have
 
     def incr(self, name: str, amount: float = 1) -> None:
         self.counters[name] = self.counters.get(name, 0) + amount
@@ -134,10 +126,7 @@ class ControllerMetrics(obs.InstanceMetrics):
     def hit(self, tier: str, tokens: int) -> None:
         self.hit_tokens[tier] += int(tokens)
         if tokens > 0:
-            child = self._hits.get(tier)
-            if child is None:
-                child = self._hits[tier] = self.child("counter", "hit_tokens", "prefix tokens served per tier", {"tier": tier})
-            child.inc(int(tokens))  # type: ignore[attr-defined]
+            self._hit_child(tier).inc(int(tokens))  # type: ignore[attr-defined]
 
     def transfer(self, direction: str, pages: int, nbytes: int, seconds: float) -> None:
         self.pages[direction] += int(pages)
@@ -152,11 +141,9 @@ class ControllerMetrics(obs.InstanceMetrics):
 
     def observe(self, op: str, tier: str, seconds: float) -> None:
         """One latency sample of ``op`` (see :data:`OPERATIONS`) on ``tier``."""
-        child = self._latency.get((op, tier))
-        if child is None:
-            child = self._latency[(op, tier)] = self.child(
-                "histogram", "operation_seconds", "latency of cache operations per tier", {"op": op, "tier": tier})
-        child.observe(max(0.0, float(seconds)))  # type: ignore[attr-defined]
+        child = self.child("histogram", "operation_seconds", "latency of cache operations per tier",
+                           {"op": op, "tier": tier})
+        child.observe(max(0.0, float(seconds)))
 
     def gauge(self, name: str, fn: Callable[[], float], doc: str = "", mode: str | None = None,  # type: ignore[override]
               labels: dict[str, str] | None = None) -> None:

@@ -91,7 +91,7 @@ class RecomputeCache:
         for handle in list(self._live.values()):
             self._free(handle)
         self._closed = True
-        self._metrics.close()
+        await self._metrics.aclose()
 
     # -- request API (same shapes as HiCache)
     async def begin(self, rid: str, token_ids: list[int], *, session_id: str | None = None) -> RecomputeHandle:

@@ -20,8 +20,11 @@ dashboard of a deployment wants.
 value lives in the owner's objects, so the owner registers a function (:meth:`InstanceMetrics.gauge`)
 and :func:`refresh` reads every live owner's functions into real gauges right before an exposition.
 In multi-process mode a scrape in another process cannot call them, so each owner also refreshes
-its own gauges, at most once a second, when it updates any of its metrics. A function that
-raises sets its gauge to NaN; the scrape goes on.
+its own gauges, at most once a second, when it updates any of its metrics: on one process-wide
+daemon thread (:class:`_Refresher`), never on the updating thread, since that is the event loop
+and the functions read pools, trees and the storage backend's figures. A function that raises
+sets its gauge to NaN; the scrape goes on. Refreshes of one owner never overlap (a lock per
+owner), so a mirrored counter never counts one growth twice.
 
 **Multi-process mode.** Set ``PROMETHEUS_MULTIPROC_DIR`` to an empty directory shared by the
 workers before they import ``prometheus_client`` (``prometheus_client``'s own rule: the value
@@ -38,6 +41,7 @@ Metric names: ``hicache_`` then the name the owner gives; counters get ``_total`
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import collections
 import itertools
@@ -182,6 +186,62 @@ def _mark_dead_at_exit(path: str) -> None:
     atexit.register(mark)
 
 
+class _Refresher:
+    """The one daemon thread that runs the refreshes :meth:`InstanceMetrics.touched` asks for.
+
+    Why one thread and not ``asyncio.to_thread``: updates come from the event loop and from
+    worker threads alike, a refresh must not become a task someone has to own, and several
+    requests for one owner while it waits coalesce into one refresh. Owners are held weakly
+    (a closed or collected owner is skipped). A forked child starts without the thread; its
+    first request starts its own.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._due: dict[int, weakref.ref[InstanceMetrics]] = {}
+        self._thread: threading.Thread | None = None
+        self._pid = os.getpid()
+        self.running = 0  # refreshes in progress (tests wait for 0)
+
+    def request(self, owner: InstanceMetrics) -> None:
+        with self._cond:
+            if self._pid != os.getpid():  # forked: the parent's thread is not ours
+                self._pid, self._thread = os.getpid(), None
+                self._due.clear()
+            self._due[id(owner)] = weakref.ref(owner)
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="hicache-metrics-refresh", daemon=True)
+                self._thread.start()
+            self._cond.notify()
+
+    def idle(self) -> bool:
+        """True when no refresh is queued or running."""
+        with self._cond:
+            return not self._due and self.running == 0
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._due:
+                    self._cond.wait()
+                due = list(self._due.values())
+                self._due.clear()
+                self.running += 1
+            try:
+                for ref in due:
+                    owner = ref()
+                    if owner is not None:
+                        owner.refresh()  # never raises: a broken function is a NaN gauge
+            except Exception:  # noqa: BLE001 - the thread outlives any owner's bug
+                logger.exception("metrics refresh failed")
+            finally:
+                with self._cond:
+                    self.running -= 1
+
+
+_refresher = _Refresher()
+
+
 def _defer_unbind(used: dict[MetricWrapperBase, set[tuple[str, ...]]]) -> None:
     """The garbage collector's path: it may run while this thread holds a family's
     (non-reentrant) lock, so only queue the work; :func:`_unbind_pending` does it later."""
@@ -236,12 +296,15 @@ class InstanceMetrics:
     def __init__(self, label: str | None = None) -> None:
         self.label: str = label if label is not None else next_instance_label()
         self._used: dict[MetricWrapperBase, set[tuple[str, ...]]] = {}
-        self._children: dict[tuple[str, tuple[str, ...]], Any] = {}
+        # (name, sorted label items) -> child: the one memo of children, so owners look theirs
+        # up here rather than keeping their own
+        self._children: dict[tuple[str, tuple[tuple[str, str], ...]], Any] = {}
         self._gauge_fns: list[tuple[Any, Callable[[], float]]] = []
         self._refreshers: list[Callable[[InstanceMetrics], None]] = []
         self._mirrors: dict[tuple[str, tuple[str, ...]], float] = {}
         self._multiprocess = multiprocess_dir() is not None
         self._next_refresh = 0.0
+        self._refresh_lock = threading.Lock()
         self._closed = False
         if self._multiprocess:
             path = multiprocess_dir() or ""
@@ -267,8 +330,8 @@ class InstanceMetrics:
     def child(self, kind: str, name: str, doc: str = "", labels: Mapping[str, str] | None = None, **kw: Any) -> Any:
         """The child of family ``hicache_<name>`` (``kind``: counter, gauge or histogram) for
         this owner and ``labels``; created, with the family, on first use."""
-        items = tuple(sorted((labels or {}).items()))
-        key = (name, tuple(v for _, v in items))
+        items = tuple(sorted((labels or {}).items())) if labels else ()
+        key = (name, items)
         have = self._children.get(key)
         if have is not None:
             return have
@@ -314,36 +377,55 @@ class InstanceMetrics:
         return True
 
     def refresh(self) -> None:
-        """Read the gauge functions (NaN for one that raises) and run the refreshers."""
-        if self._closed:
-            return
-        for child, fn in self._gauge_fns:
-            try:
-                value = float(fn())
-            except Exception:  # noqa: BLE001 - a broken gauge must not break scraping
-                value = math.nan
-            child.set(value)
-        for fn in self._refreshers:
-            try:
-                fn(self)
-            except Exception:  # noqa: BLE001
-                logger.debug("metrics refresher %r failed", fn, exc_info=True)
+        """Read the gauge functions (NaN for one that raises) and run the refreshers; one
+        refresh of this owner at a time (a scrape thread and the refresher thread may both ask)."""
+        with self._refresh_lock:
+            if self._closed:
+                return
+            for child, fn in list(self._gauge_fns):
+                try:
+                    value = float(fn())
+                except Exception:  # noqa: BLE001 - a broken gauge must not break scraping
+                    value = math.nan
+                if self._closed:  # closed meanwhile: its series are gone, set nothing more
+                    return
+                child.set(value)
+            for fn in list(self._refreshers):
+                if self._closed:
+                    return
+                try:
+                    fn(self)
+                except Exception:  # noqa: BLE001
+                    logger.debug("metrics refresher %r failed", fn, exc_info=True)
 
     def touched(self) -> None:
-        """Called on updates: in multi-process mode, refresh this owner's gauges now and then,
-        since no scrape in this process will."""
+        """Called on updates: in multi-process mode, have this owner's gauges refreshed now and
+        then (since no scrape in this process will), on the refresher thread."""
         if self._multiprocess:
             now = time.monotonic()
             if now >= self._next_refresh:
                 self._next_refresh = now + _REFRESH_EVERY_S
-                self.refresh()
+                _refresher.request(self)
+
+    async def aclose(self) -> None:
+        """:meth:`close` for a caller on the event loop: the final multi-process refresh runs
+        on a thread."""
+        try:
+            if self._multiprocess and not self._closed:
+                await asyncio.to_thread(self.refresh)
+        finally:  # cancelled or not, the series leave
+            self._close(final_refresh=False)
 
     def close(self) -> None:
         """Remove this owner's children from the registry (its values leave the scrape);
-        idempotent. In multi-process mode the files stay (counters keep counting)."""
+        idempotent. In multi-process mode the files stay (counters keep counting), and the
+        gauges are read a last time on this thread (on the event loop use :meth:`aclose`)."""
+        self._close(final_refresh=True)
+
+    def _close(self, final_refresh: bool) -> None:
         if self._closed:
             return
-        if self._multiprocess:
+        if self._multiprocess and final_refresh:
             self.refresh()
         self._closed = True
         _live.discard(self)

@@ -265,7 +265,7 @@ def create_app(
     async def on_cleanup(app: web.Application) -> None:
         await scheduler.aclose()
         await engine.aclose()
-        metrics.close()
+        await metrics.aclose()
 
     app.on_startup.append(on_startup)
     app.on_shutdown.append(on_shutdown)

@@ -85,3 +85,46 @@ def test_a_missing_multiprocess_dir_is_one_clear_error(tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, "-c", code], env=_env(tmp_path / "absent"), capture_output=True,
                          text=True, timeout=120, check=True)
     assert "is not a directory" in out.stdout, out
+
+
+REFRESH_OFF_LOOP = r"""
+import asyncio, json, threading
+from hicache.observability import metrics as obs
+from hicache.controller.metrics import ControllerMetrics
+
+release = threading.Event()
+seen = {}
+
+def slow_gauge():
+    seen.setdefault("threads", []).append(threading.get_ident())
+    release.wait(10)  # a stalled store's figures: the loop must not wait for them
+    return 7.0
+
+async def main():
+    m = ControllerMetrics()
+    m.gauge("probe_depth", slow_gauge)
+    m.incr("requests")  # an update on the loop asks for a refresh
+    on_loop = threading.get_ident() in seen.get("threads", [])
+    release.set()
+    while not obs._refresher.idle():
+        await asyncio.sleep(0.01)
+    text = await asyncio.to_thread(obs.exposition_text)  # as /metrics does
+    await m.aclose()  # the last refresh runs on a thread too
+    print(json.dumps({"on_loop": on_loop, "refreshed": len(seen["threads"]),
+                      "loop_thread": threading.get_ident(), "threads": seen["threads"],
+                      "value": 'hicache_probe_depth{cache="0"} 7.0' in text}))
+
+asyncio.run(main())
+"""
+
+
+def test_gauges_are_refreshed_off_the_updating_thread(tmp_path: Path) -> None:
+    mp_dir = tmp_path / "prom"
+    mp_dir.mkdir()
+    out = subprocess.run([sys.executable, "-c", REFRESH_OFF_LOOP], env=_env(mp_dir), capture_output=True,
+                         text=True, timeout=120, check=True)
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert not got["on_loop"], got
+    assert got["loop_thread"] not in got["threads"], got
+    assert got["refreshed"] >= 2  # the one the update asked for, and the last one at close
+    assert got["value"], out.stdout
