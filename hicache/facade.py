@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+from array import array
 import logging
 import os
 from dataclasses import dataclass, field
@@ -43,6 +44,35 @@ from hicache.stack import CacheStack, build_stack, stack_config_from, torch_dtyp
 __all__ = ["HiCache", "RequestHandle"]
 
 logger = logging.getLogger("hicache")
+
+
+def token_ids_of(values: Any, what: str = "token_ids") -> list[int]:
+    """``values`` as a list of token ids, each an integer in ``0..2**32-1`` (a vocabulary index).
+
+    Why here, before anything is claimed: a float (``1.5``), a string (``"12"``) or a float tensor
+    converted with ``int()`` would quietly become other tokens and other page keys, and an id
+    outside uint32 only fails later, inside the tree's insert or a session's release (a half-done
+    insert, a close that raises). A bad value is a ``TypeError``/``ValueError`` naming it."""
+    if isinstance(values, (str, bytes, bytearray)):
+        raise TypeError(f"{what} must be a sequence of integer token ids, not {type(values).__name__}")
+    if hasattr(values, "tolist"):  # torch tensors, numpy arrays: a 1-D array of integers
+        dtype = getattr(values, "dtype", None)
+        is_float = getattr(dtype, "is_floating_point", False) or getattr(dtype, "is_complex", False) \
+            or getattr(dtype, "kind", "") in ("f", "c")
+        if is_float:
+            raise TypeError(f"{what} must hold integers, got a {dtype} array")
+        values = values.tolist()
+    try:
+        return array("I", values).tolist()
+    except OverflowError:
+        bad = next((t for t in values if not 0 <= t <= 0xFFFFFFFF), None)
+        raise ValueError(f"{what}: token id {bad!r} is outside 0..4294967295 (uint32)") from None
+    except TypeError:
+        try:
+            bad = next((t for t in values if not isinstance(t, int)), None)
+        except TypeError:
+            raise TypeError(f"{what} must be a sequence of integer token ids, not {type(values).__name__}") from None
+        raise TypeError(f"{what} must hold integers, got {bad!r} ({type(bad).__name__})") from None
 
 
 class _State(enum.Enum):
@@ -241,7 +271,11 @@ class HiCache:
         session's slot restores its KV without a tree match.
         """
         cache = self._check_open()
-        tokens = [int(t) for t in token_ids]
+        tokens = token_ids_of(token_ids)
+        if not isinstance(rid, str):
+            raise TypeError(f"rid must be a str, got {type(rid).__name__}")
+        if session_id is not None and (not isinstance(session_id, str) or not session_id):
+            raise TypeError(f"session_id must be a non-empty str or None, got {session_id!r:.80}")
         if not tokens:
             raise ValueError("begin() needs at least one token")
         if len(tokens) > self.config.device.max_context_len:
@@ -315,7 +349,7 @@ class HiCache:
         """Device slots for tokens appended to the request (decode); returns the new slots."""
         cache = self._check_open()
         self._check_live(handle)
-        new = [int(t) for t in new_token_ids]
+        new = token_ids_of(new_token_ids, "new_token_ids")
         old = len(handle.token_ids)
         slots = await cache.alloc_extend(handle.req, old + len(new))
         if slots is None:

@@ -737,7 +737,13 @@ class SessionAwareCache(ForwardingCache):
             await self._reaper.aclose()
         if self.config.release_on_close:
             for sid in list(self.slots):
-                self.release_session(sid)
+                try:
+                    self.release_session(sid)
+                except Exception:  # noqa: BLE001 - one bad session must not stop the close
+                    # (the others' KV and the inner cache's queued writes still have to drain)
+                    self.session_metrics.incr("release_errors")
+                    self.slots.pop(sid, None)
+                    logger.exception("session %s: releasing it at close failed; its KV is not kept", sid)
         await self.writeback.drain()
         fn = getattr(self.inner, "aclose", None)
         if close_inner and fn is not None:

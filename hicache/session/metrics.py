@@ -43,6 +43,7 @@ _COUNTERS = (
     "writeback_dropped",
     "writeback_attempts",
     "reaper_errors",
+    "release_errors",
 )
 
 

@@ -284,3 +284,28 @@ async def test_shared_system_prompt_is_protected_and_deduplicated(hstack: Stack)
     assert r.prefix_len == (len(a.history) - 1) // PS * PS
     await hstack.empty_everything()
     hstack.assert_initial()
+
+
+async def test_close_goes_on_when_one_session_cannot_be_released() -> None:
+    # a caller of the session cache itself (not the facade, which refuses such ids) left a
+    # token id outside uint32 in a session's KV: handing it to the tree raises. Before, the
+    # close raised there: the other sessions were not released and the controller never closed
+    stack = make_stack(storage_id=f"close-{uuid.uuid4().hex}")
+    good = Conversation(stack, "good", seed=1)
+    await good.turn(n_in=3 * PS, n_out=1)
+    bad = Conversation(stack, "bad", seed=2)
+    req = bad.request(2 * PS)
+    await bad.begin(req)
+    await bad.prefill(req)
+    req.output_ids = [2**40] * PS  # decoded "tokens" no vocabulary has
+    slots = await stack.cache.alloc_extend(req, len(req.full_ids))
+    assert slots is not None
+    req.fill_ids = req.full_ids
+    req.kv_committed_len = len(req.full_ids)
+    bad.finish(req)  # kept in the session's slot; the tree sees it only at release
+    await stack.cache.aclose()
+    assert stack.cache.session_metrics.counters["release_errors"] == 1
+    assert stack.cache.session_metrics.counters["sessions_released"] == 1  # the good one
+    assert not stack.cache.slots
+    assert stack.controller is not None and stack.controller.state.value == "closed"
+    await stack.aclose()
