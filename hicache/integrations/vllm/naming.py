@@ -19,7 +19,7 @@ import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from hicache.keys import Namespace, page_hash
+from hicache.keys import Namespace, page_hashes
 
 __all__ = ["KVGeometry", "PAGE_LAYOUT", "PageKeyChain", "deployment_namespace", "salt_root"]
 
@@ -106,8 +106,8 @@ class PageKeyChain:
         do not fill that many)."""
         bs = self.block_size
         num_pages = min(num_pages, len(token_ids) // bs)
-        while len(self.keys) < num_pages:
-            i = len(self.keys)
+        have = len(self.keys)
+        if have < num_pages:
             prior = self.keys[-1] if self.keys else self._root
-            self.keys.append(page_hash(list(token_ids[i * bs : (i + 1) * bs]), prior))
+            self.keys.extend(page_hashes(list(token_ids[have * bs : num_pages * bs]), bs, prior))
         return self.keys[:num_pages]

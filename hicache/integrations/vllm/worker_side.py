@@ -163,6 +163,23 @@ class WorkerSide:
     def _valid_block(self, block: int) -> bool:
         return 0 <= block < self._num_blocks
 
+    def _busy(self, slot: int) -> bool:
+        """A storage read or write still uses ``slot`` (its bytes must not change). Under the lock."""
+        return bool(self._reading[slot] or self._writing[slot])
+
+    def _free_slot(self, slot: int) -> bool:
+        """``slot`` exists and no storage I/O uses it: it may be overwritten. Under the lock."""
+        return self._valid_slot(slot) and not self._busy(slot)
+
+    @staticmethod
+    def _release(uses: Counter[int], slots: Sequence[int]) -> None:
+        """One use of each of ``slots`` ended (a count at zero leaves). Under the lock."""
+        for slot in slots:
+            if uses[slot] > 1:
+                uses[slot] -= 1
+            else:
+                uses.pop(slot, None)
+
     def holds(self, slot: int) -> str | None:
         """The key of the page ``slot`` holds (``None``: nothing usable)."""
         with self._lock:
@@ -219,7 +236,7 @@ class WorkerSide:
                 for spec in loads:
                     keys, slots = [], []
                     for key, slot in zip(spec.keys[spec.from_host :], spec.slots[spec.from_host :]):
-                        if not self._valid_slot(slot) or self._reading[slot] or self._writing[slot]:
+                        if not self._free_slot(slot):
                             break  # no room, or a storage I/O still uses the slot: this page fails
                         keys.append(key)
                         slots.append(slot)
@@ -309,11 +326,7 @@ class WorkerSide:
 
     def _unread(self, slots: Sequence[int]) -> None:
         with self._lock:
-            for slot in slots:
-                if self._reading[slot] > 0:
-                    self._reading[slot] -= 1
-                    if not self._reading[slot]:
-                        del self._reading[slot]
+            self._release(self._reading, slots)
 
     def _fetch_released(self, indices: torch.Tensor) -> None:
         """The prefetcher is done with these slots and did not complete their pages."""
@@ -346,7 +359,7 @@ class WorkerSide:
             slots: list[int] = []
             with self._lock:
                 for slot, block in zip(spec.slots, spec.block_ids):
-                    if not self._valid_slot(slot) or self._reading[slot] or self._writing[slot]:
+                    if not self._free_slot(slot):
                         break
                     if not self._valid_block(block):
                         logger.error("hicache: save of %s names block %d of %d; not saved", spec.req_id, block,
@@ -357,7 +370,7 @@ class WorkerSide:
                 for slot in spec.slots[len(slots) :]:
                     if self._valid_slot(slot):
                         self._report.bad_slots.add(slot)
-                        if not (self._reading[slot] or self._writing[slot]):
+                        if not self._busy(slot):
                             self._resident[slot] = None
                 writes = slots[spec.write_from :]
                 for slot in writes:
@@ -394,10 +407,7 @@ class WorkerSide:
     def _job_done(self, spec: PageSave, writes: list[int], written: int) -> None:
         """A save's storage write ended (``written`` leading pages made it)."""
         with self._lock:
-            for slot in writes:
-                self._writing[slot] -= 1
-                if self._writing[slot] <= 0:
-                    del self._writing[slot]
+            self._release(self._writing, writes)
             self._report.jobs_done[spec.job] += 1
         self.stats["pages_saved"] += written
         self.stats["save_errors"] += len(writes) - written
