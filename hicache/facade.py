@@ -409,6 +409,7 @@ class HiCache:
         self._check_open()
         if handle.done:
             return
+        self._check_ours(handle)
         await self._wait_load(handle)
         if handle.done:  # committed or aborted by someone else meanwhile
             return
@@ -438,6 +439,13 @@ class HiCache:
     def _check_live(self, handle: RequestHandle) -> None:
         if handle.done:
             raise ValueError(f"request {handle.rid} is already committed or aborted")
+        self._check_ours(handle)
+
+    def _check_ours(self, handle: RequestHandle) -> None:
+        """``handle`` is one this cache's :meth:`begin` returned (not another cache's, not a
+        copy): its slots are this device pool's, so inserting or freeing them is safe."""
+        if self._live.get(id(handle)) is not handle:
+            raise ValueError(f"request {getattr(handle, 'rid', handle)!r} was not begun by this cache (or is a copy)")
 
     async def release_session(self, session_id: str) -> None:
         """The conversation is over: its KV is handed to the prefix cache (written back to host

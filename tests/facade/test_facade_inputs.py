@@ -76,3 +76,19 @@ async def test_extend_with_a_bad_token_changes_nothing_and_the_close_still_drain
         await cache.commit(h, finished=True)
     report = cache.close_report
     assert report is not None and report.drained and not report.unwritten
+
+
+async def test_a_handle_of_another_cache_or_a_copy_is_refused() -> None:
+    # before: cache b inserted a's slots into its own tree (KV it never wrote, slots it never
+    # handed out) and its device->host backup failed on them; a copy committed twice
+    import dataclasses
+
+    async with HiCache.from_config(config()) as a, HiCache.from_config(config()) as b:
+        h = await a.begin("r", prompt(1, 2 * PS + 3))
+        for call in (b.commit(h), b.extend(h, [1]), b.abort(h), a.commit(dataclasses.replace(h))):
+            with pytest.raises(ValueError, match="not begun by this cache"):
+                await call
+        assert nothing_held(b) and b.metrics()["device"]["cached_tokens"] == 0
+        await a.commit(h)
+        await a.drain()
+        assert nothing_held(a)
