@@ -53,7 +53,7 @@ from hicache.controller.jobs import (
 from hicache.controller.metrics import ControllerMetrics
 from hicache.controller.prefetch import Prefetcher
 from hicache.controller.transfers import all_pools_ok, call_back, slice_transfer
-from hicache.errors import CacheClosedError, ConfigError, LoopMisuseError
+from hicache.errors import CacheClosedError, ConfigError, InvalidKeyError, LoopMisuseError
 from hicache.observability import tracing
 from hicache.storage import (
     AsyncHiCacheStorage,
@@ -467,9 +467,11 @@ class HiCacheController:
 
     def submit_storage_write(self, job: StorageWriteJob) -> bool:
         """Queue a host->storage write; ``False`` when there is no storage, the queue is full
-        or the controller is closed."""
+        or the controller is closed. A malformed job (bad key, host indices that are not one
+        page per key) is a ``ValueError`` here, never a failure of the store later."""
         if self.storage is None or not self._accepting(continuation=True):
             return False
+        job.check(self.page_size)
         assert self._storage_q is not None
         try:
             self._storage_q.put_nowait(job)
@@ -634,7 +636,8 @@ class HiCacheController:
             if what != "write":
                 self.metrics.incr("storage_read_failures")
             logger.error("storage %s failed", what, exc_info=exc)
-            self.health.failed(f"{what} raised {type(exc).__name__}")
+            if not isinstance(exc, InvalidKeyError):  # the caller's bug says nothing of the store
+                self.health.failed(f"{what} raised {type(exc).__name__}")
             return None
         if self._backend_errors() > errors:
             self.health.failed(f"the backend counted an error during a {what}")

@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 import torch
 
+from hicache.keys import validate_key
 from hicache.storage import PoolTransfer
 
 __all__ = ["BackupJob", "StorageWriteJob", "PrefetchOp", "PrefetchResult", "UnwrittenBackup", "CloseReport"]
@@ -43,6 +44,24 @@ class StorageWriteJob:
     prior_key: str | None
     on_done: Callable[[int], None]
     extra: list[PoolTransfer] = dataclasses.field(default_factory=list)
+
+    def check(self, page_size: int) -> None:
+        """Raise ``ValueError`` (:class:`~hicache.errors.InvalidKeyError` for a key) when the
+        job cannot be written as given. Why before it is queued: in the queue a malformed job
+        only fails inside the storage call, where it looks like a failing store (retried,
+        counted against the store's health, eventually marking a good store down)."""
+        for key in self.keys:
+            validate_key(key)
+        if self.prior_key is not None:
+            validate_key(self.prior_key)
+        hi = self.host_indices
+        if not isinstance(hi, torch.Tensor) or hi.dim() != 1 or hi.dtype.is_floating_point \
+                or hi.dtype.is_complex or hi.dtype == torch.bool:
+            raise ValueError(f"host_indices must be a 1-D integer tensor, got {type(hi).__name__} "
+                             f"{getattr(hi, 'dtype', '')} {tuple(getattr(hi, 'shape', ()))}")
+        if hi.numel() != len(self.keys) * page_size:
+            raise ValueError(f"{len(self.keys)} key(s) of {page_size}-token pages need {len(self.keys) * page_size} "
+                             f"host indices, got {hi.numel()}")
 
 
 @dataclasses.dataclass(eq=False)
