@@ -210,8 +210,13 @@ class _Refresher:
                 self._due.clear()
             self._due[id(owner)] = weakref.ref(owner)
             if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._run, name="hicache-metrics-refresh", daemon=True)
-                self._thread.start()
+                thread = threading.Thread(target=self._run, name="hicache-metrics-refresh", daemon=True)
+                try:
+                    thread.start()
+                except RuntimeError:  # interpreter shutdown: no new threads; the refresh is skipped
+                    self._due.clear()
+                    return
+                self._thread = thread
             self._cond.notify()
 
     def idle(self) -> bool:
@@ -304,7 +309,7 @@ class InstanceMetrics:
         self._mirrors: dict[tuple[str, tuple[str, ...]], float] = {}
         self._multiprocess = multiprocess_dir() is not None
         self._next_refresh = 0.0
-        self._refresh_lock = threading.Lock()
+        self._refresh_lock = threading.RLock()  # a gauge function that scrapes must not deadlock
         self._closed = False
         if self._multiprocess:
             path = multiprocess_dir() or ""
