@@ -62,6 +62,11 @@ def token_ids_of(values: Any, what: str = "token_ids") -> list[int]:
         if is_float:
             raise TypeError(f"{what} must hold integers, got a {dtype} array")
         values = values.tolist()
+    elif not isinstance(values, (list, tuple, range)):
+        try:
+            values = list(values)  # an iterator: read once, so the error below can name the bad id
+        except TypeError:
+            raise TypeError(f"{what} must be a sequence of integer token ids, not {type(values).__name__}") from None
     try:
         return array("I", values).tolist()
     except OverflowError:

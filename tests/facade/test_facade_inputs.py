@@ -92,3 +92,11 @@ async def test_a_handle_of_another_cache_or_a_copy_is_refused() -> None:
         await a.commit(h)
         await a.drain()
         assert nothing_held(a)
+
+
+def test_an_iterator_of_token_ids_is_read_once_and_a_bad_one_named() -> None:
+    assert token_ids_of(iter([1, 2, 3])) == [1, 2, 3]
+    with pytest.raises(ValueError, match="-7 is outside"):
+        token_ids_of(t for t in (1, -7, 3))
+    with pytest.raises(TypeError, match="not int"):
+        token_ids_of(5)
