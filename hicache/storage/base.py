@@ -241,7 +241,15 @@ class AsyncHiCacheStorage(ABC):
         try:
             return await coro
         except asyncio.CancelledError:
-            raise
+            task = asyncio.current_task()
+            if task is None or task.cancelling():
+                raise  # the caller was cancelled: let it unwind
+            # nobody cancelled this task: the backend (or a library under it) raised a stray
+            # CancelledError, which is an error of the store like any other
+            self.stats.incr("backend_errors")
+            logger.error("%s: %s raised CancelledError without being cancelled; answering with misses",
+                         type(self).__name__, what)
+            return fallback
         except Exception:  # noqa: BLE001 - see module docstring
             self.stats.incr("backend_errors")
             logger.exception("%s: %s failed; answering with misses", type(self).__name__, what)
