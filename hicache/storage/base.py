@@ -85,6 +85,10 @@ class AsyncHiCacheStorage(ABC):
     #: buffer (a page as pieces of pool memory). Then pages of a pool that describes them so
     #: move without a staging copy; otherwise they take the staging path.
     supports_segments: ClassVar[bool] = False
+    #: Whether ``_read`` accepts :class:`~hicache.storage.staging.StagedPage` buffers (read,
+    #: verify and commit each page on one I/O thread, through a staging page still in cache).
+    #: Otherwise pools without a page view are read in pipelined chunks of staging pages.
+    supports_staged_pages: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -498,10 +502,11 @@ class AsyncHiCacheStorage(ABC):
             return await self._move_segments(name, keys, good, pieces, None)
         if page_io.needs_thread(pool, good_starts):
             # no live page view: the seed page protocol alone, through reused staging pages
-            async def read(positions: list[int], bufs: list[memoryview]) -> list[bool]:
+            async def read(positions: list[int], bufs: Sequence[Any]) -> list[bool]:
                 return await self._read_guarded([PageKey(keys[good[j]], name) for j in positions], bufs)
 
-            flags = await staging.read_staged(pool, good_starts, read, self._staging, page_io.page_nbytes_hint(pool))
+            how = staging.read_committed if self.supports_staged_pages else staging.read_staged
+            flags = await how(pool, good_starts, read, self._staging, page_io.page_nbytes_hint(pool))
             return _scatter(len(keys), good, flags)
         found = page_io.read_targets(pool, good_starts)
         targets: list[page_io.ReadTarget | None] = [None] * len(keys)

@@ -42,6 +42,7 @@ from hicache.storage import AsyncHiCacheStorage, HiCacheStorageConfig, PageCodec
 from hicache.storage.changes import report_cleared
 from hicache.storage.offload import run_to_completion
 from hicache.storage.segments import PageSegments
+from hicache.storage.staging import StagedPage
 from hicache.storage.stats import Throttle
 
 from hicache_backends.file import io as page_io
@@ -128,6 +129,7 @@ class FileStorage(AsyncHiCacheStorage):
 
     backend_name = "file"
     supports_segments = True  # pages scattered in pool memory move by preadv/pwritev, no staging
+    supports_staged_pages = True  # seed-protocol pools: read, verify and commit per page on one thread
 
     def __init__(
         self,
@@ -593,7 +595,7 @@ class FileStorage(AsyncHiCacheStorage):
                     out[i] = True
         return out
 
-    async def _read(self, pages: Sequence[PageKey], buffers: Sequence[memoryview | PageSegments]) -> list[bool]:
+    async def _read(self, pages: Sequence[PageKey], buffers: Sequence[memoryview | PageSegments | StagedPage]) -> list[bool]:
         assert self._layout is not None and self._codec is not None
         ids = [page_id(p.key, p.pool) for p in pages]
         before = [self.index.get(pid) for pid in ids]
@@ -611,12 +613,14 @@ class FileStorage(AsyncHiCacheStorage):
         now = time.time()
         ok = [False] * len(pages)
         for i, (pid, r) in enumerate(zip(ids, results)):
-            if r.status is page_io.ReadStatus.OK:
-                ok[i] = True
+            if r.status is page_io.ReadStatus.OK or r.status is page_io.ReadStatus.REFUSED:
+                ok[i] = r.status is page_io.ReadStatus.OK  # refused: a sound page, not taken
                 if pid in self.index:
                     self.index.touch(pid, now)
                 else:
                     self._adopt(pid, r)
+                if not ok[i]:
+                    self.stats.incr("pool_refused_pages")
             else:
                 self._after_failed_read(pages[i], pid, r, before[i])
         return ok
