@@ -42,7 +42,7 @@ from hicache.storage import AsyncHiCacheStorage, HiCacheStorageConfig, PageCodec
 from hicache.storage.changes import report_cleared
 from hicache.storage.offload import run_to_completion
 from hicache.storage.segments import PageSegments
-from hicache.storage.staging import StagedPage
+from hicache.storage.staging import PoolPage, StagedPage
 from hicache.storage.stats import Throttle
 
 from hicache_backends.file import io as page_io
@@ -92,7 +92,7 @@ class _WriteJob:
     index: int  # position in the caller's batch
     pid: str
     page: PageKey
-    buf: memoryview | PageSegments
+    buf: memoryview | PageSegments | PoolPage
     parent: str | None
     size: int
     skip_size: int | None
@@ -129,7 +129,7 @@ class FileStorage(AsyncHiCacheStorage):
 
     backend_name = "file"
     supports_segments = True  # pages scattered in pool memory move by preadv/pwritev, no staging
-    supports_staged_pages = True  # seed-protocol pools: read, verify and commit per page on one thread
+    supports_staged_pages = True  # seed-protocol pools: each page copied and moved by one thread
 
     def __init__(
         self,
@@ -196,6 +196,7 @@ class FileStorage(AsyncHiCacheStorage):
         self._last_rescan = float("-inf")
         self._refusal_warnings = Throttle(_REFUSAL_WARN_SECONDS)
         self._enospc_warnings = Throttle(_REFUSAL_WARN_SECONDS)
+        self._pool_warnings = Throttle(_REFUSAL_WARN_SECONDS)
         self._background: set[asyncio.Task[None]] = set()
 
     # ------------------------------------------------------------------ properties
@@ -663,7 +664,7 @@ class FileStorage(AsyncHiCacheStorage):
     async def _write(
         self,
         pages: Sequence[PageKey],
-        buffers: Sequence[memoryview | PageSegments],
+        buffers: Sequence[memoryview | PageSegments | PoolPage],
         parents: Sequence[PageKey | None],
     ) -> list[bool]:
         assert self._layout is not None and self._codec is not None
@@ -813,7 +814,12 @@ class FileStorage(AsyncHiCacheStorage):
         self._free_est -= written
 
     def _write_failed(self, job: _WriteJob, r: page_io.WriteResult) -> None:
-        if r.errno in (errno.ENOSPC, errno.EDQUOT):
+        if r.pool_error:
+            self.stats.incr("pool_page_errors")
+            count = self._pool_warnings.due()
+            if count:
+                logger.error("file store %s: %d page(s) not written: %s", self.root, count, r.reason)
+        elif r.errno in (errno.ENOSPC, errno.EDQUOT):
             self.stats.incr("enospc_errors")
             self._free_at = float("-inf")  # ask the file system again next time
             count = self._enospc_warnings.due()

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 from hicache.storage.page_format import PageCodec, PageHeader, Verdict, checksum, checksum_stream
 from hicache.storage.segments import PageSegments, bounce, io_runs
-from hicache.storage.staging import StagedPage
+from hicache.storage.staging import PoolPage, StagedPage
 
 from hicache_backends.file.layout import (
     FOOTER_LEN,
@@ -113,6 +113,7 @@ class WriteResult:
     errno: int | None = None
     reason: str = ""
     replaced: int = 0  # bytes of the page file this write replaced (the shared usage ledger)
+    pool_error: bool = False  # the host pool could not produce the page (nothing was written)
 
 
 @dataclass(slots=True)
@@ -457,12 +458,13 @@ def write_page(
     pid: str,
     key: str,
     pool: str,
-    payload: memoryview | PageSegments,
+    payload: memoryview | PageSegments | PoolPage,
     parent: str | None,
     fsync: bool,
     skip_size: int | None,
 ) -> WriteResult:
-    """Publish one page atomically (see the module docstring)."""
+    """Publish one page atomically (see the module docstring). A :class:`PoolPage` is copied
+    out of its pool here, after the skip check and right before it is hashed and written."""
     path = layout.path(pid)
     if skip_size is not None:
         try:
@@ -470,6 +472,11 @@ def write_page(
                 return WriteResult(True, skip_size, skipped=True)
         except OSError:
             pass
+    if isinstance(payload, PoolPage):
+        try:
+            _, payload = payload.produce()  # the view keeps the copy alive until we return
+        except Exception as exc:  # noqa: BLE001 - a page the pool cannot produce fails alone
+            return WriteResult(False, reason=f"host pool: {exc}", pool_error=True)
     segments = payload if isinstance(payload, PageSegments) else None
     if segments is None:
         payload = _as_bytes_view(payload)
