@@ -367,7 +367,6 @@ class FileStorage(AsyncHiCacheStorage):
         self._forget(pid)
         self._ledger_debt += result.size  # the read removed the file
         self.report_removed([page], reason="corrupt")
-        self._journal_later([(page.key, page.pool)], "corrupt")
         logger.warning(
             "file store %s: page %s failed verification (%s); removed, served as a miss",
             self.root, page.label()[:80], result.reason,
@@ -522,8 +521,6 @@ class FileStorage(AsyncHiCacheStorage):
         freed = page_io.remove_files(paths, sizes)
         if freed and self._ledger is not None:
             self._ledger.add(-freed)
-        if self._journal is not None:
-            self._journal.append_removed(idents, "evicted")
         return freed, idents
 
     async def _evict_for(
@@ -856,6 +853,13 @@ class FileStorage(AsyncHiCacheStorage):
             await asyncio.wait({task}, timeout=_CLEAR_WAIT_SECONDS)
 
     # ------------------------------------------------------------------ removal journal
+
+    def report_removed(self, pages: Sequence[PageKey], *, reason: str, origin: str = "local") -> None:
+        """Report removed pages to subscribers and, for this store's own removals (evicted,
+        corrupt), to the other processes through the journal: the one place removals go."""
+        super().report_removed(pages, reason=reason, origin=origin)
+        if origin == "local" and pages:
+            self._journal_later([(p.key, p.pool) for p in pages], reason)
 
     def _journal_later(self, pages: list[tuple[str, str]], reason: str) -> None:
         """Append to the journal on an I/O thread, not waited for (called on the loop)."""
