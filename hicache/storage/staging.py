@@ -121,7 +121,21 @@ def _staging_like(pool: Any) -> torch.Tensor:
     return like
 
 
-class StagedPage:
+class _PageOfPool:
+    """One page of a host pool as a backend buffer: its pool, first token index and bytes."""
+
+    __slots__ = ("pool", "index", "nbytes")
+
+    def __init__(self, pool: Any, index: int, nbytes: int) -> None:
+        self.pool = pool
+        self.index = index
+        self.nbytes = nbytes
+
+    def __len__(self) -> int:
+        return self.nbytes
+
+
+class StagedPage(_PageOfPool):
     """A page to read through staging and commit to its pool, all on the backend's I/O thread.
 
     A backend with ``supports_staged_pages`` gets these as read buffers: it calls :meth:`take`
@@ -129,17 +143,12 @@ class StagedPage:
     :meth:`commit` only if the page verified, and :meth:`give` back in every case.
     """
 
-    __slots__ = ("pool", "index", "like", "arena", "nbytes")
+    __slots__ = ("like", "arena")
 
     def __init__(self, pool: Any, index: int, like: torch.Tensor, arena: StagingArena, nbytes: int) -> None:
-        self.pool = pool
-        self.index = index
+        super().__init__(pool, index, nbytes)
         self.like = like
         self.arena = arena
-        self.nbytes = nbytes
-
-    def __len__(self) -> int:
-        return self.nbytes
 
     def take(self) -> tuple[torch.Tensor, memoryview]:
         """A staging page of this pool's page shape and a byte view of it."""
@@ -243,19 +252,11 @@ async def write_staged(pool: Any, starts: Sequence[int], write: WriteFn, page_by
     return ok
 
 
-class PoolPage:
+class PoolPage(_PageOfPool):
     """A page to copy out of its pool (``get_data_page``) by the backend's I/O thread that
     writes it, right before it does (backends with ``supports_staged_pages``)."""
 
-    __slots__ = ("pool", "index", "nbytes")
-
-    def __init__(self, pool: Any, index: int, nbytes: int) -> None:
-        self.pool = pool
-        self.index = index
-        self.nbytes = nbytes
-
-    def __len__(self) -> int:
-        return self.nbytes
+    __slots__ = ()
 
     def produce(self) -> tuple[torch.Tensor, memoryview]:
         """The page's copy and a byte view of it; ``ValueError`` if it is not ``nbytes`` long
