@@ -559,7 +559,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.pages = min(args.pages, 32)
         args.page_kib = min(args.page_kib, 1024)
-        args.repeats = max(args.repeats, 5)  # tiny runs are noisy: more of them, best kept
+        args.repeats = max(args.repeats, 5)  # tiny runs are noisy: more of them (medians)
         args.exists_scales = args.exists_scales or [1000, 5000]
         args.exists_calls = min(args.exists_calls, 100)
     args.exists_scales = args.exists_scales or [1000, 10000, 100000]
