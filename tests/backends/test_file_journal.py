@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import select
 import subprocess
 import sys
 import textwrap
@@ -157,6 +158,7 @@ def test_the_lock_file_stays_open_and_a_forked_child_opens_its_own(tmp_path: Pat
     journal.append_removed([("b", "kv")], "evicted")
     assert journal._lock_fd == lock  # not reopened per append
     read, write = os.pipe()
+    journal._append_mutex.acquire()  # as if another thread of ours were appending at the fork
     child = os.fork()
     if child == 0:  # pragma: no cover - the child reports through the pipe
         try:
@@ -164,8 +166,10 @@ def test_the_lock_file_stays_open_and_a_forked_child_opens_its_own(tmp_path: Pat
             os.write(write, b"1" if journal._lock_pid == os.getpid() else b"0")
         finally:
             os._exit(0)
+    journal._append_mutex.release()
     os.close(write)
-    assert os.read(read, 1) == b"1"  # the child used a lock file of its own
+    assert select.select([read], [], [], 20)[0], "the forked child hung on the journal"
+    assert os.read(read, 1) == b"1"  # the child used a lock file (and a mutex) of its own
     os.close(read)
     os.waitpid(child, 0)
     assert journal._lock_fd == lock and journal._lock_pid == os.getpid()

@@ -72,6 +72,7 @@ class RemovalJournal:
         self._lock_fd: int | None = None
         self._lock_pid = 0  # the process that opened _lock_fd
         self._append_mutex = threading.Lock()
+        self._mutex_pid = os.getpid()
         self._pos = 0
         self._tail = b""  # an incomplete last line, completed by a later poll
         self.malformed_lines = 0
@@ -89,7 +90,7 @@ class RemovalJournal:
 
     def _append(self, record: dict) -> None:
         line = (json.dumps(record, separators=(",", ":"), ensure_ascii=False) + "\n").encode("utf-8", "surrogatepass")
-        with self._append_mutex:
+        with self._mutex():
             lock = self._lock()
             if lock is None:
                 return
@@ -106,6 +107,14 @@ class RemovalJournal:
                     fcntl.flock(lock, fcntl.LOCK_UN)
             except OSError as exc:
                 logger.warning("file store %s: could not append to the removal journal: %s", self.ns_dir, exc)
+
+    def _mutex(self) -> threading.Lock:
+        """This process's append mutex: a child forked while a thread of the parent held it
+        would otherwise wait for it forever (only the forking thread lives on in the child)."""
+        if self._mutex_pid != os.getpid():
+            self._append_mutex = threading.Lock()
+            self._mutex_pid = os.getpid()
+        return self._append_mutex
 
     def _lock(self) -> int | None:
         """(Under the mutex.) The open lock file of this process, opened on first use."""
@@ -205,7 +214,7 @@ class RemovalJournal:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
-        with self._append_mutex:
+        with self._mutex():
             if self._lock_fd is not None and self._lock_pid == os.getpid():
                 os.close(self._lock_fd)
             self._lock_fd = None
