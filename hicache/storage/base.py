@@ -85,6 +85,12 @@ class AsyncHiCacheStorage(ABC):
     #: buffer (a page as pieces of pool memory). Then pages of a pool that describes them so
     #: move without a staging copy; otherwise they take the staging path.
     supports_segments: ClassVar[bool] = False
+    #: Whether ``_read`` accepts :class:`~hicache.storage.staging.StagedPage` buffers (read,
+    #: verify and commit each page on one I/O thread, through a staging page still in cache)
+    #: and ``_write`` :class:`~hicache.storage.staging.PoolPage` ones (copied out of the pool
+    #: by the thread that writes it). Otherwise pools without a page view move in pipelined
+    #: chunks of staging pages.
+    supports_staged_pages: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -506,10 +512,11 @@ class AsyncHiCacheStorage(ABC):
             return await self._move_segments(name, keys, good, pieces, None)
         if page_io.needs_thread(pool, good_starts):
             # no live page view: the seed page protocol alone, through reused staging pages
-            async def read(positions: list[int], bufs: list[memoryview]) -> list[bool]:
+            async def read(positions: list[int], bufs: Sequence[Any]) -> list[bool]:
                 return await self._read_guarded([PageKey(keys[good[j]], name) for j in positions], bufs)
 
-            flags = await staging.read_staged(pool, good_starts, read, self._staging, page_io.page_nbytes_hint(pool))
+            how = staging.read_committed if self.supports_staged_pages else staging.read_staged
+            flags = await how(pool, good_starts, read, self._staging, page_io.page_nbytes_hint(pool))
             return _scatter(len(keys), good, flags)
         found = page_io.read_targets(pool, good_starts)
         targets: list[page_io.ReadTarget | None] = [None] * len(keys)
@@ -570,7 +577,7 @@ class AsyncHiCacheStorage(ABC):
             return await self._move_segments(name, keys, good, pieces, parents)
         if page_io.needs_thread(pool, good_starts):
             # no live page view: copies of one chunk are made while the previous one is written
-            async def write(positions: list[int], bufs: list[memoryview]) -> list[bool]:
+            async def write(positions: list[int], bufs: Sequence[Any]) -> list[bool]:
                 return await self._write_guarded(
                     [PageKey(keys[good[j]], name) for j in positions], bufs, [parents[good[j]] for j in positions]
                 )
@@ -580,8 +587,14 @@ class AsyncHiCacheStorage(ABC):
                 try:
                     nbytes = await run_to_completion(page_io.page_nbytes, pool)
                 except Exception:  # noqa: BLE001 - then one page a chunk
-                    nbytes = staging.CHUNK_BYTES
-            flags = await staging.write_staged(pool, good_starts, write, nbytes)
+                    nbytes = None
+            if self.supports_staged_pages:
+                if not nbytes:
+                    logger.error("%s set: pool %r cannot say its page size; its pages fail", type(self).__name__, name)
+                    return [False] * len(keys)
+                flags = await staging.write_produced(pool, good_starts, write, nbytes)
+            else:
+                flags = await staging.write_staged(pool, good_starts, write, nbytes or staging.CHUNK_BYTES)
             return _scatter(len(keys), good, flags)
         found = page_io.write_sources(pool, good_starts)
         sources: list[memoryview | None] = [None] * len(keys)

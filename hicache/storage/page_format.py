@@ -119,6 +119,17 @@ class PageCodec:
             return None
         return PageHeader(hlen, plen, digest, bytes(ns), key, pool)
 
+    def check(self, parsed: PageHeader, key: str, pool: str, expected_len: int | None = None) -> Verdict:
+        """Check a parsed header against what the reader asked for (its payload aside): a
+        reader that needs the header's fields as well parses it once and calls this."""
+        if parsed.namespace != self.namespace_digest:
+            return Verdict.WRONG_NAMESPACE
+        if parsed.key != key or parsed.pool != pool:
+            return Verdict.WRONG_KEY
+        if expected_len is not None and parsed.payload_len != expected_len:
+            return Verdict.WRONG_LENGTH
+        return Verdict.OK
+
     def verify(
         self,
         header: bytes | memoryview,
@@ -131,12 +142,9 @@ class PageCodec:
         parsed = self.parse(header)
         if parsed is None:
             return Verdict.BAD_HEADER
-        if parsed.namespace != self.namespace_digest:
-            return Verdict.WRONG_NAMESPACE
-        if parsed.key != key or parsed.pool != pool:
-            return Verdict.WRONG_KEY
-        if expected_len is not None and parsed.payload_len != expected_len:
-            return Verdict.WRONG_LENGTH
+        verdict = self.check(parsed, key, pool, expected_len)
+        if verdict is not Verdict.OK:
+            return verdict
         if payload is not None:
             if len(payload) != parsed.payload_len:
                 return Verdict.WRONG_LENGTH

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import select
 import subprocess
 import sys
 import textwrap
@@ -123,3 +124,58 @@ def test_lines_a_later_writer_appends_are_read_from_the_journals_start(tmp_path:
     got = reader.poll()
     assert [(r.pages, r.reason) for r in got] == [((("k", "kv"),), "corrupt")]
     reader.close()
+
+
+def _journal_lines(root: Path) -> list[dict]:
+    return [json.loads(line) for p in root.rglob(JOURNAL_NAME) for line in p.read_text().splitlines() if line]
+
+
+async def test_each_removal_is_journalled_once(tmp_path: Path) -> None:
+    """Evictions and corrupt pages go through report_removed, the one place that journals."""
+    pool = ArrayHostPool(8, PAGE)
+    pool.fill_random(4)
+    store = create_async_storage("file", None, root=str(tmp_path), namespace=NS_A)
+    store.register_mem_pool_host(pool)
+    keys = keys_for(2, salt=5)
+    async with store:
+        await store.wait_index_ready()
+        assert await store.batch_set_v1(keys, pool.indices(0, 2)) == [True, True]
+        page = next(tmp_path.rglob("*.page"))
+        data = bytearray(page.read_bytes())
+        data[-100] ^= 0xFF  # the footer's neighbour: a payload byte
+        page.write_bytes(bytes(data))
+        got = await store.batch_get_v1(keys, pool.indices(2, 2))
+        assert got.count(False) == 1 and store.get_stats()["corrupt_pages"] == 1
+    lines = [ln for ln in _journal_lines(tmp_path) if "rm" in ln]
+    assert [(ln["r"], len(ln["rm"])) for ln in lines] == [("corrupt", 1)]
+
+
+def test_the_lock_file_stays_open_and_a_forked_child_opens_its_own(tmp_path: Path) -> None:
+    journal = RemovalJournal(str(tmp_path))
+    journal.append_removed([("a", "kv")], "evicted")
+    lock = journal._lock_fd
+    assert lock is not None
+    journal.append_removed([("b", "kv")], "evicted")
+    assert journal._lock_fd == lock  # not reopened per append
+    read, write = os.pipe()
+    journal._append_mutex.acquire()  # as if another thread of ours were appending at the fork
+    child = os.fork()
+    if child == 0:  # pragma: no cover - the child reports through the pipe
+        try:
+            journal.append_removed([("c", "kv")], "evicted")
+            os.write(write, b"1" if journal._lock_pid == os.getpid() else b"0")
+        finally:
+            os._exit(0)
+    journal._append_mutex.release()
+    os.close(write)
+    assert select.select([read], [], [], 20)[0], "the forked child hung on the journal"
+    assert os.read(read, 1) == b"1"  # the child used a lock file (and a mutex) of its own
+    os.close(read)
+    os.waitpid(child, 0)
+    assert journal._lock_fd == lock and journal._lock_pid == os.getpid()
+    journal.append_removed([("d", "kv")], "evicted")
+    assert [k for ln in _journal_lines(tmp_path) for k, _ in ln["rm"]] == ["a", "b", "c", "d"]
+    journal.close()
+    assert journal._lock_fd is None
+    journal.append_removed([("e", "kv")], "evicted")  # after close: reopened, still works
+    journal.close()

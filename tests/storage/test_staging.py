@@ -121,6 +121,9 @@ async def test_a_page_the_pool_refuses_fails_alone(tmp_path: Path) -> None:
     try:
         dst = CountingPool(16, PAGE, ELEMS, fail_commit_at=4 * PAGE)
         assert await _get(store, dst, 0, 6) == [True, True, True, True, False, True]
+        stats = store.get_stats()  # counted as refused; the sound page stays stored
+        assert stats["pool_refused_pages"] == 1 and stats["corrupt_pages"] == 0
+        assert await _get(store, CountingPool(16, PAGE, ELEMS), 0, 6) == [True] * 6
     finally:
         await store.aclose()
 
@@ -183,3 +186,94 @@ def test_arena_bounds_idle_pages() -> None:
     again = arena.take(like, 2)
     assert {p.data_ptr() for p in again} <= {p.data_ptr() for p in pages}
     assert arena.take(torch.empty(8, dtype=torch.int64), 1)[0].dtype == torch.int64
+
+
+async def test_a_truncated_page_is_a_counted_miss_and_the_pool_is_untouched(tmp_path: Path) -> None:
+    n = 5
+    store, src = await _written(tmp_path, n, 6)
+    try:
+        victim = sorted(tmp_path.rglob("*.page"))[2]
+        victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])  # a short file
+        dst = CountingPool(16, PAGE, ELEMS)
+        dst.buffer.fill_(3.0)
+        got = await _get(store, dst, 0, n)
+        assert got.count(False) == 1 and store.get_stats()["corrupt_pages"] == 1
+        bad = got.index(False)
+        assert bad * PAGE not in dst.commits
+        assert bool((dst.buffer[bad * PAGE : (bad + 1) * PAGE] == 3.0).all())
+        assert not victim.exists()  # removed: the next read is a plain miss
+        assert (await _get(store, dst, 0, n)).count(False) == 1
+        assert store.get_stats()["corrupt_pages"] == 1
+    finally:
+        await store.aclose()
+
+
+class WrongDummyPool(CountingPool):
+    """Says its pages are ``page_nbytes`` long but hands out scratch pages of another size."""
+
+    def get_dummy_flat_data_page(self) -> torch.Tensor:
+        return torch.zeros(PAGE * ELEMS // 2, dtype=self.dtype)
+
+
+async def test_a_staging_page_of_the_wrong_size_is_a_clear_error_not_a_read(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    store, _ = await _written(tmp_path, 3, 7)
+    try:
+        dst = WrongDummyPool(16, PAGE, ELEMS)
+        dst.buffer.fill_(5.0)
+        assert await _get(store, dst, 0, 3) == [False] * 3
+        assert "get_dummy_flat_data_page() is" in caplog.text and not dst.commits
+        assert bool((dst.buffer == 5.0).all())
+        assert store.get_stats()["corrupt_pages"] == 0  # the pages on disk are fine
+    finally:
+        await store.aclose()
+
+
+class WrongPagePool(CountingPool):
+    """``get_data_page`` of one page is short (a pool that lies about its page size)."""
+
+    def get_data_page(self, index: int, flat: bool = True) -> torch.Tensor:
+        page = super().get_data_page(index, flat)
+        return page.reshape(-1)[: page.numel() // 2].clone() if index == 2 * PAGE else page
+
+
+async def test_a_pool_page_of_the_wrong_size_fails_alone_with_a_clear_error(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    src = WrongPagePool(16, PAGE, ELEMS)
+    store = await _opened(tmp_path, src, 8)
+    try:
+        res = await store.batch_set_v2([PoolTransfer("kv", host_indices=src.indices(0, 4), keys=_keys(4))])
+        assert res["kv"] == [True, True, False, True]
+        assert store.get_stats()["pool_page_errors"] == 1
+        assert "get_data_page(8) is 1024 bytes, a page is 2048" in caplog.text
+        assert len(list(tmp_path.rglob("*.page"))) == 3  # nothing stored for the bad page
+        dst = CountingPool(16, PAGE, ELEMS)
+        assert await _get(store, dst, 0, 4) == [True, True, False, True]
+    finally:
+        await store.aclose()
+
+
+async def test_staged_reads_reuse_a_few_warm_pages_not_one_per_page(tmp_path: Path) -> None:
+    """Each page is read, verified and committed on one thread: the arena hands the same few
+    staging pages round (at most one per I/O thread in use), however long the batch."""
+    n = 12
+    store, src = await _written(tmp_path, n, 10)
+    try:
+        dst = CountingPool(16, PAGE, ELEMS)
+        taken: list[int] = []
+        real_take = store._staging.take
+
+        def take(like: torch.Tensor, k: int) -> list[torch.Tensor]:
+            out = real_take(like, k)
+            taken.extend(t.data_ptr() for t in out)
+            return out
+
+        store._staging.take = take  # type: ignore[method-assign]
+        assert await _get(store, dst, 0, n) == [True] * n
+        assert len(taken) == n and len(set(taken)) <= store.io_threads
+        for i in range(n):
+            assert dst.page_bytes(i * PAGE) == src.page_bytes(i * PAGE), i
+    finally:
+        await store.aclose()

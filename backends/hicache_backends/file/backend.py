@@ -42,6 +42,7 @@ from hicache.storage import AsyncHiCacheStorage, HiCacheStorageConfig, PageCodec
 from hicache.storage.changes import report_cleared
 from hicache.storage.offload import run_to_completion
 from hicache.storage.segments import PageSegments
+from hicache.storage.staging import PoolPage, StagedPage
 from hicache.storage.stats import Throttle
 
 from hicache_backends.file import io as page_io
@@ -91,7 +92,7 @@ class _WriteJob:
     index: int  # position in the caller's batch
     pid: str
     page: PageKey
-    buf: memoryview | PageSegments
+    buf: memoryview | PageSegments | PoolPage
     parent: str | None
     size: int
     skip_size: int | None
@@ -128,6 +129,7 @@ class FileStorage(AsyncHiCacheStorage):
 
     backend_name = "file"
     supports_segments = True  # pages scattered in pool memory move by preadv/pwritev, no staging
+    supports_staged_pages = True  # seed-protocol pools: each page copied and moved by one thread
 
     def __init__(
         self,
@@ -194,6 +196,7 @@ class FileStorage(AsyncHiCacheStorage):
         self._last_rescan = float("-inf")
         self._refusal_warnings = Throttle(_REFUSAL_WARN_SECONDS)
         self._enospc_warnings = Throttle(_REFUSAL_WARN_SECONDS)
+        self._pool_warnings = Throttle(_REFUSAL_WARN_SECONDS)
         self._background: set[asyncio.Task[None]] = set()
 
     # ------------------------------------------------------------------ properties
@@ -364,7 +367,6 @@ class FileStorage(AsyncHiCacheStorage):
         self._forget(pid)
         self._ledger_debt += result.size  # the read removed the file
         self.report_removed([page], reason="corrupt")
-        self._journal_later([(page.key, page.pool)], "corrupt")
         logger.warning(
             "file store %s: page %s failed verification (%s); removed, served as a miss",
             self.root, page.label()[:80], result.reason,
@@ -519,8 +521,6 @@ class FileStorage(AsyncHiCacheStorage):
         freed = page_io.remove_files(paths, sizes)
         if freed and self._ledger is not None:
             self._ledger.add(-freed)
-        if self._journal is not None:
-            self._journal.append_removed(idents, "evicted")
         return freed, idents
 
     async def _evict_for(
@@ -593,7 +593,7 @@ class FileStorage(AsyncHiCacheStorage):
                     out[i] = True
         return out
 
-    async def _read(self, pages: Sequence[PageKey], buffers: Sequence[memoryview | PageSegments]) -> list[bool]:
+    async def _read(self, pages: Sequence[PageKey], buffers: Sequence[memoryview | PageSegments | StagedPage]) -> list[bool]:
         assert self._layout is not None and self._codec is not None
         ids = [page_id(p.key, p.pool) for p in pages]
         before = [self.index.get(pid) for pid in ids]
@@ -611,12 +611,14 @@ class FileStorage(AsyncHiCacheStorage):
         now = time.time()
         ok = [False] * len(pages)
         for i, (pid, r) in enumerate(zip(ids, results)):
-            if r.status is page_io.ReadStatus.OK:
-                ok[i] = True
+            if r.status is page_io.ReadStatus.OK or r.status is page_io.ReadStatus.REFUSED:
+                ok[i] = r.status is page_io.ReadStatus.OK  # refused: a sound page, not taken
                 if pid in self.index:
                     self.index.touch(pid, now)
                 else:
                     self._adopt(pid, r)
+                if not ok[i]:
+                    self.stats.incr("pool_refused_pages")
             else:
                 self._after_failed_read(pages[i], pid, r, before[i])
         return ok
@@ -659,7 +661,7 @@ class FileStorage(AsyncHiCacheStorage):
     async def _write(
         self,
         pages: Sequence[PageKey],
-        buffers: Sequence[memoryview | PageSegments],
+        buffers: Sequence[memoryview | PageSegments | PoolPage],
         parents: Sequence[PageKey | None],
     ) -> list[bool]:
         assert self._layout is not None and self._codec is not None
@@ -809,7 +811,12 @@ class FileStorage(AsyncHiCacheStorage):
         self._free_est -= written
 
     def _write_failed(self, job: _WriteJob, r: page_io.WriteResult) -> None:
-        if r.errno in (errno.ENOSPC, errno.EDQUOT):
+        if r.pool_error:
+            self.stats.incr("pool_page_errors")
+            count = self._pool_warnings.due()
+            if count:
+                logger.error("file store %s: %d page(s) not written: %s", self.root, count, r.reason)
+        elif r.errno in (errno.ENOSPC, errno.EDQUOT):
             self.stats.incr("enospc_errors")
             self._free_at = float("-inf")  # ask the file system again next time
             count = self._enospc_warnings.due()
@@ -846,6 +853,13 @@ class FileStorage(AsyncHiCacheStorage):
             await asyncio.wait({task}, timeout=_CLEAR_WAIT_SECONDS)
 
     # ------------------------------------------------------------------ removal journal
+
+    def report_removed(self, pages: Sequence[PageKey], *, reason: str, origin: str = "local") -> None:
+        """Report removed pages to subscribers and, for this store's own removals (evicted,
+        corrupt), to the other processes through the journal: the one place removals go."""
+        super().report_removed(pages, reason=reason, origin=origin)
+        if origin == "local" and pages:
+            self._journal_later([(p.key, p.pool) for p in pages], reason)
 
     def _journal_later(self, pages: list[tuple[str, str]], reason: str) -> None:
         """Append to the journal on an I/O thread, not waited for (called on the loop)."""

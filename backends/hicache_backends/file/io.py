@@ -33,8 +33,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 
-from hicache.storage.page_format import PageCodec, Verdict, checksum, checksum_stream
+from hicache.storage.page_format import PageCodec, PageHeader, Verdict, checksum, checksum_stream
 from hicache.storage.segments import PageSegments, bounce, io_runs
+from hicache.storage.staging import PoolPage, StagedPage
 
 from hicache_backends.file.layout import (
     FOOTER_LEN,
@@ -91,6 +92,7 @@ class ReadStatus(enum.Enum):
     SIZE_MISMATCH = "size_mismatch"  # a sound page, but not of the size the caller asked for
     CORRUPT = "corrupt"  # failed verification; the file was removed
     ERROR = "error"  # an I/O error (EIO, EACCES...); the file is left alone
+    REFUSED = "refused"  # a sound page the host pool refused to take (set_from_flat_data_page)
 
 
 @dataclass(slots=True)
@@ -111,6 +113,7 @@ class WriteResult:
     errno: int | None = None
     reason: str = ""
     replaced: int = 0  # bytes of the page file this write replaced (the shared usage ledger)
+    pool_error: bool = False  # the host pool could not produce the page (nothing was written)
 
 
 @dataclass(slots=True)
@@ -243,14 +246,22 @@ def _corrupt(path: str, st: os.stat_result, reason: str) -> ReadResult:
     return ReadResult(ReadStatus.CORRUPT, st.st_size, reason=reason)
 
 
-def _verify(codec: PageCodec, header: memoryview, payload: memoryview, key: str, pool: str) -> Verdict:
-    """``codec.verify`` of header and payload, with the payload hashed by :func:`payload_checksum`."""
-    verdict = codec.verify(header, None, key, pool, expected_len=len(payload))
-    if verdict is not Verdict.OK:
-        return verdict
+def _check_header(
+    codec: PageCodec, header: bytes | memoryview, key: str, pool: str, expected_len: int | None = None
+) -> PageHeader | Verdict:
+    """The header parsed once: the :class:`PageHeader` if it is this page's, else why not."""
     parsed = codec.parse(header)
-    if parsed is None:  # pragma: no cover - verify() parsed it already
+    if parsed is None:
         return Verdict.BAD_HEADER
+    verdict = codec.check(parsed, key, pool, expected_len)
+    return parsed if verdict is Verdict.OK else verdict
+
+
+def _verify(codec: PageCodec, header: memoryview, payload: memoryview, key: str, pool: str) -> Verdict:
+    """Header (parsed once) and payload (one checksum pass, :func:`payload_checksum`) of a page."""
+    parsed = _check_header(codec, header, key, pool, len(payload))
+    if isinstance(parsed, Verdict):
+        return parsed
     return Verdict.OK if payload_checksum(payload) == parsed.checksum else Verdict.BAD_CHECKSUM
 
 
@@ -262,12 +273,9 @@ def _read_segments(
     hlen = len(header)
     if _read_all(fd, [header]) != hlen:
         return Verdict.WRONG_LENGTH
-    verdict = codec.verify(header, None, key, pool, expected_len=page.nbytes)
-    if verdict is not Verdict.OK:
-        return verdict
-    parsed = codec.parse(header)
-    if parsed is None:  # pragma: no cover - verify() parsed it already
-        return Verdict.BAD_HEADER
+    parsed = _check_header(codec, header, key, pool, page.nbytes)
+    if isinstance(parsed, Verdict):
+        return parsed
     digest = checksum_stream()
     offset = hlen
     for run in io_runs(page):
@@ -311,8 +319,13 @@ def _write_segments(fd: int, codec: PageCodec, key: str, pool: str, page: PageSe
     _write_all(fd, [codec.encode(key, pool, page, digest.intdigest())], 0)
 
 
-def read_page_into(path: str, codec: PageCodec, key: str, pool: str, buf: memoryview | PageSegments) -> ReadResult:
-    """Read and verify one page whose payload must be exactly ``len(buf)`` bytes."""
+def read_page_into(
+    path: str, codec: PageCodec, key: str, pool: str, buf: memoryview | PageSegments | StagedPage
+) -> ReadResult:
+    """Read and verify one page whose payload must be exactly ``len(buf)`` bytes (a
+    :class:`StagedPage`: into a staging page, committed to its pool once verified)."""
+    if isinstance(buf, StagedPage):
+        return _read_staged(path, codec, key, pool, buf)
     if not isinstance(buf, PageSegments):
         buf = _as_bytes_view(buf)
     fd = _open_page(path)
@@ -327,14 +340,12 @@ def read_page_into(path: str, codec: PageCodec, key: str, pool: str, buf: memory
         if st.st_size != want:
             # Either the caller asked for another size (a miss, the page stays) or the file is
             # damaged. The header alone tells which; the caller's buffer is never touched.
-            head = os.pread(fd, hlen, 0)
-            verdict = codec.verify(head, None, key, pool)
-            if verdict is Verdict.OK:
-                parsed = codec.parse(head)
-                if parsed is not None and st.st_size == hlen + parsed.payload_len + FOOTER_LEN:
-                    return ReadResult(ReadStatus.SIZE_MISMATCH, st.st_size, reason="size")
-                return _corrupt(path, st, "truncated")
-            return _corrupt(path, st, verdict.value)
+            parsed = _check_header(codec, os.pread(fd, hlen, 0), key, pool)
+            if isinstance(parsed, Verdict):
+                return _corrupt(path, st, parsed.value)
+            if st.st_size == hlen + parsed.payload_len + FOOTER_LEN:
+                return ReadResult(ReadStatus.SIZE_MISMATCH, st.st_size, reason="size")
+            return _corrupt(path, st, "truncated")
         header = memoryview(bytearray(hlen))
         footer = memoryview(bytearray(FOOTER_LEN))
         if isinstance(buf, PageSegments):
@@ -358,6 +369,19 @@ def read_page_into(path: str, codec: PageCodec, key: str, pool: str, buf: memory
         os.close(fd)
 
 
+def _read_staged(path: str, codec: PageCodec, key: str, pool: str, page: StagedPage) -> ReadResult:
+    """Read and verify a page into a staging page, then commit it to its pool, on this thread:
+    the bytes are still in the CPU cache for the checksum and the pool's copy."""
+    stage, view = page.take()
+    try:
+        result = read_page_into(path, codec, key, pool, view)
+        if result.status is ReadStatus.OK and not page.commit(stage):
+            return ReadResult(ReadStatus.REFUSED, result.size, result.parent, result.mtime, reason="host pool refused it")
+        return result
+    finally:
+        page.give(stage)
+
+
 def read_page_bytes(path: str, codec: PageCodec, key: str, pool: str, max_bytes: int = 1 << 34) -> ReadResult:
     """Read and verify one page of unknown size; ``payload`` holds it on success."""
     fd = _open_page(path)
@@ -375,16 +399,15 @@ def read_page_bytes(path: str, codec: PageCodec, key: str, pool: str, max_bytes:
         header = memoryview(bytearray(hlen))
         if _read_all(fd, [header]) != hlen:
             return _corrupt(path, st, "short_read")
-        early = codec.verify(header, None, key, pool, expected_len=plen)
-        if early is not Verdict.OK:
-            return _corrupt(path, st, early.value)
+        parsed = _check_header(codec, header, key, pool, plen)
+        if isinstance(parsed, Verdict):
+            return _corrupt(path, st, parsed.value)
         payload = bytearray(plen)
         footer = memoryview(bytearray(FOOTER_LEN))
         if _read_all(fd, [memoryview(payload), footer], hlen) != plen + FOOTER_LEN:
             return _corrupt(path, st, "short_read")
-        verdict = _verify(codec, header, memoryview(payload), key, pool)
-        if verdict is not Verdict.OK:
-            return _corrupt(path, st, verdict.value)
+        if payload_checksum(payload) != parsed.checksum:
+            return _corrupt(path, st, Verdict.BAD_CHECKSUM.value)
         foot = decode_footer(footer)
         if foot is None:
             return _corrupt(path, st, "bad_footer")
@@ -435,12 +458,13 @@ def write_page(
     pid: str,
     key: str,
     pool: str,
-    payload: memoryview | PageSegments,
+    payload: memoryview | PageSegments | PoolPage,
     parent: str | None,
     fsync: bool,
     skip_size: int | None,
 ) -> WriteResult:
-    """Publish one page atomically (see the module docstring)."""
+    """Publish one page atomically (see the module docstring). A :class:`PoolPage` is copied
+    out of its pool here, after the skip check and right before it is hashed and written."""
     path = layout.path(pid)
     if skip_size is not None:
         try:
@@ -448,6 +472,11 @@ def write_page(
                 return WriteResult(True, skip_size, skipped=True)
         except OSError:
             pass
+    if isinstance(payload, PoolPage):
+        try:
+            _, payload = payload.produce()  # the view keeps the copy alive until we return
+        except Exception as exc:  # noqa: BLE001 - a page the pool cannot produce fails alone
+            return WriteResult(False, reason=f"host pool: {exc}", pool_error=True)
     segments = payload if isinstance(payload, PageSegments) else None
     if segments is None:
         payload = _as_bytes_view(payload)

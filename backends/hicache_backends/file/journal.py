@@ -10,7 +10,9 @@ own storage tier (``origin="peer"``), forgetting those pages in its index too.
 Format: one JSON object per line, ``{"w": writer, "rm": [[key, pool], ...], "r": reason}`` or
 ``{"w": writer, "clear": 1}``; ``writer`` is a random id per open store, so a store skips its
 own lines. Appends happen under an exclusive ``flock`` on ``removals.lock`` (released by the
-kernel if the holder dies), one ``write`` per batch.
+kernel if the holder dies), one ``write`` per batch. The lock file stays open between appends;
+threads of one process take turns on a mutex first (a ``flock`` on one open file does not
+exclude its sharers), and a forked child opens its own (the inherited one is the parent's lock).
 
 Bounded: an append that finds the journal over ``max_bytes`` first renames it to
 ``removals.1`` (replacing the previous one), so the journal never takes more than about twice
@@ -33,6 +35,7 @@ import json
 import logging
 import os
 import secrets
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -66,6 +69,10 @@ class RemovalJournal:
         self.max_bytes = max_bytes
         self.writer = secrets.token_hex(8)
         self._fd: int | None = None
+        self._lock_fd: int | None = None
+        self._lock_pid = 0  # the process that opened _lock_fd
+        self._append_mutex = threading.Lock()
+        self._mutex_pid = os.getpid()
         self._pos = 0
         self._tail = b""  # an incomplete last line, completed by a later poll
         self.malformed_lines = 0
@@ -83,23 +90,47 @@ class RemovalJournal:
 
     def _append(self, record: dict) -> None:
         line = (json.dumps(record, separators=(",", ":"), ensure_ascii=False) + "\n").encode("utf-8", "surrogatepass")
-        try:
-            lock = os.open(os.path.join(self.ns_dir, _LOCK_NAME), os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
-        except OSError as exc:
-            logger.warning("file store %s: removal journal unavailable: %s", self.ns_dir, exc)
-            return
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            self._rotate()
-            fd = os.open(self.path, _O_APPEND, 0o644)
+        with self._mutex():
+            lock = self._lock()
+            if lock is None:
+                return
             try:
-                os.write(fd, line)
-            finally:
-                os.close(fd)
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                try:
+                    self._rotate()
+                    fd = os.open(self.path, _O_APPEND, 0o644)
+                    try:
+                        os.write(fd, line)
+                    finally:
+                        os.close(fd)
+                finally:
+                    fcntl.flock(lock, fcntl.LOCK_UN)
+            except OSError as exc:
+                logger.warning("file store %s: could not append to the removal journal: %s", self.ns_dir, exc)
+
+    def _mutex(self) -> threading.Lock:
+        """This process's append mutex: a child forked while a thread of the parent held it
+        would otherwise wait for it forever (only the forking thread lives on in the child)."""
+        if self._mutex_pid != os.getpid():
+            self._append_mutex = threading.Lock()
+            self._mutex_pid = os.getpid()
+        return self._append_mutex
+
+    def _lock(self) -> int | None:
+        """(Under the mutex.) The open lock file of this process, opened on first use."""
+        if self._lock_fd is not None and self._lock_pid == os.getpid():
+            return self._lock_fd
+        # none yet, or inherited across fork (then it is the parent's: left to the parent)
+        try:
+            self._lock_fd = os.open(
+                os.path.join(self.ns_dir, _LOCK_NAME), os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644
+            )
         except OSError as exc:
-            logger.warning("file store %s: could not append to the removal journal: %s", self.ns_dir, exc)
-        finally:
-            os.close(lock)  # releases the flock
+            self._lock_fd = None
+            logger.warning("file store %s: removal journal unavailable: %s", self.ns_dir, exc)
+            return None
+        self._lock_pid = os.getpid()
+        return self._lock_fd
 
     def _rotate(self) -> None:
         """(Under the lock.) Move a full journal aside, replacing the previous one."""
@@ -183,3 +214,7 @@ class RemovalJournal:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+        with self._mutex():
+            if self._lock_fd is not None and self._lock_pid == os.getpid():
+                os.close(self._lock_fd)
+            self._lock_fd = None
