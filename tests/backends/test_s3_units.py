@@ -122,6 +122,21 @@ def test_exists_cache_ttl_lru_and_generations() -> None:
     assert not off.contains("x")
 
 
+def test_exists_cache_gone_marks_until_a_fresh_answer() -> None:
+    c = ExistsCache(max_entries=2, ttl=10.0, clock=Clock())
+    c.add("a", c.generation)
+    assert c.mark_gone("a") is True  # it was believed present
+    assert not c.contains("a") and c.is_gone("a")
+    assert c.mark_gone("b") is False and c.is_gone("b")  # never known: a miss, not stale
+    c.mark_gone("c")  # bounded like the entries: the oldest mark goes
+    assert not c.is_gone("a") and c.is_gone("b") and c.is_gone("c")
+    c.add("b", c.generation)  # a fresh answer (HEAD, read, write) clears the mark
+    assert not c.is_gone("b") and c.contains("b")
+    assert c.discard("b") is True and c.discard("b") is False
+    c.clear()
+    assert not c.is_gone("c")
+
+
 def test_object_names_hash_keys_and_pools() -> None:
     names = ObjectNames("bucket/prefix/", "ab" * 16)
     assert names.manifest == f"bucket/prefix/{'ab' * 16}/manifest.json"

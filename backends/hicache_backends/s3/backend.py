@@ -87,7 +87,10 @@ class FsspecStorage(AsyncHiCacheStorage):
         exists_cache_size, exists_cache_ttl: how many known-present pages to remember, and for
             how long (0 entries disables the cache). Stores of one process on the same location
             and namespace share the cache, so a clear through one is seen by all. While the
-            breaker is not closed the cache is not consulted: lookups answer misses.
+            breaker is not closed the cache is not consulted: lookups answer misses. A page
+            removed by someone else is claimed for at most the TTL; a read that finds it
+            missing is a miss that forgets it (``stale_hits``), and run indexes stop vouching
+            for it until the store answers for that page again.
         manifest_check_interval: seconds between checks that the namespace manifest is still
             there (a bucket deleted and re-created loses it); it is rewritten when missing.
         namespace: override the namespace derived from the storage config.
@@ -337,8 +340,11 @@ class FsspecStorage(AsyncHiCacheStorage):
         generation = cache.generation
         paths = [names.page(p.key, p.pool) for p in pages]
         n, pos = len(pages), 0
-        while pos < n and cache.contains(paths[pos]):
-            pos += 1
+        # while the breaker is not closed the store is down for readers too: a remembered page
+        # cannot be read, so only an answer from the store (the probe) may count (as in _exists)
+        if self.breaker.state is BreakerState.CLOSED:
+            while pos < n and cache.contains(paths[pos]):
+                pos += 1
         self.stats.incr("exists_cache_hits", pos)
         wave = max(1, self.concurrency - 1)
         while pos < n:
@@ -354,7 +360,8 @@ class FsspecStorage(AsyncHiCacheStorage):
             run = 0
             if index:
                 want = [ObjectNames.page_hash(p.key, p.pool) for p in pages[pos : pos + len(index)]]
-                while run < len(want) and index[run] == want[run]:
+                # an index is second-hand: it never vouches for a page a read found gone
+                while run < len(want) and index[run] == want[run] and not cache.is_gone(paths[pos + run]):
                     cache.add(paths[pos + run], generation)
                     run += 1
             heads = leading_run(flags)
@@ -409,7 +416,7 @@ class FsspecStorage(AsyncHiCacheStorage):
         try:  # header and payload in one ranged GET
             data = await self.runner.request("read", lambda ops: ops.get_range(path, 0, hlen + want))
         except FileNotFoundError:
-            self.exists_cache.discard(path)
+            self._vanished(path, page)
             return False
         except GaveUp:
             return False
@@ -426,6 +433,15 @@ class FsspecStorage(AsyncHiCacheStorage):
         self.exists_cache.add(path, generation)
         return True
 
+    def _vanished(self, path: str, page: PageKey) -> None:
+        """A read found ``path`` missing: a clean miss, and no lookup of this process claims it
+        again on old evidence (the exists cache or a run index) until the store says it is
+        there. A page this process believed present was removed by someone else (another
+        process's clear, a lifecycle rule): counted, and reported like the file backend does."""
+        if self.exists_cache.mark_gone(path):
+            self.stats.incr("stale_hits")
+            self.report_removed([page], reason="vanished", origin="peer")
+
     def _verify_and_copy(self, view: memoryview, hlen: int, page: PageKey, buf: memoryview) -> Verdict:
         verdict = self._verify(view[:hlen], view[hlen:], page, len(buf))
         if verdict is Verdict.OK:
@@ -439,7 +455,7 @@ class FsspecStorage(AsyncHiCacheStorage):
             try:
                 data = await self.runner.request("read", lambda ops: ops.get(path))
             except FileNotFoundError:
-                self.exists_cache.discard(path)
+                self._vanished(path, page)
                 return None
             except GaveUp:
                 return None
