@@ -40,6 +40,7 @@ from hicache.storage import AsyncHiCacheStorage, HiCacheStorageConfig, PageCodec
 from hicache.storage.hit_policy import leading_run
 from hicache.storage.offload import OFFLOAD_MIN_BYTES, copy_bytes, run_to_completion
 from hicache.storage.stats import Throttle
+from hicache_backends.s3.bodies import BodyBuffers
 from hicache_backends.s3.breaker import BreakerState, CircuitBreaker
 from hicache_backends.s3.cache import ExistsCache
 from hicache_backends.s3.fs import LoopLocal, LoopResources, close_all, make_ops
@@ -211,6 +212,13 @@ class FsspecStorage(AsyncHiCacheStorage):
             # pages carry their own xxh3 checksum, verified on every read
             cfg.setdefault("request_checksum_calculation", "when_required")
             cfg.setdefault("response_checksum_validation", "when_required")
+            # and for the same reason no SHA-256 of every body for the signature (botocore signs
+            # the payload on http://, and on https:// when no checksum header is sent): that
+            # hash was the largest CPU cost of a PUT, and it guards nothing the page checksum
+            # (and TLS on https) does not. An explicit "s3" config_kwargs entry wins.
+            s3cfg = dict(cfg.get("s3") or {})
+            s3cfg.setdefault("payload_signing_enabled", False)
+            cfg["s3"] = s3cfg
             opts["config_kwargs"] = cfg
         return opts
 
@@ -221,7 +229,10 @@ class FsspecStorage(AsyncHiCacheStorage):
             # after a transient error before giving up; the breaker keeps that rare.
             fs.retries = 1
         # twice the request slots: every request in flight can have the next body ready
-        return LoopResources(make_ops(fs), asyncio.Semaphore(self.concurrency), asyncio.Semaphore(2 * self.concurrency))
+        return LoopResources(
+            make_ops(fs), asyncio.Semaphore(self.concurrency), asyncio.Semaphore(2 * self.concurrency),
+            BodyBuffers(self.concurrency),
+        )
 
     def _cache_scope(self) -> tuple[str, ...]:
         """What identifies this store's objects within the process: protocol, service, path."""
@@ -541,19 +552,18 @@ class FsspecStorage(AsyncHiCacheStorage):
     async def _write_one(self, page: PageKey, buf: memoryview, generation: int) -> bool:
         codec = self._codec or PageCodec(self.namespace.digest_bytes)
         path = self.names.page(page.key, page.pool)
-
-        def body() -> bytes:
-            return b"".join((codec.encode(page.key, page.pool, buf), buf))
-
+        res = self._local.get()
         try:
             # One PUT of header+payload: an object store publishes an object whole or not at all.
             # The body is built before a request slot is free, so a PUT starts the moment one
             # frees (built inside the slot, every PUT waited for its own hashing and copy: set
             # was 0.96x plain s3fs with ready bytes). At most 2 x concurrency bodies exist, so a
             # huge batch never holds a copy of every page; a big one is built on a thread.
-            async with self._local.get().staging:
-                data = await run_to_completion(body) if len(buf) >= OFFLOAD_MIN_BYTES else body()
+            async with res.staging:
+                data = await self._body(res, codec, page, buf)
                 await self.runner.request("write", lambda ops: ops.put(path, data))
+                if isinstance(data, bytearray):
+                    res.bodies.give_back(data)  # answered: nothing refers to it any more
         except FileNotFoundError:
             self.stats.incr("permanent_errors")
             self._manifest_ok = False  # the bucket is gone; if it comes back, so must the manifest
@@ -563,6 +573,30 @@ class FsspecStorage(AsyncHiCacheStorage):
             return False
         self.exists_cache.add(path, generation)
         return True
+
+    @staticmethod
+    async def _body(res: LoopResources, codec: PageCodec, page: PageKey, buf: memoryview) -> bytes | bytearray:
+        """Header + payload as one body: in a reused buffer where the filesystem allows it
+        (:mod:`.bodies`: one copy, sent with one socket write), else as ``bytes``."""
+        big = len(buf) >= OFFLOAD_MIN_BYTES
+        if not res.ops.reuses_bodies:
+            def join() -> bytes:
+                return b"".join((codec.encode(page.key, page.pool, buf), buf))
+
+            return await run_to_completion(join) if big else join()
+        hlen = PageCodec.header_len(page.key, page.pool)
+        body = res.bodies.take(hlen + len(buf))
+
+        def fill() -> None:
+            with memoryview(body) as view:
+                view[:hlen] = codec.encode(page.key, page.pool, buf)
+                copy_bytes(view[hlen:], buf)
+
+        if big:  # hashing and copying a big page would stall the loop for milliseconds
+            await run_to_completion(fill)
+        else:
+            fill()
+        return body
 
     async def _clear(self) -> None:
         """Remove this namespace's pages (the manifest stays: it only describes the namespace).

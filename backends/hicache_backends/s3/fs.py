@@ -22,6 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
+from hicache_backends.s3.bodies import BodyBuffers
+
 __all__ = [
     "AsyncObjectOps",
     "LoopLocal",
@@ -41,8 +43,11 @@ class ObjectOps(Protocol):
     """What the backend asks of a filesystem; paths carry no protocol."""
 
     fs: Any
+    #: whether ``put`` is done with its body when it returns, so the body's buffer may be
+    #: reused (:mod:`.bodies`); a filesystem that may keep the object it was given says no
+    reuses_bodies: bool
 
-    async def put(self, path: str, data: bytes) -> None: ...
+    async def put(self, path: str, data: bytes | bytearray) -> None: ...
 
     async def get_range(self, path: str, start: int, end: int) -> bytes:
         """Bytes ``[start, end)``; fewer if the object is shorter; ``FileNotFoundError`` if absent."""
@@ -71,10 +76,12 @@ class ObjectOps(Protocol):
 class AsyncObjectOps:
     """Any async fsspec filesystem, through its coroutine methods."""
 
+    reuses_bodies = False
+
     def __init__(self, fs: Any) -> None:
         self.fs = fs
 
-    async def put(self, path: str, data: bytes) -> None:
+    async def put(self, path: str, data: bytes | bytearray) -> None:
         await self.fs._pipe_file(path, data)
 
     async def get_range(self, path: str, start: int, end: int) -> bytes:
@@ -123,8 +130,11 @@ class S3ObjectOps(AsyncObjectOps):
     "directory"); a page is never a directory, so ``size`` sends the HEAD only. A GET with a range
     starting past the end of an (empty, so corrupt) object answers 416; that is a short read here,
     which the page check then rejects. Whole-object reads ask for ``bytes=0-`` so s3fs does not
-    HEAD first to plan a multi-part download.
+    HEAD first to plan a multi-part download. A PUT is done with its body when it returns
+    (botocore and aiohttp keep no reference), so bodies are built in reused buffers.
     """
+
+    reuses_bodies = True
 
     async def get_range(self, path: str, start: int, end: int) -> bytes:
         try:
@@ -192,10 +202,12 @@ def _is_invalid_range(exc: BaseException) -> bool:
 class ThreadObjectOps:
     """A synchronous fsspec filesystem, each call in a worker thread (see module docstring)."""
 
+    reuses_bodies = False  # memory:// keeps the very object it is given
+
     def __init__(self, fs: Any) -> None:
         self.fs = fs
 
-    async def put(self, path: str, data: bytes) -> None:
+    async def put(self, path: str, data: bytes | bytearray) -> None:
         await asyncio.to_thread(self.fs.pipe_file, path, data)
 
     async def get_range(self, path: str, start: int, end: int) -> bytes:
@@ -251,12 +263,14 @@ def make_ops(fs: Any) -> ObjectOps:
 
 @dataclass
 class LoopResources:
-    """What one event loop needs: its filesystem adapter, its concurrency limit, and the limit
-    on write bodies built ahead of a request slot (``staging``, see ``FsspecStorage._write_one``)."""
+    """What one event loop needs: its filesystem adapter, its concurrency limit, the limit on
+    write bodies built ahead of a request slot (``staging``, see ``FsspecStorage._write_one``)
+    and the buffers those bodies are built in (:mod:`.bodies`)."""
 
     ops: ObjectOps
     semaphore: asyncio.Semaphore
     staging: asyncio.Semaphore
+    bodies: BodyBuffers
 
 
 class LoopLocal(Generic[T]):
