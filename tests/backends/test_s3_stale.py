@@ -114,3 +114,20 @@ async def test_a_page_deleted_elsewhere_is_one_counted_miss_then_never_a_hit(
         store.register_mem_pool_host(src)
         assert (await store.batch_set_v2([PoolTransfer("kv", host_indices=src.indices(0, 1), keys=keys[10:11])]))["kv"] == [True]
         assert (await store.batch_exists_v2(keys)).kv_hit_pages == 20
+
+
+async def test_write_bodies_are_reused_and_payloads_unsigned(moto_endpoint: str, moto_bucket: str, prefix: str) -> None:
+    async with make_s3(moto_endpoint, moto_bucket, prefix, concurrency=4) as store:
+        keys, src = await _store_chain(store, 12, "body")
+        res = store._local.get()
+        assert 0 < len(res.bodies) <= store.concurrency  # answered PUTs gave their buffers back
+        client = res.ops.fs._s3
+        assert client._client_config.s3["payload_signing_enabled"] is False
+        assert await _read(store, keys) == [True] * 12
+        # pages written again from reused buffers read back intact
+        res2 = await store.batch_set_v2([PoolTransfer("kv", host_indices=src.indices(0, 12), keys=keys)])
+        assert res2["kv"] == [True] * 12
+        dst = ArrayHostPool(12, PAGE, token_elems=4)
+        store.register_mem_pool_host(dst)
+        got = await store.batch_get_v2([PoolTransfer("kv", host_indices=dst.indices(0, 12), keys=keys)])
+        assert got["kv"] == [True] * 12 and dst.buffer.equal(src.buffer)

@@ -160,3 +160,21 @@ def test_redaction() -> None:
     assert "'region_name': 'r'" in shown
     r = Redactor(opts, "s3://K:S3CRET@b/x")
     assert r.scrub("failed with s3cr3t and AKIA1 at http://u:pw@h:1 S3CRET") == "failed with *** and *** at http://***@h:1 ***"
+
+
+def test_body_buffers_reuse_by_size_and_stay_bounded() -> None:
+    from hicache_backends.s3.bodies import BodyBuffers
+
+    b = BodyBuffers(max_buffers=2, max_bytes=300)
+    one = b.take(100)
+    assert len(one) == 100 and len(b) == 0
+    b.give_back(one)
+    assert b.take(100) is one and len(b) == 0  # reused
+    assert b.take(50) is not one  # another size: a new buffer
+    for buf in (bytearray(100), bytearray(100), bytearray(100)):
+        b.give_back(buf)
+    assert len(b) == 2  # by count
+    b = BodyBuffers(max_buffers=8, max_bytes=150)
+    b.give_back(bytearray(100))
+    b.give_back(bytearray(100))
+    assert len(b) == 1  # by bytes

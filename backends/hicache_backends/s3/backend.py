@@ -33,6 +33,7 @@ from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import fsspec
+import numpy as np
 
 from hicache.errors import BackendLoadError, ConfigError
 from hicache.keys import Namespace
@@ -43,7 +44,7 @@ from hicache.storage.stats import Throttle
 from hicache_backends.s3.bodies import BodyBuffers
 from hicache_backends.s3.breaker import BreakerState, CircuitBreaker
 from hicache_backends.s3.cache import ExistsCache
-from hicache_backends.s3.fs import LoopLocal, LoopResources, close_all, make_ops
+from hicache_backends.s3.fs import LoopLocal, LoopResources, ObjectOps, close_all, make_ops
 from hicache_backends.s3.naming import ObjectNames, Redactor, redact_options, redact_url
 from hicache_backends.s3.runs import MIN_RUN, decode_run, encode_run
 from hicache_backends.s3.retry import RetryPolicy
@@ -422,27 +423,38 @@ class FsspecStorage(AsyncHiCacheStorage):
 
     async def _read_one(self, page: PageKey, buf: memoryview, generation: int) -> bool:
         path = self.names.page(page.key, page.pool)
+        codec = self._codec or PageCodec(self.namespace.digest_bytes)
         hlen = PageCodec.header_len(page.key, page.pool)
         want = len(buf)
-        try:  # header and payload in one ranged GET
-            data = await self.runner.request("read", lambda ops: ops.get_range(path, 0, hlen + want))
+        landing: _Landing | None = None
+
+        def read(ops: ObjectOps) -> Any:
+            nonlocal landing
+            landing = _Landing(codec, page, hlen, buf)  # afresh for every attempt
+            return ops.get_range_into(path, 0, hlen + want, landing.next_view)
+
+        try:  # header and payload in one ranged GET, the payload straight into the pool page
+            got = await self.runner.request("read", read)
         except FileNotFoundError:
             self._vanished(path, page)
             return False
         except GaveUp:
             return False
-        view = memoryview(data)
-        if want >= OFFLOAD_MIN_BYTES:
-            # hashing and copying a big page would stall the loop for milliseconds; the thread
-            # is waited for on cancellation, since it writes into the caller's buffer
-            verdict = await run_to_completion(self._verify_and_copy, view, hlen, page, buf)
-        else:
-            verdict = self._verify_and_copy(view, hlen, page, buf)
-        if verdict is not Verdict.OK:
-            await self._reject(path, view, hlen, verdict, want, page)
-            return False
-        self.exists_cache.add(path, generation)
-        return True
+        assert landing is not None
+        if got == hlen + want and landing.in_pool:
+            # the header is this page's, so only the checksum is left; a big page is hashed on
+            # a thread (milliseconds of loop time otherwise), waited for on cancellation
+            verdict = await run_to_completion(landing.check) if want >= OFFLOAD_MIN_BYTES else landing.check()
+            if verdict is Verdict.OK:
+                self.exists_cache.add(path, generation)
+                return True
+        data = landing.received(got)  # rare: a page that is short, foreign or damaged
+        landing.wipe()  # no unverified byte stays in pool memory
+        verdict = self._verify(data[:hlen], data[hlen:], page, want)
+        if verdict is Verdict.OK:  # a correct page followed by bytes nobody asked for
+            verdict = Verdict.WRONG_LENGTH
+        await self._reject(path, data, hlen, verdict, want, page)
+        return False
 
     def _vanished(self, path: str, page: PageKey) -> None:
         """A read found ``path`` missing: a clean miss, and no lookup of this process claims it
@@ -452,12 +464,6 @@ class FsspecStorage(AsyncHiCacheStorage):
         if self.exists_cache.mark_gone(path):
             self.stats.incr("stale_hits")
             self.report_removed([page], reason="vanished", origin="peer")
-
-    def _verify_and_copy(self, view: memoryview, hlen: int, page: PageKey, buf: memoryview) -> Verdict:
-        verdict = self._verify(view[:hlen], view[hlen:], page, len(buf))
-        if verdict is Verdict.OK:
-            copy_bytes(buf, view[hlen:])  # verified first: a bad page never lands in pool memory
-        return verdict
 
     async def _read_bytes(self, page: PageKey) -> bytes | None:
         path = self.names.page(page.key, page.pool)
@@ -625,6 +631,52 @@ class FsspecStorage(AsyncHiCacheStorage):
             "concurrency": self.concurrency,
             "event_loops": len(self._local),
         }
+
+
+class _Landing:
+    """Where the bytes of one page read go as they arrive (``ObjectOps.get_range_into``): the
+    header into a small buffer, then the payload into the pool page only if the header is this
+    page's (its namespace, key, pool and length), so a foreign or misnamed object puts no byte
+    into pool memory; a torn or flipped payload lands there (like the file backend's
+    ``preadv``), and then the page is a miss whose pool page is zeroed before the read returns
+    (:meth:`wipe`): no unverified byte stays in the pool."""
+
+    __slots__ = ("codec", "page", "head", "buf", "in_pool", "spill", "_step")
+
+    def __init__(self, codec: PageCodec, page: PageKey, hlen: int, buf: memoryview) -> None:
+        self.codec, self.page, self.buf = codec, page, buf
+        self.head = bytearray(hlen)
+        self.in_pool = False
+        self.spill: bytearray | None = None
+        self._step = 0
+
+    def next_view(self) -> memoryview | None:
+        self._step += 1
+        if self._step == 1:
+            return memoryview(self.head)
+        if self._step == 2:
+            p = self.page
+            if self.codec.verify(self.head, None, p.key, p.pool, expected_len=len(self.buf)) is Verdict.OK:
+                self.in_pool = True
+                return self.buf
+            self.spill = bytearray(len(self.buf))  # kept for the verdict and the at-rest check
+            return memoryview(self.spill)
+        return None
+
+    def check(self) -> Verdict:
+        """The checksum of the payload now in the pool page."""
+        return self.codec.verify(self.head, self.buf, self.page.key, self.page.pool, expected_len=len(self.buf))
+
+    def wipe(self) -> None:
+        """Zero the pool page if any payload byte went there (call after :meth:`received`)."""
+        if self.in_pool:
+            np.frombuffer(self.buf, dtype=np.uint8).fill(0)
+
+    def received(self, got: int) -> memoryview:
+        """What the store sent (up to header + payload), as one buffer, for the failure path."""
+        body = self.buf if self.in_pool else memoryview(self.spill or b"")
+        n = max(0, min(got, len(self.head) + len(body)) - len(self.head))
+        return memoryview(b"".join((self.head[: min(got, len(self.head))], body[:n])))
 
 
 def _md5_hex(data: memoryview) -> str:

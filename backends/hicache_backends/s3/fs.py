@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
+from hicache.storage.offload import OFFLOAD_MIN_BYTES, run_to_completion
 from hicache_backends.s3.bodies import BodyBuffers
 
 __all__ = [
@@ -30,13 +31,42 @@ __all__ = [
     "LoopResources",
     "ObjectOps",
     "S3ObjectOps",
+    "NextView",
     "ThreadObjectOps",
+    "fill_views",
     "make_ops",
 ]
 
 logger = logging.getLogger("hicache.storage.s3")
 
 T = TypeVar("T")
+
+#: hands out the buffer the next bytes of a ranged read go to (see ``ObjectOps.get_range_into``)
+NextView = Callable[[], "memoryview | None"]
+
+
+async def _fill(data: bytes, next_view: NextView) -> int:
+    """:func:`fill_views`, on a thread for a big object (a long copy would stall the loop); the
+    views are pool memory, so a cancelled caller waits for the thread before unwinding."""
+    if len(data) >= OFFLOAD_MIN_BYTES:
+        return await run_to_completion(fill_views, data, next_view)
+    return fill_views(data, next_view)
+
+
+def fill_views(data: bytes | memoryview, next_view: NextView) -> int:
+    """``get_range_into`` for bytes already received: spread ``data`` over the views."""
+    src = memoryview(data)
+    pos = 0
+    while pos < len(src):
+        view = next_view()
+        if view is None:
+            break
+        n = min(len(view), len(src) - pos)
+        view[:n] = src[pos : pos + n]
+        pos += n
+        if n < len(view):
+            break
+    return len(src)
 
 
 class ObjectOps(Protocol):
@@ -51,6 +81,13 @@ class ObjectOps(Protocol):
 
     async def get_range(self, path: str, start: int, end: int) -> bytes:
         """Bytes ``[start, end)``; fewer if the object is shorter; ``FileNotFoundError`` if absent."""
+        ...
+
+    async def get_range_into(self, path: str, start: int, end: int, next_view: NextView) -> int:
+        """Bytes ``[start, end)`` into the views ``next_view()`` hands out in turn (asked for
+        the next one only when the previous is full; ``None``: no more). Returns how many
+        bytes the store sent, those past the last view counted but dropped; fewer than
+        ``end - start`` if the object is shorter. ``FileNotFoundError`` if absent."""
         ...
 
     async def get(self, path: str) -> bytes: ...
@@ -86,6 +123,9 @@ class AsyncObjectOps:
 
     async def get_range(self, path: str, start: int, end: int) -> bytes:
         return await self.fs._cat_file(path, start=start, end=end)
+
+    async def get_range_into(self, path: str, start: int, end: int, next_view: NextView) -> int:
+        return await _fill(await self.get_range(path, start, end), next_view)
 
     async def get(self, path: str) -> bytes:
         return await self.fs._cat_file(path)
@@ -143,6 +183,36 @@ class S3ObjectOps(AsyncObjectOps):
             if _is_invalid_range(exc):
                 return b""
             raise
+
+    async def get_range_into(self, path: str, start: int, end: int, next_view: NextView) -> int:
+        """The response body read straight into the views as it arrives: no joined ``bytes``
+        of the whole object, no copy of it afterwards (one copy in all, from the socket's
+        chunks, as plain s3fs makes into its result)."""
+        bucket, key, _ = self.fs.split_path(path)
+        try:
+            resp = await self.fs._call_s3("get_object", Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}")
+        except OSError as exc:
+            if _is_invalid_range(exc):
+                return 0
+            raise
+        body = resp["Body"]
+        try:
+            total = 0
+            view = next_view()
+            while view is not None:
+                got = 0
+                while got < len(view):
+                    n = await body.readinto(view[got:])
+                    if not n:
+                        return total + got  # the object is shorter
+                    got += n
+                total += got
+                view = next_view()
+            while extra := await body.read(1 << 16):  # a service sending more than asked
+                total += len(extra)
+            return total
+        finally:
+            body.close()
 
     async def get(self, path: str) -> bytes:
         try:
@@ -212,6 +282,9 @@ class ThreadObjectOps:
 
     async def get_range(self, path: str, start: int, end: int) -> bytes:
         return await asyncio.to_thread(self.fs.cat_file, path, start=start, end=end)
+
+    async def get_range_into(self, path: str, start: int, end: int, next_view: NextView) -> int:
+        return await _fill(await self.get_range(path, start, end), next_view)
 
     async def get(self, path: str) -> bytes:
         return await asyncio.to_thread(self.fs.cat_file, path)
