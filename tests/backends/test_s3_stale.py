@@ -18,28 +18,12 @@ from hicache.testing import ArrayHostPool
 from hicache.testing.store_tests import PAGE
 from s3_proxy import FaultProxy
 from s3_server import eventually, make_s3, raw_client
-
-FAST: dict[str, Any] = dict(
-    request_timeout=1.0, call_timeout=3.0, retries=1, retry_backoff=0.01, retry_backoff_max=0.05,
-    breaker_threshold=2, breaker_cooldown=0.5,
-)
-
+from test_s3_hostile import FAST, read_pages, write_pages
+from test_s3_runs import _filled
 
 @pytest.fixture
 def prefix() -> str:
     return f"stale/{uuid.uuid4().hex}"
-
-
-async def _store_chain(store: Any, n: int, tag: str) -> tuple[list[str], ArrayHostPool]:
-    """``n`` pages written as one chain (so a run index lists them all), then forgotten locally."""
-    keys = [f"{tag}-{i:04d}" for i in range(n)]
-    src = ArrayHostPool(n, PAGE, token_elems=4)
-    src.fill_random(n)
-    store.register_mem_pool_host(src)
-    res = await store.batch_set_v2([PoolTransfer("kv", host_indices=src.indices(0, n), keys=keys)])
-    assert res["kv"] == [True] * n
-    await store.wait_index_writes()
-    return keys, src
 
 
 async def _read(store: Any, keys: list[str]) -> list[bool]:
@@ -59,11 +43,13 @@ async def test_prefix_lookup_is_a_clean_miss_while_the_breaker_is_open(
     moto_endpoint: str, moto_bucket: str, prefix: str
 ) -> None:
     async with FaultProxy(moto_endpoint) as proxy:
-        async with make_s3(proxy.endpoint, moto_bucket, prefix, **FAST) as store:
-            keys, _ = await _store_chain(store, 6, "down")
+        # FAST, with room for a loaded machine: a timed-out HEAD would also be a miss
+        async with make_s3(proxy.endpoint, moto_bucket, prefix, **{**FAST, "request_timeout": 4.0, "call_timeout": 8.0}) as store:
+            keys = [f"down-{i}" for i in range(6)]
+            await write_pages(store, keys, seed=6)  # (the proxy mangles HEADs: known from writes)
             assert (await store.batch_exists_v2(keys)).kv_hit_pages == 6  # known: no request
             proxy.outage = True
-            assert await _read(store, keys) == [False] * 6  # opens the breaker
+            assert (await read_pages(store, keys))[0] == [False] * 6  # opens the breaker
             assert store.get_stats()["breaker_state"] != "closed"
             before = store.get_stats()["exists_cache_hits"]
             # the prefix path (run index + waves) must not answer from the positive cache
@@ -76,7 +62,7 @@ async def test_prefix_lookup_is_a_clean_miss_while_the_breaker_is_open(
                 return (await store.batch_exists_v2(keys)).kv_hit_pages == 6
 
             await eventually(back)  # the prober closes the breaker; the pages count again
-            assert await _read(store, keys) == [True] * 6
+            assert (await read_pages(store, keys))[0] == [True] * 6
 
 
 async def test_a_page_deleted_elsewhere_is_one_counted_miss_then_never_a_hit(
@@ -86,8 +72,7 @@ async def test_a_page_deleted_elsewhere_is_one_counted_miss_then_never_a_hit(
     async with make_s3(moto_endpoint, moto_bucket, prefix, concurrency=4, exists_cache_ttl=0.2) as store:
         removed: list[Any] = []
         store.tier_changes.subscribe(removed.append)
-        keys, _ = await _store_chain(store, 20, "gone")
-        store.exists_cache.clear()  # a fresh process: learns the chain from the index
+        keys, _ = await _filled(store, 20, "gone")  # a fresh process: learns the chain from the index
         assert (await store.batch_exists_v2(keys)).kv_hit_pages == 20
         victim = store.names.page(keys[10], "kv")
         _delete(moto_endpoint, victim)  # a lifecycle rule or another process; the index stays
@@ -118,7 +103,7 @@ async def test_a_page_deleted_elsewhere_is_one_counted_miss_then_never_a_hit(
 
 async def test_write_bodies_are_reused_and_payloads_unsigned(moto_endpoint: str, moto_bucket: str, prefix: str) -> None:
     async with make_s3(moto_endpoint, moto_bucket, prefix, concurrency=4) as store:
-        keys, src = await _store_chain(store, 12, "body")
+        keys, src = await _filled(store, 12, "body")
         res = store._local.get()
         assert 0 < len(res.bodies) <= store.concurrency  # answered PUTs gave their buffers back
         client = res.ops.fs._s3
