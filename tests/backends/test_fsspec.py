@@ -128,19 +128,20 @@ async def test_request_timeout_bounds_a_hanging_call() -> None:
     store = _memory_store(request_timeout=0.05, retries=1, call_timeout=1.0)
     async with store:
         res = store._local.get()
+        real = res.ops
 
         class Hanging:
-            fs = res.ops.fs
+            fs = real.fs
 
-            async def get_range(self, *a: Any, **k: Any) -> bytes:
+            async def get_range_into(self, *a: Any, **k: Any) -> int:
                 await asyncio.sleep(3600)
-                return b""
+                return 0
 
             def __getattr__(self, name: str) -> Any:
-                return getattr(res.ops, name)
+                return getattr(real, name)
 
         assert await store.set("k", torch.ones(4))
-        real, res.ops = res.ops, Hanging()
+        res.ops = Hanging()
         got = await asyncio.wait_for(store.get("k", torch.empty(4)), 2.0)
         assert got is None and store.get_stats()["timeouts"] == 2
         res.ops = real
@@ -169,7 +170,8 @@ async def test_prober_survives_errors() -> None:
 async def test_big_pages_are_verified_and_copied_off_the_loop() -> None:
     """Pages of at least OFFLOAD_MIN_BYTES are hashed and copied on a worker thread (the event
     loop used to do both for every page of a batch); the result and the integrity check are the
-    same: a tampered big page is a miss that leaves the destination untouched."""
+    same: a tampered big page is a miss that leaves no unverified byte in the destination (the
+    header is checked before any byte lands, the checksum after, then a failed page is zeroed)."""
     from hicache.storage.offload import OFFLOAD_MIN_BYTES
     from hicache.testing import ArrayHostPool
 

@@ -122,6 +122,21 @@ def test_exists_cache_ttl_lru_and_generations() -> None:
     assert not off.contains("x")
 
 
+def test_exists_cache_gone_marks_until_a_fresh_answer() -> None:
+    c = ExistsCache(max_entries=2, ttl=10.0, clock=Clock())
+    c.add("a", c.generation)
+    assert c.mark_gone("a") is True  # it was believed present
+    assert not c.contains("a") and c.is_gone("a")
+    assert c.mark_gone("b") is False and c.is_gone("b")  # never known: a miss, not stale
+    c.mark_gone("c")  # bounded like the entries: the oldest mark goes
+    assert not c.is_gone("a") and c.is_gone("b") and c.is_gone("c")
+    c.add("b", c.generation)  # a fresh answer (HEAD, read, write) clears the mark
+    assert not c.is_gone("b") and c.contains("b")
+    assert c.discard("b") is True and c.discard("b") is False
+    c.clear()
+    assert not c.is_gone("c")
+
+
 def test_object_names_hash_keys_and_pools() -> None:
     names = ObjectNames("bucket/prefix/", "ab" * 16)
     assert names.manifest == f"bucket/prefix/{'ab' * 16}/manifest.json"
@@ -145,3 +160,21 @@ def test_redaction() -> None:
     assert "'region_name': 'r'" in shown
     r = Redactor(opts, "s3://K:S3CRET@b/x")
     assert r.scrub("failed with s3cr3t and AKIA1 at http://u:pw@h:1 S3CRET") == "failed with *** and *** at http://***@h:1 ***"
+
+
+def test_body_buffers_reuse_by_size_and_stay_bounded() -> None:
+    from hicache_backends.s3.bodies import BodyBuffers
+
+    b = BodyBuffers(max_buffers=2, max_bytes=300)
+    one = b.take(100)
+    assert len(one) == 100 and len(b) == 0
+    b.give_back(one)
+    assert b.take(100) is one and len(b) == 0  # reused
+    assert b.take(50) is not one  # another size: a new buffer
+    for buf in (bytearray(100), bytearray(100), bytearray(100)):
+        b.give_back(buf)
+    assert len(b) == 2  # by count
+    b = BodyBuffers(max_buffers=8, max_bytes=150)
+    b.give_back(bytearray(100))
+    b.give_back(bytearray(100))
+    assert len(b) == 1  # by bytes

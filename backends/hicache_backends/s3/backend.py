@@ -12,6 +12,10 @@ design follows from three facts about object stores:
   (:mod:`.breaker`), and every batch is bounded by ``call_timeout`` as a whole - all in
   :mod:`.runner`. A background prober notices the service is back without a user request. A miss is the
   answer to every failure; nothing raises out of a primitive.
+* **A request's CPU is mostly botocore's**, so ours adds little per page: a write body is built
+  once in a reused buffer and sent with one socket write, unsigned (the page checksum guards
+  the bytes; :mod:`.bodies`); a read streams the payload straight into the pool page once the
+  header is this page's (no joined copy of the object), and hashes it after.
 * **Many writers share one bucket.** Pages use the same self-verifying format as the file
   backend (:class:`~hicache.storage.page_format.PageCodec`), checked on every read, so a torn,
   foreign or tampered object is a counted miss, never returned bytes. Objects are named by a
@@ -33,6 +37,7 @@ from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import fsspec
+import numpy as np
 
 from hicache.errors import BackendLoadError, ConfigError
 from hicache.keys import Namespace
@@ -40,9 +45,10 @@ from hicache.storage import AsyncHiCacheStorage, HiCacheStorageConfig, PageCodec
 from hicache.storage.hit_policy import leading_run
 from hicache.storage.offload import OFFLOAD_MIN_BYTES, copy_bytes, run_to_completion
 from hicache.storage.stats import Throttle
+from hicache_backends.s3.bodies import BodyBuffers
 from hicache_backends.s3.breaker import BreakerState, CircuitBreaker
 from hicache_backends.s3.cache import ExistsCache
-from hicache_backends.s3.fs import LoopLocal, LoopResources, close_all, make_ops
+from hicache_backends.s3.fs import LoopLocal, LoopResources, ObjectOps, close_all, make_ops
 from hicache_backends.s3.naming import ObjectNames, Redactor, redact_options, redact_url
 from hicache_backends.s3.runs import MIN_RUN, decode_run, encode_run
 from hicache_backends.s3.retry import RetryPolicy
@@ -87,7 +93,10 @@ class FsspecStorage(AsyncHiCacheStorage):
         exists_cache_size, exists_cache_ttl: how many known-present pages to remember, and for
             how long (0 entries disables the cache). Stores of one process on the same location
             and namespace share the cache, so a clear through one is seen by all. While the
-            breaker is not closed the cache is not consulted: lookups answer misses.
+            breaker is not closed the cache is not consulted: lookups answer misses. A page
+            removed by someone else is claimed for at most the TTL; a read that finds it
+            missing is a miss that forgets it (``stale_hits``), and run indexes stop vouching
+            for it until the store answers for that page again.
         manifest_check_interval: seconds between checks that the namespace manifest is still
             there (a bucket deleted and re-created loses it); it is rewritten when missing.
         namespace: override the namespace derived from the storage config.
@@ -208,6 +217,13 @@ class FsspecStorage(AsyncHiCacheStorage):
             # pages carry their own xxh3 checksum, verified on every read
             cfg.setdefault("request_checksum_calculation", "when_required")
             cfg.setdefault("response_checksum_validation", "when_required")
+            # and for the same reason no SHA-256 of every body for the signature (botocore signs
+            # the payload on http://, and on https:// when no checksum header is sent): that
+            # hash was the largest CPU cost of a PUT, and it guards nothing the page checksum
+            # (and TLS on https) does not. An explicit "s3" config_kwargs entry wins.
+            s3cfg = dict(cfg.get("s3") or {})
+            s3cfg.setdefault("payload_signing_enabled", False)
+            cfg["s3"] = s3cfg
             opts["config_kwargs"] = cfg
         return opts
 
@@ -218,7 +234,10 @@ class FsspecStorage(AsyncHiCacheStorage):
             # after a transient error before giving up; the breaker keeps that rare.
             fs.retries = 1
         # twice the request slots: every request in flight can have the next body ready
-        return LoopResources(make_ops(fs), asyncio.Semaphore(self.concurrency), asyncio.Semaphore(2 * self.concurrency))
+        return LoopResources(
+            make_ops(fs), asyncio.Semaphore(self.concurrency), asyncio.Semaphore(2 * self.concurrency),
+            BodyBuffers(self.concurrency),
+        )
 
     def _cache_scope(self) -> tuple[str, ...]:
         """What identifies this store's objects within the process: protocol, service, path."""
@@ -337,8 +356,11 @@ class FsspecStorage(AsyncHiCacheStorage):
         generation = cache.generation
         paths = [names.page(p.key, p.pool) for p in pages]
         n, pos = len(pages), 0
-        while pos < n and cache.contains(paths[pos]):
-            pos += 1
+        # while the breaker is not closed the store is down for readers too: a remembered page
+        # cannot be read, so only an answer from the store (the probe) may count (as in _exists)
+        if self.breaker.state is BreakerState.CLOSED:
+            while pos < n and cache.contains(paths[pos]):
+                pos += 1
         self.stats.incr("exists_cache_hits", pos)
         wave = max(1, self.concurrency - 1)
         while pos < n:
@@ -354,7 +376,8 @@ class FsspecStorage(AsyncHiCacheStorage):
             run = 0
             if index:
                 want = [ObjectNames.page_hash(p.key, p.pool) for p in pages[pos : pos + len(index)]]
-                while run < len(want) and index[run] == want[run]:
+                # an index is second-hand: it never vouches for a page a read found gone
+                while run < len(want) and index[run] == want[run] and not cache.is_gone(paths[pos + run]):
                     cache.add(paths[pos + run], generation)
                     run += 1
             heads = leading_run(flags)
@@ -404,33 +427,47 @@ class FsspecStorage(AsyncHiCacheStorage):
 
     async def _read_one(self, page: PageKey, buf: memoryview, generation: int) -> bool:
         path = self.names.page(page.key, page.pool)
+        codec = self._codec or PageCodec(self.namespace.digest_bytes)
         hlen = PageCodec.header_len(page.key, page.pool)
         want = len(buf)
-        try:  # header and payload in one ranged GET
-            data = await self.runner.request("read", lambda ops: ops.get_range(path, 0, hlen + want))
+        landing: _Landing | None = None
+
+        def read(ops: ObjectOps) -> Any:
+            nonlocal landing
+            landing = _Landing(codec, page, hlen, buf)  # afresh for every attempt
+            return ops.get_range_into(path, 0, hlen + want, landing.next_view)
+
+        try:  # header and payload in one ranged GET, the payload straight into the pool page
+            got = await self.runner.request("read", read)
         except FileNotFoundError:
-            self.exists_cache.discard(path)
+            self._vanished(path, page)
             return False
         except GaveUp:
             return False
-        view = memoryview(data)
-        if want >= OFFLOAD_MIN_BYTES:
-            # hashing and copying a big page would stall the loop for milliseconds; the thread
-            # is waited for on cancellation, since it writes into the caller's buffer
-            verdict = await run_to_completion(self._verify_and_copy, view, hlen, page, buf)
-        else:
-            verdict = self._verify_and_copy(view, hlen, page, buf)
-        if verdict is not Verdict.OK:
-            await self._reject(path, view, hlen, verdict, want, page)
-            return False
-        self.exists_cache.add(path, generation)
-        return True
+        assert landing is not None
+        if got == hlen + want and landing.in_pool:
+            # the header is this page's, so only the checksum is left; a big page is hashed on
+            # a thread (milliseconds of loop time otherwise), waited for on cancellation
+            verdict = await run_to_completion(landing.check) if want >= OFFLOAD_MIN_BYTES else landing.check()
+            if verdict is Verdict.OK:
+                self.exists_cache.add(path, generation)
+                return True
+        data = landing.received(got)  # rare: a page that is short, foreign or damaged
+        landing.wipe()  # no unverified byte stays in pool memory
+        verdict = self._verify(data[:hlen], data[hlen:], page, want)
+        if verdict is Verdict.OK:  # a correct page followed by bytes nobody asked for
+            verdict = Verdict.WRONG_LENGTH
+        await self._reject(path, data, hlen, verdict, want, page)
+        return False
 
-    def _verify_and_copy(self, view: memoryview, hlen: int, page: PageKey, buf: memoryview) -> Verdict:
-        verdict = self._verify(view[:hlen], view[hlen:], page, len(buf))
-        if verdict is Verdict.OK:
-            copy_bytes(buf, view[hlen:])  # verified first: a bad page never lands in pool memory
-        return verdict
+    def _vanished(self, path: str, page: PageKey) -> None:
+        """A read found ``path`` missing: a clean miss, and no lookup of this process claims it
+        again on old evidence (the exists cache or a run index) until the store says it is
+        there. A page this process believed present was removed by someone else (another
+        process's clear, a lifecycle rule): counted, and reported like the file backend does."""
+        if self.exists_cache.mark_gone(path):
+            self.stats.incr("stale_hits")
+            self.report_removed([page], reason="vanished", origin="peer")
 
     async def _read_bytes(self, page: PageKey) -> bytes | None:
         path = self.names.page(page.key, page.pool)
@@ -439,7 +476,7 @@ class FsspecStorage(AsyncHiCacheStorage):
             try:
                 data = await self.runner.request("read", lambda ops: ops.get(path))
             except FileNotFoundError:
-                self.exists_cache.discard(path)
+                self._vanished(path, page)
                 return None
             except GaveUp:
                 return None
@@ -525,19 +562,18 @@ class FsspecStorage(AsyncHiCacheStorage):
     async def _write_one(self, page: PageKey, buf: memoryview, generation: int) -> bool:
         codec = self._codec or PageCodec(self.namespace.digest_bytes)
         path = self.names.page(page.key, page.pool)
-
-        def body() -> bytes:
-            return b"".join((codec.encode(page.key, page.pool, buf), buf))
-
+        res = self._local.get()
         try:
             # One PUT of header+payload: an object store publishes an object whole or not at all.
             # The body is built before a request slot is free, so a PUT starts the moment one
             # frees (built inside the slot, every PUT waited for its own hashing and copy: set
             # was 0.96x plain s3fs with ready bytes). At most 2 x concurrency bodies exist, so a
             # huge batch never holds a copy of every page; a big one is built on a thread.
-            async with self._local.get().staging:
-                data = await run_to_completion(body) if len(buf) >= OFFLOAD_MIN_BYTES else body()
+            async with res.staging:
+                data = await self._body(res, codec, page, buf)
                 await self.runner.request("write", lambda ops: ops.put(path, data))
+                if isinstance(data, bytearray):
+                    res.bodies.give_back(data)  # answered: nothing refers to it any more
         except FileNotFoundError:
             self.stats.incr("permanent_errors")
             self._manifest_ok = False  # the bucket is gone; if it comes back, so must the manifest
@@ -547,6 +583,30 @@ class FsspecStorage(AsyncHiCacheStorage):
             return False
         self.exists_cache.add(path, generation)
         return True
+
+    @staticmethod
+    async def _body(res: LoopResources, codec: PageCodec, page: PageKey, buf: memoryview) -> bytes | bytearray:
+        """Header + payload as one body: in a reused buffer where the filesystem allows it
+        (:mod:`.bodies`: one copy, sent with one socket write), else as ``bytes``."""
+        big = len(buf) >= OFFLOAD_MIN_BYTES
+        if not res.ops.reuses_bodies:
+            def join() -> bytes:
+                return b"".join((codec.encode(page.key, page.pool, buf), buf))
+
+            return await run_to_completion(join) if big else join()
+        hlen = PageCodec.header_len(page.key, page.pool)
+        body = res.bodies.take(hlen + len(buf))
+
+        def fill() -> None:
+            with memoryview(body) as view:
+                view[:hlen] = codec.encode(page.key, page.pool, buf)
+                copy_bytes(view[hlen:], buf)
+
+        if big:  # hashing and copying a big page would stall the loop for milliseconds
+            await run_to_completion(fill)
+        else:
+            fill()
+        return body
 
     async def _clear(self) -> None:
         """Remove this namespace's pages (the manifest stays: it only describes the namespace).
@@ -575,6 +635,52 @@ class FsspecStorage(AsyncHiCacheStorage):
             "concurrency": self.concurrency,
             "event_loops": len(self._local),
         }
+
+
+class _Landing:
+    """Where the bytes of one page read go as they arrive (``ObjectOps.get_range_into``): the
+    header into a small buffer, then the payload into the pool page only if the header is this
+    page's (its namespace, key, pool and length), so a foreign or misnamed object puts no byte
+    into pool memory; a torn or flipped payload lands there (like the file backend's
+    ``preadv``), and then the page is a miss whose pool page is zeroed before the read returns
+    (:meth:`wipe`): no unverified byte stays in the pool."""
+
+    __slots__ = ("codec", "page", "head", "buf", "in_pool", "spill", "_step")
+
+    def __init__(self, codec: PageCodec, page: PageKey, hlen: int, buf: memoryview) -> None:
+        self.codec, self.page, self.buf = codec, page, buf
+        self.head = bytearray(hlen)
+        self.in_pool = False
+        self.spill: bytearray | None = None
+        self._step = 0
+
+    def next_view(self) -> memoryview | None:
+        self._step += 1
+        if self._step == 1:
+            return memoryview(self.head)
+        if self._step == 2:
+            p = self.page
+            if self.codec.verify(self.head, None, p.key, p.pool, expected_len=len(self.buf)) is Verdict.OK:
+                self.in_pool = True
+                return self.buf
+            self.spill = bytearray(len(self.buf))  # kept for the verdict and the at-rest check
+            return memoryview(self.spill)
+        return None
+
+    def check(self) -> Verdict:
+        """The checksum of the payload now in the pool page."""
+        return self.codec.verify(self.head, self.buf, self.page.key, self.page.pool, expected_len=len(self.buf))
+
+    def wipe(self) -> None:
+        """Zero the pool page if any payload byte went there (call after :meth:`received`)."""
+        if self.in_pool:
+            np.frombuffer(self.buf, dtype=np.uint8).fill(0)
+
+    def received(self, got: int) -> memoryview:
+        """What the store sent (up to header + payload), as one buffer, for the failure path."""
+        body = self.buf if self.in_pool else memoryview(self.spill or b"")
+        n = max(0, min(got, len(self.head) + len(body)) - len(self.head))
+        return memoryview(b"".join((self.head[: min(got, len(self.head))], body[:n])))
 
 
 def _md5_hex(data: memoryview) -> str:

@@ -8,6 +8,12 @@ deletes, clears and corrupt reads invalidate, and ``generation`` stops a lookup 
 before a clear from re-adding its (now stale) answer after it. Stores of one process that open
 the same namespace at the same location share one cache (:meth:`ExistsCache.shared`), so a clear
 through any of them is seen by all.
+
+A page a read found missing is also remembered as *gone* (:meth:`ExistsCache.mark_gone`, as
+many as entries, no TTL): a run index written before that page was deleted still lists it, and
+without the mark every lookup after the TTL would re-learn the page from the index and serve it
+as a hit again, one failed read per TTL, forever. Only a fresh answer about that one object (a
+HEAD, a read or a write of it) clears the mark; the mark costs a lookup one HEAD, never a hit.
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ class ExistsCache:
         self._clock = clock
         self._lock = threading.Lock()
         self._entries: OrderedDict[str, float] = OrderedDict()
+        self._gone: OrderedDict[str, float] = OrderedDict()  # found missing by a read (LRU order)
         self._generation = 0
 
     @property
@@ -69,21 +76,42 @@ class ExistsCache:
             return True
 
     def add(self, path: str, generation: int) -> None:
+        """Remember ``path`` as present (a fresh answer about it: also clears a gone mark)."""
         if not self.max_entries:
             return
         with self._lock:
             if generation != self._generation:
                 return  # a clear happened while the request was in flight
+            self._gone.pop(path, None)
             self._entries[path] = self._clock()
             self._entries.move_to_end(path)
             while len(self._entries) > self.max_entries:
                 self._entries.popitem(last=False)
 
-    def discard(self, path: str) -> None:
+    def discard(self, path: str) -> bool:
+        """Forget ``path``; whether it was remembered as present (expired or not)."""
         with self._lock:
-            self._entries.pop(path, None)
+            return self._entries.pop(path, None) is not None
+
+    def mark_gone(self, path: str) -> bool:
+        """A read found ``path`` missing: forget it, and distrust second-hand claims (run
+        indexes) that it exists until a fresh answer about it. Whether it was remembered."""
+        with self._lock:
+            known = self._entries.pop(path, None) is not None
+            if self.max_entries:
+                self._gone[path] = 0.0
+                self._gone.move_to_end(path)
+                while len(self._gone) > self.max_entries:
+                    self._gone.popitem(last=False)
+            return known
+
+    def is_gone(self, path: str) -> bool:
+        """Whether a read found ``path`` missing, with no fresh answer about it since."""
+        with self._lock:
+            return path in self._gone
 
     def clear(self) -> None:
         with self._lock:
             self._generation += 1
             self._entries.clear()
+            self._gone.clear()

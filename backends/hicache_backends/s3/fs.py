@@ -22,13 +22,18 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
+from hicache.storage.offload import OFFLOAD_MIN_BYTES, run_to_completion
+from hicache_backends.s3.bodies import BodyBuffers
+
 __all__ = [
     "AsyncObjectOps",
     "LoopLocal",
     "LoopResources",
     "ObjectOps",
     "S3ObjectOps",
+    "NextView",
     "ThreadObjectOps",
+    "fill_views",
     "make_ops",
 ]
 
@@ -36,16 +41,53 @@ logger = logging.getLogger("hicache.storage.s3")
 
 T = TypeVar("T")
 
+#: hands out the buffer the next bytes of a ranged read go to (see ``ObjectOps.get_range_into``)
+NextView = Callable[[], "memoryview | None"]
+
+
+async def _fill(data: bytes, next_view: NextView) -> int:
+    """:func:`fill_views`, on a thread for a big object (a long copy would stall the loop); the
+    views are pool memory, so a cancelled caller waits for the thread before unwinding."""
+    if len(data) >= OFFLOAD_MIN_BYTES:
+        return await run_to_completion(fill_views, data, next_view)
+    return fill_views(data, next_view)
+
+
+def fill_views(data: bytes | memoryview, next_view: NextView) -> int:
+    """``get_range_into`` for bytes already received: spread ``data`` over the views."""
+    src = memoryview(data)
+    pos = 0
+    while pos < len(src):
+        view = next_view()
+        if view is None:
+            break
+        n = min(len(view), len(src) - pos)
+        view[:n] = src[pos : pos + n]
+        pos += n
+        if n < len(view):
+            break
+    return len(src)
+
 
 class ObjectOps(Protocol):
     """What the backend asks of a filesystem; paths carry no protocol."""
 
     fs: Any
+    #: whether ``put`` is done with its body when it returns, so the body's buffer may be
+    #: reused (:mod:`.bodies`); a filesystem that may keep the object it was given says no
+    reuses_bodies: bool
 
-    async def put(self, path: str, data: bytes) -> None: ...
+    async def put(self, path: str, data: bytes | bytearray) -> None: ...
 
     async def get_range(self, path: str, start: int, end: int) -> bytes:
         """Bytes ``[start, end)``; fewer if the object is shorter; ``FileNotFoundError`` if absent."""
+        ...
+
+    async def get_range_into(self, path: str, start: int, end: int, next_view: NextView) -> int:
+        """Bytes ``[start, end)`` into the views ``next_view()`` hands out in turn (asked for
+        the next one only when the previous is full; ``None``: no more). Returns how many
+        bytes the store sent, those past the last view counted but dropped; fewer than
+        ``end - start`` if the object is shorter. ``FileNotFoundError`` if absent."""
         ...
 
     async def get(self, path: str) -> bytes: ...
@@ -71,14 +113,19 @@ class ObjectOps(Protocol):
 class AsyncObjectOps:
     """Any async fsspec filesystem, through its coroutine methods."""
 
+    reuses_bodies = False
+
     def __init__(self, fs: Any) -> None:
         self.fs = fs
 
-    async def put(self, path: str, data: bytes) -> None:
+    async def put(self, path: str, data: bytes | bytearray) -> None:
         await self.fs._pipe_file(path, data)
 
     async def get_range(self, path: str, start: int, end: int) -> bytes:
         return await self.fs._cat_file(path, start=start, end=end)
+
+    async def get_range_into(self, path: str, start: int, end: int, next_view: NextView) -> int:
+        return await _fill(await self.get_range(path, start, end), next_view)
 
     async def get(self, path: str) -> bytes:
         return await self.fs._cat_file(path)
@@ -123,8 +170,11 @@ class S3ObjectOps(AsyncObjectOps):
     "directory"); a page is never a directory, so ``size`` sends the HEAD only. A GET with a range
     starting past the end of an (empty, so corrupt) object answers 416; that is a short read here,
     which the page check then rejects. Whole-object reads ask for ``bytes=0-`` so s3fs does not
-    HEAD first to plan a multi-part download.
+    HEAD first to plan a multi-part download. A PUT is done with its body when it returns
+    (botocore and aiohttp keep no reference), so bodies are built in reused buffers.
     """
+
+    reuses_bodies = True
 
     async def get_range(self, path: str, start: int, end: int) -> bytes:
         try:
@@ -133,6 +183,36 @@ class S3ObjectOps(AsyncObjectOps):
             if _is_invalid_range(exc):
                 return b""
             raise
+
+    async def get_range_into(self, path: str, start: int, end: int, next_view: NextView) -> int:
+        """The response body read straight into the views as it arrives: no joined ``bytes``
+        of the whole object, no copy of it afterwards (one copy in all, from the socket's
+        chunks, as plain s3fs makes into its result)."""
+        bucket, key, _ = self.fs.split_path(path)
+        try:
+            resp = await self.fs._call_s3("get_object", Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}")
+        except OSError as exc:
+            if _is_invalid_range(exc):
+                return 0
+            raise
+        body = resp["Body"]
+        try:
+            total = 0
+            view = next_view()
+            while view is not None:
+                got = 0
+                while got < len(view):
+                    n = await body.readinto(view[got:])
+                    if not n:
+                        return total + got  # the object is shorter
+                    got += n
+                total += got
+                view = next_view()
+            while extra := await body.read(1 << 16):  # a service sending more than asked
+                total += len(extra)
+            return total
+        finally:
+            body.close()
 
     async def get(self, path: str) -> bytes:
         try:
@@ -192,14 +272,19 @@ def _is_invalid_range(exc: BaseException) -> bool:
 class ThreadObjectOps:
     """A synchronous fsspec filesystem, each call in a worker thread (see module docstring)."""
 
+    reuses_bodies = False  # memory:// keeps the very object it is given
+
     def __init__(self, fs: Any) -> None:
         self.fs = fs
 
-    async def put(self, path: str, data: bytes) -> None:
+    async def put(self, path: str, data: bytes | bytearray) -> None:
         await asyncio.to_thread(self.fs.pipe_file, path, data)
 
     async def get_range(self, path: str, start: int, end: int) -> bytes:
         return await asyncio.to_thread(self.fs.cat_file, path, start=start, end=end)
+
+    async def get_range_into(self, path: str, start: int, end: int, next_view: NextView) -> int:
+        return await _fill(await self.get_range(path, start, end), next_view)
 
     async def get(self, path: str) -> bytes:
         return await asyncio.to_thread(self.fs.cat_file, path)
@@ -251,12 +336,14 @@ def make_ops(fs: Any) -> ObjectOps:
 
 @dataclass
 class LoopResources:
-    """What one event loop needs: its filesystem adapter, its concurrency limit, and the limit
-    on write bodies built ahead of a request slot (``staging``, see ``FsspecStorage._write_one``)."""
+    """What one event loop needs: its filesystem adapter, its concurrency limit, the limit on
+    write bodies built ahead of a request slot (``staging``, see ``FsspecStorage._write_one``)
+    and the buffers those bodies are built in (:mod:`.bodies`)."""
 
     ops: ObjectOps
     semaphore: asyncio.Semaphore
     staging: asyncio.Semaphore
+    bodies: BodyBuffers
 
 
 class LoopLocal(Generic[T]):

@@ -1,0 +1,118 @@
+"""What an S3 store claims about pages it cannot read: a store that is down (breaker open) and
+pages removed behind this process's back (another process, a lifecycle rule).
+
+Against moto's S3 server (port 0); the outage is a fault-injecting proxy in front of it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from typing import Any
+
+import pytest
+
+from hicache.storage import PoolTransfer
+from hicache.observability.tier_events import ChangeKind
+from hicache.testing import ArrayHostPool
+from hicache.testing.store_tests import PAGE
+from s3_proxy import FaultProxy
+from s3_server import eventually, make_s3, raw_client
+from test_s3_hostile import FAST, read_pages, write_pages
+from test_s3_runs import _filled
+
+@pytest.fixture
+def prefix() -> str:
+    return f"stale/{uuid.uuid4().hex}"
+
+
+async def _read(store: Any, keys: list[str]) -> list[bool]:
+    dst = ArrayHostPool(len(keys), PAGE, token_elems=4)
+    store.register_mem_pool_host(dst)
+    res = await store.batch_get_v2([PoolTransfer("kv", host_indices=dst.indices(0, len(keys)), keys=keys)])
+    return res["kv"]
+
+
+def _delete(endpoint: str, path: str) -> None:
+    """Remove one object as another process would (its own client, not this store)."""
+    bucket, key = path.split("/", 1)
+    raw_client(endpoint).delete_object(Bucket=bucket, Key=key)
+
+
+async def test_prefix_lookup_is_a_clean_miss_while_the_breaker_is_open(
+    moto_endpoint: str, moto_bucket: str, prefix: str
+) -> None:
+    async with FaultProxy(moto_endpoint) as proxy:
+        # FAST, with room for a loaded machine: a timed-out HEAD would also be a miss
+        async with make_s3(proxy.endpoint, moto_bucket, prefix, **{**FAST, "request_timeout": 4.0, "call_timeout": 8.0}) as store:
+            keys = [f"down-{i}" for i in range(6)]
+            await write_pages(store, keys, seed=6)  # (the proxy mangles HEADs: known from writes)
+            assert (await store.batch_exists_v2(keys)).kv_hit_pages == 6  # known: no request
+            proxy.outage = True
+            assert (await read_pages(store, keys))[0] == [False] * 6  # opens the breaker
+            assert store.get_stats()["breaker_state"] != "closed"
+            before = store.get_stats()["exists_cache_hits"]
+            # the prefix path (run index + waves) must not answer from the positive cache
+            assert (await store.batch_exists_v2(keys)).kv_hit_pages == 0
+            assert await store.exists_prefix(keys) == 0
+            assert store.get_stats()["exists_cache_hits"] == before
+            proxy.outage = False
+
+            async def back() -> bool:
+                return (await store.batch_exists_v2(keys)).kv_hit_pages == 6
+
+            await eventually(back)  # the prober closes the breaker; the pages count again
+            assert (await read_pages(store, keys))[0] == [True] * 6
+
+
+async def test_a_page_deleted_elsewhere_is_one_counted_miss_then_never_a_hit(
+    moto_endpoint: str, moto_bucket: str, prefix: str
+) -> None:
+    # a short TTL: the run index is read again on the next lookup, and it still lists the page
+    async with make_s3(moto_endpoint, moto_bucket, prefix, concurrency=4, exists_cache_ttl=0.2) as store:
+        removed: list[Any] = []
+        store.tier_changes.subscribe(removed.append)
+        keys, _ = await _filled(store, 20, "gone")  # a fresh process: learns the chain from the index
+        assert (await store.batch_exists_v2(keys)).kv_hit_pages == 20
+        victim = store.names.page(keys[10], "kv")
+        _delete(moto_endpoint, victim)  # a lifecycle rule or another process; the index stays
+        # bounded staleness: still claimed from the cache within the TTL...
+        assert (await store.batch_exists_v2(keys)).kv_hit_pages == 20
+        # ...and the read that finds it missing is a clean miss, counted, reported, forgotten
+        got = await _read(store, keys)
+        assert got == [True] * 10 + [False] + [True] * 9
+        stats = store.get_stats()
+        assert stats["stale_hits"] == 1 and stats.get("corrupt_pages", 0) == 0
+        gone = [c for c in removed if c.kind is ChangeKind.REMOVED]
+        assert len(gone) == 1 and gone[0].reason == "vanished" and gone[0].origin == "peer"
+        assert (await store.batch_exists_v2(keys)).kv_hit_pages == 10
+        await asyncio.sleep(0.3)  # every entry expired: the index (which lists page 10) is read again
+        for _ in range(2):
+            assert (await store.batch_exists_v2(keys)).kv_hit_pages == 10
+        assert await store.exists_pages([keys[10]]) == [False]
+        # reading the gone page again is a miss, not a second stale hit
+        assert (await _read(store, keys[10:11])) == [False]
+        assert store.get_stats()["stale_hits"] == 1
+        # the page written again (by anyone): the store's answer clears the mark
+        src = ArrayHostPool(1, PAGE, token_elems=4)
+        src.fill_random(99)
+        store.register_mem_pool_host(src)
+        assert (await store.batch_set_v2([PoolTransfer("kv", host_indices=src.indices(0, 1), keys=keys[10:11])]))["kv"] == [True]
+        assert (await store.batch_exists_v2(keys)).kv_hit_pages == 20
+
+
+async def test_write_bodies_are_reused_and_payloads_unsigned(moto_endpoint: str, moto_bucket: str, prefix: str) -> None:
+    async with make_s3(moto_endpoint, moto_bucket, prefix, concurrency=4) as store:
+        keys, src = await _filled(store, 12, "body")
+        res = store._local.get()
+        assert 0 < len(res.bodies) <= store.concurrency  # answered PUTs gave their buffers back
+        client = res.ops.fs._s3
+        assert client._client_config.s3["payload_signing_enabled"] is False
+        assert await _read(store, keys) == [True] * 12
+        # pages written again from reused buffers read back intact
+        res2 = await store.batch_set_v2([PoolTransfer("kv", host_indices=src.indices(0, 12), keys=keys)])
+        assert res2["kv"] == [True] * 12
+        dst = ArrayHostPool(12, PAGE, token_elems=4)
+        store.register_mem_pool_host(dst)
+        got = await store.batch_get_v2([PoolTransfer("kv", host_indices=dst.indices(0, 12), keys=keys)])
+        assert got["kv"] == [True] * 12 and dst.buffer.equal(src.buffer)
