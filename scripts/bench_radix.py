@@ -236,19 +236,20 @@ def _tier_stack(streams: list[list[int]], page_size: int) -> Any:
     return build_stack(cfg)
 
 
-async def _run_tiers(streams: list[list[int]], page_size: int) -> tuple[float, list[int], list[float]]:
+async def _run_tiers(streams: list[list[int]], page_size: int, prebuilt: bool) -> tuple[float, list[int], list[float]]:
     stack = _tier_stack(streams, page_size)
     cache = stack.cache
+    keys = [RadixKey(pack_tokens(s)) for s in streams] if prebuilt else None
     matched: list[int] = []
     lat: list[float] = []
     clock = time.perf_counter
     try:
-        for tokens in streams:
+        for i, tokens in enumerate(streams):
             n = len(tokens)
             value = stack.allocator.alloc(n)
             assert value is not None, "device pool too small: the benchmark must not evict"
             t0 = clock()
-            key = RadixKey(tokens)
+            key = keys[i] if keys is not None else RadixKey(tokens)
             m = cache.match_prefix(MatchPrefixParams(key=key))
             res = cache.insert(InsertParams(key=key, value=value))
             lat.append(clock() - t0)
@@ -262,8 +263,8 @@ async def _run_tiers(streams: list[list[int]], page_size: int) -> tuple[float, l
     return sum(lat), matched, lat
 
 
-def run_tiers(streams: list[list[int]], page_size: int) -> tuple[float, list[int], list[float]]:
-    return asyncio.run(_run_tiers(streams, page_size))
+def run_tiers(streams: list[list[int]], page_size: int, prebuilt: bool = False) -> tuple[float, list[int], list[float]]:
+    return asyncio.run(_run_tiers(streams, page_size, prebuilt))
 
 
 # ---------------------------------------------------------------------- one 16k-token prompt
@@ -416,6 +417,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     if not args.no_tiers:
         methods["hicache_tiers"] = lambda: run_tiers(streams, ps)
+        methods["hicache_tiers_prebuilt"] = lambda: run_tiers(streams, ps, prebuilt=True)
     if sgl is not None:
         methods["sglang"] = lambda: run_sglang(sgl, streams, ps, prebuilt=False)
         methods["sglang_prebuilt"] = lambda: run_sglang(sgl, streams, ps, prebuilt=True)
@@ -452,7 +454,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     # a server holding lists pays), both with keys built beforehand (what a server holding
     # packed tokens pays: SGLang's Req holds array('q')), and the harshest mix
     pairs = [("hicache", "sglang"), ("hicache_prebuilt", "sglang_prebuilt"), ("hicache", "sglang_prebuilt"),
-             ("hicache_tiers", "sglang"), ("hicache_tiers", "sglang_prebuilt")]
+             ("hicache_tiers", "sglang"), ("hicache_tiers_prebuilt", "sglang_prebuilt"),
+             ("hicache_tiers", "sglang_prebuilt")]
     ratios: dict[str, Any] = {}
     for ours, theirs in pairs:
         if ours in totals and theirs in totals:

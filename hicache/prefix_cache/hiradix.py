@@ -140,6 +140,9 @@ class HiRadixCache(RadixCache):
             disable=disable,
         )
         controller.set_host_free(self._free_host)
+        share = getattr(host_pool, "share_slots", None)
+        if share is not None:
+            share()  # host slot tensors are views of it (see _alloc_host): made now, not on a request
         self.metrics.gauge("device_tokens", self.total_size)
         self.metrics.gauge("device_evictable_tokens", self.evictable_size)
         self.metrics.gauge("eviction_index_repairs", lambda: self.eviction_index_repairs)
@@ -315,13 +318,17 @@ class HiRadixCache(RadixCache):
     # ------------------------------------------------------------------ host memory
 
     def _alloc_host(self, num_tokens: int) -> torch.Tensor | None:
-        host = self.host_pool.alloc(num_tokens)
+        # the tree only reads host slot tensors (slices, joins, frees): a pool that can hand
+        # out views of one shared index tensor saves a fresh tensor per backup
+        pool = self.host_pool
+        alloc = getattr(pool, "alloc_shared", None) or pool.alloc
+        host = alloc(num_tokens)
         if host is None:
-            self.evict_host(num_tokens - self.host_pool.available_size())
-            host = self.host_pool.alloc(num_tokens)
+            self.evict_host(num_tokens - pool.available_size())
+            host = alloc(num_tokens)
         if host is None:
-            self._shed_host_copies(num_tokens - self.host_pool.available_size())
-            host = self.host_pool.alloc(num_tokens)
+            self._shed_host_copies(num_tokens - pool.available_size())
+            host = alloc(num_tokens)
         return host
 
     def _sheds(self, node: TreeNode) -> bool:

@@ -28,7 +28,7 @@ from hicache.prefix_cache.node import TreeNode
 from hicache.prefix_cache.policy import eviction_key
 from hicache.prefix_cache.req import Req
 from hicache.prefix_cache.slots import cat_slots, copy_slots
-from hicache.prefix_cache.tokens import TokenRun, pack_tokens
+from hicache.prefix_cache.tokens import TokenRun, key_run, pack_tokens
 from hicache.prefix_cache.types import (
     DecLockRefParams,
     DecLockRefResult,
@@ -248,6 +248,8 @@ class RadixCache(BasePrefixCache):
         node = self.root_node
         pos = 0
         path: list[TreeNode] = []
+        if end and type(tokens) is not TokenRun and (key.extra_key, tuple(tokens[:self.page_size])) in node.children:
+            tokens = key_run(key, end)  # packed once (and kept for the insert) only on a hit
         while pos < end:
             child = node.children.get(self._child_key(key.extra_key, tokens, pos))
             if child is None:
@@ -339,8 +341,7 @@ class RadixCache(BasePrefixCache):
         value = params.value
         # packed once, before the tree changes: a bad token id fails here, and every
         # comparison and the new node's key are slices of it
-        ids = key.token_ids
-        tokens = ids if type(ids) is TokenRun else pack_tokens(ids if len(ids) == end else ids[:end])
+        tokens = key_run(key, end)
         node = self.root_node
         pos = 0
         prefix_len = 0

@@ -16,8 +16,12 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-__all__ = ["TokenRun", "empty_run", "pack_tokens"]
+if TYPE_CHECKING:
+    from hicache.prefix_cache.types import RadixKey
+
+__all__ = ["TokenRun", "empty_run", "key_run", "pack_tokens"]
 
 #: a packed run of token ids (typecode ``'I'``, or ``'q'`` for ids outside uint32)
 TokenRun = array
@@ -29,8 +33,17 @@ def empty_run() -> TokenRun:
 
 
 def pack_tokens(tokens: Sequence[int]) -> TokenRun:
-    """``tokens`` as a new packed run (the caller's sequence is not kept)."""
+    """``tokens`` as a new packed run (the caller's sequence is not kept).
+
+    A list goes through ``array.fromlist``, which converts 1.5-1.8x faster than the
+    ``array('I', list)`` constructor (measured on 16k tokens: 3-4 against 5.5-6 ns a token);
+    on a bad id it leaves the array empty and raises, so the fallback below sees the same
+    errors either way."""
     try:
+        if type(tokens) is list:
+            run = array("I")
+            run.fromlist(tokens)
+            return run
         return array("I", tokens)
     except OverflowError:
         pass
@@ -40,3 +53,22 @@ def pack_tokens(tokens: Sequence[int]) -> TokenRun:
         return array("q", tokens)
     except OverflowError as exc:
         raise ValueError(f"token ids must fit in int64 ({exc})") from None
+
+
+def key_run(key: RadixKey, end: int) -> TokenRun:
+    """The first ``end`` (at least) tokens of ``key``, packed; a packed key is its own run.
+
+    A list key is packed once and the run kept on the key: a request's key is walked by its
+    match and again by its insert, and converting the list is most of what either costs when
+    the tree itself is fast (packed keys walk 4-5x faster than list keys in the radix
+    benchmark). The kept run is reused only while the key holds the same list at the same
+    length."""
+    ids = key.token_ids
+    if type(ids) is TokenRun:
+        return ids
+    kept = key._run
+    if kept is not None and kept[0] is ids and kept[1] == len(ids) and len(kept[2]) >= end:
+        return kept[2]
+    run = pack_tokens(ids if len(ids) == end else ids[:end])
+    key._run = (ids, len(ids), run)
+    return run

@@ -53,7 +53,7 @@ class RadixKey:
     their tokens are equal: KV computed under one adapter is wrong under another.
     """
 
-    __slots__ = ("token_ids", "extra_key")
+    __slots__ = ("token_ids", "extra_key", "_run")
 
     def __init__(self, token_ids: Sequence[int], extra_key: str | None = None) -> None:
         if isinstance(token_ids, torch.Tensor):
@@ -68,6 +68,10 @@ class RadixKey:
             token_ids = list(token_ids)
         self.token_ids: list[int] | array = token_ids
         self.extra_key: str | None = extra_key
+        #: the tree's packed copy of a list ``token_ids`` (see ``prefix_cache.tokens.key_run``):
+        #: a key matched and then inserted is converted once. Change a key's tokens by building
+        #: a new key, not by editing its list in place.
+        self._run: tuple[list[int], int, array] | None = None
 
     def __len__(self) -> int:
         return len(self.token_ids)
