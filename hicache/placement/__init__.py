@@ -20,7 +20,7 @@ Policies (``cache.placement``):
 See ``docs/placement.md`` for why each choice should hold beyond one trace.
 """
 
-from hicache.placement.base import PlacementPolicy, node_end_tokens
+from hicache.placement.base import PlacementPolicy, default_victim_write_limit, node_end_tokens
 from hicache.placement.ghost import GhostList
 from hicache.placement.lru import LruPlacement
 from hicache.placement.registry import PLACEMENT_POLICIES, make_placement
@@ -31,6 +31,7 @@ __all__ = [
     "LruPlacement",
     "PLACEMENT_POLICIES",
     "PlacementPolicy",
+    "default_victim_write_limit",
     "ReusePlacement",
     "TieredPlacement",
     "make_placement",

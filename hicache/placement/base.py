@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from hicache.prefix_cache.node import TreeNode
 
 
-__all__ = ["PlacementPolicy", "node_end_tokens"]
+__all__ = ["PlacementPolicy", "default_victim_write_limit", "node_end_tokens"]
 
 
 def node_end_tokens(node: TreeNode) -> int:
@@ -26,6 +26,19 @@ def node_end_tokens(node: TreeNode) -> int:
         total += len(n.key)
         n = n.parent
     return total
+
+
+def default_victim_write_limit(host_pages: int, device_pages: int) -> int:
+    """Pages write-back at host eviction may hold on host at once: a quarter of the host pages
+    that device copies do not take (at least 1).
+
+    Why not a quarter of host: a page queued for its write stays on host until it lands, and the
+    host copies of device-resident pages cannot be evicted either, so both take room a prefetch
+    from storage needs. Where host is small next to the device (the agents workload: 136 host
+    pages, 64 device pages), a quarter of host left prefetches no room and storage hits were
+    skipped (tiered lost to lru); bounding by the room the device leaves keeps that share free
+    whatever the ratio, and is a quarter of host where device is small next to host."""
+    return max(1, (host_pages - min(device_pages, host_pages)) // 4)
 
 
 class PlacementPolicy(ABC):

@@ -47,7 +47,7 @@ from hicache.controller.controller import HiCacheController
 from hicache.controller.jobs import PrefetchResult, StorageWriteJob
 from hicache.events.log import EventLog
 from hicache.observability.tier_events import ChangeKind, Tier, TierChange, TierChangeHub
-from hicache.placement import GhostList, PlacementPolicy, make_placement
+from hicache.placement import GhostList, PlacementPolicy, default_victim_write_limit, make_placement
 from hicache.prefix_cache.facade import AdmitResult, LoadBack, MakeRoom, RequestFlow
 from hicache.prefix_cache.eviction_index import EvictionIndex
 from hicache.prefix_cache.hashing import fast_page_hashes, namespace_seed
@@ -88,7 +88,8 @@ class HiRadixCache(RadixCache):
         placement: a :class:`~hicache.placement.PlacementPolicy` or its name (``lru``,
             ``reuse``, ``tiered``): host eviction order and storage admission.
         victim_write_limit: pages host eviction may have queued for storage at once
-            (write-back at eviction, see :meth:`_write_victim`; 0: off); default a quarter of host.
+            (write-back at eviction, see :meth:`_write_victim`; 0: off); default
+            :func:`default_victim_write_limit`.
         tier_changes: the hub this tree reports device and host stores and removals to
             (the stack's; a private one by default).
     """
@@ -114,10 +115,12 @@ class HiRadixCache(RadixCache):
         if host_pool.page_size != page_size:
             raise ValueError(f"host page_size {host_pool.page_size} != cache page_size {page_size}")
         self.host_pool = host_pool
-        #: pages host eviction may have queued for storage at once (default: a quarter of host)
+        #: pages host eviction may have queued for storage at once (default: a quarter of the
+        #: host pages device copies cannot take, see :func:`default_victim_write_limit`)
         self.victim_write_limit: int = (
             victim_write_limit if victim_write_limit is not None
-            else max(1, int(host_pool.size) // page_size // 4)
+            else default_victim_write_limit(int(host_pool.size) // page_size,
+                                            int(getattr(token_to_kv_pool_allocator, "size", 0)) // page_size)
         )
         self.controller = controller
         self.config = controller.config

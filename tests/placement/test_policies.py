@@ -301,3 +301,16 @@ async def test_failing_storage_writes_leave_the_tree_consistent(policy: str, mon
             assert stack.controller.metrics.counters["victim_write_failed_pages"] > 0
     finally:
         await stack.aclose()
+
+
+def test_write_back_bound_leaves_room_the_device_copies_do_not_take() -> None:
+    """The default bound is a quarter of the host pages device copies cannot take, at least 1,
+    and the stack's tree uses it (a small host next to a large device must keep prefetch room)."""
+    from hicache.placement import default_victim_write_limit
+
+    assert default_victim_write_limit(2196, 439) == (2196 - 439) // 4
+    assert default_victim_write_limit(136, 64) == 18
+    assert default_victim_write_limit(16, 64) == 1  # device larger than host: still one job
+    assert default_victim_write_limit(0, 0) == 1
+    stack = _stack("tiered")
+    assert stack.cache.victim_write_limit == default_victim_write_limit(24, 16)
