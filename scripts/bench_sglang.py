@@ -14,7 +14,7 @@ usage ledger: ``shared=False``), ``fsync`` (each page and its folder synced befo
 
 Needs SGLang: run in the engine venv (``bash scripts/test_sglang.sh`` creates it)::
 
-    .venv-sglang/bin/python scripts/bench_sglang.py [--reps 7] [--pages 24] [--variants unshared,fsync] [--out FILE]
+    .venv-sglang/bin/python scripts/bench_sglang.py [--reps 7] [--pages 24] [--variants unshared,fsync] [--torch-threads 1] [--out FILE]
 """
 
 from __future__ import annotations
@@ -60,9 +60,9 @@ def _settle(ctl) -> None:
 
 
 def _cpu() -> float:
-    """CPU seconds (user + system, every thread) this process has used."""
-    t = os.times()
-    return t.user + t.system
+    """CPU seconds (user + system, every thread) this process has used; nanosecond clock
+    (``os.times`` counts 10 ms ticks, too coarse for one operation)."""
+    return time.process_time()
 
 
 def _one(ctl, host, toks) -> tuple[float, float, float, float, bool]:
@@ -97,7 +97,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layouts", default=",".join(helpers.MHA_LAYOUTS))
     ap.add_argument("--variants", default="", help=f"extra hicache configurations, comma-separated: {sorted(set(VARIANTS) - {'hicache'})}")
     ap.add_argument("--out", help="also write the JSON report here")
+    ap.add_argument("--torch-threads", type=int, default=None,
+                    help="torch's intra-op threads (SGLang's page copies); 1 prices the work without "
+                         "the spin-waiting of idle OpenMP threads, which a loaded machine inflates")
     args = ap.parse_args(argv)
+    if args.torch_threads is not None:
+        torch.set_num_threads(args.torch_threads)
 
     tokens_per_op = args.pages * args.page_size
     page_bytes = 2 * args.layers * args.page_size * args.heads * args.head_dim * 2

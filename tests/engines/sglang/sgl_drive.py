@@ -48,10 +48,16 @@ def _completed_tokens(ctl: Any, batches: int, timeout: float = 30.0) -> int:
     through the controller's own sync thread (prefetch_sync_queue -> ack_prefetch_queue)."""
     done, seen = 0, 0
     deadline = time.monotonic() + timeout
+    # With the sync thread running, every ack ends up in ack_prefetch_queue: block on that one
+    # alone, as SGLang's scheduler reads it (polling both queues in turn added up to 10 ms of
+    # waiting to each prefetch, the same for every backend, which a benchmark must not time).
+    sync = getattr(ctl, "prefetch_sync_thread", None)
+    queues = (ctl.ack_prefetch_queue,) if sync is not None and sync.is_alive() else (ctl.prefetch_sync_queue, ctl.ack_prefetch_queue)
+    wait = 0.5 if len(queues) == 1 else 0.01
     while seen < batches and time.monotonic() < deadline:
-        for q in (ctl.prefetch_sync_queue, ctl.ack_prefetch_queue):
+        for q in queues:
             try:
-                ack = q.get(timeout=0.01)
+                ack = q.get(timeout=min(wait, max(deadline - time.monotonic(), 0.001)))
             except Empty:
                 continue
             if getattr(ack, "completed_tokens", None) is not None:
