@@ -1,0 +1,36 @@
+"""Hot-path shortcuts of the radix tree must not change what it answers or frees."""
+
+from __future__ import annotations
+
+import torch
+
+from hicache.memory import PagedTokenAllocator
+from hicache.prefix_cache import RadixKey
+from hicache.prefix_cache.tokens import key_run
+
+
+def test_shared_slots_are_views_for_runs_and_copies_otherwise() -> None:
+    alloc = PagedTokenAllocator(16 * 4, 4)
+    a = alloc.alloc_shared(8)
+    assert a is not None and a.tolist() == list(range(8))
+    assert a.untyped_storage().data_ptr() == alloc.share_slots().untyped_storage().data_ptr()
+    b = alloc.alloc_shared(4)
+    alloc.free(a[:4])  # pages 0 and 2 free: not a run
+    alloc.free(b)
+    alloc.alloc_shared(4 * 13)  # drain the run at the end
+    c = alloc.alloc_shared(8)
+    assert c is not None and sorted(c.tolist()) == list(range(4)) + list(range(8, 12))
+    alloc.free(c)
+    alloc.free(a[4:])
+    assert alloc.alloc_shared(1000) is None
+
+
+def test_list_key_packed_once_and_repacked_when_its_list_changes() -> None:
+    toks = list(range(8))
+    key = RadixKey(toks)
+    run = key_run(key, 8)
+    assert list(run) == toks and key_run(key, 8) is run
+    toks.append(9)  # a changed length is never served the old run
+    assert list(key_run(key, 9)) == toks
+    packed = RadixKey(run)
+    assert key_run(packed, 8) is run
