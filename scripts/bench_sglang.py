@@ -10,7 +10,7 @@ Between runs each store is cleared, hicache's background deletion is waited for 
 pages are flushed (``os.sync``), so no run pays for the one before it (writeback of the other
 backend's pages, or its deletion). ``--variants`` adds hicache configurations to the same
 interleaved run, to price what they cost against SGLang's backend: ``unshared`` (no cross-process
-usage ledger: ``shared=False``), ``fsync`` (each page and its folder synced before success).
+usage ledger: ``shared=False``), ``fsync`` (each page and its folder synced before success), ``io2``/``io1`` (2 or 1 I/O threads instead of 4).
 
 Needs SGLang: run in the engine venv (``bash scripts/test_sglang.sh`` creates it)::
 
@@ -39,7 +39,7 @@ import sgl_helpers as helpers  # noqa: E402
 
 
 #: hicache configurations a run can add beside the default (options of the file backend)
-VARIANTS: dict[str, dict] = {"hicache": {}, "unshared": {"shared": False}, "fsync": {"fsync": True}}
+VARIANTS: dict[str, dict] = {"hicache": {}, "unshared": {"shared": False}, "fsync": {"fsync": True}, "io2": {"io_threads": 2}, "io1": {"io_threads": 1}}
 
 
 def _make(layout: str, backend: str, root: str, dev, host):
