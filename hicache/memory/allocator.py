@@ -122,8 +122,10 @@ class PagedTokenAllocator:
         """``num_tokens`` slots (int64, on ``device``) in whole pages, or ``None`` if too few are
         free. ``num_tokens`` must be a multiple of ``page_size``."""
         pages = self.alloc_pages_array(self._pages_for(num_tokens))
-        if pages is None:
-            return None
+        return None if pages is None else self._slots_of(pages)
+
+    def _slots_of(self, pages: np.ndarray) -> torch.Tensor:
+        """The token slots of ``pages``, as a new tensor on ``device``."""
         tokens = (pages[:, None] * self.page_size + self._offsets).reshape(-1)
         return torch.from_numpy(tokens).to(self.device)
 
@@ -146,8 +148,7 @@ class PagedTokenAllocator:
         if n and int(pages[-1]) - int(pages[0]) == n - 1:
             start = int(pages[0]) * ps
             return self.share_slots()[start : start + n * ps]
-        tokens = (pages[:, None] * ps + self._offsets).reshape(-1)
-        return torch.from_numpy(tokens).to(self.device)
+        return self._slots_of(pages)
 
     def share_slots(self) -> torch.Tensor:
         """The index tensor :meth:`alloc_shared` hands out views of (every slot, in order),
