@@ -209,6 +209,17 @@ class AsyncHiCacheStorage(ABC):
         """Backend-specific figures merged into :meth:`get_stats`."""
         return {}
 
+    async def _delete(self, pages: Sequence[PageKey]) -> list[bool]:
+        """Remove each page; ``True`` where it was stored and is gone now. Optional: a backend
+        without it keeps its pages until its own bound evicts them (:meth:`batch_delete` then
+        answers ``None``), so a placement policy's eviction is a hint, never a requirement."""
+        raise NotImplementedError
+
+    @property
+    def supports_delete(self) -> bool:
+        """Whether :meth:`batch_delete` removes pages (the backend implements ``_delete``)."""
+        return type(self)._delete is not AsyncHiCacheStorage._delete
+
     async def _exists_prefix(self, pages: Sequence[PageKey]) -> int:
         """How many of ``pages``, from the first, exist: all a prefix lookup needs. Optional;
         the default asks :meth:`_exists` about every page. A backend whose lookups cost round
@@ -781,6 +792,28 @@ class AsyncHiCacheStorage(ABC):
     ) -> int:
         """Number of consecutive existing keys from the start."""
         return leading_run(await self.exists_pages(keys))
+
+    async def batch_delete(self, keys: Sequence[str], pool: PoolName | str = PoolName.KV) -> list[bool] | None:
+        """Remove the pages of ``keys`` in ``pool`` (an eviction chosen by the caller, who knows
+        which pages the tree still needs). One flag per key: ``True`` where a page was removed,
+        ``False`` where none was stored or the backend failed (counted, logged, never raised).
+        ``None`` where the backend has no delete: it keeps evicting by its own bound. Removed KV
+        pages are reported to tier-change subscribers with reason ``"deleted"``."""
+        keys = validate_keys(keys)
+        if not self.supports_delete:
+            return None
+        await self._ensure_open()
+        name = pool_name_str(pool)
+        pages = [PageKey(k, name) for k in keys]
+        if not pages:
+            return []
+        flags = await self._guard_flags("delete", self._delete(pages), len(pages))
+        self.stats.incr("delete_calls")
+        self.stats.incr("deleted_pages", sum(flags))
+        gone = [p for p, f in zip(pages, flags) if f]
+        if gone:
+            self.report_removed(gone, reason="deleted")
+        return flags
 
     async def clear(self) -> bool:
         """Remove every page of this namespace; other namespaces are untouched."""

@@ -419,6 +419,41 @@ class StoreTests:
         assert got["kv"] == [True] * 6
 
     @pytest.mark.asyncio
+    async def test_batch_delete_removes_only_the_named_pages(self, store: AsyncHiCacheStorage, store_factory: Callable[..., AsyncHiCacheStorage]) -> None:
+        """The eviction a placement policy chooses: named pages of this namespace go, every other
+        page (of this and other namespaces) stays readable; an absent key answers ``False``. A
+        backend without ``_delete`` answers ``None`` and keeps every page."""
+        other = store_factory(namespace=NS_B)
+        async with other:
+            src, _ = self.pools(store)
+            other.register_mem_pool_host(src)
+            keys = keys_for(4, salt=41)
+            await self._put(store, src, keys)
+            await self._put(other, src, keys, first_page=4)
+            absent = keys_for(1, salt=42)[0]
+            flags = await store.batch_delete([keys[1], keys[3], absent])
+            if not store.supports_delete:
+                assert flags is None
+                assert await store.exists_pages(keys) == [True] * 4
+                return
+            assert flags == [True, True, False]
+            assert await store.exists_pages(keys) == [True, False, True, False]
+            assert [await self.raw_payload(store, k) is None for k in keys] == [False, True, False, True]
+            assert await other.exists_pages(keys) == [True] * 4
+            assert await self.raw_payload(store, keys[2]) == src.page_bytes(2 * PAGE)
+            assert await store.batch_delete([keys[1]]) == [False]  # already gone
+            assert await store.batch_delete([]) == []
+            # a deleted page can be written again
+            await self._put(store, src, [keys[1]], first_page=1)
+            assert await store.exists_pages([keys[1]]) == [True]
+            assert store.get_stats()["deleted_pages"] == 2
+
+    @pytest.mark.asyncio
+    async def test_batch_delete_rejects_bad_keys(self, store: AsyncHiCacheStorage) -> None:
+        with pytest.raises(InvalidKeyError):
+            await store.batch_delete([""])
+
+    @pytest.mark.asyncio
     async def test_clear_removes_only_this_namespace(self, store: AsyncHiCacheStorage, store_factory: Callable[..., AsyncHiCacheStorage]) -> None:
         other = store_factory(namespace=NS_B)
         async with other:

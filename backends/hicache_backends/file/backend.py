@@ -574,6 +574,32 @@ class FileStorage(AsyncHiCacheStorage):
                 return 0
         return max(0, want)
 
+    async def _delete(self, pages: Sequence[PageKey]) -> list[bool]:
+        """Evictions a placement policy chose. A page being read or written is kept (``False``),
+        as the store's own eviction keeps it; the others are forgotten before their unlink so a
+        concurrent lookup never answers present for a page on its way out."""
+        ids = [page_id(p.key, p.pool) for p in pages]
+        doomed: dict[str, int] = {}
+        for pid in ids:
+            if pid in doomed or pid in self._busy or pid in self._deleting:
+                continue
+            entry = self.index.get(pid)
+            if entry is not None:
+                doomed[pid] = entry.size
+        if not doomed:
+            return [False] * len(ids)
+        assert self._layout is not None
+        for pid in doomed:
+            self._forget(pid)
+        self._deleting.update(doomed)
+        try:
+            paths = [self._layout.path(pid) for pid in doomed]
+            freed, _ = await self._run(self._remove_victims, paths, list(doomed.values()))
+        finally:
+            self._deleting.difference_update(doomed)
+        self._free_est += freed
+        return [pid in doomed for pid in ids]
+
     # ------------------------------------------------------------------ primitives
 
     async def _exists(self, pages: Sequence[PageKey]) -> list[bool]:

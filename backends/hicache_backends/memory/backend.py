@@ -102,6 +102,15 @@ class MemoryMedium:
         with self.lock:
             return entry in self.pages
 
+    def remove(self, entry: _Entry) -> bool:
+        """Drop one page; whether it was stored."""
+        with self.lock:
+            gone = self.pages.pop(entry, None)
+            if gone is None:
+                return False
+            self.nbytes -= len(gone)
+            return True
+
     def drop_namespace(self, digest: str) -> int:
         with self.lock:
             doomed = [e for e in self.pages if e[0] == digest]
@@ -175,6 +184,9 @@ class MemoryStorage(AsyncHiCacheStorage):
     async def _read_bytes(self, page: PageKey) -> bytes | None:
         payload = self.medium.get(self._entry(page))
         return payload if payload is None or isinstance(payload, bytes) else payload.tobytes()
+
+    async def _delete(self, pages: Sequence[PageKey]) -> list[bool]:
+        return [self.medium.remove(self._entry(p)) for p in pages]
 
     async def _clear(self) -> None:
         self.medium.drop_namespace(self.namespace.digest)

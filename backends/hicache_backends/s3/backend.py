@@ -608,6 +608,24 @@ class FsspecStorage(AsyncHiCacheStorage):
             fill()
         return body
 
+    async def _delete(self, pages: Sequence[PageKey]) -> list[bool]:
+        """Evictions a placement policy chose: HEAD (S3's DELETE answers the same whether the
+        object existed) then DELETE, each page concurrently through the runner."""
+        return await self.runner.batch("delete", [self._delete_one(p) for p in pages])
+
+    async def _delete_one(self, page: PageKey) -> bool:
+        path = self.names.page(page.key, page.pool)
+        self.exists_cache.discard(path)
+        try:
+            if await self.runner.request("delete", lambda ops: ops.size(path)) is None:
+                return False
+            await self.runner.request("delete", lambda ops: ops.remove(path))
+        except (GaveUp, FileNotFoundError):
+            return False
+        finally:
+            self.exists_cache.discard(path)  # a lookup that overlapped the delete
+        return True
+
     async def _clear(self) -> None:
         """Remove this namespace's pages (the manifest stays: it only describes the namespace).
         Bounded by ``max(call_timeout, 300)`` s: a big namespace takes many list/delete calls."""
