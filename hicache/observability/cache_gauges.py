@@ -38,7 +38,7 @@ _BACKEND_TOTALS = frozenset({"evicted_pages", "evicted_bytes", "corrupt_pages", 
 # dashboard sees "no errors", not "no data"
 _BACKEND_COUNTERS = ("exists_calls", "exists_keys", "exists_hits", "read_pages", "read_hits", "read_misses",
                      "read_bytes", "write_pages", "write_ok", "write_failures", "write_bytes", "backend_errors",
-                     "invalid_requests", "corrupt_pages", "evicted_pages", "evicted_bytes")
+                     "invalid_requests", "corrupt_pages", "stale_hits", "evicted_pages", "evicted_bytes")
 _EVENT_COUNTERS = ("published_batches", "published_events", "dropped_events", "replay_requests", "errors")
 _SESSION_GAUGES = ("sessions_open", "sessions_holding_kv", "session_held_tokens", "writeback_pending",
                    "writeback_pending_tokens")

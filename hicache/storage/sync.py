@@ -12,23 +12,33 @@ import asyncio
 import concurrent.futures
 import threading
 import weakref
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from dataclasses import replace
 from typing import Any, TypeVar
 
 import torch
 
 from hicache.errors import LoopMisuseError, StorageStateError
 from hicache.storage.base import AsyncHiCacheStorage, StorageState
+from hicache.storage.key_screen import first_unstorable, is_storable, page_indices, storable_runs
 from hicache.storage.types import (
     HiCacheStorageExtraInfo,
     PoolName,
     PoolTransfer,
     PoolTransferResult,
+    pool_name_str,
 )
 
 __all__ = ["HiCacheStorage", "LoopThread"]
 
 T = TypeVar("T")
+TransferCall = Callable[[list[PoolTransfer], HiCacheStorageExtraInfo | None], Awaitable[dict[str, list[bool]]]]
+
+
+def _is_batch(keys: object) -> bool:
+    """A list or tuple of keys: what the facade screens key by key (anything else goes to the
+    backend unchanged, whose error names the caller's mistake)."""
+    return isinstance(keys, (list, tuple))
 
 
 class LoopThread:
@@ -184,6 +194,52 @@ class HiCacheStorage:
     def registered_pools(self) -> dict[str, Any]:
         return self.backend.registered_pools
 
+    # screening: one bad key is a miss for that key alone (see hicache.storage.key_screen)
+    def _count_unstorable(self, keys: Sequence[object]) -> int:
+        bad = sum(not is_storable(k) for k in keys)
+        if bad:
+            self.backend.stats.incr("invalid_requests", bad)
+        return bad
+
+    def _prefix_keys(self, keys: list[str]) -> list[str]:
+        """``keys`` up to its first unstorable key: a prefix lookup stops at a miss anyway."""
+        if not _is_batch(keys):
+            return keys
+        cut = first_unstorable(keys)
+        if cut is None:
+            return keys
+        self._count_unstorable(keys)
+        return list(keys[:cut])
+
+    def _transfers(
+        self, call: TransferCall, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None
+    ) -> dict[str, list[bool]]:
+        """A v2 get or set with every unstorable key failed alone: each run of good keys of a
+        transfer goes to the backend with its own pages (a run after a bad key has no parent)."""
+        if all(not _is_batch(t.keys) or first_unstorable(t.keys or []) is None for t in transfers):
+            return self._call(call(transfers, extra_info))
+
+        async def screened() -> dict[str, list[bool]]:
+            results: dict[str, list[bool]] = {}
+            for t in transfers:
+                keys = list(t.keys or [])
+                flags = [False] * len(keys)
+                self._count_unstorable(keys)
+                for start, end in storable_runs(keys):
+                    indices = page_indices(t.host_indices, len(keys), start, end)
+                    if indices is None:  # indices that do not split into pages: the whole transfer fails
+                        self.backend.stats.incr("invalid_requests")
+                        break
+                    info = extra_info
+                    if start > 0:
+                        info = replace(extra_info or HiCacheStorageExtraInfo(), prefix_keys=[])
+                    part = replace(t, host_indices=indices, keys=list(keys[start:end]))
+                    flags[start:end] = (await call([part], info))[pool_name_str(t.name)]
+                results[pool_name_str(t.name)] = flags
+            return results
+
+        return self._call(screened())
+
     # v2
     def batch_exists_v2(
         self,
@@ -191,41 +247,68 @@ class HiCacheStorage:
         pool_transfers: list[PoolTransfer] | None = None,
         extra_info: HiCacheStorageExtraInfo | None = None,
     ) -> PoolTransferResult:
-        return self._call(self.backend.batch_exists_v2(keys, pool_transfers, extra_info))
+        return self._call(self.backend.batch_exists_v2(self._prefix_keys(keys), pool_transfers, extra_info))
 
     def batch_get_v2(
         self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None
     ) -> dict[str, list[bool]]:
-        return self._call(self.backend.batch_get_v2(transfers, extra_info))
+        return self._transfers(self.backend.batch_get_v2, transfers, extra_info)
 
     def batch_set_v2(
         self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None
     ) -> dict[str, list[bool]]:
-        return self._call(self.backend.batch_set_v2(transfers, extra_info))
+        return self._transfers(self.backend.batch_set_v2, transfers, extra_info)
 
     # v1
+    def _v1(self, call: TransferCall, keys: list[str], host_indices: torch.Tensor, extra_info: Any) -> list[bool]:
+        if PoolName.KV.value not in self.backend.registered_pools:
+            raise StorageStateError("the v1 calls need register_mem_pool_host(host_pool) first")
+        return self._transfers(call, [PoolTransfer(PoolName.KV, host_indices, keys=keys)], extra_info)[PoolName.KV.value]
+
     def batch_get_v1(
         self, keys: list[str], host_indices: torch.Tensor, extra_info: HiCacheStorageExtraInfo | None = None
     ) -> list[bool]:
-        return self._call(self.backend.batch_get_v1(keys, host_indices, extra_info))
+        if not _is_batch(keys) or first_unstorable(keys) is None:
+            return self._call(self.backend.batch_get_v1(keys, host_indices, extra_info))
+        return self._v1(self.backend.batch_get_v2, keys, host_indices, extra_info)
 
     def batch_set_v1(
         self, keys: list[str], host_indices: torch.Tensor, extra_info: HiCacheStorageExtraInfo | None = None
     ) -> list[bool]:
-        return self._call(self.backend.batch_set_v1(keys, host_indices, extra_info))
+        if not _is_batch(keys) or first_unstorable(keys) is None:
+            return self._call(self.backend.batch_set_v1(keys, host_indices, extra_info))
+        return self._v1(self.backend.batch_set_v2, keys, host_indices, extra_info)
 
     # v0
     def get(self, key: str, target_location: Any | None = None, target_sizes: Any | None = None) -> torch.Tensor | None:
+        if not is_storable(key):
+            self._count_unstorable([key])
+            return None
         return self._call(self.backend.get(key, target_location, target_sizes))
 
     def batch_get(
         self, keys: list[str], target_locations: Any | None = None, target_sizes: Any | None = None
     ) -> list[torch.Tensor | None]:
-        return self._call(self.backend.batch_get(keys, target_locations, target_sizes))
+        if not _is_batch(keys) or first_unstorable(keys) is None:
+            return self._call(self.backend.batch_get(keys, target_locations, target_sizes))
+        self._count_unstorable(keys)
+        good = [i for i, k in enumerate(keys) if is_storable(k)]
+        out: list[torch.Tensor | None] = [None] * len(keys)
+        if target_locations is not None and len(target_locations) != len(keys):
+            self.backend.stats.incr("invalid_requests")
+            return out
+        targets = [target_locations[i] for i in good] if target_locations is not None else None
+        got = self._call(self.backend.batch_get([keys[i] for i in good], targets, target_sizes))
+        for i, tensor in zip(good, got):
+            out[i] = tensor
+        return out
 
     def set(
         self, key: str, value: Any | None = None, target_location: Any | None = None, target_sizes: Any | None = None
     ) -> bool:
+        if not is_storable(key):
+            self._count_unstorable([key])
+            return False
         return self._call(self.backend.set(key, value, target_location, target_sizes))
 
     def batch_set(
@@ -235,13 +318,30 @@ class HiCacheStorage:
         target_locations: Any | None = None,
         target_sizes: Any | None = None,
     ) -> bool:
-        return self._call(self.backend.batch_set(keys, values, target_locations, target_sizes))
+        """True only if every key was stored; a bad key fails, the good keys are still stored."""
+        if not _is_batch(keys) or first_unstorable(keys) is None:
+            return self._call(self.backend.batch_set(keys, values, target_locations, target_sizes))
+        self._count_unstorable(keys)
+        vals = values if values is not None else target_locations
+        if vals is None or len(vals) != len(keys):
+            self.backend.stats.incr("invalid_requests")
+            return False
+
+        async def runs() -> None:
+            for start, end in storable_runs(keys):
+                await self.backend.batch_set(list(keys[start:end]), list(vals[start:end]))
+
+        self._call(runs())
+        return False
 
     def exists(self, key: str) -> bool:
+        if not is_storable(key):
+            self._count_unstorable([key])
+            return False
         return self._call(self.backend.exists(key))
 
     def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
-        return self._call(self.backend.batch_exists(keys, extra_info))
+        return self._call(self.backend.batch_exists(self._prefix_keys(keys), extra_info))
 
     def clear(self) -> bool:
         return self._call(self.backend.clear())
