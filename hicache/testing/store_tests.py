@@ -21,8 +21,9 @@ body that passes.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import pytest
@@ -418,18 +419,28 @@ class StoreTests:
         got = await store.batch_get_v2([PoolTransfer("kv", host_indices=dst.indices(0, 6), keys=keys)])
         assert got["kv"] == [True] * 6
 
+    @contextlib.asynccontextmanager
+    async def _stored_in_two_namespaces(
+        self, store: AsyncHiCacheStorage, store_factory: Callable[..., AsyncHiCacheStorage], n: int, *, salt: int
+    ) -> AsyncIterator[tuple[AsyncHiCacheStorage, Any, list[str]]]:
+        """The same ``n`` keys stored in ``store`` (from page 0) and in a second, open store of
+        namespace ``NS_B`` (from page 4): what a test needs to prove an operation keeps to its own
+        namespace."""
+        other = store_factory(namespace=NS_B)
+        async with other:
+            src, _ = self.pools(store)
+            other.register_mem_pool_host(src)
+            keys = keys_for(n, salt=salt)
+            await self._put(store, src, keys)
+            await self._put(other, src, keys, first_page=4)
+            yield other, src, keys
+
     @pytest.mark.asyncio
     async def test_batch_delete_removes_only_the_named_pages(self, store: AsyncHiCacheStorage, store_factory: Callable[..., AsyncHiCacheStorage]) -> None:
         """The eviction a placement policy chooses: named pages of this namespace go, every other
         page (of this and other namespaces) stays readable; an absent key answers ``False``. A
         backend without ``_delete`` answers ``None`` and keeps every page."""
-        other = store_factory(namespace=NS_B)
-        async with other:
-            src, _ = self.pools(store)
-            other.register_mem_pool_host(src)
-            keys = keys_for(4, salt=41)
-            await self._put(store, src, keys)
-            await self._put(other, src, keys, first_page=4)
+        async with self._stored_in_two_namespaces(store, store_factory, 4, salt=41) as (other, src, keys):
             absent = keys_for(1, salt=42)[0]
             flags = await store.batch_delete([keys[1], keys[3], absent])
             if not store.supports_delete:
@@ -455,13 +466,7 @@ class StoreTests:
 
     @pytest.mark.asyncio
     async def test_clear_removes_only_this_namespace(self, store: AsyncHiCacheStorage, store_factory: Callable[..., AsyncHiCacheStorage]) -> None:
-        other = store_factory(namespace=NS_B)
-        async with other:
-            src, _ = self.pools(store)
-            other.register_mem_pool_host(src)
-            keys = keys_for(3, salt=31)
-            await self._put(store, src, keys)
-            await self._put(other, src, keys, first_page=4)
+        async with self._stored_in_two_namespaces(store, store_factory, 3, salt=31) as (other, src, keys):
             assert await store.clear() is True
             assert await store.exists_pages(keys) == [False] * 3
             assert [await self.raw_payload(store, k) for k in keys] == [None] * 3
