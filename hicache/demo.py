@@ -113,6 +113,15 @@ def _answers(report: dict[str, Any]) -> dict[tuple[int, int], list[int]]:
     return {(r["client"], r["turn"]): r["tokens"] for r in report["records"] if r["error"] is None}
 
 
+def _failures(phase: str, report: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """The requests of ``phase`` that failed: an answer missing for this reason is a server
+    error (for example a device too small for the load), not wrong KV, so the report names it."""
+    if report is None:
+        return []
+    return [{"phase": phase, "client": r["client"], "turn": r["turn"], "error": r["error"]}
+            for r in report["records"] if r["error"] is not None]
+
+
 def _compare(got: dict[tuple[int, int], list[int]], want: dict[tuple[int, int], list[int]]) -> tuple[int, int]:
     """(answers compared, answers that differ); an answer missing on either side differs."""
     keys = set(got) | set(want)
@@ -178,6 +187,7 @@ async def run_demo_async(config: HiCacheConfig, *, quick: bool = False, workload
         "ttft_speedup_mean": ratio("ttft_mean_ms"),
         "answers_compared": compared,
         "answers_mismatched": mismatches,
+        "failed_requests": _failures("baseline", base) + _failures("cached", cached) + _failures("restart", restart),
         "all_answers_match": mismatches == 0 and compared > 0
         and not (base["summary"]["errors"] or cached["summary"]["errors"] or (restart and restart["summary"]["errors"])),
         "cache_metrics": cache_metrics,
@@ -220,6 +230,8 @@ def format_report(r: dict[str, Any]) -> str:
         )
     verdict = "yes" if r["all_answers_match"] else f"NO ({r['answers_mismatched']} differ)"
     lines.append(f"every cached answer equals the no-cache recompute: {verdict} ({r['answers_compared']} answers)")
+    for f in r.get("failed_requests", []):
+        lines.append(f"  failed ({f['phase']} run, conversation {f['client']} turn {f['turn']}; its answer counts as differing): {f['error']}")
     lines.append(f"elapsed: {r['elapsed_s']} s")
     return "\n".join(lines)
 

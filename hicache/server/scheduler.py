@@ -9,7 +9,11 @@ Why a scheduler between HTTP handlers and the engine:
   on the engine's single worker thread (continuous batching by time slicing);
 - memory admission: a request that finds no free device slots (``OutOfKVSlotsError``) waits
   for another request to finish (or, alone, backs off briefly while write-backs release slots)
-  and starts again, a bounded number of times, instead of failing at once. Greedy decoding is deterministic, so a
+  and starts again, instead of failing at once. While it waits no new request is admitted, so
+  the memory the next finished request frees goes to the waiter, not to a newcomer (without this
+  gate a large request could lose every race and fail while the server was merely busy). Waits
+  behind running requests are bounded in time (``memory_wait_total_s``); only the retries made
+  alone, where nothing else can free memory, count against ``max_memory_retries``. Greedy decoding is deterministic, so a
   restarted stream resumes without repeating the tokens it already sent;
 - ordering within a session: turns of one session run one after another (a later turn must see
   the earlier turn's KV committed), different sessions run concurrently;
@@ -99,6 +103,7 @@ class Scheduler:
         metrics: ServerMetrics | None = None,
         max_memory_retries: int = 8,
         memory_wait_s: float = 5.0,
+        memory_wait_total_s: float = 120.0,
     ) -> None:
         if max_active <= 0 or queue_size <= 0:
             raise ValueError("max_active and queue_size must be positive")
@@ -111,6 +116,10 @@ class Scheduler:
         self._finished = asyncio.Condition()  # notified whenever a request ends
         self.max_memory_retries = max_memory_retries
         self.memory_wait_s = memory_wait_s
+        self.memory_wait_total_s = memory_wait_total_s
+        self._memory_waiters = 0
+        self._admit = asyncio.Event()  # cleared while a running request waits for device memory
+        self._admit.set()
         self._main: asyncio.Task[None] | None = None
         self._tg: asyncio.TaskGroup | None = None
         self._closing = False
@@ -178,6 +187,7 @@ class Scheduler:
                     break
                 job: Job = item
                 await self._slots.acquire()
+                await self._admit.wait()  # a request waiting for memory gets it before newcomers
                 if job.future.done():  # the client went away while queued
                     self._slots.release()
                     continue
@@ -210,7 +220,8 @@ class Scheduler:
 
     async def _generate_with_memory_retry(self, job: Job) -> GenerateResult:
         """``engine.generate``; on ``OutOfKVSlotsError`` wait for a running request to end (or
-        back off when none runs) and start over, at most ``max_memory_retries`` times."""
+        back off when none runs) and start over. Gives up (re-raising) after
+        ``max_memory_retries`` retries made alone, or once ``memory_wait_total_s`` has passed."""
         req = job.request
         sent = 0  # tokens already passed to the stream: a restart must not send them twice
         produced = 0  # tokens produced by the current attempt
@@ -223,22 +234,36 @@ class Scheduler:
                 if job.on_token is not None:
                     job.on_token(tok)
 
-        for attempt in range(self.max_memory_retries + 1):
-            produced = 0
-            try:
-                return await self.engine.generate(
-                    req.rid, req.tokens, req.max_new_tokens, req.session_id, arrival=job.arrival, on_token=forward
-                )
-            except OutOfKVSlotsError:
-                if attempt == self.max_memory_retries:
-                    raise
-                self.metrics.memory_retries += 1
-                if self.metrics.active > 1:
-                    logger.info("request %s: device full, waiting for a running request to finish", req.rid)
-                    async with self._finished:
-                        with contextlib.suppress(TimeoutError):
-                            async with asyncio.timeout(self.memory_wait_s):
-                                await self._finished.wait()
-                else:  # alone: slots may still be held by write-backs the cache completes shortly
-                    await asyncio.sleep(min(0.05 * 2**attempt, 1.0))
-        raise AssertionError("unreachable")
+        solo_retries = 0
+        deadline = time.monotonic() + self.memory_wait_total_s
+        waiting = False
+        try:
+            while True:
+                produced = 0
+                try:
+                    return await self.engine.generate(
+                        req.rid, req.tokens, req.max_new_tokens, req.session_id, arrival=job.arrival, on_token=forward
+                    )
+                except OutOfKVSlotsError:
+                    alone = self.metrics.active <= 1
+                    if (alone and solo_retries >= self.max_memory_retries) or time.monotonic() >= deadline:
+                        raise
+                    self.metrics.memory_retries += 1
+                    if not waiting:
+                        waiting = True
+                        self._memory_waiters += 1
+                        self._admit.clear()
+                    if not alone:
+                        logger.info("request %s: device full, waiting for a running request to finish", req.rid)
+                        async with self._finished:
+                            with contextlib.suppress(TimeoutError):
+                                async with asyncio.timeout(max(0.0, min(self.memory_wait_s, deadline - time.monotonic()))):
+                                    await self._finished.wait()
+                    else:  # alone: slots may still be held by write-backs the cache completes shortly
+                        await asyncio.sleep(min(0.05 * 2**solo_retries, 1.0))
+                        solo_retries += 1
+        finally:
+            if waiting:
+                self._memory_waiters -= 1
+                if self._memory_waiters == 0:
+                    self._admit.set()

@@ -17,6 +17,7 @@ async def test_demo_reports_hits_ttft_and_matching_answers(tmp_path: Path) -> No
     report = await run_demo_async(cfg, workload=w)
     assert report["all_answers_match"] is True
     assert report["answers_compared"] == 3 * 2 + 3
+    assert report["failed_requests"] == []
     base, cached, restart = report["baseline"], report["cached"], report["restart"]
     assert base["prefill_tokens_saved"] == 0 and base["errors"] == 0
     assert cached["prefill_tokens_saved"] > 0 and cached["prefill_tokens"] < base["prefill_tokens"]
@@ -24,3 +25,13 @@ async def test_demo_reports_hits_ttft_and_matching_answers(tmp_path: Path) -> No
     assert report["ttft_speedup_p50"] is not None
     text = format_report(report)
     assert "hit rate by tier" in text and "every cached answer equals the no-cache recompute: yes" in text
+
+
+def test_a_failed_request_is_named_in_the_report_not_only_counted_as_a_difference() -> None:
+    from hicache.demo import _failures
+
+    phase = {"records": [{"client": 0, "turn": 0, "error": None},
+                         {"client": 1, "turn": 3, "error": "OutOfKVSlotsError('no room')"}]}
+    failed = _failures("cached", phase)
+    assert failed == [{"phase": "cached", "client": 1, "turn": 3, "error": "OutOfKVSlotsError('no room')"}]
+    assert _failures("restart", None) == []

@@ -158,3 +158,58 @@ async def test_device_full_alone_backs_off_then_gives_up() -> None:
         await job.future
     await sched.aclose()
     assert engine.attempts == 3 and sched.metrics.memory_retries == 2
+
+
+class ContendedEngine(ScriptedEngine):
+    """"big" needs the whole device: it finds it full whenever any other request is running."""
+
+    def __init__(self) -> None:
+        super().__init__(delay=0.02)
+        self.big_attempts = 0
+
+    async def generate(self, rid, tokens, n, session_id=None, **kw):
+        if rid != "big":
+            return await super().generate(rid, tokens, n, session_id)
+        self.big_attempts += 1
+        if self.active > 0:
+            raise OutOfKVSlotsError("device full")
+        self.log.append(("start", rid))
+        self.log.append(("end", rid))
+        return GenerateResult(rid=rid, tokens=[1] * n, prompt_tokens=len(tokens), prefill_tokens=len(tokens),
+                              cached_tokens=0, hits={}, ttft_s=0.001, latency_s=0.002)
+
+
+async def test_a_request_waiting_for_memory_is_served_before_newcomers_and_does_not_fail() -> None:
+    """A busy server is not a full one: a request that finds the device full behind running
+    requests waits, however many times it loses (no retry budget is spent while others run), and
+    requests queued after it are not admitted until it got its memory, so it cannot starve."""
+    engine = ContendedEngine()
+    sched = Scheduler(engine, max_active=2, queue_size=20, max_memory_retries=0)  # type: ignore[arg-type]
+    await sched.start()
+    first = sched.submit(req("s0"))
+    await asyncio.sleep(0.005)  # s0 is running
+    big = sched.submit(req("big"))
+    later = [sched.submit(req(f"s{i}")) for i in range(1, 6)]
+    assert (await big.future).rid == "big"
+    await asyncio.gather(first.future, *(j.future for j in later))
+    await sched.aclose()
+    starts = [rid for ev, rid in engine.log if ev == "start"]
+    assert starts[:2] == ["s0", "big"]  # no newcomer slipped in while big waited
+    assert engine.big_attempts >= 2 and sched.metrics.memory_retries == engine.big_attempts - 1
+    assert sched.metrics.requests["ok"] == 7
+
+
+async def test_waiting_behind_running_requests_is_bounded_in_time() -> None:
+    engine = ContendedEngine()
+    engine.delay = 0.5  # s0 runs longer than big may wait
+    sched = Scheduler(engine, max_active=2, queue_size=20, max_memory_retries=0, memory_wait_s=0.02, memory_wait_total_s=0.1)  # type: ignore[arg-type]
+    await sched.start()
+    first = sched.submit(req("s0"))
+    await asyncio.sleep(0.005)
+    big = sched.submit(req("big"))
+    after = sched.submit(req("s1"))
+    with pytest.raises(OutOfKVSlotsError):
+        await big.future
+    await asyncio.gather(first.future, after.future)  # the gate reopened once big gave up
+    await sched.aclose()
+    assert sched.metrics.requests["error"] == 1 and sched.metrics.requests["ok"] == 2
