@@ -39,8 +39,9 @@ class ControllerConfig:
     prefetch_policy: ``best_effort`` (take what arrived), ``wait_complete`` or ``timeout``.
     prefetch_threshold: fewer storage tokens than this are not worth a prefetch.
     max_inflight_prefetch_tokens: rate limit; prefetches beyond it are skipped.
-    cancelled_io_grace_s: host pages an interrupted storage call may still touch are held
-        this long before they are reused.
+    cancelled_io_grace_s: an interrupted (cancelled) storage call is always waited for until
+        it has really returned, since the host pages it was given are not reused before then;
+        one still running after this long is logged and counted as stuck.
     io_thread_nice: lower the CPU priority of the storage I/O thread, and of the threads it
         starts (the backend's copy threads), by this much (Linux; 0: unchanged). When page
         traffic keeps more threads runnable than there are cores, this lets the server's loop

@@ -62,6 +62,7 @@ from hicache.storage import (
     PoolTransfer,
 )
 from hicache.storage.hit_policy import leading_run
+from hicache.storage.offload import wait_out
 
 __all__ = ["HiCacheController", "ControllerState"]
 
@@ -132,6 +133,7 @@ class HiCacheController:
             count=self.metrics.incr,
         )
         self._calls: set[asyncio.Future[Any]] = set()  # storage calls in flight
+        self._stuck_calls = 0  # cancelled calls still running past cancelled_io_grace_s
         self._prober: asyncio.Task[None] | None = None
         if storage is not None:
             registered = getattr(storage, "registered_pools", {}).get(KV)
@@ -154,6 +156,7 @@ class HiCacheController:
                            lambda: self._prefetcher.inflight_tokens if self._prefetcher else 0)
         self.metrics.gauge("loads_inflight", lambda: len(self._loads))
         self.metrics.gauge("tasks", lambda: len(self._tasks))
+        self.metrics.gauge("storage_calls_stuck_now", lambda: self._stuck_calls)
         if storage is not None:
             self.metrics.gauge("storage_up", lambda: 1.0 if self.health.up else 0.0)
 
@@ -255,7 +258,7 @@ class HiCacheController:
         """Wait until every prefetch task has ended and every page it held is back (tests,
         replay)."""
         while True:
-            pending = [t for t in self._tasks if t.get_name().startswith(("hicache-prefetch", "hicache-quarantine"))]
+            pending = [t for t in self._tasks if t.get_name().startswith("hicache-prefetch")]
             if not pending:
                 return
             await asyncio.wait(pending)
@@ -269,6 +272,7 @@ class HiCacheController:
         was_running = self.state is ControllerState.RUNNING
         self.state = ControllerState.CLOSING
         report = CloseReport(drained=True)
+        stuck = 0
         if was_running:
             limit = self.config.close_timeout_s if timeout is None else timeout
             if self._prefetcher is not None:
@@ -281,8 +285,7 @@ class HiCacheController:
                 logger.warning("controller close: queues did not drain within %.1f s", limit)
             for task in list(self._tasks):
                 task.cancel()
-            if self._tasks:
-                await asyncio.gather(*self._tasks, return_exceptions=True)
+            stuck = await self._wait_tasks(limit)
             self._report_leftovers(report)
         # A backend that blocks its I/O loop (a hung mount) must not make close hang: its
         # close and the I/O thread's exit are each waited for at most max(1 s,
@@ -297,17 +300,30 @@ class HiCacheController:
             except Exception:  # noqa: BLE001 - closing must not raise into shutdown
                 logger.exception("closing the storage backend failed")
         if self._io is not None:
-            await self._io.stop(timeout=limit)
+            await self._io.stop(timeout=limit)  # settles the calls its loop never finished
+        if stuck:
+            await self._wait_tasks(1.0)
         self.state = ControllerState.CLOSED
         await self.metrics.aclose()  # this cache's families leave the scrape
         return report
 
+    async def _wait_tasks(self, timeout: float) -> int:
+        """Wait up to ``timeout`` for the (cancelled) tasks to end; how many are still running.
+        A task can outlive its cancellation only while it waits out a storage call that has not
+        returned (a hung mount): it is reported, never abandoned silently."""
+        if not self._tasks:
+            return 0
+        _, pending = await asyncio.wait(set(self._tasks), timeout=max(0.1, timeout))
+        if pending:
+            logger.warning(
+                "controller close: %d task(s) still wait for storage calls that have not returned: %s",
+                len(pending), ", ".join(sorted(t.get_name() for t in pending)),
+            )
+        return len(pending)
+
     async def _drain_for_close(self) -> None:
         while True:
             await self.drain()
-            quarantine = self._prefetcher.quarantined() if self._prefetcher is not None else []
-            if quarantine:
-                await asyncio.wait(quarantine)
             if not [t for t in self._tasks if t.get_name().startswith("hicache-prefetch")]:
                 return
             await asyncio.wait([t for t in self._tasks if t.get_name().startswith("hicache-prefetch")])
@@ -594,8 +610,12 @@ class HiCacheController:
         failed, timed out, was interrupted because the store went down, or was not made
         because the store is down.
 
-        After an interruption the call may still be touching host pages on a backend thread,
-        so the caller waits ``cancelled_io_grace_s`` before the pages can be reused.
+        An interrupted call is cancelled, and then waited for until it has really ended (also
+        when the caller is cancelled meanwhile): until then the backend may still be reading
+        or writing the host pages the caller handed it, and a page reused early would be
+        written to storage or served to a request with someone else's KV. A call still running
+        ``cancelled_io_grace_s`` after it was cancelled is logged and counted as stuck (its
+        pages stay out of use; the store is marked down, so no new call piles up behind it).
         """
         if not self.health.up:
             coro.close()
@@ -608,6 +628,7 @@ class HiCacheController:
         call.add_done_callback(lambda _: self.metrics.observe(_OPS.get(what, what), "storage", time.perf_counter() - t0))
         call.add_done_callback(lambda _: _close_unstarted(coro))
         self._calls.add(call)
+        call.add_done_callback(self._calls.discard)
         try:
             stall = cfg.storage_stall_s if 0 < cfg.storage_stall_s < cfg.storage_io_timeout_s else 0.0
             done: set[Any] = set()
@@ -625,11 +646,11 @@ class HiCacheController:
                 call.cancel()
         except asyncio.CancelledError:
             call.cancel()
+            await self._outlast(call, what)
             raise
-        finally:
-            self._calls.discard(call)
-        if call.cancelled() or not call.done():
-            await asyncio.sleep(cfg.cancelled_io_grace_s)
+        if await self._outlast(call, what):
+            raise asyncio.CancelledError
+        if call.cancelled():
             return None
         exc = call.exception()
         if exc is not None:  # the backend's base class guards, but be sure
@@ -644,6 +665,30 @@ class HiCacheController:
         else:
             self.health.succeeded()
         return call.result()
+
+    async def _outlast(self, call: asyncio.Future[Any], what: str) -> bool:
+        """Wait until a cancelled storage call has really ended (see :meth:`_storage_call`);
+        returns whether the caller was cancelled meanwhile."""
+        if call.done():
+            return False
+        stuck = False
+
+        def report() -> None:
+            nonlocal stuck
+            stuck = True
+            self._stuck_calls += 1
+            self.metrics.incr("storage_calls_stuck")
+            logger.warning(
+                "a cancelled storage %s is still running after %.1f s; the host pages it was "
+                "given stay out of use until it returns", what, self.config.cancelled_io_grace_s,
+            )
+
+        try:
+            return await wait_out(call, slow_after=self.config.cancelled_io_grace_s, on_slow=report)
+        finally:
+            if stuck:
+                self._stuck_calls -= 1
+                logger.info("the stuck storage %s has returned; its host pages are free again", what)
 
     def _backend_errors(self) -> float:
         stats = getattr(self.storage, "stats", None)

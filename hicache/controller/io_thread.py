@@ -3,8 +3,10 @@
 Why: a backend may do real work inside its coroutines before the first ``await`` (the memory
 backend copies every page inline, a file backend may hash or stat), and on the server's loop
 that work delays everything else. Running each storage coroutine on this loop keeps the server's
-loop free; the controller awaits the result through ``asyncio.wrap_future``. Cancelling the
-awaiting task cancels the coroutine on the I/O loop too.
+loop free. Cancelling the awaiting task cancels the coroutine on the I/O loop too, and the
+awaiting task ends only when that coroutine has ended: a backend call still running on the I/O
+loop may be reading or writing host pages the caller handed it, and the caller must not reuse
+them before then (``asyncio.wrap_future`` would report the cancellation at once).
 
 A backend used through the controller must only be used from this loop while the controller
 runs (backends bind locks to the loop that first opens them).
@@ -30,12 +32,15 @@ triggers it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import sys
 import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
+
+from hicache.storage.offload import wait_out
 
 __all__ = ["IoThread", "lower_thread_priority"]
 
@@ -66,6 +71,7 @@ class IoThread:
         self.nice = nice
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
+        self._waiting: set[asyncio.Future[Any]] = set()  # outcomes callers still await
 
     @property
     def running(self) -> bool:
@@ -98,12 +104,43 @@ class IoThread:
         ready.wait()
 
     async def run(self, coro: Coroutine[Any, Any, T]) -> T:
-        """Await ``coro`` executed on the I/O loop."""
+        """Await ``coro`` executed on the I/O loop. If the caller is cancelled, ``coro`` is
+        cancelled on the I/O loop, and the cancellation reaches the caller once it has ended."""
         if not self.running:
             self.start()
         assert self._loop is not None
-        fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
-        return await asyncio.wrap_future(fut)
+        io_loop, here = self._loop, asyncio.get_running_loop()
+        outcome: asyncio.Future[T] = here.create_future()
+        started: list[asyncio.Task[T]] = []
+
+        def relay(task: asyncio.Task[T]) -> None:  # on the I/O loop
+            try:
+                here.call_soon_threadsafe(_copy_outcome, task, outcome)
+            except RuntimeError:  # the caller's loop is closed: nobody waits any more
+                pass
+
+        def begin() -> None:  # on the I/O loop
+            task = io_loop.create_task(coro)
+            task.add_done_callback(relay)
+            started.append(task)
+
+        try:
+            io_loop.call_soon_threadsafe(begin)
+        except RuntimeError:  # the I/O loop was closed meanwhile
+            coro.close()
+            raise
+        self._waiting.add(outcome)
+        try:
+            await asyncio.wait({outcome})  # a cancellation of ours leaves outcome pending
+        except asyncio.CancelledError:
+            with contextlib.suppress(RuntimeError):  # closed: stop() settles outcome
+                # begin() was queued first and the loop runs callbacks in order: started is set
+                io_loop.call_soon_threadsafe(lambda: started[0].cancel() if started else None)
+            await wait_out(outcome)
+            raise
+        finally:
+            self._waiting.discard(outcome)
+        return outcome.result()
 
     async def stop(self, timeout: float | None = None) -> bool:
         """Stop the loop (cancelling what still runs there) and join the thread off-loop, for
@@ -120,7 +157,22 @@ class IoThread:
             except RuntimeError:  # closed meanwhile
                 pass
         await asyncio.to_thread(thread.join, timeout)
+        for outcome in list(self._waiting):  # coroutines the stopped loop never ran to the end
+            if not outcome.done():
+                outcome.get_loop().call_soon_threadsafe(outcome.cancel)
         if thread.is_alive():
             logger.warning("%s: the storage I/O loop is blocked; its thread is left behind", self.name)
             return False
         return True
+
+
+def _copy_outcome(task: asyncio.Task[T], outcome: asyncio.Future[T]) -> None:
+    """Settle the caller's future like the I/O loop's task ended (on the caller's loop)."""
+    if outcome.done():
+        return
+    if task.cancelled():
+        outcome.cancel()
+    elif task.exception() is not None:
+        outcome.set_exception(task.exception())  # type: ignore[arg-type]
+    else:
+        outcome.set_result(task.result())

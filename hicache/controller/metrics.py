@@ -47,6 +47,7 @@ _COUNTERS: dict[str, str] = {
     "storage_write_failures": "pages whose storage write failed after all retries",
     "storage_read_failures": "storage read or exists calls that failed",
     "storage_timeouts": "storage calls that exceeded the I/O timeout",
+    "storage_calls_stuck": "cancelled storage calls still running after cancelled_io_grace_s (their host pages stay out of use until they return)",
     "storage_rejected": "storage backups refused because the queue was full",
     "storage_stalls": "storage calls unanswered after storage_stall_s (the store is marked down)",
     "storage_trips": "times the store was marked down (hung or failing)",

@@ -5,8 +5,9 @@ hit extends, allocates host pages for that many and fetches them in batches, cou
 pages as they land. The request then stops waiting as its policy says (``best_effort``: now;
 ``wait_complete``: when done; ``timeout``: at most ``min(max, base + per_ki_token * tokens /
 1024)`` seconds after the prefetch started), takes the complete pages, and the op frees the
-rest. Abort cancels the op; host pages a cancelled read may still be writing into are held for
-``cancelled_io_grace_s`` before reuse.
+rest. Abort cancels the op; the op ends only once a read it had in flight has really returned
+(the controller's storage call waits it out), so its host pages are freed when nothing can
+write into them any more.
 
 Why a collaborator and not a part of the controller class: the prefetcher needs only a few of
 the controller's services (spawn an owned task, run a storage call under the I/O timeout, free
@@ -78,7 +79,6 @@ class Prefetcher:
         self._sem = asyncio.Semaphore(config.max_concurrent_prefetches)
         self._prefetches: dict[str, PrefetchOp] = {}
         self._inflight_tokens = 0
-        self._quarantine: list[asyncio.Task[Any]] = []
 
     @property
     def inflight(self) -> int:
@@ -89,11 +89,6 @@ class Prefetcher:
     def inflight_tokens(self) -> int:
         """Tokens of the ops counted against ``max_inflight_prefetch_tokens``."""
         return self._inflight_tokens
-
-    def quarantined(self) -> list[asyncio.Task[Any]]:
-        """Tasks still holding host pages an interrupted read may write into."""
-        self._quarantine = [t for t in self._quarantine if not t.done()]
-        return list(self._quarantine)
 
     def abort_all(self) -> int:
         """Abort every op (close); returns how many."""
@@ -134,7 +129,6 @@ class Prefetcher:
 
     async def _run_prefetch(self, op: PrefetchOp, alloc_host: Callable[[int], torch.Tensor | None]) -> None:
         ps = self.page_size
-        interrupted = False
         t0 = time.perf_counter()
         traced = tracing.span("hicache.prefetch")  # entered and left by hand: the body is long
         span = traced.__enter__()
@@ -168,11 +162,7 @@ class Prefetcher:
                     op.inflight_start, op.inflight_end = a, a + n
                     t0 = time.perf_counter()
                     errors = self._backend_errors()
-                    try:
-                        result = await self._storage_call(self.storage.batch_get_v2(transfers), "read")
-                    except asyncio.CancelledError:
-                        interrupted = True
-                        raise
+                    result = await self._storage_call(self.storage.batch_get_v2(transfers), "read")
                     op.inflight_start = op.inflight_end = 0
                     got = leading_run(all_pools_ok(result, n))
                     if got:
@@ -196,9 +186,9 @@ class Prefetcher:
                 self.metrics.observe("prefetch", "storage", time.perf_counter() - t0)
             span.set_attribute("hicache.pages", op.completed_pages)
             traced.__exit__(None, None, None)
-            self._finish_op(op, interrupted)
+            self._finish_op(op)
 
-    def _finish_op(self, op: PrefetchOp, interrupted: bool) -> None:
+    def _finish_op(self, op: PrefetchOp) -> None:
         op.finished = True
         op.done.set()
         if self._prefetches.get(op.rid) is op and op.taken_pages is not None:
@@ -207,11 +197,10 @@ class Prefetcher:
             op.released = True
             self._inflight_tokens -= op.num_tokens
         if op.taken_pages is not None:
-            self._release_untaken(op, interrupted)
+            self._release_untaken(op)
 
-    def _release_untaken(self, op: PrefetchOp, interrupted: bool) -> None:
-        """Free the op's host pages the request did not take. Pages a cancelled storage read
-        may still be writing into are held for the grace period first."""
+    def _release_untaken(self, op: PrefetchOp) -> None:
+        """Free the op's host pages the request did not take (no read is in flight now)."""
         if op.host_indices is None:
             return
         ps = self.page_size
@@ -220,17 +209,7 @@ class Prefetcher:
         op.host_indices = op.host_indices[:start]
         if rest.numel() == 0:
             return
-        if interrupted and self.config.cancelled_io_grace_s > 0:
-            self._quarantine = [t for t in self._quarantine if not t.done()]
-            self._quarantine.append(self._spawn(self._free_later(rest), "hicache-quarantine"))
-        else:
-            self._free_host(rest)
-
-    async def _free_later(self, indices: torch.Tensor) -> None:
-        try:
-            await asyncio.sleep(self.config.cancelled_io_grace_s)
-        finally:
-            self._free_host(indices)
+        self._free_host(rest)
 
     def _backend_errors(self) -> float:
         stats = getattr(self.storage, "stats", None)
@@ -287,13 +266,13 @@ class Prefetcher:
         ps = self.page_size
         host = op.host_indices[: taken * ps] if op.host_indices is not None else torch.empty(0, dtype=torch.int64)
         if op.finished:
-            self._release_untaken(op, False)
+            self._release_untaken(op)
         self.metrics.incr("prefetch_pages_used", taken)
         return PrefetchResult(pages=taken, host_indices=host, found_pages=op.found_pages)
 
     def abort(self, rid: str) -> bool:
-        """Cancel ``rid``'s prefetch; its host pages are freed (after the grace period for a
-        storage read that was interrupted). Returns whether there was one."""
+        """Cancel ``rid``'s prefetch; its host pages are freed when its task has ended (after a
+        read in flight has really returned). Returns whether there was one."""
         op = self._prefetches.pop(rid, None)
         if op is None:
             return False
@@ -306,6 +285,6 @@ class Prefetcher:
         op.stop_requested = True
         op.taken_pages = 0
         if op.finished:
-            self._release_untaken(op, False)
+            self._release_untaken(op)
         elif op.task is not None:
             op.task.cancel()

@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-__all__ = ["copy_bytes", "run_to_completion", "OFFLOAD_MIN_BYTES"]
+__all__ = ["copy_bytes", "run_to_completion", "wait_out", "OFFLOAD_MIN_BYTES"]
 
 T = TypeVar("T")
 
@@ -27,21 +27,38 @@ OFFLOAD_MIN_BYTES = 1 << 20
 
 async def run_to_completion(fn: Callable[..., T], /, *args: Any, executor: Any = None) -> T:
     """Run ``fn(*args)`` on a thread; if the caller is cancelled, wait for it, then re-raise."""
-    loop = asyncio.get_running_loop()
-    fut = loop.run_in_executor(executor, fn, *args)
-    try:
-        return await asyncio.shield(fut)
-    except asyncio.CancelledError:
-        while not fut.done():
-            try:
-                await asyncio.shield(fut)
-            except asyncio.CancelledError:
-                continue
-            except Exception:  # noqa: BLE001 - we are cancelled anyway
-                break
-        if fut.done() and not fut.cancelled():
+    fut = asyncio.get_running_loop().run_in_executor(executor, fn, *args)
+    if await wait_out(fut):
+        if not fut.cancelled():
             fut.exception()  # retrieved: no "exception was never retrieved" noise
-        raise
+        raise asyncio.CancelledError
+    return fut.result()
+
+
+async def wait_out(
+    fut: asyncio.Future[Any], *, slow_after: float | None = None, on_slow: Callable[[], None] | None = None
+) -> bool:
+    """Wait until ``fut`` is done, through any cancellation of the caller; return whether the
+    caller was cancelled meanwhile (it re-raises once the work has really ended).
+
+    ``on_slow`` is called once if ``fut`` is still running ``slow_after`` seconds in: work that
+    cannot be abandoned can at least be reported (a hung mount holds its buffers until it
+    returns)."""
+    cancelled = False
+    loop = asyncio.get_running_loop()
+    deadline = None if slow_after is None or on_slow is None else loop.time() + slow_after
+    while not fut.done():
+        try:
+            timeout = None if deadline is None else max(0.0, deadline - loop.time())
+            await asyncio.wait({fut}, timeout=timeout)  # never cancels fut
+        except asyncio.CancelledError:
+            cancelled = True
+            continue
+        if deadline is not None and not fut.done() and loop.time() >= deadline:
+            deadline = None
+            assert on_slow is not None
+            on_slow()
+    return cancelled
 
 
 def copy_bytes(dst: memoryview, src: memoryview | bytes | bytearray) -> None:

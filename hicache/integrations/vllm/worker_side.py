@@ -315,7 +315,7 @@ class WorkerSide:
             try:
                 result = await self.controller.wait_prefetch(fetch.rid, "wait_complete")
             except asyncio.CancelledError:
-                self.controller.abort_prefetch(fetch.rid)  # its slots come back after the grace period
+                self.controller.abort_prefetch(fetch.rid)  # its slots come back once a read in flight returns
                 raise
             got = result.pages if result is not None else 0
             self._unread(fetch.slots[:got])

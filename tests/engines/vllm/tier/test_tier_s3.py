@@ -93,19 +93,25 @@ def test_store_lost_between_lookup_and_load_is_recompute() -> None:
 
     with MotoProcess() as server:
         create_bucket(server.endpoint, "lost")
-        options = {
-            "url": "s3://lost/kv", "storage_options": s3_options(server.endpoint),
-            "request_timeout": 0.5, "call_timeout": 2.0, "retries": 0,
-        }
+        # the store happens while the server is up, on a loaded machine too: the backend's
+        # default timeouts and retries; only the reader, which outlives the server, is tight
+        healthy = {"url": "s3://lost/kv", "storage_options": s3_options(server.endpoint)}
+        # a stopped server refuses connections at once; the timeouts only bound a slow machine
+        tight = {**healthy, "request_timeout": 2.0, "call_timeout": 5.0, "retries": 0}
         keys = block_keys(TOKENS)
-        with Engine([tier_config("s3", options=options)]) as first:
+        with Engine([tier_config("s3", options=healthy)]) as first:
             first.store(keys)
             assert first.tier.storage.get_stats()["write_ok"] == len(keys)
-        with Engine([tier_config("s3", options=options)]) as second:
+        with Engine([tier_config("s3", options=tight)]) as second:
             ctx = second.begin(keys)
             assert {second.manager.lookup(k, ctx) for k in keys} == {LookupResult.RETRY}
             second.step()
-            time.sleep(1.0)  # the lookup thread answers: every page exists
+            deadline = time.monotonic() + 30
+            lookups = second.tier._lookups  # vLLM's AsyncLookupManager: its answers land on drain
+            while lookups.drain_results() or None in (found := [lookups.lookup(k, ctx) for k in keys]):
+                assert time.monotonic() < deadline, "the lookup thread never answered"
+                time.sleep(0.01)
+            assert found == [True] * len(keys)  # every page exists, then the server goes
             server.stop()
             assert second.load(keys) == [None] * len(keys)
             _, results = second.lookup(keys)

@@ -1,0 +1,197 @@
+"""A storage call the controller gives up on (timeout, abort, close) keeps its host pages out
+of use until the backend has really returned.
+
+The backend here moves bytes on a worker thread that blocks on a gate the test opens (a hung
+mount that comes back), as the file backend's I/O threads do. Every host-page free is recorded
+with whether that thread had finished: a page freed - and so reusable by another request -
+while the thread may still write into it (a read) or read from it (a write, which would store
+someone else's KV under this key) is the bug these tests catch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import uuid
+from collections.abc import Sequence
+
+import torch
+from hicache_backends.memory import MemoryStorage
+
+from hicache.controller import ControllerConfig, StorageWriteJob
+from hicache.keys import page_hashes
+from hicache.replay import StackConfig, build_stack
+from hicache.storage import PageKey
+from hicache.storage.offload import run_to_completion
+from hicache.testing import eventually
+
+PS = 4
+PAGES = 4
+
+
+class GatedThreadStorage(MemoryStorage):
+    """The memory backend whose reads and writes (once ``hold()`` is called) wait on a worker
+    thread until ``open_gate()``; ``busy`` is set while such a thread runs."""
+
+    backend_name = "gated-thread-memory"
+
+    def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(*args, **kwargs)
+        self.gate = threading.Event()
+        self.gate.set()
+        self.busy = threading.Event()
+
+    def hold(self) -> None:
+        self.gate.clear()
+
+    def open_gate(self) -> None:
+        self.gate.set()
+
+    def _gated(self, fn, *args):  # type: ignore[no-untyped-def]
+        self.busy.set()
+        try:
+            self.gate.wait(60)
+            return fn(*args)
+        finally:
+            self.busy.clear()
+
+    async def _read(self, pages: Sequence[PageKey], buffers: Sequence[memoryview]) -> list[bool]:
+        return await run_to_completion(self._gated, self._read_into, pages, buffers)
+
+    async def _write(self, pages, buffers, parents):  # type: ignore[no-untyped-def]
+        return await run_to_completion(self._gated, self._store, pages, buffers)
+
+
+def make(store: GatedThreadStorage, **controller: object):  # type: ignore[no-untyped-def]
+    base: dict[str, object] = dict(
+        prefetch_threshold=PS, prefetch_batch_pages=PAGES, storage_io_timeout_s=0.2, storage_stall_s=0.0,
+        storage_max_retries=0, storage_retry_base_s=0.001, storage_probe_base_s=0.05,
+        storage_probe_max_s=0.1, cancelled_io_grace_s=0.0, close_timeout_s=5.0,
+    )
+    base.update(controller)
+    cfg = StackConfig(page_size=PS, device_pages=16, host_pages=32, storage_backend=None,
+                      controller=ControllerConfig(**base))  # type: ignore[arg-type]
+    return build_stack(cfg, storage=store)
+
+
+class FreeLog:
+    """The controller's host-page frees, each with whether the backend thread was still busy."""
+
+    def __init__(self, stack, store: GatedThreadStorage) -> None:  # type: ignore[no-untyped-def]
+        self.store = store
+        self.pool = stack.host_pool
+        self.early: list[int] = []  # pages freed while the thread still ran
+        self.freed = 0
+        stack.controller.set_host_free(self)
+
+    def __call__(self, indices: torch.Tensor) -> None:
+        if self.store.busy.is_set():
+            self.early.append(indices.numel() // PS)
+        self.freed += indices.numel() // PS
+        self.pool.free(indices)
+
+
+async def seeded(store: GatedThreadStorage, keys: list[str]) -> None:
+    """Write the pages under ``keys`` through a stack of their own (gate open)."""
+    stack = make(store)
+    host = stack.host_pool.alloc(len(keys) * PS)
+    done: list[int] = []
+    assert stack.controller.submit_storage_write(StorageWriteJob(keys, host, None, done.append))
+    await stack.controller.drain()
+    assert done == [len(keys)]
+    stack.host_pool.free(host)
+    await stack.aclose()
+
+
+def keys_for(n: int) -> list[str]:
+    return page_hashes(list(range(1000, 1000 + n * PS)), PS)
+
+
+async def stored_pages() -> tuple[GatedThreadStorage, list[str]]:
+    """A gated backend over a fresh medium that already holds ``PAGES`` pages, and their keys."""
+    store_id = f"gated-{uuid.uuid4()}"
+    keys = keys_for(PAGES)
+    await seeded(GatedThreadStorage(store_id=store_id), keys)
+    return GatedThreadStorage(store_id=store_id), keys
+
+
+def held_prefetch(stack, store: GatedThreadStorage, keys: list[str]):  # type: ignore[no-untyped-def]
+    """Start a prefetch of ``keys`` whose read will hang on the gate, with frees recorded."""
+    ctl = stack.controller
+    log = FreeLog(stack, store)
+    free_before = stack.host_pool.available_size()
+    store.hold()
+    op = ctl.start_prefetch("r", keys, alloc_host=stack.host_pool.alloc)
+    assert op is not None
+    return ctl, log, op, free_before
+
+
+async def test_a_read_that_times_out_holds_its_pages_until_the_thread_returns() -> None:
+    store, keys = await stored_pages()
+    stack = make(store)
+    ctl, log, op, free_before = held_prefetch(stack, store, keys)
+    await eventually(lambda: ctl.metrics.counters.get("storage_timeouts", 0) == 1)
+    await asyncio.sleep(0.3)  # where the old grace period had long ended and freed the pages
+    assert not op.finished and log.freed == 0
+    assert ctl.metrics.counters.get("storage_calls_stuck") == 1
+    assert ctl.metrics.snapshot()["gauges"]["storage_calls_stuck_now"] == 1
+    store.open_gate()
+    await ctl.wait_prefetches()
+    assert op.finished and op.completed_pages == 0  # a timed-out read is a miss, never a hit
+    res = ctl.take_prefetch("r")
+    assert res is None or res.pages == 0
+    await eventually(lambda: stack.host_pool.available_size() == free_before)
+    assert log.early == [] and log.freed == PAGES
+    assert ctl.metrics.snapshot()["gauges"]["storage_calls_stuck_now"] == 0
+    await stack.aclose()
+
+
+async def test_an_aborted_read_frees_its_pages_only_after_the_thread_returns() -> None:
+    store, keys = await stored_pages()
+    stack = make(store, storage_io_timeout_s=30.0)
+    ctl, log, op, free_before = held_prefetch(stack, store, keys)
+    await eventually(store.busy.is_set)
+    assert ctl.abort_prefetch("r")
+    await asyncio.sleep(0.3)
+    assert log.freed == 0
+    store.open_gate()
+    await ctl.wait_prefetches()
+    await eventually(lambda: stack.host_pool.available_size() == free_before)
+    assert log.early == [] and log.freed == PAGES
+    await stack.aclose()
+
+
+async def test_a_write_that_times_out_is_done_only_after_the_thread_returns() -> None:
+    """The write job's ``on_done`` is what unlocks its host pages for eviction and reuse."""
+    store = GatedThreadStorage(store_id=f"gated-{uuid.uuid4()}")
+    stack = make(store)
+    ctl = stack.controller
+    host = stack.host_pool.alloc(PAGES * PS)
+    done: list[tuple[int, bool]] = []
+    store.hold()
+    job = StorageWriteJob(keys_for(PAGES), host, None, lambda n: done.append((n, store.busy.is_set())))
+    assert ctl.submit_storage_write(job)
+    await eventually(lambda: ctl.metrics.counters.get("storage_timeouts", 0) == 1)
+    await asyncio.sleep(0.3)
+    assert done == []
+    store.open_gate()
+    await ctl.drain()
+    assert done == [(0, False)]  # not counted as written: the call was given up on
+    stack.host_pool.free(host)
+    await stack.aclose()
+
+
+async def test_close_reports_a_call_that_never_returns_and_does_not_hang() -> None:
+    store, keys = await stored_pages()
+    stack = make(store, storage_io_timeout_s=30.0, close_timeout_s=0.3)
+    ctl = stack.controller
+    store.hold()
+    assert ctl.start_prefetch("r", keys, alloc_host=stack.host_pool.alloc) is not None
+    await eventually(store.busy.is_set)
+    closing = asyncio.ensure_future(stack.aclose())
+    try:
+        done, _ = await asyncio.wait({closing}, timeout=20)
+        assert done, "close hung on a storage call that never returns"
+    finally:
+        store.open_gate()
+        await asyncio.wait({closing}, timeout=20)
