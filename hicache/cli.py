@@ -113,7 +113,7 @@ def _cmd_size(args: argparse.Namespace) -> Any:
     try:
         report = size_report(args.trace, plot=args.plot, kv_bytes_per_token=args.kv_bytes_per_token)
     except (OSError, ValueError, KeyError) as exc:
-        raise SystemExit(f"hicache size: {args.trace}: {exc}") from None
+        raise SystemExit(f"hicache size: {exc}") from None  # each message names the file
     if args.json:
         return report
     print(format_size_report(report))

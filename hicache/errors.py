@@ -11,6 +11,7 @@ from the built-in it resembles, so callers may catch either::
     ├── StorageStateError (RuntimeError)    storage used before open / after close
     ├── LoopMisuseError (RuntimeError)      blocking facade called from inside an event loop
     ├── CacheClosedError (RuntimeError)     cache or controller used after aclose()
+    ├── TraceFormatError (ValueError)       a request trace line that is not a Mooncake record
     └── OutOfKVSlotsError (MemoryError)     no device KV slots even after eviction and offload
 
 A *miss* is never an exception: reads return ``None``/``False`` for pages that are absent,
@@ -29,6 +30,7 @@ __all__ = [
     "LoopMisuseError",
     "CacheClosedError",
     "OutOfKVSlotsError",
+    "TraceFormatError",
 ]
 
 
@@ -62,6 +64,10 @@ class LoopMisuseError(HiCacheError, RuntimeError):
 
 class CacheClosedError(HiCacheError, RuntimeError):
     """A cache, controller or facade was used after it was closed."""
+
+
+class TraceFormatError(HiCacheError, ValueError):
+    """A line of a request trace is not a Mooncake record; the message names file and line."""
 
 
 class OutOfKVSlotsError(HiCacheError, MemoryError):

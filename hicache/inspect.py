@@ -8,11 +8,13 @@ read would accept. A page found corrupt is dropped by that read, as it would be 
 
 from __future__ import annotations
 
+import os
 import random
 from typing import Any
 
 from tqdm import tqdm
 
+from hicache.errors import ConfigError
 from hicache.storage import create_async_storage
 
 __all__ = ["inspect_store"]
@@ -38,6 +40,9 @@ async def inspect_store(
     opts = dict(options or {})
     if root is not None:
         opts["root"] = root
+    if backend == "file" and "root" in opts and not os.path.isdir(opts["root"]):
+        # a report of zero pages would read as "the store is empty", not "wrong path"
+        raise ConfigError(f"no file store at {opts['root']!r}: no such folder")
     probe = create_async_storage(backend, None, **opts)
     try:  # not opened: opening would create the probe's own (empty) namespace
         namespaces = await probe.list_namespaces()

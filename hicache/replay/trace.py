@@ -15,6 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
+from hicache.errors import TraceFormatError
+
 __all__ = ["TraceRequest", "load_trace", "find_trace", "request_tokens", "DEFAULT_TRACE_NAME"]
 
 DEFAULT_TRACE_NAME = "mooncake_fast25_synthetic_trace.jsonl"
@@ -35,18 +37,43 @@ class TraceRequest:
 
 
 def load_trace(path: str | os.PathLike[str], limit: int | None = None) -> list[TraceRequest]:
-    """The first ``limit`` requests of a trace file (all when ``None``)."""
+    """The first ``limit`` requests of a trace file (all when ``None``). A line that is not a
+    Mooncake record is a :class:`~hicache.errors.TraceFormatError` naming the file and line:
+    a replay or a sizing run on a silently shortened trace would report wrong hit rates."""
     out: list[TraceRequest] = []
     with open(path, encoding="utf-8") as f:
-        for line in f:
+        for number, line in enumerate(f, 1):
             if not line.strip():
                 continue
-            d = json.loads(line)
-            out.append(TraceRequest(int(d["timestamp"]), int(d["input_length"]), int(d["output_length"]),
-                                    tuple(int(h) for h in d["hash_ids"])))
+            try:
+                out.append(_record(json.loads(line)))
+            except (ValueError, TypeError, KeyError) as exc:
+                reason = f"missing field {exc}" if isinstance(exc, KeyError) else str(exc)
+                raise TraceFormatError(f"{path}, line {number}: not a Mooncake trace record ({reason})") from None
             if limit is not None and len(out) >= limit:
                 break
     return out
+
+
+def _record(d: object) -> TraceRequest:
+    """One parsed line as a request; ``ValueError``/``TypeError``/``KeyError`` when it is none."""
+    if not isinstance(d, dict):
+        raise TypeError(f"a JSON object per line, got {type(d).__name__}")
+    ids = d["hash_ids"]
+    if not isinstance(ids, list):
+        raise TypeError(f"hash_ids must be a list, got {type(ids).__name__}")
+    return TraceRequest(
+        _count(d["timestamp"], "timestamp"), _count(d["input_length"], "input_length"),
+        _count(d["output_length"], "output_length"), tuple(_count(h, "a hash id") for h in ids),
+    )
+
+
+def _count(value: object, what: str) -> int:
+    """A non-negative integer (a float with no fraction, as some exporters write, is one)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or value < 0 \
+            or (isinstance(value, float) and (value == float("inf") or not value.is_integer())):
+        raise ValueError(f"{what} must be a non-negative integer, got {value!r:.40}")
+    return int(value)
 
 
 def find_trace(explicit: str | os.PathLike[str] | None = None) -> Path:

@@ -44,8 +44,9 @@ def test_cli_inspect_json(tmp_path: Path, capsys) -> None:
     assert main(["inspect", str(tmp_path), "--json", "--verify", "all"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["pages"] == 4 and out["corrupt"] == 0
-    assert main(["inspect", os.fspath(tmp_path / "nothing-here"), "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["pages"] == 0
+    # a wrong path is an error, not a report of an empty store
+    assert main(["inspect", os.fspath(tmp_path / "nothing-here"), "--json"]) == 2
+    assert "no file store at" in capsys.readouterr().err
 
 
 def test_cli_backends_lists_ours(capsys) -> None:

@@ -115,3 +115,27 @@ def test_replay_on_the_file_backend(tmp_path: Path) -> None:
     assert result["verification_failures"] == 0
     assert result["storage_hit_tokens"] > 0
     assert all(v == 0 for v in result["failures"].values()), result["failures"]
+
+
+@pytest.mark.parametrize(
+    ("line", "reason"),
+    [
+        ("not json", "Expecting value"),
+        ("[1, 2]", "a JSON object per line"),
+        ('{"timestamp": 0, "input_length": 10, "output_length": 2}', "missing field 'hash_ids'"),
+        ('{"timestamp": 0, "input_length": -1, "output_length": 2, "hash_ids": [1]}', "input_length must be"),
+        ('{"timestamp": 0, "input_length": 10, "output_length": 2, "hash_ids": "12"}', "hash_ids must be a list"),
+        ('{"timestamp": 0, "input_length": 10, "output_length": 2, "hash_ids": [1.5]}', "a hash id must be"),
+        ('{"timestamp": true, "input_length": 10, "output_length": 2, "hash_ids": [1]}', "timestamp must be"),
+    ],
+)
+def test_a_bad_trace_line_is_an_error_naming_file_and_line(tmp_path: Path, line: str, reason: str) -> None:
+    from hicache.errors import TraceFormatError
+    from hicache.replay import load_trace
+
+    trace = tmp_path / "t.jsonl"
+    good = '{"timestamp": 0.0, "input_length": 600, "output_length": 2, "hash_ids": [7, 8]}'
+    trace.write_text(f"{good}\n\n{line}\n")
+    with pytest.raises(TraceFormatError, match=f"t.jsonl, line 3: .*{reason}"):
+        load_trace(trace)
+    assert load_trace(trace, limit=1)[0].hash_ids == (7, 8)  # the good lines before it still read
