@@ -36,6 +36,8 @@ def size_report(
         raise ValueError(f"{trace}: no requests")
     mrc = lru_miss_ratio_curve(requests)
     unique = mrc.unique_blocks
+    if not unique:
+        raise ValueError(f"{trace}: its requests reference no blocks of {BLOCK_TOKENS} tokens; nothing to size")
     ideal = infinite_cache(requests)
     rows = []
     caps = sorted({max(1, int(unique * f)) for f in _FRACTIONS})

@@ -83,7 +83,8 @@ def test_size_and_workload_commands(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert "LRU hit (tokens)" in out and "Belady" in out
     xml.dom.minidom.parse(str(plot))  # a well-formed SVG
     bad = tmp_path / "bad.jsonl"
-    for text in ("", '{"timestamp": 0, "input_length": 5}\n', "not json\n"):  # empty, a field missing, garbage
+    no_blocks = '{"timestamp": 0, "input_length": 0, "output_length": 1, "hash_ids": []}\n'
+    for text in ("", '{"timestamp": 0, "input_length": 5}\n', "not json\n", no_blocks):  # empty, a field missing, garbage
         bad.write_text(text)
         with pytest.raises(SystemExit, match="bad.jsonl"):
             main(["size", str(bad), "--plot", str(tmp_path / "no.svg")])
