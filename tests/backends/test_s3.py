@@ -248,3 +248,20 @@ async def test_one_store_on_two_event_loops(moto_endpoint: str, moto_bucket: str
         assert store.get_stats()["event_loops"] == 2
     finally:
         await asyncio.to_thread(facade.close)
+
+
+async def test_batch_delete_is_one_head_per_page_and_one_delete_request(moto_endpoint: str, moto_bucket: str, prefix: str) -> None:
+    """An eviction of many pages: the HEADs tell which existed (and so what was freed), then a
+    single DeleteObjects removes them all (was a DELETE per page)."""
+    keys = keys_for(12, salt=77)
+    async with make_s3(moto_endpoint, moto_bucket, prefix, NS_A) as store:
+        await _write_pages(store, keys)
+        absent = keys_for(1, salt=78)
+        before = store.get_stats()["requests"]
+        flags = await store.batch_delete(keys[:10] + absent)
+        assert flags == [True] * 10 + [False]
+        assert store.get_stats()["requests"] - before == 11 + 1
+        assert await store.exists_pages(keys) == [False] * 10 + [True] * 2
+        for k in keys[:10]:
+            assert raw_get(moto_endpoint, store.names.page(k, "kv")) is None
+        assert raw_get(moto_endpoint, store.names.page(keys[10], "kv")) is not None

@@ -609,22 +609,31 @@ class FsspecStorage(AsyncHiCacheStorage):
         return body
 
     async def _delete(self, pages: Sequence[PageKey]) -> list[bool]:
-        """Evictions a placement policy chose: HEAD (S3's DELETE answers the same whether the
-        object existed) then DELETE, each page concurrently through the runner."""
-        return await self.runner.batch("delete", [self._delete_one(p) for p in pages])
-
-    async def _delete_one(self, page: PageKey) -> bool:
-        path = self.names.page(page.key, page.pool)
-        self.exists_cache.discard(path)
+        """Evictions a placement policy chose: a HEAD per page, concurrently (S3's delete answers
+        the same whether the object existed, and the caller counts what it freed), then one
+        DeleteObjects per 1,000 pages that exist."""
+        paths = [self.names.page(p.key, p.pool) for p in pages]
+        for path in paths:
+            self.exists_cache.discard(path)
         try:
-            if await self.runner.request("delete", lambda ops: ops.size(path)) is None:
-                return False
-            await self.runner.request("delete", lambda ops: ops.remove(path))
+            present = await self.runner.batch("delete", [self._present(path) for path in paths])
+            targets = [path for path, there in zip(paths, present) if there]
+            if not targets:
+                return present
+            try:
+                failed = await self.runner.request("delete", lambda ops: ops.remove_many(targets))
+            except (GaveUp, FileNotFoundError):
+                failed = set(targets)
+            return [there and path not in failed for path, there in zip(paths, present)]
+        finally:
+            for path in paths:  # a lookup that overlapped the delete
+                self.exists_cache.discard(path)
+
+    async def _present(self, path: str) -> bool:
+        try:
+            return await self.runner.request("delete", lambda ops: ops.size(path)) is not None
         except (GaveUp, FileNotFoundError):
             return False
-        finally:
-            self.exists_cache.discard(path)  # a lookup that overlapped the delete
-        return True
 
     async def _clear(self) -> None:
         """Remove this namespace's pages (the manifest stays: it only describes the namespace).

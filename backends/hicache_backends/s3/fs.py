@@ -98,6 +98,11 @@ class ObjectOps(Protocol):
 
     async def remove(self, path: str) -> None: ...
 
+    async def remove_many(self, paths: list[str]) -> set[str]:
+        """Delete the objects at ``paths`` (an absent one counts as deleted) in as few requests
+        as the service allows; returns the paths it failed to delete."""
+        ...
+
     async def stored_md5(self, path: str) -> tuple[int, str] | None:
         """``(size, MD5 hex)`` of the object as stored, where the service says (S3's ETag of a
         single-part upload); ``None`` when it cannot tell. ``FileNotFoundError`` if absent."""
@@ -141,6 +146,11 @@ class AsyncObjectOps:
 
     async def remove(self, path: str) -> None:
         await self.fs._rm_file(path)
+
+    async def remove_many(self, paths: list[str]) -> set[str]:
+        # no portable batch delete with per-object answers: one request per object, concurrently
+        outcomes = await asyncio.gather(*(self.fs._rm_file(p) for p in paths), return_exceptions=True)
+        return {p for p, r in zip(paths, outcomes) if isinstance(r, BaseException) and not isinstance(r, FileNotFoundError)}
 
     async def stored_md5(self, path: str) -> tuple[int, str] | None:
         return None  # no portable digest: never delete on a verification failure alone
@@ -244,9 +254,28 @@ class S3ObjectOps(AsyncObjectOps):
             files = await self.fs._find(prefix)
         except FileNotFoundError:
             return 0
-        for i in range(0, len(files), 1000):  # DeleteObjects takes at most 1000 keys
-            await self.fs._bulk_delete(files[i : i + 1000])
+        await self.remove_many(files)
         return len(files)
+
+    async def remove_many(self, paths: list[str]) -> set[str]:
+        """DeleteObjects, up to 1,000 keys a request, in quiet mode: S3 answers only the keys it
+        failed to delete (s3fs's ``_bulk_delete`` drops those answers)."""
+        failed: set[str] = set()
+        by_bucket: dict[str, list[str]] = {}
+        for path in paths:
+            by_bucket.setdefault(self.fs.split_path(path)[0], []).append(path)
+        for bucket, group in by_bucket.items():
+            for i in range(0, len(group), 1000):
+                chunk = group[i : i + 1000]
+                keys = {self.fs.split_path(p)[1]: p for p in chunk}
+                out = await self.fs._call_s3(
+                    "delete_objects", Bucket=bucket, Delete={"Objects": [{"Key": k} for k in keys], "Quiet": True}
+                )
+                for err in out.get("Errors", []):
+                    failed.add(keys.get(err.get("Key", ""), f"{bucket}/{err.get('Key', '')}"))
+                for p in chunk:
+                    self.fs.invalidate_cache(p)
+        return failed
 
     async def close(self) -> None:
         client = getattr(self.fs, "_s3", None)
@@ -301,6 +330,20 @@ class ThreadObjectOps:
 
     async def remove(self, path: str) -> None:
         await asyncio.to_thread(self.fs.rm_file, path)
+
+    async def remove_many(self, paths: list[str]) -> set[str]:
+        def rm() -> set[str]:
+            failed = set()
+            for path in paths:
+                try:
+                    self.fs.rm_file(path)
+                except FileNotFoundError:
+                    pass
+                except Exception:  # noqa: BLE001 - reported as not deleted
+                    failed.add(path)
+            return failed
+
+        return await asyncio.to_thread(rm)
 
     async def stored_md5(self, path: str) -> tuple[int, str] | None:
         return None
