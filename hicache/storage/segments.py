@@ -14,7 +14,11 @@ piece instead:
   from directly (``preadv``/``pwritev`` take many of them at once);
 * a piece that is strided in the pool (a (K/V, layers) block of a ``page_head`` page) is a
   :class:`StridedPiece`: it goes through a small per-thread bounce buffer that stays in the
-  CPU cache, so the reorder costs no extra trip to main memory.
+  CPU cache, so the reorder costs no extra trip to main memory. Where the native span copier
+  is built and the pool described the piece's runs (:class:`PieceSpans`), the copy into the
+  pool uses streaming stores: the host page is not read again by this CPU soon, and skipping
+  the read-for-ownership of every destination line makes the scatter 1.4-1.6x faster (a
+  read's CPU time in SGLang's ``page_first``/``page_head`` pools, 2 KiB / 256 B runs).
 
 The checksum is computed over the pieces in order (a streaming hash), which gives the digest
 of the contiguous page: the bytes on the medium are the same whatever the pool's layout.
@@ -34,10 +38,16 @@ from typing import Any
 
 import numpy as np
 
+try:  # the native span copier (optional: without it strided pieces are copied with numpy)
+    from hicache.memory._spancopy import copy_spans as _copy_spans
+except ImportError:
+    _copy_spans = None
+
 __all__ = [
     "BOUNCE_BYTES",
     "RUN_BYTES",
     "PageSegments",
+    "PieceSpans",
     "StridedPiece",
     "bounce",
     "io_runs",
@@ -53,36 +63,102 @@ BOUNCE_BYTES = 512 << 10
 _IOV_MAX = 512  # well below Linux's 1024 iovecs per call
 
 
+#: Shortest contiguous run worth a span-table row (shorter runs: numpy copies the piece).
+MIN_SPAN_BYTES = 64
+
+
+class PieceSpans:
+    """A strided piece's contiguous runs as two span tables for the native span copier.
+
+    Built once per piece position of a pool from the piece's view in the first page: every
+    page of the pool has the same strides, so a page reuses the tables with a byte shift
+    (:class:`StridedPiece` ``shift``). The copier checks every span, shifted, against the pool
+    and the bounce buffer before it copies anything: a wrong table or shift raises and copies
+    nothing, it can never write outside either buffer.
+    """
+
+    __slots__ = ("pool_bytes", "to_pool", "from_pool")
+
+    def __init__(self, pool_bytes: np.ndarray, to_pool: np.ndarray, from_pool: np.ndarray) -> None:
+        self.pool_bytes = pool_bytes
+        self.to_pool = to_pool  # rows (pool offset, piece offset, bytes), in piece order
+        self.from_pool = from_pool  # rows (piece offset, pool offset, bytes), in pool order
+
+    @classmethod
+    def of_view(cls, pool_bytes: np.ndarray, view: np.ndarray) -> PieceSpans | None:
+        """The tables of ``view`` (a strided view into ``pool_bytes``' memory, whose row-major
+        bytes are the piece), or ``None`` where the copier is not built or the runs are too
+        short to pay for a table."""
+        if _copy_spans is None or pool_bytes.dtype != np.uint8 or pool_bytes.ndim != 1:
+            return None
+        shape, strides = list(view.shape), list(view.strides)
+        run, k = view.itemsize, len(shape)
+        while k > 0 and strides[k - 1] == run:  # trailing dims contiguous in the pool: one run
+            run *= shape[k - 1]
+            k -= 1
+        if run < MIN_SPAN_BYTES:
+            return None
+        offsets = np.zeros(1, dtype=np.int64)
+        for j in range(k):
+            offsets = np.add.outer(offsets, np.arange(shape[j], dtype=np.int64) * strides[j]).ravel()
+        base = view.__array_interface__["data"][0] - pool_bytes.__array_interface__["data"][0]
+        pool_at = offsets + base
+        piece_at = np.arange(len(offsets), dtype=np.int64) * run
+        sizes = np.full(len(offsets), run, dtype=np.int64)
+        # writes into the pool go in the piece's order (streaming stores, measured best); reads
+        # from it in the pool's address order, so main memory is walked sequentially and the
+        # scattered side is the cache-resident bounce buffer (page_head gather 1.09x faster)
+        to_pool = np.ascontiguousarray(np.stack([pool_at, piece_at, sizes], axis=1))
+        order = np.argsort(pool_at, kind="stable")
+        from_pool = np.ascontiguousarray(np.stack([piece_at[order], pool_at[order], sizes], axis=1))
+        for table in (to_pool, from_pool):
+            table.setflags(write=False)
+        return cls(pool_bytes, to_pool, from_pool)
+
+
 class StridedPiece:
     """A run of the canonical page that is strided in the pool: a numpy view of it.
 
     ``view``'s row-major bytes are this piece's payload bytes. It is copied through a
     contiguous bounce buffer with numpy, which copies on the calling thread with the GIL
     released (a torch copy would start its own intra-op threads from every I/O thread and
-    oversubscribe the cores).
+    oversubscribe the cores), or, given ``spans`` (the tables of this piece's position in the
+    pool's first page) and ``shift`` (this page's byte distance from that one), with the
+    native span copier: streaming stores into the pool, plain ones into the bounce buffer.
     """
 
-    __slots__ = ("view", "nbytes")
+    __slots__ = ("view", "nbytes", "spans", "shift")
 
-    def __init__(self, view: np.ndarray) -> None:
+    def __init__(self, view: np.ndarray, spans: PieceSpans | None = None, shift: int = 0) -> None:
         if not isinstance(view, np.ndarray):
             raise TypeError(f"a strided page piece is a numpy view, got {type(view).__name__}")
         self.view = view
         self.nbytes = int(view.nbytes)
+        self.spans = spans
+        self.shift = int(shift)
 
     def _typed(self, buffer: np.ndarray) -> np.ndarray:
         return buffer[: self.nbytes].view(self.view.dtype).reshape(self.view.shape)
 
     def gather(self, buffer: np.ndarray) -> None:
         """Copy the piece into the first ``nbytes`` of ``buffer`` (uint8, contiguous)."""
-        np.copyto(self._typed(buffer), self.view)
+        spans = self.spans
+        if spans is not None and _copy_spans is not None:
+            _copy_spans(buffer, spans.pool_bytes, spans.from_pool, src_shift=self.shift)
+        else:
+            np.copyto(self._typed(buffer), self.view)
 
     def scatter(self, buffer: np.ndarray) -> None:
         """Copy the first ``nbytes`` of ``buffer`` into the pool."""
-        np.copyto(self.view, self._typed(buffer))
+        spans = self.spans
+        if spans is not None and _copy_spans is not None:
+            _copy_spans(spans.pool_bytes, buffer, spans.to_pool, dst_shift=self.shift, streaming=True)
+        else:
+            np.copyto(self.view, self._typed(buffer))
 
     def __repr__(self) -> str:
-        return f"StridedPiece({self.view.shape}, {self.view.dtype}, {self.nbytes} B)"
+        native = ", native" if self.spans is not None else ""
+        return f"StridedPiece({self.view.shape}, {self.view.dtype}, {self.nbytes} B{native})"
 
 
 Piece = memoryview | StridedPiece

@@ -22,43 +22,49 @@ import torch
 from hicache.integrations.sglang.pages import CanonicalPagePool
 from hicache.storage import create_async_storage
 from hicache.storage.page_format import PageCodec, checksum, checksum_stream
-from hicache.storage.segments import PageSegments, StridedPiece, bounce, io_runs
+from hicache.storage import segments
+from hicache.storage.segments import PageSegments, PieceSpans, StridedPiece, bounce, io_runs
 from hicache_backends.file import io as file_io
 from hicache_backends.file.layout import FOOTER_LEN, NamespaceLayout, page_id
 
 PS, LAYERS, HEADS, DIM, PAGES = 4, 3, 2, 8, 6
+#: a head size whose strided runs (page_first: 256 B, page_head and MLA page_first: 128 B) are
+#: long enough for the native span copier (DIM's 16-32 B runs are copied with numpy)
+NATIVE_DIM = 64
+NATIVE = segments._copy_spans is not None
+needs_native = pytest.mark.skipif(not NATIVE, reason="the native span copier (hicache.memory._spancopy) is not built")
 LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")
 MLA_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
 
 
-def _mha_buffer(layout: str) -> torch.Tensor:
+def _mha_buffer(layout: str, dim: int = DIM) -> torch.Tensor:
     tokens = PAGES * PS
     shape = {
-        "layer_first": (2, LAYERS, tokens, HEADS, DIM),
-        "page_first": (2, tokens, LAYERS, HEADS, DIM),
-        "page_first_direct": (2, PAGES, LAYERS, PS, HEADS, DIM),
-        "page_head": (2, PAGES, HEADS, PS, LAYERS, DIM),
+        "layer_first": (2, LAYERS, tokens, HEADS, dim),
+        "page_first": (2, tokens, LAYERS, HEADS, dim),
+        "page_first_direct": (2, PAGES, LAYERS, PS, HEADS, dim),
+        "page_head": (2, PAGES, HEADS, PS, LAYERS, dim),
     }[layout]
     return torch.zeros(shape, dtype=torch.bfloat16)
 
 
-def _mla_buffer(layout: str) -> torch.Tensor:
+def _mla_buffer(layout: str, dim: int = DIM) -> torch.Tensor:
     tokens = PAGES * PS
     shape = {
-        "layer_first": (LAYERS, tokens, 1, DIM),
-        "page_first": (tokens, LAYERS, 1, DIM),
-        "page_first_direct": (PAGES, LAYERS, PS, 1, DIM),
+        "layer_first": (LAYERS, tokens, 1, dim),
+        "page_first": (tokens, LAYERS, 1, dim),
+        "page_first_direct": (PAGES, LAYERS, PS, 1, dim),
     }[layout]
     return torch.zeros(shape, dtype=torch.bfloat16)
 
 
-def _pool(layout: str, *, mla: bool = False, seed: int = 0) -> CanonicalPagePool:
-    kv = _mla_buffer(layout) if mla else _mha_buffer(layout)
+def _pool(layout: str, *, mla: bool = False, seed: int = 0, dim: int = DIM) -> CanonicalPagePool:
+    kv = _mla_buffer(layout, dim) if mla else _mha_buffer(layout, dim)
     g = torch.Generator().manual_seed(seed)
     kv.copy_(torch.randn(kv.shape, generator=g).to(kv.dtype))
     fake = SimpleNamespace(layout=layout, kv_buffer=kv, page_size=PS, size=PAGES * PS)
     if mla:
-        fake.kv_cache_dim = DIM
+        fake.kv_cache_dim = dim
     return CanonicalPagePool(fake)
 
 
@@ -154,12 +160,66 @@ def test_bounce_buffer_is_reused_and_grows() -> None:
     assert big.size >= a.size + 1 and len(vbig) == a.size + 1
 
 
+STRIDED = [("page_first", False), ("page_head", False), ("page_first", True)]
+
+
+def _strided_pieces(pool: CanonicalPagePool, page: int) -> list[StridedPiece]:
+    return [p for p in pool.page_segments(page * PS).pieces if isinstance(p, StridedPiece)]
+
+
+@needs_native
+@pytest.mark.parametrize("layout,mla", STRIDED)
+def test_native_strided_pieces_move_the_same_bytes_as_numpy(monkeypatch, layout, mla) -> None:
+    pool = _pool(layout, mla=mla, seed=7, dim=NATIVE_DIM)
+    assert _strided_pieces(pool, 1) and all(p.spans is not None for p in _strided_pieces(pool, 1))
+    assert all(p.spans is None for p in _strided_pieces(_pool(layout, mla=mla), 1))  # runs too short
+    want = [_canonical_bytes(pool, p) for p in range(PAGES)]
+    native = [bytes(pool.page_segments(p * PS).gather_bytes()) for p in range(PAGES)]
+    monkeypatch.setattr(segments, "_copy_spans", None)  # the numpy path, same pieces
+    plain = [bytes(pool.page_segments(p * PS).gather_bytes()) for p in range(PAGES)]
+    monkeypatch.undo()
+    assert native == want and plain == want
+    new = bytes(np.random.default_rng(9).integers(0, 255, pool.page_nbytes, dtype=np.uint8))
+    pool.page_segments(4 * PS).scatter_bytes(new)  # streaming stores into one page only
+    assert [_canonical_bytes(pool, p) for p in range(PAGES)] == want[:4] + [new] + want[5:]
+
+
+@needs_native
+def test_a_span_table_shifted_outside_the_pool_copies_nothing() -> None:
+    pool = _pool("page_head", seed=2, dim=NATIVE_DIM)
+    before = [_canonical_bytes(pool, p) for p in range(PAGES)]
+    piece = _strided_pieces(pool, PAGES - 1)[-1]
+    beyond = StridedPiece(piece.view, piece.spans, piece.shift + pool.page_nbytes)  # past the last page
+    buffer = np.full(piece.nbytes, 0xAB, dtype=np.uint8)
+    with pytest.raises(ValueError):
+        beyond.scatter(buffer)
+    with pytest.raises(ValueError):
+        beyond.gather(buffer)
+    with pytest.raises(ValueError):  # a bounce buffer shorter than the piece
+        piece.scatter(buffer[: piece.nbytes // 2])
+    assert [_canonical_bytes(pool, p) for p in range(PAGES)] == before
+    assert (buffer == 0xAB).all()
+
+
+def test_span_tables_are_only_built_where_they_pay(monkeypatch) -> None:
+    view = np.zeros((4, 4, 64), dtype=np.uint8)[:, :2]  # runs of 128 B
+    flat = view.base.reshape(-1) if view.base is not None else view.reshape(-1)
+    spans = PieceSpans.of_view(flat, view)
+    if NATIVE:
+        assert spans is not None and spans.to_pool.shape == (4, 3) and not spans.to_pool.flags.writeable
+        assert spans.to_pool[:, 2].sum() == view.nbytes
+    assert PieceSpans.of_view(flat, np.zeros((4, 4, 64), dtype=np.uint8)[:, :, :8]) is None  # 8 B runs
+    monkeypatch.setattr(segments, "_copy_spans", None)
+    assert PieceSpans.of_view(flat, view) is None
+
+
 # ---------------------------------------------------------------------- through the file backend
 
 
+@pytest.mark.parametrize("dim", [DIM, NATIVE_DIM])
 @pytest.mark.parametrize("w_layout,r_layout", list(itertools.product(LAYOUTS, repeat=2)))
-async def test_every_layout_pair_reads_back_exactly(tmp_path, w_layout, r_layout) -> None:
-    writer, reader = _pool(w_layout, seed=1), _pool(r_layout, seed=2)
+async def test_every_layout_pair_reads_back_exactly(tmp_path, w_layout, r_layout, dim) -> None:
+    writer, reader = _pool(w_layout, seed=1, dim=dim), _pool(r_layout, seed=2, dim=dim)
     keys = [f"k{i}" for i in range(4)]
     async with await _store(tmp_path, writer) as a:
         assert await _write(a, writer, keys, [0, 2, 3, 5]) == [True] * 4
@@ -196,8 +256,9 @@ async def test_segmented_and_contiguous_writes_make_the_same_file(tmp_path) -> N
     assert open(layout.path(page_id("x", "kv")), "rb").read() == seg_file
 
 
-async def test_a_damaged_page_is_a_miss_and_removed(tmp_path) -> None:
-    pool, reader = _pool("page_first", seed=1), _pool("page_head", seed=2)
+@pytest.mark.parametrize("dim", [DIM, NATIVE_DIM])
+async def test_a_damaged_page_is_a_miss_and_removed(tmp_path, dim) -> None:
+    pool, reader = _pool("page_first", seed=1, dim=dim), _pool("page_head", seed=2, dim=dim)
     async with await _store(tmp_path, pool) as s:
         assert await _write(s, pool, ["a", "b"], [0, 1]) == [True, True]
         path = s.layout.path(page_id("b", "kv"))
@@ -223,8 +284,9 @@ async def test_a_foreign_page_puts_no_byte_into_the_pool(tmp_path) -> None:
         assert _canonical_bytes(reader, 3) == before
 
 
-async def test_a_short_file_is_a_miss(tmp_path) -> None:
-    pool = _pool("page_head", seed=1)
+@pytest.mark.parametrize("dim", [DIM, NATIVE_DIM])
+async def test_a_short_file_is_a_miss(tmp_path, dim) -> None:
+    pool = _pool("page_head", seed=1, dim=dim)
     async with await _store(tmp_path, pool) as s:
         assert await _write(s, pool, ["a"], [0]) == [True]
         path = s.layout.path(page_id("a", "kv"))

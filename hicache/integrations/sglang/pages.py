@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from hicache.memory.layouts import PAGE_FORMAT
-from hicache.storage.segments import BOUNCE_BYTES, PageSegments, StridedPiece
+from hicache.storage.segments import BOUNCE_BYTES, PageSegments, PieceSpans, StridedPiece
 
 __all__ = [
     "CanonicalPagePool",
@@ -125,10 +125,21 @@ class CanonicalPagePool:
         # the pool's bytes, sliced for each direct piece (cheaper than a tensor view per piece)
         self._kv_bytes: memoryview | None = None
         self._kv_np: np.ndarray | None = None
+        # span tables of each strided piece of the first page, keyed (component, first layer):
+        # every page reuses them shifted (native span copies, see segments.PieceSpans)
+        self._spans: dict[tuple[int, int], PieceSpans | None] = {}
+        self._base0 = 0
         if kv.is_contiguous() and kv.element_size() in _SAME_SIZE_INT:
             self._kv_bytes = memoryview(kv.reshape(-1).view(torch.uint8).numpy()).cast("B")
             # the same memory as numpy (strided pieces are copied with numpy, see segments)
             self._kv_np = kv.view(_SAME_SIZE_INT[kv.element_size()]).numpy()
+            if not self._live:
+                view0, self._base0 = self._np_page(0)
+                kv_u8 = self._kv_np.reshape(-1).view(np.uint8)
+                for c, spans in enumerate(self._pieces):
+                    for l0, l1, _, direct in spans:
+                        if not direct:
+                            self._spans[(c, l0)] = PieceSpans.of_view(kv_u8, view0[c, l0:l1])
         self._bound: dict[int, _Binding] = {}
         self._lock = threading.Lock()
 
@@ -220,11 +231,8 @@ class CanonicalPagePool:
         self._page(index)
         if self._live or self._kv_bytes is None or self._kv_np is None or int(index) in self._bound:
             return None
-        start, page = int(index), int(index) // self.page_size
-        view = self._slice(self._kv_np, start, page, self.page_size).transpose(self._perm)
-        if self.mla:
-            view = view[np.newaxis]
-        base = view.__array_interface__["data"][0] - self._kv_np.__array_interface__["data"][0]
+        view, base = self._np_page(int(index))
+        shift = base - self._base0
         pieces: list[Any] = []
         for c, spans in enumerate(self._pieces):
             for l0, l1, nbytes, direct in spans:
@@ -232,8 +240,17 @@ class CanonicalPagePool:
                     at = base + c * view.strides[0] + l0 * view.strides[1]
                     pieces.append(self._kv_bytes[at : at + nbytes])
                 else:
-                    pieces.append(StridedPiece(view[c, l0:l1]))
+                    pieces.append(StridedPiece(view[c, l0:l1], self._spans.get((c, l0)), shift))
         return PageSegments(pieces)
+
+    def _np_page(self, index: int) -> tuple[np.ndarray, int]:
+        """The page at ``index`` as a canonical-order numpy view of the pool's memory, and
+        the byte offset of its first element in the pool."""
+        assert self._kv_np is not None
+        view = self._slice(self._kv_np, index, index // self.page_size, self.page_size).transpose(self._perm)
+        if self.mla:
+            view = view[np.newaxis]
+        return view, view.__array_interface__["data"][0] - self._kv_np.__array_interface__["data"][0]
 
     def get_data_page(self, index: int, flat: bool = True) -> torch.Tensor:
         """A canonical copy of the page (pool dtype; 1-D when ``flat``)."""
