@@ -32,7 +32,7 @@ class _Page:
 
     def __init__(self, parent: str | None, tick: int, orphan: bool) -> None:
         self.parent = parent
-        self.children: set[str] = set()
+        self.children: set[str] | None = None  # made on the first child: most pages are leaves
         self.tick = tick
         self.pins = 0
         self.orphan = orphan
@@ -70,7 +70,7 @@ class StoredPages:
         return self._pages[key].parent
 
     def children_of(self, key: str) -> set[str]:
-        return set(self._pages[key].children)
+        return set(self._pages[key].children or ())
 
     def is_orphan(self, key: str) -> bool:
         return self._pages[key].orphan
@@ -90,6 +90,8 @@ class StoredPages:
                 orphan = parent is not None and (up is None or up.orphan)
                 page = self._pages[key] = _Page(parent, self._tick, orphan)
                 if up is not None:
+                    if up.children is None:
+                        up.children = set()
                     up.children.add(key)
             else:
                 page.tick = self._tick
@@ -188,10 +190,11 @@ class StoredPages:
         if page.parent is not None:
             up = self._pages.get(page.parent)
             if up is not None:
-                up.children.discard(key)
+                if up.children:
+                    up.children.discard(key)
                 if not up.children:
                     self._push(page.parent, up)
-        stack = list(page.children)
+        stack = list(page.children or ())
         while stack:  # a gone page's descendants cannot be hit: they go first
             child_key = stack.pop()
             child = self._pages.get(child_key)
@@ -200,5 +203,5 @@ class StoredPages:
             child.orphan = True
             if not child.children:
                 self._push(child_key, child)
-            stack.extend(child.children)
+            stack.extend(child.children or ())
         return True
