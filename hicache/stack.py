@@ -228,7 +228,19 @@ def placement_defaults(cfg: StackConfig) -> dict[str, Any]:
     """Sizes a placement policy takes from the stack: a ghost list twice the pages host and
     storage can hold (a page dropped unwritten is remembered about as long as it could have been
     kept)."""
-    return {"ghost_pages": 2 * (cfg.host_pages + (cfg.storage_pages or 0))}
+    return {"ghost_pages": 2 * (cfg.host_pages + (cfg.storage_pages or 0)),
+            "storage_capacity_pages": storage_capacity_pages(cfg)}
+
+
+def storage_capacity_pages(cfg: StackConfig) -> int | None:
+    """Pages the store the stack builds holds (``None``: unknown, e.g. a file store sized by its
+    own options): a memory store's ``max_bytes`` in pages, else ``storage_pages``."""
+    if not cfg.storage_backend:
+        return None
+    max_bytes = cfg.storage_options.get("max_bytes") if cfg.storage_backend == "memory" else None
+    if isinstance(max_bytes, int) and cfg.page_nbytes:
+        return max(1, max_bytes // cfg.page_nbytes)
+    return cfg.storage_pages or None
 
 
 def controller_options(config: Any) -> dict[str, Any]:

@@ -5,7 +5,10 @@ storage-backed blocks first; a block host drops is written to storage when `tier
 it (hit again while on host, back after host dropped it, or the body of a prompt of at least
 32k tokens), and storage evicts LRU. Swapping one part for its offline optimum shows what each
 could still gain: admission that knows the future (written only if referenced again), and
-storage eviction that knows it (Belady: the block used farthest in the future goes first). The
+storage eviction that knows it (Belady: the block used farthest in the future goes first); and
+storage eviction as `tiered` does it now (leaves of the stored prefix tree first, least recently
+used in any tier), alone or ranked by uses first (a segmented LRU: blocks used once go before
+blocks used more). The
 model hits a little more than the real cache (no device tier, no partial pages, no write bound),
 so read differences between rows, not the absolute figures. Not a policy: it reads the future.
 
@@ -23,8 +26,12 @@ from hicache.replay.trace import BLOCK_TOKENS, find_trace, load_trace
 
 
 def replay(reqs: list[tuple[list[int], int]], host_cap: int, store_cap: int, *, oracle_admit: bool = False,
-           belady_store: bool = False, long_prompt_tokens: int = 32768, tail_blocks: int = 4) -> tuple[float, int]:
-    """(token hit ratio, blocks written to storage) of the model."""
+           belady_store: bool = False, leaf_store: bool = False, uses_first: bool = False,
+           long_prompt_tokens: int = 32768, tail_blocks: int = 4) -> tuple[float, int]:
+    """(token hit ratio, blocks written to storage) of the model. ``leaf_store``: storage
+    evicts only blocks none of whose children it holds (the parent of a block is the block
+    before it in a request), least recently used in any tier first; ``uses_first`` ranks
+    those by uses (1, 2+) before recency."""
     refs: dict[int, list[int]] = defaultdict(list)
     for i, (blocks, _) in enumerate(reqs):
         for b in blocks:
@@ -42,15 +49,32 @@ def replay(reqs: list[tuple[list[int], int]], host_cap: int, store_cap: int, *, 
     wanted: set[int] = set()
     heap: list[tuple[int, int]] = []
     due: dict[int, int] = {}
+    parent: dict[int, int] = {}
+    kids: dict[int, int] = defaultdict(int)
+    used: dict[int, int] = defaultdict(int)  # hits in any tier
+    leaves: list[tuple[tuple[int, int], int]] = []  # (rank, block), stale entries skipped
+    rank: dict[int, tuple[int, int]] = {}
+    tick = 0
+
+    def ranked(b: int) -> None:
+        rank[b] = (min(used[b], 2) if uses_first else 0, tick)
+        heapq.heappush(leaves, (rank[b], b))
     hit = total = writes = 0
     for i, (blocks, length) in enumerate(reqs):
         total += length
         matched = 0
+        for j, b in enumerate(blocks):
+            if j:
+                parent[b] = blocks[j - 1]
         for b in blocks:
             if b in backed or b in private or b in store:
                 matched += 1
+                tick += 1
+                used[b] += 1
                 if b in store:
                     store.move_to_end(b)
+                    if leaf_store:
+                        ranked(b)
             else:
                 break
         hit += matched * BLOCK_TOKENS
@@ -87,10 +111,27 @@ def replay(reqs: list[tuple[list[int], int]], host_cap: int, store_cap: int, *, 
                 continue
             writes += 1
             store[b] = None
+            if leaf_store:
+                tick += 1
+                ranked(b)
+                if parent.get(b) in store:
+                    kids[parent[b]] += 1
             if belady_store:
                 due[b] = next_use(b, i)
                 heapq.heappush(heap, (-due[b], b))
             while len(store) > store_cap:
+                if leaf_store:
+                    while True:
+                        r, v = heapq.heappop(leaves)
+                        if v in store and rank[v] == r and not kids[v]:
+                            break
+                    del store[v]
+                    p = parent.get(v)
+                    if p in store:
+                        kids[p] -= 1
+                        if not kids[p]:
+                            heapq.heappush(leaves, (rank[p], p))
+                    continue
                 if not belady_store:
                     store.popitem(last=False)
                     continue
@@ -109,11 +150,13 @@ def main() -> None:
     ap.add_argument("--storage", type=int, default=8784, help="storage blocks (default: 20%%)")
     args = ap.parse_args()
     reqs = [(list(r.hash_ids[: r.input_length // BLOCK_TOKENS]), r.input_length) for r in load_trace(find_trace(args.trace))]
-    print(f"{'model of tiered':<44}{'token hit':>10}{'writes':>10}")
+    print(f"{'model of tiered':<48}{'token hit':>10}{'writes':>10}")
     for name, kw in (("as built (LRU storage)", {}), ("admission knows the future", {"oracle_admit": True}),
-                     ("storage eviction knows the future (Belady)", {"belady_store": True})):
+                     ("storage eviction knows the future (Belady)", {"belady_store": True}),
+                     ("storage evicts leaves first, LRU (tiered)", {"leaf_store": True}),
+                     ("leaves first, used once before used more", {"leaf_store": True, "uses_first": True})):
         ratio, writes = replay(reqs, args.host, args.storage, **kw)
-        print(f"{name:<44}{ratio:>10.4f}{writes:>10}")
+        print(f"{name:<48}{ratio:>10.4f}{writes:>10}")
 
 
 if __name__ == "__main__":

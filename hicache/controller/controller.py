@@ -529,6 +529,8 @@ class HiCacheController:
         total = len(job.keys)
         prior = job.prior_key
         attempt = 0
+        if job.delete_first:
+            await self._delete_pages(job.delete_first)
         while done < total:
             if not self.health.up:
                 self.metrics.incr("storage_write_skipped_unhealthy", total - done)
@@ -561,6 +563,17 @@ class HiCacheController:
             self.metrics.incr("storage_write_retries")
             await asyncio.sleep(min(cfg.storage_retry_max_s, cfg.storage_retry_base_s * 2 ** (attempt - 1)))
         return done
+
+    async def _delete_pages(self, keys: list[str]) -> None:
+        """Storage eviction a placement policy chose (``StorageWriteJob.delete_first``). A
+        failed or refused delete costs a counter, never the write: the backend's own bound
+        still keeps the store within its size."""
+        assert self.storage is not None
+        flags = await self._storage_call(self.storage.batch_delete(keys), "delete")
+        deleted = sum(bool(f) for f in flags) if flags else 0
+        self.metrics.incr("storage_deleted_pages", deleted)
+        if deleted < len(keys):
+            self.metrics.incr("storage_delete_missed_pages", len(keys) - deleted)
 
     # ------------------------------------------------------------------ storage -> host
 

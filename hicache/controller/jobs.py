@@ -44,13 +44,16 @@ class StorageWriteJob:
     prior_key: str | None
     on_done: Callable[[int], None]
     extra: list[PoolTransfer] = dataclasses.field(default_factory=list)
+    #: pages a placement policy evicts to make room for this write, deleted before it
+    #: (``AsyncHiCacheStorage.batch_delete``) so the write never lands before its room
+    delete_first: list[str] = dataclasses.field(default_factory=list)
 
     def check(self, page_size: int) -> None:
         """Raise ``ValueError`` (:class:`~hicache.errors.InvalidKeyError` for a key) when the
         job cannot be written as given. Why before it is queued: in the queue a malformed job
         only fails inside the storage call, where it looks like a failing store (retried,
         counted against the store's health, eventually marking a good store down)."""
-        for key in self.keys:
+        for key in (*self.keys, *self.delete_first):
             validate_key(key)
         if self.prior_key is not None:
             validate_key(self.prior_key)

@@ -69,6 +69,8 @@ _COUNTERS: dict[str, str] = {
     "victim_write_failed_pages": "pages of write-backs at host eviction that storage did not take (dropped from host later, not retried)",
     "victim_writes_skipped_pages": "pages the placement wanted written at host eviction but host dropped (write-back bound reached, an ancestor not writable now, or the queue full)",
     "device_evicted_tokens": "tokens evicted from device",
+    "storage_deleted_pages": "pages a placement policy evicted from storage (batch_delete ahead of a write)",
+    "storage_delete_missed_pages": "pages a placement policy asked storage to delete that it did not (absent, busy, or the delete failed)",
     "worker_errors": "unexpected errors caught in controller workers",
 }
 

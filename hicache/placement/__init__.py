@@ -15,7 +15,9 @@ Policies (``cache.placement``):
   or came back after leaving host unwritten: a ghost hit). Host stays LRU.
 * ``tiered`` - ``reuse``, plus host keeps the pages storage does not hold (it evicts pages that
   are already in storage first, so the two tiers hold different pages), plus early admission of
-  the body of long prompts (documents, agent contexts: costly to recompute, and reused).
+  the body of long prompts (documents, agent contexts: costly to recompute, and reused), plus
+  storage eviction by the tree: leaves of the stored subtree, least recently used in any tier
+  first (:class:`StoredPages`, deleted through the backend's ``batch_delete``).
 
 See ``docs/placement.md`` for why each choice should hold beyond one trace.
 """
@@ -24,6 +26,7 @@ from hicache.placement.base import PlacementPolicy, default_victim_write_limit, 
 from hicache.placement.ghost import GhostList
 from hicache.placement.lru import LruPlacement
 from hicache.placement.registry import PLACEMENT_POLICIES, make_placement
+from hicache.placement.stored import StoredPages
 from hicache.placement.tiered import ReusePlacement, TieredPlacement
 
 __all__ = [
@@ -33,6 +36,7 @@ __all__ = [
     "PlacementPolicy",
     "default_victim_write_limit",
     "ReusePlacement",
+    "StoredPages",
     "TieredPlacement",
     "make_placement",
     "node_end_tokens",

@@ -12,6 +12,7 @@ from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from hicache.placement.stored import StoredPages
     from hicache.prefix_cache.node import TreeNode
 
 
@@ -45,6 +46,9 @@ class PlacementPolicy(ABC):
     """What each tier keeps and admits. Subclasses set ``name``."""
 
     name: str = ""
+    #: the pages storage holds, when this policy chooses storage's evictions (``None``: the
+    #: backend's own bound decides); the tree feeds it and deletes what it picks
+    stored: StoredPages | None = None
 
     @abstractmethod
     def host_key(self, node: TreeNode) -> tuple[Any, ...]:

@@ -24,11 +24,14 @@ from typing import TYPE_CHECKING, Any
 
 from hicache.placement.base import PlacementPolicy, node_end_tokens
 from hicache.placement.ghost import GhostList
+from hicache.placement.stored import StoredPages
 
 if TYPE_CHECKING:
     from hicache.prefix_cache.node import TreeNode
 
 __all__ = ["ReusePlacement", "TieredPlacement"]
+
+_STORAGE_EVICTIONS = ("tree", "backend")
 
 
 class ReusePlacement(PlacementPolicy):
@@ -88,6 +91,12 @@ class TieredPlacement(ReusePlacement):
         long_prompt_tokens: prompts at least this long have their body admitted on first sight
             (``None``: never).
         tail_tokens: the last tokens of such a prompt are left out (the turn's own question).
+        storage_eviction: ``"tree"``: storage evicts leaves of the stored subtree, least
+            recently used in any tier first (:class:`~hicache.placement.stored.StoredPages`),
+            through the backend's ``batch_delete``; ``"backend"``: the backend's own bound.
+            ``"tree"`` needs ``storage_capacity_pages`` and a backend that deletes; without
+            them the backend's bound applies.
+        storage_capacity_pages: pages storage holds (the stack passes its storage size).
     """
 
     name = "tiered"
@@ -99,8 +108,17 @@ class TieredPlacement(ReusePlacement):
         reuse_hits: int = 2,
         long_prompt_tokens: int | None = 32768,
         tail_tokens: int = 2048,
+        storage_eviction: str = "tree",
+        storage_capacity_pages: int | None = None,
     ) -> None:
         super().__init__(ghost_pages=ghost_pages, reuse_hits=reuse_hits)
+        if storage_eviction not in _STORAGE_EVICTIONS:
+            raise ValueError(f"storage_eviction must be one of {list(_STORAGE_EVICTIONS)}, got {storage_eviction!r}")
+        if storage_capacity_pages is not None and storage_capacity_pages < 1:
+            raise ValueError(f"storage_capacity_pages must be positive or None, got {storage_capacity_pages}")
+        self.storage_eviction = storage_eviction
+        if storage_eviction == "tree" and storage_capacity_pages is not None:
+            self.stored = StoredPages(storage_capacity_pages)
         if long_prompt_tokens is not None and long_prompt_tokens <= 0:
             raise ValueError(f"long_prompt_tokens must be positive or None, got {long_prompt_tokens}")
         if tail_tokens < 0:
@@ -132,3 +150,10 @@ class TieredPlacement(ReusePlacement):
         if body > 0:
             self._wanted.add(node.hash_value[:body])
             self.early_pages += body
+
+    def stats(self) -> dict[str, int]:
+        out = super().stats()
+        if self.stored is not None:
+            out.update(stored_pages=len(self.stored), storage_evicted_pages=self.stored.evicted_pages,
+                       storage_removed_by_backend_pages=self.stored.removed_pages)
+        return out

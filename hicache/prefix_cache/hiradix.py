@@ -47,7 +47,7 @@ from hicache.controller.controller import HiCacheController
 from hicache.controller.jobs import PrefetchResult, StorageWriteJob
 from hicache.events.log import EventLog
 from hicache.observability.tier_events import ChangeKind, Tier, TierChange, TierChangeHub
-from hicache.placement import GhostList, PlacementPolicy, default_victim_write_limit, make_placement
+from hicache.placement import GhostList, PlacementPolicy, StoredPages, default_victim_write_limit, make_placement
 from hicache.prefix_cache.facade import AdmitResult, LoadBack, MakeRoom, RequestFlow
 from hicache.prefix_cache.eviction_index import EvictionIndex
 from hicache.prefix_cache.hashing import fast_page_hashes, namespace_seed
@@ -69,6 +69,7 @@ class _Prefetch:
     start: int  # first prefetched token
     keys: list[str]
     extra_key: str | None
+    pinned: list[str] = dataclasses.field(default_factory=list)  # stored pages kept while it reads
 
 
 @dataclasses.dataclass(eq=False)
@@ -135,6 +136,19 @@ class HiRadixCache(RadixCache):
         self.flow = RequestFlow(self)
         #: explains each admitted request's misses (``None``: no attribution); set by the stack
         self.explain_admit: Any = None
+        #: the stored-page directory when the policy chooses storage's evictions and the
+        #: backend can delete (see :meth:`_submit_storage_write`); ``None``: the backend's bound
+        storage = controller.storage
+        self._stored: StoredPages | None = (
+            self.placement.stored if storage is not None and storage.supports_delete else None
+        )
+        self._doomed: list[str] = []  # storage evictions not yet sent (their job was refused)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._unsubscribe_storage = (
+            self.tier_changes.subscribe(self._on_storage_change, wants=frozenset(
+                {(ChangeKind.REMOVED, Tier.STORAGE), (ChangeKind.CLEARED, Tier.STORAGE)}))
+            if self._stored is not None else None
+        )
         super().__init__(
             req_to_token_pool=req_to_token_pool,
             token_to_kv_pool_allocator=token_to_kv_pool_allocator,
@@ -165,8 +179,9 @@ class HiRadixCache(RadixCache):
                 if node.host_value is not None and node.backup_op is None and node.storage_op is None:
                     self._free_host(node.host_value)
                     node.host_value = None
-            for rid in list(self._prefetching):
+            for rid, state in list(self._prefetching.items()):
                 self.controller.abort_prefetch(rid)
+                self._unpin(state)
         self._generation = getattr(self, "_generation", 0) + 1
         for load in getattr(self, "_loads", []):
             if load.done is not None and not load.done.done():
@@ -308,6 +323,8 @@ class HiRadixCache(RadixCache):
             self._backup(node)
 
     def _on_hit(self, node: TreeNode) -> None:
+        if self._stored is not None and node.storage_pages:
+            self._stored.touch(node.hash_value[: node.storage_pages])  # a hit in any tier counts
         if node.host_value is None:
             if (
                 self.write_policy != "write_back"
@@ -460,7 +477,7 @@ class HiRadixCache(RadixCache):
             self._storage_done(gen, node, op, written)
 
         job = StorageWriteJob(keys=keys, host_indices=torch.cat(hosts), prior_key=prior, on_done=done)
-        if not self.controller.submit_storage_write(job):
+        if not self._submit_storage_write(job):
             for c in chain:
                 c.storage_op = None
                 self._note(c)
@@ -606,9 +623,63 @@ class HiRadixCache(RadixCache):
             prior_key=prior,
             on_done=lambda pages: self._storage_done(gen, node, op, pages),
         )
-        if not self.controller.submit_storage_write(job):
+        if not self._submit_storage_write(job):
             node.storage_op = None
             self._note(node)
+
+    def _submit_storage_write(self, job: StorageWriteJob) -> bool:
+        """Queue ``job``. Where the policy chooses storage's evictions (``self._stored``), room
+        is made first: the pages it picks ride in the job's ``delete_first``, deleted ahead of
+        the write by the same worker, so the write never lands before its room and the
+        backend's own bound never has to evict. The job's completion tells the directory what
+        landed. Evictions of a job the queue refuses wait for the next one."""
+        stored = self._stored
+        if stored is None:
+            return self.controller.submit_storage_write(job)
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()  # where removal reports are applied
+        n, keys, prior, on_done = len(job.keys), job.keys, job.prior_key, job.on_done
+        self._doomed.extend(stored.make_room(n))
+        job.delete_first = self._doomed
+
+        def done(written: int) -> None:
+            stored.landed(n, keys[:written], prior)  # storage's state, whatever the tree's generation
+            on_done(written)
+
+        job.on_done = done
+        if not self.controller.submit_storage_write(job):
+            job.delete_first = []
+            stored.landed(n, [], prior)
+            return False
+        self._doomed = []
+        return True
+
+    def _on_storage_change(self, change: TierChange) -> None:
+        """The backend removed pages by itself (its own bound, a corrupt page, a peer) or was
+        cleared: the directory forgets them. Called on whatever thread the backend runs on;
+        applied on the cache's loop. Our own deletions were forgotten when they were chosen."""
+        stored, loop = self._stored, self._loop
+        if stored is None or loop is None or (change.reason == "deleted" and change.origin == "local"):
+            return
+        keys = change.keys
+
+        def apply() -> None:
+            if change.kind is ChangeKind.CLEARED:
+                stored.clear()
+            else:
+                stored.remove(keys)
+
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is loop:
+            apply()
+        elif not loop.is_closed():
+            try:
+                loop.call_soon_threadsafe(apply)
+            except RuntimeError:  # the loop closed meanwhile: nothing left to keep in step
+                pass
 
     def _page_prior(self, node: TreeNode, k: int) -> str | None:
         """The key before ``node``'s page ``k`` in storage's chain (``None`` at the root)."""
@@ -882,7 +953,8 @@ class HiRadixCache(RadixCache):
         if op is None:
             self._dec_host_ref(last_host_node)
             return False
-        self._prefetching[req_id] = _Prefetch(last_host_node, prefix + tokens, len(prefix), keys, extra_key)
+        pinned = self._stored.pin(keys) if self._stored is not None else []
+        self._prefetching[req_id] = _Prefetch(last_host_node, prefix + tokens, len(prefix), keys, extra_key, pinned)
         return True
 
     def prefetch_view(self, req_id: str) -> tuple[int, list[str], Any] | None:
@@ -903,6 +975,7 @@ class HiRadixCache(RadixCache):
         state = self._prefetching.pop(req_id, None)
         if state is not None:
             self._dec_host_ref(state.anchor)
+            self._unpin(state)
 
     def _path_tokens(self, node: TreeNode) -> list[int]:
         parts: list[list[int]] = []
@@ -934,11 +1007,19 @@ class HiRadixCache(RadixCache):
                 self._free_host(result.host_indices)
             return 0
         self._dec_host_ref(state.anchor)
+        self._unpin(state)
+        if result is not None and result.pages and self._stored is not None:
+            self._stored.touch(state.keys[: result.pages])  # a storage hit
         if result is None or result.pages == 0:
             if result is not None:
                 self._free_host(result.host_indices)
             return 0
         return self._insert_host(state, result)
+
+    def _unpin(self, state: _Prefetch) -> None:
+        if self._stored is not None and state.pinned:
+            self._stored.unpin(state.pinned)
+            state.pinned = []
 
     def _insert_host(self, state: _Prefetch, result: PrefetchResult) -> int:
         """Hang fetched pages under their prefix as host-only nodes; pages already present are
@@ -1006,6 +1087,9 @@ class HiRadixCache(RadixCache):
         """Close the controller (drains backups, reports what it could not write)."""
         for rid in list(self._prefetching):
             self.cancel_prefetch(rid)
+        if self._unsubscribe_storage is not None:
+            self._unsubscribe_storage()
+            self._unsubscribe_storage = None
         return await self.controller.aclose()
 
     def sanity_check(self) -> None:

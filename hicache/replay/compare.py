@@ -72,6 +72,8 @@ async def compare_policies(
             "host_written_bytes": result["bytes"]["d2h"],
             "storage_written_bytes": result["bytes"]["h2s"],
             "verification_failures": result["verification_failures"],
+            "evicted": result["evicted"],
+            "storage_deleted_bytes": result["evicted"]["storage"]["bytes"],
             "wall_time_s": result["wall_time_s"],
             "nested_lru_hit": result["reference_lru"]["hit_tokens"] / prompt,
             # why the rest was recomputed: tokens per miss reason (and their share of the prompts)
@@ -98,7 +100,7 @@ async def compare_policies(
 
 def format_comparison(report: dict[str, Any]) -> str:
     """The comparison as a text table (token hit ratios, MiB written)."""
-    cols = ("device", "host", "storage", "total", "host MiB", "storage MiB", "vs lru", "verify")
+    cols = ("device", "host", "storage", "total", "host MiB", "storage MiB", "vs lru", "st. del MiB", "verify")
     lines = [
         f"{report['requests']} requests, {report['unique_blocks']} unique blocks, tiers (blocks): "
         + ", ".join(f"{k} {v}" for k, v in report["capacities_blocks"].items()),
@@ -108,7 +110,8 @@ def format_comparison(report: dict[str, Any]) -> str:
         vals = (
             f"{r['device_hit']:.4f}", f"{r['host_hit']:.4f}", f"{r['storage_hit']:.4f}", f"{r['total_hit']:.4f}",
             f"{r['host_written_bytes'] / 2**20:.1f}", f"{r['storage_written_bytes'] / 2**20:.1f}",
-            f"{r.get('storage_written_vs_lru', float('nan')):.2f}x", str(r["verification_failures"]),
+            f"{r.get('storage_written_vs_lru', float('nan')):.2f}x", f"{r['storage_deleted_bytes'] / 2**20:.1f}",
+            str(r["verification_failures"]),
         )
         lines.append(f"{name:<12}" + "".join(f"{v:>12}" for v in vals))
     any_row = next(iter(report["policies"].values()), None)

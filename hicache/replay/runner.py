@@ -18,7 +18,10 @@ from pathlib import Path
 from collections.abc import Sequence
 from typing import Any
 
+from collections import Counter
+
 from hicache.errors import ConfigError
+from hicache.observability.tier_events import ChangeKind, Tier
 from hicache.observability.attribution import AttributionTotals
 from hicache.replay.config import ReplayConfig, load_replay_config
 from hicache.replay.driver import serve_request
@@ -130,6 +133,9 @@ async def replay_requests(
         controller=cfg.controller_config(),
     )
     stack = build_stack(stack_cfg)
+    storage_removed: Counter[str] = Counter()  # storage pages removed, by reason (deleted, evicted)
+    stack.tier_changes.subscribe(lambda c: storage_removed.update({c.reason or "unknown": len(c.keys)}),
+                                 wants=frozenset({(ChangeKind.REMOVED, Tier.STORAGE)}))
     totals = {"prompt_tokens": 0, "device_hit_tokens": 0, "host_hit_tokens": 0, "storage_hit_tokens": 0,
               "computed_tokens": 0, "verification_failures": 0}
     attribution = AttributionTotals()  # hits per tier and misses per reason, over the trace
@@ -181,6 +187,7 @@ async def replay_requests(
             "storage_timeouts", "backup_rejected", "storage_rejected", "worker_errors",
         )},
         "unwritten_on_close": report.unwritten_pages,
+        "evicted": _evicted(counters, storage_removed, cfg.page_size, stack_cfg.page_nbytes),
         "placement": {
             **stack.cache.placement.stats(),
             **{k: counters[k] for k in ("victim_write_pages", "victim_writes_skipped_pages",
@@ -196,3 +203,17 @@ async def replay_requests(
         "hit_tokens_vs_reference": hit_tokens - ref["hit_tokens"],
         "attribution": attribution.as_dict(),
     }
+
+
+def _evicted(counters: dict[str, float], storage_removed: Counter[str], page_size: int,
+             page_nbytes: int) -> dict[str, dict[str, Any]]:
+    """Pages and bytes each tier let go: device and host evictions (host copies shed for room
+    included), storage removals by reason (``deleted``: a placement policy's choice through
+    ``batch_delete``; ``evicted``: the backend's own bound)."""
+    host_tokens = counters.get("host_evicted_tokens", 0) + counters.get("host_copies_shed_tokens", 0)
+    out: dict[str, dict[str, Any]] = {}
+    for tier, pages in (("device", counters.get("device_evicted_tokens", 0) // page_size),
+                        ("host", host_tokens // page_size), ("storage", sum(storage_removed.values()))):
+        out[tier] = {"pages": int(pages), "bytes": int(pages) * page_nbytes}
+    out["storage"]["by_reason"] = dict(storage_removed)
+    return out

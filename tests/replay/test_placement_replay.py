@@ -36,6 +36,13 @@ def test_every_policy_verifies_and_lru_is_unchanged() -> None:
     assert rows["lru"]["hit_tokens"] == {"device": 60416, "host": 61440, "storage": 65536}
     assert rows["lru"]["storage_written_bytes"] == rows["lru"]["host_written_bytes"] == 57794560
     assert rows["tiered"]["storage_written_bytes"] < rows["lru"]["storage_written_bytes"]
+    # what each tier let go, in pages and bytes; storage removals by who chose them: the
+    # backend's bound under lru, the tree's deletions under tiered (the bound never fires)
+    for r in rows.values():
+        for tier in ("device", "host", "storage"):
+            assert r["evicted"][tier]["bytes"] == r["evicted"][tier]["pages"] * 8192
+    assert "deleted" not in rows["lru"]["evicted"]["storage"]["by_reason"]
+    assert "evicted" not in rows["tiered"]["evicted"]["storage"]["by_reason"]
     bounds = report["bounds"]
     assert bounds["infinite_cache"] >= bounds["belady_at_8784_blocks"] >= max(r["total_hit"] for r in rows.values())
     for r in rows.values():  # every prompt token is a hit on a tier or a miss with its reason

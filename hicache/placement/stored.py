@@ -1,0 +1,207 @@
+"""A directory of the pages storage holds, and the storage eviction it makes possible.
+
+Why inside the placement policy: host eviction deletes tree nodes, so the tree forgets pages
+that only storage holds, and a backend's own eviction (LRU by page or file) knows neither the
+prefix structure nor what other tiers saw. A storage write job is root first (every
+page's parent is stored or written ahead of it), and its keys chain page to page. Recording
+each written page with its parent gives the stored subtree; evicting only its leaves keeps it
+*prefix closed*: a stored page's parent is stored, since a page whose parent is gone can never
+be found by a prefix lookup and only wastes room (SGLang's LRU deletes middle pages and orphans
+their descendants).
+
+Rank among the leaves: least recently used, where *used* means a hit in any tier (device, host
+or storage), not only a storage read. A backend's LRU sees reads only, so a page hit on device
+and host for hours looks idle to it.
+
+The directory does no I/O: the tree asks it which pages to delete to make room for a write
+(:meth:`StoredPages.make_room`) and sends those deletions ahead of the write
+(``AsyncHiCacheStorage.batch_delete``), in the same job, so the write never lands before the
+room it needs. Pages a prefetch is reading are pinned and never chosen.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterable, Sequence
+
+__all__ = ["StoredPages"]
+
+
+class _Page:
+    __slots__ = ("parent", "children", "tick", "pins", "orphan")
+
+    def __init__(self, parent: str | None, tick: int, orphan: bool) -> None:
+        self.parent = parent
+        self.children: set[str] | None = None  # made on the first child: most pages are leaves
+        self.tick = tick
+        self.pins = 0
+        self.orphan = orphan
+
+
+class StoredPages:
+    """Pages storage holds, as a tree of keys; evicts leaves, orphans first, then LRU.
+
+    Args:
+        capacity: pages storage holds (its bound); ``None``: unknown, nothing is evicted
+            here and the backend's own bound applies.
+    """
+
+    def __init__(self, capacity: int | None) -> None:
+        if capacity is not None and capacity < 1:
+            raise ValueError(f"storage capacity must be at least 1 page, got {capacity}")
+        self.capacity = capacity
+        self._pages: dict[str, _Page] = {}
+        # candidate leaves: (not orphan, tick, key); stale entries are skipped when popped
+        self._heap: list[tuple[bool, int, str]] = []
+        self._tick = 0
+        #: pages of writes queued but not landed (room already made for them)
+        self.reserved = 0
+        #: pages chosen for deletion so far; pages the backend removed by itself
+        self.evicted_pages = 0
+        self.removed_pages = 0
+
+    def __len__(self) -> int:
+        return len(self._pages)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._pages
+
+    def parent_of(self, key: str) -> str | None:
+        return self._pages[key].parent
+
+    def children_of(self, key: str) -> set[str]:
+        return set(self._pages[key].children or ())
+
+    def is_orphan(self, key: str) -> bool:
+        return self._pages[key].orphan
+
+    # ------------------------------------------------------------------ events
+
+    def add(self, keys: Sequence[str], prior: str | None) -> None:
+        """``keys`` were written, chained from ``prior`` (the key before the first; ``None``
+        at the root). A page whose parent storage does not hold (as far as is known) is an
+        orphan: it cannot be hit, so it is the first to go."""
+        parent = prior
+        for key in keys:
+            self._tick += 1
+            page = self._pages.get(key)
+            if page is None:
+                up = self._pages.get(parent) if parent is not None else None
+                orphan = parent is not None and (up is None or up.orphan)
+                page = self._pages[key] = _Page(parent, self._tick, orphan)
+                if up is not None:
+                    if up.children is None:
+                        up.children = set()
+                    up.children.add(key)
+            else:
+                page.tick = self._tick
+            self._push(key, page)
+            parent = key
+
+    def touch(self, keys: Iterable[str]) -> None:
+        """A hit in any tier on these pages: they are the most recently used now."""
+        for key in keys:
+            page = self._pages.get(key)
+            if page is not None:
+                self._tick += 1
+                page.tick = self._tick
+                if not page.children:
+                    self._push(key, page)
+
+    def pin(self, keys: Iterable[str]) -> list[str]:
+        """Keep these pages (a prefetch reads them); returns the ones pinned, for :meth:`unpin`."""
+        pinned = []
+        for key in keys:
+            page = self._pages.get(key)
+            if page is not None:
+                page.pins += 1
+                pinned.append(key)
+        return pinned
+
+    def unpin(self, keys: Iterable[str]) -> None:
+        for key in keys:
+            page = self._pages.get(key)
+            if page is not None and page.pins > 0:
+                page.pins -= 1
+                if not page.pins and not page.children:
+                    self._push(key, page)
+
+    def remove(self, keys: Iterable[str]) -> None:
+        """The backend removed these pages by itself (its own bound, a corrupt page): forget
+        them; their stored descendants become orphans."""
+        for key in keys:
+            if self._drop(key):
+                self.removed_pages += 1
+
+    def clear(self) -> None:
+        """Storage lost every page (a namespace clear)."""
+        self._pages.clear()
+        self._heap.clear()
+
+    # ------------------------------------------------------------------ eviction
+
+    def make_room(self, pages: int) -> list[str]:
+        """Pages to delete so that a write of ``pages`` more fits, leaves first (orphans
+        first, then least recently used); they are forgotten now. The room is reserved until
+        :meth:`landed`. Fewer (maybe none) when the rest are pinned or in flight: the backend's
+        own bound then takes over for the difference."""
+        self.reserved += pages
+        if self.capacity is None:
+            return []
+        out: list[str] = []
+        held: list[tuple[bool, int, str]] = []
+        heap = self._heap
+        while len(self._pages) + self.reserved > self.capacity and heap:
+            entry = heapq.heappop(heap)
+            rooted, tick, key = entry
+            page = self._pages.get(key)
+            if page is None or page.tick != tick or page.children or page.orphan == rooted:
+                continue  # stale: gone, touched since, no longer a leaf, or orphaned since
+            if page.pins:
+                held.append(entry)
+                continue
+            self._drop(key)
+            out.append(key)
+        for entry in held:
+            heapq.heappush(heap, entry)
+        self.evicted_pages += len(out)
+        return out
+
+    def landed(self, reserved: int, keys: Sequence[str], prior: str | None) -> None:
+        """A write for which ``reserved`` pages of room were made ended; ``keys`` (its
+        leading pages) were written."""
+        self.reserved = max(0, self.reserved - reserved)
+        if keys:
+            self.add(keys, prior)
+
+    # ------------------------------------------------------------------ internals
+
+    def _push(self, key: str, page: _Page) -> None:
+        heap = self._heap
+        heapq.heappush(heap, (not page.orphan, page.tick, key))
+        if len(heap) > 4 * len(self._pages) + 1024:  # stale entries (touches) pile up: rebuild
+            self._heap = [(not p.orphan, p.tick, k) for k, p in self._pages.items() if not p.children]
+            heapq.heapify(self._heap)
+
+    def _drop(self, key: str) -> bool:
+        page = self._pages.pop(key, None)
+        if page is None:
+            return False
+        if page.parent is not None:
+            up = self._pages.get(page.parent)
+            if up is not None:
+                if up.children:
+                    up.children.discard(key)
+                if not up.children:
+                    self._push(page.parent, up)
+        stack = list(page.children or ())
+        while stack:  # a gone page's descendants cannot be hit: they go first
+            child_key = stack.pop()
+            child = self._pages.get(child_key)
+            if child is None or child.orphan:
+                continue
+            child.orphan = True
+            if not child.children:
+                self._push(child_key, child)
+            stack.extend(child.children or ())
+        return True

@@ -1,0 +1,224 @@
+"""Storage eviction by the tree (``tiered``'s :class:`~hicache.placement.StoredPages`).
+
+Invariants: storage never holds more than its capacity, never keeps a page whose parent it
+lost when room is needed (prefix closure: leaves go first, orphans before them), never deletes
+a page a prefetch is reading, and the directory matches what the backend really holds, on the
+real stack with the memory backend.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from hicache.controller import ControllerConfig
+from hicache.errors import ConfigError
+from hicache.placement import StoredPages, make_placement
+from hicache.replay import serve_request
+from hicache.stack import StackConfig, build_stack
+
+PS = 4
+
+
+def _chain(prefix: str, n: int) -> list[str]:
+    return [f"{prefix}{i:02d}".ljust(8, "0") for i in range(n)]
+
+
+def _closed(stored: StoredPages) -> bool:
+    """Every page that is not an orphan has its parent stored."""
+    return all(stored.is_orphan(k) or stored.parent_of(k) is None or stored.parent_of(k) in stored
+               for k in list(stored._pages))
+
+
+def test_leaves_go_first_least_recently_used_in_any_tier() -> None:
+    stored = StoredPages(5)
+    a = _chain("a", 3)
+    stored.add(a, None)  # a0 <- a1 <- a2
+    stored.add(["b0000000"], a[0])  # a0 <- b0 (older leaf than a2? no: newer)
+    stored.add(["c0000000"], None)
+    stored.touch(["c0000000"])  # a hit on device or host: most recent now
+    assert stored.make_room(1) == [a[2]]  # oldest leaf; a0 and a1 have stored children
+    stored.landed(1, ["d0000000"], None)
+    assert stored.make_room(2) == [a[1], "b0000000"]
+    assert a[0] in stored and _closed(stored) and len(stored) + stored.reserved <= 5
+
+
+def test_orphans_go_before_any_page_whose_prefix_is_stored() -> None:
+    stored = StoredPages(4)
+    a = _chain("a", 3)
+    stored.add(a, None)
+    stored.add(["z0000000"], None)
+    stored.remove([a[0]])  # the backend dropped it by itself: a1, a2 cannot be hit any more
+    assert stored.removed_pages == 1 and stored.is_orphan(a[1]) and stored.is_orphan(a[2])
+    assert stored.make_room(3) == [a[2], a[1]]  # the orphans, leaf first; z stays
+    assert "z0000000" in stored
+    stored.add(["q0000000"], "gone0000")  # written after a parent storage no longer holds
+    assert stored.is_orphan("q0000000")
+
+
+def test_pinned_pages_are_never_chosen() -> None:
+    stored = StoredPages(2)
+    stored.add(["a0000000"], None)
+    stored.add(["b0000000"], None)
+    pinned = stored.pin(["a0000000", "b0000000", "nope0000"])
+    assert pinned == ["a0000000", "b0000000"]
+    assert stored.make_room(1) == []  # all pinned: the backend's own bound takes over
+    stored.landed(1, [], None)
+    stored.unpin(pinned)
+    assert stored.make_room(1) == ["a0000000"]
+
+
+def test_without_a_capacity_nothing_is_evicted() -> None:
+    stored = StoredPages(None)
+    stored.add(_chain("a", 10), None)
+    assert stored.make_room(5) == [] and len(stored) == 10
+    with pytest.raises(ValueError, match="capacity"):
+        StoredPages(0)
+
+
+def test_random_operations_keep_capacity_closure_and_pins() -> None:
+    rng = random.Random(3)
+    cap = 20
+    stored = StoredPages(cap)
+    pins: list[list[str]] = []
+    for step in range(3000):
+        op = rng.random()
+        keys = list(stored._pages)
+        if op < 0.5 or not keys:
+            parent = rng.choice(keys) if keys and rng.random() < 0.8 else None
+            new = [f"k{step:05d}{j}" for j in range(rng.randint(1, 4))]
+            pinned_now = {k for p in pins for k in p}
+            doomed = stored.make_room(len(new))
+            assert not pinned_now & set(doomed)
+            assert all(k not in stored for k in doomed)
+            leaves = {k for k in stored._pages if not stored.children_of(k)}
+            room = len(stored) + stored.reserved <= cap
+            assert room or leaves <= pinned_now  # short of room only while every leaf is read
+            written = rng.randint(0, len(new))
+            if parent is not None and parent not in stored:
+                parent = None if rng.random() < 0.5 else parent
+            was = len(stored)
+            stored.landed(len(new), new[:written], parent)
+            assert not room or len(stored) <= cap or len(stored) == was
+        elif op < 0.7:
+            stored.touch(rng.sample(keys, min(3, len(keys))))
+        elif op < 0.8:
+            pins.append(stored.pin(rng.sample(keys, min(3, len(keys)))))
+        elif op < 0.9 and pins:
+            stored.unpin(pins.pop(rng.randrange(len(pins))))
+        else:
+            stored.remove([rng.choice(keys)])
+        assert _closed(stored)
+        assert stored.reserved == 0
+    assert len(stored._heap) <= 4 * len(stored) + 1025  # stale entries are compacted
+
+
+def _stack(storage_pages: int = 24, **options):  # type: ignore[no-untyped-def]
+    return build_stack(StackConfig(
+        page_size=PS, device_pages=16, host_pages=16, storage_pages=storage_pages,
+        placement="tiered", placement_options={"long_prompt_tokens": 6 * PS, **options},
+        req_slots=4, max_context_len=256,
+        controller=ControllerConfig(prefetch_threshold=PS, prefetch_policy="wait_complete")))
+
+
+def _prompts(seed: int, n: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(1000) for _ in range(PS * rng.randint(2, 6))] for _ in range(6)]
+    return [list(rng.choice(prefixes)) + [rng.randrange(1000) for _ in range(rng.randint(1, PS * 5))]
+            for _ in range(n)]
+
+
+def _medium_keys(stack) -> dict[str, None]:  # type: ignore[no-untyped-def]
+    digest = stack.storage.namespace.digest
+    return {k: None for (d, k, _), _ in stack.storage.medium.pages.items() if d == digest}
+
+
+async def _serve(stack, prompts: list[list[int]]) -> int:  # type: ignore[no-untyped-def]
+    failures = 0
+    for i, tokens in enumerate(prompts):
+        failures += (await serve_request(stack, tokens, rid=f"r{i}")).verify_failures
+        await stack.controller.wait_prefetches()
+        await stack.cache.drain()
+        stored = stack.cache.placement.stored
+        held = _medium_keys(stack)
+        assert set(stored._pages) == set(held)  # the directory is what storage holds
+        assert len(held) <= stack.config.storage_pages
+        assert _closed(stored)
+        stack.cache.sanity_check()
+    return failures
+
+
+async def test_tree_eviction_keeps_storage_in_bounds_and_prefix_closed() -> None:
+    """The policy makes room before every write, so the backend never evicts by itself; every
+    page served from storage verifies."""
+    stack = _stack()
+    try:
+        assert stack.cache._stored is stack.cache.placement.stored is not None
+        assert await _serve(stack, _prompts(5, 150)) == 0
+        counters = stack.controller.metrics.counters
+        assert counters["storage_deleted_pages"] > 0 and counters["storage_delete_missed_pages"] == 0
+        assert stack.storage.medium.evicted_pages == 0
+        assert stack.controller.metrics.hit_tokens["storage"] > 0
+        assert counters["worker_errors"] == 0
+    finally:
+        await stack.aclose()
+
+
+async def test_removals_the_backend_makes_by_itself_reach_the_directory() -> None:
+    """A medium smaller than the policy believes: the backend's LRU evicts, reports it, and
+    the directory forgets those pages (its descendants become orphans, evicted first)."""
+    stack = build_stack(StackConfig(
+        page_size=PS, device_pages=16, host_pages=16, storage_pages=24,
+        storage_options={"max_bytes": 12 * 64},  # 12 pages of 64 bytes
+        placement="tiered", placement_options={"long_prompt_tokens": 6 * PS, "storage_capacity_pages": 24},
+        req_slots=4, max_context_len=256,
+        controller=ControllerConfig(prefetch_threshold=PS, prefetch_policy="wait_complete")))
+    try:
+        assert stack.config.page_nbytes == 64
+        stored = stack.cache.placement.stored
+        assert stored is not None and stored.capacity == 24
+        for i, tokens in enumerate(_prompts(9, 150)):
+            assert (await serve_request(stack, tokens, rid=f"r{i}")).verify_failures == 0
+            await stack.controller.wait_prefetches()
+            await stack.cache.drain()
+            assert set(stored._pages) <= set(_medium_keys(stack))
+        assert stored.removed_pages > 0 and stack.storage.medium.evicted_pages > 0
+    finally:
+        await stack.aclose()
+
+
+async def test_backend_eviction_stays_a_choice() -> None:
+    stack = _stack(storage_eviction="backend")
+    try:
+        assert stack.cache.placement.stored is None and stack.cache._stored is None
+        assert await _serve_backend(stack) == 0
+        assert stack.controller.metrics.counters["storage_deleted_pages"] == 0
+    finally:
+        await stack.aclose()
+    with pytest.raises(ConfigError, match="storage_eviction"):
+        make_placement("tiered", {"storage_eviction": "lfu"})
+    assert make_placement("tiered", defaults={"storage_capacity_pages": 7}).stored.capacity == 7  # type: ignore[union-attr]
+    assert make_placement("tiered").stored is None  # capacity unknown: the backend's bound
+
+
+async def _serve_backend(stack) -> int:  # type: ignore[no-untyped-def]
+    failures = 0
+    for i, tokens in enumerate(_prompts(5, 60)):
+        failures += (await serve_request(stack, tokens, rid=f"r{i}")).verify_failures
+        await stack.cache.drain()
+    return failures
+
+
+async def test_a_backend_without_delete_keeps_its_own_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    from hicache_backends.memory.backend import MemoryStorage
+
+    from hicache.storage import AsyncHiCacheStorage
+
+    monkeypatch.setattr(MemoryStorage, "_delete", AsyncHiCacheStorage._delete)
+    stack = _stack()
+    try:
+        assert not stack.storage.supports_delete and stack.cache._stored is None
+        assert await _serve_backend(stack) == 0
+    finally:
+        await stack.aclose()
