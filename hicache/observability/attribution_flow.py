@@ -38,6 +38,12 @@ class TreeAttribution:
             logger.exception("reading the prefetch of request %s failed", req.rid)
             return None
 
+    def _prior_hash(self, req: Any, m: Any) -> str | None:
+        """The chain hash after the match (a match leaves it to whoever needs it)."""
+        if m.storage_prior_hash is not None:
+            return m.storage_prior_hash
+        return self.cache.storage_prior_hash(m.last_host_node, req.extra_key)
+
     def storage_state(self) -> str:
         ctl = self.cache.controller
         if not ctl.has_storage:
@@ -53,7 +59,7 @@ class TreeAttribution:
                 tokens=req.fill_ids or req.origin_input_ids,
                 hits={"device": device, "host": host, "storage": storage},
                 held=m.device_hit_length + m.host_hit_length,
-                prior_hash=m.storage_prior_hash,
+                prior_hash=self._prior_hash(req, m),
                 prefetch=pending,
                 storage=self.storage_state(),
                 record=not req.explain_misses,

@@ -249,7 +249,12 @@ class HiRadixCache(RadixCache):
         """Tokens of host memory held by tree nodes."""
         return sum(int(n.host_value.numel()) for n in self._nodes() if n.host_value is not None)
 
-    def _prior_hash(self, node: TreeNode, extra_key: str | None) -> str | None:
+    def storage_prior_hash(self, node: Any, extra_key: str | None) -> str | None:
+        """The chain hash storage keys continue from after ``node``: its last page key (which
+        hashes the node and its unhashed ancestors on first use), or at the root the
+        namespace's seed. ``None`` for what is not a tree node (a session's virtual node)."""
+        if not isinstance(node, TreeNode):
+            return None
         if node is self.root_node or not node.hash_value:
             return namespace_seed(extra_key)
         return node.hash_value[-1]
@@ -306,7 +311,7 @@ class HiRadixCache(RadixCache):
             return []
         ps = self.page_size
         for c in reversed(chain):
-            c._hash_value = fast_page_hashes(c.key, ps, self._prior_hash(c.parent, c.extra_key))
+            c._hash_value = fast_page_hashes(c.key, ps, self.storage_prior_hash(c.parent, c.extra_key))
         return node._hash_value  # type: ignore[return-value]
 
     # ------------------------------------------------------------------ hooks
@@ -945,7 +950,7 @@ class HiRadixCache(RadixCache):
             self.metrics.incr("prefetch_skipped_threshold")
             return False
         tokens = list(new_input_tokens[:aligned])
-        prior = last_hash if last_hash is not None else self._prior_hash(last_host_node, extra_key)
+        prior = last_hash if last_hash is not None else self.storage_prior_hash(last_host_node, extra_key)
         keys = fast_page_hashes(tokens, ps, prior)
         prefix = list(prefix_tokens) if prefix_tokens is not None else self._path_tokens(last_host_node)
         self._inc_host_ref(last_host_node)

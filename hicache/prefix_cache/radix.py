@@ -290,9 +290,9 @@ class RadixCache(BasePrefixCache):
         for node in path:
             node.last_access_time = now
             node.priority = max(node.priority, priority)
-        return self._result(path, hit=count_hit, extra_key=key.extra_key)
+        return self._result(path, hit=count_hit)
 
-    def _result(self, path: list[TreeNode], *, hit: bool, extra_key: str | None) -> MatchResult:
+    def _result(self, path: list[TreeNode], *, hit: bool) -> MatchResult:
         values: list[torch.Tensor] = []
         last_device = self.root_node
         last_any = self.root_node
@@ -320,10 +320,12 @@ class RadixCache(BasePrefixCache):
             host_hit_length=host_len,
             cache_protected_len=int(device_indices.numel()),
             full_kv_hit_length=int(device_indices.numel()) + host_len,
-            storage_prior_hash=self._prior_hash(last_any, extra_key),
         )
 
-    def _prior_hash(self, node: TreeNode, extra_key: str | None) -> str | None:
+    def storage_prior_hash(self, node: Any, extra_key: str | None) -> str | None:
+        """The chain hash storage keys continue from after ``node`` (a match's
+        ``last_host_node``); ``None`` without a storage tier. Not part of a match result:
+        only a storage lookup needs it (see :class:`~hicache.prefix_cache.types.MatchResult`)."""
         return None
 
     # ------------------------------------------------------------------ insert

@@ -119,7 +119,10 @@ class MatchResult(NamedTuple):
     cache_protected_len: tokens the caller may treat as owned by the tree.
     full_kv_hit_length : device + host hit in tokens.
     storage_prior_hash : (ours) chain hash to continue from when asking storage for the pages
-                       after ``last_host_node`` (``None``: start of a chain without namespace).
+                       after ``last_host_node``, when the caller knows it. The tree leaves it
+                       ``None``: only a storage prefetch needs it, and computing it hashes every
+                       not yet hashed page on the path, so whoever needs it asks the cache for
+                       ``storage_prior_hash(last_host_node, extra_key)`` (the prefetch does).
     """
 
     device_indices: torch.Tensor

@@ -34,3 +34,34 @@ def test_list_key_packed_once_and_repacked_when_its_list_changes() -> None:
     assert list(key_run(key, 9)) == toks
     packed = RadixKey(run)
     assert key_run(packed, 8) is run
+
+
+
+async def test_match_leaves_the_storage_prior_hash_to_the_prefetch() -> None:
+    """A match hashes nothing; the prior hash asked for later is the chain key of the path."""
+    from hicache.controller import ControllerConfig
+    from hicache.keys import page_hashes
+    from hicache.prefix_cache import InsertParams, MatchPrefixParams
+    from hicache.prefix_cache.hashing import namespace_seed
+    from hicache.stack import StackConfig, build_stack
+
+    ps = 4
+    cfg = StackConfig(page_size=ps, layer_num=1, head_num=1, head_dim=1, dtype="float16",
+                      device_pages=16, host_pages=16, storage_backend="memory", storage_pages=16,
+                      controller=ControllerConfig(write_policy="write_back"), req_slots=2)
+    stack = build_stack(cfg)
+    cache = stack.cache
+    toks = list(range(100, 124))
+    try:
+        for extra in (None, "tenant"):
+            key = RadixKey(toks, extra)
+            cache.insert(InsertParams(key=key, value=stack.allocator.alloc(len(toks))))
+            m = cache.match_prefix(MatchPrefixParams(key=RadixKey(toks + [1, 2, 3, 4], extra)))
+            node = m.last_host_node
+            assert m.storage_prior_hash is None and node._hash_value is None  # nothing hashed
+            want = page_hashes(toks, ps, namespace_seed(extra))[-1]
+            assert cache.storage_prior_hash(node, extra) == want
+            assert cache.storage_prior_hash(cache.root_node, extra) == namespace_seed(extra)
+        assert cache.storage_prior_hash(object(), None) is None  # not a tree node
+    finally:
+        await stack.aclose()
