@@ -35,3 +35,21 @@ def test_a_failed_request_is_named_in_the_report_not_only_counted_as_a_differenc
     failed = _failures("cached", phase)
     assert failed == [{"phase": "cached", "client": 1, "turn": 3, "error": "OutOfKVSlotsError('no room')"}]
     assert _failures("restart", None) == []
+
+
+def test_a_missing_answer_is_told_apart_from_a_different_one() -> None:
+    """The demo once reported a request that failed in its last turn as "1 differed": only an
+    answer present in both runs and different can mean wrong KV."""
+    from hicache.demo import AnswerCheck, _answers, _compare, _verdict_no
+
+    want = {(c, t): [c, t, 7] for c in range(2) for t in range(4)}
+    records = [{"client": c, "turn": t, "tokens": v, "error": None} for (c, t), v in want.items()]
+    records[3] = {**records[3], "tokens": [], "error": "OutOfKVSlotsError('no room')"}  # conversation 0, turn 3
+    check = _compare(_answers({"records": records}), want)
+    assert check == AnswerCheck(compared=8, differing=0, missing=1)
+    verdict = _verdict_no({"answers_mismatched": check.differing, "answers_missing": check.missing})
+    assert verdict == "NO (0 differ; 1 missing: a request failed (see below), so there is no answer to compare)"
+
+    records[5] = {**records[5], "tokens": [9, 9, 9]}
+    check = _compare(_answers({"records": records}), want) + _compare({(0, 0): [0, 0, 7]}, {(0, 0): [0, 0, 7]})
+    assert check == AnswerCheck(compared=9, differing=1, missing=1)
