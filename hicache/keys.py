@@ -107,10 +107,34 @@ def validate_text(value: str, what: str, max_bytes: int) -> str:
 
 
 def validate_keys(keys: Iterable[object]) -> list[str]:
-    """Validate every key of a batch (see :func:`validate_key`)."""
+    """Validate every key of a batch (see :func:`validate_key`); returns them as a new list.
+
+    Why a batch path: every page a tree writes to storage is checked, on the event loop (the
+    controller's job check) and again on the backend's thread, one Python call per key (1-1.5
+    us a key, 15% of the loop time of the tiered radix benchmark). Keys the tree makes are hex
+    digests, so the whole batch is checked at once in C (joined, ASCII, no NUL, lengths in
+    range); only a batch that fails that is checked key by key, for the error naming the key."""
     if isinstance(keys, (str, bytes)):
         raise InvalidKeyError("expected a list of keys, got a single string")
-    return [validate_key(k) for k in keys]
+    out = list(keys)
+    if _short_ascii_texts(out):
+        return out
+    return [validate_key(k) for k in out]
+
+
+def _short_ascii_texts(keys: list[object]) -> bool:
+    """Whether every item is non-empty ASCII text without NUL of at most ``MAX_KEY_BYTES``
+    (ASCII: a character is a byte). ``False`` says nothing about which key is bad."""
+    if not keys:
+        return True
+    try:
+        joined = "".join(keys)  # type: ignore[arg-type] # a TypeError for anything not str
+    except TypeError:
+        return False
+    if not joined.isascii() or "\x00" in joined:
+        return False
+    lengths = list(map(len, keys))  # type: ignore[arg-type]
+    return min(lengths) > 0 and max(lengths) <= MAX_KEY_BYTES
 
 
 @dataclass(frozen=True, kw_only=True)

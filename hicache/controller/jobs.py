@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-from hicache.keys import validate_key
+from hicache.keys import validate_key, validate_keys
 from hicache.storage import PoolTransfer
 
 __all__ = ["BackupJob", "StorageWriteJob", "PrefetchOp", "PrefetchResult", "UnwrittenBackup", "CloseReport"]
@@ -53,8 +53,8 @@ class StorageWriteJob:
         job cannot be written as given. Why before it is queued: in the queue a malformed job
         only fails inside the storage call, where it looks like a failing store (retried,
         counted against the store's health, eventually marking a good store down)."""
-        for key in (*self.keys, *self.delete_first):
-            validate_key(key)
+        validate_keys(self.keys)
+        validate_keys(self.delete_first)
         if self.prior_key is not None:
             validate_key(self.prior_key)
         hi = self.host_indices

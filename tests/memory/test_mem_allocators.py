@@ -10,6 +10,7 @@ import torch
 
 from hicache.errors import HiCacheError
 from hicache.memory import AllocatorError, MambaStatePool, PagedTokenAllocator, ReqToTokenPool
+from hicache.memory.allocator import pages_of
 
 
 def pages(*ps: int, page_size: int) -> torch.Tensor:
@@ -194,3 +195,23 @@ def test_mamba_state_pool_alloc():
         pool.free([7])
     pool.clear()
     assert pool.available_size() == 5
+
+
+@pytest.mark.parametrize(
+    "slots, message",
+    [
+        ([4, 5, 6, 7, 8, 9, 10, 11], None),  # one run: the fast path
+        ([8, 9, 10, 11, 0, 1, 2, 3], None),  # two runs: the page-by-page path
+        ([1, 2, 3, 4], "not one whole page"),  # one run, misaligned
+        ([0, 1, 3, 2], "not one whole page"),  # spans its length, not increasing
+        ([0, 2, 2, 3], "not one whole page"),  # spans its length, a repeat
+        ([4, 5, 6, 7, 9, 10, 11, 12], "not one whole page"),  # second page misaligned
+    ],
+)
+def test_pages_of_one_run_and_others(slots, message):
+    idx = torch.tensor(slots, dtype=torch.int64)
+    if message is None:
+        assert pages_of(idx, 4, 64).tolist() == [s // 4 for s in slots[::4]]
+    else:
+        with pytest.raises(AllocatorError, match=message):
+            pages_of(idx, 4, 64)

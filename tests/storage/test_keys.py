@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hicache.errors import ConfigError, InvalidKeyError
-from hicache.keys import Namespace, page_hash, page_hashes, validate_key
+from hicache.keys import Namespace, page_hash, page_hashes, validate_key, validate_keys
 from hicache.storage import HiCacheStorageConfig
 
 
@@ -79,3 +79,17 @@ def test_namespace_from_storage_config() -> None:
     filled = ns.with_signature({"layer_num": 4, "head_num": 2, "head_dim": 8, "page_size": 16, "dtype": "torch.float16"})
     assert (filled.num_layers, filled.num_kv_heads, filled.head_dim, filled.page_size) == (4, 2, 8, 16)
     assert filled.kv_dtype == "fp8"  # known fields are not overwritten
+
+
+@pytest.mark.parametrize("bad", [["ok", ""], ["ok", "a\x00b"], ["ok", "k" * 2000], ["ok", "é" * 600], ["ok", 7], ["ok", b"ok"]])
+def test_validate_keys_batch_names_the_bad_key(bad) -> None:
+    with pytest.raises(InvalidKeyError):
+        validate_keys(bad)
+
+
+def test_validate_keys_batch_accepts_and_copies() -> None:
+    keys = [hashlib.sha256(bytes([i])).hexdigest() for i in range(100)] + ["é" * 10]
+    got = validate_keys(keys)
+    assert got == keys and got is not keys
+    assert validate_keys([]) == []
+    assert validate_keys(iter(["a", "b"])) == ["a", "b"]
