@@ -40,6 +40,7 @@ from hicache.keys import Namespace
 from hicache.observability.tier_events import ChangeKind, Tier
 from hicache.storage import AsyncHiCacheStorage, HiCacheStorageConfig, PageCodec, PageKey
 from hicache.storage.changes import report_cleared
+from hicache.storage.io_threads import io_executor
 from hicache.storage.offload import run_to_completion
 from hicache.storage.segments import PageSegments
 from hicache.storage.staging import PoolPage, StagedPage
@@ -229,7 +230,8 @@ class FileStorage(AsyncHiCacheStorage):
     async def _open(self) -> None:
         self._layout = NamespaceLayout(self.root, self.namespace.digest)
         self._codec = PageCodec(self.namespace.digest_bytes)
-        self._executor = ThreadPoolExecutor(self.io_threads, thread_name_prefix="hicache-file-io")
+        # torch-serial threads: the pool copies of seed-protocol pages run on them (io_threads)
+        self._executor = io_executor(self.io_threads, "hicache-file-io")
         # The scan gets its own thread so it never queues in front of requests.
         self._scan_executor = ThreadPoolExecutor(1, thread_name_prefix="hicache-file-scan")
         self._index_ready = asyncio.Event()
