@@ -5,8 +5,9 @@ with ``set_from_flat_data_page`` and written from with ``get_data_page``, each a
 made by the thread that moves the page. torch splits a large copy over its intra-op OpenMP
 team, and every thread that runs one gets a team of its own: 4 I/O threads on 2 cores then
 keep up to 8 threads busy, handing each 4 MiB copy around and spin-waiting after it. The I/O
-threads already are the parallelism; the teams only add cycles (128 x 4 MiB reads through
-the seed page protocol, 2 cores: 1.42 CPU ms per page with teams, 1.07 without).
+threads already are the parallelism; the teams only add cycles (2 cores, 4 threads each
+reading, hashing and committing 4 MiB pages: 1.30 CPU ms per page with teams, 1.08 without;
+128 x 4 MiB seed-protocol gets through the file store: 1.41 and 1.27).
 
 :func:`io_executor` makes a pool whose threads run torch's intra-op work serially. Only those
 threads change: the OpenMP thread count is per-thread state, set here on each new thread,
