@@ -86,7 +86,7 @@ class _SharedCalls:
 
     __slots__ = ("fn", "calls", "results", "_next", "_lock")
 
-    def __init__(self, fn: Callable[..., T], calls: Sequence[tuple[Any, ...]]) -> None:
+    def __init__(self, fn: Callable[..., Any], calls: Sequence[tuple[Any, ...]]) -> None:
         self.fn = fn
         self.calls = calls
         self.results: list[Any] = [None] * len(calls)
@@ -330,10 +330,11 @@ class FileStorage(AsyncHiCacheStorage):
         """Run ``fn(*args)`` for each call on the I/O threads; results come back in call order.
 
         A batch runs on at most ``io_threads`` threads (which bounds its concurrency), each
-        taking the next call when free (:class:`_SharedCalls`), and on fewer when it is cheap: a hop to a thread costs tens of
-        microseconds, more than a stat of a missing file, so a batch goes to one thread unless
-        its bytes (``nbytes``) plus a per-call cost (``per_call``, bytes-equivalent: opening,
-        creating and renaming files cost more than they move) add up to a share per thread.
+        taking the next call when free (:class:`_SharedCalls`), and on fewer when it is cheap:
+        a hop to a thread costs tens of microseconds, more than a stat of a missing file, so a
+        batch goes to one thread unless its bytes (``nbytes``) plus a per-call cost
+        (``per_call``, bytes-equivalent: opening, creating and renaming files cost more than
+        they move) add up to a share per thread.
         A cancelled caller waits for the threads (see :meth:`_run_chunked_to_end`).
         """
         results, cancelled = await self._run_chunked_to_end(fn, calls, nbytes, per_call)
