@@ -46,7 +46,11 @@ def as_bytes(tensor: torch.Tensor) -> memoryview:
         raise ValueError(f"storage I/O needs CPU tensors, got one on {tensor.device}")
     if not tensor.is_contiguous():
         raise ValueError("storage I/O needs a contiguous tensor")
-    flat = tensor.detach().reshape(-1)
+    # As few torch calls as it takes: each one hands the GIL around the I/O threads that move
+    # pages, which costs more than the call (numpy flattens a contiguous array for free).
+    flat = tensor.detach() if tensor.requires_grad else tensor
+    if flat.dim() == 0:
+        flat = flat.reshape(1)
     if flat.dtype != torch.uint8:
         flat = flat.view(torch.uint8)
     return memoryview(flat.numpy()).cast("B")

@@ -35,7 +35,7 @@ from hicache.storage.pages import ReadTarget, as_bytes, commit_reads, write_sour
 
 __all__ = [
     "CHUNK_BYTES", "PoolPage", "StagedPage", "StagingArena",
-    "read_committed", "read_staged", "write_produced", "write_staged",
+    "read_committed", "read_staged", "staging_bytes", "write_produced", "write_staged",
 ]
 
 logger = logging.getLogger("hicache.storage")
@@ -89,6 +89,20 @@ class StagingArena:
     @property
     def idle_bytes(self) -> int:
         return self._idle_bytes
+
+
+def staging_bytes(stage: torch.Tensor) -> memoryview:
+    """The byte view of an arena staging page, made on its first use and kept on the page.
+
+    A view costs a few torch calls, and each hands the GIL around the I/O threads, which wait
+    for it in turn (4 threads, 4 MiB pages: 0.1 ms of CPU a page, against 0.015 ms reused).
+    The view lives and dies with its page (it only references the page's memory).
+    """
+    view = getattr(stage, "_hicache_bytes", None)
+    if view is None:
+        view = as_bytes(stage)
+        stage._hicache_bytes = view  # type: ignore[attr-defined]
+    return view
 
 
 def _chunks(n: int, per_chunk: int) -> list[range]:
@@ -153,7 +167,7 @@ class StagedPage(_PageOfPool):
     def take(self) -> tuple[torch.Tensor, memoryview]:
         """A staging page of this pool's page shape and a byte view of it."""
         stage = self.arena.take(self.like, 1)[0]
-        return stage, as_bytes(stage)
+        return stage, staging_bytes(stage)
 
     def commit(self, stage: torch.Tensor) -> bool:
         """``set_from_flat_data_page`` of the verified staging page; False if the pool refused."""
@@ -219,10 +233,11 @@ async def read_staged(
     async def one(part: range) -> None:
         pages = arena.take(like, len(part))
         try:
-            got = await read(list(part), [as_bytes(p) for p in pages])
+            views = [staging_bytes(p) for p in pages]
+            got = await read(list(part), views)
             if not any(got):
                 return
-            targets: list[ReadTarget | None] = [ReadTarget(starts[i], as_bytes(p), p) for i, p in zip(part, pages)]
+            targets: list[ReadTarget | None] = [ReadTarget(starts[i], v, p) for i, v, p in zip(part, views, pages)]
             done = await run_to_completion(commit_reads, pool, targets, list(got))
             for i, flag in zip(part, done):
                 ok[i] = flag

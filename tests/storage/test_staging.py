@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from hicache.storage import PoolTransfer, create_async_storage, staging
+from hicache_backends.file.layout import page_id
 from hicache.testing import ArrayHostPool
 
 PAGE = 4
@@ -277,3 +278,31 @@ async def test_staged_reads_reuse_a_few_warm_pages_not_one_per_page(tmp_path: Pa
             assert dst.page_bytes(i * PAGE) == src.page_bytes(i * PAGE), i
     finally:
         await store.aclose()
+
+
+async def test_a_foreign_page_is_a_counted_miss_and_the_pool_is_untouched(tmp_path: Path) -> None:
+    """Another page's file at this page's path (a sound page, but of another key): the header
+    names the wrong key, so the page is a counted miss and nothing of it reaches the pool."""
+    n = 4
+    store, src = await _written(tmp_path, n, 11)
+    try:
+        path = {i: Path(store.layout.path(page_id(f"page-{i}", "kv"))) for i in range(n)}
+        path[1].write_bytes(path[2].read_bytes())  # page-2's file where page-1 belongs
+        dst = CountingPool(16, PAGE, ELEMS)
+        dst.buffer.fill_(9.0)
+        assert await _get(store, dst, 0, n) == [True, False, True, True]
+        assert store.get_stats()["corrupt_pages"] == 1 and PAGE not in dst.commits
+        assert bool((dst.buffer[PAGE : 2 * PAGE] == 9.0).all())
+        for i in (0, 2, 3):
+            assert dst.page_bytes(i * PAGE) == src.page_bytes(i * PAGE), i
+    finally:
+        await store.aclose()
+
+
+def test_staging_bytes_are_made_once_per_page_and_write_through() -> None:
+    page = torch.zeros(4, 8, dtype=torch.bfloat16)
+    view = staging.staging_bytes(page)
+    assert staging.staging_bytes(page) is view  # kept on the page, not remade
+    assert len(view) == page.numel() * page.element_size() and view.format == "B"
+    view[:] = bytes(range(64))
+    assert bytes(staging.as_bytes(page)) == bytes(range(64))
