@@ -155,6 +155,10 @@ def main(argv: list[str] | None = None) -> int:
                 # CPU seconds per op, SGLang's over hicache's: the work each does, which a loaded
                 # machine disturbs far less than wall time (hicache spreads it over threads)
                 "cpu_ratio_median": round(statistics.median(cpu["sglang"][op]) / max(statistics.median(cpu["hicache"][op]), 1e-9), 2),
+                "hicache_cpu_ms": round(statistics.median(cpu["hicache"][op]) * 1e3, 1),
+                "sglang_cpu_ms": round(statistics.median(cpu["sglang"][op]) * 1e3, 1),
+                "hicache_wall_ms": round(statistics.median(times["hicache"][op]) * 1e3, 1),
+                "sglang_wall_ms": round(statistics.median(times["sglang"][op]) * 1e3, 1),
             }
             for name in names[2:]:
                 vr = [s / h for s, h in zip(times["sglang"][op], times[name][op])]

@@ -231,6 +231,32 @@ async def test_every_layout_pair_reads_back_exactly(tmp_path, w_layout, r_layout
         assert b.get_stats()["corrupt_pages"] == 0
 
 
+@pytest.mark.parametrize("w_layout,r_layout", list(itertools.product(LAYOUTS, repeat=2)))
+async def test_pages_larger_than_the_bounce_buffer_move_in_several_pieces(tmp_path, monkeypatch, w_layout, r_layout) -> None:
+    """A strided K or V half larger than the bounce buffer is cut into pieces of whole layers
+    (here 2 + 1 of 3): the file still holds the canonical page and every layout pair reads it
+    back exactly."""
+    from hicache.integrations.sglang import pages
+
+    block = PS * HEADS * NATIVE_DIM * 2  # one layer of K (or V) of one page, bf16
+    monkeypatch.setattr(pages, "BOUNCE_BYTES", 2 * block)
+    writer, reader = _pool(w_layout, seed=1, dim=NATIVE_DIM), _pool(r_layout, seed=2, dim=NATIVE_DIM)
+    for pool in (writer, reader):
+        if pool.layout in ("page_first", "page_head"):
+            pieces = pool.page_segments(0).pieces
+            assert all(isinstance(p, StridedPiece) for p in pieces)
+            assert [p.nbytes for p in pieces] == [2 * block, block] * 2
+    keys = [f"k{i}" for i in range(3)]
+    async with await _store(tmp_path, writer) as a:
+        assert await _write(a, writer, keys, [1, 3, 4]) == [True] * 3
+        want = [_canonical_bytes(writer, p) for p in (1, 3, 4)]
+        assert [_payload_on_disk(a, k) for k in keys] == want
+    async with await _store(tmp_path, reader) as b:
+        assert await b.batch_get_v1(keys, _indices([4, 0, 2])) == [True] * 3
+        assert [_canonical_bytes(reader, p) for p in (4, 0, 2)] == want
+        assert b.get_stats()["corrupt_pages"] == 0
+
+
 @pytest.mark.parametrize("w_layout,r_layout", [("layer_first", "page_first"), ("page_first_direct", "layer_first")])
 async def test_mla_pools_share_pages_across_layouts(tmp_path, w_layout, r_layout) -> None:
     writer, reader = _pool(w_layout, mla=True, seed=1), _pool(r_layout, mla=True, seed=2)

@@ -12,7 +12,7 @@ never a torn one. Any failure removes the temporary file.
 
 A page given as :class:`~hicache.storage.segments.PageSegments` (pieces of a host pool page
 that is not contiguous) moves piece by piece: runs of direct pieces with one vector call each,
-strided pieces through this thread's cache-sized bounce buffer, and each run hashed right
+strided pieces through this thread's cache-resident bounce buffer, and each run hashed right
 after its read or right before its write, while it is still in the CPU cache. A read checks
 the header before it reads any payload into the pool; a write puts the payload first and the
 header (which holds the checksum) last, into the same unpublished temporary file.
