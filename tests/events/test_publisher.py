@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from hicache.errors import ConfigError
 from hicache.events import BlockStored, KVEventBatch, encode_batch
 from hicache.events.publisher import EventPublisher
 from hicache.events.subscriber import EventSubscriber
@@ -234,8 +235,6 @@ async def test_events_off_by_default_and_bad_endpoints_fail_start(tmp_path: Path
         await workload(cache, 1)
         seq, batch = await asyncio.wait_for(stream.get(), 10)
         assert seq == 0 and isinstance(batch.events[0], BlockStored)
-    from hicache.errors import ConfigError
-
     bad = config(tmp_path / "store", endpoint="tcp://*:notaport")
     cache = HiCache.from_config(bad)
     try:
