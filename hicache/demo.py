@@ -34,6 +34,7 @@ import logging
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -41,7 +42,7 @@ from hicache.config.schema import HiCacheConfig
 from hicache.server.loadgen import Workload, run_load
 from hicache.server.run import running_server
 
-__all__ = ["AnswerCheck", "DEMO_DEVICE_TOKENS", "FULL_WORKLOAD", "QUICK_WORKLOAD", "baseline_config", "demo_config", "format_report", "run_demo", "run_demo_async"]
+__all__ = ["AnswerCheck", "CachedRuns", "run_cached_phases", "DEMO_DEVICE_TOKENS", "FULL_WORKLOAD", "QUICK_WORKLOAD", "baseline_config", "demo_config", "format_report", "run_demo", "run_demo_async"]
 
 logger = logging.getLogger("hicache.demo")
 
@@ -155,6 +156,52 @@ def _compare(got: dict[tuple[int, int], list[int]], want: dict[tuple[int, int], 
     return AnswerCheck(len(keys), sum(1 for k in both if got[k] != want[k]), len(keys) - len(both))
 
 
+@dataclass(frozen=True)
+class CachedRuns:
+    """The load reports of the phases that use the cache: ``cached`` (the workload on a fresh
+    namespace) and ``restart`` (a fresh server on the same storage replaying every first turn;
+    ``None`` without storage). Shared by the demo and ``scripts/demo_stress.py``, so the
+    stress runs repeat exactly what the demo checks."""
+
+    cached: dict[str, Any]
+    restart: dict[str, Any] | None
+    cache_metrics: dict[str, Any]
+
+    def check(self, reference: dict[tuple[int, int], list[int]]) -> AnswerCheck:
+        """Every answer against ``reference`` (the no-cache answers by (conversation, turn)):
+        the cached run's all, the restart's first turns."""
+        check = _compare(_answers(self.cached), reference)
+        if self.restart is not None:
+            first_turns = {k: v for k, v in reference.items() if k[1] == 0}
+            check = check + _compare(_answers(self.restart), first_turns)
+        return check
+
+    def failures(self) -> list[dict[str, Any]]:
+        """The requests of both phases that failed (see :func:`_failures`)."""
+        return _failures("cached", self.cached) + _failures("restart", self.restart)
+
+
+async def run_cached_phases(cfg: HiCacheConfig, w: Workload, tag: str, *, say: Callable[[str], None] | None = None) -> CachedRuns:
+    """Run the cached phase, then (with storage) the restart phase, each on its own server.
+    ``say``: an optional progress callback taking one line."""
+    async with running_server(cfg, mode="hicache") as srv:
+        cached = await run_load(srv.url, w, run_tag=f"{tag}-cached")
+        cached["memory_retries"] = srv.state.metrics.memory_retries
+        cache_metrics = srv.cache.metrics() if hasattr(srv.cache, "metrics") else {}
+    if say:
+        say(f"cached done in {cached['wall_s']:.1f} s")
+    restart = None
+    if cfg.storage.backend is not None:
+        if say:
+            say("restart: a fresh server on the same storage replays every first turn")
+        async with running_server(cfg, mode="hicache") as srv:
+            restart = await run_load(srv.url, replace(w, first_turn_only=True, warmup=False), run_tag=f"{tag}-restart")
+            restart["memory_retries"] = srv.state.metrics.memory_retries
+        if say:
+            say(f"restart done in {restart['wall_s']:.1f} s")
+    return CachedRuns(cached, restart, cache_metrics)
+
+
 async def run_demo_async(config: HiCacheConfig, *, quick: bool = False, workload: Workload | None = None) -> dict[str, Any]:
     """The demo as a coroutine (see the module docstring); returns the report dict."""
     t_start = time.perf_counter()
@@ -170,25 +217,9 @@ async def run_demo_async(config: HiCacheConfig, *, quick: bool = False, workload
     _say(f"baseline done in {base['wall_s']:.1f} s")
 
     _say(f"cached (hicache, storage={cfg.storage.backend or 'none'}, fresh namespace {salt})")
-    async with running_server(cfg, mode="hicache") as srv:
-        cached = await run_load(srv.url, w, run_tag=f"{tag}-cached")
-        cached["memory_retries"] = srv.state.metrics.memory_retries
-        cache_metrics = srv.cache.metrics() if hasattr(srv.cache, "metrics") else {}
-    _say(f"cached done in {cached['wall_s']:.1f} s")
-
-    restart = None
-    if cfg.storage.backend is not None:
-        _say("restart: a fresh server on the same storage replays every first turn")
-        async with running_server(cfg, mode="hicache") as srv:
-            restart = await run_load(srv.url, replace(w, first_turn_only=True, warmup=False), run_tag=f"{tag}-restart")
-            restart["memory_retries"] = srv.state.metrics.memory_retries
-        _say(f"restart done in {restart['wall_s']:.1f} s")
-
-    ref = _answers(base)
-    check = _compare(_answers(cached), ref)
-    if restart is not None:
-        first_turns = {k: v for k, v in ref.items() if k[1] == 0}
-        check = check + _compare(_answers(restart), first_turns)
+    runs = await run_cached_phases(cfg, w, tag, say=_say)
+    cached, restart, cache_metrics = runs.cached, runs.restart, runs.cache_metrics
+    check = runs.check(_answers(base))
 
     b, c = _phase(base), _phase(cached)
 
@@ -214,7 +245,7 @@ async def run_demo_async(config: HiCacheConfig, *, quick: bool = False, workload
         "answers_compared": check.compared,
         "answers_mismatched": check.differing,
         "answers_missing": check.missing,
-        "failed_requests": _failures("baseline", base) + _failures("cached", cached) + _failures("restart", restart),
+        "failed_requests": _failures("baseline", base) + runs.failures(),
         "all_answers_match": check.differing == 0 and check.missing == 0 and check.compared > 0
         and not (base["summary"]["errors"] or cached["summary"]["errors"] or (restart and restart["summary"]["errors"])),
         "cache_metrics": cache_metrics,

@@ -23,16 +23,14 @@ import json
 import os
 import sys
 import uuid
-from dataclasses import replace
 from typing import Any
 
 from hicache.config import load_config
 from hicache.config.schema import HiCacheConfig
-from hicache.demo import FULL_WORKLOAD, QUICK_WORKLOAD, _answers, _compare, _failures, demo_config
+from hicache.demo import FULL_WORKLOAD, QUICK_WORKLOAD, demo_config, run_cached_phases
 from hicache.engine.model import ModelSpec, TinyTransformer
 from hicache.engine.runner import reference_generate
-from hicache.server.loadgen import Workload, conversation_turn_tokens, run_load, system_prompt
-from hicache.server.run import running_server
+from hicache.server.loadgen import Workload, conversation_turn_tokens, system_prompt
 
 Answers = dict[tuple[int, int], list[int]]
 
@@ -57,16 +55,11 @@ async def one_run(config: HiCacheConfig, w: Workload, ref: Answers, device_token
     cfg = demo_config(config, w, salt=salt)
     if device_tokens:
         cfg = cfg.model_copy(update={"device": cfg.device.model_copy(update={"size_tokens": device_tokens})})
-    async with running_server(cfg, mode="hicache") as srv:
-        cached = await run_load(srv.url, w, run_tag=f"{salt}-cached")
-        waits = srv.state.metrics.memory_retries
-    check = _compare(_answers(cached), ref)
-    failed = _failures("cached", cached)
-    if cfg.storage.backend is not None:
-        async with running_server(cfg, mode="hicache") as srv:
-            restart = await run_load(srv.url, replace(w, first_turn_only=True, warmup=False), run_tag=f"{salt}-restart")
-        check = check + _compare(_answers(restart), {k: v for k, v in ref.items() if k[1] == 0})
-        failed += _failures("restart", restart)
+    runs = await run_cached_phases(cfg, w, salt)
+    cached = runs.cached
+    check = runs.check(ref)
+    failed = runs.failures()
+    waits = cached["memory_retries"]
     return {
         "device_tokens": cfg.device.size_tokens,
         "answers_compared": check.compared,
