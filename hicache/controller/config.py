@@ -30,6 +30,10 @@ class ControllerConfig:
         instead of growing without limit.
     storage_max_retries, storage_retry_base_s, storage_retry_max_s: a failed storage write is
         retried with exponential backoff, then reported as failed (never as written).
+    storage_batch_pages: pages per storage write call.
+    storage_hop_bytes: storage writes queued together (several small jobs, or the batches of
+        one) go to the storage I/O thread in one hand-off, up to this many bytes (at least one
+        batch, at most 16): each hand-off costs the loop two thread wake-ups.
     storage_io_timeout_s: one storage call that takes longer counts as failed.
     storage_stall_s: a storage call still unanswered after this long marks the store down
         (see :mod:`hicache.controller.health`); 0 leaves it to ``storage_io_timeout_s``.
@@ -56,6 +60,7 @@ class ControllerConfig:
     load_back_threshold: int = 0
     storage_queue_size: int = 4096
     storage_batch_pages: int = 64
+    storage_hop_bytes: int = 64 << 20
     storage_max_retries: int = 3
     storage_retry_base_s: float = 0.05
     storage_retry_max_s: float = 2.0
@@ -97,7 +102,7 @@ class ControllerConfig:
             "storage_max_retries", "storage_retry_base_s", "storage_retry_max_s", "prefetch_threshold",
             "prefetch_timeout_base_s", "prefetch_timeout_per_ki_token_s", "prefetch_timeout_max_s",
             "cancelled_io_grace_s", "close_timeout_s", "storage_io_timeout_s", "load_back_threshold",
-            "io_thread_nice", "storage_stall_s", "storage_probe_base_s", "storage_probe_max_s",
+            "io_thread_nice", "storage_hop_bytes", "storage_stall_s", "storage_probe_base_s", "storage_probe_max_s",
         )
         for name in non_negative:
             if getattr(self, name) < 0:

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
+import numpy as np
 import torch
 
 __all__ = [
@@ -95,15 +96,17 @@ def malformed_pages(host_indices: torch.Tensor, num_keys: int, page_size: int) -
     """
     if num_keys == 0:
         return []
-    grid = host_indices.detach().reshape(num_keys, page_size)
-    if grid.device.type != "cpu":
-        grid = grid.cpu()
-    grid = grid.to(torch.int64)
-    bad = grid[:, 0] < 0
-    if page_size > 1:
-        step = torch.arange(page_size, dtype=torch.int64)
-        bad |= ~(grid - grid[:, :1] == step).all(dim=1)
-    return bad.nonzero().reshape(-1).tolist()
+    flat = host_indices.detach().reshape(-1)
+    if flat.device.type != "cpu":
+        flat = flat.cpu()
+    arr = flat.numpy().astype(np.int64, copy=False)
+    if page_size == 1:
+        return np.flatnonzero(arr < 0).tolist()
+    if arr[0] >= 0 and int(arr[-1]) - int(arr[0]) == arr.size - 1 and bool((arr[1:] > arr[:-1]).all()):
+        return []  # one run of consecutive indices (a backup of one node): every page is one
+    grid = arr.reshape(num_keys, page_size)
+    bad = (grid[:, 0] < 0) | ~(grid - grid[:, :1] == np.arange(page_size)).all(axis=1)
+    return np.flatnonzero(bad).tolist()
 
 
 def _live_view(pool: Any, index: int) -> torch.Tensor | None:
@@ -116,8 +119,23 @@ def _live_view(pool: Any, index: int) -> torch.Tensor | None:
     return view
 
 
+def _live_views(pool: Any, starts: Sequence[int]) -> list[memoryview] | None:
+    """Byte views of all pages in one call, when the pool offers ``page_views`` (ours, for
+    ``page_first``) and accepts every index; ``None``: ask page by page."""
+    views_fn = getattr(pool, "page_views", None)
+    if views_fn is None:
+        return None
+    try:
+        return views_fn(starts)
+    except Exception:  # noqa: BLE001 - a bad index: the page-by-page path fails only that page
+        return None
+
+
 def write_sources(pool: Any, starts: Sequence[int]) -> list[memoryview | None]:
     """Byte views of each page to write; ``None`` for a page the pool cannot produce."""
+    views = _live_views(pool, starts)
+    if views is not None:
+        return list(views)
     out: list[memoryview | None] = []
     for index in starts:
         try:
@@ -149,6 +167,9 @@ def read_targets(pool: Any, starts: Sequence[int]) -> list[ReadTarget | None]:
     one shared scratch tensor (fine for a read-then-commit loop) would otherwise have every page
     of the batch read into the same bytes and commit the last page's payload under every key.
     """
+    views = _live_views(pool, starts)
+    if views is not None:
+        return [ReadTarget(index, view, None) for index, view in zip(starts, views)]
     out: list[ReadTarget | None] = []
     staged: set[int] = set()
     for index in starts:

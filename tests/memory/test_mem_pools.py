@@ -137,6 +137,17 @@ def test_page_protocol_semantics(layout):
         assert (host.get_data_page(8).view(torch.uint8) == 0).all()
     else:
         assert view is None
+    views = host.page_views([8, 0, 8])  # a storage batch asks for all its pages at once
+    if layout == "page_first":
+        assert views is not None and [len(v) for v in views] == [host.page_nbytes] * 3
+        assert bytes(views[0]) == host.page_view(8).numpy().tobytes()
+        views[1][:] = b"\x07" * host.page_nbytes  # live, like page_view
+        assert (host.get_data_page(0).view(torch.uint8) == 7).all()
+        for bad in ([5], [16], [-4], [0, 3]):  # not a page start, out of range
+            with pytest.raises(IndexError):
+                host.page_views(bad)
+    else:
+        assert views is None
 
 
 def test_storage_signature_is_layout_independent_and_feeds_namespace():

@@ -1,0 +1,176 @@
+"""Storage writes queued together reach the storage I/O thread in one hand-off (a *hop*).
+
+Each hand-off costs the server's loop two thread wake-ups, so the storage worker sends every
+queued job that fits in one hop's budget (their deletions and batches in order) in one call.
+What must not change with it: each job's pages land in order and are acknowledged only as far
+as they landed, a job whose batch fails is retried on its own without holding the others
+back, a call that raises is held against the store's health, and a job too large for a hop is
+still written batch by batch.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import pytest
+
+from _hicache_faults import FaultyStorage
+from hicache.controller import ControllerConfig
+from hicache.controller.jobs import StorageWriteJob
+from hicache.stack import StackConfig, build_stack
+
+PS = 4
+
+
+def make(**controller: Any) -> tuple[Any, FaultyStorage]:
+    store = FaultyStorage(store_id=f"hops-{uuid.uuid4()}")
+    cfg = StackConfig(page_size=PS, device_pages=16, host_pages=64, storage_backend=None,
+                      controller=ControllerConfig(storage_retry_base_s=0.001, **controller))
+    return build_stack(cfg, storage=store), store
+
+
+def count_hops(controller: Any) -> list[int]:
+    """Count the controller's calls onto its storage I/O thread."""
+    hops = [0]
+    run = controller._io.run
+
+    async def counting(coro: Any) -> Any:
+        hops[0] += 1
+        return await run(coro)
+
+    controller._io.run = counting
+    return hops
+
+
+def submit(stack: Any, jobs: int, pages: int, tag: str, done: list[int], **extra: Any) -> list[list[str]]:
+    keys = [[f"{tag}-{j}-{p}" for p in range(pages)] for j in range(jobs)]
+    for ks in keys:
+        host = stack.host_pool.alloc(pages * PS)
+        assert host is not None
+        job = StorageWriteJob(keys=ks, host_indices=host, prior_key=None, on_done=done.append, **extra)
+        assert stack.controller.submit_storage_write(job)
+    return keys
+
+
+def stored(store: FaultyStorage) -> set[str]:
+    return {key for _, key, _ in store.medium.pages}
+
+
+@pytest.fixture
+async def opened() -> Any:
+    made: list[Any] = []
+
+    async def open_(**controller: Any) -> tuple[Any, FaultyStorage, list[int]]:
+        stack, store = make(**controller)
+        await stack.controller.open_storage()
+        made.append(stack)
+        return stack, store, count_hops(stack.controller)
+
+    yield open_
+    for stack in made:
+        await stack.aclose()
+
+
+async def test_jobs_queued_together_take_one_hop(opened: Any) -> None:
+    stack, store, hops = await opened()
+    done: list[int] = []
+    keys = submit(stack, jobs=10, pages=2, tag="a", done=done)
+    await stack.controller.drain()
+    assert done == [2] * 10
+    assert stored(store) == {k for ks in keys for k in ks}
+    assert hops[0] == 1 and store.write_calls == 10  # one call per job, one hand-off for all
+    c = stack.controller.metrics.counters
+    assert c["storage_write_retries"] == 0 and c["storage_write_failures"] == 0
+    assert stack.controller.health.up
+
+
+async def test_a_job_whose_write_fails_is_retried_alone(opened: Any) -> None:
+    stack, store, hops = await opened()
+    store.fail_writes = 1  # the first job's call stores nothing
+    done: list[int] = []
+    keys = submit(stack, jobs=5, pages=2, tag="b", done=done)
+    await stack.controller.drain()
+    assert done == [2] * 5
+    assert stored(store) == {k for ks in keys for k in ks}
+    assert stack.controller.metrics.counters["storage_write_retries"] == 1
+    assert hops[0] == 2  # the hop, then the first job's retry
+
+
+async def test_a_raising_call_fails_only_its_job_and_counts_against_health(opened: Any) -> None:
+    stack, store, hops = await opened()
+    real = store.batch_set_v2
+    raised: list[int] = []
+
+    async def flaky(transfers: Any, info: Any = None) -> Any:
+        if not raised:
+            raised.append(1)
+            raise RuntimeError("injected: the call itself raised")
+        return await real(transfers, info)
+
+    store.batch_set_v2 = flaky  # type: ignore[method-assign]
+    done: list[int] = []
+    keys = submit(stack, jobs=4, pages=1, tag="c", done=done)
+    await stack.controller.drain()
+    assert done == [1] * 4
+    assert stored(store) == {k for ks in keys for k in ks}
+    assert stack.controller.metrics.counters["storage_write_retries"] == 1
+    # the raise counted once against the store, then the next call's success cleared it
+    assert stack.controller.health.up
+
+
+async def test_a_failed_batch_stops_its_job_at_the_last_page_that_landed(opened: Any) -> None:
+    stack, store, hops = await opened(storage_batch_pages=2, storage_max_retries=0)
+    real_write = store._write
+    calls: list[int] = []
+
+    async def second_call_fails(pages: Any, buffers: Any, parents: Any) -> Any:
+        calls.append(len(pages))
+        if len(calls) == 2:  # the job's second batch stores nothing
+            return [False] * len(pages)
+        return await real_write(pages, buffers, parents)
+
+    store._write = second_call_fails  # type: ignore[method-assign]
+    done: list[int] = []
+    keys = submit(stack, jobs=1, pages=6, tag="d", done=done)
+    await stack.controller.drain()
+    assert done == [2]  # pages after a missing one cannot be found: not acknowledged
+    assert stored(store) == set(keys[0][:2])
+    assert calls == [2, 2]  # the third batch was never sent
+    assert stack.controller.metrics.counters["storage_write_failures"] == 4
+
+
+async def test_a_job_larger_than_a_hop_is_written_batch_by_batch(opened: Any) -> None:
+    stack, store, hops = await opened(storage_batch_pages=2, storage_hop_bytes=0)
+    done: list[int] = []
+    keys = submit(stack, jobs=1, pages=5, tag="e", done=done)
+    await stack.controller.drain()
+    assert done == [5]
+    assert stored(store) == set(keys[0])
+    assert hops[0] == 3 and store.write_calls == 3  # 2 + 2 + 1 pages, one hand-off each
+
+
+async def test_deletions_ride_in_the_hop_ahead_of_their_write(opened: Any) -> None:
+    stack, store, hops = await opened()
+    done: list[int] = []
+    old = submit(stack, jobs=1, pages=2, tag="old", done=done)[0]
+    await stack.controller.drain()
+    new = submit(stack, jobs=2, pages=1, tag="new", done=done, delete_first=old + ["never-written"])
+    await stack.controller.drain()
+    assert done == [2, 1, 1]
+    assert stored(store) == {k for ks in new for k in ks}
+    c = stack.controller.metrics.counters
+    assert c["storage_deleted_pages"] == 2  # the second job found them gone already
+    assert c["storage_delete_missed_pages"] == 4
+    assert hops[0] == 2
+
+
+async def test_a_store_marked_down_skips_every_queued_job_and_counts_it(opened: Any) -> None:
+    stack, store, hops = await opened()
+    stack.controller.health.trip("test: the store is down")
+    done: list[int] = []
+    submit(stack, jobs=3, pages=2, tag="f", done=done)
+    await stack.controller.drain()
+    assert done == [0, 0, 0]
+    assert stack.controller.metrics.counters["storage_write_skipped_unhealthy"] == 6
+    assert hops[0] == 0 and not stored(store)
