@@ -57,6 +57,15 @@ def stored(store: FaultyStorage) -> set[str]:
     return {key for _, key, _ in store.medium.pages}
 
 
+async def write_all(stack: Any, store: FaultyStorage, jobs: int, pages: int, tag: str) -> None:
+    """Queue ``jobs`` jobs at once, drain, and check every page landed and was acknowledged."""
+    done: list[int] = []
+    keys = submit(stack, jobs=jobs, pages=pages, tag=tag, done=done)
+    await stack.controller.drain()
+    assert done == [pages] * jobs
+    assert stored(store) == {k for ks in keys for k in ks}
+
+
 @pytest.fixture
 async def opened() -> Any:
     made: list[Any] = []
@@ -74,11 +83,7 @@ async def opened() -> Any:
 
 async def test_jobs_queued_together_take_one_hop(opened: Any) -> None:
     stack, store, hops = await opened()
-    done: list[int] = []
-    keys = submit(stack, jobs=10, pages=2, tag="a", done=done)
-    await stack.controller.drain()
-    assert done == [2] * 10
-    assert stored(store) == {k for ks in keys for k in ks}
+    await write_all(stack, store, jobs=10, pages=2, tag="a")
     assert hops[0] == 1 and store.write_calls == 10  # one call per job, one hand-off for all
     c = stack.controller.metrics.counters
     assert c["storage_write_retries"] == 0 and c["storage_write_failures"] == 0
@@ -88,11 +93,7 @@ async def test_jobs_queued_together_take_one_hop(opened: Any) -> None:
 async def test_a_job_whose_write_fails_is_retried_alone(opened: Any) -> None:
     stack, store, hops = await opened()
     store.fail_writes = 1  # the first job's call stores nothing
-    done: list[int] = []
-    keys = submit(stack, jobs=5, pages=2, tag="b", done=done)
-    await stack.controller.drain()
-    assert done == [2] * 5
-    assert stored(store) == {k for ks in keys for k in ks}
+    await write_all(stack, store, jobs=5, pages=2, tag="b")
     assert stack.controller.metrics.counters["storage_write_retries"] == 1
     assert hops[0] == 2  # the hop, then the first job's retry
 
@@ -109,11 +110,7 @@ async def test_a_raising_call_fails_only_its_job_and_counts_against_health(opene
         return await real(transfers, info)
 
     store.batch_set_v2 = flaky  # type: ignore[method-assign]
-    done: list[int] = []
-    keys = submit(stack, jobs=4, pages=1, tag="c", done=done)
-    await stack.controller.drain()
-    assert done == [1] * 4
-    assert stored(store) == {k for ks in keys for k in ks}
+    await write_all(stack, store, jobs=4, pages=1, tag="c")
     assert stack.controller.metrics.counters["storage_write_retries"] == 1
     # the raise counted once against the store, then the next call's success cleared it
     assert stack.controller.health.up
