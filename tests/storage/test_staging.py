@@ -85,11 +85,54 @@ async def test_round_trip_over_many_chunks_reuses_staging(tmp_path: Path) -> Non
             assert await _get(store, dst, 2, n) == [True] * n
             for i in range(n):
                 assert dst.page_bytes((i + 2) * PAGE) == src.page_bytes(i * PAGE), i
-        # one dummy page per batch to learn the staging shape, not one per page
-        assert dst.dummies == 2
+        # one dummy page per pool to learn the staging shape, not one per batch or page
+        assert dst.dummies == 1
         assert 0 < store._staging.idle_bytes <= store._staging.max_bytes
     finally:
         await store.aclose()
+
+
+async def test_each_pool_object_is_asked_its_staging_shape(tmp_path: Path) -> None:
+    """The staging shape is remembered per pool object: a new pool, even one at the same
+    address after the old one is gone, is asked again; a pool of another page size read
+    afterwards gets staging pages of its own size."""
+    n = 4
+    store, src = await _written(tmp_path, n, 5)
+    try:
+        first = CountingPool(16, PAGE, ELEMS)
+        assert await _get(store, first, 0, n) == [True] * n
+        second = CountingPool(16, PAGE, ELEMS)
+        assert await _get(store, second, 0, n) == [True] * n
+        assert (first.dummies, second.dummies) == (1, 1)
+        del first, second
+        for _ in range(3):  # new pools, possibly at a freed address: each asked once
+            pool = CountingPool(16, PAGE, ELEMS)
+            assert await _get(store, pool, 0, n) == [True] * n
+            assert pool.dummies == 1
+            for i in range(n):
+                assert pool.page_bytes(i * PAGE) == src.page_bytes(i * PAGE), i
+            del pool
+        wider = CountingPool(16, PAGE, 2 * ELEMS)  # its pages are twice as long: no stored page fits
+        assert await _get(store, wider, 0, n) == [False] * n
+        assert wider.dummies == 1 and wider.commits == []
+    finally:
+        await store.aclose()
+
+
+def test_arena_remembers_shapes_by_identity_not_by_value() -> None:
+    arena = staging.StagingArena()
+    pool = CountingPool(4, PAGE, ELEMS)
+    like = pool.get_dummy_flat_data_page()
+    arena.remember_like(pool, like)
+    known = arena.known_like(pool)
+    assert known is not None and known.shape == like.shape and known.dtype == like.dtype
+    assert known.device.type == "meta"  # the shape only: no page of memory kept per pool
+    assert arena.known_like(CountingPool(4, PAGE, ELEMS)) is None
+    arena.remember_like(("not", "weakly", "referenceable"), like)  # skipped, not an error
+    assert arena.known_like(("not", "weakly", "referenceable")) is None
+    for _ in range(2 * arena.MAX_POOLS):  # bounded whatever the number of pools seen
+        arena.remember_like(CountingPool(1, PAGE, ELEMS), like)
+    assert len(arena._likes) <= arena.MAX_POOLS
 
 
 async def test_a_corrupt_page_never_reaches_the_pool(tmp_path: Path) -> None:
