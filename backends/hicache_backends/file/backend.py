@@ -140,7 +140,8 @@ class FileStorage(AsyncHiCacheStorage):
         fsync: fsync each page and its folder before a write reports success (default off:
             a crash then loses recent pages, but never exposes a torn one).
         io_threads: threads doing page I/O (default 4); a batch is split into at most this
-            many chunks, which bounds its concurrency.
+            many chunks, which bounds its concurrency (a batch of staged seed-protocol reads:
+            at most cores + 1, see :func:`~hicache.storage.io_threads.copy_threads`).
         skip_existing: do not rewrite a page already stored with the same size (default on:
             keys are chained content hashes within a namespace, as in SGLang's HiCacheFile,
             so the bytes would be the same). Turn off for overwrite semantics.
