@@ -60,3 +60,45 @@ async def test_a_raising_call_fails_the_batch_after_every_thread_stopped(tmp_pat
             await store._run_chunked(call, [(i,) for i in range(24)], BIG)
         assert running == 0 and most > 1  # nothing of the batch still runs once it raised
         assert await store._run_chunked(call, [(5,), (6,)], BIG) == [5, 6]  # the threads live on
+
+
+async def test_staged_reads_run_on_at_most_cores_plus_one_threads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Seed-protocol pages are copied into their pool on the I/O threads: CPU work that more
+    threads than cores only slow down, so such a batch runs on ``copy_threads`` threads (here
+    one usable core: 2), while the store keeps its 4 threads for other batches."""
+    import torch
+
+    from hicache.storage import PoolTransfer, io_threads
+    from hicache.testing import ArrayHostPool
+
+    running = most = 0
+    lock = threading.Lock()
+
+    class SlowCommitPool(ArrayHostPool):
+        def set_from_flat_data_page(self, index: int, data_page: torch.Tensor) -> None:
+            nonlocal running, most
+            with lock:
+                running += 1
+                most = max(most, running)
+            try:
+                time.sleep(0.005)  # long enough that every thread of the batch overlaps
+                super().set_from_flat_data_page(index, data_page)
+            finally:
+                with lock:
+                    running -= 1
+
+    monkeypatch.setattr(io_threads, "usable_cores", lambda: 1)
+    n = 24
+    src = ArrayHostPool(n, 4, 64 << 10, direct=False)  # 512 KiB pages: a batch worth 4 threads
+    src.fill_random(3)
+    dst = SlowCommitPool(n, 4, 64 << 10, direct=False)
+    keys = [f"p{i}" for i in range(n)]
+    async with _store(tmp_path) as store:
+        store.register_mem_host_pool_v2(src, "kv")
+        assert (await store.batch_set_v2([PoolTransfer("kv", host_indices=src.indices(0, n), keys=keys)]))["kv"] == [True] * n
+        store.register_mem_host_pool_v2(dst, "kv")
+        got = await store.batch_get_v2([PoolTransfer("kv", host_indices=dst.indices(0, n), keys=keys)])
+        assert got["kv"] == [True] * n
+        assert store.io_threads == 4 and 1 <= most <= 2
+    for i in range(n):
+        assert dst.page_bytes(i * 4) == src.page_bytes(i * 4)

@@ -54,3 +54,19 @@ async def test_the_file_backend_moves_pages_on_torch_serial_threads(tmp_path: Pa
         counts = await asyncio.gather(*(loop.run_in_executor(store._executor, torch.get_num_threads) for _ in range(8)))
         assert set(counts) == {1}
     assert torch.get_num_threads() >= 2
+
+
+def test_copy_threads_is_the_usable_cores_plus_one_within_the_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    from hicache.storage import io_threads
+
+    monkeypatch.setattr(io_threads.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    assert io_threads.usable_cores() == 2
+    assert [io_threads.copy_threads(n) for n in (1, 2, 3, 4, 16)] == [1, 2, 3, 3, 3]
+    assert io_threads.copy_threads(0) == 1
+
+    def no_affinity(pid: int) -> set[int]:
+        raise OSError("not here")
+
+    monkeypatch.setattr(io_threads.os, "sched_getaffinity", no_affinity, raising=False)
+    monkeypatch.setattr(io_threads.os, "cpu_count", lambda: None)
+    assert io_threads.usable_cores() == 1 and io_threads.copy_threads(8) == 2

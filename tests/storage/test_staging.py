@@ -7,6 +7,7 @@ few pages spans several of them.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -85,11 +86,54 @@ async def test_round_trip_over_many_chunks_reuses_staging(tmp_path: Path) -> Non
             assert await _get(store, dst, 2, n) == [True] * n
             for i in range(n):
                 assert dst.page_bytes((i + 2) * PAGE) == src.page_bytes(i * PAGE), i
-        # one dummy page per batch to learn the staging shape, not one per page
-        assert dst.dummies == 2
+        # one dummy page per pool to learn the staging shape, not one per batch or page
+        assert dst.dummies == 1
         assert 0 < store._staging.idle_bytes <= store._staging.max_bytes
     finally:
         await store.aclose()
+
+
+async def test_each_pool_object_is_asked_its_staging_shape(tmp_path: Path) -> None:
+    """The staging shape is remembered per pool object: a new pool, even one at the same
+    address after the old one is gone, is asked again; a pool of another page size read
+    afterwards gets staging pages of its own size."""
+    n = 4
+    store, src = await _written(tmp_path, n, 5)
+    try:
+        first = CountingPool(16, PAGE, ELEMS)
+        assert await _get(store, first, 0, n) == [True] * n
+        second = CountingPool(16, PAGE, ELEMS)
+        assert await _get(store, second, 0, n) == [True] * n
+        assert (first.dummies, second.dummies) == (1, 1)
+        del first, second
+        for _ in range(3):  # new pools, possibly at a freed address: each asked once
+            pool = CountingPool(16, PAGE, ELEMS)
+            assert await _get(store, pool, 0, n) == [True] * n
+            assert pool.dummies == 1
+            for i in range(n):
+                assert pool.page_bytes(i * PAGE) == src.page_bytes(i * PAGE), i
+            del pool
+        wider = CountingPool(16, PAGE, 2 * ELEMS)  # its pages are twice as long: no stored page fits
+        assert await _get(store, wider, 0, n) == [False] * n
+        assert wider.dummies == 1 and wider.commits == []
+    finally:
+        await store.aclose()
+
+
+def test_arena_remembers_shapes_by_identity_not_by_value() -> None:
+    arena = staging.StagingArena()
+    pool = CountingPool(4, PAGE, ELEMS)
+    like = pool.get_dummy_flat_data_page()
+    arena.remember_like(pool, like)
+    known = arena.known_like(pool)
+    assert known is not None and known.shape == like.shape and known.dtype == like.dtype
+    assert known.device.type == "meta"  # the shape only: no page of memory kept per pool
+    assert arena.known_like(CountingPool(4, PAGE, ELEMS)) is None
+    arena.remember_like(("not", "weakly", "referenceable"), like)  # skipped, not an error
+    assert arena.known_like(("not", "weakly", "referenceable")) is None
+    for _ in range(2 * arena.MAX_POOLS):  # bounded whatever the number of pools seen
+        arena.remember_like(CountingPool(1, PAGE, ELEMS), like)
+    assert len(arena._likes) <= arena.MAX_POOLS
 
 
 async def test_a_corrupt_page_never_reaches_the_pool(tmp_path: Path) -> None:
@@ -113,6 +157,63 @@ async def test_a_corrupt_page_never_reaches_the_pool(tmp_path: Path) -> None:
         for i in range(n):
             if i != bad:
                 assert dst.page_bytes(i * PAGE) == src.page_bytes(i * PAGE), i
+    finally:
+        await store.aclose()
+
+
+class RelocatingPool:
+    """A pool like SGLang's unified host pool: ``get_data_page`` hands out live views of a
+    page's current physical slot, valid only until the pool moves pages (here: on every
+    commit, the next logical page is moved to the spare slot, contents and all). Writing
+    into a view handed out earlier would put a page's bytes into another page's memory, so
+    storage must move read pages in through ``set_from_flat_data_page`` only."""
+
+    def __init__(self, pages: int) -> None:
+        self.page_size = PAGE
+        self.physical = torch.zeros(pages + 1, PAGE * ELEMS, dtype=torch.float16)
+        self.where = list(range(pages))  # logical page -> physical slot; slot ``pages`` is spare
+        self.spare = pages
+        self.moves = 0
+        self._lock = threading.Lock()  # commits come from several I/O threads
+
+    def indices(self, first_page: int, num_pages: int) -> torch.Tensor:
+        return torch.arange(first_page * PAGE, (first_page + num_pages) * PAGE, dtype=torch.int64)
+
+    def get_data_page(self, index: int, flat: bool = True) -> torch.Tensor:
+        return self.physical[self.where[index // PAGE]]  # a live view, as the unified pool's
+
+    def get_dummy_flat_data_page(self) -> torch.Tensor:
+        return torch.zeros(PAGE * ELEMS, dtype=torch.float16)
+
+    def set_from_flat_data_page(self, index: int, data_page: torch.Tensor) -> None:
+        with self._lock:
+            self.physical[self.where[index // PAGE]].copy_(data_page.reshape(-1))
+            move = (index // PAGE + 1) % len(self.where)  # compaction: another page changes slot
+            self.physical[self.spare].copy_(self.physical[self.where[move]])
+            self.where[move], self.spare = self.spare, self.where[move]
+            self.moves += 1
+
+    def logical_bytes(self, page: int) -> bytes:
+        return self.physical[self.where[page]].view(torch.uint8).numpy().tobytes()
+
+
+async def test_pages_of_a_pool_whose_views_move_land_in_their_own_pages(tmp_path: Path) -> None:
+    """Reads never write into ``get_data_page`` views (they may stop being the page's memory
+    before the read ends); a corrupt page is a miss and its page keeps its old bytes."""
+    n = 6
+    store, src = await _written(tmp_path, n, 6)
+    try:
+        victim = sorted(tmp_path.rglob("*.page"))[2]
+        data = bytearray(victim.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        victim.write_bytes(bytes(data))
+        dst = RelocatingPool(n)
+        dst.physical.fill_(3.0)
+        before = [dst.logical_bytes(i) for i in range(n)]
+        got = await _get(store, dst, 0, n)
+        assert sum(got) == n - 1 and dst.moves == n - 1
+        for i in range(n):
+            assert dst.logical_bytes(i) == (src.page_bytes(i * PAGE) if got[i] else before[i]), i
     finally:
         await store.aclose()
 

@@ -40,7 +40,7 @@ from hicache.keys import Namespace
 from hicache.observability.tier_events import ChangeKind, Tier
 from hicache.storage import AsyncHiCacheStorage, HiCacheStorageConfig, PageCodec, PageKey
 from hicache.storage.changes import report_cleared
-from hicache.storage.io_threads import io_executor
+from hicache.storage.io_threads import copy_threads, io_executor
 from hicache.storage.offload import run_to_completion
 from hicache.storage.segments import PageSegments
 from hicache.storage.staging import PoolPage, StagedPage
@@ -140,7 +140,8 @@ class FileStorage(AsyncHiCacheStorage):
         fsync: fsync each page and its folder before a write reports success (default off:
             a crash then loses recent pages, but never exposes a torn one).
         io_threads: threads doing page I/O (default 4); a batch is split into at most this
-            many chunks, which bounds its concurrency.
+            many chunks, which bounds its concurrency (a batch of staged seed-protocol reads:
+            at most cores + 1, see :func:`~hicache.storage.io_threads.copy_threads`).
         skip_existing: do not rewrite a page already stored with the same size (default on:
             keys are chained content hashes within a namespace, as in SGLang's HiCacheFile,
             so the bytes would be the same). Turn off for overwrite semantics.
@@ -325,7 +326,8 @@ class FileStorage(AsyncHiCacheStorage):
         return await run_to_completion(fn, *args, executor=self._executor)
 
     async def _run_chunked(
-        self, fn: Callable[..., T], calls: Sequence[tuple[Any, ...]], nbytes: int = 0, per_call: int = 0
+        self, fn: Callable[..., T], calls: Sequence[tuple[Any, ...]], nbytes: int = 0, per_call: int = 0,
+        threads: int | None = None,
     ) -> list[T]:
         """Run ``fn(*args)`` for each call on the I/O threads; results come back in call order.
 
@@ -334,16 +336,17 @@ class FileStorage(AsyncHiCacheStorage):
         a hop to a thread costs tens of microseconds, more than a stat of a missing file, so a
         batch goes to one thread unless its bytes (``nbytes``) plus a per-call cost
         (``per_call``, bytes-equivalent: opening, creating and renaming files cost more than
-        they move) add up to a share per thread.
+        they move) add up to a share per thread; ``threads`` lowers the cap below ``io_threads``.
         A cancelled caller waits for the threads (see :meth:`_run_chunked_to_end`).
         """
-        results, cancelled = await self._run_chunked_to_end(fn, calls, nbytes, per_call)
+        results, cancelled = await self._run_chunked_to_end(fn, calls, nbytes, per_call, threads)
         if cancelled:
             raise asyncio.CancelledError
         return results  # type: ignore[return-value]
 
     async def _run_chunked_to_end(
-        self, fn: Callable[..., T], calls: Sequence[tuple[Any, ...]], nbytes: int = 0, per_call: int = 0
+        self, fn: Callable[..., T], calls: Sequence[tuple[Any, ...]], nbytes: int = 0, per_call: int = 0,
+        threads: int | None = None,
     ) -> tuple[list[T] | None, bool]:
         """:meth:`_run_chunked` that always lets the threads finish - they may be filling the
         caller's buffers (host-pool memory the caller reuses once we return) - and returns
@@ -353,7 +356,8 @@ class FileStorage(AsyncHiCacheStorage):
             return [], False
         assert self._executor is not None
         loop = asyncio.get_running_loop()
-        n = min(self.io_threads, len(calls), max(1, (nbytes + per_call * len(calls)) // _BYTES_PER_CHUNK))
+        cap = self.io_threads if threads is None else max(1, min(threads, self.io_threads))
+        n = min(cap, len(calls), max(1, (nbytes + per_call * len(calls)) // _BYTES_PER_CHUNK))
         shared = _SharedCalls(fn, calls)
         work = asyncio.gather(
             *(loop.run_in_executor(self._executor, shared.drain) for _ in range(n)),
@@ -652,10 +656,13 @@ class FileStorage(AsyncHiCacheStorage):
         calls = [
             (self._layout.path(pid), self._codec, p.key, p.pool, buf) for pid, p, buf in zip(ids, pages, buffers)
         ]
+        # staged pages are copied into their pool on these threads: CPU work, not I/O waits
+        staged = any(isinstance(b, StagedPage) for b in buffers)
         self._busy.update(ids)
         try:
             results = await self._run_chunked(
-                page_io.read_page_into, calls, sum(b.nbytes for b in buffers), _FILE_OP_COST
+                page_io.read_page_into, calls, sum(b.nbytes for b in buffers), _FILE_OP_COST,
+                threads=copy_threads(self.io_threads) if staged else None,
             )
         finally:
             self._busy.subtract(ids)
