@@ -32,6 +32,7 @@ already knows. Redirects are not followed (an S3 redirect means a misconfigured 
 from __future__ import annotations
 
 import asyncio
+import errno
 import inspect
 import logging
 import uuid
@@ -200,8 +201,8 @@ class DirectRequests:
         async with await self._send(route, bucket, key, headers) as resp:
             if resp.status >= 300:
                 await _raise_for(resp, route.operation)
-            if resp.status != 206 and start:  # a whole object where a part was asked for
-                raise OSError(f"S3 answered {resp.status} to a ranged GET of {bucket}/{key}")
+            if resp.status != 206 and (resp.status != 200 or start):  # 200: a whole object, fine from 0
+                raise OSError(errno.EIO, f"S3 answered {resp.status} to a ranged GET of {bucket}/{key}")
             total = 0
             content = resp.content
             while True:
