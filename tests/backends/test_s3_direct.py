@@ -288,9 +288,12 @@ def _prepared(url: str, **headers: str) -> AWSRequest:
 
 def test_route_from_a_prepared_request() -> None:
     r = _route_from("PutObject", _prepared("https://b.s3.eu-west-1.amazonaws.com/probe-1"), "probe-1")
-    assert r == Route("PutObject", "https://b.s3.eu-west-1.amazonaws.com/", "eu-west-1", "s3", "UNSIGNED-PAYLOAD")
+    assert r == Route("PutObject", "https://b.s3.eu-west-1.amazonaws.com/", "eu-west-1", "s3", "UNSIGNED-PAYLOAD",
+                      "b.s3.eu-west-1.amazonaws.com")
     anon = _route_from("GetObject", _prepared("http://h:9000/b/probe-1", Authorization=""), "probe-1")
-    assert anon.region is None and anon.prefix == "http://h:9000/b/"
+    assert anon.region is None and anon.prefix == "http://h:9000/b/" and anon.host == "h:9000"
+    v6 = _route_from("GetObject", _prepared("http://[::1]:80/b/probe-1"), "probe-1")
+    assert v6.host == "[::1]"  # the default port is not part of Host, as botocore signs it
 
 
 @pytest.mark.parametrize("url,headers", [
