@@ -198,6 +198,22 @@ async def test_concurrent_first_requests_learn_a_route_once(moto_endpoint: str, 
         assert found[0] is not None and all(f is found[0] for f in found) and not direct._learning
 
 
+async def test_a_new_client_is_learned_again(moto_endpoint: str, moto_bucket: str, prefix: str) -> None:
+    """s3fs replaces its client (``set_session(refresh=True)``): the old one is closed, so the
+    routes learned with it are dropped and learned again with the new one."""
+    keys = keys_for(3, salt=905)
+    async with make_s3(moto_endpoint, moto_bucket, prefix, NS_A) as store:
+        src = await write_pages(store, keys, seed=7)
+        fs = store._local.get().ops.fs
+        old = fs._s3
+        await fs.set_session(refresh=True)
+        await old.close()
+        assert fs._s3 is not old
+        got, dst = await read_pages(store, keys)
+        assert got == [True] * 3 and dst.buffer.equal(src.buffer)
+        assert store._local.get().ops.direct._clients[moto_bucket] is fs._s3
+
+
 # ---------------------------------------------------------------------- odd answers
 
 

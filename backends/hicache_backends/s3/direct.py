@@ -142,6 +142,7 @@ class DirectRequests:
         self._learning: dict[tuple[str, str], asyncio.Task[Route | None]] = {}
         self._clients: dict[str, Any] = {}  # bucket -> its botocore client (s3fs may keep one per region)
         self._signing_keys: dict[tuple[str, ...], bytes] = {}
+        self._client: Any = None  # the filesystem's client the routes were learned with
 
     # ------------------------------------------------------------------ routes
 
@@ -152,6 +153,10 @@ class DirectRequests:
     async def route(self, bucket: str, operation: str) -> Route | None:
         """How to send ``operation`` to ``bucket`` directly, or ``None``: use botocore. Learned
         once (concurrent first callers share one probe, a cancelled caller does not cancel it)."""
+        if self.fs._s3 is not self._client:  # s3fs made a new client (or closed it): learn again
+            self._client = self.fs._s3
+            self._routes.clear()
+            self._clients.clear()
         key = (bucket, operation)
         found = self._routes.get(key, _UNKNOWN)
         if found is not _UNKNOWN:
@@ -163,12 +168,15 @@ class DirectRequests:
 
     async def _learn_once(self, bucket: str, operation: str) -> Route | None:
         try:
+            await self.fs.set_session()
+            self._client = self.fs._s3
             found = await self._learn(bucket, operation)
         except Unsupported as exc:
             logger.debug("%s on %s goes through botocore: %s", operation, bucket, exc)
             found = None
         except Exception as exc:  # noqa: BLE001 - never fatal: botocore serves the bucket then
-            logger.debug("%s on %s goes through botocore: %s: %s", operation, bucket, type(exc).__name__, exc)
+            logger.info("%s on %s goes through botocore (learning its request shape failed: %s: %s)",
+                        operation, bucket, type(exc).__name__, exc)
             found = None
         self._routes[(bucket, operation)] = found
         self._learning.pop((bucket, operation), None)
@@ -177,7 +185,6 @@ class DirectRequests:
     async def _learn(self, bucket: str, operation: str) -> Route:
         if not self.usable():
             raise Unsupported("the filesystem adds request parameters (s3_additional_kwargs, requester pays)")
-        await self.fs.set_session()
         client = await self.fs.get_s3(bucket)
         http = getattr(getattr(client, "_endpoint", None), "http_session", None)
         if not callable(getattr(http, "_get_session", None)) or getattr(client, "_request_signer", None) is None:
