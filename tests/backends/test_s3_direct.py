@@ -285,6 +285,8 @@ async def test_an_odd_answer_is_a_clean_counted_miss(moto_endpoint: str, moto_bu
             assert all(stats.get(c, 0) > 0 for c in counters), {c: stats.get(c, 0) for c in counters}
             assert stats.get("backend_errors", 0) == 0  # every page's task ended cleanly
             assert routes(store)[{"GET": "GetObject", "PUT": "PutObject", "HEAD": "HeadObject"}[method]] is not None
+            # direct requests name the client as botocore's do
+            assert all("botocore" in h.get("User-Agent", "").lower() for _, _, h in proxy.seen)
             proxy.answer = None
             if case != "the page is gone on a GET":  # the pages in the bucket are intact
                 got, dst = await read_pages(store, keys)
@@ -305,7 +307,7 @@ def _prepared(url: str, **headers: str) -> AWSRequest:
 def test_route_from_a_prepared_request() -> None:
     r = _route_from("PutObject", _prepared("https://b.s3.eu-west-1.amazonaws.com/probe-1"), "probe-1")
     assert r == Route("PutObject", "https://b.s3.eu-west-1.amazonaws.com/", "eu-west-1", "s3", "UNSIGNED-PAYLOAD",
-                      "b.s3.eu-west-1.amazonaws.com")
+                      "b.s3.eu-west-1.amazonaws.com", "x")
     anon = _route_from("GetObject", _prepared("http://h:9000/b/probe-1", Authorization=""), "probe-1")
     assert anon.region is None and anon.prefix == "http://h:9000/b/" and anon.host == "h:9000"
     v6 = _route_from("GetObject", _prepared("http://[::1]:80/b/probe-1"), "probe-1")

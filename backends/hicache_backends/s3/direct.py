@@ -45,6 +45,7 @@ from botocore.auth import S3SigV4Auth
 from botocore.auth import _host_from_url  # what botocore signs as Host when none is given
 from botocore.awsrequest import AWSRequest
 from botocore.exceptions import ClientError
+from yarl import URL
 
 __all__ = ["DirectRequests", "Route"]
 
@@ -72,12 +73,14 @@ class Route:
     ``host`` is the ``Host`` header, signed and sent as given (as botocore derives it from the
     URL; deriving it per request was a quarter of signing)."""
 
+
     operation: str
     prefix: str
     region: str | None
     service: str
     content_sha256: str
     host: str = ""
+    user_agent: str = ""  # botocore's, so the service sees one client whichever path a request took
 
 
 class _Signer(S3SigV4Auth):
@@ -251,13 +254,13 @@ class DirectRequests:
                 sink(chunk)
 
     async def _send(self, route: Route, bucket: str, key: str, headers: dict[str, str], body: Any = None) -> Any:
-        from yarl import URL
-
         client = self._clients[bucket]
         url = route.prefix + quote(key, safe="/~")
         method = _OPERATIONS[route.operation]
         if route.host:
             headers["Host"] = route.host
+        if route.user_agent:
+            headers["User-Agent"] = route.user_agent
         if route.region is not None:
             credentials = client._request_signer._credentials
             frozen = credentials.get_frozen_credentials()
@@ -289,8 +292,11 @@ def _route_from(operation: str, request: Any, probe: str) -> Route:
         sha = sha.decode()
     auth = headers.get("authorization")
     host = _host_from_url(url)
+    agent = headers.get("user-agent", "")
+    if isinstance(agent, bytes):
+        agent = agent.decode()
     if auth is None:  # anonymous access: botocore sent it unsigned
-        return Route(operation, url[:at], None, "s3", sha, host)
+        return Route(operation, url[:at], None, "s3", sha, host, agent)
     if isinstance(auth, bytes):
         auth = auth.decode()
     if not auth.startswith("AWS4-HMAC-SHA256 Credential="):
@@ -300,7 +306,7 @@ def _route_from(operation: str, request: Any, probe: str) -> Route:
         raise Unsupported("an unexpected credential scope")
     if operation == "PutObject" and sha != UNSIGNED_PAYLOAD:
         raise Unsupported("payload signing is on (payload_signing_enabled)")  # hashing every body: botocore's job
-    return Route(operation, url[:at], scope[2], scope[3], sha, host)
+    return Route(operation, url[:at], scope[2], scope[3], sha, host, agent)
 
 
 async def _raise_for(resp: Any, operation: str) -> None:
