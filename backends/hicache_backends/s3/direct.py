@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote, urlsplit
 
+import aiohttp
 from botocore.auth import S3SigV4Auth
 from botocore.auth import _host_from_url  # what botocore signs as Host when none is given
 from botocore.awsrequest import AWSRequest
@@ -218,6 +219,15 @@ class DirectRequests:
         route = _route_from(operation, request, probe)
         if http._proxy_config.proxy_url_for(route.prefix):
             raise Unsupported("requests go through a proxy")
+        # what every request will use, tried once here: an aiobotocore whose internals differ
+        # fails now and leaves the bucket to botocore, instead of failing every request
+        session = await http._get_session(None)
+        if not isinstance(session, aiohttp.ClientSession):
+            raise Unsupported(f"the client's HTTP session is a {type(session).__name__}")
+        if route.region is not None:
+            frozen = client._request_signer._credentials.get_frozen_credentials()
+            if inspect.isawaitable(frozen):
+                await frozen
         self._clients[bucket] = client
         return route
 
