@@ -176,6 +176,16 @@ async def test_requests_botocore_must_shape_stay_with_botocore(moto_endpoint: st
         assert routes(sse) == {op: None for op in OPS}
         head = raw_client(moto_endpoint).head_object(Bucket=moto_bucket, Key=sse.names.page(keys[0], "kv").split("/", 1)[1])
         assert head["ServerSideEncryption"] == "AES256"
+        # damaged pages are rejected on this path too: torn, and one bit flipped
+        good = raw_get(moto_endpoint, sse.names.page(keys[0], "kv"))
+        assert good is not None
+        raw_put(moto_endpoint, sse.names.page(keys[0], "kv"), good[: len(good) // 2])
+        flipped = bytearray(raw_get(moto_endpoint, sse.names.page(keys[1], "kv")) or b"")
+        flipped[-1] ^= 0x80
+        raw_put(moto_endpoint, sse.names.page(keys[1], "kv"), bytes(flipped))
+        got, dst = await read_pages(sse, keys)
+        assert got == [False, False, True, True] and not dst.buffer[: 2 * PAGE].any()
+        assert sse.get_stats()["corrupt_pages"] == 2
     # payload signing asked for: PUTs hash their bodies through botocore, reads go direct
     signing = create_async_storage(
         "s3", None, url=f"s3://{moto_bucket}/{prefix}/signing", namespace=NS_A,

@@ -262,20 +262,12 @@ class S3ObjectOps(AsyncObjectOps):
         bucket, key, _ = self.fs.split_path(path)
         resp = await self.fs._call_s3("get_object", Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}")
         body = resp["Body"]
+        filler = ViewFiller(next_view)
+        total = 0
         try:
-            total = 0
-            view = next_view()
-            while view is not None:
-                got = 0
-                while got < len(view):
-                    n = await body.readinto(view[got:])
-                    if not n:
-                        return total + got  # the object is shorter
-                    got += n
-                total += got
-                view = next_view()
-            while extra := await body.read(1 << 16):  # a service sending more than asked
-                total += len(extra)
+            while chunk := await body.read(1 << 16):  # a service may send more than asked: counted
+                total += len(chunk)
+                filler.feed(chunk)
             return total
         finally:
             body.close()
