@@ -303,6 +303,38 @@ async def test_an_odd_answer_is_a_clean_counted_miss(moto_endpoint: str, moto_bu
                 assert got == [True] * 3 and dst.buffer.equal(src.buffer)
 
 
+async def test_a_chunked_body_is_read_whole(moto_endpoint: str, moto_bucket: str, prefix: str) -> None:
+    """A service (or proxy) that sends the page with chunked transfer encoding, each chunk's end
+    arriving after its bytes were read (aiohttp then reports an empty end-of-chunk, which is not
+    the end of the body): every chunk lands, the page is served."""
+    keys = keys_for(3, salt=906)
+    async with FaultProxy(moto_endpoint) as proxy:
+        async with make_s3(proxy.endpoint, moto_bucket, prefix, NS_A) as store:
+            src = await write_pages(store, keys, seed=8)
+
+            async def chunked(request: web.Request) -> web.StreamResponse | None:
+                if request.method != "GET" or "/pages/" not in request.path:
+                    return None
+                data = await asyncio.to_thread(raw_get, moto_endpoint, request.path.lstrip("/"))
+                assert data is not None and request.transport is not None
+                out = request.transport  # raw HTTP, to control when each chunk's end is sent
+                out.write(b"HTTP/1.1 206 Partial Content\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n")
+                half = len(data) // 2
+                for piece in (data[:half], data[half:]):
+                    out.write(b"%x\r\n" % len(piece) + piece)
+                    await asyncio.sleep(0.05)  # the client reads the bytes before the chunk's end
+                    out.write(b"\r\n")
+                    await asyncio.sleep(0.05)
+                out.write(b"0\r\n\r\n")
+                out.close()
+                raise asyncio.CancelledError  # answered by hand: the server writes nothing more
+
+            proxy.answer = chunked
+            got, dst = await read_pages(store, keys)
+            assert got == [True] * 3 and dst.buffer.equal(src.buffer)
+            assert routes(store)["GetObject"] is not None
+
+
 # ---------------------------------------------------------------------- pieces
 
 

@@ -257,11 +257,12 @@ class DirectRequests:
             total = 0
             content = resp.content
             while True:
-                chunk, _ = await content.readchunk()  # one buffered chunk, not a joined copy
-                if not chunk:
+                chunk, http_chunk_end = await content.readchunk()  # a buffered chunk, not a joined copy
+                if chunk:
+                    total += len(chunk)
+                    sink(chunk)
+                elif not http_chunk_end:  # (b"", True) only ends a chunk of a chunked body
                     return total
-                total += len(chunk)
-                sink(chunk)
 
     async def _send(self, route: Route, bucket: str, key: str, headers: dict[str, str], body: Any = None) -> Any:
         client = self._clients[bucket]
