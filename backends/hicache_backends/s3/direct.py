@@ -48,7 +48,7 @@ from botocore.awsrequest import AWSRequest
 from botocore.exceptions import ClientError
 from yarl import URL
 
-__all__ = ["DirectRequests", "Route"]
+__all__ = ["DirectRequests", "Route", "Unsupported"]
 
 logger = logging.getLogger("hicache.storage.s3")
 
