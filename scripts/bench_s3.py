@@ -6,7 +6,8 @@ them all in a rotated order so drift hits each alike:
 
 * ``hicache``     - ``batch_set_v2`` / ``batch_get_v2`` of the whole batch through our backend,
   with a host pool (pages written from and read straight into pool memory, header + checksum
-  verified on every read).
+  verified on every read; page requests signed with botocore's signer and sent on the s3fs
+  client's own session, ``backends/hicache_backends/s3/direct.py``).
 * ``s3fs_gather`` - plain s3fs: ``asyncio.gather`` of ``_pipe_file`` / ranged ``_cat_file``
   under a semaphore of the same concurrency, payloads ready as ``bytes``, no verification, no
   copy into a pool.

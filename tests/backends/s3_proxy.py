@@ -6,11 +6,16 @@ the HTTP level, where a flaky link or a failing service would put them:
 
 * ``flip_bits`` - flip one bit in the body of every successful GET of a page object (a link
   that corrupts data in transit; the object in the bucket stays intact);
-* ``outage`` - answer every request with 503 SlowDown (the service is unreachable).
+* ``outage`` - answer every request with 503 SlowDown (the service is unreachable);
+* ``answer`` - a coroutine that may answer a request itself (an odd or failing service: any
+  status, headers or body, a connection cut mid-body); ``None`` forwards it.
+
+``seen`` lists ``(method, path, headers)`` of every request, as it arrived.
 """
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
@@ -34,6 +39,8 @@ class FaultProxy:
         self.flip_bits = False
         self.outage = False
         self.flipped = 0
+        self.answer: Callable[[web.Request], Awaitable[web.StreamResponse | None]] | None = None
+        self.seen: list[tuple[str, str, dict[str, str]]] = []
         self.endpoint = ""
         self._runner: web.AppRunner | None = None
         self._session: aiohttp.ClientSession | None = None
@@ -57,6 +64,11 @@ class FaultProxy:
             await self._session.close()
 
     async def _forward(self, request: web.Request) -> web.StreamResponse:
+        self.seen.append((request.method, request.path, dict(request.headers)))
+        if self.answer is not None:
+            answered = await self.answer(request)
+            if answered is not None:
+                return answered
         if self.outage:
             return web.Response(status=503, text="<Error><Code>SlowDown</Code></Error>")
         assert self._session is not None

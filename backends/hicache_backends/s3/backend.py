@@ -12,10 +12,12 @@ design follows from three facts about object stores:
   (:mod:`.breaker`), and every batch is bounded by ``call_timeout`` as a whole - all in
   :mod:`.runner`. A background prober notices the service is back without a user request. A miss is the
   answer to every failure; nothing raises out of a primitive.
-* **A request's CPU is mostly botocore's**, so ours adds little per page: a write body is built
-  once in a reused buffer and sent with one socket write, unsigned (the page checksum guards
-  the bytes; :mod:`.bodies`); a read streams the payload straight into the pool page once the
-  header is this page's (no joined copy of the object), and hashes it after.
+* **Client CPU per request bounds a batch** once requests overlap, so a page's PUT, ranged GET
+  and HEAD skip botocore's per-request machinery, half of a request's CPU: they are signed with
+  botocore's SigV4 signer and sent on the s3fs client's own session (:mod:`.direct`). A write
+  body is built once in a reused buffer and sent with one socket write, unsigned (the page
+  checksum guards the bytes; :mod:`.bodies`); a read streams the payload straight into the pool
+  page once the header is this page's (no joined copy of the object), and hashes it after.
 * **Many writers share one bucket.** Pages use the same self-verifying format as the file
   backend (:class:`~hicache.storage.page_format.PageCodec`), checked on every read, so a torn,
   foreign or tampered object is a counted miss, never returned bytes. Objects are named by a
