@@ -27,11 +27,13 @@ from hicache.replay.trace import BLOCK_TOKENS, find_trace, load_trace
 
 def replay(reqs: list[tuple[list[int], int]], host_cap: int, store_cap: int, *, oracle_admit: bool = False,
            belady_store: bool = False, leaf_store: bool = False, uses_first: bool = False,
-           long_prompt_tokens: int = 32768, tail_blocks: int = 4) -> tuple[float, int]:
+           long_prompt_tokens: int = 32768, tail_blocks: int = 4, tinylfu: int = 0) -> tuple[float, int]:
     """(token hit ratio, blocks written to storage) of the model. ``leaf_store``: storage
     evicts only blocks none of whose children it holds (the parent of a block is the block
     before it in a request), least recently used in any tier first; ``uses_first`` ranks
-    those by uses (1, 2+) before recency."""
+    those by uses (1, 2+) before recency. ``tinylfu``: TinyLFU's admission test at storage (a
+    block is written only if referenced more often than the LRU victim it would displace; counts
+    halved every ``tinylfu`` storage capacities of references)."""
     refs: dict[int, list[int]] = defaultdict(list)
     for i, (blocks, _) in enumerate(reqs):
         for b in blocks:
@@ -55,6 +57,8 @@ def replay(reqs: list[tuple[list[int], int]], host_cap: int, store_cap: int, *, 
     leaves: list[tuple[tuple[int, int], int]] = []  # (rank, block), stale entries skipped
     rank: dict[int, tuple[int, int]] = {}
     tick = 0
+    freq: dict[int, int] = defaultdict(int)  # references, aged (tinylfu)
+    since_aging = 0
 
     def ranked(b: int) -> None:
         rank[b] = (min(used[b], 2) if uses_first else 0, tick)
@@ -66,6 +70,12 @@ def replay(reqs: list[tuple[list[int], int]], host_cap: int, store_cap: int, *, 
         for j, b in enumerate(blocks):
             if j:
                 parent[b] = blocks[j - 1]
+            if tinylfu:
+                freq[b] += 1
+                since_aging += 1
+                if since_aging >= tinylfu * store_cap:
+                    since_aging = 0
+                    freq = defaultdict(int, {k: c // 2 for k, c in freq.items() if c > 1})
         for b in blocks:
             if b in backed or b in private or b in store:
                 matched += 1
@@ -108,6 +118,9 @@ def replay(reqs: list[tuple[list[int], int]], host_cap: int, store_cap: int, *, 
                 ghost[b] = None
                 while len(ghost) > 2 * (host_cap + store_cap):
                     ghost.popitem(last=False)
+                continue
+            if tinylfu and len(store) >= store_cap and freq[b] <= freq[next(iter(store))]:
+                ghost[b] = None  # not worth its victim: dropped as an unadmitted block
                 continue
             writes += 1
             store[b] = None
@@ -154,7 +167,8 @@ def main() -> None:
     for name, kw in (("as built (LRU storage)", {}), ("admission knows the future", {"oracle_admit": True}),
                      ("storage eviction knows the future (Belady)", {"belady_store": True}),
                      ("storage evicts leaves first, LRU (tiered)", {"leaf_store": True}),
-                     ("leaves first, used once before used more", {"leaf_store": True, "uses_first": True})):
+                     ("leaves first, used once before used more", {"leaf_store": True, "uses_first": True}),
+                     ("TinyLFU admission test at storage", {"tinylfu": 10})):
         ratio, writes = replay(reqs, args.host, args.storage, **kw)
         print(f"{name:<48}{ratio:>10.4f}{writes:>10}")
 

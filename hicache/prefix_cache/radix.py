@@ -311,7 +311,7 @@ class RadixCache(BasePrefixCache):
             if hit:
                 node.hit_count += 1
                 self._on_hit(node)
-        device_indices = cat_slots(values, self._empty())
+        device_indices = cat_slots(values, self._empty)
         return MatchResult(
             device_indices=device_indices,
             last_device_node=last_device,
@@ -440,7 +440,7 @@ class RadixCache(BasePrefixCache):
         key = RadixKey(tokens[:aligned], req.extra_key)
         result = self.insert(InsertParams(key=key, value=kv[:aligned], priority=req.priority))
         path = self._walk(key, aligned)
-        new_indices = cat_slots([p.value for p in path], self._empty())
+        new_indices = cat_slots([p.value for p in path], self._empty)
         self._free_duplicates(kv, protected, aligned, result, new_indices)
         new_last = path[-1] if path else self.root_node
         if new_indices.numel() > protected:
@@ -448,7 +448,7 @@ class RadixCache(BasePrefixCache):
         if req.last_node is not None:
             self.dec_lock_ref(req.last_node)
         self.inc_lock_ref(new_last)
-        req.prefix_indices = cat_slots([new_indices, row[new_indices.numel() : n]], self._empty())
+        req.prefix_indices = cat_slots([new_indices, row[new_indices.numel() : n]], self._empty)
         req.cache_protected_len = int(new_indices.numel())
         req.last_node = new_last
 
@@ -480,7 +480,7 @@ class RadixCache(BasePrefixCache):
             values.append(node.value)
             node = node.parent
         values.reverse()
-        return cat_slots(values, self._empty())
+        return cat_slots(values, self._empty)
 
     # ------------------------------------------------------------------ locks
 
