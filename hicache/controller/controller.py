@@ -76,6 +76,8 @@ _PROBE_KEY = "hicache-health-probe"
 _OPS = {"exists": "exists", "read": "get", "write": "set"}
 #: storage write jobs the worker takes at once (see HiCacheController._write_jobs)
 _HOP_MAX_JOBS = 64
+#: a hop job's deletions that were not sent (the hop ended first)
+_UNTRIED = object()
 
 
 @dataclasses.dataclass(eq=False)
@@ -92,8 +94,11 @@ class _HopResult:
     """What one job's part of a hop did: its deletions' flags (``None``: the call failed) and,
     per batch sent, the call's result or exception and its seconds."""
 
-    deleted: list[bool] | None = None
+    deleted: Any = None  # _UNTRIED until the deletions' call ended
     batches: list[tuple[Any, float]] = dataclasses.field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.deleted = _UNTRIED
 
 
 class ControllerState(enum.Enum):
@@ -528,27 +533,30 @@ class HiCacheController:
             while pages < self._hop_pages and len(jobs) < _HOP_MAX_JOBS and not q.empty():
                 jobs.append(q.get_nowait())
                 pages += len(jobs[-1].keys)
-            self._storage_busy = jobs
-            written = [0] * len(jobs)
+            self._storage_busy = list(jobs)
             t0 = time.perf_counter()
             try:
                 with tracing.span("hicache.backup.storage") as span:
                     span.set_attribute("hicache.pages", pages)
                     span.set_attribute("hicache.jobs", len(jobs))
-                    written = await self._write_jobs(jobs)
+                    await self._write_jobs(jobs, t0)
             except asyncio.CancelledError:
-                raise  # the jobs stay in _storage_busy; aclose reports them unwritten
+                raise  # the jobs not finished stay in _storage_busy; aclose reports them unwritten
             except Exception:  # noqa: BLE001
                 self.metrics.incr("worker_errors")
                 logger.exception("storage write of %d job(s) failed unexpectedly", len(jobs))
-            if self._storage_busy:
-                self._storage_busy = []
-                elapsed = time.perf_counter() - t0
-                for job, n in zip(jobs, written):
-                    if n:
-                        self.metrics.observe("backup", "storage", elapsed)
-                    call_back(job.on_done, n)
-                    q.task_done()
+            for job in list(self._storage_busy):  # what a failure above left unfinished
+                self._finish(job, 0, t0)
+
+    def _finish(self, job: StorageWriteJob, written: int, t0: float) -> None:
+        """``job`` is over with ``written`` leading pages: acknowledged at once (its nodes wait
+        for it: host eviction, their children's writes), whatever the jobs taken with it do."""
+        assert self._storage_q is not None
+        self._storage_busy.remove(job)
+        if written:
+            self.metrics.observe("backup", "storage", time.perf_counter() - t0)
+        call_back(job.on_done, written)
+        self._storage_q.task_done()
 
     @property
     def _hop_pages(self) -> int:
@@ -558,17 +566,23 @@ class HiCacheController:
         by_bytes = self.config.storage_hop_bytes // self.page_nbytes if self.page_nbytes else batch
         return max(batch, min(by_bytes, 16 * batch))
 
-    async def _write_jobs(self, jobs: list[StorageWriteJob]) -> list[int]:
-        """Write ``jobs``; returns the leading pages written of each.
+    async def _write_jobs(self, jobs: list[StorageWriteJob], t0: float) -> None:
+        """Write ``jobs``, acknowledging each as soon as it is over (:meth:`_finish`).
 
         Why hops: each storage call crosses to the I/O thread and back, two thread wake-ups
         that cost the server's loop ~0.2 ms however small the call (most of the loop's share
         of a write of a few small pages). So the jobs that fit in :attr:`_hop_pages` go in one
-        call, every batch of each and their deletions in order (:meth:`_hop`). A job whose
-        batch did not fully land, and a job past the budget, continue through
+        call, every batch of each and their deletions in order (:meth:`_hop`); the stall and
+        timeout limits count from the end of the hop's last inner call, as for a call of its
+        own. What landed counts even when the hop is cut short (timeout, store down). A job
+        whose batch did not fully land, and a job past the budget, continue through
         :meth:`_write_job` (one call per batch, with retries), as every job did before.
         """
-        done = [0] * len(jobs)
+        if not self.health.up:
+            self.metrics.incr("storage_write_skipped_unhealthy", sum(len(job.keys) for job in jobs))
+            for job in jobs:
+                self._finish(job, 0, t0)
+            return
         budget = self._hop_pages
         hop: list[tuple[StorageWriteJob, list[_Batch]]] = []
         for job in jobs:
@@ -576,19 +590,19 @@ class HiCacheController:
                 break
             budget -= len(job.keys)
             hop.append((job, self._batches(job)))
-        if not self.health.up:
-            self.metrics.incr("storage_write_skipped_unhealthy", sum(len(job.keys) for job in jobs))
-            return done
-        results: list[_HopResult] | None = None
+        results: list[_HopResult] = []
         if hop:
-            results = await self._storage_call(self._hop(hop), "write")
+            progress = [time.monotonic()]
+            await self._storage_call(self._hop(hop, results, progress), "write", progress)
+        retry: list[tuple[StorageWriteJob, int, bool]] = []  # (job, pages done, deletions pending)
         for i, (job, batches) in enumerate(hop):
-            result = results[i] if results is not None else None
-            if result is None:  # the hop gave no answer: whatever it did, nothing counts
-                self._count_deleted(len(job.delete_first), None)
-                done[i] = await self._write_job(job, attempt=1)
+            if i >= len(results):  # the hop ended before this job: never tried
+                retry.append((job, 0, True))
                 continue
-            self._count_deleted(len(job.delete_first), result.deleted)
+            result = results[i]
+            if result.deleted is not _UNTRIED:
+                self._count_deleted(len(job.delete_first), result.deleted)  # type: ignore[arg-type]
+            done = 0
             for batch, (outcome, seconds) in zip(batches, result.batches):
                 if isinstance(outcome, BaseException):
                     self._hop_failed(outcome)
@@ -596,14 +610,18 @@ class HiCacheController:
                 ok = leading_run(all_pools_ok(outcome, batch.pages))
                 if ok:
                     self.metrics.transfer("h2s", ok, ok * self.page_nbytes, seconds)
-                    done[i] += ok
+                    done += ok
                 if ok < batch.pages:
                     break
-            if done[i] < len(job.keys):
-                done[i] = await self._write_job(job, done=done[i], attempt=1)
-        for i in range(len(hop), len(jobs)):
-            done[i] = await self._write_job(jobs[i], delete=True)
-        return done
+            if done == len(job.keys):
+                self._finish(job, done, t0)
+            else:
+                retry.append((job, done, result.deleted is _UNTRIED))
+        for job, done, deletions in retry:
+            tried = done > 0 or not deletions
+            self._finish(job, await self._write_job(job, done=done, attempt=int(tried), delete=deletions), t0)
+        for job in jobs[len(hop):]:
+            self._finish(job, await self._write_job(job, delete=True), t0)
 
     def _batches(self, job: StorageWriteJob) -> list[_Batch]:
         """``job``'s storage calls: ``storage_batch_pages`` pages each, chained by key."""
@@ -624,33 +642,39 @@ class HiCacheController:
             transfers.append(slice_transfer(extra, first, n))
         return _Batch(transfers, HiCacheStorageExtraInfo(prefix_keys=[prior] if prior else None), n)
 
-    async def _hop(self, hop: list[tuple[StorageWriteJob, list[_Batch]]]) -> list[_HopResult]:
+    async def _hop(self, hop: list[tuple[StorageWriteJob, list[_Batch]]], out: list[_HopResult],
+                   progress: list[float]) -> None:
         """Runs on the I/O loop: each job's deletions, then its batches in order, stopping the
         job at its first batch that does not fully land (a page after a missing one cannot be
-        found by a prefix lookup). A raising call ends only its own job."""
+        found by a prefix lookup). A raising call ends only its own job. Results go into
+        ``out`` as each call ends (the caller reads what landed even if the hop is cut short),
+        and ``progress[0]`` takes the time each call ended (the caller's stall clock)."""
         assert self.storage is not None
         storage = self.storage
-        out: list[_HopResult] = []
         clock = time.perf_counter
         for job, batches in hop:
             result = _HopResult()
+            out.append(result)
             if job.delete_first:
                 try:
                     result.deleted = await storage.batch_delete(job.delete_first)
                 except Exception:  # noqa: BLE001 - a failed delete never blocks the write
                     result.deleted = None
+                progress[0] = time.monotonic()
+            else:
+                result.deleted = None
             for batch in batches:
                 t0 = clock()
                 try:
                     outcome: Any = await storage.batch_set_v2(batch.transfers, batch.info)
                 except Exception as exc:  # noqa: BLE001 - reported on the loop (_hop_failed)
                     result.batches.append((exc, clock() - t0))
+                    progress[0] = time.monotonic()
                     break
                 result.batches.append((outcome, clock() - t0))
+                progress[0] = time.monotonic()
                 if leading_run(all_pools_ok(outcome, batch.pages)) < batch.pages:
                     break
-            out.append(result)
-        return out
 
     def _hop_failed(self, exc: BaseException) -> None:
         """A write inside a hop raised: logged and held against the store's health, as
@@ -753,7 +777,8 @@ class HiCacheController:
             return await coro
         return await self._io.run(coro)
 
-    async def _storage_call(self, coro: Coroutine[Any, Any, Any], what: str) -> Any:
+    async def _storage_call(self, coro: Coroutine[Any, Any, Any], what: str,
+                            progress: list[float] | None = None) -> Any:
         """Await a storage call under the health rules and the I/O timeout; ``None`` when it
         failed, timed out, was interrupted because the store went down, or was not made
         because the store is down.
@@ -779,19 +804,27 @@ class HiCacheController:
         call.add_done_callback(self._calls.discard)
         try:
             stall = cfg.storage_stall_s if 0 < cfg.storage_stall_s < cfg.storage_io_timeout_s else 0.0
-            done: set[Any] = set()
-            if stall:
-                done, _ = await asyncio.wait({call}, timeout=stall)
-                if not done:
+            # a call that makes several calls inside (a hop) reports each one's end in
+            # progress[0]: the stall and the timeout count from there, each inner call gets
+            # the time a call of its own would
+            since = progress if progress is not None else [time.monotonic()]
+            stalled = False
+            while not call.done():
+                limit = stall if stall and not stalled else cfg.storage_io_timeout_s
+                left = since[0] + limit - time.monotonic()
+                if left > 0:
+                    await asyncio.wait({call}, timeout=left)
+                    continue
+                if limit == stall:
+                    stalled = True
                     self.metrics.incr("storage_stalls")
                     self.health.trip(f"a storage {what} gave no answer within {stall:.1f} s")
-            if not done and not call.done():
-                done, _ = await asyncio.wait({call}, timeout=cfg.storage_io_timeout_s - stall)
-            if not done and not call.done():
+                    continue
                 self.metrics.incr("storage_timeouts")
                 logger.warning("storage %s timed out after %.1f s", what, cfg.storage_io_timeout_s)
                 self.health.trip(f"a storage {what} timed out after {cfg.storage_io_timeout_s:.1f} s")
                 call.cancel()
+                break
         except asyncio.CancelledError:
             call.cancel()
             await self._outlast(call, what)

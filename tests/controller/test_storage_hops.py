@@ -5,11 +5,14 @@ queued job that fits in one hop's budget (their deletions and batches in order) 
 What must not change with it: each job's pages land in order and are acknowledged only as far
 as they landed, a job whose batch fails is retried on its own without holding the others
 back, a call that raises is held against the store's health, and a job too large for a hop is
-still written batch by batch.
+still written batch by batch. And what a hop adds must not cost anything: each call inside it
+gets the stall limit a call of its own would, what landed before a hop was cut short counts,
+and a finished job is acknowledged without waiting for another job's retries.
 """
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from typing import Any
 
@@ -26,7 +29,7 @@ PS = 4
 def make(**controller: Any) -> tuple[Any, FaultyStorage]:
     store = FaultyStorage(store_id=f"hops-{uuid.uuid4()}")
     cfg = StackConfig(page_size=PS, device_pages=16, host_pages=64, storage_backend=None,
-                      controller=ControllerConfig(storage_retry_base_s=0.001, **controller))
+                      controller=ControllerConfig(**{"storage_retry_base_s": 0.001, **controller}))
     return build_stack(cfg, storage=store), store
 
 
@@ -171,3 +174,53 @@ async def test_a_store_marked_down_skips_every_queued_job_and_counts_it(opened: 
     assert done == [0, 0, 0]
     assert stack.controller.metrics.counters["storage_write_skipped_unhealthy"] == 6
     assert hops[0] == 0 and not stored(store)
+
+
+async def test_a_hop_of_slow_calls_gets_the_stall_limit_per_call(opened: Any) -> None:
+    # ten writes of 0.1 s each: the hop takes 1 s, every call well within a 0.5 s stall limit
+    stack, store, hops = await opened(storage_stall_s=0.5, storage_io_timeout_s=5.0)
+    store.delay = 0.1
+    await write_all(stack, store, jobs=10, pages=1, tag="slow")
+    assert hops[0] == 1
+    assert stack.controller.health.up and stack.controller.metrics.counters["storage_stalls"] == 0
+
+
+async def test_a_hop_cut_short_keeps_what_landed(opened: Any) -> None:
+    stack, store, hops = await opened(storage_stall_s=0.3, storage_io_timeout_s=0.6)
+    real_write = store._write
+    calls: list[int] = []
+
+    async def third_call_hangs(pages: Any, buffers: Any, parents: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 3:
+            await asyncio.sleep(30)  # cancelled by the timeout
+        return await real_write(pages, buffers, parents)
+
+    store._write = third_call_hangs  # type: ignore[method-assign]
+    done: list[int] = []
+    keys = submit(stack, jobs=4, pages=1, tag="cut", done=done)
+    await stack.controller.drain()
+    c = stack.controller.metrics.counters
+    assert c["storage_stalls"] == 1 and not stack.controller.health.up  # the hung call was cut
+    assert done == [1, 1, 0, 0]  # the two writes that landed count; the rest skipped, counted
+    assert stored(store) == set(keys[0] + keys[1])
+    assert c["storage_write_skipped_unhealthy"] == 2
+
+
+async def test_a_finished_job_is_acknowledged_while_another_retries(opened: Any) -> None:
+    stack, store, hops = await opened(storage_retry_base_s=0.5, storage_max_retries=1)
+    store.fail_writes = 1  # the first job's call fails; its retry waits 0.5 s
+    loop = asyncio.get_running_loop()
+    when: dict[str, float] = {}
+
+    def done_at(tag: str) -> Any:
+        return lambda n: when.setdefault(tag, loop.time())
+
+    t0 = loop.time()
+    for tag in ("bad", "good"):
+        host = stack.host_pool.alloc(PS)
+        assert stack.controller.submit_storage_write(
+            StorageWriteJob(keys=[f"{tag}-0"], host_indices=host, prior_key=None, on_done=done_at(tag)))
+    await stack.controller.drain()
+    assert when["good"] - t0 < 0.4 <= when["bad"] - t0
+    assert stored(store) == {"bad-0", "good-0"}
