@@ -199,7 +199,7 @@ class DirectRequests:
         except Exception as exc:  # noqa: BLE001 - never fatal: botocore serves the bucket meanwhile
             logger.info("%s on %s goes through botocore for %.0f s (learning its request shape failed: %s: %s)",
                         operation, bucket, self.learn_backoff, type(exc).__name__, exc)
-            if client is not None and client is self.fs._s3:
+            if client is self.fs._s3:  # (None too: set_session itself failed)
                 self._follow_client()
                 self._retry_at[key] = asyncio.get_running_loop().time() + self.learn_backoff
             return None
