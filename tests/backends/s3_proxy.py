@@ -73,7 +73,8 @@ class FaultProxy:
             return web.Response(status=503, text="<Error><Code>SlowDown</Code></Error>")
         assert self._session is not None
         body = await request.read()
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
+        # a request's Content-Encoding (botocore's aws-chunked uploads) describes its body, not the hop
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP or k.lower() == "content-encoding"}
         async with self._session.request(
             request.method, self.upstream + request.path_qs, headers=headers, data=body, allow_redirects=False
         ) as upstream:
@@ -85,4 +86,6 @@ class FaultProxy:
             flipped[len(flipped) // 2] ^= 0x10
             data = bytes(flipped)
             self.flipped += 1
+        if request.method == "HEAD" and "Content-Length" in upstream.headers:  # the object's size, no body
+            return web.Response(status=status, headers={**out, "Content-Length": upstream.headers["Content-Length"]})
         return web.Response(status=status, body=data, headers=out)

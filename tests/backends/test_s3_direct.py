@@ -12,8 +12,10 @@ import urllib.request
 import uuid
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator
+from types import SimpleNamespace
 from typing import Any
 
+import aiohttp
 import pytest
 from aiohttp import web
 from botocore.awsrequest import AWSRequest
@@ -253,7 +255,7 @@ ODD: dict[str, tuple[str, Callable[[FaultProxy, web.Request], Awaitable[web.Stre
     "500 with a body that is not XML": ("GET", lambda p, r: _ret(web.Response(status=500, text="<html>oops")), "read", ("transient_errors", "retries")),
     "503 SlowDown on a PUT": ("PUT", lambda p, r: _ret(_xml(503, "SlowDown")), "write", ("throttled", "retries")),
     "403 to a HEAD (no body)": ("HEAD", lambda p, r: _ret(web.Response(status=403)), "exists", ("permanent_errors",)),
-    "a redirect (not followed)": ("GET", lambda p, r: _ret(web.Response(status=307, headers={"Location": p.upstream + r.path})), "read", ("permanent_errors",)),
+    "a redirect (botocore takes the bucket, meets it too)": ("GET", lambda p, r: _ret(web.Response(status=307, headers={"Location": p.upstream + r.path})), "read", ("permanent_errors",)),
     "the bucket is gone on a PUT": ("PUT", lambda p, r: _ret(_xml(404, "NoSuchBucket")), "write", ("permanent_errors",)),
     "the page is gone on a GET": ("GET", lambda p, r: _ret(_xml(404, "NoSuchKey")), "read", ("stale_hits",)),
     "half the page, then the end": ("GET", _truncated, "read", ("transit_errors",)),
@@ -294,7 +296,8 @@ async def test_an_odd_answer_is_a_clean_counted_miss(moto_endpoint: str, moto_bu
             stats = store.get_stats()
             assert all(stats.get(c, 0) > 0 for c in counters), {c: stats.get(c, 0) for c in counters}
             assert stats.get("backend_errors", 0) == 0  # every page's task ended cleanly
-            assert routes(store)[{"GET": "GetObject", "PUT": "PutObject", "HEAD": "HeadObject"}[method]] is not None
+            route = routes(store)[{"GET": "GetObject", "PUT": "PutObject", "HEAD": "HeadObject"}[method]]
+            assert (route is None) == case.startswith("a redirect")  # a redirect hands the bucket to botocore
             # direct requests name the client as botocore's do
             assert all("botocore" in h.get("User-Agent", "").lower() for _, _, h in proxy.seen)
             proxy.answer = None
@@ -391,3 +394,153 @@ def test_view_filler_spreads_chunks_and_drops_the_rest() -> None:
     filler.feed(b"cdefghij")
     filler.feed(b"k")
     assert bytes(a) == b"abc" and bytes(b) == b"defg" and len(asked) == 3
+
+
+# ---------------------------------------------------------------------- another region, client changes
+
+
+def _direct(headers: dict[str, str]) -> bool:
+    """Whether a request came on the direct path (botocore's carry an invocation id)."""
+    return not any(h.lower() == "amz-sdk-invocation-id" for h in headers)
+
+
+WRONG_REGION = {
+    "301 PermanentRedirect": lambda: _xml(301, "PermanentRedirect"),
+    "400 AuthorizationHeaderMalformed": lambda: _xml(400, "AuthorizationHeaderMalformed"),
+    "403 naming the bucket's region": lambda: _xml(403, "AccessDenied"),
+}
+
+
+@pytest.mark.parametrize("case", list(WRONG_REGION))
+async def test_a_bucket_in_another_region_goes_to_botocore(
+    moto_endpoint: str, moto_bucket: str, prefix: str, case: str
+) -> None:
+    """The route was learned for us-east-1 (the probe is never sent, so botocore's region
+    redirector never saw the bucket); the bucket answers direct requests as one in eu-west-1
+    would. This request and every later one of the bucket go through botocore, and land."""
+    keys = keys_for(4, salt=907)
+    async with FaultProxy(moto_endpoint) as proxy:
+        store = make_s3(proxy.endpoint, moto_bucket, prefix, NS_A, **{**FAST, "breaker_threshold": 100})
+        async with store:
+            direct_seen: list[str] = []
+
+            async def elsewhere(request: web.Request) -> web.StreamResponse | None:
+                if "/pages/" not in request.path or not _direct(dict(request.headers)):
+                    return None
+                direct_seen.append(request.method)
+                answer = WRONG_REGION[case]()
+                answer.headers["x-amz-bucket-region"] = "eu-west-1"
+                return answer
+
+            proxy.answer = elsewhere
+            calls = count_botocore_calls(store)
+            src = await write_pages(store, keys, seed=10)
+            assert routes(store) == {op: None for op in OPS}  # the bucket is botocore's now
+            assert 1 <= len(direct_seen) <= len(keys) and calls["put_object"] >= len(keys)
+            before = len(direct_seen)
+            store.exists_cache.clear()
+            assert await store.exists_pages(keys) == [True] * 4
+            got, dst = await read_pages(store, keys)
+            assert got == [True] * 4 and dst.buffer.equal(src.buffer)
+            assert len(direct_seen) == before  # later requests never tried the direct path again
+            assert calls["head_object"] >= 1 and calls["get_object"] >= 1
+            stats = store.get_stats()
+            assert stats.get("permanent_errors", 0) == 0 and stats.get("backend_errors", 0) == 0
+
+
+async def test_a_learning_that_outlives_its_client_is_dropped(moto_endpoint: str, moto_bucket: str, prefix: str) -> None:
+    """A route learned with a client s3fs replaced (and closed) meanwhile is never stored: later
+    requests use the new client's session, not the closed one."""
+    keys = keys_for(3, salt=908)
+    async with make_s3(moto_endpoint, moto_bucket, prefix, NS_A) as store:
+        src = await write_pages(store, keys, seed=11)
+        ops = store._local.get().ops
+        direct, fs = ops.direct, ops.fs
+        direct._routes.clear()
+        gate, reached = asyncio.Event(), asyncio.Event()
+        real = direct._learn
+
+        async def slow(bucket: str, operation: str) -> Any:
+            got = await real(bucket, operation)
+            reached.set()
+            await gate.wait()
+            return got
+
+        direct._learn = slow
+        first = asyncio.create_task(direct.route(moto_bucket, "GetObject"))
+        await reached.wait()
+        old = fs._s3
+        await fs.set_session(refresh=True)
+        await old.close()
+        direct._learn = real
+        fresh = await direct.route(moto_bucket, "GetObject")  # not the old learning's task
+        gate.set()
+        await first
+        assert fresh is not None and direct._routes[(moto_bucket, "GetObject")] is fresh
+        assert direct._clients[moto_bucket] is fs._s3 and not direct._learning
+        got, dst = await read_pages(store, keys)
+        assert got == [True] * 3 and dst.buffer.equal(src.buffer)
+        assert store.get_stats().get("transient_errors", 0) == 0
+
+
+async def test_a_cancelled_or_failed_learning_is_tried_again(moto_endpoint: str, moto_bucket: str, prefix: str) -> None:
+    async with make_s3(moto_endpoint, moto_bucket, prefix, NS_A) as store:
+        direct = store._local.get().ops.direct
+        await direct.route(moto_bucket, "HeadObject")  # the client exists
+        direct._routes.clear()
+        real = direct._learn
+        key = (moto_bucket, "HeadObject")
+
+        async def never(bucket: str, operation: str) -> Any:
+            await asyncio.Event().wait()
+
+        direct._learn = never
+        waiting = asyncio.create_task(direct.route(*key))
+        await asyncio.sleep(0.01)
+        direct._learning[key].cancel()
+        assert await waiting is None  # this request goes through botocore
+        assert key not in direct._learning and key not in direct._routes
+
+        async def failing(bucket: str, operation: str) -> Any:
+            raise OSError("network is unreachable")
+
+        direct._learn = failing
+        assert await direct.route(*key) is None
+        assert key not in direct._routes  # not pinned to botocore for good
+        direct._learn = real
+        assert await direct.route(*key) is None  # within the backoff: botocore, no new probe
+        direct._retry_at[key] = 0.0  # the backoff is over
+        assert await direct.route(*key) is not None
+
+
+async def test_a_closed_session_sends_through_botocore_and_relearns(
+    moto_endpoint: str, moto_bucket: str, prefix: str
+) -> None:
+    """A route whose client's session was closed (s3fs closed the client under it): the request
+    goes through botocore, and the route is learned again with the client s3fs has now."""
+    keys = keys_for(3, salt=909)
+    async with make_s3(moto_endpoint, moto_bucket, prefix, NS_A) as store:
+        src = await write_pages(store, keys, seed=12)
+        ops = store._local.get().ops
+        direct = ops.direct
+        assert await direct.route(moto_bucket, "GetObject") is not None  # learned before the swap below
+        live = direct._clients[moto_bucket]
+        closed = aiohttp.ClientSession()
+        await closed.close()
+
+        async def closed_session(*_: Any) -> aiohttp.ClientSession:
+            return closed
+
+        http = SimpleNamespace(_get_session=closed_session)
+        direct._clients[moto_bucket] = SimpleNamespace(
+            _request_signer=live._request_signer, _endpoint=SimpleNamespace(http_session=http)
+        )
+        calls = count_botocore_calls(store)
+        got, dst = await read_pages(store, keys)
+        assert got == [True] * 3 and dst.buffer.equal(src.buffer)
+        assert calls["get_object"] >= 1  # served by botocore
+        assert direct._clients.get(moto_bucket) is live  # learned again, with the live client
+        before = calls["get_object"]
+        got, dst = await read_pages(store, keys)
+        assert got == [True] * 3 and routes(store)["GetObject"] is not None
+        assert calls["get_object"] == before

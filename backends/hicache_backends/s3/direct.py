@@ -26,7 +26,12 @@ Answers are mapped as s3fs maps them: an error status becomes botocore's ``Clien
 and message from the XML body, or the status for a bodiless answer, as botocore does) translated
 by ``s3fs.errors.translate_boto_error``, so retries, misses and error messages do not depend on
 which path a request took; connection errors and timeouts are aiohttp's, which the retry policy
-already knows. Redirects are not followed (an S3 redirect means a misconfigured region: an error).
+already knows. Redirects are not followed: a redirect-type answer (301, 307, a 400
+``AuthorizationHeaderMalformed`` / ``PermanentRedirect`` / ``IllegalLocationConstraintException``,
+an ``x-amz-bucket-region`` other than the route's) means the bucket lives in another region than
+the one the route was learned with (the probe is never sent, so botocore's region redirector never
+saw it): the bucket's routes are dropped and the request raises :class:`UseBotocore`, whose
+redirector then sends it, and every later one, to the right region.
 """
 
 from __future__ import annotations
@@ -48,7 +53,7 @@ from botocore.awsrequest import AWSRequest
 from botocore.exceptions import ClientError
 from yarl import URL
 
-__all__ = ["DirectRequests", "Route", "Unsupported"]
+__all__ = ["DirectRequests", "Route", "Unsupported", "UseBotocore"]
 
 logger = logging.getLogger("hicache.storage.s3")
 
@@ -64,6 +69,10 @@ _KNOWN_HEADERS = frozenset({
     "amz-sdk-invocation-id", "amz-sdk-request", "content-length", "range", "expect", "host",
 })
 _OPERATIONS = {"PutObject": "PUT", "GetObject": "GET", "HeadObject": "HEAD"}
+#: error codes S3 answers a request signed for (or sent to) the wrong region with
+_REDIRECT_CODES = frozenset({"AuthorizationHeaderMalformed", "PermanentRedirect", "IllegalLocationConstraintException"})
+#: seconds before a bucket whose learning failed (credentials, network) is learned again
+LEARN_BACKOFF = 10.0
 _UNKNOWN = object()
 
 
@@ -102,6 +111,12 @@ class Unsupported(Exception):
     """This bucket's requests of one operation have a shape :mod:`.direct` does not reproduce."""
 
 
+class UseBotocore(Exception):
+    """Send this request through botocore: the direct path cannot (the bucket is in another
+    region, the client's session is closed). Raised before any byte reached the caller; the
+    bucket's routes are already dropped, so later requests do not come here."""
+
+
 class _Captured(Exception):
     """Raised from the ``before-send`` hook to stop botocore's probe request before it is sent."""
 
@@ -115,11 +130,15 @@ class DirectRequests:
 
     #: bodies from this size go to s3fs, which sends them as multipart uploads
     max_put = MAX_DIRECT_PUT
+    #: seconds a bucket stays with botocore after learning its route failed for a reason that
+    #: may pass (credentials, network); an :class:`Unsupported` shape stays with it for good
+    learn_backoff = LEARN_BACKOFF
 
     def __init__(self, fs: Any) -> None:
         self.fs = fs
         self._routes: dict[tuple[str, str], Route | None] = {}
         self._learning: dict[tuple[str, str], asyncio.Task[Route | None]] = {}
+        self._retry_at: dict[tuple[str, str], float] = {}  # loop time a failed learning may be retried
         self._clients: dict[str, Any] = {}  # bucket -> its botocore client (s3fs may keep one per region)
         self._client: Any = None  # the filesystem's client the routes were learned with
 
@@ -132,36 +151,71 @@ class DirectRequests:
     async def route(self, bucket: str, operation: str) -> Route | None:
         """How to send ``operation`` to ``bucket`` directly, or ``None``: use botocore. Learned
         once (concurrent first callers share one probe, a cancelled caller does not cancel it)."""
-        if self.fs._s3 is not self._client:  # s3fs made a new client (or closed it): learn again
-            self._client = self.fs._s3
-            self._routes.clear()
-            self._clients.clear()
+        self._follow_client()
         key = (bucket, operation)
         found = self._routes.get(key, _UNKNOWN)
         if found is not _UNKNOWN:
             return found  # type: ignore[return-value]
+        loop = asyncio.get_running_loop()
+        if self._retry_at.get(key, 0.0) > loop.time():
+            return None  # learning failed a moment ago: botocore until the backoff ends
         task = self._learning.get(key)
-        if task is None:
-            task = self._learning[key] = asyncio.get_running_loop().create_task(self._learn_once(bucket, operation))
-        return await asyncio.shield(task)
+        if task is None or task.done():  # done: cancelled (a finished one left the dict)
+            task = self._learning[key] = loop.create_task(self._learn_once(bucket, operation))
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if task.cancelled() and not (current is not None and current.cancelling()):
+                return None  # the learning was cancelled, not this caller: botocore serves it
+            raise
+
+    def _follow_client(self) -> None:
+        """s3fs made a new client (and closed the old one, with its session): forget all that
+        was learned with the old one, learnings under way included (their results are dropped)."""
+        if self.fs._s3 is not self._client:
+            self._client = self.fs._s3
+            self._routes.clear()
+            self._clients.clear()
+            self._learning.clear()
+            self._retry_at.clear()
+
+    def drop(self, bucket: str) -> None:
+        """Send ``bucket``'s requests through botocore from now on (until s3fs's client changes)."""
+        for operation in _OPERATIONS:
+            self._routes[(bucket, operation)] = None
 
     async def _learn_once(self, bucket: str, operation: str) -> Route | None:
+        key = (bucket, operation)
+        me = asyncio.current_task()
+        client: Any = None
         try:
             await self.fs.set_session()
-            self._client = self.fs._s3
-            found = await self._learn(bucket, operation)
+            client = self.fs._s3
+            found, bucket_client = await self._learn(bucket, operation)
         except Unsupported as exc:
             logger.debug("%s on %s goes through botocore: %s", operation, bucket, exc)
-            found = None
-        except Exception as exc:  # noqa: BLE001 - never fatal: botocore serves the bucket then
-            logger.info("%s on %s goes through botocore (learning its request shape failed: %s: %s)",
-                        operation, bucket, type(exc).__name__, exc)
-            found = None
-        self._routes[(bucket, operation)] = found
-        self._learning.pop((bucket, operation), None)
+            found, bucket_client = None, None
+        except Exception as exc:  # noqa: BLE001 - never fatal: botocore serves the bucket meanwhile
+            logger.info("%s on %s goes through botocore for %.0f s (learning its request shape failed: %s: %s)",
+                        operation, bucket, self.learn_backoff, type(exc).__name__, exc)
+            if client is self.fs._s3:  # (None too: set_session itself failed)
+                self._follow_client()
+                self._retry_at[key] = asyncio.get_running_loop().time() + self.learn_backoff
+            return None
+        finally:  # also when cancelled: a later route() must start afresh, not await this task
+            if self._learning.get(key) is me:
+                del self._learning[key]
+        if client is None or client is not self.fs._s3:
+            return None  # learned with a client s3fs has replaced (and closed) since: dropped
+        self._follow_client()  # the first learning: the client set_session just made
+        self._routes[key] = found
+        self._retry_at.pop(key, None)
+        if bucket_client is not None:
+            self._clients[bucket] = bucket_client
         return found
 
-    async def _learn(self, bucket: str, operation: str) -> Route:
+    async def _learn(self, bucket: str, operation: str) -> tuple[Route, Any]:
         if not self.usable():
             raise Unsupported("the filesystem adds request parameters (s3_additional_kwargs, requester pays)")
         client = await self.fs.get_s3(bucket)
@@ -203,21 +257,20 @@ class DirectRequests:
             frozen = client._request_signer._credentials.get_frozen_credentials()
             if inspect.isawaitable(frozen):
                 await frozen
-        self._clients[bucket] = client
-        return route
+        return route, client
 
     # ------------------------------------------------------------------ requests
 
     async def put(self, route: Route, bucket: str, key: str, body: bytes | bytearray) -> None:
         async with await self._send(route, bucket, key, {}, body) as resp:
             if resp.status >= 300:
-                await _raise_for(resp, route.operation)
+                await self._raise_for(resp, route, bucket)
 
     async def head(self, route: Route, bucket: str, key: str) -> dict[str, str]:
         """The object's headers (``FileNotFoundError`` if absent)."""
         async with await self._send(route, bucket, key, {}) as resp:
             if resp.status >= 300:
-                await _raise_for(resp, route.operation)
+                await self._raise_for(resp, route, bucket)
             return {k.lower(): v for k, v in resp.headers.items()}
 
     async def get_into(self, route: Route, bucket: str, key: str, start: int, end: int | None, sink: Any) -> int:
@@ -226,7 +279,7 @@ class DirectRequests:
         headers = {"Range": f"bytes={start}-{'' if end is None else end - 1}"}
         async with await self._send(route, bucket, key, headers) as resp:
             if resp.status >= 300:
-                await _raise_for(resp, route.operation)
+                await self._raise_for(resp, route, bucket)
             if resp.status != 206 and (resp.status != 200 or start):  # 200: a whole object, fine from 0
                 raise OSError(errno.EIO, f"S3 answered {resp.status} to a ranged GET of {bucket}/{key}")
             total = 0
@@ -257,7 +310,22 @@ class DirectRequests:
             headers = dict(request.headers.items())
         headers["Accept-Encoding"] = "identity"  # as aiobotocore: bytes as stored, never re-encoded
         session = await client._endpoint.http_session._get_session(None)
+        if session.closed:  # the client was closed under us: relearn with the one s3fs has now
+            self._client = _UNKNOWN  # route() forgets all it learned and learns again
+            raise UseBotocore(f"the HTTP session of {bucket}'s client is closed")
         return session.request(method, URL(url, encoded=True), headers=headers, data=body, allow_redirects=False)
+
+    async def _raise_for(self, resp: Any, route: Route, bucket: str) -> None:
+        """Raise what s3fs raises for this error answer (see the module docstring), or
+        :class:`UseBotocore` (with the bucket's routes dropped) for a redirect-type one."""
+        body = b"" if resp.method == "HEAD" else await resp.content.read(_MAX_ERROR_BODY)
+        code, message = _error_fields(body)
+        if _redirected(resp.status, code, resp.headers.get("x-amz-bucket-region"), route.region):
+            logger.info("bucket %s is not in %s, its requests' signing region (%s %s): botocore serves it",
+                        bucket, route.region, resp.status, code or resp.headers.get("x-amz-bucket-region"))
+            self.drop(bucket)
+            raise UseBotocore(f"{bucket} answered {resp.status} {code or ''}: another region")
+        _raise_error(resp, route.operation, code, message)
 
 
 def _route_from(operation: str, request: Any, probe: str) -> Route:
@@ -295,12 +363,18 @@ def _route_from(operation: str, request: Any, probe: str) -> Route:
     return Route(operation, url[:at], scope[2], scope[3], sha, host, agent)
 
 
-async def _raise_for(resp: Any, operation: str) -> None:
-    """Raise what s3fs raises for this error answer (see the module docstring)."""
+def _redirected(status: int, code: str | None, bucket_region: str | None, region: str | None) -> bool:
+    """Whether an error answer says the bucket is in another region than the request was for."""
+    return (
+        status in (301, 307)
+        or (status == 400 and code in _REDIRECT_CODES)
+        or (bucket_region is not None and region is not None and bucket_region != region)
+    )
+
+
+def _raise_error(resp: Any, operation: str, code: str | None, message: str | None) -> None:
     from s3fs.errors import translate_boto_error
 
-    body = b"" if resp.method == "HEAD" else await resp.content.read(_MAX_ERROR_BODY)
-    code, message = _error_fields(body)
     error = ClientError(
         {
             "Error": {"Code": code or str(resp.status), "Message": message or (resp.reason or "")},

@@ -214,10 +214,13 @@ class S3ObjectOps(AsyncObjectOps):
     reuses_bodies = True
 
     def __init__(self, fs: Any) -> None:
-        from hicache_backends.s3.direct import DirectRequests
+        from hicache_backends.s3.direct import DirectRequests, UseBotocore
 
         super().__init__(fs)
         self.direct = DirectRequests(fs)
+        #: what a direct request raises to be sent through botocore instead (imported here:
+        #: the module needs botocore, which the fsspec backend does without)
+        self._use_botocore: type[Exception] = UseBotocore
 
     async def _route(self, path: str, operation: str) -> tuple[Route, str, str] | None:
         """(route, bucket, key) to send ``operation`` on ``path`` directly, or ``None``."""
@@ -229,10 +232,14 @@ class S3ObjectOps(AsyncObjectOps):
 
     async def put(self, path: str, data: bytes | bytearray) -> None:
         target = await self._route(path, "PutObject") if len(data) < self.direct.max_put else None
+        if target is not None:
+            try:
+                await self.direct.put(*target, data)
+            except self._use_botocore:
+                target = None  # another region, a closed session: botocore sends this one
         if target is None:
             await super().put(path, data)
             return
-        await self.direct.put(*target, data)
         if self.fs.dircache:
             self.fs.invalidate_cache(path)
 
@@ -251,7 +258,10 @@ class S3ObjectOps(AsyncObjectOps):
         try:
             target = await self._route(path, "GetObject")
             if target is not None:
-                return await self.direct.get_into(*target, start, end, ViewFiller(next_view).feed)
+                try:  # UseBotocore comes before any byte was fed to a view
+                    return await self.direct.get_into(*target, start, end, ViewFiller(next_view).feed)
+                except self._use_botocore:
+                    pass
             return await self._botocore_get_into(path, start, end, next_view)
         except OSError as exc:
             if _is_invalid_range(exc):
@@ -275,11 +285,14 @@ class S3ObjectOps(AsyncObjectOps):
     async def get(self, path: str) -> bytes:
         try:
             target = await self._route(path, "GetObject")
-            if target is None:
-                return await self.fs._cat_file(path, start=0)
-            chunks: list[bytes] = []
-            await self.direct.get_into(*target, 0, None, chunks.append)
-            return b"".join(chunks)
+            if target is not None:
+                chunks: list[bytes] = []
+                try:
+                    await self.direct.get_into(*target, 0, None, chunks.append)
+                    return b"".join(chunks)
+                except self._use_botocore:
+                    pass
+            return await self.fs._cat_file(path, start=0)
         except OSError as exc:
             if _is_invalid_range(exc):
                 return b""
@@ -289,7 +302,10 @@ class S3ObjectOps(AsyncObjectOps):
         try:
             target = await self._route(path, "HeadObject")
             if target is not None:
-                return int((await self.direct.head(*target)).get("content-length", 0))
+                try:
+                    return int((await self.direct.head(*target)).get("content-length", 0))
+                except self._use_botocore:
+                    pass
             bucket, key, _ = self.fs.split_path(path)
             out = await self.fs._call_s3("head_object", Bucket=bucket, Key=key)
         except FileNotFoundError:
