@@ -91,14 +91,12 @@ class _Batch:
 
 @dataclasses.dataclass(eq=False)
 class _HopResult:
-    """What one job's part of a hop did: its deletions' flags (``None``: the call failed) and,
-    per batch sent, the call's result or exception and its seconds."""
+    """What one job's part of a hop did: its deletions' flags (``None``: the call failed,
+    ``_UNTRIED``: not sent, or none asked) and, per batch sent, the call's result or exception
+    and its seconds."""
 
-    deleted: Any = None  # _UNTRIED until the deletions' call ended
+    deleted: Any = _UNTRIED  # until the deletions' call ended
     batches: list[tuple[Any, float]] = dataclasses.field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        self.deleted = _UNTRIED
 
 
 class ControllerState(enum.Enum):
@@ -600,23 +598,22 @@ class HiCacheController:
                 retry.append((job, 0, True))
                 continue
             result = results[i]
-            if result.deleted is not _UNTRIED:
-                self._count_deleted(len(job.delete_first), result.deleted)  # type: ignore[arg-type]
+            deletions_pending = bool(job.delete_first) and result.deleted is _UNTRIED
+            if job.delete_first and not deletions_pending:
+                self._count_deleted(len(job.delete_first), result.deleted)
             done = 0
             for batch, (outcome, seconds) in zip(batches, result.batches):
                 if isinstance(outcome, BaseException):
                     self._hop_failed(outcome)
                     break
-                ok = leading_run(all_pools_ok(outcome, batch.pages))
-                if ok:
-                    self.metrics.transfer("h2s", ok, ok * self.page_nbytes, seconds)
-                    done += ok
+                ok = self._landed(outcome, batch.pages, seconds)
+                done += ok
                 if ok < batch.pages:
                     break
             if done == len(job.keys):
                 self._finish(job, done, t0)
             else:
-                retry.append((job, done, result.deleted is _UNTRIED))
+                retry.append((job, done, deletions_pending))
         for job, done, deletions in retry:
             tried = done > 0 or not deletions
             self._finish(job, await self._write_job(job, done=done, attempt=int(tried), delete=deletions), t0)
@@ -661,8 +658,6 @@ class HiCacheController:
                 except Exception:  # noqa: BLE001 - a failed delete never blocks the write
                     result.deleted = None
                 progress[0] = time.monotonic()
-            else:
-                result.deleted = None
             for batch in batches:
                 t0 = clock()
                 try:
@@ -711,13 +706,19 @@ class HiCacheController:
             batch = self._batch(job, done, n, prior)
             t0 = time.perf_counter()
             result = await self._storage_call(self.storage.batch_set_v2(batch.transfers, batch.info), "write")
-            ok = leading_run(all_pools_ok(result, n))
+            ok = self._landed(result, n, time.perf_counter() - t0)
             if ok:
-                self.metrics.transfer("h2s", ok, ok * self.page_nbytes, time.perf_counter() - t0)
                 done += ok
                 prior = job.keys[done - 1]
             attempt = 0 if ok == n else attempt + 1
         return done
+
+    def _landed(self, result: dict[str, list[bool]] | None, pages: int, seconds: float) -> int:
+        """Leading pages of a write call that landed in every pool (``None``: none), counted."""
+        ok = leading_run(all_pools_ok(result, pages))
+        if ok:
+            self.metrics.transfer("h2s", ok, ok * self.page_nbytes, seconds)
+        return ok
 
     async def _delete_pages(self, keys: list[str]) -> None:
         """Storage eviction a placement policy chose (``StorageWriteJob.delete_first``). A

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from hicache.errors import HiCacheError
-from hicache.memory.device import IndexLike, as_index_array
+from hicache.memory.device import IndexLike, as_index_array, is_one_run
 
 __all__ = ["AllocatorError", "PagedTokenAllocator", "pages_of"]
 
@@ -53,7 +53,7 @@ def pages_of(
     if page_size == 1:
         return arr.copy()
     first = int(arr[0])
-    if first % page_size == 0 and int(arr[-1]) - first == arr.size - 1 and bool((arr[1:] > arr[:-1]).all()):
+    if first % page_size == 0 and is_one_run(arr):
         # One run of consecutive slots (what a sorted free list hands out, and what a backup of
         # one node copies): strictly increasing and spanning exactly its length, so every page
         # is whole. Checked with one byte a token of scratch instead of the 9 bytes a token the

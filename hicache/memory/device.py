@@ -34,6 +34,14 @@ def device_for(preferred: str | torch.device | None = None) -> torch.device:
     return dev
 
 
+def is_one_run(arr: np.ndarray) -> bool:
+    """Whether non-empty ``arr`` is ``start, start+1, ...`` (strictly increasing and spanning
+    exactly its length): what a sorted free list hands out and a backup of one node copies, so
+    callers check it first and validate page by page only otherwise (one byte a token of
+    scratch instead of nine)."""
+    return int(arr[-1]) - int(arr[0]) == arr.size - 1 and bool((arr[1:] > arr[:-1]).all())
+
+
 def as_index_array(indices: IndexLike, *, what: str = "indices") -> np.ndarray:
     """Indices as a 1-D int64 numpy array on the host.
 

@@ -16,6 +16,8 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 import torch
 
+from hicache.memory.device import as_index_array, is_one_run
+
 __all__ = [
     "HostPagePool",
     "ReadTarget",
@@ -96,14 +98,11 @@ def malformed_pages(host_indices: torch.Tensor, num_keys: int, page_size: int) -
     """
     if num_keys == 0:
         return []
-    flat = host_indices.detach().reshape(-1)
-    if flat.device.type != "cpu":
-        flat = flat.cpu()
-    arr = flat.numpy().astype(np.int64, copy=False)
+    arr = as_index_array(host_indices, what="host_indices")
     if page_size == 1:
         return np.flatnonzero(arr < 0).tolist()
-    if arr[0] >= 0 and int(arr[-1]) - int(arr[0]) == arr.size - 1 and bool((arr[1:] > arr[:-1]).all()):
-        return []  # one run of consecutive indices (a backup of one node): every page is one
+    if arr[0] >= 0 and is_one_run(arr):
+        return []  # every page of one run of consecutive indices is one
     grid = arr.reshape(num_keys, page_size)
     bad = (grid[:, 0] < 0) | ~(grid - grid[:, :1] == np.arange(page_size)).all(axis=1)
     return np.flatnonzero(bad).tolist()

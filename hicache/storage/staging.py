@@ -68,12 +68,14 @@ class StagingArena:
         self._idle: dict[tuple[torch.dtype, tuple[int, ...]], list[torch.Tensor]] = {}
         self._idle_bytes = 0
         self._lock = threading.Lock()
-        self._likes: dict[int, tuple[weakref.ref[Any], torch.Tensor]] = {}
+        self._likes: weakref.WeakKeyDictionary[Any, torch.Tensor] = weakref.WeakKeyDictionary()
 
     def known_like(self, pool: Any) -> torch.Tensor | None:
         """The staging shape :meth:`remember_like` kept for this very pool object, or ``None``."""
-        entry = self._likes.get(id(pool))
-        return entry[1] if entry is not None and entry[0]() is pool else None
+        try:
+            return self._likes.get(pool)
+        except TypeError:  # not weakly referenceable, or unhashable: never remembered
+            return None
 
     def remember_like(self, pool: Any, like: torch.Tensor) -> None:
         """Keep ``pool``'s staging dtype and shape (no memory) for as long as the pool lives.
@@ -81,18 +83,15 @@ class StagingArena:
         Asking the pool costs a fresh zeroed page per batch (``get_dummy_flat_data_page``;
         pinned memory in SGLang's pools): 4 MiB pages, 3.5-5 ms at the head of every batch,
         before any page moves (about 5% of a 128-page get). A pool's page geometry is fixed
-        when it is built, so once per pool object is enough. A pool that cannot be weakly
-        referenced is not remembered (an id alone may be reused by another pool).
+        when it is built, so once per pool object is enough; the entry dies with the pool. A
+        pool that cannot be weakly referenced (or hashed) is not remembered.
         """
+        if len(self._likes) >= self.MAX_POOLS:  # pools that died are gone already
+            self._likes.clear()
         try:
-            ref = weakref.ref(pool)
+            self._likes[pool] = torch.empty(like.shape, dtype=like.dtype, device="meta")
         except TypeError:
             return
-        if len(self._likes) >= self.MAX_POOLS:
-            self._likes = {k: v for k, v in self._likes.items() if v[0]() is not None}
-            if len(self._likes) >= self.MAX_POOLS:
-                self._likes.clear()
-        self._likes[id(pool)] = (ref, torch.empty(like.shape, dtype=like.dtype, device="meta"))
 
     def take(self, like: torch.Tensor, n: int) -> list[torch.Tensor]:
         """``n`` CPU contiguous pages of ``like``'s dtype and shape (contents undefined)."""

@@ -18,7 +18,7 @@ import asyncio
 import logging
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
@@ -47,6 +47,8 @@ T = TypeVar("T")
 
 #: hands out the buffer the next bytes of a ranged read go to (see ``ObjectOps.get_range_into``)
 NextView = Callable[[], "memoryview | None"]
+#: what :meth:`S3ObjectOps._try_direct` answers when botocore must send the request
+_BOTOCORE = object()
 
 
 async def _fill(data: bytes, next_view: NextView) -> int:
@@ -230,14 +232,22 @@ class S3ObjectOps(AsyncObjectOps):
         route = await self.direct.route(bucket, operation)
         return None if route is None else (route, bucket, key)
 
-    async def put(self, path: str, data: bytes | bytearray) -> None:
-        target = await self._route(path, "PutObject") if len(data) < self.direct.max_put else None
-        if target is not None:
-            try:
-                await self.direct.put(*target, data)
-            except self._use_botocore:
-                target = None  # another region, a closed session: botocore sends this one
+    async def _try_direct(self, path: str, operation: str,
+                          send: Callable[[Route, str, str], Awaitable[T]]) -> T | object:
+        """``send(route, bucket, key)`` when ``operation`` on ``path`` can go direct, else
+        :data:`_BOTOCORE`: no route for the bucket, or the direct request handed this one to
+        botocore (another region, a closed session; always before any byte reached a view)."""
+        target = await self._route(path, operation)
         if target is None:
+            return _BOTOCORE
+        try:
+            return await send(*target)
+        except self._use_botocore:
+            return _BOTOCORE
+
+    async def put(self, path: str, data: bytes | bytearray) -> None:
+        if len(data) >= self.direct.max_put or await self._try_direct(
+                path, "PutObject", lambda route, bucket, key: self.direct.put(route, bucket, key, data)) is _BOTOCORE:
             await super().put(path, data)
             return
         if self.fs.dircache:
@@ -256,13 +266,11 @@ class S3ObjectOps(AsyncObjectOps):
         of the whole object, no copy of it afterwards (one copy in all, from the socket's
         chunks, as plain s3fs makes into its result)."""
         try:
-            target = await self._route(path, "GetObject")
-            if target is not None:
-                try:  # UseBotocore comes before any byte was fed to a view
-                    return await self.direct.get_into(*target, start, end, ViewFiller(next_view).feed)
-                except self._use_botocore:
-                    pass
-            return await self._botocore_get_into(path, start, end, next_view)
+            got = await self._try_direct(path, "GetObject", lambda route, bucket, key: self.direct.get_into(
+                route, bucket, key, start, end, ViewFiller(next_view).feed))
+            if got is _BOTOCORE:
+                return await self._botocore_get_into(path, start, end, next_view)
+            return got  # type: ignore[return-value]
         except OSError as exc:
             if _is_invalid_range(exc):
                 return 0
@@ -284,15 +292,11 @@ class S3ObjectOps(AsyncObjectOps):
 
     async def get(self, path: str) -> bytes:
         try:
-            target = await self._route(path, "GetObject")
-            if target is not None:
-                chunks: list[bytes] = []
-                try:
-                    await self.direct.get_into(*target, 0, None, chunks.append)
-                    return b"".join(chunks)
-                except self._use_botocore:
-                    pass
-            return await self.fs._cat_file(path, start=0)
+            chunks: list[bytes] = []
+            if await self._try_direct(path, "GetObject", lambda route, bucket, key: self.direct.get_into(
+                    route, bucket, key, 0, None, chunks.append)) is _BOTOCORE:
+                return await self.fs._cat_file(path, start=0)
+            return b"".join(chunks)
         except OSError as exc:
             if _is_invalid_range(exc):
                 return b""
@@ -300,12 +304,9 @@ class S3ObjectOps(AsyncObjectOps):
 
     async def size(self, path: str) -> int | None:
         try:
-            target = await self._route(path, "HeadObject")
-            if target is not None:
-                try:
-                    return int((await self.direct.head(*target)).get("content-length", 0))
-                except self._use_botocore:
-                    pass
+            headers = await self._try_direct(path, "HeadObject", self.direct.head)
+            if headers is not _BOTOCORE:
+                return int(headers.get("content-length", 0))  # type: ignore[attr-defined]
             bucket, key, _ = self.fs.split_path(path)
             out = await self.fs._call_s3("head_object", Bucket=bucket, Key=key)
         except FileNotFoundError:
