@@ -1063,8 +1063,7 @@ class HiRadixCache(RadixCache):
             return 0
         if pos >= end:
             return 0
-        new = TreeNode(parent=node, extra_key=state.extra_key)
-        new.key = pack_tokens(tokens[pos:end])
+        new = TreeNode(parent=node, extra_key=state.extra_key, key=pack_tokens(tokens[pos:end]))
         new.host_value = host[pos - start :]
         new.hash_value = state.keys[(pos - start) // ps : (end - start) // ps]
         new.storage_pages = len(new.hash_value)

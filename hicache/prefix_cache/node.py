@@ -54,11 +54,13 @@ class TreeNode:
         "tree",
     )
 
-    def __init__(self, parent: TreeNode | None = None, extra_key: str | None = None) -> None:
+    def __init__(self, parent: TreeNode | None = None, extra_key: str | None = None, key: TokenRun | None = None) -> None:
         self.id: int = next(_ids)
         self.children: dict[Any, TreeNode] = {}
         self.parent: TreeNode | None = parent
-        self.key: TokenRun = empty_run()  # packed token ids (see prefix_cache.tokens)
+        #: packed token ids (see prefix_cache.tokens); given by the caller that has them, so no
+        #: empty run is made only to be replaced
+        self.key: TokenRun = key if key is not None else empty_run()
         self.extra_key: str | None = extra_key
         self.value: torch.Tensor | None = None
         self.host_value: torch.Tensor | None = None

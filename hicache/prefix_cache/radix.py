@@ -28,7 +28,7 @@ from hicache.prefix_cache.node import TreeNode
 from hicache.prefix_cache.policy import eviction_key
 from hicache.prefix_cache.req import Req
 from hicache.prefix_cache.slots import cat_slots, copy_slots
-from hicache.prefix_cache.tokens import TokenRun, key_run, pack_tokens
+from hicache.prefix_cache.tokens import TokenRun, key_run, pack_tokens, page_key
 from hicache.prefix_cache.types import (
     DecLockRefParams,
     DecLockRefResult,
@@ -96,6 +96,7 @@ class RadixCache(BasePrefixCache):
         self.eviction_policy: str = eviction_policy
         self._evict_key = eviction_key(eviction_policy)
         self.device = getattr(token_to_kv_pool_allocator, "device", torch.device("cpu"))
+        self._no_slots = torch.empty((0,), dtype=torch.int64, device=self.device)  # see _empty
         self.reset()
 
     # ------------------------------------------------------------------ state
@@ -121,10 +122,16 @@ class RadixCache(BasePrefixCache):
         return self._clock
 
     def _empty(self) -> torch.Tensor:
-        return torch.empty((0,), dtype=torch.int64, device=self.device)
+        """No slots. One tensor per tree, made once: a match with no device hit (most requests
+        of a trace) used to make a fresh one, 2 us of loop time each. It has no elements, so
+        sharing it is safe; SGLang's tree shares its empty match result the same way."""
+        empty = self._no_slots
+        if empty.numel():  # someone resized it in place: never hand that out again
+            empty = self._no_slots = torch.empty((0,), dtype=torch.int64, device=self.device)
+        return empty
 
     def _child_key(self, extra_key: str | None, tokens: list[int] | TokenRun, pos: int) -> tuple[Any, ...]:
-        return (extra_key, tuple(tokens[pos : pos + self.page_size]))
+        return (extra_key, page_key(tokens[pos : pos + self.page_size]))
 
     def _aligned(self, n: int) -> int:
         return n // self.page_size * self.page_size
@@ -211,8 +218,7 @@ class RadixCache(BasePrefixCache):
         ps = self.page_size
         parent = child.parent
         assert parent is not None and 0 < m < len(child.key) and m % ps == 0
-        new = TreeNode(parent=parent, extra_key=child.extra_key)
-        new.key = child.key[:m]
+        new = TreeNode(parent=parent, extra_key=child.extra_key, key=child.key[:m])
         new.value = child.value[:m] if child.value is not None else None
         new.host_value = child.host_value[:m] if child.host_value is not None else None
         pages = m // ps
@@ -248,7 +254,7 @@ class RadixCache(BasePrefixCache):
         node = self.root_node
         pos = 0
         path: list[TreeNode] = []
-        if end and type(tokens) is not TokenRun and (key.extra_key, tuple(tokens[:self.page_size])) in node.children:
+        if end and type(tokens) is not TokenRun and self._child_key(key.extra_key, tokens, 0) in node.children:
             tokens = key_run(key, end)  # packed once (and kept for the insert) only on a hit
         while pos < end:
             child = node.children.get(self._child_key(key.extra_key, tokens, pos))
@@ -358,7 +364,7 @@ class RadixCache(BasePrefixCache):
             child.last_access_time = now
             child.priority = max(child.priority, params.priority)
             if child.value is None:
-                self._add_device(child, copy_slots(value[pos : pos + m]))
+                self._add_device(child, copy_slots(value, pos, pos + m))
                 self._on_revive(child)
             else:
                 if prefix_len == pos:
@@ -368,13 +374,12 @@ class RadixCache(BasePrefixCache):
             pos += m
             node = child
         if pos < end:
-            new = TreeNode(parent=node, extra_key=key.extra_key)
-            new.key = tokens[pos:end]
+            new = TreeNode(parent=node, extra_key=key.extra_key, key=tokens[pos:end])
             new.last_access_time = now
             new.priority = params.priority
             new.hit_count = 1
             node.children[self._child_key(key.extra_key, tokens, pos)] = new
-            self._add_device(new, copy_slots(value[pos:end]))
+            self._add_device(new, copy_slots(value, pos, end))
             self._on_new_node(new)
             node = new
         return InsertResult(prefix_len=prefix_len, total_len=end, last_device_node=node)

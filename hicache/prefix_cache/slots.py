@@ -21,14 +21,16 @@ __all__ = ["cat_slots", "copy_slots"]
 
 
 def _host(t: torch.Tensor) -> bool:
-    return t.device.type == "cpu" and not t.requires_grad
+    return t.is_cpu and not t.requires_grad  # is_cpu: a flag, 4x cheaper than t.device.type
 
 
-def copy_slots(t: torch.Tensor) -> torch.Tensor:
-    """A private copy of ``t`` (the caller may reuse ``t``'s memory afterwards)."""
+def copy_slots(t: torch.Tensor, start: int = 0, stop: int | None = None) -> torch.Tensor:
+    """A private copy of ``t[start:stop]`` (the caller may reuse ``t``'s memory afterwards).
+    The range is cut in numpy, not by slicing ``t`` first: a torch slice costs about 2 us of
+    loop time on every insert."""
     if _host(t):
-        return torch.from_numpy(np.array(t.numpy(), copy=True))
-    return t.clone()
+        return torch.from_numpy(t.numpy()[start:stop].copy())
+    return t[start:stop].clone()
 
 
 def cat_slots(parts: Sequence[torch.Tensor], empty: Callable[[], torch.Tensor]) -> torch.Tensor:

@@ -197,8 +197,8 @@ async def test_a_leaf_noted_again_by_its_own_failed_eviction_is_tried_once() -> 
     await cache.evict_async(EvictParams(num_tokens=PS))  # C: backed up, then demoted to host
     await cache.drain()
     await serve_request(stack, z, rid="z")  # an unrelated device node
-    k = cache.root_node.children[(None, tuple(p))]
-    c = k.children[(None, tuple(q))]
+    k = cache.root_node.children[cache._child_key(None, p, 0)]
+    c = k.children[cache._child_key(None, q, 0)]
     assert k.value is not None and c.value is None and c.host_value is not None
     # a load-back of C that fails, with an insert below C while it runs: C loses its device
     # slots but its new child G keeps its own, so K's eviction can neither demote nor drop K
@@ -212,10 +212,10 @@ async def test_a_leaf_noted_again_by_its_own_failed_eviction_is_tried_once() -> 
     await cache.drain()
     cache.abort_req(req)
     restore()
-    g = c.children[(None, tuple(s))]
+    g = c.children[cache._child_key(None, s, 0)]
     assert c.value is None and g.value is not None and k.lock_ref == 0
     cache.sanity_check()
-    assert cache.write_backup(cache.root_node.children[(None, tuple(z))])  # the queue is full now
+    assert cache.write_backup(cache.root_node.children[cache._child_key(None, z, 0)])  # the queue is full now
     assert cache.evict(EvictParams(num_tokens=PS)).num_tokens_evicted == PS  # G goes instead
     assert g.value is None and k.value is not None
     cache.sanity_check()  # K is queued again for the next call

@@ -20,7 +20,7 @@ from hicache.memory import PagedTokenAllocator, ReqToTokenPool
 from hicache.prefix_cache import InsertParams, MatchPrefixParams, RadixCache, RadixKey
 from hicache.prefix_cache.hashing import namespace_seed
 from hicache.prefix_cache.node import TreeNode
-from hicache.prefix_cache.tokens import pack_tokens
+from hicache.prefix_cache.tokens import pack_tokens, page_key
 from hicache.replay import StackConfig, build_stack, serve_request
 
 PS = 4
@@ -103,6 +103,24 @@ def test_ids_outside_uint32_are_exact_in_the_device_tree() -> None:
     cache.sanity_check()
 
 
+def test_child_keys_are_the_same_whatever_the_packing() -> None:
+    """Children are looked up by their first page's bytes: a list, an ``'I'`` run and a ``'q'``
+    run of the same ids find the same child, and a page with a wide id never aliases the
+    uint32 page its ids wrap to."""
+    ids = [1, 2, 3, 2**32 - 1]
+    assert page_key(ids) == page_key(array("I", ids)) == page_key(array("q", ids)) == array("I", ids).tobytes()
+    assert page_key([-1, 2, 3, 4]) == page_key(array("q", [-1, 2, 3, 4])) == (-1, 2, 3, 4)
+    assert page_key([2**32 - 1, 0, 0, 0]) != page_key([-1, 0, 0, 0])
+    cache = make()
+    shared = [10, 11, 12, 13]
+    put(cache, RadixKey(shared + [20, 21, 22, 23]))  # packed as 'I'
+    put(cache, RadixKey(shared + [-1, 2**40, 5, 6]))  # packed as 'q': its first page fits uint32
+    assert len(cache.root_node.children) == 1  # both under one child for the shared page
+    assert matched(cache, RadixKey(array("q", shared + [-1, 2**40, 5, 6]))) == 8
+    assert matched(cache, RadixKey(shared + [20, 21, 22, 23])) == 8
+    cache.sanity_check()
+
+
 @pytest.mark.parametrize("bad", [[1.5] * 8, ["7"] * 8, [2**64] * 8])
 def test_tokens_that_are_not_int64_are_a_clear_error(bad: list) -> None:
     cache = make()
@@ -154,7 +172,7 @@ async def test_a_deep_chain_of_unhashed_nodes_hashes_without_recursion() -> None
         child = TreeNode(parent=node)
         child.key = pack_tokens([i] * PS)
         child.hasher, child._hash_value = cache._hash_pages, None
-        node.children[(None, tuple(child.key))] = child
+        node.children[cache._child_key(None, child.key, 0)] = child
         node, tokens = child, tokens + [i] * PS
     assert path_keys(cache, node) == page_hashes(tokens, PS)
     gone = TreeNode(parent=None)
