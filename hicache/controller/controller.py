@@ -55,6 +55,7 @@ from hicache.controller.metrics import ControllerMetrics
 from hicache.controller.prefetch import Prefetcher
 from hicache.controller.transfers import all_pools_ok, call_back, slice_transfer
 from hicache.errors import CacheClosedError, ConfigError, InvalidKeyError, LoopMisuseError
+from hicache.memory.slots import cat_slots
 from hicache.observability import tracing
 from hicache.storage import (
     AsyncHiCacheStorage,
@@ -68,6 +69,11 @@ from hicache.storage.offload import wait_out
 __all__ = ["HiCacheController", "ControllerState"]
 
 logger = logging.getLogger("hicache.controller")
+
+
+def _no_slots() -> torch.Tensor:  # a backup batch always holds a job: never called
+    return torch.empty((0,), dtype=torch.int64)
+
 
 KV = PoolName.KV.value
 #: the key health probes look up: never written, so a probe only asks the store to answer
@@ -436,8 +442,10 @@ class HiCacheController:
             ok = False
             t0 = time.perf_counter()
             try:
-                dev = torch.cat([j.device_indices.reshape(-1) for j in jobs])
-                host = torch.cat([j.host_indices.reshape(-1).to(torch.int64) for j in jobs])
+                # joined in numpy where the indices are on CPU: torch's own cat (and a reshape
+                # per job) ran on its intra-op pool and released the GIL at every call
+                dev = cat_slots([j.device_indices for j in jobs], _no_slots)
+                host = cat_slots([j.host_indices for j in jobs], _no_slots, torch.int64)
                 with tracing.span("hicache.backup") as span:
                     span.set_attribute("hicache.pages", pages)
                     await self.copy_engine.backup(dev, host)

@@ -9,6 +9,7 @@
 * :mod:`~hicache.memory.copy_engine` - backup/load off the event loop, layer by layer
 * :mod:`~hicache.memory.transfer` - copy plans (runs of units); the CUDA and numpy/torch copies
 * :mod:`~hicache.memory.spans` - CPU copies as byte-span tables for the native span copier
+* :mod:`~hicache.memory.slots` - copying and joining slot index tensors on the event loop
 * :mod:`~hicache.memory.layer_counter` - per-layer completion for asyncio and threads
 
 Typical wiring::

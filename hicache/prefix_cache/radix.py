@@ -27,7 +27,7 @@ from hicache.prefix_cache.eviction_index import EvictionIndex
 from hicache.prefix_cache.node import TreeNode
 from hicache.prefix_cache.policy import eviction_key
 from hicache.prefix_cache.req import Req
-from hicache.prefix_cache.slots import cat_slots, copy_slots
+from hicache.memory.slots import cat_slots, copy_slots
 from hicache.prefix_cache.tokens import TokenRun, key_run, pack_tokens, page_key
 from hicache.prefix_cache.types import (
     DecLockRefParams,
