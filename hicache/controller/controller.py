@@ -82,8 +82,9 @@ _PROBE_KEY = "hicache-health-probe"
 _OPS = {"exists": "exists", "read": "get", "write": "set"}
 #: storage write jobs the worker takes at once (see HiCacheController._write_jobs)
 _HOP_MAX_JOBS = 64
-#: a hop job's deletions that were not sent (the hop ended first)
-_UNTRIED = object()
+#: one storage call made inside a hop: its result (or the exception it raised), its seconds,
+#: and whether the backend counted an error meanwhile (judged on the loop, see _judge)
+_InnerCall = tuple[Any, float, bool]
 
 
 @dataclasses.dataclass(eq=False)
@@ -97,12 +98,11 @@ class _Batch:
 
 @dataclasses.dataclass(eq=False)
 class _HopResult:
-    """What one job's part of a hop did: its deletions' flags (``None``: the call failed,
-    ``_UNTRIED``: not sent, or none asked) and, per batch sent, the call's result or exception
-    and its seconds."""
+    """What one job's part of a hop did, call by call: its deletions (``None``: not sent, or
+    none asked) and each batch sent."""
 
-    deleted: Any = _UNTRIED  # until the deletions' call ended
-    batches: list[tuple[Any, float]] = dataclasses.field(default_factory=list)
+    deleted: _InnerCall | None = None
+    batches: list[_InnerCall] = dataclasses.field(default_factory=list)
 
 
 class ControllerState(enum.Enum):
@@ -152,6 +152,9 @@ class HiCacheController:
         self._storage_q: asyncio.Queue[StorageWriteJob] | None = None
         self._loads: set[asyncio.Task[Any]] = set()
         self._storage_busy: list[StorageWriteJob] = []
+        #: leading pages of a busy job that landed before the worker was cancelled (by id of
+        #: the job): close acknowledges them and reports only the rest unwritten
+        self._landed_at_cancel: dict[int, int] = {}
         self._backup_busy: list[BackupJob] = []
         self._free_host: Callable[[torch.Tensor], None] = host_pool.free
         self._prefetcher: Prefetcher | None = None
@@ -388,13 +391,14 @@ class HiCacheController:
                 report.failed_device_backups += 1
                 call_back(bjob.on_done, False)
             for job in leftovers:
-                pages = len(job.keys)
-                first = job.keys[0] if job.keys else ""
+                landed = self._landed_at_cancel.pop(id(job), 0)
+                pages = len(job.keys) - landed
+                first = job.keys[landed] if pages > 0 else ""
                 report.unwritten.append(UnwrittenBackup(first, pages, "closed"))
                 self.metrics.incr("unwritten_on_close", pages)
                 logger.warning("controller close: %d page(s) from key %.16s... were not written to storage",
                                pages, first)
-                call_back(job.on_done, 0)
+                call_back(job.on_done, landed)
 
     # ------------------------------------------------------------------ device -> host
 
@@ -555,8 +559,10 @@ class HiCacheController:
                 self._finish(job, 0, t0)
 
     def _finish(self, job: StorageWriteJob, written: int, t0: float) -> None:
-        """``job`` is over with ``written`` leading pages: acknowledged at once (its nodes wait
-        for it: host eviction, their children's writes), whatever the jobs taken with it do."""
+        """``job`` is over with ``written`` leading pages: acknowledged now (its nodes wait for
+        it: host eviction, their children's writes). A job that landed in a hop is acknowledged
+        when the hop returns (a hop is bounded by ``storage_hop_bytes``), never after the
+        retries of the jobs taken with it."""
         assert self._storage_q is not None
         self._storage_busy.remove(job)
         if written:
@@ -580,9 +586,12 @@ class HiCacheController:
         of a write of a few small pages). So the jobs that fit in :attr:`_hop_pages` go in one
         call, every batch of each and their deletions in order (:meth:`_hop`); the stall and
         timeout limits count from the end of the hop's last inner call, as for a call of its
-        own. What landed counts even when the hop is cut short (timeout, store down). A job
-        whose batch did not fully land, and a job past the budget, continue through
-        :meth:`_write_job` (one call per batch, with retries), as every job did before.
+        own, and each inner call is judged as a call of its own (latency sample, health, in
+        the order they ran: :meth:`_judge`). What landed counts even when the hop is cut short
+        (timeout, store down, the controller closing). A job whose batch did not fully land,
+        and a job past the budget, continue through :meth:`_write_job` (one call per batch,
+        with retries), as every job did before; such a retry runs after the deletions of the
+        jobs taken with it, so jobs are ordered by their first attempt, not their last.
         """
         if not self.health.up:
             self.metrics.incr("storage_write_skipped_unhealthy", sum(len(job.keys) for job in jobs))
@@ -599,34 +608,49 @@ class HiCacheController:
         results: list[_HopResult] = []
         if hop:
             progress = [time.monotonic()]
-            await self._storage_call(self._hop(hop, results, progress), "write", progress)
-        retry: list[tuple[StorageWriteJob, int, bool]] = []  # (job, pages done, deletions pending)
+            try:
+                await self._storage_call(self._hop(hop, results, progress), "write", progress)
+            except asyncio.CancelledError:
+                # the controller is closing: acknowledge what landed (the hop has ended:
+                # _storage_call outlasts it) and leave the rest to close's report
+                for job, done, _ in self._settle_hop(hop, results, t0):
+                    if done:
+                        self._landed_at_cancel[id(job)] = done
+                raise
+        for job, done, deletions in self._settle_hop(hop, results, t0):
+            tried = done > 0 or not deletions
+            self._finish(job, await self._write_job(job, done=done, attempt=int(tried), delete=deletions), t0)
+        for job in jobs[len(hop):]:
+            self._finish(job, await self._write_job(job, delete=True), t0)
+
+    def _settle_hop(self, hop: list[tuple[StorageWriteJob, list[_Batch]]], results: list[_HopResult],
+                    t0: float) -> list[tuple[StorageWriteJob, int, bool]]:
+        """Judge and count a finished hop's calls in the order they ran, acknowledge every job
+        that fully landed, and return the others as (job, leading pages landed, whether its
+        deletions are still to send)."""
+        unfinished: list[tuple[StorageWriteJob, int, bool]] = []
         for i, (job, batches) in enumerate(hop):
             if i >= len(results):  # the hop ended before this job: never tried
-                retry.append((job, 0, True))
+                unfinished.append((job, 0, bool(job.delete_first)))
                 continue
             result = results[i]
-            deletions_pending = bool(job.delete_first) and result.deleted is _UNTRIED
-            if job.delete_first and not deletions_pending:
-                self._count_deleted(len(job.delete_first), result.deleted)
+            if result.deleted is not None:
+                outcome = self._judge(result.deleted, "delete")
+                self._count_deleted(len(job.delete_first), None if isinstance(outcome, BaseException) else outcome)
             done = 0
-            for batch, (outcome, seconds) in zip(batches, result.batches):
+            for batch, call in zip(batches, result.batches):
+                outcome = self._judge(call, "write")
                 if isinstance(outcome, BaseException):
-                    self._hop_failed(outcome)
                     break
-                ok = self._landed(outcome, batch.pages, seconds)
+                ok = self._landed(outcome, batch.pages, call[1])
                 done += ok
                 if ok < batch.pages:
                     break
             if done == len(job.keys):
                 self._finish(job, done, t0)
             else:
-                retry.append((job, done, deletions_pending))
-        for job, done, deletions in retry:
-            tried = done > 0 or not deletions
-            self._finish(job, await self._write_job(job, done=done, attempt=int(tried), delete=deletions), t0)
-        for job in jobs[len(hop):]:
-            self._finish(job, await self._write_job(job, delete=True), t0)
+                unfinished.append((job, done, bool(job.delete_first) and result.deleted is None))
+        return unfinished
 
     def _batches(self, job: StorageWriteJob) -> list[_Batch]:
         """``job``'s storage calls: ``storage_batch_pages`` pages each, chained by key."""
@@ -656,35 +680,46 @@ class HiCacheController:
         and ``progress[0]`` takes the time each call ended (the caller's stall clock)."""
         assert self.storage is not None
         storage = self.storage
-        clock = time.perf_counter
         for job, batches in hop:
             result = _HopResult()
             out.append(result)
-            if job.delete_first:
-                try:
-                    result.deleted = await storage.batch_delete(job.delete_first)
-                except Exception:  # noqa: BLE001 - a failed delete never blocks the write
-                    result.deleted = None
+            if job.delete_first:  # a failed delete never blocks the write
+                result.deleted = await self._inner_call(storage.batch_delete(job.delete_first))
                 progress[0] = time.monotonic()
             for batch in batches:
-                t0 = clock()
-                try:
-                    outcome: Any = await storage.batch_set_v2(batch.transfers, batch.info)
-                except Exception as exc:  # noqa: BLE001 - reported on the loop (_hop_failed)
-                    result.batches.append((exc, clock() - t0))
-                    progress[0] = time.monotonic()
-                    break
-                result.batches.append((outcome, clock() - t0))
+                call = await self._inner_call(storage.batch_set_v2(batch.transfers, batch.info))
+                result.batches.append(call)
                 progress[0] = time.monotonic()
-                if leading_run(all_pools_ok(outcome, batch.pages)) < batch.pages:
+                outcome = call[0]
+                if isinstance(outcome, BaseException) or leading_run(all_pools_ok(outcome, batch.pages)) < batch.pages:
                     break
 
-    def _hop_failed(self, exc: BaseException) -> None:
-        """A write inside a hop raised: logged and held against the store's health, as
-        :meth:`_storage_call` does for a call of its own (a bad key is the caller's bug)."""
-        logger.error("storage write failed", exc_info=exc)
-        if not isinstance(exc, InvalidKeyError):
-            self.health.failed(f"write raised {type(exc).__name__}")
+    async def _inner_call(self, coro: Coroutine[Any, Any, Any]) -> _InnerCall:
+        """One call inside a hop, on the I/O loop: what it returned or raised, its seconds, and
+        whether the backend counted an error meanwhile; judged later on the loop (:meth:`_judge`)."""
+        errors = self._backend_errors()
+        t0 = time.perf_counter()
+        try:
+            outcome: Any = await coro
+        except Exception as exc:  # noqa: BLE001 - judged on the loop
+            outcome = exc
+        return outcome, time.perf_counter() - t0, self._backend_errors() > errors
+
+    def _judge(self, call: _InnerCall, what: str) -> Any:
+        """A call made inside a hop, judged as :meth:`_storage_call` judges a call of its own:
+        one latency sample, and held for or against the store's health (a raise is logged; a
+        bad key is the caller's bug and says nothing of the store). Returns its outcome."""
+        outcome, seconds, errored = call
+        self.metrics.observe(_OPS.get(what, what), "storage", seconds)
+        if isinstance(outcome, BaseException):
+            logger.error("storage %s failed", what, exc_info=outcome)
+            if not isinstance(outcome, InvalidKeyError):
+                self.health.failed(f"{what} raised {type(outcome).__name__}")
+        elif errored:
+            self.health.failed(f"the backend counted an error during a {what}")
+        else:
+            self.health.succeeded()
+        return outcome
 
     async def _write_job(self, job: StorageWriteJob, *, done: int = 0, attempt: int = 0,
                          delete: bool = False) -> int:
@@ -695,31 +730,36 @@ class HiCacheController:
         cfg = self.config
         total = len(job.keys)
         prior = job.keys[done - 1] if done else job.prior_key
-        if delete and job.delete_first:
-            await self._delete_pages(job.delete_first)
-        while done < total:
-            if attempt and self.health.up:
-                if attempt > cfg.storage_max_retries:
-                    failed = total - done
-                    self.metrics.incr("storage_write_failures", failed)
-                    logger.warning("storage write: %d page(s) from key %.16s... failed after %d retries",
-                                   failed, job.keys[done], cfg.storage_max_retries)
+        try:
+            if delete and job.delete_first:
+                await self._delete_pages(job.delete_first)
+            while done < total:
+                if attempt and self.health.up:
+                    if attempt > cfg.storage_max_retries:
+                        failed = total - done
+                        self.metrics.incr("storage_write_failures", failed)
+                        logger.warning("storage write: %d page(s) from key %.16s... failed after %d retries",
+                                       failed, job.keys[done], cfg.storage_max_retries)
+                        return done
+                    self.metrics.incr("storage_write_retries")
+                    await asyncio.sleep(min(cfg.storage_retry_max_s, cfg.storage_retry_base_s * 2 ** (attempt - 1)))
+                if not self.health.up:
+                    self.metrics.incr("storage_write_skipped_unhealthy", total - done)
                     return done
-                self.metrics.incr("storage_write_retries")
-                await asyncio.sleep(min(cfg.storage_retry_max_s, cfg.storage_retry_base_s * 2 ** (attempt - 1)))
-            if not self.health.up:
-                self.metrics.incr("storage_write_skipped_unhealthy", total - done)
-                return done
-            n = min(cfg.storage_batch_pages, total - done)
-            batch = self._batch(job, done, n, prior)
-            t0 = time.perf_counter()
-            result = await self._storage_call(self.storage.batch_set_v2(batch.transfers, batch.info), "write")
-            ok = self._landed(result, n, time.perf_counter() - t0)
-            if ok:
-                done += ok
-                prior = job.keys[done - 1]
-            attempt = 0 if ok == n else attempt + 1
-        return done
+                n = min(cfg.storage_batch_pages, total - done)
+                batch = self._batch(job, done, n, prior)
+                t0 = time.perf_counter()
+                result = await self._storage_call(self.storage.batch_set_v2(batch.transfers, batch.info), "write")
+                ok = self._landed(result, n, time.perf_counter() - t0)
+                if ok:
+                    done += ok
+                    prior = job.keys[done - 1]
+                attempt = 0 if ok == n else attempt + 1
+            return done
+        except asyncio.CancelledError:  # the controller is closing: close reports the rest
+            if done:
+                self._landed_at_cancel[id(job)] = done
+            raise
 
     def _landed(self, result: dict[str, list[bool]] | None, pages: int, seconds: float) -> int:
         """Leading pages of a write call that landed in every pool (``None``: none), counted."""
@@ -807,7 +847,8 @@ class HiCacheController:
         errors = self._backend_errors()
         t0 = time.perf_counter()
         call = asyncio.ensure_future(self._on_io(coro))
-        call.add_done_callback(lambda _: self.metrics.observe(_OPS.get(what, what), "storage", time.perf_counter() - t0))
+        if progress is None:  # a hop's inner calls are sampled one by one (_judge)
+            call.add_done_callback(lambda _: self.metrics.observe(_OPS.get(what, what), "storage", time.perf_counter() - t0))
         call.add_done_callback(lambda _: _close_unstarted(coro))
         self._calls.add(call)
         call.add_done_callback(self._calls.discard)
@@ -815,7 +856,7 @@ class HiCacheController:
             stall = cfg.storage_stall_s if 0 < cfg.storage_stall_s < cfg.storage_io_timeout_s else 0.0
             # a call that makes several calls inside (a hop) reports each one's end in
             # progress[0]: the stall and the timeout count from there, each inner call gets
-            # the time a call of its own would
+            # the time a call of its own would (its caller samples and judges each one)
             since = progress if progress is not None else [time.monotonic()]
             stalled = False
             while not call.done():
@@ -844,16 +885,17 @@ class HiCacheController:
             return None
         exc = call.exception()
         if exc is not None:  # the backend's base class guards, but be sure
-            if what != "write":
+            if what in ("exists", "read"):
                 self.metrics.incr("storage_read_failures")
             logger.error("storage %s failed", what, exc_info=exc)
             if not isinstance(exc, InvalidKeyError):  # the caller's bug says nothing of the store
                 self.health.failed(f"{what} raised {type(exc).__name__}")
             return None
-        if self._backend_errors() > errors:
-            self.health.failed(f"the backend counted an error during a {what}")
-        else:
-            self.health.succeeded()
+        if progress is None:  # a hop's caller judges each inner call, in order (_judge)
+            if self._backend_errors() > errors:
+                self.health.failed(f"the backend counted an error during a {what}")
+            else:
+                self.health.succeeded()
         return call.result()
 
     async def _outlast(self, call: asyncio.Future[Any], what: str) -> bool:

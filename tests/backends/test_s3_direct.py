@@ -448,6 +448,41 @@ async def test_a_bucket_in_another_region_goes_to_botocore(
             assert stats.get("permanent_errors", 0) == 0 and stats.get("backend_errors", 0) == 0
 
 
+async def test_a_region_error_whose_body_arrives_in_pieces_still_goes_to_botocore(
+    moto_endpoint: str, moto_bucket: str, prefix: str
+) -> None:
+    """A 400 AuthorizationHeaderMalformed with no region header, its XML split over two
+    writes (TLS records, chunks, a proxy): the whole body is read, its code found, and the
+    bucket handed to botocore; before, only the first piece was read and every write failed."""
+    keys = keys_for(3, salt=77)
+    xml = (b"<?xml version='1.0' encoding='UTF-8'?>\n<Error><Code>AuthorizationHeaderMalformed</Code>"
+           b"<Message>the region 'us-east-1' is wrong; expecting 'eu-west-1'</Message>"
+           b"<Region>eu-west-1</Region><RequestId>1</RequestId></Error>")
+    async with FaultProxy(moto_endpoint) as proxy:
+        store = make_s3(proxy.endpoint, moto_bucket, prefix, NS_A, **{**FAST, "breaker_threshold": 100})
+        async with store:
+
+            async def elsewhere(request: web.Request) -> web.StreamResponse | None:
+                if "/pages/" not in request.path or not _direct(dict(request.headers)):
+                    return None
+                await request.read()
+                resp = web.StreamResponse(status=400, headers={"Content-Type": "application/xml"})
+                resp.content_length = len(xml)
+                await resp.prepare(request)
+                await resp.write(xml[:40])
+                await asyncio.sleep(0.05)
+                await resp.write(xml[40:])
+                await resp.write_eof()
+                return resp
+
+            proxy.answer = elsewhere
+            src = await write_pages(store, keys, seed=12)
+            assert routes(store)["PutObject"] is None  # the bucket is botocore's now
+            got, dst = await read_pages(store, keys)
+            assert got == [True] * 3 and dst.buffer.equal(src.buffer)
+            assert store.get_stats().get("permanent_errors", 0) == 0
+
+
 async def test_a_learning_that_outlives_its_client_is_dropped(moto_endpoint: str, moto_bucket: str, prefix: str) -> None:
     """A route learned with a client s3fs replaced (and closed) meanwhile is never stored: later
     requests use the new client's session, not the closed one."""

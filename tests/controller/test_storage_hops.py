@@ -6,8 +6,9 @@ What must not change with it: each job's pages land in order and are acknowledge
 as they landed, a job whose batch fails is retried on its own without holding the others
 back, a call that raises is held against the store's health, and a job too large for a hop is
 still written batch by batch. And what a hop adds must not cost anything: each call inside it
-gets the stall limit a call of its own would, what landed before a hop was cut short counts,
-and a finished job is acknowledged without waiting for another job's retries.
+gets the stall limit a call of its own would, is one latency sample and is judged for the
+store's health in the order it ran; what landed before a hop was cut short (or the controller
+closed) counts, and a finished job is acknowledged without waiting for another job's retries.
 """
 
 from __future__ import annotations
@@ -224,3 +225,112 @@ async def test_a_finished_job_is_acknowledged_while_another_retries(opened: Any)
     await stack.controller.drain()
     assert when["good"] - t0 < 0.4 <= when["bad"] - t0
     assert stored(store) == {"bad-0", "good-0"}
+
+
+def one_page_job(stack: Any, key: str, on_done: Any, **extra: Any) -> StorageWriteJob:
+    host = stack.host_pool.alloc(PS)
+    assert host is not None
+    return StorageWriteJob(keys=[key], host_indices=host, prior_key=None, on_done=on_done, **extra)
+
+
+async def test_closing_mid_hop_acknowledges_what_landed_and_reports_only_the_rest() -> None:
+    stack, store = make()
+    await stack.controller.open_storage()
+    store.delay = 0.2
+    done: dict[str, int] = {}
+    for j in range(4):
+        assert stack.controller.submit_storage_write(
+            one_page_job(stack, f"c-{j}", lambda n, j=j: done.__setitem__(f"c-{j}", n)))
+    await asyncio.sleep(0.5)  # two of the four one-call jobs have landed, the third is writing
+    landed = stored(store)
+    report = await stack.controller.aclose(timeout=0.05)
+    await stack.aclose()
+    assert {"c-0", "c-1"} <= landed
+    for key in sorted(landed):  # landed before close: acknowledged as written and counted
+        assert done[key] == 1, done
+    unwritten = {u.first_key for u in report.unwritten}
+    assert unwritten == {f"c-{j}" for j in range(4)} - stored(store)
+    assert all(done[k] == 0 for k in unwritten)
+    assert stack.controller.metrics.pages["h2s"] == len(stored(store))
+    assert stack.controller.metrics.counters["unwritten_on_close"] == len(unwritten)
+
+
+async def test_each_call_inside_a_hop_is_one_latency_sample() -> None:
+    stack, store = make()
+    await stack.controller.open_storage()
+    samples: list[str] = []
+    real = stack.controller.metrics.observe
+
+    def spy(op: str, tier: str, seconds: float) -> None:
+        samples.append(op)
+        real(op, tier, seconds)
+
+    stack.controller.metrics.observe = spy  # type: ignore[method-assign]
+    store.delay = 0.02
+    done: list[int] = []
+    hops = count_hops(stack.controller)
+    for j in range(10):
+        assert stack.controller.submit_storage_write(one_page_job(stack, f"h-{j}", done.append))
+    await stack.controller.drain()
+    await stack.aclose()
+    assert done == [1] * 10 and hops[0] < 10  # they did share hops
+    assert samples.count("set") == store.write_calls == 10
+
+
+async def test_health_judges_a_hops_calls_in_the_order_they_ran() -> None:
+    """Calls 1, 3, 5 raise and 2, 4, 6 land: one call at a time each success resets the
+    error count, so a store that answers every other call is never marked down."""
+    stack, store = make(storage_health_errors=3)
+    await stack.controller.open_storage()
+    real = store.batch_set_v2
+    n = [0]
+
+    async def flaky(transfers: Any, info: Any = None) -> Any:
+        n[0] += 1
+        if n[0] in (1, 3, 5):
+            raise RuntimeError("injected")
+        return await real(transfers, info)
+
+    store.batch_set_v2 = flaky  # type: ignore[method-assign]
+    done: list[int] = []
+    for j in range(6):
+        assert stack.controller.submit_storage_write(one_page_job(stack, f"r-{j}", done.append))
+    await stack.controller.drain()
+    counters = dict(stack.controller.metrics.counters)
+    up = stack.controller.health.up
+    await stack.aclose()
+    assert up and counters["storage_trips"] == 0
+    assert done == [1] * 6  # the three that raised were retried and landed
+
+
+async def test_a_delete_that_raises_in_a_hop_is_logged_and_judged_not_counted_as_a_read(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    stack, store = make(storage_health_errors=5)
+    await stack.controller.open_storage()
+
+    async def boom(keys: Any, pool: Any = None) -> Any:
+        raise RuntimeError("delete exploded")
+
+    store.batch_delete = boom  # type: ignore[method-assign]
+    judged: list[str] = []
+    real_failed = stack.controller.health.failed
+
+    def failed(why: str) -> None:
+        judged.append(why)
+        real_failed(why)
+
+    stack.controller.health.failed = failed  # type: ignore[method-assign]
+    done: list[int] = []
+    with caplog.at_level("ERROR", logger="hicache.controller"):
+        assert stack.controller.submit_storage_write(one_page_job(stack, "d0", done.append, delete_first=["x"]))
+        await stack.controller.drain()
+    counters = dict(stack.controller.metrics.counters)
+    await stack.controller._delete_pages(["y"])  # the same failure on the one-call path
+    one_call = dict(stack.controller.metrics.counters)
+    await stack.aclose()
+    assert done == [1]  # a failed delete never blocks the write
+    assert counters["storage_delete_missed_pages"] == 1
+    assert any("delete exploded" in str(r.exc_info[1]) for r in caplog.records if r.exc_info)
+    assert judged[:2] == ["delete raised RuntimeError"] * 2  # in the hop, then on its own
+    assert counters["storage_read_failures"] == one_call["storage_read_failures"] == 0

@@ -318,7 +318,7 @@ class DirectRequests:
     async def _raise_for(self, resp: Any, route: Route, bucket: str) -> None:
         """Raise what s3fs raises for this error answer (see the module docstring), or
         :class:`UseBotocore` (with the bucket's routes dropped) for a redirect-type one."""
-        body = b"" if resp.method == "HEAD" else await resp.content.read(_MAX_ERROR_BODY)
+        body = b"" if resp.method == "HEAD" else await _error_body(resp)
         code, message = _error_fields(body)
         if _redirected(resp.status, code, resp.headers.get("x-amz-bucket-region"), route.region):
             logger.info("bucket %s is not in %s, its requests' signing region (%s %s): botocore serves it",
@@ -326,6 +326,19 @@ class DirectRequests:
             self.drop(bucket)
             raise UseBotocore(f"{bucket} answered {resp.status} {code or ''}: another region")
         _raise_error(resp, route.operation, code, message)
+
+
+async def _error_body(resp: Any) -> bytes:
+    """An error answer's body, whole up to :data:`_MAX_ERROR_BODY`. ``read(n)`` returns what
+    has arrived so far: an XML error split over TLS records, chunks or a proxy's writes would
+    lose its code (a region error would then never hand the bucket to botocore)."""
+    body = b""
+    while len(body) < _MAX_ERROR_BODY:
+        chunk = await resp.content.read(_MAX_ERROR_BODY - len(body))
+        if not chunk:
+            break
+        body += chunk
+    return body
 
 
 def _route_from(operation: str, request: Any, probe: str) -> Route:
