@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-__all__ = ["device_for", "as_index_array"]
+__all__ = ["device_for", "as_index_array", "integer_tensor_array", "is_one_run"]
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +42,15 @@ def is_one_run(arr: np.ndarray) -> bool:
     return int(arr[-1]) - int(arr[0]) == arr.size - 1 and bool((arr[1:] > arr[:-1]).all())
 
 
+def integer_tensor_array(indices: torch.Tensor) -> np.ndarray:
+    """An integer tensor's values as a 1-D int64 numpy array on the host (a view when the tensor
+    is a CPU int64 one). The caller has checked the dtype (:func:`as_index_array` does)."""
+    flat = indices.detach().reshape(-1)
+    if flat.device.type != "cpu" or flat.dtype != torch.int64:
+        flat = flat.to("cpu", torch.int64)
+    return flat.numpy()
+
+
 def as_index_array(indices: IndexLike, *, what: str = "indices") -> np.ndarray:
     """Indices as a 1-D int64 numpy array on the host.
 
@@ -51,10 +60,7 @@ def as_index_array(indices: IndexLike, *, what: str = "indices") -> np.ndarray:
     if isinstance(indices, torch.Tensor):
         if indices.is_floating_point() or indices.is_complex() or indices.dtype == torch.bool:
             raise TypeError(f"{what} must be an integer tensor, got {indices.dtype}")
-        flat = indices.detach().reshape(-1)
-        if flat.device.type != "cpu" or flat.dtype != torch.int64:
-            flat = flat.to("cpu", torch.int64)
-        arr = flat.numpy()
+        arr = integer_tensor_array(indices)
     elif isinstance(indices, (int, np.integer)):
         arr = np.asarray([int(indices)], dtype=np.int64)
     else:

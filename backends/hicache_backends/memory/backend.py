@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from itertools import repeat
 from typing import Any, ClassVar
 
 import numpy as np
@@ -90,6 +91,44 @@ class MemoryMedium:
             self.pages[entry] = payload
             self.nbytes += len(payload)
             return True
+
+    def put_many(
+        self, entries: Iterable[_Entry], payloads: Iterable[Payload], evicted: list[_Entry] | None = None
+    ) -> list[bool]:
+        """:meth:`put` of each ``(entry, payload)`` in turn, under one lock acquisition.
+
+        Why: a storage batch of small pages is dozens of puts on an I/O thread, and each call
+        and lock round trip is Python the server's event loop waits on for the GIL. The outcome
+        (pages kept, evictions and their order, counters) is that of the puts one by one.
+        ``payloads`` may be a lazy iterable (``map(bytes, views)``): each is made under the lock.
+        """
+        ok: list[bool] = []
+        max_bytes = self.max_bytes
+        pages = self.pages
+        with self.lock:
+            nbytes, evictions = self.nbytes, 0
+            try:
+                for entry, payload in zip(entries, payloads):
+                    size = len(payload)
+                    if size > max_bytes:
+                        ok.append(False)
+                        continue
+                    old = pages.pop(entry, None)
+                    if old is not None:
+                        nbytes -= len(old)
+                    while pages and nbytes + size > max_bytes:
+                        victim, gone = pages.popitem(last=False)
+                        nbytes -= len(gone)
+                        evictions += 1
+                        if evicted is not None:
+                            evicted.append(victim)
+                    pages[entry] = payload
+                    nbytes += size
+                    ok.append(True)
+            finally:
+                self.nbytes = nbytes
+                self.evicted_pages += evictions
+        return ok
 
     def get(self, entry: _Entry) -> Payload | None:
         with self.lock:
@@ -173,9 +212,20 @@ class MemoryStorage(AsyncHiCacheStorage):
             return await run_to_completion(self._store, pages, buffers)
         return self._store(pages, buffers)
 
+    def _entries(self, pages: Sequence[PageKey]) -> Iterable[_Entry]:
+        """The medium's entry of each page, built in C (a page key is a ``(key, pool)`` tuple):
+        no Python call per page."""
+        if not pages:
+            return ()
+        return zip(repeat(self.namespace.digest), *zip(*pages))
+
     def _store(self, pages: Sequence[PageKey], buffers: Sequence[memoryview]) -> list[bool]:
         evicted: list[_Entry] = []
-        ok = [self.medium.put(self._entry(p), _snapshot(b), evicted) for p, b in zip(pages, buffers)]
+        if buffers and max(map(len, buffers)) < _ARRAY_MIN_BYTES:
+            # small pages (see _snapshot): copied as bytes while the lock is held, one lock a batch
+            ok = self.medium.put_many(self._entries(pages), map(bytes, buffers), evicted)
+        else:  # big pages are copied outside the lock, with the GIL released, one at a time
+            ok = [self.medium.put(e, _snapshot(b), evicted) for e, b in zip(self._entries(pages), buffers)]
         if evicted:  # a shared medium evicts other namespaces' pages too: report only ours
             digest = self.namespace.digest
             self.report_removed([PageKey(k, p) for d, k, p in evicted if d == digest], reason="evicted")
