@@ -516,8 +516,7 @@ class AsyncHiCacheStorage(ABC):
         if not starts:
             return [False] * len(keys)
         self._drop_overlapping_targets(name, starts, pool.page_size)
-        good = [i for i, st in enumerate(starts) if st is not None]
-        good_starts = [starts[i] for i in good]
+        good, good_starts = _good(starts)
         if not good:
             return [False] * len(keys)
         pieces = self._segments(pool, good_starts)
@@ -581,8 +580,7 @@ class AsyncHiCacheStorage(ABC):
         pool, starts = self._starts(name, keys, host_indices, "set")
         if not starts:
             return [False] * len(keys)
-        good = [i for i, st in enumerate(starts) if st is not None]
-        good_starts = [starts[i] for i in good]
+        good, good_starts = _good(starts)
         if not good:
             return [False] * len(keys)
         views = page_io.live_views(pool, good_starts)
@@ -850,6 +848,15 @@ class AsyncHiCacheStorage(ABC):
         except Exception:  # noqa: BLE001
             logger.exception("%s: stats failed", type(self).__name__)
         return out
+
+
+def _good(starts: list[int | None]) -> tuple[list[int], list[int]]:
+    """The positions of the pages that have a start, and their starts (the whole list, without
+    a Python iteration per page, when every page has one: the usual batch)."""
+    if None not in starts:
+        return list(range(len(starts))), starts  # type: ignore[return-value] # no None in it
+    good = [i for i, st in enumerate(starts) if st is not None]
+    return good, [starts[i] for i in good]  # type: ignore[misc]
 
 
 def _page_keys(keys: Sequence[str], pool: str) -> list[PageKey]:
