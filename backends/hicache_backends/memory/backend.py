@@ -113,14 +113,14 @@ class MemoryMedium:
         total = sum(map(len, payloads))
         with self.lock:
             pages = self.pages
-            if (
-                self.nbytes + total <= self.max_bytes
-                and pages.keys().isdisjoint(entries)
-                and len(set(entries)) == n
-            ):
+            if self.nbytes + total <= self.max_bytes and pages.keys().isdisjoint(entries):
+                before = len(pages)
                 pages.update(zip(entries, payloads))
-                self.nbytes += total
-                return [True] * n
+                if len(pages) == before + n:
+                    self.nbytes += total
+                    return [True] * n
+                for e in entries:  # an entry twice in the batch (rare): undo, then one by one
+                    pages.pop(e, None)
             return [self._put_locked(e, p, evicted) for e, p in zip(entries, payloads)]
 
     def get(self, entry: _Entry) -> Payload | None:
