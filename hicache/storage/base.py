@@ -475,9 +475,10 @@ class AsyncHiCacheStorage(ABC):
         for transfer in transfers:
             name = pool_name_str(transfer.name)
             keys = validate_keys(transfer.keys or [])
+            parents: Sequence[PageKey | None]
             if name == KV:  # each page's parent is the page before it (validated keys: never empty)
-                parents: list[PageKey | None] = [PageKey(prefix[-1], KV) if prefix else None]
-                parents += _page_keys(keys[:-1], KV)
+                first: list[PageKey | None] = [PageKey(prefix[-1], KV) if prefix else None]
+                parents = first + _page_keys(keys[:-1], KV)
             else:  # an extra pool's page lives and dies with the KV page of the same key
                 parents = _page_keys(keys, KV)
             results[name] = await self._set_pool_pages(name, keys, transfer.host_indices, parents)
@@ -575,7 +576,7 @@ class AsyncHiCacheStorage(ABC):
         name: str,
         keys: list[str],
         host_indices: torch.Tensor | None,
-        parents: list[PageKey | None],
+        parents: Sequence[PageKey | None],
     ) -> list[bool]:
         pool, starts = self._starts(name, keys, host_indices, "set")
         if not starts:
@@ -645,7 +646,7 @@ class AsyncHiCacheStorage(ABC):
         keys: list[str],
         good: list[int],
         pieces: list[PageSegments | None],
-        parents: list[PageKey | None] | None,
+        parents: Sequence[PageKey | None] | None,
     ) -> list[bool]:
         """Read (``parents is None``) or write the pages straight from/into pool memory."""
         live = [(i, seg) for i, seg in zip(good, pieces) if seg is not None]
