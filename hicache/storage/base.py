@@ -475,13 +475,16 @@ class AsyncHiCacheStorage(ABC):
         for transfer in transfers:
             name = pool_name_str(transfer.name)
             keys = validate_keys(transfer.keys or [])
+            kv_pages = _page_keys(keys, KV)
             parents: Sequence[PageKey | None]
             if name == KV:  # each page's parent is the page before it (validated keys: never empty)
                 first: list[PageKey | None] = [PageKey(prefix[-1], KV) if prefix else None]
-                parents = first + _page_keys(keys[:-1], KV)
+                parents = first + kv_pages[:-1]
             else:  # an extra pool's page lives and dies with the KV page of the same key
-                parents = _page_keys(keys, KV)
-            results[name] = await self._set_pool_pages(name, keys, transfer.host_indices, parents)
+                parents = kv_pages
+            results[name] = await self._set_pool_pages(
+                name, keys, transfer.host_indices, parents, kv_pages if name == KV else None
+            )
         return results
 
     def _starts(self, name: str, keys: list[str], host_indices: torch.Tensor | None, op: str) -> tuple[Any, list[int | None] | None]:
@@ -577,7 +580,10 @@ class AsyncHiCacheStorage(ABC):
         keys: list[str],
         host_indices: torch.Tensor | None,
         parents: Sequence[PageKey | None],
+        pages: list[PageKey] | None = None,
     ) -> list[bool]:
+        """Write ``keys``' pages of pool ``name``; ``pages``: their page keys when the caller
+        has them already (made once a batch: the KV ones are the parents too)."""
         pool, starts = self._starts(name, keys, host_indices, "set")
         if not starts:
             return [False] * len(keys)
@@ -588,11 +594,11 @@ class AsyncHiCacheStorage(ABC):
         if views is not None:
             # live views of every page (a page_first pool of ours): written straight from the
             # pool, asked for once (no needs_thread probe, no second ask in write_sources)
+            if pages is None:
+                pages = _page_keys(keys, name)
             if len(good) == len(keys):  # the usual batch: every page is good
-                return await self._write_guarded(_page_keys(keys, name), views, parents)
-            done = await self._write_guarded(
-                _page_keys([keys[i] for i in good], name), views, [parents[i] for i in good]
-            )
+                return await self._write_guarded(pages, views, parents)
+            done = await self._write_guarded([pages[i] for i in good], views, [parents[i] for i in good])
             return _scatter(len(keys), good, done)
         pieces = self._segments(pool, good_starts)
         if pieces is not None:
