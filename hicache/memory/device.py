@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-__all__ = ["device_for", "as_index_array"]
+__all__ = ["device_for", "as_index_array", "integer_tensor_array", "is_one_run"]
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +39,20 @@ def is_one_run(arr: np.ndarray) -> bool:
     exactly its length): what a sorted free list hands out and a backup of one node copies, so
     callers check it first and validate page by page only otherwise (one byte a token of
     scratch instead of nine)."""
-    return int(arr[-1]) - int(arr[0]) == arr.size - 1 and bool((arr[1:] > arr[:-1]).all())
+    # count_nonzero: a third of the time of .all() on the thousands of indices of a batch
+    return int(arr[-1]) - int(arr[0]) == arr.size - 1 and np.count_nonzero(arr[1:] > arr[:-1]) == arr.size - 1
+
+
+def integer_tensor_array(indices: torch.Tensor) -> np.ndarray:
+    """An integer tensor's values as a 1-D int64 numpy array on the host (a view when the tensor
+    is a CPU int64 one). The caller has checked the dtype (:func:`as_index_array` does)."""
+    if indices.dtype is torch.int64 and indices.device.type == "cpu" and not indices.requires_grad:
+        # the usual case in numpy: each torch call (detach, reshape) releases and retakes the GIL
+        return indices.numpy().reshape(-1)
+    flat = indices.detach().reshape(-1)
+    if flat.device.type != "cpu" or flat.dtype != torch.int64:
+        flat = flat.to("cpu", torch.int64)
+    return flat.numpy()
 
 
 def as_index_array(indices: IndexLike, *, what: str = "indices") -> np.ndarray:
@@ -51,10 +64,7 @@ def as_index_array(indices: IndexLike, *, what: str = "indices") -> np.ndarray:
     if isinstance(indices, torch.Tensor):
         if indices.is_floating_point() or indices.is_complex() or indices.dtype == torch.bool:
             raise TypeError(f"{what} must be an integer tensor, got {indices.dtype}")
-        flat = indices.detach().reshape(-1)
-        if flat.device.type != "cpu" or flat.dtype != torch.int64:
-            flat = flat.to("cpu", torch.int64)
-        arr = flat.numpy()
+        arr = integer_tensor_array(indices)
     elif isinstance(indices, (int, np.integer)):
         arr = np.asarray([int(indices)], dtype=np.int64)
     else:

@@ -21,6 +21,7 @@ and the engine copies with numpy and torch (:mod:`hicache.memory.transfer`).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -71,6 +72,11 @@ class SpanSide:
     pieces: np.ndarray
     layer_stride: int
 
+    @cached_property
+    def piece_starts(self) -> np.ndarray:
+        """``base + pieces``: where each piece of unit 0 starts (once per side, not per table)."""
+        return self.base + self.pieces
+
 
 @dataclass(frozen=True, eq=False)
 class SpanPair:
@@ -93,18 +99,19 @@ class SpanPair:
         return plan.memo((self, to_host), lambda: self._table(plan, to_host))
 
     def _table(self, plan: TransferPlan, to_host: bool) -> np.ndarray:
+        # As few numpy calls as it takes: a copy thread builds one table per backup, and each
+        # call on thousands of rows lets go of the GIL and waits to take it back from the loop.
         dst, src = (self.host, self.device) if to_host else (self.device, self.host)
+        table = np.empty((plan.runs.shape[0] if self.runs_merge else plan.num_units, dst.pieces.size, 3), dtype=np.int64)
         if self.runs_merge:
             runs = plan.runs
-            s_units, d_units, length = runs[:, 0], runs[:, 1], runs[:, 2] * self.piece_bytes
+            s_units, d_units = runs[:, 0], runs[:, 1]
+            np.multiply(runs[:, 2, None], self.piece_bytes, out=table[:, :, 2])
         else:
             s_units, d_units = plan.src_units, plan.dst_units
-            length = np.full(s_units.size, self.piece_bytes, dtype=np.int64)
-        npieces = dst.pieces.size
-        table = np.empty((s_units.size, npieces, 3), dtype=np.int64)
-        table[:, :, 0] = np.add.outer(dst.base + d_units * dst.unit_stride, dst.pieces)
-        table[:, :, 1] = np.add.outer(src.base + s_units * src.unit_stride, src.pieces)
-        table[:, :, 2] = length[:, None]
+            table[:, :, 2] = self.piece_bytes
+        np.add.outer(d_units * dst.unit_stride, dst.piece_starts, out=table[:, :, 0])
+        np.add.outer(s_units * src.unit_stride, src.piece_starts, out=table[:, :, 1])
         table = table.reshape(-1, 3)
         table.setflags(write=False)  # cached and shared by every layer (and thread) of a copy
         return table

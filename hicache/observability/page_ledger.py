@@ -19,8 +19,9 @@ O(keys) dict operations.
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
+from itertools import repeat
 
 from hicache.observability.tier_events import ChangeKind, Tier, TierChange, TierChangeHub
 
@@ -42,6 +43,8 @@ LEDGER_WANTS = frozenset(
     | {(kind, tier) for kind in (ChangeKind.REMOVED, ChangeKind.CLEARED) for tier in Tier}
 )
 _LOST_MASK = LOST_DEVICE | LOST_HOST | LOST_STORAGE | CORRUPT
+#: every flag a key can hold
+_ALL = IN_STORAGE | _LOST_MASK
 #: removal reasons a tier gives for a page that failed verification
 CORRUPT_REASONS = frozenset({"corrupt", "verification_failed", "verification"})
 
@@ -110,9 +113,16 @@ class PageLedger:
         keep = ~clear_bits
         with self._lock:
             flags = self._flags
-            for key in keys:
-                flags[key] = (flags.get(key, 0) & keep) | set_bits
-                flags.move_to_end(key)
+            if not keep & _ALL & ~set_bits:
+                # every flag is either set or cleared: the new value is set_bits whatever the
+                # old one (a store to storage, a removal from it), so the batch is two C loops
+                # instead of a Python iteration per key; order as below (last occurrence last)
+                flags.update(zip(keys, repeat(set_bits)))
+                deque(map(flags.move_to_end, keys), maxlen=0)
+            else:
+                for key in keys:
+                    flags[key] = (flags.get(key, 0) & keep) | set_bits
+                    flags.move_to_end(key)
             while len(flags) > self.capacity:
                 old, _ = flags.popitem(last=False)
                 self._forget(old)

@@ -34,6 +34,7 @@ import logging
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from itertools import repeat
 from typing import Any, ClassVar
 
 import torch
@@ -279,7 +280,7 @@ class AsyncHiCacheStorage(ABC):
         if flags is None:
             return [False] * n
         try:
-            flags = [bool(f) for f in flags]
+            flags = list(map(bool, flags))
         except TypeError:
             flags = []
         if len(flags) != n:
@@ -348,7 +349,10 @@ class AsyncHiCacheStorage(ABC):
         self.stats.incr("write_pages", len(pages))
         self.stats.incr("write_ok", done)
         self.stats.incr("write_failures", len(pages) - done)
-        self.stats.incr("write_bytes", sum(len(b) for b, f in zip(buffers, ok) if f))
+        if done == len(ok) == len(buffers):  # the usual batch: every page stored
+            self.stats.incr("write_bytes", sum(map(len, buffers)))
+        else:
+            self.stats.incr("write_bytes", sum(len(b) for b, f in zip(buffers, ok) if f))
         self.stats.incr("write_seconds", time.perf_counter() - t0)
         changes.report_written(self.tier_changes, self.backend_name, self._kv_page_size(), pages, parents, ok)
         return ok
@@ -471,12 +475,16 @@ class AsyncHiCacheStorage(ABC):
         for transfer in transfers:
             name = pool_name_str(transfer.name)
             keys = validate_keys(transfer.keys or [])
-            if name == KV:
-                chain = [prefix[-1] if prefix else None, *keys[:-1]]
-                parents = [PageKey(p, KV) if p else None for p in chain]
+            kv_pages = _page_keys(keys, KV)
+            parents: Sequence[PageKey | None]
+            if name == KV:  # each page's parent is the page before it (validated keys: never empty)
+                first: list[PageKey | None] = [PageKey(prefix[-1], KV) if prefix else None]
+                parents = first + kv_pages[:-1]
             else:  # an extra pool's page lives and dies with the KV page of the same key
-                parents = [PageKey(k, KV) for k in keys]
-            results[name] = await self._set_pool_pages(name, keys, transfer.host_indices, parents)
+                parents = kv_pages
+            results[name] = await self._set_pool_pages(
+                name, keys, transfer.host_indices, parents, kv_pages if name == KV else None
+            )
         return results
 
     def _starts(self, name: str, keys: list[str], host_indices: torch.Tensor | None, op: str) -> tuple[Any, list[int | None] | None]:
@@ -484,8 +492,8 @@ class AsyncHiCacheStorage(ABC):
         malformed); ``None`` instead of the list when the batch as a whole is malformed."""
         pool = self._pool(name)
         if isinstance(host_indices, torch.Tensor) and host_indices.device.type != "cpu":
-            host_indices = host_indices.cpu()  # one device sync for both checks below
-        starts = page_io.page_starts(host_indices, len(keys), pool.page_size)
+            host_indices = host_indices.cpu()  # one device sync for every check below
+        starts, bad = page_io.checked_starts(host_indices, len(keys), pool.page_size)
         if starts is None:
             self.stats.incr("invalid_requests")
             got = host_indices.numel() if isinstance(host_indices, torch.Tensor) else None
@@ -495,8 +503,6 @@ class AsyncHiCacheStorage(ABC):
                 pool.page_size, got,
             )
             return pool, None
-        assert host_indices is not None
-        bad = page_io.malformed_pages(host_indices, len(keys), pool.page_size)
         if bad:
             self.stats.incr("invalid_requests")
             logger.error(
@@ -504,7 +510,7 @@ class AsyncHiCacheStorage(ABC):
                 "non-negative token indices (first at position %d); those pages fail",
                 type(self).__name__, op, name, len(bad), pool.page_size, bad[0],
             )
-        out: list[int | None] = list(starts)
+        out: list[int | None] = starts  # type: ignore[assignment] # a fresh list of ours
         for i in bad:
             out[i] = None
         return pool, out
@@ -514,8 +520,7 @@ class AsyncHiCacheStorage(ABC):
         if not starts:
             return [False] * len(keys)
         self._drop_overlapping_targets(name, starts, pool.page_size)
-        good = [i for i, st in enumerate(starts) if st is not None]
-        good_starts = [starts[i] for i in good]
+        good, good_starts = _good(starts)
         if not good:
             return [False] * len(keys)
         pieces = self._segments(pool, good_starts)
@@ -574,15 +579,27 @@ class AsyncHiCacheStorage(ABC):
         name: str,
         keys: list[str],
         host_indices: torch.Tensor | None,
-        parents: list[PageKey | None],
+        parents: Sequence[PageKey | None],
+        pages: list[PageKey] | None = None,
     ) -> list[bool]:
+        """Write ``keys``' pages of pool ``name``; ``pages``: their page keys when the caller
+        has them already (made once a batch: the KV ones are the parents too)."""
         pool, starts = self._starts(name, keys, host_indices, "set")
         if not starts:
             return [False] * len(keys)
-        good = [i for i, st in enumerate(starts) if st is not None]
-        good_starts = [starts[i] for i in good]
+        good, good_starts = _good(starts)
         if not good:
             return [False] * len(keys)
+        views = page_io.live_views(pool, good_starts)
+        if views is not None:
+            # live views of every page (a page_first pool of ours): written straight from the
+            # pool, asked for once (no needs_thread probe, no second ask in write_sources)
+            if pages is None:
+                pages = _page_keys(keys, name)
+            if len(good) == len(keys):  # the usual batch: every page is good
+                return await self._write_guarded(pages, views, parents)
+            done = await self._write_guarded([pages[i] for i in good], views, [parents[i] for i in good])
+            return _scatter(len(keys), good, done)
         pieces = self._segments(pool, good_starts)
         if pieces is not None:
             return await self._move_segments(name, keys, good, pieces, parents)
@@ -635,7 +652,7 @@ class AsyncHiCacheStorage(ABC):
         keys: list[str],
         good: list[int],
         pieces: list[PageSegments | None],
-        parents: list[PageKey | None] | None,
+        parents: Sequence[PageKey | None] | None,
     ) -> list[bool]:
         """Read (``parents is None``) or write the pages straight from/into pool memory."""
         live = [(i, seg) for i, seg in zip(good, pieces) if seg is not None]
@@ -838,6 +855,21 @@ class AsyncHiCacheStorage(ABC):
         except Exception:  # noqa: BLE001
             logger.exception("%s: stats failed", type(self).__name__)
         return out
+
+
+def _good(starts: list[int | None]) -> tuple[list[int], list[int]]:
+    """The positions of the pages that have a start, and their starts (the whole list, without
+    a Python iteration per page, when every page has one: the usual batch)."""
+    if None not in starts:
+        return list(range(len(starts))), starts  # type: ignore[return-value] # no None in it
+    good = [i for i, st in enumerate(starts) if st is not None]
+    return good, [starts[i] for i in good]  # type: ignore[misc]
+
+
+def _page_keys(keys: Sequence[str], pool: str) -> list[PageKey]:
+    """``[PageKey(k, pool) for k in keys]`` built in C: a named tuple's ``__new__`` is a Python
+    function, a call per page on the I/O thread that the event loop waits on for the GIL."""
+    return list(map(tuple.__new__, repeat(PageKey), zip(keys, repeat(pool))))
 
 
 def _scatter(n: int, positions: Sequence[int], flags: Sequence[bool]) -> list[bool]:

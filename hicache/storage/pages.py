@@ -16,16 +16,18 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 import torch
 
-from hicache.memory.device import as_index_array, is_one_run
+from hicache.memory.device import as_index_array, integer_tensor_array, is_one_run
 
 __all__ = [
     "HostPagePool",
     "ReadTarget",
     "as_bytes",
+    "checked_starts",
     "page_nbytes",
     "page_starts",
     "read_targets",
     "commit_reads",
+    "live_views",
     "write_sources",
 ]
 
@@ -74,18 +76,40 @@ def page_nbytes_hint(pool: Any) -> int | None:
     return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
 
 
+def _fits(host_indices: torch.Tensor | None, num_keys: int, page_size: int) -> bool:
+    """Whether ``host_indices`` is an integer tensor of ``num_keys * page_size`` indices."""
+    return (
+        isinstance(host_indices, torch.Tensor)
+        and host_indices.numel() == num_keys * page_size
+        and not (host_indices.is_floating_point() or host_indices.is_complex() or host_indices.dtype is torch.bool)
+    )
+
+
 def page_starts(host_indices: torch.Tensor | None, num_keys: int, page_size: int) -> list[int] | None:
     """First token index of each page, or ``None`` when indices and keys disagree in length
     (or the indices are not integers)."""
-    if host_indices is None or not isinstance(host_indices, torch.Tensor):
+    if not _fits(host_indices, num_keys, page_size):
         return None
-    if host_indices.numel() != num_keys * page_size:
-        return None
-    if host_indices.is_floating_point() or host_indices.is_complex() or host_indices.dtype is torch.bool:
-        return None
+    assert host_indices is not None
     if num_keys == 0:
         return []
     return host_indices.reshape(-1)[::page_size].tolist()
+
+
+def checked_starts(host_indices: torch.Tensor | None, num_keys: int, page_size: int) -> tuple[list[int] | None, list[int]]:
+    """:func:`page_starts` and :func:`malformed_pages` of one batch: ``(None, [])`` when the
+    batch is malformed as a whole, else ``(starts, bad)``.
+
+    Why one call: a storage write checks every batch on its I/O thread, and each torch call
+    there hands the GIL around; the indices are checked and turned into numpy once, not twice.
+    """
+    if not _fits(host_indices, num_keys, page_size):
+        return None, []
+    assert host_indices is not None
+    if num_keys == 0:
+        return [], []
+    arr = integer_tensor_array(host_indices)
+    return arr[::page_size].tolist(), _malformed(arr, num_keys, page_size)
 
 
 def malformed_pages(host_indices: torch.Tensor, num_keys: int, page_size: int) -> list[int]:
@@ -98,7 +122,11 @@ def malformed_pages(host_indices: torch.Tensor, num_keys: int, page_size: int) -
     """
     if num_keys == 0:
         return []
-    arr = as_index_array(host_indices, what="host_indices")
+    return _malformed(as_index_array(host_indices, what="host_indices"), num_keys, page_size)
+
+
+def _malformed(arr: np.ndarray, num_keys: int, page_size: int) -> list[int]:
+    """:func:`malformed_pages` of the indices as a 1-D int64 array of ``num_keys * page_size``."""
     if page_size == 1:
         return np.flatnonzero(arr < 0).tolist()
     if arr[0] >= 0 and is_one_run(arr):
@@ -118,9 +146,12 @@ def _live_view(pool: Any, index: int) -> torch.Tensor | None:
     return view
 
 
-def _live_views(pool: Any, starts: Sequence[int]) -> list[memoryview] | None:
+def live_views(pool: Any, starts: Sequence[int]) -> list[memoryview] | None:
     """Byte views of all pages in one call, when the pool offers ``page_views`` (ours, for
-    ``page_first``) and accepts every index; ``None``: ask page by page."""
+    ``page_first``) and accepts every index; ``None``: ask page by page.
+
+    A pool's ``page_views`` answers a list only where ``page_view`` gives each page a live
+    contiguous CPU view, so a list also says that :func:`needs_thread` is false."""
     views_fn = getattr(pool, "page_views", None)
     if views_fn is None:
         return None
@@ -132,7 +163,7 @@ def _live_views(pool: Any, starts: Sequence[int]) -> list[memoryview] | None:
 
 def write_sources(pool: Any, starts: Sequence[int]) -> list[memoryview | None]:
     """Byte views of each page to write; ``None`` for a page the pool cannot produce."""
-    views = _live_views(pool, starts)
+    views = live_views(pool, starts)
     if views is not None:
         return list(views)
     out: list[memoryview | None] = []
@@ -166,7 +197,7 @@ def read_targets(pool: Any, starts: Sequence[int]) -> list[ReadTarget | None]:
     one shared scratch tensor (fine for a read-then-commit loop) would otherwise have every page
     of the batch read into the same bytes and commit the last page's payload under every key.
     """
-    views = _live_views(pool, starts)
+    views = live_views(pool, starts)
     if views is not None:
         return [ReadTarget(index, view, None) for index, view in zip(starts, views)]
     out: list[ReadTarget | None] = []

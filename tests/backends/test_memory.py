@@ -68,3 +68,53 @@ async def test_big_batches_round_trip_through_the_worker_thread() -> None:
     assert await store.batch_get_v1(keys, dst.indices(0, 3)) == [True] * 3
     assert torch.equal(dst.buffer, src.buffer)
     await store.aclose()
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_put_many_matches_puts_one_by_one(seed: int) -> None:
+    """A batch put (one lock; one ``update`` when new pages fit) ends exactly as the puts one
+    by one: same flags, pages in the same LRU order, evictions in order, same counters - with
+    repeated keys in and across batches, replaced pages, evictions and oversized pages."""
+    import random
+
+    rng = random.Random(seed)
+    cap = rng.choice([250, 1_000, 1 << 20])  # evicting often, sometimes, never
+    one, many = MemoryMedium(cap), MemoryMedium(cap)
+    for b in range(40):
+        n = rng.randint(0, 10)
+        if b % 3:  # keys seen before, repeated within the batch too
+            entries = [("ns", f"k{rng.randint(0, 30)}", "kv") for _ in range(n)]
+        else:  # new keys, the last few of them twice
+            entries = [("ns", f"n{b}.{i}", "kv") for i in range(n)]
+            entries += entries[: rng.randint(0, 2)]
+        payloads = [bytes([b % 256]) * rng.choice([0, 1, 40, 120, 300]) for _ in entries]
+        ev_one: list = []
+        ev_many: list = []
+        assert many.put_many(entries, payloads, ev_many) == [one.put(e, p, ev_one) for e, p in zip(entries, payloads)]
+        assert ev_many == ev_one
+        assert list(many.pages.items()) == list(one.pages.items())
+        assert (many.nbytes, many.evicted_pages) == (one.nbytes, one.evicted_pages)
+
+
+def test_put_many_needs_one_payload_per_entry() -> None:
+    with pytest.raises(ValueError, match="2 entries but 1 payloads"):
+        MemoryMedium(100).put_many([("ns", "a", "kv"), ("ns", "b", "kv")], [b"x"])
+
+
+async def test_batch_write_evicts_and_reports_like_single_writes() -> None:
+    """A batch bigger than the medium evicts its own first pages in order, and reports them."""
+    import torch
+
+    from hicache.observability.tier_events import ChangeKind, Tier
+
+    store = create_async_storage("memory", None, max_bytes=10_000)
+    removed: list[str] = []
+    store.tier_changes.subscribe(lambda c: removed.extend(c.keys), wants={(ChangeKind.REMOVED, Tier.STORAGE)})
+    async with store:
+        keys = [f"k{i}" for i in range(50)]
+        assert await store.batch_set(keys, [torch.full((1000,), i, dtype=torch.uint8) for i in range(50)])
+        stats = store.get_stats()
+        assert (stats["stored_bytes"], stats["evicted_pages"]) == (10_000, 40)
+        assert removed == keys[:40]
+        assert await store.batch_exists(keys[40:]) == 10
+        assert (await store.get("k45"))[0] == 45

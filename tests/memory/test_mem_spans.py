@@ -399,3 +399,36 @@ def test_span_tables_match_torch_for_any_strided_views(pair, per_layer, to_host,
         else:
             sp.copy(plan, **kw)
         assert torch.equal(storage_copy(dst), want_storage)
+
+
+def reference_table(sp: spans.SpanPair, plan: transfer.TransferPlan, to_host: bool) -> np.ndarray:
+    """The ``(dst, src, nbytes)`` rows as :meth:`SpanPair._table` built them before it cut its
+    numpy calls: unit by unit (or run by run), piece by piece, in order."""
+    dst, src = (sp.host, sp.device) if to_host else (sp.device, sp.host)
+    if sp.runs_merge:
+        units = [(s, d, k * sp.piece_bytes) for s, d, k in plan.runs.tolist()]
+    else:
+        units = [(s, d, sp.piece_bytes) for s, d in zip(plan.src_units.tolist(), plan.dst_units.tolist())]
+    out = [
+        (dst.base + d * dst.unit_stride + dp, src.base + s * src.unit_stride + sp_, n)
+        for s, d, n in units
+        for dp, sp_ in zip(dst.pieces.tolist(), src.pieces.tolist())
+    ]
+    return np.array(out, dtype=np.int64).reshape(-1, 3)
+
+
+@native_only
+@given(pair=view_pairs(), per_layer=st.booleans(), to_host=st.booleans())
+@settings(max_examples=200, deadline=None)
+def test_span_table_rows_match_unit_by_unit_rows(pair, per_layer, to_host):
+    dev, host, dev_units, host_units = pair
+    sp = span_pair(dev, host, layer_dim=2 if per_layer else None)
+    if sp is None:
+        return
+    src, dst = (dev, host) if to_host else (host, dev)
+    s_units, d_units = (dev_units, host_units) if to_host else (host_units, dev_units)
+    plan = transfer.make_plan(torch.tensor(s_units), src.shape[0], torch.tensor(d_units), dst.shape[0], 1,
+                              src_what="s", dst_what="d")
+    table = sp.table(plan, to_host=to_host)
+    assert table.dtype == np.int64 and table.flags.c_contiguous and not table.flags.writeable
+    np.testing.assert_array_equal(table, reference_table(sp, plan, to_host))

@@ -87,3 +87,46 @@ async def test_v2_round_trip_across_layouts_with_mamba(fill_bytes):
     assert kv_bytes(dst_kv, [0, 1, 2]) == kv_bytes(src_kv, [5, 6, 1])
     for name in ("conv", "ssm"):
         assert torch.equal(dst_state.states[name][1].view(torch.uint8), src_state.states[name][3].view(torch.uint8))
+
+
+@pytest.mark.parametrize("seed", range(6))
+async def test_batch_write_from_page_views_matches_the_page_protocol(fill_bytes, seed):
+    """A ``page_first`` pool's batch is written from views asked for once (``page_views``); a
+    ``layer_first`` pool's goes page by page through the page protocol. Random batches with
+    malformed pages (scattered, negative) and a page past the pool's end (``page_views`` then
+    refuses the batch, and it is asked page by page) end alike: same flags, counters, stored
+    payloads and reported stores."""
+    import random
+
+    from hicache.observability.tier_events import ChangeKind, Tier
+
+    ps, pages = 4, 8
+    dev = MHATokenToKVPool(pages * ps, ps, torch.bfloat16, 2, 8, 3, "cpu")
+    fill_bytes(dev.kv_data, seed)
+    results = []
+    for layout in ("page_first", "layer_first"):
+        host = MHATokenToKVPoolHost(dev, page_size=ps, layout=layout, host_to_device_ratio=1.0)
+        assert host.num_pages == pages
+        async with CopyEngine(dev, host) as eng:
+            await eng.backup(token_idx(list(range(pages)), ps), token_idx(list(range(pages)), ps))
+        store = storage.create_async_storage("memory", None)
+        store.register_mem_pool_host(host)
+        stored: list[str] = []
+        store.tier_changes.subscribe(lambda c: stored.extend(c.keys), wants={(ChangeKind.STORED, Tier.STORAGE)})
+        batch_rng = random.Random(seed)  # the same batches for both pools
+        flags = []
+        async with store:
+            for b in range(6):
+                n = batch_rng.randint(1, 6)
+                chosen = [batch_rng.randrange(pages + (b % 3 == 2)) for _ in range(n)]  # pages: past the end
+                idx = token_idx(chosen, ps)
+                if b % 2:
+                    idx[batch_rng.randrange(idx.numel())] = batch_rng.choice([-1, 3, 17])
+                keys = [f"b{b}p{i}" for i in range(n)]
+                flags.append((await store.batch_set_v2([storage.PoolTransfer(name="kv", host_indices=idx, keys=keys)]))["kv"])
+            payloads = {p.key: bytes(store.medium.get((store.namespace.digest, p.key, p.pool)))
+                        for p, _ in await store.list_pages()}
+            counters = {k: v for k, v in store.get_stats().items() if not k.endswith("seconds")}
+        results.append((flags, counters, payloads, sorted(stored)))
+    assert results[0] == results[1]
+    assert any(not all(f) for f in results[0][0]) and any(all(f) for f in results[0][0])

@@ -73,3 +73,45 @@ def test_threads_feed_it_at_once() -> None:
     for th in threads:
         th.join()
     assert len(ledger) == 1000 and ledger.forgotten == 1000
+
+
+class _KeyByKeyLedger(PageLedger):
+    """The ledger updating one key at a time (what every change did before stores and storage
+    removals took the two-C-loop path): the oracle for the random test below."""
+
+    def _update(self, keys, set_bits, clear_bits):  # type: ignore[no-untyped-def]
+        if not keys or self.capacity == 0:
+            if keys and self.capacity == 0:
+                for key in keys:
+                    self._forget(key)
+            return
+        for key in keys:
+            self._flags[key] = (self._flags.get(key, 0) & ~clear_bits) | set_bits
+            self._flags.move_to_end(key)
+        while len(self._flags) > self.capacity:
+            self._forget(self._flags.popitem(last=False)[0])
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_batched_updates_match_key_by_key(seed: int) -> None:
+    """Random stores, removals (corrupt ones too) and clears on every tier, with keys repeated
+    within and across changes and a capacity that forgets: same flags, same order (what the
+    capacity forgets next), same forgotten bitmap."""
+    import random
+
+    rng = random.Random(seed)
+    capacity = rng.choice([0, 3, 12, 1000])
+    fast, slow = PageLedger(capacity, forgotten_bits=64), _KeyByKeyLedger(capacity, forgotten_bits=64)
+    for _ in range(60):
+        keys = tuple(f"k{rng.randint(0, 20)}" for _ in range(rng.randint(0, 8)))
+        tier = rng.choice(list(Tier))
+        change = rng.choice([
+            stored(tier, *keys),
+            removed(tier, *keys),
+            removed(tier, *keys, reason="corrupt"),
+            TierChange(ChangeKind.CLEARED, Tier.STORAGE),
+        ])
+        fast.observe(change)
+        slow.observe(change)
+        assert list(fast._flags.items()) == list(slow._flags.items())
+        assert (fast.forgotten, fast._bits) == (slow.forgotten, slow._bits)
