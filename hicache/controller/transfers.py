@@ -38,9 +38,11 @@ def all_pools_ok(result: dict[str, list[bool]] | None, n: int) -> list[bool]:
     """Per page: did every pool of the transfer succeed? (``None`` result: nothing did.)"""
     if result is None:
         return [False] * n
-    flags = [True] * n
+    flags: list[bool] | None = None  # all True until a pool failed a page
     for pool_flags in result.values():
-        for i in range(n):
-            if i >= len(pool_flags) or not pool_flags[i]:
-                flags[i] = False
-    return flags
+        head = list(pool_flags[:n])
+        if len(head) == n and all(head):
+            continue  # the usual answer: no step per page
+        head += [False] * (n - len(head))
+        flags = [bool(f) for f in head] if flags is None else [a and bool(f) for a, f in zip(flags, head)]
+    return [True] * n if flags is None else flags

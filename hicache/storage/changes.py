@@ -13,6 +13,7 @@ Storage knows keys and parents, not tokens: a stored event's ``token_ids`` is em
 from __future__ import annotations
 
 from collections.abc import Sequence
+from operator import attrgetter
 
 from hicache.observability.tier_events import ChangeKind, Tier, TierChange, TierChangeHub
 from hicache.storage.types import PageKey, PoolName
@@ -34,6 +35,10 @@ def report_written(
     page failed or its parent is not the page before it)."""
     if not hub.wants(ChangeKind.STORED, Tier.STORAGE):
         return
+    if _one_run(pages, parents, ok):  # the usual batch: one event, no loop over its pages
+        parent = parents[0]
+        _flush(hub, backend, page_size, list(map(_key_of, pages)), parent.key if parent is not None else None)
+        return
     run: list[str] = []
     run_parent: str | None = None
     for page, parent, done in zip(pages, parents, ok):
@@ -49,6 +54,21 @@ def report_written(
             run_parent = parent_key
         run.append(page.key)
     _flush(hub, backend, page_size, run, run_parent)
+
+
+_key_of = attrgetter("key")
+_pool_of = attrgetter("pool")
+
+
+def _one_run(pages: Sequence[PageKey], parents: Sequence[PageKey | None], ok: Sequence[bool]) -> bool:
+    """Whether every page landed, is a KV page and chains from the page before it (checked in
+    C: the storage thread writes the usual batch without a Python step per page)."""
+    n = len(pages)
+    return (
+        n > 0 and len(parents) == n and len(ok) >= n and all(ok[:n])
+        and all(map(KV.__eq__, map(_pool_of, pages)))
+        and list(parents[1:]) == list(pages[: n - 1])
+    )
 
 
 def _flush(hub: TierChangeHub, backend: str, page_size: int, keys: list[str], parent: str | None) -> None:
