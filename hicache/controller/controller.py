@@ -152,9 +152,9 @@ class HiCacheController:
         self._storage_q: asyncio.Queue[StorageWriteJob] | None = None
         self._loads: set[asyncio.Task[Any]] = set()
         self._storage_busy: list[StorageWriteJob] = []
-        #: leading pages of a busy job that landed before the worker was cancelled (by id of
-        #: the job): close acknowledges them and reports only the rest unwritten
-        self._landed_at_cancel: dict[int, int] = {}
+        #: leading pages of each busy job that have landed so far (by id of the job, only while
+        #: it is busy): close acknowledges them and reports only the rest unwritten
+        self._landed_so_far: dict[int, int] = {}
         self._backup_busy: list[BackupJob] = []
         self._free_host: Callable[[torch.Tensor], None] = host_pool.free
         self._prefetcher: Prefetcher | None = None
@@ -391,7 +391,7 @@ class HiCacheController:
                 report.failed_device_backups += 1
                 call_back(bjob.on_done, False)
             for job in leftovers:
-                landed = self._landed_at_cancel.pop(id(job), 0)
+                landed = self._landed_so_far.pop(id(job), 0)
                 pages = len(job.keys) - landed
                 first = job.keys[landed] if pages > 0 else ""
                 report.unwritten.append(UnwrittenBackup(first, pages, "closed"))
@@ -556,7 +556,13 @@ class HiCacheController:
                 self.metrics.incr("worker_errors")
                 logger.exception("storage write of %d job(s) failed unexpectedly", len(jobs))
             for job in list(self._storage_busy):  # what a failure above left unfinished
-                self._finish(job, 0, t0)
+                self._finish(job, self._landed_so_far.get(id(job), 0), t0)
+
+    def _note_landed(self, job: StorageWriteJob, done: int) -> None:
+        """``job``'s first ``done`` pages have landed: what close acknowledges if the job is
+        still busy then (never recorded for a job close has already reported)."""
+        if done and job in self._storage_busy:
+            self._landed_so_far[id(job)] = done
 
     def _finish(self, job: StorageWriteJob, written: int, t0: float) -> None:
         """``job`` is over with ``written`` leading pages: acknowledged now (its nodes wait for
@@ -564,7 +570,10 @@ class HiCacheController:
         when the hop returns (a hop is bounded by ``storage_hop_bytes``), never after the
         retries of the jobs taken with it."""
         assert self._storage_q is not None
+        if job not in self._storage_busy:
+            return  # the controller closed meanwhile: close acknowledged it (_report_leftovers)
         self._storage_busy.remove(job)
+        self._landed_so_far.pop(id(job), None)
         if written:
             self.metrics.observe("backup", "storage", time.perf_counter() - t0)
         call_back(job.on_done, written)
@@ -611,27 +620,28 @@ class HiCacheController:
             try:
                 await self._storage_call(self._hop(hop, results, progress), "write", progress)
             except asyncio.CancelledError:
-                # the controller is closing: acknowledge what landed (the hop has ended:
-                # _storage_call outlasts it) and leave the rest to close's report
-                for job, done, _ in self._settle_hop(hop, results, t0):
-                    if done:
-                        self._landed_at_cancel[id(job)] = done
+                # the controller is closing: what landed is acknowledged (the hop has ended:
+                # _storage_call outlasts it), the rest is left to close's report
+                try:
+                    self._settle_hop(hop, results, t0)
+                except Exception:  # noqa: BLE001 - the cancellation must go on
+                    logger.exception("storage write: settling a cancelled hop failed")
                 raise
-        for job, done, deletions in self._settle_hop(hop, results, t0):
-            tried = done > 0 or not deletions
+        for job, done, deletions, tried in self._settle_hop(hop, results, t0):
             self._finish(job, await self._write_job(job, done=done, attempt=int(tried), delete=deletions), t0)
         for job in jobs[len(hop):]:
             self._finish(job, await self._write_job(job, delete=True), t0)
 
     def _settle_hop(self, hop: list[tuple[StorageWriteJob, list[_Batch]]], results: list[_HopResult],
-                    t0: float) -> list[tuple[StorageWriteJob, int, bool]]:
+                    t0: float) -> list[tuple[StorageWriteJob, int, bool, bool]]:
         """Judge and count a finished hop's calls in the order they ran, acknowledge every job
-        that fully landed, and return the others as (job, leading pages landed, whether its
-        deletions are still to send)."""
-        unfinished: list[tuple[StorageWriteJob, int, bool]] = []
+        that fully landed, note what the others landed (:meth:`_note_landed`) and return them
+        as (job, leading pages landed, whether its deletions are still to send, whether the hop
+        reached it: a job it reached was tried, even if its call was cut short)."""
+        unfinished: list[tuple[StorageWriteJob, int, bool, bool]] = []
         for i, (job, batches) in enumerate(hop):
             if i >= len(results):  # the hop ended before this job: never tried
-                unfinished.append((job, 0, bool(job.delete_first)))
+                unfinished.append((job, 0, bool(job.delete_first), False))
                 continue
             result = results[i]
             if result.deleted is not None:
@@ -649,7 +659,8 @@ class HiCacheController:
             if done == len(job.keys):
                 self._finish(job, done, t0)
             else:
-                unfinished.append((job, done, bool(job.delete_first) and result.deleted is None))
+                self._note_landed(job, done)
+                unfinished.append((job, done, bool(job.delete_first) and result.deleted is None, True))
         return unfinished
 
     def _batches(self, job: StorageWriteJob) -> list[_Batch]:
@@ -711,6 +722,13 @@ class HiCacheController:
         bad key is the caller's bug and says nothing of the store). Returns its outcome."""
         outcome, seconds, errored = call
         self.metrics.observe(_OPS.get(what, what), "storage", seconds)
+        self._judge_outcome(outcome, errored, what)
+        return outcome
+
+    def _judge_outcome(self, outcome: Any, errored: bool, what: str) -> None:
+        """Hold a storage call's end for or against the store's health: a raise (logged; a bad
+        key is the caller's bug and says nothing of the store) or an error the backend counted
+        meanwhile is a failure, anything else a success."""
         if isinstance(outcome, BaseException):
             logger.error("storage %s failed", what, exc_info=outcome)
             if not isinstance(outcome, InvalidKeyError):
@@ -719,7 +737,6 @@ class HiCacheController:
             self.health.failed(f"the backend counted an error during a {what}")
         else:
             self.health.succeeded()
-        return outcome
 
     async def _write_job(self, job: StorageWriteJob, *, done: int = 0, attempt: int = 0,
                          delete: bool = False) -> int:
@@ -730,36 +747,32 @@ class HiCacheController:
         cfg = self.config
         total = len(job.keys)
         prior = job.keys[done - 1] if done else job.prior_key
-        try:
-            if delete and job.delete_first:
-                await self._delete_pages(job.delete_first)
-            while done < total:
-                if attempt and self.health.up:
-                    if attempt > cfg.storage_max_retries:
-                        failed = total - done
-                        self.metrics.incr("storage_write_failures", failed)
-                        logger.warning("storage write: %d page(s) from key %.16s... failed after %d retries",
-                                       failed, job.keys[done], cfg.storage_max_retries)
-                        return done
-                    self.metrics.incr("storage_write_retries")
-                    await asyncio.sleep(min(cfg.storage_retry_max_s, cfg.storage_retry_base_s * 2 ** (attempt - 1)))
-                if not self.health.up:
-                    self.metrics.incr("storage_write_skipped_unhealthy", total - done)
+        if delete and job.delete_first:
+            await self._delete_pages(job.delete_first)
+        while done < total:
+            if attempt and self.health.up:
+                if attempt > cfg.storage_max_retries:
+                    failed = total - done
+                    self.metrics.incr("storage_write_failures", failed)
+                    logger.warning("storage write: %d page(s) from key %.16s... failed after %d retries",
+                                   failed, job.keys[done], cfg.storage_max_retries)
                     return done
-                n = min(cfg.storage_batch_pages, total - done)
-                batch = self._batch(job, done, n, prior)
-                t0 = time.perf_counter()
-                result = await self._storage_call(self.storage.batch_set_v2(batch.transfers, batch.info), "write")
-                ok = self._landed(result, n, time.perf_counter() - t0)
-                if ok:
-                    done += ok
-                    prior = job.keys[done - 1]
-                attempt = 0 if ok == n else attempt + 1
-            return done
-        except asyncio.CancelledError:  # the controller is closing: close reports the rest
-            if done:
-                self._landed_at_cancel[id(job)] = done
-            raise
+                self.metrics.incr("storage_write_retries")
+                await asyncio.sleep(min(cfg.storage_retry_max_s, cfg.storage_retry_base_s * 2 ** (attempt - 1)))
+            if not self.health.up:
+                self.metrics.incr("storage_write_skipped_unhealthy", total - done)
+                return done
+            n = min(cfg.storage_batch_pages, total - done)
+            batch = self._batch(job, done, n, prior)
+            t0 = time.perf_counter()
+            result = await self._storage_call(self.storage.batch_set_v2(batch.transfers, batch.info), "write")
+            ok = self._landed(result, n, time.perf_counter() - t0)
+            if ok:
+                done += ok
+                prior = job.keys[done - 1]
+                self._note_landed(job, done)
+            attempt = 0 if ok == n else attempt + 1
+        return done
 
     def _landed(self, result: dict[str, list[bool]] | None, pages: int, seconds: float) -> int:
         """Leading pages of a write call that landed in every pool (``None``: none), counted."""
@@ -887,15 +900,10 @@ class HiCacheController:
         if exc is not None:  # the backend's base class guards, but be sure
             if what in ("exists", "read"):
                 self.metrics.incr("storage_read_failures")
-            logger.error("storage %s failed", what, exc_info=exc)
-            if not isinstance(exc, InvalidKeyError):  # the caller's bug says nothing of the store
-                self.health.failed(f"{what} raised {type(exc).__name__}")
+            self._judge_outcome(exc, False, what)
             return None
         if progress is None:  # a hop's caller judges each inner call, in order (_judge)
-            if self._backend_errors() > errors:
-                self.health.failed(f"the backend counted an error during a {what}")
-            else:
-                self.health.succeeded()
+            self._judge_outcome(None, self._backend_errors() > errors, what)
         return call.result()
 
     async def _outlast(self, call: asyncio.Future[Any], what: str) -> bool:

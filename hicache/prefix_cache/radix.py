@@ -96,7 +96,6 @@ class RadixCache(BasePrefixCache):
         self.eviction_policy: str = eviction_policy
         self._evict_key = eviction_key(eviction_policy)
         self.device = getattr(token_to_kv_pool_allocator, "device", torch.device("cpu"))
-        self._no_slots = torch.empty((0,), dtype=torch.int64, device=self.device)  # see _empty
         self.reset()
 
     # ------------------------------------------------------------------ state
@@ -122,13 +121,9 @@ class RadixCache(BasePrefixCache):
         return self._clock
 
     def _empty(self) -> torch.Tensor:
-        """No slots. One tensor per tree, made once: a match with no device hit (most requests
-        of a trace) used to make a fresh one, 2 us of loop time each. It has no elements, so
-        sharing it is safe; SGLang's tree shares its empty match result the same way."""
-        empty = self._no_slots
-        if empty.numel():  # someone resized it in place: never hand that out again
-            empty = self._no_slots = torch.empty((0,), dtype=torch.int64, device=self.device)
-        return empty
+        """No slots: a fresh tensor each time. A shared one saved 2 us a match, but a caller
+        that resized or reshaped its result in place would change every other holder's."""
+        return torch.empty((0,), dtype=torch.int64, device=self.device)
 
     def _child_key(self, extra_key: str | None, tokens: list[int] | TokenRun, pos: int) -> tuple[Any, ...]:
         return (extra_key, page_key(tokens[pos : pos + self.page_size]))

@@ -62,15 +62,18 @@ def page_key(page: Sequence[int]) -> bytes | tuple[int, ...]:
     token ids is 64 int objects to make, hash and compare (about 4 us a lookup from a packed
     run); the page's bytes are one object hashed by one C loop (about 0.6 us). The key is
     canonical, so a list, an ``'I'`` run and a ``'q'`` run of the same ids give the same key:
-    a page whose ids all fit in uint32 is always its uint32 bytes, any other page a tuple of
-    its ids (a page with a non-integer id too; packing the request rejects it anyway).
+    a page whose ids all fit in uint32 is always its uint32 bytes, any other page of integers
+    a tuple of its ids. A non-integer id is the ``ValueError`` :func:`pack_tokens` gives, on a
+    match as on an insert.
     """
     if type(page) is TokenRun and page.typecode == "I":
         return page.tobytes()
     try:
         return array("I", page).tobytes()
-    except (OverflowError, TypeError):
+    except OverflowError:
         return tuple(page)
+    except TypeError as exc:
+        raise ValueError(f"token ids must be integers ({exc})") from None
 
 
 def key_run(key: RadixKey, end: int) -> TokenRun:

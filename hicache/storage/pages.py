@@ -16,7 +16,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 import torch
 
-from hicache.memory.device import as_index_array, integer_tensor_array, is_one_run
+from hicache.memory.device import integer_tensor_array, is_one_run
 
 __all__ = [
     "HostPagePool",
@@ -24,7 +24,6 @@ __all__ = [
     "as_bytes",
     "checked_starts",
     "page_nbytes",
-    "page_starts",
     "read_targets",
     "commit_reads",
     "live_views",
@@ -85,23 +84,16 @@ def _fits(host_indices: torch.Tensor | None, num_keys: int, page_size: int) -> b
     )
 
 
-def page_starts(host_indices: torch.Tensor | None, num_keys: int, page_size: int) -> list[int] | None:
-    """First token index of each page, or ``None`` when indices and keys disagree in length
-    (or the indices are not integers)."""
-    if not _fits(host_indices, num_keys, page_size):
-        return None
-    assert host_indices is not None
-    if num_keys == 0:
-        return []
-    return host_indices.reshape(-1)[::page_size].tolist()
-
-
 def checked_starts(host_indices: torch.Tensor | None, num_keys: int, page_size: int) -> tuple[list[int] | None, list[int]]:
-    """:func:`page_starts` and :func:`malformed_pages` of one batch: ``(None, [])`` when the
-    batch is malformed as a whole, else ``(starts, bad)``.
+    """A batch's host indices checked: ``(None, [])`` when they are malformed as a whole
+    (not an integer tensor of ``num_keys * page_size`` indices), else ``(starts, bad)``: the
+    first token index of each page, and the positions of pages whose ``page_size`` indices are
+    not one run ``start, start+1, ...`` from a non-negative start. A page is moved as a whole
+    from its first index, so such a page's bytes would land on (or come from) tokens the caller
+    did not name: another request's KV.
 
     Why one call: a storage write checks every batch on its I/O thread, and each torch call
-    there hands the GIL around; the indices are checked and turned into numpy once, not twice.
+    there hands the GIL around; the indices are checked and turned into numpy once.
     """
     if not _fits(host_indices, num_keys, page_size):
         return None, []
@@ -112,21 +104,8 @@ def checked_starts(host_indices: torch.Tensor | None, num_keys: int, page_size: 
     return arr[::page_size].tolist(), _malformed(arr, num_keys, page_size)
 
 
-def malformed_pages(host_indices: torch.Tensor, num_keys: int, page_size: int) -> list[int]:
-    """Positions of pages whose ``page_size`` token indices are not one run ``start, start+1,
-    ...`` from a non-negative start.
-
-    A page is moved as a whole from its first index, so for such a page the bytes would land
-    on (or come from) tokens the caller did not name - another request's KV.
-    Call after :func:`page_starts` accepted the indices.
-    """
-    if num_keys == 0:
-        return []
-    return _malformed(as_index_array(host_indices, what="host_indices"), num_keys, page_size)
-
-
 def _malformed(arr: np.ndarray, num_keys: int, page_size: int) -> list[int]:
-    """:func:`malformed_pages` of the indices as a 1-D int64 array of ``num_keys * page_size``."""
+    """The malformed pages (see :func:`checked_starts`) of a 1-D int64 index array."""
     if page_size == 1:
         return np.flatnonzero(arr < 0).tolist()
     if arr[0] >= 0 and is_one_run(arr):

@@ -121,6 +121,15 @@ def test_child_keys_are_the_same_whatever_the_packing() -> None:
     cache.sanity_check()
 
 
+def test_a_match_with_a_non_integer_id_is_an_error_like_an_insert() -> None:
+    cache = make()
+    put(cache, RadixKey(list(range(8))))
+    for bad in ([1.0, 1, 2, 3, 4, 5, 6, 7], [0, 1, 2, 3, 4.5, 5, 6, 7], ["0", 1, 2, 3]):
+        with pytest.raises(ValueError, match="token ids"):
+            cache.match_prefix(MatchPrefixParams(key=RadixKey(bad)))
+    assert matched(cache, RadixKey(list(range(8)))) == 8
+
+
 @pytest.mark.parametrize("bad", [[1.5] * 8, ["7"] * 8, [2**64] * 8])
 def test_tokens_that_are_not_int64_are_a_clear_error(bad: list) -> None:
     cache = make()

@@ -334,3 +334,91 @@ async def test_a_delete_that_raises_in_a_hop_is_logged_and_judged_not_counted_as
     assert any("delete exploded" in str(r.exc_info[1]) for r in caplog.records if r.exc_info)
     assert judged[:2] == ["delete raised RuntimeError"] * 2  # in the hop, then on its own
     assert counters["storage_read_failures"] == one_call["storage_read_failures"] == 0
+
+
+async def test_close_while_a_call_outlives_its_cancel_ends_the_worker_cleanly() -> None:
+    """close gives up on a stuck call and reports its job; when the call returns at last, the
+    worker must not acknowledge that job again, and it must end (not go back to its queue)."""
+    store = FaultyStorage(store_id=f"stuck-{uuid.uuid4()}")
+    cfg = StackConfig(page_size=PS, device_pages=16, host_pages=64, storage_backend=None,
+                      controller=ControllerConfig(storage_stall_s=0, storage_io_timeout_s=30.0,
+                                                  cancelled_io_grace_s=0.05))
+    stack = build_stack(cfg, storage=store)
+    ctl = stack.controller
+    await ctl.open_storage()
+    real_write = store._write
+    calls: list[int] = []
+
+    async def second_call_finishes_its_io_first(pages: Any, buffers: Any, parents: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 2:
+            try:
+                await asyncio.sleep(30)
+            except asyncio.CancelledError:
+                await asyncio.sleep(0.3)  # a backend that ends its I/O before it returns
+        return await real_write(pages, buffers, parents)
+
+    store._write = second_call_finishes_its_io_first  # type: ignore[method-assign]
+    done: dict[str, list[int]] = {"s-0": [], "s-1": []}
+    for j in range(2):
+        assert ctl.submit_storage_write(one_page_job(stack, f"s-{j}", done[f"s-{j}"].append))
+    await asyncio.sleep(0.2)  # s-0 landed, s-1's call hangs
+    workers = [t for t in ctl._tasks if "storage" in t.get_name()]
+    report = await ctl.aclose(timeout=0.05)
+    await asyncio.sleep(1.0)  # the stuck call returns, the worker resumes
+    await stack.aclose()
+    assert ctl.metrics.counters["worker_errors"] == 0
+    assert workers and all(t.done() for t in workers)
+    # each acknowledged once, by close: the hop was still stuck then, so close could not know
+    # that s-0 had landed (reporting a landed page unwritten is the safe side: never the reverse)
+    assert done == {"s-0": [0], "s-1": [0]}
+    assert sorted(u.first_key for u in report.unwritten) == ["s-0", "s-1"]
+    assert ctl._landed_so_far == {}
+
+
+async def test_close_during_a_retry_acknowledges_what_every_job_of_the_hop_landed() -> None:
+    stack, store = make(storage_batch_pages=1, storage_retry_base_s=5.0, storage_retry_max_s=5.0)
+    ctl = stack.controller
+    await ctl.open_storage()
+    real_write = store._write
+
+    async def second_pages_fail(pages: Any, buffers: Any, parents: Any) -> Any:
+        if pages[0][0].endswith("-1"):
+            return [False] * len(pages)
+        return await real_write(pages, buffers, parents)
+
+    store._write = second_pages_fail  # type: ignore[method-assign]
+    done: dict[str, int] = {}
+    for tag in ("A", "B"):
+        host = stack.host_pool.alloc(2 * PS)
+        assert host is not None
+        assert ctl.submit_storage_write(StorageWriteJob(
+            keys=[f"{tag}-0", f"{tag}-1"], host_indices=host, prior_key=None,
+            on_done=lambda n, tag=tag: done.__setitem__(tag, n)))
+    await asyncio.sleep(0.3)  # the hop ran; A waits 5 s to retry, B after it
+    landed = stored(store)
+    report = await ctl.aclose(timeout=0.05)
+    await stack.aclose()
+    assert landed == {"A-0", "B-0"}
+    assert done == {"A": 1, "B": 1}
+    assert sorted((u.first_key, u.pages) for u in report.unwritten) == [("A-1", 1), ("B-1", 1)]
+
+
+async def test_a_job_the_hop_never_reached_gets_its_first_attempt() -> None:
+    stack, store = make(storage_max_retries=0, storage_health_errors=3)
+    ctl = stack.controller
+    await ctl.open_storage()
+    real_hop = ctl._hop
+
+    async def hop_ends_after_its_first_job(hop: Any, out: Any, progress: Any) -> None:
+        await real_hop(hop[:1], out, progress)
+        raise RuntimeError("injected: the hop itself raised after its first job")
+
+    ctl._hop = hop_ends_after_its_first_job  # type: ignore[method-assign]
+    done: list[int] = []
+    for j in range(2):
+        assert ctl.submit_storage_write(one_page_job(stack, f"u-{j}", done.append))
+    await ctl.drain()
+    retries = ctl.metrics.counters["storage_write_retries"]
+    await stack.aclose()
+    assert done == [1, 1] and retries == 0  # the second job was sent once, as its first try

@@ -1,5 +1,5 @@
-"""Checking a batch's host indices: :func:`checked_starts` (one conversion) against
-:func:`page_starts` + :func:`malformed_pages` (the two checks it replaces on the I/O thread)."""
+"""Checking a batch's host indices: :func:`checked_starts` (numpy, one conversion) against a
+plain-Python reference of the same rules."""
 
 from __future__ import annotations
 
@@ -8,15 +8,20 @@ import random
 import pytest
 import torch
 
-from hicache.storage.pages import checked_starts, malformed_pages, page_starts
+from hicache.storage.pages import checked_starts
 
 
 def _reference(host_indices: torch.Tensor | None, num_keys: int, page_size: int) -> tuple[list[int] | None, list[int]]:
-    starts = page_starts(host_indices, num_keys, page_size)
-    if starts is None:
+    """An integer tensor of ``num_keys * page_size`` indices, each page one run of consecutive
+    indices from a non-negative start; page by page, in Python."""
+    t = host_indices
+    if (not isinstance(t, torch.Tensor) or t.numel() != num_keys * page_size
+            or t.is_floating_point() or t.is_complex() or t.dtype is torch.bool):
         return None, []
-    assert host_indices is not None
-    return starts, malformed_pages(host_indices, num_keys, page_size)
+    flat = [int(x) for x in t.reshape(-1).tolist()]
+    pages = [flat[k * page_size : (k + 1) * page_size] for k in range(num_keys)]
+    bad = [k for k, p in enumerate(pages) if p[0] < 0 or p != list(range(p[0], p[0] + page_size))]
+    return [p[0] for p in pages], bad
 
 
 def _random_indices(rng: random.Random, num_keys: int, page_size: int) -> torch.Tensor:
@@ -47,7 +52,7 @@ def test_checked_starts_matches_the_two_checks(seed: int) -> None:
     [None, [0, 1, 2, 3], torch.arange(4).float(), torch.arange(4).bool(), torch.arange(4).to(torch.complex64),
      torch.arange(3)],
 )
-def test_checked_starts_rejects_what_page_starts_rejects(indices: object) -> None:
+def test_checked_starts_rejects_a_batch_malformed_as_a_whole(indices: object) -> None:
     assert checked_starts(indices, 1, 4) == _reference(indices, 1, 4) == (None, [])  # type: ignore[arg-type]
 
 
