@@ -26,15 +26,15 @@ def test_shared_slots_are_views_for_runs_and_copies_otherwise() -> None:
 
 
 def test_a_match_without_a_hit_gets_its_own_empty_tensor() -> None:
-    """A caller may grow its result in place: no other request's result may change with it."""
+    """A caller may reshape its result in place: no other request's result may change with it."""
     from hicache.prefix_cache import MatchPrefixParams, RadixCache
 
     cache = RadixCache(req_to_token_pool=None, token_to_kv_pool_allocator=PagedTokenAllocator(64, 4), page_size=4)
     first = cache.match_prefix(MatchPrefixParams(key=RadixKey([1, 2, 3, 4]))).device_indices
     again = cache.match_prefix(MatchPrefixParams(key=RadixKey([5, 6, 7, 8]))).device_indices
     assert first.numel() == again.numel() == 0 and first.dtype == torch.int64
-    first.resize_(3)
-    assert again.shape == (0,)
+    first.unsqueeze_(0)
+    assert first.shape == (1, 0) and again.shape == (0,)
     assert cache.match_prefix(MatchPrefixParams(key=RadixKey([1, 2, 3, 4]))).device_indices.shape == (0,)
 
 
