@@ -71,10 +71,6 @@ __all__ = ["HiCacheController", "ControllerState"]
 logger = logging.getLogger("hicache.controller")
 
 
-def _no_slots() -> torch.Tensor:  # a backup batch always holds a job: never called
-    return torch.empty((0,), dtype=torch.int64)
-
-
 KV = PoolName.KV.value
 #: the key health probes look up: never written, so a probe only asks the store to answer
 _PROBE_KEY = "hicache-health-probe"
@@ -151,10 +147,9 @@ class HiCacheController:
         self._backup_q: asyncio.Queue[BackupJob] | None = None
         self._storage_q: asyncio.Queue[StorageWriteJob] | None = None
         self._loads: set[asyncio.Task[Any]] = set()
-        self._storage_busy: list[StorageWriteJob] = []
-        #: leading pages of each busy job that have landed so far (by id of the job, only while
-        #: it is busy): close acknowledges them and reports only the rest unwritten
-        self._landed_so_far: dict[int, int] = {}
+        #: the storage jobs the worker has taken and not acknowledged, each with the leading
+        #: pages it has landed so far (close acknowledges those, reports only the rest)
+        self._storage_busy: dict[StorageWriteJob, int] = {}
         self._backup_busy: list[BackupJob] = []
         self._free_host: Callable[[torch.Tensor], None] = host_pool.free
         self._prefetcher: Prefetcher | None = None
@@ -376,22 +371,21 @@ class HiCacheController:
                 while not self._backup_q.empty():
                     backups.append(self._backup_q.get_nowait())
                     self._backup_q.task_done()
-            leftovers: list[StorageWriteJob] = list(self._storage_busy)
-            self._storage_busy = []
+            leftovers: list[tuple[StorageWriteJob, int]] = list(self._storage_busy.items())
+            self._storage_busy = {}
             for _ in leftovers:
                 if self._storage_q is not None:
                     self._storage_q.task_done()
             if self._storage_q is not None:
                 while not self._storage_q.empty():
-                    leftovers.append(self._storage_q.get_nowait())
+                    leftovers.append((self._storage_q.get_nowait(), 0))
                     self._storage_q.task_done()
             if not backups and not leftovers:
                 return
             for bjob in backups:
                 report.failed_device_backups += 1
                 call_back(bjob.on_done, False)
-            for job in leftovers:
-                landed = self._landed_so_far.pop(id(job), 0)
+            for job, landed in leftovers:
                 pages = len(job.keys) - landed
                 first = job.keys[landed] if pages > 0 else ""
                 report.unwritten.append(UnwrittenBackup(first, pages, "closed"))
@@ -448,8 +442,8 @@ class HiCacheController:
             try:
                 # joined in numpy where the indices are on CPU: torch's own cat (and a reshape
                 # per job) ran on its intra-op pool and released the GIL at every call
-                dev = cat_slots([j.device_indices for j in jobs], _no_slots)
-                host = cat_slots([j.host_indices for j in jobs], _no_slots, torch.int64)
+                dev = cat_slots([j.device_indices for j in jobs])
+                host = cat_slots([j.host_indices for j in jobs], dtype=torch.int64)
                 with tracing.span("hicache.backup") as span:
                     span.set_attribute("hicache.pages", pages)
                     await self.copy_engine.backup(dev, host)
@@ -543,7 +537,7 @@ class HiCacheController:
             while pages < self._hop_pages and len(jobs) < _HOP_MAX_JOBS and not q.empty():
                 jobs.append(q.get_nowait())
                 pages += len(jobs[-1].keys)
-            self._storage_busy = list(jobs)
+            self._storage_busy = dict.fromkeys(jobs, 0)
             t0 = time.perf_counter()
             try:
                 with tracing.span("hicache.backup.storage") as span:
@@ -555,14 +549,14 @@ class HiCacheController:
             except Exception:  # noqa: BLE001
                 self.metrics.incr("worker_errors")
                 logger.exception("storage write of %d job(s) failed unexpectedly", len(jobs))
-            for job in list(self._storage_busy):  # what a failure above left unfinished
-                self._finish(job, self._landed_so_far.get(id(job), 0), t0)
+            for job, landed in list(self._storage_busy.items()):  # what a failure above left unfinished
+                self._finish(job, landed, t0)
 
     def _note_landed(self, job: StorageWriteJob, done: int) -> None:
         """``job``'s first ``done`` pages have landed: what close acknowledges if the job is
         still busy then (never recorded for a job close has already reported)."""
-        if done and job in self._storage_busy:
-            self._landed_so_far[id(job)] = done
+        if job in self._storage_busy:
+            self._storage_busy[job] = done
 
     def _finish(self, job: StorageWriteJob, written: int, t0: float) -> None:
         """``job`` is over with ``written`` leading pages: acknowledged now (its nodes wait for
@@ -570,10 +564,8 @@ class HiCacheController:
         when the hop returns (a hop is bounded by ``storage_hop_bytes``), never after the
         retries of the jobs taken with it."""
         assert self._storage_q is not None
-        if job not in self._storage_busy:
+        if self._storage_busy.pop(job, None) is None:
             return  # the controller closed meanwhile: close acknowledged it (_report_leftovers)
-        self._storage_busy.remove(job)
-        self._landed_so_far.pop(id(job), None)
         if written:
             self.metrics.observe("backup", "storage", time.perf_counter() - t0)
         call_back(job.on_done, written)

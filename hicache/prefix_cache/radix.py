@@ -27,7 +27,7 @@ from hicache.prefix_cache.eviction_index import EvictionIndex
 from hicache.prefix_cache.node import TreeNode
 from hicache.prefix_cache.policy import eviction_key
 from hicache.prefix_cache.req import Req
-from hicache.memory.slots import cat_slots, copy_slots
+from hicache.memory.slots import cat_slots, copy_slots, empty_slots
 from hicache.prefix_cache.tokens import TokenRun, key_run, pack_tokens, page_key
 from hicache.prefix_cache.types import (
     DecLockRefParams,
@@ -96,7 +96,6 @@ class RadixCache(BasePrefixCache):
         self.eviction_policy: str = eviction_policy
         self._evict_key = eviction_key(eviction_policy)
         self.device = getattr(token_to_kv_pool_allocator, "device", torch.device("cpu"))
-        self._cpu_slots = torch.device(self.device).type == "cpu"
         self.reset()
 
     # ------------------------------------------------------------------ state
@@ -122,13 +121,8 @@ class RadixCache(BasePrefixCache):
         return self._clock
 
     def _empty(self) -> torch.Tensor:
-        """No slots: a fresh tensor each time (a shared one would change for every holder if
-        one caller resized its result in place). On CPU it is made through numpy: a torch op
-        lets go of the GIL, and with the storage threads busy the loop then waits to get it
-        back (the tiered benchmark's match+insert ran 30% slower with ``torch.empty`` here)."""
-        if self._cpu_slots:
-            return torch.from_numpy(np.empty(0, dtype=np.int64))
-        return torch.empty((0,), dtype=torch.int64, device=self.device)
+        """No slots on this tree's device (see :func:`~hicache.memory.slots.empty_slots`)."""
+        return empty_slots(self.device)
 
     def _child_key(self, extra_key: str | None, tokens: list[int] | TokenRun, pos: int) -> tuple[Any, ...]:
         return (extra_key, page_key(tokens[pos : pos + self.page_size]))

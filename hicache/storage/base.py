@@ -591,15 +591,8 @@ class AsyncHiCacheStorage(ABC):
         if not good:
             return [False] * len(keys)
         views = page_io.live_views(pool, good_starts)
-        if views is not None:
-            # live views of every page (a page_first pool of ours): written straight from the
-            # pool, asked for once (no needs_thread probe, no second ask in write_sources)
-            if pages is None:
-                pages = _page_keys(keys, name)
-            if len(good) == len(keys):  # the usual batch: every page is good
-                return await self._write_guarded(pages, views, parents)
-            done = await self._write_guarded([pages[i] for i in good], views, [parents[i] for i in good])
-            return _scatter(len(keys), good, done)
+        if views is not None:  # live views of every page (a page_first pool of ours): asked once
+            return await self._write_found(name, keys, good, views, parents, pages)
         pieces = self._segments(pool, good_starts)
         if pieces is not None:
             return await self._move_segments(name, keys, good, pieces, parents)
@@ -624,20 +617,29 @@ class AsyncHiCacheStorage(ABC):
             else:
                 flags = await staging.write_staged(pool, good_starts, write, nbytes or staging.CHUNK_BYTES)
             return _scatter(len(keys), good, flags)
-        found = page_io.write_sources(pool, good_starts)
-        sources: list[memoryview | None] = [None] * len(keys)
-        for i, src in zip(good, found):
-            sources[i] = src
-        live = [i for i, src in enumerate(sources) if src is not None]
-        ok = [False] * len(keys)
+        return await self._write_found(name, keys, good, page_io.write_sources(pool, good_starts), parents, pages)
+
+    async def _write_found(
+        self,
+        name: str,
+        keys: list[str],
+        good: list[int],
+        found: Sequence[memoryview | None],
+        parents: Sequence[PageKey | None],
+        pages: list[PageKey] | None,
+    ) -> list[bool]:
+        """Write the pages at positions ``good`` of ``keys`` from their sources ``found``
+        (``None``: a page the pool could not produce, which fails). The usual batch (every page
+        good and produced) goes as it is, without a Python step per page."""
+        if pages is None:
+            pages = _page_keys(keys, name)
+        if len(good) == len(keys) and None not in found:
+            return await self._write_guarded(pages, found, parents)  # type: ignore[arg-type]
+        live = [(i, src) for i, src in zip(good, found) if src is not None]
         done = await self._write_guarded(
-            [PageKey(keys[i], name) for i in live],
-            [sources[i] for i in live],  # type: ignore[misc]
-            [parents[i] for i in live],
+            [pages[i] for i, _ in live], [src for _, src in live], [parents[i] for i, _ in live]
         )
-        for i, flag in zip(live, done):
-            ok[i] = flag
-        return ok
+        return _scatter(len(keys), [i for i, _ in live], done)
 
     def _segments(self, pool: Any, starts: list[int]) -> list[PageSegments | None] | None:
         """The pages as pool memory pieces, when this backend takes them and the pool has no

@@ -373,7 +373,7 @@ async def test_close_while_a_call_outlives_its_cancel_ends_the_worker_cleanly() 
     # that s-0 had landed (reporting a landed page unwritten is the safe side: never the reverse)
     assert done == {"s-0": [0], "s-1": [0]}
     assert sorted(u.first_key for u in report.unwritten) == ["s-0", "s-1"]
-    assert ctl._landed_so_far == {}
+    assert ctl._storage_busy == {}  # nothing left behind after close
 
 
 async def test_close_during_a_retry_acknowledges_what_every_job_of_the_hop_landed() -> None:
