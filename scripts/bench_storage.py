@@ -20,6 +20,7 @@ Examples::
     python scripts/bench_storage.py --backend file --option io_threads=8 --option fsync=true
 
     python scripts/bench_storage.py --protocol seed --exists-off --repeats 7   # no page_view
+    python scripts/bench_storage.py --protocol seed-copies --exists-off --repeats 7  # copies only
 
 How it stays sound on a shared machine: every method writes and reads files of the same size
 (the raw loop pads to the backend's header and footer), fsync is off on both sides (on on both
@@ -94,22 +95,32 @@ def make_pool(pages: int, page_bytes: int, seed: int | None) -> ArrayHostPool:
 
 class SeedProtocolPool:
     """A host pool as SGLang's storage code sees one: ``page_size`` and the three page-protocol
-    methods, no ``page_view``. ``get_data_page`` returns a copy and ``get_dummy_flat_data_page``
-    a fresh zeroed page, as SGLang's MHA host pools do for flat pages."""
+    methods, no ``page_view``. Laid out as SGLang's MHA ``page_first`` pool (``kv_buffer`` of
+    shape (2, tokens, ...): a page's K half and V half lie apart), over the same memory as
+    ``pool``, and answering as it does: ``get_data_page(flat=False)`` is a view of that memory,
+    ``flat=True`` a copy (the page is not contiguous), ``get_dummy_flat_data_page`` a fresh
+    zeroed page. ``copies=True``: a pool that hands out copies even for ``flat=False`` (reads
+    then stage every page)."""
 
-    def __init__(self, pool: ArrayHostPool) -> None:
+    def __init__(self, pool: ArrayHostPool, *, copies: bool = False) -> None:
+        if pool.token_elems % 2:
+            raise SystemExit("a seed-protocol page splits each token into a K and a V half")
         self._pool = pool
+        self._copies = copies
         self.page_size = pool.page_size
+        self._kv = pool.buffer.view(-1).view(2, pool.size, pool.token_elems // 2)
 
     def get_data_page(self, index: int, flat: bool = True) -> torch.Tensor:
-        page = self._pool.buffer[index : index + self.page_size]
-        return page.reshape(-1).clone() if flat else page.clone()
+        page = self._kv[:, index : index + self.page_size]
+        if flat:
+            return page.flatten()
+        return page.clone() if self._copies else page
 
     def get_dummy_flat_data_page(self) -> torch.Tensor:
         return torch.zeros(self.page_size * self._pool.token_elems, dtype=self._pool.dtype)
 
     def set_from_flat_data_page(self, index: int, data_page: torch.Tensor) -> None:
-        self._pool.buffer[index : index + self.page_size].copy_(data_page.reshape(self.page_size, -1))
+        self._kv[:, index : index + self.page_size] = data_page.reshape(2, self.page_size, -1)
 
 
 def page_views(pool: ArrayHostPool, pages: int) -> list[memoryview]:
@@ -203,8 +214,8 @@ async def v2_once(
     server keeps warm (I/O threads, the staging arena)."""
     idx = src.indices(0, len(keys))
     store = make("v2")
-    src_pool: Any = SeedProtocolPool(src) if protocol == "seed" else src
-    dst_pool: Any = SeedProtocolPool(dst) if protocol == "seed" else dst
+    src_pool: Any = src if protocol == "view" else SeedProtocolPool(src, copies=protocol == "seed-copies")
+    dst_pool: Any = dst if protocol == "view" else SeedProtocolPool(dst, copies=protocol == "seed-copies")
     async with store:
         store.register_mem_host_pool_v2(src_pool, "kv")
         settle_wait = getattr(store, "wait_background", None)
@@ -548,8 +559,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--exists-payload", type=int, default=1024, help="payload bytes of the small pages (default 1024)")
     p.add_argument("--baselines", type=lambda s: [x for x in s.split(",") if x], default=list(BASELINES),
                    help=f"comma-separated baselines to run (default {','.join(BASELINES)})")
-    p.add_argument("--protocol", choices=["view", "seed"], default="view",
-                   help="host pools with page_view (default), or the seed page protocol alone")
+    p.add_argument("--protocol", choices=["view", "seed", "seed-copies"], default="view",
+                   help="host pools with page_view (default), or the seed page protocol alone: as SGLang's "
+                        "pools answer it (seed), or by a pool that hands out copies only (seed-copies)")
     p.add_argument("--exists-off", action="store_true", help="skip the exists-latency phase")
     p.add_argument("--quick", action="store_true", help="small sizes: finishes in a few seconds")
     p.add_argument("--workdir", default=None, help="where scratch roots go (default: system temp)")

@@ -49,6 +49,7 @@ from hicache.storage.segments import PageSegments, segment_sources
 from hicache.storage.hit_policy import leading_run, resolve_v2_hits
 from hicache.storage.offload import run_to_completion
 from hicache.storage.stats import StorageStats
+from hicache.storage.view_pages import LivePageViews
 from hicache.storage.types import (
     HiCacheStorageConfig,
     HiCacheStorageExtraInfo,
@@ -107,6 +108,7 @@ class AsyncHiCacheStorage(ABC):
         self.mem_pool_host: Any = None
         self.stats = StorageStats()
         self._staging = staging.StagingArena()  # reused staging pages of pools without page_view
+        self._view_reads = LivePageViews()  # pools whose get_data_page(flat=False) is live memory
         self._state = StorageState.UNOPENED
         self._open_lock: asyncio.Lock | None = None
         #: stores, removals and clears of KV pages are reported here (:mod:`hicache.storage.changes`)
@@ -524,6 +526,16 @@ class AsyncHiCacheStorage(ABC):
         if not good:
             return [False] * len(keys)
         pieces = self._segments(pool, good_starts)
+        if (
+            pieces is None
+            and self.supports_segments
+            and self._view_reads.may_read(pool)
+            and page_io.needs_thread(pool, good_starts)
+        ):
+            # the seed protocol alone: straight into get_data_page(flat=False) where it is live
+            pieces = await run_to_completion(
+                self._view_reads.read_segments, pool, good_starts, page_io.page_nbytes_hint(pool)
+            )
         if pieces is not None:
             return await self._move_segments(name, keys, good, pieces, None)
         if page_io.needs_thread(pool, good_starts):
