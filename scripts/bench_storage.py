@@ -102,6 +102,10 @@ class SeedProtocolPool:
     zeroed page. ``copies=True``: a pool that hands out copies even for ``flat=False`` (reads
     then stage every page)."""
 
+    #: hicache reads straight into SGLang's ``HostKVCache`` pools by class; a pool of another
+    #: class says that its ``set_from_flat_data_page`` only places bytes (as SGLang's does)
+    hicache_view_reads = True
+
     def __init__(self, pool: ArrayHostPool, *, copies: bool = False) -> None:
         if pool.token_elems % 2:
             raise SystemExit("a seed-protocol page splits each token into a K and a V half")

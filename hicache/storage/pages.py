@@ -2,9 +2,10 @@
 
 Host pools follow the page protocol (see ``docs/architecture.md``). When a pool offers a live
 contiguous view of a page (``page_view``), storage reads straight into it and writes straight
-from it. Otherwise reads land in a staging page that is committed with
-``set_from_flat_data_page`` only after the backend verified it, so a failed read never leaves
-garbage behind.
+from it; a page that then fails verification is a miss whose host page holds bytes nobody may
+use (so does a page read straight into ``get_data_page`` views, :mod:`~hicache.storage.view_pages`).
+Otherwise reads land in a staging page that is committed with ``set_from_flat_data_page`` only
+after the backend verified it, so a failed read leaves the pool's page as it was.
 """
 
 from __future__ import annotations

@@ -55,6 +55,7 @@ __all__ = [
     "StridedPiece",
     "bounce",
     "io_runs",
+    "row_major_runs",
     "segment_sources",
 ]
 
@@ -75,6 +76,20 @@ _IOV_MAX = 512  # well below Linux's 1024 iovecs per call
 
 #: Shortest contiguous run worth a span-table row (shorter runs: numpy copies the piece).
 MIN_SPAN_BYTES = 64
+
+
+def row_major_runs(shape: Sequence[int], byte_strides: Sequence[int], itemsize: int) -> tuple[int, np.ndarray]:
+    """The contiguous runs of a strided view's memory in row-major order: the bytes of one run
+    (its trailing dimensions that are contiguous, merged) and each run's byte offset from the
+    view's first element, as an int64 array in the view's order."""
+    run, k = itemsize, len(shape)
+    while k > 0 and (shape[k - 1] == 1 or byte_strides[k - 1] == run):
+        run *= shape[k - 1]
+        k -= 1
+    offsets = np.zeros(1, dtype=np.int64)
+    for j in range(k):
+        offsets = np.add.outer(offsets, np.arange(shape[j], dtype=np.int64) * byte_strides[j]).ravel()
+    return run, offsets
 
 
 class PieceSpans:
@@ -101,16 +116,9 @@ class PieceSpans:
         short to pay for a table."""
         if _copy_spans is None or pool_bytes.dtype != np.uint8 or pool_bytes.ndim != 1:
             return None
-        shape, strides = list(view.shape), list(view.strides)
-        run, k = view.itemsize, len(shape)
-        while k > 0 and strides[k - 1] == run:  # trailing dims contiguous in the pool: one run
-            run *= shape[k - 1]
-            k -= 1
+        run, offsets = row_major_runs(view.shape, view.strides, view.itemsize)
         if run < MIN_SPAN_BYTES:
             return None
-        offsets = np.zeros(1, dtype=np.int64)
-        for j in range(k):
-            offsets = np.add.outer(offsets, np.arange(shape[j], dtype=np.int64) * strides[j]).ravel()
         base = view.__array_interface__["data"][0] - pool_bytes.__array_interface__["data"][0]
         pool_at = offsets + base
         piece_at = np.arange(len(offsets), dtype=np.int64) * run

@@ -11,19 +11,30 @@ flat form is a copy, where the page is not contiguous). A backend that takes
 :class:`~hicache.storage.segments.PageSegments` can read into that view's contiguous runs with
 one ``preadv`` and skip staging altogether.
 
-A view is used only once the pool has shown, on a page a read was about to overwrite anyway,
-that it is the pool's memory and that it is what ``set_from_flat_data_page`` writes:
+Which pools: the probe below cannot see what else a pool's ``set_from_flat_data_page`` does
+(a valid mark, a mirror), and reading past it would skip that. So the path is taken only for
+pools known to do nothing more than place the bytes: SGLang's host pools (any subclass of its
+``HostKVCache``; 0.5.23's MHA, MLA, DSA, MiniMax and unified pools were read for this), and a
+pool that says so with ``hicache_view_reads = True``. ``hicache_view_reads = False`` opts out.
+
+A view is used only once such a pool has shown, on a page the read targets, that it is the
+pool's memory and that it is what ``set_from_flat_data_page`` writes:
 
 * two calls for the same page, both alive at once, give the same memory (a fresh copy per
   call would not), on the CPU, of the page's size;
 * a random page committed with ``set_from_flat_data_page`` reads back, byte for byte, from the
   view in row-major order - so reading the stored bytes into the view gives exactly the pool
-  state that staging plus ``set_from_flat_data_page`` would.
+  state that staging plus ``set_from_flat_data_page`` would. The page's own bytes are put back
+  afterwards (the read may yet miss).
 
-The verdict is kept per pool object (weakly). Every later page must be a view of the same
-memory with the same shape and strides, or the batch takes the staging path (and the pool is
-probed again). A pool opts out with ``hicache_view_reads = False`` - one whose
-``set_from_flat_data_page`` does more than place the bytes (a mirror, a dirty mark) must.
+The verdict is kept per pool object (weakly, and as numbers only: no memory is held). A probe
+that raises (a bad index, say) is tried again on a later batch, three times at most. Every later
+page must be a view of the same memory with the same shape and strides; once one is not, the
+pool stages for good (logged once).
+
+The contract this relies on: a view stays the page's memory until the storage call returns,
+unless the call itself commits. SGLang's controller holds its host pool's layout lease around
+every storage call, and hicache ends every read before the call returns, cancelled or not.
 
 As with any read into pool memory, a page that fails verification leaves unusable bytes in its
 host page and is reported as a miss; nobody may use them.
@@ -41,9 +52,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from hicache.storage.segments import PageSegments
+from hicache.storage.segments import PageSegments, row_major_runs
 
-__all__ = ["MIN_RUN_BYTES", "LivePageViews", "runs_of"]
+__all__ = ["MIN_RUN_BYTES", "PROBE_ATTEMPTS", "LivePageViews", "runs_of", "trusted"]
 
 logger = logging.getLogger("hicache.storage")
 
@@ -58,19 +69,12 @@ def runs_of(view: torch.Tensor) -> tuple[int, list[int]] | None:
     """The contiguous runs of ``view``'s memory in row-major order: ``(run bytes, byte offsets
     of each run from the view's first element)``, or ``None`` when a run would be shorter than
     :data:`MIN_RUN_BYTES` (or the view has negative or overlapping strides)."""
-    shape, strides = list(view.shape), list(view.stride())
     item = view.element_size()
-    if any(s < 0 for s in strides) or view.numel() == 0:
+    if any(s < 0 for s in view.stride()) or view.numel() == 0:
         return None
-    run, k = item, len(shape)
-    while k > 0 and (shape[k - 1] == 1 or strides[k - 1] * item == run):
-        run *= shape[k - 1]
-        k -= 1
+    run, offsets = row_major_runs(view.shape, [s * item for s in view.stride()], item)
     if run < MIN_RUN_BYTES:
         return None
-    offsets = np.zeros(1, dtype=np.int64)
-    for j in range(k):
-        offsets = np.add.outer(offsets, np.arange(shape[j], dtype=np.int64) * strides[j] * item).ravel()
     ends = np.sort(offsets)
     if len(ends) > 1 and (np.diff(ends) < run).any():
         return None  # runs that overlap: not one page's bytes each stored once
@@ -87,10 +91,20 @@ class _Verdict:
     strides: tuple[int, ...]
     run_bytes: int
     run_offsets: tuple[int, ...]
-    memory: memoryview  # the whole storage the views live in, as bytes (keeps no pool alive)
 
 
 _REFUSED = object()  # a pool that failed the probe: staging, not probed again
+#: Probes that may raise (a bad index, a pool mid-setup) before a pool stages for good.
+PROBE_ATTEMPTS = 3
+
+
+def trusted(pool: Any) -> bool:
+    """Whether ``pool`` may be read straight into: it says so (``hicache_view_reads``), or it is
+    one of SGLang's host pools, whose ``set_from_flat_data_page`` only places the bytes."""
+    said = getattr(pool, "hicache_view_reads", None)
+    if said is not None:
+        return said is True
+    return any(c.__name__ == "HostKVCache" and c.__module__.startswith("sglang.") for c in type(pool).__mro__)
 
 
 class LivePageViews:
@@ -119,49 +133,63 @@ class LivePageViews:
 
     def may_read(self, pool: Any) -> bool:
         """Whether :meth:`read_segments` could answer for ``pool`` (cheap, on the loop): not for
-        a pool that opted out or failed its probe, so those skip a thread hop per batch."""
-        return getattr(pool, "hicache_view_reads", True) is not False and self._known(pool) is not _REFUSED
+        a pool that is not :func:`trusted` or was refused, so those skip a thread hop per batch."""
+        return trusted(pool) and self._known(pool) is not _REFUSED
 
     def read_segments(self, pool: Any, starts: Sequence[int], nbytes_hint: int | None) -> list[PageSegments | None] | None:
         """Each page of ``starts`` as pieces of the pool's live memory (``None`` for an index
         the pool rejects: that page fails), or ``None`` for the batch: take the staging path.
-        The first batch of a pool probes it on ``starts[0]``, a page this read overwrites."""
-        if not starts or getattr(pool, "hicache_view_reads", True) is False:
+        A pool not yet probed is probed on ``starts[0]``, a page this read targets."""
+        if not starts or not trusted(pool):
             return None
         verdict = self._known(pool)
         if verdict is _REFUSED:
             return None
-        if verdict is None:
-            verdict = self._probe(pool, int(starts[0]), nbytes_hint)
+        if not isinstance(verdict, _Verdict):
+            verdict = self._probe(pool, int(starts[0]), nbytes_hint, failed=verdict or 0)
             self._keep(pool, verdict)
-            if verdict is _REFUSED:
+            if not isinstance(verdict, _Verdict):
                 return None
-        out: list[PageSegments | None] = []
-        seen: set[int] = set()
+        views: list[torch.Tensor | None] = []
         for start in starts:
             try:
                 view = pool.get_data_page(int(start), flat=False)
             except Exception:  # noqa: BLE001 - a bad index fails its page alone
-                out.append(None)
+                views.append(None)
                 continue
             if not _same_memory(view, verdict):
-                # the pool moved or changed its memory: staging now, a fresh probe next batch
-                self._keep(pool, None)
+                self._keep(pool, _REFUSED)
+                logger.info(
+                    "host pool %s: a page is no longer a view of the memory it was probed on; its "
+                    "storage reads go through staging pages from now on", type(pool).__name__,
+                )
                 return None
-            at = view.storage_offset() * view.element_size()
-            if at in seen:  # two pages of one batch on the same memory: only the first is read
+            views.append(view)
+        live = next((v for v in views if v is not None), None)
+        if live is None:
+            return [None] * len(starts)
+        mem = _storage_bytes(live)  # made per batch: no verdict keeps a pool's memory alive
+        run, offsets = verdict.run_bytes, verdict.run_offsets
+        out: list[PageSegments | None] = []
+        seen: set[int] = set()
+        for view in views:
+            at = -1 if view is None else view.storage_offset() * view.element_size()
+            if at < 0 or at in seen:  # a bad index, or memory an earlier page of the batch takes
                 out.append(None)
                 continue
             seen.add(at)
-            run, mem = verdict.run_bytes, verdict.memory
-            out.append(PageSegments([mem[at + o : at + o + run] for o in verdict.run_offsets]))
+            out.append(PageSegments([mem[at + o : at + o + run] for o in offsets]))
         return out
 
-    def _probe(self, pool: Any, index: int, nbytes_hint: int | None) -> Any:
+    def _probe(self, pool: Any, index: int, nbytes_hint: int | None, failed: int) -> Any:
+        """The pool's verdict, or ``_REFUSED``, or (the probe raised) how many probes failed."""
         name = type(pool).__name__
         try:
             verdict, why = _probe(pool, index, nbytes_hint)
         except Exception as exc:  # noqa: BLE001 - a pool that cannot be probed stages its reads
+            if failed + 1 < PROBE_ATTEMPTS:
+                logger.debug("host pool %s: probe at %d raised; staging this batch", name, index, exc_info=True)
+                return failed + 1
             verdict, why = None, f"the probe raised {type(exc).__name__}: {exc}"
         if verdict is None:
             logger.info("host pool %s: storage reads go through staging pages (%s)", name, why)
@@ -171,6 +199,13 @@ class LivePageViews:
             "into it (%d run(s) of %d bytes a page)", name, len(verdict.run_offsets), verdict.run_bytes,
         )
         return verdict
+
+
+def _storage_bytes(view: torch.Tensor) -> memoryview:
+    """The whole storage ``view`` lives in, as a writable byte memoryview (it keeps it alive)."""
+    storage = view.untyped_storage()
+    whole = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),))
+    return memoryview(whole.numpy()).cast("B")
 
 
 def _same_memory(view: Any, verdict: _Verdict) -> bool:
@@ -222,19 +257,20 @@ def _probe(pool: Any, index: int, nbytes_hint: int | None) -> tuple[_Verdict | N
     pattern = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
     page = torch.empty(like.shape, dtype=like.dtype)
     page.view(torch.uint8).reshape(-1).copy_(pattern)
+    own = pool.get_data_page(index, flat=True).clone()  # put back after: the read may yet miss
     pool.set_from_flat_data_page(index, page)
-    if not np.array_equal(_bytes_of(first), pattern.numpy()):
-        return None, "set_from_flat_data_page does not write what get_data_page(flat=False) shows"
-    storage = first.untyped_storage()
-    whole = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),))
+    try:
+        if not np.array_equal(_bytes_of(first), pattern.numpy()):
+            return None, "set_from_flat_data_page does not write what get_data_page(flat=False) shows"
+    finally:
+        pool.set_from_flat_data_page(index, own)
     run, offsets = runs
     verdict = _Verdict(
-        storage_ptr=storage.data_ptr(),
+        storage_ptr=first.untyped_storage().data_ptr(),
         dtype=first.dtype,
         shape=tuple(first.shape),
         strides=tuple(first.stride()),
         run_bytes=run,
         run_offsets=tuple(offsets),
-        memory=memoryview(whole.numpy()).cast("B"),
     )
     return verdict, ""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["ArrayHostPool"]
+__all__ = ["ArrayHostPool", "RelocatingPool"]
 
 
 class ArrayHostPool:
@@ -74,3 +74,43 @@ class ArrayHostPool:
     def _check(self, index: int) -> None:
         if index < 0 or index + self.page_size > self.size or index % self.page_size:
             raise IndexError(f"page index {index} outside pool of {self.size} tokens")
+
+
+class RelocatingPool:
+    """A pool like SGLang's unified host pool: ``get_data_page`` hands out live views of a
+    page's current physical slot, and the layout changes on every commit (the next logical
+    page moves to the spare slot, contents and all). A view stays the page's memory only until
+    the next commit: storage that commits pages mid-batch must never write into a view taken
+    before it. (SGLang holds the unified pool's layout lease around every storage call, so
+    outside that call's own commits the layout holds still.)"""
+
+    def __init__(self, pages: int, page_size: int, token_elems: int, dtype: torch.dtype = torch.float16) -> None:
+        import threading
+
+        self.page_size = page_size
+        self.physical = torch.zeros(pages + 1, page_size * token_elems, dtype=dtype)
+        self.where = list(range(pages))  # logical page -> physical slot; slot ``pages`` is spare
+        self.spare = pages
+        self.moves = 0
+        self._lock = threading.Lock()  # commits come from several I/O threads
+
+    def indices(self, first_page: int, num_pages: int) -> torch.Tensor:
+        ps = self.page_size
+        return torch.arange(first_page * ps, (first_page + num_pages) * ps, dtype=torch.int64)
+
+    def get_data_page(self, index: int, flat: bool = True) -> torch.Tensor:
+        return self.physical[self.where[index // self.page_size]]  # a live view, as the unified pool's
+
+    def get_dummy_flat_data_page(self) -> torch.Tensor:
+        return torch.zeros(self.physical.shape[1], dtype=self.physical.dtype)
+
+    def set_from_flat_data_page(self, index: int, data_page: torch.Tensor) -> None:
+        with self._lock:
+            self.physical[self.where[index // self.page_size]].copy_(data_page.reshape(-1))
+            move = (index // self.page_size + 1) % len(self.where)  # compaction: another page moves
+            self.physical[self.spare].copy_(self.physical[self.where[move]])
+            self.where[move], self.spare = self.spare, self.where[move]
+            self.moves += 1
+
+    def logical_bytes(self, page: int) -> bytes:
+        return self.physical[self.where[page]].view(torch.uint8).numpy().tobytes()

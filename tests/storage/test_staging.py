@@ -7,7 +7,6 @@ few pages spans several of them.
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -17,7 +16,7 @@ import torch
 
 from hicache.storage import PoolTransfer, create_async_storage, staging
 from hicache_backends.file.layout import page_id
-from hicache.testing import ArrayHostPool
+from hicache.testing.pools import ArrayHostPool, RelocatingPool
 
 PAGE = 4
 ELEMS = 256  # 2 KiB pages (float16)
@@ -161,45 +160,10 @@ async def test_a_corrupt_page_never_reaches_the_pool(tmp_path: Path) -> None:
         await store.aclose()
 
 
-class RelocatingPool:
-    """A pool like SGLang's unified host pool: ``get_data_page`` hands out live views of a
-    page's current physical slot, valid only until the pool moves pages (here: on every
-    commit, the next logical page is moved to the spare slot, contents and all). Writing
-    into a view handed out earlier would put a page's bytes into another page's memory, so
-    storage must move read pages in through ``set_from_flat_data_page`` only."""
-
-    def __init__(self, pages: int) -> None:
-        self.page_size = PAGE
-        self.physical = torch.zeros(pages + 1, PAGE * ELEMS, dtype=torch.float16)
-        self.where = list(range(pages))  # logical page -> physical slot; slot ``pages`` is spare
-        self.spare = pages
-        self.moves = 0
-        self._lock = threading.Lock()  # commits come from several I/O threads
-
-    def indices(self, first_page: int, num_pages: int) -> torch.Tensor:
-        return torch.arange(first_page * PAGE, (first_page + num_pages) * PAGE, dtype=torch.int64)
-
-    def get_data_page(self, index: int, flat: bool = True) -> torch.Tensor:
-        return self.physical[self.where[index // PAGE]]  # a live view, as the unified pool's
-
-    def get_dummy_flat_data_page(self) -> torch.Tensor:
-        return torch.zeros(PAGE * ELEMS, dtype=torch.float16)
-
-    def set_from_flat_data_page(self, index: int, data_page: torch.Tensor) -> None:
-        with self._lock:
-            self.physical[self.where[index // PAGE]].copy_(data_page.reshape(-1))
-            move = (index // PAGE + 1) % len(self.where)  # compaction: another page changes slot
-            self.physical[self.spare].copy_(self.physical[self.where[move]])
-            self.where[move], self.spare = self.spare, self.where[move]
-            self.moves += 1
-
-    def logical_bytes(self, page: int) -> bytes:
-        return self.physical[self.where[page]].view(torch.uint8).numpy().tobytes()
-
-
 async def test_pages_of_a_pool_whose_views_move_land_in_their_own_pages(tmp_path: Path) -> None:
-    """Reads never write into ``get_data_page`` views (they may stop being the page's memory
-    before the read ends); a corrupt page is a miss and its page keeps its old bytes."""
+    """Staged reads (2 KiB pages: too short to read straight into views) commit each page
+    through ``set_from_flat_data_page`` even though every commit moves another page; a corrupt
+    page is a miss and its page keeps its old bytes."""
     n = 6
     store, src = await _written(tmp_path, n, 6)
     try:
@@ -207,7 +171,7 @@ async def test_pages_of_a_pool_whose_views_move_land_in_their_own_pages(tmp_path
         data = bytearray(victim.read_bytes())
         data[len(data) // 2] ^= 0xFF
         victim.write_bytes(bytes(data))
-        dst = RelocatingPool(n)
+        dst = RelocatingPool(n, PAGE, ELEMS)
         dst.physical.fill_(3.0)
         before = [dst.logical_bytes(i) for i in range(n)]
         got = await _get(store, dst, 0, n)

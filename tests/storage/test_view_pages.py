@@ -7,7 +7,9 @@ The file backend on real files under ``tmp_path``; pools laid out as SGLang's MH
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +17,8 @@ import pytest
 import torch
 
 from hicache.storage import PoolTransfer, create_async_storage
-from hicache.storage.view_pages import MIN_RUN_BYTES, LivePageViews, runs_of
+from hicache.storage.view_pages import MIN_RUN_BYTES, PROBE_ATTEMPTS, LivePageViews, runs_of, trusted
+from hicache.testing.pools import RelocatingPool
 
 PAGE, LAYERS, HEADS, DIM = 16, 2, 2, 64  # bf16: a (K/V, layer) run of a page is 4 KiB
 PAGES = 12
@@ -23,7 +26,10 @@ PAGES = 12
 
 class SeedPool:
     """SGLang's MHA host pool, as its storage code sees it: views for ``flat=False``, a flat
-    copy where the page is not contiguous, every commit through ``set_from_flat_data_page``."""
+    copy where the page is not contiguous, every commit through ``set_from_flat_data_page``.
+    Not an SGLang class, so it vouches for itself as SGLang's ``HostKVCache`` pools need not."""
+
+    hicache_view_reads = True
 
     def __init__(self, layout: str = "page_first", *, copies: bool = False, dtype: torch.dtype = torch.bfloat16) -> None:
         self.page_size = PAGE
@@ -85,13 +91,17 @@ def _keys(n: int) -> list[str]:
     return [f"page-{i}" for i in range(n)]
 
 
-async def _store_with(tmp_path: Path, src: SeedPool, n: int) -> Any:
+@contextlib.asynccontextmanager
+async def _stored(tmp_path: Path, n: int, seed: int, make: Callable[[], Any] = SeedPool) -> AsyncIterator[tuple[Any, Any]]:
+    """An open file store holding pages ``page-0..n-1`` of a random pool made by ``make``."""
+    src = make()
+    src.fill_random(seed)
     store = create_async_storage("file", None, root=str(tmp_path), namespace={"model": "view-test"})
-    await store.open()
-    store.register_mem_host_pool_v2(src, "kv")
-    res = await store.batch_set_v2([PoolTransfer("kv", host_indices=src.indices(0, n), keys=_keys(n))])
-    assert res["kv"] == [True] * n
-    return store
+    async with store:
+        store.register_mem_host_pool_v2(src, "kv")
+        res = await store.batch_set_v2([PoolTransfer("kv", host_indices=src.indices(0, n), keys=_keys(n))])
+        assert res["kv"] == [True] * n
+        yield store, src
 
 
 async def _get(store: Any, pool: SeedPool, n: int, first_page: int = 0) -> list[bool]:
@@ -117,49 +127,39 @@ def test_runs_of_are_the_row_major_contiguous_runs() -> None:
     assert MIN_RUN_BYTES <= 4096
 
 
-@pytest.mark.parametrize("layout", ["page_first", "layer_first"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize(
+    "layout,dtype",
+    [(lay, dt) for lay in ("page_first", "layer_first") for dt in (torch.bfloat16, torch.float16, torch.float32)]
+    + [("page_first", torch.float8_e4m3fn)],  # 1-byte layer_first runs are too short: they stage
+)
 async def test_reads_land_in_the_pool_views_without_commits(tmp_path: Path, layout: str, dtype: torch.dtype) -> None:
     n = 8
-    src = SeedPool(layout, dtype=dtype)
-    src.fill_random(1)
-    store = await _store_with(tmp_path, src, n)
-    try:
+    async with _stored(tmp_path, n, 1, lambda: SeedPool(layout, dtype=dtype)) as (store, src):
         dst = SeedPool(layout, dtype=dtype)
         assert await _get(store, dst, n) == [True] * n
-        assert dst.commits == [0]  # the probe, on a page the read then overwrote
+        assert dst.commits == [0, 0]  # the probe and the page's own bytes put back
         assert all(dst.page_bytes(i) == src.page_bytes(i) for i in range(n))
         # the verdict is kept: a second batch asks nothing more of the pool
         dst.kv_buffer.zero_()
         assert await _get(store, dst, n - 2, first_page=2) == [True] * (n - 2)
-        assert dst.commits == [0]
+        assert dst.commits == [0, 0]
         assert [dst.page_bytes(i + 2) for i in range(n - 2)] == [src.page_bytes(i) for i in range(n - 2)]
         assert dst.page_bytes(0) == bytes(len(src.page_bytes(0)))  # nothing outside the targets
-    finally:
-        await store.aclose()
 
 
 @pytest.mark.parametrize("pool_type", [ReversingPool, OptedOutPool])
 async def test_pools_whose_views_are_not_what_commits_write_are_staged(tmp_path: Path, pool_type: type) -> None:
     n = 6
-    src = pool_type()
-    src.fill_random(2)
-    store = await _store_with(tmp_path, src, n)
-    try:
+    async with _stored(tmp_path, n, 2, pool_type) as (store, src):
         dst = pool_type()
         assert await _get(store, dst, n) == [True] * n
         assert sorted(set(dst.commits)) == [i * PAGE for i in range(n)]  # every page committed
         assert all(dst.page_bytes(i) == src.page_bytes(i) for i in range(n))
-    finally:
-        await store.aclose()
 
 
 async def test_a_pool_handing_out_copies_is_staged_and_probed_once(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     n = 5
-    src = SeedPool(copies=True)
-    src.fill_random(3)
-    store = await _store_with(tmp_path, src, n)
-    try:
+    async with _stored(tmp_path, n, 3, lambda: SeedPool(copies=True)) as (store, src):
         dst = SeedPool(copies=True)
         with caplog.at_level(logging.INFO, logger="hicache.storage"):
             assert await _get(store, dst, n) == [True] * n
@@ -168,16 +168,11 @@ async def test_a_pool_handing_out_copies_is_staged_and_probed_once(tmp_path: Pat
         assert all(dst.page_bytes(i) == src.page_bytes(i) for i in range(n))
         refused = [r for r in caplog.records if "through staging pages" in r.getMessage()]
         assert len(refused) == 1 and "returns copies" in refused[0].getMessage()
-    finally:
-        await store.aclose()
 
 
 async def test_a_corrupt_page_is_a_counted_miss_and_the_others_land(tmp_path: Path) -> None:
     n = 6
-    src = SeedPool()
-    src.fill_random(4)
-    store = await _store_with(tmp_path, src, n)
-    try:
+    async with _stored(tmp_path, n, 4) as (store, src):
         victim = sorted(tmp_path.rglob("*.page"))[3]
         data = bytearray(victim.read_bytes())
         data[len(data) // 2] ^= 0xFF
@@ -186,45 +181,33 @@ async def test_a_corrupt_page_is_a_counted_miss_and_the_others_land(tmp_path: Pa
         got = await _get(store, dst, n)
         assert got.count(False) == 1 and store.get_stats()["corrupt_pages"] == 1
         assert all(dst.page_bytes(i) == src.page_bytes(i) for i in range(n) if got[i])
-    finally:
-        await store.aclose()
 
 
-async def test_a_pool_that_moves_its_memory_is_staged_then_probed_again(tmp_path: Path) -> None:
+async def test_a_pool_that_moves_its_memory_stages_from_then_on(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     n = 4
-    src = SeedPool()
-    src.fill_random(5)
-    store = await _store_with(tmp_path, src, n)
-    try:
+    async with _stored(tmp_path, n, 5) as (store, src):
         dst = SeedPool()
-        assert await _get(store, dst, n) == [True] * n and dst.commits == [0]
-        dst.kv_buffer = torch.zeros_like(dst.kv_buffer)  # new memory: the old views are stale
+        assert await _get(store, dst, n) == [True] * n and dst.commits == [0, 0]  # probe + restore
+        dst.kv_buffer = torch.zeros(2, dst.kv_buffer.shape[1] * 2, *dst.kv_buffer.shape[2:], dtype=dst.kv_buffer.dtype)
         dst.commits.clear()
-        assert await _get(store, dst, n) == [True] * n
-        assert sorted(dst.commits) == [i * PAGE for i in range(n)]  # this batch staged
-        assert all(dst.page_bytes(i) == src.page_bytes(i) for i in range(n))
-        dst.kv_buffer.zero_()
-        dst.commits.clear()
-        assert await _get(store, dst, n) == [True] * n and dst.commits == [0]  # probed again
-        assert all(dst.page_bytes(i) == src.page_bytes(i) for i in range(n))
-    finally:
-        await store.aclose()
+        with caplog.at_level(logging.INFO, logger="hicache.storage"):
+            for _ in range(2):
+                dst.kv_buffer.zero_()
+                assert await _get(store, dst, n) == [True] * n
+                assert all(dst.page_bytes(i) == src.page_bytes(i) for i in range(n))
+        assert sorted(dst.commits) == sorted(2 * [i * PAGE for i in range(n)])  # both batches staged
+        assert len([r for r in caplog.records if "no longer a view" in r.getMessage()]) == 1
 
 
 async def test_a_page_outside_the_pool_fails_alone(tmp_path: Path) -> None:
     n = 3
-    src = SeedPool()
-    src.fill_random(6)
-    store = await _store_with(tmp_path, src, n)
-    try:
+    async with _stored(tmp_path, n, 6) as (store, src):
         dst = SeedPool()
         store.register_mem_host_pool_v2(dst, "kv")
         idx = torch.cat([dst.indices(0, 2), dst.indices(PAGES + 5, 1)])
         got = await store.batch_get_v2([PoolTransfer("kv", host_indices=idx, keys=_keys(n))])
         assert got["kv"] == [True, True, False]
         assert all(dst.page_bytes(i) == src.page_bytes(i) for i in range(2))
-    finally:
-        await store.aclose()
 
 
 def test_the_probe_refuses_what_it_cannot_prove() -> None:
@@ -253,53 +236,91 @@ def test_the_probe_refuses_what_it_cannot_prove() -> None:
     assert segs is not None and segs[2] is None  # the same memory twice: only the first is read
 
 
-class RelocatingPool:
-    """SGLang's unified host pool in miniature: ``get_data_page`` hands out a live view of a
-    page's current physical slot, and the layout changes on every commit (another page moves
-    to the spare slot). SGLang holds the pool's layout lease around each storage call, so a
-    view is the page's memory until the call returns unless the call itself commits; only
-    the probe commits here, before any view of the batch is taken."""
-
-    ELEMS = 1024  # 16 tokens of 1024 fp16: 32 KiB pages, one contiguous run each
-
-    def __init__(self, pages: int) -> None:
-        self.page_size = PAGE
-        self.physical = torch.zeros(pages + 1, PAGE * self.ELEMS, dtype=torch.float16)
-        self.where = list(range(pages))
-        self.spare = pages
-        self.moves = 0
-
-    def indices(self, first_page: int, n: int) -> torch.Tensor:
-        return torch.arange(first_page * PAGE, (first_page + n) * PAGE, dtype=torch.int64)
-
-    def get_data_page(self, index: int, flat: bool = True) -> torch.Tensor:
-        page = self.physical[self.where[index // PAGE]]
-        return page if flat else page.view(PAGE, self.ELEMS)
-
-    def get_dummy_flat_data_page(self) -> torch.Tensor:
-        return torch.zeros(PAGE * self.ELEMS, dtype=torch.float16)
-
-    def set_from_flat_data_page(self, index: int, data_page: torch.Tensor) -> None:
-        self.physical[self.where[index // PAGE]].copy_(data_page.reshape(-1))
-        move = (index // PAGE + 1) % len(self.where)
-        self.physical[self.spare].copy_(self.physical[self.where[move]])
-        self.where[move], self.spare = self.spare, self.where[move]
-        self.moves += 1
-
-    def logical_bytes(self, page: int) -> bytes:
-        return self.physical[self.where[page]].view(torch.uint8).numpy().tobytes()
+#: 16 tokens of 1024 fp16: 32 KiB pages, one contiguous run each (read straight into)
+RELOCATING_ELEMS = 1024
 
 
 async def test_a_pool_that_relocates_on_commit_gets_every_page_in_its_own_slot(tmp_path: Path) -> None:
+    """Only the probe commits, before any view of the batch is taken: every page lands in the
+    slot it has when the call returns (SGLang's layout lease keeps it there for the call)."""
     n = 6
-    src = RelocatingPool(n)
+    src = RelocatingPool(n, PAGE, RELOCATING_ELEMS)
     src.physical.copy_(torch.randn(src.physical.shape).to(torch.float16))
     store = create_async_storage("file", None, root=str(tmp_path), namespace={"model": "view-test"})
     async with store:
         store.register_mem_host_pool_v2(src, "kv")
         assert (await store.batch_set_v2([PoolTransfer("kv", host_indices=src.indices(0, n), keys=_keys(n))]))["kv"] == [True] * n
-        dst = RelocatingPool(n)
+        dst = RelocatingPool(n, PAGE, RELOCATING_ELEMS)
+        dst.hicache_view_reads = True  # it only places bytes (and moves another page)
         store.register_mem_host_pool_v2(dst, "kv")
         got = await store.batch_get_v2([PoolTransfer("kv", host_indices=dst.indices(0, n), keys=_keys(n))])
-        assert got["kv"] == [True] * n and dst.moves == 1  # the probe's commit only
+        assert got["kv"] == [True] * n and dst.moves == 2  # the probe's commits only
         assert [dst.logical_bytes(i) for i in range(n)] == [src.logical_bytes(i) for i in range(n)]
+
+
+class UnvouchedPool(SeedPool):
+    """A third party's pool that says nothing: its commit might do more than place bytes."""
+
+    hicache_view_reads = None
+
+
+class UnhashablePool(SeedPool):
+    """A pool no verdict can be kept for (it cannot be a weak dictionary's key)."""
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+@pytest.mark.parametrize("pool_type", [UnvouchedPool, UnhashablePool])
+async def test_pools_not_vouched_for_or_without_a_verdict_are_staged(tmp_path: Path, pool_type: type) -> None:
+    n = 3
+    async with _stored(tmp_path, n, 7, pool_type) as (store, src):
+        dst = pool_type()
+        assert await _get(store, dst, n) == [True] * n
+        assert sorted(dst.commits) == [i * PAGE for i in range(n)]  # no probe: every page committed
+        assert all(dst.page_bytes(i) == src.page_bytes(i) for i in range(n))
+    assert not trusted(UnvouchedPool()) and trusted(SeedPool())
+
+
+def test_sglang_host_pools_are_trusted_by_class() -> None:
+    HostKVCache = type("HostKVCache", (), {"__module__": "sglang.srt.mem_cache.pool_host.base"})
+    Elsewhere = type("HostKVCache", (), {"__module__": "someone.else"})
+    assert trusted(type("MHAPool", (HostKVCache,), {})())
+    assert not trusted(type("MHAPool", (Elsewhere,), {})())
+    assert not trusted(type("MHAPool", (HostKVCache,), {"hicache_view_reads": False})())
+
+
+async def test_a_probe_page_whose_read_misses_keeps_its_bytes(tmp_path: Path) -> None:
+    async with _stored(tmp_path, 2, 8) as (store, src):
+        dst = SeedPool()
+        dst.kv_buffer.fill_(1.5)
+        before = dst.page_bytes(0)
+        store.register_mem_host_pool_v2(dst, "kv")
+        got = await store.batch_get_v2([PoolTransfer("kv", host_indices=dst.indices(0, 2), keys=["absent", "page-1"])])
+        assert got["kv"] == [False, True] and dst.commits == [0, 0]  # probed on the missing page
+        assert dst.page_bytes(0) == before and dst.page_bytes(1) == src.page_bytes(1)
+
+
+async def test_a_probe_that_raises_is_tried_again_on_a_later_batch(tmp_path: Path) -> None:
+    class FlakyPool(SeedPool):
+        fail = 1
+
+        def set_from_flat_data_page(self, index: int, data_page: torch.Tensor) -> None:
+            if self.fail:
+                self.fail -= 1
+                raise RuntimeError("pool still setting up")
+            super().set_from_flat_data_page(index, data_page)
+
+    async with _stored(tmp_path, 3, 9) as (store, src):
+        dst = FlakyPool()
+        got = await _get(store, dst, 3)
+        assert got == [True] * 3 and sorted(dst.commits) == [0, PAGE, 2 * PAGE]  # staged this once
+        dst.commits.clear()
+        dst.kv_buffer.zero_()
+        assert await _get(store, dst, 3) == [True] * 3 and dst.commits == [0, 0]  # probed, then direct
+        assert all(dst.page_bytes(i) == src.page_bytes(i) for i in range(3))
+    views = LivePageViews()
+    always = FlakyPool()
+    always.fail = 10**6
+    for _ in range(PROBE_ATTEMPTS):
+        assert views.may_read(always) and views.read_segments(always, [0], None) is None
+    assert not views.may_read(always)  # given up: staged from now on, without a thread hop
