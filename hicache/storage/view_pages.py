@@ -13,9 +13,9 @@ one ``preadv`` and skip staging altogether.
 
 Which pools: the probe below cannot see what else a pool's ``set_from_flat_data_page`` does
 (a valid mark, a mirror), and reading past it would skip that. So the path is taken only for
-pools known to do nothing more than place the bytes: SGLang's host pools (any subclass of its
-``HostKVCache``; 0.5.23's MHA, MLA, DSA, MiniMax and unified pools were read for this), and a
-pool that says so with ``hicache_view_reads = True``. ``hicache_view_reads = False`` opts out.
+pools known to do nothing more than place the bytes: SGLang's host pools (subclasses of its
+``HostKVCache`` whose page methods are SGLang's own; 0.5.23's MHA, MLA, DSA, MiniMax and unified
+pools were read for this), and a pool that says so with ``hicache_view_reads = True``. ``hicache_view_reads = False`` opts out.
 
 A view is used only once such a pool has shown, on a page the read targets, that it is the
 pool's memory and that it is what ``set_from_flat_data_page`` writes:
@@ -25,12 +25,15 @@ pool's memory and that it is what ``set_from_flat_data_page`` writes:
 * a random page committed with ``set_from_flat_data_page`` reads back, byte for byte, from the
   view in row-major order - so reading the stored bytes into the view gives exactly the pool
   state that staging plus ``set_from_flat_data_page`` would. The page's own bytes are put back
-  afterwards (the read may yet miss).
+  afterwards, whatever the outcome (the read may yet miss); a pool that refuses them fails
+  its probe.
 
-The verdict is kept per pool object (weakly, and as numbers only: no memory is held). A probe
-that raises (a bad index, say) is tried again on a later batch, three times at most. Every later
-page must be a view of the same memory with the same shape and strides; once one is not, the
-pool stages for good (logged once).
+The verdict is kept per pool object (weakly, and as numbers only: no memory is held); when two
+batches probe or refuse at once, the first to finish decides. A probe goes to the first page
+of the batch the pool hands a whole page out for; one that raises is tried again on a later
+batch, three times at most. A later page in other memory than the probed one makes the pool
+stage for good (logged once); one in that memory but of another shape or dtype fails alone (an
+index past the pool's end, which staging would fail too).
 
 The contract this relies on: a view stays the page's memory until the storage call returns,
 unless the call itself commits. SGLang's controller holds its host pool's layout lease around
@@ -96,15 +99,25 @@ class _Verdict:
 _REFUSED = object()  # a pool that failed the probe: staging, not probed again
 #: Probes that may raise (a bad index, a pool mid-setup) before a pool stages for good.
 PROBE_ATTEMPTS = 3
+#: Pages of a batch tried, in order, for one the pool answers for, to probe on.
+PROBE_PAGES = 8
 
 
 def trusted(pool: Any) -> bool:
     """Whether ``pool`` may be read straight into: it says so (``hicache_view_reads``), or it is
-    one of SGLang's host pools, whose ``set_from_flat_data_page`` only places the bytes."""
+    one of SGLang's host pools, whose ``set_from_flat_data_page`` only places the bytes - a
+    subclass of its ``HostKVCache`` whose page methods are SGLang's own (a fork's override of
+    them may do more, so it is not trusted by class)."""
     said = getattr(pool, "hicache_view_reads", None)
     if said is not None:
         return said is True
-    return any(c.__name__ == "HostKVCache" and c.__module__.startswith("sglang.") for c in type(pool).__mro__)
+    cls = type(pool)
+    if not any(c.__name__ == "HostKVCache" and c.__module__.startswith("sglang.") for c in cls.__mro__):
+        return False
+    return all(
+        (getattr(getattr(cls, name, None), "__module__", None) or "").startswith("sglang.")
+        for name in ("get_data_page", "set_from_flat_data_page")
+    )
 
 
 class LivePageViews:
@@ -124,12 +137,18 @@ class LivePageViews:
         except TypeError:  # not weakly referenceable: never probed (the probe writes a page)
             return _REFUSED
 
-    def _keep(self, pool: Any, verdict: Any) -> None:
+    def _swap(self, pool: Any, seen: Any, verdict: Any) -> bool:
+        """Set ``pool``'s entry to ``verdict`` if it still is ``seen`` (two batches may probe or
+        refuse at once: the first to finish decides, the other's result is dropped)."""
         try:
             with self._lock:
+                now = self._verdicts.get(pool)
+                if now is not seen and now != seen:
+                    return False
                 self._verdicts[pool] = verdict
+                return True
         except TypeError:
-            pass
+            return False
 
     def may_read(self, pool: Any) -> bool:
         """Whether :meth:`read_segments` could answer for ``pool`` (cheap, on the loop): not for
@@ -139,15 +158,16 @@ class LivePageViews:
     def read_segments(self, pool: Any, starts: Sequence[int], nbytes_hint: int | None) -> list[PageSegments | None] | None:
         """Each page of ``starts`` as pieces of the pool's live memory (``None`` for an index
         the pool rejects: that page fails), or ``None`` for the batch: take the staging path.
-        A pool not yet probed is probed on ``starts[0]``, a page this read targets."""
+        A pool not yet probed is probed on a page this read targets (the first it answers for)."""
         if not starts or not trusted(pool):
             return None
         verdict = self._known(pool)
         if verdict is _REFUSED:
             return None
         if not isinstance(verdict, _Verdict):
-            verdict = self._probe(pool, int(starts[0]), nbytes_hint, failed=verdict or 0)
-            self._keep(pool, verdict)
+            seen, verdict = verdict, self._probe(pool, starts, nbytes_hint, failed=verdict or 0)
+            if not self._swap(pool, seen, verdict):
+                return None  # another batch probed meanwhile: this one stages, the next reads
             if not isinstance(verdict, _Verdict):
                 return None
         views: list[torch.Tensor | None] = []
@@ -157,13 +177,17 @@ class LivePageViews:
             except Exception:  # noqa: BLE001 - a bad index fails its page alone
                 views.append(None)
                 continue
-            if not _same_memory(view, verdict):
-                self._keep(pool, _REFUSED)
+            if not isinstance(view, torch.Tensor) or view.untyped_storage().data_ptr() != verdict.storage_ptr:
+                if not self._swap(pool, verdict, _REFUSED):
+                    return None  # refused (or probed again) by another batch meanwhile
                 logger.info(
                     "host pool %s: a page is no longer a view of the memory it was probed on; its "
                     "storage reads go through staging pages from now on", type(pool).__name__,
                 )
                 return None
+            if not _same_shape(view, verdict):  # the probed memory, but not a page of it (past its end)
+                views.append(None)
+                continue
             views.append(view)
         live = next((v for v in views if v is not None), None)
         if live is None:
@@ -181,14 +205,20 @@ class LivePageViews:
             out.append(PageSegments([mem[at + o : at + o + run] for o in offsets]))
         return out
 
-    def _probe(self, pool: Any, index: int, nbytes_hint: int | None, failed: int) -> Any:
+    def _probe(self, pool: Any, starts: Sequence[int], nbytes_hint: int | None, failed: int) -> Any:
         """The pool's verdict, or ``_REFUSED``, or (the probe raised) how many probes failed."""
         name = type(pool).__name__
+        index = None
         try:
+            like = pool.get_dummy_flat_data_page()
+            nbytes = nbytes_hint or (like.numel() * like.element_size() if isinstance(like, torch.Tensor) else 0)
+            index = _answering(pool, starts, nbytes)
+            if index is None:
+                raise LookupError(f"no whole page of {nbytes} bytes among the batch's first {PROBE_PAGES}")
             verdict, why = _probe(pool, index, nbytes_hint)
         except Exception as exc:  # noqa: BLE001 - a pool that cannot be probed stages its reads
             if failed + 1 < PROBE_ATTEMPTS:
-                logger.debug("host pool %s: probe at %d raised; staging this batch", name, index, exc_info=True)
+                logger.debug("host pool %s: probe at %s raised; staging this batch", name, index, exc_info=True)
                 return failed + 1
             verdict, why = None, f"the probe raised {type(exc).__name__}: {exc}"
         if verdict is None:
@@ -201,6 +231,20 @@ class LivePageViews:
         return verdict
 
 
+def _answering(pool: Any, starts: Sequence[int], nbytes: int) -> int | None:
+    """The first of the batch's first :data:`PROBE_PAGES` pages the pool hands out a whole page
+    for (``nbytes``): an index it rejects, or answers with a short slice past its end, does not
+    cost the pool its probe."""
+    for start in starts[:PROBE_PAGES]:
+        try:
+            view = pool.get_data_page(int(start), flat=False)
+        except Exception:  # noqa: BLE001 - a bad index
+            continue
+        if isinstance(view, torch.Tensor) and view.numel() * view.element_size() == nbytes:
+            return int(start)
+    return None
+
+
 def _storage_bytes(view: torch.Tensor) -> memoryview:
     """The whole storage ``view`` lives in, as a writable byte memoryview (it keeps it alive)."""
     storage = view.untyped_storage()
@@ -208,14 +252,14 @@ def _storage_bytes(view: torch.Tensor) -> memoryview:
     return memoryview(whole.numpy()).cast("B")
 
 
-def _same_memory(view: Any, verdict: _Verdict) -> bool:
+def _same_shape(view: Any, verdict: _Verdict) -> bool:
+    """Whether ``view`` is a CPU page of the probed one's dtype, shape and strides."""
     return (
         isinstance(view, torch.Tensor)
         and view.device.type == "cpu"
         and view.dtype == verdict.dtype
         and tuple(view.shape) == verdict.shape
         and tuple(view.stride()) == verdict.strides
-        and view.untyped_storage().data_ptr() == verdict.storage_ptr
     )
 
 
@@ -258,12 +302,13 @@ def _probe(pool: Any, index: int, nbytes_hint: int | None) -> tuple[_Verdict | N
     page = torch.empty(like.shape, dtype=like.dtype)
     page.view(torch.uint8).reshape(-1).copy_(pattern)
     own = pool.get_data_page(index, flat=True).clone()  # put back after: the read may yet miss
-    pool.set_from_flat_data_page(index, page)
     try:
-        if not np.array_equal(_bytes_of(first), pattern.numpy()):
-            return None, "set_from_flat_data_page does not write what get_data_page(flat=False) shows"
+        pool.set_from_flat_data_page(index, page)
+        shows = np.array_equal(_bytes_of(first), pattern.numpy())
     finally:
-        pool.set_from_flat_data_page(index, own)
+        pool.set_from_flat_data_page(index, own)  # if this raises, the probe fails: staging
+    if not shows:
+        return None, "set_from_flat_data_page does not write what get_data_page(flat=False) shows"
     run, offsets = runs
     verdict = _Verdict(
         storage_ptr=first.untyped_storage().data_ptr(),

@@ -271,11 +271,22 @@ async def test_a_pool_that_relocates_on_commit_gets_every_page_in_its_own_slot(t
 
 
 def test_sglang_host_pools_are_trusted_by_class() -> None:
+    def page_method(module: str) -> Any:
+        def method(self: Any, *args: Any) -> None: ...
+
+        method.__module__ = module
+        return method
+
+    sglang = "sglang.srt.mem_cache.pool_host.mha"
+    own = {"get_data_page": page_method(sglang), "set_from_flat_data_page": page_method(sglang)}
     HostKVCache = type("HostKVCache", (), {"__module__": "sglang.srt.mem_cache.pool_host.base"})
     Elsewhere = type("HostKVCache", (), {"__module__": "someone.else"})
-    assert trusted(type("MHAPool", (HostKVCache,), {})())
-    assert not trusted(type("MHAPool", (Elsewhere,), {})())
-    assert not trusted(type("MHAPool", (HostKVCache,), {"hicache_view_reads": False})())
+    assert trusted(type("MHAPool", (HostKVCache,), own)())
+    assert not trusted(type("MHAPool", (Elsewhere,), own)())
+    assert not trusted(type("MHAPool", (HostKVCache,), {**own, "hicache_view_reads": False})())
+    fork = {**own, "set_from_flat_data_page": page_method("someone.fork")}  # may do more: not by class
+    assert not trusted(type("ForkPool", (HostKVCache,), fork)())
+    assert trusted(type("ForkPool", (HostKVCache,), {**fork, "hicache_view_reads": True})())
     assert not trusted(UnvouchedPool()) and trusted(SeedPool())
 
 
@@ -303,7 +314,7 @@ async def test_a_probe_that_raises_is_tried_again_on_a_later_batch(tmp_path: Pat
     async with _stored(tmp_path, 3, 9) as (store, src):
         dst = FlakyPool()
         got = await _get(store, dst, 3)
-        assert got == [True] * 3 and sorted(dst.commits) == [0, PAGE, 2 * PAGE]  # staged this once
+        assert got == [True] * 3 and sorted(dst.commits) == [0, 0, PAGE, 2 * PAGE]  # restored, then staged
         dst.commits.clear()
         dst.kv_buffer.zero_()
         assert await _get(store, dst, 3) == [True] * 3 and dst.commits == [0, 0]  # probed, then direct
@@ -314,3 +325,32 @@ async def test_a_probe_that_raises_is_tried_again_on_a_later_batch(tmp_path: Pat
     for _ in range(PROBE_ATTEMPTS):
         assert views.may_read(always) and views.read_segments(always, [0], None) is None
     assert not views.may_read(always)  # given up: staged from now on, without a thread hop
+
+
+async def test_a_bad_first_index_does_not_cost_the_pool_its_probe(tmp_path: Path) -> None:
+    async with _stored(tmp_path, 3, 10) as (store, src):
+        dst = SeedPool()
+        store.register_mem_host_pool_v2(dst, "kv")
+        idx = torch.cat([dst.indices(PAGES + 5, 1), dst.indices(1, 2)])  # the first page is outside
+        got = await store.batch_get_v2([PoolTransfer("kv", host_indices=idx, keys=_keys(3))])
+        assert got["kv"] == [False, True, True] and dst.commits == [PAGE, PAGE]  # probed on the second
+        assert [dst.page_bytes(1), dst.page_bytes(2)] == [src.page_bytes(1), src.page_bytes(2)]
+
+
+def test_the_probe_restores_its_page_when_its_commit_raises_half_way() -> None:
+    class HalfWay(SeedPool):
+        calls = 0
+
+        def set_from_flat_data_page(self, index: int, data_page: torch.Tensor) -> None:
+            self.calls += 1
+            if self.calls == 1:  # the probe's random page: half written, then an error
+                page = self._page(index)
+                page[0] = data_page.reshape(page.shape)[0]  # the K half lands, the V half does not
+                raise RuntimeError("disk full")
+            super().set_from_flat_data_page(index, data_page)
+
+    pool = HalfWay()
+    pool.fill_random(11)
+    before = pool.page_bytes(0)
+    assert LivePageViews().read_segments(pool, [0], None) is None  # this batch stages
+    assert pool.page_bytes(0) == before

@@ -22,11 +22,8 @@ PAGE = 16
 PAGES = 6
 
 
-def _pool(layout: str, mla: bool, seed: int | None):
-    dev = helpers.device_pool(page_size=PAGE, layers=4, head_dim=64, mla=mla)
-    host = helpers.host_pool(dev, layout)
-    if seed is not None:
-        helpers.fill_random(host, seed)
+def _counting_commits(host) -> list[int]:
+    """The page indices ``host.set_from_flat_data_page`` is called with, from now on."""
     commits: list[int] = []
     own = host.set_from_flat_data_page
 
@@ -35,7 +32,15 @@ def _pool(layout: str, mla: bool, seed: int | None):
         own(index, data_page)
 
     host.set_from_flat_data_page = counted
-    return host, commits
+    return commits
+
+
+def _pool(layout: str, mla: bool, seed: int | None):
+    dev = helpers.device_pool(page_size=PAGE, layers=4, head_dim=64, mla=mla)
+    host = helpers.host_pool(dev, layout)
+    if seed is not None:
+        helpers.fill_random(host, seed)
+    return host, _counting_commits(host)
 
 
 def _page(host, i: int) -> bytes:
@@ -95,15 +100,7 @@ def _unified_host_pool():
     host = UnifiedPageEnvelopeHostPool(
         bundle.token_to_kv_pool.full_kv_pool, 2.0, 0, PAGE, "page_first", pin_memory=False, device="cpu"
     )
-    commits: list[int] = []
-    own = host.set_from_flat_data_page
-
-    def counted(index, data_page):
-        commits.append(int(index))
-        own(index, data_page)
-
-    host.set_from_flat_data_page = counted
-    return host, commits
+    return host, _counting_commits(host)
 
 
 def test_sglang_unified_pool_reads_straight_into_its_page_envelopes(store_root):
