@@ -218,8 +218,10 @@ async def v2_once(
     server keeps warm (I/O threads, the staging arena)."""
     idx = src.indices(0, len(keys))
     store = make("v2")
-    src_pool: Any = src if protocol == "view" else SeedProtocolPool(src, copies=protocol == "seed-copies")
-    dst_pool: Any = dst if protocol == "view" else SeedProtocolPool(dst, copies=protocol == "seed-copies")
+    def as_protocol(pool: ArrayHostPool) -> Any:
+        return pool if protocol == "view" else SeedProtocolPool(pool, copies=protocol == "seed-copies")
+
+    src_pool, dst_pool = as_protocol(src), as_protocol(dst)
     async with store:
         store.register_mem_host_pool_v2(src_pool, "kv")
         settle_wait = getattr(store, "wait_background", None)

@@ -525,20 +525,16 @@ class AsyncHiCacheStorage(ABC):
         good, good_starts = _good(starts)
         if not good:
             return [False] * len(keys)
-        pieces = self._segments(pool, good_starts)
-        if (
-            pieces is None
-            and self.supports_segments
-            and self._view_reads.may_read(pool)
-            and page_io.needs_thread(pool, good_starts)
-        ):
+        staged = page_io.needs_thread(pool, good_starts)
+        pieces = self._segments(pool, good_starts, staged)
+        if pieces is None and staged and self.supports_segments and self._view_reads.may_read(pool):
             # the seed protocol alone: straight into get_data_page(flat=False) where it is live
             pieces = await run_to_completion(
                 self._view_reads.read_segments, pool, good_starts, page_io.page_nbytes_hint(pool)
             )
         if pieces is not None:
             return await self._move_segments(name, keys, good, pieces, None)
-        if page_io.needs_thread(pool, good_starts):
+        if staged:
             # no live page view: the seed page protocol alone, through reused staging pages
             async def read(positions: list[int], bufs: Sequence[Any]) -> list[bool]:
                 return await self._read_guarded([PageKey(keys[good[j]], name) for j in positions], bufs)
@@ -605,10 +601,11 @@ class AsyncHiCacheStorage(ABC):
         views = page_io.live_views(pool, good_starts)
         if views is not None:  # live views of every page (a page_first pool of ours): asked once
             return await self._write_found(name, keys, good, views, parents, pages)
-        pieces = self._segments(pool, good_starts)
+        staged = page_io.needs_thread(pool, good_starts)
+        pieces = self._segments(pool, good_starts, staged)
         if pieces is not None:
             return await self._move_segments(name, keys, good, pieces, parents)
-        if page_io.needs_thread(pool, good_starts):
+        if staged:
             # no live page view: copies of one chunk are made while the previous one is written
             async def write(positions: list[int], bufs: Sequence[Any]) -> list[bool]:
                 return await self._write_guarded(
@@ -653,10 +650,11 @@ class AsyncHiCacheStorage(ABC):
         )
         return _scatter(len(keys), [i for i, _ in live], done)
 
-    def _segments(self, pool: Any, starts: list[int]) -> list[PageSegments | None] | None:
+    def _segments(self, pool: Any, starts: list[int], staged: bool) -> list[PageSegments | None] | None:
         """The pages as pool memory pieces, when this backend takes them and the pool has no
-        live contiguous view of its pages (which is simpler still)."""
-        if not self.supports_segments or not page_io.needs_thread(pool, starts):
+        live contiguous view of its pages (``staged``: :func:`~hicache.storage.pages.needs_thread`,
+        asked once by the caller; a live view is simpler still)."""
+        if not self.supports_segments or not staged:
             return None
         return segment_sources(pool, starts)
 

@@ -55,6 +55,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from hicache.storage.pages import as_bytes
 from hicache.storage.segments import PageSegments, row_major_runs
 
 __all__ = ["MIN_RUN_BYTES", "PROBE_ATTEMPTS", "LivePageViews", "runs_of", "trusted"]
@@ -64,9 +65,6 @@ logger = logging.getLogger("hicache.storage")
 #: Shortest contiguous run read straight into pool memory: below it a page is many tiny
 #: iovecs, and staging (one read, one cache-warm copy) is the better path.
 MIN_RUN_BYTES = 4096
-
-_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
 
 def runs_of(view: torch.Tensor) -> tuple[int, list[int]] | None:
     """The contiguous runs of ``view``'s memory in row-major order: ``(run bytes, byte offsets
@@ -210,12 +208,14 @@ class LivePageViews:
         name = type(pool).__name__
         index = None
         try:
-            like = pool.get_dummy_flat_data_page()
-            nbytes = nbytes_hint or (like.numel() * like.element_size() if isinstance(like, torch.Tensor) else 0)
-            index = _answering(pool, starts, nbytes)
+            like = pool.get_dummy_flat_data_page()  # asked once: a fresh (pinned) page each time
+            if not isinstance(like, torch.Tensor):
+                raise TypeError("get_dummy_flat_data_page() is not a tensor")
+            nbytes = nbytes_hint or like.numel() * like.element_size()
+            index, first = _answering(pool, starts, nbytes)
             if index is None:
                 raise LookupError(f"no whole page of {nbytes} bytes among the batch's first {PROBE_PAGES}")
-            verdict, why = _probe(pool, index, nbytes_hint)
+            verdict, why = _probe(pool, index, first, like)
         except Exception as exc:  # noqa: BLE001 - a pool that cannot be probed stages its reads
             if failed + 1 < PROBE_ATTEMPTS:
                 logger.debug("host pool %s: probe at %s raised; staging this batch", name, index, exc_info=True)
@@ -231,25 +231,24 @@ class LivePageViews:
         return verdict
 
 
-def _answering(pool: Any, starts: Sequence[int], nbytes: int) -> int | None:
+def _answering(pool: Any, starts: Sequence[int], nbytes: int) -> tuple[int | None, Any]:
     """The first of the batch's first :data:`PROBE_PAGES` pages the pool hands out a whole page
-    for (``nbytes``): an index it rejects, or answers with a short slice past its end, does not
-    cost the pool its probe."""
+    for (``nbytes``), and that page's view: an index it rejects, or answers with a short slice
+    past its end, does not cost the pool its probe."""
     for start in starts[:PROBE_PAGES]:
         try:
             view = pool.get_data_page(int(start), flat=False)
         except Exception:  # noqa: BLE001 - a bad index
             continue
         if isinstance(view, torch.Tensor) and view.numel() * view.element_size() == nbytes:
-            return int(start)
-    return None
+            return int(start), view
+    return None, None
 
 
 def _storage_bytes(view: torch.Tensor) -> memoryview:
     """The whole storage ``view`` lives in, as a writable byte memoryview (it keeps it alive)."""
     storage = view.untyped_storage()
-    whole = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),))
-    return memoryview(whole.numpy()).cast("B")
+    return as_bytes(torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),)))
 
 
 def _same_shape(view: Any, verdict: _Verdict) -> bool:
@@ -263,28 +262,18 @@ def _same_shape(view: Any, verdict: _Verdict) -> bool:
     )
 
 
-def _bytes_of(view: torch.Tensor) -> np.ndarray:
-    """``view``'s bytes in row-major order (a copy), whatever its dtype and strides."""
-    as_int = view.view(_SAME_SIZE_INT[view.element_size()]) if view.dtype not in _SAME_SIZE_INT.values() else view
-    return np.ascontiguousarray(as_int.numpy()).view(np.uint8).reshape(-1)
-
-
-def _probe(pool: Any, index: int, nbytes_hint: int | None) -> tuple[_Verdict | None, str]:
-    """Whether ``pool``'s ``get_data_page(index, flat=False)`` is the live memory that
-    ``set_from_flat_data_page(index, ...)`` writes. Writes one random page at ``index``."""
-    first = pool.get_data_page(index, flat=False)
+def _probe(pool: Any, index: int, first: torch.Tensor, like: torch.Tensor) -> tuple[_Verdict | None, str]:
+    """Whether ``first``, ``pool``'s ``get_data_page(index, flat=False)`` (a whole page), is the
+    live memory that ``set_from_flat_data_page(index, ...)`` writes; ``like`` is the pool's
+    dummy page. Writes one random page at ``index``, then puts the page's bytes back."""
     second = pool.get_data_page(index, flat=False)
-    if not isinstance(first, torch.Tensor) or not isinstance(second, torch.Tensor):
+    if not isinstance(second, torch.Tensor):
         return None, "get_data_page does not return tensors"
     if first.device.type != "cpu":
         return None, f"its pages are on {first.device}"
-    if first.element_size() not in _SAME_SIZE_INT or first.is_complex():
-        return None, f"dtype {first.dtype} is not read straight into"
     if first.requires_grad:
         return None, "its pages require grad"
     nbytes = first.numel() * first.element_size()
-    if nbytes_hint is not None and nbytes != nbytes_hint:
-        return None, f"get_data_page(flat=False) is {nbytes} bytes but a page is {nbytes_hint}"
     if (
         first.data_ptr() != second.data_ptr()
         or first.untyped_storage().data_ptr() != second.untyped_storage().data_ptr()
@@ -295,8 +284,7 @@ def _probe(pool: Any, index: int, nbytes_hint: int | None) -> tuple[_Verdict | N
     runs = runs_of(first)
     if runs is None:
         return None, f"a page's contiguous runs are shorter than {MIN_RUN_BYTES} bytes"
-    like = pool.get_dummy_flat_data_page()
-    if not isinstance(like, torch.Tensor) or like.numel() * like.element_size() != nbytes:
+    if like.numel() * like.element_size() != nbytes:
         return None, "get_dummy_flat_data_page() is not a page of get_data_page's size"
     pattern = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
     page = torch.empty(like.shape, dtype=like.dtype)
@@ -304,7 +292,7 @@ def _probe(pool: Any, index: int, nbytes_hint: int | None) -> tuple[_Verdict | N
     own = pool.get_data_page(index, flat=True).clone()  # put back after: the read may yet miss
     try:
         pool.set_from_flat_data_page(index, page)
-        shows = np.array_equal(_bytes_of(first), pattern.numpy())
+        shows = as_bytes(first.contiguous()) == memoryview(pattern.numpy())
     finally:
         pool.set_from_flat_data_page(index, own)  # if this raises, the probe fails: staging
     if not shows:

@@ -2,10 +2,13 @@
 
 ``ArrayHostPool(direct=True)`` offers ``page_view`` (storage reads into and writes from pool
 memory); ``direct=False`` behaves like a pool whose pages must be staged, as SGLang's
-``layer_first`` pools are, and returns copies from ``get_data_page``.
+``layer_first`` pools are, and returns copies from ``get_data_page``. ``RelocatingPool``
+hands out live views of pages that move on every commit, as SGLang's unified pool's do.
 """
 
 from __future__ import annotations
+
+import threading
 
 import torch
 
@@ -85,8 +88,6 @@ class RelocatingPool:
     outside that call's own commits the layout holds still.)"""
 
     def __init__(self, pages: int, page_size: int, token_elems: int, dtype: torch.dtype = torch.float16) -> None:
-        import threading
-
         self.page_size = page_size
         self.physical = torch.zeros(pages + 1, page_size * token_elems, dtype=dtype)
         self.where = list(range(pages))  # logical page -> physical slot; slot ``pages`` is spare
