@@ -8,8 +8,8 @@ could still gain: admission that knows the future (written only if referenced ag
 storage eviction that knows it (Belady: the block used farthest in the future goes first); and
 storage eviction as `tiered` does it now (leaves of the stored prefix tree first, least recently
 used in any tier), alone or ranked by uses first (a segmented LRU: blocks used once go before
-blocks used more). The
-model hits a little more than the real cache (no device tier, no partial pages, no write bound),
+blocks used more) or by conversation (blocks of a prompt chain asked about once go before those
+of chains asked about again). The model hits a little more than the real cache (no device tier, no partial pages, no write bound),
 so read differences between rows, not the absolute figures. Not a policy: it reads the future.
 
     .venv/bin/python scripts/placement_model.py [--trace T] [--host 2196] [--storage 8784]
@@ -27,11 +27,14 @@ from hicache.replay.trace import BLOCK_TOKENS, find_trace, load_trace
 
 def replay(reqs: list[tuple[list[int], int]], host_cap: int, store_cap: int, *, oracle_admit: bool = False,
            belady_store: bool = False, leaf_store: bool = False, uses_first: bool = False,
-           long_prompt_tokens: int = 32768, tail_blocks: int = 4, tinylfu: int = 0) -> tuple[float, int]:
+           long_prompt_tokens: int = 32768, tail_blocks: int = 4, tinylfu: int = 0,
+           conversations_first: bool = False) -> tuple[float, int]:
     """(token hit ratio, blocks written to storage) of the model. ``leaf_store``: storage
     evicts only blocks none of whose children it holds (the parent of a block is the block
     before it in a request), least recently used in any tier first; ``uses_first`` ranks
-    those by uses (1, 2+) before recency. ``tinylfu``: TinyLFU's admission test at storage (a
+    those by uses (1, 2+) before recency, ``conversations_first`` by the requests seen so far
+    that began with the block's first block (a conversation or document asked about once
+    before one asked about again). ``tinylfu``: TinyLFU's admission test at storage (a
     block is written only if referenced more often than the LRU victim it would displace; counts
     halved every ``tinylfu`` storage capacities of references)."""
     refs: dict[int, list[int]] = defaultdict(list)
@@ -60,14 +63,24 @@ def replay(reqs: list[tuple[list[int], int]], host_cap: int, store_cap: int, *, 
     freq: dict[int, int] = defaultdict(int)  # references, aged (tinylfu)
     since_aging = 0
 
+    asked: dict[int, int] = defaultdict(int)  # requests per first block (conversation)
+    first_of: dict[int, int] = {}
+
     def ranked(b: int) -> None:
-        rank[b] = (min(used[b], 2) if uses_first else 0, tick)
+        if uses_first:
+            cls = min(used[b], 2)
+        else:
+            cls = min(asked[first_of[b]], 2) if conversations_first else 0
+        rank[b] = (cls, tick)
         heapq.heappush(leaves, (rank[b], b))
     hit = total = writes = 0
     for i, (blocks, length) in enumerate(reqs):
         total += length
         matched = 0
+        if blocks:
+            asked[blocks[0]] += 1
         for j, b in enumerate(blocks):
+            first_of.setdefault(b, blocks[0])
             if j:
                 parent[b] = blocks[j - 1]
             if tinylfu:
@@ -168,6 +181,7 @@ def main() -> None:
                      ("storage eviction knows the future (Belady)", {"belady_store": True}),
                      ("storage evicts leaves first, LRU (tiered)", {"leaf_store": True}),
                      ("leaves first, used once before used more", {"leaf_store": True, "uses_first": True}),
+                     ("leaves first, conversations asked once first", {"leaf_store": True, "conversations_first": True}),
                      ("TinyLFU admission test at storage", {"tinylfu": 10})):
         ratio, writes = replay(reqs, args.host, args.storage, **kw)
         print(f"{name:<48}{ratio:>10.4f}{writes:>10}")
