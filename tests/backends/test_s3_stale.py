@@ -101,6 +101,23 @@ async def test_a_page_deleted_elsewhere_is_one_counted_miss_then_never_a_hit(
         assert (await store.batch_exists_v2(keys)).kv_hit_pages == 20
 
 
+async def test_a_page_this_store_deleted_is_never_claimed_again_from_its_run_index(
+    moto_endpoint: str, moto_bucket: str, prefix: str
+) -> None:
+    # a short TTL: once the cache's entries expire, the run index (which still lists the page)
+    # is read again; a delete of our own must be as final as a read that found the page gone
+    async with make_s3(moto_endpoint, moto_bucket, prefix, concurrency=4, exists_cache_ttl=0.2) as store:
+        keys, _ = await _filled(store, 12, "own-delete")
+        assert (await store.batch_exists_v2(keys)).kv_hit_pages == 12
+        assert await store.batch_delete(keys[6:7]) == [True]
+        assert (await store.batch_exists_v2(keys)).kv_hit_pages == 6
+        await asyncio.sleep(0.3)  # every entry expired
+        for _ in range(2):
+            assert (await store.batch_exists_v2(keys)).kv_hit_pages == 6
+            assert await store.exists_prefix(keys) == 6
+        assert store.get_stats().get("stale_hits", 0) == 0  # never served, so never a stale hit
+
+
 async def test_write_bodies_are_reused_and_payloads_unsigned(moto_endpoint: str, moto_bucket: str, prefix: str) -> None:
     async with make_s3(moto_endpoint, moto_bucket, prefix, concurrency=4) as store:
         keys, src = await _filled(store, 12, "body")

@@ -524,7 +524,7 @@ class FsspecStorage(AsyncHiCacheStorage):
                                type(self).__name__, count, path, verdict.value)
             return
         self.stats.incr("corrupt_pages")
-        self.exists_cache.discard(path)
+        self.exists_cache.mark_gone(path)  # a run index written with it still lists it
         self.report_removed([page], reason="corrupt")
         logger.warning("%s: corrupt page %s (%s); deleting it", type(self).__name__, path, verdict.value)
         try:
@@ -615,8 +615,10 @@ class FsspecStorage(AsyncHiCacheStorage):
         the same whether the object existed, and the caller counts what it freed), then one
         DeleteObjects per 1,000 pages that exist."""
         paths = [self.names.page(p.key, p.pool) for p in pages]
+        # gone, not just forgotten: the run index written with a page still lists it, and
+        # would vouch for it again once the cache's entry for it is forgotten
         for path in paths:
-            self.exists_cache.discard(path)
+            self.exists_cache.mark_gone(path)
         try:
             present = await self.runner.batch("delete", [self._present(path) for path in paths])
             targets = [path for path, there in zip(paths, present) if there]
@@ -629,7 +631,7 @@ class FsspecStorage(AsyncHiCacheStorage):
             return [there and path not in failed for path, there in zip(paths, present)]
         finally:
             for path in paths:  # a lookup that overlapped the delete
-                self.exists_cache.discard(path)
+                self.exists_cache.mark_gone(path)
 
     async def _present(self, path: str) -> bool:
         try:
