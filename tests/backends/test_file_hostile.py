@@ -340,6 +340,54 @@ async def test_a_frozen_process_holding_the_ledger_lock_does_not_hang_writers(tm
         assert usage is not None and usage.used >= 2 * store.layout.file_size("after", "kv", 4096)
 
 
+async def test_a_frozen_process_holding_the_journal_lock_does_not_hang_page_io(tmp_path) -> None:
+    """A process stopped while it holds the removal journal's lock: this store keeps evicting
+    (each eviction is a journal line) and reading and writing within a bounded wait; the lines
+    it could not append are dropped and counted, and appends work again once the lock is free."""
+    import signal
+    import sys
+
+    size = 4096
+    # two I/O threads and room for five pages: from the sixth write on, every write evicts
+    async with make_store(tmp_path, io_threads=2, max_bytes=5 * (size + 512)) as store:
+        await store.wait_background()
+        lock = os.path.join(store.layout.ns_dir, "removals.lock")
+        holder = subprocess.Popen(
+            [sys.executable, "-c", (
+                "import fcntl, os, signal\n"
+                f"fd = os.open({lock!r}, os.O_RDWR | os.O_CREAT)\n"
+                "fcntl.flock(fd, fcntl.LOCK_EX)\n"
+                "print('locked', flush=True)\n"
+                "os.kill(os.getpid(), signal.SIGSTOP)\n"
+            )],
+            stdout=subprocess.PIPE, text=True,
+        )
+        try:
+            assert holder.stdout is not None and holder.stdout.readline().strip() == "locked"
+            for i in range(12):
+                assert await within(store.set(f"k{i}", v0(size, i)))
+            assert store.get_stats()["evicted_pages"] >= 6
+            got = torch.empty(size, dtype=torch.uint8)
+            assert await within(store.get("k11", got)) is not None and bool((got == 11).all())
+            await within(store.wait_background())
+            deadline = time.monotonic() + LIMIT
+            while store.get_stats()["journal_dropped_lines"] == 0 and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            assert store.get_stats()["journal_dropped_lines"] > 0
+        finally:
+            os.kill(holder.pid, signal.SIGKILL)
+            holder.wait()
+        dropped = store.get_stats()["journal_dropped_lines"]
+        for i in range(12, 15):
+            assert await within(store.set(f"k{i}", v0(size, i)))
+        journal = os.path.join(store.layout.ns_dir, "removals")
+        deadline = time.monotonic() + LIMIT
+        while time.monotonic() < deadline and not os.path.getsize(journal):
+            await asyncio.sleep(0.05)
+        assert os.path.getsize(journal) > 0  # the lock is free again: evictions are journaled
+        assert store.get_stats()["journal_dropped_lines"] == dropped
+
+
 async def test_the_shared_count_stays_exact_through_cancellations_failures_and_foreign_clears(tmp_path, monkeypatch) -> None:
     """Two stores on one root (as two processes would be): a write cancelled mid-batch, a write
     that fails (ENOSPC injected), rewrites, and a clear by the *other* store leave the shared

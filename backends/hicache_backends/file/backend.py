@@ -205,6 +205,8 @@ class FileStorage(AsyncHiCacheStorage):
         self._codec: PageCodec | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._scan_executor: ThreadPoolExecutor | None = None
+        # the removal journal's own thread: its lock waits never hold up page I/O
+        self._journal_executor: ThreadPoolExecutor | None = None
         self._scan_task: asyncio.Task[None] | None = None
         self._index_ready: asyncio.Event | None = None
         self._tombstones: set[str] | None = None  # pages forgotten while the scan runs
@@ -276,6 +278,7 @@ class FileStorage(AsyncHiCacheStorage):
         if self.shared:
             self._ledger = UsageLedger(self._layout.ns_dir)
         if self.removal_journal:
+            self._journal_executor = ThreadPoolExecutor(1, thread_name_prefix="hicache-file-journal")
             self._journal = await self._run(RemovalJournal, self._layout.ns_dir)
             self._journal_task = asyncio.get_running_loop().create_task(
                 self._tail_journal(self._journal), name=f"hicache-file-journal-{self.namespace.digest[:8]}"
@@ -294,17 +297,19 @@ class FileStorage(AsyncHiCacheStorage):
             await asyncio.gather(task, return_exceptions=True)
         if self._background:
             await asyncio.gather(*self._background, return_exceptions=True)
-        executors = [e for e in (self._executor, self._scan_executor) if e is not None]
+        executors = [e for e in (self._executor, self._scan_executor, self._journal_executor) if e is not None]
         if executors:
             # Let in-flight page writes finish (each cleans up after itself), off the loop.
             await asyncio.to_thread(lambda: [e.shutdown(wait=True) for e in executors])
         if self._ledger is not None:
             self._ledger.close()
         if self._journal is not None:
+            # removals reported while the executors shut down: written (or counted) now
+            await asyncio.to_thread(self._journal.flush)
             self._journal.close()
 
     def _shutdown_executors(self, wait: bool) -> None:
-        for e in (self._executor, self._scan_executor):
+        for e in (self._executor, self._scan_executor, self._journal_executor):
             if e is not None:
                 e.shutdown(wait=wait)
 
@@ -896,7 +901,7 @@ class FileStorage(AsyncHiCacheStorage):
         self._tombstones = None
         trash, written = await self._run(page_io.clear_namespace, self._layout, self.namespace.to_dict())
         if self._journal is not None:
-            await self._run(self._journal.append_cleared)
+            await run_to_completion(self._journal.append_cleared, executor=self._journal_executor)
         self._manifest_pending = not written
         if not written:
             self._warn_manifest_deferred()
@@ -921,20 +926,22 @@ class FileStorage(AsyncHiCacheStorage):
             self._journal_later([(p.key, p.pool) for p in pages], reason)
 
     def _journal_later(self, pages: list[tuple[str, str]], reason: str) -> None:
-        """Append to the journal on an I/O thread, not waited for (called on the loop)."""
-        if self._journal is None or self._executor is None:
+        """Queue a journal line (called on the loop); the journal's thread writes whatever is
+        queued in one append, not waited for."""
+        if self._journal is None or self._journal_executor is None:
             return
-        try:
-            self._executor.submit(self._journal.append_removed, pages, reason)
-        except RuntimeError:  # the executor is shutting down: the store is closing
-            pass
+        if self._journal.queue_removed(pages, reason):
+            try:
+                self._journal_executor.submit(self._journal.flush)
+            except RuntimeError:  # shutting down: the store is closing, and flushes at the end
+                pass
 
     async def _tail_journal(self, journal: RemovalJournal) -> None:
         """Report what other processes removed, every ``journal_poll_s``; never dies."""
         while True:
             await asyncio.sleep(self.journal_poll_s)
             try:
-                removals = await self._run(journal.poll)
+                removals = await run_to_completion(journal.poll, executor=self._journal_executor)
             except asyncio.CancelledError:
                 raise
             except Exception:  # noqa: BLE001 - the journal is advisory; the next poll retries
@@ -1049,4 +1056,5 @@ class FileStorage(AsyncHiCacheStorage):
             "io_threads": self.io_threads,
             "fsync": self.fsync,
             "shared": self.shared,
+            "journal_dropped_lines": self._journal.dropped_lines if self._journal is not None else 0,
         }

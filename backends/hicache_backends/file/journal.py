@@ -7,6 +7,14 @@ is appended, as one line, to ``removals`` in the namespace folder, and every ope
 that file (``journal_poll_s``) and reports the lines other writers added as removals of its
 own storage tier (``origin="peer"``), forgetting those pages in its index too.
 
+Appends never wait long and never hold up page I/O: a store queues its lines
+(:meth:`RemovalJournal.queue_removed`, on the loop) and one thread of its own writes everything
+queued in one ``write`` (:meth:`RemovalJournal.flush`). The lock is waited for at most
+``LOCK_PATIENCE`` (0.5 s): a peer frozen while holding it (SIGSTOP, a debugger, a paused
+container) would otherwise park the writing thread for good. Lines that could not be written
+then are dropped and counted (``dropped_lines``, the store's ``journal_dropped_lines``): the
+journal is advisory, and a peer that misses a line finds the page gone at its next read.
+
 Format: one JSON object per line, ``{"w": writer, "rm": [[key, pool], ...], "r": reason}`` or
 ``{"w": writer, "clear": 1}``; ``writer`` is a random id per open store, so a store skips its
 own lines. Appends happen under an exclusive ``flock`` on ``removals.lock`` (released by the
@@ -38,6 +46,8 @@ import secrets
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+from hicache_backends.file.locks import flock_within
 
 __all__ = ["JOURNAL_NAME", "PeerRemoval", "RemovalJournal"]
 
@@ -73,6 +83,9 @@ class RemovalJournal:
         self._lock_pid = 0  # the process that opened _lock_fd
         self._append_mutex = threading.Lock()
         self._mutex_pid = os.getpid()
+        self._queue_lock = threading.Lock()
+        self._queued: list[bytes] = []
+        self.dropped_lines = 0  # queued lines given up (lock not free in time, I/O error)
         self._pos = 0
         self._tail = b""  # an incomplete last line, completed by a later poll
         self.malformed_lines = 0
@@ -81,32 +94,65 @@ class RemovalJournal:
 
     # ------------------------------------------------------------------ writing
 
-    def append_removed(self, pages: Sequence[tuple[str, str]], reason: str) -> None:
-        if pages:
-            self._append({"w": self.writer, "rm": [list(p) for p in pages], "r": reason})
+    def queue_removed(self, pages: Sequence[tuple[str, str]], reason: str) -> bool:
+        """Queue a removal line (thread-safe, no I/O); whether the queue was empty, i.e. the
+        caller must arrange a :meth:`flush` (one already arranged takes this line too)."""
+        if not pages:
+            return False
+        return self._enqueue(self._line({"w": self.writer, "rm": [list(p) for p in pages], "r": reason}))
 
-    def append_cleared(self) -> None:
-        self._append({"w": self.writer, "clear": 1})
+    def append_removed(self, pages: Sequence[tuple[str, str]], reason: str) -> bool:
+        """Queue a removal line and write the queue now (blocks: an executor thread)."""
+        self.queue_removed(pages, reason)
+        return self.flush()
 
-    def _append(self, record: dict) -> None:
-        line = (json.dumps(record, separators=(",", ":"), ensure_ascii=False) + "\n").encode("utf-8", "surrogatepass")
+    def append_cleared(self) -> bool:
+        """Write a clear line (and anything queued before it) now (blocks)."""
+        self._enqueue(self._line({"w": self.writer, "clear": 1}))
+        return self.flush()
+
+    @staticmethod
+    def _line(record: dict) -> bytes:
+        return (json.dumps(record, separators=(",", ":"), ensure_ascii=False) + "\n").encode("utf-8", "surrogatepass")
+
+    def _enqueue(self, line: bytes) -> bool:
+        with self._queue_lock:
+            self._queued.append(line)
+            return len(self._queued) == 1
+
+    def flush(self) -> bool:
+        """Write every queued line in one ``write`` under the lock (blocks at most
+        ``LOCK_PATIENCE`` for it); whether they were written. Lines that were not are dropped
+        and counted: retrying them later would only pile up behind a frozen peer."""
+        with self._queue_lock:
+            lines, self._queued = self._queued, []
+        if not lines:
+            return True
         with self._mutex():
             lock = self._lock()
             if lock is None:
-                return
+                self._drop(lines, "the journal is unavailable")
+                return False
             try:
-                fcntl.flock(lock, fcntl.LOCK_EX)
+                flock_within(lock, fcntl.LOCK_EX)
                 try:
                     self._rotate()
                     fd = os.open(self.path, _O_APPEND, 0o644)
                     try:
-                        os.write(fd, line)
+                        os.write(fd, b"".join(lines))
                     finally:
                         os.close(fd)
                 finally:
                     fcntl.flock(lock, fcntl.LOCK_UN)
-            except OSError as exc:
-                logger.warning("file store %s: could not append to the removal journal: %s", self.ns_dir, exc)
+            except OSError as exc:  # TimeoutError included: a holder that does not let go
+                self._drop(lines, str(exc))
+                return False
+        return True
+
+    def _drop(self, lines: list[bytes], why: str) -> None:
+        self.dropped_lines += len(lines)
+        logger.warning("file store %s: %d removal journal line(s) not written (%s); other processes "
+                       "sharing the root learn of those removals at their next read", self.ns_dir, len(lines), why)
 
     def _mutex(self) -> threading.Lock:
         """This process's append mutex: a child forked while a thread of the parent held it

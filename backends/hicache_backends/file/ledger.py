@@ -39,6 +39,8 @@ import threading
 import time
 from dataclasses import dataclass
 
+from hicache_backends.file.locks import flock_within
+
 __all__ = ["LEDGER_NAME", "USERS_NAME", "Usage", "UsageLedger", "read_usage"]
 
 logger = logging.getLogger("hicache.storage.file")
@@ -85,25 +87,6 @@ def read_usage(path: str) -> Usage | None:
         return None
     finally:
         os.close(fd)
-
-
-_LOCK_PATIENCE = 0.5  # seconds to wait for a lock before answering "unavailable"
-
-
-def _flock(fd: int, op: int) -> None:
-    """``flock`` that gives up (``TimeoutError``, an ``OSError``) after ``_LOCK_PATIENCE``: a
-    holder frozen mid-update (SIGSTOP) must not hang every writer of the root."""
-    deadline = time.monotonic() + _LOCK_PATIENCE
-    pause = 0.0005
-    while True:
-        try:
-            fcntl.flock(fd, op | fcntl.LOCK_NB)
-            return
-        except BlockingIOError:
-            if time.monotonic() >= deadline:
-                raise TimeoutError(f"lock held by another process for over {_LOCK_PATIENCE} s") from None
-            time.sleep(pause)
-            pause = min(pause * 2, 0.02)
 
 
 class _SharedFile:
@@ -167,7 +150,7 @@ class UsageLedger:
             try:
                 self._join()
                 fd, _ = self._counters.current()
-                _flock(fd, fcntl.LOCK_EX)
+                flock_within(fd, fcntl.LOCK_EX)
                 try:
                     raw = os.pread(fd, _FORMAT.size, 0)
                     used, nref, at, seq = _decode(raw)
@@ -206,7 +189,7 @@ class UsageLedger:
                     return False
                 finally:
                     # back to shared (a failed conversion may have dropped the shared lock)
-                    _flock(fd, fcntl.LOCK_SH)
+                    flock_within(fd, fcntl.LOCK_SH)
                 return True
             except OSError:
                 self._users.close()  # rejoin on the next call
@@ -222,7 +205,7 @@ class UsageLedger:
         fd, fresh = self._users.current()
         if fresh:
             try:
-                _flock(fd, fcntl.LOCK_SH)
+                flock_within(fd, fcntl.LOCK_SH)
             except OSError:
                 self._users.close()
                 raise
