@@ -4,12 +4,17 @@ This lives once, here, and every backend inherits it: a backend only answers "do
 (key, pool) exist" for many pages at once.
 
 * KV: the longest run of existing KV pages from the start.
-* An extra pool with ``ALL_PAGES`` needs every page of ``[0, boundary)``.
-* An extra pool with ``TRAILING_PAGES`` (N = ``len(transfer.keys)``, at least 1) needs only the
-  last N pages before ``boundary``; the boundary is the longest KV prefix whose trailing N pages
-  all exist (a state snapshot at that point).
-* The usable hit is the minimum over pools; a pool whose boundary is 0 is left out of the
-  per-pool counts, and evaluation stops once the hit is 0 (as SGLang does).
+* An extra pool with ``ALL_PAGES`` can restore a prefix of length ``p`` when every page of
+  ``[0, p)`` exists.
+* An extra pool with ``TRAILING_PAGES`` (N = ``len(transfer.keys)``, at least 1) can restore
+  length ``p`` when the last N pages before ``p``, ``[p - N, p)``, exist (a state snapshot at
+  that point); its boundary is the longest such ``p``.
+* The usable hit is the longest length every pool can restore (the lengths are intersected,
+  not the boundaries' minimum taken: with a trailing pool restorable at 2 and 5 and an
+  all-pages pool up to 4, the minimum, 4, names a prefix whose state page does not exist, and
+  the answer is 2). A pool whose boundary is 0 is left out of the per-pool counts, and
+  evaluation stops once no length is left (as SGLang does). ``restorable_prefix_pages`` lists
+  every usable length, which SGLang's hybrid controller reduces across ranks.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from hicache.storage.types import (
     pool_name_str,
 )
 
-__all__ = ["leading_run", "trailing_boundary", "resolve_v2_hits"]
+__all__ = ["leading_run", "restorable_lengths", "trailing_boundary", "resolve_v2_hits"]
 
 
 def leading_run(flags: Sequence[bool]) -> int:
@@ -35,16 +40,25 @@ def leading_run(flags: Sequence[bool]) -> int:
     return len(flags)
 
 
-def trailing_boundary(flags: Sequence[bool], limit: int, trailing: int) -> int:
-    """Largest ``p <= limit`` whose pages ``[max(0, p - trailing), p)`` all exist; 0 if none."""
+def restorable_lengths(flags: Sequence[bool], limit: int, policy: PoolHitPolicy | str, trailing: int = 1) -> list[int]:
+    """Prefix lengths ``1..limit`` (ascending) a pool with existence ``flags`` can restore
+    under ``policy`` (``trailing``: N of ``TRAILING_PAGES``); one pass over the flags."""
+    if PoolHitPolicy(policy) is PoolHitPolicy.ALL_PAGES:
+        return list(range(1, min(limit, leading_run(flags)) + 1))
     trailing = max(1, trailing)
+    out: list[int] = []
     run = 0
-    best = 0
-    for i in range(limit):
+    for i in range(min(limit, len(flags))):
         run = run + 1 if flags[i] else 0
         if run >= min(trailing, i + 1):
-            best = i + 1
-    return best
+            out.append(i + 1)
+    return out
+
+
+def trailing_boundary(flags: Sequence[bool], limit: int, trailing: int) -> int:
+    """Largest ``p <= limit`` whose pages ``[max(0, p - trailing), p)`` all exist; 0 if none."""
+    lengths = restorable_lengths(flags, limit, PoolHitPolicy.TRAILING_PAGES, trailing)
+    return lengths[-1] if lengths else 0
 
 
 def resolve_v2_hits(
@@ -58,19 +72,15 @@ def resolve_v2_hits(
     """
     kv_pages = leading_run(kv_flags)
     hits: dict[str, int] = {PoolName.KV.value: kv_pages} if kv_pages else {}
-    final = kv_pages
+    usable = list(range(1, kv_pages + 1))
     for transfer in transfers or ():
-        if final == 0:
+        if not usable:
             break
         name = pool_name_str(transfer.name)
-        flags = pool_flags.get(name, ())
-        if len(flags) < kv_pages:
-            flags = list(flags) + [False] * (kv_pages - len(flags))
-        if PoolHitPolicy(transfer.hit_policy) is PoolHitPolicy.ALL_PAGES:
-            boundary = leading_run(flags[:kv_pages])
-        else:
-            boundary = trailing_boundary(flags, kv_pages, len(transfer.keys or ()) or 1)
-        if boundary:
-            hits[name] = boundary
-        final = min(final, boundary)
-    return PoolTransferResult(final, hits)
+        lengths = restorable_lengths(pool_flags.get(name, ()), kv_pages, transfer.hit_policy,
+                                     len(transfer.keys or ()) or 1)
+        if lengths:
+            hits[name] = lengths[-1]
+        allowed = set(lengths)
+        usable = [p for p in usable if p in allowed]
+    return PoolTransferResult(usable[-1] if usable else 0, hits, usable)

@@ -95,6 +95,9 @@ class PoolTransferResult:
 
     kv_hit_pages: int
     extra_pool_hit_pages: dict[str, int] = field(default_factory=dict)
+    #: every prefix length (pages, ascending) all pools can restore, from an existence query;
+    #: ``kv_hit_pages`` is the last. Empty where not computed (transfers' results)
+    restorable_prefix_pages: list[int] = field(default_factory=list)
 
     @classmethod
     def empty(cls) -> PoolTransferResult:

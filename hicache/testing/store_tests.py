@@ -72,31 +72,23 @@ def keys_for(n: int, salt: int = 0) -> list[str]:
 def reference_v2_hits(
     present: set[tuple[str, str]], keys: list[str], transfers: list[PoolTransfer]
 ) -> PoolTransferResult:
-    """The v2 hit policy written the slow, obvious way, to check backends against."""
+    """The v2 hit policy written the slow, obvious way, to check backends against: a length is
+    usable when every pool can restore it (all pages before it, or its trailing N pages)."""
     kv = 0
     while kv < len(keys) and (keys[kv], "kv") in present:
         kv += 1
     hits = {"kv": kv} if kv else {}
-    final = kv
+    usable = list(range(1, kv + 1))
     for t in transfers:
-        if final == 0:
+        if not usable:
             break
         name = t.name.value if isinstance(t.name, PoolName) else t.name
-        if t.hit_policy == PoolHitPolicy.ALL_PAGES:
-            b = 0
-            while b < kv and (keys[b], name) in present:
-                b += 1
-        else:
-            n = max(1, len(t.keys or ()))
-            b = 0
-            for p in range(kv, 0, -1):
-                if all((keys[i], name) in present for i in range(max(0, p - n), p)):
-                    b = p
-                    break
-        if b:
-            hits[name] = b
-        final = min(final, b)
-    return PoolTransferResult(final, hits)
+        n = kv if t.hit_policy == PoolHitPolicy.ALL_PAGES else max(1, len(t.keys or ()))
+        ok = [p for p in range(1, kv + 1) if all((keys[i], name) in present for i in range(max(0, p - n), p))]
+        if ok:
+            hits[name] = ok[-1]
+        usable = [p for p in usable if p in ok]
+    return PoolTransferResult(usable[-1] if usable else 0, hits, usable)
 
 
 @pytest.mark.hicache_conformance

@@ -27,4 +27,19 @@ def test_matches_reference(n: int, data: st.DataObject) -> None:
     present |= {(k, name) for name, flags in pools.items() for k, f in zip(keys, flags) if f}
     got = resolve_v2_hits(kv, pools, transfers)
     want = reference_v2_hits(present, keys, transfers)
-    assert (got.kv_hit_pages, got.extra_pool_hit_pages) == (want.kv_hit_pages, want.extra_pool_hit_pages)
+    assert (got.kv_hit_pages, got.extra_pool_hit_pages, got.restorable_prefix_pages) == (
+        want.kv_hit_pages, want.extra_pool_hit_pages, want.restorable_prefix_pages)
+
+
+def test_the_hit_is_a_length_every_pool_can_restore_not_the_least_boundary() -> None:
+    """KV pages 0-5, a state pool (last page only) at pages 2 and 5, an indexer (every page)
+    at 0-4: the state boundary is 6 and the indexer's 5, but the state for a 5-page prefix
+    (page 4) does not exist; the longest length both restore is 3."""
+    keys = [f"k{i}" for i in range(6)]
+    kv = [True] * 6
+    pools = {"mamba": [False, False, True, False, False, True], "indexer": [True] * 5 + [False]}
+    transfers = [PoolTransfer("mamba", keys=keys[-1:], hit_policy=PoolHitPolicy.TRAILING_PAGES),
+                 PoolTransfer("indexer", keys=keys, hit_policy=PoolHitPolicy.ALL_PAGES)]
+    got = resolve_v2_hits(kv, pools, transfers)
+    assert got.kv_hit_pages == 3 and got.restorable_prefix_pages == [3]
+    assert got.extra_pool_hit_pages == {"kv": 6, "mamba": 6, "indexer": 5}

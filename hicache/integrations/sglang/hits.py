@@ -4,8 +4,10 @@ SGLang's controller for hybrid models reduces, across ranks, *which prefix lengt
 restorable rather than one maximum: a trailing-state pool (Mamba, SWA) only holds windows that
 end on offloaded node boundaries, so 5 pages may be restorable while 4 and 3 are not. This module
 computes that set exactly as SGLang's own ``HiCacheFile.batch_exists_v2`` does, from flags that
-hicache's backend answers in one batched call per pool. No SGLang import: the caller wraps the
-result in SGLang's ``PoolTransferResult``.
+hicache's backend answers in one batched call per pool: the core's per-pool rule
+(:func:`hicache.storage.hit_policy.restorable_lengths`) plus SGLang's ``block_groups`` policy,
+which the core does not have. No SGLang import: the caller wraps the result in SGLang's
+``PoolTransferResult``.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from hicache.storage.hit_policy import leading_run
+from hicache.storage.hit_policy import leading_run, restorable_lengths
 
 __all__ = ["HitQuery", "policy_name", "resolve_hits"]
 
@@ -64,15 +66,10 @@ def resolve_hits(
         flags = list(pool_flags.get(name, ()))
         flags += [False] * max(0, kv_pages - len(flags))
         policy = policy_name(transfer.hit_policy)
-        if policy == "all_pages":
-            boundary = leading_run(flags[:kv_pages])
-            allowed = set(range(1, boundary + 1))
-        elif policy == "trailing_pages":
-            trailing = max(1, len(transfer.keys or ()) or 1)
-            allowed = {
-                p for p in range(1, kv_pages + 1) if all(flags[max(0, p - trailing) : p])
-            }
-            boundary = max(allowed, default=0)
+        if policy in ("all_pages", "trailing_pages"):
+            lengths = restorable_lengths(flags, kv_pages, policy, len(transfer.keys or ()) or 1)
+            allowed = set(lengths)
+            boundary = lengths[-1] if lengths else 0
         elif policy == "block_groups":
             group = max(1, int(getattr(transfer, "group_pages", 0) or 1))
             block = max(1, int(getattr(transfer, "block_pages", 0) or group))
