@@ -434,3 +434,44 @@ async def test_the_shared_count_stays_exact_through_cancellations_failures_and_f
         await b.wait_background()
         assert await a.batch_set(["e0", "e1"], [v0(size, 5)] * 2)  # a's next write: new ledger
         assert exact() and read_usage(ledger).used == 2 * a.layout.file_size("e0", "kv", size)
+
+
+@pytest.mark.parametrize("how", ["delete", "evict"])
+async def test_a_page_written_while_its_unlink_is_pending_survives_the_unlink(tmp_path, monkeypatch, how) -> None:
+    """A page deleted (a placement policy's choice) or evicted (``max_bytes``) is written again
+    while its unlink is still in flight: the write waits for the unlink, so the page it writes
+    is on disk, indexed and readable, never removed behind the index's back."""
+    import threading
+
+    from hicache_backends.file import io as file_io
+
+    size = 4096
+    unlinking, release = threading.Event(), threading.Event()
+    real = file_io.remove_files
+
+    def slow_remove(paths, sizes):
+        unlinking.set()
+        release.wait(LIMIT)
+        return real(paths, sizes)
+
+    max_bytes = 2 * (size + 512) if how == "evict" else 1 << 20
+    async with make_store(tmp_path, shared=False, max_bytes=max_bytes) as store:
+        await store.wait_index_ready()
+        assert await store.set("k", v0(size, 7))
+        monkeypatch.setattr(file_io, "remove_files", slow_remove)
+        if how == "delete":
+            removal = asyncio.create_task(store.batch_delete(["k"]))
+        else:  # two more pages overflow max_bytes: "k", the oldest, is the victim
+            assert await store.set("a", v0(size, 1))
+            removal = asyncio.create_task(store.set("b", v0(size, 2)))
+        while not unlinking.is_set():
+            await asyncio.sleep(0.01)
+        write = asyncio.create_task(store.set("k", v0(size, 9)))
+        await asyncio.sleep(0.2)
+        assert not write.done()  # waiting for the unlink of the same page
+        release.set()
+        await within(removal)
+        assert await within(write)
+        got = torch.empty(size, dtype=torch.uint8)
+        assert await store.exists("k")
+        assert await store.get("k", got) is not None and bool((got == 9).all())

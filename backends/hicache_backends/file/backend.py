@@ -30,7 +30,7 @@ import os
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -212,6 +212,9 @@ class FileStorage(AsyncHiCacheStorage):
         self._tombstones: set[str] | None = None  # pages forgotten while the scan runs
         self._busy: Counter[str] = Counter()  # pages being read or written: never evicted
         self._deleting: set[str] = set()  # evicted, unlink pending: not "existing"
+        # set (and replaced) whenever a batch of unlinks ends: a write of a page whose unlink
+        # is pending waits for it, or the late unlink would remove the page just written
+        self._removals_ended = asyncio.Event()
         self._reserved = 0  # bytes of writes in flight
         self._generation = 0  # bumped by clear(): older writes do not re-enter the index
         self._free_est = 0
@@ -596,7 +599,7 @@ class FileStorage(AsyncHiCacheStorage):
             try:
                 removed, idents = await self._run(self._remove_victims, [self._layout.path(p) for p in ids], sizes)
             finally:
-                self._deleting.difference_update(ids)
+                self._removals_done(ids)
             self.report_removed([PageKey(k, p) for k, p in idents], reason="evicted")
             self._free_est += removed
             self.stats.incr("evicted_pages", len(victims))
@@ -631,9 +634,21 @@ class FileStorage(AsyncHiCacheStorage):
             paths = [self._layout.path(pid) for pid in doomed]
             freed, _ = await self._run(self._remove_victims, paths, list(doomed.values()))
         finally:
-            self._deleting.difference_update(doomed)
+            self._removals_done(doomed)
         self._free_est += freed
         return [pid in doomed for pid in ids]
+
+    def _removals_done(self, ids: Iterable[str]) -> None:
+        self._deleting.difference_update(ids)
+        ended, self._removals_ended = self._removals_ended, asyncio.Event()
+        ended.set()
+
+    async def _after_pending_removals(self, ids: Sequence[str]) -> None:
+        """Wait until no page of ``ids`` has an unlink in flight. Evictions pick and mark their
+        victims in one step on the loop, and never pick a page being written, so once this
+        returns and the write marks its pages busy, no unlink can remove what it writes."""
+        while self._deleting and not self._deleting.isdisjoint(ids):
+            await self._removals_ended.wait()
 
     # ------------------------------------------------------------------ primitives
 
@@ -731,8 +746,10 @@ class FileStorage(AsyncHiCacheStorage):
         assert self._layout is not None and self._codec is not None
         ok = [False] * len(pages)
         jobs: list[_WriteJob] = []
+        pids = [page_id(page.key, page.pool) for page in pages]
+        await self._after_pending_removals(pids)
         for i, (page, buf, parent) in enumerate(zip(pages, buffers, parents)):
-            pid = page_id(page.key, page.pool)
+            pid = pids[i]
             size = self._layout.file_size(page.key, page.pool, buf.nbytes)
             if self.max_bytes is not None and size > self.max_bytes:
                 self.stats.incr("oversized_pages")
