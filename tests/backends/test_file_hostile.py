@@ -475,3 +475,26 @@ async def test_a_page_written_while_its_unlink_is_pending_survives_the_unlink(tm
         got = torch.empty(size, dtype=torch.uint8)
         assert await store.exists("k")
         assert await store.get("k", got) is not None and bool((got == 9).all())
+
+
+@pytest.mark.parametrize("shared", [True, False])
+async def test_pages_torn_by_a_crash_are_never_claimed_present(tmp_path, shared) -> None:
+    """A crash before a renamed page's data reached the disk leaves it zero-length or
+    zero-filled at its full size. Neither the start-up scan nor a lookup of an unindexed page
+    claims such a file: a positive ``exists`` must be readable."""
+    size = 4096
+    keys = [f"k{i}" for i in range(4)]
+    async with make_store(tmp_path) as store:
+        assert await store.batch_set(keys, [v0(size, i + 1) for i in range(4)])
+        paths = [page_path(tmp_path, store.namespace.digest, k) for k in keys]
+    with open(paths[1], "wb"):
+        pass  # zero-length
+    full = os.path.getsize(paths[2])
+    with open(paths[2], "wb") as f:
+        f.write(b"\0" * full)  # zero-filled
+    async with make_store(tmp_path, shared=shared) as store:
+        await store.wait_index_ready()
+        assert await store.exists_pages(keys) == [True, False, False, True]
+        assert await store.batch_exists(keys) == 1
+        got = await store.batch_get(keys, [torch.empty(size, dtype=torch.uint8) for _ in keys])
+        assert [g is not None for g in got] == [True, False, False, True]

@@ -41,6 +41,7 @@ from hicache_backends.file.layout import (
     FOOTER_LEN,
     ID_LEN,
     PAGE_SUFFIX,
+    Footer,
     NamespaceLayout,
     decode_footer,
     encode_footer,
@@ -418,18 +419,21 @@ def read_page_bytes(path: str, codec: PageCodec, key: str, pool: str, max_bytes:
         os.close(fd)
 
 
-def _read_footer(path: str, size: int) -> str | None:
-    """The parent id in a page's footer (``None`` if it has none or the footer is damaged)."""
+def _read_footer(path: str, size: int) -> Footer | None:
+    """A page's footer, or ``None`` when the file cannot be a whole page: shorter than a
+    footer, or a footer that does not check out. Pages are published by rename, so such a file
+    was torn by a crash before its data reached the disk (zero-length, or zero-filled at its
+    full size) or is not ours: it is never reported as present, since a positive ``exists``
+    must be readable (its read would be a miss)."""
     if size < FOOTER_LEN:
         return None
     fd = os.open(path, _O_READ)
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):  # swapped for a FIFO since the stat
             return None
-        foot = decode_footer(os.pread(fd, FOOTER_LEN, size - FOOTER_LEN))
+        return decode_footer(os.pread(fd, FOOTER_LEN, size - FOOTER_LEN))
     finally:
         os.close(fd)
-    return foot.parent if foot is not None else None
 
 
 def probe_page(path: str) -> ReadResult:
@@ -441,12 +445,14 @@ def probe_page(path: str) -> ReadResult:
         if not stat.S_ISREG(st.st_mode):  # a FIFO, device, folder or symlink is no page
             _remove_stray(path, st)
             return ReadResult(ReadStatus.MISSING)
-        parent = _read_footer(path, st.st_size)
+        foot = _read_footer(path, st.st_size)
     except FileNotFoundError:
         return ReadResult(ReadStatus.MISSING)
     except OSError as exc:
         return ReadResult(ReadStatus.ERROR, reason=str(exc))
-    return ReadResult(ReadStatus.OK, st.st_size, parent, max(st.st_mtime, st.st_atime))
+    if foot is None:  # torn: a miss (a read of it would delete it as corrupt)
+        return ReadResult(ReadStatus.MISSING)
+    return ReadResult(ReadStatus.OK, st.st_size, foot.parent, max(st.st_mtime, st.st_atime))
 
 
 # ---------------------------------------------------------------------- writes
@@ -747,8 +753,10 @@ def scan_subdir(path: str, stale_tmp_seconds: float) -> tuple[list[ScanEntry], i
                     st = e.stat(follow_symlinks=False)
                     if not e.is_file(follow_symlinks=False):
                         continue
-                    parent = _read_footer(e.path, st.st_size)
-                    entries.append(ScanEntry(pid, st.st_size, parent, max(st.st_mtime, st.st_atime)))
+                    foot = _read_footer(e.path, st.st_size)
+                    if foot is None:  # torn by a crash: not indexed, so never claimed
+                        continue
+                    entries.append(ScanEntry(pid, st.st_size, foot.parent, max(st.st_mtime, st.st_atime)))
                 else:
                     writer = parse_tmp_name(name)
                     if writer is None:
