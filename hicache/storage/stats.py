@@ -15,7 +15,8 @@ class StorageStats:
     Well-known names: ``exists_calls``, ``exists_keys``, ``exists_hits``, ``read_pages``,
     ``read_hits``, ``read_misses``, ``read_bytes``, ``write_pages``, ``write_ok``,
     ``write_failures``, ``write_bytes``, ``backend_errors``, ``invalid_requests``,
-    ``corrupt_pages``, ``evicted_pages``, ``evicted_bytes``.
+    ``corrupt_pages``, ``evicted_pages``, ``evicted_bytes``, ``call_timeouts`` (a blocking
+    facade call cancelled at its ``call_timeout``).
     """
 
     def __init__(self) -> None:

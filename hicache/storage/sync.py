@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import threading
 import weakref
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
@@ -20,6 +21,7 @@ import torch
 
 from hicache.errors import LoopMisuseError, StorageStateError
 from hicache.storage.base import AsyncHiCacheStorage, StorageState
+from hicache.storage.stats import Throttle
 from hicache.storage.key_screen import first_unstorable, is_storable, page_indices, storable_runs
 from hicache.storage.types import (
     HiCacheStorageExtraInfo,
@@ -32,6 +34,8 @@ from hicache.storage.types import (
 __all__ = ["HiCacheStorage", "LoopThread"]
 
 T = TypeVar("T")
+
+_logger = logging.getLogger("hicache.storage")
 TransferCall = Callable[[list[PoolTransfer], HiCacheStorageExtraInfo | None], Awaitable[dict[str, list[bool]]]]
 
 
@@ -153,12 +157,23 @@ class HiCacheStorage:
         self._loop_thread = LoopThread()
         self._finalizer = weakref.finalize(self, _stop_loop, self._loop_thread, backend)
         self._closed = False
+        self._timeout_log = Throttle()
 
     def _call(self, coro: Coroutine[Any, Any, T]) -> T:
         if self._closed:
             coro.close()
             raise StorageStateError("HiCacheStorage is closed")
-        return self._loop_thread.call(coro, self.call_timeout)
+        try:
+            return self._loop_thread.call(coro, self.call_timeout)
+        except TimeoutError:
+            # counted where every other failure of the store is (an engine adapter turns the
+            # exception into misses, so without this a slow store would look merely quiet)
+            self.backend.stats.incr("call_timeouts")
+            count = self._timeout_log.due()
+            if count:
+                _logger.warning("%s: %d call(s) took longer than call_timeout=%ss; cancelled",
+                                type(self.backend).__name__, count, self.call_timeout)
+            raise
 
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
         """Run a coroutine of the caller's on the facade's loop (where the backend lives) and

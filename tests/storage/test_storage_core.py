@@ -281,6 +281,7 @@ def test_facade_timeout_cancels_the_call_before_returning() -> None:
         backend.read_delay = 0.3  # awaits, then fills the buffer
         with pytest.raises(TimeoutError):
             facade.batch_get_v1(["a"], dst.indices(0, 1))
+        assert facade.get_stats()["call_timeouts"] == 1  # counted, not only raised
         time.sleep(0.4)
         assert dst.page_bytes(0) == bytes(dst.page_nbytes)  # nothing landed after the timeout
         # a read that fills buffers on a thread is waited for, so the pool is stable once the

@@ -55,6 +55,7 @@ def test_a_call_past_the_timeout_is_a_miss_and_nothing_lands_late(monkeypatch):
         t0 = time.monotonic()
         assert ctl.storage_backend.batch_get_v1(keys, dst) == [False] * 4
         assert time.monotonic() - t0 < 1.2  # gave up at the timeout (0.2 s), not after the read (1.5 s)
+        assert ctl.storage_backend.hicache_stats()["call_timeouts"] == 1  # counted, not only logged
         time.sleep(1.6)
         assert torch.equal(host.kv_buffer, before)  # the cancelled read never wrote into the pool
         monkeypatch.setattr(MemoryStorage, "_read", original)
