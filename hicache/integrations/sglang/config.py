@@ -14,6 +14,9 @@ SGLang hands a dynamic backend one dict: its own keys (``backend_name``, ``modul
                           page (default 32 MiB; two halves, so reads and copies overlap)
     hicache_namespace_salt  extra text in the namespace (tenant, LoRA set, anything that
                           makes pages of the same tokens differ)
+    hicache_kv_cache_dtype  the KV cache dtype (SGLang's --kv-cache-dtype, e.g. fp8_e4m3) when
+                          the server's own settings cannot be read: SGLang stores every fp8
+                          format as uint8, so the pool alone cannot tell e4m3 from e5m2
 
 An unknown ``hicache_*`` key is an error that lists the allowed ones; SGLang's keys are left
 to SGLang. No SGLang import here.
@@ -38,6 +41,7 @@ _KEYS = (
     "hicache_call_timeout",
     "hicache_staging_mib",
     "hicache_namespace_salt",
+    "hicache_kv_cache_dtype",
 )
 DEFAULT_CALL_TIMEOUT = 60.0
 DEFAULT_STAGING_MIB = 32
@@ -52,6 +56,7 @@ class AdapterSettings:
     call_timeout: float | None = DEFAULT_CALL_TIMEOUT
     staging_bytes: int = DEFAULT_STAGING_MIB << 20
     namespace_salt: str | None = None
+    kv_cache_dtype: str | None = None
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> AdapterSettings:
@@ -93,12 +98,16 @@ class AdapterSettings:
         salt = extra.get("hicache_namespace_salt")
         if salt is not None and not isinstance(salt, str):
             raise ConfigError(f"hicache_namespace_salt must be a string, got {salt!r}")
+        kv_dtype = extra.get("hicache_kv_cache_dtype")
+        if kv_dtype is not None and (not isinstance(kv_dtype, str) or not kv_dtype):
+            raise ConfigError(f"hicache_kv_cache_dtype must be SGLang's --kv-cache-dtype (e.g. fp8_e4m3), got {kv_dtype!r}")
         return cls(
             backend=backend,
             options=options,
             call_timeout=None if timeout is None else float(timeout),
             staging_bytes=staging << 20,
             namespace_salt=salt,
+            kv_cache_dtype=kv_dtype,
         )
 
 
@@ -129,7 +138,7 @@ def namespace_for(
             extra[name] = str(value)
     if getattr(config, "should_split_heads", False):
         extra["tp_lcm_size"] = str(getattr(config, "tp_lcm_size", None))
-    for key in ("page_format", "kv_lora_rank", "qk_rope_head_dim", "page_nbytes"):
+    for key in ("page_format", "kv_lora_rank", "qk_rope_head_dim", "page_nbytes", "kv_cache_dtype"):
         if key in sig:
             extra[key] = str(sig[key])
     for pool, tag in sorted((pool_formats or {}).items()):

@@ -63,6 +63,38 @@ def _name(pool_name: Any) -> str:
     return str(getattr(pool_name, "value", pool_name))
 
 
+def _server_kv_cache_dtype() -> str | None:
+    """SGLang's ``--kv-cache-dtype`` from the server's published settings, if it has any
+    (none in a process that did not start a server, such as a test or a tool)."""
+    try:
+        from sglang.srt.runtime_context import get_server_args
+
+        value = getattr(get_server_args(), "kv_cache_dtype", None)
+    except Exception:  # noqa: BLE001 - not published, or another SGLang version's API
+        return None
+    return value if isinstance(value, str) and value else None
+
+
+def _with_logical_dtype(signature: dict[str, Any], configured: str | None) -> dict[str, Any]:
+    """``signature`` with the KV cache dtype when the pool stores its KV as raw bytes.
+
+    Why: SGLang stores every fp8 KV format (e4m3, e5m2) and fp4 in ``uint8`` buffers, so pages
+    of two servers with different formats have the same size and pass every check, and a
+    namespace built from the pool alone would serve one's bytes to the other as valid KV.
+    Unknown (no extra-config key, no readable server settings) is an error, never a guess."""
+    if signature.get("dtype") != "uint8":
+        return signature
+    logical = configured or _server_kv_cache_dtype()
+    if logical is None:
+        raise SGLangAttachError(
+            "the KV host pool stores its KV as uint8 (an fp8 or fp4 KV cache), and its format could not "
+            "be read from the server's settings: set hicache_kv_cache_dtype in the storage backend's "
+            "extra config to the server's --kv-cache-dtype (e.g. fp8_e4m3), so that pages of "
+            "different formats never share a namespace"
+        )
+    return {**signature, "kv_cache_dtype": logical}
+
+
 def _hicache_config(cfg: Any) -> HiCacheStorageConfig:
     """hicache's storage config with the fields SGLang's config shares with it."""
     return HiCacheStorageConfig(
@@ -156,6 +188,7 @@ class HiCacheSGLangStorage(_SGLangStorage):
                 raise SGLangAttachError("no KV host pool registered (register_mem_pool_host first)")
             tags = dict(self._tags)
             signature = kv.storage_signature() if callable(getattr(kv, "storage_signature", None)) else {}
+            signature = _with_logical_dtype(signature, self.settings.kv_cache_dtype)
             namespace = namespace_for(
                 self.storage_config,
                 signature=signature,

@@ -295,3 +295,38 @@ def test_hybrid_extra_pool_round_trip_and_restorable_prefixes_as_sglang(store_ro
         assert drive.pages_equal(swa_host, swa_idx, swa_host, back, 2)
     finally:
         ctl.detach_storage_backend()
+
+
+# ---------------------------------------------------------------- fp8 KV: the format is in the namespace
+
+def _fp8_namespace(store_root: str, dtype: torch.dtype, **extra_keys) -> str:
+    dev = helpers.device_pool(page_size=PAGE, layers=LAYERS, dtype=dtype)
+    host = helpers.host_pool(dev, "page_first")
+    assert host.kv_buffer.dtype == torch.uint8  # SGLang stores every fp8 format as bytes
+    ctl = helpers.controller(dev, host, {**helpers.extra_config("file", root=store_root), **extra_keys})
+    try:
+        return ctl.storage_backend.backend.namespace.digest
+    finally:
+        ctl.detach_storage_backend()
+
+
+def test_fp8_formats_never_share_a_namespace(store_root, monkeypatch):
+    """e4m3 and e5m2 pages have the same size and pass every check: only the namespace keeps
+    one server's bytes from being served to the other as valid KV."""
+    e4m3 = _fp8_namespace(store_root, torch.float8_e4m3fn, hicache_kv_cache_dtype="fp8_e4m3")
+    e5m2 = _fp8_namespace(store_root, torch.float8_e5m2, hicache_kv_cache_dtype="fp8_e5m2")
+    assert e4m3 != e5m2
+    # a running server publishes its settings: the format is read from them
+    import types
+
+    import sglang.srt.runtime_context as runtime_context
+
+    monkeypatch.setattr(runtime_context, "get_server_args", lambda: types.SimpleNamespace(kv_cache_dtype="fp8_e5m2"))
+    assert _fp8_namespace(store_root, torch.float8_e5m2) == e5m2
+
+
+def test_an_fp8_pool_of_unknown_format_fails_the_attach(store_root):
+    with pytest.raises(SGLangAttachError, match="hicache_kv_cache_dtype"):
+        _fp8_namespace(store_root, torch.float8_e4m3fn)
+    with pytest.raises(Exception, match="hicache_kv_cache_dtype"):
+        _fp8_namespace(store_root, torch.float8_e4m3fn, hicache_kv_cache_dtype=3)
