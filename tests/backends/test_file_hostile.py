@@ -310,31 +310,39 @@ async def test_a_floor_above_a_small_disk_refuses_visibly(small_tmpfs, caplog) -
     assert ns["refused_pages_no_space"] == 5 and "last_refused_at" in ns
 
 
-async def test_a_frozen_process_holding_the_ledger_lock_does_not_hang_writers(tmp_path) -> None:
-    """A process stopped (SIGSTOP) while it holds the usage ledger's lock: writes here go on
-    within a bounded wait, counting this process only, and use the ledger again after."""
+@contextlib.contextmanager
+def frozen_lock_holder(path: str) -> Iterator[None]:
+    """Another process that takes an exclusive ``flock`` on ``path`` and then stops (SIGSTOP,
+    as a debugger or a paused container would), holding it until it is killed on the way out."""
     import signal
     import sys
 
+    holder = subprocess.Popen(
+        [sys.executable, "-c", (
+            "import fcntl, os, signal\n"
+            f"fd = os.open({path!r}, os.O_RDWR | os.O_CREAT)\n"
+            "fcntl.flock(fd, fcntl.LOCK_EX)\n"
+            "print('locked', flush=True)\n"
+            "os.kill(os.getpid(), signal.SIGSTOP)\n"
+        )],
+        stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "locked"
+        yield
+    finally:
+        os.kill(holder.pid, signal.SIGKILL)
+        holder.wait()
+
+
+async def test_a_frozen_process_holding_the_ledger_lock_does_not_hang_writers(tmp_path) -> None:
+    """A process stopped (SIGSTOP) while it holds the usage ledger's lock: writes here go on
+    within a bounded wait, counting this process only, and use the ledger again after."""
     async with make_store(tmp_path, max_bytes=1 << 20) as store:
         assert await store.set("before", v0(4096, 1))
         ledger = os.path.join(store.layout.ns_dir, LEDGER_NAME)
-        holder = subprocess.Popen(
-            [sys.executable, "-c", (
-                "import fcntl, os, signal, sys\n"
-                f"fd = os.open({ledger!r}, os.O_RDWR)\n"
-                "fcntl.flock(fd, fcntl.LOCK_EX)\n"
-                "print('locked', flush=True)\n"
-                "os.kill(os.getpid(), signal.SIGSTOP)\n"
-            )],
-            stdout=subprocess.PIPE, text=True,
-        )
-        try:
-            assert holder.stdout is not None and holder.stdout.readline().strip() == "locked"
+        with frozen_lock_holder(ledger):
             assert await within(store.set("during", v0(4096, 2)))
-        finally:
-            os.kill(holder.pid, signal.SIGKILL)
-            holder.wait()
         assert await within(store.set("after", v0(4096, 3)))
         usage = read_usage(ledger)
         assert usage is not None and usage.used >= 2 * store.layout.file_size("after", "kv", 4096)
@@ -344,26 +352,11 @@ async def test_a_frozen_process_holding_the_journal_lock_does_not_hang_page_io(t
     """A process stopped while it holds the removal journal's lock: this store keeps evicting
     (each eviction is a journal line) and reading and writing within a bounded wait; the lines
     it could not append are dropped and counted, and appends work again once the lock is free."""
-    import signal
-    import sys
-
     size = 4096
     # two I/O threads and room for five pages: from the sixth write on, every write evicts
     async with make_store(tmp_path, io_threads=2, max_bytes=5 * (size + 512)) as store:
         await store.wait_background()
-        lock = os.path.join(store.layout.ns_dir, "removals.lock")
-        holder = subprocess.Popen(
-            [sys.executable, "-c", (
-                "import fcntl, os, signal\n"
-                f"fd = os.open({lock!r}, os.O_RDWR | os.O_CREAT)\n"
-                "fcntl.flock(fd, fcntl.LOCK_EX)\n"
-                "print('locked', flush=True)\n"
-                "os.kill(os.getpid(), signal.SIGSTOP)\n"
-            )],
-            stdout=subprocess.PIPE, text=True,
-        )
-        try:
-            assert holder.stdout is not None and holder.stdout.readline().strip() == "locked"
+        with frozen_lock_holder(os.path.join(store.layout.ns_dir, "removals.lock")):
             for i in range(12):
                 assert await within(store.set(f"k{i}", v0(size, i)))
             assert store.get_stats()["evicted_pages"] >= 6
@@ -374,9 +367,6 @@ async def test_a_frozen_process_holding_the_journal_lock_does_not_hang_page_io(t
             while store.get_stats()["journal_dropped_lines"] == 0 and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
             assert store.get_stats()["journal_dropped_lines"] > 0
-        finally:
-            os.kill(holder.pid, signal.SIGKILL)
-            holder.wait()
         dropped = store.get_stats()["journal_dropped_lines"]
         for i in range(12, 15):
             assert await within(store.set(f"k{i}", v0(size, i)))
