@@ -125,6 +125,9 @@ class Prefetcher:
         self._inflight_tokens += tokens
         self.metrics.incr("prefetch_started")
         op.task = self._spawn(self._run_prefetch(op, alloc_host), f"hicache-prefetch-{rid}")
+        # a task cancelled before its first step never runs its body, nor the body's finally:
+        # the op is finished here then, or its tokens would hold the in-flight budget for good
+        op.task.add_done_callback(lambda _task: None if op.finished else self._finish_op(op))
         return op
 
     async def _run_prefetch(self, op: PrefetchOp, alloc_host: Callable[[int], torch.Tensor | None]) -> None:

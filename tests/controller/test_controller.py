@@ -255,6 +255,25 @@ async def test_prefetch_rate_limit() -> None:
     assert stack.host_pool.available_size() == 64 * PS
 
 
+async def test_a_prefetch_aborted_before_it_ran_gives_its_budget_back() -> None:
+    """The scheduler rejects a request in the same step it started its prefetch: the task is
+    cancelled before its first step, so its body (and its finally) never runs. Its tokens must
+    still leave the in-flight budget, or every later prefetch is rate limited for good."""
+    cfg = StackConfig(page_size=PS, device_pages=64, host_pages=128, storage_backend="memory",
+                      controller=ControllerConfig(prefetch_threshold=PS, max_inflight_prefetch_tokens=64))
+    stack = build_stack(cfg)
+    for i in range(4):
+        req = Req(rid=f"r{i}", origin_input_ids=toks(1000 * i, 32))
+        stack.cache.match_req(req)
+        assert stack.cache.start_prefetch(req)
+        stack.cache.abort_req(req)  # same tick: the task has not started
+        await stack.controller.wait_prefetches()
+    assert stack.controller.metrics.counters.get("prefetch_rate_limited", 0) == 0
+    assert stack.controller.metrics.counters["prefetch_aborted"] == 4
+    await stack.aclose()
+    assert stack.host_pool.available_size() == 128 * PS
+
+
 async def test_close_drains_queued_backups() -> None:
     stack, store = make()
     store.delay = 0.01
