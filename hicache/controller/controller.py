@@ -151,6 +151,15 @@ class HiCacheController:
         #: pages it has landed so far (close acknowledges those, reports only the rest)
         self._storage_busy: dict[StorageWriteJob, int] = {}
         self._backup_busy: list[BackupJob] = []
+        #: set once close has reported what its cancelled workers left: from then on nothing
+        #: is queued, not even a continuation, since no worker would ever run it
+        self._sealed = False
+        #: set whenever the backup queue may have room (a worker took jobs, close emptied it or
+        #: sealed): what :meth:`backup` waits on instead of a put that close cannot reach
+        self._backup_room = asyncio.Event()
+        #: the one close every aclose() caller awaits (a second caller must not be told
+        #: "drained" while the first is still draining)
+        self._close_task: asyncio.Task[CloseReport] | None = None
         self._free_host: Callable[[torch.Tensor], None] = host_pool.free
         self._prefetcher: Prefetcher | None = None
         self.health = StorageHealth(
@@ -232,7 +241,7 @@ class HiCacheController:
         if self.state is ControllerState.UNSTARTED:
             self.start()
         if self.state is ControllerState.CLOSING:
-            return continuation
+            return continuation and not self._sealed
         return self.state is ControllerState.RUNNING
 
     def _spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
@@ -294,9 +303,20 @@ class HiCacheController:
     async def aclose(self, timeout: float | None = None) -> CloseReport:
         """Stop accepting work, drain the queues (up to ``timeout``, default
         ``config.close_timeout_s``), report each backup left unwritten, and leave no task
-        running. Idempotent: a second call returns an empty report."""
-        if self.state in (ControllerState.CLOSED, ControllerState.CLOSING):
+        running. Idempotent: a call while another is closing waits for that close and gets its
+        report; a call after it returns an empty report. A cancelled caller does not cancel
+        the close (another caller may be waiting for it)."""
+        if self.state is ControllerState.CLOSED:
             return CloseReport(drained=True)
+        if self._close_task is None:
+            self._close_task = asyncio.get_running_loop().create_task(
+                self._close(timeout), name="hicache-controller-close")
+            return await asyncio.shield(self._close_task)
+        report = await asyncio.shield(self._close_task)
+        # the first caller owns the report; later ones learn how it went, not its lists
+        return CloseReport(drained=report.drained)
+
+    async def _close(self, timeout: float | None) -> CloseReport:
         was_running = self.state is ControllerState.RUNNING
         self.state = ControllerState.CLOSING
         report = CloseReport(drained=True)
@@ -315,6 +335,8 @@ class HiCacheController:
                 task.cancel()
             stuck = await self._wait_tasks(limit)
             self._report_leftovers(report)
+        self._sealed = True  # no worker is left: a continuation from now on is refused, not lost
+        self._backup_room.set()  # a backup() waiting for room learns the queue is closed
         # A backend that blocks its I/O loop (a hung mount) must not make close hang: its
         # close and the I/O thread's exit are each waited for at most max(1 s,
         # close_timeout_s); the thread is a daemon and is left behind with a warning.
@@ -412,17 +434,28 @@ class HiCacheController:
         return True
 
     async def backup(self, device_indices: torch.Tensor, host_indices: torch.Tensor) -> bool:
-        """Queue a device->host copy and wait for it (waits for room instead of refusing)."""
+        """Queue a device->host copy and wait for it (waits for room instead of refusing).
+
+        A call that was waiting for room when close began is still drained (or reported) by
+        it; once close has sealed the queues it raises :class:`CacheClosedError` instead of
+        queueing a job no worker would run."""
         if not self._accepting():
             raise CacheClosedError("the controller is closed")
-        assert self._backup_q is not None
+        q = self._backup_q
+        assert q is not None
         fut: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
 
         def done(ok: bool) -> None:
             if not fut.done():
                 fut.set_result(ok)
 
-        await self._backup_q.put(BackupJob(device_indices, host_indices, done))
+        job = BackupJob(device_indices, host_indices, done)
+        while q.full():
+            self._backup_room.clear()
+            await self._backup_room.wait()
+            if not self._accepting(continuation=True):
+                raise CacheClosedError("the controller closed while the backup waited for room")
+        q.put_nowait(job)
         return await asyncio.shield(fut)
 
     async def _backup_worker(self) -> None:
@@ -437,6 +470,7 @@ class HiCacheController:
                 jobs.append(job)
                 pages += job.num_tokens // self.page_size
             self._backup_busy = jobs
+            self._backup_room.set()
             ok = False
             t0 = time.perf_counter()
             try:

@@ -16,6 +16,7 @@ tests. Everything runs on the event loop; :meth:`pump` never waits.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 from collections.abc import Callable
@@ -139,11 +140,28 @@ class WriteBackQueue:
         # session close, or aclose() past its close timeout; the controller's close bounds
         # and reports those writes).
         drain = getattr(self._tree, "drain_backups", None) or getattr(self._tree, "drain", None)
+        idle = 0
         while self._entries:
             self.pump()
             if not self._entries:
                 return
             if drain is None:
                 return
+            before = [(e.attempts, e.submits, e.started) for e in self._entries]
             await drain()
             self.pump(count_refusals=True)
+            # a drain that had nothing to wait for (the controller closed) while entries wait
+            # for copies that can never end: report them rather than spin on the loop
+            now = [(e.attempts, e.submits, e.started) for e in self._entries]
+            idle = idle + 1 if now == before else 0
+            if idle >= 2:
+                self._give_up_stuck()
+                return
+            await asyncio.sleep(0)  # never starve the loop, whatever drain() did
+
+    def _give_up_stuck(self) -> None:
+        for e in self._entries:
+            self._count("writeback_lost", 1)
+            logger.warning("session %s: write-back of %d token(s) can no longer finish (the cache is closing); "
+                           "given up", e.session_id, e.tokens)
+        self._entries.clear()

@@ -110,3 +110,77 @@ async def test_session_close_is_bounded_by_the_close_timeout_with_storage_hung()
         assert report is not None and not report.drained
     finally:
         store.release()
+
+
+async def test_concurrent_closes_share_one_drain() -> None:
+    """Two aclose() at once (a signal handler and the server's own shutdown): the second waits
+    for the first close instead of being told "drained" at once, so the stack does not close
+    its copy engine under the first close's drain; every queued backup lands."""
+    cfg = StackConfig(page_size=PS, device_pages=256, host_pages=512, storage_backend="memory",
+                      controller=ControllerConfig(prefetch_threshold=PS, backup_batch_pages=1))
+    stack = build_stack(cfg)
+    for i in range(40):
+        await serve_request(stack, list(range(1000 * i, 1000 * i + 16)), rid=f"r{i}")
+    first, second = await asyncio.gather(stack.aclose(), stack.aclose())
+    assert first.drained and second.drained
+    assert first.failed_device_backups == 0 and not first.unwritten
+    counters = stack.controller.metrics.counters
+    assert counters.get("backup_failures", 0) == 0
+    assert stack.controller.metrics.pages.get("h2s", 0) == 40 * 4
+
+
+async def test_a_backup_waiting_for_room_when_close_gives_up_is_refused_not_stranded() -> None:
+    """backup() blocked on a full queue while close times out: it gets an answer (the job is
+    reported failed, or the call raises CacheClosedError), never a wait that lasts forever,
+    and no job is left in the closed controller's queue."""
+    import torch
+
+    from hicache.errors import CacheClosedError
+
+    cfg = StackConfig(page_size=PS, device_pages=64, host_pages=64, storage_backend=None,
+                      controller=ControllerConfig(backup_queue_size=1, close_timeout_s=0.2))
+    stack = build_stack(cfg)
+    ctl = stack.controller
+    real = stack.copy_engine.backup
+
+    async def slow_backup(dev, host):  # a slow device->host copy (big batch, busy bus)
+        await asyncio.sleep(1.0)
+        await real(dev, host)
+
+    stack.copy_engine.backup = slow_backup  # type: ignore[method-assign]
+    dev = torch.arange(0, PS, dtype=torch.int64)
+    host = torch.arange(0, PS, dtype=torch.int64)
+    calls = [asyncio.create_task(ctl.backup(dev + PS * i, host + PS * i)) for i in range(3)]
+    await asyncio.sleep(0.05)  # one copying, one queued, one waiting for room
+    report = await ctl.aclose()
+    assert not report.drained
+    done, pending = await asyncio.wait(calls, timeout=2.0)
+    assert not pending
+    outcomes = [t.exception() if t.exception() is not None else t.result() for t in done]
+    assert all(o is False or isinstance(o, CacheClosedError) for o in outcomes), outcomes
+    assert report.failed_device_backups + sum(isinstance(o, CacheClosedError) for o in outcomes) == 3
+    assert ctl._backup_q is not None and ctl._backup_q.empty()
+    await stack.aclose()
+
+
+async def test_work_offered_after_close_reported_its_leftovers_is_refused() -> None:
+    """A request finishing while close waits for the storage backend to close: its backup is
+    refused (the tree defers it, nothing locked or held), not queued where no worker runs."""
+    from hicache.controller.controller import ControllerState
+
+    cfg = StackConfig(page_size=PS, device_pages=32, host_pages=64, storage_backend="memory",
+                      controller=ControllerConfig(prefetch_threshold=PS))
+    stack = build_stack(cfg)
+    ctl = stack.controller
+    await serve_request(stack, list(range(8)), rid="warm")
+    await stack.cache.drain()
+    closing = asyncio.create_task(ctl.aclose())
+    while not ctl._sealed:
+        await asyncio.sleep(0)
+    assert ctl.state is ControllerState.CLOSING
+    dev = stack.allocator.alloc(PS)
+    host = stack.host_pool.alloc(PS)
+    assert not ctl.submit_backup(dev, host, lambda ok: None)
+    await closing
+    assert ctl._backup_q is not None and ctl._backup_q.empty()
+    await stack.aclose()
