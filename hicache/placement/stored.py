@@ -167,6 +167,13 @@ class StoredPages:
         self.evicted_pages += len(out)
         return out
 
+    def shortfall(self) -> int:
+        """Pages over capacity after :meth:`make_room`: what is held plus reserved, less what
+        fits (0 when everything fits, or the capacity is unknown)."""
+        if self.capacity is None:
+            return 0
+        return max(0, len(self._pages) + self.reserved - self.capacity)
+
     def landed(self, reserved: int, keys: Sequence[str], prior: str | None) -> None:
         """A write for which ``reserved`` pages of room were made ended; ``keys`` (its
         leading pages) were written."""

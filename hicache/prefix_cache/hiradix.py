@@ -644,7 +644,27 @@ class HiRadixCache(RadixCache):
         if self._loop is None:
             self._loop = asyncio.get_running_loop()  # where removal reports are applied
         n, keys, prior, on_done = len(job.keys), job.keys, job.prior_key, job.on_done
-        self._doomed.extend(stored.make_room(n))
+        # the page the write chains from must stay: deleted ahead of the write, it would leave
+        # the new pages orphans no prefix lookup reaches (and with it, its stored ancestors)
+        pinned = stored.pin([prior]) if prior is not None else []
+        try:
+            self._doomed.extend(stored.make_room(n))
+        finally:
+            stored.unpin(pinned)
+        short = stored.shortfall()
+        if short and not job.extra:
+            # no room even after every evictable leaf: the pages that cannot fit are not sent
+            # (the backend's own bound would make room by evicting the oldest pages, which on
+            # a chain are this write's own prefix, orphaning everything after them)
+            stored.landed(min(short, n), [], None)  # gives back their reserved room
+            if short >= n:
+                self.metrics.incr("storage_writes_no_room_pages", n)
+                return False
+            self.metrics.incr("storage_writes_no_room_pages", short)
+            n -= short
+            keys = keys[:n]
+            job.keys = keys
+            job.host_indices = job.host_indices[: n * self.page_size]
         job.delete_first = self._doomed
 
         def done(written: int) -> None:

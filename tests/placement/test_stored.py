@@ -222,3 +222,42 @@ async def test_a_backend_without_delete_keeps_its_own_bound(monkeypatch: pytest.
         assert await _serve_backend(stack) == 0
     finally:
         await stack.aclose()
+
+
+async def test_a_write_back_never_deletes_the_prefix_it_chains_from() -> None:
+    """Storage holds 3 pages; A (2 pages) is stored, then its 2-page child C is written back
+    at host eviction. The room for C must not come from A's last page (C would land as an
+    orphan no lookup reaches), nor from the backend's own bound (which evicts A's first page,
+    the oldest): the page that does not fit is not sent, and A plus what fits of C stay
+    reachable."""
+    from hicache.prefix_cache import EvictParams
+
+    cfg = StackConfig(page_size=PS, device_pages=16, host_pages=32, storage_backend="memory", storage_pages=3,
+                      placement="tiered", placement_options={"reuse_hits": 1, "long_prompt_tokens": None},
+                      controller=ControllerConfig(prefetch_threshold=PS))
+    stack = build_stack(cfg)
+    try:
+        cache, stored = stack.cache, stack.cache._stored
+        await serve_request(stack, list(range(8)), rid="a")
+        await cache.drain()
+        cache.evict(EvictParams(num_tokens=10**6))
+        cache.evict_host(8)
+        await cache.drain()
+        node_a = next(iter(cache.root_node.children.values()))
+        a_keys = list(node_a.hash_value)
+        assert node_a.storage_pages == 2 and all(k in stored for k in a_keys)
+        await serve_request(stack, list(range(16)), rid="ac")
+        await cache.drain()
+        cache.evict(EvictParams(num_tokens=10**6))
+        node_c = next(iter(node_a.children.values()))
+        c_keys = list(node_c.hash_value)
+        cache.evict_host(8)  # C is the host-only leaf: written back, chained from A's last page
+        await cache.drain()
+        assert all(k in stored for k in a_keys) and _closed(stored)
+        assert node_c.storage_pages == 1 and len(stored) <= 3
+        assert stack.controller.metrics.counters["storage_writes_no_room_pages"] == 1
+        hit = await stack.controller._on_io(stack.storage.batch_exists_v2(a_keys + c_keys))
+        assert hit.kv_hit_pages == 3
+        assert stack.storage.medium.evicted_pages == 0  # the backend never had to evict
+    finally:
+        await stack.aclose()
