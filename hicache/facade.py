@@ -142,7 +142,8 @@ class HiCache:
 
     @classmethod
     def from_config(cls, source: str | os.PathLike[str] | dict | HiCacheConfig | None = None) -> HiCache:
-        """Build from a config file, dict or object (``HICACHE__*`` environment overrides apply)."""
+        """Build from a config file or dict (``HICACHE__*`` environment overrides apply) or a
+        :class:`HiCacheConfig` object, taken as it is (it was loaded already)."""
         return cls(load_config(source))
 
     @classmethod

@@ -204,12 +204,15 @@ def load_config(
     """Defaults <- file or dict <- ``HICACHE__*`` environment; validated.
 
     With ``check`` the storage backend is also looked up and its options checked, so a missing
-    plugin or a misspelt option fails at start-up rather than at the first write.
+    plugin or a misspelt option fails at start-up rather than at the first write. A
+    :class:`HiCacheConfig` is taken as it is (validated again, no environment): it was loaded
+    already, environment included, and a caller may have changed it since (the demo sizes its
+    pools and salts its namespace); layering the environment again would undo those changes.
     """
     if isinstance(source, (str, os.PathLike)):
         path = Path(source)
         return _finish(_read_file(path), str(path), environ, use_env, check)
-    return _finish(*_in_memory(source), environ, use_env, check)
+    return _finish(*_in_memory(source), environ, use_env and not isinstance(source, HiCacheConfig), check)
 
 
 async def aload_config(
@@ -224,7 +227,7 @@ async def aload_config(
     if isinstance(source, (str, os.PathLike)):
         path = Path(source)
         return _finish(await _aread_file(path), str(path), environ, use_env, check)
-    return _finish(*_in_memory(source), environ, use_env, check)
+    return _finish(*_in_memory(source), environ, use_env and not isinstance(source, HiCacheConfig), check)
 
 
 def _in_memory(source: Mapping[str, Any] | HiCacheConfig | None) -> tuple[dict[str, Any], str]:

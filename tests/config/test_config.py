@@ -93,6 +93,23 @@ def test_environment_overrides() -> None:
         load_config(None, environ={"HICACHE__DEVICE__PAGE_SIZE": "many"}, check=False)
 
 
+async def test_a_loaded_config_object_is_taken_as_it_is() -> None:
+    """A config loaded once (environment applied) and then changed by its caller keeps the
+    changes when it is handed on: the environment is not layered a second time."""
+
+    from hicache.config.loader import aload_config
+
+    env = {"HICACHE__STORAGE__NAMESPACE_SALT": "tenant1", "HICACHE__DEVICE__SIZE_TOKENS": "8192"}
+    loaded = load_config({"storage": {"backend": "memory"}}, environ=env)
+    assert loaded.storage.namespace_salt == "tenant1" and loaded.device.size_tokens == 8192
+    changed = loaded.model_copy(update={
+        "device": loaded.device.model_copy(update={"size_tokens": 1024}),
+        "storage": loaded.storage.model_copy(update={"namespace_salt": "tenant1:run-7"}),
+    })
+    for again in (load_config(changed, environ=env), await aload_config(changed, environ=env)):
+        assert again.device.size_tokens == 1024 and again.storage.namespace_salt == "tenant1:run-7"
+
+
 def test_unreadable_and_malformed_files(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="cannot read"):
         load_config(tmp_path / "missing.toml", environ={})
