@@ -40,6 +40,17 @@ def _table(data: dict[str, Any], indent: int = 0) -> str:
     return "\n".join(lines)
 
 
+def _sequence_number(text: str) -> int:
+    """argparse type of ``--from``: a batch sequence number is a non-negative integer."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"a sequence number is 0 or more, got {value}")
+    return value
+
+
 def _emit(result: Any, as_json: bool) -> None:
     if as_json or not isinstance(result, dict):
         print(json.dumps(result, indent=2, default=str))
@@ -240,7 +251,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("events", help="print a cache's KV events (vLLM schema over ZMQ), one per line")
     p.add_argument("url", help="the publisher's PUB endpoint, e.g. tcp://127.0.0.1:5557")
     p.add_argument("--replay", default=None, help="its replay endpoint (e.g. tcp://127.0.0.1:5558): catch up on gaps")
-    p.add_argument("--from", dest="from_seq", type=int, default=None, help="replay from this sequence first")
+    p.add_argument("--from", dest="from_seq", type=_sequence_number, default=None,
+                   help="replay from this sequence first")
     p.add_argument("--topic", default="")
     p.add_argument("--count", type=int, default=None, help="exit after this many events")
     p.add_argument("--timeout", type=float, default=None, help="exit after this many seconds without a batch")
@@ -270,6 +282,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         result = args.func(args)
     except HiCacheError as exc:
+        print(f"hicache: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # a file or port of the operator's: one line, the trace at debug level
+        logging.getLogger("hicache").debug("command failed", exc_info=True)
         print(f"hicache: error: {exc}", file=sys.stderr)
         return 2
     if result is not None:

@@ -52,10 +52,17 @@ _SHORT.maxstring, _SHORT.maxother, _SHORT.maxlong = 80, 80, 40
 
 def _read_file(path: Path) -> dict[str, Any]:
     try:
-        text = path.read_text()
-    except OSError as exc:
-        raise ConfigError(f"cannot read config file {path}: {exc.strerror or exc}") from exc
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot read config file {path}: {getattr(exc, 'strerror', None) or exc}") from exc
     return _parse_file(path, text)
+
+
+def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """A config file's contents as read, before defaults, environment and checks (for callers
+    that accept another layout beside the deployment config's, such as ``hicache replay``);
+    an unreadable or malformed file is a :class:`ConfigError` naming it."""
+    return _read_file(Path(path))
 
 
 async def _aread_file(path: Path) -> dict[str, Any]:

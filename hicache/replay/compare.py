@@ -102,6 +102,7 @@ def format_comparison(report: dict[str, Any]) -> str:
     """The comparison as a text table (token hit ratios, MiB written)."""
     cols = ("device", "host", "storage", "total", "host MiB", "storage MiB", "vs lru", "st. del MiB", "verify")
     lines = [
+        f"trace {report.get('trace', '?')}",
         f"{report['requests']} requests, {report['unique_blocks']} unique blocks, tiers (blocks): "
         + ", ".join(f"{k} {v}" for k, v in report["capacities_blocks"].items()),
         f"{'policy':<12}" + "".join(f"{c:>12}" for c in cols),

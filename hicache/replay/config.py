@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import tomllib
 from typing import Any
 
 from hicache.controller.config import ControllerConfig
@@ -175,10 +174,10 @@ class ReplayConfig:
 def load_replay_config(path: str | os.PathLike[str]) -> ReplayConfig:
     """A replay config from a file: a deployment config (``configs/*.toml``), or the
     replay-native layout of :meth:`ReplayConfig.from_dict` (sections ``tiers``/``kv``/...)."""
-    with open(path, "rb") as f:
-        data = tomllib.load(f)
+    from hicache.config import load_config
+    from hicache.config.loader import read_config_file
+
+    data = read_config_file(path)  # TOML, JSON or YAML; unreadable or malformed: ConfigError
     if set(data) & {"tiers", "kv", "replay", "controller"}:
         return ReplayConfig.from_dict(data)
-    from hicache.config import load_config
-
     return ReplayConfig.from_hicache_config(load_config(path))

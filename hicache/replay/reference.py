@@ -28,8 +28,11 @@ def unique_blocks(requests: Sequence[TraceRequest]) -> int:
 def reference_lru(
     requests: Sequence[TraceRequest], capacities: Sequence[int], block_tokens: int = BLOCK_TOKENS
 ) -> dict[str, float]:
-    """Serve ``requests`` (in order) from nested inclusive LRUs of ``capacities`` blocks."""
-    if list(capacities) != sorted(capacities):
+    """Serve ``requests`` (in order) from nested inclusive LRUs of ``capacities`` blocks. A tier
+    of capacity 0 is absent (a deployment without storage): it never hits, and only the tiers
+    that exist need to nest."""
+    present = [c for c in capacities if c]
+    if present != sorted(present):
         raise ValueError(f"capacities must be nested (non-decreasing), got {list(capacities)}")
     lists: list[OrderedDict[int, None]] = [OrderedDict() for _ in capacities]
     blocks = [0] * (len(capacities) + 1)

@@ -20,7 +20,7 @@ from typing import Any
 
 from collections import Counter
 
-from hicache.errors import ConfigError
+from hicache.errors import ConfigError, TraceFormatError
 from hicache.observability.tier_events import ChangeKind, Tier
 from hicache.observability.attribution import AttributionTotals
 from hicache.replay.config import ReplayConfig, load_replay_config
@@ -88,6 +88,8 @@ def replay_inputs(
     path = find_trace(trace_path)
     limit = max_requests if max_requests is not None else cfg.max_requests
     everything = load_trace(path)
+    if not everything:
+        raise TraceFormatError(f"{path}: no requests")
     requests = everything[:limit] if limit is not None else everything
     basis = unique_blocks(everything) if cfg.capacity_basis == "trace" else None
     return cfg, requests, basis, path

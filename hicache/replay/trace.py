@@ -62,10 +62,18 @@ def _record(d: object) -> TraceRequest:
     ids = d["hash_ids"]
     if not isinstance(ids, list):
         raise TypeError(f"hash_ids must be a list, got {type(ids).__name__}")
-    return TraceRequest(
+    req = TraceRequest(
         _count(d["timestamp"], "timestamp"), _count(d["input_length"], "input_length"),
         _count(d["output_length"], "output_length"), tuple(_count(h, "a hash id") for h in ids),
     )
+    # one id per block of the prompt, the last block partial: any other count makes blocks of
+    # negative length (ids past the prompt) or a prompt longer than its ids say, and every
+    # hit ratio computed from it wrong
+    blocks = -(-req.input_length // BLOCK_TOKENS)
+    if len(req.hash_ids) != blocks:
+        raise ValueError(f"{len(req.hash_ids)} hash ids for input_length {req.input_length}: a Mooncake "
+                         f"record has one per {BLOCK_TOKENS}-token block of the prompt ({blocks})")
+    return req
 
 
 def _count(value: object, what: str) -> int:
@@ -78,13 +86,16 @@ def _count(value: object, what: str) -> int:
 
 def find_trace(explicit: str | os.PathLike[str] | None = None) -> Path:
     """The trace: ``explicit``, else ``$HICACHE_TRACE``, else ``../shared/traces/`` next to the
-    repository (and the current directory's equivalents)."""
+    repository (and the current directory's equivalents). A trace named (``explicit`` or
+    ``$HICACHE_TRACE``) that is not there is an error, never a fall back to another trace: a
+    misspelt path would report the hit rates of a workload nobody asked about."""
+    for named, how in ((explicit, "the trace"), (os.environ.get("HICACHE_TRACE"), "$HICACHE_TRACE")):
+        if named:
+            path = Path(named)
+            if not path.is_file():
+                raise FileNotFoundError(f"{how} {str(path)!r} is not a file")
+            return path
     candidates: list[Path] = []
-    if explicit:
-        candidates.append(Path(explicit))
-    env = os.environ.get("HICACHE_TRACE")
-    if env:
-        candidates.append(Path(env))
     repo = Path(__file__).resolve().parents[2]
     candidates += [
         repo.parent / "shared" / "traces" / DEFAULT_TRACE_NAME,

@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 from aiohttp import web
 
+from hicache.errors import ConfigError
 from hicache.config.schema import HiCacheConfig
 from hicache.engine.model import ModelSpec
 from hicache.engine.recompute import RecomputeCache
@@ -79,7 +80,10 @@ async def running_server(
         await runner.setup()
         stack.push_async_callback(runner.cleanup)
         site = web.TCPSite(runner, host, port)
-        await site.start()
+        try:
+            await site.start()
+        except OSError as exc:  # port in use, address not on this machine, no permission
+            raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
         bound = runner.addresses[0][1] if runner.addresses else port
         url_host = f"[{host}]" if ":" in host else host
         server = RunningServer(url=f"http://{url_host}:{bound}", port=bound, app=app, cache=cache)

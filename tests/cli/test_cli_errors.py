@@ -1,0 +1,81 @@
+"""Operator mistakes at the command line end in one clear error line and exit status 2, never
+a traceback and never a silent substitute (another trace, defaults for a config file)."""
+
+from __future__ import annotations
+
+import json
+import socket
+from pathlib import Path
+
+import pytest
+
+from hicache.cli import main
+from hicache.replay.trace import load_trace
+
+RECORD = {"timestamp": 0, "input_length": 1024, "output_length": 1, "hash_ids": [1, 2]}
+
+
+def _trace(path: Path, *records: dict) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def _error(capsys, argv: list[str]) -> str:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return err
+
+
+def test_a_trace_named_that_does_not_exist_is_an_error_not_another_trace(tmp_path, capsys, monkeypatch) -> None:
+    err = _error(capsys, ["replay", "--trace", str(tmp_path / "typo.jsonl"), "--no-progress", "--limit", "5"])
+    assert "typo.jsonl" in err and "not a file" in err
+    monkeypatch.setenv("HICACHE_TRACE", str(tmp_path / "also-missing.jsonl"))
+    assert "HICACHE_TRACE" in _error(capsys, ["replay", "--no-progress", "--limit", "5"])
+
+
+def test_replay_names_its_trace_and_refuses_an_empty_one(tmp_path, capsys) -> None:
+    ok = _trace(tmp_path / "ok.jsonl", RECORD)
+    assert main(["replay", "--trace", str(ok), "--no-progress", "--policies", "lru"]) == 0
+    assert f"trace {ok}" in capsys.readouterr().out
+    empty = _trace(tmp_path / "empty.jsonl")
+    assert "no requests" in _error(capsys, ["replay", "--trace", str(empty), "--no-progress"])
+
+
+@pytest.mark.parametrize("ids", [[1, 2, 3], [1]])
+def test_a_record_whose_ids_do_not_cover_its_prompt_is_refused(tmp_path, ids) -> None:
+    """Three ids for 1,024 tokens would make a block of negative length (hit ratios below 0);
+    one id would leave half the prompt without ids."""
+    bad = _trace(tmp_path / "bad.jsonl", RECORD, {**RECORD, "hash_ids": ids})
+    with pytest.raises(ValueError, match="line 2.*hash ids for input_length 1024"):
+        load_trace(bad)
+
+
+def test_replay_configs_in_any_format_and_their_errors(tmp_path, capsys) -> None:
+    ok = _trace(tmp_path / "ok.jsonl", RECORD)
+    yaml_cfg = tmp_path / "r.yaml"
+    yaml_cfg.write_text("device:\n  page_size: 16\n")  # a deployment config without storage
+    assert main(["replay", "-c", str(yaml_cfg), "--trace", str(ok), "--no-progress", "--policies", "lru"]) == 0
+    capsys.readouterr()
+    assert "No such file" in _error(capsys, ["replay", "-c", str(tmp_path / "missing.toml"), "--trace", str(ok)])
+    latin1 = tmp_path / "latin1.toml"
+    latin1.write_bytes(b'[model]\nname = "caf\xe9"\n')
+    assert "utf-8" in _error(capsys, ["replay", "-c", str(latin1), "--trace", str(ok)])
+
+
+def test_serve_on_a_port_in_use_is_one_line(capsys, monkeypatch) -> None:
+    monkeypatch.setenv("HICACHE__STORAGE__BACKEND", "null")
+    monkeypatch.setenv("HICACHE__SERVER__HOST", "127.0.0.1")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        err = _error(capsys, ["serve", "--port", str(port)])
+    assert f"cannot listen on 127.0.0.1:{port}" in err
+
+
+def test_events_from_a_negative_sequence_is_a_usage_error(capsys) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["events", "tcp://127.0.0.1:1", "--from", "-1"])
+    assert exc.value.code == 2
+    assert "sequence number is 0 or more" in capsys.readouterr().err
