@@ -121,7 +121,10 @@ async def _generate(request: web.Request) -> web.StreamResponse:
     try:
         raw = await request.read()
         limits = dict(vocab_size=st.spec.vocab_size,
-                      max_context_len=min(st.config.device.max_context_len, st.spec.max_positions),
+                      # a sequence longer than the device pool can never be served: refused
+                      # here, not after waiting for memory that will never be enough
+                      max_context_len=min(st.config.device.max_context_len, st.config.device.size_tokens,
+                                          st.spec.max_positions),
                       default_max_new_tokens=st.config.server.max_new_tokens)
         if len(raw) > OFFLOOP_BODY_BYTES:
             req = await asyncio.get_running_loop().run_in_executor(None, lambda: decode_generate(raw, **limits))

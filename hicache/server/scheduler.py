@@ -118,6 +118,7 @@ class Scheduler:
         self.memory_wait_s = memory_wait_s
         self.memory_wait_total_s = memory_wait_total_s
         self._memory_waiters = 0
+        self._generating = 0  # requests holding their session, in or waiting for generation
         self._admit = asyncio.Event()  # cleared while a running request waits for device memory
         self._admit.set()
         self._main: asyncio.Task[None] | None = None
@@ -199,7 +200,14 @@ class Scheduler:
         self.metrics.active += 1
         try:
             async with self._sessions.hold(req.session_id):
-                result = await self._generate_with_memory_retry(job)
+                # counted for "alone" only once it holds its session: a later turn queued on
+                # the lock holds no memory, and counting it made a turn that cannot fit wait
+                # (with admissions paused) for a request that could never finish first
+                self._generating += 1
+                try:
+                    result = await self._generate_with_memory_retry(job)
+                finally:
+                    self._generating -= 1
                 if req.end_session and req.session_id is not None:
                     await self.engine.cache.release_session(req.session_id)
                 if req.debug_reference:
@@ -245,7 +253,7 @@ class Scheduler:
                         req.rid, req.tokens, req.max_new_tokens, req.session_id, arrival=job.arrival, on_token=forward
                     )
                 except OutOfKVSlotsError:
-                    alone = self.metrics.active <= 1
+                    alone = self._generating <= 1
                     if (alone and solo_retries >= self.max_memory_retries) or time.monotonic() >= deadline:
                         raise
                     self.metrics.memory_retries += 1

@@ -82,6 +82,18 @@ async def test_bad_requests_are_400_with_the_field_named() -> None:
             assert resp.status == 400
 
 
+async def test_a_request_longer_than_the_device_pool_is_refused_up_front() -> None:
+    """max_context_len above the device's size: a sequence that can never be on the device at
+    once is a 400 naming the limit, not a wait for memory that will never be enough."""
+    cfg = small_config(device={"size_tokens": 512, "max_context_len": 2048})
+    async with running_server(cfg, mode="recompute", port=0) as srv, aiohttp.ClientSession() as http:
+        async with http.post(f"{srv.url}/v1/generate", json={"tokens": [1] * 600, "max_new_tokens": 4}) as resp:
+            assert resp.status == 400
+            assert "context limit 512" in (await resp.json())["error"]
+        async with http.post(f"{srv.url}/v1/generate", json={"tokens": [1] * 100, "max_new_tokens": 4}) as resp:
+            assert resp.status == 200
+
+
 async def test_health_metrics_model_and_session_release(mode: str, tmp_path: Path) -> None:
     cfg = small_config(tmp_path / "store" if mode == "hicache" else None)
     async with running_server(cfg, mode=mode, port=0) as srv, aiohttp.ClientSession() as http:

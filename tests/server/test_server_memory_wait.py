@@ -95,3 +95,31 @@ async def test_a_request_behind_a_full_device_waits_for_the_memory_and_answers_r
         assert result.tokens == reference_generate(model, prompt, len(result.tokens))
     assert sched.metrics.requests["ok"] == 4 and sched.metrics.requests["error"] == 0
     assert sched.metrics.memory_retries >= 1
+
+
+@requires_facade
+async def test_a_turn_that_can_never_fit_is_not_kept_waiting_by_its_own_next_turn() -> None:
+    """Two turns of one session, each longer than the device: the second waits for the session
+    lock, holding no memory. It must not count as a running request the first could wait
+    for: the first gives up after its own retries, not after the total wait (600 s here, so
+    the bug shows as a hang), and an unrelated request behind them is served."""
+    from hicache.facade import HiCache
+    from hicache.errors import OutOfKVSlotsError
+
+    cfg = small_config(device={"size_tokens": 256})
+    model = TinyTransformer(ModelSpec.from_model_config(cfg.model, max_positions=cfg.device.max_context_len))
+    async with HiCache.from_config(cfg) as cache:
+        engine = Engine(cache, model)
+        sched = Scheduler(engine, max_active=4, queue_size=8, memory_wait_total_s=600)
+        await sched.start()
+        try:
+            turns = [sched.submit(GenerateRequest(rid=f"turn{i}", tokens=[7] * 400, max_new_tokens=2, session_id="s"))
+                     for i in range(2)]
+            tiny = sched.submit(GenerateRequest(rid="tiny", tokens=[1, 2, 3], max_new_tokens=2))
+            async with asyncio.timeout(60):
+                await asyncio.wait([t.future for t in turns] + [tiny.future])
+            assert all(isinstance(t.future.exception(), OutOfKVSlotsError) for t in turns)
+            assert tiny.future.exception() is None and tiny.future.result().tokens
+        finally:
+            await sched.aclose()
+            await engine.aclose()
