@@ -94,7 +94,7 @@ def _export_sessions(metrics: InstanceMetrics, cache: Any) -> None:
         return
     for key, value in numeric_items(cache.session_metrics.snapshot()):
         metrics.mirror("counter", f"session_{key}", value, f"sessions: {key.replace('_', ' ')}")
-    figures = cache.metrics()
+    figures = cache.gauges()  # not metrics(): this runs on the scrape's thread
     for key in _SESSION_GAUGES:
         if key in figures:
             metrics.mirror("gauge", f"session_{key}", float(figures[key]), f"sessions: {key.replace('_', ' ')}")

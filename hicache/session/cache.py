@@ -774,8 +774,23 @@ class SessionAwareCache(ForwardingCache):
         """``req_to_token`` rows held by session slots."""
         return sum(1 for s in self.slots.values() if s.is_holding_kv)
 
+    def gauges(self) -> dict[str, int]:
+        """The current gauges alone, safe to read from another thread (a metrics scrape runs
+        off the loop): the slots are copied in one step (``list`` of a dict's values runs
+        without letting go of the GIL) before they are summed, where iterating the live dict
+        could meet a session opened or closed meanwhile and raise."""
+        slots = list(self.slots.values())
+        return {
+            "sessions_open": len(slots),
+            "sessions_holding_kv": sum(1 for s in slots if s.is_holding_kv),
+            "session_held_tokens": sum(s.held_tokens(self.page_size) for s in slots),
+            "writeback_pending": len(self.writeback),
+            "writeback_pending_tokens": self.writeback.pending_tokens,
+        }
+
     def metrics(self) -> dict[str, Any]:
-        """Aggregate counters plus current gauges and every open session's stats."""
+        """Aggregate counters plus current gauges and every open session's stats (on the
+        loop; :meth:`gauges` is the part another thread may read)."""
         out = self.session_metrics.snapshot()
         out["sessions_open"] = len(self.slots)
         out["sessions_holding_kv"] = self.session_held_req_count()

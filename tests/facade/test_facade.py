@@ -120,6 +120,8 @@ async def test_streaming_session_turns_reuse_their_slot() -> None:
         m = cache.metrics()["sessions"]
         assert m["sessions_open"] == 1 and m["turns"] == 5
         assert m["sessions"]["chat"]["resumes"]["slot"] == 4
+        # the scrape thread's view is the same figures, read without walking live dicts
+        assert cache.cache.gauges() == {k: m[k] for k in cache.cache.gauges()}
         await cache.release_session("chat")
         await cache.drain()
         h = await run(cache, "after", history + [5])
