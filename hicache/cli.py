@@ -51,6 +51,17 @@ def _sequence_number(text: str) -> int:
     return value
 
 
+def _run_id(text: str) -> int:
+    """argparse type of ``--run-id``: a publisher's run id, 16 hex digits."""
+    try:
+        value = int(text, 16)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a run id is 16 hex digits, got {text!r}") from None
+    if not 0 <= value < 1 << 64:
+        raise argparse.ArgumentTypeError(f"a run id is 16 hex digits, got {text!r}")
+    return value
+
+
 def _emit(result: Any, as_json: bool) -> None:
     if as_json or not isinstance(result, dict):
         print(json.dumps(result, indent=2, default=str))
@@ -171,8 +182,8 @@ def _cmd_events(args: argparse.Namespace) -> Any:
     from hicache.events.cli import run
 
     try:
-        stats = run(args.url, args.replay, topic=args.topic, start_seq=args.from_seq, as_json=args.json,
-                    count=args.count, timeout_s=args.timeout)
+        stats = run(args.url, args.replay, topic=args.topic, start_seq=args.from_seq, start_run_id=args.run_id,
+                    as_json=args.json, count=args.count, timeout_s=args.timeout)
     except zmq.ZMQError as exc:
         raise ConfigError(f"events: cannot connect to {args.url!r} / {args.replay!r}: {exc}") from None
     return stats if args.stats else None
@@ -253,6 +264,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--replay", default=None, help="its replay endpoint (e.g. tcp://127.0.0.1:5558): catch up on gaps")
     p.add_argument("--from", dest="from_seq", type=_sequence_number, default=None,
                    help="replay from this sequence first")
+    p.add_argument("--run-id", type=_run_id, default=None,
+                   help="the publisher run that --from belongs to (16 hex digits, as the last run printed): "
+                        "a restarted publisher is then replayed from 0")
     p.add_argument("--topic", default="")
     p.add_argument("--count", type=int, default=None, help="exit after this many events")
     p.add_argument("--timeout", type=float, default=None, help="exit after this many seconds without a batch")

@@ -9,7 +9,10 @@ and whenever a sequence number is skipped (a reconnect, a slow terminal). Lines:
     seq=14 CPU cleared
 
 or, with ``--json``, one object per event: ``{"seq", "ts", "replayed", "rank", "event"}``.
-What was missed for good (older than the replay buffer) is reported on stderr at the end.
+What was missed for good (older than the replay buffer) is reported on stderr at the end. The
+returned counters include ``run_id`` (the publisher run ``next_seq`` belongs to, 16 hex digits):
+a consumer that saves its position passes both back (``start_seq``, ``start_run_id``) so that a
+resume against a restarted publisher starts from that publisher's first batch.
 """
 
 from __future__ import annotations
@@ -51,16 +54,21 @@ def run(
     *,
     topic: str = "",
     start_seq: int | None = None,
+    start_run_id: int | str | None = None,
     as_json: bool = False,
     count: int | None = None,
     timeout_s: float | None = None,
     out: TextIO = sys.stdout,
     err: TextIO = sys.stderr,
-) -> dict[str, int]:
+) -> dict[str, Any]:
     """Print events until ``count`` were printed or ``timeout_s`` passed without one (both
-    ``None``: until interrupted); returns the subscriber's counters."""
+    ``None``: until interrupted); returns the subscriber's counters. ``start_run_id``: an int or
+    its 16 hex digits (the ``run_id`` of an earlier run)."""
     printed = 0
-    with EventSubscriber(endpoint, replay_endpoint, topic=topic, start_seq=start_seq) as sub:
+    if isinstance(start_run_id, str):
+        start_run_id = int(start_run_id, 16)
+    with EventSubscriber(endpoint, replay_endpoint, topic=topic, start_seq=start_seq,
+                         start_run_id=start_run_id) as sub:
         try:
             for got in sub.receive(timeout_s):
                 for event in got.batch.events:
@@ -80,7 +88,8 @@ def run(
             pass
         stats = {"events": printed, "next_seq": sub.next_seq if sub.next_seq is not None else -1,
                  "gaps": sub.gaps, "replayed": sub.replayed, "lost": sub.lost, "restarts": sub.restarts,
-                 "bad_messages": sub.bad_messages}
+                 "bad_messages": sub.bad_messages,
+                 "run_id": f"{sub.run_id:016x}" if sub.run_id is not None else None}
     if stats["lost"] or stats["bad_messages"]:
         err.write(f"hicache events: lost {stats['lost']} batches, {stats['bad_messages']} undecodable\n")
     return stats

@@ -12,23 +12,47 @@ which a consumer also sees as a gap in the sequence numbers. The thread takes wh
   wire protocol, so vLLM's consumers read it; the socket drops at its high-water mark rather
   than block;
 * a bounded replay buffer served on a ``ROUTER`` socket: a consumer that (re)connects sends
-  ``(b"", seq as 8 bytes)`` and gets every buffered batch from that sequence on as
-  ``(b"", topic, seq, payload)``, then ``(b"", b"", -1 as 8 bytes, b"")`` - vLLM's replay;
+  ``(b"", seq as 8 bytes)`` and gets every buffered batch from that sequence on (up to the
+  newest one when the request arrived) as ``(b"", topic, seq, payload)``, then
+  ``(b"", run, -1 as 8 bytes, b"")`` - vLLM's replay, whose end marker has ``b""`` where ours
+  has ``run``: ``RUN_PREFIX`` and this publisher's run id in 16 hex digits (see below);
 * in-process streams (:class:`~hicache.events.stream.EventStream`), each with its own bounded
   queue.
 
+Run id: sequence numbers restart at 0 with every publisher, so a consumer cannot tell a
+restarted publisher from the one it knew by the numbers alone (the new one may be exactly where
+the old one was). Each publisher draws a random 64-bit ``run_id``; consumers read it from the end
+of any replay (a request for a sequence beyond the newest answers only the end marker: a cheap
+probe). vLLM's consumers read ``-1`` in the sequence frame and ignore the frame before it.
+
+Why replays are served in slices: an answer is up to the whole buffer, and a consumer that asks
+and does not read (stuck, or retrying in a loop) must not make this process hold answer after
+answer, nor delay live batches. So the ROUTER has a finite high-water mark (``replay_hwm``
+messages per consumer) and ``ROUTER_MANDATORY``, and sends never block: a full consumer is
+retried on the next pass and its replays are dropped after ``replay_stall_s`` without progress
+(``replays_dropped``; the consumer times out and counts what it lacks as lost); a consumer that
+went away is dropped at once. Each consumer has at most ``replay_pending`` requests open and at
+most ``replay_clients`` consumers are served at once: further requests are refused
+(``replays_refused``; a new consumer gets an empty answer, one with a replay open gets none, as
+an end marker in the middle of its replay would end that one). Each pass of the thread sends at
+most ``replay_pass_bytes`` of answers, round-robin over consumers, then publishes the next live
+batch.
+
 Sockets are created, used and closed on the thread (ZMQ sockets are not thread-safe). An
-exception while publishing one batch is logged and counted; the thread goes on.
+exception while publishing one batch or serving one replay is logged and counted (``errors``);
+the thread goes on.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import queue
+import secrets
 import threading
 import time
-from collections import deque
-from collections.abc import Iterable
+from collections import OrderedDict, deque
+from dataclasses import dataclass
 from typing import Any
 
 import zmq
@@ -37,13 +61,43 @@ from hicache.errors import ConfigError
 from hicache.events.schema import KVEvent, KVEventBatch, encode_batch
 from hicache.events.stream import EventStream
 
-__all__ = ["END_SEQ", "EventPublisher", "is_bind_endpoint"]
+__all__ = ["END_SEQ", "RUN_PREFIX", "EventPublisher", "is_bind_endpoint", "parse_run_frame", "run_frame"]
 
 log = logging.getLogger(__name__)
 
 #: the sequence frame that ends a replay (vLLM's ``END_SEQ``)
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
+#: what precedes the run id (16 hex digits) in the end marker's second frame
+RUN_PREFIX = b"hicache-run="
 _POLL_S = 0.05
+_STALLED_POLL_S = 0.005  # replays wait on full consumers: look again soon, without spinning
+_REQUESTS_PER_PASS = 64  # a flood of requests is read in slices too
+_FRAME_COST = 64  # bytes a message counts for beyond its payload (identity, seq, topic)
+
+
+def run_frame(run_id: int) -> bytes:
+    """The end marker's second frame for ``run_id``."""
+    return RUN_PREFIX + b"%016x" % run_id
+
+
+def parse_run_frame(frame: bytes) -> int | None:
+    """The run id in an end marker's second frame; ``None`` for vLLM's and older publishers'
+    ``b""`` (or anything else)."""
+    if len(frame) != len(RUN_PREFIX) + 16 or not frame.startswith(RUN_PREFIX):
+        return None
+    try:
+        return int(frame[len(RUN_PREFIX):], 16)
+    except ValueError:
+        return None
+
+
+@dataclass(slots=True)
+class _Replay:
+    """One open replay request: what to send next, where to stop, since when it is blocked."""
+
+    next: int
+    end: int
+    stalled_since: float | None = None
 
 
 def is_bind_endpoint(endpoint: str) -> bool:
@@ -65,6 +119,11 @@ class EventPublisher:
         max_batch_events: most events in one batch.
         hwm: the PUB socket's high-water mark (messages buffered per slow subscriber).
         data_parallel_rank: stamped on every batch (vLLM's field), or ``None``.
+        replay_hwm: answer messages ZMQ may hold per replay consumer.
+        replay_clients: consumers whose replays are served at once.
+        replay_pending: open requests per consumer (the one being answered included).
+        replay_pass_bytes: answer bytes sent per pass of the thread before the next live batch.
+        replay_stall_s: a replay whose consumer reads nothing for this long is dropped.
     """
 
     def __init__(
@@ -78,11 +137,20 @@ class EventPublisher:
         max_batch_events: int = 1024,
         hwm: int = 100_000,
         data_parallel_rank: int | None = None,
+        replay_hwm: int = 32,
+        replay_clients: int = 8,
+        replay_pending: int = 2,
+        replay_pass_bytes: int = 1 << 20,
+        replay_stall_s: float = 10.0,
     ) -> None:
         for name, value in (("buffer_steps", buffer_steps), ("max_queue_events", max_queue_events),
-                            ("max_batch_events", max_batch_events), ("hwm", hwm)):
+                            ("max_batch_events", max_batch_events), ("hwm", hwm), ("replay_hwm", replay_hwm),
+                            ("replay_clients", replay_clients), ("replay_pending", replay_pending),
+                            ("replay_pass_bytes", replay_pass_bytes)):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"events: {name} must be a positive integer, got {value!r}")
+        if isinstance(replay_stall_s, bool) or not isinstance(replay_stall_s, int | float) or not replay_stall_s > 0:
+            raise ConfigError(f"events: replay_stall_s must be a positive number, got {replay_stall_s!r}")
         self.topic = topic
         self._topic = topic.encode("utf-8")
         self._queue: queue.Queue[list[KVEvent]] = queue.Queue(maxsize=max_queue_events)
@@ -90,6 +158,16 @@ class EventPublisher:
         self._max_batch = max_batch_events
         self._hwm = hwm
         self._rank = data_parallel_rank
+        self._replay_hwm = replay_hwm
+        self._replay_clients = replay_clients
+        self._replay_pending = replay_pending
+        self._replay_pass_bytes = replay_pass_bytes
+        self._replay_stall_s = float(replay_stall_s)
+        # open replays per consumer identity, first one being answered; only the thread uses it
+        self._replays: OrderedDict[bytes, deque[_Replay]] = OrderedDict()
+        #: random per publisher: tells consumers a restarted publisher from the one they knew
+        self.run_id = secrets.randbits(64)
+        self._run_frame = run_frame(self.run_id)
         self._streams: tuple[EventStream, ...] = ()
         self._lock = threading.Lock()
         self._closing = threading.Event()
@@ -102,6 +180,11 @@ class EventPublisher:
         self.published_events = 0
         self.dropped_events = 0
         self.replay_requests = 0
+        self.replays_served = 0
+        self.replays_refused = 0
+        self.replays_dropped = 0
+        self.replays_open = 0
+        self.replay_bytes = 0
         self.errors = 0
         self._thread = threading.Thread(target=self._run, name="hicache-kv-events", daemon=True)
         self._thread.start()
@@ -151,6 +234,12 @@ class EventPublisher:
                 "dropped_events": self.dropped_events + sum(s.dropped for s in self._streams),
                 "queued": self._queue.qsize(),
                 "replay_requests": self.replay_requests,
+                "replays_served": self.replays_served,
+                "replays_refused": self.replays_refused,
+                "replays_dropped": self.replays_dropped,
+                "replays_open": self.replays_open,
+                "replay_bytes": self.replay_bytes,
+                "run_id": f"{self.run_id:016x}",
                 "errors": self.errors,
             }
 
@@ -182,7 +271,8 @@ class EventPublisher:
             if self.replay_endpoint is not None:
                 replay = ctx.socket(zmq.ROUTER)
                 replay.setsockopt(zmq.LINGER, 0)
-                replay.setsockopt(zmq.SNDHWM, 0)  # a replay is bounded by the buffer: send it all
+                replay.setsockopt(zmq.SNDHWM, self._replay_hwm)  # bounded: see the module docstring
+                replay.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a full or gone consumer raises, never queues
                 replay.bind(self.replay_endpoint)
                 self.replay_endpoint = replay.getsockopt_string(zmq.LAST_ENDPOINT)
         except BaseException:
@@ -203,16 +293,25 @@ class EventPublisher:
         self._ready.set()
         try:
             while True:
+                wait = _POLL_S
                 if replay is not None:
-                    self._serve_replays(replay)
+                    progressed = self._serve_replays(replay)
+                    if progressed:
+                        wait = 0.0  # more to send: only a live batch goes first
+                    elif self._replays:
+                        wait = _STALLED_POLL_S
                 try:
-                    first = self._queue.get(timeout=_POLL_S)
+                    first = self._queue.get(timeout=wait) if wait else self._queue.get_nowait()
                 except queue.Empty:
                     if self._closing.is_set():
                         return
                     continue
                 self._publish_batch(pub, self._take_more(first))
         finally:
+            with self._lock:  # replays still open are not answered any more
+                self.replays_dropped += self.replays_open
+                self.replays_open = 0
+            self._replays.clear()
             for s in (pub, replay):
                 if s is not None:
                     s.close(0)
@@ -250,31 +349,136 @@ class EventPublisher:
                 self.dropped_events += len(events)
             log.exception("kv events: publishing a batch of %d events failed", len(events))
 
-    def _serve_replays(self, replay: zmq.Socket) -> None:
-        while replay.poll(0):
+    def _serve_replays(self, replay: zmq.Socket) -> bool:
+        """Read new requests, then send answers for at most ``replay_pass_bytes``, one consumer
+        after another; ``True`` when something was sent. Never raises (the thread must go on)."""
+        for _ in range(_REQUESTS_PER_PASS):
             try:
                 frames = replay.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
-                return
+                break
+            except Exception:  # noqa: BLE001 - counted; the socket is read again next pass
+                self._count_error("reading a replay request")
+                break
             try:
-                self._answer(replay, frames)
+                self._accept(replay, frames)
             except Exception:  # noqa: BLE001 - a bad request must not stop publishing
-                with self._lock:
-                    self.errors += 1
-                log.exception("kv events: answering a replay request failed")
+                self._count_error("accepting a replay request")
+        budget = self._replay_pass_bytes
+        progressed = False
+        now = time.monotonic()
+        for client in list(self._replays):
+            if budget <= 0:
+                break
+            self._replays.move_to_end(client)  # the next pass starts with the next consumer
+            try:
+                sent = self._send_some(replay, client, budget, now)
+            except Exception:  # noqa: BLE001 - drop this consumer's replays rather than fail again
+                self._count_error("answering a replay request")
+                self._drop_replays(client)
+                continue
+            budget -= sent
+            progressed = progressed or sent > 0
+        return progressed
 
-    def _answer(self, replay: zmq.Socket, frames: list[bytes]) -> None:
+    def _count_error(self, what: str) -> None:
+        with self._lock:
+            self.errors += 1
+        log.exception("kv events: %s failed", what)
+
+    def _accept(self, replay: zmq.Socket, frames: list[bytes]) -> None:
+        """Open a replay for a well-formed request, or refuse it (see the module docstring)."""
         if len(frames) != 3 or frames[1] != b"" or len(frames[2]) != 8:
             log.warning("kv events: ignored a malformed replay request (%d frames)", len(frames))
-            if frames and len(frames) >= 2:
-                replay.send_multipart((frames[0], b"", b"", END_SEQ, b""))
+            if len(frames) >= 2 and frames[0] not in self._replays:
+                self._send_end(replay, frames[0])  # an empty answer, not a hang
             return
         client, start = frames[0], int.from_bytes(frames[2], "big")
+        pending = self._replays.get(client)
+        full = len(self._replays) >= self._replay_clients if pending is None else len(pending) >= self._replay_pending
         with self._lock:
             self.replay_requests += 1
-        for seq, payload in self._snapshot(start):
-            replay.send_multipart((client, b"", self._topic, seq.to_bytes(8, "big"), payload))
-        replay.send_multipart((client, b"", b"", END_SEQ, b""))
+            if full:
+                self.replays_refused += 1
+            else:
+                self.replays_open += 1
+        if full:
+            if pending is None:  # nothing of this consumer's is open: an empty answer ends its wait
+                self._send_end(replay, client)
+            return
+        request = _Replay(next=start, end=self.next_seq)  # what is published meanwhile is live
+        if pending is None:
+            self._replays[client] = deque((request,))
+        else:
+            pending.append(request)
 
-    def _snapshot(self, start: int) -> Iterable[tuple[int, bytes]]:
-        return [(s, p) for s, p in self._buffer if s >= start]
+    def _send_end(self, replay: zmq.Socket, client: bytes) -> bool:
+        try:
+            replay.send_multipart((client, b"", self._run_frame, END_SEQ, b""), zmq.NOBLOCK)
+        except zmq.ZMQError:  # full or gone: the consumer times out
+            return False
+        return True
+
+    def _send_some(self, replay: zmq.Socket, client: bytes, budget: int, now: float) -> int:
+        """Send ``client``'s open replay on for at most ``budget`` bytes (at least one message);
+        returns the bytes sent."""
+        pending = self._replays[client]
+        request = pending[0]
+        sent = 0
+        while sent < budget:
+            oldest = self._buffer[0][0] if self._buffer else self.next_seq
+            request.next = max(request.next, oldest)  # gone from the buffer: the consumer sees the gap
+            payload = self._payload(request.next) if request.next < request.end else None
+            if request.next < request.end and payload is None:
+                request.next += 1  # not in the buffer (a failed batch): the consumer sees the gap
+                continue
+            if payload is None:
+                frames: tuple[bytes, ...] = (client, b"", self._run_frame, END_SEQ, b"")
+            else:
+                frames = (client, b"", self._topic, request.next.to_bytes(8, "big"), payload)
+            try:
+                replay.send_multipart(frames, zmq.NOBLOCK)
+            except zmq.Again:  # its queue is full: try again next pass, up to replay_stall_s
+                if request.stalled_since is None:
+                    request.stalled_since = now
+                elif now - request.stalled_since >= self._replay_stall_s:
+                    log.warning("kv events: dropped the replays of a consumer that reads nothing")
+                    self._drop_replays(client)
+                break
+            except zmq.ZMQError as exc:
+                if exc.errno != errno.EHOSTUNREACH:
+                    raise
+                self._drop_replays(client)  # it went away
+                break
+            request.stalled_since = None
+            cost = _FRAME_COST + (len(payload) if payload is not None else 0)
+            sent += cost
+            with self._lock:
+                self.replay_bytes += cost
+            if payload is not None:
+                request.next += 1
+                continue
+            pending.popleft()
+            with self._lock:
+                self.replays_served += 1
+                self.replays_open -= 1
+            if not pending:
+                del self._replays[client]
+            break
+        return sent
+
+    def _drop_replays(self, client: bytes) -> None:
+        pending = self._replays.pop(client, None)
+        if pending:
+            with self._lock:
+                self.replays_dropped += len(pending)
+                self.replays_open -= len(pending)
+
+    def _payload(self, seq: int) -> bytes | None:
+        """The buffered payload of ``seq`` (the buffer's numbers are consecutive)."""
+        if not self._buffer:
+            return None
+        i = seq - self._buffer[0][0]
+        if 0 <= i < len(self._buffer) and self._buffer[i][0] == seq:
+            return self._buffer[i][1]
+        return next((p for s, p in self._buffer if s == seq), None)

@@ -5,8 +5,21 @@ high-water mark when it is slow. Every batch carries its sequence number, so a g
 the subscriber then asks the publisher's replay socket for everything since the first missing
 number (vLLM's protocol, see :mod:`hicache.events.publisher`) and yields those batches in order
 before going on, skipping live duplicates. Batches older than the publisher's replay buffer are
-lost, and counted (``lost``). A live sequence number that goes back (live numbers only grow) is
-a restarted publisher: the subscriber follows its new numbers (``restarts``).
+lost, and counted (``lost``).
+
+Why run ids: a restarted publisher numbers from 0 again and its first batches are published
+before this subscriber's connection to it carries the subscription, so they never arrive live.
+Its numbers alone do not always show the restart (they may go on exactly where the old
+publisher stopped). Our publishers end every replay with their random run id, and the socket's
+monitor tells when the SUB (re)connects; on the first live batch after a (re)connect, a gap, or
+numbers going back, the subscriber asks for the run id (an empty replay: one round trip). A new
+run is a restart (``restarts``): the subscriber replays the new publisher's batches from 0 up to
+the live one, then follows its numbers. Without run ids (vLLM's publisher, older hicache ones)
+the numbers decide: a live number at or below the last live one is a restart; so is a first
+live number below the position a consumer resumed from (``start_seq``) when the catch-up replay
+had nothing at or after it (the publisher never got there: it is a new one). A consumer that
+saves its position saves ``run_id`` with it and passes it back (``start_run_id``) so that a
+resume against a new publisher starts from 0 however far that one got.
 
 Used by ``hicache events URL`` and by the tests; synchronous (a router would run it on a thread).
 """
@@ -20,13 +33,17 @@ from dataclasses import dataclass
 
 import msgspec
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
-from hicache.events.publisher import END_SEQ
+from hicache.events.publisher import END_SEQ, parse_run_frame
 from hicache.events.schema import KVEventBatch, decode_batch
 
 __all__ = ["EventSubscriber", "Received"]
 
 log = logging.getLogger(__name__)
+
+#: a replay request beyond any batch: the answer is only the end marker, with the run id
+_PROBE_SEQ = (1 << 63) - 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +63,8 @@ class EventSubscriber:
         replay_endpoint: its ROUTER address, or ``None`` (gaps are then only counted).
         topic: subscribe to messages whose topic starts with this.
         start_seq: replay from this sequence before going live (``None``: live only).
+        start_run_id: the publisher run ``start_seq`` belongs to (a saved ``run_id``); when the
+            publisher now runs another one, the catch-up starts from 0 (``None``: unknown).
         replay_timeout_s: how long one replay may take before it is given up (counted).
     """
 
@@ -56,18 +75,26 @@ class EventSubscriber:
         *,
         topic: str = "",
         start_seq: int | None = None,
+        start_run_id: int | None = None,
         replay_timeout_s: float = 5.0,
     ) -> None:
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint
         self._ctx = zmq.Context.instance()
         self._topic = topic.encode("utf-8")
+        self._monitor: zmq.Socket | None = None
+        self._verify = False  # the SUB (re)connected: check the publisher's run on the next live batch
         self._sub = self._connect()
         self._replay: zmq.Socket | None = None
         self._replay_timeout = replay_timeout_s
         self.next_seq: int | None = start_seq
         self._last_live: int | None = None  # the last sequence seen on the live socket
         self._catch_up = start_seq is not None
+        self._start_run = start_run_id
+        self._resumed_at: int | None = None  # a catch-up found nothing at or after this position
+        self._answer_run: int | None = None  # the run id of the last replay answer
+        #: the run id of the publisher whose numbers ``next_seq`` follows (``None``: not known)
+        self.run_id: int | None = start_run_id
         self.gaps = 0
         self.lost = 0
         self.replayed = 0
@@ -79,19 +106,46 @@ class EventSubscriber:
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RCVHWM, 0)
         sub.setsockopt(zmq.SUBSCRIBE, self._topic)
+        try:  # tells reconnects; without a monitor, numbers alone tell restarts
+            self._monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED)
+        except zmq.ZMQError as exc:
+            log.warning("kv events: no socket monitor (%s); restarts are told by sequence numbers only", exc)
+            self._monitor = None
         sub.connect(self.endpoint)
         return sub
+
+    def _close_sub(self) -> None:
+        if self._monitor is not None:
+            try:
+                self._sub.disable_monitor()
+            except zmq.ZMQError:
+                pass
+            self._monitor.close(0)
+            self._monitor = None
+        self._sub.close(0)
+
+    def _reconnected(self) -> bool:
+        """Whether the SUB (re)connected since the last call (monitor events, read without
+        waiting)."""
+        seen = False
+        while self._monitor is not None and self._monitor.get(zmq.EVENTS) & zmq.POLLIN:
+            try:
+                event = recv_monitor_message(self._monitor, zmq.NOBLOCK)
+            except zmq.ZMQError:
+                break
+            seen = seen or event.get("event") == zmq.EVENT_CONNECTED
+        return seen
 
     def reconnect(self) -> None:
         """Drop the connection and make a new one, keeping the position: what was published
         meanwhile comes through the replay when the next live batch shows the gap."""
-        self._sub.close(0)
+        self._close_sub()
         self._sub = self._connect()
 
     def close(self) -> None:
-        for s in (self._sub, self._replay):
-            if s is not None:
-                s.close(0)
+        self._close_sub()
+        if self._replay is not None:
+            self._replay.close(0)
         self._replay = None
 
     def __enter__(self) -> EventSubscriber:
@@ -108,7 +162,8 @@ class EventSubscriber:
         if self._catch_up:
             self._catch_up = False
             time.sleep(0.1)  # let the subscription reach the publisher before the replay
-            yield from self._replay_from(self.next_seq or 0)
+            self._reconnected()  # that connection is older than the catch-up, which tells the run
+            yield from self._catch_up_from(self.next_seq or 0)
         poll_ms = None if timeout_s is None else int(timeout_s * 1000)
         while True:
             if not self._sub.poll(poll_ms):
@@ -118,10 +173,14 @@ class EventSubscriber:
             if item is None:
                 continue
             seq, batch = item
-            restarted = self._last_live is not None and seq <= self._last_live  # live numbers only grow
+            if self._reconnected():
+                self._verify = True
+            restarted = self._restarted(seq)
             self._last_live = seq
-            if restarted:
-                self.restarts += 1  # a new publisher numbers from 0 again: follow it
+            if restarted:  # a new publisher: its batches from 0, then its numbers
+                self.restarts += 1
+                self.next_seq = 0
+                yield from self._replay_from(0, upto=seq)
             elif self.next_seq is not None and seq < self.next_seq:
                 continue  # a duplicate of something a replay gave us
             elif self.next_seq is not None and seq > self.next_seq:
@@ -131,6 +190,43 @@ class EventSubscriber:
                     continue
             self.next_seq = seq + 1
             yield Received(seq, batch)
+
+    def _catch_up_from(self, start: int) -> Iterator[Received]:
+        if self._start_run is not None and self.replay_endpoint is not None:
+            run = self._probe()
+            if run is not None and run != self._start_run:
+                self.restarts += 1  # the saved position is another publisher's
+                self.next_seq = start = 0
+        got = False
+        for received in self._replay_from(start):
+            got = True
+            yield received
+        if not got and self._start_run is None:
+            self._resumed_at = start
+
+    def _restarted(self, seq: int) -> bool:
+        """Whether the live batch ``seq`` comes from another publisher than ``next_seq``'s (see
+        the module docstring); asks for the run id when something looks different."""
+        went_back = self._last_live is not None and seq <= self._last_live  # live numbers only grow
+        ahead = self.next_seq is not None and seq > self.next_seq
+        below_resume = self._resumed_at is not None and seq < self._resumed_at
+        self._resumed_at = None  # only the first live batch after the catch-up tells
+        if not (self._verify or went_back or ahead or below_resume):
+            return False
+        self._verify = False
+        known = self.run_id
+        run = self._probe() if self.replay_endpoint is not None else None
+        if run is not None:
+            self.run_id = run
+        if run is not None and known is not None and not below_resume:
+            return run != known
+        return went_back or below_resume
+
+    def _probe(self) -> int | None:
+        """The publisher's run id (an empty replay); ``None`` when it does not say one."""
+        for _ in self._ask(_PROBE_SEQ):
+            pass
+        return self._answer_run
 
     def _decode(self, frames: list[bytes]) -> tuple[int, KVEventBatch] | None:
         if len(frames) != 3 or len(frames[1]) != 8:
@@ -143,6 +239,40 @@ class EventSubscriber:
             log.warning("kv events: undecodable batch (%s)", exc)
             return None
 
+    def _ask(self, start: int) -> Iterator[tuple[int, KVEventBatch]]:
+        """One replay request: the batches of the answer as they come; afterwards
+        ``_answer_run`` is the run id the end marker carried (``None``: none, or no end)."""
+        self._answer_run = None
+        if self.replay_endpoint is None:
+            return
+        if self._replay is None:
+            self._replay = self._ctx.socket(zmq.DEALER)
+            self._replay.setsockopt(zmq.LINGER, 0)
+            self._replay.connect(self.replay_endpoint)
+        replay = self._replay
+        replay.send_multipart((b"", start.to_bytes(8, "big")))
+        deadline = time.monotonic() + self._replay_timeout
+        ended = False
+        try:
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0 or not replay.poll(int(left * 1000)):
+                    log.warning("kv events: replay from %d timed out", start)
+                    return
+                frames = replay.recv_multipart()
+                if len(frames) == 4 and frames[2] == END_SEQ:  # (b"", topic, seq, payload) until the end
+                    self._answer_run = parse_run_frame(frames[1])
+                    ended = True
+                    return
+                item = self._decode(frames[1:]) if len(frames) == 4 else None
+                if item is not None:
+                    yield item
+        finally:
+            if not ended:  # timed out, or the caller stopped reading: the rest of this answer
+                replay.close(0)  # must not be read as the next one's
+                if self._replay is replay:
+                    self._replay = None
+
     def _replay_from(self, start: int, upto: int | None = None) -> Iterator[Received]:
         """Batches ``start`` .. (``upto`` - 1, or the newest) from the replay socket; what the
         buffer no longer holds is counted as lost."""
@@ -150,27 +280,8 @@ class EventSubscriber:
             if upto is not None:
                 self.lost += upto - start
             return
-        if self._replay is None:
-            self._replay = self._ctx.socket(zmq.DEALER)
-            self._replay.setsockopt(zmq.LINGER, 0)
-            self._replay.connect(self.replay_endpoint)
-        self._replay.send_multipart((b"", start.to_bytes(8, "big")))
         expected = start
-        deadline = time.monotonic() + self._replay_timeout
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0 or not self._replay.poll(int(left * 1000)):
-                log.warning("kv events: replay from %d timed out", start)
-                self._replay.close(0)  # a late answer must not be read as the next one's
-                self._replay = None
-                break
-            frames = self._replay.recv_multipart()
-            if len(frames) == 4 and frames[2] == END_SEQ:  # (b"", topic, seq, payload) until the end
-                break
-            item = self._decode(frames[1:]) if len(frames) == 4 else None
-            if item is None:
-                continue
-            seq, batch = item
+        for seq, batch in self._ask(start):
             if seq < expected or (upto is not None and seq >= upto):
                 continue
             if seq > expected:
@@ -179,6 +290,8 @@ class EventSubscriber:
             self.replayed += 1
             self.next_seq = expected
             yield Received(seq, batch, replayed=True)
+        if self._answer_run is not None:
+            self.run_id = self._answer_run
         if upto is not None and expected < upto:
             self.lost += upto - expected
             self.next_seq = upto

@@ -39,7 +39,8 @@ _BACKEND_TOTALS = frozenset({"evicted_pages", "evicted_bytes", "corrupt_pages", 
 _BACKEND_COUNTERS = ("exists_calls", "exists_keys", "exists_hits", "read_pages", "read_hits", "read_misses",
                      "read_bytes", "write_pages", "write_ok", "write_failures", "write_bytes", "backend_errors",
                      "invalid_requests", "corrupt_pages", "stale_hits", "evicted_pages", "evicted_bytes")
-_EVENT_COUNTERS = ("published_batches", "published_events", "dropped_events", "replay_requests", "errors")
+_EVENT_COUNTERS = ("published_batches", "published_events", "dropped_events", "replay_requests", "replays_served",
+                   "replays_refused", "replays_dropped", "replay_bytes", "errors")
 _SESSION_GAUGES = ("sessions_open", "sessions_holding_kv", "session_held_tokens", "writeback_pending",
                    "writeback_pending_tokens")
 
@@ -73,6 +74,9 @@ def _export_events(metrics: InstanceMetrics, service: Any) -> None:
             metrics.mirror("counter", f"events_{key}", float(stats[key]), f"kv events: {key.replace('_', ' ')}")
     if "queued" in stats:
         metrics.mirror("gauge", "events_queued", float(stats["queued"]), "kv events: event lists waiting to be published")
+    if "replays_open" in stats:
+        metrics.mirror("gauge", "events_replays_open", float(stats["replays_open"]),
+                       "kv events: replay requests being answered")
 
 
 def _export_storage(metrics: InstanceMetrics, storage: Any) -> None:

@@ -79,3 +79,10 @@ def test_events_from_a_negative_sequence_is_a_usage_error(capsys) -> None:
         main(["events", "tcp://127.0.0.1:1", "--from", "-1"])
     assert exc.value.code == 2
     assert "sequence number is 0 or more" in capsys.readouterr().err
+
+
+def test_events_run_id_must_be_hex(capsys) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["events", "tcp://127.0.0.1:1", "--run-id", "not-hex"])
+    assert exc.value.code == 2
+    assert "16 hex digits" in capsys.readouterr().err

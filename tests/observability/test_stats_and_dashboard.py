@@ -131,3 +131,5 @@ async def test_kv_event_publisher_counts_are_in_the_scrape(tmp_path: Path) -> No
         assert published > 0
         assert scrape.value("hicache_events_dropped_events_total", cache=cache.metrics_label) == 0
         assert scrape.value("hicache_events_queued", cache=cache.metrics_label) is not None
+        assert scrape.value("hicache_events_replays_open", cache=cache.metrics_label) == 0
+        assert scrape.value("hicache_events_replays_refused_total", cache=cache.metrics_label) == 0

@@ -1,0 +1,256 @@
+"""Publisher restarts and replay load, with real ZMQ sockets: a consumer gets a restarted
+publisher's batches from its first one, however it notices the restart, and consumers that ask
+for replays and do not read them cannot grow the publisher's memory nor hold up live batches."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import zmq
+
+from hicache.errors import ConfigError
+from hicache.events import BlockStored
+from hicache.events.publisher import END_SEQ, EventPublisher, parse_run_frame
+from hicache.events.subscriber import EventSubscriber, Received
+
+LOOPBACK = "tcp://127.0.0.1:0"
+PROBE = ((1 << 63) - 1).to_bytes(8, "big")
+
+
+def stored(i: int, hashes: int = 1) -> BlockStored:
+    return BlockStored(block_hashes=[(i * 4096 + j).to_bytes(32, "big") for j in range(hashes)],
+                       parent_block_hash=None, token_ids=[i], block_size=1, lora_id=None, medium="GPU", lora_name=None)
+
+
+def tokens(got: list[Received]) -> list[int]:
+    return [e.token_ids[0] for r in got for e in r.batch.events]
+
+
+def wait_for(cond: Callable[[], bool], within_s: float = 20.0) -> None:
+    deadline = time.monotonic() + within_s
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.02)
+
+
+def rebind(endpoint: str, replay_endpoint: str, within_s: float = 10.0) -> EventPublisher:
+    """A restarted publisher on the old addresses (the old sockets may take a moment to go)."""
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            return EventPublisher(endpoint, replay_endpoint)
+        except ConfigError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
+def until_live(sub: EventSubscriber, pub: EventPublisher, first: int) -> list[Received]:
+    """Publish ``first``, ``first`` + 1, ... (one batch each) until ``sub`` yields a live batch;
+    returns what it yielded."""
+    stop = threading.Event()
+
+    def keep_publishing() -> None:
+        i = first
+        while not stop.wait(0.05):
+            pub.publish([stored(i)])
+            i += 1
+
+    t = threading.Thread(target=keep_publishing)
+    t.start()
+    got: list[Received] = []
+    try:
+        for r in sub.receive(timeout_s=10.0):
+            got.append(r)
+            if not r.replayed:
+                break
+    finally:
+        stop.set()
+        t.join()
+    return got
+
+
+# ---------------------------------------------------------------------------------- restarts
+
+
+@pytest.mark.parametrize("old_batches", [3, 6])  # the new numbers meet the old position / go back
+def test_a_restarted_publishers_first_batches_are_replayed_not_missed(old_batches: int) -> None:
+    pub = EventPublisher(LOOPBACK, LOOPBACK)
+    sub = EventSubscriber(pub.endpoint, pub.replay_endpoint, start_seq=0)
+    time.sleep(0.3)  # subscribed
+    for i in range(old_batches):
+        pub.publish([stored(1000 + i)])
+        time.sleep(0.02)
+    wait_for(lambda: pub.stats()["next_seq"] == old_batches)
+    old = list(sub.receive(timeout_s=1.0))
+    assert tokens(old) == [1000 + i for i in range(old_batches)]
+    pub.close()
+    new = rebind(pub.endpoint, pub.replay_endpoint)
+    try:
+        for i in range(3):  # before the subscriber is connected again: PUB drops them
+            new.publish([stored(i)])
+        got = until_live(sub, new, first=3)
+        got += list(sub.receive(timeout_s=0.5))
+        seqs = [r.seq for r in got]
+        assert tokens(got)[:4] == [0, 1, 2, 3] and tokens(got) == list(range(len(tokens(got))))
+        assert seqs == list(range(len(seqs)))
+        assert sub.restarts == 1 and sub.lost == 0
+        assert sub.run_id == new.run_id != pub.run_id  # told by the run ids
+    finally:
+        new.close()
+        sub.close()
+
+
+def test_a_consumer_resuming_ahead_of_a_restarted_publisher_gets_its_batches() -> None:
+    pub = EventPublisher(LOOPBACK, LOOPBACK)  # restarted: it numbers from 0 again
+    try:
+        for i in range(5):
+            pub.publish([stored(i)])
+            time.sleep(0.02)
+        wait_for(lambda: pub.stats()["next_seq"] == 5)
+        with EventSubscriber(pub.endpoint, pub.replay_endpoint, start_seq=50) as sub:  # a saved position
+            got = until_live(sub, pub, first=5)
+            got += list(sub.receive(timeout_s=0.5))
+            assert tokens(got)[:5] == [0, 1, 2, 3, 4] and tokens(got) == list(range(len(tokens(got))))
+            assert sub.restarts == 1 and sub.lost == 0 and sub.gaps == 0
+    finally:
+        pub.close()
+
+
+def test_a_saved_run_id_tells_a_restart_the_numbers_cannot() -> None:
+    pub = EventPublisher(LOOPBACK, LOOPBACK)
+    try:
+        for i in range(10):
+            pub.publish([stored(i)])
+            time.sleep(0.02)
+        wait_for(lambda: pub.stats()["next_seq"] == 10)
+        # the saved position 4 was another publisher's: this one is beyond it, yet all of it is news
+        with EventSubscriber(pub.endpoint, pub.replay_endpoint, start_seq=4, start_run_id=pub.run_id ^ 1) as sub:
+            got = list(sub.receive(timeout_s=0.5))
+            assert tokens(got) == list(range(10)) and sub.restarts == 1 and sub.run_id == pub.run_id
+        with EventSubscriber(pub.endpoint, pub.replay_endpoint, start_seq=4, start_run_id=pub.run_id) as sub:
+            got = list(sub.receive(timeout_s=0.5))
+            assert tokens(got) == list(range(4, 10)) and sub.restarts == 0
+    finally:
+        pub.close()
+
+
+def test_every_replay_ends_with_the_publishers_run_id() -> None:
+    a, b = EventPublisher(None, LOOPBACK), EventPublisher(None, LOOPBACK)
+    ctx = zmq.Context.instance()
+    try:
+        a.publish([stored(0)])
+        wait_for(lambda: a.stats()["next_seq"] == 1)
+        runs = []
+        for pub in (a, b):
+            d = ctx.socket(zmq.DEALER)
+            d.connect(pub.replay_endpoint)
+            d.send_multipart((b"", (0).to_bytes(8, "big")))
+            d.send_multipart((b"", PROBE))  # beyond the newest: only the end marker
+            answers = []
+            while len(answers) < 2 + (pub is a) and d.poll(5000):
+                answers.append(d.recv_multipart())
+            d.close(0)
+            if pub is a:  # a batch as vLLM frames it: (b"", topic, seq, payload)
+                assert answers.pop(0)[1:3] == [b"", (0).to_bytes(8, "big")]
+            assert [len(f) for f in answers] == [4, 4] and all(f[2] == END_SEQ and f[3] == b"" for f in answers)
+            assert parse_run_frame(answers[0][1]) == parse_run_frame(answers[1][1]) == pub.run_id
+            assert pub.stats()["run_id"] == f"{pub.run_id:016x}"
+            runs.append(pub.run_id)
+        assert runs[0] != runs[1]
+        assert parse_run_frame(b"") is None  # vLLM's end marker: no run id
+    finally:
+        a.close()
+        b.close()
+
+
+# ---------------------------------------------------------------------------------- replay load
+
+
+def rss_mib() -> float:
+    with open(f"/proc/{os.getpid()}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+
+
+def big_publisher(n: int = 128, **kwargs: Any) -> EventPublisher:
+    """``n`` batches of about 130 KiB in the replay buffer (about 17 MiB for 128)."""
+    pub = EventPublisher(LOOPBACK, LOOPBACK, buffer_steps=n + 8, max_batch_events=1, **kwargs)
+    for i in range(n):
+        pub.publish([stored(i, hashes=4000)])
+    wait_for(lambda: pub.stats()["next_seq"] == n)
+    return pub
+
+
+def stuck_consumer(pub: EventPublisher, requests: int) -> zmq.Socket:
+    """Asks for the whole buffer ``requests`` times and never reads an answer."""
+    d = zmq.Context.instance().socket(zmq.DEALER)
+    d.setsockopt(zmq.RCVHWM, 1)
+    d.setsockopt(zmq.LINGER, 0)
+    d.connect(pub.replay_endpoint)
+    for _ in range(requests):
+        d.send_multipart((b"", (0).to_bytes(8, "big")))
+    return d
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads RSS from /proc")
+def test_unread_replay_requests_neither_grow_memory_nor_hold_up_live_batches() -> None:
+    pub = big_publisher(replay_stall_s=600.0)  # only a consumer that goes away ends its replays here
+    live = EventSubscriber(pub.endpoint)
+    try:
+        before = rss_mib()
+        stuck = stuck_consumer(pub, 20)  # 20 x 17 MiB of answers if they were all queued
+        wait_for(lambda: pub.stats()["replay_requests"] == 20)
+        grew = rss_mib() - before
+        stats = pub.stats()
+        assert grew < 64, f"the publisher holds {grew:.0f} MiB of unread answers"
+        assert stats["replays_open"] == 2 and stats["replays_refused"] == 18  # two open per consumer
+        # live batches go on while its replays wait; another consumer's replay is served in full
+        time.sleep(0.3)  # subscribed
+        pub.publish([stored(500)])
+        first = next(iter(live.receive(timeout_s=10.0)))
+        assert tokens([first]) == [500] and pub.stats()["replays_open"] == 2
+        with EventSubscriber(pub.endpoint, pub.replay_endpoint, start_seq=0) as good:
+            got = list(good.receive(timeout_s=0.5))
+        assert [r.seq for r in got] == list(range(129)) and good.lost == 0
+        stuck.close(0)  # gone: its replays are dropped, and counted
+        wait_for(lambda: pub.stats()["replays_open"] == 0)
+        stats = pub.stats()
+        assert stats["replays_dropped"] == 2 and stats["replays_served"] == 1 and stats["errors"] == 0
+    finally:
+        live.close()
+        pub.close()
+
+
+def test_a_stalled_replay_is_dropped_and_consumers_beyond_the_limit_are_refused() -> None:
+    pub = big_publisher(replay_clients=2, replay_stall_s=0.3)
+    ctx = zmq.Context.instance()
+    try:
+        stuck = [stuck_consumer(pub, 1) for _ in range(2)]
+        wait_for(lambda: pub.stats()["replays_open"] == 2)
+        third = ctx.socket(zmq.DEALER)
+        third.connect(pub.replay_endpoint)
+        third.send_multipart((b"", (0).to_bytes(8, "big")))
+        assert third.poll(10_000)
+        frames = third.recv_multipart()  # refused at once: an empty answer, not a wait
+        assert frames[2] == END_SEQ and parse_run_frame(frames[1]) == pub.run_id
+        assert pub.stats()["replays_refused"] == 1
+        wait_for(lambda: pub.stats()["replays_dropped"] == 2)  # the stuck ones read nothing for 0.3 s
+        with EventSubscriber(pub.endpoint, pub.replay_endpoint, start_seq=0) as sub:
+            assert [r.seq for r in sub.receive(timeout_s=0.5)] == list(range(128)) and sub.lost == 0
+        assert pub.stats()["replays_open"] == 0 and pub.stats()["errors"] == 0
+        for s in (*stuck, third):
+            s.close(0)
+    finally:
+        pub.close()
+
+
+def test_replay_limits_are_validated() -> None:
+    for bad in ({"replay_hwm": 0}, {"replay_clients": -1}, {"replay_pending": True},
+                {"replay_pass_bytes": 1.5}, {"replay_stall_s": 0}):
+        with pytest.raises(ConfigError):
+            EventPublisher(None, **bad)
