@@ -418,13 +418,25 @@ class CopyEngine:
         self._copy_cpu(self._pairs, self._np_pairs, self._unit_bytes, plan, to_host=True)
 
     def _backup_cuda(self, plan: TransferPlan, ready: Any) -> None:
-        with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
-            self._stream.wait_event(ready)
-            for dev, host in self._pairs:
-                copy_units_cuda(host, dev, plan)
-            done = torch.cuda.Event()
-            done.record(self._stream)
-        done.synchronize()
+        try:
+            with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
+                self._stream.wait_event(ready)
+                for dev, host in self._pairs:
+                    copy_units_cuda(host, dev, plan)
+                done = torch.cuda.Event()
+                done.record(self._stream)
+            done.synchronize()
+        except BaseException:
+            self._settle_stream()
+            raise
+
+    def _settle_stream(self) -> None:
+        """After an enqueue failed part way (an out-of-memory on a temporary, say): wait for
+        the copies already queued on the stream. The caller fails the job next, and its slots
+        are freed and handed out again; a copy still queued would then write into another
+        request's pages."""
+        with contextlib.suppress(Exception):
+            self._stream.synchronize()
 
     # -- load
     def load(self, host_indices: IndexLike, device_indices: IndexLike) -> LayerLoadHandle:
@@ -488,6 +500,7 @@ class CopyEngine:
                 events[layer].synchronize()
                 counter.mark_done(layer)
         except BaseException as exc:
+            self._settle_stream()  # before the failure frees the device slots being written
             enqueued.fail(exc)
             counter.fail(exc)
             raise

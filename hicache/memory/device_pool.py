@@ -93,11 +93,23 @@ class KVPool:
         flat = self.kv_data.view(g.components, g.layer_num, self.size, -1).view(torch.uint8)
         return [flat.view(g.components, g.layer_num, self.size // self.page_size, x).permute(2, 0, 1, 3)]
 
+    def _lid(self, layer: Any) -> int:
+        """The layer index of ``layer`` (an int or a module with ``layer_id``), checked: a
+        negative one would wrap to the last layers, as torch indexing does."""
+        lid = layer_id_of(layer)
+        if not 0 <= lid < self.layer_num:
+            raise IndexError(f"layer {lid} is outside this pool's layers [0, {self.layer_num})")
+        return lid
+
     def _write(self, comp: int, layer: int, loc: IndexLike, value: torch.Tensor) -> None:
         dst = self.kv_data[comp, layer]
         src = value.to(device=self.device, dtype=self.dtype).reshape(-1, *self.geometry.token_shape)
         if not isinstance(loc, torch.Tensor):
             loc = torch.as_tensor(loc, dtype=torch.int64)
+        # a negative slot would wrap to the pool's last slots (past the end torch refuses);
+        # checked where it costs no device sync: on CUDA a kernel's indices come from the allocator
+        if loc.device.type == "cpu" and loc.numel() and int(loc.min()) < 0:
+            raise IndexError(f"slot {int(loc.min())} is negative: slots are 0 .. {self.size - 1}")
         _byte_store(dst)[loc.to(self.device)] = _byte_store(src)
 
     def __repr__(self) -> str:
@@ -125,13 +137,13 @@ class MHATokenToKVPool(KVPool):
         self.head_dim: int = head_dim
 
     def get_key_buffer(self, layer: Any) -> torch.Tensor:
-        return self.kv_data[0, layer_id_of(layer)]
+        return self.kv_data[0, self._lid(layer)]
 
     def get_value_buffer(self, layer: Any) -> torch.Tensor:
-        return self.kv_data[1, layer_id_of(layer)]
+        return self.kv_data[1, self._lid(layer)]
 
     def get_kv_buffer(self, layer: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        lid = layer_id_of(layer)
+        lid = self._lid(layer)
         return self.kv_data[0, lid], self.kv_data[1, lid]
 
     def set_kv_buffer(
@@ -139,7 +151,7 @@ class MHATokenToKVPool(KVPool):
     ) -> None:
         """Store K and V of tokens at slots ``loc`` (cast to the pool dtype). Extra SGLang
         arguments (scales) are accepted and ignored."""
-        lid = layer_id_of(layer)
+        lid = self._lid(layer)
         self._write(0, lid, loc, cache_k)
         self._write(1, lid, loc, cache_v)
 
@@ -165,10 +177,10 @@ class MLATokenToKVPool(KVPool):
         self.head_dim: int = kv_lora_rank + qk_rope_head_dim
 
     def get_key_buffer(self, layer: Any) -> torch.Tensor:
-        return self.kv_data[0, layer_id_of(layer)]
+        return self.kv_data[0, self._lid(layer)]
 
     def get_value_buffer(self, layer: Any) -> torch.Tensor:
-        return self.kv_data[0, layer_id_of(layer)][..., : self.kv_lora_rank]
+        return self.kv_data[0, self._lid(layer)][..., : self.kv_lora_rank]
 
     def get_kv_buffer(self, layer: Any) -> tuple[torch.Tensor, torch.Tensor]:
         return self.get_key_buffer(layer), self.get_value_buffer(layer)
@@ -178,7 +190,7 @@ class MLATokenToKVPool(KVPool):
     ) -> None:
         """Store the latent ``cache_k`` (``[n, 1, kv_lora_rank + rope]``); ``cache_v`` is ignored
         because in MLA the value is part of the latent."""
-        self._write(0, layer_id_of(layer), loc, cache_k)
+        self._write(0, self._lid(layer), loc, cache_k)
 
     def set_mla_kv_buffer(self, layer: Any, loc: IndexLike, cache_k_nope: torch.Tensor, cache_k_rope: torch.Tensor) -> None:
         """Store the latent from its two parts (SGLang's helper)."""
@@ -186,4 +198,4 @@ class MLATokenToKVPool(KVPool):
         latent = torch.cat(
             [cache_k_nope.reshape(n, 1, -1), cache_k_rope.reshape(n, 1, -1).to(cache_k_nope.dtype)], dim=-1
         )
-        self._write(0, layer_id_of(layer), loc, latent)
+        self._write(0, self._lid(layer), loc, latent)

@@ -7,9 +7,13 @@ limits on locked memory.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
-__all__ = ["resolve_host_units", "alloc_host_bytes", "want_pinned", "available_host_memory"]
+__all__ = ["resolve_host_units", "alloc_host_bytes", "want_pinned", "available_host_memory", "pinned_footprint"]
+
+logger = logging.getLogger("hicache.memory")
 
 DEFAULT_HOST_TO_DEVICE_RATIO = 2.0
 
@@ -76,7 +80,34 @@ def want_pinned(pin_memory: bool | None) -> bool:
     return bool(pin_memory)
 
 
+def pinned_footprint(nbytes: int) -> int:
+    """Bytes torch's pinned-memory allocator locks for a request of ``nbytes``: its caching
+    allocator rounds every size up to a power of two (unless ``PYTORCH_CUDA_ALLOC_CONF`` sets a
+    lower rounding threshold), so a 40 GiB pool locks 64 GiB of RAM."""
+    return 1 << max(0, nbytes - 1).bit_length() if nbytes > 0 else 0
+
+
 def alloc_host_bytes(shape: tuple[int, ...], pinned: bool) -> torch.Tensor:
     """An uninitialised uint8 CPU tensor (pinned if asked). Not zeroed: touching many GiB at
-    start-up is slow, and a host page is only read after something was copied into it."""
+    start-up is slow, and a host page is only read after something was copied into it.
+
+    Pinned, the memory locked is :func:`pinned_footprint` of the size: checked against the
+    memory available (a pool that "fits" by its own size could otherwise take most of RAM
+    locked) and logged when the rounding costs more than 5%, with the size that would not."""
+    if pinned:
+        nbytes = 1
+        for dim in shape:
+            nbytes *= int(dim)
+        locked = pinned_footprint(nbytes)
+        avail = available_host_memory()
+        if avail is not None and locked > avail:
+            raise MemoryError(
+                f"pinned host pool of {nbytes / 2**30:.2f} GiB locks {locked / 2**30:.2f} GiB (torch rounds pinned "
+                f"allocations up to a power of two) but {avail / 2**30:.2f} GiB is available; size the host pool "
+                f"at or below {pinned_footprint(nbytes) // 2 / 2**30:.2f} GiB or a power of two that fits"
+            )
+        if locked > nbytes * 1.05:
+            logger.warning("pinned host pool of %.2f GiB locks %.2f GiB of RAM (torch rounds pinned allocations up "
+                           "to a power of two); a pool of exactly %.2f GiB would use all of it",
+                           nbytes / 2**30, locked / 2**30, locked / 2**30)
     return torch.empty(shape, dtype=torch.uint8, pin_memory=pinned)

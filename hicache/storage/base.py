@@ -745,6 +745,12 @@ class AsyncHiCacheStorage(ABC):
                 type(targets[wrong[0]]).__name__, wrong[0],
             )
         direct = [i for i, t in enumerate(targets) if isinstance(t, torch.Tensor)]
+        clash = _aliased_targets([(i, targets[i]) for i in direct])  # type: ignore[misc]
+        if clash:
+            self.stats.incr("invalid_requests")
+            logger.error("batch_get: %d target(s) share memory with an earlier key's target; those keys "
+                         "are misses (two pages read into one place would both report a hit)", len(clash))
+            direct = [i for i in direct if i not in clash]
         bufs: list[memoryview] = []
         stage: dict[int, torch.Tensor] = {}
         for i in direct:
@@ -899,3 +905,25 @@ def _copy_into_targets(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
 
 def _host_contiguous(values: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return [v.detach().cpu().contiguous() for v in values]
+
+
+def _aliased_targets(targets: Sequence[tuple[int, torch.Tensor]]) -> set[int]:
+    """Indices of targets whose memory overlaps that of an earlier one (in address order, the
+    first is kept). A strided view counts from its first element to its last, a conservative
+    extent; tensors on different devices never overlap."""
+    spans = []
+    for i, t in targets:
+        if t.numel() == 0:
+            continue
+        size = t.element_size()
+        extent = (sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1) * size
+        spans.append(((t.device.type, t.device.index), t.data_ptr(), t.data_ptr() + extent, i))
+    spans.sort()
+    dropped: set[int] = set()
+    device, end = None, 0
+    for dev, start, stop, i in spans:
+        if dev == device and start < end:
+            dropped.add(i)
+            continue
+        device, end = dev, stop
+    return dropped

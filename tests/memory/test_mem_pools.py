@@ -207,3 +207,27 @@ def test_mamba_host_pool_round_trip(fill_bytes):
         host.set_from_flat_data_page(0, dummy[:-1])
     with pytest.raises(ValueError):
         MambaHostPool(dev, host_size=2, host_to_device_ratio=1.0)
+
+
+def test_pinned_footprint_is_what_torch_locks() -> None:
+    """torch's pinned allocator rounds a request up to a power of two: the host pool's memory
+    check must count that, not the pool's own size."""
+    from hicache.memory.host_alloc import pinned_footprint
+
+    assert [pinned_footprint(n) for n in (0, 1, 2, 3, 4096, 4097)] == [0, 1, 2, 4, 4096, 8192]
+    assert pinned_footprint(40 << 30) == 64 << 30 and pinned_footprint(64 << 30) == 64 << 30
+
+
+def test_negative_slots_and_layers_are_refused_not_wrapped() -> None:
+    """Torch indexing wraps -1 to the last slot or layer: a write there would corrupt another
+    request's KV silently. Past the end was refused already; below 0 is now too."""
+    pool = MHATokenToKVPool(16, 4, torch.float32, head_num=1, head_dim=2, layer_num=2, device="cpu")
+    k = torch.ones(1, 1, 2)
+    with pytest.raises(IndexError, match="negative"):
+        pool.set_kv_buffer(0, torch.tensor([-1]), k, k)
+    with pytest.raises(IndexError, match="layer -1"):
+        pool.set_kv_buffer(-1, torch.tensor([0]), k, k)
+    with pytest.raises(IndexError, match="layer 2"):
+        pool.get_key_buffer(2)
+    pool.set_kv_buffer(1, torch.tensor([15]), k, k)
+    assert torch.equal(pool.get_key_buffer(1)[15], k[0])

@@ -195,6 +195,23 @@ async def test_v0_non_tensor_target_is_a_miss_not_a_crash() -> None:
     assert store.get_stats()["invalid_requests"] == 1
 
 
+async def test_v0_targets_that_share_memory_read_the_first_key_only() -> None:
+    """Two keys read into one tensor (or overlapping views of one): both reads would land in
+    the same bytes and both report a hit, so the later key is a miss, counted."""
+    store = MemoryStorage()
+    assert await store.set("a", torch.full((4,), 1.0)) and await store.set("b", torch.full((4,), 2.0))
+    same = torch.empty(4)
+    got = await store.batch_get(["a", "b"], [same, same])
+    assert got[1] is None and torch.equal(got[0], torch.full((4,), 1.0))
+    wide = torch.empty(6)
+    got = await store.batch_get(["a", "b"], [wide[2:6], wide[0:4]])  # overlapping views
+    assert got[1] is not None and got[0] is None  # the lower address is kept
+    apart = torch.empty(8)
+    got = await store.batch_get(["a", "b"], [apart[:4], apart[4:]])
+    assert torch.equal(apart, torch.tensor([1.0] * 4 + [2.0] * 4))
+    assert store.get_stats()["invalid_requests"] == 2
+
+
 async def test_v0_strided_values_are_stored_in_order() -> None:
     store = MemoryStorage()
     value = torch.arange(12, dtype=torch.float32).reshape(3, 4).t()  # non-contiguous
