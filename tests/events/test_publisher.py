@@ -18,6 +18,7 @@ from hicache.errors import ConfigError
 from hicache.events import BlockStored, KVEventBatch, encode_batch
 from hicache.events.publisher import EventPublisher
 from hicache.events.subscriber import EventSubscriber
+from event_helpers import rebind
 from hicache.facade import HiCache
 
 LOOPBACK = "tcp://127.0.0.1:0"
@@ -127,19 +128,6 @@ async def test_a_consumer_that_reconnects_catches_up_through_replay(tmp_path: Pa
         sub.close()
 
 
-def _rebind(endpoint: str, replay_endpoint: str, within_s: float = 10.0) -> EventPublisher:
-    """A publisher on addresses just released: on a loaded machine the old sockets may take a
-    moment to close on its thread, as an old process's would."""
-    deadline = time.monotonic() + within_s
-    while True:
-        try:
-            return EventPublisher(endpoint, replay_endpoint)
-        except ConfigError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.1)
-
-
 def test_live_batches_a_replay_already_gave_are_not_repeated_and_restarts_are_followed() -> None:
     pub = EventPublisher(LOOPBACK, LOOPBACK)
     sub = EventSubscriber(pub.endpoint, pub.replay_endpoint, start_seq=0)
@@ -156,7 +144,7 @@ def test_live_batches_a_replay_already_gave_are_not_repeated_and_restarts_are_fo
     time.sleep(0.3)
     assert sum(len(r.batch.events) for r in sub.receive(timeout_s=1.0)) == 95 and sub.next_seq >= 20
     pub.close()
-    again = _rebind(pub.endpoint, pub.replay_endpoint)  # a restarted publisher on the same addresses numbers from 0
+    again = rebind(pub.endpoint, pub.replay_endpoint)  # a restarted publisher on the same addresses numbers from 0
     stop = threading.Event()
 
     def keep_publishing() -> None:  # until the subscriber has reconnected by itself

@@ -17,6 +17,7 @@ from hicache.errors import ConfigError
 from hicache.events import BlockStored
 from hicache.events.publisher import END_SEQ, EventPublisher, parse_run_frame
 from hicache.events.subscriber import EventSubscriber, Received
+from event_helpers import rebind
 
 LOOPBACK = "tcp://127.0.0.1:0"
 PROBE = ((1 << 63) - 1).to_bytes(8, "big")
@@ -36,18 +37,6 @@ def wait_for(cond: Callable[[], bool], within_s: float = 20.0) -> None:
     while not cond():
         assert time.monotonic() < deadline, "condition not reached"
         time.sleep(0.02)
-
-
-def rebind(endpoint: str, replay_endpoint: str, within_s: float = 10.0) -> EventPublisher:
-    """A restarted publisher on the old addresses (the old sockets may take a moment to go)."""
-    deadline = time.monotonic() + within_s
-    while True:
-        try:
-            return EventPublisher(endpoint, replay_endpoint)
-        except ConfigError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.05)
 
 
 def until_live(sub: EventSubscriber, pub: EventPublisher, first: int) -> list[Received]:
