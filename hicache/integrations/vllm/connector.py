@@ -16,11 +16,17 @@ blocks when it wants (``request_finished`` never holds them).
 
 Failed loads are reported through ``get_block_ids_with_load_errors``; configure
 ``"kv_load_failure_policy": "recompute"`` so that vLLM recomputes those blocks instead of
-failing the request.
+failing the request. Either way vLLM runs the step first, so what that step computes over a
+failed load is never saved (see :mod:`.scheduler_side`).
+
+``reset_cache`` (vLLM's ``reset_prefix_cache(reset_connector=True)``, and a pause that clears
+the caches, e.g. for new weights) empties the host tier and rotates the cache epoch, so that no
+page stored before is matched again.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -58,10 +64,17 @@ logger = logging.getLogger("hicache.integrations.vllm")
 
 @dataclass
 class HiCacheConnectorMetadata(KVConnectorMetadata):
-    """One step's page loads and saves, from the scheduler to the workers."""
+    """One step's page loads and saves, from the scheduler to the workers, with the word on
+    held storage writes (``commit``/``abort``, job ids), the scheduler's cache epoch, the
+    step's number and the last step whose outcome the scheduler has seen."""
 
     loads: list[PageLoad] = field(default_factory=list)
     saves: list[PageSave] = field(default_factory=list)
+    commit: list[int] = field(default_factory=list)
+    abort: list[int] = field(default_factory=list)
+    epoch: int = 0
+    step: int = 0
+    resolved: int = 0
 
 
 @dataclass
@@ -120,6 +133,44 @@ def request_salt(request: Any) -> str | None:
     return "\x00".join([f"salt={salt or ''}", *parts])
 
 
+def pp_layer_counts(vllm_config: VllmConfig, stage0_layers: int) -> list[int]:
+    """KV layers of each pipeline stage. The scheduler's ``KVCacheConfig`` is stage 0's, but
+    each stage's workers store pages of their own layers, under a namespace with their own
+    layer count: the scheduler's lookup must use that count per rank, or an uneven split
+    (5 layers over 2 stages: 3 + 2) never finds what the last stage stored. The split is
+    vLLM's own (``get_pp_indices``, which honours ``VLLM_PP_LAYER_PARTITION``)."""
+    pp_size = int(vllm_config.parallel_config.pipeline_parallel_size)
+    if pp_size <= 1:
+        return [stage0_layers]
+    from vllm.distributed.utils import get_pp_indices
+
+    total = int(vllm_config.model_config.get_total_num_hidden_layers())
+    counts = [end - start for start, end in (get_pp_indices(total, r, pp_size) for r in range(pp_size))]
+    if counts[0] != stage0_layers:
+        # KV layers are not the hidden layers here (a model with layers without KV): scale
+        # each stage's share; a wrong guess is a storage miss for that stage, never wrong KV
+        logger.warning("hicache: stage 0 has %d KV layers, vLLM's split of %d hidden layers gives %s; "
+                       "storage hits of later pipeline stages may be missed", stage0_layers, total, counts)
+        counts = [max(1, round(c * stage0_layers / counts[0])) for c in counts]
+        counts[0] = stage0_layers
+    return counts
+
+
+def worker_close_timeout(close_timeout_s: float) -> float:
+    """How long a worker's shutdown may drain its storage queue: ``close_timeout_s``, capped
+    below vLLM's grace for worker processes (``VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS``, after
+    which the multiprocess executor sends SIGTERM, then SIGKILL): a drain cut by a signal
+    loses the pages silently, a drain that stops in time logs what it gave up. Half the grace
+    leaves the rest for closing storage and vLLM's own shutdown."""
+    try:
+        from vllm import envs
+
+        grace = float(envs.VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS)
+    except Exception:  # noqa: BLE001 - no such setting in this vLLM: no cap
+        return close_timeout_s
+    return max(0.0, min(close_timeout_s, grace / 2))
+
+
 def _worker_ranks() -> tuple[int, int]:
     """This worker's (tp_rank, pp_rank); (0, 0) where vLLM's groups are not set up."""
     try:
@@ -143,9 +194,10 @@ class HiCacheConnector(KVConnectorBase_V1):
         par = vllm_config.parallel_config
         tp_size, pp_size = int(par.tensor_parallel_size), int(par.pipeline_parallel_size)
 
-        def ns(tp: int, pp: int) -> Any:
+        def ns(tp: int, pp: int, num_layers: int | None = None) -> Any:
+            geometry = self.geometry if num_layers is None else dataclasses.replace(self.geometry, num_layers=num_layers)
             return deployment_namespace(
-                model=str(model.model), revision=model.revision, geometry=self.geometry,
+                model=str(model.model), revision=model.revision, geometry=geometry,
                 tp_rank=tp, tp_size=tp_size, pp_rank=pp, pp_size=pp_size, salt=self.options.namespace_salt,
             )
 
@@ -153,7 +205,8 @@ class HiCacheConnector(KVConnectorBase_V1):
         self._worker: WorkerSide | None = None
         opts = self.options
         if role is KVConnectorRole.SCHEDULER:
-            namespaces = [ns(tp, pp) for pp in range(pp_size) for tp in range(tp_size)]
+            layers = pp_layer_counts(vllm_config, self.geometry.num_layers)
+            namespaces = [ns(tp, pp, layers[pp]) for pp in range(pp_size) for tp in range(tp_size)]
             store = StoreIO(opts.backend, opts.backend_options, namespaces, name="hicache-vllm-sched")
             tree = HostPageTree(opts.host_pages, self.geometry.block_size, eviction_policy=opts.eviction_policy)
             self._scheduler = SchedulerSide(
@@ -188,6 +241,7 @@ class HiCacheConnector(KVConnectorBase_V1):
         if self._worker is not None and self.has_connector_metadata():
             meta = self._get_connector_metadata()
             if isinstance(meta, HiCacheConnectorMetadata):
+                self._worker.begin_step(meta.commit, meta.abort, meta.epoch, meta.step, meta.resolved)
                 self._worker.start(meta.loads)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -199,12 +253,17 @@ class HiCacheConnector(KVConnectorBase_V1):
         return
 
     def wait_for_save(self) -> None:
+        """End of the step: the loads are done with vLLM's blocks, then this step's saves.
+        The worker drops the saves of requests whose KV read a block that failed to load (it
+        knows this step's failures before vLLM does: ``get_block_ids_with_load_errors`` is
+        asked after this)."""
         if self._worker is None:
             return
         self._worker.finish_step()
         if self.has_connector_metadata():
             meta = self._get_connector_metadata()
             if isinstance(meta, HiCacheConnectorMetadata):
+                self._worker.begin_step(meta.commit, meta.abort, meta.epoch, meta.step, meta.resolved)  # done at start_load_kv: a no-op
                 self._worker.save(meta.saves)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -219,13 +278,29 @@ class HiCacheConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         timeout = self.options.close_timeout_s
         if self._worker is not None:
-            self._worker.close(timeout)
+            self._worker.close(worker_close_timeout(timeout))
             self._worker = None
         if self._scheduler is not None:
             self._scheduler.close(timeout)
             self._scheduler = None
 
     # ================================================================== scheduler side
+    def reset_cache(self) -> bool | None:
+        """vLLM's connector cache reset (``reset_prefix_cache(reset_connector=True)``, a pause
+        with ``clear_cache``, ``release_kv_cache_memory``): after it, nothing stored or held
+        before is served (the weights may have changed). vLLM calls it on the scheduler's
+        connector only; the workers learn it from the next step's metadata (its epoch), before
+        any load of that step. ``True`` once done, ``False`` if it failed (vLLM then reports
+        the reset as failed); ``None`` on a worker (nothing to do there)."""
+        scheduler = getattr(self, "_scheduler", None)
+        if scheduler is None:
+            return None
+        try:
+            return scheduler.reset()
+        except Exception:  # noqa: BLE001 - vLLM gets "failed", never an exception
+            logger.exception("hicache: cache reset failed")
+            return False
+
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self._scheduler is not None
         self._requests[request.request_id] = request
@@ -257,7 +332,8 @@ class HiCacheConnector(KVConnectorBase_V1):
             n_after = n_before + num_scheduled.get(req_id, 0)
             scheduled.append((req_id, n_before, n_after, request.all_token_ids, block_ids))
         plan = self._scheduler.plan_step(scheduled)
-        return HiCacheConnectorMetadata(loads=plan.loads, saves=plan.saves)
+        return HiCacheConnectorMetadata(loads=plan.loads, saves=plan.saves, commit=plan.commit, abort=plan.abort,
+                                        epoch=plan.epoch, step=plan.step, resolved=plan.resolved)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         super().update_connector_output(connector_output)

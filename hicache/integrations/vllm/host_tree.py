@@ -15,12 +15,22 @@ that does not (:meth:`HostPageTree.drop_slots` then forgets what the tree held t
 
 Locks: a node whose pages a worker is still writing to storage is locked (so its slots are not
 given to other pages while the write reads them) until every worker reported the write done.
+A node that must go while it is locked (a worker reported one of its slots bad) still goes at
+once, so no match finds it again: :meth:`HostPageTree.drop_subtree` then keeps the slots a
+write still reads out of the allocator (``keep``) and the caller gives them back when the write
+ends.
+
+Durability: the tree also knows which slots hold a page that storage has (``stored``) or is
+being written to it (``writing``). The scheduler writes a page again when storage may lack it
+(an earlier write failed or was refused): a page storage lacks makes every later page of its
+prefix unreachable after a restart.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
@@ -36,29 +46,69 @@ logger = logging.getLogger("hicache.integrations.vllm")
 
 
 class _SlotTree(RadixCache):
-    """hicache's radix tree whose "device" slots are host page slots; the two walks the host
-    tier needs beyond the tree's own interface."""
+    """hicache's radix tree whose "device" slots are host page slots; the walks the host tier
+    needs beyond the tree's own interface."""
+
+    #: called with the page slots the tree frees (eviction, drops): they hold nothing now
+    on_free: Callable[[list[int]], None] | None = None
+
+    def _free(self, indices: torch.Tensor) -> None:
+        if self.on_free is not None and indices.numel():
+            self.on_free(sorted({int(i) // self.page_size for i in indices.reshape(-1).tolist()}))
+        super()._free(indices)
 
     def path_slots(self, node: TreeNode) -> torch.Tensor:
         """Slots from the root through ``node``."""
         return self._path_slots(node)
 
-    def drop_subtree(self, node: TreeNode) -> int | None:
-        """Free ``node`` and everything below it; ``None`` (nothing dropped) when a lock is
-        held anywhere in it. Returns the tokens freed."""
-        subtree = [node]
+    def attached(self, node: TreeNode) -> bool:
+        """``node`` is still in this tree (not dropped or evicted)."""
+        while node is not None and node is not self.root_node:
+            if node.parent is None or node.tree is not self.root_node.tree:
+                return False
+            node = node.parent
+        return node is self.root_node
+
+    def subtree(self, node: TreeNode) -> list[TreeNode]:
+        """``node`` and everything below it, parents before children."""
+        nodes = [node]
         i = 0
-        while i < len(subtree):
-            subtree.extend(subtree[i].children.values())
+        while i < len(nodes):
+            nodes.extend(nodes[i].children.values())
             i += 1
+        return nodes
+
+    def drop_subtree(self, node: TreeNode, keep: Iterable[int] = ()) -> int | None:
+        """Forget ``node`` and everything below it; ``None`` (nothing dropped) when a lock is
+        held anywhere in it. Slots in ``keep`` stay allocated (a storage write still reads
+        them: the caller frees them when it ends); the others are freed. Returns the tokens
+        dropped."""
+        subtree = self.subtree(node)
         if any(n.lock_ref for n in subtree):
             return None
-        return sum(self._evict_device_node(n) for n in reversed(subtree))  # leaves first
+        keep = set(keep)
+        ps = self.page_size
+        dropped = 0
+        for n in reversed(subtree):  # leaves first
+            if n.value is not None:
+                value = self._drop_device(n)
+                dropped += int(value.numel())
+                if keep:
+                    pages = value.reshape(-1, ps)
+                    mask = torch.tensor([int(p[0]) // ps not in keep for p in pages], dtype=torch.bool)
+                    value = pages[mask].reshape(-1)
+                self._free(value)
+            self._delete_leaf(n)
+        return dropped
 
     def nodes_holding(self, slots: set[int]) -> list[TreeNode]:
         ps = self.page_size
         return [n for n in self._nodes() if n.value is not None
                 and slots.intersection(int(i) // ps for i in n.value[::ps].tolist())]
+
+    def node_slots(self, nodes: Iterable[TreeNode]) -> set[int]:
+        ps = self.page_size
+        return {int(i) // ps for n in nodes if n.value is not None for i in n.value[::ps].tolist()}
 
 
 class HostMatch:
@@ -90,6 +140,11 @@ class HostPageTree:
             eviction_policy=eviction_policy,
         )
         self.stats: dict[str, int] = dict.fromkeys(("evicted_pages", "dropped_pages", "alloc_failures"), 0)
+        #: slots whose page storage holds (a write every worker finished), and slots a write
+        #: still reads (count of writes); a freed slot holds nothing and leaves ``stored``
+        self.stored: set[int] = set()
+        self.writing: Counter[int] = Counter()
+        self.tree.on_free = self._forget_stored
 
     # ------------------------------------------------------------------ slots <-> token indices
     def _slots(self, indices: torch.Tensor) -> list[int]:
@@ -141,6 +196,7 @@ class HostPageTree:
         """Give back slots that never joined the tree (staging for one step)."""
         slots = list(slots)
         if slots:
+            self._forget_stored(slots)
             self.allocator.free(self._indices(slots))
 
     # ------------------------------------------------------------------ insert, locks
@@ -174,20 +230,89 @@ class HostPageTree:
             logger.exception("hicache: host tier lock bookkeeping is off")
 
     # ------------------------------------------------------------------ repair
-    def drop_slots(self, bad: Iterable[int]) -> int:
-        """A worker found that these slots do not hold what the tree says: forget the nodes
-        holding them (with the pages after them, unreachable now). Locked subtrees stay until
-        their write is done; the worker keeps refusing their pages meanwhile. Returns the pages
-        dropped."""
-        bad = set(bad)
-        if not bad:
+    def attached(self, node: TreeNode) -> bool:
+        return self.tree.attached(node)
+
+    def subtree(self, node: TreeNode) -> list[TreeNode]:
+        return self.tree.subtree(node)
+
+    def nodes_holding(self, slots: Iterable[int]) -> list[TreeNode]:
+        """Nodes holding any of ``slots``, each one only if no ancestor is in the list too
+        (dropping the ancestor drops it)."""
+        found = self.tree.nodes_holding(set(slots))
+        ids = {id(n) for n in found}
+        out = []
+        for n in found:
+            p = n.parent
+            while p is not None and id(p) not in ids:
+                p = p.parent
+            if p is None:
+                out.append(n)
+        return out
+
+    def node_slots(self, nodes: Iterable[TreeNode]) -> set[int]:
+        return self.tree.node_slots(nodes)
+
+    def cut_at(self, node: TreeNode, slots: set[int]) -> TreeNode:
+        """Split ``node`` before its first page in ``slots`` (the pages before it are fine and
+        stay); returns the node that now starts with that page (``node`` itself: a split
+        gives the pages before to a new parent)."""
+        pages = self._slots(node.value) if node.value is not None else []
+        first = next((i for i, slot in enumerate(pages) if slot in slots), 0)
+        if first > 0:
+            self.tree._split(node, first * self.block_size)
+        return node
+
+    def drop_subtree(self, node: TreeNode, keep: Iterable[int] = ()) -> int | None:
+        """Forget ``node`` and the pages after it (unreachable without it), except that slots
+        in ``keep`` are not freed (see :meth:`_SlotTree.drop_subtree`). ``None`` when a lock
+        is held in it. Returns the pages dropped."""
+        if not self.tree.attached(node):
             return 0
+        tokens = self.tree.drop_subtree(node, keep)
+        if tokens is None:
+            return None
+        self.stats["dropped_pages"] += tokens // self.block_size
+        return tokens // self.block_size
+
+    def drop_slots(self, bad: Iterable[int]) -> int:
+        """Forget the unlocked nodes holding ``bad`` slots (with the pages after them);
+        returns the pages dropped. (The scheduler drops locked ones too, see
+        :meth:`~.scheduler_side.SchedulerSide.on_report`.)"""
         dropped = 0
-        for node in self.tree.nodes_holding(bad):
-            if node.parent is not None:  # not gone with an earlier victim's subtree
-                dropped += (self.tree.drop_subtree(node) or 0) // self.block_size
-        self.stats["dropped_pages"] += dropped
+        for node in self.nodes_holding(bad):
+            dropped += self.drop_subtree(node) or 0
         return dropped
+
+    def clear(self, keep: Iterable[int] = ()) -> int:
+        """Forget every page (the caller released every lock first); slots in ``keep`` stay
+        allocated. Returns the pages dropped."""
+        keep = set(keep)
+        dropped = 0
+        for child in list(self.tree.root_node.children.values()):
+            dropped += self.drop_subtree(child, keep) or 0
+        return dropped
+
+    # ------------------------------------------------------------------ durability
+    def known(self, slot: int) -> bool:
+        """Storage holds the page in ``slot``, or a write of it is under way."""
+        return slot in self.stored or self.writing[slot] > 0
+
+    def begin_writing(self, slots: Iterable[int]) -> None:
+        for slot in slots:
+            self.writing[slot] += 1
+
+    def end_writing(self, slots: Iterable[int], stored: Iterable[int]) -> None:
+        """A write of ``slots`` ended; storage holds the pages of ``stored`` now."""
+        for slot in slots:
+            if self.writing[slot] > 1:
+                self.writing[slot] -= 1
+            else:
+                self.writing.pop(slot, None)
+        self.stored.update(stored)
+
+    def _forget_stored(self, slots: Iterable[int]) -> None:
+        self.stored.difference_update(slots)
 
     def held_pages(self) -> int:
         return self.tree.total_size() // self.block_size

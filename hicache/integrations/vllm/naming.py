@@ -81,8 +81,17 @@ def deployment_namespace(
     )
 
 
-def salt_root(cache_salt: str | None) -> str | None:
-    """The hash the key chain of a salted request starts from (``None``: unsalted)."""
+def salt_root(cache_salt: str | None, epoch: str | None = None) -> str | None:
+    """The hash the key chain of a request starts from (``None``: unsalted, first epoch).
+
+    ``epoch`` is the scheduler's cache epoch (``None`` until the first ``reset_cache``): a
+    reset, e.g. after the weights changed, rotates it, so every page stored before the reset
+    has keys no lookup computes any more (storage cannot be emptied at once, nor safely: other
+    engines may share it)."""
+    if epoch is not None:
+        return hashlib.sha256(
+            b"hicache-vllm-epoch\x00" + epoch.encode("utf-8") + b"\x00" + (cache_salt or "").encode("utf-8")
+        ).hexdigest()
     if cache_salt is None or cache_salt == "":
         return None
     return hashlib.sha256(b"hicache-vllm-cache-salt\x00" + cache_salt.encode("utf-8")).hexdigest()
@@ -94,12 +103,12 @@ class PageKeyChain:
 
     __slots__ = ("block_size", "keys", "_root")
 
-    def __init__(self, block_size: int, cache_salt: str | None = None) -> None:
+    def __init__(self, block_size: int, cache_salt: str | None = None, epoch: str | None = None) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
         self.keys: list[str] = []
-        self._root = salt_root(cache_salt)
+        self._root = salt_root(cache_salt, epoch)
 
     def extend(self, token_ids: Sequence[int], num_pages: int) -> list[str]:
         """Keys of the first ``num_pages`` full blocks of ``token_ids`` (fewer if the tokens

@@ -33,12 +33,16 @@ class ConnectorOptions:
       ``slru``, ``priority``: the radix tree's policies).
     - ``controller``: options of the worker's :class:`~hicache.controller.ControllerConfig`
       (storage queue size, retries, I/O timeout, health probes, ...).
-    - ``lookup_wait_s``: how long the scheduler waits inline for a storage lookup before it
-      answers "not yet" and asks again next step (vLLM skips the request meanwhile).
+    - ``lookup_wait_s``: how long the scheduler waits inline for storage lookups in one
+      scheduler step, all of that step's lookups together (vLLM asks about every waiting
+      request each step: a wait per request would stall the step by the queue length), before
+      it answers "not yet" and asks again next step (vLLM skips the request meanwhile).
     - ``lookup_timeout_s``: a lookup still pending after this counts as a miss (recompute).
     - ``load_timeout_s``: the longest a forward pass waits for a page read; then the page's
       blocks are reported failed and vLLM recomputes them.
-    - ``close_timeout_s``: how long shutdown waits for queued writes to reach storage.
+    - ``close_timeout_s``: how long shutdown waits for queued writes to reach storage; a
+      worker waits at most half of vLLM's ``VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS`` (after it
+      vLLM's multiprocess executor kills the worker), and logs the pages it gave up.
     - ``namespace_salt``: set it to keep deployments that must not share pages apart.
     """
 

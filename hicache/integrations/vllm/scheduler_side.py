@@ -3,18 +3,41 @@ each step loads and saves.
 
 Lookup is tiered and never stalls vLLM's scheduler. First hicache's radix tree over the
 workers' host pools (:mod:`.host_tree`): pages there are a hit at once. For the pages after
-them, an existence check in storage starts on the storage loop and is waited for at most
-``lookup_wait_s``; if it is still running, the answer is "not yet" (``None``) and vLLM asks
-again next step. A lookup that takes longer than ``lookup_timeout_s`` is a miss. A storage hit is
-the longest run of pages that exists for *every* parallel rank (each rank stores its own
-shard). The hit stops one token short of the prompt: vLLM must compute at least one token.
+them, an existence check in storage starts on the storage loop and is waited for, but all the
+lookups of one scheduler step share one wait budget of ``lookup_wait_s``: vLLM asks about every
+waiting request each step, and a slow store must not multiply the stall by the queue length.
+A lookup still running is "not yet" (``None``) and vLLM asks again next step. A lookup that
+takes longer than ``lookup_timeout_s`` is a miss. A storage hit is the longest run of pages
+that exists for *every* parallel rank (each rank stores its own shard). The hit stops one token
+short of the prompt: vLLM must compute at least one token.
 
 Slots: the scheduler decides which host slot each page goes to, for pages read from storage
 (they join the tree when their prefix is there) and for saves: every block that became full
 (prompt or generated tokens) is copied into a host slot at the end of its step, and the ones
-storage lacks are written to it in the background; their node stays locked until every worker
-reported the write done (:meth:`SchedulerSide.on_report`). Room comes from the tree's eviction
-policy. Worker reports of slots that did not hold what the tree says drop those nodes.
+storage may lack are written to it in the background; their node stays locked until every
+worker reported the write done (:meth:`SchedulerSide.on_report`). Room comes from the tree's
+eviction policy. Worker reports of slots that did not hold what the tree says drop those nodes
+at once, locked or not (a locked node's slots are freed when its write ends).
+
+Durability: a page counts as in storage only when every worker reported it written (or a
+lookup found it); a save writes from the first page of its prefix not known to be in storage
+or under way, so a write that failed or was refused is made again by the next save through
+that prefix instead of leaving a hole before every later page.
+
+KV computed over a failed load: vLLM runs a step even when a load in it failed (and rolls the
+request back afterwards), so the pages that step computed for a request whose earlier KV was
+being loaded attended to garbage; with async scheduling so did the next step, planned before
+the failure was known. Each save names the blocks its request's KV sits in that were loaded in
+a step whose outcome the scheduler has not seen yet (``PageSave.depends_on``, from every such
+load: vLLM shares blocks between requests); a worker that saw one fail drops the save. A step's
+outcome is seen when the workers' report of it arrives (``WorkerReport.step``): vLLM rolls the
+requests back in that same update. With several workers, a save with such blocks has its
+storage write wait for the scheduler's word (``hold``): commit once every worker reported it
+clean, abort otherwise.
+
+Reset (``reset_cache``, e.g. after new weights): the tree forgets every page, requests start
+new key chains under a new cache epoch (so nothing stored before matches), and the workers drop
+their host pages when the next step's metadata shows the new epoch.
 
 Nothing here imports vLLM; the connector passes request ids, token ids and block ids.
 """
@@ -24,6 +47,7 @@ from __future__ import annotations
 import concurrent.futures
 import itertools
 import logging
+import secrets
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -40,13 +64,14 @@ __all__ = ["SchedulerSide", "StepPlan"]
 logger = logging.getLogger("hicache.integrations.vllm")
 
 
+
 @dataclass
 class _Lookup:
     start_page: int
     num_pages: int  # pages asked about, from start_page
-    future: concurrent.futures.Future[int]
+    future: concurrent.futures.Future[list[bool]]
     started: float
-    hit_pages: int | None = None
+    exists: list[bool] | None = None  # per page from start_page: every rank's store holds it
 
 
 @dataclass
@@ -57,20 +82,37 @@ class _Request:
     start_page: int = 0  # pages vLLM held itself at the last lookup
     lookup: _Lookup | None = None
     saved_pages: int = 0  # pages [0, saved_pages) are stored, loaded or held by vLLM already
+    known: int = 0  # pages [0, known) are in storage or being written to it, as far as this request saw
 
 
 @dataclass
 class _Write:
-    node: TreeNode
+    """One save's storage write, until every worker reported it ended."""
+
+    node: TreeNode | None  # locked while workers read its slots (None: nothing of it left in the tree)
     reports_left: int
+    req_id: str
+    first: int  # the request's page index of its first page
+    slots: list[int]  # the slots it writes, in page order
+    written: int | None = None  # leading pages written, the fewest any worker reported
+    park: list[int] = field(default_factory=list)  # slots dropped from the tree: freed when the write ends
+    verdicts_left: int = 0  # a held write: workers still to report it held or tainted
+    aborted: bool = False
 
 
 @dataclass
 class StepPlan:
-    """What the workers do in one step."""
+    """What the workers do in one step: this step's loads and saves, the held storage writes
+    to start (``commit``) or forget (``abort``), the cache epoch (see :meth:`SchedulerSide.reset`)
+    and the step numbers the workers keep failed loads by."""
 
     loads: list[PageLoad] = field(default_factory=list)
     saves: list[PageSave] = field(default_factory=list)
+    commit: list[int] = field(default_factory=list)
+    abort: list[int] = field(default_factory=list)
+    epoch: int = 0
+    step: int = 0  # this step's number
+    resolved: int = 0  # the last step whose outcome the scheduler has seen
 
 
 class SchedulerSide:
@@ -97,9 +139,20 @@ class SchedulerSide:
         self._step_locks: list[TreeNode] = []  # pages this step loads: not evicted while it is planned
         self._writes: dict[int, _Write] = {}
         self._jobs = itertools.count(1)
+        self._wait_left = lookup_wait_s  # what this step's lookups may still wait, all together
+        self._commits: list[int] = []  # held writes every worker reported clean: start them
+        self._aborts: list[int] = []  # held writes some worker found tainted: forget them
+        self._pending_bad: set[int] = set()  # bad slots whose node could not go yet (a lock)
+        self._step = 0  # steps planned
+        self._resolved = 0  # the last step whose workers' report arrived (its failed loads are handled)
+        self._unresolved: list[tuple[int, frozenset[int]]] = []  # (step, blocks it loads) not resolved yet
+        #: the cache epoch: 0 until the first reset; its random key roots every key chain after
+        self.epoch = 0
+        self._epoch_key: str | None = None
         self.stats: dict[str, int] = dict.fromkeys(
-            ("lookups", "lookup_timeouts", "hit_tokens", "host_hit_tokens", "pages_to_load", "pages_to_save",
-             "saves_dropped", "loads_without_room"), 0
+            ("lookups", "lookup_waits", "lookup_timeouts", "hit_tokens", "host_hit_tokens", "pages_to_load",
+             "pages_to_save", "pages_rewritten", "pages_unwritten", "saves_dropped", "saves_tainted",
+             "saves_aborted", "loads_without_room", "bad_slot_pages_dropped", "resets"), 0
         )
 
     # ------------------------------------------------------------------ lookup
@@ -111,7 +164,7 @@ class SchedulerSide:
         bs = self.block_size
         state = self._reqs.get(req_id)
         if state is None:
-            state = self._reqs[req_id] = _Request(PageKeyChain(bs, cache_salt), cache_salt)
+            state = self._reqs[req_id] = _Request(PageKeyChain(bs, cache_salt, self._epoch_key), cache_salt)
         state.tokens = token_ids
         start = num_computed // bs
         state.start_page = start
@@ -120,38 +173,78 @@ class SchedulerSide:
         if usable <= start:
             state.lookup = None
             return 0
-        held = self.tree.match(token_ids, cache_salt, usable, count_hit=False).pages
-        base = max(start, held)
+        host = self.tree.match(token_ids, cache_salt, usable, count_hit=False)
+        base = max(start, host.pages)
         if base >= usable:
             state.lookup = None
             return usable * bs - num_computed
+        # ask storage from the first page not known to be there (pages vLLM or the tree hold
+        # may still be missing from it: their answer tells the saves what to write again)
+        ask = min(base, self._first_unknown(state, host.slots, usable))
         lk = state.lookup
-        if lk is None or lk.start_page != base or lk.num_pages != usable - base:
-            keys = state.chain.extend(token_ids, usable)[base:]
+        if lk is None or lk.start_page > ask or lk.start_page + lk.num_pages != usable:
+            keys = state.chain.extend(token_ids, usable)[ask:]
             self.stats["lookups"] += 1
-            lk = state.lookup = _Lookup(base, len(keys), self.store.submit(self._leading_hits(keys)), time.monotonic())
-        if lk.hit_pages is None:
-            try:
-                lk.hit_pages = lk.future.result(timeout=self.lookup_wait_s)
-            except concurrent.futures.TimeoutError:
-                if time.monotonic() - lk.started < self.lookup_timeout_s:
-                    return None
-                lk.future.cancel()
-                self.stats["lookup_timeouts"] += 1
-                lk.hit_pages = 0
-            except BaseException as exc:  # noqa: BLE001 - a broken lookup is a miss
-                logger.warning("hicache: lookup of %s failed: %r", req_id, exc)
-                lk.hit_pages = 0
-        return max(0, (base + lk.hit_pages) * bs - num_computed)
+            lk = state.lookup = _Lookup(ask, len(keys), self.store.submit(self._exists(keys)), time.monotonic())
+        if lk.exists is None and not self._wait_for(req_id, lk):
+            return None
+        exists = lk.exists or []
+        ask = max(ask, lk.start_page)
+        state.known = max(state.known, ask + leading_run(exists[ask - lk.start_page :]))
+        hit = leading_run(exists[base - lk.start_page :])
+        return max(0, (base + hit) * bs - num_computed)
 
-    async def _leading_hits(self, keys: list[str]) -> int:
-        """Length of the run of ``keys`` from the start that every rank's store holds."""
-        best = len(keys)
+    def _wait_for(self, req_id: str, lk: _Lookup) -> bool:
+        """Wait for ``lk`` out of this step's budget; ``False``: still running, ask again."""
+        wait = min(self.lookup_wait_s, self._wait_left)
+        try:
+            if wait > 0 and not lk.future.done():
+                self.stats["lookup_waits"] += 1
+                t0 = time.monotonic()
+                try:
+                    lk.exists = lk.future.result(timeout=wait)
+                finally:
+                    self._wait_left -= time.monotonic() - t0
+            else:
+                lk.exists = lk.future.result(timeout=0)
+        except concurrent.futures.TimeoutError:
+            if wait > 0:
+                self._wait_left = 0.0  # the budget is spent: the step's other lookups only peek
+            if time.monotonic() - lk.started < self.lookup_timeout_s:
+                return False
+            lk.future.cancel()
+            self.stats["lookup_timeouts"] += 1
+            lk.exists = []
+        except BaseException as exc:  # noqa: BLE001 - a broken lookup is a miss
+            logger.warning("hicache: lookup of %s failed: %r", req_id, exc)
+            lk.exists = []
+        return True
+
+    async def _exists(self, keys: list[str]) -> list[bool]:
+        """Per key: does every rank's store hold it."""
+        result = [True] * len(keys)
         for backend in self.store.backends:
-            best = min(best, leading_run(await backend.exists_pages(keys[:best])))
-            if best == 0:
+            last = max((i for i, e in enumerate(result) if e), default=-1)
+            if last < 0:
                 break
-        return best
+            got = list(await backend.exists_pages(keys[: last + 1]))
+            for i in range(len(result)):
+                result[i] = result[i] and i < len(got) and bool(got[i])
+        return result
+
+    def _first_unknown(self, state: _Request, tree_slots: Sequence[int], limit: int) -> int:
+        """The first page in ``[0, limit)`` of a request not known to be in storage or being
+        written: not in the request's own knowledge (``known``), and not a tree slot whose page
+        is stored or under way (``tree_slots``: the tree's match for the request)."""
+        k = 0
+        while k < limit:
+            if k < state.known:
+                k = state.known
+            elif k < len(tree_slots) and self.tree.known(tree_slots[k]):
+                k += 1
+            else:
+                break
+        return min(k, limit)
 
     def allocated(self, req_id: str, block_ids: Sequence[int], num_external_tokens: int) -> None:
         """vLLM gave the request its blocks; ``num_external_tokens`` of them are ours to fill:
@@ -203,27 +296,47 @@ class SchedulerSide:
     def plan_step(self, scheduled: Sequence[tuple[str, int, int, Sequence[int], Sequence[int]]]) -> StepPlan:
         """``scheduled``: (req_id, tokens with KV before this step, tokens with KV once it ran,
         all token ids, block ids) of every request in the step. Returns the loads queued for
-        them and the new saves.
+        them, the new saves, and the word on held writes the workers reported since.
 
         A request that computes again tokens of pages counted as saved (vLLM recomputes blocks
         whose load failed, or a preempted request) has those pages saved again."""
-        plan = StepPlan()
+        self._step += 1
+        plan = StepPlan(commit=self._commits, abort=self._aborts, epoch=self.epoch, step=self._step,
+                        resolved=self._resolved)
+        self._commits, self._aborts = [], []
+        self._wait_left = self.lookup_wait_s  # the lookups up to the next plan share a new budget
         bs = self.block_size
         try:
-            for req_id, computed_before, computed_after, token_ids, block_ids in scheduled:
+            loaded: set[str] = set()
+            for req_id, *_ in scheduled:
                 load = self._loads.pop(req_id, None)
                 if load is not None:
                     plan.loads.append(load)
+                    loaded.add(req_id)
+            # every block loaded in a step whose outcome is not known yet, this one's included: a
+            # request whose KV sits in one of them (its own load, or a block vLLM shares with a
+            # request that loads it) computes over it
+            self._unresolved = [(step, blocks) for step, blocks in self._unresolved if step > self._resolved]
+            step_loads = frozenset(b for load in plan.loads for b in load.block_ids)
+            if step_loads:
+                self._unresolved.append((self._step, step_loads))
+            loading: set[int] = set().union(*(blocks for _, blocks in self._unresolved))
+            for req_id, computed_before, computed_after, token_ids, block_ids in scheduled:
                 state = self._reqs.get(req_id)
                 if state is None:
                     continue
-                if load is None and computed_before < state.saved_pages * bs:
+                if req_id not in loaded and computed_before < state.saved_pages * bs:
                     state.saved_pages = computed_before // bs
+                    state.known = min(state.known, state.saved_pages)  # a failed load may have been a lost page
                 full = min(computed_after, len(token_ids), len(block_ids) * bs) // bs
                 if full <= state.saved_pages:
                     continue
+                depends: tuple[int, ...] = ()
+                if loading:
+                    before = -(-computed_before // bs)  # vLLM counts a partly computed block as read
+                    depends = tuple(sorted(loading.intersection(int(b) for b in block_ids[:before])))
                 keys = state.chain.extend(token_ids, full)
-                save = self._save(req_id, state, token_ids, keys, block_ids)
+                save = self._save(req_id, state, token_ids, keys, block_ids, depends)
                 if save is not None:
                     plan.saves.append(save)
         finally:
@@ -236,43 +349,76 @@ class SchedulerSide:
         return plan
 
     def _save(
-        self, req_id: str, state: _Request, token_ids: Sequence[int], keys: list[str], block_ids: Sequence[int]
+        self, req_id: str, state: _Request, token_ids: Sequence[int], keys: list[str], block_ids: Sequence[int],
+        depends: tuple[int, ...],
     ) -> PageSave | None:
         """Pages ``[saved_pages, len(keys))`` are new: put every page from the end of the
         tree's match on into host slots (as many as there is room for, the first ones first),
-        and write the new ones to storage. Sets ``saved_pages`` to the end of what is saved:
-        pages that found no room are tried again next step."""
+        and write to storage every page from the first one storage may lack (the tree's pages
+        included: they are then written from their slots). Sets ``saved_pages`` to the end of
+        what is saved: pages that found no room are tried again next step."""
         full = len(keys)
         host: HostMatch = self.tree.match(token_ids, state.salt, full, count_hit=False)
         held = min(host.pages, full)
-        if held >= full:
-            state.saved_pages = full
-            return None  # the host tier holds them all already (so storage does too)
-        slots = self.tree.reserve(full - held, keep=host.node, partial=True)
-        if slots is None:
-            self.stats["saves_dropped"] += full - max(held, state.saved_pages)
-            state.saved_pages = max(state.saved_pages, held)
-            return None
-        end = held + len(slots)
-        node = self.tree.insert(token_ids, state.salt, host, slots)
-        write_from = min(max(state.saved_pages, held), end)
-        job = 0
-        if write_from < end:
-            job = next(self._jobs)
-            self.tree.lock(node)  # its slots stay put while a worker writes them to storage
-            self._writes[job] = _Write(node, self.num_workers)
-            self.stats["pages_to_save"] += end - write_from
-        if end < full:
-            self.stats["saves_dropped"] += full - end
+        new: list[int] = []
+        if held < full:
+            got = self.tree.reserve(full - held, keep=host.node, partial=True)
+            if got is None:
+                self.stats["saves_dropped"] += full - max(held, state.saved_pages)
+            else:
+                new = got
+                if len(new) < full - held:
+                    self.stats["saves_dropped"] += full - held - len(new)
+        end = held + len(new)
+        node = self.tree.insert(token_ids, state.salt, host, new) if new else host.node
         state.saved_pages = max(state.saved_pages, end)
+        first = self._first_unknown(state, host.slots, end)
+        begin = min(first, held)  # tree pages before `held` are only written, never copied
+        if begin >= end:
+            return None  # nothing to copy, storage has (or is getting) every page
+        slots = [*host.slots[begin:held], *new]
+        job = 0
+        hold = False
+        if first < end:
+            job = next(self._jobs)
+            writes = slots[first - begin :]
+            hold = bool(depends) and self.num_workers > 1
+            self.tree.lock(node)  # its slots stay put while a worker writes them to storage
+            self.tree.begin_writing(writes)
+            self._writes[job] = _Write(node, self.num_workers, req_id, first, writes,
+                                       verdicts_left=self.num_workers if hold else 0)
+            self.stats["pages_to_save"] += end - first
+            self.stats["pages_rewritten"] += max(0, held - first)
+            state.known = max(state.known, end)
         return PageSave(
-            req_id, tuple(keys[held:end]), tuple(slots), tuple(int(b) for b in block_ids[held:end]),
-            write_from=write_from - held, prior_key=keys[write_from - 1] if write_from > 0 else None, job=job,
+            req_id, tuple(keys[begin:end]), tuple(slots), tuple(int(b) for b in block_ids[begin:end]),
+            write_from=first - begin, prior_key=keys[first - 1] if first > 0 else None, job=job,
+            copy_from=held - begin, depends_on=depends, hold=hold,
         )
 
+    # ------------------------------------------------------------------ reports
     def on_report(self, report: WorkerReport) -> None:
-        """What the workers did: unlock nodes whose storage writes every worker ended, forget
-        slots a worker found not holding what the tree says."""
+        """What the workers did: the word on held writes, writes that every worker ended (their
+        pages now count as stored as far as all of them wrote them; their nodes unlock), slots
+        a worker found not holding what the tree says (forgotten at once), and the step the
+        report ends (loads up to it are resolved)."""
+        if report.step is not None:
+            self._resolved = max(self._resolved, report.step)
+        for job, n in report.tainted.items():
+            self.stats["saves_tainted"] += n
+        for job in set(report.held) | set(report.tainted):
+            write = self._writes.get(job)
+            if write is None or write.verdicts_left <= 0:
+                continue
+            write.aborted = write.aborted or report.tainted.get(job, 0) > 0
+            write.verdicts_left -= report.held.get(job, 0) + report.tainted.get(job, 0)
+            if write.verdicts_left <= 0:
+                (self._aborts if write.aborted else self._commits).append(job)
+                self.stats["saves_aborted"] += write.aborted
+        for job, n in report.written.items():
+            write = self._writes.get(job)
+            if write is not None:
+                write.written = n if write.written is None else min(write.written, n)
         for job, count in report.jobs_done.items():
             write = self._writes.get(job)
             if write is None:
@@ -280,12 +426,104 @@ class SchedulerSide:
             write.reports_left -= count
             if write.reports_left <= 0:
                 del self._writes[job]
-                self.tree.unlock(write.node)
-        if report.bad_slots:
-            dropped = self.tree.drop_slots(report.bad_slots)
-            logger.info("hicache: %d host slot(s) did not hold their page; %d page(s) forgotten",
-                        len(report.bad_slots), dropped)
+                self._end_write(write)
+        bad = report.bad_slots | self._pending_bad
+        if bad:
+            self._pending_bad = set()
+            dropped = self._drop_bad(bad)
+            self.stats["bad_slot_pages_dropped"] += dropped
+            logger.info("hicache: %d host slot(s) did not hold their page; %d page(s) forgotten", len(bad), dropped)
 
+    def _end_write(self, write: _Write) -> None:
+        written = 0 if write.aborted else min(write.written or 0, len(write.slots))
+        parked = set(write.park)
+        self.tree.end_writing(write.slots, [s for s in write.slots[:written] if s not in parked])
+        if written < len(write.slots):
+            # storage lacks these pages: the next save through them writes them again
+            self.stats["pages_unwritten"] += len(write.slots) - written
+            state = self._reqs.get(write.req_id)
+            if state is not None:
+                state.known = min(state.known, write.first + written)
+        if write.node is not None:
+            self.tree.unlock(write.node)
+        self.tree.release(write.park)
+
+    def _drop_bad(self, bad: set[int]) -> int:
+        """Forget the nodes holding ``bad`` slots, with the pages after them, now: a write
+        that still reads a slot in there keeps it (parked, freed when the write ends) and
+        moves its lock to the surviving parent, so the pages before stay put for it too."""
+        dropped = 0
+        root = self.tree.tree.root_node
+        for node in self.tree.nodes_holding(bad):
+            if not self.tree.attached(node):
+                continue
+            node = self.tree.cut_at(node, bad)
+            subtree = self.tree.subtree(node)
+            members = {id(n) for n in subtree}
+            sub_slots = self.tree.node_slots(subtree)
+            anchor = node.parent if node.parent is not root else None
+            keep: set[int] = set()
+            for write in self._writes.values():
+                if write.node is not None and id(write.node) in members:
+                    if anchor is not None:
+                        self.tree.lock(anchor)
+                    self.tree.unlock(write.node)
+                    write.node = anchor
+                    write.park.extend(s for s in write.slots if s in sub_slots)
+                keep.update(s for s in write.park if s in sub_slots)
+            n = self.tree.drop_subtree(node, keep)
+            if n is None:  # a lock no write holds (cannot happen between steps): next report
+                self._pending_bad |= bad & sub_slots
+                continue
+            dropped += n
+        return dropped
+
+    # ------------------------------------------------------------------ reset
+    def reset(self) -> bool:
+        """Forget every page hicache holds for this engine (vLLM's ``reset_cache``: new
+        weights make every stored page wrong). The tree is emptied (slots that storage writes
+        still read are freed when those end), held writes are aborted, requests lose their
+        state (their next lookup starts over; one still running saves nothing more), and a new
+        random cache epoch roots every key chain from now on, so no page stored before is ever
+        matched again, by this engine or after it. Workers drop their host pages when the next
+        step's metadata shows the new epoch. Returns ``True`` once done; ``False`` if pages
+        stayed in the tree (vLLM then reports the reset as failed)."""
+        self.epoch += 1
+        self._epoch_key = secrets.token_hex(16)
+        for state in self._reqs.values():
+            if state.lookup is not None and not state.lookup.future.done():
+                state.lookup.future.cancel()
+        self._reqs.clear()
+        self._loads.clear()
+        for node in self._step_locks:
+            self.tree.unlock(node)
+        self._step_locks = []
+        self.tree.release(self._staging)
+        self._staging = []
+        for write in self._writes.values():
+            if write.node is not None:
+                self.tree.unlock(write.node)
+                write.node = None
+            write.park = sorted(set(write.park) | set(write.slots))
+            if write.verdicts_left > 0:
+                write.aborted = True
+        for job in self._commits:  # every worker reported them clean, but their pages are of the old epoch
+            if job in self._writes:
+                self._writes[job].aborted = True
+        self._aborts.extend(self._commits)
+        self._commits = []
+        self._pending_bad.clear()
+        dropped = self.tree.clear(keep={s for w in self._writes.values() for s in w.park})
+        self.tree.stored.clear()
+        self.stats["resets"] += 1
+        if self.tree.held_pages():  # a lock nothing here holds (cannot happen): not done
+            logger.error("hicache: cache reset left %d host page(s) in the tree", self.tree.held_pages())
+            return False
+        logger.info("hicache: cache reset (epoch %d): %d host page(s) forgotten, %d write(s) still running",
+                    self.epoch, dropped, len(self._writes))
+        return True
+
+    # ------------------------------------------------------------------ requests
     def finished(self, req_id: str) -> None:
         state = self._reqs.pop(req_id, None)
         self._loads.pop(req_id, None)

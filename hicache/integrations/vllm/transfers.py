@@ -38,7 +38,24 @@ class PageLoad:
 @dataclass(frozen=True)
 class PageSave:
     """Blocks of one request copied into host slots; pages ``[write_from:]`` are then written
-    to storage (in the background) as job ``job``, chained after ``prior_key``."""
+    to storage (in the background) as job ``job``, chained after ``prior_key``.
+
+    - ``copy_from``: the first ``copy_from`` pages are in their host slots already (the tree
+      holds them) but storage may lack them (an earlier write failed or was refused): they are
+      only written, never copied again, and ``write_from`` is then ``0``. Why: a page storage
+      lacks is a hole that makes every page after it unreachable by a prefix lookup.
+    - ``depends_on``: blocks that the request's KV before the step sits in and whose load
+      (in this step, or in an earlier one whose outcome the scheduler has not seen yet: with
+      async scheduling the next step is planned before) may have failed. vLLM runs a step even
+      when such a load fails (and rolls the request back after it), so the pages computed over
+      it attended to garbage: a worker that saw one of these blocks fail drops the save (its
+      slots reported bad), it is never stored.
+    - ``hold``: several workers (tp x pp) and ``depends_on`` is not empty: one worker cannot
+      know whether another one's load failed (the garbage then reaches every rank through
+      the collectives), so the storage write waits for the scheduler's word, given once every
+      worker reported the save (``WorkerReport.held``/``tainted``), in a later step's
+      metadata (commit or abort).
+    """
 
     req_id: str
     keys: tuple[str, ...]
@@ -47,24 +64,56 @@ class PageSave:
     write_from: int = 0
     prior_key: str | None = None
     job: int = 0
+    copy_from: int = 0
+    depends_on: tuple[int, ...] = ()
+    hold: bool = False
 
     def __post_init__(self) -> None:
         _check(self.keys, self.slots, self.block_ids)
         if not 0 <= self.write_from <= len(self.keys):
             raise ValueError(f"write_from={self.write_from} for {len(self.keys)} pages")
+        if not 0 <= self.copy_from <= len(self.keys) or (self.copy_from and self.write_from):
+            raise ValueError(f"copy_from={self.copy_from} with write_from={self.write_from} for {len(self.keys)} pages")
+
+
+def _min_merge(a: dict[int, int], b: dict[int, int]) -> dict[int, int]:
+    out = dict(a)
+    for job, n in b.items():
+        out[job] = min(out[job], n) if job in out else n
+    return out
 
 
 @dataclass
 class WorkerReport:
-    """From the workers since their last report: storage writes that ended (job -> how many
-    workers finished it), and slots whose content is not what the scheduler believes."""
+    """From the workers since their last report:
+
+    - ``jobs_done``: storage writes that ended (job -> how many workers finished it);
+    - ``written``: job -> leading pages written, the fewest of the workers that reported it (a
+      page is a storage hit only when every rank holds its shard);
+    - ``bad_slots``: slots whose content is not what the scheduler believes;
+    - ``held``: job -> workers that copied a ``hold`` save and wait for the scheduler's word;
+    - ``tainted``: job -> workers that dropped a save because a block its KV depends on failed
+      to load;
+    - ``step``: the scheduler's step this report ends (the lowest of the workers'): vLLM handles
+      that step's failed loads with this very output, so the scheduler need not suspect them
+      any more (``None``: no step begun).
+    """
 
     jobs_done: Counter[int] = field(default_factory=Counter)
     bad_slots: set[int] = field(default_factory=set)
+    written: dict[int, int] = field(default_factory=dict)
+    held: Counter[int] = field(default_factory=Counter)
+    tainted: Counter[int] = field(default_factory=Counter)
+    step: int | None = None
 
     def __bool__(self) -> bool:
-        return bool(self.jobs_done or self.bad_slots)
+        return bool(self.jobs_done or self.bad_slots or self.written or self.held or self.tainted
+                    or self.step is not None)
 
     def merge(self, other: WorkerReport) -> WorkerReport:
         """Both reports in one (vLLM aggregates the workers' reports of a step)."""
-        return WorkerReport(self.jobs_done + other.jobs_done, self.bad_slots | other.bad_slots)
+        steps = [s for s in (self.step, other.step) if s is not None]
+        return WorkerReport(
+            self.jobs_done + other.jobs_done, self.bad_slots | other.bad_slots, _min_merge(self.written, other.written),
+            self.held + other.held, self.tainted + other.tainted, min(steps) if steps else None,
+        )

@@ -19,9 +19,18 @@ every later page of its request, and its blocks are reported so vLLM recomputes 
 never reaches a block.
 
 Saves (``save``): each newly completed block is gathered, all layers into one host page, at the
-end of the step (when every layer's KV is written), and the new pages are queued for storage in
-the background. A slot that an earlier storage read or write still uses is never overwritten:
-that save is dropped (a future miss) and the slot reported.
+end of the step (when every layer's KV is written; batched per layer, :meth:`WorkerSide._gather`),
+and the pages storage may lack are queued for
+storage in the background (with pages the host pool holds already and an earlier write did not
+store, written from their slots). A slot that an earlier storage read or write still uses is
+never overwritten: that save is dropped (a future miss) and the slot reported. A save whose
+request's KV sits in a block that failed to load in the same step is dropped too (vLLM ran the
+step over the garbage before rolling the request back): its slots are reported, nothing of it
+is stored. A save marked ``hold`` (several workers) keeps its storage write until the scheduler's
+word arrives with a later step's metadata (:meth:`WorkerSide.begin_step`).
+
+Every write reports how many leading pages it stored (``WorkerReport.written``): the scheduler
+counts a page as stored only then, and writes it again later otherwise.
 
 Nothing here imports vLLM: the connector passes plain tensors and ids.
 """
@@ -54,6 +63,16 @@ __all__ = ["WorkerSide"]
 
 logger = logging.getLogger("hicache.integrations.vllm")
 
+@dataclasses.dataclass
+class _Held:
+    """A ``hold`` save's storage write, waiting for the scheduler's commit or abort."""
+
+    job: StorageWriteJob
+    spec: PageSave
+    writes: list[int]  # slots the write reads
+    copied: list[int]  # slots the save filled from vLLM's blocks
+
+
 class _Load:
     """One step's load: its per-layer completion and the blocks that failed."""
 
@@ -79,6 +98,9 @@ class WorkerSide:
     """Moves pages for one worker (one tp/pp rank). ``layers`` are vLLM's per-layer KV
     tensors, block-indexed on dim 0 (or on dim 1 when K/V come first)."""
 
+    #: the most bytes a save stages at a time (see :meth:`_gather`)
+    stage_bytes = 64 << 20
+
     def __init__(
         self,
         geometry: KVGeometry,
@@ -92,6 +114,13 @@ class WorkerSide:
         self.load_timeout_s = load_timeout_s
         self.pool = block_host_pool(geometry, host_pages)
         self.num_pages = self.pool.num_pages
+        # the pool as [pages, layers, block bytes]: page_first pools are one contiguous buffer,
+        # so a save writes runs of whole pages with one copy each (see _gather)
+        first = self.pool.page_view(0)
+        assert first is not None
+        nl, nb = geometry.num_layers, geometry.block_nbytes
+        self._pages = first.as_strided((self.num_pages, nl, nb), (nl * nb, nb, 1))
+        self._stage: torch.Tensor | None = None  # page-major staging for saves (see _gather)
         self.layers: list[torch.Tensor] = []
         self._layer_index: dict[str, int] = {}
         self._kv_first: list[bool] = []
@@ -102,7 +131,14 @@ class WorkerSide:
         self._reading: Counter[int] = Counter()  # storage reads into the slot
         self._writing: Counter[int] = Counter()  # storage writes from the slot
         self._report = WorkerReport()
-        self._failed: set[int] = set()
+        self._failed: set[int] = set()  # blocks whose load failed, until vLLM takes them
+        # blocks whose load failed, per scheduler step, until the scheduler saw that step's
+        # outcome (vLLM rolled the requests back): saves of requests whose KV sits in one drop
+        self._recent_failed: dict[int, set[int]] = {}
+        self._step_seq = 0  # the scheduler's step being run (0: none announced)
+        self._held: dict[int, _Held] = {}
+        self._epoch = 0  # the scheduler's cache epoch this pool's pages belong to
+        self._queued_pages = 0  # pages handed to the controller's write queue and not ended
         self._rids = itertools.count()
         self._loop = LoopThread(name="hicache-vllm-worker")
         self.controller = HiCacheController(
@@ -116,7 +152,8 @@ class WorkerSide:
         self._load: _Load | None = None
         self._closed = False
         self.stats: dict[str, int] = dict.fromkeys(
-            ("pages_loaded", "pages_from_host", "pages_failed", "pages_saved", "saves_dropped", "save_errors"), 0
+            ("pages_loaded", "pages_from_host", "pages_failed", "pages_saved", "saves_dropped", "save_errors",
+             "saves_tainted", "writes_held", "writes_aborted", "host_resets"), 0
         )
 
     # ------------------------------------------------------------------ set-up
@@ -210,8 +247,7 @@ class WorkerSide:
             logger.warning("hicache: layer %s load did not complete: %r", layer_name, exc)
             job.abandoned.set()
             job.counter.fail(exc if isinstance(exc, Exception) else RuntimeError(repr(exc)))
-            with self._lock:
-                self._failed |= job.blocks
+            self._fail(job.blocks)
 
     def finish_step(self) -> None:
         """End of the step: the load thread must be done with vLLM's blocks before they are
@@ -220,8 +256,16 @@ class WorkerSide:
         if job is not None and not job.done.wait(self.load_timeout_s + 10.0):
             logger.error("hicache: a load is still running after the step; its blocks are reported failed")
             job.abandoned.set()
-            with self._lock:
-                self._failed |= job.blocks
+            self._fail(job.blocks)
+
+    def _fail(self, blocks: set[int]) -> None:
+        """``blocks`` did not load: for vLLM (``take_failed_blocks``) and for the saves of this
+        step and of the next ones the scheduler planned before it saw this one's outcome."""
+        if not blocks:
+            return
+        with self._lock:
+            self._failed |= blocks
+            self._recent_failed.setdefault(self._step_seq, set()).update(blocks)
 
     def take_failed_blocks(self) -> set[int]:
         with self._lock:
@@ -276,8 +320,7 @@ class WorkerSide:
             job.failed_blocks.update(b for _, b in plan)
             job.counter.fail(exc)
         finally:
-            with self._lock:
-                self._failed |= job.failed_blocks
+            self._fail(job.failed_blocks)
             job.done.set()
 
     def _fetch(self, fetches: list[_Fetch]) -> dict[str, int]:
@@ -347,68 +390,223 @@ class WorkerSide:
                 dst.copy_(page[i * nb : (i + 1) * nb].view(dst.dtype).view(dst.shape))
             job.counter.mark_done(i)
 
+    # ------------------------------------------------------------------ step start
+    def begin_step(
+        self, commit: Sequence[int] = (), abort: Sequence[int] = (), epoch: int | None = None,
+        step: int | None = None, resolved: int | None = None,
+    ) -> None:
+        """The scheduler's word from a step's metadata, before the step's loads: held writes to
+        start or forget, its cache epoch (a new one: the host pool's pages are of before a
+        reset, drop them), the step's number and the last step whose outcome it has seen
+        (failed loads up to it need no remembering). Idempotent: the connector calls it at the
+        step's start and again at its save."""
+        if step is not None:
+            self._step_seq = step
+        if resolved is not None:
+            with self._lock:
+                for seq in [seq for seq in self._recent_failed if seq <= resolved]:
+                    del self._recent_failed[seq]
+        if epoch is not None and epoch != self._epoch:
+            self._reset_host(epoch)
+        for job in commit:
+            held = self._held.pop(job, None)
+            if held is not None:
+                self._queue_write(held.job, held.spec, held.writes)
+        for job in abort:
+            held = self._held.pop(job, None)
+            if held is not None:
+                self._drop_held(held)
+
+    def _reset_host(self, epoch: int) -> None:
+        """Forget every page of the host pool (the scheduler's tree forgot them already); held
+        writes are dropped. Storage I/O still running keeps its slots busy, as always."""
+        self.finish_step()
+        for held in list(self._held.values()):
+            self._drop_held(held)
+        self._held.clear()
+        with self._lock:
+            self._resident = [None] * self.num_pages
+        self._epoch = epoch
+        self.stats["host_resets"] += 1
+        logger.info("hicache worker: cache reset (epoch %d): host pages dropped", epoch)
+
+    def _drop_held(self, held: _Held) -> None:
+        """A held write the scheduler aborted (another worker's load failed under it) or that
+        a reset made pointless: its pages are not stored, and the copies are not served."""
+        keys = dict(zip(held.spec.slots[held.spec.copy_from :], held.spec.keys[held.spec.copy_from :]))
+        with self._lock:
+            self._release(self._writing, held.writes)
+            for slot in held.copied:
+                if not self._busy(slot) and self._resident[slot] == keys.get(slot):
+                    self._resident[slot] = None
+        self.stats["writes_aborted"] += len(held.writes)
+        self._job_done(held.spec, [], 0)
+
     # ------------------------------------------------------------------ saves
     def save(self, saves: Sequence[PageSave]) -> None:
-        """Gather each page into its host slot now, queue the new ones for storage."""
+        """Gather each page into its host slot now, queue the ones storage may lack (or hold
+        them for the scheduler's word). Saves of requests whose KV read a block that failed
+        to load are dropped. This runs on vLLM's engine thread at the end of the step: every
+        page of the step is gathered with one indexed copy per layer (:meth:`_gather`), not
+        one copy per block per layer."""
         if not saves or not self.layers or self._closed:
             for spec in saves:
                 self._job_done(spec, [], 0)
             return
-        nb = self.geometry.block_nbytes
+        with self._lock:
+            failed = set().union(*self._recent_failed.values())
+        planned: list[tuple[PageSave, list[int], list[int]]] = []
+        claimed: set[int] = set()  # slots this step's saves fill: one page each
         for spec in saves:
-            slots: list[int] = []
+            if spec.depends_on and failed.intersection(spec.depends_on):
+                self._drop_tainted(spec, failed)
+            else:
+                planned.append(self._plan_save(spec, claimed))
+        self._gather([(slot, block) for spec, copied, _ in planned
+                      for slot, block in zip(copied, spec.block_ids[spec.copy_from :])])
+        for spec, copied, writes in planned:
             with self._lock:
-                for slot, block in zip(spec.slots, spec.block_ids):
-                    if not self._free_slot(slot):
-                        break
-                    if not self._valid_block(block):
-                        logger.error("hicache: save of %s names block %d of %d; not saved", spec.req_id, block,
-                                     self._num_blocks)
-                        break
-                    slots.append(slot)
-                    self._resident[slot] = None  # not a complete page until the copy is done
-                for slot in spec.slots[len(slots) :]:
-                    if self._valid_slot(slot):
-                        self._report.bad_slots.add(slot)
-                        if not self._busy(slot):
-                            self._resident[slot] = None
-                writes = slots[spec.write_from :]
-                for slot in writes:
-                    self._writing[slot] += 1
-            self.stats["saves_dropped"] += len(spec.slots) - len(slots)
-            for key, slot, block in zip(spec.keys, slots, spec.block_ids):
-                page = self._page(slot)
-                for i in range(len(self.layers)):
-                    page[i * nb : (i + 1) * nb].copy_(self._block(i, block).reshape(-1).view(torch.uint8))
-                with self._lock:
+                for key, slot in zip(spec.keys[spec.copy_from :], copied):
                     self._resident[slot] = key
-            if not writes:
-                self._job_done(spec, [], 0)
-                continue
-            job = StorageWriteJob(
-                keys=list(spec.keys[spec.write_from : len(slots)]), host_indices=self._indices(writes),
-                prior_key=spec.prior_key, on_done=lambda n, spec=spec, writes=writes: self._job_done(spec, writes, n),
-            )
-            try:
-                self._loop.loop.call_soon_threadsafe(self._submit_write, job, spec, writes)
-            except RuntimeError:  # the loop is gone (closing)
-                self._job_done(spec, writes, 0)
+            self._write(spec, copied, writes)
+
+    def _drop_tainted(self, spec: PageSave, failed: set[int]) -> None:
+        """The save's request computed its pages over a block whose load failed: none of its
+        pages is kept; its slots are reported (the scheduler's tree inserted them already)."""
+        new = spec.slots[spec.copy_from :]
+        with self._lock:
+            for slot in new:
+                if self._valid_slot(slot):
+                    self._report.bad_slots.add(slot)
+                    if not self._busy(slot):
+                        self._resident[slot] = None
+            if spec.job:
+                self._report.tainted[spec.job] += 1
+        self.stats["saves_tainted"] += len(new)
+        logger.info("hicache: save of %s dropped: its KV read block(s) %s that failed to load",
+                    spec.req_id, sorted(failed.intersection(spec.depends_on)))
+        self._job_done(spec, [], 0)
+
+    def _plan_save(self, spec: PageSave, claimed: set[int]) -> tuple[PageSave, list[int], list[int]]:
+        """Which of the save's slots it fills (``copied``) and which it writes to storage
+        (``writes``: the leading run of pages that hold their page, from ``write_from`` on);
+        marks them (``copied`` hold nothing until the copy, ``writes`` are busy)."""
+        cf = spec.copy_from
+        with self._lock:
+            # pages the host pool holds already (only written): each must still be in its slot
+            kept: list[int] = []
+            for key, slot in zip(spec.keys[:cf], spec.slots[:cf]):
+                if not (self._valid_slot(slot) and self._resident[slot] == key and not self._reading[slot]):
+                    if self._valid_slot(slot) and self._resident[slot] != key:
+                        self._report.bad_slots.add(slot)
+                    break
+                kept.append(slot)
+            copied: list[int] = []
+            for slot, block in zip(spec.slots[cf:], spec.block_ids[cf:]):
+                if not self._free_slot(slot) or slot in claimed:
+                    break
+                if not self._valid_block(block):
+                    logger.error("hicache: save of %s names block %d of %d; not saved", spec.req_id, block,
+                                 self._num_blocks)
+                    break
+                copied.append(slot)
+                claimed.add(slot)
+                self._resident[slot] = None  # not a complete page until the copy is done
+            for slot in spec.slots[cf + len(copied) :]:
+                if self._valid_slot(slot):
+                    self._report.bad_slots.add(slot)
+                    if not self._busy(slot) and slot not in claimed:
+                        self._resident[slot] = None
+            leading = [*kept, *copied] if len(kept) == cf else kept
+            writes = leading[spec.write_from :]
+            for slot in writes:
+                self._writing[slot] += 1
+        self.stats["saves_dropped"] += len(spec.slots) - cf - len(copied)
+        return spec, copied, writes
+
+    def _gather(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy block ``block`` of every layer into host page ``slot``, for each pair. Why not
+        block by block: a long prefill saves thousands of pages of dozens of layers, and one
+        small copy per block per layer (each a synchronous device-to-host copy on a GPU) held
+        the engine thread for about a second. Here each layer's blocks are taken with one
+        ``index_select`` into a page-major staging buffer (one copy per layer, to host memory
+        when the cache is on a device), and the staged pages go to their slots with one copy
+        per run of consecutive slots. At most ``stage_bytes`` are staged at a time."""
+        if not pairs:
+            return
+        nl, nb = self.geometry.num_layers, self.geometry.block_nbytes
+        page_nbytes = nl * nb
+        chunk = max(1, self.stage_bytes // page_nbytes)
+        flat = self._pages.view(self.num_pages, page_nbytes)
+        for lo in range(0, len(pairs), chunk):
+            part = pairs[lo : lo + chunk]
+            k = len(part)
+            if self._stage is None or self._stage.shape[0] < k:
+                self._stage = torch.empty(min(chunk, len(pairs)), nl, nb, dtype=torch.uint8)
+            stage = self._stage[:k]
+            blocks = torch.tensor([block for _, block in part], dtype=torch.int64)
+            for i, layer in enumerate(self.layers):
+                index = blocks.to(layer.device)
+                if self._kv_first[i]:  # [2, blocks, ...]: a block is its K part then its V part
+                    picked = layer.index_select(1, index).transpose(0, 1)
+                else:
+                    picked = layer.index_select(0, index)
+                # to host memory if on a device: synchronous, after the forward's writes
+                stage[:, i].copy_(picked.reshape(k, -1).view(torch.uint8))
+            slots = [slot for slot, _ in part]
+            j = 0
+            while j < k:
+                e = j + 1
+                while e < k and slots[e] == slots[e - 1] + 1:
+                    e += 1
+                flat[slots[j] : slots[j] + (e - j)].copy_(stage[j:e].view(e - j, page_nbytes))
+                j = e
+
+    def _write(self, spec: PageSave, copied: list[int], writes: list[int]) -> None:
+        """Queue the save's storage write, or hold it for the scheduler's word."""
+        if not writes:
+            self._job_done(spec, [], 0)
+            return
+        job = StorageWriteJob(
+            keys=list(spec.keys[spec.write_from : spec.write_from + len(writes)]), host_indices=self._indices(writes),
+            prior_key=spec.prior_key, on_done=lambda n, spec=spec, writes=writes: self._job_done(spec, writes, n, queued=True),
+        )
+        if spec.hold:
+            self._held[spec.job] = _Held(job, spec, writes, copied)
+            with self._lock:
+                self._report.held[spec.job] += 1
+            self.stats["writes_held"] += len(writes)
+            return
+        self._queue_write(job, spec, writes)
+
+    def _queue_write(self, job: StorageWriteJob, spec: PageSave, writes: list[int]) -> None:
+        with self._lock:
+            self._queued_pages += len(writes)
+        try:
+            self._loop.loop.call_soon_threadsafe(self._submit_write, job, spec, writes)
+        except RuntimeError:  # the loop is gone (closing)
+            self._job_done(spec, writes, 0, queued=True)
 
     def _submit_write(self, job: StorageWriteJob, spec: PageSave, writes: list[int]) -> None:
         """On the controller's loop: queue the write, or end the job at once when the queue is
-        full, the store is off or the controller is closing."""
+        full, the store is off or the controller is closing (the scheduler learns that nothing
+        was written, and writes the pages again with a later save)."""
         try:
             queued = self.controller.submit_storage_write(job)
         except Exception:  # noqa: BLE001 - a closed controller refuses by raising
             queued = False
         if not queued:
-            self._job_done(spec, writes, 0)
+            self._job_done(spec, writes, 0, queued=True)
 
-    def _job_done(self, spec: PageSave, writes: list[int], written: int) -> None:
+    def _job_done(self, spec: PageSave, writes: list[int], written: int, *, queued: bool = False) -> None:
         """A save's storage write ended (``written`` leading pages made it)."""
         with self._lock:
             self._release(self._writing, writes)
-            self._report.jobs_done[spec.job] += 1
+            if queued:
+                self._queued_pages -= len(writes)
+            if spec.job:
+                self._report.jobs_done[spec.job] += 1
+                self._report.written[spec.job] = min(written, self._report.written.get(spec.job, written))
         self.stats["pages_saved"] += written
         self.stats["save_errors"] += len(writes) - written
 
@@ -416,17 +614,29 @@ class WorkerSide:
         """What the scheduler should learn since the last call (writes ended, bad slots)."""
         with self._lock:
             report, self._report = self._report, WorkerReport()
+        report.step = self._step_seq or None
         return report
 
     # ------------------------------------------------------------------ close
     def close(self, timeout: float) -> int:
         """Finish loads, drain the storage queue (up to ``timeout`` s), close storage. Returns
-        the number of pages that were queued for storage and not written."""
+        the number of pages that were queued for storage and not written (writes held for the
+        scheduler's word included: without it they are never written). Both the pages still
+        queued when the drain starts and the ones given up are logged."""
         if self._closed:
             return 0
         self._closed = True
         self.finish_step()
         self._executor.shutdown(wait=True)
+        held = sum(len(h.writes) for h in self._held.values())
+        for h in list(self._held.values()):
+            self._drop_held(h)
+        self._held.clear()
+        with self._lock:
+            queued = self._queued_pages
+        if queued or held:
+            logger.info("hicache worker: closing with %d page(s) queued for storage (draining for up to %.1f s)%s",
+                        queued, timeout, f", {held} held write page(s) given up" if held else "")
         lost = 0
         try:
             report = self._loop.call(self.controller.aclose(timeout), timeout=timeout + max(1.0, timeout) + 5.0)
@@ -434,8 +644,13 @@ class WorkerSide:
             if not report.drained:
                 logger.warning("hicache worker: the storage queue did not drain within %.1f s", timeout)
         except BaseException as exc:  # noqa: BLE001 - closing must not raise into vLLM
+            with self._lock:
+                lost = self._queued_pages
             logger.warning("hicache worker: closing the controller failed: %r", exc)
         finally:
             self._loop.stop()
+        if lost or held:
+            logger.warning("hicache worker: gave up %d of %d page(s) queued for storage at close%s", lost, queued,
+                           f" and {held} held page(s)" if held else "")
         logger.info("hicache worker: %s", self.stats)
-        return lost
+        return lost + held

@@ -3,7 +3,8 @@
 The spec names the model, the connector config (or none), the prompts (token ids) and where to
 write the result: every prompt's generated token ids and how many prompt tokens vLLM reported
 as cached. Optional ``phases`` run prompt groups one after the other with a file barrier in
-between (two engines sharing one store). Used by the end-to-end tests and the benchmark.
+between (two engines sharing one store), and ``reset_before`` resets vLLM's prefix cache and the
+connector's before a phase. Used by the end-to-end tests and the benchmark.
 """
 
 from __future__ import annotations
@@ -51,12 +52,16 @@ def main(spec_path: str) -> None:
     for phase in phases:
         if phase.get("wait_for"):
             _wait_for(phase["wait_for"], spec.get("barrier_timeout", 240))
+        reset = None
+        if phase.get("reset_before"):  # what a weight update does: every cache, the connector's too
+            reset = bool(llm.reset_prefix_cache(reset_connector=True))
         t = time.monotonic()
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in phase["prompts"]], sp, use_tqdm=False)
         results.append({
             "outputs": [list(o.outputs[0].token_ids) for o in outs],
             "cached": [int(o.num_cached_tokens or 0) for o in outs],
             "seconds": time.monotonic() - t,
+            "reset": reset,
         })
         if phase.get("signal"):
             Path(phase["signal"]).write_text("done")

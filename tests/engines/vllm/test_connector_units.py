@@ -82,9 +82,15 @@ def load(w: WorkerSide, loads: list[PageLoad]) -> set[int]:
     return w.take_failed_blocks()
 
 
+def begin(w: WorkerSide, plan: StepPlan) -> None:
+    """What the worker's connector does with a step's metadata before its loads."""
+    w.begin_step(plan.commit, plan.abort, plan.epoch, plan.step, plan.resolved)
+
+
 def run_step(s: SchedulerSide, w: WorkerSide, scheduled: list, *, report: bool = True) -> tuple[StepPlan, set[int]]:
     """One vLLM step of both halves: plan, the worker's loads and saves, its report back."""
     plan = s.plan_step(scheduled)
+    begin(w, plan)
     failed = load(w, plan.loads)
     w.save(plan.saves)
     if report:

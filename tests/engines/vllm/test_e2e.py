@@ -223,3 +223,17 @@ def test_host_tier_serves_a_prompt_after_vllm_freed_its_blocks(tiny: Path, compu
     assert phases[0]["cached"] == [0, 0, 0] and phases[0]["outputs"] == first["outputs"]
     assert phases[1]["cached"] == HITS
     assert phases[1]["outputs"] == first["outputs"]
+
+
+def test_reset_connector_cache_forgets_what_hicache_holds(tiny: Path, computed: Any, tmp_path: Path) -> None:
+    """vLLM's ``reset_prefix_cache(reset_connector=True)`` (what a weight update does): the
+    prompts computed before the reset are computed again after it, none of their tokens comes
+    from hicache's host tier or store (their KV would be of the old weights)."""
+    _, first = computed
+    spec = spec_for(tiny, file_store(tmp_path / "store"),
+                    phases=[{"prompts": PROMPTS}, {"prompts": PROMPTS, "reset_before": True}])
+    before, after = run_engine(tmp_path, "reset", spec)["phases"]
+    assert before["cached"] == [0, 0, 0] and before["outputs"] == first["outputs"]
+    assert after["reset"] is True
+    assert after["cached"] == [0, 0, 0]
+    assert after["outputs"] == first["outputs"]

@@ -1,0 +1,594 @@
+"""The connector when things go wrong, on the same real parts as ``test_connector_units.py``
+(a real file store, real tensors shaped like vLLM's CPU KV cache, both halves and the reports
+between them) and, where the connector itself is the subject, vLLM's own config objects and
+factory: loads that fail under a step that still runs, slots reported bad while a write reads
+them, writes refused, a cache reset, pipeline stages of uneven depth, a slow store with many
+waiting requests, and shutdown under vLLM's worker grace period."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from test_connector_units import (
+    BS,
+    begin,
+    GEOM,
+    OTHER,
+    TOKENS,
+    kv_layers,
+    load,
+    namespace,
+    page_files,
+    request,
+    run_step,
+    saves,
+    scheduler,
+    stored,
+    wait_report,
+    worker,
+)
+
+from hicache.integrations.vllm.host_tree import HostPageTree
+from hicache.integrations.vllm.naming import PageKeyChain
+from hicache.integrations.vllm.options import ConnectorOptions
+from hicache.integrations.vllm.scheduler_side import SchedulerSide
+from hicache.integrations.vllm.store_io import StoreIO, make_backend
+from hicache.integrations.vllm.transfers import PageLoad, PageSave
+from hicache.integrations.vllm.worker_side import WorkerSide
+from hicache.storage.offload import run_to_completion
+
+
+def in_store(s: SchedulerSide, keys: list[str], rank: int = 0) -> list[bool]:
+    """Which of ``keys`` the store of parallel rank ``rank`` holds."""
+    return [bool(e) for e in s.store.call(s.store.backends[rank].exists_pages(keys), timeout=10)]
+
+
+def answer(s: SchedulerSide, rid: str, tokens: list[int]) -> int:
+    """The lookup's answer as vLLM gets it: asked again each step until it is not "not yet"."""
+    deadline = time.monotonic() + 20
+    while (hit := s.matched_tokens(rid, tokens, None, 0)) is None and time.monotonic() < deadline:
+        s.plan_step([])
+        time.sleep(0.01)
+    assert hit is not None
+    return hit
+
+
+def damage(root: Path, src: list[torch.Tensor], block: int) -> None:
+    """Flip one payload byte of the stored page whose payload is block ``block`` of ``src``."""
+    payload = torch.cat([t[block].reshape(-1).view(torch.uint8) for t in src]).numpy().tobytes()
+    target = next(p for p in page_files(root) if payload in p.read_bytes())
+    data = bytearray(target.read_bytes())
+    data[data.find(payload) + 100] ^= 0x55
+    target.write_bytes(bytes(data))
+
+
+def forward(gpu: list[torch.Tensor], good: list[torch.Tensor], blocks: list[int], pages: range, *, garbage: bool) -> None:
+    """What the model writes into the blocks of ``pages``: the right KV, or KV computed over
+    blocks that failed to load (anything else)."""
+    for p in pages:
+        for i in range(GEOM.num_layers):
+            gpu[i][blocks[p]] = -good[i][p] if garbage else good[i][p]
+
+
+def block_writes(w: WorkerSide) -> threading.Event:
+    """Hold every storage write of ``w`` until the returned event is set."""
+    backend = w.controller.storage
+    real_write = backend._write
+    gate = threading.Event()
+
+    async def held_write(pages, buffers, parents):  # type: ignore[no-untyped-def]
+        await run_to_completion(gate.wait, 30)
+        return await real_write(pages, buffers, parents)
+
+    backend._write = held_write  # type: ignore[method-assign]
+    return gate
+
+
+# ---------------------------------------------------------------- KV computed over a failed load
+@pytest.mark.parametrize("failure", ["damaged", "slow"])
+def test_kv_computed_over_a_failed_load_is_never_stored(tmp_path: Path, failure: str) -> None:
+    """vLLM runs the step in which a load fails (and rolls the request back after it): the
+    pages that step computes attended to garbage. They must reach neither the host tier nor
+    storage; once vLLM recomputed them, a fresh engine reads every page back right."""
+    good = kv_layers(seed=2)  # the right KV: block p holds page p
+    keys = PageKeyChain(BS).extend(TOKENS, 5)
+    stored(tmp_path, seed=2, num_pages=3)
+    if failure == "damaged":
+        damage(tmp_path, good, 1)
+    s = scheduler("file", {"root": str(tmp_path)})
+    gpu = kv_layers(seed=None)
+    w = worker(tmp_path, gpu, load_timeout_s=0.5 if failure == "slow" else 10.0)
+    disk = threading.Event()
+    if failure == "slow":
+        backend = w.controller.storage
+        real_read = backend._read
+
+        async def slow_read(pages, buffers):  # type: ignore[no-untyped-def]
+            await run_to_completion(disk.wait, 30)
+            return await real_read(pages, buffers)
+
+        backend._read = slow_read  # type: ignore[method-assign]
+    blocks = [8, 9, 10, 11, 12, 13]
+    try:
+        assert request(s, "a", TOKENS, blocks) == 3 * BS
+        plan = s.plan_step([("a", 3 * BS, len(TOKENS), TOKENS, blocks)])
+        begin(w, plan)
+        failed = load(w, plan.loads)
+        assert failed == ({9, 10} if failure == "damaged" else {8, 9, 10})
+        forward(gpu, good, blocks, range(3, 5), garbage=True)
+        w.save(plan.saves)
+        s.on_report(w.take_report())
+        disk.set()
+        wait_report(s, w)
+        assert in_store(s, keys[3:5]) == [False, False]
+        (sv,) = plan.saves
+        assert sv.depends_on == (8, 9, 10)
+        assert w.stats["saves_tainted"] == 2 and s.stats["saves_tainted"] == 1
+        first_bad = min(blocks.index(b) for b in failed)
+        assert s.tree.match(TOKENS, None, 5, count_hit=False).pages == first_bad  # the pages before stay
+        deadline = time.monotonic() + 10
+        while w._reading and time.monotonic() < deadline:  # the abandoned read returns
+            time.sleep(0.02)
+        # vLLM rolled the request back to its first failed block and computes from there
+        forward(gpu, good, blocks, range(first_bad, 5), garbage=False)
+        _, failed = run_step(s, w, [("a", first_bad * BS, len(TOKENS), TOKENS, blocks)])
+        assert failed == set()
+        s.finished("a")
+        wait_report(s, w)
+    finally:
+        disk.set()
+        w.close(timeout=30)
+        s.close(timeout=10)
+    dst = kv_layers(seed=None)
+    w2 = worker(tmp_path, dst)
+    try:
+        assert load(w2, [PageLoad("c", tuple(keys), (0, 1, 2, 3, 4), (0, 1, 2, 3, 4))]) == set()
+        for p in range(5):
+            assert all(torch.equal(dst[i][p], good[i][p]) for i in range(GEOM.num_layers)), f"page {p}"
+    finally:
+        w2.close(timeout=10)
+
+
+def test_a_request_sharing_a_block_whose_load_failed_stores_nothing_either(tmp_path: Path) -> None:
+    """vLLM shares blocks between requests: one that found the first pages in vLLM's own
+    prefix cache, in blocks another request loads in the same step, computes over them too,
+    and vLLM rolls it back as well. Its pages must not be stored either."""
+    src, _ = stored(tmp_path, seed=2, num_pages=3)
+    damage(tmp_path, src, 1)
+    other = TOKENS[: 3 * BS] + OTHER[3 * BS :]  # the same first three pages, its own after
+    other_keys = PageKeyChain(BS).extend(other, 5)
+    keys = PageKeyChain(BS).extend(TOKENS, 5)
+    s = scheduler("file", {"root": str(tmp_path)})
+    gpu = kv_layers(seed=3)
+    w = worker(tmp_path, gpu)
+    a_blocks, b_blocks = [8, 9, 10, 11, 12, 13], [8, 9, 10, 3, 4, 5]
+    try:
+        assert request(s, "a", TOKENS, a_blocks) == 3 * BS
+        assert s.matched_tokens("b", other, None, 3 * BS) == 0  # vLLM holds b's first three pages
+        plan = s.plan_step([("a", 3 * BS, len(TOKENS), TOKENS, a_blocks), ("b", 3 * BS, len(other), other, b_blocks)])
+        begin(w, plan)
+        assert load(w, plan.loads) == {9, 10}
+        w.save(plan.saves)
+        s.on_report(w.take_report())
+        wait_report(s, w)
+        assert in_store(s, other_keys[3:5]) == [False, False] and in_store(s, keys[3:5]) == [False, False]
+        assert s.tree.match(other, None, 5, count_hit=False).pages == 1
+        by_req = {sv.req_id: sv for sv in plan.saves}
+        assert by_req["b"].depends_on == (8, 9, 10) and s.stats["saves_tainted"] == 2
+    finally:
+        w.close(timeout=10)
+        s.close(timeout=10)
+
+
+def test_a_step_planned_before_a_failed_loads_outcome_stores_nothing_computed_over_it(tmp_path: Path) -> None:
+    """Async scheduling plans step N+1 before vLLM saw step N's output: a long prompt whose
+    load failed in step N computes its next chunk in step N+1 over the same garbage. That
+    chunk's pages must not be stored either; once the scheduler saw step N, it stops
+    suspecting step N's blocks."""
+    good = kv_layers(seed=2)
+    keys = PageKeyChain(BS).extend(TOKENS, 5)
+    stored(tmp_path, seed=2, num_pages=3)
+    damage(tmp_path, good, 1)
+    s = scheduler("file", {"root": str(tmp_path)})
+    gpu = kv_layers(seed=None)
+    w = worker(tmp_path, gpu)
+    blocks = [8, 9, 10, 11, 12, 13]
+    try:
+        assert request(s, "a", TOKENS, blocks) == 3 * BS
+        step_n = s.plan_step([("a", 3 * BS, 4 * BS, TOKENS, blocks)])  # chunked prefill: page 3 now
+        step_n1 = s.plan_step([("a", 4 * BS, len(TOKENS), TOKENS, blocks)])  # page 4, planned before N ran
+        begin(w, step_n)
+        assert load(w, step_n.loads) == {9, 10}
+        forward(gpu, good, blocks, range(3, 4), garbage=True)
+        w.save(step_n.saves)
+        report_n = w.take_report()
+        begin(w, step_n1)
+        assert load(w, step_n1.loads) == set()
+        forward(gpu, good, blocks, range(4, 5), garbage=True)
+        w.save(step_n1.saves)
+        s.on_report(report_n)
+        s.on_report(w.take_report())
+        wait_report(s, w)
+        assert in_store(s, keys[3:5]) == [False, False]
+        (sv,) = step_n1.saves
+        assert sv.depends_on == (8, 9, 10) and w.stats["saves_tainted"] == 2
+        # vLLM rolled the request back to block 1; the scheduler has seen step N: nothing is suspect
+        forward(gpu, good, blocks, range(1, 5), garbage=False)
+        plan, failed = run_step(s, w, [("a", BS, len(TOKENS), TOKENS, blocks)])
+        (sv,) = plan.saves
+        assert failed == set() and sv.depends_on == ()
+        s.finished("a")
+        wait_report(s, w)
+        assert in_store(s, keys) == [True] * 5
+    finally:
+        w.close(timeout=10)
+        s.close(timeout=10)
+
+
+def rank_worker(root: Path, layers: list[torch.Tensor], rank: int) -> WorkerSide:
+    """The worker of tensor-parallel rank ``rank`` of two (its own namespace: its shard)."""
+    w = WorkerSide(GEOM, make_backend("file", {"root": str(root)}, namespace(tp_rank=rank, tp_size=2)),
+                   host_pages=64, load_timeout_s=10.0, controller=ConnectorOptions().controller_config())
+    w.register([(f"layer.{i}", t) for i, t in enumerate(layers)])
+    return w
+
+
+@pytest.mark.parametrize("damaged", [True, False])
+def test_with_two_workers_a_dependent_write_waits_until_both_reported_it_clean(tmp_path: Path, damaged: bool) -> None:
+    """Tensor parallel: rank 0's load fails, rank 1's does not, but the garbage reaches rank
+    1's KV too (through the collectives), and rank 1 cannot see rank 0's failure. So a write
+    of pages computed over a load is held until every worker reported: one failure aborts it
+    (nothing of it stored on any rank), all clean commits it (stored on every rank)."""
+    keys = PageKeyChain(BS).extend(TOKENS, 5)
+    shards = [kv_layers(seed=20 + r) for r in range(2)]
+    for r in range(2):
+        w = rank_worker(tmp_path, shards[r], r)
+        w.save([saves(keys[:3], range(3), range(3))])
+        assert w.close(timeout=30) == 0
+    if damaged:
+        damage(tmp_path, shards[0], 1)
+    s = SchedulerSide(StoreIO("file", {"root": str(tmp_path)}, [namespace(tp_rank=r, tp_size=2) for r in range(2)],
+                              name="t-tp"), HostPageTree(64, BS), lookup_wait_s=5.0, lookup_timeout_s=5.0, num_workers=2)
+    ws = [rank_worker(tmp_path, kv_layers(seed=30 + r), r) for r in range(2)]
+    blocks = [8, 9, 10, 11, 12, 13]
+    try:
+        assert request(s, "a", TOKENS, blocks) == 3 * BS
+        plan = s.plan_step([("a", 3 * BS, len(TOKENS), TOKENS, blocks)])
+        (sv,) = plan.saves
+        assert sv.hold and sv.depends_on == (8, 9, 10)
+        for w in ws:
+            begin(w, plan)
+        assert [load(w, plan.loads) for w in ws] == [{9, 10} if damaged else set(), set()]
+        for w in ws:
+            w.save(plan.saves)
+        r0, r1 = (w.take_report() for w in ws)
+        assert r1.held[sv.job] == 1 and (r0.tainted[sv.job] if damaged else r0.held[sv.job]) == 1
+        assert in_store(s, keys[3:5], rank=1) == [False, False]  # held, not written
+        s.on_report(r0.merge(r1))
+        word = s.plan_step([])  # the next step's metadata carries the scheduler's word
+        assert (word.abort, word.commit) == (([sv.job], []) if damaged else ([], [sv.job]))
+        for w in ws:
+            begin(w, word)
+        deadline = time.monotonic() + 20
+        while s._writes and time.monotonic() < deadline:
+            s.on_report(ws[0].take_report().merge(ws[1].take_report()))
+            time.sleep(0.02)
+        assert not s._writes
+        for rank in range(2):
+            assert in_store(s, keys[3:5], rank=rank) == ([False, False] if damaged else [True, True])
+        assert s.stats["saves_aborted"] == int(damaged)
+    finally:
+        for w in ws:
+            w.close(timeout=10)
+        s.close(timeout=10)
+
+
+# ---------------------------------------------------------------- bad slots under a running write
+def test_bad_slots_of_a_node_whose_write_still_runs_are_forgotten_at_once(tmp_path: Path) -> None:
+    """A worker reports slots bad while the write of their node still runs (the node is
+    locked): the tree forgets them at once (no lookup is served from them again), and the
+    slots stay out of the allocator until the write has read them."""
+    src = kv_layers(seed=12)
+    s = scheduler("file", {"root": str(tmp_path)})
+    w = worker(tmp_path, src)
+    gate = block_writes(w)
+    w2 = None
+    try:
+        request(s, "a", TOKENS, list(range(6)))
+        run_step(s, w, [("a", 0, len(TOKENS), TOKENS, list(range(6)))])
+        s.finished("a")
+        assert s._writes  # the write still runs: its node is locked
+        w2 = worker(tmp_path, kv_layers(seed=None))  # a worker that lost its pool
+        blocks = list(range(8, 14))
+        assert request(s, "b", TOKENS, blocks) == 5 * BS  # the tree says the host tier holds it
+        _, failed = run_step(s, w2, [("b", 5 * BS, len(TOKENS), TOKENS, blocks)])
+        assert failed == set(blocks[:5])
+        assert s.tree.held_pages() == 0 and s.tree.match(TOKENS, None, 5, count_hit=False).pages == 0
+        s.tree.tree.sanity_check()
+        assert s.tree.allocator.available_size() // BS == 64 - 5  # the write still reads them
+        gate.set()
+        wait_report(s, w)
+        assert s.tree.allocator.available_size() // BS == 64
+        s.tree.tree.sanity_check()
+    finally:
+        gate.set()
+        w.close(timeout=10)
+        if w2 is not None:
+            w2.close(timeout=10)
+        s.close(timeout=10)
+
+
+# ---------------------------------------------------------------- refused writes
+def test_a_refused_storage_write_is_made_again_by_the_next_save_through_its_pages(tmp_path: Path) -> None:
+    """A write refused once (full queue, store briefly down) leaves pages only in the host
+    tier. A later request that finds them there and computes more writes them again, before
+    its own pages: after a restart storage serves the whole prompt, not a prefix with a hole."""
+    long = [(i * 41 + 7) % 500 for i in range(10 * BS + 3)]
+    keys = PageKeyChain(BS).extend(long, 10)
+    s = scheduler("file", {"root": str(tmp_path)})
+    w = worker(tmp_path, kv_layers(seed=3, blocks=32))
+    real = w.controller.submit_storage_write
+    refused = []
+
+    def refuse_once(job):  # type: ignore[no-untyped-def]
+        if not refused:
+            refused.append(job)
+            return False  # what a full storage queue or a closing controller answers
+        return real(job)
+
+    w.controller.submit_storage_write = refuse_once  # type: ignore[method-assign]
+    head = long[: 5 * BS + 3]
+    try:
+        request(s, "a", head, list(range(6)))
+        run_step(s, w, [("a", 0, len(head), head, list(range(6)))])
+        s.finished("a")
+        wait_report(s, w)
+        assert refused
+        blocks = list(range(10, 21))
+        assert request(s, "b", long, blocks) == 5 * BS  # from the host tier
+        plan, _ = run_step(s, w, [("b", 5 * BS, len(long), long, blocks)])
+        s.finished("b")
+        wait_report(s, w)
+    finally:
+        w.close(timeout=30)
+        s.close(timeout=10)
+    s2 = scheduler("file", {"root": str(tmp_path)})
+    try:
+        assert in_store(s2, keys) == [True] * 10
+        assert s2.matched_tokens("c", long, None, 0) == 10 * BS
+    finally:
+        s2.close(timeout=10)
+    (sv,) = plan.saves  # pages 0..4 written from their host slots, then 5..9 copied and written
+    assert sv.keys == tuple(keys) and (sv.copy_from, sv.write_from, sv.prior_key) == (5, 0, None)
+    assert s.stats["pages_unwritten"] == 5 and s.stats["pages_rewritten"] == 5
+
+
+# ---------------------------------------------------------------- reset
+def test_reset_forgets_host_and_stored_pages_and_the_workers_follow(tmp_path: Path) -> None:
+    """After a reset nothing from before is served: not the host tier, not storage (new key
+    chains), and the worker drops its host pages when the next step's metadata shows the new
+    epoch. A write still running at the reset keeps its slots until it ends."""
+    src = kv_layers(seed=30)
+    old_keys = PageKeyChain(BS).extend(TOKENS, 5)
+    s = scheduler("file", {"root": str(tmp_path)})
+    w = worker(tmp_path, src)
+    try:
+        request(s, "a", TOKENS, list(range(6)))
+        run_step(s, w, [("a", 0, len(TOKENS), TOKENS, list(range(6)))])
+        s.finished("a")
+        wait_report(s, w)
+        assert s.matched_tokens("b", TOKENS, None, 0) == 5 * BS and in_store(s, old_keys) == [True] * 5
+        s.finished("b")
+        gate = block_writes(w)
+        request(s, "o", OTHER, list(range(6, 12)))
+        run_step(s, w, [("o", 0, len(OTHER), OTHER, list(range(6, 12)))])
+        assert s._writes  # still running at the reset
+
+        assert s.reset() is True
+        assert s.tree.held_pages() == 0
+        assert s.matched_tokens("c", TOKENS, None, 0) == 0  # neither host tier nor storage
+        plan = s.plan_step([])
+        assert plan.epoch == 1
+        begin(w, plan)
+        assert all(w.holds(slot) is None for slot in range(w.num_pages))
+        gate.set()
+        wait_report(s, w)
+        assert s.tree.allocator.available_size() // BS == 64  # the running write's slots came back
+        # pages are saved and served again, under the new epoch's keys
+        plan, _ = run_step(s, w, [("c", 0, len(TOKENS), TOKENS, list(range(6)))])
+        (sv,) = plan.saves
+        assert len(sv.keys) == 5 and not set(sv.keys) & set(old_keys)
+        s.finished("c")
+        wait_report(s, w)
+        assert s.matched_tokens("d", TOKENS, None, 0) == 5 * BS
+        s.tree.tree.sanity_check()
+    finally:
+        w.close(timeout=10)
+        s.close(timeout=10)
+
+
+@pytest.fixture
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A tiny Llama's config with 5 layers (no weights: nothing here loads them)."""
+    from transformers import LlamaConfig
+
+    path = tmp_path_factory.mktemp("tiny-llama-5")
+    LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=5, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=1000, max_position_embeddings=512).save_pretrained(path)
+    return str(path)
+
+
+def vllm_connector(model: str, root: Path, role: Any, num_layers: int, pp_size: int = 1) -> Any:
+    """Our connector as vLLM's factory builds it, from a real ``VllmConfig``; its
+    ``KVCacheConfig`` has ``num_layers`` layers (vLLM gives each pipeline stage its own)."""
+    from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, ParallelConfig, VllmConfig, set_current_vllm_config
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    kv = KVTransferConfig(kv_connector="HiCacheConnector", kv_connector_module_path="hicache.integrations.vllm",
+                          kv_role="kv_both", kv_connector_extra_config={"backend": "file",
+                                                                        "backend_options": {"root": str(root)}})
+    config = VllmConfig(
+        model_config=ModelConfig(model=model, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=512),
+        cache_config=CacheConfig(block_size=BS),
+        parallel_config=ParallelConfig(pipeline_parallel_size=pp_size,
+                                       distributed_executor_backend="mp" if pp_size > 1 else None),
+        kv_transfer_config=kv,
+    )
+    spec = FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=16, dtype=torch.bfloat16)
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(num_layers)]
+    kv_cache_config = KVCacheConfig(num_blocks=16, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(names, spec)])
+    with set_current_vllm_config(config):
+        return KVConnectorFactory.create_connector(config, role, kv_cache_config)
+
+
+def test_vllms_connector_reset_reaches_hicache(model_dir: str, tmp_path: Path) -> None:
+    """vLLM's scheduler resets the connector through ``reset_cache`` (and reports the reset
+    failed on ``False``): ours says it is done, and the pages stored before are no hit after."""
+    from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    conn = vllm_connector(model_dir, tmp_path, KVConnectorRole.SCHEDULER, num_layers=5)
+    try:
+        keys = PageKeyChain(BS).extend(TOKENS, 5)
+        backend = conn._scheduler.store.primary
+        w = WorkerSide(conn.geometry, make_backend("file", {"root": str(tmp_path)}, backend.namespace), host_pages=8,
+                       load_timeout_s=10.0, controller=ConnectorOptions().controller_config())
+        w.register([(f"l{i}", torch.zeros(16, 2, BS, 2, 16, dtype=torch.bfloat16)) for i in range(5)])
+        w.save([PageSave("r", tuple(keys), tuple(range(5)), tuple(range(5)), job=1)])
+        assert w.close(timeout=30) == 0
+        assert answer(conn._scheduler, "a", TOKENS) == 5 * BS
+        assert Scheduler.reset_connector_cache(SimpleNamespace(connector=conn, log_stats=False)) is True
+        assert answer(conn._scheduler, "b", TOKENS) == 0
+    finally:
+        conn.shutdown()
+
+
+# ---------------------------------------------------------------- pipeline parallel
+def test_pipeline_stages_of_uneven_depth_are_looked_up_under_their_own_layer_count(
+    model_dir: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """5 layers over 2 stages is 3 + 2. The scheduler's KV cache config is stage 0's (3
+    layers), each stage's worker stores under its own layer count: the scheduler must look
+    each stage up under that stage's count, or the prompt never hits."""
+    from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
+
+    import hicache.integrations.vllm.connector as connector_module
+
+    keys = PageKeyChain(BS).extend(TOKENS, 5)
+    for pp, layers in ((0, 3), (1, 2)):
+        monkeypatch.setattr(connector_module, "_worker_ranks", lambda pp=pp: (0, pp))
+        conn = vllm_connector(model_dir, tmp_path, KVConnectorRole.WORKER, num_layers=layers, pp_size=2)
+        g = torch.Generator().manual_seed(pp)
+        conn.register_kv_caches({f"model.layers.{i}.self_attn.attn": torch.randn(16, 2, BS, 2, 16, generator=g)
+                                 .to(torch.bfloat16) for i in range(layers)})
+        conn._worker.save([PageSave("r", tuple(keys), tuple(range(5)), tuple(range(5)), job=1)])
+        conn.shutdown()
+    sched = vllm_connector(model_dir, tmp_path, KVConnectorRole.SCHEDULER, num_layers=3, pp_size=2)
+    try:
+        assert [b.namespace.num_layers for b in sched._scheduler.store.backends] == [3, 2]
+        assert answer(sched._scheduler, "a", TOKENS) == 5 * BS
+    finally:
+        sched.shutdown()
+
+
+# ---------------------------------------------------------------- a slow store, many requests
+def test_the_lookups_of_one_step_share_one_wait_budget(tmp_path: Path) -> None:
+    """vLLM asks about every waiting request each step. With a store slower than the wait,
+    the first lookup of a step spends the step's budget and the others only look, so a step
+    is never blocked longer than one wait however long the queue; the next step has a new
+    budget, and answers come once the store does."""
+    s = scheduler("file", {"root": str(tmp_path)}, wait=0.2, timeout=60.0)
+    backend = s.store.primary
+    real = backend.exists_pages
+    gate = threading.Event()
+
+    async def slow_exists(keys, *args, **kwargs):  # type: ignore[no-untyped-def]
+        while not gate.is_set():
+            await asyncio.sleep(0.01)
+        return await real(keys, *args, **kwargs)
+
+    backend.exists_pages = slow_exists  # type: ignore[method-assign]
+    prompts = [[(i * 7 + j) % 500 for j in range(4 * BS + 1)] for i in range(20)]
+    try:
+        assert [s.matched_tokens(f"r{i}", p, None, 0) for i, p in enumerate(prompts)] == [None] * 20
+        assert s.stats["lookup_waits"] == 1
+        s.plan_step([])  # the step ends
+        assert s.matched_tokens("r0", prompts[0], None, 0) is None
+        assert s.stats["lookup_waits"] == 2
+        gate.set()
+        deadline = time.monotonic() + 20
+        answers: list[int | None] = [None]
+        while None in answers and time.monotonic() < deadline:
+            s.plan_step([])
+            answers = [s.matched_tokens(f"r{i}", p, None, 0) for i, p in enumerate(prompts)]
+        assert answers == [0] * 20 and s.stats["lookups"] == 20
+    finally:
+        gate.set()
+        s.close(timeout=10)
+
+
+# ---------------------------------------------------------------- shutdown
+def test_worker_shutdown_drains_within_vllms_grace_and_logs_what_it_gave_up(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """vLLM's multiprocess executor gives a worker VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS to
+    exit, then SIGTERM, then SIGKILL: a drain past that loses the queued pages without a word.
+    The worker's drain stops well before, and says how many pages were queued and given up."""
+    from hicache.integrations.vllm.connector import worker_close_timeout
+
+    monkeypatch.setenv("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", "1")
+    limit = worker_close_timeout(30.0)
+    assert 0 < limit < 1
+    assert worker_close_timeout(0.2) == 0.2
+    src = kv_layers(seed=8)
+    keys = PageKeyChain(BS).extend(TOKENS, 5)
+    w = worker(tmp_path, src, storage_batch_pages=1)
+    backend = w.controller.storage
+    real_write = backend._write
+
+    async def slow_write(pages, buffers, parents):  # type: ignore[no-untyped-def]
+        await asyncio.sleep(0.4)
+        return await real_write(pages, buffers, parents)
+
+    backend._write = slow_write  # type: ignore[method-assign]
+    w.save([saves(keys, range(5), range(5))])
+    with caplog.at_level(logging.INFO, logger="hicache.integrations.vllm"):
+        lost = w.close(timeout=limit)
+    assert 0 < lost <= 5 and w.stats["pages_saved"] + lost == 5
+    assert "closing with 5 page(s) queued for storage" in caplog.text
+    assert f"gave up {lost} of 5 page(s)" in caplog.text
+
+
+# ---------------------------------------------------------------- batched save copies
+@pytest.mark.parametrize("kv_first", [False, True])
+def test_a_save_gathered_layer_by_layer_in_chunks_puts_every_block_in_its_slot(tmp_path: Path, kv_first: bool) -> None:
+    """The end-of-step save copies each layer's blocks at once and whole pages per run of
+    consecutive slots, a few pages at a time: blocks in any order, slots in runs and out of
+    order, across chunk boundaries, both KV layouts; each slot must hold exactly its block."""
+    g = torch.Generator().manual_seed(40)
+    shape = (2, 16, BS, 1, 64) if kv_first else (16, 1, BS, 128)
+    src = [torch.randn(*shape, generator=g).to(torch.bfloat16) for _ in range(2)]
+    dst = [torch.zeros(*shape, dtype=torch.bfloat16) for _ in range(2)]
+    keys = PageKeyChain(BS).extend(OTHER + TOKENS, 7)
+    slots, blocks = (5, 6, 7, 1, 2, 9, 0), (12, 3, 0, 15, 7, 8, 1)
+    w = worker(tmp_path, src)
+    w.stage_bytes = 3 * GEOM.page_nbytes
+    try:
+        w.save([PageSave("r", tuple(keys), slots, blocks, write_from=7)])
+        assert [w.holds(s) for s in slots] == keys
+        w.register([(f"layer.{i}", t) for i, t in enumerate(dst)])
+        assert load(w, [PageLoad("r", tuple(keys), slots, tuple(range(7)), from_host=7)]) == set()
+        for i in range(2):
+            for d, b in enumerate(blocks):
+                assert torch.equal(dst[i][:, d] if kv_first else dst[i][d], src[i][:, b] if kv_first else src[i][b])
+    finally:
+        w.close(timeout=10)
