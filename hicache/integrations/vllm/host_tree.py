@@ -49,12 +49,17 @@ class _SlotTree(RadixCache):
     """hicache's radix tree whose "device" slots are host page slots; the walks the host tier
     needs beyond the tree's own interface."""
 
-    #: called with the page slots the tree frees (eviction, drops): they hold nothing now
+    #: called with the page slots the tree frees (eviction, drops): they hold nothing now;
+    #: only while ``watched`` is not empty (the slots the hook cares about: none, no call)
     on_free: Callable[[list[int]], None] | None = None
+    watched: set[int] | None = None
 
     def _free(self, indices: torch.Tensor) -> None:
-        if self.on_free is not None and indices.numel():
-            self.on_free(sorted({int(i) // self.page_size for i in indices.reshape(-1).tolist()}))
+        if self.on_free is not None and self.watched and indices.numel():
+            # one index per page (values hold whole pages, page aligned): a big eviction frees
+            # tens of thousands of pages, so no Python int per token
+            ps = self.page_size
+            self.on_free((indices.reshape(-1)[::ps] // ps).tolist())
         super()._free(indices)
 
     def path_slots(self, node: TreeNode) -> torch.Tensor:
@@ -145,6 +150,7 @@ class HostPageTree:
         self.stored: set[int] = set()
         self.writing: Counter[int] = Counter()
         self.tree.on_free = self._forget_stored
+        self.tree.watched = self.stored
 
     # ------------------------------------------------------------------ slots <-> token indices
     def _slots(self, indices: torch.Tensor) -> list[int]:

@@ -96,7 +96,8 @@ class _Write:
     slots: list[int]  # the slots it writes, in page order
     written: int | None = None  # leading pages written, the fewest any worker reported
     park: list[int] = field(default_factory=list)  # slots dropped from the tree: freed when the write ends
-    verdicts_left: int = 0  # a held write: workers still to report it held or tainted
+    verdicts_left: int = 0  # a held write: workers still to report it held, tainted or skipped
+    ended_verdicts: int = 0  # a held write: verdicts that end the worker's part (tainted, skipped)
     aborted: bool = False
 
 
@@ -271,7 +272,10 @@ class SchedulerSide:
                 self.stats["loads_without_room"] += 1
                 new = [-1] * missing  # no room: those pages fail and vLLM recomputes them
             elif held >= start:
-                # the pages follow the tree's: they join it (the worker reports them if the read fails)
+                # the pages follow the tree's: they join it (the worker reports them if the read
+                # fails). They count as stored: the lookup found them in every rank's store (a
+                # bad-slot report or a free forgets that with the slot)
+                self.tree.stored.update(s for s in new if s >= 0)
                 self._lock_for_step(self.tree.insert(state.tokens, state.salt, host, new))
             else:
                 self._staging.extend(new)  # vLLM holds the pages before them, the tree does not
@@ -406,15 +410,13 @@ class SchedulerSide:
             self._resolved = max(self._resolved, report.step)
         for job, n in report.tainted.items():
             self.stats["saves_tainted"] += n
-        for job in set(report.held) | set(report.tainted):
+        for job in set(report.held) | set(report.tainted) | set(report.skipped):
             write = self._writes.get(job)
             if write is None or write.verdicts_left <= 0:
                 continue
-            write.aborted = write.aborted or report.tainted.get(job, 0) > 0
-            write.verdicts_left -= report.held.get(job, 0) + report.tainted.get(job, 0)
-            if write.verdicts_left <= 0:
-                (self._aborts if write.aborted else self._commits).append(job)
-                self.stats["saves_aborted"] += write.aborted
+            against = report.tainted.get(job, 0) + report.skipped.get(job, 0)
+            write.ended_verdicts += against
+            self._verdicts(job, write, report.held.get(job, 0) + against, against > 0)
         for job, n in report.written.items():
             write = self._writes.get(job)
             if write is not None:
@@ -424,6 +426,16 @@ class SchedulerSide:
             if write is None:
                 continue
             write.reports_left -= count
+            if write.verdicts_left > 0:
+                # until the word is given, only a worker that tainted or skipped the write ends
+                # its part (with that verdict); one that ended otherwise (no verdict, or a held
+                # write it gave up at close) does not write its shard: that counts against it
+                missing = (self.num_workers - write.reports_left) - write.ended_verdicts
+                if missing > 0:
+                    write.ended_verdicts += missing
+                    logger.warning("hicache: %d worker(s) ended held write %d without a verdict; aborting it",
+                                   missing, job)
+                    self._verdicts(job, write, missing, True)
             if write.reports_left <= 0:
                 del self._writes[job]
                 self._end_write(write)
@@ -433,6 +445,15 @@ class SchedulerSide:
             dropped = self._drop_bad(bad)
             self.stats["bad_slot_pages_dropped"] += dropped
             logger.info("hicache: %d host slot(s) did not hold their page; %d page(s) forgotten", len(bad), dropped)
+
+    def _verdicts(self, job: int, write: _Write, n: int, against: bool) -> None:
+        """``n`` workers' verdicts on held write ``job`` (``against``: one of them taints or
+        skipped it); once every worker gave one, the write is committed or aborted."""
+        write.aborted = write.aborted or against
+        write.verdicts_left -= n
+        if write.verdicts_left <= 0:
+            (self._aborts if write.aborted else self._commits).append(job)
+            self.stats["saves_aborted"] += write.aborted
 
     def _end_write(self, write: _Write) -> None:
         written = 0 if write.aborted else min(write.written or 0, len(write.slots))

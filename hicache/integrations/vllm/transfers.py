@@ -53,7 +53,7 @@ class PageSave:
     - ``hold``: several workers (tp x pp) and ``depends_on`` is not empty: one worker cannot
       know whether another one's load failed (the garbage then reaches every rank through
       the collectives), so the storage write waits for the scheduler's word, given once every
-      worker reported the save (``WorkerReport.held``/``tainted``), in a later step's
+      worker reported the save (``WorkerReport.held``/``tainted``/``skipped``), in a later step's
       metadata (commit or abort).
     """
 
@@ -94,6 +94,9 @@ class WorkerReport:
     - ``held``: job -> workers that copied a ``hold`` save and wait for the scheduler's word;
     - ``tainted``: job -> workers that dropped a save because a block its KV depends on failed
       to load;
+    - ``skipped``: job -> workers that got a ``hold`` save but have nothing of it to write (a
+      slot still busy, a page no longer in its slot, a closed worker): the write cannot be
+      whole on every rank, so this counts as that worker's verdict against it (an abort);
     - ``step``: the scheduler's step this report ends (the lowest of the workers'): vLLM handles
       that step's failed loads with this very output, so the scheduler need not suspect them
       any more (``None``: no step begun).
@@ -105,10 +108,11 @@ class WorkerReport:
     held: Counter[int] = field(default_factory=Counter)
     tainted: Counter[int] = field(default_factory=Counter)
     step: int | None = None
+    skipped: Counter[int] = field(default_factory=Counter)
 
     def __bool__(self) -> bool:
         return bool(self.jobs_done or self.bad_slots or self.written or self.held or self.tainted
-                    or self.step is not None)
+                    or self.skipped or self.step is not None)
 
     def merge(self, other: WorkerReport) -> WorkerReport:
         """Both reports in one (vLLM aggregates the workers' reports of a step)."""
@@ -116,4 +120,5 @@ class WorkerReport:
         return WorkerReport(
             self.jobs_done + other.jobs_done, self.bad_slots | other.bad_slots, _min_merge(self.written, other.written),
             self.held + other.held, self.tainted + other.tainted, min(steps) if steps else None,
+            self.skipped + other.skipped,
         )

@@ -451,7 +451,7 @@ class WorkerSide:
         one copy per block per layer."""
         if not saves or not self.layers or self._closed:
             for spec in saves:
-                self._job_done(spec, [], 0)
+                self._skip(spec)
             return
         with self._lock:
             failed = set().union(*self._recent_failed.values())
@@ -565,7 +565,7 @@ class WorkerSide:
     def _write(self, spec: PageSave, copied: list[int], writes: list[int]) -> None:
         """Queue the save's storage write, or hold it for the scheduler's word."""
         if not writes:
-            self._job_done(spec, [], 0)
+            self._skip(spec)
             return
         job = StorageWriteJob(
             keys=list(spec.keys[spec.write_from : spec.write_from + len(writes)]), host_indices=self._indices(writes),
@@ -578,6 +578,15 @@ class WorkerSide:
             self.stats["writes_held"] += len(writes)
             return
         self._queue_write(job, spec, writes)
+
+    def _skip(self, spec: PageSave) -> None:
+        """Nothing of the save is written here. A ``hold`` save still gets this worker's verdict
+        (``skipped``: the scheduler aborts the write on every worker, as a page some rank lacks
+        is no storage hit anyway), so the others do not hold theirs forever."""
+        if spec.hold and spec.job:
+            with self._lock:
+                self._report.skipped[spec.job] += 1
+        self._job_done(spec, [], 0)
 
     def _queue_write(self, job: StorageWriteJob, spec: PageSave, writes: list[int]) -> None:
         with self._lock:

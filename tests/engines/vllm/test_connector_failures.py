@@ -291,6 +291,56 @@ def test_with_two_workers_a_dependent_write_waits_until_both_reported_it_clean(t
         s.close(timeout=10)
 
 
+@pytest.mark.parametrize("why", ["busy_slot", "closed", "no_verdict"])
+def test_a_held_write_one_worker_cannot_copy_is_aborted_on_every_worker(tmp_path: Path, why: str) -> None:
+    """Tensor parallel, a ``hold`` save: worker 1 has nothing of it to write (its first slot is
+    still filled by an abandoned storage read, or it is closed). It still gives its verdict
+    (``skipped``), the scheduler aborts the write, worker 0 drops its held write, and the
+    scheduler's write ends (its node unlocked). ``no_verdict``: a worker that ends the write
+    without any verdict at all counts as one against it too."""
+    keys = PageKeyChain(BS).extend(TOKENS, 5)
+    for r in range(2):
+        w = rank_worker(tmp_path, kv_layers(seed=20 + r), r)
+        w.save([saves(keys[:3], range(3), range(3))])
+        assert w.close(timeout=30) == 0
+    s = SchedulerSide(StoreIO("file", {"root": str(tmp_path)}, [namespace(tp_rank=r, tp_size=2) for r in range(2)],
+                              name="t-tp"), HostPageTree(64, BS), lookup_wait_s=5.0, lookup_timeout_s=5.0, num_workers=2)
+    ws = [rank_worker(tmp_path, kv_layers(seed=30 + r), r) for r in range(2)]
+    blocks = [8, 9, 10, 11, 12, 13]
+    try:
+        assert request(s, "a", TOKENS, blocks) == 3 * BS
+        plan = s.plan_step([("a", 3 * BS, len(TOKENS), TOKENS, blocks)])
+        (sv,) = plan.saves
+        assert sv.hold
+        for w in ws:
+            begin(w, plan)
+        assert [load(w, plan.loads) for w in ws] == [set(), set()]
+        if why == "closed":
+            ws[1].close(timeout=5)
+        else:
+            ws[1]._reading[sv.slots[0]] += 1  # an abandoned storage read still fills it
+        for w in ws:
+            w.save(plan.saves)
+        r0, r1 = (w.take_report() for w in ws)
+        assert r0.held[sv.job] == 1 and r1.jobs_done[sv.job] == 1 and r1.skipped[sv.job] == 1
+        if why == "no_verdict":
+            r1.skipped.clear()
+        s.on_report(r0.merge(r1))
+        word = s.plan_step([])
+        assert (word.abort, word.commit) == ([sv.job], [])
+        for w in ws:
+            begin(w, word)
+        s.on_report(ws[0].take_report().merge(ws[1].take_report()))
+        assert not s._writes and not ws[0]._held and not ws[0]._writing
+        assert s.stats["saves_aborted"] == 1
+        assert s.tree.tree.protected_size() == 0  # the save's node is unlocked again
+        assert in_store(s, keys[3:5], rank=0) == [False, False]
+    finally:
+        for w in ws:
+            w.close(timeout=10)
+        s.close(timeout=10)
+
+
 # ---------------------------------------------------------------- bad slots under a running write
 def test_bad_slots_of_a_node_whose_write_still_runs_are_forgotten_at_once(tmp_path: Path) -> None:
     """A worker reports slots bad while the write of their node still runs (the node is

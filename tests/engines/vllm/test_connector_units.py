@@ -606,3 +606,69 @@ def test_lora_and_multimodal_inputs_root_their_own_key_chains() -> None:
     assert len(set(salts)) == len(salts)
     chains = {tuple(PageKeyChain(BS, s).extend(TOKENS, 2)) for s in salts}
     assert len(chains) == len(salts)
+
+
+def test_pages_read_from_storage_count_as_stored(tmp_path: Path) -> None:
+    """Pages a load read from storage into the tree are in storage (the lookup found them): a
+    later request through them writes only its own new pages, and its lookup asks storage
+    only about the pages after the host tier's hit. A bad-slot report forgets that again."""
+    stored(tmp_path, seed=4, num_pages=3)
+    s = scheduler("file", {"root": str(tmp_path)})
+    w = worker(tmp_path, kv_layers(seed=None))
+    try:
+        blocks = list(range(8))
+        assert request(s, "a", TOKENS, blocks) == 3 * BS
+        run_step(s, w, [("a", 3 * BS, len(TOKENS), TOKENS, blocks)])
+        wait_report(s, w)
+        s.finished("a")
+        slots = s.tree.match(TOKENS, None, 5, count_hit=False).slots
+        assert len(slots) == 5 and set(slots) <= s.tree.stored
+        # b: vLLM holds the first five pages; its decoded tokens complete page 5
+        toks = TOKENS + list(range(BS))
+        assert s.matched_tokens("b", toks[: len(TOKENS)], None, 5 * BS) == 0
+        plan, _ = run_step(s, w, [("b", 5 * BS, 6 * BS, toks, blocks)])
+        assert [(sv.write_from, sv.copy_from, len(sv.keys)) for sv in plan.saves] == [(0, 0, 1)]
+        assert s.stats["pages_rewritten"] == 0
+        wait_report(s, w)
+        s.finished("b")
+        asked: list[int] = []
+        be = s.store.backends[0]
+        real = be.exists_pages
+
+        async def spy(keys):
+            asked.append(len(keys))
+            return await real(keys)
+
+        be.exists_pages = spy
+        long = TOKENS[: 5 * BS] + [7] * (3 * BS + 1)
+        assert s.matched_tokens("c", long, None, 0) == 5 * BS
+        assert asked == [3]  # pages 5..7 only: the host tier's five are known stored
+        from hicache.integrations.vllm.transfers import WorkerReport
+
+        s.on_report(WorkerReport(bad_slots={slots[1]}))
+        assert not set(slots[1:]) & s.tree.stored and slots[0] in s.tree.stored
+    finally:
+        w.close(timeout=10)
+        s.close(timeout=10)
+
+
+def test_freed_host_slots_leave_the_stored_set() -> None:
+    """Evicted slots hold nothing: they are no longer counted as stored (one entry per page,
+    whatever the page size); with nothing stored, evictions skip that bookkeeping."""
+    for bs in (1, 4):
+        t = HostPageTree(8, bs)
+        toks = list(range(8 * bs))
+        slots = t.reserve(8)
+        m = t.match(toks, None, 8, count_hit=False)
+        t.insert(toks, None, m, slots)
+        t.stored.update(slots[:6])
+        t.stored.add(1000)  # a slot outside the evicted ones stays
+        got = t.reserve(8)  # evicts every page
+        assert got is not None and t.stored == {1000}
+        t.stored.clear()
+        calls: list[list[int]] = []
+        hook = t.tree.on_free
+        t.tree.on_free = lambda slots: (calls.append(list(slots)), hook(slots))
+        t.insert(toks, None, t.match(toks, None, 8, count_hit=False), got)
+        assert t.reserve(8) is not None and t.stored == set() and t.held_pages() == 0
+        assert calls == []  # nothing stored: evictions skip the per-page bookkeeping
