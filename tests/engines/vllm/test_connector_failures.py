@@ -31,6 +31,7 @@ from test_connector_units import (
     run_step,
     saves,
     scheduler,
+    slow_writes,
     stored,
     wait_report,
     worker,
@@ -241,31 +242,51 @@ def rank_worker(root: Path, layers: list[torch.Tensor], rank: int) -> WorkerSide
     return w
 
 
+def stored_on_two_ranks(root: Path) -> tuple[list[str], list[list[torch.Tensor]]]:
+    """The first 3 pages of ``TOKENS`` stored by both tensor-parallel ranks (each its shard);
+    returns the page keys and the shards."""
+    keys = PageKeyChain(BS).extend(TOKENS, 5)
+    shards = [kv_layers(seed=20 + r) for r in range(2)]
+    for r in range(2):
+        w = rank_worker(root, shards[r], r)
+        w.save([saves(keys[:3], range(3), range(3))])
+        assert w.close(timeout=30) == 0
+    return keys, shards
+
+
+def two_rank_pair(root: Path) -> tuple[SchedulerSide, list[WorkerSide]]:
+    """A scheduler over both ranks' namespaces and a fresh worker per rank."""
+    s = SchedulerSide(StoreIO("file", {"root": str(root)}, [namespace(tp_rank=r, tp_size=2) for r in range(2)],
+                              name="t-tp"), HostPageTree(64, BS), lookup_wait_s=5.0, lookup_timeout_s=5.0, num_workers=2)
+    return s, [rank_worker(root, kv_layers(seed=30 + r), r) for r in range(2)]
+
+
+def plan_held_save(s: SchedulerSide, ws: list[WorkerSide]) -> tuple[Any, Any, list[int]]:
+    """Request "a" (``TOKENS``, 3 pages a storage hit) planned for one step on both workers:
+    its save of the pages computed after the hit is held (``hold``) until both report."""
+    blocks = [8, 9, 10, 11, 12, 13]
+    assert request(s, "a", TOKENS, blocks) == 3 * BS
+    plan = s.plan_step([("a", 3 * BS, len(TOKENS), TOKENS, blocks)])
+    (sv,) = plan.saves
+    assert sv.hold
+    for w in ws:
+        begin(w, plan)
+    return plan, sv, blocks
+
+
 @pytest.mark.parametrize("damaged", [True, False])
 def test_with_two_workers_a_dependent_write_waits_until_both_reported_it_clean(tmp_path: Path, damaged: bool) -> None:
     """Tensor parallel: rank 0's load fails, rank 1's does not, but the garbage reaches rank
     1's KV too (through the collectives), and rank 1 cannot see rank 0's failure. So a write
     of pages computed over a load is held until every worker reported: one failure aborts it
     (nothing of it stored on any rank), all clean commits it (stored on every rank)."""
-    keys = PageKeyChain(BS).extend(TOKENS, 5)
-    shards = [kv_layers(seed=20 + r) for r in range(2)]
-    for r in range(2):
-        w = rank_worker(tmp_path, shards[r], r)
-        w.save([saves(keys[:3], range(3), range(3))])
-        assert w.close(timeout=30) == 0
+    keys, shards = stored_on_two_ranks(tmp_path)
     if damaged:
         damage(tmp_path, shards[0], 1)
-    s = SchedulerSide(StoreIO("file", {"root": str(tmp_path)}, [namespace(tp_rank=r, tp_size=2) for r in range(2)],
-                              name="t-tp"), HostPageTree(64, BS), lookup_wait_s=5.0, lookup_timeout_s=5.0, num_workers=2)
-    ws = [rank_worker(tmp_path, kv_layers(seed=30 + r), r) for r in range(2)]
-    blocks = [8, 9, 10, 11, 12, 13]
+    s, ws = two_rank_pair(tmp_path)
     try:
-        assert request(s, "a", TOKENS, blocks) == 3 * BS
-        plan = s.plan_step([("a", 3 * BS, len(TOKENS), TOKENS, blocks)])
-        (sv,) = plan.saves
-        assert sv.hold and sv.depends_on == (8, 9, 10)
-        for w in ws:
-            begin(w, plan)
+        plan, sv, blocks = plan_held_save(s, ws)
+        assert sv.depends_on == (8, 9, 10)
         assert [load(w, plan.loads) for w in ws] == [{9, 10} if damaged else set(), set()]
         for w in ws:
             w.save(plan.saves)
@@ -298,22 +319,10 @@ def test_a_held_write_one_worker_cannot_copy_is_aborted_on_every_worker(tmp_path
     (``skipped``), the scheduler aborts the write, worker 0 drops its held write, and the
     scheduler's write ends (its node unlocked). ``no_verdict``: a worker that ends the write
     without any verdict at all counts as one against it too."""
-    keys = PageKeyChain(BS).extend(TOKENS, 5)
-    for r in range(2):
-        w = rank_worker(tmp_path, kv_layers(seed=20 + r), r)
-        w.save([saves(keys[:3], range(3), range(3))])
-        assert w.close(timeout=30) == 0
-    s = SchedulerSide(StoreIO("file", {"root": str(tmp_path)}, [namespace(tp_rank=r, tp_size=2) for r in range(2)],
-                              name="t-tp"), HostPageTree(64, BS), lookup_wait_s=5.0, lookup_timeout_s=5.0, num_workers=2)
-    ws = [rank_worker(tmp_path, kv_layers(seed=30 + r), r) for r in range(2)]
-    blocks = [8, 9, 10, 11, 12, 13]
+    keys, _ = stored_on_two_ranks(tmp_path)
+    s, ws = two_rank_pair(tmp_path)
     try:
-        assert request(s, "a", TOKENS, blocks) == 3 * BS
-        plan = s.plan_step([("a", 3 * BS, len(TOKENS), TOKENS, blocks)])
-        (sv,) = plan.saves
-        assert sv.hold
-        for w in ws:
-            begin(w, plan)
+        plan, sv, blocks = plan_held_save(s, ws)
         assert [load(w, plan.loads) for w in ws] == [set(), set()]
         if why == "closed":
             ws[1].close(timeout=5)
@@ -602,14 +611,7 @@ def test_worker_shutdown_drains_within_vllms_grace_and_logs_what_it_gave_up(
     src = kv_layers(seed=8)
     keys = PageKeyChain(BS).extend(TOKENS, 5)
     w = worker(tmp_path, src, storage_batch_pages=1)
-    backend = w.controller.storage
-    real_write = backend._write
-
-    async def slow_write(pages, buffers, parents):  # type: ignore[no-untyped-def]
-        await asyncio.sleep(0.4)
-        return await real_write(pages, buffers, parents)
-
-    backend._write = slow_write  # type: ignore[method-assign]
+    slow_writes(w, 0.4)
     w.save([saves(keys, range(5), range(5))])
     with caplog.at_level(logging.INFO, logger="hicache.integrations.vllm"):
         lost = w.close(timeout=limit)

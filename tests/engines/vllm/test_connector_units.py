@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -130,6 +131,18 @@ def test_keys_are_the_same_in_another_process_with_another_hash_seed() -> None:
     env = dict(os.environ, PYTHONHASHSEED="12345")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True, timeout=120)
     assert out.stdout.strip().split(",") == mine
+
+
+def slow_writes(w: Any, seconds: float) -> None:
+    """Make every storage write of worker ``w`` take ``seconds`` longer (a slow store)."""
+    backend = w.controller.storage
+    real_write = backend._write
+
+    async def slow_write(pages, buffers, parents):  # type: ignore[no-untyped-def]
+        await asyncio.sleep(seconds)
+        return await real_write(pages, buffers, parents)
+
+    backend._write = slow_write  # type: ignore[method-assign]
 
 
 def test_salt_and_tokens_change_keys_and_chains_extend_consistently() -> None:
@@ -299,14 +312,7 @@ def test_close_drains_the_storage_queue_or_reports_what_it_left(tmp_path: Path) 
     keys = PageKeyChain(BS).extend(TOKENS, 5)
     for root, timeout in ((tmp_path / "drained", 30.0), (tmp_path / "cut", 0.2)):
         w = worker(root, src, storage_batch_pages=1)
-        backend = w.controller.storage
-        real_write = backend._write
-
-        async def slow_write(pages, buffers, parents, real_write=real_write):  # type: ignore[no-untyped-def]
-            await asyncio.sleep(0.3)
-            return await real_write(pages, buffers, parents)
-
-        backend._write = slow_write  # type: ignore[method-assign]
+        slow_writes(w, 0.3)
         w.save([saves(keys, range(5), range(5))])
         lost = w.close(timeout=timeout)
         if timeout > 1:
@@ -328,14 +334,7 @@ def test_a_slot_still_being_written_is_never_overwritten(tmp_path: Path) -> None
     keys = PageKeyChain(BS).extend(TOKENS, 2)
     other = PageKeyChain(BS).extend(OTHER, 1)
     w = worker(tmp_path, src)
-    backend = w.controller.storage
-    real_write = backend._write
-
-    async def slow_write(pages, buffers, parents):  # type: ignore[no-untyped-def]
-        await asyncio.sleep(0.5)
-        return await real_write(pages, buffers, parents)
-
-    backend._write = slow_write  # type: ignore[method-assign]
+    slow_writes(w, 0.5)
     w.save([saves(keys, (0, 1), (0, 1), job=1)])
     w.save([saves(other, (1,), (7,), job=2)])  # a (buggy) plan reusing slot 1 at once
     report = w.take_report()
