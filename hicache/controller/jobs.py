@@ -15,6 +15,7 @@ from collections.abc import Callable
 import torch
 
 from hicache.keys import validate_key, validate_keys
+from hicache.controller.transfers import slice_transfer
 from hicache.storage import PoolTransfer
 
 __all__ = ["BackupJob", "StorageWriteJob", "PrefetchOp", "PrefetchResult", "UnwrittenBackup", "CloseReport"]
@@ -47,6 +48,12 @@ class StorageWriteJob:
     #: pages a placement policy evicts to make room for this write, deleted before it
     #: (``AsyncHiCacheStorage.batch_delete``) so the write never lands before its room
     delete_first: list[str] = dataclasses.field(default_factory=list)
+
+    def keep_first(self, pages: int, page_size: int) -> None:
+        """Cut the job to its first ``pages`` pages, in every pool (the rest is not sent)."""
+        self.keys = self.keys[:pages]
+        self.host_indices = self.host_indices[: pages * page_size]
+        self.extra = [slice_transfer(t, 0, pages) for t in self.extra]
 
     def check(self, page_size: int) -> None:
         """Raise ``ValueError`` (:class:`~hicache.errors.InvalidKeyError` for a key) when the

@@ -167,12 +167,21 @@ class StoredPages:
         self.evicted_pages += len(out)
         return out
 
-    def shortfall(self) -> int:
-        """Pages over capacity after :meth:`make_room`: what is held plus reserved, less what
-        fits (0 when everything fits, or the capacity is unknown)."""
-        if self.capacity is None:
-            return 0
-        return max(0, len(self._pages) + self.reserved - self.capacity)
+    def room_for_write(self, pages: int, after: str | None) -> tuple[list[str], int]:
+        """:meth:`make_room` for a write of ``pages`` chained after the stored page ``after``:
+        returns the pages to delete and how many of the write's pages fit. ``after`` (and so
+        its stored ancestors) is never chosen: deleted ahead of the write, it would leave the
+        new pages orphans. Pages that do not fit, all leaves being pinned or the write's own
+        prefix, get no reserved room: the caller does not send them (the backend's own bound
+        would make room by evicting the oldest pages, on a chain its root)."""
+        pinned = self.pin([after]) if after is not None else []
+        try:
+            doomed = self.make_room(pages)
+        finally:
+            self.unpin(pinned)
+        short = 0 if self.capacity is None else min(pages, max(0, len(self._pages) + self.reserved - self.capacity))
+        self.reserved -= short
+        return doomed, pages - short
 
     def landed(self, reserved: int, keys: Sequence[str], prior: str | None) -> None:
         """A write for which ``reserved`` pages of room were made ended; ``keys`` (its

@@ -643,28 +643,15 @@ class HiRadixCache(RadixCache):
             return self.controller.submit_storage_write(job)
         if self._loop is None:
             self._loop = asyncio.get_running_loop()  # where removal reports are applied
-        n, keys, prior, on_done = len(job.keys), job.keys, job.prior_key, job.on_done
-        # the page the write chains from must stay: deleted ahead of the write, it would leave
-        # the new pages orphans no prefix lookup reaches (and with it, its stored ancestors)
-        pinned = stored.pin([prior]) if prior is not None else []
-        try:
-            self._doomed.extend(stored.make_room(n))
-        finally:
-            stored.unpin(pinned)
-        short = stored.shortfall()
-        if short and not job.extra:
-            # no room even after every evictable leaf: the pages that cannot fit are not sent
-            # (the backend's own bound would make room by evicting the oldest pages, which on
-            # a chain are this write's own prefix, orphaning everything after them)
-            stored.landed(min(short, n), [], None)  # gives back their reserved room
-            if short >= n:
-                self.metrics.incr("storage_writes_no_room_pages", n)
+        prior, on_done = job.prior_key, job.on_done
+        doomed, n = stored.room_for_write(len(job.keys), prior)
+        self._doomed.extend(doomed)
+        if n < len(job.keys):
+            self.metrics.incr("storage_writes_no_room_pages", len(job.keys) - n)
+            if not n:
                 return False
-            self.metrics.incr("storage_writes_no_room_pages", short)
-            n -= short
-            keys = keys[:n]
-            job.keys = keys
-            job.host_indices = job.host_indices[: n * self.page_size]
+            job.keep_first(n, self.page_size)
+        keys = job.keys
         job.delete_first = self._doomed
 
         def done(written: int) -> None:
