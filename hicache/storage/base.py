@@ -33,7 +33,7 @@ import enum
 import logging
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from itertools import repeat
 from typing import Any, ClassVar
 
@@ -566,15 +566,10 @@ class AsyncHiCacheStorage(ABC):
         and reported True while the other's bytes end up there. The first page (lowest start)
         is kept; writes may share a source page freely and are not checked.
         """
-        order = sorted((st, i) for i, st in enumerate(starts) if st is not None)
-        end = None
-        dropped = 0
-        for st, i in order:
-            if end is not None and st < end:
-                starts[i] = None
-                dropped += 1
-            else:
-                end = st + page_size
+        overlapping = _overlapping((None, st, st + page_size, i) for i, st in enumerate(starts) if st is not None)
+        for i in overlapping:
+            starts[i] = None
+        dropped = len(overlapping)
         if dropped:
             self.stats.incr("invalid_requests")
             logger.error(
@@ -907,23 +902,25 @@ def _host_contiguous(values: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return [v.detach().cpu().contiguous() for v in values]
 
 
-def _aliased_targets(targets: Sequence[tuple[int, torch.Tensor]]) -> set[int]:
-    """Indices of targets whose memory overlaps that of an earlier one (in address order, the
-    first is kept). A strided view counts from its first element to its last, a conservative
-    extent; tensors on different devices never overlap."""
-    spans = []
-    for i, t in targets:
-        if t.numel() == 0:
-            continue
-        size = t.element_size()
-        extent = (sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1) * size
-        spans.append(((t.device.type, t.device.index), t.data_ptr(), t.data_ptr() + extent, i))
-    spans.sort()
+def _overlapping(spans: Iterable[tuple[Any, int, int, int]]) -> set[int]:
+    """Of ``(space, start, stop, index)`` ranges, the indices of those that overlap a range
+    kept before them in address order (the lowest start is kept); ranges of different spaces
+    (devices) never overlap."""
     dropped: set[int] = set()
-    device, end = None, 0
-    for dev, start, stop, i in spans:
-        if dev == device and start < end:
+    space, end = object(), 0
+    for sp, start, stop, i in sorted(spans, key=lambda s: (str(s[0]), s[1], s[3])):
+        if sp == space and start < end:
             dropped.add(i)
             continue
-        device, end = dev, stop
+        space, end = sp, stop
     return dropped
+
+
+def _aliased_targets(targets: Sequence[tuple[int, torch.Tensor]]) -> set[int]:
+    """Indices of v0 read targets whose memory overlaps an earlier one's (:func:`_overlapping`);
+    a strided view spans from its first element to its last, a conservative extent."""
+    return _overlapping(
+        ((t.device.type, t.device.index), t.data_ptr(),
+         t.data_ptr() + (sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1) * t.element_size(), i)
+        for i, t in targets if t.numel()
+    )

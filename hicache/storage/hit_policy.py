@@ -29,7 +29,7 @@ from hicache.storage.types import (
     pool_name_str,
 )
 
-__all__ = ["leading_run", "restorable_lengths", "trailing_boundary", "resolve_v2_hits"]
+__all__ = ["leading_run", "restorable_lengths", "resolve_v2_hits"]
 
 
 def leading_run(flags: Sequence[bool]) -> int:
@@ -53,12 +53,6 @@ def restorable_lengths(flags: Sequence[bool], limit: int, policy: PoolHitPolicy 
         if run >= min(trailing, i + 1):
             out.append(i + 1)
     return out
-
-
-def trailing_boundary(flags: Sequence[bool], limit: int, trailing: int) -> int:
-    """Largest ``p <= limit`` whose pages ``[max(0, p - trailing), p)`` all exist; 0 if none."""
-    lengths = restorable_lengths(flags, limit, PoolHitPolicy.TRAILING_PAGES, trailing)
-    return lengths[-1] if lengths else 0
 
 
 def resolve_v2_hits(
