@@ -37,13 +37,15 @@ def resolve_host_units(
     host_size_bytes: int | None,
     host_to_device_ratio: float | None,
     what: str,
+    pinned: bool = False,
 ) -> int:
     """Number of units (pages, or state slots) a host pool gets.
 
     Exactly one of ``host_size_bytes`` / ``host_to_device_ratio`` may be given; with neither the
     ratio defaults to 2.0 (SGLang's default). The result is rounded down to whole units and must
     be at least one unit and fit in available memory, else ``ValueError`` / ``MemoryError`` with
-    the numbers in the message.
+    the numbers in the message. A ``pinned`` pool must fit with the memory torch locks for it
+    (:func:`pinned_footprint`), and a warning says when that rounding costs more than 5%.
     """
     if host_size_bytes is not None and host_to_device_ratio is not None:
         raise ValueError(f"{what}: give host_size_bytes or host_to_device_ratio, not both")
@@ -61,11 +63,17 @@ def resolve_host_units(
             f"{what}: host pool would hold no page (one page is {unit_nbytes} bytes; "
             f"asked for {host_size_bytes} bytes / ratio {host_to_device_ratio})"
         )
-    need = units * unit_nbytes
+    size = units * unit_nbytes
+    need = pinned_footprint(size) if pinned else size
+    if need > size * 1.05:
+        logger.warning("%s: a pinned host pool of %.2f GiB locks %.2f GiB of RAM (torch rounds pinned allocations "
+                       "up to a power of two); a pool of %.2f GiB would use all of it",
+                       what, size / 2**30, need / 2**30, need / 2**30)
     avail = available_host_memory()
     if avail is not None and need > avail:
+        locked = f" (pinned: torch locks {need / 2**30:.2f} GiB for it)" if need != size else ""
         raise MemoryError(
-            f"{what}: host pool needs {need / 2**30:.2f} GiB but only {avail / 2**30:.2f} GiB "
+            f"{what}: host pool needs {size / 2**30:.2f} GiB{locked} but only {avail / 2**30:.2f} GiB "
             f"of host memory is available; lower host_size_bytes or host_to_device_ratio"
         )
     return units
@@ -89,25 +97,5 @@ def pinned_footprint(nbytes: int) -> int:
 
 def alloc_host_bytes(shape: tuple[int, ...], pinned: bool) -> torch.Tensor:
     """An uninitialised uint8 CPU tensor (pinned if asked). Not zeroed: touching many GiB at
-    start-up is slow, and a host page is only read after something was copied into it.
-
-    Pinned, the memory locked is :func:`pinned_footprint` of the size: checked against the
-    memory available (a pool that "fits" by its own size could otherwise take most of RAM
-    locked) and logged when the rounding costs more than 5%, with the size that would not."""
-    if pinned:
-        nbytes = 1
-        for dim in shape:
-            nbytes *= int(dim)
-        locked = pinned_footprint(nbytes)
-        avail = available_host_memory()
-        if avail is not None and locked > avail:
-            raise MemoryError(
-                f"pinned host pool of {nbytes / 2**30:.2f} GiB locks {locked / 2**30:.2f} GiB (torch rounds pinned "
-                f"allocations up to a power of two) but {avail / 2**30:.2f} GiB is available; size the host pool "
-                f"at or below {pinned_footprint(nbytes) // 2 / 2**30:.2f} GiB or a power of two that fits"
-            )
-        if locked > nbytes * 1.05:
-            logger.warning("pinned host pool of %.2f GiB locks %.2f GiB of RAM (torch rounds pinned allocations up "
-                           "to a power of two); a pool of exactly %.2f GiB would use all of it",
-                           nbytes / 2**30, locked / 2**30, locked / 2**30)
+    start-up is slow, and a host page is only read after something was copied into it."""
     return torch.empty(shape, dtype=torch.uint8, pin_memory=pinned)

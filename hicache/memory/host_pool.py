@@ -58,15 +58,16 @@ class HostKVPool(AllocatorBacked):
         self.dtype: torch.dtype = device_pool.dtype
         self.layer_num: int = device_pool.layer_num
         self.page_nbytes: int = self.geometry.page_nbytes(page_size)
+        self.pin_memory: bool = want_pinned(pin_memory)
         self.num_pages: int = resolve_host_units(
             device_units=device_pool.size // device_pool.page_size,
             unit_nbytes=self.page_nbytes,
             host_size_bytes=host_size_bytes,
             host_to_device_ratio=host_to_device_ratio,
             what=type(self).__name__,
+            pinned=self.pin_memory,
         )
         self.size: int = self.num_pages * page_size
-        self.pin_memory: bool = want_pinned(pin_memory)
         self.device: torch.device = torch.device("cpu")
         self._buf: torch.Tensor = alloc_host_bytes(
             host_buffer_shape(self.layout, self.geometry, self.num_pages, page_size), self.pin_memory

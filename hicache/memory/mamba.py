@@ -100,14 +100,15 @@ class MambaHostPool(AllocatorBacked):
             if host_size_bytes is not None or host_to_device_ratio is not None:
                 raise ValueError("MambaHostPool: give one of host_size, host_size_bytes, host_to_device_ratio")
             host_size_bytes = int(host_size) * self.page_nbytes
+        self.pin_memory: bool = want_pinned(pin_memory)
         self.size: int = resolve_host_units(
             device_units=device_pool.size,
             unit_nbytes=self.page_nbytes,
             host_size_bytes=host_size_bytes,
             host_to_device_ratio=host_to_device_ratio,
             what="MambaHostPool",
+            pinned=self.pin_memory,
         )
-        self.pin_memory: bool = want_pinned(pin_memory)
         self._buf: torch.Tensor = alloc_host_bytes((self.size, self.page_nbytes), self.pin_memory)
         self._segments: list[torch.Tensor] = []
         self.states: dict[str, torch.Tensor] = {}

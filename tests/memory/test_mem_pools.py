@@ -231,3 +231,15 @@ def test_negative_slots_and_layers_are_refused_not_wrapped() -> None:
         pool.get_key_buffer(2)
     pool.set_kv_buffer(1, torch.tensor([15]), k, k)
     assert torch.equal(pool.get_key_buffer(1)[15], k[0])
+
+
+def test_a_pinned_pool_must_fit_with_what_torch_locks(monkeypatch) -> None:
+    """40 units of 1 GiB fit in 50 GiB unpinned; pinned, torch locks 64 GiB for them."""
+    from hicache.memory import host_alloc
+
+    monkeypatch.setattr(host_alloc, "available_host_memory", lambda: 50 << 30)
+    kw = dict(device_units=20, unit_nbytes=1 << 30, host_size_bytes=None, host_to_device_ratio=2.0, what="pool")
+    assert host_alloc.resolve_host_units(**kw) == 40
+    with pytest.raises(MemoryError, match="torch locks 64.00 GiB"):
+        host_alloc.resolve_host_units(**kw, pinned=True)
+    assert host_alloc.resolve_host_units(**{**kw, "host_to_device_ratio": 1.6}, pinned=True) == 32
