@@ -54,7 +54,7 @@ def run(
     *,
     topic: str = "",
     start_seq: int | None = None,
-    start_run_id: int | str | None = None,
+    start_run_id: int | None = None,
     as_json: bool = False,
     count: int | None = None,
     timeout_s: float | None = None,
@@ -62,11 +62,9 @@ def run(
     err: TextIO = sys.stderr,
 ) -> dict[str, Any]:
     """Print events until ``count`` were printed or ``timeout_s`` passed without one (both
-    ``None``: until interrupted); returns the subscriber's counters. ``start_run_id``: an int or
-    its 16 hex digits (the ``run_id`` of an earlier run)."""
+    ``None``: until interrupted); returns the subscriber's counters. ``start_run_id``: the
+    ``run_id`` of an earlier run (``hicache events --run-id`` parses its 16 hex digits)."""
     printed = 0
-    if isinstance(start_run_id, str):
-        start_run_id = int(start_run_id, 16)
     with EventSubscriber(endpoint, replay_endpoint, topic=topic, start_seq=start_seq,
                          start_run_id=start_run_id) as sub:
         try:

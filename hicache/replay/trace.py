@@ -95,9 +95,8 @@ def find_trace(explicit: str | os.PathLike[str] | None = None) -> Path:
             if not path.is_file():
                 raise FileNotFoundError(f"{how} {str(path)!r} is not a file")
             return path
-    candidates: list[Path] = []
     repo = Path(__file__).resolve().parents[2]
-    candidates += [
+    candidates = [
         repo.parent / "shared" / "traces" / DEFAULT_TRACE_NAME,
         Path.cwd().parent / "shared" / "traces" / DEFAULT_TRACE_NAME,
     ]

@@ -18,11 +18,11 @@ from typing import Any, Literal
 
 from aiohttp import web
 
-from hicache.errors import ConfigError
 from hicache.config.schema import HiCacheConfig
 from hicache.engine.model import ModelSpec
 from hicache.engine.recompute import RecomputeCache
 from hicache.engine.runner import CacheLike
+from hicache.errors import ConfigError
 from hicache.server.app import STATE, ServerState, create_app
 
 __all__ = ["RunningServer", "running_server", "serve"]

@@ -20,7 +20,7 @@ from hicache.memory.host_pool import HostKVPool
 from hicache.memory.layouts import PAGE_FIRST
 from hicache.memory.layouts import KVGeometry as PoolGeometry
 
-__all__ = ["block_host_pool", "slot_indices"]
+__all__ = ["block_host_pool", "page_slots", "slot_indices"]
 
 
 def slot_indices(slots: Sequence[int], page_size: int) -> torch.Tensor:
@@ -30,6 +30,13 @@ def slot_indices(slots: Sequence[int], page_size: int) -> torch.Tensor:
         return torch.empty(0, dtype=torch.int64)
     base = torch.tensor(list(slots), dtype=torch.int64).unsqueeze(1) * page_size
     return (base + torch.arange(page_size, dtype=torch.int64)).reshape(-1)
+
+
+def page_slots(indices: torch.Tensor, page_size: int) -> list[int]:
+    """The page slots of host token ``indices`` that cover whole pages (the inverse of
+    :func:`slot_indices`): one index a page, in tensor arithmetic (an eviction frees tens of
+    thousands of pages; a Python int per token was the cost)."""
+    return (indices.reshape(-1)[::page_size] // page_size).tolist()
 
 
 class _BlockLayout:

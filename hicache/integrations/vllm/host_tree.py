@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
-from hicache.integrations.vllm.host_pool import slot_indices
+from hicache.integrations.vllm.host_pool import page_slots, slot_indices
 from hicache.memory.allocator import PagedTokenAllocator
 from hicache.prefix_cache.node import TreeNode
 from hicache.prefix_cache.radix import RadixCache
@@ -56,10 +56,7 @@ class _SlotTree(RadixCache):
 
     def _free(self, indices: torch.Tensor) -> None:
         if self.on_free is not None and self.watched and indices.numel():
-            # one index per page (values hold whole pages, page aligned): a big eviction frees
-            # tens of thousands of pages, so no Python int per token
-            ps = self.page_size
-            self.on_free((indices.reshape(-1)[::ps] // ps).tolist())
+            self.on_free(page_slots(indices, self.page_size))
         super()._free(indices)
 
     def path_slots(self, node: TreeNode) -> torch.Tensor:
@@ -99,21 +96,18 @@ class _SlotTree(RadixCache):
                 value = self._drop_device(n)
                 dropped += int(value.numel())
                 if keep:
-                    pages = value.reshape(-1, ps)
-                    mask = torch.tensor([int(p[0]) // ps not in keep for p in pages], dtype=torch.bool)
-                    value = pages[mask].reshape(-1)
+                    mask = torch.tensor([s not in keep for s in page_slots(value, ps)], dtype=torch.bool)
+                    value = value.reshape(-1, ps)[mask].reshape(-1)
                 self._free(value)
             self._delete_leaf(n)
         return dropped
 
     def nodes_holding(self, slots: set[int]) -> list[TreeNode]:
         ps = self.page_size
-        return [n for n in self._nodes() if n.value is not None
-                and slots.intersection(int(i) // ps for i in n.value[::ps].tolist())]
+        return [n for n in self._nodes() if n.value is not None and slots.intersection(page_slots(n.value, ps))]
 
     def node_slots(self, nodes: Iterable[TreeNode]) -> set[int]:
-        ps = self.page_size
-        return {int(i) // ps for n in nodes if n.value is not None for i in n.value[::ps].tolist()}
+        return {s for n in nodes if n.value is not None for s in page_slots(n.value, self.page_size)}
 
 
 class HostMatch:
@@ -154,7 +148,7 @@ class HostPageTree:
 
     # ------------------------------------------------------------------ slots <-> token indices
     def _slots(self, indices: torch.Tensor) -> list[int]:
-        return [int(i) // self.block_size for i in indices[:: self.block_size].tolist()]
+        return page_slots(indices, self.block_size)
 
     def _indices(self, slots: Sequence[int]) -> torch.Tensor:
         return slot_indices(slots, self.block_size)

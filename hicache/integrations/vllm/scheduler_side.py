@@ -64,7 +64,6 @@ __all__ = ["SchedulerSide", "StepPlan"]
 logger = logging.getLogger("hicache.integrations.vllm")
 
 
-
 @dataclass
 class _Lookup:
     start_page: int
