@@ -421,14 +421,20 @@ class WorkerSide:
         """Forget every page of the host pool (the scheduler's tree forgot them already); held
         writes are dropped. Storage I/O still running keeps its slots busy, as always."""
         self.finish_step()
-        for held in list(self._held.values()):
-            self._drop_held(held)
-        self._held.clear()
+        self._drop_all_held()
         with self._lock:
             self._resident = [None] * self.num_pages
         self._epoch = epoch
         self.stats["host_resets"] += 1
         logger.info("hicache worker: cache reset (epoch %d): host pages dropped", epoch)
+
+    def _drop_all_held(self) -> int:
+        """Drop every held write (a reset, a close: no word will come); returns their pages."""
+        pages = sum(len(h.writes) for h in self._held.values())
+        for held in list(self._held.values()):
+            self._drop_held(held)
+        self._held.clear()
+        return pages
 
     def _drop_held(self, held: _Held) -> None:
         """A held write the scheduler aborted (another worker's load failed under it) or that
@@ -637,10 +643,7 @@ class WorkerSide:
         self._closed = True
         self.finish_step()
         self._executor.shutdown(wait=True)
-        held = sum(len(h.writes) for h in self._held.values())
-        for h in list(self._held.values()):
-            self._drop_held(h)
-        self._held.clear()
+        held = self._drop_all_held()
         with self._lock:
             queued = self._queued_pages
         if queued or held:
