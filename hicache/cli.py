@@ -129,6 +129,32 @@ def _replay_config_path(path: str) -> str:
     return str(REPO / path) if not Path(path).exists() and (REPO / path).exists() else path
 
 
+def _count_arg(text: str) -> int:
+    """An argparse type: an integer >= 0 (a negative count would silently drop requests from
+    the end, as a Python slice does)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+#: file types a plot named so would be expected in, which are not what ``hicache size`` writes
+_NOT_SVG = (".png", ".jpg", ".jpeg", ".gif", ".webp", ".pdf", ".eps", ".bmp", ".tif", ".tiff")
+
+
+def _svg_path(text: str) -> str | None:
+    """An argparse type for ``--plot``: ``''`` is no plot; a raster or PDF name is refused
+    rather than filled with SVG text a viewer of that type cannot open."""
+    if not text:
+        return None
+    if Path(text).suffix.lower() in _NOT_SVG:
+        raise argparse.ArgumentTypeError(f"{text!r}: the plot is written as SVG; give it a .svg name")
+    return text
+
+
 def _cmd_size(args: argparse.Namespace) -> Any:
     from hicache.replay.size_report import format_size_report, size_report
 
@@ -221,7 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("replay", help="replay a Mooncake-format trace through the real cache")
     _config_arg(p, default="configs/replay-20pct.toml")
     p.add_argument("--trace", default=None, help="trace file (default: ../shared/traces/...)")
-    p.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
+    p.add_argument("--limit", type=_count_arg, default=None, help="replay only the first N requests")
     p.add_argument("--policies", default=None,
                    help="comma-separated placement policies to compare (default: all: lru,reuse,tiered)")
     p.add_argument("--no-progress", action="store_true")
@@ -230,7 +256,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("size", help="hit ratio against tier capacity for a Mooncake-format trace (one pass), with a plot")
     p.add_argument("trace", help="trace file (JSON lines: timestamp, input_length, output_length, hash_ids)")
-    p.add_argument("--plot", default="hicache-size.svg", help="SVG file for the curve (default: hicache-size.svg)")
+    p.add_argument("--plot", type=_svg_path, default="hicache-size.svg",
+                   help="SVG file for the curve (default: hicache-size.svg; '' for none)")
+    p.add_argument("--no-plot", dest="plot", action="store_const", const=None, help="write no plot")
     p.add_argument("--kv-bytes-per-token", type=int, default=None, help="your model's KV bytes per token: capacities in bytes too")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd_size)

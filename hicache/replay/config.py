@@ -64,6 +64,36 @@ class ReplayConfig:
     def controller_config(self) -> ControllerConfig:
         return ControllerConfig.from_dict(dict(self.controller))
 
+    def validate(self) -> None:
+        """Raise :class:`ConfigError` for a value of the wrong type or range: found here, before
+        the trace is read, and not as a ``TypeError`` or ``ZeroDivisionError`` mid-replay (or
+        a result thrown away by a check after it)."""
+        for name in ("page_size", "layer_num", "head_num", "head_dim"):
+            _check_int(getattr(self, name), name, minimum=1)
+        if 512 % self.page_size:
+            raise ConfigError(f"page_size must divide the trace block (512), got {self.page_size}")
+        for tier, value in self.fractions.items():
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0 \
+                    or value == float("inf"):
+                raise ConfigError(f"[tiers] {tier}_fraction must be a number >= 0, got {value!r}")
+        for kind, table in (("blocks", self.blocks), ("pages", self.pages)):
+            for tier, value in table.items():
+                _check_int(value, f"{tier} {kind}", minimum=0)
+        if self.max_requests is not None:
+            _check_int(self.max_requests, "max_requests", minimum=0)
+        if self.load_back_quota_tokens is not None:
+            _check_int(self.load_back_quota_tokens, "load_back_quota_tokens", minimum=0)
+        for name in ("drain_between_requests", "verify"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        for name in ("dtype", "eviction_policy", "placement"):
+            if not isinstance(getattr(self, name), str):
+                raise ConfigError(f"{name} must be a string, got {getattr(self, name)!r}")
+        for name in ("placement_options", "storage_options", "controller"):
+            if not isinstance(getattr(self, name), dict):
+                raise ConfigError(f"{name} must be a table, got {type(getattr(self, name)).__name__}")
+        self.controller_config()
+
     def capacity_blocks(self, unique: int) -> dict[str, int]:
         """Capacity of each tier in trace blocks for ``unique`` unique blocks."""
         out = {}
@@ -84,7 +114,7 @@ class ReplayConfig:
         unknown = sorted(set(data) - sections)
         if unknown:
             raise ConfigError(f"unknown replay config section(s) {unknown}; allowed: {sorted(sections)}")
-        tiers = dict(data.get("tiers", {}))
+        tiers = _table(data, "tiers")
         if tiers:
             cfg.fractions, cfg.blocks = {}, {}
         basis = tiers.pop("basis", "trace")
@@ -98,28 +128,28 @@ class ReplayConfig:
                     f"[tiers] {key!r} unknown; use <tier>_fraction or <tier>_blocks with tier in {list(_TIERS)}"
                 )
             (cfg.fractions if kind == "fraction" else cfg.blocks)[tier] = value
-        kv = dict(data.get("kv", {}))
+        kv = _table(data, "kv")
         for key, value in kv.items():
             if key not in ("page_size", "layer_num", "head_num", "head_dim", "dtype"):
                 raise ConfigError(f"[kv] {key!r} unknown; allowed: page_size, layer_num, head_num, head_dim, dtype")
             setattr(cfg, key, value)
-        storage = dict(data.get("storage", {}))
+        storage = _table(data, "storage")
         for key in storage:
             if key not in ("backend", "options"):
                 raise ConfigError(f"[storage] {key!r} unknown; allowed: backend, options")
         if "backend" in storage:
             cfg.storage_backend = storage["backend"] or None
-        cfg.storage_options = dict(storage.get("options", {}))
-        replay = dict(data.get("replay", {}))
+        cfg.storage_options = _table(storage, "options", "[storage] options")
+        replay = _table(data, "replay")
         for key, value in replay.items():
             if key not in _REPLAY_KEYS:
                 raise ConfigError(f"[replay] {key!r} unknown; allowed: {', '.join(_REPLAY_KEYS)}")
             setattr(cfg, key, value)
         if "controller" in data:
+            if not isinstance(data["controller"], dict):
+                raise ConfigError("[controller] must be a table")
             cfg.controller = {**cfg.controller, **dict(data["controller"])}
-        if 512 % cfg.page_size:
-            raise ConfigError(f"page_size must divide the trace block (512), got {cfg.page_size}")
-        cfg.controller_config()  # validate now, not mid-replay
+        cfg.validate()  # now, not mid-replay
         return cfg
 
 
@@ -167,8 +197,20 @@ class ReplayConfig:
         )
         if 512 % ps:
             raise ConfigError(f"replay: device.page_size must divide the trace block (512), got {ps}")
-        cfg.controller_config()
+        cfg.validate()
         return cfg
+
+
+def _table(data: dict[str, Any], key: str, what: str | None = None) -> dict[str, Any]:
+    value = data.get(key, {})
+    if not isinstance(value, dict):
+        raise ConfigError(f"{what or f'[{key}]'} must be a table, got {type(value).__name__}")
+    return dict(value)
+
+
+def _check_int(value: object, what: str, *, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(f"{what} must be an integer >= {minimum}, got {value!r}")
 
 
 def load_replay_config(path: str | os.PathLike[str]) -> ReplayConfig:

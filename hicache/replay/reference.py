@@ -29,11 +29,12 @@ def reference_lru(
     requests: Sequence[TraceRequest], capacities: Sequence[int], block_tokens: int = BLOCK_TOKENS
 ) -> dict[str, float]:
     """Serve ``requests`` (in order) from nested inclusive LRUs of ``capacities`` blocks. A tier
-    of capacity 0 is absent (a deployment without storage): it never hits, and only the tiers
-    that exist need to nest."""
-    present = [c for c in capacities if c]
-    if present != sorted(present):
-        raise ValueError(f"capacities must be nested (non-decreasing), got {list(capacities)}")
+    of capacity 0 is absent (a deployment without storage): it never hits. Capacities that do
+    not grow from tier to tier (a host smaller than the device: a valid deployment) are served
+    the same way, each tier an LRU of its own size, so a lower tier adds no hits the one above
+    could hold; a negative capacity is a ``ValueError``."""
+    if any(c < 0 for c in capacities):
+        raise ValueError(f"tier capacities must be >= 0 blocks, got {list(capacities)}")
     lists: list[OrderedDict[int, None]] = [OrderedDict() for _ in capacities]
     blocks = [0] * (len(capacities) + 1)
     tokens = [0] * (len(capacities) + 1)

@@ -3,13 +3,22 @@
 Format (``shared/traces/README.md`` beside the repository): one JSON object per line with ``timestamp`` (ms),
 ``input_length``, ``output_length`` and ``hash_ids``; each hash id stands for one block of 512
 prompt tokens and identifies the whole prefix through that block. Block ``h`` becomes tokens
-``h * 512 + j``; the last block is cut to ``input_length``.
+``h * 512 + j``; the last block is cut to ``input_length``. A file ending in ``.gz`` is read
+through gzip.
+
+Two kinds of trace are renamed on loading (:func:`prefix_blocks`), the same way for every
+consumer (replay, bounds, ``hicache size``): one whose ids do not each name a single prefix (an
+id repeated within a request, or following different ids in different requests), since a prefix
+cache can hit a block only after the same prefix, and one whose ids are too large for token ids
+(storage keys hash uint32 tokens: ``h * 512 + j`` must fit).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import gzip
 import json
+import logging
 import os
 from pathlib import Path
 
@@ -17,10 +26,14 @@ import numpy as np
 
 from hicache.errors import TraceFormatError
 
-__all__ = ["TraceRequest", "load_trace", "find_trace", "request_tokens", "DEFAULT_TRACE_NAME"]
+__all__ = ["TraceRequest", "load_trace", "find_trace", "prefix_blocks", "request_tokens", "DEFAULT_TRACE_NAME"]
 
 DEFAULT_TRACE_NAME = "mooncake_fast25_synthetic_trace.jsonl"
 BLOCK_TOKENS = 512
+#: the largest block id whose token ids (``h * 512 + j``) fit in uint32
+MAX_BLOCK_ID = (1 << 32) // BLOCK_TOKENS - 1
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,20 +52,67 @@ class TraceRequest:
 def load_trace(path: str | os.PathLike[str], limit: int | None = None) -> list[TraceRequest]:
     """The first ``limit`` requests of a trace file (all when ``None``). A line that is not a
     Mooncake record is a :class:`~hicache.errors.TraceFormatError` naming the file and line:
-    a replay or a sizing run on a silently shortened trace would report wrong hit rates."""
+    a replay or a sizing run on a silently shortened trace would report wrong hit rates.
+    Ids are renamed where they must be (see the module docstring and :func:`prefix_blocks`)."""
+    if limit is not None and limit < 0:
+        raise ValueError(f"limit must be >= 0, got {limit}")
     out: list[TraceRequest] = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                out.append(_record(json.loads(line)))
-            except (ValueError, TypeError, KeyError) as exc:
-                reason = f"missing field {exc}" if isinstance(exc, KeyError) else str(exc)
-                raise TraceFormatError(f"{path}, line {number}: not a Mooncake trace record ({reason})") from None
-            if limit is not None and len(out) >= limit:
-                break
-    return out
+    opener = gzip.open if str(path).endswith(".gz") else open
+    try:
+        with opener(path, "rb") as f:
+            for number, raw in enumerate(f, 1):
+                if limit is not None and len(out) >= limit:
+                    break
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as exc:
+                    raise TraceFormatError(f"{path}, line {number}: not UTF-8 text ({exc.reason}); a trace is "
+                                           "JSON lines, plain or gzip-compressed (.gz)") from None
+                if not line.strip():
+                    continue
+                try:
+                    out.append(_record(json.loads(line)))
+                except (ValueError, TypeError, KeyError) as exc:
+                    reason = f"missing field {exc}" if isinstance(exc, KeyError) else str(exc)
+                    raise TraceFormatError(f"{path}, line {number}: not a Mooncake trace record ({reason})") from None
+    except (EOFError, gzip.BadGzipFile) as exc:
+        raise TraceFormatError(f"{path}: not a readable gzip file ({exc})") from None
+    return prefix_blocks(out, source=str(path))
+
+
+def prefix_blocks(requests: list[TraceRequest], source: str = "trace") -> list[TraceRequest]:
+    """``requests`` with every block id naming one prefix, and small enough for token ids.
+
+    The format says a hash id identifies the whole prefix through its block; the bounds, the
+    miss-ratio curve and the replay's tokens all rely on it. Where a trace breaks it (an id
+    repeated within a request, or one that follows different ids in different requests), each
+    (prefix, id) pair becomes a block of its own, which is what a prefix cache can hit: an
+    id seen after another prefix is a different block to it. Such a trace, and one with ids
+    above :data:`MAX_BLOCK_ID`, is renamed to dense ids in order of first appearance (the
+    same hits: only equality of prefixes matters); any other is returned as it is."""
+    names: dict[tuple[int, int], int] = {}  # (block before, id) -> dense id
+    raw: set[int] = set()
+    dense: list[list[int]] = []
+    for req in requests:
+        before = -1
+        ids = []
+        for h in req.hash_ids:
+            before = names.setdefault((before, h), len(names))
+            ids.append(before)
+        raw.update(req.hash_ids)
+        dense.append(ids)
+    split = len(names) - len(raw)  # ids that name more than one prefix (one block each)
+    if not split and (not raw or max(raw) <= MAX_BLOCK_ID):
+        return requests
+    if len(names) > MAX_BLOCK_ID + 1:
+        raise TraceFormatError(f"{source}: {len(names)} distinct blocks; at most {MAX_BLOCK_ID + 1} fit in "
+                               "uint32 token ids")
+    if split:
+        logger.warning("%s: %d block id(s) follow more than one prefix (or repeat within a request); each "
+                       "(prefix, id) is counted as its own block, as a prefix cache sees it", source, split)
+    else:
+        logger.info("%s: block ids above %d renamed to dense ids (token ids must fit in uint32)", source, MAX_BLOCK_ID)
+    return [dataclasses.replace(req, hash_ids=tuple(ids)) for req, ids in zip(requests, dense)]
 
 
 def _record(d: object) -> TraceRequest:
@@ -110,8 +170,12 @@ def find_trace(explicit: str | os.PathLike[str] | None = None) -> Path:
 
 
 def request_tokens(req: TraceRequest, block_tokens: int = BLOCK_TOKENS) -> list[int]:
-    """Token ids of a request's prompt."""
+    """Token ids of a request's prompt (ids too large for uint32 tokens are a ``ValueError``:
+    :func:`load_trace` renames them; see :func:`prefix_blocks`)."""
     if not req.hash_ids:
         return []
+    if max(req.hash_ids) * block_tokens + block_tokens - 1 >= 1 << 32:
+        raise ValueError(f"block id {max(req.hash_ids)} makes token ids past uint32; rename the trace's ids "
+                         "with prefix_blocks() (load_trace does)")
     ids = np.asarray(req.hash_ids, dtype=np.int64)[:, None] * block_tokens + np.arange(block_tokens, dtype=np.int64)
     return ids.reshape(-1)[: req.input_length].tolist()

@@ -45,7 +45,8 @@ def test_reference_lru_small_cases() -> None:
     assert (ref["device_hit_blocks"], ref["host_hit_blocks"], ref["storage_hit_blocks"]) == (0, 2, 1)
     assert ref["miss_tokens"] == 1024 + 488 + 0
     with pytest.raises(ValueError):
-        reference_lru(reqs, [3, 1])
+        reference_lru(reqs, [3, -1])
+    assert reference_lru(reqs, [3, 1])["host_hit_blocks"] == 0  # tiers that do not nest: each its own LRU
 
 
 def test_request_tokens_follow_the_readme() -> None:

@@ -1,0 +1,166 @@
+"""Traces and replay configs no issue names: every one replays to the right numbers or stops
+with one clear error before any work, and no run sees another run's pages."""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import json
+import logging
+from pathlib import Path
+
+import pytest
+
+from hicache.cli import main
+from hicache.errors import ConfigError, TraceFormatError
+from hicache.replay import ReplayConfig, TraceRequest, load_trace, reference_lru, request_tokens, unique_blocks
+from hicache.replay.bounds import infinite_cache
+from hicache.replay.compare import compare_policies
+from hicache.replay.trace import MAX_BLOCK_ID, prefix_blocks
+
+
+def _record(ids: list[int], tokens: int | None = None) -> dict:
+    return {"timestamp": 0, "input_length": 512 * len(ids) if tokens is None else tokens, "output_length": 1,
+            "hash_ids": ids}
+
+
+def _write(path: Path, *ids: list[int]) -> Path:
+    text = "".join(json.dumps(_record(i)) + "\n" for i in ids)
+    if path.suffix == ".gz":
+        path.write_bytes(gzip.compress(text.encode()))
+    else:
+        path.write_text(text)
+    return path
+
+
+def _prefix_reuse_trace(path: Path) -> Path:
+    """Twelve conversations over two shared prefixes, taking turns: a conversation comes back
+    after the others' blocks pushed it out of the host tier, so every tier hits."""
+    rows = []
+    for turn in range(3):
+        for conv in range(12):
+            shared = [0, 1, 2] if conv % 2 else [10, 11]
+            rows.append(shared + [100 + conv * 10 + t for t in range(turn + 1)])
+    return _write(path, *rows)
+
+
+# ---------------------------------------------------------------------- one store, many runs
+
+
+def test_policies_on_a_persistent_store_each_start_cold_and_leave_no_pages(tmp_path) -> None:
+    """The ``file`` backend keeps pages across stacks: the policies of one comparison (and
+    later runs) used to read the pages earlier ones wrote (0.99 total hit where the infinite
+    cache allows 0.06). Each run now has its own namespace, emptied when it ends."""
+    requests = load_trace(_prefix_reuse_trace(tmp_path / "t.jsonl"))
+    root = tmp_path / "store"
+    cfg = ReplayConfig.from_dict({
+        "tiers": {"device_blocks": 8, "host_blocks": 12, "storage_blocks": 64},
+        "storage": {"backend": "file", "options": {"root": str(root)}},
+    })
+    first = asyncio.run(compare_policies(cfg, requests, ["lru", "tiered", "lru"]))
+    ceiling = infinite_cache(requests)["hit_ratio_tokens"]
+    again = asyncio.run(compare_policies(cfg, requests, ["lru"]))
+    row = first["policies"]["lru"]
+    assert row["storage_hit"] > 0  # storage took part
+    assert row["total_hit"] <= ceiling + 1e-9
+    assert again["policies"]["lru"]["total_hit"] == row["total_hit"]  # not helped by the runs before
+    assert first["policies"]["tiered"]["total_hit"] <= ceiling + 1e-9
+    assert not [p for p in root.rglob("*") if p.is_file() and "pages" in p.parts]  # no page left behind
+
+
+# ---------------------------------------------------------------------- block ids
+
+
+def test_ids_that_name_more_than_one_prefix_become_one_block_per_prefix(tmp_path, caplog) -> None:
+    """A first request can hit nothing, whatever its ids repeat; an id after another prefix is
+    another block to a prefix cache. The bounds used to count hits the cache cannot have."""
+    with caplog.at_level(logging.WARNING):
+        once = load_trace(_write(tmp_path / "a.jsonl", [5, 5, 5]))
+    assert unique_blocks(once) == 3 and infinite_cache(once)["hit_ratio_tokens"] == 0
+    assert "more than one prefix" in caplog.text
+    crossed = load_trace(_write(tmp_path / "b.jsonl", [1, 2], [3, 2]))
+    assert unique_blocks(crossed) == 4 and reference_lru(crossed, [8])["hit_blocks"] == 0
+    shared = load_trace(_write(tmp_path / "c.jsonl", [1, 2], [1, 3], [1, 2]))
+    assert [r.hash_ids for r in shared] == [(1, 2), (1, 3), (1, 2)]  # a well-formed trace is kept as it is
+    assert prefix_blocks(shared) is shared
+
+
+def test_huge_ids_are_renamed_so_tokens_neither_wrap_nor_overflow(tmp_path) -> None:
+    """``h * 512`` in int64 wrapped for ids >= 2**54 (a request looked like another one: false
+    hits) and overflowed past 2**63; storage keys need uint32 tokens anyway."""
+    big = 1 << 55
+    requests = load_trace(_write(tmp_path / "big.jsonl", [0, 1], [big, big + 1], [10**20], [0, 1]))
+    assert max(h for r in requests for h in r.hash_ids) <= MAX_BLOCK_ID
+    tokens = [request_tokens(r) for r in requests]
+    assert tokens[0] == tokens[3] and not set(tokens[0]) & set(tokens[1])
+    assert reference_lru(requests, [8])["hit_blocks"] == 2  # only the repeat hits
+    with pytest.raises(ValueError, match="uint32"):
+        request_tokens(TraceRequest(0, 512, 1, (MAX_BLOCK_ID + 1,)))
+
+
+# ---------------------------------------------------------------------- files
+
+
+def test_gzip_traces_are_read_and_undecodable_files_are_named(tmp_path) -> None:
+    gz = _write(tmp_path / "t.jsonl.gz", [1, 2], [1, 3])
+    assert [r.hash_ids for r in load_trace(gz)] == [(1, 2), (1, 3)]
+    binary = tmp_path / "t.jsonl"
+    binary.write_bytes(json.dumps(_record([1])).encode() + b"\n\x8b\xff\x00\n")
+    with pytest.raises(TraceFormatError, match=r"t\.jsonl, line 2: not UTF-8"):
+        load_trace(binary)
+    fake = tmp_path / "fake.jsonl.gz"
+    fake.write_text("not gzip\n")
+    with pytest.raises(TraceFormatError, match="fake.jsonl.gz: not a readable gzip file"):
+        load_trace(fake)
+    assert load_trace(gz, limit=0) == []
+    with pytest.raises(ValueError):
+        load_trace(gz, limit=-1)
+
+
+# ---------------------------------------------------------------------- configs
+
+
+@pytest.mark.parametrize(("data", "match"), [
+    ({"kv": {"page_size": 0}}, "page_size"),
+    ({"kv": {"page_size": "64"}}, "page_size"),
+    ({"kv": {"page_size": -512}}, "page_size"),
+    ({"kv": {"head_dim": 1.5}}, "head_dim"),
+    ({"tiers": {"device_fraction": "abc"}}, "device_fraction"),
+    ({"tiers": {"host_fraction": -0.1}}, "host_fraction"),
+    ({"tiers": {"host_blocks": -3}}, "host blocks"),
+    ({"tiers": 5}, r"\[tiers\] must be a table"),
+    ({"replay": {"max_requests": "5"}}, "max_requests"),
+    ({"replay": {"verify": "yes"}}, "verify"),
+    ({"storage": {"backend": "memory", "options": []}}, "options"),
+    ({"controller": "fast"}, "controller"),
+])
+def test_replay_config_values_of_the_wrong_type_or_range_are_config_errors(data, match) -> None:
+    with pytest.raises(ConfigError, match=match):
+        ReplayConfig.from_dict(data)
+
+
+def test_tiers_that_do_not_nest_replay_and_get_their_reference(tmp_path) -> None:
+    """A host smaller than the device is a valid deployment: the replay used to run it through
+    and then fail in the reference LRU, throwing the results away."""
+    requests = load_trace(_prefix_reuse_trace(tmp_path / "t.jsonl"))
+    ref = reference_lru(requests, [6, 3, 0])
+    assert ref["host_hit_blocks"] == 0 and ref["hit_blocks"] == reference_lru(requests, [6])["hit_blocks"]
+    with pytest.raises(ValueError, match=">= 0"):
+        reference_lru(requests, [6, -1])
+
+
+# ---------------------------------------------------------------------- the command line
+
+
+def test_the_command_line_refuses_a_negative_limit_and_a_raster_plot_name(tmp_path, capsys, monkeypatch) -> None:
+    trace = _write(tmp_path / "t.jsonl", [1, 2], [1, 3])
+    with pytest.raises(SystemExit) as stop:
+        main(["replay", "--trace", str(trace), "--limit=-1", "--no-progress"])
+    assert stop.value.code == 2 and "must be >= 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["size", str(trace), "--plot", str(tmp_path / "curve.png")])
+    assert "written as SVG" in capsys.readouterr().err
+    monkeypatch.chdir(tmp_path)
+    assert main(["size", str(trace), "--no-plot"]) == 0
+    assert main(["size", str(trace), "--plot", ""]) == 0
+    assert not list(tmp_path.glob("*.svg")) and not (tmp_path / "curve.png").exists()
