@@ -129,16 +129,20 @@ def _replay_config_path(path: str) -> str:
     return str(REPO / path) if not Path(path).exists() and (REPO / path).exists() else path
 
 
-def _count_arg(text: str) -> int:
-    """An argparse type: an integer >= 0 (a negative count would silently drop requests from
-    the end, as a Python slice does)."""
+def _count_arg(text: str, minimum: int = 0) -> int:
+    """An argparse type: an integer >= ``minimum`` (a negative count would silently drop
+    requests from the end, as a Python slice does)."""
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    if value < minimum:
+        raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
     return value
+
+
+def _positive_arg(text: str) -> int:
+    return _count_arg(text, 1)
 
 
 #: file types a plot named so would be expected in, which are not what ``hicache size`` writes
@@ -259,7 +263,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", type=_svg_path, default="hicache-size.svg",
                    help="SVG file for the curve (default: hicache-size.svg; '' for none)")
     p.add_argument("--no-plot", dest="plot", action="store_const", const=None, help="write no plot")
-    p.add_argument("--kv-bytes-per-token", type=int, default=None, help="your model's KV bytes per token: capacities in bytes too")
+    p.add_argument("--kv-bytes-per-token", type=_positive_arg, default=None, help="your model's KV bytes per token: capacities in bytes too")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd_size)
 

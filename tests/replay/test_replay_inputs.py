@@ -160,6 +160,9 @@ def test_the_command_line_refuses_a_negative_limit_and_a_raster_plot_name(tmp_pa
     with pytest.raises(SystemExit):
         main(["size", str(trace), "--plot", str(tmp_path / "curve.png")])
     assert "written as SVG" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["size", str(trace), "--no-plot", "--kv-bytes-per-token=-5"])
+    assert "must be >= 1" in capsys.readouterr().err
     monkeypatch.chdir(tmp_path)
     assert main(["size", str(trace), "--no-plot"]) == 0
     assert main(["size", str(trace), "--plot", ""]) == 0
