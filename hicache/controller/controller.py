@@ -341,16 +341,26 @@ class HiCacheController:
         # close and the I/O thread's exit are each waited for at most max(1 s,
         # close_timeout_s); the thread is a daemon and is left behind with a warning.
         limit = max(1.0, self.config.close_timeout_s if timeout is None else timeout)
+        closing: asyncio.Task[Any] | None = None
         if self.own_storage and self.storage is not None:
+            # waited for, not cancelled: cancelling a call whose I/O loop is blocked waits for
+            # that loop to run the cancellation, which it never does (close hung for good);
+            # stopping the I/O thread below settles it instead
+            closing = asyncio.ensure_future(self._on_io(self.storage.aclose()))
             try:
-                async with asyncio.timeout(limit):
-                    await self._on_io(self.storage.aclose())
-            except TimeoutError:
+                await asyncio.wait({closing}, timeout=limit)
+            except asyncio.CancelledError:
+                closing.cancel()
+                raise
+            if not closing.done():
                 logger.warning("controller close: the storage backend did not close within %.1f s", limit)
-            except Exception:  # noqa: BLE001 - closing must not raise into shutdown
-                logger.exception("closing the storage backend failed")
+            elif not closing.cancelled() and closing.exception() is not None:
+                logger.error("closing the storage backend failed", exc_info=closing.exception())
         if self._io is not None:
             await self._io.stop(timeout=limit)  # settles the calls its loop never finished
+        if closing is not None and not closing.done():
+            closing.cancel()  # its I/O call was settled by stop(): this only ends the wrapper
+            await asyncio.wait({closing}, timeout=1.0)
         if stuck:
             await self._wait_tasks(1.0)
         self.state = ControllerState.CLOSED

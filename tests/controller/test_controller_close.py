@@ -60,6 +60,35 @@ async def test_close_returns_when_the_backend_blocks_its_io_loop() -> None:
         store.unblock.set()
 
 
+class CloseBlockingStorage(FaultyStorage):
+    """Closing blocks the storage I/O loop's thread (a flush on a hung mount)."""
+
+    def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(*args, **kwargs)
+        self.unblock = threading.Event()
+
+    async def _close(self) -> None:
+        self.unblock.wait(30)
+        await super()._close()
+
+
+async def test_close_returns_when_the_storage_close_blocks_its_io_loop() -> None:
+    """A storage the controller owns (built from a config) is closed on its I/O loop; when
+    that close blocks the loop, the close used to cancel it and then wait, for good, for the
+    blocked loop to run the cancellation."""
+    store = CloseBlockingStorage(store_id=f"faulty-{uuid.uuid4()}")
+    stack = make(store)
+    stack.controller.own_storage = True  # as build_stack makes it for a configured backend
+    try:
+        await serve_request(stack, list(range(8)), rid="a")
+        t0 = time.monotonic()
+        report = await asyncio.wait_for(stack.aclose(), 20.0)
+        assert time.monotonic() - t0 < 5.0  # max(1 s, close_timeout_s) for the close, as much for the thread
+        assert report.drained and report.unwritten_pages == 0
+    finally:
+        store.unblock.set()
+
+
 async def test_device_eviction_does_not_wait_for_a_hung_storage_write() -> None:
     """Making device room needs the device->host copies, not the storage writes queued behind
     them: with storage hung, evict_async must return as soon as the backups are done."""
