@@ -611,9 +611,12 @@ class SessionAwareCache(ForwardingCache):
                 break
             tokens -= slot.held_tokens(self.page_size)
             rows -= 1
-            if slot.attached_rid is not None:
+            preempted = slot.attached_rid is not None
+            if preempted:
                 self._preempt(slot)
             self._give_up_kv(slot, reason="pressure")
+            if preempted:
+                self._after_detach(slot)  # a session released while its turn was queued closes now
             done += 1
         return done
 
@@ -735,6 +738,19 @@ class SessionAwareCache(ForwardingCache):
         self._state = _State.CLOSED
         if self._reaper is not None:
             await self._reaper.aclose()
+        # A turn still running cannot finish on a closed cache, and a release waiting for it
+        # would hand its session's KV over after the write-backs were drained (lost without a
+        # word): abort it now, back to the history committed before it, which is then kept.
+        for slot in list(self.slots.values()):
+            req = slot.attached_req
+            if req is None:
+                continue
+            try:
+                self.abort_req(req)
+                self.session_metrics.incr("turns_aborted_at_close")
+            except Exception:  # noqa: BLE001 - one bad session must not stop the close
+                self.session_metrics.incr("release_errors")
+                logger.exception("session %s: aborting its running turn at close failed", slot.session_id)
         if self.config.release_on_close:
             for sid in list(self.slots):
                 try:
@@ -745,6 +761,7 @@ class SessionAwareCache(ForwardingCache):
                     self.slots.pop(sid, None)
                     logger.exception("session %s: releasing it at close failed; its KV is not kept", sid)
         await self.writeback.drain()
+        self.writeback.seal()
         fn = getattr(self.inner, "aclose", None)
         if close_inner and fn is not None:
             return await fn()

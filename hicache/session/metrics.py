@@ -27,6 +27,7 @@ _COUNTERS = (
     "sessions_expired",
     "turns",
     "aborts",
+    "turns_aborted_at_close",
     "restored_tokens",
     "computed_tokens",
     "offloads_idle",

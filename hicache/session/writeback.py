@@ -55,6 +55,7 @@ class WriteBackQueue:
         self._count = count or (lambda name, amount: None)
         self._entries: list[_Entry] = []
         self.enabled: bool = callable(getattr(tree, "write_backup", None))
+        self._sealed = False
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -64,9 +65,15 @@ class WriteBackQueue:
         return sum(e.tokens for e in self._entries)
 
     def enqueue(self, session_id: str, leaf: Any, tokens: int) -> None:
-        """Follow the path ending at ``leaf`` (just inserted for ``session_id``)."""
+        """Follow the path ending at ``leaf`` (just inserted for ``session_id``). After
+        :meth:`seal` (the cache closed) nobody would drain it: it is counted lost at once."""
         self._count("writeback_queued", 1)
         self._count("writeback_queued_tokens", tokens)
+        if self._sealed and self.enabled:
+            self._count("writeback_lost", 1)
+            logger.warning("session %s: %d token(s) handed over after the cache closed; not written back",
+                           session_id, tokens)
+            return
         if not self.enabled:
             self._count("writeback_done", 1)
             return
@@ -81,6 +88,10 @@ class WriteBackQueue:
         protects the KV. A refusal counts against an entry only with ``count_refusals``
         (after the controller drained, when it is no longer mere backpressure)."""
         self._entries = [e for e in self._entries if self._advance(e, count_refusals=count_refusals)]
+
+    def seal(self) -> None:
+        """No more entries: the cache closed after its last drain (see :meth:`enqueue`)."""
+        self._sealed = True
 
     def discard_all(self) -> None:
         """Forget every entry (the tree was reset)."""

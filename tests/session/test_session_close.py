@@ -1,0 +1,59 @@
+"""Closing a session-aware cache with turns still attached to their sessions: a running turn
+is aborted back to the history committed before it, which is written back like any released
+session's; nothing handed over after the close is lost without being counted."""
+
+from __future__ import annotations
+
+import uuid
+
+from session_helpers import Conversation, make_stack
+
+from hicache.session import SessionConfig
+from hicache.session.writeback import WriteBackQueue
+
+
+async def test_close_with_a_turn_running_writes_back_the_history_before_it() -> None:
+    st = make_stack(storage_id=uuid.uuid4().hex, config=SessionConfig())
+    a = Conversation(st, "A", seed=1)
+    await a.turn(n_in=20, n_out=3)  # the slot holds A's history
+    req = a.request(6)
+    await a.begin(req)
+    await a.prefill(req)  # A's next turn is running when the server shuts down
+    report = await st.cache.aclose()
+    counters = st.cache.session_metrics.counters
+    assert report is not None and report.drained and not report.unwritten
+    assert not st.cache.slots and len(st.cache.writeback) == 0
+    assert counters["turns_aborted_at_close"] == 1 and counters["sessions_released"] == 1
+    assert counters["writeback_done"] == counters["writeback_queued"] == 1 and counters["writeback_lost"] == 0
+    assert st.storage.get_stats()["write_pages"] > 0  # the history reached storage
+    st.cache.abort_req(req)  # what the server does with the turn it can no longer run: harmless now
+
+
+async def test_a_session_released_while_its_turn_is_queued_closes_when_pressure_preempts_it() -> None:
+    """Preempting the queued turn used to leave the releasing slot open for good: no KV, no
+    turn, ``closing`` set, every later turn of the id served without it."""
+    st = make_stack(device_pages=16, config=SessionConfig())
+    a = Conversation(st, "A", seed=1)
+    await a.turn(n_in=20, n_out=3)
+    req = a.request(4)
+    st.cache.match_req(req)  # the next turn is matched, only queued
+    assert st.cache.release_session("A") and st.cache.slots["A"].closing
+    st.cache.ensure_req_slots(st.req_pool.size)  # pressure: offloads idle and queued slots
+    assert "A" not in st.cache.slots
+    assert st.cache.session_metrics.counters["sessions_released"] == 1
+    await st.aclose()
+
+
+def test_a_handover_after_the_close_is_counted_lost() -> None:
+    class Tree:
+        root_node = object()
+
+        def write_backup(self, node: object) -> bool:  # pragma: no cover - never reached
+            raise AssertionError("nothing may be copied after the close")
+
+    counts: dict[str, int] = {}
+    queue = WriteBackQueue(Tree(), count=lambda name, n: counts.__setitem__(name, counts.get(name, 0) + n))
+    queue.seal()
+    queue.enqueue("late", object(), 64)
+    assert counts == {"writeback_queued": 1, "writeback_queued_tokens": 64, "writeback_lost": 1}
+    assert len(queue) == 0
