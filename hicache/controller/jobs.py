@@ -140,6 +140,9 @@ class CloseReport:
     unwritten: list[UnwrittenBackup] = dataclasses.field(default_factory=list)
     cancelled_prefetches: int = 0
     failed_device_backups: int = 0
+    #: pages whose storage write failed (retries spent) or was skipped while storage was
+    #: down, over the controller's whole life: written nowhere, though never "queued at close"
+    failed_storage_pages: int = 0
 
     @property
     def unwritten_pages(self) -> int:

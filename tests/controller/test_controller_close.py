@@ -213,3 +213,18 @@ async def test_work_offered_after_close_reported_its_leftovers_is_refused() -> N
     await closing
     assert ctl._backup_q is not None and ctl._backup_q.empty()
     await stack.aclose()
+
+
+async def test_the_close_report_counts_pages_storage_never_got() -> None:
+    """Writes that failed for good were only in the log and the metrics: the close said
+    "drained, nothing unwritten" although no page reached storage."""
+    store = FaultyStorage(store_id=f"faulty-{uuid.uuid4()}")
+    cfg = StackConfig(page_size=PS, device_pages=16, host_pages=64, storage_backend=None,
+                      controller=ControllerConfig(prefetch_threshold=PS, storage_max_retries=1,
+                                                  storage_retry_base_s=0.001, close_timeout_s=2.0))
+    stack = build_stack(cfg, storage=store)
+    store.fail_writes = 1000
+    await serve_request(stack, list(range(8)), rid="a")
+    report = await stack.aclose()
+    assert report.drained and not report.unwritten
+    assert report.failed_storage_pages == 2
