@@ -24,6 +24,7 @@ to SGLang. No SGLang import here.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -92,6 +93,8 @@ class AdapterSettings:
             isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0
         ):
             raise ConfigError(f"hicache_call_timeout must be a positive number of seconds or null, got {timeout!r}")
+        if timeout is not None and timeout > threading.TIMEOUT_MAX:  # inf included: no limit, as null
+            timeout = None  # a wait that long overflows the clock (every call raised OverflowError)
         staging = extra.get("hicache_staging_mib", DEFAULT_STAGING_MIB)
         if isinstance(staging, bool) or not isinstance(staging, int) or not 1 <= staging <= 4096:
             raise ConfigError(f"hicache_staging_mib must be an integer in 1..4096, got {staging!r}")
@@ -122,8 +125,8 @@ def namespace_for(
     """The namespace of an SGLang server's pages.
 
     From SGLang's ``HiCacheStorageConfig``: the model name (SGLang already tags it with a host
-    pool's own page format), TP/PP ranks, attention-CP and decode-CP shards, the DP-attention
-    rank, and MLA (MLA latents are replicated over TP, so TP does not split those namespaces,
+    pool's own page format), TP/PP ranks, attention-CP and decode-CP shards (not the
+    DP-attention rank: DP groups hold the same KV), and MLA (MLA latents are replicated over TP, so TP does not split those namespaces,
     as in SGLang). From the KV host pool (``signature``): dtype, layers, heads, head size, page
     size. The host *layout* is not part of it: pages are stored in canonical order, so every
     layout shares them. Only pools stored in SGLang's own bytes (``kv_format``,
@@ -132,7 +135,9 @@ def namespace_for(
     sig = dict(signature or {})
     is_mla = bool(getattr(config, "is_mla_model", False))
     extra: dict[str, str] = {"engine": "sglang"}
-    for name in ("dp_rank", "attn_cp_rank", "attn_cp_size", "dcp_rank", "dcp_size", "logical_page_size"):
+    # not dp_rank: DP-attention groups hold the same KV at the same attention-TP rank, and
+    # share pages as they do in SGLang's own backends (whose keys leave it out)
+    for name in ("attn_cp_rank", "attn_cp_size", "dcp_rank", "dcp_size", "logical_page_size"):
         value = getattr(config, name, None)
         if value is not None:
             extra[name] = str(value)

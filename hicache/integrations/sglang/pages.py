@@ -335,6 +335,23 @@ def _piece_plan(probe: torch.Tensor, elsize: int) -> list[list[tuple[int, int, i
     return plan
 
 
+#: SGLang's host pool classes whose pages are their ``kv_buffer`` rows and nothing else
+_PLAIN_POOLS = ("MHATokenToKVPoolHost", "MLATokenToKVPoolHost")
+#: SGLang's page protocol: a subclass that redefines it keeps state beyond ``kv_buffer``
+_PAGE_METHODS = ("get_data_page", "get_dummy_flat_data_page", "set_from_flat_data_page")
+
+
+def _plain_pages(pool: Any) -> bool:
+    """Whether ``pool``'s pages are its ``kv_buffer`` rows alone: one of SGLang's plain MHA/MLA
+    host pools, or a subclass that keeps their page methods. A subclass with pages of its own
+    (SGLang's MXFP8 pool keeps each page's scales outside ``kv_buffer`` and refuses flat
+    pages) is left to its own methods: the canonical adapter would store the payload without
+    the scales and restore it beside another page's."""
+    cls = type(pool)
+    base = next((c for c in cls.__mro__ if c.__name__ in _PLAIN_POOLS), None)
+    return base is not None and all(getattr(cls, m, None) is getattr(base, m, None) for m in _PAGE_METHODS)
+
+
 def adapt_host_pool(pool: Any) -> tuple[Any, str | None]:
     """The pool hicache's storage should see, and (for a pass-through pool) the tag of its own
     byte format that the namespace must carry. A pool that already is a canonical adapter
@@ -342,7 +359,8 @@ def adapt_host_pool(pool: Any) -> tuple[Any, str | None]:
     if isinstance(pool, CanonicalPagePool) or callable(getattr(pool, "storage_signature", None)):
         return pool, None
     table = _MLA if _is_mla(pool) else _MHA
-    if getattr(pool, "layout", None) in table and isinstance(getattr(pool, "kv_buffer", None), torch.Tensor):
+    if (getattr(pool, "layout", None) in table and isinstance(getattr(pool, "kv_buffer", None), torch.Tensor)
+            and _plain_pages(pool)):
         try:
             return CanonicalPagePool(pool), None
         except (TypeError, ValueError, RuntimeError):

@@ -63,6 +63,13 @@ def _name(pool_name: Any) -> str:
     return str(getattr(pool_name, "value", pool_name))
 
 
+#: pools SGLang keeps split by TP rank even in an MLA model, whose KV every TP rank holds whole
+#: (so the MLA namespace leaves TP out): its ``HybridCacheController.should_backup`` backs them
+#: up on every rank ("Kimi-K3 Mamba/KDA state is TP-sharded even when the primary MLA KV pool
+#: is replicated"). Stored under a name per rank, each rank reads back its own shard.
+_TP_SPLIT_UNDER_MLA = frozenset({"mamba"})
+
+
 def _server_kv_cache_dtype() -> str | None:
     """SGLang's ``--kv-cache-dtype`` from the server's published settings, if it has any
     (none in a process that did not start a server, such as a test or a tool)."""
@@ -112,6 +119,18 @@ def _hicache_config(cfg: Any) -> HiCacheStorageConfig:
     )
 
 
+def _has_flat_pages(pool: Any) -> bool:
+    """Whether SGLang gives ``pool``'s pages as flat tensors (what a pass-through pool's
+    pages are stored as): a pool whose page methods raise ``NotImplementedError`` has none."""
+    try:
+        pool.get_dummy_flat_data_page()
+    except NotImplementedError:
+        return False
+    except Exception:  # noqa: BLE001 - anything else is for the page path to report
+        return True
+    return True
+
+
 class HiCacheSGLangStorage(_SGLangStorage):
     """SGLang's ``HiCacheStorage`` backed by a hicache backend (file, s3, fsspec, memory, plugins).
 
@@ -133,6 +152,8 @@ class HiCacheSGLangStorage(_SGLangStorage):
         self.registered_pools: dict[Any, Any] = {}
         self._adapted: dict[str, Any] = {}
         self._tags: dict[str, str] = {}
+        #: pools SGLang gives no flat storage pages (see :meth:`_register`): stored nowhere
+        self._refused: dict[str, str] = {}
         self._facade: HiCacheStorage | None = None
         self._backend: AsyncHiCacheStorage | None = None
         self._kv: CanonicalPagePool | None = None
@@ -150,13 +171,31 @@ class HiCacheSGLangStorage(_SGLangStorage):
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
         self.registered_pools[host_pool_name] = host_pool
-        self._register(host_pool, _name(host_pool_name))
+        self._register(host_pool, self._pool(host_pool_name))
+
+    def _pool(self, pool_name: Any) -> str:
+        """The name a pool's pages are stored under: SGLang's, with this TP rank for a pool
+        that TP splits while the namespace does not (:data:`_TP_SPLIT_UNDER_MLA`)."""
+        name = _name(pool_name)
+        cfg = self.storage_config
+        if name in _TP_SPLIT_UNDER_MLA and getattr(cfg, "is_mla_model", False) and int(getattr(cfg, "tp_size", 1)) > 1:
+            return f"{name}.tp{int(getattr(cfg, 'tp_rank', 0))}-{int(cfg.tp_size)}"
+        return name
 
     def _register(self, pool: Any, name: str) -> None:
         prior = self._adapted.get(name)
         if prior is not None and getattr(prior, "pool", prior) is pool:
             return  # the same SGLang pool again (KV: once as the anchor, once by name)
         adapted, tag = adapt_host_pool(pool)
+        if tag is not None and not _has_flat_pages(pool):
+            # SGLang refuses storage pages for it (its MXFP8 pool keeps scales outside the
+            # page): every one of its writes would fail. The KV pool fails the attach (a
+            # store that can hold nothing); a sidecar is a miss, said once here.
+            self._refused[name] = f"{type(pool).__name__} has no flat storage pages in SGLang"
+            if name != KV:
+                logger.warning("hicache SGLang storage: pool %r is not stored (%s); its pages are misses",
+                               name, self._refused[name])
+            return
         if self._facade is not None:  # a dynamic sidecar, after the store opened
             if tag is not None:
                 logger.error(
@@ -168,7 +207,9 @@ class HiCacheSGLangStorage(_SGLangStorage):
             self._facade.register_mem_host_pool_v2(adapted, name)
         self._adapted[name] = adapted
         if tag is not None:
-            self._tags[name] = tag
+            # by SGLang's name: a TP rank's own name for a split pool must not split the
+            # namespace (every rank reads the same KV pages)
+            self._tags[name.partition(".tp")[0]] = tag
 
     def on_host_pools_registered(self) -> None:
         """Open the store now that every pool is known; raising fails SGLang's attach."""
@@ -183,6 +224,8 @@ class HiCacheSGLangStorage(_SGLangStorage):
                 return self._facade
             if self._closed:
                 raise SGLangAttachError("the hicache SGLang storage is closed")
+            if KV in self._refused:
+                raise SGLangAttachError(f"the KV host pool cannot be stored: {self._refused[KV]}")
             kv = self._adapted.get(KV)
             if kv is None:
                 raise SGLangAttachError("no KV host pool registered (register_mem_pool_host first)")
@@ -272,7 +315,9 @@ class HiCacheSGLangStorage(_SGLangStorage):
             flags: dict[Any, list[bool]] = {}
             if kv_pages:
                 for t in transfers:
-                    flags[t.name] = await backend.exists_pages(keys[:kv_pages], _name(t.name))
+                    name = self._pool(t.name)
+                    flags[t.name] = ([False] * kv_pages if name in self._refused
+                                     else await backend.exists_pages(keys[:kv_pages], name))
             return resolve_hits(kv_flags, flags, transfers, kv_name=_SGLangPoolName.KV)
 
         def run(f: HiCacheStorage) -> Any:
@@ -322,9 +367,11 @@ class HiCacheSGLangStorage(_SGLangStorage):
             keys = list(t.keys or [])
 
             def one(f: HiCacheStorage, t: Any = t, keys: list[str] = keys) -> list[bool]:
-                name = _name(t.name)
+                name = self._pool(t.name)
                 if name == KV:
                     return (self._set_kv if write else self._get_kv)(f, keys, t.host_indices, *((prefix,) if write else ()))
+                if name in self._refused:
+                    return [False] * len(keys)
                 call = f.batch_set_v2 if write else f.batch_get_v2
                 ours = PoolTransfer(name, t.host_indices, keys=keys)
                 return call([ours], _extra(prefix))[name]

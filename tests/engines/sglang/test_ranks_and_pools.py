@@ -1,0 +1,144 @@
+"""Which SGLang ranks share pages, and which pools hicache may store, against SGLang's own
+classes: DP-attention groups share pages, MLA ranks share their KV but not their TP-split
+Mamba state, a pool with state outside its pages is never restored half, and a call timeout
+too large for the clock means no limit."""
+
+from __future__ import annotations
+
+import pytest
+import sgl_drive as drive
+import sgl_helpers as helpers
+import torch
+from sglang.srt.mem_cache.device_pool_info import MambaStateBufferInfo
+from sglang.srt.mem_cache.hicache_storage import HiCacheFile, HiCacheStorageConfig, PoolName, PoolTransfer
+from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
+from sglang.srt.mem_cache.pool_host.mha_mxfp8 import MHATokenToKVPoolMXFP8Host
+from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+
+from hicache.integrations.sglang.storage import SGLangAttachError
+
+PS = 16
+KEYS = ["ab" * 32, "cd" * 32]
+
+
+def _config(extra: dict, *, tp_rank: int = 0, tp_size: int = 1, dp_rank: int = 0, mla: bool = False,
+            model: str = "deepseek/v3") -> HiCacheStorageConfig:
+    return HiCacheStorageConfig(tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0,
+                                attn_cp_size=1, is_mla_model=mla, enable_storage_metrics=False,
+                                is_page_first_layout=False, model_name=model, dp_rank=dp_rank, extra_config=extra)
+
+
+def _store(root, **cfg):  # type: ignore[no-untyped-def]
+    return StorageBackendFactory.create_backend("dynamic", _config(helpers.extra_config("file", root=str(root)), **cfg), None)
+
+
+@pytest.mark.parametrize("mla", [False, True])
+def test_dp_attention_groups_share_pages_as_in_sglangs_own_backend(tmp_path, mla) -> None:
+    """Every DP group stored its own copy and never hit another group's pages (the DP rank was
+    part of the namespace); SGLang's ``HiCacheFile`` keys leave it out."""
+    ref = [HiCacheFile(_config({}, dp_rank=dp, mla=mla), file_path=str(tmp_path / "ref")) for dp in (0, 1)]
+    for k in KEYS:
+        ref[0].set(k, torch.zeros(4, dtype=torch.uint8))
+    dev = helpers.device_pool(page_size=PS, layers=2, mla=mla)
+    stores, hosts = [], []
+    for dp in (0, 1):
+        host = helpers.host_pool(dev, "page_first")
+        helpers.fill_random(host, dp)
+        st = _store(tmp_path / "s", dp_rank=dp, mla=mla)
+        st.register_mem_pool_host(host)
+        st.on_host_pools_registered()
+        stores.append(st)
+        hosts.append(host)
+    try:
+        assert stores[0].batch_set_v1(KEYS, torch.arange(2 * PS)) == [True, True]
+        assert stores[1].batch_exists(KEYS) == ref[1].batch_exists(KEYS) == 2
+        assert stores[1].batch_get_v1(KEYS, torch.arange(2 * PS, 4 * PS)) == [True, True]
+        assert torch.equal(hosts[1].get_data_page(2 * PS, flat=True), hosts[0].get_data_page(0, flat=True))
+    finally:
+        for st in stores:
+            st.close()
+
+
+def _mamba_host() -> MambaPoolHost:
+    info = MambaStateBufferInfo(temporal=torch.zeros(2, 8, 4, 4), conv=(torch.zeros(2, 8, 3, 4),))
+    return MambaPoolHost(info, 2.0, 0, device_capacity=8, pin_memory=False, layout="page_first")
+
+
+def test_mla_ranks_share_kv_but_each_reads_back_its_own_mamba_shard(tmp_path) -> None:
+    """MLA leaves TP out of the namespace (the latent is whole on every rank), but SGLang backs
+    up the Mamba/KDA state on every TP rank, each its own shard: rank 0 read rank 1's shard
+    as a hit."""
+    dev = helpers.device_pool(page_size=PS, layers=4, mla=True)
+    ranks = []
+    for tp in (0, 1):
+        kv, mamba = helpers.host_pool(dev, "page_first"), _mamba_host()
+        st = _store(tmp_path / "s", tp_rank=tp, tp_size=2, mla=True, model="kimi/linear")
+        st.register_mem_pool_host(kv)
+        st.register_mem_host_pool_v2(kv, PoolName.KV)
+        st.register_mem_host_pool_v2(mamba, PoolName.MAMBA)
+        st.on_host_pools_registered()
+        ranks.append((st, kv, mamba))
+    (r0, kv0, m0), (r1, kv1, m1) = ranks
+    try:
+        shards = [torch.full_like(m.get_dummy_flat_data_page(), v) for m, v in ((m0, 1), (m1, 2))]
+        m0.set_from_flat_data_page(3, shards[0])
+        m1.set_from_flat_data_page(3, shards[1])
+        helpers.fill_random(kv0, 3)
+        key = [KEYS[0]]
+        assert r0.batch_set_v1(key, torch.arange(PS)) == [True]  # the KV: written once
+        slot = torch.tensor([3])
+        for st in (r0, r1):
+            assert st.batch_set_v2([PoolTransfer(PoolName.MAMBA, slot, keys=key)])[PoolName.MAMBA] == [True]
+        assert r1.batch_exists(key) == 1  # rank 1 reads the KV rank 0 wrote
+        for st, mamba, mine in ((r0, m0, shards[0]), (r1, m1, shards[1])):
+            got = st.batch_get_v2([PoolTransfer(PoolName.MAMBA, torch.tensor([5]), keys=key)])[PoolName.MAMBA]
+            assert got == [True] and torch.equal(mamba.get_data_page(5, flat=True), mine)
+    finally:
+        r0.close()
+        r1.close()
+
+
+def _mxfp8_pool() -> MHATokenToKVPoolMXFP8Host:
+    """SGLang's MXFP8 host pool needs CUDA kernels to build: a page_first MHA pool given its
+    class and its scale buffers (per-page scales kept outside ``kv_buffer``)."""
+    dev = helpers.device_pool(page_size=PS, layers=2, dtype=torch.float8_e4m3fn)
+    host = helpers.host_pool(dev, "page_first")
+    host.__class__ = MHATokenToKVPoolMXFP8Host
+    host.k_sf_page_bytes = host.v_sf_page_bytes = 64
+    host.k_scale_host = torch.zeros((host.page_num, host.layer_num, 64), dtype=torch.uint8)
+    host.v_scale_host = torch.zeros((host.page_num, host.layer_num, 64), dtype=torch.uint8)
+    return host
+
+
+def test_a_pool_with_state_outside_its_pages_is_never_stored_half(tmp_path) -> None:
+    """The adapter stored an MXFP8 pool's payload without its scales and reported reads of it
+    as hits, restored beside another page's scales. SGLang gives it no flat pages: as the KV
+    pool it fails the attach with a clear error (a store that could hold nothing)."""
+    host = _mxfp8_pool()
+    with pytest.raises(NotImplementedError):
+        host.get_data_page(0)  # SGLang's own word on this pool
+    st = StorageBackendFactory.create_backend(
+        "dynamic", _config({**helpers.extra_config("file", root=str(tmp_path / "s")),
+                            "hicache_kv_cache_dtype": "fp8_e4m3"}), None)
+    st.register_mem_pool_host(host)
+    try:
+        with pytest.raises(SGLangAttachError, match="no flat storage pages"):
+            st.on_host_pools_registered()
+        assert st.batch_set_v1([KEYS[0]], torch.arange(PS)) == [False]
+        assert st.batch_get_v1([KEYS[0]], torch.arange(PS, 2 * PS)) == [False]
+    finally:
+        st.close()
+
+
+@pytest.mark.parametrize("timeout", [1e10, float("inf")])
+def test_a_call_timeout_beyond_the_clock_means_no_limit(tmp_path, timeout) -> None:
+    """Accepted at start-up, then every call raised OverflowError and the attach failed as
+    "could not open its store"."""
+    dev = helpers.device_pool(page_size=PS, layers=2)
+    host = helpers.host_pool(dev, "page_first")
+    extra = {**helpers.extra_config("file", root=str(tmp_path / "s")), "hicache_call_timeout": timeout}
+    ctl = helpers.controller(dev, host, extra)
+    try:
+        drive.write_then_read(ctl, host, ctl, host, 2, 2)
+    finally:
+        ctl.detach_storage_backend()
