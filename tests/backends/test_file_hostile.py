@@ -488,3 +488,70 @@ async def test_pages_torn_by_a_crash_are_never_claimed_present(tmp_path, shared)
         assert await store.batch_exists(keys) == 1
         got = await store.batch_get(keys, [torch.empty(size, dtype=torch.uint8) for _ in keys])
         assert [g is not None for g in got] == [True, False, False, True]
+
+
+# ---------------------------------------------------------------------- symbolic links in the root
+
+
+def _precious(folder: Path) -> list[Path]:
+    (folder / "sub").mkdir(parents=True)
+    (folder / "a.txt").write_text("keep me")
+    (folder / "sub" / "b.txt").write_text("me too")
+    return sorted(folder.rglob("*.txt"))
+
+
+async def test_a_link_named_like_stale_trash_loses_only_the_link(tmp_path) -> None:
+    """Opening a store finishes dead processes' deletions of cleared namespaces: a link named
+    like one had the whole folder it pointed to emptied, outside the root."""
+    outside = tmp_path / "outside"
+    files = _precious(outside)
+    root = tmp_path / "root"
+    store = make_store(root)
+    root.mkdir()
+    link = root / f".trash-{store.namespace.digest}-999999-0"  # a pid that is not alive
+    link.symlink_to(outside)
+    async with store:
+        await within(store.wait_background())
+    assert sorted(outside.rglob("*.txt")) == files and not os.path.lexists(link)
+
+
+async def test_a_namespace_folder_that_is_a_link_is_refused_and_clear_spares_its_target(tmp_path) -> None:
+    outside = tmp_path / "outside"
+    files = _precious(outside)
+    root = tmp_path / "root"
+    store = make_store(root)
+    root.mkdir()
+    (root / store.namespace.digest).symlink_to(outside)
+    with pytest.raises(Exception, match="symbolic link"):
+        await within(store.__aenter__())
+    os.unlink(root / store.namespace.digest)
+    async with make_store(root) as store:  # a link planted while the store is open
+        assert await within(store.set("a", v0(512, 1)))
+        ns = Path(store.layout.ns_dir)
+        os.rename(ns, tmp_path / "moved")
+        ns.symlink_to(outside)
+        assert await within(store.clear())
+        await within(store.wait_background())
+    assert sorted(outside.rglob("*.txt")) == files
+
+
+async def test_pages_never_go_through_a_linked_page_folder(tmp_path) -> None:
+    """Page files are opened without following links, but the folders on their path were
+    followed: a write landed outside the root and was then served as a hit."""
+    from hicache_backends.file.layout import page_id
+
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    async with make_store(tmp_path / "root") as store:
+        await within(store.wait_background())
+        sub = store.layout.subdir(page_id("k1", "kv"))
+        os.rmdir(sub)
+        os.symlink(outside, sub)
+        assert not await within(store.set("k1", v0(64, 1)))
+        assert list(outside.iterdir()) == []
+        assert await within(store.get("k1")) is None
+    async with make_store(tmp_path / "root") as again:  # reopening replaces the link
+        await within(again.wait_background())
+        assert not os.path.islink(sub) and os.path.isdir(sub)
+        assert await within(again.set("k1", v0(64, 2)))
+    assert list(outside.iterdir()) == []

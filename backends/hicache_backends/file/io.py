@@ -491,6 +491,8 @@ def write_page(
     size = codec.header_len(key, pool) + len(payload) + FOOTER_LEN
     tmp = layout.tmp_path(pid, next(_serial))
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_CLOEXEC
+    if os.path.islink(layout.subdir(pid)):  # planted: writing through it would leave the root
+        return WriteResult(False, reason=f"create: {layout.subdir(pid)} is a symbolic link, not a folder of the store")
     try:
         try:
             fd = os.open(tmp, flags, 0o644)
@@ -551,6 +553,9 @@ def remove_files(paths: Sequence[str], sizes: Sequence[int]) -> int:
     gone already - another process evicted it - frees nothing here)."""
     freed = 0
     for p, size in zip(paths, sizes):
+        if os.path.islink(os.path.dirname(p)):  # a folder replaced by a link: not ours to empty
+            logger.warning("not removing %s: its folder is a symbolic link", p)
+            continue
         try:
             os.unlink(p)
             freed += size
@@ -602,6 +607,10 @@ def prepare_namespace(layout: NamespaceLayout, manifest: dict) -> bool:
     The 256 hashed page folders are created by the first write into each: creating them all
     up front costs hundreds of milliseconds on a busy journaling file system.
     """
+    for folder in (layout.ns_dir, layout.pages_dir):
+        if os.path.islink(folder):
+            raise OSError(errno.ELOOP, f"{folder} is a symbolic link; every folder below the store's root must "
+                                       "be a real one (pages are never written, nor deleted, outside the root)")
     try:
         os.makedirs(layout.pages_dir, exist_ok=True)
         _write_manifest(layout, manifest)
@@ -612,6 +621,14 @@ def prepare_namespace(layout: NamespaceLayout, manifest: dict) -> bool:
     return True
 
 
+def _replace_link(folder: str) -> None:
+    """A hashed page folder found to be a symbolic link (nothing this store makes) is removed
+    and made a real folder: only the link goes, never what it points to."""
+    logger.warning("%s is a symbolic link; replaced by a real folder (pages stay inside the root)", folder)
+    os.unlink(folder)
+    os.makedirs(folder, exist_ok=True)
+
+
 def ensure_subdirs(layout: NamespaceLayout, stop: threading.Event | None = None) -> int:
     """Create the hashed page folders that do not exist yet (in the background, after the scan,
     so that writes find their folder and never pay a ``mkdir``); returns how many were made."""
@@ -619,6 +636,10 @@ def ensure_subdirs(layout: NamespaceLayout, stop: threading.Event | None = None)
     for d in layout.subdirs:
         if stop is not None and stop.is_set():
             break
+        if os.path.islink(d):
+            _replace_link(d)
+            made += 1
+            continue
         if not os.path.isdir(d):
             try:
                 os.makedirs(d, exist_ok=True)
@@ -637,7 +658,9 @@ def list_subdirs(layout: NamespaceLayout) -> list[str]:
     except FileNotFoundError:
         return []
     wanted = {os.path.basename(d) for d in layout.subdirs}
-    return [os.path.join(layout.pages_dir, n) for n in sorted(names) if n in wanted]
+    # a linked folder is not scanned (its files are not the store's; ensure_subdirs replaces it)
+    return [p for p in (os.path.join(layout.pages_dir, n) for n in sorted(names) if n in wanted)
+            if not os.path.islink(p)]
 
 
 def clear_namespace(layout: NamespaceLayout, manifest: dict) -> tuple[str | None, bool]:
@@ -668,6 +691,16 @@ def remove_tree(path: str, stop: threading.Event | None = None) -> bool:
     Unlike ``shutil.rmtree`` it can be interrupted, so closing a store never waits for the
     deletion of a huge cleared namespace; what is left is finished by the next open.
     """
+    if os.path.islink(path) or not os.path.isdir(path):
+        # a link (a namespace folder or a trash name planted as one): only the link goes,
+        # never what it points to; os.walk would follow it at the top
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            logger.warning("could not remove %s: %s", path, exc)
+        return not os.path.lexists(path)
     with _removing_lock:
         _removing.add(path)
     try:
