@@ -819,9 +819,25 @@ class HiRadixCache(RadixCache):
             node = params.req.last_host_node
         if node is None:
             return self._empty(), self.root_node
-        while node is not self.root_node and node.value is None:
-            node = node.parent
-        return self._empty(), node
+        return self._empty(), self._device_prefix_end(node)
+
+    def _device_prefix_end(self, node: TreeNode) -> TreeNode:
+        """The deepest node on ``node``'s path whose whole path from the root is on device.
+
+        Usually the first device ancestor; but a device node can sit below a host-only one
+        (a failed load-back dropped the parent's device copy after an insert hung the child
+        under it), and its slots do not continue any device prefix."""
+        path: list[TreeNode] = []
+        n: TreeNode | None = node
+        while n is not None and n is not self.root_node:
+            path.append(n)
+            n = n.parent
+        end = self.root_node
+        for n in reversed(path):
+            if n.value is None:
+                break
+            end = n
+        return end
 
     def start_load_back(self, params: InitLoadBackParams) -> LoadBack | None:
         """:meth:`init_load_back` returning the started load; ``None`` when there is nothing
@@ -839,6 +855,11 @@ class HiRadixCache(RadixCache):
             chain.append(n)
             n = n.parent
         anchor = n
+        if anchor is not self.root_node and self._device_prefix_end(anchor) is not anchor:
+            # the chain would continue device slots that do not start at the root: loading it
+            # would hand the request KV at the wrong positions; it recomputes instead
+            self.metrics.incr("load_back_skipped")
+            return None
         chain.reverse()
         cut = next((i for i, c in enumerate(chain) if not c.backuped), len(chain))
         if cut < len(chain):

@@ -143,3 +143,44 @@ async def test_reset_during_a_load_wakes_whoever_waits_for_it() -> None:
     assert res.prefix_len == 0
     await stack.controller.drain()
     await stack.aclose()
+
+
+async def test_a_device_node_left_below_a_failed_load_is_never_the_start_of_a_load() -> None:
+    """A load of P fails after another request's insert hung R+S (its own, valid KV) below P's
+    node: P is host-only again, R+S on device below it. S demoted to host, a request for
+    P+R+S used to load S alone after no device prefix and get S's KV at P's positions."""
+    from hicache.replay.synthetic import write_synthetic_kv
+
+    stack = make()
+    cache = stack.cache
+    p, r, s = list(range(8)), list(range(100, 104)), list(range(200, 204))
+    await host_only(stack, p)
+    b = Req(rid="B", origin_input_ids=p + r + s, fill_ids=p + r + s)  # computes everything itself
+    cache.match_req(b)
+    b.req_pool_idx = stack.req_to_token_pool.alloc(1)[0]
+    await cache.admit(b, mem_quota=0)
+    dev = stack.allocator.alloc(16)
+    stack.req_to_token_pool.req_to_token[b.req_pool_idx][:16] = dev
+    write_synthetic_kv(stack.device_pool, dev, torch.tensor(p + r + s))
+    b.kv_committed_len = b.kv_allocated_len = 16
+    restore = inject_load_faults(stack.copy_engine, delay=0.1, fail=True)
+    a = Req(rid="A", origin_input_ids=p, fill_ids=p)
+    cache.match_req(a)
+    a.req_pool_idx = stack.req_to_token_pool.alloc(1)[0]
+    await cache.admit(a, wait_load=False)  # P's load in flight...
+    cache.release_req(b)  # ...while B inserts P+R+S through it
+    await cache.drain()  # the load fails: P loses its device copy, R+S keep theirs
+    restore()
+    cache.abort_req(a)
+    cache.match_prefix(MatchPrefixParams(key=RadixKey(p + r)), count_hit=False)  # splits R | S
+    cache.evict(PS)  # S, a device leaf, demoted to host
+    await cache.drain()
+    c = Req(rid="C", origin_input_ids=p + r + s, fill_ids=p + r + s)
+    cache.match_req(c)
+    c.req_pool_idx = stack.req_to_token_pool.alloc(1)[0]
+    await cache.admit(c)
+    n = int(c.prefix_indices.numel())
+    assert verify_kv(stack.device_pool, c.prefix_indices, torch.tensor(p + r + s)[:n]) == 0
+    cache.abort_req(c)
+    cache.sanity_check()
+    await stack.aclose()
