@@ -37,6 +37,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     KVConnectorWorkerMetadata,
 )
+from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from hicache.integrations.vllm.naming import KVGeometry, deployment_namespace
@@ -98,6 +99,14 @@ def _geometry(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> tuple[
             "(hybrid models need --disable-hybrid-kv-cache-manager or another connector)"
         )
     spec = groups[0].kv_cache_spec
+    if not isinstance(spec, FullAttentionSpec):
+        # a sliding-window (or chunked-local) group has vLLM put its null block in place of
+        # the blocks that left the window: saved, their pages would hold that block's bytes
+        # under real keys, and a later prompt would load them as its KV
+        raise ValueError(
+            f"HiCacheConnector stores full-attention KV; this model's KV cache is {type(spec).__name__} "
+            "(for a sliding-window model, --disable-hybrid-kv-cache-manager keeps every block as full attention)"
+        )
     for attr in ("num_kv_heads", "head_size", "dtype"):
         if not hasattr(spec, attr):
             raise ValueError(f"HiCacheConnector needs an attention KV cache, got {type(spec).__name__}")
@@ -310,6 +319,16 @@ class HiCacheConnector(KVConnectorBase_V1):
         if hit is None:
             return None, False
         return hit, False
+
+    def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[CacheHitSource, int]:
+        """The planned load's split: pages in the host tier (host memory) and pages read from
+        storage (disk for the ``file`` backend; another store is not a known tier)."""
+        sources = None if self._scheduler is None else self._scheduler.load_sources(request.request_id)
+        if sources is None or sum(sources) != num_external_tokens:
+            return super().get_external_cache_hit_sources(request, num_external_tokens)
+        stored = CacheHitSource.DISK if self.options.backend == "file" else CacheHitSource.EXTERNAL_UNSPECIFIED
+        host, storage = sources
+        return {k: v for k, v in ((CacheHitSource.HOST, host), (stored, storage)) if v}
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         assert self._scheduler is not None

@@ -173,8 +173,7 @@ class HostPageTree:
             self.tree.inc_lock_ref(keep)
         try:
             if partial:  # every unlocked page can be evicted: locks reach up to the root
-                room = (self.allocator.available_size() + self.tree.evictable_size()) // bs
-                num_pages = min(num_pages, room)
+                num_pages = min(num_pages, self.room())
                 if num_pages <= 0:
                     self.stats["alloc_failures"] += 1
                     return None
@@ -191,6 +190,17 @@ class HostPageTree:
             self.stats["alloc_failures"] += 1
             return None
         return self._slots(got)
+
+    def room(self, keep: TreeNode | None = None) -> int:
+        """Pages :meth:`reserve` could hand out now with ``keep`` (and its ancestors) kept: the
+        free ones and every unlocked one eviction may take."""
+        if keep is not None:
+            self.tree.inc_lock_ref(keep)
+        try:
+            return (self.allocator.available_size() + self.tree.evictable_size()) // self.block_size
+        finally:
+            if keep is not None:
+                self.tree.dec_lock_ref(keep)
 
     def release(self, slots: Iterable[int]) -> None:
         """Give back slots that never joined the tree (staging for one step)."""

@@ -140,6 +140,10 @@ class SchedulerSide:
         self._writes: dict[int, _Write] = {}
         self._jobs = itertools.count(1)
         self._wait_left = lookup_wait_s  # what this step's lookups may still wait, all together
+        #: host pages promised to storage hits reported since the last plan, not yet reserved
+        #: (a hit the host tier has no room to read into fails its request under vLLM's
+        #: default ``kv_load_failure_policy="fail"``, so a hit is never larger than the room)
+        self._promised: dict[str, int] = {}
         self._commits: list[int] = []  # held writes every worker reported clean: start them
         self._aborts: list[int] = []  # held writes some worker found tainted: forget them
         self._pending_bad: set[int] = set()  # bad slots whose node could not go yet (a lock)
@@ -152,7 +156,7 @@ class SchedulerSide:
         self.stats: dict[str, int] = dict.fromkeys(
             ("lookups", "lookup_waits", "lookup_timeouts", "hit_tokens", "host_hit_tokens", "pages_to_load",
              "pages_to_save", "pages_rewritten", "pages_unwritten", "saves_dropped", "saves_tainted",
-             "saves_aborted", "loads_without_room", "bad_slot_pages_dropped", "resets"), 0
+             "saves_aborted", "loads_without_room", "hits_capped_for_room", "bad_slot_pages_dropped", "resets"), 0
         )
 
     # ------------------------------------------------------------------ lookup
@@ -192,6 +196,14 @@ class SchedulerSide:
         ask = max(ask, lk.start_page)
         state.known = max(state.known, ask + leading_run(exists[ask - lk.start_page :]))
         hit = leading_run(exists[base - lk.start_page :])
+        if hit:  # read into host slots: only as many pages as the host tier can take now
+            self._promised.pop(req_id, None)
+            room = self.tree.room(keep=host.node) - sum(self._promised.values())
+            if hit > room:
+                self.stats["hits_capped_for_room"] += hit - max(0, room)
+                hit = max(0, room)
+            if hit:
+                self._promised[req_id] = hit
         return max(0, (base + hit) * bs - num_computed)
 
     def _wait_for(self, req_id: str, lk: _Lookup) -> bool:
@@ -251,6 +263,7 @@ class SchedulerSide:
         from host slots where the tree holds the pages, else read from storage into new slots."""
         state = self._reqs.get(req_id)
         bs = self.block_size
+        self._promised.pop(req_id, None)  # reserved below for real (or not needed)
         if state is None or num_external_tokens <= 0:
             return
         start = state.start_page
@@ -308,6 +321,7 @@ class SchedulerSide:
                         resolved=self._resolved)
         self._commits, self._aborts = [], []
         self._wait_left = self.lookup_wait_s  # the lookups up to the next plan share a new budget
+        self._promised.clear()  # hits not allocated by now are asked for again
         bs = self.block_size
         try:
             loaded: set[str] = set()
@@ -544,9 +558,19 @@ class SchedulerSide:
         return True
 
     # ------------------------------------------------------------------ requests
+    def load_sources(self, req_id: str) -> tuple[int, int] | None:
+        """Tokens the planned load of ``req_id`` takes from host slots and from storage
+        (``None``: no load planned)."""
+        load = self._loads.get(req_id)
+        if load is None:
+            return None
+        bs = self.block_size
+        return load.from_host * bs, (len(load.keys) - load.from_host) * bs
+
     def finished(self, req_id: str) -> None:
         state = self._reqs.pop(req_id, None)
         self._loads.pop(req_id, None)
+        self._promised.pop(req_id, None)
         if state is not None and state.lookup is not None and not state.lookup.future.done():
             state.lookup.future.cancel()
 

@@ -485,9 +485,10 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(path)
 
 
-def vllm_connector(model: str, root: Path, role: Any, num_layers: int, pp_size: int = 1) -> Any:
+def vllm_connector(model: str, root: Path, role: Any, num_layers: int, pp_size: int = 1, spec: Any = None) -> Any:
     """Our connector as vLLM's factory builds it, from a real ``VllmConfig``; its
-    ``KVCacheConfig`` has ``num_layers`` layers (vLLM gives each pipeline stage its own)."""
+    ``KVCacheConfig`` has ``num_layers`` layers (vLLM gives each pipeline stage its own) of
+    ``spec`` (full attention by default)."""
     from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, ParallelConfig, VllmConfig, set_current_vllm_config
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
@@ -502,7 +503,7 @@ def vllm_connector(model: str, root: Path, role: Any, num_layers: int, pp_size: 
                                        distributed_executor_backend="mp" if pp_size > 1 else None),
         kv_transfer_config=kv,
     )
-    spec = FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=16, dtype=torch.bfloat16)
+    spec = spec or FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=16, dtype=torch.bfloat16)
     names = [f"model.layers.{i}.self_attn.attn" for i in range(num_layers)]
     kv_cache_config = KVCacheConfig(num_blocks=16, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(names, spec)])
     with set_current_vllm_config(config):
@@ -527,6 +528,48 @@ def test_vllms_connector_reset_reaches_hicache(model_dir: str, tmp_path: Path) -
         assert answer(conn._scheduler, "a", TOKENS) == 5 * BS
         assert Scheduler.reset_connector_cache(SimpleNamespace(connector=conn, log_stats=False)) is True
         assert answer(conn._scheduler, "b", TOKENS) == 0
+    finally:
+        conn.shutdown()
+
+
+def test_a_sliding_window_kv_cache_is_refused(model_dir: str, tmp_path: Path) -> None:
+    """vLLM puts its null block in place of blocks that left a sliding window: their pages,
+    saved, held that block's bytes under real keys and a later prompt loaded them as its KV
+    (wrong answers). A full-attention model, or --disable-hybrid-kv-cache-manager, is fine."""
+    from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+    window = SlidingWindowSpec(block_size=BS, num_kv_heads=2, head_size=16, dtype=torch.bfloat16, sliding_window=64)
+    with pytest.raises(ValueError, match="full-attention KV.*SlidingWindowSpec"):
+        vllm_connector(model_dir, tmp_path, KVConnectorRole.SCHEDULER, num_layers=5, spec=window)
+
+
+def test_hit_sources_split_host_memory_from_disk(model_dir: str, tmp_path: Path) -> None:
+    """vLLM's per-source prefix-cache metrics were told DISK for every token, host-tier hits
+    included."""
+    from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+    conn = vllm_connector(model_dir, tmp_path, KVConnectorRole.SCHEDULER, num_layers=5)
+    try:
+        keys = PageKeyChain(BS).extend(TOKENS, 5)
+        backend = conn._scheduler.store.primary
+        w = WorkerSide(conn.geometry, make_backend("file", {"root": str(tmp_path)}, backend.namespace), host_pages=8,
+                       load_timeout_s=10.0, controller=ConnectorOptions().controller_config())
+        w.register([(f"l{i}", torch.zeros(16, 2, BS, 2, 16, dtype=torch.bfloat16)) for i in range(5)])
+        w.save([PageSave("r", tuple(keys), tuple(range(5)), tuple(range(5)), job=1)])
+        assert w.close(timeout=30) == 0
+        s = conn._scheduler
+        req = SimpleNamespace(request_id="a")
+        assert answer(s, "a", TOKENS) == 5 * BS
+        s.allocated("a", list(range(5)), 5 * BS)
+        assert conn.get_external_cache_hit_sources(req, 5 * BS) == {CacheHitSource.DISK: 5 * BS}
+        s.plan_step([("a", 0, 5 * BS + 1, TOKENS, list(range(5)))])  # the pages join the host tier
+        s.finished("a")
+        req = SimpleNamespace(request_id="b")
+        assert answer(s, "b", TOKENS) == 5 * BS
+        s.allocated("b", list(range(5, 10)), 5 * BS)
+        assert conn.get_external_cache_hit_sources(req, 5 * BS) == {CacheHitSource.HOST: 5 * BS}
     finally:
         conn.shutdown()
 

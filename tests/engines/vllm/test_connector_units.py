@@ -508,10 +508,13 @@ def test_a_worker_that_lost_its_host_pages_reports_them_and_nothing_wrong_is_ser
         s.close(timeout=10)
 
 
-def test_a_load_without_host_room_fails_its_blocks_for_recompute(tmp_path: Path) -> None:
-    """Every host slot is locked by writes still running: a storage hit gets no slot to read
-    into, so its blocks are reported failed (vLLM recomputes them); nothing waits or raises.
-    A save bigger than the room saves its first pages and tries the rest next step."""
+def test_a_storage_hit_is_never_larger_than_the_host_room(tmp_path: Path) -> None:
+    """Every host slot is locked by writes still running: a storage hit has no slot to read
+    into. It used to be reported anyway and its load failed, which under vLLM's default
+    ``kv_load_failure_policy="fail"`` fails the request; now the hit is cut to the room (none
+    here: the request computes). A save bigger than the room saves its first pages and tries
+    the rest next step. With room for two pages, two are promised, and the next request in
+    the same step is not promised the same two."""
     stored(tmp_path, seed=13, num_pages=4)
     src = kv_layers(seed=14)
     s = scheduler("file", {"root": str(tmp_path)}, host_pages=3)
@@ -524,12 +527,25 @@ def test_a_load_without_host_room_fails_its_blocks_for_recompute(tmp_path: Path)
         # the rest finds no room while the writes run: nothing saved, nothing waits
         assert s.plan_step([("a", len(OTHER), len(OTHER) + 1, OTHER, list(range(6)))]).saves == []
         blocks = list(range(10, 15))
-        assert request(s, "c", TOKENS, blocks) == 4 * BS  # the storage hit is real
-        plan, failed = run_step(s, w, [("c", 4 * BS, len(TOKENS), TOKENS, blocks)], report=False)
-        assert plan.loads[0].slots == (-1,) * 4 and failed == set(blocks[:4])
-        assert s.stats["loads_without_room"] == 1
+        assert request(s, "c", TOKENS, blocks) == 0  # four pages stored, no slot to read them into
+        assert s.stats["hits_capped_for_room"] == 4 and s.stats["loads_without_room"] == 0
     finally:
         w.close(timeout=10)
+        s.close(timeout=10)
+
+
+def test_hits_in_one_step_share_the_host_room(tmp_path: Path) -> None:
+    stored(tmp_path, seed=13, num_pages=4)
+    s = scheduler("file", {"root": str(tmp_path)}, host_pages=2)
+    try:
+        assert s.matched_tokens("a", TOKENS, None, 0) == 2 * BS  # room for two of the four
+        assert s.matched_tokens("b", TOKENS, None, 0) == 0  # those two are promised to "a"
+        assert s.matched_tokens("a", TOKENS, None, 0) == 2 * BS  # asked again: its own promise
+        s.allocated("a", list(range(5)), 2 * BS)
+        assert s.stats["loads_without_room"] == 0 and s.stats["hits_capped_for_room"] == 2 + 4 + 2
+        s.plan_step([("a", 2 * BS, 2 * BS + 1, TOKENS, list(range(5)))])
+        s.finished("b")
+    finally:
         s.close(timeout=10)
 
 
