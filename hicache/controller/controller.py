@@ -65,6 +65,7 @@ from hicache.storage import (
 )
 from hicache.storage.hit_policy import leading_run
 from hicache.storage.offload import wait_out
+from hicache.storage.stats import counting_call_errors
 
 __all__ = ["HiCacheController", "ControllerState"]
 
@@ -750,13 +751,13 @@ class HiCacheController:
     async def _inner_call(self, coro: Coroutine[Any, Any, Any]) -> _InnerCall:
         """One call inside a hop, on the I/O loop: what it returned or raised, its seconds, and
         whether the backend counted an error meanwhile; judged later on the loop (:meth:`_judge`)."""
-        errors = self._backend_errors()
         t0 = time.perf_counter()
-        try:
-            outcome: Any = await coro
-        except Exception as exc:  # noqa: BLE001 - judged on the loop
-            outcome = exc
-        return outcome, time.perf_counter() - t0, self._backend_errors() > errors
+        with counting_call_errors() as errors:
+            try:
+                outcome: Any = await coro
+            except Exception as exc:  # noqa: BLE001 - judged on the loop
+                outcome = exc
+        return outcome, time.perf_counter() - t0, errors.count > 0
 
     def _judge(self, call: _InnerCall, what: str) -> Any:
         """A call made inside a hop, judged as :meth:`_storage_call` judges a call of its own:
@@ -899,9 +900,9 @@ class HiCacheController:
             self.metrics.incr("storage_calls_skipped")
             return None
         cfg = self.config
-        errors = self._backend_errors()
         t0 = time.perf_counter()
-        call = asyncio.ensure_future(self._on_io(coro))
+        with counting_call_errors() as errors:  # the task copies the context: its errors only
+            call = asyncio.ensure_future(self._on_io(coro))
         if progress is None:  # a hop's inner calls are sampled one by one (_judge)
             call.add_done_callback(lambda _: self.metrics.observe(_OPS.get(what, what), "storage", time.perf_counter() - t0))
         call.add_done_callback(lambda _: _close_unstarted(coro))
@@ -945,7 +946,7 @@ class HiCacheController:
             self._judge_outcome(exc, False, what)
             return None
         if progress is None:  # a hop's caller judges each inner call, in order (_judge)
-            self._judge_outcome(None, self._backend_errors() > errors, what)
+            self._judge_outcome(None, errors.count > 0, what)
         return call.result()
 
     async def _outlast(self, call: asyncio.Future[Any], what: str) -> bool:
@@ -972,10 +973,6 @@ class HiCacheController:
                 self._stuck_calls -= 1
                 logger.info("the stuck storage %s has returned; its host pages are free again", what)
 
-    def _backend_errors(self) -> float:
-        stats = getattr(self.storage, "stats", None)
-        return stats.get("backend_errors") if stats is not None else 0
-
     # ------------------------------------------------------------------ storage health
 
     def _health_changed(self, state: HealthState) -> None:
@@ -996,8 +993,8 @@ class HiCacheController:
         while not self.health.up:
             await asyncio.sleep(self.health.next_probe_in())
             self.metrics.incr("storage_probes")
-            errors = self._backend_errors()
-            call = asyncio.ensure_future(self._on_io(self.storage.batch_exists_v2([_PROBE_KEY])))
+            with counting_call_errors() as errors:
+                call = asyncio.ensure_future(self._on_io(self.storage.batch_exists_v2([_PROBE_KEY])))
             try:
                 done, _ = await asyncio.wait({call}, timeout=limit)
             except asyncio.CancelledError:
@@ -1006,7 +1003,7 @@ class HiCacheController:
             if not done:
                 call.cancel()
             ok = bool(done) and not call.cancelled() and call.exception() is None
-            if ok and self._backend_errors() == errors:
+            if ok and not errors.count:
                 self.health.probe_passed()
             else:
                 self.health.probe_failed()

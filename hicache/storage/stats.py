@@ -2,11 +2,41 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import threading
 import time
 from collections import Counter
+from collections.abc import Iterator
 
-__all__ = ["StorageStats", "Throttle"]
+__all__ = ["CallErrors", "StorageStats", "Throttle", "counting_call_errors"]
+
+
+class CallErrors:
+    """The ``backend_errors`` counted while one call ran (see :func:`counting_call_errors`)."""
+
+    __slots__ = ("count", "outer")
+
+    def __init__(self, outer: CallErrors | None) -> None:
+        self.count = 0.0
+        self.outer = outer
+
+
+_CALL_ERRORS: contextvars.ContextVar[CallErrors | None] = contextvars.ContextVar("hicache_call_errors", default=None)
+
+
+@contextlib.contextmanager
+def counting_call_errors() -> Iterator[CallErrors]:
+    """Count the backend errors of the calls made inside (and of the tasks they start, which
+    copy the context): whether *this* call failed, where diffing the backend's shared counter
+    before and after blamed every call in flight for one call's error (three concurrent reads,
+    one raising, tripped the storage breaker at once). Nested counts see their inner calls'."""
+    box = CallErrors(_CALL_ERRORS.get())
+    token = _CALL_ERRORS.set(box)
+    try:
+        yield box
+    finally:
+        _CALL_ERRORS.reset(token)
 
 
 class StorageStats:
@@ -26,6 +56,11 @@ class StorageStats:
     def incr(self, name: str, value: int | float = 1) -> None:
         with self._lock:
             self._counts[name] += value
+        if name == "backend_errors":
+            box = _CALL_ERRORS.get()
+            while box is not None:
+                box.count += value
+                box = box.outer
 
     def get(self, name: str) -> int | float:
         with self._lock:

@@ -191,3 +191,42 @@ def test_health_state_machine_backoff() -> None:
     assert h.up and seen == [HealthState.DOWN, HealthState.UP] and h.consecutive_errors == 0
     h.trip("hang")
     assert h.next_probe_in() == 0.5  # the backoff starts over
+
+
+class OneBadRead(MemoryStorage):
+    """Reads take a while; the next ``bad`` of them raise."""
+
+    backend_name = "one-bad-read"
+    bad = 0
+
+    async def _read(self, pages, buffers):  # type: ignore[no-untyped-def]
+        await asyncio.sleep(0.05)
+        if self.bad:
+            self.bad -= 1
+            raise OSError("one transient read error")
+        return await super()._read(pages, buffers)
+
+
+async def test_one_failing_call_among_concurrent_ones_counts_once() -> None:
+    """Each call was judged by the backend's shared error counter moving while it ran: three
+    concurrent prefetch reads with one raising counted three failures and tripped a breaker
+    set to three errors; the two good reads were held against the store too."""
+    store = OneBadRead(store_id=f"bad-read-{uuid.uuid4()}")
+    cfg = StackConfig(page_size=PS, device_pages=64, host_pages=64, storage_backend=None,
+                      controller=ControllerConfig(prefetch_threshold=PS, prefetch_policy="wait_complete",
+                                                  storage_health_errors=3, storage_probe_base_s=5.0))
+    stack = build_stack(cfg, storage=store)
+    try:
+        prompts = [[1000 * i + j for j in range(8)] for i in range(3)]
+        for i, p in enumerate(prompts):
+            await serve_request(stack, p, rid=f"w{i}")
+        await stack.cache.drain()
+        stack.cache.evict(10**6)
+        stack.cache.evict_host(10**6)
+        await stack.cache.drain()
+        store.bad = 1
+        outs = await asyncio.gather(*(serve_request(stack, p, rid=f"r{i}") for i, p in enumerate(prompts)))
+        assert sorted(o.storage_hit for o in outs) == [0, 8, 8]
+        assert stack.controller.health.up and stack.controller.metrics.counters.get("storage_trips", 0) == 0
+    finally:
+        await stack.aclose()
