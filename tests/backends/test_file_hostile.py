@@ -555,3 +555,32 @@ async def test_pages_never_go_through_a_linked_page_folder(tmp_path) -> None:
         assert not os.path.islink(sub) and os.path.isdir(sub)
         assert await within(again.set("k1", v0(64, 2)))
     assert list(outside.iterdir()) == []
+
+
+# ---------------------------------------------------------------------- a writer killed mid-batch
+
+
+async def test_a_killed_writers_reservation_is_given_back_while_others_keep_the_store_open(tmp_path) -> None:
+    """A writer reserves its batch in the shared ledger before writing. Killed in between (the
+    OOM killer), its bytes stayed counted for as long as any other process kept the namespace
+    open: each kill shrank max_bytes for good, until a 4 MiB store refused 1 MiB with nothing
+    on disk. The next process to take the ledger's lock now gives a dead writer's back."""
+    import sys
+
+    from hicache_backends.file.ledger import read_usage
+
+    async with make_store(tmp_path, max_bytes=4 << 20) as store:  # this process keeps it open
+        await within(store.wait_background())
+        ledger = os.path.join(store.layout.ns_dir, LEDGER_NAME)
+        child = (
+            "import os, sys\n"
+            "from hicache_backends.file.ledger import UsageLedger\n"
+            "UsageLedger(sys.argv[1]).add(3 << 20, inflight=3 << 20)  # reserved, never settled\n"
+            "os.kill(os.getpid(), 9)\n"
+        )
+        done = subprocess.run([sys.executable, "-c", child, store.layout.ns_dir], timeout=60)
+        assert done.returncode == -9
+        assert read_usage(ledger).used == 3 << 20  # counted, nothing on disk
+        assert await within(store.set("after", v0(2 << 20, 1)), 10.0)
+        assert read_usage(ledger).used < 3 << 20
+        assert store.get_stats().get("rejected_pages_no_space", 0) == 0

@@ -535,18 +535,19 @@ class FileStorage(AsyncHiCacheStorage):
         refused: int = 0,
         token: int | None = None,
         if_seq: int | None = None,
+        inflight: int = 0,
     ) -> Usage | None:
         """``ledger.add`` on a thread (``None`` without a ledger or when it is unavailable)."""
         if self._ledger is None:
             return None
-        add = functools.partial(self._ledger.add, delta, refused=refused, token=token, if_seq=if_seq)
+        add = functools.partial(self._ledger.add, delta, refused=refused, token=token, if_seq=if_seq, inflight=inflight)
         return await run_to_completion(add, executor=executor)
 
     def _reserve(self, res: _Reservation, amount: int, debt: int) -> None:
         """(On an I/O thread.) Reserve ``amount`` bytes, giving back ``debt`` (bytes of corrupt
         pages reads removed); the outcome lands in ``res``."""
         assert self._ledger is not None
-        res.usage = self._ledger.add(amount - debt)
+        res.usage = self._ledger.add(amount - debt, inflight=amount)
         if res.usage is not None:
             res.amount = amount
 
@@ -829,8 +830,9 @@ class FileStorage(AsyncHiCacheStorage):
                 if r.ok and not r.skipped:
                     kept += r.size - r.replaced
         delta = kept - res.amount
-        if delta or refused:
-            await self._ledger_call(self._executor, delta, refused=refused, token=res.usage.token)
+        if delta or refused or res.amount:  # res.amount: this batch's in-flight mark goes too
+            await self._ledger_call(self._executor, delta, refused=refused, token=res.usage.token,
+                                    inflight=-res.amount)
 
     def _maybe_rescan(self, usage: Usage | None) -> None:
         """When the shared count holds bytes this store does not know (pages other processes

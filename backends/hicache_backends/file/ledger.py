@@ -11,7 +11,13 @@ exclusive ``flock`` (released by the kernel when a holder dies, so a SIGKILL nev
   leaves an over-count (the safe direction), which a later scan corrects (below).
 * ``refused`` and ``refused_at`` - pages refused for lack of space, and when, so that
   ``hicache inspect`` (another process) can say that writes are being refused and why;
-* ``seq`` - how many changes were made.
+* ``seq`` - how many changes were made;
+* a table of in-flight reservations, one slot per writing process (machine, pid, bytes):
+  whoever next takes the lock gives back the reservations of processes of this machine that
+  are gone (killed between reserving and settling: the OOM killer, a SIGKILL). Without it a
+  killed writer's bytes stayed counted for as long as any other process kept the namespace
+  open (the scan's correction below needs the namespace to itself), so each kill shrank
+  ``max_bytes`` for good: a 4 MiB store refused a 1 MiB write with nothing on disk.
 
 Correcting the count: a scan measures the pages on disk, but a write reserved before the scan
 and published during it may be missed by the scan, so a measured total replaces ``used`` only
@@ -31,6 +37,7 @@ to its own count, and a full disk never breaks the store.
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import logging
 import os
 import stat
@@ -49,6 +56,40 @@ LEDGER_NAME = "usage"
 USERS_NAME = "users"
 _FORMAT = struct.Struct("<8sqqdq")  # magic, used bytes, refused pages, last refusal, changes
 _MAGIC = b"HKVUSE01"
+_SLOT = struct.Struct("<qqq")  # machine, pid, bytes reserved and not settled (0: a free slot)
+_SLOTS = 128  # writers at once that can be tracked; more are counted, only not reclaimable
+_SIZE = _FORMAT.size + _SLOTS * _SLOT.size
+
+
+def _machine_id() -> int:
+    """This machine (and PID namespace): whose pids this process may test for life. Another
+    machine sharing the root (NFS), or a container in another PID namespace, is never judged."""
+    parts = []
+    for path in ("/proc/sys/kernel/random/boot_id",):
+        try:
+            with open(path, encoding="ascii") as f:
+                parts.append(f.read().strip())
+        except OSError:
+            parts.append(os.uname().nodename)
+    try:
+        parts.append(str(os.stat("/proc/self/ns/pid").st_ino))
+    except OSError:
+        pass
+    digest = hashlib.blake2b("|".join(parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little", signed=True) or 1
+
+
+_MACHINE = _machine_id()
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False  # alive (another user's) or unknowable: keep its reservation
+    return False
 _O_FLAGS = os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
 
 
@@ -70,6 +111,46 @@ def _decode(raw: bytes) -> tuple[int, int, float, int]:
     if magic != _MAGIC:
         return 0, 0, 0.0, 0
     return max(0, used), max(0, refused), refused_at, seq
+
+
+def _decode_slots(raw: bytes) -> list[list[int]]:
+    """The reservation table after the counters (empty slots for a file written before it)."""
+    table = raw[_FORMAT.size : _SIZE]
+    if len(table) != _SLOTS * _SLOT.size:
+        return [[0, 0, 0] for _ in range(_SLOTS)]
+    return [list(t) for t in _SLOT.iter_unpack(table)]
+
+
+def _encode_slots(slots: list[list[int]]) -> bytes:
+    return b"".join(_SLOT.pack(*t) for t in slots)
+
+
+def _reclaim(slots: list[list[int]]) -> int:
+    """Free the slots of this machine's dead processes; returns the bytes they held."""
+    freed = 0
+    for t in slots:
+        machine, pid, held = t
+        if held and machine == _MACHINE and pid != os.getpid() and _gone(pid):
+            freed += held
+            t[:] = [0, 0, 0]
+    return freed
+
+
+def _move_own(slots: list[list[int]], amount: int) -> None:
+    """Add ``amount`` to this process's slot (taken when needed, freed at zero). With every
+    slot taken the bytes are still counted in ``used``, only not given back on a death."""
+    pid = os.getpid()
+    own = next((t for t in slots if t[2] and t[0] == _MACHINE and t[1] == pid), None)
+    if own is None:
+        if amount <= 0:
+            return
+        own = next((t for t in slots if not t[2]), None)
+        if own is None:
+            return
+        own[:] = [_MACHINE, pid, 0]
+    own[2] = max(0, own[2] + amount)
+    if not own[2]:
+        own[:] = [0, 0, 0]
 
 
 def read_usage(path: str) -> Usage | None:
@@ -139,29 +220,41 @@ class UsageLedger:
         self._warned = False
 
     def add(
-        self, delta: int, *, refused: int = 0, token: int | None = None, if_seq: int | None = None
+        self, delta: int, *, refused: int = 0, token: int | None = None, if_seq: int | None = None,
+        inflight: int = 0,
     ) -> Usage | None:
         """Add ``delta`` bytes (and ``refused`` pages) atomically; the new totals, or ``None``
         when the ledger cannot be used. With ``token``, a delta meant for a ledger file that has
         since been replaced (a clear) is not applied; the current totals are still returned.
         With ``if_seq``, the delta is applied only if nobody changed the ledger since the
-        reading that had that ``seq`` (a scan's correction, see the module docstring)."""
+        reading that had that ``seq`` (a scan's correction, see the module docstring).
+        ``inflight``: bytes this process starts (> 0, with its reservation) or stops (< 0, when
+        it settles) having reserved and not settled; given back for it if it dies between."""
         with self._lock:
             try:
                 self._join()
                 fd, _ = self._counters.current()
                 flock_within(fd, fcntl.LOCK_EX)
                 try:
-                    raw = os.pread(fd, _FORMAT.size, 0)
-                    used, nref, at, seq = _decode(raw)
-                    changed = len(raw) != _FORMAT.size
-                    if delta and (token is None or token == self._counters.ino) and if_seq in (None, seq):
+                    raw = os.pread(fd, _SIZE, 0)
+                    used, nref, at, seq = _decode(raw[: _FORMAT.size])
+                    slots = _decode_slots(raw)
+                    changed = len(raw) != _SIZE
+                    applies = token is None or token == self._counters.ino
+                    if delta and applies and if_seq in (None, seq):
                         used, changed = max(0, used + delta), True
+                    reclaimed = _reclaim(slots)
+                    if reclaimed:
+                        used, changed = max(0, used - reclaimed), True
+                        logger.warning("file store: %d byte(s) reserved by writers that died were given back", reclaimed)
+                    if inflight and applies:
+                        _move_own(slots, inflight)
+                        changed = True
                     if refused:
                         nref, at, changed = nref + refused, time.time(), True
                     if changed:
                         seq += 1
-                        os.pwrite(fd, _FORMAT.pack(_MAGIC, used, nref, at, seq), 0)
+                        os.pwrite(fd, _FORMAT.pack(_MAGIC, used, nref, at, seq) + _encode_slots(slots), 0)
                 finally:
                     fcntl.flock(fd, fcntl.LOCK_UN)
             except OSError as exc:  # TimeoutError included
