@@ -169,15 +169,16 @@ def worker_close_timeout(close_timeout_s: float) -> float:
     """How long a worker's shutdown may drain its storage queue: ``close_timeout_s``, capped
     below vLLM's grace for worker processes (``VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS``, after
     which the multiprocess executor sends SIGTERM, then SIGKILL): a drain cut by a signal
-    loses the pages silently, a drain that stops in time logs what it gave up. Half the grace
-    leaves the rest for closing storage and vLLM's own shutdown."""
+    loses the pages silently, a drain that stops in time logs what it gave up. A quarter of
+    the grace: closing the store and its I/O thread may take as long again each (a store that
+    hangs in its close), and the whole close must end inside the grace."""
     try:
         from vllm import envs
 
         grace = float(envs.VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS)
     except Exception:  # noqa: BLE001 - no such setting in this vLLM: no cap
         return close_timeout_s
-    return max(0.0, min(close_timeout_s, grace / 2))
+    return max(0.0, min(close_timeout_s, grace / 4))
 
 
 def _worker_ranks() -> tuple[int, int]:

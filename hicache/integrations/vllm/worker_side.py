@@ -651,7 +651,9 @@ class WorkerSide:
                         queued, timeout, f", {held} held write page(s) given up" if held else "")
         lost = 0
         try:
-            report = self._loop.call(self.controller.aclose(timeout), timeout=timeout + max(1.0, timeout) + 5.0)
+            # the controller bounds each part: the drain by timeout, the store's close and its
+            # I/O thread's exit by max(1 s, timeout) each; a little on top for the rest
+            report = self._loop.call(self.controller.aclose(timeout), timeout=timeout + 2 * max(1.0, timeout) + 1.0)
             lost = report.unwritten_pages
             if not report.drained:
                 logger.warning("hicache worker: the storage queue did not drain within %.1f s", timeout)

@@ -663,6 +663,35 @@ def test_worker_shutdown_drains_within_vllms_grace_and_logs_what_it_gave_up(
     assert f"gave up {lost} of 5 page(s)" in caplog.text
 
 
+def test_worker_shutdown_ends_inside_vllms_grace_when_the_store_hangs_in_its_close(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The drain had half the grace, and the store's close and the I/O thread as long again
+    each on top: with a store hanging in its close (a flush to a dead mount) the worker was
+    still closing after vLLM's default 5 s, and was killed."""
+    from hicache.integrations.vllm.connector import worker_close_timeout
+
+    monkeypatch.delenv("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", raising=False)
+    limit = worker_close_timeout(30.0)
+    src = kv_layers(seed=9)
+    w = worker(tmp_path, src, storage_batch_pages=1)
+    slow_writes(w, 0.5)  # the drain takes all the time it is given
+    w.save([saves(PageKeyChain(BS).extend(TOKENS, 5), range(5), range(5))])
+    backend = w.controller.storage
+    release = threading.Event()
+
+    async def hung_close() -> None:
+        release.wait(30)  # blocks the store's I/O loop
+
+    monkeypatch.setattr(backend, "_close", hung_close)
+    try:
+        t0 = time.monotonic()
+        w.close(timeout=limit)
+        assert time.monotonic() - t0 < 5.0
+    finally:
+        release.set()
+
+
 # ---------------------------------------------------------------- batched save copies
 @pytest.mark.parametrize("kv_first", [False, True])
 def test_a_save_gathered_layer_by_layer_in_chunks_puts_every_block_in_its_slot(tmp_path: Path, kv_first: bool) -> None:
