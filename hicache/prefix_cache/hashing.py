@@ -24,10 +24,19 @@ _ARRAY_U32 = array("I").itemsize == 4
 
 
 def namespace_seed(extra_key: str | None) -> str | None:
-    """The prior hash a namespace's chains start from (``None``: no namespace, SGLang's keys)."""
+    """The prior hash a namespace's chains start from (``None``: no namespace, SGLang's keys).
+
+    What is hashed is never as long as a multiple of 4 bytes: every page a chain hashes is
+    (a 32-byte digest and) whole uint32 tokens, so no page, whatever its tokens, hashes to a
+    seed. Otherwise a page without namespace whose tokens spell ``hicache-namespace\0`` + a
+    namespace made the next page's key that namespace's first key, and the namespace read
+    KV computed for other tokens."""
     if extra_key is None:
         return None
-    return hashlib.sha256(b"hicache-namespace\x00" + extra_key.encode("utf-8")).hexdigest()
+    data = b"hicache-namespace\x00" + extra_key.encode("utf-8")
+    if len(data) % 4 == 0:
+        data += b"\x00"
+    return hashlib.sha256(data).hexdigest()
 
 
 def _uint32_le(tokens: Sequence[int], count: int) -> bytes:

@@ -291,3 +291,19 @@ async def test_write_back_without_host_room_drops_instead_of_pinning() -> None:
     assert stack.host_pool.available_size() == PS
     cache.sanity_check()
     await stack.aclose()
+
+
+def test_no_page_of_a_chain_without_namespace_hashes_to_a_namespace_seed() -> None:
+    """A page whose uint32 tokens spell ``hicache-namespace\\0`` + X hashed to X's seed, so the
+    page after it got X's first key for the same tokens: X read another context's KV."""
+    import struct
+
+    from hicache.prefix_cache import fast_page_hashes, namespace_seed
+
+    ps = 8
+    for extra in ("tenant-b-salt1", "ab", "abc", "abcd", "abcde"):
+        head = (b"hicache-namespace\x00" + extra.encode()).ljust(4 * ps, b"\x00")[: 4 * ps]
+        spelled = list(struct.unpack(f"<{ps}I", head))
+        tail = list(range(100, 100 + ps))
+        assert fast_page_hashes(spelled + tail, ps)[1] != fast_page_hashes(tail, ps, namespace_seed(extra))[0]
+        assert fast_page_hashes(spelled, ps)[0] != namespace_seed(extra)
