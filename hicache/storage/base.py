@@ -776,7 +776,8 @@ class AsyncHiCacheStorage(ABC):
                 self.stats.incr("read_hits" if payload is not None else "read_misses")
                 if payload is not None:
                     self.stats.incr("read_bytes", len(payload))
-                    out[i] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+                    out[i] = (torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload
+                              else torch.empty(0, dtype=torch.uint8))  # frombuffer refuses b""
         return out
 
     async def set(

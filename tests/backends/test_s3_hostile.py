@@ -165,3 +165,83 @@ async def test_manifest_is_written_again_after_the_bucket_is_recreated(moto_endp
         await eventually(manifest_back)
         await write_pages(store, keys, seed=161)
     await asyncio.to_thread(_delete_bucket, moto_endpoint, bucket)
+
+
+# ---------------------------------------------------------------------- reads cut mid-body, clears refused per key
+
+
+async def test_a_body_cut_mid_way_leaves_no_unchecked_byte_in_the_pool(
+    moto_endpoint: str, moto_bucket: str, prefix: str, proxy: FaultProxy
+) -> None:
+    """The header checked out, so the payload streamed straight into the pool page; the link
+    then broke on every attempt and the miss left three quarters of a page of unchecked bytes
+    there (a wipe covered only a finished read)."""
+    from aiohttp import web
+
+    keys = keys_for(3, salt=141)
+    store = make_s3(proxy.endpoint, moto_bucket, prefix, NS_A, **{**FAST, "breaker_threshold": 100})
+    async with store:
+        await write_pages(store, keys, seed=141)
+        await store.wait_index_writes()
+
+        async def cut(request: Any) -> Any:
+            if request.method == "GET" and "/pages/" in request.path:
+                data = await asyncio.to_thread(raw_get, proxy.upstream, request.path.lstrip("/"))
+                resp = web.StreamResponse(status=206)
+                resp.content_length = len(data)
+                await resp.prepare(request)
+                await resp.write(data[: len(data) * 3 // 4])
+                request.transport.close()
+                return resp
+            return None
+
+        proxy.answer = cut
+        got, dst = await read_pages(store, keys)
+        assert got == [False] * 3 and int(dst.buffer.count_nonzero()) == 0
+
+
+async def test_a_clear_that_s3_refuses_per_key_says_so(
+    moto_endpoint: str, moto_bucket: str, prefix: str, proxy: FaultProxy
+) -> None:
+    """DeleteObjects answers 200 with an error per key under load: the clear reported success,
+    counted nothing, and every page was still there."""
+    import re
+
+    from aiohttp import web
+
+    keys = keys_for(5, salt=142)
+    store = make_s3(proxy.endpoint, moto_bucket, prefix, NS_A, **{**FAST, "breaker_threshold": 100})
+    async with store:
+        await write_pages(store, keys, seed=142)
+        await store.wait_index_writes()
+
+        async def refuse(request: Any) -> Any:
+            if request.method == "POST" and "delete" in request.query:
+                names = re.findall(r"<Key>([^<]+)</Key>", (await request.read()).decode())
+                errors = "".join(f"<Error><Key>{k}</Key><Code>InternalError</Code><Message>again</Message></Error>"
+                                 for k in names)
+                return web.Response(status=200, content_type="application/xml", text=(
+                    '<?xml version="1.0" encoding="UTF-8"?>'
+                    f'<DeleteResult xmlns="http://s3.amazonaws.com/doc/2006-03-01/">{errors}</DeleteResult>'))
+            return None
+
+        proxy.answer = refuse
+        assert await store.clear() is False
+        assert store.get_stats().get("backend_errors", 0) >= 1
+        proxy.answer = None
+        assert await store.clear() is True
+        assert await store.exists_pages(keys) == [False] * 5
+
+
+async def test_an_empty_page_round_trips(moto_endpoint: str, moto_bucket: str, prefix: str) -> None:
+    """A stored zero-length value read into an empty target was deleted as corrupt, and read
+    without a target raised from torch."""
+    import torch
+
+    async with make_s3(moto_endpoint, moto_bucket, prefix, NS_A) as store:
+        assert await store.set("empty", torch.empty(0, dtype=torch.uint8))
+        got = await store.get("empty")
+        assert got is not None and got.numel() == 0
+        got = await store.get("empty", torch.empty(0, dtype=torch.uint8))
+        assert got is not None and got.numel() == 0
+        assert await store.exists("empty") and store.get_stats().get("corrupt_pages", 0) == 0

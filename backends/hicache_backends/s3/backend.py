@@ -442,10 +442,15 @@ class FsspecStorage(AsyncHiCacheStorage):
         try:  # header and payload in one ranged GET, the payload straight into the pool page
             got = await self.runner.request("read", read)
         except FileNotFoundError:
+            self._wipe_target(buf)
             self._vanished(path, page)
             return False
         except GaveUp:
+            self._wipe_target(buf)  # a body cut mid-way (any attempt) left unchecked bytes
             return False
+        except BaseException:
+            self._wipe_target(buf)  # a cancellation mid-stream too
+            raise
         assert landing is not None
         if got == hlen + want and landing.in_pool:
             # the header is this page's, so only the checksum is left; a big page is hashed on
@@ -457,10 +462,20 @@ class FsspecStorage(AsyncHiCacheStorage):
         data = landing.received(got)  # rare: a page that is short, foreign or damaged
         landing.wipe()  # no unverified byte stays in pool memory
         verdict = self._verify(data[:hlen], data[hlen:], page, want)
+        if verdict is Verdict.OK and not want and got == hlen:  # an empty page: nothing to land
+            self.exists_cache.add(path, generation)
+            return True
         if verdict is Verdict.OK:  # a correct page followed by bytes nobody asked for
             verdict = Verdict.WRONG_LENGTH
         await self._reject(path, data, hlen, verdict, want, page)
         return False
+
+    @staticmethod
+    def _wipe_target(buf: memoryview) -> None:
+        """Zero a read's target page: no byte an unfinished read streamed in stays in pool
+        memory (the page is a miss either way)."""
+        if len(buf):
+            buf.cast("B")[:] = bytes(len(buf)) if len(buf) < (1 << 16) else b"\x00" * len(buf)
 
     def _vanished(self, path: str, page: PageKey) -> None:
         """A read found ``path`` missing: a clean miss, and no lookup of this process claims it

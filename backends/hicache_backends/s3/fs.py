@@ -323,11 +323,18 @@ class S3ObjectOps(AsyncObjectOps):
         return int(out.get("ContentLength", 0)), etag
 
     async def remove_tree(self, prefix: str) -> int:
+        """Delete every object under ``prefix``; keys S3 failed to delete are tried once more,
+        then an ``OSError`` names how many are left (a clear must not report success then)."""
         try:
             files = await self.fs._find(prefix)
         except FileNotFoundError:
             return 0
-        await self.remove_many(files)
+        failed = await self.remove_many(files)
+        if failed:
+            failed = await self.remove_many(sorted(failed))
+        if failed:
+            raise OSError(f"{len(failed)} of {len(files)} object(s) under {prefix} could not be deleted "
+                          f"(first: {min(failed)})")
         return len(files)
 
     async def remove_many(self, paths: list[str]) -> set[str]:
