@@ -145,6 +145,29 @@ def _positive_arg(text: str) -> int:
     return _count_arg(text, 1)
 
 
+def _seconds_arg(text: str) -> float:
+    """An argparse type: a finite number of seconds > 0 (a negative poll waited forever, inf
+    and nan reached sleep() as a traceback)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0 < value < 1e9:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text}")
+    return value
+
+
+def _json_object_arg(text: str) -> dict[str, Any]:
+    """An argparse type: backend options as a JSON object."""
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object of backend options, got {type(value).__name__}")
+    return value
+
+
 #: file types a plot named so would be expected in, which are not what ``hicache size`` writes
 _NOT_SVG = (".png", ".jpg", ".jpeg", ".gif", ".webp", ".pdf", ".eps", ".bmp", ".tif", ".tiff")
 
@@ -196,7 +219,7 @@ def _cmd_bench(args: argparse.Namespace) -> Any:
 def _cmd_inspect(args: argparse.Namespace) -> Any:
     from hicache.inspect import inspect_store
 
-    options = json.loads(args.options) if args.options else {}
+    options = args.options or {}
     root = args.root if args.backend == "file" else None
     if args.backend != "file" and args.root:
         options.setdefault("url", args.root)
@@ -222,7 +245,7 @@ def _cmd_events(args: argparse.Namespace) -> Any:
 def _cmd_stats(args: argparse.Namespace) -> Any:
     from hicache.observability.stats_view import is_url, run_stats
 
-    options = json.loads(args.options) if args.options else {}
+    options = args.options or {}
     if args.backend != "file" and not is_url(args.target):
         options.setdefault("url", args.target)
     code = run_stats(args.target, interval=args.interval, once=args.once, backend=args.backend, options=options)
@@ -233,7 +256,8 @@ def _cmd_stats(args: argparse.Namespace) -> Any:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hicache", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--log-level", default="WARNING", help="logging level (DEBUG, INFO, ...)")
+    parser.add_argument("--log-level", default="WARNING", type=str.upper,
+                        choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"], help="logging level")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("demo", help="start the demo server, run a multi-turn chat workload, report hit rates and TTFT")
@@ -285,9 +309,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("inspect", help="a store's namespaces, pages, bytes and integrity")
     p.add_argument("root", help="the file backend's root folder (or the URL of an s3/fsspec store)")
     p.add_argument("--backend", default="file", help="backend name (default: file)")
-    p.add_argument("--options", default=None, help="backend options as JSON")
+    p.add_argument("--options", type=_json_object_arg, default=None, help="backend options as a JSON object")
     p.add_argument("--verify", choices=["none", "sample", "all"], default="sample")
-    p.add_argument("--sample", type=int, default=256, help="pages to verify with --verify sample")
+    p.add_argument("--sample", type=_count_arg, default=256, help="pages to verify with --verify sample")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd_inspect)
 
@@ -300,18 +324,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the publisher run that --from belongs to (16 hex digits, as the last run printed): "
                         "a restarted publisher is then replayed from 0")
     p.add_argument("--topic", default="")
-    p.add_argument("--count", type=int, default=None, help="exit after this many events")
-    p.add_argument("--timeout", type=float, default=None, help="exit after this many seconds without a batch")
+    p.add_argument("--count", type=_positive_arg, default=None, help="exit after this many events")
+    p.add_argument("--timeout", type=_seconds_arg, default=None, help="exit after this many seconds without a batch")
     p.add_argument("--stats", action="store_true", help="print the counters (gaps, replayed, lost) at the end")
     p.add_argument("--json", action="store_true", help="one JSON object per event")
     p.set_defaults(func=_cmd_events)
 
     p = sub.add_parser("stats", help="a live one-screen view of a server's tiers (URL) or a store's (ROOT)")
     p.add_argument("target", help="a server URL (its /metrics is scraped) or a store root")
-    p.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes (default: 2)")
+    p.add_argument("--interval", type=_seconds_arg, default=2.0, help="seconds between refreshes (default: 2)")
     p.add_argument("--once", action="store_true", help="print one screen and exit")
     p.add_argument("--backend", default="file", help="backend of a store ROOT (default: file)")
-    p.add_argument("--options", default=None, help="backend options as JSON")
+    p.add_argument("--options", type=_json_object_arg, default=None, help="backend options as a JSON object")
     p.set_defaults(func=_cmd_stats)
 
     p = sub.add_parser("backends", help="list installed storage backends and their options")

@@ -38,6 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
+from hicache.errors import ConfigError
 from hicache.config.schema import HiCacheConfig
 from hicache.server.loadgen import Workload, run_load
 from hicache.server.run import running_server
@@ -76,6 +77,9 @@ def demo_config(config: HiCacheConfig, workload: Workload, *, salt: str) -> HiCa
     """
     page = config.device.page_size
     longest = _longest_request(workload)
+    if config.device.max_context_len < longest + workload.max_new_tokens:
+        raise ConfigError(f"the demo's conversations grow to {longest + workload.max_new_tokens} tokens; "
+                          f"device.max_context_len is {config.device.max_context_len}")
     want = DEMO_DEVICE_TOKENS.get(workload, 2 * longest)
     floor = -(-(longest + page) // page) * page  # one request must always fit
     tokens = max(floor, -(-min(config.device.size_tokens, want) // page) * page)

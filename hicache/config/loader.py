@@ -27,6 +27,8 @@ import logging
 import os
 import reprlib
 import tomllib
+import types
+import typing
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -120,8 +122,14 @@ def _is_string_field(path: list[str]) -> bool:
     if field is None:
         return False
     ann = field.annotation
-    return ann is str or (str in getattr(ann, "__args__", ()) and not any(
-        hasattr(a, "model_fields") for a in getattr(ann, "__args__", ())))
+    if ann is str:
+        return True
+    # str | None, and the like; not dict[str, Any], whose arguments name str too (its JSON
+    # from the environment was kept as a string and refused)
+    if typing.get_origin(ann) not in (typing.Union, types.UnionType):
+        return False
+    args = typing.get_args(ann)
+    return str in args and all(a in (str, type(None)) for a in args)
 
 
 def env_overrides(environ: Mapping[str, str] | None = None) -> dict[str, Any]:

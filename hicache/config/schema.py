@@ -11,6 +11,8 @@ the field and the allowed values. Environment variables override any field, see
 
 from __future__ import annotations
 
+import types
+import typing
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -30,9 +32,27 @@ __all__ = [
 ]
 
 
+def _numeric_only(annotation: Any) -> bool:
+    """Whether a field takes numbers and not booleans (``int``, ``float``, optional ones)."""
+    args = typing.get_args(annotation) if typing.get_origin(annotation) in (typing.Union, types.UnionType) else (annotation,)
+    args = tuple(typing.get_args(a)[0] if typing.get_origin(a) is Annotated else a for a in args)
+    return bool(set(args) & {int, float}) and bool not in args
+
+
 class _Section(BaseModel):
     # inf and nan are never a size or a time: they reach int() and torch as OverflowError
     model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_bool_numbers(cls, data: Any) -> Any:
+        """``true`` is not a number here: pydantic's lax mode made ``max_requests = true`` 1 and
+        ``port = false`` 0 (a random port), silently."""
+        if isinstance(data, dict):
+            for name, field in cls.model_fields.items():
+                if isinstance(data.get(name), bool) and _numeric_only(field.annotation):
+                    raise ValueError(f"{name} must be a number, got {str(data[name]).lower()}")
+        return data
 
 
 #: one dimension of a state shape
@@ -76,13 +96,20 @@ class DeviceConfig(_Section):
 class HostConfig(_Section):
     """The L2 pool in host memory (pinned when CUDA is present)."""
 
-    enabled: bool = Field(True, description="Keep an L2 host tier.")
+    enabled: bool = Field(True, description="Keep an L2 host tier (required: every page moves through it).")
     size_bytes: int | None = Field(None, gt=0, description="Host pool size in bytes (wins over ratio).")
     ratio: float = Field(4.0, gt=0, description="Host pool size as a multiple of the device pool.")
     layout: Literal["layer_first", "page_first", "page_first_direct"] = Field(
         "page_first", description="Host memory layout; page_first lets storage I/O skip copies."
     )
     pin_memory: bool | None = Field(None, description="Pin host memory; default: when CUDA is present.")
+
+    @model_validator(mode="after")
+    def _required(self) -> HostConfig:
+        if not self.enabled:  # it was ignored: the pool was still made, and its size not checked
+            raise ValueError("enabled = false is not supported: every page moves between device and storage "
+                             "through the host pool; make it small with size_bytes instead")
+        return self
 
 
 class StorageConfig(_Section):
@@ -188,6 +215,20 @@ class EventsConfig(_Section):
     hash_format: Literal["bytes", "int"] = Field("bytes", description="Block hashes: 32 sha256 bytes, or their low 64 bits.")
     tiers: list[Literal["device", "host", "storage"]] = Field(
         default_factory=lambda: ["device", "host", "storage"], description="Tiers to publish.")
+
+    @model_validator(mode="after")
+    def _endpoints(self) -> EventsConfig:
+        """A TCP port outside 0..65535 is an error here: ZMQ took it modulo 65536 and bound
+        another port, where no router listened."""
+        for name in ("endpoint", "replay_endpoint"):
+            address = getattr(self, name)
+            if address and address.startswith("tcp://"):
+                port = address.rpartition(":")[2]
+                if port != "*" and not (port.isdigit() and 0 <= int(port) <= 65535):
+                    raise ValueError(f"{name} {address!r}: the port must be * or 0..65535")
+        if self.endpoint and self.endpoint == self.replay_endpoint and not self.endpoint.endswith(":0"):
+            raise ValueError(f"endpoint and replay_endpoint are both {self.endpoint!r}: give each its own address")
+        return self
     data_parallel_rank: int | None = Field(None, ge=0, description="Stamped on every batch.")
 
 

@@ -144,7 +144,7 @@ def render_store(report: dict[str, Any], source: str) -> str:
     lines.append(f"{'namespace':<14} {'model':<24} {'page':>5} {'pages':>9} {'bytes':>11} {'refused':>8}  last refused")
     for digest, ns in report["namespaces"].items():
         lines.append(
-            f"{digest[:12]:<14} {str(ns.get('model'))[:24]:<24} {ns.get('page_size', '-'):>5} {_n(ns['pages']):>9} "
+            f"{digest[:12]:<14} {str(ns.get('model'))[:24]:<24} {ns.get('page_size') or '-':>5} {_n(ns['pages']):>9} "
             f"{_n(ns['bytes'], 'B'):>11} {_n(ns.get('refused_pages_no_space')):>8}  {ns.get('last_refused_at') or '-'}"
         )
     return "\n".join(lines)
@@ -168,7 +168,7 @@ def run_stats(target: str, *, interval: float = 2.0, once: bool = False, backend
             if is_url(target):
                 try:
                     scrape, now = Scrape(scrape_url(target)), time.monotonic()
-                except OSError as exc:
+                except (OSError, ValueError, UnicodeDecodeError) as exc:  # not a metrics page
                     screen = f"hicache stats  {target}: cannot scrape: {exc}"
                     if once:
                         print(screen, file=out)

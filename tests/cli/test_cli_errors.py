@@ -86,3 +86,29 @@ def test_events_run_id_must_be_hex(capsys) -> None:
         main(["events", "tcp://127.0.0.1:1", "--run-id", "not-hex"])
     assert exc.value.code == 2
     assert "16 hex digits" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["stats", "x", "--interval", "-1"], "must be a number of seconds > 0"),
+        (["stats", "x", "--interval", "nan"], "must be a number of seconds > 0"),
+        (["events", "tcp://127.0.0.1:1", "--timeout", "-1"], "must be a number of seconds > 0"),  # waited forever
+        (["events", "tcp://127.0.0.1:1", "--count", "0"], "must be >= 1"),
+        (["inspect", "x", "--options", "notjson"], "not JSON"),
+        (["inspect", "x", "--options", "[1]"], "must be a JSON object"),
+        (["inspect", "x", "--sample", "-1"], "must be >= 0"),
+        (["--log-level", "bogus", "backends"], "invalid choice"),
+    ],
+)
+def test_bad_arguments_are_one_line_errors(capsys, argv: list[str], words: str) -> None:
+    with pytest.raises(SystemExit) as stop:
+        main(argv)
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and words in err and "Traceback" not in err
+
+
+def test_the_demo_refuses_a_context_too_short_for_its_conversations(tmp_path, capsys) -> None:
+    cfg = tmp_path / "short.toml"
+    cfg.write_text('[storage]\nbackend = "memory"\n[device]\nmax_context_len = 256\n')
+    assert "device.max_context_len is 256" in _error(capsys, ["demo", "-c", str(cfg), "--quick"])

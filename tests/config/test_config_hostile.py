@@ -91,3 +91,32 @@ def test_environment_strings_conflicts_and_foreign_options(caplog: pytest.LogCap
     assert cfg.storage.options == {"root": "/srv/kv"}  # the backends that have it still get it
     with pytest.raises(ConfigError, match="no option"):  # in a file it stays an error
         load_config({"storage": {"backend": "memory", "options": {"root": "/x"}}}, environ={})
+
+
+@pytest.mark.parametrize(
+    "data, words",
+    [
+        # lax mode made these 1, 1 and 0 (a random port), silently
+        ({"device": {"max_requests": True}}, r"max_requests must be a number, got true"),
+        ({"events": {"buffer_steps": True}}, r"buffer_steps must be a number"),
+        ({"server": {"port": False}}, r"port must be a number, got false"),
+        ({"host": {"ratio": True}}, r"ratio must be a number"),
+        # ignored: the pool was made anyway, and its size never checked against memory
+        ({"host": {"enabled": False}}, r"enabled = false is not supported"),
+        # ZMQ took the port modulo 65536 and bound another one
+        ({"events": {"enabled": True, "endpoint": "tcp://*:99999"}}, r"endpoint 'tcp://\*:99999': the port"),
+        ({"events": {"replay_endpoint": "tcp://127.0.0.1:70000"}}, r"replay_endpoint .* the port"),
+        ({"events": {"endpoint": "tcp://*:6000", "replay_endpoint": "tcp://*:6000"}}, r"give each its own address"),
+    ],
+)
+def test_values_that_used_to_pass_for_something_else_are_errors(data: dict, words: str) -> None:  # type: ignore[type-arg]
+    with pytest.raises(ConfigError, match=words):
+        load_config(data, environ={}, check=False)
+
+
+def test_environment_sets_a_dict_field_from_json() -> None:
+    """``storage.options`` (a dict) was treated as a string field: its JSON was never parsed."""
+    cfg = load_config({}, environ={"HICACHE__STORAGE__OPTIONS": '{"root": "/tmp/x"}'}, check=False)
+    assert cfg.storage.options == {"root": "/tmp/x"}
+    cfg = load_config({}, environ={"HICACHE__STORAGE__NAMESPACE_SALT": "123"}, check=False)
+    assert cfg.storage.namespace_salt == "123"  # a string field keeps its text
