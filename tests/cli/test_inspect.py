@@ -54,3 +54,20 @@ def test_cli_backends_lists_ours(capsys) -> None:
     out = json.loads(capsys.readouterr().out)
     assert {"file", "memory", "s3", "fsspec"} <= set(out)
     assert "root" in out["file"]
+
+
+async def test_inspect_counts_unreadable_page_files_and_never_creates_a_folder(tmp_path) -> None:
+    """A torn page file was left out of the listing, so it was never counted (``corrupt 0``);
+    a manifest naming another namespace had inspect open it, creating an empty folder in the
+    store it inspected."""
+    root = str(tmp_path / "store")
+    await _fill(tmp_path / "store", Namespace(model="a"), 5)
+    torn = next(p for p in (tmp_path / "store").rglob("*.page"))
+    os.truncate(torn, 100)
+    report = await inspect_store(root, verify="all", progress=False)
+    assert report["pages"] == 4 and report["corrupt"] == 1
+    manifest = next((tmp_path / "store").glob("*/manifest.json"))
+    manifest.write_text('{"model": "edited"}')
+    before = sorted(os.listdir(root))
+    report = await inspect_store(root, verify="none", progress=False)
+    assert sorted(os.listdir(root)) == before and report.get("unmatched_manifests") == 1
