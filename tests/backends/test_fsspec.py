@@ -233,3 +233,34 @@ async def test_write_bodies_are_built_ahead_of_a_slot_but_bounded() -> None:
         for i, k in enumerate(keys):
             out = await store.get(k, torch.empty(4))
             assert out is not None and torch.equal(out, torch.full((4,), float(i)))
+
+
+async def test_a_local_page_rewritten_while_read_is_never_seen_half_written(tmp_path: Any) -> None:
+    """fsspec's local ``pipe_file`` truncates and writes in place: a reader saw half a page,
+    judged it corrupt at rest and deleted the page every writer had reported stored. Without
+    ``auto_mkdir`` every write failed ("bucket not found")."""
+    url = f"file://{tmp_path}/store"  # no storage_options: folders are made as needed
+    w = create_async_storage("fsspec", None, url=url, namespace=NS_A)
+    r = create_async_storage("fsspec", None, url=url, namespace=NS_A, exists_cache_size=0)
+    async with w, r:
+        val = torch.randint(0, 255, (4 << 20,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+        assert await w.batch_set(["k"], [val])
+        stop = False
+
+        async def writer() -> int:
+            n = 0
+            while not stop:
+                assert await w.batch_set(["k"], [val])
+                n += 1
+            return n
+
+        task = asyncio.create_task(writer())
+        try:
+            for _ in range(20):
+                got = await r.get("k", torch.empty_like(val))
+                assert got is not None and torch.equal(got, val)
+        finally:
+            stop = True
+            assert await task > 0
+        assert r.get_stats().get("corrupt_pages", 0) == 0
+        assert not list((tmp_path / "store").rglob("*.tmp"))

@@ -15,7 +15,10 @@ completion in the background (threads cannot be cancelled).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import itertools
 import logging
+import os
 import threading
 import weakref
 from collections.abc import Awaitable, Callable
@@ -378,6 +381,25 @@ def _is_invalid_range(exc: BaseException) -> bool:
     return False
 
 
+_tmp_serial = itertools.count()
+
+
+def _put_local(path: str, data: bytes | bytearray) -> None:
+    """A local file written whole, then renamed into place: fsspec's local ``pipe_file``
+    truncates and writes in place, so a reader saw a partial page (and, judging it corrupt,
+    deleted it while the writer went on to report success); its folder is made as needed."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    tmp = f"{path}.{os.getpid()}-{next(_tmp_serial)}.tmp"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
 class ThreadObjectOps:
     """A synchronous fsspec filesystem, each call in a worker thread (see module docstring)."""
 
@@ -385,9 +407,14 @@ class ThreadObjectOps:
 
     def __init__(self, fs: Any) -> None:
         self.fs = fs
+        protocol = getattr(fs, "protocol", ())
+        self.local = bool({"file", "local"} & set((protocol,) if isinstance(protocol, str) else protocol))
 
     async def put(self, path: str, data: bytes | bytearray) -> None:
-        await asyncio.to_thread(self.fs.pipe_file, path, data)
+        if self.local:
+            await asyncio.to_thread(_put_local, path, data)
+        else:
+            await asyncio.to_thread(self.fs.pipe_file, path, data)
 
     async def get_range(self, path: str, start: int, end: int) -> bytes:
         return await asyncio.to_thread(self.fs.cat_file, path, start=start, end=end)
