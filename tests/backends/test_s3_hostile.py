@@ -245,3 +245,28 @@ async def test_an_empty_page_round_trips(moto_endpoint: str, moto_bucket: str, p
         got = await store.get("empty", torch.empty(0, dtype=torch.uint8))
         assert got is not None and got.numel() == 0
         assert await store.exists("empty") and store.get_stats().get("corrupt_pages", 0) == 0
+
+
+async def test_a_close_with_reads_in_flight_leaves_no_client_behind(
+    moto_endpoint: str, moto_bucket: str, prefix: str, proxy: FaultProxy
+) -> None:
+    """The in-flight reads failed when the client closed, retried, and built a new client for
+    the loop that nobody closed ("Unclosed client session")."""
+    keys = keys_for(4, salt=143)
+    store = make_s3(proxy.endpoint, moto_bucket, prefix, NS_A, request_timeout=5, call_timeout=10)
+    await store.open()
+    await write_pages(store, keys, seed=143)
+    await store.wait_index_writes()
+
+    async def slow(request: Any) -> Any:
+        if request.method == "GET" and "/pages/" in request.path:
+            await asyncio.sleep(1.0)
+        return None
+
+    proxy.answer = slow
+    reading = asyncio.create_task(read_pages(store, keys))
+    await asyncio.sleep(0.3)
+    await store.aclose()
+    got, dst = await reading
+    assert got == [False] * 4 and int(dst.buffer.count_nonzero()) == 0
+    assert len(store._local) == 0  # no loop holds a client any more

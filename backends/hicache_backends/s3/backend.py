@@ -257,6 +257,7 @@ class FsspecStorage(AsyncHiCacheStorage):
     # ------------------------------------------------------------------ lifecycle
 
     async def _open(self) -> None:
+        self.runner.closed = False  # a store may be opened again after a close
         self._names = ObjectNames(self.root, self.namespace.digest)
         self._codec = PageCodec(self.namespace.digest_bytes)
         self.exists_cache = ExistsCache.shared(
@@ -271,6 +272,7 @@ class FsspecStorage(AsyncHiCacheStorage):
 
     async def _close(self) -> None:
         await self.wait_index_writes()
+        self.runner.closed = True  # calls still in flight give up rather than open a new client
         prober, self._prober = self._prober, None
         if prober is not None and not prober.done():
             if prober.get_loop() is asyncio.get_running_loop():

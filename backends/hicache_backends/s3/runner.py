@@ -62,6 +62,9 @@ class RequestRunner:
         self.call_timeout = call_timeout
         self.stats = stats
         self.redactor = redactor
+        #: set when the store closes: a request still running (or retrying) then gives up
+        #: instead of building a new client for this loop that nobody would close
+        self.closed = False
 
     async def request(self, what: str, op: Callable[[ObjectOps], Awaitable[T]], timeout: float | None = None) -> T:
         """Run ``op`` with breaker gate, concurrency slot, timeout and retries.
@@ -69,9 +72,13 @@ class RequestRunner:
         Raises ``FileNotFoundError`` (an answer: the object or bucket is absent) or
         :class:`GaveUp`; every other outcome is counted.
         """
+        if self.closed:
+            raise GaveUp(what)
         res = self.local.get()
         timeout = self.request_timeout if timeout is None else timeout
         for attempt in range(self.policy.attempts):
+            if self.closed:
+                raise GaveUp(what)
             if not self.breaker.allow():
                 self.stats.incr("breaker_rejected")
                 raise GaveUp(what)
