@@ -237,7 +237,7 @@ async def run_demo_async(config: HiCacheConfig, *, quick: bool = False, workload
             "device_tokens_configured": config.device.size_tokens,
             "max_batch": cfg.server.max_batch,
             "page_size": cfg.device.page_size,
-            "host": f"ratio {cfg.host.ratio}" if cfg.host.enabled else "disabled",
+            "host": f"ratio {cfg.host.ratio}",
             "storage": cfg.storage.backend or "none",
             "namespace_salt": cfg.storage.namespace_salt,
         },

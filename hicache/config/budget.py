@@ -49,9 +49,8 @@ def memory_needs(config: Any, *, page_nbytes: int, host_pages: int, device_is_ho
                    f"device.max_requests ({d.max_requests}) x device.max_context_len ({d.max_context_len})",
                    d.max_requests * d.max_context_len * 8),
     ]
-    if config.host.enabled:
-        src = f"host.size_bytes ({config.host.size_bytes})" if config.host.size_bytes else f"host.ratio ({config.host.ratio})"
-        needs.append(MemoryNeed("the host KV pool", "host", src, host_pages * page_nbytes))
+    src = f"host.size_bytes ({config.host.size_bytes})" if config.host.size_bytes else f"host.ratio ({config.host.ratio})"
+    needs.append(MemoryNeed("the host KV pool", "host", src, host_pages * page_nbytes))
     for i, pool in enumerate(config.extra_pools):
         slot = sum(math.prod(shape) for shape in pool.state_shapes.values()) * _ITEMSIZE.get(pool.dtype, 4)
         needs.append(MemoryNeed(f"extra pool {pool.name!r} (device)", dev,

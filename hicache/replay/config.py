@@ -163,13 +163,11 @@ class ReplayConfig:
     def from_hicache_config(cls, config: Any) -> ReplayConfig:
         """Replay settings from a deployment config (``hicache.config.HiCacheConfig``): the
         same geometry and capacities the facade would build (:func:`stack_config_from`)."""
-        model, host = config.model, config.host
+        model = config.model
         if model.attention != "mha":
             raise ConfigError("replay: only MHA geometry is supported (model.attention = 'mha')")
         if model.kv_dtype not in ("float32", "float16", "bfloat16"):
             raise ConfigError(f"replay: model.kv_dtype {model.kv_dtype!r} cannot hold exact synthetic KV")
-        if not host.enabled:
-            raise ConfigError("replay: needs a host tier (host.enabled = true)")
         st = stack_config_from(config)
         ps = st.page_size
         pages = {"device": st.device_pages, "host": st.host_pages}

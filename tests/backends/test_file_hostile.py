@@ -584,3 +584,40 @@ async def test_a_killed_writers_reservation_is_given_back_while_others_keep_the_
         assert await within(store.set("after", v0(2 << 20, 1)), 10.0)
         assert read_usage(ledger).used < 3 << 20
         assert store.get_stats().get("rejected_pages_no_space", 0) == 0
+
+
+async def test_a_writer_killed_after_publishing_leaves_its_pages_counted_and_evictable(tmp_path) -> None:
+    """Giving back a dead writer's whole reservation also gave back the pages it had
+    published before it died: the count fell below what was on disk, and no live process
+    knew those pages to evict them. The reclaim now makes the store index the namespace
+    again, and the scan raises the count to the bytes it finds."""
+    import sys
+
+    from hicache_backends.file.ledger import read_usage
+
+    child = (
+        "import asyncio, os, sys, torch\n"
+        "from hicache.testing.store_tests import NS_A\n"
+        "from hicache_backends.file import FileStorage\n"
+        "async def main():\n"
+        "    s = FileStorage(None, root=sys.argv[1], namespace=NS_A, min_free_bytes=0, max_bytes=8 << 20)\n"
+        "    async with s:\n"
+        "        await s.wait_background()\n"
+        "        async def die(*a, **k):\n"
+        "            os.kill(os.getpid(), 9)  # published, not settled\n"
+        "        s._settle = die\n"
+        "        await s.set('k-child', torch.full((1 << 20,), 3, dtype=torch.uint8))\n"
+        "asyncio.run(main())\n"
+    )
+    async with make_store(tmp_path, max_bytes=8 << 20) as store:
+        await within(store.wait_background())
+        done = subprocess.run([sys.executable, "-c", child, str(tmp_path)], timeout=120)
+        assert done.returncode == -9
+        assert await within(store.set("k-parent", v0(1 << 10, 1)))  # takes the lock: reclaims
+        await within(store.wait_background(), 10.0)
+        await asyncio.sleep(0.2)
+        await within(store.wait_background(), 10.0)
+        ledger = os.path.join(store.layout.ns_dir, LEDGER_NAME)
+        on_disk = sum(p.stat().st_size for p in Path(store.layout.ns_dir).rglob("*.page"))
+        assert read_usage(ledger).used >= on_disk > 1 << 20
+        assert await within(store.exists("k-child"))

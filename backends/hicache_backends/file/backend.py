@@ -227,6 +227,7 @@ class FileStorage(AsyncHiCacheStorage):
         self._writes_in_flight = 0  # batches between their reservation and its settlement
         self._writes_started = 0
         self._last_rescan = float("-inf")
+        self._rescan_pending = False  # a reclaim asked for a scan while one was running
         self._refusal_warnings = Throttle(_REFUSAL_WARN_SECONDS)
         self._enospc_warnings = Throttle(_REFUSAL_WARN_SECONDS)
         self._pool_warnings = Throttle(_REFUSAL_WARN_SECONDS)
@@ -461,6 +462,8 @@ class FileStorage(AsyncHiCacheStorage):
                 await self._ledger_call(
                     self._scan_executor, on_disk - before.used, token=before.token, if_seq=before.seq
                 )
+            elif complete:  # not alone: never lowered, but raised to what is on disk if below
+                await self._ledger_call(self._scan_executor, 0, floor=on_disk)
             self._scan_seconds = time.perf_counter() - t0
             logger.info(
                 "file store %s: indexed %d pages (%d bytes) in %.3fs; removed %d stale temp files",
@@ -476,6 +479,8 @@ class FileStorage(AsyncHiCacheStorage):
                 self._tombstones = None
                 assert self._index_ready is not None
                 self._index_ready.set()
+                if self._rescan_pending:  # a reclaim came in while this scan ran: once more
+                    asyncio.get_running_loop().call_soon(lambda: self._maybe_rescan(None, reclaimed=True))
         if removed_tmp:
             self.stats.incr("stale_tmp_removed", removed_tmp)
         try:  # pages found on disk may exceed a max_bytes lowered since the last run
@@ -536,12 +541,23 @@ class FileStorage(AsyncHiCacheStorage):
         token: int | None = None,
         if_seq: int | None = None,
         inflight: int = 0,
+        floor: int | None = None,
     ) -> Usage | None:
         """``ledger.add`` on a thread (``None`` without a ledger or when it is unavailable)."""
         if self._ledger is None:
             return None
-        add = functools.partial(self._ledger.add, delta, refused=refused, token=token, if_seq=if_seq, inflight=inflight)
-        return await run_to_completion(add, executor=executor)
+        add = functools.partial(self._ledger.add, delta, refused=refused, token=token, if_seq=if_seq,
+                                inflight=inflight, floor=floor)
+        usage = await run_to_completion(add, executor=executor)
+        self._after_reclaim(usage)
+        return usage
+
+    def _after_reclaim(self, usage: Usage | None) -> None:
+        """A ledger call gave back a dead writer's reservation (see :class:`Usage`): index the
+        namespace again, so the pages it published before dying are found, evictable, and
+        counted again by the scan's ``floor``."""
+        if usage is not None and usage.reclaimed:
+            self._maybe_rescan(usage, reclaimed=True)
 
     def _reserve(self, res: _Reservation, amount: int, debt: int) -> None:
         """(On an I/O thread.) Reserve ``amount`` bytes, giving back ``debt`` (bytes of corrupt
@@ -781,6 +797,7 @@ class FileStorage(AsyncHiCacheStorage):
             if self._ledger is not None and incoming:
                 debt, self._ledger_debt = self._ledger_debt, 0
                 await self._run(self._reserve, res, incoming, debt)
+                self._after_reclaim(res.usage)
             missing = await self._evict_for(incoming > 0, protect, res.usage)
             while missing > 0 and jobs:  # cannot fit them all: drop the deepest pages (batch tail)
                 dropped = jobs.pop()
@@ -834,16 +851,20 @@ class FileStorage(AsyncHiCacheStorage):
             await self._ledger_call(self._executor, delta, refused=refused, token=res.usage.token,
                                     inflight=-res.amount)
 
-    def _maybe_rescan(self, usage: Usage | None) -> None:
+    def _maybe_rescan(self, usage: Usage | None, *, reclaimed: bool = False) -> None:
         """When the shared count holds bytes this store does not know (pages other processes
-        wrote since it opened; they may have exited), index them so they can be evicted."""
-        if usage is None or usage.used <= self.index.nbytes + self._reserved:
+        wrote since it opened; they may have exited), index them so they can be evicted. After
+        a reclaim (``reclaimed``) always: the count may now miss pages a dead writer published."""
+        if not reclaimed and (usage is None or usage.used <= self.index.nbytes + self._reserved):
             return
+        if reclaimed:
+            self._rescan_pending = True
         if (self._scan_task is not None and not self._scan_task.done()) or not self.index_ready:
             return
         now = time.monotonic()
-        if now - self._last_rescan < _RESCAN_SECONDS:
+        if now - self._last_rescan < _RESCAN_SECONDS and not self._rescan_pending:
             return
+        self._rescan_pending = False
         self._last_rescan = now
         self.stats.incr("rescans")
         if self._tombstones is None:

@@ -102,6 +102,10 @@ class Usage:
     refused_at: float
     seq: int  # changes so far: equal before and after a scan means nobody changed anything
     token: int
+    #: bytes of dead writers' reservations this call gave back: some of them may be pages
+    #: the writer published before it died, so the caller re-indexes the namespace, and its
+    #: scan raises the count to what is on disk (:meth:`UsageLedger.add`'s ``floor``)
+    reclaimed: int = 0
 
 
 def _decode(raw: bytes) -> tuple[int, int, float, int]:
@@ -221,7 +225,7 @@ class UsageLedger:
 
     def add(
         self, delta: int, *, refused: int = 0, token: int | None = None, if_seq: int | None = None,
-        inflight: int = 0,
+        inflight: int = 0, floor: int | None = None,
     ) -> Usage | None:
         """Add ``delta`` bytes (and ``refused`` pages) atomically; the new totals, or ``None``
         when the ledger cannot be used. With ``token``, a delta meant for a ledger file that has
@@ -229,7 +233,10 @@ class UsageLedger:
         With ``if_seq``, the delta is applied only if nobody changed the ledger since the
         reading that had that ``seq`` (a scan's correction, see the module docstring).
         ``inflight``: bytes this process starts (> 0, with its reservation) or stops (< 0, when
-        it settles) having reserved and not settled; given back for it if it dies between."""
+        it settles) having reserved and not settled; given back for it if it dies between.
+        ``floor``: bytes a scan found on disk; the count is raised to it if below (never
+        lowered: always safe, whoever else is writing, since every page on disk is counted
+        unless a dead writer's reclaimed reservation took it along)."""
         with self._lock:
             try:
                 self._join()
@@ -250,6 +257,8 @@ class UsageLedger:
                     if inflight and applies:
                         _move_own(slots, inflight)
                         changed = True
+                    if floor is not None and applies and used < floor:
+                        used, changed = floor, True
                     if refused:
                         nref, at, changed = nref + refused, time.time(), True
                     if changed:
@@ -264,7 +273,7 @@ class UsageLedger:
                     logger.warning("file store: usage ledger %s unavailable (%s); counting this process only", self.path, exc)
                 return None
             self._warned = False
-            return Usage(used, nref, at, seq, self._counters.ino)
+            return Usage(used, nref, at, seq, self._counters.ino, reclaimed)
 
     def read(self) -> Usage | None:
         """The current totals (a locked read)."""
