@@ -170,6 +170,16 @@ async def test_manifest_is_written_again_after_the_bucket_is_recreated(moto_endp
 # ---------------------------------------------------------------------- reads cut mid-body, clears refused per key
 
 
+async def _stored_through(proxy: FaultProxy, bucket: str, prefix: str, keys: list[str], seed: int) -> Any:
+    """A store reached through ``proxy`` (a breaker that never opens), holding ``keys``; to
+    be entered again (``async with``) by the caller, which closes it."""
+    store = make_s3(proxy.endpoint, bucket, prefix, NS_A, **{**FAST, "breaker_threshold": 100})
+    await store.open()
+    await write_pages(store, keys, seed=seed)
+    await store.wait_index_writes()
+    return store
+
+
 async def test_a_body_cut_mid_way_leaves_no_unchecked_byte_in_the_pool(
     moto_endpoint: str, moto_bucket: str, prefix: str, proxy: FaultProxy
 ) -> None:
@@ -179,10 +189,7 @@ async def test_a_body_cut_mid_way_leaves_no_unchecked_byte_in_the_pool(
     from aiohttp import web
 
     keys = keys_for(3, salt=141)
-    store = make_s3(proxy.endpoint, moto_bucket, prefix, NS_A, **{**FAST, "breaker_threshold": 100})
-    async with store:
-        await write_pages(store, keys, seed=141)
-        await store.wait_index_writes()
+    async with await _stored_through(proxy, moto_bucket, prefix, keys, seed=141) as store:
 
         async def cut(request: Any) -> Any:
             if request.method == "GET" and "/pages/" in request.path:
@@ -210,10 +217,7 @@ async def test_a_clear_that_s3_refuses_per_key_says_so(
     from aiohttp import web
 
     keys = keys_for(5, salt=142)
-    store = make_s3(proxy.endpoint, moto_bucket, prefix, NS_A, **{**FAST, "breaker_threshold": 100})
-    async with store:
-        await write_pages(store, keys, seed=142)
-        await store.wait_index_writes()
+    async with await _stored_through(proxy, moto_bucket, prefix, keys, seed=142) as store:
 
         async def refuse(request: Any) -> Any:
             if request.method == "POST" and "delete" in request.query:

@@ -37,6 +37,7 @@ from hicache.storage.page_format import PageCodec, PageHeader, Verdict, checksum
 from hicache.storage.segments import PageSegments, bounce, io_runs
 from hicache.storage.staging import PoolPage, StagedPage
 
+from hicache_backends.file.locks import pid_alive
 from hicache_backends.file.layout import (
     FOOTER_LEN,
     ID_LEN,
@@ -743,23 +744,11 @@ def remove_stale_trash(root: str, digest: str, stop: threading.Event | None = No
         owner = int(parts[0])
         with _removing_lock:
             busy = path in _removing
-        if busy or (owner != os.getpid() and _pid_alive(owner)):
+        if busy or (owner != os.getpid() and pid_alive(owner)):
             continue
         if remove_tree(path, stop):
             removed += 1
     return removed
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    except OSError:
-        return True
-    return True
 
 
 def scan_subdir(path: str, stale_tmp_seconds: float) -> tuple[list[ScanEntry], int]:
@@ -794,7 +783,7 @@ def scan_subdir(path: str, stale_tmp_seconds: float) -> tuple[list[ScanEntry], i
                     writer = parse_tmp_name(name)
                     if writer is None:
                         continue
-                    if writer != os.getpid() and not _pid_alive(writer):
+                    if writer != os.getpid() and not pid_alive(writer):
                         stale = True
                     else:
                         stale = now - e.stat(follow_symlinks=False).st_mtime > stale_tmp_seconds

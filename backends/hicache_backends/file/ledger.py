@@ -46,7 +46,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from hicache_backends.file.locks import flock_within
+from hicache_backends.file.locks import flock_within, pid_alive
 
 __all__ = ["LEDGER_NAME", "USERS_NAME", "Usage", "UsageLedger", "read_usage"]
 
@@ -80,16 +80,6 @@ def _machine_id() -> int:
 
 
 _MACHINE = _machine_id()
-
-
-def _gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except OSError:
-        return False  # alive (another user's) or unknowable: keep its reservation
-    return False
 _O_FLAGS = os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
 
 
@@ -134,7 +124,7 @@ def _reclaim(slots: list[list[int]]) -> int:
     freed = 0
     for t in slots:
         machine, pid, held = t
-        if held and machine == _MACHINE and pid != os.getpid() and _gone(pid):
+        if held and machine == _MACHINE and pid != os.getpid() and not pid_alive(pid):
             freed += held
             t[:] = [0, 0, 0]
     return freed

@@ -11,9 +11,10 @@ which both handle: they are advisory.
 from __future__ import annotations
 
 import fcntl
+import os
 import time
 
-__all__ = ["LOCK_PATIENCE", "flock_within"]
+__all__ = ["LOCK_PATIENCE", "flock_within", "pid_alive"]
 
 LOCK_PATIENCE = 0.5  # seconds to wait for a lock before answering "unavailable"
 
@@ -32,3 +33,16 @@ def flock_within(fd: int, op: int, patience: float = LOCK_PATIENCE) -> None:
                 raise TimeoutError(f"lock held by another process for over {patience} s") from None
             time.sleep(pause)
             pause = min(pause * 2, 0.02)
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` of this machine may still be alive (``False`` only when it
+    surely is gone: another user's process, or one the kernel will not tell about, counts as
+    alive, so nobody takes over what it holds)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    return True

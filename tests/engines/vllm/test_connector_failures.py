@@ -510,6 +510,18 @@ def vllm_connector(model: str, root: Path, role: Any, num_layers: int, pp_size: 
         return KVConnectorFactory.create_connector(config, role, kv_cache_config)
 
 
+def store_five_pages(conn: Any, root: Path) -> None:
+    """Five pages of ``TOKENS`` written to the connector's store by a worker of its own
+    geometry (closed: every write reached the store)."""
+    keys = PageKeyChain(BS).extend(TOKENS, 5)
+    backend = conn._scheduler.store.primary
+    w = WorkerSide(conn.geometry, make_backend("file", {"root": str(root)}, backend.namespace), host_pages=8,
+                   load_timeout_s=10.0, controller=ConnectorOptions().controller_config())
+    w.register([(f"l{i}", torch.zeros(16, 2, BS, 2, 16, dtype=torch.bfloat16)) for i in range(5)])
+    w.save([PageSave("r", tuple(keys), tuple(range(5)), tuple(range(5)), job=1)])
+    assert w.close(timeout=30) == 0
+
+
 def test_vllms_connector_reset_reaches_hicache(model_dir: str, tmp_path: Path) -> None:
     """vLLM's scheduler resets the connector through ``reset_cache`` (and reports the reset
     failed on ``False``): ours says it is done, and the pages stored before are no hit after."""
@@ -518,13 +530,7 @@ def test_vllms_connector_reset_reaches_hicache(model_dir: str, tmp_path: Path) -
 
     conn = vllm_connector(model_dir, tmp_path, KVConnectorRole.SCHEDULER, num_layers=5)
     try:
-        keys = PageKeyChain(BS).extend(TOKENS, 5)
-        backend = conn._scheduler.store.primary
-        w = WorkerSide(conn.geometry, make_backend("file", {"root": str(tmp_path)}, backend.namespace), host_pages=8,
-                       load_timeout_s=10.0, controller=ConnectorOptions().controller_config())
-        w.register([(f"l{i}", torch.zeros(16, 2, BS, 2, 16, dtype=torch.bfloat16)) for i in range(5)])
-        w.save([PageSave("r", tuple(keys), tuple(range(5)), tuple(range(5)), job=1)])
-        assert w.close(timeout=30) == 0
+        store_five_pages(conn, tmp_path)
         assert answer(conn._scheduler, "a", TOKENS) == 5 * BS
         assert Scheduler.reset_connector_cache(SimpleNamespace(connector=conn, log_stats=False)) is True
         assert answer(conn._scheduler, "b", TOKENS) == 0
@@ -552,13 +558,7 @@ def test_hit_sources_split_host_memory_from_disk(model_dir: str, tmp_path: Path)
 
     conn = vllm_connector(model_dir, tmp_path, KVConnectorRole.SCHEDULER, num_layers=5)
     try:
-        keys = PageKeyChain(BS).extend(TOKENS, 5)
-        backend = conn._scheduler.store.primary
-        w = WorkerSide(conn.geometry, make_backend("file", {"root": str(tmp_path)}, backend.namespace), host_pages=8,
-                       load_timeout_s=10.0, controller=ConnectorOptions().controller_config())
-        w.register([(f"l{i}", torch.zeros(16, 2, BS, 2, 16, dtype=torch.bfloat16)) for i in range(5)])
-        w.save([PageSave("r", tuple(keys), tuple(range(5)), tuple(range(5)), job=1)])
-        assert w.close(timeout=30) == 0
+        store_five_pages(conn, tmp_path)
         s = conn._scheduler
         req = SimpleNamespace(request_id="a")
         assert answer(s, "a", TOKENS) == 5 * BS
