@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import shutil
 import sys
 import time
 import uuid
@@ -81,6 +82,18 @@ async def _remove_run_pages(stack: Any) -> None:
     if not await storage.clear():
         logger.warning("replay: could not remove this run's pages from %s (namespace %s)",
                        storage.backend_name, stack.config.namespace)
+
+
+def _remove_run_folder(config: StackConfig) -> None:
+    """The ``file`` store keeps an emptied namespace's folder (and a cleared one's trash until
+    it is deleted): this run's namespace is its own (:func:`replay_requests`), so both go."""
+    root = config.storage_options.get("root") if config.storage_backend == "file" else None
+    if not root or config.namespace is None or not os.path.isdir(root):
+        return
+    digest = config.namespace.digest
+    for name in os.listdir(root):
+        if name == digest or name.startswith(f".trash-{digest}-"):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
 
 def replay_inputs(
@@ -203,6 +216,7 @@ async def replay_requests(
             await _remove_run_pages(stack)
         finally:
             report = await stack.aclose()
+            _remove_run_folder(stack.config)
     ref = reference_lru(requests, [caps["device"], caps["host"], caps["storage"]])
     hit_tokens = totals["device_hit_tokens"] + totals["host_hit_tokens"] + totals["storage_hit_tokens"]
     counters = snap["counters"]
