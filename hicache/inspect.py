@@ -57,16 +57,15 @@ async def inspect_store(
     # a floor above it makes a store refuse every write
     report.update({k: v for k, v in space.items() if k in _MEDIUM_KEYS})
     rng = random.Random(seed)
-    file_root = opts.get("root") if backend == "file" else None
     for ns in namespaces:
-        folder = os.path.join(file_root, ns.digest) if file_root else None
-        if folder is not None and not os.path.isdir(folder):
+        store = create_async_storage(backend, None, namespace=ns, **opts)
+        layout = getattr(store, "layout", None)  # a store of folders (file)
+        if layout is not None and not os.path.isdir(layout.ns_dir):
             # a manifest that does not name its own folder (edited, or another version's):
             # opening its namespace would create a folder in the store being inspected
             report["unmatched_manifests"] = report.get("unmatched_manifests", 0) + 1
             logger.warning("inspect: a manifest names namespace %s, which has no folder; not opened", ns.digest)
             continue
-        store = create_async_storage(backend, None, namespace=ns, **opts)
         async with store:
             pages = await store.list_pages()
             nbytes = sum(size for _, size in pages)
@@ -80,9 +79,10 @@ async def inspect_store(
             for page, _ in tqdm(chosen, desc=f"verify {ns.digest[:8]}", unit="page", disable=not progress or not chosen, leave=False):
                 if not await store.verify_page(page):
                     bad += 1
-            if folder is not None:
+            count_files = getattr(store, "count_page_files", None)
+            if count_files is not None:
                 # page files the listing could not read (torn, a damaged footer): corrupt too
-                bad += max(0, _page_files(folder) - len(pages))
+                bad += max(0, await count_files() - len(pages))
             pools: dict[str, int] = {}
             for page, _ in pages:
                 pools[page.pool] = pools.get(page.pool, 0) + 1
@@ -105,18 +105,3 @@ async def inspect_store(
         report["corrupt"] += bad
     return report
 
-
-def _page_files(folder: str) -> int:
-    """Page files under a file store's namespace folder, readable or not."""
-    count = 0
-    pages = os.path.join(folder, "pages")
-    try:
-        subdirs = [e for e in os.scandir(pages) if e.is_dir(follow_symlinks=False)]
-    except OSError:
-        return 0
-    for sub in subdirs:
-        try:
-            count += sum(1 for e in os.scandir(sub.path) if e.name.endswith(".page") and e.is_file(follow_symlinks=False))
-        except OSError:
-            continue
-    return count

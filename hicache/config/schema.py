@@ -215,6 +215,7 @@ class EventsConfig(_Section):
     hash_format: Literal["bytes", "int"] = Field("bytes", description="Block hashes: 32 sha256 bytes, or their low 64 bits.")
     tiers: list[Literal["device", "host", "storage"]] = Field(
         default_factory=lambda: ["device", "host", "storage"], description="Tiers to publish.")
+    data_parallel_rank: int | None = Field(None, ge=0, description="Stamped on every batch.")
 
     @model_validator(mode="after")
     def _endpoints(self) -> EventsConfig:
@@ -229,7 +230,6 @@ class EventsConfig(_Section):
         if self.endpoint and self.endpoint == self.replay_endpoint and not self.endpoint.endswith(":0"):
             raise ValueError(f"endpoint and replay_endpoint are both {self.endpoint!r}: give each its own address")
         return self
-    data_parallel_rank: int | None = Field(None, ge=0, description="Stamped on every batch.")
 
 
 class TracingConfig(_Section):

@@ -28,7 +28,7 @@ def namespace_seed(extra_key: str | None) -> str | None:
 
     What is hashed is never as long as a multiple of 4 bytes: every page a chain hashes is
     (a 32-byte digest and) whole uint32 tokens, so no page, whatever its tokens, hashes to a
-    seed. Otherwise a page without namespace whose tokens spell ``hicache-namespace\0`` + a
+    seed. Otherwise a page without namespace whose tokens spell ``hicache-namespace\\0`` + a
     namespace made the next page's key that namespace's first key, and the namespace read
     KV computed for other tokens."""
     if extra_key is None:

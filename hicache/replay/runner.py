@@ -74,9 +74,11 @@ async def arun_replay(
 async def _remove_run_pages(stack: Any) -> None:
     """Remove the pages this run wrote to a persistent store (its own namespace, see
     :func:`replay_requests`), after the queued writes have landed; a store that cannot clear
-    leaves them, with a warning naming the namespace."""
+    leaves them, with a warning naming the namespace. A ``file`` store's whole namespace
+    folder goes after the close instead (:func:`_remove_run_folder`): a clear first would only
+    rename it aside to be deleted in the background."""
     storage = stack.storage
-    if storage is None or stack.config.storage_backend == "memory":
+    if storage is None or stack.config.storage_backend in ("memory", "file"):
         return
     await stack.cache.drain()
     if not await storage.clear():
@@ -85,15 +87,11 @@ async def _remove_run_pages(stack: Any) -> None:
 
 
 def _remove_run_folder(config: StackConfig) -> None:
-    """The ``file`` store keeps an emptied namespace's folder (and a cleared one's trash until
-    it is deleted): this run's namespace is its own (:func:`replay_requests`), so both go."""
+    """This run's namespace folder in a ``file`` store, pages and all (the namespace is the
+    run's own, :func:`replay_requests`; the store is closed)."""
     root = config.storage_options.get("root") if config.storage_backend == "file" else None
-    if not root or config.namespace is None or not os.path.isdir(root):
-        return
-    digest = config.namespace.digest
-    for name in os.listdir(root):
-        if name == digest or name.startswith(f".trash-{digest}-"):
-            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+    if root and config.namespace is not None:
+        shutil.rmtree(os.path.join(root, config.namespace.digest), ignore_errors=True)
 
 
 def replay_inputs(

@@ -1056,6 +1056,13 @@ class FileStorage(AsyncHiCacheStorage):
         rows = await asyncio.to_thread(page_io.list_pages, self._layout)
         return [(PageKey(key, pool), size) for key, pool, size in rows]
 
+    async def count_page_files(self) -> int:
+        """Page files of this namespace, readable or not (``hicache inspect``: the ones
+        :meth:`list_pages` could not read are corrupt)."""
+        await self._ensure_open()
+        assert self._layout is not None
+        return await asyncio.to_thread(page_io.count_page_files, self._layout)
+
     async def describe_space(self) -> dict[str, Any]:
         """The file system's free space against ``min_free_bytes``, and this namespace's shared
         count and refused writes (recorded by every process in the usage ledger)."""

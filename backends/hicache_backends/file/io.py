@@ -840,6 +840,19 @@ def page_identity(path: str) -> tuple[str, str] | None:
     return None if parsed is None else (parsed.key, parsed.pool)
 
 
+def count_page_files(layout: NamespaceLayout) -> int:
+    """Page files of a namespace, readable or not (what :func:`list_pages` cannot read -
+    torn, a damaged footer - is the difference)."""
+    count = 0
+    for subdir in list_subdirs(layout):
+        try:
+            with os.scandir(subdir) as it:
+                count += sum(1 for e in it if e.name.endswith(PAGE_SUFFIX) and e.is_file(follow_symlinks=False))
+        except OSError:
+            continue
+    return count
+
+
 def list_pages(layout: NamespaceLayout) -> list[tuple[str, str, int]]:
     """(key, pool, file size) of every readable page file of a namespace."""
     out: list[tuple[str, str, int]] = []

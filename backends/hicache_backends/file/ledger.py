@@ -64,13 +64,11 @@ _SIZE = _FORMAT.size + _SLOTS * _SLOT.size
 def _machine_id() -> int:
     """This machine (and PID namespace): whose pids this process may test for life. Another
     machine sharing the root (NFS), or a container in another PID namespace, is never judged."""
-    parts = []
-    for path in ("/proc/sys/kernel/random/boot_id",):
-        try:
-            with open(path, encoding="ascii") as f:
-                parts.append(f.read().strip())
-        except OSError:
-            parts.append(os.uname().nodename)
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
+            parts = [f.read().strip()]
+    except OSError:
+        parts = [os.uname().nodename]
     try:
         parts.append(str(os.stat("/proc/self/ns/pid").st_ino))
     except OSError:

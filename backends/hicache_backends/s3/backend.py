@@ -444,14 +444,14 @@ class FsspecStorage(AsyncHiCacheStorage):
         try:  # header and payload in one ranged GET, the payload straight into the pool page
             got = await self.runner.request("read", read)
         except FileNotFoundError:
-            self._wipe_target(buf)
+            _zero(buf)
             self._vanished(path, page)
             return False
         except GaveUp:
-            self._wipe_target(buf)  # a body cut mid-way (any attempt) left unchecked bytes
+            _zero(buf)  # a body cut mid-way (any attempt) left unchecked bytes
             return False
         except BaseException:
-            self._wipe_target(buf)  # a cancellation mid-stream too
+            _zero(buf)  # a cancellation mid-stream too
             raise
         assert landing is not None
         if got == hlen + want and landing.in_pool:
@@ -471,13 +471,6 @@ class FsspecStorage(AsyncHiCacheStorage):
             verdict = Verdict.WRONG_LENGTH
         await self._reject(path, data, hlen, verdict, want, page)
         return False
-
-    @staticmethod
-    def _wipe_target(buf: memoryview) -> None:
-        """Zero a read's target page: no byte an unfinished read streamed in stays in pool
-        memory (the page is a miss either way)."""
-        if len(buf):
-            buf.cast("B")[:] = bytes(len(buf)) if len(buf) < (1 << 16) else b"\x00" * len(buf)
 
     def _vanished(self, path: str, page: PageKey) -> None:
         """A read found ``path`` missing: a clean miss, and no lookup of this process claims it
@@ -722,13 +715,19 @@ class _Landing:
     def wipe(self) -> None:
         """Zero the pool page if any payload byte went there (call after :meth:`received`)."""
         if self.in_pool:
-            np.frombuffer(self.buf, dtype=np.uint8).fill(0)
+            _zero(self.buf)
 
     def received(self, got: int) -> memoryview:
         """What the store sent (up to header + payload), as one buffer, for the failure path."""
         body = self.buf if self.in_pool else memoryview(self.spill or b"")
         n = max(0, min(got, len(self.head) + len(body)) - len(self.head))
         return memoryview(b"".join((self.head[: min(got, len(self.head))], body[:n])))
+
+
+def _zero(buf: memoryview) -> None:
+    """Zero a read's target page in place: no byte of a read that did not check out (or did
+    not finish: cut, given up, cancelled) stays in pool memory."""
+    np.frombuffer(buf, dtype=np.uint8).fill(0)
 
 
 def _md5_hex(data: memoryview) -> str:

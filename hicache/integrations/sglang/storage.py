@@ -171,7 +171,7 @@ class HiCacheSGLangStorage(_SGLangStorage):
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
         self.registered_pools[host_pool_name] = host_pool
-        self._register(host_pool, self._pool(host_pool_name))
+        self._register(host_pool, host_pool_name)
 
     def _pool(self, pool_name: Any) -> str:
         """The name a pool's pages are stored under: SGLang's, with this TP rank for a pool
@@ -182,7 +182,10 @@ class HiCacheSGLangStorage(_SGLangStorage):
             return f"{name}.tp{int(getattr(cfg, 'tp_rank', 0))}-{int(cfg.tp_size)}"
         return name
 
-    def _register(self, pool: Any, name: str) -> None:
+    def _register(self, pool: Any, pool_name: Any) -> None:
+        """Adapt ``pool`` and hold it under the name its pages are stored under (:meth:`_pool`);
+        its byte-format tag goes by SGLang's name, so that every TP rank's namespace is one."""
+        name = self._pool(pool_name)
         prior = self._adapted.get(name)
         if prior is not None and getattr(prior, "pool", prior) is pool:
             return  # the same SGLang pool again (KV: once as the anchor, once by name)
@@ -207,9 +210,7 @@ class HiCacheSGLangStorage(_SGLangStorage):
             self._facade.register_mem_host_pool_v2(adapted, name)
         self._adapted[name] = adapted
         if tag is not None:
-            # by SGLang's name: a TP rank's own name for a split pool must not split the
-            # namespace (every rank reads the same KV pages)
-            self._tags[name.partition(".tp")[0]] = tag
+            self._tags[_name(pool_name)] = tag
 
     def on_host_pools_registered(self) -> None:
         """Open the store now that every pool is known; raising fails SGLang's attach."""
