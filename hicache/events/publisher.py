@@ -479,6 +479,4 @@ class EventPublisher:
         if not self._buffer:
             return None
         i = seq - self._buffer[0][0]
-        if 0 <= i < len(self._buffer) and self._buffer[i][0] == seq:
-            return self._buffer[i][1]
-        return next((p for s, p in self._buffer if s == seq), None)
+        return self._buffer[i][1] if 0 <= i < len(self._buffer) else None

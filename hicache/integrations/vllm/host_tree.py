@@ -11,7 +11,8 @@ eviction index; a node's slots are host page slots instead of device ones.
 
 Nothing the scheduler believes can turn into garbage KV: a worker checks, for every page it
 loads from its host pool, that the slot holds the key the scheduler names, and reports a slot
-that does not (:meth:`HostPageTree.drop_slots` then forgets what the tree held there).
+that does not (:meth:`~.scheduler_side.SchedulerSide.on_report` then forgets what the tree
+held there).
 
 Locks: a node whose pages a worker is still writing to storage is locked (so its slots are not
 given to other pages while the write reads them) until every worker reported the write done.
@@ -284,15 +285,6 @@ class HostPageTree:
             return None
         self.stats["dropped_pages"] += tokens // self.block_size
         return tokens // self.block_size
-
-    def drop_slots(self, bad: Iterable[int]) -> int:
-        """Forget the unlocked nodes holding ``bad`` slots (with the pages after them);
-        returns the pages dropped. (The scheduler drops locked ones too, see
-        :meth:`~.scheduler_side.SchedulerSide.on_report`.)"""
-        dropped = 0
-        for node in self.nodes_holding(bad):
-            dropped += self.drop_subtree(node) or 0
-        return dropped
 
     def clear(self, keep: Iterable[int] = ()) -> int:
         """Forget every page (the caller released every lock first); slots in ``keep`` stay

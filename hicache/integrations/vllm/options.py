@@ -41,8 +41,9 @@ class ConnectorOptions:
     - ``load_timeout_s``: the longest a forward pass waits for a page read; then the page's
       blocks are reported failed and vLLM recomputes them.
     - ``close_timeout_s``: how long shutdown waits for queued writes to reach storage; a
-      worker waits at most half of vLLM's ``VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS`` (after it
-      vLLM's multiprocess executor kills the worker), and logs the pages it gave up.
+      worker drains for at most a quarter of vLLM's ``VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS``
+      (closing its store takes the rest; after it vLLM's multiprocess executor kills the
+      worker), and logs the pages it gave up.
     - ``namespace_salt``: set it to keep deployments that must not share pages apart.
     """
 
