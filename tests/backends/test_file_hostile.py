@@ -621,3 +621,45 @@ async def test_a_writer_killed_after_publishing_leaves_its_pages_counted_and_evi
         on_disk = sum(p.stat().st_size for p in Path(store.layout.ns_dir).rglob("*.page"))
         assert read_usage(ledger).used >= on_disk > 1 << 20
         assert await within(store.exists("k-child"))
+
+
+@pytest.mark.parametrize("shared", [True, False])
+async def test_a_write_racing_a_clear_leaves_the_index_equal_to_the_disk(tmp_path, monkeypatch, shared) -> None:
+    """A write that starts before ``clear()`` and lands after it (its folder recreated) is
+    ordered after the clear: the page it published is indexed (found, counted, evictable),
+    never a file on disk that the index and ``max_bytes`` do not know."""
+    import threading
+
+    from hicache_backends.file import io as file_io
+
+    size = 4096
+    entered, release = threading.Event(), threading.Event()
+    real = file_io.write_page
+
+    def held_write(*args):
+        entered.set()
+        release.wait(LIMIT)
+        return real(*args)
+
+    async with make_store(tmp_path, shared=shared, max_bytes=1 << 22) as store:
+        await store.wait_index_ready()
+        assert await store.set("old", v0(size, 1))
+        monkeypatch.setattr(file_io, "write_page", held_write)
+        write = asyncio.create_task(store.set("racer", v0(size, 2)))
+        while not entered.is_set():
+            await asyncio.sleep(0.005)
+        assert await within(store.clear())
+        release.set()
+        assert await within(write)
+        monkeypatch.setattr(file_io, "write_page", real)
+        await store.wait_background()
+        ns_dir = store.layout.ns_dir
+        on_disk = namespace_bytes(ns_dir)
+        assert on_disk == store.layout.file_size("racer", "kv", size)  # published after the clear
+        assert store.index.nbytes == on_disk  # ... and indexed
+        assert await store.exists("racer") and not await store.exists("old")
+        got = torch.empty(size, dtype=torch.uint8)
+        assert await store.get("racer", got) is not None and bool((got == 2).all())
+        if shared:
+            usage = read_usage(os.path.join(ns_dir, LEDGER_NAME))
+            assert usage is not None and usage.used == on_disk

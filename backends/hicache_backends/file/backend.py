@@ -32,6 +32,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -817,6 +818,9 @@ class FileStorage(AsyncHiCacheStorage):
             results, cancelled = await self._run_chunked_to_end(
                 page_io.write_page, calls, sum(j.buf.nbytes for j in jobs), 4 * _FILE_OP_COST
             )
+            if results is not None and generation != self._generation:
+                generation, results, late = await self._published_after_clear(jobs, results)
+                cancelled = cancelled or late
         finally:
             self._reserved -= incoming
             self._busy.subtract(ids)
@@ -834,6 +838,41 @@ class FileStorage(AsyncHiCacheStorage):
         if cancelled:
             raise asyncio.CancelledError
         return ok
+
+    async def _published_after_clear(
+        self, jobs: list[_WriteJob], results: list[page_io.WriteResult]
+    ) -> tuple[int, list[page_io.WriteResult], bool]:
+        """A ``clear()`` ran while these pages were written. A write that landed before it went
+        with the old folder; one that landed after it (the folder is recreated) is in the
+        namespace that followed, ordered after the clear: it is indexed and counted (in the new
+        ledger) like any write, never a file that the index and ``max_bytes`` do not know. The
+        first kind is still reported done (it was written, then cleared) and counted nowhere
+        (as ``skipped``). Returns the generation the results now belong to, the results, and
+        whether the caller was cancelled meanwhile (the checks still ran to the end)."""
+        assert self._layout is not None
+        generation = self._generation
+        wrote = [i for i, r in enumerate(results) if r.ok and not r.skipped]
+        paths = [self._layout.path(jobs[i].pid) for i in wrote]
+        cancelled = False
+        try:
+            sizes: list[int | None] = await self._run(page_io.published_sizes, paths)
+        except asyncio.CancelledError:  # the answer is lost: index none (a later scan does)
+            sizes, generation, cancelled = [None] * len(wrote), -1, True
+        checked = list(results)
+        published = 0
+        for i, size in zip(wrote, sizes):
+            r = results[i]
+            if size == r.size:
+                published += r.size - r.replaced
+            else:
+                checked[i] = dataclasses.replace(r, skipped=True, replaced=0)
+        self.stats.incr("writes_racing_clear", len(wrote))
+        if published:  # the batch's own settlement goes to the old ledger's token: not applied
+            try:
+                await self._ledger_call(self._executor, published)
+            except asyncio.CancelledError:
+                cancelled = True
+        return generation, checked, cancelled
 
     async def _settle(
         self, res: _Reservation, jobs: list[_WriteJob], results: Sequence[page_io.WriteResult] | None, refused: int

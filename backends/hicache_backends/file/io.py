@@ -567,6 +567,20 @@ def remove_files(paths: Sequence[str], sizes: Sequence[int]) -> int:
     return freed
 
 
+def published_sizes(paths: Sequence[str]) -> list[int | None]:
+    """The size of the regular page file at each path, ``None`` where there is none: which
+    writes that raced a ``clear()`` published into the namespace that followed it."""
+    out: list[int | None] = []
+    for p in paths:
+        try:
+            st = os.stat(p, follow_symlinks=False)
+        except OSError:
+            out.append(None)
+            continue
+        out.append(st.st_size if stat.S_ISREG(st.st_mode) else None)
+    return out
+
+
 def free_bytes(path: str) -> int:
     st = os.statvfs(path)
     return st.f_bavail * st.f_frsize
