@@ -117,6 +117,12 @@ class RequestHandle:
         if self.load is not None:
             self.load.wait_layer_sync(layer)
 
+    async def wait_loaded(self) -> None:
+        """Return once every layer of the prefix KV is on device (a forward that reads the
+        prefix without waiting layer by layer must wait for this first)."""
+        if self.load is not None:
+            await self.load.wait()
+
 
 class HiCache:
     """A hierarchical KV cache built from a :class:`~hicache.config.HiCacheConfig`.
@@ -187,7 +193,8 @@ class HiCache:
             for spec in self.config.extra_pools:
                 shapes = {k: tuple(v) for k, v in spec.state_shapes.items()}
                 state = MambaStatePool(spec.slots, shapes, torch_dtype(spec.dtype), stack.device_pool.device)
-                host = MambaHostPool(state, host_size=spec.host_slots)
+                # pinned exactly when the KV host pool is (the user's host.pin_memory, never on a CPU device)
+                host = MambaHostPool(state, host_size=spec.host_slots, pin_memory=stack.host_pool.pin_memory)
                 self.extra_pools[spec.name] = (state, host)
                 if stack.storage is not None:
                     stack.storage.register_mem_host_pool_v2(host, spec.name)

@@ -137,8 +137,10 @@ class CacheStack:
         """Close the cache and controller (which closes a storage the stack created) and
         the copy engine. A storage passed to :func:`build_stack` stays open."""
         try:
-            report = await self.cache.aclose()
-            await self.copy_engine.aclose()
+            try:
+                report = await self.cache.aclose()
+            finally:  # its copy threads go even when the cache's close failed
+                await self.copy_engine.aclose()
         finally:
             if self._detach_storage is not None:
                 self._detach_storage()

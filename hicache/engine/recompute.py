@@ -48,6 +48,9 @@ class RecomputeHandle:
     def wait_layer_sync(self, layer: int) -> None:
         """Nothing is ever loaded: every layer is ready."""
 
+    async def wait_loaded(self) -> None:
+        """Nothing is ever loaded: every layer is ready."""
+
 
 class RecomputeCache:
     """A device pool plus allocator behind ``begin/extend/commit/abort``; no prefix reuse."""
@@ -108,6 +111,7 @@ class RecomputeCache:
         return handle
 
     async def extend(self, handle: RecomputeHandle, new_token_ids: list[int]) -> torch.Tensor:
+        self._check_live(handle)
         n_old, n_new = len(handle.token_ids), len(new_token_ids)
         if n_old + n_new > handle._slots.numel():
             more = self._grab(n_old + n_new - handle._slots.numel())
@@ -118,6 +122,13 @@ class RecomputeCache:
 
     async def commit(self, handle: RecomputeHandle, *, finished: bool = True) -> None:
         self._free(handle)
+
+    def _check_live(self, handle: RecomputeHandle) -> None:
+        # slots grabbed for a handle no longer tracked would never be freed (not even by aclose)
+        if self._closed:
+            raise CacheClosedError("RecomputeCache is closed")
+        if self._live.get(id(handle)) is not handle:
+            raise ValueError(f"request {handle.rid!r} was already committed or aborted")
 
     async def abort(self, handle: RecomputeHandle) -> None:
         self._free(handle)

@@ -228,6 +228,10 @@ class Engine:
         # without writing, because its slot belongs to the prefix cache and may be shared
         start = min(prefix, n_prompt - 1)
         write = prefix < n_prompt
+        if prefix and not start:
+            # a one-token prompt, fully cached: the prefill reads no prefix (so it waits for no
+            # layer) but the first decode step reads it, and that forward does not wait
+            await handle.wait_loaded()
         logits = await self.run(
             self.model.forward,
             prompt[start:],

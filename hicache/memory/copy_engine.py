@@ -287,7 +287,7 @@ class CopyEngine:
         if plan.num_units == 0:
             return
         job = self._backup_job(plan)
-        fut = asyncio.get_running_loop().run_in_executor(self._executor_or_raise(), job)
+        fut = asyncio.wrap_future(self._submit(job))
         try:
             await asyncio.shield(fut)
         except asyncio.CancelledError:
@@ -299,7 +299,7 @@ class CopyEngine:
         """Blocking :meth:`backup` (queued behind earlier operations of this engine)."""
         plan = self.plan_backup(device_indices, host_indices)
         if plan.num_units:
-            self._executor_or_raise().submit(self._backup_job(plan)).result()
+            self._submit(self._backup_job(plan)).result()
 
     def _backup_job(self, plan: TransferPlan) -> Callable[[], None]:
         if not self.is_cuda:
@@ -447,15 +447,14 @@ class CopyEngine:
         if plan.num_units == 0:
             counter.mark_all_done()
             return LayerLoadHandle(counter, None)
-        executor = self._executor_or_raise()
         if not self.is_cuda:
-            fut = executor.submit(self._load_cpu, plan, counter)
+            fut = self._submit(self._load_cpu, plan, counter)
             return LayerLoadHandle(counter, fut)
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(self.device))
         events = [torch.cuda.Event() for _ in range(self.num_layers)]
         enqueued = LayerDoneCounter(self.num_layers)
-        fut = executor.submit(self._load_cuda, plan, counter, ready, events, enqueued)
+        fut = self._submit(self._load_cuda, plan, counter, ready, events, enqueued)
         return LayerLoadHandle(counter, fut, events, enqueued)
 
     def load_sync(self, host_indices: IndexLike, device_indices: IndexLike) -> None:
@@ -505,10 +504,17 @@ class CopyEngine:
             counter.fail(exc)
             raise
 
-    def _executor_or_raise(self) -> concurrent.futures.Executor:
+    def _submit(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future[Any]:
+        """Queue ``fn`` on the copy thread; :class:`CacheClosedError` once closed, also when
+        a close on another thread lands between the check and the submit."""
         if self._closed:
             raise CacheClosedError("CopyEngine is closed")
-        return self._executor
+        try:
+            return self._executor.submit(fn, *args)
+        except RuntimeError as exc:  # the executor shut down meanwhile
+            if self._closed:
+                raise CacheClosedError("CopyEngine is closed") from exc
+            raise
 
     def __repr__(self) -> str:
         return f"CopyEngine(device={self.device}, unit={self.unit}, layers={self.num_layers}, closed={self._closed})"

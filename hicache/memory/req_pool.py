@@ -9,6 +9,7 @@ keeps no shadow state that such a direct append could desynchronise.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from numbers import Integral
 
 import torch
 
@@ -52,8 +53,8 @@ class ReqToTokenPool:
         :class:`AllocatorError` and nothing is freed."""
         if isinstance(idx_or_list, torch.Tensor):
             slots = [int(i) for i in idx_or_list.reshape(-1).tolist()]
-        elif isinstance(idx_or_list, int):
-            slots = [idx_or_list]
+        elif isinstance(idx_or_list, Integral):  # numpy integers too
+            slots = [int(idx_or_list)]
         else:
             slots = [int(i) for i in idx_or_list]
         free_now = set(self.free_slots)

@@ -228,3 +228,21 @@ async def test_the_close_report_counts_pages_storage_never_got() -> None:
     report = await stack.aclose()
     assert report.drained and not report.unwritten
     assert report.failed_storage_pages == 2
+
+
+async def test_a_stack_whose_cache_close_fails_still_stops_its_copy_threads() -> None:
+    """The copy engine's threads go even when the cache's close raised (the facade did that
+    in a ``finally``; the stack did not)."""
+    import pytest
+
+    stack = build_stack(StackConfig(page_size=PS, device_pages=16, host_pages=64, storage_backend=None))
+
+    async def broken_close(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise RuntimeError("cache close failed")
+
+    real_close = stack.cache.aclose
+    stack.cache.aclose = broken_close  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="cache close failed"):
+        await stack.aclose()
+    assert stack.copy_engine._closed
+    await real_close()

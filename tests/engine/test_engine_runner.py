@@ -158,3 +158,16 @@ async def test_cancelled_request_waits_for_its_forward_then_aborts(spec) -> None
 def test_engine_rejects_a_pool_of_another_geometry(model: TinyTransformer) -> None:
     with pytest.raises(ValueError, match="does not fit"):
         Engine(DevicePrefixCache(small_spec(num_layers=2)), model)
+
+
+async def test_recompute_cache_refuses_to_extend_a_finished_request(model: TinyTransformer) -> None:
+    """Slots grabbed for a committed or aborted handle would be tracked by nothing, not even
+    ``aclose``: extending one is an error, as on the real cache, and nothing leaks."""
+    cfg = small_config()
+    async with RecomputeCache(cfg) as cache:
+        for end in (cache.commit, cache.abort):
+            handle = await cache.begin("r", prompt_of(20, seed=8))
+            await end(handle)
+            with pytest.raises(ValueError, match="already committed or aborted"):
+                await cache.extend(handle, [1] * 40)
+        assert cache.metrics()["device_free_tokens"] == cfg.device.size_tokens

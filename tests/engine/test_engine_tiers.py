@@ -92,3 +92,38 @@ async def test_storage_hit_after_restart_equals_recompute(tmp_path: Path) -> Non
         res = await _check(engine, model, "after", target + [8, 9])
         await engine.aclose()
     assert res.hits.get("storage", 0) > 0, res.hits
+
+
+async def test_a_one_token_prompt_loaded_from_host_waits_for_its_load(tmp_path: Path, monkeypatch) -> None:
+    """Page size 1 (SGLang's default): a one-token prompt wholly on host recomputes its token
+    without reading the prefix, so its prefill waits for no layer; the first decode step reads
+    the loaded slot and must not run before the load landed (a slow load gave other tokens)."""
+    import time
+
+    from hicache.memory.copy_engine import CopyEngine
+
+    cfg = HiCacheConfig.model_validate({
+        "model": {"num_layers": 3, "num_kv_heads": 2, "head_dim": 16},
+        "device": {"device": "cpu", "size_tokens": 256, "page_size": 1, "max_context_len": 1024},
+        "host": {"ratio": 8.0},
+        "storage": {"backend": None},
+        "cache": {"write_policy": "write_through"},
+    })
+    model = TinyTransformer(spec_for(cfg))
+    real = CopyEngine._load_layer
+
+    def slow_load_layer(self, plan, layer):
+        time.sleep(0.1)
+        return real(self, plan, layer)
+
+    async with HiCache.from_config(cfg) as cache:
+        engine = Engine(cache, model)
+        target = [5]
+        await engine.generate("first", target, N_NEW)
+        for i in range(4):  # push the one page off the device
+            await engine.generate(f"evict{i}", prompt_of(200, seed=50 + i), 2)
+        monkeypatch.setattr(CopyEngine, "_load_layer", slow_load_layer)
+        res = await engine.generate("again", target, N_NEW)
+        await engine.aclose()
+    assert res.hits.get("host", 0) == 1 and res.cached_tokens == 1, res.hits
+    assert res.tokens == reference_generate(model, target, N_NEW)

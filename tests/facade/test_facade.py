@@ -158,6 +158,34 @@ async def test_decode_extend_and_chunked_commit() -> None:
         assert h2.prefix_len == 48
 
 
+@pytest.mark.parametrize("pin", [False, True])
+async def test_extra_host_pools_are_pinned_exactly_when_the_kv_host_pool_is(tmp_path: Path, monkeypatch, pin) -> None:
+    """On a GPU machine (simulated: CUDA reported present, pinned allocations recorded, not
+    made) ``host.pin_memory`` and a CPU device decide for the state pools as for the KV host
+    pool: they were pinned whenever CUDA was present, locking memory the user opted out of."""
+    import hicache.memory.host_alloc as host_alloc
+    import hicache.memory.host_pool as host_pool
+    import hicache.memory.mamba as mamba
+
+    pinned: list[bool] = []
+    real = host_alloc.alloc_host_bytes
+
+    def record(shape, pin_memory):
+        pinned.append(bool(pin_memory))
+        return real(shape, False)
+
+    monkeypatch.setattr(mamba, "alloc_host_bytes", record)
+    monkeypatch.setattr(host_pool, "alloc_host_bytes", record)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    cfg = config(tmp_path)
+    cfg["host"] = {**cfg.get("host", {}), "pin_memory": pin}
+    cfg["extra_pools"] = [{"name": "mamba", "state_shapes": {"conv": [2, 4]}, "slots": 4, "host_slots": 8}]
+    async with HiCache.from_config(cfg) as cache:
+        state_host = cache.extra_pools["mamba"][1]
+        assert state_host.pin_memory == cache.host_pool.pin_memory
+    assert pinned and not any(pinned)  # the device is the CPU: nothing is pinned, whatever the knob
+
+
 async def test_hybrid_config_registers_extra_pool(tmp_path: Path) -> None:
     cfg = config(tmp_path)
     cfg["extra_pools"] = [{"name": "mamba", "state_shapes": {"conv": [2, 4]}, "slots": 4, "host_slots": 8}]

@@ -163,7 +163,7 @@ def test_req_to_token_pool():
     assert pool.alloc(3) is None
     pool.write((0, slice(0, 3)), torch.tensor([7, 8, 9]))
     assert pool.req_to_token[0, :3].tolist() == [7, 8, 9]
-    pool.free(0)
+    pool.free(np.int64(0))  # a numpy index (a scheduler's array element) frees like an int
     with pytest.raises(AllocatorError, match="double free"):
         pool.free(0)
     with pytest.raises(AllocatorError, match="out of range"):

@@ -215,6 +215,31 @@ async def test_misuse_fails_at_the_call_site(pools):
         eng.load(token_idx([1], 4), token_idx([1], 4))
 
 
+async def test_a_close_on_another_thread_mid_submit_is_a_closed_error(pools):
+    """``close()`` from another thread landing between the closed check and the submit gives
+    :class:`CacheClosedError`, as a call after the close does (it was a bare RuntimeError)."""
+    src, _, host = pools()
+    for call in ("backup", "load"):
+        eng = CopyEngine(src, host)
+        real_submit = eng._executor.submit
+
+        def submit_after_close(*args, _real=real_submit, _eng=eng):  # type: ignore[no-untyped-def]
+            threading.Thread(target=_eng.close).start()
+            deadline = time.monotonic() + 5
+            while not _eng._closed and time.monotonic() < deadline:
+                time.sleep(0.001)
+            time.sleep(0.05)
+            return _real(*args)
+
+        eng._executor.submit = submit_after_close  # type: ignore[method-assign]
+        with pytest.raises(CacheClosedError):
+            if call == "backup":
+                await eng.backup(token_idx([1], 4), token_idx([1], 4))
+            else:
+                eng.load(token_idx([1], 4), token_idx([1], 4))
+        eng.close()
+
+
 def test_geometry_mismatch_rejected(device_pool_factory, host_pool_factory):
     a = device_pool_factory("mha", size=16, page_size=4, layers=2)
     b = device_pool_factory("mha", size=16, page_size=4, layers=3)
