@@ -12,7 +12,8 @@ from the built-in it resembles, so callers may catch either::
     ├── LoopMisuseError (RuntimeError)      blocking facade called from inside an event loop
     ├── CacheClosedError (RuntimeError)     cache or controller used after aclose()
     ├── TraceFormatError (ValueError)       a request trace line that is not a Mooncake record
-    └── OutOfKVSlotsError (MemoryError)     no device KV slots even after eviction and offload
+    ├── OutOfKVSlotsError (MemoryError)     no device KV slots even after eviction and offload
+    └── RequestAbortedError (RuntimeError)  a request aborted while its admit waited
 
 A *miss* is never an exception: reads return ``None``/``False`` for pages that are absent,
 corrupt or unreachable, because in a cache a miss is the normal path.
@@ -31,6 +32,7 @@ __all__ = [
     "CacheClosedError",
     "OutOfKVSlotsError",
     "TraceFormatError",
+    "RequestAbortedError",
 ]
 
 
@@ -73,3 +75,8 @@ class TraceFormatError(HiCacheError, ValueError):
 class OutOfKVSlotsError(HiCacheError, MemoryError):
     """No device KV slots (or request slots) are left even after eviction and session offload;
     the request should be retried when others finish, or aborted."""
+
+
+class RequestAbortedError(HiCacheError, RuntimeError):
+    """The request was aborted (``abort_req``, from another task) while its ``admit`` waited:
+    admit released what it locked instead of admitting it."""

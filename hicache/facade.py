@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from hicache.config import HiCacheConfig, aload_config, load_config
-from hicache.errors import CacheClosedError, HiCacheError, OutOfKVSlotsError
+from hicache.errors import CacheClosedError, HiCacheError, OutOfKVSlotsError, RequestAbortedError
 from hicache.events.service import start_events
 from hicache.memory import MambaHostPool, MambaStatePool
 from hicache.observability import tracing
@@ -313,9 +313,12 @@ class HiCache:
                 slots = await cache.alloc_extend(req, len(tokens))
             if self._state is not _State.OPEN:  # closed while this request was being admitted
                 raise CacheClosedError("HiCache was closed while the request was being admitted")
-        except BaseException:
+        except BaseException as exc:
             cache.abort_req(req)
             self._rids.discard(cache_rid)
+            if isinstance(exc, RequestAbortedError) and self._state is not _State.OPEN:
+                # the close aborted it: say so, as for any call the close overtook
+                raise CacheClosedError("HiCache was closed while the request was being admitted") from exc
             raise
         if slots is None:
             cache.abort_req(req)

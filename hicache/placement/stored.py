@@ -56,6 +56,8 @@ class StoredPages:
         self._tick = 0
         #: pages of writes queued but not landed (room already made for them)
         self.reserved = 0
+        # orphans by the key of their missing parent: re-linked if that page is written again
+        self._waiting: dict[str, set[str]] = {}
         #: pages chosen for deletion so far; pages the backend removed by itself
         self.evicted_pages = 0
         self.removed_pages = 0
@@ -93,6 +95,9 @@ class StoredPages:
                     if up.children is None:
                         up.children = set()
                     up.children.add(key)
+                elif parent is not None:
+                    self._waiting.setdefault(parent, set()).add(key)
+                self._adopt(key, page)
             else:
                 page.tick = self._tick
             self._push(key, page)
@@ -137,6 +142,7 @@ class StoredPages:
         """Storage lost every page (a namespace clear)."""
         self._pages.clear()
         self._heap.clear()
+        self._waiting.clear()
 
     # ------------------------------------------------------------------ eviction
 
@@ -167,28 +173,32 @@ class StoredPages:
         self.evicted_pages += len(out)
         return out
 
-    def room_for_write(self, pages: int, after: str | None) -> tuple[list[str], int]:
+    def room_for_write(self, pages: int, after: str | None) -> tuple[list[str], int, list[str]]:
         """:meth:`make_room` for a write of ``pages`` chained after the stored page ``after``:
-        returns the pages to delete and how many of the write's pages fit. ``after`` (and so
-        its stored ancestors) is never chosen: deleted ahead of the write, it would leave the
-        new pages orphans. Pages that do not fit, all leaves being pinned or the write's own
-        prefix, get no reserved room: the caller does not send them (the backend's own bound
-        would make room by evicting the oldest pages, on a chain its root)."""
+        returns the pages to delete, how many of the write's pages fit, and the pins to hand
+        back to :meth:`landed`. ``after`` (and so its stored ancestors) is never chosen, now or
+        by another write's room-making while this one is in flight: deleted ahead of the
+        write, it would leave the new pages orphans. Pages that do not fit, all leaves being
+        pinned or the write's own prefix, get no reserved room: the caller does not send them
+        (the backend's own bound would make room by evicting the oldest pages, on a chain its
+        root)."""
         pinned = self.pin([after]) if after is not None else []
         try:
             doomed = self.make_room(pages)
-        finally:
+        except BaseException:
             self.unpin(pinned)
+            raise
         short = 0 if self.capacity is None else min(pages, max(0, len(self._pages) + self.reserved - self.capacity))
         self.reserved -= short
-        return doomed, pages - short
+        return doomed, pages - short, pinned
 
-    def landed(self, reserved: int, keys: Sequence[str], prior: str | None) -> None:
+    def landed(self, reserved: int, keys: Sequence[str], prior: str | None, pinned: Sequence[str] = ()) -> None:
         """A write for which ``reserved`` pages of room were made ended; ``keys`` (its
-        leading pages) were written."""
+        leading pages) were written; ``pinned``: what :meth:`room_for_write` pinned for it."""
         self.reserved = max(0, self.reserved - reserved)
         if keys:
             self.add(keys, prior)
+        self.unpin(pinned)
 
     # ------------------------------------------------------------------ internals
 
@@ -198,6 +208,32 @@ class StoredPages:
         if len(heap) > 4 * len(self._pages) + 1024:  # stale entries (touches) pile up: rebuild
             self._heap = [(not p.orphan, p.tick, k) for k, p in self._pages.items() if not p.children]
             heapq.heapify(self._heap)
+
+    def _adopt(self, key: str, page: _Page) -> None:
+        """``key`` was written again: the orphans waiting for it are its children once more,
+        and, if it is itself reachable, they and their descendants are no orphans."""
+        waiting = self._waiting.pop(key, None)
+        if not waiting:
+            return
+        for child_key in waiting:
+            child = self._pages.get(child_key)
+            if child is None or child.parent != key:
+                continue
+            if page.children is None:
+                page.children = set()
+            page.children.add(child_key)
+            if page.orphan:
+                continue
+            stack = [child_key]
+            while stack:
+                k = stack.pop()
+                p = self._pages.get(k)
+                if p is None or not p.orphan:
+                    continue
+                p.orphan = False
+                if not p.children:
+                    self._push(k, p)
+                stack.extend(p.children or ())
 
     def _drop(self, key: str) -> bool:
         page = self._pages.pop(key, None)
@@ -210,6 +246,14 @@ class StoredPages:
                     up.children.discard(key)
                 if not up.children:
                     self._push(page.parent, up)
+            else:  # it was an orphan waiting for its parent: it waits no more
+                waiting = self._waiting.get(page.parent)
+                if waiting is not None:
+                    waiting.discard(key)
+                    if not waiting:
+                        del self._waiting[page.parent]
+        if page.children:  # they wait for this page to be written again
+            self._waiting.setdefault(key, set()).update(page.children)
         stack = list(page.children or ())
         while stack:  # a gone page's descendants cannot be hit: they go first
             child_key = stack.pop()

@@ -20,6 +20,7 @@ from typing import Any, Protocol
 
 import torch
 
+from hicache.errors import RequestAbortedError
 from hicache.prefix_cache.req import Req
 from hicache.prefix_cache.types import (
     DecLockRefResult,
@@ -104,6 +105,10 @@ class RequestFlow:
         # requests admit() locked a prefix for, by rid; the Req itself is kept so that a later
         # request reusing the rid is never mistaken for one holding a lock
         self.admitted: dict[str, Req] = {}
+        # requests inside admit(), and those of them aborted meanwhile (by another task):
+        # admit releases its lock and raises instead of recording them as admitted
+        self.admitting: dict[str, Req] = {}
+        self._aborted: set[int] = set()
 
     def forget(self, req: Any) -> None:
         """``req`` is over (finished, or its lock taken over by a decorator)."""
@@ -162,6 +167,16 @@ class RequestFlow:
         :data:`LOAD_BACK_TRIES` times: concurrent turns then take turns with the room instead
         of recomputing histories that sit on host.
         """
+        self.admitting[req.rid] = req
+        try:
+            return await self._admit(req, mem_quota, wait_load, max_prefix_len, make_room)
+        finally:
+            if self.admitting.get(req.rid) is req:
+                del self.admitting[req.rid]
+            self._aborted.discard(id(req))
+
+    async def _admit(self, req: Req, mem_quota: int | None, wait_load: bool,
+                     max_prefix_len: int | None, make_room: MakeRoom | None) -> AdmitResult:
         cache = self.cache
         explain = getattr(cache, "explain_admit", None)
         pending = explain.before_wait(req) if explain is not None else None
@@ -217,6 +232,12 @@ class RequestFlow:
         elif load is not None:
             cache.metrics.incr("load_back_skipped")
         self.matched.discard(req.rid)
+        if id(req) in self._aborted:  # aborted while admit waited: nothing stays locked
+            cache.dec_lock_ref(node)
+            req.last_node = None
+            req.prefix_indices = m.device_indices[:0]
+            req.cache_protected_len = 0
+            raise RequestAbortedError(f"request {req.rid} was aborted while it was being admitted")
         self.admitted[req.rid] = req
         storage = min(fetched, host)
         req.last_node = node
@@ -256,7 +277,11 @@ class RequestFlow:
 
     def abort_req(self, req: Req) -> None:
         """Abort: cancel the prefetch (its host pages are freed), drop the lock and free the
-        request's own KV without inserting it. Safe at any point after :meth:`match_req`."""
+        request's own KV without inserting it. Safe at any point after :meth:`match_req`,
+        also while its :meth:`admit` waits (that admit then releases what it locked and raises
+        :class:`~hicache.errors.RequestAbortedError`)."""
+        if self.admitting.get(req.rid) is req:
+            self._aborted.add(id(req))
         self.matched.discard(req.rid)
         if not self.is_admitted(req):  # match_req set last_node but locked nothing
             req.last_node = None

@@ -54,7 +54,7 @@ from hicache.prefix_cache.hashing import fast_page_hashes, namespace_seed
 from hicache.prefix_cache.node import TreeNode
 from hicache.prefix_cache.radix import RadixCache
 from hicache.prefix_cache.req import Req
-from hicache.prefix_cache.tokens import pack_tokens
+from hicache.prefix_cache.tokens import TokenRun, pack_tokens
 from hicache.prefix_cache.types import EvictParams, EvictResult, InitLoadBackParams
 
 __all__ = ["HiRadixCache"]
@@ -252,12 +252,20 @@ class HiRadixCache(RadixCache):
     def storage_prior_hash(self, node: Any, extra_key: str | None) -> str | None:
         """The chain hash storage keys continue from after ``node``: its last page key (which
         hashes the node and its unhashed ancestors on first use), or at the root the
-        namespace's seed. ``None`` for what is not a tree node (a session's virtual node)."""
+        namespace's seed. ``None`` for what is not a tree node (a session's virtual node).
+        A node without page keys (it left the tree) has no chain to continue: callers that
+        build keys check :meth:`_keyless` first (the seed would give its continuation the keys
+        of a prompt starting at the root)."""
         if not isinstance(node, TreeNode):
             return None
         if node is self.root_node or not node.hash_value:
             return namespace_seed(extra_key)
         return node.hash_value[-1]
+
+    def _keyless(self, node: Any) -> bool:
+        """``node`` is a tree node other than the root without page keys: no storage chain
+        continues from it."""
+        return isinstance(node, TreeNode) and node is not self.root_node and not node.hash_value
 
     # ------------------------------------------------------------------ tier changes
 
@@ -305,7 +313,9 @@ class HiRadixCache(RadixCache):
         while n is not None and n._hash_value is None:
             chain.append(n)
             n = n.parent
-        if n is None:  # left the tree before anyone asked: its chain is gone, so no keys
+        if n is None or (n is not self.root_node and not n._hash_value):
+            # left the tree before anyone asked (or hangs below a node that did): its chain
+            # is gone, so no keys
             for c in chain:
                 c._hash_value = []
             return []
@@ -316,10 +326,12 @@ class HiRadixCache(RadixCache):
 
     # ------------------------------------------------------------------ hooks
 
+    def _check_run(self, tokens: TokenRun) -> None:
+        if tokens.typecode != "I":  # storage keys hash uint32 token ids; refused before any change
+            raise ValueError("token ids must be integers that fit in uint32")
+
     def _on_new_node(self, node: TreeNode) -> None:
         assert node.parent is not None
-        if node.key.typecode != "I":  # storage keys hash uint32 token ids
-            raise ValueError("token ids must be integers that fit in uint32")
         node.hasher = self._hash_pages
         node._hash_value = None  # computed when first asked for (see TreeNode.hash_value)
         self._report(ChangeKind.STORED, Tier.DEVICE, node)  # hashes it only if someone wants it
@@ -644,24 +656,26 @@ class HiRadixCache(RadixCache):
         if self._loop is None:
             self._loop = asyncio.get_running_loop()  # where removal reports are applied
         prior, on_done = job.prior_key, job.on_done
-        doomed, n = stored.room_for_write(len(job.keys), prior)
+        doomed, n, pinned = stored.room_for_write(len(job.keys), prior)
         self._doomed.extend(doomed)
         if n < len(job.keys):
             self.metrics.incr("storage_writes_no_room_pages", len(job.keys) - n)
             if not n:
+                stored.landed(0, [], prior, pinned)
                 return False
             job.keep_first(n, self.page_size)
         keys = job.keys
         job.delete_first = self._doomed
 
         def done(written: int) -> None:
-            stored.landed(n, keys[:written], prior)  # storage's state, whatever the tree's generation
+            # storage's state, whatever the tree's generation; the prefix is unpinned only now
+            stored.landed(n, keys[:written], prior, pinned)
             on_done(written)
 
         job.on_done = done
         if not self.controller.submit_storage_write(job):
             job.delete_first = []
-            stored.landed(n, [], prior)
+            stored.landed(n, [], prior, pinned)
             return False
         self._doomed = []
         return True
@@ -978,6 +992,8 @@ class HiRadixCache(RadixCache):
             self.metrics.incr("prefetch_skipped_threshold")
             return False
         tokens = list(new_input_tokens[:aligned])
+        if last_hash is None and self._keyless(last_host_node):  # left the tree: no chain continues
+            return False
         prior = last_hash if last_hash is not None else self.storage_prior_hash(last_host_node, extra_key)
         keys = fast_page_hashes(tokens, ps, prior)
         prefix = list(prefix_tokens) if prefix_tokens is not None else self._path_tokens(last_host_node)

@@ -248,7 +248,7 @@ class RadixCache(BasePrefixCache):
         node = self.root_node
         pos = 0
         path: list[TreeNode] = []
-        if end and type(tokens) is not TokenRun and self._child_key(key.extra_key, tokens, 0) in node.children:
+        if end and not (type(tokens) is TokenRun and tokens.typecode == "I") and self._child_key(key.extra_key, tokens, 0) in node.children:
             tokens = key_run(key, end)  # packed once (and kept for the insert) only on a hit
         while pos < end:
             child = node.children.get(self._child_key(key.extra_key, tokens, pos))
@@ -344,6 +344,7 @@ class RadixCache(BasePrefixCache):
         # packed once, before the tree changes: a bad token id fails here, and every
         # comparison and the new node's key are slices of it
         tokens = key_run(key, end)
+        self._check_run(tokens)
         node = self.root_node
         pos = 0
         prefix_len = 0
@@ -363,8 +364,9 @@ class RadixCache(BasePrefixCache):
             else:
                 if prefix_len == pos:
                     prefix_len += m
-                child.hit_count += 1
-                self._on_hit(child)
+                if pos + m > params.inserted_len:  # not a node this request already counted
+                    child.hit_count += 1
+                    self._on_hit(child)
             pos += m
             node = child
         if pos < end:
@@ -379,6 +381,9 @@ class RadixCache(BasePrefixCache):
         return InsertResult(prefix_len=prefix_len, total_len=end, last_device_node=node)
 
     # hooks for the hierarchical subclass
+    def _check_run(self, tokens: TokenRun) -> None:
+        """Refuse a key before the tree changes (every token id is valid here)."""
+
     def _on_new_node(self, node: TreeNode) -> None:
         """A node was created with device KV."""
 
@@ -411,7 +416,8 @@ class RadixCache(BasePrefixCache):
         else:
             tokens = req.full_ids[:aligned]
             key = RadixKey(tokens, req.extra_key)
-            result = self.insert(InsertParams(key=key, value=row[:aligned], priority=req.priority))
+            result = self.insert(InsertParams(key=key, value=row[:aligned], priority=req.priority,
+                                              inserted_len=protected))
             self._free_duplicates(row, protected, aligned, result)
             if alloc_end > aligned:
                 self._free(row[aligned:alloc_end])
@@ -437,7 +443,8 @@ class RadixCache(BasePrefixCache):
         aligned = self._aligned(n)
         protected = req.cache_protected_len
         key = RadixKey(tokens[:aligned], req.extra_key)
-        result = self.insert(InsertParams(key=key, value=kv[:aligned], priority=req.priority))
+        result = self.insert(InsertParams(key=key, value=kv[:aligned], priority=req.priority,
+                                          inserted_len=protected))
         path = self._walk(key, aligned)
         new_indices = cat_slots([p.value for p in path], self._empty)
         self._free_duplicates(kv, protected, aligned, result, new_indices)

@@ -77,7 +77,8 @@ def page_key(page: Sequence[int]) -> bytes | tuple[int, ...]:
 
 
 def key_run(key: RadixKey, end: int) -> TokenRun:
-    """The first ``end`` (at least) tokens of ``key``, packed; a packed key is its own run.
+    """The first ``end`` (at least) tokens of ``key``, packed; a ``'I'`` key is its own run, a
+    ``'q'`` key is repacked once as ``'I'`` when its ids fit (its nodes then hash as storage keys).
 
     A list key is packed once and the run kept on the key: a request's key is walked by its
     match and again by its insert, and converting the list is most of what either costs when
@@ -85,11 +86,17 @@ def key_run(key: RadixKey, end: int) -> TokenRun:
     benchmark). The kept run is reused only while the key holds the same list at the same
     length."""
     ids = key.token_ids
-    if type(ids) is TokenRun:
+    if type(ids) is TokenRun and ids.typecode == "I":
         return ids
     kept = key._run
     if kept is not None and kept[0] is ids and kept[1] == len(ids) and len(kept[2]) >= end:
         return kept[2]
-    run = pack_tokens(ids if len(ids) == end else ids[:end])
+    if type(ids) is TokenRun:  # int64 ('q', as SGLang holds tokens): uint32 when every id fits
+        try:
+            run = array("I", ids)
+        except OverflowError:
+            run = ids  # a negative or wider id: compared as it is (a storage tree refuses it)
+    else:
+        run = pack_tokens(ids if len(ids) == end else ids[:end])
     key._run = (ids, len(ids), run)
     return run

@@ -155,6 +155,10 @@ class InsertParams:
     swa_evicted_seqlen: int = 0
     chunked: bool = False
     priority: int = 0
+    #: the inserting request already counted ``[0, inserted_len)`` (its match, its earlier
+    #: chunks): only nodes past it count a hit, so a request counts each node once (SGLang's
+    #: field; a chunked prefill's own chunks are not reuse)
+    inserted_len: int = 0
 
 
 @dataclasses.dataclass

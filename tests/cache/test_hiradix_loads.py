@@ -184,3 +184,42 @@ async def test_a_device_node_left_below_a_failed_load_is_never_the_start_of_a_lo
     cache.abort_req(c)
     cache.sanity_check()
     await stack.aclose()
+
+
+async def test_an_abort_while_admit_waits_for_its_load_leaves_nothing_locked() -> None:
+    """``abort_req`` from another task (a client gone) while the request's ``admit`` waits for
+    its host->device load: admit then releases its lock and raises instead of admitting (the
+    prefix stayed locked for good: never evictable)."""
+    import pytest
+
+    from hicache.errors import RequestAbortedError
+    from hicache.prefix_cache import EvictParams
+
+    stack = build_stack(StackConfig(page_size=PS, device_pages=16, host_pages=32, storage_backend=None,
+                                    controller=ControllerConfig(prefetch_threshold=PS)))
+    cache = stack.cache
+    try:
+        toks = list(range(100, 116))
+        await serve_request(stack, toks, rid="seed")
+        await cache.drain()
+        cache.evict(EvictParams(num_tokens=10**6))  # the prefix is on host only
+        restore = inject_load_faults(stack.copy_engine, delay=0.05)
+        try:
+            req = Req(rid="r", origin_input_ids=toks)
+            cache.match_req(req)
+            req.req_pool_idx = stack.req_to_token_pool.alloc(1)[0]
+            task = asyncio.ensure_future(cache.admit(req))
+            await asyncio.sleep(0.01)  # admit waits for the load
+            cache.abort_req(req)
+            with pytest.raises(RequestAbortedError):
+                await task
+            await cache.drain()
+        finally:
+            restore()
+        assert cache.protected_size() == 0 and not cache.is_admitted(req)
+        assert req.last_node is None and req.req_pool_idx is None
+        again = await serve_request(stack, toks, rid="again")  # the rid is reusable, the pages too
+        assert again.verify_failures == 0 and again.computed == 0
+        cache.sanity_check()
+    finally:
+        await stack.aclose()

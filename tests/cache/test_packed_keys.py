@@ -195,3 +195,32 @@ async def test_uint32_only_in_the_tree_with_storage() -> None:
     with pytest.raises(ValueError, match="uint32"):
         stack.cache.insert(InsertParams(key=RadixKey([-1] * 8), value=stack.allocator.alloc(8)))
     await stack.aclose()
+
+
+async def test_an_int64_packed_key_is_stored_like_a_list_and_a_bad_one_changes_nothing() -> None:
+    """SGLang holds tokens as ``array('q')``: such a key whose ids fit uint32 inserts into the
+    hierarchical tree with the page keys of the same list (it was refused *after* its node was
+    linked, which left a node without keys whose children got the keys of a prompt starting at
+    the root: another prefix's KV served from storage). A key with an id that does not fit is
+    refused before the tree changes."""
+    from hicache.prefix_cache import fast_page_hashes
+
+    stack = build_stack(StackConfig(page_size=4, device_pages=32, host_pages=32, storage_backend=None))
+    cache = stack.cache
+    try:
+        a, b = list(range(100, 108)), list(range(900, 908))
+        res = cache.insert(InsertParams(key=RadixKey(array("q", a)), value=stack.allocator.alloc(8)))
+        assert res.total_len == 8
+        cache.insert(InsertParams(key=RadixKey(array("q", a + b)), value=stack.allocator.alloc(16)))
+        leaf = cache.match_prefix(MatchPrefixParams(key=RadixKey(a + b))).last_device_node
+        assert leaf.hash_value == fast_page_hashes(a + b, 4, None)[2:]
+        assert leaf.key.typecode == "I"
+        cache.sanity_check()
+        before = cache.total_size()
+        for bad in ([1, 2, 3, -4], [1, 2, 3, 1 << 40]):
+            with pytest.raises(ValueError, match="uint32"):
+                cache.insert(InsertParams(key=RadixKey(array("q", bad)), value=stack.allocator.alloc(4)))
+        assert cache.total_size() == before
+        cache.sanity_check()
+    finally:
+        await stack.aclose()

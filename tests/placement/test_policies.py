@@ -314,3 +314,44 @@ def test_write_back_bound_leaves_room_the_device_copies_do_not_take() -> None:
     assert default_victim_write_limit(0, 0) == 1
     stack = _stack("tiered")
     assert stack.cache.victim_write_limit == default_victim_write_limit(24, 16)
+
+
+async def test_a_chunked_prefill_is_not_reuse_of_its_own_chunks() -> None:
+    """One request prefilled in chunks inserts its earlier chunks again with every later one:
+    those nodes are its own, not reused (SGLang's ``inserted_len``). They were counted as hits,
+    so ``reuse`` wrote a page nobody else ever asked for to storage (and ``slru`` protected it,
+    ``write_through_selective`` backed it up)."""
+    import torch
+
+    from hicache.prefix_cache import MatchPrefixParams, RadixKey, Req
+    from hicache.replay import write_synthetic_kv
+
+    stack = _stack("reuse", ControllerConfig(prefetch_threshold=PS))
+    cache = stack.cache
+    try:
+        tokens = list(range(1000, 1000 + 4 * PS))
+        req = Req(rid="only", origin_input_ids=tokens, fill_ids=tokens)
+        cache.match_req(req)
+        cache.start_prefetch(req)
+        req.req_pool_idx = stack.req_to_token_pool.alloc(1)[0]
+        await cache.admit(req)
+        row = stack.req_to_token_pool.req_to_token[req.req_pool_idx]
+        dev = stack.allocator.alloc(4 * PS)
+        row[: 4 * PS] = dev
+        write_synthetic_kv(stack.device_pool, dev, torch.tensor(tokens))
+        req.kv_allocated_len = 4 * PS
+        for end in (PS, 2 * PS, 3 * PS):  # three chunks, then the rest as the request finishes
+            req.fill_ids, req.kv_committed_len = tokens[:end], end
+            cache.cache_unfinished_req(req, chunked=True)
+        req.fill_ids, req.kv_committed_len = tokens, 4 * PS
+        cache.release_req(req)
+        await cache.drain()
+        for end in (PS, 2 * PS, 3 * PS, 4 * PS):
+            node = cache.match_prefix(MatchPrefixParams(key=RadixKey(tokens[:end])), count_hit=False).last_device_node
+            assert node.hit_count == 1, (end, node.hit_count)
+        assert stack.controller.metrics.pages["h2s"] == 0  # seen by one request: host only
+        await serve_request(stack, tokens, rid="again")  # a second request: reuse, admitted
+        await stack.cache.drain()
+        assert stack.controller.metrics.pages["h2s"] == 4
+    finally:
+        await stack.aclose()

@@ -82,23 +82,34 @@ def test_random_operations_keep_capacity_closure_and_pins() -> None:
     cap = 20
     stored = StoredPages(cap)
     pins: list[list[str]] = []
+    gone: list[str] = []
+    origin: dict[str, str | None] = {}
     for step in range(3000):
         op = rng.random()
         keys = list(stored._pages)
         if op < 0.5 or not keys:
             parent = rng.choice(keys) if keys and rng.random() < 0.8 else None
             new = [f"k{step:05d}{j}" for j in range(rng.randint(1, 4))]
+            rewrite = False
+            if gone and rng.random() < 0.3:  # a page written again (its orphans are adopted)
+                again = rng.choice(gone)
+                if again not in stored and again in origin:  # a key names its prefix: same parent
+                    new, parent, rewrite = [again], origin[again], True
             pinned_now = {k for p in pins for k in p}
             doomed = stored.make_room(len(new))
+            gone.extend(doomed)
+            pins = [[k for k in p if k in stored] for p in pins]  # a page's pins go with it
             assert not pinned_now & set(doomed)
             assert all(k not in stored for k in doomed)
             leaves = {k for k in stored._pages if not stored.children_of(k)}
             room = len(stored) + stored.reserved <= cap
             assert room or leaves <= pinned_now  # short of room only while every leaf is read
             written = rng.randint(0, len(new))
-            if parent is not None and parent not in stored:
+            if parent is not None and parent not in stored and not rewrite:
                 parent = None if rng.random() < 0.5 else parent
             was = len(stored)
+            for k, up in zip(new[:written], [parent, *new[: written - 1]]):
+                origin.setdefault(k, up)
             stored.landed(len(new), new[:written], parent)
             assert not room or len(stored) <= cap or len(stored) == was
         elif op < 0.7:
@@ -108,8 +119,11 @@ def test_random_operations_keep_capacity_closure_and_pins() -> None:
         elif op < 0.9 and pins:
             stored.unpin(pins.pop(rng.randrange(len(pins))))
         else:
-            stored.remove([rng.choice(keys)])
-        assert _closed(stored)
+            victim = rng.choice(keys)
+            stored.remove([victim])
+            gone.append(victim)
+            pins = [[k for k in p if k != victim] for p in pins]
+        assert _closed(stored) and _orphans_exact(stored)
         assert stored.reserved == 0
     assert len(stored._heap) <= 4 * len(stored) + 1025  # stale entries are compacted
 
@@ -261,3 +275,88 @@ async def test_a_write_back_never_deletes_the_prefix_it_chains_from() -> None:
         assert stack.storage.medium.evicted_pages == 0  # the backend never had to evict
     finally:
         await stack.aclose()
+
+
+def test_the_prefix_of_a_write_in_flight_is_kept_until_it_lands() -> None:
+    """A write chained after stored page A is queued (room made, not landed); a second write's
+    room-making must not pick A either, or the first lands as orphans no lookup reaches."""
+    stored = StoredPages(4)
+    stored.add(["A"], None)  # the older leaf
+    stored.add(["Z"], None)
+    stored.touch(["Z"])
+    doomed, fit, pins = stored.room_for_write(1, "A")  # B after A: in flight
+    assert doomed == [] and fit == 1
+    doomed2, fit2, pins2 = stored.room_for_write(2, None)
+    assert "A" not in doomed2 and doomed2 == ["Z"] and fit2 == 2
+    stored.landed(fit, ["B"], "A", pins)
+    assert "A" in stored and not stored.is_orphan("B") and _closed(stored)
+    stored.landed(fit2, ["C", "D"], None, pins2)
+    assert stored.reserved == 0 and stored._pages["A"].pins == 0
+
+
+async def test_one_eviction_pass_never_orphans_its_own_write_backs() -> None:
+    """One host-eviction pass writes back B (chained after A, which storage holds) and then C;
+    C's room must not be made by deleting A while B is in flight."""
+    from hicache.prefix_cache import EvictParams, MatchPrefixParams, RadixKey
+
+    cfg = StackConfig(page_size=PS, device_pages=8, host_pages=32, storage_backend="memory", storage_pages=2,
+                      placement="tiered", placement_options={"reuse_hits": 1, "long_prompt_tokens": None},
+                      controller=ControllerConfig(prefetch_threshold=PS, prefetch_policy="wait_complete"))
+    stack = build_stack(cfg)
+    try:
+        cache, stored = stack.cache, stack.cache.placement.stored
+        a, b, c = [1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]
+        await serve_request(stack, a, rid="a", prefetch=False)
+        await cache.drain()
+        cache.evict(EvictParams(num_tokens=10**6))
+        cache.evict_host(PS)  # A written back
+        await cache.drain()
+        await serve_request(stack, a + b, rid="ab", prefetch=False)
+        await serve_request(stack, c, rid="c", prefetch=False)
+        await cache.drain()
+        cache.evict(EvictParams(num_tokens=10**6))
+        cache.evict_host(2 * PS)  # one pass: B's write-back, then C's
+        await cache.drain()
+        find = lambda t: cache.match_prefix(MatchPrefixParams(key=RadixKey(t)), count_hit=False).last_host_node  # noqa: E731
+        ka, kb = find(a).hash_value[0], find(a + b).hash_value[0]
+        assert not (kb in stored and ka not in stored)
+        assert _closed(stored) and all(not stored.is_orphan(k) for k in stored._pages)
+        assert all(p.pins == 0 for p in stored._pages.values())
+    finally:
+        await stack.aclose()
+
+
+def _orphans_exact(stored: StoredPages) -> bool:
+    """A page is an orphan exactly when some page on its way to the root is not stored."""
+    for key in stored._pages:
+        k, missing = key, False
+        while (parent := stored.parent_of(k)) is not None:
+            if parent not in stored:
+                missing = True
+                break
+            k = parent
+        if stored.is_orphan(key) != missing:
+            return False
+    return True
+
+
+def test_a_parent_written_again_adopts_its_orphans() -> None:
+    """The backend dropped P by itself (its bound, a corrupt page, a peer), leaving C and its
+    child D orphans; P is written again: C and D are reachable again, P's children again
+    (P was a childless 'leaf' that the next room-making could delete under them)."""
+    stored = StoredPages(10)
+    stored.add(["R", "P", "C", "D"], None)
+    stored.remove(["P"])
+    assert stored.is_orphan("C") and stored.is_orphan("D") and _orphans_exact(stored)
+    stored.add(["P"], "R")
+    assert stored.children_of("P") == {"C"} and not stored.is_orphan("C") and not stored.is_orphan("D")
+    assert _closed(stored) and _orphans_exact(stored)
+    doomed, fit, pins = stored.room_for_write(7, None)  # needs 1 page: the LRU leaf, never P
+    assert doomed == ["D"] and fit == 7
+    stored.landed(fit, [], None, pins)
+    # written again below a page that is itself gone: still orphans
+    stored.remove(["R"])
+    stored.add(["Q"], None)
+    assert stored.is_orphan("P") and stored.is_orphan("C") and _orphans_exact(stored)
+    stored.remove(["C"])
+    assert not stored._waiting.get("C") and _orphans_exact(stored)
