@@ -41,6 +41,9 @@ _BACKEND_COUNTERS = ("exists_calls", "exists_keys", "exists_hits", "read_pages",
                      "invalid_requests", "corrupt_pages", "stale_hits", "evicted_pages", "evicted_bytes")
 _EVENT_COUNTERS = ("published_batches", "published_events", "dropped_events", "replay_requests", "replays_served",
                    "replays_refused", "replays_dropped", "replay_bytes", "errors")
+# figures of the whole store, not of this process: several workers on one store each report
+# them, so in multi-process mode they aggregate to the largest report, never the sum
+_STORE_WIDE = frozenset({"stored_pages", "stored_bytes", "max_bytes", "min_free_bytes", "free_bytes"})
 _SESSION_GAUGES = ("sessions_open", "sessions_holding_kv", "session_held_tokens", "writeback_pending",
                    "writeback_pending_tokens")
 
@@ -85,8 +88,13 @@ def _export_storage(metrics: InstanceMetrics, storage: Any) -> None:
     counters = set(storage.stats.snapshot()) | _BACKEND_TOTALS | set(_BACKEND_COUNTERS)
     labels = {"backend": str(stats.get("backend", "unknown")).lower()}
     for key, value in numeric_items(stats):
-        kind = "counter" if key in counters else "gauge"
-        metrics.mirror(kind, f"backend_{key}", value, f"storage backend {key.replace('_', ' ')}", labels)
+        doc = f"storage backend {key.replace('_', ' ')}"
+        if key in counters:
+            metrics.mirror("counter", f"backend_{key}", value, doc, labels)
+        elif key in _STORE_WIDE:
+            metrics.mirror("gauge", f"backend_{key}", value, doc, labels, mode="livemax")
+        else:
+            metrics.mirror("gauge", f"backend_{key}", value, doc, labels)
     state = stats.get("breaker_state")
     if isinstance(state, str) and state in BREAKER_STATES:
         metrics.mirror("gauge", "backend_breaker_state", BREAKER_STATES[state],

@@ -140,7 +140,9 @@ def next_instance_label() -> str:
 def refresh() -> None:
     """Read every live owner's gauge functions into their gauges (before an exposition)."""
     _unbind_pending()
-    for owner in list(_live):
+    with _lock:  # owners open and close on other threads (a WeakSet is not thread-safe)
+        owners = list(_live)
+    for owner in owners:
         owner.refresh()
 
 
@@ -198,17 +200,21 @@ class _Refresher:
 
     def __init__(self) -> None:
         self._cond = threading.Condition(threading.Lock())
-        self._due: dict[int, weakref.ref[InstanceMetrics]] = {}
+        # owner id -> (owner, when: a time.monotonic() at which to refresh it)
+        self._due: dict[int, tuple[weakref.ref[InstanceMetrics], float]] = {}
         self._thread: threading.Thread | None = None
         self._pid = os.getpid()
         self.running = 0  # refreshes in progress (tests wait for 0)
 
-    def request(self, owner: InstanceMetrics) -> None:
+    def request(self, owner: InstanceMetrics, at: float = 0.0) -> None:
+        """Refresh ``owner`` now, or at ``at`` (``time.monotonic()``) at the latest."""
         with self._cond:
             if self._pid != os.getpid():  # forked: the parent's thread is not ours
                 self._pid, self._thread = os.getpid(), None
                 self._due.clear()
-            self._due[id(owner)] = weakref.ref(owner)
+            have = self._due.get(id(owner))
+            when = at if have is None else min(at, have[1])
+            self._due[id(owner)] = (weakref.ref(owner), when)
             if self._thread is None or not self._thread.is_alive():
                 thread = threading.Thread(target=self._run, name="hicache-metrics-refresh", daemon=True)
                 try:
@@ -227,10 +233,18 @@ class _Refresher:
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not self._due:
-                    self._cond.wait()
-                due = list(self._due.values())
-                self._due.clear()
+                while True:
+                    if self._due:
+                        wait = min(when for _, when in self._due.values()) - time.monotonic()
+                        if wait <= 0:
+                            break
+                        self._cond.wait(wait)
+                    else:
+                        self._cond.wait()
+                now = time.monotonic()
+                due = [ref for key, (ref, when) in list(self._due.items()) if when <= now]
+                for key in [key for key, (_, when) in self._due.items() if when <= now]:
+                    del self._due[key]
                 self.running += 1
             try:
                 for ref in due:
@@ -318,7 +332,8 @@ class InstanceMetrics:
                     f"PROMETHEUS_MULTIPROC_DIR={path!r} is not a directory: create it (empty) before the workers start"
                 )
             _mark_dead_at_exit(path)
-        _live.add(self)
+        with _lock:
+            _live.add(self)
         _unbind_pending()
         self._finalizer = weakref.finalize(self, _defer_unbind, self._used)
 
@@ -411,6 +426,9 @@ class InstanceMetrics:
             if now >= self._next_refresh:
                 self._next_refresh = now + _REFRESH_EVERY_S
                 _refresher.request(self)
+            else:  # throttled: still refreshed once the window ends, or the last change of a
+                # burst (a recovery right after a probe) would wait for the next update
+                _refresher.request(self, at=self._next_refresh)
 
     async def aclose(self) -> None:
         """:meth:`close` for a caller on the event loop: the final multi-process refresh runs
@@ -432,13 +450,35 @@ class InstanceMetrics:
             return
         if self._multiprocess and final_refresh:
             self.refresh()
-        self._closed = True
-        _live.discard(self)
-        self._gauge_fns.clear()
-        self._refreshers.clear()
-        self._children.clear()
-        self._finalizer.detach()
-        _unbind(self._used)
+        with self._refresh_lock:  # a refresh on another thread must not re-add a series after
+            if self._closed:
+                return
+            self._closed = True
+            with _lock:
+                _live.discard(self)
+            self._gauge_fns.clear()
+            self._refreshers.clear()
+            if self._multiprocess:
+                self._neutral_gauges()
+            self._children.clear()
+            self._finalizer.detach()
+            _unbind(self._used)
+
+    def _neutral_gauges(self) -> None:
+        """Multi-process mode cannot remove a series (its values stay in this worker's files
+        until the process exits): a closed owner's gauges are set to what their aggregation
+        ignores (0 where summed, NaN where the minimum or maximum is taken), so a replaced
+        cache's sizes are not added in, nor its last ``storage_up = 0`` read as DOWN."""
+        for family, label_sets in self._used.items():
+            if not isinstance(family, Gauge):
+                continue
+            mode = getattr(family, "_multiprocess_mode", "livesum")
+            value = math.nan if mode.endswith(("min", "max", "mostrecent")) else 0.0
+            for values in label_sets:
+                try:
+                    family.labels(*values).set(value)
+                except Exception:  # noqa: BLE001 - closing must not fail on one series
+                    pass
 
 
 def numeric_items(stats: Mapping[str, Any]) -> Iterable[tuple[str, float]]:

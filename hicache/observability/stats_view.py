@@ -14,6 +14,7 @@ CI log, an incident over ssh) one command answers "is the cache working".
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import sys
 import time
@@ -113,10 +114,11 @@ def render_scrape(scrape: Scrape, source: str, previous: tuple[float, Scrape] | 
     lines.append("")
     queues = [f"{label} {_n(scrape.value(name))}" for label, name in _QUEUES if scrape.value(name) is not None]
     lines.append("queues: " + ("   ".join(queues) if queues else "-"))
-    up = scrape.select("hicache_storage_up")
-    store = "no storage" if not up else ("up" if min(s.value for s in up) >= 1 else "DOWN")
-    breaker = scrape.select("hicache_backend_breaker_state")
-    worst = max((s.value for s in breaker), default=None)
+    # NaN: a closed cache's gauge in multi-process mode (it cannot leave the scrape)
+    up = [s.value for s in scrape.select("hicache_storage_up") if not math.isnan(s.value)]
+    store = "no storage" if not up else ("up" if min(up) >= 1 else "DOWN")
+    breaker = [s.value for s in scrape.select("hicache_backend_breaker_state") if not math.isnan(s.value)]
+    worst = max(breaker, default=None)
     lines.append(
         f"storage: {store}   breaker {_BREAKER.get(worst, '-') if worst is not None else '-'}   "
         f"trips {_n(scrape.value('hicache_storage_trips_total'))}   "

@@ -128,3 +128,98 @@ def test_gauges_are_refreshed_off_the_updating_thread(tmp_path: Path) -> None:
     assert got["loop_thread"] not in got["threads"], got
     assert got["refreshed"] >= 2  # the one the update asked for, and the last one at close
     assert got["value"], out.stdout
+
+
+_RECOVERY = r'''
+import asyncio, sys
+from hicache.observability import metrics as obs
+from hicache.controller.metrics import ControllerMetrics
+state = {"up": 1.0}
+async def main():
+    m = ControllerMetrics()
+    m.gauge("storage_up", lambda: state["up"])
+    state["up"] = 0.0; m.incr("storage_trips")        # marked down: published
+    while not obs._refresher.idle(): await asyncio.sleep(0.01)
+    await asyncio.sleep(0.2)
+    state["up"] = 1.0; m.incr("storage_recoveries")   # recovered within the refresh window
+    await asyncio.sleep(2.0)                          # then idle: no update publishes it
+    print("ready", flush=True); sys.stdin.readline()
+asyncio.run(main())
+'''
+
+
+def test_the_last_change_before_a_worker_goes_idle_is_published(tmp_path: Path) -> None:
+    """A refresh asked for within the throttle window was dropped: a store that recovered
+    0.2 s after it went down read DOWN in every other process's scrape for as long as the
+    worker stayed idle."""
+    mp_dir = tmp_path / "prom"
+    mp_dir.mkdir()
+    proc = subprocess.Popen([sys.executable, "-c", _RECOVERY], env=_env(mp_dir), stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        scrape = _scrape(mp_dir)
+        assert scrape.value("hicache_storage_up") == 1.0
+        assert scrape.value("hicache_storage_recoveries_total") == 1.0
+    finally:
+        _stop(proc)
+
+
+_REPLACED = r'''
+import asyncio, json, sys
+from hicache.facade import HiCache
+from hicache.observability.metrics import exposition_text
+from hicache.observability.scrape import Scrape
+from hicache.observability.stats_view import render_scrape
+def config():
+    return {"model": {"name": "test/x", "num_layers": 2, "num_kv_heads": 2, "head_dim": 8},
+            "device": {"device": "cpu", "size_tokens": 1024, "page_size": 16, "max_context_len": 2048},
+            "host": {"ratio": 4.0}, "storage": {"backend": "memory"}, "session": {"reap_interval_s": None}}
+async def main():
+    a = await HiCache.from_config(config()).start()
+    a._stack.controller.health.trip("store hung")  # why it is being replaced
+    await a.aclose()
+    b = await HiCache.from_config(config()).start()  # its replacement, same process
+    s = Scrape(exposition_text())
+    line = [l for l in render_scrape(s, "x").splitlines() if l.startswith("storage:")][0]
+    print(json.dumps({"device": s.value("hicache_device_size_tokens"), "line": line,
+                      "up": [x.value for x in s.select("hicache_storage_up") if x.value == x.value]}))
+    await b.aclose()
+asyncio.run(main())
+'''
+
+
+def test_a_closed_cache_leaves_neutral_gauges(tmp_path: Path) -> None:
+    """Multi-process mode cannot remove a closed cache's series: its gauges are neutral (0
+    where summed, NaN where min/max), so a replaced cache's sizes are not added in and its
+    last ``storage_up = 0`` does not read as DOWN."""
+    import warnings
+
+    mp_dir = tmp_path / "prom"
+    mp_dir.mkdir()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = subprocess.run([sys.executable, "-W", "ignore", "-c", _REPLACED], env=_env(mp_dir),
+                             capture_output=True, text=True, timeout=120, check=True)
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["device"] == 1024.0  # the live cache's only
+    assert got["up"] == [1.0] and "storage: up" in got["line"]
+
+
+def test_store_wide_figures_are_not_summed_over_workers(tmp_path: Path) -> None:
+    """Two workers on one file store each report the whole store's pages and bytes: the scrape
+    shows the store once (the largest report), not twice."""
+    mp_dir, root = tmp_path / "prom", tmp_path / "store"
+    mp_dir.mkdir()
+    first, _ = _worker(mp_dir, root, seed=1, requests=3)
+    second = None
+    try:
+        second, _ = _worker(mp_dir, root, seed=2, requests=3)
+        scrape = _scrape(mp_dir)
+        files = [p for p in root.rglob("*") if p.is_file() and p.parent.parent.name == "pages"]
+        stored = scrape.value("hicache_backend_stored_pages")
+        assert stored is not None and 0 < stored <= len(files)
+    finally:
+        if second is not None:
+            _stop(second)
+        _stop(first)
