@@ -299,7 +299,7 @@ class HiCache:
         # The cache tracks requests by id (prefetches, locks, session turns): two live requests
         # under one caller id must not share it, or one's finish would release the other's state.
         cache_rid = self._claim_rid(rid)
-        req = Req(rid=cache_rid, origin_input_ids=tokens, session=session, explain_misses=True)
+        req = Req(rid=cache_rid, origin_input_ids=tokens, session=session, explain_misses=True, defer_counts=True)
         try:
             with tracing.span("hicache.begin") as span:
                 span.set_attribute("hicache.tokens", len(tokens))
@@ -309,8 +309,9 @@ class HiCache:
                 with tracing.span("hicache.admit"):
                     admitted = await cache.admit(req, mem_quota=self.config.cache.load_back_quota_tokens, wait_load=False)
                 span.set_attribute("hicache.prefix_tokens", int(admitted.prefix_len))
-                attribution = await self._explain(admitted.attribution)
                 slots = await cache.alloc_extend(req, len(tokens))
+                # counted only once it really starts: a request refused for room is retried
+                attribution = await self._explain(admitted.attribution) if slots is not None else None
             if self._state is not _State.OPEN:  # closed while this request was being admitted
                 raise CacheClosedError("HiCache was closed while the request was being admitted")
         except BaseException as exc:
@@ -326,6 +327,7 @@ class HiCache:
             raise OutOfKVSlotsError(
                 f"no room for {len(tokens)} tokens on device even after eviction and session offload"
             )
+        cache.count_admitted(req)
         restored = bool(getattr(admitted, "restored", False))
         hits = {
             "device": int(admitted.device_hit) if not restored else int(admitted.prefix_len),

@@ -222,7 +222,8 @@ def _wire_attribution(stack: CacheStack) -> None:
         pages = cfg.attribution_ledger_pages
         if pages is None:
             pages = min(1 << 18, max(1 << 14, 2 * (cfg.device_pages + cfg.host_pages + (cfg.storage_pages or 0))))
-        stack.attributor = Attributor(hub, page_size=cfg.page_size, ledger_pages=pages, explain=cfg.explain_misses)
+        stack.attributor = Attributor(hub, page_size=cfg.page_size, ledger_pages=pages, explain=cfg.explain_misses,
+                                      metrics=stack.controller.metrics)
         stack.cache.explain_admit = TreeAttribution(stack.cache, stack.attributor)
 
 

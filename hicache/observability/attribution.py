@@ -4,8 +4,8 @@ Why: a hit ratio says how much was reused, not what to fix. A prefix that was ne
 needs nothing; one evicted from host wants a bigger host pool or another placement; one cut by
 the prefetch timeout wants a longer timeout; one the store lost to a checksum wants a look at
 the disk. Every request the cache admits gets a :class:`RequestAttribution` whose hit and miss
-tokens add up to its prompt, counted in ``hicache_request_hit_tokens_total{tier}`` and
-``hicache_request_miss_tokens_total{reason}`` and logged at debug level (logger
+tokens add up to its prompt, counted in ``hicache_request_hit_tokens_total{cache,tier}`` and
+``hicache_request_miss_tokens_total{cache,reason}`` and logged at debug level (logger
 ``hicache.attribution``).
 
 Cost: nothing is computed for the tokens that hit. For a miss, O(missed pages): the page keys
@@ -23,7 +23,7 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from prometheus_client import Counter
+from hicache.observability.metrics import InstanceMetrics
 
 from hicache.observability.page_ledger import (
     CORRUPT,
@@ -146,21 +146,8 @@ class AttributionTotals:
         return out
 
 
-_HIT_COUNTER: Counter | None = None
-_MISS_COUNTER: Counter | None = None
-
-
-def _counters() -> tuple[Counter, Counter]:
-    """The two counters, on the default registry, created once per process."""
-    global _HIT_COUNTER, _MISS_COUNTER
-    if _HIT_COUNTER is None or _MISS_COUNTER is None:
-        _HIT_COUNTER = Counter(
-            "hicache_request_hit_tokens", "Prompt tokens whose KV a request reused, per tier", ["tier"]
-        )
-        _MISS_COUNTER = Counter(
-            "hicache_request_miss_tokens", "Prompt tokens a request recomputed, per reason", ["reason"]
-        )
-    return _HIT_COUNTER, _MISS_COUNTER
+_HIT_DOC = "Prompt tokens whose KV a request reused, per tier"
+_MISS_DOC = "Prompt tokens a request recomputed, per reason"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,13 +180,17 @@ class Attributor:
         ledger_pages: int = 1 << 17,
         explain: bool = False,
         namespace_probe_limit: int = 8,
+        metrics: InstanceMetrics | None = None,
     ) -> None:
         self.page_size = page_size
         self.ledger = PageLedger(ledger_pages)
         self.ledger.attach(hub)
         self._explain = explain
         self.namespace_probe_limit = namespace_probe_limit
-        self.hit_counter, self.miss_counter = _counters()
+        # the cache's own instance (its ``cache`` label; its series leave with it), or one
+        # of its own for an attributor used alone
+        self._owns_metrics = metrics is None
+        self.metrics: InstanceMetrics = metrics if metrics is not None else InstanceMetrics()
 
     @property
     def explain_enabled(self) -> bool:
@@ -207,6 +198,8 @@ class Attributor:
 
     def close(self) -> None:
         self.ledger.detach()
+        if self._owns_metrics:
+            self.metrics.close()
 
     # ------------------------------------------------------------------ building
 
@@ -264,10 +257,10 @@ class Attributor:
         """Count ``a`` in the Prometheus counters and log it (debug)."""
         for tier, n in a.hits.items():
             if n:
-                self.hit_counter.labels(tier=tier).inc(n)
+                self.metrics.child("counter", "request_hit_tokens", _HIT_DOC, {"tier": tier}).inc(n)
         for reason, n in a.misses.items():
             if n:
-                self.miss_counter.labels(reason=reason).inc(n)
+                self.metrics.child("counter", "request_miss_tokens", _MISS_DOC, {"reason": reason}).inc(n)
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("request %s: %s", a.rid, a.summary())
 

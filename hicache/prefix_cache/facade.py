@@ -245,16 +245,30 @@ class RequestFlow:
         req.host_hit_length = host - storage
         req.storage_hit_length = storage
         total = len(req.fill_ids or req.origin_input_ids)
-        metrics = cache.metrics
-        metrics.incr("requests")
-        metrics.incr("prompt_tokens", total)
-        metrics.incr("computed_tokens", total - req.cache_protected_len)
-        metrics.hit("device", device)
-        metrics.hit("host", host - storage)
-        metrics.hit("storage", storage)
+        counts = (total, total - req.cache_protected_len, device, host - storage, storage)
+        if req.defer_counts:
+            req.pending_counts = counts
+        else:
+            self._count(counts)
         if explain is not None:
             req.attribution = explain.after_admit(req, pending, m, device, host - storage, storage)
         return AdmitResult(device, host - storage, storage, req.cache_protected_len, handle, req.attribution)
+
+    def count_admitted(self, req: Req) -> None:
+        """Count an admitted request whose counts admit deferred (``req.defer_counts``)."""
+        counts, req.pending_counts = req.pending_counts, None
+        if counts is not None:
+            self._count(counts)
+
+    def _count(self, counts: tuple[int, int, int, int, int]) -> None:
+        total, computed, device, host, storage = counts
+        metrics = self.cache.metrics
+        metrics.incr("requests")
+        metrics.incr("prompt_tokens", total)
+        metrics.incr("computed_tokens", computed)
+        metrics.hit("device", device)
+        metrics.hit("host", host)
+        metrics.hit("storage", storage)
 
     async def _settled_match(self, req: Req, max_prefix_len: int | None) -> MatchResult:
         """Match, waiting first for loads that still write into the device hit: another

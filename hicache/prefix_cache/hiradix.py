@@ -227,6 +227,10 @@ class HiRadixCache(RadixCache):
         """See :meth:`RequestFlow.start_prefetch`."""
         return self.flow.start_prefetch(req, max_prefix_len)
 
+    def count_admitted(self, req: Req) -> None:
+        """Count a request whose admit deferred its counts (see ``Req.defer_counts``)."""
+        self.flow.count_admitted(req)
+
     async def admit(self, req: Req, *, mem_quota: int | None = None, wait_load: bool = True,
                     max_prefix_len: int | None = None, make_room: MakeRoom | None = None) -> AdmitResult:
         """See :meth:`RequestFlow.admit`."""

@@ -67,6 +67,11 @@ class Req:
     attribution: Any = None
     #: (ours) whoever admits this request awaits the attributor's explain step (the facade)
     explain_misses: bool = False
+    #: (ours) admit leaves its request and hit counts in ``pending_counts`` until the caller's
+    #: ``count_admitted(req)``: a caller that may still give the request up (no device room
+    #: for its new tokens: retried later) counts it once, when it really starts
+    defer_counts: bool = False
+    pending_counts: Any = None
 
     # sliding-window attention state (kept for interface parity)
     swa_evicted_seqlen: int = 0

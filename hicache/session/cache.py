@@ -317,6 +317,12 @@ class SessionAwareCache(ForwardingCache):
             self._count_admit(sid, req, res.prefix_len, None)
         return res
 
+    def count_admitted(self, req: Req) -> None:
+        """Count a turn whose admit deferred its counts (see ``Req.defer_counts``)."""
+        fn = getattr(self.inner, "count_admitted", None)
+        if fn is not None:
+            fn(req)
+
     def _attribute_restored(self, req: Req, prefix_len: int) -> None:
         """A turn restored from its slot: its history hit on device (miss attribution)."""
         explain = getattr(self.inner, "explain_admit", None)

@@ -193,3 +193,23 @@ async def test_hybrid_config_registers_extra_pool(tmp_path: Path) -> None:
         assert "mamba" in cache.extra_pools
         assert "mamba" in cache.storage.registered_pools
         await run(cache, "h", prompt(12, 20))
+
+
+async def test_a_begin_refused_for_room_is_not_counted() -> None:
+    """A ``begin`` that finds no device room for its new tokens is given up (the server
+    retries it later): it was already counted as a request with its prompt tokens and miss
+    attribution, so every retry counted again."""
+    cfg = config(storage={"backend": None})
+    cfg["device"]["size_tokens"] = 8 * PS
+    async with HiCache.from_config(cfg) as cache:
+        hold = await cache.begin("big", list(range(6 * PS)))  # 6 of the 8 pages
+        for _ in range(3):
+            with pytest.raises(OutOfKVSlotsError):
+                await cache.begin("r", [10**6 + j for j in range(4 * PS)])
+        scrape = Scrape(cache.prometheus_text())
+        label = cache.metrics_label
+        assert scrape.value("hicache_requests_total", cache=label) == 1.0
+        assert scrape.value("hicache_prompt_tokens_total", cache=label) == 6 * PS
+        misses = scrape.select("hicache_request_miss_tokens_total", cache=label)
+        assert sum(s.value for s in misses) == 6 * PS  # the one request that started
+        await cache.abort(hold)

@@ -251,14 +251,15 @@ async def test_counters_and_debug_log(caplog: pytest.LogCaptureFixture) -> None:
     def value(name: str, **labels: str) -> float:
         return REGISTRY.get_sample_value(name, labels) or 0.0
 
-    before_hit = value("hicache_request_hit_tokens_total", tier="device")
-    before_miss = value("hicache_request_miss_tokens_total", reason="never_stored")
     async with stack_on(None) as (stack, _):
+        label = stack.controller.metrics.label  # the cache's own series: no other cache's counts
         with caplog.at_level(logging.DEBUG, logger="hicache.attribution"):
             await serve(stack, prompt(3), "a")
             await serve(stack, prompt(3), "b")
-    assert value("hicache_request_miss_tokens_total", reason="never_stored") - before_miss == 10 * PS
-    assert value("hicache_request_hit_tokens_total", tier="device") - before_hit == 10 * PS
+        assert value("hicache_request_miss_tokens_total", cache=label, reason="never_stored") == 10 * PS
+        assert value("hicache_request_hit_tokens_total", cache=label, tier="device") == 10 * PS
+    # closed: its series left the scrape
+    assert value("hicache_request_hit_tokens_total", cache=label, tier="device") == 0.0
     lines = [r.getMessage() for r in caplog.records if r.name == "hicache.attribution"]
     assert any("request a: 42 tokens: hit device=0 host=0 storage=0; missed never_stored=40 partial_page=2" in m
                for m in lines), lines
