@@ -16,11 +16,23 @@ or ``../shared/traces/`` beside the repository) through, on the same token strea
 * ``sglang``: SGLang's own ``sglang.srt.mem_cache.radix_cache.RadixCache`` when it is
   importable, its ``array('q')`` keys built from the same token lists inside the timed region
   (and ``sglang_prebuilt``: built beforehand, as its server pays it: SGLang's ``Req`` holds
-  its tokens in ``array('q')`` already).
+  its tokens in ``array('q')`` already);
+* ``sglang_tiers_prebuilt``: SGLang's own hierarchical cache, what a server started with
+  ``--enable-hierarchical-cache --hicache-write-policy write_through`` builds (its factory
+  ``registry.create_tree_cache``: a ``UnifiedRadixCache`` with its default Rust tree core, an
+  ``MHATokenToKVPoolHost`` and a ``HybridCacheController``), with the same ``memory`` store as
+  ``hicache_tiers`` attached through SGLang's ``dynamic`` backend (hicache's SGLang adapter).
+  Timed: ``match_prefix`` and ``insert`` (which queues the write-through); between requests,
+  untimed but counted in its ``loop_cpu_ms_per_request``, what SGLang's scheduler calls after
+  a batch and before the next (``flush_pending_backups``, ``check_hicache_events``). On CPU
+  two things are supplied in this process only: the host pool's copy op (a CUDA kernel from
+  ``sgl_kernel``, imported only on CUDA; here a torch index copy with its semantics) and an
+  unpinned host pool (pinning needs CUDA).
 
 Ratios pair like with like (``hicache_vs_sglang``: both convert inside the timed region;
 ``hicache_prebuilt_vs_sglang_prebuilt``: neither does) plus the harshest mix
-(``hicache_vs_sglang_prebuilt``), each as the ratio of medians and per interleaved repeat.
+(``hicache_vs_sglang_prebuilt``), each as the ratio of medians and per interleaved repeat;
+the hierarchical trees against each other in ``hicache_tiers_prebuilt_vs_sglang_tiers_prebuilt``.
 
 Each request is ``match_prefix`` of the page-aligned prompt, then ``insert`` of it with fresh
 device slots after the matched part; no eviction. Every implementation must report the same
@@ -37,7 +49,8 @@ Getting SGLang (never needed by hicache itself), into a venv of your choice (``V
     echo torch==2.13.0 > pin.txt
     $VENV/bin/pip install -c pin.txt numpy orjson psutil pybase64 pillow \\
         starlette msgspec pyzmq ipython apache-tvm-ffi transformers torchvision dill requests \\
-        pydantic aiohttp tqdm triton torchvision sentencepiece compressed-tensors gguf
+        pydantic aiohttp tqdm triton torchvision sentencepiece compressed-tensors gguf \\
+        openai partial_json_parser
     $VENV/bin/python scripts/bench_radix.py
 
 Without SGLang the ``sglang`` columns are skipped with a message saying so. Example::
@@ -287,6 +300,131 @@ def run_tiers(streams: list[list[int]], page_size: int, prebuilt: bool = False) 
     return asyncio.run(_run_tiers(streams, page_size, prebuilt))
 
 
+# ---------------------------------------------------------------------- SGLang's hierarchical cache
+
+
+def _transfer_kv_direct(src_layers: Any, dst_layers: Any, src_indices: torch.Tensor, dst_indices: torch.Tensor,
+                        page_size: int) -> None:
+    """CPU stand-in for ``sgl_kernel.kvcacheio.transfer_kv_direct`` (a CUDA kernel SGLang's host
+    pool imports only on CUDA/HIP): per layer, token rows ``src[src_indices]`` to ``dst[dst_indices]``."""
+    for src, dst in zip(src_layers, dst_layers):
+        dst[dst_indices] = src[src_indices]
+
+
+def import_sglang_tiers(page_size: int) -> tuple[Any, str | None]:
+    """What :func:`run_sglang_tiers` needs of SGLang, or ``(None, why)``: its server arguments
+    published for a hierarchical cache with write-through and the ``memory`` store, its factory,
+    pools and parameter classes. Call after :func:`import_sglang`."""
+    try:
+        import functools
+        import json
+
+        import sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler as hpa
+        import sglang.srt.mem_cache.pool_host.mha as mha
+        import sglang.srt.mem_cache.radix_cache as radix
+        from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+        from sglang.srt.mem_cache.base_prefix_cache import InsertParams as SInsert
+        from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams as SMatch
+        from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+        from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+        from sglang.srt.mem_cache.registry import TreeCacheBuildContext, create_tree_cache
+        from sglang.srt.runtime_context import get_context, get_parallel
+        from sglang.srt.server_args import ServerArgs
+    except Exception as exc:  # noqa: BLE001 - any failure means: no SGLang tiers column
+        return None, f"{type(exc).__name__}: {exc}"
+    if not hasattr(mha, "transfer_kv_direct"):
+        mha.transfer_kv_direct = _transfer_kv_direct
+    if not getattr(hpa.get_mha_host_pool_cls, "_unpinned", False):
+        pinned_cls = hpa.get_mha_host_pool_cls
+
+        def unpinned(info: Any) -> Any:
+            return functools.partial(pinned_cls(info), pin_memory=False)
+
+        unpinned._unpinned = True  # type: ignore[attr-defined]
+        hpa.get_mha_host_pool_cls = unpinned
+    extra = {"backend_name": "hicache", "module_path": "hicache.integrations.sglang",
+             "class_name": "HiCacheSGLangStorage", "hicache_backend": "memory", "hicache_options": {}}
+    args = ServerArgs(
+        model_path="bench/tiny-model", device="cpu", page_size=page_size, enable_hierarchical_cache=True,
+        hicache_write_policy="write_through", hicache_io_backend="direct", hicache_mem_layout="layer_first",
+        hicache_ratio=2.0, hicache_size=0, hicache_storage_backend="dynamic",
+        hicache_storage_backend_extra_config=json.dumps(extra),
+    )
+    get_context().set_server_args(args)
+    get_parallel().override_permanently(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_dcp_size=1, attn_dcp_rank=0)
+    return types.SimpleNamespace(
+        args=args, radix=radix, SInsert=SInsert, SMatch=SMatch, CacheInitParams=CacheInitParams,
+        MHATokenToKVPool=MHATokenToKVPool, ReqToTokenPool=ReqToTokenPool, Allocator=PagedTokenToKVPoolAllocator,
+        TreeCacheBuildContext=TreeCacheBuildContext, create_tree_cache=create_tree_cache,
+    ), None
+
+
+class _TpWorker:
+    """What SGLang's cache factory asks of the TP worker: a hand-off of the layer-done counter
+    to the model runner (there is no forward pass here)."""
+
+    def register_hicache_layer_transfer_counter(self, counter: Any) -> None:
+        self.counter = counter
+
+
+#: CPU seconds of the loop's thread over each SGLang tiered replay (see :func:`run_sglang_tiers`)
+SGLANG_LOOP_CPU: list[float] = []
+
+
+def run_sglang_tiers(sgt: Any, streams: list[list[int]], page_size: int) -> tuple[float, list[int], list[float]]:
+    """SGLang's hierarchical cache over the streams, keys prebuilt (``array('q')``, as its
+    ``Req`` holds them). The request's KV row (its matched prefix's slots and fresh ones) is
+    built between match and insert, outside the timed region and the loop CPU, as
+    :func:`_run_tiers` leaves its slot allocation out."""
+    ps = page_size
+    total = sum(len(s) for s in streams) + ps  # every stream fits: nothing is evicted
+    dev = sgt.MHATokenToKVPool(total, ps, torch.float16, 1, 1, 1, "cpu", enable_memory_saver=False,
+                               start_layer=0, end_layer=0)
+    allocator = sgt.Allocator(total, ps, torch.int64, "cpu", dev, need_sort=False)
+    params = sgt.CacheInitParams(disable=False, req_to_token_pool=sgt.ReqToTokenPool(4, 1 << 17, "cpu", False),
+                                 token_to_kv_pool_allocator=allocator, page_size=ps)
+    cache = sgt.create_tree_cache(sgt.TreeCacheBuildContext(
+        server_args=sgt.args, params=params, is_hybrid_swa=False, is_hybrid_ssm=False,
+        enable_hierarchical_cache=True, disable_radix_cache=False, tp_worker=_TpWorker(), model_config=None,
+        tp_size=1, tp_rank=0, tp_group=None,
+    ))
+    cc = cache.cache_controller
+    keys = [sgt.radix.RadixKey(array("q", s)) for s in streams]
+    empty = torch.empty(0, dtype=torch.int64)
+    matched: list[int] = []
+    lat: list[float] = []
+    clock, cpu = time.perf_counter, time.thread_time
+    own = 0.0
+    cpu0 = cpu()
+    try:
+        for key in keys:
+            t0 = clock()
+            m = cache.match_prefix(sgt.SMatch(key=key))
+            t1 = clock()
+            c0 = cpu()
+            hit = int(m.device_prefix_len)
+            n = len(key) - hit
+            new = allocator.alloc(n) if n else empty
+            assert new is not None, "device pool too small: the benchmark must not evict"
+            value = torch.cat([cache.path_device_indices(m.last_device_node)[:hit], new]) if hit else new
+            own += cpu() - c0
+            t2 = clock()
+            cache.insert(sgt.SInsert(key=key, value=value, prev_prefix_len=hit))
+            lat.append((t1 - t0) + (clock() - t2))
+            matched.append(hit)
+            cache.flush_pending_backups()  # the scheduler, after a batch's results
+            cache.check_hicache_events()  # the scheduler, before the next batch
+        deadline = clock() + 600
+        while cache.ongoing_write_through or cache.ongoing_backup or cc.write_queue or cc.ack_write_queue:
+            assert clock() < deadline, "SGLang's write-through or storage backups never completed"
+            time.sleep(0.002)  # the storage thread works; the loop checks as a scheduler step would
+            cache.check_hicache_events()
+        SGLANG_LOOP_CPU.append(cpu() - cpu0 - own)
+    finally:
+        cache.shutdown()
+    return sum(lat), matched, lat
+
+
 # ---------------------------------------------------------------------- one 16k-token prompt
 
 
@@ -418,6 +556,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--long-reps", type=int, default=15)
     p.add_argument("--no-tiers", action="store_true", help="skip the hierarchical tree")
     p.add_argument("--no-sglang", action="store_true", help="skip SGLang even if installed")
+    p.add_argument("--no-sglang-tiers", action="store_true", help="skip SGLang's hierarchical cache")
     p.add_argument("--torch-threads", type=int, default=1,
                    help="torch intra-op threads (default 1: SGLang's clone of a long slot tensor runs on "
                         "torch's pool, whose threads spin on a shared machine and slow SGLang 3-7x; hicache "
@@ -438,9 +577,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if not args.no_tiers:
         methods["hicache_tiers"] = lambda: run_tiers(streams, ps)
         methods["hicache_tiers_prebuilt"] = lambda: run_tiers(streams, ps, prebuilt=True)
+    sgt, sgt_why = None, "no SGLang" if sgl is None else "--no-tiers"
     if sgl is not None:
         methods["sglang"] = lambda: run_sglang(sgl, streams, ps, prebuilt=False)
         methods["sglang_prebuilt"] = lambda: run_sglang(sgl, streams, ps, prebuilt=True)
+        if not args.no_tiers and not args.no_sglang_tiers:
+            sgt, sgt_why = import_sglang_tiers(ps)
+            if sgt is not None:
+                methods["sglang_tiers_prebuilt"] = lambda: run_sglang_tiers(sgt, streams, ps)
+            else:
+                print(f"SGLang's hierarchical cache could not be built ({sgt_why}); its column is skipped.",
+                      file=sys.stderr)
     else:
         print(f"SGLang not importable ({why}); its columns are skipped. See this script's docstring "
               "for how to install it.", file=sys.stderr)
@@ -474,6 +621,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             cpu = LOOP_CPU[prebuilt]
             results[name]["loop_cpu_s_runs"] = [round(c, 3) for c in cpu]
             results[name]["loop_cpu_ms_per_request"] = round(statistics.median(cpu) / len(streams) * 1e3, 4)
+    if "sglang_tiers_prebuilt" in results and SGLANG_LOOP_CPU:
+        results["sglang_tiers_prebuilt"]["loop_cpu_s_runs"] = [round(c, 3) for c in SGLANG_LOOP_CPU]
+        results["sglang_tiers_prebuilt"]["loop_cpu_ms_per_request"] = round(
+            statistics.median(SGLANG_LOOP_CPU) / len(streams) * 1e3, 4)
 
     lt, lr = args.long_tokens, args.long_reps
     long: dict[str, Any] = {"hicache": asyncio.run(long_prompt_ms(lambda: hicache_case(ps), lt, ps, lr))}
@@ -487,7 +638,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     # packed tokens pays: SGLang's Req holds array('q')), and the harshest mix
     pairs = [("hicache", "sglang"), ("hicache_prebuilt", "sglang_prebuilt"), ("hicache", "sglang_prebuilt"),
              ("hicache_tiers", "sglang"), ("hicache_tiers_prebuilt", "sglang_prebuilt"),
-             ("hicache_tiers", "sglang_prebuilt")]
+             ("hicache_tiers", "sglang_prebuilt"), ("hicache_tiers_prebuilt", "sglang_tiers_prebuilt")]
     ratios: dict[str, Any] = {}
     for ours, theirs in pairs:
         if ours in totals and theirs in totals:
@@ -503,6 +654,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "matched_tokens": sum(matched_ref), "repeats": args.repeats, "torch_threads": args.torch_threads,
         "sglang": None if sgl is None else "sglang.srt.mem_cache.radix_cache.RadixCache",
         "sglang_skipped": why,
+        "sglang_tiers": None if sgt is None else "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache "
+                        "(HybridCacheController, MHATokenToKVPoolHost, memory store via its dynamic backend)",
+        "sglang_tiers_skipped": sgt_why if sgt is None else None,
         "results": results, "ratios": ratios,
         f"prompt_{args.long_tokens}_match_insert": long,
     }

@@ -14,7 +14,8 @@ SGLANG_VERSION=${HICACHE_SGLANG_VERSION:-0.5.23}
 TORCH_VERSION=${HICACHE_TORCH_VERSION:-2.13.0}
 # pure-Python (or CPU-wheel) modules that sglang.srt.mem_cache / sglang.srt.managers import
 DEPS=(orjson psutil pybase64 triton pillow starlette msgspec pyzmq ipython apache-tvm-ffi
-      transformers dill sentencepiece compressed-tensors gguf)
+      transformers dill sentencepiece compressed-tensors gguf
+      openai partial_json_parser)  # the last two: only scripts/bench_radix.py's SGLang hierarchical cache
 if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv "$VENV"
 fi

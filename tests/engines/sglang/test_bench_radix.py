@@ -1,0 +1,35 @@
+"""The radix benchmark's SGLang columns still build against the pinned SGLang: its plain
+``RadixCache`` and its hierarchical cache (``UnifiedRadixCache`` with a host pool and the
+``memory`` store through its ``dynamic`` backend) match the same tokens as hicache's trees on a
+few requests (a generated agents trace), and the report carries every ratio. Run as the benchmark runs: its own
+process (it publishes SGLang server arguments for its whole process)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+def test_the_radix_benchmark_compares_both_sglang_trees(tmp_path: Path) -> None:
+    out, trace = tmp_path / "radix.json", tmp_path / "agents.jsonl"
+    made = subprocess.run([sys.executable, "-m", "hicache.cli", "workload", "agents", str(trace)],
+                          capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert made.returncode == 0, made.stderr[-2000:]
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "bench_radix.py"), "--trace", str(trace), "--requests", "60",
+         "--repeats", "1", "--long-tokens", "2048", "--long-reps", "1", "--out", str(out)],
+        capture_output=True, text=True, timeout=600, cwd=REPO,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads(out.read_text())
+    assert report["sglang_skipped"] is None and report["sglang_tiers_skipped"] is None
+    results = report["results"]
+    for name in ("hicache_prebuilt", "hicache_tiers_prebuilt", "sglang_prebuilt", "sglang_tiers_prebuilt"):
+        assert results[name]["total_s"] > 0, name
+    assert results["sglang_tiers_prebuilt"]["loop_cpu_ms_per_request"] > 0
+    assert "hicache_tiers_prebuilt_vs_sglang_tiers_prebuilt" in report["ratios"]
+    assert report["matched_tokens"] > 0  # the same for every method (the script fails otherwise)
