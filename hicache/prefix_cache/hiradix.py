@@ -330,6 +330,12 @@ class HiRadixCache(RadixCache):
 
     # ------------------------------------------------------------------ hooks
 
+    def _on_split(self, child: TreeNode, new: TreeNode) -> None:
+        # a backup waiting for host room covers both halves (and keeps both on device if asked)
+        keep = self._deferred.get(child)
+        if keep is not None:
+            self._deferred[new] = keep
+
     def _check_run(self, tokens: TokenRun) -> None:
         if tokens.typecode != "I":  # storage keys hash uint32 token ids; refused before any change
             raise ValueError("token ids must be integers that fit in uint32")

@@ -239,7 +239,11 @@ class RadixCache(BasePrefixCache):
         child.parent = new
         new.children[self._child_key(child.extra_key, child.key, 0)] = child
         self._note(new)
+        self._on_split(child, new)
         return new
+
+    def _on_split(self, child: TreeNode, new: TreeNode) -> None:
+        """``new`` now holds the first part of ``child``'s pages."""
 
     def _walk(self, key: RadixKey, end: int) -> list[TreeNode]:
         """Nodes matching ``key.token_ids[:end]`` from the root (splitting the last one where

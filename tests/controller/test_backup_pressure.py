@@ -39,3 +39,42 @@ async def test_a_burst_larger_than_the_host_pool_reaches_storage() -> None:
         stack.cache.sanity_check()
     finally:
         await stack.aclose()
+
+
+async def test_a_deferred_backup_covers_both_halves_of_a_split() -> None:
+    """A backup waiting for host room (kept on device: KV that must be written) whose node is
+    split by a later insert: the new upper half waits too and is written once room frees up
+    (it was left out: device eviction could drop it, and its pages never reached host)."""
+    from hicache.prefix_cache import EvictParams, InsertParams, MatchPrefixParams, RadixKey
+
+    cfg = StackConfig(page_size=PS, device_pages=64, host_pages=4, storage_backend=None,
+                      controller=ControllerConfig(prefetch_threshold=PS, write_policy="write_back"))
+    stack = build_stack(cfg)
+    cache = stack.cache
+    try:
+        filler = list(range(5000, 5000 + 4 * PS))
+        await serve_request(stack, filler, rid="filler", prefetch=False)
+        await cache.drain()
+        assert cache.write_backup(cache.match_prefix(MatchPrefixParams(key=RadixKey(filler))).last_device_node)
+        await cache.drain()  # host is full of the filler's copy
+        tokens = list(range(100, 100 + 4 * PS))
+        await serve_request(stack, tokens, rid="a", prefetch=False)
+        node = cache.match_prefix(MatchPrefixParams(key=RadixKey(tokens))).last_device_node
+        lock = cache.match_prefix(MatchPrefixParams(key=RadixKey(filler))).last_device_node
+        cache.inc_lock_ref(lock)  # the filler's host copy cannot make room
+        assert not cache.write_backup(node) and cache._deferred.get(node) is True
+        diverging = tokens[: 2 * PS] + [9] * (2 * PS)
+        cache.insert(InsertParams(key=RadixKey(diverging), value=stack.allocator.alloc(4 * PS)))
+        upper = node.parent
+        assert upper is not cache.root_node and len(upper.key) == 2 * PS
+        assert cache._deferred.get(upper) is True
+        cache.evict(EvictParams(num_tokens=10**6))
+        assert upper.value is not None and node.value is not None  # kept on device
+        cache.dec_lock_ref(lock)
+        cache.evict(EvictParams(num_tokens=10**6))  # the filler leaves the device (it has a host copy)
+        cache.evict_host(4 * PS)  # ... and host: room, the deferred backups start
+        await cache.drain()
+        assert upper.host_value is not None and node.host_value is not None
+        cache.sanity_check()
+    finally:
+        await stack.aclose()
