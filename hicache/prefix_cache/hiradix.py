@@ -472,6 +472,8 @@ class HiRadixCache(RadixCache):
             if not n.backuped or n.storage_op is not None:
                 self.metrics.incr("victim_writes_skipped_pages", want - node.storage_pages)
                 return False
+            if n.hash_value[n.storage_pages] in self._victim_failed:
+                return False  # the chain's write failed at this ancestor once: not at every eviction
             chain.append(n)
             n = n.parent
         chain.reverse()

@@ -355,3 +355,37 @@ async def test_a_chunked_prefill_is_not_reuse_of_its_own_chunks() -> None:
         assert stack.controller.metrics.pages["h2s"] == 4
     finally:
         await stack.aclose()
+
+
+async def test_a_write_back_that_failed_at_an_ancestor_is_not_retried_through_a_sibling(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """y's write-back (its unwritten parent first) fails at the parent's first page; the next
+    host eviction picks y's sibling z, whose chain starts with the same parent: it is dropped
+    as failed, not written (and failed) again at every eviction."""
+    stack = _stack("tiered", ControllerConfig(prefetch_threshold=PS, storage_max_retries=0), long_prompt_tokens=None)
+    calls = 0
+
+    async def refuse(pages, buffers, parents):  # type: ignore[no-untyped-def]
+        nonlocal calls
+        calls += 1
+        raise OSError("disk full")
+
+    monkeypatch.setattr(stack.storage, "_write", refuse)
+    try:
+        cache, counters = stack.cache, stack.controller.metrics.counters
+        prefix = list(range(100, 100 + 3 * PS))
+        y, z = prefix + list(range(500, 500 + 2 * PS)), prefix + list(range(700, 700 + 2 * PS))
+        for i, tokens in enumerate((y, y, z, z)):  # all reused: all admitted
+            await serve_request(stack, tokens, rid=f"r{i}")
+        await cache.drain()
+        cache.evict(EvictParams(num_tokens=10**6))
+        cache.evict_host(PS)  # y (the older leaf): its chain's write-back, which fails
+        await cache.drain()
+        assert counters["victim_write_failed_pages"] > 0
+        before = calls
+        cache.evict_host(10**6)  # z, then the rest: nothing written again
+        await cache.drain()
+        assert calls == before
+        cache.sanity_check()
+    finally:
+        await stack.aclose()
