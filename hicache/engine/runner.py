@@ -36,6 +36,7 @@ import torch
 from hicache.engine.model import KVPoolLike, TinyTransformer
 from hicache.engine.worker import DECODE, PREFILL, ForwardWorker
 from hicache.memory.device_pool import MHATokenToKVPool
+from hicache.storage.offload import wait_out
 
 __all__ = ["CacheLike", "Engine", "GenerateResult", "reference_generate", "reference_logits"]
 
@@ -172,11 +173,9 @@ class Engine:
         if self._closed:
             raise RuntimeError("engine is closed")
         fut = asyncio.wrap_future(self._worker.submit(lambda: fn(*args, **kwargs), priority))
-        try:
-            return await asyncio.shield(fut)
-        except asyncio.CancelledError:
-            await asyncio.wait([fut])
-            raise
+        if await wait_out(fut):  # however many times the caller was cancelled
+            raise asyncio.CancelledError
+        return fut.result()
 
     # -- generation
     async def generate(

@@ -46,6 +46,7 @@ import torch
 from hicache.errors import CacheClosedError
 from hicache.memory.device import IndexLike
 from hicache.memory.layer_counter import LayerDoneCounter
+from hicache.storage.offload import wait_out
 from hicache.memory.spans import NATIVE_AVAILABLE, STREAM_KIND, SpanPair, span_pair
 from hicache.memory.transfer import (
     TransferPlan,
@@ -288,12 +289,11 @@ class CopyEngine:
             return
         job = self._backup_job(plan)
         fut = asyncio.wrap_future(self._submit(job))
-        try:
-            await asyncio.shield(fut)
-        except asyncio.CancelledError:
-            with contextlib.suppress(BaseException):
-                await asyncio.wait({fut})
-            raise
+        # a cancelled caller (once or many times: a shutdown cancels every task) still waits:
+        # the copy writes host pages the caller's side frees once it unwinds
+        if await wait_out(fut):
+            raise asyncio.CancelledError
+        fut.result()
 
     def backup_sync(self, device_indices: IndexLike, host_indices: IndexLike) -> None:
         """Blocking :meth:`backup` (queued behind earlier operations of this engine)."""

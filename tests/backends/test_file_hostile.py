@@ -663,3 +663,35 @@ async def test_a_write_racing_a_clear_leaves_the_index_equal_to_the_disk(tmp_pat
         if shared:
             usage = read_usage(os.path.join(ns_dir, LEDGER_NAME))
             assert usage is not None and usage.used == on_disk
+
+
+async def test_close_during_the_opening_scan_starts_no_new_scan(tmp_path, monkeypatch, caplog) -> None:
+    """A reclaim noticed while the opening scan runs asks for one more scan after it; a close
+    that cancels the scan must not start that one (nothing would wait for it: it ran against
+    the shut-down threads, logging errors, and could outlive the close)."""
+    import threading
+
+    from hicache_backends.file import io as file_io
+
+    gate = threading.Event()
+    real = file_io.list_subdirs
+
+    def slow_list(layout):
+        gate.wait(LIMIT)  # a large namespace: the opening scan is busy
+        return real(layout)
+
+    monkeypatch.setattr(file_io, "list_subdirs", slow_list)
+    store = make_store(tmp_path, shared=True, max_bytes=1 << 30)
+    try:
+        with caplog.at_level(logging.ERROR):
+            await store.open()
+            await asyncio.sleep(0.05)
+            assert store._scan_task is not None and not store._scan_task.done()
+            store._maybe_rescan(None, reclaimed=True)  # what a ledger call that reclaimed does
+            await within(store.aclose())
+            assert store._scan_task is None
+            assert not [t for t in asyncio.all_tasks() if t.get_name().startswith("hicache-file-")]
+    finally:
+        gate.set()
+    await asyncio.sleep(0.2)
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]

@@ -186,6 +186,9 @@ async def test_cancelled_backup_waits_for_the_copy(pools):
         task.cancel()
         await asyncio.sleep(0.02)
         assert not task.done()  # still waiting for the copy it started
+        task.cancel()  # again (a shutdown cancels every task): it still waits
+        await asyncio.sleep(0.02)
+        assert not task.done()
         gate.set()
         with pytest.raises(asyncio.CancelledError):
             await task

@@ -480,7 +480,7 @@ class FileStorage(AsyncHiCacheStorage):
                 self._tombstones = None
                 assert self._index_ready is not None
                 self._index_ready.set()
-                if self._rescan_pending:  # a reclaim came in while this scan ran: once more
+                if self._rescan_pending and not self._stop.is_set():  # a reclaim came in meanwhile: once more
                     asyncio.get_running_loop().call_soon(lambda: self._maybe_rescan(None, reclaimed=True))
         if removed_tmp:
             self.stats.incr("stale_tmp_removed", removed_tmp)
@@ -894,6 +894,8 @@ class FileStorage(AsyncHiCacheStorage):
         """When the shared count holds bytes this store does not know (pages other processes
         wrote since it opened; they may have exited), index them so they can be evicted. After
         a reclaim (``reclaimed``) always: the count may now miss pages a dead writer published."""
+        if self._stop.is_set():  # closing: no new scan (nothing would wait for it)
+            return
         if not reclaimed and (usage is None or usage.used <= self.index.nbytes + self._reserved):
             return
         if reclaimed:
