@@ -264,3 +264,30 @@ async def test_a_local_page_rewritten_while_read_is_never_seen_half_written(tmp_
             assert await task > 0
         assert r.get_stats().get("corrupt_pages", 0) == 0
         assert not list((tmp_path / "store").rglob("*.tmp"))
+
+
+async def test_a_clear_racing_writes_and_deletes_removes_every_page(tmp_path: Any, monkeypatch: Any) -> None:
+    """The listing a clear deletes from names files that are gone by the time it gets to them (a
+    write's temporary file renamed into place, a page another call deleted): a bulk ``rm``
+    stopped at the first of them and the clear still said True, leaving most pages stored."""
+    from fsspec.implementations.local import LocalFileSystem
+
+    store = create_async_storage(
+        "fsspec", None, url=f"file://{tmp_path}/store", storage_options={"auto_mkdir": True}, namespace=NS_A
+    )
+    real_find = LocalFileSystem.find
+
+    def find_with_vanished(self, path, *args, **kwargs):  # type: ignore[no-untyped-def]
+        files = sorted(real_find(self, path, *args, **kwargs))
+        gone = f"{files[0]}.vanished" if files else None
+        return [gone, *files] if gone else files  # listed, then gone before its delete
+
+    async with store:
+        keys = [f"k{i}" for i in range(20)]
+        assert await store.batch_set(keys, [torch.full((8,), float(i)) for i in range(20)])
+        monkeypatch.setattr(LocalFileSystem, "find", find_with_vanished)
+        assert await store.clear()
+        monkeypatch.setattr(LocalFileSystem, "find", real_find)
+        assert not any(await asyncio.gather(*(store.exists(k) for k in keys)))
+        pages = [p for p in (tmp_path / "store").rglob("*") if p.is_file() and p.name != "manifest.json"]
+        assert pages == []

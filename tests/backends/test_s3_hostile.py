@@ -274,3 +274,202 @@ async def test_a_close_with_reads_in_flight_leaves_no_client_behind(
     got, dst = await reading
     assert got == [False] * 4 and int(dst.buffer.count_nonzero()) == 0
     assert len(store._local) == 0  # no loop holds a client any more
+
+
+async def test_a_close_during_a_read_opens_no_new_client(moto_endpoint: str, moto_bucket: str) -> None:
+    """A server shutting down while a prefetch reads: the requests queued behind the ones in
+    flight ran after the close and built a new S3 client nobody closed; the reads our own close
+    cut were counted as transient errors (feeding the breaker)."""
+    import gc
+    import warnings
+
+    async with FaultProxy(moto_endpoint) as proxy:
+        async def slow(req):  # type: ignore[no-untyped-def]
+            if req.method == "GET" and "/pages/" in req.path:
+                await asyncio.sleep(0.3)
+            return None
+
+        store = make_s3(proxy.endpoint, moto_bucket, f"closeread/{uuid.uuid4().hex}", NS_A)
+        keys = keys_for(64, salt=31)
+        await store.open()
+        await write_pages(store, keys, seed=1)
+        proxy.answer = slow
+        dst = ArrayHostPool(64, PAGE)
+        store.register_mem_pool_host(dst)
+        task = asyncio.create_task(store.batch_get_v1(keys, dst.indices(0, 64)))
+        await asyncio.sleep(0.1)
+        fs = store._local.get().ops.fs
+        await store.aclose()
+        await task  # misses, whatever landed
+        assert fs._s3 is None  # no client built after the close
+        stats = store.get_stats()
+        assert not stats.get("transient_errors") and store.breaker.state.value == "closed"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        gc.collect()
+    assert not [w for w in caught if "Unclosed" in str(w.message)]
+
+
+async def test_a_clear_right_after_a_write_removes_its_run_index(moto_endpoint: str, moto_bucket: str) -> None:
+    """The run index of a write that returned is written in the background; a clear right after
+    it removed the pages, then the index landed and survived, vouching (once the exists cache
+    expired) for pages this very process had cleared."""
+    async with FaultProxy(moto_endpoint) as proxy:
+        async def slow_index(req):  # type: ignore[no-untyped-def]
+            if req.method == "PUT" and "/pages/runs/" in req.path:
+                await asyncio.sleep(0.3)
+            return None
+
+        proxy.answer = slow_index
+        store = make_s3(proxy.endpoint, moto_bucket, f"clearidx/{uuid.uuid4().hex}", NS_A, concurrency=4,
+                        exists_cache_ttl=0.3)
+        async with store:
+            keys = keys_for(40, salt=61)
+            src = await write_pages(store, keys, seed=1)  # its index PUT is still on its way
+            assert await store.clear()
+            await store.wait_index_writes()
+            assert raw_get(moto_endpoint, store.names.run_index(keys[0], "kv")) is None
+            assert await store.batch_set_v1(keys[:6], src.indices(0, 6)) == [True] * 6
+            await store.wait_index_writes()
+            await asyncio.sleep(0.4)  # the exists cache forgets: lookups read indexes again
+            assert await store.exists_prefix(keys) == 6
+
+
+async def test_a_big_eviction_gives_each_delete_request_its_own_timeout(
+    moto_endpoint: str, moto_bucket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An eviction of more pages than one DeleteObjects takes sent them all in one request,
+    one timeout for every batch in turn: it timed out, was retried from scratch, opened the
+    breaker, and reported nothing deleted although the first batches were. (Batches of 10
+    keys here stand for S3's 1,000.)"""
+    from hicache_backends.s3 import fs as s3_fs
+
+    monkeypatch.setattr(s3_fs, "DELETE_BATCH", 10)
+    async with FaultProxy(moto_endpoint) as proxy:
+        async def slow_bulk_delete(req):  # type: ignore[no-untyped-def]
+            if req.method == "POST" and "delete" in req.query:
+                await asyncio.sleep(0.4)
+            return None
+
+        store = make_s3(proxy.endpoint, moto_bucket, f"bigdel/{uuid.uuid4().hex}", NS_A, request_timeout=1.0,
+                        retries=1)
+        async with store:
+            keys = keys_for(40, salt=77)
+            await write_pages(store, keys, seed=3)
+            proxy.answer = slow_bulk_delete
+            assert await store.batch_delete(keys) == [True] * 40
+            stats = store.get_stats()
+            assert not stats.get("timeouts") and store.breaker.state.value == "closed"
+            proxy.answer = None
+            assert await store.exists_pages(keys) == [False] * 40
+
+
+async def test_a_refusal_repeated_for_every_page_is_one_warning(
+    moto_endpoint: str, moto_bucket: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A reader without ``s3:ListBucket`` gets 403 for every missing key: each was one WARNING
+    line (2,560 for ten lookups of a 256-page prompt); now one line says how many it stands
+    for, and the count is still exact."""
+    import logging
+
+    from aiohttp import web
+
+    async with FaultProxy(moto_endpoint) as proxy:
+        async def no_list(req):  # type: ignore[no-untyped-def]
+            if req.method in ("HEAD", "GET") and "/pages/" in req.path:
+                return web.Response(status=403, body=b"" if req.method == "HEAD" else
+                                    b"<Error><Code>AccessDenied</Code><Message>Access Denied</Message></Error>")
+            return None
+
+        proxy.answer = no_list
+        store = make_s3(proxy.endpoint, moto_bucket, f"nolist/{uuid.uuid4().hex}", NS_A)
+        async with store:
+            keys = keys_for(64, salt=7)
+            with caplog.at_level(logging.WARNING, logger="hicache"):
+                for _ in range(5):
+                    assert await store.exists_pages(keys) == [False] * 64
+            lines = [r for r in caplog.records if r.levelno >= logging.WARNING and "failed" in r.getMessage()]
+            assert len(lines) == 1
+            assert store.get_stats()["permanent_errors"] == 5 * 64
+            assert store.breaker.state.value == "closed"
+
+
+async def test_a_read_only_store_is_not_asked_for_its_manifest_every_few_seconds(
+    moto_endpoint: str, moto_bucket: str
+) -> None:
+    """A read-only principal (the manifest PUT answered 403) was asked again at every probe
+    tick, a warning each time, forever; a refusal now waits for the manifest check interval."""
+    from aiohttp import web
+
+    async with FaultProxy(moto_endpoint) as proxy:
+        async def read_only(req):  # type: ignore[no-untyped-def]
+            if req.method == "PUT":
+                return web.Response(status=403, body=b"<Error><Code>AccessDenied</Code>"
+                                                     b"<Message>Access Denied</Message></Error>")
+            return None
+
+        proxy.answer = read_only
+        store = make_s3(proxy.endpoint, moto_bucket, f"readonly/{uuid.uuid4().hex}", NS_A, breaker_cooldown=0.2,
+                        manifest_check_interval=60.0)
+        async with store:
+            await asyncio.sleep(1.0)  # ten probe ticks
+            assert store.get_stats()["manifest_errors"] == 1
+
+
+async def test_region_caching_clients_are_all_closed(
+    moto_endpoint: str, moto_bucket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With s3fs's region caching (on AWS with no endpoint given: here the endpoint comes from
+    ``AWS_ENDPOINT_URL``), the per-region clients the page requests use were never closed."""
+    import gc
+    import warnings
+
+    from hicache.storage import create_async_storage
+    from s3_server import TEST_KEY, TEST_SECRET
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", moto_endpoint)
+    monkeypatch.delenv("AWS_DEFAULT_REGION", raising=False)
+    monkeypatch.delenv("AWS_REGION", raising=False)
+    store = create_async_storage("s3", None, url=f"s3://{moto_bucket}/regions/{uuid.uuid4().hex}",
+                                 storage_options={"key": TEST_KEY, "secret": TEST_SECRET, "cache_regions": True},
+                                 namespace=NS_A)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        async with store:
+            await write_pages(store, keys_for(4, salt=71), seed=2)
+            fs = store._local.get().ops.fs
+            assert fs.cache_regions and getattr(fs._s3creator, "_regions", None)
+        del store, fs
+        gc.collect()
+    assert not [w for w in caught if "Unclosed" in str(w.message)]
+
+
+async def test_a_prefix_lookup_answers_within_the_call_timeout(moto_endpoint: str, moto_bucket: str) -> None:
+    """A slow but healthy store: each wave of a prefix lookup had its own ``call_timeout``, so
+    a long prompt's lookup took waves x timeout; now the whole lookup answers within it, with
+    the run confirmed so far."""
+    import time
+
+    async with FaultProxy(moto_endpoint) as proxy:
+        store = make_s3(proxy.endpoint, moto_bucket, f"slowlookup/{uuid.uuid4().hex}", NS_A, concurrency=4,
+                        call_timeout=1.0, exists_cache_size=0)
+        async with store:
+            keys = keys_for(72, salt=91)  # 24 waves of 3 HEADs, a quarter second each: 6 s by waves
+            await write_pages(store, keys, seed=4)
+            await store.wait_index_writes()
+
+            from aiohttp import web
+
+            async def slow(req):  # type: ignore[no-untyped-def]
+                if "/pages/runs/" in req.path:  # no run index: the lookup goes by HEADs, in waves
+                    return web.Response(status=404, body=b"<Error><Code>NoSuchKey</Code></Error>")
+                if req.method in ("HEAD", "GET"):
+                    await asyncio.sleep(0.25)
+                return None
+
+            proxy.answer = slow
+            t0 = time.monotonic()
+            found = await store.exists_prefix(keys)
+            took = time.monotonic() - t0
+            assert took < 3.0 and 0 <= found < 72
+            assert store.get_stats()["call_timeouts"] >= 1

@@ -133,3 +133,25 @@ async def test_write_bodies_are_reused_and_payloads_unsigned(moto_endpoint: str,
         store.register_mem_pool_host(dst)
         got = await store.batch_get_v2([PoolTransfer("kv", host_indices=dst.indices(0, 12), keys=keys)])
         assert got["kv"] == [True] * 12 and dst.buffer.equal(src.buffer)
+
+
+async def test_with_the_exists_cache_off_a_page_deleted_elsewhere_is_claimed_once(
+    moto_endpoint: str, moto_bucket: str, prefix: str
+) -> None:
+    """``exists_cache_size = 0`` (a fleet of writers) turned the gone marks off too: every
+    lookup re-learned the deleted page from the run index and claimed the chain past it, one
+    failed read after another, forever."""
+    async with make_s3(moto_endpoint, moto_bucket, prefix, concurrency=4, exists_cache_size=0) as store:
+        keys, _ = await _filled(store, 20, "nocache")
+        _delete(moto_endpoint, store.names.page(keys[10], "kv"))
+        first = (await store.batch_exists_v2(keys)).kv_hit_pages  # the index still lists it
+        assert first in (10, 20)
+        got = await _read(store, keys[:first])
+        assert got[:10] == [True] * 10 and (first == 10 or got[10] is False)
+        for _ in range(3):
+            assert (await store.batch_exists_v2(keys)).kv_hit_pages == 10
+        src = ArrayHostPool(1, PAGE, token_elems=4)
+        src.fill_random(7)
+        store.register_mem_pool_host(src)
+        assert (await store.batch_set_v2([PoolTransfer("kv", host_indices=src.indices(0, 1), keys=keys[10:11])]))["kv"] == [True]
+        assert (await store.batch_exists_v2(keys)).kv_hit_pages == 20  # written again: the mark goes

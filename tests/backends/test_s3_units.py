@@ -122,7 +122,15 @@ def test_exists_cache_ttl_lru_and_generations() -> None:
     assert not off.contains("x")
 
 
-def test_exists_cache_gone_marks_until_a_fresh_answer() -> None:
+def test_exists_cache_gone_marks_until_a_fresh_answer(monkeypatch: pytest.MonkeyPatch) -> None:
+    from hicache_backends.s3 import cache as cache_mod
+
+    monkeypatch.setattr(cache_mod, "_MIN_GONE", 2)
+    off = ExistsCache(max_entries=0, ttl=10.0, clock=Clock())  # positive answers off, marks kept
+    off.mark_gone("x")
+    assert off.is_gone("x") and not off.contains("x")
+    off.add("x", off.generation)  # a fresh answer clears the mark even with the cache off
+    assert not off.is_gone("x") and not off.contains("x")
     c = ExistsCache(max_entries=2, ttl=10.0, clock=Clock())
     c.add("a", c.generation)
     assert c.mark_gone("a") is True  # it was believed present

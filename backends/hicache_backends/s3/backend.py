@@ -50,10 +50,11 @@ from hicache.storage.stats import Throttle
 from hicache_backends.s3.bodies import BodyBuffers
 from hicache_backends.s3.breaker import BreakerState, CircuitBreaker
 from hicache_backends.s3.cache import ExistsCache
+from hicache_backends.s3 import fs as s3_fs
 from hicache_backends.s3.fs import LoopLocal, LoopResources, ObjectOps, close_all, make_ops
 from hicache_backends.s3.naming import ObjectNames, Redactor, redact_options, redact_url
 from hicache_backends.s3.runs import MIN_RUN, decode_run, encode_run
-from hicache_backends.s3.retry import RetryPolicy
+from hicache_backends.s3.retry import RetryPolicy, is_transient
 from hicache_backends.s3.runner import GaveUp, RequestRunner
 
 __all__ = ["FsspecStorage", "S3Storage"]
@@ -184,6 +185,7 @@ class FsspecStorage(AsyncHiCacheStorage):
         self._names: ObjectNames | None = None
         self._codec: PageCodec | None = None
         self._manifest_ok = False
+        self._manifest_refused = False  # the store refused the manifest (read-only): retried at the check interval
         self._prober: asyncio.Task[None] | None = None
         self._index_writes: set[asyncio.Task[None]] = set()  # run indexes still being stored
 
@@ -306,7 +308,10 @@ class FsspecStorage(AsyncHiCacheStorage):
             await asyncio.sleep(interval)
             try:
                 due = time.monotonic() - checked >= self.manifest_check_interval
-                if due or self.breaker.state is not BreakerState.CLOSED or not self._manifest_ok:
+                # an unwritten manifest is retried soon, unless the store refused it (a read-only
+                # principal: every few seconds, forever); then at the check interval
+                retry = not self._manifest_ok and not self._manifest_refused
+                if due or self.breaker.state is not BreakerState.CLOSED or retry:
                     checked = time.monotonic()
                     await self._ensure_manifest()
             except asyncio.CancelledError:
@@ -323,11 +328,14 @@ class FsspecStorage(AsyncHiCacheStorage):
             if size is None:
                 body = json.dumps(self.namespace.to_dict(), indent=1, sort_keys=True).encode()
                 await self.runner.request("put manifest", lambda ops: ops.put(names.manifest, body))
-        except (GaveUp, FileNotFoundError):  # unreachable, or the bucket is gone: check again soon
+        except (GaveUp, FileNotFoundError) as exc:  # unreachable, or the bucket is gone: check again soon
             self.stats.incr("manifest_errors")
             self._manifest_ok = False
+            cause = exc.__cause__
+            self._manifest_refused = isinstance(exc, GaveUp) and cause is not None and not is_transient(cause)
             return False
         self._manifest_ok = True
+        self._manifest_refused = False
         return True
 
     # ------------------------------------------------------------------ one request
@@ -367,15 +375,22 @@ class FsspecStorage(AsyncHiCacheStorage):
                 pos += 1
         self.stats.incr("exists_cache_hits", pos)
         wave = max(1, self.concurrency - 1)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.call_timeout  # the whole lookup, not each wave
         while pos < n:
             width = min(wave, n - pos)
-            index, flags = await asyncio.gather(
-                self._read_run(pages[pos]),
-                self.runner.batch("exists", [
-                    self._exists_one(paths[i], PageCodec.header_len(pages[i].key, pages[i].pool), generation)
-                    for i in range(pos, pos + width)
-                ]),
-            )
+            try:
+                async with asyncio.timeout_at(deadline):
+                    index, flags = await asyncio.gather(
+                        self._read_run(pages[pos]),
+                        self.runner.batch("exists", [
+                            self._exists_one(paths[i], PageCodec.header_len(pages[i].key, pages[i].pool), generation)
+                            for i in range(pos, pos + width)
+                        ]),
+                    )
+            except TimeoutError:  # answer the run confirmed so far
+                self.stats.incr("call_timeouts")
+                return pos
             self.stats.incr("exists_waves")
             run = 0
             if index:
@@ -634,10 +649,18 @@ class FsspecStorage(AsyncHiCacheStorage):
             targets = [path for path, there in zip(paths, present) if there]
             if not targets:
                 return present
-            try:
-                failed = await self.runner.request("delete", lambda ops: ops.remove_many(targets))
-            except (GaveUp, FileNotFoundError):
-                failed = set(targets)
+
+            async def delete(chunk: list[str]) -> set[str]:
+                try:
+                    return await self.runner.request("delete", lambda ops: ops.remove_many(chunk))
+                except (GaveUp, FileNotFoundError):
+                    return set(chunk)
+
+            # one request (its own timeout, its own answer) per DeleteObjects: a big eviction in
+            # one request timed out as a whole, was retried from scratch, and opened the breaker
+            per = s3_fs.DELETE_BATCH
+            chunks = [targets[i : i + per] for i in range(0, len(targets), per)]
+            failed = set().union(*await asyncio.gather(*(delete(c) for c in chunks)))
             return [there and path not in failed for path, there in zip(paths, present)]
         finally:
             for path in paths:  # a lookup that overlapped the delete
@@ -652,6 +675,9 @@ class FsspecStorage(AsyncHiCacheStorage):
     async def _clear(self) -> None:
         """Remove this namespace's pages (the manifest stays: it only describes the namespace).
         Bounded by ``max(call_timeout, 300)`` s: a big namespace takes many list/delete calls."""
+        # run indexes of writes that returned before the clear land first, so that the listing
+        # removes them (one landing after it would vouch for pages the clear removed)
+        await self.wait_index_writes()
         self.exists_cache.clear()
         try:
             removed = await self.runner.request(

@@ -10,7 +10,7 @@ the same namespace at the same location share one cache (:meth:`ExistsCache.shar
 through any of them is seen by all.
 
 A page a read found missing is also remembered as *gone* (:meth:`ExistsCache.mark_gone`, as
-many as entries, no TTL): a run index written before that page was deleted still lists it, and
+many as entries and at least 4,096, also with the cache off; no TTL): a run index written before that page was deleted still lists it, and
 without the mark every lookup after the TTL would re-learn the page from the index and serve it
 as a hit again, one failed read per TTL, forever. Only a fresh answer about that one object (a
 HEAD, a read or a write of it) clears the mark; the mark costs a lookup one HEAD, never a hit.
@@ -26,6 +26,9 @@ from collections.abc import Callable, Hashable
 from typing import ClassVar
 
 __all__ = ["ExistsCache"]
+
+#: gone marks kept at least, whatever the cache's size (0 turns positive answers off, not these)
+_MIN_GONE = 4096
 
 
 class ExistsCache:
@@ -77,12 +80,12 @@ class ExistsCache:
 
     def add(self, path: str, generation: int) -> None:
         """Remember ``path`` as present (a fresh answer about it: also clears a gone mark)."""
-        if not self.max_entries:
-            return
         with self._lock:
             if generation != self._generation:
                 return  # a clear happened while the request was in flight
             self._gone.pop(path, None)
+            if not self.max_entries:
+                return
             self._entries[path] = self._clock()
             self._entries.move_to_end(path)
             while len(self._entries) > self.max_entries:
@@ -98,11 +101,11 @@ class ExistsCache:
         indexes) that it exists until a fresh answer about it. Whether it was remembered."""
         with self._lock:
             known = self._entries.pop(path, None) is not None
-            if self.max_entries:
-                self._gone[path] = 0.0
-                self._gone.move_to_end(path)
-                while len(self._gone) > self.max_entries:
-                    self._gone.popitem(last=False)
+            # kept even with the cache off (size 0): run indexes are trusted either way
+            self._gone[path] = 0.0
+            self._gone.move_to_end(path)
+            while len(self._gone) > max(self.max_entries, _MIN_GONE):
+                self._gone.popitem(last=False)
             return known
 
     def is_gone(self, path: str) -> bool:

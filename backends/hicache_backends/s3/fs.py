@@ -187,12 +187,13 @@ class AsyncObjectOps:
 
     async def remove_tree(self, prefix: str) -> int:
         try:
-            files = await self.fs._find(prefix)
+            files = _not_in_flight(await self.fs._find(prefix))
         except FileNotFoundError:
             return 0
-        if files:
-            await self.fs._rm(files)
-        return len(files)
+        failed: set[str] = set()
+        for at in range(0, len(files), _REMOVE_CHUNK):  # bounded concurrency, like fsspec's rm
+            failed |= await self.remove_many(files[at : at + _REMOVE_CHUNK])
+        return _removed_all(prefix, files, failed)
 
     async def close(self) -> None:
         session = getattr(self.fs, "_session", None)
@@ -348,8 +349,8 @@ class S3ObjectOps(AsyncObjectOps):
         for path in paths:
             by_bucket.setdefault(self.fs.split_path(path)[0], []).append(path)
         for bucket, group in by_bucket.items():
-            for i in range(0, len(group), 1000):
-                chunk = group[i : i + 1000]
+            for i in range(0, len(group), DELETE_BATCH):
+                chunk = group[i : i + DELETE_BATCH]
                 keys = {self.fs.split_path(p)[1]: p for p in chunk}
                 out = await self.fs._call_s3(
                     "delete_objects", Bucket=bucket, Delete={"Objects": [{"Key": k} for k in keys], "Quiet": True}
@@ -362,9 +363,23 @@ class S3ObjectOps(AsyncObjectOps):
 
     async def close(self) -> None:
         client = getattr(self.fs, "_s3", None)
-        if client is not None:
-            self.fs._s3 = None
+        creator = getattr(self.fs, "_s3creator", None)
+        self.fs._s3 = None
+        if _is_region_cache(creator):
+            # region caching (AWS without an endpoint): the default client and one per region
+            # the buckets live in; closing the default one alone left the others open
+            self.fs._s3creator = None
+            await creator.clear()
+        elif client is not None:
             await client.close()
+
+
+def _is_region_cache(creator: Any) -> bool:
+    try:
+        from s3fs.utils import S3BucketRegionCache
+    except ImportError:  # an s3fs without region caching
+        return False
+    return isinstance(creator, S3BucketRegionCache)
 
 
 def _is_invalid_range(exc: BaseException) -> bool:
@@ -456,19 +471,37 @@ class ThreadObjectOps:
         return None
 
     async def remove_tree(self, prefix: str) -> int:
-        def rm() -> int:
-            try:
-                files = self.fs.find(prefix)
-            except FileNotFoundError:
-                return 0
-            if files:
-                self.fs.rm(files)
-            return len(files)
-
-        return await asyncio.to_thread(rm)
+        try:
+            files = _not_in_flight(await asyncio.to_thread(self.fs.find, prefix))
+        except FileNotFoundError:
+            return 0
+        return _removed_all(prefix, files, await self.remove_many(files))
 
     async def close(self) -> None:
         return None
+
+
+#: keys one DeleteObjects request takes (S3's limit)
+DELETE_BATCH = 1000
+
+#: objects a tree removal deletes concurrently, one request each (fsspec's own batch size)
+_REMOVE_CHUNK = 128
+
+
+def _not_in_flight(files: list[str]) -> list[str]:
+    """A listing without the temporary files of local writes in flight (:func:`_put_local`
+    renames them into place: removing one fails that write, not a page)."""
+    return [f for f in files if not f.endswith(".tmp")]
+
+
+def _removed_all(prefix: str, files: list[str], failed: set[str]) -> int:
+    """How many of ``files`` a tree removal deleted; an error naming what it could not. A file
+    already gone (a concurrent delete, a write's rename) is removed as far as a clear cares:
+    a filesystem's bulk ``rm`` stopped at the first such file and left the rest."""
+    if failed:
+        raise OSError(f"{len(failed)} of {len(files)} object(s) under {prefix} could not be deleted "
+                      f"(first: {min(failed)})")
+    return len(files)
 
 
 def make_ops(fs: Any) -> ObjectOps:

@@ -19,7 +19,7 @@ import logging
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
-from hicache.storage.stats import StorageStats
+from hicache.storage.stats import StorageStats, Throttle
 from hicache_backends.s3.breaker import BreakerState, CircuitBreaker
 from hicache_backends.s3.fs import LoopLocal, LoopResources, ObjectOps
 from hicache_backends.s3.naming import Redactor
@@ -30,6 +30,10 @@ __all__ = ["GaveUp", "RequestRunner"]
 logger = logging.getLogger("hicache.storage.s3")
 
 T = TypeVar("T")
+
+
+class _Closed(Exception):
+    """The store closed while a request waited for its slot."""
 
 
 class GaveUp(Exception):
@@ -65,6 +69,7 @@ class RequestRunner:
         #: set when the store closes: a request still running (or retrying) then gives up
         #: instead of building a new client for this loop that nobody would close
         self.closed = False
+        self._permanent_warnings: dict[tuple[str, str], Throttle] = {}
 
     async def request(self, what: str, op: Callable[[ObjectOps], Awaitable[T]], timeout: float | None = None) -> T:
         """Run ``op`` with breaker gate, concurrency slot, timeout and retries.
@@ -85,19 +90,30 @@ class RequestRunner:
             self.stats.incr("requests")
             try:
                 async with res.semaphore:  # waiting for a slot is bounded by call_timeout
+                    if self.closed:  # closed while it waited: it would build a client nobody closes
+                        raise _Closed
                     async with asyncio.timeout(timeout):
                         result = await op(res.ops)
+            except _Closed:
+                raise GaveUp(what) from None
             except FileNotFoundError:
                 self.breaker.record_success()  # the service answered
                 raise
             except Exception as exc:  # noqa: BLE001 - classified below
+                if self.closed:  # cut by our own close (its client went away): not the service's fault
+                    raise GaveUp(what) from exc
                 if isinstance(exc, TimeoutError):
                     self.stats.incr("timeouts")
                 if not is_transient(exc):
                     self.breaker.record_success()  # the service answered, just not with data
                     self.stats.incr("permanent_errors")
-                    logger.warning("%s: %s failed: %s: %s", self.name, what, type(exc).__name__,
-                                   self.redactor.scrub(str(exc)))
+                    # one line a minute per operation and error kind, saying how many it stands
+                    # for: a refusal repeats for every page (no ListBucket right: 403 per miss)
+                    throttle = self._permanent_warnings.setdefault((what, type(exc).__name__), Throttle())
+                    count = throttle.due()
+                    if count:
+                        logger.warning("%s: %s failed (%d time(s) since the last warning): %s: %s", self.name,
+                                       what, count, type(exc).__name__, self.redactor.scrub(str(exc)))
                     raise GaveUp(what) from exc
                 self.stats.incr("transient_errors")
                 throttled = is_throttle(exc)
