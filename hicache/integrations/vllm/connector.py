@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
+import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -165,6 +167,26 @@ def pp_layer_counts(vllm_config: VllmConfig, stage0_layers: int) -> list[int]:
     return counts
 
 
+def _close_worker_at_exit(connector: HiCacheConnector) -> None:
+    """Drain the worker's storage queue when the interpreter exits without vLLM's shutdown (an
+    in-process engine, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, left to the interpreter's exit):
+    vLLM's own shutdown then came after Python stopped accepting thread-pool work, and the
+    queued pages were lost. Runs before the thread pools stop (``threading``'s exit hooks run
+    newest first, theirs was registered at import); a no-op once the worker closed."""
+    ref = weakref.ref(connector)
+
+    def drain() -> None:
+        conn = ref()
+        worker = conn._worker if conn is not None else None
+        if worker is not None:
+            worker.close(worker_close_timeout(conn.options.close_timeout_s))
+
+    try:
+        threading._register_atexit(drain)  # type: ignore[attr-defined]  # (what concurrent.futures uses)
+    except (AttributeError, RuntimeError):  # another Python, or already shutting down
+        pass
+
+
 def worker_close_timeout(close_timeout_s: float) -> float:
     """How long a worker's shutdown may drain its storage queue: ``close_timeout_s``, capped
     below vLLM's grace for worker processes (``VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS``, after
@@ -230,6 +252,7 @@ class HiCacheConnector(KVConnectorBase_V1):
                 self.geometry, make_backend(opts.backend, opts.backend_options, ns(tp, pp)),
                 host_pages=opts.host_pages, load_timeout_s=opts.load_timeout_s, controller=opts.controller_config(),
             )
+            _close_worker_at_exit(self)
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
@@ -313,6 +336,11 @@ class HiCacheConnector(KVConnectorBase_V1):
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self._scheduler is not None
+        if getattr(request, "prompt_embeds", None) is not None:
+            # its KV depends on embeddings, not on token ids (every embedding position holds the
+            # same placeholder token): keyed by its tokens, it would be served another request's
+            # KV. Neither looked up nor saved (vLLM keys such blocks by the embeddings' hash).
+            return 0, False
         self._requests[request.request_id] = request
         hit = self._scheduler.matched_tokens(
             request.request_id, request.prompt_token_ids or [], request_salt(request), num_computed_tokens

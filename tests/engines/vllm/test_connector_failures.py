@@ -716,3 +716,62 @@ def test_a_save_gathered_layer_by_layer_in_chunks_puts_every_block_in_its_slot(t
                 assert torch.equal(dst[i][:, d] if kv_first else dst[i][d], src[i][:, b] if kv_first else src[i][b])
     finally:
         w.close(timeout=10)
+
+
+def test_a_prompt_given_as_embeddings_is_neither_looked_up_nor_saved(model_dir: str, tmp_path: Path) -> None:
+    """A prompt with embeddings (vLLM's prompt_embeds) holds the same placeholder token at every
+    embedding position: keyed by its tokens, it was served the KV of another prompt with the
+    same text and other embeddings (wrong answers). It is left to vLLM."""
+    from vllm import SamplingParams
+    from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
+    from vllm.v1.request import Request
+
+    conn = vllm_connector(model_dir, tmp_path, KVConnectorRole.SCHEDULER, num_layers=5)
+    try:
+        store_five_pages(conn, tmp_path)
+        plain = Request("plain", list(TOKENS), SamplingParams(max_tokens=1), None)
+        assert conn.get_num_new_matched_tokens(plain, 0)[0] == 5 * BS  # the pages are there
+        embeds = torch.zeros(len(TOKENS), 16)
+        mixed = Request("embeds", list(TOKENS), SamplingParams(max_tokens=1), None, prompt_embeds=embeds)
+        assert conn.get_num_new_matched_tokens(mixed, 0) == (0, False)
+        assert "embeds" not in conn._requests  # no saves are planned for it
+    finally:
+        conn.shutdown()
+
+
+_EXIT_WITHOUT_SHUTDOWN = r"""
+import sys, torch
+sys.path.insert(0, sys.argv[3])
+from test_connector_failures import BS, TOKENS, vllm_connector
+from hicache.integrations.vllm.naming import PageKeyChain
+from hicache.integrations.vllm.transfers import PageSave
+from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
+
+conn = vllm_connector(sys.argv[1], sys.argv[2], KVConnectorRole.WORKER, num_layers=5)
+conn.register_kv_caches({f"model.layers.{i}.self_attn.attn": torch.ones(16, 2, BS, 2, 16, dtype=torch.bfloat16)
+                         for i in range(5)})
+conn._worker.save([PageSave("r", tuple(PageKeyChain(BS).extend(TOKENS, 5)), tuple(range(5)), tuple(range(5)), job=1)])
+print("saved", flush=True)
+# no shutdown: the interpreter exits (an in-process engine left to it)
+"""
+
+
+def test_pages_queued_when_the_interpreter_exits_without_shutdown_are_written(model_dir: str, tmp_path: Path) -> None:
+    """An in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0) left to the interpreter's exit:
+    vLLM's shutdown came after Python refused new thread-pool work, and the pages queued for
+    storage were lost. The worker now drains at exit, before the thread pools stop."""
+    import subprocess
+    import sys
+
+    from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
+
+    here = str(Path(__file__).resolve().parent)
+    out = subprocess.run([sys.executable, "-c", _EXIT_WITHOUT_SHUTDOWN, model_dir, str(tmp_path), here],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "saved" in out.stdout, out.stderr[-3000:]
+    assert "closing the controller failed" not in out.stderr
+    conn = vllm_connector(model_dir, tmp_path, KVConnectorRole.SCHEDULER, num_layers=5)
+    try:
+        assert answer(conn._scheduler, "a", TOKENS) == 5 * BS
+    finally:
+        conn.shutdown()
