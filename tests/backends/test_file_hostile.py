@@ -695,3 +695,39 @@ async def test_close_during_the_opening_scan_starts_no_new_scan(tmp_path, monkey
         gate.set()
     await asyncio.sleep(0.2)
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+async def test_a_cancelled_batch_read_starts_no_more_pages(tmp_path, monkeypatch) -> None:
+    """A caller's timeout (SGLang's ``hicache_call_timeout``) cancels a batch read: the pages
+    already being read finish (they land in the caller's memory), but the rest of the batch
+    was read too, holding the caller's thread for the whole batch (SGLang's detach gave up)."""
+    import threading
+
+    from hicache_backends.file import io as file_io
+
+    size = 4096
+    started = 0
+    lock = threading.Lock()
+    real = file_io.read_page_into
+
+    def slow_read(*args):
+        nonlocal started
+        with lock:
+            started += 1
+        time.sleep(0.2)
+        return real(*args)
+
+    async with make_store(tmp_path, shared=False, io_threads=1) as store:
+        await store.wait_index_ready()
+        keys = [f"k{i}" for i in range(12)]
+        assert await store.batch_set(keys, [v0(size, i) for i in range(12)])
+        monkeypatch.setattr(file_io, "read_page_into", slow_read)
+        bufs = [torch.empty(size, dtype=torch.uint8) for _ in keys]
+        task = asyncio.create_task(store.batch_get(keys, bufs))
+        await asyncio.sleep(0.1)
+        task.cancel()
+        t0 = time.monotonic()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert time.monotonic() - t0 < 1.5  # the page in flight, not the other eleven
+        assert started <= 2

@@ -105,6 +105,11 @@ class _SharedCalls:
                 self._next = i + 1
             self.results[i] = self.fn(*self.calls[i])
 
+    def stop(self) -> None:
+        """Start no more calls (those running finish; the others keep a ``None`` result)."""
+        with self._lock:
+            self._next = len(self.calls)
+
 
 @dataclass(slots=True)
 class _Reservation:
@@ -349,14 +354,16 @@ class FileStorage(AsyncHiCacheStorage):
         they move) add up to a share per thread; ``threads`` lowers the cap below ``io_threads``.
         A cancelled caller waits for the threads (see :meth:`_run_chunked_to_end`).
         """
-        results, cancelled = await self._run_chunked_to_end(fn, calls, nbytes, per_call, threads)
+        # cancelled: the calls not started yet are not (their results are dropped anyway), so
+        # a caller's timeout frees its thread after the pages in flight, not the whole batch
+        results, cancelled = await self._run_chunked_to_end(fn, calls, nbytes, per_call, threads, stop_on_cancel=True)
         if cancelled:
             raise asyncio.CancelledError
         return results  # type: ignore[return-value]
 
     async def _run_chunked_to_end(
         self, fn: Callable[..., T], calls: Sequence[tuple[Any, ...]], nbytes: int = 0, per_call: int = 0,
-        threads: int | None = None,
+        threads: int | None = None, *, stop_on_cancel: bool = False,
     ) -> tuple[list[T] | None, bool]:
         """:meth:`_run_chunked` that always lets the threads finish - they may be filling the
         caller's buffers (host-pool memory the caller reuses once we return) - and returns
@@ -380,6 +387,8 @@ class FileStorage(AsyncHiCacheStorage):
                 break
             except asyncio.CancelledError:
                 cancelled = True
+                if stop_on_cancel:
+                    shared.stop()
                 if work.done():  # the work itself was cancelled (loop shutting down)
                     return None, True
         for part in parts:
