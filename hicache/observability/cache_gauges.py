@@ -8,7 +8,8 @@ grow; a reset counts from zero again), its other figures gauges.
 
 Families (all with the instance's ``cache`` label):
 
-- ``hicache_device_{size,free,cached,evictable}_tokens``, ``hicache_host_{size,free}_tokens``
+- ``hicache_device_{size,free,cached,evictable}_tokens``, ``hicache_host_{size,free}_tokens``,
+  ``hicache_tier_change_subscriber_errors_total`` (a consumer of tier changes that raised)
 - ``hicache_backend_<counter>_total{backend}`` for each of the backend's
   :class:`~hicache.storage.stats.StorageStats` counters (``read_bytes``, ``write_ok``,
   ``backend_errors``, ``evicted_pages``...), ``hicache_backend_<figure>{backend}`` for its other
@@ -60,6 +61,11 @@ def export_cache_state(metrics: InstanceMetrics, stack: Any, sessions: Callable[
     metrics.gauge("device_evictable_tokens", tree.evictable_size, "device tokens evictable now")
     metrics.gauge("host_size_tokens", lambda: host.size, "host pool slots")
     metrics.gauge("host_free_tokens", host.available_size, "host pool slots free")
+    hub = getattr(stack, "tier_changes", None)
+    if hub is not None:  # a consumer of tier changes (events, attribution, placement) that raised
+        metrics.on_refresh(lambda m: m.mirror("counter", "tier_change_subscriber_errors",
+                                              float(hub.subscriber_errors),
+                                              "tier-change consumers that raised (each logged)"))
     if stack.storage is not None:
         metrics.on_refresh(lambda m: _export_storage(m, stack.storage))
     if sessions is not None:

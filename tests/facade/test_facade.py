@@ -213,3 +213,18 @@ async def test_a_begin_refused_for_room_is_not_counted() -> None:
         misses = scrape.select("hicache_request_miss_tokens_total", cache=label)
         assert sum(s.value for s in misses) == 6 * PS  # the one request that started
         await cache.abort(hold)
+
+
+async def test_a_failing_tier_change_consumer_is_counted_in_the_scrape() -> None:
+    """A consumer of tier changes that raises is logged and counted by the hub (never breaks
+    a tier); the count reaches the scrape (it stayed in the hub, unseen)."""
+    async with HiCache.from_config(config()) as cache:
+        label = cache.metrics_label
+
+        def broken(change):  # type: ignore[no-untyped-def]
+            raise RuntimeError("consumer bug")
+
+        cache._stack.tier_changes.subscribe(broken)
+        await run(cache, "a", prompt(1, 40))
+        scrape = Scrape(cache.prometheus_text())
+        assert (scrape.value("hicache_tier_change_subscriber_errors_total", cache=label) or 0) > 0
