@@ -54,6 +54,9 @@ class HandleLike(Protocol):
 
     def wait_layer_sync(self, layer: int) -> None: ...
 
+    # optional: ``async def wait_loaded(self) -> None`` (every layer on device); without it the
+    # engine waits layer by layer on a thread
+
 
 class CacheLike(Protocol):
     """The part of :class:`hicache.facade.HiCache` the engine uses (``RecomputeCache`` has it too)."""
@@ -230,7 +233,12 @@ class Engine:
         if prefix and not start:
             # a one-token prompt, fully cached: the prefill reads no prefix (so it waits for no
             # layer) but the first decode step reads it, and that forward does not wait
-            await handle.wait_loaded()
+            wait_loaded = getattr(handle, "wait_loaded", None)  # (optional in HandleLike)
+            if wait_loaded is not None:
+                await wait_loaded()
+            else:
+                layers = self.model.spec.num_layers
+                await asyncio.to_thread(lambda: [handle.wait_layer_sync(layer) for layer in range(layers)])
         logits = await self.run(
             self.model.forward,
             prompt[start:],

@@ -323,6 +323,7 @@ class InstanceMetrics:
         self._mirrors: dict[tuple[str, tuple[str, ...]], float] = {}
         self._multiprocess = multiprocess_dir() is not None
         self._next_refresh = 0.0
+        self._deferred = False  # a refresh at the end of the throttle window is queued
         self._refresh_lock = threading.RLock()  # a gauge function that scrapes must not deadlock
         self._closed = False
         if self._multiprocess:
@@ -400,6 +401,7 @@ class InstanceMetrics:
         """Read the gauge functions (NaN for one that raises) and run the refreshers; one
         refresh of this owner at a time (a scrape thread and the refresher thread may both ask)."""
         with self._refresh_lock:
+            self._deferred = False  # before reading: a change from now on asks again
             if self._closed:
                 return
             for child, fn in list(self._gauge_fns):
@@ -426,8 +428,10 @@ class InstanceMetrics:
             if now >= self._next_refresh:
                 self._next_refresh = now + _REFRESH_EVERY_S
                 _refresher.request(self)
-            else:  # throttled: still refreshed once the window ends, or the last change of a
-                # burst (a recovery right after a probe) would wait for the next update
+            elif not self._deferred:  # throttled: still refreshed once the window ends, or the
+                # last change of a burst (a recovery right after a probe) would wait for the next
+                # update; one request per window (each one took a lock and woke the thread)
+                self._deferred = True
                 _refresher.request(self, at=self._next_refresh)
 
     async def aclose(self) -> None:
@@ -467,13 +471,17 @@ class InstanceMetrics:
     def _neutral_gauges(self) -> None:
         """Multi-process mode cannot remove a series (its values stay in this worker's files
         until the process exits): a closed owner's gauges are set to what their aggregation
-        ignores (0 where summed, NaN where the minimum or maximum is taken), so a replaced
-        cache's sizes are not added in, nor its last ``storage_up = 0`` read as DOWN."""
+        ignores: 0 where summed, +inf where the minimum is taken, -inf where the maximum (they
+        lose every comparison, in whatever order the workers' files are read; NaN won when
+        read first), so a replaced cache's sizes are not added in, nor its last
+        ``storage_up = 0`` read as DOWN. A "most recent" gauge is left as it is."""
         for family, label_sets in self._used.items():
             if not isinstance(family, Gauge):
                 continue
             mode = getattr(family, "_multiprocess_mode", "livesum")
-            value = math.nan if mode.endswith(("min", "max", "mostrecent")) else 0.0
+            if mode.endswith("mostrecent"):
+                continue
+            value = math.inf if mode.endswith("min") else -math.inf if mode.endswith("max") else 0.0
             for values in label_sets:
                 try:
                     family.labels(*values).set(value)

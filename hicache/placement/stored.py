@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 __all__ = ["StoredPages"]
 
@@ -182,23 +183,35 @@ class StoredPages:
         pinned or the write's own prefix, get no reserved room: the caller does not send them
         (the backend's own bound would make room by evicting the oldest pages, on a chain its
         root)."""
-        pinned = self.pin([after]) if after is not None else []
+        page = self._pages.get(after) if after is not None else None
+        pinned = [(after, page)] if page is not None else []
+        if page is not None:
+            page.pins += 1
         try:
             doomed = self.make_room(pages)
         except BaseException:
-            self.unpin(pinned)
+            self._unpin_pages(pinned)
             raise
         short = 0 if self.capacity is None else min(pages, max(0, len(self._pages) + self.reserved - self.capacity))
         self.reserved -= short
         return doomed, pages - short, pinned
 
-    def landed(self, reserved: int, keys: Sequence[str], prior: str | None, pinned: Sequence[str] = ()) -> None:
+    def landed(self, reserved: int, keys: Sequence[str], prior: str | None, pinned: Sequence[Any] = ()) -> None:
         """A write for which ``reserved`` pages of room were made ended; ``keys`` (its
         leading pages) were written; ``pinned``: what :meth:`room_for_write` pinned for it."""
         self.reserved = max(0, self.reserved - reserved)
         if keys:
             self.add(keys, prior)
-        self.unpin(pinned)
+        self._unpin_pages(pinned)
+
+    def _unpin_pages(self, pinned: Sequence[Any]) -> None:
+        """Unpin the very page entries pinned: a page removed and written again meanwhile is
+        another entry, whose pins are other writes' (by key, this took one of theirs)."""
+        for key, page in pinned:
+            if self._pages.get(key) is page and page.pins > 0:
+                page.pins -= 1
+                if not page.pins and not page.children:
+                    self._push(key, page)
 
     # ------------------------------------------------------------------ internals
 

@@ -291,3 +291,29 @@ async def test_a_clear_racing_writes_and_deletes_removes_every_page(tmp_path: An
         assert not any(await asyncio.gather(*(store.exists(k) for k in keys)))
         pages = [p for p in (tmp_path / "store").rglob("*") if p.is_file() and p.name != "manifest.json"]
         assert pages == []
+
+
+async def test_a_clear_removes_the_temporary_file_of_a_writer_that_died(tmp_path: Any) -> None:
+    """A local writer killed mid-write leaves ``<page>.<pid>-<n>.tmp``; a clear spares the
+    temporary files of live writers (removing one fails that write) but not a dead one's,
+    which would otherwise stay on disk for good."""
+    import os
+    import subprocess
+    import sys
+
+    store = create_async_storage(
+        "fsspec", None, url=f"file://{tmp_path}/store", storage_options={"auto_mkdir": True}, namespace=NS_A
+    )
+    async with store:
+        assert await store.set("k", torch.ones(8))
+        page = store.names.page("k", "kv").removeprefix("file://")
+        dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                              text=True, check=True)
+        stale = f"{page}.{int(dead.stdout)}-0.tmp"  # its writer exited
+        live = f"{page}.{os.getpid()}-999.tmp"  # a write of this process, in flight
+        for path in (stale, live):
+            with open(path, "wb") as f:
+                f.write(b"x")
+        assert await store.clear()
+        assert not os.path.exists(stale) and os.path.exists(live)
+        os.unlink(live)

@@ -166,7 +166,7 @@ def test_the_last_change_before_a_worker_goes_idle_is_published(tmp_path: Path) 
 
 
 _REPLACED = r'''
-import asyncio, json, sys
+import asyncio, json, math, sys
 from hicache.facade import HiCache
 from hicache.observability.metrics import exposition_text
 from hicache.observability.scrape import Scrape
@@ -183,7 +183,7 @@ async def main():
     s = Scrape(exposition_text())
     line = [l for l in render_scrape(s, "x").splitlines() if l.startswith("storage:")][0]
     print(json.dumps({"device": s.value("hicache_device_size_tokens"), "line": line,
-                      "up": [x.value for x in s.select("hicache_storage_up") if x.value == x.value]}))
+                      "up": [x.value for x in s.select("hicache_storage_up") if math.isfinite(x.value)]}))
     await b.aclose()
 asyncio.run(main())
 '''
@@ -191,7 +191,7 @@ asyncio.run(main())
 
 def test_a_closed_cache_leaves_neutral_gauges(tmp_path: Path) -> None:
     """Multi-process mode cannot remove a closed cache's series: its gauges are neutral (0
-    where summed, NaN where min/max), so a replaced cache's sizes are not added in and its
+    where summed, +inf/-inf where min/max), so a replaced cache's sizes are not added in and its
     last ``storage_up = 0`` does not read as DOWN."""
     import warnings
 

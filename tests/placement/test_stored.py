@@ -360,3 +360,22 @@ def test_a_parent_written_again_adopts_its_orphans() -> None:
     assert stored.is_orphan("P") and stored.is_orphan("C") and _orphans_exact(stored)
     stored.remove(["C"])
     assert not stored._waiting.get("C") and _orphans_exact(stored)
+
+
+def test_a_write_unpins_only_the_page_it_pinned() -> None:
+    """A write's prefix was removed by the backend and written again while the write was in
+    flight: the write's end took the pin of a later write on the new page (by key), whose
+    prefix could then be evicted under it."""
+    stored = StoredPages(3)
+    stored.add(["A"], None)
+    _, n1, pins1 = stored.room_for_write(1, "A")  # W1 after A, in flight
+    stored.remove(["A"])  # the backend dropped it
+    stored.add(["A"], None)  # written again: another entry
+    _, n3, pins3 = stored.room_for_write(1, "A")  # W3 after the new A
+    stored.landed(n1, [], "A", pins1)  # W1 ends
+    assert stored._pages["A"].pins == 1  # still W3's
+    stored.add(["X", "Y"], None)
+    doomed, _, pins4 = stored.room_for_write(1, None)
+    assert "A" not in doomed
+    stored.landed(n3, ["B"], "A", pins3)
+    assert stored._pages["A"].pins == 0

@@ -876,7 +876,8 @@ class FileStorage(AsyncHiCacheStorage):
             else:
                 checked[i] = dataclasses.replace(r, skipped=True, replaced=0)
         self.stats.incr("writes_racing_clear", len(wrote))
-        if published:  # the batch's own settlement goes to the old ledger's token: not applied
+        if published and generation == self._generation:  # (another clear since: they went with it)
+            # the batch's own settlement goes to the old ledger's token: not applied
             try:
                 await self._ledger_call(self._executor, published)
             except asyncio.CancelledError:

@@ -490,8 +490,26 @@ _REMOVE_CHUNK = 128
 
 def _not_in_flight(files: list[str]) -> list[str]:
     """A listing without the temporary files of local writes in flight (:func:`_put_local`
-    renames them into place: removing one fails that write, not a page)."""
-    return [f for f in files if not f.endswith(".tmp")]
+    renames them into place: removing one fails that write, not a page). A temporary file of
+    a writer that is gone (killed mid-write) is removed like any other file."""
+    return [f for f in files if not (f.endswith(".tmp") and _writer_alive(f))]
+
+
+def _writer_alive(tmp: str) -> bool:
+    """Whether the process named in ``<page>.<pid>-<n>.tmp`` runs on this machine."""
+    try:
+        pid = int(tmp[: -len(".tmp")].rsplit(".", 1)[1].split("-", 1)[0])
+    except (IndexError, ValueError):
+        return False
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # exists, another user's
+        return True
+    return True
 
 
 def _removed_all(prefix: str, files: list[str], failed: set[str]) -> int:

@@ -176,10 +176,13 @@ def _close_worker_at_exit(connector: HiCacheConnector) -> None:
     ref = weakref.ref(connector)
 
     def drain() -> None:
-        conn = ref()
-        worker = conn._worker if conn is not None else None
-        if worker is not None:
-            worker.close(worker_close_timeout(conn.options.close_timeout_s))
+        try:  # an exception here would skip the interpreter's other exit hooks (thread pools)
+            conn = ref()
+            worker = conn._worker if conn is not None else None
+            if worker is not None:
+                worker.close(worker_close_timeout(conn.options.close_timeout_s))
+        except BaseException:  # noqa: BLE001
+            logger.exception("hicache worker: draining at interpreter exit failed")
 
     try:
         threading._register_atexit(drain)  # type: ignore[attr-defined]  # (what concurrent.futures uses)
