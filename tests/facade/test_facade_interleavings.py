@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import random
+import traceback
 import uuid
 
 import pytest
@@ -221,7 +222,8 @@ async def test_close_in_the_middle_of_random_traffic(seed: int) -> None:
     await asyncio.sleep(0.01 + rnd.random() * 0.03)
     await asyncio.wait_for(cache.aclose(), 10)
     results = await asyncio.gather(*clients, return_exceptions=True)
-    assert not [r for r in results if isinstance(r, BaseException)]
+    bad = [r for r in results if isinstance(r, BaseException)]
+    assert not bad, "".join(traceback.format_exception(bad[0]))
     assert not cache._live
     assert cache._stack.controller.state.value == "closed"
     with pytest.raises(CacheClosedError):
