@@ -13,7 +13,8 @@ from the built-in it resembles, so callers may catch either::
     ├── CacheClosedError (RuntimeError)     cache or controller used after aclose()
     ├── TraceFormatError (ValueError)       a request trace line that is not a Mooncake record
     ├── OutOfKVSlotsError (MemoryError)     no device KV slots even after eviction and offload
-    └── RequestAbortedError (RuntimeError)  a request aborted while its admit waited
+    ├── RequestAbortedError (RuntimeError)  a request aborted while its admit waited
+    └── ChainGoneError (LookupError)        a tree node that left the tree: no storage key chain
 
 A *miss* is never an exception: reads return ``None``/``False`` for pages that are absent,
 corrupt or unreachable, because in a cache a miss is the normal path.
@@ -33,6 +34,7 @@ __all__ = [
     "OutOfKVSlotsError",
     "TraceFormatError",
     "RequestAbortedError",
+    "ChainGoneError",
 ]
 
 
@@ -80,3 +82,8 @@ class OutOfKVSlotsError(HiCacheError, MemoryError):
 class RequestAbortedError(HiCacheError, RuntimeError):
     """The request was aborted (``abort_req``, from another task) while its ``admit`` waited:
     admit released what it locked instead of admitting it."""
+
+
+class ChainGoneError(HiCacheError, LookupError):
+    """A tree node left the tree before its page keys were made: no storage key chain
+    continues from it (the namespace's seed would give its continuation a root prompt's keys)."""

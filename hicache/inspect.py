@@ -8,6 +8,7 @@ read would accept. A page found corrupt is dropped by that read, as it would be 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import random
@@ -60,7 +61,7 @@ async def inspect_store(
     for ns in namespaces:
         store = create_async_storage(backend, None, namespace=ns, **opts)
         layout = getattr(store, "layout", None)  # a store of folders (file)
-        if layout is not None and not os.path.isdir(layout.ns_dir):
+        if layout is not None and not await asyncio.to_thread(os.path.isdir, layout.ns_dir):
             # a manifest that does not name its own folder (edited, or another version's):
             # opening its namespace would create a folder in the store being inspected
             report["unmatched_manifests"] = report.get("unmatched_manifests", 0) + 1

@@ -27,8 +27,6 @@ import logging
 import os
 import reprlib
 import tomllib
-import types
-import typing
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -37,7 +35,7 @@ import aiofiles
 import yaml
 from pydantic import ValidationError
 
-from hicache.config.schema import HiCacheConfig
+from hicache.config.schema import HiCacheConfig, union_args
 from hicache.errors import BackendLoadError, BackendNotFoundError, ConfigError
 
 __all__ = ["ENV_PREFIX", "load_config", "aload_config", "config_from_dict", "env_overrides", "check_backend"]
@@ -122,13 +120,9 @@ def _is_string_field(path: list[str]) -> bool:
     if field is None:
         return False
     ann = field.annotation
-    if ann is str:
-        return True
-    # str | None, and the like; not dict[str, Any], whose arguments name str too (its JSON
-    # from the environment was kept as a string and refused)
-    if typing.get_origin(ann) not in (typing.Union, types.UnionType):
-        return False
-    args = typing.get_args(ann)
+    # str, str | None; not dict[str, Any], whose arguments name str too (its JSON from the
+    # environment was kept as a string and refused)
+    args = union_args(ann)
     return str in args and all(a in (str, type(None)) for a in args)
 
 

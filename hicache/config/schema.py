@@ -32,10 +32,16 @@ __all__ = [
 ]
 
 
+def union_args(annotation: Any) -> tuple[Any, ...]:
+    """The types a field annotation admits: a union's members (``int | None``), or itself;
+    ``Annotated`` members unwrapped to their type."""
+    args = typing.get_args(annotation) if typing.get_origin(annotation) in (typing.Union, types.UnionType) else (annotation,)
+    return tuple(typing.get_args(a)[0] if typing.get_origin(a) is Annotated else a for a in args)
+
+
 def _numeric_only(annotation: Any) -> bool:
     """Whether a field takes numbers and not booleans (``int``, ``float``, optional ones)."""
-    args = typing.get_args(annotation) if typing.get_origin(annotation) in (typing.Union, types.UnionType) else (annotation,)
-    args = tuple(typing.get_args(a)[0] if typing.get_origin(a) is Annotated else a for a in args)
+    args = union_args(annotation)
     return bool(set(args) & {int, float}) and bool not in args
 
 

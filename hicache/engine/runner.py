@@ -54,8 +54,7 @@ class HandleLike(Protocol):
 
     def wait_layer_sync(self, layer: int) -> None: ...
 
-    # optional: ``async def wait_loaded(self) -> None`` (every layer on device); without it the
-    # engine waits layer by layer on a thread
+    async def wait_loaded(self) -> None: ...
 
 
 class CacheLike(Protocol):
@@ -233,12 +232,7 @@ class Engine:
         if prefix and not start:
             # a one-token prompt, fully cached: the prefill reads no prefix (so it waits for no
             # layer) but the first decode step reads it, and that forward does not wait
-            wait_loaded = getattr(handle, "wait_loaded", None)  # (optional in HandleLike)
-            if wait_loaded is not None:
-                await wait_loaded()
-            else:
-                layers = self.model.spec.num_layers
-                await asyncio.to_thread(lambda: [handle.wait_layer_sync(layer) for layer in range(layers)])
+            await handle.wait_loaded()
         logits = await self.run(
             self.model.forward,
             prompt[start:],

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from hicache.errors import ChainGoneError
 from hicache.observability.attribution import Attributor, PrefetchView, RequestAttribution
 
 __all__ = ["TreeAttribution"]
@@ -64,6 +65,8 @@ class TreeAttribution:
                 storage=self.storage_state(),
                 record=not req.explain_misses,
             )
+        except ChainGoneError:  # its match ended on a node that left the tree: no keys to explain by
+            return None
         except Exception:  # noqa: BLE001 - attribution must never fail an admitted request
             logger.exception("attributing request %s failed", req.rid)
             return None

@@ -94,13 +94,9 @@ def _export_storage(metrics: InstanceMetrics, storage: Any) -> None:
     counters = set(storage.stats.snapshot()) | _BACKEND_TOTALS | set(_BACKEND_COUNTERS)
     labels = {"backend": str(stats.get("backend", "unknown")).lower()}
     for key, value in numeric_items(stats):
-        doc = f"storage backend {key.replace('_', ' ')}"
-        if key in counters:
-            metrics.mirror("counter", f"backend_{key}", value, doc, labels)
-        elif key in _STORE_WIDE:
-            metrics.mirror("gauge", f"backend_{key}", value, doc, labels, mode="livemax")
-        else:
-            metrics.mirror("gauge", f"backend_{key}", value, doc, labels)
+        kind = "counter" if key in counters else "gauge"
+        mode = {"mode": "livemax"} if kind == "gauge" and key in _STORE_WIDE else {}
+        metrics.mirror(kind, f"backend_{key}", value, f"storage backend {key.replace('_', ' ')}", labels, **mode)
     state = stats.get("breaker_state")
     if isinstance(state, str) and state in BREAKER_STATES:
         metrics.mirror("gauge", "backend_breaker_state", BREAKER_STATES[state],

@@ -242,9 +242,8 @@ class _Refresher:
                     else:
                         self._cond.wait()
                 now = time.monotonic()
-                due = [ref for key, (ref, when) in list(self._due.items()) if when <= now]
-                for key in [key for key, (_, when) in self._due.items() if when <= now]:
-                    del self._due[key]
+                due = [ref for ref, when in self._due.values() if when <= now]
+                self._due = {key: entry for key, entry in self._due.items() if entry[1] > now}
                 self.running += 1
             try:
                 for ref in due:

@@ -39,19 +39,21 @@ class Scrape:
         """Samples named ``name`` whose labels include ``labels``."""
         return [s for s in self.samples if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())]
 
+    def select_live(self, name: str, **labels: str) -> list[Sample]:
+        """:meth:`select` without infinite samples: a closed cache's min/max gauges in
+        multi-process mode (they cannot leave the scrape; see
+        ``InstanceMetrics._neutral_gauges``). NaN stays: a gauge that failed."""
+        return [s for s in self.select(name, **labels) if not math.isinf(s.value)]
+
     def value(self, name: str, **labels: str) -> float | None:
-        """The sum of the matching samples; None when none matches. Infinite samples are left
-        out: a closed cache's min/max gauges in multi-process mode (they cannot leave the
-        scrape; see ``InstanceMetrics._neutral_gauges``). NaN stays: a gauge that failed."""
-        found = [s for s in self.select(name, **labels) if not math.isinf(s.value)]
+        """The sum of the live matching samples (:meth:`select_live`); None when none matches."""
+        found = self.select_live(name, **labels)
         return sum(s.value for s in found) if found else None
 
     def by(self, name: str, label: str, **labels: str) -> dict[str, float]:
         """Matching samples summed per value of ``label``."""
         out: dict[str, float] = {}
-        for s in self.select(name, **labels):
-            if math.isinf(s.value):  # a closed cache's gauge (see value)
-                continue
+        for s in self.select_live(name, **labels):
             key = s.labels.get(label, "")
             out[key] = out.get(key, 0.0) + s.value
         return out

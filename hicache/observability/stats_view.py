@@ -14,7 +14,6 @@ CI log, an incident over ssh) one command answers "is the cache working".
 from __future__ import annotations
 
 import asyncio
-import math
 import os
 import sys
 import time
@@ -114,10 +113,9 @@ def render_scrape(scrape: Scrape, source: str, previous: tuple[float, Scrape] | 
     lines.append("")
     queues = [f"{label} {_n(scrape.value(name))}" for label, name in _QUEUES if scrape.value(name) is not None]
     lines.append("queues: " + ("   ".join(queues) if queues else "-"))
-    # not finite: a closed cache's gauge in multi-process mode (it cannot leave the scrape)
-    up = [s.value for s in scrape.select("hicache_storage_up") if math.isfinite(s.value)]
+    up = [s.value for s in scrape.select_live("hicache_storage_up")]
     store = "no storage" if not up else ("up" if min(up) >= 1 else "DOWN")
-    breaker = [s.value for s in scrape.select("hicache_backend_breaker_state") if math.isfinite(s.value)]
+    breaker = [s.value for s in scrape.select_live("hicache_backend_breaker_state")]
     worst = max(breaker, default=None)
     lines.append(
         f"storage: {store}   breaker {_BREAKER.get(worst, '-') if worst is not None else '-'}   "

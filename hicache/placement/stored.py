@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Iterable, Sequence
-from typing import Any
 
 __all__ = ["StoredPages"]
 
@@ -37,6 +36,16 @@ class _Page:
         self.tick = tick
         self.pins = 0
         self.orphan = orphan
+
+
+class _Pins(list):  # type: ignore[type-arg]
+    """The keys a :meth:`StoredPages.pin` took (a list of them), with the page entries."""
+
+    __slots__ = ("entries",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.entries: list[tuple[str, _Page]] = []
 
 
 class StoredPages:
@@ -115,19 +124,24 @@ class StoredPages:
                     self._push(key, page)
 
     def pin(self, keys: Iterable[str]) -> list[str]:
-        """Keep these pages (a prefetch reads them); returns the ones pinned, for :meth:`unpin`."""
-        pinned = []
+        """Keep these pages (a prefetch reads them, a write chains from one); returns the keys
+        pinned, for :meth:`unpin`."""
+        pinned = _Pins()
         for key in keys:
             page = self._pages.get(key)
             if page is not None:
                 page.pins += 1
                 pinned.append(key)
+                pinned.entries.append((key, page))
         return pinned
 
     def unpin(self, keys: Iterable[str]) -> None:
-        for key in keys:
-            page = self._pages.get(key)
-            if page is not None and page.pins > 0:
+        """Give back pins :meth:`pin` took: on the very page entries it pinned (a page removed
+        and written again meanwhile is another entry, whose pins are others')."""
+        entries = getattr(keys, "entries", None)
+        pairs = entries if entries is not None else [(key, self._pages.get(key)) for key in keys]
+        for key, page in pairs:
+            if page is not None and self._pages.get(key) is page and page.pins > 0:
                 page.pins -= 1
                 if not page.pins and not page.children:
                     self._push(key, page)
@@ -183,37 +197,23 @@ class StoredPages:
         pinned or the write's own prefix, get no reserved room: the caller does not send them
         (the backend's own bound would make room by evicting the oldest pages, on a chain its
         root)."""
-        page = self._pages.get(after) if after is not None else None
-        pinned = [(after, page)] if page is not None else []
-        if page is not None:
-            page.pins += 1
+        pinned = self.pin([after] if after is not None else [])
         try:
             doomed = self.make_room(pages)
         except BaseException:
-            self._unpin_pages(pinned)
+            self.unpin(pinned)
             raise
         short = 0 if self.capacity is None else min(pages, max(0, len(self._pages) + self.reserved - self.capacity))
         self.reserved -= short
         return doomed, pages - short, pinned
 
-    def landed(self, reserved: int, keys: Sequence[str], prior: str | None, pinned: Sequence[Any] = ()) -> None:
+    def landed(self, reserved: int, keys: Sequence[str], prior: str | None, pinned: Sequence[str] = ()) -> None:
         """A write for which ``reserved`` pages of room were made ended; ``keys`` (its
         leading pages) were written; ``pinned``: what :meth:`room_for_write` pinned for it."""
         self.reserved = max(0, self.reserved - reserved)
         if keys:
             self.add(keys, prior)
-        self._unpin_pages(pinned)
-
-    def _unpin_pages(self, pinned: Sequence[Any]) -> None:
-        """Unpin the very page entries pinned: a page removed and written again meanwhile is
-        another entry, whose pins are other writes' (by key, this took one of theirs)."""
-        for key, page in pinned:
-            if self._pages.get(key) is page and page.pins > 0:
-                page.pins -= 1
-                if not page.pins and not page.children:
-                    self._push(key, page)
-
-    # ------------------------------------------------------------------ internals
+        self.unpin(pinned)
 
     def _push(self, key: str, page: _Page) -> None:
         heap = self._heap

@@ -45,6 +45,7 @@ import torch
 
 from hicache.controller.controller import HiCacheController
 from hicache.controller.jobs import PrefetchResult, StorageWriteJob
+from hicache.errors import ChainGoneError
 from hicache.events.log import EventLog
 from hicache.observability.tier_events import ChangeKind, Tier, TierChange, TierChangeHub
 from hicache.placement import GhostList, PlacementPolicy, StoredPages, default_victim_write_limit, make_placement
@@ -257,19 +258,16 @@ class HiRadixCache(RadixCache):
         """The chain hash storage keys continue from after ``node``: its last page key (which
         hashes the node and its unhashed ancestors on first use), or at the root the
         namespace's seed. ``None`` for what is not a tree node (a session's virtual node).
-        A node without page keys (it left the tree) has no chain to continue: callers that
-        build keys check :meth:`_keyless` first (the seed would give its continuation the keys
-        of a prompt starting at the root)."""
+        :class:`~hicache.errors.ChainGoneError` for a node without page keys (it left the
+        tree): no chain continues from it."""
         if not isinstance(node, TreeNode):
             return None
-        if node is self.root_node or not node.hash_value:
+        if node is self.root_node:
             return namespace_seed(extra_key)
-        return node.hash_value[-1]
-
-    def _keyless(self, node: Any) -> bool:
-        """``node`` is a tree node other than the root without page keys: no storage chain
-        continues from it."""
-        return isinstance(node, TreeNode) and node is not self.root_node and not node.hash_value
+        keys = node.hash_value
+        if not keys:
+            raise ChainGoneError("the node left the tree: no storage chain continues from it")
+        return keys[-1]
 
     # ------------------------------------------------------------------ tier changes
 
@@ -1004,9 +1002,10 @@ class HiRadixCache(RadixCache):
             self.metrics.incr("prefetch_skipped_threshold")
             return False
         tokens = list(new_input_tokens[:aligned])
-        if last_hash is None and self._keyless(last_host_node):  # left the tree: no chain continues
+        try:
+            prior = last_hash if last_hash is not None else self.storage_prior_hash(last_host_node, extra_key)
+        except ChainGoneError:  # the node left the tree: nothing to continue from
             return False
-        prior = last_hash if last_hash is not None else self.storage_prior_hash(last_host_node, extra_key)
         keys = fast_page_hashes(tokens, ps, prior)
         prefix = list(prefix_tokens) if prefix_tokens is not None else self._path_tokens(last_host_node)
         self._inc_host_ref(last_host_node)

@@ -28,7 +28,7 @@ from hicache.prefix_cache.node import TreeNode
 from hicache.prefix_cache.policy import eviction_key
 from hicache.prefix_cache.req import Req
 from hicache.memory.slots import cat_slots, copy_slots, empty_slots
-from hicache.prefix_cache.tokens import TokenRun, key_run, pack_tokens, page_key
+from hicache.prefix_cache.tokens import TokenRun, is_packed, key_run, pack_tokens, page_key
 from hicache.prefix_cache.types import (
     DecLockRefParams,
     DecLockRefResult,
@@ -252,7 +252,7 @@ class RadixCache(BasePrefixCache):
         node = self.root_node
         pos = 0
         path: list[TreeNode] = []
-        if end and not (type(tokens) is TokenRun and tokens.typecode == "I") and self._child_key(key.extra_key, tokens, 0) in node.children:
+        if end and not is_packed(tokens) and self._child_key(key.extra_key, tokens, 0) in node.children:
             tokens = key_run(key, end)  # packed once (and kept for the insert) only on a hit
         while pos < end:
             child = node.children.get(self._child_key(key.extra_key, tokens, pos))

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from hicache.prefix_cache.types import RadixKey
 
-__all__ = ["TokenRun", "empty_run", "key_run", "pack_tokens", "page_key"]
+__all__ = ["TokenRun", "empty_run", "is_packed", "key_run", "pack_tokens", "page_key"]
 
 #: a packed run of token ids (typecode ``'I'``, or ``'q'`` for ids outside uint32)
 TokenRun = array
@@ -86,17 +86,16 @@ def key_run(key: RadixKey, end: int) -> TokenRun:
     benchmark). The kept run is reused only while the key holds the same list at the same
     length."""
     ids = key.token_ids
-    if type(ids) is TokenRun and ids.typecode == "I":
+    if is_packed(ids):
         return ids
     kept = key._run
     if kept is not None and kept[0] is ids and kept[1] == len(ids) and len(kept[2]) >= end:
         return kept[2]
-    if type(ids) is TokenRun:  # int64 ('q', as SGLang holds tokens): uint32 when every id fits
-        try:
-            run = array("I", ids)
-        except OverflowError:
-            run = ids  # a negative or wider id: compared as it is (a storage tree refuses it)
-    else:
-        run = pack_tokens(ids if len(ids) == end else ids[:end])
+    run = pack_tokens(ids if len(ids) == end else ids[:end])  # a 'q' run too: 'I' when its ids fit
     key._run = (ids, len(ids), run)
     return run
+
+
+def is_packed(tokens: object) -> bool:
+    """Whether ``tokens`` is a uint32 run already (walked and stored as it is)."""
+    return type(tokens) is TokenRun and tokens.typecode == "I"

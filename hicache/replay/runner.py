@@ -214,7 +214,7 @@ async def replay_requests(
             await _remove_run_pages(stack)
         finally:
             report = await stack.aclose()
-            _remove_run_folder(stack.config)
+            await asyncio.to_thread(_remove_run_folder, stack.config)  # a big folder: off the loop
     ref = reference_lru(requests, [caps["device"], caps["host"], caps["storage"]])
     hit_tokens = totals["device_hit_tokens"] + totals["host_hit_tokens"] + totals["storage_hit_tokens"]
     counters = snap["counters"]

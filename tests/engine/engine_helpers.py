@@ -55,6 +55,9 @@ class FakeHandle:
     async def wait_layer(self, layer: int) -> None:
         self.waited.append(layer)
 
+    async def wait_loaded(self) -> None:
+        return None  # the prefix KV is on device already
+
 
 class DevicePrefixCache:
     """Reuses committed KV by longest page-aligned common prefix (device tier only)."""

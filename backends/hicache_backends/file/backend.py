@@ -32,8 +32,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 from hicache.errors import ConfigError
@@ -874,7 +873,7 @@ class FileStorage(AsyncHiCacheStorage):
             if size == r.size:
                 published += r.size - r.replaced
             else:
-                checked[i] = dataclasses.replace(r, skipped=True, replaced=0)
+                checked[i] = replace(r, skipped=True, replaced=0)
         self.stats.incr("writes_racing_clear", len(wrote))
         if published and generation == self._generation:  # (another clear since: they went with it)
             # the batch's own settlement goes to the old ledger's token: not applied

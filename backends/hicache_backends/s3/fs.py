@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 from hicache.storage.offload import OFFLOAD_MIN_BYTES, run_to_completion
+from hicache_backends.file.locks import pid_alive
 from hicache_backends.s3.bodies import BodyBuffers
 
 if TYPE_CHECKING:  # botocore is there only with s3fs; the fsspec backend works without it
@@ -336,10 +337,7 @@ class S3ObjectOps(AsyncObjectOps):
         failed = await self.remove_many(files)
         if failed:
             failed = await self.remove_many(sorted(failed))
-        if failed:
-            raise OSError(f"{len(failed)} of {len(files)} object(s) under {prefix} could not be deleted "
-                          f"(first: {min(failed)})")
-        return len(files)
+        return _removed_all(prefix, files, failed)
 
     async def remove_many(self, paths: list[str]) -> set[str]:
         """DeleteObjects, up to 1,000 keys a request, in quiet mode: S3 answers only the keys it
@@ -501,15 +499,7 @@ def _writer_alive(tmp: str) -> bool:
         pid = int(tmp[: -len(".tmp")].rsplit(".", 1)[1].split("-", 1)[0])
     except (IndexError, ValueError):
         return False
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # exists, another user's
-        return True
-    return True
+    return pid == os.getpid() or pid_alive(pid)
 
 
 def _removed_all(prefix: str, files: list[str], failed: set[str]) -> int:

@@ -32,10 +32,6 @@ logger = logging.getLogger("hicache.storage.s3")
 T = TypeVar("T")
 
 
-class _Closed(Exception):
-    """The store closed while a request waited for its slot."""
-
-
 class GaveUp(Exception):
     """A request failed for good (refused by the breaker, retries spent, or a permanent error);
     already counted and logged, the caller answers with a miss."""
@@ -91,15 +87,15 @@ class RequestRunner:
             try:
                 async with res.semaphore:  # waiting for a slot is bounded by call_timeout
                     if self.closed:  # closed while it waited: it would build a client nobody closes
-                        raise _Closed
+                        raise GaveUp(what)
                     async with asyncio.timeout(timeout):
                         result = await op(res.ops)
-            except _Closed:
-                raise GaveUp(what) from None
             except FileNotFoundError:
                 self.breaker.record_success()  # the service answered
                 raise
             except Exception as exc:  # noqa: BLE001 - classified below
+                if isinstance(exc, GaveUp):  # closed while it waited for its slot
+                    raise
                 if self.closed:  # cut by our own close (its client went away): not the service's fault
                     raise GaveUp(what) from exc
                 if isinstance(exc, TimeoutError):
