@@ -144,6 +144,22 @@ def request_salt(request: Any) -> str | None:
     return "\x00".join([f"salt={salt or ''}", *parts])
 
 
+def _refuse_context_parallel(parallel: Any) -> None:
+    """Refuse prefill or decode context parallelism. Under it a block's tokens are spread over
+    the context-parallel ranks (each holds its interleaved share) and the scheduler counts
+    blocks of ``block_size`` times the ranks, while a worker's page is its own share; and
+    prefill ranks that share a tensor-parallel rank would store under one namespace: a rank
+    would load another's share as its KV. vLLM's offloading route (``hicache`` as an
+    offloading tier, docs/vllm-tier.md) keys each rank's share itself."""
+    pcp = int(getattr(parallel, "prefill_context_parallel_size", 1) or 1)
+    dcp = int(getattr(parallel, "decode_context_parallel_size", 1) or 1)
+    if pcp > 1 or dcp > 1:
+        raise ValueError(
+            f"HiCacheConnector does not support context parallelism (prefill {pcp}, decode {dcp}): "
+            "use hicache as vLLM's offloading tier (docs/vllm-tier.md), which maps each rank's slice"
+        )
+
+
 def pp_layer_counts(vllm_config: VllmConfig, stage0_layers: int) -> list[int]:
     """KV layers of each pipeline stage. The scheduler's ``KVCacheConfig`` is stage 0's, but
     each stage's workers store pages of their own layers, under a namespace with their own
@@ -227,6 +243,7 @@ class HiCacheConnector(KVConnectorBase_V1):
         self.geometry, self._layer_names = _geometry(vllm_config, kv_cache_config)
         model = vllm_config.model_config
         par = vllm_config.parallel_config
+        _refuse_context_parallel(par)
         tp_size, pp_size = int(par.tensor_parallel_size), int(par.pipeline_parallel_size)
 
         def ns(tp: int, pp: int, num_layers: int | None = None) -> Any:

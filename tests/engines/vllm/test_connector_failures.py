@@ -485,7 +485,8 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(path)
 
 
-def vllm_connector(model: str, root: Path, role: Any, num_layers: int, pp_size: int = 1, spec: Any = None) -> Any:
+def vllm_connector(model: str, root: Path, role: Any, num_layers: int, pp_size: int = 1, spec: Any = None,
+                   **parallel: Any) -> Any:
     """Our connector as vLLM's factory builds it, from a real ``VllmConfig``; its
     ``KVCacheConfig`` has ``num_layers`` layers (vLLM gives each pipeline stage its own) of
     ``spec`` (full attention by default)."""
@@ -499,8 +500,8 @@ def vllm_connector(model: str, root: Path, role: Any, num_layers: int, pp_size: 
     config = VllmConfig(
         model_config=ModelConfig(model=model, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=512),
         cache_config=CacheConfig(block_size=BS),
-        parallel_config=ParallelConfig(pipeline_parallel_size=pp_size,
-                                       distributed_executor_backend="mp" if pp_size > 1 else None),
+        parallel_config=ParallelConfig(pipeline_parallel_size=pp_size, **parallel,
+                                       distributed_executor_backend="mp" if pp_size > 1 or parallel else None),
         kv_transfer_config=kv,
     )
     spec = spec or FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=16, dtype=torch.bfloat16)
@@ -548,6 +549,25 @@ def test_a_sliding_window_kv_cache_is_refused(model_dir: str, tmp_path: Path) ->
     window = SlidingWindowSpec(block_size=BS, num_kv_heads=2, head_size=16, dtype=torch.bfloat16, sliding_window=64)
     with pytest.raises(ValueError, match="full-attention KV.*SlidingWindowSpec"):
         vllm_connector(model_dir, tmp_path, KVConnectorRole.SCHEDULER, num_layers=5, spec=window)
+
+
+def test_context_parallelism_is_refused(model_dir: str, tmp_path: Path) -> None:
+    """Under context parallelism a worker's block holds its share of the tokens, and prefill
+    ranks of one tensor-parallel rank would share a namespace: one would load another's share
+    as its KV. The connector says so at start (the offloading route maps the shares). This
+    vLLM builds decode context parallelism on CPU; its V1 runner refuses prefill context
+    parallelism in ``VllmConfig``, so that one is checked on vLLM's ``ParallelConfig`` alone."""
+    from vllm.config import ParallelConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
+
+    from hicache.integrations.vllm.connector import _refuse_context_parallel
+
+    for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
+        with pytest.raises(ValueError, match="context parallelism.*offloading tier"):
+            vllm_connector(model_dir, tmp_path, role, num_layers=5, tensor_parallel_size=4, decode_context_parallel_size=2)
+    with pytest.raises(ValueError, match=r"context parallelism \(prefill 2, decode 1\)"):
+        _refuse_context_parallel(ParallelConfig(prefill_context_parallel_size=2, distributed_executor_backend="mp"))
+    _refuse_context_parallel(ParallelConfig(tensor_parallel_size=4, distributed_executor_backend="mp"))
 
 
 def test_hit_sources_split_host_memory_from_disk(model_dir: str, tmp_path: Path) -> None:
