@@ -266,6 +266,9 @@ class HiCacheConnector(KVConnectorBase_V1):
                 num_workers=tp_size * pp_size,
             )
             self._requests: dict[str, Request] = {}
+            #: multimodal inputs each request had when its salt was taken: a streaming-input
+            #: session that gains an image changes its salt (see :meth:`build_connector_meta`)
+            self._mm_counts: dict[str, int] = {}
         else:
             tp, pp = _worker_ranks()
             self._worker = WorkerSide(
@@ -362,6 +365,7 @@ class HiCacheConnector(KVConnectorBase_V1):
             # KV. Neither looked up nor saved (vLLM keys such blocks by the embeddings' hash).
             return 0, False
         self._requests[request.request_id] = request
+        self._mm_counts[request.request_id] = len(getattr(request, "mm_features", None) or ())
         hit = self._scheduler.matched_tokens(
             request.request_id, request.prompt_token_ids or [], request_salt(request), num_computed_tokens
         )
@@ -396,6 +400,12 @@ class HiCacheConnector(KVConnectorBase_V1):
             request = self._requests.get(req_id)
             if request is None or manager is None:
                 continue
+            mm = len(getattr(request, "mm_features", None) or ())
+            if mm != self._mm_counts.get(req_id, mm):
+                # a streaming-input update added an image since the salt was taken: the pages
+                # after it are other KV than the same tokens without it
+                self._mm_counts[req_id] = mm
+                self._scheduler.reroot(req_id, request_salt(request))
             block_ids = manager.get_block_ids(req_id)[0]
             n_after = n_before + num_scheduled.get(req_id, 0)
             scheduled.append((req_id, n_before, n_after, request.all_token_ids, block_ids))
@@ -413,4 +423,5 @@ class HiCacheConnector(KVConnectorBase_V1):
         if self._scheduler is not None:
             self._scheduler.finished(request.request_id)
             self._requests.pop(request.request_id, None)
+            self._mm_counts.pop(request.request_id, None)
         return False, None

@@ -156,7 +156,8 @@ class SchedulerSide:
         self.stats: dict[str, int] = dict.fromkeys(
             ("lookups", "lookup_waits", "lookup_timeouts", "hit_tokens", "host_hit_tokens", "pages_to_load",
              "pages_to_save", "pages_rewritten", "pages_unwritten", "saves_dropped", "saves_tainted",
-             "saves_aborted", "loads_without_room", "hits_capped_for_room", "bad_slot_pages_dropped", "resets"), 0
+             "saves_aborted", "loads_without_room", "hits_capped_for_room", "bad_slot_pages_dropped", "resets",
+             "requests_rerooted"), 0
         )
 
     # ------------------------------------------------------------------ lookup
@@ -166,9 +167,7 @@ class SchedulerSide:
         """Tokens beyond ``num_computed`` (block aligned) hicache can load, or ``None`` for
         "ask again"."""
         bs = self.block_size
-        state = self._reqs.get(req_id)
-        if state is None:
-            state = self._reqs[req_id] = _Request(PageKeyChain(bs, cache_salt, self._epoch_key), cache_salt)
+        state = self._rooted(req_id, cache_salt)
         state.tokens = token_ids
         start = num_computed // bs
         state.start_page = start
@@ -205,6 +204,27 @@ class SchedulerSide:
             if hit:
                 self._promised[req_id] = hit
         return max(0, (base + hit) * bs - num_computed)
+
+    def _rooted(self, req_id: str, cache_salt: str | None) -> _Request:
+        """The request's state, rooted at ``cache_salt``. A request whose salt changed (a vLLM
+        streaming-input session given a new image, whose identifier is part of the root) starts
+        a new state: its pages after the change are other KV than the same tokens under the old
+        root, so its lookups, host pages and saves all move to the new root, and every page it
+        holds is saved again under it (``saved_pages`` 0)."""
+        state = self._reqs.get(req_id)
+        if state is None or state.salt != cache_salt:
+            if state is not None:
+                self.stats["requests_rerooted"] += 1
+                if state.lookup is not None and not state.lookup.future.done():
+                    state.lookup.future.cancel()
+            state = self._reqs[req_id] = _Request(PageKeyChain(self.block_size, cache_salt, self._epoch_key), cache_salt)
+        return state
+
+    def reroot(self, req_id: str, cache_salt: str | None) -> None:
+        """A running request's salt is now ``cache_salt`` (see :meth:`_rooted`); a request
+        without state (finished, or reset) stays without."""
+        if req_id in self._reqs:
+            self._rooted(req_id, cache_salt)
 
     def _wait_for(self, req_id: str, lk: _Lookup) -> bool:
         """Wait for ``lk`` out of this step's budget; ``False``: still running, ask again."""

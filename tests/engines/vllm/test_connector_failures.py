@@ -570,6 +570,50 @@ def test_context_parallelism_is_refused(model_dir: str, tmp_path: Path) -> None:
     _refuse_context_parallel(ParallelConfig(tensor_parallel_size=4, distributed_executor_backend="mp"))
 
 
+def test_a_streaming_session_given_an_image_saves_under_its_new_root(model_dir: str, tmp_path: Path) -> None:
+    """vLLM's streaming-input update appends the new input's images to the running request's
+    ``mm_features``: the connector's next step plan sees it and saves the session's pages
+    under the root that includes the new image (under the old one, a session with another
+    image at that place would have loaded them)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
+
+    from hicache.integrations.vllm.connector import request_salt
+
+    def image(name: str, offset: int) -> Any:
+        return SimpleNamespace(identifier=name, mm_position=SimpleNamespace(offset=offset, length=4))
+
+    conn = vllm_connector(model_dir, tmp_path, KVConnectorRole.SCHEDULER, num_layers=5)
+    blocks = list(range(8))
+    conn.bind_kv_cache_manager(SimpleNamespace(get_block_ids=lambda req_id: (blocks,), block_pool=None))
+
+    def step(req: Any, before: int, after: int) -> Any:
+        req.all_token_ids = TOKENS[:after]
+        out = SimpleNamespace(num_scheduled_tokens={"s": after - before}, scheduled_new_reqs=[],
+                              scheduled_cached_reqs=SimpleNamespace(req_ids=["s"], num_computed_tokens=[before]))
+        return conn.build_connector_meta(out)
+
+    try:
+        req = SimpleNamespace(request_id="s", prompt_token_ids=TOKENS[: 2 * BS + 1], prompt_embeds=None,
+                              cache_salt=None, lora_request=None, mm_features=[image("x", 0)])
+        hit = None
+        for _ in range(100):  # None: the lookup still runs, vLLM asks again next step
+            hit, _ = conn.get_num_new_matched_tokens(req, 0)
+            if hit is not None:
+                break
+            time.sleep(0.05)
+        assert hit == 0
+        old_root = request_salt(req)
+        assert [sv.keys for sv in step(req, 0, 2 * BS + 1).saves] == [tuple(PageKeyChain(BS, old_root).extend(TOKENS, 2))]
+        req.mm_features.append(image("y", 2 * BS + 1))  # what _update_request_as_session does
+        new_root = request_salt(req)
+        (sv,) = step(req, 2 * BS + 1, len(TOKENS)).saves
+        assert sv.keys == tuple(PageKeyChain(BS, new_root).extend(TOKENS, 5))
+        assert conn._scheduler.stats["requests_rerooted"] == 1
+        conn.request_finished(req, blocks)
+    finally:
+        conn.shutdown()
+
+
 def test_hit_sources_split_host_memory_from_disk(model_dir: str, tmp_path: Path) -> None:
     """vLLM's per-source prefix-cache metrics were told DISK for every token, host-tier hits
     included."""

@@ -623,6 +623,46 @@ def test_lora_and_multimodal_inputs_root_their_own_key_chains() -> None:
     assert len(chains) == len(salts)
 
 
+def test_a_request_whose_salt_changes_moves_to_its_new_root(tmp_path: Path) -> None:
+    """A vLLM streaming-input session given a new image mid-life changes its salt (each image's
+    identifier is part of the root): its pages after the change are other KV than the same
+    tokens without that image. They were saved under the old root, where another session with
+    the first image and another second one (same placeholder tokens) would have loaded them.
+    The request moves to the new root: its saves go there (every page saved again), and so
+    does a lookup after a preemption."""
+    s = scheduler("file", {"root": str(tmp_path)})
+    w = worker(tmp_path, kv_layers(seed=3))
+    try:
+        blocks = list(range(8))
+        old = PageKeyChain(BS, "img=x").extend(TOKENS, 5)
+        new = PageKeyChain(BS, "img=x,y").extend(TOKENS, 5)
+        first = TOKENS[: 2 * BS + 1]
+        assert s.matched_tokens("a", first, "img=x", 0) == 0
+        plan, _ = run_step(s, w, [("a", 0, len(first), first, blocks)])
+        assert [sv.keys for sv in plan.saves] == [tuple(old[:2])]
+        s.reroot("a", "img=x,y")  # the session's next input brought image y
+        plan, _ = run_step(s, w, [("a", len(first), len(TOKENS), TOKENS, blocks)])
+        (sv,) = plan.saves
+        assert sv.keys == tuple(new) and sv.write_from == 0 and sv.prior_key is None
+        wait_report(s, w)
+        assert s.stats["requests_rerooted"] == 1
+        s.reroot("gone", "img=z")  # no state, nothing to move
+        # the old root holds the two pages computed before the image, the new one all five
+        assert s.matched_tokens("b", TOKENS, "img=x", 0) == 2 * BS
+        assert s.matched_tokens("c", TOKENS, "img=x,y", 0) == 5 * BS
+        for rid in ("a", "b", "c"):
+            s.finished(rid)
+        s.tree.clear()  # storage alone answers from here: the keys it holds are what was written
+        assert s.matched_tokens("b", TOKENS, "img=x", 0) == 2 * BS
+        assert s.matched_tokens("c", TOKENS, "img=x,y", 0) == 5 * BS
+        # a lookup under a changed salt (a preempted session asks again) moves the state too
+        assert s.matched_tokens("b", TOKENS, "img=x,y", 0) == 5 * BS
+        assert s._reqs["b"].chain.extend(TOKENS, 5) == new and s.stats["requests_rerooted"] == 2
+    finally:
+        w.close(timeout=10)
+        s.close(timeout=10)
+
+
 def test_pages_read_from_storage_count_as_stored(tmp_path: Path) -> None:
     """Pages a load read from storage into the tree are in storage (the lookup found them): a
     later request through them writes only its own new pages, and its lookup asks storage
