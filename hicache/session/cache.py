@@ -55,7 +55,7 @@ from typing import Any
 
 import torch
 
-from hicache.errors import CacheClosedError
+from hicache.errors import CacheClosedError, RequestAbortedError
 from hicache.prefix_cache.base import BasePrefixCache
 from hicache.prefix_cache.facade import AdmitResult
 from hicache.prefix_cache.radix import free_token_pages
@@ -370,7 +370,8 @@ class SessionAwareCache(ForwardingCache):
                 row[:n] = req.prefix_indices.to(row.device)
             req.kv_allocated_len = n
             req.kv_committed_len = n
-        row = self._row(req.req_pool_idx)
+        idx = req.req_pool_idx
+        row = self._row(idx)
         have = ceil_align(int(req.kv_allocated_len), ps)
         want = ceil_align(seq_len, ps)
         if want > have:
@@ -382,6 +383,18 @@ class SessionAwareCache(ForwardingCache):
                 new = alloc.alloc(want - have)
                 if new is not None:
                     break
+            if self._state is _State.CLOSED or req.req_pool_idx != idx:
+                # Closed, or aborted, while room was made (aclose aborts every running session
+                # turn: its row and pages are freed and req.req_pool_idx is None): the row is no
+                # longer the request's to write or free, and nothing this call took may stay.
+                if new is not None:
+                    self._free_pages(new)
+                if new_row and req.req_pool_idx == idx:  # closed, not aborted: as it came
+                    self._free_row(idx)
+                    req.req_pool_idx = None
+                    req.kv_allocated_len = req.kv_committed_len = 0
+                self._check_open()
+                raise RequestAbortedError(f"request {req.rid} was aborted while it waited for device room")
             if new is None:
                 if new_row:  # leave the request as it came
                     self._free_row(req.req_pool_idx)

@@ -237,3 +237,46 @@ async def test_chunk_commit_refreshes_kv_indices() -> None:
         await cache.commit(c)
         await cache.drain()
         assert_no_leak(cache)
+
+
+@pytest.mark.parametrize("device_room", [False, True])
+async def test_close_while_a_session_turn_waits_for_device_room(device_room: bool) -> None:
+    """A session's first turn is in ``alloc_extend``, awaiting room on a full device, when the
+    cache closes: the close aborts the attached turn (its row and pages freed, ``req_pool_idx``
+    None). The begin must then raise CacheClosedError (was: the failed allocation freed the row
+    again, ``ReqToTokenPool.free(None)`` -> TypeError), and give back what it took meanwhile."""
+    cache = await HiCache.from_config(config()).start()
+    stack = cache._stack
+    alloc = stack.allocator
+    hog = alloc.alloc(alloc.available_size())  # device memory held by someone else
+    assert hog is not None
+    inner = cache.cache.inner
+    waiting, go = asyncio.Event(), asyncio.Event()
+    evict_async = inner.evict_async
+
+    async def slow_evict_async(params):  # type: ignore[no-untyped-def]
+        waiting.set()
+        await go.wait()  # the close runs while the turn waits for room
+        return await evict_async(params)
+
+    inner.evict_async = slow_evict_async  # the await inside SessionAwareCache.ensure_free
+    task = asyncio.ensure_future(cache.begin("turn", prompt(1, 40), session_id="s"))
+    await asyncio.wait_for(waiting.wait(), 5)
+    close = asyncio.ensure_future(cache.aclose())
+    for _ in range(100):  # until the close has aborted the attached turn
+        await asyncio.sleep(0)
+        slot = cache.cache.slots.get("s")
+        if slot is None or slot.attached_req is None:
+            break
+    assert cache.cache.slots.get("s") is None or cache.cache.slots["s"].attached_req is None
+    if device_room:
+        alloc.free(hog)  # the room comes after all: nothing it allocates may outlive the close
+    go.set()
+    with pytest.raises(CacheClosedError):
+        await task
+    await asyncio.wait_for(close, 10)
+    if not device_room:
+        alloc.free(hog)
+    assert stack.req_to_token_pool.available_size() == stack.req_to_token_pool.size
+    assert alloc.available_size() + cache.cache.inner.all_device_indices().numel() == alloc.size
+    assert not cache._live
