@@ -728,7 +728,8 @@ class HiRadixCache(RadixCache):
         if gen != self._generation:
             return
         remaining = pages
-        for n in self._op_chain(node, "storage_op", op):
+        chain = self._op_chain(node, "storage_op", op)
+        for n in chain:
             n.storage_op = None
             take = min(remaining, len(n.hash_value) - n.storage_pages)
             n.storage_pages += take
@@ -739,6 +740,12 @@ class HiRadixCache(RadixCache):
             self._host_index.requeue(n)  # its host eviction key may have dropped (now in storage)
         if node.on_storage and node.parent is not None:
             self._maybe_write_storage(node)
+        # a parent split off this write while it was in flight may have children of its own
+        # (inserted after the split) that waited for it: their turn too
+        for upper, lower in zip(chain, chain[1:]):
+            if upper.on_storage and upper.parent is not None:
+                for child in [c for c in upper.children.values() if c is not lower]:
+                    self._maybe_write_storage(child)
         if len(self._sheddable) + len(self._deferred) > self._prune_at:
             self._prune_lists()
         self._retry_deferred()
