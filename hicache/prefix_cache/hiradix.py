@@ -47,6 +47,7 @@ from hicache.controller.controller import HiCacheController
 from hicache.controller.jobs import PrefetchResult, StorageWriteJob
 from hicache.errors import ChainGoneError
 from hicache.events.log import EventLog
+from hicache.memory.slots import cat_slots
 from hicache.observability.tier_events import ChangeKind, Tier, TierChange, TierChangeHub
 from hicache.placement import GhostList, PlacementPolicy, StoredPages, default_victim_write_limit, make_placement
 from hicache.prefix_cache.facade import AdmitResult, LoadBack, MakeRoom, RequestFlow
@@ -56,7 +57,7 @@ from hicache.prefix_cache.node import TreeNode
 from hicache.prefix_cache.radix import RadixCache
 from hicache.prefix_cache.req import Req
 from hicache.prefix_cache.tokens import TokenRun, pack_tokens
-from hicache.prefix_cache.types import EvictParams, EvictResult, InitLoadBackParams
+from hicache.prefix_cache.types import EvictParams, EvictResult, InitLoadBackParams, MatchPrefixParams, MatchResult
 
 __all__ = ["HiRadixCache"]
 
@@ -190,6 +191,9 @@ class HiRadixCache(RadixCache):
         self._prefetching = {}
         self._loads = []
         self._new_handles = []
+        #: write-through backups of inserted nodes, started together once the insert's loop
+        #: callback returns (see :meth:`_backup_soon`): (node, op), oldest first
+        self._backup_batch: list[tuple[TreeNode, object]] = []
         #: device nodes whose backup found no host room or a full queue, oldest first
         self._deferred: dict[TreeNode, bool] = {}  # node -> keep it on device meanwhile
         #: device nodes whose host copy became redundant (storage holds it too), oldest first
@@ -345,7 +349,7 @@ class HiRadixCache(RadixCache):
         self._report(ChangeKind.STORED, Tier.DEVICE, node)  # hashes it only if someone wants it
         self.placement.on_new_node(node)
         if self.write_policy != "write_back" and node.hit_count >= self.write_through_threshold:
-            self._backup(node)
+            self._backup_soon(node)
 
     def _on_hit(self, node: TreeNode) -> None:
         if self._stored is not None and node.storage_pages:
@@ -363,6 +367,8 @@ class HiRadixCache(RadixCache):
     # ------------------------------------------------------------------ host memory
 
     def _alloc_host(self, num_tokens: int) -> torch.Tensor | None:
+        if self._backup_batch:  # host slots go out in the order the backups were asked for
+            self._start_backups()
         # the tree only reads host slot tensors (slices, joins, frees): a pool that can hand
         # out views of one shared index tensor saves a fresh tensor per backup
         pool = self.host_pool
@@ -544,6 +550,8 @@ class HiRadixCache(RadixCache):
         copy completes, so its device slots cannot be freed or reused mid-copy. Without room
         the backup is deferred; with ``keep`` device eviction keeps the node until it starts
         (KV that must not be lost, such as a session's handed-over history)."""
+        if self._backup_batch:  # a node still waiting in the batch starts (or is deferred) first
+            self._start_backups()
         if node.value is None or node.host_value is not None or node.backup_op is not None:
             return False
         host = self._alloc_host(len(node.key))
@@ -564,6 +572,79 @@ class HiRadixCache(RadixCache):
             return False
         self._deferred.pop(node, None)
         return True
+
+    def _backup_soon(self, node: TreeNode) -> None:
+        """Write-through of a node an insert just made: locked and marked in flight now, as
+        :meth:`_backup` leaves it, but its host slots are taken and its copy queued by
+        :meth:`_start_backups`, once for all the inserts of this loop step (SGLang's scheduler
+        likewise queues write-through at insert and flushes after the batch). Until then
+        nothing can tell it from a backup in flight (locked: device eviction leaves it; its
+        ``backup_op`` keeps host eviction and a second backup away; a split hands both to the
+        new parent) except its ``host_value``, still ``None``. Every host allocation, device
+        eviction, drain and close starts the waiting ones first, so host slots go out in
+        insert order and eviction sees what it would have seen; so does the next match (requests
+        served back to back, with no turn of the loop between them, see the backups of the
+        earlier ones started). Outside a running loop (no controller can run there) the backup
+        starts at once."""
+        batch = self._backup_batch
+        if not batch:
+            try:
+                asyncio.get_running_loop().call_soon(self._start_backups)
+            except RuntimeError:
+                self._backup(node)
+                return
+        op = object()
+        node.backup_op = op
+        self.inc_lock_ref(node)
+        batch.append((node, op))
+
+    def _start_backups(self) -> None:
+        """Start the backups :meth:`_backup_soon` marked, oldest first."""
+        batch, self._backup_batch = self._backup_batch, []
+        for i, (node, op) in enumerate(batch):
+            try:
+                self._start_marked(node, op)
+            except BaseException:
+                self._backup_batch[:0] = batch[i + 1 :]  # the rest start with the next batch
+                raise
+
+    def _start_marked(self, node: TreeNode, op: object) -> None:
+        """:meth:`_backup` of a node :meth:`_backup_soon` locked and marked with ``op``. A node
+        split meanwhile is copied with the parents split off it (one host allocation, one job,
+        as if the copy had started before the split)."""
+        if node.backup_op is not op:  # the tree was reset meanwhile
+            return
+        chain = self._op_chain(node, "backup_op", op)
+        host = self._alloc_host(sum(len(c.key) for c in chain))
+        if host is not None:
+            off = 0
+            for c in chain:
+                n = len(c.key)
+                c.host_value = host[off : off + n]
+                off += n
+            dev = node.value if len(chain) == 1 else cat_slots([c.value for c in chain])  # type: ignore[misc]
+            gen = self._generation
+            if self.controller.submit_backup(dev, host, lambda ok: self._backup_done(gen, node, op, ok)):  # type: ignore[arg-type]
+                for c in chain:
+                    self._deferred.pop(c, None)
+                return
+            self._free_host(host)
+        for c in chain:  # no room (or the queue refused it): deferred, as _backup does
+            c.host_value = None
+            c.backup_op = None
+        self.dec_lock_ref(node)
+        for c in chain:
+            self._defer_backup(c, False)
+
+    def evict(self, params: EvictParams | int) -> EvictResult:
+        if self._backup_batch:
+            self._start_backups()
+        return super().evict(params)
+
+    def match_prefix(self, params: MatchPrefixParams, *, count_hit: bool = True) -> MatchResult:
+        if self._backup_batch:  # requests served back to back, the loop never between them
+            self._start_backups()
+        return super().match_prefix(params, count_hit=count_hit)
 
     def release_backup(self, node: TreeNode) -> None:
         """Stop keeping ``node`` on device for its backup (the caller gave up waiting for host
@@ -1141,12 +1222,16 @@ class HiRadixCache(RadixCache):
         """Wait for every queued copy (device->host, host->storage, loads) to complete, and
         for the deferred backups that room freed by those copies lets start."""
         while True:
+            if self._backup_batch:
+                self._start_backups()
             await self.controller.drain()
-            if not self._retry_deferred():
+            if not self._retry_deferred() and not self._backup_batch:
                 return
 
     async def drain_backups(self) -> None:
         """Wait for the device->host copies and loads only (storage writes may go on)."""
+        if self._backup_batch:
+            self._start_backups()
         await self.controller.drain_backups()
 
     async def aclose(self) -> Any:
@@ -1156,6 +1241,8 @@ class HiRadixCache(RadixCache):
         if self._unsubscribe_storage is not None:
             self._unsubscribe_storage()
             self._unsubscribe_storage = None
+        if self._backup_batch:
+            self._start_backups()  # drained by the close, or reported
         return await self.controller.aclose()
 
     def sanity_check(self) -> None:

@@ -78,3 +78,36 @@ async def test_a_deferred_backup_covers_both_halves_of_a_split() -> None:
         cache.sanity_check()
     finally:
         await stack.aclose()
+
+
+async def test_a_backup_asked_to_keep_its_node_right_after_the_insert_keeps_it() -> None:
+    """Write-through backups of an insert start once per loop step, together. A caller that
+    needs a node written (a session's handed-over history: ``write_backup`` keeps it on device
+    until its copy starts) right after the insert, before that batch started, must still get
+    that promise when the batch finds no host room (the batch deferred it without it)."""
+    from hicache.prefix_cache import EvictParams, InsertParams, MatchPrefixParams, RadixKey
+
+    cfg = StackConfig(page_size=PS, device_pages=64, host_pages=4, storage_backend=None,
+                      controller=ControllerConfig(prefetch_threshold=PS, write_policy="write_through"))
+    stack = build_stack(cfg)
+    cache = stack.cache
+    try:
+        filler = list(range(5000, 5000 + 4 * PS))
+        await serve_request(stack, filler, rid="filler", prefetch=False)
+        await cache.drain()  # host is full of the filler's copy
+        lock = cache.match_prefix(MatchPrefixParams(key=RadixKey(filler))).last_device_node
+        cache.inc_lock_ref(lock)  # ... which cannot make room
+        tokens = list(range(100, 100 + 4 * PS))
+        cache.insert(InsertParams(key=RadixKey(tokens), value=stack.allocator.alloc(4 * PS)))
+        node = cache.root_node.children[cache._child_key(None, tokens, 0)]
+        assert not cache.write_backup(node) and cache._deferred.get(node) is True
+        cache.evict(EvictParams(num_tokens=10**6))
+        assert node.value is not None  # kept on device until its copy can start
+        cache.dec_lock_ref(lock)
+        cache.evict(EvictParams(num_tokens=10**6))
+        cache.evict_host(4 * PS)  # room: the deferred backup starts
+        await cache.drain()
+        assert node.host_value is not None
+        cache.sanity_check()
+    finally:
+        await stack.aclose()
