@@ -273,7 +273,10 @@ class RequestFlow:
     async def _settled_match(self, req: Req, max_prefix_len: int | None) -> MatchResult:
         """Match, waiting first for loads that still write into the device hit: another
         request's load gives its nodes their device slots when it *starts*, so their KV is
-        valid only once it ends (a failed load drops them; the match after shows that)."""
+        valid only once it ends (a failed load drops them; the match after shows that).
+
+        The returned match is only good until the next suspension: callers lock its nodes
+        (``inc_lock_ref``) before any ``await``, or another request may evict them between."""
         m = self.match_req(req, max_prefix_len)
         while True:
             pending = self.cache.loads_in_flight(m.device_indices)

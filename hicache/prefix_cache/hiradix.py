@@ -45,7 +45,7 @@ import torch
 
 from hicache.controller.controller import HiCacheController
 from hicache.controller.jobs import PrefetchResult, StorageWriteJob
-from hicache.errors import ChainGoneError
+from hicache.errors import CacheClosedError, ChainGoneError
 from hicache.events.log import EventLog
 from hicache.memory.slots import cat_slots
 from hicache.observability.tier_events import ChangeKind, Tier, TierChange, TierChangeHub
@@ -1005,7 +1005,13 @@ class HiRadixCache(RadixCache):
         load = _Load(node, chain, fut, dev)
         try:
             handle = self.controller.start_load(host, dev, lambda ok: self._load_done(gen, load, ok))
-        except Exception:  # noqa: BLE001 - a closed controller: fall back to compute
+        except CacheClosedError:
+            # closing or closed: a request admitted while the cache closes (its caller gets
+            # CacheClosedError next); nothing failed, so nothing is logged as an error
+            logger.debug("load-back not started: the controller is closed")
+            self._load_done(gen, load, False)
+            return None
+        except Exception:  # noqa: BLE001 - fall back to compute
             logger.exception("load-back could not start")
             self._load_done(gen, load, False)
             return None
