@@ -41,22 +41,31 @@ async def test_a_burst_larger_than_the_host_pool_reaches_storage() -> None:
         await stack.aclose()
 
 
+async def host_full_of_a_filler(write_policy: str):  # type: ignore[no-untyped-def]
+    """A stack whose 4-page host holds one served prompt's copy (the filler, also on device)."""
+    from hicache.prefix_cache import MatchPrefixParams, RadixKey
+
+    cfg = StackConfig(page_size=PS, device_pages=64, host_pages=4, storage_backend=None,
+                      controller=ControllerConfig(prefetch_threshold=PS, write_policy=write_policy))
+    stack = build_stack(cfg)
+    filler = list(range(5000, 5000 + 4 * PS))
+    await serve_request(stack, filler, rid="filler", prefetch=False)
+    await stack.cache.drain()
+    stack.cache.write_backup(stack.cache.match_prefix(MatchPrefixParams(key=RadixKey(filler))).last_device_node)
+    await stack.cache.drain()
+    assert stack.cache.host_pool.available_size() == 0
+    return stack, filler
+
+
 async def test_a_deferred_backup_covers_both_halves_of_a_split() -> None:
     """A backup waiting for host room (kept on device: KV that must be written) whose node is
     split by a later insert: the new upper half waits too and is written once room frees up
     (it was left out: device eviction could drop it, and its pages never reached host)."""
     from hicache.prefix_cache import EvictParams, InsertParams, MatchPrefixParams, RadixKey
 
-    cfg = StackConfig(page_size=PS, device_pages=64, host_pages=4, storage_backend=None,
-                      controller=ControllerConfig(prefetch_threshold=PS, write_policy="write_back"))
-    stack = build_stack(cfg)
+    stack, filler = await host_full_of_a_filler("write_back")
     cache = stack.cache
     try:
-        filler = list(range(5000, 5000 + 4 * PS))
-        await serve_request(stack, filler, rid="filler", prefetch=False)
-        await cache.drain()
-        assert cache.write_backup(cache.match_prefix(MatchPrefixParams(key=RadixKey(filler))).last_device_node)
-        await cache.drain()  # host is full of the filler's copy
         tokens = list(range(100, 100 + 4 * PS))
         await serve_request(stack, tokens, rid="a", prefetch=False)
         node = cache.match_prefix(MatchPrefixParams(key=RadixKey(tokens))).last_device_node
@@ -87,14 +96,9 @@ async def test_a_backup_asked_to_keep_its_node_right_after_the_insert_keeps_it()
     that promise when the batch finds no host room (the batch deferred it without it)."""
     from hicache.prefix_cache import EvictParams, InsertParams, MatchPrefixParams, RadixKey
 
-    cfg = StackConfig(page_size=PS, device_pages=64, host_pages=4, storage_backend=None,
-                      controller=ControllerConfig(prefetch_threshold=PS, write_policy="write_through"))
-    stack = build_stack(cfg)
+    stack, filler = await host_full_of_a_filler("write_through")
     cache = stack.cache
     try:
-        filler = list(range(5000, 5000 + 4 * PS))
-        await serve_request(stack, filler, rid="filler", prefetch=False)
-        await cache.drain()  # host is full of the filler's copy
         lock = cache.match_prefix(MatchPrefixParams(key=RadixKey(filler))).last_device_node
         cache.inc_lock_ref(lock)  # ... which cannot make room
         tokens = list(range(100, 100 + 4 * PS))
