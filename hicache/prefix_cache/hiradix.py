@@ -605,7 +605,14 @@ class HiRadixCache(RadixCache):
             try:
                 self._start_marked(node, op)
             except BaseException:
-                self._backup_batch[:0] = batch[i + 1 :]  # the rest start with the next batch
+                rest = batch[i + 1 :]
+                if rest:  # the rest start with the next batch, which is scheduled now
+                    if not self._backup_batch:
+                        try:
+                            asyncio.get_running_loop().call_soon(self._start_backups)
+                        except RuntimeError:
+                            pass
+                    self._backup_batch[:0] = rest
                 raise
 
     def _start_marked(self, node: TreeNode, op: object) -> None:
@@ -615,19 +622,25 @@ class HiRadixCache(RadixCache):
         if node.backup_op is not op:  # the tree was reset meanwhile
             return
         chain = self._op_chain(node, "backup_op", op)
-        host = self._alloc_host(sum(len(c.key) for c in chain))
-        if host is not None:
-            off = 0
-            for c in chain:
-                n = len(c.key)
-                c.host_value = host[off : off + n]
-                off += n
-            dev = node.value if len(chain) == 1 else cat_slots([c.value for c in chain])  # type: ignore[misc]
-            gen = self._generation
-            if self.controller.submit_backup(dev, host, lambda ok: self._backup_done(gen, node, op, ok)):  # type: ignore[arg-type]
+        host = None
+        try:
+            host = self._alloc_host(sum(len(c.key) for c in chain))
+            if host is not None:
+                off = 0
                 for c in chain:
-                    self._deferred.pop(c, None)
-                return
+                    n = len(c.key)
+                    c.host_value = host[off : off + n]
+                    off += n
+                dev = node.value if len(chain) == 1 else cat_slots([c.value for c in chain])  # type: ignore[misc]
+                gen = self._generation
+                if self.controller.submit_backup(dev, host, lambda ok: self._backup_done(gen, node, op, ok)):  # type: ignore[arg-type]
+                    for c in chain:
+                        self._deferred.pop(c, None)
+                    return
+        except Exception:  # noqa: BLE001 - run from a loop callback: nobody would see it raise
+            # whatever failed, the node must not stay marked and locked forever: deferred
+            logger.exception("a write-through backup could not start")
+        if host is not None:
             self._free_host(host)
         for c in chain:  # no room (or the queue refused it): deferred, as _backup does
             c.host_value = None

@@ -3,6 +3,7 @@ reaches storage (deferred backups, redundant host copies shed), and the metrics 
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 
 from _hicache_faults import FaultyStorage
@@ -112,6 +113,48 @@ async def test_a_backup_asked_to_keep_its_node_right_after_the_insert_keeps_it()
         cache.evict_host(4 * PS)  # room: the deferred backup starts
         await cache.drain()
         assert node.host_value is not None
+        cache.sanity_check()
+    finally:
+        await stack.aclose()
+
+
+async def test_a_write_through_whose_start_raises_leaves_nothing_locked() -> None:
+    """The write-throughs of a loop step start in a loop callback (``call_soon``), where an
+    exception is only logged by asyncio. A start that raises (here the controller's queue) must
+    not leave its node marked in flight and locked forever, nor its host slots taken, nor keep
+    the backups queued after it waiting for an unrelated match or eviction."""
+    from hicache.prefix_cache import EvictParams, InsertParams, MatchPrefixParams, RadixKey
+
+    cfg = StackConfig(page_size=PS, device_pages=64, host_pages=16, storage_backend=None,
+                      controller=ControllerConfig(prefetch_threshold=PS, write_policy="write_through"))
+    stack = build_stack(cfg)
+    cache = stack.cache
+    try:
+        await serve_request(stack, prompt(9), rid="warm", prefetch=False)  # controller started
+        await cache.drain()
+        real = cache.controller.submit_backup
+        calls = 0
+
+        def flaky(*args, **kwargs):  # type: ignore[no-untyped-def]
+            nonlocal calls
+            calls += 1
+            if calls == 1:
+                raise RuntimeError("injected")
+            return real(*args, **kwargs)
+
+        cache.controller.submit_backup = flaky  # type: ignore[method-assign]
+        a, b = prompt(1), prompt(2)
+        for t in (a, b):  # one loop step: both wait in the batch
+            cache.insert(InsertParams(key=RadixKey(t), value=stack.allocator.alloc(len(t))))
+        await asyncio.sleep(0.05)  # the batch's callback ran (a's start raised)
+        assert not cache._backup_batch  # b started too, without waiting for some later match
+        cache.controller.submit_backup = real  # type: ignore[method-assign]
+        await cache.drain()
+        node_a = cache.match_prefix(MatchPrefixParams(key=RadixKey(a))).last_device_node
+        assert node_a.lock_ref == 0 and node_a.backup_op is None, node_a
+        cache.evict(EvictParams(num_tokens=10**6))  # nothing stays pinned on device
+        assert cache.protected_size() == 0
+        assert cache.host_pool.available_size() + cache.host_size() == cache.host_pool.size
         cache.sanity_check()
     finally:
         await stack.aclose()
