@@ -9,7 +9,7 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 
-__all__ = ["CallErrors", "StorageStats", "Throttle", "counting_call_errors"]
+__all__ = ["WELL_KNOWN", "CallErrors", "StorageStats", "Throttle", "counting_call_errors"]
 
 
 class CallErrors:
@@ -39,14 +39,23 @@ def counting_call_errors() -> Iterator[CallErrors]:
         _CALL_ERRORS.reset(token)
 
 
+#: Counters every :meth:`StorageStats.snapshot` holds, 0 until counted (a reader may index them).
+WELL_KNOWN = (
+    "exists_calls", "exists_keys", "exists_hits", "read_pages", "read_hits", "read_misses", "read_bytes",
+    "write_pages", "write_ok", "write_failures", "write_bytes", "backend_errors", "invalid_requests",
+    "corrupt_pages", "evicted_pages", "evicted_bytes", "call_timeouts",
+)
+
+
 class StorageStats:
     """Thread-safe named counters (backends may run work on executor threads).
 
-    Well-known names: ``exists_calls``, ``exists_keys``, ``exists_hits``, ``read_pages``,
-    ``read_hits``, ``read_misses``, ``read_bytes``, ``write_pages``, ``write_ok``,
-    ``write_failures``, ``write_bytes``, ``backend_errors``, ``invalid_requests``,
-    ``corrupt_pages``, ``evicted_pages``, ``evicted_bytes``, ``call_timeouts`` (a blocking
-    facade call cancelled at its ``call_timeout``).
+    Well-known names (:data:`WELL_KNOWN`, always in a snapshot): ``exists_calls``,
+    ``exists_keys``, ``exists_hits``, ``read_pages``, ``read_hits``, ``read_misses``,
+    ``read_bytes``, ``write_pages``, ``write_ok``, ``write_failures``, ``write_bytes``,
+    ``backend_errors``, ``invalid_requests``, ``corrupt_pages``, ``evicted_pages``,
+    ``evicted_bytes``, ``call_timeouts`` (a blocking facade call cancelled at its
+    ``call_timeout``).
     """
 
     def __init__(self) -> None:
@@ -67,8 +76,10 @@ class StorageStats:
             return self._counts.get(name, 0)
 
     def snapshot(self) -> dict[str, int | float]:
+        """Every counter, the well-known ones at 0 until counted (``stats["backend_errors"]``
+        of a store that never failed is 0, not a ``KeyError``)."""
         with self._lock:
-            return dict(self._counts)
+            return {**dict.fromkeys(WELL_KNOWN, 0), **self._counts}
 
     def reset(self) -> None:
         with self._lock:

@@ -178,6 +178,15 @@ async def test_pool_names_are_validated_with_clear_errors() -> None:
         store.register_mem_host_pool_v2(pool, 3)
 
 
+async def test_a_store_that_never_failed_reports_its_well_known_counters_as_zero() -> None:
+    """``get_stats()["backend_errors"]`` of a store that never failed is 0, not a KeyError."""
+    from hicache.storage.stats import WELL_KNOWN
+
+    stats = DictStore().get_stats()
+    assert all(stats[name] == 0 for name in WELL_KNOWN)
+    assert stats["backend_errors"] == 0
+
+
 async def test_backend_answering_wrong_number_of_flags_is_a_miss() -> None:
     store = DictStore()
     store.flags_override = [True]  # one flag for three pages: a backend bug
