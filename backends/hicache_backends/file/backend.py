@@ -71,6 +71,26 @@ _CLEAR_WAIT_SECONDS = 1.0
 _BYTES_PER_CHUNK = 1 << 20  # below this much work per thread, fewer threads are faster
 _FILE_OP_COST = 32 << 10  # an open+close costs about as much as copying 32 KiB
 _REFUSAL_WARN_SECONDS = 60.0  # at most one "writes refused for space" warning per store this often
+
+
+def _tracked(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """A primitive that :meth:`FileStorage._close` waits for before it shuts the executors."""
+
+    @functools.wraps(fn)
+    async def call(self: FileStorage, *args: Any) -> Any:
+        self._calls += 1
+        self._calls_idle.clear()
+        try:
+            return await fn(self, *args)
+        finally:
+            self._calls -= 1
+            if not self._calls:
+                self._calls_idle.set()
+
+    return call
+
+
+_CLOSE_CALLS_WAIT_SECONDS = 30.0  # what a close waits for calls in progress before it stops the threads
 _RESCAN_SECONDS = 5.0  # at least this long between rescans for pages other processes wrote
 _EVICT_ROUNDS = 4  # victims may turn out gone already (evicted by another process): retry
 
@@ -230,6 +250,12 @@ class FileStorage(AsyncHiCacheStorage):
         self._ledger: UsageLedger | None = None  # shared usage (shared stores only)
         self._ledger_debt = 0  # bytes of corrupt pages removed, given back with the next write
         self._writes_in_flight = 0  # batches between their reservation and its settlement
+        # calls of the primitives in progress: close() waits for them, so that a batch in
+        # flight settles its ledger reservation and indexes its pages, and a clear hands its
+        # trash to a background task, on executors that are still running
+        self._calls = 0
+        self._calls_idle = asyncio.Event()
+        self._calls_idle.set()
         self._writes_started = 0
         self._last_rescan = float("-inf")
         self._rescan_pending = False  # a reclaim asked for a scan while one was running
@@ -299,6 +325,14 @@ class FileStorage(AsyncHiCacheStorage):
 
     async def _close(self) -> None:
         self._stop.set()  # background deletions stop at the next file; the next open resumes them
+        # calls already running finish first: their settlement, indexing and trash need the
+        # executors (new calls are refused: the store's state is CLOSED already)
+        try:
+            async with asyncio.timeout(_CLOSE_CALLS_WAIT_SECONDS):
+                await self._calls_idle.wait()
+        except TimeoutError:  # a call stuck in its I/O: close anyway (it fails when it resumes)
+            logger.warning("file store %s: closing with %d call(s) still running after %.0f s",
+                           self.root, self._calls, _CLOSE_CALLS_WAIT_SECONDS)
         await self._stop_scan()
         task, self._journal_task = self._journal_task, None
         if task is not None:
@@ -638,6 +672,7 @@ class FileStorage(AsyncHiCacheStorage):
                 return 0
         return max(0, want)
 
+    @_tracked
     async def _delete(self, pages: Sequence[PageKey]) -> list[bool]:
         """Evictions a placement policy chose. A page being read or written is kept (``False``),
         as the store's own eviction keeps it; the others are forgotten before their unlink so a
@@ -678,6 +713,7 @@ class FileStorage(AsyncHiCacheStorage):
 
     # ------------------------------------------------------------------ primitives
 
+    @_tracked
     async def _exists(self, pages: Sequence[PageKey]) -> list[bool]:
         ids = [page_id(p.key, p.pool) for p in pages]
         entries = self.index.entries
@@ -695,6 +731,7 @@ class FileStorage(AsyncHiCacheStorage):
                     out[i] = True
         return out
 
+    @_tracked
     async def _read(self, pages: Sequence[PageKey], buffers: Sequence[memoryview | PageSegments | StagedPage]) -> list[bool]:
         assert self._layout is not None and self._codec is not None
         ids = [page_id(p.key, p.pool) for p in pages]
@@ -743,6 +780,7 @@ class FileStorage(AsyncHiCacheStorage):
             self.stats.incr("io_errors")
             logger.warning("file store %s: reading %s failed: %s", self.root, page.label()[:80], r.reason)
 
+    @_tracked
     async def _read_bytes(self, page: PageKey) -> bytes | None:
         assert self._layout is not None and self._codec is not None
         pid = page_id(page.key, page.pool)
@@ -763,6 +801,7 @@ class FileStorage(AsyncHiCacheStorage):
         self._after_failed_read(page, pid, r, before)
         return None
 
+    @_tracked
     async def _write(
         self,
         pages: Sequence[PageKey],
@@ -983,6 +1022,7 @@ class FileStorage(AsyncHiCacheStorage):
             self.stats.incr("io_errors")
             logger.warning("file store %s: writing %s failed: %s", self.root, job.page.label()[:80], r.reason)
 
+    @_tracked
     async def _clear(self) -> None:
         assert self._layout is not None
         self._generation += 1

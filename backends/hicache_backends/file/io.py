@@ -614,6 +614,10 @@ def is_no_space(exc: BaseException) -> bool:
     return isinstance(exc, OSError) and exc.errno in _NO_SPACE
 
 
+#: times a namespace is set up again when another process's clear renamed it away meanwhile
+_PREPARE_ATTEMPTS = 8
+
+
 def prepare_namespace(layout: NamespaceLayout, manifest: dict) -> bool:
     """Create the namespace folder and its manifest (idempotent); ``False`` if the disk is too
     full for them just now (the caller retries once space is reclaimed: a store must open on a
@@ -626,14 +630,22 @@ def prepare_namespace(layout: NamespaceLayout, manifest: dict) -> bool:
         if os.path.islink(folder):
             raise OSError(errno.ELOOP, f"{folder} is a symbolic link; every folder below the store's root must "
                                        "be a real one (pages are never written, nor deleted, outside the root)")
-    try:
-        os.makedirs(layout.pages_dir, exist_ok=True)
-        _write_manifest(layout, manifest)
-    except OSError as exc:
-        if is_no_space(exc):
-            return False
-        raise
-    return True
+    for attempt in range(_PREPARE_ATTEMPTS):
+        try:
+            os.makedirs(layout.pages_dir, exist_ok=True)
+            _write_manifest(layout, manifest)
+        except FileNotFoundError:
+            # another process's clear renamed the namespace folder away between the two steps
+            # (or under makedirs): set it up again, as that clear does too
+            if attempt + 1 == _PREPARE_ATTEMPTS:
+                raise
+            continue
+        except OSError as exc:
+            if is_no_space(exc):
+                return False
+            raise
+        return True
+    raise AssertionError("unreachable")
 
 
 def _replace_link(folder: str) -> None:
@@ -658,6 +670,10 @@ def ensure_subdirs(layout: NamespaceLayout, stop: threading.Event | None = None)
         if not os.path.isdir(d):
             try:
                 os.makedirs(d, exist_ok=True)
+            except (FileNotFoundError, FileExistsError):
+                # a clear (this process's or another's) renamed the namespace folder away
+                # meanwhile; it sets up the fresh one, and writes create their folder when they can
+                break
             except OSError as exc:
                 if is_no_space(exc):  # a full disk: writes create their folder when they can
                     break
