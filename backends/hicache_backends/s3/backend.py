@@ -188,6 +188,7 @@ class FsspecStorage(AsyncHiCacheStorage):
         self._manifest_refused = False  # the store refused the manifest (read-only): retried at the check interval
         self._prober: asyncio.Task[None] | None = None
         self._index_writes: set[asyncio.Task[None]] = set()  # run indexes still being stored
+        self._clears: set[asyncio.Future[None]] = set()  # clears in progress: a close waits for them
 
     # ------------------------------------------------------------------ configuration
 
@@ -274,6 +275,13 @@ class FsspecStorage(AsyncHiCacheStorage):
 
     async def _close(self) -> None:
         await self.wait_index_writes()
+        # a clear in progress finishes first (bounded by call_timeout): a close cut its listing
+        # or deletes mid-way, left the namespace half cleared, and the clear was logged at
+        # ERROR as the endpoint's fault ("Could not connect"). Reads and lookups give up instead.
+        here = asyncio.get_running_loop()
+        clears = [f for f in self._clears if f.get_loop() is here]
+        if clears:
+            await asyncio.wait(clears, timeout=self.call_timeout)
         self.runner.closed = True  # calls still in flight give up rather than open a new client
         prober, self._prober = self._prober, None
         if prober is not None and not prober.done():
@@ -675,6 +683,16 @@ class FsspecStorage(AsyncHiCacheStorage):
     async def _clear(self) -> None:
         """Remove this namespace's pages (the manifest stays: it only describes the namespace).
         Bounded by ``max(call_timeout, 300)`` s: a big namespace takes many list/delete calls."""
+        done = asyncio.get_running_loop().create_future()
+        self._clears.add(done)
+        try:
+            removed = await self._clear_pages()
+        finally:
+            self._clears.discard(done)
+            done.set_result(None)
+        logger.info("%s: cleared %d objects of namespace %s", type(self).__name__, removed, self.namespace.digest)
+
+    async def _clear_pages(self) -> int:
         # run indexes of writes that returned before the clear land first, so that the listing
         # removes them (one landing after it would vouch for pages the clear removed)
         await self.wait_index_writes()
@@ -687,11 +705,13 @@ class FsspecStorage(AsyncHiCacheStorage):
             removed = 0
         except GaveUp as exc:
             cause = exc.__cause__
+            if self.runner.closed:  # cut by our own close (it waited call_timeout): not the service's fault
+                raise RuntimeError(f"clearing {redact_url(self.url)} cut short: the store was closed") from None
             detail = f": {type(cause).__name__}: {self._redactor.scrub(str(cause))}" if cause else ""
             raise RuntimeError(f"clearing {redact_url(self.url)} failed{detail}") from None
         finally:
             self.exists_cache.clear()  # also drops answers of lookups that overlapped the delete
-        logger.info("%s: cleared %d objects of namespace %s", type(self).__name__, removed, self.namespace.digest)
+        return removed
 
     def _backend_stats(self) -> dict[str, Any]:
         return {
