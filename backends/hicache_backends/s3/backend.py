@@ -385,17 +385,20 @@ class FsspecStorage(AsyncHiCacheStorage):
         wave = max(1, self.concurrency - 1)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.call_timeout  # the whole lookup, not each wave
+
+        async def head_wave(lo: int, hi: int) -> list[bool]:
+            # the per-page coroutines are made here, inside the wave's task: made by the caller,
+            # a wave cancelled before its task ran left them never awaited (a warning per page)
+            return await self.runner.batch("exists", [
+                self._exists_one(paths[i], PageCodec.header_len(pages[i].key, pages[i].pool), generation)
+                for i in range(lo, hi)
+            ])
+
         while pos < n:
             width = min(wave, n - pos)
             try:
                 async with asyncio.timeout_at(deadline):
-                    index, flags = await asyncio.gather(
-                        self._read_run(pages[pos]),
-                        self.runner.batch("exists", [
-                            self._exists_one(paths[i], PageCodec.header_len(pages[i].key, pages[i].pool), generation)
-                            for i in range(pos, pos + width)
-                        ]),
-                    )
+                    index, flags = await asyncio.gather(self._read_run(pages[pos]), head_wave(pos, pos + width))
             except TimeoutError:  # answer the run confirmed so far
                 self.stats.incr("call_timeouts")
                 return pos
