@@ -554,24 +554,14 @@ class HiRadixCache(RadixCache):
             self._start_backups()
         if node.value is None or node.host_value is not None or node.backup_op is not None:
             return False
-        host = self._alloc_host(len(node.key))
-        if host is None:
-            self._defer_backup(node, keep)
-            return False
+        return self._start_marked(node, self._mark_backup(node), keep)
+
+    def _mark_backup(self, node: TreeNode) -> object:
+        """Mark ``node``'s backup in flight (its ``backup_op``, returned) and lock it on device."""
         op = object()
-        node.host_value = host
         node.backup_op = op
         self.inc_lock_ref(node)
-        gen = self._generation
-        if not self.controller.submit_backup(node.value, host, lambda ok: self._backup_done(gen, node, op, ok)):
-            node.host_value = None
-            node.backup_op = None
-            self.dec_lock_ref(node)
-            self._free_host(host)
-            self._defer_backup(node, keep)
-            return False
-        self._deferred.pop(node, None)
-        return True
+        return op
 
     def _backup_soon(self, node: TreeNode) -> None:
         """Write-through of a node an insert just made: locked and marked in flight now, as
@@ -586,41 +576,29 @@ class HiRadixCache(RadixCache):
         served back to back, with no turn of the loop between them, see the backups of the
         earlier ones started). Outside a running loop (no controller can run there) the backup
         starts at once."""
-        batch = self._backup_batch
-        if not batch:
+        if not self._backup_batch:
             try:
                 asyncio.get_running_loop().call_soon(self._start_backups)
             except RuntimeError:
                 self._backup(node)
                 return
-        op = object()
-        node.backup_op = op
-        self.inc_lock_ref(node)
-        batch.append((node, op))
+        self._backup_batch.append((node, self._mark_backup(node)))
 
     def _start_backups(self) -> None:
-        """Start the backups :meth:`_backup_soon` marked, oldest first."""
+        """Start the backups :meth:`_backup_soon` marked, oldest first (a start never raises:
+        :meth:`_start_marked` defers what fails)."""
         batch, self._backup_batch = self._backup_batch, []
-        for i, (node, op) in enumerate(batch):
-            try:
-                self._start_marked(node, op)
-            except BaseException:
-                rest = batch[i + 1 :]
-                if rest:  # the rest start with the next batch, which is scheduled now
-                    if not self._backup_batch:
-                        try:
-                            asyncio.get_running_loop().call_soon(self._start_backups)
-                        except RuntimeError:
-                            pass
-                    self._backup_batch[:0] = rest
-                raise
+        for node, op in batch:
+            self._start_marked(node, op)
 
-    def _start_marked(self, node: TreeNode, op: object) -> None:
-        """:meth:`_backup` of a node :meth:`_backup_soon` locked and marked with ``op``. A node
-        split meanwhile is copied with the parents split off it (one host allocation, one job,
-        as if the copy had started before the split)."""
+    def _start_marked(self, node: TreeNode, op: object, keep: bool = False) -> bool:
+        """Start the copy of a node :meth:`_mark_backup` marked with ``op``; whether it started.
+        Without room, a refused queue or any failure it is unmarked, unlocked and deferred
+        (``keep``: device eviction keeps it meanwhile). A node split since it was marked is
+        copied with the parents split off it (one host allocation, one job, as if the copy had
+        started before the split)."""
         if node.backup_op is not op:  # the tree was reset meanwhile
-            return
+            return False
         chain = self._op_chain(node, "backup_op", op)
         host = None
         try:
@@ -636,22 +614,22 @@ class HiRadixCache(RadixCache):
                 if self.controller.submit_backup(dev, host, lambda ok: self._backup_done(gen, node, op, ok)):  # type: ignore[arg-type]
                     for c in chain:
                         self._deferred.pop(c, None)
-                    return
-        except Exception:  # noqa: BLE001 - run from a loop callback: nobody would see it raise
+                    return True
+        except Exception:  # noqa: BLE001 - run from a loop callback too: nobody would see it raise
             # whatever failed, the node must not stay marked and locked forever: deferred
             logger.exception("a write-through backup could not start")
         if host is not None:
             self._free_host(host)
-        for c in chain:  # no room (or the queue refused it): deferred, as _backup does
+        for c in chain:  # no room (or the queue refused it): deferred
             c.host_value = None
             c.backup_op = None
         self.dec_lock_ref(node)
         for c in chain:
-            self._defer_backup(c, False)
+            self._defer_backup(c, keep)
+        return False
 
     def evict(self, params: EvictParams | int) -> EvictResult:
-        if self._backup_batch:
-            self._start_backups()
+        self._start_backups()
         return super().evict(params)
 
     def match_prefix(self, params: MatchPrefixParams, *, count_hit: bool = True) -> MatchResult:
@@ -832,11 +810,11 @@ class HiRadixCache(RadixCache):
             if n.on_storage and n.value is not None:
                 self._sheddable[n] = None
             self._host_index.requeue(n)  # its host eviction key may have dropped (now in storage)
-        if node.on_storage and node.parent is not None:
-            self._maybe_write_storage(node)
-        # a parent split off this write while it was in flight may have children of its own
-        # (inserted after the split) that waited for it: their turn too
-        for upper, lower in zip(chain, chain[1:]):
+        # a written node passes the turn to its children; so does a parent split off it while
+        # the write was in flight (children inserted after the split waited for it), each but
+        # the next node of the chain, which the loop reaches itself
+        tops = chain or [node]
+        for upper, lower in zip(tops, [*tops[1:], None]):
             if upper.on_storage and upper.parent is not None:
                 for child in [c for c in upper.children.values() if c is not lower]:
                     self._maybe_write_storage(child)
@@ -1241,16 +1219,14 @@ class HiRadixCache(RadixCache):
         """Wait for every queued copy (device->host, host->storage, loads) to complete, and
         for the deferred backups that room freed by those copies lets start."""
         while True:
-            if self._backup_batch:
-                self._start_backups()
+            self._start_backups()
             await self.controller.drain()
             if not self._retry_deferred() and not self._backup_batch:
                 return
 
     async def drain_backups(self) -> None:
         """Wait for the device->host copies and loads only (storage writes may go on)."""
-        if self._backup_batch:
-            self._start_backups()
+        self._start_backups()
         await self.controller.drain_backups()
 
     async def aclose(self) -> Any:
@@ -1260,8 +1236,7 @@ class HiRadixCache(RadixCache):
         if self._unsubscribe_storage is not None:
             self._unsubscribe_storage()
             self._unsubscribe_storage = None
-        if self._backup_batch:
-            self._start_backups()  # drained by the close, or reported
+        self._start_backups()  # drained by the close, or reported
         return await self.controller.aclose()
 
     def sanity_check(self) -> None:

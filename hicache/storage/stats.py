@@ -50,12 +50,8 @@ WELL_KNOWN = (
 class StorageStats:
     """Thread-safe named counters (backends may run work on executor threads).
 
-    Well-known names (:data:`WELL_KNOWN`, always in a snapshot): ``exists_calls``,
-    ``exists_keys``, ``exists_hits``, ``read_pages``, ``read_hits``, ``read_misses``,
-    ``read_bytes``, ``write_pages``, ``write_ok``, ``write_failures``, ``write_bytes``,
-    ``backend_errors``, ``invalid_requests``, ``corrupt_pages``, ``evicted_pages``,
-    ``evicted_bytes``, ``call_timeouts`` (a blocking facade call cancelled at its
-    ``call_timeout``).
+    The well-known names (:data:`WELL_KNOWN`) are in every snapshot; ``call_timeouts`` counts
+    blocking facade calls cancelled at their ``call_timeout``.
     """
 
     def __init__(self) -> None:

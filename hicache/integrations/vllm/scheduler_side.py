@@ -84,6 +84,12 @@ class _Request:
     known: int = 0  # pages [0, known) are in storage or being written to it, as far as this request saw
 
 
+def _drop_lookup(state: _Request) -> None:
+    """Cancel the request's storage lookup if it still runs (its answer is not wanted)."""
+    if state.lookup is not None and not state.lookup.future.done():
+        state.lookup.future.cancel()
+
+
 @dataclass
 class _Write:
     """One save's storage write, until every worker reported it ended."""
@@ -215,8 +221,7 @@ class SchedulerSide:
         if state is None or state.salt != cache_salt:
             if state is not None:
                 self.stats["requests_rerooted"] += 1
-                if state.lookup is not None and not state.lookup.future.done():
-                    state.lookup.future.cancel()
+                _drop_lookup(state)
             state = self._reqs[req_id] = _Request(PageKeyChain(self.block_size, cache_salt, self._epoch_key), cache_salt)
         return state
 
@@ -545,8 +550,7 @@ class SchedulerSide:
         self.epoch += 1
         self._epoch_key = secrets.token_hex(16)
         for state in self._reqs.values():
-            if state.lookup is not None and not state.lookup.future.done():
-                state.lookup.future.cancel()
+            _drop_lookup(state)
         self._reqs.clear()
         self._loads.clear()
         for node in self._step_locks:
@@ -591,8 +595,8 @@ class SchedulerSide:
         state = self._reqs.pop(req_id, None)
         self._loads.pop(req_id, None)
         self._promised.pop(req_id, None)
-        if state is not None and state.lookup is not None and not state.lookup.future.done():
-            state.lookup.future.cancel()
+        if state is not None:
+            _drop_lookup(state)
 
     def close(self, timeout: float) -> None:
         self.store.close(timeout)
