@@ -462,6 +462,7 @@ class FileStorage(AsyncHiCacheStorage):
         loop = asyncio.get_running_loop()
         t0 = time.perf_counter()
         found = removed_tmp = on_disk = 0
+        seen: dict[str, int] = {}  # page id -> size of every page file the scan found
         complete = True
         try:
             # What the scan measures replaces the shared count (correcting what killed writers
@@ -496,6 +497,7 @@ class FileStorage(AsyncHiCacheStorage):
                 tomb = self._tombstones or set()
                 for e in entries:
                     on_disk += e.size
+                    seen[e.pid] = e.size
                     if e.pid in self.index or e.pid in tomb or e.pid in self._deleting:
                         continue
                     self.index.add(e.pid, e.size, e.parent, e.atime)
@@ -506,7 +508,18 @@ class FileStorage(AsyncHiCacheStorage):
                     self._scan_executor, on_disk - before.used, token=before.token, if_seq=before.seq
                 )
             elif complete:  # not alone: never lowered, but raised to what is on disk if below
-                await self._ledger_call(self._scan_executor, 0, floor=on_disk)
+                # What is on disk *now*: a page found early in the scan may have been removed
+                # by us since (the first writes after opening evict while the scan runs), and
+                # its removal already subtracted; counting it again raised the count by a page
+                # (one eviction too many). Summed under the ledger's lock, so that every removal
+                # already subtracted is one whose page is already tombstoned (tombstoned on the
+                # loop before its unlink); membership tests only, safe from that thread.
+                tombstones, deleting = self._tombstones or set(), self._deleting
+
+                def still_on_disk() -> int:
+                    return sum(size for pid, size in seen.items() if pid not in tombstones and pid not in deleting)
+
+                await self._ledger_call(self._scan_executor, 0, floor=still_on_disk)
             self._scan_seconds = time.perf_counter() - t0
             logger.info(
                 "file store %s: indexed %d pages (%d bytes) in %.3fs; removed %d stale temp files",
@@ -584,7 +597,7 @@ class FileStorage(AsyncHiCacheStorage):
         token: int | None = None,
         if_seq: int | None = None,
         inflight: int = 0,
-        floor: int | None = None,
+        floor: int | Callable[[], int] | None = None,
     ) -> Usage | None:
         """``ledger.add`` on a thread (``None`` without a ledger or when it is unavailable)."""
         if self._ledger is None:

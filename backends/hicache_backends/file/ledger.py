@@ -44,6 +44,7 @@ import stat
 import struct
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from hicache_backends.file.locks import flock_within, pid_alive
@@ -213,7 +214,7 @@ class UsageLedger:
 
     def add(
         self, delta: int, *, refused: int = 0, token: int | None = None, if_seq: int | None = None,
-        inflight: int = 0, floor: int | None = None,
+        inflight: int = 0, floor: int | Callable[[], int] | None = None,
     ) -> Usage | None:
         """Add ``delta`` bytes (and ``refused`` pages) atomically; the new totals, or ``None``
         when the ledger cannot be used. With ``token``, a delta meant for a ledger file that has
@@ -224,7 +225,8 @@ class UsageLedger:
         it settles) having reserved and not settled; given back for it if it dies between.
         ``floor``: bytes a scan found on disk; the count is raised to it if below (never
         lowered: always safe, whoever else is writing, since every page on disk is counted
-        unless a dead writer's reclaimed reservation took it along)."""
+        unless a dead writer's reclaimed reservation took it along). A callable ``floor`` is
+        evaluated under the lock: what is on disk once every removal subtracted so far is in."""
         with self._lock:
             try:
                 self._join()
@@ -245,8 +247,10 @@ class UsageLedger:
                     if inflight and applies:
                         _move_own(slots, inflight)
                         changed = True
-                    if floor is not None and applies and used < floor:
-                        used, changed = floor, True
+                    if floor is not None and applies:
+                        least = floor() if callable(floor) else floor
+                        if used < least:
+                            used, changed = least, True
                     if refused:
                         nref, at, changed = nref + refused, time.time(), True
                     if changed:
