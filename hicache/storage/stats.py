@@ -9,7 +9,7 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 
-__all__ = ["WELL_KNOWN", "CallErrors", "StorageStats", "Throttle", "counting_call_errors"]
+__all__ = ["WELL_KNOWN", "CallCounts", "CallErrors", "StorageStats", "Throttle", "counting_call", "counting_call_errors"]
 
 
 class CallErrors:
@@ -39,6 +39,32 @@ def counting_call_errors() -> Iterator[CallErrors]:
         _CALL_ERRORS.reset(token)
 
 
+class CallCounts:
+    """Every counter a backend counted while one call ran (see :func:`counting_call`)."""
+
+    __slots__ = ("counts", "outer")
+
+    def __init__(self, outer: CallCounts | None) -> None:
+        self.counts: Counter[str] = Counter()
+        self.outer = outer
+
+
+_CALL_COUNTS: contextvars.ContextVar[CallCounts | None] = contextvars.ContextVar("hicache_call_counts", default=None)
+
+
+@contextlib.contextmanager
+def counting_call() -> Iterator[CallCounts]:
+    """The backend counters of the calls made inside (and of the tasks they start), apart from
+    every other call's: what one call did (e.g. the pages a write skipped, ``write_skipped_pages``),
+    where the backend's shared counters mix in every call in flight."""
+    box = CallCounts(_CALL_COUNTS.get())
+    token = _CALL_COUNTS.set(box)
+    try:
+        yield box
+    finally:
+        _CALL_COUNTS.reset(token)
+
+
 #: Counters every :meth:`StorageStats.snapshot` holds, 0 until counted (a reader may index them).
 WELL_KNOWN = (
     "exists_calls", "exists_keys", "exists_hits", "read_pages", "read_hits", "read_misses", "read_bytes",
@@ -66,6 +92,10 @@ class StorageStats:
             while box is not None:
                 box.count += value
                 box = box.outer
+        call = _CALL_COUNTS.get()
+        while call is not None:
+            call.counts[name] += value
+            call = call.outer
 
     def get(self, name: str) -> int | float:
         with self._lock:

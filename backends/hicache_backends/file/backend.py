@@ -1001,9 +1001,13 @@ class FileStorage(AsyncHiCacheStorage):
     ) -> None:
         now = time.time()
         written = 0
+        skipped = 0
         for j, r in zip(jobs, results):
             if r.ok:
                 ok[j.index] = True
+                # a page skip_existing found stored (a page written before a racing clear is
+                # marked skipped too, but it was written: it has no skip_size)
+                skipped += r.skipped and j.skip_size is not None
                 if generation == self._generation:
                     if r.skipped:
                         self.index.touch(j.pid, now)
@@ -1015,6 +1019,8 @@ class FileStorage(AsyncHiCacheStorage):
             else:
                 self._write_failed(j, r)
         self._free_est -= written
+        if skipped:  # reported True like a write; engines' write metrics must tell them apart
+            self.stats.incr("write_skipped_pages", skipped)
 
     def _write_failed(self, job: _WriteJob, r: page_io.WriteResult) -> None:
         if r.pool_error:

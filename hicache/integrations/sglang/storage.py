@@ -45,6 +45,8 @@ from hicache.storage import (
     PoolTransfer,
     create_async_storage,
 )
+from hicache.storage.pages import page_nbytes
+from hicache.storage.stats import CallCounts, counting_call
 
 __all__ = ["HiCacheSGLangStorage", "SGLangAttachError"]
 
@@ -162,6 +164,7 @@ class HiCacheSGLangStorage(_SGLangStorage):
         self._closed = False
         self._metrics_lock = threading.Lock()
         self._metrics: dict[str, list[float]] = {k: [] for k in ("prefetch_pgs", "backup_pgs", "prefetch_bw", "backup_bw")}
+        self._page_bytes: dict[str, int] = {}
 
     # ------------------------------------------------------------------ pools and opening
 
@@ -284,14 +287,42 @@ class HiCacheSGLangStorage(_SGLangStorage):
             logger.error("hicache SGLang storage: %s failed (%s: %s); answering with misses", what, type(exc).__name__, exc)
             return fallback
 
-    def _record(self, kind: str, pages: int, t0: float) -> None:
+    def _record(self, kind: str, pages: int, t0: float, pool: str = KV) -> None:
+        """One call's pages and bandwidth of ``pool`` (its own page size: an extra pool's pages
+        are not KV pages), in the same lists for every pool, as SGLang's HF3FS backend records
+        its extra pools. Bandwidth in GiB/s (bytes / 2**30), the unit SGLang's own backends
+        report, so a dashboard mixing them reads one scale."""
         if not self.enable_metrics or not pages:
             return
         seconds = max(time.perf_counter() - t0, 1e-9)
-        nbytes = self._kv.page_nbytes if self._kv is not None else 0
+        nbytes = self._pool_page_bytes(pool)
         with self._metrics_lock:
             self._metrics[f"{kind}_pgs"].append(pages)
-            self._metrics[f"{kind}_bw"].append(pages * nbytes / seconds / 1e9)
+            self._metrics[f"{kind}_bw"].append(pages * nbytes / seconds / (1 << 30))
+
+    def _pool_page_bytes(self, pool: str) -> int:
+        nbytes = self._page_bytes.get(pool)
+        if nbytes is None:
+            adapted = self._kv if pool == KV and self._kv is not None else self._adapted.get(pool)
+            try:
+                nbytes = page_nbytes(adapted) if adapted is not None else 0
+            except Exception:  # noqa: BLE001 - a pool that cannot say: pages are still counted
+                nbytes = 0
+            self._page_bytes[pool] = nbytes
+        return nbytes
+
+    @staticmethod
+    def _written(stored: int, call: CallCounts) -> int:
+        """Pages a write call really wrote, for SGLang's backup metrics. A page the store
+        already held is answered True (SGLang must see it stored) but not written: the file
+        store's ``skip_existing`` counts it as ``write_skipped_pages``, and it is left out, as
+        SGLang's Mooncake backend leaves out the keys it finds existing. The pages written are
+        the store's own count for this call (``write_ok``, which includes pages written past a
+        failure that SGLang's flags drop) when the call went through hicache's counted write
+        path, else ``stored`` (the pages reported stored). A store that does not tell a skip
+        from a write (counts no ``write_skipped_pages``) has every stored page counted."""
+        done = int(call.counts["write_ok"]) if "write_pages" in call.counts else stored
+        return max(0, done - int(call.counts["write_skipped_pages"]))
 
     # ------------------------------------------------------------------ hit queries
 
@@ -339,8 +370,9 @@ class HiCacheSGLangStorage(_SGLangStorage):
     def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None) -> list[bool]:
         t0 = time.perf_counter()
         prefix = getattr(extra_info, "prefix_keys", None)
-        out = self._do("batch_set_v1", lambda f: self._set_kv(f, list(keys), host_indices, prefix), [False] * len(keys))
-        self._record("backup", sum(out), t0)
+        with counting_call() as call:
+            out = self._do("batch_set_v1", lambda f: self._set_kv(f, list(keys), host_indices, prefix), [False] * len(keys))
+        self._record("backup", self._written(sum(out), call), t0)
         return out
 
     def _get_kv(self, facade: HiCacheStorage, keys: list[str], host_indices: torch.Tensor) -> list[bool]:
@@ -377,7 +409,13 @@ class HiCacheSGLangStorage(_SGLangStorage):
                 ours = PoolTransfer(name, t.host_indices, keys=keys)
                 return call([ours], _extra(prefix))[name]
 
-            out[t.name] = self._do(f"{what}[{_name(t.name)}]", one, [False] * len(keys))
+            # each pool's I/O is recorded on its own, like a KV batch (SGLang's own backends
+            # record the extra pools of the v2 calls too)
+            t0 = time.perf_counter()
+            with counting_call() as call:
+                flags = out[t.name] = self._do(f"{what}[{_name(t.name)}]", one, [False] * len(keys))
+            pages = self._written(sum(flags), call) if write else sum(flags)
+            self._record("backup" if write else "prefetch", pages, t0, self._pool(t.name))
         return out
 
     # ------------------------------------------------------------------ v0 (SGLang's flat pages)
@@ -422,8 +460,9 @@ class HiCacheSGLangStorage(_SGLangStorage):
             return f.batch_set(keys, pages)
 
         t0 = time.perf_counter()
-        ok = self._do("batch_set", run, False)
-        self._record("backup", len(keys) if ok else 0, t0)
+        with counting_call() as call:
+            ok = self._do("batch_set", run, False)
+        self._record("backup", self._written(len(keys) if ok else 0, call), t0)
         return ok
 
     # ------------------------------------------------------------------ the rest of SGLang's surface
