@@ -322,4 +322,5 @@ def stack_config_from(config: Any) -> StackConfig:
         controller=ControllerConfig.from_dict(controller_options(config)),
         namespace=config_namespace(config),
         explain_misses=config.cache.explain_misses,
+        attribution_ledger_pages=config.cache.attribution_ledger_pages,
     )

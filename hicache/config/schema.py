@@ -158,6 +158,10 @@ class CacheConfig(_Section):
         False, description="Explain mode of the miss attribution: probe other namespaces of the store (one page, "
         "at most 8 namespaces) for a page never stored here; also on while logger hicache.attribution is at DEBUG."
     )
+    attribution_ledger_pages: int | None = Field(
+        None, ge=0, description="Pages whose last loss the miss attribution remembers (about 100 bytes each besides its key); "
+        "null: twice the pages the tiers hold (16k-256k). A miss on a page forgotten since is counted 'unknown'."
+    )
 
 
 class SessionConfig(_Section):

@@ -384,6 +384,25 @@ async def test_a_record_the_ledger_forgot_is_unknown() -> None:
         await stack.aclose()
 
 
+async def test_the_ledger_size_is_a_config_key() -> None:
+    """``cache.attribution_ledger_pages`` reaches the ledger; unset, it follows the tiers."""
+    from hicache.config import load_config
+    from hicache.stack import stack_config_from
+
+    base = {"device": {"page_size": PS, "size_tokens": 64 * PS}, "storage": {"backend": "memory"}}
+    for given in (5000, None):
+        data = {**base, "cache": {"attribution_ledger_pages": given}} if given is not None else base
+        cfg = stack_config_from(load_config(data, environ={}, check=False))
+        assert cfg.attribution_ledger_pages == given
+        stack = build_stack(cfg)
+        try:
+            tiers = cfg.device_pages + cfg.host_pages + (cfg.storage_pages or 0)
+            assert stack.attributor is not None
+            assert stack.attributor.ledger.capacity == (given or min(1 << 18, max(1 << 14, 2 * tiers)))
+        finally:
+            await stack.aclose()
+
+
 async def test_attribution_off() -> None:
     cfg = StackConfig(page_size=PS, device_pages=64, host_pages=128, storage_backend=None,
                       controller=controller(), attribution=False)
