@@ -86,7 +86,8 @@ class FlowHost(Protocol):
                               last_hash: str | None = None, *, prefix_tokens: list[int] | None = None,
                               extra_key: str | None = None) -> bool: ...
     def is_prefetching(self, req_id: str) -> bool: ...
-    async def wait_prefetch(self, req_id: str) -> int: ...
+    async def wait_prefetch(self, req_id: str, *, hold: object = None) -> int: ...
+    def release_prefetched(self, req_id: str, holder: object = None) -> None: ...
     def cancel_prefetch(self, req_id: str) -> None: ...
     def loads_in_flight(self, indices: torch.Tensor) -> list[asyncio.Future[bool]]: ...
     def start_load_back(self, params: InitLoadBackParams) -> LoadBack | None: ...
@@ -171,6 +172,9 @@ class RequestFlow:
         try:
             return await self._admit(req, mem_quota, wait_load, max_prefix_len, make_room)
         finally:
+            # the fetched pages were held from the prefetch's end; by now they are locked by the
+            # load (or not used, or the request is gone): returned, aborted or cancelled alike
+            self.cache.release_prefetched(req.rid, req)
             if self.admitting.get(req.rid) is req:
                 del self.admitting[req.rid]
             self._aborted.discard(id(req))
@@ -180,7 +184,9 @@ class RequestFlow:
         cache = self.cache
         explain = getattr(cache, "explain_admit", None)
         pending = explain.before_wait(req) if explain is not None else None
-        fetched = await cache.wait_prefetch(req.rid) if cache.is_prefetching(req.rid) else 0
+        # hold=req: the pages the prefetch attaches stay protected while the match below waits
+        # for loads and the load-back waits for device room (admit's exit releases them)
+        fetched = await cache.wait_prefetch(req.rid, hold=req) if cache.is_prefetching(req.rid) else 0
         room = make_room or cache.make_device_room
         m = await self._settled_match(req, max_prefix_len)
         node = m.last_device_node

@@ -189,6 +189,10 @@ class HiRadixCache(RadixCache):
             if load.done is not None and not load.done.done():
                 load.done.set_result(False)  # whoever waits for it must not wait forever
         self._prefetching = {}
+        #: rid -> (deepest node its prefetch attached, holder): a host_ref kept from the end of
+        #: the prefetch until admit has used the pages (see :meth:`wait_prefetch`); nodes of a
+        #: dropped tree need no release
+        self._held: dict[str, tuple[TreeNode, object]] = {}
         self._loads = []
         self._new_handles = []
         #: write-through backups of inserted nodes, started together once the insert's loop
@@ -869,6 +873,9 @@ class HiRadixCache(RadixCache):
         for child in list(node.children.values()):
             self._drop_subtree(child)
         if node.host_value is not None:
+            # an eviction (its device parent goes), not a reset: the policy hears of it like
+            # evict_host's drops, or a ghost list forgets pages host dropped unwritten
+            self.placement.on_host_evicted(node)
             self._free_host(self._drop_host(node))
         self._delete_leaf(node)
 
@@ -1115,12 +1122,24 @@ class HiRadixCache(RadixCache):
         return req_id in self._prefetching
 
     def cancel_prefetch(self, req_id: str) -> None:
-        """Abort ``req_id``'s prefetch, if any: its host pages are freed, its anchor released."""
+        """Abort ``req_id``'s prefetch, if any: its host pages are freed, its anchor released
+        (and the protection of pages it already attached, see :meth:`wait_prefetch`)."""
         self.controller.abort_prefetch(req_id)
         state = self._prefetching.pop(req_id, None)
         if state is not None:
             self._dec_host_ref(state.anchor)
             self._unpin(state)
+        self.release_prefetched(req_id)
+
+    def release_prefetched(self, req_id: str, holder: object = None) -> None:
+        """Drop the protection :meth:`wait_prefetch` (``hold``) kept on ``req_id``'s fetched
+        pages; with ``holder``, only that holder's (a reused rid must not release another's)."""
+        held = self._held.get(req_id)
+        if held is None or (holder is not None and held[1] is not holder):
+            return
+        del self._held[req_id]
+        if held[0].tree is self.root_node.tree:  # a reset dropped the tree, and its refs
+            self._dec_host_ref(held[0])
 
     def _path_tokens(self, node: TreeNode) -> list[int]:
         parts: list[list[int]] = []
@@ -1139,13 +1158,19 @@ class HiRadixCache(RadixCache):
         self._finish_prefetch(req_id, self.controller.take_prefetch(req_id))
         return True
 
-    async def wait_prefetch(self, req_id: str) -> int:
-        """Wait as the stop policy allows; returns the tokens the prefetch added to the tree."""
+    async def wait_prefetch(self, req_id: str, *, hold: object = None) -> int:
+        """Wait as the stop policy allows; returns the tokens the prefetch added to the tree.
+
+        With ``hold`` (any object naming the holder), the pages stay protected from host
+        eviction (a ``host_ref`` on the deepest, so on its whole path) until
+        :meth:`release_prefetched` or :meth:`cancel_prefetch`: admit may wait (for loads, for
+        device room) before it locks them, and unprotected they were host-evictable leaves
+        then: dropped, recomputed, and the host hit before them counted as the storage hit."""
         if req_id not in self._prefetching:
             return 0
-        return self._finish_prefetch(req_id, await self.controller.wait_prefetch(req_id))
+        return self._finish_prefetch(req_id, await self.controller.wait_prefetch(req_id), hold)
 
-    def _finish_prefetch(self, req_id: str, result: PrefetchResult | None) -> int:
+    def _finish_prefetch(self, req_id: str, result: PrefetchResult | None, hold: object = None) -> int:
         state = self._prefetching.pop(req_id, None)
         if state is None:
             if result is not None:
@@ -1159,16 +1184,22 @@ class HiRadixCache(RadixCache):
             if result is not None:
                 self._free_host(result.host_indices)
             return 0
-        return self._insert_host(state, result)
+        added, last = self._insert_host(state, result)
+        if hold is not None and last is not None:
+            self.release_prefetched(req_id)  # at most one hold per rid
+            self._inc_host_ref(last)
+            self._held[req_id] = (last, hold)
+        return added
 
     def _unpin(self, state: _Prefetch) -> None:
         if self._stored is not None and state.pinned:
             self._stored.unpin(state.pinned)
             state.pinned = []
 
-    def _insert_host(self, state: _Prefetch, result: PrefetchResult) -> int:
+    def _insert_host(self, state: _Prefetch, result: PrefetchResult) -> tuple[int, TreeNode | None]:
         """Hang fetched pages under their prefix as host-only nodes; pages already present are
-        freed (or adopted as the host copy of a device-only node). Returns new tokens."""
+        freed (or adopted as the host copy of a device-only node). Returns the new tokens and
+        the node ending at the last fetched page (``None`` when the prefix left the tree)."""
         ps = self.page_size
         start = state.start
         end = start + result.pages * ps
@@ -1200,9 +1231,9 @@ class HiRadixCache(RadixCache):
             node = child
         if pos < start:  # the prefix left the tree meanwhile: the pages cannot be attached
             self._free_host(host)
-            return 0
+            return 0, None
         if pos >= end:
-            return 0
+            return 0, (node if node is not self.root_node else None)
         new = TreeNode(parent=node, extra_key=state.extra_key, key=pack_tokens(tokens[pos:end]))
         new.host_value = host[pos - start :]
         new.hash_value = state.keys[(pos - start) // ps : (end - start) // ps]
@@ -1211,7 +1242,7 @@ class HiRadixCache(RadixCache):
         node.children[self._child_key(state.extra_key, tokens, pos)] = new
         self._note(new)
         self._report(ChangeKind.STORED, Tier.HOST, new)
-        return end - pos
+        return end - pos, new
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -1231,7 +1262,7 @@ class HiRadixCache(RadixCache):
 
     async def aclose(self) -> Any:
         """Close the controller (drains backups, reports what it could not write)."""
-        for rid in list(self._prefetching):
+        for rid in list(self._prefetching) + list(self._held):
             self.cancel_prefetch(rid)
         if self._unsubscribe_storage is not None:
             self._unsubscribe_storage()

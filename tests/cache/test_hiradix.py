@@ -283,6 +283,63 @@ async def test_cancelled_admit_and_abort_release_everything() -> None:
     await stack.aclose()
 
 
+@pytest.mark.parametrize("end", ["admitted", "cancelled", "aborted"])
+async def test_pages_a_prefetch_attached_stay_protected_while_admit_makes_device_room(end: str) -> None:
+    """admit waits for device room after the prefetch attached its pages; host pressure
+    meanwhile (another task's backup, prefetch or session offload) used to drop them: they
+    were recomputed, and the host hit before them was counted as the storage hit. They stay
+    held until admit has used them, and a cancelled or aborted admit leaves no protection."""
+    from hicache.errors import RequestAbortedError
+
+    store = f"held-{uuid.uuid4()}"
+    c = dataclasses.replace(cfg(), storage_backend="memory", storage_options={"store_id": store})
+    first, second = build_stack(c), build_stack(c)
+    a, b = toks(0, 8), toks(100, 8)
+    await serve_request(first, a + b, rid="w")
+    await first.cache.drain()
+    await first.aclose()
+    cache = second.cache
+    await host_only(second, a)  # a on host, a + b in storage
+    alloc = cache.token_to_kv_pool_allocator
+    busy = alloc.alloc(alloc.available_size())  # running requests hold every device slot
+    req = Req(rid="r", origin_input_ids=a + b)
+    assert cache.match_req(req).host_hit_length == 8  # a is the host hit
+    assert cache.start_prefetch(req)  # b comes from storage
+    waiting, gate = asyncio.Event(), asyncio.get_running_loop().create_future()
+    dropped: list[int] = []
+
+    async def room(tokens: int) -> bool:
+        waiting.set()
+        dropped.append(cache.evict_host(len(b)))  # host pressure while admit waits
+        if end != "admitted":
+            await gate  # cancelled or aborted while it waits here
+        alloc.free(busy)
+        return True
+
+    task = asyncio.ensure_future(cache.admit(req, make_room=room))
+    await asyncio.wait_for(waiting.wait(), 10)
+    assert dropped == [0]  # b, the host-only leaf, is held
+    if end == "admitted":
+        res = await task
+        assert (res.device_hit, res.host_hit, res.storage_hit, res.prefix_len) == (0, 8, 8, 16)
+        cache.abort_req(req)
+    elif end == "cancelled":
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        alloc.free(busy)
+    else:
+        cache.abort_req(req)
+        gate.set_result(None)
+        with pytest.raises(RequestAbortedError):
+            await task
+    await cache.drain()
+    assert all(n.host_ref == 0 and n.lock_ref == 0 for n in cache._nodes())
+    assert not cache._held and cache.protected_size() == 0
+    cache.sanity_check()
+    await second.aclose()
+
+
 async def test_write_back_without_host_room_drops_instead_of_pinning() -> None:
     stack = build_stack(dataclasses.replace(cfg(write_policy="write_back"), host_pages=1))
     cache = stack.cache

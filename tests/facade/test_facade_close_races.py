@@ -34,7 +34,7 @@ async def test_begin_that_reaches_its_load_back_after_close_logs_no_error(caplog
     inner = cache.cache.inner
     entered, go = asyncio.Event(), asyncio.Event()
 
-    async def gated_wait_prefetch(rid):  # type: ignore[no-untyped-def]
+    async def gated_wait_prefetch(rid, **_):  # type: ignore[no-untyped-def]
         entered.set()
         await go.wait()  # the close runs while this begin is inside admit
         return 0

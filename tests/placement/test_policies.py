@@ -141,6 +141,35 @@ async def test_a_ghost_hit_admits_the_recomputed_pages() -> None:
         await stack.aclose()
 
 
+async def test_host_pages_dropped_with_their_device_parent_go_to_the_ghost_list() -> None:
+    """A device parent without a host copy (shed: device and storage hold it) is evicted with
+    its host-only child: the child's unwritten pages leave host as in evict_host, so the ghost
+    list remembers them (the bulk drop used to forget them)."""
+    from hicache.prefix_cache import MatchPrefixParams, RadixKey
+
+    stack = _stack("reuse")
+    try:
+        cache = stack.cache
+        a = list(range(100, 100 + 2 * PS))
+        b = a + list(range(500, 500 + 3 * PS))
+        await serve_request(stack, a, rid="a1")
+        await serve_request(stack, a, rid="a2")  # a reused: written to storage
+        await serve_request(stack, b, rid="b")  # b's tail seen once: host only
+        await cache.drain()
+        child = cache.match_prefix(MatchPrefixParams(key=RadixKey(b)), count_hit=False).last_host_node
+        parent = child.parent
+        assert parent.on_storage and child.storage_pages == 0
+        cache.evict(EvictParams(num_tokens=3 * PS))  # the tail leaves device, stays on host
+        assert child.value is None and child.host_value is not None
+        assert cache._shed_host_copies(10**6) == 2 * PS and parent.host_value is None
+        assert cache.evict(EvictParams(num_tokens=10**6)).num_tokens_evicted == 2 * PS
+        assert cache.host_size() == 0 and len(cache.placement.ghost) == 3
+        out = await serve_request(stack, b, rid="again")  # the tail comes back: a ghost hit
+        assert out.verify_failures == 0 and cache.placement.ghost.hits == 3
+    finally:
+        await stack.aclose()
+
+
 async def test_tiered_admits_the_body_of_a_long_prompt_but_not_its_tail() -> None:
     stack = _stack("tiered", long_prompt_tokens=8 * PS, tail_tokens=2 * PS)
     try:
