@@ -21,7 +21,7 @@ import hashlib
 import json
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field, fields
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 from hicache.errors import ConfigError, InvalidKeyError
 
@@ -122,7 +122,7 @@ def validate_keys(keys: Iterable[object]) -> list[str]:
     return [validate_key(k) for k in out]
 
 
-def _short_ascii_texts(keys: list[object]) -> bool:
+def _short_ascii_texts(keys: list[object]) -> TypeGuard[list[str]]:
     """Whether every item is non-empty ASCII text without NUL of at most ``MAX_KEY_BYTES``
     (ASCII: a character is a byte). ``False`` says nothing about which key is bad."""
     if not keys:

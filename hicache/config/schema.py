@@ -210,6 +210,10 @@ class ServerConfig(_Section):
     max_new_tokens: int = Field(16, gt=0)
 
 
+def _all_tiers() -> list[Literal["device", "host", "storage"]]:
+    return ["device", "host", "storage"]
+
+
 class EventsConfig(_Section):
     """KV events for cache-aware routers (vLLM's schema over ZMQ; ``hicache.events``). Off by default."""
 
@@ -224,7 +228,7 @@ class EventsConfig(_Section):
     hwm: int = Field(100_000, gt=0, description="ZMQ high-water mark of the PUB socket.")
     hash_format: Literal["bytes", "int"] = Field("bytes", description="Block hashes: 32 sha256 bytes, or their low 64 bits.")
     tiers: list[Literal["device", "host", "storage"]] = Field(
-        default_factory=lambda: ["device", "host", "storage"], description="Tiers to publish.")
+        default_factory=_all_tiers, description="Tiers to publish.")
     data_parallel_rank: int | None = Field(None, ge=0, description="Stamped on every batch.")
 
     @model_validator(mode="after")

@@ -366,8 +366,8 @@ class HiCacheController:
             await self._wait_tasks(1.0)
         self.state = ControllerState.CLOSED
         counters = self.metrics.counters
-        report.failed_storage_pages = counters.get("storage_write_failures", 0) + counters.get(
-            "storage_write_skipped_unhealthy", 0)
+        report.failed_storage_pages = int(counters.get("storage_write_failures", 0) + counters.get(
+            "storage_write_skipped_unhealthy", 0))
         if report.failed_storage_pages:
             logger.warning("controller close: %d page(s) meant for storage were never written there (writes "
                            "failed, or skipped while storage was down)", report.failed_storage_pages)

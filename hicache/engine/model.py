@@ -293,7 +293,7 @@ class TinyTransformer:
             q = (h @ layer.wq).view(n, s.num_heads, s.head_dim)
             k = (h @ layer.wk).view(n, s.num_kv_heads, s.head_dim)
             v = (h @ layer.wv).view(n, s.num_kv_heads, s.head_dim)
-            if cos is not None:
+            if cos is not None and sin is not None:
                 q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
             k_kv, v_kv = k.to(self.kv_dtype), v.to(self.kv_dtype)
             if write_kv:

@@ -70,6 +70,8 @@ class CacheLike(Protocol):
 
     async def abort(self, handle: Any) -> None: ...
 
+    async def release_session(self, session_id: str) -> None: ...
+
 
 @dataclass
 class GenerateResult:

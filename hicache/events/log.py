@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
+from collections.abc import Callable
 
 from hicache.events.convert import HashFormat, to_event
 from hicache.events.schema import KVEvent
@@ -27,7 +28,7 @@ class EventLog:
         self._maxlen = maxlen
         self._fmt: HashFormat = hash_format
         self._lock = threading.Lock()
-        self._unsubscribe = None
+        self._unsubscribe: Callable[[], None] | None = None
         self.dropped = 0
 
     def _on_change(self, change: TierChange) -> None:

@@ -283,7 +283,7 @@ class EventPublisher:
         return pub, replay
 
     def _run(self) -> None:
-        ctx = zmq.Context.instance()
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         try:
             pub, replay = self._open_sockets(ctx)
         except BaseException as exc:  # noqa: BLE001 - reported to the constructor

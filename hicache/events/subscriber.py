@@ -30,6 +30,7 @@ import logging
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import cast
 
 import msgspec
 import zmq
@@ -80,7 +81,7 @@ class EventSubscriber:
     ) -> None:
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._topic = topic.encode("utf-8")
         self._monitor: zmq.Socket | None = None
         self._verify = False  # the SUB (re)connected: check the publisher's run on the next live batch
@@ -128,7 +129,7 @@ class EventSubscriber:
         """Whether the SUB (re)connected since the last call (monitor events, read without
         waiting)."""
         seen = False
-        while self._monitor is not None and self._monitor.get(zmq.EVENTS) & zmq.POLLIN:
+        while self._monitor is not None and cast(int, self._monitor.get(zmq.EVENTS)) & zmq.POLLIN:
             try:
                 event = recv_monitor_message(self._monitor, zmq.NOBLOCK)
             except zmq.ZMQError:

@@ -37,6 +37,10 @@ def _byte_store(t: torch.Tensor) -> torch.Tensor:
 class KVPool:
     """Shared machinery of the KV pools: one tensor ``(C, L, size, *token_shape)``."""
 
+    # set by each concrete pool (MLA: one head of the latent's width); storage signatures name them
+    head_num: int
+    head_dim: int
+
     def __init__(
         self,
         size: int,

@@ -136,7 +136,7 @@ class HostKVPool(AllocatorBacked):
             raise IndexError(f"page indices must be first tokens of pages in [0, {self.size}) (page_size={ps})")
         rows = self._byte_rows
         if rows is None:
-            rows = self._byte_rows = memoryview(self._buf.view(torch.uint8).reshape(-1).numpy()).cast("B")
+            rows = self._byte_rows = self._buf.view(torch.uint8).reshape(-1).numpy().data.cast("B")
         nb = self.page_nbytes
         return [rows[p * nb : p * nb + nb] for p in (first // ps).tolist()]
 
@@ -205,8 +205,8 @@ class MHATokenToKVPoolHost(HostKVPool):
     _mla = False
 
     def _init_geometry(self, device_pool: KVPool) -> None:
-        self.head_num: int = device_pool.head_num  # type: ignore[attr-defined]
-        self.head_dim: int = device_pool.head_dim  # type: ignore[attr-defined]
+        self.head_num: int = device_pool.head_num
+        self.head_dim: int = device_pool.head_dim
 
 
 class MLATokenToKVPoolHost(HostKVPool):

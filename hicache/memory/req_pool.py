@@ -53,7 +53,7 @@ class ReqToTokenPool:
         :class:`AllocatorError` and nothing is freed."""
         if isinstance(idx_or_list, torch.Tensor):
             slots = [int(i) for i in idx_or_list.reshape(-1).tolist()]
-        elif isinstance(idx_or_list, Integral):  # numpy integers too
+        elif isinstance(idx_or_list, (int, Integral)):  # numpy integers too
             slots = [int(idx_or_list)]
         else:
             slots = [int(i) for i in idx_or_list]

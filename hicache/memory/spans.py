@@ -31,7 +31,7 @@ from hicache.memory.transfer import TransferPlan
 try:
     from hicache.memory import _spancopy
 except ImportError:  # built without a C compiler: the engine uses its numpy/torch path
-    _spancopy = None
+    _spancopy = None  # type: ignore[assignment]  # the optional native module is not built
 
 __all__ = [
     "NATIVE_AVAILABLE",
@@ -102,7 +102,7 @@ class SpanPair:
         # As few numpy calls as it takes: a copy thread builds one table per backup, and each
         # call on thousands of rows lets go of the GIL and waits to take it back from the loop.
         dst, src = (self.host, self.device) if to_host else (self.device, self.host)
-        table = np.empty((plan.runs.shape[0] if self.runs_merge else plan.num_units, dst.pieces.size, 3), dtype=np.int64)
+        table: np.ndarray = np.empty((plan.runs.shape[0] if self.runs_merge else plan.num_units, dst.pieces.size, 3), dtype=np.int64)
         if self.runs_merge:
             runs = plan.runs
             s_units, d_units = runs[:, 0], runs[:, 1]
@@ -186,7 +186,8 @@ def span_pair(device_view: torch.Tensor, host_view: torch.Tensor, *, layer_dim: 
     inner = [j for j in range(1, device_view.dim()) if j != layer_dim]
     # merge trailing dims that are contiguous on both sides into the piece; dims of size 1 never
     # move the offset, whatever their stride
-    piece, rest = 1, []
+    piece = 1
+    rest: list[int] = []
     merging = True
     for j in reversed(inner):
         size = device_view.shape[j]
@@ -205,7 +206,7 @@ def span_pair(device_view: torch.Tensor, host_view: torch.Tensor, *, layer_dim: 
     sides = [
         SpanSide(
             buffer=buf,
-            base=v.storage_offset(),
+            base=int(v.storage_offset()),
             unit_stride=v.stride(0),
             pieces=_piece_offsets(v, rest),
             layer_stride=v.stride(layer_dim) if layer_dim is not None else 0,

@@ -318,8 +318,8 @@ class InstanceMetrics:
         # up here rather than keeping their own
         self._children: dict[tuple[str, tuple[tuple[str, str], ...]], Any] = {}
         self._gauge_fns: list[tuple[Any, Callable[[], float]]] = []
-        self._refreshers: list[Callable[[InstanceMetrics], None]] = []
-        self._mirrors: dict[tuple[str, tuple[str, ...]], float] = {}
+        self._refreshers: list[Callable[[InstanceMetrics], object]] = []
+        self._mirrors: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
         self._multiprocess = multiprocess_dir() is not None
         self._next_refresh = 0.0
         self._deferred = False  # a refresh at the end of the throttle window is queued
@@ -370,7 +370,7 @@ class InstanceMetrics:
         """Gauge ``hicache_<name>`` read from ``fn()`` at each :meth:`refresh`."""
         self._gauge_fns.append((self.child("gauge", name, doc, labels, mode=mode), fn))
 
-    def on_refresh(self, fn: Callable[[InstanceMetrics], None]) -> None:
+    def on_refresh(self, fn: Callable[[InstanceMetrics], object]) -> None:
         """Call ``fn(self)`` at each :meth:`refresh` (gauges or mirrored counters whose names
         are only known then, e.g. a backend's own figures)."""
         self._refreshers.append(fn)
@@ -388,7 +388,7 @@ class InstanceMetrics:
         if kind == "gauge":
             child.set(value)
             return True
-        key = (name, tuple(sorted((labels or {}).items())))  # type: ignore[arg-type]
+        key = (name, tuple(sorted((labels or {}).items())))
         last = self._mirrors.get(key, 0.0)
         grew = value - last if value >= last else value
         if grew > 0:
@@ -411,13 +411,13 @@ class InstanceMetrics:
                 if self._closed:  # closed meanwhile: its series are gone, set nothing more
                     return
                 child.set(value)
-            for fn in list(self._refreshers):
+            for refresher in list(self._refreshers):
                 if self._closed:
                     return
                 try:
-                    fn(self)
+                    refresher(self)
                 except Exception:  # noqa: BLE001
-                    logger.debug("metrics refresher %r failed", fn, exc_info=True)
+                    logger.debug("metrics refresher %r failed", refresher, exc_info=True)
 
     def touched(self) -> None:
         """Called on updates: in multi-process mode, have this owner's gauges refreshed now and

@@ -139,7 +139,8 @@ class StoredPages:
         """Give back pins :meth:`pin` took: on the very page entries it pinned (a page removed
         and written again meanwhile is another entry, whose pins are others')."""
         entries = getattr(keys, "entries", None)
-        pairs = entries if entries is not None else [(key, self._pages.get(key)) for key in keys]
+        pairs: Iterable[tuple[str, _Page | None]] = (
+            entries if entries is not None else [(key, self._pages.get(key)) for key in keys])
         for key, page in pairs:
             if page is not None and self._pages.get(key) is page and page.pins > 0:
                 page.pins -= 1

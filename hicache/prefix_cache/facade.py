@@ -113,9 +113,10 @@ class RequestFlow:
 
     def forget(self, req: Any) -> None:
         """``req`` is over (finished, or its lock taken over by a decorator)."""
-        if self.admitted.get(req.rid) is req:
-            del self.admitted[req.rid]
-        self.matched.discard(req.rid)
+        rid = req.rid
+        if self.admitted.get(rid) is req:
+            del self.admitted[rid]
+        self.matched.discard(rid)
 
     def is_admitted(self, req: Any) -> bool:
         """Whether :meth:`admit` locked a prefix for this very request."""

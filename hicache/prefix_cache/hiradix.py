@@ -1142,7 +1142,7 @@ class HiRadixCache(RadixCache):
             self._dec_host_ref(held[0])
 
     def _path_tokens(self, node: TreeNode) -> list[int]:
-        parts: list[list[int]] = []
+        parts: list[TokenRun] = []
         while node is not None and node is not self.root_node:
             parts.append(node.key)
             node = node.parent  # type: ignore[assignment]

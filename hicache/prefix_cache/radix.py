@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -450,7 +450,8 @@ class RadixCache(BasePrefixCache):
         result = self.insert(InsertParams(key=key, value=kv[:aligned], priority=req.priority,
                                           inserted_len=protected))
         path = self._walk(key, aligned)
-        new_indices = cat_slots([p.value for p in path], self._empty)
+        # the insert just gave every node of the path device slots (evicted ones are revived)
+        new_indices = cat_slots(cast("list[torch.Tensor]", [p.value for p in path]), self._empty)
         self._free_duplicates(kv, protected, aligned, result, new_indices)
         new_last = path[-1] if path else self.root_node
         if new_indices.numel() > protected:

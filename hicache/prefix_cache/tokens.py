@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeGuard
 
 if TYPE_CHECKING:
     from hicache.prefix_cache.types import RadixKey
@@ -96,6 +96,6 @@ def key_run(key: RadixKey, end: int) -> TokenRun:
     return run
 
 
-def is_packed(tokens: object) -> bool:
+def is_packed(tokens: object) -> TypeGuard[TokenRun]:
     """Whether ``tokens`` is a uint32 run already (walked and stored as it is)."""
     return type(tokens) is TokenRun and tokens.typecode == "I"

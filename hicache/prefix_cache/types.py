@@ -71,7 +71,7 @@ class RadixKey:
         #: the tree's packed copy of a list ``token_ids`` (see ``prefix_cache.tokens.key_run``):
         #: a key matched and then inserted is converted once. Change a key's tokens by building
         #: a new key, not by editing its list in place.
-        self._run: tuple[list[int], int, array] | None = None
+        self._run: tuple[list[int] | array, int, array] | None = None
 
     def __len__(self) -> int:
         return len(self.token_ids)

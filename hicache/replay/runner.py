@@ -18,7 +18,7 @@ import time
 import uuid
 from pathlib import Path
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 from collections import Counter
 
@@ -217,7 +217,7 @@ async def replay_requests(
             await asyncio.to_thread(_remove_run_folder, stack.config)  # a big folder: off the loop
     ref = reference_lru(requests, [caps["device"], caps["host"], caps["storage"]])
     hit_tokens = totals["device_hit_tokens"] + totals["host_hit_tokens"] + totals["storage_hit_tokens"]
-    counters = snap["counters"]
+    counters = cast("dict[str, float]", snap["counters"])  # ControllerMetrics.snapshot's counters
     return {
         "requests": len(requests),
         **totals,

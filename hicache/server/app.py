@@ -184,7 +184,8 @@ async def _stream_tokens(request: web.Request, st: ServerState, req: GenerateReq
         getter = asyncio.ensure_future(tokens.get())
         try:
             while not getter.done() and not job.future.done():
-                await asyncio.wait({getter, job.future}, timeout=DISCONNECT_POLL_S, return_when=asyncio.FIRST_COMPLETED)
+                either: set[asyncio.Future[Any]] = {getter, job.future}
+                await asyncio.wait(either, timeout=DISCONNECT_POLL_S, return_when=asyncio.FIRST_COMPLETED)
                 if not getter.done() and not job.future.done() and _client_gone(request):
                     raise ConnectionResetError("client hung up")
         finally:

@@ -74,7 +74,8 @@ async def running_server(
     external = cache is not None
     async with contextlib.AsyncExitStack() as stack:
         if cache is None:
-            cache = await stack.enter_async_context(_open_cache(config, mode))
+            opened: CacheLike = await stack.enter_async_context(_open_cache(config, mode))
+            cache = opened
         app = create_app(cache, config, spec=spec)
         runner = web.AppRunner(app, access_log=None, shutdown_timeout=shutdown_timeout)
         await runner.setup()

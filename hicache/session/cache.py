@@ -177,7 +177,8 @@ class SessionAwareCache(ForwardingCache):
             self.session_metrics.session(sid)
         if slot.attached_rid is None:
             if slot.closing:
-                return self._bypass_req(req, sid)
+                self._bypass_req(req, sid)
+                return None
             slot.attached_rid = req.rid
             slot.attached_req = req
             slot.last_used = self._now()
@@ -186,7 +187,8 @@ class SessionAwareCache(ForwardingCache):
             return slot
         if slot.attached_rid == req.rid:
             return slot
-        return self._bypass_req(req, sid)
+        self._bypass_req(req, sid)
+        return None
 
     def _bypass_req(self, req: Req, sid: str) -> None:
         logger.warning("session %s: request %s arrived while another turn runs or the session "
@@ -306,7 +308,7 @@ class SessionAwareCache(ForwardingCache):
                                   make_room=self.ensure_free)
             res = TurnAdmit(r.device_hit, r.host_hit, r.storage_hit, r.prefix_len, r.load_handle, r.attribution)
         slot = self._slot_for(req) if sid is not None else None
-        if slot is not None and not slot.admitted:
+        if slot is not None and sid is not None and not slot.admitted:
             slot.admitted = True
             slot.turn_prefix_len = res.prefix_len
             stats = self.session_metrics.session(sid)
@@ -371,6 +373,8 @@ class SessionAwareCache(ForwardingCache):
             req.kv_allocated_len = n
             req.kv_committed_len = n
         idx = req.req_pool_idx
+        if idx is None:  # given one above when it had none
+            raise RuntimeError(f"request {req.rid} has no req_to_token row")
         row = self._row(idx)
         have = ceil_align(int(req.kv_allocated_len), ps)
         want = ceil_align(seq_len, ps)
@@ -397,7 +401,7 @@ class SessionAwareCache(ForwardingCache):
                 raise RequestAbortedError(f"request {req.rid} was aborted while it waited for device room")
             if new is None:
                 if new_row:  # leave the request as it came
-                    self._free_row(req.req_pool_idx)
+                    self._free_row(idx)
                     req.req_pool_idx = None
                     req.kv_allocated_len = req.kv_committed_len = 0
                 return None
@@ -476,7 +480,7 @@ class SessionAwareCache(ForwardingCache):
             start = ceil_align(slot.kv_allocated_len, ps)
             end = ceil_align(int(req.kv_allocated_len), ps)
             if end > start:
-                self._free_pages(self._row(slot.req_pool_idx)[start:end].clone())
+                self._free_pages(slot.row(self.req_to_token_pool.req_to_token)[start:end].clone())
             # positions from the restored prefix on may have been overwritten by this turn
             slot.truncate(slot.turn_prefix_len)
             req.req_pool_idx = None

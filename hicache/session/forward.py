@@ -145,7 +145,8 @@ class ForwardingCache(BasePrefixCache):
 
     def prepare_write_backup_for_req(self, req: Req) -> None:
         fn = getattr(self.inner, "prepare_write_backup_for_req", None)
-        return fn(req) if fn is not None else None
+        if fn is not None:
+            fn(req)
 
     def check_hicache_events(self) -> None:
         return self.inner.check_hicache_events()

@@ -129,8 +129,9 @@ class WriteBackQueue:
             logger.warning("session %s: giving up the write-back of %d token(s) after %d refusals",
                            e.session_id, e.tokens, e.attempts)
             release = getattr(self._tree, "release_backup", None)
-            for node in todo if release is not None else ():
-                release(node)  # device eviction may take it now: no host room will come
+            if release is not None:
+                for node in todo:
+                    release(node)  # device eviction may take it now: no host room will come
             return False
         self._count("writeback_attempts", 1)
         refused = False

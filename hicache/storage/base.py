@@ -481,7 +481,7 @@ class AsyncHiCacheStorage(ABC):
             parents: Sequence[PageKey | None]
             if name == KV:  # each page's parent is the page before it (validated keys: never empty)
                 first: list[PageKey | None] = [PageKey(prefix[-1], KV) if prefix else None]
-                parents = first + kv_pages[:-1]
+                parents = [*first, *kv_pages[:-1]]
             else:  # an extra pool's page lives and dies with the KV page of the same key
                 parents = kv_pages
             results[name] = await self._set_pool_pages(

@@ -58,7 +58,7 @@ def as_bytes(tensor: torch.Tensor) -> memoryview:
         flat = flat.reshape(1)
     if flat.dtype != torch.uint8:
         flat = flat.view(torch.uint8)
-    return memoryview(flat.numpy()).cast("B")
+    return flat.numpy().data.cast("B")
 
 
 def page_nbytes(pool: Any) -> int:

@@ -37,13 +37,15 @@ contract as a read into a live page view).
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
 
 try:  # the native span copier (optional: without it strided pieces are copied with numpy)
-    from hicache.memory._spancopy import copy_spans as _copy_spans
+    from hicache.memory._spancopy import copy_spans as _native_copy_spans
+
+    _copy_spans: Callable[..., int] | None = _native_copy_spans
 except ImportError:
     _copy_spans = None
 
@@ -272,7 +274,7 @@ def bounce(nbytes: int) -> tuple[np.ndarray, memoryview]:
     if have is None or have.size < nbytes:
         have = np.empty(max(nbytes, BOUNCE_BYTES), dtype=np.uint8)
         _local.buffer = have
-        _local.view = memoryview(have).cast("B")
+        _local.view = have.data.cast("B")
     return have, _local.view[:nbytes]
 
 

@@ -95,7 +95,7 @@ class StagingArena:
 
     def take(self, like: torch.Tensor, n: int) -> list[torch.Tensor]:
         """``n`` CPU contiguous pages of ``like``'s dtype and shape (contents undefined)."""
-        out = []
+        out: list[torch.Tensor] = []
         with self._lock:
             free = self._idle.get((like.dtype, tuple(like.shape)), [])
             while free and len(out) < n:

@@ -82,11 +82,11 @@ class StorageStats:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._counts: Counter[str] = Counter()
+        self._counts: dict[str, int | float] = {}
 
     def incr(self, name: str, value: int | float = 1) -> None:
         with self._lock:
-            self._counts[name] += value
+            self._counts[name] = self._counts.get(name, 0) + value
         if name == "backend_errors":
             box = _CALL_ERRORS.get()
             while box is not None:
@@ -94,7 +94,7 @@ class StorageStats:
                 box = box.outer
         call = _CALL_COUNTS.get()
         while call is not None:
-            call.counts[name] += value
+            call.counts[name] += value  # type: ignore[assignment]  # Counter is typed int-valued; incr also counts floats
             call = call.outer
 
     def get(self, name: str) -> int | float:

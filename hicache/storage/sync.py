@@ -13,7 +13,7 @@ import concurrent.futures
 import logging
 import threading
 import weakref
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import replace
 from typing import Any, TypeVar
 
@@ -36,7 +36,7 @@ __all__ = ["HiCacheStorage", "LoopThread"]
 T = TypeVar("T")
 
 _logger = logging.getLogger("hicache.storage")
-TransferCall = Callable[[list[PoolTransfer], HiCacheStorageExtraInfo | None], Awaitable[dict[str, list[bool]]]]
+TransferCall = Callable[[list[PoolTransfer], HiCacheStorageExtraInfo | None], Coroutine[Any, Any, dict[str, list[bool]]]]
 
 
 def _is_batch(keys: object) -> bool:

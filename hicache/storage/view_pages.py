@@ -163,8 +163,8 @@ class LivePageViews:
         if verdict is _REFUSED:
             return None
         if not isinstance(verdict, _Verdict):
-            seen, verdict = verdict, self._probe(pool, starts, nbytes_hint, failed=verdict or 0)
-            if not self._swap(pool, seen, verdict):
+            before, verdict = verdict, self._probe(pool, starts, nbytes_hint, failed=verdict or 0)
+            if not self._swap(pool, before, verdict):
                 return None  # another batch probed meanwhile: this one stages, the next reads
             if not isinstance(verdict, _Verdict):
                 return None
@@ -195,7 +195,7 @@ class LivePageViews:
         out: list[PageSegments | None] = []
         seen: set[int] = set()
         for view in views:
-            at = -1 if view is None else view.storage_offset() * view.element_size()
+            at = -1 if view is None else int(view.storage_offset()) * view.element_size()
             if at < 0 or at in seen:  # a bad index, or memory an earlier page of the batch takes
                 out.append(None)
                 continue
@@ -248,7 +248,7 @@ def _answering(pool: Any, starts: Sequence[int], nbytes: int) -> tuple[int | Non
 def _storage_bytes(view: torch.Tensor) -> memoryview:
     """The whole storage ``view`` lives in, as a writable byte memoryview (it keeps it alive)."""
     storage = view.untyped_storage()
-    return as_bytes(torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),)))
+    return as_bytes(torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),), (1,)))
 
 
 def _same_shape(view: Any, verdict: _Verdict) -> bool:
@@ -292,7 +292,7 @@ def _probe(pool: Any, index: int, first: torch.Tensor, like: torch.Tensor) -> tu
     own = pool.get_data_page(index, flat=True).clone()  # put back after: the read may yet miss
     try:
         pool.set_from_flat_data_page(index, page)
-        shows = as_bytes(first.contiguous()) == memoryview(pattern.numpy())
+        shows = as_bytes(first.contiguous()) == pattern.numpy().data
     finally:
         pool.set_from_flat_data_page(index, own)  # if this raises, the probe fails: staging
     if not shows:

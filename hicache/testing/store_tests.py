@@ -253,7 +253,7 @@ class StoreTests:
         assert await store.batch_exists(["nope"] + keys) == 0
         got = await store.batch_get(keys + ["nope"], [torch.empty(8) for _ in range(4)])
         assert [g is not None for g in got] == [True, True, True, False]
-        assert all(torch.equal(g, v) for g, v in zip(got, vals))
+        assert all(g is not None and torch.equal(g, v) for g, v in zip(got, vals))
         assert not await store.batch_set(keys, vals[:2])  # mismatched lengths: False, no raise
 
     # -- hit policies ---------------------------------------------------------------------------
@@ -518,7 +518,8 @@ class StoreTests:
             assert facade.batch_get_v1(keys, dst.indices(1, 3)) == [True] * 3
             assert dst.page_bytes(PAGE) == src.page_bytes(0)
             assert facade.set("s", torch.ones(4)) and facade.exists("s")
-            assert torch.equal(facade.get("s", torch.empty(4)), torch.ones(4))
+            got_s = facade.get("s", torch.empty(4))
+            assert got_s is not None and torch.equal(got_s, torch.ones(4))
             assert facade.batch_get(["s", "t"], [torch.empty(4), torch.empty(4)])[1] is None
             assert facade.batch_set(["t"], [torch.zeros(4)])
             assert facade.get_stats()["write_ok"] >= 4

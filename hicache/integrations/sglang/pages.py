@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import hashlib
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 import torch
@@ -45,7 +45,15 @@ KNOWN_LAYOUTS: tuple[str, ...] = ("layer_first", "page_first", "page_first_direc
 # (kind, layout) -> (page slicer, permutation of the slice to canonical order). The slicer takes
 # (kv_buffer, first token, page index, page_size) and returns the page as SGLang's
 # ``get_data_page(flat=False)`` sees it; the permutation maps that to (C, L, ps, *token).
-_Slicer = Callable[[torch.Tensor, int, int, int], torch.Tensor]
+_Buf = TypeVar("_Buf", torch.Tensor, np.ndarray)
+
+
+class _Slicer(Protocol):
+    """One page's slice of the pool's buffer, as a torch tensor or as its numpy view."""
+
+    def __call__(self, b: _Buf, s: int, p: int, ps: int, /) -> _Buf: ...
+
+
 _MHA: dict[str, tuple[_Slicer, tuple[int, ...]]] = {
     # (2, L, T, H, D)
     "layer_first": (lambda b, s, p, ps: b[:, :, s : s + ps], (0, 1, 2, 3, 4)),
@@ -165,7 +173,7 @@ class CanonicalPagePool:
         self._spans: dict[tuple[int, int], PieceSpans | None] = {}
         self._base0 = 0
         if kv.is_contiguous() and kv.element_size() in _SAME_SIZE_INT:
-            self._kv_bytes = memoryview(kv.reshape(-1).view(torch.uint8).numpy()).cast("B")
+            self._kv_bytes = kv.reshape(-1).view(torch.uint8).numpy().data.cast("B")
             # the same memory as numpy (strided pieces are copied with numpy, see segments)
             self._kv_np = kv.view(_SAME_SIZE_INT[kv.element_size()]).numpy()
             if not self._live:

@@ -443,7 +443,8 @@ class HiCacheSGLangStorage(_SGLangStorage):
             return out
 
         t0 = time.perf_counter()
-        out = self._do("batch_get", run, [None] * len(keys))
+        misses: list[torch.Tensor | None] = [None] * len(keys)
+        out = self._do("batch_get", run, misses)
         self._record("prefetch", sum(o is not None for o in out), t0)
         return out
 

@@ -83,7 +83,7 @@ class PageMover:
         """Read ``keys`` into the pool at ``host_indices``; one flag per key."""
         n = len(keys)
         starts = self._starts(host_indices, n)
-        if self._direct(starts, n):
+        if starts is None or self._direct(starts, n):
             got = await self.backend.batch_get_v2(self._transfer(keys, host_indices))
             return got[self.pool_name]
         area = self._area("get")
@@ -143,7 +143,7 @@ class PageMover:
         n = len(keys)
         starts = self._starts(host_indices, n)
         info = HiCacheStorageExtraInfo(prefix_keys=list(prefix_keys) if prefix_keys else None)
-        if self._direct(starts, n):
+        if starts is None or self._direct(starts, n):
             got = await self.backend.batch_set_v2(self._transfer(keys, host_indices), info)
             return got[self.pool_name]
         area = self._area("set")

@@ -195,7 +195,7 @@ def _close_worker_at_exit(connector: HiCacheConnector) -> None:
         try:  # an exception here would skip the interpreter's other exit hooks (thread pools)
             conn = ref()
             worker = conn._worker if conn is not None else None
-            if worker is not None:
+            if conn is not None and worker is not None:
                 worker.close(worker_close_timeout(conn.options.close_timeout_s))
         except BaseException:  # noqa: BLE001
             logger.exception("hicache worker: draining at interpreter exit failed")

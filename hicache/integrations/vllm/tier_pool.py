@@ -14,6 +14,8 @@ calls it before vLLM's primary tier shuts down.
 
 from __future__ import annotations
 
+from typing import cast
+
 import numpy as np
 import torch
 
@@ -34,7 +36,7 @@ class ChunkPool:
             raise TypeError("the primary tier view is read-only; loads need to write into it")
         if not primary_kv_view.c_contiguous:
             raise TypeError("the primary tier view must be C-contiguous (one row per chunk)")
-        self.num_chunks, self.page_nbytes = primary_kv_view.shape
+        self.num_chunks, self.page_nbytes = cast("tuple[int, int]", primary_kv_view.shape)  # ndim == 2
         rows = np.frombuffer(primary_kv_view, dtype=np.uint8)  # shares memory, checks nothing else
         self._rows: torch.Tensor | None = torch.from_numpy(rows).view(self.num_chunks, self.page_nbytes)
 

@@ -575,7 +575,7 @@ class WorkerSide:
             return
         job = StorageWriteJob(
             keys=list(spec.keys[spec.write_from : spec.write_from + len(writes)]), host_indices=self._indices(writes),
-            prior_key=spec.prior_key, on_done=lambda n, spec=spec, writes=writes: self._job_done(spec, writes, n, queued=True),
+            prior_key=spec.prior_key, on_done=lambda n: self._job_done(spec, writes, n, queued=True),
         )
         if spec.hold:
             self._held[spec.job] = _Held(job, spec, writes, copied)
