@@ -404,11 +404,19 @@ class HiRadixCache(RadixCache):
         """Free host copies that are redundant (device and storage hold the pages), oldest
         first; returns tokens freed. The nodes stay, on device."""
         freed = 0
-        while freed < num_tokens and self._sheddable:
-            node = next(iter(self._sheddable))
-            del self._sheddable[node]
+        for node in list(self._sheddable):
+            if freed >= num_tokens:
+                break
             if not self._sheds(node):
+                # a lock, a prefetch anchor or a copy in flight passes: only a node that can
+                # never shed again (left the tree or the device, lost its host copy) is
+                # forgotten; one dropped for a passing lock was never listed again (it is
+                # listed only when a storage write lands), its redundant host copy pinned
+                if node.tree is not self.root_node.tree or node.parent is None or node.value is None or (
+                        node.host_value is None and node.backup_op is None):
+                    del self._sheddable[node]
                 continue
+            del self._sheddable[node]
             host = self._drop_host(node)
             self._free_host(host)
             self._note(node)
@@ -558,7 +566,15 @@ class HiRadixCache(RadixCache):
             self._start_backups()
         if node.value is None or node.host_value is not None or node.backup_op is not None:
             return False
-        return self._start_marked(node, self._mark_backup(node), keep)
+        # host room is found before the mark: the mark's lock covers every ancestor, and a
+        # locked node's redundant host copy cannot be shed, so room that shedding the
+        # ancestors' copies would make was refused (the backup deferred, a write-back's KV
+        # dropped at eviction)
+        host = self._alloc_host(len(node.key))
+        if host is None:
+            self._defer_backup(node, keep)
+            return False
+        return self._start_marked(node, self._mark_backup(node), keep, host)
 
     def _mark_backup(self, node: TreeNode) -> object:
         """Mark ``node``'s backup in flight (its ``backup_op``, returned) and lock it on device."""
@@ -595,18 +611,21 @@ class HiRadixCache(RadixCache):
         for node, op in batch:
             self._start_marked(node, op)
 
-    def _start_marked(self, node: TreeNode, op: object, keep: bool = False) -> bool:
+    def _start_marked(self, node: TreeNode, op: object, keep: bool = False,
+                      host: torch.Tensor | None = None) -> bool:
         """Start the copy of a node :meth:`_mark_backup` marked with ``op``; whether it started.
         Without room, a refused queue or any failure it is unmarked, unlocked and deferred
         (``keep``: device eviction keeps it meanwhile). A node split since it was marked is
         copied with the parents split off it (one host allocation, one job, as if the copy had
-        started before the split)."""
+        started before the split). ``host``: slots already taken for it (a direct backup)."""
         if node.backup_op is not op:  # the tree was reset meanwhile
+            if host is not None:
+                self._free_host(host)
             return False
         chain = self._op_chain(node, "backup_op", op)
-        host = None
         try:
-            host = self._alloc_host(sum(len(c.key) for c in chain))
+            if host is None:
+                host = self._alloc_host(sum(len(c.key) for c in chain))
             if host is not None:
                 off = 0
                 for c in chain:

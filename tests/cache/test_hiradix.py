@@ -401,3 +401,63 @@ async def test_pages_under_a_node_split_while_its_write_was_in_flight_reach_stor
         assert node_of(cache, b).on_storage
         assert all(await store.exists_pages(page_hashes(b, PS)))
     await stack.aclose()
+
+
+def _shed_stack(host_pages: int):  # type: ignore[no-untyped-def]
+    """write_back over a memory store: host copies are made only by explicit backups and
+    device eviction, so a test decides which host copies are redundant (device + storage)."""
+    return build_stack(dataclasses.replace(
+        cfg(write_policy="write_back"), host_pages=host_pages, storage_backend="memory",
+        storage_options={"store_id": f"shed-{uuid.uuid4()}"}))
+
+
+async def test_a_write_back_at_eviction_sheds_its_own_ancestors_redundant_host_copies() -> None:
+    """Host is full of copies that device and storage both hold, all of them ancestors of the
+    leaf that device eviction writes back. The copy takes its host room by shedding them, as
+    any backup does; the backup's own lock (which covers every ancestor) must not keep them:
+    it did, the backup was deferred and the leaf's KV dropped instead of demoted to host."""
+    stack = _shed_stack(host_pages=2)
+    cache = stack.cache
+    a = toks(0, 8)
+    await serve_request(stack, a, rid="a")
+    await serve_request(stack, toks(0, 4) + toks(100, 4), rid="split")  # a: [0:4] then [4:8]
+    lower = node_of(cache, a)
+    upper = lower.parent
+    assert cache.write_backup(upper) and cache.write_backup(lower)
+    await cache.drain()
+    assert upper.on_storage and lower.on_storage and stack.host_pool.available_size() == 0
+    c = a + toks(200, 4)
+    await serve_request(stack, c, rid="c")  # a device leaf under lower (and under upper)
+    leaf = node_of(cache, c)
+    await cache.evict_async(EvictParams(num_tokens=8))  # both leaves: "split" and c
+    await cache.drain()
+    assert stack.controller.metrics.counters["backup_deferred"] == 0
+    assert leaf.parent is lower and leaf.host_value is not None  # demoted, not dropped
+    out = await serve_request(stack, c, rid="c2")
+    assert out.verify_failures == 0 and out.device_hit + out.host_hit == len(c)
+    cache.sanity_check()
+    await stack.aclose()
+
+
+async def test_a_redundant_host_copy_locked_when_room_was_wanted_is_shed_later() -> None:
+    """A host copy that device and storage both hold is skipped by shedding while it is locked
+    (a load or a request reads through it); once unlocked it is sheddable again. It was
+    forgotten at the skip, and was never listed again: its host page stayed pinned."""
+    stack = _shed_stack(host_pages=1)
+    cache = stack.cache
+    a, b = toks(0, 4), toks(500, 4)
+    await serve_request(stack, a, rid="a")
+    node_a = node_of(cache, a)
+    assert cache.write_backup(node_a)
+    await cache.drain()
+    assert node_a.on_storage and stack.host_pool.available_size() == 0
+    await serve_request(stack, b, rid="b")
+    node_b = node_of(cache, b)
+    cache.inc_lock_ref(node_a)  # a request holds a
+    assert not cache._backup(node_b)  # no room: a is locked
+    cache.dec_lock_ref(node_a)
+    assert cache._backup(node_b)  # a's redundant copy gives way now
+    await cache.drain()
+    assert node_b.backuped and node_a.host_value is None and node_a.value is not None
+    cache.sanity_check()
+    await stack.aclose()
