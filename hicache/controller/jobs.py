@@ -143,6 +143,10 @@ class CloseReport:
     #: pages whose storage write failed (retries spent) or was skipped while storage was
     #: down, over the controller's whole life: written nowhere, though never "queued at close"
     failed_storage_pages: int = 0
+    #: pages committed on device whose copy to host waited for host room and had not started
+    #: when the cache closed (filled in by the tree, which alone holds those backups): written
+    #: nowhere
+    deferred_backup_pages: int = 0
 
     @property
     def unwritten_pages(self) -> int:

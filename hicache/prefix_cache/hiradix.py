@@ -44,7 +44,7 @@ from typing import Any
 import torch
 
 from hicache.controller.controller import HiCacheController
-from hicache.controller.jobs import PrefetchResult, StorageWriteJob
+from hicache.controller.jobs import CloseReport, PrefetchResult, StorageWriteJob
 from hicache.errors import CacheClosedError, ChainGoneError
 from hicache.events.log import EventLog
 from hicache.memory.slots import cat_slots
@@ -516,9 +516,11 @@ class HiRadixCache(RadixCache):
             if gen != self._generation:
                 return
             self._victim_pages_in_flight -= pages
-            if written < pages:
-                self.metrics.incr("victim_write_failed_pages", pages - written)
+            if written < len(job.keys):  # pages sent and not written: the store refused them
+                self.metrics.incr("victim_write_failed_pages", len(job.keys) - written)
                 self._victim_failed.add(keys[written : written + 1])
+            # pages storage had no room for were never sent (the job was cut, counted as
+            # storage_writes_no_room_pages): not a failure, written back at a later eviction
             self._storage_done(gen, node, op, written)
 
         job = StorageWriteJob(keys=keys, host_indices=torch.cat(hosts), prior_key=prior, on_done=done)
@@ -1287,7 +1289,19 @@ class HiRadixCache(RadixCache):
             self._unsubscribe_storage()
             self._unsubscribe_storage = None
         self._start_backups()  # drained by the close, or reported
-        return await self.controller.aclose()
+        self._retry_deferred()
+        report = await self.controller.aclose()
+        # backups still waiting for host room: only the tree knows them, so the tree reports
+        # them (committed KV that reached no tier below the device is never lost silently)
+        pages = sum(
+            len(n.key) // self.page_size for n in self._deferred
+            if n.tree is self.root_node.tree and n.value is not None and n.host_value is None
+        )
+        if pages and isinstance(report, CloseReport):
+            report.deferred_backup_pages = pages
+            logger.warning("cache close: %d page(s) committed on device never reached host (their backups "
+                           "waited for host room)", pages)
+        return report
 
     def sanity_check(self) -> None:
         super().sanity_check()

@@ -158,3 +158,21 @@ async def test_a_write_through_whose_start_raises_leaves_nothing_locked() -> Non
         cache.sanity_check()
     finally:
         await stack.aclose()
+
+
+async def test_close_reports_backups_still_waiting_for_host_room() -> None:
+    """A backup deferred for host room when the cache closes never reached host: the close
+    report says how many pages (only the tree knows them), never silence."""
+    from hicache.prefix_cache import MatchPrefixParams, RadixKey
+
+    stack, filler = await host_full_of_a_filler("write_back")
+    cache = stack.cache
+    try:
+        tokens = list(range(100, 100 + 4 * PS))
+        await serve_request(stack, tokens, rid="a", prefetch=False)
+        node = cache.match_prefix(MatchPrefixParams(key=RadixKey(tokens))).last_device_node
+        cache.inc_lock_ref(cache.match_prefix(MatchPrefixParams(key=RadixKey(filler))).last_device_node)
+        assert not cache.write_backup(node) and node in cache._deferred
+    finally:
+        report = await stack.aclose()
+    assert report.deferred_backup_pages == 4, report

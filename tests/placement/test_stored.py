@@ -270,6 +270,9 @@ async def test_a_write_back_never_deletes_the_prefix_it_chains_from() -> None:
         assert all(k in stored for k in a_keys) and _closed(stored)
         assert node_c.storage_pages == 1 and len(stored) <= 3
         assert stack.controller.metrics.counters["storage_writes_no_room_pages"] == 1
+        # the page cut for room is no failure: not counted as one, nor barred from a later write-back
+        assert stack.controller.metrics.counters.get("victim_write_failed_pages", 0) == 0
+        assert c_keys[1] not in cache._victim_failed
         hit = await stack.controller._on_io(stack.storage.batch_exists_v2(a_keys + c_keys))
         assert hit.kv_hit_pages == 3
         assert stack.storage.medium.evicted_pages == 0  # the backend never had to evict
