@@ -65,7 +65,7 @@ from hicache.storage import (
 )
 from hicache.storage.hit_policy import leading_run
 from hicache.storage.offload import wait_out
-from hicache.storage.stats import counting_call_errors
+from hicache.storage.stats import counting_call
 
 __all__ = ["HiCacheController", "ControllerState"]
 
@@ -752,12 +752,12 @@ class HiCacheController:
         """One call inside a hop, on the I/O loop: what it returned or raised, its seconds, and
         whether the backend counted an error meanwhile; judged later on the loop (:meth:`_judge`)."""
         t0 = time.perf_counter()
-        with counting_call_errors() as errors:
+        with counting_call() as call:
             try:
                 outcome: Any = await coro
             except Exception as exc:  # noqa: BLE001 - judged on the loop
                 outcome = exc
-        return outcome, time.perf_counter() - t0, errors.count > 0
+        return outcome, time.perf_counter() - t0, call.errors > 0
 
     def _judge(self, call: _InnerCall, what: str) -> Any:
         """A call made inside a hop, judged as :meth:`_storage_call` judges a call of its own:
@@ -901,7 +901,7 @@ class HiCacheController:
             return None
         cfg = self.config
         t0 = time.perf_counter()
-        with counting_call_errors() as errors:  # the task copies the context: its errors only
+        with counting_call() as counted:  # the task copies the context: its errors only
             call = asyncio.ensure_future(self._on_io(coro))
         if progress is None:  # a hop's inner calls are sampled one by one (_judge)
             call.add_done_callback(lambda _: self.metrics.observe(_OPS.get(what, what), "storage", time.perf_counter() - t0))
@@ -946,7 +946,7 @@ class HiCacheController:
             self._judge_outcome(exc, False, what)
             return None
         if progress is None:  # a hop's caller judges each inner call, in order (_judge)
-            self._judge_outcome(None, errors.count > 0, what)
+            self._judge_outcome(None, counted.errors > 0, what)
         return call.result()
 
     async def _outlast(self, call: asyncio.Future[Any], what: str) -> bool:
@@ -993,7 +993,7 @@ class HiCacheController:
         while not self.health.up:
             await asyncio.sleep(self.health.next_probe_in())
             self.metrics.incr("storage_probes")
-            with counting_call_errors() as errors:
+            with counting_call() as counted:
                 call = asyncio.ensure_future(self._on_io(self.storage.batch_exists_v2([_PROBE_KEY])))
             try:
                 done, _ = await asyncio.wait({call}, timeout=limit)
@@ -1003,7 +1003,7 @@ class HiCacheController:
             if not done:
                 call.cancel()
             ok = bool(done) and not call.cancelled() and call.exception() is None
-            if ok and not errors.count:
+            if ok and not counted.errors:
                 self.health.probe_passed()
             else:
                 self.health.probe_failed()

@@ -32,7 +32,7 @@ from hicache.controller.transfers import all_pools_ok, slice_transfer
 from hicache.observability import tracing
 from hicache.storage import AsyncHiCacheStorage, PoolName, PoolTransfer
 from hicache.storage.hit_policy import leading_run
-from hicache.storage.stats import counting_call_errors
+from hicache.storage.stats import counting_call
 
 __all__ = ["Prefetcher"]
 
@@ -140,12 +140,12 @@ class Prefetcher:
             async with self._sem:
                 if op.stop_requested:
                     return
-                with counting_call_errors() as errors:
+                with counting_call() as call:
                     hit = await self._storage_call(self.storage.batch_exists_v2(op.keys, op.extra or None), "exists")
                 found = min(len(op.keys), hit.kv_hit_pages if hit is not None else 0)
                 op.found_pages = found
                 # an exists the backend answered with misses after an error is no answer
-                op.exists_answered = hit is not None and not errors.count
+                op.exists_answered = hit is not None and not call.errors
                 if not op.exists_answered:
                     op.stop = op.stop or "exists_failed"
                 if found == 0 or op.stop_requested:
@@ -165,7 +165,7 @@ class Prefetcher:
                         transfers.append(slice_transfer(extra, a, n))
                     op.inflight_start, op.inflight_end = a, a + n
                     t0 = time.perf_counter()
-                    with counting_call_errors() as errors:
+                    with counting_call() as call:
                         result = await self._storage_call(self.storage.batch_get_v2(transfers), "read")
                     op.inflight_start = op.inflight_end = 0
                     got = leading_run(all_pools_ok(result, n))
@@ -177,7 +177,7 @@ class Prefetcher:
                         if result is None:
                             self.metrics.incr("storage_read_failures")
                         op.stop = op.stop or ("read_failed" if result is None else
-                                   "backend_error" if errors.count else "page_failed")
+                                   "backend_error" if call.errors else "page_failed")
                         break
         except asyncio.CancelledError:
             pass  # abort: the finally block gives the pages back

@@ -9,34 +9,7 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 
-__all__ = ["WELL_KNOWN", "CallCounts", "CallErrors", "StorageStats", "Throttle", "counting_call", "counting_call_errors"]
-
-
-class CallErrors:
-    """The ``backend_errors`` counted while one call ran (see :func:`counting_call_errors`)."""
-
-    __slots__ = ("count", "outer")
-
-    def __init__(self, outer: CallErrors | None) -> None:
-        self.count = 0.0
-        self.outer = outer
-
-
-_CALL_ERRORS: contextvars.ContextVar[CallErrors | None] = contextvars.ContextVar("hicache_call_errors", default=None)
-
-
-@contextlib.contextmanager
-def counting_call_errors() -> Iterator[CallErrors]:
-    """Count the backend errors of the calls made inside (and of the tasks they start, which
-    copy the context): whether *this* call failed, where diffing the backend's shared counter
-    before and after blamed every call in flight for one call's error (three concurrent reads,
-    one raising, tripped the storage breaker at once). Nested counts see their inner calls'."""
-    box = CallErrors(_CALL_ERRORS.get())
-    token = _CALL_ERRORS.set(box)
-    try:
-        yield box
-    finally:
-        _CALL_ERRORS.reset(token)
+__all__ = ["WELL_KNOWN", "CallCounts", "StorageStats", "Throttle", "counting_call"]
 
 
 class CallCounts:
@@ -48,15 +21,23 @@ class CallCounts:
         self.counts: Counter[str] = Counter()
         self.outer = outer
 
+    @property
+    def errors(self) -> float:
+        """The call's ``backend_errors``: whether *this* call failed."""
+        return self.counts["backend_errors"]
+
 
 _CALL_COUNTS: contextvars.ContextVar[CallCounts | None] = contextvars.ContextVar("hicache_call_counts", default=None)
 
 
 @contextlib.contextmanager
 def counting_call() -> Iterator[CallCounts]:
-    """The backend counters of the calls made inside (and of the tasks they start), apart from
-    every other call's: what one call did (e.g. the pages a write skipped, ``write_skipped_pages``),
-    where the backend's shared counters mix in every call in flight."""
+    """The backend counters of the calls made inside (and of the tasks they start, which copy
+    the context), apart from every other call's: what one call did, where the backend's shared
+    counters mix in every call in flight. Diffing the shared ``backend_errors`` before and after
+    blamed every call in flight for one call's error (three concurrent reads, one raising,
+    tripped the storage breaker at once); an engine's write metrics need the pages *this* write
+    skipped (``write_skipped_pages``). Nested counts see their inner calls'."""
     box = CallCounts(_CALL_COUNTS.get())
     token = _CALL_COUNTS.set(box)
     try:
@@ -87,11 +68,6 @@ class StorageStats:
     def incr(self, name: str, value: int | float = 1) -> None:
         with self._lock:
             self._counts[name] = self._counts.get(name, 0) + value
-        if name == "backend_errors":
-            box = _CALL_ERRORS.get()
-            while box is not None:
-                box.count += value
-                box = box.outer
         call = _CALL_COUNTS.get()
         while call is not None:
             call.counts[name] += value  # type: ignore[assignment]  # Counter is typed int-valued; incr also counts floats

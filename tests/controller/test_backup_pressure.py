@@ -58,21 +58,32 @@ async def host_full_of_a_filler(write_policy: str):  # type: ignore[no-untyped-d
     return stack, filler
 
 
+async def a_deferred_backup(stack, filler: list[int], tokens: list[int]):  # type: ignore[no-untyped-def]
+    """Serve ``tokens`` and ask for their backup while the filler, locked on device, holds all
+    of host: the backup waits for host room (deferred, kept on device). Returns its node and
+    the filler's locked node."""
+    from hicache.prefix_cache import MatchPrefixParams, RadixKey
+
+    cache = stack.cache
+    await serve_request(stack, tokens, rid="a", prefetch=False)
+    node = cache.match_prefix(MatchPrefixParams(key=RadixKey(tokens))).last_device_node
+    lock = cache.match_prefix(MatchPrefixParams(key=RadixKey(filler))).last_device_node
+    cache.inc_lock_ref(lock)  # the filler's host copy cannot make room
+    assert not cache.write_backup(node) and cache._deferred.get(node) is True
+    return node, lock
+
+
 async def test_a_deferred_backup_covers_both_halves_of_a_split() -> None:
     """A backup waiting for host room (kept on device: KV that must be written) whose node is
     split by a later insert: the new upper half waits too and is written once room frees up
     (it was left out: device eviction could drop it, and its pages never reached host)."""
-    from hicache.prefix_cache import EvictParams, InsertParams, MatchPrefixParams, RadixKey
+    from hicache.prefix_cache import EvictParams, InsertParams, RadixKey
 
     stack, filler = await host_full_of_a_filler("write_back")
     cache = stack.cache
     try:
         tokens = list(range(100, 100 + 4 * PS))
-        await serve_request(stack, tokens, rid="a", prefetch=False)
-        node = cache.match_prefix(MatchPrefixParams(key=RadixKey(tokens))).last_device_node
-        lock = cache.match_prefix(MatchPrefixParams(key=RadixKey(filler))).last_device_node
-        cache.inc_lock_ref(lock)  # the filler's host copy cannot make room
-        assert not cache.write_backup(node) and cache._deferred.get(node) is True
+        node, lock = await a_deferred_backup(stack, filler, tokens)
         diverging = tokens[: 2 * PS] + [9] * (2 * PS)
         cache.insert(InsertParams(key=RadixKey(diverging), value=stack.allocator.alloc(4 * PS)))
         upper = node.parent
@@ -163,16 +174,9 @@ async def test_a_write_through_whose_start_raises_leaves_nothing_locked() -> Non
 async def test_close_reports_backups_still_waiting_for_host_room() -> None:
     """A backup deferred for host room when the cache closes never reached host: the close
     report says how many pages (only the tree knows them), never silence."""
-    from hicache.prefix_cache import MatchPrefixParams, RadixKey
-
     stack, filler = await host_full_of_a_filler("write_back")
-    cache = stack.cache
     try:
-        tokens = list(range(100, 100 + 4 * PS))
-        await serve_request(stack, tokens, rid="a", prefetch=False)
-        node = cache.match_prefix(MatchPrefixParams(key=RadixKey(tokens))).last_device_node
-        cache.inc_lock_ref(cache.match_prefix(MatchPrefixParams(key=RadixKey(filler))).last_device_node)
-        assert not cache.write_backup(node) and node in cache._deferred
+        await a_deferred_backup(stack, filler, list(range(100, 100 + 4 * PS)))
     finally:
         report = await stack.aclose()
     assert report.deferred_backup_pages == 4, report

@@ -8,10 +8,12 @@ from typing import Any
 
 import torch
 from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
-from sglang.srt.mem_cache.hicache_storage import PoolName
+from sglang.srt.mem_cache.device_pool_info import MambaStateBufferInfo
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig, PoolName
 from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import HybridCacheController
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
 from sglang.srt.mem_cache.pool_host import HostPoolGroup, PoolEntry
+from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 
@@ -90,3 +92,29 @@ def controller(
         storage_backend=backend, model_name="test/model", storage_backend_extra_config=extra,
         transfer_layer_id_max=dev.layer_num, enable_storage_metrics=metrics,
     )
+
+
+def mamba_server(root: str, ssm_dtype: torch.dtype = torch.bfloat16, ratio: float = 2.0, *,
+                 metrics: bool = False, fill: bool = False) -> tuple[Any, Any]:
+    """A hybrid model's rank through SGLang's factory (``dynamic`` -> hicache's file store at
+    ``root``): its KV host pool (page 16, 4 layers, page_first) and a Mamba state pool (SSM
+    state of ``ssm_dtype``, conv bf16) registered as v2 pools. Returns the storage and the Mamba
+    pool. ``metrics``: SGLang's storage metrics on; ``fill``: the KV pool filled at random."""
+    from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+
+    dev = device_pool(page_size=16, layers=4)
+    kv = host_pool(dev, "page_first")
+    if fill:
+        fill_random(kv)
+    info = MambaStateBufferInfo(temporal=torch.zeros(2, 8, 4, 8, dtype=ssm_dtype),
+                                conv=(torch.zeros(2, 8, 3, 8, dtype=torch.bfloat16),))
+    mamba = MambaPoolHost(info, ratio, 0, device_capacity=8, pin_memory=False, device="cpu", layout="page_first")
+    cfg = HiCacheStorageConfig(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
+                               is_mla_model=False, enable_storage_metrics=metrics, is_page_first_layout=True,
+                               model_name="m", extra_config=extra_config("file", root=root))
+    st = StorageBackendFactory.create_backend("dynamic", cfg, kv)
+    st.register_mem_pool_host(kv)
+    st.register_mem_host_pool_v2(kv, PoolName.KV)
+    st.register_mem_host_pool_v2(mamba, PoolName.MAMBA)
+    st.on_host_pools_registered()
+    return st, mamba

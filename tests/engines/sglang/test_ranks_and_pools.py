@@ -144,31 +144,14 @@ def test_a_call_timeout_beyond_the_clock_means_no_limit(tmp_path, timeout) -> No
         ctl.detach_storage_backend()
 
 
-def _mamba_server(root: str, ssm_dtype: torch.dtype, ratio: float = 2.0):  # type: ignore[no-untyped-def]
-    dev = helpers.device_pool(page_size=16, layers=4)
-    kv = helpers.host_pool(dev, "page_first")
-    info = MambaStateBufferInfo(temporal=torch.zeros(2, 8, 4, 8, dtype=ssm_dtype),
-                                conv=(torch.zeros(2, 8, 3, 8, dtype=torch.bfloat16),))
-    mamba = MambaPoolHost(info, ratio, 0, device_capacity=8, pin_memory=False, device="cpu", layout="page_first")
-    cfg = HiCacheStorageConfig(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
-                               is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=True,
-                               model_name="m", extra_config=helpers.extra_config("file", root=root))
-    st = StorageBackendFactory.create_backend("dynamic", cfg, kv)
-    st.register_mem_pool_host(kv)
-    st.register_mem_host_pool_v2(kv, PoolName.KV)
-    st.register_mem_host_pool_v2(mamba, PoolName.MAMBA)
-    st.on_host_pools_registered()
-    return st, mamba
-
-
 def test_a_mamba_state_of_another_dtype_is_never_restored(tmp_path) -> None:
     """``--mamba-ssm-dtype bfloat16`` and ``float16`` have one element size: the two servers
     shared the state pool's pages, and one restored the other's state, reinterpreted, as valid
     (wrong answers). Host pools of other sizes still share them."""
     root = str(tmp_path / "store")
-    a, m_a = _mamba_server(root, torch.bfloat16)
-    b, m_b = _mamba_server(root, torch.float16)
-    c, m_c = _mamba_server(root, torch.bfloat16, ratio=3.0)  # a bigger host pool, same format
+    a, m_a = helpers.mamba_server(root, torch.bfloat16)
+    b, m_b = helpers.mamba_server(root, torch.float16)
+    c, m_c = helpers.mamba_server(root, torch.bfloat16, ratio=3.0)  # a bigger host pool, same format
     try:
         for t in m_a._iter_page_tensors(1):
             t.fill_(1.0)

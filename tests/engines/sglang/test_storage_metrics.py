@@ -13,10 +13,7 @@ import pytest
 import sgl_drive as drive
 import sgl_helpers as helpers
 import torch
-from sglang.srt.mem_cache.device_pool_info import MambaStateBufferInfo
-from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig, PoolName, PoolTransfer
-from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
-from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
 from sglang.srt.observability.metrics_collector import StorageMetrics
 
 import hicache.integrations.sglang.storage as adapter
@@ -67,26 +64,8 @@ def test_backup_counts_only_pages_the_file_store_wrote(store_root, one_second_ca
         ctl.detach_storage_backend()
 
 
-def _hybrid_store(root: str):  # type: ignore[no-untyped-def]
-    """A hybrid model's rank: the KV pool and a Mamba state pool, metrics on."""
-    dev = helpers.device_pool(page_size=PAGE, layers=LAYERS)
-    kv = helpers.host_pool(dev, "page_first")
-    helpers.fill_random(kv)
-    info = MambaStateBufferInfo(temporal=torch.zeros(2, 8, 4, 8), conv=(torch.zeros(2, 8, 3, 8),))
-    mamba = MambaPoolHost(info, 2.0, 0, device_capacity=8, pin_memory=False, device="cpu", layout="page_first")
-    cfg = HiCacheStorageConfig(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
-                               is_mla_model=False, enable_storage_metrics=True, is_page_first_layout=True,
-                               model_name="m", extra_config=helpers.extra_config("file", root=root))
-    st = StorageBackendFactory.create_backend("dynamic", cfg, kv)
-    st.register_mem_pool_host(kv)
-    st.register_mem_host_pool_v2(kv, PoolName.KV)
-    st.register_mem_host_pool_v2(mamba, PoolName.MAMBA)
-    st.on_host_pools_registered()
-    return st, mamba
-
-
 def test_extra_pool_io_is_recorded_with_its_own_page_size(store_root, one_second_calls) -> None:
-    st, mamba = _hybrid_store(store_root)
+    st, mamba = helpers.mamba_server(store_root, torch.float32, metrics=True, fill=True)
     dummy = mamba.get_dummy_flat_data_page()
     mamba_page_bytes = dummy.numel() * dummy.element_size()
     assert mamba_page_bytes != KV_PAGE_BYTES
