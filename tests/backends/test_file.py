@@ -618,3 +618,49 @@ async def test_opening_scan_does_not_count_a_page_evicted_during_it(tmp_path, mo
     finally:
         go_first.set()
         go_last.set()
+
+
+async def test_opening_scan_floor_leaves_out_a_page_deleted_while_it_waits(tmp_path, monkeypatch) -> None:
+    """The scan's floor is taken on the scan thread, under the ledger's lock, some time after
+    the call was queued: a page the scan saw and that was deleted in between (its bytes already
+    given back) must not be counted again. Forced order: the scan reads a's and c's folders,
+    queues its floor, a is deleted, then the floor is taken."""
+    from hicache_backends.file.ledger import UsageLedger
+
+    keys = [f"k{i}" for i in range(64)]
+    a = keys[0]
+    c = next(k for k in keys[1:] if page_id(k, "kv")[:2] != page_id(a, "kv")[:2])
+    go_scan, at_floor, go_floor = threading.Event(), threading.Event(), threading.Event()
+    real_scan, real_add = file_io.scan_subdir, UsageLedger.add
+
+    def list_subdirs(layout):
+        return [layout.subdir(page_id(k, "kv")) for k in (a, c)]
+
+    def scan_subdir(path, stale):
+        assert go_scan.wait(30)
+        return real_scan(path, stale)
+
+    def add(self, delta, **kw):  # type: ignore[no-untyped-def]
+        if callable(kw.get("floor")):
+            at_floor.set()
+            assert go_floor.wait(30)
+        return real_add(self, delta, **kw)
+
+    monkeypatch.setattr(file_io, "list_subdirs", list_subdirs)
+    monkeypatch.setattr(file_io, "scan_subdir", scan_subdir)
+    monkeypatch.setattr(UsageLedger, "add", add)
+    page = make_store(tmp_path).layout.file_size(a, "kv", 64)
+    try:
+        async with make_store(tmp_path, max_bytes=4 * page) as store:
+            assert await store.set(a, v0(64, 1))  # in flight when the scan starts: the floor path
+            assert await store.set(c, v0(64, 2))
+            go_scan.set()
+            assert await asyncio.to_thread(at_floor.wait, 30)  # the scan saw a and c; floor queued
+            assert await store.batch_delete([a]) == [True]
+            go_floor.set()
+            assert await store.wait_index_ready(30)
+            await store.wait_background()
+            assert read_usage(os.path.join(store.layout.ns_dir, LEDGER_NAME)).used == page
+    finally:
+        go_scan.set()
+        go_floor.set()

@@ -514,9 +514,10 @@ class FileStorage(AsyncHiCacheStorage):
                 # (one eviction too many). Summed under the ledger's lock, so that every removal
                 # already subtracted is one whose page is already tombstoned (tombstoned on the
                 # loop before its unlink); membership tests only, safe from that thread.
-                tombstones, deleting = self._tombstones or set(), self._deleting
-
+                # the live sets, read when the floor is taken: a removal made after this call
+                # was queued (and before the lock) is in them, not in a copy taken now
                 def still_on_disk() -> int:
+                    tombstones, deleting = self._tombstones or (), self._deleting
                     return sum(size for pid, size in seen.items() if pid not in tombstones and pid not in deleting)
 
                 await self._ledger_call(self._scan_executor, 0, floor=still_on_disk)
