@@ -628,6 +628,15 @@ class HiRadixCache(RadixCache):
         try:
             if host is None:
                 host = self._alloc_host(sum(len(c.key) for c in chain))
+            if host is None and self._sheddable:
+                # the mark's lock covers every ancestor, and a locked node's redundant host
+                # copy is never shed: once more without it (host allocation never evicts from
+                # the device, and the chain's own marks keep it from being shed or re-backed up)
+                self.dec_lock_ref(node)
+                try:
+                    host = self._alloc_host(sum(len(c.key) for c in chain))
+                finally:
+                    self.inc_lock_ref(node)
             if host is not None:
                 off = 0
                 for c in chain:
@@ -1292,10 +1301,11 @@ class HiRadixCache(RadixCache):
         self._retry_deferred()
         report = await self.controller.aclose()
         # backups still waiting for host room: only the tree knows them, so the tree reports
-        # them (committed KV that reached no tier below the device is never lost silently)
+        # them (committed KV that reached no tier below the device is never lost silently;
+        # a node storage holds lost nothing)
         pages = sum(
             len(n.key) // self.page_size for n in self._deferred
-            if n.tree is self.root_node.tree and n.value is not None and n.host_value is None
+            if n.tree is self.root_node.tree and n.value is not None and n.host_value is None and not n.on_storage
         )
         if pages and isinstance(report, CloseReport):
             report.deferred_backup_pages = pages

@@ -439,6 +439,37 @@ async def test_a_write_back_at_eviction_sheds_its_own_ancestors_redundant_host_c
     await stack.aclose()
 
 
+async def test_a_write_through_backup_sheds_its_own_ancestors_redundant_host_copies() -> None:
+    """The write-through backup of an insert is marked (its path locked) when the insert makes
+    it and takes its host room later, with the batch of the loop step. Host is full of a copy
+    that device and storage both hold, the new node's own parent: the backup sheds it, as any
+    backup does; its mark's lock must not keep it (the backup was deferred instead)."""
+    stack = build_stack(dataclasses.replace(
+        cfg(write_policy="write_through"), host_pages=2, storage_backend="memory",
+        storage_options={"store_id": f"shed-{uuid.uuid4()}"}))
+    cache = stack.cache
+    a = toks(0, 8)
+    await serve_request(stack, a, rid="a")
+    await cache.drain()
+    parent = node_of(cache, a)
+    assert parent.on_storage and stack.host_pool.available_size() == 0
+    deferred: list[int] = []
+    defer = cache._defer_backup
+    cache._defer_backup = lambda node, keep: (deferred.append(len(node.key)), defer(node, keep))  # type: ignore[method-assign]
+    c = a + toks(200, 4)
+    await serve_request(stack, c, rid="c")  # its new page's backup needs host room
+    await asyncio.sleep(0)  # the loop step's backups start
+    leaf = node_of(cache, c)
+    assert leaf.parent is parent and leaf.host_value is not None
+    assert len(leaf.key) not in deferred  # copied at its start, never deferred (the shed parent may be)
+    assert parent.value is not None and stack.controller.metrics.counters["host_copies_shed_tokens"] == 8
+    await cache.drain()
+    assert leaf.on_storage
+    cache.sanity_check()
+    report = await stack.aclose()
+    assert report.deferred_backup_pages == 0  # (a copy storage holds is never reported lost)
+
+
 async def test_a_redundant_host_copy_locked_when_room_was_wanted_is_shed_later() -> None:
     """A host copy that device and storage both hold is skipped by shedding while it is locked
     (a load or a request reads through it); once unlocked it is sheddable again. It was
