@@ -208,7 +208,10 @@ class RequestFlow:
                 cache.inc_lock_ref(m.last_device_node)
                 cache.dec_lock_ref(node)
                 node = m.last_device_node
-        except asyncio.CancelledError:
+        except BaseException:
+            # cancelled, or ``make_room`` (the caller's: the session cache passes its own)
+            # raised: the request was never admitted, so its abort does not unlock this prefix
+            # (only an admitted one's): released here or the lock stays for good
             cache.dec_lock_ref(node)  # the request is gone: nothing stays locked
             self.matched.discard(req.rid)
             req.last_node = None

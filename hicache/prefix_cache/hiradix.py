@@ -341,6 +341,11 @@ class HiRadixCache(RadixCache):
         keep = self._deferred.get(child)
         if keep is not None:
             self._deferred[new] = keep
+        # a redundant host copy (device and storage hold it too) is redundant in both halves:
+        # the upper one is listed too, or it could never be shed (a node is listed only when
+        # a storage write lands), its host page pinned while backups wanted the room
+        if child in self._sheddable:
+            self._sheddable[new] = None
 
     def _check_run(self, tokens: TokenRun) -> None:
         if tokens.typecode != "I":  # storage keys hash uint32 token ids; refused before any change
@@ -572,7 +577,11 @@ class HiRadixCache(RadixCache):
         # locked node's redundant host copy cannot be shed, so room that shedding the
         # ancestors' copies would make was refused (the backup deferred, a write-back's KV
         # dropped at eviction)
-        host = self._alloc_host(len(node.key))
+        try:
+            host = self._alloc_host(len(node.key))
+        except Exception:  # noqa: BLE001 - called from loop callbacks too: deferred, as _start_marked does
+            logger.exception("a backup could not take host slots")
+            host = None
         if host is None:
             self._defer_backup(node, keep)
             return False
@@ -1066,6 +1075,17 @@ class HiRadixCache(RadixCache):
             ):
                 self._free(self._drop_device(n))
                 n = n.parent
+        else:
+            # the loaded nodes that storage holds too (a storage hit, or a node demoted after
+            # its write landed) now keep a redundant host copy: listed for shedding, or it stays
+            # pinned while they sit on device (only a storage write landing lists a node)
+            n = load.node
+            while n is not None and n is not self.root_node:
+                if n.value is not None and n.host_value is not None and n.on_storage:
+                    self._sheddable[n] = None
+                n = n.parent
+            if len(self._sheddable) + len(self._deferred) > self._prune_at:
+                self._prune_lists()
         self.dec_lock_ref(load.node)
         if load.done is not None and not load.done.done():
             load.done.set_result(ok)

@@ -340,6 +340,46 @@ async def test_pages_a_prefetch_attached_stay_protected_while_admit_makes_device
     await second.aclose()
 
 
+async def test_admit_whose_make_room_raises_leaves_nothing_locked_or_held() -> None:
+    """``make_room`` is the caller's (the session cache passes its own) and may raise, e.g.
+    ``CacheClosedError`` from a server shutting down: admit had locked the device prefix and
+    released it only for a cancel, so the request, never admitted, could not release it (its
+    abort unlocks only an admitted request's prefix): the lock, and the prefix, stayed for good."""
+    from hicache.errors import CacheClosedError
+
+    store = f"raise-{uuid.uuid4()}"
+    c = dataclasses.replace(cfg(), storage_backend="memory", storage_options={"store_id": store})
+    first, second = build_stack(c), build_stack(c)
+    a, b, e = toks(0, 8), toks(100, 8), toks(200, 8)
+    await serve_request(first, a + b + e, rid="w")
+    await first.cache.drain()
+    await first.aclose()
+    cache = second.cache
+    await host_only(second, a + b)  # a + b on host, a + b + e in storage
+    await serve_request(second, a, rid="dev")  # a back on device: the prefix admit locks
+    await cache.drain()
+    alloc = cache.token_to_kv_pool_allocator
+    busy = alloc.alloc(alloc.available_size())  # running requests hold every device slot
+    req = Req(rid="r", origin_input_ids=a + b + e)
+    m = cache.match_req(req)
+    assert (m.device_hit_length, m.host_hit_length) == (8, 8)
+    assert cache.start_prefetch(req)  # e comes from storage (held while admit waits)
+
+    async def room(tokens: int) -> bool:
+        raise CacheClosedError("the server is shutting down")
+
+    with pytest.raises(CacheClosedError):
+        await cache.admit(req, make_room=room)
+    cache.abort_req(req)
+    alloc.free(busy)
+    await cache.drain()
+    assert cache.protected_size() == 0
+    assert all(n.host_ref == 0 and n.lock_ref == 0 for n in cache._nodes())
+    assert not cache._held
+    cache.sanity_check()
+    await second.aclose()
+
+
 async def test_write_back_without_host_room_drops_instead_of_pinning() -> None:
     stack = build_stack(dataclasses.replace(cfg(write_policy="write_back"), host_pages=1))
     cache = stack.cache
@@ -492,3 +532,82 @@ async def test_a_redundant_host_copy_locked_when_room_was_wanted_is_shed_later()
     assert node_b.backuped and node_a.host_value is None and node_a.value is not None
     cache.sanity_check()
     await stack.aclose()
+
+
+async def test_both_halves_of_a_split_redundant_host_copy_can_be_shed() -> None:
+    """A node whose host copy device and storage both hold is split (a request diverges inside
+    it): the new upper half holds a redundant host copy too. It was never listed (only a
+    storage write landing lists a node): its host page stayed pinned while a backup that
+    needed the room was refused."""
+    stack = _shed_stack(host_pages=2)
+    cache = stack.cache
+    a, b = toks(0, 8), toks(500, 8)
+    await serve_request(stack, a, rid="a")
+    node_a = node_of(cache, a)
+    assert cache.write_backup(node_a)
+    await cache.drain()
+    assert node_a.on_storage and stack.host_pool.available_size() == 0
+    cache.match_prefix(MatchPrefixParams(key=RadixKey(toks(0, 4) + toks(100, 4))))  # split a at 4
+    upper = node_a.parent
+    assert len(upper.key) == 4 and upper.host_value is not None and upper.on_storage
+    await serve_request(stack, b, rid="b")
+    node_b = node_of(cache, b)
+    assert cache._backup(node_b)  # both halves' copies give way: 2 pages
+    await cache.drain()
+    assert node_b.backuped and upper.host_value is None and node_a.host_value is None
+    assert stack.controller.metrics.counters["backup_deferred"] == 0
+    cache.sanity_check()
+    await stack.aclose()
+
+
+async def test_a_storage_hit_loaded_to_device_leaves_a_sheddable_host_copy() -> None:
+    """A storage hit is fetched to host and loaded to device: device and storage both hold it
+    then, its host copy redundant. Only a storage write landing listed a node for shedding, so
+    this copy (the usual one after a storage hit) was never listed: its host page stayed
+    pinned while the node sat on device, and a backup that needed the room was refused."""
+    store = f"loaded-{uuid.uuid4()}"
+    c = dataclasses.replace(cfg(write_policy="write_back"), storage_backend="memory",
+                            storage_options={"store_id": store})
+    first, second = build_stack(c), build_stack(dataclasses.replace(c, host_pages=2))
+    a, b = toks(0, 8), toks(500, 4)
+    await serve_request(first, a, rid="a")
+    assert first.cache.write_backup(node_of(first.cache, a))
+    await first.cache.drain()
+    await first.aclose()
+    cache = second.cache
+    out = await serve_request(second, a, rid="a2")
+    assert out.storage_hit == 8
+    await cache.drain()
+    node_a = node_of(cache, a)
+    assert node_a.value is not None and node_a.on_storage and second.host_pool.available_size() == 0
+    await serve_request(second, b, rid="b")
+    node_b = node_of(cache, b)
+    assert cache._backup(node_b)  # a's redundant copy gives way
+    await cache.drain()
+    assert node_b.backuped and node_a.host_value is None and node_a.value is not None
+    cache.sanity_check()
+    await second.aclose()
+
+
+async def test_a_backup_whose_host_allocation_raises_is_deferred_not_raised() -> None:
+    """``_backup`` runs from loop callbacks (a finished backup retries the deferred ones): a
+    host allocation that raises is logged and the backup deferred, as a failed start is."""
+    stack = _shed_stack(host_pages=4)
+    cache = stack.cache
+    try:
+        a = toks(0, 4)
+        await serve_request(stack, a, rid="a")
+        node = node_of(cache, a)
+
+        def broken(num_tokens: int) -> None:
+            raise RuntimeError("host pool gone")
+
+        cache._alloc_host = broken  # type: ignore[method-assign, assignment]
+        assert not cache.write_backup(node)
+        assert node in cache._deferred and node.backup_op is None and node.host_value is None
+        del cache._alloc_host
+        assert cache._retry_deferred() == 1
+        await cache.drain()
+        assert node.host_value is not None
+    finally:
+        await stack.aclose()
