@@ -510,18 +510,26 @@ async def test_a_write_through_backup_sheds_its_own_ancestors_redundant_host_cop
     assert report.deferred_backup_pages == 0  # (a copy storage holds is never reported lost)
 
 
+async def _redundant_on_host(stack, tokens: list[int]):  # type: ignore[no-untyped-def]
+    """Serve ``tokens`` and back them up until host is full of their copy, which device and
+    storage hold too (redundant: sheddable). Returns their node."""
+    cache = stack.cache
+    await serve_request(stack, tokens, rid="a")
+    node = node_of(cache, tokens)
+    assert cache.write_backup(node)
+    await cache.drain()
+    assert node.on_storage and stack.host_pool.available_size() == 0
+    return node
+
+
 async def test_a_redundant_host_copy_locked_when_room_was_wanted_is_shed_later() -> None:
     """A host copy that device and storage both hold is skipped by shedding while it is locked
     (a load or a request reads through it); once unlocked it is sheddable again. It was
     forgotten at the skip, and was never listed again: its host page stayed pinned."""
     stack = _shed_stack(host_pages=1)
     cache = stack.cache
-    a, b = toks(0, 4), toks(500, 4)
-    await serve_request(stack, a, rid="a")
-    node_a = node_of(cache, a)
-    assert cache.write_backup(node_a)
-    await cache.drain()
-    assert node_a.on_storage and stack.host_pool.available_size() == 0
+    b = toks(500, 4)
+    node_a = await _redundant_on_host(stack, toks(0, 4))
     await serve_request(stack, b, rid="b")
     node_b = node_of(cache, b)
     cache.inc_lock_ref(node_a)  # a request holds a
@@ -541,12 +549,8 @@ async def test_both_halves_of_a_split_redundant_host_copy_can_be_shed() -> None:
     needed the room was refused."""
     stack = _shed_stack(host_pages=2)
     cache = stack.cache
-    a, b = toks(0, 8), toks(500, 8)
-    await serve_request(stack, a, rid="a")
-    node_a = node_of(cache, a)
-    assert cache.write_backup(node_a)
-    await cache.drain()
-    assert node_a.on_storage and stack.host_pool.available_size() == 0
+    b = toks(500, 8)
+    node_a = await _redundant_on_host(stack, toks(0, 8))
     cache.match_prefix(MatchPrefixParams(key=RadixKey(toks(0, 4) + toks(100, 4))))  # split a at 4
     upper = node_a.parent
     assert len(upper.key) == 4 and upper.host_value is not None and upper.on_storage
