@@ -341,11 +341,6 @@ class HiRadixCache(RadixCache):
         keep = self._deferred.get(child)
         if keep is not None:
             self._deferred[new] = keep
-        # a redundant host copy (device and storage hold it too) is redundant in both halves:
-        # the upper one is listed too, or it could never be shed (a node is listed only when
-        # a storage write lands), its host page pinned while backups wanted the room
-        if child in self._sheddable:
-            self._sheddable[new] = None
 
     def _check_run(self, tokens: TokenRun) -> None:
         if tokens.typecode != "I":  # storage keys hash uint32 token ids; refused before any change
@@ -391,6 +386,17 @@ class HiRadixCache(RadixCache):
             host = alloc(num_tokens)
         return host
 
+    def _note(self, node: TreeNode | None) -> None:
+        """Also list ``node`` for shedding when its host copy is redundant and free now. Every
+        change that can make a copy sheddable notes the node (a storage write landing, a
+        split, a load, a lock, protection or copy released), so shedding simply forgets a node
+        it cannot take yet: the change that frees it lists it again. (Listing only where a
+        storage write landed missed split halves and storage hits loaded to device, and
+        forgetting a node skipped for a passing lock left its host page pinned for good.)"""
+        super()._note(node)
+        if node is not None and node.storage_pages and self._sheds(node):
+            self._sheddable[node] = None
+
     def _sheds(self, node: TreeNode) -> bool:
         """May ``node``'s host copy go? Only when the device and storage hold every page too,
         and nothing reads it (a load-back locks its node) or writes it."""
@@ -409,19 +415,11 @@ class HiRadixCache(RadixCache):
         """Free host copies that are redundant (device and storage hold the pages), oldest
         first; returns tokens freed. The nodes stay, on device."""
         freed = 0
-        for node in list(self._sheddable):
-            if freed >= num_tokens:
-                break
-            if not self._sheds(node):
-                # a lock, a prefetch anchor or a copy in flight passes: only a node that can
-                # never shed again (left the tree or the device, lost its host copy) is
-                # forgotten; one dropped for a passing lock was never listed again (it is
-                # listed only when a storage write lands), its redundant host copy pinned
-                if node.tree is not self.root_node.tree or node.parent is None or node.value is None or (
-                        node.host_value is None and node.backup_op is None):
-                    del self._sheddable[node]
-                continue
+        while freed < num_tokens and self._sheddable:
+            node = next(iter(self._sheddable))
             del self._sheddable[node]
+            if not self._sheds(node):
+                continue  # listed again by the change that lets it shed (see _note)
             host = self._drop_host(node)
             self._free_host(host)
             self._note(node)
@@ -573,19 +571,7 @@ class HiRadixCache(RadixCache):
             self._start_backups()
         if node.value is None or node.host_value is not None or node.backup_op is not None:
             return False
-        # host room is found before the mark: the mark's lock covers every ancestor, and a
-        # locked node's redundant host copy cannot be shed, so room that shedding the
-        # ancestors' copies would make was refused (the backup deferred, a write-back's KV
-        # dropped at eviction)
-        try:
-            host = self._alloc_host(len(node.key))
-        except Exception:  # noqa: BLE001 - called from loop callbacks too: deferred, as _start_marked does
-            logger.exception("a backup could not take host slots")
-            host = None
-        if host is None:
-            self._defer_backup(node, keep)
-            return False
-        return self._start_marked(node, self._mark_backup(node), keep, host)
+        return self._start_marked(node, self._mark_backup(node), keep)
 
     def _mark_backup(self, node: TreeNode) -> object:
         """Mark ``node``'s backup in flight (its ``backup_op``, returned) and lock it on device."""
@@ -622,30 +608,28 @@ class HiRadixCache(RadixCache):
         for node, op in batch:
             self._start_marked(node, op)
 
-    def _start_marked(self, node: TreeNode, op: object, keep: bool = False,
-                      host: torch.Tensor | None = None) -> bool:
+    def _start_marked(self, node: TreeNode, op: object, keep: bool = False) -> bool:
         """Start the copy of a node :meth:`_mark_backup` marked with ``op``; whether it started.
         Without room, a refused queue or any failure it is unmarked, unlocked and deferred
         (``keep``: device eviction keeps it meanwhile). A node split since it was marked is
         copied with the parents split off it (one host allocation, one job, as if the copy had
-        started before the split). ``host``: slots already taken for it (a direct backup)."""
+        started before the split)."""
         if node.backup_op is not op:  # the tree was reset meanwhile
-            if host is not None:
-                self._free_host(host)
             return False
         chain = self._op_chain(node, "backup_op", op)
+        host = None
+        tokens = sum(len(c.key) for c in chain)
         try:
-            if host is None:
-                host = self._alloc_host(sum(len(c.key) for c in chain))
-            if host is None and self._sheddable:
-                # the mark's lock covers every ancestor, and a locked node's redundant host
-                # copy is never shed: once more without it (host allocation never evicts from
-                # the device, and the chain's own marks keep it from being shed or re-backed up)
-                self.dec_lock_ref(node)
-                try:
-                    host = self._alloc_host(sum(len(c.key) for c in chain))
-                finally:
-                    self.inc_lock_ref(node)
+            # host room is taken with the mark's lock lifted: it covers every ancestor, and a
+            # locked node's redundant host copy is never shed (a backup was deferred, a
+            # write-back's KV dropped at eviction, for want of room its own ancestors held).
+            # Safe: host allocation never evicts from the device, and the chain's own marks
+            # keep its nodes from being shed or backed up again
+            self.dec_lock_ref(node)
+            try:
+                host = self._alloc_host(tokens)
+            finally:
+                self.inc_lock_ref(node)
             if host is not None:
                 off = 0
                 for c in chain:
@@ -849,9 +833,7 @@ class HiRadixCache(RadixCache):
             take = min(remaining, len(n.hash_value) - n.storage_pages)
             n.storage_pages += take
             remaining -= take
-            self._note(n)
-            if n.on_storage and n.value is not None:
-                self._sheddable[n] = None
+            self._note(n)  # lists a redundant host copy for shedding
             self._host_index.requeue(n)  # its host eviction key may have dropped (now in storage)
         # a written node passes the turn to its children; so does a parent split off it while
         # the write was in flight (children inserted after the split waited for it), each but
@@ -1075,17 +1057,6 @@ class HiRadixCache(RadixCache):
             ):
                 self._free(self._drop_device(n))
                 n = n.parent
-        else:
-            # the loaded nodes that storage holds too (a storage hit, or a node demoted after
-            # its write landed) now keep a redundant host copy: listed for shedding, or it stays
-            # pinned while they sit on device (only a storage write landing lists a node)
-            n = load.node
-            while n is not None and n is not self.root_node:
-                if n.value is not None and n.host_value is not None and n.on_storage:
-                    self._sheddable[n] = None
-                n = n.parent
-            if len(self._sheddable) + len(self._deferred) > self._prune_at:
-                self._prune_lists()
         self.dec_lock_ref(load.node)
         if load.done is not None and not load.done.done():
             load.done.set_result(ok)
