@@ -461,7 +461,7 @@ class FileStorage(AsyncHiCacheStorage):
         assert self._layout is not None and self._scan_executor is not None
         loop = asyncio.get_running_loop()
         t0 = time.perf_counter()
-        found = removed_tmp = on_disk = 0
+        found = removed_tmp = 0
         seen: dict[str, int] = {}  # page id -> size of every page file the scan found
         complete = True
         try:
@@ -496,7 +496,6 @@ class FileStorage(AsyncHiCacheStorage):
                 removed_tmp += removed
                 tomb = self._tombstones or set()
                 for e in entries:
-                    on_disk += e.size
                     seen[e.pid] = e.size
                     if e.pid in self.index or e.pid in tomb or e.pid in self._deleting:
                         continue
@@ -505,17 +504,16 @@ class FileStorage(AsyncHiCacheStorage):
             if complete and before is not None and not self._ledger_debt:
                 # applied only if nobody changed the ledger during the scan (seq)
                 await self._ledger_call(
-                    self._scan_executor, on_disk - before.used, token=before.token, if_seq=before.seq
+                    self._scan_executor, sum(seen.values()) - before.used, token=before.token, if_seq=before.seq
                 )
             elif complete:  # not alone: never lowered, but raised to what is on disk if below
                 # What is on disk *now*: a page found early in the scan may have been removed
                 # by us since (the first writes after opening evict while the scan runs), and
                 # its removal already subtracted; counting it again raised the count by a page
-                # (one eviction too many). Summed under the ledger's lock, so that every removal
-                # already subtracted is one whose page is already tombstoned (tombstoned on the
-                # loop before its unlink); membership tests only, safe from that thread.
-                # the live sets, read when the floor is taken: a removal made after this call
-                # was queued (and before the lock) is in them, not in a copy taken now
+                # (one eviction too many). Summed under the ledger's lock from the live sets
+                # (a removal is tombstoned on the loop before its unlink and its subtraction,
+                # so every removal already subtracted is in them); membership tests only, safe
+                # from that thread.
                 def still_on_disk() -> int:
                     tombstones, deleting = self._tombstones or (), self._deleting
                     return sum(size for pid, size in seen.items() if pid not in tombstones and pid not in deleting)
