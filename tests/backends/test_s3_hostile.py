@@ -365,6 +365,50 @@ async def test_a_big_eviction_gives_each_delete_request_its_own_timeout(
             assert await store.exists_pages(keys) == [False] * 40
 
 
+async def test_a_delete_answers_within_the_call_timeout(
+    moto_endpoint: str, moto_bucket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A DeleteObjects the store never answers: each attempt had its own request timeout and
+    was retried, so a batch_delete ran (retries + 1) x request_timeout past its HEADs, far
+    beyond ``call_timeout``. Now the whole call answers within it: the requests that answered
+    count, the stalled one's pages are reported not deleted, and the timeout is counted.
+    (Batches of 10 keys here stand for S3's 1,000.)"""
+    import time
+
+    from aiohttp import web
+
+    from hicache_backends.s3 import fs as s3_fs
+
+    monkeypatch.setattr(s3_fs, "DELETE_BATCH", 10)
+    release = asyncio.Event()
+    async with FaultProxy(moto_endpoint) as proxy:
+        store = make_s3(proxy.endpoint, moto_bucket, f"stalldel/{uuid.uuid4().hex}", NS_A, request_timeout=0.8,
+                        retries=3, retry_backoff=0.01, retry_backoff_max=0.05, call_timeout=1.0, breaker_threshold=10)
+        async with store:
+            keys = keys_for(20, salt=78)
+            await write_pages(store, keys, seed=5)
+            victim = store.names.page(keys[15], "kv").split("/", 1)[1].encode()
+
+            async def stall_second_batch(req):  # type: ignore[no-untyped-def]
+                if req.method == "POST" and "delete" in req.query and victim in await req.read():
+                    await release.wait()  # never forwarded: the pages stay
+                    return web.Response(status=503, text="<Error><Code>SlowDown</Code></Error>")
+                return None
+
+            proxy.answer = stall_second_batch
+            try:
+                t0 = time.monotonic()
+                flags = await store.batch_delete(keys)
+                took = time.monotonic() - t0
+            finally:
+                release.set()
+            assert took < 2.0  # 4 attempts of 0.8 s each before
+            assert flags == [True] * 10 + [False] * 10
+            assert store.get_stats()["call_timeouts"] == 1
+            assert raw_get(moto_endpoint, store.names.page(keys[0], "kv")) is None
+            assert raw_get(moto_endpoint, store.names.page(keys[15], "kv")) is not None
+
+
 async def test_a_refusal_repeated_for_every_page_is_one_warning(
     moto_endpoint: str, moto_bucket: str, caplog: pytest.LogCaptureFixture
 ) -> None:

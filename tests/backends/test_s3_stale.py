@@ -155,3 +155,66 @@ async def test_with_the_exists_cache_off_a_page_deleted_elsewhere_is_claimed_onc
         store.register_mem_pool_host(src)
         assert (await store.batch_set_v2([PoolTransfer("kv", host_indices=src.indices(0, 1), keys=keys[10:11])]))["kv"] == [True]
         assert (await store.batch_exists_v2(keys)).kv_hit_pages == 20  # written again: the mark goes
+
+
+async def _read_into(store: Any, keys: list[str]) -> tuple[list[bool], ArrayHostPool]:
+    """Read ``keys`` into a pool filled with non-zero bytes (a miss must leave its page zeroed)."""
+    dst = ArrayHostPool(len(keys), PAGE, token_elems=4)
+    dst.fill_random(12345)
+    store.register_mem_pool_host(dst)
+    res = await store.batch_get_v2([PoolTransfer("kv", host_indices=dst.indices(0, len(keys)), keys=keys)])
+    return res["kv"], dst
+
+
+def _page(pool: ArrayHostPool, i: int) -> bytes:
+    return pool.page_bytes(i * PAGE)
+
+
+async def test_a_page_another_store_instance_deleted_is_one_clean_counted_miss(
+    moto_endpoint: str, moto_bucket: str, prefix: str
+) -> None:
+    """A run index written by one store lists a chain; another store on the same bucket and
+    prefix (another process: its own exists cache, here through its own endpoint) deletes a page
+    of it. A reader that learned the chain earlier, or learns it from the index afterwards,
+    claims the page once: its read is a clean miss (a zeroed pool page, ``stale_hits``, no
+    exception, no foreign byte), and its lookups stop there from then on."""
+    async with FaultProxy(moto_endpoint) as elsewhere, FaultProxy(moto_endpoint) as third:
+        writer = make_s3(moto_endpoint, moto_bucket, prefix, concurrency=4, exists_cache_ttl=0.3)
+        deleter = make_s3(elsewhere.endpoint, moto_bucket, prefix, concurrency=4)
+        fresh = make_s3(third.endpoint, moto_bucket, prefix, concurrency=4)
+        async with writer, deleter, fresh:
+            assert writer.exists_cache is not deleter.exists_cache is not fresh.exists_cache
+            keys, src = await _filled(writer, 20, "peer")
+            assert (await writer.batch_exists_v2(keys)).kv_hit_pages == 20  # learned from the index
+            assert await deleter.batch_delete(keys[10:11]) == [True]
+            # the writer still claims the chain (its cache, within the TTL); the fresh store
+            # learns it from the index, which vouches past the first wave's HEADs
+            for store in (writer, fresh):
+                assert (await store.batch_exists_v2(keys)).kv_hit_pages == 20
+                got, dst = await _read_into(store, keys)
+                assert got == [True] * 10 + [False] + [True] * 9
+                assert _page(dst, 10) == bytes(len(_page(dst, 10)))  # zeroed, not garbage
+                assert all(_page(dst, i) == _page(src, i) for i in range(20) if i != 10)
+                stats = store.get_stats()
+                assert stats["stale_hits"] == 1 and not stats.get("corrupt_pages") and not stats.get("backend_errors")
+                assert (await store.batch_exists_v2(keys)).kv_hit_pages == 10  # the lookup stops there
+                assert await store.get(keys[10]) is None
+            await asyncio.sleep(0.4)  # the writer's entries expire: its lookup reads the index again
+            for store in (writer, fresh):
+                assert (await store.batch_exists_v2(keys)).kv_hit_pages == 10
+                assert store.get_stats()["stale_hits"] == 1
+
+
+async def test_a_delete_through_a_second_store_of_this_process_is_seen_at_once(
+    moto_endpoint: str, moto_bucket: str, prefix: str
+) -> None:
+    """Two stores of one process on the same location and namespace share the exists cache
+    (and its gone marks): a delete through one is never claimed by the other."""
+    async with make_s3(moto_endpoint, moto_bucket, prefix, concurrency=4) as a, \
+            make_s3(moto_endpoint, moto_bucket, prefix, concurrency=4) as b:
+        keys, _ = await _filled(a, 20, "sibling")
+        assert (await a.batch_exists_v2(keys)).kv_hit_pages == 20
+        assert await b.batch_delete(keys[10:11]) == [True]
+        assert (await a.batch_exists_v2(keys)).kv_hit_pages == 10
+        assert (await _read(a, keys[:10])) == [True] * 10
+        assert a.get_stats().get("stale_hits", 0) == 0

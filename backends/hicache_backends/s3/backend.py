@@ -649,33 +649,52 @@ class FsspecStorage(AsyncHiCacheStorage):
     async def _delete(self, pages: Sequence[PageKey]) -> list[bool]:
         """Evictions a placement policy chose: a HEAD per page, concurrently (S3's delete answers
         the same whether the object existed, and the caller counts what it freed), then one
-        DeleteObjects per 1,000 pages that exist."""
+        DeleteObjects per 1,000 pages that exist. Like every batch, the whole call (HEADs,
+        deletes, retries) is bounded by ``call_timeout``: a page whose delete has not answered
+        by then is reported not deleted (``False``, counted in ``call_timeouts``), though the
+        store may have removed it."""
         paths = [self.names.page(p.key, p.pool) for p in pages]
         # gone, not just forgotten: the run index written with a page still lists it, and
         # would vouch for it again once the cache's entry for it is forgotten
         for path in paths:
             self.exists_cache.mark_gone(path)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.call_timeout  # the whole call, not each phase
         try:
             present = await self.runner.batch("delete", [self._present(path) for path in paths])
             targets = [path for path, there in zip(paths, present) if there]
             if not targets:
                 return present
-
-            async def delete(chunk: list[str]) -> set[str]:
-                try:
-                    return await self.runner.request("delete", lambda ops: ops.remove_many(chunk))
-                except (GaveUp, FileNotFoundError):
-                    return set(chunk)
-
-            # one request (its own timeout, its own answer) per DeleteObjects: a big eviction in
-            # one request timed out as a whole, was retried from scratch, and opened the breaker
-            per = s3_fs.DELETE_BATCH
-            chunks = [targets[i : i + per] for i in range(0, len(targets), per)]
-            failed = set().union(*await asyncio.gather(*(delete(c) for c in chunks)))
+            left = deadline - loop.time()
+            if left <= 0:  # the HEADs used the whole call (their batch counted the timeout)
+                return [False] * len(paths)
+            failed = await self._remove_many(targets, left)
             return [there and path not in failed for path, there in zip(paths, present)]
         finally:
             for path in paths:  # a lookup that overlapped the delete
                 self.exists_cache.mark_gone(path)
+
+    async def _remove_many(self, paths: list[str], timeout: float) -> set[str]:
+        """Remove ``paths`` within ``timeout`` s; those not known to be removed by then. One
+        request (its own timeout, its own answer) per DeleteObjects, concurrently: a big
+        eviction in one request timed out as a whole, was retried from scratch, and opened the
+        breaker; and a request still retrying at the deadline is abandoned, not waited for."""
+        failed: set[str] = set()
+
+        async def one(chunk: list[str]) -> bool:
+            try:
+                failed.update(await self.runner.request("delete", lambda ops: ops.remove_many(chunk)))
+                return True
+            except (GaveUp, FileNotFoundError):
+                return False
+
+        per = s3_fs.DELETE_BATCH
+        chunks = [paths[i : i + per] for i in range(0, len(paths), per)]
+        answered = await self.runner.batch("delete", [one(c) for c in chunks], timeout=timeout)
+        for chunk, ok in zip(chunks, answered):
+            if not ok:
+                failed.update(chunk)
+        return failed
 
     async def _present(self, path: str) -> bool:
         try:

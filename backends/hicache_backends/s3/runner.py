@@ -134,15 +134,19 @@ class RequestRunner:
                 return result
         raise GaveUp(what)  # pragma: no cover - the loop always returns or raises
 
-    async def batch(self, what: str, coros: list[Coroutine[Any, Any, bool]]) -> list[bool]:
-        """Run per-page coroutines concurrently; whatever is not done after ``call_timeout`` is a
+    async def batch(
+        self, what: str, coros: list[Coroutine[Any, Any, bool]], timeout: float | None = None
+    ) -> list[bool]:
+        """Run per-page coroutines concurrently; whatever is not done after ``timeout`` (default
+        ``call_timeout``; a call made of several batches passes what is left of its own) is a
         failure. The coroutines bound their own I/O through :meth:`request` and never raise; a
         caller cancelled mid-batch cancels and drains every page's task before re-raising."""
         if not coros:
             return []
+        timeout = self.call_timeout if timeout is None else max(0.0, timeout)
         tasks = [asyncio.ensure_future(c) for c in coros]
         try:
-            _, pending = await asyncio.wait(tasks, timeout=self.call_timeout)
+            _, pending = await asyncio.wait(tasks, timeout=timeout)
         except asyncio.CancelledError:
             for t in tasks:
                 t.cancel()
@@ -151,7 +155,7 @@ class RequestRunner:
         if pending:
             self.stats.incr("call_timeouts")
             logger.warning("%s: %s: %d of %d pages not done within %.1f s", self.name, what,
-                           len(pending), len(tasks), self.call_timeout)
+                           len(pending), len(tasks), timeout)
             for t in pending:
                 t.cancel()
             await asyncio.gather(*pending, return_exceptions=True)

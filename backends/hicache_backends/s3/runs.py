@@ -9,7 +9,11 @@ batch in one GET, alongside the HEADs it sends for the pages right after (the fa
 index exists, e.g. for pages written by an older version).
 
 An index only says what was written; like a HEAD it can be stale (a page deleted since, by a
-lifecycle rule or another process's clear), and then the read of that page is a clean miss.
+lifecycle rule, or by another process's clear or ``batch_delete``: nothing rewrites the index),
+and a lookup then claims that page once. The read of it is a clean miss (a zeroed pool page,
+never an exception or foreign bytes; a ``stale_hits`` where the exists cache still held the
+claim), and the page is marked gone, so this process's lookups stop there from then on, the
+index notwithstanding (:mod:`.cache`).
 Indexes live under the namespace's page prefix, so ``clear`` removes them with the pages; an
 index that does not parse is ignored.
 """
