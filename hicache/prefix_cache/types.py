@@ -110,6 +110,9 @@ class MatchResult(NamedTuple):
     """Result of :meth:`BasePrefixCache.match_prefix`.
 
     device_indices   : device KV slots of the prefix that is on device now (page-aligned).
+                       Read-only: it may share memory with the tree's own slots (a prefix
+                       held by one node comes back without a copy); reshaping it in place is
+                       fine, writing into it is not.
     last_device_node : deepest matched node whose KV is on device (lock this one).
     last_host_node   : deepest matched node with KV on device *or* host; equal to
                        ``last_device_node`` for a cache without a host tier. Anchor of the

@@ -38,6 +38,34 @@ def test_a_match_without_a_hit_gets_its_own_empty_tensor() -> None:
     assert cache.match_prefix(MatchPrefixParams(key=RadixKey([1, 2, 3, 4]))).device_indices.shape == (0,)
 
 
+def test_a_hit_on_one_node_shares_its_slots_and_a_reshape_leaves_the_tree_alone() -> None:
+    """A prefix held by one node comes back without a copy (read-only, see ``MatchResult``);
+    reshaping that result in place changes neither the node nor the next match, and a hit
+    across nodes is still a joined copy."""
+    from hicache.prefix_cache import InsertParams, MatchPrefixParams, RadixCache
+
+    alloc = PagedTokenAllocator(64, 4)
+    cache = RadixCache(req_to_token_pool=None, token_to_kv_pool_allocator=alloc, page_size=4)
+    slots = alloc.alloc(8)
+    assert slots is not None
+    cache.insert(InsertParams(key=RadixKey(list(range(8))), value=slots))
+    hit = cache.match_prefix(MatchPrefixParams(key=RadixKey(list(range(8))))).device_indices
+    node = cache.root_node.children[next(iter(cache.root_node.children))]
+    assert hit.tolist() == slots.tolist()
+    assert hit.untyped_storage().data_ptr() == node.value.untyped_storage().data_ptr()
+    hit.unsqueeze_(0)
+    assert node.value.shape == (8,)
+    again = cache.match_prefix(MatchPrefixParams(key=RadixKey(list(range(8))))).device_indices
+    assert again.shape == (8,) and again.tolist() == slots.tolist()
+    more = alloc.alloc(8)
+    assert more is not None
+    cache.insert(InsertParams(key=RadixKey(list(range(4)) + [9] * 4), value=more))  # splits the node
+    joined = cache.match_prefix(MatchPrefixParams(key=RadixKey(list(range(8))))).device_indices
+    assert joined.tolist() == slots.tolist()  # two nodes now: joined into a new tensor
+    assert joined.untyped_storage().data_ptr() != node.value.untyped_storage().data_ptr()
+    cache.sanity_check()
+
+
 def test_list_key_packed_once_and_repacked_when_its_list_changes() -> None:
     toks = list(range(8))
     key = RadixKey(toks)
