@@ -106,3 +106,51 @@ async def test_match_leaves_the_storage_prior_hash_to_the_prefetch() -> None:
         assert cache.storage_prior_hash(object(), None) is None  # not a tree node
     finally:
         await stack.aclose()
+
+
+def test_a_split_cuts_the_key_in_place_copying_only_the_smaller_part() -> None:
+    """A split reuses the node's key array for its larger part (no second copy of a long key);
+    an array something still reads through a buffer is copied instead, and either way both
+    halves hold exactly their tokens."""
+    from array import array
+
+    from hicache.prefix_cache import RadixCache
+
+    cut = RadixCache._cut_key
+    key = array("I", range(12))
+    head, tail = cut(key, 4)  # the tail is larger: it is the old array
+    assert (head.tolist(), tail.tolist()) == (list(range(4)), list(range(4, 12))) and tail is key
+    key = array("I", range(12))
+    head, tail = cut(key, 8)  # the head is larger
+    assert (head.tolist(), tail.tolist()) == (list(range(8)), list(range(8, 12))) and head is key
+    key = array("I", range(12))
+    view = memoryview(key)  # exported: cannot be resized
+    head, tail = cut(key, 4)
+    assert (head.tolist(), tail.tolist()) == (list(range(4)), list(range(4, 12)))
+    assert head is not key and tail is not key and key.tolist() == list(range(12))
+    view.release()
+
+
+def test_splits_of_long_keys_answer_as_before() -> None:
+    """Splits at both ends of long nodes, either half the larger: every match and the tree's
+    shape stay what copying both halves gave."""
+    from hicache.prefix_cache import InsertParams, MatchPrefixParams, RadixCache
+
+    ps = 4
+    alloc = PagedTokenAllocator(4096, ps)
+    cache = RadixCache(req_to_token_pool=None, token_to_kv_pool_allocator=alloc, page_size=ps)
+    base = list(range(1000, 1400))
+    prompts = [base, base[:8] + [1] * 8, base[:392] + [2] * 8, base[:200] + [3] * 4, base[:16] + [4] * 4]
+    expected_hits = [0, 8, 392, 200, 16]
+    for prompt, hit in zip(prompts, expected_hits):
+        m = cache.match_prefix(MatchPrefixParams(key=RadixKey(prompt)))
+        assert m.device_indices.numel() == hit
+        slots = alloc.alloc(len(prompt))
+        assert slots is not None
+        cache.insert(InsertParams(key=RadixKey(prompt), value=slots))
+    for prompt in prompts:
+        assert cache.match_prefix(MatchPrefixParams(key=RadixKey(prompt))).device_indices.numel() == len(prompt)
+    keys = sorted(n.key.tolist() for n in cache._nodes())
+    assert sum(len(k) for k in keys) == 400 + 8 + 8 + 4 + 4
+    assert base[8:16] in keys and base[392:400] in keys and base[:8] in keys
+    cache.sanity_check()
