@@ -1229,6 +1229,7 @@ class HiRadixCache(RadixCache):
         node = self.root_node
         pos = 0
         now = self._tick()
+        adopted: list[TreeNode] = []
         while pos < end:
             child = node.children.get(self._child_key(state.extra_key, tokens, pos))
             if child is None:
@@ -1245,11 +1246,17 @@ class HiRadixCache(RadixCache):
                     child.storage_pages = len(child.hash_value)
                     self._note(child)
                     self._report(ChangeKind.STORED, Tier.HOST, child)
+                    adopted.append(child)
                 else:
                     self._free_host(part)
             child.last_access_time = now
             pos += m
             node = child
+        # a node the fetch shows to be in storage passes the turn to its children, as a landed
+        # write does: those on host waited for it (continuity) and were never written otherwise
+        for n in adopted:
+            for c in list(n.children.values()):
+                self._maybe_write_storage(c)
         if pos < start:  # the prefix left the tree meanwhile: the pages cannot be attached
             self._free_host(host)
             return 0, None

@@ -443,6 +443,53 @@ async def test_pages_under_a_node_split_while_its_write_was_in_flight_reach_stor
     await stack.aclose()
 
 
+async def test_children_waiting_on_a_node_a_prefetch_makes_stored_get_their_storage_turn() -> None:
+    """A prefetch brings pages storage holds into a node the device computed meanwhile (its
+    host copy, adopted): the node is in storage from then on. Its children already on host
+    waited for it to be there (continuity) and were never written until a later hit; now
+    they get their turn when the prefetch lands, as when a write lands."""
+    store = f"adopt-{uuid.uuid4()}"
+    c = dataclasses.replace(cfg(write_policy="write_back"), storage_backend="memory",
+                            storage_options={"store_id": store}, host_pages=64)
+    writer = dataclasses.replace(c, controller=ControllerConfig(
+        write_policy="write_through", prefetch_threshold=PS, prefetch_policy="wait_complete"))
+    first, second = build_stack(writer), build_stack(c)
+    a, x, y = toks(0, 8), toks(100, 8), toks(200, 8)
+    await serve_request(first, a, rid="w")  # storage holds a
+    await first.cache.drain()
+    await first.aclose()
+    cache = second.cache
+    store = second.storage
+    gate = threading.Event()  # the store's calls run on its own I/O thread and loop
+    real_read = store._read
+
+    async def gated(pages, buffers):  # type: ignore[no-untyped-def]
+        while not gate.is_set():
+            await asyncio.sleep(0.002)
+        return await real_read(pages, buffers)
+
+    store._read = gated  # type: ignore[method-assign]
+    req = Req(rid="r", origin_input_ids=a)
+    cache.match_req(req)
+    assert cache.start_prefetch(req)  # a comes from storage: its read is held
+    await serve_request(second, a + x, rid="ax", prefetch=False)  # meanwhile the device computes a + x ...
+    await serve_request(second, a + y, rid="ay", prefetch=False)  # ... and a + y: a is a node of its own
+    cache.evict(EvictParams(num_tokens=8))  # write-back: x (or y) goes to host first
+    await cache.drain_backups()  # (a full drain would wait for the held read)
+    parent = node_of(cache, a)
+    on_host = [n for n in parent.children.values() if n.host_value is not None]
+    assert parent.host_value is None and not parent.on_storage and on_host
+    assert not any(n.on_storage for n in on_host)  # waiting for a to be in storage
+    gate.set()
+    await eventually(lambda: cache.check_prefetch_progress("r"))
+    assert parent.on_storage and parent.host_value is not None  # the prefetched pages, adopted
+    await cache.drain()
+    assert all(n.on_storage for n in on_host)
+    cache.abort_req(req)
+    cache.sanity_check()
+    await second.aclose()
+
+
 def _shed_stack(host_pages: int):  # type: ignore[no-untyped-def]
     """write_back over a memory store: host copies are made only by explicit backups and
     device eviction, so a test decides which host copies are redundant (device + storage)."""
