@@ -84,11 +84,11 @@ class FlowHost(Protocol):
     def match_prefix(self, params: MatchPrefixParams, *, count_hit: bool = True) -> MatchResult: ...
     def prefetch_from_storage(self, req_id: str, last_host_node: Any, new_input_tokens: list[int],
                               last_hash: str | None = None, *, prefix_tokens: list[int] | None = None,
-                              extra_key: str | None = None) -> bool: ...
+                              extra_key: str | None = None, owner: object = None) -> bool: ...
     def is_prefetching(self, req_id: str) -> bool: ...
     async def wait_prefetch(self, req_id: str, *, hold: object = None) -> int: ...
     def release_prefetched(self, req_id: str, holder: object = None) -> None: ...
-    def cancel_prefetch(self, req_id: str) -> None: ...
+    def cancel_prefetch(self, req_id: str, holder: object = None) -> None: ...
     def loads_in_flight(self, indices: torch.Tensor) -> list[asyncio.Future[bool]]: ...
     def start_load_back(self, params: InitLoadBackParams) -> LoadBack | None: ...
     def inc_lock_ref(self, node: Any) -> IncLockRefResult: ...
@@ -103,24 +103,23 @@ class RequestFlow:
     def __init__(self, cache: FlowHost) -> None:
         self.cache = cache
         self.matched: set[str] = set()  # rids whose hit was counted by match_req
-        # requests admit() locked a prefix for, by rid; the Req itself is kept so that a later
-        # request reusing the rid is never mistaken for one holding a lock
-        self.admitted: dict[str, Req] = {}
+        # requests admit() locked a prefix for, by the Req itself (not its rid): requests
+        # reusing a rid may overlap, and none is mistaken for another (one holding a lock)
+        self.admitted: dict[Req, None] = {}
         # requests inside admit(), and those of them aborted meanwhile (by another task):
         # admit releases its lock and raises instead of recording them as admitted
-        self.admitting: dict[str, Req] = {}
+        self.admitting: dict[Req, None] = {}
         self._aborted: set[int] = set()
 
     def forget(self, req: Any) -> None:
         """``req`` is over (finished, or its lock taken over by a decorator)."""
         rid = req.rid
-        if self.admitted.get(rid) is req:
-            del self.admitted[rid]
+        self.admitted.pop(req, None)
         self.matched.discard(rid)
 
     def is_admitted(self, req: Any) -> bool:
         """Whether :meth:`admit` locked a prefix for this very request."""
-        return self.admitted.get(req.rid) is req
+        return req in self.admitted
 
     def match_req(self, req: Req, max_prefix_len: int | None = None) -> MatchResult:
         """Match ``req``'s tokens and record the result in its fields (no lock taken). Only
@@ -150,6 +149,7 @@ class RequestFlow:
             req.storage_prior_hash,
             prefix_tokens=list(tokens[:hit]),
             extra_key=req.extra_key,
+            owner=req,
         )
 
     async def admit(self, req: Req, *, mem_quota: int | None = None, wait_load: bool = True,
@@ -169,15 +169,14 @@ class RequestFlow:
         :data:`LOAD_BACK_TRIES` times: concurrent turns then take turns with the room instead
         of recomputing histories that sit on host.
         """
-        self.admitting[req.rid] = req
+        self.admitting[req] = None
         try:
             return await self._admit(req, mem_quota, wait_load, max_prefix_len, make_room)
         finally:
             # the fetched pages were held from the prefetch's end; by now they are locked by the
             # load (or not used, or the request is gone): returned, aborted or cancelled alike
             self.cache.release_prefetched(req.rid, req)
-            if self.admitting.get(req.rid) is req:
-                del self.admitting[req.rid]
+            self.admitting.pop(req, None)
             self._aborted.discard(id(req))
 
     async def _admit(self, req: Req, mem_quota: int | None, wait_load: bool,
@@ -248,7 +247,7 @@ class RequestFlow:
             req.prefix_indices = m.device_indices[:0]
             req.cache_protected_len = 0
             raise RequestAbortedError(f"request {req.rid} was aborted while it was being admitted")
-        self.admitted[req.rid] = req
+        self.admitted[req] = None
         storage = min(fetched, host)
         req.last_node = node
         req.cache_protected_len = int(req.prefix_indices.numel())
@@ -307,18 +306,17 @@ class RequestFlow:
         request's own KV without inserting it. Safe at any point after :meth:`match_req`,
         also while its :meth:`admit` waits (that admit then releases what it locked and raises
         :class:`~hicache.errors.RequestAbortedError`)."""
-        if self.admitting.get(req.rid) is req:
+        if req in self.admitting:
             self._aborted.add(id(req))
         self.matched.discard(req.rid)
         if not self.is_admitted(req):  # match_req set last_node but locked nothing
             req.last_node = None
             req.cache_protected_len = 0
-        self.cache.cancel_prefetch(req.rid)
+        self.cache.cancel_prefetch(req.rid, req)
         if req.req_pool_idx is not None:
             self.release_req(req, is_insert=False)
         elif req.last_node is not None:
             self.cache.dec_lock_ref(req.last_node)
             req.last_node = None
-        if self.admitted.get(req.rid) is req:
-            del self.admitted[req.rid]
+        self.admitted.pop(req, None)
 

@@ -72,6 +72,7 @@ class _Prefetch:
     keys: list[str]
     extra_key: str | None
     pinned: list[str] = dataclasses.field(default_factory=list)  # stored pages kept while it reads
+    owner: object = None  # the request that started it (a reused rid's cancel must not abort it)
 
 
 @dataclasses.dataclass(eq=False)
@@ -189,10 +190,10 @@ class HiRadixCache(RadixCache):
             if load.done is not None and not load.done.done():
                 load.done.set_result(False)  # whoever waits for it must not wait forever
         self._prefetching = {}
-        #: rid -> (deepest node its prefetch attached, holder): a host_ref kept from the end of
-        #: the prefetch until admit has used the pages (see :meth:`wait_prefetch`); nodes of a
-        #: dropped tree need no release
-        self._held: dict[str, tuple[TreeNode, object]] = {}
+        #: rid -> [(deepest node its prefetch attached, holder)]: a host_ref kept from the end of
+        #: the prefetch until admit has used the pages (see :meth:`wait_prefetch`), one per
+        #: holder (requests reusing a rid may overlap); nodes of a dropped tree need no release
+        self._held: dict[str, list[tuple[TreeNode, object]]] = {}
         self._loads = []
         self._new_handles = []
         #: write-through backups of inserted nodes, started together once the insert's loop
@@ -1103,10 +1104,12 @@ class HiRadixCache(RadixCache):
         *,
         prefix_tokens: list[int] | None = None,
         extra_key: str | None = None,
+        owner: object = None,
     ) -> bool:
         """Start fetching the pages of ``new_input_tokens`` (which continue the prefix ending
         at ``last_host_node``) from storage into host memory. ``prefix_tokens`` are the tokens
-        from the root through ``last_host_node``; returns whether a prefetch started."""
+        from the root through ``last_host_node``; ``owner`` (the request) is the only holder
+        whose :meth:`cancel_prefetch` aborts it. Returns whether a prefetch started."""
         if not self.controller.has_storage or self.disable or req_id in self._prefetching:
             return False
         ps = self.page_size
@@ -1127,7 +1130,8 @@ class HiRadixCache(RadixCache):
             self._dec_host_ref(last_host_node)
             return False
         pinned = self._stored.pin(keys) if self._stored is not None else []
-        self._prefetching[req_id] = _Prefetch(last_host_node, prefix + tokens, len(prefix), keys, extra_key, pinned)
+        self._prefetching[req_id] = _Prefetch(last_host_node, prefix + tokens, len(prefix), keys, extra_key, pinned,
+                                              owner)
         return True
 
     def prefetch_view(self, req_id: str) -> tuple[int, list[str], Any] | None:
@@ -1142,25 +1146,35 @@ class HiRadixCache(RadixCache):
         """Whether ``req_id`` has a storage prefetch whose pages are not yet in the tree."""
         return req_id in self._prefetching
 
-    def cancel_prefetch(self, req_id: str) -> None:
+    def cancel_prefetch(self, req_id: str, holder: object = None) -> None:
         """Abort ``req_id``'s prefetch, if any: its host pages are freed, its anchor released
-        (and the protection of pages it already attached, see :meth:`wait_prefetch`)."""
-        self.controller.abort_prefetch(req_id)
-        state = self._prefetching.pop(req_id, None)
-        if state is not None:
+        (and the protection of pages it already attached, see :meth:`wait_prefetch`). With
+        ``holder``, only that request's: a prefetch another request reusing the rid started
+        (its ``owner``) and the other holders' protection stay."""
+        state = self._prefetching.get(req_id)
+        if state is not None and (holder is None or state.owner is None or state.owner is holder):
+            self.controller.abort_prefetch(req_id)
+            del self._prefetching[req_id]
             self._dec_host_ref(state.anchor)
             self._unpin(state)
-        self.release_prefetched(req_id)
+        self.release_prefetched(req_id, holder)
 
     def release_prefetched(self, req_id: str, holder: object = None) -> None:
         """Drop the protection :meth:`wait_prefetch` (``hold``) kept on ``req_id``'s fetched
         pages; with ``holder``, only that holder's (a reused rid must not release another's)."""
-        held = self._held.get(req_id)
-        if held is None or (holder is not None and held[1] is not holder):
+        holds = self._held.get(req_id)
+        if not holds:
             return
-        del self._held[req_id]
-        if held[0].tree is self.root_node.tree:  # a reset dropped the tree, and its refs
-            self._dec_host_ref(held[0])
+        keep = [h for h in holds if holder is not None and h[1] is not holder]
+        if len(keep) == len(holds):
+            return
+        if keep:
+            self._held[req_id] = keep
+        else:
+            del self._held[req_id]
+        for node, who in holds:
+            if (holder is None or who is holder) and node.tree is self.root_node.tree:
+                self._dec_host_ref(node)  # (a reset dropped the tree, and its refs)
 
     def _path_tokens(self, node: TreeNode) -> list[int]:
         parts: list[TokenRun] = []
@@ -1207,9 +1221,9 @@ class HiRadixCache(RadixCache):
             return 0
         added, last = self._insert_host(state, result)
         if hold is not None and last is not None:
-            self.release_prefetched(req_id)  # at most one hold per rid
+            self.release_prefetched(req_id, hold)  # at most one hold per holder
             self._inc_host_ref(last)
-            self._held[req_id] = (last, hold)
+            self._held.setdefault(req_id, []).append((last, hold))
         return added
 
     def _unpin(self, state: _Prefetch) -> None:

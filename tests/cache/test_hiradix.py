@@ -662,3 +662,130 @@ async def test_a_backup_whose_host_allocation_raises_is_deferred_not_raised() ->
         assert node.host_value is not None
     finally:
         await stack.aclose()
+
+
+@pytest.mark.parametrize("second_end", ["admitted", "aborted"])
+async def test_a_reused_rid_does_not_take_the_prefetch_hold_or_the_prefetch_of_another_request(
+        second_end: str) -> None:
+    """Two requests share a rid: the first one's admit waits for device room holding the page
+    its prefetch attached, when the second one's prefetch ends (its own hold replaced the
+    first's: the first one's page became host-evictable while its admit still waited) or the
+    second one is aborted (its cancel released the first one's hold, and a later request's
+    running prefetch with it)."""
+    store = f"reuse-{uuid.uuid4()}"
+    c = dataclasses.replace(cfg(), storage_backend="memory", storage_options={"store_id": store})
+    first, second = build_stack(c), build_stack(c)
+    a, b, e = toks(0, 8), toks(100, 8), toks(200, 8)
+    await serve_request(first, a + b, rid="w1")
+    await serve_request(first, a + e, rid="w2")
+    await first.cache.drain()
+    await first.aclose()
+    cache = second.cache
+    await host_only(second, a)  # a on host, a + b and a + e in storage
+    alloc = cache.token_to_kv_pool_allocator
+    busy = alloc.alloc(alloc.available_size())  # running requests hold every device slot
+    one = Req(rid="r", origin_input_ids=a + b)
+    assert cache.match_req(one).host_hit_length == 8
+    assert cache.start_prefetch(one)  # b comes from storage
+    waiting, gate = asyncio.Event(), asyncio.get_running_loop().create_future()
+
+    async def room(tokens: int) -> bool:
+        waiting.set()
+        await gate
+        alloc.free(busy)
+        return True
+
+    task = asyncio.ensure_future(cache.admit(one, make_room=room))
+    await asyncio.wait_for(waiting.wait(), 10)
+    b_node = node_of(cache, a + b)
+    assert b_node.value is None and b_node.host_value is not None and b_node.host_ref == 1
+    two = Req(rid="r", origin_input_ids=a + e)  # the rid is reused
+    assert cache.match_req(two).host_hit_length == 8
+    assert cache.start_prefetch(two)  # e comes from storage
+    if second_end == "admitted":
+        other = asyncio.get_running_loop().create_future()
+
+        async def wait_room(tokens: int) -> bool:
+            await other
+            return False
+
+        task2 = asyncio.ensure_future(cache.admit(two, make_room=wait_room))
+        await eventually(lambda: not cache.is_prefetching("r"))
+        assert cache.evict_host(10**6) == 0  # b is still held for the first request's admit
+        other.set_result(None)
+        await task2
+        cache.abort_req(two)
+    else:
+        cache.abort_req(two)
+        assert cache.evict_host(10**6) == 0  # two's abort leaves one's hold alone
+    # and the first request's abort leaves a later request's prefetch alone
+    three = Req(rid="r", origin_input_ids=a + e)
+    cache.match_req(three)
+    started = cache.start_prefetch(three)
+    gate.set_result(None)
+    res = await task
+    assert (res.host_hit, res.storage_hit) == (8, 8)  # b was kept for it
+    cache.abort_req(one)
+    assert not started or cache.is_prefetching("r")
+    if started:
+        await cache.admit(three)
+        cache.abort_req(three)
+    await cache.drain()
+    assert all(n.host_ref == 0 and n.lock_ref == 0 for n in cache._nodes())
+    assert not cache._held and cache.protected_size() == 0
+    cache.sanity_check()
+    await second.aclose()
+
+
+async def test_abort_of_a_request_whose_rid_another_admitted_request_reused_unlocks_its_prefix() -> None:
+    """Two admitted requests share a rid: the admitted-by-rid record names the later one, and
+    the first one's abort took it for a request that had locked nothing: its prefix stayed
+    locked for good, and with a request slot its prefix's device slots (the tree's) were freed
+    as its own KV; an abort while its admit waited went unseen (it was admitted anyway)."""
+    from hicache.errors import RequestAbortedError
+
+    stack = build_stack(cfg())
+    cache = stack.cache
+    a = toks(0, 16)
+    await serve_request(stack, a, rid="w")
+    await cache.drain()
+    one, two = Req(rid="r", origin_input_ids=a), Req(rid="r", origin_input_ids=a)
+    cache.match_req(one)
+    await cache.admit(one)
+    cache.match_req(two)
+    await cache.admit(two)
+    cache.abort_req(one)
+    cache.abort_req(two)
+    assert cache.protected_size() == 0 and all(n.lock_ref == 0 for n in cache._nodes())
+    # with request slots: the first one's abort, taking its prefix for its own KV, freed the
+    # tree's device slots (handed out again while the tree still held them: wrong KV)
+    one, two = Req(rid="r", origin_input_ids=a), Req(rid="r", origin_input_ids=a)
+    for req in (one, two):
+        cache.match_req(req)
+        req.req_pool_idx = stack.req_to_token_pool.alloc(1)[0]
+        await cache.admit(req)
+        stack.req_to_token_pool.req_to_token[req.req_pool_idx, :16] = req.prefix_indices
+        req.kv_allocated_len = req.kv_committed_len = 16
+    cache.abort_req(one)
+    cache.abort_req(two)
+    alloc = stack.allocator
+    assert alloc.available_size() + cache.all_device_indices().numel() == alloc.size
+    assert cache.protected_size() == 0 and all(n.lock_ref == 0 for n in cache._nodes())
+    # aborted while its admit waits, with a later request of its rid admitting meanwhile
+    await host_only(stack, a)
+    one, two = Req(rid="r", origin_input_ids=a), Req(rid="r", origin_input_ids=a)
+    cache.match_req(one)
+    task = asyncio.ensure_future(cache.admit(one))
+    await asyncio.sleep(0)  # admit waits for its load
+    cache.match_req(two)
+    task2 = asyncio.ensure_future(cache.admit(two))
+    await asyncio.sleep(0)
+    cache.abort_req(one)
+    with pytest.raises(RequestAbortedError):
+        await task
+    await task2
+    cache.abort_req(two)
+    await cache.drain()
+    assert cache.protected_size() == 0 and all(n.lock_ref == 0 for n in cache._nodes())
+    cache.sanity_check()
+    await stack.aclose()
