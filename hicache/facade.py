@@ -143,6 +143,9 @@ class HiCache:
         self._rids: set[str] = set()  # the cache's request ids in use (begun, not finished)
         self._rid_seq = 0
         self._close_task: asyncio.Task[Any] | None = None
+        # one start at a time: a concurrent start() waits for the running one (and finds the
+        # cache open) instead of building a second stack; aclose() waits for it too
+        self._start_lock = asyncio.Lock()
         self._events: Any = None  # hicache.events.service.KVEventService, once events are on
         self.close_report: Any = None
 
@@ -180,11 +183,18 @@ class HiCache:
         return self._stack
 
     async def start(self) -> HiCache:
-        """Allocate the pools, open the storage backend and start the controller."""
-        if self._state is _State.OPEN:
-            return self
-        if self._state is _State.CLOSED:
-            raise CacheClosedError("HiCache is closed; build a new one")
+        """Allocate the pools, open the storage backend and start the controller.
+
+        Concurrent calls start the cache once; an :meth:`aclose` that overtakes the start
+        takes down what it built (the start then raises :class:`CacheClosedError`)."""
+        async with self._start_lock:
+            if self._state is _State.OPEN:
+                return self
+            if self._state is _State.CLOSED:
+                raise CacheClosedError("HiCache is closed; build a new one")
+            return await self._start()
+
+    async def _start(self) -> HiCache:
         if self.config.tracing.enabled:
             tracing.enable()  # before anything is built: a missing otel extra fails the start
         stack = build_stack(self._stack_config)
@@ -203,6 +213,8 @@ class HiCache:
             # on the controller's I/O loop: the loop every later storage call (and the close)
             # runs on; a backend opened on this loop would bind its tasks and events here
             await stack.controller.open_storage()
+            if self._state is _State.CLOSED:  # aclose() came while the storage opened
+                raise CacheClosedError("HiCache was closed while it started")
         except BaseException:
             if self._events is not None:
                 await self._events.aclose()
@@ -240,6 +252,11 @@ class HiCache:
         if self._close_task is None:
             if self._state is not _State.OPEN:
                 self._state = _State.CLOSED
+                if self._start_lock.locked():
+                    # a start() is running: it sees the close and takes its half-built stack
+                    # down; return once it has (no thread or open storage outlives the close)
+                    async with self._start_lock:
+                        pass
                 return self.close_report
             self._state = _State.CLOSED
             # One close, run to its end even if this caller is cancelled (a half-done close

@@ -197,6 +197,78 @@ async def test_failed_start_leaves_no_thread_behind(tmp_path: Path, monkeypatch)
         await cache.begin("x", [1])
 
 
+def record_stacks(monkeypatch, gate: asyncio.Event | None = None) -> list:
+    """Record every stack ``start()`` builds; with ``gate``, its storage opens only once the
+    gate is set (a slow open: a window for a second start() or an aclose())."""
+    built: list = []
+    orig = facade_mod.build_stack
+
+    def record(cfg, **kw):  # type: ignore[no-untyped-def]
+        stack = orig(cfg, **kw)
+        built.append(stack)
+        if gate is not None:
+            open_storage = stack.controller.open_storage
+
+            async def slow_open() -> None:
+                await gate.wait()
+                await open_storage()
+
+            stack.controller.open_storage = slow_open
+        return stack
+
+    monkeypatch.setattr(facade_mod, "build_stack", record)
+    return built
+
+
+async def test_concurrent_starts_build_one_stack(tmp_path: Path, monkeypatch) -> None:
+    """Two start() at once (a server starting the cache lazily from two handlers): the second
+    waits for the first instead of building a second stack, whose threads and open storage were
+    orphaned by the first's (never closed: hicache-storage-io and the file backend's threads
+    outlived aclose())."""
+    gate = asyncio.Event()
+    built = record_stacks(monkeypatch, gate)
+    cache = HiCache.from_config(config(tmp_path))
+    before = set(threading.enumerate())
+    starts = [asyncio.ensure_future(cache.start()) for _ in range(2)]
+    await asyncio.sleep(0.01)
+    gate.set()
+    assert await asyncio.gather(*starts) == [cache, cache]
+    assert len(built) == 1
+    await run(cache, "a", prompt(1, 40))
+    await cache.aclose()
+    await asyncio.sleep(0.05)
+    left = [t for t in threading.enumerate() if t not in before and t.name.startswith("hicache")]
+    assert not left, left
+
+
+async def test_close_during_start_takes_the_start_down(tmp_path: Path, monkeypatch) -> None:
+    """aclose() while start() opens the storage (a shutdown during startup): the close returns
+    once what the start built is closed, the start raises CacheClosedError, and the cache stays
+    closed. It used to return at once and the start then opened the cache: begin() succeeded
+    after the close and nothing closed the stack."""
+    gate = asyncio.Event()
+    built = record_stacks(monkeypatch, gate)
+    cache = HiCache.from_config(config(tmp_path))
+    before = set(threading.enumerate())
+    start = asyncio.ensure_future(cache.start())
+    await asyncio.sleep(0.01)
+    close = asyncio.ensure_future(cache.aclose())
+    await asyncio.sleep(0.01)
+    assert not close.done()  # waits for the start to take its stack down
+    gate.set()
+    await asyncio.wait_for(close, 10)
+    with pytest.raises(CacheClosedError):
+        await start
+    assert len(built) == 1 and built[0].copy_engine._closed
+    with pytest.raises(CacheClosedError):
+        await cache.begin("x", [1])
+    with pytest.raises(CacheClosedError):
+        await cache.start()
+    await asyncio.sleep(0.05)
+    left = [t for t in threading.enumerate() if t not in before and t.name.startswith("hicache")]
+    assert not left, left
+
+
 async def test_chunk_commit_waits_for_a_load_of_the_slots_it_now_points_at() -> None:
     """C computed a prefix itself; meanwhile the same prefix was cached, demoted to host, and
     another request started loading it. C's chunk commit finds those nodes "on device" (their
