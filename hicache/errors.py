@@ -14,6 +14,7 @@ from the built-in it resembles, so callers may catch either::
     ├── TraceFormatError (ValueError)       a request trace line that is not a Mooncake record
     ├── OutOfKVSlotsError (MemoryError)     no device KV slots even after eviction and offload
     ├── RequestAbortedError (RuntimeError)  a request aborted while its admit waited
+    ├── PrefixLoadError (RuntimeError)      a request's prefix KV failed to load to the device
     └── ChainGoneError (LookupError)        a tree node that left the tree: no storage key chain
 
 A *miss* is never an exception: reads return ``None``/``False`` for pages that are absent,
@@ -34,6 +35,7 @@ __all__ = [
     "OutOfKVSlotsError",
     "TraceFormatError",
     "RequestAbortedError",
+    "PrefixLoadError",
     "ChainGoneError",
 ]
 
@@ -82,6 +84,12 @@ class OutOfKVSlotsError(HiCacheError, MemoryError):
 class RequestAbortedError(HiCacheError, RuntimeError):
     """The request was aborted (``abort_req``, from another task) while its ``admit`` waited:
     admit released what it locked instead of admitting it."""
+
+
+class PrefixLoadError(HiCacheError, RuntimeError):
+    """A request's prefix KV could not be copied to the device (its load from host failed):
+    the prefix slots hold no valid KV. Abort the request (``commit`` aborts it too); the
+    prefix stays cached below the device, so a retry loads or recomputes it."""
 
 
 class ChainGoneError(HiCacheError, LookupError):

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from hicache.config import HiCacheConfig, aload_config, load_config
-from hicache.errors import CacheClosedError, HiCacheError, OutOfKVSlotsError, RequestAbortedError
+from hicache.errors import CacheClosedError, HiCacheError, OutOfKVSlotsError, PrefixLoadError, RequestAbortedError
 from hicache.events.service import start_events
 from hicache.memory import MambaHostPool, MambaStatePool
 from hicache.observability import tracing
@@ -60,6 +60,8 @@ def token_ids_of(values: Any, what: str = "token_ids") -> list[int]:
         is_float = getattr(dtype, "is_floating_point", False) or getattr(dtype, "is_complex", False) \
             or getattr(dtype, "kind", "") in ("f", "c")
         if is_float:
+            raise TypeError(f"{what} must hold integers, got a {dtype} array")
+        if dtype is torch.bool or getattr(dtype, "kind", "") == "b":  # a mask, not token ids
             raise TypeError(f"{what} must hold integers, got a {dtype} array")
         values = values.tolist()
     elif not isinstance(values, (list, tuple, range)):
@@ -108,20 +110,43 @@ class RequestHandle:
     attribution: Any = None
 
     async def wait_layer(self, layer: int) -> None:
-        """Return once layer ``layer`` of the prefix KV is on device."""
+        """Return once layer ``layer`` of the prefix KV is on device; a failed load raises
+        :class:`~hicache.errors.PrefixLoadError` (abort the request)."""
         if self.load is not None:
-            await self.load.wait_layer(layer)
+            try:
+                await self.load.wait_layer(layer)
+            except (HiCacheError, asyncio.CancelledError):
+                raise
+            except Exception as exc:
+                raise self._load_failed(exc) from exc
 
     def wait_layer_sync(self, layer: int) -> None:
         """Blocking :meth:`wait_layer`, for a model's forward running on a worker thread."""
         if self.load is not None:
-            self.load.wait_layer_sync(layer)
+            try:
+                self.load.wait_layer_sync(layer)
+            except HiCacheError:
+                raise
+            except Exception as exc:
+                raise self._load_failed(exc) from exc
 
     async def wait_loaded(self) -> None:
         """Return once every layer of the prefix KV is on device (a forward that reads the
-        prefix without waiting layer by layer must wait for this first)."""
+        prefix without waiting layer by layer must wait for this first); a failed load raises
+        :class:`~hicache.errors.PrefixLoadError`."""
         if self.load is not None:
-            await self.load.wait()
+            try:
+                await self.load.wait()
+            except (HiCacheError, asyncio.CancelledError):
+                raise
+            except Exception as exc:
+                raise self._load_failed(exc) from exc
+
+    def _load_failed(self, exc: Exception) -> PrefixLoadError:
+        # the copy engine raises whatever the copy raised (a torch or CUDA error): the caller
+        # gets one documented type, whose message says what to do
+        return PrefixLoadError(f"request {self.rid}: its prefix KV could not be loaded from host ({exc}); "
+                               "abort it (commit aborts it too)")
 
 
 class HiCache:

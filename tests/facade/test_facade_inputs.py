@@ -24,6 +24,8 @@ def nothing_held(cache: HiCache) -> bool:
     (b"hello", TypeError, "not bytes"),
     (torch.arange(40) * 1.5, TypeError, "float32"),
     (np.arange(40, dtype=np.float64), TypeError, "float64"),
+    (torch.ones(40, dtype=torch.bool), TypeError, "torch.bool"),  # a mask passed for the ids
+    (np.ones(40, dtype=bool), TypeError, "bool"),
     (torch.arange(40).reshape(4, 10), TypeError, "got \\[0, 1"),
     ([-1] * 40, ValueError, "-1 is outside"),
     ([2**32] * 40, ValueError, "4294967296 is outside"),

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import hicache.facade as facade_mod
-from hicache.errors import CacheClosedError, HiCacheError
+from hicache.errors import CacheClosedError, HiCacheError, PrefixLoadError
 from hicache.facade import HiCache
 from hicache.replay.synthetic import verify_kv, write_synthetic_kv
 from hicache.testing import inject_load_faults
@@ -93,6 +93,12 @@ async def test_commit_after_a_failed_load_aborts_instead_of_inserting_freed_slot
         restore = slow_loads(cache, delay=0.001, fail=True)
         h = await cache.begin("f", shared + prompt(5, 7))
         assert h.load is not None and h.prefix_len == 5 * PS
+        with pytest.raises(PrefixLoadError, match="abort it"):  # the copy's own error, typed
+            await h.wait_loaded()
+        with pytest.raises(PrefixLoadError):
+            await h.wait_layer(0)
+        with pytest.raises(PrefixLoadError):
+            await asyncio.to_thread(h.wait_layer_sync, 0)
         write_synthetic_kv(cache.device_pool, h.kv_indices[h.prefix_len :], torch.tensor(h.token_ids[h.prefix_len :]))
         with pytest.raises(HiCacheError, match="load"):
             await cache.commit(h)
