@@ -41,6 +41,16 @@ def toks(base: int, n: int) -> list[int]:
     return list(range(base, base + n))
 
 
+async def nothing_held_then_close(stack) -> None:  # type: ignore[no-untyped-def]
+    """Once the copies land, no lock, host protection or prefetch hold is left; then close."""
+    cache = stack.cache
+    await cache.drain()
+    assert all(n.host_ref == 0 and n.lock_ref == 0 for n in cache._nodes())
+    assert not cache._held and cache.protected_size() == 0
+    cache.sanity_check()
+    await stack.aclose()
+
+
 def node_of(cache, tokens):  # type: ignore[no-untyped-def]
     return cache.match_prefix(MatchPrefixParams(key=RadixKey(tokens))).last_host_node
 
@@ -333,11 +343,7 @@ async def test_pages_a_prefetch_attached_stay_protected_while_admit_makes_device
         gate.set_result(None)
         with pytest.raises(RequestAbortedError):
             await task
-    await cache.drain()
-    assert all(n.host_ref == 0 and n.lock_ref == 0 for n in cache._nodes())
-    assert not cache._held and cache.protected_size() == 0
-    cache.sanity_check()
-    await second.aclose()
+    await nothing_held_then_close(second)
 
 
 async def test_admit_whose_make_room_raises_leaves_nothing_locked_or_held() -> None:
@@ -730,11 +736,7 @@ async def test_a_reused_rid_does_not_take_the_prefetch_hold_or_the_prefetch_of_a
     if started:
         await cache.admit(three)
         cache.abort_req(three)
-    await cache.drain()
-    assert all(n.host_ref == 0 and n.lock_ref == 0 for n in cache._nodes())
-    assert not cache._held and cache.protected_size() == 0
-    cache.sanity_check()
-    await second.aclose()
+    await nothing_held_then_close(second)
 
 
 async def test_abort_of_a_request_whose_rid_another_admitted_request_reused_unlocks_its_prefix() -> None:
