@@ -20,10 +20,12 @@ close is a no-op and any call after it raises :class:`~hicache.errors.CacheClose
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 from array import array
 import logging
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -113,40 +115,34 @@ class RequestHandle:
         """Return once layer ``layer`` of the prefix KV is on device; a failed load raises
         :class:`~hicache.errors.PrefixLoadError` (abort the request)."""
         if self.load is not None:
-            try:
+            with self._typed_load_errors():
                 await self.load.wait_layer(layer)
-            except (HiCacheError, asyncio.CancelledError):
-                raise
-            except Exception as exc:
-                raise self._load_failed(exc) from exc
 
     def wait_layer_sync(self, layer: int) -> None:
         """Blocking :meth:`wait_layer`, for a model's forward running on a worker thread."""
         if self.load is not None:
-            try:
+            with self._typed_load_errors():
                 self.load.wait_layer_sync(layer)
-            except HiCacheError:
-                raise
-            except Exception as exc:
-                raise self._load_failed(exc) from exc
 
     async def wait_loaded(self) -> None:
         """Return once every layer of the prefix KV is on device (a forward that reads the
         prefix without waiting layer by layer must wait for this first); a failed load raises
         :class:`~hicache.errors.PrefixLoadError`."""
         if self.load is not None:
-            try:
+            with self._typed_load_errors():
                 await self.load.wait()
-            except (HiCacheError, asyncio.CancelledError):
-                raise
-            except Exception as exc:
-                raise self._load_failed(exc) from exc
 
-    def _load_failed(self, exc: Exception) -> PrefixLoadError:
-        # the copy engine raises whatever the copy raised (a torch or CUDA error): the caller
-        # gets one documented type, whose message says what to do
-        return PrefixLoadError(f"request {self.rid}: its prefix KV could not be loaded from host ({exc}); "
-                               "abort it (commit aborts it too)")
+    @contextlib.contextmanager
+    def _typed_load_errors(self) -> Iterator[None]:
+        """The copy engine raises whatever the copy raised (a torch or CUDA error): the caller
+        gets one documented type, whose message says what to do (cancellation passes)."""
+        try:
+            yield
+        except HiCacheError:
+            raise
+        except Exception as exc:
+            raise PrefixLoadError(f"request {self.rid}: its prefix KV could not be loaded from host ({exc}); "
+                                  "abort it (commit aborts it too)") from exc
 
 
 class HiCache:

@@ -105,16 +105,16 @@ class RequestFlow:
         self.matched: set[str] = set()  # rids whose hit was counted by match_req
         # requests admit() locked a prefix for, by the Req itself (not its rid): requests
         # reusing a rid may overlap, and none is mistaken for another (one holding a lock)
-        self.admitted: dict[Req, None] = {}
+        self.admitted: set[Req] = set()
         # requests inside admit(), and those of them aborted meanwhile (by another task):
         # admit releases its lock and raises instead of recording them as admitted
-        self.admitting: dict[Req, None] = {}
-        self._aborted: set[int] = set()
+        self.admitting: set[Req] = set()
+        self._aborted: set[Req] = set()
 
     def forget(self, req: Any) -> None:
         """``req`` is over (finished, or its lock taken over by a decorator)."""
         rid = req.rid
-        self.admitted.pop(req, None)
+        self.admitted.discard(req)
         self.matched.discard(rid)
 
     def is_admitted(self, req: Any) -> bool:
@@ -169,15 +169,15 @@ class RequestFlow:
         :data:`LOAD_BACK_TRIES` times: concurrent turns then take turns with the room instead
         of recomputing histories that sit on host.
         """
-        self.admitting[req] = None
+        self.admitting.add(req)
         try:
             return await self._admit(req, mem_quota, wait_load, max_prefix_len, make_room)
         finally:
             # the fetched pages were held from the prefetch's end; by now they are locked by the
             # load (or not used, or the request is gone): returned, aborted or cancelled alike
             self.cache.release_prefetched(req.rid, req)
-            self.admitting.pop(req, None)
-            self._aborted.discard(id(req))
+            self.admitting.discard(req)
+            self._aborted.discard(req)
 
     async def _admit(self, req: Req, mem_quota: int | None, wait_load: bool,
                      max_prefix_len: int | None, make_room: MakeRoom | None) -> AdmitResult:
@@ -241,13 +241,13 @@ class RequestFlow:
         elif load is not None:
             cache.metrics.incr("load_back_skipped")
         self.matched.discard(req.rid)
-        if id(req) in self._aborted:  # aborted while admit waited: nothing stays locked
+        if req in self._aborted:  # aborted while admit waited: nothing stays locked
             cache.dec_lock_ref(node)
             req.last_node = None
             req.prefix_indices = m.device_indices[:0]
             req.cache_protected_len = 0
             raise RequestAbortedError(f"request {req.rid} was aborted while it was being admitted")
-        self.admitted[req] = None
+        self.admitted.add(req)
         storage = min(fetched, host)
         req.last_node = node
         req.cache_protected_len = int(req.prefix_indices.numel())
@@ -307,7 +307,7 @@ class RequestFlow:
         also while its :meth:`admit` waits (that admit then releases what it locked and raises
         :class:`~hicache.errors.RequestAbortedError`)."""
         if req in self.admitting:
-            self._aborted.add(id(req))
+            self._aborted.add(req)
         self.matched.discard(req.rid)
         if not self.is_admitted(req):  # match_req set last_node but locked nothing
             req.last_node = None
@@ -318,5 +318,5 @@ class RequestFlow:
         elif req.last_node is not None:
             self.cache.dec_lock_ref(req.last_node)
             req.last_node = None
-        self.admitted.pop(req, None)
+        self.admitted.discard(req)
 

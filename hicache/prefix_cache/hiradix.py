@@ -1162,19 +1162,11 @@ class HiRadixCache(RadixCache):
     def release_prefetched(self, req_id: str, holder: object = None) -> None:
         """Drop the protection :meth:`wait_prefetch` (``hold``) kept on ``req_id``'s fetched
         pages; with ``holder``, only that holder's (a reused rid must not release another's)."""
-        holds = self._held.get(req_id)
-        if not holds:
-            return
-        keep = [h for h in holds if holder is not None and h[1] is not holder]
-        if len(keep) == len(holds):
-            return
-        if keep:
-            self._held[req_id] = keep
-        else:
-            del self._held[req_id]
-        for node, who in holds:
-            if (holder is None or who is holder) and node.tree is self.root_node.tree:
-                self._dec_host_ref(node)  # (a reset dropped the tree, and its refs)
+        for node, who in self._held.pop(req_id, []):
+            if holder is not None and who is not holder:
+                self._held.setdefault(req_id, []).append((node, who))  # another request's
+            elif node.tree is self.root_node.tree:  # a reset dropped the tree, and its refs
+                self._dec_host_ref(node)
 
     def _path_tokens(self, node: TreeNode) -> list[int]:
         parts: list[TokenRun] = []
@@ -1269,8 +1261,7 @@ class HiRadixCache(RadixCache):
         # a node the fetch shows to be in storage passes the turn to its children, as a landed
         # write does: those on host waited for it (continuity) and were never written otherwise
         for n in adopted:
-            for c in list(n.children.values()):
-                self._maybe_write_storage(c)
+            self._maybe_write_storage(n)
         if pos < start:  # the prefix left the tree meanwhile: the pages cannot be attached
             self._free_host(host)
             return 0, None
