@@ -167,6 +167,8 @@ class HiCache:
         # one start at a time: a concurrent start() waits for the running one (and finds the
         # cache open) instead of building a second stack; aclose() waits for it too
         self._start_lock = asyncio.Lock()
+        #: the storage open a start() is waiting for; an aclose() meanwhile cancels it
+        self._opening: asyncio.Future[None] | None = None
         self._events: Any = None  # hicache.events.service.KVEventService, once events are on
         self.close_report: Any = None
 
@@ -231,11 +233,7 @@ class HiCache:
                     stack.storage.register_mem_host_pool_v2(host, spec.name)
             if self.config.events.enabled:
                 self._events = start_events(stack.tier_changes, self.config.events)
-            # on the controller's I/O loop: the loop every later storage call (and the close)
-            # runs on; a backend opened on this loop would bind its tasks and events here
-            await stack.controller.open_storage()
-            if self._state is _State.CLOSED:  # aclose() came while the storage opened
-                raise CacheClosedError("HiCache was closed while it started")
+            await self._open_storage(stack)
         except BaseException:
             if self._events is not None:
                 await self._events.aclose()
@@ -266,6 +264,25 @@ class HiCache:
         )
         return self
 
+    async def _open_storage(self, stack: CacheStack) -> None:
+        """Open the storage backend; an :meth:`aclose` meanwhile cancels the open (a store
+        that does not answer, an S3 endpoint behind a dead network, must not hold a shutdown
+        for as long as its client retries) and the start raises :class:`CacheClosedError`."""
+        # on the controller's I/O loop: the loop every later storage call (and the close)
+        # runs on; a backend opened on this loop would bind its tasks and events here
+        opening = self._opening = asyncio.ensure_future(stack.controller.open_storage())
+        try:
+            await opening
+        except asyncio.CancelledError:
+            me = asyncio.current_task()
+            if self._state is _State.CLOSED and opening.cancelled() and not (me and me.cancelling()):
+                raise CacheClosedError("HiCache was closed while it started") from None
+            raise
+        finally:
+            self._opening = None
+        if self._state is _State.CLOSED:  # aclose() came as the open finished
+            raise CacheClosedError("HiCache was closed while it started")
+
     async def aclose(self) -> Any:
         """Release every session, drain write-backs and backups, close storage; idempotent.
 
@@ -275,7 +292,10 @@ class HiCache:
                 self._state = _State.CLOSED
                 if self._start_lock.locked():
                     # a start() is running: it sees the close and takes its half-built stack
-                    # down; return once it has (no thread or open storage outlives the close)
+                    # down; return once it has (no thread or open storage outlives the close).
+                    # A storage open it waits for is cancelled: the close does not wait on it.
+                    if self._opening is not None:
+                        self._opening.cancel()
                     async with self._start_lock:
                         pass
                 return self.close_report

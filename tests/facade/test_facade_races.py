@@ -248,21 +248,18 @@ async def test_concurrent_starts_build_one_stack(tmp_path: Path, monkeypatch) ->
 
 
 async def test_close_during_start_takes_the_start_down(tmp_path: Path, monkeypatch) -> None:
-    """aclose() while start() opens the storage (a shutdown during startup): the close returns
+    """aclose() while start() opens the storage (a shutdown during startup), here an open that
+    never answers (a store behind a dead network): the close cancels the open and returns
     once what the start built is closed, the start raises CacheClosedError, and the cache stays
     closed. It used to return at once and the start then opened the cache: begin() succeeded
-    after the close and nothing closed the stack."""
-    gate = asyncio.Event()
+    after the close and nothing closed the stack; then it waited for the open, for ever here."""
+    gate = asyncio.Event()  # never set
     built = record_stacks(monkeypatch, gate)
     cache = HiCache.from_config(config(tmp_path))
     before = set(threading.enumerate())
     start = asyncio.ensure_future(cache.start())
     await asyncio.sleep(0.01)
-    close = asyncio.ensure_future(cache.aclose())
-    await asyncio.sleep(0.01)
-    assert not close.done()  # waits for the start to take its stack down
-    gate.set()
-    await asyncio.wait_for(close, 10)
+    await asyncio.wait_for(cache.aclose(), 10)
     with pytest.raises(CacheClosedError):
         await start
     assert len(built) == 1 and built[0].copy_engine._closed
@@ -273,6 +270,24 @@ async def test_close_during_start_takes_the_start_down(tmp_path: Path, monkeypat
     await asyncio.sleep(0.05)
     left = [t for t in threading.enumerate() if t not in before and t.name.startswith("hicache")]
     assert not left, left
+
+
+async def test_cancelled_start_is_a_cancellation_not_a_close(tmp_path: Path, monkeypatch) -> None:
+    """The caller of start() cancelled while the storage opens: the cancellation reaches it
+    (not a CacheClosedError), nothing half-built is left, and a later start() opens the cache."""
+    gate = asyncio.Event()
+    built = record_stacks(monkeypatch, gate)
+    cache = HiCache.from_config(config(tmp_path))
+    start = asyncio.ensure_future(cache.start())
+    await asyncio.sleep(0.01)
+    start.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await start
+    assert len(built) == 1 and built[0].copy_engine._closed
+    gate.set()
+    async with cache:
+        await run(cache, "a", prompt(1, 40))
+    assert len(built) == 2
 
 
 async def test_chunk_commit_waits_for_a_load_of_the_slots_it_now_points_at() -> None:
