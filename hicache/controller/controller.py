@@ -738,6 +738,7 @@ class HiCacheController:
             result = _HopResult()
             out.append(result)
             if job.delete_first:  # a failed delete never blocks the write
+                job.deletions_sent = True
                 result.deleted = await self._inner_call(storage.batch_delete(job.delete_first))
                 progress[0] = time.monotonic()
             for batch in batches:
@@ -790,7 +791,8 @@ class HiCacheController:
         cfg = self.config
         total = len(job.keys)
         prior = job.keys[done - 1] if done else job.prior_key
-        if delete and job.delete_first:
+        if delete and job.delete_first and self.health.up:
+            job.deletions_sent = True
             await self._delete_pages(job.delete_first)
         while done < total:
             if attempt and self.health.up:

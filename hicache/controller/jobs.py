@@ -48,6 +48,10 @@ class StorageWriteJob:
     #: pages a placement policy evicts to make room for this write, deleted before it
     #: (``AsyncHiCacheStorage.batch_delete``) so the write never lands before its room
     delete_first: list[str] = dataclasses.field(default_factory=list)
+    #: set by the controller when ``delete_first`` went to the backend. A job that ends
+    #: without it (the store was down, the controller closed) leaves those pages in storage,
+    #: so the policy that chose them sends them again (the tree: with its next write)
+    deletions_sent: bool = False
 
     def keep_first(self, pages: int, page_size: int) -> None:
         """Cut the job to its first ``pages`` pages, in every pool (the rest is not sent)."""

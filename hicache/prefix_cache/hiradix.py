@@ -775,11 +775,19 @@ class HiRadixCache(RadixCache):
                 return False
             job.keep_first(n, self.page_size)
         keys = job.keys
-        job.delete_first = self._doomed
+        # deletions a job could not send (below) go now, unless the page was written again
+        job.delete_first = [k for k in self._doomed if k not in stored]
 
         def done(written: int) -> None:
             # storage's state, whatever the tree's generation; the prefix is unpinned only now
             stored.landed(n, keys[:written], prior, pinned)
+            if job.delete_first and not job.deletions_sent:
+                # the store was down when the job's turn came: its pages were not written and
+                # the pages chosen to make room for them were not deleted. The directory forgot
+                # them when it chose them, so they would stay in storage unseen, past its
+                # capacity; they go with the next write instead
+                self._doomed.extend(job.delete_first)
+                self.metrics.incr("storage_deletes_deferred_pages", len(job.delete_first))
             on_done(written)
 
         job.on_done = done

@@ -384,3 +384,55 @@ def test_a_write_unpins_only_the_page_it_pinned() -> None:
     assert "A" not in doomed
     stored.landed(n3, ["B"], "A", pins3)
     assert stored._pages["A"].pins == 0
+
+
+async def test_evictions_of_a_write_skipped_while_the_store_is_down_go_with_a_later_one() -> None:
+    """The store goes down between a write's queueing and its turn: the job ends unwritten,
+    and so do the deletions that made its room. The directory forgot those pages when it chose
+    them, so they used to stay in storage unseen, past its capacity (the backend's own bound
+    then evicted by itself); they go with the first write after the store is back, and the
+    directory is again exactly what storage holds."""
+    stack = _stack(storage_pages=16)
+    try:
+        prompts = _prompts(5, 150)
+        assert await _serve(stack, prompts[:60]) == 0
+        counters = stack.controller.metrics.counters
+        assert counters["storage_deleted_pages"] > 0
+        health = stack.controller.health
+        submit = stack.controller.submit_storage_write
+        tripped = []
+
+        def submit_then_fail(job):  # type: ignore[no-untyped-def]
+            queued = submit(job)
+            if queued and job.delete_first and not tripped:
+                tripped.append(list(job.delete_first))
+                health.trip("test: the store went away")
+            return queued
+
+        stack.controller.submit_storage_write = submit_then_fail
+        stored = stack.cache.placement.stored
+        for i, tokens in enumerate(prompts[60:]):
+            assert (await serve_request(stack, tokens, rid=f"d{i}")).verify_failures == 0
+            await stack.controller.wait_prefetches()
+            await stack.cache.drain()
+            if tripped:
+                break
+        assert tripped and not health.up
+        assert counters["storage_deletes_deferred_pages"] == len(tripped[0])
+        assert set(tripped[0]) <= set(stack.cache._doomed)
+        assert set(tripped[0]) <= set(_medium_keys(stack)) and not set(tripped[0]) & set(stored._pages)
+        health.probe_passed()
+        assert health.up
+        # the deletions go with the next write (not sooner: until a write needs the room,
+        # what the directory holds plus them is within capacity, as before the store went down)
+        rest = prompts[60 + i + 1 :]
+        while stack.cache._doomed:
+            assert (await serve_request(stack, rest.pop(0), rid=f"u{len(rest)}")).verify_failures == 0
+            await stack.controller.wait_prefetches()
+            await stack.cache.drain()
+            assert len(_medium_keys(stack)) <= stack.config.storage_pages
+        assert await _serve(stack, rest) == 0  # the directory is what storage holds again
+        assert stack.storage.medium.evicted_pages == 0
+        assert counters["storage_delete_missed_pages"] == 0
+    finally:
+        await stack.aclose()
