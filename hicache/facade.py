@@ -481,7 +481,13 @@ class HiCache:
 
     async def abort(self, handle: RequestHandle) -> None:
         """Drop a request: its prefetch is cancelled and every page it held is freed; a
-        session keeps its state from before this turn. Safe to call twice."""
+        session keeps its state from before this turn. Safe to call twice.
+
+        The request's slots (``kv_indices`` and what :meth:`extend` gave) go back to the pool
+        at once and the next request may get them: call it once no forward pass of the
+        request is still writing them (a server aborts between steps, as SGLang's scheduler
+        does), and write nothing into them after. ``handle.done`` tells a task that shares
+        the handle that the request is over."""
         self._check_open()
         if handle.done:
             return
