@@ -78,6 +78,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from hicache.bench_output import emit_report  # noqa: E402
@@ -195,6 +196,17 @@ class _NoFree:
         return 0
 
 
+#: Untimed work between two requests of every method (``--sweep-kib``): a read of that much
+#: memory, standing in for what a server does between requests (the forward pass, the tiers'
+#: copies), which takes the tree's working set out of the CPU caches. Nothing by default.
+BETWEEN: list[Callable[[], object]] = []
+
+
+def _between() -> None:
+    for work in BETWEEN:
+        work()
+
+
 def _time_match_insert(
     streams: list[list[int]],
     key_of: Callable[[list[int]], Any],
@@ -214,6 +226,7 @@ def _time_match_insert(
         t0 = clock()
         matched.append(step(keys[i] if keys is not None else key_of(tokens), value))
         lat.append(clock() - t0)
+        _between()
     return sum(lat), matched, lat
 
 
@@ -243,12 +256,16 @@ def run_sglang(sgl: Any, streams: list[list[int]], page_size: int, prebuilt: boo
     return _time_match_insert(streams, key_of, step, key_of if prebuilt else None)
 
 
+#: the tiered tree's write policy (``--tiers-write-policy``)
+TIERS_WRITE_POLICY = ["write_through"]
+
+
 def _tier_stack(streams: list[list[int]], page_size: int) -> Any:
     unique = sum(len(s) for s in streams) // page_size + 16
     cfg = StackConfig(
         page_size=page_size, layer_num=1, head_num=1, head_dim=1, dtype="float16",
         device_pages=unique, host_pages=unique, storage_backend="memory", storage_pages=unique,
-        controller=ControllerConfig(write_policy="write_through"), req_slots=2, max_context_len=1 << 17,
+        controller=ControllerConfig(write_policy=TIERS_WRITE_POLICY[0]), req_slots=2, max_context_len=1 << 17,
     )
     return build_stack(cfg)
 
@@ -290,6 +307,9 @@ async def _run_tiers(streams: list[list[int]], page_size: int, prebuilt: bool) -
                 stack.allocator.free(value[: res.prefix_len])
                 own += cpu() - c0
             await asyncio.sleep(0)  # the controller's backups run between requests
+            c0 = cpu()
+            _between()
+            own += cpu() - c0
         await cache.drain()
         LOOP_CPU[prebuilt].append(cpu() - cpu0 - own)
     finally:
@@ -415,6 +435,9 @@ def run_sglang_tiers(sgt: Any, streams: list[list[int]], page_size: int) -> tupl
             matched.append(hit)
             cache.flush_pending_backups()  # the scheduler, after a batch's results
             cache.check_hicache_events()  # the scheduler, before the next batch
+            c0 = cpu()
+            _between()
+            own += cpu() - c0
         deadline = clock() + 600
         while cache.ongoing_write_through or cache.ongoing_backup or cc.write_queue or cc.ack_write_queue:
             assert clock() < deadline, "SGLang's write-through or storage backups never completed"
@@ -562,9 +585,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                    help="torch intra-op threads (default 1: SGLang's clone of a long slot tensor runs on "
                         "torch's pool, whose threads spin on a shared machine and slow SGLang 3-7x; hicache "
                         "copies slots with numpy either way)")
+    p.add_argument("--tiers-write-policy", choices=("write_through", "write_back"), default="write_through",
+                   help="the tiered tree's write policy (write_back: no copies during the replay, since "
+                        "nothing is evicted: what the tiers' bookkeeping costs without them)")
+    p.add_argument("--sweep-kib", type=int, default=0,
+                   help="read this many KiB of memory between requests, untimed, in every method: the "
+                        "cache pressure of a server's work between requests (0: none)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     torch.set_num_threads(args.torch_threads)
+    TIERS_WRITE_POLICY[0] = args.tiers_write_policy
+    BETWEEN.clear()
+    if args.sweep_kib > 0:
+        sweep = np.ones(args.sweep_kib * 128)  # float64: 8 bytes each
+        BETWEEN.append(sweep.sum)
     ps = args.page_size
     reqs = load_trace(find_trace(args.trace), limit=args.requests)
     streams = [t[: len(t) // ps * ps] for t in (request_tokens(r) for r in reqs)]
@@ -666,6 +700,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "benchmark": "radix match+insert per prompt",
         "requests": len(streams), "page_size": ps, "prompt_tokens": total_tokens,
         "matched_tokens": sum(matched_ref), "repeats": args.repeats, "torch_threads": args.torch_threads,
+        "tiers_write_policy": args.tiers_write_policy, "sweep_kib_between_requests": args.sweep_kib,
         "sglang": None if sgl is None else "sglang.srt.mem_cache.radix_cache.RadixCache",
         "sglang_skipped": why,
         "sglang_tiers": None if sgt is None else "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache "

@@ -33,3 +33,25 @@ def test_the_radix_benchmark_compares_both_sglang_trees(tmp_path: Path) -> None:
     assert results["sglang_tiers_prebuilt"]["loop_cpu_ms_per_request"] > 0
     assert "hicache_tiers_prebuilt_vs_sglang_tiers_prebuilt" in report["ratios"]
     assert report["matched_tokens"] > 0  # the same for every method (the script fails otherwise)
+
+
+def test_the_radix_benchmark_runs_with_cache_pressure_and_write_back(tmp_path: Path) -> None:
+    """``--sweep-kib`` (memory read between requests, in every method) and
+    ``--tiers-write-policy write_back`` leave the results identical (same matched tokens) and
+    are recorded in the report."""
+    out, trace = tmp_path / "radix.json", tmp_path / "agents.jsonl"
+    made = subprocess.run([sys.executable, "-m", "hicache.cli", "workload", "agents", str(trace)],
+                          capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert made.returncode == 0, made.stderr[-2000:]
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "bench_radix.py"), "--trace", str(trace), "--requests", "40",
+         "--repeats", "1", "--long-tokens", "2048", "--long-reps", "1", "--no-sglang-tiers",
+         "--tiers-write-policy", "write_back", "--sweep-kib", "64", "--out", str(out)],
+        capture_output=True, text=True, timeout=600, cwd=REPO,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads(out.read_text())
+    assert report["tiers_write_policy"] == "write_back" and report["sweep_kib_between_requests"] == 64
+    assert report["matched_tokens"] > 0
+    assert report["results"]["hicache_tiers_prebuilt"]["total_s"] > 0
+    assert report["results"]["sglang_prebuilt"]["total_s"] > 0
