@@ -55,6 +55,7 @@ from hicache.controller.metrics import ControllerMetrics
 from hicache.controller.prefetch import Prefetcher
 from hicache.controller.transfers import all_pools_ok, call_back, slice_transfer
 from hicache.errors import CacheClosedError, ConfigError, InvalidKeyError, LoopMisuseError
+from hicache.memory.slots import cat_slots
 from hicache.observability import tracing
 from hicache.storage import (
     AsyncHiCacheStorage,
@@ -490,13 +491,13 @@ class HiCacheController:
             ok = False
             t0 = time.perf_counter()
             try:
-                # planned job by job, page numbers joined, not slot indices: joining a batch's
-                # slots cost the loop two copies of 8 bytes a token (and torch's own cat ran on
-                # its intra-op pool, letting go of the GIL at every call)
+                # joined in numpy where the indices are on CPU: torch's own cat (and a reshape
+                # per job) ran on its intra-op pool and released the GIL at every call
+                dev = cat_slots([j.device_indices for j in jobs])
+                host = cat_slots([j.host_indices for j in jobs], dtype=torch.int64)
                 with tracing.span("hicache.backup") as span:
                     span.set_attribute("hicache.pages", pages)
-                    await self.copy_engine.backup_parts([j.device_indices for j in jobs],
-                                                        [j.host_indices for j in jobs])
+                    await self.copy_engine.backup(dev, host)
                 ok = True
             except asyncio.CancelledError:
                 raise  # the jobs stay in _backup_busy; aclose reports them as failed

@@ -38,7 +38,7 @@ import contextlib
 import logging
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -54,7 +54,6 @@ from hicache.memory.transfer import (
     copy_units,
     copy_units_cuda,
     make_plan,
-    make_plan_parts,
     numpy_view,
     prefers_numpy_runs,
     prefers_split,
@@ -275,14 +274,6 @@ class CopyEngine:
             src_what="device_indices", dst_what="host_indices",
         )
 
-    def plan_backup_parts(self, device_parts: Sequence[torch.Tensor], host_parts: Sequence[torch.Tensor]) -> TransferPlan:
-        """:meth:`plan_backup` of several backups at once, pairwise, without joining their
-        indices (see :func:`~hicache.memory.transfer.make_plan_parts`)."""
-        return make_plan_parts(
-            device_parts, self.device_pool.size, host_parts, self.host_pool.size, self.unit,
-            src_what="device_indices", dst_what="host_indices",
-        )
-
     def plan_load(self, host_indices: IndexLike, device_indices: IndexLike) -> TransferPlan:
         return make_plan(
             host_indices, self.host_pool.size, device_indices, self.device_pool.size, self.unit,
@@ -293,15 +284,7 @@ class CopyEngine:
     async def backup(self, device_indices: IndexLike, host_indices: IndexLike) -> None:
         """Copy all layers of the pages at ``device_indices`` to ``host_indices``; returns when
         the host pages hold the data."""
-        await self.run_backup(self.plan_backup(device_indices, host_indices))
-
-    async def backup_parts(self, device_parts: Sequence[torch.Tensor], host_parts: Sequence[torch.Tensor]) -> None:
-        """:meth:`backup` of several page sets at once (a batch of backups, each its device
-        part to its host part), planned without joining their indices."""
-        await self.run_backup(self.plan_backup_parts(device_parts, host_parts))
-
-    async def run_backup(self, plan: TransferPlan) -> None:
-        """Run a backup planned by :meth:`plan_backup` or :meth:`plan_backup_parts`."""
+        plan = self.plan_backup(device_indices, host_indices)
         if plan.num_units == 0:
             return
         job = self._backup_job(plan)

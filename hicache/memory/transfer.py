@@ -31,7 +31,7 @@ against 0.67x for the same numpy copies on one thread).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -153,45 +153,6 @@ def make_plan(
     written twice) and group them into runs. Raises ``AllocatorError`` on misuse."""
     su = pages_of(src_indices, unit, src_size, what=src_what)
     du = pages_of(dst_indices, unit, dst_size, what=dst_what)
-    return _plan_units(su, du, src_what=src_what, dst_what=dst_what)
-
-
-def make_plan_parts(
-    src_parts: Sequence[torch.Tensor],
-    src_size: int,
-    dst_parts: Sequence[torch.Tensor],
-    dst_size: int,
-    unit: int,
-    *,
-    src_what: str,
-    dst_what: str,
-) -> TransferPlan:
-    """:func:`make_plan` of the parts of each side joined, without joining their token indices:
-    each part is validated and turned into page numbers on its own (every part must cover
-    whole units), and only the page numbers, a unit's worth smaller, are joined. What a batch of
-    backups plans: joining the token indices of its jobs first cost the loop two copies of
-    8 bytes a token, and the planning another pass, on the core whose caches the tree needs.
-    Parts on a GPU are joined there first (one transfer to the host instead of one each)."""
-    if any(p.device.type != "cpu" for p in (*src_parts, *dst_parts)):
-
-        def join(parts: Sequence[torch.Tensor]) -> torch.Tensor:
-            return torch.cat([p.reshape(-1) for p in parts]) if parts else torch.zeros(0, dtype=torch.int64)
-
-        return make_plan(join(src_parts), src_size, join(dst_parts), dst_size, unit, src_what=src_what, dst_what=dst_what)
-
-    def units(parts: Sequence[torch.Tensor], size: int, what: str) -> np.ndarray:
-        if len(parts) == 1:
-            return pages_of(parts[0], unit, size, what=what)
-        if not parts:
-            return np.zeros(0, dtype=np.int64)
-        return np.concatenate([pages_of(p, unit, size, what=what) for p in parts])
-
-    return _plan_units(units(src_parts, src_size, src_what), units(dst_parts, dst_size, dst_what),
-                       src_what=src_what, dst_what=dst_what)
-
-
-def _plan_units(su: np.ndarray, du: np.ndarray, *, src_what: str, dst_what: str) -> TransferPlan:
-    """The plan of source units ``su`` to destination units ``du`` (validated page numbers)."""
     if su.size != du.size:
         raise AllocatorError(
             f"{src_what} covers {su.size} pages but {dst_what} covers {du.size}; they must match"

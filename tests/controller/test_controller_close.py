@@ -170,13 +170,13 @@ async def test_a_backup_waiting_for_room_when_close_gives_up_is_refused_not_stra
                       controller=ControllerConfig(backup_queue_size=1, close_timeout_s=0.2))
     stack = build_stack(cfg)
     ctl = stack.controller
-    real = stack.copy_engine.backup_parts
+    real = stack.copy_engine.backup
 
     async def slow_backup(dev, host):  # a slow device->host copy (big batch, busy bus)
         await asyncio.sleep(1.0)
         await real(dev, host)
 
-    stack.copy_engine.backup_parts = slow_backup  # type: ignore[method-assign]
+    stack.copy_engine.backup = slow_backup  # type: ignore[method-assign]
     dev = torch.arange(0, PS, dtype=torch.int64)
     host = torch.arange(0, PS, dtype=torch.int64)
     calls = [asyncio.create_task(ctl.backup(dev + PS * i, host + PS * i)) for i in range(3)]

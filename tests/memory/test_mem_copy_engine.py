@@ -283,48 +283,6 @@ def test_plan_groups_runs():
     assert plan.runs.tolist() == [[1, 8, 1], [2, 3, 1], [5, 0, 3]]
 
 
-def test_a_plan_of_parts_is_the_plan_of_the_parts_joined():
-    """A batch of backups is planned part by part (page numbers joined, not slots): the same
-    plan as of the joined indices, for any split, and the same refusals, whichever part holds
-    the fault."""
-    rng = np.random.default_rng(7)
-    for _ in range(200):
-        n = int(rng.integers(1, 12))
-        src, dst = rng.permutation(20)[:n].tolist(), rng.permutation(20)[:n].tolist()
-        cuts = sorted(set(rng.integers(0, n + 1, size=int(rng.integers(0, 4))).tolist()) | {0, n})
-        parts = [(token_idx(src[a:b], 2), token_idx(dst[a:b], 2)) for a, b in zip(cuts, cuts[1:])]
-        joined = transfer.make_plan(token_idx(src, 2), 40, token_idx(dst, 2), 40, 2, src_what="s", dst_what="d")
-        split = transfer.make_plan_parts([p for p, _ in parts], 40, [q for _, q in parts], 40, 2,
-                                         src_what="s", dst_what="d")
-        assert split.runs.tolist() == joined.runs.tolist()
-        assert split.src_units.tolist() == joined.src_units.tolist()
-        assert split.dst_units.tolist() == joined.dst_units.tolist()
-    plan = transfer.make_plan_parts
-    with pytest.raises(AllocatorError, match="twice"):  # a destination repeated across parts
-        plan([token_idx([1], 2), token_idx([2], 2)], 40, [token_idx([3], 2), token_idx([3], 2)], 40, 2,
-             src_what="s", dst_what="d")
-    with pytest.raises(AllocatorError, match="whole page"):  # a part that is not whole pages
-        plan([token_idx([1], 2), torch.tensor([5, 4])], 40, [token_idx([3, 4], 2)], 40, 2, src_what="s", dst_what="d")
-    with pytest.raises(AllocatorError, match="match"):
-        plan([token_idx([1, 2], 2)], 40, [token_idx([3], 2)], 40, 2, src_what="s", dst_what="d")
-    assert plan([], 40, [], 40, 2, src_what="s", dst_what="d").num_units == 0
-
-
-@pytest.mark.parametrize("native", COPY_PATHS)
-async def test_a_batch_of_backups_copies_each_part_to_its_own(native, pools):
-    """backup_parts: every device part lands in its own host part (checked by loading the host
-    pages back into another device pool at the same page numbers)."""
-    src, dst, host = pools()
-    device_pages, host_pages = [3, 4, 9, 12, 13, 14], [7, 0, 1, 2, 15, 5]
-    async with CopyEngine(src, host, native=native) as eng:
-        await eng.backup_parts([token_idx([3, 4], 4), token_idx([9], 4), token_idx([12, 13, 14], 4)],
-                               [token_idx([7, 0], 4), token_idx([1], 4), token_idx([2, 15, 5], 4)])
-    async with CopyEngine(dst, host, native=native) as eng:
-        await eng.load(token_idx(host_pages, 4), token_idx(device_pages, 4)).wait()
-    for layer in range(src.layer_num):
-        assert layer_bytes(dst, layer, device_pages) == layer_bytes(src, layer, device_pages)
-
-
 @CUDA
 async def test_cuda_load_events_and_stream_wait(pools):
     src, dst, host = pools("cuda", "page_first")
