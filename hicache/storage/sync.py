@@ -50,12 +50,37 @@ class LoopThread:
 
     def __init__(self, name: str = "hicache-storage-loop") -> None:
         self.loop = asyncio.new_event_loop()
+        #: calls waited for (result -> coroutine); the ones the stopped loop never settles fail
+        #: at its end. Guarded by ``_lock`` with ``_stopped``: no call registers after the stop
+        self._waiting: dict[concurrent.futures.Future[Any], Coroutine[Any, Any, Any]] = {}
+        self._lock = threading.Lock()
+        self._stopped = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         asyncio.set_event_loop(self.loop)
-        self.loop.run_forever()
+        try:
+            self.loop.run_forever()
+        finally:
+            self._end_calls()
+
+    def _end_calls(self) -> None:
+        """The loop stopped (a close, or the facade collected) while other threads may still be
+        in a call: their coroutines are cancelled and waited for (one may be reading into the
+        caller's host pool), and every caller gets :class:`StorageStateError` now, instead of
+        waiting for a result no one would set (until ``call_timeout``, or for ever)."""
+        with self._lock:
+            self._stopped = True
+        pending = [t for t in asyncio.all_tasks(self.loop) if not t.done()]
+        for task in pending:
+            task.cancel()
+        if pending:
+            self.loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+        for result, coro in list(self._waiting.items()):  # handed over, never started
+            if not result.done():
+                coro.close()
+                result.set_exception(_stopped_error())
 
     def call(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         """Run ``coro`` on the loop and wait for its result.
@@ -75,14 +100,21 @@ class LoopThread:
                 "loop, which it would block; await the AsyncHiCacheStorage methods instead "
                 "(create_async_storage(...))"
             )
-        if not self._thread.is_alive() or self.loop.is_closed():
-            coro.close()
-            raise StorageStateError("the storage loop thread is stopped (facade closed)")
         result: concurrent.futures.Future[T] = concurrent.futures.Future()
+        with self._lock:
+            if self._stopped or not self._thread.is_alive() or self.loop.is_closed():
+                coro.close()
+                raise StorageStateError("the storage loop thread is stopped (facade closed)")
+            self._waiting[result] = coro
+        result.add_done_callback(lambda r: self._waiting.pop(r, None))
         tasks: list[asyncio.Task[T]] = []
 
         def finish(task: asyncio.Task[T]) -> None:
-            if task.cancelled():
+            if result.done():
+                return
+            if task.cancelled() and self._stopped:
+                result.set_exception(_stopped_error())
+            elif task.cancelled():
                 result.set_exception(concurrent.futures.CancelledError())
             elif task.exception() is not None:
                 result.set_exception(task.exception())  # type: ignore[arg-type]
@@ -90,6 +122,11 @@ class LoopThread:
                 result.set_result(task.result())
 
         def start() -> None:
+            if self._stopped:  # run by the stopping loop's last turns: the call is refused
+                coro.close()
+                if not result.done():
+                    result.set_exception(_stopped_error())
+                return
             task = self.loop.create_task(coro)
             tasks.append(task)
             task.add_done_callback(finish)
@@ -101,6 +138,7 @@ class LoopThread:
         try:
             self.loop.call_soon_threadsafe(start)
         except RuntimeError:  # the loop closed in between
+            self._waiting.pop(result, None)
             coro.close()
             raise StorageStateError("the storage loop thread is stopped (facade closed)") from None
         try:
@@ -130,6 +168,10 @@ class LoopThread:
             self._thread.join(timeout=10)
         if not self.loop.is_running() and not self.loop.is_closed():
             self.loop.close()
+
+
+def _stopped_error() -> StorageStateError:
+    return StorageStateError("the storage loop stopped (facade closed) during the call")
 
 
 def _stop_loop(loop_thread: LoopThread, backend: AsyncHiCacheStorage | None = None) -> None:

@@ -41,3 +41,49 @@ def test_run_times_out_cancels_and_waits() -> None:
         facade.close()
     with pytest.raises(StorageStateError):
         facade.run(asyncio.sleep(0))
+
+
+def test_close_ends_the_calls_other_threads_are_still_in() -> None:
+    """close() while other threads wait in calls the store does not answer: each call is
+    cancelled (and waited for) and its thread gets StorageStateError at once. The loop used to
+    stop with the calls pending, and their threads waited until call_timeout (for ever
+    without one)."""
+    import threading
+    import time
+
+    backend = create_async_storage("memory")
+    facade = HiCacheStorage(backend)  # no call_timeout: a lost call would wait for ever
+    entered = threading.Semaphore(0)
+    cancelled: list[int] = []
+
+    async def never_answers(i: int) -> None:
+        entered.release()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            cancelled.append(i)
+            raise
+
+    outcomes: list[BaseException | None] = [None] * 3
+
+    def caller(i: int) -> None:
+        try:
+            facade.run(never_answers(i))
+        except BaseException as exc:  # noqa: BLE001 - recorded for the assertions
+            outcomes[i] = exc
+
+    threads = [threading.Thread(target=caller, args=(i,), daemon=True) for i in range(3)]
+    for t in threads:
+        t.start()
+    for _ in threads:
+        assert entered.acquire(timeout=5)
+    t0 = time.monotonic()
+    facade.close()
+    for t in threads:
+        t.join(timeout=5)
+    assert not any(t.is_alive() for t in threads)
+    assert time.monotonic() - t0 < 5
+    assert all(isinstance(o, StorageStateError) for o in outcomes), outcomes
+    assert sorted(cancelled) == [0, 1, 2]  # ended, not abandoned
+    with pytest.raises(StorageStateError):
+        facade.run(asyncio.sleep(0))
