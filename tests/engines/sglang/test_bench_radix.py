@@ -14,18 +14,23 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[3]
 
 
-def test_the_radix_benchmark_compares_both_sglang_trees(tmp_path: Path) -> None:
+def bench(tmp_path: Path, requests: int, *options: str) -> dict:
+    """The benchmark's report on a generated agents trace, run as its own process."""
     out, trace = tmp_path / "radix.json", tmp_path / "agents.jsonl"
     made = subprocess.run([sys.executable, "-m", "hicache.cli", "workload", "agents", str(trace)],
                           capture_output=True, text=True, timeout=120, cwd=REPO)
     assert made.returncode == 0, made.stderr[-2000:]
     proc = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "bench_radix.py"), "--trace", str(trace), "--requests", "60",
-         "--repeats", "1", "--long-tokens", "2048", "--long-reps", "1", "--out", str(out)],
+        [sys.executable, str(REPO / "scripts" / "bench_radix.py"), "--trace", str(trace), "--requests", str(requests),
+         "--repeats", "1", "--long-tokens", "2048", "--long-reps", "1", *options, "--out", str(out)],
         capture_output=True, text=True, timeout=600, cwd=REPO,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
-    report = json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+def test_the_radix_benchmark_compares_both_sglang_trees(tmp_path: Path) -> None:
+    report = bench(tmp_path, 60)
     assert report["sglang_skipped"] is None and report["sglang_tiers_skipped"] is None
     results = report["results"]
     for name in ("hicache_prebuilt", "hicache_tiers_prebuilt", "sglang_prebuilt", "sglang_tiers_prebuilt"):
@@ -39,18 +44,7 @@ def test_the_radix_benchmark_runs_with_cache_pressure_and_write_back(tmp_path: P
     """``--sweep-kib`` (memory read between requests, in every method) and
     ``--tiers-write-policy write_back`` leave the results identical (same matched tokens) and
     are recorded in the report."""
-    out, trace = tmp_path / "radix.json", tmp_path / "agents.jsonl"
-    made = subprocess.run([sys.executable, "-m", "hicache.cli", "workload", "agents", str(trace)],
-                          capture_output=True, text=True, timeout=120, cwd=REPO)
-    assert made.returncode == 0, made.stderr[-2000:]
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "bench_radix.py"), "--trace", str(trace), "--requests", "40",
-         "--repeats", "1", "--long-tokens", "2048", "--long-reps", "1", "--no-sglang-tiers",
-         "--tiers-write-policy", "write_back", "--sweep-kib", "64", "--out", str(out)],
-        capture_output=True, text=True, timeout=600, cwd=REPO,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    report = json.loads(out.read_text())
+    report = bench(tmp_path, 40, "--no-sglang-tiers", "--tiers-write-policy", "write_back", "--sweep-kib", "64")
     assert report["tiers_write_policy"] == "write_back" and report["sweep_kib_between_requests"] == 64
     assert report["matched_tokens"] > 0
     assert report["results"]["hicache_tiers_prebuilt"]["total_s"] > 0
