@@ -703,7 +703,10 @@ class HiCacheController:
                 self._finish(job, done, t0)
             else:
                 self._note_landed(job, done)
-                unfinished.append((job, done, bool(job.delete_first) and result.deleted is None, True))
+                resend = bool(job.delete_first) and result.deleted is None
+                if resend:  # the hop's delete was cut short: not sent until _write_job sends it
+                    job.deletions_sent = False
+                unfinished.append((job, done, resend, True))
         return unfinished
 
     def _batches(self, job: StorageWriteJob) -> list[_Batch]:
@@ -792,8 +795,8 @@ class HiCacheController:
         total = len(job.keys)
         prior = job.keys[done - 1] if done else job.prior_key
         if delete and job.delete_first and self.health.up:
-            job.deletions_sent = True
-            await self._delete_pages(job.delete_first)
+            # a delete cut short (the store went down meanwhile) counts as not sent: deferred
+            job.deletions_sent = await self._delete_pages(job.delete_first)
         while done < total:
             if attempt and self.health.up:
                 if attempt > cfg.storage_max_retries:
@@ -826,12 +829,19 @@ class HiCacheController:
             self.metrics.transfer("h2s", ok, ok * self.page_nbytes, seconds)
         return ok
 
-    async def _delete_pages(self, keys: list[str]) -> None:
+    async def _delete_pages(self, keys: list[str]) -> bool:
         """Storage eviction a placement policy chose (``StorageWriteJob.delete_first``). A
         failed or refused delete costs a counter, never the write: the backend's own bound
-        still keeps the store within its size."""
+        still keeps the store within its size. ``False`` when the store went down before it
+        answered (the call was cut short or not made): the deletions are then still to send.
+        A delete the store refused or failed while up is not retried (a store that always
+        fails deletes would otherwise take them with every write)."""
         assert self.storage is not None
-        self._count_deleted(len(keys), await self._storage_call(self.storage.batch_delete(keys), "delete"))
+        flags = await self._storage_call(self.storage.batch_delete(keys), "delete")
+        if flags is None and not self.health.up:
+            return False
+        self._count_deleted(len(keys), flags)
+        return True
 
     def _count_deleted(self, asked: int, flags: list[bool] | None) -> None:
         if not asked:

@@ -146,6 +146,8 @@ class HiRadixCache(RadixCache):
             self.placement.stored if storage is not None and storage.supports_delete else None
         )
         self._doomed: list[str] = []  # storage evictions not yet sent (their job was refused)
+        #: keys of storage writes queued and not ended: a deferred deletion of one waits for it
+        self._writing: dict[str, int] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._unsubscribe_storage = (
             self.tier_changes.subscribe(self._on_storage_change, wants=frozenset(
@@ -775,12 +777,22 @@ class HiRadixCache(RadixCache):
                 return False
             job.keep_first(n, self.page_size)
         keys = job.keys
-        # deletions a job could not send (below) go now, unless the page was written again
-        job.delete_first = [k for k in self._doomed if k not in stored]
+        # deletions a job could not send (below) go now, unless the page was written again;
+        # one of a page a queued job writes again waits for that job (sent now, it would run
+        # after that write and delete the page the directory then holds)
+        writing = self._writing
+        later = [k for k in self._doomed if k not in stored and k in writing]
+        job.delete_first = [k for k in self._doomed if k not in stored and k not in writing]
 
         def done(written: int) -> None:
             # storage's state, whatever the tree's generation; the prefix is unpinned only now
             stored.landed(n, keys[:written], prior, pinned)
+            for k in keys:
+                left = writing.get(k, 0) - 1
+                if left > 0:
+                    writing[k] = left
+                else:
+                    writing.pop(k, None)
             if job.delete_first and not job.deletions_sent:
                 # the store was down when the job's turn came: its pages were not written and
                 # the pages chosen to make room for them were not deleted. The directory forgot
@@ -795,7 +807,9 @@ class HiRadixCache(RadixCache):
             job.delete_first = []
             stored.landed(n, [], prior, pinned)
             return False
-        self._doomed = []
+        self._doomed = later
+        for k in keys:
+            writing[k] = writing.get(k, 0) + 1
         return True
 
     def _on_storage_change(self, change: TierChange) -> None:

@@ -8,11 +8,15 @@ real stack with the memory backend.
 
 from __future__ import annotations
 
+import asyncio
 import random
+import threading
 
 import pytest
+import torch
 
 from hicache.controller import ControllerConfig
+from hicache.controller.jobs import StorageWriteJob
 from hicache.errors import ConfigError
 from hicache.placement import StoredPages, make_placement
 from hicache.replay import serve_request
@@ -434,5 +438,108 @@ async def test_evictions_of_a_write_skipped_while_the_store_is_down_go_with_a_la
         assert await _serve(stack, rest) == 0  # the directory is what storage holds again
         assert stack.storage.medium.evicted_pages == 0
         assert counters["storage_delete_missed_pages"] == 0
+    finally:
+        await stack.aclose()
+
+
+def _one_job_per_turn_stack():  # type: ignore[no-untyped-def]
+    """Six storage pages; one job per storage worker turn (a hop of one page), so the store
+    can come back between two jobs."""
+    return build_stack(StackConfig(
+        page_size=PS, device_pages=16, host_pages=16, storage_pages=6,
+        placement="tiered", placement_options={"long_prompt_tokens": 6 * PS},
+        req_slots=4, max_context_len=256,
+        controller=ControllerConfig(storage_batch_pages=1, storage_hop_bytes=1)))
+
+
+def _job(keys: list[str], prior: str | None) -> StorageWriteJob:
+    return StorageWriteJob(keys=list(keys), host_indices=torch.arange(len(keys) * PS), prior_key=prior,
+                           on_done=lambda _: None)
+
+
+async def test_a_deferred_deletion_waits_for_a_rewrite_queued_before_it() -> None:
+    """A deletion deferred while the store was down names a page that a job queued behind it
+    writes again: sent with the next write it would run after that write and delete the page
+    the directory then holds. It waits for the write instead (then it is dropped: the page
+    landed)."""
+    stack = _one_job_per_turn_stack()
+    cache, ctl = stack.cache, stack.controller
+    stored, health = cache._stored, ctl.health
+    a = [f"a{i}".ljust(8, "0") for i in range(4)]
+    try:
+        assert cache._submit_storage_write(_job(a, None))
+        assert cache._submit_storage_write(_job(["c0000000"], None))
+        await asyncio.wait_for(ctl._storage_q.join(), 5)
+        assert set(stored._pages) == set(_medium_keys(stack)) == {*a, "c0000000"}
+
+        main = asyncio.get_running_loop()
+        gate = threading.Event()
+        orig = stack.storage.batch_set_v2
+
+        def submit_j3() -> None:  # the tree writes something else while J2 is in flight
+            assert cache._submit_storage_write(_job(["d0000000"], None))
+            gate.set()
+
+        async def slow_set(transfers, info=None):  # type: ignore[no-untyped-def]
+            if a[3] in transfers[0].keys:
+                main.call_soon_threadsafe(submit_j3)
+                await asyncio.get_running_loop().run_in_executor(None, gate.wait, 5)
+            return await orig(transfers, info)
+
+        stack.storage.batch_set_v2 = slow_set
+        health.trip("test: the store went away")
+        j1 = _job(["b0000000", "b1000000"], None)  # room: a3 (the LRU leaf) is doomed
+        assert cache._submit_storage_write(j1) and j1.delete_first == [a[3]]
+        done1 = j1.on_done
+
+        def j1_done(n: int) -> None:  # skipped (store down); the store is back right after
+            done1(n)
+            health.probe_passed()
+
+        j1.on_done = j1_done
+        j2 = _job([a[3]], a[2])  # a3 written again (a host copy re-inserted), queued behind J1
+        assert cache._submit_storage_write(j2) and a[3] not in j2.delete_first
+        await asyncio.wait_for(ctl._storage_q.join(), 5)
+        assert gate.is_set() and health.up
+        # J2 wrote a3 and the directory has it; J3 (queued after J2) deleted it: they disagree
+        assert a[3] in stored
+        assert set(stored._pages) == set(_medium_keys(stack)), (
+            sorted(set(stored._pages) ^ set(_medium_keys(stack))))
+    finally:
+        await stack.aclose()
+
+
+@pytest.mark.parametrize("path", ["hop", "job"])
+async def test_an_interrupted_deletion_is_deferred_not_lost(path: str) -> None:
+    """A deletion cut short (the store stopped answering; the call timed out and marked it
+    down) was taken for sent: neither sent later nor deferred, the page stayed in storage
+    unknown to the directory. It is deferred like a skipped one, whether it was sent in a hop
+    or, for a job larger than a hop, on its own (``job``: a hop of one page)."""
+    hop = {} if path == "hop" else {"storage_batch_pages": 1, "storage_hop_bytes": 1}
+    stack = build_stack(StackConfig(
+        page_size=PS, device_pages=16, host_pages=16, storage_pages=6,
+        placement="tiered", placement_options={"long_prompt_tokens": 6 * PS},
+        req_slots=4, max_context_len=256,
+        controller=ControllerConfig(storage_io_timeout_s=0.3, storage_stall_s=0, **hop)))
+    cache, ctl = stack.cache, stack.controller
+    stored = cache._stored
+    a = [f"a{i}".ljust(8, "0") for i in range(4)]
+    try:
+        assert cache._submit_storage_write(_job(a, None))
+        assert cache._submit_storage_write(_job(["c0000000"], None))
+        await asyncio.wait_for(ctl._storage_q.join(), 5)
+        assert set(stored._pages) == set(_medium_keys(stack))
+
+        async def hangs(keys):  # type: ignore[no-untyped-def]
+            await asyncio.Event().wait()  # the store stopped answering
+
+        stack.storage.batch_delete = hangs
+        j1 = _job(["b0000000", "b1000000"], None)
+        assert cache._submit_storage_write(j1) and j1.delete_first == [a[3]]
+        await asyncio.wait_for(ctl._storage_q.join(), 10)
+        assert not ctl.health.up
+        # the delete never ran: a3 is still in storage and the directory forgot it
+        assert a[3] in set(_medium_keys(stack)) and a[3] not in stored
+        assert a[3] in cache._doomed, "the deletion was lost (neither sent nor deferred)"
     finally:
         await stack.aclose()

@@ -87,3 +87,22 @@ def test_close_ends_the_calls_other_threads_are_still_in() -> None:
     assert sorted(cancelled) == [0, 1, 2]  # ended, not abandoned
     with pytest.raises(StorageStateError):
         facade.run(asyncio.sleep(0))
+
+
+def test_a_call_that_ended_as_the_loop_stopped_keeps_its_result() -> None:
+    """A call whose coroutine ends in the loop's last turn before a stop: its result callback was
+    still queued, and the stop failed it with StorageStateError although it completed."""
+    from hicache.storage.sync import LoopThread
+
+    lt = LoopThread()
+
+    async def work() -> int:
+        # the loop stops as this call ends (here: asked on the loop's own thread, as the
+        # facade's finalizer does when the collector runs there; or close() from another thread)
+        asyncio.get_running_loop().stop()
+        return 42
+
+    try:
+        assert lt.call(work(), timeout=5) == 42
+    finally:
+        lt.stop()
