@@ -687,7 +687,8 @@ class HiCacheController:
                 unfinished.append((job, 0, bool(job.delete_first), False))
                 continue
             result = results[i]
-            if result.deleted is not None:
+            if result.deleted is not None:  # the store answered the job's deletions
+                job.deletions_sent = True
                 outcome = self._judge(result.deleted, "delete")
                 self._count_deleted(len(job.delete_first), None if isinstance(outcome, BaseException) else outcome)
             done = 0
@@ -703,10 +704,7 @@ class HiCacheController:
                 self._finish(job, done, t0)
             else:
                 self._note_landed(job, done)
-                resend = bool(job.delete_first) and result.deleted is None
-                if resend:  # the hop's delete was cut short: not sent until _write_job sends it
-                    job.deletions_sent = False
-                unfinished.append((job, done, resend, True))
+                unfinished.append((job, done, bool(job.delete_first) and result.deleted is None, True))
         return unfinished
 
     def _batches(self, job: StorageWriteJob) -> list[_Batch]:
@@ -741,7 +739,6 @@ class HiCacheController:
             result = _HopResult()
             out.append(result)
             if job.delete_first:  # a failed delete never blocks the write
-                job.deletions_sent = True
                 result.deleted = await self._inner_call(storage.batch_delete(job.delete_first))
                 progress[0] = time.monotonic()
             for batch in batches:
@@ -794,8 +791,8 @@ class HiCacheController:
         cfg = self.config
         total = len(job.keys)
         prior = job.keys[done - 1] if done else job.prior_key
-        if delete and job.delete_first and self.health.up:
-            # a delete cut short (the store went down meanwhile) counts as not sent: deferred
+        if delete and job.delete_first:
+            # not made or cut short because the store is down: not sent (the policy defers it)
             job.deletions_sent = await self._delete_pages(job.delete_first)
         while done < total:
             if attempt and self.health.up:

@@ -48,8 +48,8 @@ class StorageWriteJob:
     #: pages a placement policy evicts to make room for this write, deleted before it
     #: (``AsyncHiCacheStorage.batch_delete``) so the write never lands before its room
     delete_first: list[str] = dataclasses.field(default_factory=list)
-    #: set by the controller when ``delete_first`` went to the backend. A job that ends
-    #: without it (the store was down, the controller closed) leaves those pages in storage,
+    #: set by the controller when the backend answered ``delete_first``. A job that ends
+    #: without it (the store was down or went down, the controller closed) leaves those pages in storage,
     #: so the policy that chose them sends them again (the tree: with its next write)
     deletions_sent: bool = False
 
