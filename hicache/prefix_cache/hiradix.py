@@ -781,8 +781,11 @@ class HiRadixCache(RadixCache):
         # one of a page a queued job writes again waits for that job (sent now, it would run
         # after that write and delete the page the directory then holds)
         writing = self._writing
-        later = [k for k in self._doomed if k not in stored and k in writing]
-        job.delete_first = [k for k in self._doomed if k not in stored and k not in writing]
+        later: list[str] = []
+        job.delete_first = []
+        for k in self._doomed:
+            if k not in stored:
+                (later if k in writing else job.delete_first).append(k)
 
         def done(written: int) -> None:
             # storage's state, whatever the tree's generation; the prefix is unpinned only now
@@ -794,8 +797,8 @@ class HiRadixCache(RadixCache):
                 else:
                     writing.pop(k, None)
             if job.delete_first and not job.deletions_sent:
-                # the store was down when the job's turn came: its pages were not written and
-                # the pages chosen to make room for them were not deleted. The directory forgot
+                # the store was down when the job's turn came (or went down during its delete):
+                # the pages chosen to make room for the write were not deleted. The directory forgot
                 # them when it chose them, so they would stay in storage unseen, past its
                 # capacity; they go with the next write instead
                 self._doomed.extend(job.delete_first)
