@@ -75,10 +75,10 @@ class LoopThread:
         pending = [t for t in asyncio.all_tasks(self.loop) if not t.done()]
         for task in pending:
             task.cancel()
-        # also without pending tasks: a call that ended in the loop's last turn has its result
-        # (finish) still queued; run it, or the call would fail although it completed
-        self.loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True) if pending
-                                     else asyncio.sleep(0))
+        # at least one more turn, pending tasks or not: a call that ended in the loop's last
+        # turn has its result (finish) still queued; run it, or the call would fail although
+        # it completed
+        self.loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
         for result, coro in list(self._waiting.items()):  # handed over, never started
             if not result.done():
                 coro.close()
@@ -112,8 +112,6 @@ class LoopThread:
         tasks: list[asyncio.Task[T]] = []
 
         def finish(task: asyncio.Task[T]) -> None:
-            if result.done():
-                return
             if task.cancelled() and self._stopped:
                 result.set_exception(_stopped_error())
             elif task.cancelled():
