@@ -196,15 +196,15 @@ class _NoFree:
         return 0
 
 
-#: Untimed work between two requests of every method (``--sweep-kib``): a read of that much
-#: memory, standing in for what a server does between requests (the forward pass, the tiers'
-#: copies), which takes the tree's working set out of the CPU caches. Nothing by default.
-BETWEEN: list[Callable[[], object]] = []
+#: Memory read between two requests of every method, untimed (``--sweep-kib``): it stands in
+#: for what a server does between requests (the forward pass, the tiers' copies), which takes
+#: the tree's working set out of the CPU caches. ``None``: nothing.
+_SWEEP: np.ndarray | None = None
 
 
 def _between() -> None:
-    for work in BETWEEN:
-        work()
+    if _SWEEP is not None:
+        _SWEEP.sum()
 
 
 def _time_match_insert(
@@ -256,16 +256,12 @@ def run_sglang(sgl: Any, streams: list[list[int]], page_size: int, prebuilt: boo
     return _time_match_insert(streams, key_of, step, key_of if prebuilt else None)
 
 
-#: the tiered tree's write policy (``--tiers-write-policy``)
-TIERS_WRITE_POLICY = ["write_through"]
-
-
-def _tier_stack(streams: list[list[int]], page_size: int) -> Any:
+def _tier_stack(streams: list[list[int]], page_size: int, write_policy: str = "write_through") -> Any:
     unique = sum(len(s) for s in streams) // page_size + 16
     cfg = StackConfig(
         page_size=page_size, layer_num=1, head_num=1, head_dim=1, dtype="float16",
         device_pages=unique, host_pages=unique, storage_backend="memory", storage_pages=unique,
-        controller=ControllerConfig(write_policy=TIERS_WRITE_POLICY[0]), req_slots=2, max_context_len=1 << 17,
+        controller=ControllerConfig(write_policy=write_policy), req_slots=2, max_context_len=1 << 17,
     )
     return build_stack(cfg)
 
@@ -274,13 +270,14 @@ def _tier_stack(streams: list[list[int]], page_size: int) -> Any:
 LOOP_CPU: dict[bool, list[float]] = {False: [], True: []}
 
 
-async def _run_tiers(streams: list[list[int]], page_size: int, prebuilt: bool) -> tuple[float, list[int], list[float]]:
+async def _run_tiers(streams: list[list[int]], page_size: int, prebuilt: bool,
+                     write_policy: str) -> tuple[float, list[int], list[float]]:
     """The tiered replay. Besides the timed match+insert it records in :data:`LOOP_CPU` the
     CPU time of the loop's thread from the first request until every copy has landed, less
     the benchmark's own device slot allocation: the backups and storage writes the inserts
     start run on the same loop, between requests, outside the timed region (the storage
     backend's own work runs on its I/O thread)."""
-    stack = _tier_stack(streams, page_size)
+    stack = _tier_stack(streams, page_size, write_policy)
     cache = stack.cache
     keys = [RadixKey(pack_tokens(s)) for s in streams] if prebuilt else None
     matched: list[int] = []
@@ -317,8 +314,9 @@ async def _run_tiers(streams: list[list[int]], page_size: int, prebuilt: bool) -
     return sum(lat), matched, lat
 
 
-def run_tiers(streams: list[list[int]], page_size: int, prebuilt: bool = False) -> tuple[float, list[int], list[float]]:
-    return asyncio.run(_run_tiers(streams, page_size, prebuilt))
+def run_tiers(streams: list[list[int]], page_size: int, prebuilt: bool = False,
+              write_policy: str = "write_through") -> tuple[float, list[int], list[float]]:
+    return asyncio.run(_run_tiers(streams, page_size, prebuilt, write_policy))
 
 
 # ---------------------------------------------------------------------- SGLang's hierarchical cache
@@ -533,9 +531,9 @@ def sglang_case(sgl: Any, page_size: int) -> LongCase:
     return LongCase(step)
 
 
-def tiers_case(page_size: int, tokens: int) -> LongCase:
+def tiers_case(page_size: int, tokens: int, write_policy: str = "write_through") -> LongCase:
     """The hierarchical tree (host pool, ``memory`` storage, write-through); run inside a loop."""
-    stack = _tier_stack([[0] * (4 * tokens)], page_size)
+    stack = _tier_stack([[0] * (4 * tokens)], page_size, write_policy)
 
     def step(toks: list[int], value: torch.Tensor) -> int:
         key = RadixKey(toks)
@@ -594,11 +592,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     torch.set_num_threads(args.torch_threads)
-    TIERS_WRITE_POLICY[0] = args.tiers_write_policy
-    BETWEEN.clear()
-    if args.sweep_kib > 0:
-        sweep = np.ones(args.sweep_kib * 128)  # float64: 8 bytes each
-        BETWEEN.append(sweep.sum)
+    global _SWEEP
+    _SWEEP = np.ones(args.sweep_kib * 128) if args.sweep_kib > 0 else None  # float64: 8 bytes each
+    wp = args.tiers_write_policy
     ps = args.page_size
     reqs = load_trace(find_trace(args.trace), limit=args.requests)
     streams = [t[: len(t) // ps * ps] for t in (request_tokens(r) for r in reqs)]
@@ -610,8 +606,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "hicache_prebuilt": lambda: run_hicache(streams, ps, prebuilt=True),
     }
     if not args.no_tiers:
-        methods["hicache_tiers"] = lambda: run_tiers(streams, ps)
-        methods["hicache_tiers_prebuilt"] = lambda: run_tiers(streams, ps, prebuilt=True)
+        methods["hicache_tiers"] = lambda: run_tiers(streams, ps, write_policy=wp)
+        methods["hicache_tiers_prebuilt"] = lambda: run_tiers(streams, ps, prebuilt=True, write_policy=wp)
     sgt, sgt_why = None, "no SGLang" if sgl is None else "--no-tiers"
     if sgl is not None:
         methods["sglang"] = lambda: run_sglang(sgl, streams, ps, prebuilt=False)
@@ -663,7 +659,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     lt, lr = args.long_tokens, args.long_reps
     long: dict[str, Any] = {"hicache": asyncio.run(long_prompt_ms(lambda: hicache_case(ps), lt, ps, lr))}
     if not args.no_tiers:
-        long["hicache_tiers"] = asyncio.run(long_prompt_ms(lambda: tiers_case(ps, lt), lt, ps, lr))
+        long["hicache_tiers"] = asyncio.run(long_prompt_ms(lambda: tiers_case(ps, lt, wp), lt, ps, lr))
     if sgl is not None:
         long["sglang"] = asyncio.run(long_prompt_ms(lambda: sglang_case(sgl, ps), lt, ps, lr))
     if "sglang_tiers_prebuilt" in methods:
