@@ -442,14 +442,23 @@ async def test_evictions_of_a_write_skipped_while_the_store_is_down_go_with_a_la
         await stack.aclose()
 
 
-def _one_job_per_turn_stack():  # type: ignore[no-untyped-def]
-    """Six storage pages; one job per storage worker turn (a hop of one page), so the store
-    can come back between two jobs."""
-    return build_stack(StackConfig(
+#: one job per storage worker turn (a hop of one page): the store can come back between jobs
+ONE_JOB_PER_TURN = {"storage_batch_pages": 1, "storage_hop_bytes": 1}
+
+
+async def _full_six_page_store(**controller):  # type: ignore[no-untyped-def]
+    """A ``tiered`` stack whose storage holds six pages, five of them written and listed:
+    chain ``a0``-``a3`` (its leaf ``a3`` is the next eviction) and ``c0``."""
+    stack = build_stack(StackConfig(
         page_size=PS, device_pages=16, host_pages=16, storage_pages=6,
         placement="tiered", placement_options={"long_prompt_tokens": 6 * PS},
-        req_slots=4, max_context_len=256,
-        controller=ControllerConfig(storage_batch_pages=1, storage_hop_bytes=1)))
+        req_slots=4, max_context_len=256, controller=ControllerConfig(**controller)))
+    a = [f"a{i}".ljust(8, "0") for i in range(4)]
+    assert stack.cache._submit_storage_write(_job(a, None))
+    assert stack.cache._submit_storage_write(_job(["c0000000"], None))
+    await asyncio.wait_for(stack.controller._storage_q.join(), 5)
+    assert set(stack.cache._stored._pages) == set(_medium_keys(stack)) == {*a, "c0000000"}
+    return stack, a
 
 
 def _job(keys: list[str], prior: str | None) -> StorageWriteJob:
@@ -462,16 +471,10 @@ async def test_a_deferred_deletion_waits_for_a_rewrite_queued_before_it() -> Non
     writes again: sent with the next write it would run after that write and delete the page
     the directory then holds. It waits for the write instead (then it is dropped: the page
     landed)."""
-    stack = _one_job_per_turn_stack()
+    stack, a = await _full_six_page_store(**ONE_JOB_PER_TURN)
     cache, ctl = stack.cache, stack.controller
     stored, health = cache._stored, ctl.health
-    a = [f"a{i}".ljust(8, "0") for i in range(4)]
     try:
-        assert cache._submit_storage_write(_job(a, None))
-        assert cache._submit_storage_write(_job(["c0000000"], None))
-        await asyncio.wait_for(ctl._storage_q.join(), 5)
-        assert set(stored._pages) == set(_medium_keys(stack)) == {*a, "c0000000"}
-
         main = asyncio.get_running_loop()
         gate = threading.Event()
         orig = stack.storage.batch_set_v2
@@ -515,21 +518,11 @@ async def test_an_interrupted_deletion_is_deferred_not_lost(path: str) -> None:
     down) was taken for sent: neither sent later nor deferred, the page stayed in storage
     unknown to the directory. It is deferred like a skipped one, whether it was sent in a hop
     or, for a job larger than a hop, on its own (``job``: a hop of one page)."""
-    hop = {} if path == "hop" else {"storage_batch_pages": 1, "storage_hop_bytes": 1}
-    stack = build_stack(StackConfig(
-        page_size=PS, device_pages=16, host_pages=16, storage_pages=6,
-        placement="tiered", placement_options={"long_prompt_tokens": 6 * PS},
-        req_slots=4, max_context_len=256,
-        controller=ControllerConfig(storage_io_timeout_s=0.3, storage_stall_s=0, **hop)))
+    hop = {} if path == "hop" else ONE_JOB_PER_TURN
+    stack, a = await _full_six_page_store(storage_io_timeout_s=0.3, storage_stall_s=0, **hop)
     cache, ctl = stack.cache, stack.controller
     stored = cache._stored
-    a = [f"a{i}".ljust(8, "0") for i in range(4)]
     try:
-        assert cache._submit_storage_write(_job(a, None))
-        assert cache._submit_storage_write(_job(["c0000000"], None))
-        await asyncio.wait_for(ctl._storage_q.join(), 5)
-        assert set(stored._pages) == set(_medium_keys(stack))
-
         async def hangs(keys):  # type: ignore[no-untyped-def]
             await asyncio.Event().wait()  # the store stopped answering
 
