@@ -151,6 +151,10 @@ class CloseReport:
     #: when the cache closed (filled in by the tree, which alone holds those backups): written
     #: nowhere
     deferred_backup_pages: int = 0
+    #: pages a placement policy evicted from storage whose deletion could not be sent before
+    #: the cache closed (the store was down): they stay in the store, unknown to the next
+    #: directory, until the backend's own bound evicts them (filled in by the tree)
+    undeleted_storage_pages: int = 0
 
     @property
     def unwritten_pages(self) -> int:

@@ -1327,6 +1327,7 @@ class HiRadixCache(RadixCache):
             self._unsubscribe_storage = None
         self._start_backups()  # drained by the close, or reported
         self._retry_deferred()
+        self._send_doomed()
         report = await self.controller.aclose()
         # backups still waiting for host room: only the tree knows them, so the tree reports
         # them (committed KV that reached no tier below the device is never lost silently;
@@ -1339,7 +1340,23 @@ class HiRadixCache(RadixCache):
             report.deferred_backup_pages = pages
             logger.warning("cache close: %d page(s) committed on device never reached host (their backups "
                            "waited for host room)", pages)
+        stored = self._stored
+        undeleted = len({k for k in self._doomed if stored is None or k not in stored})
+        if undeleted and isinstance(report, CloseReport):
+            report.undeleted_storage_pages = undeleted
+            logger.warning("cache close: %d page(s) evicted from storage by the placement policy were never "
+                           "deleted there (the store was down); it holds them past its capacity until its own "
+                           "bound evicts them", undeleted)
         return report
+
+    def _send_doomed(self) -> None:
+        """Closing: storage evictions still waiting for a write to ride with (``_doomed``) go
+        in a job of their own that writes nothing, so a store that outlives the cache is left
+        within the directory's capacity. One of a page a queued write stores again still waits
+        for that write; what the store was down for is reported by :meth:`aclose`."""
+        if self._stored is not None and self._doomed:
+            self._submit_storage_write(StorageWriteJob(
+                keys=[], host_indices=torch.empty(0, dtype=torch.int64), prior_key=None, on_done=lambda _: None))
 
     def sanity_check(self) -> None:
         super().sanity_check()

@@ -536,3 +536,34 @@ async def test_an_interrupted_deletion_is_deferred_not_lost(path: str) -> None:
         assert a[3] in cache._doomed, "the deletion was lost (neither sent nor deferred)"
     finally:
         await stack.aclose()
+
+
+@pytest.mark.parametrize("store_back", [True, False])
+async def test_deletions_still_waiting_at_close_are_sent_or_reported(store_back: bool) -> None:
+    """Deletions deferred while the store was down wait for the next write; the cache closed
+    before one came and they were dropped: the pages stayed in a store that outlives the
+    process, past the directory's capacity, unreported. At close they go on their own, or,
+    the store still down, the close report counts them."""
+    stack, a = await _full_six_page_store(**ONE_JOB_PER_TURN)
+    cache, ctl = stack.cache, stack.controller
+    stored = cache._stored
+    closed = False
+    try:
+        ctl.health.trip("test: the store went away")
+        j1 = _job(["b0000000", "b1000000"], None)  # room: a3 (the LRU leaf) is doomed
+        assert cache._submit_storage_write(j1) and j1.delete_first == [a[3]]
+        await asyncio.wait_for(ctl._storage_q.join(), 5)
+        assert cache._doomed == [a[3]] and a[3] in _medium_keys(stack)
+        if store_back:
+            ctl.health.probe_passed()
+        report = await stack.aclose()
+        closed = True
+        if store_back:
+            assert report.undeleted_storage_pages == 0
+            assert set(_medium_keys(stack)) == set(stored._pages) == {*a[:3], "c0000000"}
+        else:
+            assert report.undeleted_storage_pages == 1
+            assert a[3] in _medium_keys(stack)
+    finally:
+        if not closed:
+            await stack.aclose()
