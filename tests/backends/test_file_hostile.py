@@ -731,3 +731,127 @@ async def test_a_cancelled_batch_read_starts_no_more_pages(tmp_path, monkeypatch
             await task
         assert time.monotonic() - t0 < 1.5  # the page in flight, not the other eleven
         assert started <= 2
+
+
+# ---------------------------------------------------------------------- exhaustion, found while running
+
+
+@pytest.mark.parametrize("which", ["pages", "namespace"])
+async def test_a_namespace_folder_swapped_for_a_link_while_running_takes_no_write_outside(tmp_path, which) -> None:
+    """The open refuses linked namespace folders, but one swapped for a link while the store
+    ran (``mv ns elsewhere; ln -s elsewhere ns``) was followed: page files, the usage ledger and
+    the removal journal were all created outside the root, and the writes reported success."""
+    size = 4096
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    async with make_store(tmp_path / "root", max_bytes=4 * (size + 512)) as store:
+        await within(store.wait_background())
+        assert await within(store.batch_set(["a", "b"], [v0(size, 1), v0(size, 2)]))
+        folder = store.layout.pages_dir if which == "pages" else store.layout.ns_dir
+        os.rename(folder, tmp_path / "moved")
+        os.symlink(outside, folder)
+        # six pages over a four-page bound: writes, evictions and journal lines are all tried
+        assert not await within(store.batch_set([f"x{i}" for i in range(6)], [v0(size, 3)] * 6))
+        await asyncio.sleep(0.1)  # the journal's thread has flushed whatever was queued
+        assert list(outside.rglob("*")) == []
+        assert store.get_stats()["io_errors"] > 0
+        os.unlink(folder)
+        os.rename(tmp_path / "moved", folder)  # put back: the store works again
+        got = torch.empty(size, dtype=torch.uint8)
+        assert await within(store.get("a", got)) is not None and torch.equal(got, v0(size, 1))
+        assert await within(store.set("y", v0(size, 4)))
+        assert await within(store.get("y", got)) is not None and torch.equal(got, v0(size, 4))
+
+
+async def test_page_io_errors_that_repeat_for_every_page_log_one_line(tmp_path, monkeypatch, caplog) -> None:
+    """A root remounted read-only (or EMFILE, EACCES, EFBIG) fails every page: each failed
+    page logged its own WARNING (56 lines for one 56-page batch, again at every retry), where a
+    full disk logs one a minute. Counted per page, logged once, for writes and reads alike."""
+    import errno
+
+    from hicache_backends.file import io as file_io
+
+    size = 2048
+    keys = [f"k{i}" for i in range(20)]
+    async with make_store(tmp_path) as store:
+        assert await store.batch_set(keys, [v0(size, 1)] * 20)
+
+        def read_only(fd, bufs, offset):
+            raise OSError(errno.EROFS, "Read-only file system (injected)")
+
+        def io_error(fd, bufs, offset):
+            raise OSError(errno.EIO, "Input/output error (injected)")
+
+        monkeypatch.setattr(file_io, "_pwritev", read_only)
+        monkeypatch.setattr(file_io, "_preadv", io_error)
+        caplog.set_level(logging.WARNING, logger="hicache.storage.file")
+        for _ in range(2):  # a retry
+            assert not await store.batch_set([f"n{i}" for i in range(20)], [v0(size, 2)] * 20)
+            got = await store.batch_get(keys, [torch.empty(size, dtype=torch.uint8) for _ in keys])
+            assert got == [None] * 20
+        assert store.get_stats()["io_errors"] == 80
+        lines = [r.getMessage() for r in caplog.records]
+        assert len(lines) == 2, lines
+        assert sorted("write(s) failed" in m for m in lines) == [False, True]  # one for reads, one for writes
+        monkeypatch.undo()
+        got = await store.batch_get(keys, [torch.empty(size, dtype=torch.uint8) for _ in keys])
+        assert all(g is not None and torch.equal(g, v0(size, 1)) for g in got)  # nothing was dropped
+
+
+async def test_a_page_file_this_process_may_not_open_is_forgotten_and_rewritten(tmp_path, monkeypatch) -> None:
+    """A page whose file this process may not open (permissions changed; another user's writer
+    with a private umask) stayed indexed: answered present for good, every read failed, and
+    skip_existing reported every rewrite done without replacing it. (EACCES is injected at the
+    open: root may open any file.)"""
+    from hicache_backends.file import io as file_io
+
+    size = 2048
+    async with make_store(tmp_path) as store:
+        assert await store.set("locked", v0(size, 1))
+        locked = page_path(store.root, store.namespace.digest, "locked")
+        real_open = os.open
+
+        def guarded_open(path, flags, *args, **kwargs):
+            if os.fspath(path) == locked:
+                raise PermissionError(13, "Permission denied (injected)", path)
+            return real_open(path, flags, *args, **kwargs)
+
+        monkeypatch.setattr(file_io.os, "open", guarded_open)
+        got = torch.empty(size, dtype=torch.uint8)
+        assert await within(store.get("locked", got)) is None
+        assert not await within(store.exists("locked"))  # no longer answered present
+        os.chmod(locked, 0o600)  # what the injected error stands for
+        monkeypatch.undo()
+        assert await within(store.set("locked", v0(size, 2)))
+        assert store.get_stats().get("write_skipped_pages", 0) == 0  # really rewritten
+        assert os.stat(locked).st_mode & 0o777 == 0o644
+        assert await within(store.get("locked", got)) is not None and torch.equal(got, v0(size, 2))
+
+
+async def test_pages_written_while_the_ledger_is_unavailable_are_counted_once_it_is_back(tmp_path, monkeypatch) -> None:
+    """A batch written while the usage ledger was unavailable (a peer frozen holding its lock,
+    no descriptor left, the namespace folder deleted under us) reserved nothing and was never
+    counted, and evictions meanwhile were never subtracted: with a 10-page bound, 15 pages
+    written during an outage left 20 on disk for good, counted as 10."""
+    from hicache_backends.file.ledger import UsageLedger
+
+    size = 4096
+    page = make_store(tmp_path).layout.file_size("k0", "kv", size)
+    real_add = UsageLedger.add
+    down = True
+
+    def add(self, delta, **kwargs):
+        return None if down else real_add(self, delta, **kwargs)
+
+    monkeypatch.setattr(UsageLedger, "add", add)
+    async with make_store(tmp_path, max_bytes=10 * page) as store:
+        await within(store.wait_background())
+        for i in range(15):  # evicts from the eleventh on: by this process's own count
+            assert await store.set(f"during{i}", v0(size, i))
+        down = False
+        for i in range(20):
+            assert await store.set(f"after{i}", v0(size, i))
+        ledger = read_usage(os.path.join(store.layout.ns_dir, LEDGER_NAME))
+        on_disk = namespace_bytes(store.layout.ns_dir)
+        assert on_disk <= 10 * page
+        assert ledger is not None and ledger.used == on_disk

@@ -126,6 +126,31 @@ def test_lines_a_later_writer_appends_are_read_from_the_journals_start(tmp_path:
     reader.close()
 
 
+def test_a_short_append_on_a_full_disk_leaves_no_torn_line(tmp_path: Path, monkeypatch) -> None:
+    """A write that runs out of room (a full disk, RLIMIT_FSIZE) writes what fits and says so
+    without raising. The part was left as a line with no end, reported written, and the next
+    line any process appended joined it: a reader skipped both as one malformed line."""
+    reader = RemovalJournal(str(tmp_path))
+    full = RemovalJournal(str(tmp_path))
+    real_write = os.write
+
+    def short_write(fd, data):  # what the kernel does when only part of a journal line fits
+        if bytes(data[:5]) == b'{"w":':
+            return real_write(fd, data[: len(data) // 2])
+        return real_write(fd, data)
+
+    monkeypatch.setattr(os, "write", short_write)
+    assert not full.append_removed([("lost", "kv")], "evicted")
+    assert full.dropped_lines == 1
+    monkeypatch.undo()
+    RemovalJournal(str(tmp_path)).append_removed([("after", "kv")], "evicted")  # another writer
+    assert [r.pages for r in reader.poll()] == [(("after", "kv"),)]
+    assert reader.malformed_lines == 0
+    assert (tmp_path / JOURNAL_NAME).read_bytes().count(b"\n") == 1
+    reader.close()
+    full.close()
+
+
 def _journal_lines(root: Path) -> list[dict]:
     return [json.loads(line) for p in root.rglob(JOURNAL_NAME) for line in p.read_text().splitlines() if line]
 

@@ -248,7 +248,10 @@ class FileStorage(AsyncHiCacheStorage):
         self._stop = threading.Event()  # tells long background deletions to give up (close)
         self._manifest_pending = False  # the disk was too full to write it: housekeeping retries
         self._ledger: UsageLedger | None = None  # shared usage (shared stores only)
-        self._ledger_debt = 0  # bytes of corrupt pages removed, given back with the next write
+        # bytes the shared count owes: corrupt pages reads removed and evictions it could not be
+        # told of (given back), less pages written while it was unavailable (added), all settled
+        # by the next write's reservation
+        self._ledger_debt = 0
         self._writes_in_flight = 0  # batches between their reservation and its settlement
         # calls of the primitives in progress: close() waits for them, so that a batch in
         # flight settles its ledger reservation and indexes its pages, and a clear hands its
@@ -262,6 +265,10 @@ class FileStorage(AsyncHiCacheStorage):
         self._refusal_warnings = Throttle(_REFUSAL_WARN_SECONDS)
         self._enospc_warnings = Throttle(_REFUSAL_WARN_SECONDS)
         self._pool_warnings = Throttle(_REFUSAL_WARN_SECONDS)
+        # I/O errors repeat for every page while their cause lasts (a root remounted read-only,
+        # the process out of file descriptors): one line a minute each way, not one per page
+        self._write_error_warnings = Throttle(_REFUSAL_WARN_SECONDS)
+        self._read_error_warnings = Throttle(_REFUSAL_WARN_SECONDS)
         self._background: set[asyncio.Task[None]] = set()
 
     # ------------------------------------------------------------------ properties
@@ -622,16 +629,17 @@ class FileStorage(AsyncHiCacheStorage):
         if res.usage is not None:
             res.amount = amount
 
-    def _remove_victims(self, paths: list[str], sizes: list[int]) -> tuple[int, list[tuple[str, str]]]:
+    def _remove_victims(self, paths: list[str], sizes: list[int]) -> tuple[int, list[tuple[str, str]], int]:
         """(On an I/O thread.) Unlink evicted pages; returns, and releases in the ledger, the
-        bytes actually removed, and the ``(key, pool)`` of the pages (read from their headers
-        first when anyone needs them: KV-event subscribers or the removal journal)."""
+        bytes actually removed, the ``(key, pool)`` of the pages (read from their headers
+        first when anyone needs them: KV-event subscribers or the removal journal), and the
+        bytes the ledger could not be told of (unavailable: the caller owes them to it)."""
         wanted = self._journal is not None or self.tier_changes.wants(ChangeKind.REMOVED, Tier.STORAGE)
         idents = [i for i in map(page_io.page_identity, paths) if i is not None] if wanted else []
         freed = page_io.remove_files(paths, sizes)
-        if freed and self._ledger is not None:
-            self._ledger.add(-freed)
-        return freed, idents
+        if freed and self._ledger is not None and self._ledger.add(-freed) is None:
+            return freed, idents, freed
+        return freed, idents, 0
 
     async def _evict_for(
         self, check_free: bool, protect: frozenset[str] | set[str], usage: Usage | None = None
@@ -669,9 +677,10 @@ class FileStorage(AsyncHiCacheStorage):
                 self._tombstones.update(ids)
             self._deleting.update(ids)
             try:
-                removed, idents = await self._run(self._remove_victims, [self._layout.path(p) for p in ids], sizes)
+                removed, idents, owed = await self._run(self._remove_victims, [self._layout.path(p) for p in ids], sizes)
             finally:
                 self._removals_done(ids)
+            self._ledger_debt += owed
             self.report_removed([PageKey(k, p) for k, p in idents], reason="evicted")
             self._free_est += removed
             self.stats.incr("evicted_pages", len(victims))
@@ -705,9 +714,10 @@ class FileStorage(AsyncHiCacheStorage):
         self._deleting.update(doomed)
         try:
             paths = [self._layout.path(pid) for pid in doomed]
-            freed, _ = await self._run(self._remove_victims, paths, list(doomed.values()))
+            freed, _, owed = await self._run(self._remove_victims, paths, list(doomed.values()))
         finally:
             self._removals_done(doomed)
+        self._ledger_debt += owed
         self._free_est += freed
         return [pid in doomed for pid in ids]
 
@@ -790,7 +800,17 @@ class FileStorage(AsyncHiCacheStorage):
                 self._forget(pid)
         elif r.status is page_io.ReadStatus.ERROR:
             self.stats.incr("io_errors")
-            logger.warning("file store %s: reading %s failed: %s", self.root, page.label()[:80], r.reason)
+            if r.errno in (errno.EACCES, errno.EPERM) and self.index.get(pid) is before:
+                # A page file this process may not open (its permissions changed, or another
+                # user's writer made it with a private umask) stays unreadable: indexed, it was
+                # answered present for good, and skip_existing kept every rewrite from replacing
+                # it. Forgotten, lookups miss (a probe cannot open it either) and the next write
+                # replaces it (a rename needs only the folder's permission).
+                self._forget(pid)
+            count = self._read_error_warnings.due()
+            if count:
+                logger.warning("file store %s: %d page read(s) failed since the last warning; reading %s: %s",
+                               self.root, count, page.label()[:80], r.reason)
 
     @_tracked
     async def _read_bytes(self, page: PageKey) -> bytes | None:
@@ -853,10 +873,15 @@ class FileStorage(AsyncHiCacheStorage):
         res = _Reservation()
         results: list[page_io.WriteResult] | None = None
         refused = 0
+        raced = False  # a clear ran meanwhile (what landed after it is counted there)
         try:
             if self._ledger is not None and incoming:
                 debt, self._ledger_debt = self._ledger_debt, 0
-                await self._run(self._reserve, res, incoming, debt)
+                try:
+                    await self._run(self._reserve, res, incoming, debt)
+                finally:
+                    if res.usage is None:  # not applied: still owed
+                        self._ledger_debt += debt
                 self._after_reclaim(res.usage)
             missing = await self._evict_for(incoming > 0, protect, res.usage)
             while missing > 0 and jobs:  # cannot fit them all: drop the deepest pages (batch tail)
@@ -878,6 +903,7 @@ class FileStorage(AsyncHiCacheStorage):
                 page_io.write_page, calls, sum(j.buf.nbytes for j in jobs), 4 * _FILE_OP_COST
             )
             if results is not None and generation != self._generation:
+                raced = True
                 generation, results, late = await self._published_after_clear(jobs, results)
                 cancelled = cancelled or late
         finally:
@@ -887,6 +913,8 @@ class FileStorage(AsyncHiCacheStorage):
             try:
                 if res.usage is not None:
                     await self._settle(res, jobs, results, refused)
+                elif self._ledger is not None and results is not None and not raced:
+                    self._owe_unreserved(results)
             finally:
                 self._writes_in_flight -= 1
         if results is None:
@@ -949,6 +977,14 @@ class FileStorage(AsyncHiCacheStorage):
         if delta or refused or res.amount:  # res.amount: this batch's in-flight mark goes too
             await self._ledger_call(self._executor, delta, refused=refused, token=res.usage.token,
                                     inflight=-res.amount)
+
+    def _owe_unreserved(self, results: Sequence[page_io.WriteResult]) -> None:
+        """A batch written while the shared ledger was unavailable (a peer frozen holding its
+        lock, no file descriptor left, the namespace folder deleted under us) reserved nothing,
+        so what it published is added with the next reservation. Dropped, it was never counted:
+        every such batch raised the namespace above ``max_bytes`` for good (the count is what
+        eviction goes by, and a scan only corrects it when the namespace is not shared)."""
+        self._ledger_debt -= sum(r.size - r.replaced for r in results if r.ok and not r.skipped)
 
     def _maybe_rescan(self, usage: Usage | None, *, reclaimed: bool = False) -> None:
         """When the shared count holds bytes this store does not know (pages other processes
@@ -1038,7 +1074,10 @@ class FileStorage(AsyncHiCacheStorage):
                 )
         else:
             self.stats.incr("io_errors")
-            logger.warning("file store %s: writing %s failed: %s", self.root, job.page.label()[:80], r.reason)
+            count = self._write_error_warnings.due()
+            if count:
+                logger.warning("file store %s: %d page write(s) failed since the last warning; writing %s: %s",
+                               self.root, count, job.page.label()[:80], r.reason)
 
     @_tracked
     async def _clear(self) -> None:
@@ -1047,6 +1086,7 @@ class FileStorage(AsyncHiCacheStorage):
         await self._stop_scan()
         self.index.clear()
         self._tombstones = None
+        self._ledger_debt = 0  # owed to the ledger that goes with the cleared folder
         trash, written = await self._run(page_io.clear_namespace, self._layout, self.namespace.to_dict())
         if self._journal is not None:
             await run_to_completion(self._journal.append_cleared, executor=self._journal_executor)

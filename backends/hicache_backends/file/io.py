@@ -58,6 +58,7 @@ __all__ = [
     "ensure_subdirs",
     "free_bytes",
     "is_no_space",
+    "linked_folder",
     "list_subdirs",
     "payload_checksum",
     "prepare_namespace",
@@ -105,6 +106,7 @@ class ReadResult:
     mtime: float = 0.0
     reason: str = ""
     payload: bytes | None = None  # only for read_page_bytes
+    errno: int | None = None  # of an ERROR, where the OS gave one
 
 
 @dataclass(slots=True)
@@ -194,7 +196,7 @@ def _open_page(path: str) -> int | ReadResult:
             except OSError:
                 pass
             return ReadResult(ReadStatus.CORRUPT, reason="symlink")
-        return ReadResult(ReadStatus.ERROR, reason=f"open: {exc}")
+        return ReadResult(ReadStatus.ERROR, reason=f"open: {exc}", errno=exc.errno)
 
 
 def _not_regular(path: str, st: os.stat_result) -> ReadResult:
@@ -492,8 +494,9 @@ def write_page(
     size = codec.header_len(key, pool) + len(payload) + FOOTER_LEN
     tmp = layout.tmp_path(pid, next(_serial))
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_CLOEXEC
-    if os.path.islink(layout.subdir(pid)):  # planted: writing through it would leave the root
-        return WriteResult(False, reason=f"create: {layout.subdir(pid)} is a symbolic link, not a folder of the store")
+    linked = linked_folder(path)
+    if linked is not None:  # planted: writing through it would leave the root
+        return WriteResult(False, reason=f"create: {linked} is a symbolic link, not a folder of the store")
     try:
         try:
             fd = os.open(tmp, flags, 0o644)
@@ -527,6 +530,22 @@ def write_page(
     return WriteResult(True, size, replaced=replaced)
 
 
+def linked_folder(path: str) -> str | None:
+    """The first of a page file's folders inside the root (its hashed folder, ``pages``, the
+    namespace folder) that is a symbolic link, or ``None``.
+
+    Why all three, on every write: the open checks the namespace folders once, but a folder
+    swapped for a link while the store runs (``mv ns elsewhere; ln -s elsewhere ns``) was
+    followed by every later write, which then created page files outside the root. The root
+    itself is the user's choice and may be a link."""
+    folder = path
+    for _ in range(3):
+        folder = os.path.dirname(folder)
+        if os.path.islink(folder):
+            return folder
+    return None
+
+
 def _regular_size(path: str) -> int:
     """The size of the regular file at ``path`` (0 if none): what replacing it frees."""
     try:
@@ -554,8 +573,9 @@ def remove_files(paths: Sequence[str], sizes: Sequence[int]) -> int:
     gone already - another process evicted it - frees nothing here)."""
     freed = 0
     for p, size in zip(paths, sizes):
-        if os.path.islink(os.path.dirname(p)):  # a folder replaced by a link: not ours to empty
-            logger.warning("not removing %s: its folder is a symbolic link", p)
+        linked = linked_folder(p)
+        if linked is not None:  # a folder replaced by a link: not ours to empty
+            logger.warning("not removing %s: %s is a symbolic link", p, linked)
             continue
         try:
             os.unlink(p)
@@ -660,6 +680,8 @@ def ensure_subdirs(layout: NamespaceLayout, stop: threading.Event | None = None)
     """Create the hashed page folders that do not exist yet (in the background, after the scan,
     so that writes find their folder and never pay a ``mkdir``); returns how many were made."""
     made = 0
+    if os.path.islink(layout.ns_dir) or os.path.islink(layout.pages_dir):  # swapped for a link while running
+        return made
     for d in layout.subdirs:
         if stop is not None and stop.is_set():
             break

@@ -38,6 +38,7 @@ Any ``OSError`` is logged and the call does nothing: a journal problem never bre
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import logging
@@ -68,6 +69,21 @@ class PeerRemoval:
     pages: tuple[tuple[str, str], ...] = ()
     reason: str = "evicted"
     cleared: bool = False
+
+
+def _append_whole(fd: int, data: bytes) -> None:
+    """(Under the lock.) Append ``data`` whole or not at all.
+
+    A write that runs out of room (a full disk, a file-size limit) may write a part and
+    report it, without raising. That part was left behind as a line with no end, and the next
+    line any process appended joined it: readers skipped both as one malformed line, so a
+    line that was written right was lost too, while this one was reported written. The part
+    is cut off again (which needs no space) and the write reported failed."""
+    n = os.write(fd, data)  # (one that raises wrote nothing)
+    if n != len(data):
+        # an O_APPEND write moved the offset to the end of what it wrote
+        os.ftruncate(fd, os.lseek(fd, 0, os.SEEK_CUR) - n)
+        raise OSError(errno.ENOSPC, f"short write to the removal journal ({n} of {len(data)} bytes)")
 
 
 class RemovalJournal:
@@ -129,6 +145,9 @@ class RemovalJournal:
         if not lines:
             return True
         with self._mutex():
+            if os.path.islink(self.ns_dir):  # swapped for a link: never append outside the root
+                self._drop(lines, f"{self.ns_dir} is a symbolic link")
+                return False
             lock = self._lock()
             if lock is None:
                 self._drop(lines, "the journal is unavailable")
@@ -139,7 +158,7 @@ class RemovalJournal:
                     self._rotate()
                     fd = os.open(self.path, _O_APPEND, 0o644)
                     try:
-                        os.write(fd, b"".join(lines))
+                        _append_whole(fd, b"".join(lines))
                     finally:
                         os.close(fd)
                 finally:

@@ -36,6 +36,7 @@ to its own count, and a full disk never breaks the store.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import logging
@@ -182,6 +183,9 @@ class _SharedFile:
             except FileNotFoundError:
                 pass
             self.close()
+        folder = os.path.dirname(self.path)
+        if os.path.islink(folder):  # the namespace folder swapped for a link: never create outside the root
+            raise OSError(errno.ELOOP, f"{folder} is a symbolic link")
         fd = os.open(self.path, _O_FLAGS, 0o644)
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):  # a FIFO or device planted here: not ours
