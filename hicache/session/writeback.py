@@ -35,6 +35,10 @@ class _Entry:
     attempts: int = 0  # submissions refused (controller queue or host pool full)
     submits: int = 0  # submissions accepted (a failed copy is submitted again)
     started: bool = False  # every node's copy was seen started (in flight or done)
+    # a submission was refused: the tree deferred those backups and keeps the nodes on device
+    # until their copies start (``write_backup``'s promise), so it may start them itself,
+    # between two pumps, and the path may leave the tree before the next one looks
+    kept: bool = False
 
 
 class WriteBackQueue:
@@ -110,7 +114,12 @@ class WriteBackQueue:
         """Move ``e`` on; returns whether it still needs watching."""
         path = self._path(e.leaf)
         if not path:
-            if e.started:  # copied, then evicted from host by the tree's rules before we looked
+            if e.started or e.kept:
+                # copied, then evicted from host by the tree's rules before we looked. A kept
+                # node leaves the device only once its copy started: the tree started it
+                # (a deferred backup, once room freed), not a submission of ours, and a
+                # path gone since had its host copy: what host eviction did with it next is
+                # the tree's rule, not a lost write-back
                 self._count("writeback_done", 1)
                 return False
             self._count("writeback_lost", 1)  # evicted without a host copy (or tree reset)
@@ -139,6 +148,7 @@ class WriteBackQueue:
             refused = not self._tree.write_backup(node) or refused  # a refused one stays deferred
         if refused:
             e.attempts += int(count_refusals)
+            e.kept = True
         else:
             e.submits += 1
             e.started = True

@@ -237,6 +237,31 @@ async def test_refused_write_backs_are_retried_until_the_queue_drains() -> None:
     await stack.aclose()
 
 
+async def test_a_write_back_the_tree_started_itself_is_not_counted_lost() -> None:
+    # the host is full when the session is released: its backup is deferred (the tree keeps
+    # the KV on device until it starts). Room frees and the tree starts the copy itself; the
+    # pages are then evicted from device and host before the queue looks again. Their host
+    # copy was made: that is a finished write-back, not a lost one.
+    stack = make_stack(hier=True, write_policy="write_back")
+    conv = Conversation(stack, "deferred", seed=75)
+    await conv.turn(14, 3)
+    taken = stack.host_pool.alloc(stack.host_pool.available_size())
+    stack.cache.release_session("deferred")
+    assert len(stack.cache.writeback) == 1  # refused for host room, kept on device
+    stack.host_pool.free(taken)
+    await stack.inner.drain()  # the tree starts its deferred backup (not the queue)
+    assert stack.inner.host_size() > 0
+    await _evict_device(stack)
+    await _evict_host(stack)
+    stack.cache.writeback.pump()
+    m = stack.cache.metrics()
+    assert len(stack.cache.writeback) == 0
+    assert m["writeback_lost"] == 0 and m["writeback_done"] == 1, m
+    await stack.empty_everything()
+    stack.assert_initial()
+    await stack.aclose()
+
+
 @pytest.mark.parametrize("policy", ["write_through", "write_back"])
 async def test_write_back_gives_up_without_host_room_and_leaks_nothing(policy: str) -> None:
     stack = make_stack(hier=True, host_pages=2, write_policy=policy)
