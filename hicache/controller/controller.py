@@ -367,10 +367,11 @@ class HiCacheController:
         self.state = ControllerState.CLOSED
         counters = self.metrics.counters
         report.failed_storage_pages = int(counters.get("storage_write_failures", 0) + counters.get(
-            "storage_write_skipped_unhealthy", 0))
+            "storage_write_skipped_unhealthy", 0) + counters.get("storage_write_dropped_pages", 0))
         if report.failed_storage_pages:
             logger.warning("controller close: %d page(s) meant for storage were never written there (writes "
-                           "failed, or skipped while storage was down)", report.failed_storage_pages)
+                           "failed, skipped while storage was down, or dropped from host before their turn)",
+                           report.failed_storage_pages)
         await self.metrics.aclose()  # this cache's families leave the scrape
         return report
 

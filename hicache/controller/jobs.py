@@ -144,8 +144,9 @@ class CloseReport:
     unwritten: list[UnwrittenBackup] = dataclasses.field(default_factory=list)
     cancelled_prefetches: int = 0
     failed_device_backups: int = 0
-    #: pages whose storage write failed (retries spent) or was skipped while storage was
-    #: down, over the controller's whole life: written nowhere, though never "queued at close"
+    #: pages whose storage write failed (retries spent), was skipped while storage was down,
+    #: or never started because host dropped the pages first (their prefix's write was still
+    #: in flight), over the controller's whole life: never "queued at close"
     failed_storage_pages: int = 0
     #: pages committed on device whose copy to host waited for host room and had not started
     #: when the cache closed (filled in by the tree, which alone holds those backups): written

@@ -463,6 +463,14 @@ class HiRadixCache(RadixCache):
                 break
             if self._write_victim(node):
                 continue  # host drops it once storage holds it (it is then evicted first)
+            if self.controller.has_storage:
+                # pages the policy wants in storage now (write-through: all) whose write never
+                # started: it waits for its prefix's write, still in flight (a page is written
+                # only after its prefix), and host needs the room first. Dropped, as a full host
+                # must; counted, since storage will miss them (the close report sums them)
+                unwritten = min(self.placement.storage_pages(node), len(node.hash_value)) - node.storage_pages
+                if unwritten > 0:
+                    self.metrics.incr("storage_write_dropped_pages", unwritten)
             self.placement.on_host_evicted(node)
             host = self._drop_host(node)
             self._free_host(host)
