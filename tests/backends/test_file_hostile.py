@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import shutil
 import subprocess
 import time
 from collections.abc import Iterator
@@ -761,6 +762,24 @@ async def test_a_namespace_folder_swapped_for_a_link_while_running_takes_no_writ
         assert await within(store.get("a", got)) is not None and torch.equal(got, v0(size, 1))
         assert await within(store.set("y", v0(size, 4)))
         assert await within(store.get("y", got)) is not None and torch.equal(got, v0(size, 4))
+
+
+async def test_a_namespace_folder_deleted_while_running_gets_its_manifest_back(tmp_path) -> None:
+    """A cleaner deleted the namespace folder (the default root is under /tmp) and the next write
+    made it again, with no manifest: ``hicache inspect``, which finds namespaces by their
+    manifests, reported no namespace and none of the pages written since, until a restart."""
+    size = 4096
+    async with make_store(tmp_path) as store:
+        await within(store.wait_background())
+        assert await within(store.batch_set(["a", "b"], [v0(size, 1), v0(size, 2)]))
+        shutil.rmtree(store.layout.ns_dir)
+        assert await within(store.batch_set(["c", "d"], [v0(size, 3), v0(size, 4)]))
+        await within(store.wait_background())
+        assert os.path.isfile(store.layout.manifest_path)
+        report = await within(inspect_store(str(tmp_path), progress=False, verify="all"))
+        assert list(report["namespaces"]) == [NS_A.digest]
+        assert report["pages"] == 2 and report["corrupt"] == 0
+        assert len(os.listdir(store.layout.pages_dir)) == 256  # its page folders were made again too
 
 
 async def test_page_io_errors_that_repeat_for_every_page_log_one_line(tmp_path, monkeypatch, caplog) -> None:

@@ -6,11 +6,14 @@ import asyncio
 import json
 import os
 import select
+import shutil
 import subprocess
 import sys
 import textwrap
 import time
 from pathlib import Path
+
+import pytest
 
 from hicache.observability import ChangeKind, Tier, TierChange
 from hicache.storage import create_async_storage
@@ -151,6 +154,39 @@ def test_a_short_append_on_a_full_disk_leaves_no_torn_line(tmp_path: Path, monke
     full.close()
 
 
+@pytest.mark.parametrize("how", ["cleared", "deleted"])
+def test_writers_still_exclude_each_other_after_the_namespace_folder_is_replaced(tmp_path: Path, how: str) -> None:
+    """A clear renames the namespace folder away and sets up a new one; a /tmp cleaner deletes
+    it and the next write recreates it. A writer that had opened the old lock file kept locking
+    it while writers that opened afterwards locked the new one: they no longer excluded each
+    other, and two rotations at once moved a journal that was not full over the full one."""
+    ns = tmp_path / "ns"
+    ns.mkdir()
+    old = RemovalJournal(str(ns))
+    old.append_removed([("before", "kv")], "evicted")  # its lock file is open from now on
+    if how == "cleared":
+        ns.rename(tmp_path / "trash")
+    else:
+        shutil.rmtree(ns)
+    ns.mkdir()
+    new = RemovalJournal(str(ns))
+    meanwhile = []
+    rotate = old._rotate
+
+    def rotate_holding_the_lock() -> None:  # another writer tries to append while `old` holds it
+        meanwhile.append(new.append_removed([("meanwhile", "kv")], "evicted"))
+        rotate()
+
+    old._rotate = rotate_holding_the_lock  # type: ignore[method-assign]
+    assert old.append_removed([("after", "kv")], "evicted")
+    assert meanwhile == [False] and new.dropped_lines == 1  # it waited for the lock, then gave up
+    del old._rotate
+    assert new.append_removed([("later", "kv")], "evicted")
+    assert [k for ln in _journal_lines(ns) for k, _ in ln["rm"]] == ["after", "later"]
+    old.close()
+    new.close()
+
+
 def _journal_lines(root: Path) -> list[dict]:
     return [json.loads(line) for p in root.rglob(JOURNAL_NAME) for line in p.read_text().splitlines() if line]
 
@@ -178,10 +214,10 @@ async def test_each_removal_is_journalled_once(tmp_path: Path) -> None:
 def test_the_lock_file_stays_open_and_a_forked_child_opens_its_own(tmp_path: Path) -> None:
     journal = RemovalJournal(str(tmp_path))
     journal.append_removed([("a", "kv")], "evicted")
-    lock = journal._lock_fd
+    lock = journal._lock_file.fd
     assert lock is not None
     journal.append_removed([("b", "kv")], "evicted")
-    assert journal._lock_fd == lock  # not reopened per append
+    assert journal._lock_file.fd == lock  # not reopened per append
     read, write = os.pipe()
     journal._append_mutex.acquire()  # as if another thread of ours were appending at the fork
     child = os.fork()
@@ -197,10 +233,10 @@ def test_the_lock_file_stays_open_and_a_forked_child_opens_its_own(tmp_path: Pat
     assert os.read(read, 1) == b"1"  # the child used a lock file (and a mutex) of its own
     os.close(read)
     os.waitpid(child, 0)
-    assert journal._lock_fd == lock and journal._lock_pid == os.getpid()
+    assert journal._lock_file.fd == lock and journal._lock_pid == os.getpid()
     journal.append_removed([("d", "kv")], "evicted")
     assert [k for ln in _journal_lines(tmp_path) for k, _ in ln["rm"]] == ["a", "b", "c", "d"]
     journal.close()
-    assert journal._lock_fd is None
+    assert journal._lock_file.fd is None
     journal.append_removed([("e", "kv")], "evicted")  # after close: reopened, still works
     journal.close()

@@ -270,6 +270,7 @@ class FileStorage(AsyncHiCacheStorage):
         self._write_error_warnings = Throttle(_REFUSAL_WARN_SECONDS)
         self._read_error_warnings = Throttle(_REFUSAL_WARN_SECONDS)
         self._background: set[asyncio.Task[None]] = set()
+        self._rehousing: asyncio.Task[None] | None = None  # housekeeping after the folder was deleted
 
     # ------------------------------------------------------------------ properties
 
@@ -573,8 +574,10 @@ class FileStorage(AsyncHiCacheStorage):
                 logger.exception("file store %s: %s failed", self.root, what)
 
     def _retry_manifest(self) -> None:
-        """(On the scan thread.) Write a manifest that a full disk deferred; a flag, no index."""
-        if self._manifest_pending and self._layout is not None:
+        """(On the scan thread.) Write a manifest that a full disk deferred, or one that is gone
+        (the namespace folder was deleted under us and a write made it again: without one,
+        ``hicache inspect`` saw no namespace there, and none of its pages, until a restart)."""
+        if self._layout is not None and (self._manifest_pending or not os.path.exists(self._layout.manifest_path)):
             if page_io.prepare_namespace(self._layout, self.namespace.to_dict()):
                 self._manifest_pending = False
                 logger.info("file store %s: manifest of namespace %s written", self.root, self.namespace.digest)
@@ -1056,6 +1059,20 @@ class FileStorage(AsyncHiCacheStorage):
         self._free_est -= written
         if skipped:  # reported True like a write; engines' write metrics must tell them apart
             self.stats.incr("write_skipped_pages", skipped)
+        if any(r.remade_namespace for r in results):
+            self._namespace_remade()
+
+    def _namespace_remade(self) -> None:
+        """A write made the namespace folder again (a cleaner had deleted it: the default root
+        is under /tmp). Housekeeping, which otherwise runs only after a scan or a clear, writes
+        its manifest back and makes its page folders; once at a time."""
+        if self._stop.is_set() or (self._rehousing is not None and not self._rehousing.done()):
+            return
+        logger.warning("file store %s: the folder of namespace %s was gone (deleted while in use?); set up again",
+                       self.root, self.namespace.digest)
+        task = self._rehousing = asyncio.get_running_loop().create_task(self._housekeeping())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     def _write_failed(self, job: _WriteJob, r: page_io.WriteResult) -> None:
         if r.pool_error:

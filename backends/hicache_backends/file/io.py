@@ -118,6 +118,9 @@ class WriteResult:
     reason: str = ""
     replaced: int = 0  # bytes of the page file this write replaced (the shared usage ledger)
     pool_error: bool = False  # the host pool could not produce the page (nothing was written)
+    #: the namespace folder was gone (a cleaner deleted it, or a clear was between its two
+    #: steps) and this write created it again, with no manifest and no other page folder
+    remade_namespace: bool = False
 
 
 @dataclass(slots=True)
@@ -497,14 +500,16 @@ def write_page(
     linked = linked_folder(path)
     if linked is not None:  # planted: writing through it would leave the root
         return WriteResult(False, reason=f"create: {linked} is a symbolic link, not a folder of the store")
+    remade = False
     try:
         try:
             fd = os.open(tmp, flags, 0o644)
-        except FileNotFoundError:  # folder gone (a concurrent clear): recreate it once
+        except FileNotFoundError:  # folder gone (a concurrent clear, a cleaner): recreate it once
+            remade = not os.path.isdir(layout.ns_dir)
             os.makedirs(layout.subdir(pid), exist_ok=True)
             fd = os.open(tmp, flags, 0o644)
     except OSError as exc:
-        return WriteResult(False, errno=exc.errno, reason=f"create: {exc}")
+        return WriteResult(False, errno=exc.errno, reason=f"create: {exc}", remade_namespace=remade)
     try:
         try:
             if segments is not None:
@@ -523,11 +528,11 @@ def write_page(
         except OSError:
             pass
         if isinstance(exc, OSError):
-            return WriteResult(False, errno=exc.errno, reason=f"write: {exc}")
+            return WriteResult(False, errno=exc.errno, reason=f"write: {exc}", remade_namespace=remade)
         raise
     if fsync:
         _fsync_dir(layout.subdir(pid))
-    return WriteResult(True, size, replaced=replaced)
+    return WriteResult(True, size, replaced=replaced, remade_namespace=remade)
 
 
 def linked_folder(path: str) -> str | None:

@@ -18,9 +18,13 @@ journal is advisory, and a peer that misses a line finds the page gone at its ne
 Format: one JSON object per line, ``{"w": writer, "rm": [[key, pool], ...], "r": reason}`` or
 ``{"w": writer, "clear": 1}``; ``writer`` is a random id per open store, so a store skips its
 own lines. Appends happen under an exclusive ``flock`` on ``removals.lock`` (released by the
-kernel if the holder dies), one ``write`` per batch. The lock file stays open between appends;
-threads of one process take turns on a mutex first (a ``flock`` on one open file does not
-exclude its sharers), and a forked child opens its own (the inherited one is the parent's lock).
+kernel if the holder dies), one ``write`` per batch. The lock file stays open between appends,
+and is opened again when the path names another file (a clear, or a cleaner that deleted the
+namespace folder, which the next write recreates): a writer locking the old file no longer
+excluded those that opened the new one, and two of them rotating at once moved a journal that
+was not full over the full one, whose lines the readers behind then never saw. Threads of one
+process take turns on a mutex first (a ``flock`` on one open file does not exclude its
+sharers), and a forked child opens its own (the inherited one is the parent's lock).
 
 Bounded: an append that finds the journal over ``max_bytes`` first renames it to
 ``removals.1`` (replacing the previous one), so the journal never takes more than about twice
@@ -48,7 +52,7 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from hicache_backends.file.locks import flock_within
+from hicache_backends.file.locks import SharedFile, flock_within
 
 __all__ = ["JOURNAL_NAME", "PeerRemoval", "RemovalJournal"]
 
@@ -95,8 +99,8 @@ class RemovalJournal:
         self.max_bytes = max_bytes
         self.writer = secrets.token_hex(8)
         self._fd: int | None = None
-        self._lock_fd: int | None = None
-        self._lock_pid = 0  # the process that opened _lock_fd
+        self._lock_file = SharedFile(os.path.join(ns_dir, _LOCK_NAME))
+        self._lock_pid = os.getpid()  # the process whose lock file _lock_file is
         self._append_mutex = threading.Lock()
         self._mutex_pid = os.getpid()
         self._queue_lock = threading.Lock()
@@ -182,20 +186,16 @@ class RemovalJournal:
         return self._append_mutex
 
     def _lock(self) -> int | None:
-        """(Under the mutex.) The open lock file of this process, opened on first use."""
-        if self._lock_fd is not None and self._lock_pid == os.getpid():
-            return self._lock_fd
-        # none yet, or inherited across fork (then it is the parent's: left to the parent)
+        """(Under the mutex.) This process's open lock file: the file now at its path."""
+        if self._lock_pid != os.getpid():
+            # inherited across fork: the parent's lock, left to the parent (not closed)
+            self._lock_file = SharedFile(self._lock_file.path)
+            self._lock_pid = os.getpid()
         try:
-            self._lock_fd = os.open(
-                os.path.join(self.ns_dir, _LOCK_NAME), os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644
-            )
+            return self._lock_file.current()[0]
         except OSError as exc:
-            self._lock_fd = None
             logger.warning("file store %s: removal journal unavailable: %s", self.ns_dir, exc)
             return None
-        self._lock_pid = os.getpid()
-        return self._lock_fd
 
     def _rotate(self) -> None:
         """(Under the lock.) Move a full journal aside, replacing the previous one."""
@@ -280,6 +280,5 @@ class RemovalJournal:
             os.close(self._fd)
             self._fd = None
         with self._mutex():
-            if self._lock_fd is not None and self._lock_pid == os.getpid():
-                os.close(self._lock_fd)
-            self._lock_fd = None
+            if self._lock_pid == os.getpid():  # (a forked child's is the parent's: _lock replaces it)
+                self._lock_file.close()

@@ -36,7 +36,6 @@ to its own count, and a full disk never breaks the store.
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import hashlib
 import logging
@@ -48,7 +47,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from hicache_backends.file.locks import flock_within, pid_alive
+from hicache_backends.file.locks import SharedFile, flock_within, pid_alive
 
 __all__ = ["LEDGER_NAME", "USERS_NAME", "Usage", "UsageLedger", "read_usage"]
 
@@ -80,7 +79,6 @@ def _machine_id() -> int:
 
 
 _MACHINE = _machine_id()
-_O_FLAGS = os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,56 +162,14 @@ def read_usage(path: str) -> Usage | None:
         os.close(fd)
 
 
-class _SharedFile:
-    """A small regular file at a fixed path, reopened when the path names another file (a clear
-    renamed the namespace folder away). Not thread-safe: the ledger's lock guards it."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self.fd: int | None = None
-        self.ino = 0
-
-    def current(self) -> tuple[int, bool]:
-        """The descriptor of the file now at ``path``, and whether it was (re)opened now."""
-        if self.fd is not None:
-            try:
-                st = os.stat(self.path, follow_symlinks=False)
-                if st.st_ino == self.ino and stat.S_ISREG(st.st_mode):
-                    return self.fd, False
-            except FileNotFoundError:
-                pass
-            self.close()
-        folder = os.path.dirname(self.path)
-        if os.path.islink(folder):  # the namespace folder swapped for a link: never create outside the root
-            raise OSError(errno.ELOOP, f"{folder} is a symbolic link")
-        fd = os.open(self.path, _O_FLAGS, 0o644)
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):  # a FIFO or device planted here: not ours
-            os.close(fd)
-            os.unlink(self.path)
-            fd = os.open(self.path, _O_FLAGS | os.O_EXCL, 0o644)
-            st = os.fstat(fd)
-        self.fd, self.ino = fd, st.st_ino
-        return fd, True
-
-    def close(self) -> None:
-        if self.fd is not None:
-            try:
-                os.close(self.fd)  # also releases our flock on it
-            except OSError:
-                pass
-            self.fd = None
-            self.ino = 0
-
-
 class UsageLedger:
     """The shared counters of one namespace (see the module docstring). Thread-safe."""
 
     def __init__(self, ns_dir: str) -> None:
         self.path = os.path.join(ns_dir, LEDGER_NAME)
         self._lock = threading.Lock()  # flock does not exclude threads sharing one descriptor
-        self._counters = _SharedFile(self.path)
-        self._users = _SharedFile(os.path.join(ns_dir, USERS_NAME))
+        self._counters = SharedFile(self.path)
+        self._users = SharedFile(os.path.join(ns_dir, USERS_NAME))
         self._warned = False
 
     def add(

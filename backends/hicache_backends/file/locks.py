@@ -6,17 +6,24 @@ holder dies, so a blocking wait would park the waiting I/O thread for good, and 
 them every read and write of this store would queue behind it. A wait that gives up lets the
 caller treat the lock's data (the usage ledger, the removal journal) as unavailable for now,
 which both handle: they are advisory.
+
+Both keep their lock file open between calls, as a :class:`SharedFile`: one that follows its
+path, since a clear (or a cleaner deleting the namespace folder) leaves a descriptor opened
+before on a file no process that opens the store afterwards locks.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
+import stat
 import time
 
-__all__ = ["LOCK_PATIENCE", "flock_within", "pid_alive"]
+__all__ = ["LOCK_PATIENCE", "SharedFile", "flock_within", "pid_alive"]
 
 LOCK_PATIENCE = 0.5  # seconds to wait for a lock before answering "unavailable"
+_O_FLAGS = os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
 
 
 def flock_within(fd: int, op: int, patience: float = LOCK_PATIENCE) -> None:
@@ -46,3 +53,47 @@ def pid_alive(pid: int) -> bool:
     except OSError:
         return True
     return True
+
+
+class SharedFile:
+    """A small regular file at a fixed path, reopened when the path names another file (a clear
+    renamed the namespace folder away; it was deleted and created again). Why: a lock taken on
+    the descriptor of a file no longer at the path excludes nobody who opened the path since.
+    Not thread-safe: its user's mutex guards it (the ledger's lock, the journal's mutex)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.fd: int | None = None
+        self.ino = 0
+
+    def current(self) -> tuple[int, bool]:
+        """The descriptor of the file now at ``path``, and whether it was (re)opened now."""
+        if self.fd is not None:
+            try:
+                st = os.stat(self.path, follow_symlinks=False)
+                if st.st_ino == self.ino and stat.S_ISREG(st.st_mode):
+                    return self.fd, False
+            except FileNotFoundError:
+                pass
+            self.close()
+        folder = os.path.dirname(self.path)
+        if os.path.islink(folder):  # the namespace folder swapped for a link: never create outside the root
+            raise OSError(errno.ELOOP, f"{folder} is a symbolic link")
+        fd = os.open(self.path, _O_FLAGS, 0o644)
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):  # a FIFO or device planted here: not ours
+            os.close(fd)
+            os.unlink(self.path)
+            fd = os.open(self.path, _O_FLAGS | os.O_EXCL, 0o644)
+            st = os.fstat(fd)
+        self.fd, self.ino = fd, st.st_ino
+        return fd, True
+
+    def close(self) -> None:
+        if self.fd is not None:
+            try:
+                os.close(self.fd)  # also releases our flock on it
+            except OSError:
+                pass
+            self.fd = None
+            self.ino = 0
