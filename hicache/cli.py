@@ -158,10 +158,12 @@ def _seconds_arg(text: str) -> float:
 
 
 def _json_object_arg(text: str) -> dict[str, Any]:
-    """An argparse type: backend options as a JSON object."""
+    """An argparse type: backend options as a JSON object (JSON nested deeper than the parser's
+    stack is refused as not JSON too: argparse would let its ``RecursionError`` through as a
+    traceback)."""
     try:
         value = json.loads(text)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:
         raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(f"must be a JSON object of backend options, got {type(value).__name__}")

@@ -26,6 +26,8 @@ from hicache.stack import controller_options, stack_config_from
 __all__ = ["ReplayConfig", "load_replay_config"]
 
 _TIERS = ("device", "host", "storage")
+#: KV dtypes that hold the synthetic KV of :mod:`hicache.replay.synthetic` exactly
+_EXACT_DTYPES = ("float32", "float16", "bfloat16")
 _REPLAY_KEYS = (
     "eviction_policy", "placement", "placement_options", "drain_between_requests", "verify", "max_requests",
 )
@@ -72,6 +74,10 @@ class ReplayConfig:
             _check_int(getattr(self, name), name, minimum=1)
         if 512 % self.page_size:
             raise ConfigError(f"page_size must divide the trace block (512), got {self.page_size}")
+        if self.dtype not in _EXACT_DTYPES:
+            # the synthetic KV is exact only in these; in float8 most tokens share a value, so
+            # bit-exact verification would pass pages of the wrong tokens
+            raise ConfigError(f"dtype {self.dtype!r} cannot hold exact synthetic KV; allowed: {list(_EXACT_DTYPES)}")
         for tier, value in self.fractions.items():
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0 \
                     or value == float("inf"):
@@ -86,7 +92,7 @@ class ReplayConfig:
         for name in ("drain_between_requests", "verify"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
-        for name in ("dtype", "eviction_policy", "placement"):
+        for name in ("eviction_policy", "placement"):
             if not isinstance(getattr(self, name), str):
                 raise ConfigError(f"{name} must be a string, got {getattr(self, name)!r}")
         for name in ("placement_options", "storage_options", "controller"):
@@ -166,13 +172,20 @@ class ReplayConfig:
         model = config.model
         if model.attention != "mha":
             raise ConfigError("replay: only MHA geometry is supported (model.attention = 'mha')")
-        if model.kv_dtype not in ("float32", "float16", "bfloat16"):
+        if model.kv_dtype not in _EXACT_DTYPES:
             raise ConfigError(f"replay: model.kv_dtype {model.kv_dtype!r} cannot hold exact synthetic KV")
         st = stack_config_from(config)
         ps = st.page_size
         pages = {"device": st.device_pages, "host": st.host_pages}
         if st.storage_backend and "max_bytes" in st.storage_options:
-            pages["storage"] = int(st.storage_options["max_bytes"]) // st.page_nbytes
+            # checked here: the replay sizes the tier from it before the backend sees it, and
+            # int() made nan or a string a traceback, true or a size under one page a replay
+            # with no storage at all
+            max_bytes = st.storage_options["max_bytes"]
+            if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < st.page_nbytes:
+                raise ConfigError(f"replay: storage.options.max_bytes must be an integer of at least one page "
+                                  f"({st.page_nbytes} bytes), got {max_bytes!r}")
+            pages["storage"] = max_bytes // st.page_nbytes
         elif not st.storage_backend:
             pages["storage"] = 0
         cfg = cls(

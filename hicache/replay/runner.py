@@ -10,6 +10,7 @@ notion of time.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import shutil
@@ -22,6 +23,7 @@ from typing import Any, cast
 
 from collections import Counter
 
+from hicache.config.budget import MemoryNeed, check_memory, system_memory_bytes
 from hicache.errors import ConfigError, TraceFormatError
 from hicache.keys import Namespace
 from hicache.observability.tier_events import ChangeKind, Tier
@@ -172,6 +174,8 @@ async def replay_requests(
                             num_layers=cfg.layer_num, num_kv_heads=cfg.head_num, head_dim=cfg.head_dim,
                             layout=cfg.host_layout, salt=f"run-{os.getpid()}-{uuid.uuid4().hex[:12]}"),
     )
+    _bound_storage(stack_cfg)
+    _check_replay_memory(stack_cfg)
     stack = build_stack(stack_cfg)
     storage_removed: Counter[str] = Counter()  # storage pages removed, by reason (deleted, evicted)
     stack.tier_changes.subscribe(lambda c: storage_removed.update({c.reason or "unknown": len(c.keys)}),
@@ -247,6 +251,37 @@ async def replay_requests(
         "hit_tokens_vs_reference": hit_tokens - ref["hit_tokens"],
         "attribution": attribution.as_dict(),
     }
+
+
+def _bound_storage(config: StackConfig) -> None:
+    """Give a store that takes ``max_bytes`` (``file``) the storage tier's capacity as its bound,
+    as :func:`build_stack` does for ``memory``: without it a ``file`` store sized by ``[tiers]``
+    kept every page (its own default is 64 GiB) while the report and the reference LRU assumed
+    the tier's capacity, and ``lru`` beat the nested LRU through an unbounded tier. A bound
+    the options set is kept."""
+    from hicache.storage.registry import backend_options
+
+    if config.storage_backend is None or config.storage_backend == "memory" or not config.storage_pages:
+        return
+    if "max_bytes" in config.storage_options or "max_bytes" not in backend_options(config.storage_backend):
+        return
+    config.storage_options["max_bytes"] = config.storage_pages * config.page_nbytes
+
+
+def _check_replay_memory(config: StackConfig) -> None:
+    """A :class:`ConfigError` naming the tier when a pool cannot fit this machine's memory: tier
+    capacities of a replay-native config (``device_blocks``, a fraction of ``1e300``, a large
+    ``[kv]`` geometry) otherwise reached torch as a ``RuntimeError`` or ``MemoryError`` traceback
+    about an impossible allocation (a deployment config is checked by ``stack_config_from``)."""
+    needs = [
+        MemoryNeed("the device KV pool", "host", f"device tier ({config.device_pages} pages)",
+                   config.device_pages * config.page_nbytes),
+        MemoryNeed("the host KV pool", "host", f"host tier ({config.host_pages} pages)",
+                   config.host_pages * config.page_nbytes),
+    ]
+    if str(config.device).startswith("cuda"):
+        needs[0] = dataclasses.replace(needs[0], where="device")
+    check_memory(needs, host_bytes=system_memory_bytes(), device_bytes=None)
 
 
 def _evicted(counters: dict[str, float], storage_removed: Counter[str], page_size: int,

@@ -1,9 +1,12 @@
 """Deterministic synthetic KV derived from token ids, so every restored page can be verified.
 
 Replay and tests never run a model: the "KV" of token ``t`` in layer ``l``, head ``h``, channel
-``j`` is a small integer computed from ``(t, l, h, j)``, stored exactly in the pool dtype
-(below 2^11 for float16/bfloat16-safe values, 2^23 for float32). Any page that comes back from
-host or storage with a wrong byte compares unequal.
+``j`` is a small integer hashed from ``(t, l, h, j)``, stored exactly in the pool dtype (below
+2^8 for bfloat16, 2^11 for float16, 2^23 for float32). Any page that comes back from host or
+storage with a wrong byte compares unequal, and so does the page of any other block: the value
+was once linear in ``t`` modulo a power of two, so the pages of blocks ``h`` and ``h + 4``
+(float16, bfloat16) or ``h + 16384`` (float32) were identical and a page served under the wrong
+key passed verification; bfloat16 rounded values above 2^8.
 
 In the trace every token id is distinct per block (``hash_id * 512 + j``) and a block id fixes
 the whole prefix, so a value derived from the token id alone is a faithful stand-in for KV
@@ -18,7 +21,20 @@ __all__ = ["synthetic_kv", "write_synthetic_kv", "verify_kv"]
 
 
 def _modulus(dtype: torch.dtype) -> int:
-    return 1 << 23 if dtype in (torch.float32, torch.float64) else 1 << 11
+    """A power of two every smaller non-negative integer (and its negation) is exact in."""
+    if dtype in (torch.float32, torch.float64):
+        return 1 << 23
+    return 1 << 8 if dtype == torch.bfloat16 else 1 << 11
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """A 64-bit integer hash (splitmix64's finaliser; int64 products wrap), so that no shift
+    of the token id maps a page onto another page's values."""
+    x = x ^ ((x >> 30) & 0x3FFFFFFFF)
+    x = x * -4658895280553007687  # 0xBF58476D1CE4E5B9 as int64
+    x = x ^ ((x >> 27) & 0x1FFFFFFFFF)
+    x = x * -7723592293110705685  # 0x94D049BB133111EB as int64
+    return x ^ ((x >> 31) & 0x1FFFFFFFF)
 
 
 def synthetic_kv(
@@ -29,8 +45,9 @@ def synthetic_kv(
     h = torch.arange(head_num, dtype=torch.int64).reshape(1, -1, 1)
     j = torch.arange(head_dim, dtype=torch.int64).reshape(1, 1, -1)
     mod = _modulus(dtype)
-    k = (t * (2 * j + 1) + 7919 * layer + 104729 * h + 31 * j) % mod
-    v = (k * 3 + 17) % mod
+    x = _mix(t * 1_000_003 + layer * 7919 + h * 104_729 + j * 31)
+    k = x & (mod - 1)
+    v = (x >> 32) & (mod - 1)
     return k.to(dtype), (-v - 1).to(dtype)
 
 

@@ -72,7 +72,9 @@ def load_trace(path: str | os.PathLike[str], limit: int | None = None) -> list[T
                     continue
                 try:
                     out.append(_record(json.loads(line)))
-                except (ValueError, TypeError, KeyError) as exc:
+                except (ValueError, TypeError, KeyError, RecursionError) as exc:
+                    # RecursionError: JSON nested deeper than the parser's stack (one line of
+                    # ``[[[[...`` is enough), a malformed line like any other, not a traceback
                     reason = f"missing field {exc}" if isinstance(exc, KeyError) else str(exc)
                     raise TraceFormatError(f"{path}, line {number}: not a Mooncake trace record ({reason})") from None
     except (EOFError, gzip.BadGzipFile) as exc:

@@ -97,6 +97,7 @@ def test_events_run_id_must_be_hex(capsys) -> None:
         (["events", "tcp://127.0.0.1:1", "--count", "0"], "must be >= 1"),
         (["inspect", "x", "--options", "notjson"], "not JSON"),
         (["inspect", "x", "--options", "[1]"], "must be a JSON object"),
+        (["inspect", "x", "--options", "[" * 5000 + "]" * 5000], "not JSON"),  # was a RecursionError
         (["inspect", "x", "--sample", "-1"], "must be >= 0"),
         (["--log-level", "bogus", "backends"], "invalid choice"),
     ],

@@ -55,6 +55,28 @@ def test_request_tokens_follow_the_readme() -> None:
     assert len(t) == 700 and t[0] == 5 * 512 and t[511] == 5 * 512 + 511 and t[512] == 9 * 512
 
 
+@pytest.mark.parametrize(("dtype", "exact"), [("float32", 1 << 24), ("float16", 1 << 11), ("bfloat16", 1 << 8)])
+def test_synthetic_kv_is_exact_and_tells_every_block_apart(dtype: str, exact: int) -> None:
+    """Verification passes a page only with its own block's KV. The synthetic KV was linear in
+    the token id modulo a power of two: blocks ``h`` and ``h + 4`` (16-bit dtypes) or
+    ``h + 16384`` (float32, within the shared trace's 43,924 blocks) had identical pages, and
+    bfloat16 rounded values it claimed were exact."""
+    import torch
+
+    from hicache.replay.synthetic import synthetic_kv
+
+    dt = getattr(torch, dtype)
+    block = torch.arange(512) + 7 * 512
+    for distance in (1, 4, 16384, 1 << 20):
+        for layer in (0, 1):
+            mine = synthetic_kv(block, layer, 2, 4, dt)
+            other = synthetic_kv(block + distance * 512, layer, 2, 4, dt)
+            assert not torch.equal(mine[0], other[0]) and not torch.equal(mine[1], other[1]), distance
+    k, v = synthetic_kv(torch.arange(1 << 16), 3, 2, 4, dt)
+    for x in (k.double(), v.double()):
+        assert torch.equal(x, x.round()) and x.abs().max() <= exact  # integers the dtype holds exactly
+
+
 def test_config_loading_and_errors(tmp_path: Path) -> None:
     cfg = load_replay_config(CONFIG)
     assert cfg.capacity_blocks(43924) == {"device": 439, "host": 2196, "storage": 8784}
@@ -128,6 +150,8 @@ def test_replay_on_the_file_backend(tmp_path: Path) -> None:
         ('{"timestamp": 0, "input_length": 10, "output_length": 2, "hash_ids": "12"}', "hash_ids must be a list"),
         ('{"timestamp": 0, "input_length": 10, "output_length": 2, "hash_ids": [1.5]}', "a hash id must be"),
         ('{"timestamp": true, "input_length": 10, "output_length": 2, "hash_ids": [1]}', "timestamp must be"),
+        ('{"timestamp": 0, "input_length": 10, "output_length": 2, "hash_ids": [1], "x": '
+         + "[" * 100_000 + "]" * 100_000 + "}", "maximum recursion depth"),
     ],
 )
 def test_a_bad_trace_line_is_an_error_naming_file_and_line(tmp_path: Path, line: str, reason: str) -> None:

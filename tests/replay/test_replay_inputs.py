@@ -133,10 +133,52 @@ def test_gzip_traces_are_read_and_undecodable_files_are_named(tmp_path) -> None:
     ({"replay": {"verify": "yes"}}, "verify"),
     ({"storage": {"backend": "memory", "options": []}}, "options"),
     ({"controller": "fast"}, "controller"),
+    ({"kv": {"dtype": "float8_e4m3fn"}}, "cannot hold exact synthetic KV"),  # 55 values for 8,192 KV: blind
 ])
 def test_replay_config_values_of_the_wrong_type_or_range_are_config_errors(data, match) -> None:
     with pytest.raises(ConfigError, match=match):
         ReplayConfig.from_dict(data)
+
+
+@pytest.mark.parametrize("max_bytes", ["nan", '"big"', "true", "0", "100"])
+def test_a_storage_bound_that_is_no_size_is_a_config_error(tmp_path, max_bytes) -> None:
+    """A deployment config's ``storage.options.max_bytes`` sizes the replay's storage tier: nan
+    or a string was a ``ValueError`` traceback from ``int()``, true or a size under one page a
+    replay that silently had no storage tier."""
+    from hicache.replay import load_replay_config
+
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('[model]\nnum_layers = 1\nnum_kv_heads = 1\nhead_dim = 2\nkv_dtype = "float32"\n'
+                   '[device]\npage_size = 512\nsize_tokens = 8192\n[host]\nsize_bytes = 262144\n'
+                   f'[storage]\nbackend = "memory"\noptions = {{ max_bytes = {max_bytes} }}\n')
+    with pytest.raises(ConfigError, match="max_bytes must be an integer of at least one page"):
+        load_replay_config(cfg)
+
+
+def test_tiers_larger_than_memory_are_a_config_error_naming_the_tier(tmp_path) -> None:
+    """Replay-native capacities reached torch unchecked: a RuntimeError or MemoryError traceback
+    about a 700,000 GiB allocation instead of an error naming the tier."""
+    requests = load_trace(_prefix_reuse_trace(tmp_path / "t.jsonl"))
+    for tiers, tier in (({"device_blocks": 10**11}, "device tier"), ({"host_blocks": 10**12}, "host tier")):
+        cfg = ReplayConfig.from_dict({"tiers": {"device_blocks": 8, "host_blocks": 12, **tiers}})
+        with pytest.raises(ConfigError, match=f"{tier} .* needs .* GiB"):
+            asyncio.run(compare_policies(cfg, requests, ["lru"]))
+
+
+def test_a_file_store_sized_by_tiers_is_bounded_to_them(tmp_path) -> None:
+    """``[tiers] storage_blocks`` bounded only the ``memory`` store: a ``file`` store kept every
+    page (its default bound is 64 GiB) and the report's storage capacity was not the one run."""
+    requests = load_trace(_prefix_reuse_trace(tmp_path / "t.jsonl"))
+    rows = {}
+    for backend in ("memory", "file"):
+        cfg = ReplayConfig.from_dict({
+            "tiers": {"device_blocks": 8, "host_blocks": 4, "storage_blocks": 6},
+            "storage": {"backend": backend, "options": {"root": str(tmp_path / "store")} if backend == "file" else {}},
+        })
+        rows[backend] = asyncio.run(compare_policies(cfg, requests, ["lru"]))["policies"]["lru"]
+    assert rows["memory"]["evicted"]["storage"]["pages"] > 0
+    assert rows["file"]["evicted"]["storage"]["pages"] > 0  # 0: the store never reached a bound
+    assert rows["file"]["storage_hit"] <= rows["memory"]["storage_hit"] + 1e-9  # headers: a few pages less
 
 
 def test_tiers_that_do_not_nest_replay_and_get_their_reference(tmp_path) -> None:
