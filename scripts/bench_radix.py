@@ -64,6 +64,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import os
 import importlib
 import importlib.machinery
 import importlib.util
@@ -589,8 +590,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--sweep-kib", type=int, default=0,
                    help="read this many KiB of memory between requests, untimed, in every method: the "
                         "cache pressure of a server's work between requests (0: none)")
+    p.add_argument("--one-cpu", action="store_true",
+                   help="run the whole process, every thread it starts included, on one CPU (Linux): "
+                        "what the tiered tree costs without its copy and storage I/O threads running "
+                        "on another core while the loop matches and inserts")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
+    if args.one_cpu:
+        if not hasattr(os, "sched_setaffinity"):
+            raise SystemExit("--one-cpu needs os.sched_setaffinity (Linux)")
+        # threads inherit their creator's affinity: the stacks' threads start later, on it too
+        os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
     torch.set_num_threads(args.torch_threads)
     global _SWEEP
     _SWEEP = np.ones(args.sweep_kib * 128) if args.sweep_kib > 0 else None  # float64: 8 bytes each
@@ -697,6 +707,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "requests": len(streams), "page_size": ps, "prompt_tokens": total_tokens,
         "matched_tokens": sum(matched_ref), "repeats": args.repeats, "torch_threads": args.torch_threads,
         "tiers_write_policy": args.tiers_write_policy, "sweep_kib_between_requests": args.sweep_kib,
+        "one_cpu": args.one_cpu,
         "sglang": None if sgl is None else "sglang.srt.mem_cache.radix_cache.RadixCache",
         "sglang_skipped": why,
         "sglang_tiers": None if sgt is None else "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache "

@@ -41,11 +41,13 @@ def test_the_radix_benchmark_compares_both_sglang_trees(tmp_path: Path) -> None:
 
 
 def test_the_radix_benchmark_runs_with_cache_pressure_and_write_back(tmp_path: Path) -> None:
-    """``--sweep-kib`` (memory read between requests, in every method) and
-    ``--tiers-write-policy write_back`` leave the results identical (same matched tokens) and
-    are recorded in the report."""
-    report = bench(tmp_path, 40, "--no-sglang-tiers", "--tiers-write-policy", "write_back", "--sweep-kib", "64")
+    """``--sweep-kib`` (memory read between requests, in every method),
+    ``--tiers-write-policy write_back`` and ``--one-cpu`` leave the results identical (same
+    matched tokens) and are recorded in the report."""
+    report = bench(tmp_path, 40, "--no-sglang-tiers", "--tiers-write-policy", "write_back", "--sweep-kib", "64",
+                   "--one-cpu")
     assert report["tiers_write_policy"] == "write_back" and report["sweep_kib_between_requests"] == 64
+    assert report["one_cpu"] is True
     assert report["matched_tokens"] > 0
     assert report["results"]["hicache_tiers_prebuilt"]["total_s"] > 0
     assert report["results"]["sglang_prebuilt"]["total_s"] > 0
