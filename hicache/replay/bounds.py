@@ -6,7 +6,9 @@ offline optimum of one cache of ``capacity`` blocks (Belady's MIN with bypass: o
 the new block only if it is used again sooner than the cached block used farthest in the
 future). A block id fixes its whole prefix, so a block-level hit is also a prefix hit.
 
-Both count blocks and tokens (a partial last block counts its own length), in one pass each.
+Both count blocks and tokens, in one pass each: a hit's tokens are what earlier requests had of
+the block, at most this reference's length (:func:`~hicache.replay.trace.block_references`: a
+partial last block counts its own length, and a block first seen short only that part).
 """
 
 from __future__ import annotations
@@ -14,20 +16,11 @@ from __future__ import annotations
 import heapq
 from collections.abc import Sequence
 
-from hicache.replay.trace import BLOCK_TOKENS, TraceRequest
+from hicache.replay.trace import BLOCK_TOKENS, TraceRequest, block_references
 
 __all__ = ["belady", "infinite_cache"]
 
 _NEVER = float("inf")
-
-
-def _references(requests: Sequence[TraceRequest], block_tokens: int) -> tuple[list[int], list[int]]:
-    blocks: list[int] = []
-    tokens: list[int] = []
-    for req in requests:
-        blocks.extend(req.hash_ids)
-        tokens.extend(req.block_lengths(block_tokens))
-    return blocks, tokens
 
 
 def _result(hit_blocks: int, hit_tokens: int, blocks: list[int], tokens: list[int]) -> dict[str, float]:
@@ -42,23 +35,15 @@ def _result(hit_blocks: int, hit_tokens: int, blocks: list[int], tokens: list[in
 
 def infinite_cache(requests: Sequence[TraceRequest], block_tokens: int = BLOCK_TOKENS) -> dict[str, float]:
     """Hits of a cache that never evicts."""
-    blocks, tokens = _references(requests, block_tokens)
-    seen: set[int] = set()
-    hb = ht = 0
-    for b, t in zip(blocks, tokens):
-        if b in seen:
-            hb += 1
-            ht += t
-        else:
-            seen.add(b)
-    return _result(hb, ht, blocks, tokens)
+    blocks, tokens, reusable = block_references(requests, block_tokens)
+    return _result(len(blocks) - len(set(blocks)), sum(reusable), blocks, tokens)  # all but first sights hit
 
 
 def belady(requests: Sequence[TraceRequest], capacity: int, block_tokens: int = BLOCK_TOKENS) -> dict[str, float]:
     """Hits of the offline-optimal cache of ``capacity`` blocks (MIN with bypass)."""
     if capacity < 0:
         raise ValueError(f"capacity must not be negative, got {capacity}")
-    blocks, tokens = _references(requests, block_tokens)
+    blocks, tokens, reusable = block_references(requests, block_tokens)
     n = len(blocks)
     nxt: list[float] = [_NEVER] * n
     last: dict[int, int] = {}
@@ -73,7 +58,7 @@ def belady(requests: Sequence[TraceRequest], capacity: int, block_tokens: int = 
         b, when = blocks[i], nxt[i]
         if b in cached:
             hb += 1
-            ht += tokens[i]
+            ht += reusable[i]
         elif capacity == 0 or when == _NEVER:
             continue  # bypass: never kept
         elif len(cached) >= capacity:

@@ -53,7 +53,8 @@ async def compare_policies(
     progress: bool = False,
 ) -> dict[str, Any]:
     """Replay ``requests`` once per policy (default: all) and compute the bounds."""
-    names = list(policies) if policies else list(PLACEMENT_POLICIES)
+    # each once, in the order given: a name listed twice replayed twice for one row
+    names = list(dict.fromkeys(policies)) if policies else list(PLACEMENT_POLICIES)
     rows: dict[str, dict[str, Any]] = {}
     caps: dict[str, int] = {}
     for name in names:
@@ -99,7 +100,8 @@ async def compare_policies(
 
 
 def format_comparison(report: dict[str, Any]) -> str:
-    """The comparison as a text table (token hit ratios, MiB written)."""
+    """The comparison as a text table (token hit ratios, MiB written). "vs lru" is ``-`` where
+    there is no ratio: ``lru`` not replayed, or it wrote nothing to storage (was ``nanx``)."""
     cols = ("device", "host", "storage", "total", "host MiB", "storage MiB", "vs lru", "st. del MiB", "verify")
     lines = [
         f"trace {report.get('trace', '?')}",
@@ -111,7 +113,8 @@ def format_comparison(report: dict[str, Any]) -> str:
         vals = (
             f"{r['device_hit']:.4f}", f"{r['host_hit']:.4f}", f"{r['storage_hit']:.4f}", f"{r['total_hit']:.4f}",
             f"{r['host_written_bytes'] / 2**20:.1f}", f"{r['storage_written_bytes'] / 2**20:.1f}",
-            f"{r.get('storage_written_vs_lru', float('nan')):.2f}x", f"{r['storage_deleted_bytes'] / 2**20:.1f}",
+            f"{r['storage_written_vs_lru']:.2f}x" if "storage_written_vs_lru" in r else "-",
+            f"{r['storage_deleted_bytes'] / 2**20:.1f}",
             str(r["verification_failures"]),
         )
         lines.append(f"{name:<12}" + "".join(f"{v:>12}" for v in vals))

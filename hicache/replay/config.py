@@ -16,14 +16,18 @@ For programs, :meth:`ReplayConfig.from_dict` also takes capacities relative to t
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from typing import Any
 
 from hicache.controller.config import ControllerConfig
 from hicache.errors import ConfigError
+from hicache.placement import PLACEMENT_POLICIES
 from hicache.stack import controller_options, stack_config_from
 
 __all__ = ["ReplayConfig", "load_replay_config"]
+
+logger = logging.getLogger(__name__)
 
 _TIERS = ("device", "host", "storage")
 #: KV dtypes that hold the synthetic KV of :mod:`hicache.replay.synthetic` exactly
@@ -95,6 +99,10 @@ class ReplayConfig:
         for name in ("eviction_policy", "placement"):
             if not isinstance(getattr(self, name), str):
                 raise ConfigError(f"{name} must be a string, got {getattr(self, name)!r}")
+        if self.placement not in PLACEMENT_POLICIES:
+            # found here, not by the stack: a comparison replays its own list and reads this only
+            # to know whose placement_options apply, so a misspelt name ran without them, silently
+            raise ConfigError(f"unknown placement policy {self.placement!r}; allowed: {sorted(PLACEMENT_POLICIES)}")
         for name in ("placement_options", "storage_options", "controller"):
             if not isinstance(getattr(self, name), dict):
                 raise ConfigError(f"{name} must be a table, got {type(getattr(self, name)).__name__}")
@@ -186,8 +194,10 @@ class ReplayConfig:
                 raise ConfigError(f"replay: storage.options.max_bytes must be an integer of at least one page "
                                   f"({st.page_nbytes} bytes), got {max_bytes!r}")
             pages["storage"] = max_bytes // st.page_nbytes
-        elif not st.storage_backend:
+        else:
             pages["storage"] = 0
+            if st.storage_backend:
+                _warn_unsized_storage(st.storage_backend)
         cfg = cls(
             fractions={},
             pages=pages,
@@ -210,6 +220,23 @@ class ReplayConfig:
             raise ConfigError(f"replay: device.page_size must divide the trace block (512), got {ps}")
         cfg.validate()
         return cfg
+
+
+def _warn_unsized_storage(backend: str) -> None:
+    """One warning line for a deployment's store the replay cannot size: the replay then runs
+    the device and host tiers alone, and the tiers line's ``storage 0`` was the only sign. A
+    warning, not an error: those tiers and the policies' host placement are the deployment's
+    own and still measured; a store with no bound (``s3``, ``fsspec``) has no size to replay."""
+    from hicache.storage.registry import backend_options
+
+    try:
+        sizable = "max_bytes" in backend_options(backend)
+    except Exception:  # noqa: BLE001 - not installed: the stack names it when it is built
+        sizable = False
+    how = ("set storage.options.max_bytes (its capacity in bytes)" if sizable else
+           f"{backend!r} takes no max_bytes: replay a copy with backend = \"memory\" and options.max_bytes")
+    logger.warning("replay: storage backend %r has no max_bytes to size the storage tier from, so this replay "
+                   "has no storage tier; to replay one, %s", backend, how)
 
 
 def _table(data: dict[str, Any], key: str, what: str | None = None) -> dict[str, Any]:

@@ -5,8 +5,9 @@ touches all three (inclusive), and a block is served by the smallest tier that h
 the trace's README capacities (1%, 5%, 20% of 43,924 unique blocks) the whole trace gives
 4,184 device, 14,677 host and 28,736 storage hits and 74,280 misses (hit ratio 0.3905).
 
-Hits are also counted in tokens (a partial last block counts its own length), which is what the
-cache's hit tokens are compared with.
+Hits are also counted in tokens (what earlier requests had of the block, at most this
+reference's length: :func:`~hicache.replay.trace.block_references`, the rule of the bounds),
+which is what the cache's hit tokens are compared with.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from hicache.replay.trace import BLOCK_TOKENS, TraceRequest
+from hicache.replay.trace import BLOCK_TOKENS, TraceRequest, block_references
 
 __all__ = ["reference_lru", "unique_blocks"]
 
@@ -38,22 +39,23 @@ def reference_lru(
     lists: list[OrderedDict[int, None]] = [OrderedDict() for _ in capacities]
     blocks = [0] * (len(capacities) + 1)
     tokens = [0] * (len(capacities) + 1)
-    for req in requests:
-        for h, length in zip(req.hash_ids, req.block_lengths(block_tokens)):
-            tier = len(capacities)
-            for i, lru in enumerate(lists):
-                if h in lru:
-                    tier = i
-                    break
-            blocks[tier] += 1
-            tokens[tier] += length
-            for lru, cap in zip(lists, capacities):
-                if h in lru:
-                    lru.move_to_end(h)
-                else:
-                    lru[h] = None
-                    if len(lru) > cap:
-                        lru.popitem(last=False)
+    for h, length, reusable in zip(*block_references(requests, block_tokens)):
+        tier = len(capacities)
+        for i, lru in enumerate(lists):
+            if h in lru:
+                tier = i
+                break
+        blocks[tier] += 1
+        hit = reusable if tier < len(capacities) else 0
+        tokens[tier] += hit
+        tokens[-1] += length - hit  # a miss, or the part of a hit block no earlier request had
+        for lru, cap in zip(lists, capacities):
+            if h in lru:
+                lru.move_to_end(h)
+            else:
+                lru[h] = None
+                if len(lru) > cap:
+                    lru.popitem(last=False)
     out: dict[str, float] = {}
     names = TIERS[: len(capacities)]
     for name, b, t in zip(names, blocks, tokens):

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from hicache.replay.trace import BLOCK_TOKENS, TraceRequest
+from hicache.replay.trace import BLOCK_TOKENS, TraceRequest, block_references
 
 __all__ = ["MissRatioCurve", "lru_miss_ratio_curve"]
 
@@ -26,8 +26,9 @@ __all__ = ["MissRatioCurve", "lru_miss_ratio_curve"]
 class MissRatioCurve:
     """Hits of an LRU cache of every size, from one trace.
 
-    ``distance_tokens[d]`` sums the tokens of references whose stack distance is ``d`` (a cache
-    of more than ``d`` blocks hits them); cold references (first sight) never hit.
+    ``distance_tokens[d]`` sums the tokens a cache of more than ``d`` blocks hits at references
+    whose stack distance is ``d``: what earlier requests had of the block, the rule of the bounds
+    (:func:`~hicache.replay.trace.block_references`); cold references (first sight) never hit.
     """
 
     unique_blocks: int
@@ -56,11 +57,7 @@ class MissRatioCurve:
 
 def lru_miss_ratio_curve(requests: Sequence[TraceRequest], block_tokens: int = BLOCK_TOKENS) -> MissRatioCurve:
     """Stack distances of every block reference of ``requests`` (in order), in one pass."""
-    blocks: list[int] = []
-    tokens: list[int] = []
-    for req in requests:
-        blocks.extend(req.hash_ids)
-        tokens.extend(req.block_lengths(block_tokens))
+    blocks, tokens, reusable = block_references(requests, block_tokens)
     n = len(blocks)
     tree = [0] * (n + 1)  # Fenwick tree: 1 at the time of each block's latest reference
 
@@ -81,7 +78,7 @@ def lru_miss_ratio_curve(requests: Sequence[TraceRequest], block_tokens: int = B
     dist_blocks = np.zeros(len(set(blocks)) + 1, dtype=np.int64)
     dist_tokens = np.zeros_like(dist_blocks)
     live = 0  # blocks with a latest reference so far (= prefix(t))
-    for t, (b, tok) in enumerate(zip(blocks, tokens)):
+    for t, (b, tok) in enumerate(zip(blocks, reusable)):
         prev = last.get(b)
         if prev is not None:
             d = live - prefix(prev + 1)  # distinct blocks referenced after prev

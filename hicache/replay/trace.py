@@ -20,13 +20,15 @@ import gzip
 import json
 import logging
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 
 from hicache.errors import TraceFormatError
 
-__all__ = ["TraceRequest", "load_trace", "find_trace", "prefix_blocks", "request_tokens", "DEFAULT_TRACE_NAME"]
+__all__ = ["TraceRequest", "block_references", "load_trace", "find_trace", "prefix_blocks", "request_tokens",
+           "DEFAULT_TRACE_NAME"]
 
 DEFAULT_TRACE_NAME = "mooncake_fast25_synthetic_trace.jsonl"
 BLOCK_TOKENS = 512
@@ -47,6 +49,39 @@ class TraceRequest:
         """Tokens of each block in this request (the last may be partial)."""
         n = len(self.hash_ids)
         return [min(block_tokens, self.input_length - i * block_tokens) for i in range(n)]
+
+
+def block_references(
+    requests: Sequence[TraceRequest], block_tokens: int = BLOCK_TOKENS
+) -> tuple[list[int], list[int], list[int]]:
+    """Every block reference of ``requests``, in order: its block id, its tokens (the last block
+    of a prompt may be partial) and the tokens of it a cache could hit (``reusable``).
+
+    The rule every bound and reference counts hits by (:mod:`~hicache.replay.bounds`, the nested
+    LRU of :mod:`~hicache.replay.reference`, the miss-ratio curve of ``hicache size``): a hit on a
+    block is worth at most what earlier requests had of it, ``min(tokens, longest seen before)``,
+    0 on first sight. A block first seen as a prompt's short last block and later at full length
+    (a turn's tail, completed by the next turn) holds only the short part: counting all of it
+    put tokens no cache was ever given into the ceilings (agents' infinite cache 0.9423 where
+    0.9264 had been seen). Tokens, not pages: a cache of small pages hits whole pages of that
+    part and one of 512-token pages none of it (the cache's ``partial_page`` misses), so the
+    bounds stay above every page size. One length for every capacity (so the one-pass curve
+    still equals the nested LRU): the longest seen before, not what a smaller cache still holds
+    of the block; where a block only grows (every generated workload) the two are the same, as
+    a hit finds the block held since its previous reference, at least that long."""
+    blocks: list[int] = []
+    tokens: list[int] = []
+    reusable: list[int] = []
+    seen: dict[int, int] = {}  # block -> longest prefix of it seen so far
+    for req in requests:
+        for h, length in zip(req.hash_ids, req.block_lengths(block_tokens)):
+            before = seen.get(h, 0)
+            blocks.append(h)
+            tokens.append(length)
+            reusable.append(min(length, before))
+            if length > before:
+                seen[h] = length
+    return blocks, tokens, reusable
 
 
 def load_trace(path: str | os.PathLike[str], limit: int | None = None) -> list[TraceRequest]:

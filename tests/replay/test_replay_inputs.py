@@ -134,6 +134,7 @@ def test_gzip_traces_are_read_and_undecodable_files_are_named(tmp_path) -> None:
     ({"storage": {"backend": "memory", "options": []}}, "options"),
     ({"controller": "fast"}, "controller"),
     ({"kv": {"dtype": "float8_e4m3fn"}}, "cannot hold exact synthetic KV"),  # 55 values for 8,192 KV: blind
+    ({"replay": {"placement": "bogus"}}, r"unknown placement policy 'bogus'; allowed: \['lru'"),  # compare ignored it
 ])
 def test_replay_config_values_of_the_wrong_type_or_range_are_config_errors(data, match) -> None:
     with pytest.raises(ConfigError, match=match):
@@ -153,6 +154,51 @@ def test_a_storage_bound_that_is_no_size_is_a_config_error(tmp_path, max_bytes) 
                    f'[storage]\nbackend = "memory"\noptions = {{ max_bytes = {max_bytes} }}\n')
     with pytest.raises(ConfigError, match="max_bytes must be an integer of at least one page"):
         load_replay_config(cfg)
+
+
+@pytest.mark.parametrize(("storage", "how"), [
+    ('backend = "file"\noptions = { root = "store" }', "set storage.options.max_bytes"),
+    ('backend = "s3"\noptions = { url = "s3://bucket/kv" }', 'backend = "memory" and options.max_bytes'),
+])
+def test_a_store_the_replay_cannot_size_is_a_warning_saying_how(tmp_path, caplog, storage, how) -> None:
+    """A deployment's ``file`` store without ``max_bytes``, or an ``s3``/``fsspec`` one (no
+    bound at all), replayed with no storage tier and the tiers line's ``storage 0`` the only sign."""
+    from hicache.replay import load_replay_config
+
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('[model]\nnum_layers = 1\nnum_kv_heads = 1\nhead_dim = 2\nkv_dtype = "float32"\n'
+                   '[device]\npage_size = 512\nsize_tokens = 8192\n[host]\nsize_bytes = 262144\n'
+                   f'[storage]\n{storage}\n')
+    with caplog.at_level(logging.WARNING, logger="hicache.replay.config"):
+        replay = load_replay_config(cfg)
+    assert replay.capacity_pages(100)["storage"] == 0
+    [record] = [r for r in caplog.records if r.name == "hicache.replay.config"]
+    assert "has no storage tier" in record.getMessage() and how in record.getMessage()
+    assert "\n" not in record.getMessage()
+
+
+def test_a_policy_named_twice_replays_once_and_no_ratio_to_lru_prints_a_dash(tmp_path, monkeypatch) -> None:
+    """``--policies lru,lru`` replayed ``lru`` twice for one row; "vs lru" printed ``nanx``
+    where ``lru`` wrote nothing to storage (no storage tier) or was not replayed."""
+    from hicache.replay import compare
+
+    requests = load_trace(_prefix_reuse_trace(tmp_path / "t.jsonl"))
+    cfg = ReplayConfig.from_dict({"tiers": {"device_blocks": 8, "host_blocks": 12}})
+    replayed: list[str] = []
+    real = compare.replay_requests
+
+    async def counting(run_cfg, *args, **kwargs):
+        replayed.append(run_cfg.placement)
+        return await real(run_cfg, *args, **kwargs)
+
+    monkeypatch.setattr(compare, "replay_requests", counting)
+    report = asyncio.run(compare_policies(cfg, requests, ["reuse", "lru", "reuse"]))
+    assert replayed == ["reuse", "lru"] and list(report["policies"]) == ["reuse", "lru"]
+    assert report["policies"]["lru"]["storage_written_bytes"] == 0
+    text = compare.format_comparison(report)
+    assert "nan" not in text
+    rows = [line.split() for line in text.splitlines()[3:5]]  # the policies' rows, under the header
+    assert [row[0] for row in rows] == ["reuse", "lru"] and [row[7] for row in rows] == ["-", "-"]
 
 
 def test_tiers_larger_than_memory_are_a_config_error_naming_the_tier(tmp_path) -> None:
