@@ -263,8 +263,15 @@ def _bound_storage(config: StackConfig) -> None:
 
     if config.storage_backend is None or config.storage_backend == "memory" or not config.storage_pages:
         return
-    if "max_bytes" in config.storage_options or "max_bytes" not in backend_options(config.storage_backend):
+    if "max_bytes" in config.storage_options:
         return
+    if "max_bytes" not in backend_options(config.storage_backend):
+        # an s3 or fsspec store (or a plugin) has no bound to give: every policy but the ones
+        # whose tree evicts storage itself would replay an unbounded tier under a report that
+        # names the tier's capacity
+        raise ConfigError(
+            f"storage backend {config.storage_backend!r} takes no max_bytes, so the replay cannot bound it to "
+            f"its tier of {config.storage_pages} pages; replay the tier with backend = \"memory\" (or \"file\")")
     config.storage_options["max_bytes"] = config.storage_pages * config.page_nbytes
 
 

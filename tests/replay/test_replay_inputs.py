@@ -255,3 +255,17 @@ def test_the_command_line_refuses_a_negative_limit_and_a_raster_plot_name(tmp_pa
     assert main(["size", str(trace), "--no-plot"]) == 0
     assert main(["size", str(trace), "--plot", ""]) == 0
     assert not list(tmp_path.glob("*.svg")) and not (tmp_path / "curve.png").exists()
+
+
+@pytest.mark.parametrize("backend, options", [("fsspec", {"url": "memory://replay-kv"}),
+                                              ("s3", {"url": "s3://bucket/kv"})])
+def test_a_store_sized_by_tiers_that_takes_no_bound_is_a_config_error(tmp_path, backend, options) -> None:
+    """An ``s3`` or ``fsspec`` store sized by ``[tiers] storage_blocks`` has no ``max_bytes`` to
+    bound it: ``lru`` replayed an unbounded tier under a report naming the tier's capacity."""
+    requests = load_trace(_prefix_reuse_trace(tmp_path / "t.jsonl"))
+    cfg = ReplayConfig.from_dict({
+        "tiers": {"device_blocks": 8, "host_blocks": 4, "storage_blocks": 6},
+        "storage": {"backend": backend, "options": options},
+    })
+    with pytest.raises(ConfigError, match=rf"{backend}.*takes no max_bytes.*6 pages"):
+        asyncio.run(compare_policies(cfg, requests, ["lru"]))
