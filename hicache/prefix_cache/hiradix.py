@@ -463,11 +463,16 @@ class HiRadixCache(RadixCache):
                 break
             if self._write_victim(node):
                 continue  # host drops it once storage holds it (it is then evicted first)
-            if self.controller.has_storage:
+            parent = node.parent
+            if self.controller.has_storage and parent is not self.root_node and parent is not None \
+                    and not parent.on_storage:
                 # pages the policy wants in storage now (write-through: all) whose write never
                 # started: it waits for its prefix's write, still in flight (a page is written
                 # only after its prefix), and host needs the room first. Dropped, as a full host
-                # must; counted, since storage will miss them (the close report sums them)
+                # must; counted, since storage will miss them (the close report sums them).
+                # Only then: a node whose prefix is stored had its own write sent, and what of
+                # it did not land the controller counted already (storage_write_failures,
+                # storage_write_skipped_unhealthy), summed in the same report
                 unwritten = min(self.placement.storage_pages(node), len(node.hash_value)) - node.storage_pages
                 if unwritten > 0:
                     self.metrics.incr("storage_write_dropped_pages", unwritten)

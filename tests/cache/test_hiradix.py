@@ -823,3 +823,32 @@ async def test_pages_host_drops_before_their_storage_write_starts_are_counted() 
         gate.set()
     report = await stack.aclose()
     assert report.failed_storage_pages == 2
+
+
+@pytest.mark.parametrize("how", ["failed", "store_down"])
+async def test_pages_whose_storage_write_was_sent_are_not_counted_again_when_host_drops_them(how: str) -> None:
+    """Only a page whose write never started (it waited for its prefix's) is counted when host
+    drops it. One whose write was sent and did not land was counted by the controller already
+    (a failure, or skipped while the store was down), and the close report sums both: every
+    such page was reported twice."""
+    store = create_async_storage("memory", None, store_id=f"twice-{uuid.uuid4()}")
+    stack = build_stack(cfg(storage_max_retries=0, storage_retry_base_s=0.0), storage=store)
+    cache, ctl = stack.cache, stack.controller
+    real_write = store._write
+
+    async def refuse(pages, buffers, parents):  # type: ignore[no-untyped-def]
+        await real_write(pages, buffers, parents)
+        return [False] * len(pages)
+
+    if how == "failed":
+        store._write = refuse  # type: ignore[method-assign]
+    else:
+        ctl.health.trip("test: the store went away")
+    await serve_request(stack, toks(0, 8), rid="a")  # 2 pages, written through: not landed
+    await cache.drain()
+    cache.evict(EvictParams(num_tokens=10**6))
+    assert cache.evict_host(10**6) == 8
+    assert ctl.metrics.counters.get("storage_write_dropped_pages", 0) == 0
+    store._write = real_write  # type: ignore[method-assign]
+    report = await stack.aclose()
+    assert report.failed_storage_pages == 2
