@@ -764,6 +764,26 @@ async def test_a_namespace_folder_swapped_for_a_link_while_running_takes_no_writ
         assert await within(store.get("y", got)) is not None and torch.equal(got, v0(size, 4))
 
 
+@pytest.mark.parametrize("which", ["pages", "namespace"])
+async def test_a_read_through_a_swapped_link_removes_no_bad_page_outside(tmp_path, which) -> None:
+    """A read that finds a bad page removes it; through a namespace folder swapped for a link
+    while the store ran, the file it removed was outside the root."""
+    size = 4096
+    async with make_store(tmp_path / "root") as store:
+        await within(store.wait_background())
+        assert await within(store.batch_set(["a"], [v0(size, 1)]))
+        folder = store.layout.pages_dir if which == "pages" else store.layout.ns_dir
+        os.rename(folder, tmp_path / "moved")
+        os.symlink(tmp_path / "moved", folder)
+        page = next(p for p in (tmp_path / "moved").rglob("*") if p.is_file() and p.stat().st_size > size)
+        data = bytearray(page.read_bytes())
+        data[len(data) // 2] ^= 0xFF  # a flipped byte: the read finds a corrupt page
+        page.write_bytes(bytes(data))
+        got = torch.empty(size, dtype=torch.uint8)
+        assert await within(store.get("a", got)) is None
+        assert page.exists(), "a file outside the root was removed"
+
+
 async def test_a_namespace_folder_deleted_while_running_gets_its_manifest_back(tmp_path) -> None:
     """A cleaner deleted the namespace folder (the default root is under /tmp) and the next write
     made it again, with no manifest: ``hicache inspect``, which finds namespaces by their
@@ -874,3 +894,44 @@ async def test_pages_written_while_the_ledger_is_unavailable_are_counted_once_it
         on_disk = namespace_bytes(store.layout.ns_dir)
         assert on_disk <= 10 * page
         assert ledger is not None and ledger.used == on_disk
+
+
+async def test_what_was_owed_to_a_cleared_ledger_is_not_carried_into_the_next(tmp_path, monkeypatch) -> None:
+    """Pages written while the ledger was unavailable are owed to it with the next reservation;
+    a clear drops what is owed, since those pages go with the cleared folder. A batch that had
+    taken the debt and whose reservation failed while a clear ran put it back after the clear:
+    the new folder's ledger counted the old folder's pages for good (eviction came early)."""
+    from hicache_backends.file.ledger import UsageLedger
+
+    size = 4096
+    real_add = UsageLedger.add
+    mode = "down"
+    ns_dir = make_store(tmp_path).layout.ns_dir
+
+    def add(self, delta, **kwargs):
+        if mode == "down":
+            return None
+        if mode == "clearing" and kwargs.get("inflight", 0) > 0:  # the racing batch's reservation
+            before, t0 = os.stat(ns_dir).st_ino, time.monotonic()
+            while time.monotonic() - t0 < 5:  # still unavailable until the clear renamed the folder
+                with contextlib.suppress(FileNotFoundError):
+                    if os.stat(ns_dir).st_ino != before:
+                        break
+                time.sleep(0.005)
+            return None
+        return real_add(self, delta, **kwargs)
+
+    monkeypatch.setattr(UsageLedger, "add", add)
+    async with make_store(tmp_path) as store:
+        await within(store.wait_background())
+        for i in range(3):  # owed to the ledger
+            assert await store.set(f"old{i}", v0(size, i))
+        mode = "clearing"
+        racing = asyncio.ensure_future(store.set("racing", v0(size, 9)))
+        await asyncio.sleep(0.05)  # its reservation waits
+        await within(store.clear())
+        assert await within(racing)
+        mode = "up"
+        assert await store.set("new", v0(size, 1))
+        ledger = read_usage(os.path.join(ns_dir, LEDGER_NAME))
+        assert ledger is not None and ledger.used == namespace_bytes(ns_dir)

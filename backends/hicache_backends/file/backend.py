@@ -679,11 +679,13 @@ class FileStorage(AsyncHiCacheStorage):
             if self._tombstones is not None:
                 self._tombstones.update(ids)
             self._deleting.update(ids)
+            generation = self._generation
             try:
                 removed, idents, owed = await self._run(self._remove_victims, [self._layout.path(p) for p in ids], sizes)
             finally:
                 self._removals_done(ids)
-            self._ledger_debt += owed
+            if generation == self._generation:  # (after a clear: owed to the cleared folder's ledger)
+                self._ledger_debt += owed
             self.report_removed([PageKey(k, p) for k, p in idents], reason="evicted")
             self._free_est += removed
             self.stats.incr("evicted_pages", len(victims))
@@ -715,12 +717,14 @@ class FileStorage(AsyncHiCacheStorage):
         for pid in doomed:
             self._forget(pid)
         self._deleting.update(doomed)
+        generation = self._generation
         try:
             paths = [self._layout.path(pid) for pid in doomed]
             freed, _, owed = await self._run(self._remove_victims, paths, list(doomed.values()))
         finally:
             self._removals_done(doomed)
-        self._ledger_debt += owed
+        if generation == self._generation:  # (after a clear: owed to the cleared folder's ledger)
+            self._ledger_debt += owed
         self._free_est += freed
         return [pid in doomed for pid in ids]
 
@@ -883,7 +887,9 @@ class FileStorage(AsyncHiCacheStorage):
                 try:
                     await self._run(self._reserve, res, incoming, debt)
                 finally:
-                    if res.usage is None:  # not applied: still owed
+                    # not applied: still owed, unless a clear ran meanwhile (owed to the ledger
+                    # that went with the cleared folder, as the clear's reset of it says)
+                    if res.usage is None and generation == self._generation:
                         self._ledger_debt += debt
                 self._after_reclaim(res.usage)
             missing = await self._evict_for(incoming > 0, protect, res.usage)

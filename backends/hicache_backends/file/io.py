@@ -194,10 +194,11 @@ def _open_page(path: str) -> int | ReadResult:
         return ReadResult(ReadStatus.MISSING)
     except OSError as exc:
         if exc.errno == errno.ELOOP:  # a symlink where a page belongs: not ours, remove it
-            try:
-                os.unlink(path)
-            except OSError:
-                pass
+            if _inside_root(path):
+                try:
+                    os.unlink(path)
+                except OSError:
+                    pass
             return ReadResult(ReadStatus.CORRUPT, reason="symlink")
         return ReadResult(ReadStatus.ERROR, reason=f"open: {exc}", errno=exc.errno)
 
@@ -208,7 +209,20 @@ def _not_regular(path: str, st: os.stat_result) -> ReadResult:
     return ReadResult(ReadStatus.CORRUPT, reason="not a regular file")
 
 
+def _inside_root(path: str) -> bool:
+    """Whether removing the file at ``path`` stays inside the store: a read that finds a bad
+    page removes it, and through a folder swapped for a link while the store runs (see
+    :func:`linked_folder`) that removal would delete a file outside the root. Checked only
+    on that rare path: a read that finds its page whole removes nothing."""
+    linked = linked_folder(path)
+    if linked is not None:
+        logger.warning("not removing %s: %s is a symbolic link", path, linked)
+    return linked is None
+
+
 def _remove_stray(path: str, st: os.stat_result) -> None:
+    if not _inside_root(path):
+        return
     try:
         if stat.S_ISDIR(st.st_mode):
             os.rmdir(path)  # only an empty one: a folder tree is left for a human
@@ -238,6 +252,8 @@ def read_small_file(path: str, limit: int = _MANIFEST_MAX_BYTES) -> bytes | None
 
 def _discard(path: str, st: os.stat_result) -> None:
     """Remove a corrupt page, unless another writer replaced it since we opened it."""
+    if not _inside_root(path):
+        return
     try:
         now = os.stat(path)
         if (now.st_ino, now.st_dev) == (st.st_ino, st.st_dev):
