@@ -427,11 +427,12 @@ class HiCacheController:
                 call_back(bjob.on_done, False)
             for job, landed in leftovers:
                 pages = len(job.keys) - landed
-                first = job.keys[landed] if pages > 0 else ""
-                report.unwritten.append(UnwrittenBackup(first, pages, "closed"))
-                self.metrics.incr("unwritten_on_close", pages)
-                logger.warning("controller close: %d page(s) from key %.16s... were not written to storage",
-                               pages, first)
+                if pages > 0:  # (a job of deletions alone writes nothing: its end tells its policy)
+                    first = job.keys[landed]
+                    report.unwritten.append(UnwrittenBackup(first, pages, "closed"))
+                    self.metrics.incr("unwritten_on_close", pages)
+                    logger.warning("controller close: %d page(s) from key %.16s... were not written to storage",
+                                   pages, first)
                 call_back(job.on_done, landed)
 
     # ------------------------------------------------------------------ device -> host

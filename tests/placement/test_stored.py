@@ -567,3 +567,24 @@ async def test_deletions_still_waiting_at_close_are_sent_or_reported(store_back:
     finally:
         if not closed:
             await stack.aclose()
+
+
+async def test_a_close_that_times_out_on_the_deletions_reports_no_unwritten_pages() -> None:
+    """The deletions sent at close wait behind a write that hangs past the close's timeout:
+    their job, which writes nothing, was reported as an unwritten backup of 0 pages under an
+    empty key (and logged as one); only the deletions are left, and the report counts them."""
+    stack, a = await _full_six_page_store(close_timeout_s=0.3, storage_io_timeout_s=30, **ONE_JOB_PER_TURN)
+    cache = stack.cache
+
+    async def hangs(*args, **kwargs):  # type: ignore[no-untyped-def]
+        await asyncio.Event().wait()
+
+    stack.storage.batch_set_v2 = hangs  # a write that never ends holds the worker
+    assert cache._submit_storage_write(_job(["e0000000"], None))
+    await asyncio.sleep(0.05)
+    cache._stored.remove([a[3]])  # a storage eviction still waiting for a write to ride with
+    cache._doomed.append(a[3])
+    report = await stack.aclose()
+    assert not report.drained
+    assert [(u.first_key, u.pages) for u in report.unwritten] == [("e0000000", 1)]
+    assert report.undeleted_storage_pages == 1
