@@ -85,6 +85,51 @@ _InnerCall = tuple[Any, float, bool]
 
 
 @dataclasses.dataclass(eq=False)
+class _CallClock:
+    """When one storage call left this loop, began on the I/O loop and ended there
+    (``time.monotonic``; ``None``: not yet).
+
+    Why: the stall and timeout limits judge the store, so they must count the time the store
+    took, not the time the server's loop was blocked (a slow synchronous forward pass, a long
+    garbage collection). While this loop is blocked the I/O loop goes on, a call may end there,
+    and its answer waits for this loop; the expired wait would then read as a store that gave
+    no answer. So a call that has ended on the I/O loop is never stalled or timed out, and one
+    that has not yet left this loop (its task has not run) has not started to count."""
+
+    handed: float | None = None
+    began: float | None = None
+    ended: float | None = None
+
+    def since(self, floor: float) -> float:
+        """Where the call's limits count from: ``floor`` (the caller's start, or a hop's last
+        inner call), or later when the call began later (on the I/O loop) or has not yet left
+        this loop (now)."""
+        if self.handed is None:
+            return max(floor, time.monotonic())
+        return max(floor, self.handed, self.began or 0.0)
+
+    def seconds(self, fallback: float) -> float:
+        """The call's latency as the I/O loop saw it (``fallback`` when it never ran there)."""
+        if self.began is None or self.ended is None:
+            return fallback
+        return self.ended - self.began
+
+
+async def _clocked(coro: Coroutine[Any, Any, Any], clock: _CallClock,
+                   landed: Callable[[], None] | None = None) -> Any:
+    """Run ``coro`` (on the I/O loop), noting in ``clock`` when it began and ended there, and
+    calling ``landed()`` there once it has returned (not raised)."""
+    clock.began = time.monotonic()
+    try:
+        result = await coro
+    finally:
+        clock.ended = time.monotonic()
+    if landed is not None:
+        landed()
+    return result
+
+
+@dataclasses.dataclass(eq=False)
 class _Batch:
     """One ``batch_set_v2`` call of a storage write job."""
 
@@ -888,13 +933,16 @@ class HiCacheController:
         """Cancel ``rid``'s prefetch (its host pages are freed); whether there was one."""
         return self._prefetcher.abort(rid) if self._prefetcher is not None else False
 
-    async def _on_io(self, coro: Coroutine[Any, Any, Any]) -> Any:
+    async def _on_io(self, coro: Coroutine[Any, Any, Any], clock: _CallClock | None = None) -> Any:
+        if clock is not None:
+            clock.handed = time.monotonic()
         if self._io is None:
             return await coro
         return await self._io.run(coro)
 
     async def _storage_call(self, coro: Coroutine[Any, Any, Any], what: str,
-                            progress: list[float] | None = None) -> Any:
+                            progress: list[float] | None = None, *,
+                            landed: Callable[[], None] | None = None) -> Any:
         """Await a storage call under the health rules and the I/O timeout; ``None`` when it
         failed, timed out, was interrupted because the store went down, or was not made
         because the store is down.
@@ -912,11 +960,19 @@ class HiCacheController:
             return None
         cfg = self.config
         t0 = time.perf_counter()
+        clock = _CallClock()  # the limits and the latency sample count the store's time only
+        clocked = _clocked(coro, clock, landed)
         with counting_call() as counted:  # the task copies the context: its errors only
-            call = asyncio.ensure_future(self._on_io(coro))
+            call = asyncio.ensure_future(self._on_io(clocked, clock))
         if progress is None:  # a hop's inner calls are sampled one by one (_judge)
-            call.add_done_callback(lambda _: self.metrics.observe(_OPS.get(what, what), "storage", time.perf_counter() - t0))
-        call.add_done_callback(lambda _: _close_unstarted(coro))
+            call.add_done_callback(lambda _: self.metrics.observe(
+                _OPS.get(what, what), "storage", clock.seconds(time.perf_counter() - t0)))
+
+        def close_unstarted(_: object) -> None:
+            _close_unstarted(clocked)
+            _close_unstarted(coro)  # the wrapper never started: nor did the call it wraps
+
+        call.add_done_callback(close_unstarted)
         self._calls.add(call)
         call.add_done_callback(self._calls.discard)
         try:
@@ -927,8 +983,11 @@ class HiCacheController:
             since = progress if progress is not None else [time.monotonic()]
             stalled = False
             while not call.done():
+                if clock.ended is not None:  # the store answered; this loop was late to take it
+                    await asyncio.wait({call})
+                    continue
                 limit = stall if stall and not stalled else cfg.storage_io_timeout_s
-                left = since[0] + limit - time.monotonic()
+                left = clock.since(since[0]) + limit - time.monotonic()
                 if left > 0:
                     await asyncio.wait({call}, timeout=left)
                     continue

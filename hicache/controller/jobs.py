@@ -101,6 +101,9 @@ class PrefetchOp:
     task: asyncio.Task[None] | None = None
     inflight_start: int = 0
     inflight_end: int = 0
+    #: the read in flight has ended on the I/O loop, its answer not yet taken on this loop (a
+    #: blocked loop): the ``timeout`` policy waits for it rather than cut pages already here
+    read_landed: bool = False
     released: bool = False
     #: (ours, for miss attribution) whether ``exists`` answered, and why the fetch stopped
     #: short of ``found_pages``: ``"cut"`` (the stop policy took it early), ``"exists_failed"``,
@@ -114,6 +117,10 @@ class PrefetchOp:
     @property
     def num_tokens(self) -> int:
         return len(self.keys) * self.page_size
+
+    def note_read_landed(self) -> None:
+        """(On the I/O loop.) The read in flight has returned there (see ``read_landed``)."""
+        self.read_landed = True
 
 
 @dataclasses.dataclass

@@ -21,7 +21,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Coroutine
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -39,7 +39,12 @@ __all__ = ["Prefetcher"]
 #: ``spawn(coro, name) -> task``: start a task its owner keeps and drains on close
 Spawn = Callable[[Coroutine[Any, Any, Any], str], "asyncio.Task[Any]"]
 #: ``storage_call(coro, what) -> result | None``: a storage call under the I/O timeout
-StorageCall = Callable[[Coroutine[Any, Any, Any], str], Coroutine[Any, Any, Any]]
+class StorageCall(Protocol):
+    """The controller's storage call: ``coro`` under its I/O timeout and health rules (``None``:
+    a failed call); ``landed()`` runs on the I/O loop once ``coro`` has returned there."""
+
+    def __call__(self, coro: Coroutine[Any, Any, Any], what: str, *,
+                 landed: Callable[[], None] | None = None) -> Coroutine[Any, Any, Any]: ...
 
 logger = logging.getLogger("hicache.controller")
 
@@ -166,8 +171,10 @@ class Prefetcher:
                     op.inflight_start, op.inflight_end = a, a + n
                     t0 = time.perf_counter()
                     with counting_call() as call:
-                        result = await self._storage_call(self.storage.batch_get_v2(transfers), "read")
+                        result = await self._storage_call(self.storage.batch_get_v2(transfers), "read",
+                                                          landed=op.note_read_landed)
                     op.inflight_start = op.inflight_end = 0
+                    op.read_landed = False
                     got = leading_run(all_pools_ok(result, n))
                     if got:
                         op.completed_pages += got
@@ -247,6 +254,10 @@ class Prefetcher:
                     with contextlib.suppress(TimeoutError):
                         async with asyncio.timeout(remaining):
                             await op.done.wait()
+                # a read that ended in time while this loop was blocked: its pages are in host
+                # memory, only its answer is late (a few loop turns); cutting it would drop them
+                while policy == "timeout" and op.read_landed and not op.finished:
+                    await asyncio.sleep(0)
         result = self.take(rid)
         if result is not None:
             result.waited_s = time.monotonic() - t0
@@ -288,3 +299,4 @@ class Prefetcher:
             self._release_untaken(op)
         elif op.task is not None:
             op.task.cancel()
+

@@ -230,3 +230,60 @@ async def test_one_failing_call_among_concurrent_ones_counts_once() -> None:
         assert stack.controller.health.up and stack.controller.metrics.counters.get("storage_trips", 0) == 0
     finally:
         await stack.aclose()
+
+
+async def test_a_blocked_server_loop_is_not_taken_for_a_stalled_store() -> None:
+    """The stall and timeout limits were counted on the server's loop: a loop blocked longer
+    than ``storage_stall_s`` (a slow synchronous forward pass) marked a healthy store down and
+    dropped the call's answer, both when the block came before the call reached the I/O loop
+    and when the call ended there while the loop was blocked (its answer waiting to be taken)."""
+    async with switched(storage_stall_s=0.1, storage_io_timeout_s=0.3) as (store, stack):
+        await serve_request(stack, prompt(0), rid="warm")
+        await stack.cache.drain()
+        controller = stack.controller  # type: ignore[attr-defined]
+        samples: list[float] = []
+        observe = controller.metrics.observe
+        controller.metrics.observe = lambda op, tier, s: (samples.append(s), observe(op, tier, s))
+        before = asyncio.ensure_future(controller._storage_call(store.batch_exists_v2(["k"]), "exists"))
+        asyncio.get_running_loop().call_soon(time.sleep, 0.4)  # before the call has left the loop
+        assert await before is not None
+        during = asyncio.ensure_future(controller._storage_call(store.batch_exists_v2(["k"]), "exists"))
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        time.sleep(0.4)  # the call ends on the I/O loop meanwhile
+        assert await during is not None
+        counters = controller.metrics.counters
+        assert controller.health.up
+        assert counters.get("storage_stalls", 0) == counters.get("storage_timeouts", 0) == 0
+        assert samples and max(samples) < 0.1  # the loop's block is not the store's latency
+
+
+class BlockingRead(MemoryStorage):
+    """Each read blocks the server's loop (``loop``) for ``block`` seconds as it begins, and
+    itself answers at once: the answer waits for the loop."""
+
+    backend_name = "blocking-read"
+    loop: asyncio.AbstractEventLoop | None = None
+    block = 0.0
+
+    async def _read(self, pages, buffers):  # type: ignore[no-untyped-def]
+        if self.loop is not None and self.block:
+            self.loop.call_soon_threadsafe(time.sleep, self.block)
+        return await super()._read(pages, buffers)
+
+
+async def test_a_timeout_prefetch_keeps_pages_that_landed_while_the_loop_was_blocked() -> None:
+    """The ``timeout`` policy cut a prefetch whose read had ended in time, its answer only held
+    up by the blocked server loop: the pages, already in host memory, were dropped and computed."""
+    store_id = f"blocking-read-{uuid.uuid4()}"
+    await seed(store_id, [prompt(1)])
+    store = BlockingRead(store_id=store_id)
+    stack = make(store, prefetch_batch_pages=64, storage_stall_s=0.0)
+    try:
+        store.loop, store.block = asyncio.get_running_loop(), 0.45  # past the 0.3 s deadline
+        out = await serve_request(stack, prompt(1), rid="r")
+        assert out.storage_hit == len(prompt(1))  # type: ignore[attr-defined]
+        assert stack.controller.health.up  # type: ignore[attr-defined]
+    finally:
+        store.block = 0.0
+        await stack.aclose()
