@@ -83,6 +83,12 @@ class _Load:
     dev: torch.Tensor | None = None  # the device slots being written (whatever splits happen)
 
 
+def _load_running(handle: Any) -> bool:
+    """Whether a load handle's copy is still running (one that failed has ended too)."""
+    counter = handle.counter
+    return counter.exception is None and not counter.all_done()
+
+
 class HiRadixCache(RadixCache):
     """Radix cache over device, host and storage tiers.
 
@@ -1074,6 +1080,10 @@ class HiRadixCache(RadixCache):
             self._load_done(gen, load, False)
             return None
         self._loads.append(load)
+        # a caller that waits on the returned handle (the facade, the replay) never takes it
+        # through ready_to_load_host_cache: handles whose load ended go, or the list grows with
+        # every load-back of a long-running server
+        self._new_handles = [h for h in self._new_handles if _load_running(h)]
         self._new_handles.append(handle)
         return LoadBack(dev, node, fut, handle)
 
@@ -1127,7 +1137,9 @@ class HiRadixCache(RadixCache):
 
     def ready_to_load_host_cache(self) -> list[Any]:
         """Load handles started since the last call (``handle.counter`` is the per-layer
-        ``LayerDoneCounter`` the forward pass waits on)."""
+        ``LayerDoneCounter`` the forward pass waits on), less those that had already ended
+        when a later load-back started: nothing is left to wait on there, and a caller that
+        never calls this (it waits on ``LoadBack.load_handle``) must not pile them up."""
         handles, self._new_handles = self._new_handles, []
         return handles
 

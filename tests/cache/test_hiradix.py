@@ -114,6 +114,23 @@ async def test_demotion_match_through_evicted_and_exact_load_back() -> None:
     await stack.aclose()
 
 
+async def test_load_handles_nobody_takes_do_not_pile_up() -> None:
+    """A caller that waits on its own load (the facade, the server) never calls
+    ready_to_load_host_cache: the handles of ended loads must not pile up (a soak run of the
+    demo server kept every load-back's handle, its counters and futures, for good)."""
+    stack = build_stack(cfg())
+    cache = stack.cache
+    a = toks(0, 16)
+    for i in range(30):
+        await serve_request(stack, a, rid=f"a{i}")
+        await cache.drain()
+        cache.evict(EvictParams(num_tokens=10**6))  # host-only again: the next turn loads it back
+    assert stack.controller.metrics.counters["load_back_skipped"] == 0
+    assert stack.controller.metrics.ops["h2d"] >= 29  # every turn after the first loaded back
+    assert len(cache._new_handles) <= 1
+    await stack.aclose()
+
+
 async def test_load_back_is_all_or_nothing_under_quota() -> None:
     stack = build_stack(cfg())
     cache = stack.cache
