@@ -1366,7 +1366,7 @@ class HiRadixCache(RadixCache):
             logger.warning("cache close: %d page(s) committed on device never reached host (their backups "
                            "waited for host room)", pages)
         stored = self._stored
-        undeleted = len({k for k in self._doomed if stored is None or k not in stored})
+        undeleted = len({k for k in self._doomed if k not in stored}) if stored is not None else 0
         if undeleted and isinstance(report, CloseReport):
             report.undeleted_storage_pages = undeleted
             logger.warning("cache close: %d page(s) evicted from storage by the placement policy were never "

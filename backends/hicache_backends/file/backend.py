@@ -684,8 +684,7 @@ class FileStorage(AsyncHiCacheStorage):
                 removed, idents, owed = await self._run(self._remove_victims, [self._layout.path(p) for p in ids], sizes)
             finally:
                 self._removals_done(ids)
-            if generation == self._generation:  # (after a clear: owed to the cleared folder's ledger)
-                self._ledger_debt += owed
+            self._owe_ledger(owed, generation)
             self.report_removed([PageKey(k, p) for k, p in idents], reason="evicted")
             self._free_est += removed
             self.stats.incr("evicted_pages", len(victims))
@@ -723,8 +722,7 @@ class FileStorage(AsyncHiCacheStorage):
             freed, _, owed = await self._run(self._remove_victims, paths, list(doomed.values()))
         finally:
             self._removals_done(doomed)
-        if generation == self._generation:  # (after a clear: owed to the cleared folder's ledger)
-            self._ledger_debt += owed
+        self._owe_ledger(owed, generation)
         self._free_est += freed
         return [pid in doomed for pid in ids]
 
@@ -887,10 +885,8 @@ class FileStorage(AsyncHiCacheStorage):
                 try:
                     await self._run(self._reserve, res, incoming, debt)
                 finally:
-                    # not applied: still owed, unless a clear ran meanwhile (owed to the ledger
-                    # that went with the cleared folder, as the clear's reset of it says)
-                    if res.usage is None and generation == self._generation:
-                        self._ledger_debt += debt
+                    if res.usage is None:  # not applied: still owed
+                        self._owe_ledger(debt, generation)
                 self._after_reclaim(res.usage)
             missing = await self._evict_for(incoming > 0, protect, res.usage)
             while missing > 0 and jobs:  # cannot fit them all: drop the deepest pages (batch tail)
@@ -986,6 +982,14 @@ class FileStorage(AsyncHiCacheStorage):
         if delta or refused or res.amount:  # res.amount: this batch's in-flight mark goes too
             await self._ledger_call(self._executor, delta, refused=refused, token=res.usage.token,
                                     inflight=-res.amount)
+
+    def _owe_ledger(self, amount: int, generation: int) -> None:
+        """Add ``amount`` bytes to what the shared count is owed (settled by the next write's
+        reservation), unless a clear ran since ``generation``: it was owed to the ledger that
+        went with the cleared folder, and carried over the new one would count pages that are
+        gone."""
+        if generation == self._generation:
+            self._ledger_debt += amount
 
     def _owe_unreserved(self, results: Sequence[page_io.WriteResult]) -> None:
         """A batch written while the shared ledger was unavailable (a peer frozen holding its

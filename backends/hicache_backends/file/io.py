@@ -221,13 +221,11 @@ def _inside_root(path: str) -> bool:
 
 
 def _remove_stray(path: str, st: os.stat_result) -> None:
-    if not _inside_root(path):
-        return
     try:
-        if stat.S_ISDIR(st.st_mode):
-            os.rmdir(path)  # only an empty one: a folder tree is left for a human
-        else:
+        if not stat.S_ISDIR(st.st_mode):
             _discard(path, st)
+        elif _inside_root(path):
+            os.rmdir(path)  # only an empty one: a folder tree is left for a human
     except OSError as exc:
         logger.warning("could not remove %s (not a regular file): %s", path, exc)
 
@@ -594,9 +592,7 @@ def remove_files(paths: Sequence[str], sizes: Sequence[int]) -> int:
     gone already - another process evicted it - frees nothing here)."""
     freed = 0
     for p, size in zip(paths, sizes):
-        linked = linked_folder(p)
-        if linked is not None:  # a folder replaced by a link: not ours to empty
-            logger.warning("not removing %s: %s is a symbolic link", p, linked)
+        if not _inside_root(p):  # a folder replaced by a link: not ours to empty
             continue
         try:
             os.unlink(p)
