@@ -34,6 +34,7 @@ from hicache.observability.tier_events import TierChangeHub
 from hicache.placement import make_placement
 from hicache.prefix_cache.hiradix import HiRadixCache
 from hicache.storage import AsyncHiCacheStorage, HiCacheStorageConfig, create_async_storage
+from hicache.storage.registry import backend_options
 
 __all__ = [
     "CacheStack",
@@ -67,7 +68,8 @@ def torch_dtype(name: str) -> torch.dtype:
 @dataclasses.dataclass(kw_only=True)
 class StackConfig:
     """Geometry and capacities. ``storage_backend`` ``None`` means no L3; ``storage_pages``
-    sizes a ``memory`` store (``max_bytes``); other backends take ``storage_options``."""
+    sizes a store that takes ``max_bytes`` (``memory``, ``file``) unless ``storage_options``
+    sets it; other options go in ``storage_options``."""
 
     page_size: int = 64
     layer_num: int = 1
@@ -184,7 +186,9 @@ def build_stack(cfg: StackConfig, *, storage: AsyncHiCacheStorage | None = None)
     own = storage is None and cfg.storage_backend is not None
     if storage is None and cfg.storage_backend is not None:
         options = dict(cfg.storage_options)
-        if cfg.storage_backend == "memory" and cfg.storage_pages is not None:
+        if cfg.storage_pages is not None and "max_bytes" in backend_options(cfg.storage_backend):
+            # any store that takes a bound gets the tier's size (a file store's own default,
+            # 64 GiB, kept every page of a tier sized in pages)
             options.setdefault("max_bytes", cfg.storage_pages * cfg.page_nbytes)
         options.setdefault("namespace", cfg.namespace or storage_namespace(host_pool))
         storage = create_async_storage(cfg.storage_backend, None, **options)

@@ -174,7 +174,7 @@ async def replay_requests(
                             num_layers=cfg.layer_num, num_kv_heads=cfg.head_num, head_dim=cfg.head_dim,
                             layout=cfg.host_layout, salt=f"run-{os.getpid()}-{uuid.uuid4().hex[:12]}"),
     )
-    _bound_storage(stack_cfg)
+    _refuse_unbounded_storage(stack_cfg)
     _check_replay_memory(stack_cfg)
     stack = build_stack(stack_cfg)
     storage_removed: Counter[str] = Counter()  # storage pages removed, by reason (deleted, evicted)
@@ -253,26 +253,19 @@ async def replay_requests(
     }
 
 
-def _bound_storage(config: StackConfig) -> None:
-    """Give a store that takes ``max_bytes`` (``file``) the storage tier's capacity as its bound,
-    as :func:`build_stack` does for ``memory``: without it a ``file`` store sized by ``[tiers]``
-    kept every page (its own default is 64 GiB) while the report and the reference LRU assumed
-    the tier's capacity, and ``lru`` beat the nested LRU through an unbounded tier. A bound
-    the options set is kept."""
+def _refuse_unbounded_storage(config: StackConfig) -> None:
+    """A :class:`ConfigError` for a store sized by the tiers that takes no bound: a store that
+    takes ``max_bytes`` gets the tier's capacity from :func:`build_stack`, but an ``s3`` or
+    ``fsspec`` store (or a plugin without one) would replay an unbounded tier under a report
+    that names the tier's capacity."""
     from hicache.storage.registry import backend_options
 
-    if config.storage_backend is None or config.storage_backend == "memory" or not config.storage_pages:
-        return
-    if "max_bytes" in config.storage_options:
+    if config.storage_backend is None or not config.storage_pages or "max_bytes" in config.storage_options:
         return
     if "max_bytes" not in backend_options(config.storage_backend):
-        # an s3 or fsspec store (or a plugin) has no bound to give: every policy but the ones
-        # whose tree evicts storage itself would replay an unbounded tier under a report that
-        # names the tier's capacity
         raise ConfigError(
             f"storage backend {config.storage_backend!r} takes no max_bytes, so the replay cannot bound it to "
             f"its tier of {config.storage_pages} pages; replay the tier with backend = \"memory\" (or \"file\")")
-    config.storage_options["max_bytes"] = config.storage_pages * config.page_nbytes
 
 
 def _check_replay_memory(config: StackConfig) -> None:
