@@ -538,6 +538,18 @@ class HiCache:
         """Wait until every queued write-back, backup and storage write has completed."""
         await self._check_open().drain()
 
+    def note_prefill(self, tokens: int, seconds: float) -> None:
+        """Report a prefill the engine ran: ``tokens`` computed in ``seconds`` of compute.
+
+        Why: a storage hit is only worth waiting for while it lands sooner than its tokens
+        would be recomputed. With the engine's prefill rate known, the ``timeout`` prefetch
+        policy stops a request's wait as soon as fetching the rest would take longer, and
+        never waits longer than recomputing it (``cache.prefetch.recompute_tokens_per_s``
+        fixes the rate instead). Report compute time only, of prefills that waited for no
+        load; prefills under 32 tokens and odd values are ignored (never raised on)."""
+        self._check_open()
+        self._require_stack().controller.note_prefill(tokens, seconds)
+
     # ------------------------------------------------------------------ observability
 
     def events(self, maxsize: int = 1024) -> Any:

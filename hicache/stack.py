@@ -264,6 +264,7 @@ def controller_options(config: Any) -> dict[str, Any]:
         "prefetch_timeout_base_s": prefetch.timeout_base_s,
         "prefetch_timeout_per_ki_token_s": prefetch.timeout_per_ki_token_s,
         "prefetch_timeout_max_s": prefetch.timeout_max_s,
+        "prefetch_recompute_tokens_per_s": prefetch.recompute_tokens_per_s,
         "max_inflight_prefetch_tokens": prefetch.max_inflight_pages * ps,
     }
     if cache.write_policy == "write_through_selective":

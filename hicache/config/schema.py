@@ -135,6 +135,11 @@ class PrefetchConfig(_Section):
     timeout_per_ki_token_s: float = Field(0.1, ge=0)
     timeout_max_s: float = Field(30.0, gt=0)
     max_inflight_pages: int = Field(4096, gt=0, description="Rate limit on pages being fetched.")
+    recompute_tokens_per_s: float | None = Field(
+        None, gt=0,
+        description="The engine's prefill throughput: under the timeout policy a request stops waiting once its "
+        "missing pages would be recomputed sooner than fetched (null: learned from the engine's reported prefills).",
+    )
 
 
 class CacheConfig(_Section):

@@ -7,6 +7,7 @@ Defaults follow SGLang where it has one (prefetch timeout 2.0 s + 0.1 s per 1Ki 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 from hicache.errors import ConfigError
@@ -41,6 +42,11 @@ class ControllerConfig:
     storage_probe_base_s / storage_probe_max_s: while the store is down, a probe runs after
         this backoff, doubled after each failed probe up to the maximum.
     prefetch_policy: ``best_effort`` (take what arrived), ``wait_complete`` or ``timeout``.
+    prefetch_recompute_tokens_per_s: the engine's prefill throughput. Under ``timeout`` a
+        request then stops waiting as soon as the pages it still lacks would be recomputed
+        sooner than fetched, and never waits longer than recomputing them: a storage hit is
+        never slower than a recompute. ``None``: learned from the prefills the engine reports
+        (``HiCache.note_prefill``); until then only the fixed timeout applies.
     prefetch_threshold: fewer storage tokens than this are not worth a prefetch.
     max_inflight_prefetch_tokens: rate limit; prefetches beyond it are skipped.
     cancelled_io_grace_s: an interrupted (cancelled) storage call is always waited for until
@@ -74,6 +80,7 @@ class ControllerConfig:
     prefetch_timeout_base_s: float = 2.0
     prefetch_timeout_per_ki_token_s: float = 0.1
     prefetch_timeout_max_s: float = 30.0
+    prefetch_recompute_tokens_per_s: float | None = None
     prefetch_batch_pages: int = 64
     max_inflight_prefetch_tokens: int = 1 << 20
     max_concurrent_prefetches: int = 16
@@ -88,6 +95,9 @@ class ControllerConfig:
             raise ConfigError(
                 f"prefetch_policy {self.prefetch_policy!r} unknown; allowed: {list(PREFETCH_POLICIES)}"
             )
+        rate = self.prefetch_recompute_tokens_per_s
+        if rate is not None and (isinstance(rate, bool) or not isinstance(rate, (int, float)) or not math.isfinite(rate) or rate <= 0):
+            raise ConfigError(f"prefetch_recompute_tokens_per_s must be a positive number or None, got {rate!r}")
         if self.write_through_threshold is None:
             self.write_through_threshold = 2 if self.write_policy == "write_through_selective" else 1
         positive = (

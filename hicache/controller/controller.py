@@ -238,6 +238,8 @@ class HiCacheController:
         self.metrics.gauge("prefetch_inflight_tokens",
                            lambda: self._prefetcher.inflight_tokens if self._prefetcher else 0)
         self.metrics.gauge("loads_inflight", lambda: len(self._loads))
+        self.metrics.gauge("recompute_tokens_per_s", self._recompute_rate,
+                           "prefill tokens/s the prefetch wait is weighed against (0: not known yet)")
         self.metrics.gauge("tasks", lambda: len(self._tasks))
         self.metrics.gauge("storage_calls_stuck_now", lambda: self._stuck_calls)
         if storage is not None:
@@ -913,6 +915,16 @@ class HiCacheController:
             self.metrics.incr("prefetch_skipped_unhealthy")
             return None
         return self._prefetcher.start(rid, keys, alloc_host=alloc_host, extra=extra)
+
+    def note_prefill(self, tokens: int, seconds: float) -> None:
+        """The engine computed ``tokens`` of prefill in ``seconds``: the recompute cost the
+        ``timeout`` prefetch policy weighs a wait against (see :mod:`hicache.controller.recompute`)."""
+        if self._prefetcher is not None:
+            self._prefetcher.prefill.observe(tokens, seconds)
+
+    def _recompute_rate(self) -> float:
+        rate = self._prefetcher.prefill.tokens_per_s if self._prefetcher is not None else None
+        return 0.0 if rate is None else rate  # 0: not known yet
 
     def prefetch_op(self, rid: str) -> PrefetchOp | None:
         return self._prefetcher.op(rid) if self._prefetcher is not None else None

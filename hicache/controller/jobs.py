@@ -101,6 +101,15 @@ class PrefetchOp:
     task: asyncio.Task[None] | None = None
     inflight_start: int = 0
     inflight_end: int = 0
+    #: a storage call (``exists``, then each read) is in flight, and when it began
+    #: (``time.monotonic()``): how far into it, or how late, a waiter is
+    calling: bool = False
+    inflight_since: float = 0.0
+    #: set whenever the op moves (exists answered, a batch landed, the op ended): a request
+    #: waiting under the recompute bound re-decides then (see :mod:`hicache.controller.recompute`)
+    progress: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+    #: the recompute bound ended this op's wait (counted once, however often it is polled)
+    recompute_cut: bool = False
     #: the read in flight has ended on the I/O loop, its answer not yet taken on this loop (a
     #: blocked loop): the ``timeout`` policy waits for it rather than cut pages already here
     read_landed: bool = False

@@ -31,7 +31,7 @@ _ENDS: dict[str, tuple[str, str]] = {
     "d2h": ("device", "host"), "h2d": ("host", "device"), "h2s": ("host", "storage"), "s2h": ("storage", "host"),
 }
 # gauges whose sum over workers means nothing (multi-process aggregation)
-_GAUGE_MODES = {"storage_up": "livemin", "tasks": "livemax"}
+_GAUGE_MODES = {"storage_up": "livemin", "tasks": "livemax", "recompute_tokens_per_s": "livemax"}
 
 _COUNTERS: dict[str, str] = {
     "requests": "requests matched",
@@ -62,6 +62,7 @@ _COUNTERS: dict[str, str] = {
     "prefetch_skipped_threshold": "prefetches not started: below the token threshold",
     "prefetch_rate_limited": "prefetches not started: rate limit",
     "prefetch_aborted": "prefetches aborted",
+    "prefetch_cut_recompute": "prefetch waits ended because the missing pages would be recomputed sooner than fetched",
     "prefetch_pages_done": "pages fetched from storage",
     "prefetch_pages_used": "fetched pages handed to requests",
     "host_evicted_tokens": "tokens evicted from host",

@@ -4,8 +4,9 @@ When a request arrives, the cache asks storage how far the chain of page keys af
 hit extends, allocates host pages for that many and fetches them in batches, counting complete
 pages as they land. The request then stops waiting as its policy says (``best_effort``: now;
 ``wait_complete``: when done; ``timeout``: at most ``min(max, base + per_ki_token * tokens /
-1024)`` seconds after the prefetch started), takes the complete pages, and the op frees the
-rest. Abort cancels the op; the op ends only once a read it had in flight has really returned
+1024)`` seconds after the prefetch started, and, once the engine's prefill rate is known
+(configured or reported), no longer than the missing pages would take to recompute: see
+:mod:`hicache.controller.recompute`), takes the complete pages, and the op frees the rest. Abort cancels the op; the op ends only once a read it had in flight has really returned
 (the controller's storage call waits it out), so its host pages are freed when nothing can
 write into them any more.
 
@@ -28,6 +29,7 @@ import torch
 from hicache.controller.config import ControllerConfig
 from hicache.controller.jobs import PrefetchOp, PrefetchResult
 from hicache.controller.metrics import ControllerMetrics
+from hicache.controller.recompute import PrefillCost, ReadPace, give_up_at
 from hicache.controller.transfers import all_pools_ok, slice_transfer
 from hicache.observability import tracing
 from hicache.storage import AsyncHiCacheStorage, PoolName, PoolTransfer
@@ -85,6 +87,10 @@ class Prefetcher:
         self._sem = asyncio.Semaphore(config.max_concurrent_prefetches)
         self._prefetches: dict[str, PrefetchOp] = {}
         self._inflight_tokens = 0
+        #: the engine's prefill cost (configured or reported) and the store's pace: together
+        #: they bound the ``timeout`` policy's wait (a hit never slower than recomputing)
+        self.prefill = PrefillCost(config.prefetch_recompute_tokens_per_s)
+        self.pace = ReadPace()
 
     @property
     def inflight(self) -> int:
@@ -145,12 +151,15 @@ class Prefetcher:
             async with self._sem:
                 if op.stop_requested:
                     return
+                op.calling, op.inflight_since = True, time.monotonic()
                 with counting_call() as call:
                     hit = await self._storage_call(self.storage.batch_exists_v2(op.keys, op.extra or None), "exists")
+                op.calling = False
                 found = min(len(op.keys), hit.kv_hit_pages if hit is not None else 0)
                 op.found_pages = found
                 # an exists the backend answered with misses after an error is no answer
                 op.exists_answered = hit is not None and not call.errors
+                op.progress.set()
                 if not op.exists_answered:
                     op.stop = op.stop or "exists_failed"
                 if found == 0 or op.stop_requested:
@@ -169,17 +178,21 @@ class Prefetcher:
                     for extra in op.extra:
                         transfers.append(slice_transfer(extra, a, n))
                     op.inflight_start, op.inflight_end = a, a + n
+                    op.calling, op.inflight_since = True, time.monotonic()
                     t0 = time.perf_counter()
                     with counting_call() as call:
                         result = await self._storage_call(self.storage.batch_get_v2(transfers), "read",
                                                           landed=op.note_read_landed)
                     op.inflight_start = op.inflight_end = 0
-                    op.read_landed = False
+                    op.calling = op.read_landed = False
                     got = leading_run(all_pools_ok(result, n))
                     if got:
                         op.completed_pages += got
                         self.metrics.incr("prefetch_pages_done", got)
                         self.metrics.transfer("s2h", got, got * self.page_nbytes, time.perf_counter() - t0)
+                        if got == n:
+                            self.pace.observe(n, time.monotonic() - op.inflight_since)
+                        op.progress.set()
                     if got < n:
                         if result is None:
                             self.metrics.incr("storage_read_failures")
@@ -202,6 +215,7 @@ class Prefetcher:
     def _finish_op(self, op: PrefetchOp) -> None:
         op.finished = True
         op.done.set()
+        op.progress.set()
         if self._prefetches.get(op.rid) is op and op.taken_pages is not None:
             del self._prefetches[op.rid]
         if not op.released:
@@ -235,7 +249,13 @@ class Prefetcher:
             return True
         if policy == "wait_complete":
             return False
-        return time.monotonic() - op.started >= self.config.prefetch_timeout(op.num_tokens)
+        now = time.monotonic()
+        if now - op.started >= self.config.prefetch_timeout(op.num_tokens):
+            return True
+        # polled (SGLang's scheduler): the wait is counted from the prefetch's start, and the
+        # cap is recomputing every token it was started for
+        spt = self.prefill.seconds_per_token
+        return spt is not None and self._cut_for_recompute(op, now, op.started, op.num_tokens * spt, spt)
 
     async def wait(self, rid: str, policy: str | None = None) -> PrefetchResult | None:
         """Wait as long as the stop policy allows, then take what completed (see
@@ -250,7 +270,10 @@ class Prefetcher:
                 await op.done.wait()
             else:
                 remaining = self.config.prefetch_timeout(op.num_tokens) - (t0 - op.started)
-                if remaining > 0:
+                spt = self.prefill.seconds_per_token
+                if remaining > 0 and spt is not None:
+                    await self._wait_worth_it(op, t0, t0 + remaining, spt)
+                elif remaining > 0:
                     with contextlib.suppress(TimeoutError):
                         async with asyncio.timeout(remaining):
                             await op.done.wait()
@@ -262,6 +285,50 @@ class Prefetcher:
         if result is not None:
             result.waited_s = time.monotonic() - t0
         return result
+
+    def _missing_pages(self, op: PrefetchOp) -> int:
+        """Pages the op may still land: all its keys until storage answered, then the found
+        ones, then those host room was found for."""
+        target = op.room_pages if op.host_indices is not None else op.found_pages if op.exists_answered else len(op.keys)
+        return max(0, target - op.completed_pages)
+
+    def _give_up_at(self, op: PrefetchOp, now: float, wait_start: float, cap: float, spt: float) -> float:
+        """When the recompute bound ends the wait if the op does not move before."""
+        return give_up_at(
+            now=now,
+            missing_pages=self._missing_pages(op),
+            inflight_pages=op.inflight_end - op.inflight_start,
+            call_since=op.inflight_since if op.calling else None,
+            wait_start=wait_start,
+            cap_s=cap,
+            page_tokens=self.page_size,
+            seconds_per_token=spt,
+            seconds_per_page=self.pace.seconds_per_page,
+        )
+
+    def _cut_for_recompute(self, op: PrefetchOp, now: float, wait_start: float, cap: float, spt: float) -> bool:
+        """Whether the recompute bound ends the wait now (counted once per op)."""
+        if self._give_up_at(op, now, wait_start, cap, spt) > now:
+            return False
+        if not op.recompute_cut:
+            op.recompute_cut = True
+            self.metrics.incr("prefetch_cut_recompute")
+        return True
+
+    async def _wait_worth_it(self, op: PrefetchOp, t0: float, deadline: float, spt: float) -> None:
+        """Wait for ``op`` until it ends, the policy's ``deadline`` passes, or the pages it
+        still lacks would be recomputed sooner than fetched (re-decided whenever it moves,
+        and when a call in flight runs late enough to lose)."""
+        cap = self._missing_pages(op) * self.page_size * spt  # recomputing what is missing now
+        while not op.finished:
+            now = time.monotonic()
+            if now >= deadline or self._cut_for_recompute(op, now, t0, cap, spt):
+                return
+            op.progress.clear()
+            wake = min(deadline, self._give_up_at(op, now, t0, cap, spt))
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(max(0.0, wake - now)):
+                    await op.progress.wait()
 
     def take(self, rid: str) -> PrefetchResult | None:
         """Stop ``rid``'s prefetch and hand over the pages completed so far (the caller owns

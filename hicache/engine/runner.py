@@ -109,6 +109,18 @@ class GenerateResult:
         }
 
 
+def _timed(fn: Callable[..., T]) -> Callable[..., tuple[T, float]]:
+    """``fn`` returning its result and the seconds it ran (timed on the worker thread, so
+    queueing behind other forwards is not counted)."""
+
+    def call(*args: Any, **kwargs: Any) -> tuple[T, float]:
+        t0 = time.perf_counter()
+        out = fn(*args, **kwargs)
+        return out, time.perf_counter() - t0
+
+    return call
+
+
 def _argmax(logits: torch.Tensor) -> int:
     return int(torch.argmax(logits[-1]).item())
 
@@ -235,8 +247,8 @@ class Engine:
             # a one-token prompt, fully cached: the prefill reads no prefix (so it waits for no
             # layer) but the first decode step reads it, and that forward does not wait
             await handle.wait_loaded()
-        logits = await self.run(
-            self.model.forward,
+        logits, compute_s = await self.run(
+            _timed(self.model.forward),
             prompt[start:],
             start,
             pool,
@@ -246,6 +258,12 @@ class Engine:
             priority=PREFILL,
         )
         self.forwards += 1
+        hits = dict(handle.hits)
+        note = getattr(self.cache, "note_prefill", None)
+        if note is not None and write and not (hits.get("host") or hits.get("storage")):
+            # a prefill that waited for no load-back: its time is compute alone, the cost a
+            # storage hit saves (the cache weighs prefetch waits against it)
+            note(n_prompt - start, compute_s)
         tok = _argmax(logits)
         ttft = time.perf_counter() - t0
         result = GenerateResult(

@@ -127,3 +127,23 @@ async def test_a_one_token_prompt_loaded_from_host_waits_for_its_load(tmp_path: 
         await engine.aclose()
     assert res.hits.get("host", 0) == 1 and res.cached_tokens == 1, res.hits
     assert res.tokens == reference_generate(model, target, N_NEW)
+
+
+async def test_the_engine_reports_prefills_that_waited_for_no_load(tmp_path: Path) -> None:
+    """Prefills computed from scratch (or after a device hit) tell the cache what a recompute
+    costs; one that waited for a load-back from host would overstate it and is not reported."""
+    cfg = tier_config(tmp_path, device_tokens=512)
+    model = TinyTransformer(spec_for(cfg))
+    target = prompt_of(200, seed=4)
+    async with HiCache.from_config(cfg) as cache:
+        prefill = cache._require_stack().controller._prefetcher.prefill
+        engine = Engine(cache, model)
+        await _check(engine, model, "first", target + [1])
+        assert prefill.observations == 1
+        for i in range(4):
+            await engine.generate(f"evict{i}", prompt_of(220, seed=50 + i), 2)
+        assert prefill.observations == 5
+        res = await _check(engine, model, "again", target + [2, 3])
+        assert res.hits.get("host", 0) > 0 and prefill.observations == 5
+        await engine.aclose()
+        assert prefill.seconds_per_token is not None and prefill.seconds_per_token > 0

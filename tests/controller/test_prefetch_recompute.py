@@ -1,0 +1,212 @@
+"""The recompute bound on prefetch waits: under the ``timeout`` policy a request stops waiting
+for storage once the pages it still lacks would be recomputed sooner than fetched, and never
+waits longer than recomputing them (a storage hit is never slower than a recompute)."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from _hicache_faults import FaultyStorage
+from hicache.config import HiCacheConfig
+from hicache.controller import ControllerConfig
+from hicache.controller.recompute import PrefillCost, ReadPace, give_up_at
+from hicache.errors import ConfigError
+from hicache.prefix_cache import Req
+from hicache.replay import StackConfig, build_stack, serve_request
+
+PS = 4
+
+
+def toks(base: int, n: int) -> list[int]:
+    return list(range(base, base + n))
+
+
+# ---------------------------------------------------------------------- the rates
+
+
+def test_a_configured_rate_is_used_as_it_is_and_reports_change_nothing() -> None:
+    cost = PrefillCost(1000.0)
+    cost.observe(10, 99.0)
+    assert cost.seconds_per_token == pytest.approx(1e-3) and cost.seconds(500) == pytest.approx(0.5)
+    for bad in (0, -1.0, math.inf, math.nan):
+        with pytest.raises(ValueError):
+            PrefillCost(bad)
+
+
+def test_a_learned_rate_is_the_slope_not_the_fixed_cost_of_a_forward() -> None:
+    cost = PrefillCost(min_observations=3)
+    assert cost.seconds_per_token is None and cost.seconds(100) is None
+    for n in (100, 400, 1600, 800, 200):
+        cost.observe(n, 0.02 + 5e-5 * n)  # 20 ms a forward whatever its length, 50 us a token
+    assert cost.seconds_per_token == pytest.approx(5e-5, rel=1e-6)
+    assert cost.tokens_per_s == pytest.approx(20_000, rel=1e-6)
+
+
+def test_one_prompt_length_gives_the_average_and_odd_reports_are_ignored() -> None:
+    cost = PrefillCost(min_observations=2, decay=1.0)
+    for bad in ((0, 1.0), (100, 0.0), (100, -1.0), (100, math.nan), (math.inf, 1.0), ("x", 1.0), (None, 1.0),
+                (31, 1.0)):  # the last: too short, its fixed cost would pass for a per-token one
+        cost.observe(*bad)  # type: ignore[arg-type]
+    assert cost.observations == 0
+    cost.observe(100, 0.1)
+    cost.observe(100, 0.3)
+    assert cost.seconds_per_token == pytest.approx(0.002)
+
+
+def test_read_pace_follows_a_store_that_slows_down() -> None:
+    pace = ReadPace(alpha=0.5)
+    assert pace.seconds_per_page is None
+    pace.observe(10, 0.1)
+    assert pace.seconds_per_page == pytest.approx(0.01)
+    pace.observe(10, 1.0)
+    assert pace.seconds_per_page == pytest.approx(0.055)
+    pace.observe(0, 5.0)
+    pace.observe(3, math.nan)
+    assert pace.seconds_per_page == pytest.approx(0.055)
+
+
+def test_give_up_weighs_the_rest_of_the_fetch_against_its_recompute() -> None:
+    # 64 tokens a page at 100 us a token: 6.4 ms a page recomputed; "now" is t = 100 s
+    common = dict(now=100.0, page_tokens=64, seconds_per_token=1e-4, wait_start=100.0, cap_s=10.0)
+    # a store at 1 ms a page: worth waiting for as long as nothing goes wrong
+    assert give_up_at(missing_pages=10, inflight_pages=0, call_since=None, seconds_per_page=0.001, **common) == math.inf
+    # at 10 ms a page: give up at once
+    assert give_up_at(missing_pages=10, inflight_pages=0, call_since=None, seconds_per_page=0.01, **common) == 100.0
+    # a 4-page read under way 30 ms of its expected 40: the rest (10 ms) beats 25.6 ms recomputed;
+    # it is given up on once it is late by the slack (25.6 ms), at 100 - 0.03 + 0.04 + 0.0256
+    t = give_up_at(missing_pages=4, inflight_pages=4, call_since=99.97, seconds_per_page=0.01, **common)
+    assert t == pytest.approx(100.0356)
+    # an exists call (no pages) that hangs: the slack is what the recompute leaves after the reads
+    t = give_up_at(missing_pages=10, inflight_pages=0, call_since=99.99, seconds_per_page=0.001, **common)
+    assert t == pytest.approx(99.99 + 0.064 - 0.010)
+    # a call just begun whose own expected time already loses: at once
+    assert give_up_at(missing_pages=10, inflight_pages=10, call_since=100.0, seconds_per_page=0.01, **common) == 100.0
+    # no pace yet: only the cap; nothing missing: the op is ending
+    assert give_up_at(missing_pages=10, inflight_pages=0, call_since=None, seconds_per_page=None, **common) == 110.0
+    assert give_up_at(missing_pages=0, inflight_pages=0, call_since=None, seconds_per_page=1.0, **common) == math.inf
+
+
+def test_the_rate_is_validated_in_both_configs() -> None:
+    for bad in (0, -5.0, math.inf, "fast", True):
+        with pytest.raises(ConfigError, match="prefetch_recompute_tokens_per_s"):
+            ControllerConfig(prefetch_recompute_tokens_per_s=bad)  # type: ignore[arg-type]
+    base = {"model": {"num_layers": 2, "num_kv_heads": 1, "head_dim": 8}}
+    with pytest.raises(Exception, match="recompute_tokens_per_s"):
+        HiCacheConfig.model_validate({**base, "cache": {"prefetch": {"recompute_tokens_per_s": 0}}})
+    cfg = HiCacheConfig.model_validate({**base, "cache": {"prefetch": {"recompute_tokens_per_s": 5e4}}})
+    from hicache.stack import controller_options
+
+    assert controller_options(cfg)["prefetch_recompute_tokens_per_s"] == 5e4
+
+
+# ---------------------------------------------------------------------- on the real controller
+
+
+async def _seeded(tokens: list[int]) -> str:
+    store_id = f"rc-{uuid.uuid4()}"
+    cfg = StackConfig(page_size=PS, device_pages=32, host_pages=64, storage_backend="memory",
+                      storage_options={"store_id": store_id})
+    w = build_stack(cfg)
+    await serve_request(w, tokens, rid="seed")
+    await w.cache.drain()
+    await w.aclose()
+    return store_id
+
+
+def _stack(store_id: str, **controller: object):  # type: ignore[no-untyped-def]
+    base: dict[str, object] = dict(prefetch_threshold=PS, prefetch_batch_pages=2, prefetch_policy="timeout",
+                                   prefetch_timeout_base_s=60.0, prefetch_timeout_per_ki_token_s=0.0)
+    base.update(controller)
+    store = FaultyStorage(store_id=store_id)
+    cfg = StackConfig(page_size=PS, device_pages=32, host_pages=64, storage_backend=None,
+                      controller=ControllerConfig(**base))  # type: ignore[arg-type]
+    return build_stack(cfg, storage=store), store
+
+
+async def test_a_store_slower_than_recomputing_is_not_waited_for() -> None:
+    data = toks(0, 64)
+    stack, store = _stack(await _seeded(data), prefetch_recompute_tokens_per_s=1e7)
+    store.delay = 0.05  # each 2-page read: far slower than recomputing 8 tokens at 10M tokens/s
+    t0 = time.monotonic()
+    out = await serve_request(stack, data, rid="slow")
+    waited = time.monotonic() - t0
+    assert out.storage_hit < 64 and out.computed + out.storage_hit == 64 and out.verify_failures == 0
+    assert waited < 30  # the fixed timeout (60 s) did not decide it
+    counters = stack.controller.metrics.counters
+    assert counters["prefetch_cut_recompute"] == 1
+    assert stack.controller.metrics.snapshot()["gauges"]["recompute_tokens_per_s"] == pytest.approx(1e7)
+    await stack.controller.wait_prefetches()
+    assert stack.host_pool.available_size() + sum(  # every fetched page not taken was freed
+        n.host_value.numel() for n in stack.cache._nodes() if n.host_value is not None) == 64 * PS
+    await stack.aclose()
+
+
+async def test_a_store_faster_than_recomputing_is_waited_for_to_the_end() -> None:
+    data = toks(0, 64)
+    stack, store = _stack(await _seeded(data), prefetch_recompute_tokens_per_s=0.5)  # 8 s a page
+    store.delay = 0.002
+    out = await serve_request(stack, data, rid="fast")
+    assert out.storage_hit == 64 and out.verify_failures == 0
+    assert stack.controller.metrics.counters["prefetch_cut_recompute"] == 0
+    assert stack.controller._prefetcher.pace.seconds_per_page is not None  # learned from its reads
+    await stack.aclose()
+
+
+async def test_a_store_that_hangs_is_waited_for_no_longer_than_a_recompute() -> None:
+    data = toks(0, 64)
+    stack, store = _stack(await _seeded(data), prefetch_recompute_tokens_per_s=2000.0,
+                          storage_io_timeout_s=120.0, cancelled_io_grace_s=0.0)
+    store.hang_now()  # no pace is known: only the cap (64 tokens at 2,000/s: 32 ms) ends the wait
+    t0 = time.monotonic()
+    out = await serve_request(stack, data, rid="hung")
+    assert time.monotonic() - t0 < 30 and out.computed == 64 and out.verify_failures == 0
+    assert stack.controller.metrics.counters["prefetch_cut_recompute"] == 1
+    store.release()
+    await stack.aclose()
+
+
+async def test_the_pace_decides_before_the_cap_and_polling_sees_it_too() -> None:
+    """SGLang's scheduler polls (``prefetch_ready``): the same rule answers there, at once when
+    the store's known pace already loses against the recompute, with a cap (6.4 s) far away."""
+    data = toks(0, 64)
+    stack, store = _stack(await _seeded(data), prefetch_recompute_tokens_per_s=10.0)  # 0.4 s a page
+    store.hang_now()
+    cache = stack.cache
+    req = Req(rid="poll", origin_input_ids=data)
+    cache.match_req(req)
+    assert cache.start_prefetch(req)
+    assert not stack.controller.prefetch_ready("poll")  # no pace known: the cap is far
+    stack.controller._prefetcher.pace.observe(1, 10.0)  # 10 s a page: slower than 0.4 s
+    assert stack.controller.prefetch_ready("poll") and stack.controller.prefetch_ready("poll")
+    assert stack.controller.metrics.counters["prefetch_cut_recompute"] == 1  # counted once
+    cache.abort_req(req)
+    store.release()
+    await stack.aclose()
+
+
+async def test_without_a_rate_the_timeout_policy_is_unchanged() -> None:
+    data = toks(0, 64)
+    stack, store = _stack(await _seeded(data), prefetch_timeout_base_s=0.2)
+    store.delay = 0.03
+    out = await serve_request(stack, data, rid="plain")
+    assert 0 < out.storage_hit < 64 and out.verify_failures == 0
+    assert stack.controller.metrics.counters["prefetch_cut_recompute"] == 0
+    assert stack.controller.metrics.snapshot()["gauges"]["recompute_tokens_per_s"] == 0
+    await stack.aclose()
+
+
+async def test_reported_prefills_set_the_rate() -> None:
+    data = toks(0, 64)
+    stack, store = _stack(await _seeded(data))
+    assert stack.controller._prefetcher.prefill.seconds_per_token is None
+    for n in (64, 128, 256, 512):
+        stack.controller.note_prefill(n, 0.001 + n * 1e-6)
+    stack.controller.note_prefill(-3, float("nan"))  # ignored, never raised
+    assert stack.controller.metrics.snapshot()["gauges"]["recompute_tokens_per_s"] == pytest.approx(1e6, rel=1e-3)
+    await stack.aclose()
