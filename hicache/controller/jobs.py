@@ -101,8 +101,8 @@ class PrefetchOp:
     task: asyncio.Task[None] | None = None
     inflight_start: int = 0
     inflight_end: int = 0
-    #: a storage call (``exists``, then each read) is in flight, and when it began
-    #: (``time.monotonic()``): how far into it, or how late, a waiter is
+    #: a storage call (``exists``, then each read; before them, the wait for a turn) is in
+    #: flight, and when it began (``time.monotonic()``): how far into it, or how late, a waiter is
     calling: bool = False
     inflight_since: float = 0.0
     #: set whenever the op moves (exists answered, a batch landed, the op ended): a request

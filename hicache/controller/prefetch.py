@@ -133,6 +133,9 @@ class Prefetcher:
             self.metrics.incr("prefetch_rate_limited")
             return None
         op = PrefetchOp(rid=rid, keys=list(keys), page_size=self.page_size, extra=list(extra or ()))
+        # waiting for its turn (max_concurrent_prefetches) counts as a call of no pages: a
+        # request queued behind a busy store sees its prefetch run late, as a stalled call does
+        op.calling, op.inflight_since = True, op.started
         self._prefetches[rid] = op
         self._inflight_tokens += tokens
         self.metrics.incr("prefetch_started")
@@ -154,7 +157,6 @@ class Prefetcher:
                 op.calling, op.inflight_since = True, time.monotonic()
                 with counting_call() as call:
                     hit = await self._storage_call(self.storage.batch_exists_v2(op.keys, op.extra or None), "exists")
-                op.calling = False
                 found = min(len(op.keys), hit.kv_hit_pages if hit is not None else 0)
                 op.found_pages = found
                 # an exists the backend answered with misses after an error is no answer

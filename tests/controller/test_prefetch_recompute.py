@@ -210,3 +210,30 @@ async def test_reported_prefills_set_the_rate() -> None:
     stack.controller.note_prefill(-3, float("nan"))  # ignored, never raised
     assert stack.controller.metrics.snapshot()["gauges"]["recompute_tokens_per_s"] == pytest.approx(1e6, rel=1e-3)
     await stack.aclose()
+
+
+async def test_a_request_queued_behind_busy_prefetches_stops_waiting_for_its_turn() -> None:
+    """One prefetch at a time, the store hung: the second request's prefetch never starts. Its
+    wait for a turn counts against the store as a late call does, so the request gives up once
+    the slack its recompute leaves has passed, not at the fixed timeout (60 s)."""
+    a, b = toks(0, 32), toks(1000, 32)
+    store_id = await _seeded(a)
+    seeder = build_stack(StackConfig(page_size=PS, device_pages=32, host_pages=64, storage_backend="memory",
+                                     storage_options={"store_id": store_id}))
+    await serve_request(seeder, b, rid="seed-b")
+    await seeder.cache.drain()
+    await seeder.aclose()
+    stack, store = _stack(store_id, prefetch_recompute_tokens_per_s=100.0, max_concurrent_prefetches=1,
+                          storage_io_timeout_s=120.0, cancelled_io_grace_s=0.0)
+    stack.controller._prefetcher.pace.observe(1, 0.001)  # a store known to be fast, 1 ms a page
+    store.hang_now()
+    first = Req(rid="first", origin_input_ids=a)
+    stack.cache.match_req(first)
+    assert stack.cache.start_prefetch(first)  # takes the one turn, then hangs
+    t0 = time.monotonic()
+    out = await serve_request(stack, b, rid="second")  # 8 pages: 0.32 s recomputed, 8 ms fetched
+    assert time.monotonic() - t0 < 30 and out.computed == 32 and out.verify_failures == 0
+    assert stack.controller.metrics.counters["prefetch_cut_recompute"] == 1
+    stack.cache.abort_req(first)
+    store.release()
+    await stack.aclose()
