@@ -309,7 +309,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_bench)
 
     p = sub.add_parser("inspect", help="a store's namespaces, pages, bytes and integrity")
-    p.add_argument("root", help="the file backend's root folder (or the URL of an s3/fsspec store)")
+    p.add_argument("root", help="the file backend's root folder (or, with --backend, the URL of a store whose "
+                   "backend can list its namespaces)")
     p.add_argument("--backend", default="file", help="backend name (default: file)")
     p.add_argument("--options", type=_json_object_arg, default=None, help="backend options as a JSON object")
     p.add_argument("--verify", choices=["none", "sample", "all"], default="sample")

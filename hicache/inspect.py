@@ -51,6 +51,10 @@ async def inspect_store(
     try:  # not opened: opening would create the probe's own (empty) namespace
         namespaces = await probe.list_namespaces()
         space = await probe.describe_space()
+    except NotImplementedError:
+        # the hooks are optional (only the file backend has them here): one line, not a traceback
+        raise ConfigError(f"backend {backend!r} cannot list its namespaces, so its store cannot be "
+                          "inspected; the file backend can") from None
     finally:
         await probe.aclose()
     report: dict[str, Any] = {"backend": backend, "namespaces": {}, "pages": 0, "bytes": 0, "checked": 0, "corrupt": 0}

@@ -71,3 +71,17 @@ async def test_inspect_counts_unreadable_page_files_and_never_creates_a_folder(t
     before = sorted(os.listdir(root))
     report = await inspect_store(root, verify="none", progress=False)
     assert sorted(os.listdir(root)) == before and report.get("unmatched_manifests") == 1
+
+
+def test_a_backend_that_cannot_list_namespaces_is_one_line(capsys) -> None:
+    """``--help`` offered an S3 URL as the root; S3 has no namespace listing, and both
+    ``inspect`` and ``stats`` ended in a ``NotImplementedError`` traceback. Nothing is sent to the
+    URL: the listing is asked of an unopened store."""
+    import pytest
+
+    pytest.importorskip("s3fs")
+    for argv in (["inspect", "s3://no-bucket/kv", "--backend", "s3"],
+                 ["stats", "s3://no-bucket/kv", "--backend", "s3", "--once"]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert "'s3' cannot list its namespaces" in err and "Traceback" not in err
