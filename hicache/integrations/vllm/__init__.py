@@ -4,7 +4,7 @@ Turn it on with one config line (the module path is this package)::
 
     --kv-transfer-config '{"kv_connector": "HiCacheConnector",
                            "kv_connector_module_path": "hicache.integrations.vllm",
-                           "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+                           "kv_role": "kv_both",
                            "kv_connector_extra_config": {"backend": "file",
                                                          "backend_options": {"root": "/data/kv"}}}'
 

@@ -14,10 +14,11 @@ forward pass of the step that schedules it, layer by layer, overlapped with atte
 ``wait_for_layer_load``. Saves copy whole pages out at the end of the step, so vLLM frees
 blocks when it wants (``request_finished`` never holds them).
 
-Failed loads are reported through ``get_block_ids_with_load_errors``; configure
-``"kv_load_failure_policy": "recompute"`` so that vLLM recomputes those blocks instead of
-failing the request. Either way vLLM runs the step first, so what that step computes over a
-failed load is never saved (see :mod:`.scheduler_side`).
+Failed loads are reported through ``get_block_ids_with_load_errors``. Keep vLLM's default
+``"kv_load_failure_policy": "fail"`` (the request fails): under ``"recompute"`` vLLM 0.32 can
+leave a failed block in its own prefix cache as computed and serve it to a later request
+(docs/vllm-connector.md, "Which kv_load_failure_policy"). Either way vLLM runs the step first,
+so what that step computes over a failed load is never saved (see :mod:`.scheduler_side`).
 
 ``reset_cache`` (vLLM's ``reset_prefix_cache(reset_connector=True)``, and a pause that clears
 the caches, e.g. for new weights) empties the host tier and rotates the cache epoch, so that no

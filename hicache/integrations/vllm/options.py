@@ -39,7 +39,8 @@ class ConnectorOptions:
       it answers "not yet" and asks again next step (vLLM skips the request meanwhile).
     - ``lookup_timeout_s``: a lookup still pending after this counts as a miss (recompute).
     - ``load_timeout_s``: the longest a forward pass waits for a page read; then the page's
-      blocks are reported failed and vLLM recomputes them.
+      blocks are reported failed (vLLM fails the request, or recomputes them under
+      ``kv_load_failure_policy: recompute``).
     - ``close_timeout_s``: how long shutdown waits for queued writes to reach storage; a
       worker drains for at most a quarter of vLLM's ``VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS``
       (closing its store takes the rest; after it vLLM's multiprocess executor kills the
