@@ -3,4 +3,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh
-exec .venv/bin/hicache demo "$@"
+exec "${HICACHE_VENV:-.venv}/bin/hicache" demo "$@"
