@@ -276,7 +276,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("replay", help="replay a Mooncake-format trace through the real cache")
     _config_arg(p, default="configs/replay-20pct.toml")
-    p.add_argument("--trace", default=None, help="trace file (default: ../shared/traces/...)")
+    p.add_argument("--trace", default=None,
+                   help="trace file (default: $HICACHE_TRACE, else ../shared/traces/ beside the repository)")
     p.add_argument("--limit", type=_count_arg, default=None, help="replay only the first N requests")
     p.add_argument("--policies", default=None,
                    help="comma-separated placement policies to compare (default: all: lru,reuse,tiered)")
