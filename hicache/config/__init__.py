@@ -4,6 +4,7 @@ from hicache.config.loader import ENV_PREFIX, aload_config, check_backend, confi
 from hicache.config.schema import (
     CacheConfig,
     DeviceConfig,
+    EventsConfig,
     ExtraPoolConfig,
     HiCacheConfig,
     HostConfig,
@@ -12,12 +13,14 @@ from hicache.config.schema import (
     ServerConfig,
     SessionConfig,
     StorageConfig,
+    TracingConfig,
 )
 
 __all__ = [
     "CacheConfig",
     "DeviceConfig",
     "ENV_PREFIX",
+    "EventsConfig",
     "ExtraPoolConfig",
     "HiCacheConfig",
     "HostConfig",
@@ -26,6 +29,7 @@ __all__ = [
     "ServerConfig",
     "SessionConfig",
     "StorageConfig",
+    "TracingConfig",
     "aload_config",
     "check_backend",
     "config_from_dict",

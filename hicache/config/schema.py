@@ -29,6 +29,7 @@ __all__ = [
     "ServerConfig",
     "SessionConfig",
     "StorageConfig",
+    "TracingConfig",
 ]
 
 

@@ -142,3 +142,16 @@ async def test_async_load_errors_are_config_errors(tmp_path: Path) -> None:
     bad.write_text("[device\n")
     with pytest.raises(ConfigError, match="not valid TOML"):
         await HiCache.afrom_config(bad)
+
+
+def test_every_section_model_is_exported() -> None:
+    """``[events]`` and ``[tracing]`` are sections of every deployment config, but their models
+    were missing from ``hicache.config`` (and ``TracingConfig`` from the schema's ``__all__``)."""
+    import hicache.config as pkg
+    import hicache.config.schema as schema
+
+    for name, field in HiCacheConfig.model_fields.items():
+        model = field.annotation
+        model = getattr(model, "__args__", (model,))[0]  # list[ExtraPoolConfig]
+        assert model.__name__ in pkg.__all__ and getattr(pkg, model.__name__) is model, name
+        assert model.__name__ in schema.__all__, name
