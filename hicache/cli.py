@@ -4,7 +4,7 @@ Subcommands: ``demo`` (the main job), ``serve`` (the demo server), ``replay`` (t
 placement policy side by side), ``size`` (hit ratio against tier capacity), ``workload`` (a
 generated trace),
 ``bench`` (storage, s3, copy and eviction benchmarks), ``inspect`` (a store's namespaces and integrity),
-``stats`` (a live view of a server's or a store's tiers),
+``events`` (a cache's KV events, one per line), ``stats`` (a live view of a server's or a store's tiers),
 ``backends`` (what is installed). ``--json`` prints machine-readable output; otherwise a readable
 summary table.
 """
