@@ -151,7 +151,8 @@ class CacheConfig(_Section):
         "lru", description="Host eviction and storage admission (hicache.placement): lru writes every page to every tier."
     )
     placement_options: dict[str, Any] = Field(
-        default_factory=dict, description="Options of the placement policy (ghost_pages, long_prompt_tokens, tail_tokens, reuse_hits)."
+        default_factory=dict, description="Options of the placement policy (reuse: ghost_pages, reuse_hits; tiered: also "
+        "long_prompt_tokens, tail_tokens, storage_eviction, storage_capacity_pages); an unknown one is an error naming these."
     )
     write_policy: Literal["write_through", "write_through_selective", "write_back"] = Field("write_through")
     write_through_threshold: int = Field(2, gt=0, description="Hits before write_through_selective backs up.")
