@@ -271,7 +271,6 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="run the demo HTTP server")
     _config_arg(p)
     p.add_argument("--port", type=int, default=None)
-    p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd_serve)
 
     p = sub.add_parser("replay", help="replay a Mooncake-format trace through the real cache")
@@ -306,7 +305,6 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="run a benchmark script (JSON output); extra args go to the script")
     p.add_argument("what", choices=["storage", "s3", "copy", "evict"])
     p.add_argument("rest", nargs=argparse.REMAINDER)
-    p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd_bench)
 
     p = sub.add_parser("inspect", help="a store's namespaces, pages, bytes and integrity")

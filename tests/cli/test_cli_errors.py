@@ -100,6 +100,10 @@ def test_events_run_id_must_be_hex(capsys) -> None:
         (["inspect", "x", "--options", "[" * 5000 + "]" * 5000], "not JSON"),  # was a RecursionError
         (["inspect", "x", "--sample", "-1"], "must be >= 0"),
         (["--log-level", "bogus", "backends"], "invalid choice"),
+        # flags left from the CLI skeleton that changed nothing: serve prints no report, and
+        # every benchmark prints JSON whatever is asked
+        (["serve", "--json"], "unrecognized arguments: --json"),
+        (["bench", "--json", "evict"], "unrecognized arguments: --json"),
     ],
 )
 def test_bad_arguments_are_one_line_errors(capsys, argv: list[str], words: str) -> None:
