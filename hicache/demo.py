@@ -295,10 +295,14 @@ def format_report(r: dict[str, Any]) -> str:
         )
     if rs is not None:
         h = rs["hit_tokens"]
+        # device and host hits after a restart are what an earlier first turn brought in: from
+        # storage, or recomputed when the store did not outlive the server (``memory``)
+        where = ("pages an earlier request had just loaded from storage" if h["storage"] else
+                 "nothing came from storage: a store that does not outlive its server holds nothing after a restart")
         lines.append(
             f"after restart (fresh server, same storage): {rs['requests']} first turns, {100 * rs['saved_fraction']:.1f}% of "
-            f"prompt tokens cached - storage {h['storage']}, host {h['host']}, device {h['device']} (pages an earlier "
-            f"request had just loaded from storage); TTFT p50 {rs['ttft_p50_ms']} ms"
+            f"prompt tokens cached - storage {h['storage']}, host {h['host']}, device {h['device']} ({where}); "
+            f"TTFT p50 {rs['ttft_p50_ms']} ms"
         )
     verdict = "yes" if r["all_answers_match"] else _verdict_no(r)
     lines.append(f"every cached answer equals the no-cache recompute: {verdict} ({r['answers_compared']} answers)")

@@ -25,6 +25,11 @@ async def test_demo_reports_hits_ttft_and_matching_answers(tmp_path: Path) -> No
     assert report["ttft_speedup_p50"] is not None
     text = format_report(report)
     assert "hit rate by tier" in text and "every cached answer equals the no-cache recompute: yes" in text
+    assert "just loaded from storage" in text
+    # a store that does not outlive its server (memory): the restart's hits are not storage's
+    restart["hit_tokens"]["storage"] = 0
+    text = format_report(report)
+    assert "nothing came from storage" in text and "just loaded from storage" not in text
 
 
 def test_a_failed_request_is_named_in_the_report_not_only_counted_as_a_difference() -> None:
