@@ -45,7 +45,7 @@ import torch
 
 from hicache.controller.controller import HiCacheController
 from hicache.controller.jobs import CloseReport, PrefetchResult, StorageWriteJob
-from hicache.errors import CacheClosedError, ChainGoneError
+from hicache.errors import ChainGoneError
 from hicache.events.log import EventLog
 from hicache.memory.slots import cat_slots
 from hicache.observability.tier_events import ChangeKind, Tier, TierChange, TierChangeHub
@@ -53,6 +53,7 @@ from hicache.placement import GhostList, PlacementPolicy, StoredPages, default_v
 from hicache.prefix_cache.facade import AdmitResult, LoadBack, MakeRoom, RequestFlow
 from hicache.prefix_cache.eviction_index import EvictionIndex
 from hicache.prefix_cache.hashing import fast_page_hashes, namespace_seed
+from hicache.prefix_cache.load_back import LoadBacks
 from hicache.prefix_cache.node import TreeNode
 from hicache.prefix_cache.radix import RadixCache
 from hicache.prefix_cache.req import Req
@@ -73,20 +74,6 @@ class _Prefetch:
     extra_key: str | None
     pinned: list[str] = dataclasses.field(default_factory=list)  # stored pages kept while it reads
     owner: object = None  # the request that started it (a reused rid's cancel must not abort it)
-
-
-@dataclasses.dataclass(eq=False)
-class _Load:
-    node: TreeNode
-    chain: list[TreeNode]
-    done: asyncio.Future[bool] | None
-    dev: torch.Tensor | None = None  # the device slots being written (whatever splits happen)
-
-
-def _load_running(handle: Any) -> bool:
-    """Whether a load handle's copy is still running (one that failed has ended too)."""
-    counter = handle.counter
-    return counter.exception is None and not counter.all_done()
 
 
 class HiRadixCache(RadixCache):
@@ -139,8 +126,8 @@ class HiRadixCache(RadixCache):
         self.write_through_threshold: int = int(self.config.write_through_threshold or 1)
         self._generation = 0
         self._prefetching: dict[str, _Prefetch] = {}
-        self._loads: list[_Load] = []
-        self._new_handles: list[Any] = []
+        #: the host->device loads in flight and their handles
+        self.load_backs = LoadBacks(self)
         #: the per-request calls (match, prefetch, admit, release, abort) and their bookkeeping
         self.flow = RequestFlow(self)
         #: explains each admitted request's misses (``None``: no attribution); set by the stack
@@ -194,16 +181,12 @@ class HiRadixCache(RadixCache):
                 self.controller.abort_prefetch(rid)
                 self._unpin(state)
         self._generation = getattr(self, "_generation", 0) + 1
-        for load in getattr(self, "_loads", []):
-            if load.done is not None and not load.done.done():
-                load.done.set_result(False)  # whoever waits for it must not wait forever
+        self.load_backs.reset()
         self._prefetching = {}
         #: rid -> [(deepest node its prefetch attached, holder)]: a host_ref kept from the end of
         #: the prefetch until admit has used the pages (see :meth:`wait_prefetch`), one per
         #: holder (requests reusing a rid may overlap); nodes of a dropped tree need no release
         self._held: dict[str, list[tuple[TreeNode, object]]] = {}
-        self._loads = []
-        self._new_handles = []
         #: write-through backups of inserted nodes, started together once the insert's loop
         #: callback returns (see :meth:`_backup_soon`): (node, op), oldest first
         self._backup_batch: list[tuple[TreeNode, object]] = []
@@ -981,167 +964,24 @@ class HiRadixCache(RadixCache):
     # ------------------------------------------------------------------ host -> device
 
     def init_load_back(self, params: InitLoadBackParams) -> tuple[torch.Tensor, Any]:
-        """Allocate device slots for the host part of a match and start loading it layer by
-        layer. All or nothing: when the chain exceeds ``mem_quota`` or device memory cannot be
-        found, nothing is loaded. Returns ``(new device indices, new deepest device node)``;
-        :meth:`ready_to_load_host_cache` hands out the load handles (per-layer counters)."""
-        load = self.start_load_back(params)
-        if load is not None and load.started:
-            return load.indices, load.node
-        if load is not None:
-            self.metrics.incr("load_back_skipped")
-        node = params.node
-        if node is None and params.req is not None:
-            node = params.req.last_host_node
-        if node is None:
-            return self._empty(), self.root_node
-        return self._empty(), self._device_prefix_end(node)
-
-    def _device_prefix_end(self, node: TreeNode) -> TreeNode:
-        """The deepest node on ``node``'s path whose whole path from the root is on device.
-
-        Usually the first device ancestor; but a device node can sit below a host-only one
-        (a failed load-back dropped the parent's device copy after an insert hung the child
-        under it), and its slots do not continue any device prefix."""
-        path: list[TreeNode] = []
-        n: TreeNode | None = node
-        while n is not None and n is not self.root_node:
-            path.append(n)
-            n = n.parent
-        end = self.root_node
-        for n in reversed(path):
-            if n.value is None:
-                break
-            end = n
-        return end
+        """See :meth:`LoadBacks.init_load_back`."""
+        return self.load_backs.init_load_back(params)
 
     def start_load_back(self, params: InitLoadBackParams) -> LoadBack | None:
-        """:meth:`init_load_back` returning the started load; ``None`` when there is nothing
-        to load (or it is below the threshold, or over the quota). When device memory cannot be
-        found even by eviction, the result has not started and says how much it lacked
-        (``lacking``): the caller may make room asynchronously and try again."""
-        node = params.node
-        if node is None and params.req is not None:
-            node = params.req.last_host_node
-        if node is None or node is self.root_node or self.disable:
-            return None
-        chain: list[TreeNode] = []
-        n = node
-        while n is not self.root_node and n.value is None:
-            chain.append(n)
-            n = n.parent
-        anchor = n
-        if anchor is not self.root_node and self._device_prefix_end(anchor) is not anchor:
-            # the chain would continue device slots that do not start at the root: loading it
-            # would hand the request KV at the wrong positions; it recomputes instead
-            self.metrics.incr("load_back_skipped")
-            return None
-        chain.reverse()
-        cut = next((i for i, c in enumerate(chain) if not c.backuped), len(chain))
-        if cut < len(chain):
-            chain = chain[:cut]
-            node = chain[-1] if chain else anchor
-        if not chain:
-            return None
-        total = sum(len(c.key) for c in chain)
-        if total < self.config.load_back_threshold or (params.mem_quota is not None and total > params.mem_quota):
-            self.metrics.incr("load_back_skipped")
-            return None
-        self.inc_lock_ref(node)  # keeps the chain on host and the prefix on device meanwhile
-        alloc = self.token_to_kv_pool_allocator
-        dev = alloc.alloc(total)
-        if dev is None:
-            self.evict(total - alloc.available_size())
-            dev = alloc.alloc(total)
-        if dev is None:
-            self.dec_lock_ref(node)
-            return LoadBack(self._empty(), anchor, lacking=total)
-        host = torch.cat([c.host_value for c in chain])  # type: ignore[misc]
-        off = 0
-        for c in chain:
-            self._add_device(c, dev[off : off + len(c.key)])
-            off += len(c.key)
-        gen = self._generation
-        try:
-            fut = asyncio.get_running_loop().create_future()
-        except RuntimeError:
-            fut = None
-        load = _Load(node, chain, fut, dev)
-        try:
-            handle = self.controller.start_load(host, dev, lambda ok: self._load_done(gen, load, ok))
-        except CacheClosedError:
-            # closing or closed: a request admitted while the cache closes (its caller gets
-            # CacheClosedError next); nothing failed, so nothing is logged as an error
-            logger.debug("load-back not started: the controller is closed")
-            self._load_done(gen, load, False)
-            return None
-        except Exception:  # noqa: BLE001 - fall back to compute
-            logger.exception("load-back could not start")
-            self._load_done(gen, load, False)
-            return None
-        self._loads.append(load)
-        # a caller that waits on the returned handle (the facade, the replay) never takes it
-        # through ready_to_load_host_cache: handles whose load ended go, or the list grows with
-        # every load-back of a long-running server
-        self._new_handles = [h for h in self._new_handles if _load_running(h)]
-        self._new_handles.append(handle)
-        return LoadBack(dev, node, fut, handle)
-
-    def _load_done(self, gen: int, load: _Load, ok: bool) -> None:
-        if gen != self._generation:  # the tree was reset meanwhile: nothing to update
-            if load.done is not None and not load.done.done():
-                load.done.set_result(False)
-            return
-        if load in self._loads:
-            self._loads.remove(load)
-        if not ok:
-            # Drop every node holding slots of this load, deepest first. Walk up from the
-            # load's node rather than over ``load.chain``: a match or insert may have split a
-            # chain node meanwhile, and the new upper half (not in the chain) holds loaded slots
-            # too; leaving it would serve unloaded KV as a device hit.
-            n: TreeNode | None = load.node
-            while (
-                n is not None and n is not self.root_node and n.value is not None
-                and load.dev is not None and bool(torch.isin(n.value, load.dev).all())
-            ):
-                self._free(self._drop_device(n))
-                n = n.parent
-        self.dec_lock_ref(load.node)
-        if load.done is not None and not load.done.done():
-            load.done.set_result(ok)
+        """See :meth:`LoadBacks.start_load_back`."""
+        return self.load_backs.start_load_back(params)
 
     def loads_in_flight(self, indices: torch.Tensor) -> list[asyncio.Future[bool]]:
-        """Completion futures of the host->device loads still writing into any of the device
-        slots ``indices``. A node gets its device slots when its load *starts*, so a match
-        during the load sees them as a device hit: whoever reuses them must wait for these."""
-        if not self._loads or indices is None or indices.numel() == 0:
-            return []
-        out: list[asyncio.Future[bool]] = []
-        for load in self._loads:
-            if load.done is None or load.done.done() or load.dev is None:
-                continue
-            if bool(torch.isin(indices, load.dev.to(indices.device)).any()):
-                out.append(load.done)
-        return out
+        """See :meth:`LoadBacks.loads_in_flight`."""
+        return self.load_backs.loads_in_flight(indices)
 
     async def wait_loads(self, indices: torch.Tensor) -> bool:
-        """Wait until no load writes into ``indices``; ``False`` when one of them failed (its
-        slots were then freed by the tree: KV at ``indices`` is not valid)."""
-        ok = True
-        while True:
-            pending = self.loads_in_flight(indices)
-            if not pending:
-                return ok
-            await asyncio.wait(pending)
-            ok = ok and all(f.result() for f in pending if not f.cancelled())
+        """See :meth:`LoadBacks.wait_loads`."""
+        return await self.load_backs.wait_loads(indices)
 
     def ready_to_load_host_cache(self) -> list[Any]:
-        """Load handles started since the last call (``handle.counter`` is the per-layer
-        ``LayerDoneCounter`` the forward pass waits on), less those that had already ended
-        when a later load-back started: nothing is left to wait on there, and a caller that
-        never calls this (it waits on ``LoadBack.load_handle``) must not pile them up."""
-        handles, self._new_handles = self._new_handles, []
-        return handles
+        """See :meth:`LoadBacks.ready_to_load_host_cache`."""
+        return self.load_backs.ready_to_load_host_cache()
 
     # ------------------------------------------------------------------ storage -> host
 

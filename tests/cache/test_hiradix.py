@@ -127,7 +127,7 @@ async def test_load_handles_nobody_takes_do_not_pile_up() -> None:
         cache.evict(EvictParams(num_tokens=10**6))  # host-only again: the next turn loads it back
     assert stack.controller.metrics.counters["load_back_skipped"] == 0
     assert stack.controller.metrics.ops["h2d"] >= 29  # every turn after the first loaded back
-    assert len(cache._new_handles) <= 1
+    assert len(cache.load_backs.new_handles) <= 1
     await stack.aclose()
 
 
