@@ -37,7 +37,6 @@ Server flow (all on the event loop)::
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 from typing import Any
 
@@ -55,6 +54,7 @@ from hicache.prefix_cache.eviction_index import EvictionIndex
 from hicache.prefix_cache.hashing import fast_page_hashes, namespace_seed
 from hicache.prefix_cache.load_back import LoadBacks
 from hicache.prefix_cache.node import TreeNode
+from hicache.prefix_cache.prefetching import Prefetch, Prefetches
 from hicache.prefix_cache.radix import RadixCache
 from hicache.prefix_cache.req import Req
 from hicache.prefix_cache.tokens import TokenRun, pack_tokens
@@ -63,17 +63,6 @@ from hicache.prefix_cache.types import EvictParams, EvictResult, InitLoadBackPar
 __all__ = ["HiRadixCache"]
 
 logger = logging.getLogger("hicache.controller")
-
-
-@dataclasses.dataclass(eq=False)
-class _Prefetch:
-    anchor: TreeNode
-    tokens: list[int]  # from the root through the prefetched pages
-    start: int  # first prefetched token
-    keys: list[str]
-    extra_key: str | None
-    pinned: list[str] = dataclasses.field(default_factory=list)  # stored pages kept while it reads
-    owner: object = None  # the request that started it (a reused rid's cancel must not abort it)
 
 
 class HiRadixCache(RadixCache):
@@ -125,7 +114,6 @@ class HiRadixCache(RadixCache):
         self.write_policy: str = self.config.write_policy
         self.write_through_threshold: int = int(self.config.write_through_threshold or 1)
         self._generation = 0
-        self._prefetching: dict[str, _Prefetch] = {}
         #: the host->device loads in flight and their handles
         self.load_backs = LoadBacks(self)
         #: the per-request calls (match, prefetch, admit, release, abort) and their bookkeeping
@@ -138,6 +126,8 @@ class HiRadixCache(RadixCache):
         self._stored: StoredPages | None = (
             self.placement.stored if storage is not None and storage.supports_delete else None
         )
+        #: the storage prefetches and the holds on what they fetched
+        self.prefetches = Prefetches(self, self._stored)
         self._doomed: list[str] = []  # storage evictions not yet sent (their job was refused)
         #: keys of storage writes queued and not ended: a deferred deletion of one waits for it
         self._writing: dict[str, int] = {}
@@ -177,16 +167,9 @@ class HiRadixCache(RadixCache):
                 if node.host_value is not None and node.backup_op is None and node.storage_op is None:
                     self._free_host(node.host_value)
                     node.host_value = None
-            for rid, state in list(self._prefetching.items()):
-                self.controller.abort_prefetch(rid)
-                self._unpin(state)
+        self.prefetches.reset()  # aborts the running prefetches (none before the first tree)
         self._generation = getattr(self, "_generation", 0) + 1
         self.load_backs.reset()
-        self._prefetching = {}
-        #: rid -> [(deepest node its prefetch attached, holder)]: a host_ref kept from the end of
-        #: the prefetch until admit has used the pages (see :meth:`wait_prefetch`), one per
-        #: holder (requests reusing a rid may overlap); nodes of a dropped tree need no release
-        self._held: dict[str, list[tuple[TreeNode, object]]] = {}
         #: write-through backups of inserted nodes, started together once the insert's loop
         #: callback returns (see :meth:`_backup_soon`): (node, op), oldest first
         self._backup_batch: list[tuple[TreeNode, object]] = []
@@ -985,135 +968,38 @@ class HiRadixCache(RadixCache):
 
     # ------------------------------------------------------------------ storage -> host
 
-    def prefetch_from_storage(
-        self,
-        req_id: str,
-        last_host_node: TreeNode,
-        new_input_tokens: list[int],
-        last_hash: str | None = None,
-        *,
-        prefix_tokens: list[int] | None = None,
-        extra_key: str | None = None,
-        owner: object = None,
-    ) -> bool:
-        """Start fetching the pages of ``new_input_tokens`` (which continue the prefix ending
-        at ``last_host_node``) from storage into host memory. ``prefix_tokens`` are the tokens
-        from the root through ``last_host_node``; ``owner`` (the request) is the only holder
-        whose :meth:`cancel_prefetch` aborts it. Returns whether a prefetch started."""
-        if not self.controller.has_storage or self.disable or req_id in self._prefetching:
-            return False
-        ps = self.page_size
-        aligned = len(new_input_tokens) // ps * ps
-        if aligned < self.config.prefetch_threshold or aligned == 0:
-            self.metrics.incr("prefetch_skipped_threshold")
-            return False
-        tokens = list(new_input_tokens[:aligned])
-        try:
-            prior = last_hash if last_hash is not None else self.storage_prior_hash(last_host_node, extra_key)
-        except ChainGoneError:  # the node left the tree: nothing to continue from
-            return False
-        keys = fast_page_hashes(tokens, ps, prior)
-        prefix = list(prefix_tokens) if prefix_tokens is not None else self._path_tokens(last_host_node)
-        self._inc_host_ref(last_host_node)
-        op = self.controller.start_prefetch(req_id, keys, alloc_host=self._alloc_host_upto)
-        if op is None:
-            self._dec_host_ref(last_host_node)
-            return False
-        pinned = self._stored.pin(keys) if self._stored is not None else []
-        self._prefetching[req_id] = _Prefetch(last_host_node, prefix + tokens, len(prefix), keys, extra_key, pinned,
-                                              owner)
-        return True
+    def prefetch_from_storage(self, req_id: str, last_host_node: TreeNode, new_input_tokens: list[int],
+                              last_hash: str | None = None, *, prefix_tokens: list[int] | None = None,
+                              extra_key: str | None = None, owner: object = None) -> bool:
+        """See :meth:`Prefetches.prefetch_from_storage` (the same signature: SGLang's)."""
+        return self.prefetches.prefetch_from_storage(req_id, last_host_node, new_input_tokens, last_hash,
+                                                     prefix_tokens=prefix_tokens, extra_key=extra_key, owner=owner)
 
     def prefetch_view(self, req_id: str) -> tuple[int, list[str], Any] | None:
-        """``(first token, page keys, controller op)`` of ``req_id``'s running prefetch
-        (the miss attribution reads how it ended); ``None`` without one."""
-        state = self._prefetching.get(req_id)
-        if state is None:
-            return None
-        return state.start, state.keys, self.controller.prefetch_op(req_id)
+        """See :meth:`Prefetches.prefetch_view`."""
+        return self.prefetches.prefetch_view(req_id)
 
     def is_prefetching(self, req_id: str) -> bool:
-        """Whether ``req_id`` has a storage prefetch whose pages are not yet in the tree."""
-        return req_id in self._prefetching
+        """See :meth:`Prefetches.is_prefetching`."""
+        return req_id in self.prefetches.running
 
     def cancel_prefetch(self, req_id: str, holder: object = None) -> None:
-        """Abort ``req_id``'s prefetch, if any: its host pages are freed, its anchor released
-        (and the protection of pages it already attached, see :meth:`wait_prefetch`). With
-        ``holder``, only that request's: a prefetch another request reusing the rid started
-        (its ``owner``) and the other holders' protection stay."""
-        state = self._prefetching.get(req_id)
-        if state is not None and (holder is None or state.owner is None or state.owner is holder):
-            self.controller.abort_prefetch(req_id)
-            del self._prefetching[req_id]
-            self._dec_host_ref(state.anchor)
-            self._unpin(state)
-        self.release_prefetched(req_id, holder)
+        """See :meth:`Prefetches.cancel_prefetch`."""
+        self.prefetches.cancel_prefetch(req_id, holder)
 
     def release_prefetched(self, req_id: str, holder: object = None) -> None:
-        """Drop the protection :meth:`wait_prefetch` (``hold``) kept on ``req_id``'s fetched
-        pages; with ``holder``, only that holder's (a reused rid must not release another's)."""
-        for node, who in self._held.pop(req_id, []):
-            if holder is not None and who is not holder:
-                self._held.setdefault(req_id, []).append((node, who))  # another request's
-            elif node.tree is self.root_node.tree:  # a reset dropped the tree, and its refs
-                self._dec_host_ref(node)
-
-    def _path_tokens(self, node: TreeNode) -> list[int]:
-        parts: list[TokenRun] = []
-        while node is not None and node is not self.root_node:
-            parts.append(node.key)
-            node = node.parent  # type: ignore[assignment]
-        return [t for part in reversed(parts) for t in part]
+        """See :meth:`Prefetches.release_prefetched`."""
+        self.prefetches.release_prefetched(req_id, holder)
 
     def check_prefetch_progress(self, req_id: str) -> bool:
-        """Non-blocking (SGLang's scheduler polls this): ``True`` once the request may proceed
-        under the stop policy; the fetched pages are then in the tree."""
-        if req_id not in self._prefetching:
-            return True
-        if not self.controller.prefetch_ready(req_id):
-            return False
-        self._finish_prefetch(req_id, self.controller.take_prefetch(req_id))
-        return True
+        """See :meth:`Prefetches.check_prefetch_progress`."""
+        return self.prefetches.check_prefetch_progress(req_id)
 
     async def wait_prefetch(self, req_id: str, *, hold: object = None) -> int:
-        """Wait as the stop policy allows; returns the tokens the prefetch added to the tree.
+        """See :meth:`Prefetches.wait_prefetch`."""
+        return await self.prefetches.wait_prefetch(req_id, hold=hold)
 
-        With ``hold`` (any object naming the holder), the pages stay protected from host
-        eviction (a ``host_ref`` on the deepest, so on its whole path) until
-        :meth:`release_prefetched` or :meth:`cancel_prefetch`: admit may wait (for loads, for
-        device room) before it locks them, and unprotected they were host-evictable leaves
-        then: dropped, recomputed, and the host hit before them counted as the storage hit."""
-        if req_id not in self._prefetching:
-            return 0
-        return self._finish_prefetch(req_id, await self.controller.wait_prefetch(req_id), hold)
-
-    def _finish_prefetch(self, req_id: str, result: PrefetchResult | None, hold: object = None) -> int:
-        state = self._prefetching.pop(req_id, None)
-        if state is None:
-            if result is not None:
-                self._free_host(result.host_indices)
-            return 0
-        self._dec_host_ref(state.anchor)
-        self._unpin(state)
-        if result is not None and result.pages and self._stored is not None:
-            self._stored.touch(state.keys[: result.pages])  # a storage hit
-        if result is None or result.pages == 0:
-            if result is not None:
-                self._free_host(result.host_indices)
-            return 0
-        added, last = self._insert_host(state, result)
-        if hold is not None and last is not None:
-            self.release_prefetched(req_id, hold)  # at most one hold per holder
-            self._inc_host_ref(last)
-            self._held.setdefault(req_id, []).append((last, hold))
-        return added
-
-    def _unpin(self, state: _Prefetch) -> None:
-        if self._stored is not None and state.pinned:
-            self._stored.unpin(state.pinned)
-            state.pinned = []
-
-    def _insert_host(self, state: _Prefetch, result: PrefetchResult) -> tuple[int, TreeNode | None]:
+    def _insert_host(self, state: Prefetch, result: PrefetchResult) -> tuple[int, TreeNode | None]:
         """Hang fetched pages under their prefix as host-only nodes; pages already present are
         freed (or adopted as the host copy of a device-only node). Returns the new tokens and
         the node ending at the last fetched page (``None`` when the prefix left the tree)."""
@@ -1185,8 +1071,7 @@ class HiRadixCache(RadixCache):
 
     async def aclose(self) -> Any:
         """Close the controller (drains backups, reports what it could not write)."""
-        for rid in list(self._prefetching) + list(self._held):
-            self.cancel_prefetch(rid)
+        self.prefetches.close()
         if self._unsubscribe_storage is not None:
             self._unsubscribe_storage()
             self._unsubscribe_storage = None

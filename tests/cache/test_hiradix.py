@@ -46,7 +46,7 @@ async def nothing_held_then_close(stack) -> None:  # type: ignore[no-untyped-def
     cache = stack.cache
     await cache.drain()
     assert all(n.host_ref == 0 and n.lock_ref == 0 for n in cache._nodes())
-    assert not cache._held and cache.protected_size() == 0
+    assert not cache.prefetches.held and cache.protected_size() == 0
     cache.sanity_check()
     await stack.aclose()
 
@@ -398,7 +398,7 @@ async def test_admit_whose_make_room_raises_leaves_nothing_locked_or_held() -> N
     await cache.drain()
     assert cache.protected_size() == 0
     assert all(n.host_ref == 0 and n.lock_ref == 0 for n in cache._nodes())
-    assert not cache._held
+    assert not cache.prefetches.held
     cache.sanity_check()
     await second.aclose()
 

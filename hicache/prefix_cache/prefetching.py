@@ -1,0 +1,227 @@
+"""Storage->host prefetch of the pages that follow a request's host hit, as the tree sees it.
+
+The controller fetches the pages (see :mod:`hicache.controller.prefetch`); this module keeps
+the tree's side of each prefetch: the anchor it continues from (protected from host eviction
+by a ``host_ref`` while the fetch runs), the page keys and tokens it fetches, the stored pages
+it pins in the placement's directory, and, once the pages are in the tree, the protection
+admit holds on them until it has used them (:meth:`Prefetches.wait_prefetch` with ``hold``).
+
+Why a collaborator the cache owns (``cache.prefetches``) and not a part of the cache class: the
+running prefetches and the holds on fetched pages are state of their own, with their own
+invariant (every anchor ``host_ref`` and every pin is released exactly once: at the finish,
+the cancel or the reset); the prefetch needs only a narrow slice of the tree, spelled out as
+:class:`PrefetchHost`, so this module does not import the cache class. Hanging fetched pages
+under their prefix is tree surgery and stays with the tree (``_insert_host``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Protocol
+
+import torch
+
+from hicache.controller.controller import HiCacheController
+from hicache.controller.jobs import PrefetchResult
+from hicache.errors import ChainGoneError
+from hicache.placement import StoredPages
+from hicache.prefix_cache.hashing import fast_page_hashes
+from hicache.prefix_cache.node import TreeNode
+from hicache.prefix_cache.tokens import TokenRun
+
+__all__ = ["Prefetch", "PrefetchHost", "Prefetches"]
+
+
+@dataclasses.dataclass(eq=False)
+class Prefetch:
+    anchor: TreeNode
+    tokens: list[int]  # from the root through the prefetched pages
+    start: int  # first prefetched token
+    keys: list[str]
+    extra_key: str | None
+    pinned: list[str] = dataclasses.field(default_factory=list)  # stored pages kept while it reads
+    owner: object = None  # the request that started it (a reused rid's cancel must not abort it)
+
+
+class PrefetchHost(Protocol):
+    """What :class:`Prefetches` uses of its cache (a :class:`~hicache.prefix_cache.HiRadixCache`)."""
+
+    root_node: TreeNode
+    page_size: int
+    disable: bool
+    controller: HiCacheController
+    config: Any
+    metrics: Any
+
+    def storage_prior_hash(self, node: Any, extra_key: str | None) -> str | None: ...
+    def _inc_host_ref(self, node: TreeNode) -> None: ...
+    def _dec_host_ref(self, node: TreeNode) -> None: ...
+    def _alloc_host_upto(self, max_tokens: int) -> torch.Tensor | None: ...
+    def _free_host(self, indices: torch.Tensor) -> None: ...
+    def _insert_host(self, state: Prefetch, result: PrefetchResult) -> tuple[int, TreeNode | None]: ...
+
+
+class Prefetches:
+    """The storage prefetches of one cache, by request id, and the holds on what they fetched.
+
+    Args:
+        cache: the tree the pages go into.
+        stored: the placement's stored-page directory (prefetched pages are pinned in it while
+            they are read, and touched as storage hits); ``None`` without one.
+    """
+
+    def __init__(self, cache: PrefetchHost, stored: StoredPages | None) -> None:
+        self.cache = cache
+        self.stored = stored
+        self.running: dict[str, Prefetch] = {}
+        #: rid -> [(deepest node its prefetch attached, holder)]: a host_ref kept from the end of
+        #: the prefetch until admit has used the pages (see :meth:`wait_prefetch`), one per
+        #: holder (requests reusing a rid may overlap); nodes of a dropped tree need no release
+        self.held: dict[str, list[tuple[TreeNode, object]]] = {}
+
+    def reset(self) -> None:
+        """The tree was dropped: running prefetches are aborted (their host pages freed by the
+        controller) and their pins released; the holds go with the tree's refs."""
+        for rid, state in list(self.running.items()):
+            self.cache.controller.abort_prefetch(rid)
+            self._unpin(state)
+        self.running = {}
+        self.held = {}
+
+    def close(self) -> None:
+        """Cancel every prefetch and release every hold (the cache closes)."""
+        for rid in list(self.running) + list(self.held):
+            self.cancel_prefetch(rid)
+
+    def prefetch_from_storage(
+        self,
+        req_id: str,
+        last_host_node: TreeNode,
+        new_input_tokens: list[int],
+        last_hash: str | None = None,
+        *,
+        prefix_tokens: list[int] | None = None,
+        extra_key: str | None = None,
+        owner: object = None,
+    ) -> bool:
+        """Start fetching the pages of ``new_input_tokens`` (which continue the prefix ending
+        at ``last_host_node``) from storage into host memory. ``prefix_tokens`` are the tokens
+        from the root through ``last_host_node``; ``owner`` (the request) is the only holder
+        whose :meth:`cancel_prefetch` aborts it. Returns whether a prefetch started."""
+        cache = self.cache
+        controller = cache.controller
+        if not controller.has_storage or cache.disable or req_id in self.running:
+            return False
+        ps = cache.page_size
+        aligned = len(new_input_tokens) // ps * ps
+        if aligned < cache.config.prefetch_threshold or aligned == 0:
+            cache.metrics.incr("prefetch_skipped_threshold")
+            return False
+        tokens = list(new_input_tokens[:aligned])
+        try:
+            prior = last_hash if last_hash is not None else cache.storage_prior_hash(last_host_node, extra_key)
+        except ChainGoneError:  # the node left the tree: nothing to continue from
+            return False
+        keys = fast_page_hashes(tokens, ps, prior)
+        prefix = list(prefix_tokens) if prefix_tokens is not None else self._path_tokens(last_host_node)
+        cache._inc_host_ref(last_host_node)
+        op = controller.start_prefetch(req_id, keys, alloc_host=cache._alloc_host_upto)
+        if op is None:
+            cache._dec_host_ref(last_host_node)
+            return False
+        pinned = self.stored.pin(keys) if self.stored is not None else []
+        self.running[req_id] = Prefetch(last_host_node, prefix + tokens, len(prefix), keys, extra_key, pinned, owner)
+        return True
+
+    def prefetch_view(self, req_id: str) -> tuple[int, list[str], Any] | None:
+        """``(first token, page keys, controller op)`` of ``req_id``'s running prefetch
+        (the miss attribution reads how it ended); ``None`` without one."""
+        state = self.running.get(req_id)
+        if state is None:
+            return None
+        return state.start, state.keys, self.cache.controller.prefetch_op(req_id)
+
+    def is_prefetching(self, req_id: str) -> bool:
+        """Whether ``req_id`` has a storage prefetch whose pages are not yet in the tree."""
+        return req_id in self.running
+
+    def cancel_prefetch(self, req_id: str, holder: object = None) -> None:
+        """Abort ``req_id``'s prefetch, if any: its host pages are freed, its anchor released
+        (and the protection of pages it already attached, see :meth:`wait_prefetch`). With
+        ``holder``, only that request's: a prefetch another request reusing the rid started
+        (its ``owner``) and the other holders' protection stay."""
+        state = self.running.get(req_id)
+        if state is not None and (holder is None or state.owner is None or state.owner is holder):
+            self.cache.controller.abort_prefetch(req_id)
+            del self.running[req_id]
+            self.cache._dec_host_ref(state.anchor)
+            self._unpin(state)
+        self.release_prefetched(req_id, holder)
+
+    def release_prefetched(self, req_id: str, holder: object = None) -> None:
+        """Drop the protection :meth:`wait_prefetch` (``hold``) kept on ``req_id``'s fetched
+        pages; with ``holder``, only that holder's (a reused rid must not release another's)."""
+        cache = self.cache
+        for node, who in self.held.pop(req_id, []):
+            if holder is not None and who is not holder:
+                self.held.setdefault(req_id, []).append((node, who))  # another request's
+            elif node.tree is cache.root_node.tree:  # a reset dropped the tree, and its refs
+                cache._dec_host_ref(node)
+
+    def _path_tokens(self, node: TreeNode) -> list[int]:
+        root = self.cache.root_node
+        parts: list[TokenRun] = []
+        while node is not None and node is not root:
+            parts.append(node.key)
+            node = node.parent  # type: ignore[assignment]
+        return [t for part in reversed(parts) for t in part]
+
+    def check_prefetch_progress(self, req_id: str) -> bool:
+        """Non-blocking (SGLang's scheduler polls this): ``True`` once the request may proceed
+        under the stop policy; the fetched pages are then in the tree."""
+        if req_id not in self.running:
+            return True
+        controller = self.cache.controller
+        if not controller.prefetch_ready(req_id):
+            return False
+        self._finish_prefetch(req_id, controller.take_prefetch(req_id))
+        return True
+
+    async def wait_prefetch(self, req_id: str, *, hold: object = None) -> int:
+        """Wait as the stop policy allows; returns the tokens the prefetch added to the tree.
+
+        With ``hold`` (any object naming the holder), the pages stay protected from host
+        eviction (a ``host_ref`` on the deepest, so on its whole path) until
+        :meth:`release_prefetched` or :meth:`cancel_prefetch`: admit may wait (for loads, for
+        device room) before it locks them, and unprotected they were host-evictable leaves
+        then: dropped, recomputed, and the host hit before them counted as the storage hit."""
+        if req_id not in self.running:
+            return 0
+        return self._finish_prefetch(req_id, await self.cache.controller.wait_prefetch(req_id), hold)
+
+    def _finish_prefetch(self, req_id: str, result: PrefetchResult | None, hold: object = None) -> int:
+        cache = self.cache
+        state = self.running.pop(req_id, None)
+        if state is None:
+            if result is not None:
+                cache._free_host(result.host_indices)
+            return 0
+        cache._dec_host_ref(state.anchor)
+        self._unpin(state)
+        if result is not None and result.pages and self.stored is not None:
+            self.stored.touch(state.keys[: result.pages])  # a storage hit
+        if result is None or result.pages == 0:
+            if result is not None:
+                cache._free_host(result.host_indices)
+            return 0
+        added, last = cache._insert_host(state, result)
+        if hold is not None and last is not None:
+            self.release_prefetched(req_id, hold)  # at most one hold per holder
+            cache._inc_host_ref(last)
+            self.held.setdefault(req_id, []).append((last, hold))
+        return added
+
+    def _unpin(self, state: Prefetch) -> None:
+        if self.stored is not None and state.pinned:
+            self.stored.unpin(state.pinned)
+            state.pinned = []
