@@ -56,6 +56,7 @@ from hicache.prefix_cache.load_back import LoadBacks
 from hicache.prefix_cache.node import TreeNode
 from hicache.prefix_cache.prefetching import Prefetch, Prefetches
 from hicache.prefix_cache.radix import RadixCache
+from hicache.prefix_cache.storage_writes import StorageWrites
 from hicache.prefix_cache.req import Req
 from hicache.prefix_cache.tokens import TokenRun, pack_tokens
 from hicache.prefix_cache.types import EvictParams, EvictResult, InitLoadBackParams, MatchPrefixParams, MatchResult
@@ -121,22 +122,16 @@ class HiRadixCache(RadixCache):
         #: explains each admitted request's misses (``None``: no attribution); set by the stack
         self.explain_admit: Any = None
         #: the stored-page directory when the policy chooses storage's evictions and the
-        #: backend can delete (see :meth:`_submit_storage_write`); ``None``: the backend's bound
+        #: backend can delete (see :meth:`StorageWrites.submit`); ``None``: the backend's bound
         storage = controller.storage
         self._stored: StoredPages | None = (
             self.placement.stored if storage is not None and storage.supports_delete else None
         )
         #: the storage prefetches and the holds on what they fetched
         self.prefetches = Prefetches(self, self._stored)
-        self._doomed: list[str] = []  # storage evictions not yet sent (their job was refused)
-        #: keys of storage writes queued and not ended: a deferred deletion of one waits for it
-        self._writing: dict[str, int] = {}
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._unsubscribe_storage = (
-            self.tier_changes.subscribe(self._on_storage_change, wants=frozenset(
-                {(ChangeKind.REMOVED, Tier.STORAGE), (ChangeKind.CLEARED, Tier.STORAGE)}))
-            if self._stored is not None else None
-        )
+        #: submits storage writes, making room in the directory first (deletions it owes)
+        self.storage_writes = StorageWrites(controller=controller, metrics=self.metrics, page_size=page_size,
+                                            stored=self._stored, tier_changes=self.tier_changes)
         super().__init__(
             req_to_token_pool=req_to_token_pool,
             token_to_kv_pool_allocator=token_to_kv_pool_allocator,
@@ -515,7 +510,7 @@ class HiRadixCache(RadixCache):
             self._storage_done(gen, node, op, written)
 
         job = StorageWriteJob(keys=keys, host_indices=torch.cat(hosts), prior_key=prior, on_done=done)
-        if not self._submit_storage_write(job):
+        if not self.storage_writes.submit(job):
             for c in chain:
                 c.storage_op = None
                 self._note(c)
@@ -737,95 +732,9 @@ class HiRadixCache(RadixCache):
             prior_key=prior,
             on_done=lambda pages: self._storage_done(gen, node, op, pages),
         )
-        if not self._submit_storage_write(job):
+        if not self.storage_writes.submit(job):
             node.storage_op = None
             self._note(node)
-
-    def _submit_storage_write(self, job: StorageWriteJob) -> bool:
-        """Queue ``job``. Where the policy chooses storage's evictions (``self._stored``), room
-        is made first: the pages it picks ride in the job's ``delete_first``, deleted ahead of
-        the write by the same worker, so the write never lands before its room and the
-        backend's own bound never has to evict. The job's completion tells the directory what
-        landed. Evictions of a job the queue refuses wait for the next one."""
-        stored = self._stored
-        if stored is None:
-            return self.controller.submit_storage_write(job)
-        if self._loop is None:
-            self._loop = asyncio.get_running_loop()  # where removal reports are applied
-        prior, on_done = job.prior_key, job.on_done
-        doomed, n, pinned = stored.room_for_write(len(job.keys), prior)
-        self._doomed.extend(doomed)
-        if n < len(job.keys):
-            self.metrics.incr("storage_writes_no_room_pages", len(job.keys) - n)
-            if not n:
-                stored.landed(0, [], prior, pinned)
-                return False
-            job.keep_first(n, self.page_size)
-        keys = job.keys
-        # deletions a job could not send (below) go now, unless the page was written again;
-        # one of a page a queued job writes again waits for that job (sent now, it would run
-        # after that write and delete the page the directory then holds)
-        writing = self._writing
-        later: list[str] = []
-        job.delete_first = []
-        for k in self._doomed:
-            if k not in stored:
-                (later if k in writing else job.delete_first).append(k)
-
-        def done(written: int) -> None:
-            # storage's state, whatever the tree's generation; the prefix is unpinned only now
-            stored.landed(n, keys[:written], prior, pinned)
-            for k in keys:
-                left = writing.get(k, 0) - 1
-                if left > 0:
-                    writing[k] = left
-                else:
-                    writing.pop(k, None)
-            if job.delete_first and not job.deletions_sent:
-                # the store was down when the job's turn came (or went down during its delete):
-                # the pages chosen to make room for the write were not deleted. The directory forgot
-                # them when it chose them, so they would stay in storage unseen, past its
-                # capacity; they go with the next write instead
-                self._doomed.extend(job.delete_first)
-                self.metrics.incr("storage_deletes_deferred_pages", len(job.delete_first))
-            on_done(written)
-
-        job.on_done = done
-        if not self.controller.submit_storage_write(job):
-            job.delete_first = []
-            stored.landed(n, [], prior, pinned)
-            return False
-        self._doomed = later
-        for k in keys:
-            writing[k] = writing.get(k, 0) + 1
-        return True
-
-    def _on_storage_change(self, change: TierChange) -> None:
-        """The backend removed pages by itself (its own bound, a corrupt page, a peer) or was
-        cleared: the directory forgets them. Called on whatever thread the backend runs on;
-        applied on the cache's loop. Our own deletions were forgotten when they were chosen."""
-        stored, loop = self._stored, self._loop
-        if stored is None or loop is None or (change.reason == "deleted" and change.origin == "local"):
-            return
-        keys = change.keys
-
-        def apply() -> None:
-            if change.kind is ChangeKind.CLEARED:
-                stored.clear()
-            else:
-                stored.remove(keys)
-
-        try:
-            running = asyncio.get_running_loop()
-        except RuntimeError:
-            running = None
-        if running is loop:
-            apply()
-        elif not loop.is_closed():
-            try:
-                loop.call_soon_threadsafe(apply)
-            except RuntimeError:  # the loop closed meanwhile: nothing left to keep in step
-                pass
 
     def _page_prior(self, node: TreeNode, k: int) -> str | None:
         """The key before ``node``'s page ``k`` in storage's chain (``None`` at the root)."""
@@ -1072,12 +981,10 @@ class HiRadixCache(RadixCache):
     async def aclose(self) -> Any:
         """Close the controller (drains backups, reports what it could not write)."""
         self.prefetches.close()
-        if self._unsubscribe_storage is not None:
-            self._unsubscribe_storage()
-            self._unsubscribe_storage = None
+        self.storage_writes.unsubscribe()
         self._start_backups()  # drained by the close, or reported
         self._retry_deferred()
-        self._send_doomed()
+        self.storage_writes.send_doomed()
         report = await self.controller.aclose()
         # backups still waiting for host room: only the tree knows them, so the tree reports
         # them (committed KV that reached no tier below the device is never lost silently;
@@ -1090,23 +997,13 @@ class HiRadixCache(RadixCache):
             report.deferred_backup_pages = pages
             logger.warning("cache close: %d page(s) committed on device never reached host (their backups "
                            "waited for host room)", pages)
-        stored = self._stored
-        undeleted = len({k for k in self._doomed if k not in stored}) if stored is not None else 0
+        undeleted = self.storage_writes.undeleted()
         if undeleted and isinstance(report, CloseReport):
             report.undeleted_storage_pages = undeleted
             logger.warning("cache close: %d page(s) evicted from storage by the placement policy were never "
                            "deleted there (the store was down); it holds them past its capacity until its own "
                            "bound evicts them", undeleted)
         return report
-
-    def _send_doomed(self) -> None:
-        """Closing: storage evictions still waiting for a write to ride with (``_doomed``) go
-        in a job of their own that writes nothing, so a store that outlives the cache is left
-        within the directory's capacity. One of a page a queued write stores again still waits
-        for that write; what the store was down for is reported by :meth:`aclose`."""
-        if self._stored is not None and self._doomed:
-            self._submit_storage_write(StorageWriteJob(
-                keys=[], host_indices=torch.empty(0, dtype=torch.int64), prior_key=None, on_done=lambda _: None))
 
     def sanity_check(self) -> None:
         super().sanity_check()

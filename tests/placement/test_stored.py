@@ -423,14 +423,14 @@ async def test_evictions_of_a_write_skipped_while_the_store_is_down_go_with_a_la
                 break
         assert tripped and not health.up
         assert counters["storage_deletes_deferred_pages"] == len(tripped[0])
-        assert set(tripped[0]) <= set(stack.cache._doomed)
+        assert set(tripped[0]) <= set(stack.cache.storage_writes.doomed)
         assert set(tripped[0]) <= set(_medium_keys(stack)) and not set(tripped[0]) & set(stored._pages)
         health.probe_passed()
         assert health.up
         # the deletions go with the next write (not sooner: until a write needs the room,
         # what the directory holds plus them is within capacity, as before the store went down)
         rest = prompts[60 + i + 1 :]
-        while stack.cache._doomed:
+        while stack.cache.storage_writes.doomed:
             assert (await serve_request(stack, rest.pop(0), rid=f"u{len(rest)}")).verify_failures == 0
             await stack.controller.wait_prefetches()
             await stack.cache.drain()
@@ -454,8 +454,8 @@ async def _full_six_page_store(**controller):  # type: ignore[no-untyped-def]
         placement="tiered", placement_options={"long_prompt_tokens": 6 * PS},
         req_slots=4, max_context_len=256, controller=ControllerConfig(**controller)))
     a = [f"a{i}".ljust(8, "0") for i in range(4)]
-    assert stack.cache._submit_storage_write(_job(a, None))
-    assert stack.cache._submit_storage_write(_job(["c0000000"], None))
+    assert stack.cache.storage_writes.submit(_job(a, None))
+    assert stack.cache.storage_writes.submit(_job(["c0000000"], None))
     await asyncio.wait_for(stack.controller._storage_q.join(), 5)
     assert set(stack.cache._stored._pages) == set(_medium_keys(stack)) == {*a, "c0000000"}
     return stack, a
@@ -480,7 +480,7 @@ async def test_a_deferred_deletion_waits_for_a_rewrite_queued_before_it() -> Non
         orig = stack.storage.batch_set_v2
 
         def submit_j3() -> None:  # the tree writes something else while J2 is in flight
-            assert cache._submit_storage_write(_job(["d0000000"], None))
+            assert cache.storage_writes.submit(_job(["d0000000"], None))
             gate.set()
 
         async def slow_set(transfers, info=None):  # type: ignore[no-untyped-def]
@@ -492,7 +492,7 @@ async def test_a_deferred_deletion_waits_for_a_rewrite_queued_before_it() -> Non
         stack.storage.batch_set_v2 = slow_set
         health.trip("test: the store went away")
         j1 = _job(["b0000000", "b1000000"], None)  # room: a3 (the LRU leaf) is doomed
-        assert cache._submit_storage_write(j1) and j1.delete_first == [a[3]]
+        assert cache.storage_writes.submit(j1) and j1.delete_first == [a[3]]
         done1 = j1.on_done
 
         def j1_done(n: int) -> None:  # skipped (store down); the store is back right after
@@ -501,7 +501,7 @@ async def test_a_deferred_deletion_waits_for_a_rewrite_queued_before_it() -> Non
 
         j1.on_done = j1_done
         j2 = _job([a[3]], a[2])  # a3 written again (a host copy re-inserted), queued behind J1
-        assert cache._submit_storage_write(j2) and a[3] not in j2.delete_first
+        assert cache.storage_writes.submit(j2) and a[3] not in j2.delete_first
         await asyncio.wait_for(ctl._storage_q.join(), 5)
         assert gate.is_set() and health.up
         # J2 wrote a3 and the directory has it; J3 (queued after J2) deleted it: they disagree
@@ -528,12 +528,12 @@ async def test_an_interrupted_deletion_is_deferred_not_lost(path: str) -> None:
 
         stack.storage.batch_delete = hangs
         j1 = _job(["b0000000", "b1000000"], None)
-        assert cache._submit_storage_write(j1) and j1.delete_first == [a[3]]
+        assert cache.storage_writes.submit(j1) and j1.delete_first == [a[3]]
         await asyncio.wait_for(ctl._storage_q.join(), 10)
         assert not ctl.health.up
         # the delete never ran: a3 is still in storage and the directory forgot it
         assert a[3] in set(_medium_keys(stack)) and a[3] not in stored
-        assert a[3] in cache._doomed, "the deletion was lost (neither sent nor deferred)"
+        assert a[3] in cache.storage_writes.doomed, "the deletion was lost (neither sent nor deferred)"
     finally:
         await stack.aclose()
 
@@ -551,9 +551,9 @@ async def test_deletions_still_waiting_at_close_are_sent_or_reported(store_back:
     try:
         ctl.health.trip("test: the store went away")
         j1 = _job(["b0000000", "b1000000"], None)  # room: a3 (the LRU leaf) is doomed
-        assert cache._submit_storage_write(j1) and j1.delete_first == [a[3]]
+        assert cache.storage_writes.submit(j1) and j1.delete_first == [a[3]]
         await asyncio.wait_for(ctl._storage_q.join(), 5)
-        assert cache._doomed == [a[3]] and a[3] in _medium_keys(stack)
+        assert cache.storage_writes.doomed == [a[3]] and a[3] in _medium_keys(stack)
         if store_back:
             ctl.health.probe_passed()
         report = await stack.aclose()
@@ -580,10 +580,10 @@ async def test_a_close_that_times_out_on_the_deletions_reports_no_unwritten_page
         await asyncio.Event().wait()
 
     stack.storage.batch_set_v2 = hangs  # a write that never ends holds the worker
-    assert cache._submit_storage_write(_job(["e0000000"], None))
+    assert cache.storage_writes.submit(_job(["e0000000"], None))
     await asyncio.sleep(0.05)
     cache._stored.remove([a[3]])  # a storage eviction still waiting for a write to ride with
-    cache._doomed.append(a[3])
+    cache.storage_writes.doomed.append(a[3])
     report = await stack.aclose()
     assert not report.drained
     assert [(u.first_key, u.pages) for u in report.unwritten] == [("e0000000", 1)]
