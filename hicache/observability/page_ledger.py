@@ -10,7 +10,9 @@ verification.
 Bounded: at most ``capacity`` keys (oldest change forgotten first). A key pushed out sets a
 bit in a fixed-size "forgotten" bitmap, so a later miss on a key with no record can still tell
 "never seen by this process" (bit clear: certain) from "maybe forgotten" (bit set: unknown).
-Collisions only turn a certain "never stored" into an honest "unknown".
+Collisions only turn a certain "never stored" into an honest "unknown". The bit comes from a hash
+of the key that is the same in every process (xxh3), not Python's ``hash``, which changes with
+each process's ``PYTHONHASHSEED``: a replay must attribute its misses the same way every run.
 
 Thread-safe: tiers emit on the event loop and on I/O threads; every method takes one lock for
 O(keys) dict operations.
@@ -19,6 +21,8 @@ O(keys) dict operations.
 from __future__ import annotations
 
 import threading
+
+import xxhash
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from itertools import repeat
@@ -26,6 +30,12 @@ from itertools import repeat
 from hicache.observability.tier_events import ChangeKind, Tier, TierChange, TierChangeHub
 
 __all__ = ["CORRUPT", "IN_STORAGE", "LOST_DEVICE", "LOST_HOST", "LOST_STORAGE", "PageLedger"]
+
+
+
+def _bit_of(key: str) -> int:
+    """The key's hash, the same in every process (Python's ``hash`` of a str is seeded per process)."""
+    return xxhash.xxh3_64_intdigest(key.encode("utf-8", "surrogatepass"))
 
 #: this process wrote the page to storage and has seen no removal since
 IN_STORAGE = 1
@@ -128,7 +138,7 @@ class PageLedger:
                 self._forget(old)
 
     def _forget(self, key: str) -> None:
-        bit = hash(key) % self._nbits
+        bit = _bit_of(key) % self._nbits
         self._bits[bit >> 3] |= 1 << (bit & 7)
         self.forgotten += 1
 
@@ -149,5 +159,5 @@ class PageLedger:
 
     def maybe_forgotten(self, key: str) -> bool:
         """Whether a key with no record may have had one that the capacity pushed out."""
-        bit = hash(key) % self._nbits
+        bit = _bit_of(key) % self._nbits
         return bool(self._bits[bit >> 3] & (1 << (bit & 7)))

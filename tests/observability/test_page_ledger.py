@@ -115,3 +115,26 @@ def test_batched_updates_match_key_by_key(seed: int) -> None:
         slow.observe(change)
         assert list(fast._flags.items()) == list(slow._flags.items())
         assert (fast.forgotten, fast._bits) == (slow.forgotten, slow._bits)
+
+
+def test_what_is_maybe_forgotten_is_the_same_in_every_process() -> None:
+    """A replay must attribute its misses the same way on every run: the forgotten bitmap's
+    bit for a key may not depend on the process's string hash seed (it did: Python's ``hash``)."""
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        "from hicache.observability.page_ledger import PageLedger\n"
+        "from hicache.observability.tier_events import ChangeKind, Tier, TierChange\n"
+        "led = PageLedger(capacity=4, forgotten_bits=256)\n"
+        "for i in range(40):\n"
+        "    led.observe(TierChange(ChangeKind.REMOVED, Tier.HOST, (f'{i:064x}',), reason='evicted'))\n"
+        "print(''.join('1' if led.maybe_forgotten(f'{i:064x}') else '0' for i in range(1000)))\n"
+    )
+    outs = set()
+    for seed in ("1", "2", "12345"):
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
+        outs.add(out.stdout.strip())
+    assert len(outs) == 1 and "1" in next(iter(outs))
