@@ -48,9 +48,10 @@ from hicache.storage.stats import Throttle
 
 from hicache_backends.file import io as page_io
 from hicache_backends.file.index import PageIndex
-from hicache_backends.file.journal import PeerRemoval, RemovalJournal
+from hicache_backends.file.journal import PeerRemoval
 from hicache_backends.file.layout import NamespaceLayout, page_id
 from hicache_backends.file.ledger import LEDGER_NAME, Usage, UsageLedger, read_usage
+from hicache_backends.file.peers import PeerRemovals
 
 __all__ = ["DEFAULT_MAX_BYTES", "DEFAULT_MIN_FREE_BYTES", "FileStorage"]
 
@@ -222,16 +223,14 @@ class FileStorage(AsyncHiCacheStorage):
             raise ConfigError(f"file backend: journal_poll_s must be a number of seconds in (0, 3600], got {journal_poll_s!r}")
         self.removal_journal = bool(removal_journal) and self.shared
         self.journal_poll_s = float(journal_poll_s)
-        self._journal: RemovalJournal | None = None
-        self._journal_task: asyncio.Task[None] | None = None
+        # this store's removals out to the other processes, theirs in (shared stores only)
+        self._peers = PeerRemovals(self.root, self.journal_poll_s, self._peer_removal) if self.removal_journal else None
 
         self.index = PageIndex()
         self._layout: NamespaceLayout | None = None
         self._codec: PageCodec | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._scan_executor: ThreadPoolExecutor | None = None
-        # the removal journal's own thread: its lock waits never hold up page I/O
-        self._journal_executor: ThreadPoolExecutor | None = None
         self._scan_task: asyncio.Task[None] | None = None
         self._index_ready: asyncio.Event | None = None
         self._tombstones: set[str] | None = None  # pages forgotten while the scan runs
@@ -320,12 +319,8 @@ class FileStorage(AsyncHiCacheStorage):
             self._warn_manifest_deferred()
         if self.shared:
             self._ledger = UsageLedger(self._layout.ns_dir)
-        if self.removal_journal:
-            self._journal_executor = ThreadPoolExecutor(1, thread_name_prefix="hicache-file-journal")
-            self._journal = await self._run(RemovalJournal, self._layout.ns_dir)
-            self._journal_task = asyncio.get_running_loop().create_task(
-                self._tail_journal(self._journal), name=f"hicache-file-journal-{self.namespace.digest[:8]}"
-            )
+        if self._peers is not None:
+            await self._peers.open(self._layout.ns_dir, self.namespace.digest)
         self._tombstones = set()
         self._scan_task = asyncio.get_running_loop().create_task(
             self._scan(self._generation), name=f"hicache-file-scan-{self.namespace.digest[:8]}"
@@ -342,27 +337,26 @@ class FileStorage(AsyncHiCacheStorage):
             logger.warning("file store %s: closing with %d call(s) still running after %.0f s",
                            self.root, self._calls, _CLOSE_CALLS_WAIT_SECONDS)
         await self._stop_scan()
-        task, self._journal_task = self._journal_task, None
-        if task is not None:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+        if self._peers is not None:
+            await self._peers.stop_tailing()
         if self._background:
             await asyncio.gather(*self._background, return_exceptions=True)
-        executors = [e for e in (self._executor, self._scan_executor, self._journal_executor) if e is not None]
+        executors = self._executors()
         if executors:
             # Let in-flight page writes finish (each cleans up after itself), off the loop.
             await asyncio.to_thread(lambda: [e.shutdown(wait=True) for e in executors])
         if self._ledger is not None:
             self._ledger.close()
-        if self._journal is not None:
-            # removals reported while the executors shut down: written (or counted) now
-            await asyncio.to_thread(self._journal.flush)
-            self._journal.close()
+        if self._peers is not None:
+            await self._peers.close()
+
+    def _executors(self) -> list[ThreadPoolExecutor]:
+        journal = self._peers.executor if self._peers is not None else None
+        return [e for e in (self._executor, self._scan_executor, journal) if e is not None]
 
     def _shutdown_executors(self, wait: bool) -> None:
-        for e in (self._executor, self._scan_executor, self._journal_executor):
-            if e is not None:
-                e.shutdown(wait=wait)
+        for e in self._executors():
+            e.shutdown(wait=wait)
 
     async def _stop_scan(self) -> None:
         task, self._scan_task = self._scan_task, None
@@ -637,7 +631,7 @@ class FileStorage(AsyncHiCacheStorage):
         bytes actually removed, the ``(key, pool)`` of the pages (read from their headers
         first when anyone needs them: KV-event subscribers or the removal journal), and the
         bytes the ledger could not be told of (unavailable: the caller owes them to it)."""
-        wanted = self._journal is not None or self.tier_changes.wants(ChangeKind.REMOVED, Tier.STORAGE)
+        wanted = self._wants_removed_identities()
         idents = [i for i in map(page_io.page_identity, paths) if i is not None] if wanted else []
         freed = page_io.remove_files(paths, sizes)
         if freed and self._ledger is not None and self._ledger.add(-freed) is None:
@@ -1115,8 +1109,8 @@ class FileStorage(AsyncHiCacheStorage):
         self._tombstones = None
         self._ledger_debt = 0  # owed to the ledger that goes with the cleared folder
         trash, written = await self._run(page_io.clear_namespace, self._layout, self.namespace.to_dict())
-        if self._journal is not None:
-            await run_to_completion(self._journal.append_cleared, executor=self._journal_executor)
+        if self._peers is not None:
+            await self._peers.append_cleared()
         self._manifest_pending = not written
         if not written:
             self._warn_manifest_deferred()
@@ -1137,33 +1131,15 @@ class FileStorage(AsyncHiCacheStorage):
         """Report removed pages to subscribers and, for this store's own removals (evicted,
         corrupt), to the other processes through the journal: the one place removals go."""
         super().report_removed(pages, reason=reason, origin=origin)
-        if origin == "local" and pages:
-            self._journal_later([(p.key, p.pool) for p in pages], reason)
+        if origin == "local" and pages and self._peers is not None:
+            self._peers.queue([(p.key, p.pool) for p in pages], reason)
 
-    def _journal_later(self, pages: list[tuple[str, str]], reason: str) -> None:
-        """Queue a journal line (called on the loop); the journal's thread writes whatever is
-        queued in one append, not waited for."""
-        if self._journal is None or self._journal_executor is None:
-            return
-        if self._journal.queue_removed(pages, reason):
-            try:
-                self._journal_executor.submit(self._journal.flush)
-            except RuntimeError:  # shutting down: the store is closing, and flushes at the end
-                pass
-
-    async def _tail_journal(self, journal: RemovalJournal) -> None:
-        """Report what other processes removed, every ``journal_poll_s``; never dies."""
-        while True:
-            await asyncio.sleep(self.journal_poll_s)
-            try:
-                removals = await run_to_completion(journal.poll, executor=self._journal_executor)
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # noqa: BLE001 - the journal is advisory; the next poll retries
-                logger.exception("file store %s: polling the removal journal failed", self.root)
-                continue
-            for removal in removals:
-                self._peer_removal(removal)
+    def _wants_removed_identities(self) -> bool:
+        """(On an I/O thread.) Whether anyone needs the keys of the pages an eviction removes:
+        the removal journal or KV-event subscribers."""
+        return (self._peers is not None and self._peers.journal is not None) or self.tier_changes.wants(
+            ChangeKind.REMOVED, Tier.STORAGE
+        )
 
     def _peer_removal(self, removal: PeerRemoval) -> None:
         if removal.cleared:
@@ -1278,5 +1254,5 @@ class FileStorage(AsyncHiCacheStorage):
             "io_threads": self.io_threads,
             "fsync": self.fsync,
             "shared": self.shared,
-            "journal_dropped_lines": self._journal.dropped_lines if self._journal is not None else 0,
+            "journal_dropped_lines": self._peers.dropped_lines if self._peers is not None else 0,
         }
