@@ -29,8 +29,7 @@ import logging
 import os
 import threading
 import time
-from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
@@ -52,6 +51,7 @@ from hicache_backends.file.journal import PeerRemoval
 from hicache_backends.file.layout import NamespaceLayout, page_id
 from hicache_backends.file.ledger import LEDGER_NAME, Usage, UsageLedger, read_usage
 from hicache_backends.file.peers import PeerRemovals
+from hicache_backends.file.pins import PagePins
 
 __all__ = ["DEFAULT_MAX_BYTES", "DEFAULT_MIN_FREE_BYTES", "FileStorage"]
 
@@ -234,11 +234,7 @@ class FileStorage(AsyncHiCacheStorage):
         self._scan_task: asyncio.Task[None] | None = None
         self._index_ready: asyncio.Event | None = None
         self._tombstones: set[str] | None = None  # pages forgotten while the scan runs
-        self._busy: Counter[str] = Counter()  # pages being read or written: never evicted
-        self._deleting: set[str] = set()  # evicted, unlink pending: not "existing"
-        # set (and replaced) whenever a batch of unlinks ends: a write of a page whose unlink
-        # is pending waits for it, or the late unlink would remove the page just written
-        self._removals_ended = asyncio.Event()
+        self._pins = PagePins()  # pages being read or written, pages being unlinked
         self._reserved = 0  # bytes of writes in flight
         self._generation = 0  # bumped by clear(): older writes do not re-enter the index
         self._free_est = 0
@@ -441,7 +437,7 @@ class FileStorage(AsyncHiCacheStorage):
 
     def _adopt(self, pid: str, result: page_io.ReadResult) -> None:
         """Index a page this store did not know (written by another process, or not scanned yet)."""
-        if pid in self.index or pid in self._deleting:
+        if pid in self.index or pid in self._pins.deleting:
             return
         self.index.add(pid, result.size, result.parent, result.mtime or time.time())
         self.stats.incr("adopted_pages")
@@ -499,7 +495,7 @@ class FileStorage(AsyncHiCacheStorage):
                 tomb = self._tombstones or set()
                 for e in entries:
                     seen[e.pid] = e.size
-                    if e.pid in self.index or e.pid in tomb or e.pid in self._deleting:
+                    if e.pid in self.index or e.pid in tomb or e.pid in self._pins.deleting:
                         continue
                     self.index.add(e.pid, e.size, e.parent, e.atime)
                     found += 1
@@ -517,7 +513,7 @@ class FileStorage(AsyncHiCacheStorage):
                 # so every removal already subtracted is in them); membership tests only, safe
                 # from that thread.
                 def still_on_disk() -> int:
-                    tombstones, deleting = self._tombstones or (), self._deleting
+                    tombstones, deleting = self._tombstones or (), self._pins.deleting
                     return sum(size for pid, size in seen.items() if pid not in tombstones and pid not in deleting)
 
                 await self._ledger_call(self._scan_executor, 0, floor=still_on_disk)
@@ -662,7 +658,7 @@ class FileStorage(AsyncHiCacheStorage):
             want = max(want, self.min_free_bytes + self._reserved - free)
         if want <= 0:
             return 0
-        guard = set(protect) | set(self._busy)
+        guard = set(protect) | set(self._pins.busy)
         assert self._layout is not None
         for _ in range(_EVICT_ROUNDS):
             victims = self.index.pick_victims(want, guard)
@@ -672,12 +668,12 @@ class FileStorage(AsyncHiCacheStorage):
             sizes = [e.size for _, e in victims]
             if self._tombstones is not None:
                 self._tombstones.update(ids)
-            self._deleting.update(ids)
+            self._pins.removing(ids)
             generation = self._generation
             try:
                 removed, idents, owed = await self._run(self._remove_victims, [self._layout.path(p) for p in ids], sizes)
             finally:
-                self._removals_done(ids)
+                self._pins.removals_done(ids)
             self._owe_ledger(owed, generation)
             self.report_removed([PageKey(k, p) for k, p in idents], reason="evicted")
             self._free_est += removed
@@ -699,7 +695,7 @@ class FileStorage(AsyncHiCacheStorage):
         ids = [page_id(p.key, p.pool) for p in pages]
         doomed: dict[str, int] = {}
         for pid in ids:
-            if pid in doomed or pid in self._busy or pid in self._deleting:
+            if pid in doomed or pid in self._pins.busy or pid in self._pins.deleting:
                 continue
             entry = self.index.get(pid)
             if entry is not None:
@@ -709,28 +705,16 @@ class FileStorage(AsyncHiCacheStorage):
         assert self._layout is not None
         for pid in doomed:
             self._forget(pid)
-        self._deleting.update(doomed)
+        self._pins.removing(doomed)
         generation = self._generation
         try:
             paths = [self._layout.path(pid) for pid in doomed]
             freed, _, owed = await self._run(self._remove_victims, paths, list(doomed.values()))
         finally:
-            self._removals_done(doomed)
+            self._pins.removals_done(doomed)
         self._owe_ledger(owed, generation)
         self._free_est += freed
         return [pid in doomed for pid in ids]
-
-    def _removals_done(self, ids: Iterable[str]) -> None:
-        self._deleting.difference_update(ids)
-        ended, self._removals_ended = self._removals_ended, asyncio.Event()
-        ended.set()
-
-    async def _after_pending_removals(self, ids: Sequence[str]) -> None:
-        """Wait until no page of ``ids`` has an unlink in flight. Evictions pick and mark their
-        victims in one step on the loop, and never pick a page being written, so once this
-        returns and the write marks its pages busy, no unlink can remove what it writes."""
-        while self._deleting and not self._deleting.isdisjoint(ids):
-            await self._removals_ended.wait()
 
     # ------------------------------------------------------------------ primitives
 
@@ -738,7 +722,7 @@ class FileStorage(AsyncHiCacheStorage):
     async def _exists(self, pages: Sequence[PageKey]) -> list[bool]:
         ids = [page_id(p.key, p.pool) for p in pages]
         entries = self.index.entries
-        deleting = self._deleting
+        deleting = self._pins.deleting
         out = [pid in entries and pid not in deleting for pid in ids]
         missing = [i for i, hit in enumerate(out) if not hit]
         if missing and (self.shared or not self.index_ready):
@@ -747,7 +731,7 @@ class FileStorage(AsyncHiCacheStorage):
             paths = [(self._layout.path(ids[i]),) for i in missing]
             results = await self._run_chunked(page_io.probe_page, paths)
             for i, r in zip(missing, results):
-                if r.status is page_io.ReadStatus.OK and ids[i] not in self._deleting:
+                if r.status is page_io.ReadStatus.OK and ids[i] not in self._pins.deleting:
                     self._adopt(ids[i], r)
                     out[i] = True
         return out
@@ -762,15 +746,14 @@ class FileStorage(AsyncHiCacheStorage):
         ]
         # staged pages are copied into their pool on these threads: CPU work, not I/O waits
         staged = any(isinstance(b, StagedPage) for b in buffers)
-        self._busy.update(ids)
+        self._pins.hold(ids)
         try:
             results = await self._run_chunked(
                 page_io.read_page_into, calls, sum(b.nbytes for b in buffers), _FILE_OP_COST,
                 threads=copy_threads(self.io_threads) if staged else None,
             )
         finally:
-            self._busy.subtract(ids)
-            self._busy += Counter()  # drop zero counts
+            self._pins.release(ids)
         now = time.time()
         ok = [False] * len(pages)
         for i, (pid, r) in enumerate(zip(ids, results)):
@@ -816,13 +799,11 @@ class FileStorage(AsyncHiCacheStorage):
         assert self._layout is not None and self._codec is not None
         pid = page_id(page.key, page.pool)
         before = self.index.get(pid)
-        self._busy[pid] += 1
+        self._pins.hold((pid,))
         try:
             r = await self._run(page_io.read_page_bytes, self._layout.path(pid), self._codec, page.key, page.pool)
         finally:
-            self._busy[pid] -= 1
-            if self._busy[pid] <= 0:
-                del self._busy[pid]
+            self._pins.release((pid,))
         if r.status is page_io.ReadStatus.OK:
             if pid in self.index:
                 self.index.touch(pid, time.time())
@@ -843,7 +824,7 @@ class FileStorage(AsyncHiCacheStorage):
         ok = [False] * len(pages)
         jobs: list[_WriteJob] = []
         pids = [page_id(page.key, page.pool) for page in pages]
-        await self._after_pending_removals(pids)
+        await self._pins.after_pending_removals(pids)
         for i, (page, buf, parent) in enumerate(zip(pages, buffers, parents)):
             pid = pids[i]
             size = self._layout.file_size(page.key, page.pool, buf.nbytes)
@@ -866,7 +847,7 @@ class FileStorage(AsyncHiCacheStorage):
         generation = self._generation
         ids = [j.pid for j in jobs]
         self._reserved += incoming
-        self._busy.update(ids)
+        self._pins.hold(ids)
         self._writes_in_flight += 1
         self._writes_started += 1
         res = _Reservation()
@@ -907,8 +888,7 @@ class FileStorage(AsyncHiCacheStorage):
                 cancelled = cancelled or late
         finally:
             self._reserved -= incoming
-            self._busy.subtract(ids)
-            self._busy += Counter()
+            self._pins.release(ids)
             try:
                 if res.usage is not None:
                     await self._settle(res, jobs, results, refused)
@@ -1148,7 +1128,7 @@ class FileStorage(AsyncHiCacheStorage):
             return
         for key, pool in removal.pages:
             pid = page_id(key, pool)
-            if pid in self.index and not self._busy[pid]:
+            if pid in self.index and not self._pins.busy[pid]:
                 self._forget(pid)  # a page we wrote again since is found again by its stat
         self.stats.incr("peer_removed_pages", len(removal.pages))
         self.report_removed([PageKey(k, p) for k, p in removal.pages], reason=removal.reason, origin="peer")
