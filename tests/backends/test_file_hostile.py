@@ -606,7 +606,7 @@ async def test_a_writer_killed_after_publishing_leaves_its_pages_counted_and_evi
         "        await s.wait_background()\n"
         "        async def die(*a, **k):\n"
         "            os.kill(os.getpid(), 9)  # published, not settled\n"
-        "        s._settle = die\n"
+        "        s._space.settle = die\n"
         "        await s.set('k-child', torch.full((1 << 20,), 3, dtype=torch.uint8))\n"
         "asyncio.run(main())\n"
     )

@@ -29,7 +29,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
@@ -49,9 +49,10 @@ from hicache_backends.file import io as page_io
 from hicache_backends.file.index import PageIndex
 from hicache_backends.file.journal import PeerRemoval
 from hicache_backends.file.layout import NamespaceLayout, page_id
-from hicache_backends.file.ledger import LEDGER_NAME, Usage, UsageLedger, read_usage
+from hicache_backends.file.ledger import LEDGER_NAME, Usage, read_usage
 from hicache_backends.file.peers import PeerRemovals
 from hicache_backends.file.pins import PagePins
+from hicache_backends.file.space import SpaceAccountant
 
 __all__ = ["DEFAULT_MAX_BYTES", "DEFAULT_MIN_FREE_BYTES", "FileStorage"]
 
@@ -66,12 +67,11 @@ DEFAULT_MAX_BYTES = 64 << 30
 DEFAULT_MIN_FREE_BYTES = 1 << 30
 DEFAULT_ROOT = "/tmp/hicache"
 ROOT_ENV = "HICACHE_FILE_ROOT"
-_FREE_SPACE_TTL = 1.0  # seconds a statvfs answer is reused (adjusted by our own writes)
 _STALE_TMP_SECONDS = 3600.0
 _CLEAR_WAIT_SECONDS = 1.0
 _BYTES_PER_CHUNK = 1 << 20  # below this much work per thread, fewer threads are faster
 _FILE_OP_COST = 32 << 10  # an open+close costs about as much as copying 32 KiB
-_REFUSAL_WARN_SECONDS = 60.0  # at most one "writes refused for space" warning per store this often
+_WARN_SECONDS = 60.0  # at most one warning of a kind (disk full, I/O errors) per store this often
 
 
 def _tracked(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -93,7 +93,6 @@ def _tracked(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 _CLOSE_CALLS_WAIT_SECONDS = 30.0  # what a close waits for calls in progress before it stops the threads
 _RESCAN_SECONDS = 5.0  # at least this long between rescans for pages other processes wrote
-_EVICT_ROUNDS = 4  # victims may turn out gone already (evicted by another process): retry
 
 
 class _SharedCalls:
@@ -129,15 +128,6 @@ class _SharedCalls:
         """Start no more calls (those running finish; the others keep a ``None`` result)."""
         with self._lock:
             self._next = len(self.calls)
-
-
-@dataclass(slots=True)
-class _Reservation:
-    """Bytes a write batch reserved in the shared ledger; filled in on the I/O thread, so a
-    caller cancelled while waiting still knows what to give back."""
-
-    amount: int = 0
-    usage: Usage | None = None
 
 
 @dataclass(slots=True)
@@ -235,35 +225,34 @@ class FileStorage(AsyncHiCacheStorage):
         self._index_ready: asyncio.Event | None = None
         self._tombstones: set[str] | None = None  # pages forgotten while the scan runs
         self._pins = PagePins()  # pages being read or written, pages being unlinked
-        self._reserved = 0  # bytes of writes in flight
         self._generation = 0  # bumped by clear(): older writes do not re-enter the index
-        self._free_est = 0
-        self._free_at = float("-inf")
+        # reservations, the shared ledger and what is owed to it, free space, eviction; it
+        # reaches the store only through what it is handed here
+        self._space = SpaceAccountant(
+            self.root, max_bytes, min_free_bytes, index=self.index, pins=self._pins, stats=self.stats,
+            generation=lambda: self._generation,
+            report_removed=lambda pages, **kw: self.report_removed(pages, **kw),
+            wants_identities=self._wants_removed_identities,
+            leaving=self._tombstone,
+            on_reclaim=lambda usage: self._maybe_rescan(usage, reclaimed=True),
+        )
         self._scan_seconds: float | None = None
         self._stop = threading.Event()  # tells long background deletions to give up (close)
         self._manifest_pending = False  # the disk was too full to write it: housekeeping retries
-        self._ledger: UsageLedger | None = None  # shared usage (shared stores only)
-        # bytes the shared count owes: corrupt pages reads removed and evictions it could not be
-        # told of (given back), less pages written while it was unavailable (added), all settled
-        # by the next write's reservation
-        self._ledger_debt = 0
-        self._writes_in_flight = 0  # batches between their reservation and its settlement
         # calls of the primitives in progress: close() waits for them, so that a batch in
         # flight settles its ledger reservation and indexes its pages, and a clear hands its
         # trash to a background task, on executors that are still running
         self._calls = 0
         self._calls_idle = asyncio.Event()
         self._calls_idle.set()
-        self._writes_started = 0
         self._last_rescan = float("-inf")
         self._rescan_pending = False  # a reclaim asked for a scan while one was running
-        self._refusal_warnings = Throttle(_REFUSAL_WARN_SECONDS)
-        self._enospc_warnings = Throttle(_REFUSAL_WARN_SECONDS)
-        self._pool_warnings = Throttle(_REFUSAL_WARN_SECONDS)
+        self._enospc_warnings = Throttle(_WARN_SECONDS)
+        self._pool_warnings = Throttle(_WARN_SECONDS)
         # I/O errors repeat for every page while their cause lasts (a root remounted read-only,
         # the process out of file descriptors): one line a minute each way, not one per page
-        self._write_error_warnings = Throttle(_REFUSAL_WARN_SECONDS)
-        self._read_error_warnings = Throttle(_REFUSAL_WARN_SECONDS)
+        self._write_error_warnings = Throttle(_WARN_SECONDS)
+        self._read_error_warnings = Throttle(_WARN_SECONDS)
         self._background: set[asyncio.Task[None]] = set()
         self._rehousing: asyncio.Task[None] | None = None  # housekeeping after the folder was deleted
 
@@ -313,8 +302,7 @@ class FileStorage(AsyncHiCacheStorage):
             raise
         if self._manifest_pending:
             self._warn_manifest_deferred()
-        if self.shared:
-            self._ledger = UsageLedger(self._layout.ns_dir)
+        self._space.open(self._layout, self._executor, shared=self.shared)
         if self._peers is not None:
             await self._peers.open(self._layout.ns_dir, self.namespace.digest)
         self._tombstones = set()
@@ -341,8 +329,7 @@ class FileStorage(AsyncHiCacheStorage):
         if executors:
             # Let in-flight page writes finish (each cleans up after itself), off the loop.
             await asyncio.to_thread(lambda: [e.shutdown(wait=True) for e in executors])
-        if self._ledger is not None:
-            self._ledger.close()
+        self._space.close()
         if self._peers is not None:
             await self._peers.close()
 
@@ -435,6 +422,12 @@ class FileStorage(AsyncHiCacheStorage):
         if self._tombstones is not None:
             self._tombstones.add(pid)
 
+    def _tombstone(self, ids: Iterable[str]) -> None:
+        """Pages picked for eviction (already out of the index): the running scan must not
+        bring them back."""
+        if self._tombstones is not None:
+            self._tombstones.update(ids)
+
     def _adopt(self, pid: str, result: page_io.ReadResult) -> None:
         """Index a page this store did not know (written by another process, or not scanned yet)."""
         if pid in self.index or pid in self._pins.deleting:
@@ -445,7 +438,7 @@ class FileStorage(AsyncHiCacheStorage):
     def _corrupt(self, page: PageKey, pid: str, result: page_io.ReadResult) -> None:
         self.stats.incr("corrupt_pages")
         self._forget(pid)
-        self._ledger_debt += result.size  # the read removed the file
+        self._space.read_removed(result.size)  # the read removed the file
         self.report_removed([page], reason="corrupt")
         logger.warning(
             "file store %s: page %s failed verification (%s); removed, served as a miss",
@@ -463,19 +456,7 @@ class FileStorage(AsyncHiCacheStorage):
         seen: dict[str, int] = {}  # page id -> size of every page file the scan found
         complete = True
         try:
-            # What the scan measures replaces the shared count (correcting what killed writers
-            # left behind) only if nothing can be in flight meanwhile (see .ledger).
-            # The order matters: no write of ours in flight from before the reading until after
-            # it (one that reserved before it may publish during the scan without changing seq),
-            # then "alone" (a process that reserved before the reading holds the users lock by
-            # then); any reservation after the reading changes seq.
-            quiet = not self._writes_in_flight and not self._ledger_debt
-            started = self._writes_started
-            before = await self._ledger_call(self._scan_executor, 0, token=-1) if quiet else None
-            if before is not None and self._ledger is not None:
-                alone = await loop.run_in_executor(self._scan_executor, self._ledger.alone)
-                if not alone or self._writes_started != started or self._ledger_debt:
-                    before = None
+            before = await self._space.baseline(self._scan_executor)
             subdirs = await loop.run_in_executor(self._scan_executor, page_io.list_subdirs, self._layout)
             for subdir in subdirs:
                 try:
@@ -499,12 +480,7 @@ class FileStorage(AsyncHiCacheStorage):
                         continue
                     self.index.add(e.pid, e.size, e.parent, e.atime)
                     found += 1
-            if complete and before is not None and not self._ledger_debt:
-                # applied only if nobody changed the ledger during the scan (seq)
-                await self._ledger_call(
-                    self._scan_executor, sum(seen.values()) - before.used, token=before.token, if_seq=before.seq
-                )
-            elif complete:  # not alone: never lowered, but raised to what is on disk if below
+            if complete:
                 # What is on disk *now*: a page found early in the scan may have been removed
                 # by us since (the first writes after opening evict while the scan runs), and
                 # its removal already subtracted; counting it again raised the count by a page
@@ -516,7 +492,7 @@ class FileStorage(AsyncHiCacheStorage):
                     tombstones, deleting = self._tombstones or (), self._pins.deleting
                     return sum(size for pid, size in seen.items() if pid not in tombstones and pid not in deleting)
 
-                await self._ledger_call(self._scan_executor, 0, floor=still_on_disk)
+                await self._space.measured(self._scan_executor, before, sum(seen.values()), still_on_disk)
             self._scan_seconds = time.perf_counter() - t0
             logger.info(
                 "file store %s: indexed %d pages (%d bytes) in %.3fs; removed %d stale temp files",
@@ -537,7 +513,7 @@ class FileStorage(AsyncHiCacheStorage):
         if removed_tmp:
             self.stats.incr("stale_tmp_removed", removed_tmp)
         try:  # pages found on disk may exceed a max_bytes lowered since the last run
-            await self._evict_for(False, frozenset())
+            await self._space.evict_for(False, frozenset())
         except asyncio.CancelledError:
             raise
         except Exception:  # noqa: BLE001
@@ -578,115 +554,6 @@ class FileStorage(AsyncHiCacheStorage):
             self.root, self.namespace.digest,
         )
 
-    # ------------------------------------------------------------------ capacity
-
-    async def _free_bytes(self) -> int:
-        now = time.monotonic()
-        if now - self._free_at > _FREE_SPACE_TTL:
-            self._free_est = await self._run(page_io.free_bytes, self.root)
-            self._free_at = time.monotonic()
-        return self._free_est
-
-    async def _ledger_call(
-        self,
-        executor: ThreadPoolExecutor | None,
-        delta: int,
-        *,
-        refused: int = 0,
-        token: int | None = None,
-        if_seq: int | None = None,
-        inflight: int = 0,
-        floor: int | Callable[[], int] | None = None,
-    ) -> Usage | None:
-        """``ledger.add`` on a thread (``None`` without a ledger or when it is unavailable)."""
-        if self._ledger is None:
-            return None
-        add = functools.partial(self._ledger.add, delta, refused=refused, token=token, if_seq=if_seq,
-                                inflight=inflight, floor=floor)
-        usage = await run_to_completion(add, executor=executor)
-        self._after_reclaim(usage)
-        return usage
-
-    def _after_reclaim(self, usage: Usage | None) -> None:
-        """A ledger call gave back a dead writer's reservation (see :class:`Usage`): index the
-        namespace again, so the pages it published before dying are found, evictable, and
-        counted again by the scan's ``floor``."""
-        if usage is not None and usage.reclaimed:
-            self._maybe_rescan(usage, reclaimed=True)
-
-    def _reserve(self, res: _Reservation, amount: int, debt: int) -> None:
-        """(On an I/O thread.) Reserve ``amount`` bytes, giving back ``debt`` (bytes of corrupt
-        pages reads removed); the outcome lands in ``res``."""
-        assert self._ledger is not None
-        res.usage = self._ledger.add(amount - debt, inflight=amount)
-        if res.usage is not None:
-            res.amount = amount
-
-    def _remove_victims(self, paths: list[str], sizes: list[int]) -> tuple[int, list[tuple[str, str]], int]:
-        """(On an I/O thread.) Unlink evicted pages; returns, and releases in the ledger, the
-        bytes actually removed, the ``(key, pool)`` of the pages (read from their headers
-        first when anyone needs them: KV-event subscribers or the removal journal), and the
-        bytes the ledger could not be told of (unavailable: the caller owes them to it)."""
-        wanted = self._wants_removed_identities()
-        idents = [i for i in map(page_io.page_identity, paths) if i is not None] if wanted else []
-        freed = page_io.remove_files(paths, sizes)
-        if freed and self._ledger is not None and self._ledger.add(-freed) is None:
-            return freed, idents, freed
-        return freed, idents, 0
-
-    async def _evict_for(
-        self, check_free: bool, protect: frozenset[str] | set[str], usage: Usage | None = None
-    ) -> int:
-        """Evict until stored + reserved bytes fit; returns the bytes still missing (0 = fits).
-
-        Callers reserve their incoming bytes in ``_reserved`` (and in the shared ledger, whose
-        reading they pass as ``usage``) *before* calling, so batches that run concurrently
-        (this awaits), in this process or another, never count the same free space twice.
-        With the ledger, the bound is on every process's pages together; victims are this
-        process's (and the pages it has seen) - each writer makes room for its own writes.
-        """
-        want = 0
-        shared = False
-        if self.max_bytes is not None:
-            if usage is None and self._ledger is not None:
-                usage = await self._ledger_call(self._executor, 0, token=-1)
-            shared = usage is not None
-            used = usage.used if usage is not None else self.index.nbytes + self._reserved
-            want = used - self.max_bytes
-        if self.min_free_bytes and check_free:
-            free = await self._free_bytes()
-            want = max(want, self.min_free_bytes + self._reserved - free)
-        if want <= 0:
-            return 0
-        guard = set(protect) | set(self._pins.busy)
-        assert self._layout is not None
-        for _ in range(_EVICT_ROUNDS):
-            victims = self.index.pick_victims(want, guard)
-            if not victims:
-                break
-            ids = [pid for pid, _ in victims]
-            sizes = [e.size for _, e in victims]
-            if self._tombstones is not None:
-                self._tombstones.update(ids)
-            self._pins.removing(ids)
-            generation = self._generation
-            try:
-                removed, idents, owed = await self._run(self._remove_victims, [self._layout.path(p) for p in ids], sizes)
-            finally:
-                self._pins.removals_done(ids)
-            self._owe_ledger(owed, generation)
-            self.report_removed([PageKey(k, p) for k, p in idents], reason="evicted")
-            self._free_est += removed
-            self.stats.incr("evicted_pages", len(victims))
-            self.stats.incr("evicted_bytes", removed)
-            logger.debug("file store %s: evicted %d pages (%d bytes)", self.root, len(victims), removed)
-            # a victim another process had evicted already frees nothing: against the shared
-            # count only bytes really removed count; the local count dropped with the index
-            want -= removed if shared else sum(sizes)
-            if want <= 0:
-                return 0
-        return max(0, want)
-
     @_tracked
     async def _delete(self, pages: Sequence[PageKey]) -> list[bool]:
         """Evictions a placement policy chose. A page being read or written is kept (``False``),
@@ -702,18 +569,9 @@ class FileStorage(AsyncHiCacheStorage):
                 doomed[pid] = entry.size
         if not doomed:
             return [False] * len(ids)
-        assert self._layout is not None
         for pid in doomed:
             self._forget(pid)
-        self._pins.removing(doomed)
-        generation = self._generation
-        try:
-            paths = [self._layout.path(pid) for pid in doomed]
-            freed, _, owed = await self._run(self._remove_victims, paths, list(doomed.values()))
-        finally:
-            self._pins.removals_done(doomed)
-        self._owe_ledger(owed, generation)
-        self._free_est += freed
+        await self._space.remove(list(doomed), list(doomed.values()))
         return [pid in doomed for pid in ids]
 
     # ------------------------------------------------------------------ primitives
@@ -846,35 +704,25 @@ class FileStorage(AsyncHiCacheStorage):
         incoming = sum(j.size for j in jobs if j.skip_size is None)
         generation = self._generation
         ids = [j.pid for j in jobs]
-        self._reserved += incoming
+        res = self._space.begin_batch(incoming)
         self._pins.hold(ids)
-        self._writes_in_flight += 1
-        self._writes_started += 1
-        res = _Reservation()
         results: list[page_io.WriteResult] | None = None
         refused = 0
         raced = False  # a clear ran meanwhile (what landed after it is counted there)
         try:
-            if self._ledger is not None and incoming:
-                debt, self._ledger_debt = self._ledger_debt, 0
-                try:
-                    await self._run(self._reserve, res, incoming, debt)
-                finally:
-                    if res.usage is None:  # not applied: still owed
-                        self._owe_ledger(debt, generation)
-                self._after_reclaim(res.usage)
-            missing = await self._evict_for(incoming > 0, protect, res.usage)
+            await self._space.reserve(res, incoming, generation)
+            missing = await self._space.evict_for(incoming > 0, protect, res.usage)
             while missing > 0 and jobs:  # cannot fit them all: drop the deepest pages (batch tail)
                 dropped = jobs.pop()
                 if dropped.skip_size is None:
                     missing -= dropped.size
                     incoming -= dropped.size
-                    self._reserved -= dropped.size
+                    self._space.unreserve(dropped.size)
                 refused += 1
             if refused:
                 self.stats.incr("rejected_pages_no_space", refused)
                 self._maybe_rescan(res.usage)
-                await self._refused_for_space(refused, res.usage)
+                await self._space.refused_for_space(refused, res.usage)
             calls = [
                 (self._layout, self._codec, j.pid, j.page.key, j.page.pool, j.buf, j.parent, self.fsync, j.skip_size)
                 for j in jobs
@@ -887,15 +735,8 @@ class FileStorage(AsyncHiCacheStorage):
                 generation, results, late = await self._published_after_clear(jobs, results)
                 cancelled = cancelled or late
         finally:
-            self._reserved -= incoming
             self._pins.release(ids)
-            try:
-                if res.usage is not None:
-                    await self._settle(res, jobs, results, refused)
-                elif self._ledger is not None and results is not None and not raced:
-                    self._owe_unreserved(results)
-            finally:
-                self._writes_in_flight -= 1
+            await self._space.end_batch(res, incoming, results, refused, raced)
         if results is None:
             raise asyncio.CancelledError
         # Pages on disk are indexed even when the caller was cancelled meanwhile: an unindexed
@@ -936,42 +777,10 @@ class FileStorage(AsyncHiCacheStorage):
         if published and generation == self._generation:  # (another clear since: they went with it)
             # the batch's own settlement goes to the old ledger's token: not applied
             try:
-                await self._ledger_call(self._executor, published)
+                await self._space.ledger_call(self._executor, published)
             except asyncio.CancelledError:
                 cancelled = True
         return generation, checked, cancelled
-
-    async def _settle(
-        self, res: _Reservation, jobs: list[_WriteJob], results: Sequence[page_io.WriteResult] | None, refused: int
-    ) -> None:
-        """Give back what a batch reserved but did not publish (failed, dropped, cancelled),
-        and the bytes of the pages its writes replaced; record refused pages."""
-        assert res.usage is not None
-        kept = 0
-        if results is not None:
-            for r in results:
-                if r.ok and not r.skipped:
-                    kept += r.size - r.replaced
-        delta = kept - res.amount
-        if delta or refused or res.amount:  # res.amount: this batch's in-flight mark goes too
-            await self._ledger_call(self._executor, delta, refused=refused, token=res.usage.token,
-                                    inflight=-res.amount)
-
-    def _owe_ledger(self, amount: int, generation: int) -> None:
-        """Add ``amount`` bytes to what the shared count is owed (settled by the next write's
-        reservation), unless a clear ran since ``generation``: it was owed to the ledger that
-        went with the cleared folder, and carried over the new one would count pages that are
-        gone."""
-        if generation == self._generation:
-            self._ledger_debt += amount
-
-    def _owe_unreserved(self, results: Sequence[page_io.WriteResult]) -> None:
-        """A batch written while the shared ledger was unavailable (a peer frozen holding its
-        lock, no file descriptor left, the namespace folder deleted under us) reserved nothing,
-        so what it published is added with the next reservation. Dropped, it was never counted:
-        every such batch raised the namespace above ``max_bytes`` for good (the count is what
-        eviction goes by, and a scan only corrects it when the namespace is not shared)."""
-        self._ledger_debt -= sum(r.size - r.replaced for r in results if r.ok and not r.skipped)
 
     def _maybe_rescan(self, usage: Usage | None, *, reclaimed: bool = False) -> None:
         """When the shared count holds bytes this store does not know (pages other processes
@@ -979,7 +788,7 @@ class FileStorage(AsyncHiCacheStorage):
         a reclaim (``reclaimed``) always: the count may now miss pages a dead writer published."""
         if self._stop.is_set():  # closing: no new scan (nothing would wait for it)
             return
-        if not reclaimed and (usage is None or usage.used <= self.index.nbytes + self._reserved):
+        if not reclaimed and (usage is None or usage.used <= self.index.nbytes + self._space.reserved):
             return
         if reclaimed:
             self._rescan_pending = True
@@ -996,27 +805,6 @@ class FileStorage(AsyncHiCacheStorage):
         self._scan_task = asyncio.get_running_loop().create_task(
             self._scan(self._generation), name=f"hicache-file-rescan-{self.namespace.digest[:8]}"
         )
-
-    async def _refused_for_space(self, n: int, usage: Usage | None) -> None:
-        """Say, at most once a minute, that and why writes are refused (DEBUG is not enough:
-        a free-space floor above a small disk's size would otherwise refuse every write
-        silently)."""
-        count = self._refusal_warnings.due(n)
-        if not count:
-            return
-        free = await self._free_bytes() if self.min_free_bytes else None
-        if free is not None and free < self.min_free_bytes + self._reserved:
-            why = (
-                f"{free} bytes free on the file system, below min_free_bytes={self.min_free_bytes}; "
-                "lower min_free_bytes or free disk space"
-            )
-        else:
-            used = usage.used if usage is not None else self.index.nbytes
-            why = (
-                f"the namespace holds {used} bytes of max_bytes={self.max_bytes} and nothing more "
-                "of it may be evicted now (pages in use, or written by other processes)"
-            )
-        logger.warning("file store %s: refused %d page write(s) for space: %s", self.root, count, why)
 
     def _apply_writes(
         self, jobs: list[_WriteJob], results: Sequence[page_io.WriteResult], generation: int, ok: list[bool]
@@ -1040,7 +828,7 @@ class FileStorage(AsyncHiCacheStorage):
                             self._tombstones.discard(j.pid)
             else:
                 self._write_failed(j, r)
-        self._free_est -= written
+        self._space.wrote(written)
         if skipped:  # reported True like a write; engines' write metrics must tell them apart
             self.stats.incr("write_skipped_pages", skipped)
         if any(r.remade_namespace for r in results):
@@ -1066,7 +854,7 @@ class FileStorage(AsyncHiCacheStorage):
                 logger.error("file store %s: %d page(s) not written: %s", self.root, count, r.reason)
         elif r.errno in (errno.ENOSPC, errno.EDQUOT):
             self.stats.incr("enospc_errors")
-            self._free_at = float("-inf")  # ask the file system again next time
+            self._space.disk_full()
             count = self._enospc_warnings.due()
             if count:
                 logger.warning(
@@ -1087,7 +875,7 @@ class FileStorage(AsyncHiCacheStorage):
         await self._stop_scan()
         self.index.clear()
         self._tombstones = None
-        self._ledger_debt = 0  # owed to the ledger that goes with the cleared folder
+        self._space.cleared()
         trash, written = await self._run(page_io.clear_namespace, self._layout, self.namespace.to_dict())
         if self._peers is not None:
             await self._peers.append_cleared()

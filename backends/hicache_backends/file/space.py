@@ -1,0 +1,375 @@
+"""Space accounting and eviction of one file store: ``max_bytes`` and the free-space floor.
+
+What a store counts: the bytes of its index, the bytes of its write batches in flight
+(*reserved*, so concurrent batches never count the same free space twice), and, for a shared
+store, the namespace's usage ledger (:mod:`.ledger`), which every process on the root changes:
+a batch reserves its bytes there before any byte is written, gives back what it did not
+publish, and an evictor subtracts what it actually unlinked. When the ledger is unavailable
+for a call (a peer frozen holding its lock, no descriptor left, the folder deleted under us),
+what it could not be told is *owed* to it and settled by the next write's reservation.
+
+Eviction makes room before a write: leaves first, least recently used first
+(:meth:`~.index.PageIndex.pick_victims`), never a busy page (:mod:`.pins`). The accountant
+is touched only on the event loop thread; its ``(on an I/O thread)`` methods only talk to
+the ledger and the disk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from hicache.storage import PageKey
+from hicache.storage.offload import run_to_completion
+from hicache.storage.stats import StorageStats, Throttle
+
+from hicache_backends.file import io as page_io
+from hicache_backends.file.index import PageIndex
+from hicache_backends.file.layout import NamespaceLayout
+from hicache_backends.file.ledger import Usage, UsageLedger
+from hicache_backends.file.pins import PagePins
+
+__all__ = ["Reservation", "SpaceAccountant"]
+
+logger = logging.getLogger("hicache.storage.file")
+
+_FREE_SPACE_TTL = 1.0  # seconds a statvfs answer is reused (adjusted by our own writes)
+_REFUSAL_WARN_SECONDS = 60.0  # at most one "writes refused for space" warning per store this often
+_EVICT_ROUNDS = 4  # victims may turn out gone already (evicted by another process): retry
+
+
+@dataclass(slots=True)
+class Reservation:
+    """Bytes a write batch reserved in the shared ledger; filled in on the I/O thread, so a
+    caller cancelled while waiting still knows what to give back."""
+
+    amount: int = 0
+    usage: Usage | None = None
+
+
+class SpaceAccountant:
+    """Reservations, the shared ledger (and what is owed to it), free space and eviction.
+
+    Handed what it needs of its store: the index and pins it evicts from, the stats it counts
+    in, ``generation`` (bumped by each clear: what was owed to a cleared ledger is dropped),
+    ``report_removed`` (evicted pages), ``wants_identities`` (whether anyone needs the keys of
+    evicted pages), ``leaving`` (evicted pages: the running scan must not index them again)
+    and ``on_reclaim`` (a ledger call gave back a dead writer's reservation). The ledger, the
+    layout and the I/O threads come at :meth:`open`.
+    """
+
+    def __init__(
+        self,
+        root: str,
+        max_bytes: int | None,
+        min_free_bytes: int,
+        *,
+        index: PageIndex,
+        pins: PagePins,
+        stats: StorageStats,
+        generation: Callable[[], int],
+        report_removed: Callable[..., None],
+        wants_identities: Callable[[], bool],
+        leaving: Callable[[Iterable[str]], None],
+        on_reclaim: Callable[[Usage], None],
+    ) -> None:
+        self.root = root
+        self.max_bytes = max_bytes
+        self.min_free_bytes = min_free_bytes
+        self._index = index
+        self._pins = pins
+        self._stats = stats
+        self._generation = generation
+        self._report_removed = report_removed
+        self._wants_identities = wants_identities
+        self._leaving = leaving
+        self._on_reclaim = on_reclaim
+        self._layout: NamespaceLayout | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        self.ledger: UsageLedger | None = None  # shared usage (shared stores only)
+        self.reserved = 0  # bytes of writes in flight
+        self._free_est = 0
+        self._free_at = float("-inf")
+        # bytes the shared count owes: corrupt pages reads removed and evictions it could not be
+        # told of (given back), less pages written while it was unavailable (added), all settled
+        # by the next write's reservation
+        self.debt = 0
+        self.writes_in_flight = 0  # batches between their reservation and its settlement
+        self.writes_started = 0
+        self._refusal_warnings = Throttle(_REFUSAL_WARN_SECONDS)
+
+    def open(self, layout: NamespaceLayout, executor: ThreadPoolExecutor, *, shared: bool) -> None:
+        self._layout = layout
+        self._executor = executor
+        if shared:
+            self.ledger = UsageLedger(layout.ns_dir)
+
+    def close(self) -> None:
+        if self.ledger is not None:
+            self.ledger.close()
+
+    # ------------------------------------------------------------------ free space
+
+    async def free_bytes(self) -> int:
+        now = time.monotonic()
+        if now - self._free_at > _FREE_SPACE_TTL:
+            assert self._executor is not None
+            self._free_est = await run_to_completion(page_io.free_bytes, self.root, executor=self._executor)
+            self._free_at = time.monotonic()
+        return self._free_est
+
+    def wrote(self, nbytes: int) -> None:
+        """Our own writes took ``nbytes`` of the free space (until the next ``statvfs``)."""
+        self._free_est -= nbytes
+
+    def disk_full(self) -> None:
+        """A write found the disk full: ask the file system again next time."""
+        self._free_at = float("-inf")
+
+    # ------------------------------------------------------------------ the shared ledger
+
+    async def ledger_call(
+        self,
+        executor: ThreadPoolExecutor | None,
+        delta: int,
+        *,
+        refused: int = 0,
+        token: int | None = None,
+        if_seq: int | None = None,
+        inflight: int = 0,
+        floor: int | Callable[[], int] | None = None,
+    ) -> Usage | None:
+        """``ledger.add`` on a thread (``None`` without a ledger or when it is unavailable)."""
+        if self.ledger is None:
+            return None
+        add = functools.partial(self.ledger.add, delta, refused=refused, token=token, if_seq=if_seq,
+                                inflight=inflight, floor=floor)
+        usage = await run_to_completion(add, executor=executor)
+        self.after_reclaim(usage)
+        return usage
+
+    def after_reclaim(self, usage: Usage | None) -> None:
+        """A ledger call gave back a dead writer's reservation (see :class:`Usage`): index the
+        namespace again, so the pages it published before dying are found, evictable, and
+        counted again by the scan's ``floor``."""
+        if usage is not None and usage.reclaimed:
+            self._on_reclaim(usage)
+
+    async def baseline(self, executor: ThreadPoolExecutor) -> Usage | None:
+        """The shared count before a scan, when what the scan measures may replace it (``None``
+        when not). What the scan measures replaces the shared count (correcting what killed
+        writers left behind) only if nothing can be in flight meanwhile (see .ledger)."""
+        # The order matters: no write of ours in flight from before the reading until after
+        # it (one that reserved before it may publish during the scan without changing seq),
+        # then "alone" (a process that reserved before the reading holds the users lock by
+        # then); any reservation after the reading changes seq.
+        quiet = not self.writes_in_flight and not self.debt
+        started = self.writes_started
+        before = await self.ledger_call(executor, 0, token=-1) if quiet else None
+        if before is not None and self.ledger is not None:
+            alone = await asyncio.get_running_loop().run_in_executor(executor, self.ledger.alone)
+            if not alone or self.writes_started != started or self.debt:
+                before = None
+        return before
+
+    async def measured(
+        self, executor: ThreadPoolExecutor, before: Usage | None, found: int, still_on_disk: Callable[[], int]
+    ) -> None:
+        """A complete scan found ``found`` bytes of pages: replace the shared count with them
+        (``before``: :meth:`baseline`), or, not alone, raise the count to ``still_on_disk()``
+        (summed under the ledger's lock) if it is below."""
+        if before is not None and not self.debt:
+            # applied only if nobody changed the ledger during the scan (seq)
+            await self.ledger_call(executor, found - before.used, token=before.token, if_seq=before.seq)
+        else:  # not alone: never lowered, but raised to what is on disk if below
+            await self.ledger_call(executor, 0, floor=still_on_disk)
+
+    def owe(self, amount: int, generation: int) -> None:
+        """Add ``amount`` bytes to what the shared count is owed (settled by the next write's
+        reservation), unless a clear ran since ``generation``: it was owed to the ledger that
+        went with the cleared folder, and carried over the new one would count pages that are
+        gone."""
+        if generation == self._generation():
+            self.debt += amount
+
+    def read_removed(self, nbytes: int) -> None:
+        """A read removed a (corrupt) page file of ``nbytes``: given back with the next reservation."""
+        self.debt += nbytes
+
+    def cleared(self) -> None:
+        self.debt = 0  # owed to the ledger that goes with the cleared folder
+
+    def owe_unreserved(self, results: Sequence[page_io.WriteResult]) -> None:
+        """A batch written while the shared ledger was unavailable (a peer frozen holding its
+        lock, no file descriptor left, the namespace folder deleted under us) reserved nothing,
+        so what it published is added with the next reservation. Dropped, it was never counted:
+        every such batch raised the namespace above ``max_bytes`` for good (the count is what
+        eviction goes by, and a scan only corrects it when the namespace is not shared)."""
+        self.debt -= sum(r.size - r.replaced for r in results if r.ok and not r.skipped)
+
+    # ------------------------------------------------------------------ write batches
+
+    def begin_batch(self, incoming: int) -> Reservation:
+        """A write batch of ``incoming`` new bytes starts: reserved locally at once (so that
+        concurrent batches cannot both claim the same space); :meth:`reserve` takes them in
+        the shared ledger, :meth:`end_batch` gives back and settles."""
+        self.reserved += incoming
+        self.writes_in_flight += 1
+        self.writes_started += 1
+        return Reservation()
+
+    def unreserve(self, nbytes: int) -> None:
+        """Pages of a batch dropped before they were written (no room for them)."""
+        self.reserved -= nbytes
+
+    async def reserve(self, res: Reservation, incoming: int, generation: int) -> None:
+        """Reserve a batch's bytes in the shared ledger before any byte is written (so that
+        other processes cannot claim the same space), giving back what is owed to it."""
+        if self.ledger is None or not incoming:
+            return
+        assert self._executor is not None
+        debt, self.debt = self.debt, 0
+        try:
+            await run_to_completion(self._reserve, res, incoming, debt, executor=self._executor)
+        finally:
+            if res.usage is None:  # not applied: still owed
+                self.owe(debt, generation)
+        self.after_reclaim(res.usage)
+
+    def _reserve(self, res: Reservation, amount: int, debt: int) -> None:
+        """(On an I/O thread.) Reserve ``amount`` bytes, giving back ``debt`` (bytes of corrupt
+        pages reads removed); the outcome lands in ``res``."""
+        assert self.ledger is not None
+        res.usage = self.ledger.add(amount - debt, inflight=amount)
+        if res.usage is not None:
+            res.amount = amount
+
+    async def end_batch(
+        self, res: Reservation, incoming: int, results: Sequence[page_io.WriteResult] | None, refused: int,
+        raced: bool,
+    ) -> None:
+        """The batch is over (written, failed or cancelled): its local reservation goes, and
+        the shared count learns what it published (``raced``: a clear ran meanwhile, and
+        what landed after it is counted there)."""
+        self.reserved -= incoming
+        try:
+            if res.usage is not None:
+                await self.settle(res, results, refused)
+            elif self.ledger is not None and results is not None and not raced:
+                self.owe_unreserved(results)
+        finally:
+            self.writes_in_flight -= 1
+
+    async def settle(self, res: Reservation, results: Sequence[page_io.WriteResult] | None, refused: int) -> None:
+        """Give back what a batch reserved but did not publish (failed, dropped, cancelled),
+        and the bytes of the pages its writes replaced; record refused pages."""
+        assert res.usage is not None
+        kept = 0
+        if results is not None:
+            for r in results:
+                if r.ok and not r.skipped:
+                    kept += r.size - r.replaced
+        delta = kept - res.amount
+        if delta or refused or res.amount:  # res.amount: this batch's in-flight mark goes too
+            await self.ledger_call(self._executor, delta, refused=refused, token=res.usage.token,
+                                   inflight=-res.amount)
+
+    async def refused_for_space(self, n: int, usage: Usage | None) -> None:
+        """Say, at most once a minute, that and why writes are refused (DEBUG is not enough:
+        a free-space floor above a small disk's size would otherwise refuse every write
+        silently)."""
+        count = self._refusal_warnings.due(n)
+        if not count:
+            return
+        free = await self.free_bytes() if self.min_free_bytes else None
+        if free is not None and free < self.min_free_bytes + self.reserved:
+            why = (
+                f"{free} bytes free on the file system, below min_free_bytes={self.min_free_bytes}; "
+                "lower min_free_bytes or free disk space"
+            )
+        else:
+            used = usage.used if usage is not None else self._index.nbytes
+            why = (
+                f"the namespace holds {used} bytes of max_bytes={self.max_bytes} and nothing more "
+                "of it may be evicted now (pages in use, or written by other processes)"
+            )
+        logger.warning("file store %s: refused %d page write(s) for space: %s", self.root, count, why)
+
+    # ------------------------------------------------------------------ eviction
+
+    async def evict_for(
+        self, check_free: bool, protect: frozenset[str] | set[str], usage: Usage | None = None
+    ) -> int:
+        """Evict until stored + reserved bytes fit; returns the bytes still missing (0 = fits).
+
+        Callers reserve their incoming bytes in ``reserved`` (and in the shared ledger, whose
+        reading they pass as ``usage``) *before* calling, so batches that run concurrently
+        (this awaits), in this process or another, never count the same free space twice.
+        With the ledger, the bound is on every process's pages together; victims are this
+        process's (and the pages it has seen) - each writer makes room for its own writes.
+        """
+        want = 0
+        shared = False
+        if self.max_bytes is not None:
+            if usage is None and self.ledger is not None:
+                usage = await self.ledger_call(self._executor, 0, token=-1)
+            shared = usage is not None
+            used = usage.used if usage is not None else self._index.nbytes + self.reserved
+            want = used - self.max_bytes
+        if self.min_free_bytes and check_free:
+            free = await self.free_bytes()
+            want = max(want, self.min_free_bytes + self.reserved - free)
+        if want <= 0:
+            return 0
+        guard = set(protect) | set(self._pins.busy)
+        for _ in range(_EVICT_ROUNDS):
+            victims = self._index.pick_victims(want, guard)
+            if not victims:
+                break
+            ids = [pid for pid, _ in victims]
+            sizes = [e.size for _, e in victims]
+            self._leaving(ids)
+            removed, idents = await self.remove(ids, sizes)
+            self._report_removed([PageKey(k, p) for k, p in idents], reason="evicted")
+            self._stats.incr("evicted_pages", len(victims))
+            self._stats.incr("evicted_bytes", removed)
+            logger.debug("file store %s: evicted %d pages (%d bytes)", self.root, len(victims), removed)
+            # a victim another process had evicted already frees nothing: against the shared
+            # count only bytes really removed count; the local count dropped with the index
+            want -= removed if shared else sum(sizes)
+            if want <= 0:
+                return 0
+        return max(0, want)
+
+    async def remove(self, ids: list[str], sizes: list[int]) -> tuple[int, list[tuple[str, str]]]:
+        """Unlink pages already out of the index (marked deleting meanwhile); returns the bytes
+        removed and the ``(key, pool)`` of the pages (see :meth:`_remove_victims`)."""
+        assert self._layout is not None and self._executor is not None
+        self._pins.removing(ids)
+        generation = self._generation()
+        try:
+            removed, idents, owed = await run_to_completion(
+                self._remove_victims, [self._layout.path(p) for p in ids], sizes, executor=self._executor
+            )
+        finally:
+            self._pins.removals_done(ids)
+        self.owe(owed, generation)
+        self._free_est += removed
+        return removed, idents
+
+    def _remove_victims(self, paths: list[str], sizes: list[int]) -> tuple[int, list[tuple[str, str]], int]:
+        """(On an I/O thread.) Unlink evicted pages; returns, and releases in the ledger, the
+        bytes actually removed, the ``(key, pool)`` of the pages (read from their headers
+        first when anyone needs them: KV-event subscribers or the removal journal), and the
+        bytes the ledger could not be told of (unavailable: the caller owes them to it)."""
+        wanted = self._wants_identities()
+        idents = [i for i in map(page_io.page_identity, paths) if i is not None] if wanted else []
+        freed = page_io.remove_files(paths, sizes)
+        if freed and self.ledger is not None and self.ledger.add(-freed) is None:
+            return freed, idents, freed
+        return freed, idents, 0
