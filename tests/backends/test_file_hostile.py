@@ -687,10 +687,10 @@ async def test_close_during_the_opening_scan_starts_no_new_scan(tmp_path, monkey
         with caplog.at_level(logging.ERROR):
             await store.open()
             await asyncio.sleep(0.05)
-            assert store._scan_task is not None and not store._scan_task.done()
-            store._maybe_rescan(None, reclaimed=True)  # what a ledger call that reclaimed does
+            assert store._scanner.task is not None and not store._scanner.task.done()
+            store._scanner.maybe_rescan(None, reclaimed=True)  # what a ledger call that reclaimed does
             await within(store.aclose())
-            assert store._scan_task is None
+            assert store._scanner.task is None
             assert not [t for t in asyncio.all_tasks() if t.get_name().startswith("hicache-file-")]
     finally:
         gate.set()

@@ -115,7 +115,7 @@ async def test_file_storage_is_opened_and_closed_on_the_controller_loop(tmp_path
     caplog.set_level(logging.ERROR)
     async with HiCache.from_config(config(tmp_path)) as cache:
         await run(cache, "w", prompt(7, 3 * PS))
-        scan = cache.storage._scan_task
+        scan = cache.storage._scanner.task
         assert scan is None or scan.get_loop() is not asyncio.get_running_loop()
     assert not [r for r in caplog.records if "closing" in r.getMessage()], caplog.text
     async with HiCache.from_config(config(tmp_path)) as again:

@@ -29,7 +29,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
@@ -52,6 +52,7 @@ from hicache_backends.file.layout import NamespaceLayout, page_id
 from hicache_backends.file.ledger import LEDGER_NAME, Usage, read_usage
 from hicache_backends.file.peers import PeerRemovals
 from hicache_backends.file.pins import PagePins
+from hicache_backends.file.scan import IndexScanner
 from hicache_backends.file.space import SpaceAccountant
 
 __all__ = ["DEFAULT_MAX_BYTES", "DEFAULT_MIN_FREE_BYTES", "FileStorage"]
@@ -67,7 +68,6 @@ DEFAULT_MAX_BYTES = 64 << 30
 DEFAULT_MIN_FREE_BYTES = 1 << 30
 DEFAULT_ROOT = "/tmp/hicache"
 ROOT_ENV = "HICACHE_FILE_ROOT"
-_STALE_TMP_SECONDS = 3600.0
 _CLEAR_WAIT_SECONDS = 1.0
 _BYTES_PER_CHUNK = 1 << 20  # below this much work per thread, fewer threads are faster
 _FILE_OP_COST = 32 << 10  # an open+close costs about as much as copying 32 KiB
@@ -92,7 +92,6 @@ def _tracked(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 _CLOSE_CALLS_WAIT_SECONDS = 30.0  # what a close waits for calls in progress before it stops the threads
-_RESCAN_SECONDS = 5.0  # at least this long between rescans for pages other processes wrote
 
 
 class _SharedCalls:
@@ -221,23 +220,24 @@ class FileStorage(AsyncHiCacheStorage):
         self._codec: PageCodec | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._scan_executor: ThreadPoolExecutor | None = None
-        self._scan_task: asyncio.Task[None] | None = None
-        self._index_ready: asyncio.Event | None = None
-        self._tombstones: set[str] | None = None  # pages forgotten while the scan runs
         self._pins = PagePins()  # pages being read or written, pages being unlinked
         self._generation = 0  # bumped by clear(): older writes do not re-enter the index
         # reservations, the shared ledger and what is owed to it, free space, eviction; it
-        # reaches the store only through what it is handed here
+        # reaches the store only through what it is handed here (the scanner, made below, late)
         self._space = SpaceAccountant(
             self.root, max_bytes, min_free_bytes, index=self.index, pins=self._pins, stats=self.stats,
             generation=lambda: self._generation,
             report_removed=lambda pages, **kw: self.report_removed(pages, **kw),
             wants_identities=self._wants_removed_identities,
-            leaving=self._tombstone,
-            on_reclaim=lambda usage: self._maybe_rescan(usage, reclaimed=True),
+            leaving=lambda ids: self._scanner.leaving(ids),
+            on_reclaim=lambda usage: self._scanner.maybe_rescan(usage, reclaimed=True),
         )
-        self._scan_seconds: float | None = None
         self._stop = threading.Event()  # tells long background deletions to give up (close)
+        # the index scan at open (and again when needed), its tombstones and readiness
+        self._scanner = IndexScanner(
+            self.root, index=self.index, pins=self._pins, space=self._space, stats=self.stats,
+            generation=lambda: self._generation, stop=self._stop, housekeeping=self._housekeeping,
+        )
         self._manifest_pending = False  # the disk was too full to write it: housekeeping retries
         # calls of the primitives in progress: close() waits for them, so that a batch in
         # flight settles its ledger reservation and indexes its pages, and a clear hands its
@@ -245,8 +245,6 @@ class FileStorage(AsyncHiCacheStorage):
         self._calls = 0
         self._calls_idle = asyncio.Event()
         self._calls_idle.set()
-        self._last_rescan = float("-inf")
-        self._rescan_pending = False  # a reclaim asked for a scan while one was running
         self._enospc_warnings = Throttle(_WARN_SECONDS)
         self._pool_warnings = Throttle(_WARN_SECONDS)
         # I/O errors repeat for every page while their cause lasts (a root remounted read-only,
@@ -268,15 +266,15 @@ class FileStorage(AsyncHiCacheStorage):
     @property
     def index_ready(self) -> bool:
         """Whether the background scan has indexed every page that was on disk at open."""
-        return self._index_ready is not None and self._index_ready.is_set()
+        return self._scanner.is_ready
 
     async def wait_index_ready(self, timeout: float | None = None) -> bool:
         """Wait for the background scan; ``False`` if ``timeout`` passed first."""
         await self._ensure_open()
-        assert self._index_ready is not None
+        assert self._scanner.ready is not None
         try:
             async with asyncio.timeout(timeout):
-                await self._index_ready.wait()
+                await self._scanner.ready.wait()
         except TimeoutError:
             return False
         return True
@@ -290,7 +288,7 @@ class FileStorage(AsyncHiCacheStorage):
         self._executor = io_executor(self.io_threads, "hicache-file-io")
         # The scan gets its own thread so it never queues in front of requests.
         self._scan_executor = ThreadPoolExecutor(1, thread_name_prefix="hicache-file-scan")
-        self._index_ready = asyncio.Event()
+        self._scanner.prepare()
         try:
             self._manifest_pending = not await self._run(
                 page_io.prepare_namespace, self._layout, self.namespace.to_dict()
@@ -305,10 +303,7 @@ class FileStorage(AsyncHiCacheStorage):
         self._space.open(self._layout, self._executor, shared=self.shared)
         if self._peers is not None:
             await self._peers.open(self._layout.ns_dir, self.namespace.digest)
-        self._tombstones = set()
-        self._scan_task = asyncio.get_running_loop().create_task(
-            self._scan(self._generation), name=f"hicache-file-scan-{self.namespace.digest[:8]}"
-        )
+        self._scanner.start(self._layout, self._scan_executor, self.namespace.digest)
 
     async def _close(self) -> None:
         self._stop.set()  # background deletions stop at the next file; the next open resumes them
@@ -320,7 +315,7 @@ class FileStorage(AsyncHiCacheStorage):
         except TimeoutError:  # a call stuck in its I/O: close anyway (it fails when it resumes)
             logger.warning("file store %s: closing with %d call(s) still running after %.0f s",
                            self.root, self._calls, _CLOSE_CALLS_WAIT_SECONDS)
-        await self._stop_scan()
+        await self._scanner.stop()
         if self._peers is not None:
             await self._peers.stop_tailing()
         if self._background:
@@ -340,15 +335,6 @@ class FileStorage(AsyncHiCacheStorage):
     def _shutdown_executors(self, wait: bool) -> None:
         for e in self._executors():
             e.shutdown(wait=wait)
-
-    async def _stop_scan(self) -> None:
-        task, self._scan_task = self._scan_task, None
-        if task is not None and not task.done():
-            task.cancel()
-            try:
-                await task
-            except asyncio.CancelledError:
-                pass
 
     # ------------------------------------------------------------------ helpers
 
@@ -416,18 +402,6 @@ class FileStorage(AsyncHiCacheStorage):
                 raise part
         return shared.results, cancelled
 
-    def _forget(self, pid: str) -> None:
-        """Drop a page known to be gone from disk; the running scan must not bring it back."""
-        self.index.remove(pid)
-        if self._tombstones is not None:
-            self._tombstones.add(pid)
-
-    def _tombstone(self, ids: Iterable[str]) -> None:
-        """Pages picked for eviction (already out of the index): the running scan must not
-        bring them back."""
-        if self._tombstones is not None:
-            self._tombstones.update(ids)
-
     def _adopt(self, pid: str, result: page_io.ReadResult) -> None:
         """Index a page this store did not know (written by another process, or not scanned yet)."""
         if pid in self.index or pid in self._pins.deleting:
@@ -437,7 +411,7 @@ class FileStorage(AsyncHiCacheStorage):
 
     def _corrupt(self, page: PageKey, pid: str, result: page_io.ReadResult) -> None:
         self.stats.incr("corrupt_pages")
-        self._forget(pid)
+        self._scanner.forget(pid)
         self._space.read_removed(result.size)  # the read removed the file
         self.report_removed([page], reason="corrupt")
         logger.warning(
@@ -445,80 +419,7 @@ class FileStorage(AsyncHiCacheStorage):
             self.root, page.label()[:80], result.reason,
         )
 
-    # ------------------------------------------------------------------ background scan
-
-    async def _scan(self, generation: int) -> None:
-        """Index every page on disk, one hashed folder at a time, never dying on an error."""
-        assert self._layout is not None and self._scan_executor is not None
-        loop = asyncio.get_running_loop()
-        t0 = time.perf_counter()
-        found = removed_tmp = 0
-        seen: dict[str, int] = {}  # page id -> size of every page file the scan found
-        complete = True
-        try:
-            before = await self._space.baseline(self._scan_executor)
-            subdirs = await loop.run_in_executor(self._scan_executor, page_io.list_subdirs, self._layout)
-            for subdir in subdirs:
-                try:
-                    entries, removed = await loop.run_in_executor(
-                        self._scan_executor, page_io.scan_subdir, subdir, _STALE_TMP_SECONDS
-                    )
-                except asyncio.CancelledError:
-                    raise
-                except Exception:  # noqa: BLE001 - one bad folder must not stop the scan
-                    self.stats.incr("scan_errors")
-                    logger.exception("file store %s: scanning %s failed", self.root, subdir)
-                    complete = False
-                    continue
-                if generation != self._generation:
-                    return
-                removed_tmp += removed
-                tomb = self._tombstones or set()
-                for e in entries:
-                    seen[e.pid] = e.size
-                    if e.pid in self.index or e.pid in tomb or e.pid in self._pins.deleting:
-                        continue
-                    self.index.add(e.pid, e.size, e.parent, e.atime)
-                    found += 1
-            if complete:
-                # What is on disk *now*: a page found early in the scan may have been removed
-                # by us since (the first writes after opening evict while the scan runs), and
-                # its removal already subtracted; counting it again raised the count by a page
-                # (one eviction too many). Summed under the ledger's lock from the live sets
-                # (a removal is tombstoned on the loop before its unlink and its subtraction,
-                # so every removal already subtracted is in them); membership tests only, safe
-                # from that thread.
-                def still_on_disk() -> int:
-                    tombstones, deleting = self._tombstones or (), self._pins.deleting
-                    return sum(size for pid, size in seen.items() if pid not in tombstones and pid not in deleting)
-
-                await self._space.measured(self._scan_executor, before, sum(seen.values()), still_on_disk)
-            self._scan_seconds = time.perf_counter() - t0
-            logger.info(
-                "file store %s: indexed %d pages (%d bytes) in %.3fs; removed %d stale temp files",
-                self._layout.ns_dir, found, self.index.nbytes, self._scan_seconds, removed_tmp,
-            )
-        except asyncio.CancelledError:
-            raise
-        except Exception:  # noqa: BLE001 - the index then relies on stat fallbacks
-            self.stats.incr("scan_errors")
-            logger.exception("file store %s: index scan failed", self.root)
-        finally:
-            if generation == self._generation:
-                self._tombstones = None
-                assert self._index_ready is not None
-                self._index_ready.set()
-                if self._rescan_pending and not self._stop.is_set():  # a reclaim came in meanwhile: once more
-                    asyncio.get_running_loop().call_soon(lambda: self._maybe_rescan(None, reclaimed=True))
-        if removed_tmp:
-            self.stats.incr("stale_tmp_removed", removed_tmp)
-        try:  # pages found on disk may exceed a max_bytes lowered since the last run
-            await self._space.evict_for(False, frozenset())
-        except asyncio.CancelledError:
-            raise
-        except Exception:  # noqa: BLE001
-            logger.exception("file store %s: eviction after scan failed", self.root)
-        await self._housekeeping()
+    # ------------------------------------------------------------------ housekeeping
 
     async def _housekeeping(self) -> None:
         """Off the request path: finish clears that a killed (or closed) process left half
@@ -570,7 +471,7 @@ class FileStorage(AsyncHiCacheStorage):
         if not doomed:
             return [False] * len(ids)
         for pid in doomed:
-            self._forget(pid)
+            self._scanner.forget(pid)
         await self._space.remove(list(doomed), list(doomed.values()))
         return [pid in doomed for pid in ids]
 
@@ -637,7 +538,7 @@ class FileStorage(AsyncHiCacheStorage):
                 if before is not None:
                     self.stats.incr("vanished_pages")
                     self.report_removed([page], reason="vanished", origin="peer")
-                self._forget(pid)
+                self._scanner.forget(pid)
         elif r.status is page_io.ReadStatus.ERROR:
             self.stats.incr("io_errors")
             if r.errno in (errno.EACCES, errno.EPERM) and self.index.get(pid) is before:
@@ -646,7 +547,7 @@ class FileStorage(AsyncHiCacheStorage):
                 # answered present for good, and skip_existing kept every rewrite from replacing
                 # it. Forgotten, lookups miss (a probe cannot open it either) and the next write
                 # replaces it (a rename needs only the folder's permission).
-                self._forget(pid)
+                self._scanner.forget(pid)
             count = self._read_error_warnings.due()
             if count:
                 logger.warning("file store %s: %d page read(s) failed since the last warning; reading %s: %s",
@@ -721,7 +622,7 @@ class FileStorage(AsyncHiCacheStorage):
                 refused += 1
             if refused:
                 self.stats.incr("rejected_pages_no_space", refused)
-                self._maybe_rescan(res.usage)
+                self._scanner.maybe_rescan(res.usage)
                 await self._space.refused_for_space(refused, res.usage)
             calls = [
                 (self._layout, self._codec, j.pid, j.page.key, j.page.pool, j.buf, j.parent, self.fsync, j.skip_size)
@@ -782,30 +683,6 @@ class FileStorage(AsyncHiCacheStorage):
                 cancelled = True
         return generation, checked, cancelled
 
-    def _maybe_rescan(self, usage: Usage | None, *, reclaimed: bool = False) -> None:
-        """When the shared count holds bytes this store does not know (pages other processes
-        wrote since it opened; they may have exited), index them so they can be evicted. After
-        a reclaim (``reclaimed``) always: the count may now miss pages a dead writer published."""
-        if self._stop.is_set():  # closing: no new scan (nothing would wait for it)
-            return
-        if not reclaimed and (usage is None or usage.used <= self.index.nbytes + self._space.reserved):
-            return
-        if reclaimed:
-            self._rescan_pending = True
-        if (self._scan_task is not None and not self._scan_task.done()) or not self.index_ready:
-            return
-        now = time.monotonic()
-        if now - self._last_rescan < _RESCAN_SECONDS and not self._rescan_pending:
-            return
-        self._rescan_pending = False
-        self._last_rescan = now
-        self.stats.incr("rescans")
-        if self._tombstones is None:
-            self._tombstones = set()
-        self._scan_task = asyncio.get_running_loop().create_task(
-            self._scan(self._generation), name=f"hicache-file-rescan-{self.namespace.digest[:8]}"
-        )
-
     def _apply_writes(
         self, jobs: list[_WriteJob], results: Sequence[page_io.WriteResult], generation: int, ok: list[bool]
     ) -> None:
@@ -824,8 +701,7 @@ class FileStorage(AsyncHiCacheStorage):
                     else:
                         written += r.size
                         self.index.add(j.pid, r.size, j.parent, now)
-                        if self._tombstones is not None:
-                            self._tombstones.discard(j.pid)
+                        self._scanner.indexed(j.pid)
             else:
                 self._write_failed(j, r)
         self._space.wrote(written)
@@ -872,9 +748,9 @@ class FileStorage(AsyncHiCacheStorage):
     async def _clear(self) -> None:
         assert self._layout is not None
         self._generation += 1
-        await self._stop_scan()
+        await self._scanner.stop()
         self.index.clear()
-        self._tombstones = None
+        self._scanner.cleared()
         self._space.cleared()
         trash, written = await self._run(page_io.clear_namespace, self._layout, self.namespace.to_dict())
         if self._peers is not None:
@@ -882,8 +758,7 @@ class FileStorage(AsyncHiCacheStorage):
         self._manifest_pending = not written
         if not written:
             self._warn_manifest_deferred()
-        assert self._index_ready is not None
-        self._index_ready.set()
+        self._scanner.complete()
         if trash is not None or self._manifest_pending:
             work = self._remove_trash(trash) if trash is not None else self._housekeeping()
             task = asyncio.get_running_loop().create_task(work)
@@ -917,7 +792,7 @@ class FileStorage(AsyncHiCacheStorage):
         for key, pool in removal.pages:
             pid = page_id(key, pool)
             if pid in self.index and not self._pins.busy[pid]:
-                self._forget(pid)  # a page we wrote again since is found again by its stat
+                self._scanner.forget(pid)  # a page we wrote again since is found again by its stat
         self.stats.incr("peer_removed_pages", len(removal.pages))
         self.report_removed([PageKey(k, p) for k, p in removal.pages], reason=removal.reason, origin="peer")
 
@@ -940,7 +815,7 @@ class FileStorage(AsyncHiCacheStorage):
         are done (for tests and benchmarks; requests never need to wait for these)."""
         await self._ensure_open()
         while True:
-            pending = [t for t in (self._scan_task, *self._background) if t is not None and not t.done()]
+            pending = [t for t in (self._scanner.task, *self._background) if t is not None and not t.done()]
             if not pending:
                 return
             await asyncio.gather(*pending, return_exceptions=True)
@@ -1018,7 +893,7 @@ class FileStorage(AsyncHiCacheStorage):
             "corrupt_pages": self.stats.get("corrupt_pages"),
             "rejected_pages_no_space": self.stats.get("rejected_pages_no_space"),
             "index_ready": self.index_ready,
-            "scan_seconds": self._scan_seconds,
+            "scan_seconds": self._scanner.seconds,
             "io_threads": self.io_threads,
             "fsync": self.fsync,
             "shared": self.shared,

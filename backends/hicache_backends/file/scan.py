@@ -1,0 +1,231 @@
+"""The index scan of one file store: every page on disk indexed at open, and again when needed.
+
+At open a background task indexes the namespace one hashed folder at a time (requests never
+wait for it: a page it has not reached is found by a ``stat``). Pages the store forgets while
+a scan runs are *tombstoned*, so the scan does not bring them back. A scan runs again
+(:meth:`IndexScanner.maybe_rescan`) when the shared count holds bytes the store does not know
+(pages other processes wrote since it opened), and after the ledger gave back a dead writer's
+reservation. A complete scan corrects the shared count (:meth:`.space.SpaceAccountant.measured`).
+
+Touched only on the event loop thread; the blocking work runs on the scan's own thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+
+from hicache.storage.stats import StorageStats
+
+from hicache_backends.file import io as page_io
+from hicache_backends.file.index import PageIndex
+from hicache_backends.file.layout import NamespaceLayout
+from hicache_backends.file.ledger import Usage
+from hicache_backends.file.pins import PagePins
+from hicache_backends.file.space import SpaceAccountant
+
+__all__ = ["IndexScanner"]
+
+logger = logging.getLogger("hicache.storage.file")
+
+_STALE_TMP_SECONDS = 3600.0
+_RESCAN_SECONDS = 5.0  # at least this long between rescans for pages other processes wrote
+
+
+class IndexScanner:
+    """The background scan, its tombstones and when the index is ready.
+
+    Handed what it needs of its store: the index it fills, the pins (pages being unlinked are
+    not indexed), the space accountant (the shared count the scan corrects, the eviction after
+    it), ``generation`` (bumped by each clear: a scan of the cleared folder stops), ``stop``
+    (set when the store closes: no new scan), ``housekeeping`` (run after each scan) and the
+    stats it counts in. The layout and the scan's thread come at :meth:`start`.
+    """
+
+    def __init__(
+        self,
+        root: str,
+        *,
+        index: PageIndex,
+        pins: PagePins,
+        space: SpaceAccountant,
+        stats: StorageStats,
+        generation: Callable[[], int],
+        stop: threading.Event,
+        housekeeping: Callable[[], Awaitable[None]],
+    ) -> None:
+        self.root = root
+        self._index = index
+        self._pins = pins
+        self._space = space
+        self._stats = stats
+        self._generation = generation
+        self._stop = stop
+        self._housekeeping = housekeeping
+        self._layout: NamespaceLayout | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        self._name = "hicache-file-scan"
+        self.task: asyncio.Task[None] | None = None
+        self.ready: asyncio.Event | None = None
+        self.tombstones: set[str] | None = None  # pages forgotten while the scan runs
+        self.seconds: float | None = None
+        self._last_rescan = float("-inf")
+        self._rescan_pending = False  # a reclaim asked for a scan while one was running
+
+    @property
+    def is_ready(self) -> bool:
+        """Whether the background scan has indexed every page that was on disk at open."""
+        return self.ready is not None and self.ready.is_set()
+
+    def prepare(self) -> None:
+        """Before the store's first await of its open: ``ready`` exists (not set) from then on."""
+        self.ready = asyncio.Event()
+
+    def start(self, layout: NamespaceLayout, executor: ThreadPoolExecutor, digest: str) -> None:
+        """Start the opening scan (``executor``: the scan's own thread)."""
+        self._layout = layout
+        self._executor = executor
+        self._name = digest[:8]
+        self.tombstones = set()
+        self.task = asyncio.get_running_loop().create_task(
+            self._scan(self._generation()), name=f"hicache-file-scan-{self._name}"
+        )
+
+    async def stop(self) -> None:
+        task, self.task = self.task, None
+        if task is not None and not task.done():
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+
+    def cleared(self) -> None:
+        """The namespace was cleared (the scan stopped first): nothing left to tombstone."""
+        self.tombstones = None
+
+    def complete(self) -> None:
+        """The index is complete without a scan (a clear emptied the namespace)."""
+        assert self.ready is not None
+        self.ready.set()
+
+    # ------------------------------------------------------------------ what the scan must not undo
+
+    def forget(self, pid: str) -> None:
+        """Drop a page known to be gone from disk; the running scan must not bring it back."""
+        self._index.remove(pid)
+        if self.tombstones is not None:
+            self.tombstones.add(pid)
+
+    def leaving(self, ids: Iterable[str]) -> None:
+        """Pages picked for eviction (already out of the index)."""
+        if self.tombstones is not None:
+            self.tombstones.update(ids)
+
+    def indexed(self, pid: str) -> None:
+        """A write indexed the page: on disk again."""
+        if self.tombstones is not None:
+            self.tombstones.discard(pid)
+
+    # ------------------------------------------------------------------ scans
+
+    def maybe_rescan(self, usage: Usage | None, *, reclaimed: bool = False) -> None:
+        """When the shared count holds bytes this store does not know (pages other processes
+        wrote since it opened; they may have exited), index them so they can be evicted. After
+        a reclaim (``reclaimed``) always: the count may now miss pages a dead writer published."""
+        if self._stop.is_set():  # closing: no new scan (nothing would wait for it)
+            return
+        if not reclaimed and (usage is None or usage.used <= self._index.nbytes + self._space.reserved):
+            return
+        if reclaimed:
+            self._rescan_pending = True
+        if (self.task is not None and not self.task.done()) or not self.is_ready:
+            return
+        now = time.monotonic()
+        if now - self._last_rescan < _RESCAN_SECONDS and not self._rescan_pending:
+            return
+        self._rescan_pending = False
+        self._last_rescan = now
+        self._stats.incr("rescans")
+        if self.tombstones is None:
+            self.tombstones = set()
+        self.task = asyncio.get_running_loop().create_task(
+            self._scan(self._generation()), name=f"hicache-file-rescan-{self._name}"
+        )
+
+    async def _scan(self, generation: int) -> None:
+        """Index every page on disk, one hashed folder at a time, never dying on an error."""
+        assert self._layout is not None and self._executor is not None
+        loop = asyncio.get_running_loop()
+        t0 = time.perf_counter()
+        found = removed_tmp = 0
+        seen: dict[str, int] = {}  # page id -> size of every page file the scan found
+        complete = True
+        try:
+            before = await self._space.baseline(self._executor)
+            subdirs = await loop.run_in_executor(self._executor, page_io.list_subdirs, self._layout)
+            for subdir in subdirs:
+                try:
+                    entries, removed = await loop.run_in_executor(
+                        self._executor, page_io.scan_subdir, subdir, _STALE_TMP_SECONDS
+                    )
+                except asyncio.CancelledError:
+                    raise
+                except Exception:  # noqa: BLE001 - one bad folder must not stop the scan
+                    self._stats.incr("scan_errors")
+                    logger.exception("file store %s: scanning %s failed", self.root, subdir)
+                    complete = False
+                    continue
+                if generation != self._generation():
+                    return
+                removed_tmp += removed
+                tomb = self.tombstones or set()
+                for e in entries:
+                    seen[e.pid] = e.size
+                    if e.pid in self._index or e.pid in tomb or e.pid in self._pins.deleting:
+                        continue
+                    self._index.add(e.pid, e.size, e.parent, e.atime)
+                    found += 1
+            if complete:
+                # What is on disk *now*: a page found early in the scan may have been removed
+                # by us since (the first writes after opening evict while the scan runs), and
+                # its removal already subtracted; counting it again raised the count by a page
+                # (one eviction too many). Summed under the ledger's lock from the live sets
+                # (a removal is tombstoned on the loop before its unlink and its subtraction,
+                # so every removal already subtracted is in them); membership tests only, safe
+                # from that thread.
+                def still_on_disk() -> int:
+                    tombstones, deleting = self.tombstones or (), self._pins.deleting
+                    return sum(size for pid, size in seen.items() if pid not in tombstones and pid not in deleting)
+
+                await self._space.measured(self._executor, before, sum(seen.values()), still_on_disk)
+            self.seconds = time.perf_counter() - t0
+            logger.info(
+                "file store %s: indexed %d pages (%d bytes) in %.3fs; removed %d stale temp files",
+                self._layout.ns_dir, found, self._index.nbytes, self.seconds, removed_tmp,
+            )
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # noqa: BLE001 - the index then relies on stat fallbacks
+            self._stats.incr("scan_errors")
+            logger.exception("file store %s: index scan failed", self.root)
+        finally:
+            if generation == self._generation():
+                self.tombstones = None
+                assert self.ready is not None
+                self.ready.set()
+                if self._rescan_pending and not self._stop.is_set():  # a reclaim came in meanwhile: once more
+                    asyncio.get_running_loop().call_soon(lambda: self.maybe_rescan(None, reclaimed=True))
+        if removed_tmp:
+            self._stats.incr("stale_tmp_removed", removed_tmp)
+        try:  # pages found on disk may exceed a max_bytes lowered since the last run
+            await self._space.evict_for(False, frozenset())
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # noqa: BLE001
+            logger.exception("file store %s: eviction after scan failed", self.root)
+        await self._housekeeping()
