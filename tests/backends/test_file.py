@@ -126,7 +126,7 @@ async def test_scan_does_not_block_requests_and_survives_errors(tmp_path, monkey
         # after the scan, exists never lists a directory
         monkeypatch.setattr(os, "scandir", lambda *a: (_ for _ in ()).throw(AssertionError("scan per call")))
         assert await store.batch_exists(keys + ["nope"]) == len(keys)
-    assert store._scanner.task is None and store._executor._shutdown
+    assert store._scanner.task is None and store._threads.executor._shutdown
 
 
 async def test_stale_temp_files_are_removed_at_open(tmp_path) -> None:

@@ -31,7 +31,7 @@ async def test_calls_run_once_each_on_several_threads_and_come_back_in_order(tmp
         return i * i
 
     async with _store(tmp_path) as store:
-        out = await store._run_chunked(call, [(i,) for i in range(40)], BIG)
+        out = await store._threads.run_chunked(call, [(i,) for i in range(40)], BIG)
     assert out == [i * i for i in range(40)]
     assert sorted(seen) == list(range(40)) and len(threads) > 1
 
@@ -57,9 +57,9 @@ async def test_a_raising_call_fails_the_batch_after_every_thread_stopped(tmp_pat
 
     async with _store(tmp_path) as store:
         with pytest.raises(OSError, match="disk said no"):
-            await store._run_chunked(call, [(i,) for i in range(24)], BIG)
+            await store._threads.run_chunked(call, [(i,) for i in range(24)], BIG)
         assert running == 0 and most > 1  # nothing of the batch still runs once it raised
-        assert await store._run_chunked(call, [(5,), (6,)], BIG) == [5, 6]  # the threads live on
+        assert await store._threads.run_chunked(call, [(5,), (6,)], BIG) == [5, 6]  # the threads live on
 
 
 async def test_staged_reads_run_on_at_most_cores_plus_one_threads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -51,7 +51,7 @@ async def test_the_file_backend_moves_pages_on_torch_serial_threads(tmp_path: Pa
     store = create_async_storage("file", None, root=str(tmp_path), namespace={"model": "io-threads"})
     async with store:
         loop = asyncio.get_running_loop()
-        counts = await asyncio.gather(*(loop.run_in_executor(store._executor, torch.get_num_threads) for _ in range(8)))
+        counts = await asyncio.gather(*(loop.run_in_executor(store._threads.executor, torch.get_num_threads) for _ in range(8)))
         assert set(counts) == {1}
     assert torch.get_num_threads() >= 2
 

@@ -132,7 +132,7 @@ async def test_aclose_while_opening_file_backend_shuts_executors(tmp_path) -> No
     with pytest.raises(StorageStateError):
         await opening
     assert store.state is StorageState.CLOSED
-    assert store._executor is not None and store._executor._shutdown
+    assert store._threads.executor is not None and store._threads.executor._shutdown
 
 
 # ---------------------------------------------------------------------- malformed transfers

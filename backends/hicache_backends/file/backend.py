@@ -32,15 +32,14 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import Any, TypeVar
+from typing import Any
 
 from hicache.errors import ConfigError
 from hicache.keys import Namespace
 from hicache.observability.tier_events import ChangeKind, Tier
 from hicache.storage import AsyncHiCacheStorage, HiCacheStorageConfig, PageCodec, PageKey
 from hicache.storage.changes import report_cleared
-from hicache.storage.io_threads import copy_threads, io_executor
-from hicache.storage.offload import run_to_completion
+from hicache.storage.io_threads import copy_threads
 from hicache.storage.segments import PageSegments
 from hicache.storage.staging import PoolPage, StagedPage
 from hicache.storage.stats import Throttle
@@ -54,12 +53,11 @@ from hicache_backends.file.peers import PeerRemovals
 from hicache_backends.file.pins import PagePins
 from hicache_backends.file.scan import IndexScanner
 from hicache_backends.file.space import SpaceAccountant
+from hicache_backends.file.threads import PageThreads
 
 __all__ = ["DEFAULT_MAX_BYTES", "DEFAULT_MIN_FREE_BYTES", "FileStorage"]
 
 logger = logging.getLogger("hicache.storage.file")
-
-T = TypeVar("T")
 
 #: 64 GiB: bounded by default (an unbounded cache fills disks; see FIELD-NOTES), yet large
 #: enough that most single-machine users never tune it. ``max_bytes=None`` opts out.
@@ -69,7 +67,6 @@ DEFAULT_MIN_FREE_BYTES = 1 << 30
 DEFAULT_ROOT = "/tmp/hicache"
 ROOT_ENV = "HICACHE_FILE_ROOT"
 _CLEAR_WAIT_SECONDS = 1.0
-_BYTES_PER_CHUNK = 1 << 20  # below this much work per thread, fewer threads are faster
 _FILE_OP_COST = 32 << 10  # an open+close costs about as much as copying 32 KiB
 _WARN_SECONDS = 60.0  # at most one warning of a kind (disk full, I/O errors) per store this often
 
@@ -92,41 +89,6 @@ def _tracked(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 _CLOSE_CALLS_WAIT_SECONDS = 30.0  # what a close waits for calls in progress before it stops the threads
-
-
-class _SharedCalls:
-    """The calls of one batch, each taken by whichever of the batch's I/O threads is free.
-
-    Fixed slices per thread let a batch wait for its slowest thread: on a busy machine one
-    thread gets the cores less often, and its slice ends long after the others (128 x 4 MiB
-    reads, 4 threads on 2 cores: one slice in 38 ms, the other three in ~100 ms). Threads
-    that take the next call when free end together. Results land at their call's position.
-    """
-
-    __slots__ = ("fn", "calls", "results", "_next", "_lock")
-
-    def __init__(self, fn: Callable[..., Any], calls: Sequence[tuple[Any, ...]]) -> None:
-        self.fn = fn
-        self.calls = calls
-        self.results: list[Any] = [None] * len(calls)
-        self._next = 0
-        self._lock = threading.Lock()
-
-    def drain(self) -> None:
-        """Run calls until none is left (on an I/O thread); a call that raises stops this
-        thread only (the batch then fails as a whole, once every thread has stopped)."""
-        while True:
-            with self._lock:
-                i = self._next
-                if i >= len(self.calls):
-                    return
-                self._next = i + 1
-            self.results[i] = self.fn(*self.calls[i])
-
-    def stop(self) -> None:
-        """Start no more calls (those running finish; the others keep a ``None`` result)."""
-        with self._lock:
-            self._next = len(self.calls)
 
 
 @dataclass(slots=True)
@@ -218,7 +180,7 @@ class FileStorage(AsyncHiCacheStorage):
         self.index = PageIndex()
         self._layout: NamespaceLayout | None = None
         self._codec: PageCodec | None = None
-        self._executor: ThreadPoolExecutor | None = None
+        self._threads = PageThreads(io_threads)  # the I/O threads, started at open
         self._scan_executor: ThreadPoolExecutor | None = None
         self._pins = PagePins()  # pages being read or written, pages being unlinked
         self._generation = 0  # bumped by clear(): older writes do not re-enter the index
@@ -284,13 +246,13 @@ class FileStorage(AsyncHiCacheStorage):
     async def _open(self) -> None:
         self._layout = NamespaceLayout(self.root, self.namespace.digest)
         self._codec = PageCodec(self.namespace.digest_bytes)
-        # torch-serial threads: the pool copies of seed-protocol pages run on them (io_threads)
-        self._executor = io_executor(self.io_threads, "hicache-file-io")
+        self._threads.start()
+        assert self._threads.executor is not None
         # The scan gets its own thread so it never queues in front of requests.
         self._scan_executor = ThreadPoolExecutor(1, thread_name_prefix="hicache-file-scan")
         self._scanner.prepare()
         try:
-            self._manifest_pending = not await self._run(
+            self._manifest_pending = not await self._threads.run(
                 page_io.prepare_namespace, self._layout, self.namespace.to_dict()
             )
         except BaseException as exc:
@@ -300,7 +262,7 @@ class FileStorage(AsyncHiCacheStorage):
             raise
         if self._manifest_pending:
             self._warn_manifest_deferred()
-        self._space.open(self._layout, self._executor, shared=self.shared)
+        self._space.open(self._layout, self._threads.executor, shared=self.shared)
         if self._peers is not None:
             await self._peers.open(self._layout.ns_dir, self.namespace.digest)
         self._scanner.start(self._layout, self._scan_executor, self.namespace.digest)
@@ -330,77 +292,13 @@ class FileStorage(AsyncHiCacheStorage):
 
     def _executors(self) -> list[ThreadPoolExecutor]:
         journal = self._peers.executor if self._peers is not None else None
-        return [e for e in (self._executor, self._scan_executor, journal) if e is not None]
+        return [e for e in (self._threads.executor, self._scan_executor, journal) if e is not None]
 
     def _shutdown_executors(self, wait: bool) -> None:
         for e in self._executors():
             e.shutdown(wait=wait)
 
     # ------------------------------------------------------------------ helpers
-
-    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
-        """One blocking call on the I/O threads; a cancelled caller still waits for it (a
-        rename or delete half seen by the index is worse than a late cancellation)."""
-        assert self._executor is not None
-        return await run_to_completion(fn, *args, executor=self._executor)
-
-    async def _run_chunked(
-        self, fn: Callable[..., T], calls: Sequence[tuple[Any, ...]], nbytes: int = 0, per_call: int = 0,
-        threads: int | None = None,
-    ) -> list[T]:
-        """Run ``fn(*args)`` for each call on the I/O threads; results come back in call order.
-
-        A batch runs on at most ``io_threads`` threads (which bounds its concurrency), each
-        taking the next call when free (:class:`_SharedCalls`), and on fewer when it is cheap:
-        a hop to a thread costs tens of microseconds, more than a stat of a missing file, so a
-        batch goes to one thread unless its bytes (``nbytes``) plus a per-call cost
-        (``per_call``, bytes-equivalent: opening, creating and renaming files cost more than
-        they move) add up to a share per thread; ``threads`` lowers the cap below ``io_threads``.
-        A cancelled caller waits for the threads (see :meth:`_run_chunked_to_end`).
-        """
-        # cancelled: the calls not started yet are not (their results are dropped anyway), so
-        # a caller's timeout frees its thread after the pages in flight, not the whole batch
-        results, cancelled = await self._run_chunked_to_end(fn, calls, nbytes, per_call, threads, stop_on_cancel=True)
-        if cancelled:
-            raise asyncio.CancelledError
-        return results  # type: ignore[return-value]
-
-    async def _run_chunked_to_end(
-        self, fn: Callable[..., T], calls: Sequence[tuple[Any, ...]], nbytes: int = 0, per_call: int = 0,
-        threads: int | None = None, *, stop_on_cancel: bool = False,
-    ) -> tuple[list[T] | None, bool]:
-        """:meth:`_run_chunked` that always lets the threads finish - they may be filling the
-        caller's buffers (host-pool memory the caller reuses once we return) - and returns
-        ``(results, cancelled)``: the results (``None`` if a call raised) even when the caller
-        was cancelled meanwhile, so facts about the disk (pages written) are never lost."""
-        if not calls:
-            return [], False
-        assert self._executor is not None
-        loop = asyncio.get_running_loop()
-        cap = self.io_threads if threads is None else max(1, min(threads, self.io_threads))
-        n = min(cap, len(calls), max(1, (nbytes + per_call * len(calls)) // _BYTES_PER_CHUNK))
-        shared = _SharedCalls(fn, calls)
-        work = asyncio.gather(
-            *(loop.run_in_executor(self._executor, shared.drain) for _ in range(n)),
-            return_exceptions=True,  # one thread failing must not stop us waiting for the others
-        )
-        cancelled = False
-        while True:
-            try:
-                parts = await asyncio.shield(work)
-                break
-            except asyncio.CancelledError:
-                cancelled = True
-                if stop_on_cancel:
-                    shared.stop()
-                if work.done():  # the work itself was cancelled (loop shutting down)
-                    return None, True
-        for part in parts:
-            if isinstance(part, BaseException):
-                if cancelled or isinstance(part, asyncio.CancelledError):
-                    return None, True
-                raise part
-        return shared.results, cancelled
 
     def _adopt(self, pid: str, result: page_io.ReadResult) -> None:
         """Index a page this store did not know (written by another process, or not scanned yet)."""
@@ -488,7 +386,7 @@ class FileStorage(AsyncHiCacheStorage):
             # Not indexed: another process may have written it, or the scan has not reached it.
             assert self._layout is not None
             paths = [(self._layout.path(ids[i]),) for i in missing]
-            results = await self._run_chunked(page_io.probe_page, paths)
+            results = await self._threads.run_chunked(page_io.probe_page, paths)
             for i, r in zip(missing, results):
                 if r.status is page_io.ReadStatus.OK and ids[i] not in self._pins.deleting:
                     self._adopt(ids[i], r)
@@ -507,7 +405,7 @@ class FileStorage(AsyncHiCacheStorage):
         staged = any(isinstance(b, StagedPage) for b in buffers)
         self._pins.hold(ids)
         try:
-            results = await self._run_chunked(
+            results = await self._threads.run_chunked(
                 page_io.read_page_into, calls, sum(b.nbytes for b in buffers), _FILE_OP_COST,
                 threads=copy_threads(self.io_threads) if staged else None,
             )
@@ -560,7 +458,7 @@ class FileStorage(AsyncHiCacheStorage):
         before = self.index.get(pid)
         self._pins.hold((pid,))
         try:
-            r = await self._run(page_io.read_page_bytes, self._layout.path(pid), self._codec, page.key, page.pool)
+            r = await self._threads.run(page_io.read_page_bytes, self._layout.path(pid), self._codec, page.key, page.pool)
         finally:
             self._pins.release((pid,))
         if r.status is page_io.ReadStatus.OK:
@@ -628,7 +526,7 @@ class FileStorage(AsyncHiCacheStorage):
                 (self._layout, self._codec, j.pid, j.page.key, j.page.pool, j.buf, j.parent, self.fsync, j.skip_size)
                 for j in jobs
             ]
-            results, cancelled = await self._run_chunked_to_end(
+            results, cancelled = await self._threads.run_chunked_to_end(
                 page_io.write_page, calls, sum(j.buf.nbytes for j in jobs), 4 * _FILE_OP_COST
             )
             if results is not None and generation != self._generation:
@@ -663,7 +561,7 @@ class FileStorage(AsyncHiCacheStorage):
         paths = [self._layout.path(jobs[i].pid) for i in wrote]
         cancelled = False
         try:
-            sizes: list[int | None] = await self._run(page_io.published_sizes, paths)
+            sizes: list[int | None] = await self._threads.run(page_io.published_sizes, paths)
         except asyncio.CancelledError:  # the answer is lost: index none (a later scan does)
             sizes, generation, cancelled = [None] * len(wrote), -1, True
         checked = list(results)
@@ -678,7 +576,7 @@ class FileStorage(AsyncHiCacheStorage):
         if published and generation == self._generation:  # (another clear since: they went with it)
             # the batch's own settlement goes to the old ledger's token: not applied
             try:
-                await self._space.ledger_call(self._executor, published)
+                await self._space.ledger_call(self._threads.executor, published)
             except asyncio.CancelledError:
                 cancelled = True
         return generation, checked, cancelled
@@ -752,7 +650,7 @@ class FileStorage(AsyncHiCacheStorage):
         self.index.clear()
         self._scanner.cleared()
         self._space.cleared()
-        trash, written = await self._run(page_io.clear_namespace, self._layout, self.namespace.to_dict())
+        trash, written = await self._threads.run(page_io.clear_namespace, self._layout, self.namespace.to_dict())
         if self._peers is not None:
             await self._peers.append_cleared()
         self._manifest_pending = not written

@@ -1,0 +1,136 @@
+"""The I/O threads of one file store, and the batches of blocking calls that run on them.
+
+Page I/O blocks (``preadv``/``pwritev``, ``stat``, ``rename``), so every page operation runs on
+a pool of ``io_threads`` torch-serial threads (the pool copies of seed-protocol pages run on
+them too). A batch is spread over at most that many threads, fewer when it is cheap; a cancelled
+caller still waits for calls in progress, since they may be filling its buffers or changing
+the disk under the index.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+from hicache.storage.io_threads import io_executor
+from hicache.storage.offload import run_to_completion
+
+__all__ = ["PageThreads"]
+
+T = TypeVar("T")
+
+_BYTES_PER_CHUNK = 1 << 20  # below this much work per thread, fewer threads are faster
+
+
+class _SharedCalls:
+    """The calls of one batch, each taken by whichever of the batch's I/O threads is free.
+
+    Fixed slices per thread let a batch wait for its slowest thread: on a busy machine one
+    thread gets the cores less often, and its slice ends long after the others (128 x 4 MiB
+    reads, 4 threads on 2 cores: one slice in 38 ms, the other three in ~100 ms). Threads
+    that take the next call when free end together. Results land at their call's position.
+    """
+
+    __slots__ = ("fn", "calls", "results", "_next", "_lock")
+
+    def __init__(self, fn: Callable[..., Any], calls: Sequence[tuple[Any, ...]]) -> None:
+        self.fn = fn
+        self.calls = calls
+        self.results: list[Any] = [None] * len(calls)
+        self._next = 0
+        self._lock = threading.Lock()
+
+    def drain(self) -> None:
+        """Run calls until none is left (on an I/O thread); a call that raises stops this
+        thread only (the batch then fails as a whole, once every thread has stopped)."""
+        while True:
+            with self._lock:
+                i = self._next
+                if i >= len(self.calls):
+                    return
+                self._next = i + 1
+            self.results[i] = self.fn(*self.calls[i])
+
+    def stop(self) -> None:
+        """Start no more calls (those running finish; the others keep a ``None`` result)."""
+        with self._lock:
+            self._next = len(self.calls)
+
+
+class PageThreads:
+    """``io_threads`` threads (started by :meth:`start`) and the ways a store runs work on them."""
+
+    def __init__(self, io_threads: int) -> None:
+        self.io_threads = io_threads
+        self.executor: ThreadPoolExecutor | None = None
+
+    def start(self) -> None:
+        # torch-serial threads: the pool copies of seed-protocol pages run on them (io_threads)
+        self.executor = io_executor(self.io_threads, "hicache-file-io")
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        """One blocking call on the I/O threads; a cancelled caller still waits for it (a
+        rename or delete half seen by the index is worse than a late cancellation)."""
+        assert self.executor is not None
+        return await run_to_completion(fn, *args, executor=self.executor)
+
+    async def run_chunked(
+        self, fn: Callable[..., T], calls: Sequence[tuple[Any, ...]], nbytes: int = 0, per_call: int = 0,
+        threads: int | None = None,
+    ) -> list[T]:
+        """Run ``fn(*args)`` for each call on the I/O threads; results come back in call order.
+
+        A batch runs on at most ``io_threads`` threads (which bounds its concurrency), each
+        taking the next call when free (:class:`_SharedCalls`), and on fewer when it is cheap:
+        a hop to a thread costs tens of microseconds, more than a stat of a missing file, so a
+        batch goes to one thread unless its bytes (``nbytes``) plus a per-call cost
+        (``per_call``, bytes-equivalent: opening, creating and renaming files cost more than
+        they move) add up to a share per thread; ``threads`` lowers the cap below ``io_threads``.
+        A cancelled caller waits for the threads (see :meth:`run_chunked_to_end`).
+        """
+        # cancelled: the calls not started yet are not (their results are dropped anyway), so
+        # a caller's timeout frees its thread after the pages in flight, not the whole batch
+        results, cancelled = await self.run_chunked_to_end(fn, calls, nbytes, per_call, threads, stop_on_cancel=True)
+        if cancelled:
+            raise asyncio.CancelledError
+        return results  # type: ignore[return-value]
+
+    async def run_chunked_to_end(
+        self, fn: Callable[..., T], calls: Sequence[tuple[Any, ...]], nbytes: int = 0, per_call: int = 0,
+        threads: int | None = None, *, stop_on_cancel: bool = False,
+    ) -> tuple[list[T] | None, bool]:
+        """:meth:`run_chunked` that always lets the threads finish - they may be filling the
+        caller's buffers (host-pool memory the caller reuses once we return) - and returns
+        ``(results, cancelled)``: the results (``None`` if a call raised) even when the caller
+        was cancelled meanwhile, so facts about the disk (pages written) are never lost."""
+        if not calls:
+            return [], False
+        assert self.executor is not None
+        loop = asyncio.get_running_loop()
+        cap = self.io_threads if threads is None else max(1, min(threads, self.io_threads))
+        n = min(cap, len(calls), max(1, (nbytes + per_call * len(calls)) // _BYTES_PER_CHUNK))
+        shared = _SharedCalls(fn, calls)
+        work = asyncio.gather(
+            *(loop.run_in_executor(self.executor, shared.drain) for _ in range(n)),
+            return_exceptions=True,  # one thread failing must not stop us waiting for the others
+        )
+        cancelled = False
+        while True:
+            try:
+                parts = await asyncio.shield(work)
+                break
+            except asyncio.CancelledError:
+                cancelled = True
+                if stop_on_cancel:
+                    shared.stop()
+                if work.done():  # the work itself was cancelled (loop shutting down)
+                    return None, True
+        for part in parts:
+            if isinstance(part, BaseException):
+                if cancelled or isinstance(part, asyncio.CancelledError):
+                    return None, True
+                raise part
+        return shared.results, cancelled
