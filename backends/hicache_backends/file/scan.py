@@ -68,7 +68,7 @@ class IndexScanner:
         self._housekeeping = housekeeping
         self._layout: NamespaceLayout | None = None
         self._executor: ThreadPoolExecutor | None = None
-        self._name = "hicache-file-scan"
+        self._tag = ""  # the namespace digest's start, in the scan tasks' names
         self.task: asyncio.Task[None] | None = None
         self.ready: asyncio.Event | None = None
         self.tombstones: set[str] | None = None  # pages forgotten while the scan runs
@@ -89,10 +89,10 @@ class IndexScanner:
         """Start the opening scan (``executor``: the scan's own thread)."""
         self._layout = layout
         self._executor = executor
-        self._name = digest[:8]
+        self._tag = digest[:8]
         self.tombstones = set()
         self.task = asyncio.get_running_loop().create_task(
-            self._scan(self._generation()), name=f"hicache-file-scan-{self._name}"
+            self._scan(self._generation()), name=f"hicache-file-scan-{self._tag}"
         )
 
     async def stop(self) -> None:
@@ -154,7 +154,7 @@ class IndexScanner:
         if self.tombstones is None:
             self.tombstones = set()
         self.task = asyncio.get_running_loop().create_task(
-            self._scan(self._generation()), name=f"hicache-file-rescan-{self._name}"
+            self._scan(self._generation()), name=f"hicache-file-rescan-{self._tag}"
         )
 
     async def _scan(self, generation: int) -> None:
