@@ -1,5 +1,6 @@
-"""``mypy`` passes on ``hicache`` with the repository's configuration (``[tool.mypy]`` in
-pyproject.toml). Skipped only where mypy is not installed (the ``dev`` extra installs it)."""
+"""``mypy`` passes on ``hicache`` and the bundled backends (``backends/hicache_backends``) with
+the repository's configuration (``[tool.mypy]`` in pyproject.toml). Skipped only where mypy is
+not installed (the ``dev`` extra installs it)."""
 
 from __future__ import annotations
 

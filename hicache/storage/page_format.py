@@ -27,6 +27,8 @@ from dataclasses import dataclass
 
 import xxhash
 
+from hicache.storage.segments import PageSegments
+
 __all__ = ["MAGIC", "FORMAT_VERSION", "PageCodec", "PageHeader", "Verdict", "checksum", "checksum_stream"]
 
 MAGIC = b"HKVP"
@@ -90,18 +92,22 @@ class PageCodec:
         raw = _FIXED.size + len(key.encode()) + len(pool.encode())
         return -(-raw // _ALIGN) * _ALIGN
 
-    def encode(self, key: str, pool: str, payload: memoryview | bytes, digest: int | None = None) -> bytes:
-        """The header for ``payload`` stored under (key, pool)."""
+    def encode(self, key: str, pool: str, payload: memoryview | bytes | PageSegments, digest: int | None = None) -> bytes:
+        """The header for ``payload`` stored under (key, pool); a payload in pool pieces
+        (:class:`PageSegments`, hashed as it is written) comes with its ``digest``."""
         kb, pb = key.encode(), pool.encode()
         hlen = self.header_len(key, pool)
-        digest = checksum(payload) if digest is None else digest
+        if digest is None:
+            if isinstance(payload, PageSegments):
+                raise TypeError("a payload in pool pieces is hashed as it is written: give its digest")
+            digest = checksum(payload)
         fixed = _FIXED.pack(
             MAGIC, FORMAT_VERSION, hlen, len(payload), digest, self.namespace_digest, len(kb), len(pb)
         )
         return (fixed + kb + pb).ljust(hlen, b"\0")
 
     @staticmethod
-    def parse(header: bytes | memoryview) -> PageHeader | None:
+    def parse(header: bytes | bytearray | memoryview) -> PageHeader | None:
         """Decode a header, or ``None`` if it is not one of ours."""
         if len(header) < _FIXED.size:
             return None
@@ -132,8 +138,8 @@ class PageCodec:
 
     def verify(
         self,
-        header: bytes | memoryview,
-        payload: memoryview | bytes | None,
+        header: bytes | bytearray | memoryview,
+        payload: memoryview | bytes | bytearray | None,
         key: str,
         pool: str,
         expected_len: int | None = None,

@@ -285,7 +285,11 @@ class FileStorage(AsyncHiCacheStorage):
         executors = self._executors()
         if executors:
             # Let in-flight page writes finish (each cleans up after itself), off the loop.
-            await asyncio.to_thread(lambda: [e.shutdown(wait=True) for e in executors])
+            def shut_down() -> None:
+                for e in executors:
+                    e.shutdown(wait=True)
+
+            await asyncio.to_thread(shut_down)
         self._space.close()
         if self._peers is not None:
             await self._peers.close()

@@ -503,10 +503,13 @@ def write_page(
             _, payload = payload.produce()  # the view keeps the copy alive until we return
         except Exception as exc:  # noqa: BLE001 - a page the pool cannot produce fails alone
             return WriteResult(False, reason=f"host pool: {exc}", pool_error=True)
-    segments = payload if isinstance(payload, PageSegments) else None
-    if segments is None:
-        payload = _as_bytes_view(payload)
-        header = codec.encode(key, pool, payload, payload_checksum(payload))  # the hash pass, off the GIL
+    segments: PageSegments | None = None
+    flat: memoryview | None = None
+    if isinstance(payload, PageSegments):
+        segments = payload
+    else:
+        flat = _as_bytes_view(payload)
+        header = codec.encode(key, pool, flat, payload_checksum(flat))  # the hash pass, off the GIL
     footer = encode_footer(parent)
     size = codec.header_len(key, pool) + len(payload) + FOOTER_LEN
     tmp = layout.tmp_path(pid, next(_serial))
@@ -529,7 +532,8 @@ def write_page(
             if segments is not None:
                 _write_segments(fd, codec, key, pool, segments, footer)
             else:
-                _write_all(fd, [header, payload, footer])
+                assert flat is not None
+                _write_all(fd, [header, flat, footer])
             if fsync:
                 os.fsync(fd)
         finally:

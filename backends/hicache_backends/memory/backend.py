@@ -45,7 +45,7 @@ def _snapshot(buf: memoryview) -> Payload:
         return bytes(buf)
     arr = np.empty(len(buf), dtype=np.uint8)
     np.copyto(arr, np.frombuffer(buf, dtype=np.uint8))  # GIL released
-    return memoryview(arr).toreadonly()
+    return memoryview(arr.data).toreadonly()
 
 
 class MemoryMedium:

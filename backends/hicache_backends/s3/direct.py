@@ -246,6 +246,7 @@ class DirectRequests:
         finally:
             events.unregister(event, capture)
         route = _route_from(operation, request, probe)
+        assert http is not None  # checked above: it has a _get_session
         if http._proxy_config.proxy_url_for(route.prefix):
             raise Unsupported("requests go through a proxy")
         # what every request will use, tried once here: an aiobotocore whose internals differ

@@ -363,7 +363,7 @@ class S3ObjectOps(AsyncObjectOps):
         client = getattr(self.fs, "_s3", None)
         creator = getattr(self.fs, "_s3creator", None)
         self.fs._s3 = None
-        if _is_region_cache(creator):
+        if creator is not None and _is_region_cache(creator):
             # region caching (AWS without an endpoint): the default client and one per region
             # the buckets live in; closing the default one alone left the others open
             self.fs._s3creator = None
