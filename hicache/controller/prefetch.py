@@ -91,6 +91,8 @@ class Prefetcher:
         #: they bound the ``timeout`` policy's wait (a hit never slower than recomputing)
         self.prefill = PrefillCost(config.prefetch_recompute_tokens_per_s)
         self.pace = ReadPace()
+        #: ops with a read in flight (taken or not): how slow the store is right now
+        self._reading: set[PrefetchOp] = set()
 
     @property
     def inflight(self) -> int:
@@ -181,10 +183,12 @@ class Prefetcher:
                         transfers.append(slice_transfer(extra, a, n))
                     op.inflight_start, op.inflight_end = a, a + n
                     op.calling, op.inflight_since = True, time.monotonic()
+                    self._reading.add(op)
                     t0 = time.perf_counter()
                     with counting_call() as call:
                         result = await self._storage_call(self.storage.batch_get_v2(transfers), "read",
                                                           landed=op.note_read_landed)
+                    self._reading.discard(op)
                     op.inflight_start = op.inflight_end = 0
                     op.calling = op.read_landed = False
                     got = leading_run(all_pools_ok(result, n))
@@ -208,6 +212,7 @@ class Prefetcher:
             self.metrics.incr("worker_errors")
             logger.exception("prefetch %s failed", op.rid)
         finally:
+            self._reading.discard(op)
             if op.completed_pages:
                 self.metrics.observe("prefetch", "storage", time.perf_counter() - t0)
             span.set_attribute("hicache.pages", op.completed_pages)
@@ -305,8 +310,21 @@ class Prefetcher:
             cap_s=cap,
             page_tokens=self.page_size,
             seconds_per_token=spt,
-            seconds_per_page=self.pace.seconds_per_page,
+            seconds_per_page=self._seconds_per_page(now),
         )
+
+    def _seconds_per_page(self, now: float) -> float | None:
+        """The store's pace: what its reads took lately, or more if a read in flight has
+        already taken longer a page (a store that slowed down, or one no read has finished on
+        yet: the first requests after a start learn from the reads still running)."""
+        spp = self.pace.seconds_per_page
+        for op in self._reading:
+            pages = op.inflight_end - op.inflight_start
+            if pages > 0:
+                so_far = (now - op.inflight_since) / pages
+                if spp is None or so_far > spp:
+                    spp = so_far
+        return spp
 
     def _cut_for_recompute(self, op: PrefetchOp, now: float, wait_start: float, cap: float, spt: float) -> bool:
         """Whether the recompute bound ends the wait now (counted once per op)."""
@@ -327,7 +345,9 @@ class Prefetcher:
             if now >= deadline or self._cut_for_recompute(op, now, t0, cap, spt):
                 return
             op.progress.clear()
-            wake = min(deadline, self._give_up_at(op, now, t0, cap, spt))
+            # re-decided at least every eighth of the recompute: the pace of reads still in
+            # flight (see _seconds_per_page) grows while nothing lands
+            wake = min(deadline, self._give_up_at(op, now, t0, cap, spt), now + max(cap / 8, 0.001))
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(max(0.0, wake - now)):
                     await op.progress.wait()

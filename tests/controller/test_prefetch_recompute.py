@@ -237,3 +237,53 @@ async def test_a_request_queued_behind_busy_prefetches_stops_waiting_for_its_tur
     stack.cache.abort_req(first)
     store.release()
     await stack.aclose()
+
+
+class _ReadsHang(FaultyStorage):
+    """Answers ``exists`` at once; every read waits until released."""
+
+    def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(*args, **kwargs)
+        self.reads_go = asyncio.Event()
+
+    async def _read(self, pages, buffers):  # type: ignore[no-untyped-def]
+        await self.reads_go.wait()
+        return await super()._read(pages, buffers)
+
+
+async def test_a_read_still_running_shows_the_pace_before_any_read_finished() -> None:
+    """Right after a start no read has finished, so the store's pace is unknown and only the
+    cap (6.4 s here) would end a wait; a read already running for a second on two pages shows
+    the store is slower than the recompute (0.4 s a page), and the next request gives up at once."""
+    a, b = toks(0, 64), toks(1000, 64)
+    store_id = await _seeded(a)
+    seeder = build_stack(StackConfig(page_size=PS, device_pages=32, host_pages=64, storage_backend="memory",
+                                     storage_options={"store_id": store_id}))
+    await serve_request(seeder, b, rid="seed-b")
+    await seeder.cache.drain()
+    await seeder.aclose()
+    store = _ReadsHang(store_id=store_id)
+    cfg = StackConfig(page_size=PS, device_pages=64, host_pages=128, storage_backend=None,
+                      controller=ControllerConfig(prefetch_threshold=PS, prefetch_batch_pages=2, prefetch_policy="timeout",
+                                                  prefetch_timeout_base_s=60.0, prefetch_timeout_per_ki_token_s=0.0,
+                                                  prefetch_recompute_tokens_per_s=10.0, storage_io_timeout_s=120.0,
+                                                  cancelled_io_grace_s=0.0))
+    stack = build_stack(cfg, storage=store)
+    prefetcher = stack.controller._prefetcher
+    first = Req(rid="first", origin_input_ids=a)
+    stack.cache.match_req(first)
+    assert stack.cache.start_prefetch(first)
+    for _ in range(5000):
+        if prefetcher._reading:
+            break
+        await asyncio.sleep(0.001)
+    assert prefetcher._reading and prefetcher.pace.seconds_per_page is None
+    await asyncio.sleep(1.0)  # 1 s into a 2-page read: at least 0.5 s a page
+    t0 = time.monotonic()
+    out = await serve_request(stack, b, rid="second")
+    assert time.monotonic() - t0 < 3.0  # not the 6.4 s cap
+    assert out.computed == 64 and out.verify_failures == 0
+    assert stack.controller.metrics.counters["prefetch_cut_recompute"] == 1
+    stack.cache.abort_req(first)
+    store.reads_go.set()
+    await stack.aclose()
