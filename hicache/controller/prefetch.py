@@ -93,6 +93,8 @@ class Prefetcher:
         self.pace = ReadPace()
         #: ops with a read in flight (taken or not): how slow the store is right now
         self._reading: set[PrefetchOp] = set()
+        #: seconds an ``exists`` call takes: a read call takes at least as long (one round trip)
+        self.round_trip = ReadPace()
 
     @property
     def inflight(self) -> int:
@@ -159,6 +161,8 @@ class Prefetcher:
                 op.calling, op.inflight_since = True, time.monotonic()
                 with counting_call() as call:
                     hit = await self._storage_call(self.storage.batch_exists_v2(op.keys, op.extra or None), "exists")
+                if hit is not None:
+                    self.round_trip.observe(1, time.monotonic() - op.inflight_since)
                 found = min(len(op.keys), hit.kv_hit_pages if hit is not None else 0)
                 op.found_pages = found
                 # an exists the backend answered with misses after an error is no answer
@@ -316,8 +320,13 @@ class Prefetcher:
     def _seconds_per_page(self, now: float) -> float | None:
         """The store's pace: what its reads took lately, or more if a read in flight has
         already taken longer a page (a store that slowed down, or one no read has finished on
-        yet: the first requests after a start learn from the reads still running)."""
+        yet: the first requests after a start learn from the reads still running), and never
+        less than an ``exists`` round trip per batch of pages (a slow remote store is known to
+        be slow before the first page was read from it)."""
         spp = self.pace.seconds_per_page
+        trip = self.round_trip.seconds_per_page
+        if trip is not None and (spp is None or trip / self.config.prefetch_batch_pages > spp):
+            spp = trip / self.config.prefetch_batch_pages
         for op in self._reading:
             pages = op.inflight_end - op.inflight_start
             if pages > 0:

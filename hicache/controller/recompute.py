@@ -13,11 +13,13 @@ bug. This module holds the two rates the comparison needs, and the comparison:
   of which only the slope ``b`` is what a hit saves (the fixed part of a forward is paid
   either way).
 * :class:`ReadPace`: seconds a page of a prefetch takes to land, learned from the prefetches'
-  own batch reads (moving average).
-* :func:`give_up_at`: when waiting stops paying: whether the pages still missing land sooner than they would be
-  recomputed; a call running late counts against the store as it goes on, so a store that
-  stalls is given up on. Before any read has shown the store's pace, a cap stands in: a wait
-  as long as recomputing what was missing when it began has lost.
+  own batch reads (moving average); before any read has finished, the reads still in flight
+  and the store's ``exists`` round trips (a read call takes at least one) give a lower bound.
+* :func:`give_up_at`: when waiting stops paying: while the pages still missing land sooner
+  than they would be recomputed; a call running late counts against the store as it goes on,
+  so a store that stalls is given up on. Whatever the estimates say, a wait as long as
+  recomputing what was missing when it began has lost: that cap is what a request can count
+  on, and the only rule before anything shows the store's pace.
 
 Both rates are ``None`` until known; nothing is cut on a guess.
 """
@@ -139,19 +141,21 @@ def give_up_at(
     the rest is the pages not asked for yet at the known pace plus what the call in flight
     still needs: its expected time less what it has taken, or, once it is late, as much
     again as it is late (a store that stalls looks worse the longer it stalls). Waiting is
-    worth it while that is below the time to recompute the missing pages. With no pace known
-    yet only the cap applies: a wait from ``wait_start`` as long as ``cap_s`` (recomputing
-    what was missing when it began) has lost."""
+    worth it while that is below the time to recompute the missing pages. Whatever the
+    estimates say, a wait from ``wait_start`` as long as ``cap_s`` (recomputing what was
+    missing when it began) has lost: that is the bound a request can count on, and the only
+    one while no pace is known."""
     if missing_pages <= 0:
         return math.inf  # everything is here or about to be handed over
+    hard = wait_start + cap_s
     if seconds_per_page is None:
-        return wait_start + cap_s
+        return hard
     slack = missing_pages * page_tokens * seconds_per_token - max(0, missing_pages - inflight_pages) * seconds_per_page
     if slack < 0:
         return now  # the pages not even asked for yet land later than all would be recomputed
     if call_since is None:
-        return math.inf
+        return hard
     expected = inflight_pages * seconds_per_page
     if now - call_since < expected - slack:
         return now  # this call alone would take longer than the recompute's slack
-    return call_since + expected + slack
+    return min(hard, call_since + expected + slack)

@@ -74,8 +74,8 @@ def test_read_pace_follows_a_store_that_slows_down() -> None:
 def test_give_up_weighs_the_rest_of_the_fetch_against_its_recompute() -> None:
     # 64 tokens a page at 100 us a token: 6.4 ms a page recomputed; "now" is t = 100 s
     common = dict(now=100.0, page_tokens=64, seconds_per_token=1e-4, wait_start=100.0, cap_s=10.0)
-    # a store at 1 ms a page: worth waiting for as long as nothing goes wrong
-    assert give_up_at(missing_pages=10, inflight_pages=0, call_since=None, seconds_per_page=0.001, **common) == math.inf
+    # a store at 1 ms a page: worth waiting for, until the cap (recomputing what was missing)
+    assert give_up_at(missing_pages=10, inflight_pages=0, call_since=None, seconds_per_page=0.001, **common) == 110.0
     # at 10 ms a page: give up at once
     assert give_up_at(missing_pages=10, inflight_pages=0, call_since=None, seconds_per_page=0.01, **common) == 100.0
     # a 4-page read under way 30 ms of its expected 40: the rest (10 ms) beats 25.6 ms recomputed;
@@ -90,6 +90,9 @@ def test_give_up_weighs_the_rest_of_the_fetch_against_its_recompute() -> None:
     # no pace yet: only the cap; nothing missing: the op is ending
     assert give_up_at(missing_pages=10, inflight_pages=0, call_since=None, seconds_per_page=None, **common) == 110.0
     assert give_up_at(missing_pages=0, inflight_pages=0, call_since=None, seconds_per_page=1.0, **common) == math.inf
+    # the cap holds whatever the pace says: a read late by more than the cap allows
+    short = dict(common, cap_s=0.02)
+    assert give_up_at(missing_pages=4, inflight_pages=4, call_since=99.97, seconds_per_page=0.01, **short) == 100.02
 
 
 def test_the_rate_is_validated_in_both_configs() -> None:
@@ -286,4 +289,23 @@ async def test_a_read_still_running_shows_the_pace_before_any_read_finished() ->
     assert stack.controller.metrics.counters["prefetch_cut_recompute"] == 1
     stack.cache.abort_req(first)
     store.reads_go.set()
+    await stack.aclose()
+
+
+async def test_a_slow_round_trip_shows_the_store_is_slow_before_any_page_was_read() -> None:
+    """A read call takes at least one ``exists`` round trip: 1 s round trips for batches of 2
+    pages are 0.5 s a page, slower than recomputing one (0.4 s), so once a lookup has shown
+    them a request gives up at once instead of waiting out the cap (6.4 s)."""
+    data = toks(0, 64)
+    stack, store = _stack(await _seeded(data), prefetch_recompute_tokens_per_s=10.0, storage_io_timeout_s=120.0)
+    store.delay = 1.0
+    await serve_request(stack, toks(5000, 64), rid="absent")  # storage holds none of it: one lookup
+    assert stack.controller._prefetcher.round_trip.seconds_per_page is not None
+    assert stack.controller._prefetcher.pace.seconds_per_page is None  # no page read yet
+    t0 = time.monotonic()
+    out = await serve_request(stack, data, rid="held")
+    assert time.monotonic() - t0 < 3.0 and out.computed == 64 and out.verify_failures == 0
+    # the lookup of the absent prompt was waited for (nothing known yet, under the cap)
+    assert stack.controller.metrics.counters["prefetch_cut_recompute"] == 1
+    await stack.controller.wait_prefetches()
     await stack.aclose()
