@@ -2,7 +2,8 @@
 
 ``FaultyStorage`` is the ``memory`` backend with switches: fail writes/reads/exists (return
 misses, as a guarded backend does), raise from inside a primitive, hang (await an event that
-never fires unless released) or delay each call.
+never fires unless released) or delay each call. ``seed_memory_store`` fills a shared
+``memory`` medium through a separate, well-behaved cache, for the tests that read it back.
 """
 
 from __future__ import annotations
@@ -12,7 +13,20 @@ from collections.abc import Sequence
 
 from hicache_backends.memory import MemoryStorage
 
+from hicache.replay import StackConfig, build_stack, serve_request
 from hicache.storage import PageKey
+
+
+async def seed_memory_store(store_id: str, *prompts: list[int], page_size: int = 4) -> None:
+    """Write every prompt's pages to the ``memory`` medium ``store_id`` (shared by every store
+    that names it) through a cache of its own, drained and closed before returning."""
+    cfg = StackConfig(page_size=page_size, device_pages=32, host_pages=64, storage_backend="memory",
+                      storage_options={"store_id": store_id})
+    writer = build_stack(cfg)
+    for i, tokens in enumerate(prompts):
+        await serve_request(writer, tokens, rid=f"seed-{i}")
+    await writer.cache.drain()
+    await writer.aclose()
 
 
 class FaultyStorage(MemoryStorage):

@@ -17,7 +17,7 @@ import uuid
 import pytest
 import torch
 
-from _hicache_faults import FaultyStorage
+from _hicache_faults import FaultyStorage, seed_memory_store
 from hicache.controller import ControllerConfig, ControllerMetrics, ControllerState
 from hicache.errors import ConfigError
 from hicache.observability.scrape import Scrape
@@ -47,14 +47,7 @@ def make(storage: bool = True, **controller: object):  # type: ignore[no-untyped
 
 async def seed_storage(store_id: str, tokens: list[int]) -> None:
     """Write ``tokens``' pages to a shared medium through a separate, well-behaved cache."""
-    writer, _ = make(storage=False)
-    await writer.aclose()
-    cfg = StackConfig(page_size=PS, device_pages=16, host_pages=64, storage_backend="memory",
-                      storage_options={"store_id": store_id})
-    w = build_stack(cfg)
-    await serve_request(w, tokens, rid="seed")
-    await w.cache.drain()
-    await w.aclose()
+    await seed_memory_store(store_id, tokens, page_size=PS)
 
 
 def test_config_validation_and_timeout_formula() -> None:

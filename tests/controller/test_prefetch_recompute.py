@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from _hicache_faults import FaultyStorage
+from _hicache_faults import FaultyStorage, seed_memory_store
 from hicache.config import HiCacheConfig
 from hicache.controller import ControllerConfig
 from hicache.controller.recompute import PrefillCost, ReadPace, give_up_at
@@ -111,14 +111,9 @@ def test_the_rate_is_validated_in_both_configs() -> None:
 # ---------------------------------------------------------------------- on the real controller
 
 
-async def _seeded(tokens: list[int]) -> str:
+async def _seeded(*prompts: list[int]) -> str:
     store_id = f"rc-{uuid.uuid4()}"
-    cfg = StackConfig(page_size=PS, device_pages=32, host_pages=64, storage_backend="memory",
-                      storage_options={"store_id": store_id})
-    w = build_stack(cfg)
-    await serve_request(w, tokens, rid="seed")
-    await w.cache.drain()
-    await w.aclose()
+    await seed_memory_store(store_id, *prompts, page_size=PS)
     return store_id
 
 
@@ -220,12 +215,7 @@ async def test_a_request_queued_behind_busy_prefetches_stops_waiting_for_its_tur
     wait for a turn counts against the store as a late call does, so the request gives up once
     the slack its recompute leaves has passed, not at the fixed timeout (60 s)."""
     a, b = toks(0, 32), toks(1000, 32)
-    store_id = await _seeded(a)
-    seeder = build_stack(StackConfig(page_size=PS, device_pages=32, host_pages=64, storage_backend="memory",
-                                     storage_options={"store_id": store_id}))
-    await serve_request(seeder, b, rid="seed-b")
-    await seeder.cache.drain()
-    await seeder.aclose()
+    store_id = await _seeded(a, b)
     stack, store = _stack(store_id, prefetch_recompute_tokens_per_s=100.0, max_concurrent_prefetches=1,
                           storage_io_timeout_s=120.0, cancelled_io_grace_s=0.0)
     stack.controller._prefetcher.pace.observe(1, 0.001)  # a store known to be fast, 1 ms a page
@@ -259,12 +249,7 @@ async def test_a_read_still_running_shows_the_pace_before_any_read_finished() ->
     cap (6.4 s here) would end a wait; a read already running for a second on two pages shows
     the store is slower than the recompute (0.4 s a page), and the next request gives up at once."""
     a, b = toks(0, 64), toks(1000, 64)
-    store_id = await _seeded(a)
-    seeder = build_stack(StackConfig(page_size=PS, device_pages=32, host_pages=64, storage_backend="memory",
-                                     storage_options={"store_id": store_id}))
-    await serve_request(seeder, b, rid="seed-b")
-    await seeder.cache.drain()
-    await seeder.aclose()
+    store_id = await _seeded(a, b)
     store = _ReadsHang(store_id=store_id)
     cfg = StackConfig(page_size=PS, device_pages=64, host_pages=128, storage_backend=None,
                       controller=ControllerConfig(prefetch_threshold=PS, prefetch_batch_pages=2, prefetch_policy="timeout",
