@@ -260,6 +260,11 @@ class Prefetcher:
             return True
         if policy == "wait_complete":
             return False
+        if op.read_landed:
+            # a read that ended in time while this loop was blocked (a poller runs between
+            # synchronous forward passes): its pages are in host memory, only its answer is
+            # late (a few loop turns); cutting it now would drop them, as :meth:`wait` knows
+            return False
         now = time.monotonic()
         if now - op.started >= self.config.prefetch_timeout(op.num_tokens):
             return True

@@ -294,3 +294,44 @@ async def test_a_slow_round_trip_shows_the_store_is_slow_before_any_page_was_rea
     assert stack.controller.metrics.counters["prefetch_cut_recompute"] == 1
     await stack.controller.wait_prefetches()
     await stack.aclose()
+
+
+class _BlockingRead(FaultyStorage):
+    """Each read blocks the server's loop (``loop``) for ``block`` seconds as it begins, and
+    itself answers at once: its answer waits for the loop (a synchronous forward pass)."""
+
+    loop: asyncio.AbstractEventLoop | None = None
+    block = 0.0
+
+    async def _read(self, pages, buffers):  # type: ignore[no-untyped-def]
+        if self.loop is not None and self.block:
+            self.loop.call_soon_threadsafe(time.sleep, self.block)
+            self.block = 0.0
+        return await super()._read(pages, buffers)
+
+
+async def test_polling_keeps_pages_that_landed_while_the_loop_was_blocked() -> None:
+    """``wait`` keeps a read that ended in time while the server's loop was blocked; a poll
+    (SGLang's scheduler: ``check_prefetch_progress`` between synchronous forward passes, the
+    very case of a blocked loop) cut it: the read looked 0.45 s late against a 0.32 s cap, and
+    the 16 pages already in host memory were dropped and recomputed."""
+    data = toks(0, 64)
+    store_id = await _seeded(data)
+    store = _BlockingRead(store_id=store_id)
+    cfg = StackConfig(page_size=PS, device_pages=32, host_pages=64, storage_backend=None,
+                      controller=ControllerConfig(prefetch_threshold=PS, prefetch_batch_pages=64, prefetch_policy="timeout",
+                                                  prefetch_timeout_base_s=60.0, prefetch_timeout_per_ki_token_s=0.0,
+                                                  prefetch_recompute_tokens_per_s=200.0, storage_stall_s=0.0))
+    stack = build_stack(cfg, storage=store)
+    store.loop, store.block = asyncio.get_running_loop(), 0.45
+    req = Req(rid="poll", origin_input_ids=data)
+    stack.cache.match_req(req)
+    assert stack.cache.start_prefetch(req)
+    t0 = time.monotonic()
+    while not stack.cache.check_prefetch_progress("poll"):
+        assert time.monotonic() - t0 < 30
+        await asyncio.sleep(0.01)
+    assert stack.controller.metrics.counters["prefetch_pages_used"] == 16
+    stack.cache.abort_req(req)
+    await stack.aclose()
+
