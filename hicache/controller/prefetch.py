@@ -325,12 +325,15 @@ class Prefetcher:
     def _seconds_per_page(self, now: float) -> float | None:
         """The store's pace: what its reads took lately, or more if a read in flight has
         already taken longer a page (a store that slowed down, or one no read has finished on
-        yet: the first requests after a start learn from the reads still running), and never
-        less than an ``exists`` round trip per batch of pages (a slow remote store is known to
-        be slow before the first page was read from it)."""
+        yet: the first requests after a start learn from the reads still running). Until a
+        read has finished, an ``exists`` round trip per batch of pages stands in for it (a slow
+        remote store is known to be slow before the first page was read from it); not after:
+        a lookup's time grows with the keys it checks (S3: a round trip per wave of HEADs),
+        and a measured read already holds its own round trip, so a slow lookup must not
+        outvote reads known to be fast (every wait on such a store was cut at once)."""
         spp = self.pace.seconds_per_page
         trip = self.round_trip.seconds_per_page
-        if trip is not None and (spp is None or trip / self.config.prefetch_batch_pages > spp):
+        if spp is None and trip is not None:
             spp = trip / self.config.prefetch_batch_pages
         for op in self._reading:
             pages = op.inflight_end - op.inflight_start

@@ -335,3 +335,41 @@ async def test_polling_keeps_pages_that_landed_while_the_loop_was_blocked() -> N
     stack.cache.abort_req(req)
     await stack.aclose()
 
+
+class _SlowLookup(FaultyStorage):
+    """``exists`` takes ``lookup_s`` (a lookup of many keys, a round trip per wave of HEADs);
+    reads answer at once."""
+
+    lookup_s = 0.0
+
+    async def _exists(self, pages):  # type: ignore[no-untyped-def]
+        await asyncio.sleep(self.lookup_s)
+        return await super()._exists(pages)
+
+
+async def test_a_slow_lookup_does_not_hide_reads_known_to_be_fast() -> None:
+    """The ``exists`` round trip is a floor on the pace only while no read has shown it: a
+    store whose lookups are slow (0.5 s for 16 keys: 0.25 s a 2-page batch, slower than the
+    0.2 s a page recomputes) but whose reads were measured at about a millisecond a page is
+    worth waiting for. The floor applied over the measured pace cut every such wait at once."""
+    data, first = toks(0, 64), toks(1000, 64)
+    store_id = await _seeded(data, first)
+    store = _SlowLookup(store_id=store_id)
+    store.lookup_s = 0.5
+    cfg = StackConfig(page_size=PS, device_pages=64, host_pages=128, storage_backend=None,
+                      controller=ControllerConfig(prefetch_threshold=PS, prefetch_batch_pages=2, prefetch_policy="timeout",
+                                                  prefetch_timeout_base_s=60.0, prefetch_timeout_per_ki_token_s=0.0,
+                                                  storage_io_timeout_s=120.0))
+    stack = build_stack(cfg, storage=store)
+    out = await serve_request(stack, first, rid="learn")  # no rate yet: waited for, the pace learned
+    assert out.storage_hit == 64
+    prefetcher = stack.controller._prefetcher
+    assert prefetcher.pace.seconds_per_page is not None and prefetcher.round_trip.seconds_per_page is not None
+    for n in (64, 128, 256, 512):
+        stack.controller.note_prefill(n, n / 20.0)  # 20 tokens/s: 0.2 s a 4-token page
+    t0 = time.monotonic()
+    out = await serve_request(stack, data, rid="held")
+    assert time.monotonic() - t0 < 30
+    assert out.storage_hit == 64 and out.verify_failures == 0
+    assert stack.controller.metrics.counters["prefetch_cut_recompute"] == 0
+    await stack.aclose()
