@@ -43,6 +43,12 @@ class PrefillCost:
         min_observations: prefills seen before a learned rate is used.
         min_tokens: shorter prefills are ignored: their fixed cost (a forward's launch, the
             sampling) would pass for a per-token cost.
+
+    The slope is taken only where the reports tell it from zero (at least twice its standard
+    error): a GPU's short prefills cost about the same whatever their length, and a slope
+    fitted through their jitter, tiny and positive, read as millions of tokens a second and
+    cut every wait at once. Otherwise the average cost of a token stands (fixed part
+    included: an upper bound, it errs towards waiting, which the fixed timeout still bounds).
     """
 
     def __init__(self, tokens_per_s: float | None = None, *, decay: float = 0.9, min_observations: int = 4,
@@ -56,8 +62,8 @@ class PrefillCost:
         self.min_observations = min_observations
         self.min_tokens = min_tokens
         self.observations = 0
-        # decayed sums of w, n, n^2, t, n*t over (tokens n, seconds t)
-        self._w = self._n = self._nn = self._t = self._nt = 0.0
+        # decayed sums of w, n, n^2, t, n*t, t^2 over (tokens n, seconds t)
+        self._w = self._n = self._nn = self._t = self._nt = self._tt = 0.0
 
     def observe(self, tokens: int, seconds: float) -> None:
         """One prefill the engine ran: ``tokens`` computed in ``seconds`` (bad values ignored:
@@ -66,16 +72,16 @@ class PrefillCost:
             return
         try:
             n, t = float(tokens), float(seconds)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):  # OverflowError: an int past a float
             return
         if not (math.isfinite(n) and math.isfinite(t)) or n < max(1, self.min_tokens) or t <= 0:
             return
         d = self.decay
-        self._w = self._w * d + 1.0
-        self._n = self._n * d + n
-        self._nn = self._nn * d + n * n
-        self._t = self._t * d + t
-        self._nt = self._nt * d + n * t
+        sums = (self._w * d + 1.0, self._n * d + n, self._nn * d + n * n, self._t * d + t,
+                self._nt * d + n * t, self._tt * d + t * t)
+        if not all(math.isfinite(x) for x in sums):
+            return  # a report past what a float squares: it would poison the sums for good
+        self._w, self._n, self._nn, self._t, self._nt, self._tt = sums
         self.observations += 1
 
     @property
@@ -85,12 +91,18 @@ class PrefillCost:
             return 1.0 / self.fixed
         if self.observations < self.min_observations or self._n <= 0:
             return None
-        var = self._w * self._nn - self._n * self._n
-        if var > 1e-9 * self._w * self._nn:  # prompts of different lengths: the slope
-            slope = (self._w * self._nt - self._n * self._t) / var
-            if slope > 0:
+        w, var = self._w, self._w * self._nn - self._n * self._n
+        if var > 1e-9 * w * self._nn:  # prompts of different lengths: the slope
+            cov = self._w * self._nt - self._n * self._t
+            slope = cov / var
+            # residuals' sum of squares (w * RSS = w*tt - t^2 - slope * cov) and the slope's
+            # standard error over the decayed weight less the two fitted parameters
+            rss = max(0.0, (w * self._tt - self._t * self._t - slope * cov) / w)
+            stderr = math.sqrt(rss / max(w - 2.0, 1e-9) * w / var)
+            if slope > 2.0 * stderr and _usable(slope):
                 return slope
-        return self._t / self._n  # one length only (or a fit gone flat): the average
+        spt = self._t / self._n  # one length only (or a slope lost in the noise): the average
+        return spt if _usable(spt) else None
 
     @property
     def tokens_per_s(self) -> float | None:
@@ -100,6 +112,12 @@ class PrefillCost:
     def seconds(self, tokens: int) -> float | None:
         spt = self.seconds_per_token
         return None if spt is None else max(0, tokens) * spt
+
+
+def _usable(seconds_per_token: float) -> bool:
+    """A cost a wait can be weighed against: positive, finite, and finite as a rate (reports
+    of absurd seconds underflow to 0 or a denormal: a free recompute, every wait cut)."""
+    return 0.0 < seconds_per_token < math.inf and math.isfinite(1.0 / seconds_per_token)
 
 
 class ReadPace:

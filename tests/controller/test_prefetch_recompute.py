@@ -59,6 +59,50 @@ def test_one_prompt_length_gives_the_average_and_odd_reports_are_ignored() -> No
     assert cost.seconds_per_token == pytest.approx(0.002)
 
 
+def test_no_report_raises_or_makes_recomputing_free() -> None:
+    """``note_prefill`` is promised never to raise on odd values, and a rate is used to cut
+    waits: an int too large for a float raised ``OverflowError``; reports whose sums overflow
+    (or whose seconds underflow) gave 0 s a token, so ``tokens_per_s`` (the metrics gauge)
+    raised ``ZeroDivisionError`` and every wait's cap was 0 (each storage hit dropped)."""
+    cost = PrefillCost()
+    cost.observe(10**400, 1.0)
+    assert cost.observations == 0
+    for reports in ([(1e308, 1.0)] * 4, [(1e200, 1.0)] * 4, [(100, 5e-324)] * 4,
+                    [(n, n * 1e-312) for n in (100, 200, 400, 800)]):
+        cost = PrefillCost()
+        for n, t in reports:
+            cost.observe(n, t)  # type: ignore[arg-type]
+        spt = cost.seconds_per_token
+        assert spt is None or (math.isfinite(spt) and spt > 0)
+        rate = cost.tokens_per_s
+        assert rate is None or (math.isfinite(rate) and rate > 0)
+    cost = PrefillCost(min_observations=3)
+    cost.observe(1e200, 1.0)  # refused: it would have swamped the sums for thousands of reports
+    for n in (100, 400, 1600, 800, 200):
+        cost.observe(n, 0.02 + 5e-5 * n)
+    assert cost.seconds_per_token == pytest.approx(5e-5, rel=1e-6)
+
+
+def test_a_slope_lost_in_the_noise_is_not_taken_for_the_rate() -> None:
+    """A GPU's short prefills cost about the same whatever their length (a forward is launch
+    bound up to ~1k tokens): the fit's slope is then noise, and a tiny positive one read as
+    millions of tokens/s made every cap a few microseconds (each storage hit dropped). A slope
+    the reports cannot tell from zero gives way to the average (an upper bound on the cost
+    of a token); a clear one, through the same jitter, is still the rate."""
+    lengths = [200, 900, 500, 300, 800, 600, 400, 700, 250, 850, 450, 650]
+    jitter = [+0.03, -0.01, +0.02, -0.03, +0.01, -0.02, +0.03, 0.0, -0.01, +0.02, -0.03, +0.01]
+    flat = PrefillCost()
+    for n, j in zip(lengths, jitter):
+        flat.observe(n, 0.02 * (1 + j))  # 20 ms a forward, 3% jitter
+    average = sum(n * 0.9 ** (11 - i) for i, n in enumerate(lengths)) / sum(
+        0.02 * (1 + j) * 0.9 ** (11 - i) for i, j in enumerate(jitter))
+    assert flat.tokens_per_s == pytest.approx(average, rel=1e-6)  # ~28k, not the 2.3M the slope says
+    steep = PrefillCost()
+    for n, j in zip(lengths, jitter):
+        steep.observe(n * 8, (0.02 + 5e-5 * n * 8) * (1 + j))  # compute bound: 20k tokens/s
+    assert steep.tokens_per_s == pytest.approx(20_000, rel=0.2)
+
+
 def test_read_pace_follows_a_store_that_slows_down() -> None:
     pace = ReadPace(alpha=0.5)
     assert pace.seconds_per_page is None
