@@ -109,13 +109,18 @@ class GenerateResult:
         }
 
 
-def _timed(fn: Callable[..., T]) -> Callable[..., tuple[T, float]]:
+def _timed(fn: Callable[..., T], device: torch.device) -> Callable[..., tuple[T, float]]:
     """``fn`` returning its result and the seconds it ran (timed on the worker thread, so
-    queueing behind other forwards is not counted)."""
+    queueing behind other forwards is not counted). On CUDA ``fn`` returns once its kernels
+    are queued: the clock stops only after the device has run them, or the time is the
+    launch's (near flat in the tokens: a learned rate many times the GPU's, every prefetch
+    wait cut), and the server's loop, not this thread, waited for the work (``.item()``)."""
 
     def call(*args: Any, **kwargs: Any) -> tuple[T, float]:
         t0 = time.perf_counter()
         out = fn(*args, **kwargs)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         return out, time.perf_counter() - t0
 
     return call
@@ -248,7 +253,7 @@ class Engine:
             # layer) but the first decode step reads it, and that forward does not wait
             await handle.wait_loaded()
         logits, compute_s = await self.run(
-            _timed(self.model.forward),
+            _timed(self.model.forward, self.model.device),
             prompt[start:],
             start,
             pool,

@@ -147,3 +147,41 @@ async def test_the_engine_reports_prefills_that_waited_for_no_load(tmp_path: Pat
         assert res.hits.get("host", 0) > 0 and prefill.observations == 5
         await engine.aclose()
         assert prefill.seconds_per_token is not None and prefill.seconds_per_token > 0
+
+
+class _OnCuda:
+    """A CPU model that says it runs on CUDA: its kernels, as a GPU's are, finish at the
+    device's synchronize (here a stand-in that takes ``finish_s``), not when forward returns."""
+
+    def __init__(self, model: TinyTransformer) -> None:
+        self._model = model
+        self.device = torch.device("cuda")
+
+    def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
+        return getattr(self._model, name)
+
+
+async def test_a_gpu_prefill_is_timed_to_its_end_not_to_its_launch(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """On CUDA ``forward`` returns once its kernels are queued: the time the engine reported
+    was the launch (near flat in the tokens), so the learned rate overstated the GPU by far and
+    every prefetch wait was cut; the work itself was then waited for by ``.item()`` on the
+    server's loop. The worker now waits for the device before it stops the clock."""
+    finish_s, synced = 0.05, []
+
+    def synchronize(device=None):  # type: ignore[no-untyped-def]
+        synced.append(device)
+        import time
+
+        time.sleep(finish_s)
+
+    monkeypatch.setattr(torch.cuda, "synchronize", synchronize)
+    cfg = tier_config(tmp_path, device_tokens=512)
+    model = TinyTransformer(spec_for(cfg))
+    async with HiCache.from_config(cfg) as cache:
+        reported: list[tuple[int, float]] = []
+        cache.note_prefill = lambda tokens, seconds: reported.append((tokens, seconds))  # type: ignore[method-assign]
+        engine = Engine(cache, _OnCuda(model))  # type: ignore[arg-type]
+        res = await engine.generate("r", prompt_of(100, seed=7), 1)
+        await engine.aclose()
+    assert res.tokens == reference_generate(model, prompt_of(100, seed=7), 1)
+    assert synced and reported and reported[0][0] == 100 and reported[0][1] >= finish_s
