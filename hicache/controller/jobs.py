@@ -113,6 +113,9 @@ class PrefetchOp:
     #: the read in flight has ended on the I/O loop, its answer not yet taken on this loop (a
     #: blocked loop): the ``timeout`` policy waits for it rather than cut pages already here
     read_landed: bool = False
+    #: when it landed there (``time.monotonic()``): the read's time is the store's up to here,
+    #: not the blocked loop's after (the pace of :mod:`hicache.controller.recompute`)
+    landed_at: float = 0.0
     released: bool = False
     #: (ours, for miss attribution) whether ``exists`` answered, and why the fetch stopped
     #: short of ``found_pages``: ``"cut"`` (the stop policy took it early), ``"exists_failed"``,
@@ -129,6 +132,7 @@ class PrefetchOp:
 
     def note_read_landed(self) -> None:
         """(On the I/O loop.) The read in flight has returned there (see ``read_landed``)."""
+        self.landed_at = time.monotonic()  # first: a reader seeing read_landed finds it set
         self.read_landed = True
 
 

@@ -193,6 +193,9 @@ class Prefetcher:
                         result = await self._storage_call(self.storage.batch_get_v2(transfers), "read",
                                                           landed=op.note_read_landed)
                     self._reading.discard(op)
+                    # the store's time ends where the read landed on the I/O loop: a blocked
+                    # loop (a forward pass) that took its answer late is not a slow store
+                    took = (op.landed_at if op.read_landed else time.monotonic()) - op.inflight_since
                     op.inflight_start = op.inflight_end = 0
                     op.calling = op.read_landed = False
                     got = leading_run(all_pools_ok(result, n))
@@ -201,7 +204,7 @@ class Prefetcher:
                         self.metrics.incr("prefetch_pages_done", got)
                         self.metrics.transfer("s2h", got, got * self.page_nbytes, time.perf_counter() - t0)
                         if got == n:
-                            self.pace.observe(n, time.monotonic() - op.inflight_since)
+                            self.pace.observe(n, took)
                         op.progress.set()
                     if got < n:
                         if result is None:
@@ -338,7 +341,7 @@ class Prefetcher:
         for op in self._reading:
             pages = op.inflight_end - op.inflight_start
             if pages > 0:
-                so_far = (now - op.inflight_since) / pages
+                so_far = ((op.landed_at if op.read_landed else now) - op.inflight_since) / pages
                 if spp is None or so_far > spp:
                     spp = so_far
         return spp

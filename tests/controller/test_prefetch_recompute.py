@@ -417,3 +417,26 @@ async def test_a_slow_lookup_does_not_hide_reads_known_to_be_fast() -> None:
     assert out.storage_hit == 64 and out.verify_failures == 0
     assert stack.controller.metrics.counters["prefetch_cut_recompute"] == 0
     await stack.aclose()
+
+
+async def test_a_blocked_loop_is_not_taken_for_a_slow_store() -> None:
+    """A read's time was measured on the server's loop: one that ended in a millisecond while
+    the loop was blocked for 0.45 s (a synchronous forward pass) taught the pace 0.22 s a page,
+    5x the recompute (40 ms), and the same request was cut after its first batch, with the
+    pace slow to forget it. A read is timed to its end on the I/O loop, as the controller's
+    latency samples are."""
+    data = toks(0, 64)
+    store_id = await _seeded(data)
+    store = _BlockingRead(store_id=store_id)
+    cfg = StackConfig(page_size=PS, device_pages=32, host_pages=64, storage_backend=None,
+                      controller=ControllerConfig(prefetch_threshold=PS, prefetch_batch_pages=2, prefetch_policy="timeout",
+                                                  prefetch_timeout_base_s=60.0, prefetch_timeout_per_ki_token_s=0.0,
+                                                  prefetch_recompute_tokens_per_s=100.0, storage_stall_s=0.0))
+    stack = build_stack(cfg, storage=store)
+    store.loop, store.block = asyncio.get_running_loop(), 0.45
+    out = await serve_request(stack, data, rid="blocked")
+    assert out.storage_hit == 64 and out.verify_failures == 0
+    assert stack.controller.metrics.counters["prefetch_cut_recompute"] == 0
+    pace = stack.controller._prefetcher.pace.seconds_per_page
+    assert pace is not None and pace < 0.04
+    await stack.aclose()
