@@ -188,7 +188,7 @@ class Prefetcher:
                     op.inflight_start, op.inflight_end = a, a + n
                     op.calling, op.inflight_since = True, time.monotonic()
                     self._reading.add(op)
-                    t0 = time.perf_counter()
+                    batch_t0 = time.perf_counter()  # t0 stays the whole prefetch's start
                     with counting_call() as call:
                         result = await self._storage_call(self.storage.batch_get_v2(transfers), "read",
                                                           landed=op.note_read_landed)
@@ -202,7 +202,7 @@ class Prefetcher:
                     if got:
                         op.completed_pages += got
                         self.metrics.incr("prefetch_pages_done", got)
-                        self.metrics.transfer("s2h", got, got * self.page_nbytes, time.perf_counter() - t0)
+                        self.metrics.transfer("s2h", got, got * self.page_nbytes, time.perf_counter() - batch_t0)
                         if got == n:
                             self.pace.observe(n, took)
                         op.progress.set()
