@@ -73,7 +73,7 @@ from hicache.prefix_cache.types import (
 from hicache.session.config import SessionConfig
 from hicache.session.forward import ForwardingCache
 from hicache.session.handover import free_row, hand_over
-from hicache.session.metrics import SessionMetrics
+from hicache.session.metrics import SessionMetrics, gauges, resume_tier
 from hicache.session.reaper import Reaper
 from hicache.session.slot import SessionSlot, VirtualNode, ceil_align
 from hicache.session.writeback import WriteBackQueue
@@ -290,7 +290,7 @@ class SessionAwareCache(ForwardingCache):
             req.cache_protected_len = slot.cache_protected_len
             if not slot.admitted:
                 slot.admitted = True
-                self._count_admit(sid, req, slot.turn_prefix_len, "slot")
+                self.session_metrics.admitted(slot.session_id, slot.turn_prefix_len, "slot")
                 self._attribute_restored(req, slot.turn_prefix_len)
             return TurnAdmit(slot.turn_prefix_len, 0, 0, slot.turn_prefix_len, restored=True,
                              attribution=req.attribution)
@@ -312,11 +312,10 @@ class SessionAwareCache(ForwardingCache):
             slot.admitted = True
             slot.turn_prefix_len = res.prefix_len
             stats = self.session_metrics.session(sid)
-            if stats.turns:  # the session had history: where did it come back from?
-                tier = ("storage" if res.storage_hit else "host" if res.host_hit
-                        else "device" if res.device_hit else "recompute")
-                self.session_metrics.resume(sid, tier, res.prefix_len)
-            self._count_admit(sid, req, res.prefix_len, None)
+            # the session had history: where did it come back from?
+            tier = (resume_tier(device_hit=res.device_hit, host_hit=res.host_hit, storage_hit=res.storage_hit)
+                    if stats.turns else None)
+            self.session_metrics.admitted(sid, res.prefix_len, tier)
         return res
 
     def count_admitted(self, req: Req) -> None:
@@ -332,15 +331,6 @@ class SessionAwareCache(ForwardingCache):
             tokens = req.fill_ids or req.origin_input_ids
             req.attribution = explain.attributor.restored(req.rid, len(tokens), prefix_len,
                                                           record=not req.explain_misses)
-
-    def _count_admit(self, sid: str | None, req: Req, prefix_len: int, tier: str | None) -> None:
-        if sid is None:
-            return
-        if tier is not None:
-            self.session_metrics.resume(sid, tier, prefix_len)
-        stats = self.session_metrics.session(sid)
-        stats.restored_tokens += prefix_len
-        self.session_metrics.incr("restored_tokens", prefix_len)
 
     # ------------------------------------------------------------------ allocation
 
@@ -438,12 +428,7 @@ class SessionAwareCache(ForwardingCache):
         if forget is not None:
             forget(req)
         req.prefix_indices = torch.empty((0,), dtype=torch.int64)
-        stats = self.session_metrics.session(sid)  # type: ignore[arg-type]
-        stats.turns += 1
-        computed = max(0, slot.kv_committed_len - slot.turn_prefix_len)
-        stats.computed_tokens += computed
-        self.session_metrics.incr("turns")
-        self.session_metrics.incr("computed_tokens", computed)
+        self.session_metrics.turn_saved(slot.session_id, max(0, slot.kv_committed_len - slot.turn_prefix_len))
         logger.debug("session %s: turn %s saved (%d committed, %d before)", sid, req.rid,
                      slot.kv_committed_len, before)
         self._detach(slot)
@@ -486,16 +471,12 @@ class SessionAwareCache(ForwardingCache):
             req.req_pool_idx = None
             req.prefix_indices = torch.empty((0,), dtype=torch.int64)
             req.last_node = None
-            stats = self.session_metrics.session(sid)  # type: ignore[arg-type]
-            stats.aborts += 1
-            self.session_metrics.incr("aborts")
+            self.session_metrics.aborted(slot.session_id)
             self._detach(slot)
             return
         if slot is not None:
             self._detach(slot, fire=False)
-            stats = self.session_metrics.session(sid)  # type: ignore[arg-type]
-            stats.aborts += 1
-            self.session_metrics.incr("aborts")
+            self.session_metrics.aborted(slot.session_id)
         self._inner_abort(req)
         if slot is not None:
             self._after_detach(slot)
@@ -549,12 +530,7 @@ class SessionAwareCache(ForwardingCache):
         before = alloc.available_size()
         handed = hand_over(self.inner, slot, tree=self._is_tree(), writeback=self.writeback)
         freed = alloc.available_size() - before
-        stats = self.session_metrics.session(slot.session_id)
-        if reason in ("idle", "pressure", "mismatch"):
-            stats.offloads += 1
-            self.session_metrics.incr(f"offloads_{reason}")
-        self.session_metrics.incr("offloaded_tokens", handed)
-        self.session_metrics.incr("freed_tokens", freed)
+        self.session_metrics.gave_up(slot.session_id, reason, handed=handed, freed=freed)
         logger.debug("session %s: KV given up (%s): %d token(s) to the tree, %d freed",
                      slot.session_id, reason, handed, freed)
         return freed
@@ -815,35 +791,14 @@ class SessionAwareCache(ForwardingCache):
         return sum(1 for s in self.slots.values() if s.is_holding_kv)
 
     def gauges(self) -> dict[str, int]:
-        """The current gauges alone, safe to read from another thread (a metrics scrape runs
-        off the loop): the slots are copied in one step (``list`` of a dict's values runs
-        without letting go of the GIL) before they are summed, where iterating the live dict
-        could meet a session opened or closed meanwhile and raise."""
-        slots = list(self.slots.values())
-        return {
-            "sessions_open": len(slots),
-            "sessions_holding_kv": sum(1 for s in slots if s.is_holding_kv),
-            "session_held_tokens": sum(s.held_tokens(self.page_size) for s in slots),
-            "writeback_pending": len(self.writeback),
-            "writeback_pending_tokens": self.writeback.pending_tokens,
-        }
+        """The current gauges alone, safe to read from another thread (see
+        :func:`~hicache.session.metrics.gauges`)."""
+        return gauges(self.slots.values(), self.page_size, self.writeback)
 
     def metrics(self) -> dict[str, Any]:
         """Aggregate counters plus current gauges and every open session's stats (on the
         loop; :meth:`gauges` is the part another thread may read)."""
-        out = self.session_metrics.snapshot()
-        out["sessions_open"] = len(self.slots)
-        out["sessions_holding_kv"] = self.session_held_req_count()
-        out["session_held_tokens"] = self.session_held_tokens()
-        out["writeback_pending"] = len(self.writeback)
-        out["writeback_pending_tokens"] = self.writeback.pending_tokens
-        sessions = {}
-        for sid, stats in self.session_metrics.sessions.items():
-            slot = self.slots.get(sid)
-            stats.held_tokens = slot.held_tokens(self.page_size) if slot is not None else 0
-            sessions[sid] = stats.as_dict()
-        out["sessions"] = sessions
-        return out
+        return self.session_metrics.report(self.slots, self.page_size, self.writeback)
 
     # ------------------------------------------------------------------ pass-through
 

@@ -15,9 +15,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections import OrderedDict
-from typing import Any
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["RESUME_TIERS", "SessionMetrics", "SessionStats"]
+if TYPE_CHECKING:
+    from hicache.session.slot import SessionSlot
+    from hicache.session.writeback import WriteBackQueue
+
+__all__ = ["RESUME_TIERS", "SessionMetrics", "SessionStats", "gauges", "resume_tier"]
 
 RESUME_TIERS = ("slot", "device", "host", "storage", "recompute")
 
@@ -46,6 +51,30 @@ _COUNTERS = (
     "reaper_errors",
     "release_errors",
 )
+
+#: reasons a session gives its KV up that count as an offload (a release does not)
+_OFFLOAD_REASONS = ("idle", "pressure", "mismatch")
+
+
+def resume_tier(*, device_hit: int, host_hit: int, storage_hit: int) -> str:
+    """Where a resumed turn's history came back from, when not from its slot: the deepest tier
+    that contributed, or ``recompute``."""
+    return "storage" if storage_hit else "host" if host_hit else "device" if device_hit else "recompute"
+
+
+def gauges(slots: Iterable[SessionSlot], page_size: int, writeback: WriteBackQueue) -> dict[str, int]:
+    """The current gauges of ``slots`` and ``writeback``, safe to read from another thread (a
+    metrics scrape runs off the loop): the slots are copied in one step (``list`` of a dict's
+    values runs without letting go of the GIL) before they are summed, where iterating the live
+    dict could meet a session opened or closed meanwhile and raise."""
+    held = list(slots)
+    return {
+        "sessions_open": len(held),
+        "sessions_holding_kv": sum(1 for s in held if s.is_holding_kv),
+        "session_held_tokens": sum(s.held_tokens(page_size) for s in held),
+        "writeback_pending": len(writeback),
+        "writeback_pending_tokens": writeback.pending_tokens,
+    }
 
 
 @dataclasses.dataclass
@@ -107,6 +136,51 @@ class SessionMetrics:
         stats.resume_tokens[tier] += tokens
         self.resumes[tier] += 1
         self.resume_tokens[tier] += tokens
+
+    def admitted(self, session_id: str, prefix_len: int, tier: str | None) -> None:
+        """A turn of ``session_id`` was admitted reusing ``prefix_len`` tokens; ``tier``: where
+        a resumed history came from (``None``: not a resume)."""
+        if tier is not None:
+            self.resume(session_id, tier, prefix_len)
+        stats = self.session(session_id)
+        stats.restored_tokens += prefix_len
+        self.incr("restored_tokens", prefix_len)
+
+    def turn_saved(self, session_id: str, computed: int) -> None:
+        """A turn finished into its slot, having computed ``computed`` tokens."""
+        stats = self.session(session_id)
+        stats.turns += 1
+        stats.computed_tokens += computed
+        self.incr("turns")
+        self.incr("computed_tokens", computed)
+
+    def aborted(self, session_id: str) -> None:
+        stats = self.session(session_id)
+        stats.aborts += 1
+        self.incr("aborts")
+
+    def gave_up(self, session_id: str, reason: str, *, handed: int, freed: int) -> None:
+        """A session gave its KV up (``reason``): ``handed`` tokens to the tree, ``freed`` at once."""
+        stats = self.session(session_id)
+        if reason in _OFFLOAD_REASONS:
+            stats.offloads += 1
+            self.incr(f"offloads_{reason}")
+        self.incr("offloaded_tokens", handed)
+        self.incr("freed_tokens", freed)
+
+    def report(self, slots: Mapping[str, SessionSlot], page_size: int,
+               writeback: WriteBackQueue) -> dict[str, Any]:
+        """:meth:`snapshot` plus the current :func:`gauges` and every open session's stats
+        (on the loop: the stats' ``held_tokens`` are filled in from ``slots``)."""
+        out = self.snapshot()
+        out.update(gauges(slots.values(), page_size, writeback))
+        sessions = {}
+        for sid, stats in self.sessions.items():
+            slot = slots.get(sid)
+            stats.held_tokens = slot.held_tokens(page_size) if slot is not None else 0
+            sessions[sid] = stats.as_dict()
+        out["sessions"] = sessions
+        return out
 
     def snapshot(self) -> dict[str, Any]:
         """Aggregate counters (``resumes_<tier>``, ``resume_tokens_<tier>`` flattened in)."""
