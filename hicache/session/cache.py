@@ -72,8 +72,9 @@ from hicache.prefix_cache.types import (
 )
 from hicache.session.config import SessionConfig
 from hicache.session.forward import ForwardingCache
-from hicache.session.handover import free_row, hand_over
+from hicache.session.handover import free_row
 from hicache.session.metrics import SessionMetrics, gauges, resume_tier
+from hicache.session.offload import Offloader
 from hicache.session.reaper import Reaper
 from hicache.session.slot import SessionSlot, VirtualNode, ceil_align
 from hicache.session.writeback import WriteBackQueue
@@ -123,6 +124,7 @@ class SessionAwareCache(ForwardingCache):
         self.session_metrics = SessionMetrics(self.config.keep_closed_stats)
         self.writeback = WriteBackQueue(inner, max_attempts=self.config.writeback_max_attempts,
                                         count=self.session_metrics.incr)
+        self._offloader = Offloader(inner, self.slots, self.session_metrics, self.writeback)
         self._reaper: Reaper | None = None
         self._state = _State.OPEN
 
@@ -139,15 +141,6 @@ class SessionAwareCache(ForwardingCache):
 
     def _free_row(self, idx: int) -> None:
         free_row(self.req_to_token_pool, idx)
-
-    def _is_tree(self) -> bool:
-        inner = self.inner
-        return (
-            not inner.disable
-            and inner.is_tree_cache()
-            and callable(getattr(inner, "insert", None))
-            and getattr(inner, "root_node", None) is not None
-        )
 
     def _check_open(self) -> None:
         if self._state is _State.CLOSED:
@@ -183,7 +176,7 @@ class SessionAwareCache(ForwardingCache):
             slot.attached_req = req
             slot.last_used = self._now()
             if slot.is_holding_kv and not self._history_matches(slot, req):
-                self._give_up_kv(slot, reason="mismatch")
+                self._offloader.give_up(slot, reason="mismatch")
             return slot
         if slot.attached_rid == req.rid:
             return slot
@@ -505,7 +498,7 @@ class SessionAwareCache(ForwardingCache):
 
     def _after_detach(self, slot: SessionSlot) -> None:
         if slot.closing and slot.attached_rid is None:
-            self._close_slot(slot, expired=False)
+            self._offloader.close(slot, expired=False)
 
     # ------------------------------------------------------------------ locks
 
@@ -521,48 +514,17 @@ class SessionAwareCache(ForwardingCache):
 
     # ------------------------------------------------------------------ giving KV up
 
-    def _give_up_kv(self, slot: SessionSlot, *, reason: str) -> int:
-        """Hand the slot's KV to the tree (see :func:`hand_over`); returns device tokens freed
-        at once (pages handed to the tree are freed later, by the tree's eviction)."""
-        if not slot.is_holding_kv:
-            return 0
-        alloc = self.token_to_kv_pool_allocator
-        before = alloc.available_size()
-        handed = hand_over(self.inner, slot, tree=self._is_tree(), writeback=self.writeback)
-        freed = alloc.available_size() - before
-        self.session_metrics.gave_up(slot.session_id, reason, handed=handed, freed=freed)
-        logger.debug("session %s: KV given up (%s): %d token(s) to the tree, %d freed",
-                     slot.session_id, reason, handed, freed)
-        return freed
-
     def offload_session(self, session_id: str, *, reason: str = "idle") -> bool:
         """Give an idle session's KV to the tree now (write-back started); the session stays
         open and its next turn resumes from whichever tier holds the KV then. ``False`` when
         the session holds no KV or a turn is running on it."""
-        slot = self.slots.get(session_id)
-        if slot is None or not slot.is_idle:
-            return False
-        self._give_up_kv(slot, reason=reason)
-        return True
+        return self._offloader.offload(session_id, reason=reason)
 
     def release_session(self, session_id: str) -> bool:
         """The conversation is over: its KV goes to the tree (write-back started), its pages
         beyond the tree-protected part and its row are returned. With a turn running, the
         release happens when the turn finishes or aborts. Returns whether the session existed."""
-        slot = self.slots.get(session_id)
-        if slot is None:
-            return False
-        if slot.attached_rid is not None:
-            slot.closing = True
-            return True
-        self._close_slot(slot, expired=False)
-        return True
-
-    def _close_slot(self, slot: SessionSlot, *, expired: bool) -> None:
-        self._give_up_kv(slot, reason="release")
-        self.slots.pop(slot.session_id, None)
-        self.session_metrics.incr("sessions_expired" if expired else "sessions_released")
-        self.session_metrics.close(slot.session_id)
+        return self._offloader.release(session_id)
 
     # ------------------------------------------------------------------ pressure
 
@@ -613,7 +575,7 @@ class SessionAwareCache(ForwardingCache):
             preempted = slot.attached_rid is not None
             if preempted:
                 self._preempt(slot)
-            self._give_up_kv(slot, reason="pressure")
+            self._offloader.give_up(slot, reason="pressure")
             if preempted:
                 self._after_detach(slot)  # a session released while its turn was queued closes now
             done += 1
@@ -697,10 +659,10 @@ class SessionAwareCache(ForwardingCache):
                 continue
             idle = now - slot.last_used
             if cfg.session_timeout_s is not None and idle > cfg.session_timeout_s:
-                self._close_slot(slot, expired=True)
+                self._offloader.close(slot, expired=True)
                 acted += 1
             elif cfg.idle_offload_s is not None and slot.is_holding_kv and idle > cfg.idle_offload_s:
-                self._give_up_kv(slot, reason="idle")
+                self._offloader.give_up(slot, reason="idle")
                 acted += 1
         self.writeback.pump()
         return acted
