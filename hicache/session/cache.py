@@ -77,6 +77,7 @@ from hicache.session.metrics import SessionMetrics, gauges, resume_tier
 from hicache.session.offload import Offloader
 from hicache.session.reaper import Reaper
 from hicache.session.slot import SessionSlot, VirtualNode, ceil_align
+from hicache.session.turns import Turns, session_id_of
 from hicache.session.writeback import WriteBackQueue
 
 __all__ = ["SessionAwareCache", "TurnAdmit"]
@@ -97,13 +98,6 @@ class TurnAdmit(AdmitResult):
     restored: bool = False
 
 
-def _session_id(req: Req | None) -> str | None:
-    """The streaming session of ``req``, or ``None`` for everything that passes through."""
-    if req is None or req.session is None or not req.session.streaming:
-        return None
-    return req.session.session_id
-
-
 class SessionAwareCache(ForwardingCache):
     """Decorator around a prefix cache that keeps streaming sessions' KV between turns.
 
@@ -120,11 +114,11 @@ class SessionAwareCache(ForwardingCache):
         self.config = config or SessionConfig()
         self._clock = clock
         self.slots: dict[str, SessionSlot] = {}
-        self._bypass: set[str] = set()
         self.session_metrics = SessionMetrics(self.config.keep_closed_stats)
         self.writeback = WriteBackQueue(inner, max_attempts=self.config.writeback_max_attempts,
                                         count=self.session_metrics.incr)
         self._offloader = Offloader(inner, self.slots, self.session_metrics, self.writeback)
+        self._turns = Turns(inner, self.slots, self.session_metrics, self._offloader, clock)
         self._reaper: Reaper | None = None
         self._state = _State.OPEN
 
@@ -146,94 +140,15 @@ class SessionAwareCache(ForwardingCache):
         if self._state is _State.CLOSED:
             raise CacheClosedError("the session cache is closed")
 
-    def _slot_for(self, req: Req) -> SessionSlot | None:
-        """The slot whose turn ``req`` is (attached to it), or ``None``: ``req`` goes to the
-        inner cache."""
-        sid = _session_id(req)
-        if sid is None or req.rid in self._bypass:
-            return None
-        slot = self.slots.get(sid)
-        if slot is None or slot.attached_rid != req.rid:
-            return None
-        return slot
-
     # ------------------------------------------------------------------ match / restore
-
-    def _attach(self, req: Req, sid: str) -> SessionSlot | None:
-        """Make ``req`` the running turn of ``sid``; ``None`` when another turn runs already
-        (a protocol error of the client: this request then passes through as a plain one)."""
-        if req.rid in self._bypass:
-            return None
-        slot = self.slots.get(sid)
-        if slot is None:
-            slot = self.slots[sid] = SessionSlot(sid, last_used=self._now())
-            self.session_metrics.session(sid)
-        if slot.attached_rid is None:
-            if slot.closing:
-                self._bypass_req(req, sid)
-                return None
-            slot.attached_rid = req.rid
-            slot.attached_req = req
-            slot.last_used = self._now()
-            if slot.is_holding_kv and not self._history_matches(slot, req):
-                self._offloader.give_up(slot, reason="mismatch")
-            return slot
-        if slot.attached_rid == req.rid:
-            return slot
-        self._bypass_req(req, sid)
-        return None
-
-    def _bypass_req(self, req: Req, sid: str) -> None:
-        logger.warning("session %s: request %s arrived while another turn runs or the session "
-                       "closes; served as a plain request", sid, req.rid)
-        self.session_metrics.incr("busy_bypass")
-        self._bypass.add(req.rid)
-        return None
-
-    def _history_matches(self, slot: SessionSlot, req: Req) -> bool:
-        """Can ``req`` continue the slot in place? Its tokens must start with the slot's
-        committed history (same namespace), and the turn must not rewrite tree-owned positions."""
-        tokens = req.fill_ids or req.origin_input_ids
-        n = slot.kv_committed_len
-        if req.extra_key != slot.extra_key or len(tokens) <= slot.cache_protected_len:
-            return False
-        return tokens[:n] == slot.token_ids
-
-    def _restore(self, req: Req, slot: SessionSlot, key_len: int) -> MatchResult:
-        """Hand the slot's row to ``req``; the committed KV is the prefix (at least one token
-        is left to compute, for the logits)."""
-        assert slot.req_pool_idx is not None
-        keep = req.req_pool_idx == slot.req_pool_idx  # same request again (a retry)
-        slot.restore_to_req(req, keep_allocated=keep)
-        prefix_len = max(min(slot.kv_committed_len, key_len - 1), slot.cache_protected_len)
-        slot.turn_prefix_len = prefix_len
-        indices = self._row(slot.req_pool_idx)[:prefix_len].to(torch.int64)
-        vn = slot.virtual_node
-        return MatchResult(
-            device_indices=indices,
-            last_device_node=vn,
-            last_host_node=vn,
-            best_match_node=vn,
-            cache_protected_len=slot.cache_protected_len,
-            full_kv_hit_length=prefix_len,
-        )
 
     def match_prefix(self, params: MatchPrefixParams, **kwargs: Any) -> MatchResult:
         """Restore a streaming session's slot (no tree walk), else the inner cache's match."""
-        slot = self._restorable(params.req)
+        slot = self._turns.restorable(params.req)
         if slot is None:
             return self.inner.match_prefix(params, **kwargs)
         assert params.req is not None
-        return self._restore(params.req, slot, len(params.key))
-
-    def _restorable(self, req: Req | None) -> SessionSlot | None:
-        """Attach a streaming request to its session; the slot if it holds KV to restore."""
-        sid = _session_id(req)
-        if sid is None:
-            return None
-        assert req is not None
-        slot = self._attach(req, sid)
-        return slot if slot is not None and slot.is_holding_kv else None
+        return self._turns.restore(params.req, slot, len(params.key))
 
     def match_req(self, req: Req, max_prefix_len: int | None = None) -> MatchResult:
         """``HiRadixCache.match_req`` made session-aware: restore the slot, or let the inner
@@ -241,26 +156,20 @@ class SessionAwareCache(ForwardingCache):
         tokens = req.fill_ids or req.origin_input_ids
         if max_prefix_len is not None:
             tokens = tokens[:max_prefix_len]
-        slot = self._restorable(req)
+        slot = self._turns.restorable(req)
         if slot is None:
             inner_match_req = getattr(self.inner, "match_req", None)
             if inner_match_req is not None:
                 return inner_match_req(req, max_prefix_len)
             m = self.inner.match_prefix(MatchPrefixParams(key=RadixKey(list(tokens), req.extra_key), req=req))
         else:
-            m = self._restore(req, slot, len(tokens))
+            m = self._turns.restore(req, slot, len(tokens))
         req.record_match(m)
         return m
 
-    def _restored(self, req: Req) -> SessionSlot | None:
-        slot = self._slot_for(req)
-        if slot is not None and slot.is_holding_kv:
-            return slot
-        return None
-
     def start_prefetch(self, req: Req, max_prefix_len: int | None = None) -> bool:
         """Storage prefetch past the host hit (never for a turn restored from its slot)."""
-        if self._restored(req) is not None:
+        if self._turns.restored(req) is not None:
             return False
         fn = getattr(self.inner, "start_prefetch", None)
         return bool(fn(req, max_prefix_len)) if fn is not None else False
@@ -276,9 +185,9 @@ class SessionAwareCache(ForwardingCache):
         """
         self._check_open()
         self.writeback.pump()
-        sid = _session_id(req)
+        sid = session_id_of(req)
         m = self.match_req(req, max_prefix_len)
-        slot = self._restored(req)
+        slot = self._turns.restored(req)
         if slot is not None:
             req.cache_protected_len = slot.cache_protected_len
             if not slot.admitted:
@@ -300,7 +209,7 @@ class SessionAwareCache(ForwardingCache):
             r = await inner_admit(req, mem_quota=mem_quota, wait_load=wait_load, max_prefix_len=max_prefix_len,
                                   make_room=self.ensure_free)
             res = TurnAdmit(r.device_hit, r.host_hit, r.storage_hit, r.prefix_len, r.load_handle, r.attribution)
-        slot = self._slot_for(req) if sid is not None else None
+        slot = self._turns.slot_for(req) if sid is not None else None
         if slot is not None and sid is not None and not slot.admitted:
             slot.admitted = True
             slot.turn_prefix_len = res.prefix_len
@@ -398,19 +307,19 @@ class SessionAwareCache(ForwardingCache):
         """A streaming turn's row goes to (or back to) its slot; everything else to the inner
         cache. After this ``req.req_pool_idx`` is ``None`` for a session turn: the slot owns
         the row, and the server must not free it."""
-        sid = _session_id(req)
-        if sid is not None and req.rid in self._bypass:
-            self._bypass.discard(req.rid)
+        sid = session_id_of(req)
+        if sid is not None and req.rid in self._turns.bypass:
+            self._turns.bypass.discard(req.rid)
             return self.inner.cache_finished_req(req, is_insert=is_insert, **kwargs)
-        slot = self._slot_for(req)
+        slot = self._turns.slot_for(req)
         if slot is None and sid is not None and req.req_pool_idx is not None:
             # finished without a match through us: adopt it only as a first turn of a free session
             existing = self.slots.get(sid)
             if existing is None or (existing.attached_rid is None and not existing.is_holding_kv):
-                slot = self._attach(req, sid)
+                slot = self._turns.attach(req, sid)
         if slot is None or req.req_pool_idx is None:
             if slot is not None:
-                self._detach(slot)
+                self._turns.detach(slot)
             return self.inner.cache_finished_req(req, is_insert=is_insert, **kwargs)
         is_first = not slot.is_holding_kv
         before = slot.kv_committed_len
@@ -424,7 +333,7 @@ class SessionAwareCache(ForwardingCache):
         self.session_metrics.turn_saved(slot.session_id, max(0, slot.kv_committed_len - slot.turn_prefix_len))
         logger.debug("session %s: turn %s saved (%d committed, %d before)", sid, req.rid,
                      slot.kv_committed_len, before)
-        self._detach(slot)
+        self._turns.detach(slot)
 
     def release_req(self, req: Req, is_insert: bool = True) -> None:
         """:meth:`cache_finished_req`, then free the request's row unless a slot took it."""
@@ -437,7 +346,7 @@ class SessionAwareCache(ForwardingCache):
         """Between prefill chunks. A restored turn never touches the tree (its prefix indices
         are its own row); the first turn of a session goes to the inner cache, so its prompt is
         inserted and protected chunk by chunk like any request's."""
-        slot = self._restored(req)
+        slot = self._turns.restored(req)
         if slot is None:
             return self.inner.cache_unfinished_req(req, **kwargs)
         if kwargs.get("chunked", False):
@@ -450,29 +359,20 @@ class SessionAwareCache(ForwardingCache):
         added and returns the slot to its state before the turn (an abort before the turn ran
         frees nothing); the session stays usable. Anything else is aborted by the inner cache
         (prefetch cancelled, lock dropped, its own KV freed, row returned)."""
-        sid = _session_id(req)
-        self._bypass.discard(req.rid)
-        slot = self._slot_for(req) if sid is not None else None
+        sid = session_id_of(req)
+        self._turns.bypass.discard(req.rid)
+        slot = self._turns.slot_for(req) if sid is not None else None
         if slot is not None and slot.is_holding_kv and req.req_pool_idx == slot.req_pool_idx:
-            ps = self.page_size
-            start = ceil_align(slot.kv_allocated_len, ps)
-            end = ceil_align(int(req.kv_allocated_len), ps)
-            if end > start:
-                self._free_pages(slot.row(self.req_to_token_pool.req_to_token)[start:end].clone())
-            # positions from the restored prefix on may have been overwritten by this turn
-            slot.truncate(slot.turn_prefix_len)
-            req.req_pool_idx = None
-            req.prefix_indices = torch.empty((0,), dtype=torch.int64)
-            req.last_node = None
+            self._turns.roll_back(req, slot)
             self.session_metrics.aborted(slot.session_id)
-            self._detach(slot)
+            self._turns.detach(slot)
             return
         if slot is not None:
-            self._detach(slot, fire=False)
+            self._turns.detach(slot, fire=False)
             self.session_metrics.aborted(slot.session_id)
         self._inner_abort(req)
         if slot is not None:
-            self._after_detach(slot)
+            self._turns.after_detach(slot)
 
     def _inner_abort(self, req: Req) -> None:
         fn = getattr(self.inner, "abort_req", None)
@@ -486,19 +386,6 @@ class SessionAwareCache(ForwardingCache):
         elif req.last_node is not None and req.cache_protected_len:
             self.inner.dec_lock_ref(req.last_node)
             req.last_node = None
-
-    def _detach(self, slot: SessionSlot, *, fire: bool = True) -> None:
-        slot.attached_rid = None
-        slot.attached_req = None
-        slot.turn_prefix_len = 0
-        slot.admitted = False
-        slot.last_used = self._now()
-        if fire:
-            self._after_detach(slot)
-
-    def _after_detach(self, slot: SessionSlot) -> None:
-        if slot.closing and slot.attached_rid is None:
-            self._offloader.close(slot, expired=False)
 
     # ------------------------------------------------------------------ locks
 
@@ -560,7 +447,7 @@ class SessionAwareCache(ForwardingCache):
         req.cache_protected_len = 0
         req.last_matched_prefix_len = 0
         self.session_metrics.incr("preempted_queued_turns")
-        self._detach(slot, fire=False)
+        self._turns.detach(slot, fire=False)
 
     def _offload_lru(self, *, tokens: int = 0, rows: int = 0) -> int:
         """Offload sessions until their held tokens cover ``tokens`` and ``rows`` rows were
@@ -577,7 +464,7 @@ class SessionAwareCache(ForwardingCache):
                 self._preempt(slot)
             self._offloader.give_up(slot, reason="pressure")
             if preempted:
-                self._after_detach(slot)  # a session released while its turn was queued closes now
+                self._turns.after_detach(slot)  # a session released while its turn was queued closes now
             done += 1
         return done
 
@@ -768,7 +655,7 @@ class SessionAwareCache(ForwardingCache):
         """Forget every slot and reset the inner cache. Like the inner cache, memory is not
         freed here: the server resets its pools together with the cache."""
         self.slots.clear()
-        self._bypass.clear()
+        self._turns.bypass.clear()
         self.writeback.discard_all()
         self.inner.reset()
 

@@ -222,7 +222,7 @@ async def _random_client(stack: Stack, c: Conversation, rng: random.Random, step
                 await c.prefill(req, chunk=chunk, upto=start + (n - start) // 2)
                 cache.abort_req(req)  # mid-prefill
                 continue
-            if kind < 0.35 and cache._restored(req) is not None:
+            if kind < 0.35 and cache._turns.restored(req) is not None:
                 # it reserved pages, was rejected by the scheduler and is retried
                 await cache.alloc_extend(req, n)
                 await c.begin(req)
