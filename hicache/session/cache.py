@@ -76,6 +76,7 @@ from hicache.session.handover import free_row
 from hicache.session.metrics import SessionMetrics, gauges, resume_tier
 from hicache.session.offload import Offloader
 from hicache.session.reaper import Reaper
+from hicache.session.room import Room
 from hicache.session.slot import SessionSlot, VirtualNode, ceil_align
 from hicache.session.turns import Turns, session_id_of
 from hicache.session.writeback import WriteBackQueue
@@ -119,6 +120,8 @@ class SessionAwareCache(ForwardingCache):
                                         count=self.session_metrics.incr)
         self._offloader = Offloader(inner, self.slots, self.session_metrics, self.writeback)
         self._turns = Turns(inner, self.slots, self.session_metrics, self._offloader, clock)
+        self._room = Room(inner, self.slots, self.config, self.session_metrics, self._offloader, self._turns,
+                          self.writeback)
         self._reaper: Reaper | None = None
         self._state = _State.OPEN
 
@@ -415,122 +418,24 @@ class SessionAwareCache(ForwardingCache):
 
     # ------------------------------------------------------------------ pressure
 
-    def _queued(self, slot: SessionSlot) -> bool:
-        """Restored for a request that is only queued: matched, not admitted, nothing
-        reserved yet. Its KV can be handed to the tree as safely as an idle slot's, because
-        ``admit`` matches again (and then finds the KV in the tree)."""
-        req = slot.attached_req
-        return (
-            self.config.preempt_queued_turns
-            and slot.is_holding_kv
-            and req is not None
-            and not slot.admitted
-            and req.req_pool_idx == slot.req_pool_idx
-            and int(req.kv_allocated_len) <= slot.kv_allocated_len
-        )
-
-    def _offload_candidates(self) -> list[SessionSlot]:
-        """Idle slots, least recently used first; then slots of merely queued turns."""
-        idle = sorted((s for s in self.slots.values() if s.is_idle), key=lambda s: s.last_used)
-        queued = sorted((s for s in self.slots.values() if self._queued(s)), key=lambda s: s.last_used)
-        return idle + queued
-
-    def _preempt(self, slot: SessionSlot) -> None:
-        """Take a queued turn's restored state back from its request (it re-attaches, and
-        matches the tree, when it is admitted)."""
-        req = slot.attached_req
-        assert req is not None
-        req.req_pool_idx = None
-        req.prefix_indices = torch.empty((0,), dtype=torch.int64)
-        req.last_node = req.last_host_node = req.best_match_node = None
-        req.kv_committed_len = req.kv_allocated_len = 0
-        req.cache_protected_len = 0
-        req.last_matched_prefix_len = 0
-        self.session_metrics.incr("preempted_queued_turns")
-        self._turns.detach(slot, fire=False)
-
-    def _offload_lru(self, *, tokens: int = 0, rows: int = 0) -> int:
-        """Offload sessions until their held tokens cover ``tokens`` and ``rows`` rows were
-        returned: idle ones least recently used first, then those whose next turn is only
-        queued. Returns sessions offloaded."""
-        done = 0
-        for slot in self._offload_candidates():
-            if tokens <= 0 and rows <= 0:
-                break
-            tokens -= slot.held_tokens(self.page_size)
-            rows -= 1
-            preempted = slot.attached_rid is not None
-            if preempted:
-                self._preempt(slot)
-            self._offloader.give_up(slot, reason="pressure")
-            if preempted:
-                self._turns.after_detach(slot)  # a session released while its turn was queued closes now
-            done += 1
-        return done
-
     def evict(self, params: EvictParams | int) -> EvictResult:
-        """Free device memory: the tree's evictable pages first, then idle sessions LRU (their
-        KV goes to the tree with its write-back started; pages whose copy is still running are
-        freed by a later eviction, once the copy is done)."""
-        need = params if isinstance(params, int) else params.num_tokens
-        alloc = self.token_to_kv_pool_allocator
-        before = alloc.available_size()
-        self.inner.evict(EvictParams(num_tokens=need))
-        short = need - (alloc.available_size() - before)
-        if short > 0 and self._offload_lru(tokens=short):
-            short = need - (alloc.available_size() - before)
-            if short > 0:
-                self.inner.evict(EvictParams(num_tokens=short))
-        return EvictResult(num_tokens_evicted=max(0, alloc.available_size() - before))
+        """Free device memory: the tree's evictable pages first, then idle sessions LRU (see
+        :meth:`Room.evict <hicache.session.room.Room.evict>`)."""
+        return self._room.evict(params)
 
     async def ensure_free(self, num_tokens: int) -> bool:
-        """Make ``num_tokens`` device slots free if at all possible: evict the tree, offload
-        idle sessions LRU, and wait for write-backs that still pin pages. ``False`` only when
+        """Make ``num_tokens`` device slots free if at all possible (see
+        :meth:`Room.ensure_free <hicache.session.room.Room.ensure_free>`). ``False`` only when
         running requests hold the memory."""
-        alloc = self.token_to_kv_pool_allocator
-        evict_async = getattr(self.inner, "evict_async", None)
-        for _ in range(8):
-            short = num_tokens - alloc.available_size()
-            if short <= 0:
-                return True
-            self.inner.evict(EvictParams(num_tokens=short))
-            short = num_tokens - alloc.available_size()
-            if short <= 0:
-                return True
-            offloaded = self._offload_lru(tokens=short)
-            if offloaded:
-                self.inner.evict(EvictParams(num_tokens=max(0, num_tokens - alloc.available_size())))
-            short = num_tokens - alloc.available_size()
-            if short <= 0:
-                return True
-            if evict_async is None:
-                if not offloaded:
-                    return False
-                continue
-            before = alloc.available_size()
-            await evict_async(short)
-            self.writeback.pump()
-            # other turns ran meanwhile: some sessions may have become idle since
-            if alloc.available_size() == before and not offloaded and not self._offload_candidates():
-                return alloc.available_size() >= num_tokens
-        return alloc.available_size() >= num_tokens
+        return await self._room.ensure_free(num_tokens)
 
     async def evict_async(self, params: EvictParams | int) -> EvictResult:
-        """:meth:`evict`, waiting for the write-backs that pin pages (the inner cache's
-        ``evict_async`` would not offload sessions)."""
-        need = params if isinstance(params, int) else params.num_tokens
-        alloc = self.token_to_kv_pool_allocator
-        before = alloc.available_size()
-        await self.ensure_free(before + need)
-        return EvictResult(num_tokens_evicted=max(0, alloc.available_size() - before))
+        """:meth:`evict`, waiting for the write-backs that pin pages."""
+        return await self._room.evict_async(params)
 
     def ensure_req_slots(self, n: int = 1) -> bool:
         """Make ``n`` ``req_to_token`` rows free, offloading idle sessions LRU if needed."""
-        pool = self.req_to_token_pool
-        short = n - pool.available_size()
-        if short > 0:
-            self._offload_lru(rows=short)
-        return pool.available_size() >= n
+        return self._room.ensure_req_slots(n)
 
     # ------------------------------------------------------------------ reaping
 
