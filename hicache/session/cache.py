@@ -47,7 +47,6 @@ What cannot be reclaimed is the memory of *running* turns: when they hold everyt
 from __future__ import annotations
 
 import dataclasses
-import enum
 import logging
 import time
 from collections.abc import Callable
@@ -55,7 +54,7 @@ from typing import Any
 
 import torch
 
-from hicache.errors import CacheClosedError, RequestAbortedError
+from hicache.errors import RequestAbortedError
 from hicache.prefix_cache.base import BasePrefixCache
 from hicache.prefix_cache.facade import AdmitResult
 from hicache.prefix_cache.radix import free_token_pages
@@ -73,9 +72,9 @@ from hicache.prefix_cache.types import (
 from hicache.session.config import SessionConfig
 from hicache.session.forward import ForwardingCache
 from hicache.session.handover import free_row
+from hicache.session.lifecycle import Lifecycle
 from hicache.session.metrics import SessionMetrics, gauges, resume_tier
 from hicache.session.offload import Offloader
-from hicache.session.reaper import Reaper
 from hicache.session.room import Room
 from hicache.session.slot import SessionSlot, VirtualNode, ceil_align
 from hicache.session.turns import Turns, session_id_of
@@ -84,11 +83,6 @@ from hicache.session.writeback import WriteBackQueue
 __all__ = ["SessionAwareCache", "TurnAdmit"]
 
 logger = logging.getLogger("hicache.session")
-
-
-class _State(enum.Enum):
-    OPEN = "open"
-    CLOSED = "closed"
 
 
 @dataclasses.dataclass
@@ -113,7 +107,6 @@ class SessionAwareCache(ForwardingCache):
                  clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__(inner)
         self.config = config or SessionConfig()
-        self._clock = clock
         self.slots: dict[str, SessionSlot] = {}
         self.session_metrics = SessionMetrics(self.config.keep_closed_stats)
         self.writeback = WriteBackQueue(inner, max_attempts=self.config.writeback_max_attempts,
@@ -122,13 +115,10 @@ class SessionAwareCache(ForwardingCache):
         self._turns = Turns(inner, self.slots, self.session_metrics, self._offloader, clock)
         self._room = Room(inner, self.slots, self.config, self.session_metrics, self._offloader, self._turns,
                           self.writeback)
-        self._reaper: Reaper | None = None
-        self._state = _State.OPEN
+        self._lifecycle = Lifecycle(self.slots, self.config, self._offloader, self.writeback, self.session_metrics,
+                                    clock)
 
     # ------------------------------------------------------------------ helpers
-
-    def _now(self) -> float:
-        return self._clock()
 
     def _row(self, idx: int) -> torch.Tensor:
         return self.req_to_token_pool.req_to_token[idx]
@@ -138,10 +128,6 @@ class SessionAwareCache(ForwardingCache):
 
     def _free_row(self, idx: int) -> None:
         free_row(self.req_to_token_pool, idx)
-
-    def _check_open(self) -> None:
-        if self._state is _State.CLOSED:
-            raise CacheClosedError("the session cache is closed")
 
     # ------------------------------------------------------------------ match / restore
 
@@ -186,7 +172,7 @@ class SessionAwareCache(ForwardingCache):
         On return ``req.prefix_indices`` are the device slots of the reusable prefix and
         ``req.cache_protected_len`` is set (as ``HiRadixCache.admit`` leaves them).
         """
-        self._check_open()
+        self._lifecycle.check_open()
         self.writeback.pump()
         sid = session_id_of(req)
         m = self.match_req(req, max_prefix_len)
@@ -248,7 +234,7 @@ class SessionAwareCache(ForwardingCache):
         than the request failing. ``None`` when the memory cannot be found even so (nothing
         of this call stays allocated; the request keeps what it had).
         """
-        self._check_open()
+        self._lifecycle.check_open()
         pool = self.req_to_token_pool
         if seq_len > pool.max_context_len:
             raise ValueError(f"seq_len {seq_len} exceeds max_context_len {pool.max_context_len}")
@@ -282,7 +268,7 @@ class SessionAwareCache(ForwardingCache):
                 new = alloc.alloc(want - have)
                 if new is not None:
                     break
-            if self._state is _State.CLOSED or req.req_pool_idx != idx:
+            if self._lifecycle.closed or req.req_pool_idx != idx:
                 # Closed, or aborted, while room was made (aclose aborts every running session
                 # turn: its row and pages are freed and req.req_pool_idx is None): the row is no
                 # longer the request's to write or free, and nothing this call took may stay.
@@ -292,7 +278,7 @@ class SessionAwareCache(ForwardingCache):
                     self._free_row(idx)
                     req.req_pool_idx = None
                     req.kv_allocated_len = req.kv_committed_len = 0
-                self._check_open()
+                self._lifecycle.check_open()
                 raise RequestAbortedError(f"request {req.rid} was aborted while it waited for device room")
             if new is None:
                 if new_row:  # leave the request as it came
@@ -443,33 +429,11 @@ class SessionAwareCache(ForwardingCache):
         """Offload sessions idle longer than ``idle_offload_s`` and release those idle longer
         than ``session_timeout_s``; restart refused write-backs. Returns sessions acted on.
         Call it from the server's loop, or let :meth:`start` run it periodically."""
-        now = self._now() if now is None else now
-        cfg = self.config
-        acted = 0
-        for slot in list(self.slots.values()):
-            if slot.attached_rid is not None:
-                continue
-            idle = now - slot.last_used
-            if cfg.session_timeout_s is not None and idle > cfg.session_timeout_s:
-                self._offloader.close(slot, expired=True)
-                acted += 1
-            elif cfg.idle_offload_s is not None and slot.is_holding_kv and idle > cfg.idle_offload_s:
-                self._offloader.give_up(slot, reason="idle")
-                acted += 1
-        self.writeback.pump()
-        return acted
-
-    def _reaper_error(self) -> None:
-        self.session_metrics.incr("reaper_errors")
+        return self._lifecycle.reap_idle(now)
 
     def start(self) -> None:
         """Start the owned reaper task (when ``reap_interval_s`` is set) on the running loop."""
-        self._check_open()
-        if self.config.reap_interval_s is None:
-            return
-        if self._reaper is None:
-            self._reaper = Reaper(self.reap_idle, self.config.reap_interval_s, on_error=self._reaper_error)
-        self._reaper.start()
+        self._lifecycle.start()
 
     async def drain_writeback(self) -> None:
         """Wait until every queued write-back finished (copies done, or given up)."""
@@ -486,11 +450,8 @@ class SessionAwareCache(ForwardingCache):
     async def aclose(self, *, close_inner: bool = True) -> Any:
         """Stop the reaper, release every session (when ``release_on_close``), wait for the
         write-backs, then close the inner cache (its controller drains to storage). Idempotent."""
-        if self._state is _State.CLOSED:
+        if not await self._lifecycle.close():
             return None
-        self._state = _State.CLOSED
-        if self._reaper is not None:
-            await self._reaper.aclose()
         # A turn still running cannot finish on a closed cache, and a release waiting for it
         # would hand its session's KV over after the write-backs were drained (lost without a
         # word): abort it now, back to the history committed before it, which is then kept.

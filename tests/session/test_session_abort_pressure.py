@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 import uuid
 
 import pytest
@@ -201,7 +202,7 @@ async def _random_client(stack: Stack, c: Conversation, rng: random.Random, step
                 c.history = []  # a new conversation under the old id
             continue
         if action < 0.09:
-            cache.reap_idle(cache._now() + 1e9) if rng.random() < 0.3 else cache.writeback.pump()
+            cache.reap_idle(time.monotonic() + 1e9) if rng.random() < 0.3 else cache.writeback.pump()
             continue
         if action < 0.12 and len(c.history) > 8:
             cut = rng.randrange(1, len(c.history))

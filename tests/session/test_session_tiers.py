@@ -202,14 +202,14 @@ async def test_reaper_task_survives_errors_and_stops_on_close() -> None:
                 raise RuntimeError("boom")
             return real(now)
 
-        cache._reaper._tick = flaky
+        cache._lifecycle.reaper._tick = flaky
         for _ in range(200):
             await asyncio.sleep(0.01)
             if not cache.slots["bg"].is_holding_kv:
                 break
         assert not cache.slots["bg"].is_holding_kv  # offloaded by the task after its error
         assert cache.metrics()["reaper_errors"] == 1
-        reaper = cache._reaper
+        reaper = cache._lifecycle.reaper
         assert reaper.running
     assert not reaper.running
     await stack.engine.aclose()
