@@ -54,10 +54,8 @@ from typing import Any
 
 import torch
 
-from hicache.errors import RequestAbortedError
 from hicache.prefix_cache.base import BasePrefixCache
 from hicache.prefix_cache.facade import AdmitResult
-from hicache.prefix_cache.radix import free_token_pages
 from hicache.prefix_cache.req import Req
 from hicache.prefix_cache.types import (
     DecLockRefParams,
@@ -70,6 +68,7 @@ from hicache.prefix_cache.types import (
     RadixKey,
 )
 from hicache.session.config import SessionConfig
+from hicache.session.extend import RowExtender
 from hicache.session.forward import ForwardingCache
 from hicache.session.handover import free_row
 from hicache.session.lifecycle import Lifecycle
@@ -117,14 +116,12 @@ class SessionAwareCache(ForwardingCache):
                           self.writeback)
         self._lifecycle = Lifecycle(self.slots, self.config, self._offloader, self.writeback, self.session_metrics,
                                     clock)
+        self._extender = RowExtender(self, self._lifecycle)
 
     # ------------------------------------------------------------------ helpers
 
     def _row(self, idx: int) -> torch.Tensor:
         return self.req_to_token_pool.req_to_token[idx]
-
-    def _free_pages(self, indices: torch.Tensor) -> None:
-        free_token_pages(self.token_to_kv_pool_allocator, indices, self.page_size)
 
     def _free_row(self, idx: int) -> None:
         free_row(self.req_to_token_pool, idx)
@@ -226,69 +223,11 @@ class SessionAwareCache(ForwardingCache):
     # ------------------------------------------------------------------ allocation
 
     async def alloc_extend(self, req: Req, seq_len: int) -> torch.Tensor | None:
-        """Make ``req``'s row cover token positions ``[0, seq_len)`` and return those slots.
-
-        A request without a row gets one (its prefix slots copied in); pages past the ones the
-        row already has are allocated, reusing the partly filled last page. Room is made first
-        (:meth:`ensure_free`, :meth:`ensure_req_slots`), so idle sessions are offloaded rather
-        than the request failing. ``None`` when the memory cannot be found even so (nothing
-        of this call stays allocated; the request keeps what it had).
-        """
-        self._lifecycle.check_open()
-        pool = self.req_to_token_pool
-        if seq_len > pool.max_context_len:
-            raise ValueError(f"seq_len {seq_len} exceeds max_context_len {pool.max_context_len}")
-        ps = self.page_size
-        new_row = req.req_pool_idx is None
-        if new_row:
-            if not self.ensure_req_slots(1):
-                return None
-            got = pool.alloc(1)
-            if not got:
-                return None
-            req.req_pool_idx = got[0]
-            n = int(req.prefix_indices.numel())
-            row = self._row(req.req_pool_idx)
-            if n:
-                row[:n] = req.prefix_indices.to(row.device)
-            req.kv_allocated_len = n
-            req.kv_committed_len = n
-        idx = req.req_pool_idx
-        if idx is None:  # given one above when it had none
-            raise RuntimeError(f"request {req.rid} has no req_to_token row")
-        row = self._row(idx)
-        have = ceil_align(int(req.kv_allocated_len), ps)
-        want = ceil_align(seq_len, ps)
-        if want > have:
-            alloc = self.token_to_kv_pool_allocator
-            new = None
-            for _ in range(8):  # another coroutine may take the room made while we waited
-                if not await self.ensure_free(want - have):
-                    break
-                new = alloc.alloc(want - have)
-                if new is not None:
-                    break
-            if self._lifecycle.closed or req.req_pool_idx != idx:
-                # Closed, or aborted, while room was made (aclose aborts every running session
-                # turn: its row and pages are freed and req.req_pool_idx is None): the row is no
-                # longer the request's to write or free, and nothing this call took may stay.
-                if new is not None:
-                    self._free_pages(new)
-                if new_row and req.req_pool_idx == idx:  # closed, not aborted: as it came
-                    self._free_row(idx)
-                    req.req_pool_idx = None
-                    req.kv_allocated_len = req.kv_committed_len = 0
-                self._lifecycle.check_open()
-                raise RequestAbortedError(f"request {req.rid} was aborted while it waited for device room")
-            if new is None:
-                if new_row:  # leave the request as it came
-                    self._free_row(idx)
-                    req.req_pool_idx = None
-                    req.kv_allocated_len = req.kv_committed_len = 0
-                return None
-            row[have:want] = new.to(row.device)
-        req.kv_allocated_len = max(int(req.kv_allocated_len), seq_len)
-        return row[:seq_len].clone()
+        """Make ``req``'s row cover token positions ``[0, seq_len)`` and return those slots,
+        making room first (see :meth:`RowExtender.alloc_extend
+        <hicache.session.extend.RowExtender.alloc_extend>`). ``None`` when the memory cannot be
+        found even so (nothing of this call stays allocated; the request keeps what it had)."""
+        return await self._extender.alloc_extend(req, seq_len)
 
     # ------------------------------------------------------------------ finish / chunk / abort
 
