@@ -5,7 +5,12 @@ prefix match; idle or released sessions hand their KV to the prefix tree, which 
 to host and storage, so device memory is never pinned by sessions nobody is using.
 
 * :class:`SessionAwareCache` - the decorator around any prefix cache (see its module for the
-  per-turn call sequence).
+  per-turn call sequence); it coordinates the collaborators below.
+* ``turns.Turns`` - attaches a request to its session's slot and restores the slot into it.
+* ``offload.Offloader`` - a session gives its KV up (release, idle, pressure, mismatch) or closes.
+* ``room.Room`` - device memory and rows made free under pressure (``evict``, ``ensure_free``).
+* ``extend.RowExtender`` - a request's row grown to a sequence length (``alloc_extend``).
+* ``lifecycle.Lifecycle`` - the cache open or closed, and the owned idle reaper.
 * :class:`SessionConfig` - idle offload, session timeout, reaper period, write-back retries.
 * :class:`SessionSlot`, :class:`VirtualNode` - a session's held KV, and its lock stand-in.
 * :class:`WriteBackQueue` - follows handed-over KV until its host copy exists.

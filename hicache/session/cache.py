@@ -95,6 +95,14 @@ class TurnAdmit(AdmitResult):
 class SessionAwareCache(ForwardingCache):
     """Decorator around a prefix cache that keeps streaming sessions' KV between turns.
 
+    The coordinator of the package: it owns the slots, the counters and the write-back queue
+    and sequences the per-turn calls and the close; each job is a collaborator handed exactly
+    what it uses: :class:`~hicache.session.turns.Turns` (attach and restore),
+    :class:`~hicache.session.offload.Offloader` (giving KV up, closing),
+    :class:`~hicache.session.room.Room` (memory pressure),
+    :class:`~hicache.session.extend.RowExtender` (``alloc_extend``) and
+    :class:`~hicache.session.lifecycle.Lifecycle` (open/closed, the idle reaper).
+
     Args:
         inner: the prefix cache to wrap (``RadixCache``, ``HiRadixCache`` or any
             ``BasePrefixCache``; without ``insert`` KV given up is freed instead of kept).
