@@ -4,7 +4,8 @@ A backend implements five small coroutines over *pages* - ``(key, pool)`` pairs 
 bytes - and inherits the whole SGLang-compatible surface built on them: v2 batches with per-pool
 hit policies, v1 batches, and the v0 single-key calls. The split keeps semantics in one place:
 the hit policy, index validation, staging and counting are written once here, and a backend
-only moves bytes.
+only moves bytes. How a v2 transfer's pages move between a host pool and the primitives (page
+views, pool memory pieces, staging) is in :mod:`hicache.storage.pool_pages`.
 
 Primitives (override in a backend)::
 
@@ -33,8 +34,7 @@ import enum
 import logging
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Sequence
-from itertools import repeat
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -44,8 +44,8 @@ from hicache.keys import Namespace, validate_key, validate_keys
 from hicache.observability.tier_events import TierChangeHub
 from hicache.storage import changes
 from hicache.storage import pages as page_io
-from hicache.storage import staging
-from hicache.storage.segments import PageSegments, segment_sources
+from hicache.storage import pool_pages, staging
+from hicache.storage.pool_pages import overlapping, page_keys
 from hicache.storage.hit_policy import leading_run, resolve_v2_hits
 from hicache.storage.offload import run_to_completion
 from hicache.storage.stats import StorageStats
@@ -461,7 +461,7 @@ class AsyncHiCacheStorage(ABC):
         for transfer in transfers:
             name = pool_name_str(transfer.name)
             keys = validate_keys(transfer.keys or [])
-            results[name] = await self._get_pool_pages(name, keys, transfer.host_indices)
+            results[name] = await pool_pages.read_pages(self, name, keys, transfer.host_indices)
         return results
 
     async def batch_set_v2(
@@ -477,204 +477,17 @@ class AsyncHiCacheStorage(ABC):
         for transfer in transfers:
             name = pool_name_str(transfer.name)
             keys = validate_keys(transfer.keys or [])
-            kv_pages = _page_keys(keys, KV)
+            kv_pages = page_keys(keys, KV)
             parents: Sequence[PageKey | None]
             if name == KV:  # each page's parent is the page before it (validated keys: never empty)
                 first: list[PageKey | None] = [PageKey(prefix[-1], KV) if prefix else None]
                 parents = [*first, *kv_pages[:-1]]
             else:  # an extra pool's page lives and dies with the KV page of the same key
                 parents = kv_pages
-            results[name] = await self._set_pool_pages(
-                name, keys, transfer.host_indices, parents, kv_pages if name == KV else None
+            results[name] = await pool_pages.write_pages(
+                self, name, keys, transfer.host_indices, parents, kv_pages if name == KV else None
             )
         return results
-
-    def _starts(self, name: str, keys: list[str], host_indices: torch.Tensor | None, op: str) -> tuple[Any, list[int | None] | None]:
-        """The pool and each page's first token index (``None`` for a page whose indices are
-        malformed); ``None`` instead of the list when the batch as a whole is malformed."""
-        pool = self._pool(name)
-        if isinstance(host_indices, torch.Tensor) and host_indices.device.type != "cpu":
-            host_indices = host_indices.cpu()  # one device sync for every check below
-        starts, bad = page_io.checked_starts(host_indices, len(keys), pool.page_size)
-        if starts is None:
-            self.stats.incr("invalid_requests")
-            got = host_indices.numel() if isinstance(host_indices, torch.Tensor) else None
-            logger.error(
-                "%s %s: pool %r expects %d integer host indices (%d keys x page %d), got %s",
-                type(self).__name__, op, name, len(keys) * pool.page_size, len(keys),
-                pool.page_size, got,
-            )
-            return pool, None
-        if bad:
-            self.stats.incr("invalid_requests")
-            logger.error(
-                "%s %s: pool %r: %d page(s) whose host indices are not %d consecutive "
-                "non-negative token indices (first at position %d); those pages fail",
-                type(self).__name__, op, name, len(bad), pool.page_size, bad[0],
-            )
-        out: list[int | None] = starts  # type: ignore[assignment] # a fresh list of ours
-        for i in bad:
-            out[i] = None
-        return pool, out
-
-    async def _get_pool_pages(self, name: str, keys: list[str], host_indices: torch.Tensor | None) -> list[bool]:
-        pool, starts = self._starts(name, keys, host_indices, "get")
-        if not starts:
-            return [False] * len(keys)
-        self._drop_overlapping_targets(name, starts, pool.page_size)
-        good, good_starts = _good(starts)
-        if not good:
-            return [False] * len(keys)
-        staged = page_io.needs_thread(pool, good_starts)
-        pieces = self._segments(pool, good_starts, staged)
-        if pieces is None and staged and self.supports_segments and self._view_reads.may_read(pool):
-            # the seed protocol alone: straight into get_data_page(flat=False) where it is live
-            pieces = await run_to_completion(
-                self._view_reads.read_segments, pool, good_starts, page_io.page_nbytes_hint(pool)
-            )
-        if pieces is not None:
-            return await self._move_segments(name, keys, good, pieces, None)
-        if staged:
-            # no live page view: the seed page protocol alone, through reused staging pages
-            async def read(positions: list[int], bufs: Sequence[Any]) -> list[bool]:
-                return await self._read_guarded([PageKey(keys[good[j]], name) for j in positions], bufs)
-
-            how = staging.read_committed if self.supports_staged_pages else staging.read_staged
-            flags = await how(pool, good_starts, read, self._staging, page_io.page_nbytes_hint(pool))
-            return _scatter(len(keys), good, flags)
-        found = page_io.read_targets(pool, good_starts)
-        targets: list[page_io.ReadTarget | None] = [None] * len(keys)
-        for i, t in zip(good, found):
-            targets[i] = t
-        live = [i for i, t in enumerate(targets) if t is not None]
-        ok = [False] * len(keys)
-        got = await self._read_guarded(
-            [PageKey(keys[i], name) for i in live], [targets[i].buffer for i in live]  # type: ignore[union-attr]
-        )
-        for i, flag in zip(live, got):
-            ok[i] = flag
-        if any(t is not None and t.staging is not None for t in targets):
-            # Commits write into the pool: a cancelled caller must not get the pages back while
-            # a thread is still copying into them.
-            ok = await run_to_completion(page_io.commit_reads, pool, targets, ok)
-        return ok
-
-    def _drop_overlapping_targets(self, name: str, starts: list[int | None], page_size: int) -> None:
-        """Fail (set to ``None``) every read target that overlaps an earlier one.
-
-        Two pages read into the same host memory are filled concurrently: each may be verified
-        and reported True while the other's bytes end up there. The first page (lowest start)
-        is kept; writes may share a source page freely and are not checked.
-        """
-        overlapping = _overlapping((None, st, st + page_size, i) for i, st in enumerate(starts) if st is not None)
-        for i in overlapping:
-            starts[i] = None
-        dropped = len(overlapping)
-        if dropped:
-            self.stats.incr("invalid_requests")
-            logger.error(
-                "%s get: pool %r: %d page(s) would be read into host memory another page of the "
-                "batch is read into; those pages fail", type(self).__name__, name, dropped,
-            )
-
-    async def _set_pool_pages(
-        self,
-        name: str,
-        keys: list[str],
-        host_indices: torch.Tensor | None,
-        parents: Sequence[PageKey | None],
-        pages: list[PageKey] | None = None,
-    ) -> list[bool]:
-        """Write ``keys``' pages of pool ``name``; ``pages``: their page keys when the caller
-        has them already (made once a batch: the KV ones are the parents too)."""
-        pool, starts = self._starts(name, keys, host_indices, "set")
-        if not starts:
-            return [False] * len(keys)
-        good, good_starts = _good(starts)
-        if not good:
-            return [False] * len(keys)
-        views = page_io.live_views(pool, good_starts)
-        if views is not None:  # live views of every page (a page_first pool of ours): asked once
-            return await self._write_found(name, keys, good, views, parents, pages)
-        staged = page_io.needs_thread(pool, good_starts)
-        pieces = self._segments(pool, good_starts, staged)
-        if pieces is not None:
-            return await self._move_segments(name, keys, good, pieces, parents)
-        if staged:
-            # no live page view: copies of one chunk are made while the previous one is written
-            async def write(positions: list[int], bufs: Sequence[Any]) -> list[bool]:
-                return await self._write_guarded(
-                    [PageKey(keys[good[j]], name) for j in positions], bufs, [parents[good[j]] for j in positions]
-                )
-
-            nbytes = page_io.page_nbytes_hint(pool)
-            if nbytes is None:
-                try:
-                    nbytes = await run_to_completion(page_io.page_nbytes, pool)
-                except Exception:  # noqa: BLE001 - then one page a chunk
-                    nbytes = None
-            if self.supports_staged_pages:
-                if not nbytes:
-                    logger.error("%s set: pool %r cannot say its page size; its pages fail", type(self).__name__, name)
-                    return [False] * len(keys)
-                flags = await staging.write_produced(pool, good_starts, write, nbytes)
-            else:
-                flags = await staging.write_staged(pool, good_starts, write, nbytes or staging.CHUNK_BYTES)
-            return _scatter(len(keys), good, flags)
-        return await self._write_found(name, keys, good, page_io.write_sources(pool, good_starts), parents, pages)
-
-    async def _write_found(
-        self,
-        name: str,
-        keys: list[str],
-        good: list[int],
-        found: Sequence[memoryview | None],
-        parents: Sequence[PageKey | None],
-        pages: list[PageKey] | None,
-    ) -> list[bool]:
-        """Write the pages at positions ``good`` of ``keys`` from their sources ``found``
-        (``None``: a page the pool could not produce, which fails). The usual batch (every page
-        good and produced) goes as it is, without a Python step per page."""
-        if pages is None:
-            pages = _page_keys(keys, name)
-        if len(good) == len(keys) and None not in found:
-            return await self._write_guarded(pages, found, parents)  # type: ignore[arg-type]
-        live = [(i, src) for i, src in zip(good, found) if src is not None]
-        done = await self._write_guarded(
-            [pages[i] for i, _ in live], [src for _, src in live], [parents[i] for i, _ in live]
-        )
-        return _scatter(len(keys), [i for i, _ in live], done)
-
-    def _segments(self, pool: Any, starts: list[int], staged: bool) -> list[PageSegments | None] | None:
-        """The pages as pool memory pieces, when this backend takes them and the pool has no
-        live contiguous view of its pages (``staged``: :func:`~hicache.storage.pages.needs_thread`,
-        asked once by the caller; a live view is simpler still)."""
-        if not self.supports_segments or not staged:
-            return None
-        return segment_sources(pool, starts)
-
-    async def _move_segments(
-        self,
-        name: str,
-        keys: list[str],
-        good: list[int],
-        pieces: list[PageSegments | None],
-        parents: Sequence[PageKey | None] | None,
-    ) -> list[bool]:
-        """Read (``parents is None``) or write the pages straight from/into pool memory."""
-        live = [(i, seg) for i, seg in zip(good, pieces) if seg is not None]
-        ok = [False] * len(keys)
-        if not live:
-            return ok
-        pages = [PageKey(keys[i], name) for i, _ in live]
-        bufs: list[Any] = [seg for _, seg in live]
-        if parents is None:
-            flags = await self._read_guarded(pages, bufs)
-        else:
-            flags = await self._write_guarded(pages, bufs, [parents[i] for i, _ in live])
-        for (i, _), flag in zip(live, flags):
-            ok[i] = flag
-        return ok
 
     # ------------------------------------------------------------------ v1
 
@@ -871,29 +684,6 @@ class AsyncHiCacheStorage(ABC):
         return out
 
 
-def _good(starts: list[int | None]) -> tuple[list[int], list[int]]:
-    """The positions of the pages that have a start, and their starts (the whole list, without
-    a Python iteration per page, when every page has one: the usual batch)."""
-    if None not in starts:
-        return list(range(len(starts))), starts  # type: ignore[return-value] # no None in it
-    good = [i for i, st in enumerate(starts) if st is not None]
-    return good, [starts[i] for i in good]  # type: ignore[misc]
-
-
-def _page_keys(keys: Sequence[str], pool: str) -> list[PageKey]:
-    """``[PageKey(k, pool) for k in keys]`` built in C: a named tuple's ``__new__`` is a Python
-    function, a call per page on the I/O thread that the event loop waits on for the GIL."""
-    return list(map(tuple.__new__, repeat(PageKey), zip(keys, repeat(pool))))
-
-
-def _scatter(n: int, positions: Sequence[int], flags: Sequence[bool]) -> list[bool]:
-    """``n`` flags, ``flags[j]`` at ``positions[j]`` and False elsewhere."""
-    out = [False] * n
-    for i, flag in zip(positions, flags):
-        out[i] = flag
-    return out
-
-
 def _copy_into_targets(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     for target, staged in pairs:
         target.copy_(staged.view(target.dtype).view(target.shape))
@@ -903,24 +693,11 @@ def _host_contiguous(values: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return [v.detach().cpu().contiguous() for v in values]
 
 
-def _overlapping(spans: Iterable[tuple[Any, int, int, int]]) -> set[int]:
-    """Of ``(space, start, stop, index)`` ranges, the indices of those that overlap a range
-    kept before them in address order (the lowest start is kept); ranges of different spaces
-    (devices) never overlap."""
-    dropped: set[int] = set()
-    space, end = object(), 0
-    for sp, start, stop, i in sorted(spans, key=lambda s: (str(s[0]), s[1], s[3])):
-        if sp == space and start < end:
-            dropped.add(i)
-            continue
-        space, end = sp, stop
-    return dropped
-
-
 def _aliased_targets(targets: Sequence[tuple[int, torch.Tensor]]) -> set[int]:
-    """Indices of v0 read targets whose memory overlaps an earlier one's (:func:`_overlapping`);
-    a strided view spans from its first element to its last, a conservative extent."""
-    return _overlapping(
+    """Indices of v0 read targets whose memory overlaps an earlier one's
+    (:func:`~hicache.storage.pool_pages.overlapping`); a strided view spans from its first
+    element to its last, a conservative extent."""
+    return overlapping(
         ((t.device.type, t.device.index), t.data_ptr(),
          t.data_ptr() + (sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1) * t.element_size(), i)
         for i, t in targets if t.numel()
