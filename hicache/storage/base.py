@@ -5,7 +5,8 @@ bytes - and inherits the whole SGLang-compatible surface built on them: v2 batch
 hit policies, v1 batches, and the v0 single-key calls. The split keeps semantics in one place:
 the hit policy, index validation, staging and counting are written once here, and a backend
 only moves bytes. How a v2 transfer's pages move between a host pool and the primitives (page
-views, pool memory pieces, staging) is in :mod:`hicache.storage.pool_pages`.
+views, pool memory pieces, staging) is in :mod:`hicache.storage.pool_pages`; the v0 calls'
+tensors in :mod:`hicache.storage.tensor_pages`.
 
 Primitives (override in a backend)::
 
@@ -42,12 +43,9 @@ import torch
 from hicache.errors import StorageStateError
 from hicache.keys import Namespace, validate_key, validate_keys
 from hicache.observability.tier_events import TierChangeHub
-from hicache.storage import changes
-from hicache.storage import pages as page_io
-from hicache.storage import pool_pages, staging
-from hicache.storage.pool_pages import overlapping, page_keys
+from hicache.storage import changes, pool_pages, staging, tensor_pages
 from hicache.storage.hit_policy import leading_run, resolve_v2_hits
-from hicache.storage.offload import run_to_completion
+from hicache.storage.pool_pages import page_keys
 from hicache.storage.stats import StorageStats
 from hicache.storage.view_pages import LivePageViews
 from hicache.storage.types import (
@@ -537,61 +535,10 @@ class AsyncHiCacheStorage(ABC):
         target_locations: Sequence[torch.Tensor | None] | None = None,
         target_sizes: Any = None,
     ) -> list[torch.Tensor | None]:
+        """The tensor stored under each key, as :meth:`get` reads one."""
         keys = validate_keys(keys)
         await self._ensure_open()
-        targets = list(target_locations) if target_locations is not None else [None] * len(keys)
-        if len(targets) != len(keys):
-            self.stats.incr("invalid_requests")
-            logger.error("batch_get: %d keys but %d target locations", len(keys), len(targets))
-            return [None] * len(keys)
-        out: list[torch.Tensor | None] = [None] * len(keys)
-        wrong = [i for i, t in enumerate(targets) if t is not None and not isinstance(t, torch.Tensor)]
-        if wrong:
-            self.stats.incr("invalid_requests")
-            logger.error(
-                "batch_get: target_locations must be tensors (or None); got %s for key %d: a miss",
-                type(targets[wrong[0]]).__name__, wrong[0],
-            )
-        direct = [i for i, t in enumerate(targets) if isinstance(t, torch.Tensor)]
-        clash = _aliased_targets([(i, targets[i]) for i in direct])  # type: ignore[misc]
-        if clash:
-            self.stats.incr("invalid_requests")
-            logger.error("batch_get: %d target(s) share memory with an earlier key's target; those keys "
-                         "are misses (two pages read into one place would both report a hit)", len(clash))
-            direct = [i for i in direct if i not in clash]
-        bufs: list[memoryview] = []
-        stage: dict[int, torch.Tensor] = {}
-        for i in direct:
-            t = targets[i]
-            assert t is not None
-            if t.device.type == "cpu" and t.is_contiguous():
-                bufs.append(page_io.as_bytes(t))
-            else:
-                stage[i] = torch.empty(t.numel() * t.element_size(), dtype=torch.uint8)
-                bufs.append(page_io.as_bytes(stage[i]))
-        got = await self._read_guarded([PageKey(keys[i], KV) for i in direct], bufs)
-        commit = []
-        for i, flag in zip(direct, got):
-            if flag:
-                t = targets[i]
-                assert t is not None
-                if i in stage:
-                    commit.append((t, stage[i]))
-                out[i] = t
-        if commit:
-            # A device or strided target takes a real copy: off the loop, and finished before a
-            # cancellation unwinds (the caller owns the target).
-            await run_to_completion(_copy_into_targets, commit)
-        for i, t in enumerate(targets):
-            if t is None:
-                payload = await self._guard("read", self._read_bytes(PageKey(keys[i], KV)), None)
-                self.stats.incr("read_pages")
-                self.stats.incr("read_hits" if payload is not None else "read_misses")
-                if payload is not None:
-                    self.stats.incr("read_bytes", len(payload))
-                    out[i] = (torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload
-                              else torch.empty(0, dtype=torch.uint8))  # frombuffer refuses b""
-        return out
+        return await tensor_pages.read_tensors(self, keys, target_locations)
 
     async def set(
         self,
@@ -614,18 +561,7 @@ class AsyncHiCacheStorage(ABC):
         keys = validate_keys(keys)
         await self._ensure_open()
         vals = list(values if values is not None else (target_locations or []))
-        if len(vals) != len(keys) or any(not isinstance(v, torch.Tensor) for v in vals):
-            self.stats.incr("invalid_requests")
-            logger.error("batch_set: need one tensor per key (%d keys, %d values)", len(keys), len(vals))
-            return False
-        if any(v.device.type != "cpu" or not v.is_contiguous() for v in vals):  # type: ignore[union-attr]
-            flat = await run_to_completion(_host_contiguous, vals)  # device copies: off the loop
-        else:
-            flat = [v.detach() for v in vals]  # type: ignore[union-attr]
-        bufs = [page_io.as_bytes(v) for v in flat]
-        chain: list[PageKey | None] = [None, *(PageKey(k, KV) for k in keys[:-1])]
-        ok = await self._write_guarded([PageKey(k, KV) for k in keys], bufs, chain)
-        return all(ok)
+        return await tensor_pages.write_tensors(self, keys, vals)
 
     async def exists(self, key: str) -> bool:
         validate_key(key)
@@ -682,23 +618,3 @@ class AsyncHiCacheStorage(ABC):
         except Exception:  # noqa: BLE001
             logger.exception("%s: stats failed", type(self).__name__)
         return out
-
-
-def _copy_into_targets(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    for target, staged in pairs:
-        target.copy_(staged.view(target.dtype).view(target.shape))
-
-
-def _host_contiguous(values: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    return [v.detach().cpu().contiguous() for v in values]
-
-
-def _aliased_targets(targets: Sequence[tuple[int, torch.Tensor]]) -> set[int]:
-    """Indices of v0 read targets whose memory overlaps an earlier one's
-    (:func:`~hicache.storage.pool_pages.overlapping`); a strided view spans from its first
-    element to its last, a conservative extent."""
-    return overlapping(
-        ((t.device.type, t.device.index), t.data_ptr(),
-         t.data_ptr() + (sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1) * t.element_size(), i)
-        for i, t in targets if t.numel()
-    )
