@@ -191,7 +191,10 @@ async def test_abort_mid_prefetch_leaks_nothing() -> None:
     await stack.aclose()
 
 
-async def _prefetch_with(policy: str, delay: float, **extra: object):  # type: ignore[no-untyped-def]
+async def _prefetch_with(policy: str, delay: float, scrape: list[Scrape] | None = None,  # type: ignore[no-untyped-def]
+                         **extra: object):
+    """One 64-token request fetched from a seeded store in 2-page batches, each call delayed;
+    ``scrape`` gets the controller's metrics before the stack closes."""
     store_id = f"pol-{uuid.uuid4()}"
     data = toks(0, 64)
     await seed_storage(store_id, data)
@@ -205,6 +208,9 @@ async def _prefetch_with(policy: str, delay: float, **extra: object):  # type: i
     out = await serve_request(stack, data, rid="p")
     waited = time.monotonic() - t0
     await stack.controller.wait_prefetches()
+    if scrape is not None:
+        scrape.append(Scrape(stack.controller.metrics.prometheus_text()))
+        scrape.append(stack.controller.metrics.label)  # type: ignore[arg-type]
     await stack.aclose()
     return out, waited
 
@@ -217,22 +223,13 @@ async def test_prefetch_policy_wait_complete_takes_everything() -> None:
 async def test_the_prefetch_latency_is_the_whole_fetch_not_its_last_batch() -> None:
     """``hicache_operation_seconds{op="prefetch"}`` is one request's storage fetch: 8 batches
     of 2 pages at 0.05 s a call take 0.4 s or more (it measured the last batch alone)."""
-    store_id = f"lat-{uuid.uuid4()}"
-    data = toks(0, 64)
-    await seed_storage(store_id, data)
-    store = FaultyStorage(store_id=store_id)
-    cfg = StackConfig(page_size=PS, device_pages=32, host_pages=64, storage_backend=None,
-                      controller=ControllerConfig(prefetch_threshold=PS, prefetch_batch_pages=2,
-                                                  prefetch_policy="wait_complete"))
-    stack = build_stack(cfg, storage=store)
-    store.delay = 0.05
-    out = await serve_request(stack, data, rid="p")
+    got: list = []
+    out, _ = await _prefetch_with("wait_complete", 0.05, scrape=got)
     assert out.storage_hit == 64
-    scrape = Scrape(stack.controller.metrics.prometheus_text())
-    mine = {"cache": stack.controller.metrics.label, "op": "prefetch", "tier": "storage"}
+    scrape, label = got
+    mine = {"cache": label, "op": "prefetch", "tier": "storage"}
     assert scrape.value("hicache_operation_seconds_count", **mine) == 1
     assert scrape.value("hicache_operation_seconds_sum", **mine) >= 0.4
-    await stack.aclose()
 
 
 async def test_prefetch_policy_best_effort_takes_what_arrived() -> None:

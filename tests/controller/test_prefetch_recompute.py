@@ -354,20 +354,27 @@ class _BlockingRead(FaultyStorage):
         return await super()._read(pages, buffers)
 
 
+async def _blocked_loop_stack(data: list[int], *, batch_pages: int, rate: float):  # type: ignore[no-untyped-def]
+    """A stack over a seeded store whose first read blocks the server's loop for 0.45 s
+    (see :class:`_BlockingRead`), under the recompute bound at ``rate`` tokens/s."""
+    store = _BlockingRead(store_id=await _seeded(data))
+    cfg = StackConfig(page_size=PS, device_pages=32, host_pages=64, storage_backend=None,
+                      controller=ControllerConfig(prefetch_threshold=PS, prefetch_batch_pages=batch_pages,
+                                                  prefetch_policy="timeout", prefetch_timeout_base_s=60.0,
+                                                  prefetch_timeout_per_ki_token_s=0.0,
+                                                  prefetch_recompute_tokens_per_s=rate, storage_stall_s=0.0))
+    stack = build_stack(cfg, storage=store)
+    store.loop, store.block = asyncio.get_running_loop(), 0.45
+    return stack
+
+
 async def test_polling_keeps_pages_that_landed_while_the_loop_was_blocked() -> None:
     """``wait`` keeps a read that ended in time while the server's loop was blocked; a poll
     (SGLang's scheduler: ``check_prefetch_progress`` between synchronous forward passes, the
     very case of a blocked loop) cut it: the read looked 0.45 s late against a 0.32 s cap, and
     the 16 pages already in host memory were dropped and recomputed."""
     data = toks(0, 64)
-    store_id = await _seeded(data)
-    store = _BlockingRead(store_id=store_id)
-    cfg = StackConfig(page_size=PS, device_pages=32, host_pages=64, storage_backend=None,
-                      controller=ControllerConfig(prefetch_threshold=PS, prefetch_batch_pages=64, prefetch_policy="timeout",
-                                                  prefetch_timeout_base_s=60.0, prefetch_timeout_per_ki_token_s=0.0,
-                                                  prefetch_recompute_tokens_per_s=200.0, storage_stall_s=0.0))
-    stack = build_stack(cfg, storage=store)
-    store.loop, store.block = asyncio.get_running_loop(), 0.45
+    stack = await _blocked_loop_stack(data, batch_pages=64, rate=200.0)
     req = Req(rid="poll", origin_input_ids=data)
     stack.cache.match_req(req)
     assert stack.cache.start_prefetch(req)
@@ -426,14 +433,7 @@ async def test_a_blocked_loop_is_not_taken_for_a_slow_store() -> None:
     pace slow to forget it. A read is timed to its end on the I/O loop, as the controller's
     latency samples are."""
     data = toks(0, 64)
-    store_id = await _seeded(data)
-    store = _BlockingRead(store_id=store_id)
-    cfg = StackConfig(page_size=PS, device_pages=32, host_pages=64, storage_backend=None,
-                      controller=ControllerConfig(prefetch_threshold=PS, prefetch_batch_pages=2, prefetch_policy="timeout",
-                                                  prefetch_timeout_base_s=60.0, prefetch_timeout_per_ki_token_s=0.0,
-                                                  prefetch_recompute_tokens_per_s=100.0, storage_stall_s=0.0))
-    stack = build_stack(cfg, storage=store)
-    store.loop, store.block = asyncio.get_running_loop(), 0.45
+    stack = await _blocked_loop_stack(data, batch_pages=2, rate=100.0)
     out = await serve_request(stack, data, rid="blocked")
     assert out.storage_hit == 64 and out.verify_failures == 0
     assert stack.controller.metrics.counters["prefetch_cut_recompute"] == 0
