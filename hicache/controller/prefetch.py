@@ -50,6 +50,9 @@ class StorageCall(Protocol):
 
 logger = logging.getLogger("hicache.controller")
 
+#: while no prefill rate is known, a waiting request looks this often whether one is now
+_RATE_POLL_S = 0.05
+
 
 class Prefetcher:
     """The storage->host prefetches of one controller: their ops, tasks and host pages.
@@ -293,9 +296,7 @@ class Prefetcher:
                 if remaining > 0 and spt is not None:
                     await self._wait_worth_it(op, t0, t0 + remaining, spt)
                 elif remaining > 0:
-                    with contextlib.suppress(TimeoutError):
-                        async with asyncio.timeout(remaining):
-                            await op.done.wait()
+                    await self._wait_for_rate(op, t0, t0 + remaining)
                 # a read that ended in time while this loop was blocked: its pages are in host
                 # memory, only its answer is late (a few loop turns); cutting it would drop them
                 while policy == "timeout" and op.read_landed and not op.finished:
@@ -354,6 +355,22 @@ class Prefetcher:
             op.recompute_cut = True
             self.metrics.incr("prefetch_cut_recompute")
         return True
+
+    async def _wait_for_rate(self, op: PrefetchOp, t0: float, deadline: float) -> None:
+        """Wait for ``op`` until it ends or the policy's ``deadline`` passes, while no prefill
+        rate is known; once the engine's reports make one known (other requests' prefills end
+        meanwhile), the rest of the wait is weighed against the recompute as any other."""
+        while not op.finished:
+            now = time.monotonic()
+            if now >= deadline:
+                return
+            spt = self.prefill.seconds_per_token
+            if spt is not None:
+                await self._wait_worth_it(op, t0, deadline, spt)
+                return
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(min(deadline - now, _RATE_POLL_S)):
+                    await op.done.wait()
 
     async def _wait_worth_it(self, op: PrefetchOp, t0: float, deadline: float, spt: float) -> None:
         """Wait for ``op`` until it ends, the policy's ``deadline`` passes, or the pages it

@@ -440,3 +440,24 @@ async def test_a_blocked_loop_is_not_taken_for_a_slow_store() -> None:
     pace = stack.controller._prefetcher.pace.seconds_per_page
     assert pace is not None and pace < 0.04
     await stack.aclose()
+
+
+async def test_a_rate_learned_while_a_request_waits_applies_to_that_wait() -> None:
+    """No rate at first: the request waits under the fixed timeout (60 s). Prefills the engine
+    reports meanwhile make the rate known, and the same wait is then weighed against the
+    recompute: the hung store is given up on long before the timeout."""
+    data = toks(0, 64)
+    stack, store = _stack(await _seeded(data), storage_io_timeout_s=120.0, storage_stall_s=120.0,
+                          cancelled_io_grace_s=0.0)  # no stall trip either: only the bound can end it
+    store.hang_now()
+    task = asyncio.ensure_future(serve_request(stack, data, rid="early"))
+    await asyncio.sleep(0.2)
+    assert not task.done()
+    t0 = time.monotonic()
+    for n in (64, 128, 256, 512):  # 10k tokens/s: 64 tokens recompute in 6.4 ms
+        stack.controller.note_prefill(n, n * 1e-4)
+    out = await asyncio.wait_for(task, 30)
+    assert time.monotonic() - t0 < 10 and out.computed == 64 and out.verify_failures == 0  # not 60 s
+    assert stack.controller.metrics.counters["prefetch_cut_recompute"] == 1
+    store.release()
+    await stack.aclose()
