@@ -101,9 +101,9 @@ class PrefetchOp:
     task: asyncio.Task[None] | None = None
     inflight_start: int = 0
     inflight_end: int = 0
-    #: a storage call (``exists``, then each read; before them, the wait for a turn) is in
-    #: flight, and when it began (``time.monotonic()``): how far into it, or how late, a waiter is
-    calling: bool = False
+    #: when the op's current storage call began (``time.monotonic()``; the wait for a turn,
+    #: then ``exists``, then each read: an unfinished op is always in one, with no await
+    #: between them): how far into it, or how late, a waiter is
     inflight_since: float = 0.0
     #: set whenever the op moves (exists answered, a batch landed, the op ended): a request
     #: waiting under the recompute bound re-decides then (see :mod:`hicache.controller.recompute`)

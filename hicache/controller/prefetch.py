@@ -6,9 +6,10 @@ pages as they land. The request then stops waiting as its policy says (``best_ef
 ``wait_complete``: when done; ``timeout``: at most ``min(max, base + per_ki_token * tokens /
 1024)`` seconds after the prefetch started, and, once the engine's prefill rate is known
 (configured or reported), no longer than the missing pages would take to recompute: see
-:mod:`hicache.controller.recompute`), takes the complete pages, and the op frees the rest. Abort cancels the op; the op ends only once a read it had in flight has really returned
-(the controller's storage call waits it out), so its host pages are freed when nothing can
-write into them any more.
+:mod:`hicache.controller.recompute`), takes the complete pages, and the op frees the rest.
+Abort cancels the op; the op ends only once a read it had in flight has really returned (the
+controller's storage call waits it out), so its host pages are freed when nothing can write
+into them any more.
 
 Why a collaborator and not a part of the controller class: the prefetcher needs only a few of
 the controller's services (spawn an owned task, run a storage call under the I/O timeout, free
@@ -142,7 +143,7 @@ class Prefetcher:
         op = PrefetchOp(rid=rid, keys=list(keys), page_size=self.page_size, extra=list(extra or ()))
         # waiting for its turn (max_concurrent_prefetches) counts as a call of no pages: a
         # request queued behind a busy store sees its prefetch run late, as a stalled call does
-        op.calling, op.inflight_since = True, op.started
+        op.inflight_since = op.started
         self._prefetches[rid] = op
         self._inflight_tokens += tokens
         self.metrics.incr("prefetch_started")
@@ -161,7 +162,7 @@ class Prefetcher:
             async with self._sem:
                 if op.stop_requested:
                     return
-                op.calling, op.inflight_since = True, time.monotonic()
+                op.inflight_since = time.monotonic()
                 with counting_call() as call:
                     hit = await self._storage_call(self.storage.batch_exists_v2(op.keys, op.extra or None), "exists")
                 if hit is not None:
@@ -189,7 +190,7 @@ class Prefetcher:
                     for extra in op.extra:
                         transfers.append(slice_transfer(extra, a, n))
                     op.inflight_start, op.inflight_end = a, a + n
-                    op.calling, op.inflight_since = True, time.monotonic()
+                    op.inflight_since = time.monotonic()
                     self._reading.add(op)
                     batch_t0 = time.perf_counter()  # t0 stays the whole prefetch's start
                     with counting_call() as call:
@@ -200,7 +201,7 @@ class Prefetcher:
                     # loop (a forward pass) that took its answer late is not a slow store
                     took = (op.landed_at if op.read_landed else time.monotonic()) - op.inflight_since
                     op.inflight_start = op.inflight_end = 0
-                    op.calling = op.read_landed = False
+                    op.read_landed = False
                     got = leading_run(all_pools_ok(result, n))
                     if got:
                         op.completed_pages += got
@@ -292,10 +293,7 @@ class Prefetcher:
                 await op.done.wait()
             else:
                 remaining = self.config.prefetch_timeout(op.num_tokens) - (t0 - op.started)
-                spt = self.prefill.seconds_per_token
-                if remaining > 0 and spt is not None:
-                    await self._wait_worth_it(op, t0, t0 + remaining, spt)
-                elif remaining > 0:
+                if remaining > 0:
                     await self._wait_for_rate(op, t0, t0 + remaining)
                 # a read that ended in time while this loop was blocked: its pages are in host
                 # memory, only its answer is late (a few loop turns); cutting it would drop them
@@ -318,7 +316,7 @@ class Prefetcher:
             now=now,
             missing_pages=self._missing_pages(op),
             inflight_pages=op.inflight_end - op.inflight_start,
-            call_since=op.inflight_since if op.calling else None,
+            call_since=op.inflight_since,
             wait_start=wait_start,
             cap_s=cap,
             page_tokens=self.page_size,
@@ -357,9 +355,10 @@ class Prefetcher:
         return True
 
     async def _wait_for_rate(self, op: PrefetchOp, t0: float, deadline: float) -> None:
-        """Wait for ``op`` until it ends or the policy's ``deadline`` passes, while no prefill
-        rate is known; once the engine's reports make one known (other requests' prefills end
-        meanwhile), the rest of the wait is weighed against the recompute as any other."""
+        """Wait for ``op`` until it ends or the policy's ``deadline`` passes; as soon as a
+        prefill rate is known (at once, or when the engine's reports of other requests'
+        prefills make one known meanwhile) the rest of the wait is weighed against the
+        recompute (:meth:`_wait_worth_it`)."""
         while not op.finished:
             now = time.monotonic()
             if now >= deadline:
@@ -425,4 +424,3 @@ class Prefetcher:
             self._release_untaken(op)
         elif op.task is not None:
             op.task.cancel()
-

@@ -263,9 +263,8 @@ class Engine:
             priority=PREFILL,
         )
         self.forwards += 1
-        hits = dict(handle.hits)
         note = getattr(self.cache, "note_prefill", None)
-        if note is not None and write and not (hits.get("host") or hits.get("storage")):
+        if note is not None and write and not (handle.hits.get("host") or handle.hits.get("storage")):
             # a prefill that waited for no load-back: its time is compute alone, the cost a
             # storage hit saves (the cache weighs prefetch waits against it)
             note(n_prompt - start, compute_s)
