@@ -21,21 +21,21 @@ O(keys) dict operations.
 from __future__ import annotations
 
 import threading
-
-import xxhash
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from itertools import repeat
+
+import xxhash
 
 from hicache.observability.tier_events import ChangeKind, Tier, TierChange, TierChangeHub
 
 __all__ = ["CORRUPT", "IN_STORAGE", "LOST_DEVICE", "LOST_HOST", "LOST_STORAGE", "PageLedger"]
 
 
-
 def _bit_of(key: str) -> int:
     """The key's hash, the same in every process (Python's ``hash`` of a str is seeded per process)."""
     return xxhash.xxh3_64_intdigest(key.encode("utf-8", "surrogatepass"))
+
 
 #: this process wrote the page to storage and has seen no removal since
 IN_STORAGE = 1

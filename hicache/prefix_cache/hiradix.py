@@ -889,7 +889,8 @@ class HiRadixCache(RadixCache):
         return self.prefetches.prefetch_view(req_id)
 
     def is_prefetching(self, req_id: str) -> bool:
-        """See :meth:`Prefetches.is_prefetching`."""
+        """Whether ``req_id`` has a storage prefetch whose pages are not yet in the tree (read
+        straight from ``prefetches.running``: asked on every request)."""
         return req_id in self.prefetches.running
 
     def cancel_prefetch(self, req_id: str, holder: object = None) -> None:

@@ -141,10 +141,6 @@ class Prefetches:
             return None
         return state.start, state.keys, self.cache.controller.prefetch_op(req_id)
 
-    def is_prefetching(self, req_id: str) -> bool:
-        """Whether ``req_id`` has a storage prefetch whose pages are not yet in the tree."""
-        return req_id in self.running
-
     def cancel_prefetch(self, req_id: str, holder: object = None) -> None:
         """Abort ``req_id``'s prefetch, if any: its host pages are freed, its anchor released
         (and the protection of pages it already attached, see :meth:`wait_prefetch`). With

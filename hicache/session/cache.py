@@ -203,15 +203,15 @@ class SessionAwareCache(ForwardingCache):
             r = await inner_admit(req, mem_quota=mem_quota, wait_load=wait_load, max_prefix_len=max_prefix_len,
                                   make_room=self.ensure_free)
             res = TurnAdmit(r.device_hit, r.host_hit, r.storage_hit, r.prefix_len, r.load_handle, r.attribution)
-        slot = self._turns.slot_for(req) if sid is not None else None
-        if slot is not None and sid is not None and not slot.admitted:
+        slot = self._turns.slot_for(req)  # None without a session id
+        if slot is not None and not slot.admitted:
             slot.admitted = True
             slot.turn_prefix_len = res.prefix_len
-            stats = self.session_metrics.session(sid)
+            stats = self.session_metrics.session(slot.session_id)
             # the session had history: where did it come back from?
             tier = (resume_tier(device_hit=res.device_hit, host_hit=res.host_hit, storage_hit=res.storage_hit)
                     if stats.turns else None)
-            self.session_metrics.admitted(sid, res.prefix_len, tier)
+            self.session_metrics.admitted(slot.session_id, res.prefix_len, tier)
         return res
 
     def count_admitted(self, req: Req) -> None:
@@ -297,7 +297,7 @@ class SessionAwareCache(ForwardingCache):
         (prefetch cancelled, lock dropped, its own KV freed, row returned)."""
         sid = session_id_of(req)
         self._turns.bypass.discard(req.rid)
-        slot = self._turns.slot_for(req) if sid is not None else None
+        slot = self._turns.slot_for(req)
         if slot is not None and slot.is_holding_kv and req.req_pool_idx == slot.req_pool_idx:
             self._turns.roll_back(req, slot)
             self.session_metrics.aborted(slot.session_id)

@@ -59,9 +59,6 @@ class Turns:
         self._clock = clock
         self.bypass: set[str] = set()  # rids served as plain requests (see the module docstring)
 
-    def _row(self, idx: int) -> torch.Tensor:
-        return self._inner.req_to_token_pool.req_to_token[idx]
-
     def slot_for(self, req: Req) -> SessionSlot | None:
         """The slot whose turn ``req`` is (attached to it), or ``None``: ``req`` goes to the
         inner cache."""
@@ -118,7 +115,6 @@ class Turns:
                        "closes; served as a plain request", sid, req.rid)
         self._metrics.incr("busy_bypass")
         self.bypass.add(req.rid)
-        return None
 
     @staticmethod
     def _history_matches(slot: SessionSlot, req: Req) -> bool:
@@ -138,7 +134,7 @@ class Turns:
         slot.restore_to_req(req, keep_allocated=keep)
         prefix_len = max(min(slot.kv_committed_len, key_len - 1), slot.cache_protected_len)
         slot.turn_prefix_len = prefix_len
-        indices = self._row(slot.req_pool_idx)[:prefix_len].to(torch.int64)
+        indices = slot.row(self._inner.req_to_token_pool.req_to_token)[:prefix_len].to(torch.int64)
         vn = slot.virtual_node
         return MatchResult(
             device_indices=indices,
