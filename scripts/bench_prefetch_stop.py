@@ -45,37 +45,13 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
-from hicache_backends.file import FileStorage  # noqa: E402
 
 from hicache.bench_output import emit_report  # noqa: E402
 from hicache.config import HiCacheConfig  # noqa: E402
 from hicache.engine import Engine, ModelSpec, TinyTransformer  # noqa: E402
 from hicache.engine.recompute import RecomputeCache  # noqa: E402
 from hicache.facade import HiCache  # noqa: E402
-from hicache.storage.registry import register_backend  # noqa: E402
-
-class SlowFileStorage(FileStorage):
-    """The file backend behind a remote store's latency and bandwidth: each call waits
-    ``latency_s`` first, each read ``bytes / bytes_per_s`` more (the waits are on the store's
-    loop, as a network round trip is; the pages are the real files). Set by :func:`slow_down`."""
-
-    backend_name = "slow-file"
-    latency_s = 0.0
-    bytes_per_s = float("inf")
-    page_nbytes = 0
-
-    async def _exists(self, pages):  # type: ignore[no-untyped-def]
-        await asyncio.sleep(self.latency_s)
-        return await super()._exists(pages)
-
-    async def _read(self, pages, buffers):  # type: ignore[no-untyped-def]
-        await asyncio.sleep(self.latency_s + len(pages) * self.page_nbytes / self.bytes_per_s)
-        return await super()._read(pages, buffers)
-
-
-def slow_down(storage: SlowFileStorage, latency_ms: float, mbps: float, page_nbytes: int) -> None:
-    storage.latency_s, storage.bytes_per_s, storage.page_nbytes = latency_ms / 1e3, mbps * 1e6, page_nbytes
-
+from hicache.testing.slow_store import register_slow_file  # noqa: E402
 
 def parse_stores(text: str) -> dict[str, tuple[float, float]]:
     """``name=latency_ms:mbps,...`` -> ``{name: (latency_ms, mbps)}``."""
@@ -92,12 +68,18 @@ def parse_stores(text: str) -> dict[str, tuple[float, float]]:
     return out
 
 
-def config_for(root: Path, backend: str, rate: float | None) -> HiCacheConfig:
+def config_for(root: Path, backend: str, rate: float | None, shape: tuple[float, float] | None = None) -> HiCacheConfig:
+    """The cache's config; ``shape`` (latency ms, MB/s) slows the store's reads
+    (:class:`hicache.testing.slow_store.SlowFileStorage`, registered as ``slow-file``)."""
+    options: dict[str, Any] = {"root": str(root), "max_bytes": 1 << 32, "min_free_bytes": 0}
+    if shape is not None:
+        backend = "slow-file"
+        options.update(latency_ms=shape[0], read_mbps=shape[1])
     return HiCacheConfig.model_validate({
         "model": {"name": "bench/prefetch-stop", "num_layers": 4, "num_kv_heads": 2, "head_dim": 32},
         "device": {"device": "cpu", "size_tokens": 16384, "page_size": 16, "max_context_len": 8192},
         "host": {"ratio": 2.0},
-        "storage": {"backend": backend, "options": {"root": str(root), "max_bytes": 1 << 32, "min_free_bytes": 0}},
+        "storage": {"backend": backend, "options": options},
         "cache": {"write_policy": "write_through",
                   "prefetch": {"policy": "timeout", "threshold_tokens": 0, "recompute_tokens_per_s": rate}},
         "session": {"enabled": False},
@@ -124,11 +106,8 @@ async def run_variant(name: str, store: str, shape: tuple[float, float] | None, 
         async with HiCache.from_config(config_for(root, "file", None)) as writer:
             await serve(writer, model, targets, "write")
             await writer.drain()
-        async with HiCache.from_config(config_for(root, "file" if shape is None else "slow-file", None)) as cache:
-            stack = cache._require_stack()
-            if shape is not None:
-                slow_down(cache.storage, *shape, stack.host_pool.page_nbytes)
-            controller = stack.controller
+        async with HiCache.from_config(config_for(root, "file", None, shape)) as cache:
+            controller = cache._require_stack().controller
             if not bounded:  # SGLang's timeout policy: no rate, whatever the engine reports
                 controller._prefetcher.prefill.observe = lambda *a: None  # type: ignore[method-assign]
             cold = await serve(cache, model, warmup, "warm")  # the engine reports these prefills
@@ -167,7 +146,7 @@ async def run_recompute(model: TinyTransformer, asks: list[list[int]], warmup: l
 
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
-    register_backend("slow-file", SlowFileStorage)
+    register_slow_file()
     shapes: dict[str, tuple[float, float] | None] = {"fast": None, **parse_stores(args.stores)}
     torch.set_num_threads(args.torch_threads)
     spec = ModelSpec.from_model_config(config_for(Path("."), "file", None).model, max_positions=8192)
