@@ -19,6 +19,15 @@ elsewhere on the machine falls on both alike. ``--repeats`` passes over the work
 each pass); the report gives medians over passes of the TTFT percentiles and the throughput
 (requests per second of engine time), and how many answers are equal in both configurations (greedy decoding; see the report's
 comment on ``answers_equal``).
+
+A slow store (``--store-latency-ms``, ``--store-mbps``: the file store behind a remote store's
+latency and bandwidth, :mod:`hicache.testing.slow_store`) adds a third engine,
+``vllm+hicache-unbounded``: the connector claiming every storage hit as before, against
+``vllm+hicache`` claiming them only while a read is no slower than recomputing (the pace both
+are learned on the spot; ``recompute_bound``). Give the host tier few pages (``--host-pages``)
+so that hits come from storage::
+
+    .venv-vllm/bin/python scripts/bench_vllm.py --store-latency-ms 20 --store-mbps 5 --host-pages 16
 """
 
 from __future__ import annotations
@@ -58,6 +67,10 @@ def serve_engine(spec: dict[str, Any]) -> None:
     kwargs: dict[str, Any] = {}
     if spec["connector"] is not None:
         kwargs["kv_transfer_config"] = KVTransferConfig(**spec["connector"])
+        if spec["connector"]["kv_connector_extra_config"]["backend"] == "slow-file":
+            from hicache.testing.slow_store import register_slow_file
+
+            register_slow_file()  # scheduler and worker share this process ("uni" executor)
     llm = LLM(model=spec["model"], skip_tokenizer_init=True, dtype="bfloat16", max_model_len=2048,
               block_size=spec["block_size"], enforce_eager=True, seed=0, max_num_seqs=4,
               num_gpu_blocks_override=spec["gpu_blocks"], disable_log_stats=False,
@@ -140,6 +153,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gpu-blocks", type=int, default=96, help="vLLM's KV cache, in blocks")
     ap.add_argument("--block-size", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3, help="passes over the workload (new chats each time)")
+    ap.add_argument("--host-pages", type=int, default=1024, help="hicache's host tier, in pages")
+    ap.add_argument("--store-latency-ms", type=float, default=0.0,
+                    help="slow the store: every lookup and read call waits this long (adds the unbounded engine)")
+    ap.add_argument("--store-mbps", type=float, default=0.0, help="slow the store: reads at this many MB/s")
     ap.add_argument("--out", help="also write the JSON report here")
     args = ap.parse_args(argv)
     if args.engine:
@@ -149,20 +166,28 @@ def main(argv: list[str] | None = None) -> int:
         args.chats, args.turns, args.repeats = 4, 3, 1
     from hicache.integrations.vllm.tiny_model import make_tiny_llama
 
-    names = ("vllm", "vllm+hicache")
+    slow = args.store_latency_ms > 0 or args.store_mbps > 0
+    names: tuple[str, ...] = ("vllm", "vllm+hicache") + (("vllm+hicache-unbounded",) if slow else ())
     with tempfile.TemporaryDirectory(prefix="hicache-bench-vllm-") as d:
         tmp = Path(d)
         shape = dict(hidden=512, layers=8, heads=8, kv_heads=2, intermediate=1536, vocab=512)
         model = make_tiny_llama(tmp / "model", **shape)
         base = {"model": str(model), "block_size": args.block_size, "gpu_blocks": args.gpu_blocks,
                 "answer_tokens": args.answer_tokens}
-        hicache = {"kv_connector": "HiCacheConnector", "kv_connector_module_path": "hicache.integrations.vllm",
-                   "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-                   "kv_connector_extra_config": {"backend": "file", "host_pages": 1024,
-                                                 "backend_options": {"root": str(tmp / "store")}}}
-        # both engines run side by side and take turns request by request, so that load from
-        # elsewhere on the machine falls on both alike
-        engines = {n: Engine(dict(base, connector=None if n == "vllm" else hicache), tmp / f"{n}.log") for n in names}
+        def hicache(name: str) -> dict[str, Any] | None:
+            if name == "vllm":
+                return None
+            store: dict[str, Any] = {"root": str(tmp / name / "store")}
+            extra: dict[str, Any] = {"backend": "file", "host_pages": args.host_pages, "backend_options": store}
+            if slow:
+                store.update(latency_ms=args.store_latency_ms, read_mbps=args.store_mbps)
+                extra.update(backend="slow-file", recompute_bound=name == "vllm+hicache")
+            return {"kv_connector": "HiCacheConnector", "kv_connector_module_path": "hicache.integrations.vllm",
+                    "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
+
+        # the engines run side by side and take turns request by request, so that load from
+        # elsewhere on the machine falls on all alike
+        engines = {n: Engine(dict(base, connector=hicache(n)), tmp / f"{n}.log") for n in names}
         try:
             for e in engines.values():
                 e.reply()  # ready
@@ -176,7 +201,8 @@ def main(argv: list[str] | None = None) -> int:
                 for turn in range(args.turns):
                     for c in range(args.chats):
                         user = [(rep * 13 + c * 104729 + turn * 613 + i * 7) % (vocab - 3) + 3 for i in range(u)]
-                        order = names if (turn + c) % 2 == 0 else names[::-1]
+                        k = (turn + c) % len(names)
+                        order = names[k:] + names[:k]
                         for n in order:
                             prompt = hist[n][c] + user
                             r = engines[n].ask(prompt)
@@ -206,6 +232,13 @@ def main(argv: list[str] | None = None) -> int:
         "first_answer_tokens_equal": sum(a[:1] == b[:1] for a, b in pairs) / len(pairs),
         "answers_equal": sum(a == b for a, b in pairs) / len(pairs),
     }
+    if slow:
+        report["store"] = {"latency_ms": args.store_latency_ms, "read_mbps": args.store_mbps,
+                           "host_pages": args.host_pages}
+        for n in names[1:]:  # TTFT against vLLM alone: above 1.0 the cache made it slower
+            report[f"{n}_ttft_p50_vs_vllm"] = med[n]["ttft_p50_ms"] / med["vllm"]["ttft_p50_ms"]
+            report[f"{n}_ttft_p50_later_turns_vs_vllm"] = (
+                med[n]["ttft_p50_later_turns_ms"] / med["vllm"]["ttft_p50_later_turns_ms"])
     emit_report(report, args.out)
     return 0
 

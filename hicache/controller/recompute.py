@@ -130,6 +130,11 @@ class ReadPace:
         self.alpha = alpha
         self.seconds_per_page: float | None = None
 
+    def forget(self) -> None:
+        """Drop what was learned: the next read alone sets the pace (after a long pause
+        without reads, the old average says nothing of the store now)."""
+        self.seconds_per_page = None
+
     def observe(self, pages: int, seconds: float) -> None:
         if pages <= 0 or not (math.isfinite(seconds) and seconds >= 0):
             return

@@ -264,7 +264,8 @@ class HiCacheConnector(KVConnectorBase_V1):
             tree = HostPageTree(opts.host_pages, self.geometry.block_size, eviction_policy=opts.eviction_policy)
             self._scheduler = SchedulerSide(
                 store, tree, lookup_wait_s=opts.lookup_wait_s, lookup_timeout_s=opts.lookup_timeout_s,
-                num_workers=tp_size * pp_size,
+                num_workers=tp_size * pp_size, recompute_bound=opts.recompute_bound,
+                recompute_tokens_per_s=opts.recompute_tokens_per_s,
             )
             self._requests: dict[str, Request] = {}
             #: multimodal inputs each request had when its salt was taken: a streaming-input

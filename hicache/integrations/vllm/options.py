@@ -46,6 +46,11 @@ class ConnectorOptions:
       (closing its store takes the rest; after it vLLM's multiprocess executor kills the
       worker), and logs the pages it gave up.
     - ``namespace_salt``: set it to keep deployments that must not share pages apart.
+    - ``recompute_bound``: claim storage hits only while reading a page is no slower than the
+      engine recomputing it (the workers time their reads, the scheduler the engine's steps;
+      see :mod:`.scheduler_side`); ``False`` claims every hit, however slow the store.
+    - ``recompute_tokens_per_s``: the engine's prefill throughput, when it is known; ``None``
+      learns it from the steps.
     """
 
     backend: str = "file"
@@ -58,6 +63,8 @@ class ConnectorOptions:
     load_timeout_s: float = 30.0
     close_timeout_s: float = 30.0
     namespace_salt: str | None = None
+    recompute_bound: bool = True
+    recompute_tokens_per_s: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.backend, str) or not self.backend:
@@ -70,6 +77,12 @@ class ConnectorOptions:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
                 raise ConfigError(f"{name} must be a finite number >= 0, got {value!r}")
+        if not isinstance(self.recompute_bound, bool):
+            raise ConfigError(f"recompute_bound must be true or false, got {self.recompute_bound!r}")
+        rate = self.recompute_tokens_per_s
+        if rate is not None and (isinstance(rate, bool) or not isinstance(rate, (int, float))
+                                 or not math.isfinite(rate) or rate <= 0):
+            raise ConfigError(f"recompute_tokens_per_s must be a positive number, got {rate!r}")
         if self.namespace_salt is not None and not isinstance(self.namespace_salt, str):
             raise ConfigError(f"namespace_salt must be a string, got {self.namespace_salt!r}")
         eviction_key(self.eviction_policy)  # an unknown policy is a ConfigError naming the known ones

@@ -35,6 +35,18 @@ requests back in that same update. With several workers, a save with such blocks
 storage write wait for the scheduler's word (``hold``): commit once every worker reported it
 clean, abort otherwise.
 
+A storage hit is never slower than recomputing it: the forward pass waits for its loads, so
+a store slower than the engine would stall the step (every request in it, not only the one
+that hit). The workers report how long each step's storage reads took (:class:`ReadPace`) and
+how long the forward waited for loads; the scheduler times each step from its plan to its
+report, less that wait, against the tokens it computed (:class:`PrefillCost`, or a configured
+rate). While a page read costs more than recomputing the page, storage hits are not claimed
+(``hit_pages_cut_recompute``); every ``repace_s`` one load is let through to measure the store
+again (its read alone sets the pace: the older ones are stale), so a store that recovers is
+used again. Nothing is cut before both rates are known.
+With async scheduling a step's time also holds part of the previous one's: compute looks
+dearer, so loads are cut later, never sooner.
+
 Reset (``reset_cache``, e.g. after new weights): the tree forgets every page, requests start
 new key chains under a new cache epoch (so nothing stored before matches), and the workers drop
 their host pages when the next step's metadata shows the new epoch.
@@ -52,6 +64,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from hicache.controller.recompute import PrefillCost, ReadPace
 from hicache.integrations.vllm.host_tree import HostMatch, HostPageTree
 from hicache.integrations.vllm.naming import PageKeyChain
 from hicache.integrations.vllm.store_io import StoreIO
@@ -132,6 +145,9 @@ class SchedulerSide:
         lookup_wait_s: float,
         lookup_timeout_s: float,
         num_workers: int = 1,
+        recompute_bound: bool = True,
+        recompute_tokens_per_s: float | None = None,
+        repace_s: float = 10.0,
     ) -> None:
         self.store = store
         self.tree = tree
@@ -139,6 +155,14 @@ class SchedulerSide:
         self.lookup_wait_s = lookup_wait_s
         self.lookup_timeout_s = lookup_timeout_s
         self.num_workers = num_workers
+        #: storage reads against recomputing (see the module docstring)
+        self.recompute_bound = recompute_bound
+        self.prefill = PrefillCost(recompute_tokens_per_s)
+        self.read_pace = ReadPace()
+        self.repace_s = repace_s
+        self._paced_at: float | None = None  # the last read reported, or a load let through to measure
+        self._read_at: float | None = None  # the last read reported
+        self._step_clock: dict[int, tuple[float, int]] = {}  # step -> (planned at, tokens it computes)
         self._reqs: dict[str, _Request] = {}
         self._loads: dict[str, PageLoad] = {}
         self._staging: list[int] = []  # slots of this step's storage reads that join no node
@@ -163,7 +187,7 @@ class SchedulerSide:
             ("lookups", "lookup_waits", "lookup_timeouts", "hit_tokens", "host_hit_tokens", "pages_to_load",
              "pages_to_save", "pages_rewritten", "pages_unwritten", "saves_dropped", "saves_tainted",
              "saves_aborted", "loads_without_room", "hits_capped_for_room", "bad_slot_pages_dropped", "resets",
-             "requests_rerooted"), 0
+             "requests_rerooted", "hit_pages_cut_recompute", "repace_loads"), 0
         )
 
     # ------------------------------------------------------------------ lookup
@@ -201,6 +225,9 @@ class SchedulerSide:
         ask = max(ask, lk.start_page)
         state.known = max(state.known, ask + leading_run(exists[ask - lk.start_page :]))
         hit = leading_run(exists[base - lk.start_page :])
+        if hit and not self._reading_pays():
+            self.stats["hit_pages_cut_recompute"] += hit
+            hit = 0
         if hit:  # read into host slots: only as many pages as the host tier can take now
             self._promised.pop(req_id, None)
             room = self.tree.room(keep=host.node) - sum(self._promised.values())
@@ -210,6 +237,22 @@ class SchedulerSide:
             if hit:
                 self._promised[req_id] = hit
         return max(0, (base + hit) * bs - num_computed)
+
+    def _reading_pays(self) -> bool:
+        """Whether reading a page from storage is no slower than recomputing it (``True``
+        while either rate is unknown: nothing is cut on a guess). A store found slower is
+        measured again by one load every ``repace_s``."""
+        if not self.recompute_bound:
+            return True
+        spp, spt = self.read_pace.seconds_per_page, self.prefill.seconds_per_token
+        if spp is None or spt is None or spp <= self.block_size * spt:
+            return True
+        now = time.monotonic()
+        if self._paced_at is None or now - self._paced_at >= self.repace_s:
+            self._paced_at = now  # this load measures the store; the others wait for its word
+            self.stats["repace_loads"] += 1
+            return True
+        return False
 
     def _rooted(self, req_id: str, cache_salt: str | None) -> _Request:
         """The request's state, rooted at ``cache_salt``. A request whose salt changed (a vLLM
@@ -342,6 +385,7 @@ class SchedulerSide:
         A request that computes again tokens of pages counted as saved (vLLM recomputes blocks
         whose load failed, or a preempted request) has those pages saved again."""
         self._step += 1
+        self._clock_step(scheduled)
         plan = StepPlan(commit=self._commits, abort=self._aborts, epoch=self.epoch, step=self._step,
                         resolved=self._resolved)
         self._commits, self._aborts = [], []
@@ -389,6 +433,33 @@ class SchedulerSide:
                 self.tree.unlock(node)
             self._step_locks = []
         return plan
+
+    def _clock_step(self, scheduled: Sequence[tuple[str, int, int, Sequence[int], Sequence[int]]]) -> None:
+        """Note when this step was planned and the tokens it computes (timed at its report)."""
+        clock = self._step_clock
+        clock[self._step] = (time.monotonic(), sum(max(0, after - before) for _, before, after, *_ in scheduled))
+        while len(clock) > 64:  # steps whose report never came (a worker without one)
+            del clock[next(iter(clock))]
+
+    def _time_step(self, report: WorkerReport) -> None:
+        """The engine's compute pace and the store's read pace, from a step's report."""
+        now = time.monotonic()
+        if report.reads:
+            if self._read_at is None or now - self._read_at >= self.repace_s:
+                # the first read after a pause (a store found slow is read only to measure
+                # it again): what was learned before says nothing of the store now
+                self.read_pace.forget()
+            for pages, seconds in report.reads:
+                self.read_pace.observe(pages, seconds)
+            self._read_at = self._paced_at = now
+        if report.step is None:
+            return
+        planned = self._step_clock.pop(report.step, None)
+        for step in [s for s in self._step_clock if s < report.step]:
+            del self._step_clock[step]
+        if planned is not None:
+            t0, tokens = planned
+            self.prefill.observe(tokens, now - t0 - report.load_wait_s)
 
     def _save(
         self, req_id: str, state: _Request, token_ids: Sequence[int], keys: list[str], block_ids: Sequence[int],
@@ -443,7 +514,9 @@ class SchedulerSide:
         """What the workers did: the word on held writes, writes that every worker ended (their
         pages now count as stored as far as all of them wrote them; their nodes unlock), slots
         a worker found not holding what the tree says (forgotten at once), and the step the
-        report ends (loads up to it are resolved)."""
+        report ends (loads up to it are resolved); the step's time and reads (see
+        :meth:`_reading_pays`)."""
+        self._time_step(report)
         if report.step is not None:
             self._resolved = max(self._resolved, report.step)
         for job, n in report.tainted.items():

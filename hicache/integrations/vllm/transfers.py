@@ -100,6 +100,10 @@ class WorkerReport:
     - ``step``: the scheduler's step this report ends (the lowest of the workers'): vLLM handles
       that step's failed loads with this very output, so the scheduler need not suspect them
       any more (``None``: no step begun).
+    - ``reads``: (pages, seconds) of each step's storage reads (all of its requests together,
+      start to last page landed): the store's pace, weighed against recomputing;
+    - ``load_wait_s``: how long the forward passes waited for loads (the slowest worker's):
+      not compute, so left out when the scheduler times the engine's steps.
     """
 
     jobs_done: Counter[int] = field(default_factory=Counter)
@@ -109,10 +113,12 @@ class WorkerReport:
     tainted: Counter[int] = field(default_factory=Counter)
     step: int | None = None
     skipped: Counter[int] = field(default_factory=Counter)
+    reads: list[tuple[int, float]] = field(default_factory=list)
+    load_wait_s: float = 0.0
 
     def __bool__(self) -> bool:
         return bool(self.jobs_done or self.bad_slots or self.written or self.held or self.tainted
-                    or self.skipped or self.step is not None)
+                    or self.skipped or self.step is not None or self.reads or self.load_wait_s)
 
     def merge(self, other: WorkerReport) -> WorkerReport:
         """Both reports in one (vLLM aggregates the workers' reports of a step)."""
@@ -120,5 +126,5 @@ class WorkerReport:
         return WorkerReport(
             self.jobs_done + other.jobs_done, self.bad_slots | other.bad_slots, _min_merge(self.written, other.written),
             self.held + other.held, self.tainted + other.tainted, min(steps) if steps else None,
-            self.skipped + other.skipped,
+            self.skipped + other.skipped, self.reads + other.reads, max(self.load_wait_s, other.load_wait_s),
         )

@@ -43,6 +43,7 @@ import dataclasses
 import itertools
 import logging
 import threading
+import time
 from collections import Counter
 from collections.abc import Sequence
 from typing import Any
@@ -240,6 +241,7 @@ class WorkerSide:
         i = self._layer_index.get(layer_name)
         if i is None or job.abandoned.is_set():
             return  # an abandoned load's blocks are reported failed already: no layer waits again
+        t0 = time.perf_counter()
         try:
             job.counter.wait_sync(i, timeout=self.load_timeout_s + 5.0)
         except BaseException as exc:  # noqa: BLE001 - a failed load is reported, not raised
@@ -248,6 +250,9 @@ class WorkerSide:
             job.abandoned.set()
             job.counter.fail(exc if isinstance(exc, Exception) else RuntimeError(repr(exc)))
             self._fail(job.blocks)
+        finally:
+            with self._lock:  # time the forward spent on loads, not on compute
+                self._report.load_wait_s += time.perf_counter() - t0
 
     def finish_step(self) -> None:
         """End of the step: the load thread must be done with vLLM's blocks before they are
@@ -288,7 +293,13 @@ class WorkerSide:
                         self._resident[slot] = None  # being overwritten
                         self._reading[slot] += 1
                     fetches.append(_Fetch(f"{spec.req_id}#{next(self._rids)}", keys, slots) if keys else None)
-            fetched = self._fetch([f for f in fetches if f is not None])
+            reads = [f for f in fetches if f is not None]
+            t0 = time.perf_counter()
+            fetched = self._fetch(reads)
+            if reads:  # the store's pace, for the scheduler's choice between reading and recomputing
+                pages = sum(len(f.keys) for f in reads)
+                with self._lock:
+                    self._report.reads.append((pages, time.perf_counter() - t0))
             bad: set[int] = set()
             with self._lock:
                 for spec, fetch in zip(loads, fetches):

@@ -189,6 +189,10 @@ def test_options_refuse_unknown_keys_and_bad_values() -> None:
         ConnectorOptions.from_extra_config({"controller": {"storage_queue_sise": 8}})
     with pytest.raises(ConfigError, match="set by the connector"):
         ConnectorOptions.from_extra_config({"controller": {"prefetch_threshold": 64}})
+    for bad in ({"recompute_tokens_per_s": 0}, {"recompute_tokens_per_s": float("inf")},
+                {"recompute_tokens_per_s": True}, {"recompute_bound": "yes"}):
+        with pytest.raises(ConfigError, match="recompute"):
+            ConnectorOptions.from_extra_config(bad)
     opts = ConnectorOptions.from_extra_config({"controller": {"storage_max_retries": 1}, "eviction_policy": "slru"})
     cfg = opts.controller_config()
     assert cfg.storage_max_retries == 1 and cfg.prefetch_threshold == 0 and cfg.prefetch_policy == "wait_complete"
@@ -572,10 +576,13 @@ def test_the_worker_report_crosses_vllm_as_mergeable_worker_metadata() -> None:
     from hicache.integrations.vllm.connector import HiCacheWorkerMetadata
     from hicache.integrations.vllm.transfers import WorkerReport
 
-    a = HiCacheWorkerMetadata(WorkerReport(Counter({1: 1}), {3}))
-    b = HiCacheWorkerMetadata(WorkerReport(Counter({1: 1, 2: 1}), {4}))
+    a = HiCacheWorkerMetadata(WorkerReport(Counter({1: 1}), {3}, reads=[(2, 0.5)], load_wait_s=0.25))
+    b = HiCacheWorkerMetadata(WorkerReport(Counter({1: 1, 2: 1}), {4}, reads=[(2, 0.75)], load_wait_s=0.5))
     merged = a.aggregate(b)
     assert merged.report.jobs_done == Counter({1: 2, 2: 1}) and merged.report.bad_slots == {3, 4}
+    # every rank's reads; the forward waited as long as its slowest rank
+    assert merged.report.reads == [(2, 0.5), (2, 0.75)] and merged.report.load_wait_s == 0.5
+    assert WorkerReport(reads=[(1, 0.0)]) and WorkerReport(load_wait_s=0.1) and not WorkerReport()
     import pickle
 
     assert pickle.loads(pickle.dumps(merged)).report == merged.report
@@ -727,3 +734,120 @@ def test_freed_host_slots_leave_the_stored_set() -> None:
         t.insert(toks, None, t.match(toks, None, 8, count_hit=False), got)
         assert t.reserve(8) is not None and t.stored == set() and t.held_pages() == 0
         assert calls == []  # nothing stored: evictions skip the per-page bookkeeping
+
+
+# ---------------------------------------------------------------- storage hits against recomputing
+def test_workers_report_their_reads_and_load_waits_and_the_scheduler_learns_both(tmp_path: Path) -> None:
+    """A step that reads from storage reports its pages and seconds (the store's pace) and how
+    long the forward waited for them; the scheduler times the step from its plan to the
+    report, less that wait, against the tokens it computed (the engine's prefill pace)."""
+    stored(tmp_path, seed=21, num_pages=3)
+    s = scheduler("file", {"root": str(tmp_path)})
+    w = worker(tmp_path, kv_layers(None))
+    try:
+        assert s.read_pace.seconds_per_page is None and s.prefill.observations == 0
+        blocks = list(range(6))
+        assert request(s, "a", TOKENS, blocks) == 3 * BS
+        plan = s.plan_step([("a", 3 * BS, len(TOKENS), TOKENS, blocks)])
+        begin(w, plan)
+        assert load(w, plan.loads) == set()
+        w.save(plan.saves)
+        report = w.take_report()
+        ((pages, seconds),) = report.reads
+        assert pages == 3 and seconds > 0 and report.load_wait_s >= 0
+        s.on_report(report)
+        assert s.read_pace.seconds_per_page == pytest.approx(seconds / 3)
+        assert s.prefill.observations == 1  # 2 pages + 3 tokens computed: one prefill seen
+    finally:
+        w.close(timeout=10)
+        s.close(timeout=10)
+
+
+def test_a_step_is_timed_without_its_load_wait_and_short_steps_teach_nothing() -> None:
+    from hicache.integrations.vllm.transfers import WorkerReport
+
+    s = SchedulerSide(StoreIO("memory", {}, [namespace()], name="t-clock"), HostPageTree(8, BS),
+                      lookup_wait_s=0.1, lookup_timeout_s=1.0)
+    try:
+        for n in (4, 64, 128, 256, 512):
+            plan = s.plan_step([("x", 0, n, [], [])])  # a request the connector does not know: timed only
+            time.sleep(0.01)
+            # n=4 is a decode-sized step (below PrefillCost.min_tokens); the others waited on
+            # loads for all their time but 0.01 s
+            s.on_report(WorkerReport(step=plan.step, load_wait_s=0.0 if n == 4 else -0.0))
+        assert s.prefill.observations == 4
+        plan = s.plan_step([("y", 0, 1024, [], [])])
+        s.on_report(WorkerReport(step=plan.step, load_wait_s=3600.0))  # all of it waiting: no compute seen
+        assert s.prefill.observations == 4
+        assert s.prefill.seconds_per_token is not None and s.prefill.seconds_per_token > 0
+        s.on_report(WorkerReport(step=999))  # a report of a step never planned (or timed already)
+        assert s.prefill.observations == 4 and not s._step_clock
+    finally:
+        s.close(timeout=10)
+
+
+def test_storage_hits_are_not_claimed_while_a_read_is_slower_than_recomputing(tmp_path: Path) -> None:
+    """The field notes' bug: a storage hit slower than recomputing. Once both paces are known
+    and a page read costs more than computing the page, the scheduler claims no storage hit
+    (pages in the host tier still are: they cost a memory copy); every ``repace_s`` one load
+    goes through to measure the store again. Nothing is cut before a read was seen, with a
+    fast store, or with the bound off."""
+    from hicache.integrations.vllm.transfers import WorkerReport
+
+    stored(tmp_path, seed=22, num_pages=3)
+
+    def sched(**kw: object) -> SchedulerSide:
+        return SchedulerSide(StoreIO("file", {"root": str(tmp_path)}, [namespace()], name="t-bound"),
+                             HostPageTree(64, BS), lookup_wait_s=5.0, lookup_timeout_s=5.0, **kw)  # type: ignore[arg-type]
+
+    # recomputing a page (32 tokens) at 1e6 tokens/s: 32 us; the store: 0.1 s a page
+    s = sched(recompute_tokens_per_s=1e6, repace_s=0.2)
+    try:
+        assert s.matched_tokens("a", TOKENS, None, 0) == 3 * BS  # no read seen yet: claimed
+        s.on_report(WorkerReport(reads=[(2, 0.2)]))
+        assert s.matched_tokens("b", TOKENS, None, 0) == 0
+        assert s.matched_tokens("b", TOKENS, None, BS) == 0  # vLLM holds one block: the rest is storage's
+        assert s.stats["hit_pages_cut_recompute"] == 3 + 2
+        time.sleep(0.25)
+        assert s.matched_tokens("c", TOKENS, None, 0) == 3 * BS  # one load measures the store again
+        assert s.matched_tokens("d", TOKENS, None, 0) == 0  # the others wait for its word
+        assert s.stats["repace_loads"] == 1
+        s.on_report(WorkerReport(reads=[(3, 0.2)]))  # still slow: the store stays unclaimed
+        assert s.matched_tokens("e", TOKENS, None, 0) == 0
+        time.sleep(0.25)
+        assert s.matched_tokens("f", TOKENS, None, 0) == 3 * BS  # measured again
+        s.on_report(WorkerReport(reads=[(3, 0.00003)]))  # the store recovered: that read alone counts
+        assert s.matched_tokens("g", TOKENS, None, 0) == 3 * BS
+        assert s.stats["repace_loads"] == 2
+    finally:
+        s.close(timeout=10)
+    for kw in ({"recompute_tokens_per_s": 10.0}, {"recompute_tokens_per_s": 1e6, "recompute_bound": False}):
+        s = sched(**kw)
+        try:
+            s.on_report(WorkerReport(reads=[(2, 0.2)]))
+            assert s.matched_tokens("a", TOKENS, None, 0) == 3 * BS, kw
+            assert s.stats["hit_pages_cut_recompute"] == 0
+        finally:
+            s.close(timeout=10)
+
+
+def test_host_tier_hits_are_claimed_whatever_the_stores_pace(tmp_path: Path) -> None:
+    stored(tmp_path, seed=23, num_pages=3)
+    from hicache.integrations.vllm.transfers import WorkerReport
+
+    s = SchedulerSide(StoreIO("file", {"root": str(tmp_path)}, [namespace()], name="t-host"),
+                      HostPageTree(64, BS), lookup_wait_s=5.0, lookup_timeout_s=5.0,
+                      recompute_tokens_per_s=1e6, repace_s=3600.0)
+    w = worker(tmp_path, kv_layers(None))
+    try:
+        blocks = list(range(6))
+        assert request(s, "a", TOKENS, blocks) == 3 * BS  # no pace yet: read from storage
+        run_step(s, w, [("a", 3 * BS, len(TOKENS), TOKENS, blocks)])
+        wait_report(s, w)
+        s.on_report(WorkerReport(reads=[(1, 10.0)]))  # then the store turns very slow
+        # the prompt's five pages sit in the host tier now: a hit without the store
+        assert s.matched_tokens("b", TOKENS, None, 0) == 5 * BS
+        assert s.stats["hit_pages_cut_recompute"] == 0
+    finally:
+        w.close(timeout=10)
+        s.close(timeout=10)

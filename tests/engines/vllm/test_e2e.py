@@ -137,6 +137,25 @@ def test_pages_damaged_on_disk_are_recomputed_not_served(tiny: Path, computed: A
     assert len(replaced) == sum(HITS) // BLOCK
 
 
+def test_a_store_slower_than_recomputing_is_not_waited_for(tiny: Path, computed: Any, tmp_path: Path) -> None:
+    """A store whose calls take 0.3 s (``slow_store_connector``) against an engine that
+    recomputes a page in microseconds: the first request, before any read was seen, is
+    claimed and read; once the workers reported that read, the scheduler claims no more
+    storage hits (``hit_pages_cut_recompute``) and vLLM computes the next prompts, with the
+    same text as computed from scratch."""
+    store, first = computed
+    slow_root = tmp_path / "store"
+    shutil.copytree(store, slow_root)
+    slow = {"backend": "slow-file", "backend_options": {"root": str(slow_root), "latency_ms": 300},
+            "recompute_tokens_per_s": 1e6}
+    spec = spec_for(tiny, None, phases=[{"prompts": PROMPTS[:1]}, {"prompts": PROMPTS[1:]}])
+    spec["connector"] = connector(slow, module="slow_store_connector")
+    one, two = run_engine(tmp_path, "slow", spec)["phases"]
+    assert one["cached"] == HITS[:1]
+    assert two["cached"] == [0, 0]
+    assert one["outputs"] + two["outputs"] == first["outputs"]
+
+
 def test_store_that_is_down_costs_only_recompute(tiny: Path, computed: Any, tmp_path: Path) -> None:
     """An S3 store nobody listens on: every lookup and write fails fast, requests succeed with
     the computed text and nothing cached."""
