@@ -141,8 +141,14 @@ def live_views(pool: Any, starts: Sequence[int]) -> list[memoryview] | None:
         return None
 
 
-def write_sources(pool: Any, starts: Sequence[int]) -> list[memoryview | None]:
-    """Byte views of each page to write; ``None`` for a page the pool cannot produce."""
+def write_sources(pool: Any, starts: Sequence[int], nbytes: int | None = None) -> list[memoryview | None]:
+    """Byte views of each page to write; ``None`` for a page the pool cannot produce, or
+    (``nbytes`` given) one that is not ``nbytes`` long.
+
+    Why the length check: SGLang's pools slice their buffers without a bounds check, so a
+    start past the pool's end (or near it) gives an empty or short page instead of an error;
+    stored, it would be a page every lookup reports present and no read can use.
+    """
     views = live_views(pool, starts)
     if views is not None:
         return list(views)
@@ -155,9 +161,11 @@ def write_sources(pool: Any, starts: Sequence[int]) -> list[memoryview | None]:
                 if page.device.type != "cpu":
                     page = page.cpu()
                 view = page if page.is_contiguous() else page.contiguous()
-            out.append(as_bytes(view))
+            data = as_bytes(view)
         except Exception:  # noqa: BLE001 - a bad index is a failed page, not a failed batch
             out.append(None)
+            continue
+        out.append(data if nbytes is None or len(data) == nbytes else None)
     return out
 
 

@@ -113,13 +113,20 @@ async def read_pages(host: PoolPagesHost, name: str, keys: list[str], host_indic
         async def read(positions: list[int], bufs: Sequence[Any]) -> list[bool]:
             return await host._read_guarded([PageKey(keys[good[j]], name) for j in positions], bufs)
 
-        how = staging.read_committed if host.supports_staged_pages else staging.read_staged
-        flags = await how(pool, good_starts, read, host._staging, page_io.page_nbytes_hint(pool))
+        nbytes = page_io.page_nbytes_hint(pool)
+        if host.supports_staged_pages:
+            flags = await staging.read_committed(pool, good_starts, read, host._staging, nbytes)
+        else:
+            flags = await staging.read_staged(
+                pool, good_starts, read, host._staging, nbytes, lambda n: _refused(host, name, "get", n)
+            )
         return _scatter(len(keys), good, flags)
     found = page_io.read_targets(pool, good_starts)
     targets: list[page_io.ReadTarget | None] = [None] * len(keys)
     for i, t in zip(good, found):
         targets[i] = t
+    if None in found:
+        _refused(host, name, "get", found.count(None))
     live = [i for i, t in enumerate(targets) if t is not None]
     ok = [False] * len(keys)
     got = await host._read_guarded(
@@ -130,8 +137,23 @@ async def read_pages(host: PoolPagesHost, name: str, keys: list[str], host_indic
     if any(t is not None and t.staging is not None for t in targets):
         # Commits write into the pool: a cancelled caller must not get the pages back while
         # a thread is still copying into them.
+        read_ok = sum(ok)
         ok = await run_to_completion(page_io.commit_reads, pool, targets, ok)
+        if sum(ok) < read_ok:
+            _refused(host, name, "get", read_ok - sum(ok))
     return ok
+
+
+def _refused(host: PoolPagesHost, name: str, op: str, n: int) -> None:
+    """``n`` pages of a batch the host pool refused (its page methods raised for their index)
+    or, on a write, gave at another size than its page: host indices past the pool's end,
+    which SGLang's pools do not check. Those pages fail; counted as a caller error, which
+    they are, so a miss the store had no part in still shows in the counters."""
+    host.stats.incr("invalid_requests")
+    logger.error(
+        "%s %s: pool %r refused %d page(s) (host indices outside the pool?); those pages fail",
+        type(host).__name__, op, name, n,
+    )
 
 
 def _drop_overlapping_targets(host: PoolPagesHost, name: str, starts: list[int | None], page_size: int) -> None:
@@ -195,9 +217,10 @@ async def write_pages(
                 return [False] * len(keys)
             flags = await staging.write_produced(pool, good_starts, write, nbytes)
         else:
-            flags = await staging.write_staged(pool, good_starts, write, nbytes or staging.CHUNK_BYTES)
+            flags = await staging.write_staged(pool, good_starts, write, nbytes, lambda n: _refused(host, name, "set", n))
         return _scatter(len(keys), good, flags)
-    return await _write_found(host, name, keys, good, page_io.write_sources(pool, good_starts), parents, pages)
+    sources = page_io.write_sources(pool, good_starts, page_io.page_nbytes_hint(pool))
+    return await _write_found(host, name, keys, good, sources, parents, pages)
 
 
 async def _write_found(
@@ -217,6 +240,8 @@ async def _write_found(
     if len(good) == len(keys) and None not in found:
         return await host._write_guarded(pages, found, parents)  # type: ignore[arg-type]
     live = [(i, src) for i, src in zip(good, found) if src is not None]
+    if len(live) < len(good):
+        _refused(host, name, "set", len(good) - len(live))
     done = await host._write_guarded(
         [pages[i] for i, _ in live], [src for _, src in live], [parents[i] for i, _ in live]
     )

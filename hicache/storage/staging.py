@@ -250,11 +250,17 @@ async def read_committed(
 
 
 async def read_staged(
-    pool: Any, starts: Sequence[int], read: ReadFn, arena: StagingArena, nbytes_hint: int | None = None
+    pool: Any,
+    starts: Sequence[int],
+    read: ReadFn,
+    arena: StagingArena,
+    nbytes_hint: int | None = None,
+    refused: Callable[[int], None] | None = None,
 ) -> list[bool]:
     """Read pages ``starts`` of ``pool`` through staging: ``read(positions, buffers)`` fills and
     verifies the buffers of the pages at those positions of ``starts``; verified pages are
-    committed with ``set_from_flat_data_page``. Returns one flag per start."""
+    committed with ``set_from_flat_data_page``, and ``refused(n)`` hears of the pages the pool
+    would not take. Returns one flag per start."""
     ok = [False] * len(starts)
     if not starts:
         return ok
@@ -274,6 +280,8 @@ async def read_staged(
             done = await run_to_completion(commit_reads, pool, targets, list(got))
             for i, flag in zip(part, done):
                 ok[i] = flag
+            if refused is not None and sum(done) < sum(got):
+                refused(sum(got) - sum(done))
         finally:
             arena.give(pages)
 
@@ -281,22 +289,31 @@ async def read_staged(
     return ok
 
 
-async def write_staged(pool: Any, starts: Sequence[int], write: WriteFn, page_bytes: int) -> list[bool]:
+async def write_staged(
+    pool: Any,
+    starts: Sequence[int],
+    write: WriteFn,
+    page_bytes: int | None,
+    refused: Callable[[int], None] | None = None,
+) -> list[bool]:
     """Write pages ``starts`` of ``pool``: each chunk's ``get_data_page`` copies are made on a
     thread while the previous chunk is written by ``write(positions, buffers)``. A page the pool
-    cannot produce fails alone. Returns one flag per start."""
+    cannot produce, or (``page_bytes`` known) produces at another size, fails alone, and
+    ``refused(n)`` hears of them. Returns one flag per start."""
     ok = [False] * len(starts)
 
     async def one(part: range) -> None:
-        sources = await run_to_completion(write_sources, pool, [starts[i] for i in part])
+        sources = await run_to_completion(write_sources, pool, [starts[i] for i in part], page_bytes)
         live = [(i, src) for i, src in zip(part, sources) if src is not None]
+        if refused is not None and len(live) < len(part):
+            refused(len(part) - len(live))
         if not live:
             return
         done = await write([i for i, _ in live], [src for _, src in live])
         for (i, _), flag in zip(live, done):
             ok[i] = flag
 
-    await _pipelined(_chunks(len(starts), max(1, CHUNK_BYTES // max(1, page_bytes))), one)
+    await _pipelined(_chunks(len(starts), max(1, CHUNK_BYTES // max(1, page_bytes or CHUNK_BYTES))), one)
     return ok
 
 

@@ -6,8 +6,8 @@ a copy engine's loads slow or failing. ``eventually`` waits for a condition with
 """
 
 from hicache.testing.faults import inject_load_faults
-from hicache.testing.pools import ArrayHostPool
+from hicache.testing.pools import ArrayHostPool, UncheckedHostPool
 from hicache.testing.store_tests import StoreTests, reference_v2_hits
 from hicache.testing.waiting import eventually
 
-__all__ = ["ArrayHostPool", "StoreTests", "eventually", "inject_load_faults", "reference_v2_hits"]
+__all__ = ["ArrayHostPool", "StoreTests", "eventually", "inject_load_faults", "reference_v2_hits", "UncheckedHostPool"]

@@ -4,6 +4,7 @@
 memory); ``direct=False`` behaves like a pool whose pages must be staged, as SGLang's
 ``layer_first`` pools are, and returns copies from ``get_data_page``. ``RelocatingPool``
 hands out live views of pages that move on every commit, as SGLang's unified pool's do.
+``UncheckedHostPool`` has no ``page_view`` and no bounds check, as SGLang's ``HostKVCache``.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import threading
 
 import torch
 
-__all__ = ["ArrayHostPool", "RelocatingPool"]
+__all__ = ["ArrayHostPool", "RelocatingPool", "UncheckedHostPool"]
 
 
 class ArrayHostPool:
@@ -77,6 +78,21 @@ class ArrayHostPool:
     def _check(self, index: int) -> None:
         if index < 0 or index + self.page_size > self.size or index % self.page_size:
             raise IndexError(f"page index {index} outside pool of {self.size} tokens")
+
+
+class UncheckedHostPool(ArrayHostPool):
+    """A pool with the seed page protocol alone, as SGLang's ``HostKVCache``: no ``page_view``
+    (every page is copied) and no bounds check, so a page past the pool's end comes out of
+    ``get_data_page`` short or empty (a slice), and ``set_from_flat_data_page`` there fails
+    only because the reshape does."""
+
+    def __init__(self, num_pages: int, page_size: int, token_elems: int = 64, dtype: torch.dtype = torch.float16) -> None:
+        super().__init__(num_pages, page_size, token_elems, dtype, direct=False)
+
+    page_view = None  # type: ignore[assignment] # SGLang's pools have none at all
+
+    def _check(self, index: int) -> None:
+        pass
 
 
 class RelocatingPool:

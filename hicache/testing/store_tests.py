@@ -41,7 +41,7 @@ from hicache.storage import (
     PoolTransfer,
     PoolTransferResult,
 )
-from hicache.testing.pools import ArrayHostPool
+from hicache.testing.pools import ArrayHostPool, UncheckedHostPool
 
 __all__ = ["StoreTests", "reference_v2_hits"]
 
@@ -366,6 +366,31 @@ class StoreTests:
         assert (await store.batch_set_v2([PoolTransfer("kv", host_indices=idx, keys=keys)]))["kv"] == [True, False, True]
         with pytest.raises(StorageStateError, match="register"):
             await store.batch_get_v2([PoolTransfer("unregistered", host_indices=src.indices(0, 1), keys=keys[:1])])
+
+    @pytest.mark.asyncio
+    async def test_pages_past_an_unchecked_pool_end_fail_alone(self, store: AsyncHiCacheStorage) -> None:
+        """SGLang's pools slice without a bounds check: host indices past the end (or running
+        over it) give an empty or short page. Such a page is a counted failure, never stored
+        (a stored one would be reported present and could never be read back), and a read
+        there is a counted miss; the other pages of the batch move."""
+        src = UncheckedHostPool(4, PAGE)
+        src.fill_random(13)
+        store.register_mem_pool_host(src)
+        keys = keys_for(3, salt=91)
+        idx = torch.cat([src.indices(0, 1), torch.arange(4 * PAGE, 5 * PAGE), torch.arange(4 * PAGE - 2, 5 * PAGE - 2)])
+        def failures(*names: str) -> int | float:
+            stats = store.get_stats()
+            return sum(stats[n] for n in ("invalid_requests", *names))
+
+        before = failures("write_failures")
+        assert await store.batch_set_v1(keys, idx) == [True, False, False]
+        assert failures("write_failures") >= before + 1
+        assert await store.exists_pages(keys) == [True, False, False]
+        assert [await self.raw_payload(store, k) for k in keys[1:]] == [None, None]
+        before, held = failures("read_misses"), src.buffer.clone()
+        assert await store.batch_get_v1(keys[:1], torch.arange(4 * PAGE, 5 * PAGE)) == [False]
+        assert failures("read_misses") >= before + 1
+        assert torch.equal(src.buffer, held)
 
     @pytest.mark.asyncio
     async def test_odd_keys_round_trip(self, store: AsyncHiCacheStorage) -> None:
