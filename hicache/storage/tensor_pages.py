@@ -65,6 +65,14 @@ async def read_tensors(
             type(targets[wrong[0]]).__name__, wrong[0],
         )
     direct = [i for i, t in enumerate(targets) if isinstance(t, torch.Tensor)]
+    unusable = [i for i in direct if not _can_take_bytes(targets[i])]  # type: ignore[arg-type]
+    if unusable:
+        host.stats.incr("invalid_requests")
+        logger.error(
+            "batch_get: %d target(s) cannot take a page's bytes (no storage: meta or sparse, or "
+            "elements sharing memory: expanded); those keys are misses", len(unusable),
+        )
+        direct = [i for i in direct if i not in unusable]
     clash = _aliased_targets([(i, targets[i]) for i in direct])  # type: ignore[misc]
     if clash:
         host.stats.incr("invalid_requests")
@@ -113,6 +121,10 @@ async def write_tensors(host: TensorPagesHost, keys: list[str], vals: list[Any])
         host.stats.incr("invalid_requests")
         logger.error("batch_set: need one tensor per key (%d keys, %d values)", len(keys), len(vals))
         return False
+    if any(not _has_bytes(v) for v in vals):
+        host.stats.incr("invalid_requests")
+        logger.error("batch_set: a value has no bytes to store (a meta or sparse tensor)")
+        return False
     if any(v.device.type != "cpu" or not v.is_contiguous() for v in vals):  # type: ignore[union-attr]
         flat = await run_to_completion(_host_contiguous, vals)  # device copies: off the loop
     else:
@@ -121,6 +133,30 @@ async def write_tensors(host: TensorPagesHost, keys: list[str], vals: list[Any])
     chain: list[PageKey | None] = [None, *(PageKey(k, KV) for k in keys[:-1])]
     ok = await host._write_guarded([PageKey(k, KV) for k in keys], bufs, chain)
     return all(ok)
+
+
+def _has_bytes(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a dense tensor with memory: what a page's bytes can come from or go to
+    (a meta tensor has no memory; a sparse one's bytes are not its values)."""
+    return t.layout == torch.strided and t.device.type != "meta"
+
+
+def _can_take_bytes(t: torch.Tensor) -> bool:
+    """Whether a page's bytes can be read into ``t``: it has bytes, and no two of its elements
+    share memory. An expanded (or overlapping ``as_strided``) target's do: a copy into it
+    fails, or keeps only some of the page and would be answered as a hit.
+
+    Why this test: with the dimensions in stride order, each stride clearing the span of the
+    ones before it is enough for no overlap (every view of dense memory passes); a layout it
+    refuses is a miss, never wrong bytes."""
+    if not _has_bytes(t):
+        return False
+    span = 0
+    for stride, n in sorted((st, n) for n, st in zip(t.shape, t.stride()) if n > 1):
+        if stride <= span:
+            return False
+        span += stride * (n - 1)
+    return True
 
 
 def _copy_into_targets(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:

@@ -245,6 +245,27 @@ class StoreTests:
         assert await store.get("v0-key", torch.empty(2)) is None  # wrong size is a miss
 
     @pytest.mark.asyncio
+    async def test_v0_tensors_without_usable_memory_fail_cleanly(self, store: AsyncHiCacheStorage) -> None:
+        """A value with no bytes (meta, sparse) is a counted ``False``, not an exception; a
+        target that cannot hold a page (meta: no memory; expanded or overlapping: elements
+        sharing memory) is a counted miss, never a hit holding other bytes than the page's."""
+        value = torch.arange(20, dtype=torch.float32)
+        assert await store.set("v0-usable", value)
+        before = store.get_stats()["invalid_requests"]
+        assert await store.set("v0-meta", torch.empty(4, device="meta")) is False
+        assert await store.set("v0-sparse", torch.ones(4).to_sparse()) is False
+        assert await store.exists_pages(["v0-meta", "v0-sparse"]) == [False, False]
+        for target in (
+            torch.empty(20, device="meta"),
+            torch.empty(1).expand(20),
+            torch.empty(11).as_strided((10, 2), (1, 1)),
+        ):
+            assert await store.get("v0-usable", target) is None
+        assert store.get_stats()["invalid_requests"] == before + 5
+        got = await store.get("v0-usable", torch.empty(20))
+        assert got is not None and torch.equal(got, value)
+
+    @pytest.mark.asyncio
     async def test_v0_batches(self, store: AsyncHiCacheStorage) -> None:
         keys = keys_for(3, salt=9)
         vals = [torch.full((8,), float(i)) for i in range(3)]
