@@ -120,7 +120,7 @@ class IoThread:
                 pass
 
         def begin() -> None:  # on the I/O loop
-            task = io_loop.create_task(coro)
+            task = io_loop.create_task(_contained(coro, self.name))
             task.add_done_callback(relay)
             started.append(task)
 
@@ -164,6 +164,23 @@ class IoThread:
             logger.warning("%s: the storage I/O loop is blocked; its thread is left behind", self.name)
             return False
         return True
+
+
+async def _contained(coro: Coroutine[Any, Any, T], name: str) -> T:
+    """Await ``coro`` on the I/O loop, turning a ``KeyboardInterrupt`` or ``SystemExit`` it
+    raises into a ``RuntimeError``.
+
+    Why: asyncio re-raises those two out of the loop that runs the task. On the I/O thread
+    that stopped the I/O loop for good (every later storage call started a new loop the
+    backend was not bound to), and the relayed exception then stopped the server's loop too:
+    one backend calling ``sys.exit()`` took the server down. Neither can come from a signal
+    on this thread (Python delivers those to the main thread only), so it is a failure of the
+    store like any other, and the caller treats it as one."""
+    try:
+        return await coro
+    except (KeyboardInterrupt, SystemExit) as exc:
+        logger.error("%s: a storage call raised %s; treated as a failed call", name, type(exc).__name__)
+        raise RuntimeError(f"a storage call raised {type(exc).__name__} on the I/O thread") from exc
 
 
 def _copy_outcome(task: asyncio.Task[T], outcome: asyncio.Future[T]) -> None:
