@@ -32,7 +32,14 @@ from typing import Any
 import torch
 
 from hicache.config import HiCacheConfig, aload_config, load_config
-from hicache.errors import CacheClosedError, HiCacheError, OutOfKVSlotsError, PrefixLoadError, RequestAbortedError
+from hicache.errors import (
+    CacheClosedError,
+    HiCacheError,
+    LoopMisuseError,
+    OutOfKVSlotsError,
+    PrefixLoadError,
+    RequestAbortedError,
+)
 from hicache.events.service import start_events
 from hicache.memory import MambaHostPool, MambaStatePool
 from hicache.observability import tracing
@@ -171,6 +178,8 @@ class HiCache:
         self._opening: asyncio.Future[None] | None = None
         self._events: Any = None  # hicache.events.service.KVEventService, once events are on
         self.close_report: Any = None
+        #: the event loop start() ran on: the one loop every call must come from (see _check_loop)
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     @classmethod
     def from_config(cls, source: str | os.PathLike[str] | dict | HiCacheConfig | None = None) -> HiCache:
@@ -210,12 +219,20 @@ class HiCache:
 
         Concurrent calls start the cache once; an :meth:`aclose` that overtakes the start
         takes down what it built (the start then raises :class:`CacheClosedError`)."""
+        self._check_loop()
+        self._loop = asyncio.get_running_loop()
         async with self._start_lock:
             if self._state is _State.OPEN:
                 return self
             if self._state is _State.CLOSED:
                 raise CacheClosedError("HiCache is closed; build a new one")
-            return await self._start()
+            self._loop = asyncio.get_running_loop()
+            try:
+                return await self._start()
+            except BaseException:
+                if self._state is _State.UNOPENED:
+                    self._loop = None  # a failed start binds nothing: a retry may run on another loop
+                raise
 
     async def _start(self) -> HiCache:
         if self.config.tracing.enabled:
@@ -286,7 +303,11 @@ class HiCache:
     async def aclose(self) -> Any:
         """Release every session, drain write-backs and backups, close storage; idempotent.
 
-        Returns the controller's close report (pages it could not write, if any)."""
+        Returns the controller's close report (pages it could not write, if any). Raises
+        :class:`~hicache.errors.LoopMisuseError` on another loop than the one that started the
+        cache (a finished close answers on any loop)."""
+        if self._close_task is None or not self._close_task.done():
+            self._check_loop()
         if self._close_task is None:
             if self._state is not _State.OPEN:
                 self._state = _State.CLOSED
@@ -329,7 +350,30 @@ class HiCache:
         if self._state is not _State.OPEN or self.cache is None:
             state = "closed" if self._state is _State.CLOSED else "not started"
             raise CacheClosedError(f"HiCache is {state}")
+        self._check_loop()
         return self.cache
+
+    def _check_loop(self) -> None:
+        """Raise :class:`~hicache.errors.LoopMisuseError` when called on an event loop other
+        than the one that started the cache.
+
+        Why: the tree, the pools and the controller's queues, workers and futures belong to that
+        loop and are not thread-safe. A call from another loop mutated them from a second thread
+        (a request "served" while the owner's loop ran), and an ``aclose()`` there made a close
+        task of that loop, which hung and left the cache unable to close on its own loop. A
+        thread with no running loop (an engine worker calling :meth:`note_prefill`, a metrics
+        scrape) is not refused."""
+        owner = self._loop
+        if owner is None:
+            return
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        if running is not owner:
+            why = ("that loop is closed: close the cache before its loop ends" if owner.is_closed()
+                   else "call it there (asyncio.run_coroutine_threadsafe from another thread)")
+            raise LoopMisuseError(f"HiCache was started on another event loop; {why}")
 
     # ------------------------------------------------------------------ request path
 
