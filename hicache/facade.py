@@ -332,7 +332,19 @@ class HiCache:
         for handle in list(self._live.values()):
             self._abort_now(handle)
         try:
-            report = await self.cache.aclose()
+            try:
+                report = await self.cache.aclose()
+            except asyncio.CancelledError:
+                # This close task itself was cancelled (a shutdown sweep: asyncio.run cancels
+                # every task left at its end). Unwinding here left the controller running, its
+                # storage open and its I/O thread alive, and every queued write neither written
+                # nor reported. A cancellation only hurries the close: the controller closes
+                # without draining and reports what it leaves.
+                task = asyncio.current_task()
+                if task is not None:
+                    task.uncancel()
+                logger.warning("hicache: the close was cancelled; closing without draining")
+                report = await self._stack.controller.aclose(timeout=0.0)
         finally:
             await self._stack.copy_engine.aclose()
             if self._events is not None:  # after the close: its last removals are published too

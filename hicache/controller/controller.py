@@ -206,6 +206,9 @@ class HiCacheController:
         #: the one close every aclose() caller awaits (a second caller must not be told
         #: "drained" while the first is still draining)
         self._close_task: asyncio.Task[CloseReport] | None = None
+        #: the caller that started the close was cancelled before it got the report: the next
+        #: aclose() gets it whole (its lists are then reported once, not never)
+        self._report_owed = False
         self._free_host: Callable[[torch.Tensor], None] = host_pool.free
         self._prefetcher: Prefetcher | None = None
         self.health = StorageHealth(
@@ -359,8 +362,15 @@ class HiCacheController:
         if self._close_task is None:
             self._close_task = asyncio.get_running_loop().create_task(
                 self._close(timeout), name="hicache-controller-close")
-            return await asyncio.shield(self._close_task)
+            try:
+                return await asyncio.shield(self._close_task)
+            except asyncio.CancelledError:
+                self._report_owed = True  # the first caller never got the report: the next one does
+                raise
         report = await asyncio.shield(self._close_task)
+        if self._report_owed:
+            self._report_owed = False
+            return report
         # the first caller owns the report; later ones learn how it went, not its lists
         return CloseReport(drained=report.drained)
 
@@ -379,6 +389,15 @@ class HiCacheController:
             except TimeoutError:
                 report.drained = False
                 logger.warning("controller close: queues did not drain within %.1f s", limit)
+            except asyncio.CancelledError:
+                # The close task itself was cancelled: a shutdown sweep (asyncio.run cancels
+                # every task left at its end) or a caller's cleanup. Re-raised here, it left the
+                # workers running, the storage open, its I/O thread alive and every queued write
+                # neither written nor reported. A cancellation only cuts the drain short (as
+                # the timeout does); the rest of the close is bounded and still runs.
+                _uncancel()
+                report.drained = False
+                logger.warning("controller close: cancelled while draining; reporting what is left")
             for task in list(self._tasks):
                 task.cancel()
             stuck = await self._wait_tasks(limit)
@@ -1089,6 +1108,14 @@ class HiCacheController:
                 self.health.probe_passed()
             else:
                 self.health.probe_failed()
+
+
+def _uncancel() -> None:
+    """Take back a cancellation of the running task that was handled (so that a later
+    ``asyncio.timeout`` in it tells its own expiry from an outside cancellation)."""
+    task = asyncio.current_task()
+    if task is not None:
+        task.uncancel()
 
 
 def _close_unstarted(coro: Coroutine[Any, Any, Any]) -> None:

@@ -1,0 +1,67 @@
+"""A close that is itself cancelled: the shutdown sweep of ``asyncio.run`` (it cancels every
+task still pending when the main coroutine returns, the close task included).
+
+The cancellation used to unwind the close where it was: the controller stayed running (or
+closing) with its workers, the storage stayed open, its I/O and file threads stayed alive, and
+every queued write was neither written nor reported. Now a cancellation only hurries the close:
+the drain is cut short, what is left is reported, and every thread ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hicache.controller.controller import ControllerState
+from hicache.facade import HiCache
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_facade import PS, config, prompt, run  # noqa: E402
+
+SESSIONS, PAGES = 4, 6
+
+
+def _hicache_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("hicache") and t.is_alive()]
+
+
+@pytest.mark.parametrize("controller_closing", [False, True], ids=["in-session-drain", "in-controller-drain"])
+def test_a_close_cancelled_by_the_loops_shutdown_still_ends_and_reports(tmp_path: Path,
+                                                                      controller_closing: bool) -> None:
+    held: dict[str, Any] = {}
+
+    async def main() -> None:
+        cache = await HiCache.from_config(config(tmp_path, session={"idle_offload_s": None})).start()
+        held["cache"] = cache
+        ctl = cache._stack.controller
+        ctl.config = dataclasses.replace(ctl.config, storage_stall_s=0, storage_io_timeout_s=60.0,
+                                         close_timeout_s=5.0, cancelled_io_grace_s=0.2)
+
+        async def hung_write(*_: Any) -> Any:
+            await asyncio.Event().wait()
+
+        cache._stack.storage._write = hung_write
+        for i in range(SESSIONS):
+            await run(cache, f"s{i}", prompt(i, PAGES * PS), session_id=f"S{i}")
+        asyncio.ensure_future(cache.aclose())  # never awaited: main returns while it runs
+        if controller_closing:
+            while ctl.state is not ControllerState.CLOSING:
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.1)  # the storage writes are queued, the first one hung
+
+    asyncio.run(asyncio.wait_for(main(), 20.0))
+    cache = held["cache"]
+    assert cache._stack.controller.state is ControllerState.CLOSED
+    assert not _hicache_threads()
+    report = cache.close_report
+    assert report is not None and not report.drained
+    if controller_closing:  # every session's pages were queued for storage: each is listed
+        assert report.unwritten_pages == SESSIONS * PAGES
+    else:  # their host copies never ran: each write-back is reported as a failed backup
+        assert report.failed_device_backups + report.unwritten_pages > 0
