@@ -9,7 +9,7 @@ from the built-in it resembles, so callers may catch either::
     ├── BackendLoadError (ImportError)      a backend is registered but cannot be imported
     ├── InvalidKeyError (ValueError)        a page key that can never be stored
     ├── StorageStateError (RuntimeError)    storage used before open / after close
-    ├── LoopMisuseError (RuntimeError)      blocking facade called from inside an event loop
+    ├── LoopMisuseError (RuntimeError)      blocking facade called inside a loop; cache used on another loop
     ├── CacheClosedError (RuntimeError)     cache or controller used after aclose()
     ├── TraceFormatError (ValueError)       a request trace line that is not a Mooncake record
     ├── OutOfKVSlotsError (MemoryError)     no device KV slots even after eviction and offload
@@ -65,7 +65,9 @@ class StorageStateError(HiCacheError, RuntimeError):
 
 
 class LoopMisuseError(HiCacheError, RuntimeError):
-    """The blocking facade was called from a thread that runs an event loop."""
+    """The blocking facade was called from a thread that runs an event loop, or an async cache
+    was used on another event loop than the one that started it (its tree, pools and queues
+    belong to that loop)."""
 
 
 class CacheClosedError(HiCacheError, RuntimeError):
