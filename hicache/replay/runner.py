@@ -177,6 +177,7 @@ async def replay_requests(
     _refuse_unbounded_storage(stack_cfg)
     _check_replay_memory(stack_cfg)
     stack = build_stack(stack_cfg)
+    await _open_storage(stack)
     storage_removed: Counter[str] = Counter()  # storage pages removed, by reason (deleted, evicted)
     stack.tier_changes.subscribe(lambda c: storage_removed.update({c.reason or "unknown": len(c.keys)}),
                                  wants=frozenset({(ChangeKind.REMOVED, Tier.STORAGE)}))
@@ -251,6 +252,22 @@ async def replay_requests(
         "hit_tokens_vs_reference": hit_tokens - ref["hit_tokens"],
         "attribution": attribution.as_dict(),
     }
+
+
+async def _open_storage(stack: Any) -> None:
+    """Open the store before the first request, as the facade does at start: a store that
+    cannot open (a ``file`` root that is a file, or cannot be written) otherwise failed every
+    call of the replay, each logged with a traceback, and the run ended with exit status 0 and
+    a table of misses blamed on the backend. A failed open is the run's error; nothing of the
+    stack outlives it."""
+    try:
+        await stack.controller.open_storage()
+    except BaseException:
+        try:
+            await stack.aclose()
+        finally:
+            await asyncio.to_thread(_remove_run_folder, stack.config)
+        raise
 
 
 def _refuse_unbounded_storage(config: StackConfig) -> None:

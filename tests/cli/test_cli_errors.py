@@ -117,3 +117,17 @@ def test_the_demo_refuses_a_context_too_short_for_its_conversations(tmp_path, ca
     cfg = tmp_path / "short.toml"
     cfg.write_text('[storage]\nbackend = "memory"\n[device]\nmax_context_len = 256\n')
     assert "device.max_context_len is 256" in _error(capsys, ["demo", "-c", str(cfg), "--quick"])
+
+
+def test_replay_on_a_file_root_it_cannot_use_is_an_error_not_a_table_of_misses(tmp_path, capsys) -> None:
+    """The store was opened by its first call: every call failed (a traceback each, logged),
+    and the replay exited 0 with its misses blamed on the backend."""
+    ok = _trace(tmp_path / "ok.jsonl", RECORD)
+    not_a_folder = tmp_path / "root"
+    not_a_folder.write_text("a file, not a folder")
+    cfg = tmp_path / "file.toml"
+    cfg.write_text('[tiers]\ndevice_fraction = 1\nhost_fraction = 1\nstorage_fraction = 1\n'
+                   f'[storage]\nbackend = "file"\noptions = {{ root = "{not_a_folder}" }}\n')
+    err = _error(capsys, ["replay", "-c", str(cfg), "--trace", str(ok), "--no-progress", "--policies", "lru"])
+    assert f"cannot use root {str(not_a_folder)!r}" in err
+    assert not_a_folder.read_text() == "a file, not a folder"
