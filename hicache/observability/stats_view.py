@@ -36,7 +36,11 @@ _BREAKER = {0.0: "closed", 1.0: "half open", 2.0: "open"}
 
 
 def is_url(target: str) -> bool:
-    return urllib.parse.urlsplit(target).scheme in ("http", "https")
+    """Whether ``target`` names a server (``http://``, ``https://``) rather than a store root.
+    By its scheme alone: a malformed URL (``http://[bad``) is still one, so that its scrape
+    reports it in one line; ``urlsplit`` raised its ``ValueError`` here, as a traceback."""
+    scheme, sep, _ = target.partition(":")
+    return bool(sep) and scheme.lower() in ("http", "https")
 
 
 def scrape_url(url: str, timeout: float = 5.0) -> str:

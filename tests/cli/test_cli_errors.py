@@ -131,3 +131,12 @@ def test_replay_on_a_file_root_it_cannot_use_is_an_error_not_a_table_of_misses(t
     err = _error(capsys, ["replay", "-c", str(cfg), "--trace", str(ok), "--no-progress", "--policies", "lru"])
     assert f"cannot use root {str(not_a_folder)!r}" in err
     assert not_a_folder.read_text() == "a file, not a folder"
+
+
+def test_stats_on_a_malformed_server_url_is_a_line_not_a_traceback(capsys) -> None:
+    """``urlsplit`` raised ValueError on telling a URL from a store root."""
+    with pytest.raises(SystemExit) as stop:
+        main(["stats", "http://[bad", "--once"])
+    captured = capsys.readouterr()
+    assert stop.value.code == 1 and "Traceback" not in captured.err
+    assert "http://[bad: cannot scrape: Invalid IPv6 URL" in captured.out
