@@ -297,7 +297,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("kind", choices=["agents", "chat"],
                    help="agents: many short agent turns over a few long shared prefixes; chat: conversations "
                    "with think time over long shared system prompts, some opening with a private document")
-    p.add_argument("out", help="output file (JSON lines)")
+    p.add_argument("out", help="output file (JSON lines; gzip-compressed when it ends in .gz)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd_workload)

@@ -16,6 +16,7 @@ Deterministic for a seed (numpy's PCG64), so tests and the README reproduce the 
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 from collections.abc import Callable, Sequence
@@ -117,8 +118,11 @@ def session_workload(
 
 
 def write_trace(path: str | os.PathLike[str], requests: Sequence[TraceRequest]) -> None:
-    """Write ``requests`` as Mooncake-format JSON lines."""
-    with open(path, "w", encoding="utf-8") as f:
+    """Write ``requests`` as Mooncake-format JSON lines, gzip-compressed when ``path`` ends in
+    ``.gz``: :func:`~hicache.replay.trace.load_trace` reads such a file through gzip, so plain
+    text under that name was a trace no command could read back."""
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "wt", encoding="utf-8") as f:
         for r in requests:
             f.write(json.dumps({"timestamp": r.timestamp, "input_length": r.input_length,
                                 "output_length": r.output_length, "hash_ids": list(r.hash_ids)}) + "\n")

@@ -140,3 +140,12 @@ def test_stats_on_a_malformed_server_url_is_a_line_not_a_traceback(capsys) -> No
     captured = capsys.readouterr()
     assert stop.value.code == 1 and "Traceback" not in captured.err
     assert "http://[bad: cannot scrape: Invalid IPv6 URL" in captured.out
+
+
+def test_a_workload_written_to_a_gz_name_is_gzip_and_reads_back(tmp_path, capsys) -> None:
+    """Plain text went under the .gz name, which every trace reader opens through gzip: the
+    next command on it failed with 'not a readable gzip file'."""
+    out = tmp_path / "agents.jsonl.gz"
+    assert main(["workload", "agents", str(out), "--json"]) == 0
+    written = json.loads(capsys.readouterr().out)["requests"]
+    assert out.read_bytes()[:2] == b"\x1f\x8b" and len(load_trace(out)) == written
