@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import runpy
 import sys
 from collections.abc import Sequence
@@ -346,13 +347,37 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: the exit status of a command whose reader went away (128 + SIGPIPE, as a shell reports it)
+_EXIT_PIPE_CLOSED = 141
+
+
+def _stdout_closed() -> int:
+    """The reader of our output went away (``hicache size T | head``): stop quietly, as a
+    command killed by SIGPIPE does. It was one 'Broken pipe' error line, or a traceback when
+    the report was being printed; stdout goes to devnull so the flush at exit cannot raise again."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return _EXIT_PIPE_CLOSED
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return _run(args)
+    except BrokenPipeError:
+        return _stdout_closed()
+
+
+def _run(args: argparse.Namespace) -> int:
+    """Run the command ``args`` names and print its result; operator errors are one line."""
     from hicache.errors import HiCacheError
 
     try:
         result = args.func(args)
+    except BrokenPipeError:
+        raise
     except HiCacheError as exc:
         print(f"hicache: error: {exc}", file=sys.stderr)
         return 2

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -149,3 +151,14 @@ def test_a_workload_written_to_a_gz_name_is_gzip_and_reads_back(tmp_path, capsys
     assert main(["workload", "agents", str(out), "--json"]) == 0
     written = json.loads(capsys.readouterr().out)["requests"]
     assert out.read_bytes()[:2] == b"\x1f\x8b" and len(load_trace(out)) == written
+
+
+def test_output_to_a_reader_that_went_away_ends_quietly(tmp_path) -> None:
+    """``hicache ... | head``: printing the report to a closed pipe was a BrokenPipeError
+    traceback (one 'Broken pipe' error line where the command printed it itself)."""
+    proc = subprocess.Popen([sys.executable, "-m", "hicache.cli", "workload", "agents", str(tmp_path / "t.jsonl"),
+                             "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # long before the report: the interpreter takes a second to start
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 141 and err == ""
