@@ -63,6 +63,21 @@ def _run_id(text: str) -> int:
     return value
 
 
+def _endpoint_arg(text: str) -> str:
+    """argparse type of the endpoints ``hicache events`` connects to: ``transport://address``
+    (the replay socket connects at the first gap, so a malformed ``--replay`` failed only then,
+    mid-stream), and a TCP port must be 1..65535 (ZMQ took a larger one modulo 65536 and
+    listened on another port, silently, as the publisher's config check says)."""
+    if "://" not in text:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a ZMQ endpoint (transport://address, "
+                                         "e.g. tcp://127.0.0.1:5557)")
+    if text.startswith("tcp://"):
+        port = text.rpartition(":")[2]
+        if not (port.isdigit() and 0 < int(port) <= 65535):
+            raise argparse.ArgumentTypeError(f"{text!r}: a TCP endpoint's port must be 1..65535")
+    return text
+
+
 def _emit(result: Any, as_json: bool) -> None:
     if as_json or not isinstance(result, dict):
         print(json.dumps(result, indent=2, default=str))
@@ -319,8 +334,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_inspect)
 
     p = sub.add_parser("events", help="print a cache's KV events (vLLM schema over ZMQ), one per line")
-    p.add_argument("url", help="the publisher's PUB endpoint, e.g. tcp://127.0.0.1:5557")
-    p.add_argument("--replay", default=None, help="its replay endpoint (e.g. tcp://127.0.0.1:5558): catch up on gaps")
+    p.add_argument("url", type=_endpoint_arg, help="the publisher's PUB endpoint, e.g. tcp://127.0.0.1:5557")
+    p.add_argument("--replay", type=_endpoint_arg, default=None, help="its replay endpoint (e.g. tcp://127.0.0.1:5558): catch up on gaps")
     p.add_argument("--from", dest="from_seq", type=_sequence_number, default=None,
                    help="replay from this sequence first")
     p.add_argument("--run-id", type=_run_id, default=None,

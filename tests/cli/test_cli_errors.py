@@ -97,6 +97,9 @@ def test_events_run_id_must_be_hex(capsys) -> None:
         (["stats", "x", "--interval", "nan"], "must be a number of seconds > 0"),
         (["events", "tcp://127.0.0.1:1", "--timeout", "-1"], "must be a number of seconds > 0"),  # waited forever
         (["events", "tcp://127.0.0.1:1", "--count", "0"], "must be >= 1"),
+        # ZMQ connected to port 99999 modulo 65536, silently; a bad --replay failed at the first gap
+        (["events", "tcp://127.0.0.1:99999", "--timeout", "1"], "port must be 1..65535"),
+        (["events", "tcp://127.0.0.1:1", "--replay", "127.0.0.1:5558", "--timeout", "1"], "is not a ZMQ endpoint"),
         (["inspect", "x", "--options", "notjson"], "not JSON"),
         (["inspect", "x", "--options", "[1]"], "must be a JSON object"),
         (["inspect", "x", "--options", "[" * 5000 + "]" * 5000], "not JSON"),  # was a RecursionError
