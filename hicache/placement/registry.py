@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import inspect
+import types
+import typing
 from typing import Any
 
 from hicache.errors import ConfigError
@@ -35,7 +37,24 @@ def make_placement(
     unknown = sorted(set(options) - accepted)
     if unknown:
         raise ConfigError(f"placement {name!r}: unknown option(s) {unknown}; allowed: {sorted(accepted)}")
+    _check_types(name, cls, options)
     try:
         return cls(**options)
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"placement {name!r}: {exc}") from None
+
+
+def _check_types(name: str, cls: type[PlacementPolicy], options: dict[str, Any]) -> None:
+    """A :class:`ConfigError` for an option of the wrong type, by the policy's signature: a
+    string reached a comparison as ``'<' not supported between instances of 'str' and 'int'``,
+    a float or ``true`` became a ghost list's size."""
+    hints = typing.get_type_hints(cls.__init__)
+    for key, value in options.items():
+        hint = hints.get(key)
+        args = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+        if value is None and type(None) in args:
+            continue
+        for kind, what in ((int, "an integer"), (str, "a string")):
+            if kind in args and (isinstance(value, bool) or not isinstance(value, kind)):
+                none = " or null" if type(None) in args else ""
+                raise ConfigError(f"placement {name!r}: option {key!r} must be {what}{none}, got {value!r:.40}")

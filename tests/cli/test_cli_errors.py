@@ -165,3 +165,16 @@ def test_output_to_a_reader_that_went_away_ends_quietly(tmp_path) -> None:
     proc.stdout.close()  # long before the report: the interpreter takes a second to start
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=120) == 141 and err == ""
+
+
+@pytest.mark.parametrize("value, words", [('"x"', "'ghost_pages' must be an integer, got 'x'"),
+                                          ("true", "'ghost_pages' must be an integer, got True"),
+                                          ("1.5", "'ghost_pages' must be an integer, got 1.5")])
+def test_a_placement_option_of_the_wrong_type_is_named(tmp_path, capsys, value: str, words: str) -> None:
+    """A string was "'<' not supported between instances of 'str' and 'int'"; true and 1.5
+    were taken as a ghost list's size."""
+    ok = _trace(tmp_path / "ok.jsonl", RECORD)
+    cfg = tmp_path / "reuse.toml"
+    cfg.write_text('[tiers]\ndevice_fraction = 1\nhost_fraction = 1\n'
+                   f'[replay]\nplacement = "reuse"\nplacement_options = {{ ghost_pages = {value} }}\n')
+    assert words in _error(capsys, ["replay", "-c", str(cfg), "--trace", str(ok), "--no-progress", "--policies", "reuse"])
