@@ -303,7 +303,10 @@ def stack_config_from(config: Any) -> StackConfig:
                         qk_rope_head_dim=m.qk_rope_head_dim)
     host_pages = (h.size_bytes // probe.page_nbytes) if h.size_bytes else int(device_pages * h.ratio)
     if host_pages <= 0:
-        raise ConfigError(f"host: {h.size_bytes} bytes hold no page of {probe.page_nbytes} bytes")
+        # named by what sized it: with ratio the message read "None bytes hold no page"
+        given = (f"host.size_bytes ({h.size_bytes})" if h.size_bytes else
+                 f"host.ratio ({h.ratio:g}) of {device_pages} device pages")
+        raise ConfigError(f"host: {given} holds no page of {probe.page_nbytes} bytes")
     on_host = not device.startswith("cuda")
     check_memory(
         memory_needs(config, page_nbytes=probe.page_nbytes, host_pages=host_pages, device_is_host=on_host),

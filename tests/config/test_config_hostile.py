@@ -120,3 +120,11 @@ def test_environment_sets_a_dict_field_from_json() -> None:
     assert cfg.storage.options == {"root": "/tmp/x"}
     cfg = load_config({}, environ={"HICACHE__STORAGE__NAMESPACE_SALT": "123"}, check=False)
     assert cfg.storage.namespace_salt == "123"  # a string field keeps its text
+
+
+@pytest.mark.parametrize("host, words", [({"ratio": 1e-5}, r"host\.ratio \(1e-05\) of 1024 device pages holds no page"),
+                                         ({"size_bytes": 1}, r"host\.size_bytes \(1\) holds no page")])
+def test_a_host_pool_of_no_page_names_what_sized_it(host: dict, words: str) -> None:  # type: ignore[type-arg]
+    """A ratio too small for one page read "host: None bytes hold no page"."""
+    with pytest.raises(ConfigError, match=words):
+        _stack({"host": host})
