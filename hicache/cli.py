@@ -200,9 +200,20 @@ def _svg_path(text: str) -> str | None:
     return text
 
 
+def _same_file(a: str, b: str) -> bool:
+    """Whether paths ``a`` and ``b`` name one existing file (``hicache size T --plot T`` read
+    the trace, then wrote the SVG over it)."""
+    try:
+        return Path(a).samefile(b)
+    except OSError:  # either is missing (or unreadable): not the same file
+        return False
+
+
 def _cmd_size(args: argparse.Namespace) -> Any:
     from hicache.replay.size_report import format_size_report, size_report
 
+    if args.plot is not None and _same_file(args.plot, args.trace):
+        raise SystemExit(f"hicache size: the plot {args.plot!r} is the trace; name another file for it")
     try:
         report = size_report(args.trace, plot=args.plot, kv_bytes_per_token=args.kv_bytes_per_token)
     except (OSError, ValueError, KeyError) as exc:

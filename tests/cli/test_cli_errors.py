@@ -178,3 +178,12 @@ def test_a_placement_option_of_the_wrong_type_is_named(tmp_path, capsys, value: 
     cfg.write_text('[tiers]\ndevice_fraction = 1\nhost_fraction = 1\n'
                    f'[replay]\nplacement = "reuse"\nplacement_options = {{ ghost_pages = {value} }}\n')
     assert words in _error(capsys, ["replay", "-c", str(cfg), "--trace", str(ok), "--no-progress", "--policies", "reuse"])
+
+
+def test_size_never_writes_its_plot_over_the_trace(tmp_path, capsys) -> None:
+    """``--plot`` naming the trace (another spelling of it too) read the trace, then wrote
+    the SVG over it."""
+    trace = _trace(tmp_path / "t.jsonl", RECORD)
+    with pytest.raises(SystemExit, match="is the trace"):
+        main(["size", str(trace), "--plot", str(tmp_path / "." / "t.jsonl")])
+    assert load_trace(trace)[0].hash_ids == (1, 2)
