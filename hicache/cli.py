@@ -132,13 +132,26 @@ def _cmd_serve(args: argparse.Namespace) -> Any:
 def _cmd_replay(args: argparse.Namespace) -> Any:
     from hicache.replay.compare import format_comparison, run_comparison
 
-    policies = [p for p in args.policies.split(",") if p] if args.policies else None
+    policies = _policy_names(args.policies) if args.policies is not None else None
     report = run_comparison(_replay_config_path(args.config), args.trace, policies, max_requests=args.limit,
                             progress=not args.no_progress)
     if args.json:
         return report
     print(format_comparison(report))
     return None
+
+
+def _policy_names(text: str) -> list[str]:
+    """The names ``--policies`` lists: ``"lru, reuse"`` is two names (the space made
+    ``' reuse'`` an unknown policy), and a list of none (``""``, ``","``) is an error, not
+    every policy replayed as if it had not been given."""
+    from hicache.errors import ConfigError
+    from hicache.placement import PLACEMENT_POLICIES
+
+    names = [p.strip() for p in text.split(",") if p.strip()]
+    if not names:
+        raise ConfigError(f"--policies {text!r} names no placement policy; allowed: {sorted(PLACEMENT_POLICIES)}")
+    return names
 
 
 def _replay_config_path(path: str) -> str:

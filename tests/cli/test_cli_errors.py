@@ -187,3 +187,12 @@ def test_size_never_writes_its_plot_over_the_trace(tmp_path, capsys) -> None:
     with pytest.raises(SystemExit, match="is the trace"):
         main(["size", str(trace), "--plot", str(tmp_path / "." / "t.jsonl")])
     assert load_trace(trace)[0].hash_ids == (1, 2)
+
+
+def test_policies_are_a_list_of_names_spaces_allowed_none_refused(tmp_path, capsys) -> None:
+    """``lru, reuse`` failed on the policy ' reuse'; ``,`` replayed every policy, silently."""
+    ok = _trace(tmp_path / "ok.jsonl", RECORD)
+    assert main(["replay", "--trace", str(ok), "--no-progress", "--policies", "lru, reuse", "--json"]) == 0
+    assert list(json.loads(capsys.readouterr().out)["policies"]) == ["lru", "reuse"]
+    for empty in (",", ""):
+        assert "names no placement policy" in _error(capsys, ["replay", "--trace", str(ok), "--policies", empty])
