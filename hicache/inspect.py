@@ -46,7 +46,9 @@ async def inspect_store(
         opts["root"] = root
     if backend == "file" and "root" in opts and not os.path.isdir(opts["root"]):
         # a report of zero pages would read as "the store is empty", not "wrong path"
-        raise ConfigError(f"no file store at {opts['root']!r}: no such folder")
+        # a file there is not "no such folder" (the message sent an operator looking for a typo)
+        why = "a file, not a folder" if os.path.exists(opts["root"]) else "no such folder"
+        raise ConfigError(f"no file store at {opts['root']!r}: {why}")
     probe = create_async_storage(backend, None, **opts)
     try:  # not opened: opening would create the probe's own (empty) namespace
         namespaces = await probe.list_namespaces()

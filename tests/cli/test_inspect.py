@@ -85,3 +85,11 @@ def test_a_backend_that_cannot_list_namespaces_is_one_line(capsys) -> None:
         assert main(argv) == 2
         err = capsys.readouterr().err
         assert "'s3' cannot list its namespaces" in err and "Traceback" not in err
+
+
+def test_inspect_of_a_file_says_it_is_a_file(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    """A file given as the root was reported as 'no such folder', which reads as a typo."""
+    afile = tmp_path / "store"
+    afile.write_text("not a store")
+    assert main(["inspect", str(afile)]) == 2
+    assert "a file, not a folder" in capsys.readouterr().err
