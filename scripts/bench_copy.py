@@ -51,6 +51,7 @@ from hicache.memory import (  # noqa: E402
     device_for,
 )
 from hicache.memory.spans import NATIVE_AVAILABLE, STREAM_KIND  # noqa: E402
+from hicache.bench_args import non_negative_int, positive_int  # noqa: E402
 from hicache.bench_output import emit_report  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -65,20 +66,20 @@ def _sig(x: float, digits: int = 4) -> float:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--layers", type=int, default=32)
-    p.add_argument("--heads", type=int, default=8, help="KV heads")
-    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--layers", type=positive_int, default=32)
+    p.add_argument("--heads", type=positive_int, default=8, help="KV heads")
+    p.add_argument("--head-dim", type=positive_int, default=128)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
-    p.add_argument("--page-size", type=int, default=64)
-    p.add_argument("--pages", type=int, default=32, help="pages moved per operation")
-    p.add_argument("--reps", type=int, default=7)
+    p.add_argument("--page-size", type=positive_int, default=64)
+    p.add_argument("--pages", type=positive_int, default=32, help="pages moved per operation")
+    p.add_argument("--reps", type=positive_int, default=7)
     p.add_argument("--layouts", default=",".join(LAYOUTS))
     p.add_argument("--patterns", default="runs,scattered")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
-    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    p.add_argument("--threads", type=positive_int, default=None, help="torch intra-op threads")
     p.add_argument("--paths", default=None,
                    help="CPU copy paths, comma-separated: native, numpy (default: both where native is built)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=non_negative_int, default=0)
     p.add_argument("--quick", action="store_true", help="small run for a few seconds")
     p.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     args = p.parse_args(argv)

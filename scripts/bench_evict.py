@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hicache.memory import PagedTokenAllocator  # noqa: E402
 from hicache.prefix_cache import EvictParams, InsertParams, RadixCache, RadixKey  # noqa: E402
+from hicache.bench_args import int_list, non_negative_int, positive_int  # noqa: E402
 from hicache.bench_output import emit_report  # noqa: E402
 
 
@@ -52,14 +53,18 @@ def walk_victim(cache: RadixCache) -> Any:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sizes", default="1000,10000,50000", help="requests inserted (about one node each)")
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--reps", type=int, default=20)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--sizes", type=int_list, default=[1000, 10000, 50000],
+                   help="requests inserted (about one node each), comma-separated; each at least --reps")
+    p.add_argument("--page-size", type=positive_int, default=16)
+    p.add_argument("--reps", type=positive_int, default=20, help="evictions timed per size (each takes a leaf)")
+    p.add_argument("--seed", type=non_negative_int, default=0)
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
+    small = [n for n in args.sizes if n < args.reps]
+    if small:  # each repeat evicts a leaf: a smaller tree runs out of them before the last one
+        p.error(f"--sizes {small}: each size must be at least --reps ({args.reps})")
     rows = []
-    for n in [int(s) for s in args.sizes.split(",") if s]:
+    for n in args.sizes:
         cache, _ = build(n, args.page_size, args.seed)
         nodes = sum(1 for _ in cache._nodes())
         walk_s, index_s = [], []

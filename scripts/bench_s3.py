@@ -62,6 +62,7 @@ import torch
 from hicache.keys import Namespace
 from hicache.storage import PoolTransfer, create_async_storage
 from hicache.testing import ArrayHostPool
+from hicache.bench_args import positive_int  # noqa: E402
 from hicache.bench_output import emit_report  # noqa: E402
 
 KEY, SECRET = "bench-key", "bench-secret"
@@ -363,11 +364,11 @@ def main(argv: list[str] | None = None) -> int:
         help="delay moto adds to each request (default 50; AWS quotes 100-200 ms first-byte latency "
         "for S3; 0 = raw loopback, where a CPU-bound moto hides what concurrency buys)",
     )
-    parser.add_argument("--page-kib", type=int, default=256, help="page size in KiB (default 256)")
-    parser.add_argument("--pages", type=int, default=128, help="pages per batch (default 128)")
-    parser.add_argument("--concurrency", type=int, default=16)
-    parser.add_argument("--repeats", type=int, default=8, help="repeats (default 8: every way leads twice)")
-    parser.add_argument("--serial-pages", type=int, default=8, help="pages timed in the one-at-a-time loop (scaled)")
+    parser.add_argument("--page-kib", type=positive_int, default=256, help="page size in KiB (default 256)")
+    parser.add_argument("--pages", type=positive_int, default=128, help="pages per batch (default 128)")
+    parser.add_argument("--concurrency", type=positive_int, default=16)
+    parser.add_argument("--repeats", type=positive_int, default=8, help="repeats (default 8: every way leads twice)")
+    parser.add_argument("--serial-pages", type=positive_int, default=8, help="pages timed in the one-at-a-time loop (scaled)")
     parser.add_argument("--quick", action="store_true", help="a few seconds: 16 pages, 4 repeats")
     parser.add_argument("--out", type=Path, help="also write the JSON here")
     args = parser.parse_args(argv)

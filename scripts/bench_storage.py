@@ -59,6 +59,7 @@ import torch
 from hicache.keys import Namespace, page_hashes
 from hicache.storage import AsyncHiCacheStorage, PoolTransfer, create_async_storage
 from hicache.testing import ArrayHostPool
+from hicache.bench_args import int_list, positive_int  # noqa: E402
 from hicache.bench_output import emit_report  # noqa: E402
 
 TOKENS_PER_PAGE = 64
@@ -556,13 +557,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--backend", default="file", help="registered backend name (default: file)")
     p.add_argument("--option", action="append", type=parse_option, metavar="KEY=VALUE",
                    help="backend option, value parsed as JSON where possible (repeatable)")
-    p.add_argument("--pages", type=int, default=128, help="pages per batch (default 128: 512 MiB of 4 MiB pages)")
-    p.add_argument("--page-kib", type=int, default=DEFAULT_PAGE_KIB, help="page size in KiB (default 4096)")
-    p.add_argument("--repeats", type=int, default=3, help="interleaved repeats of each throughput measurement (medians and ranges reported)")
-    p.add_argument("--exists-scales", type=lambda s: [int(x) for x in s.split(",") if x], default=None,
+    p.add_argument("--pages", type=positive_int, default=128, help="pages per batch (default 128: 512 MiB of 4 MiB pages)")
+    p.add_argument("--page-kib", type=positive_int, default=DEFAULT_PAGE_KIB, help="page size in KiB (default 4096)")
+    p.add_argument("--repeats", type=positive_int, default=3, help="interleaved repeats of each throughput measurement (medians and ranges reported)")
+    p.add_argument("--exists-scales", type=int_list, default=None,
                    help="stored-page counts for the exists latency (default 1000,10000,100000)")
-    p.add_argument("--exists-calls", type=int, default=200, help="exists calls per scale (default 200)")
-    p.add_argument("--exists-payload", type=int, default=1024, help="payload bytes of the small pages (default 1024)")
+    p.add_argument("--exists-calls", type=positive_int, default=200, help="exists calls per scale (default 200)")
+    p.add_argument("--exists-payload", type=positive_int, default=1024, help="payload bytes of the small pages (default 1024)")
     p.add_argument("--baselines", type=lambda s: [x for x in s.split(",") if x], default=list(BASELINES),
                    help=f"comma-separated baselines to run (default {','.join(BASELINES)})")
     p.add_argument("--protocol", choices=["view", "seed", "seed-copies"], default="view",

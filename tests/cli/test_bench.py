@@ -7,6 +7,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 from hicache.cli import main
 from hicache.memory.spans import NATIVE_AVAILABLE
 
@@ -40,3 +42,27 @@ def test_bench_evict_checks_victims_and_reports(capsys, monkeypatch) -> None:
     report = json.loads(capsys.readouterr().out)
     assert [r["requests"] for r in report["results"]] == [50, 200]
     assert all(r["nodes"] >= r["requests"] and r["index_evict_ms"] > 0 for r in report["results"])
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["evict", "--sizes", "abc"], "argument --sizes: 'abc' is not an integer"),
+    (["evict", "--sizes", ","], "argument --sizes: needs at least one integer"),
+    (["evict", "--page-size", "0"], "argument --page-size: must be at least 1, got 0"),
+    (["evict", "--reps", "0"], "argument --reps: must be at least 1, got 0"),
+    # each repeat evicts a leaf: a tree of 10 requests ran out of them (a victim of None)
+    (["evict", "--sizes", "10"], "--sizes [10]: each size must be at least --reps (20)"),
+    (["copy", "--layers", "0"], "argument --layers: must be at least 1, got 0"),
+    (["copy", "--seed", "-1"], "argument --seed: must not be negative, got -1"),
+    (["storage", "--pages", "0"], "argument --pages: must be at least 1, got 0"),
+    (["storage", "--exists-scales", "1,x"], "argument --exists-scales: 'x' is not an integer"),
+    (["s3", "--concurrency", "0"], "argument --concurrency: must be at least 1, got 0"),
+])
+def test_bench_arguments_out_of_range_are_usage_errors(args: list[str], message: str, capsys, monkeypatch) -> None:
+    """They were tracebacks halfway through a run (a page size of 0, an empty size list), or a
+    run that measured nothing; each is now refused before anything runs."""
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", *args])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err

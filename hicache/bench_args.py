@@ -1,0 +1,51 @@
+"""Argument types the benchmark scripts under ``scripts/`` share, so that a bad number is a
+one-line usage error (``argparse`` names the option) and never a traceback halfway through a
+run, or a run that measures nothing (zero pages, zero repeats)."""
+
+from __future__ import annotations
+
+import argparse
+
+__all__ = ["int_list", "non_negative_int", "positive_float", "positive_int"]
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+
+
+def positive_int(text: str) -> int:
+    """An integer >= 1 (a count of pages, layers, repeats, ...)."""
+    value = _int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    """An integer >= 0 (a seed, a count that may be none)."""
+    value = _int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must not be negative, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """A finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number above 0, got {text}")
+    return value
+
+
+def int_list(text: str) -> list[int]:
+    """Comma-separated integers >= 1, at least one (``"1000,10000"``)."""
+    values = [positive_int(part.strip()) for part in text.split(",") if part.strip()]
+    if not values:
+        raise argparse.ArgumentTypeError("needs at least one integer")
+    return values
