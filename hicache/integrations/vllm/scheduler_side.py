@@ -44,8 +44,10 @@ rate). While a page read costs more than recomputing the page, storage hits are 
 (``hit_pages_cut_recompute``); every ``repace_s`` one load is let through to measure the store
 again (its read alone sets the pace: the older ones are stale), so a store that recovers is
 used again. Nothing is cut before both rates are known.
-With async scheduling a step's time also holds part of the previous one's: compute looks
-dearer, so loads are cut later, never sooner.
+A step's time runs from its plan, or from the previous step's report when that came later
+(async scheduling plans a step while the one before still runs), to its own report; only
+prefill tokens count (a request computing one token is decoding). A read counts only the
+pages that landed (a read that failed fast says nothing of a good one).
 
 Reset (``reset_cache``, e.g. after new weights): the tree forgets every page, requests start
 new key chains under a new cache epoch (so nothing stored before matches), and the workers drop
@@ -95,6 +97,7 @@ class _Request:
     lookup: _Lookup | None = None
     saved_pages: int = 0  # pages [0, saved_pages) are stored, loaded or held by vLLM already
     known: int = 0  # pages [0, known) are in storage or being written to it, as far as this request saw
+    cut: int = 0  # storage pages its last lookup did not claim (slower than recomputing)
 
 
 def _drop_lookup(state: _Request) -> None:
@@ -162,6 +165,8 @@ class SchedulerSide:
         self.repace_s = repace_s
         self._paced_at: float | None = None  # the last read reported, or a load let through to measure
         self._read_at: float | None = None  # the last read reported
+        self._pacer: str | None = None  # the request let through to measure a slow store
+        self._reported_at: float | None = None  # the last step report (a step computes after it)
         self._step_clock: dict[int, tuple[float, int]] = {}  # step -> (planned at, tokens it computes)
         self._reqs: dict[str, _Request] = {}
         self._loads: dict[str, PageLoad] = {}
@@ -225,31 +230,34 @@ class SchedulerSide:
         ask = max(ask, lk.start_page)
         state.known = max(state.known, ask + leading_run(exists[ask - lk.start_page :]))
         hit = leading_run(exists[base - lk.start_page :])
-        if hit and not self._reading_pays():
-            self.stats["hit_pages_cut_recompute"] += hit
-            hit = 0
+        self._promised.pop(req_id, None)
         if hit:  # read into host slots: only as many pages as the host tier can take now
-            self._promised.pop(req_id, None)
             room = self.tree.room(keep=host.node) - sum(self._promised.values())
             if hit > room:
                 self.stats["hits_capped_for_room"] += hit - max(0, room)
                 hit = max(0, room)
-            if hit:
-                self._promised[req_id] = hit
+        cut = hit if hit and not self._reading_pays(req_id) else 0
+        if cut > state.cut:  # a request asked about again is counted once
+            self.stats["hit_pages_cut_recompute"] += cut - state.cut
+        state.cut = cut
+        hit -= cut
+        if hit:
+            self._promised[req_id] = hit
         return max(0, (base + hit) * bs - num_computed)
 
-    def _reading_pays(self) -> bool:
+    def _reading_pays(self, req_id: str) -> bool:
         """Whether reading a page from storage is no slower than recomputing it (``True``
         while either rate is unknown: nothing is cut on a guess). A store found slower is
-        measured again by one load every ``repace_s``."""
+        measured again by one request's load every ``repace_s`` (the *pacer*: it keeps its
+        claim when asked about again, until its read is reported or it ends)."""
         if not self.recompute_bound:
             return True
         spp, spt = self.read_pace.seconds_per_page, self.prefill.seconds_per_token
-        if spp is None or spt is None or spp <= self.block_size * spt:
+        if spp is None or spt is None or spp <= self.block_size * spt or req_id == self._pacer:
             return True
         now = time.monotonic()
         if self._paced_at is None or now - self._paced_at >= self.repace_s:
-            self._paced_at = now  # this load measures the store; the others wait for its word
+            self._paced_at, self._pacer = now, req_id  # its load measures the store; the others wait for its word
             self.stats["repace_loads"] += 1
             return True
         return False
@@ -435,9 +443,12 @@ class SchedulerSide:
         return plan
 
     def _clock_step(self, scheduled: Sequence[tuple[str, int, int, Sequence[int], Sequence[int]]]) -> None:
-        """Note when this step was planned and the tokens it computes (timed at its report)."""
+        """Note when this step was planned and the prefill tokens it computes (timed at its
+        report). A request computing one token is decoding: its cost is memory-bound, not what
+        a prefill pays per token, so it is left to the fit's fixed part."""
         clock = self._step_clock
-        clock[self._step] = (time.monotonic(), sum(max(0, after - before) for _, before, after, *_ in scheduled))
+        tokens = sum(after - before for _, before, after, *_ in scheduled if after - before > 1)
+        clock[self._step] = (time.monotonic(), tokens)
         while len(clock) > 64:  # steps whose report never came (a worker without one)
             del clock[next(iter(clock))]
 
@@ -452,14 +463,20 @@ class SchedulerSide:
             for pages, seconds in report.reads:
                 self.read_pace.observe(pages, seconds)
             self._read_at = self._paced_at = now
+            self._pacer = None
         if report.step is None:
             return
         planned = self._step_clock.pop(report.step, None)
         for step in [s for s in self._step_clock if s < report.step]:
             del self._step_clock[step]
         if planned is not None:
+            # with async scheduling a step is planned while the one before still runs: its
+            # compute starts at that one's report, not at its own plan
             t0, tokens = planned
+            if self._reported_at is not None:
+                t0 = max(t0, self._reported_at)
             self.prefill.observe(tokens, now - t0 - report.load_wait_s)
+        self._reported_at = now
 
     def _save(
         self, req_id: str, state: _Request, token_ids: Sequence[int], keys: list[str], block_ids: Sequence[int],
@@ -668,6 +685,8 @@ class SchedulerSide:
         state = self._reqs.pop(req_id, None)
         self._loads.pop(req_id, None)
         self._promised.pop(req_id, None)
+        if self._pacer == req_id:
+            self._pacer = None
         if state is not None:
             _drop_lookup(state)
 

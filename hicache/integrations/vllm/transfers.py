@@ -100,8 +100,8 @@ class WorkerReport:
     - ``step``: the scheduler's step this report ends (the lowest of the workers'): vLLM handles
       that step's failed loads with this very output, so the scheduler need not suspect them
       any more (``None``: no step begun).
-    - ``reads``: (pages, seconds) of each step's storage reads (all of its requests together,
-      start to last page landed): the store's pace, weighed against recomputing;
+    - ``reads``: (pages landed, seconds) of each step's storage reads (all of its requests
+      together, start to last page landed): the store's pace, weighed against recomputing;
     - ``load_wait_s``: how long the forward passes waited for loads (the slowest worker's):
       not compute, so left out when the scheduler times the engine's steps.
     """

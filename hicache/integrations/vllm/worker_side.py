@@ -296,10 +296,11 @@ class WorkerSide:
             reads = [f for f in fetches if f is not None]
             t0 = time.perf_counter()
             fetched = self._fetch(reads)
-            if reads:  # the store's pace, for the scheduler's choice between reading and recomputing
-                pages = sum(len(f.keys) for f in reads)
+            landed = sum(fetched.values())
+            if landed:  # the store's pace, for the scheduler's choice between reading and recomputing
+                # (the pages that landed: a read that failed at once says nothing of a good one)
                 with self._lock:
-                    self._report.reads.append((pages, time.perf_counter() - t0))
+                    self._report.reads.append((landed, time.perf_counter() - t0))
             bad: set[int] = set()
             with self._lock:
                 for spec, fetch in zip(loads, fetches):

@@ -754,7 +754,8 @@ def test_workers_report_their_reads_and_load_waits_and_the_scheduler_learns_both
         w.save(plan.saves)
         report = w.take_report()
         ((pages, seconds),) = report.reads
-        assert pages == 3 and seconds > 0 and report.load_wait_s >= 0
+        # the forward's first layer waited for the whole read
+        assert pages == 3 and seconds > 0 and report.load_wait_s >= 0.5 * seconds
         s.on_report(report)
         assert s.read_pace.seconds_per_page == pytest.approx(seconds / 3)
         assert s.prefill.observations == 1  # 2 pages + 3 tokens computed: one prefill seen
@@ -763,25 +764,58 @@ def test_workers_report_their_reads_and_load_waits_and_the_scheduler_learns_both
         s.close(timeout=10)
 
 
-def test_a_step_is_timed_without_its_load_wait_and_short_steps_teach_nothing() -> None:
+def _clock_only(name: str) -> SchedulerSide:
+    return SchedulerSide(StoreIO("memory", {}, [namespace()], name=name), HostPageTree(8, BS),
+                         lookup_wait_s=0.1, lookup_timeout_s=1.0)
+
+
+def test_a_step_is_timed_without_its_load_wait_and_decode_teaches_nothing() -> None:
+    """Steps of requests the connector does not know are timed only. The same steps, once
+    with most of their time spent waiting for loads: that part is not compute. Decode-only
+    steps (one token a request, here 64 of them) and a step all of whose time was a load wait
+    teach nothing."""
     from hicache.integrations.vllm.transfers import WorkerReport
 
-    s = SchedulerSide(StoreIO("memory", {}, [namespace()], name="t-clock"), HostPageTree(8, BS),
-                      lookup_wait_s=0.1, lookup_timeout_s=1.0)
+    learned = []
+    for wait in (0.0, 0.015):
+        s = _clock_only(f"t-clock-{wait}")
+        try:
+            for n in (64, 128, 256, 512):
+                plan = s.plan_step([("x", 0, n, [], [])])
+                time.sleep(0.02)
+                s.on_report(WorkerReport(step=plan.step, load_wait_s=wait))
+            plan = s.plan_step([(f"d{i}", 100, 101, [], []) for i in range(64)])
+            time.sleep(0.02)
+            s.on_report(WorkerReport(step=plan.step))
+            plan = s.plan_step([("y", 0, 1024, [], [])])
+            s.on_report(WorkerReport(step=plan.step, load_wait_s=3600.0))
+            assert s.prefill.observations == 4
+            s.on_report(WorkerReport(step=999))  # a report of a step never planned (or timed already)
+            assert s.prefill.observations == 4 and not s._step_clock
+            learned.append(s.prefill.seconds_per_token)
+        finally:
+            s.close(timeout=10)
+    full, less_waits = learned
+    assert full is not None and less_waits is not None and less_waits < 0.6 * full
+
+
+def test_async_scheduling_times_a_step_from_the_report_before_it() -> None:
+    """vLLM's async scheduling plans step k+1 while step k runs: timed from its own plan, each
+    step also counted the one before it (and that one's load wait), so a slow store's stalls
+    made recomputing look dear and kept the store claimed. A step now starts at the previous
+    step's report when that is later than its plan."""
+    from hicache.integrations.vllm.transfers import WorkerReport
+
+    s = _clock_only("t-async")
+    step_s, tokens = 0.03, 256
     try:
-        for n in (4, 64, 128, 256, 512):
-            plan = s.plan_step([("x", 0, n, [], [])])  # a request the connector does not know: timed only
-            time.sleep(0.01)
-            # n=4 is a decode-sized step (below PrefillCost.min_tokens); the others waited on
-            # loads for all their time but 0.01 s
-            s.on_report(WorkerReport(step=plan.step, load_wait_s=0.0 if n == 4 else -0.0))
-        assert s.prefill.observations == 4
-        plan = s.plan_step([("y", 0, 1024, [], [])])
-        s.on_report(WorkerReport(step=plan.step, load_wait_s=3600.0))  # all of it waiting: no compute seen
-        assert s.prefill.observations == 4
-        assert s.prefill.seconds_per_token is not None and s.prefill.seconds_per_token > 0
-        s.on_report(WorkerReport(step=999))  # a report of a step never planned (or timed already)
-        assert s.prefill.observations == 4 and not s._step_clock
+        plans = [s.plan_step([("x", 0, tokens, [], [])])]
+        for _ in range(6):
+            plans.append(s.plan_step([("x", 0, tokens, [], [])]))  # the next one, planned at once
+            time.sleep(step_s)  # the oldest one runs
+            s.on_report(WorkerReport(step=plans.pop(0).step))
+        spt = s.prefill.seconds_per_token
+        assert spt is not None and spt < 1.5 * step_s / tokens  # timed from its own plan: 2x
     finally:
         s.close(timeout=10)
 
@@ -806,19 +840,25 @@ def test_storage_hits_are_not_claimed_while_a_read_is_slower_than_recomputing(tm
         assert s.matched_tokens("a", TOKENS, None, 0) == 3 * BS  # no read seen yet: claimed
         s.on_report(WorkerReport(reads=[(2, 0.2)]))
         assert s.matched_tokens("b", TOKENS, None, 0) == 0
-        assert s.matched_tokens("b", TOKENS, None, BS) == 0  # vLLM holds one block: the rest is storage's
+        assert s.matched_tokens("b", TOKENS, None, 0) == 0  # asked again: counted once
+        assert s.matched_tokens("b2", TOKENS, None, BS) == 0  # vLLM holds one block: the rest is storage's
         assert s.stats["hit_pages_cut_recompute"] == 3 + 2
         time.sleep(0.25)
         assert s.matched_tokens("c", TOKENS, None, 0) == 3 * BS  # one load measures the store again
         assert s.matched_tokens("d", TOKENS, None, 0) == 0  # the others wait for its word
+        assert s.matched_tokens("c", TOKENS, None, 0) == 3 * BS  # the pacer keeps its claim till its read
         assert s.stats["repace_loads"] == 1
-        s.on_report(WorkerReport(reads=[(3, 0.2)]))  # still slow: the store stays unclaimed
-        assert s.matched_tokens("e", TOKENS, None, 0) == 0
+        s.finished("c")  # the pacer ended before its read: the next one after repace_s measures
         time.sleep(0.25)
-        assert s.matched_tokens("f", TOKENS, None, 0) == 3 * BS  # measured again
+        assert s.matched_tokens("e", TOKENS, None, 0) == 3 * BS
+        s.on_report(WorkerReport(reads=[(3, 0.2)]))  # still slow: the store stays unclaimed
+        assert s.matched_tokens("f", TOKENS, None, 0) == 0
+        assert s.stats["hit_pages_cut_recompute"] == 3 + 2 + 3 + 3
+        time.sleep(0.25)
+        assert s.matched_tokens("g", TOKENS, None, 0) == 3 * BS  # measured again
         s.on_report(WorkerReport(reads=[(3, 0.00003)]))  # the store recovered: that read alone counts
-        assert s.matched_tokens("g", TOKENS, None, 0) == 3 * BS
-        assert s.stats["repace_loads"] == 2
+        assert s.matched_tokens("h", TOKENS, None, 0) == 3 * BS
+        assert s.stats["repace_loads"] == 3
     finally:
         s.close(timeout=10)
     for kw in ({"recompute_tokens_per_s": 10.0}, {"recompute_tokens_per_s": 1e6, "recompute_bound": False}):
@@ -848,6 +888,26 @@ def test_host_tier_hits_are_claimed_whatever_the_stores_pace(tmp_path: Path) -> 
         # the prompt's five pages sit in the host tier now: a hit without the store
         assert s.matched_tokens("b", TOKENS, None, 0) == 5 * BS
         assert s.stats["hit_pages_cut_recompute"] == 0
+    finally:
+        w.close(timeout=10)
+        s.close(timeout=10)
+
+
+def test_a_read_that_lands_nothing_does_not_set_the_pace(tmp_path: Path) -> None:
+    """Pages gone from the store by the time they are read fail at once: that says nothing of
+    how long a good read takes, so it is not reported as one (it made a slow store look fast)."""
+    stored(tmp_path, seed=24, num_pages=3)
+    s = scheduler("file", {"root": str(tmp_path)})
+    w = worker(tmp_path, kv_layers(None))
+    try:
+        blocks = list(range(6))
+        assert request(s, "a", TOKENS, blocks) == 3 * BS
+        for f in page_files(tmp_path):
+            f.unlink()
+        plan = s.plan_step([("a", 3 * BS, len(TOKENS), TOKENS, blocks)])
+        begin(w, plan)
+        assert load(w, plan.loads) == {0, 1, 2}
+        assert w.take_report().reads == []
     finally:
         w.close(timeout=10)
         s.close(timeout=10)
