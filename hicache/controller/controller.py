@@ -357,9 +357,13 @@ class HiCacheController:
         running. Idempotent: a call while another is closing waits for that close and gets its
         report; a call after it returns an empty report. A cancelled caller does not cancel
         the close (another caller may be waiting for it)."""
-        if self.state is ControllerState.CLOSED:
+        # the close task is looked at before the state: a first caller cancelled while the
+        # close ran never got its report, and the close may have ended before the next call
+        # (the state alone said "closed" and that call got an empty report: lost silently)
+        task = self._close_task
+        if task is None and self.state is ControllerState.CLOSED:
             return CloseReport(drained=True)
-        if self._close_task is None:
+        if task is None:
             self._close_task = asyncio.get_running_loop().create_task(
                 self._close(timeout), name="hicache-controller-close")
             try:
@@ -367,7 +371,9 @@ class HiCacheController:
             except asyncio.CancelledError:
                 self._report_owed = True  # the first caller never got the report: the next one does
                 raise
-        report = await asyncio.shield(self._close_task)
+        if task.cancelled():  # cancelled before its first step: nothing was drained or reported
+            return CloseReport(drained=False)
+        report = await asyncio.shield(task)
         if self._report_owed:
             self._report_owed = False
             return report

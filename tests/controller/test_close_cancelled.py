@@ -1,0 +1,44 @@
+"""A controller close whose caller or own task is cancelled: the report is handed on, never
+dropped, and a cancellation only hurries the rest of the close."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+from _hicache_faults import FaultyStorage
+from hicache.controller import ControllerConfig
+from hicache.controller.controller import ControllerState
+from hicache.replay import StackConfig, build_stack, serve_request
+
+PS = 4
+
+
+def make(store: FaultyStorage, close_timeout_s: float = 0.3):  # type: ignore[no-untyped-def]
+    cfg = StackConfig(page_size=PS, device_pages=16, host_pages=64, storage_backend=None,
+                      controller=ControllerConfig(prefetch_threshold=PS, storage_io_timeout_s=60.0, storage_stall_s=0,
+                                                  cancelled_io_grace_s=0.2, close_timeout_s=close_timeout_s))
+    return build_stack(cfg, storage=store)
+
+
+async def test_the_report_owed_to_a_cancelled_first_caller_survives_the_close_ending() -> None:
+    """The first caller is cancelled, the close then ends before anyone calls again: the next
+    aclose() used to see the state CLOSED first and get an empty report (lost silently)."""
+    store = FaultyStorage(store_id=f"faulty-{uuid.uuid4()}")
+    stack = make(store)
+    store.hang_now()
+    await serve_request(stack, list(range(8)), rid="a")
+    await asyncio.sleep(0.05)  # the storage write is in flight, hung
+    ctl = stack.controller
+    try:
+        await asyncio.wait_for(ctl.aclose(), 0.05)
+    except TimeoutError:
+        pass
+    assert ctl._close_task is not None
+    real = await asyncio.shield(ctl._close_task)
+    assert ctl.state is ControllerState.CLOSED and real.unwritten_pages == 2
+    owed = await ctl.aclose()
+    assert not owed.drained and owed.unwritten_pages == 2
+    again = await ctl.aclose()  # handed over once: later callers learn how it went, not its lists
+    assert not again.drained and not again.unwritten
+    await stack.aclose()
