@@ -25,13 +25,14 @@ import enum
 from array import array
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Awaitable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from hicache.config import HiCacheConfig, aload_config, load_config
+from hicache.controller.jobs import CloseReport
 from hicache.errors import (
     CacheClosedError,
     HiCacheError,
@@ -53,6 +54,8 @@ from hicache.stack import CacheStack, build_stack, stack_config_from, torch_dtyp
 __all__ = ["HiCache", "RequestHandle"]
 
 logger = logging.getLogger("hicache")
+
+_T = TypeVar("_T")
 
 
 def token_ids_of(values: Any, what: str = "token_ids") -> list[int]:
@@ -325,7 +328,17 @@ class HiCache:
             # would leave the copy thread and the storage open); a concurrent or later aclose()
             # waits for the same one.
             self._close_task = asyncio.get_running_loop().create_task(self._close(), name="hicache-close")
-        return await asyncio.shield(self._close_task)
+        task = self._close_task
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            me = asyncio.current_task()
+            if not task.cancelled() or (me is not None and me.cancelling()):
+                raise  # this caller was cancelled
+        # The close task, not this caller, was cancelled (before its first step, or it could
+        # not go on): re-raising told every later caller, whom nobody cancelled, "cancelled".
+        # It answers with what the close learned.
+        return self.close_report if self.close_report is not None else CloseReport(drained=False)
 
     async def _close(self) -> Any:
         assert self.cache is not None and self._stack is not None
@@ -344,12 +357,15 @@ class HiCache:
                 if task is not None:
                     task.uncancel()
                 logger.warning("hicache: the close was cancelled; closing without draining")
-                report = await self._stack.controller.aclose(timeout=0.0)
+                report = await _through_cancel(self._stack.controller.aclose(timeout=0.0))
+            # kept before the closes below: a cancellation there must not lose it
+            self.close_report = report
         finally:
-            await self._stack.copy_engine.aclose()
+            # waited out through a cancellation (the copy thread or the sockets left open, and
+            # the report lost, were the price of unwinding here)
+            await _through_cancel(self._stack.copy_engine.aclose())
             if self._events is not None:  # after the close: its last removals are published too
-                await self._events.aclose()
-        self.close_report = report
+                await _through_cancel(self._events.aclose())
         return report
 
     async def __aenter__(self) -> HiCache:
@@ -665,3 +681,18 @@ async def _smoke() -> None:  # pragma: no cover - manual check
 
 if __name__ == "__main__":  # pragma: no cover
     asyncio.run(_smoke())
+
+
+async def _through_cancel(aw: Awaitable[_T]) -> _T | None:
+    """Await ``aw`` (a step of the close) to its end through any cancellation of the running
+    task, each one taken back: a cancellation only hurries a close, it never stops it halfway.
+    ``None`` when the step's own task was cancelled (its work, on a thread, still ends)."""
+    fut = asyncio.ensure_future(aw)
+    while not fut.done():
+        try:
+            await asyncio.wait({fut})
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None:
+                task.uncancel()
+    return None if fut.cancelled() else fut.result()

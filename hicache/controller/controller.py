@@ -36,7 +36,7 @@ import inspect
 import logging
 import time
 from collections.abc import Callable, Coroutine
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -68,6 +68,8 @@ from hicache.storage.offload import wait_out
 from hicache.storage.stats import counting_call
 
 __all__ = ["HiCacheController", "ControllerState"]
+
+_F = TypeVar("_F", bound="asyncio.Future[Any]")
 
 logger = logging.getLogger("hicache.controller")
 
@@ -209,6 +211,8 @@ class HiCacheController:
         #: the caller that started the close was cancelled before it got the report: the next
         #: aclose() gets it whole (its lists are then reported once, not never)
         self._report_owed = False
+        #: the close task was cancelled: the rest of the close goes on, hurried (see _hurry)
+        self._close_cancelled = False
         self._free_host: Callable[[torch.Tensor], None] = host_pool.free
         self._prefetcher: Prefetcher | None = None
         self.health = StorageHealth(
@@ -401,9 +405,8 @@ class HiCacheController:
                 # workers running, the storage open, its I/O thread alive and every queued write
                 # neither written nor reported. A cancellation only cuts the drain short (as
                 # the timeout does); the rest of the close is bounded and still runs.
-                _uncancel()
+                self._hurry("while draining; reporting what is left")
                 report.drained = False
-                logger.warning("controller close: cancelled while draining; reporting what is left")
             for task in list(self._tasks):
                 task.cancel()
             stuck = await self._wait_tasks(limit)
@@ -414,26 +417,28 @@ class HiCacheController:
         # close and the I/O thread's exit are each waited for at most max(1 s,
         # close_timeout_s); the thread is a daemon and is left behind with a warning.
         limit = max(1.0, self.config.close_timeout_s if timeout is None else timeout)
-        closing: asyncio.Task[Any] | None = None
+        closing: asyncio.Future[Any] | None = None
         if self.own_storage and self.storage is not None:
             # waited for, not cancelled: cancelling a call whose I/O loop is blocked waits for
             # that loop to run the cancellation, which it never does (close hung for good);
             # stopping the I/O thread below settles it instead
-            closing = asyncio.ensure_future(self._on_io(self.storage.aclose()))
-            try:
-                await asyncio.wait({closing}, timeout=limit)
-            except asyncio.CancelledError:
-                closing.cancel()
-                raise
+            # submitted, not a task of this loop: a shutdown sweep cancelling every task would
+            # cancel the backend's close halfway (its threads left running)
+            closing = (self._io.submit(self.storage.aclose()) if self._io is not None
+                       else asyncio.ensure_future(self.storage.aclose()))
+            await self._close_wait({closing}, limit)
             if not closing.done():
                 logger.warning("controller close: the storage backend did not close within %.1f s", limit)
             elif not closing.cancelled() and closing.exception() is not None:
                 logger.error("closing the storage backend failed", exc_info=closing.exception())
         if self._io is not None:
-            await self._io.stop(timeout=limit)  # settles the calls its loop never finished
+            try:
+                await self._io.stop(timeout=limit)  # settles the calls its loop never finished
+            except asyncio.CancelledError:  # raised once the stop is done: the thread was joined
+                self._hurry("while its I/O thread stopped")
         if closing is not None and not closing.done():
             closing.cancel()  # its I/O call was settled by stop(): this only ends the wrapper
-            await asyncio.wait({closing}, timeout=1.0)
+            await self._close_wait({closing}, 1.0)
         if stuck:
             await self._wait_tasks(1.0)
         self.state = ControllerState.CLOSED
@@ -444,8 +449,36 @@ class HiCacheController:
             logger.warning("controller close: %d page(s) meant for storage were never written there (writes "
                            "failed, skipped while storage was down, or dropped from host before their turn)",
                            report.failed_storage_pages)
-        await self.metrics.aclose()  # this cache's families leave the scrape
+        try:
+            await self.metrics.aclose()  # this cache's families leave the scrape
+        except asyncio.CancelledError:  # they left all the same (its finally): keep the report
+            self._hurry("while its metrics closed")
         return report
+
+    def _hurry(self, where: str) -> None:
+        """The close task was cancelled (asyncio.run's shutdown sweep, a caller's cleanup):
+        take the cancellation back and go on. Why: unwinding at an await after the drain
+        skipped the rest of the close - the storage stayed open, the I/O and file threads
+        alive, the state CLOSING - and the report was lost. A cancellation only hurries the
+        close, wherever it lands."""
+        _uncancel()
+        if not self._close_cancelled:
+            logger.warning("controller close: cancelled %s", where)
+        self._close_cancelled = True
+
+    async def _close_wait(self, aws: set[_F], timeout: float) -> set[_F]:
+        """``asyncio.wait(aws, timeout=timeout)`` for a step of the close, through any
+        cancellation of the close task (see :meth:`_hurry`); returns what is still pending."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        pending = set(aws)
+        while pending:
+            try:
+                _, pending = await asyncio.wait(pending, timeout=max(0.0, deadline - loop.time()))
+                return pending
+            except asyncio.CancelledError:
+                self._hurry("while it waited for its tasks, storage or I/O thread")
+        return pending
 
     async def _wait_tasks(self, timeout: float) -> int:
         """Wait up to ``timeout`` for the (cancelled) tasks to end; how many are still running.
@@ -453,7 +486,7 @@ class HiCacheController:
         returned (a hung mount): it is reported, never abandoned silently."""
         if not self._tasks:
             return 0
-        _, pending = await asyncio.wait(set(self._tasks), timeout=max(0.1, timeout))
+        pending = await self._close_wait(set(self._tasks), max(0.1, timeout))
         if pending:
             logger.warning(
                 "controller close: %d task(s) still wait for storage calls that have not returned: %s",

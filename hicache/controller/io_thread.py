@@ -106,6 +106,31 @@ class IoThread:
     async def run(self, coro: Coroutine[Any, Any, T]) -> T:
         """Await ``coro`` executed on the I/O loop. If the caller is cancelled, ``coro`` is
         cancelled on the I/O loop, and the cancellation reaches the caller once it has ended."""
+        outcome, started = self._begin(coro)
+        assert self._loop is not None
+        io_loop = self._loop
+        try:
+            await asyncio.wait({outcome})  # a cancellation of ours leaves outcome pending
+        except asyncio.CancelledError:
+            with contextlib.suppress(RuntimeError):  # closed: stop() settles outcome
+                # begin() was queued first and the loop runs callbacks in order: started is set
+                io_loop.call_soon_threadsafe(lambda: started[0].cancel() if started else None)
+            await wait_out(outcome)
+            raise
+        return outcome.result()
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> asyncio.Future[T]:
+        """Start ``coro`` on the I/O loop; a future of the caller's loop settled like it ends.
+
+        Why besides :meth:`run`: nothing on the caller's loop is a task here, so a sweep that
+        cancels every task (``asyncio.run``'s end) cannot cancel the call. For a call that must
+        run to its end, the storage close: cancelled halfway, it left the backend's threads
+        running. :meth:`stop` settles it if the loop never finishes it."""
+        return self._begin(coro)[0]
+
+    def _begin(self, coro: Coroutine[Any, Any, T]) -> tuple[asyncio.Future[T], list[asyncio.Task[T]]]:
+        """Queue ``coro`` on the I/O loop: the caller's future for its outcome, and the list
+        that holds the I/O loop's task once it was made."""
         if not self.running:
             self.start()
         assert self._loop is not None
@@ -130,23 +155,18 @@ class IoThread:
             coro.close()
             raise
         self._waiting.add(outcome)
-        try:
-            await asyncio.wait({outcome})  # a cancellation of ours leaves outcome pending
-        except asyncio.CancelledError:
-            with contextlib.suppress(RuntimeError):  # closed: stop() settles outcome
-                # begin() was queued first and the loop runs callbacks in order: started is set
-                io_loop.call_soon_threadsafe(lambda: started[0].cancel() if started else None)
-            await wait_out(outcome)
-            raise
-        finally:
-            self._waiting.discard(outcome)
-        return outcome.result()
+        outcome.add_done_callback(self._waiting.discard)
+        return outcome, started
 
     async def stop(self, timeout: float | None = None) -> bool:
         """Stop the loop (cancelling what still runs there) and join the thread off-loop, for
         at most ``timeout`` seconds (``None``: no limit). A coroutine that blocks the I/O loop
         (a backend stuck in a synchronous call) would otherwise make this wait forever; the
-        thread is a daemon, so it is left behind with a warning. Returns whether it ended."""
+        thread is a daemon, so it is left behind with a warning. Returns whether it ended.
+
+        A cancellation while it waits does not cut the stop short (the calls the loop never
+        finished would stay unsettled, their callers waiting for good): it is raised once the
+        stop is done."""
         if self._loop is None or self._thread is None:
             return True
         loop, thread = self._loop, self._thread
@@ -156,14 +176,22 @@ class IoThread:
                 loop.call_soon_threadsafe(loop.stop)
             except RuntimeError:  # closed meanwhile
                 pass
-        await asyncio.to_thread(thread.join, timeout)
+        clock = asyncio.get_running_loop().time
+        deadline = None if timeout is None else clock() + timeout
+        cancelled = False
+        while thread.is_alive() and (deadline is None or clock() < deadline):
+            try:  # polled, not joined on a thread: an abandoned join would outlive the wait
+                await asyncio.sleep(0.005 if deadline is None else max(0.0, min(0.005, deadline - clock())))
+            except asyncio.CancelledError:
+                cancelled = True
         for outcome in list(self._waiting):  # coroutines the stopped loop never ran to the end
             if not outcome.done():
                 outcome.get_loop().call_soon_threadsafe(outcome.cancel)
         if thread.is_alive():
             logger.warning("%s: the storage I/O loop is blocked; its thread is left behind", self.name)
-            return False
-        return True
+        if cancelled:
+            raise asyncio.CancelledError
+        return not thread.is_alive()
 
 
 async def _contained(coro: Coroutine[Any, Any, T], name: str) -> T:

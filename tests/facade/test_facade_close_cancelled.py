@@ -13,6 +13,7 @@ import asyncio
 import dataclasses
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,24 @@ SESSIONS, PAGES = 4, 6
 
 def _hicache_threads() -> list[str]:
     return [t.name for t in threading.enumerate() if t.name.startswith("hicache") and t.is_alive()]
+
+
+def _thread_idents() -> set[int | None]:
+    return {t.ident for t in threading.enumerate()}
+
+
+def _assert_no_new_hicache_threads(before: set[int | None]) -> None:
+    """No hicache thread started since ``before`` is still alive (polled briefly: a thread may
+    take a moment to end after the close joined or stopped it). Only threads this test started:
+    one left by an earlier test (ended later by gc) is not this test's."""
+    deadline = time.monotonic() + 2.0
+    while True:
+        new = [t.name for t in threading.enumerate()
+               if t.ident not in before and t.name.startswith("hicache") and t.is_alive()]
+        if not new or time.monotonic() > deadline:
+            break
+        time.sleep(0.02)
+    assert not new
 
 
 @pytest.mark.parametrize("controller_closing", [False, True], ids=["in-session-drain", "in-controller-drain"])
@@ -65,3 +84,54 @@ def test_a_close_cancelled_by_the_loops_shutdown_still_ends_and_reports(tmp_path
         assert report.unwritten_pages == SESSIONS * PAGES
     else:  # their host copies never ran: each write-back is reported as a failed backup
         assert report.failed_device_backups + report.unwritten_pages > 0
+
+
+@pytest.mark.parametrize("where", ["storage-close", "copy-engine-close"])
+def test_a_close_cancelled_after_the_drain_still_ends_and_keeps_its_report(tmp_path: Path, where: str) -> None:
+    """The sweep lands after the drain: in the storage backend's close (the controller
+    re-raised there: the I/O and file threads stayed alive, the state CLOSING) or in the copy
+    engine's close (the report was lost). Either way the close task ended cancelled, and every
+    later aclose() raised CancelledError to a caller nobody cancelled."""
+    held: dict[str, Any] = {}
+
+    async def main() -> None:
+        cache = await HiCache.from_config(config(tmp_path, session={"idle_offload_s": None})).start()
+        held["cache"] = cache
+        ctl = cache._stack.controller
+        for i in range(2):
+            await run(cache, f"s{i}", prompt(i, PAGES * PS), session_id=f"S{i}")
+        if where == "storage-close":
+            storage = cache._stack.storage
+            close = storage.aclose
+
+            async def slow_close() -> None:  # on the I/O loop
+                await asyncio.sleep(0.5)
+                await close()
+
+            storage.aclose = slow_close  # type: ignore[method-assign]
+            asyncio.ensure_future(cache.aclose())
+            while not (ctl._close_task and ctl._sealed):
+                await asyncio.sleep(0.005)
+        else:
+            engine = cache._stack.copy_engine
+            close_engine = engine.close
+
+            def slow_engine_close() -> None:  # on a thread
+                time.sleep(0.5)
+                close_engine()
+
+            engine.close = slow_engine_close  # type: ignore[method-assign]
+            asyncio.ensure_future(cache.aclose())
+            while ctl.state is not ControllerState.CLOSED:
+                await asyncio.sleep(0.005)
+        await asyncio.sleep(0.05)
+
+    before = _thread_idents()
+    asyncio.run(asyncio.wait_for(main(), 20.0))
+    cache = held["cache"]
+    assert cache._stack.controller.state is ControllerState.CLOSED
+    _assert_no_new_hicache_threads(before)
+    report = cache.close_report
+    assert report is not None and report.drained and not report.unwritten
+    later = asyncio.run(cache.aclose())  # on another loop: a finished close answers there
+    assert later is not None and later.drained
