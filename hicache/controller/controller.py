@@ -409,14 +409,14 @@ class HiCacheController:
                 report.drained = False
             for task in list(self._tasks):
                 task.cancel()
-            stuck = await self._wait_tasks(limit)
+            stuck = await self._wait_tasks(self._hurried(limit))
             self._report_leftovers(report)
         self._sealed = True  # no worker is left: a continuation from now on is refused, not lost
         self._backup_room.set()  # a backup() waiting for room learns the queue is closed
         # A backend that blocks its I/O loop (a hung mount) must not make close hang: its
         # close and the I/O thread's exit are each waited for at most max(1 s,
         # close_timeout_s); the thread is a daemon and is left behind with a warning.
-        limit = max(1.0, self.config.close_timeout_s if timeout is None else timeout)
+        limit = self._hurried(max(1.0, self.config.close_timeout_s if timeout is None else timeout))
         closing: asyncio.Future[Any] | None = None
         if self.own_storage and self.storage is not None:
             # waited for, not cancelled: cancelling a call whose I/O loop is blocked waits for
@@ -433,7 +433,8 @@ class HiCacheController:
                 logger.error("closing the storage backend failed", exc_info=closing.exception())
         if self._io is not None:
             try:
-                await self._io.stop(timeout=limit)  # settles the calls its loop never finished
+                # settles the calls its loop never finished
+                await self._io.stop(timeout=self._hurried(limit), cancelled_limit=self._hurried(limit, True))
             except asyncio.CancelledError:  # raised once the stop is done: the thread was joined
                 self._hurry("while its I/O thread stopped")
         if closing is not None and not closing.done():
@@ -478,7 +479,17 @@ class HiCacheController:
                 return pending
             except asyncio.CancelledError:
                 self._hurry("while it waited for its tasks, storage or I/O thread")
+                deadline = min(deadline, loop.time() + self._hurried(timeout, True))
         return pending
+
+    def _hurried(self, limit: float, cancelled: bool = False) -> float:
+        """``limit`` for a wait of the close, capped once the close was cancelled (or when
+        ``cancelled``) at ``cancelled_io_grace_s`` (1 s when that is 0). Why: a cancelled close
+        runs inside asyncio.run's shutdown, and waiting close_timeout_s for each of its tasks,
+        storage close and I/O thread (3 x 30 s by default) held the process that long."""
+        if cancelled or self._close_cancelled:
+            return min(limit, self.config.cancelled_io_grace_s or 1.0)
+        return limit
 
     async def _wait_tasks(self, timeout: float) -> int:
         """Wait up to ``timeout`` for the (cancelled) tasks to end; how many are still running.

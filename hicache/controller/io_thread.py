@@ -158,7 +158,7 @@ class IoThread:
         outcome.add_done_callback(self._waiting.discard)
         return outcome, started
 
-    async def stop(self, timeout: float | None = None) -> bool:
+    async def stop(self, timeout: float | None = None, *, cancelled_limit: float | None = None) -> bool:
         """Stop the loop (cancelling what still runs there) and join the thread off-loop, for
         at most ``timeout`` seconds (``None``: no limit). A coroutine that blocks the I/O loop
         (a backend stuck in a synchronous call) would otherwise make this wait forever; the
@@ -166,7 +166,8 @@ class IoThread:
 
         A cancellation while it waits does not cut the stop short (the calls the loop never
         finished would stay unsettled, their callers waiting for good): it is raised once the
-        stop is done."""
+        stop is done, and it cuts the rest of the wait to ``cancelled_limit`` seconds when given
+        (a cancelled close is hurried, not held for the whole ``timeout``)."""
         if self._loop is None or self._thread is None:
             return True
         loop, thread = self._loop, self._thread
@@ -184,6 +185,9 @@ class IoThread:
                 await asyncio.sleep(0.005 if deadline is None else max(0.0, min(0.005, deadline - clock())))
             except asyncio.CancelledError:
                 cancelled = True
+                if cancelled_limit is not None:
+                    cap = clock() + cancelled_limit
+                    deadline = cap if deadline is None else min(deadline, cap)
         for outcome in list(self._waiting):  # coroutines the stopped loop never ran to the end
             if not outcome.done():
                 outcome.get_loop().call_soon_threadsafe(outcome.cancel)

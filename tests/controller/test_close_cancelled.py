@@ -4,6 +4,8 @@ dropped, and a cancellation only hurries the rest of the close."""
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 import uuid
 
 from _hicache_faults import FaultyStorage
@@ -41,4 +43,41 @@ async def test_the_report_owed_to_a_cancelled_first_caller_survives_the_close_en
     assert not owed.drained and owed.unwritten_pages == 2
     again = await ctl.aclose()  # handed over once: later callers learn how it went, not its lists
     assert not again.drained and not again.unwritten
+    await stack.aclose()
+
+
+class LoopBlockingStorage(FaultyStorage):
+    """Writes block the storage I/O loop's thread (a synchronous call on a hung mount)."""
+
+    def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(*args, **kwargs)
+        self.unblock = threading.Event()
+
+    async def _write(self, pages, buffers, parents):  # type: ignore[no-untyped-def]
+        self.unblock.wait(20)
+        return await super()._write(pages, buffers, parents)
+
+
+async def test_a_cancelled_close_is_hurried_not_held_for_each_close_timeout() -> None:
+    """Cancelled while draining (asyncio.run's sweep), the close still waited close_timeout_s
+    for its tasks, again for the storage close and again for the I/O thread: 3 x 30 s by
+    default, inside the loop's shutdown. After a cancellation each wait is capped."""
+    store = LoopBlockingStorage(store_id=f"faulty-{uuid.uuid4()}")
+    stack = make(store, close_timeout_s=3.0)
+    ctl = stack.controller
+    try:
+        await serve_request(stack, list(range(8)), rid="a")
+        await asyncio.sleep(0.05)  # the write blocks the I/O loop
+        closing = asyncio.ensure_future(ctl.aclose())
+        while ctl.state is not ControllerState.CLOSING:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.1)
+        t0 = time.monotonic()
+        assert ctl._close_task is not None
+        ctl._close_task.cancel()  # what the sweep does
+        report = await asyncio.wait_for(closing, 15.0)
+        assert time.monotonic() - t0 < 2.5
+        assert not report.drained and ctl.state is ControllerState.CLOSED
+    finally:
+        store.unblock.set()
     await stack.aclose()
