@@ -357,7 +357,10 @@ class HiCache:
                 if task is not None:
                     task.uncancel()
                 logger.warning("hicache: the close was cancelled; closing without draining")
-                report = await _through_cancel(self._stack.controller.aclose(timeout=0.0))
+                # through the caches' own close (not the controller's alone): the report keeps
+                # the tree's part (deferred backups, undeleted storage pages), and the session
+                # release, write-back seal and deferred backups are not skipped
+                report = await _through_cancel(self.cache.finish_cut_close())
             # kept before the closes below: a cancellation there must not lose it
             self.close_report = report
         finally:

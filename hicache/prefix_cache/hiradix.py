@@ -170,6 +170,7 @@ class HiRadixCache(RadixCache):
         self._backup_batch: list[tuple[TreeNode, object]] = []
         #: device nodes whose backup found no host room or a full queue, oldest first
         self._deferred: dict[TreeNode, bool] = {}  # node -> keep it on device meanwhile
+        self._close_begun = False  # aclose() ran its steps before the controller's close
         #: device nodes whose host copy became redundant (storage holds it too), oldest first
         self._sheddable: dict[TreeNode, None] = {}
         self._prune_at = 1024
@@ -979,14 +980,22 @@ class HiRadixCache(RadixCache):
         self._start_backups()
         await self.controller.drain_backups()
 
-    async def aclose(self) -> Any:
-        """Close the controller (drains backups, reports what it could not write)."""
-        self.prefetches.close()
-        self.storage_writes.unsubscribe()
-        self._start_backups()  # drained by the close, or reported
-        self._retry_deferred()
-        self.storage_writes.send_doomed()
-        report = await self.controller.aclose()
+    async def aclose(self, timeout: float | None = None) -> Any:
+        """Close the controller (drains backups for up to ``timeout``, default its
+        ``close_timeout_s``; reports what it could not write).
+
+        Safe to call again after a cancelled call (a hurried close: ``timeout=0``): the steps
+        before the controller's close run once, and the controller hands the whole report to
+        the next caller when the first was cancelled. Why: the cache's part of the report (the
+        deferred backups, the undeleted storage pages) exists only here."""
+        if not self._close_begun:
+            self._close_begun = True
+            self.prefetches.close()
+            self.storage_writes.unsubscribe()
+            self._start_backups()  # drained by the close, or reported
+            self._retry_deferred()
+            self.storage_writes.send_doomed()
+        report = await self.controller.aclose(timeout)
         # backups still waiting for host room: only the tree knows them, so the tree reports
         # them (committed KV that reached no tier below the device is never lost silently;
         # a node storage holds lost nothing)

@@ -47,6 +47,7 @@ What cannot be reclaimed is the memory of *running* turns: when they hold everyt
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 import time
 from collections.abc import Callable
@@ -399,6 +400,34 @@ class SessionAwareCache(ForwardingCache):
         write-backs, then close the inner cache (its controller drains to storage). Idempotent."""
         if not await self._lifecycle.close():
             return None
+        self._let_go()
+        await self.writeback.drain()
+        self.writeback.seal()
+        fn = getattr(self.inner, "aclose", None)
+        if close_inner and fn is not None:
+            return await fn()
+        return None
+
+    async def finish_cut_close(self) -> Any:
+        """The rest of an :meth:`aclose` a cancellation cut short, waiting for nothing: the
+        sessions still held are released, the write-backs sealed (what they never copied is
+        reported by the inner cache's close), and the inner cache closed without draining;
+        returns its close report.
+
+        Why: a cancelled close (asyncio.run's shutdown sweep) is hurried, not abandoned, and a
+        second :meth:`aclose` does nothing once the first marked the cache closed."""
+        self._let_go()
+        self.writeback.seal()
+        fn = getattr(self.inner, "aclose", None)
+        if fn is None:
+            return None
+        if "timeout" in inspect.signature(fn).parameters:
+            return await fn(timeout=0.0)
+        return await fn()  # an inner cache whose close takes no timeout
+
+    def _let_go(self) -> None:
+        """Abort each running turn and release every session (``release_on_close``); once
+        done, a second call finds nothing left."""
         # A turn still running cannot finish on a closed cache, and a release waiting for it
         # would hand its session's KV over after the write-backs were drained (lost without a
         # word): abort it now, back to the history committed before it, which is then kept.
@@ -421,12 +450,6 @@ class SessionAwareCache(ForwardingCache):
                     self.session_metrics.incr("release_errors")
                     self.slots.pop(sid, None)
                     logger.exception("session %s: releasing it at close failed; its KV is not kept", sid)
-        await self.writeback.drain()
-        self.writeback.seal()
-        fn = getattr(self.inner, "aclose", None)
-        if close_inner and fn is not None:
-            return await fn()
-        return None
 
     async def __aenter__(self) -> SessionAwareCache:
         self.start()

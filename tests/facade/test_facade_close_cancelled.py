@@ -135,3 +135,38 @@ def test_a_close_cancelled_after_the_drain_still_ends_and_keeps_its_report(tmp_p
     assert report is not None and report.drained and not report.unwritten
     later = asyncio.run(cache.aclose())  # on another loop: a finished close answers there
     assert later is not None and later.drained
+
+
+@pytest.mark.parametrize("controller_closing", [False, True], ids=["in-session-drain", "in-controller-drain"])
+def test_a_cancelled_close_keeps_the_trees_part_of_the_report(tmp_path: Path, controller_closing: bool) -> None:
+    """The fallback after a cancelled close closed the controller alone: the tree's part of
+    the report (here: pages the store could not delete) was lost, and the tree's own close
+    steps were skipped."""
+    held: dict[str, Any] = {}
+
+    async def main() -> None:
+        cache = await HiCache.from_config(config(tmp_path, session={"idle_offload_s": None})).start()
+        held["cache"] = cache
+        ctl = cache._stack.controller
+        ctl.config = dataclasses.replace(ctl.config, storage_stall_s=0, storage_io_timeout_s=60.0,
+                                         close_timeout_s=5.0, cancelled_io_grace_s=0.2)
+
+        async def hung_write(*_: Any) -> Any:
+            await asyncio.Event().wait()
+
+        cache._stack.storage._write = hung_write
+        cache._stack.cache.storage_writes.undeleted = lambda: 7  # type: ignore[method-assign]
+        for i in range(SESSIONS):
+            await run(cache, f"s{i}", prompt(i, PAGES * PS), session_id=f"S{i}")
+        asyncio.ensure_future(cache.aclose())  # never awaited: main returns while it runs
+        if controller_closing:
+            while ctl.state is not ControllerState.CLOSING:
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.1)
+
+    asyncio.run(asyncio.wait_for(main(), 20.0))
+    cache = held["cache"]
+    report = cache.close_report
+    assert report is not None and not report.drained
+    assert report.undeleted_storage_pages == 7
+    assert cache._stack.cache._close_begun
