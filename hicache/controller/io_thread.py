@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import logging
 import os
 import sys
@@ -147,6 +148,7 @@ class IoThread:
         def begin() -> None:  # on the I/O loop
             task = io_loop.create_task(_contained(coro, self.name))
             task.add_done_callback(relay)
+            task.add_done_callback(lambda _: _close_unstarted(coro))
             started.append(task)
 
         try:
@@ -211,8 +213,17 @@ async def _contained(coro: Coroutine[Any, Any, T], name: str) -> T:
     try:
         return await coro
     except (KeyboardInterrupt, SystemExit) as exc:
-        logger.error("%s: a storage call raised %s; treated as a failed call", name, type(exc).__name__)
+        logger.error("%s: a storage call raised %s; treated as a failed call", name, type(exc).__name__,
+                     exc_info=exc)  # the backend's traceback: where it exited
         raise RuntimeError(f"a storage call raised {type(exc).__name__} on the I/O thread") from exc
+
+
+def _close_unstarted(coro: Coroutine[Any, Any, Any]) -> None:
+    """Close ``coro`` if its wrapper task ended before it ever ran (cancelled before its first
+    step): the wrapper never awaited it, and it was collected with a "coroutine ... was never
+    awaited" warning. A started one ended with its wrapper."""
+    if inspect.getcoroutinestate(coro) == inspect.CORO_CREATED:
+        coro.close()
 
 
 def _copy_outcome(task: asyncio.Task[T], outcome: asyncio.Future[T]) -> None:

@@ -9,13 +9,18 @@ ending the test session.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import gc
+import logging
 import threading
 import uuid
+import warnings
 
 import pytest
 
 from _hicache_faults import FaultyStorage
 from hicache.controller import ControllerConfig
+from hicache.controller.io_thread import IoThread
 from hicache.replay import StackConfig, build_stack, serve_request
 
 PS = 4
@@ -55,3 +60,47 @@ def test_a_backend_raising_a_base_exception_fails_its_call_not_the_loops(exc: ty
         asyncio.run(_scenario(exc))
     except (KeyboardInterrupt, SystemExit) as escaped:
         pytest.fail(f"{type(escaped).__name__} from the backend reached the server's loop")
+
+
+def test_a_storage_call_cancelled_before_it_started_is_closed_not_left_unawaited() -> None:
+    """The I/O loop's task wraps the call (see ``_contained``): cancelled before its first
+    step, it never started the call, which was then collected with a "coroutine ... was never
+    awaited" warning."""
+
+    async def work() -> int:
+        return 1
+
+    async def main() -> None:
+        io = IoThread()
+        io.start()
+        call = asyncio.ensure_future(io.run(work()))
+        await asyncio.sleep(0)  # run() queued the call on the I/O loop
+        call.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await call
+        await io.stop(1.0)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        asyncio.run(main())
+        gc.collect()
+    assert not [w for w in caught if "never awaited" in str(w.message)]
+
+
+def test_the_backends_traceback_is_logged_where_its_base_exception_is_converted(
+        caplog: pytest.LogCaptureFixture) -> None:
+    async def exits() -> None:
+        raise SystemExit("from the backend")
+
+    async def main() -> None:
+        io = IoThread()
+        try:
+            with pytest.raises(RuntimeError):
+                await io.run(exits())
+        finally:
+            await io.stop(1.0)
+
+    with caplog.at_level(logging.ERROR, logger="hicache.controller"):
+        asyncio.run(main())
+    [record] = [r for r in caplog.records if "raised SystemExit" in r.getMessage()]
+    assert record.exc_info is not None and record.exc_info[0] is SystemExit
