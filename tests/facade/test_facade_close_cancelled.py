@@ -46,29 +46,43 @@ def _assert_no_new_hicache_threads(before: set[int | None]) -> None:
     assert not new
 
 
+async def _cache_with_hung_writes(tmp_path: Path, held: dict[str, Any]) -> HiCache:
+    """A started cache (kept in ``held``) whose storage writes never answer, with a short
+    close and grace, so a close has queued writes to cut short and report."""
+    cache = await HiCache.from_config(config(tmp_path, session={"idle_offload_s": None})).start()
+    held["cache"] = cache
+    ctl = cache._stack.controller
+    ctl.config = dataclasses.replace(ctl.config, storage_stall_s=0, storage_io_timeout_s=60.0,
+                                     close_timeout_s=5.0, cancelled_io_grace_s=0.2)
+
+    async def hung_write(*_: Any) -> Any:
+        await asyncio.Event().wait()
+
+    cache._stack.storage._write = hung_write  # type: ignore[method-assign]
+    return cache
+
+
+async def _close_unawaited(cache: HiCache, controller_closing: bool) -> None:
+    """Start the close and return while it runs (the sweep then cancels it); with
+    ``controller_closing``, once the controller is draining its queued writes."""
+    ctl = cache._stack.controller
+    asyncio.ensure_future(cache.aclose())  # never awaited: main returns while it runs
+    if controller_closing:
+        while ctl.state is not ControllerState.CLOSING:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.1)  # the storage writes are queued, the first one hung
+
+
 @pytest.mark.parametrize("controller_closing", [False, True], ids=["in-session-drain", "in-controller-drain"])
 def test_a_close_cancelled_by_the_loops_shutdown_still_ends_and_reports(tmp_path: Path,
                                                                       controller_closing: bool) -> None:
     held: dict[str, Any] = {}
 
     async def main() -> None:
-        cache = await HiCache.from_config(config(tmp_path, session={"idle_offload_s": None})).start()
-        held["cache"] = cache
-        ctl = cache._stack.controller
-        ctl.config = dataclasses.replace(ctl.config, storage_stall_s=0, storage_io_timeout_s=60.0,
-                                         close_timeout_s=5.0, cancelled_io_grace_s=0.2)
-
-        async def hung_write(*_: Any) -> Any:
-            await asyncio.Event().wait()
-
-        cache._stack.storage._write = hung_write
+        cache = await _cache_with_hung_writes(tmp_path, held)
         for i in range(SESSIONS):
             await run(cache, f"s{i}", prompt(i, PAGES * PS), session_id=f"S{i}")
-        asyncio.ensure_future(cache.aclose())  # never awaited: main returns while it runs
-        if controller_closing:
-            while ctl.state is not ControllerState.CLOSING:
-                await asyncio.sleep(0.01)
-            await asyncio.sleep(0.1)  # the storage writes are queued, the first one hung
+        await _close_unawaited(cache, controller_closing)
 
     before = _thread_idents()
     asyncio.run(asyncio.wait_for(main(), 20.0))
@@ -142,24 +156,11 @@ def test_a_cancelled_close_keeps_the_trees_part_of_the_report(tmp_path: Path, co
     held: dict[str, Any] = {}
 
     async def main() -> None:
-        cache = await HiCache.from_config(config(tmp_path, session={"idle_offload_s": None})).start()
-        held["cache"] = cache
-        ctl = cache._stack.controller
-        ctl.config = dataclasses.replace(ctl.config, storage_stall_s=0, storage_io_timeout_s=60.0,
-                                         close_timeout_s=5.0, cancelled_io_grace_s=0.2)
-
-        async def hung_write(*_: Any) -> Any:
-            await asyncio.Event().wait()
-
-        cache._stack.storage._write = hung_write
+        cache = await _cache_with_hung_writes(tmp_path, held)
         cache._stack.cache.storage_writes.undeleted = lambda: 7  # type: ignore[method-assign]
         for i in range(SESSIONS):
             await run(cache, f"s{i}", prompt(i, PAGES * PS), session_id=f"S{i}")
-        asyncio.ensure_future(cache.aclose())  # never awaited: main returns while it runs
-        if controller_closing:
-            while ctl.state is not ControllerState.CLOSING:
-                await asyncio.sleep(0.01)
-            await asyncio.sleep(0.1)
+        await _close_unawaited(cache, controller_closing)
 
     asyncio.run(asyncio.wait_for(main(), 20.0))
     cache = held["cache"]
