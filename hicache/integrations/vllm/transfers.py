@@ -83,6 +83,14 @@ def _min_merge(a: dict[int, int], b: dict[int, int]) -> dict[int, int]:
     return out
 
 
+def _slowest(a: list[tuple[int, float]], b: list[tuple[int, float]]) -> list[tuple[int, float]]:
+    """Two ranks' reads of the same steps, in order: each the fewest pages landed in the
+    longest time (reads past the shorter list kept as they are)."""
+    n = min(len(a), len(b))
+    pairs = [(min(pa, pb), max(sa, sb)) for (pa, sa), (pb, sb) in zip(a[:n], b[:n])]
+    return pairs + a[n:] + b[n:]
+
+
 @dataclass
 class WorkerReport:
     """From the workers since their last report:
@@ -102,6 +110,8 @@ class WorkerReport:
       any more (``None``: no step begun).
     - ``reads``: (pages landed, seconds) of each step's storage reads (all of its requests
       together, start to last page landed): the store's pace, weighed against recomputing;
+      merged rank by rank as the slowest (each rank reads its shard of the same pages, and the
+      forward waits for the last one);
     - ``load_wait_s``: how long the forward passes waited for loads (the slowest worker's):
       not compute, so left out when the scheduler times the engine's steps.
     """
@@ -126,5 +136,5 @@ class WorkerReport:
         return WorkerReport(
             self.jobs_done + other.jobs_done, self.bad_slots | other.bad_slots, _min_merge(self.written, other.written),
             self.held + other.held, self.tainted + other.tainted, min(steps) if steps else None,
-            self.skipped + other.skipped, self.reads + other.reads, max(self.load_wait_s, other.load_wait_s),
+            self.skipped + other.skipped, _slowest(self.reads, other.reads), max(self.load_wait_s, other.load_wait_s),
         )
