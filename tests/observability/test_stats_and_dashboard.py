@@ -35,7 +35,9 @@ def small_config(root: Path) -> HiCacheConfig:
     })
 
 
-async def _scrape_after_traffic(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> tuple[Scrape, str]:
+async def _scrape_after_traffic(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> tuple[Scrape, str, str]:
+    """The server's scrape, the ``stats`` screen of it, and the server's cache label (the scrape
+    is the process's: a cache another test left open shows in it too)."""
     cfg = small_config(tmp_path / "store")
     async with HiCache.from_config(cfg) as writer:  # another cache put the prefix in the store
         h = await writer.begin("w", TOKENS)
@@ -52,11 +54,13 @@ async def _scrape_after_traffic(tmp_path: Path, capsys: pytest.CaptureFixture[st
         # the CLI blocks on its HTTP call: run it off this loop, which serves the request
         assert await asyncio.to_thread(main, ["stats", srv.url, "--once"]) == 0
         screen = capsys.readouterr().out
-    return scrape, screen
+        label = srv.cache.metrics_label
+    assert label is not None
+    return scrape, screen, label
 
 
 async def test_stats_screen_and_dashboard_metrics_exist(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    scrape, screen = await _scrape_after_traffic(tmp_path, capsys)
+    scrape, screen, label = await _scrape_after_traffic(tmp_path, capsys)
     assert scrape.value("hicache_hit_tokens_total", tier="storage") >= 8 * PS
     # the screen: tiers with their hits, the operations with percentiles, queues and the store
     rows = {line.split()[0]: line.split() for line in screen.splitlines() if line.split()}
@@ -64,7 +68,9 @@ async def test_stats_screen_and_dashboard_metrics_exist(tmp_path: Path, capsys: 
     assert "TTFT p50" in screen and "storage: up" in screen
     assert re.search(r"^get\s+storage\s+\d+\s+[\d.]+", screen, re.M), screen
     assert re.search(r"^load_back\s+host\s+\d+", screen, re.M), screen
-    assert "queues: backup 0" in screen
+    # the screen sums the process's caches: this server's own queue is empty after its drain
+    assert re.search(r"^queues: backup \d+", screen, re.M), screen
+    assert scrape.value("hicache_backup_queue_depth", cache=label) == 0
     # the dashboard: valid JSON, and every hicache metric it queries is in the scrape
     dash = json.loads(DASHBOARD.read_text())
     exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
