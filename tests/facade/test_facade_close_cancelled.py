@@ -73,6 +73,18 @@ async def _close_unawaited(cache: HiCache, controller_closing: bool) -> None:
         await asyncio.sleep(0.1)  # the storage writes are queued, the first one hung
 
 
+def _run_to_swept_close(main: Any, held: dict[str, Any]) -> Any:
+    """Run ``main`` under ``asyncio.run`` (whose shutdown sweep cancels the close it left
+    running), then check the close ended (controller closed, no thread of it alive); the
+    cache's close report."""
+    before = _thread_idents()
+    asyncio.run(asyncio.wait_for(main(), 20.0))
+    cache = held["cache"]
+    assert cache._stack.controller.state is ControllerState.CLOSED
+    _assert_no_new_hicache_threads(before)
+    return cache.close_report
+
+
 @pytest.mark.parametrize("controller_closing", [False, True], ids=["in-session-drain", "in-controller-drain"])
 def test_a_close_cancelled_by_the_loops_shutdown_still_ends_and_reports(tmp_path: Path,
                                                                       controller_closing: bool) -> None:
@@ -84,12 +96,7 @@ def test_a_close_cancelled_by_the_loops_shutdown_still_ends_and_reports(tmp_path
             await run(cache, f"s{i}", prompt(i, PAGES * PS), session_id=f"S{i}")
         await _close_unawaited(cache, controller_closing)
 
-    before = _thread_idents()
-    asyncio.run(asyncio.wait_for(main(), 20.0))
-    cache = held["cache"]
-    assert cache._stack.controller.state is ControllerState.CLOSED
-    _assert_no_new_hicache_threads(before)
-    report = cache.close_report
+    report = _run_to_swept_close(main, held)
     assert report is not None and not report.drained
     if controller_closing:  # every session's pages were queued for storage: each is listed
         assert report.unwritten_pages == SESSIONS * PAGES
@@ -137,14 +144,9 @@ def test_a_close_cancelled_after_the_drain_still_ends_and_keeps_its_report(tmp_p
                 await asyncio.sleep(0.005)
         await asyncio.sleep(0.05)
 
-    before = _thread_idents()
-    asyncio.run(asyncio.wait_for(main(), 20.0))
-    cache = held["cache"]
-    assert cache._stack.controller.state is ControllerState.CLOSED
-    _assert_no_new_hicache_threads(before)
-    report = cache.close_report
+    report = _run_to_swept_close(main, held)
     assert report is not None and report.drained and not report.unwritten
-    later = asyncio.run(cache.aclose())  # on another loop: a finished close answers there
+    later = asyncio.run(held["cache"].aclose())  # on another loop: a finished close answers there
     assert later is not None and later.drained
 
 
