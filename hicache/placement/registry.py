@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import inspect
-import types
 import typing
 from typing import Any
+
+from pydantic import TypeAdapter, ValidationError
 
 from hicache.errors import ConfigError
 from hicache.placement.base import PlacementPolicy
@@ -44,17 +45,23 @@ def make_placement(
         raise ConfigError(f"placement {name!r}: {exc}") from None
 
 
+#: what an option of each pydantic error type must be, in the error an operator reads
+_MUST_BE = {"int_type": "an integer", "string_type": "a string", "float_type": "a number", "bool_type": "true or false"}
+
+
 def _check_types(name: str, cls: type[PlacementPolicy], options: dict[str, Any]) -> None:
-    """A :class:`ConfigError` for an option of the wrong type, by the policy's signature: a
-    string reached a comparison as ``'<' not supported between instances of 'str' and 'int'``,
-    a float or ``true`` became a ghost list's size."""
+    """A :class:`ConfigError` for an option of the wrong type, by the policy's signature
+    (pydantic, strict: no ``true`` or ``1.5`` taken as an integer): a string reached a
+    comparison as ``'<' not supported between instances of 'str' and 'int'``, a float or
+    ``true`` became a ghost list's size."""
     hints = typing.get_type_hints(cls.__init__)
     for key, value in options.items():
-        hint = hints.get(key)
-        args = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
-        if value is None and type(None) in args:
+        if key not in hints:
             continue
-        for kind, what in ((int, "an integer"), (str, "a string")):
-            if kind in args and (isinstance(value, bool) or not isinstance(value, kind)):
-                none = " or null" if type(None) in args else ""
-                raise ConfigError(f"placement {name!r}: option {key!r} must be {what}{none}, got {value!r:.40}")
+        try:
+            TypeAdapter(hints[key]).validate_python(value, strict=True)
+        except ValidationError as exc:
+            error = exc.errors()[0]
+            what = _MUST_BE.get(error["type"], f"valid ({error['msg']})")
+            none = " or null" if type(None) in typing.get_args(hints[key]) else ""
+            raise ConfigError(f"placement {name!r}: option {key!r} must be {what}{none}, got {value!r:.40}") from None
