@@ -15,7 +15,7 @@ import types
 import typing
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 __all__ = [
     "CacheConfig",
@@ -122,9 +122,21 @@ class HostConfig(_Section):
 class StorageConfig(_Section):
     """The L3 backend, found by name through the ``hicache.backends`` entry points."""
 
-    backend: str | None = Field("file", description="Backend name (file, s3, fsspec, memory, or a plugin); null disables L3.")
+    backend: str | None = Field(
+        "file", description='Backend name (file, s3, fsspec, memory, or a plugin); null, "none" or "" disables L3.'
+    )
     options: dict[str, Any] = Field(default_factory=dict, description="Keyword options of the backend.")
     namespace_salt: str | None = Field(None, description="Tenant/LoRA salt: pages never mix across salts.")
+
+    @field_validator("backend", mode="before")
+    @classmethod
+    def _no_backend_spelt(cls, value: Any) -> Any:
+        """``"none"`` and ``""`` are how TOML and the environment, which have no null, say "no
+        storage tier": both become ``None``, so every reader asks one question (``is None``);
+        ``""`` used to pass through as a name that only some readers took for "none"."""
+        if isinstance(value, str) and value.strip().lower() in ("", "none"):
+            return None
+        return value
 
 
 class PrefetchConfig(_Section):

@@ -128,3 +128,20 @@ def test_a_host_pool_of_no_page_names_what_sized_it(host: dict, words: str) -> N
     """A ratio too small for one page read "host: None bytes hold no page"."""
     with pytest.raises(ConfigError, match=words):
         _stack({"host": host})
+
+
+@pytest.mark.parametrize("spelling", ['""', '"none"', '"None"', '" none "'])
+async def test_toml_says_no_storage_tier_with_none_or_empty(tmp_path: Path, spelling: str) -> None:
+    """TOML has no null: ``"none"`` or ``""`` is how a file turns L3 off, and the cache then runs
+    host-only (``""`` used to reach the cache as a backend name that some readers, like the demo's
+    restart step, took for a real backend)."""
+    from hicache.facade import HiCache
+
+    path = tmp_path / "hostonly.toml"
+    path.write_text(f"[device]\npage_size = 16\nsize_tokens = 1024\n[host]\nsize_bytes = 1048576\n"
+                    f"[storage]\nbackend = {spelling}\n")
+    config = load_config(path, environ={})
+    assert config.storage.backend is None
+    assert load_config(None, environ={"HICACHE__STORAGE__BACKEND": spelling.strip('"')}).storage.backend is None
+    async with HiCache.from_config(config) as cache:
+        assert cache.storage is None
