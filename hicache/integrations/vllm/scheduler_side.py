@@ -35,19 +35,9 @@ requests back in that same update. With several workers, a save with such blocks
 storage write wait for the scheduler's word (``hold``): commit once every worker reported it
 clean, abort otherwise.
 
-A storage hit is never slower than recomputing it: the forward pass waits for its loads, so
-a store slower than the engine would stall the step (every request in it, not only the one
-that hit). The workers report how long each step's storage reads took (:class:`ReadPace`) and
-how long the forward waited for loads; the scheduler times each step from its plan to its
-report, less that wait, against the tokens it computed (:class:`PrefillCost`, or a configured
-rate). While a page read costs more than recomputing the page, storage hits are not claimed
-(``hit_pages_cut_recompute``); every ``repace_s`` one load is let through to measure the store
-again (its read alone sets the pace: the older ones are stale), so a store that recovers is
-used again. Nothing is cut before both rates are known.
-A step's time runs from its plan, or from the previous step's report when that came later
-(async scheduling plans a step while the one before still runs), to its own report; only
-prefill tokens count (a request computing one token is decoding). A read counts only the
-pages that landed (a read that failed fast says nothing of a good one).
+A storage hit is never slower than recomputing it: while a page read costs more than
+recomputing the page, storage hits are not claimed (``hit_pages_cut_recompute``); the paces
+come from the workers' reports (:mod:`.load_bound`).
 
 Reset (``reset_cache``, e.g. after new weights): the tree forgets every page, requests start
 new key chains under a new cache epoch (so nothing stored before matches), and the workers drop
@@ -66,8 +56,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from hicache.controller.recompute import PrefillCost, ReadPace
 from hicache.integrations.vllm.host_tree import HostMatch, HostPageTree
+from hicache.integrations.vllm.load_bound import LoadBound
 from hicache.integrations.vllm.naming import PageKeyChain
 from hicache.integrations.vllm.store_io import StoreIO
 from hicache.integrations.vllm.transfers import PageLoad, PageSave, WorkerReport
@@ -158,16 +148,6 @@ class SchedulerSide:
         self.lookup_wait_s = lookup_wait_s
         self.lookup_timeout_s = lookup_timeout_s
         self.num_workers = num_workers
-        #: storage reads against recomputing (see the module docstring)
-        self.recompute_bound = recompute_bound
-        self.prefill = PrefillCost(recompute_tokens_per_s)
-        self.read_pace = ReadPace()
-        self.repace_s = repace_s
-        self._paced_at: float | None = None  # the last read reported, or a load let through to measure
-        self._read_at: float | None = None  # the last read reported
-        self._pacer: str | None = None  # the request let through to measure a slow store
-        self._reported_at: float | None = None  # the last step report (a step computes after it)
-        self._step_clock: dict[int, tuple[float, int]] = {}  # step -> (planned at, tokens it computes)
         self._reqs: dict[str, _Request] = {}
         self._loads: dict[str, PageLoad] = {}
         self._staging: list[int] = []  # slots of this step's storage reads that join no node
@@ -194,6 +174,9 @@ class SchedulerSide:
              "saves_aborted", "loads_without_room", "hits_capped_for_room", "bad_slot_pages_dropped", "resets",
              "requests_rerooted", "hit_pages_cut_recompute", "repace_loads"), 0
         )
+        #: storage reads against recomputing them
+        self.bound = LoadBound(self.block_size, enabled=recompute_bound, recompute_tokens_per_s=recompute_tokens_per_s,
+                               repace_s=repace_s, stats=self.stats)
 
     # ------------------------------------------------------------------ lookup
     def matched_tokens(
@@ -236,7 +219,7 @@ class SchedulerSide:
             if hit > room:
                 self.stats["hits_capped_for_room"] += hit - max(0, room)
                 hit = max(0, room)
-        cut = hit if hit and not self._reading_pays(req_id) else 0
+        cut = hit if hit and not self.bound.reading_pays(req_id) else 0
         if cut > state.cut:  # a request asked about again is counted once
             self.stats["hit_pages_cut_recompute"] += cut - state.cut
         state.cut = cut
@@ -244,23 +227,6 @@ class SchedulerSide:
         if hit:
             self._promised[req_id] = hit
         return max(0, (base + hit) * bs - num_computed)
-
-    def _reading_pays(self, req_id: str) -> bool:
-        """Whether reading a page from storage is no slower than recomputing it (``True``
-        while either rate is unknown: nothing is cut on a guess). A store found slower is
-        measured again by one request's load every ``repace_s`` (the *pacer*: it keeps its
-        claim when asked about again, until its read is reported or it ends)."""
-        if not self.recompute_bound:
-            return True
-        spp, spt = self.read_pace.seconds_per_page, self.prefill.seconds_per_token
-        if spp is None or spt is None or spp <= self.block_size * spt or req_id == self._pacer:
-            return True
-        now = time.monotonic()
-        if self._paced_at is None or now - self._paced_at >= self.repace_s:
-            self._paced_at, self._pacer = now, req_id  # its load measures the store; the others wait for its word
-            self.stats["repace_loads"] += 1
-            return True
-        return False
 
     def _rooted(self, req_id: str, cache_salt: str | None) -> _Request:
         """The request's state, rooted at ``cache_salt``. A request whose salt changed (a vLLM
@@ -393,7 +359,7 @@ class SchedulerSide:
         A request that computes again tokens of pages counted as saved (vLLM recomputes blocks
         whose load failed, or a preempted request) has those pages saved again."""
         self._step += 1
-        self._clock_step(scheduled)
+        self.bound.clock_step(self._step, scheduled)
         plan = StepPlan(commit=self._commits, abort=self._aborts, epoch=self.epoch, step=self._step,
                         resolved=self._resolved)
         self._commits, self._aborts = [], []
@@ -441,42 +407,6 @@ class SchedulerSide:
                 self.tree.unlock(node)
             self._step_locks = []
         return plan
-
-    def _clock_step(self, scheduled: Sequence[tuple[str, int, int, Sequence[int], Sequence[int]]]) -> None:
-        """Note when this step was planned and the prefill tokens it computes (timed at its
-        report). A request computing one token is decoding: its cost is memory-bound, not what
-        a prefill pays per token, so it is left to the fit's fixed part."""
-        clock = self._step_clock
-        tokens = sum(after - before for _, before, after, *_ in scheduled if after - before > 1)
-        clock[self._step] = (time.monotonic(), tokens)
-        while len(clock) > 64:  # steps whose report never came (a worker without one)
-            del clock[next(iter(clock))]
-
-    def _time_step(self, report: WorkerReport) -> None:
-        """The engine's compute pace and the store's read pace, from a step's report."""
-        now = time.monotonic()
-        if report.reads:
-            if self._read_at is None or now - self._read_at >= self.repace_s:
-                # the first read after a pause (a store found slow is read only to measure
-                # it again): what was learned before says nothing of the store now
-                self.read_pace.forget()
-            for pages, seconds in report.reads:
-                self.read_pace.observe(pages, seconds)
-            self._read_at = self._paced_at = now
-            self._pacer = None
-        if report.step is None:
-            return
-        planned = self._step_clock.pop(report.step, None)
-        for step in [s for s in self._step_clock if s < report.step]:
-            del self._step_clock[step]
-        if planned is not None:
-            # with async scheduling a step is planned while the one before still runs: its
-            # compute starts at that one's report, not at its own plan
-            t0, tokens = planned
-            if self._reported_at is not None:
-                t0 = max(t0, self._reported_at)
-            self.prefill.observe(tokens, now - t0 - report.load_wait_s)
-        self._reported_at = now
 
     def _save(
         self, req_id: str, state: _Request, token_ids: Sequence[int], keys: list[str], block_ids: Sequence[int],
@@ -532,8 +462,8 @@ class SchedulerSide:
         pages now count as stored as far as all of them wrote them; their nodes unlock), slots
         a worker found not holding what the tree says (forgotten at once), and the step the
         report ends (loads up to it are resolved); the step's time and reads (see
-        :meth:`_reading_pays`)."""
-        self._time_step(report)
+        :class:`.load_bound.LoadBound`)."""
+        self.bound.time_step(report)
         if report.step is not None:
             self._resolved = max(self._resolved, report.step)
         for job, n in report.tainted.items():
@@ -685,8 +615,7 @@ class SchedulerSide:
         state = self._reqs.pop(req_id, None)
         self._loads.pop(req_id, None)
         self._promised.pop(req_id, None)
-        if self._pacer == req_id:
-            self._pacer = None
+        self.bound.finished(req_id)
         if state is not None:
             _drop_lookup(state)
 

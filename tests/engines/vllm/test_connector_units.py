@@ -746,7 +746,7 @@ def test_workers_report_their_reads_and_load_waits_and_the_scheduler_learns_both
     s = scheduler("file", {"root": str(tmp_path)})
     w = worker(tmp_path, kv_layers(None))
     try:
-        assert s.read_pace.seconds_per_page is None and s.prefill.observations == 0
+        assert s.bound.read_pace.seconds_per_page is None and s.bound.prefill.observations == 0
         blocks = list(range(6))
         assert request(s, "a", TOKENS, blocks) == 3 * BS
         plan = s.plan_step([("a", 3 * BS, len(TOKENS), TOKENS, blocks)])
@@ -758,8 +758,8 @@ def test_workers_report_their_reads_and_load_waits_and_the_scheduler_learns_both
         # the forward's first layer waited for the whole read
         assert pages == 3 and seconds > 0 and report.load_wait_s >= 0.5 * seconds
         s.on_report(report)
-        assert s.read_pace.seconds_per_page == pytest.approx(seconds / 3)
-        assert s.prefill.observations == 1  # 2 pages + 3 tokens computed: one prefill seen
+        assert s.bound.read_pace.seconds_per_page == pytest.approx(seconds / 3)
+        assert s.bound.prefill.observations == 1  # 2 pages + 3 tokens computed: one prefill seen
     finally:
         w.close(timeout=10)
         s.close(timeout=10)
@@ -792,10 +792,10 @@ def test_a_step_is_timed_without_its_load_wait_and_decode_teaches_nothing() -> N
             s.on_report(WorkerReport(step=plan.step))
             plan = s.plan_step([("y", 0, 1024, [], [])])
             s.on_report(WorkerReport(step=plan.step, load_wait_s=3600.0))
-            assert s.prefill.observations == 4
+            assert s.bound.prefill.observations == 4
             s.on_report(WorkerReport(step=999))  # a report of a step never planned (or timed already)
-            assert s.prefill.observations == 4 and not s._step_clock
-            learned.append(s.prefill.seconds_per_token)
+            assert s.bound.prefill.observations == 4 and not s.bound.step_clock
+            learned.append(s.bound.prefill.seconds_per_token)
         finally:
             s.close(timeout=10)
     full, less_waits = learned
@@ -817,7 +817,7 @@ def test_async_scheduling_times_a_step_from_the_report_before_it() -> None:
             plans.append(s.plan_step([("x", 0, tokens, [], [])]))  # the next one, planned at once
             time.sleep(step_s)  # the oldest one runs
             s.on_report(WorkerReport(step=plans.pop(0).step))
-        spt = s.prefill.seconds_per_token
+        spt = s.bound.prefill.seconds_per_token
         assert spt is not None and spt < 1.5 * step_s / tokens  # timed from its own plan: 2x
     finally:
         s.close(timeout=10)
