@@ -40,6 +40,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from hicache.controller.close_task import start_close_task
 from hicache.controller.config import ControllerConfig
 from hicache.controller.health import HealthState, StorageHealth
 from hicache.controller.io_thread import IoThread
@@ -360,7 +361,13 @@ class HiCacheController:
         ``config.close_timeout_s``), report each backup left unwritten, and leave no task
         running. Idempotent: a call while another is closing waits for that close and gets its
         report; a call after it returns an empty report. A cancelled caller does not cancel
-        the close (another caller may be waiting for it)."""
+        the close (another caller may be waiting for it).
+
+        ``timeout=0`` is a hurried close (what a cancelled close falls back to): a close
+        already running is hurried as a cancellation of it would (its drain cut short now, what
+        it leaves reported, each later wait capped at ``cancelled_io_grace_s``). Why: the caller
+        falling back after a cancellation waited for the running drain (up to
+        ``close_timeout_s``) instead; a cancellation hurries a close wherever it lands."""
         # the close task is looked at before the state: a first caller cancelled while the
         # close ran never got its report, and the close may have ended before the next call
         # (the state alone said "closed" and that call got an empty report: lost silently)
@@ -368,15 +375,17 @@ class HiCacheController:
         if task is None and self.state is ControllerState.CLOSED:
             return CloseReport(drained=True)
         if task is None:
-            self._close_task = asyncio.get_running_loop().create_task(
-                self._close(timeout), name="hicache-controller-close")
+            # a CloseTask: cancelled before its first step, it still closes (hurried)
+            self._close_task = start_close_task(self._close(timeout), name="hicache-controller-close")
             try:
                 return await asyncio.shield(self._close_task)
             except asyncio.CancelledError:
                 self._report_owed = True  # the first caller never got the report: the next one does
                 raise
-        if task.cancelled():  # cancelled before its first step: nothing was drained or reported
+        if task.cancelled():  # unwound by a cancellation it did not take back: nothing reported
             return CloseReport(drained=False)
+        if timeout is not None and timeout <= 0 and not task.done():
+            task.cancel()  # hurried: the close takes it back and goes on (see _hurry)
         report = await asyncio.shield(task)
         if self._report_owed:
             self._report_owed = False

@@ -81,3 +81,53 @@ async def test_a_cancelled_close_is_hurried_not_held_for_each_close_timeout() ->
     finally:
         store.unblock.set()
     await stack.aclose()
+
+
+async def test_a_close_task_cancelled_before_its_first_step_still_closes_and_reports() -> None:
+    """The close task was cancelled before its first step (a shutdown sweep right after the
+    close began): the cancellation was thrown into a coroutine that never started, so nothing
+    closed - the workers ran on, the I/O thread stayed alive - and the caller got
+    CancelledError, every later one an empty drained=False. A cancellation only hurries a
+    close: it now lands at the close's first await."""
+    store = FaultyStorage(store_id=f"faulty-{uuid.uuid4()}")
+    before = {t.ident for t in threading.enumerate()}
+    stack = make(store, close_timeout_s=5.0)
+    ctl = stack.controller
+    store.hang_now()
+    await serve_request(stack, list(range(8)), rid="a")
+    await ctl.drain_backups()  # on host: its storage write is queued (and hangs)
+    first = asyncio.ensure_future(ctl.aclose())
+    await asyncio.sleep(0)  # the caller's first step made the close task, which has not run yet
+    task = ctl._close_task
+    assert task is not None and not task.done()
+    t0 = time.monotonic()
+    task.cancel()
+    report = await asyncio.wait_for(first, 10.0)
+    assert time.monotonic() - t0 < 2.0  # hurried: not held for close_timeout_s
+    assert ctl.state is ControllerState.CLOSED
+    assert not [t for t in threading.enumerate() if t.ident not in before and t.name == "hicache-storage-io"]
+    assert not report.drained and report.unwritten_pages == 2
+    store.release()
+    await stack.aclose()
+
+
+async def test_a_zero_timeout_close_hurries_the_close_already_running() -> None:
+    """What a cancelled cache close falls back to (``aclose(timeout=0)``) waited for the
+    running close's whole drain (up to close_timeout_s) instead of hurrying it."""
+    store = FaultyStorage(store_id=f"faulty-{uuid.uuid4()}")
+    stack = make(store, close_timeout_s=5.0)
+    ctl = stack.controller
+    store.hang_now()
+    await serve_request(stack, list(range(8)), rid="a")
+    await ctl.drain_backups()
+    first = asyncio.ensure_future(ctl.aclose())
+    while ctl.state is not ControllerState.CLOSING:
+        await asyncio.sleep(0)
+    t0 = time.monotonic()
+    hurried = await asyncio.wait_for(ctl.aclose(timeout=0.0), 10.0)
+    assert time.monotonic() - t0 < 2.0
+    report = await first  # the first caller owns the lists
+    assert ctl.state is ControllerState.CLOSED
+    assert not report.drained and report.unwritten_pages == 2 and not hurried.drained
+    store.release()
+    await stack.aclose()
