@@ -25,13 +25,14 @@ import enum
 from array import array
 import logging
 import os
-from collections.abc import Awaitable, Iterator
+from collections.abc import Awaitable, Coroutine, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
 
 from hicache.config import HiCacheConfig, aload_config, load_config
+from hicache.controller.close_task import start_close_task
 from hicache.controller.jobs import CloseReport
 from hicache.errors import (
     CacheClosedError,
@@ -303,12 +304,44 @@ class HiCache:
         if self._state is _State.CLOSED:  # aclose() came as the open finished
             raise CacheClosedError("HiCache was closed while it started")
 
-    async def aclose(self) -> Any:
+    def aclose(self) -> Coroutine[Any, Any, Any]:
         """Release every session, drain write-backs and backups, close storage; idempotent.
 
         Returns the controller's close report (pages it could not write, if any). Raises
         :class:`~hicache.errors.LoopMisuseError` on another loop than the one that started the
-        cache (a finished close answers on any loop)."""
+        cache (a finished close answers on any loop).
+
+        Called on the cache's loop, the close starts at this call, not at the first step of
+        the coroutine it returns. Why: a task awaiting that coroutine may be cancelled before
+        its first step (``t = create_task(cache.aclose()); t.cancel()``, or asyncio.run's
+        shutdown sweep when ``main`` returned right after starting it): none of its code would
+        run, and the cache was left open, its threads running and its queued writes neither
+        written nor reported. The close itself runs in a task that a cancellation, however
+        early, only hurries (:class:`~hicache.controller.close_task.CloseTask`)."""
+        self._begin_close_here()
+        return self._aclose()
+
+    def _begin_close_here(self) -> None:
+        """Start the close task now when called on the cache's own running loop with the
+        cache open (anything else is the coroutine's to sort out: another loop, a start
+        still running, a close already begun)."""
+        if self._close_task is not None or self._state is not _State.OPEN:
+            return
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        if running is self._loop:
+            self._start_close()
+
+    def _start_close(self) -> None:
+        self._state = _State.CLOSED
+        # One close, run to its end even if this caller is cancelled (a half-done close
+        # would leave the copy thread and the storage open); a concurrent or later aclose()
+        # waits for the same one.
+        self._close_task = start_close_task(self._close(), name="hicache-close")
+
+    async def _aclose(self) -> Any:
         if self._close_task is None or not self._close_task.done():
             self._check_loop()
         if self._close_task is None:
@@ -323,21 +356,18 @@ class HiCache:
                     async with self._start_lock:
                         pass
                 return self.close_report
-            self._state = _State.CLOSED
-            # One close, run to its end even if this caller is cancelled (a half-done close
-            # would leave the copy thread and the storage open); a concurrent or later aclose()
-            # waits for the same one.
-            self._close_task = asyncio.get_running_loop().create_task(self._close(), name="hicache-close")
+            self._start_close()
         task = self._close_task
+        assert task is not None
         try:
             return await asyncio.shield(task)
         except asyncio.CancelledError:
             me = asyncio.current_task()
             if not task.cancelled() or (me is not None and me.cancelling()):
                 raise  # this caller was cancelled
-        # The close task, not this caller, was cancelled (before its first step, or it could
-        # not go on): re-raising told every later caller, whom nobody cancelled, "cancelled".
-        # It answers with what the close learned.
+        # The close task, not this caller, was cancelled and could not go on: re-raising told
+        # every later caller, whom nobody cancelled, "cancelled". It answers with what the
+        # close learned.
         return self.close_report if self.close_report is not None else CloseReport(drained=False)
 
     async def _close(self) -> Any:

@@ -73,12 +73,13 @@ async def _close_unawaited(cache: HiCache, controller_closing: bool) -> None:
         await asyncio.sleep(0.1)  # the storage writes are queued, the first one hung
 
 
-def _run_to_swept_close(main: Any, held: dict[str, Any]) -> Any:
+def _run_to_swept_close(main: Any, held: dict[str, Any], bare: bool = False) -> Any:
     """Run ``main`` under ``asyncio.run`` (whose shutdown sweep cancels the close it left
     running), then check the close ended (controller closed, no thread of it alive); the
-    cache's close report."""
+    cache's close report. ``bare``: ``main`` is the loop's main task itself (no wait_for
+    around it), so the sweep comes in the very iteration after it returns."""
     before = _thread_idents()
-    asyncio.run(asyncio.wait_for(main(), 20.0))
+    asyncio.run(main() if bare else asyncio.wait_for(main(), 20.0))
     cache = held["cache"]
     assert cache._stack.controller.state is ControllerState.CLOSED
     _assert_no_new_hicache_threads(before)
@@ -183,3 +184,58 @@ def test_a_hicache_thread_an_earlier_test_left_is_not_counted_as_this_close_s(tm
     finally:
         stop.set()
         stray.join()
+
+
+@pytest.mark.parametrize("how", ["close-task-unstarted", "caller-cancelled-unstarted", "started-by-the-last-callback"])
+def test_a_close_the_sweep_cancels_before_it_ever_ran_still_ends_and_reports(tmp_path: Path, how: str) -> None:
+    """``main`` returns right after starting the close, so the sweep cancels it before it
+    ever ran: the cancellation was thrown into coroutines that never started (the facade's
+    close task, or the caller's aclose() itself), so nothing closed - the controller kept
+    running, the storage I/O and file threads stayed alive after asyncio.run returned, and
+    a later aclose() answered drained=False with nothing written or reported."""
+    held: dict[str, Any] = {}
+
+    async def main() -> None:
+        cache = await _cache_with_hung_writes(tmp_path, held)
+        for i in range(SESSIONS):
+            await run(cache, f"s{i}", prompt(i, PAGES * PS), session_id=f"S{i}")
+        if how == "started-by-the-last-callback":
+            # a callback the loop runs just before it stops: the close task is made then,
+            # and the sweep cancels it before its first step
+            asyncio.get_running_loop().call_soon(lambda: asyncio.ensure_future(cache.aclose()))
+            return
+        caller = asyncio.ensure_future(cache.aclose())
+        if how == "caller-cancelled-unstarted":
+            caller.cancel()
+
+    report = _run_to_swept_close(main, held, bare=True)
+    assert report is not None and not report.drained
+    # the sessions' write-backs never got their host copies: each one is reported
+    assert report.failed_device_backups + report.unwritten_pages > 0
+    assert held["cache"]._stack.cache._close_begun
+    assert asyncio.run(held["cache"].aclose()) is report  # a later caller gets the whole report
+
+
+async def test_a_cancellation_of_the_close_task_alone_hurries_the_controllers_drain(tmp_path: Path) -> None:
+    """Only the facade's close task is cancelled (not the controller's: no sweep), while the
+    controller drains writes the store never answers: the fallback waited for that drain,
+    close_timeout_s, instead of hurrying it as a cancellation does."""
+    before = _thread_idents()
+    cache = await _cache_with_hung_writes(tmp_path, {})
+    ctl = cache._stack.controller
+    for i in range(SESSIONS):
+        await run(cache, f"s{i}", prompt(i, PAGES * PS), session_id=f"S{i}")
+    closing = asyncio.ensure_future(cache.aclose())
+    while ctl.state is not ControllerState.CLOSING:
+        await asyncio.sleep(0.005)
+    await ctl.drain_backups()  # every page is on host: its storage write queued, hung
+    task = cache._close_task
+    assert task is not None and not task.done()
+    t0 = time.monotonic()
+    task.cancel()
+    report = await asyncio.wait_for(closing, 10.0)
+    assert time.monotonic() - t0 < 2.0  # not close_timeout_s (5 s)
+    assert ctl.state is ControllerState.CLOSED
+    assert not report.drained and report.unwritten_pages == SESSIONS * PAGES
+    assert cache.close_report is report
+    _assert_no_new_hicache_threads(before)
