@@ -375,6 +375,8 @@ class HiCacheController:
         if task is None and self.state is ControllerState.CLOSED:
             return CloseReport(drained=True)
         if task is None:
+            if timeout is not None and timeout <= 0:
+                self._close_cancelled = True  # hurried from the start: each wait capped as after a cancel
             # a CloseTask: cancelled before its first step, it still closes (hurried)
             self._close_task = start_close_task(self._close(timeout), name="hicache-controller-close")
             try:

@@ -52,8 +52,10 @@ class LoopBlockingStorage(FaultyStorage):
     def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
         super().__init__(*args, **kwargs)
         self.unblock = threading.Event()
+        self.entered = threading.Event()  # a write is blocking the I/O loop
 
     async def _write(self, pages, buffers, parents):  # type: ignore[no-untyped-def]
+        self.entered.set()
         self.unblock.wait(20)
         return await super()._write(pages, buffers, parents)
 
@@ -130,4 +132,23 @@ async def test_a_zero_timeout_close_hurries_the_close_already_running() -> None:
     assert ctl.state is ControllerState.CLOSED
     assert not report.drained and report.unwritten_pages == 2 and not hurried.drained
     store.release()
+    await stack.aclose()
+
+
+async def test_a_zero_timeout_close_caps_each_wait_like_a_cancelled_one() -> None:
+    """``aclose(timeout=0)`` (a cancelled cache close's fallback when the controller's close
+    had not begun) cut the drain but still waited up to 1 s for the storage close and again
+    for the I/O thread, a backend blocking its loop; a hurried close caps each at the grace."""
+    store = LoopBlockingStorage(store_id=f"faulty-{uuid.uuid4()}")
+    stack = make(store, close_timeout_s=3.0)
+    ctl = stack.controller
+    try:
+        await serve_request(stack, list(range(8)), rid="a")
+        assert await asyncio.to_thread(store.entered.wait, 5)  # its storage write blocks the I/O loop
+        t0 = time.monotonic()
+        report = await asyncio.wait_for(ctl.aclose(timeout=0.0), 15.0)
+        assert time.monotonic() - t0 < 0.9  # two waits of the 0.2 s grace, not of 1 s each
+        assert not report.drained and ctl.state is ControllerState.CLOSED
+    finally:
+        store.unblock.set()
     await stack.aclose()
