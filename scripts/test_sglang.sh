@@ -5,7 +5,8 @@
 # SGLang is installed without its dependencies: its full set pins a CUDA torch and GPU kernels.
 # What its mem_cache and managers modules import at module level is installed explicitly
 # below, under a torch==2.13.0 constraint so that nothing can swap the CPU torch for a CUDA one.
-# The GPU-only kernel modules are replaced by test doubles in tests/engines/sglang/conftest.py.
+# The GPU-only kernel modules are replaced by test doubles (tests/engines/sglang/sgl_doubles.py),
+# in the tests' import setup: conftest.py, and engine_run.py for the engine's own processes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -15,7 +16,8 @@ TORCH_VERSION=${HICACHE_TORCH_VERSION:-2.13.0}
 # pure-Python (or CPU-wheel) modules that sglang.srt.mem_cache / sglang.srt.managers import
 DEPS=(orjson psutil pybase64 triton pillow starlette msgspec pyzmq ipython apache-tvm-ffi
       transformers dill sentencepiece compressed-tensors gguf
-      openai partial_json_parser)  # the last two: only scripts/bench_radix.py's SGLang hierarchical cache
+      openai partial_json_parser  # these two: only scripts/bench_radix.py's SGLang hierarchical cache
+      uvloop uvicorn fastapi setproctitle einops xgrammar==0.2.7)  # these: SGLang's engine (test_e2e_engine.py)
 if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv "$VENV"
 fi

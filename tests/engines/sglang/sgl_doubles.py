@@ -1,0 +1,142 @@
+"""Test doubles for what SGLang 0.5.23 reaches on a GPU only, in plain Python/torch, for the
+CPU tests (never in the library). Everything else is SGLang's real code.
+
+Two kinds:
+
+* **modules** that cannot load on this CPU-only torch (:func:`install_module_doubles`):
+  torchvision (its registry wheel is built against the CUDA torch), and for the engine
+  ``sgl_kernel`` (SGLang's kernel package: a CUDA wheel, or a CPU build for Intel AMX that is
+  not on the registry). SGLang's CPU engine imports a few names from it at module level; the
+  double answers every name with a placeholder that fails loudly if it is ever called, and it
+  registers no ``torch.ops.sgl_kernel`` op, so SGLang sees no AMX backend and runs its
+  torch-native layers.
+* **names** that SGLang binds only on CUDA/HIP/XPU (:func:`install_engine_doubles`), added to
+  its modules right after they load: ``transfer_kv_direct`` (the ``sgl_kernel.kvcacheio`` copy
+  of KV pages between the device pool and the host pool, ``direct`` I/O backend), here an
+  indexed torch copy; and ``_cuda_host_register`` (``cudaHostRegister`` page-locking of the
+  host pool), a no-op: with the device on the CPU there is nothing to pin.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.machinery
+import sys
+import types
+from typing import Any, Callable
+
+#: torchvision: imported by SGLang's managers at module level, built for CUDA on the registry
+TORCHVISION = ("torchvision", "torchvision.transforms", "torchvision.transforms.functional")
+#: sgl_kernel: imported by SGLang's CPU engine (``SGLANG_USE_CPU_ENGINE=1``) at module level
+SGL_KERNEL = ("sgl_kernel",)
+
+
+class _Placeholder:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("a GPU-only / CUDA-built module was used in the CPU tests")
+
+    def __class_getitem__(cls, item: Any) -> type:
+        return cls
+
+
+class _Double(types.ModuleType):
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _Placeholder
+
+
+def install_module_doubles(names: tuple[str, ...]) -> None:
+    """A double in ``sys.modules`` for each of ``names`` whose top package does not import
+    (a package that is really there and loads, e.g. a CPU build, is used as it is)."""
+    try:  # transformers decides once, at import, which optional packages exist: before the doubles
+        importlib.import_module("transformers.utils.import_utils")
+    except Exception:  # noqa: BLE001
+        pass
+    for top in sorted({n.split(".")[0] for n in names}):
+        if isinstance(sys.modules.get(top), _Double):
+            continue
+        try:
+            importlib.import_module(top)
+            continue  # really there and loadable: use it
+        except Exception:  # noqa: BLE001 - missing, or built for CUDA
+            for name in [n for n in sys.modules if n == top or n.startswith(top + ".")]:
+                del sys.modules[name]
+        for name in (n for n in names if n == top or n.startswith(top + ".")):
+            module = _Double(name)
+            module.__path__ = []  # a package: submodule imports resolve to the doubles
+            module.__spec__ = importlib.machinery.ModuleSpec(name, loader=None, is_package=True)
+            sys.modules[name] = module
+            parent, _, child = name.rpartition(".")
+            if parent:
+                setattr(sys.modules[parent], child, module)
+
+
+# ---------------------------------------------------------------------------- kernel doubles
+
+
+def transfer_kv_direct(src_layers: list[Any], dst_layers: list[Any], src_indices: Any, dst_indices: Any,
+                       page_size: int) -> None:
+    """``sgl_kernel.kvcacheio.transfer_kv_direct``: for each (src, dst) layer buffer, the token
+    rows at ``src_indices`` copied to the rows at ``dst_indices`` (device <-> host pool)."""
+    import torch
+
+    assert len(src_layers) == len(dst_layers), (len(src_layers), len(dst_layers))
+    assert src_indices.numel() == dst_indices.numel(), (src_indices.numel(), dst_indices.numel())
+    with torch.no_grad():
+        for src, dst in zip(src_layers, dst_layers):
+            si = src_indices.to(device=src.device, dtype=torch.long)
+            di = dst_indices.to(device=dst.device, dtype=torch.long)
+            dst[di] = src[si].to(dst.device)
+
+
+def _cuda_host_register(buffer: Any, registration_granularity_bytes: int | None = None) -> None:
+    """``cudaHostRegister`` of a host pool: nothing to pin when the device is the CPU."""
+
+
+#: module -> names set on it right after it is executed
+ENGINE_PATCHES: dict[str, dict[str, Callable[..., Any]]] = {
+    "sglang.srt.mem_cache.pool_host.common": {"_cuda_host_register": _cuda_host_register},
+    "sglang.srt.mem_cache.pool_host.mha": {"transfer_kv_direct": transfer_kv_direct},
+}
+
+
+class _PatchingLoader(importlib.abc.Loader):
+    def __init__(self, inner: Any, names: dict[str, Any]) -> None:
+        self.inner, self.names = inner, names
+
+    def create_module(self, spec: Any) -> Any:
+        return self.inner.create_module(spec)
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        self.inner.exec_module(module)
+        module.__dict__.update(self.names)
+
+
+class _PatchingFinder(importlib.abc.MetaPathFinder):
+    """Finds the patched modules with the other finders, and wraps their loader."""
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+        names = ENGINE_PATCHES.get(name)
+        if names is None:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(name, path, target)
+            if spec is not None:
+                spec.loader = _PatchingLoader(spec.loader, names)
+                return spec
+        return None
+
+
+def install_engine_doubles() -> None:
+    """Everything SGLang's engine needs on the CPU: the module doubles and the kernel doubles.
+    Call before anything imports SGLang, in every process of the engine (the runner does it
+    at import, so SGLang's spawned scheduler and detokenizer processes do it too)."""
+    loaded = [m for m in ENGINE_PATCHES if m in sys.modules]
+    assert not loaded, f"imported before the doubles: {loaded}"
+    if not any(isinstance(f, _PatchingFinder) for f in sys.meta_path):
+        sys.meta_path.insert(0, _PatchingFinder())
+    install_module_doubles(TORCHVISION + SGL_KERNEL)
