@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.quick:
         args.chats, args.turns, args.repeats = 4, 3, 1
-    from hicache.integrations.vllm.tiny_model import make_tiny_llama
+    from hicache.testing.tiny_model import make_tiny_llama
 
     slow = args.store_latency_ms > 0 or args.store_mbps > 0
     names: tuple[str, ...] = ("vllm", "vllm+hicache") + (("vllm+hicache-unbounded",) if slow else ())

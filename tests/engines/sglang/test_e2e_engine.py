@@ -3,7 +3,7 @@
 SGLang's own scheduler deciding what to back up, what to look up and what to prefetch.
 
 Every engine is a subprocess running ``engine_run.py`` with a tiny local Llama (seeded
-weights, no download, ``hicache.integrations.vllm.tiny_model``), the torch-native attention
+weights, no download, ``hicache.testing.tiny_model``), the torch-native attention
 backend and greedy sampling, so equal KV means equal tokens. Only what SGLang runs on a GPU
 alone is a test double (``sgl_doubles``: the ``sgl_kernel`` module, the device <-> host page
 copy ``transfer_kv_direct``, host-memory pinning). One engine costs about 20 s on two cores,
@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from hicache.integrations.vllm.tiny_model import make_tiny_llama
+from hicache.testing.tiny_model import make_tiny_llama
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[2]

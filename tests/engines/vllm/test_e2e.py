@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from hicache.integrations.vllm.tiny_model import make_tiny_llama
+from hicache.testing.tiny_model import make_tiny_llama
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[2]

@@ -1,7 +1,7 @@
-"""A small Llama checkpoint made on the spot, for the vLLM tests and benchmark: a local
-config.json and seeded safetensors weights, so nothing is downloaded. The weights are random
-but scaled so that the output depends on every token's KV (the negative-control test relies
-on it). Needs ``safetensors`` (vLLM installs it)."""
+"""A small Llama checkpoint made on the spot, for the engines' end-to-end tests (vLLM and
+SGLang) and the vLLM benchmark: a local config.json and seeded safetensors weights, so nothing
+is downloaded. The weights are random but scaled so that the output depends on every token's
+KV (the negative-control tests rely on it). Needs ``safetensors`` (both engines install it)."""
 
 from __future__ import annotations
 
