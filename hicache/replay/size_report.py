@@ -64,7 +64,7 @@ def size_report(
         write_svg_plot(
             plot,
             {"LRU (one pass, stack distances)": mrc.curve(grid),
-             "Belady (offline optimum)": bel_pts,
+             "Belady (offline bound)": bel_pts,
              "infinite cache": [(1, ideal["hit_ratio_tokens"]), (unique, ideal["hit_ratio_tokens"])]},
             title=f"Hit ratio of prompt tokens vs cache size: {os.path.basename(str(trace))}",
             x_label="cache capacity (blocks of 512 tokens, log scale)",
@@ -80,7 +80,7 @@ def format_size_report(report: dict[str, Any]) -> str:
     lines = [
         f"{report['trace']}: {report['requests']} requests, {report['block_references']} block references, "
         f"{report['unique_blocks']} unique blocks of {BLOCK_TOKENS} tokens",
-        f"infinite cache: {report['infinite_cache_hit_tokens']:.4f} of prompt tokens; Belady (offline optimum) at "
+        f"infinite cache: {report['infinite_cache_hit_tokens']:.4f} of prompt tokens; Belady (offline bound) at "
         + ", ".join(f"{float(k):.0%}: {v:.4f}" for k, v in report["belady_hit_tokens_by_share"].items()),
         f"{'share':>8}{'blocks':>10}{'tokens':>14}{'LRU hit (tokens)':>18}{'LRU hit (blocks)':>18}"
         + (f"{'bytes':>16}" if report["lru_curve"] and "bytes" in report["lru_curve"][0] else ""),
