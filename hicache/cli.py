@@ -205,11 +205,21 @@ _NOT_SVG = (".png", ".jpg", ".jpeg", ".gif", ".webp", ".pdf", ".eps", ".bmp", ".
 
 def _svg_path(text: str) -> str | None:
     """An argparse type for ``--plot``: ``''`` is no plot; a raster or PDF name is refused
-    rather than filled with SVG text a viewer of that type cannot open."""
+    rather than filled with SVG text a viewer of that type cannot open, and so is a name the
+    plot cannot be written to (a folder, or in one that is missing or not writable): found
+    now, not when the plot is written after the whole trace was read and sized."""
     if not text:
         return None
-    if Path(text).suffix.lower() in _NOT_SVG:
+    path = Path(text)
+    if path.suffix.lower() in _NOT_SVG:
         raise argparse.ArgumentTypeError(f"{text!r}: the plot is written as SVG; give it a .svg name")
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is a folder; name a file for the plot")
+    folder = path.parent
+    if not folder.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r}: no folder {str(folder)!r} to write the plot in")
+    if not os.access(folder, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise argparse.ArgumentTypeError(f"{text!r}: not writable; name another file for the plot, or --no-plot")
     return text
 
 
@@ -223,14 +233,15 @@ def _same_file(a: str, b: str) -> bool:
 
 
 def _cmd_size(args: argparse.Namespace) -> Any:
+    """Errors exit 2 through :func:`_run` like every command's (they exited 1 with a prefix of
+    their own): a trace that is not one is a ``TraceFormatError`` naming the file and line, a
+    file that cannot be read an ``OSError`` naming it."""
+    from hicache.errors import ConfigError
     from hicache.replay.size_report import format_size_report, size_report
 
     if args.plot is not None and _same_file(args.plot, args.trace):
-        raise SystemExit(f"hicache size: the plot {args.plot!r} is the trace; name another file for it")
-    try:
-        report = size_report(args.trace, plot=args.plot, kv_bytes_per_token=args.kv_bytes_per_token)
-    except (OSError, ValueError, KeyError) as exc:
-        raise SystemExit(f"hicache size: {exc}") from None  # each message names the file
+        raise ConfigError(f"size: the plot {args.plot!r} is the trace; name another file for it")
+    report = size_report(args.trace, plot=args.plot, kv_bytes_per_token=args.kv_bytes_per_token)
     if args.json:
         return report
     print(format_size_report(report))
@@ -240,8 +251,6 @@ def _cmd_size(args: argparse.Namespace) -> Any:
 def _cmd_workload(args: argparse.Namespace) -> Any:
     from hicache.replay.workloads import WORKLOADS, write_trace
 
-    if args.seed < 0:
-        raise SystemExit(f"hicache workload: --seed must not be negative, got {args.seed}")
     requests = WORKLOADS[args.kind](seed=args.seed)
     write_trace(args.out, requests)
     return {"workload": args.kind, "out": args.out, "requests": len(requests),
@@ -338,7 +347,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="agents: many short agent turns over a few long shared prefixes; chat: conversations "
                    "with think time over long shared system prompts, some opening with a private document")
     p.add_argument("out", help="output file (JSON lines; gzip-compressed when it ends in .gz)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=_count_arg, default=0, help="generator seed (>= 0; default: 0)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd_workload)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from hicache.errors import TraceFormatError
 from hicache.replay.bounds import belady, infinite_cache
 from hicache.replay.plot import write_svg_plot
 from hicache.replay.sizing import lru_miss_ratio_curve
@@ -33,11 +34,11 @@ def size_report(
     ``kv_bytes_per_token`` adds each capacity in bytes (a model's KV size per token)."""
     requests = load_trace(trace)
     if not requests:
-        raise ValueError(f"{trace}: no requests")
+        raise TraceFormatError(f"{trace}: no requests")
     mrc = lru_miss_ratio_curve(requests)
     unique = mrc.unique_blocks
     if not unique:
-        raise ValueError(f"{trace}: its requests reference no blocks of {BLOCK_TOKENS} tokens; nothing to size")
+        raise TraceFormatError(f"{trace}: its requests reference no blocks of {BLOCK_TOKENS} tokens; nothing to size")
     ideal = infinite_cache(requests)
     rows = []
     caps = sorted({max(1, int(unique * f)) for f in _FRACTIONS})

@@ -184,9 +184,54 @@ def test_size_never_writes_its_plot_over_the_trace(tmp_path, capsys) -> None:
     """``--plot`` naming the trace (another spelling of it too) read the trace, then wrote
     the SVG over it."""
     trace = _trace(tmp_path / "t.jsonl", RECORD)
-    with pytest.raises(SystemExit, match="is the trace"):
-        main(["size", str(trace), "--plot", str(tmp_path / "." / "t.jsonl")])
+    assert "is the trace" in _error(capsys, ["size", str(trace), "--plot", str(tmp_path / "." / "t.jsonl")])
     assert load_trace(trace)[0].hash_ids == (1, 2)
+
+
+def test_size_and_workload_errors_exit_2_as_every_command_does(tmp_path, capsys) -> None:
+    """``size`` and ``workload`` exited 1 with a prefix of their own (``hicache size: ...``)
+    where every other command's operator errors exit 2 with ``hicache: error:``."""
+    ok = _trace(tmp_path / "ok.jsonl", RECORD)
+    blank = tmp_path / "blank.jsonl"
+    blank.write_text("\n  \n\n")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps(RECORD) + "\n" + json.dumps(RECORD) + "\n{oops\n")
+    gz = tmp_path / "t.jsonl.gz"
+    gz.write_text("plain text under a .gz name\n")
+    for trace, words in ((tmp_path / "empty.jsonl", "No such file"), (blank, "blank.jsonl: no requests"),
+                         (bad, "bad.jsonl, line 3: not a Mooncake trace record"), (tmp_path, "Is a directory"),
+                         (gz, "not a readable gzip file")):
+        err = _error(capsys, ["size", str(trace), "--no-plot"])
+        assert err.startswith("hicache: error: ") and words in err, err
+    assert main(["size", str(ok), "--no-plot"]) == 0  # one request: a table, no error
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as usage:
+        main(["workload", "agents", str(tmp_path / "w.jsonl"), "--seed", "-3"])
+    assert usage.value.code == 2 and "must be >= 0" in capsys.readouterr().err
+    assert "No such file" in _error(capsys, ["workload", "agents", str(tmp_path / "no" / "w.jsonl")])
+
+
+def test_a_plot_that_cannot_be_written_is_refused_before_the_trace_is_read(tmp_path, capsys, monkeypatch) -> None:
+    """A plot in a missing folder (or a folder, or one not writable) failed only after the whole
+    trace was read and sized, minutes on a large one, with exit status 1."""
+    import os
+
+    from hicache.replay import size_report
+
+    def never(*args, **kwargs):
+        raise AssertionError("the trace was sized")
+
+    monkeypatch.setattr(size_report, "size_report", never)
+    ok = _trace(tmp_path / "ok.jsonl", RECORD)
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: Path(p) != tmp_path / "ro" and real_access(p, mode))
+    (tmp_path / "ro").mkdir()
+    for plot, words in ((tmp_path / "no" / "c.svg", "no folder"), (tmp_path, "is a folder"),
+                        (tmp_path / "ro" / "c.svg", "not writable")):
+        with pytest.raises(SystemExit) as usage:
+            main(["size", str(ok), "--plot", str(plot)])
+        err = capsys.readouterr().err
+        assert usage.value.code == 2 and words in err and "Traceback" not in err, err
 
 
 def test_policies_are_a_list_of_names_spaces_allowed_none_refused(tmp_path, capsys) -> None:

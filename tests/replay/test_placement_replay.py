@@ -113,12 +113,13 @@ def test_size_and_workload_commands(tmp_path: Path, capsys: pytest.CaptureFixtur
     no_blocks = '{"timestamp": 0, "input_length": 0, "output_length": 1, "hash_ids": []}\n'
     for text in ("", '{"timestamp": 0, "input_length": 5}\n', "not json\n", no_blocks):  # empty, a field missing, garbage
         bad.write_text(text)
-        with pytest.raises(SystemExit, match="bad.jsonl"):
-            main(["size", str(bad), "--plot", str(tmp_path / "no.svg")])
-    with pytest.raises(SystemExit, match="missing.jsonl"):
-        main(["size", str(tmp_path / "missing.jsonl"), "--plot", str(plot)])
-    with pytest.raises(SystemExit, match="seed"):
+        assert main(["size", str(bad), "--plot", str(tmp_path / "no.svg")]) == 2  # as every command's errors
+        assert "hicache: error: " in (err := capsys.readouterr().err) and "bad.jsonl" in err
+    assert main(["size", str(tmp_path / "missing.jsonl"), "--plot", str(plot)]) == 2
+    assert "missing.jsonl" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as usage:
         main(["workload", "agents", str(trace), "--seed", "-1"])
+    assert usage.value.code == 2 and "--seed: must be >= 0" in capsys.readouterr().err
 
 
 def test_agents_workload_shape() -> None:
