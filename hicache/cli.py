@@ -241,7 +241,8 @@ def _cmd_size(args: argparse.Namespace) -> Any:
 
     if args.plot is not None and _same_file(args.plot, args.trace):
         raise ConfigError(f"size: the plot {args.plot!r} is the trace; name another file for it")
-    report = size_report(args.trace, plot=args.plot, kv_bytes_per_token=args.kv_bytes_per_token)
+    report = size_report(args.trace, plot=args.plot, kv_bytes_per_token=args.kv_bytes_per_token,
+                         progress=not args.no_progress)
     if args.json:
         return report
     print(format_size_report(report))
@@ -339,6 +340,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="SVG file for the curve (default: hicache-size.svg; '' for none)")
     p.add_argument("--no-plot", dest="plot", action="store_const", const=None, help="write no plot")
     p.add_argument("--kv-bytes-per-token", type=_positive_arg, default=None, help="your model's KV bytes per token: capacities in bytes too")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars (shown on a terminal only)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd_size)
 

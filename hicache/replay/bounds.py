@@ -17,13 +17,14 @@ their tokens, so the tokens of its schedule were not the most any cache could hi
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
-from hicache.replay.trace import BLOCK_TOKENS, TraceRequest, block_references
+from hicache.replay.trace import BLOCK_TOKENS, References, TraceRequest, block_references
 
 __all__ = ["belady", "infinite_cache"]
 
 _NEVER = float("inf")
+_TICK = (1 << 16) - 1  # progress is reported every 65,536 references
 
 
 def _result(hit_blocks: int, hit_tokens: int, blocks: list[int], tokens: list[int]) -> dict[str, float]:
@@ -36,13 +37,16 @@ def _result(hit_blocks: int, hit_tokens: int, blocks: list[int], tokens: list[in
     }
 
 
-def infinite_cache(requests: Sequence[TraceRequest], block_tokens: int = BLOCK_TOKENS) -> dict[str, float]:
-    """Hits of a cache that never evicts."""
-    blocks, tokens, reusable = block_references(requests, block_tokens)
+def infinite_cache(requests: Sequence[TraceRequest], block_tokens: int = BLOCK_TOKENS, *,
+                   references: References | None = None) -> dict[str, float]:
+    """Hits of a cache that never evicts (``references``: the requests' block references, when
+    the caller has them already)."""
+    blocks, tokens, reusable = references or block_references(requests, block_tokens)
     return _result(len(blocks) - len(set(blocks)), sum(reusable), blocks, tokens)  # all but first sights hit
 
 
-def belady(requests: Sequence[TraceRequest], capacity: int, block_tokens: int = BLOCK_TOKENS) -> dict[str, float]:
+def belady(requests: Sequence[TraceRequest], capacity: int, block_tokens: int = BLOCK_TOKENS, *,
+           references: References | None = None, tick: Callable[[int], object] | None = None) -> dict[str, float]:
     """Hits of the offline-optimal cache of ``capacity`` blocks: ``hit_blocks`` exactly (MIN with
     bypass), ``hit_tokens`` at least what any cache of ``capacity`` blocks hits.
 
@@ -54,17 +58,25 @@ def belady(requests: Sequence[TraceRequest], capacity: int, block_tokens: int = 
     MIN's hits counting only references that hit whole blocks; a partial hit (a reference hitting
     fewer than ``block_tokens``) is counted as if it took no place; and no cache hits more than
     MIN's count of whole blocks. The least of the two bounds; the gap to the optimum is at most
-    the partial hits' share of the tokens (0.0008 of the Mooncake trace's, 0.016 of agents')."""
+    the partial hits' share of the tokens (0.0008 of the Mooncake trace's, 0.016 of agents').
+
+    ``references`` as :func:`infinite_cache` takes them; ``tick(n)`` is called as the passes
+    over the references go, ``n`` at a time, twice the references in all (a progress bar)."""
     if capacity < 0:
         raise ValueError(f"capacity must not be negative, got {capacity}")
-    blocks, tokens, reusable = block_references(requests, block_tokens)
-    hits = _min_hits(blocks, [True] * len(blocks), capacity)
-    whole = _min_hits(blocks, [r == block_tokens for r in reusable], capacity)
+    blocks, tokens, reusable = references or block_references(requests, block_tokens)
+    hits = _min_hits(blocks, [True] * len(blocks), capacity, tick)
+    if any(0 < r < block_tokens for r in reusable):
+        whole = _min_hits(blocks, [r == block_tokens for r in reusable], capacity, tick)
+    else:  # every hit is of a whole block: the same pass
+        whole = hits
+        if tick is not None:
+            tick(len(blocks))
     partial = sum(r for r in reusable if r < block_tokens)
     return _result(hits, min(whole * block_tokens + partial, hits * block_tokens), blocks, tokens)
 
 
-def _min_hits(blocks: list[int], counted: list[bool], capacity: int) -> int:
+def _min_hits(blocks: list[int], counted: list[bool], capacity: int, tick: Callable[[int], object] | None) -> int:
     """Hits of MIN with bypass on ``blocks`` where only references ``counted`` are worth
     holding a block for (an uncounted one is to MIN a block never used again, then a new one)."""
     n = len(blocks)
@@ -79,6 +91,8 @@ def _min_hits(blocks: list[int], counted: list[bool], capacity: int) -> int:
     heap: list[tuple[float, int]] = []  # (-next use, block), lazy
     hits = 0
     for i in range(n):
+        if tick is not None and i & _TICK == _TICK:
+            tick(_TICK + 1)
         b, when = blocks[i], nxt[i]
         if b in cached:
             hits += 1  # held only for a counted reference: this one
@@ -97,4 +111,6 @@ def _min_hits(blocks: list[int], counted: list[bool], capacity: int) -> int:
             continue
         cached[b] = when
         heapq.heappush(heap, (-when, b))
+    if tick is not None:
+        tick(n & _TICK)
     return hits

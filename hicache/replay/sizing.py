@@ -13,13 +13,15 @@ other policies get at least as much on the traffic described in ``docs/placement
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from hicache.replay.trace import BLOCK_TOKENS, TraceRequest, block_references
+from hicache.replay.trace import BLOCK_TOKENS, References, TraceRequest, block_references
 
 __all__ = ["MissRatioCurve", "lru_miss_ratio_curve"]
+
+_TICK = (1 << 16) - 1  # progress is reported every 65,536 references
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,9 +57,13 @@ class MissRatioCurve:
         return out
 
 
-def lru_miss_ratio_curve(requests: Sequence[TraceRequest], block_tokens: int = BLOCK_TOKENS) -> MissRatioCurve:
-    """Stack distances of every block reference of ``requests`` (in order), in one pass."""
-    blocks, tokens, reusable = block_references(requests, block_tokens)
+def lru_miss_ratio_curve(requests: Sequence[TraceRequest], block_tokens: int = BLOCK_TOKENS, *,
+                         references: References | None = None,
+                         tick: Callable[[int], object] | None = None) -> MissRatioCurve:
+    """Stack distances of every block reference of ``requests`` (in order), in one pass.
+    ``references``: the requests' :func:`~hicache.replay.trace.block_references`, when the caller
+    has them already; ``tick(n)`` is called every ``n`` references done (a progress bar)."""
+    blocks, tokens, reusable = references or block_references(requests, block_tokens)
     n = len(blocks)
     tree = [0] * (n + 1)  # Fenwick tree: 1 at the time of each block's latest reference
 
@@ -79,6 +85,8 @@ def lru_miss_ratio_curve(requests: Sequence[TraceRequest], block_tokens: int = B
     dist_tokens = np.zeros_like(dist_blocks)
     live = 0  # blocks with a latest reference so far (= prefix(t))
     for t, (b, tok) in enumerate(zip(blocks, reusable)):
+        if tick is not None and t & _TICK == _TICK:
+            tick(_TICK + 1)
         prev = last.get(b)
         if prev is not None:
             d = live - prefix(prev + 1)  # distinct blocks referenced after prev
@@ -89,6 +97,8 @@ def lru_miss_ratio_curve(requests: Sequence[TraceRequest], block_tokens: int = B
             live += 1
         add(t, 1)
         last[b] = t
+    if tick is not None:
+        tick(n & _TICK)
     return MissRatioCurve(
         unique_blocks=len(last), references=n, total_tokens=int(sum(tokens)),
         distance_blocks=dist_blocks, distance_tokens=dist_tokens,

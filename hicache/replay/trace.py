@@ -20,7 +20,9 @@ import gzip
 import json
 import logging
 import os
+import sys
 from collections.abc import Sequence
+from typing import Any
 from pathlib import Path
 
 import numpy as np
@@ -51,9 +53,11 @@ class TraceRequest:
         return [min(block_tokens, self.input_length - i * block_tokens) for i in range(n)]
 
 
-def block_references(
-    requests: Sequence[TraceRequest], block_tokens: int = BLOCK_TOKENS
-) -> tuple[list[int], list[int], list[int]]:
+#: what :func:`block_references` returns: block ids, tokens, reusable tokens, one per reference
+References = tuple[list[int], list[int], list[int]]
+
+
+def block_references(requests: Sequence[TraceRequest], block_tokens: int = BLOCK_TOKENS) -> References:
     """Every block reference of ``requests``, in order: its block id, its tokens (the last block
     of a prompt may be partial) and the tokens of it a cache could hit (``reusable``).
 
@@ -84,18 +88,20 @@ def block_references(
     return blocks, tokens, reusable
 
 
-def load_trace(path: str | os.PathLike[str], limit: int | None = None) -> list[TraceRequest]:
+def load_trace(path: str | os.PathLike[str], limit: int | None = None, *, progress: bool = False) -> list[TraceRequest]:
     """The first ``limit`` requests of a trace file (all when ``None``). A line that is not a
     Mooncake record is a :class:`~hicache.errors.TraceFormatError` naming the file and line:
     a replay or a sizing run on a silently shortened trace would report wrong hit rates.
-    Ids are renamed where they must be (see the module docstring and :func:`prefix_blocks`)."""
+    Ids are renamed where they must be (see the module docstring and :func:`prefix_blocks`).
+    ``progress``: lines read, on stderr when it is a terminal (seconds per 100k requests)."""
     if limit is not None and limit < 0:
         raise ValueError(f"limit must be >= 0, got {limit}")
     out: list[TraceRequest] = []
     opener = gzip.open if str(path).endswith(".gz") else open
     try:
-        with opener(path, "rb") as f:
+        with opener(path, "rb") as f, _lines_bar(progress) as bar:
             for number, raw in enumerate(f, 1):
+                bar.update(1)
                 if limit is not None and len(out) >= limit:
                     break
                 try:
@@ -115,6 +121,13 @@ def load_trace(path: str | os.PathLike[str], limit: int | None = None) -> list[T
     except (EOFError, gzip.BadGzipFile) as exc:
         raise TraceFormatError(f"{path}: not a readable gzip file ({exc})") from None
     return prefix_blocks(out, source=str(path))
+
+
+def _lines_bar(progress: bool) -> Any:
+    from tqdm import tqdm
+
+    return tqdm(desc="reading", unit=" lines", unit_scale=True, file=sys.stderr, dynamic_ncols=True, leave=False,
+                disable=None if progress else True)
 
 
 def prefix_blocks(requests: list[TraceRequest], source: str = "trace") -> list[TraceRequest]:

@@ -162,3 +162,34 @@ def test_replay_command_prints_the_table(tmp_path: Path, capsys: pytest.CaptureF
     out = capsys.readouterr().out
     assert "lru" in out and "tiered" in out and "infinite_cache" in out and "reuse " not in out
     assert main(["replay", "-c", str(cfg), "--trace", str(trace), "--policies", "nope"]) == 2
+
+
+def test_size_shows_its_progress_on_a_terminal(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``hicache size`` on a trace of 100k requests ran half a minute without a sign: bars on a
+    terminal's stderr now (reading, then every pass over the block references), none elsewhere;
+    every pass reports each reference once."""
+    import io
+
+    from hicache.replay.size_report import size_report
+    from hicache.replay.trace import block_references
+
+    requests = agent_workload(seed=5, sessions=20, concurrent=4)
+    trace = tmp_path / "agents.jsonl"
+    write_trace(trace, requests)
+    n = len(block_references(requests)[0])
+    done: list[int] = []
+    lru_miss_ratio_curve(requests, tick=done.append)
+    assert sum(done) == n
+    done.clear()
+    assert belady(requests, 50, tick=done.append) == belady(requests, 50)
+    assert sum(done) == 2 * n
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    for stderr, shown in ((Terminal(), True), (io.StringIO(), False)):
+        monkeypatch.setattr("sys.stderr", stderr)
+        report = size_report(trace, progress=True)
+        assert ("sizing" in stderr.getvalue() and "reading" in stderr.getvalue()) is shown
+        assert report == size_report(trace)
