@@ -11,6 +11,12 @@ consumer (replay, bounds, ``hicache size``): one whose ids do not each name a si
 id repeated within a request, or following different ids in different requests), since a prefix
 cache can hit a block only after the same prefix, and one whose ids are too large for token ids
 (storage keys hash uint32 tokens: ``h * 512 + j`` must fit).
+
+Requests are served in file order, the order the trace's own figures are measured in; timestamps
+are read but not used (the replay drains between requests). A trace whose timestamps go back
+(logs of several servers, concatenated) is served as written, with a warning saying how often:
+the order it arrived in is then not the order replayed, and whether to sort it is its author's
+call (equal timestamps are not out of order).
 """
 
 from __future__ import annotations
@@ -120,6 +126,11 @@ def load_trace(path: str | os.PathLike[str], limit: int | None = None, *, progre
                     raise TraceFormatError(f"{path}, line {number}: not a Mooncake trace record ({reason})") from None
     except (EOFError, gzip.BadGzipFile) as exc:
         raise TraceFormatError(f"{path}: not a readable gzip file ({exc})") from None
+    back = sum(b.timestamp < a.timestamp for a, b in zip(out, out[1:]))
+    if back:
+        logger.warning("%s: %d request(s) with a timestamp earlier than the request before; requests are "
+                       "served in file order, not sorted by time (sort the trace to replay it as it arrived)",
+                       path, back)
     return prefix_blocks(out, source=str(path))
 
 

@@ -117,6 +117,23 @@ def test_gzip_traces_are_read_and_undecodable_files_are_named(tmp_path) -> None:
         load_trace(gz, limit=-1)
 
 
+def test_timestamps_that_go_back_are_served_in_file_order_with_a_warning(tmp_path, caplog) -> None:
+    """Requests are served in file order and timestamps were never looked at: a trace of
+    concatenated logs replayed in an order it never arrived in, without a word."""
+    rows = [dict(_record(ids), timestamp=ts) for ids, ts in (([1], 5), ([2], 5), ([1], 3), ([3], 9), ([4], 0))]
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with caplog.at_level(logging.WARNING, logger="hicache.replay.trace"):
+        requests = load_trace(trace)
+    assert [r.hash_ids for r in requests] == [(1,), (2,), (1,), (3,), (4,)]  # as written
+    [record] = caplog.records
+    assert "t.jsonl: 2 request(s) with a timestamp earlier" in record.getMessage()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="hicache.replay.trace"):
+        load_trace(_write(tmp_path / "same.jsonl", [1], [2], [1]))  # equal timestamps: in order
+    assert not caplog.records
+
+
 # ---------------------------------------------------------------------- configs
 
 
