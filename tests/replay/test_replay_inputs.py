@@ -108,6 +108,9 @@ def test_gzip_traces_are_read_and_undecodable_files_are_named(tmp_path) -> None:
     binary.write_bytes(json.dumps(_record([1])).encode() + b"\n\x8b\xff\x00\n")
     with pytest.raises(TraceFormatError, match=r"t\.jsonl, line 2: not UTF-8"):
         load_trace(binary)
+    bom = tmp_path / "bom.jsonl"
+    bom.write_bytes(b"\xef\xbb\xbf" + json.dumps(_record([1, 2])).encode() + b"\r\n")  # saved by a Windows editor
+    assert [r.hash_ids for r in load_trace(bom)] == [(1, 2)]
     fake = tmp_path / "fake.jsonl.gz"
     fake.write_text("not gzip\n")
     with pytest.raises(TraceFormatError, match="fake.jsonl.gz: not a readable gzip file"):
