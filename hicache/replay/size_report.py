@@ -45,10 +45,16 @@ def size_report(
     unique = len(set(refs[0]))
     if not unique:
         raise TraceFormatError(f"{trace}: its requests reference no blocks of {BLOCK_TOKENS} tokens; nothing to size")
-    with _bar(progress, total=len(refs[0]) * (1 + 2 * len(belady_fractions)), desc="sizing", unit="ref") as bar:
+    # Belady's sizes by the share of the unique blocks they are, as the curve's rows: on a small
+    # trace "1%" was a block, 50% of two, and its figure stood beside LRU's at 1% under that name
+    bel_caps: dict[str, int] = {}
+    for f in belady_fractions:
+        cap = max(1, int(unique * f))
+        bel_caps.setdefault(f"{round(cap / unique, 4):g}", cap)
+    with _bar(progress, total=len(refs[0]) * (1 + 2 * len(bel_caps)), desc="sizing", unit="ref") as bar:
         mrc = lru_miss_ratio_curve(requests, references=refs, tick=bar.update)
-        bel = {f"{f:g}": round(belady(requests, max(1, int(unique * f)), references=refs,
-                                      tick=bar.update)["hit_ratio_tokens"], 4) for f in belady_fractions}
+        bel = {share: round(belady(requests, cap, references=refs, tick=bar.update)["hit_ratio_tokens"], 4)
+               for share, cap in bel_caps.items()}
     ideal = infinite_cache(requests, references=refs)
     rows = []
     caps = sorted({max(1, int(unique * f)) for f in _FRACTIONS})
@@ -70,7 +76,7 @@ def size_report(
     if plot is not None:
         n = max(2, points)
         grid = sorted({max(1, round(unique ** (i / (n - 1)))) for i in range(n)})
-        bel_pts = [(max(1, int(unique * f)), v) for f, v in zip(belady_fractions, bel.values())]
+        bel_pts = [(bel_caps[share], v) for share, v in bel.items()]
         write_svg_plot(
             plot,
             {"LRU (one pass, stack distances)": mrc.curve(grid),
@@ -79,7 +85,7 @@ def size_report(
             title=f"Hit ratio of prompt tokens vs cache size: {os.path.basename(str(trace))}",
             x_label="cache capacity (blocks of 512 tokens, log scale)",
             y_label="hit ratio (tokens)",
-            markers=[(max(1, int(unique * f)), f"{f:.0%}") for f in belady_fractions],
+            markers=[(cap, f"{float(share):.0%}") for share, cap in bel_caps.items()],
         )
         out["plot"] = str(plot)
     return out

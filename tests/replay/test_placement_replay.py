@@ -164,6 +164,22 @@ def test_replay_command_prints_the_table(tmp_path: Path, capsys: pytest.CaptureF
     assert main(["replay", "-c", str(cfg), "--trace", str(trace), "--policies", "nope"]) == 2
 
 
+def test_size_names_belady_by_the_share_it_was_computed_at(tmp_path: Path) -> None:
+    """On a trace of two unique blocks Belady "at 1%, 5%, 20%" was three times one block, 50% of
+    them, printed beside the curve's rows as if at 1%."""
+    from hicache.replay.size_report import format_size_report, size_report
+
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(json.dumps({"timestamp": 0, "input_length": 512 * len(ids), "output_length": 1,
+                                         "hash_ids": ids}) + "\n" for ids in ([1], [2], [1], [2], [1])))
+    report = size_report(trace, plot=tmp_path / "c.svg")
+    assert report["belady_hit_tokens_by_share"] == {"0.5": 0.4}  # keep block 1, bypass 2
+    assert "Belady (offline bound) at 50%: 0.4000" in format_size_report(report)
+    assert ">50%</text>" in (tmp_path / "c.svg").read_text() and ">1%</text>" not in (tmp_path / "c.svg").read_text()
+    shipped = size_report(_trace(), belady_fractions=(0.01, 0.05, 0.2))  # 439, 2,196, 8,784 of 43,924
+    assert list(shipped["belady_hit_tokens_by_share"]) == ["0.01", "0.05", "0.2"]
+
+
 def test_size_shows_its_progress_on_a_terminal(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``hicache size`` on a trace of 100k requests ran half a minute without a sign: bars on a
     terminal's stderr now (reading, then every pass over the block references), none elsewhere;
