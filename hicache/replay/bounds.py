@@ -57,8 +57,9 @@ def belady(requests: Sequence[TraceRequest], capacity: int, block_tokens: int = 
     whole-block hit needs a place from the previous reference on, so whole-block hits are at most
     MIN's hits counting only references that hit whole blocks; a partial hit (a reference hitting
     fewer than ``block_tokens``) is counted as if it took no place; and no cache hits more than
-    MIN's count of whole blocks. The least of the two bounds; the gap to the optimum is at most
-    the partial hits' share of the tokens (0.0008 of the Mooncake trace's, 0.016 of agents').
+    MIN's number of hits, ``block_tokens`` each. The least of the two bounds; the gap to the
+    optimum is at most the partial hits' share of the tokens (0.0008 of the Mooncake trace's,
+    0.016 of agents').
 
     ``references`` as :func:`infinite_cache` takes them; ``tick(n)`` is called as the passes
     over the references go, ``n`` at a time, twice the references in all (a progress bar)."""
