@@ -27,6 +27,7 @@ import json
 import logging
 import os
 import sys
+import zlib
 from collections.abc import Sequence
 from typing import Any
 from pathlib import Path
@@ -126,7 +127,7 @@ def load_trace(path: str | os.PathLike[str], limit: int | None = None, *, progre
                     # ``[[[[...`` is enough), a malformed line like any other, not a traceback
                     reason = f"missing field {exc}" if isinstance(exc, KeyError) else str(exc)
                     raise TraceFormatError(f"{path}, line {number}: not a Mooncake trace record ({reason})") from None
-    except (EOFError, gzip.BadGzipFile) as exc:
+    except (EOFError, gzip.BadGzipFile, zlib.error) as exc:  # zlib.error: a damaged deflate stream
         raise TraceFormatError(f"{path}: not a readable gzip file ({exc})") from None
     back = sum(b.timestamp < a.timestamp for a, b in zip(out, out[1:]))
     if back:

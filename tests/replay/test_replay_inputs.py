@@ -115,6 +115,12 @@ def test_gzip_traces_are_read_and_undecodable_files_are_named(tmp_path) -> None:
     fake.write_text("not gzip\n")
     with pytest.raises(TraceFormatError, match="fake.jsonl.gz: not a readable gzip file"):
         load_trace(fake)
+    # a gzip file damaged inside its deflate stream (a header that reads): zlib.error was a traceback
+    body = gzip.compress(b"".join(json.dumps(_record([i, i + 1])).encode() + b"\n" for i in range(2000)))
+    damaged = tmp_path / "damaged.jsonl.gz"
+    damaged.write_bytes(body[:40] + bytes(b ^ 0x5A for b in body[40:80]) + body[80:])
+    with pytest.raises(TraceFormatError, match="damaged.jsonl.gz: not a readable gzip file"):
+        load_trace(damaged)
     assert load_trace(gz, limit=0) == []
     with pytest.raises(ValueError):
         load_trace(gz, limit=-1)
