@@ -45,16 +45,19 @@ def size_report(
     unique = len(set(refs[0]))
     if not unique:
         raise TraceFormatError(f"{trace}: its requests reference no blocks of {BLOCK_TOKENS} tokens; nothing to size")
-    # Belady's sizes by the share of the unique blocks they are, as the curve's rows: on a small
-    # trace "1%" was a block, 50% of two, and its figure stood beside LRU's at 1% under that name
-    bel_caps: dict[str, int] = {}
-    for f in belady_fractions:
-        cap = max(1, int(unique * f))
-        bel_caps.setdefault(f"{round(cap / unique, 4):g}", cap)
-    with _bar(progress, total=len(refs[0]) * (1 + 2 * len(bel_caps)), desc="sizing", unit="ref") as bar:
+    # Belady at each requested fraction of the unique blocks; the blocks that makes and the share
+    # of the unique blocks they really are go beside it: on a small trace "1%" is one block, 50%
+    # of two, and its figure stood beside LRU's 1% row under that name. The keys stay the
+    # fractions asked for, so that reports of different traces line up.
+    bel_caps = {f"{f:g}": max(1, int(unique * f)) for f in belady_fractions}
+    sizes = sorted(set(bel_caps.values()))
+    with _bar(progress, total=len(refs[0]) * (1 + 2 * len(sizes)), desc="sizing", unit="ref") as bar:
         mrc = lru_miss_ratio_curve(requests, references=refs, tick=bar.update)
-        bel = {share: round(belady(requests, cap, references=refs, tick=bar.update)["hit_ratio_tokens"], 4)
-               for share, cap in bel_caps.items()}
+        by_cap = {cap: round(belady(requests, cap, references=refs, tick=bar.update)["hit_ratio_tokens"], 4)
+                  for cap in sizes}
+    bel = {key: by_cap[cap] for key, cap in bel_caps.items()}
+    bel_rows = [{"fraction": float(key), "blocks": cap, "share_of_unique": round(cap / unique, 4),
+                 "hit_tokens": by_cap[cap]} for key, cap in bel_caps.items()]
     ideal = infinite_cache(requests, references=refs)
     rows = []
     caps = sorted({max(1, int(unique * f)) for f in _FRACTIONS})
@@ -71,12 +74,13 @@ def size_report(
         "unique_blocks": unique,
         "infinite_cache_hit_tokens": round(ideal["hit_ratio_tokens"], 4),
         "belady_hit_tokens_by_share": bel,
+        "belady": bel_rows,
         "lru_curve": rows,
     }
     if plot is not None:
         n = max(2, points)
         grid = sorted({max(1, round(unique ** (i / (n - 1)))) for i in range(n)})
-        bel_pts = [(bel_caps[share], v) for share, v in bel.items()]
+        bel_pts = sorted(by_cap.items())
         write_svg_plot(
             plot,
             {"LRU (one pass, stack distances)": mrc.curve(grid),
@@ -85,7 +89,7 @@ def size_report(
             title=f"Hit ratio of prompt tokens vs cache size: {os.path.basename(str(trace))}",
             x_label="cache capacity (blocks of 512 tokens, log scale)",
             y_label="hit ratio (tokens)",
-            markers=[(cap, f"{float(share):.0%}") for share, cap in bel_caps.items()],
+            markers=[(cap, f"{cap / unique:.0%}") for cap in sizes],
         )
         out["plot"] = str(plot)
     return out
@@ -99,13 +103,21 @@ def _bar(progress: bool, **kwargs: Any) -> Any:
                 unit_scale=True, **kwargs)
 
 
+def _belady_label(row: dict[str, Any]) -> str:
+    """``1%: 0.5619``, or with the blocks it really is where that is another share of the
+    unique blocks (a small trace: ``1% (1 block = 50%): 0.4000``)."""
+    asked, real = f"{row['fraction']:.0%}", f"{row['share_of_unique']:.0%}"
+    blocks = f"{row['blocks']} block{'s' if row['blocks'] != 1 else ''}"
+    return f"{asked}: {row['hit_tokens']:.4f}" if asked == real else f"{asked} ({blocks} = {real}): {row['hit_tokens']:.4f}"
+
+
 def format_size_report(report: dict[str, Any]) -> str:
     """The sizing report as text: one line per capacity."""
     lines = [
         f"{report['trace']}: {report['requests']} requests, {report['block_references']} block references, "
         f"{report['unique_blocks']} unique blocks of {BLOCK_TOKENS} tokens",
         f"infinite cache: {report['infinite_cache_hit_tokens']:.4f} of prompt tokens; Belady (offline bound) at "
-        + ", ".join(f"{float(k):.0%}: {v:.4f}" for k, v in report["belady_hit_tokens_by_share"].items()),
+        + ", ".join(_belady_label(b) for b in report["belady"]),
         f"{'share':>8}{'blocks':>10}{'tokens':>14}{'LRU hit (tokens)':>18}{'LRU hit (blocks)':>18}"
         + (f"{'bytes':>16}" if report["lru_curve"] and "bytes" in report["lru_curve"][0] else ""),
     ]

@@ -173,11 +173,20 @@ def test_size_names_belady_by_the_share_it_was_computed_at(tmp_path: Path) -> No
     trace.write_text("".join(json.dumps({"timestamp": 0, "input_length": 512 * len(ids), "output_length": 1,
                                          "hash_ids": ids}) + "\n" for ids in ([1], [2], [1], [2], [1])))
     report = size_report(trace, plot=tmp_path / "c.svg")
-    assert report["belady_hit_tokens_by_share"] == {"0.5": 0.4}  # keep block 1, bypass 2
-    assert "Belady (offline bound) at 50%: 0.4000" in format_size_report(report)
+    # the keys are the fractions asked for (reports of different traces line up); each one's
+    # real size beside it: one block, 50% of the unique ones (keep block 1, bypass 2)
+    assert report["belady_hit_tokens_by_share"] == {"0.01": 0.4, "0.05": 0.4, "0.2": 0.4}
+    assert [(b["fraction"], b["blocks"], b["share_of_unique"]) for b in report["belady"]] == [
+        (0.01, 1, 0.5), (0.05, 1, 0.5), (0.2, 1, 0.5)]
+    assert "Belady (offline bound) at 1% (1 block = 50%): 0.4000" in format_size_report(report)
     assert ">50%</text>" in (tmp_path / "c.svg").read_text() and ">1%</text>" not in (tmp_path / "c.svg").read_text()
     shipped = size_report(_trace(), belady_fractions=(0.01, 0.05, 0.2))  # 439, 2,196, 8,784 of 43,924
     assert list(shipped["belady_hit_tokens_by_share"]) == ["0.01", "0.05", "0.2"]
+    assert "Belady (offline bound) at 1%: " in format_size_report(shipped)  # 1% of its blocks really
+    odd = tmp_path / "odd.jsonl"  # 101 unique blocks: 1 / 5 / 20 blocks are 0.99% / 4.95% / 19.8%
+    odd.write_text("".join(json.dumps({"timestamp": i, "input_length": 512, "output_length": 1,
+                                       "hash_ids": [i % 101]}) + "\n" for i in range(303)))
+    assert list(size_report(odd)["belady_hit_tokens_by_share"]) == ["0.01", "0.05", "0.2"]
 
 
 def test_size_shows_its_progress_on_a_terminal(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
