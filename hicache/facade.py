@@ -32,7 +32,7 @@ from typing import Any, TypeVar
 import torch
 
 from hicache.config import HiCacheConfig, aload_config, load_config
-from hicache.controller.close_task import start_close_task
+from hicache.controller.close_task import coroutine_function, start_close_task
 from hicache.controller.jobs import CloseReport
 from hicache.errors import (
     CacheClosedError,
@@ -304,6 +304,7 @@ class HiCache:
         if self._state is _State.CLOSED:  # aclose() came as the open finished
             raise CacheClosedError("HiCache was closed while it started")
 
+    @coroutine_function
     def aclose(self) -> Coroutine[Any, Any, Any]:
         """Release every session, drain write-backs and backups, close storage; idempotent.
 
