@@ -11,9 +11,10 @@ Two kinds:
   registers no ``torch.ops.sgl_kernel`` op, so SGLang sees no AMX backend and runs its
   torch-native layers.
 * **names** that SGLang binds only on CUDA/HIP/XPU (:func:`install_engine_doubles`), added to
-  its modules right after they load: ``transfer_kv_direct`` (the ``sgl_kernel.kvcacheio`` copy
-  of KV pages between the device pool and the host pool, ``direct`` I/O backend), here an
-  indexed torch copy; and ``_cuda_host_register`` (``cudaHostRegister`` page-locking of the
+  its modules right after they load: the ``sgl_kernel.kvcacheio`` copies of KV pages between
+  the device pool and the host pool of the ``direct`` I/O backend (``transfer_kv_direct`` for
+  ``layer_first``; ``transfer_kv_per_layer_direct_pf_lf`` / ``transfer_kv_all_layer_direct_lf_pf``
+  for ``page_first_direct``), here indexed torch copies; and ``_cuda_host_register`` (``cudaHostRegister`` page-locking of the
   host pool), a no-op: with the device on the CPU there is nothing to pin.
 """
 
@@ -91,6 +92,54 @@ def transfer_kv_direct(src_layers: list[Any], dst_layers: list[Any], src_indices
             dst[di] = src[si].to(dst.device)
 
 
+def _page_first_rows(indices: Any, page_size: int, device: Any) -> tuple[Any, Any]:
+    """Token rows of a ``page_first_direct`` host buffer ``(pages, layers, page_size, ...)``:
+    each token index as (page, offset in the page)."""
+    import torch
+
+    idx = indices.to(device=device, dtype=torch.long)
+    return torch.div(idx, page_size, rounding_mode="floor"), idx % page_size
+
+
+def transfer_kv_per_layer_direct_pf_lf(src_ptrs: list[Any], dst_ptrs: list[Any], src_indices: Any,
+                                       dst_indices: Any, layer_id: int, page_size: int) -> None:
+    """``sgl_kernel.kvcacheio.transfer_kv_per_layer_direct_pf_lf`` (host -> device, one layer):
+    ``src_ptrs`` the host K and V buffers ``(pages, layers, page_size, heads, head_dim)``,
+    ``dst_ptrs`` that layer's device K and V ``(tokens, heads, head_dim)``; the host tokens at
+    ``src_indices`` of layer ``layer_id`` copied to the device rows at ``dst_indices``."""
+    import torch
+
+    assert len(src_ptrs) == len(dst_ptrs), (len(src_ptrs), len(dst_ptrs))
+    assert src_indices.numel() == dst_indices.numel(), (src_indices.numel(), dst_indices.numel())
+    with torch.no_grad():
+        for src, dst in zip(src_ptrs, dst_ptrs):
+            page, off = _page_first_rows(src_indices, page_size, src.device)
+            di = dst_indices.to(device=dst.device, dtype=torch.long)
+            dst[di] = src[page, layer_id, off].to(dst.device)
+
+
+def transfer_kv_all_layer_direct_lf_pf(src_ptrs: list[Any], dst_ptrs: list[Any], src_indices: Any,
+                                       dst_indices: Any, page_size: int) -> None:
+    """``sgl_kernel.kvcacheio.transfer_kv_all_layer_direct_lf_pf`` (device -> host, every
+    layer): ``src_ptrs`` the device K buffers of every layer then the V buffers
+    ``(tokens, heads, head_dim)``, ``dst_ptrs`` the host K and V buffers
+    ``(pages, layers, page_size, heads, head_dim)``; the device rows at ``src_indices`` of each
+    layer copied to the host tokens at ``dst_indices`` of that layer."""
+    import torch
+
+    assert len(dst_ptrs) in (1, 2), len(dst_ptrs)
+    layers = dst_ptrs[0].shape[1]
+    assert len(src_ptrs) == layers * len(dst_ptrs), (len(src_ptrs), layers, len(dst_ptrs))
+    assert src_indices.numel() == dst_indices.numel(), (src_indices.numel(), dst_indices.numel())
+    with torch.no_grad():
+        for half, dst in enumerate(dst_ptrs):
+            page, off = _page_first_rows(dst_indices, page_size, dst.device)
+            for layer in range(layers):
+                src = src_ptrs[half * layers + layer]
+                si = src_indices.to(device=src.device, dtype=torch.long)
+                dst[page, layer, off] = src[si].to(dst.device)
+
+
 def _cuda_host_register(buffer: Any, registration_granularity_bytes: int | None = None) -> None:
     """``cudaHostRegister`` of a host pool: nothing to pin when the device is the CPU."""
 
@@ -98,7 +147,11 @@ def _cuda_host_register(buffer: Any, registration_granularity_bytes: int | None 
 #: module -> names set on it right after it is executed
 ENGINE_PATCHES: dict[str, dict[str, Callable[..., Any]]] = {
     "sglang.srt.mem_cache.pool_host.common": {"_cuda_host_register": _cuda_host_register},
-    "sglang.srt.mem_cache.pool_host.mha": {"transfer_kv_direct": transfer_kv_direct},
+    "sglang.srt.mem_cache.pool_host.mha": {
+        "transfer_kv_direct": transfer_kv_direct,
+        "transfer_kv_per_layer_direct_pf_lf": transfer_kv_per_layer_direct_pf_lf,
+        "transfer_kv_all_layer_direct_lf_pf": transfer_kv_all_layer_direct_lf_pf,
+    },
 }
 
 
