@@ -46,7 +46,12 @@ and the MLP of the cached tokens but not their attention: recomputing a 2k-token
 only about twice a hit here, where on a GPU's attention kernels the gap is far wider. The
 storage read itself is in ``storage_hit_prefetch_wait_p50_ms`` (SGLang's own clock, from a
 prefetch's start to its request's admission, over the requests with a storage hit): the part of
-TTFT where the two stores differ.
+TTFT where the two stores differ. ``engines[...][pass]["storage_calls"]`` splits it further:
+every call the engine made after its warm-up to SGLang's controller (``_storage_hit_query``,
+``_page_transfer``: a hit's read into the host pool, ``_page_backup``) and to the store
+(``batch_exists``, ``batch_get``/``batch_get_v1``, ``batch_set``/``batch_set_v1``), with its
+count, total and median milliseconds (timed in the scheduler process by wrappers this script
+puts around those methods).
 
 On the CPU, SGLang reaches a few GPU-only kernels; they are replaced by the tests' doubles
 (``tests/engines/sglang/sgl_doubles.py``: the ``sgl_kernel`` module, the device <-> host page
@@ -72,6 +77,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 DOUBLES = REPO / "tests" / "engines" / "sglang"
 ENGINE_ENV = "HICACHE_BENCH_SGLANG_ENGINE"
+CALL_TAG = "@@storage-call "
+WARM_TAG = "@@warm\n"
 
 if os.environ.get(ENGINE_ENV):
     # An engine process, or one of the processes SGLang spawns from it (``spawn`` imports this
@@ -104,7 +111,32 @@ if os.environ.get(ENGINE_ENV):
 
         cls.get_dummy_flat_data_page = get_dummy_flat_data_page
 
-    _AFTER_IMPORT = {"sglang.srt.mem_cache.pool_host.mha": _unpinned_dummy_page}
+    def _timed(cls: Any, names: tuple[str, ...]) -> None:
+        """Where a hit's time goes: each call of these methods writes its duration to stderr
+        (the engine's log), tagged, for the report's ``storage_calls``."""
+        for name in names:
+            inner = getattr(cls, name, None)
+            if inner is None:
+                continue
+
+            def timed(self: Any, *a: Any, _inner: Any = inner, _name: str = f"{cls.__name__}.{name}", **kw: Any) -> Any:
+                t = time.perf_counter()
+                try:
+                    return _inner(self, *a, **kw)
+                finally:
+                    sys.stderr.write(f"{CALL_TAG}{_name} {1000 * (time.perf_counter() - t):.3f}\n")
+
+            setattr(cls, name, timed)
+
+    _AFTER_IMPORT = {
+        "sglang.srt.mem_cache.pool_host.mha": _unpinned_dummy_page,
+        "sglang.srt.managers.cache_controller": lambda m: _timed(
+            m.HiCacheController, ("_storage_hit_query", "_page_transfer", "_page_backup")),
+        "sglang.srt.mem_cache.hicache_storage": lambda m: _timed(
+            m.HiCacheFile, ("batch_exists", "batch_get", "batch_set")),
+        "hicache.integrations.sglang.storage": lambda m: _timed(
+            m.HiCacheSGLangStorage, ("batch_exists", "batch_get_v1", "batch_set_v1")),
+    }
 
     class _AfterLoader(importlib.abc.Loader):
         def __init__(self, inner: Any, hook: Any) -> None:
@@ -214,6 +246,9 @@ def serve_engine(spec: dict[str, Any]) -> None:
     try:
         t = time.perf_counter()
         _ask(engine, spec["warmup"], 1)
+        time.sleep(0.5)  # the warm-up's backups land before the mark
+        sys.stderr.write(WARM_TAG)
+        sys.stderr.flush()
         print(TAG + json.dumps({"ready": True, "startup_s": started, "warmup_s": time.perf_counter() - t}), flush=True)
         for line in sys.stdin:
             cmd = json.loads(line)
@@ -279,6 +314,21 @@ class Engine:
             self.proc.kill()
             self.proc.wait()
         self._log_file.close()
+
+
+def storage_calls(log: Path) -> dict[str, dict[str, float]]:
+    """The timed storage calls an engine's processes logged after its warm-up: count, total
+    and median milliseconds per method."""
+    calls: dict[str, list[float]] = {}
+    warm = False
+    for line in log.read_text(errors="replace").splitlines():
+        if line == WARM_TAG.strip():
+            warm = True
+        elif warm and line.startswith(CALL_TAG):
+            name, ms = line[len(CALL_TAG):].rsplit(" ", 1)
+            calls.setdefault(name, []).append(float(ms))
+    return {n: {"calls": len(v), "total_ms": round(sum(v), 3), "median_ms": round(statistics.median(v), 3)}
+            for n, v in sorted(calls.items())}
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -466,7 +516,8 @@ def main(argv: list[str] | None = None) -> int:
             for name in names:
                 rows[name].append(got2[name])
                 engines_info[label[name]].append({"startup_s": eng2[name].ready["startup_s"],
-                                                  "warmup_s": eng2[name].ready["warmup_s"]})
+                                                  "warmup_s": eng2[name].ready["warmup_s"],
+                                                  "storage_calls": storage_calls(eng2[name].log)})
                 s = summarize(got2[name], args.docs)
                 print(f"# run 2 pass {rep} {label[name]}: TTFT p50 {s['ttft_p50_ms']:.1f} ms, first on doc "
                       f"{s['ttft_p50_first_on_doc_ms']:.1f} ms, {s['cached_by_source']}", file=sys.stderr)
