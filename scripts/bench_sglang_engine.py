@@ -465,6 +465,8 @@ def main(argv: list[str] | None = None) -> int:
 
         # ---- run 1: a fresh engine per store backend fills its store
         stores = {c: tmp / f"{c}-store1" for c in CONFIGS[1:]}
+        for root in stores.values():  # a --keep folder used before: run 1 starts on empty stores
+            shutil.rmtree(root, ignore_errors=True)
         eng1: dict[Any, Engine] = {}
         try:
             for c in CONFIGS[1:]:
