@@ -330,7 +330,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=_count_arg, default=None, help="replay only the first N requests")
     p.add_argument("--policies", default=None,
                    help="comma-separated placement policies to compare (default: all: lru,reuse,tiered)")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (shown on a terminal only)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd_replay)
 

@@ -188,7 +188,9 @@ async def replay_requests(
     if progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=len(requests), desc="replay", unit="req", file=sys.stderr, dynamic_ncols=True)
+        # on a terminal only (disable=None): into a log or a pipe, every redraw was a line of
+        # carriage returns (a replay's stderr was 100 kB of them)
+        bar = tqdm(total=len(requests), desc="replay", unit="req", file=sys.stderr, dynamic_ncols=True, disable=None)
     t0 = time.perf_counter()
     try:
         for i, req in enumerate(requests):

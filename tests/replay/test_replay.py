@@ -164,3 +164,19 @@ def test_a_bad_trace_line_is_an_error_naming_file_and_line(tmp_path: Path, line:
     with pytest.raises(TraceFormatError, match=f"t.jsonl, line 3: .*{reason}"):
         load_trace(trace)
     assert load_trace(trace, limit=1)[0].hash_ids == (7, 8)  # the good lines before it still read
+
+
+def test_replay_progress_shows_on_a_terminal_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Into a log or a pipe the replay's bar wrote every redraw (100 kB of carriage returns in a
+    CI log); like ``size`` and ``inspect``, it shows on a terminal only."""
+    import io
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    cfg = load_replay_config(CONFIG)
+    for stderr, shown in ((Terminal(), True), (io.StringIO(), False)):
+        monkeypatch.setattr("sys.stderr", stderr)
+        run_replay(cfg, _trace(), max_requests=20, progress=True)
+        assert ("replay" in stderr.getvalue()) is shown, stderr.getvalue()[:200]
