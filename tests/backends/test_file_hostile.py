@@ -689,7 +689,13 @@ async def test_close_during_the_opening_scan_starts_no_new_scan(tmp_path, monkey
             await asyncio.sleep(0.05)
             assert store._scanner.task is not None and not store._scanner.task.done()
             store._scanner.maybe_rescan(None, reclaimed=True)  # what a ledger call that reclaimed does
-            await within(store.aclose())
+            # the close cancels the scan, then waits for its thread (in the slow listing): let
+            # the listing end once the close began, or the close took the gate's whole LIMIT
+            # from the scan's start and missed ``within`` by the time a loaded machine adds
+            closing = asyncio.ensure_future(store.aclose())
+            await asyncio.sleep(0.05)
+            gate.set()
+            await within(closing)
             assert store._scanner.task is None
             assert not [t for t in asyncio.all_tasks() if t.get_name().startswith("hicache-file-")]
     finally:

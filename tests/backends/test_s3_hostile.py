@@ -497,11 +497,12 @@ async def test_a_prefix_lookup_answers_within_the_call_timeout(moto_endpoint: st
 
     async with FaultProxy(moto_endpoint) as proxy:
         store = make_s3(proxy.endpoint, moto_bucket, f"slowlookup/{uuid.uuid4().hex}", NS_A, concurrency=4,
-                        call_timeout=1.0, exists_cache_size=0)
+                        call_timeout=30.0, exists_cache_size=0)
         async with store:
             keys = keys_for(72, salt=91)  # 24 waves of 3 HEADs, a quarter second each: 6 s by waves
-            await write_pages(store, keys, seed=4)
+            await write_pages(store, keys, seed=4)  # unhurried: a loaded machine's writes took over 1 s
             await store.wait_index_writes()
+            store.call_timeout = 1.0  # the lookup's bound (read at each call)
 
             from aiohttp import web
 
