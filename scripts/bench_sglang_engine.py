@@ -67,7 +67,6 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -177,9 +176,9 @@ if os.environ.get(ENGINE_ENV):
 sys.path.insert(0, str(REPO))
 
 from hicache.bench_args import non_negative_int, positive_int  # noqa: E402
+from hicache.bench_engine import EngineProcess, say  # noqa: E402
 from hicache.bench_output import emit_report  # noqa: E402
 
-TAG = "@@hicache-bench "
 CONFIGS = ("sglang", "sglang+file", "sglang+hicache")
 POLICIES = ("timeout", "wait_complete")
 
@@ -249,16 +248,16 @@ def serve_engine(spec: dict[str, Any]) -> None:
         time.sleep(0.5)  # the warm-up's backups land before the mark
         sys.stderr.write(WARM_TAG)
         sys.stderr.flush()
-        print(TAG + json.dumps({"ready": True, "startup_s": started, "warmup_s": time.perf_counter() - t}), flush=True)
+        say({"ready": True, "startup_s": started, "warmup_s": time.perf_counter() - t})
         for line in sys.stdin:
             cmd = json.loads(line)
             if "wait_pages" in cmd:
                 deadline = time.monotonic() + 120
                 while store_pages(spec.get("root")) < cmd["wait_pages"] and time.monotonic() < deadline:
                     time.sleep(0.1)
-                print(TAG + json.dumps({"pages": store_pages(spec.get("root"))}), flush=True)
+                say({"pages": store_pages(spec.get("root"))})
             else:
-                print(TAG + json.dumps(_ask(engine, cmd["prompt"], cmd["new_tokens"])), flush=True)
+                say(_ask(engine, cmd["prompt"], cmd["new_tokens"]))
     finally:
         engine.shutdown()
 
@@ -273,47 +272,21 @@ def store_pages(root: str | None) -> int:
 # --------------------------------------------------------------------------- orchestrator
 
 
-class Engine:
-    """One engine process and its request pipe."""
+class Engine(EngineProcess):
+    """One engine process and its request pipe, with the store it writes to and its ready
+    message (startup and warm-up times)."""
 
     def __init__(self, spec: dict[str, Any], log: Path) -> None:
         paths = [str(REPO), str(REPO / "backends"), os.environ.get("PYTHONPATH", "")]
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in paths if p), **{ENGINE_ENV: "1"})
         # SGLang JIT-builds its C++ page hasher (torch's cpp_extension): once per venv
         env.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch-extensions"))
-        self.log, self.root = log, spec.get("root")
-        self._log_file = log.open("w")
-        self.proc = subprocess.Popen([sys.executable, __file__, "--engine", json.dumps(spec)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=self._log_file, text=True, env=env, cwd=log.parent)
+        super().__init__(__file__, spec, log, env, cwd=log.parent)
+        self.root = spec.get("root")
         self.ready: dict[str, Any] = {}
 
     def wait_ready(self) -> None:
         self.ready = self.reply()
-
-    def reply(self) -> dict[str, Any]:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            if line.startswith(TAG):
-                return json.loads(line[len(TAG):])
-            self._log_file.write(line)
-        self._log_file.flush()
-        raise SystemExit(f"engine died (rc {self.proc.wait()}); log tail:\n{self.log.read_text()[-6000:]}")
-
-    def send(self, cmd: dict[str, Any]) -> dict[str, Any]:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        self.proc.stdin.flush()
-        return self.reply()
-
-    def close(self) -> None:
-        if self.proc.stdin is not None:
-            self.proc.stdin.close()
-        try:
-            self.proc.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self._log_file.close()
 
 
 def storage_calls(log: Path) -> dict[str, dict[str, float]]:

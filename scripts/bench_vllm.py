@@ -36,7 +36,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -46,6 +45,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from hicache.bench_engine import EngineProcess, say  # noqa: E402
 from hicache.bench_output import emit_report  # noqa: E402
 
 
@@ -54,7 +54,6 @@ def _percentile(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
 
 
-TAG = "@@hicache-bench "
 
 
 def serve_engine(spec: dict[str, Any]) -> None:
@@ -77,7 +76,7 @@ def serve_engine(spec: dict[str, Any]) -> None:
               distributed_executor_backend="uni", **kwargs)
     sp = SamplingParams(max_tokens=spec["answer_tokens"], temperature=0.0, ignore_eos=True, detokenize=False)
     llm.generate([TokensPrompt(prompt_token_ids=[5] * 64)], sp, use_tqdm=False)  # warm-up, not measured
-    print(TAG + json.dumps({"ready": True}), flush=True)
+    say({"ready": True})
     for line in sys.stdin:
         prompt = json.loads(line)
         t = time.perf_counter()
@@ -85,46 +84,16 @@ def serve_engine(spec: dict[str, Any]) -> None:
         wall = time.perf_counter() - t
         m = out.metrics
         ttft = float(m.first_token_latency) if m is not None and m.first_token_latency else wall
-        print(TAG + json.dumps({"answer": list(out.outputs[0].token_ids), "cached": int(out.num_cached_tokens or 0),
-                                "ttft_s": ttft, "wall_s": wall}), flush=True)
+        say({"answer": list(out.outputs[0].token_ids), "cached": int(out.num_cached_tokens or 0),
+             "ttft_s": ttft, "wall_s": wall})
 
 
-class Engine:
+def start_engine(spec: dict[str, Any], log: Path) -> EngineProcess:
     """One engine process and its request pipe."""
-
-    def __init__(self, spec: dict[str, Any], log: Path) -> None:
-        env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", PYTHONPATH=str(REPO))
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-        self.log = log
-        self._log_file = log.open("w")
-        self.proc = subprocess.Popen([sys.executable, __file__, "--engine", json.dumps(spec)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=self._log_file, text=True, env=env)
-
-    def reply(self) -> dict[str, Any]:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            if line.startswith(TAG):
-                return json.loads(line[len(TAG):])
-            self._log_file.write(line)
-        self._log_file.flush()
-        raise SystemExit(f"engine died (rc {self.proc.wait()}); log tail:\n{self.log.read_text()[-4000:]}")
-
-    def ask(self, prompt: list[int]) -> dict[str, Any]:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(prompt) + "\n")
-        self.proc.stdin.flush()
-        return self.reply()
-
-    def close(self) -> None:
-        if self.proc.stdin is not None:
-            self.proc.stdin.close()
-        try:
-            self.proc.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self._log_file.close()
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", PYTHONPATH=str(REPO))
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    return EngineProcess(__file__, spec, log, env, log_tail=4000)
 
 
 def summarize(rows: list[dict[str, Any]], total_s: float) -> dict[str, Any]:
@@ -187,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
 
         # the engines run side by side and take turns request by request, so that load from
         # elsewhere on the machine falls on all alike
-        engines = {n: Engine(dict(base, connector=hicache(n)), tmp / f"{n}.log") for n in names}
+        engines = {n: start_engine(dict(base, connector=hicache(n)), tmp / f"{n}.log") for n in names}
         try:
             for e in engines.values():
                 e.reply()  # ready
@@ -205,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
                         order = names[k:] + names[:k]
                         for n in order:
                             prompt = hist[n][c] + user
-                            r = engines[n].ask(prompt)
+                            r = engines[n].send(prompt)
                             rows[n][rep].append({"chat": c, "turn": turn, "prompt_tokens": len(prompt), **r})
                             hist[n][c] = prompt + r["answer"]
                 print(f"# repeat {rep} done", file=sys.stderr)
