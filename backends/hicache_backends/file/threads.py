@@ -23,6 +23,19 @@ __all__ = ["PageThreads"]
 T = TypeVar("T")
 
 _BYTES_PER_CHUNK = 1 << 20  # below this much work per thread, fewer threads are faster
+#: a page's work held under the GIL (its Python: paths, header, checksum stream, results), in
+#: bytes-equivalent of the copying that runs off it: a batch of pages this small or smaller
+#: gains nothing from a second thread (Amdahl), and more threads only pass the GIL back and
+#: forth (32 KiB pages on 4 threads: ~10 context switches and 2x the CPU of one thread per page)
+_GIL_BYTES_PER_PAGE = 128 << 10
+
+
+def _page_threads(nbytes: int, calls: int) -> int:
+    """The threads a batch's pages can keep busy: one, plus one per :data:`_GIL_BYTES_PER_PAGE`
+    of an average page. A small page's time is mostly Python under the GIL, which threads only
+    take turns at; its bytes (the copy into or out of the page cache, off the GIL) are what a
+    second thread overlaps. 4 MiB pages keep every I/O thread; 32 KiB pages run on one."""
+    return 1 + nbytes // max(1, calls) // _GIL_BYTES_PER_PAGE
 
 
 class _SharedCalls:
@@ -88,7 +101,9 @@ class PageThreads:
         a hop to a thread costs tens of microseconds, more than a stat of a missing file, so a
         batch goes to one thread unless its bytes (``nbytes``) plus a per-call cost
         (``per_call``, bytes-equivalent: opening, creating and renaming files cost more than
-        they move) add up to a share per thread; ``threads`` lowers the cap below ``io_threads``.
+        they move) add up to a share per thread, and to no more threads than its average page
+        keeps busy (:func:`_page_threads`: small pages are GIL-bound); ``threads`` lowers the
+        cap below ``io_threads``.
         A cancelled caller waits for the threads (see :meth:`run_chunked_to_end`).
         """
         # cancelled: the calls not started yet are not (their results are dropped anyway), so
@@ -111,7 +126,7 @@ class PageThreads:
         assert self.executor is not None
         loop = asyncio.get_running_loop()
         cap = self.io_threads if threads is None else max(1, min(threads, self.io_threads))
-        n = min(cap, len(calls), max(1, (nbytes + per_call * len(calls)) // _BYTES_PER_CHUNK))
+        n = min(cap, len(calls), max(1, (nbytes + per_call * len(calls)) // _BYTES_PER_CHUNK), _page_threads(nbytes, len(calls)))
         shared = _SharedCalls(fn, calls)
         work = asyncio.gather(
             *(loop.run_in_executor(self.executor, shared.drain) for _ in range(n)),
