@@ -299,22 +299,25 @@ def _read_segments(
         return parsed
     digest = checksum_stream()
     offset = hlen
-    for run in io_runs(page):
+    runs = list(io_runs(page))
+    last = len(runs) - 1
+    for i, run in enumerate(runs):
+        tail = [footer] if i == last else []  # the footer comes with the last run: one call less
         if isinstance(run, list):
             n = sum(len(v) for v in run)
-            if _read_all(fd, run, offset) != n:
+            if _read_all(fd, [*run, *tail], offset) != n + len(tail) * FOOTER_LEN:
                 return Verdict.WRONG_LENGTH
             for v in run:
                 digest.update(v)
         else:
             n = run.nbytes
             array, view = bounce(n)
-            if _read_all(fd, [view], offset) != n:
+            if _read_all(fd, [view, *tail], offset) != n + len(tail) * FOOTER_LEN:
                 return Verdict.WRONG_LENGTH
             digest.update(view)
             run.scatter(array)
         offset += n
-    if _read_all(fd, [footer], offset) != FOOTER_LEN:
+    if not runs and _read_all(fd, [footer], offset) != FOOTER_LEN:
         return Verdict.WRONG_LENGTH
     return Verdict.OK if digest.intdigest() == parsed.checksum else Verdict.BAD_CHECKSUM
 
@@ -324,19 +327,23 @@ def _write_segments(fd: int, codec: PageCodec, key: str, pool: str, page: PageSe
     hlen = codec.header_len(key, pool)
     digest = checksum_stream()
     offset = hlen
-    for run in io_runs(page):
+    runs = list(io_runs(page))
+    last = len(runs) - 1
+    for i, run in enumerate(runs):
+        tail = [footer] if i == last else []  # the footer goes with the last run: one call less
         if isinstance(run, list):
             for v in run:
                 digest.update(v)
-            _write_all(fd, run, offset)
+            _write_all(fd, [*run, *tail], offset)
             offset += sum(len(v) for v in run)
         else:
             array, view = bounce(run.nbytes)
             run.gather(array)
             digest.update(view)
-            _write_all(fd, [view], offset)
+            _write_all(fd, [view, *tail], offset)
             offset += run.nbytes
-    _write_all(fd, [footer], offset)
+    if not runs:
+        _write_all(fd, [footer], offset)
     _write_all(fd, [codec.encode(key, pool, page, digest.intdigest())], 0)
 
 
