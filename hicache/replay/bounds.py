@@ -19,12 +19,11 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable, Sequence
 
-from hicache.replay.trace import BLOCK_TOKENS, References, TraceRequest, block_references
+from hicache.replay.trace import BLOCK_TOKENS, TICK_MASK, References, TraceRequest, block_references
 
 __all__ = ["belady", "infinite_cache"]
 
 _NEVER = float("inf")
-_TICK = (1 << 16) - 1  # progress is reported every 65,536 references
 
 
 def _result(hit_blocks: int, hit_tokens: int, blocks: list[int], tokens: list[int]) -> dict[str, float]:
@@ -92,8 +91,8 @@ def _min_hits(blocks: list[int], counted: list[bool], capacity: int, tick: Calla
     heap: list[tuple[float, int]] = []  # (-next use, block), lazy
     hits = 0
     for i in range(n):
-        if tick is not None and i & _TICK == _TICK:
-            tick(_TICK + 1)
+        if tick is not None and i & TICK_MASK == TICK_MASK:
+            tick(TICK_MASK + 1)
         b, when = blocks[i], nxt[i]
         if b in cached:
             hits += 1  # held only for a counted reference: this one
@@ -113,5 +112,5 @@ def _min_hits(blocks: list[int], counted: list[bool], capacity: int, tick: Calla
         cached[b] = when
         heapq.heappush(heap, (-when, b))
     if tick is not None:
-        tick(n & _TICK)
+        tick(n & TICK_MASK)
     return hits

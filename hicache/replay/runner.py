@@ -14,7 +14,6 @@ import dataclasses
 import logging
 import os
 import shutil
-import sys
 import time
 import uuid
 from pathlib import Path
@@ -32,7 +31,7 @@ from hicache.replay.config import ReplayConfig, load_replay_config
 from hicache.replay.driver import serve_request
 from hicache.replay.reference import reference_lru, unique_blocks
 from hicache.stack import StackConfig, build_stack
-from hicache.replay.trace import BLOCK_TOKENS, TraceRequest, find_trace, load_trace, request_tokens
+from hicache.replay.trace import BLOCK_TOKENS, TraceRequest, find_trace, load_trace, progress_bar, request_tokens
 
 __all__ = ["run_replay", "arun_replay", "replay_inputs", "replay_requests"]
 
@@ -184,13 +183,7 @@ async def replay_requests(
     totals = {"prompt_tokens": 0, "device_hit_tokens": 0, "host_hit_tokens": 0, "storage_hit_tokens": 0,
               "computed_tokens": 0, "verification_failures": 0}
     attribution = AttributionTotals()  # hits per tier and misses per reason, over the trace
-    bar = None
-    if progress:
-        from tqdm import tqdm
-
-        # on a terminal only (disable=None): into a log or a pipe, every redraw was a line of
-        # carriage returns (a replay's stderr was 100 kB of them)
-        bar = tqdm(total=len(requests), desc="replay", unit="req", file=sys.stderr, dynamic_ncols=True, disable=None)
+    bar = progress_bar(True, total=len(requests), desc="replay", unit="req") if progress else None
     t0 = time.perf_counter()
     try:
         for i, req in enumerate(requests):

@@ -9,14 +9,13 @@ unique blocks, and writes the curve as an SVG.
 from __future__ import annotations
 
 import os
-import sys
 from typing import Any
 
 from hicache.errors import TraceFormatError
 from hicache.replay.bounds import belady, infinite_cache
 from hicache.replay.plot import write_svg_plot
 from hicache.replay.sizing import lru_miss_ratio_curve
-from hicache.replay.trace import BLOCK_TOKENS, block_references, load_trace
+from hicache.replay.trace import BLOCK_TOKENS, block_references, load_trace, progress_bar
 
 __all__ = ["format_size_report", "size_report"]
 
@@ -51,7 +50,7 @@ def size_report(
     # fractions asked for, so that reports of different traces line up.
     bel_caps = {f"{f:g}": max(1, int(unique * f)) for f in belady_fractions}
     sizes = sorted(set(bel_caps.values()))
-    with _bar(progress, total=len(refs[0]) * (1 + 2 * len(sizes)), desc="sizing", unit="ref") as bar:
+    with progress_bar(progress, leave=False, unit_scale=True, total=len(refs[0]) * (1 + 2 * len(sizes)), desc="sizing", unit="ref") as bar:
         mrc = lru_miss_ratio_curve(requests, references=refs, tick=bar.update)
         by_cap = {cap: round(belady(requests, cap, references=refs, tick=bar.update)["hit_ratio_tokens"], 4)
                   for cap in sizes}
@@ -93,14 +92,6 @@ def size_report(
         )
         out["plot"] = str(plot)
     return out
-
-
-def _bar(progress: bool, **kwargs: Any) -> Any:
-    """A tqdm bar on stderr, shown only when ``progress`` and stderr is a terminal."""
-    from tqdm import tqdm
-
-    return tqdm(file=sys.stderr, dynamic_ncols=True, leave=False, disable=None if progress else True,
-                unit_scale=True, **kwargs)
 
 
 def _belady_label(row: dict[str, Any]) -> str:

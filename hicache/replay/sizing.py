@@ -23,11 +23,10 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from hicache.replay.trace import BLOCK_TOKENS, References, TraceRequest, block_references
+from hicache.replay.trace import BLOCK_TOKENS, TICK_MASK, References, TraceRequest, block_references
 
 __all__ = ["MissRatioCurve", "lru_miss_ratio_curve"]
 
-_TICK = (1 << 16) - 1  # progress is reported every 65,536 references
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,8 +90,8 @@ def lru_miss_ratio_curve(requests: Sequence[TraceRequest], block_tokens: int = B
     dist_tokens = np.zeros_like(dist_blocks)
     live = 0  # blocks with a latest reference so far (= prefix(t))
     for t, (b, tok) in enumerate(zip(blocks, reusable)):
-        if tick is not None and t & _TICK == _TICK:
-            tick(_TICK + 1)
+        if tick is not None and t & TICK_MASK == TICK_MASK:
+            tick(TICK_MASK + 1)
         prev = last.get(b)
         if prev is not None:
             d = live - prefix(prev + 1)  # distinct blocks referenced after prev
@@ -104,7 +103,7 @@ def lru_miss_ratio_curve(requests: Sequence[TraceRequest], block_tokens: int = B
         add(t, 1)
         last[b] = t
     if tick is not None:
-        tick(n & _TICK)
+        tick(n & TICK_MASK)
     return MissRatioCurve(
         unique_blocks=len(last), references=n, total_tokens=int(sum(tokens)),
         distance_blocks=dist_blocks, distance_tokens=dist_tokens,

@@ -106,7 +106,7 @@ def load_trace(path: str | os.PathLike[str], limit: int | None = None, *, progre
     out: list[TraceRequest] = []
     opener = gzip.open if str(path).endswith(".gz") else open
     try:
-        with opener(path, "rb") as f, _lines_bar(progress) as bar:
+        with opener(path, "rb") as f, progress_bar(progress, desc="reading", unit=" lines", unit_scale=True, leave=False) as bar:
             for number, raw in enumerate(f, 1):
                 bar.update(1)
                 if limit is not None and len(out) >= limit:
@@ -137,11 +137,17 @@ def load_trace(path: str | os.PathLike[str], limit: int | None = None, *, progre
     return prefix_blocks(out, source=str(path))
 
 
-def _lines_bar(progress: bool) -> Any:
+#: the trace tools report progress every this many + 1 references (``tick`` callbacks)
+TICK_MASK = (1 << 16) - 1
+
+
+def progress_bar(progress: bool, **kwargs: Any) -> Any:
+    """The trace tools' tqdm bar on stderr, shown only when ``progress`` and stderr is a
+    terminal (``disable=None``): into a log or a pipe every redraw was a line of carriage
+    returns. ``kwargs`` are tqdm's (``desc``, ``total``, ``unit``...)."""
     from tqdm import tqdm
 
-    return tqdm(desc="reading", unit=" lines", unit_scale=True, file=sys.stderr, dynamic_ncols=True, leave=False,
-                disable=None if progress else True)
+    return tqdm(file=sys.stderr, dynamic_ncols=True, disable=None if progress else True, **kwargs)
 
 
 def prefix_blocks(requests: list[TraceRequest], source: str = "trace") -> list[TraceRequest]:
