@@ -89,27 +89,6 @@ if os.environ.get(ENGINE_ENV):
 
     sgl_doubles.install_engine_doubles()
 
-    import importlib.abc
-
-    def _unpinned_dummy_page(module: Any) -> None:
-        """SGLang's ``file`` backend reads each page into ``get_dummy_flat_data_page()``, a
-        ``torch.zeros(..., pin_memory=pool.pin_memory)``; the engine's host pool says
-        ``pin_memory=True``, which a torch without CUDA refuses. One more double in the spirit
-        of ``sgl_doubles._cuda_host_register`` (not in that file: another session owns it):
-        the same page, unpinned, when there is no CUDA to pin for."""
-        cls = module.MHATokenToKVPoolHost
-        original = cls.get_dummy_flat_data_page
-
-        def get_dummy_flat_data_page(self: Any) -> Any:
-            import torch
-
-            if self.pin_memory and not torch.cuda.is_available():
-                return torch.zeros((2, self.layer_num, self.page_size, self.head_num, self.head_dim),
-                                   dtype=self.dtype, device=self.device).flatten()
-            return original(self)
-
-        cls.get_dummy_flat_data_page = get_dummy_flat_data_page
-
     def _timed(cls: Any, names: tuple[str, ...]) -> None:
         """Where a hit's time goes: each call of these methods writes its duration to stderr
         (the engine's log), tagged, for the report's ``storage_calls``."""
@@ -127,51 +106,14 @@ if os.environ.get(ENGINE_ENV):
 
             setattr(cls, name, timed)
 
-    _AFTER_IMPORT = {
-        "sglang.srt.mem_cache.pool_host.mha": _unpinned_dummy_page,
-        "sglang.srt.managers.cache_controller": lambda m: _timed(
-            m.HiCacheController, ("_storage_hit_query", "_page_transfer", "_page_backup")),
-        "sglang.srt.mem_cache.hicache_storage": lambda m: _timed(
-            m.HiCacheFile, ("batch_exists", "batch_get", "batch_set")),
-        "hicache.integrations.sglang.storage": lambda m: _timed(
-            m.HiCacheSGLangStorage, ("batch_exists", "batch_get_v1", "batch_set_v1")),
-    }
-
-    class _AfterLoader(importlib.abc.Loader):
-        def __init__(self, inner: Any, hook: Any) -> None:
-            self.inner, self.hook = inner, hook
-
-        def create_module(self, spec: Any) -> Any:
-            return self.inner.create_module(spec)
-
-        def exec_module(self, module: Any) -> None:
-            self.inner.exec_module(module)
-            self.hook(module)
-
-    class _AfterFinder(importlib.abc.MetaPathFinder):
-        """Finds the hooked modules with the other finders (sgl_doubles' among them, which
-        asks the others in turn: hence the guard) and wraps their loader."""
-
-        busy: set[str] = set()
-
-        def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
-            hook = _AFTER_IMPORT.get(name)
-            if hook is None or name in self.busy:
-                return None
-            self.busy.add(name)
-            try:
-                for finder in sys.meta_path:
-                    if finder is self or not hasattr(finder, "find_spec"):
-                        continue
-                    spec = finder.find_spec(name, path, target)
-                    if spec is not None:
-                        spec.loader = _AfterLoader(spec.loader, hook)
-                        return spec
-            finally:
-                self.busy.discard(name)
-            return None
-
-    sys.meta_path.insert(0, _AfterFinder())
+    # where a hit's time goes, through the doubles' import hook (the unpinned page SGLang's
+    # ``file`` backend needs on the CPU is one of the doubles)
+    sgl_doubles.after_import("sglang.srt.managers.cache_controller", lambda m: _timed(
+        m.HiCacheController, ("_storage_hit_query", "_page_transfer", "_page_backup")))
+    sgl_doubles.after_import("sglang.srt.mem_cache.hicache_storage", lambda m: _timed(
+        m.HiCacheFile, ("batch_exists", "batch_get", "batch_set")))
+    sgl_doubles.after_import("hicache.integrations.sglang.storage", lambda m: _timed(
+        m.HiCacheSGLangStorage, ("batch_exists", "batch_get_v1", "batch_set_v1")))
 
 sys.path.insert(0, str(REPO))
 

@@ -155,31 +155,66 @@ ENGINE_PATCHES: dict[str, dict[str, Callable[..., Any]]] = {
 }
 
 
+def _unpinned_dummy_page(module: types.ModuleType) -> None:
+    """SGLang's ``file`` backend reads each page into ``get_dummy_flat_data_page()``, a
+    ``torch.zeros(..., pin_memory=pool.pin_memory)``; the engine's host pool says
+    ``pin_memory=True``, which a torch without CUDA refuses: the same page, unpinned, when
+    there is no CUDA to pin for (as ``_cuda_host_register`` above)."""
+    cls = module.MHATokenToKVPoolHost  # type: ignore[attr-defined]
+    original = cls.get_dummy_flat_data_page
+
+    def get_dummy_flat_data_page(self: Any) -> Any:
+        import torch
+
+        if self.pin_memory and not torch.cuda.is_available():
+            return torch.zeros((2, self.layer_num, self.page_size, self.head_num, self.head_dim),
+                               dtype=self.dtype, device=self.device).flatten()
+        return original(self)
+
+    cls.get_dummy_flat_data_page = get_dummy_flat_data_page
+
+
+#: module -> what runs on it right after it is executed (the doubles above; a benchmark adds
+#: its own through :func:`after_import`)
+AFTER_IMPORT: dict[str, list[Callable[[types.ModuleType], None]]] = {
+    name: [lambda module, names=names: module.__dict__.update(names)] for name, names in ENGINE_PATCHES.items()
+}
+AFTER_IMPORT["sglang.srt.mem_cache.pool_host.mha"].append(_unpinned_dummy_page)
+
+
+def after_import(name: str, hook: Callable[[types.ModuleType], None]) -> None:
+    """Run ``hook(module)`` right after module ``name`` is executed (before anything uses it),
+    in this process; call before it is imported."""
+    assert name not in sys.modules, f"{name} is imported already"
+    AFTER_IMPORT.setdefault(name, []).append(hook)
+
+
 class _PatchingLoader(importlib.abc.Loader):
-    def __init__(self, inner: Any, names: dict[str, Any]) -> None:
-        self.inner, self.names = inner, names
+    def __init__(self, inner: Any, hooks: list[Callable[[types.ModuleType], None]]) -> None:
+        self.inner, self.hooks = inner, hooks
 
     def create_module(self, spec: Any) -> Any:
         return self.inner.create_module(spec)
 
     def exec_module(self, module: types.ModuleType) -> None:
         self.inner.exec_module(module)
-        module.__dict__.update(self.names)
+        for hook in self.hooks:
+            hook(module)
 
 
 class _PatchingFinder(importlib.abc.MetaPathFinder):
-    """Finds the patched modules with the other finders, and wraps their loader."""
+    """Finds the hooked modules with the other finders, and wraps their loader."""
 
     def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
-        names = ENGINE_PATCHES.get(name)
-        if names is None:
+        hooks = AFTER_IMPORT.get(name)
+        if hooks is None:
             return None
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):
                 continue
             spec = finder.find_spec(name, path, target)
             if spec is not None:
-                spec.loader = _PatchingLoader(spec.loader, names)
+                spec.loader = _PatchingLoader(spec.loader, hooks)
                 return spec
         return None
 
@@ -188,7 +223,7 @@ def install_engine_doubles() -> None:
     """Everything SGLang's engine needs on the CPU: the module doubles and the kernel doubles.
     Call before anything imports SGLang, in every process of the engine (the runner does it
     at import, so SGLang's spawned scheduler and detokenizer processes do it too)."""
-    loaded = [m for m in ENGINE_PATCHES if m in sys.modules]
+    loaded = [m for m in AFTER_IMPORT if m in sys.modules]
     assert not loaded, f"imported before the doubles: {loaded}"
     if not any(isinstance(f, _PatchingFinder) for f in sys.meta_path):
         sys.meta_path.insert(0, _PatchingFinder())
