@@ -147,15 +147,43 @@ class StridedPiece:
     native span copier: streaming stores into the pool, plain ones into the bounce buffer.
     """
 
-    __slots__ = ("view", "nbytes", "spans", "shift")
+    __slots__ = ("_view", "_of", "nbytes", "spans", "shift")
 
     def __init__(self, view: np.ndarray, spans: PieceSpans | None = None, shift: int = 0) -> None:
         if not isinstance(view, np.ndarray):
             raise TypeError(f"a strided page piece is a numpy view, got {type(view).__name__}")
-        self.view = view
+        self._view: np.ndarray | None = view
+        self._of: StridedPiece | None = None
         self.nbytes = int(view.nbytes)
         self.spans = spans
         self.shift = int(shift)
+
+    @classmethod
+    def of_page(cls, first: StridedPiece, shift: int) -> StridedPiece:
+        """The same piece of the page ``shift`` bytes after ``first``'s, where ``first`` has
+        span tables: made without a numpy view (the span copier needs only the shift; a view
+        is made if anything asks for one). A batch builds a page's pieces in ~1 us this way
+        instead of ~5 (slicing, transposing and locating numpy views per page)."""
+        if first.spans is None:
+            raise ValueError("only a piece with span tables can be shifted to another page")
+        piece = cls.__new__(cls)
+        piece._view = None
+        piece._of = first
+        piece.nbytes = first.nbytes
+        piece.spans = first.spans
+        piece.shift = first.shift + int(shift)
+        return piece
+
+    @property
+    def view(self) -> np.ndarray:
+        """The piece as a (strided) numpy view of the pool's memory."""
+        if self._view is None:
+            first = self._of
+            assert first is not None and first.spans is not None
+            v0, pool = first.view, first.spans.pool_bytes
+            at = v0.__array_interface__["data"][0] - pool.__array_interface__["data"][0] + self.shift - first.shift
+            self._view = np.ndarray(v0.shape, v0.dtype, buffer=pool, offset=at, strides=v0.strides)
+        return self._view
 
     def _typed(self, buffer: np.ndarray) -> np.ndarray:
         return buffer[: self.nbytes].view(self.view.dtype).reshape(self.view.shape)

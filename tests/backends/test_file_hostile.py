@@ -11,6 +11,7 @@ import logging
 import os
 import shutil
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -606,7 +607,10 @@ async def test_a_writer_killed_after_publishing_leaves_its_pages_counted_and_evi
         "        await s.wait_background()\n"
         "        async def die(*a, **k):\n"
         "            os.kill(os.getpid(), 9)  # published, not settled\n"
+        "        def die_now(*a, **k):\n"
+        "            os.kill(os.getpid(), 9)\n"
         "        s._space.settle = die\n"
+        "        s._space.settle_last = die_now  # (on the batch's I/O thread)\n"
         "        await s.set('k-child', torch.full((1 << 20,), 3, dtype=torch.uint8))\n"
         "asyncio.run(main())\n"
     )
@@ -941,3 +945,52 @@ async def test_what_was_owed_to_a_cleared_ledger_is_not_carried_into_the_next(tm
         assert await store.set("new", v0(size, 1))
         ledger = read_usage(os.path.join(ns_dir, LEDGER_NAME))
         assert ledger is not None and ledger.used == namespace_bytes(ns_dir)
+
+
+async def test_a_write_batch_checks_its_namespace_folders_once(tmp_path, monkeypatch) -> None:
+    """Every write batch checks the folders above its pages for symbolic links (see the two
+    tests above), the namespace and ``pages`` folders once a batch rather than once a page;
+    the next batch checks them again."""
+    size = 4096
+    async with make_store(tmp_path / "root") as store:
+        await within(store.wait_background())
+        seen: list[str] = []
+        real = os.path.islink
+
+        def islink(path):  # type: ignore[no-untyped-def]
+            seen.append(os.fspath(path))
+            return real(path)
+
+        monkeypatch.setattr(os.path, "islink", islink)
+        for batch in range(2):
+            keys = [f"b{batch}-{i}" for i in range(8)]
+            assert await within(store.batch_set(keys, [v0(size, i) for i in range(8)]))
+        monkeypatch.setattr(os.path, "islink", real)
+        assert seen.count(store.layout.pages_dir) == 2 and seen.count(store.layout.ns_dir) == 2
+        assert len(seen) <= 2 * (2 + 8)  # and each page's own folder at most once a batch
+
+
+def test_the_ledger_reservation_table_keeps_every_slot_it_cannot_judge() -> None:
+    """The reservation table (one ``unpack`` for all 128 slots): a dead writer of this machine
+    is given back, a live one, another machine's and a full table are left alone, this
+    process's slot is taken and freed at zero, and a file from before the table reads empty."""
+    from hicache_backends.file import ledger as L
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    slots = L._decode_slots(b"\0" * L._SIZE)
+    assert slots == [0] * (3 * L._SLOTS) and L._decode_slots(b"\0" * L._FORMAT.size) == slots
+    slots[0:3] = (L._MACHINE, dead.pid, 100)  # this machine, gone
+    slots[3:6] = (L._MACHINE ^ 1, dead.pid, 200)  # another machine: never judged
+    slots[9:12] = (L._MACHINE, os.getppid(), 300)  # this machine, alive
+    raw = b"\0" * L._FORMAT.size + L._encode_slots(slots)
+    assert L._decode_slots(raw) == slots
+    assert L._reclaim(slots) == 100 and slots[0:3] == [0, 0, 0]
+    assert slots[3:12] == [L._MACHINE ^ 1, dead.pid, 200, 0, 0, 0, L._MACHINE, os.getppid(), 300]
+    L._move_own(slots, 50)
+    assert slots[0:3] == [L._MACHINE, os.getpid(), 50]  # the first free slot
+    L._move_own(slots, -50)
+    assert slots[0:3] == [0, 0, 0]
+    full = [L._MACHINE ^ 1, 1, 1] * L._SLOTS
+    L._move_own(full, 10)  # no free slot: counted in ``used`` only, the table unchanged
+    assert full == [L._MACHINE ^ 1, 1, 1] * L._SLOTS

@@ -123,3 +123,93 @@ async def test_staged_reads_run_on_at_most_cores_plus_one_threads(tmp_path: Path
         assert store.io_threads == 4 and 1 <= most <= 2
     for i in range(n):
         assert dst.page_bytes(i * 4) == src.page_bytes(i * 4)
+
+
+async def test_a_batch_first_step_runs_once_before_any_call_and_its_last_after_all(tmp_path: Path) -> None:
+    """``first`` runs once, before any call of any of the batch's threads; ``last`` once, after
+    every call, on one of the batch's threads, given the results."""
+    log: list[str] = []
+    lock = threading.Lock()
+
+    def first() -> bool:
+        time.sleep(0.02)  # the batch's other threads must wait for it
+        log.append("first")
+        return True
+
+    def call(i: int) -> int:
+        time.sleep(0.002)
+        with lock:
+            log.append(f"call{i}")
+        return i
+
+    def last(results: list[int]) -> tuple[str, int]:
+        with lock:
+            log.append("last")
+        return threading.current_thread().name, sum(results)
+
+    async with _store(tmp_path) as store:
+        batch = await store._threads.run_batch(call, [(i,) for i in range(24)], BIG, first=first, last=last)
+    assert batch.results == list(range(24)) and not batch.declined and not batch.cancelled
+    assert log[0] == "first" and log[-1] == "last" and log.count("first") == log.count("last") == 1
+    assert batch.after[0].startswith("hicache-file-io") and batch.after[1] == sum(range(24))
+
+
+async def test_a_declined_or_failing_first_step_runs_no_call(tmp_path: Path) -> None:
+    ran: list[int] = []
+
+    def call(i: int) -> int:
+        ran.append(i)
+        return i
+
+    def broken() -> bool:
+        raise RuntimeError("ledger bug")
+
+    async with _store(tmp_path) as store:
+        batch = await store._threads.run_batch(call, [(i,) for i in range(8)], BIG, first=lambda: False,
+                                               last=lambda r: "settled")
+        assert batch.declined and batch.results is None and batch.after is None and ran == []
+        with pytest.raises(RuntimeError, match="ledger bug"):
+            await store._threads.run_batch(call, [(i,) for i in range(8)], BIG, first=broken)
+        assert ran == []
+
+
+async def test_a_failing_last_step_keeps_the_results(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The calls' results are facts about the disk (pages written): a last step that raises
+    loses none of them; ``after`` stays ``None`` so the caller does that step itself."""
+    def last(results: list[int]) -> str:
+        raise RuntimeError("settle bug")
+
+    async with _store(tmp_path) as store:
+        batch = await store._threads.run_batch(lambda i: i, [(i,) for i in range(4)], last=last)
+    assert batch.results == [0, 1, 2, 3] and batch.after is None
+    assert "last step of an I/O batch failed" in caplog.text
+
+
+async def test_a_shared_write_reserves_and_settles_on_its_own_io_thread(tmp_path: Path) -> None:
+    """With the shared usage ledger, a write batch's reservation and settlement run on the
+    thread that writes its pages (no round trips of their own); the ledger ends where it
+    would have: the pages' bytes counted, nothing left in flight."""
+    from hicache_backends.file.ledger import LEDGER_NAME, read_usage
+
+    async with create_async_storage("file", None, root=str(tmp_path), io_threads=4, max_bytes=64 << 20,
+                                    namespace={"model": "io-batches"}) as store:
+        await store.wait_background()
+        ledger = store._space.ledger
+        real_add = ledger.add
+        calls: list[tuple[str, int]] = []
+
+        def add(delta: int, **kw):  # type: ignore[no-untyped-def]
+            calls.append((threading.current_thread().name, kw.get("inflight", 0)))
+            return real_add(delta, **kw)
+
+        ledger.add = add
+        import torch
+
+        values = [torch.full((32 << 10,), i, dtype=torch.uint8) for i in range(16)]
+        assert await store.batch_set([f"k{i}" for i in range(16)], values) is True
+        assert [inflight > 0 for _, inflight in calls] == [True, False]  # one reservation, one settlement
+        assert all(name.startswith("hicache-file-io") for name, _ in calls)
+        usage = read_usage(f"{store.layout.ns_dir}/{LEDGER_NAME}")
+        on_disk = sum(p.stat().st_size for p in Path(store.layout.ns_dir).rglob("*.page"))
+        assert usage is not None and usage.used == on_disk
+        assert await store.batch_exists([f"k{i}" for i in range(16)]) == 16

@@ -187,6 +187,33 @@ def test_native_strided_pieces_move_the_same_bytes_as_numpy(monkeypatch, layout,
 
 
 @needs_native
+@pytest.mark.parametrize("layout,mla", [*STRIDED, ("page_first_direct", False)])
+def test_every_page_is_the_first_pages_pieces_shifted(layout, mla) -> None:
+    """A page's pieces are made from the first page's, moved by the pages' stride (no numpy
+    views per page): each is the piece the page's own numpy views give, at the same address
+    with the same strides, and moves the same bytes."""
+    pool = _pool(layout, mla=mla, seed=3, dim=NATIVE_DIM)
+    assert pool._first_page is not None
+    shifted = [pool.page_segments(p * PS) for p in range(PAGES)]
+    pool._first_page = None  # each page's own views, as before
+    built = [pool.page_segments(p * PS) for p in range(PAGES)]
+    for fast, slow in zip(shifted, built):
+        assert fast is not None and slow is not None and len(fast.pieces) == len(slow.pieces)
+        for a, b in zip(fast.pieces, slow.pieces):
+            if isinstance(b, StridedPiece):
+                assert isinstance(a, StridedPiece) and a.shift == b.shift and a.nbytes == b.nbytes
+                assert a.view.__array_interface__ == b.view.__array_interface__
+            else:
+                assert isinstance(a, memoryview) and bytes(a) == bytes(b)
+        assert bytes(fast.gather_bytes()) == bytes(slow.gather_bytes())
+
+
+def test_only_a_piece_with_span_tables_moves_to_another_page() -> None:
+    with pytest.raises(ValueError, match="span tables"):
+        StridedPiece.of_page(StridedPiece(np.zeros((4, 4), dtype=np.uint8)[:, :2]), 16)
+
+
+@needs_native
 def test_a_span_table_shifted_outside_the_pool_copies_nothing() -> None:
     pool = _pool("page_head", seed=2, dim=NATIVE_DIM)
     before = [_canonical_bytes(pool, p) for p in range(PAGES)]
@@ -218,9 +245,18 @@ def test_span_tables_are_only_built_where_they_pay(monkeypatch) -> None:
 # ---------------------------------------------------------------------- through the file backend
 
 
+@pytest.fixture(params=["one-call", "run-by-run"])
+def io_path(request, monkeypatch) -> str:
+    """Both ways a page moves: a page of one I/O run in one call (these tests' pages), and
+    run by run, as pages larger than ``RUN_BYTES`` do."""
+    if request.param == "run-by-run":
+        monkeypatch.setattr(file_io, "RUN_BYTES", 0)
+    return request.param
+
+
 @pytest.mark.parametrize("dim", [DIM, NATIVE_DIM])
 @pytest.mark.parametrize("w_layout,r_layout", list(itertools.product(LAYOUTS, repeat=2)))
-async def test_every_layout_pair_reads_back_exactly(tmp_path, w_layout, r_layout, dim) -> None:
+async def test_every_layout_pair_reads_back_exactly(tmp_path, w_layout, r_layout, dim, io_path) -> None:
     writer, reader = _pool(w_layout, seed=1, dim=dim), _pool(r_layout, seed=2, dim=dim)
     keys = [f"k{i}" for i in range(4)]
     async with await _store(tmp_path, writer) as a:
@@ -270,7 +306,7 @@ async def test_mla_pools_share_pages_across_layouts(tmp_path, w_layout, r_layout
         assert _canonical_bytes(reader, 2) == _canonical_bytes(writer, 4)
 
 
-async def test_segmented_and_contiguous_writes_make_the_same_file(tmp_path) -> None:
+async def test_segmented_and_contiguous_writes_make_the_same_file(tmp_path, io_path) -> None:
     pool = _pool("page_head", seed=4)
     async with await _store(tmp_path / "seg", pool) as s:
         assert await _write(s, pool, ["x"], [2]) == [True]
@@ -285,7 +321,7 @@ async def test_segmented_and_contiguous_writes_make_the_same_file(tmp_path) -> N
 
 
 @pytest.mark.parametrize("dim", [DIM, NATIVE_DIM])
-async def test_a_damaged_page_is_a_miss_and_removed(tmp_path, dim) -> None:
+async def test_a_damaged_page_is_a_miss_and_removed(tmp_path, dim, io_path) -> None:
     pool, reader = _pool("page_first", seed=1, dim=dim), _pool("page_head", seed=2, dim=dim)
     async with await _store(tmp_path, pool) as s:
         assert await _write(s, pool, ["a", "b"], [0, 1]) == [True, True]
@@ -299,7 +335,7 @@ async def test_a_damaged_page_is_a_miss_and_removed(tmp_path, dim) -> None:
         assert not os.path.exists(path)
 
 
-async def test_a_foreign_page_puts_no_byte_into_the_pool(tmp_path) -> None:
+async def test_a_foreign_page_puts_no_byte_into_the_pool(tmp_path, io_path) -> None:
     """The header is checked before the payload is read: a file holding another key's page
     (same size) is a miss and the host page keeps its bytes."""
     pool, reader = _pool("layer_first", seed=1), _pool("page_head", seed=2)
@@ -313,7 +349,7 @@ async def test_a_foreign_page_puts_no_byte_into_the_pool(tmp_path) -> None:
 
 
 @pytest.mark.parametrize("dim", [DIM, NATIVE_DIM])
-async def test_a_short_file_is_a_miss(tmp_path, dim) -> None:
+async def test_a_short_file_is_a_miss(tmp_path, dim, io_path) -> None:
     pool = _pool("page_head", seed=1, dim=dim)
     async with await _store(tmp_path, pool) as s:
         assert await _write(s, pool, ["a"], [0]) == [True]
@@ -323,19 +359,25 @@ async def test_a_short_file_is_a_miss(tmp_path, dim) -> None:
         assert await s.batch_get_v1(["a"], _indices([1])) == [False]
 
 
-async def test_a_failed_segmented_write_leaves_no_temp_file(tmp_path, monkeypatch) -> None:
+@pytest.mark.parametrize("one_call", [True, False], ids=["small-page-one-call", "run-by-run"])
+async def test_a_failed_segmented_write_leaves_no_temp_file(tmp_path, monkeypatch, one_call) -> None:
+    """The disk fills while a page is written: a small page's only call, or the third call of
+    a page written run by run (the temporary file then holds part of the payload)."""
     pool = _pool("page_first", seed=1)
+    if not one_call:
+        monkeypatch.setattr(file_io, "RUN_BYTES", 0)  # every page takes the run-by-run path
     calls = []
     real = file_io._pwritev
+    fail_at = 1 if one_call else 3
 
-    def full_after_two(fd, bufs, offset):
+    def full_from(fd, bufs, offset):
         calls.append(offset)
-        if len(calls) > 2:
+        if len(calls) >= fail_at:
             raise OSError(errno.ENOSPC, "No space left on device")
         return real(fd, bufs, offset)
 
     async with await _store(tmp_path, pool) as s:
-        monkeypatch.setattr(file_io, "_pwritev", full_after_two)
+        monkeypatch.setattr(file_io, "_pwritev", full_from)
         assert await _write(s, pool, ["a"], [0]) == [False]
         monkeypatch.setattr(file_io, "_pwritev", real)
         leftovers = [f for _, _, files in os.walk(s.layout.ns_dir) for f in files if f.endswith(".tmp")]

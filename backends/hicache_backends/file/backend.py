@@ -52,8 +52,8 @@ from hicache_backends.file.ledger import LEDGER_NAME, Usage, read_usage
 from hicache_backends.file.peers import PeerRemovals
 from hicache_backends.file.pins import PagePins
 from hicache_backends.file.scan import IndexScanner
-from hicache_backends.file.space import SpaceAccountant
-from hicache_backends.file.threads import PageThreads
+from hicache_backends.file.space import Reservation, SpaceAccountant
+from hicache_backends.file.threads import BatchOutcome, PageThreads
 
 __all__ = ["DEFAULT_MAX_BYTES", "DEFAULT_MIN_FREE_BYTES", "FileStorage"]
 
@@ -502,7 +502,9 @@ class FileStorage(AsyncHiCacheStorage):
         # Reserve, then make room: the reservation is taken synchronously so that concurrent
         # batches cannot both claim the same space (and in the shared ledger, before any byte is
         # written, so that other processes cannot either). Parents of the new pages and pages in
-        # flight are protected from eviction.
+        # flight are protected from eviction. With the shared ledger the batch's own I/O thread
+        # reserves before its first write and settles after its last (no round trips of their
+        # own); a batch that does not fit then writes nothing and comes back for room.
         protect = {j.pid for j in jobs} | {j.parent for j in jobs if j.parent is not None}
         incoming = sum(j.size for j in jobs if j.skip_size is None)
         generation = self._generation
@@ -512,34 +514,39 @@ class FileStorage(AsyncHiCacheStorage):
         results: list[page_io.WriteResult] | None = None
         refused = 0
         raced = False  # a clear ran meanwhile (what landed after it is counted there)
+        settled: tuple[Usage | None] | None = None
         try:
-            await self._space.reserve(res, incoming, generation)
-            missing = await self._space.evict_for(incoming > 0, protect, res.usage)
-            while missing > 0 and jobs:  # cannot fit them all: drop the deepest pages (batch tail)
-                dropped = jobs.pop()
-                if dropped.skip_size is None:
-                    missing -= dropped.size
-                    incoming -= dropped.size
-                    self._space.unreserve(dropped.size)
-                refused += 1
-            if refused:
-                self.stats.incr("rejected_pages_no_space", refused)
-                self._scanner.maybe_rescan(res.usage)
-                await self._space.refused_for_space(refused, res.usage)
-            calls = [
-                (self._layout, self._codec, j.pid, j.page.key, j.page.pool, j.buf, j.parent, self.fsync, j.skip_size)
-                for j in jobs
-            ]
-            results, cancelled = await self._threads.run_chunked_to_end(
-                page_io.write_page, calls, sum(j.buf.nbytes for j in jobs), 4 * _FILE_OP_COST
-            )
+            batch = None
+            if await self._space.reserves_in_batch(incoming):
+                debt = self._space.take_debt()
+                try:
+                    batch = await self._write_batch(jobs, res, 0, reserve=(incoming, debt))
+                finally:
+                    self._space.reserved_first(res, debt, generation)
+            if batch is None or batch.declined:
+                if batch is None:
+                    await self._space.reserve(res, incoming, generation)
+                missing = await self._space.evict_for(incoming > 0, protect, res.usage)
+                while missing > 0 and jobs:  # cannot fit them all: drop the deepest pages (batch tail)
+                    dropped = jobs.pop()
+                    if dropped.skip_size is None:
+                        missing -= dropped.size
+                        incoming -= dropped.size
+                        self._space.unreserve(dropped.size)
+                    refused += 1
+                if refused:
+                    self.stats.incr("rejected_pages_no_space", refused)
+                    self._scanner.maybe_rescan(res.usage)
+                    await self._space.refused_for_space(refused, res.usage)
+                batch = await self._write_batch(jobs, res, refused)
+            results, cancelled, settled = batch.results, batch.cancelled, batch.after
             if results is not None and generation != self._generation:
                 raced = True
                 generation, results, late = await self._published_after_clear(jobs, results)
                 cancelled = cancelled or late
         finally:
             self._pins.release(ids)
-            await self._space.end_batch(res, incoming, results, refused, raced)
+            await self._space.end_batch(res, incoming, results, refused, raced, settled)
         if results is None:
             raise asyncio.CancelledError
         # Pages on disk are indexed even when the caller was cancelled meanwhile: an unindexed
@@ -548,6 +555,26 @@ class FileStorage(AsyncHiCacheStorage):
         if cancelled:
             raise asyncio.CancelledError
         return ok
+
+    async def _write_batch(
+        self, jobs: list[_WriteJob], res: Reservation, refused: int, reserve: tuple[int, int] | None = None
+    ) -> BatchOutcome:
+        """Write ``jobs`` on the I/O threads, to the end even if the caller is cancelled. With
+        a shared reservation, the last write's thread settles it (:meth:`SpaceAccountant.settle_last`);
+        ``reserve`` (bytes, debt): the first thread takes it, and the batch is declined (writes
+        nothing) when it does not fit (:meth:`SpaceAccountant.reserve_first`)."""
+        assert self._layout is not None and self._codec is not None
+        checked: set[str] = set()  # folders of this batch found real (no symbolic link)
+        calls = [
+            (self._layout, self._codec, j.pid, j.page.key, j.page.pool, j.buf, j.parent, self.fsync, j.skip_size, checked)
+            for j in jobs
+        ]
+        first = functools.partial(self._space.reserve_first, res, *reserve) if reserve is not None else None
+        last = (functools.partial(self._space.settle_last, res, refused)
+                if reserve is not None or res.usage is not None else None)
+        return await self._threads.run_batch(
+            page_io.write_page, calls, sum(j.buf.nbytes for j in jobs), 4 * _FILE_OP_COST, first=first, last=last
+        )
 
     async def _published_after_clear(
         self, jobs: list[_WriteJob], results: list[page_io.WriteResult]

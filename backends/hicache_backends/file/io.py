@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 
 from hicache.storage.page_format import PageCodec, PageHeader, Verdict, checksum, checksum_stream
-from hicache.storage.segments import PageSegments, bounce, io_runs
+from hicache.storage.segments import RUN_BYTES, PageSegments, StridedPiece, bounce, io_runs
 from hicache.storage.staging import PoolPage, StagedPage
 
 from hicache_backends.file.locks import pid_alive
@@ -82,6 +82,9 @@ _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 # ``open`` of a FIFO return at once (it changes nothing for regular files), and every reader
 # checks ``S_ISREG`` on the open fd before reading a byte.
 _O_READ = os.O_RDONLY | _O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+#: a page of more pieces than this takes the run-by-run path even when small (one vector call
+#: takes at most a few hundred buffers; see ``segments._IOV_MAX``)
+_SMALL_PAGE_PIECES = 256
 _MANIFEST_MAX_BYTES = 1 << 20  # a manifest is a few hundred bytes; anything huge is not ours
 _ID_HEX = frozenset("0123456789abcdef")
 # The functions tests patch to simulate a full disk (ENOSPC) without a real one.
@@ -177,6 +180,13 @@ def _read_all(fd: int, bufs: list[memoryview], start: int = 0) -> int:
 def payload_checksum(data: memoryview | bytes | bytearray) -> int:
     """The PageCodec checksum (xxh3_64; the core releases the GIL for large payloads)."""
     return checksum(data)
+
+
+def _stream_digest(views: Sequence[memoryview]) -> int:
+    digest = checksum_stream()
+    for v in views:
+        digest.update(v)
+    return digest.intdigest()
 
 
 def _as_bytes_view(buf: memoryview) -> memoryview:
@@ -286,11 +296,63 @@ def _verify(codec: PageCodec, header: memoryview, payload: memoryview, key: str,
     return Verdict.OK if payload_checksum(payload) == parsed.checksum else Verdict.BAD_CHECKSUM
 
 
+def _small_page_iov(page: PageSegments) -> list[memoryview] | None:
+    """A small page's payload as one vector of byte views, its strided pieces gathered into
+    this thread's bounce buffer at their offsets (direct pieces stay where they are): a page
+    that fits in one I/O run then moves in one ``pwritev``. ``None`` for a page too large for
+    one run (its runs go one by one, each hashed while it is in the CPU cache)."""
+    if page.nbytes > RUN_BYTES or len(page.pieces) > _SMALL_PAGE_PIECES:
+        return None
+    strided = sum(p.nbytes for p in page.pieces if isinstance(p, StridedPiece))
+    array = view = None
+    if strided:
+        array, view = bounce(strided)
+    iov: list[memoryview] = []
+    at = 0
+    for p in page.pieces:
+        if isinstance(p, memoryview):
+            iov.append(p)
+        else:
+            assert array is not None and view is not None
+            p.gather(array[at:])
+            iov.append(view[at : at + p.nbytes])
+            at += p.nbytes
+    return iov
+
+
+def _read_small(
+    fd: int, codec: PageCodec, header: memoryview, page: PageSegments, footer: memoryview, key: str, pool: str
+) -> Verdict:
+    """A page of one I/O run: header, payload and footer in one ``preadv`` into this thread's
+    bounce buffer, checked whole, then copied into the pool's pieces. Nothing reaches the pool
+    before the header and the checksum check out."""
+    n = page.nbytes
+    array, view = bounce(n)
+    want = len(header) + n + FOOTER_LEN
+    if _read_all(fd, [header, view, footer]) != want:
+        return Verdict.WRONG_LENGTH
+    verdict = _verify(codec, header, view, key, pool)
+    if verdict is not Verdict.OK:
+        return verdict
+    at = 0
+    for p in page.pieces:
+        if isinstance(p, memoryview):
+            p[:] = view[at : at + len(p)]
+            at += len(p)
+        else:
+            p.scatter(array[at:])
+            at += p.nbytes
+    return Verdict.OK
+
+
 def _read_segments(
     fd: int, codec: PageCodec, header: memoryview, page: PageSegments, footer: memoryview, key: str, pool: str
 ) -> Verdict:
     """Read a page of the expected file size into its pieces, hashing as it goes; the header is
-    checked first, so a foreign page puts no byte into the pool."""
+    checked first, so a foreign page puts no byte into the pool. A page of one I/O run takes
+    one call (:func:`_read_small`)."""
+    if page.nbytes <= RUN_BYTES and len(page.pieces) <= _SMALL_PAGE_PIECES:
+        return _read_small(fd, codec, header, page, footer, key, pool)
     hlen = len(header)
     if _read_all(fd, [header]) != hlen:
         return Verdict.WRONG_LENGTH
@@ -323,7 +385,13 @@ def _read_segments(
 
 
 def _write_segments(fd: int, codec: PageCodec, key: str, pool: str, page: PageSegments, footer: bytes) -> None:
-    """Write a page's pieces after its header's place, then the header and footer."""
+    """Write a page's pieces after its header's place, then the header and footer; a page of
+    one I/O run goes whole, header first, in one call (:func:`_small_page_iov`)."""
+    iov = _small_page_iov(page)
+    if iov is not None:
+        whole = checksum(iov[0]) if len(iov) == 1 else _stream_digest(iov)
+        _write_all(fd, [codec.encode(key, pool, page, whole), *iov, footer], 0)
+        return
     hlen = codec.header_len(key, pool)
     digest = checksum_stream()
     offset = hlen
@@ -495,9 +563,11 @@ def write_page(
     parent: str | None,
     fsync: bool,
     skip_size: int | None,
+    checked_folders: set[str] | None = None,
 ) -> WriteResult:
     """Publish one page atomically (see the module docstring). A :class:`PoolPage` is copied
-    out of its pool here, after the skip check and right before it is hashed and written."""
+    out of its pool here, after the skip check and right before it is hashed and written.
+    ``checked_folders``: the batch's folders already found real (see :func:`linked_folder`)."""
     path = layout.path(pid)
     if skip_size is not None:
         try:
@@ -521,7 +591,7 @@ def write_page(
     size = codec.header_len(key, pool) + len(payload) + FOOTER_LEN
     tmp = layout.tmp_path(pid, next(_serial))
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_CLOEXEC
-    linked = linked_folder(path)
+    linked = linked_folder(path, checked_folders)
     if linked is not None:  # planted: writing through it would leave the root
         return WriteResult(False, reason=f"create: {linked} is a symbolic link, not a folder of the store")
     remade = False
@@ -560,19 +630,25 @@ def write_page(
     return WriteResult(True, size, replaced=replaced, remade_namespace=remade)
 
 
-def linked_folder(path: str) -> str | None:
+def linked_folder(path: str, checked: set[str] | None = None) -> str | None:
     """The first of a page file's folders inside the root (its hashed folder, ``pages``, the
     namespace folder) that is a symbolic link, or ``None``.
 
-    Why all three, on every write: the open checks the namespace folders once, but a folder
-    swapped for a link while the store runs (``mv ns elsewhere; ln -s elsewhere ns``) was
-    followed by every later write, which then created page files outside the root. The root
-    itself is the user's choice and may be a link."""
+    Why all three, on every write batch: the open checks the namespace folders once, but a
+    folder swapped for a link while the store runs (``mv ns elsewhere; ln -s elsewhere ns``)
+    was followed by every later write, which then created page files outside the root. The
+    root itself is the user's choice and may be a link. ``checked``: the folders a batch has
+    found real already (filled here), so a batch checks ``pages`` and the namespace folder
+    once, not at every page (two ``lstat`` calls a page less: small pages pay for each)."""
     folder = path
     for _ in range(3):
         folder = os.path.dirname(folder)
+        if checked is not None and folder in checked:
+            continue
         if os.path.islink(folder):
             return folder
+        if checked is not None:
+            checked.add(folder)
     return None
 
 

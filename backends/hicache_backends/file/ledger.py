@@ -60,6 +60,7 @@ _MAGIC = b"HKVUSE01"
 _SLOT = struct.Struct("<qqq")  # machine, pid, bytes reserved and not settled (0: a free slot)
 _SLOTS = 128  # writers at once that can be tracked; more are counted, only not reclaimable
 _SIZE = _FORMAT.size + _SLOTS * _SLOT.size
+_TABLE = struct.Struct("<" + "qqq" * _SLOTS)  # the whole table at once (same bytes as _SLOT each)
 
 
 def _machine_id() -> int:
@@ -105,44 +106,53 @@ def _decode(raw: bytes) -> tuple[int, int, float, int]:
     return max(0, used), max(0, refused), refused_at, seq
 
 
-def _decode_slots(raw: bytes) -> list[list[int]]:
-    """The reservation table after the counters (empty slots for a file written before it)."""
+def _decode_slots(raw: bytes) -> list[int]:
+    """The reservation table after the counters, flat: slot ``i`` is ``[3i, 3i + 3)``
+    (machine, pid, bytes); empty slots for a file written before it. One ``unpack`` of the
+    whole table: every write batch reads it twice (reserve, settle), and a call and a list per
+    slot made most of a ledger call's ~50 us."""
     table = raw[_FORMAT.size : _SIZE]
-    if len(table) != _SLOTS * _SLOT.size:
-        return [[0, 0, 0] for _ in range(_SLOTS)]
-    return [list(t) for t in _SLOT.iter_unpack(table)]
+    if len(table) != _TABLE.size:
+        return [0] * (3 * _SLOTS)
+    return list(_TABLE.unpack(table))
 
 
-def _encode_slots(slots: list[list[int]]) -> bytes:
-    return b"".join(_SLOT.pack(*t) for t in slots)
+def _encode_slots(slots: list[int]) -> bytes:
+    return _TABLE.pack(*slots)
 
 
-def _reclaim(slots: list[list[int]]) -> int:
+def _taken(slots: list[int]) -> list[int]:
+    """Where the slots in use start (bytes held: a free slot is all zeros)."""
+    return [i for i in range(0, len(slots), 3) if slots[i + 2]]
+
+
+def _reclaim(slots: list[int]) -> int:
     """Free the slots of this machine's dead processes; returns the bytes they held."""
     freed = 0
-    for t in slots:
-        machine, pid, held = t
-        if held and machine == _MACHINE and pid != os.getpid() and not pid_alive(pid):
+    me = os.getpid()
+    for i in _taken(slots):
+        machine, pid, held = slots[i : i + 3]
+        if machine == _MACHINE and pid != me and not pid_alive(pid):
             freed += held
-            t[:] = [0, 0, 0]
+            slots[i : i + 3] = (0, 0, 0)
     return freed
 
 
-def _move_own(slots: list[list[int]], amount: int) -> None:
+def _move_own(slots: list[int], amount: int) -> None:
     """Add ``amount`` to this process's slot (taken when needed, freed at zero). With every
     slot taken the bytes are still counted in ``used``, only not given back on a death."""
     pid = os.getpid()
-    own = next((t for t in slots if t[2] and t[0] == _MACHINE and t[1] == pid), None)
+    own = next((i for i in _taken(slots) if slots[i] == _MACHINE and slots[i + 1] == pid), None)
     if own is None:
         if amount <= 0:
             return
-        own = next((t for t in slots if not t[2]), None)
+        own = next((i for i in range(0, len(slots), 3) if not slots[i + 2]), None)
         if own is None:
             return
-        own[:] = [_MACHINE, pid, 0]
-    own[2] = max(0, own[2] + amount)
-    if not own[2]:
-        own[:] = [0, 0, 0]
+        slots[own : own + 3] = (_MACHINE, pid, 0)
+    slots[own + 2] = max(0, slots[own + 2] + amount)
+    if not slots[own + 2]:
+        slots[own : own + 3] = (0, 0, 0)
 
 
 def read_usage(path: str) -> Usage | None:

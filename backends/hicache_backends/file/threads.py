@@ -10,17 +10,21 @@ the disk under the index.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from hicache.storage.io_threads import io_executor
 from hicache.storage.offload import run_to_completion
 
-__all__ = ["PageThreads"]
+__all__ = ["BatchOutcome", "PageThreads"]
 
 T = TypeVar("T")
+
+logger = logging.getLogger("hicache.storage.file")
 
 _BYTES_PER_CHUNK = 1 << 20  # below this much work per thread, fewer threads are faster
 #: a page's work held under the GIL (its Python: paths, header, checksum stream, results), in
@@ -45,20 +49,48 @@ class _SharedCalls:
     thread gets the cores less often, and its slice ends long after the others (128 x 4 MiB
     reads, 4 threads on 2 cores: one slice in 38 ms, the other three in ~100 ms). Threads
     that take the next call when free end together. Results land at their call's position.
+
+    ``first`` runs once, on the first thread in, before any call (the others wait for it);
+    when it answers False no call runs (``declined``). ``last`` runs once, on the thread that
+    finishes the last call, given the results, when every call returned; its answer is
+    ``after`` (``None`` when it did not run or raised, so it must answer something else).
+    Both save the batch a round trip to the event loop each (a write batch's reservation and
+    settlement in the shared usage ledger).
     """
 
-    __slots__ = ("fn", "calls", "results", "_next", "_lock")
+    __slots__ = ("fn", "calls", "results", "first", "last", "declined", "after", "_next", "_done", "_started", "_lock")
 
-    def __init__(self, fn: Callable[..., Any], calls: Sequence[tuple[Any, ...]]) -> None:
+    def __init__(
+        self, fn: Callable[..., Any], calls: Sequence[tuple[Any, ...]],
+        first: Callable[[], bool] | None = None, last: Callable[[list[Any]], Any] | None = None,
+    ) -> None:
         self.fn = fn
         self.calls = calls
         self.results: list[Any] = [None] * len(calls)
+        self.first = first
+        self.last = last
+        self.declined = False
+        self.after: Any = None
         self._next = 0
+        self._done = 0
+        self._started = first is None
         self._lock = threading.Lock()
 
     def drain(self) -> None:
         """Run calls until none is left (on an I/O thread); a call that raises stops this
         thread only (the batch then fails as a whole, once every thread has stopped)."""
+        if not self._started:
+            with self._lock:  # the other threads of the batch wait here until it has run
+                if not self._started:
+                    self._started = True
+                    assert self.first is not None
+                    go = False
+                    try:
+                        go = self.first()
+                    finally:  # declined, or it raised: no call runs
+                        if not go:
+                            self.declined = True
+                            self._next = len(self.calls)
         while True:
             with self._lock:
                 i = self._next
@@ -66,11 +98,32 @@ class _SharedCalls:
                     return
                 self._next = i + 1
             self.results[i] = self.fn(*self.calls[i])
+            with self._lock:
+                self._done += 1
+                finished = self._done == len(self.calls)
+            if finished and self.last is not None:
+                try:
+                    self.after = self.last(self.results)
+                except Exception:  # noqa: BLE001 - the calls' results must still reach the caller
+                    logger.exception("the last step of an I/O batch failed; the event loop does it instead")
 
     def stop(self) -> None:
         """Start no more calls (those running finish; the others keep a ``None`` result)."""
         with self._lock:
             self._next = len(self.calls)
+
+
+@dataclass(frozen=True, slots=True)
+class BatchOutcome:
+    """What became of a batch: its ``results`` in call order (``None`` when a call raised, the
+    batch was declined, or the loop shut down), whether the caller was ``cancelled`` meanwhile,
+    whether its ``first`` step ``declined`` it (no call ran), and what its ``last`` step
+    answered (``after``: ``None`` when it did not run)."""
+
+    results: list[Any] | None
+    cancelled: bool
+    declined: bool
+    after: Any
 
 
 class PageThreads:
@@ -121,13 +174,23 @@ class PageThreads:
         caller's buffers (host-pool memory the caller reuses once we return) - and returns
         ``(results, cancelled)``: the results (``None`` if a call raised) even when the caller
         was cancelled meanwhile, so facts about the disk (pages written) are never lost."""
+        batch = await self.run_batch(fn, calls, nbytes, per_call, threads, stop_on_cancel=stop_on_cancel)
+        return batch.results, batch.cancelled
+
+    async def run_batch(
+        self, fn: Callable[..., T], calls: Sequence[tuple[Any, ...]], nbytes: int = 0, per_call: int = 0,
+        threads: int | None = None, *, stop_on_cancel: bool = False,
+        first: Callable[[], bool] | None = None, last: Callable[[list[Any]], Any] | None = None,
+    ) -> BatchOutcome:
+        """:meth:`run_chunked_to_end` with a ``first`` and a ``last`` step on the batch's own
+        threads (see :class:`_SharedCalls`), and what they did, in a :class:`BatchOutcome`."""
         if not calls:
-            return [], False
+            return BatchOutcome([], False, False, None)
         assert self.executor is not None
         loop = asyncio.get_running_loop()
         cap = self.io_threads if threads is None else max(1, min(threads, self.io_threads))
         n = min(cap, len(calls), max(1, (nbytes + per_call * len(calls)) // _BYTES_PER_CHUNK), _page_threads(nbytes, len(calls)))
-        shared = _SharedCalls(fn, calls)
+        shared = _SharedCalls(fn, calls, first, last)
         work = asyncio.gather(
             *(loop.run_in_executor(self.executor, shared.drain) for _ in range(n)),
             return_exceptions=True,  # one thread failing must not stop us waiting for the others
@@ -142,10 +205,10 @@ class PageThreads:
                 if stop_on_cancel:
                     shared.stop()
                 if work.done():  # the work itself was cancelled (loop shutting down)
-                    return None, True
+                    return BatchOutcome(None, True, shared.declined, shared.after)
         for part in parts:
             if isinstance(part, BaseException):
                 if cancelled or isinstance(part, asyncio.CancelledError):
-                    return None, True
+                    return BatchOutcome(None, True, shared.declined, shared.after)
                 raise part
-        return shared.results, cancelled
+        return BatchOutcome(None if shared.declined else shared.results, cancelled, shared.declined, shared.after)

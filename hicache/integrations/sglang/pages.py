@@ -172,6 +172,9 @@ class CanonicalPagePool:
         # every page reuses them shifted (native span copies, see segments.PieceSpans)
         self._spans: dict[tuple[int, int], PieceSpans | None] = {}
         self._base0 = 0
+        # the first page's pieces and the byte distance from one page to the next, where
+        # every page's pieces are the first's shifted (see _shiftable_first_page)
+        self._first_page: tuple[list[tuple[int, int, StridedPiece | None]], int] | None = None
         if kv.is_contiguous() and kv.element_size() in _SAME_SIZE_INT:
             self._kv_bytes = kv.reshape(-1).view(torch.uint8).numpy().data.cast("B")
             # the same memory as numpy (strided pieces are copied with numpy, see segments)
@@ -183,6 +186,7 @@ class CanonicalPagePool:
                     for l0, l1, _, direct in spans:
                         if not direct:
                             self._spans[(c, l0)] = PieceSpans.of_view(kv_u8, view0[c, l0:l1])
+                self._first_page = self._shiftable_first_page(view0)
         self._bound: dict[int, _Binding] = {}
         self._lock = threading.Lock()
 
@@ -272,9 +276,17 @@ class CanonicalPagePool:
         layers each otherwise (``layer_first``, ``page_first``, ``page_head``; see
         :func:`_piece_plan`). ``None`` for a
         live page (its ``page_view`` is simpler) or a page bound to a staging page."""
-        self._page(index)
-        if self._live or self._kv_bytes is None or self._kv_np is None or int(index) in self._bound:
+        start, page = self._page(index)
+        if self._live or self._kv_bytes is None or self._kv_np is None or start in self._bound:
             return None
+        if self._first_page is not None:
+            first, step = self._first_page
+            shift = page * step
+            kv_bytes = self._kv_bytes
+            return PageSegments([
+                kv_bytes[at + shift : at + shift + nbytes] if piece is None else StridedPiece.of_page(piece, shift)
+                for at, nbytes, piece in first
+            ])
         view, base = self._np_page(int(index))
         shift = base - self._base0
         pieces: list[Any] = []
@@ -286,6 +298,29 @@ class CanonicalPagePool:
                 else:
                     pieces.append(StridedPiece(view[c, l0:l1], self._spans.get((c, l0)), shift))
         return PageSegments(pieces)
+
+    def _shiftable_first_page(self, view0: np.ndarray) -> tuple[list[tuple[int, int, StridedPiece | None]], int] | None:
+        """The first page's pieces as ``(offset, bytes, strided piece or None)`` and the
+        pages' stride in bytes, when any page's pieces are the first's moved by a multiple of
+        it (page offsets linear in the page number: every SGLang layout) and every strided
+        piece has span tables (the native copier); ``None`` otherwise (each page then builds
+        its numpy views)."""
+        pages = self.size // self.page_size
+        if pages < 3 or any(s is None for s in self._spans.values()):
+            return None
+        step = self._np_page(self.page_size)[1] - self._base0
+        for page in (2, pages - 1):
+            if self._np_page(page * self.page_size)[1] - self._base0 != page * step:
+                return None
+        first: list[tuple[int, int, StridedPiece | None]] = []
+        for c, spans in enumerate(self._pieces):
+            for l0, l1, nbytes, direct in spans:
+                if direct:
+                    at = self._base0 + c * view0.strides[0] + l0 * view0.strides[1]
+                    first.append((at, nbytes, None))
+                else:
+                    first.append((0, nbytes, StridedPiece(view0[c, l0:l1], self._spans[(c, l0)], 0)))
+        return first, step
 
     def _np_page(self, index: int) -> tuple[np.ndarray, int]:
         """The page at ``index`` as a canonical-order numpy view of the pool's memory, and
