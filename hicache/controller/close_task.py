@@ -13,7 +13,9 @@ lands at the close's first await like any other.
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
+import types
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar, cast
 
@@ -66,16 +68,39 @@ def coroutine_function(fn: _F) -> _F:
     Why: a close entry point that must act when it is *called* (``HiCache.aclose`` starts its
     close there, so a task cancelled before its first step still closes the cache) cannot be
     an ``async def``, and then ``asyncio.iscoroutinefunction``, ``inspect.iscoroutinefunction``
-    (3.12+) and ``unittest.mock``'s autospec took it for a plain function: an embedder's
-    autospecced mock was not awaitable, a framework hook ran it on a thread and dropped the
-    coroutine. On 3.11 the mark is asyncio's own (``inspect`` there reads code flags only)."""
+    and ``unittest.mock``'s autospec took it for a plain function: an embedder's autospecced
+    mock was not awaitable, a framework hook ran it on a thread and dropped the coroutine.
+    Python 3.12+ has ``inspect.markcoroutinefunction``; 3.11's ``inspect`` reads a function's
+    code flags only, so there ``fn`` is wrapped in a :class:`_MarkedCoroutineFunction`."""
     mark = getattr(inspect, "markcoroutinefunction", None)
     if mark is not None:
         return cast(_F, mark(fn))
-    legacy = getattr(asyncio.coroutines, "_is_coroutine", None)
-    if legacy is not None:
-        fn._is_coroutine = legacy  # type: ignore[attr-defined]
-    return fn
+    return cast(_F, _MarkedCoroutineFunction(fn))
+
+
+class _MarkedCoroutineFunction:
+    """``fn`` as a callable that Python 3.11's ``inspect.iscoroutinefunction`` takes for a
+    coroutine function: it reads the flags of a function-like object's ``__code__`` (the
+    duck typing it keeps for compiled functions), here ``fn``'s own code flagged as a
+    coroutine's, never run (calls go to ``fn``). A method on a class: bound like a function.
+    ``asyncio``'s older mark is set too; ``inspect.signature`` and ``help`` see ``fn``'s."""
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self._fn = fn
+        functools.update_wrapper(self, fn, updated=())
+        del self.__wrapped__  # type: ignore[attr-defined]  # unwrapped, a framework would find the plain function
+        self.__code__ = fn.__code__.replace(co_flags=fn.__code__.co_flags | inspect.CO_COROUTINE)
+        self.__defaults__ = fn.__defaults__
+        self.__kwdefaults__ = fn.__kwdefaults__
+        legacy = getattr(asyncio.coroutines, "_is_coroutine", None)
+        if legacy is not None:
+            self._is_coroutine = legacy
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._fn(*args, **kwargs)
+
+    def __get__(self, instance: Any, owner: type | None = None) -> Any:
+        return self if instance is None else types.MethodType(self, instance)
 
 
 def start_close_task(coro: Coroutine[Any, Any, _T], *, name: str,

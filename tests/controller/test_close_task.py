@@ -5,6 +5,7 @@ close entry point that starts work when called still looks like a coroutine func
 from __future__ import annotations
 
 import asyncio
+import inspect
 from unittest import mock
 
 from hicache.controller.close_task import CloseTask, start_close_task
@@ -60,5 +61,20 @@ def test_aclose_is_a_coroutine_function_for_frameworks_and_mocks() -> None:
     coroutine; marked, or an embedder's autospecced mock was not awaitable and frameworks that
     ask ``iscoroutinefunction`` ran it on a thread and dropped the coroutine."""
     assert asyncio.iscoroutinefunction(HiCache.aclose)
+    # inspect's own answer too (Python 3.11 reads code flags only; 3.12+ a mark)
+    assert inspect.iscoroutinefunction(HiCache.aclose)
+    assert str(inspect.signature(HiCache.aclose)).startswith("(self")
+    assert HiCache.aclose.__name__ == "aclose" and "Release every session" in (HiCache.aclose.__doc__ or "")
     spec = mock.create_autospec(HiCache, instance=True)
     assert isinstance(spec.aclose, mock.AsyncMock)
+
+
+async def test_a_bound_aclose_is_a_coroutine_function_and_still_closes_when_called() -> None:
+    from tests.facade.test_facade import config
+
+    cache = HiCache.from_config(config())
+    await cache.start()
+    assert inspect.iscoroutinefunction(cache.aclose) and asyncio.iscoroutinefunction(cache.aclose)
+    coro = cache.aclose()  # the close starts here, before the coroutine's first step
+    assert cache._close_task is not None
+    await coro
