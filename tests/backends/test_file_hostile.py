@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +23,7 @@ import torch
 from hicache.inspect import inspect_store
 from hicache.testing.store_tests import NS_A, NS_B
 from hicache_backends.file import FileStorage
+from hicache_backends.file import io as file_io
 from hicache_backends.file.ledger import LEDGER_NAME, USERS_NAME, read_usage
 
 from _file_helpers import page_path, slow_page_writes
@@ -947,27 +949,63 @@ async def test_what_was_owed_to_a_cleared_ledger_is_not_carried_into_the_next(tm
         assert ledger is not None and ledger.used == namespace_bytes(ns_dir)
 
 
-async def test_a_write_batch_checks_its_namespace_folders_once(tmp_path, monkeypatch) -> None:
-    """Every write batch checks the folders above its pages for symbolic links (see the two
-    tests above), the namespace and ``pages`` folders once a batch rather than once a page;
-    the next batch checks them again."""
+@pytest.mark.parametrize("which", ["pages", "namespace"])
+async def test_a_folder_swapped_for_a_link_during_a_batch_takes_no_later_write_outside(tmp_path, monkeypatch, which) -> None:
+    """A folder swapped for a link between two pages of one write batch: every page checks
+    the folders above it, so the batch's later pages are refused too (a check remembered for
+    the batch let them out)."""
     size = 4096
-    async with make_store(tmp_path / "root") as store:
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    async with make_store(tmp_path / "root", io_threads=1) as store:
         await within(store.wait_background())
-        seen: list[str] = []
-        real = os.path.islink
+        folder = store.layout.pages_dir if which == "pages" else store.layout.ns_dir
+        real_write, calls = file_io.write_page, []
 
-        def islink(path):  # type: ignore[no-untyped-def]
-            seen.append(os.fspath(path))
-            return real(path)
+        def write_then_swap(*args):  # type: ignore[no-untyped-def]
+            calls.append(args[2])
+            if len(calls) == 2:
+                os.rename(folder, tmp_path / "moved")
+                os.symlink(outside, folder)
+            return real_write(*args)
 
-        monkeypatch.setattr(os.path, "islink", islink)
-        for batch in range(2):
-            keys = [f"b{batch}-{i}" for i in range(8)]
-            assert await within(store.batch_set(keys, [v0(size, i) for i in range(8)]))
-        monkeypatch.setattr(os.path, "islink", real)
-        assert seen.count(store.layout.pages_dir) == 2 and seen.count(store.layout.ns_dir) == 2
-        assert len(seen) <= 2 * (2 + 8)  # and each page's own folder at most once a batch
+        monkeypatch.setattr(file_io, "write_page", write_then_swap)
+        await within(store.batch_set([f"x{i}" for i in range(4)], [v0(size, 3)] * 4))
+        monkeypatch.setattr(file_io, "write_page", real_write)
+        assert len(calls) == 4
+        assert [p for p in outside.rglob("*") if p.is_file()] == []
+
+
+async def test_a_write_cancelled_while_its_declined_reservation_runs_writes_nothing(tmp_path, monkeypatch) -> None:
+    """A batch whose reservation on its I/O thread finds the store full (declined: the event
+    loop must make room) and whose caller is cancelled meanwhile stops there, as a cancelled
+    reservation always did: nothing evicted, nothing written, CancelledError, and the shared
+    count equal to the bytes on disk."""
+    size = 64 << 10
+    async with make_store(tmp_path, max_bytes=4 * (size + 4096)) as store:
+        await within(store.wait_background())
+        assert await within(store.batch_set([f"old{i}" for i in range(4)], [v0(size, 1)] * 4))
+        space = store._space
+        real = space._reserve
+        entered = threading.Event()
+
+        def slow(*a, **k):  # type: ignore[no-untyped-def]
+            entered.set()
+            time.sleep(0.3)
+            return real(*a, **k)
+
+        monkeypatch.setattr(space, "_reserve", slow)
+        task = asyncio.create_task(store.batch_set(["new0", "new1"], [v0(size, 2)] * 2))
+        while not entered.is_set():
+            await asyncio.sleep(0.005)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert store.get_stats().get("evicted_pages", 0) == 0
+        assert await within(store.batch_exists(["new0", "new1"])) == 0
+        usage = read_usage(os.path.join(store.layout.ns_dir, LEDGER_NAME))
+        on_disk = sum(p.stat().st_size for p in Path(store.layout.ns_dir).rglob("*.page"))
+        assert usage is not None and usage.used == on_disk
 
 
 def test_the_ledger_reservation_table_keeps_every_slot_it_cannot_judge() -> None:

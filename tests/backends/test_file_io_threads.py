@@ -3,6 +3,7 @@ a batch that waits for its threads whatever happens (real store on ``tmp_path``)
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from pathlib import Path
@@ -213,3 +214,28 @@ async def test_a_shared_write_reserves_and_settles_on_its_own_io_thread(tmp_path
         on_disk = sum(p.stat().st_size for p in Path(store.layout.ns_dir).rglob("*.page"))
         assert usage is not None and usage.used == on_disk
         assert await store.batch_exists([f"k{i}" for i in range(16)]) == 16
+
+
+async def test_a_cancellation_landing_as_the_batch_ends_keeps_its_results(tmp_path: Path) -> None:
+    """The caller is cancelled after the batch's threads finished but before it woke: the
+    results are still returned (pages written must be indexed), flagged cancelled. They were
+    dropped as if the work itself had been cancelled."""
+    async with _store(tmp_path) as store:
+        loop = asyncio.get_running_loop()
+        real = loop.run_in_executor
+        task: asyncio.Future[object] | None = None
+
+        def run_in_executor(executor, fn, *args):  # type: ignore[no-untyped-def]
+            fut = real(executor, fn, *args)
+            # one loop turn after the thread's future ends: the batch's gather is done by then,
+            # the caller's wake-up not yet run
+            fut.add_done_callback(lambda _: loop.call_soon(task.cancel))  # type: ignore[union-attr]
+            return fut
+
+        loop.run_in_executor = run_in_executor  # type: ignore[method-assign]
+        try:
+            task = asyncio.ensure_future(store._threads.run_batch(lambda i: 2 * i, [(i,) for i in range(3)]))
+            batch = await task
+        finally:
+            del loop.run_in_executor
+    assert batch.cancelled and batch.results == [0, 2, 4]

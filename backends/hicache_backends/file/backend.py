@@ -523,6 +523,8 @@ class FileStorage(AsyncHiCacheStorage):
                     batch = await self._write_batch(jobs, res, 0, reserve=(incoming, debt))
                 finally:
                     self._space.reserved_first(res, debt, generation)
+                if batch.declined and batch.cancelled:  # nothing written: stop, as a cancelled reserve did
+                    raise asyncio.CancelledError
             if batch is None or batch.declined:
                 if batch is None:
                     await self._space.reserve(res, incoming, generation)
@@ -564,9 +566,8 @@ class FileStorage(AsyncHiCacheStorage):
         ``reserve`` (bytes, debt): the first thread takes it, and the batch is declined (writes
         nothing) when it does not fit (:meth:`SpaceAccountant.reserve_first`)."""
         assert self._layout is not None and self._codec is not None
-        checked: set[str] = set()  # folders of this batch found real (no symbolic link)
         calls = [
-            (self._layout, self._codec, j.pid, j.page.key, j.page.pool, j.buf, j.parent, self.fsync, j.skip_size, checked)
+            (self._layout, self._codec, j.pid, j.page.key, j.page.pool, j.buf, j.parent, self.fsync, j.skip_size)
             for j in jobs
         ]
         first = functools.partial(self._space.reserve_first, res, *reserve) if reserve is not None else None

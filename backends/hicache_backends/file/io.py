@@ -563,11 +563,9 @@ def write_page(
     parent: str | None,
     fsync: bool,
     skip_size: int | None,
-    checked_folders: set[str] | None = None,
 ) -> WriteResult:
     """Publish one page atomically (see the module docstring). A :class:`PoolPage` is copied
-    out of its pool here, after the skip check and right before it is hashed and written.
-    ``checked_folders``: the batch's folders already found real (see :func:`linked_folder`)."""
+    out of its pool here, after the skip check and right before it is hashed and written."""
     path = layout.path(pid)
     if skip_size is not None:
         try:
@@ -591,7 +589,7 @@ def write_page(
     size = codec.header_len(key, pool) + len(payload) + FOOTER_LEN
     tmp = layout.tmp_path(pid, next(_serial))
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_CLOEXEC
-    linked = linked_folder(path, checked_folders)
+    linked = linked_folder(path)
     if linked is not None:  # planted: writing through it would leave the root
         return WriteResult(False, reason=f"create: {linked} is a symbolic link, not a folder of the store")
     remade = False
@@ -630,25 +628,20 @@ def write_page(
     return WriteResult(True, size, replaced=replaced, remade_namespace=remade)
 
 
-def linked_folder(path: str, checked: set[str] | None = None) -> str | None:
+def linked_folder(path: str) -> str | None:
     """The first of a page file's folders inside the root (its hashed folder, ``pages``, the
     namespace folder) that is a symbolic link, or ``None``.
 
-    Why all three, on every write batch: the open checks the namespace folders once, but a
-    folder swapped for a link while the store runs (``mv ns elsewhere; ln -s elsewhere ns``)
-    was followed by every later write, which then created page files outside the root. The
-    root itself is the user's choice and may be a link. ``checked``: the folders a batch has
-    found real already (filled here), so a batch checks ``pages`` and the namespace folder
-    once, not at every page (two ``lstat`` calls a page less: small pages pay for each)."""
+    Why all three, on every write: the open checks the namespace folders once, but a folder
+    swapped for a link while the store runs (``mv ns elsewhere; ln -s elsewhere ns``) was
+    followed by every later write, which then created page files outside the root. The root
+    itself is the user's choice and may be a link. Not remembered for a batch: a folder
+    swapped between two pages of one batch would let the later ones out."""
     folder = path
     for _ in range(3):
         folder = os.path.dirname(folder)
-        if checked is not None and folder in checked:
-            continue
         if os.path.islink(folder):
             return folder
-        if checked is not None:
-            checked.add(folder)
     return None
 
 

@@ -204,8 +204,13 @@ class PageThreads:
                 cancelled = True
                 if stop_on_cancel:
                     shared.stop()
-                if work.done():  # the work itself was cancelled (loop shutting down)
-                    return BatchOutcome(None, True, shared.declined, shared.after)
+                if work.done():
+                    if work.cancelled():  # the work itself was cancelled (loop shutting down)
+                        return BatchOutcome(None, True, shared.declined, shared.after)
+                    # it ended before this task woke to its cancellation: its results are facts
+                    # about the disk (pages written) that the caller must still index
+                    parts = work.result()
+                    break
         for part in parts:
             if isinstance(part, BaseException):
                 if cancelled or isinstance(part, asyncio.CancelledError):
