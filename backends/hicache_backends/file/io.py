@@ -326,23 +326,14 @@ def _read_small(
     """A page of one I/O run: header, payload and footer in one ``preadv`` into this thread's
     bounce buffer, checked whole, then copied into the pool's pieces. Nothing reaches the pool
     before the header and the checksum check out."""
-    n = page.nbytes
-    array, view = bounce(n)
-    want = len(header) + n + FOOTER_LEN
+    _, view = bounce(page.nbytes)
+    want = len(header) + page.nbytes + FOOTER_LEN
     if _read_all(fd, [header, view, footer]) != want:
         return Verdict.WRONG_LENGTH
     verdict = _verify(codec, header, view, key, pool)
-    if verdict is not Verdict.OK:
-        return verdict
-    at = 0
-    for p in page.pieces:
-        if isinstance(p, memoryview):
-            p[:] = view[at : at + len(p)]
-            at += len(p)
-        else:
-            p.scatter(array[at:])
-            at += p.nbytes
-    return Verdict.OK
+    if verdict is Verdict.OK:
+        page.scatter_bytes(view)
+    return verdict
 
 
 def _read_segments(
