@@ -227,6 +227,13 @@ class AsyncHiCacheStorage(ABC):
         trips overrides it to stop at the first miss (and never to answer past one)."""
         return leading_run(await self._exists(pages))
 
+    def _exists_prefix_now(self, pages: Sequence[PageKey]) -> int | None:
+        """(Any thread; optional.) :meth:`_exists_prefix` answered on the calling thread from
+        what the backend holds in memory (and at most a quick look at its medium), or ``None``
+        when only the event loop can answer. It must not change loop-owned state. The default
+        answers ``None`` (every lookup goes through the loop)."""
+        return None
+
     # ------------------------------------------------------------------ optional introspection
 
     async def list_namespaces(self) -> list[Namespace]:
@@ -426,6 +433,43 @@ class AsyncHiCacheStorage(ABC):
         keys = validate_keys(keys)
         await self._ensure_open()
         return await self._kv_prefix([PageKey(k, pool_name_str(pool)) for k in keys])
+
+    def exists_prefix_now(self, keys: Sequence[str], pool: PoolName | str = PoolName.KV) -> int | None:
+        """:meth:`exists_prefix` answered on the calling thread, or ``None`` when it cannot be
+        (not open, keys the loop's path must refuse, or a backend that answers only on its
+        loop: then await :meth:`exists_prefix`). Thread-safe; counted like a lookup.
+
+        Why: a blocking caller on a thread of its own (SGLang's prefetch thread, through the
+        ``dynamic`` backend) otherwise pays two thread hand-offs for what is a dictionary
+        lookup, and in a busy engine process each waits for the GIL: 0.84 ms a lookup of 34
+        pages in SGLang's engine, against 0.2 ms for SGLang's own file backend."""
+        if self._state is not StorageState.OPEN:
+            return None
+        try:
+            keys = validate_keys(keys)
+            pages = [PageKey(k, pool_name_str(pool)) for k in keys]
+        except Exception:  # noqa: BLE001 - the loop's path raises the proper error
+            return None
+        if not pages:
+            return 0
+        t0 = time.perf_counter()
+        try:
+            run = self._exists_prefix_now(pages)
+        except Exception:  # noqa: BLE001 - see module docstring
+            self.stats.incr("backend_errors")
+            logger.exception("%s: a lookup on the calling thread failed; asking on the loop", type(self).__name__)
+            return None
+        if run is None:
+            return None
+        if isinstance(run, bool) or not isinstance(run, int) or not 0 <= run <= len(pages):
+            self.stats.incr("backend_errors")
+            logger.error("%s: exists answered %r for %d pages; asking on the loop", type(self).__name__, run, len(pages))
+            return None
+        self.stats.incr("exists_calls")
+        self.stats.incr("exists_keys", len(pages))
+        self.stats.incr("exists_hits", run)
+        self.stats.incr("exists_seconds", time.perf_counter() - t0)
+        return run
 
     async def batch_exists_v2(
         self,

@@ -358,6 +358,17 @@ class StoreTests:
         assert dst.page_bytes(2 * PAGE) == src.page_bytes(1 * PAGE)
 
     @pytest.mark.asyncio
+    async def test_a_lookup_on_the_callers_thread_agrees_with_the_loop(self, store: AsyncHiCacheStorage) -> None:
+        """``exists_prefix_now`` (asked from another thread, as a blocking caller does) answers
+        ``None`` or exactly what the loop answers."""
+        src, _ = self.pools(store)
+        keys = keys_for(6, salt=8)
+        await self._put(store, src, [keys[0], keys[1], keys[3]])
+        for ask in (keys, keys[1:], keys[3:], keys[2:], []):
+            now = await asyncio.to_thread(store.exists_prefix_now, ask)
+            assert now is None or now == await store.exists_prefix(ask)
+
+    @pytest.mark.asyncio
     async def test_empty_batches(self, store: AsyncHiCacheStorage) -> None:
         src, _ = self.pools(store)
         empty = torch.empty(0, dtype=torch.int64)

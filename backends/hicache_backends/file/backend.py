@@ -397,6 +397,31 @@ class FileStorage(AsyncHiCacheStorage):
                     out[i] = True
         return out
 
+    def _exists_prefix_now(self, pages: Sequence[PageKey]) -> int | None:
+        """(Any thread.) The run of indexed pages up to the first that is not; that one is
+        probed on disk when another process may have written it (a shared store, or the scan
+        still running): found there, it must be indexed on the loop, so the answer is then
+        ``None``. Reads the index and the pins only (dictionary and set lookups, atomic under
+        the GIL); an answer is as fresh as one the loop would give a moment later."""
+        layout = self._layout
+        if layout is None:
+            return None
+        entries = self.index.entries
+        deleting = self._pins.deleting
+        probe = self.shared or not self.index_ready
+        run = 0
+        for p in pages:
+            pid = page_id(p.key, p.pool)
+            if pid in deleting:  # on its way out, whatever the disk still holds
+                break
+            if pid in entries:
+                run += 1
+                continue
+            if probe and page_io.probe_page(layout.path(pid)).status is not page_io.ReadStatus.MISSING:
+                return None  # written by another process (or unreadable): the loop's lookup sorts it out
+            break
+        return run
+
     @_tracked
     async def _read(self, pages: Sequence[PageKey], buffers: Sequence[memoryview | PageSegments | StagedPage]) -> list[bool]:
         assert self._layout is not None and self._codec is not None

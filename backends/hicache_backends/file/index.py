@@ -6,8 +6,10 @@ a page key is a chained hash, so a page whose parent is gone is unreachable; evi
 *leaves* (pages with no stored children) never orphans a descendant. Among leaves the least
 recently used goes first.
 
-The index is touched only from the event loop thread, so it needs no lock; blocking work that
+The index is changed only on the event loop thread, so it needs no lock; blocking work that
 discovers facts (a scan, a stat, a read that finds a corrupt file) hands them back to the loop.
+Other threads may test membership of ``entries`` (one dictionary lookup, atomic under the GIL):
+the lookup a blocking caller answers on its own thread (``FileStorage._exists_prefix_now``).
 Children are tracked per parent id whether or not the parent itself is stored, so a parent that
 appears after its child (concurrent writes, the background scan) immediately counts as
 non-leaf (the map holds counts, not sets). Reads and writes count as use; ``exists`` does not (a probe is not a hit).

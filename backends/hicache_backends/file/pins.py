@@ -5,8 +5,8 @@ placement policy's deletes). A page whose unlink is pending is *deleting*: looku
 answer present for it, the scan does not index it, and a write of it waits until the unlink
 ended, or the late unlink would remove the page just written.
 
-Touched only on the event loop thread (the scan's last sum reads ``deleting`` from its thread,
-membership tests only).
+Changed only on the event loop thread (the scan's last sum and a blocking caller's lookup on
+its own thread read ``deleting``: membership tests only).
 """
 
 from __future__ import annotations

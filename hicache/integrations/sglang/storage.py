@@ -332,29 +332,40 @@ class HiCacheSGLangStorage(_SGLangStorage):
     def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
         def run(f: HiCacheStorage) -> int:
             assert self._backend is not None
-            return f.run(self._backend.exists_prefix(list(keys), KV))  # stops at the first miss
+            # on this thread when the store can answer from memory (no hand-off to its loop
+            # and back: each waits for the GIL in a busy engine), else on its loop; both stop
+            # at the first miss
+            now = self._backend.exists_prefix_now(list(keys), KV)
+            return now if now is not None else f.run(self._backend.exists_prefix(list(keys), KV))
 
         return self._do("batch_exists", run, 0)
 
     def batch_exists_v2(self, keys: list[str], pool_transfers: list[Any] | None = None, extra_info: Any = None) -> Any:
         transfers = [t for t in (pool_transfers or ()) if _name(t.name) != KV]
 
-        async def query(backend: AsyncHiCacheStorage) -> Any:
+        def resolve(kv_pages: int, flags: dict[Any, list[bool]]) -> Any:
+            return resolve_hits([True] * kv_pages + [False] * (len(keys) - kv_pages), flags, transfers,
+                                kv_name=_SGLangPoolName.KV)
+
+        async def query(backend: AsyncHiCacheStorage, kv_now: int | None) -> Any:
             # the KV prefix in as few round trips as the backend allows (S3: it stops at the
             # first miss instead of one HEAD per page); extra pools only over that prefix
-            kv_pages = await backend.exists_prefix(keys, KV)
-            kv_flags = [True] * kv_pages + [False] * (len(keys) - kv_pages)
+            kv_pages = kv_now if kv_now is not None else await backend.exists_prefix(keys, KV)
             flags: dict[Any, list[bool]] = {}
             if kv_pages:
                 for t in transfers:
                     name = self._pool(t.name)
                     flags[t.name] = ([False] * kv_pages if name in self._refused
                                      else await backend.exists_pages(keys[:kv_pages], name))
-            return resolve_hits(kv_flags, flags, transfers, kv_name=_SGLangPoolName.KV)
+            return resolve(kv_pages, flags)
 
         def run(f: HiCacheStorage) -> Any:
             assert self._backend is not None
-            hits = f.run(query(self._backend))
+            kv_now = self._backend.exists_prefix_now(keys, KV)  # see batch_exists
+            if kv_now is not None and (not transfers or not kv_now):
+                hits = resolve(kv_now, {})  # nothing left to ask the loop
+            else:
+                hits = f.run(query(self._backend, kv_now))
             return _SGLangResult(hits.kv_hit_pages, hits.extra_pool_hit_pages, hits.restorable_prefix_pages)
 
         return self._do("batch_exists_v2", run, _SGLangResult(0, {}, []))

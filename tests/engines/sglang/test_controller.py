@@ -170,6 +170,35 @@ def test_other_models_and_ranks_never_share_pages(store_root):
         ctl.detach_storage_backend()
 
 
+def test_lookups_answer_on_the_calling_thread_and_still_see_other_writers(store_root, monkeypatch):
+    """SGLang's prefetch thread asks ``batch_exists``: indexed pages are answered on that thread
+    (no hand-off to the store's loop); a page another controller wrote goes through the loop
+    once, which indexes it."""
+    host, ctl = _pair(helpers.extra_config("file", root=store_root))
+    _, other = _pair(helpers.extra_config("file", root=store_root), seed=3)
+    try:
+        toks = drive.tokens(PAGE * 4, seed=5)
+        keys = drive.get_storage_hash_str(toks, None, page_size=PAGE)
+        assert drive.backup(ctl, toks[: PAGE * 2], ctl.mem_pool_host.alloc(PAGE * 2)) == PAGE * 2
+        st = ctl.storage_backend
+        on_loop: list[int] = []
+        real = st._backend.exists_prefix
+
+        async def counted(keys, pool="kv"):
+            on_loop.append(len(keys))
+            return await real(keys, pool)
+
+        monkeypatch.setattr(st._backend, "exists_prefix", counted)
+        assert st.batch_exists(keys) == 2 and st.batch_exists_v2(keys).kv_hit_pages == 2
+        assert on_loop == []
+        assert drive.backup(other, toks, other.mem_pool_host.alloc(len(toks))) == len(toks)
+        assert st.batch_exists(keys) == 4 and on_loop == [4]  # found on disk: the loop indexes it
+        assert st.batch_exists_v2(keys).kv_hit_pages == 4 and on_loop == [4]
+    finally:
+        other.detach_storage_backend()
+        ctl.detach_storage_backend()
+
+
 def test_two_processes_share_one_store(store_root, tmp_path):
     """Another process (its own SGLang controller, another layout) writes; this one reads."""
     script = tmp_path / "writer.py"
