@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import functools
 import logging
 import time
 from abc import ABC, abstractmethod
@@ -59,6 +60,19 @@ from hicache.storage.types import (
 )
 
 __all__ = ["AsyncHiCacheStorage", "StorageState"]
+
+
+@functools.cache
+def _answers_lookups_now(cls: type) -> bool:
+    """Whether ``cls``'s ``_exists_prefix_now`` is its own lookup: no class below the one that
+    defines it overrides ``_exists`` or ``_exists_prefix`` (it would answer for them and skip
+    them). Once per class."""
+    for klass in cls.__mro__:
+        if "_exists_prefix_now" in vars(klass):
+            return klass is not AsyncHiCacheStorage
+        if "_exists" in vars(klass) or "_exists_prefix" in vars(klass):
+            return False
+    return False
 
 logger = logging.getLogger("hicache.storage")
 
@@ -439,11 +453,16 @@ class AsyncHiCacheStorage(ABC):
         (not open, keys the loop's path must refuse, or a backend that answers only on its
         loop: then await :meth:`exists_prefix`). Thread-safe; counted like a lookup.
 
+        Counted as a backend that stops at the first miss counts a prefix lookup:
+        ``exists_hits`` grows by the run. A subclass that overrides ``_exists`` or
+        ``_exists_prefix`` below the class that answers here (added latency, injected faults)
+        is always asked on the loop, so its override runs.
+
         Why: a blocking caller on a thread of its own (SGLang's prefetch thread, through the
         ``dynamic`` backend) otherwise pays two thread hand-offs for what is a dictionary
         lookup, and in a busy engine process each waits for the GIL: 0.84 ms a lookup of 34
         pages in SGLang's engine, against 0.2 ms for SGLang's own file backend."""
-        if self._state is not StorageState.OPEN:
+        if self._state is not StorageState.OPEN or not _answers_lookups_now(type(self)) or "_exists" in vars(self):
             return None
         try:
             keys = validate_keys(keys)

@@ -139,3 +139,30 @@ async def test_a_thread_asking_while_the_loop_writes_sees_the_run_grow(tmp_path:
         assert store.exists_prefix_now(keys) == len(keys)
     runs = [r for r in seen if r is not None]
     assert runs and runs == sorted(runs) and all(0 <= r <= len(keys) for r in runs)
+
+
+async def test_subclasses_that_change_the_lookup_are_asked_on_the_loop(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A store whose ``_exists`` or ``_exists_prefix`` is overridden (the slow store's added
+    latency, a fault injector) answers ``None`` here: the override must run."""
+    from hicache.testing.slow_store import SlowFileStorage
+
+    class Refusing(FileStorage):
+        async def _exists_prefix(self, pages):  # type: ignore[no-untyped-def]
+            return 0
+
+    slow = SlowFileStorage(root=str(tmp_path / "slow"), namespace=NS, latency_ms=1)
+    refusing = Refusing(root=str(tmp_path / "refusing"), namespace=NS)
+    for store in (slow, refusing):
+        async with store:
+            assert await store.batch_set(["a"], _pages(1))
+            assert store.exists_prefix_now(["a"]) is None
+    async with _store(tmp_path / "patched") as store:
+        assert await store.batch_set(["a"], _pages(1))
+        assert store.exists_prefix_now(["a"]) == 1
+
+        async def none_exist(pages):  # type: ignore[no-untyped-def]
+            return [False] * len(pages)
+
+        monkeypatch.setattr(store, "_exists", none_exist)  # on the instance
+        assert store.exists_prefix_now(["a"]) is None
+        assert await store.exists_prefix(["a"]) == 0
