@@ -63,14 +63,15 @@ __all__ = ["AsyncHiCacheStorage", "StorageState"]
 
 
 @functools.cache
-def _answers_lookups_now(cls: type) -> bool:
-    """Whether ``cls``'s ``_exists_prefix_now`` is its own lookup: no class below the one that
-    defines it overrides ``_exists`` or ``_exists_prefix`` (it would answer for them and skip
-    them). Once per class."""
+def _answers_now(cls: type, hook: str, overridable: tuple[str, ...]) -> bool:
+    """Whether ``cls``'s ``hook`` (a primitive answered on the caller's thread) is its own: no
+    class below the one that defines it overrides one of ``overridable``, the loop's primitives
+    it stands for (it would answer for them and skip them: added latency, injected faults).
+    Once per class."""
     for klass in cls.__mro__:
-        if "_exists_prefix_now" in vars(klass):
+        if hook in vars(klass):
             return klass is not AsyncHiCacheStorage
-        if "_exists" in vars(klass) or "_exists_prefix" in vars(klass):
+        if any(name in vars(klass) for name in overridable):
             return False
     return False
 
@@ -248,6 +249,15 @@ class AsyncHiCacheStorage(ABC):
         answers ``None`` (every lookup goes through the loop)."""
         return None
 
+    def _read_now(self, pages: Sequence[PageKey], buffers: Sequence[Any], deadline: float | None = None) -> list[bool] | None:
+        """(Any thread; optional.) :meth:`_read` done on the calling thread: one flag per page,
+        or ``None`` before anything is read when the backend would rather take the batch on its
+        loop (large pages it spreads over its threads). Buffers are byte views or
+        :class:`PageSegments`. Past ``deadline`` (``time.monotonic()``), pages not started fail.
+        Loop-owned state may change only through ``loop.call_soon_threadsafe``. The default
+        answers ``None``."""
+        return None
+
     # ------------------------------------------------------------------ optional introspection
 
     async def list_namespaces(self) -> list[Namespace]:
@@ -348,13 +358,39 @@ class AsyncHiCacheStorage(ABC):
             return []
         t0 = time.perf_counter()
         ok = await self._guard_flags("read", self._read(pages, buffers), len(pages))
+        self._count_reads(buffers, ok, t0)
+        return ok
+
+    def _read_guarded_now(self, pages: Sequence[PageKey], buffers: Sequence[Any], deadline: float | None = None) -> list[bool] | None:
+        """:meth:`_read_guarded` on the calling thread through :meth:`_read_now`; ``None`` when
+        the backend declined (nothing read, nothing counted)."""
+        if not pages:
+            return []
+        t0 = time.perf_counter()
+        try:
+            got = self._read_now(pages, buffers, deadline)
+        except Exception:  # noqa: BLE001 - see module docstring
+            self.stats.incr("backend_errors")
+            logger.exception("%s: a read on the calling thread failed; answering with misses", type(self).__name__)
+            got = [False] * len(pages)
+        if got is None:
+            return None
+        ok = list(map(bool, got))
+        if len(ok) != len(pages):
+            self.stats.incr("backend_errors")
+            logger.error("%s: read answered %d flags for %d pages; answering with misses",
+                         type(self).__name__, len(ok), len(pages))
+            ok = [False] * len(pages)
+        self._count_reads(buffers, ok, t0)
+        return ok
+
+    def _count_reads(self, buffers: Sequence[Any], ok: list[bool], t0: float) -> None:
         hits = sum(ok)
-        self.stats.incr("read_pages", len(pages))
+        self.stats.incr("read_pages", len(ok))
         self.stats.incr("read_hits", hits)
-        self.stats.incr("read_misses", len(pages) - hits)
+        self.stats.incr("read_misses", len(ok) - hits)
         self.stats.incr("read_bytes", sum(len(b) for b, f in zip(buffers, ok) if f))
         self.stats.incr("read_seconds", time.perf_counter() - t0)
-        return ok
 
     async def _write_guarded(
         self,
@@ -462,7 +498,11 @@ class AsyncHiCacheStorage(ABC):
         ``dynamic`` backend) otherwise pays two thread hand-offs for what is a dictionary
         lookup, and in a busy engine process each waits for the GIL: 0.84 ms a lookup of 34
         pages in SGLang's engine, against 0.2 ms for SGLang's own file backend."""
-        if self._state is not StorageState.OPEN or not _answers_lookups_now(type(self)) or "_exists" in vars(self):
+        if (
+            self._state is not StorageState.OPEN
+            or not _answers_now(type(self), "_exists_prefix_now", ("_exists", "_exists_prefix"))
+            or "_exists" in vars(self)
+        ):
             return None
         try:
             keys = validate_keys(keys)
@@ -564,6 +604,35 @@ class AsyncHiCacheStorage(ABC):
     ) -> list[bool]:
         """Read KV pages into the registered host pool at ``host_indices``."""
         return await self._v1(self.batch_get_v2, keys, host_indices, extra_info)
+
+    def batch_get_v1_now(self, keys: list[str], host_indices: torch.Tensor, timeout: float | None = None) -> list[bool] | None:
+        """:meth:`batch_get_v1` on the calling thread, or ``None`` (nothing read, nothing
+        counted: await :meth:`batch_get_v1`) where it cannot be: the store not open, no KV pool,
+        keys or host indices the loop's path must refuse, pages the pool can hand out only
+        through staging, a backend that reads only on its loop or declines this batch, or one
+        whose ``_read`` is overridden below the class that reads here. Thread-safe.
+
+        For a blocking caller on its own thread that may block on the store's medium (SGLang's
+        prefetch thread: SGLang's own file backend reads there too). ``timeout`` bounds it as a
+        facade's ``call_timeout`` bounds a call on the loop: pages not started by then fail
+        (counted in ``call_timeouts``); a page being read is finished, as on the loop, whose
+        cancelled batch waits for its threads' pages in flight.
+        """
+        if (
+            self._state is not StorageState.OPEN
+            or not _answers_now(type(self), "_read_now", ("_read",))
+            or "_read" in vars(self)
+            or KV not in self.registered_pools
+        ):
+            return None
+        try:
+            keys = validate_keys(keys)
+        except Exception:  # noqa: BLE001 - the loop's path raises the proper error
+            return None
+        if not keys:
+            return None
+        deadline = None if timeout is None else time.monotonic() + timeout
+        return pool_pages.read_pages_now(self, KV, keys, host_indices, deadline)
 
     async def batch_set_v1(
         self,

@@ -35,7 +35,7 @@ from hicache.storage.stats import StorageStats
 from hicache.storage.types import PageKey
 from hicache.storage.view_pages import LivePageViews
 
-__all__ = ["PoolPagesHost", "overlapping", "page_keys", "read_pages", "write_pages"]
+__all__ = ["PoolPagesHost", "overlapping", "page_keys", "read_pages", "read_pages_now", "write_pages"]
 
 logger = logging.getLogger("hicache.storage")
 
@@ -54,6 +54,9 @@ class PoolPagesHost(Protocol):
     def supports_staged_pages(self) -> bool: ...
     def _pool(self, name: str) -> Any: ...
     async def _read_guarded(self, pages: Sequence[PageKey], buffers: Sequence[memoryview]) -> list[bool]: ...
+    def _read_guarded_now(
+        self, pages: Sequence[PageKey], buffers: Sequence[Any], deadline: float | None = None
+    ) -> list[bool] | None: ...
     async def _write_guarded(
         self, pages: Sequence[PageKey], buffers: Sequence[memoryview], parents: Sequence[PageKey | None]
     ) -> list[bool]: ...
@@ -142,6 +145,39 @@ async def read_pages(host: PoolPagesHost, name: str, keys: list[str], host_indic
         if sum(ok) < read_ok:
             _refused(host, name, "get", read_ok - sum(ok))
     return ok
+
+
+def read_pages_now(
+    host: PoolPagesHost, name: str, keys: list[str], host_indices: torch.Tensor | None, deadline: float | None = None
+) -> list[bool] | None:
+    """:func:`read_pages` on the calling thread, or ``None`` (nothing read, nothing counted)
+    where only the loop's path can take the batch: host indices it must refuse (it counts and
+    logs them), a page the pool cannot hand out as a live view or pieces (staging), or a
+    backend that declines (:meth:`_read_guarded_now`). Every check before the read has no side
+    effect, so a ``None`` leaves the whole batch to :func:`read_pages` as if never asked.
+    Past ``deadline`` (``time.monotonic()``) no page starts.
+
+    Why: a blocking caller on its own thread (SGLang's prefetch thread) otherwise hands the
+    batch to the store's loop, which hands it to an I/O thread, and back twice: four waits for
+    a GIL that a busy engine's threads hold, more than the reads of small pages themselves."""
+    pool = host._pool(name)
+    if isinstance(host_indices, torch.Tensor) and host_indices.device.type != "cpu":
+        return None
+    starts, bad = page_io.checked_starts(host_indices, len(keys), pool.page_size)
+    if not starts or bad or overlapping((None, st, st + pool.page_size, i) for i, st in enumerate(starts)):
+        return None
+    bufs: list[Any]
+    if page_io.needs_thread(pool, starts):
+        pieces = segment_sources(pool, starts) if host.supports_segments else None
+        if pieces is None or None in pieces:
+            return None
+        bufs = pieces
+    else:
+        targets = page_io.read_targets(pool, starts)
+        if any(t is None or t.staging is not None for t in targets):
+            return None
+        bufs = [t.buffer for t in targets]  # type: ignore[union-attr]  # no None (checked)
+    return host._read_guarded_now(page_keys(keys, name), bufs, deadline)
 
 
 def _refused(host: PoolPagesHost, name: str, op: str, n: int) -> None:

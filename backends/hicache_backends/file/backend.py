@@ -37,7 +37,7 @@ from typing import Any
 from hicache.errors import ConfigError
 from hicache.keys import Namespace
 from hicache.observability.tier_events import ChangeKind, Tier
-from hicache.storage import AsyncHiCacheStorage, HiCacheStorageConfig, PageCodec, PageKey
+from hicache.storage import AsyncHiCacheStorage, HiCacheStorageConfig, PageCodec, PageKey, StorageState
 from hicache.storage.changes import report_cleared
 from hicache.storage.io_threads import copy_threads
 from hicache.storage.segments import PageSegments
@@ -53,7 +53,7 @@ from hicache_backends.file.peers import PeerRemovals
 from hicache_backends.file.pins import PagePins
 from hicache_backends.file.scan import IndexScanner
 from hicache_backends.file.space import Reservation, SpaceAccountant
-from hicache_backends.file.threads import BatchOutcome, PageThreads
+from hicache_backends.file.threads import BatchOutcome, PageThreads, page_threads
 
 __all__ = ["DEFAULT_MAX_BYTES", "DEFAULT_MIN_FREE_BYTES", "FileStorage"]
 
@@ -181,6 +181,7 @@ class FileStorage(AsyncHiCacheStorage):
         self._layout: NamespaceLayout | None = None
         self._codec: PageCodec | None = None
         self._threads = PageThreads(io_threads)  # the I/O threads, started at open
+        self._loop: asyncio.AbstractEventLoop | None = None  # the store's loop, while open
         self._scan_executor: ThreadPoolExecutor | None = None
         self._pins = PagePins()  # pages being read or written, pages being unlinked
         self._generation = 0  # bumped by clear(): older writes do not re-enter the index
@@ -244,6 +245,7 @@ class FileStorage(AsyncHiCacheStorage):
     # ------------------------------------------------------------------ lifecycle
 
     async def _open(self) -> None:
+        self._loop = asyncio.get_running_loop()
         self._layout = NamespaceLayout(self.root, self.namespace.digest)
         self._codec = PageCodec(self.namespace.digest_bytes)
         self._threads.start()
@@ -440,6 +442,66 @@ class FileStorage(AsyncHiCacheStorage):
             )
         finally:
             self._pins.release(ids)
+        return self._settle_reads(pages, ids, results, before)
+
+    def _read_now(self, pages: Sequence[PageKey], buffers: Sequence[Any], deadline: float | None = None) -> list[bool] | None:
+        """Pages read on the caller's thread, one after the other, as one I/O thread reads a
+        batch of small pages; a batch the loop would spread over several threads (pages of
+        128 KiB and more) is declined. The index learns what the reads found on the loop, after
+        the answer (``call_soon_threadsafe``: a touch, an adoption, a corrupt or vanished page
+        forgotten). Past ``deadline`` (``time.monotonic()``) no page starts: the rest fail, as
+        the pages not started when a call on the loop times out.
+
+        The pages are not pinned against eviction: a page unlinked under the read is a miss (a
+        file opened before the unlink reads whole), a page replaced is read whole from either
+        file (writes rename complete files), every page is verified, and a page removed from
+        the index while it was read (evicted, deleted, cleared) is not indexed again."""
+        layout, codec, loop = self._layout, self._codec, self._loop
+        if layout is None or codec is None or loop is None:
+            return None
+        if self.io_threads > 1 and page_threads(sum(b.nbytes for b in buffers), len(buffers)) > 1:
+            return None
+        ids = [page_id(p.key, p.pool) for p in pages]
+        entries = self.index.entries
+        before = [entries.get(pid) for pid in ids]
+        generation = self._generation
+        results: list[page_io.ReadResult] = []
+        for pid, p, buf in zip(ids, pages, buffers):
+            if deadline is not None and time.monotonic() > deadline:  # as a timeout on the loop:
+                self.stats.incr("call_timeouts")  # pages not started are not, they fail
+                break
+            results.append(page_io.read_page_into(layout.path(pid), codec, p.key, p.pool, buf))
+        done = len(results)
+        try:
+            loop.call_soon_threadsafe(self._settle_reads_later, pages[:done], ids[:done], results, before[:done], generation)
+        except RuntimeError:  # the loop closed under the read: the index went with it
+            pass
+        return [r.status is page_io.ReadStatus.OK for r in results] + [False] * (len(pages) - done)
+
+    def _settle_reads_later(
+        self, pages: Sequence[PageKey], ids: list[str], results: list[page_io.ReadResult], before: list[Any], generation: int
+    ) -> None:
+        """(Loop.) :meth:`_settle_reads` for reads done on another thread, without their pins:
+        nothing after a clear, and no page that was indexed when read and has left the index
+        since (its removal ran beside the read). A failure is counted and logged (a loop
+        callback has nobody to raise to)."""
+        if self.state is not StorageState.OPEN or generation != self._generation:
+            return
+        removed = {i for i, (pid, was) in enumerate(zip(ids, before)) if was is not None and pid not in self.index}
+        if removed:
+            keep = [i for i in range(len(ids)) if i not in removed]
+            pages, ids = [pages[i] for i in keep], [ids[i] for i in keep]
+            results, before = [results[i] for i in keep], [before[i] for i in keep]
+        try:
+            self._settle_reads(pages, ids, results, before)
+        except Exception:  # noqa: BLE001
+            self.stats.incr("backend_errors")
+            logger.exception("file store %s: indexing what a read on the caller's thread found failed", self.root)
+
+    def _settle_reads(self, pages: Sequence[PageKey], ids: list[str], results: list[page_io.ReadResult], before: list[Any]) -> list[bool]:
+        """(Loop.) What reads found, into the index: a page read is touched (or adopted, when
+        another process wrote it), a failed one handled by :meth:`_after_failed_read`; one
+        flag per page."""
         now = time.time()
         ok = [False] * len(pages)
         for i, (pid, r) in enumerate(zip(ids, results)):

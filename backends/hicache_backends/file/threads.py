@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 from hicache.storage.io_threads import io_executor
 from hicache.storage.offload import run_to_completion
 
-__all__ = ["BatchOutcome", "PageThreads"]
+__all__ = ["BatchOutcome", "PageThreads", "page_threads"]
 
 T = TypeVar("T")
 
@@ -34,7 +34,7 @@ _BYTES_PER_CHUNK = 1 << 20  # below this much work per thread, fewer threads are
 _GIL_BYTES_PER_PAGE = 128 << 10
 
 
-def _page_threads(nbytes: int, calls: int) -> int:
+def page_threads(nbytes: int, calls: int) -> int:
     """The threads a batch's pages can keep busy: one, plus one per :data:`_GIL_BYTES_PER_PAGE`
     of an average page. A small page's time is mostly Python under the GIL, which threads only
     take turns at; its bytes (the copy into or out of the page cache, off the GIL) are what a
@@ -155,7 +155,7 @@ class PageThreads:
         batch goes to one thread unless its bytes (``nbytes``) plus a per-call cost
         (``per_call``, bytes-equivalent: opening, creating and renaming files cost more than
         they move) add up to a share per thread, and to no more threads than its average page
-        keeps busy (:func:`_page_threads`: small pages are GIL-bound); ``threads`` lowers the
+        keeps busy (:func:`page_threads`: small pages are GIL-bound); ``threads`` lowers the
         cap below ``io_threads``.
         A cancelled caller waits for the threads (see :meth:`run_chunked_to_end`).
         """
@@ -189,7 +189,7 @@ class PageThreads:
         assert self.executor is not None
         loop = asyncio.get_running_loop()
         cap = self.io_threads if threads is None else max(1, min(threads, self.io_threads))
-        n = min(cap, len(calls), max(1, (nbytes + per_call * len(calls)) // _BYTES_PER_CHUNK), _page_threads(nbytes, len(calls)))
+        n = min(cap, len(calls), max(1, (nbytes + per_call * len(calls)) // _BYTES_PER_CHUNK), page_threads(nbytes, len(calls)))
         shared = _SharedCalls(fn, calls, first, last)
         work = asyncio.gather(
             *(loop.run_in_executor(self.executor, shared.drain) for _ in range(n)),

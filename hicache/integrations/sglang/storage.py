@@ -387,6 +387,14 @@ class HiCacheSGLangStorage(_SGLangStorage):
         return out
 
     def _get_kv(self, facade: HiCacheStorage, keys: list[str], host_indices: torch.Tensor) -> list[bool]:
+        # on this thread where the store can (small pages, read straight into the pool's
+        # memory: never the mover's staging, which only pools the store cannot read into
+        # use): no hand-off to the store's loop and its I/O thread and back, each a wait for
+        # the GIL in a busy engine; bounded by the same call_timeout
+        assert self._backend is not None
+        now = self._backend.batch_get_v1_now(keys, host_indices, facade.call_timeout)
+        if now is not None:
+            return now
         if self._mover is not None:
             return facade.run(self._mover.get(keys, host_indices))
         return facade.batch_get_v1(keys, host_indices)

@@ -199,6 +199,34 @@ def test_lookups_answer_on_the_calling_thread_and_still_see_other_writers(store_
         ctl.detach_storage_backend()
 
 
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+def test_reads_run_on_the_prefetch_thread(store_root, monkeypatch, layout):
+    """SGLang's prefetch reads small pages on its own thread (no hand-off to the store's loop),
+    byte for byte what the writer stored."""
+    from hicache_backends.file import FileStorage
+
+    w_host, writer = _pair(helpers.extra_config("file", root=store_root), layout, seed=1)
+    r_host, reader = _pair(helpers.extra_config("file", root=store_root), layout, seed=2)
+    try:
+        toks = drive.tokens(PAGE * 3, seed=9)
+        src = writer.mem_pool_host.alloc(len(toks))
+        assert drive.backup(writer, toks, src) == len(toks)
+        on_loop: list[int] = []
+        real = FileStorage._read
+
+        async def counted(self, pages, buffers):
+            on_loop.append(len(pages))
+            return await real(self, pages, buffers)
+
+        monkeypatch.setattr(FileStorage, "_read", counted)  # the loop's read (the class's own: still read here)
+        done, dst = drive.prefetch(reader, toks)
+        assert done == len(toks) and on_loop == []
+        assert drive.pages_equal(w_host, src, r_host, dst, LAYERS)
+    finally:
+        writer.detach_storage_backend()
+        reader.detach_storage_backend()
+
+
 def test_two_processes_share_one_store(store_root, tmp_path):
     """Another process (its own SGLang controller, another layout) writes; this one reads."""
     script = tmp_path / "writer.py"
