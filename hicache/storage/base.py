@@ -632,7 +632,12 @@ class AsyncHiCacheStorage(ABC):
         if not keys:
             return None
         deadline = None if timeout is None else time.monotonic() + timeout
-        return pool_pages.read_pages_now(self, KV, keys, host_indices, deadline)
+        try:
+            return pool_pages.read_pages_now(self, KV, keys, host_indices, deadline)
+        except Exception:  # noqa: BLE001 - a check before the read failed (the read guards itself)
+            logger.exception("%s: checking a batch for a read on the calling thread failed; reading on the loop",
+                             type(self).__name__)
+            return None
 
     async def batch_set_v1(
         self,

@@ -193,6 +193,28 @@ async def test_reads_beside_evictions_and_rewrites_are_whole_pages_or_misses(tmp
     assert seen and not bad and any(got[1] for got in seen)
 
 
+def _reads_that_pause(monkeypatch) -> tuple[threading.Event, threading.Event]:  # type: ignore[no-untyped-def]
+    """Each page read on the caller's thread reads its file, sets ``was_read``, then waits for
+    ``go``: the loop's removals and writes run between the read and its settlement."""
+    real = file_io.read_page_into
+    was_read, go = threading.Event(), threading.Event()
+
+    def read_then_wait(*args):  # type: ignore[no-untyped-def]
+        result = real(*args)
+        was_read.set()
+        go.wait(5)
+        return result
+
+    monkeypatch.setattr(file_io, "read_page_into", read_then_wait)
+    return was_read, go
+
+
+def _flip_payload_byte(path: str) -> None:
+    data = bytearray(open(path, "rb").read())
+    data[-40] ^= 0xFF
+    open(path, "wb").write(bytes(data))
+
+
 async def test_a_page_removed_while_it_was_read_is_not_indexed_again(tmp_path, monkeypatch) -> None:
     """The read found the page whole, but the loop deleted it meanwhile (no pins on this
     path): the caller gets its page, the index does not get the page back."""
@@ -200,22 +222,72 @@ async def test_a_page_removed_while_it_was_read_is_not_indexed_again(tmp_path, m
     async with await _store(tmp_path, writer) as store:
         assert await _write(store, writer, ["a"], [0]) == [True]
         store.register_mem_pool_host(reader)
-        real = file_io.read_page_into
-        was_read, deleted = threading.Event(), threading.Event()
-
-        def read_then_wait(*args):  # type: ignore[no-untyped-def]
-            result = real(*args)
-            was_read.set()
-            deleted.wait(5)
-            return result
-
-        monkeypatch.setattr(file_io, "read_page_into", read_then_wait)
+        was_read, go = _reads_that_pause(monkeypatch)
         reading = asyncio.ensure_future(asyncio.to_thread(store.batch_get_v1_now, ["a"], _indices([1])))
         await asyncio.to_thread(was_read.wait, 5)
         assert await store.batch_delete(["a"]) == [True]
-        deleted.set()
+        go.set()
         assert await reading == [True]
         assert _canonical_bytes(reader, 1) == _canonical_bytes(writer, 0)
         await _settled()
         assert page_id("a", "kv") not in store.index.entries
         assert await store.exists_prefix(["a"]) == 0
+
+
+async def test_a_corrupt_page_removed_by_the_read_beside_a_delete_leaves_the_shared_count(tmp_path, monkeypatch) -> None:
+    """The read removes the corrupt file; the delete beside it (no pin on this path) finds no
+    file to free: the read's removal is what gives the bytes back to the shared ledger."""
+    writer, reader = _pool("layer_first", seed=1), _pool("layer_first", seed=2)
+    async with await _store(tmp_path, writer) as store:
+        assert await _write(store, writer, ["a", "b"], [0, 1]) == [True, True]
+        store.register_mem_pool_host(reader)
+        _flip_payload_byte(store.layout.path(page_id("b", "kv")))
+        was_read, go = _reads_that_pause(monkeypatch)
+        reading = asyncio.ensure_future(asyncio.to_thread(store.batch_get_v1_now, ["b"], _indices([4])))
+        await asyncio.to_thread(was_read.wait, 5)
+        await store.batch_delete(["b"])
+        go.set()
+        assert await reading == [False]
+        await _settled()
+        monkeypatch.undo()
+        assert await _write(store, writer, ["c"], [2]) == [True]  # a reservation settles what is owed
+        on_disk = sum(store.index.entries[page_id(k, "kv")].size for k in ("a", "c"))
+        assert store._space.ledger.read().used == on_disk
+        assert store.get_stats()["corrupt_pages"] == 1
+
+
+async def test_a_corrupt_read_never_forgets_the_good_page_written_meanwhile(tmp_path, monkeypatch) -> None:
+    writer, reader = _pool("layer_first", seed=1), _pool("layer_first", seed=2)
+    async with await _store(tmp_path, writer, shared=False) as store:
+        assert await _write(store, writer, ["a", "b"], [0, 1]) == [True, True]
+        store.register_mem_pool_host(reader)
+        _flip_payload_byte(store.layout.path(page_id("b", "kv")))
+        was_read, go = _reads_that_pause(monkeypatch)
+        reading = asyncio.ensure_future(asyncio.to_thread(store.batch_get_v1_now, ["b"], _indices([4])))
+        await asyncio.to_thread(was_read.wait, 5)
+        assert await store.batch_delete(["b"]) == [True]
+        assert await _write(store, writer, ["b"], [1]) == [True]  # written again, indexed again
+        go.set()
+        assert await reading == [False]
+        await _settled()
+        assert page_id("b", "kv") in store.index.entries and await store.exists_prefix(["b"]) == 1
+
+
+async def test_a_close_waits_for_reads_on_callers_threads(tmp_path, monkeypatch) -> None:
+    """A read running on a caller's thread lands in pool memory before the close returns;
+    a read asked after the close began is refused (``None``: the loop's path answers it)."""
+    writer, reader = _pool("layer_first", seed=1), _pool("layer_first", seed=2)
+    store = await _store(tmp_path, writer)
+    await store.open()
+    assert await _write(store, writer, ["a"], [0]) == [True]
+    store.register_mem_pool_host(reader)
+    was_read, go = _reads_that_pause(monkeypatch)
+    reading = asyncio.ensure_future(asyncio.to_thread(store.batch_get_v1_now, ["a"], _indices([1])))
+    await asyncio.to_thread(was_read.wait, 5)
+    closing = asyncio.ensure_future(store.aclose())
+    await asyncio.sleep(0.1)
+    assert not closing.done()
+    assert store.batch_get_v1_now(["a"], _indices([2])) is None
+    go.set()
+    await closing
+    assert reading.done() and reading.result() == [True]

@@ -53,7 +53,7 @@ from hicache_backends.file.peers import PeerRemovals
 from hicache_backends.file.pins import PagePins
 from hicache_backends.file.scan import IndexScanner
 from hicache_backends.file.space import Reservation, SpaceAccountant
-from hicache_backends.file.threads import BatchOutcome, PageThreads, page_threads
+from hicache_backends.file.threads import BatchOutcome, CallerCalls, PageThreads, page_threads
 
 __all__ = ["DEFAULT_MAX_BYTES", "DEFAULT_MIN_FREE_BYTES", "FileStorage"]
 
@@ -182,6 +182,7 @@ class FileStorage(AsyncHiCacheStorage):
         self._codec: PageCodec | None = None
         self._threads = PageThreads(io_threads)  # the I/O threads, started at open
         self._loop: asyncio.AbstractEventLoop | None = None  # the store's loop, while open
+        self._caller_reads = CallerCalls()  # reads on blocking callers' threads (a close waits for them)
         self._scan_executor: ThreadPoolExecutor | None = None
         self._pins = PagePins()  # pages being read or written, pages being unlinked
         self._generation = 0  # bumped by clear(): older writes do not re-enter the index
@@ -268,6 +269,7 @@ class FileStorage(AsyncHiCacheStorage):
         if self._peers is not None:
             await self._peers.open(self._layout.ns_dir, self.namespace.digest)
         self._scanner.start(self._layout, self._scan_executor, self.namespace.digest)
+        self._caller_reads.open()
 
     async def _close(self) -> None:
         self._stop.set()  # background deletions stop at the next file; the next open resumes them
@@ -279,6 +281,10 @@ class FileStorage(AsyncHiCacheStorage):
         except TimeoutError:  # a call stuck in its I/O: close anyway (it fails when it resumes)
             logger.warning("file store %s: closing with %d call(s) still running after %.0f s",
                            self.root, self._calls, _CLOSE_CALLS_WAIT_SECONDS)
+        left = await asyncio.to_thread(self._caller_reads.close, _CLOSE_CALLS_WAIT_SECONDS)
+        if left:
+            logger.warning("file store %s: closing with %d read(s) on callers' threads still running after %.0f s",
+                           self.root, left, _CLOSE_CALLS_WAIT_SECONDS)
         await self._scanner.stop()
         if self._peers is not None:
             await self._peers.stop_tailing()
@@ -316,7 +322,8 @@ class FileStorage(AsyncHiCacheStorage):
     def _corrupt(self, page: PageKey, pid: str, result: page_io.ReadResult) -> None:
         self.stats.incr("corrupt_pages")
         self._scanner.forget(pid)
-        self._space.read_removed(result.size)  # the read removed the file
+        if result.removed:  # the read removed the file (not one another writer put there since)
+            self._space.read_removed(result.size)
         self.report_removed([page], reason="corrupt")
         logger.warning(
             "file store %s: page %s failed verification (%s); removed, served as a miss",
@@ -454,13 +461,25 @@ class FileStorage(AsyncHiCacheStorage):
 
         The pages are not pinned against eviction: a page unlinked under the read is a miss (a
         file opened before the unlink reads whole), a page replaced is read whole from either
-        file (writes rename complete files), every page is verified, and a page removed from
-        the index while it was read (evicted, deleted, cleared) is not indexed again."""
+        file (writes rename complete files), every page is verified, and the index keeps what
+        changed while the page was read (see :meth:`_settle_reads_later`). A close waits for
+        these reads and refuses new ones."""
         layout, codec, loop = self._layout, self._codec, self._loop
         if layout is None or codec is None or loop is None:
             return None
         if self.io_threads > 1 and page_threads(sum(b.nbytes for b in buffers), len(buffers)) > 1:
             return None
+        if not self._caller_reads.enter():  # closing: the loop's path refuses it properly
+            return None
+        try:
+            return self._read_pages_now(layout, codec, loop, pages, buffers, deadline)
+        finally:
+            self._caller_reads.leave()
+
+    def _read_pages_now(
+        self, layout: NamespaceLayout, codec: PageCodec, loop: asyncio.AbstractEventLoop,
+        pages: Sequence[PageKey], buffers: Sequence[Any], deadline: float | None,
+    ) -> list[bool]:
         ids = [page_id(p.key, p.pool) for p in pages]
         entries = self.index.entries
         before = [entries.get(pid) for pid in ids]
@@ -482,14 +501,21 @@ class FileStorage(AsyncHiCacheStorage):
         self, pages: Sequence[PageKey], ids: list[str], results: list[page_io.ReadResult], before: list[Any], generation: int
     ) -> None:
         """(Loop.) :meth:`_settle_reads` for reads done on another thread, without their pins:
-        nothing after a clear, and no page that was indexed when read and has left the index
-        since (its removal ran beside the read). A failure is counted and logged (a loop
-        callback has nobody to raise to)."""
+        nothing after a clear, and nothing for a page whose index entry changed since it was
+        read (removed, written again, or touched by another read: its removal or write ran
+        beside the read, and what the read found may be another file's news). A corrupt file
+        the read removed still leaves the store's count. A failure is counted and logged (a
+        loop callback has nobody to raise to)."""
         if self.state is not StorageState.OPEN or generation != self._generation:
             return
-        removed = {i for i, (pid, was) in enumerate(zip(ids, before)) if was is not None and pid not in self.index}
-        if removed:
-            keep = [i for i in range(len(ids)) if i not in removed]
+        changed = {i for i, (pid, was) in enumerate(zip(ids, before)) if self.index.get(pid) is not was}
+        if changed:
+            for i in changed:
+                if results[i].status is page_io.ReadStatus.CORRUPT:
+                    self.stats.incr("corrupt_pages")
+                    if results[i].removed:
+                        self._space.read_removed(results[i].size)
+            keep = [i for i in range(len(ids)) if i not in changed]
             pages, ids = [pages[i] for i in keep], [ids[i] for i in keep]
             results, before = [results[i] for i in keep], [before[i] for i in keep]
         try:

@@ -110,6 +110,7 @@ class ReadResult:
     reason: str = ""
     payload: bytes | None = None  # only for read_page_bytes
     errno: int | None = None  # of an ERROR, where the OS gave one
+    removed: bool = False  # a CORRUPT page file this read removed (not one replaced meanwhile)
 
 
 @dataclass(slots=True)
@@ -258,23 +259,25 @@ def read_small_file(path: str, limit: int = _MANIFEST_MAX_BYTES) -> bytes | None
         os.close(fd)
 
 
-def _discard(path: str, st: os.stat_result) -> None:
-    """Remove a corrupt page, unless another writer replaced it since we opened it."""
+def _discard(path: str, st: os.stat_result) -> bool:
+    """Remove a corrupt page, unless another writer replaced it since we opened it; whether
+    this call removed it (its bytes leave the store's count only then)."""
     if not _inside_root(path):
-        return
+        return False
     try:
         now = os.stat(path)
         if (now.st_ino, now.st_dev) == (st.st_ino, st.st_dev):
             os.unlink(path)
+            return True
     except FileNotFoundError:
         pass
     except OSError as exc:
         logger.warning("could not remove corrupt page %s: %s", path, exc)
+    return False
 
 
 def _corrupt(path: str, st: os.stat_result, reason: str) -> ReadResult:
-    _discard(path, st)
-    return ReadResult(ReadStatus.CORRUPT, st.st_size, reason=reason)
+    return ReadResult(ReadStatus.CORRUPT, st.st_size, reason=reason, removed=_discard(path, st))
 
 
 def _check_header(

@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 from hicache.storage.io_threads import io_executor
 from hicache.storage.offload import run_to_completion
 
-__all__ = ["BatchOutcome", "PageThreads", "page_threads"]
+__all__ = ["BatchOutcome", "CallerCalls", "PageThreads", "page_threads"]
 
 T = TypeVar("T")
 
@@ -111,6 +111,46 @@ class _SharedCalls:
         """Start no more calls (those running finish; the others keep a ``None`` result)."""
         with self._lock:
             self._next = len(self.calls)
+
+
+class CallerCalls:
+    """Calls running on their callers' threads (a blocking caller's reads of small pages,
+    without the store's loop): counted, so that a close refuses new ones and waits for those
+    running, as it waits for the calls on its loop; a read must not land in pool memory after
+    the close returned."""
+
+    __slots__ = ("_cond", "_running", "_open")
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._running = 0
+        self._open = False
+
+    def open(self) -> None:
+        with self._cond:
+            self._open = True
+
+    def enter(self) -> bool:
+        """Count one call in; ``False`` (not counted) once the store is closing."""
+        with self._cond:
+            if not self._open:
+                return False
+            self._running += 1
+            return True
+
+    def leave(self) -> None:
+        with self._cond:
+            self._running -= 1
+            if not self._running:
+                self._cond.notify_all()
+
+    def close(self, timeout: float) -> int:
+        """(Blocking.) Refuse new calls and wait up to ``timeout`` seconds for the running ones;
+        how many still run."""
+        with self._cond:
+            self._open = False
+            self._cond.wait_for(lambda: not self._running, timeout)
+            return self._running
 
 
 @dataclass(frozen=True, slots=True)
