@@ -8,7 +8,9 @@ cheapest way a page of that pool can move for this backend: straight into/from l
 (:mod:`~hicache.storage.view_pages`), or through reused staging pages
 (:mod:`~hicache.storage.staging`). Bytes always move through the storage's guarded
 ``_read_guarded`` / ``_write_guarded``, so counting, the guard and tier-change reports stay in
-the interface.
+the interface. :func:`read_pages_now` is the read done on a blocking caller's own thread (through
+``_read_guarded_now``) for the batches that need no staging; it hands every other batch back
+untouched.
 
 Why functions over :class:`PoolPagesHost` and not methods of the storage class (or a mixin):
 the movement needs a narrow slice of the storage, spelled out as the protocol, so this module
