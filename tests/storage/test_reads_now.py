@@ -234,17 +234,24 @@ async def test_a_page_removed_while_it_was_read_is_not_indexed_again(tmp_path, m
         assert await store.exists_prefix(["a"]) == 0
 
 
+async def _corrupt_b_being_read(store, writer, reader, monkeypatch):  # type: ignore[no-untyped-def]
+    """Pages "a" and "b" stored, "b" corrupt on disk, and a read of "b" on another thread that
+    has read (and removed) the file and now waits for ``go`` before its answer and settlement."""
+    assert await _write(store, writer, ["a", "b"], [0, 1]) == [True, True]
+    store.register_mem_pool_host(reader)
+    _flip_payload_byte(store.layout.path(page_id("b", "kv")))
+    was_read, go = _reads_that_pause(monkeypatch)
+    reading = asyncio.ensure_future(asyncio.to_thread(store.batch_get_v1_now, ["b"], _indices([4])))
+    await asyncio.to_thread(was_read.wait, 5)
+    return reading, go
+
+
 async def test_a_corrupt_page_removed_by_the_read_beside_a_delete_leaves_the_shared_count(tmp_path, monkeypatch) -> None:
     """The read removes the corrupt file; the delete beside it (no pin on this path) finds no
     file to free: the read's removal is what gives the bytes back to the shared ledger."""
     writer, reader = _pool("layer_first", seed=1), _pool("layer_first", seed=2)
     async with await _store(tmp_path, writer) as store:
-        assert await _write(store, writer, ["a", "b"], [0, 1]) == [True, True]
-        store.register_mem_pool_host(reader)
-        _flip_payload_byte(store.layout.path(page_id("b", "kv")))
-        was_read, go = _reads_that_pause(monkeypatch)
-        reading = asyncio.ensure_future(asyncio.to_thread(store.batch_get_v1_now, ["b"], _indices([4])))
-        await asyncio.to_thread(was_read.wait, 5)
+        reading, go = await _corrupt_b_being_read(store, writer, reader, monkeypatch)
         await store.batch_delete(["b"])
         go.set()
         assert await reading == [False]
@@ -259,12 +266,7 @@ async def test_a_corrupt_page_removed_by_the_read_beside_a_delete_leaves_the_sha
 async def test_a_corrupt_read_never_forgets_the_good_page_written_meanwhile(tmp_path, monkeypatch) -> None:
     writer, reader = _pool("layer_first", seed=1), _pool("layer_first", seed=2)
     async with await _store(tmp_path, writer, shared=False) as store:
-        assert await _write(store, writer, ["a", "b"], [0, 1]) == [True, True]
-        store.register_mem_pool_host(reader)
-        _flip_payload_byte(store.layout.path(page_id("b", "kv")))
-        was_read, go = _reads_that_pause(monkeypatch)
-        reading = asyncio.ensure_future(asyncio.to_thread(store.batch_get_v1_now, ["b"], _indices([4])))
-        await asyncio.to_thread(was_read.wait, 5)
+        reading, go = await _corrupt_b_being_read(store, writer, reader, monkeypatch)
         assert await store.batch_delete(["b"]) == [True]
         assert await _write(store, writer, ["b"], [1]) == [True]  # written again, indexed again
         go.set()
