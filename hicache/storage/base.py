@@ -63,7 +63,7 @@ __all__ = ["AsyncHiCacheStorage", "StorageState"]
 
 
 @functools.cache
-def _answers_now(cls: type, hook: str, overridable: tuple[str, ...]) -> bool:
+def _class_answers_now(cls: type, hook: str, overridable: tuple[str, ...]) -> bool:
     """Whether ``cls``'s ``hook`` (a primitive answered on the caller's thread) is its own: no
     class below the one that defines it overrides one of ``overridable``, the loop's primitives
     it stands for (it would answer for them and skip them: added latency, injected faults).
@@ -307,7 +307,12 @@ class AsyncHiCacheStorage(ABC):
     async def _guard_flags(self, what: str, coro: Any, n: int) -> list[bool]:
         """A guarded primitive that answers one flag per page; a list of another length is a
         backend bug, and trusting it would shift every answer onto the wrong page."""
-        flags = await self._guard(what, coro, None)
+        return self._checked_flags(what, await self._guard(what, coro, None), n)
+
+    def _checked_flags(self, what: str, flags: Any, n: int) -> list[bool]:
+        """A primitive's answer as ``n`` flags: ``None`` (it failed) or a list of another
+        length (a backend bug: trusted, it would shift every answer onto the wrong page) is
+        ``n`` misses, the second counted and logged."""
         if flags is None:
             return [False] * n
         try:
@@ -328,11 +333,33 @@ class AsyncHiCacheStorage(ABC):
             return []
         t0 = time.perf_counter()
         flags = await self._guard_flags("exists", self._exists(pages), len(pages))
-        self.stats.incr("exists_calls")
-        self.stats.incr("exists_keys", len(pages))
-        self.stats.incr("exists_hits", sum(flags))
-        self.stats.incr("exists_seconds", time.perf_counter() - t0)
+        self._count_lookup(len(pages), sum(flags), t0)
         return flags
+
+    def _answers_now(self, hook: str, overridable: tuple[str, ...]) -> bool:
+        """Whether this open store answers on the caller's thread through ``hook``: its class
+        defines the hook with none of ``overridable`` overridden below it, and no instance
+        attribute replaces one of them (a patched instance)."""
+        return (
+            self._state is StorageState.OPEN
+            and _class_answers_now(type(self), hook, overridable)
+            and not any(name in vars(self) for name in overridable)
+        )
+
+    def _count_lookup(self, keys: int, hits: int, t0: float) -> None:
+        self.stats.incr("exists_calls")
+        self.stats.incr("exists_keys", keys)
+        self.stats.incr("exists_hits", hits)
+        self.stats.incr("exists_seconds", time.perf_counter() - t0)
+
+    def _is_run(self, run: Any, n: int) -> bool:
+        """Whether a prefix lookup's answer is a count of pages from the first (else a backend
+        bug, counted and logged)."""
+        if isinstance(run, bool) or not isinstance(run, int) or not 0 <= run <= n:
+            self.stats.incr("backend_errors")
+            logger.error("%s: exists answered %r for %d pages", type(self).__name__, run, n)
+            return False
+        return True
 
     async def _kv_prefix(self, pages: Sequence[PageKey]) -> int:
         """The guarded :meth:`_exists_prefix`, through :meth:`_exists_guarded` when the backend
@@ -343,14 +370,9 @@ class AsyncHiCacheStorage(ABC):
             return 0
         t0 = time.perf_counter()
         run = await self._guard("exists", self._exists_prefix(pages), 0)
-        if isinstance(run, bool) or not isinstance(run, int) or not 0 <= run <= len(pages):
-            self.stats.incr("backend_errors")
-            logger.error("%s: exists answered %r for %d pages; a miss", type(self).__name__, run, len(pages))
-            run = 0
-        self.stats.incr("exists_calls")
-        self.stats.incr("exists_keys", len(pages))
-        self.stats.incr("exists_hits", run)
-        self.stats.incr("exists_seconds", time.perf_counter() - t0)
+        if not self._is_run(run, len(pages)):
+            run = 0  # a miss
+        self._count_lookup(len(pages), run, t0)
         return run
 
     async def _read_guarded(self, pages: Sequence[PageKey], buffers: Sequence[memoryview]) -> list[bool]:
@@ -375,12 +397,7 @@ class AsyncHiCacheStorage(ABC):
             got = [False] * len(pages)
         if got is None:
             return None
-        ok = list(map(bool, got))
-        if len(ok) != len(pages):
-            self.stats.incr("backend_errors")
-            logger.error("%s: read answered %d flags for %d pages; answering with misses",
-                         type(self).__name__, len(ok), len(pages))
-            ok = [False] * len(pages)
+        ok = self._checked_flags("read", got, len(pages))
         self._count_reads(buffers, ok, t0)
         return ok
 
@@ -498,11 +515,7 @@ class AsyncHiCacheStorage(ABC):
         ``dynamic`` backend) otherwise pays two thread hand-offs for what is a dictionary
         lookup, and in a busy engine process each waits for the GIL: 0.84 ms a lookup of 34
         pages in SGLang's engine, against 0.2 ms for SGLang's own file backend."""
-        if (
-            self._state is not StorageState.OPEN
-            or not _answers_now(type(self), "_exists_prefix_now", ("_exists", "_exists_prefix"))
-            or "_exists" in vars(self)
-        ):
+        if not self._answers_now("_exists_prefix_now", ("_exists", "_exists_prefix")):
             return None
         try:
             keys = validate_keys(keys)
@@ -518,16 +531,9 @@ class AsyncHiCacheStorage(ABC):
             self.stats.incr("backend_errors")
             logger.exception("%s: a lookup on the calling thread failed; asking on the loop", type(self).__name__)
             return None
-        if run is None:
-            return None
-        if isinstance(run, bool) or not isinstance(run, int) or not 0 <= run <= len(pages):
-            self.stats.incr("backend_errors")
-            logger.error("%s: exists answered %r for %d pages; asking on the loop", type(self).__name__, run, len(pages))
-            return None
-        self.stats.incr("exists_calls")
-        self.stats.incr("exists_keys", len(pages))
-        self.stats.incr("exists_hits", run)
-        self.stats.incr("exists_seconds", time.perf_counter() - t0)
+        if run is None or not self._is_run(run, len(pages)):
+            return None  # the loop's lookup answers
+        self._count_lookup(len(pages), run, t0)
         return run
 
     async def batch_exists_v2(
@@ -618,12 +624,7 @@ class AsyncHiCacheStorage(ABC):
         (counted in ``call_timeouts``); a page being read is finished, as on the loop, whose
         cancelled batch waits for its threads' pages in flight.
         """
-        if (
-            self._state is not StorageState.OPEN
-            or not _answers_now(type(self), "_read_now", ("_read",))
-            or "_read" in vars(self)
-            or KV not in self.registered_pools
-        ):
+        if not self._answers_now("_read_now", ("_read",)) or KV not in self.registered_pools:
             return None
         try:
             keys = validate_keys(keys)

@@ -320,15 +320,20 @@ class FileStorage(AsyncHiCacheStorage):
         self.stats.incr("adopted_pages")
 
     def _corrupt(self, page: PageKey, pid: str, result: page_io.ReadResult) -> None:
-        self.stats.incr("corrupt_pages")
+        self._count_corrupt(result)
         self._scanner.forget(pid)
-        if result.removed:  # the read removed the file (not one another writer put there since)
-            self._space.read_removed(result.size)
         self.report_removed([page], reason="corrupt")
         logger.warning(
             "file store %s: page %s failed verification (%s); removed, served as a miss",
             self.root, page.label()[:80], result.reason,
         )
+
+    def _count_corrupt(self, result: page_io.ReadResult) -> None:
+        """A corrupt page counted; its bytes leave the store's count when the read removed the
+        file (not one another writer put there since)."""
+        self.stats.incr("corrupt_pages")
+        if result.removed:
+            self._space.read_removed(result.size)
 
     # ------------------------------------------------------------------ housekeeping
 
@@ -512,9 +517,7 @@ class FileStorage(AsyncHiCacheStorage):
         if changed:
             for i in changed:
                 if results[i].status is page_io.ReadStatus.CORRUPT:
-                    self.stats.incr("corrupt_pages")
-                    if results[i].removed:
-                        self._space.read_removed(results[i].size)
+                    self._count_corrupt(results[i])
             keep = [i for i in range(len(ids)) if i not in changed]
             pages, ids = [pages[i] for i in keep], [ids[i] for i in keep]
             results, before = [results[i] for i in keep], [before[i] for i in keep]
