@@ -217,6 +217,17 @@ class HiCacheStorage:
                                 type(self.backend).__name__, count, self.call_timeout)
             raise
 
+    def _blocking_caller(self) -> bool:
+        """Whether a call may be answered on the calling thread: the facade open, and the caller
+        not inside a running event loop (that misuse is the loop call's to report)."""
+        if self._closed:
+            return False
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return True
+        return False
+
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
         """Run a coroutine of the caller's on the facade's loop (where the backend lives) and
         wait for it, under ``call_timeout``: for engine adapters that compose several backend
@@ -325,7 +336,16 @@ class HiCacheStorage:
     def batch_get_v1(
         self, keys: list[str], host_indices: torch.Tensor, extra_info: HiCacheStorageExtraInfo | None = None
     ) -> list[bool]:
+        """Read KV pages into the registered host pool: on the calling thread where the store
+        can (``batch_get_v1_now``: small pages straight into pool memory, bounded by
+        ``call_timeout``), else on the facade's loop. Why: each hand-off to the loop, its I/O
+        thread and back waits for the GIL, which a busy engine's threads hold; those waits
+        cost more than reading small pages."""
         if not _is_batch(keys) or first_unstorable(keys) is None:
+            if self._blocking_caller():
+                now = self.backend.batch_get_v1_now(keys, host_indices, self.call_timeout)
+                if now is not None:
+                    return now
             return self._call(self.backend.batch_get_v1(keys, host_indices, extra_info))
         return self._v1(self.backend.batch_get_v2, keys, host_indices, extra_info)
 
@@ -396,6 +416,16 @@ class HiCacheStorage:
             self._count_unstorable([key])
             return False
         return self._call(self.backend.exists(key))
+
+    def exists_prefix(self, keys: list[str], pool: PoolName | str = PoolName.KV) -> int:
+        """How many of ``keys``' pages in ``pool`` exist from the first: on the calling thread
+        where the store can answer from memory (``exists_prefix_now``), else on the loop (see
+        :meth:`batch_get_v1` for why)."""
+        if self._blocking_caller():
+            now = self.backend.exists_prefix_now(keys, pool)
+            if now is not None:
+                return now
+        return self._call(self.backend.exists_prefix(keys, pool))
 
     def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
         return self._call(self.backend.batch_exists(self._prefix_keys(keys), extra_info))

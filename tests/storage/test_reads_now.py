@@ -293,3 +293,39 @@ async def test_a_close_waits_for_reads_on_callers_threads(tmp_path, monkeypatch)
     go.set()
     await closing
     assert reading.done() and reading.result() == [True]
+
+
+def test_the_blocking_facade_reads_and_looks_up_on_the_callers_thread(tmp_path, monkeypatch) -> None:
+    """Every blocking caller gets the caller-thread paths through the facade, not only the
+    SGLang adapter: no call reaches the facade's loop for an indexed lookup or a small read."""
+    from hicache.errors import LoopMisuseError
+    from hicache.storage.sync import HiCacheStorage
+
+    writer, reader = _pool("layer_first", seed=1), _pool("layer_first", seed=2)
+    store = create_async_storage("file", root=str(tmp_path), namespace={"model": "segments-test"})
+    store.register_mem_pool_host(writer)
+    facade = HiCacheStorage(store)
+    try:
+        facade.run(store.open())
+        assert facade.batch_set_v1(["a", "b"], _indices([0, 1])) == [True, True]
+        store.register_mem_pool_host(reader)
+        on_loop: list[object] = []
+        real = facade._loop_thread.call
+
+        def counted(coro, timeout=None):  # type: ignore[no-untyped-def]
+            on_loop.append(coro)
+            return real(coro, timeout)
+
+        monkeypatch.setattr(facade._loop_thread, "call", counted)
+        assert facade.exists_prefix(["a", "b", "c"]) == 2
+        assert facade.batch_get_v1(["a", "b"], _indices([2, 3])) == [True, True]
+        assert on_loop == []
+        assert _canonical_bytes(reader, 3) == _canonical_bytes(writer, 1)
+
+        async def inside_a_loop() -> None:
+            with pytest.raises(LoopMisuseError):  # still the misuse it always was
+                facade.batch_get_v1(["a"], _indices([4]))
+
+        asyncio.run(inside_a_loop())
+    finally:
+        facade.close()

@@ -332,11 +332,7 @@ class HiCacheSGLangStorage(_SGLangStorage):
     def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
         def run(f: HiCacheStorage) -> int:
             assert self._backend is not None
-            # on this thread when the store can answer from memory (no hand-off to its loop
-            # and back: each waits for the GIL in a busy engine), else on its loop; both stop
-            # at the first miss
-            now = self._backend.exists_prefix_now(list(keys), KV)
-            return now if now is not None else f.run(self._backend.exists_prefix(list(keys), KV))
+            return f.exists_prefix(list(keys), KV)  # stops at the first miss; on this thread where it can
 
         return self._do("batch_exists", run, 0)
 
@@ -361,7 +357,7 @@ class HiCacheSGLangStorage(_SGLangStorage):
 
         def run(f: HiCacheStorage) -> Any:
             assert self._backend is not None
-            kv_now = self._backend.exists_prefix_now(keys, KV)  # see batch_exists
+            kv_now = self._backend.exists_prefix_now(keys, KV)  # on this thread where it can (see the facade)
             if kv_now is not None and (not transfers or not kv_now):
                 hits = resolve(kv_now, {})  # nothing left to ask the loop
             else:
@@ -387,17 +383,9 @@ class HiCacheSGLangStorage(_SGLangStorage):
         return out
 
     def _get_kv(self, facade: HiCacheStorage, keys: list[str], host_indices: torch.Tensor) -> list[bool]:
-        # on this thread where the store can (small pages, read straight into the pool's
-        # memory: never the mover's staging, which only pools the store cannot read into
-        # use): no hand-off to the store's loop and its I/O thread and back, each a wait for
-        # the GIL in a busy engine; bounded by the same call_timeout
-        assert self._backend is not None
-        now = self._backend.batch_get_v1_now(keys, host_indices, facade.call_timeout)
-        if now is not None:
-            return now
-        if self._mover is not None:
-            return facade.run(self._mover.get(keys, host_indices))
-        return facade.batch_get_v1(keys, host_indices)
+        if self._mover is not None and not self._mover.moves_directly:
+            return facade.run(self._mover.get(keys, host_indices))  # through the mover's staging
+        return facade.batch_get_v1(keys, host_indices)  # on this thread where the store can read there
 
     def _set_kv(self, facade: HiCacheStorage, keys: list[str], host_indices: torch.Tensor, prefix: Any) -> list[bool]:
         if self._mover is not None:

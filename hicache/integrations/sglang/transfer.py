@@ -73,11 +73,16 @@ class PageMover:
             return None
         return host_indices.reshape(-1)[::ps].cpu().tolist()
 
+    @property
+    def moves_directly(self) -> bool:
+        """Whether the backend moves every page of this pool itself, without this class's
+        staging: contiguous pages, or a backend that takes pages as pool memory pieces
+        (scatter/gather I/O, :mod:`hicache.storage.segments`)."""
+        return self.pool.has_live_pages or self.backend.supports_segments
+
     def _direct(self, starts: list[int] | None, n: int) -> bool:
-        """Whether the backend moves these pages itself, without this class's staging:
-        contiguous pages, a backend that takes pages as pool memory pieces (scatter/gather
-        I/O, :mod:`hicache.storage.segments`), or a malformed request it reports itself."""
-        return self.pool.has_live_pages or self.backend.supports_segments or starts is None or n == 0
+        """:attr:`moves_directly`, or a malformed request the backend reports itself."""
+        return self.moves_directly or starts is None or n == 0
 
     async def get(self, keys: list[str], host_indices: torch.Tensor) -> list[bool]:
         """Read ``keys`` into the pool at ``host_indices``; one flag per key."""
