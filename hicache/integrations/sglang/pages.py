@@ -288,16 +288,24 @@ class CanonicalPagePool:
                 for at, nbytes, piece in first
             ])
         view, base = self._np_page(int(index))
-        shift = base - self._base0
-        pieces: list[Any] = []
+        kv_bytes = self._kv_bytes
+        return PageSegments([
+            kv_bytes[at : at + nbytes] if piece is None else piece
+            for at, nbytes, piece in self._piece_plan_at(view, base, base - self._base0)
+        ])
+
+    def _piece_plan_at(self, view: np.ndarray, base: int, shift: int) -> list[tuple[int, int, StridedPiece | None]]:
+        """A page's pieces as ``(offset, bytes, None)`` for a direct byte run of the pool and
+        ``(0, bytes, strided piece)`` otherwise, from the page's numpy ``view`` at byte
+        ``base`` of the pool (``shift`` bytes after the first page's)."""
+        plan: list[tuple[int, int, StridedPiece | None]] = []
         for c, spans in enumerate(self._pieces):
             for l0, l1, nbytes, direct in spans:
                 if direct:
-                    at = base + c * view.strides[0] + l0 * view.strides[1]
-                    pieces.append(self._kv_bytes[at : at + nbytes])
+                    plan.append((base + c * view.strides[0] + l0 * view.strides[1], nbytes, None))
                 else:
-                    pieces.append(StridedPiece(view[c, l0:l1], self._spans.get((c, l0)), shift))
-        return PageSegments(pieces)
+                    plan.append((0, nbytes, StridedPiece(view[c, l0:l1], self._spans.get((c, l0)), shift)))
+        return plan
 
     def _shiftable_first_page(self, view0: np.ndarray) -> tuple[list[tuple[int, int, StridedPiece | None]], int] | None:
         """The first page's pieces as ``(offset, bytes, strided piece or None)`` and the
@@ -312,15 +320,7 @@ class CanonicalPagePool:
         for page in (2, pages - 1):
             if self._np_page(page * self.page_size)[1] - self._base0 != page * step:
                 return None
-        first: list[tuple[int, int, StridedPiece | None]] = []
-        for c, spans in enumerate(self._pieces):
-            for l0, l1, nbytes, direct in spans:
-                if direct:
-                    at = self._base0 + c * view0.strides[0] + l0 * view0.strides[1]
-                    first.append((at, nbytes, None))
-                else:
-                    first.append((0, nbytes, StridedPiece(view0[c, l0:l1], self._spans[(c, l0)], 0)))
-        return first, step
+        return self._piece_plan_at(view0, self._base0, 0), step
 
     def _np_page(self, index: int) -> tuple[np.ndarray, int]:
         """The page at ``index`` as a canonical-order numpy view of the pool's memory, and
