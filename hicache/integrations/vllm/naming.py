@@ -19,7 +19,8 @@ import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from hicache.keys import Namespace, page_hashes
+from hicache.keys import Namespace
+from hicache.prefix_cache.hashing import fast_page_hashes
 
 __all__ = ["KVGeometry", "PAGE_LAYOUT", "PageKeyChain", "deployment_namespace", "salt_root"]
 
@@ -118,5 +119,7 @@ class PageKeyChain:
         have = len(self.keys)
         if have < num_pages:
             prior = self.keys[-1] if self.keys else self._root
-            self.keys.extend(page_hashes(list(token_ids[have * bs : num_pages * bs]), bs, prior))
+            # the core's hashing (one C call for the chain where built): the same keys as
+            # hicache.keys.page_hashes, without its conversion of each token in Python
+            self.keys.extend(fast_page_hashes(list(token_ids[have * bs : num_pages * bs]), bs, prior))
         return self.keys[:num_pages]
