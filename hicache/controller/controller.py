@@ -986,15 +986,24 @@ class HiCacheController:
         *,
         alloc_host: Callable[[int], torch.Tensor | None],
         extra: list[PoolTransfer] | None = None,
+        promised: bool = False,
     ) -> PrefetchOp | None:
         """Start fetching the pages under ``keys`` (a chain continuing the host hit) into host
-        memory in the background (see :meth:`Prefetcher.start`). ``None`` when not started."""
+        memory in the background (see :meth:`Prefetcher.start`). ``None`` when not started.
+
+        ``promised``: an engine already counted these pages as hits (vLLM's scheduler told its
+        workers to load them), so not reading them fails its blocks instead of costing a
+        recompute: the read is tried even while the store is marked down (the health mark may
+        come from a slow write while reads work; the caller bounds the wait), and the
+        prefetcher's threshold and in-flight budget do not apply."""
         if self._prefetcher is None or not self._accepting():
             return None
         if not self.health.up:
-            self.metrics.incr("prefetch_skipped_unhealthy")
-            return None
-        return self._prefetcher.start(rid, keys, alloc_host=alloc_host, extra=extra)
+            if not promised:
+                self.metrics.incr("prefetch_skipped_unhealthy")
+                return None
+            self.metrics.incr("prefetch_promised_while_down")
+        return self._prefetcher.start(rid, keys, alloc_host=alloc_host, extra=extra, promised=promised)
 
     def note_prefill(self, tokens: int, seconds: float) -> None:
         """The engine computed ``tokens`` of prefill in ``seconds``: the recompute cost the
@@ -1034,10 +1043,12 @@ class HiCacheController:
 
     async def _storage_call(self, coro: Coroutine[Any, Any, Any], what: str,
                             progress: list[float] | None = None, *,
-                            landed: Callable[[], None] | None = None) -> Any:
+                            landed: Callable[[], None] | None = None, promised: bool = False) -> Any:
         """Await a storage call under the health rules and the I/O timeout; ``None`` when it
         failed, timed out, was interrupted because the store went down, or was not made
-        because the store is down.
+        because the store is down. A ``promised`` call (a read an engine already counted as a
+        hit, see :meth:`start_prefetch`) is made while the store is marked down and is not
+        interrupted when it goes down: only the I/O timeout (and its caller) ends it.
 
         An interrupted call is cancelled, and then waited for until it has really ended (also
         when the caller is cancelled meanwhile): until then the backend may still be reading
@@ -1046,7 +1057,7 @@ class HiCacheController:
         ``cancelled_io_grace_s`` after it was cancelled is logged and counted as stuck (its
         pages stay out of use; the store is marked down, so no new call piles up behind it).
         """
-        if not self.health.up:
+        if not self.health.up and not promised:
             coro.close()
             self.metrics.incr("storage_calls_skipped")
             return None
@@ -1065,8 +1076,9 @@ class HiCacheController:
             _close_unstarted(coro)  # the wrapper never started: nor did the call it wraps
 
         call.add_done_callback(close_unstarted)
-        self._calls.add(call)
-        call.add_done_callback(self._calls.discard)
+        if not promised:  # the calls a store that goes down interrupts
+            self._calls.add(call)
+            call.add_done_callback(self._calls.discard)
         try:
             stall = cfg.storage_stall_s if 0 < cfg.storage_stall_s < cfg.storage_io_timeout_s else 0.0
             # a call that makes several calls inside (a hop) reports each one's end in

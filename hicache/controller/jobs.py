@@ -90,6 +90,8 @@ class PrefetchOp:
     keys: list[str]
     page_size: int
     extra: list[PoolTransfer] = dataclasses.field(default_factory=list)
+    #: pages an engine already counted as hits (``HiCacheController.start_prefetch``)
+    promised: bool = False
     started: float = dataclasses.field(default_factory=time.monotonic)
     found_pages: int = 0
     completed_pages: int = 0

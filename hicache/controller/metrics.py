@@ -57,6 +57,7 @@ _COUNTERS: dict[str, str] = {
     "storage_calls_skipped": "storage calls not made: the store is marked down",
     "storage_write_skipped_unhealthy": "pages not written: the store is marked down",
     "prefetch_skipped_unhealthy": "prefetches not started: the store is marked down",
+    "prefetch_promised_while_down": "reads an engine had already counted as hits, tried while the store was marked down",
     "unwritten_on_close": "pages still unwritten when the controller closed",
     "prefetch_started": "prefetches started",
     "prefetch_skipped_threshold": "prefetches not started: below the token threshold",

@@ -47,7 +47,7 @@ class StorageCall(Protocol):
     a failed call); ``landed()`` runs on the I/O loop once ``coro`` has returned there."""
 
     def __call__(self, coro: Coroutine[Any, Any, Any], what: str, *,
-                 landed: Callable[[], None] | None = None) -> Coroutine[Any, Any, Any]: ...
+                 landed: Callable[[], None] | None = None, promised: bool = False) -> Coroutine[Any, Any, Any]: ...
 
 logger = logging.getLogger("hicache.controller")
 
@@ -124,23 +124,26 @@ class Prefetcher:
         *,
         alloc_host: Callable[[int], torch.Tensor | None],
         extra: list[PoolTransfer] | None = None,
+        promised: bool = False,
     ) -> PrefetchOp | None:
         """Start fetching the pages under ``keys`` (a chain continuing the host hit) into host
         memory in the background. ``alloc_host(max_tokens)`` returns up to that many host
         slots (whole pages) or ``None``. Returns ``None`` when not started (no storage, closed,
-        below threshold, rate limited, or ``rid`` already prefetching)."""
+        below threshold, rate limited, or ``rid`` already prefetching). ``promised`` (see
+        :meth:`HiCacheController.start_prefetch`): neither the threshold nor the in-flight
+        budget applies (its tokens still count in the budget)."""
         if not keys:
             return None
         tokens = len(keys) * self.page_size
-        if tokens < self.config.prefetch_threshold:
+        if tokens < self.config.prefetch_threshold and not promised:
             self.metrics.incr("prefetch_skipped_threshold")
             return None
         if rid in self._prefetches:
             return None
-        if self._inflight_tokens + tokens > self.config.max_inflight_prefetch_tokens:
+        if self._inflight_tokens + tokens > self.config.max_inflight_prefetch_tokens and not promised:
             self.metrics.incr("prefetch_rate_limited")
             return None
-        op = PrefetchOp(rid=rid, keys=list(keys), page_size=self.page_size, extra=list(extra or ()))
+        op = PrefetchOp(rid=rid, keys=list(keys), page_size=self.page_size, extra=list(extra or ()), promised=promised)
         # waiting for its turn (max_concurrent_prefetches) counts as a call of no pages: a
         # request queued behind a busy store sees its prefetch run late, as a stalled call does
         op.inflight_since = op.started
@@ -164,7 +167,8 @@ class Prefetcher:
                     return
                 op.inflight_since = time.monotonic()
                 with counting_call() as call:
-                    hit = await self._storage_call(self.storage.batch_exists_v2(op.keys, op.extra or None), "exists")
+                    hit = await self._storage_call(self.storage.batch_exists_v2(op.keys, op.extra or None), "exists",
+                                                   promised=op.promised)
                 if hit is not None:
                     self.round_trip.observe(1, time.monotonic() - op.inflight_since)
                 found = min(len(op.keys), hit.kv_hit_pages if hit is not None else 0)
@@ -195,7 +199,7 @@ class Prefetcher:
                     batch_t0 = time.perf_counter()  # t0 stays the whole prefetch's start
                     with counting_call() as call:
                         result = await self._storage_call(self.storage.batch_get_v2(transfers), "read",
-                                                          landed=op.note_read_landed)
+                                                          landed=op.note_read_landed, promised=op.promised)
                     self._reading.discard(op)
                     # the store's time ends where the read landed on the I/O loop: a blocked
                     # loop (a forward pass) that took its answer late is not a slow store

@@ -287,3 +287,32 @@ async def test_a_timeout_prefetch_keeps_pages_that_landed_while_the_loop_was_blo
     finally:
         store.block = 0.0
         await stack.aclose()
+
+
+async def test_a_promised_read_is_made_while_the_store_is_down_and_outlives_a_trip() -> None:
+    """Pages an engine already counted as hits (``promised``) are read even while the store is
+    marked down, and a trip while the read runs does not interrupt it; an optional prefetch is
+    skipped as before."""
+    store_id = f"promised-{uuid.uuid4()}"
+    await seed(store_id, [prompt(1)])
+    async with switched(store_id) as (store, stack):
+        ctl = stack.controller  # type: ignore[attr-defined]
+        keys = fast_page_hashes(prompt(1), PS, namespace_seed(None))[:8]
+        pool = stack.host_pool  # type: ignore[attr-defined]
+
+        def alloc(tokens: int):  # type: ignore[no-untyped-def]
+            return pool.alloc(tokens)
+
+        ctl.health.trip("test: marked down")
+        assert not ctl.health.up
+        assert ctl.start_prefetch("optional", keys, alloc_host=alloc) is None
+        store.mode = "hang"  # the promised read waits in the store...
+        op = ctl.start_prefetch("promised", keys, alloc_host=alloc, promised=True)
+        assert op is not None
+        await asyncio.sleep(0.1)
+        ctl.health.trip("test: down again while it reads")  # ...and is not interrupted by this
+        store.mode = "ok"
+        result = await ctl.wait_prefetch("promised", "wait_complete")
+        assert result is not None and result.pages == len(keys)
+        assert ctl.metrics.counters.get("prefetch_promised_while_down", 0) == 1
+        pool.free(result.host_indices)

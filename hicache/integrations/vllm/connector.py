@@ -325,11 +325,20 @@ class HiCacheConnector(KVConnectorBase_V1):
                 self._worker.save(meta.saves)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self._worker.take_failed_blocks() if self._worker is not None else set()
+        """The blocks of this step that did not load. vLLM with speculative decoding asks this
+        (and :meth:`build_connector_worker_meta`) right after the forward, before
+        :meth:`wait_for_save`: the step's load is finished here first (idempotent; it is done
+        with vLLM's blocks once the forward's layers are in), so nothing it found comes a step
+        late."""
+        if self._worker is None:
+            return set()
+        self._worker.finish_step()
+        return self._worker.take_failed_blocks()
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         if self._worker is None:
             return None
+        self._worker.finish_step()  # see get_block_ids_with_load_errors
         report = self._worker.take_report()
         return HiCacheWorkerMetadata(report) if report else None
 

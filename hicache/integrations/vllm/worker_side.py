@@ -279,6 +279,7 @@ class WorkerSide:
 
     def _run_load(self, job: _Load, loads: list[PageLoad]) -> None:
         plan: list[tuple[int, int]] = []  # (slot, block) of every page that is good to copy
+        published: set[int] = set()  # failed blocks reported already (each is reported once)
         try:
             fetches: list[_Fetch | None] = []
             with self._lock:
@@ -303,8 +304,14 @@ class WorkerSide:
                     self._report.reads.append((landed, time.perf_counter() - t0))
             bad: set[int] = set()
             with self._lock:
-                for spec, fetch in zip(loads, fetches):
-                    got = fetched.get(fetch.rid, 0) if fetch is not None else 0
+                landed_by_spec = [fetched.get(fetch.rid, 0) if fetch is not None else 0 for fetch in fetches]
+                # every page read in this step first: a request's host pages may be pages another
+                # request of the same step read into new host slots (they joined the scheduler's
+                # tree when that one was allocated), whatever order the step lists the two in
+                for spec, got in zip(loads, landed_by_spec):
+                    for key, slot in zip(spec.keys[spec.from_host :][:got], spec.slots[spec.from_host :][:got]):
+                        self._resident[slot] = key
+                for spec, got in zip(loads, landed_by_spec):
                     broken = False
                     for i, (key, slot, block) in enumerate(zip(spec.keys, spec.slots, spec.block_ids)):
                         if i < spec.from_host:
@@ -312,8 +319,6 @@ class WorkerSide:
                             source = "pages_from_host"
                         else:
                             good = i - spec.from_host < got
-                            if good:
-                                self._resident[slot] = key
                             source = "pages_loaded"
                         good = good and not broken and self._valid_block(block)
                         if good:
@@ -326,13 +331,18 @@ class WorkerSide:
                         if self._valid_slot(slot) and self._resident[slot] != key:
                             bad.add(slot)  # the scheduler believes (or will believe) it holds key
                 self._report.bad_slots |= bad
+            # known before any byte is copied: published now, so a vLLM that asks for the step's
+            # failures as soon as the forward's last layer is in (speculative decoding finalizes
+            # the connector before wait_for_save) already sees them
+            published = set(job.failed_blocks)
+            self._fail(published)
             self._copy_layers(job, plan)
         except BaseException as exc:  # noqa: BLE001 - the load thread must never die
             logger.exception("hicache: load failed")
             job.failed_blocks.update(b for _, b in plan)
             job.counter.fail(exc)
         finally:
-            self._fail(job.failed_blocks)
+            self._fail(job.failed_blocks - published)
             job.done.set()
 
     def _fetch(self, fetches: list[_Fetch]) -> dict[str, int]:
@@ -365,7 +375,10 @@ class WorkerSide:
 
         got = 0
         try:
-            if self.controller.start_prefetch(fetch.rid, fetch.keys, alloc_host=alloc_host) is None:
+            # promised: the scheduler counted these pages as hits, so the controller's gates for
+            # optional prefetches (store marked down, in-flight budget) must not turn them into
+            # failed blocks; the read stays bounded by the load timeout
+            if self.controller.start_prefetch(fetch.rid, fetch.keys, alloc_host=alloc_host, promised=True) is None:
                 return 0
             try:
                 result = await self.controller.wait_prefetch(fetch.rid, "wait_complete")

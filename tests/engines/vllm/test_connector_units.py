@@ -914,3 +914,120 @@ def test_a_read_that_lands_nothing_does_not_set_the_pace(tmp_path: Path) -> None
     finally:
         w.close(timeout=10)
         s.close(timeout=10)
+
+
+# ---------------------------------------------------------------- review findings (stop 39)
+def test_a_failed_load_is_reported_before_the_step_is_finished(tmp_path: Path) -> None:
+    """vLLM with speculative decoding asks for the step's failed blocks right after the
+    forward's last layer, before wait_for_save: a page found missing must be reported then,
+    in the step its block was read, never a step late."""
+    stored(tmp_path, seed=1, num_pages=3)  # pages 0..2 stored, page 3 is not
+    w = worker(tmp_path, kv_layers(None))
+    keys = PageKeyChain(BS).extend(TOKENS, 4)
+    try:
+        for step in range(40):
+            w.begin_step(step=step + 1)
+            w.start([PageLoad(f"r{step}", tuple(keys), (0, 1, 2, 3), (4, 5, 6, 7), from_host=0)])
+            for i in range(GEOM.num_layers):
+                w.wait_layer(f"layer.{i}")
+            assert w.take_failed_blocks() == {7}, f"step {step}: the failure came late"
+            w.finish_step()
+            assert w.take_failed_blocks() == set()
+            with w._lock:
+                w._resident = [None] * w.num_pages  # fresh slots each step
+    finally:
+        w.close(5)
+
+
+def test_the_connector_finishes_the_load_before_vllm_reads_its_failures() -> None:
+    """get_block_ids_with_load_errors and build_connector_worker_meta end the step's load
+    first (vLLM may call them before wait_for_save); finishing again later is a no-op."""
+    from hicache.integrations.vllm.connector import HiCacheConnector
+
+    calls: list[str] = []
+
+    class Worker:
+        def finish_step(self) -> None:
+            calls.append("finish")
+
+        def take_failed_blocks(self) -> set[int]:
+            calls.append("failed")
+            return {3}
+
+        def take_report(self) -> None:
+            calls.append("report")
+
+    conn = object.__new__(HiCacheConnector)
+    conn._worker = Worker()  # type: ignore[attr-defined]
+    assert conn.get_block_ids_with_load_errors() == {3}
+    assert conn.build_connector_worker_meta() is None
+    assert calls == ["finish", "failed", "finish", "report"]
+
+
+def test_loads_the_scheduler_promised_are_read_while_the_store_is_marked_down(tmp_path: Path) -> None:
+    """A slow storage write marks the worker's store down; the scheduler (which claims hits
+    through its own lookups) still counts stored pages as hits. Not reading them would fail
+    their blocks (vLLM's default policy fails the request): the promised read is made."""
+    stored(tmp_path, seed=1, num_pages=4)
+    s = scheduler("file", {"root": str(tmp_path)})
+    w = worker(tmp_path, kv_layers(None), storage_stall_s=0.3, storage_probe_base_s=5.0)
+    try:
+        slow_writes(w, 1.0)
+        w.save([PageSave("x", tuple(PageKeyChain(BS).extend(OTHER, 2)), (40, 41), (5, 6), job=9)])
+        deadline = time.monotonic() + 10
+        while w.controller.health.up and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not w.controller.health.up
+        toks = TOKENS[: 4 * BS + 3]
+        hit = request(s, "A", toks, [0, 1, 2, 3, 4])
+        assert hit == 4 * BS
+        _, failed = run_step(s, w, [("A", hit, 4 * BS, toks, [0, 1, 2, 3, 4])])
+        assert failed == set()
+        assert w.controller.metrics.counters.get("prefetch_promised_while_down", 0) >= 1
+    finally:
+        w.close(5)
+        s.close(5)
+
+
+def test_loads_the_scheduler_promised_ignore_the_prefetch_budget(tmp_path: Path) -> None:
+    """An in-flight budget smaller than a promised load does not turn it into failed blocks."""
+    stored(tmp_path, seed=1, num_pages=4)
+    s = scheduler("file", {"root": str(tmp_path)})
+    w = worker(tmp_path, kv_layers(None), max_inflight_prefetch_tokens=3 * BS)
+    try:
+        toks = TOKENS[: 4 * BS + 3]
+        hit = request(s, "A", toks, [0, 1, 2, 3, 4])
+        assert hit == 4 * BS
+        _, failed = run_step(s, w, [("A", hit, 4 * BS, toks, [0, 1, 2, 3, 4])])
+        assert failed == set()
+    finally:
+        w.close(5)
+        s.close(5)
+
+
+def test_a_host_page_another_request_of_the_step_reads_loads_whatever_the_order(tmp_path: Path) -> None:
+    """Request A reads pages from storage into new host slots (they join the tree when A is
+    allocated); B, allocated after it in the same step, matches them as host pages. vLLM lists
+    new requests before resumed ones, so B's load can come first in the step: it must not fail."""
+    src, _ = stored(tmp_path, seed=1, num_pages=4)
+    s = scheduler("file", {"root": str(tmp_path)})
+    w = worker(tmp_path, kv_layers(None))
+    try:
+        old = TOKENS[: 2 * BS + 1]  # an earlier request leaves pages 0..1 on host
+        hit = request(s, "old", old, list(range(8, 11)))
+        run_step(s, w, [("old", hit, 2 * BS + 1, old, list(range(8, 11)))])
+        s.finished("old")
+        toks = TOKENS[: 4 * BS + 3]
+        a_blocks, b_blocks = [0, 1, 2, 3, 4], [10, 11, 12, 13, 14]
+        hit_a = request(s, "A", toks, a_blocks)
+        hit_b = request(s, "B", toks, b_blocks)
+        assert hit_a == hit_b == 4 * BS and s._loads["B"].from_host == 4
+        _, failed = run_step(s, w, [("B", hit_b, 4 * BS, toks, b_blocks), ("A", hit_a, 4 * BS, toks, a_blocks)])
+        assert failed == set()
+        assert s.stats["bad_slot_pages_dropped"] == 0
+        for layer_src, layer in zip(src, w.layers):
+            for a, b in zip(a_blocks[:4] + b_blocks[:4], list(range(4)) * 2):
+                assert torch.equal(layer[a], layer_src[b]), "a block holds other KV than the page stored"
+    finally:
+        w.close(5)
+        s.close(5)
