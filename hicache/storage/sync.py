@@ -184,10 +184,48 @@ def _stop_loop(loop_thread: LoopThread, backend: AsyncHiCacheStorage | None = No
         and loop_thread._thread.is_alive()
     ):
         try:
-            loop_thread.call(backend.aclose(), timeout=30)
+            loop_thread.call(backend.aclose(), timeout=CLOSE_TIMEOUT_S)
         except BaseException:  # noqa: BLE001 - a finalizer must not raise
             pass
     loop_thread.stop()
+
+
+#: How long closing a facade may take. Not ``call_timeout`` (one I/O's limit): stores bound
+#: their own close waits (the file store waits up to 30 s for calls in progress and 30 s for
+#: reads on callers' threads, then for its threads), and a close cut short leaves files and
+#: locks open; this only keeps a hung close from hanging its caller for good.
+CLOSE_TIMEOUT_S = 120.0
+
+#: Facades not closed yet, closed at interpreter exit by :func:`_close_at_exit`.
+_open_facades: weakref.WeakSet[HiCacheStorage] = weakref.WeakSet()
+_exit_hook = threading.Lock()
+_exit_hook_set = False
+
+
+def _close_at_exit() -> None:
+    """Close the facades still open when the interpreter exits, before ``concurrent.futures``
+    stops taking work: ``weakref.finalize`` runs later (at ``atexit``), when a store's close
+    found every executor refusing it and left its files open."""
+    for facade in list(_open_facades):
+        facade._finalizer()
+
+
+def _set_exit_hook() -> None:
+    """Register :func:`_close_at_exit` once, where threading runs the hooks that come before
+    its executors stop (CPython's ``threading._register_atexit``, the one ``concurrent.futures``
+    uses; hooks run last registered first). Without it, the facades' finalizers still run at
+    ``atexit``."""
+    global _exit_hook_set
+    with _exit_hook:
+        if _exit_hook_set:
+            return
+        _exit_hook_set = True
+        register = getattr(threading, "_register_atexit", None)
+        if register is not None:
+            try:
+                register(_close_at_exit)
+            except RuntimeError:  # the interpreter is shutting down already
+                pass
 
 
 class HiCacheStorage:
@@ -200,6 +238,8 @@ class HiCacheStorage:
         self._finalizer = weakref.finalize(self, _stop_loop, self._loop_thread, backend)
         self._closed = False
         self._timeout_log = Throttle()
+        _open_facades.add(self)
+        _set_exit_hook()
 
     def _call(self, coro: Coroutine[Any, Any, T]) -> T:
         if self._closed:
@@ -240,9 +280,10 @@ class HiCacheStorage:
         if self._closed:
             return
         try:
-            self._loop_thread.call(self.backend.aclose(), self.call_timeout)
+            self._loop_thread.call(self.backend.aclose(), max(CLOSE_TIMEOUT_S, self.call_timeout or 0.0))
         finally:
             self._closed = True
+            _open_facades.discard(self)
             self._finalizer()
 
     def __enter__(self) -> HiCacheStorage:
@@ -268,6 +309,11 @@ class HiCacheStorage:
         if bad:
             self.backend.stats.incr("invalid_requests", bad)
         return bad
+
+    def storable_prefix(self, keys: list[str]) -> list[str]:
+        """``keys`` up to its first unstorable key (counted), for a prefix lookup an engine
+        adapter composes itself: a bad key is a miss there, not an error of the whole batch."""
+        return self._prefix_keys(keys)
 
     def _prefix_keys(self, keys: list[str]) -> list[str]:
         """``keys`` up to its first unstorable key: a prefix lookup stops at a miss anyway."""
@@ -420,7 +466,8 @@ class HiCacheStorage:
     def exists_prefix(self, keys: list[str], pool: PoolName | str = PoolName.KV) -> int:
         """How many of ``keys``' pages in ``pool`` exist from the first: on the calling thread
         where the store can answer from memory (``exists_prefix_now``), else on the loop (see
-        :meth:`batch_get_v1` for why)."""
+        :meth:`batch_get_v1` for why). An unstorable key is a miss (the prefix stops there)."""
+        keys = self.storable_prefix(keys)
         if self._blocking_caller():
             now = self.backend.exists_prefix_now(keys, pool)
             if now is not None:

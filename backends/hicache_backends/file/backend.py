@@ -273,34 +273,41 @@ class FileStorage(AsyncHiCacheStorage):
 
     async def _close(self) -> None:
         self._stop.set()  # background deletions stop at the next file; the next open resumes them
-        # calls already running finish first: their settlement, indexing and trash need the
-        # executors (new calls are refused: the store's state is CLOSED already)
         try:
-            async with asyncio.timeout(_CLOSE_CALLS_WAIT_SECONDS):
-                await self._calls_idle.wait()
-        except TimeoutError:  # a call stuck in its I/O: close anyway (it fails when it resumes)
-            logger.warning("file store %s: closing with %d call(s) still running after %.0f s",
-                           self.root, self._calls, _CLOSE_CALLS_WAIT_SECONDS)
-        left = await asyncio.to_thread(self._caller_reads.close, _CLOSE_CALLS_WAIT_SECONDS)
-        if left:
-            logger.warning("file store %s: closing with %d read(s) on callers' threads still running after %.0f s",
-                           self.root, left, _CLOSE_CALLS_WAIT_SECONDS)
-        await self._scanner.stop()
-        if self._peers is not None:
-            await self._peers.stop_tailing()
-        if self._background:
-            await asyncio.gather(*self._background, return_exceptions=True)
-        executors = self._executors()
-        if executors:
-            # Let in-flight page writes finish (each cleans up after itself), off the loop.
-            def shut_down() -> None:
-                for e in executors:
-                    e.shutdown(wait=True)
+            # calls already running finish first: their settlement, indexing and trash need the
+            # executors (new calls are refused: the store's state is CLOSED already)
+            try:
+                async with asyncio.timeout(_CLOSE_CALLS_WAIT_SECONDS):
+                    await self._calls_idle.wait()
+            except TimeoutError:  # a call stuck in its I/O: close anyway (it fails when it resumes)
+                logger.warning("file store %s: closing with %d call(s) still running after %.0f s",
+                               self.root, self._calls, _CLOSE_CALLS_WAIT_SECONDS)
+            left = await asyncio.to_thread(self._caller_reads.close, _CLOSE_CALLS_WAIT_SECONDS)
+            if left:
+                logger.warning("file store %s: closing with %d read(s) on callers' threads still running after %.0f s",
+                               self.root, left, _CLOSE_CALLS_WAIT_SECONDS)
+            await self._scanner.stop()
+            if self._peers is not None:
+                await self._peers.stop_tailing()
+            if self._background:
+                await asyncio.gather(*self._background, return_exceptions=True)
+            executors = self._executors()
+            if executors:
+                # Let in-flight page writes finish (each cleans up after itself), off the loop.
+                def shut_down() -> None:
+                    for e in executors:
+                        e.shutdown(wait=True)
 
-            await asyncio.to_thread(shut_down)
-        self._space.close()
-        if self._peers is not None:
-            await self._peers.close()
+                await asyncio.to_thread(shut_down)
+        finally:
+            # released however the close ends, cut short included (cancelled past a caller's
+            # limit; at interpreter exit, where no executor takes work): a ledger file left
+            # open keeps its shared lock, and every later store of the namespace would believe
+            # another process still uses it (its scans never correct the usage again)
+            self._shutdown_executors(wait=False)
+            self._space.close()
+            if self._peers is not None:
+                await self._peers.close()
 
     def _executors(self) -> list[ThreadPoolExecutor]:
         journal = self._peers.executor if self._peers is not None else None

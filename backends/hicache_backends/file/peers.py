@@ -83,8 +83,15 @@ class PeerRemovals:
             await asyncio.gather(task, return_exceptions=True)
 
     async def close(self) -> None:
-        """(After the journal's thread has stopped.)"""
-        if self.journal is not None:
+        """(After the journal's thread has stopped.) Idempotent; the journal is closed however
+        this ends (a cancelled caller waits for the flush first)."""
+        journal, self.journal = self.journal, None
+        if journal is None:
+            return
+        try:
             # removals reported while the executors shut down: written (or counted) now
-            await asyncio.to_thread(self.journal.flush)
-            self.journal.close()
+            await run_to_completion(journal.flush)
+        except RuntimeError:  # no thread takes work (interpreter exit): flushed on this one
+            journal.flush()
+        finally:
+            journal.close()

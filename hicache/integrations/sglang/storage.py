@@ -45,6 +45,7 @@ from hicache.storage import (
     PoolTransfer,
     create_async_storage,
 )
+from hicache.storage.key_screen import first_unstorable
 from hicache.storage.pages import page_nbytes
 from hicache.storage.stats import CallCounts, counting_call
 
@@ -343,25 +344,26 @@ class HiCacheSGLangStorage(_SGLangStorage):
             return resolve_hits([True] * kv_pages + [False] * (len(keys) - kv_pages), flags, transfers,
                                 kv_name=_SGLangPoolName.KV)
 
-        async def query(backend: AsyncHiCacheStorage, kv_now: int | None) -> Any:
+        async def query(backend: AsyncHiCacheStorage, lookup: list[str], kv_now: int | None) -> Any:
             # the KV prefix in as few round trips as the backend allows (S3: it stops at the
             # first miss instead of one HEAD per page); extra pools only over that prefix
-            kv_pages = kv_now if kv_now is not None else await backend.exists_prefix(keys, KV)
+            kv_pages = kv_now if kv_now is not None else await backend.exists_prefix(lookup, KV)
             flags: dict[Any, list[bool]] = {}
             if kv_pages:
                 for t in transfers:
                     name = self._pool(t.name)
                     flags[t.name] = ([False] * kv_pages if name in self._refused
-                                     else await backend.exists_pages(keys[:kv_pages], name))
+                                     else await backend.exists_pages(lookup[:kv_pages], name))
             return resolve(kv_pages, flags)
 
         def run(f: HiCacheStorage) -> Any:
             assert self._backend is not None
-            kv_now = self._backend.exists_prefix_now(keys, KV)  # on this thread where it can (see the facade)
+            lookup = f.storable_prefix(list(keys))  # a bad key is a miss from there, not a failed batch
+            kv_now = self._backend.exists_prefix_now(lookup, KV)  # on this thread where it can (see the facade)
             if kv_now is not None and (not transfers or not kv_now):
                 hits = resolve(kv_now, {})  # nothing left to ask the loop
             else:
-                hits = f.run(query(self._backend, kv_now))
+                hits = f.run(query(self._backend, lookup, kv_now))
             return _SGLangResult(hits.kv_hit_pages, hits.extra_pool_hit_pages, hits.restorable_prefix_pages)
 
         return self._do("batch_exists_v2", run, _SGLangResult(0, {}, []))
@@ -388,7 +390,9 @@ class HiCacheSGLangStorage(_SGLangStorage):
         return facade.batch_get_v1(keys, host_indices)  # on this thread where the store can read there
 
     def _set_kv(self, facade: HiCacheStorage, keys: list[str], host_indices: torch.Tensor, prefix: Any) -> list[bool]:
-        if self._mover is not None:
+        # a batch with a key no store takes goes through the facade, which fails that key
+        # alone; the mover sends its batches to the backend as they are
+        if self._mover is not None and first_unstorable(keys) is None:
             return facade.run(self._mover.set(keys, host_indices, prefix))
         return facade.batch_set_v1(keys, host_indices, _extra(prefix))
 

@@ -30,6 +30,7 @@ import torch
 from hicache.integrations.sglang.pages import CanonicalPagePool
 from hicache.storage import AsyncHiCacheStorage, HiCacheStorageExtraInfo, PoolTransfer
 from hicache.storage.offload import run_to_completion
+from hicache.storage.pool_pages import overlapping
 
 __all__ = ["PageMover"]
 
@@ -91,9 +92,20 @@ class PageMover:
         if starts is None or self._direct(starts, n):
             got = await self.backend.batch_get_v2(self._transfer(keys, host_indices))
             return got[self.pool_name]
-        area = self._area("get")
         ps = self.pool.page_size
-        ok = [False] * n
+        # two pages of the batch read into the same host page: the chunks below catch that only
+        # within a chunk and its neighbour, so the batch stops before the first such page (as
+        # a failed page stops it), whatever their distance (the direct path fails them too)
+        clash = overlapping((None, st, st + ps, i) for i, st in enumerate(starts))
+        if clash:
+            self.backend.stats.incr("invalid_requests")
+            logger.error("get: pool %r: %d page(s) would be read into host memory another page of the batch "
+                         "is read into; the batch stops before the first", self.pool_name, len(clash))
+            n = min(clash)
+            if n == 0:
+                return [False] * len(keys)
+        area = self._area("get")
+        ok = [False] * len(keys)
         async with area.lock:
             previous: tuple[int, int, int, list[int]] | None = None  # (lo, hi, half, bound)
             for ci, (lo, hi) in enumerate(self._chunks(n, area.chunk_pages)):

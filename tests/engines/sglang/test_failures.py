@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import time
 
 import pytest
@@ -154,5 +155,145 @@ def test_a_page_another_call_holds_is_neither_read_into_nor_written_from():
         assert backend.batch_get_v1(keys, dst) == [True] * 4
         for i in range(4):
             assert torch.equal(host.get_data_page(int(src[i * PAGE])), host.get_data_page(int(dst[i * PAGE])))
+    finally:
+        ctl.detach_storage_backend()
+
+
+# ---------------------------------------------------------------- review findings (stop 39)
+def _open_fds_under(root: str) -> list[str]:
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"/proc/self/fd/{fd}")
+            if target.startswith(root):
+                out.append(target)
+    return out
+
+
+def _users_lock_free(root: str) -> bool:
+    import fcntl
+    import glob
+
+    users = glob.glob(os.path.join(root, "*", "users"))
+    assert users, "the store made no ledger"
+    fd = os.open(users[0], os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="lists open files through /proc")
+def test_a_close_longer_than_the_call_timeout_is_finished_and_frees_the_store(store_root, monkeypatch):
+    """call_timeout bounds one I/O, not a close: a close that waits longer (here for the opening
+    scan of a slow folder) runs to its end and releases the ledger's files and lock, which a
+    later store of the namespace needs free to correct its usage."""
+    import hicache_backends.file.io as file_io
+
+    root = str(store_root)
+
+    def file_ctl(**extra):  # type: ignore[no-untyped-def]
+        dev = helpers.device_pool(size=2048, page_size=PAGE, layers=LAYERS)
+        host = helpers.host_pool(dev, "page_first")
+        return helpers.controller(dev, host, {**helpers.extra_config("file", root=root), **extra})
+
+    ctl = file_ctl()
+    toks = drive.tokens(PAGE * 8)
+    assert drive.backup(ctl, toks, ctl.mem_pool_host.alloc(len(toks))) == len(toks)
+    ctl.detach_storage_backend()
+
+    real_scan = file_io.scan_subdir
+
+    def slow_scan(*args, **kwargs):  # listing a big page folder on a slow file system
+        time.sleep(2.0)
+        return real_scan(*args, **kwargs)
+
+    monkeypatch.setattr(file_io, "scan_subdir", slow_scan)
+    ctl = file_ctl(hicache_call_timeout=0.5)
+    time.sleep(0.2)  # the opening scan is under way
+    t0 = time.monotonic()
+    ctl.detach_storage_backend()
+    assert time.monotonic() - t0 > 0.5  # not cut short at call_timeout
+    assert _open_fds_under(root) == []
+    assert _users_lock_free(root)
+
+
+def test_a_store_left_open_closes_cleanly_at_interpreter_exit(store_root):
+    """A server that exits without closing the backend: its facade closes the store before
+    Python stops the executors the close needs (no error, nothing left unwritten)."""
+    import subprocess
+    import sys
+    import textwrap
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    code = textwrap.dedent(f"""
+        import sys, time
+        sys.path.insert(0, {here!r})
+        import sgl_doubles
+        sgl_doubles.install_module_doubles(sgl_doubles.TORCHVISION)
+        from sglang.srt.runtime_context import get_parallel
+        get_parallel().override_permanently(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1,
+                                            attn_dcp_size=1, attn_dcp_rank=0)
+        import sgl_drive as drive, sgl_helpers as helpers
+        dev = helpers.device_pool(size=2048, page_size={PAGE}, layers={LAYERS})
+        host = helpers.host_pool(dev, "page_first")
+        helpers.fill_random(host, 1)
+        ctl = helpers.controller(dev, host, helpers.extra_config("file", root={str(store_root)!r}))
+        toks = drive.tokens({PAGE} * 4)
+        assert drive.backup(ctl, toks, ctl.mem_pool_host.alloc(len(toks))) == len(toks)
+        time.sleep(0.5)
+        print("exiting without close", flush=True)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "exiting without close" in out.stdout
+    for bad in ("error while closing", "cannot schedule new futures", "Traceback"):
+        assert bad not in out.stderr, out.stderr[-3000:]
+
+
+def test_two_pages_read_into_one_host_page_stop_the_staged_batch(monkeypatch):
+    """Through the mover's staging (one page per chunk), keys read into the same host page two
+    chunks apart: the batch stops before the second, as the direct path fails it; the first
+    page keeps its own KV."""
+    dev = helpers.device_pool(size=256, page_size=PAGE, layers=8, heads=8, head_dim=128)
+    host = helpers.host_pool(dev, "layer_first")
+    helpers.fill_random(host, 1)
+    ctl = helpers.controller(dev, host, {**helpers.extra_config("memory"), "hicache_staging_mib": 1})
+    st = ctl.storage_backend
+    try:
+        assert st._mover is not None and not st._mover.moves_directly
+        pages = lambda ps: torch.cat([torch.arange(p * PAGE, (p + 1) * PAGE) for p in ps])  # noqa: E731
+        keys = ["page-a", "page-b", "page-c"]
+        want_a = host.get_data_page(0, flat=True).clone()
+        assert st.batch_set_v1(keys, pages([0, 1, 2])) == [True, True, True]
+        assert st.batch_get_v1(keys, pages([5, 6, 5])) == [True, True, False]
+        assert torch.equal(host.get_data_page(5 * PAGE, flat=True), want_a)
+        assert st.hicache_stats()["invalid_requests"] >= 1
+    finally:
+        ctl.detach_storage_backend()
+
+
+@pytest.mark.parametrize("backend", ["memory", "file"])
+def test_an_unstorable_key_is_a_miss_for_itself_alone(backend, store_root):
+    options = {"root": str(store_root)} if backend == "file" else {}
+    dev = helpers.device_pool(size=2048, page_size=PAGE, layers=LAYERS)
+    host = helpers.host_pool(dev, "page_first")
+    ctl = helpers.controller(dev, host, helpers.extra_config(backend, **options))
+    st = ctl.storage_backend
+    try:
+        toks = drive.tokens(PAGE * 4)
+        keys = drive.get_storage_hash_str(toks, None, page_size=PAGE)
+        idx = ctl.mem_pool_host.alloc(len(toks))
+        assert st.batch_set_v1(keys, idx) == [True] * 4
+        assert st.batch_exists(keys[:2] + [""] + keys[2:]) == 2  # a prefix lookup stops there
+        assert st.batch_exists_v2(keys[:2] + [""] + keys[2:]).kv_hit_pages == 2
+        # a write fails the bad key alone
+        two = ctl.mem_pool_host.alloc(3 * PAGE)
+        assert st.batch_set_v1(["fresh-a", "", "fresh-b"], two) == [True, False, True]
+        assert st.batch_exists(["fresh-a"]) == 1 and st.batch_exists(["fresh-b"]) == 1
     finally:
         ctl.detach_storage_backend()
