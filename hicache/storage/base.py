@@ -31,9 +31,11 @@ backend that fills buffers on threads waits for them before letting a cancellati
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import enum
 import functools
 import logging
+import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
@@ -86,6 +88,12 @@ class StorageState(enum.Enum):
     CLOSED = "closed"
 
 
+async def _wait_for_open(opening: concurrent.futures.Future[None]) -> None:
+    """Wait for an open in progress, from any event loop; a cancelled waiter leaves it running
+    (it belongs to the caller that started it)."""
+    await asyncio.shield(asyncio.wrap_future(opening))
+
+
 class AsyncHiCacheStorage(ABC):
     """Async storage of KV pages; see the module docstring for what a backend implements.
 
@@ -123,7 +131,10 @@ class AsyncHiCacheStorage(ABC):
         self._staging = staging.StagingArena()  # reused staging pages of pools without page_view
         self._view_reads = LivePageViews()  # pools whose get_data_page(flat=False) is live memory
         self._state = StorageState.UNOPENED
-        self._open_lock: asyncio.Lock | None = None
+        #: the open in progress (a thread-safe future: callers on other event loops wait for it
+        #: too, as a backend that serves several loops is opened by whichever calls first)
+        self._opening: concurrent.futures.Future[None] | None = None
+        self._opening_guard = threading.Lock()
         #: stores, removals and clears of KV pages are reported here (:mod:`hicache.storage.changes`)
         self.tier_changes = TierChangeHub()
 
@@ -139,24 +150,34 @@ class AsyncHiCacheStorage(ABC):
         return self._state
 
     async def open(self) -> None:
-        """Open the backend (idempotent). Backends do their set-up in :meth:`_open`."""
-        if self._state is StorageState.OPEN:
-            return
-        if self._state is StorageState.CLOSED:
-            raise StorageStateError(f"{type(self).__name__} is closed; create a new one")
-        if self._open_lock is None:
-            self._open_lock = asyncio.Lock()
-        async with self._open_lock:
-            if self._state is StorageState.UNOPENED:
-                await self._open()
-                if self._state is StorageState.CLOSED:
-                    # aclose() ran while _open() was awaiting: release what _open() just built
-                    # (aclose waits for this lock, so it returns only once that is done).
-                    await self._close_quietly()
-                    raise StorageStateError(f"{type(self).__name__} was closed while opening")
-                self._state = StorageState.OPEN
-            elif self._state is StorageState.CLOSED:
+        """Open the backend (idempotent). Backends do their set-up in :meth:`_open`.
+
+        The first caller opens; callers meanwhile, on this event loop or another one, wait for
+        that open (a cancelled waiter leaves it running) and, if it failed, try again
+        themselves."""
+        while True:
+            if self._state is StorageState.OPEN:
+                return
+            if self._state is StorageState.CLOSED:
                 raise StorageStateError(f"{type(self).__name__} is closed; create a new one")
+            with self._opening_guard:
+                opening = self._opening
+                if opening is None:
+                    opening = self._opening = concurrent.futures.Future()
+                    break
+            await _wait_for_open(opening)
+        try:
+            await self._open()
+            if self._state is StorageState.CLOSED:
+                # aclose() ran while _open() was awaiting: release what _open() just built
+                # (aclose waits for this open, so it returns only once that is done).
+                await self._close_quietly()
+                raise StorageStateError(f"{type(self).__name__} was closed while opening")
+            self._state = StorageState.OPEN
+        finally:
+            with self._opening_guard:
+                self._opening = None  # failed or cancelled: the next caller opens again
+            opening.set_result(None)
 
     async def aclose(self) -> None:
         """Release everything the backend holds (idempotent). An open in progress is waited
@@ -167,9 +188,10 @@ class AsyncHiCacheStorage(ABC):
         self._state = StorageState.CLOSED
         if was_open:
             await self._close_quietly()
-        elif self._open_lock is not None and self._open_lock.locked():
-            async with self._open_lock:  # open() sees CLOSED and closes what it opened
-                pass
+        else:
+            opening = self._opening
+            if opening is not None:  # open() sees CLOSED and closes what it opened
+                await _wait_for_open(opening)
 
     async def _close_quietly(self) -> None:
         try:

@@ -113,3 +113,57 @@ def test_decode_rejects_what_is_not_an_index(body: bytes) -> None:
 def test_encode_decode_round_trip() -> None:
     names = [f"{i:032x}" for i in range(100)]
     assert decode_run(encode_run(names)) == names
+
+
+async def test_a_page_a_head_found_missing_is_not_cached_from_the_index(moto_endpoint: str, moto_bucket: str) -> None:
+    """Another process deleted page 3; the index under page 0 still lists it. The lookup stops
+    at page 3, and neither a second lookup nor ``exists_pages`` claims it afterwards."""
+    async with make_s3(moto_endpoint, moto_bucket, f"runs/{uuid.uuid4().hex}", concurrency=8) as store:
+        keys, _ = await _filled(store, 30)
+        await store._local.get().ops.remove(store.names.page(keys[3], "kv"))  # not through the store
+        assert await store.exists_prefix(keys) == 3
+        assert await store.exists_prefix(keys) == 3
+        assert await store.exists_pages([keys[3]]) == [False]
+
+
+async def test_deleting_a_chain_removes_its_run_index(moto_endpoint: str, moto_bucket: str) -> None:
+    """``batch_delete`` of a chain's first page takes the index stored under it: no orphan
+    index is left in the bucket, and none vouches for the chain when it is written anew."""
+    prefix = f"runs/{uuid.uuid4().hex}"
+    async with make_s3(moto_endpoint, moto_bucket, prefix, concurrency=8) as store:
+        keys, src = await _filled(store, 30)
+        index = store.names.run_index(keys[0], "kv")
+        ops = store._local.get().ops
+        assert await ops.size(index)
+        assert await store.batch_delete(keys) == [True] * 30
+        assert await ops.size(index) is None
+        # written again as two batches (page 0 alone, then 1..6): another process asks
+        res = await store.batch_set_v2([PoolTransfer("kv", host_indices=src.indices(0, 1), keys=keys[:1])])
+        assert res["kv"] == [True]
+        res = await store.batch_set_v2(
+            [PoolTransfer("kv", host_indices=src.indices(1, 6), keys=keys[1:7])],
+            HiCacheStorageExtraInfo(prefix_keys=keys[:1]),
+        )
+        assert res["kv"] == [True] * 6
+        await store.wait_index_writes()
+        store.exists_cache.clear()
+        assert await store.exists_prefix(keys) == 7
+
+
+def test_an_answer_older_than_a_removal_does_not_bring_the_page_back() -> None:
+    """A HEAD answered before this process deleted the page, processed after: refused; an
+    answer to a request made after the delete (the page written again) is taken."""
+    from hicache_backends.s3.cache import ExistsCache
+
+    cache = ExistsCache(16, ttl=300.0)
+    before = cache.generation
+    cache.mark_gone("bucket/p")  # the delete
+    cache.add("bucket/p", before)  # the stale answer lands
+    assert not cache.contains("bucket/p") and cache.is_gone("bucket/p")
+    after = cache.generation
+    cache.add("bucket/p", after)
+    assert cache.contains("bucket/p") and not cache.is_gone("bucket/p")
+    ticket = cache.generation
+    cache.clear()
+    cache.add("bucket/q", ticket)  # a lookup that started before a clear
+    assert not cache.contains("bucket/q")

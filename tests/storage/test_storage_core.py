@@ -122,6 +122,71 @@ async def test_aclose_while_opening_undoes_the_open() -> None:
         await store.exists("k")
 
 
+def test_callers_on_several_event_loops_share_one_open() -> None:
+    """A backend that serves several loops (S3: a server's loop and a facade's) is opened by
+    the first caller; callers on other loops meanwhile wait for that open, however many."""
+
+    class SlowOpen(DictStore):
+        async def _open(self) -> None:
+            await asyncio.sleep(0.3)
+            self.opened += 1
+
+    store = SlowOpen()
+    out: dict[int, Any] = {}
+
+    def caller(i: int) -> None:
+        async def go() -> Any:
+            await asyncio.sleep(0.05 * i)
+            return await asyncio.wait_for(store.exists_pages(["k"]), 5)
+
+        try:
+            out[i] = asyncio.run(go())
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            out[i] = exc
+
+    threads = [threading.Thread(target=caller, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert out == {0: [False], 1: [False], 2: [False]}
+    assert store.opened == 1
+
+
+async def test_a_failed_or_cancelled_open_is_tried_again_by_the_next_caller() -> None:
+    class Flaky(DictStore):
+        fail = True
+
+        async def _open(self) -> None:
+            await asyncio.sleep(0.05)
+            if self.fail:
+                self.fail = False
+                raise OSError("injected: the first open fails")
+            self.opened += 1
+
+    store = Flaky()
+    first = asyncio.create_task(store.open())
+    await asyncio.sleep(0.01)
+    waiter = asyncio.create_task(store.open())  # waits for the first, then opens itself
+    with pytest.raises(OSError, match="injected"):
+        await first
+    await waiter
+    assert store.state is StorageState.OPEN and store.opened == 1
+
+    store2 = DictStore()
+    store2.open_gate = asyncio.Event()
+    opener = asyncio.create_task(store2.open())
+    await asyncio.sleep(0)
+    impatient = asyncio.create_task(store2.open())
+    await asyncio.sleep(0)
+    impatient.cancel()  # a cancelled waiter leaves the open running
+    with pytest.raises(asyncio.CancelledError):
+        await impatient
+    store2.open_gate.set()
+    await opener
+    assert store2.state is StorageState.OPEN and store2.opened == 1
+
+
 async def test_aclose_while_opening_file_backend_shuts_executors(tmp_path) -> None:
     from hicache_backends.file import FileStorage
 

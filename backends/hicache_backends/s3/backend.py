@@ -403,6 +403,11 @@ class FsspecStorage(AsyncHiCacheStorage):
                 self.stats.incr("call_timeouts")
                 return pos
             self.stats.incr("exists_waves")
+            heads = leading_run(flags)
+            if heads < width:
+                # a HEAD found this page missing (fresher than any index): the index vouches for
+                # nothing from there, not even in the cache (it would claim the page for a TTL)
+                return pos + heads
             run = 0
             if index:
                 want = [ObjectNames.page_hash(p.key, p.pool) for p in pages[pos : pos + len(index)]]
@@ -410,9 +415,6 @@ class FsspecStorage(AsyncHiCacheStorage):
                 while run < len(want) and index[run] == want[run] and not cache.is_gone(paths[pos + run]):
                     cache.add(paths[pos + run], generation)
                     run += 1
-            heads = leading_run(flags)
-            if heads < width:
-                return pos + heads  # a HEAD found this page missing (fresher than any index)
             pos += max(run, width)
         return n
 
@@ -654,6 +656,10 @@ class FsspecStorage(AsyncHiCacheStorage):
         by then is reported not deleted (``False``, counted in ``call_timeouts``), though the
         store may have removed it."""
         paths = [self.names.page(p.key, p.pool) for p in pages]
+        # the run index stored under a page (when the page started a written chain) goes with
+        # it: left behind, it is an object nothing bounds or removes but a clear, and in another
+        # process it vouches for its whole chain again once the chain is written anew
+        indexes = {path: self.names.run_index(p.key, p.pool) for path, p in zip(paths, pages)}
         # gone, not just forgotten: the run index written with a page still lists it, and
         # would vouch for it again once the cache's entry for it is forgotten
         for path in paths:
@@ -668,7 +674,9 @@ class FsspecStorage(AsyncHiCacheStorage):
             left = deadline - loop.time()
             if left <= 0:  # the HEADs used the whole call (their batch counted the timeout)
                 return [False] * len(paths)
-            failed = await self._remove_many(targets, left)
+            # in the same DeleteObjects requests (S3 answers a missing key as deleted): an index
+            # that fails to go is only an index, never a page reported not deleted
+            failed = await self._remove_many(targets + [indexes[t] for t in targets], left)
             return [there and path not in failed for path, there in zip(paths, present)]
         finally:
             for path in paths:  # a lookup that overlapped the delete

@@ -4,8 +4,9 @@ Only *positive* answers are cached (another process may write a page at any time
 never remembered). An entry expires after ``ttl`` seconds, bounding how long a page removed by
 someone else (bucket lifecycle, another process's clear) is still reported - and such a page
 then reads as a miss and is dropped here. Pages removed by *this* process are never reported:
-deletes, clears and corrupt reads invalidate, and ``generation`` stops a lookup that started
-before a clear from re-adding its (now stale) answer after it. Stores of one process that open
+deletes, clears and corrupt reads invalidate, and the ticket a request takes before it starts
+(``generation``) stops an answer older than a clear, or than the removal of its page, from
+re-adding the page after it (a HEAD that S3 answered before a delete, processed after it). Stores of one process that open
 the same namespace at the same location share one cache (:meth:`ExistsCache.shared`), so a clear
 through any of them is seen by all.
 
@@ -54,13 +55,16 @@ class ExistsCache:
         self._clock = clock
         self._lock = threading.Lock()
         self._entries: OrderedDict[str, float] = OrderedDict()
-        self._gone: OrderedDict[str, float] = OrderedDict()  # found missing by a read (LRU order)
-        self._generation = 0
+        #: paths found missing or removed here (LRU order), each with the tick of its removal
+        self._gone: OrderedDict[str, int] = OrderedDict()
+        self._tick = 0  # advances at every removal and clear
+        self._cleared_at = 0  # the tick of the last clear
 
     @property
     def generation(self) -> int:
-        """Take this before a request; pass it to :meth:`add` with the answer."""
-        return self._generation
+        """The ticket to take before a request and pass to :meth:`add` with its answer: an
+        answer is refused when a clear, or a removal of its path, came after the ticket."""
+        return self._tick
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -81,8 +85,11 @@ class ExistsCache:
     def add(self, path: str, generation: int) -> None:
         """Remember ``path`` as present (a fresh answer about it: also clears a gone mark)."""
         with self._lock:
-            if generation != self._generation:
+            if generation < self._cleared_at:
                 return  # a clear happened while the request was in flight
+            removed = self._gone.get(path)
+            if removed is not None and removed > generation:
+                return  # removed here after the request started: its answer may predate that
             self._gone.pop(path, None)
             if not self.max_entries:
                 return
@@ -102,7 +109,8 @@ class ExistsCache:
         with self._lock:
             known = self._entries.pop(path, None) is not None
             # kept even with the cache off (size 0): run indexes are trusted either way
-            self._gone[path] = 0.0
+            self._tick += 1
+            self._gone[path] = self._tick
             self._gone.move_to_end(path)
             while len(self._gone) > max(self.max_entries, _MIN_GONE):
                 self._gone.popitem(last=False)
@@ -115,6 +123,7 @@ class ExistsCache:
 
     def clear(self) -> None:
         with self._lock:
-            self._generation += 1
+            self._tick += 1
+            self._cleared_at = self._tick
             self._entries.clear()
             self._gone.clear()

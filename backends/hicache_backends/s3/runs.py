@@ -9,8 +9,10 @@ batch in one GET, alongside the HEADs it sends for the pages right after (the fa
 index exists, e.g. for pages written by an older version).
 
 An index only says what was written; like a HEAD it can be stale (a page deleted since, by a
-lifecycle rule, or by another process's clear or ``batch_delete``: nothing rewrites the index),
-and a lookup then claims that page once. The read of it is a clean miss (a zeroed pool page,
+lifecycle rule, another process's clear, or a ``batch_delete`` of pages after the chain's first:
+nothing rewrites the index; a ``batch_delete`` of the first page removes the index with it, and
+a lookup trusts an index only past a wave of HEADs that all found their pages), and a lookup
+then claims that page once. The read of it is a clean miss (a zeroed pool page,
 never an exception or foreign bytes; a ``stale_hits`` where the exists cache still held the
 claim), and the page is marked gone, so this process's lookups stop there from then on, the
 index notwithstanding (:mod:`.cache`).
