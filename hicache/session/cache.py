@@ -185,10 +185,7 @@ class SessionAwareCache(ForwardingCache):
         slot = self._turns.restored(req)
         if slot is not None:
             req.cache_protected_len = slot.cache_protected_len
-            if not slot.admitted:
-                slot.admitted = True
-                self.session_metrics.admitted(slot.session_id, slot.turn_prefix_len, "slot")
-                self._attribute_restored(req, slot.turn_prefix_len)
+            self._admit_restored(slot, req)
             return TurnAdmit(slot.turn_prefix_len, 0, 0, slot.turn_prefix_len, restored=True,
                              attribution=req.attribution)
         inner_admit = getattr(self.inner, "admit", None)
@@ -220,6 +217,15 @@ class SessionAwareCache(ForwardingCache):
         fn = getattr(self.inner, "count_admitted", None)
         if fn is not None:
             fn(req)
+
+    def _admit_restored(self, slot: SessionSlot, req: Req) -> None:
+        """A restored turn is admitted: from now on pressure never takes its slot back (the
+        server holds the match's prefix indices), and it is counted once."""
+        if slot.admitted:
+            return
+        slot.admitted = True
+        self.session_metrics.admitted(slot.session_id, slot.turn_prefix_len, "slot")
+        self._attribute_restored(req, slot.turn_prefix_len)
 
     def _attribute_restored(self, req: Req, prefix_len: int) -> None:
         """A turn restored from its slot: its history hit on device (miss attribution)."""
@@ -327,7 +333,15 @@ class SessionAwareCache(ForwardingCache):
     # ------------------------------------------------------------------ locks
 
     def inc_lock_ref(self, node: Any) -> IncLockRefResult:
+        """Lock a matched node. On a restored turn's node (its KV is the slot's, nothing to
+        lock) this is the turn's admission: SGLang's scheduler locks the node a match gave it
+        when it takes the request into a batch and never calls :meth:`admit`, then allocates,
+        which may evict; a turn still taken for merely queued there had its slot handed over
+        and its prefix pages freed while the scheduler held their indices."""
         if isinstance(node, VirtualNode):
+            slot = self.slots.get(node.session_id)
+            if slot is not None and slot.attached_req is not None:
+                self._admit_restored(slot, slot.attached_req)
             return IncLockRefResult(delta=0)
         return self.inner.inc_lock_ref(node)
 

@@ -32,7 +32,8 @@ class SessionConfig:
         that matches requests on arrival would otherwise pin the KV of every queued session
         (the SGLang #27024 deadlock again). Needs a server that re-matches at admission, as
         :meth:`SessionAwareCache.admit` does; turn it off for a scheduler that reuses the
-        arrival match.
+        arrival match. A turn whose matched node the scheduler locked (``inc_lock_ref``: SGLang
+        takes it into a batch) is admitted and never taken back.
     """
 
     idle_offload_s: float | None = None

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from hicache.prefix_cache.radix import free_token_pages
@@ -40,10 +41,16 @@ def _match_quietly(inner: Any, params: MatchPrefixParams) -> Any:
     return inner.match_prefix(params)
 
 
-def hand_over(inner: Any, slot: SessionSlot, *, tree: bool, writeback: WriteBackQueue) -> int:
+def hand_over(inner: Any, slot: SessionSlot, *, tree: bool, writeback: WriteBackQueue,
+              refused: Callable[[], None] | None = None) -> int:
     """Give ``slot``'s KV up: insert its committed whole pages into ``inner`` (when ``tree``)
     and queue their write-back, free every other page it owns, drop its tree lock, return its
-    row and clear it. Returns the tokens handed to the tree."""
+    row and clear it. Returns the tokens handed to the tree.
+
+    A tree refuses a key it cannot hold (a token id that is no uint32: storage keys hash them)
+    with ``ValueError`` before it changes anything; the history is then freed like a tail,
+    and ``refused()`` is called: one such session must not stop the others' hand-overs (the
+    reaper, pressure relief) nor fail the request that needed the room."""
     assert slot.req_pool_idx is not None
     ps = inner.page_size
     allocator = inner.token_to_kv_pool_allocator
@@ -57,7 +64,15 @@ def hand_over(inner: Any, slot: SessionSlot, *, tree: bool, writeback: WriteBack
     if tree and aligned > protected:
         key = RadixKey(list(slot.token_ids[:aligned]), slot.extra_key)
         ours = row[:aligned].clone()
-        inner.insert(InsertParams(key=key, value=ours, priority=slot.priority))
+        try:
+            inner.insert(InsertParams(key=key, value=ours, priority=slot.priority))
+        except ValueError as exc:
+            logger.warning("session %s: the tree refused its history (%s); its KV is freed, not kept",
+                           slot.session_id, exc)
+            if refused is not None:
+                refused()
+            tree = False
+    if tree and aligned > protected:
         m = _match_quietly(inner, MatchPrefixParams(key=key))
         theirs = m.device_indices.to(ours.device)
         if theirs.numel() < aligned:  # cannot happen: an inserted path is on device

@@ -9,6 +9,7 @@ the open/closed state share one owner and no task outlives the cache.
 from __future__ import annotations
 
 import enum
+import logging
 from collections.abc import Callable
 
 from hicache.errors import CacheClosedError
@@ -18,6 +19,8 @@ from hicache.session.offload import Offloader
 from hicache.session.reaper import Reaper
 from hicache.session.slot import SessionSlot
 from hicache.session.writeback import WriteBackQueue
+
+logger = logging.getLogger("hicache.session")
 
 __all__ = ["Lifecycle"]
 
@@ -68,12 +71,16 @@ class Lifecycle:
             if slot.attached_rid is not None:
                 continue
             idle = now - slot.last_used
-            if cfg.session_timeout_s is not None and idle > cfg.session_timeout_s:
-                self._offloader.close(slot, expired=True)
-                acted += 1
-            elif cfg.idle_offload_s is not None and slot.is_holding_kv and idle > cfg.idle_offload_s:
-                self._offloader.give_up(slot, reason="idle")
-                acted += 1
+            try:
+                if cfg.session_timeout_s is not None and idle > cfg.session_timeout_s:
+                    self._offloader.close(slot, expired=True)
+                    acted += 1
+                elif cfg.idle_offload_s is not None and slot.is_holding_kv and idle > cfg.idle_offload_s:
+                    self._offloader.give_up(slot, reason="idle")
+                    acted += 1
+            except Exception:  # noqa: BLE001 - one session's failure must not stop the others'
+                self._metrics.incr("release_errors")
+                logger.exception("session %s: the reaper could not let it go", slot.session_id)
         self._writeback.pump()
         return acted
 

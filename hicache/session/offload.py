@@ -56,7 +56,8 @@ class Offloader:
             return 0
         alloc = self._inner.token_to_kv_pool_allocator
         before = alloc.available_size()
-        handed = hand_over(self._inner, slot, tree=self._is_tree(), writeback=self._writeback)
+        handed = hand_over(self._inner, slot, tree=self._is_tree(), writeback=self._writeback,
+                           refused=lambda: self._metrics.incr("release_errors"))
         freed = alloc.available_size() - before
         self._metrics.gave_up(slot.session_id, reason, handed=handed, freed=freed)
         logger.debug("session %s: KV given up (%s): %d token(s) to the tree, %d freed",

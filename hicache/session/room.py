@@ -10,6 +10,8 @@ then sessions whose next turn is only queued. What cannot be reclaimed is the me
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from hicache.prefix_cache.base import BasePrefixCache
@@ -20,6 +22,8 @@ from hicache.session.offload import Offloader
 from hicache.session.slot import SessionSlot
 from hicache.session.turns import Turns
 from hicache.session.writeback import WriteBackQueue
+
+logger = logging.getLogger("hicache.session")
 
 __all__ = ["Room"]
 
@@ -90,14 +94,20 @@ class Room:
         for slot in self.candidates():
             if tokens <= 0 and rows <= 0:
                 break
-            tokens -= slot.held_tokens(self._inner.page_size)
-            rows -= 1
+            held = slot.held_tokens(self._inner.page_size)
             preempted = slot.attached_rid is not None
-            if preempted:
-                self._preempt(slot)
-            self._offloader.give_up(slot, reason="pressure")
-            if preempted:
-                self._turns.after_detach(slot)  # a session released while its turn was queued closes now
+            try:
+                if preempted:
+                    self._preempt(slot)
+                self._offloader.give_up(slot, reason="pressure")
+                if preempted:
+                    self._turns.after_detach(slot)  # a session released while its turn was queued closes now
+            except Exception:  # noqa: BLE001 - the request that needed room is not this session's
+                self._metrics.incr("release_errors")
+                logger.exception("session %s: giving its KV up under pressure failed", slot.session_id)
+                continue
+            tokens -= held
+            rows -= 1
             done += 1
         return done
 
@@ -118,8 +128,20 @@ class Room:
 
     async def ensure_free(self, num_tokens: int) -> bool:
         """Make ``num_tokens`` device slots free if at all possible: evict the tree, offload
-        idle sessions LRU, and wait for write-backs that still pin pages. ``False`` only when
-        running requests hold the memory."""
+        idle sessions LRU, and wait for write-backs that still pin pages; as a last resort,
+        give up the write-backs the tree keeps on device because host has no room for them
+        (a released session's history must not hold the device for as long as host stays
+        full). ``False`` only when running requests hold the memory."""
+        if await self._make_room(num_tokens):
+            return True
+        if self._writeback.release_kept():
+            alloc = self._inner.token_to_kv_pool_allocator
+            self._inner.evict(EvictParams(num_tokens=max(0, num_tokens - alloc.available_size())))
+            return await self._make_room(num_tokens)
+        return False
+
+    async def _make_room(self, num_tokens: int) -> bool:
+        """:meth:`ensure_free` short of giving write-backs up."""
         alloc = self._inner.token_to_kv_pool_allocator
         evict_async = getattr(self._inner, "evict_async", None)
         for _ in range(8):

@@ -93,6 +93,31 @@ class WriteBackQueue:
         (after the controller drained, when it is no longer mere backpressure)."""
         self._entries = [e for e in self._entries if self._advance(e, count_refusals=count_refusals)]
 
+    def release_kept(self) -> int:
+        """Give up the write-backs the tree keeps on device for want of host room: a live
+        request needs device memory that nothing else can free, and host has not taken them
+        (it may never: a small host pool, a session longer than it). Their nodes become
+        evictable (a copy that still starts before eviction is kept, best effort); each is
+        counted dropped. Returns the entries given up."""
+        release = getattr(self._tree, "release_backup", None)
+        if release is None:
+            return 0
+        kept: list[_Entry] = []
+        given_up = 0
+        for e in self._entries:
+            todo = [n for n in self._path(e.leaf) if n.host_value is None and n.backup_op is None and n.value is not None]
+            if not (e.kept and todo):
+                kept.append(e)
+                continue
+            for node in todo:
+                release(node)
+            given_up += 1
+            self._count("writeback_dropped", 1)
+            logger.warning("session %s: write-back of %d token(s) given up: device room is needed and host "
+                           "has not taken it", e.session_id, e.tokens)
+        self._entries = kept
+        return given_up
+
     def seal(self) -> None:
         """No more entries: the cache closed after its last drain (see :meth:`enqueue`)."""
         self._sealed = True

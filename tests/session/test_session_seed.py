@@ -223,3 +223,65 @@ async def test_closed_cache_refuses_turns_and_closes_once() -> None:
     with pytest.raises(CacheClosedError):
         await s.cache.admit(conv.request(3))
     await s.engine.aclose()
+
+
+async def test_a_restored_turn_the_scheduler_locked_is_never_preempted_by_eviction() -> None:
+    """SGLang's flow: match_prefix, inc_lock_ref on the node it gave (the batch takes the
+    request), then allocation, which evicts. The lock is the turn's admission: eviction must
+    not hand the slot over and free the prefix pages the scheduler holds."""
+    s = make_stack(hier=False, device_pages=16)
+    conv = Conversation(s, "A", seed=1)
+    await conv.turn(30, 3)  # the slot holds the session's history
+    req = conv.request(4)
+    m = s.cache.match_prefix(MatchPrefixParams(key=RadixKey(req.origin_input_ids), req=req))
+    prefix = m.device_indices.clone()
+    assert prefix.numel() > 0 and isinstance(m.last_device_node, VirtualNode)
+    s.cache.inc_lock_ref(m.last_device_node)
+    s.cache.evict(EvictParams(num_tokens=s.allocator.available_size() + 16))
+    assert s.cache.metrics()["preempted_queued_turns"] == 0
+    assert s.cache.slots["A"].is_holding_kv and req.req_pool_idx is not None
+    pages = sorted(set((prefix // PS * PS).tolist()))
+    assert all(bool(s.allocator.is_allocated(torch.arange(p, p + PS))) for p in pages)
+    assert kv_matches(s.device_pool, prefix, req.origin_input_ids[: prefix.numel()])
+    assert s.cache.session_metrics.session("A").turns >= 1
+
+
+async def test_a_session_the_tree_refuses_is_freed_and_the_others_are_still_reaped() -> None:
+    """A session whose history holds a token id the tree cannot key (no uint32): the tree
+    refuses it before any change, so its KV is freed instead of kept (counted), and the reaper
+    goes on to the other sessions; pressure relief for an unrelated request works too."""
+    import asyncio
+
+    from hicache.session import SessionConfig
+
+    class Clock:
+        t = 1000.0
+
+        def __call__(self) -> float:
+            return self.t
+
+    clock = Clock()
+    s = make_stack(clock=clock, config=SessionConfig(idle_offload_s=10, reap_interval_s=0.01))
+    s.cache.start()
+    try:
+        bad = Conversation(s, "bad", seed=2)
+        req = bad.request(2 * PS)
+        await bad.begin(req)
+        await bad.prefill(req)
+        req.output_ids = [2**40] * PS  # a token id outside uint32 reaches the slot
+        await s.cache.alloc_extend(req, len(req.full_ids))
+        req.fill_ids = req.full_ids
+        req.kv_committed_len = len(req.full_ids)
+        bad.finish(req)
+        good = Conversation(s, "good", seed=1)
+        await good.turn(3 * PS, 2)
+        free_before = s.allocator.available_size()
+        clock.t += 100  # both idle past idle_offload_s
+        await asyncio.sleep(0.2)
+        m = s.cache.metrics()
+        assert m["reaper_errors"] == 0
+        assert m["release_errors"] == 1
+        assert not s.cache.slots["bad"].is_holding_kv and not s.cache.slots["good"].is_holding_kv
+        assert s.allocator.available_size() > free_before
+    finally:
+        await s.cache.aclose()

@@ -46,3 +46,37 @@ async def test_drain_gives_up_copies_that_can_never_finish_and_yields_meanwhile(
     assert len(queue) == 0
     assert counts["writeback_lost"] == 1
     assert ticks > 0  # the loop ran other work while drain went round
+
+
+async def test_a_write_back_host_cannot_take_gives_way_to_a_live_request() -> None:
+    """A released session's history waits on device for host room that never comes (host is
+    smaller than the history). A request that needs the device gets it: the kept write-back
+    is given up (counted dropped) instead of pinning the device until the cache closes."""
+    import torch
+
+    from hicache.facade import HiCache
+    from hicache.replay.synthetic import write_synthetic_kv
+
+    ps = 16
+    cfg = {
+        "model": {"name": "test/x", "num_layers": 2, "num_kv_heads": 2, "head_dim": 8},
+        "device": {"device": "cpu", "size_tokens": 32 * ps, "page_size": ps, "max_requests": 8,
+                   "max_context_len": 2048},
+        "host": {"ratio": 8 / 32},
+        "storage": {"backend": None},
+        "cache": {"prefetch": {"policy": "wait_complete", "threshold_tokens": 0}},
+        "session": {"reap_interval_s": None},
+    }
+
+    async def turn(c: HiCache, rid: str, toks: list[int], sid: str | None = None) -> None:
+        h = await c.begin(rid, toks, session_id=sid)
+        write_synthetic_kv(c.device_pool, h.kv_indices[h.prefix_len:], torch.tensor(toks)[h.prefix_len:])
+        await c.commit(h, finished=True)
+
+    async with HiCache.from_config(cfg) as c:
+        await turn(c, "s1", list(range(1000, 1000 + 20 * ps)), "A")
+        await c.release_session("A")
+        for i in range(3):
+            await turn(c, f"big{i}", list(range(50000 + i * 1000, 50000 + i * 1000 + 28 * ps)))
+        m = c.cache.metrics()
+        assert m["writeback_dropped"] == 1 and m["writeback_pending"] == 0
