@@ -97,6 +97,13 @@ class DeviceConfig(_Section):
             raise ValueError(
                 f"device.size_tokens ({self.size_tokens}) must be a multiple of device.page_size ({self.page_size})"
             )
+        if self.max_context_len % self.page_size:
+            # a request's row holds whole pages: the last page of a request near the limit
+            # would not fit in a row of this width
+            raise ValueError(
+                f"device.max_context_len ({self.max_context_len}) must be a multiple of device.page_size "
+                f"({self.page_size})"
+            )
         return self
 
 

@@ -136,6 +136,7 @@ async def _generate(request: web.Request) -> web.StreamResponse:
         return _error(400, str(exc))
     if req.stream:
         return await _generate_stream(request, st, req, arrival)
+    job = None
     try:
         job = st.scheduler.submit(req, arrival=arrival)
         if not await _wait_for_client(request, st, job, job.future):
@@ -143,7 +144,7 @@ async def _generate(request: web.Request) -> web.StreamResponse:
         result = job.future.result()
     except (HiCacheError, MemoryError, ValueError) as exc:
         status, outcome = _status_of(exc)
-        if isinstance(exc, (QueueFullError, CacheClosedError)):
+        if job is None:  # refused by submit; a job that ran was counted by the scheduler
             st.metrics.requests[outcome] += 1
         return _error(status, str(exc) or type(exc).__name__, **({"Retry-After": "1"} if status == 503 else {}))
     except Exception as exc:
@@ -214,7 +215,13 @@ async def _stream_tokens(request: web.Request, st: ServerState, req: GenerateReq
 async def _release(request: web.Request) -> web.Response:
     st = request.app[STATE]
     sid = request.match_info["session_id"]
-    await st.cache.release_session(sid)
+    if st.draining:
+        return _error(503, "the server is shutting down", **{"Retry-After": "1"})
+    try:
+        await st.cache.release_session(sid)
+    except (HiCacheError, ValueError) as exc:  # a closed cache, a bad id: an answer, not a traceback
+        status, _ = _status_of(exc)
+        return _error(status, str(exc) or type(exc).__name__, **({"Retry-After": "1"} if status == 503 else {}))
     return web.json_response({"released": sid})
 
 

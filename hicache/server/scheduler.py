@@ -62,6 +62,7 @@ class Job:
     on_token: Callable[[int], None] | None = None
     reference: list[int] | None = field(default=None)
     task: asyncio.Task[None] | None = field(default=None, repr=False)  # set once it runs
+    queued: bool = field(default=False, repr=False)  # waiting for the scheduler, counted in its bound
 
 
 _STOP = object()
@@ -110,7 +111,11 @@ class Scheduler:
         self.engine: Engine = engine
         self.metrics: ServerMetrics = metrics or ServerMetrics()
         self.max_active: int = max_active
-        self._queue: asyncio.Queue[Any] = asyncio.Queue(queue_size)
+        # unbounded: the bound is on the requests still waiting (``_waiting``), so a client that
+        # hangs up while queued gives its place back at once, not when the scheduler reaches it
+        self._queue: asyncio.Queue[Any] = asyncio.Queue()
+        self.queue_size = queue_size
+        self._waiting = 0
         self._slots = asyncio.Semaphore(max_active)
         self._sessions = _SessionLocks()
         self._finished = asyncio.Condition()  # notified whenever a request ends
@@ -157,14 +162,21 @@ class Scheduler:
         :class:`QueueFullError` or :class:`SchedulerClosedError` instead of waiting."""
         if self._closing or self._main is None:
             raise SchedulerClosedError("the server is shutting down" if self._closing else "scheduler not started")
+        if self._waiting >= self.queue_size:
+            raise QueueFullError(f"request queue full ({self._waiting} waiting)")
         job = Job(request, time.perf_counter() if arrival is None else arrival,
-                  asyncio.get_running_loop().create_future(), on_token)
-        try:
-            self._queue.put_nowait(job)
-        except asyncio.QueueFull:
-            raise QueueFullError(f"request queue full ({self._queue.maxsize} waiting)") from None
-        self.metrics.queue_depth = self._queue.qsize()
+                  asyncio.get_running_loop().create_future(), on_token, queued=True)
+        self._queue.put_nowait(job)
+        self._waiting += 1
+        self.metrics.queue_depth = self._waiting
         return job
+
+    def _dequeued(self, job: Job) -> None:
+        """``job`` no longer waits (taken by the scheduler, or abandoned): its place is free."""
+        if job.queued:
+            job.queued = False
+            self._waiting -= 1
+            self.metrics.queue_depth = self._waiting
 
     def abandon(self, job: Job) -> None:
         """The client went away: drop ``job``. A queued job is skipped when its turn comes; a
@@ -172,6 +184,7 @@ class Scheduler:
         if job.future.done() and (job.task is None or job.task.done()):
             return
         self.metrics.requests["abandoned"] += 1
+        self._dequeued(job)
         job.future.cancel()
         if job.task is not None and not job.task.done():
             job.task.cancel()
@@ -183,10 +196,10 @@ class Scheduler:
             ready.set()
             while True:
                 item = await self._queue.get()
-                self.metrics.queue_depth = self._queue.qsize()
                 if item is _STOP:
                     break
                 job: Job = item
+                self._dequeued(job)
                 await self._slots.acquire()
                 await self._admit.wait()  # a request waiting for memory gets it before newcomers
                 if job.future.done():  # the client went away while queued

@@ -145,3 +145,12 @@ async def test_toml_says_no_storage_tier_with_none_or_empty(tmp_path: Path, spel
     assert load_config(None, environ={"HICACHE__STORAGE__BACKEND": spelling.strip('"')}).storage.backend is None
     async with HiCache.from_config(config) as cache:
         assert cache.storage is None
+
+
+def test_a_max_context_len_of_no_whole_pages_is_refused() -> None:
+    """A row holds whole pages: a request near a limit that is no multiple of the page would
+    need a page past its row (it crashed mid-allocation and leaked the pages it had taken)."""
+    from hicache.config import load_config
+
+    with pytest.raises(ConfigError, match="max_context_len"):
+        load_config({"device": {"size_tokens": 1024, "page_size": 16, "max_context_len": 100}})

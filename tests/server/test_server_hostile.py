@@ -128,3 +128,21 @@ async def test_a_huge_body_is_decoded_off_the_event_loop() -> None:
         await asyncio.wait_for(waiter, 30)
         writer.close()
         assert order == ["health", "big"]  # /health did not wait for the decode
+
+
+async def test_a_closed_cache_answers_503_once_counted_and_release_too() -> None:
+    """The cache closed under a running server: a generate is one 503 counted once, and a
+    session release is a 503 with Retry-After, not a 500 with a traceback."""
+    from hicache.facade import HiCache
+
+    cfg = small_config()
+    async with HiCache.from_config(cfg) as cache:
+        async with running_server(cfg, cache=cache) as srv:
+            await cache.aclose()
+            async with aiohttp.ClientSession() as http:
+                async with http.post(srv.url + "/v1/generate", json={"tokens": [1, 2, 3]}) as r:
+                    assert r.status == 503
+                async with http.post(srv.url + "/v1/sessions/a/release") as r:
+                    assert r.status == 503 and r.headers.get("Retry-After") == "1"
+            counted = {k: v for k, v in srv.state.metrics.requests.items() if v}
+            assert sum(counted.values()) == 1, counted

@@ -213,3 +213,26 @@ async def test_waiting_behind_running_requests_is_bounded_in_time() -> None:
     await asyncio.gather(first.future, after.future)  # the gate reopened once big gave up
     await sched.aclose()
     assert sched.metrics.requests["error"] == 1 and sched.metrics.requests["ok"] == 2
+
+
+async def test_a_client_that_hangs_up_while_queued_gives_its_place_back_at_once() -> None:
+    """Long requests hold every slot; clients that connect and hang up while queued must not
+    fill the queue: their places come back when they leave, not when the scheduler gets there."""
+    eng = ScriptedEngine(delay=0.5)
+    s = Scheduler(eng, max_active=1, queue_size=4)
+    await s.start()
+    try:
+        running = s.submit(req("long"))
+        await asyncio.sleep(0.05)
+        gone = [s.submit(req(f"gone{i}")) for i in range(4)]
+        with pytest.raises(QueueFullError):
+            s.submit(req("too-many"))
+        for job in gone:
+            s.abandon(job)
+        assert s.metrics.queue_depth == 0
+        fresh = s.submit(req("new"))  # accepted
+        await running.future
+        assert (await fresh.future).tokens
+        assert [rid for what, rid in eng.log if what == "start"] == ["long", "new"]
+    finally:
+        await s.aclose()

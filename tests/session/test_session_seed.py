@@ -285,3 +285,15 @@ async def test_a_session_the_tree_refuses_is_freed_and_the_others_are_still_reap
         assert s.allocator.available_size() > free_before
     finally:
         await s.cache.aclose()
+
+
+async def test_a_length_whose_last_page_passes_the_row_is_refused_before_any_allocation() -> None:
+    """Rows narrower than whole pages (a stack built with a max_context_len that is no multiple
+    of the page): a request whose last page would not fit is a ValueError, nothing leaked."""
+    s = make_stack(hier=False, device_pages=16, max_context=4 * PS + 2)
+    conv = Conversation(s, "A", seed=1)
+    req = conv.request(4 * PS + 1)
+    free = s.allocator.available_size()
+    with pytest.raises(ValueError, match="whole pages"):
+        await s.cache.alloc_extend(req, 4 * PS + 1)
+    assert s.allocator.available_size() == free and req.req_pool_idx is None
