@@ -199,20 +199,28 @@ class Scheduler:
                 if item is _STOP:
                     break
                 job: Job = item
-                self._dequeued(job)
-                await self._slots.acquire()
-                await self._admit.wait()  # a request waiting for memory gets it before newcomers
                 if job.future.done():  # the client went away while queued
-                    self._slots.release()
                     continue
                 job.task = tg.create_task(self._serve(job), name=f"hicache-req-{job.request.rid}")
         self._tg = None
 
     async def _serve(self, job: Job) -> None:
+        """Run ``job``: its session first, then an active slot. A turn waiting for its session
+        (an earlier turn of it runs) holds no slot: the other sessions' requests take them
+        meanwhile. The job counts as queued (in the bound and the queue depth) until it has
+        its slot, and is served in arrival order among the jobs ready to run."""
         req = job.request
-        self.metrics.active += 1
+        slotted = running = False
         try:
             async with self._sessions.hold(req.session_id):
+                await self._slots.acquire()
+                slotted = True
+                await self._admit.wait()  # a request waiting for memory gets it before newcomers
+                self._dequeued(job)
+                if job.future.done():  # the client went away while it waited
+                    return
+                self.metrics.active += 1
+                running = True
                 # counted for "alone" only once it holds its session: a later turn queued on
                 # the lock holds no memory, and counting it made a turn that cannot fit wait
                 # (with admissions paused) for a request that could never finish first
@@ -234,8 +242,11 @@ class Scheduler:
             if not job.future.done():
                 job.future.set_exception(exc)
         finally:
-            self.metrics.active -= 1
-            self._slots.release()
+            self._dequeued(job)  # (cancelled while it waited)
+            if running:
+                self.metrics.active -= 1
+            if slotted:
+                self._slots.release()
             async with self._finished:
                 self._finished.notify_all()
 

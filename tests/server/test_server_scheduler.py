@@ -236,3 +236,25 @@ async def test_a_client_that_hangs_up_while_queued_gives_its_place_back_at_once(
         assert [rid for what, rid in eng.log if what == "start"] == ["long", "new"]
     finally:
         await s.aclose()
+
+
+async def test_turns_waiting_for_their_session_hold_no_active_slot() -> None:
+    """One client sends several turns of one session at once: they run one after the other,
+    and while they wait they hold no slot, so another session's request runs at once."""
+    eng = ScriptedEngine(delay=0.3)
+    s = Scheduler(eng, max_active=4, queue_size=16)
+    await s.start()
+    try:
+        turns = [s.submit(req(f"s-t{i}", session="s")) for i in range(4)]
+        await asyncio.sleep(0.05)
+        other = s.submit(req("other"))
+        t0 = asyncio.get_running_loop().time()
+        await other.future
+        assert asyncio.get_running_loop().time() - t0 < 0.5  # not behind a turn of "s"
+        for job in turns:
+            await job.future
+        starts = [rid for what, rid in eng.log if what == "start" and rid.startswith("s-")]
+        assert starts == [f"s-t{i}" for i in range(4)]  # one session's turns stay in order
+        assert s.metrics.queue_depth == 0 and s.metrics.active == 0
+    finally:
+        await s.aclose()
