@@ -224,6 +224,7 @@ class HiCacheController:
             count=self.metrics.incr,
         )
         self._calls: set[asyncio.Future[Any]] = set()  # storage calls in flight
+        self._up_listeners: list[Callable[[], None]] = []  # see on_storage_up
         self._stuck_calls = 0  # cancelled calls still running past cancelled_io_grace_s
         self._prober: asyncio.Task[None] | None = None
         if storage is not None:
@@ -1149,9 +1150,21 @@ class HiCacheController:
 
     # ------------------------------------------------------------------ storage health
 
+    def on_storage_up(self, listener: Callable[[], None]) -> None:
+        """Call ``listener()`` (on this controller's loop) each time the store is taken back
+        after it was marked down: what was skipped meanwhile can be offered again."""
+        self._up_listeners.append(listener)
+
     def _health_changed(self, state: HealthState) -> None:
         """Down: interrupt the calls in flight (they wait for a store that does not answer)
-        and start the prober. Up: the prober has ended by itself."""
+        and start the prober. Up: the prober has ended by itself; the listeners are told."""
+        if state is HealthState.UP:
+            for listener in list(self._up_listeners):
+                try:
+                    listener()
+                except Exception:  # noqa: BLE001 - one listener must not stop the others
+                    logger.exception("a storage-up listener failed")
+            return
         if state is not HealthState.DOWN:
             return
         for call in list(self._calls):

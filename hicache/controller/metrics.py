@@ -75,6 +75,7 @@ _COUNTERS: dict[str, str] = {
     "storage_delete_missed_pages": "pages a placement policy asked storage to delete that it did not (absent, busy, or the delete failed)",
     "storage_deletes_deferred_pages": "storage evictions a placement policy chose that went with a later write (the store was down when their own write's turn came)",
     "storage_write_dropped_pages": "pages the placement wanted in storage that host dropped before their write could start (it waited for their prefix's write)",
+    "storage_writes_reoffered": "writes that landed short (failed, refused, skipped while the store was down) offered again once the store was back",
     "storage_writes_no_room_pages": "pages a placement policy did not send to storage: no room without evicting the write's own prefix or a page being read",
     "worker_errors": "unexpected errors caught in controller workers",
 }

@@ -140,6 +140,8 @@ class HiRadixCache(RadixCache):
             disable=disable,
         )
         controller.set_host_free(self._free_host)
+        if storage is not None:
+            controller.on_storage_up(self._offer_short_writes)
         share = getattr(host_pool, "share_slots", None)
         if share is not None:
             share()  # host slot tensors are views of it (see _alloc_host): made now, not on a request
@@ -173,6 +175,10 @@ class HiRadixCache(RadixCache):
         self._close_begun = False  # aclose() ran its steps before the controller's close
         #: device nodes whose host copy became redundant (storage holds it too), oldest first
         self._sheddable: dict[TreeNode, None] = {}
+        #: nodes whose storage write landed short (failed, refused, skipped while the store was
+        #: down), oldest first: offered again when the store comes back, so neither they nor the
+        #: children waiting for them stay out of storage until a hit happens to pass by
+        self._short_writes: dict[TreeNode, None] = {}
         self._prune_at = 1024
         #: pages of host-eviction write-backs queued or being written (bounded)
         self._victim_pages_in_flight = 0
@@ -735,6 +741,7 @@ class HiRadixCache(RadixCache):
         )
         if not self.storage_writes.submit(job):
             node.storage_op = None
+            self._short_writes[node] = None
             self._note(node)
 
     def _page_prior(self, node: TreeNode, k: int) -> str | None:
@@ -751,9 +758,12 @@ class HiRadixCache(RadixCache):
         chain = self._op_chain(node, "storage_op", op)
         for n in chain:
             n.storage_op = None
-            take = min(remaining, len(n.hash_value) - n.storage_pages)
+            want = len(n.hash_value) - n.storage_pages
+            take = min(remaining, want)
             n.storage_pages += take
             remaining -= take
+            if take < want:
+                self._short_writes[n] = None
             self._note(n)  # lists a redundant host copy for shedding
             self._host_index.requeue(n)  # its host eviction key may have dropped (now in storage)
         # a written node passes the turn to its children; so does a parent split off it while
@@ -764,9 +774,20 @@ class HiRadixCache(RadixCache):
             if upper.on_storage and upper.parent is not None:
                 for child in [c for c in upper.children.values() if c is not lower]:
                     self._maybe_write_storage(child)
-        if len(self._sheddable) + len(self._deferred) > self._prune_at:
+        if len(self._sheddable) + len(self._deferred) + len(self._short_writes) > self._prune_at:
             self._prune_lists()
         self._retry_deferred()
+
+    def _offer_short_writes(self) -> None:
+        """The store is back: offer again the writes that landed short, oldest first (each
+        passes the turn to its children once written, as any write does)."""
+        nodes, self._short_writes = list(self._short_writes), {}
+        live = self.root_node.tree
+        for n in nodes:
+            if n.parent is not None and n.tree is live and n.host_value is not None:
+                self._maybe_write_storage(n)
+        if nodes:
+            self.metrics.incr("storage_writes_reoffered", len(nodes))
 
     def _prune_lists(self) -> None:
         """Forget listed nodes that left the tree or the device (amortized: the limit doubles
@@ -775,7 +796,9 @@ class HiRadixCache(RadixCache):
         for d in (self._sheddable, self._deferred):
             for n in [n for n in d if n.parent is None or n.tree is not live or n.value is None]:
                 del d[n]
-        self._prune_at = max(1024, 2 * (len(self._sheddable) + len(self._deferred)))
+        for n in [n for n in self._short_writes if n.parent is None or n.tree is not live or n.host_value is None]:
+            del self._short_writes[n]
+        self._prune_at = max(1024, 2 * (len(self._sheddable) + len(self._deferred) + len(self._short_writes)))
 
     # ------------------------------------------------------------------ device eviction
 

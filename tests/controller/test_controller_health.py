@@ -316,3 +316,27 @@ async def test_a_promised_read_is_made_while_the_store_is_down_and_outlives_a_tr
         assert result is not None and result.pages == len(keys)
         assert ctl.metrics.counters.get("prefetch_promised_while_down", 0) == 1
         pool.free(result.host_indices)
+
+
+async def test_writes_skipped_while_the_store_was_down_are_made_when_it_is_back() -> None:
+    """A prompt's write stalls and the store is marked down; a longer prompt through it comes
+    meanwhile (its pages wait for their parent's). Once a probe finds the store back, both are
+    written, without waiting for a hit to pass by."""
+    async with switched(storage_stall_s=0.1) as (store, stack):
+        ctl = stack.controller  # type: ignore[attr-defined]
+        a = list(range(1, 1 + 2 * PS))
+        ab = a + list(range(100, 100 + 6 * PS))
+        store.mode = "hang"
+        await serve_request(stack, a, rid="a", prefetch=False)
+        await eventually(lambda: not ctl.health.up, timeout=10)
+        await serve_request(stack, ab, rid="ab", prefetch=False)
+        store.mode = "ok"
+        await eventually(lambda: ctl.health.up, timeout=10)
+        await stack.cache.drain()  # type: ignore[attr-defined]
+
+        def missing() -> int:
+            return sum(len(n.hash_value) - n.storage_pages for n in stack.cache._nodes())  # type: ignore[attr-defined]
+
+        await eventually(lambda: missing() == 0, timeout=10)
+        assert len(store.medium.pages) == len(ab) // PS
+        assert stack.cache.metrics.counters.get("storage_writes_reoffered", 0) >= 1  # type: ignore[attr-defined]
