@@ -303,6 +303,8 @@ class Prefetcher:
                 # memory, only its answer is late (a few loop turns); cutting it would drop them
                 while policy == "timeout" and op.read_landed and not op.finished:
                     await asyncio.sleep(0)
+        if self._prefetches.get(rid) is not op:
+            return None  # aborted while we waited (and perhaps started again: not ours to cut)
         result = self.take(rid)
         if result is not None:
             result.waited_s = time.monotonic() - t0

@@ -340,3 +340,26 @@ async def test_writes_skipped_while_the_store_was_down_are_made_when_it_is_back(
         await eventually(lambda: missing() == 0, timeout=10)
         assert len(store.medium.pages) == len(ab) // PS
         assert stack.cache.metrics.counters.get("storage_writes_reoffered", 0) >= 1  # type: ignore[attr-defined]
+
+
+async def test_a_wait_takes_only_the_prefetch_it_waited_for() -> None:
+    """A prefetch aborted while a caller waits for it, then started again under the same rid:
+    the first wait ends with nothing, and the new prefetch is left to its own waiter."""
+    store_id = f"rid-{uuid.uuid4()}"
+    await seed(store_id, [prompt(1)])
+    async with switched(store_id) as (store, stack):
+        ctl = stack.controller  # type: ignore[attr-defined]
+        pool = stack.host_pool  # type: ignore[attr-defined]
+        keys = fast_page_hashes(prompt(1), PS, namespace_seed(None))[:8]
+        store.mode = "hang"
+        assert ctl.start_prefetch("r", keys, alloc_host=pool.alloc) is not None
+        first = asyncio.ensure_future(ctl.wait_prefetch("r", "wait_complete"))
+        await asyncio.sleep(0.05)
+        ctl.abort_prefetch("r")
+        second = ctl.start_prefetch("r", keys, alloc_host=pool.alloc)
+        assert second is not None
+        store.mode = "ok"
+        assert await first is None
+        result = await ctl.wait_prefetch("r", "wait_complete")
+        assert result is not None and result.pages == len(keys)
+        pool.free(result.host_indices)
