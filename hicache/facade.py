@@ -51,6 +51,7 @@ from hicache.prefix_cache import Req, Session
 from hicache.session import SessionAwareCache
 from hicache.session.config import SessionConfig as SessionCacheConfig
 from hicache.stack import CacheStack, build_stack, stack_config_from, torch_dtype
+from hicache.storage.types import PoolHitPolicy, PoolTransfer
 
 __all__ = ["HiCache", "RequestHandle"]
 
@@ -212,6 +213,20 @@ class HiCache:
     @property
     def storage(self) -> Any:
         return self._require_stack().storage
+
+    def pool_transfer(
+        self, name: str, *, keys: list[str] | None = None, host_indices: torch.Tensor | None = None
+    ) -> PoolTransfer:
+        """A v2 transfer of extra pool ``name`` (``extra_pools`` in the config) for the
+        storage's ``batch_exists_v2`` / ``batch_get_v2`` / ``batch_set_v2``, with the hit policy
+        the config gives the pool (``extra_pools[].hit_policy``: a hybrid model's Mamba state
+        needs only its trailing pages, an indexer every page). ``KeyError`` for a pool the
+        config does not define."""
+        spec = next((p for p in self.config.extra_pools if p.name == name), None)
+        if spec is None:
+            raise KeyError(f"no extra pool {name!r} in the config (extra_pools: "
+                           f"{[p.name for p in self.config.extra_pools]})")
+        return PoolTransfer(name, host_indices=host_indices, keys=keys, hit_policy=PoolHitPolicy(spec.hit_policy))
 
     def _require_stack(self) -> CacheStack:
         if self._stack is None:

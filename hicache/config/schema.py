@@ -218,7 +218,11 @@ class ExtraPoolConfig(_Section):
     dtype: Literal["float32", "float16", "bfloat16"] = "float32"
     slots: int = Field(64, gt=0)
     host_slots: int = Field(256, gt=0)
-    hit_policy: Literal["all_pages", "trailing_pages"] = "trailing_pages"
+    hit_policy: Literal["all_pages", "trailing_pages"] = Field(
+        "trailing_pages",
+        description="What a prefix hit needs of this pool: every page (an indexer) or only the trailing "
+                    "ones (Mamba state). Carried by the transfers HiCache.pool_transfer builds.",
+    )
 
     @model_validator(mode="after")
     def _not_kv(self) -> ExtraPoolConfig:

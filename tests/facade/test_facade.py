@@ -228,3 +228,22 @@ async def test_a_failing_tier_change_consumer_is_counted_in_the_scrape() -> None
         await run(cache, "a", prompt(1, 40))
         scrape = Scrape(cache.prometheus_text())
         assert (scrape.value("hicache_tier_change_subscriber_errors_total", cache=label) or 0) > 0
+
+
+async def test_extra_pool_transfers_carry_the_configured_hit_policy(tmp_path: Path) -> None:
+    """``extra_pools[].hit_policy`` reaches the transfers a hybrid server builds for the pool
+    (it was accepted and then read by nothing)."""
+    from hicache.storage.types import PoolHitPolicy
+
+    cfg = config(tmp_path)
+    pool = {"state_shapes": {"conv": [2, 4]}, "slots": 4, "host_slots": 8}
+    cfg["extra_pools"] = [{"name": "mamba", "hit_policy": "trailing_pages", **pool},
+                          {"name": "indexer", "hit_policy": "all_pages", **pool}]
+    async with HiCache.from_config(cfg) as cache:
+        mamba = cache.pool_transfer("mamba", keys=["k"])
+        assert mamba.hit_policy is PoolHitPolicy.TRAILING_PAGES and mamba.keys == ["k"]
+        assert cache.pool_transfer("indexer").hit_policy is PoolHitPolicy.ALL_PAGES
+        with pytest.raises(KeyError, match="no extra pool"):
+            cache.pool_transfer("nope")
+        hit = await cache.storage.batch_exists_v2(["k"], [mamba])
+        assert hit.kv_hit_pages == 0  # nothing stored: a clean miss with the transfer as built
