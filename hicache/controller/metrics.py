@@ -41,6 +41,7 @@ _COUNTERS: dict[str, str] = {
     "backup_deferred": "device->host backups deferred (no host page free after host eviction, or a full queue); started as room frees up",
     "host_copies_shed_tokens": "tokens of host copies dropped for room because device and storage hold them too",
     "backup_failures": "device->host copies that failed",
+    "kept_backups_given_up": "copies of KV that must be written (a handed-over session history) that failed every try; no longer kept on device",
     "load_failures": "host->device loads that failed",
     "load_back_skipped": "load-backs skipped (quota or no device memory)",
     "storage_write_retries": "storage write attempts retried",

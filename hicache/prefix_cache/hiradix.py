@@ -65,6 +65,9 @@ __all__ = ["HiRadixCache"]
 
 logger = logging.getLogger("hicache.controller")
 
+#: tries of a kept node's device->host copy (see ``_backup_done``) before it is let go
+_KEPT_COPY_TRIES = 3
+
 
 class HiRadixCache(RadixCache):
     """Radix cache over device, host and storage tiers.
@@ -179,6 +182,9 @@ class HiRadixCache(RadixCache):
         #: down), oldest first: offered again when the store comes back, so neither they nor the
         #: children waiting for them stay out of storage until a hit happens to pass by
         self._short_writes: dict[TreeNode, None] = {}
+        #: failed copies of kept nodes (KV that must be written), by node: retried up to
+        #: ``_KEPT_COPY_TRIES`` times
+        self._failed_kept_copies: dict[TreeNode, int] = {}
         self._prune_at = 1024
         #: pages of host-eviction write-backs queued or being written (bounded)
         self._victim_pages_in_flight = 0
@@ -628,7 +634,7 @@ class HiRadixCache(RadixCache):
                     off += n
                 dev = node.value if len(chain) == 1 else cat_slots([c.value for c in chain])  # type: ignore[misc]
                 gen = self._generation
-                if self.controller.submit_backup(dev, host, lambda ok: self._backup_done(gen, node, op, ok)):  # type: ignore[arg-type]
+                if self.controller.submit_backup(dev, host, lambda ok: self._backup_done(gen, node, op, ok, keep)):  # type: ignore[arg-type]
                     for c in chain:
                         self._deferred.pop(c, None)
                     return True
@@ -681,7 +687,7 @@ class HiRadixCache(RadixCache):
             started += 1
         return started
 
-    def _backup_done(self, gen: int, node: TreeNode, op: object, ok: bool) -> None:
+    def _backup_done(self, gen: int, node: TreeNode, op: object, ok: bool, keep: bool = False) -> None:
         if gen != self._generation:
             return
         chain = self._op_chain(node, "backup_op", op)
@@ -690,6 +696,23 @@ class HiRadixCache(RadixCache):
             if not ok and n.host_value is not None:
                 self._free_host(n.host_value)
                 n.host_value = None
+        if not ok and keep:
+            # KV that must be written (a session's handed-over history) is kept on device and
+            # tried again, a few times: without the mark the next device eviction dropped it
+            # with no copy anywhere. A copy that keeps failing (a broken copy engine) lets go
+            for n in chain:
+                tries = self._failed_kept_copies.get(n, 0) + 1
+                if tries < _KEPT_COPY_TRIES:
+                    self._failed_kept_copies[n] = tries
+                    self._defer_backup(n, True)
+                else:
+                    self._failed_kept_copies.pop(n, None)
+                    self.metrics.incr("kept_backups_given_up")
+                    logger.error("a device->host copy that must not be lost failed %d times; its KV is no "
+                                 "longer kept on device", tries)
+        elif ok:
+            for n in chain:
+                self._failed_kept_copies.pop(n, None)
         self.dec_lock_ref(node)  # notes every node it unlocks
         if ok:
             for n in chain:
@@ -798,6 +821,8 @@ class HiRadixCache(RadixCache):
                 del d[n]
         for n in [n for n in self._short_writes if n.parent is None or n.tree is not live or n.host_value is None]:
             del self._short_writes[n]
+        for n in [n for n in self._failed_kept_copies if n.parent is None or n.tree is not live or n.value is None]:
+            del self._failed_kept_copies[n]
         self._prune_at = max(1024, 2 * (len(self._sheddable) + len(self._deferred) + len(self._short_writes)))
 
     # ------------------------------------------------------------------ device eviction

@@ -80,3 +80,40 @@ async def test_a_write_back_host_cannot_take_gives_way_to_a_live_request() -> No
             await turn(c, f"big{i}", list(range(50000 + i * 1000, 50000 + i * 1000 + 28 * ps)))
         m = c.cache.metrics()
         assert m["writeback_dropped"] == 1 and m["writeback_pending"] == 0
+
+
+async def test_a_failed_copy_of_a_kept_write_back_is_tried_again() -> None:
+    """A released session's write-back waits for host room; when room comes the tree starts the
+    copy itself, and the copy fails. The history stays kept on device and the copy is tried
+    again, instead of the next eviction dropping it with no copy anywhere."""
+    from session_helpers import Conversation, make_stack
+
+    s = make_stack(hier=True, write_policy="write_through")
+    try:
+        c = Conversation(s, "S", seed=4)
+        await c.turn(14, 3)
+        taken = s.host_pool.alloc(s.host_pool.available_size())  # host momentarily full
+        s.cache.release_session("S")
+        assert list(s.inner._deferred.values()) == [True]
+        ctrl = s.controller
+        real = ctrl.submit_backup
+        failures = [1]
+
+        def fail_once(dev, host, on_done):  # type: ignore[no-untyped-def]
+            if failures:
+                failures.pop()
+                return real(dev, host, lambda ok: on_done(False))
+            return real(dev, host, on_done)
+
+        ctrl.submit_backup = fail_once  # type: ignore[method-assign]
+        s.host_pool.free(taken)
+        s.inner._retry_deferred()  # room freed: the tree starts its deferred backup
+        await s.inner.drain_backups()
+        await s.inner.drain_backups()
+        s.inner.evict(1 << 20)  # device pressure
+        s.cache.writeback.pump()
+        m = s.cache.metrics()
+        assert m["writeback_done"] == 1 and m["writeback_lost"] == 0
+        assert s.inner.host_size() > 0  # the history reached host on the second try
+    finally:
+        await s.aclose()
