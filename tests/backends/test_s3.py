@@ -250,6 +250,24 @@ async def test_one_store_on_two_event_loops(moto_endpoint: str, moto_bucket: str
         await asyncio.to_thread(facade.close)
 
 
+def test_loops_closed_since_leave_no_resources_behind(moto_endpoint: str, moto_bucket: str, prefix: str) -> None:
+    """A caller that runs each call in a new loop (``asyncio.run``): the filesystem, client and
+    write bodies of loops closed since are dropped, not held until close."""
+    store = make_s3(moto_endpoint, moto_bucket, prefix, NS_A)
+
+    async def lookup() -> None:
+        await store.exists_pages(["a", "b"])
+
+    for _ in range(12):
+        asyncio.run(lookup())
+    assert len(store._local) == 1  # the last loop's, until the next call sweeps it
+
+    async def close() -> None:
+        await store.aclose()
+
+    asyncio.run(close())
+
+
 async def test_batch_delete_is_one_head_per_page_and_one_delete_request(moto_endpoint: str, moto_bucket: str, prefix: str) -> None:
     """An eviction of many pages: the HEADs tell which existed (and so what was freed), then a
     single DeleteObjects removes them all (was a DELETE per page)."""

@@ -552,6 +552,12 @@ class LoopLocal(Generic[T]):
             with self._lock:
                 value = self._values.get(loop)
                 if value is None:
+                    # a value holds its loop (its session, its semaphores), so the weak key
+                    # never dies: the values of loops closed since are dropped here, else a
+                    # caller that runs each call in a new loop (asyncio.run) piled up a
+                    # filesystem, a client and reusable write bodies per call until close
+                    for old in [lp for lp in self._values if lp.is_closed()]:
+                        del self._values[old]
                     value = self._values[loop] = self._factory()
         return value
 
