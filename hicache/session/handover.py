@@ -41,6 +41,37 @@ def _match_quietly(inner: Any, params: MatchPrefixParams) -> Any:
     return inner.match_prefix(params)
 
 
+def _give_to_tree(inner: Any, slot: SessionSlot, ours: Any, protected: int, writeback: WriteBackQueue,
+                  refused: Callable[[], None] | None) -> tuple[int, int]:
+    """Insert the slot's committed pages ``ours`` into the tree and queue their write-back;
+    frees our duplicates of pages the tree had. Returns (tokens the tree now holds of the row,
+    tokens handed to it); ``(protected, 0)`` when the tree refused them (see :func:`hand_over`)."""
+    ps = inner.page_size
+    aligned = int(ours.numel())
+    key = RadixKey(list(slot.token_ids[:aligned]), slot.extra_key)
+    try:
+        inner.insert(InsertParams(key=key, value=ours, priority=slot.priority))
+    except ValueError as exc:
+        logger.warning("session %s: the tree refused its history (%s); its KV is freed, not kept",
+                       slot.session_id, exc)
+        if refused is not None:
+            refused()
+        return protected, 0
+    m = _match_quietly(inner, MatchPrefixParams(key=key))
+    theirs = m.device_indices.to(ours.device)
+    if theirs.numel() < aligned:  # cannot happen: an inserted path is on device
+        logger.error("session %s: the tree holds %d of %d inserted tokens", slot.session_id,
+                     theirs.numel(), aligned)
+    n = min(aligned, int(theirs.numel()))
+    mine = ours[protected:n]
+    dup = mine[mine != theirs[protected:n]]
+    if dup.numel():  # positions the tree had already: our pages there are duplicates
+        free_token_pages(inner.token_to_kv_pool_allocator, dup, ps)
+    kept = max(protected, n)
+    writeback.enqueue(slot.session_id, m.last_device_node, kept - protected)
+    return kept, kept - protected - int(dup.numel())
+
+
 def hand_over(inner: Any, slot: SessionSlot, *, tree: bool, writeback: WriteBackQueue,
               refused: Callable[[], None] | None = None) -> int:
     """Give ``slot``'s KV up: insert its committed whole pages into ``inner`` (when ``tree``)
@@ -62,30 +93,7 @@ def hand_over(inner: Any, slot: SessionSlot, *, tree: bool, writeback: WriteBack
     kept = protected
     handed = 0
     if tree and aligned > protected:
-        key = RadixKey(list(slot.token_ids[:aligned]), slot.extra_key)
-        ours = row[:aligned].clone()
-        try:
-            inner.insert(InsertParams(key=key, value=ours, priority=slot.priority))
-        except ValueError as exc:
-            logger.warning("session %s: the tree refused its history (%s); its KV is freed, not kept",
-                           slot.session_id, exc)
-            if refused is not None:
-                refused()
-            tree = False
-    if tree and aligned > protected:
-        m = _match_quietly(inner, MatchPrefixParams(key=key))
-        theirs = m.device_indices.to(ours.device)
-        if theirs.numel() < aligned:  # cannot happen: an inserted path is on device
-            logger.error("session %s: the tree holds %d of %d inserted tokens", slot.session_id,
-                         theirs.numel(), aligned)
-        n = min(aligned, int(theirs.numel()))
-        mine = ours[protected:n]
-        dup = mine[mine != theirs[protected:n]]
-        if dup.numel():  # positions the tree had already: our pages there are duplicates
-            free_token_pages(allocator, dup, ps)
-        kept = max(protected, n)
-        handed = kept - protected - int(dup.numel())
-        writeback.enqueue(slot.session_id, m.last_device_node, kept - protected)
+        kept, handed = _give_to_tree(inner, slot, row[:aligned].clone(), protected, writeback, refused)
     if end > kept:
         free_token_pages(allocator, row[kept:end].clone(), ps)
     if slot.last_node is not None:

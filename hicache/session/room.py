@@ -134,11 +134,7 @@ class Room:
         full). ``False`` only when running requests hold the memory."""
         if await self._make_room(num_tokens):
             return True
-        if self._writeback.release_kept():
-            alloc = self._inner.token_to_kv_pool_allocator
-            self._inner.evict(EvictParams(num_tokens=max(0, num_tokens - alloc.available_size())))
-            return await self._make_room(num_tokens)
-        return False
+        return bool(self._writeback.release_kept()) and await self._make_room(num_tokens)
 
     async def _make_room(self, num_tokens: int) -> bool:
         """:meth:`ensure_free` short of giving write-backs up."""

@@ -99,23 +99,16 @@ class WriteBackQueue:
         (it may never: a small host pool, a session longer than it). Their nodes become
         evictable (a copy that still starts before eviction is kept, best effort); each is
         counted dropped. Returns the entries given up."""
-        release = getattr(self._tree, "release_backup", None)
-        if release is None:
-            return 0
-        kept: list[_Entry] = []
-        given_up = 0
+        if getattr(self._tree, "release_backup", None) is None:
+            return 0  # nothing is kept on device for its copy without it
+        left: list[_Entry] = []
         for e in self._entries:
-            todo = [n for n in self._path(e.leaf) if n.host_value is None and n.backup_op is None and n.value is not None]
-            if not (e.kept and todo):
-                kept.append(e)
-                continue
-            for node in todo:
-                release(node)
-            given_up += 1
-            self._count("writeback_dropped", 1)
-            logger.warning("session %s: write-back of %d token(s) given up: device room is needed and host "
-                           "has not taken it", e.session_id, e.tokens)
-        self._entries = kept
+            if e.kept and (todo := self._todo(self._path(e.leaf))):
+                self._give_up(e, todo, "device room is needed and host has not taken it")
+            else:
+                left.append(e)
+        given_up = len(self._entries) - len(left)
+        self._entries = left
         return given_up
 
     def seal(self) -> None:
@@ -135,6 +128,21 @@ class WriteBackQueue:
             node = node.parent
         return path if node is root else []
 
+    @staticmethod
+    def _todo(path: list[Any]) -> list[Any]:
+        """The nodes of ``path`` still on device with no host copy made or being made."""
+        return [n for n in path if n.host_value is None and n.backup_op is None and n.value is not None]
+
+    def _give_up(self, e: _Entry, todo: list[Any], why: str) -> None:
+        """Stop keeping ``e``'s ``todo`` nodes on device for their copy (device eviction may
+        take them now); counted dropped."""
+        self._count("writeback_dropped", 1)
+        logger.warning("session %s: giving up the write-back of %d token(s): %s", e.session_id, e.tokens, why)
+        release = getattr(self._tree, "release_backup", None)
+        if release is not None:
+            for node in todo:
+                release(node)
+
     def _advance(self, e: _Entry, *, count_refusals: bool) -> bool:
         """Move ``e`` on; returns whether it still needs watching."""
         path = self._path(e.leaf)
@@ -150,7 +158,7 @@ class WriteBackQueue:
             self._count("writeback_lost", 1)  # evicted without a host copy (or tree reset)
             logger.debug("session %s: write-back path left the tree before its backup", e.session_id)
             return False
-        todo = [n for n in path if n.host_value is None and n.backup_op is None and n.value is not None]
+        todo = self._todo(path)
         in_flight = any(n.backup_op is not None for n in path)
         if not todo:
             if in_flight:
@@ -159,13 +167,7 @@ class WriteBackQueue:
             self._count("writeback_done", 1)
             return False
         if e.attempts >= self._max_attempts or e.submits > 4 * self._max_attempts:
-            self._count("writeback_dropped", 1)
-            logger.warning("session %s: giving up the write-back of %d token(s) after %d refusals",
-                           e.session_id, e.tokens, e.attempts)
-            release = getattr(self._tree, "release_backup", None)
-            if release is not None:
-                for node in todo:
-                    release(node)  # device eviction may take it now: no host room will come
+            self._give_up(e, todo, f"{e.attempts} refusals")
             return False
         self._count("writeback_attempts", 1)
         refused = False
