@@ -679,7 +679,7 @@ class HiRadixCache(RadixCache):
         started = 0
         while self._deferred:
             node = next(iter(self._deferred))
-            if node.tree is not self.root_node.tree or node.value is None or node.host_value is not None:
+            if not self._in_tree(node) or node.value is None or node.host_value is not None:
                 del self._deferred[node]
                 continue
             if node.backup_op is not None or not self._backup(node, self._deferred[node]):
@@ -797,7 +797,7 @@ class HiRadixCache(RadixCache):
             if upper.on_storage and upper.parent is not None:
                 for child in [c for c in upper.children.values() if c is not lower]:
                     self._maybe_write_storage(child)
-        if len(self._sheddable) + len(self._deferred) + len(self._short_writes) > self._prune_at:
+        if self._listed() > self._prune_at:
             self._prune_lists()
         self._retry_deferred()
 
@@ -805,9 +805,8 @@ class HiRadixCache(RadixCache):
         """The store is back: offer again the writes that landed short, oldest first (each
         passes the turn to its children once written, as any write does)."""
         nodes, self._short_writes = list(self._short_writes), {}
-        live = self.root_node.tree
         for n in nodes:
-            if n.parent is not None and n.tree is live and n.host_value is not None:
+            if self._in_tree(n) and n.host_value is not None:
                 self._maybe_write_storage(n)
         if nodes:
             self.metrics.incr("storage_writes_reoffered", len(nodes))
@@ -815,15 +814,23 @@ class HiRadixCache(RadixCache):
     def _prune_lists(self) -> None:
         """Forget listed nodes that left the tree or the device (amortized: the limit doubles
         with what stays), so the lists never hold more than about twice the live nodes."""
-        live = self.root_node.tree
-        for d in (self._sheddable, self._deferred):
-            for n in [n for n in d if n.parent is None or n.tree is not live or n.value is None]:
+        # device lists forget nodes off the device; the short writes, nodes off host
+        lists: list[tuple[dict[TreeNode, Any], str]] = [
+            (self._sheddable, "value"), (self._deferred, "value"), (self._failed_kept_copies, "value"),
+            (self._short_writes, "host_value"),
+        ]
+        for d, copy in lists:
+            for n in [n for n in d if not self._in_tree(n) or getattr(n, copy) is None]:
                 del d[n]
-        for n in [n for n in self._short_writes if n.parent is None or n.tree is not live or n.host_value is None]:
-            del self._short_writes[n]
-        for n in [n for n in self._failed_kept_copies if n.parent is None or n.tree is not live or n.value is None]:
-            del self._failed_kept_copies[n]
-        self._prune_at = max(1024, 2 * (len(self._sheddable) + len(self._deferred) + len(self._short_writes)))
+        self._prune_at = max(1024, 2 * self._listed())
+
+    def _listed(self) -> int:
+        """Nodes held by the lists :meth:`_prune_lists` prunes."""
+        return len(self._sheddable) + len(self._deferred) + len(self._short_writes) + len(self._failed_kept_copies)
+
+    def _in_tree(self, node: TreeNode) -> bool:
+        """Whether ``node`` is still a node of this tree (not removed, not of a tree reset since)."""
+        return node.parent is not None and node.tree is self.root_node.tree
 
     # ------------------------------------------------------------------ device eviction
 
