@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import concurrent.futures.thread  # noqa: F401 - its exit hook first (see _close_at_exit)
 import logging
 import threading
 import weakref
@@ -198,8 +199,6 @@ CLOSE_TIMEOUT_S = 120.0
 
 #: Facades not closed yet, closed at interpreter exit by :func:`_close_at_exit`.
 _open_facades: weakref.WeakSet[HiCacheStorage] = weakref.WeakSet()
-_exit_hook = threading.Lock()
-_exit_hook_set = False
 
 
 def _close_at_exit() -> None:
@@ -210,22 +209,13 @@ def _close_at_exit() -> None:
         facade._finalizer()
 
 
-def _set_exit_hook() -> None:
-    """Register :func:`_close_at_exit` once, where threading runs the hooks that come before
-    its executors stop (CPython's ``threading._register_atexit``, the one ``concurrent.futures``
-    uses; hooks run last registered first). Without it, the facades' finalizers still run at
-    ``atexit``."""
-    global _exit_hook_set
-    with _exit_hook:
-        if _exit_hook_set:
-            return
-        _exit_hook_set = True
-        register = getattr(threading, "_register_atexit", None)
-        if register is not None:
-            try:
-                register(_close_at_exit)
-            except RuntimeError:  # the interpreter is shutting down already
-                pass
+# Registered where threading runs the hooks that come before its executors stop (CPython's
+# ``threading._register_atexit``, the one ``concurrent.futures.thread`` uses; hooks run last
+# registered first, so that module's hook is registered before this one). Without it, the
+# facades' finalizers still run at ``atexit``.
+_register_atexit = getattr(threading, "_register_atexit", None)
+if _register_atexit is not None:
+    _register_atexit(_close_at_exit)
 
 
 class HiCacheStorage:
@@ -239,7 +229,6 @@ class HiCacheStorage:
         self._closed = False
         self._timeout_log = Throttle()
         _open_facades.add(self)
-        _set_exit_hook()
 
     def _call(self, coro: Coroutine[Any, Any, T]) -> T:
         if self._closed:
@@ -311,12 +300,9 @@ class HiCacheStorage:
         return bad
 
     def storable_prefix(self, keys: list[str]) -> list[str]:
-        """``keys`` up to its first unstorable key (counted), for a prefix lookup an engine
-        adapter composes itself: a bad key is a miss there, not an error of the whole batch."""
-        return self._prefix_keys(keys)
-
-    def _prefix_keys(self, keys: list[str]) -> list[str]:
-        """``keys`` up to its first unstorable key: a prefix lookup stops at a miss anyway."""
+        """``keys`` up to its first unstorable key (counted): a prefix lookup stops at a miss
+        anyway, so a bad key is a miss there, not an error of the whole batch (also for a
+        lookup an engine adapter composes itself)."""
         if not _is_batch(keys):
             return keys
         cut = first_unstorable(keys)
@@ -361,7 +347,7 @@ class HiCacheStorage:
         pool_transfers: list[PoolTransfer] | None = None,
         extra_info: HiCacheStorageExtraInfo | None = None,
     ) -> PoolTransferResult:
-        return self._call(self.backend.batch_exists_v2(self._prefix_keys(keys), pool_transfers, extra_info))
+        return self._call(self.backend.batch_exists_v2(self.storable_prefix(keys), pool_transfers, extra_info))
 
     def batch_get_v2(
         self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None
@@ -475,7 +461,7 @@ class HiCacheStorage:
         return self._call(self.backend.exists_prefix(keys, pool))
 
     def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
-        return self._call(self.backend.batch_exists(self._prefix_keys(keys), extra_info))
+        return self._call(self.backend.batch_exists(self.storable_prefix(keys), extra_info))
 
     def clear(self) -> bool:
         return self._call(self.backend.clear())
