@@ -656,10 +656,6 @@ class FsspecStorage(AsyncHiCacheStorage):
         by then is reported not deleted (``False``, counted in ``call_timeouts``), though the
         store may have removed it."""
         paths = [self.names.page(p.key, p.pool) for p in pages]
-        # the run index stored under a page (when the page started a written chain) goes with
-        # it: left behind, it is an object nothing bounds or removes but a clear, and in another
-        # process it vouches for its whole chain again once the chain is written anew
-        indexes = {path: self.names.run_index(p.key, p.pool) for path, p in zip(paths, pages)}
         # gone, not just forgotten: the run index written with a page still lists it, and
         # would vouch for it again once the cache's entry for it is forgotten
         for path in paths:
@@ -674,9 +670,13 @@ class FsspecStorage(AsyncHiCacheStorage):
             left = deadline - loop.time()
             if left <= 0:  # the HEADs used the whole call (their batch counted the timeout)
                 return [False] * len(paths)
-            # in the same DeleteObjects requests (S3 answers a missing key as deleted): an index
-            # that fails to go is only an index, never a page reported not deleted
-            failed = await self._remove_many(targets + [indexes[t] for t in targets], left)
+            # the run index stored under a page (when the page started a written chain) goes
+            # with it: left behind, it is an object nothing bounds or removes but a clear, and in
+            # another process it vouches for its whole chain again once the chain is written
+            # anew. In the same DeleteObjects requests (S3 answers a missing key as deleted); an
+            # index that fails to go is only an index, never a page reported not deleted
+            indexes = [self.names.run_index(p.key, p.pool) for p, there in zip(pages, present) if there]
+            failed = await self._remove_many(targets + indexes, left)
             return [there and path not in failed for path, there in zip(paths, present)]
         finally:
             for path in paths:  # a lookup that overlapped the delete
