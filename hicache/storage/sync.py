@@ -454,11 +454,18 @@ class HiCacheStorage:
         where the store can answer from memory (``exists_prefix_now``), else on the loop (see
         :meth:`batch_get_v1` for why). An unstorable key is a miss (the prefix stops there)."""
         keys = self.storable_prefix(keys)
-        if self._blocking_caller():
-            now = self.backend.exists_prefix_now(keys, pool)
-            if now is not None:
-                return now
-        return self._call(self.backend.exists_prefix(keys, pool))
+        now = self.exists_prefix_now(keys, pool, screened=True)
+        return now if now is not None else self._call(self.backend.exists_prefix(keys, pool))
+
+    def exists_prefix_now(self, keys: list[str], pool: PoolName | str = PoolName.KV, *,
+                          screened: bool = False) -> int | None:
+        """:meth:`exists_prefix` answered on the calling thread, or ``None`` where the store
+        cannot (or the caller is inside a running loop, or the facade closed): for an engine
+        adapter that composes the rest of a lookup itself. ``screened``: ``keys`` went through
+        :meth:`storable_prefix` already."""
+        if not self._blocking_caller():
+            return None
+        return self.backend.exists_prefix_now(keys if screened else self.storable_prefix(keys), pool)
 
     def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
         return self._call(self.backend.batch_exists(self.storable_prefix(keys), extra_info))

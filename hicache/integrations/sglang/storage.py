@@ -359,7 +359,7 @@ class HiCacheSGLangStorage(_SGLangStorage):
         def run(f: HiCacheStorage) -> Any:
             assert self._backend is not None
             lookup = f.storable_prefix(list(keys))  # a bad key is a miss from there, not a failed batch
-            kv_now = self._backend.exists_prefix_now(lookup, KV)  # on this thread where it can (see the facade)
+            kv_now = f.exists_prefix_now(lookup, KV, screened=True)  # on this thread where it can
             if kv_now is not None and (not transfers or not kv_now):
                 hits = resolve(kv_now, {})  # nothing left to ask the loop
             else:
