@@ -322,9 +322,14 @@ class AsyncHiCacheStorage(ABC):
                          type(self).__name__, what)
             return fallback
         except Exception:  # noqa: BLE001 - see module docstring
-            self.stats.incr("backend_errors")
-            logger.exception("%s: %s failed; answering with misses", type(self).__name__, what)
+            self._failed(what)
             return fallback
+
+    def _failed(self, what: str) -> None:
+        """A primitive raised (called from its ``except``): counted and logged; the caller
+        answers with misses."""
+        self.stats.incr("backend_errors")
+        logger.exception("%s: %s failed; answering with misses", type(self).__name__, what)
 
     async def _guard_flags(self, what: str, coro: Any, n: int) -> list[bool]:
         """A guarded primitive that answers one flag per page; a list of another length is a
@@ -414,8 +419,7 @@ class AsyncHiCacheStorage(ABC):
         try:
             got = self._read_now(pages, buffers, deadline)
         except Exception:  # noqa: BLE001 - see module docstring
-            self.stats.incr("backend_errors")
-            logger.exception("%s: a read on the calling thread failed; answering with misses", type(self).__name__)
+            self._failed("read on the calling thread")
             got = [False] * len(pages)
         if got is None:
             return None
