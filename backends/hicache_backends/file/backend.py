@@ -291,14 +291,8 @@ class FileStorage(AsyncHiCacheStorage):
                 await self._peers.stop_tailing()
             if self._background:
                 await asyncio.gather(*self._background, return_exceptions=True)
-            executors = self._executors()
-            if executors:
-                # Let in-flight page writes finish (each cleans up after itself), off the loop.
-                def shut_down() -> None:
-                    for e in executors:
-                        e.shutdown(wait=True)
-
-                await asyncio.to_thread(shut_down)
+            # in-flight page writes finish (each cleans up after itself), off the loop
+            await asyncio.to_thread(self._shutdown_executors, True)
         finally:
             # released however the close ends, cut short included (cancelled past a caller's
             # limit; at interpreter exit, where no executor takes work): a ledger file left
