@@ -53,14 +53,14 @@ class RowExtender:
         self._lifecycle.check_open()
         host = self._host
         pool = host.req_to_token_pool
-        if seq_len > pool.max_context_len:
-            raise ValueError(f"seq_len {seq_len} exceeds max_context_len {pool.max_context_len}")
         ps = host.page_size
-        if ceil_align(seq_len, ps) > pool.max_context_len:
-            # rows hold whole pages: the last page of this length would not fit (a max_context_len
-            # that is no multiple of the page size), refused before anything is allocated
-            raise ValueError(f"seq_len {seq_len} needs {ceil_align(seq_len, ps)} slots in whole pages of {ps}; "
-                             f"a row holds {pool.max_context_len} (max_context_len)")
+        need = ceil_align(seq_len, ps)
+        if need > pool.max_context_len:
+            # rows hold whole pages: the last page of this length would not fit (past the limit,
+            # or a max_context_len that is no multiple of the page size), refused before
+            # anything is allocated
+            raise ValueError(f"seq_len {seq_len} exceeds max_context_len {pool.max_context_len}: it needs {need} "
+                             f"slots in whole pages of {ps}")
         new_row = req.req_pool_idx is None
         if new_row:
             if not host.ensure_req_slots(1):
