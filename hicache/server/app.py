@@ -104,6 +104,17 @@ def _payload(req: GenerateRequest, result: GenerateResult, job: Job) -> dict[str
     return out
 
 
+def _error_of(exc: BaseException) -> web.Response:
+    """The answer to an exception raised while serving (see :func:`_status_of`); a 503 says
+    when to try again."""
+    status, _ = _status_of(exc)
+    return _error(status, str(exc) or type(exc).__name__, **({"Retry-After": "1"} if status == 503 else {}))
+
+
+def _draining() -> web.Response:
+    return _error(503, "the server is shutting down", **{"Retry-After": "1"})
+
+
 def _status_of(exc: BaseException) -> tuple[int, str]:
     """HTTP status and outcome label for an exception raised while serving."""
     if isinstance(exc, (QueueFullError, CacheClosedError, MemoryError)):
@@ -117,7 +128,7 @@ async def _generate(request: web.Request) -> web.StreamResponse:
     arrival = time.perf_counter()
     st = request.app[STATE]
     if st.draining:
-        return _error(503, "the server is shutting down", **{"Retry-After": "1"})
+        return _draining()
     try:
         raw = await request.read()
         limits = dict(vocab_size=st.spec.vocab_size,
@@ -143,10 +154,9 @@ async def _generate(request: web.Request) -> web.StreamResponse:
             return _error(499, "client closed the request")
         result = job.future.result()
     except (HiCacheError, MemoryError, ValueError) as exc:
-        status, outcome = _status_of(exc)
         if job is None:  # refused by submit; a job that ran was counted by the scheduler
-            st.metrics.requests[outcome] += 1
-        return _error(status, str(exc) or type(exc).__name__, **({"Retry-After": "1"} if status == 503 else {}))
+            st.metrics.requests[_status_of(exc)[1]] += 1
+        return _error_of(exc)
     except Exception as exc:
         logger.exception("request %s failed", req.rid)
         return _error(500, f"internal error: {type(exc).__name__}")
@@ -216,12 +226,11 @@ async def _release(request: web.Request) -> web.Response:
     st = request.app[STATE]
     sid = request.match_info["session_id"]
     if st.draining:
-        return _error(503, "the server is shutting down", **{"Retry-After": "1"})
+        return _draining()
     try:
         await st.cache.release_session(sid)
     except (HiCacheError, ValueError) as exc:  # a closed cache, a bad id: an answer, not a traceback
-        status, _ = _status_of(exc)
-        return _error(status, str(exc) or type(exc).__name__, **({"Retry-After": "1"} if status == 503 else {}))
+        return _error_of(exc)
     return web.json_response({"released": sid})
 
 

@@ -167,16 +167,18 @@ class Scheduler:
         job = Job(request, time.perf_counter() if arrival is None else arrival,
                   asyncio.get_running_loop().create_future(), on_token, queued=True)
         self._queue.put_nowait(job)
-        self._waiting += 1
-        self.metrics.queue_depth = self._waiting
+        self._count_waiting(+1)
         return job
 
     def _dequeued(self, job: Job) -> None:
         """``job`` no longer waits (taken by the scheduler, or abandoned): its place is free."""
         if job.queued:
             job.queued = False
-            self._waiting -= 1
-            self.metrics.queue_depth = self._waiting
+            self._count_waiting(-1)
+
+    def _count_waiting(self, delta: int) -> None:
+        self._waiting += delta
+        self.metrics.queue_depth = self._waiting
 
     def abandon(self, job: Job) -> None:
         """The client went away: drop ``job``. A queued job is skipped when its turn comes; a
