@@ -201,16 +201,20 @@ def _drop_overlapping_targets(host: PoolPagesHost, name: str, starts: list[int |
     and reported True while the other's bytes end up there. The first page (lowest start)
     is kept; writes may share a source page freely and are not checked.
     """
-    clashing = overlapping((None, st, st + page_size, i) for i, st in enumerate(starts) if st is not None)
-    for i in clashing:
+    for i in clashing_reads(host, name, starts, page_size, "those pages fail"):
         starts[i] = None
-    dropped = len(clashing)
-    if dropped:
+
+
+def clashing_reads(host: Any, name: str, starts: Sequence[int | None], page_size: int, outcome: str) -> set[int]:
+    """Positions of the read targets in ``starts`` that overlap an earlier one (the lowest
+    start is kept; see :func:`_drop_overlapping_targets`); counted as an invalid request and
+    logged with ``outcome`` (what the caller does with them) when there are any."""
+    clashing = overlapping((None, st, st + page_size, i) for i, st in enumerate(starts) if st is not None)
+    if clashing:
         host.stats.incr("invalid_requests")
-        logger.error(
-            "%s get: pool %r: %d page(s) would be read into host memory another page of the "
-            "batch is read into; those pages fail", type(host).__name__, name, dropped,
-        )
+        logger.error("%s get: pool %r: %d page(s) would be read into host memory another page of the "
+                     "batch is read into; %s", type(host).__name__, name, len(clashing), outcome)
+    return clashing
 
 
 async def write_pages(

@@ -30,7 +30,7 @@ import torch
 from hicache.integrations.sglang.pages import CanonicalPagePool
 from hicache.storage import AsyncHiCacheStorage, HiCacheStorageExtraInfo, PoolTransfer
 from hicache.storage.offload import run_to_completion
-from hicache.storage.pool_pages import overlapping
+from hicache.storage.pool_pages import clashing_reads
 
 __all__ = ["PageMover"]
 
@@ -96,11 +96,8 @@ class PageMover:
         # two pages of the batch read into the same host page: the chunks below catch that only
         # within a chunk and its neighbour, so the batch stops before the first such page (as
         # a failed page stops it), whatever their distance (the direct path fails them too)
-        clash = overlapping((None, st, st + ps, i) for i, st in enumerate(starts))
+        clash = clashing_reads(self.backend, str(self.pool_name), starts, ps, "the batch stops before the first")
         if clash:
-            self.backend.stats.incr("invalid_requests")
-            logger.error("get: pool %r: %d page(s) would be read into host memory another page of the batch "
-                         "is read into; the batch stops before the first", self.pool_name, len(clash))
             n = min(clash)
             if n == 0:
                 return [False] * len(keys)
