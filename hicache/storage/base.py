@@ -280,6 +280,12 @@ class AsyncHiCacheStorage(ABC):
         answers ``None``."""
         return None
 
+    def _reads_now(self, num_pages: int, nbytes: int) -> bool:
+        """(Any thread; optional.) Whether :meth:`_read_now` would take a batch of ``num_pages``
+        pages of ``nbytes`` in all: asked before the batch's buffers are made, so a batch the
+        backend leaves to its loop costs no preparation twice. The default: yes."""
+        return True
+
     # ------------------------------------------------------------------ optional introspection
 
     async def list_namespaces(self) -> list[Namespace]:

@@ -56,6 +56,7 @@ class PoolPagesHost(Protocol):
     def supports_staged_pages(self) -> bool: ...
     def _pool(self, name: str) -> Any: ...
     async def _read_guarded(self, pages: Sequence[PageKey], buffers: Sequence[memoryview]) -> list[bool]: ...
+    def _reads_now(self, num_pages: int, nbytes: int) -> bool: ...
     def _read_guarded_now(
         self, pages: Sequence[PageKey], buffers: Sequence[Any], deadline: float | None = None
     ) -> list[bool] | None: ...
@@ -165,6 +166,9 @@ def read_pages_now(
     pool = host._pool(name)
     if isinstance(host_indices, torch.Tensor) and host_indices.device.type != "cpu":
         return None
+    page_nbytes = page_io.page_nbytes_hint(pool)
+    if page_nbytes is not None and not host._reads_now(len(keys), len(keys) * page_nbytes):
+        return None  # the backend leaves this batch to its loop: nothing prepared for it
     starts, bad = page_io.checked_starts(host_indices, len(keys), pool.page_size)
     if not starts or bad or overlapping((None, st, st + pool.page_size, i) for i, st in enumerate(starts)):
         return None

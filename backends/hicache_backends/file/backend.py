@@ -473,7 +473,7 @@ class FileStorage(AsyncHiCacheStorage):
         layout, codec, loop = self._layout, self._codec, self._loop
         if layout is None or codec is None or loop is None:
             return None
-        if self.io_threads > 1 and page_threads(sum(b.nbytes for b in buffers), len(buffers)) > 1:
+        if not self._reads_now(len(buffers), sum(b.nbytes for b in buffers)):
             return None
         if not self._caller_reads.enter():  # closing: the loop's path refuses it properly
             return None
@@ -481,6 +481,10 @@ class FileStorage(AsyncHiCacheStorage):
             return self._read_pages_now(layout, codec, loop, pages, buffers, deadline)
         finally:
             self._caller_reads.leave()
+
+    def _reads_now(self, num_pages: int, nbytes: int) -> bool:
+        """Batches one I/O thread would read on the loop (see :meth:`_read_now`)."""
+        return self.io_threads <= 1 or page_threads(nbytes, num_pages) <= 1
 
     def _read_pages_now(
         self, layout: NamespaceLayout, codec: PageCodec, loop: asyncio.AbstractEventLoop,
