@@ -329,3 +329,23 @@ def test_the_blocking_facade_reads_and_looks_up_on_the_callers_thread(tmp_path, 
         asyncio.run(inside_a_loop())
     finally:
         facade.close()
+
+
+async def test_close_waits_once_for_both_kinds_of_call(tmp_path, monkeypatch) -> None:
+    """A call stuck on the loop and a read stuck on a caller's thread share one close limit:
+    each used to get the whole limit in turn (a minute, by default, before the threads stopped)."""
+    from hicache_backends.file import backend as file_backend
+
+    limit = 0.6
+    monkeypatch.setattr(file_backend, "_CLOSE_CALLS_WAIT_SECONDS", limit)
+    pool = _pool("layer_first", seed=1)
+    fs = await _store(tmp_path, pool)
+    await fs.open()
+    fs._calls += 1  # a call on the loop that never returns
+    fs._calls_idle.clear()
+    assert fs._caller_reads.enter()  # and a read on a caller's thread that never returns
+    t0 = time.monotonic()
+    await fs.aclose()
+    took = time.monotonic() - t0
+    assert limit <= took < 1.6 * limit, took
+    fs._caller_reads.leave()

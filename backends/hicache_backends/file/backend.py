@@ -276,13 +276,15 @@ class FileStorage(AsyncHiCacheStorage):
         try:
             # calls already running finish first: their settlement, indexing and trash need the
             # executors (new calls are refused: the store's state is CLOSED already)
+            # one limit for both kinds of call (the loop's and the callers' threads'), not one each
+            deadline = time.monotonic() + _CLOSE_CALLS_WAIT_SECONDS
             try:
                 async with asyncio.timeout(_CLOSE_CALLS_WAIT_SECONDS):
                     await self._calls_idle.wait()
             except TimeoutError:  # a call stuck in its I/O: close anyway (it fails when it resumes)
                 logger.warning("file store %s: closing with %d call(s) still running after %.0f s",
                                self.root, self._calls, _CLOSE_CALLS_WAIT_SECONDS)
-            left = await asyncio.to_thread(self._caller_reads.close, _CLOSE_CALLS_WAIT_SECONDS)
+            left = await asyncio.to_thread(self._caller_reads.close, max(0.0, deadline - time.monotonic()))
             if left:
                 logger.warning("file store %s: closing with %d read(s) on callers' threads still running after %.0f s",
                                self.root, left, _CLOSE_CALLS_WAIT_SECONDS)
