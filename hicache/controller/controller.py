@@ -199,6 +199,8 @@ class HiCacheController:
         #: the storage jobs the worker has taken and not acknowledged, each with the leading
         #: pages it has landed so far (close acknowledges those, reports only the rest)
         self._storage_busy: dict[StorageWriteJob, int] = {}
+        #: callers of :meth:`wait_storage_progress`, woken when the next storage job ends
+        self._storage_progress: list[asyncio.Future[None]] = []
         self._backup_busy: list[BackupJob] = []
         #: set once close has reported what its cancelled workers left: from then on nothing
         #: is queued, not even a continuation, since no worker would ever run it
@@ -347,6 +349,33 @@ class HiCacheController:
             await asyncio.sleep(0)
             if (self._backup_q is None or self._backup_q._unfinished_tasks == 0) and not self._loads:  # type: ignore[attr-defined]
                 return
+
+    @property
+    def storage_writes_pending(self) -> int:
+        """Storage write jobs queued or running (not yet acknowledged)."""
+        q = self._storage_q
+        return 0 if q is None or self.state is ControllerState.CLOSED else q._unfinished_tasks  # type: ignore[attr-defined]
+
+    async def wait_storage_progress(self) -> None:
+        """Wait until the next storage write job ends (written, failed or reported at close);
+        at once when none is queued or running. What device eviction waits for when the room it
+        needs is held by writes in flight: the first that lands may free it, and waiting for the
+        whole queue (:meth:`drain`) made eviction as slow as the slowest store's backlog."""
+        if not self.storage_writes_pending:
+            return
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._storage_progress.append(fut)
+        try:
+            await fut
+        finally:
+            if fut in self._storage_progress:
+                self._storage_progress.remove(fut)
+
+    def _storage_progressed(self) -> None:
+        waiters, self._storage_progress = self._storage_progress, []
+        for fut in waiters:
+            if not fut.done():
+                fut.set_result(None)
 
     async def wait_prefetches(self) -> None:
         """Wait until every prefetch task has ended and every page it held is back (tests,
@@ -549,6 +578,7 @@ class HiCacheController:
                     leftovers.append((self._storage_q.get_nowait(), 0))
                     self._storage_q.task_done()
             if not backups and not leftovers:
+                self._storage_progressed()  # nothing is left to end: no waiter may stay asleep
                 return
             for bjob in backups:
                 report.failed_device_backups += 1
@@ -751,6 +781,7 @@ class HiCacheController:
             self.metrics.observe("backup", "storage", time.perf_counter() - t0)
         call_back(job.on_done, written)
         self._storage_q.task_done()
+        self._storage_progressed()
 
     @property
     def _hop_pages(self) -> int:

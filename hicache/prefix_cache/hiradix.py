@@ -899,11 +899,15 @@ class HiRadixCache(RadixCache):
                 # KV kept on device waits for host room, which storage writes free (redundant
                 # host copies are shed once written), and a write-back at host eviction keeps its
                 # chain (and so a device parent that has no host copy) until it lands; their time
-                # is bounded by storage health
-                await self.controller.drain()
-                self._retry_deferred()
-                await self.controller.drain_backups()
-                got = self.evict(need - freed).num_tokens_evicted
+                # is bounded by storage health. One write at a time, not the whole queue: the
+                # first to land may free the room, and a slow store's backlog is seconds
+                for _ in range(max(1, self.controller.storage_writes_pending)):
+                    await self.controller.wait_storage_progress()
+                    self._retry_deferred()
+                    await self.controller.drain_backups()
+                    got += self.evict(need - freed - got).num_tokens_evicted
+                    if freed + got >= need or not self.controller.storage_writes_pending:
+                        break
             if got == 0:
                 break
             freed += got

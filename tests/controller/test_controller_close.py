@@ -246,3 +246,65 @@ async def test_a_stack_whose_cache_close_fails_still_stops_its_copy_threads() ->
         await stack.aclose()
     assert stack.copy_engine._closed
     await real_close()
+
+
+async def _writes_queued(stack, n: int) -> None:  # type: ignore[no-untyped-def]
+    """Wait until ``n`` storage writes are queued (a copy's completion, on the loop, queues its write)."""
+    await stack.controller.drain_backups()
+    for _ in range(200):
+        if stack.controller.storage_writes_pending >= n:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"{stack.controller.storage_writes_pending} storage writes queued, not {n}")
+
+
+async def test_device_eviction_waits_for_the_first_storage_write_that_frees_room_not_the_whole_queue() -> None:
+    """KV kept on device (a handed-over history) waits for host room that storage writes free:
+    evict_async returns once the first write has landed and made that room, not after the
+    slow store has worked off its whole backlog."""
+    from hicache.prefix_cache import EvictParams, MatchPrefixParams, RadixKey
+
+    store = FaultyStorage(store_id=f"faulty-{uuid.uuid4()}")
+    cfg = StackConfig(page_size=PS, device_pages=16, host_pages=4, storage_backend=None,
+                      controller=ControllerConfig(prefetch_threshold=PS, storage_io_timeout_s=30.0,
+                                                  storage_batch_pages=1, storage_hop_bytes=1, storage_stall_s=0,
+                                                  cancelled_io_grace_s=0.0, close_timeout_s=5.0))
+    stack = build_stack(cfg, storage=store)
+    try:
+        store.delay = 0.5  # each write lands 0.5 s after the one before it
+        for i in range(4):  # four one-page prompts: host full of copies whose writes wait
+            await serve_request(stack, [1000 * (i + 1) + t for t in range(PS)], rid=f"p{i}", prefetch=False)
+        await _writes_queued(stack, 4)
+        cache = stack.cache
+        tokens = [9000 + t for t in range(PS)]
+        await serve_request(stack, tokens, rid="kept", prefetch=False)
+        await stack.controller.drain_backups()
+        node = cache.match_prefix(MatchPrefixParams(key=RadixKey(tokens))).last_device_node
+        cache.write_backup(node)  # deferred for want of host room, kept on device meanwhile
+        assert node.host_value is None and node in cache._deferred
+        pending = stack.controller.storage_writes_pending
+        assert pending >= 4
+        t0 = time.monotonic()
+        res = await asyncio.wait_for(cache.evict_async(EvictParams(num_tokens=5 * PS)), 10.0)
+        took = time.monotonic() - t0
+        assert res.num_tokens_evicted == 5 * PS
+        assert stack.controller.storage_writes_pending > 0, "it waited for the whole queue"
+        assert took < 0.5 * pending, took
+    finally:
+        await stack.aclose()
+
+
+async def test_a_wait_for_storage_progress_ends_at_close() -> None:
+    """Nothing queued: it returns at once; a write that never lands: the close wakes it."""
+    store = FaultyStorage(store_id=f"faulty-{uuid.uuid4()}")
+    stack = make(store)
+    await asyncio.wait_for(stack.controller.wait_storage_progress(), 1.0)
+    store.delay = 30.0
+    await serve_request(stack, list(range(8)), rid="a", prefetch=False)
+    await _writes_queued(stack, 1)
+    waiting = asyncio.ensure_future(stack.controller.wait_storage_progress())
+    await asyncio.sleep(0.05)
+    assert not waiting.done()
+    report = await asyncio.wait_for(stack.aclose(), 10.0)
+    await asyncio.wait_for(waiting, 1.0)
+    assert not report.drained and stack.controller.storage_writes_pending == 0
