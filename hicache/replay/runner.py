@@ -87,12 +87,17 @@ async def _remove_run_pages(stack: Any) -> None:
                        storage.backend_name, stack.config.namespace)
 
 
-def _remove_run_folder(config: StackConfig) -> None:
+def _remove_run_folder(stack: Any) -> None:
     """This run's namespace folder in a ``file`` store, pages and all (the namespace is the
-    run's own, :func:`replay_requests`; the store is closed)."""
-    root = config.storage_options.get("root") if config.storage_backend == "file" else None
-    if root and config.namespace is not None:
-        shutil.rmtree(os.path.join(root, config.namespace.digest), ignore_errors=True)
+    run's own, :func:`replay_requests`; the store is closed). The root is the store's own:
+    without ``options.root`` it is ``$HICACHE_FILE_ROOT`` or the backend's default, and a
+    root read from the options alone left every such run's pages there."""
+    config: StackConfig = stack.config
+    if config.storage_backend != "file" or config.namespace is None:
+        return
+    root = getattr(stack.storage, "root", None) or config.storage_options.get("root")
+    if root:
+        shutil.rmtree(os.path.join(os.fspath(root), config.namespace.digest), ignore_errors=True)
 
 
 def replay_inputs(
@@ -214,7 +219,7 @@ async def replay_requests(
             await _remove_run_pages(stack)
         finally:
             report = await stack.aclose()
-            await asyncio.to_thread(_remove_run_folder, stack.config)  # a big folder: off the loop
+            await asyncio.to_thread(_remove_run_folder, stack)  # a big folder: off the loop
     ref = reference_lru(requests, [caps["device"], caps["host"], caps["storage"]])
     hit_tokens = totals["device_hit_tokens"] + totals["host_hit_tokens"] + totals["storage_hit_tokens"]
     counters = cast("dict[str, float]", snap["counters"])  # ControllerMetrics.snapshot's counters
@@ -261,7 +266,7 @@ async def _open_storage(stack: Any) -> None:
         try:
             await stack.aclose()
         finally:
-            await asyncio.to_thread(_remove_run_folder, stack.config)
+            await asyncio.to_thread(_remove_run_folder, stack)
         raise
 
 

@@ -68,6 +68,23 @@ def test_policies_on_a_persistent_store_each_start_cold_and_leave_no_pages(tmp_p
     assert not list(root.iterdir())  # nothing of the runs is left in the store
 
 
+
+def test_a_file_store_at_its_default_root_keeps_nothing_of_the_runs(tmp_path, monkeypatch) -> None:
+    """Without ``options.root`` the store writes under ``$HICACHE_FILE_ROOT`` (or its default
+    folder); each run's namespace folder was removed only where the options named a root, so
+    every such run left all its pages there."""
+    root = tmp_path / "default-root"
+    root.mkdir()
+    monkeypatch.setenv("HICACHE_FILE_ROOT", str(root))
+    requests = load_trace(_prefix_reuse_trace(tmp_path / "t.jsonl"))
+    cfg = ReplayConfig.from_dict({
+        "tiers": {"device_blocks": 8, "host_blocks": 12, "storage_blocks": 64},
+        "storage": {"backend": "file"},
+    })
+    result = asyncio.run(compare_policies(cfg, requests, ["lru", "tiered"]))
+    assert result["policies"]["lru"]["storage_hit"] > 0  # storage took part
+    assert not list(root.iterdir())
+
 # ---------------------------------------------------------------------- block ids
 
 
