@@ -172,9 +172,11 @@ class StoredPages:
             return []
         out: list[str] = []
         held: list[tuple[bool, int, str]] = []
-        heap = self._heap
-        while len(self._pages) + self.reserved > self.capacity and heap:
-            entry = heapq.heappop(heap)
+        # self._heap each time, never a local: a drop pushes the parent, which may rebuild the
+        # heap (stale entries piled up); popping the old list then missed every leaf made
+        # since and evicted the hot leaves it still held
+        while len(self._pages) + self.reserved > self.capacity and self._heap:
+            entry = heapq.heappop(self._heap)
             rooted, tick, key = entry
             page = self._pages.get(key)
             if page is None or page.tick != tick or page.children or page.orphan == rooted:
@@ -185,7 +187,7 @@ class StoredPages:
             self._drop(key)
             out.append(key)
         for entry in held:
-            heapq.heappush(heap, entry)
+            heapq.heappush(self._heap, entry)
         self.evicted_pages += len(out)
         return out
 

@@ -73,6 +73,22 @@ def test_pinned_pages_are_never_chosen() -> None:
     assert stored.make_room(1) == ["a0000000"]
 
 
+
+def test_a_heap_rebuilt_while_room_is_made_is_the_one_popped() -> None:
+    """A leaf hit again and again piles stale entries on the heap until a drop rebuilds it;
+    room-making went on popping the old list, missed the leaves made since (the old chain's
+    parents) and deleted the hottest leaf instead, then cut the write short."""
+    for touches in (0, 1084):
+        s = StoredPages(capacity=20)
+        s.add([f"a{i}" for i in range(10)], None)  # the old chain: its leaf a9 is the LRU leaf
+        s.add([f"b{i}" for i in range(10)], None)
+        s.touch(["b9"] * touches)  # b9 hit again and again
+        doomed, fits, pins = s.room_for_write(10, None)
+        assert fits == 10, touches
+        assert sorted(doomed) == sorted(f"a{i}" for i in range(10)), (touches, doomed)
+        s.landed(fits, [f"n{i}" for i in range(fits)], None, pins)
+        assert len(s) == 20
+
 def test_without_a_capacity_nothing_is_evicted() -> None:
     stored = StoredPages(None)
     stored.add(_chain("a", 10), None)
