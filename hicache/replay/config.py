@@ -103,6 +103,8 @@ class ReplayConfig:
             # found here, not by the stack: a comparison replays its own list and reads this only
             # to know whose placement_options apply, so a misspelt name ran without them, silently
             raise ConfigError(f"unknown placement policy {self.placement!r}; allowed: {sorted(PLACEMENT_POLICIES)}")
+        if self.storage_backend is not None and (not isinstance(self.storage_backend, str) or not self.storage_backend):
+            raise ConfigError(f"[storage] backend must be a backend's name (a string), got {self.storage_backend!r}")
         for name in ("placement_options", "storage_options", "controller"):
             if not isinstance(getattr(self, name), dict):
                 raise ConfigError(f"{name} must be a table, got {type(getattr(self, name)).__name__}")

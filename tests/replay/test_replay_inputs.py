@@ -312,3 +312,11 @@ def test_a_store_sized_by_tiers_that_takes_no_bound_is_a_config_error(tmp_path, 
     })
     with pytest.raises(ConfigError, match=rf"{backend}.*takes no max_bytes.*6 pages"):
         asyncio.run(compare_policies(cfg, requests, ["lru"]))
+
+
+@pytest.mark.parametrize("backend", [["memory"], {"x": 1}, 5, True])
+def test_a_storage_backend_that_is_not_a_name_is_a_config_error(backend) -> None:
+    """A list or table as ``[storage] backend`` passed validation and failed with a TypeError
+    traceback after the whole trace was read."""
+    with pytest.raises(ConfigError, match=r"\[storage\] backend must be a backend's name"):
+        ReplayConfig.from_dict({"storage": {"backend": backend}})
