@@ -240,3 +240,43 @@ def test_the_lock_file_stays_open_and_a_forked_child_opens_its_own(tmp_path: Pat
     assert journal._lock_file.fd is None
     journal.append_removed([("e", "kv")], "evicted")  # after close: reopened, still works
     journal.close()
+
+
+async def test_a_clear_by_another_store_empties_this_ones_index(tmp_path: Path) -> None:
+    """The clear line was reported but the index kept every page: lookups answered "present"
+    for pages no read returned. A page written after the clear is still found."""
+    keys = keys_for(6, salt=1)
+    pool = ArrayHostPool(len(keys), PAGE)
+    pool.fill_random(1)
+    a = create_async_storage("file", None, root=str(tmp_path), namespace=NS_A, journal_poll_s=0.05)
+    b = create_async_storage("file", None, root=str(tmp_path), namespace=NS_A, journal_poll_s=0.05)
+    a.register_mem_pool_host(pool)
+    async with a, b:
+        assert all(await a.batch_set_v1(keys, pool.indices(0, len(keys))))
+        await b.wait_index_ready()
+        assert await b.clear()
+        assert await wait_for(lambda: a.get_stats().get("peer_clears") == 1)
+        assert await a.batch_exists(keys) == 0
+        assert await a.batch_get_v1(keys, pool.indices(0, len(keys))) == [False] * len(keys)
+        assert await a.batch_set_v1(keys[:2], pool.indices(0, 2)) == [True, True]
+        assert await a.batch_exists(keys) == 2
+
+
+async def test_a_journal_line_no_store_could_write_is_skipped_and_the_tail_goes_on(tmp_path: Path) -> None:
+    """A key that is not storable text (a lone surrogate is valid JSON) ended the journal's
+    tail for good: no removal by another process was seen again."""
+    pool = ArrayHostPool(4, PAGE)
+    pool.fill_random(1)
+    a = create_async_storage("file", None, root=str(tmp_path), namespace=NS_A, journal_poll_s=0.05)
+    b = create_async_storage("file", None, root=str(tmp_path), namespace=NS_A, journal_poll_s=0.05)
+    b.register_mem_pool_host(pool)
+    async with a, b:
+        keys = keys_for(4, salt=3)
+        assert all(await b.batch_set_v1(keys, pool.indices(0, 4)))
+        with open(os.path.join(a.layout.ns_dir, JOURNAL_NAME), "ab") as f:
+            f.write(b'{"w":"zz","rm":[["\\ud800","kv"]],"r":"evicted"}\n')
+            f.write(b'{"w":"zz","rm":[["k","' + b"p" * 70000 + b'"]],"r":"evicted"}\n')
+        assert await wait_for(lambda: a._peers.journal.malformed_lines == 2)
+        assert await b.batch_delete(keys) == [True] * 4
+        assert await wait_for(lambda: a.get_stats().get("peer_removed_pages") == 4)
+        assert not a._peers._task.done()

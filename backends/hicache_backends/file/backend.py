@@ -840,6 +840,12 @@ class FileStorage(AsyncHiCacheStorage):
     def _peer_removal(self, removal: PeerRemoval) -> None:
         if removal.cleared:
             self.stats.incr("peer_clears")
+            # the namespace's files are gone: forget them all, or every lookup answered from the
+            # index found pages no read returns. Pages this store wrote since the clear are on
+            # disk still; a shared store probes what its index lacks and adopts them again
+            busy = self._pins.busy
+            for pid in [pid for pid in self.index.entries if not busy[pid]]:
+                self._scanner.forget(pid)
             report_cleared(self.tier_changes, self.backend_name, origin="peer")
             return
         for key, pool in removal.pages:
@@ -951,4 +957,5 @@ class FileStorage(AsyncHiCacheStorage):
             "fsync": self.fsync,
             "shared": self.shared,
             "journal_dropped_lines": self._peers.dropped_lines if self._peers is not None else 0,
+            "journal_failed_removals": self._peers.failed_removals if self._peers is not None else 0,
         }

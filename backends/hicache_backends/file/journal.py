@@ -52,6 +52,9 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from hicache.errors import InvalidKeyError
+from hicache.keys import validate_key
+from hicache.storage.types import pool_name_str
 from hicache_backends.file.locks import SharedFile, flock_within
 
 __all__ = ["JOURNAL_NAME", "PeerRemoval", "RemovalJournal"]
@@ -268,9 +271,11 @@ class RemovalJournal:
                 return None
             if rec.get("clear"):
                 return PeerRemoval(cleared=True, reason="clear")
-            pages = tuple((str(k), str(p)) for k, p in rec["rm"])
+            # what no store writes (a key or pool name that is not storable text) is a bad line,
+            # not a removal: its page id cannot even be computed
+            pages = tuple((validate_key(str(k)), pool_name_str(str(p))) for k, p in rec["rm"])
             return PeerRemoval(pages=pages, reason=str(rec.get("r", "evicted")))
-        except (ValueError, KeyError, TypeError) as exc:
+        except (ValueError, KeyError, TypeError, InvalidKeyError) as exc:
             self.malformed_lines += 1
             logger.warning("file store %s: skipped a malformed removal journal line (%s)", self.ns_dir, exc)
             return None

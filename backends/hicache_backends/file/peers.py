@@ -35,6 +35,8 @@ class PeerRemovals:
         # the removal journal's own thread: its lock waits never hold up page I/O
         self.executor: ThreadPoolExecutor | None = None
         self._task: asyncio.Task[None] | None = None
+        #: journal lines whose removal could not be applied (logged, skipped)
+        self.failed_removals = 0
 
     @property
     def dropped_lines(self) -> int:
@@ -74,7 +76,11 @@ class PeerRemovals:
                 logger.exception("file store %s: polling the removal journal failed", self.root)
                 continue
             for removal in removals:
-                self._on_removal(removal)
+                try:
+                    self._on_removal(removal)
+                except Exception:  # noqa: BLE001 - one line's removal must not end the tail for good
+                    self.failed_removals += 1
+                    logger.exception("file store %s: applying a removal journal line failed; skipped", self.root)
 
     async def stop_tailing(self) -> None:
         task, self._task = self._task, None
