@@ -129,6 +129,35 @@ async def test_scan_does_not_block_requests_and_survives_errors(tmp_path, monkey
     assert store._scanner.task is None and store._threads.executor._shutdown
 
 
+
+async def test_a_page_the_scan_cannot_read_costs_only_itself(tmp_path, monkeypatch) -> None:
+    """A page file this process may not open (another user's, umask 077) stopped the scan of
+    its whole folder: every readable page beside it stayed unindexed, a miss for good in a
+    store that does not probe (``shared=False``)."""
+    keys = [f"perm-{i}" for i in range(64)]
+    async with make_store(tmp_path) as store:
+        assert await store.batch_set(keys, [v0(100, i) for i in range(len(keys))])
+    folders: dict[str, list[str]] = {}
+    for k in keys:
+        folders.setdefault(os.path.dirname(page_path(tmp_path, NS_A.digest, k)), []).append(k)
+    crowded = max(folders.values(), key=len)
+    assert len(crowded) >= 2
+    bad = page_path(tmp_path, NS_A.digest, crowded[0])
+    real_footer = file_io._read_footer
+
+    def footer(path, size):  # type: ignore[no-untyped-def]
+        if path == bad:
+            raise PermissionError(errno.EACCES, "Permission denied", path)
+        return real_footer(path, size)
+
+    monkeypatch.setattr(file_io, "_read_footer", footer)
+    async with make_store(tmp_path, shared=False) as store:
+        assert await store.wait_index_ready(10)
+        stats = store.get_stats()
+        assert stats["scan_errors"] == 1 and stats["stored_pages"] == len(keys) - 1
+        assert await store.exists_pages(crowded) == [False] + [True] * (len(crowded) - 1)
+    assert len(file_io.list_pages(store.layout)) == len(keys) - 1
+
 async def test_stale_temp_files_are_removed_at_open(tmp_path) -> None:
     async with make_store(tmp_path) as store:
         assert await store.set("k", v0(10, 1))

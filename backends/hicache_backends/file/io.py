@@ -70,6 +70,7 @@ __all__ = [
     "remove_stale_trash",
     "remove_tree",
     "scan_subdir",
+    "PartialScan",
     "write_page",
 ]
 
@@ -894,14 +895,29 @@ def remove_stale_trash(root: str, digest: str, stop: threading.Event | None = No
     return removed
 
 
+class PartialScan(OSError):
+    """Some files of a folder could not be read (another user's page this process may not
+    open, an I/O error): ``entries`` and ``removed`` are what the rest of the folder gave,
+    ``unreadable`` how many were skipped. Raised after the whole folder was looked at, so one
+    such file costs only itself, not every page beside it."""
+
+    def __init__(self, entries: list[ScanEntry], removed: int, unreadable: int, first: OSError) -> None:
+        super().__init__(first.errno, f"{unreadable} file(s) could not be read ({first})")
+        self.entries, self.removed, self.unreadable = entries, removed, unreadable
+
+
 def scan_subdir(path: str, stale_tmp_seconds: float) -> tuple[list[ScanEntry], int]:
     """Every page file in one hashed folder, and how many dead writers' temp files were removed.
 
     A temporary file is garbage when its writer (pid in the name) is dead, or when it is older
     than ``stale_tmp_seconds`` (the pid may belong to another machine or have been reused).
+    A file that cannot be read is skipped and the rest of the folder scanned; the scan then
+    raises :class:`PartialScan` with what it found.
     """
     entries: list[ScanEntry] = []
     removed = 0
+    unreadable = 0
+    first_error: OSError | None = None
     now = time.time()
     try:
         it = os.scandir(path)
@@ -935,6 +951,11 @@ def scan_subdir(path: str, stale_tmp_seconds: float) -> tuple[list[ScanEntry], i
                         removed += 1
             except FileNotFoundError:
                 continue  # removed while we looked: someone else's business
+            except OSError as exc:  # this file alone (EACCES, EIO): the folder goes on
+                unreadable += 1
+                first_error = first_error or exc
+    if first_error is not None:
+        raise PartialScan(entries, removed, unreadable, first_error)
     return entries, removed
 
 
@@ -1000,7 +1021,10 @@ def list_pages(layout: NamespaceLayout) -> list[tuple[str, str, int]]:
     """(key, pool, file size) of every readable page file of a namespace."""
     out: list[tuple[str, str, int]] = []
     for subdir in list_subdirs(layout):
-        entries, _ = scan_subdir(subdir, float("inf"))
+        try:
+            entries, _ = scan_subdir(subdir, float("inf"))
+        except PartialScan as partial:  # what could be read is listed
+            entries = partial.entries
         for e in entries:
             ident = page_identity(layout.path(e.pid))
             if ident is not None:

@@ -175,6 +175,11 @@ class IndexScanner:
                     )
                 except asyncio.CancelledError:
                     raise
+                except page_io.PartialScan as partial:  # index what could be read
+                    self._stats.incr("scan_errors")
+                    logger.warning("file store %s: scanning %s: %s", self.root, subdir, partial)
+                    complete = False  # unknown files: the ledger is not corrected from this scan
+                    entries, removed = partial.entries, partial.removed
                 except Exception:  # noqa: BLE001 - one bad folder must not stop the scan
                     self._stats.incr("scan_errors")
                     logger.exception("file store %s: scanning %s failed", self.root, subdir)
