@@ -101,20 +101,49 @@ def test_put_many_needs_one_payload_per_entry() -> None:
         MemoryMedium(100).put_many([("ns", "a", "kv"), ("ns", "b", "kv")], [b"x"])
 
 
-async def test_batch_write_evicts_and_reports_like_single_writes() -> None:
-    """A batch bigger than the medium evicts its own first pages in order, and reports them."""
+async def test_a_batch_bigger_than_the_medium_stores_its_last_pages_and_says_so() -> None:
+    """A batch bigger than the medium evicts its own first pages in order: those are not
+    stored (False, no event), the rest are (one STORED run). They were reported REMOVED before
+    the batch's STORED named them, so every subscriber (the page ledger, KV events) took
+    them for stored; older pages it evicts are still reported REMOVED."""
     import torch
 
     from hicache.observability.tier_events import ChangeKind, Tier
 
     store = create_async_storage("memory", None, max_bytes=10_000)
-    removed: list[str] = []
-    store.tier_changes.subscribe(lambda c: removed.extend(c.keys), wants={(ChangeKind.REMOVED, Tier.STORAGE)})
+    seen: list[tuple[str, tuple[str, ...]]] = []
+    store.tier_changes.subscribe(lambda c: seen.append((c.kind.name, tuple(c.keys))),
+                                 wants={(ChangeKind.REMOVED, Tier.STORAGE), (ChangeKind.STORED, Tier.STORAGE)})
     async with store:
+        assert await store.batch_set(["old"], [torch.full((1000,), 99, dtype=torch.uint8)])
+        seen.clear()
         keys = [f"k{i}" for i in range(50)]
-        assert await store.batch_set(keys, [torch.full((1000,), i, dtype=torch.uint8) for i in range(50)])
+        assert not await store.batch_set(keys, [torch.full((1000,), i, dtype=torch.uint8) for i in range(50)])
         stats = store.get_stats()
-        assert (stats["stored_bytes"], stats["evicted_pages"]) == (10_000, 40)
-        assert removed == keys[:40]
-        assert await store.batch_exists(keys[40:]) == 10
+        assert (stats["stored_bytes"], stats["evicted_pages"]) == (10_000, 41)
+        assert seen == [("REMOVED", ("old",)), ("STORED", tuple(keys[40:]))]
+        assert await store.exists_pages(keys) == [False] * 40 + [True] * 10
         assert (await store.get("k45"))[0] == 45
+
+
+async def test_evicted_bytes_are_counted_and_a_shared_medium_has_one_bound() -> None:
+    """``evicted_bytes`` (a published counter) stayed 0; a second store on a store_id asking
+    for another bound silently got the first one's."""
+    import uuid
+
+    import torch
+
+    from hicache.errors import ConfigError
+
+    sid = f"bound-{uuid.uuid4()}"
+    first = create_async_storage("memory", None, store_id=sid, max_bytes=2_000)
+    async with first:
+        for i, key in enumerate("abc"):
+            assert await first.batch_set([key], [torch.full((1000,), i, dtype=torch.uint8)])
+        stats = first.get_stats()
+        assert (stats["evicted_pages"], stats["evicted_bytes"]) == (1, 1000)
+        with pytest.raises(ConfigError, match="already open with max_bytes=2000"):
+            create_async_storage("memory", None, store_id=sid, max_bytes=1 << 30)
+        joined = create_async_storage("memory", None, store_id=sid)  # no bound named: the medium's
+        async with joined:
+            assert joined.get_stats()["max_bytes"] == 2_000

@@ -48,6 +48,10 @@ def _snapshot(buf: memoryview) -> Payload:
     return memoryview(arr.data).toreadonly()
 
 
+#: a memory store's bound when none is given
+DEFAULT_MAX_BYTES = 1 << 30
+
+
 class MemoryMedium:
     """A byte-bounded LRU map of pages shared by every store that names the same ``store_id``."""
 
@@ -59,14 +63,21 @@ class MemoryMedium:
         self.pages: OrderedDict[_Entry, Payload] = OrderedDict()
         self.nbytes = 0
         self.evicted_pages = 0
+        self.evicted_bytes = 0
         self.lock = threading.Lock()
 
     @classmethod
-    def shared(cls, store_id: str, max_bytes: int) -> MemoryMedium:
+    def shared(cls, store_id: str, max_bytes: int | None) -> MemoryMedium:
+        """The medium ``store_id`` names, made with ``max_bytes`` (default 1 GiB) if new."""
         with cls._shared_lock:
             medium = cls._shared.get(store_id)
             if medium is None:
-                medium = cls._shared[store_id] = cls(max_bytes)
+                medium = cls._shared[store_id] = cls(max_bytes or DEFAULT_MAX_BYTES)
+            elif max_bytes is not None and medium.max_bytes != max_bytes:
+                # one medium, one bound: a second store asking for another silently got the
+                # first one's (a 1 GiB store bounded at 1 kB refused every write)
+                raise ConfigError(f"memory store {store_id!r} is already open with max_bytes={medium.max_bytes}, "
+                                  f"not {max_bytes}: stores sharing a store_id share one bound")
             return medium
 
     @classmethod
@@ -90,6 +101,7 @@ class MemoryMedium:
             victim, gone = self.pages.popitem(last=False)
             self.nbytes -= len(gone)
             self.evicted_pages += 1
+            self.evicted_bytes += len(gone)
             if evicted is not None:
                 evicted.append(victim)
         self.pages[entry] = payload
@@ -167,14 +179,16 @@ class MemoryStorage(AsyncHiCacheStorage):
         self,
         storage_config: HiCacheStorageConfig | None = None,
         *,
-        max_bytes: int = 1 << 30,
+        max_bytes: int | None = None,
         store_id: str | None = None,
         namespace: Namespace | dict[str, Any] | None = None,
     ) -> None:
+        """``max_bytes``: the medium's bound (default 1 GiB); a store joining a shared medium
+        (``store_id``) takes the medium's, and naming another one is a :class:`ConfigError`."""
         super().__init__(storage_config, namespace=namespace)
-        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes <= 0:
+        if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes <= 0):
             raise ConfigError(f"memory backend: max_bytes must be a positive integer, got {max_bytes!r}")
-        self.medium = MemoryMedium.shared(store_id, max_bytes) if store_id else MemoryMedium(max_bytes)
+        self.medium = MemoryMedium.shared(store_id, max_bytes) if store_id else MemoryMedium(max_bytes or DEFAULT_MAX_BYTES)
 
     def _entry(self, page: PageKey) -> _Entry:
         return (self.namespace.digest, page.key, page.pool)
@@ -223,7 +237,16 @@ class MemoryStorage(AsyncHiCacheStorage):
             ok = [self.medium.put(e, _snapshot(b), evicted) for e, b in zip(self._entries(pages), buffers)]
         if evicted:  # a shared medium evicts other namespaces' pages too: report only ours
             digest = self.namespace.digest
-            self.report_removed([PageKey(k, p) for d, k, p in evicted if d == digest], reason="evicted")
+            ours = [PageKey(k, p) for d, k, p in evicted if d == digest]
+            # a batch bigger than the room evicts its own first pages: those were not stored (a
+            # False, as a file store cuts such a batch), not stored and then removed (reported
+            # REMOVED before the write's STORED, they read as stored to every subscriber)
+            position = {page: i for i, page in enumerate(pages)}
+            for page in ours:
+                i = position.get(page)
+                if i is not None and i < len(ok):
+                    ok[i] = False
+            self.report_removed([p for p in ours if p not in position], reason="evicted")
         return ok
 
     async def _read_bytes(self, page: PageKey) -> bytes | None:
@@ -247,4 +270,5 @@ class MemoryStorage(AsyncHiCacheStorage):
             "stored_bytes": self.medium.nbytes,
             "max_bytes": self.medium.max_bytes,
             "evicted_pages": self.medium.evicted_pages,
+            "evicted_bytes": self.medium.evicted_bytes,
         }
