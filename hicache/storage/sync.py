@@ -171,6 +171,15 @@ class LoopThread:
             self.loop.close()
 
 
+def _in_running_loop() -> bool:
+    """Whether the calling thread is running an event loop (which a blocking call would stall)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
 def _stopped_error() -> StorageStateError:
     return StorageStateError("the storage loop stopped (facade closed) during the call")
 
@@ -249,13 +258,7 @@ class HiCacheStorage:
     def _blocking_caller(self) -> bool:
         """Whether a call may be answered on the calling thread: the facade open, and the caller
         not inside a running event loop (that misuse is the loop call's to report)."""
-        if self._closed:
-            return False
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:
-            return True
-        return False
+        return not self._closed and not _in_running_loop()
 
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
         """Run a coroutine of the caller's on the facade's loop (where the backend lives) and
@@ -268,6 +271,14 @@ class HiCacheStorage:
         """Close the backend and stop the private loop (idempotent)."""
         if self._closed:
             return
+        if _in_running_loop():
+            # refused before anything changes: marked closed, the facade's later close (from a
+            # thread, or at exit) did nothing, and the backend's threads and files stayed open
+            raise LoopMisuseError(
+                "HiCacheStorage.close() was called from inside a running event loop, which it "
+                "would block; call it from a thread (asyncio.to_thread(store.close)) or use "
+                "create_async_storage(...) and await aclose()"
+            )
         try:
             self._loop_thread.call(self.backend.aclose(), max(CLOSE_TIMEOUT_S, self.call_timeout or 0.0))
         finally:

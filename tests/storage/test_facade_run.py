@@ -106,3 +106,23 @@ def test_a_call_that_ended_as_the_loop_stopped_keeps_its_result() -> None:
         assert lt.call(work(), timeout=5) == 42
     finally:
         lt.stop()
+
+
+def test_a_close_refused_inside_a_running_loop_leaves_the_facade_to_close_later(tmp_path) -> None:
+    """``close()`` inside ``async def`` raised the misuse error but marked the facade closed:
+    the later close from a thread did nothing, and the file store's threads, files and
+    locks stayed open for good."""
+    from hicache.errors import LoopMisuseError
+    from hicache.storage import StorageState, create_storage
+
+    facade = create_storage("file", root=str(tmp_path))
+    facade.batch_exists(["a"])  # opened
+
+    async def misuse() -> None:
+        with pytest.raises(LoopMisuseError, match="close"):
+            facade.close()
+
+    asyncio.run(misuse())
+    assert facade.backend.state is StorageState.OPEN
+    facade.close()
+    assert facade.backend.state is StorageState.CLOSED
