@@ -35,6 +35,7 @@ import concurrent.futures
 import enum
 import functools
 import logging
+import numbers
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -78,6 +79,9 @@ def _class_answers_now(cls: type, hook: str, overridable: tuple[str, ...]) -> bo
     return False
 
 logger = logging.getLogger("hicache.storage")
+
+#: what a guarded primitive that raised answers (told apart from a primitive's own ``None``)
+_FAILED: Any = object()
 
 KV = PoolName.KV.value
 
@@ -340,17 +344,18 @@ class AsyncHiCacheStorage(ABC):
     async def _guard_flags(self, what: str, coro: Any, n: int) -> list[bool]:
         """A guarded primitive that answers one flag per page; a list of another length is a
         backend bug, and trusting it would shift every answer onto the wrong page."""
-        return self._checked_flags(what, await self._guard(what, coro, None), n)
+        return self._checked_flags(what, await self._guard(what, coro, _FAILED), n)
 
     def _checked_flags(self, what: str, flags: Any, n: int) -> list[bool]:
-        """A primitive's answer as ``n`` flags: ``None`` (it failed) or a list of another
-        length (a backend bug: trusted, it would shift every answer onto the wrong page) is
-        ``n`` misses, the second counted and logged."""
-        if flags is None:
+        """A primitive's answer as ``n`` flags: a failure the guard counted (``_FAILED``) is
+        ``n`` misses; so is anything else that is not ``n`` flags (a list of another length
+        would shift every answer onto the wrong page; ``None`` is a forgotten ``return``),
+        counted and logged as the backend bug it is."""
+        if flags is _FAILED:  # it raised: counted and logged by the guard
             return [False] * n
         try:
             flags = list(map(bool, flags))
-        except TypeError:
+        except TypeError:  # None (a forgotten return) or no list at all
             flags = []
         if len(flags) != n:
             self.stats.incr("backend_errors")
@@ -388,7 +393,7 @@ class AsyncHiCacheStorage(ABC):
     def _is_run(self, run: Any, n: int) -> bool:
         """Whether a prefix lookup's answer is a count of pages from the first (else a backend
         bug, counted and logged)."""
-        if isinstance(run, bool) or not isinstance(run, int) or not 0 <= run <= n:
+        if isinstance(run, bool) or not isinstance(run, numbers.Integral) or not 0 <= run <= n:
             self.stats.incr("backend_errors")
             logger.error("%s: exists answered %r for %d pages", type(self).__name__, run, n)
             return False
@@ -403,8 +408,7 @@ class AsyncHiCacheStorage(ABC):
             return 0
         t0 = time.perf_counter()
         run = await self._guard("exists", self._exists_prefix(pages), 0)
-        if not self._is_run(run, len(pages)):
-            run = 0  # a miss
+        run = int(run) if self._is_run(run, len(pages)) else 0  # a bad answer is a miss
         self._count_lookup(len(pages), run, t0)
         return run
 
@@ -565,6 +569,7 @@ class AsyncHiCacheStorage(ABC):
             return None
         if run is None or not self._is_run(run, len(pages)):
             return None  # the loop's lookup answers
+        run = int(run)
         self._count_lookup(len(pages), run, t0)
         return run
 

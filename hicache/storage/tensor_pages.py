@@ -105,6 +105,11 @@ async def read_tensors(
     for i, t in enumerate(targets):
         if t is None:
             payload = await host._guard("read", host._read_bytes(PageKey(keys[i], KV)), None)
+            if payload is not None and not isinstance(payload, (bytes, bytearray, memoryview)):
+                host.stats.incr("backend_errors")  # a backend bug: a miss, never the caller's TypeError
+                logger.error("%s: _read_bytes answered %s, not bytes; a miss", type(host).__name__,
+                             type(payload).__name__)
+                payload = None
             host.stats.incr("read_pages")
             host.stats.incr("read_hits" if payload is not None else "read_misses")
             if payload is not None:

@@ -261,6 +261,43 @@ async def test_backend_answering_wrong_number_of_flags_is_a_miss() -> None:
     assert await store.batch_exists(["a", "b", "c"]) == 0
 
 
+
+async def test_backend_answers_of_the_wrong_type_are_counted_misses() -> None:
+    """A primitive that forgot its ``return`` (``None``) was a silent miss, uncounted; a
+    ``_read_bytes`` answering text raised TypeError to the caller; a prefix count that is a
+    numpy integer was taken for a bug."""
+    import numpy as np
+
+    class NoReturn(MemoryStorage):
+        async def _read(self, pages, buffers):  # type: ignore[no-untyped-def]
+            return None
+
+        async def _exists(self, pages):  # type: ignore[no-untyped-def]
+            return None
+
+    class Text(MemoryStorage):
+        async def _read_bytes(self, page):  # type: ignore[no-untyped-def]
+            return "not bytes"
+
+    class NumpyRun(MemoryStorage):
+        async def _exists_prefix(self, pages):  # type: ignore[no-untyped-def]
+            return np.int64(len(pages))
+
+        def _exists_prefix_now(self, pages):  # type: ignore[no-untyped-def]
+            return None  # the loop's lookup answers
+
+    store = NoReturn()
+    assert await store.set("k", torch.arange(4, dtype=torch.uint8))
+    assert await store.get("k", torch.empty(4, dtype=torch.uint8)) is None
+    assert await store.batch_exists(["k"]) == 0
+    assert store.get_stats()["backend_errors"] == 2
+    text = Text()
+    assert await text.set("k", torch.arange(4, dtype=torch.uint8))
+    assert await text.get("k") is None and text.get_stats()["backend_errors"] == 1
+    counted = NumpyRun()
+    run = await counted.exists_prefix(["a", "b"])
+    assert run == 2 and type(run) is int and counted.get_stats()["backend_errors"] == 0
+
 async def test_v0_non_tensor_target_is_a_miss_not_a_crash() -> None:
     store = MemoryStorage()
     assert await store.set("k", torch.ones(4))
