@@ -857,7 +857,7 @@ class HiCacheController:
                 outcome = self._judge(call, "write")
                 if isinstance(outcome, BaseException):
                     break
-                ok = self._landed(outcome, batch.pages, call[1])
+                ok = self._landed(outcome, batch, call[1])
                 done += ok
                 if ok < batch.pages:
                     break
@@ -884,7 +884,7 @@ class HiCacheController:
         transfers = [PoolTransfer(PoolName.KV, job.host_indices[first * ps : (first + n) * ps],
                                   keys=job.keys[first : first + n])]
         for extra in job.extra:
-            transfers.append(slice_transfer(extra, first, n))
+            transfers.append(slice_transfer(extra, first, n, len(job.keys)))
         return _Batch(transfers, HiCacheStorageExtraInfo(prefix_keys=[prior] if prior else None), n)
 
     async def _hop(self, hop: list[tuple[StorageWriteJob, list[_Batch]]], out: list[_HopResult],
@@ -907,7 +907,8 @@ class HiCacheController:
                 result.batches.append(call)
                 progress[0] = time.monotonic()
                 outcome = call[0]
-                if isinstance(outcome, BaseException) or leading_run(all_pools_ok(outcome, batch.pages)) < batch.pages:
+                if isinstance(outcome, BaseException) or \
+                        leading_run(all_pools_ok(outcome, batch.pages, batch.transfers)) < batch.pages:
                     break
 
     async def _inner_call(self, coro: Coroutine[Any, Any, Any]) -> _InnerCall:
@@ -972,7 +973,7 @@ class HiCacheController:
             batch = self._batch(job, done, n, prior)
             t0 = time.perf_counter()
             result = await self._storage_call(self.storage.batch_set_v2(batch.transfers, batch.info), "write")
-            ok = self._landed(result, n, time.perf_counter() - t0)
+            ok = self._landed(result, batch, time.perf_counter() - t0)
             if ok:
                 done += ok
                 prior = job.keys[done - 1]
@@ -980,9 +981,9 @@ class HiCacheController:
             attempt = 0 if ok == n else attempt + 1
         return done
 
-    def _landed(self, result: dict[str, list[bool]] | None, pages: int, seconds: float) -> int:
+    def _landed(self, result: dict[str, list[bool]] | None, batch: _Batch, seconds: float) -> int:
         """Leading pages of a write call that landed in every pool (``None``: none), counted."""
-        ok = leading_run(all_pools_ok(result, pages))
+        ok = leading_run(all_pools_ok(result, batch.pages, batch.transfers))
         if ok:
             self.metrics.transfer("h2s", ok, ok * self.page_nbytes, seconds)
         return ok

@@ -55,9 +55,10 @@ class StorageWriteJob:
 
     def keep_first(self, pages: int, page_size: int) -> None:
         """Cut the job to its first ``pages`` pages, in every pool (the rest is not sent)."""
+        total = len(self.keys)
         self.keys = self.keys[:pages]
         self.host_indices = self.host_indices[: pages * page_size]
-        self.extra = [slice_transfer(t, 0, pages) for t in self.extra]
+        self.extra = [slice_transfer(t, 0, pages, total) for t in self.extra]
 
     def check(self, page_size: int) -> None:
         """Raise ``ValueError`` (:class:`~hicache.errors.InvalidKeyError` for a key) when the

@@ -192,7 +192,7 @@ class Prefetcher:
                     keys = op.keys[a : a + n]
                     transfers = [PoolTransfer(PoolName.KV, host[a * ps : (a + n) * ps], keys=keys)]
                     for extra in op.extra:
-                        transfers.append(slice_transfer(extra, a, n))
+                        transfers.append(slice_transfer(extra, a, n, len(op.keys)))
                     op.inflight_start, op.inflight_end = a, a + n
                     op.inflight_since = time.monotonic()
                     self._reading.add(op)
@@ -206,7 +206,7 @@ class Prefetcher:
                     took = (op.landed_at if op.read_landed else time.monotonic()) - op.inflight_since
                     op.inflight_start = op.inflight_end = 0
                     op.read_landed = False
-                    got = leading_run(all_pools_ok(result, n))
+                    got = leading_run(all_pools_ok(result, n, transfers))
                     if got:
                         op.completed_pages += got
                         self.metrics.incr("prefetch_pages_done", got)

@@ -4,10 +4,11 @@ success across pools, and guarded completion callbacks."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from hicache.storage import PoolTransfer
+from hicache.storage import PoolHitPolicy, PoolTransfer
+from hicache.storage.types import pool_name_str
 
 __all__ = ["all_pools_ok", "call_back", "slice_transfer"]
 
@@ -23,26 +24,49 @@ def call_back(cb: Callable[..., Any], *args: Any) -> None:
         logger.exception("completion callback %r failed", cb)
 
 
-def slice_transfer(t: PoolTransfer, first_page: int, num_pages: int) -> PoolTransfer:
-    """The part of an extra pool's transfer covering pages ``[first, first+num)`` (its host
-    indices are split evenly per page)."""
-    keys = (t.keys or [])[first_page : first_page + num_pages] or None
+def slice_transfer(t: PoolTransfer, first_page: int, num_pages: int, total_pages: int) -> PoolTransfer:
+    """The part of an extra pool's transfer covering KV pages ``[first, first+num)`` of
+    ``total_pages`` (its host indices are split evenly per key).
+
+    An ``ALL_PAGES`` pool has a key per KV page. A ``TRAILING_PAGES`` pool (Mamba or SWA state)
+    has keys for the last ``len(keys)`` KV pages only: each key goes with the batch that holds
+    its page (cut by KV page number, the state went out with the first batch and later ones
+    carried none)."""
+    keys = list(t.keys or [])
     host = t.host_indices
-    if host is not None and t.keys:
-        per = host.numel() // max(1, len(t.keys))
-        host = host[first_page * per : (first_page + num_pages) * per]
-    return PoolTransfer(t.name, host, keys=keys, hit_policy=t.hit_policy)
+    per = host.numel() // max(1, len(keys)) if host is not None and keys else 0
+    if t.hit_policy is PoolHitPolicy.TRAILING_PAGES:
+        base = total_pages - len(keys)  # the KV page of the pool's first key
+        lo = min(len(keys), max(0, first_page - base))
+        hi = min(len(keys), max(0, first_page + num_pages - base))
+    else:
+        lo, hi = first_page, first_page + num_pages
+    part = keys[lo:hi] or None
+    if host is not None and keys:
+        host = host[lo * per : hi * per]
+    return PoolTransfer(t.name, host, keys=part, hit_policy=t.hit_policy)
 
 
-def all_pools_ok(result: dict[str, list[bool]] | None, n: int) -> list[bool]:
-    """Per page: did every pool of the transfer succeed? (``None`` result: nothing did.)"""
+def all_pools_ok(result: dict[str, list[bool]] | None, n: int,
+                 transfers: Sequence[PoolTransfer] = ()) -> list[bool]:
+    """Per KV page of a batch of ``n``: did every pool of the transfer succeed? (``None``
+    result: nothing did.) A ``TRAILING_PAGES`` pool among ``transfers`` answers for the
+    batch's last pages only, one flag per key it was given (its keys are the last pages of the
+    whole transfer, so always a suffix of a batch)."""
     if result is None:
         return [False] * n
+    trailing = {pool_name_str(t.name) for t in transfers if t.hit_policy is PoolHitPolicy.TRAILING_PAGES}
     flags: list[bool] | None = None  # all True until a pool failed a page
-    for pool_flags in result.values():
-        head = list(pool_flags[:n])
-        if len(head) == n and all(head):
-            continue  # the usual answer: no step per page
-        head += [False] * (n - len(head))
+    for name, pool_flags in result.items():
+        if trailing and pool_name_str(name) in trailing:
+            tail = [bool(f) for f in pool_flags[:n]]
+            if all(tail):
+                continue
+            head = [True] * (n - len(tail)) + tail
+        else:
+            head = list(pool_flags[:n])
+            if len(head) == n and all(head):
+                continue  # the usual answer: no step per page
+            head += [False] * (n - len(head))
         flags = [bool(f) for f in head] if flags is None else [a and bool(f) for a, f in zip(flags, head)]
     return [True] * n if flags is None else flags
