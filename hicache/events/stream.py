@@ -33,6 +33,7 @@ class EventStream:
         self._maxsize = maxsize
         self._on_close = on_close
         self._closed = False
+        self._sealed = False  # the end marker is queued (on the loop): a later batch is dropped
         self._lock = threading.Lock()
         self.dropped = 0
         self.delivered = 0
@@ -48,12 +49,13 @@ class EventStream:
         try:
             self._loop.call_soon_threadsafe(self._put, (seq, batch))
         except RuntimeError:  # the consumer's loop is closed: nobody will read
-            self._closed = True
+            self.close()  # (and the publisher forgets the stream)
 
     def _put(self, item: tuple[int, KVEventBatch]) -> None:
-        if self._closed:
-            return
-        if self._queue.qsize() >= self._maxsize:
+        # not "closed": a batch offered before close() lands here after close() ran on its
+        # thread, and ahead of the end marker (the loop runs these in order); dropping it lost
+        # the last batches a closing publisher flushes, uncounted
+        if self._sealed or self._queue.qsize() >= self._maxsize:
             with self._lock:
                 self.dropped += 1
             return
@@ -66,11 +68,15 @@ class EventStream:
         if already:
             return
         try:
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, _CLOSED)
+            self._loop.call_soon_threadsafe(self._seal)
         except RuntimeError:
             pass
         if self._on_close is not None:
             self._on_close(self)
+
+    def _seal(self) -> None:
+        self._sealed = True
+        self._queue.put_nowait(_CLOSED)
 
     async def get(self) -> tuple[int, KVEventBatch] | None:
         """The next ``(seq, batch)``; ``None`` once the stream is closed and drained."""

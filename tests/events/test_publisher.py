@@ -270,3 +270,38 @@ def test_the_cli_names_a_bad_endpoint() -> None:
     out = subprocess.run([sys.executable, "-m", "hicache.cli", "events", "nonsense://x", "--timeout", "0.1"],
                          capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(REPO)), cwd=REPO)
     assert out.returncode == 2 and "nonsense://x" in out.stderr and "Traceback" not in out.stderr
+
+
+async def test_an_in_process_stream_gets_every_batch_published_before_close() -> None:
+    """The publisher's thread offers its last batches while close() runs on another thread;
+    the stream dropped every batch that reached its loop after close() had begun, uncounted,
+    so a consumer missed a closing cache's final removals."""
+    from hicache.events.schema import AllBlocksCleared
+    from hicache.events.stream import EventStream
+
+    for in_executor in (False, True):
+        pub = EventPublisher(None)
+        stream = EventStream(1024, on_close=pub.remove_stream)
+        pub.add_stream(stream)
+        for _ in range(50):
+            pub.publish([AllBlocksCleared(medium="GPU")])
+        if in_executor:  # as KVEventService.aclose() closes it
+            stats = await asyncio.get_running_loop().run_in_executor(None, pub.close)
+        else:
+            stats = pub.close()
+        got = 0
+        async for _seq, batch in stream:
+            got += len(batch.events)
+        assert got == stats["published_events"] == 50 and stream.dropped == 0, (in_executor, got, stats)
+
+
+async def test_a_batch_offered_after_the_end_marker_is_counted_dropped() -> None:
+    from hicache.events.schema import AllBlocksCleared
+    from hicache.events.stream import EventStream
+
+    stream = EventStream(8)
+    batch = KVEventBatch(ts=0.0, events=[AllBlocksCleared(medium="GPU")])
+    stream.close()
+    await asyncio.sleep(0)  # the end marker is queued
+    stream._put((0, batch))  # what a racing offer lands as
+    assert [item async for item in stream] == [] and stream.dropped == 1
