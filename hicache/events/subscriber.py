@@ -66,7 +66,8 @@ class EventSubscriber:
         start_seq: replay from this sequence before going live (``None``: live only).
         start_run_id: the publisher run ``start_seq`` belongs to (a saved ``run_id``); when the
             publisher now runs another one, the catch-up starts from 0 (``None``: unknown).
-        replay_timeout_s: how long one replay may take before it is given up (counted).
+        replay_timeout_s: how long a replay answer may stay silent before it is given up (what it
+            had answered is kept, and the rest asked for again while answers make progress).
     """
 
     def __init__(
@@ -94,6 +95,7 @@ class EventSubscriber:
         self._start_run = start_run_id
         self._resumed_at: int | None = None  # a catch-up found nothing at or after this position
         self._answer_run: int | None = None  # the run id of the last replay answer
+        self._answer_ended = False  # whether the last replay answer came to its end marker
         #: the run id of the publisher whose numbers ``next_seq`` follows (``None``: not known)
         self.run_id: int | None = start_run_id
         self.gaps = 0
@@ -244,6 +246,7 @@ class EventSubscriber:
         """One replay request: the batches of the answer as they come; afterwards
         ``_answer_run`` is the run id the end marker carried (``None``: none, or no end)."""
         self._answer_run = None
+        self._answer_ended = False
         if self.replay_endpoint is None:
             return
         if self._replay is None:
@@ -252,18 +255,18 @@ class EventSubscriber:
             self._replay.connect(self.replay_endpoint)
         replay = self._replay
         replay.send_multipart((b"", start.to_bytes(8, "big")))
-        deadline = time.monotonic() + self._replay_timeout
-        ended = False
+        # a limit on silence, not on the whole answer: a long answer, or a consumer slow with
+        # each batch (the time it spends between our yields), is no dead publisher
+        ended = self._answer_ended = False
         try:
             while True:
-                left = deadline - time.monotonic()
-                if left <= 0 or not replay.poll(int(left * 1000)):
+                if not replay.poll(int(self._replay_timeout * 1000)):
                     log.warning("kv events: replay from %d timed out", start)
                     return
                 frames = replay.recv_multipart()
                 if len(frames) == 4 and frames[2] == END_SEQ:  # (b"", topic, seq, payload) until the end
                     self._answer_run = parse_run_frame(frames[1])
-                    ended = True
+                    ended = self._answer_ended = True
                     return
                 item = self._decode(frames[1:]) if len(frames) == 4 else None
                 if item is not None:
@@ -282,15 +285,21 @@ class EventSubscriber:
                 self.lost += upto - start
             return
         expected = start
-        for seq, batch in self._ask(start):
-            if seq < expected or (upto is not None and seq >= upto):
-                continue
-            if seq > expected:
-                self.lost += seq - expected  # older than the publisher's buffer
-            expected = seq + 1
-            self.replayed += 1
-            self.next_seq = expected
-            yield Received(seq, batch, replayed=True)
+        while True:
+            asked = expected
+            for seq, batch in self._ask(asked):
+                if seq < expected or (upto is not None and seq >= upto):
+                    continue
+                if seq > expected:
+                    self.lost += seq - expected  # older than the publisher's buffer
+                expected = seq + 1
+                self.replayed += 1
+                self.next_seq = expected
+                yield Received(seq, batch, replayed=True)
+            # an answer cut short (silence) that still made progress: ask for the rest, which
+            # the publisher may well hold; counted lost only what it no longer has
+            if self._answer_ended or expected == asked or (upto is not None and expected >= upto):
+                break
         if self._answer_run is not None:
             self.run_id = self._answer_run
         if upto is not None and expected < upto:

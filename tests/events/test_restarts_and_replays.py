@@ -95,6 +95,49 @@ def test_a_restarted_publishers_first_batches_are_replayed_not_missed(old_batche
         sub.close()
 
 
+
+def test_a_consumer_slow_with_each_replayed_batch_loses_none_of_them() -> None:
+    """The replay limit was a deadline on the whole answer, and the consumer's own time between
+    batches counted against it: a slow consumer's replay was cut, and every batch up to the live
+    one was counted lost and skipped, although the publisher still held them all."""
+    pub = EventPublisher(LOOPBACK, LOOPBACK)
+    sub = EventSubscriber(pub.endpoint, pub.replay_endpoint, start_seq=0, replay_timeout_s=0.3)
+    time.sleep(0.3)
+    pub.publish([stored(1000)])
+    wait_for(lambda: pub.stats()["next_seq"] == 1)
+    assert tokens(list(sub.receive(timeout_s=1.0))) == [1000]
+    pub.close()
+    new = rebind(pub.endpoint, pub.replay_endpoint)
+    try:
+        for i in range(60):  # before the subscriber is connected again
+            new.publish([stored(i)])
+            wait_for(lambda i=i: new.stats()["next_seq"] == i + 1)  # type: ignore[misc]
+        stop = threading.Event()
+
+        def keep_publishing() -> None:
+            i = 60
+            while not stop.wait(0.05):
+                new.publish([stored(i)])
+                i += 1
+
+        t = threading.Thread(target=keep_publishing)
+        t.start()
+        got: list[Received] = []
+        try:
+            for r in sub.receive(timeout_s=10.0):
+                got.append(r)
+                time.sleep(0.02)  # the consumer's own work: 60 of them outlast the 0.3 s limit
+                if not r.replayed:
+                    break
+        finally:
+            stop.set()
+            t.join()
+        assert [r.seq for r in got] == list(range(len(got))) and len(got) > 60
+        assert sub.lost == 0
+    finally:
+        new.close()
+        sub.close()
+
 def test_a_consumer_resuming_ahead_of_a_restarted_publisher_gets_its_batches() -> None:
     pub = EventPublisher(LOOPBACK, LOOPBACK)  # restarted: it numbers from 0 again
     try:
