@@ -41,14 +41,18 @@ def _table(data: dict[str, Any], indent: int = 0) -> str:
     return "\n".join(lines)
 
 
+#: batch sequence numbers are 8 bytes on the wire, the top one the publisher's run-id probe
+MAX_SEQUENCE = (1 << 63) - 1
+
+
 def _sequence_number(text: str) -> int:
     """argparse type of ``--from``: a batch sequence number is a non-negative integer."""
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"a sequence number is 0 or more, got {value}")
+    if not 0 <= value < MAX_SEQUENCE:
+        raise argparse.ArgumentTypeError(f"a sequence number is 0 to {MAX_SEQUENCE - 1}, got {value}")
     return value
 
 

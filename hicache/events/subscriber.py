@@ -80,6 +80,9 @@ class EventSubscriber:
         start_run_id: int | None = None,
         replay_timeout_s: float = 5.0,
     ) -> None:
+        if start_seq is not None and (isinstance(start_seq, bool) or not isinstance(start_seq, int)
+                                      or not 0 <= start_seq < (1 << 63) - 1):
+            raise ValueError(f"start_seq must be an integer from 0 to 2**63 - 2, got {start_seq!r}")
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()

@@ -76,11 +76,21 @@ def test_serve_on_a_port_in_use_is_one_line(capsys, monkeypatch) -> None:
     assert f"cannot listen on 127.0.0.1:{port}" in err
 
 
-def test_events_from_a_negative_sequence_is_a_usage_error(capsys) -> None:
+@pytest.mark.parametrize("seq", ["-1", str(1 << 64), str((1 << 63) - 1)])
+def test_events_from_a_sequence_out_of_range_is_a_usage_error(capsys, seq: str) -> None:
+    """A number past 8 bytes failed with an OverflowError traceback inside the replay."""
     with pytest.raises(SystemExit) as exc:
-        main(["events", "tcp://127.0.0.1:1", "--from", "-1"])
+        main(["events", "tcp://127.0.0.1:1", "--from", seq])
     assert exc.value.code == 2
-    assert "sequence number is 0 or more" in capsys.readouterr().err
+    assert "sequence number is 0 to" in capsys.readouterr().err
+
+
+def test_a_subscriber_refuses_a_start_out_of_range() -> None:
+    from hicache.events.subscriber import EventSubscriber
+
+    for bad in (-1, 1 << 64, True, 1.5):
+        with pytest.raises(ValueError, match="start_seq"):
+            EventSubscriber("tcp://127.0.0.1:1", start_seq=bad)  # type: ignore[arg-type]
 
 
 def test_events_run_id_must_be_hex(capsys) -> None:
