@@ -602,6 +602,7 @@ class HiCacheController:
         data (or the copy failed)."""
         if not self._accepting(continuation=True):
             return False
+        self._check_backup(device_indices, host_indices)
         assert self._backup_q is not None
         try:
             self._backup_q.put_nowait(BackupJob(device_indices, host_indices, on_done))
@@ -609,6 +610,15 @@ class HiCacheController:
             self.metrics.incr("backup_rejected")
             return False
         return True
+
+    def _check_backup(self, device_indices: torch.Tensor, host_indices: torch.Tensor) -> None:
+        """``ValueError`` for a copy whose two sides are not the same whole pages. Why at
+        submit: jobs are joined into one copy, where a job with one page too many on one side
+        and one too few on the other paired its pages with its neighbour's, silently."""
+        n, m = int(device_indices.numel()), int(host_indices.numel())
+        if n != m or n % self.page_size:
+            raise ValueError(f"a backup copies whole pages: {n} device and {m} host token indices "
+                             f"(page size {self.page_size})")
 
     async def backup(self, device_indices: torch.Tensor, host_indices: torch.Tensor) -> bool:
         """Queue a device->host copy and wait for it (waits for room instead of refusing).
@@ -626,6 +636,7 @@ class HiCacheController:
             if not fut.done():
                 fut.set_result(ok)
 
+        self._check_backup(device_indices, host_indices)
         job = BackupJob(device_indices, host_indices, done)
         while q.full():
             self._backup_room.clear()
@@ -648,7 +659,6 @@ class HiCacheController:
                 pages += job.num_tokens // self.page_size
             self._backup_busy = jobs
             self._backup_room.set()
-            ok = False
             t0 = time.perf_counter()
             try:
                 # joined in numpy where the indices are on CPU: torch's own cat (and a reshape
@@ -658,17 +668,20 @@ class HiCacheController:
                 with tracing.span("hicache.backup") as span:
                     span.set_attribute("hicache.pages", pages)
                     await self.copy_engine.backup(dev, host)
-                ok = True
+                oks = [True] * len(jobs)
             except asyncio.CancelledError:
                 raise  # the jobs stay in _backup_busy; aclose reports them as failed
             except Exception:  # noqa: BLE001 - a failed copy fails its jobs, not the worker
-                self.metrics.incr("backup_failures", len(jobs))
-                logger.exception("device->host backup of %d page(s) failed", pages)
-            if ok:
-                self.metrics.transfer("d2h", pages, pages * self.page_nbytes, time.perf_counter() - t0)
+                logger.exception("device->host backup of %d page(s) in %d job(s) failed", pages, len(jobs))
+                # one bad job (an index past the pool) must not fail the others joined with it
+                oks = await self._backup_one_by_one(jobs) if len(jobs) > 1 else [False]
+                self.metrics.incr("backup_failures", oks.count(False))
+            done = sum(j.num_tokens for j, ok in zip(jobs, oks) if ok) // self.page_size
+            if done:
+                self.metrics.transfer("d2h", done, done * self.page_nbytes, time.perf_counter() - t0)
                 self.metrics.observe("backup", "host", time.perf_counter() - t0)
             self._backup_busy = []
-            for i, job in enumerate(jobs):
+            for i, (job, ok) in enumerate(zip(jobs, oks)):
                 call_back(job.on_done, ok)
                 q.task_done()
                 if i % 8 == 7 and i + 1 < len(jobs):
@@ -676,10 +689,23 @@ class HiCacheController:
                     try:
                         await asyncio.sleep(0)
                     except asyncio.CancelledError:
-                        for rest in jobs[i + 1 :]:
-                            call_back(rest.on_done, ok)
+                        for rest, rest_ok in zip(jobs[i + 1 :], oks[i + 1 :]):
+                            call_back(rest.on_done, rest_ok)
                             q.task_done()
                         raise
+
+    async def _backup_one_by_one(self, jobs: list[BackupJob]) -> list[bool]:
+        """Copy each job of a failed batch alone: which of them fail."""
+        oks: list[bool] = []
+        for job in jobs:
+            try:
+                await self.copy_engine.backup(job.device_indices, job.host_indices)
+                oks.append(True)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - this job fails alone
+                oks.append(False)
+        return oks
 
     # ------------------------------------------------------------------ host -> device
 

@@ -393,7 +393,7 @@ class AsyncHiCacheStorage(ABC):
     def _is_run(self, run: Any, n: int) -> bool:
         """Whether a prefix lookup's answer is a count of pages from the first (else a backend
         bug, counted and logged)."""
-        if isinstance(run, bool) or not isinstance(run, numbers.Integral) or not 0 <= run <= n:
+        if isinstance(run, bool) or not isinstance(run, numbers.Integral) or not 0 <= int(run) <= n:
             self.stats.incr("backend_errors")
             logger.error("%s: exists answered %r for %d pages", type(self).__name__, run, n)
             return False
