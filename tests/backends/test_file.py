@@ -693,3 +693,47 @@ async def test_opening_scan_floor_leaves_out_a_page_deleted_while_it_waits(tmp_p
     finally:
         go_scan.set()
         go_floor.set()
+
+
+def _page_files(root) -> int:  # type: ignore[no-untyped-def]
+    return sum(f.endswith(".page") for _, _, fs in os.walk(root) for f in fs)
+
+
+async def test_two_writers_at_the_bound_each_make_room_for_their_own_writes(tmp_path) -> None:
+    """Two stores (as two processes) writing into a full namespace at once each evicted for
+    both reservations, then refused their own writes for the room the other still held: the
+    namespace fell to 4 or 8 of its 10 pages, pages deleted for nothing."""
+    pool = ArrayHostPool(16, PAGE)
+    pool.fill_random(1)
+    page = make_store(tmp_path).layout.file_size(keys_for(1)[0], "kv", pool.page_nbytes)
+    cap = 10
+    a = make_store(tmp_path, max_bytes=cap * page)
+    b = make_store(tmp_path, max_bytes=cap * page)
+    a.register_mem_pool_host(pool)
+    b.register_mem_pool_host(pool)
+    async with a, b:
+        await a.wait_index_ready()
+        await b.wait_index_ready()
+        for i in range(4):
+            await asyncio.gather(a.batch_set_v1(keys_for(8, salt=100 + 2 * i), pool.indices(0, 8)),
+                                 b.batch_set_v1(keys_for(8, salt=101 + 2 * i), pool.indices(8, 8)))
+            if i:  # full from the second round on
+                assert _page_files(tmp_path) == cap, i
+
+
+async def test_a_max_bytes_lowered_since_the_last_run_is_enforced_after_the_scan(tmp_path) -> None:
+    pool = ArrayHostPool(16, PAGE)
+    pool.fill_random(1)
+    store = make_store(tmp_path)
+    store.register_mem_pool_host(pool)
+    async with store:
+        assert all(await store.batch_set_v1(keys_for(10, salt=5), pool.indices(0, 10)))
+        page = store.layout.file_size(keys_for(1)[0], "kv", pool.page_nbytes)
+    smaller = make_store(tmp_path, max_bytes=4 * page)
+    async with smaller:
+        assert await smaller.wait_index_ready(10)
+        for _ in range(100):
+            if _page_files(tmp_path) == 4:
+                break
+            await asyncio.sleep(0.02)
+        assert _page_files(tmp_path) == 4

@@ -228,7 +228,7 @@ class IndexScanner:
         if removed_tmp:
             self._stats.incr("stale_tmp_removed", removed_tmp)
         try:  # pages found on disk may exceed a max_bytes lowered since the last run
-            await self._space.evict_for(False, frozenset())
+            await self._space.evict_for(False, frozenset(), whole_excess=True)
         except asyncio.CancelledError:
             raise
         except Exception:  # noqa: BLE001

@@ -350,7 +350,8 @@ class SpaceAccountant:
     # ------------------------------------------------------------------ eviction
 
     async def evict_for(
-        self, check_free: bool, protect: frozenset[str] | set[str], usage: Usage | None = None
+        self, check_free: bool, protect: frozenset[str] | set[str], usage: Usage | None = None,
+        *, whole_excess: bool = False,
     ) -> int:
         """Evict until stored + reserved bytes fit; returns the bytes still missing (0 = fits).
 
@@ -359,6 +360,8 @@ class SpaceAccountant:
         (this awaits), in this process or another, never count the same free space twice.
         With the ledger, the bound is on every process's pages together; victims are this
         process's (and the pages it has seen) - each writer makes room for its own writes.
+        ``whole_excess``: evict all that the namespace holds over its bound, not only this
+        store's reservation (after a scan: a max_bytes lowered since the last run).
         """
         want = 0
         shared = False
@@ -368,6 +371,11 @@ class SpaceAccountant:
             shared = usage is not None
             used = usage.used if usage is not None else self._index.nbytes + self.reserved
             want = used - self.max_bytes
+            if shared and not whole_excess:
+                # the shared count holds every process's reservations: each makes room for its
+                # own. Evicting for another's too, two writers each emptied the namespace for
+                # both, then refused their own writes for the room the other still held
+                want = min(want, self.reserved)
         if self.min_free_bytes and check_free:
             free = await self.free_bytes()
             want = max(want, self.min_free_bytes + self.reserved - free)
