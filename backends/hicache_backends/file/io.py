@@ -901,21 +901,24 @@ class PartialScan(OSError):
     ``unreadable`` how many were skipped. Raised after the whole folder was looked at, so one
     such file costs only itself, not every page beside it."""
 
-    def __init__(self, entries: list[ScanEntry], removed: int, unreadable: int, first: OSError) -> None:
+    def __init__(self, entries: list[ScanEntry], removed: int, torn: int, unreadable: int, first: OSError) -> None:
         super().__init__(first.errno, f"{unreadable} file(s) could not be read ({first})")
-        self.entries, self.removed, self.unreadable = entries, removed, unreadable
+        self.entries, self.removed, self.torn, self.unreadable = entries, removed, torn, unreadable
 
 
-def scan_subdir(path: str, stale_tmp_seconds: float) -> tuple[list[ScanEntry], int]:
-    """Every page file in one hashed folder, and how many dead writers' temp files were removed.
+def scan_subdir(path: str, stale_tmp_seconds: float) -> tuple[list[ScanEntry], int, int]:
+    """Every page file in one hashed folder, how many dead writers' temp files were removed,
+    and how many torn page files were.
 
     A temporary file is garbage when its writer (pid in the name) is dead, or when it is older
     than ``stale_tmp_seconds`` (the pid may belong to another machine or have been reused).
-    A file that cannot be read is skipped and the rest of the folder scanned; the scan then
-    raises :class:`PartialScan` with what it found.
+    A page file torn by a crash (see :func:`_is_torn`) is removed: no lookup reports it, so no
+    read would ever find and remove it, and a later write of its key counted its bytes as
+    replaced though no count held them. A file that cannot be read is skipped and the rest of
+    the folder scanned; the scan then raises :class:`PartialScan` with what it found.
     """
     entries: list[ScanEntry] = []
-    removed = 0
+    removed = torn = 0
     unreadable = 0
     first_error: OSError | None = None
     now = time.time()
@@ -935,7 +938,9 @@ def scan_subdir(path: str, stale_tmp_seconds: float) -> tuple[list[ScanEntry], i
                     if not e.is_file(follow_symlinks=False):
                         continue
                     foot = _read_footer(e.path, st.st_size)
-                    if foot is None:  # torn by a crash: not indexed, so never claimed
+                    if foot is None:  # not indexed, so never claimed; removed if torn by a crash
+                        if _is_torn(e.path, st) and _discard(e.path, st):
+                            torn += 1
                         continue
                     entries.append(ScanEntry(pid, st.st_size, foot.parent, max(st.st_mtime, st.st_atime)))
                 else:
@@ -955,8 +960,22 @@ def scan_subdir(path: str, stale_tmp_seconds: float) -> tuple[list[ScanEntry], i
                 unreadable += 1
                 first_error = first_error or exc
     if first_error is not None:
-        raise PartialScan(entries, removed, unreadable, first_error)
-    return entries, removed
+        raise PartialScan(entries, removed, torn, unreadable, first_error)
+    return entries, removed, torn
+
+
+def _is_torn(path: str, st: os.stat_result) -> bool:
+    """A page file whose data never reached the disk: shorter than a footer, or zeros where
+    its footer should be (pages are published whole, by rename, so a crash leaves these and
+    nothing else). A footer that is not ours but not zeros (another program's file, another
+    version's format) is left alone."""
+    if st.st_size < FOOTER_LEN:
+        return True
+    fd = os.open(path, _O_READ)
+    try:
+        return not any(os.pread(fd, FOOTER_LEN, st.st_size - FOOTER_LEN))
+    finally:
+        os.close(fd)
 
 
 # ---------------------------------------------------------------------- introspection (inspect)
@@ -1022,7 +1041,7 @@ def list_pages(layout: NamespaceLayout) -> list[tuple[str, str, int]]:
     out: list[tuple[str, str, int]] = []
     for subdir in list_subdirs(layout):
         try:
-            entries, _ = scan_subdir(subdir, float("inf"))
+            entries = scan_subdir(subdir, float("inf"))[0]
         except PartialScan as partial:  # what could be read is listed
             entries = partial.entries
         for e in entries:

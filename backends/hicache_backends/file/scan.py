@@ -170,7 +170,7 @@ class IndexScanner:
             subdirs = await loop.run_in_executor(self._executor, page_io.list_subdirs, self._layout)
             for subdir in subdirs:
                 try:
-                    entries, removed = await loop.run_in_executor(
+                    entries, removed, torn = await loop.run_in_executor(
                         self._executor, page_io.scan_subdir, subdir, _STALE_TMP_SECONDS
                     )
                 except asyncio.CancelledError:
@@ -179,7 +179,7 @@ class IndexScanner:
                     self._stats.incr("scan_errors")
                     logger.warning("file store %s: scanning %s: %s", self.root, subdir, partial)
                     complete = False  # unknown files: the ledger is not corrected from this scan
-                    entries, removed = partial.entries, partial.removed
+                    entries, removed, torn = partial.entries, partial.removed, partial.torn
                 except Exception:  # noqa: BLE001 - one bad folder must not stop the scan
                     self._stats.incr("scan_errors")
                     logger.exception("file store %s: scanning %s failed", self.root, subdir)
@@ -188,6 +188,9 @@ class IndexScanner:
                 if generation != self._generation():
                     return
                 removed_tmp += removed
+                if torn:
+                    self._stats.incr("corrupt_pages", torn)
+                    self._stats.incr("torn_pages_removed", torn)
                 tomb = self.tombstones or set()
                 for e in entries:
                     seen[e.pid] = e.size
