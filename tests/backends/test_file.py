@@ -164,19 +164,29 @@ async def test_stale_temp_files_are_removed_at_open(tmp_path) -> None:
         sub = os.path.dirname(page_path(tmp_path, store.namespace.digest, "k"))
     proc = subprocess.Popen(["true"])
     proc.wait()
-    dead_tmp = os.path.join(sub, f".{'0' * 32}.{proc.pid}.0.tmp")
-    live_tmp = os.path.join(sub, f".{'0' * 32}.{os.getpid()}.99.tmp")
-    for p in (dead_tmp, live_tmp):
+    from hicache_backends.file.layout import _MACHINE_HEX
+
+    dead_tmp = os.path.join(sub, f".{'0' * 32}.{proc.pid}.0.{_MACHINE_HEX}.tmp")
+    live_tmp = os.path.join(sub, f".{'0' * 32}.{os.getpid()}.99.{_MACHINE_HEX}.tmp")
+    # a writer in another container sharing the root: its pid means nothing here (it may be
+    # writing now), so its file goes by age alone; so does one named before machines were
+    elsewhere = os.path.join(sub, f".{'1' * 32}.{proc.pid}.0.{'ab' * 8}.tmp")
+    unnamed = os.path.join(sub, f".{'2' * 32}.{proc.pid}.0.tmp")
+    old_elsewhere = os.path.join(sub, f".{'3' * 32}.{proc.pid}.0.{'ab' * 8}.tmp")
+    for p in (dead_tmp, live_tmp, elsewhere, unnamed, old_elsewhere):
         with open(p, "wb") as f:
             f.write(b"partial")
+    long_ago = time.time() - 7 * 24 * 3600
+    os.utime(old_elsewhere, (long_ago, long_ago))
     trash = tmp_path / f".trash-{NS_A.digest}-{proc.pid}-0"  # a clear killed half way
     (trash / "pages").mkdir(parents=True)
     (trash / "pages" / "x.page").write_bytes(b"old")
     async with make_store(tmp_path) as store:
         assert await store.wait_index_ready(10)
-        assert not os.path.exists(dead_tmp)
+        assert not os.path.exists(dead_tmp) and not os.path.exists(old_elsewhere)
         assert os.path.exists(live_tmp)  # a live writer's (ours) recent temp file is left alone
-        assert store.get_stats()["stale_tmp_removed"] == 1
+        assert os.path.exists(elsewhere) and os.path.exists(unnamed)
+        assert store.get_stats()["stale_tmp_removed"] == 2
         await asyncio.wait_for(store.wait_background(), 10)
         assert not trash.exists()
 

@@ -37,7 +37,7 @@ from hicache.storage.page_format import PageCodec, PageHeader, Verdict, checksum
 from hicache.storage.segments import RUN_BYTES, PageSegments, StridedPiece, bounce, io_runs
 from hicache.storage.staging import PoolPage, StagedPage
 
-from hicache_backends.file.locks import pid_alive
+from hicache_backends.file.locks import MACHINE, pid_alive
 from hicache_backends.file.layout import (
     FOOTER_LEN,
     ID_LEN,
@@ -910,8 +910,10 @@ def scan_subdir(path: str, stale_tmp_seconds: float) -> tuple[list[ScanEntry], i
     """Every page file in one hashed folder, how many dead writers' temp files were removed,
     and how many torn page files were.
 
-    A temporary file is garbage when its writer (pid in the name) is dead, or when it is older
-    than ``stale_tmp_seconds`` (the pid may belong to another machine or have been reused).
+    A temporary file is garbage when its writer (pid and machine in the name) is a dead
+    process of this machine and PID namespace, or when it is older than ``stale_tmp_seconds``
+    (a writer in another container or on another machine sharing the root cannot be judged by
+    its pid: its file is only judged by its age).
     A page file torn by a crash (see :func:`_is_torn`) is removed: no lookup reports it, so no
     read would ever find and remove it, and a later write of its key counted its bytes as
     replaced though no count held them. A file that cannot be read is skipped and the rest of
@@ -944,11 +946,12 @@ def scan_subdir(path: str, stale_tmp_seconds: float) -> tuple[list[ScanEntry], i
                         continue
                     entries.append(ScanEntry(pid, st.st_size, foot.parent, max(st.st_mtime, st.st_atime)))
                 else:
-                    writer = parse_tmp_name(name)
-                    if writer is None:
+                    parsed = parse_tmp_name(name)
+                    if parsed is None:
                         continue
-                    if writer != os.getpid() and not pid_alive(writer):
-                        stale = True
+                    writer, machine = parsed
+                    if machine == MACHINE and writer != os.getpid() and not pid_alive(writer):
+                        stale = True  # its writer, of this machine and PID namespace, is dead
                     else:
                         stale = now - e.stat(follow_symlinks=False).st_mtime > stale_tmp_seconds
                     if stale:

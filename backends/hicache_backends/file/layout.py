@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import xxhash
 
 from hicache.storage.page_format import PageCodec
+from hicache_backends.file.locks import MACHINE
 
 __all__ = [
     "FOOTER_LEN",
@@ -102,14 +103,24 @@ def decode_footer(data: bytes | bytearray | memoryview) -> Footer | None:
     return Footer(raw.hex() if flags & _HAS_PARENT else None)
 
 
-def parse_tmp_name(name: str) -> int | None:
-    """The writer's pid of a temporary file name, or ``None`` if ``name`` is not one of ours."""
+_MACHINE_HEX = MACHINE.to_bytes(8, "little", signed=True).hex()
+
+
+def parse_tmp_name(name: str) -> tuple[int, int | None] | None:
+    """The writer's pid and machine (see ``locks.MACHINE``; ``None`` in names from before it
+    was written there) of a temporary file name, or ``None`` if ``name`` is not one of ours."""
     if not (name.startswith(".") and name.endswith(TMP_SUFFIX)):
         return None
     parts = name[1 : -len(TMP_SUFFIX)].split(".")
-    if len(parts) != 3 or not parts[1].isdigit():
+    if len(parts) not in (3, 4) or not parts[1].isdigit():
         return None
-    return int(parts[1])
+    machine = None
+    if len(parts) == 4:
+        try:
+            machine = int.from_bytes(bytes.fromhex(parts[3]), "little", signed=True)
+        except ValueError:
+            return None
+    return int(parts[1]), machine
 
 
 class NamespaceLayout:
@@ -130,8 +141,11 @@ class NamespaceLayout:
         return os.path.join(self.pages_dir, pid[:2], pid + PAGE_SUFFIX)
 
     def tmp_path(self, pid: str, serial: int) -> str:
-        """A temporary name in the page's own folder (``os.replace`` must not cross devices)."""
-        return os.path.join(self.pages_dir, pid[:2], f".{pid}.{os.getpid()}.{serial}{TMP_SUFFIX}")
+        """A temporary name in the page's own folder (``os.replace`` must not cross devices),
+        naming its writer: pid and machine, so that only a process of the same machine and
+        PID namespace judges the writer dead by its pid (a container that shares the root
+        has pids of its own)."""
+        return os.path.join(self.pages_dir, pid[:2], f".{pid}.{os.getpid()}.{serial}.{_MACHINE_HEX}{TMP_SUFFIX}")
 
     @staticmethod
     def header_len(key: str, pool: str) -> int:

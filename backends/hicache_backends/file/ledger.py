@@ -37,7 +37,6 @@ to its own count, and a full disk never breaks the store.
 from __future__ import annotations
 
 import fcntl
-import hashlib
 import logging
 import os
 import stat
@@ -47,7 +46,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from hicache_backends.file.locks import SharedFile, flock_within, pid_alive
+from hicache_backends.file.locks import MACHINE, SharedFile, flock_within, pid_alive
 
 __all__ = ["LEDGER_NAME", "USERS_NAME", "Usage", "UsageLedger", "read_usage"]
 
@@ -63,23 +62,7 @@ _SIZE = _FORMAT.size + _SLOTS * _SLOT.size
 _TABLE = struct.Struct("<" + "qqq" * _SLOTS)  # the whole table at once (same bytes as _SLOT each)
 
 
-def _machine_id() -> int:
-    """This machine (and PID namespace): whose pids this process may test for life. Another
-    machine sharing the root (NFS), or a container in another PID namespace, is never judged."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
-            parts = [f.read().strip()]
-    except OSError:
-        parts = [os.uname().nodename]
-    try:
-        parts.append(str(os.stat("/proc/self/ns/pid").st_ino))
-    except OSError:
-        pass
-    digest = hashlib.blake2b("|".join(parts).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little", signed=True) or 1
-
-
-_MACHINE = _machine_id()
+_MACHINE = MACHINE
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import hashlib
 import os
 import stat
 import time
@@ -40,6 +41,26 @@ def flock_within(fd: int, op: int, patience: float = LOCK_PATIENCE) -> None:
                 raise TimeoutError(f"lock held by another process for over {patience} s") from None
             time.sleep(pause)
             pause = min(pause * 2, 0.02)
+
+
+def machine_id() -> int:
+    """This machine (and PID namespace): whose pids this process may test for life. Another
+    machine sharing the root (NFS), or a container in another PID namespace, is never judged."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
+            parts = [f.read().strip()]
+    except OSError:
+        parts = [os.uname().nodename]
+    try:
+        parts.append(str(os.stat("/proc/self/ns/pid").st_ino))
+    except OSError:
+        pass
+    digest = hashlib.blake2b("|".join(parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little", signed=True) or 1
+
+
+#: this machine and PID namespace (see :func:`machine_id`)
+MACHINE = machine_id()
 
 
 def pid_alive(pid: int) -> bool:
