@@ -87,6 +87,11 @@ static int is_native_int64(const char *fmt, Py_ssize_t itemsize) {
     return (fmt[0] == 'q' || fmt[0] == 'l') && fmt[1] == '\0';
 }
 
+/* Whether a buffer format names Python objects ('O' anywhere: a struct may embed one). */
+static int holds_objects(const char *fmt) {
+    return fmt != NULL && strchr(fmt, 'O') != NULL;
+}
+
 PyDoc_STRVAR(copy_spans_doc,
 "copy_spans(dst, src, spans, dst_shift=0, src_shift=0, streaming=False) -> int\n\n"
 "For each row (d, s, n) of ``spans`` (a C-contiguous native int64 buffer of n rows of 3), copy\n"
@@ -100,16 +105,25 @@ PyDoc_STRVAR(copy_spans_doc,
 static PyObject *copy_spans(PyObject *self, PyObject *args, PyObject *kwargs) {
     static char *keywords[] = {"dst", "src", "spans", "dst_shift", "src_shift", "streaming", NULL};
     Py_buffer dst, src, spans;
-    PyObject *spans_obj;
+    PyObject *dst_obj, *src_obj, *spans_obj;
     long long dst_shift = 0, src_shift = 0;
     int streaming = 0;
     (void)self;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "w*y*O|LLp:copy_spans", keywords, &dst, &src,
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOO|LLp:copy_spans", keywords, &dst_obj, &src_obj,
                                      &spans_obj, &dst_shift, &src_shift, &streaming))
         return NULL;
     PyObject *result = NULL;
     span_t *rows = NULL;
-    int have_spans = 0;
+    int have_dst = 0, have_src = 0, have_spans = 0;
+    if (PyObject_GetBuffer(dst_obj, &dst, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) goto done;
+    have_dst = 1;
+    if (PyObject_GetBuffer(src_obj, &src, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) goto done;
+    have_src = 1;
+    /* bytes copied over object pointers (a numpy object array) corrupt the interpreter */
+    if (holds_objects(dst.format) || holds_objects(src.format)) {
+        PyErr_SetString(PyExc_TypeError, "copy_spans copies raw bytes: buffers of Python objects are refused");
+        goto done;
+    }
     if (PyObject_GetBuffer(spans_obj, &spans, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) goto done;
     have_spans = 1;
     if (!is_native_int64(spans.format, spans.itemsize)) {
@@ -174,8 +188,8 @@ static PyObject *copy_spans(PyObject *self, PyObject *args, PyObject *kwargs) {
     result = PyLong_FromLongLong(total);
 done:
     PyMem_Free(rows);
-    PyBuffer_Release(&dst);
-    PyBuffer_Release(&src);
+    if (have_dst) PyBuffer_Release(&dst);
+    if (have_src) PyBuffer_Release(&src);
     if (have_spans) PyBuffer_Release(&spans);
     return result;
 }

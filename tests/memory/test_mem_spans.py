@@ -135,6 +135,12 @@ def test_malformed_tables_and_read_only_destinations_are_rejected():
         copy_spans(ro, src, rows((0, 0, 8)))
     with pytest.raises(TypeError):
         copy_spans(dst, src, [[0, 0, 8]])  # not a buffer
+    objects = np.empty(8, dtype=object)  # raw bytes over object pointers crashed the process
+    with pytest.raises(TypeError, match="Python objects"):
+        copy_spans(objects, src, rows((0, 0, 8)))
+    with pytest.raises(TypeError, match="Python objects"):
+        copy_spans(dst, np.empty(8, dtype=object), rows((0, 0, 8)))
+    assert objects.tolist() == [None] * 8
     with pytest.raises(TypeError, match="native int64"):
         copy_spans(dst, src, np.zeros((1, 3), dtype=np.int32))
     with pytest.raises(TypeError, match="native int64"):
