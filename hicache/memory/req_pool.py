@@ -14,6 +14,7 @@ from numbers import Integral
 import torch
 
 from hicache.memory.allocator import AllocatorError
+from hicache.memory.device import as_index_array
 
 __all__ = ["ReqToTokenPool"]
 
@@ -39,7 +40,9 @@ class ReqToTokenPool:
         return len(self.free_slots)
 
     def alloc(self, n: int = 1) -> list[int] | None:
-        """``n`` free slots (lowest first), or ``None`` when fewer than ``n`` are free."""
+        """``n`` free slots, or ``None`` when fewer than ``n`` are free. First the slots never
+        used (lowest first), then the freed ones in the order they were freed, as SGLang's pool
+        hands them out."""
         if n < 0:
             raise ValueError(f"cannot allocate {n} slots")
         if n > len(self.free_slots):
@@ -51,12 +54,13 @@ class ReqToTokenPool:
     def free(self, idx_or_list: int | Iterable[int] | torch.Tensor) -> None:
         """Return slots. A slot out of range, already free, or listed twice raises
         :class:`AllocatorError` and nothing is freed."""
-        if isinstance(idx_or_list, torch.Tensor):
-            slots = [int(i) for i in idx_or_list.reshape(-1).tolist()]
-        elif isinstance(idx_or_list, (int, Integral)):  # numpy integers too
+        if isinstance(idx_or_list, bool):
+            raise TypeError("ReqToTokenPool.free(): slots must be integers, got a bool")
+        if isinstance(idx_or_list, (int, Integral)):  # numpy integers too
             slots = [int(idx_or_list)]
-        else:
-            slots = [int(i) for i in idx_or_list]
+        else:  # a float (1.7) is no slot: int() would free slot 1 in its place
+            items = idx_or_list if isinstance(idx_or_list, torch.Tensor) else list(idx_or_list)
+            slots = as_index_array(items, what="ReqToTokenPool.free() slots").tolist()
         free_now = set(self.free_slots)
         seen: set[int] = set()
         for s in slots:

@@ -179,6 +179,14 @@ def test_req_to_token_pool():
     pool.alloc(4)
     pool.clear()
     assert pool.free_slots == [0, 1, 2, 3]
+    # a float is no slot: int() freed slot 1 for 1.7, silently
+    pool.alloc(4)
+    for bad in (torch.tensor([1.7]), [2.9], np.array([0.5]), True, [True]):
+        with pytest.raises(TypeError):
+            pool.free(bad)  # type: ignore[arg-type]
+    assert pool.available_size() == 0
+    pool.free(torch.tensor([3, 1]))
+    assert pool.alloc(2) == [3, 1]  # freed slots go out in the order they were freed
 
 
 def test_mamba_state_pool_alloc():
