@@ -20,7 +20,7 @@ import functools
 import hashlib
 import json
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any, TypeGuard
 
 from hicache.errors import ConfigError, InvalidKeyError
@@ -215,6 +215,17 @@ class Namespace:
         d = self.to_dict()
         d.update(updates)
         return Namespace.from_dict(d)
+
+    def with_pool_format(self, pool: str, tag: str) -> Namespace:
+        """This namespace for pages of ``pool`` stored in the pool's own byte format ``tag``
+        (see :func:`hicache.storage.pool_format.pool_format_tag`): unchanged when it already
+        says so (an engine integration that put the format in: its KV format as ``layout``,
+        another pool's as ``extra["pool.<name>"]``)."""
+        extra = dict(self.extra)
+        if extra.get(f"pool.{pool}") == tag or (pool == "kv" and self.layout == tag):
+            return self
+        extra[f"pool.{pool}"] = tag
+        return replace(self, extra=tuple(sorted(extra.items())))
 
     @classmethod
     def from_storage_config(

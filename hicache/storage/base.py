@@ -49,6 +49,7 @@ from hicache.keys import Namespace, validate_key, validate_keys
 from hicache.observability.tier_events import TierChangeHub
 from hicache.storage import changes, pool_pages, staging, tensor_pages
 from hicache.storage.hit_policy import leading_run, resolve_v2_hits
+from hicache.storage.pool_format import pool_format_tag, states_its_format
 from hicache.storage.pool_pages import page_keys
 from hicache.storage.stats import StorageStats
 from hicache.storage.view_pages import LivePageViews
@@ -130,6 +131,7 @@ class AsyncHiCacheStorage(ABC):
             namespace = Namespace.from_dict(namespace)
         self._namespace: Namespace = namespace or Namespace.from_storage_config(self.storage_config)
         self.registered_pools: dict[str, Any] = {}
+        self._unformatted_pools: set[str] = set()  # pools told their format came too late
         self.mem_pool_host: Any = None
         self.stats = StorageStats()
         self._staging = staging.StagingArena()  # reused staging pages of pools without page_view
@@ -486,8 +488,11 @@ class AsyncHiCacheStorage(ABC):
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: PoolName | str) -> None:
         """Register the host pool that v2 transfers of ``host_pool_name`` read from/write to.
 
-        A pool that reports ``storage_signature()`` fills the namespace's unknown geometry; that
-        must happen before the backend opens, since the namespace decides where pages live.
+        A KV pool that reports ``storage_signature()`` fills the namespace's unknown geometry.
+        An engine's pool without one that states its ``layout`` (SGLang's host pools, registered
+        directly) stores its own bytes, so its format (:mod:`hicache.storage.pool_format`) goes
+        into the namespace. Either must happen before the backend opens, since the namespace
+        decides where pages live.
         """
         name = pool_name_str(host_pool_name)
         missing = [
@@ -500,17 +505,35 @@ class AsyncHiCacheStorage(ABC):
                 f"host pool for {name!r} does not follow the page protocol: missing "
                 f"{missing or ['page_size']}"
             )
-        self.registered_pools[name] = host_pool
         signature = getattr(host_pool, "storage_signature", None)
+        refined = self._namespace
         if name == KV and callable(signature):
-            refined = self._namespace.with_signature(signature())
-            if refined != self._namespace:
-                if self._state is not StorageState.UNOPENED:
-                    raise StorageStateError(
-                        "register host pools before the backend opens: the pool's geometry "
-                        "changes the namespace, and pages already live under the old one"
-                    )
-                self._namespace = refined
+            refined = refined.with_signature(signature())
+        elif states_its_format(host_pool):
+            # an engine's pool stores its own bytes: their format must be in the namespace, or
+            # a pool of another layout or dtype (another server of the model) reads them as KV
+            tag = pool_format_tag(host_pool)
+            refined = refined.with_pool_format(name, tag)
+            if (refined != self._namespace and self._state is not StorageState.UNOPENED
+                    and f"pool.{name}" not in dict(self._namespace.extra)):
+                # opened before any such pool was known: the namespace never had its format
+                # (as before). Said once; a pool of another format than one named is refused
+                if name not in self._unformatted_pools:
+                    self._unformatted_pools.add(name)
+                    logger.warning(
+                        "%s: pool %r (%s) was registered after the store opened, so its byte format "
+                        "is not part of the namespace: register host pools before the first call, or "
+                        "a pool of another layout or dtype sharing the store reads its pages",
+                        type(self).__name__, name, tag)
+                refined = self._namespace
+        if refined != self._namespace:
+            if self._state is not StorageState.UNOPENED:
+                raise StorageStateError(
+                    "register host pools before the backend opens: the pool's geometry or byte "
+                    "format changes the namespace, and pages already live under the old one"
+                )
+            self._namespace = refined
+        self.registered_pools[name] = host_pool
 
     def _pool(self, name: str) -> Any:
         pool = self.registered_pools.get(name)

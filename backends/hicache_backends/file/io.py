@@ -927,7 +927,7 @@ def scan_subdir(path: str, stale_tmp_seconds: float) -> tuple[list[ScanEntry], i
     try:
         it = os.scandir(path)
     except FileNotFoundError:
-        return entries, removed
+        return entries, removed, torn
     with it:
         for e in it:
             name = e.name

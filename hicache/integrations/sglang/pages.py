@@ -20,7 +20,6 @@ and the pool's class and layout go into the namespace so that no other layout ev
 
 from __future__ import annotations
 
-import hashlib
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -30,6 +29,7 @@ import numpy as np
 import torch
 
 from hicache.memory.layouts import PAGE_FORMAT
+from hicache.storage.pool_format import pool_format_tag
 from hicache.storage.segments import BOUNCE_BYTES, PageSegments, PieceSpans, StridedPiece
 
 __all__ = [
@@ -83,43 +83,8 @@ def _is_mla(pool: Any) -> bool:
     return getattr(pool, "kv_cache_dim", None) is not None or "MLA" in type(pool).__name__
 
 
-#: counts that shape a pass-through pool's page, besides its ``*dtype`` and ``*_shape(s)``
-_FORMAT_COUNTS = ("num_mamba_layers", "layer_num", "head_num", "head_dim", "page_size")
-
-
-def passthrough_tag(pool: Any) -> str:
-    """What identifies the byte format of a pool whose pages are stored as SGLang gives them:
-    its class and layout, and a digest of its element types, state shapes and layer counts.
-    Without the latter, two servers of one model whose state dtypes differ in meaning but not
-    in size (``--mamba-ssm-dtype bfloat16`` and ``float16``) shared pages: one restored the
-    other's state, reinterpreted, as valid. Sizes that only count slots are left out (host
-    pools of different sizes share pages)."""
-    parts: list[str] = []
-    for name, value in sorted(vars(pool).items()):
-        if isinstance(value, torch.dtype) and name.endswith("dtype"):
-            parts.append(f"{name}={value}")
-        elif name.endswith(("_shape", "_shapes")) and _is_shape_like(value):
-            parts.append(f"{name}={_shape_text(value)}")
-        elif name in _FORMAT_COUNTS and isinstance(value, int) and not isinstance(value, bool):
-            parts.append(f"{name}={value}")
-    tag = f"{type(pool).__name__}/{getattr(pool, 'layout', None)}"
-    if parts:
-        tag += "/" + hashlib.sha256(";".join(parts).encode()).hexdigest()[:16]
-    return tag
-
-
-def _is_shape_like(value: Any) -> bool:
-    if isinstance(value, (torch.Size, tuple)):
-        return all(isinstance(d, int) for d in value)
-    if isinstance(value, list):
-        return all(_is_shape_like(v) for v in value)
-    return False
-
-
-def _shape_text(value: Any) -> str:
-    if isinstance(value, list):
-        return "[" + ",".join(_shape_text(v) for v in value) + "]"
-    return "(" + ",".join(str(int(d)) for d in value) + ")"
+#: what identifies a pass-through pool's own byte format (the core's: hicache.storage.pool_format)
+passthrough_tag = pool_format_tag
 
 
 @dataclass
