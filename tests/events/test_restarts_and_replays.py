@@ -39,9 +39,9 @@ def wait_for(cond: Callable[[], bool], within_s: float = 20.0) -> None:
         time.sleep(0.02)
 
 
-def until_live(sub: EventSubscriber, pub: EventPublisher, first: int) -> list[Received]:
+def until_live(sub: EventSubscriber, pub: EventPublisher, first: int, work_s: float = 0.0) -> list[Received]:
     """Publish ``first``, ``first`` + 1, ... (one batch each) until ``sub`` yields a live batch;
-    returns what it yielded."""
+    returns what it yielded. ``work_s``: the consumer's own time per batch."""
     stop = threading.Event()
 
     def keep_publishing() -> None:
@@ -56,6 +56,7 @@ def until_live(sub: EventSubscriber, pub: EventPublisher, first: int) -> list[Re
     try:
         for r in sub.receive(timeout_s=10.0):
             got.append(r)
+            time.sleep(work_s)
             if not r.replayed:
                 break
     finally:
@@ -112,26 +113,7 @@ def test_a_consumer_slow_with_each_replayed_batch_loses_none_of_them() -> None:
         for i in range(60):  # before the subscriber is connected again
             new.publish([stored(i)])
             wait_for(lambda i=i: new.stats()["next_seq"] == i + 1)  # type: ignore[misc]
-        stop = threading.Event()
-
-        def keep_publishing() -> None:
-            i = 60
-            while not stop.wait(0.05):
-                new.publish([stored(i)])
-                i += 1
-
-        t = threading.Thread(target=keep_publishing)
-        t.start()
-        got: list[Received] = []
-        try:
-            for r in sub.receive(timeout_s=10.0):
-                got.append(r)
-                time.sleep(0.02)  # the consumer's own work: 60 of them outlast the 0.3 s limit
-                if not r.replayed:
-                    break
-        finally:
-            stop.set()
-            t.join()
+        got = until_live(sub, new, first=60, work_s=0.02)  # 60 such batches outlast the 0.3 s limit
         assert [r.seq for r in got] == list(range(len(got))) and len(got) > 60
         assert sub.lost == 0
     finally:
