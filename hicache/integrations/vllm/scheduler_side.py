@@ -76,6 +76,7 @@ class _Lookup:
     future: concurrent.futures.Future[list[bool]]
     started: float
     exists: list[bool] | None = None  # per page from start_page: every rank's store holds it
+    answered: float = 0.0  # when ``exists`` came (time.monotonic())
 
 
 @dataclass
@@ -88,6 +89,10 @@ class _Request:
     saved_pages: int = 0  # pages [0, saved_pages) are stored, loaded or held by vLLM already
     known: int = 0  # pages [0, known) are in storage or being written to it, as far as this request saw
     cut: int = 0  # storage pages its last lookup did not claim (slower than recomputing)
+
+
+#: how long a storage lookup's answer is taken as current for a request asked about again
+LOOKUP_TTL_S = 1.0
 
 
 def _drop_lookup(state: _Request) -> None:
@@ -203,7 +208,11 @@ class SchedulerSide:
         # may still be missing from it: their answer tells the saves what to write again)
         ask = min(base, self._first_unknown(state, host.slots, usable))
         lk = state.lookup
-        if lk is None or lk.start_page > ask or lk.start_page + lk.num_pages != usable:
+        if lk is None or lk.start_page > ask or lk.start_page + lk.num_pages != usable or (
+                lk.exists is not None and time.monotonic() - lk.answered > LOOKUP_TTL_S):
+            # an answer is asked again once it is old: a request vLLM could not admit asks every
+            # step, a preempted one comes back minutes later, and the store may have dropped the
+            # pages meanwhile (its bound, another engine): promised, their load fails the request
             keys = state.chain.extend(token_ids, usable)[ask:]
             self.stats["lookups"] += 1
             lk = state.lookup = _Lookup(ask, len(keys), self.store.submit(self._exists(keys)), time.monotonic())
@@ -272,6 +281,7 @@ class SchedulerSide:
         except BaseException as exc:  # noqa: BLE001 - a broken lookup is a miss
             logger.warning("hicache: lookup of %s failed: %r", req_id, exc)
             lk.exists = []
+        lk.answered = time.monotonic()
         return True
 
     async def _exists(self, keys: list[str]) -> list[bool]:

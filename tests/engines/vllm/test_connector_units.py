@@ -282,6 +282,35 @@ def test_a_read_slower_than_the_load_timeout_fails_its_blocks_and_writes_nothing
         w2.close(timeout=10)
 
 
+
+def test_an_old_lookup_is_asked_again_before_its_pages_are_promised(tmp_path: Path, monkeypatch) -> None:
+    """A request vLLM could not admit yet (or a preempted one, back later) reused its first
+    storage answer for good: pages the store dropped meanwhile were still promised, their load
+    failed, and under kv_load_failure_policy="fail" the request errored out."""
+    from hicache.integrations.vllm import scheduler_side
+
+    stored(tmp_path, seed=4, num_pages=3)
+    s = scheduler("file", {"root": str(tmp_path)})
+    w = worker(tmp_path, kv_layers(seed=None))
+    try:
+        assert s.matched_tokens("a", TOKENS, None, 0) == 3 * BS  # not admitted this step
+        s.plan_step([])
+        s.store.call(s.store.backends[0].batch_delete(PageKeyChain(BS).extend(TOKENS, 3)), timeout=10)
+        assert s.matched_tokens("a", TOKENS, None, 0) == 3 * BS  # a moment later: the answer stands
+        monkeypatch.setattr(scheduler_side, "LOOKUP_TTL_S", 0.0)  # later: it is old
+        hit = None
+        for _ in range(100):  # "ask again" while the new lookup runs
+            hit = s.matched_tokens("a", TOKENS, None, 0)
+            if hit is not None:
+                break
+            time.sleep(0.01)
+        assert hit == 0
+        plan, failed = run_step(s, w, [("a", 0, len(TOKENS), TOKENS, list(range(6)))])
+        assert not failed
+    finally:
+        w.close(timeout=10)
+        s.close(timeout=10)
+
 def test_a_closed_worker_ignores_further_steps(tmp_path: Path) -> None:
     src, keys = stored(tmp_path, seed=6, num_pages=1)
     w = worker(tmp_path, src)
