@@ -222,7 +222,12 @@ class Namespace:
         says so (an engine integration that put the format in: its KV format as ``layout``,
         another pool's as ``extra["pool.<name>"]``)."""
         extra = dict(self.extra)
-        if extra.get(f"pool.{pool}") == tag or (pool == "kv" and self.layout == tag):
+        named = {v for k, v in extra.items() if k.startswith("pool.")}
+        if tag in named or (pool == "kv" and self.layout == tag):
+            # the format is in already, maybe under the engine's own name for the pool (the
+            # SGLang integration stores a pool split over TP ranks under a name per rank: each
+            # rank adding its own entry split their namespaces, and every rank but the writer
+            # missed the KV)
             return self
         extra[f"pool.{pool}"] = tag
         return replace(self, extra=tuple(sorted(extra.items())))

@@ -70,3 +70,14 @@ def test_the_tag_names_class_layout_and_element_types() -> None:
     assert a.startswith("EngineHostPool/layer_first/")
     assert a == pool_format_tag(EngineHostPool("layer_first", torch.float16, pages=9))
     assert a != pool_format_tag(EngineHostPool("layer_first", torch.bfloat16))
+
+
+def test_a_format_the_namespace_names_already_leaves_it_as_it_is() -> None:
+    """The SGLang integration names a TP-split pool's format under SGLang's name and stores the
+    pool under a name per rank: tagging it again per rank split the ranks' namespaces."""
+    from hicache.keys import Namespace
+
+    ns = Namespace(model="m", extra=(("pool.mamba", "T"),))
+    assert ns.with_pool_format("mamba.tp1-2", "T") is ns
+    assert Namespace(model="m", layout="K").with_pool_format("kv", "K").digest == Namespace(model="m", layout="K").digest
+    assert dict(ns.with_pool_format("mamba", "U").extra)["pool.mamba"] == "U"
