@@ -50,11 +50,14 @@ def slice_transfer(t: PoolTransfer, first_page: int, num_pages: int, total_pages
 def all_pools_ok(result: dict[str, list[bool]] | None, n: int,
                  transfers: Sequence[PoolTransfer] = ()) -> list[bool]:
     """Per KV page of a batch of ``n``: did every pool of the transfer succeed? (``None``
-    result: nothing did.) A ``TRAILING_PAGES`` pool among ``transfers`` answers for the
+    result, or one that leaves out a pool of ``transfers``: nothing did.) A ``TRAILING_PAGES`` pool among ``transfers`` answers for the
     batch's last pages only, one flag per key it was given (its keys are the last pages of the
     whole transfer, so always a suffix of a batch)."""
     if result is None:
         return [False] * n
+    answered = {pool_name_str(name) for name in result}
+    if any(pool_name_str(t.name) not in answered for t in transfers if t.keys):
+        return [False] * n  # a pool the call was asked about and did not answer: nothing landed
     trailing = {pool_name_str(t.name) for t in transfers if t.hit_policy is PoolHitPolicy.TRAILING_PAGES}
     flags: list[bool] | None = None  # all True until a pool failed a page
     for name, pool_flags in result.items():

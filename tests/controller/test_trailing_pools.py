@@ -63,3 +63,13 @@ async def test_a_state_is_written_and_read_with_the_last_page(batch_pages: int) 
         assert mamba.page_bytes(6) == mamba.page_bytes(5)
     finally:
         await stack.aclose()
+
+
+def test_an_answer_that_leaves_out_a_pool_landed_nothing() -> None:
+    """A backend answering ``{}`` had the whole batch counted as landed: a prefetch handed the
+    request host pages nobody wrote, served as a storage hit."""
+    kv = PoolTransfer("kv", torch.arange(8), keys=["a", "b"])
+    assert all_pools_ok({}, 2, [kv]) == [False, False]
+    assert all_pools_ok({"kv": [True, True]}, 2, [kv]) == [True, True]
+    state = PoolTransfer("mamba", torch.arange(1), keys=["b"], hit_policy=TRAILING)
+    assert all_pools_ok({"kv": [True, True]}, 2, [kv, state]) == [False, False]
