@@ -313,7 +313,8 @@ class RadixCache(BasePrefixCache):
         key = self._key_of(params)
         path = self._walk(key, self._aligned(len(key)))
         now = self._tick()
-        priority = params.req.priority if params.req is not None else 0
+        # None as SGLang's Req has it without priority scheduling (SGLang reads it as 0)
+        priority = (params.req.priority or 0) if params.req is not None else 0
         for node in path:
             node.last_access_time = now
             node.priority = max(node.priority, priority)
@@ -384,6 +385,7 @@ class RadixCache(BasePrefixCache):
         pos = 0
         prefix_len = 0
         now = self._tick()
+        priority = params.priority or 0  # None: no priority scheduling (SGLang's Req), as 0
         while pos < end:
             child = node.children.get(self._child_key(key.extra_key, tokens, pos))
             if child is None:
@@ -392,7 +394,7 @@ class RadixCache(BasePrefixCache):
             if m < len(child.key):
                 child = self._split(child, m)
             child.last_access_time = now
-            child.priority = max(child.priority, params.priority)
+            child.priority = max(child.priority, priority)
             if child.value is None:
                 self._add_device(child, copy_slots(value, pos, pos + m))
                 self._on_revive(child)
@@ -407,7 +409,7 @@ class RadixCache(BasePrefixCache):
         if pos < end:
             new = TreeNode(parent=node, extra_key=key.extra_key, key=tokens[pos:end])
             new.last_access_time = now
-            new.priority = params.priority
+            new.priority = priority
             new.hit_count = 1
             node.children[self._child_key(key.extra_key, tokens, pos)] = new
             self._add_device(new, copy_slots(value, pos, end))

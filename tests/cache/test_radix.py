@@ -257,3 +257,16 @@ def test_disabled_cache_never_hits() -> None:
     assert cache.total_size() == 0
     assert len(match(cache, list(range(8))).device_indices) == 0
     assert cache.token_to_kv_pool_allocator.available_size() == 32 * PS
+
+
+def test_a_request_without_priority_counts_as_priority_zero() -> None:
+    """SGLang's Req carries ``priority=None`` unless priority scheduling is on (SGLang reads it
+    as 0); a match or insert with it raised TypeError partway through the path."""
+    c = make(ps=2)
+    c.insert(InsertParams(key=RadixKey([1, 2, 3, 4]), value=c.token_to_kv_pool_allocator.alloc(4),
+                          priority=None))  # type: ignore[arg-type]
+    req = Req(rid="x", origin_input_ids=[1, 2, 3, 4])
+    req.priority = None  # type: ignore[assignment]
+    m = c.match_prefix(MatchPrefixParams(key=RadixKey([1, 2, 3, 4]), req=req))
+    assert m.device_hit_length == 4
+    c.sanity_check()
