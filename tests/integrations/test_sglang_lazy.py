@@ -59,3 +59,15 @@ def test_settings_from_a_config_file_and_overrides(tmp_path) -> None:
     s = AdapterSettings.from_extra_config({"hicache_config": str(cfg), "hicache_backend": "file",
                                            "hicache_options": {"root": "/r"}, "hicache_call_timeout": None})
     assert (s.backend, s.options, s.call_timeout) == ("file", {"root": "/r"}, None)
+
+
+def test_a_config_files_namespace_salt_is_the_servers_salt(tmp_path) -> None:
+    """The file's [storage] namespace_salt (a tenant's) was ignored: two servers whose files
+    named other tenants shared pages. The extra config's own key still wins."""
+    from hicache.integrations.sglang.config import AdapterSettings
+
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('[storage]\nbackend = "memory"\nnamespace_salt = "tenant-a"\n')
+    assert AdapterSettings.from_extra_config({"hicache_config": str(cfg)}).namespace_salt == "tenant-a"
+    given = {"hicache_config": str(cfg), "hicache_namespace_salt": "tenant-b"}
+    assert AdapterSettings.from_extra_config(given).namespace_salt == "tenant-b"

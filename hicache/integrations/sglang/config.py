@@ -67,6 +67,7 @@ class AdapterSettings:
             raise ConfigError(f"SGLang extra config: unknown key(s) {unknown}; allowed: {list(_KEYS)}")
         backend: Any = None
         options: dict[str, Any] = {}
+        file_salt: str | None = None
         path = extra.get("hicache_config")
         if path is not None:
             if not isinstance(path, str) or not path:
@@ -75,6 +76,8 @@ class AdapterSettings:
 
             storage = load_config(path).storage
             backend, options = storage.backend, dict(storage.options)
+            # the file's tenant/LoRA salt: ignored, two servers of other tenants shared pages
+            file_salt = storage.namespace_salt
             if not backend:
                 raise ConfigError(f"hicache_config {path!r}: storage.backend is null; SGLang needs a backend")
         if "hicache_backend" in extra:
@@ -98,7 +101,7 @@ class AdapterSettings:
         staging = extra.get("hicache_staging_mib", DEFAULT_STAGING_MIB)
         if isinstance(staging, bool) or not isinstance(staging, int) or not 1 <= staging <= 4096:
             raise ConfigError(f"hicache_staging_mib must be an integer in 1..4096, got {staging!r}")
-        salt = extra.get("hicache_namespace_salt")
+        salt = extra.get("hicache_namespace_salt", file_salt)  # the extra config's key wins
         if salt is not None and not isinstance(salt, str):
             raise ConfigError(f"hicache_namespace_salt must be a string, got {salt!r}")
         kv_dtype = extra.get("hicache_kv_cache_dtype")
