@@ -75,6 +75,48 @@ def test_unknown_protocol_is_config_error() -> None:
         create_async_storage("fsspec", None, url="nosuchproto://x")
 
 
+
+@pytest.mark.parametrize("url, needle", [
+    ("s3://AKIAKEY:s3cret@bucket/kv", "credentials do not go in the url"),
+    ("s3://bucket/data?versionId=1/kv", "without '\\?' or '#'"),
+    ("memory://x/kv#frag", "without '\\?' or '#'"),
+])
+def test_urls_whose_paths_would_leave_the_prefix_are_config_errors(url: str, needle: str) -> None:
+    """Credentials in an s3 url became part of the bucket name (every request failed, the secret
+    reached the logs); s3fs cuts object paths at "?versionId=" (every page one object outside
+    the prefix, a user's object overwritten and then deleted as corrupt)."""
+    from hicache.errors import ConfigError
+
+    backend = "s3" if url.startswith("s3") else "fsspec"
+    with pytest.raises(ConfigError, match=needle) as exc:
+        create_async_storage(backend, None, url=url)
+    assert "s3cret" not in str(exc.value)
+
+
+async def test_an_upper_case_scheme_is_the_scheme(tmp_path) -> None:
+    """``FILE://`` picked the file system by the lower-cased scheme but stripped the path as
+    typed: pages went under the working directory, not the folder named."""
+    folder = tmp_path / "kv"
+    async with create_async_storage("fsspec", None, url=f"FILE://{folder}", namespace=NS_A) as store:
+        assert store.root == str(folder)
+        assert await store.set("k", torch.ones(8))
+    assert any(p.is_file() for p in folder.rglob("*"))
+
+
+def test_credentials_parsed_as_numbers_are_kept_as_text() -> None:
+    """A YAML file or a HICACHE__ variable parses an all-digit key as a number; s3fs then failed
+    every request with a TypeError."""
+    from hicache.errors import ConfigError
+
+    store = create_async_storage("s3", None, url="s3://bucket/kv",
+                                 storage_options={"key": 1234567890, "secret": "x",
+                                                  "client_kwargs": {"aws_session_token": 42}})
+    assert store._storage_options["key"] == "1234567890"
+    assert store._storage_options["client_kwargs"]["aws_session_token"] == "42"
+    with pytest.raises(ConfigError, match="storage_options.secret must be text") as exc:
+        create_async_storage("s3", None, url="s3://bucket/kv", storage_options={"secret": 1.5e10})
+    assert "1.5" not in str(exc.value)
+
 # -- fault injection on the generic backend (no server needed) ----------------------------------
 
 
@@ -317,3 +359,51 @@ async def test_a_clear_removes_the_temporary_file_of_a_writer_that_died(tmp_path
         assert await store.clear()
         assert not os.path.exists(stale) and os.path.exists(live)
         os.unlink(live)
+
+
+async def test_a_store_written_from_another_loop_waits_for_its_index_writes_safely() -> None:
+    """The run-index tasks of one loop's writes were added and dropped while another loop
+    iterated the same set: 'Set changed size during iteration' out of wait_index_writes (so
+    out of clear and close)."""
+    import threading
+    import time
+
+    from hicache.testing import ArrayHostPool
+    from hicache.testing.store_tests import PAGE, keys_for
+
+    store = create_async_storage("fsspec", None, url=f"memory://hicache-tests/{uuid.uuid4().hex}", namespace=NS_A)
+    src = ArrayHostPool(2, PAGE)
+    src.fill_random(1)
+    store.register_mem_pool_host(src)
+    stop = threading.Event()
+    failures: list[BaseException] = []
+
+    def writer() -> None:
+        async def run() -> None:
+            i = 0
+            while not stop.is_set():
+                await store.batch_set_v1(keys_for(2, salt=i), src.indices(0, 2))
+                i += 1
+            await store.wait_index_writes()
+
+        try:
+            asyncio.run(run())
+        except BaseException as exc:  # noqa: BLE001
+            failures.append(exc)
+
+    await store.open()
+    t = threading.Thread(target=writer)
+    t.start()
+    errors = 0
+    try:
+        end = time.monotonic() + 2.0
+        while time.monotonic() < end:
+            try:
+                await store.wait_index_writes()
+            except RuntimeError:
+                errors += 1
+    finally:
+        stop.set()
+        await asyncio.to_thread(t.join)
+    assert errors == 0 and not failures
+    await store.aclose()

@@ -34,6 +34,7 @@ import hashlib
 import json
 import logging
 import math
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any, ClassVar
@@ -62,6 +63,36 @@ __all__ = ["FsspecStorage", "S3Storage"]
 logger = logging.getLogger("hicache.storage.s3")
 
 _S3_PROTOCOLS = ("s3", "s3a")
+
+
+#: storage options that are credentials or an address: text, whatever parsed them
+_TEXT_OPTIONS = ("key", "secret", "token", "endpoint_url", "profile")
+_TEXT_CLIENT_OPTIONS = ("aws_access_key_id", "aws_secret_access_key", "aws_session_token", "endpoint_url")
+
+
+def _text_credentials(options: dict[str, Any], backend: str) -> dict[str, Any]:
+    """``options`` with credentials made of digits kept as text: a config file (YAML) or a
+    ``HICACHE__`` variable parses ``1234567890`` as a number, and s3fs then failed every request
+    (a ``TypeError`` counted as a permanent error). Anything else that is not text is a
+    :class:`ConfigError` naming the option, never its value."""
+
+    def fixed(table: dict[str, Any], names: tuple[str, ...], where: str) -> dict[str, Any]:
+        out = dict(table)
+        for name in names:
+            value = out.get(name)
+            if value is None or isinstance(value, str):
+                continue
+            if isinstance(value, int) and not isinstance(value, bool):
+                out[name] = str(value)
+                continue
+            raise ConfigError(f"{backend} backend: {where}{name} must be text, got a {type(value).__name__}")
+        return out
+
+    options = fixed(options, _TEXT_OPTIONS, "storage_options.")
+    client = options.get("client_kwargs")
+    if isinstance(client, dict):
+        options["client_kwargs"] = fixed(client, _TEXT_CLIENT_OPTIONS, "storage_options.client_kwargs.")
+    return options
 
 
 def _positive(name: str, value: Any, kind: type = float, allow_zero: bool = False) -> Any:
@@ -131,8 +162,22 @@ class FsspecStorage(AsyncHiCacheStorage):
             raise ConfigError(f"{self.backend_name} backend: url must look like 'protocol://path', got {redact_url(str(url))!r}")
         if storage_options is not None and not isinstance(storage_options, dict):
             raise ConfigError(f"{self.backend_name} backend: storage_options must be a dict")
-        self.url = url
-        self.protocol = url.split("://", 1)[0].lower()
+        scheme, rest = url.split("://", 1)
+        self.protocol = scheme.lower()
+        # the path is taken as given from here on: with the scheme as typed ("FILE://") it was
+        # stripped as a relative path (pages written under the working directory) or a bucket
+        # named "S3:"
+        url = self.url = f"{self.protocol}://{rest}"
+        if "?" in rest or "#" in rest:
+            # s3fs cuts object paths at "?versionId=": every page, index and the manifest were
+            # one object outside the prefix (a user's object overwritten, then deleted as corrupt)
+            raise ConfigError(f"{self.backend_name} backend: url must be a plain path, without '?' or '#': "
+                              f"{redact_url(url)!r}")
+        if self.protocol in _S3_PROTOCOLS and "@" in rest.split("/", 1)[0]:
+            # s3fs takes no credentials from the url: they became part of the bucket name, every
+            # request failed, and the name (secret and all) reached the logs
+            raise ConfigError(f"{self.backend_name} backend: credentials do not go in the url "
+                              f"({redact_url(url)!r}); give storage_options key and secret")
         self._check_protocol()
         try:
             self._fs_class: Any = fsspec.get_filesystem_class(self.protocol)
@@ -143,7 +188,7 @@ class FsspecStorage(AsyncHiCacheStorage):
             ) from None
         except ValueError as exc:
             raise ConfigError(f"{self.backend_name} backend: no fsspec filesystem for {self.protocol!r}: {exc}") from None
-        self._storage_options: dict[str, Any] = dict(storage_options or {})
+        self._storage_options: dict[str, Any] = _text_credentials(dict(storage_options or {}), self.backend_name)
         self._redactor = Redactor(self._storage_options, url)
         self.concurrency = _positive("concurrency", concurrency, int)
         self.request_timeout = float(_positive("request_timeout", request_timeout))
@@ -187,6 +232,8 @@ class FsspecStorage(AsyncHiCacheStorage):
         self._manifest_ok = False
         self._manifest_refused = False  # the store refused the manifest (read-only): retried at the check interval
         self._prober: asyncio.Task[None] | None = None
+        # (changed and read from every loop that uses the store: under this lock)
+        self._tasks_lock = threading.Lock()
         self._index_writes: set[asyncio.Task[None]] = set()  # run indexes still being stored
         self._clears: set[asyncio.Future[None]] = set()  # clears in progress: a close waits for them
 
@@ -279,7 +326,8 @@ class FsspecStorage(AsyncHiCacheStorage):
         # or deletes mid-way, left the namespace half cleared, and the clear was logged at
         # ERROR as the endpoint's fault ("Could not connect"). Reads and lookups give up instead.
         here = asyncio.get_running_loop()
-        clears = [f for f in self._clears if f.get_loop() is here]
+        with self._tasks_lock:
+            clears = [f for f in self._clears if f.get_loop() is here]
         if clears:
             await asyncio.wait(clears, timeout=self.call_timeout)
         self.runner.closed = True  # calls still in flight give up rather than open a new client
@@ -298,8 +346,10 @@ class FsspecStorage(AsyncHiCacheStorage):
     async def wait_index_writes(self) -> None:
         """Wait for the run indexes of finished writes (this loop's; others' are cancelled)."""
         here = asyncio.get_running_loop()
-        mine = [t for t in self._index_writes if t.get_loop() is here]
-        for t in self._index_writes - set(mine):
+        with self._tasks_lock:  # another loop's writes add and finish theirs meanwhile
+            tasks = list(self._index_writes)
+        mine = [t for t in tasks if t.get_loop() is here]
+        for t in (t for t in tasks if t.get_loop() is not here):
             try:
                 t.get_loop().call_soon_threadsafe(t.cancel)
             except RuntimeError:  # that loop is closed, and the task with it
@@ -595,9 +645,14 @@ class FsspecStorage(AsyncHiCacheStorage):
         ok = await self.runner.batch("write", [self._write_one(p, b, generation) for p, b in zip(pages, buffers)])
         # the index follows the pages in the background: the batch does not wait a round trip
         task = asyncio.get_running_loop().create_task(self._write_run(list(pages), ok, list(parents)))
-        self._index_writes.add(task)
-        task.add_done_callback(self._index_writes.discard)
+        with self._tasks_lock:
+            self._index_writes.add(task)
+        task.add_done_callback(self._index_write_done)
         return ok
+
+    def _index_write_done(self, task: asyncio.Task[None]) -> None:
+        with self._tasks_lock:
+            self._index_writes.discard(task)
 
     async def _write_one(self, page: PageKey, buf: memoryview, generation: int) -> bool:
         codec = self._codec or PageCodec(self.namespace.digest_bytes)
@@ -714,11 +769,13 @@ class FsspecStorage(AsyncHiCacheStorage):
         """Remove this namespace's pages (the manifest stays: it only describes the namespace).
         Bounded by ``max(call_timeout, 300)`` s: a big namespace takes many list/delete calls."""
         done = asyncio.get_running_loop().create_future()
-        self._clears.add(done)
+        with self._tasks_lock:
+            self._clears.add(done)
         try:
             removed = await self._clear_pages()
         finally:
-            self._clears.discard(done)
+            with self._tasks_lock:
+                self._clears.discard(done)
             done.set_result(None)
         logger.info("%s: cleared %d objects of namespace %s", type(self).__name__, removed, self.namespace.digest)
 
