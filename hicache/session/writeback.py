@@ -39,6 +39,9 @@ class _Entry:
     # until their copies start (``write_backup``'s promise), so it may start them itself,
     # between two pumps, and the path may leave the tree before the next one looks
     kept: bool = False
+    #: the nodes the tree keeps on device for this entry (their backup was refused): released
+    #: however the entry ends, or a node that outlived the entry's path stayed pinned for good
+    kept_nodes: list[Any] = dataclasses.field(default_factory=list)
 
 
 class WriteBackQueue:
@@ -91,7 +94,13 @@ class WriteBackQueue:
         keeps the node on device until it starts (``write_backup``), so offering it is what
         protects the KV. A refusal counts against an entry only with ``count_refusals``
         (after the controller drained, when it is no longer mere backpressure)."""
-        self._entries = [e for e in self._entries if self._advance(e, count_refusals=count_refusals)]
+        left: list[_Entry] = []
+        for e in self._entries:
+            if self._advance(e, count_refusals=count_refusals):
+                left.append(e)
+            else:
+                self._unkeep(e)
+        self._entries = left
 
     def release_kept(self) -> int:
         """Give up the write-backs the tree keeps on device for want of host room: a live
@@ -103,8 +112,9 @@ class WriteBackQueue:
             return 0  # nothing is kept on device for its copy without it
         left: list[_Entry] = []
         for e in self._entries:
-            if e.kept and (todo := self._todo(self._path(e.leaf))):
+            if e.kept and (todo := self._todo(self._path(e.leaf)) or self._still_kept(e)):
                 self._give_up(e, todo, "device room is needed and host has not taken it")
+                self._unkeep(e)
             else:
                 left.append(e)
         given_up = len(self._entries) - len(left)
@@ -127,6 +137,21 @@ class WriteBackQueue:
             path.append(node)
             node = node.parent
         return path if node is root else []
+
+    @staticmethod
+    def _still_kept(e: _Entry) -> list[Any]:
+        """``e``'s kept nodes still on device without a host copy made or being made."""
+        return [n for n in e.kept_nodes if n.host_value is None and n.backup_op is None and n.value is not None]
+
+    def _unkeep(self, e: _Entry) -> None:
+        """The entry ends: the tree stops keeping its nodes on device for their copy (the
+        backups stay deferred, best effort). Its leaf's path may have left the tree while an
+        ancestor it asked for (a shared prefix host could not take) was still kept."""
+        release = getattr(self._tree, "release_backup", None)
+        if release is not None:
+            for node in self._still_kept(e):
+                release(node)
+        e.kept_nodes.clear()
 
     @staticmethod
     def _todo(path: list[Any]) -> list[Any]:
@@ -172,7 +197,10 @@ class WriteBackQueue:
         self._count("writeback_attempts", 1)
         refused = False
         for node in reversed(todo):  # root side first: storage writes follow the tree downwards
-            refused = not self._tree.write_backup(node) or refused  # a refused one stays deferred
+            if not self._tree.write_backup(node):  # refused: deferred, kept on device
+                refused = True
+                if node not in e.kept_nodes:
+                    e.kept_nodes.append(node)
         if refused:
             e.attempts += int(count_refusals)
             e.kept = True

@@ -1,12 +1,14 @@
-"""``WriteBackQueue.drain`` when copies can never finish: it reports them and returns, and it
-never holds the event loop."""
+"""``WriteBackQueue``: ``drain`` when copies can never finish (it reports them and returns, and it
+never holds the event loop), and what an entry that ends leaves kept on device."""
 
 from __future__ import annotations
 
 import asyncio
 import types
 
+from hicache.prefix_cache import Req
 from hicache.session.writeback import WriteBackQueue
+from session_helpers import Conversation, make_stack, write_kv
 
 
 class _ClosedTree:
@@ -115,5 +117,49 @@ async def test_a_failed_copy_of_a_kept_write_back_is_tried_again() -> None:
         m = s.cache.metrics()
         assert m["writeback_done"] == 1 and m["writeback_lost"] == 0
         assert s.inner.host_size() > 0  # the history reached host on the second try
+    finally:
+        await s.aclose()
+
+
+async def test_kept_history_is_not_pinned_after_its_write_back_entry_ends() -> None:
+    """A released history's shared prefix, larger than host, is kept on device for its copy
+    while its own tail is copied, evicted from device, then from host: the entry ended, and the
+    prefix stayed kept for good, the device full with nothing running."""
+    # device 32 pages (128 tokens), host 10 pages (40 tokens)
+    s = make_stack(hier=True, device_pages=32, host_pages=10, write_policy="write_back")
+    cache = s.cache
+    try:
+        # 1. a plain request leaves a 48-token prefix P in the tree (bigger than host)
+        p = list(range(1, 49))
+        r0 = Req(rid="r0", origin_input_ids=p)
+        cache.match_req(r0)
+        await cache.admit(r0)
+        slots = await cache.alloc_extend(r0, len(p))
+        write_kv(s.device_pool, slots, p, 0)
+        r0.kv_committed_len = len(p)
+        cache.release_req(r0)
+        # 2. session A continues P with 16 tokens of its own, then is released
+        conv = Conversation(s, "A", seed=1)
+        conv.history = list(p)
+        await conv.turn(16, 1)
+        cache.release_session("A")
+        # write-back: P refused for want of host room (kept on device), the tail L accepted
+        await s.inner.drain_backups()
+        cache.writeback.pump()
+        # 3. pressure on both tiers: L (backed up) leaves the device, then host
+        s.inner.evict(1 << 20)
+        s.inner.evict_host(1 << 20)
+        cache.writeback.pump()
+        m = cache.metrics()
+        assert len(cache.writeback) == 0  # the queue no longer follows anything
+        # 4. a request that needs the whole device, nothing else running, no session open
+        big = Req(rid="big", origin_input_ids=list(range(5000, 5000 + 128)))
+        cache.match_req(big)
+        await cache.admit(big)
+        got = await cache.alloc_extend(big, 128)
+        free = s.allocator.available_size()
+        cache.abort_req(big)
+        assert got is not None, (f"device pinned by a finished write-back: {s.inner.total_size()} tokens in the "
+                                 f"tree, {free} free, write-back counters {m['writeback_done']=} {m['writeback_dropped']=}")
     finally:
         await s.aclose()
