@@ -191,12 +191,23 @@ class Prefetches:
         :meth:`release_prefetched` or :meth:`cancel_prefetch`: admit may wait (for loads, for
         device room) before it locks them, and unprotected they were host-evictable leaves
         then: dropped, recomputed, and the host hit before them counted as the storage hit."""
-        if req_id not in self.running:
+        state = self.running.get(req_id)
+        if state is None:
             return 0
-        return self._finish_prefetch(req_id, await self.cache.controller.wait_prefetch(req_id), hold)
+        result = await self.cache.controller.wait_prefetch(req_id)
+        return self._finish_prefetch(req_id, result, hold, state=state)
 
-    def _finish_prefetch(self, req_id: str, result: PrefetchResult | None, hold: object = None) -> int:
+    def _finish_prefetch(self, req_id: str, result: PrefetchResult | None, hold: object = None,
+                         *, state: Prefetch | None = None) -> int:
+        """``state``: the prefetch the caller waited for. Another one of the rid since (the
+        request aborted while it waited, the rid reused) is left alone: popped here, it lost its
+        anchor and pins, and its controller op was never taken or aborted (host pages held until
+        close, and no later prefetch of the rid could start)."""
         cache = self.cache
+        if state is not None and self.running.get(req_id) is not state:
+            if result is not None:
+                cache._free_host(result.host_indices)
+            return 0
         state = self.running.pop(req_id, None)
         if state is None:
             if result is not None:
