@@ -21,6 +21,7 @@ SGLang's controller drives it:
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 import time
@@ -36,6 +37,7 @@ from hicache.errors import HiCacheError
 from hicache.integrations.sglang.config import AdapterSettings, namespace_for
 from hicache.integrations.sglang.hits import resolve_hits
 from hicache.integrations.sglang.pages import CanonicalPagePool, adapt_host_pool
+from hicache.integrations.sglang.pages import _is_mla as _is_mla_pool
 from hicache.integrations.sglang.transfer import PageMover
 from hicache.storage import (
     AsyncHiCacheStorage,
@@ -103,6 +105,40 @@ def _with_logical_dtype(signature: dict[str, Any], configured: str | None) -> di
             "different formats never share a namespace"
         )
     return {**signature, "kv_cache_dtype": logical}
+
+
+def _draft_settings() -> dict[str, str]:
+    """The draft model's KV format and identity from the server's published settings (none
+    in a process that did not start a server)."""
+    try:
+        from sglang.srt.runtime_context import get_server_args
+
+        args = get_server_args()
+    except Exception:  # noqa: BLE001 - not published, or another SGLang version's API
+        return {}
+    out: dict[str, str] = {}
+    for key in ("speculative_draft_kv_cache_dtype", "speculative_draft_model_path", "speculative_draft_model_revision"):
+        value = getattr(args, key, None)
+        if isinstance(value, str) and value:
+            out[key] = value
+    return out
+
+
+def _sidecar_format(signature: dict[str, Any], logical_kv: str | None) -> str | None:
+    """A canonical sidecar pool's part of the namespace: its geometry and element type, with
+    the draft's logical KV format when it stores bytes (the server's draft dtype, else the
+    target's, as SGLang chooses it), and the draft model it holds the KV of. ``None``: bytes
+    of a format nothing says."""
+    facts = dict(signature)
+    draft = _draft_settings()
+    if facts.get("dtype") == "uint8":
+        logical = draft.get("speculative_draft_kv_cache_dtype") or logical_kv
+        if logical is None:
+            return None
+        facts["kv_cache_dtype"] = logical
+    facts.update({k: v for k, v in draft.items() if k != "speculative_draft_kv_cache_dtype"})
+    text = ";".join(f"{k}={facts[k]}" for k in sorted(facts))
+    return "canonical/" + hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def _hicache_config(cfg: Any) -> HiCacheStorageConfig:
@@ -203,6 +239,16 @@ class HiCacheSGLangStorage(_SGLangStorage):
                 logger.warning("hicache SGLang storage: pool %r is not stored (%s); its pages are misses",
                                name, self._refused[name])
             return
+        cfg = self.storage_config
+        if (name != KV and isinstance(adapted, CanonicalPagePool) and not _is_mla_pool(pool)
+                and getattr(cfg, "is_mla_model", False) and int(getattr(cfg, "tp_size", 1)) > 1):
+            # an MHA sidecar (a Llama-style draft of an MLA target) is split over TP while the
+            # namespace is not, and SGLang backs it up on the writer rank only: every other
+            # rank read that rank's head shard as its own
+            self._refused[name] = "an MHA pool under an MLA model with TP > 1 (SGLang stores one rank's shard)"
+            logger.warning("hicache SGLang storage: pool %r is not stored (%s); its pages are misses",
+                           name, self._refused[name])
+            return
         if self._facade is not None:  # a dynamic sidecar, after the store opened
             if tag is not None:
                 logger.error(
@@ -237,6 +283,21 @@ class HiCacheSGLangStorage(_SGLangStorage):
             tags = dict(self._tags)
             signature = kv.storage_signature() if callable(getattr(kv, "storage_signature", None)) else {}
             signature = _with_logical_dtype(signature, self.settings.kv_cache_dtype)
+            logical_kv = self.settings.kv_cache_dtype or _server_kv_cache_dtype()
+            for name, pool in list(self._adapted.items()):
+                if name != KV and name not in tags and callable(getattr(pool, "storage_signature", None)):
+                    # a canonical sidecar (a draft model's KV, SWA) carries its own format and
+                    # geometry: left out, two servers whose drafts differ (fp8 e4m3 and e5m2,
+                    # both bytes; other draft weights) read each other's draft pages as valid
+                    tag = _sidecar_format(pool.storage_signature(), logical_kv)
+                    if tag is None:
+                        self._refused[name] = ("its KV is stored as bytes and its format is unknown (no server "
+                                               "settings, no hicache_kv_cache_dtype)")
+                        del self._adapted[name]
+                        logger.warning("hicache SGLang storage: pool %r is not stored (%s); its pages are misses",
+                                       name, self._refused[name])
+                        continue
+                    tags[name] = tag
             namespace = namespace_for(
                 self.storage_config,
                 signature=signature,
