@@ -58,14 +58,18 @@ def all_pools_ok(result: dict[str, list[bool]] | None, n: int,
     answered = {pool_name_str(name) for name in result}
     if any(pool_name_str(t.name) not in answered for t in transfers if t.keys):
         return [False] * n  # a pool the call was asked about and did not answer: nothing landed
-    trailing = {pool_name_str(t.name) for t in transfers if t.hit_policy is PoolHitPolicy.TRAILING_PAGES}
+    # a trailing pool's keys in this batch: its answer is one flag per key, a flag left out a miss
+    trailing = {pool_name_str(t.name): len(t.keys or []) for t in transfers
+                if t.hit_policy is PoolHitPolicy.TRAILING_PAGES}
     flags: list[bool] | None = None  # all True until a pool failed a page
     for name, pool_flags in result.items():
         if trailing and pool_name_str(name) in trailing:
-            tail = [bool(f) for f in pool_flags[:n]]
+            k = min(n, trailing[pool_name_str(name)])
+            tail = [bool(f) for f in list(pool_flags)[:k]]
+            tail += [False] * (k - len(tail))
             if all(tail):
                 continue
-            head = [True] * (n - len(tail)) + tail
+            head = [True] * (n - k) + tail
         else:
             head = list(pool_flags[:n])
             if len(head) == n and all(head):

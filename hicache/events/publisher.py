@@ -223,7 +223,8 @@ class EventPublisher:
         with self._lock:
             if stream in self._streams:
                 self._streams = tuple(s for s in self._streams if s is not stream)
-                self.dropped_events += stream.dropped  # a closed stream drops no more
+                # its drops so far (a batch that raced its end marker is counted on the stream alone)
+                self.dropped_events += stream.dropped
 
     def stats(self) -> dict[str, Any]:
         with self._lock:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from numbers import Integral
 
+import numpy as np
 import torch
 
 from hicache.memory.allocator import AllocatorError
@@ -58,8 +59,10 @@ class ReqToTokenPool:
             raise TypeError("ReqToTokenPool.free(): slots must be integers, got a bool")
         if isinstance(idx_or_list, (int, Integral)):  # numpy integers too
             slots = [int(idx_or_list)]
-        else:  # a float (1.7) is no slot: int() would free slot 1 in its place
+        else:  # a float (1.7) or a bool is no slot: int() would free slot 1 in its place
             items = idx_or_list if isinstance(idx_or_list, torch.Tensor) else list(idx_or_list)
+            if not isinstance(items, torch.Tensor) and any(isinstance(i, (bool, np.bool_)) for i in items):
+                raise TypeError("ReqToTokenPool.free(): slots must be integers, got a bool")
             slots = as_index_array(items, what="ReqToTokenPool.free() slots").tolist()
         free_now = set(self.free_slots)
         seen: set[int] = set()

@@ -135,6 +135,12 @@ class MemoryMedium:
                     pages.pop(e, None)
             return [self._put_locked(e, p, evicted) for e, p in zip(entries, payloads)]
 
+    def present(self, entries: Sequence[_Entry]) -> list[bool]:
+        """Whether each entry is held now."""
+        with self.lock:
+            pages = self.pages
+            return [e in pages for e in entries]
+
     def get(self, entry: _Entry) -> Payload | None:
         with self.lock:
             payload = self.pages.get(entry)
@@ -228,26 +234,39 @@ class MemoryStorage(AsyncHiCacheStorage):
 
     def _store(self, pages: Sequence[PageKey], buffers: Sequence[memoryview]) -> list[bool]:
         evicted: list[_Entry] = []
+        n = min(len(pages), len(buffers))
+        entries = list(self._entries(pages[:n]))
+        medium = self.medium
+        # which pages were held before (reported stored): only a batch that may evict asks
+        was = medium.present(entries) if medium.nbytes + sum(map(len, buffers[:n])) > medium.max_bytes else None
         if buffers and max(map(len, buffers)) < _ARRAY_MIN_BYTES:
             # small pages (see _snapshot): snapshotted in C and stored under one lock; the
             # copies of a batch live together for a moment, a small batch by definition
-            n = min(len(pages), len(buffers))
-            ok = self.medium.put_many(list(self._entries(pages[:n])), list(map(bytes, buffers[:n])), evicted)
+            ok = medium.put_many(entries, list(map(bytes, buffers[:n])), evicted)
         else:  # big pages are copied outside the lock, with the GIL released, one at a time
-            ok = [self.medium.put(e, _snapshot(b), evicted) for e, b in zip(self._entries(pages), buffers)]
-        if evicted:  # a shared medium evicts other namespaces' pages too: report only ours
-            digest = self.namespace.digest
-            ours = [PageKey(k, p) for d, k, p in evicted if d == digest]
-            # a batch bigger than the room evicts its own first pages: those were not stored (a
-            # False, as a file store cuts such a batch), not stored and then removed (reported
-            # REMOVED before the write's STORED, they read as stored to every subscriber)
-            position = {page: i for i, page in enumerate(pages)}
-            for page in ours:
-                i = position.get(page)
-                if i is not None and i < len(ok):
-                    ok[i] = False
-            self.report_removed([p for p in ours if p not in position], reason="evicted")
+            ok = [medium.put(e, _snapshot(b), evicted) for e, b in zip(entries, buffers)]
+        if evicted:
+            self._settle_evictions(pages[:n], entries, ok, was, evicted)
         return ok
+
+    def _settle_evictions(self, pages: Sequence[PageKey], entries: list[_Entry], ok: list[bool],
+                          was: list[bool] | None, evicted: list[_Entry]) -> None:
+        """After a batch that evicted: a page of the batch it evicted again (a batch bigger than
+        the medium) was not stored (``False``, and no STORED for it); the batch's pages held
+        before and gone now, and older pages of ours it evicted, are reported REMOVED. A page
+        whose old copy was evicted and that was put again is stored (``True``). A shared medium
+        evicts other namespaces' pages too: only ours are reported."""
+        digest = self.namespace.digest
+        now = self.medium.present(entries)
+        batch = set(pages)
+        removed = [PageKey(k, p) for d, k, p in evicted if d == digest and PageKey(k, p) not in batch]
+        for i, page in enumerate(pages):
+            if ok[i] and not now[i]:
+                ok[i] = False
+            if was is not None and was[i] and not now[i]:
+                removed.append(page)  # it was reported stored before this batch
+        if removed:
+            self.report_removed(list(dict.fromkeys(removed)), reason="evicted")
 
     async def _read_bytes(self, page: PageKey) -> bytes | None:
         payload = self.medium.get(self._entry(page))

@@ -188,7 +188,9 @@ class FsspecStorage(AsyncHiCacheStorage):
             ) from None
         except ValueError as exc:
             raise ConfigError(f"{self.backend_name} backend: no fsspec filesystem for {self.protocol!r}: {exc}") from None
-        self._storage_options: dict[str, Any] = _text_credentials(dict(storage_options or {}), self.backend_name)
+        self._storage_options: dict[str, Any] = dict(storage_options or {})
+        if self.protocol in _S3_PROTOCOLS:  # s3fs's are text; other filesystems take objects (gcsfs's token)
+            self._storage_options = _text_credentials(self._storage_options, self.backend_name)
         self._redactor = Redactor(self._storage_options, url)
         self.concurrency = _positive("concurrency", concurrency, int)
         self.request_timeout = float(_positive("request_timeout", request_timeout))
