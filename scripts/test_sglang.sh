@@ -18,8 +18,10 @@ DEPS=(orjson psutil pybase64 triton pillow starlette msgspec pyzmq ipython apach
       transformers dill sentencepiece compressed-tensors gguf
       openai partial_json_parser  # these two: only scripts/bench_radix.py's SGLang hierarchical cache
       uvloop uvicorn fastapi setproctitle einops xgrammar==0.2.7)  # these: SGLang's engine (test_e2e_engine.py)
-if [ ! -x "$VENV/bin/python" ]; then
-  "$PY" -m venv "$VENV"
+# a venv left without pip (a first run interrupted while it was made, a python3 without
+# its venv package) is made again: every later run failed on it, "No module named pip"
+if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -m pip --version >/dev/null 2>&1; then
+  "$PY" -m venv --clear "$VENV"
 fi
 VPY="$VENV/bin/python"
 pin=$(mktemp)

