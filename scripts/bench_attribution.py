@@ -23,6 +23,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from hicache.bench_args import positive_int  # noqa: E402
 from hicache.observability.attribution_flow import TreeAttribution  # noqa: E402
 from hicache.replay import load_replay_config, load_trace, unique_blocks  # noqa: E402
 from hicache.replay import runner  # noqa: E402
@@ -62,8 +63,8 @@ async def _one(cfg, requests, basis, attribution: bool) -> dict:  # type: ignore
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--requests", type=int, default=600)
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--requests", type=positive_int, default=600)
+    ap.add_argument("--rounds", type=positive_int, default=5)
     ap.add_argument("--config", default=str(REPO / "configs" / "replay-20pct.toml"))
     ap.add_argument("--trace", default=None)
     args = ap.parse_args()

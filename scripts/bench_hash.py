@@ -37,6 +37,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from hicache.bench_args import positive_int  # noqa: E402
 from hicache.bench_output import emit_report  # noqa: E402
 from hicache.prefix_cache import hashing  # noqa: E402
 from hicache.replay.trace import find_trace, load_trace, request_tokens  # noqa: E402
@@ -76,11 +77,11 @@ def sglang_hasher() -> tuple[Hasher | None, str | None]:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--trace", default=None)
-    p.add_argument("--requests", type=int, default=500)
-    p.add_argument("--page-size", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--long-tokens", type=int, default=16384)
-    p.add_argument("--long-reps", type=int, default=200)
+    p.add_argument("--requests", type=positive_int, default=500)
+    p.add_argument("--page-size", type=positive_int, default=64)
+    p.add_argument("--repeats", type=positive_int, default=5)
+    p.add_argument("--long-tokens", type=positive_int, default=16384)
+    p.add_argument("--long-reps", type=positive_int, default=200)
     p.add_argument("--no-sglang", action="store_true")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)

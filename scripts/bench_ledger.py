@@ -21,6 +21,7 @@ import time
 
 import torch
 
+from hicache.bench_args import positive_int
 from hicache_backends.file import FileStorage
 
 
@@ -67,6 +68,6 @@ async def main(rounds: int) -> list[dict[str, float]]:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--rounds", type=positive_int, default=15)
     args = parser.parse_args()
     print(json.dumps(asyncio.run(main(args.rounds)), indent=1))

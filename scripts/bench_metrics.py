@@ -15,14 +15,15 @@ import json
 import statistics
 import timeit
 
+from hicache.bench_args import positive_int
 from hicache.controller.metrics import ControllerMetrics
 from hicache.observability.metrics import exposition
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--calls", type=int, default=20_000)
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--calls", type=positive_int, default=20_000)
+    ap.add_argument("--rounds", type=positive_int, default=5)
     args = ap.parse_args()
     m = ControllerMetrics()
     plain: dict[str, float] = {"requests": 0}

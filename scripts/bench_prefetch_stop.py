@@ -46,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from hicache.bench_args import positive_int  # noqa: E402
 from hicache.bench_output import emit_report  # noqa: E402
 from hicache.config import HiCacheConfig  # noqa: E402
 from hicache.engine import Engine, ModelSpec, TinyTransformer  # noqa: E402
@@ -191,15 +192,15 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--prompts", type=int, default=6, help="target prompts stored, then asked again")
-    p.add_argument("--tokens", type=int, default=2048, help="tokens of each stored prompt")
-    p.add_argument("--question-tokens", type=int, default=32, help="new tokens after the stored prompt")
-    p.add_argument("--warmup", type=int, default=9, help="unrelated prompts served first (their prefills set the rate)")
+    p.add_argument("--prompts", type=positive_int, default=6, help="target prompts stored, then asked again")
+    p.add_argument("--tokens", type=positive_int, default=2048, help="tokens of each stored prompt")
+    p.add_argument("--question-tokens", type=positive_int, default=32, help="new tokens after the stored prompt")
+    p.add_argument("--warmup", type=positive_int, default=9, help="unrelated prompts served first (their prefills set the rate)")
     p.add_argument("--stores", default="par=30:50,slow=50:15",
                    help="slowed stores besides the plain file store ('fast'), as name=latency_ms:mbps,... "
                         "(latency added to every call, reads throttled to mbps)")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--torch-threads", type=int, default=2)
+    p.add_argument("--repeats", type=positive_int, default=3)
+    p.add_argument("--torch-threads", type=positive_int, default=2)
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     t0 = time.perf_counter()

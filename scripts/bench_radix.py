@@ -82,6 +82,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from hicache.bench_args import non_negative_int, positive_int  # noqa: E402
 from hicache.bench_output import emit_report  # noqa: E402
 from hicache.controller import ControllerConfig  # noqa: E402
 from hicache.prefix_cache import InsertParams, MatchPrefixParams, RadixCache, RadixKey  # noqa: E402
@@ -572,22 +573,22 @@ def summarize(name: str, totals: list[float], lats: list[float], tokens: int) ->
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--trace", default=None, help="trace file (default: $HICACHE_TRACE or ../shared/traces/)")
-    p.add_argument("--requests", type=int, default=2000)
-    p.add_argument("--page-size", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=3, help="interleaved runs of each method; medians reported")
-    p.add_argument("--long-tokens", type=int, default=16384)
-    p.add_argument("--long-reps", type=int, default=15)
+    p.add_argument("--requests", type=positive_int, default=2000)
+    p.add_argument("--page-size", type=positive_int, default=64)
+    p.add_argument("--repeats", type=positive_int, default=3, help="interleaved runs of each method; medians reported")
+    p.add_argument("--long-tokens", type=positive_int, default=16384)
+    p.add_argument("--long-reps", type=positive_int, default=15)
     p.add_argument("--no-tiers", action="store_true", help="skip the hierarchical tree")
     p.add_argument("--no-sglang", action="store_true", help="skip SGLang even if installed")
     p.add_argument("--no-sglang-tiers", action="store_true", help="skip SGLang's hierarchical cache")
-    p.add_argument("--torch-threads", type=int, default=1,
+    p.add_argument("--torch-threads", type=positive_int, default=1,
                    help="torch intra-op threads (default 1: SGLang's clone of a long slot tensor runs on "
                         "torch's pool, whose threads spin on a shared machine and slow SGLang 3-7x; hicache "
                         "copies slots with numpy either way)")
     p.add_argument("--tiers-write-policy", choices=("write_through", "write_back"), default="write_through",
                    help="the tiered tree's write policy (write_back: no copies during the replay, since "
                         "nothing is evicted: what the tiers' bookkeeping costs without them)")
-    p.add_argument("--sweep-kib", type=int, default=0,
+    p.add_argument("--sweep-kib", type=non_negative_int, default=0,
                    help="read this many KiB of memory between requests, untimed, in every method: the "
                         "cache pressure of a server's work between requests (0: none)")
     p.add_argument("--one-cpu", action="store_true",

@@ -35,6 +35,7 @@ import torch  # noqa: E402
 
 import conftest  # noqa: E402,F401 - SGLang's CPU import setup (test doubles of CUDA-built modules)
 import sgl_drive as drive  # noqa: E402
+from hicache.bench_args import positive_int  # noqa: E402
 import sgl_helpers as helpers  # noqa: E402
 
 

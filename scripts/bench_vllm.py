@@ -45,13 +45,30 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from hicache.bench_args import positive_int  # noqa: E402
 from hicache.bench_engine import EngineProcess, say  # noqa: E402
 from hicache.bench_output import emit_report  # noqa: E402
 
 
-def _percentile(values: list[float], q: float) -> float:
+def _percentile(values: list[float], q: float) -> float | None:
+    """``None`` for no values (a one-turn workload has no later turns)."""
+    if not values:
+        return None
     s = sorted(values)
     return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else 1000 * seconds
+
+
+def _median(values: list[Any]) -> Any:
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known else None
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None or b == 0 else a / b
 
 
 
@@ -100,9 +117,9 @@ def summarize(rows: list[dict[str, Any]], total_s: float) -> dict[str, Any]:
     later = [r for r in rows if r["turn"] > 0]
     prompt = sum(r["prompt_tokens"] for r in rows)
     return {
-        "ttft_p50_ms": 1000 * _percentile([r["ttft_s"] for r in rows], 0.5),
-        "ttft_p90_ms": 1000 * _percentile([r["ttft_s"] for r in rows], 0.9),
-        "ttft_p50_later_turns_ms": 1000 * _percentile([r["ttft_s"] for r in later], 0.5),
+        "ttft_p50_ms": _ms(_percentile([r["ttft_s"] for r in rows], 0.5)),
+        "ttft_p90_ms": _ms(_percentile([r["ttft_s"] for r in rows], 0.9)),
+        "ttft_p50_later_turns_ms": _ms(_percentile([r["ttft_s"] for r in later], 0.5)),
         "requests_per_s": len(rows) / total_s,
         "prompt_tokens": prompt,
         "cached_fraction": sum(r["cached"] for r in rows) / prompt,
@@ -114,15 +131,15 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--engine", help=argparse.SUPPRESS)
     ap.add_argument("--quick", action="store_true", help="4 chats x 3 turns, one repeat")
-    ap.add_argument("--chats", type=int, default=6)
-    ap.add_argument("--turns", type=int, default=4)
-    ap.add_argument("--system-tokens", type=int, default=768)
-    ap.add_argument("--user-tokens", type=int, default=96)
-    ap.add_argument("--answer-tokens", type=int, default=8)
-    ap.add_argument("--gpu-blocks", type=int, default=96, help="vLLM's KV cache, in blocks")
-    ap.add_argument("--block-size", type=int, default=32)
-    ap.add_argument("--repeats", type=int, default=3, help="passes over the workload (new chats each time)")
-    ap.add_argument("--host-pages", type=int, default=1024, help="hicache's host tier, in pages")
+    ap.add_argument("--chats", type=positive_int, default=6)
+    ap.add_argument("--turns", type=positive_int, default=4)
+    ap.add_argument("--system-tokens", type=positive_int, default=768)
+    ap.add_argument("--user-tokens", type=positive_int, default=96)
+    ap.add_argument("--answer-tokens", type=positive_int, default=8)
+    ap.add_argument("--gpu-blocks", type=positive_int, default=96, help="vLLM's KV cache, in blocks")
+    ap.add_argument("--block-size", type=positive_int, default=32)
+    ap.add_argument("--repeats", type=positive_int, default=3, help="passes over the workload (new chats each time)")
+    ap.add_argument("--host-pages", type=positive_int, default=1024, help="hicache's host tier, in pages")
     ap.add_argument("--store-latency-ms", type=float, default=0.0,
                     help="slow the store: every lookup and read call waits this long (adds the unbounded engine)")
     ap.add_argument("--store-mbps", type=float, default=0.0, help="slow the store: reads at this many MB/s")
@@ -175,39 +192,46 @@ def main(argv: list[str] | None = None) -> int:
                         for n in order:
                             prompt = hist[n][c] + user
                             r = engines[n].send(prompt)
-                            rows[n][rep].append({"chat": c, "turn": turn, "prompt_tokens": len(prompt), **r})
+                            rows[n][rep].append({"chat": c, "turn": turn, "prompt_tokens": len(prompt),
+                                                 "prompt": hash(tuple(prompt)), **r})
                             hist[n][c] = prompt + r["answer"]
                 print(f"# repeat {rep} done", file=sys.stderr)
         finally:
             for e in engines.values():
                 e.close()
     runs = {n: [summarize(rs, sum(r["wall_s"] for r in rs)) for rs in rows[n]] for n in names}
-    med = {n: {k: statistics.median(s[k] for s in runs[n]) for k in runs[n][0]} for n in names}
-    pairs = [(a["answer"], b["answer"]) for ra, rb in zip(rows["vllm"], rows["vllm+hicache"]) for a, b in zip(ra, rb)]
+    med = {n: {k: _median([s[k] for s in runs[n]]) for k in runs[n][0]} for n in names}
+    # each engine continues its own conversations: once an answer differs, the two prompts of
+    # that chat differ from then on, and their answers say nothing of the cache. Pairs are
+    # compared while the prompts are the same
+    pairs = [(a["answer"], b["answer"]) for ra, rb in zip(rows["vllm"], rows["vllm+hicache"])
+             for a, b in zip(ra, rb) if a["prompt"] == b["prompt"]]
     report = {
         "workload": {"chats": args.chats, "turns": args.turns, "system_tokens": args.system_tokens,
                      "user_tokens": u, "answer_tokens": args.answer_tokens, "gpu_blocks": args.gpu_blocks,
                      "block_size": args.block_size, "repeats": args.repeats, "model": shape},
         "median": med,
         "runs": runs,
-        "ttft_p50_speedup": med["vllm"]["ttft_p50_ms"] / med["vllm+hicache"]["ttft_p50_ms"],
-        "ttft_p50_later_turns_speedup": med["vllm"]["ttft_p50_later_turns_ms"] / med["vllm+hicache"]["ttft_p50_later_turns_ms"],
-        "throughput_speedup": med["vllm+hicache"]["requests_per_s"] / med["vllm"]["requests_per_s"],
+        "ttft_p50_speedup": _ratio(med["vllm"]["ttft_p50_ms"], med["vllm+hicache"]["ttft_p50_ms"]),
+        "ttft_p50_later_turns_speedup": _ratio(med["vllm"]["ttft_p50_later_turns_ms"],
+                                               med["vllm+hicache"]["ttft_p50_later_turns_ms"]),
+        "throughput_speedup": _ratio(med["vllm+hicache"]["requests_per_s"], med["vllm"]["requests_per_s"]),
         # greedy answers of the two configurations, request by request. The first token of
         # every answer depends only on the prompt's KV; later turns also attend to KV of
         # generated tokens, which decode computed (with hicache restored, as vLLM's own
         # prefix cache would) while the baseline recomputes it in a prefill: bf16 rounds the
         # two differently, and a random-weight model's near-flat logits can flip.
-        "first_answer_tokens_equal": sum(a[:1] == b[:1] for a, b in pairs) / len(pairs),
-        "answers_equal": sum(a == b for a, b in pairs) / len(pairs),
+        "first_answer_tokens_equal": sum(a[:1] == b[:1] for a, b in pairs) / max(1, len(pairs)),
+        "answers_equal": sum(a == b for a, b in pairs) / max(1, len(pairs)),
+        "answers_compared": len(pairs),
     }
     if slow:
         report["store"] = {"latency_ms": args.store_latency_ms, "read_mbps": args.store_mbps,
                            "host_pages": args.host_pages}
         for n in names[1:]:  # TTFT against vLLM alone: above 1.0 the cache made it slower
-            report[f"{n}_ttft_p50_vs_vllm"] = med[n]["ttft_p50_ms"] / med["vllm"]["ttft_p50_ms"]
-            report[f"{n}_ttft_p50_later_turns_vs_vllm"] = (
-                med[n]["ttft_p50_later_turns_ms"] / med["vllm"]["ttft_p50_later_turns_ms"])
+            report[f"{n}_ttft_p50_vs_vllm"] = _ratio(med[n]["ttft_p50_ms"], med["vllm"]["ttft_p50_ms"])
+            report[f"{n}_ttft_p50_later_turns_vs_vllm"] = _ratio(med[n]["ttft_p50_later_turns_ms"],
+                                                                 med["vllm"]["ttft_p50_later_turns_ms"])
     emit_report(report, args.out)
     return 0
 

@@ -23,14 +23,19 @@ import json
 import os
 import sys
 import uuid
+from pathlib import Path
 from typing import Any
 
+from hicache.bench_args import positive_int
 from hicache.config import load_config
 from hicache.config.schema import HiCacheConfig
 from hicache.demo import FULL_WORKLOAD, QUICK_WORKLOAD, demo_config, run_cached_phases
 from hicache.engine.model import ModelSpec, TinyTransformer
 from hicache.engine.runner import reference_generate
 from hicache.server.loadgen import Workload, conversation_turn_tokens, system_prompt
+
+#: the repository (the default config is found from any working directory)
+REPO = Path(__file__).resolve().parents[1]
 
 Answers = dict[tuple[int, int], list[int]]
 
@@ -89,9 +94,9 @@ async def main_async(args: argparse.Namespace) -> int:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--config", "-c", default="configs/default.toml")
-    p.add_argument("--runs", type=int, default=10)
-    p.add_argument("--device-tokens", type=int, default=None, help="device pool (default: the demo's)")
+    p.add_argument("--config", "-c", default=str(REPO / "configs" / "default.toml"))
+    p.add_argument("--runs", type=positive_int, default=10)
+    p.add_argument("--device-tokens", type=positive_int, default=None, help="device pool (default: the demo's)")
     p.add_argument("--quick", action="store_true", help="the demo's quick workload")
     return asyncio.run(main_async(p.parse_args()))
 

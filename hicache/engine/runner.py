@@ -78,8 +78,9 @@ class GenerateResult:
     """One finished request.
 
     ``ttft_s`` runs from ``arrival`` (the server's receipt of the request, so queueing counts)
-    to the first token; ``prefill_tokens`` are the prompt tokens actually computed, the rest
-    (``cached_tokens``) came from the cache, split by tier in ``hits``.
+    to the first token; ``prefill_tokens`` are the prompt tokens the cache did not hold, the rest
+    (``cached_tokens``) came from the cache, split by tier in ``hits``. A prompt held whole is
+    all cached (``prefill_tokens`` 0), though its last token is run again for its logits.
     """
 
     rid: str
