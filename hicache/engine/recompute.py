@@ -121,7 +121,11 @@ class RecomputeCache:
         return handle.kv_indices[n_old:]
 
     async def commit(self, handle: RecomputeHandle, *, finished: bool = True) -> None:
-        self._free(handle)
+        """``finished=False`` (a prefill chunk, as in ``CacheLike``): the request goes on and
+        keeps its slots (freed, the next request was given them while this one still wrote its
+        KV there); nothing is cached either way."""
+        if finished:
+            self._free(handle)
 
     def _check_live(self, handle: RecomputeHandle) -> None:
         # slots grabbed for a handle no longer tracked would never be freed (not even by aclose)

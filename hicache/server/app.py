@@ -176,7 +176,9 @@ async def _generate_stream(request: web.Request, st: ServerState, req: GenerateR
         return _error(503, str(exc), **{"Retry-After": "1"})
     resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
     try:
-        await _stream_tokens(request, st, req, job, tokens, resp)
+        failed = await _stream_tokens(request, st, req, job, tokens, resp)
+        if failed is not None:
+            return failed
     except ConnectionError as exc:  # aiohttp's reset error on a write is one too
         # the client hung up mid-stream: one line, no traceback, and the work is dropped
         logger.info("request %s: the client hung up while streaming (%s); dropped", req.rid, type(exc).__name__)
@@ -188,8 +190,11 @@ async def _generate_stream(request: web.Request, st: ServerState, req: GenerateR
 
 
 async def _stream_tokens(request: web.Request, st: ServerState, req: GenerateRequest, job: Job,
-                         tokens: asyncio.Queue[int], resp: web.StreamResponse) -> None:
-    await resp.prepare(request)
+                         tokens: asyncio.Queue[int], resp: web.StreamResponse) -> web.Response | None:
+    """Stream the job's tokens into ``resp``, sent (status 200) with the first token; a job that
+    fails before its first token is answered as a plain request's failure instead (503 with
+    Retry-After, 400, 500), returned: sent at once, its 200 hid the failure from every client
+    and balancer that retries by status."""
     index = 0
     while True:
         getter = asyncio.ensure_future(tokens.get())
@@ -204,8 +209,19 @@ async def _stream_tokens(request: web.Request, st: ServerState, req: GenerateReq
                 getter.cancel()
         if not getter.done() or getter.cancelled():
             break
+        if not resp.prepared:
+            await resp.prepare(request)
         await resp.write(json.dumps({"token": getter.result(), "index": index}).encode() + b"\n")
         index += 1
+    if not resp.prepared and tokens.empty() and not job.future.cancelled() and job.future.exception() is not None:
+        exc = job.future.exception()
+        assert exc is not None
+        if isinstance(exc, (HiCacheError, MemoryError, ValueError)):
+            return _error_of(exc)
+        logger.error("request %s failed", req.rid, exc_info=exc)
+        return _error(500, f"internal error: {type(exc).__name__}")
+    if not resp.prepared:
+        await resp.prepare(request)
     while not tokens.empty():  # tokens produced in the same step as completion
         await resp.write(json.dumps({"token": tokens.get_nowait(), "index": index}).encode() + b"\n")
         index += 1

@@ -173,3 +173,17 @@ async def test_recompute_cache_refuses_to_extend_a_finished_request(model: TinyT
             with pytest.raises(ValueError, match="already committed or aborted"):
                 await cache.extend(handle, [1] * 40)
         assert cache.metrics()["device_free_tokens"] == cfg.device.size_tokens
+
+
+async def test_the_baseline_keeps_a_request_whose_chunk_is_committed() -> None:
+    """``commit(finished=False)`` is a prefill chunk (``CacheLike``): the request goes on. The
+    baseline freed its slots, so the next request was given them while this one still wrote
+    its KV there, and its next extend failed."""
+    async with RecomputeCache(small_config()) as cache:
+        h = await cache.begin("r", list(range(20)))
+        free = cache.metrics()["device_free_tokens"]
+        await cache.commit(h, finished=False)
+        assert cache.metrics()["device_free_tokens"] == free
+        assert (await cache.extend(h, [5])).numel() == 1
+        await cache.commit(h, finished=True)
+        assert cache.metrics()["device_free_tokens"] > free
