@@ -236,6 +236,7 @@ async def _stream_tokens(request: web.Request, st: ServerState, req: GenerateReq
         line = {"done": True, "error": str(exc) or type(exc).__name__}
     await resp.write(json.dumps(line).encode() + b"\n")
     await resp.write_eof()
+    return None
 
 
 async def _release(request: web.Request) -> web.Response:
