@@ -101,6 +101,16 @@ def test_put_many_needs_one_payload_per_entry() -> None:
         MemoryMedium(100).put_many([("ns", "a", "kv"), ("ns", "b", "kv")], [b"x"])
 
 
+def _watched(store) -> list[tuple[str, tuple[str, ...]]]:  # type: ignore[no-untyped-def]
+    """The STORED and REMOVED events of ``store``'s storage tier, as (kind, keys), in order."""
+    from hicache.observability.tier_events import ChangeKind, Tier
+
+    seen: list[tuple[str, tuple[str, ...]]] = []
+    store.tier_changes.subscribe(lambda c: seen.append((c.kind.name, tuple(c.keys))),
+                                 wants={(ChangeKind.REMOVED, Tier.STORAGE), (ChangeKind.STORED, Tier.STORAGE)})
+    return seen
+
+
 async def test_a_batch_bigger_than_the_medium_stores_its_last_pages_and_says_so() -> None:
     """A batch bigger than the medium evicts its own first pages in order: those are not
     stored (False, no event), the rest are (one STORED run). They were reported REMOVED before
@@ -108,12 +118,8 @@ async def test_a_batch_bigger_than_the_medium_stores_its_last_pages_and_says_so(
     them for stored; older pages it evicts are still reported REMOVED."""
     import torch
 
-    from hicache.observability.tier_events import ChangeKind, Tier
-
     store = create_async_storage("memory", None, max_bytes=10_000)
-    seen: list[tuple[str, tuple[str, ...]]] = []
-    store.tier_changes.subscribe(lambda c: seen.append((c.kind.name, tuple(c.keys))),
-                                 wants={(ChangeKind.REMOVED, Tier.STORAGE), (ChangeKind.STORED, Tier.STORAGE)})
+    seen = _watched(store)
     async with store:
         assert await store.batch_set(["old"], [torch.full((1000,), 99, dtype=torch.uint8)])
         seen.clear()
@@ -147,3 +153,31 @@ async def test_evicted_bytes_are_counted_and_a_shared_medium_has_one_bound() -> 
         joined = create_async_storage("memory", None, store_id=sid)  # no bound named: the medium's
         async with joined:
             assert joined.get_stats()["max_bytes"] == 2_000
+
+
+async def test_a_page_stored_earlier_and_evicted_by_its_own_rewrite_is_reported_removed() -> None:
+    """Every subscriber held it: the batch's answer False and no event left it "stored"."""
+    import torch
+
+    store = create_async_storage("memory", None, max_bytes=2_000)
+    seen = _watched(store)
+    async with store:
+        assert await store.batch_set(["a"], [torch.full((1000,), 1, dtype=torch.uint8)])
+        await store.batch_set(["a", "b", "c"], [torch.full((1000,), i, dtype=torch.uint8) for i in range(3)])
+        held: set[str] = set()
+        for kind, keys in seen:
+            held = held | set(keys) if kind == "STORED" else held - set(keys)
+        assert held == {k for k in "abc" if (await store.exists_pages([k]))[0]}
+
+
+async def test_a_page_whose_old_copy_the_batch_evicted_and_put_again_is_stored() -> None:
+    import torch
+
+    from hicache.storage.types import PageKey
+
+    store = create_async_storage("memory", None, max_bytes=2_000)
+    async with store:
+        assert await store.batch_set(["b"], [torch.full((1000,), 1, dtype=torch.uint8)])
+        assert await store.batch_set(["x"], [torch.full((1000,), 2, dtype=torch.uint8)])
+        ok = store._store([PageKey("a", "kv"), PageKey("b", "kv")], [memoryview(bytes([i]) * 1000) for i in range(2)])
+        assert ok == await store.exists_pages(["a", "b"]) == [True, True]

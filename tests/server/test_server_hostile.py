@@ -132,7 +132,9 @@ async def test_a_huge_body_is_decoded_off_the_event_loop() -> None:
 
 async def test_a_closed_cache_answers_503_once_counted_and_release_too() -> None:
     """The cache closed under a running server: a generate is one 503 counted once, and a
-    session release is a 503 with Retry-After, not a 500 with a traceback."""
+    session release is a 503 with Retry-After, not a 500 with a traceback. A streaming generate
+    is a 503 too: its status line went out before the job ran, a 200 that hid the failure from
+    every client and balancer that retries by status."""
     from hicache.facade import HiCache
 
     cfg = small_config()
@@ -144,5 +146,7 @@ async def test_a_closed_cache_answers_503_once_counted_and_release_too() -> None
                     assert r.status == 503
                 async with http.post(srv.url + "/v1/sessions/a/release") as r:
                     assert r.status == 503 and r.headers.get("Retry-After") == "1"
-            counted = {k: v for k, v in srv.state.metrics.requests.items() if v}
-            assert sum(counted.values()) == 1, counted
+                counted = {k: v for k, v in srv.state.metrics.requests.items() if v}
+                assert sum(counted.values()) == 1, counted
+                async with http.post(srv.url + "/v1/generate", json={"tokens": [1, 2, 3], "stream": True}) as r:
+                    assert r.status == 503 and r.headers.get("Retry-After") == "1", await r.text()
