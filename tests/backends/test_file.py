@@ -143,14 +143,14 @@ async def test_a_page_the_scan_cannot_read_costs_only_itself(tmp_path, monkeypat
     crowded = max(folders.values(), key=len)
     assert len(crowded) >= 2
     bad = page_path(tmp_path, NS_A.digest, crowded[0])
-    real_footer = file_io._read_footer
+    real_footer = file_io._footer_bytes
 
     def footer(path, size):  # type: ignore[no-untyped-def]
         if path == bad:
             raise PermissionError(errno.EACCES, "Permission denied", path)
         return real_footer(path, size)
 
-    monkeypatch.setattr(file_io, "_read_footer", footer)
+    monkeypatch.setattr(file_io, "_footer_bytes", footer)
     async with make_store(tmp_path, shared=False) as store:
         assert await store.wait_index_ready(10)
         stats = store.get_stats()

@@ -1018,17 +1018,17 @@ def test_the_ledger_reservation_table_keeps_every_slot_it_cannot_judge() -> None
     dead.wait()
     slots = L._decode_slots(b"\0" * L._SIZE)
     assert slots == [0] * (3 * L._SLOTS) and L._decode_slots(b"\0" * L._FORMAT.size) == slots
-    slots[0:3] = (L._MACHINE, dead.pid, 100)  # this machine, gone
-    slots[3:6] = (L._MACHINE ^ 1, dead.pid, 200)  # another machine: never judged
-    slots[9:12] = (L._MACHINE, os.getppid(), 300)  # this machine, alive
+    slots[0:3] = (L.MACHINE, dead.pid, 100)  # this machine, gone
+    slots[3:6] = (L.MACHINE ^ 1, dead.pid, 200)  # another machine: never judged
+    slots[9:12] = (L.MACHINE, os.getppid(), 300)  # this machine, alive
     raw = b"\0" * L._FORMAT.size + L._encode_slots(slots)
     assert L._decode_slots(raw) == slots
     assert L._reclaim(slots) == 100 and slots[0:3] == [0, 0, 0]
-    assert slots[3:12] == [L._MACHINE ^ 1, dead.pid, 200, 0, 0, 0, L._MACHINE, os.getppid(), 300]
+    assert slots[3:12] == [L.MACHINE ^ 1, dead.pid, 200, 0, 0, 0, L.MACHINE, os.getppid(), 300]
     L._move_own(slots, 50)
-    assert slots[0:3] == [L._MACHINE, os.getpid(), 50]  # the first free slot
+    assert slots[0:3] == [L.MACHINE, os.getpid(), 50]  # the first free slot
     L._move_own(slots, -50)
     assert slots[0:3] == [0, 0, 0]
-    full = [L._MACHINE ^ 1, 1, 1] * L._SLOTS
+    full = [L.MACHINE ^ 1, 1, 1] * L._SLOTS
     L._move_own(full, 10)  # no free slot: counted in ``used`` only, the table unchanged
-    assert full == [L._MACHINE ^ 1, 1, 1] * L._SLOTS
+    assert full == [L.MACHINE ^ 1, 1, 1] * L._SLOTS

@@ -50,6 +50,7 @@ from hicache_backends.file.layout import (
 )
 
 __all__ = [
+    "PartialScan",
     "ReadResult",
     "ReadStatus",
     "ScanEntry",
@@ -70,7 +71,6 @@ __all__ = [
     "remove_stale_trash",
     "remove_tree",
     "scan_subdir",
-    "PartialScan",
     "write_page",
 ]
 
@@ -515,13 +515,20 @@ def _read_footer(path: str, size: int) -> Footer | None:
     was torn by a crash before its data reached the disk (zero-length, or zero-filled at its
     full size) or is not ours: it is never reported as present, since a positive ``exists``
     must be readable (its read would be a miss)."""
+    raw = _footer_bytes(path, size)
+    return decode_footer(raw) if raw else None
+
+
+def _footer_bytes(path: str, size: int) -> bytes | None:
+    """The bytes where a page's footer goes: ``b""`` for a file shorter than a footer, ``None``
+    for one that is no regular file any more (swapped for a FIFO since the stat)."""
     if size < FOOTER_LEN:
-        return None
+        return b""
     fd = os.open(path, _O_READ)
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):  # swapped for a FIFO since the stat
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
             return None
-        return decode_footer(os.pread(fd, FOOTER_LEN, size - FOOTER_LEN))
+        return os.pread(fd, FOOTER_LEN, size - FOOTER_LEN)
     finally:
         os.close(fd)
 
@@ -914,9 +921,11 @@ def scan_subdir(path: str, stale_tmp_seconds: float) -> tuple[list[ScanEntry], i
     process of this machine and PID namespace, or when it is older than ``stale_tmp_seconds``
     (a writer in another container or on another machine sharing the root cannot be judged by
     its pid: its file is only judged by its age).
-    A page file torn by a crash (see :func:`_is_torn`) is removed: no lookup reports it, so no
-    read would ever find and remove it, and a later write of its key counted its bytes as
-    replaced though no count held them. A file that cannot be read is skipped and the rest of
+    A page file torn by a crash (shorter than a footer, or zeros where it should be: pages are
+    published whole, by rename, so a crash leaves these and nothing else) is removed: no lookup
+    reports it, so no read would ever find and remove it, and a later write of its key counted
+    its bytes as replaced though no count held them. A footer that is not ours but not zeros
+    (another program's file, another version's format) is left alone. A file that cannot be read is skipped and the rest of
     the folder scanned; the scan then raises :class:`PartialScan` with what it found.
     """
     entries: list[ScanEntry] = []
@@ -939,9 +948,10 @@ def scan_subdir(path: str, stale_tmp_seconds: float) -> tuple[list[ScanEntry], i
                     st = e.stat(follow_symlinks=False)
                     if not e.is_file(follow_symlinks=False):
                         continue
-                    foot = _read_footer(e.path, st.st_size)
+                    raw = _footer_bytes(e.path, st.st_size)
+                    foot = decode_footer(raw) if raw else None
                     if foot is None:  # not indexed, so never claimed; removed if torn by a crash
-                        if _is_torn(e.path, st) and _discard(e.path, st):
+                        if raw is not None and not any(raw) and _discard(e.path, st):
                             torn += 1
                         continue
                     entries.append(ScanEntry(pid, st.st_size, foot.parent, max(st.st_mtime, st.st_atime)))
@@ -965,20 +975,6 @@ def scan_subdir(path: str, stale_tmp_seconds: float) -> tuple[list[ScanEntry], i
     if first_error is not None:
         raise PartialScan(entries, removed, torn, unreadable, first_error)
     return entries, removed, torn
-
-
-def _is_torn(path: str, st: os.stat_result) -> bool:
-    """A page file whose data never reached the disk: shorter than a footer, or zeros where
-    its footer should be (pages are published whole, by rename, so a crash leaves these and
-    nothing else). A footer that is not ours but not zeros (another program's file, another
-    version's format) is left alone."""
-    if st.st_size < FOOTER_LEN:
-        return True
-    fd = os.open(path, _O_READ)
-    try:
-        return not any(os.pread(fd, FOOTER_LEN, st.st_size - FOOTER_LEN))
-    finally:
-        os.close(fd)
 
 
 # ---------------------------------------------------------------------- introspection (inspect)

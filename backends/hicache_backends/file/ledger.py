@@ -62,9 +62,6 @@ _SIZE = _FORMAT.size + _SLOTS * _SLOT.size
 _TABLE = struct.Struct("<" + "qqq" * _SLOTS)  # the whole table at once (same bytes as _SLOT each)
 
 
-_MACHINE = MACHINE
-
-
 @dataclass(frozen=True, slots=True)
 class Usage:
     """One reading of the ledger; ``token`` names the ledger file it came from."""
@@ -115,7 +112,7 @@ def _reclaim(slots: list[int]) -> int:
     me = os.getpid()
     for i in _taken(slots):
         machine, pid, held = slots[i : i + 3]
-        if machine == _MACHINE and pid != me and not pid_alive(pid):
+        if machine == MACHINE and pid != me and not pid_alive(pid):
             freed += held
             slots[i : i + 3] = (0, 0, 0)
     return freed
@@ -125,14 +122,14 @@ def _move_own(slots: list[int], amount: int) -> None:
     """Add ``amount`` to this process's slot (taken when needed, freed at zero). With every
     slot taken the bytes are still counted in ``used``, only not given back on a death."""
     pid = os.getpid()
-    own = next((i for i in _taken(slots) if slots[i] == _MACHINE and slots[i + 1] == pid), None)
+    own = next((i for i in _taken(slots) if slots[i] == MACHINE and slots[i + 1] == pid), None)
     if own is None:
         if amount <= 0:
             return
         own = next((i for i in range(0, len(slots), 3) if not slots[i + 2]), None)
         if own is None:
             return
-        slots[own : own + 3] = (_MACHINE, pid, 0)
+        slots[own : own + 3] = (MACHINE, pid, 0)
     slots[own + 2] = max(0, slots[own + 2] + amount)
     if not slots[own + 2]:
         slots[own : own + 3] = (0, 0, 0)
