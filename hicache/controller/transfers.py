@@ -50,30 +50,24 @@ def slice_transfer(t: PoolTransfer, first_page: int, num_pages: int, total_pages
 def all_pools_ok(result: dict[str, list[bool]] | None, n: int,
                  transfers: Sequence[PoolTransfer] = ()) -> list[bool]:
     """Per KV page of a batch of ``n``: did every pool of the transfer succeed? (``None``
-    result, or one that leaves out a pool of ``transfers``: nothing did.) A ``TRAILING_PAGES`` pool among ``transfers`` answers for the
-    batch's last pages only, one flag per key it was given (its keys are the last pages of the
-    whole transfer, so always a suffix of a batch)."""
+    result, or one that leaves out a pool of ``transfers``: nothing did.)
+
+    A pool answers one flag per key it was given, and its keys are the batch's last pages: all
+    of them for the KV pool and an ``ALL_PAGES`` pool, the trailing ones for a
+    ``TRAILING_PAGES`` pool (see :func:`slice_transfer`); a flag left out is a miss. A pool not
+    in ``transfers`` answers for every page."""
     if result is None:
         return [False] * n
+    covers = {pool_name_str(t.name): min(n, len(t.keys or [])) for t in transfers}
     answered = {pool_name_str(name) for name in result}
-    if any(pool_name_str(t.name) not in answered for t in transfers if t.keys):
+    if any(k and name not in answered for name, k in covers.items()):
         return [False] * n  # a pool the call was asked about and did not answer: nothing landed
-    # a trailing pool's keys in this batch: its answer is one flag per key, a flag left out a miss
-    trailing = {pool_name_str(t.name): len(t.keys or []) for t in transfers
-                if t.hit_policy is PoolHitPolicy.TRAILING_PAGES}
     flags: list[bool] | None = None  # all True until a pool failed a page
     for name, pool_flags in result.items():
-        if trailing and pool_name_str(name) in trailing:
-            k = min(n, trailing[pool_name_str(name)])
-            tail = [bool(f) for f in list(pool_flags)[:k]]
-            tail += [False] * (k - len(tail))
-            if all(tail):
-                continue
-            head = [True] * (n - k) + tail
-        else:
-            head = list(pool_flags[:n])
-            if len(head) == n and all(head):
-                continue  # the usual answer: no step per page
-            head += [False] * (n - len(head))
-        flags = [bool(f) for f in head] if flags is None else [a and bool(f) for a, f in zip(flags, head)]
+        k = covers.get(pool_name_str(name), n)
+        own = list(pool_flags[:k])
+        if len(own) == k and all(own):
+            continue  # the usual answer: no step per page
+        head = [True] * (n - k) + [bool(f) for f in own] + [False] * (k - len(own))
+        flags = head if flags is None else [a and f for a, f in zip(flags, head)]
     return [True] * n if flags is None else flags
