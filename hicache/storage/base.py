@@ -392,14 +392,14 @@ class AsyncHiCacheStorage(ABC):
         self.stats.incr("exists_hits", hits)
         self.stats.incr("exists_seconds", time.perf_counter() - t0)
 
-    def _is_run(self, run: Any, n: int) -> bool:
-        """Whether a prefix lookup's answer is a count of pages from the first (else a backend
-        bug, counted and logged)."""
+    def _checked_run(self, run: Any, n: int) -> int | None:
+        """A prefix lookup's answer as a count of pages from the first (any integral type);
+        ``None`` for anything else, a backend bug, counted and logged."""
         if isinstance(run, bool) or not isinstance(run, numbers.Integral) or not 0 <= int(run) <= n:
             self.stats.incr("backend_errors")
             logger.error("%s: exists answered %r for %d pages", type(self).__name__, run, n)
-            return False
-        return True
+            return None
+        return int(run)
 
     async def _kv_prefix(self, pages: Sequence[PageKey]) -> int:
         """The guarded :meth:`_exists_prefix`, through :meth:`_exists_guarded` when the backend
@@ -410,7 +410,7 @@ class AsyncHiCacheStorage(ABC):
             return 0
         t0 = time.perf_counter()
         run = await self._guard("exists", self._exists_prefix(pages), 0)
-        run = int(run) if self._is_run(run, len(pages)) else 0  # a bad answer is a miss
+        run = self._checked_run(run, len(pages)) or 0  # a bad answer is a miss
         self._count_lookup(len(pages), run, t0)
         return run
 
@@ -510,22 +510,7 @@ class AsyncHiCacheStorage(ABC):
         if name == KV and callable(signature):
             refined = refined.with_signature(signature())
         elif states_its_format(host_pool):
-            # an engine's pool stores its own bytes: their format must be in the namespace, or
-            # a pool of another layout or dtype (another server of the model) reads them as KV
-            tag = pool_format_tag(host_pool)
-            refined = refined.with_pool_format(name, tag)
-            if (refined != self._namespace and self._state is not StorageState.UNOPENED
-                    and f"pool.{name}" not in dict(self._namespace.extra)):
-                # opened before any such pool was known: the namespace never had its format
-                # (as before). Said once; a pool of another format than one named is refused
-                if name not in self._unformatted_pools:
-                    self._unformatted_pools.add(name)
-                    logger.warning(
-                        "%s: pool %r (%s) was registered after the store opened, so its byte format "
-                        "is not part of the namespace: register host pools before the first call, or "
-                        "a pool of another layout or dtype sharing the store reads its pages",
-                        type(self).__name__, name, tag)
-                refined = self._namespace
+            refined = self._with_format_of(name, host_pool)
         if refined != self._namespace:
             if self._state is not StorageState.UNOPENED:
                 raise StorageStateError(
@@ -534,6 +519,26 @@ class AsyncHiCacheStorage(ABC):
                 )
             self._namespace = refined
         self.registered_pools[name] = host_pool
+
+    def _with_format_of(self, name: str, host_pool: Any) -> Namespace:
+        """The namespace with the byte format of ``host_pool`` (an engine's pool, which stores
+        its own bytes: without its format a pool of another layout or dtype, another server of
+        the model, reads them as KV). A store opened before any such pool of this name was
+        known keeps its namespace (as before), said once; a pool of another format than the
+        one named is refused by the caller."""
+        tag = pool_format_tag(host_pool)
+        refined = self._namespace.with_pool_format(name, tag)
+        opened_without = (self._state is not StorageState.UNOPENED
+                          and f"pool.{name}" not in dict(self._namespace.extra))
+        if refined == self._namespace or not opened_without:
+            return refined
+        if name not in self._unformatted_pools:
+            self._unformatted_pools.add(name)
+            logger.warning(
+                "%s: pool %r (%s) was registered after the store opened, so its byte format is not "
+                "part of the namespace: register host pools before the first call, or a pool of another "
+                "layout or dtype sharing the store reads its pages", type(self).__name__, name, tag)
+        return self._namespace
 
     def _pool(self, name: str) -> Any:
         pool = self.registered_pools.get(name)
@@ -590,9 +595,9 @@ class AsyncHiCacheStorage(ABC):
             self.stats.incr("backend_errors")
             logger.exception("%s: a lookup on the calling thread failed; asking on the loop", type(self).__name__)
             return None
-        if run is None or not self._is_run(run, len(pages)):
+        run = None if run is None else self._checked_run(run, len(pages))
+        if run is None:
             return None  # the loop's lookup answers
-        run = int(run)
         self._count_lookup(len(pages), run, t0)
         return run
 
