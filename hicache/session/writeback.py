@@ -112,7 +112,7 @@ class WriteBackQueue:
             return 0  # nothing is kept on device for its copy without it
         left: list[_Entry] = []
         for e in self._entries:
-            if e.kept and (todo := self._todo(self._path(e.leaf)) or self._still_kept(e)):
+            if e.kept and (todo := self._todo(self._path(e.leaf)) or self._todo(e.kept_nodes)):
                 self._give_up(e, todo, "device room is needed and host has not taken it")
                 self._unkeep(e)
             else:
@@ -138,25 +138,21 @@ class WriteBackQueue:
             node = node.parent
         return path if node is root else []
 
-    @staticmethod
-    def _still_kept(e: _Entry) -> list[Any]:
-        """``e``'s kept nodes still on device without a host copy made or being made."""
-        return [n for n in e.kept_nodes if n.host_value is None and n.backup_op is None and n.value is not None]
-
     def _unkeep(self, e: _Entry) -> None:
         """The entry ends: the tree stops keeping its nodes on device for their copy (the
         backups stay deferred, best effort). Its leaf's path may have left the tree while an
         ancestor it asked for (a shared prefix host could not take) was still kept."""
         release = getattr(self._tree, "release_backup", None)
         if release is not None:
-            for node in self._still_kept(e):
+            for node in self._todo(e.kept_nodes):
                 release(node)
         e.kept_nodes.clear()
 
     @staticmethod
-    def _todo(path: list[Any]) -> list[Any]:
-        """The nodes of ``path`` still on device with no host copy made or being made."""
-        return [n for n in path if n.host_value is None and n.backup_op is None and n.value is not None]
+    def _todo(nodes: list[Any]) -> list[Any]:
+        """The ``nodes`` (a path, or an entry's kept nodes) still on device with no host copy
+        made or being made."""
+        return [n for n in nodes if n.host_value is None and n.backup_op is None and n.value is not None]
 
     def _give_up(self, e: _Entry, todo: list[Any], why: str) -> None:
         """Stop keeping ``e``'s ``todo`` nodes on device for their copy (device eviction may
