@@ -204,15 +204,13 @@ class Prefetches:
         anchor and pins, and its controller op was never taken or aborted (host pages held until
         close, and no later prefetch of the rid could start)."""
         cache = self.cache
-        if state is not None and self.running.get(req_id) is not state:
+        current = self.running.get(req_id)
+        if current is None or (state is not None and current is not state):
             if result is not None:
                 cache._free_host(result.host_indices)
             return 0
-        state = self.running.pop(req_id, None)
-        if state is None:
-            if result is not None:
-                cache._free_host(result.host_indices)
-            return 0
+        del self.running[req_id]
+        state = current
         cache._dec_host_ref(state.anchor)
         self._unpin(state)
         if result is not None and result.pages and self.stored is not None:
