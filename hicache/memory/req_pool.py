@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from numbers import Integral
+from typing import Any
 
 import numpy as np
 import torch
@@ -55,15 +56,14 @@ class ReqToTokenPool:
     def free(self, idx_or_list: int | Iterable[int] | torch.Tensor) -> None:
         """Return slots. A slot out of range, already free, or listed twice raises
         :class:`AllocatorError` and nothing is freed."""
-        if isinstance(idx_or_list, bool):
-            raise TypeError("ReqToTokenPool.free(): slots must be integers, got a bool")
-        if isinstance(idx_or_list, (int, Integral)):  # numpy integers too
-            slots = [int(idx_or_list)]
-        else:  # a float (1.7) or a bool is no slot: int() would free slot 1 in its place
-            items = idx_or_list if isinstance(idx_or_list, torch.Tensor) else list(idx_or_list)
-            if not isinstance(items, torch.Tensor) and any(isinstance(i, (bool, np.bool_)) for i in items):
+        # a float (1.7) or a bool is no slot: int() would free slot 1 in its place
+        if isinstance(idx_or_list, torch.Tensor):
+            items: Any = idx_or_list  # as_index_array refuses float and bool tensors
+        else:
+            items = [idx_or_list] if isinstance(idx_or_list, (int, Integral, np.bool_)) else list(idx_or_list)
+            if any(isinstance(i, (bool, np.bool_)) for i in items):
                 raise TypeError("ReqToTokenPool.free(): slots must be integers, got a bool")
-            slots = as_index_array(items, what="ReqToTokenPool.free() slots").tolist()
+        slots = as_index_array(items, what="ReqToTokenPool.free() slots").tolist()
         free_now = set(self.free_slots)
         seen: set[int] = set()
         for s in slots:
