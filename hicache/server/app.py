@@ -111,6 +111,15 @@ def _error_of(exc: BaseException) -> web.Response:
     return _error(status, str(exc) or type(exc).__name__, **({"Retry-After": "1"} if status == 503 else {}))
 
 
+def _failure(rid: str, exc: BaseException) -> web.Response:
+    """The answer to a request that failed while served: its status for an error of the cache
+    or of the request (:func:`_error_of`), else a 500 whose traceback goes to the log."""
+    if isinstance(exc, (HiCacheError, MemoryError, ValueError)):
+        return _error_of(exc)
+    logger.error("request %s failed", rid, exc_info=exc)
+    return _error(500, f"internal error: {type(exc).__name__}")
+
+
 def _draining() -> web.Response:
     return _error(503, "the server is shutting down", **{"Retry-After": "1"})
 
@@ -153,13 +162,10 @@ async def _generate(request: web.Request) -> web.StreamResponse:
         if not await _wait_for_client(request, st, job, job.future):
             return _error(499, "client closed the request")
         result = job.future.result()
-    except (HiCacheError, MemoryError, ValueError) as exc:
-        if job is None:  # refused by submit; a job that ran was counted by the scheduler
-            st.metrics.requests[_status_of(exc)[1]] += 1
-        return _error_of(exc)
     except Exception as exc:
-        logger.exception("request %s failed", req.rid)
-        return _error(500, f"internal error: {type(exc).__name__}")
+        if job is None and isinstance(exc, (HiCacheError, MemoryError, ValueError)):
+            st.metrics.requests[_status_of(exc)[1]] += 1  # refused by submit; a job that ran was counted
+        return _failure(req.rid, exc)
     if job.reference is not None:
         st.metrics.reference_checks["match" if job.reference == result.tokens else "mismatch"] += 1
     return web.json_response(_payload(req, result, job))
@@ -173,7 +179,7 @@ async def _generate_stream(request: web.Request, st: ServerState, req: GenerateR
         job = st.scheduler.submit(req, arrival=arrival, on_token=tokens.put_nowait)
     except (QueueFullError, CacheClosedError) as exc:
         st.metrics.requests["rejected"] += 1
-        return _error(503, str(exc), **{"Retry-After": "1"})
+        return _error_of(exc)
     resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
     try:
         failed = await _stream_tokens(request, st, req, job, tokens, resp)
@@ -213,14 +219,10 @@ async def _stream_tokens(request: web.Request, st: ServerState, req: GenerateReq
             await resp.prepare(request)
         await resp.write(json.dumps({"token": getter.result(), "index": index}).encode() + b"\n")
         index += 1
-    if not resp.prepared and tokens.empty() and not job.future.cancelled() and job.future.exception() is not None:
-        exc = job.future.exception()
-        assert exc is not None
-        if isinstance(exc, (HiCacheError, MemoryError, ValueError)):
-            return _error_of(exc)
-        logger.error("request %s failed", req.rid, exc_info=exc)
-        return _error(500, f"internal error: {type(exc).__name__}")
     if not resp.prepared:
+        failed = None if job.future.cancelled() or not tokens.empty() else job.future.exception()
+        if failed is not None:
+            return _failure(req.rid, failed)
         await resp.prepare(request)
     while not tokens.empty():  # tokens produced in the same step as completion
         await resp.write(json.dumps({"token": tokens.get_nowait(), "index": index}).encode() + b"\n")
