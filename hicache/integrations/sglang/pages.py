@@ -36,6 +36,7 @@ __all__ = [
     "CanonicalPagePool",
     "KNOWN_LAYOUTS",
     "adapt_host_pool",
+    "is_mla_pool",
     "passthrough_tag",
 ]
 
@@ -79,7 +80,8 @@ _MLA: dict[str, tuple[_Slicer, tuple[int, ...]]] = {
 _SAME_SIZE_INT: dict[int, torch.dtype] = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def _is_mla(pool: Any) -> bool:
+def is_mla_pool(pool: Any) -> bool:
+    """Whether an SGLang host pool holds MLA latents (one per token, not per KV head)."""
     return getattr(pool, "kv_cache_dim", None) is not None or "MLA" in type(pool).__name__
 
 
@@ -110,7 +112,7 @@ class CanonicalPagePool:
             raise TypeError(f"{type(pool).__name__} has no kv_buffer tensor")
         if kv.device.type != "cpu":
             raise ValueError(f"{type(pool).__name__}: host kv_buffer must be in CPU memory, got {kv.device}")
-        self.mla = _is_mla(pool)
+        self.mla = is_mla_pool(pool)
         table = _MLA if self.mla else _MHA
         if layout not in table:
             raise ValueError(
@@ -401,7 +403,7 @@ def adapt_host_pool(pool: Any) -> tuple[Any, str | None]:
     (or hicache's own host pool) is returned as is."""
     if isinstance(pool, CanonicalPagePool) or callable(getattr(pool, "storage_signature", None)):
         return pool, None
-    table = _MLA if _is_mla(pool) else _MHA
+    table = _MLA if is_mla_pool(pool) else _MHA
     if (getattr(pool, "layout", None) in table and isinstance(getattr(pool, "kv_buffer", None), torch.Tensor)
             and _plain_pages(pool)):
         try:

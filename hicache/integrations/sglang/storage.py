@@ -36,8 +36,7 @@ from sglang.srt.mem_cache.hicache_storage import PoolTransferResult as _SGLangRe
 from hicache.errors import HiCacheError
 from hicache.integrations.sglang.config import AdapterSettings, namespace_for
 from hicache.integrations.sglang.hits import resolve_hits
-from hicache.integrations.sglang.pages import CanonicalPagePool, adapt_host_pool
-from hicache.integrations.sglang.pages import _is_mla as _is_mla_pool
+from hicache.integrations.sglang.pages import CanonicalPagePool, adapt_host_pool, is_mla_pool
 from hicache.integrations.sglang.transfer import PageMover
 from hicache.storage import (
     AsyncHiCacheStorage,
@@ -124,13 +123,12 @@ def _draft_settings() -> dict[str, str]:
     return out
 
 
-def _sidecar_format(signature: dict[str, Any], logical_kv: str | None) -> str | None:
+def _sidecar_format(signature: dict[str, Any], logical_kv: str | None, draft: dict[str, str]) -> str | None:
     """A canonical sidecar pool's part of the namespace: its geometry and element type, with
     the draft's logical KV format when it stores bytes (the server's draft dtype, else the
     target's, as SGLang chooses it), and the draft model it holds the KV of. ``None``: bytes
-    of a format nothing says."""
+    of a format nothing says. ``draft``: :func:`_draft_settings`."""
     facts = dict(signature)
-    draft = _draft_settings()
     if facts.get("dtype") == "uint8":
         logical = draft.get("speculative_draft_kv_cache_dtype") or logical_kv
         if logical is None:
@@ -234,20 +232,15 @@ class HiCacheSGLangStorage(_SGLangStorage):
             # SGLang refuses storage pages for it (its MXFP8 pool keeps scales outside the
             # page): every one of its writes would fail. The KV pool fails the attach (a
             # store that can hold nothing); a sidecar is a miss, said once here.
-            self._refused[name] = f"{type(pool).__name__} has no flat storage pages in SGLang"
-            if name != KV:
-                logger.warning("hicache SGLang storage: pool %r is not stored (%s); its pages are misses",
-                               name, self._refused[name])
+            self._refuse(name, f"{type(pool).__name__} has no flat storage pages in SGLang")
             return
         cfg = self.storage_config
-        if (name != KV and isinstance(adapted, CanonicalPagePool) and not _is_mla_pool(pool)
+        if (name != KV and isinstance(adapted, CanonicalPagePool) and not is_mla_pool(pool)
                 and getattr(cfg, "is_mla_model", False) and int(getattr(cfg, "tp_size", 1)) > 1):
             # an MHA sidecar (a Llama-style draft of an MLA target) is split over TP while the
             # namespace is not, and SGLang backs it up on the writer rank only: every other
             # rank read that rank's head shard as its own
-            self._refused[name] = "an MHA pool under an MLA model with TP > 1 (SGLang stores one rank's shard)"
-            logger.warning("hicache SGLang storage: pool %r is not stored (%s); its pages are misses",
-                           name, self._refused[name])
+            self._refuse(name, "an MHA pool under an MLA model with TP > 1 (SGLang stores one rank's shard)")
             return
         if self._facade is not None:  # a dynamic sidecar, after the store opened
             if tag is not None:
@@ -261,6 +254,13 @@ class HiCacheSGLangStorage(_SGLangStorage):
         self._adapted[name] = adapted
         if tag is not None:
             self._tags[_name(pool_name)] = tag
+
+    def _refuse(self, name: str, why: str) -> None:
+        """Store nothing of pool ``name`` (its pages are misses); said once for a sidecar (the
+        KV pool's refusal fails the attach instead)."""
+        self._refused[name] = why
+        if name != KV:
+            logger.warning("hicache SGLang storage: pool %r is not stored (%s); its pages are misses", name, why)
 
     def on_host_pools_registered(self) -> None:
         """Open the store now that every pool is known; raising fails SGLang's attach."""
@@ -284,18 +284,17 @@ class HiCacheSGLangStorage(_SGLangStorage):
             signature = kv.storage_signature() if callable(getattr(kv, "storage_signature", None)) else {}
             signature = _with_logical_dtype(signature, self.settings.kv_cache_dtype)
             logical_kv = self.settings.kv_cache_dtype or _server_kv_cache_dtype()
+            draft = _draft_settings()
             for name, pool in list(self._adapted.items()):
                 if name != KV and name not in tags and callable(getattr(pool, "storage_signature", None)):
                     # a canonical sidecar (a draft model's KV, SWA) carries its own format and
                     # geometry: left out, two servers whose drafts differ (fp8 e4m3 and e5m2,
                     # both bytes; other draft weights) read each other's draft pages as valid
-                    tag = _sidecar_format(pool.storage_signature(), logical_kv)
+                    tag = _sidecar_format(pool.storage_signature(), logical_kv, draft)
                     if tag is None:
-                        self._refused[name] = ("its KV is stored as bytes and its format is unknown (no server "
-                                               "settings, no hicache_kv_cache_dtype)")
+                        self._refuse(name, "its KV is stored as bytes and its format is unknown (no server "
+                                           "settings, no hicache_kv_cache_dtype)")
                         del self._adapted[name]
-                        logger.warning("hicache SGLang storage: pool %r is not stored (%s); its pages are misses",
-                                       name, self._refused[name])
                         continue
                     tags[name] = tag
             namespace = namespace_for(
