@@ -247,7 +247,8 @@ class EventSubscriber:
 
     def _ask(self, start: int) -> Iterator[tuple[int, KVEventBatch]]:
         """One replay request: the batches of the answer as they come; afterwards
-        ``_answer_run`` is the run id the end marker carried (``None``: none, or no end)."""
+        ``_answer_run`` is the run id the end marker carried (``None``: none, or no end) and
+        ``_answer_ended`` whether the answer came to that marker."""
         self._answer_run = None
         self._answer_ended = False
         if self.replay_endpoint is None:
@@ -260,7 +261,6 @@ class EventSubscriber:
         replay.send_multipart((b"", start.to_bytes(8, "big")))
         # a limit on silence, not on the whole answer: a long answer, or a consumer slow with
         # each batch (the time it spends between our yields), is no dead publisher
-        ended = self._answer_ended = False
         try:
             while True:
                 if not replay.poll(int(self._replay_timeout * 1000)):
@@ -269,13 +269,13 @@ class EventSubscriber:
                 frames = replay.recv_multipart()
                 if len(frames) == 4 and frames[2] == END_SEQ:  # (b"", topic, seq, payload) until the end
                     self._answer_run = parse_run_frame(frames[1])
-                    ended = self._answer_ended = True
+                    self._answer_ended = True
                     return
                 item = self._decode(frames[1:]) if len(frames) == 4 else None
                 if item is not None:
                     yield item
         finally:
-            if not ended:  # timed out, or the caller stopped reading: the rest of this answer
+            if not self._answer_ended:  # timed out, or the caller stopped reading: the rest of this answer
                 replay.close(0)  # must not be read as the next one's
                 if self._replay is replay:
                     self._replay = None
