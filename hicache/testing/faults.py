@@ -15,8 +15,13 @@ def inject_load_faults(
 ) -> Callable[[], None]:
     """Make every layer of ``engine``'s CPU loads sleep ``delay`` seconds, then raise
     ``RuntimeError("injected load failure")`` when ``fail`` is true (or, if callable, returns
-    true for that layer). Returns a function that puts the engine back as it was."""
+    true for that layer). Returns a function that puts the engine back as it was.
+
+    A slow load is a big one: every copy then goes to the engine's copy thread, none runs on
+    the caller's thread (``inline_max_bytes`` 0 until the restore)."""
     had_own = "_load_layer" in vars(engine)
+    inline = engine.inline_max_bytes
+    engine.inline_max_bytes = 0
     inner = engine._load_layer
     should_fail = fail if callable(fail) else (lambda: bool(fail))
 
@@ -29,6 +34,7 @@ def inject_load_faults(
     engine._load_layer = layer
 
     def restore() -> None:
+        engine.inline_max_bytes = inline
         if had_own:
             engine._load_layer = inner
         else:

@@ -13,6 +13,7 @@ import torch
 from hicache.errors import CacheClosedError
 from hicache.memory import AllocatorError, CopyEngine, LayerDoneCounter
 from hicache.memory import transfer
+from hicache.memory.copy_engine import INLINE_MAX_BYTES
 from hicache.memory.spans import NATIVE_AVAILABLE
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -74,9 +75,68 @@ async def test_backup_runs_off_the_event_loop(pools):
             threads.append(threading.get_ident())
             super()._backup_cpu(plan)
 
-    async with Spy(src, host) as eng:
+    async with Spy(src, host, inline_max_bytes=0) as eng:
         await eng.backup(token_idx([1], 4), token_idx([1], 4))
     assert threads and threads[0] != threading.get_ident()
+
+
+async def test_small_copies_run_on_the_callers_thread_while_the_engine_is_idle(pools):
+    """A backup or load of at most ``inline_max_bytes`` is copied where it is asked for (a hop
+    to the copy thread costs the loop more); a bigger one goes to the copy thread. Both land
+    byte-exact."""
+    src, dst, host = pools(layers=3)
+    threads: list[tuple[str, int]] = []
+
+    class Spy(CopyEngine):
+        def _backup_cpu(self, plan):
+            threads.append(("backup", threading.get_ident()))
+            super()._backup_cpu(plan)
+
+        def _load_layer(self, plan, layer):
+            threads.append(("load", threading.get_ident()))
+            super()._load_layer(plan, layer)
+
+    here = threading.get_ident()
+    async with Spy(src, host) as eng:
+        step = eng._step_bytes
+        await eng.backup(token_idx([2, 3], 4), token_idx([6, 7], 4))
+        eng.inline_max_bytes = 2 * step - 1  # two pages are one byte too many now
+        await eng.backup(token_idx([8, 9], 4), token_idx([10, 11], 4))
+    assert [t == here for _, t in threads] == [True, False]
+    threads.clear()
+    async with Spy(dst, host) as eng:
+        handle = eng.load(token_idx([6, 7], 4), token_idx([0, 1], 4))
+        assert handle.done()  # copied before load() returned
+        eng.inline_max_bytes = 2 * eng._step_bytes - 1
+        await eng.load(token_idx([10, 11], 4), token_idx([4, 5], 4)).wait()
+    assert [t == here for _, t in threads] == [True] * 3 + [False] * 3
+    for layer in range(src.layer_num):
+        assert layer_bytes(dst, layer, [0, 1, 4, 5]) == layer_bytes(src, layer, [2, 3, 8, 9])
+
+
+async def test_a_small_copy_never_overtakes_one_queued_before_it(pools):
+    """While the copy thread has work, a small copy queues behind it (the engine is a FIFO, as
+    a CUDA stream is): it must not run on the caller's thread ahead of it."""
+    src, dst, host = pools(layers=2)
+    gate = threading.Event()
+    order: list[str] = []
+    async with CopyEngine(src, host) as eng:
+        eng._submit(lambda: (gate.wait(10), order.append("earlier")))
+        real = eng._backup_cpu
+        eng._backup_cpu = lambda plan: (order.append("small"), real(plan))  # type: ignore[method-assign]
+        task = asyncio.create_task(eng.backup(token_idx([1], 4), token_idx([3], 4)))
+        await asyncio.sleep(0.02)
+        assert not task.done() and order == []
+        gate.set()
+        await asyncio.wait_for(task, 10)
+        assert order == ["earlier", "small"]
+        # idle again: the next small copy runs at once
+        await eng.backup(token_idx([2], 4), token_idx([4], 4))
+        assert order == ["earlier", "small", "small"]
+    async with CopyEngine(dst, host) as eng:
+        await eng.load(token_idx([3, 4], 4), token_idx([7, 8], 4)).wait()
+    for layer in range(src.layer_num):
+        assert layer_bytes(dst, layer, [7, 8]) == layer_bytes(src, layer, [1, 2])
 
 
 async def test_layer_wise_load_never_exposes_a_layer_early(pools):
@@ -95,7 +155,7 @@ async def test_layer_wise_load_never_exposes_a_layer_early(pools):
             copied.append(layer)
 
     sentinel_layer = bytes([DEVICE_SENTINEL]) * len(layer_bytes(src, 0, [2, 3, 8]))
-    async with Gated(dst, host) as eng:
+    async with Gated(dst, host, inline_max_bytes=0) as eng:
         handle = eng.load(token_idx([4, 5, 6], 4), token_idx([0, 1, 9], 4))
         for i in range(src.layer_num):
             waiter = asyncio.create_task(handle.counter.wait(i))
@@ -127,7 +187,7 @@ async def test_many_consumers_see_complete_layers(pools):
 
     seen_bad: list[int] = []
 
-    async with Slow(dst, host) as eng:
+    async with Slow(dst, host, inline_max_bytes=0) as eng:
         handle = eng.load(token_idx(pages_h, 4), token_idx(pages_t, 4))
 
         async def consumer(i: int) -> None:
@@ -149,7 +209,8 @@ async def test_many_consumers_see_complete_layers(pools):
     assert seen_bad == []
 
 
-async def test_load_failure_reaches_waiters(pools):
+@pytest.mark.parametrize("inline_max_bytes", [0, INLINE_MAX_BYTES], ids=["thread", "caller"])
+async def test_load_failure_reaches_waiters(pools, inline_max_bytes):
     src, dst, host = pools(layers=4)
 
     class Broken(CopyEngine):
@@ -158,7 +219,7 @@ async def test_load_failure_reaches_waiters(pools):
                 raise RuntimeError("DMA exploded")
             super()._load_layer(plan, layer)
 
-    async with Broken(dst, host) as eng:
+    async with Broken(dst, host, inline_max_bytes=inline_max_bytes) as eng:
         handle = eng.load(token_idx([0], 4), token_idx([0], 4))
         await handle.counter.wait(1)
         with pytest.raises(RuntimeError, match="DMA exploded"):
@@ -180,7 +241,7 @@ async def test_cancelled_backup_waits_for_the_copy(pools):
             super()._backup_cpu(plan)
             finished.set()
 
-    async with Gated(src, host) as eng:
+    async with Gated(src, host, inline_max_bytes=0) as eng:
         task = asyncio.create_task(eng.backup(token_idx([5], 4), token_idx([2], 4)))
         await asyncio.sleep(0.01)
         task.cancel()
@@ -223,7 +284,7 @@ async def test_a_close_on_another_thread_mid_submit_is_a_closed_error(pools):
     :class:`CacheClosedError`, as a call after the close does (it was a bare RuntimeError)."""
     src, _, host = pools()
     for call in ("backup", "load"):
-        eng = CopyEngine(src, host)
+        eng = CopyEngine(src, host, inline_max_bytes=0)
         real_submit = eng._executor.submit
 
         def submit_after_close(*args, _real=real_submit, _eng=eng):  # type: ignore[no-untyped-def]
@@ -383,7 +444,8 @@ def test_numpy_run_choice():
 
 
 async def test_numpy_copies_run_off_the_loop(monkeypatch, pools):
-    """The numpy run path runs on the engine's thread, never the event loop's."""
+    """The numpy run path, for copies sent to the engine's thread, runs there, never on the
+    event loop's."""
     seen: list[int] = []
     orig = transfer.copy_runs_np
 
@@ -393,9 +455,9 @@ async def test_numpy_copies_run_off_the_loop(monkeypatch, pools):
 
     monkeypatch.setattr("hicache.memory.copy_engine.copy_runs_np", spy)
     src, dst, host = pools("cpu", "page_first")
-    async with CopyEngine(src, host, native=False) as eng:
+    async with CopyEngine(src, host, native=False, inline_max_bytes=0) as eng:
         await eng.backup(token_idx([1, 3], 4), token_idx([2, 5], 4))
-    async with CopyEngine(dst, host, native=False) as eng:
+    async with CopyEngine(dst, host, native=False, inline_max_bytes=0) as eng:
         await eng.load(token_idx([2, 5], 4), token_idx([0, 9], 4)).wait()
     assert seen and threading.get_ident() not in seen
     for layer in range(src.layer_num):
@@ -447,7 +509,7 @@ def test_split_copy_is_byte_exact_and_close_stops_its_thread(
         return [th for th in threading.enumerate() if th.name.startswith("hicache-copy-split")]
 
     before = set(split_threads())
-    eng = CopyEngine(src, host, native=False)
+    eng = CopyEngine(src, host, native=False, inline_max_bytes=0)
     eng.backup_sync(token_idx(d, ps), token_idx(h, ps))
     assert {name.split("_")[0] for name, _ in calls} == {"hicache-copy", "hicache-copy-split"}
     assert sorted(u for _, runs in calls for s, _, k in runs for u in range(s, s + k)) == sorted(d)
@@ -463,7 +525,7 @@ def test_split_copy_is_byte_exact_and_close_stops_its_thread(
         else:
             assert bool((page == 0xAB).all())
     calls.clear()
-    with CopyEngine(dst, host, native=False) as eng2:
+    with CopyEngine(dst, host, native=False, inline_max_bytes=0) as eng2:
         handle = eng2.load(token_idx(h, ps), token_idx(t, ps))
         handle.wait_sync()
         assert handle.done()
