@@ -336,12 +336,14 @@ async def test_a_clear_racing_writes_and_deletes_removes_every_page(tmp_path: An
 
 
 async def test_a_clear_removes_the_temporary_file_of_a_writer_that_died(tmp_path: Any) -> None:
-    """A local writer killed mid-write leaves ``<page>.<pid>-<n>.tmp``; a clear spares the
-    temporary files of live writers (removing one fails that write) but not a dead one's,
+    """A local writer killed mid-write leaves ``<page>.<pid>-<n>.<machine>.tmp``; a clear spares
+    the temporary files of live writers (removing one fails that write) but not a dead one's,
     which would otherwise stay on disk for good."""
     import os
     import subprocess
     import sys
+
+    from hicache_backends.writers import MACHINE_HEX
 
     store = create_async_storage(
         "fsspec", None, url=f"file://{tmp_path}/store", storage_options={"auto_mkdir": True}, namespace=NS_A
@@ -351,14 +353,63 @@ async def test_a_clear_removes_the_temporary_file_of_a_writer_that_died(tmp_path
         page = store.names.page("k", "kv").removeprefix("file://")
         dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
                               text=True, check=True)
-        stale = f"{page}.{int(dead.stdout)}-0.tmp"  # its writer exited
-        live = f"{page}.{os.getpid()}-999.tmp"  # a write of this process, in flight
+        stale = f"{page}.{int(dead.stdout)}-0.{MACHINE_HEX}.tmp"  # its writer exited
+        live = f"{page}.{os.getpid()}-999.{MACHINE_HEX}.tmp"  # a write of this process, in flight
         for path in (stale, live):
             with open(path, "wb") as f:
                 f.write(b"x")
         assert await store.clear()
         assert not os.path.exists(stale) and os.path.exists(live)
         os.unlink(live)
+
+
+async def test_a_clear_judges_a_writer_by_its_pid_only_on_its_own_machine(tmp_path: Any) -> None:
+    """A root on a shared mount: a writer in another container or on another machine has pids
+    of its own. A clear judged every temporary file by its pid alone, so it deleted the file of
+    a remote write in flight whose pid number no local process had, and kept for good a dead
+    remote writer's file whose pid a local process happened to have. Like the file store's
+    sweep, a clear judges a writer by its pid only on its own machine (the name carries it);
+    any other temporary file (another machine's, or one named before machines were) goes by
+    its age alone."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from hicache_backends.writers import MACHINE, MACHINE_HEX
+
+    store = create_async_storage(
+        "fsspec", None, url=f"file://{tmp_path}/store", storage_options={"auto_mkdir": True}, namespace=NS_A
+    )
+    elsewhere_hex = (MACHINE ^ 1).to_bytes(8, "little", signed=True).hex()
+    async with store:
+        assert await store.set("k", torch.ones(8))
+        page = store.names.page("k", "kv").removeprefix("file://")
+        dead = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                                  text=True, check=True).stdout)
+        alive = os.getppid()  # a live process of this machine, not this one
+        kept = {
+            "ours in flight": f"{page}.{os.getpid()}-999.{MACHINE_HEX}.tmp",
+            "another machine's, its pid dead here": f"{page}.{dead}-0.{elsewhere_hex}.tmp",
+            "unnamed machine, its pid dead here": f"{page}.{dead}-1.tmp",
+        }
+        removed = {
+            "a dead writer's of this machine": f"{page}.{dead}-2.{MACHINE_HEX}.tmp",
+            "another machine's, a week old, its pid alive here": f"{page}.{alive}-3.{elsewhere_hex}.tmp",
+            "unnamed machine, a week old, its pid alive here": f"{page}.{alive}-4.tmp",
+        }
+        for path in (*kept.values(), *removed.values()):
+            with open(path, "wb") as f:
+                f.write(b"x")
+        long_ago = time.time() - 7 * 24 * 3600
+        for what in ("another machine's, a week old, its pid alive here",
+                     "unnamed machine, a week old, its pid alive here"):
+            os.utime(removed[what], (long_ago, long_ago))
+        assert await store.clear()
+        assert [what for what, path in kept.items() if not os.path.exists(path)] == []
+        assert [what for what, path in removed.items() if os.path.exists(path)] == []
+        for path in kept.values():
+            os.unlink(path)
 
 
 async def test_a_store_written_from_another_loop_waits_for_its_index_writes_safely() -> None:

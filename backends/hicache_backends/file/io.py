@@ -37,7 +37,7 @@ from hicache.storage.page_format import PageCodec, PageHeader, Verdict, checksum
 from hicache.storage.segments import RUN_BYTES, PageSegments, StridedPiece, bounce, io_runs
 from hicache.storage.staging import PoolPage, StagedPage
 
-from hicache_backends.file.locks import MACHINE, pid_alive
+from hicache_backends.file.locks import pid_alive
 from hicache_backends.file.layout import (
     FOOTER_LEN,
     ID_LEN,
@@ -48,6 +48,7 @@ from hicache_backends.file.layout import (
     encode_footer,
     parse_tmp_name,
 )
+from hicache_backends.writers import tmp_abandoned
 
 __all__ = [
     "PartialScan",
@@ -959,12 +960,7 @@ def scan_subdir(path: str, stale_tmp_seconds: float) -> tuple[list[ScanEntry], i
                     parsed = parse_tmp_name(name)
                     if parsed is None:
                         continue
-                    writer, machine = parsed
-                    if machine == MACHINE and writer != os.getpid() and not pid_alive(writer):
-                        stale = True  # its writer, of this machine and PID namespace, is dead
-                    else:
-                        stale = now - e.stat(follow_symlinks=False).st_mtime > stale_tmp_seconds
-                    if stale:
+                    if tmp_abandoned(e.path, *parsed, stale_tmp_seconds, now):
                         os.unlink(e.path)
                         removed += 1
             except FileNotFoundError:

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import xxhash
 
 from hicache.storage.page_format import PageCodec
-from hicache_backends.file.locks import MACHINE
+from hicache_backends.writers import MACHINE_HEX, parse_machine
 
 __all__ = [
     "FOOTER_LEN",
@@ -103,11 +103,11 @@ def decode_footer(data: bytes | bytearray | memoryview) -> Footer | None:
     return Footer(raw.hex() if flags & _HAS_PARENT else None)
 
 
-_MACHINE_HEX = MACHINE.to_bytes(8, "little", signed=True).hex()
+_MACHINE_HEX = MACHINE_HEX  # the name this module had for it
 
 
 def parse_tmp_name(name: str) -> tuple[int, int | None] | None:
-    """The writer's pid and machine (see ``locks.MACHINE``; ``None`` in names from before it
+    """The writer's pid and machine (see ``hicache_backends.writers``; ``None`` in names from before it
     was written there) of a temporary file name, or ``None`` if ``name`` is not one of ours."""
     if not (name.startswith(".") and name.endswith(TMP_SUFFIX)):
         return None
@@ -116,9 +116,8 @@ def parse_tmp_name(name: str) -> tuple[int, int | None] | None:
         return None
     machine = None
     if len(parts) == 4:
-        try:
-            machine = int.from_bytes(bytes.fromhex(parts[3]), "little", signed=True)
-        except ValueError:
+        machine = parse_machine(parts[3])
+        if machine is None:
             return None
     return int(parts[1]), machine
 

@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import hashlib
 import os
 import stat
 import time
 
-__all__ = ["LOCK_PATIENCE", "SharedFile", "flock_within", "pid_alive"]
+# who a lock holder or writer is, shared with the fsspec backend; imported from here too
+from hicache_backends.writers import MACHINE, machine_id, pid_alive
+
+__all__ = ["LOCK_PATIENCE", "MACHINE", "SharedFile", "flock_within", "machine_id", "pid_alive"]
 
 LOCK_PATIENCE = 0.5  # seconds to wait for a lock before answering "unavailable"
 _O_FLAGS = os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
@@ -41,39 +43,6 @@ def flock_within(fd: int, op: int, patience: float = LOCK_PATIENCE) -> None:
                 raise TimeoutError(f"lock held by another process for over {patience} s") from None
             time.sleep(pause)
             pause = min(pause * 2, 0.02)
-
-
-def machine_id() -> int:
-    """This machine (and PID namespace): whose pids this process may test for life. Another
-    machine sharing the root (NFS), or a container in another PID namespace, is never judged."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
-            parts = [f.read().strip()]
-    except OSError:
-        parts = [os.uname().nodename]
-    try:
-        parts.append(str(os.stat("/proc/self/ns/pid").st_ino))
-    except OSError:
-        pass
-    digest = hashlib.blake2b("|".join(parts).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little", signed=True) or 1
-
-
-#: this machine and PID namespace (see :func:`machine_id`)
-MACHINE = machine_id()
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether process ``pid`` of this machine may still be alive (``False`` only when it
-    surely is gone: another user's process, or one the kernel will not tell about, counts as
-    alive, so nobody takes over what it holds)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:
-        return True
-    return True
 
 
 class SharedFile:

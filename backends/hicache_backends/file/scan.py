@@ -27,12 +27,13 @@ from hicache_backends.file.layout import NamespaceLayout
 from hicache_backends.file.ledger import Usage
 from hicache_backends.file.pins import PagePins
 from hicache_backends.file.space import SpaceAccountant
+from hicache_backends.writers import STALE_TMP_SECONDS
 
 __all__ = ["IndexScanner"]
 
 logger = logging.getLogger("hicache.storage.file")
 
-_STALE_TMP_SECONDS = 3600.0
+_STALE_TMP_SECONDS = STALE_TMP_SECONDS
 _RESCAN_SECONDS = 5.0  # at least this long between rescans for pages other processes wrote
 
 

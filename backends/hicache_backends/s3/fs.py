@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 from hicache.storage.offload import OFFLOAD_MIN_BYTES, run_to_completion
-from hicache_backends.file.locks import pid_alive
 from hicache_backends.s3.bodies import BodyBuffers
+from hicache_backends.writers import MACHINE_HEX, parse_machine, tmp_abandoned
 
 if TYPE_CHECKING:  # botocore is there only with s3fs; the fsspec backend works without it
     from hicache_backends.s3.direct import Route
@@ -402,7 +402,7 @@ def _put_local(path: str, data: bytes | bytearray) -> None:
     truncates and writes in place, so a reader saw a partial page (and, judging it corrupt,
     deleted it while the writer went on to report success); its folder is made as needed."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    tmp = f"{path}.{os.getpid()}-{next(_tmp_serial)}.tmp"
+    tmp = f"{path}.{os.getpid()}-{next(_tmp_serial)}.{MACHINE_HEX}.tmp"  # whose: see _in_flight
     try:
         with open(tmp, "wb") as f:
             f.write(data)
@@ -490,16 +490,31 @@ def _not_in_flight(files: list[str]) -> list[str]:
     """A listing without the temporary files of local writes in flight (:func:`_put_local`
     renames them into place: removing one fails that write, not a page). A temporary file of
     a writer that is gone (killed mid-write) is removed like any other file."""
-    return [f for f in files if not (f.endswith(".tmp") and _writer_alive(f))]
+    return [f for f in files if not (f.endswith(".tmp") and _in_flight(f))]
 
 
-def _writer_alive(tmp: str) -> bool:
-    """Whether the process named in ``<page>.<pid>-<n>.tmp`` runs on this machine."""
+def _in_flight(tmp: str) -> bool:
+    """Whether ``<page>.<pid>-<n>.<machine>.tmp`` (``<page>.<pid>-<n>.tmp`` before names
+    carried the machine) may be a write still going on. The file store's rule
+    (:func:`hicache_backends.writers.tmp_abandoned`): a ``file://`` root may be a shared mount,
+    and a writer in another container or on another machine has pids of its own, so its pid
+    is judged only on its own machine; any other writer's file goes by its age alone. A name
+    not of this form is no write of ours."""
+    parts = tmp[: -len(".tmp")].rsplit(".", 2)
+    machine = None
+    if len(parts) == 3 and "-" not in parts[2]:
+        machine = parse_machine(parts[2])
+        if machine is None:
+            return False
+        parts.pop()
     try:
-        pid = int(tmp[: -len(".tmp")].rsplit(".", 1)[1].split("-", 1)[0])
+        pid = int(parts[-1].split("-", 1)[0])
     except (IndexError, ValueError):
         return False
-    return pid == os.getpid() or pid_alive(pid)
+    try:
+        return not tmp_abandoned(tmp, pid, machine)
+    except OSError:  # gone meanwhile (renamed into place) or not a local file: nothing to spare
+        return False
 
 
 def _removed_all(prefix: str, files: list[str], failed: set[str]) -> int:
