@@ -12,7 +12,17 @@ recompute baseline) is an :class:`InstanceMetrics` that takes a label value from
 :func:`next_instance_label` (``"0"``, ``"1"``, ... in creation order in the process, or a name
 its creator gives) and binds its own children under it. :meth:`InstanceMetrics.close` (or the
 owner's garbage collection) removes its children, so a process that opens and closes many caches
-does not grow its registry or its scrape. In multi-process mode every worker's first cache is
+does not grow its registry or its scrape.
+
+**Owners sharing a label.** Two owners given one label (two caches of one name, a cache replaced
+by a new one of the same name before the old one closed, an app built twice on one cache) write
+one series per family and labels: counters add up, a gauge shows the last value set. Each
+series is counted per owner writing it and leaves with the last of them (the first to close
+used to remove the series of the one still running). Why not a label made unique instead
+("prod-1"): a name is given to keep a dashboard row, and a replacement must continue that row
+(and the rates over it), not start another. Owners that share a label but write different
+families (the server's ``hicache_server_*`` beside its cache's) share no series; the first
+owner that does share one says so in the log. In multi-process mode every worker's first cache is
 ``"0"``, so one scrape sums the workers' counters and histograms per label set, which is what a
 dashboard of a deployment wants.
 
@@ -93,6 +103,8 @@ _labels = itertools.count()
 _live: weakref.WeakSet[InstanceMetrics] = weakref.WeakSet()
 _atexit_done = False
 _pending: collections.deque[dict[MetricWrapperBase, set[tuple[str, ...]]]] = collections.deque()
+# (family, label values) -> live owners writing that series (see "Owners sharing a label")
+_holders: dict[tuple[MetricWrapperBase, tuple[str, ...]], int] = {}
 
 
 def multiprocess_dir() -> str | None:
@@ -276,13 +288,25 @@ def _unbind_pending() -> None:
 
 
 def _unbind(used: dict[MetricWrapperBase, set[tuple[str, ...]]]) -> None:
-    for family, label_sets in list(used.items()):
-        for values in list(label_sets):
-            try:
-                family.remove(*values)
-            except KeyError:
-                pass
-    used.clear()
+    """Release one owner's series: each leaves the registry with the last owner writing it."""
+    with _lock:  # against another owner taking the series between the count and the removal
+        for family, label_sets in list(used.items()):
+            for values in list(label_sets):
+                key = (family, values)
+                left = _holders.pop(key, 1) - 1
+                if left > 0:
+                    _holders[key] = left
+                    continue
+                try:
+                    family.remove(*values)
+                except KeyError:
+                    pass
+        used.clear()
+
+
+def _shared(family: MetricWrapperBase, values: tuple[str, ...]) -> bool:
+    with _lock:
+        return _holders.get((family, values), 0) > 1
 
 
 class _Dropped:
@@ -325,6 +349,7 @@ class InstanceMetrics:
         self._deferred = False  # a refresh at the end of the throttle window is queued
         self._refresh_lock = threading.RLock()  # a gauge function that scrapes must not deadlock
         self._closed = False
+        self._told_shared = False  # logged that a series of this label has another owner
         if self._multiprocess:
             path = multiprocess_dir() or ""
             if not os.path.isdir(path):
@@ -359,8 +384,19 @@ class InstanceMetrics:
             return _DROPPED
         family = self._family(kind, name, doc or name.replace("_", " "), [k for k, _ in items], **kw)
         values = (self.label, *(str(v) for _, v in items))
-        have = family.labels(*values)
-        self._used.setdefault(family, set()).add(values)
+        with _lock:  # the count and the child together: a close of another owner releases both
+            if self._closed:  # closed meanwhile: its series were released, add none back
+                return _DROPPED
+            have = family.labels(*values)
+            used = self._used.setdefault(family, set())
+            if values not in used:
+                used.add(values)
+                holders = _holders[(family, values)] = _holders.get((family, values), 0) + 1
+                if holders > 1 and not self._told_shared:
+                    self._told_shared = True
+                    logger.info("metrics: cache label %r is written by another live owner too (%s): their series are "
+                                "one (counters add up, a gauge shows the last value set); each stays until the last "
+                                "owner writing it closes", self.label, family._name)
         self._children[key] = have
         return have
 
@@ -482,6 +518,8 @@ class InstanceMetrics:
                 continue
             value = math.inf if mode.endswith("min") else -math.inf if mode.endswith("max") else 0.0
             for values in label_sets:
+                if _shared(family, values):  # another live owner writes it: its value stands
+                    continue
                 try:
                     family.labels(*values).set(value)
                 except Exception:  # noqa: BLE001 - closing must not fail on one series

@@ -102,6 +102,46 @@ def test_metrics_snapshot_and_prometheus_text() -> None:
     other.close()
 
 
+def test_metrics_owners_sharing_a_label_keep_each_others_series() -> None:
+    """Two owners under one ``cache`` label (two caches given one name, a cache replaced by a
+    new one of the same name before the old closed, an app built twice on one cache) write the
+    same series. The first to close removed them: the one still running vanished from the
+    scrape though it went on counting. A series now leaves with the last owner writing it;
+    until then the label is one row (counters add up, never reset)."""
+    from hicache.observability.metrics import exposition_text
+    from hicache.server.metrics import ServerMetrics
+
+    label = f"prod-{uuid.uuid4().hex[:8]}"
+    old, new = ControllerMetrics(label), ControllerMetrics(label)
+    old.hit("host", 3)
+    new.hit("host", 4)
+    new.gauge("backup_queue_depth", lambda: 7)
+    old.close()
+    scrape = Scrape(new.prometheus_text())
+    assert scrape.value("hicache_hit_tokens_total", tier="host", cache=label) == 7
+    assert scrape.value("hicache_backup_failures_total", cache=label) == 0
+    assert scrape.value("hicache_backup_queue_depth", cache=label) == 7
+    new.hit("host", 1)
+    assert Scrape(new.prometheus_text()).value("hicache_hit_tokens_total", tier="host", cache=label) == 8
+    # an owner collected without close releases its share the same way
+    third = ControllerMetrics(label)
+    del third
+    gc.collect()
+    assert Scrape(exposition_text()).value("hicache_hit_tokens_total", tier="host", cache=label) == 8
+    # the server's families under its cache's label: two apps on one cache, the first shut down
+    first, second = ServerMetrics(label), ServerMetrics(label)
+    second.requests["ok"] += 2
+    first.close()
+    scrape = Scrape(exposition_text())
+    assert scrape.value("hicache_server_requests_total", outcome="ok", cache=label) == 2
+    assert scrape.value("hicache_hit_tokens_total", tier="host", cache=label) == 8
+    second.close()
+    new.close()
+    scrape = Scrape(exposition_text())
+    assert scrape.select("hicache_hit_tokens_total", cache=label) == []
+    assert scrape.select("hicache_server_requests_total", cache=label) == []
+
+
 async def test_backup_queue_backpressure() -> None:
     stack, _ = make(storage=False, backup_queue_size=1)
     cache = stack.cache

@@ -206,6 +206,35 @@ def test_a_closed_cache_leaves_neutral_gauges(tmp_path: Path) -> None:
     assert got["up"] == [1.0] and "storage: up" in got["line"]
 
 
+_SHARED_LABEL = r'''
+import sys
+from hicache.observability.metrics import InstanceMetrics
+old, new = InstanceMetrics("prod"), InstanceMetrics("prod")
+for owner in (old, new):
+    owner.gauge("pages_in_use", lambda: 5)
+    owner.refresh()
+old.close()  # its final refresh, then its gauges neutral; the series is the live owner's too
+print("ready", flush=True)
+sys.stdin.readline()
+new.close()
+'''
+
+
+def test_a_closed_owner_leaves_a_gauge_it_shares_with_a_live_one(tmp_path: Path) -> None:
+    """Two owners of one ``cache`` label write one gauge series; the first to close set it to
+    its neutral 0 though the other still ran: a scrape from another process read 0 until the
+    live owner's next update."""
+    mp_dir = tmp_path / "prom"
+    mp_dir.mkdir()
+    proc = subprocess.Popen([sys.executable, "-c", _SHARED_LABEL], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True, env=_env(mp_dir))
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        assert _scrape(mp_dir).value("hicache_pages_in_use", cache="prod") == 5.0
+    finally:
+        _stop(proc)
+
+
 def test_store_wide_figures_are_not_summed_over_workers(tmp_path: Path) -> None:
     """Two workers on one file store each report the whole store's pages and bytes: the scrape
     shows the store once (the largest report), not twice."""
