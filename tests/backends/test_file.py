@@ -164,10 +164,10 @@ async def test_stale_temp_files_are_removed_at_open(tmp_path) -> None:
         sub = os.path.dirname(page_path(tmp_path, store.namespace.digest, "k"))
     proc = subprocess.Popen(["true"])
     proc.wait()
-    from hicache_backends.file.layout import _MACHINE_HEX
+    from hicache_backends.writers import MACHINE_HEX
 
-    dead_tmp = os.path.join(sub, f".{'0' * 32}.{proc.pid}.0.{_MACHINE_HEX}.tmp")
-    live_tmp = os.path.join(sub, f".{'0' * 32}.{os.getpid()}.99.{_MACHINE_HEX}.tmp")
+    dead_tmp = os.path.join(sub, f".{'0' * 32}.{proc.pid}.0.{MACHINE_HEX}.tmp")
+    live_tmp = os.path.join(sub, f".{'0' * 32}.{os.getpid()}.99.{MACHINE_HEX}.tmp")
     # a writer in another container sharing the root: its pid means nothing here (it may be
     # writing now), so its file goes by age alone; so does one named before machines were
     elsewhere = os.path.join(sub, f".{'1' * 32}.{proc.pid}.0.{'ab' * 8}.tmp")

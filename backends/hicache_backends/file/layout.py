@@ -103,12 +103,10 @@ def decode_footer(data: bytes | bytearray | memoryview) -> Footer | None:
     return Footer(raw.hex() if flags & _HAS_PARENT else None)
 
 
-_MACHINE_HEX = MACHINE_HEX  # the name this module had for it
-
-
 def parse_tmp_name(name: str) -> tuple[int, int | None] | None:
-    """The writer's pid and machine (see ``hicache_backends.writers``; ``None`` in names from before it
-    was written there) of a temporary file name, or ``None`` if ``name`` is not one of ours."""
+    """The writer's pid and machine (see :mod:`hicache_backends.writers`; ``None`` in names
+    from before it was written there) of a temporary file name, or ``None`` if ``name`` is not
+    one of ours."""
     if not (name.startswith(".") and name.endswith(TMP_SUFFIX)):
         return None
     parts = name[1 : -len(TMP_SUFFIX)].split(".")
@@ -144,7 +142,7 @@ class NamespaceLayout:
         naming its writer: pid and machine, so that only a process of the same machine and
         PID namespace judges the writer dead by its pid (a container that shares the root
         has pids of its own)."""
-        return os.path.join(self.pages_dir, pid[:2], f".{pid}.{os.getpid()}.{serial}.{_MACHINE_HEX}{TMP_SUFFIX}")
+        return os.path.join(self.pages_dir, pid[:2], f".{pid}.{os.getpid()}.{serial}.{MACHINE_HEX}{TMP_SUFFIX}")
 
     @staticmethod
     def header_len(key: str, pool: str) -> int:

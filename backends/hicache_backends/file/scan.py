@@ -33,7 +33,6 @@ __all__ = ["IndexScanner"]
 
 logger = logging.getLogger("hicache.storage.file")
 
-_STALE_TMP_SECONDS = STALE_TMP_SECONDS
 _RESCAN_SECONDS = 5.0  # at least this long between rescans for pages other processes wrote
 
 
@@ -172,7 +171,7 @@ class IndexScanner:
             for subdir in subdirs:
                 try:
                     entries, removed, torn = await loop.run_in_executor(
-                        self._executor, page_io.scan_subdir, subdir, _STALE_TMP_SECONDS
+                        self._executor, page_io.scan_subdir, subdir, STALE_TMP_SECONDS
                     )
                 except asyncio.CancelledError:
                     raise
