@@ -37,7 +37,6 @@ from hicache.storage.page_format import PageCodec, PageHeader, Verdict, checksum
 from hicache.storage.segments import RUN_BYTES, PageSegments, StridedPiece, bounce, io_runs
 from hicache.storage.staging import PoolPage, StagedPage
 
-from hicache_backends.file.locks import pid_alive
 from hicache_backends.file.layout import (
     FOOTER_LEN,
     ID_LEN,
@@ -48,7 +47,7 @@ from hicache_backends.file.layout import (
     encode_footer,
     parse_tmp_name,
 )
-from hicache_backends.writers import tmp_abandoned
+from hicache_backends.writers import pid_alive, tmp_abandoned
 
 __all__ = [
     "PartialScan",

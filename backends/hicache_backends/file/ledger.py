@@ -46,7 +46,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from hicache_backends.file.locks import MACHINE, SharedFile, flock_within, pid_alive
+from hicache_backends.file.locks import SharedFile, flock_within
+from hicache_backends.writers import MACHINE, pid_alive
 
 __all__ = ["LEDGER_NAME", "USERS_NAME", "Usage", "UsageLedger", "read_usage"]
 

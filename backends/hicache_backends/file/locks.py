@@ -20,10 +20,7 @@ import os
 import stat
 import time
 
-# who a lock holder or writer is, shared with the fsspec backend; imported from here too
-from hicache_backends.writers import MACHINE, machine_id, pid_alive
-
-__all__ = ["LOCK_PATIENCE", "MACHINE", "SharedFile", "flock_within", "machine_id", "pid_alive"]
+__all__ = ["LOCK_PATIENCE", "SharedFile", "flock_within"]
 
 LOCK_PATIENCE = 0.5  # seconds to wait for a lock before answering "unavailable"
 _O_FLAGS = os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
