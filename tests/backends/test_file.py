@@ -705,6 +705,32 @@ async def test_opening_scan_floor_leaves_out_a_page_deleted_while_it_waits(tmp_p
         go_floor.set()
 
 
+async def test_delete_removes_a_page_another_process_wrote_that_the_index_has_not_seen(tmp_path) -> None:
+    """A page written by another store on the root after this one indexed the namespace is on
+    disk but not in this store's index: a delete answered False and left it there (and in the
+    shared count). It is removed, answered True, and its bytes leave the shared count once."""
+    a = make_store(tmp_path, max_bytes=1 << 20)
+    b = make_store(tmp_path, max_bytes=1 << 20)
+    ledger = os.path.join(a.layout.ns_dir, LEDGER_NAME)
+    async with a, b:
+        await a.wait_index_ready()
+        await b.wait_index_ready()
+        assert await b.set("k", v0(64, 1))
+        assert await b.set("kept", v0(64, 2))
+        path = page_path(tmp_path, a.namespace.digest, "k")
+        size = os.path.getsize(path)
+        assert page_id("k", "kv") not in a.index  # only on disk, as far as a knows
+        used = read_usage(ledger).used
+        assert await a.batch_delete(["k", "never-written"]) == [True, False]
+        assert not os.path.exists(path)
+        assert read_usage(ledger).used == used - size
+        assert a.index.nbytes == 0  # nothing of it was indexed, nothing leaves the index
+        assert a.get_stats()["deleted_pages"] == 1
+        assert await a.batch_delete(["k"]) == [False]  # gone now: a clean miss
+        assert read_usage(ledger).used == used - size
+        assert await b.exists("kept") and await a.exists("kept")
+
+
 def _page_files(root) -> int:  # type: ignore[no-untyped-def]
     return sum(f.endswith(".page") for _, _, fs in os.walk(root) for f in fs)
 

@@ -378,15 +378,33 @@ class FileStorage(AsyncHiCacheStorage):
     async def _delete(self, pages: Sequence[PageKey]) -> list[bool]:
         """Evictions a placement policy chose. A page being read or written is kept (``False``),
         as the store's own eviction keeps it; the others are forgotten before their unlink so a
-        concurrent lookup never answers present for a page on its way out."""
+        concurrent lookup never answers present for a page on its way out.
+
+        A page the index does not know is looked for on disk, as a lookup looks for it
+        (:meth:`_exists`): another process sharing the root may have written it since this
+        store's scan, or the scan has not reached it yet. Answered ``False`` and left there,
+        it stayed on disk and in the shared count although the caller was told nothing of it,
+        and the next lookup found and adopted it. It is removed like an indexed page: its
+        writer counted it in the shared ledger, and the unlink gives its bytes back there."""
         ids = [page_id(p.key, p.pool) for p in pages]
+        busy, deleting = self._pins.busy, self._pins.deleting  # (changed in place, never replaced)
+        on_disk: dict[str, int] = {}
+        unknown = [pid for pid in dict.fromkeys(ids) if not (pid in self.index or pid in busy or pid in deleting)]
+        if unknown and (self.shared or not self.index_ready):
+            assert self._layout is not None
+            paths = [(self._layout.path(pid),) for pid in unknown]
+            sizes = await self._threads.run_chunked(page_io.probe_removable, paths)
+            on_disk = {pid: size for pid, size in zip(unknown, sizes) if size is not None}
+        # from here on one loop step: the pins and the index as they are after the probe
         doomed: dict[str, int] = {}
         for pid in ids:
-            if pid in doomed or pid in self._pins.busy or pid in self._pins.deleting:
+            if pid in doomed or pid in busy or pid in deleting:
                 continue
             entry = self.index.get(pid)
             if entry is not None:
                 doomed[pid] = entry.size
+            elif pid in on_disk:
+                doomed[pid] = on_disk[pid]
         if not doomed:
             return [False] * len(ids)
         for pid in doomed:

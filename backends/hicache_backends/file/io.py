@@ -64,6 +64,7 @@ __all__ = [
     "payload_checksum",
     "prepare_namespace",
     "probe_page",
+    "probe_removable",
     "read_page_bytes",
     "read_page_into",
     "read_small_file",
@@ -550,6 +551,16 @@ def probe_page(path: str) -> ReadResult:
     if foot is None:  # torn: a miss (a read of it would delete it as corrupt)
         return ReadResult(ReadStatus.MISSING)
     return ReadResult(ReadStatus.OK, st.st_size, foot.parent, max(st.st_mtime, st.st_atime))
+
+
+def probe_removable(path: str) -> int | None:
+    """The size of the page file at ``path`` when a delete may remove it: a whole page, as
+    :func:`probe_page` finds one, in folders that are no symbolic links (a folder swapped for
+    a link leads outside the root: nothing there is ours to delete). ``None`` otherwise."""
+    found = probe_page(path)
+    if found.status is not ReadStatus.OK or linked_folder(path) is not None:
+        return None
+    return found.size
 
 
 # ---------------------------------------------------------------------- writes
