@@ -109,10 +109,12 @@ def test_journal_is_bounded_skips_its_own_and_malformed_lines(tmp_path: Path) ->
     ours.append_removed([("mine", "kv")], "evicted")
     with open(tmp_path / JOURNAL_NAME, "ab") as f:
         f.write(b"not json\n[1,2]\n" + json.dumps({"w": "x", "rm": [["a", "kv"]]}).encode() + b"\n{\"w\": \"x\", \"rm\"")
-    got = theirs.poll()
-    assert [r.pages for r in got] == [(("mine", "kv"),), (("a", "kv"),)]  # not its own lines
+    got = theirs.poll()  # many rotations behind (it never read): that much is known
+    assert [r.missed for r in got] == [True, False, False] and theirs.missed_files == 1
+    assert [r.pages for r in got[1:]] == [(("mine", "kv"),), (("a", "kv"),)]  # not its own lines
     got = ours.poll()
     assert [r.pages for r in got] == [(("a", "kv"),)] and ours.malformed_lines == 2
+    assert ours.missed_files == 0
     with open(tmp_path / JOURNAL_NAME, "ab") as f:
         f.write(b": [[\"b\", \"kv\"]]}\n")  # the torn last line completes later
     assert [r.pages for r in ours.poll()] == [(("b", "kv"),)]
@@ -280,3 +282,79 @@ async def test_a_journal_line_no_store_could_write_is_skipped_and_the_tail_goes_
         assert await b.batch_delete(keys) == [True] * 4
         assert await wait_for(lambda: a.get_stats().get("peer_removed_pages") == 4)
         assert not a._peers._task.done()
+
+
+def test_a_line_appended_to_the_old_file_while_the_reader_moves_on_is_read(tmp_path: Path) -> None:
+    """A poll reads its file to the end, then looks whether the journal was rotated. A line
+    appended to the old file between the two (and the file rotated by the next append) was
+    never read: the reader saw the new file and left the old one without reading it again."""
+    reader = RemovalJournal(str(tmp_path), max_bytes=1)
+    writer = RemovalJournal(str(tmp_path), max_bytes=1)
+    read_lines = reader._read_lines
+    calls = 0
+
+    def read_then_another_process_appends(out):  # type: ignore[no-untyped-def]
+        nonlocal calls
+        read_lines(out)
+        calls += 1
+        if calls == 1:  # the reader has read the old file to its end
+            writer.append_removed([("old", "kv")], "evicted")  # into the old file (empty: not rotated)
+            writer.append_removed([("new", "kv")], "evicted")  # rotates it, into the new file
+
+    reader._read_lines = read_then_another_process_appends  # type: ignore[method-assign]
+    got = [k for r in reader.poll() for k, _ in r.pages]
+    assert got == ["old", "new"]
+    assert reader.missed_files == 0
+    reader.close()
+    writer.close()
+
+
+def test_a_journal_file_rotated_away_unread_is_detected(tmp_path: Path) -> None:
+    """A reader more than one rotation behind cannot read the file in between (it was
+    replaced as removals.1): that is detected, counted, and marked in what the poll returns."""
+    reader = RemovalJournal(str(tmp_path), max_bytes=1)
+    writer = RemovalJournal(str(tmp_path), max_bytes=1)
+    writer.append_removed([("a", "kv")], "evicted")  # the reader's file
+    writer.append_removed([("b", "kv")], "evicted")  # rotated: the next file
+    got = reader.poll()  # one rotation behind: nothing lost
+    assert [k for r in got for k, _ in r.pages] == ["a", "b"] and not any(r.missed for r in got)
+    writer.append_removed([("c", "kv")], "evicted")  # rotated: the reader's file is removals.1
+    writer.append_removed([("d", "kv")], "evicted")  # rotated again: the reader's file is gone
+    got = reader.poll()
+    assert [(r.missed, [k for k, _ in r.pages]) for r in got] == [(True, []), (False, ["d"])]
+    assert reader.missed_files == 1
+    reader.close()
+    writer.close()
+
+
+async def test_removals_in_a_journal_file_the_tail_missed_leave_the_index(tmp_path: Path) -> None:
+    """The fallback for lines that went by unread: the index is checked against the disk, and
+    pages whose files are gone are forgotten (a lookup no longer answers present for them)."""
+    from hicache_backends.file.layout import page_id
+
+    pool = ArrayHostPool(4, PAGE)
+    pool.fill_random(1)
+    b = create_async_storage("file", None, root=str(tmp_path), namespace=NS_A)
+    b.register_mem_pool_host(pool)
+    keys = keys_for(3, salt=11)
+    async with b:
+        assert all(await b.batch_set_v1(keys, pool.indices(0, 3)))
+        a = create_async_storage("file", None, root=str(tmp_path), namespace=NS_A, journal_poll_s=3600)
+        async with a:  # (its tail never polls by itself here: this test drives it)
+            assert await a.wait_index_ready(10)
+            assert all(page_id(k, "kv") in a.index for k in keys)
+            journal = os.path.join(a.layout.ns_dir, JOURNAL_NAME)
+            rotor = RemovalJournal(a.layout.ns_dir, max_bytes=1)
+            rotor.append_removed([("filler-1", "kv")], "evicted")  # a's file
+            rotor.append_removed([("filler-2", "kv")], "evicted")  # rotated: the next file
+            assert await b.batch_delete(keys[:2]) == [True, True]  # journalled into that one
+            assert await wait_for(lambda: keys[1] in Path(journal).read_text())
+            rotor.append_removed([("filler-3", "kv")], "evicted")  # rotated again: a's file gone
+            rotor.close()
+            for removal in a._peers.journal.poll():
+                a._peer_removal(removal)
+            await a.wait_background()
+            stats = a.get_stats()
+            assert stats["journal_missed_files"] == 1 and stats["pruned_pages"] == 2
+            assert [page_id(k, "kv") in a.index for k in keys] == [False, False, True]
+            assert await a.batch_exists(keys) == 0 and await a.exists(keys[2])

@@ -217,6 +217,8 @@ class FileStorage(AsyncHiCacheStorage):
         self._read_error_warnings = Throttle(_WARN_SECONDS)
         self._background: set[asyncio.Task[None]] = set()
         self._rehousing: asyncio.Task[None] | None = None  # housekeeping after the folder was deleted
+        self._pruning: asyncio.Task[None] | None = None  # the index checked against the disk (journal lines lost)
+        self._prune_again = False  # journal lines were lost while that check ran
 
     # ------------------------------------------------------------------ properties
 
@@ -856,6 +858,9 @@ class FileStorage(AsyncHiCacheStorage):
         )
 
     def _peer_removal(self, removal: PeerRemoval) -> None:
+        if removal.missed:
+            self._prune_later()
+            return
         if removal.cleared:
             self.stats.incr("peer_clears")
             # the namespace's files are gone: forget them all, or every lookup answered from the
@@ -872,6 +877,56 @@ class FileStorage(AsyncHiCacheStorage):
                 self._scanner.forget(pid)  # a page we wrote again since is found again by its stat
         self.stats.incr("peer_removed_pages", len(removal.pages))
         self.report_removed([PageKey(k, p) for k, p in removal.pages], reason=removal.reason, origin="peer")
+
+    def _prune_later(self) -> None:
+        """The journal's tail skipped a whole file of it (rotated twice between two polls):
+        what other processes removed meanwhile is unknown, and their pages stayed indexed,
+        answered present until a read missed them. The index is checked against the disk
+        instead (:meth:`_prune`), in the background, one check at a time (a file missed
+        while one runs asks for one more after it: the running one may have looked already)."""
+        if self._stop.is_set():
+            return
+        if self._pruning is not None and not self._pruning.done():
+            self._prune_again = True
+            return
+        task = self._pruning = asyncio.get_running_loop().create_task(self._prune_until_done())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _prune_until_done(self) -> None:
+        while True:
+            self._prune_again = False
+            await self._prune()
+            if not self._prune_again or self._stop.is_set():
+                return
+
+    async def _prune(self) -> None:
+        """Forget the indexed pages whose files are gone (``pruned_pages``), on the scan's
+        thread. A page written, read or removed here since the check kept (or lost) its entry
+        for a reason of its own: only entries unchanged since are forgotten. Their keys are
+        not known (the index holds page ids, the lines are lost), so no KV event goes out for
+        them. Never raises but cancellation."""
+        assert self._layout is not None and self._scan_executor is not None
+        generation = self._generation
+        entries = dict(self.index.entries)
+        ids = list(entries)
+        try:
+            gone = await asyncio.get_running_loop().run_in_executor(
+                self._scan_executor, page_io.missing_files, [self._layout.path(pid) for pid in ids], self._stop
+            )
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # noqa: BLE001 - the pages are found gone at their next read instead
+            logger.exception("file store %s: checking the index against the disk failed", self.root)
+            return
+        if generation != self._generation:  # cleared meanwhile: the index started over
+            return
+        busy, deleting = self._pins.busy, self._pins.deleting
+        pids = [ids[i] for i in gone]
+        pids = [pid for pid in pids if self.index.get(pid) is entries[pid] and not busy[pid] and pid not in deleting]
+        for pid in pids:
+            self._scanner.forget(pid)
+        self.stats.incr("pruned_pages", len(pids))
 
     async def _remove_trash(self, trash: str) -> None:
         """Delete a cleared namespace's old files off the request path; never raises."""
@@ -975,5 +1030,7 @@ class FileStorage(AsyncHiCacheStorage):
             "fsync": self.fsync,
             "shared": self.shared,
             "journal_dropped_lines": self._peers.dropped_lines if self._peers is not None else 0,
+            "journal_missed_files": self._peers.missed_files if self._peers is not None else 0,
+            "pruned_pages": self.stats.get("pruned_pages"),
             "journal_failed_removals": self._peers.failed_removals if self._peers is not None else 0,
         }

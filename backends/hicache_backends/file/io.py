@@ -61,6 +61,7 @@ __all__ = [
     "is_no_space",
     "linked_folder",
     "list_subdirs",
+    "missing_files",
     "payload_checksum",
     "prepare_namespace",
     "probe_page",
@@ -695,6 +696,22 @@ def remove_files(paths: Sequence[str], sizes: Sequence[int]) -> int:
         except OSError as exc:
             logger.warning("could not remove %s: %s", p, exc)
     return freed
+
+
+def missing_files(paths: Sequence[str], stop: threading.Event | None = None) -> list[int]:
+    """The positions of ``paths`` where no file is (one ``lstat`` each); a path that cannot
+    be checked counts as present. Gives up early (what was found so far) when ``stop`` is set."""
+    out: list[int] = []
+    for i, p in enumerate(paths):
+        if stop is not None and stop.is_set():
+            break
+        try:
+            os.lstat(p)
+        except FileNotFoundError:
+            out.append(i)
+        except OSError:
+            pass
+    return out
 
 
 def published_sizes(paths: Sequence[str]) -> list[int | None]:

@@ -29,9 +29,15 @@ sharers), and a forked child opens its own (the inherited one is the parent's lo
 Bounded: an append that finds the journal over ``max_bytes`` first renames it to
 ``removals.1`` (replacing the previous one), so the journal never takes more than about twice
 ``max_bytes``. It is store metadata like the manifest and the ledger: the store's
-``max_bytes`` bounds page files, and the journal adds at most ``2 * max_bytes`` of its own. A reader keeps its file open across the rename and reads it to the end before
-it moves to the new file; only a reader more than one whole rotation behind between two polls
-loses lines (the default 256 KiB holds about 3,000 removed pages).
+``max_bytes`` bounds page files, and the journal adds at most ``2 * max_bytes`` of its own.
+A reader keeps its file open across the rename and, once it sees a new file under the name,
+reads the old one to its end *again* before it moves on: the rename happens under the lock,
+after every append to the old file, so the old file is complete by then (a poll that read it
+to the end and only then looked at the name missed a line appended in between). Only a
+reader more than one whole rotation behind between two polls loses lines (the default
+256 KiB holds about 3,000 removed pages): it finds a file it never read as ``removals.1``,
+counts it (``missed_files``, the store's ``journal_missed_files``) and says so in what it
+returns (a ``missed`` record); the store then checks its index against the disk.
 
 A clear renames the whole namespace folder, journal included; the clearing store writes a
 ``clear`` line into the fresh journal, and readers, finding a new file under the name, read the
@@ -71,11 +77,13 @@ _O_READ = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 
 
 @dataclass(frozen=True, slots=True)
 class PeerRemoval:
-    """What another process removed: ``pages`` as ``(key, pool)``, or everything (``cleared``)."""
+    """What another process removed: ``pages`` as ``(key, pool)``, or everything (``cleared``),
+    or an unknown set of pages (``missed``: lines that went by unread)."""
 
     pages: tuple[tuple[str, str], ...] = ()
     reason: str = "evicted"
     cleared: bool = False
+    missed: bool = False  # a journal file went by unread: removals of unknown pages were lost
 
 
 def _append_whole(fd: int, data: bytes) -> None:
@@ -113,6 +121,7 @@ class RemovalJournal:
         self._tail = b""  # an incomplete last line, completed by a later poll
         self.malformed_lines = 0
         self.lines_read = 0
+        self.missed_files = 0  # journal files rotated away before this reader read them
         self._open_reader(at_end=True)  # what was removed before we opened is not news
 
     # ------------------------------------------------------------------ writing
@@ -236,28 +245,61 @@ class RemovalJournal:
             except FileNotFoundError:
                 now = None
             if now is not None and now != os.fstat(self._fd).st_ino:
-                # rotated or cleared, and the next file exists: we finished the old one
-                os.close(self._fd)
-                self._fd = None
-                self._open_reader(at_end=False)
-                if self._fd is not None:
-                    self._read_lines(out)
+                self._next_file(out)  # rotated or cleared, and the next file exists
         except OSError as exc:
             logger.warning("file store %s: reading the removal journal failed: %s", self.ns_dir, exc)
         return out
 
-    def _read_lines(self, out: list[PeerRemoval]) -> None:
+    def _next_file(self, out: list[PeerRemoval]) -> None:
+        """Finish the old file and move to the one now under the name.
+
+        The old file is read to its end once more first: a line appended after the read
+        above and before the rotation that followed it is there, and nowhere else (the
+        rotation is done under the lock, after every append to the file it moves, so no line
+        reaches the old file once a new one is under the name). Then the new file is checked
+        to be the old one's successor: a reader more than one rotation behind finds another
+        file as ``removals.1`` (the old one was replaced there), one it never read."""
+        assert self._fd is not None
+        old = self._fd
+        while self._read_lines(out) == _READ_LIMIT:
+            pass
+        was = os.fstat(old)
+        self._fd = None
+        self._open_reader(at_end=False)
+        if self._fd is None:  # gone again meanwhile: keep the old one, the next poll retries
+            self._fd = old
+            return
+        os.close(old)
+        try:
+            before = os.stat(self.path + ".1")
+        except FileNotFoundError:
+            before = None  # nothing rotated in this folder: the new file is its first (a clear)
+        # .1 is the old file (the new one is its successor) or the new one (rotated right after
+        # we opened it: its predecessor cannot be told, so counted as missed to be safe)
+        if before is not None and (before.st_dev, before.st_ino) != (was.st_dev, was.st_ino):
+            self.missed_files += 1
+            out.append(PeerRemoval(reason="missed", missed=True))
+            logger.warning("file store %s: the removal journal was rotated more than once since the last read; "
+                           "removals by other processes were missed (the index is checked against the disk)",
+                           self.ns_dir)
+        self._read_lines(out)
+
+    def _read_lines(self, out: list[PeerRemoval]) -> int:
+        """Parse what was appended since the last read (at most ``_READ_LIMIT`` bytes of it,
+        the count returned) into ``out``."""
         assert self._fd is not None
         data = os.pread(self._fd, _READ_LIMIT, self._pos)
         if not data:
-            return
-        self._pos += len(data)
+            return 0
+        read = len(data)
+        self._pos += read
         data = self._tail + data
         *lines, self._tail = data.split(b"\n")
         for raw in lines:
             record = self._parse(raw)
             if record is not None:
                 out.append(record)
+        return read
 
     def _parse(self, raw: bytes) -> PeerRemoval | None:
         if not raw:

@@ -42,6 +42,10 @@ class PeerRemovals:
     def dropped_lines(self) -> int:
         return self.journal.dropped_lines if self.journal is not None else 0
 
+    @property
+    def missed_files(self) -> int:
+        return self.journal.missed_files if self.journal is not None else 0
+
     async def open(self, ns_dir: str, digest: str) -> None:
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="hicache-file-journal")
         self.journal = await run_to_completion(RemovalJournal, ns_dir, executor=self.executor)
