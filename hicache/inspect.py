@@ -16,8 +16,9 @@ from typing import Any
 
 from tqdm import tqdm
 
-from hicache.errors import ConfigError
-from hicache.storage import create_async_storage
+from hicache.errors import ConfigError, HiCacheError
+from hicache.storage import AsyncHiCacheStorage, create_async_storage
+from hicache.storage.registry import available_backends, backend_class
 
 logger = logging.getLogger(__name__)
 
@@ -26,6 +27,31 @@ __all__ = ["inspect_store"]
 # describe_space() keys about the medium as a whole (reported once), and about one namespace
 _MEDIUM_KEYS = ("free_bytes", "fs_bytes", "min_free_bytes", "writes_refused_for_free_space")
 _NAMESPACE_KEYS = ("used_bytes", "refused_pages_no_space", "last_refused_at")
+
+
+def _lists_namespaces(cls: type[AsyncHiCacheStorage]) -> bool:
+    """Whether a backend class implements the (optional) namespace listing inspect starts from."""
+    return cls.list_namespaces is not AsyncHiCacheStorage.list_namespaces
+
+
+def _cannot_inspect(backend: str) -> ConfigError:
+    """The one-line error for a backend whose store cannot be inspected, naming those that can
+    (each installed backend is imported to ask; one that cannot be imported is left out)."""
+    can = []
+    for name in available_backends():
+        try:
+            if _lists_namespaces(backend_class(name)):
+                can.append(name)
+        except HiCacheError:
+            continue
+    why = (
+        # the memory backend's pages live in the process that wrote them: a separate inspect
+        # process has none of them, whatever ROOT it is given
+        "keeps its pages in the memory of the process that wrote them: there is nothing on disk to inspect"
+        if backend == "memory"
+        else "cannot list its namespaces, so its store cannot be inspected"
+    )
+    return ConfigError(f"backend {backend!r} {why}; backends that can be inspected: {', '.join(can) or 'none installed'}")
 
 
 async def inspect_store(
@@ -41,6 +67,10 @@ async def inspect_store(
     """Namespaces, page counts, bytes and (``verify``: none/sample/all) integrity of a store."""
     if verify not in ("none", "sample", "all"):
         raise ValueError(f"verify must be none, sample or all, got {verify!r}")
+    # before the store is built: a ROOT given to a backend without one (memory) was an error about
+    # an unknown option, which named neither the real problem nor what to use instead
+    if not _lists_namespaces(backend_class(backend)):
+        raise _cannot_inspect(backend)
     opts = dict(options or {})
     if root is not None:
         opts["root"] = root
@@ -55,8 +85,7 @@ async def inspect_store(
         space = await probe.describe_space()
     except NotImplementedError:
         # the hooks are optional (only the file backend has them here): one line, not a traceback
-        raise ConfigError(f"backend {backend!r} cannot list its namespaces, so its store cannot be "
-                          "inspected; the file backend can") from None
+        raise _cannot_inspect(backend) from None
     finally:
         await probe.aclose()
     report: dict[str, Any] = {"backend": backend, "namespaces": {}, "pages": 0, "bytes": 0, "checked": 0, "corrupt": 0}

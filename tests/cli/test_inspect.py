@@ -93,3 +93,21 @@ def test_inspect_of_a_file_says_it_is_a_file(tmp_path: Path, capsys) -> None:  #
     afile.write_text("not a store")
     assert main(["inspect", str(afile)]) == 2
     assert "a file, not a folder" in capsys.readouterr().err
+
+
+def test_inspect_of_a_memory_store_says_there_is_nothing_on_disk(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    """``--backend memory`` ended in 'storage backend 'memory' has no option(s) ['url']': the
+    ROOT was passed on as an option the memory backend does not have. A memory store lives in
+    the process that made it; the error says so, and which backends can be inspected."""
+    import pytest
+
+    from hicache.errors import ConfigError
+
+    assert main(["inspect", str(tmp_path), "--backend", "memory"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no option" not in err
+    assert "'memory'" in err and "nothing on disk" in err and "file" in err.partition("inspected:")[2]
+    with pytest.raises(ConfigError, match="nothing on disk"):
+        import asyncio
+
+        asyncio.run(inspect_store(backend="memory", progress=False))
