@@ -64,7 +64,10 @@ async def inspect_store(
     progress: bool = True,
     seed: int = 0,
 ) -> dict[str, Any]:
-    """Namespaces, page counts, bytes and (``verify``: none/sample/all) integrity of a store."""
+    """Namespaces, page counts, bytes and (``verify``: none/sample/all) integrity of a store.
+
+    A namespace whose manifest is corrupt is listed under its digest with ``corrupt_manifest``
+    (why) and no page counts; ``corrupt_manifests`` counts them."""
     if verify not in ("none", "sample", "all"):
         raise ValueError(f"verify must be none, sample or all, got {verify!r}")
     # before the store is built: a ROOT given to a backend without one (memory) was an error about
@@ -82,18 +85,22 @@ async def inspect_store(
     probe = create_async_storage(backend, None, **opts)
     try:  # not opened: opening would create the probe's own (empty) namespace
         namespaces = await probe.list_namespaces()
+        unreadable = await probe.unreadable_namespaces()
         space = await probe.describe_space()
     except NotImplementedError:
         # the hooks are optional (only the file backend has them here): one line, not a traceback
         raise _cannot_inspect(backend) from None
     finally:
         await probe.aclose()
-    report: dict[str, Any] = {"backend": backend, "namespaces": {}, "pages": 0, "bytes": 0, "checked": 0, "corrupt": 0}
+    report: dict[str, Any] = {"backend": backend, "namespaces": {}, "pages": 0, "bytes": 0, "checked": 0, "corrupt": 0,
+                              "corrupt_manifests": len(unreadable)}
     # the medium's free space against the floor (the default one unless options say otherwise):
     # a floor above it makes a store refuse every write
     report.update({k: v for k, v in space.items() if k in _MEDIUM_KEYS})
     rng = random.Random(seed)
-    for ns in namespaces:
+    # by digest: two folders whose manifests describe the same namespace (one copied over the
+    # other) would count its pages twice
+    for ns in {ns.digest: ns for ns in namespaces}.values():
         store = create_async_storage(backend, None, namespace=ns, **opts)
         layout = getattr(store, "layout", None)  # a store of folders (file)
         if layout is not None and not await asyncio.to_thread(os.path.isdir, layout.ns_dir):
@@ -139,5 +146,10 @@ async def inspect_store(
         report["bytes"] += nbytes
         report["checked"] += len(chosen)
         report["corrupt"] += bad
+    for digest, why in unreadable.items():
+        # listed, not left to a warning line: an operator must see a namespace inspect could not
+        # read. Its pages are not counted: without a namespace the store cannot open them.
+        report["namespaces"][digest] = {"model": None, "kv_dtype": None, "page_size": None, "layout": None,
+                                        "corrupt_manifest": why}
     return report
 

@@ -111,3 +111,51 @@ def test_inspect_of_a_memory_store_says_there_is_nothing_on_disk(tmp_path: Path,
         import asyncio
 
         asyncio.run(inspect_store(backend="memory", progress=False))
+
+
+async def test_inspect_lists_a_namespace_whose_manifest_is_corrupt(tmp_path: Path) -> None:
+    """A namespace folder whose manifest was not JSON, or had fields of another format, was left
+    out of the report with a warning line only (and an ``extra`` that is not a mapping ended
+    inspect with a ValueError): an operator never saw it. It is listed, marked corrupt with the
+    reason; the other namespaces are reported as before. A manifest copied from another folder
+    had that namespace's pages counted twice."""
+    good, bad_json, bad_fields, bad_extra = (Namespace(model=m) for m in ("good", "j", "f", "x"))
+    for ns in (good, bad_json, bad_fields, bad_extra):
+        await _fill(tmp_path, ns, 2)
+    (tmp_path / bad_json.digest / "manifest.json").write_text("{not json")
+    (tmp_path / bad_fields.digest / "manifest.json").write_text('{"model": "f", "bogus": 1}')
+    (tmp_path / bad_extra.digest / "manifest.json").write_text('{"model": "x", "extra": "ab"}')
+    # a manifest copied over another folder's: that folder is corrupt, and good's pages count once
+    copied = Namespace(model="copied")
+    await _fill(tmp_path, copied, 2)
+    (tmp_path / copied.digest / "manifest.json").write_bytes((tmp_path / good.digest / "manifest.json").read_bytes())
+    report = await inspect_store(str(tmp_path), verify="all", progress=False)
+    assert report["namespaces"][good.digest]["pages"] == 2 and "corrupt_manifest" not in report["namespaces"][good.digest]
+    assert report["pages"] == 2 and report["corrupt"] == 0 and report["corrupt_manifests"] == 4
+    assert f"describes namespace {good.digest}" in report["namespaces"][copied.digest]["corrupt_manifest"]
+    listed = report["namespaces"]
+    assert "not JSON" in listed[bad_json.digest]["corrupt_manifest"]
+    assert "bogus" in listed[bad_fields.digest]["corrupt_manifest"]
+    assert "another format: ValueError" in listed[bad_extra.digest]["corrupt_manifest"]
+
+
+def test_cli_inspect_shows_a_corrupt_manifest(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    """The table and ``--json`` both show the corrupt namespace and why."""
+    import asyncio
+
+    from hicache.observability.stats_view import render_store
+
+    good, bad = Namespace(model="good"), Namespace(model="bad")
+    asyncio.run(_fill(tmp_path, good, 1))
+    asyncio.run(_fill(tmp_path, bad, 1))
+    (tmp_path / bad.digest / "manifest.json").write_text("[1, 2]")
+    assert main(["inspect", str(tmp_path), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert "not a JSON object" in out["namespaces"][bad.digest]["corrupt_manifest"]
+    assert out["namespaces"][good.digest]["pages"] == 1
+    assert main(["inspect", str(tmp_path)]) == 0
+    table = capsys.readouterr().out
+    assert bad.digest in table and "corrupt_manifest" in table and "not a JSON object" in table
+    # the stats screen of a store (the same report) shows it too
+    screen = render_store(asyncio.run(inspect_store(str(tmp_path), verify="none", progress=False)), str(tmp_path))
+    assert "corrupt manifest" in screen and bad.digest[:12] in screen

@@ -953,14 +953,36 @@ class FileStorage(AsyncHiCacheStorage):
             await asyncio.gather(*pending, return_exceptions=True)
 
     async def list_namespaces(self) -> list[Namespace]:
-        manifests = await asyncio.to_thread(page_io.list_manifests, str(self.root))
-        out = []
-        for m in manifests:
+        """Every namespace a folder's manifest describes; :meth:`unreadable_namespaces` names
+        the folders whose manifest describes none (inspect lists them, so no warning here)."""
+        return (await self._read_namespaces())[0]
+
+    async def unreadable_namespaces(self) -> dict[str, str]:
+        """Namespace folders whose manifest is corrupt (not JSON, fields of another format, or
+        the description of another namespace), each with why."""
+        return (await self._read_namespaces())[1]
+
+    async def _read_namespaces(self) -> tuple[list[Namespace], dict[str, str]]:
+        """The namespace each folder's manifest describes, and why for each folder whose
+        manifest describes none, or not its own."""
+        manifests = await asyncio.to_thread(page_io.read_manifests, str(self.root))
+        found: list[Namespace] = []
+        corrupt: dict[str, str] = {}
+        for digest, m in manifests.items():
+            if isinstance(m, str):
+                corrupt[digest] = m
+                continue
             try:
-                out.append(Namespace.from_dict(m))
-            except (ConfigError, TypeError):
-                logger.warning("file store %s: skipping a manifest of another format: %r", self.root, m)
-        return out
+                ns = Namespace.from_dict(m)
+            except (ConfigError, TypeError, ValueError) as exc:  # ValueError: an ``extra`` like "ab"
+                corrupt[digest] = f"manifest.json has fields of another format: {type(exc).__name__}: {exc}"
+                continue
+            # still listed: inspect counts it as an unmatched manifest and never opens it
+            found.append(ns)
+            if ns.digest != digest:
+                corrupt[digest] = (f"manifest.json describes namespace {ns.digest}, not this folder's "
+                                   "(edited, or written by another version)")
+        return found, corrupt
 
     def other_namespaces_holding(self, key: str, pool: str = "kv", *, limit: int = 8) -> list[str] | None:
         """Other namespaces under this root (the first ``limit`` by digest) with a file for the

@@ -1012,20 +1012,24 @@ def namespace_dirs(root: str) -> list[str]:
     return [name for name in names if len(name) == 32 and set(name) <= _ID_HEX]
 
 
-def list_manifests(root: str) -> list[dict]:
-    """The manifest of every namespace folder under ``root`` (unreadable ones are skipped)."""
-    out: list[dict] = []
+def read_manifests(root: str) -> dict[str, dict | str]:
+    """The manifest of every namespace folder under ``root`` by digest, or, for a folder whose
+    manifest cannot be read as a JSON object, why not (``hicache inspect`` lists those folders as
+    corrupt rather than leaving them out)."""
+    out: dict[str, dict | str] = {}
     for name in namespace_dirs(root):
         raw = read_small_file(os.path.join(root, name, "manifest.json"))
-        try:
-            if raw is None:
-                raise ValueError("absent, not a regular file, or too large")
-            manifest = json.loads(raw)
-        except ValueError:
-            logger.warning("file store %s: namespace folder %s has no readable manifest", root, name)
+        if raw is None:
+            out[name] = ("manifest.json is not a regular file, or too large"
+                         if os.path.lexists(os.path.join(root, name, "manifest.json"))
+                         else "no manifest.json (a full disk defers writing it)")
             continue
-        if isinstance(manifest, dict):
-            out.append(manifest)
+        try:
+            manifest = json.loads(raw)
+        except (ValueError, RecursionError) as exc:  # a UnicodeDecodeError too; nesting too deep
+            out[name] = f"manifest.json is not JSON: {type(exc).__name__}: {exc}"
+            continue
+        out[name] = manifest if isinstance(manifest, dict) else f"manifest.json is not a JSON object ({type(manifest).__name__})"
     return out
 
 
