@@ -248,8 +248,10 @@ async def _release(request: web.Request) -> web.Response:
         return _draining()
     try:
         await st.cache.release_session(sid)
-    except (HiCacheError, ValueError) as exc:  # a closed cache, a bad id: an answer, not a traceback
-        return _error_of(exc)
+    except Exception as exc:  # noqa: BLE001 - a closed cache, a bad id: an answer, not a traceback
+        # a release that failed still closed the session (hicache's let go of what it could);
+        # the answer says it failed (a JSON 500, not aiohttp's bare page), the log has the trace
+        return _failure(f"release of session {sid!r}", exc)
     return web.json_response({"released": sid})
 
 

@@ -229,6 +229,9 @@ class Scheduler:
                 self._generating += 1
                 try:
                     result = await self._generate_with_memory_retry(job)
+                except BaseException:
+                    await self._end_failed_session(req)
+                    raise
                 finally:
                     self._generating -= 1
                 if req.end_session and req.session_id is not None:
@@ -251,6 +254,20 @@ class Scheduler:
                 self._slots.release()
             async with self._finished:
                 self._finished.notify_all()
+
+    async def _end_failed_session(self, req: GenerateRequest) -> None:
+        """The turn that was to end its session failed (or its client went away): end the
+        session all the same. The conversation is over either way, and the session otherwise
+        held its row and pages until ``session_timeout_s`` (for good with none); its history is
+        handed to the tree, so a retried turn still finds it. The turn's error is what the
+        client is told; a release failing too is logged."""
+        if not req.end_session or req.session_id is None:
+            return
+        try:
+            await self.engine.cache.release_session(req.session_id)
+        except Exception as exc:  # noqa: BLE001 - the turn's own failure is the one to answer
+            logger.warning("request %s: ending session %s after the turn failed failed too: %r",
+                           req.rid, req.session_id, exc)
 
     async def _generate_with_memory_retry(self, job: Job) -> GenerateResult:
         """``engine.generate``; on ``OutOfKVSlotsError`` wait for a running request to end (or

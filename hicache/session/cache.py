@@ -361,8 +361,14 @@ class SessionAwareCache(ForwardingCache):
     def release_session(self, session_id: str) -> bool:
         """The conversation is over: its KV goes to the tree (write-back started), its pages
         beyond the tree-protected part and its row are returned. With a turn running, the
-        release happens when the turn finishes or aborts. Returns whether the session existed."""
-        return self._offloader.release(session_id)
+        release happens when the turn finishes or aborts. Returns whether the session existed.
+        A release that fails closes the session anyway (see :meth:`Offloader.close`), counted
+        in ``release_errors``, and raises."""
+        try:
+            return self._offloader.release(session_id)
+        except Exception:
+            self.session_metrics.incr("release_errors")
+            raise
 
     # ------------------------------------------------------------------ pressure
 
@@ -458,10 +464,9 @@ class SessionAwareCache(ForwardingCache):
         if self.config.release_on_close:
             for sid in list(self.slots):
                 try:
-                    self.release_session(sid)
+                    self.release_session(sid)  # counts its failure, and forgets the session
                 except Exception:  # noqa: BLE001 - one bad session must not stop the close
                     # (the others' KV and the inner cache's queued writes still have to drain)
-                    self.session_metrics.incr("release_errors")
                     self.slots.pop(sid, None)
                     logger.exception("session %s: releasing it at close failed; its KV is not kept", sid)
 

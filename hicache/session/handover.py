@@ -81,7 +81,8 @@ def hand_over(inner: Any, slot: SessionSlot, *, tree: bool, writeback: WriteBack
     A tree refuses a key it cannot hold (a token id that is no uint32: storage keys hash them)
     with ``ValueError`` before it changes anything; the history is then freed like a tail,
     and ``refused()`` is called: one such session must not stop the others' hand-overs (the
-    reaper, pressure relief) nor fail the request that needed the room."""
+    reaper, pressure relief) nor fail the request that needed the room. Any other error is
+    raised once everything past the tree's part is let go (see the ``finally``)."""
     assert slot.req_pool_idx is not None
     ps = inner.page_size
     allocator = inner.token_to_kv_pool_allocator
@@ -92,15 +93,25 @@ def hand_over(inner: Any, slot: SessionSlot, *, tree: bool, writeback: WriteBack
     end = ceil_align(max(slot.kv_allocated_len, committed), ps)
     kept = protected
     handed = 0
-    if tree and aligned > protected:
-        kept, handed = _give_to_tree(inner, slot, row[:aligned].clone(), protected, writeback, refused)
-    if end > kept:
-        free_token_pages(allocator, row[kept:end].clone(), ps)
-    if slot.last_node is not None:
-        if slot.swa_uuid_for_lock is not None:
-            inner.dec_lock_ref(slot.last_node, DecLockRefParams(swa_uuid_for_lock=slot.swa_uuid_for_lock))
-        else:
-            inner.dec_lock_ref(slot.last_node)
-    free_row(inner.req_to_token_pool, slot.req_pool_idx)
-    slot.clear_kv()
+    try:
+        if tree and aligned > protected:
+            try:
+                kept, handed = _give_to_tree(inner, slot, row[:aligned].clone(), protected, writeback, refused)
+            except BaseException:
+                # raised after the insert (queueing the write-back): the tree may own the
+                # history now, and freeing it would free the tree's pages. Past it is ours.
+                kept = max(kept, aligned)
+                raise
+    finally:
+        # whatever the tree hand-off did, the rest is let go: a slot left half given up kept
+        # its row, its tail pages and its tree lock until the reaper timed the session out
+        if end > kept:
+            free_token_pages(allocator, row[kept:end].clone(), ps)
+        if slot.last_node is not None:
+            if slot.swa_uuid_for_lock is not None:
+                inner.dec_lock_ref(slot.last_node, DecLockRefParams(swa_uuid_for_lock=slot.swa_uuid_for_lock))
+            else:
+                inner.dec_lock_ref(slot.last_node)
+        free_row(inner.req_to_token_pool, slot.req_pool_idx)
+        slot.clear_kv()
     return handed

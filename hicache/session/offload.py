@@ -85,8 +85,15 @@ class Offloader:
         return True
 
     def close(self, slot: SessionSlot, *, expired: bool) -> None:
-        """Give the KV up and forget the session (its stats go to the bounded history)."""
-        self.give_up(slot, reason="release")
-        self._slots.pop(slot.session_id, None)
-        self._metrics.incr("sessions_expired" if expired else "sessions_released")
-        self._metrics.close(slot.session_id)
+        """Give the KV up and forget the session (its stats go to the bounded history).
+
+        A hand-over that raises still closes the session (it let go of what it could; see
+        :func:`hand_over`), then the error goes to the caller, who counts and reports it: left
+        open, the session held its row and pages until ``session_timeout_s``, and a later turn
+        of the id resumed a half-given-up slot."""
+        try:
+            self.give_up(slot, reason="release")
+        finally:
+            self._slots.pop(slot.session_id, None)
+            self._metrics.incr("sessions_expired" if expired else "sessions_released")
+            self._metrics.close(slot.session_id)

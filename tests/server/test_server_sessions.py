@@ -1,0 +1,81 @@
+"""Ending and releasing sessions over real HTTP: a session whose close fails is closed anyway
+(its KV given up as far as possible, the failure answered and counted)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import aiohttp
+
+from server_helpers import requires_facade, small_config
+from hicache.server import running_server
+
+TURN = {"tokens": list(range(50)), "max_new_tokens": 3, "session_id": "s"}
+
+
+def _nothing_held(sessions: Any) -> None:
+    """No session open, no row or page held for one (the tree's pages are the tree's)."""
+    assert "s" not in sessions.slots and sessions.session_held_tokens() == 0
+    pool = sessions.inner.req_to_token_pool
+    assert pool.available_size() == pool.size
+    sessions.sanity_check()
+
+
+class _FailMidTurn:
+    """Wraps the engine's ``generate``: the real turn runs and fails at its first token (the
+    engine aborts it, as on any failure)."""
+
+    def __init__(self, engine: Any) -> None:
+        self._generate = engine.generate
+        engine.generate = self
+
+    async def __call__(self, *args: Any, on_token: Any = None, **kwargs: Any) -> Any:
+        def fail(token: int) -> None:
+            raise RuntimeError("injected failure mid-turn")
+
+        return await self._generate(*args, on_token=fail, **kwargs)
+
+
+@requires_facade
+async def test_a_final_turn_that_fails_still_ends_its_session() -> None:
+    """``end_session`` was honoured only when the turn succeeded: a final turn that failed
+    left its session open, holding its row and pages, until ``session_timeout_s`` (for good
+    with none set)."""
+    async with running_server(small_config(), mode="hicache", port=0) as srv, aiohttp.ClientSession() as http:
+        sessions = srv.state.cache.cache  # type: ignore[attr-defined]
+        async with http.post(f"{srv.url}/v1/generate", json=TURN) as resp:
+            assert resp.status == 200
+            out = await resp.json()
+        assert "s" in sessions.slots and sessions.session_held_tokens() > 0
+        _FailMidTurn(srv.state.engine)
+        last = {**TURN, "tokens": TURN["tokens"] + out["tokens"] + [7, 8, 9], "end_session": True}
+        async with http.post(f"{srv.url}/v1/generate", json=last) as resp:
+            assert resp.status == 500 and "RuntimeError" in (await resp.json())["error"]
+        _nothing_held(sessions)
+        assert sessions.session_metrics.counters["sessions_released"] == 1
+
+
+@requires_facade
+async def test_a_release_whose_write_back_raises_closes_the_session_and_says_so() -> None:
+    """The hand-over raised (queueing the history's write-back failed): the session
+    stayed open with its row and tail pages until ``session_timeout_s``, and the client got
+    aiohttp's bare 500 page. It is closed, counted, and answered with a JSON 500."""
+    async with running_server(small_config(), mode="hicache", port=0) as srv, aiohttp.ClientSession() as http:
+        sessions = srv.state.cache.cache  # type: ignore[attr-defined]
+        async with http.post(f"{srv.url}/v1/generate", json=TURN) as resp:
+            assert resp.status == 200
+        queue = sessions.writeback
+        real = queue.enqueue
+
+        def enqueue(*args: Any) -> None:  # the history is in the tree; following its copy fails
+            queue.enqueue = real
+            raise RuntimeError("injected write-back failure")
+
+        queue.enqueue = enqueue
+        async with http.post(f"{srv.url}/v1/sessions/s/release") as resp:
+            assert resp.status == 500 and resp.content_type == "application/json"
+            assert "RuntimeError" in (await resp.json())["error"]
+        _nothing_held(sessions)
+        counters = sessions.session_metrics.counters
+        assert counters["release_errors"] == 1 and counters["sessions_released"] == 1
+
