@@ -650,10 +650,11 @@ class HiCache:
         if self._live.get(id(handle)) is not handle:
             raise ValueError(f"request {getattr(handle, 'rid', handle)!r} was not begun by this cache (or is a copy)")
 
-    async def release_session(self, session_id: str) -> None:
+    async def release_session(self, session_id: str) -> bool:
         """The conversation is over: its KV is handed to the prefix cache (written back to host
-        and storage) and its request slot freed."""
-        self._check_open().release_session(session_id)
+        and storage) and its request slot freed. Returns whether the session existed (``False``:
+        never opened, released already, or expired), so a server can tell a client so."""
+        return self._check_open().release_session(session_id)
 
     async def drain(self) -> None:
         """Wait until every queued write-back, backup and storage write has completed."""

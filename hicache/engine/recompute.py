@@ -138,7 +138,7 @@ class RecomputeCache:
         self._free(handle)
 
     async def release_session(self, session_id: str) -> None:
-        """Sessions keep nothing here."""
+        """Sessions keep nothing here: whether one existed cannot be told (``None``)."""
 
     def metrics(self) -> dict[str, Any]:
         return {

@@ -70,7 +70,9 @@ class CacheLike(Protocol):
 
     async def abort(self, handle: Any) -> None: ...
 
-    async def release_session(self, session_id: str) -> None: ...
+    async def release_session(self, session_id: str) -> bool | None:
+        """Whether the session existed; ``None`` from a cache that keeps no sessions (cannot tell)."""
+        ...
 
 
 @dataclass

@@ -1,5 +1,6 @@
 """Ending and releasing sessions over real HTTP: a session whose close fails is closed anyway
-(its KV given up as far as possible, the failure answered and counted)."""
+(its KV given up as far as possible, the failure answered and counted), and releasing a
+session the server does not have is a 404."""
 
 from __future__ import annotations
 
@@ -78,4 +79,22 @@ async def test_a_release_whose_write_back_raises_closes_the_session_and_says_so(
         _nothing_held(sessions)
         counters = sessions.session_metrics.counters
         assert counters["release_errors"] == 1 and counters["sessions_released"] == 1
+        async with http.post(f"{srv.url}/v1/sessions/s/release") as resp:
+            assert resp.status == 404  # closed: a second release finds nothing
 
+
+@requires_facade
+async def test_releasing_an_unknown_session_is_a_404() -> None:
+    """A release of an id the server has no session for (never opened, released already,
+    expired) answered 200 ``{"released": id}``, so a client's typo or a double release looked
+    like success."""
+    async with running_server(small_config(), mode="hicache", port=0) as srv, aiohttp.ClientSession() as http:
+        async with http.post(f"{srv.url}/v1/sessions/nope/release") as resp:
+            assert resp.status == 404 and resp.content_type == "application/json"
+            assert (await resp.json()) == {"error": "no session 'nope' (never opened, released, or expired)"}
+        async with http.post(f"{srv.url}/v1/generate", json=TURN) as resp:
+            assert resp.status == 200
+        async with http.post(f"{srv.url}/v1/sessions/s/release") as resp:
+            assert resp.status == 200 and (await resp.json()) == {"released": "s"}
+        async with http.post(f"{srv.url}/v1/sessions/s/release") as resp:
+            assert resp.status == 404
