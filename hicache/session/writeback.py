@@ -96,7 +96,15 @@ class WriteBackQueue:
         (after the controller drained, when it is no longer mere backpressure)."""
         left: list[_Entry] = []
         for e in self._entries:
-            if self._advance(e, count_refusals=count_refusals):
+            try:
+                going = self._advance(e, count_refusals=count_refusals)
+            except Exception:  # noqa: BLE001 - pump runs from the reaper, releases and pressure relief
+                # one entry the tree fails on is given up, counted and logged: kept, it raised
+                # again at every later pump, and each of those callers failed with it
+                logger.exception("session %s: the write-back of %d token(s) failed; given up", e.session_id, e.tokens)
+                self._count("writeback_dropped", 1)
+                going = False
+            if going:
                 left.append(e)
             else:
                 self._unkeep(e)

@@ -163,3 +163,37 @@ async def test_kept_history_is_not_pinned_after_its_write_back_entry_ends() -> N
                                  f"tree, {free} free, write-back counters {m['writeback_done']=} {m['writeback_dropped']=}")
     finally:
         await s.aclose()
+
+
+async def test_an_entry_the_tree_fails_on_is_given_up_not_raised_at_every_pump() -> None:
+    """``write_backup`` raising (a bug, a pool in a bad state) ends that entry, counted dropped;
+    the others go on, and later pumps (the reaper's, a release's) do not raise."""
+
+    class _FailingTree:
+        def __init__(self) -> None:
+            self.root_node = types.SimpleNamespace(parent=None)
+            self.calls: list[object] = []
+
+        def node(self) -> object:
+            return types.SimpleNamespace(parent=self.root_node, host_value=None, backup_op=None, value=object())
+
+        def write_backup(self, node: object) -> bool:
+            self.calls.append(node)
+            if getattr(node, "bad", False):
+                raise RuntimeError("pool in a bad state")
+            node.backup_op = object()  # type: ignore[attr-defined]
+            return True
+
+    tree = _FailingTree()
+    counts: dict[str, int] = {}
+    queue = WriteBackQueue(tree, count=lambda name, n: counts.__setitem__(name, counts.get(name, 0) + n))
+    bad, good = tree.node(), tree.node()
+    bad.bad = True  # type: ignore[attr-defined]
+    queue.enqueue("bad", bad, 8)
+    queue.enqueue("good", good, 8)
+    queue.pump()
+    assert counts["writeback_dropped"] == 1 and len(queue) == 1
+    assert good.backup_op is not None  # type: ignore[attr-defined]
+    good.backup_op, good.host_value = None, object()  # type: ignore[attr-defined]  # its copy landed
+    queue.pump()
+    assert len(queue) == 0 and counts["writeback_done"] == 1
