@@ -55,10 +55,7 @@ async def test_the_loop_learns_what_the_reads_found(tmp_path) -> None:
         store.register_mem_pool_host(reader)
         a = page_id("a", "kv")
         old = store.index.entries[a].atime
-        b_path = store.layout.path(page_id("b", "kv"))
-        data = bytearray(open(b_path, "rb").read())
-        data[-40] ^= 0xFF  # a flipped payload byte: the checksum fails
-        open(b_path, "wb").write(bytes(data))
+        _flip_payload_byte(store.layout.path(page_id("b", "kv")))  # the checksum fails
         await asyncio.sleep(0.01)
         got = await asyncio.to_thread(store.batch_get_v1_now, ["a", "b", "c"], _indices([3, 4, 5]))
         assert got == [True, False, True]
@@ -210,9 +207,14 @@ def _reads_that_pause(monkeypatch) -> tuple[threading.Event, threading.Event]:  
 
 
 def _flip_payload_byte(path: str) -> None:
-    data = bytearray(open(path, "rb").read())
-    data[-40] ^= 0xFF
-    open(path, "wb").write(bytes(data))
+    """Bit rot: one payload byte flipped in place. Not a rewrite (``open(path, "wb")``): that
+    truncates the file first, and a scan running beside it (the second store's, at open) saw
+    a torn page and removed it, so the read found nothing to call corrupt."""
+    with open(path, "r+b") as f:
+        f.seek(-40, 2)
+        byte = f.read(1)[0]
+        f.seek(-40, 2)
+        f.write(bytes([byte ^ 0xFF]))
 
 
 async def test_a_page_removed_while_it_was_read_is_not_indexed_again(tmp_path, monkeypatch) -> None:
