@@ -202,6 +202,8 @@ class Scheduler:
                     break
                 job: Job = item
                 if job.future.done():  # the client went away while queued
+                    if job.request.end_session:  # its session ends all the same
+                        tg.create_task(self._end_failed_session(job.request))
                     continue
                 job.task = tg.create_task(self._serve(job), name=f"hicache-req-{job.request.rid}")
         self._tg = None
@@ -212,7 +214,7 @@ class Scheduler:
         meanwhile. The job counts as queued (in the bound and the queue depth) until it has
         its slot, and is served in arrival order among the jobs ready to run."""
         req = job.request
-        slotted = running = False
+        slotted = running = ended = False
         try:
             async with self._sessions.hold(req.session_id):
                 await self._slots.acquire()
@@ -230,11 +232,13 @@ class Scheduler:
                 try:
                     result = await self._generate_with_memory_retry(job)
                 except BaseException:
+                    ended = True
                     await self._end_failed_session(req)
                     raise
                 finally:
                     self._generating -= 1
                 if req.end_session and req.session_id is not None:
+                    ended = True
                     await self.engine.cache.release_session(req.session_id)
                 if req.debug_reference:
                     job.reference = await self.engine.run(self.engine.reference_generate, req.tokens, req.max_new_tokens)
@@ -248,6 +252,8 @@ class Scheduler:
                 job.future.set_exception(exc)
         finally:
             self._dequeued(job)  # (cancelled while it waited)
+            if not ended:  # a final turn dropped before it ran (waiting for its session or a slot)
+                await self._end_failed_session(req)
             if running:
                 self.metrics.active -= 1
             if slotted:
@@ -256,8 +262,9 @@ class Scheduler:
                 self._finished.notify_all()
 
     async def _end_failed_session(self, req: GenerateRequest) -> None:
-        """The turn that was to end its session failed (or its client went away): end the
-        session all the same. The conversation is over either way, and the session otherwise
+        """The turn that was to end its session failed, or its client went away (while it ran,
+        or before: still queued, or waiting for its session or a slot): end the session all
+        the same. The conversation is over either way, and the session otherwise
         held its row and pages until ``session_timeout_s`` (for good with none); its history is
         handed to the tree, so a retried turn still finds it. The turn's error is what the
         client is told; a release failing too is logged."""

@@ -98,3 +98,45 @@ async def test_releasing_an_unknown_session_is_a_404() -> None:
             assert resp.status == 200 and (await resp.json()) == {"released": "s"}
         async with http.post(f"{srv.url}/v1/sessions/s/release") as resp:
             assert resp.status == 404
+
+
+@requires_facade
+async def test_a_final_turn_dropped_while_it_waits_for_a_slot_still_ends_its_session() -> None:
+    """The client of an ``end_session`` turn hangs up while the turn waits for the only slot
+    (a slow request holds it): the job is dropped before it runs, and its session ends all
+    the same, instead of holding its row and pages until ``session_timeout_s``."""
+    import asyncio
+
+    cfg = small_config(server={"max_batch": 1})
+    async with running_server(cfg, mode="hicache", port=0) as srv, aiohttp.ClientSession() as http:
+        sessions = srv.state.cache.cache  # type: ignore[attr-defined]
+        async with http.post(f"{srv.url}/v1/generate", json=TURN) as resp:
+            assert resp.status == 200
+            out = await resp.json()
+        assert "s" in sessions.slots
+        engine = srv.state.engine
+        real = engine.generate
+        gate = asyncio.Event()
+
+        async def slow(*args: Any, **kwargs: Any) -> Any:
+            await gate.wait()
+            return await real(*args, **kwargs)
+
+        engine.generate = slow
+        blocker = asyncio.create_task(http.post(f"{srv.url}/v1/generate",
+                                                json={"tokens": list(range(100, 140)), "max_new_tokens": 2}))
+        await asyncio.sleep(0.3)  # the blocker holds the only slot
+        last = {**TURN, "tokens": TURN["tokens"] + out["tokens"] + [7, 8, 9], "end_session": True}
+        try:
+            async with http.post(f"{srv.url}/v1/generate", json=last, timeout=aiohttp.ClientTimeout(total=0.5)):
+                pass
+        except asyncio.TimeoutError:
+            pass  # hung up while the final turn waited for the slot
+        for _ in range(100):  # the server notices the hang-up and drops the job
+            if "s" not in sessions.slots:
+                break
+            await asyncio.sleep(0.02)
+        engine.generate = real
+        gate.set()
+        (await blocker).release()
+        _nothing_held(sessions)
