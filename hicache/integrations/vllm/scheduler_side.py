@@ -89,6 +89,7 @@ class _Request:
     saved_pages: int = 0  # pages [0, saved_pages) are stored, loaded or held by vLLM already
     known: int = 0  # pages [0, known) are in storage or being written to it, as far as this request saw
     cut: int = 0  # storage pages its last lookup did not claim (slower than recomputing)
+    capped: int = 0  # storage pages its last lookup did not claim for want of host room
 
 
 #: how long a storage lookup's answer is taken as current for a request asked about again
@@ -220,14 +221,26 @@ class SchedulerSide:
             return None
         exists = lk.exists or []
         ask = max(ask, lk.start_page)
-        state.known = max(state.known, ask + leading_run(exists[ask - lk.start_page :]))
+        asked = exists[ask - lk.start_page :]
+        found = ask + leading_run(asked)
+        if found < ask + len(asked) and state.known > found:
+            # the store lacks page ``found`` although this request saw it stored or being
+            # written (before a preemption: the store's bound, another engine dropped it since):
+            # its saves must write it again, and what follows it, or they land behind a hole
+            state.known = found
+        else:
+            state.known = max(state.known, found)
         hit = leading_run(exists[base - lk.start_page :])
         self._promised.pop(req_id, None)
+        capped = 0
         if hit:  # read into host slots: only as many pages as the host tier can take now
             room = self.tree.room(keep=host.node) - sum(self._promised.values())
             if hit > room:
-                self.stats["hits_capped_for_room"] += hit - max(0, room)
+                capped = hit - max(0, room)
                 hit = max(0, room)
+        if capped > state.capped:  # a request asked about again is counted once
+            self.stats["hits_capped_for_room"] += capped - state.capped
+        state.capped = capped
         cut = hit if hit and not self.bound.reading_pays(req_id) else 0
         if cut > state.cut:  # a request asked about again is counted once
             self.stats["hit_pages_cut_recompute"] += cut - state.cut
@@ -348,7 +361,9 @@ class SchedulerSide:
             req_id, tuple(keys[start:end]), tuple(slots), tuple(int(b) for b in block_ids[start:end]),
             from_host=max(0, held - start),
         )
-        state.saved_pages = max(state.saved_pages, end)
+        # pages past ``end`` are computed again from here (a preempted request resumed with a
+        # shorter hit than it had saved): they are saved again, from what storage lacks (known)
+        state.saved_pages = end
         self.stats["hit_tokens"] += n * bs
         self.stats["host_hit_tokens"] += max(0, held - start) * bs
         self.stats["pages_to_load"] += n

@@ -844,3 +844,41 @@ def test_pages_queued_when_the_interpreter_exits_without_shutdown_are_written(mo
         assert answer(conn._scheduler, "a", TOKENS) == 5 * BS
     finally:
         conn.shutdown()
+
+
+def test_a_resumed_request_writes_again_the_pages_the_store_lost(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request saves 12 pages, the store's bound drops pages 5-11, and the request is
+    preempted (vLLM frees its blocks; no request_finished). It resumes with a 5-page storage
+    hit: the pages it computes again are written again, from page 5, not only from page 12
+    (which would land behind a hole no prefix lookup crosses)."""
+    import hicache.integrations.vllm.scheduler_side as scheduler_side
+
+    monkeypatch.setattr(scheduler_side, "LOOKUP_TTL_S", 0.0)  # every ask is a fresh lookup
+    prompt = [(i * 41 + 7) % 500 for i in range(12 * BS + 3)]
+    other = [(i * 53 + 5) % 500 for i in range(12 * BS + 3)]
+    keys = PageKeyChain(BS).extend(prompt + [1] * BS, 13)
+    s = scheduler("file", {"root": str(tmp_path)}, host_pages=13)
+    w = worker(tmp_path, kv_layers(seed=3, blocks=64))
+    try:
+        blocks = list(range(13))
+        assert request(s, "a", prompt, blocks) == 0
+        run_step(s, w, [("a", 0, len(prompt), prompt, blocks)])
+        wait_report(s, w)
+        assert in_store(s, keys[:12]) == [True] * 12
+        s.store.call(s.store.backends[0].batch_delete(keys[5:12]), timeout=10)  # the store's bound
+        # "a" is preempted; another prompt takes the host tier
+        ob = list(range(20, 33))
+        request(s, "b", other, ob)
+        run_step(s, w, [("b", 0, len(other), other, ob)])
+        s.finished("b")
+        wait_report(s, w)
+        tokens = prompt + [1] * (BS - 2)  # 13 whole pages once resumed
+        blocks2 = list(range(40, 54))
+        hit = request(s, "a", prompt, blocks2)
+        assert hit == 5 * BS
+        run_step(s, w, [("a", hit, len(tokens), tokens, blocks2)])
+        wait_report(s, w)
+        assert in_store(s, keys[:13]) == [True] * 13
+    finally:
+        w.close(timeout=30)
+        s.close(timeout=10)

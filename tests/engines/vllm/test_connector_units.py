@@ -575,7 +575,8 @@ def test_hits_in_one_step_share_the_host_room(tmp_path: Path) -> None:
         assert s.matched_tokens("b", TOKENS, None, 0) == 0  # those two are promised to "a"
         assert s.matched_tokens("a", TOKENS, None, 0) == 2 * BS  # asked again: its own promise
         s.allocated("a", list(range(5)), 2 * BS)
-        assert s.stats["loads_without_room"] == 0 and s.stats["hits_capped_for_room"] == 2 + 4 + 2
+        # capped once per request: "a" asked again adds nothing
+        assert s.stats["loads_without_room"] == 0 and s.stats["hits_capped_for_room"] == 2 + 4
         s.plan_step([("a", 2 * BS, 2 * BS + 1, TOKENS, list(range(5)))])
         s.finished("b")
     finally:
@@ -1060,3 +1061,17 @@ def test_a_host_page_another_request_of_the_step_reads_loads_whatever_the_order(
     finally:
         w.close(5)
         s.close(5)
+
+
+def test_a_capped_storage_hit_is_counted_once_per_request(tmp_path: Path) -> None:
+    """vLLM asks about a waiting request at every step: pages the host tier has no room for
+    are counted once (``hits_capped_for_room``), not once per ask."""
+    stored(tmp_path, seed=4, num_pages=5)
+    s = scheduler("file", {"root": str(tmp_path)}, host_pages=2)
+    try:
+        for _ in range(3):
+            assert s.matched_tokens("a", TOKENS, None, 0) == 2 * BS
+            s.plan_step([])
+        assert s.stats["hits_capped_for_room"] == 3
+    finally:
+        s.close(timeout=10)
