@@ -190,9 +190,13 @@ class Prefetches:
         eviction (a ``host_ref`` on the deepest, so on its whole path) until
         :meth:`release_prefetched` or :meth:`cancel_prefetch`: admit may wait (for loads, for
         device room) before it locks them, and unprotected they were host-evictable leaves
-        then: dropped, recomputed, and the host hit before them counted as the storage hit."""
+        then: dropped, recomputed, and the host hit before them counted as the storage hit.
+
+        A ``hold`` other than the request that started the prefetch (its ``owner``: a live
+        request reusing the rid) neither waits nor takes it: it got 0 and waited out the other
+        request's read, and the owner then found no prefetch (its storage hit counted as host)."""
         state = self.running.get(req_id)
-        if state is None:
+        if state is None or (hold is not None and state.owner is not None and state.owner is not hold):
             return 0
         result = await self.cache.controller.wait_prefetch(req_id)
         return self._finish_prefetch(req_id, result, hold, state=state)

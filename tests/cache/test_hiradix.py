@@ -869,3 +869,35 @@ async def test_pages_whose_storage_write_was_sent_are_not_counted_again_when_hos
     store._write = real_write  # type: ignore[method-assign]
     report = await stack.aclose()
     assert report.failed_storage_pages == 2
+
+
+async def test_a_live_request_reusing_a_rid_neither_waits_for_nor_takes_anothers_prefetch() -> None:
+    """A's pages are in storage only, B's on host; both use rid "same". A starts a prefetch
+    (B's is refused: the rid is busy), and B is admitted first: B takes nothing of A's
+    prefetch (its own host hit, no wait), and A then gets its pages as its storage hit."""
+    store = f"rid-{uuid.uuid4()}"
+    stack = build_stack(dataclasses.replace(cfg(prefetch_threshold=0), storage_backend="memory",
+                                            storage_options={"store_id": store}))
+    cache = stack.cache
+    a_tokens, b_tokens = toks(100, 8), toks(200, 8)
+    await serve_request(stack, a_tokens, rid="seed-a")
+    await cache.drain()
+    cache.evict(EvictParams(num_tokens=10**6))
+    cache.evict_host(10**6)  # A: storage only
+    await serve_request(stack, b_tokens, rid="seed-b")
+    await cache.drain()
+    cache.evict(EvictParams(num_tokens=10**6))  # B: host (and storage)
+    a, b = Req(rid="same", origin_input_ids=a_tokens), Req(rid="same", origin_input_ids=b_tokens)
+    cache.match_req(a)
+    assert cache.start_prefetch(a)
+    cache.match_req(b)
+    assert not cache.start_prefetch(b)  # the rid is busy
+    hits = {}
+    for name, r in (("b", b), ("a", a)):
+        r.req_pool_idx = stack.req_to_token_pool.alloc(1)[0]
+        res = await asyncio.wait_for(cache.admit(r), 10)
+        hits[name] = (res.host_hit, res.storage_hit)
+        assert verify_kv(stack.device_pool, r.prefix_indices, torch.tensor(r.origin_input_ids[: res.prefix_len])) == 0
+        cache.abort_req(r)
+    assert hits == {"b": (8, 0), "a": (0, 8)}
+    await nothing_held_then_close(stack)
