@@ -124,10 +124,10 @@ def _draft_settings() -> dict[str, str]:
 
 
 def _sidecar_format(signature: dict[str, Any], logical_kv: str | None, draft: dict[str, str]) -> str | None:
-    """A canonical sidecar pool's part of the namespace: its geometry and element type, with
-    the draft's logical KV format when it stores bytes (the server's draft dtype, else the
-    target's, as SGLang chooses it), and the draft model it holds the KV of. ``None``: bytes
-    of a format nothing says. ``draft``: :func:`_draft_settings`."""
+    """A canonical sidecar pool's format, as a digest its stored pool name carries: its
+    geometry and element type, with the draft's logical KV format when it stores bytes (the
+    server's draft dtype, else the target's, as SGLang chooses it), and the draft model it
+    holds the KV of. ``None``: bytes of a format nothing says. ``draft``: :func:`_draft_settings`."""
     facts = dict(signature)
     if facts.get("dtype") == "uint8":
         logical = draft.get("speculative_draft_kv_cache_dtype") or logical_kv
@@ -136,7 +136,7 @@ def _sidecar_format(signature: dict[str, Any], logical_kv: str | None, draft: di
         facts["kv_cache_dtype"] = logical
     facts.update({k: v for k, v in draft.items() if k != "speculative_draft_kv_cache_dtype"})
     text = ";".join(f"{k}={facts[k]}" for k in sorted(facts))
-    return "canonical/" + hashlib.sha256(text.encode()).hexdigest()[:16]
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def _hicache_config(cfg: Any) -> HiCacheStorageConfig:
@@ -189,6 +189,8 @@ class HiCacheSGLangStorage(_SGLangStorage):
         self.registered_pools: dict[Any, Any] = {}
         self._adapted: dict[str, Any] = {}
         self._tags: dict[str, str] = {}
+        #: a canonical sidecar's stored pool name, by SGLang's: its format rides in the name
+        self._names: dict[str, str] = {}
         #: pools SGLang gives no flat storage pages (see :meth:`_register`): stored nowhere
         self._refused: dict[str, str] = {}
         self._facade: HiCacheStorage | None = None
@@ -213,7 +215,12 @@ class HiCacheSGLangStorage(_SGLangStorage):
 
     def _pool(self, pool_name: Any) -> str:
         """The name a pool's pages are stored under: SGLang's, with this TP rank for a pool
-        that TP splits while the namespace does not (:data:`_TP_SPLIT_UNDER_MLA`)."""
+        that TP splits while the namespace does not (:data:`_TP_SPLIT_UNDER_MLA`), and with a
+        canonical sidecar's format (see :meth:`_register`)."""
+        name = self._base_name(pool_name)
+        return self._names.get(name, name)
+
+    def _base_name(self, pool_name: Any) -> str:
         name = _name(pool_name)
         cfg = self.storage_config
         if name in _TP_SPLIT_UNDER_MLA and getattr(cfg, "is_mla_model", False) and int(getattr(cfg, "tp_size", 1)) > 1:
@@ -223,8 +230,8 @@ class HiCacheSGLangStorage(_SGLangStorage):
     def _register(self, pool: Any, pool_name: Any) -> None:
         """Adapt ``pool`` and hold it under the name its pages are stored under (:meth:`_pool`);
         its byte-format tag goes by SGLang's name, so that every TP rank's namespace is one."""
-        name = self._pool(pool_name)
-        prior = self._adapted.get(name)
+        name = self._base_name(pool_name)
+        prior = self._adapted.get(self._names.get(name, name))
         if prior is not None and getattr(prior, "pool", prior) is pool:
             return  # the same SGLang pool again (KV: once as the anchor, once by name)
         adapted, tag = adapt_host_pool(pool)
@@ -242,13 +249,24 @@ class HiCacheSGLangStorage(_SGLangStorage):
             # rank read that rank's head shard as its own
             self._refuse(name, "an MHA pool under an MLA model with TP > 1 (SGLang stores one rank's shard)")
             return
+        if name != KV and tag is None and callable(getattr(adapted, "storage_signature", None)):
+            # a canonical sidecar (a draft model's KV, SWA) carries its own format and geometry,
+            # in its pool's stored name: left out, two servers whose drafts differ (fp8 e4m3 and
+            # e5m2, both bytes; other draft weights) read each other's draft pages as valid. In
+            # the name, not the namespace: SGLang registers its draft after the store opened
+            # (at start-up) or before (a runtime attach), and the KV namespace must not change
+            # with that, nor the draft's pages
+            fmt = _sidecar_format(adapted.storage_signature(), self.settings.kv_cache_dtype or _server_kv_cache_dtype(),
+                                  _draft_settings())
+            if fmt is None:
+                self._refuse(name, "its KV is stored as bytes and its format is unknown (no server settings, "
+                                   "no hicache_kv_cache_dtype)")
+                return
+            self._names[name] = name = f"{name}@{fmt}"
         if self._facade is not None:  # a dynamic sidecar, after the store opened
             if tag is not None:
-                logger.error(
-                    "hicache SGLang storage: pool %r (%s) keeps SGLang's own byte order, which must "
-                    "be part of the namespace, but it was registered after the store opened; its "
-                    "pages are not stored (every read of it is a miss)", name, tag,
-                )
+                self._refuse(name, f"it keeps SGLang's own byte order ({tag}), which must be part of the "
+                                   "namespace, but it was registered after the store opened")
                 return
             self._facade.register_mem_host_pool_v2(adapted, name)
         self._adapted[name] = adapted
@@ -283,20 +301,6 @@ class HiCacheSGLangStorage(_SGLangStorage):
             tags = dict(self._tags)
             signature = kv.storage_signature() if callable(getattr(kv, "storage_signature", None)) else {}
             signature = _with_logical_dtype(signature, self.settings.kv_cache_dtype)
-            logical_kv = self.settings.kv_cache_dtype or _server_kv_cache_dtype()
-            draft = _draft_settings()
-            for name, pool in list(self._adapted.items()):
-                if name != KV and name not in tags and callable(getattr(pool, "storage_signature", None)):
-                    # a canonical sidecar (a draft model's KV, SWA) carries its own format and
-                    # geometry: left out, two servers whose drafts differ (fp8 e4m3 and e5m2,
-                    # both bytes; other draft weights) read each other's draft pages as valid
-                    tag = _sidecar_format(pool.storage_signature(), logical_kv, draft)
-                    if tag is None:
-                        self._refuse(name, "its KV is stored as bytes and its format is unknown (no server "
-                                           "settings, no hicache_kv_cache_dtype)")
-                        del self._adapted[name]
-                        continue
-                    tags[name] = tag
             namespace = namespace_for(
                 self.storage_config,
                 signature=signature,

@@ -3,6 +3,9 @@ namespace, and which of them are stored at all."""
 
 from __future__ import annotations
 
+import logging
+
+import pytest
 import sgl_helpers as helpers
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig, PoolName, PoolTransfer
@@ -12,7 +15,13 @@ PS = 16
 KEYS = ["ab" * 32]
 
 
-def _server(root, draft_dtype, seed):
+#: when the draft pool is registered: before the store opens (a runtime attach passes every
+#: pool SGLang's controller holds) or after (start-up: SGLang registers its draft sidecar once
+#: the storage is attached); neither may change what is shared
+TIMINGS = pytest.mark.parametrize("late", [False, True], ids=["before-open", "after-open"])
+
+
+def _server(root, draft_dtype, seed, late=False):
     cfg = HiCacheStorageConfig(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
                                is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=True,
                                model_name="target/model", extra_config=helpers.extra_config("file", root=str(root)))
@@ -21,20 +30,24 @@ def _server(root, draft_dtype, seed):
     st = StorageBackendFactory.create_backend("dynamic", cfg, kv)
     st.register_mem_pool_host(kv)
     st.register_mem_host_pool_v2(kv, PoolName.KV)
-    st.register_mem_host_pool_v2(draft, PoolName.DRAFT)
+    if not late:
+        st.register_mem_host_pool_v2(draft, PoolName.DRAFT)
     st.on_host_pools_registered()
+    if late:
+        st.register_mem_host_pool_v2(draft, PoolName.DRAFT)
     g = torch.Generator().manual_seed(seed)
     draft.kv_buffer.copy_(torch.randint(0, 255, draft.kv_buffer.shape, generator=g, dtype=torch.uint8).view(draft.kv_buffer.dtype)
                           if draft.kv_buffer.dtype == torch.uint8 else torch.randn(draft.kv_buffer.shape, generator=g).to(draft.kv_buffer.dtype))
     return st, draft
 
 
-def test_draft_pools_of_different_formats_never_share_pages(tmp_path):
+@TIMINGS
+def test_draft_pools_of_different_formats_never_share_pages(tmp_path, late):
     """Only the KV pool's signature went into the namespace: two servers of one target whose
     draft KV formats differ (fp8 e4m3 and e5m2, both stored as bytes) read each other's draft
     pages as valid. With no format to be read for a draft of bytes, the draft is not stored."""
-    a, da = _server(tmp_path / "s", torch.float8_e4m3fn, 1)
-    b, db = _server(tmp_path / "s", torch.float8_e5m2, 2)
+    a, da = _server(tmp_path / "s", torch.float8_e4m3fn, 1, late)
+    b, db = _server(tmp_path / "s", torch.float8_e5m2, 2, late)
     try:
         idx = torch.arange(PS)
         assert a.batch_set_v2([PoolTransfer(PoolName.DRAFT, idx, keys=KEYS)])[PoolName.DRAFT] == [False]
@@ -75,17 +88,18 @@ def test_an_mha_draft_shard_under_an_mla_target_is_never_read_by_another_rank(tm
         r1.close()
 
 
-def test_draft_pools_of_the_named_formats_share_pages_only_when_they_match(tmp_path, monkeypatch):
+@TIMINGS
+def test_draft_pools_of_the_named_formats_share_pages_only_when_they_match(tmp_path, monkeypatch, late):
     """With the draft format known (the server's settings), drafts of one format share pages
     and drafts of two formats do not."""
     from hicache.integrations.sglang import storage as adapter
 
     fmt = {"speculative_draft_kv_cache_dtype": "fp8_e4m3"}
     monkeypatch.setattr(adapter, "_draft_settings", lambda: dict(fmt))
-    a, da = _server(tmp_path / "s", torch.float8_e4m3fn, 1)
-    b, db = _server(tmp_path / "s", torch.float8_e4m3fn, 2)
+    a, da = _server(tmp_path / "s", torch.float8_e4m3fn, 1, late)
+    b, db = _server(tmp_path / "s", torch.float8_e4m3fn, 2, not late)  # the other timing: still shared
     fmt["speculative_draft_kv_cache_dtype"] = "fp8_e5m2"
-    c, dc = _server(tmp_path / "s", torch.float8_e5m2, 3)
+    c, dc = _server(tmp_path / "s", torch.float8_e5m2, 3, late)
     try:
         idx = torch.arange(PS)
         assert a.batch_set_v2([PoolTransfer(PoolName.DRAFT, idx, keys=KEYS)])[PoolName.DRAFT] == [True]
@@ -94,3 +108,68 @@ def test_draft_pools_of_the_named_formats_share_pages_only_when_they_match(tmp_p
     finally:
         for st in (a, b, c):
             st.close()
+
+
+@TIMINGS
+def test_drafts_of_two_draft_models_never_share_pages(tmp_path, monkeypatch, late):
+    """One target, two draft models (both bf16): server b never reads server a's draft KV,
+    whenever the draft pool was registered."""
+    from hicache.integrations.sglang import storage as adapter
+
+    fmt = {"speculative_draft_model_path": "org/draft-A"}
+    monkeypatch.setattr(adapter, "_draft_settings", lambda: dict(fmt))
+    a, da = _server(tmp_path / "s", torch.bfloat16, 1, late)
+    fmt["speculative_draft_model_path"] = "org/draft-B"
+    b, db = _server(tmp_path / "s", torch.bfloat16, 2, late)
+    try:
+        idx = torch.arange(PS)
+        assert a.batch_set_v2([PoolTransfer(PoolName.DRAFT, idx, keys=KEYS)])[PoolName.DRAFT] == [True]
+        assert b.batch_get_v2([PoolTransfer(PoolName.DRAFT, idx + PS, keys=KEYS)])[PoolName.DRAFT] == [False]
+    finally:
+        a.close()
+        b.close()
+
+
+def test_the_kv_namespace_does_not_depend_on_when_the_draft_was_registered(tmp_path):
+    """At start-up SGLang registers its draft after the store opened; a runtime re-attach
+    (its admin API passes every pool the controller holds) registers it before. The KV pages
+    written before the detach are found after the re-attach."""
+    a, _ = _server(tmp_path / "s", torch.bfloat16, 1, late=True)
+    keys = ["%064x" % (i + 1) for i in range(4)]
+    assert a.batch_set_v1(keys, torch.arange(4 * PS)) == [True] * 4
+    a.close()
+    b, _ = _server(tmp_path / "s", torch.bfloat16, 1, late=False)
+    try:
+        assert b.batch_exists(keys) == 4
+    finally:
+        b.close()
+
+
+def test_a_pool_in_sglangs_own_bytes_registered_after_the_open_is_refused_once(tmp_path, caplog):
+    """Its byte format would have to be in the namespace, fixed at the open: it is not stored,
+    said once, and every call of it is a quiet miss (it was an ERROR at every call)."""
+    from sglang.srt.mem_cache.device_pool_info import MambaStateBufferInfo
+    from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
+    from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory as Factory
+
+    kv = helpers.host_pool(helpers.device_pool(page_size=16, layers=4), "page_first")
+    info = MambaStateBufferInfo(temporal=torch.zeros(2, 8, 4, 8, dtype=torch.bfloat16),
+                                conv=(torch.zeros(2, 8, 3, 8, dtype=torch.bfloat16),))
+    mamba = MambaPoolHost(info, 2.0, 0, device_capacity=8, pin_memory=False, device="cpu", layout="page_first")
+    cfg = HiCacheStorageConfig(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
+                               is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=True,
+                               model_name="m", extra_config=helpers.extra_config("file", root=str(tmp_path)))
+    st = Factory.create_backend("dynamic", cfg, kv)
+    st.register_mem_pool_host(kv)
+    st.on_host_pools_registered()
+    try:
+        with caplog.at_level(logging.WARNING, logger="hicache.integrations.sglang"):
+            st.register_mem_host_pool_v2(mamba, PoolName.MAMBA)
+            for _ in range(5):
+                t = PoolTransfer(PoolName.MAMBA, torch.tensor([1]), keys=KEYS)
+                assert st.batch_set_v2([t])[PoolName.MAMBA] == [False]
+                assert st.batch_get_v2([t])[PoolName.MAMBA] == [False]
+        said = [r for r in caplog.records if r.levelno >= logging.WARNING]
+        assert len(said) == 1 and "after the store opened" in said[0].getMessage()
+    finally:
+        st.close()
