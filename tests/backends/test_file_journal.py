@@ -193,12 +193,18 @@ def _journal_lines(root: Path) -> list[dict]:
     return [json.loads(line) for p in root.rglob(JOURNAL_NAME) for line in p.read_text().splitlines() if line]
 
 
+def _store_with_pool(root: Path, pages: int, seed: int, **options: object):  # type: ignore[no-untyped-def]
+    """A file store on ``root`` (namespace A) with a host pool of ``pages`` random pages."""
+    pool = ArrayHostPool(pages, PAGE)
+    pool.fill_random(seed)
+    store = create_async_storage("file", None, root=str(root), namespace=NS_A, **options)
+    store.register_mem_pool_host(pool)
+    return store, pool
+
+
 async def test_each_removal_is_journalled_once(tmp_path: Path) -> None:
     """Evictions and corrupt pages go through report_removed, the one place that journals."""
-    pool = ArrayHostPool(8, PAGE)
-    pool.fill_random(4)
-    store = create_async_storage("file", None, root=str(tmp_path), namespace=NS_A)
-    store.register_mem_pool_host(pool)
+    store, pool = _store_with_pool(tmp_path, 8, 4)
     keys = keys_for(2, salt=5)
     async with store:
         await store.wait_index_ready()
@@ -332,10 +338,7 @@ async def test_removals_in_a_journal_file_the_tail_missed_leave_the_index(tmp_pa
     pages whose files are gone are forgotten (a lookup no longer answers present for them)."""
     from hicache_backends.file.layout import page_id
 
-    pool = ArrayHostPool(4, PAGE)
-    pool.fill_random(1)
-    b = create_async_storage("file", None, root=str(tmp_path), namespace=NS_A)
-    b.register_mem_pool_host(pool)
+    b, pool = _store_with_pool(tmp_path, 4, 1)
     keys = keys_for(3, salt=11)
     async with b:
         assert all(await b.batch_set_v1(keys, pool.indices(0, 3)))

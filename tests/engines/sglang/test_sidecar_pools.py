@@ -88,18 +88,27 @@ def test_an_mha_draft_shard_under_an_mla_target_is_never_read_by_another_rank(tm
         r1.close()
 
 
+#: what differs between two servers' drafts: the draft KV format (bytes either way), or the
+#: draft model (the same dtype)
+DRAFTS = pytest.mark.parametrize("setting, first, second", [
+    ("speculative_draft_kv_cache_dtype", ("fp8_e4m3", torch.float8_e4m3fn), ("fp8_e5m2", torch.float8_e5m2)),
+    ("speculative_draft_model_path", ("org/draft-A", torch.bfloat16), ("org/draft-B", torch.bfloat16)),
+], ids=["draft-format", "draft-model"])
+
+
 @TIMINGS
-def test_draft_pools_of_the_named_formats_share_pages_only_when_they_match(tmp_path, monkeypatch, late):
-    """With the draft format known (the server's settings), drafts of one format share pages
-    and drafts of two formats do not."""
+@DRAFTS
+def test_drafts_share_pages_only_when_their_named_settings_match(tmp_path, monkeypatch, late, setting, first, second):
+    """With the draft's format and model known (the server's settings), drafts alike share
+    pages, whenever each server registered its draft, and drafts that differ do not."""
     from hicache.integrations.sglang import storage as adapter
 
-    fmt = {"speculative_draft_kv_cache_dtype": "fp8_e4m3"}
+    fmt = {setting: first[0]}
     monkeypatch.setattr(adapter, "_draft_settings", lambda: dict(fmt))
-    a, da = _server(tmp_path / "s", torch.float8_e4m3fn, 1, late)
-    b, db = _server(tmp_path / "s", torch.float8_e4m3fn, 2, not late)  # the other timing: still shared
-    fmt["speculative_draft_kv_cache_dtype"] = "fp8_e5m2"
-    c, dc = _server(tmp_path / "s", torch.float8_e5m2, 3, late)
+    a, da = _server(tmp_path / "s", first[1], 1, late)
+    b, db = _server(tmp_path / "s", first[1], 2, not late)  # the other timing: still shared
+    fmt[setting] = second[0]
+    c, dc = _server(tmp_path / "s", second[1], 3, late)
     try:
         idx = torch.arange(PS)
         assert a.batch_set_v2([PoolTransfer(PoolName.DRAFT, idx, keys=KEYS)])[PoolName.DRAFT] == [True]
@@ -108,26 +117,6 @@ def test_draft_pools_of_the_named_formats_share_pages_only_when_they_match(tmp_p
     finally:
         for st in (a, b, c):
             st.close()
-
-
-@TIMINGS
-def test_drafts_of_two_draft_models_never_share_pages(tmp_path, monkeypatch, late):
-    """One target, two draft models (both bf16): server b never reads server a's draft KV,
-    whenever the draft pool was registered."""
-    from hicache.integrations.sglang import storage as adapter
-
-    fmt = {"speculative_draft_model_path": "org/draft-A"}
-    monkeypatch.setattr(adapter, "_draft_settings", lambda: dict(fmt))
-    a, da = _server(tmp_path / "s", torch.bfloat16, 1, late)
-    fmt["speculative_draft_model_path"] = "org/draft-B"
-    b, db = _server(tmp_path / "s", torch.bfloat16, 2, late)
-    try:
-        idx = torch.arange(PS)
-        assert a.batch_set_v2([PoolTransfer(PoolName.DRAFT, idx, keys=KEYS)])[PoolName.DRAFT] == [True]
-        assert b.batch_get_v2([PoolTransfer(PoolName.DRAFT, idx + PS, keys=KEYS)])[PoolName.DRAFT] == [False]
-    finally:
-        a.close()
-        b.close()
 
 
 def test_the_kv_namespace_does_not_depend_on_when_the_draft_was_registered(tmp_path):
