@@ -93,6 +93,13 @@ def test_urls_whose_paths_would_leave_the_prefix_are_config_errors(url: str, nee
     assert "s3cret" not in str(exc.value)
 
 
+def test_an_at_sign_in_an_s3_prefix_is_a_key_character() -> None:
+    """The bucket was taken after the last "@" anywhere in the url: ``s3://bucket/team@/kv``
+    was refused as naming no bucket (credentials can only be in the bucket part, refused)."""
+    store = create_async_storage("s3", None, url="s3://bucket/team@/kv")
+    assert store.root == "bucket/team@/kv"
+
+
 async def test_an_upper_case_scheme_is_the_scheme(tmp_path) -> None:
     """``FILE://`` picked the file system by the lower-cased scheme but stripped the path as
     typed: pages went under the working directory, not the folder named."""

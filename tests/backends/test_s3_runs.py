@@ -13,9 +13,9 @@ import pytest
 
 from hicache.storage import HiCacheStorageExtraInfo, PoolTransfer
 from hicache.testing import ArrayHostPool
-from hicache.testing.store_tests import PAGE
+from hicache.testing.store_tests import NS_A, PAGE, keys_for
 from hicache_backends.s3.runs import decode_run, encode_run
-from test_s3 import make_s3, raw_put
+from test_s3 import make_s3, raw_get, raw_put
 
 
 def _keys(n: int, tag: str = "p") -> list[str]:
@@ -167,3 +167,58 @@ def test_an_answer_older_than_a_removal_does_not_bring_the_page_back() -> None:
     cache.clear()
     cache.add("bucket/q", ticket)  # a lookup that started before a clear
     assert not cache.contains("bucket/q")
+
+
+async def test_a_clear_racing_a_write_leaves_no_index_that_claims_the_pages_it_removed(
+        moto_endpoint, moto_bucket, monkeypatch) -> None:
+    """A write batch is in flight (its first pages slow) when a clear removes the pages that
+    had landed. The batch's run index, stored after the clear's listing, vouched for them: a
+    lookup answered 16 pages where 7 are stored. It is not written for a batch a clear raced."""
+    from hicache_backends.s3.fs import S3ObjectOps
+
+    prefix = f"race/{uuid.uuid4().hex}"
+    n, early = 16, 7
+    keys = keys_for(n, salt=77)
+    src = ArrayHostPool(n, PAGE)
+    src.fill_random(5)
+    store = make_s3(moto_endpoint, moto_bucket, prefix, NS_A, concurrency=8)
+    async with store:
+        store.register_mem_pool_host(src)
+        slow = {store.names.page(k, "kv") for k in keys[:early]}
+        gate = asyncio.Event()
+        real_put = S3ObjectOps.put
+
+        async def put(self, path, data):  # type: ignore[no-untyped-def]
+            if path in slow:
+                await gate.wait()
+            return await real_put(self, path, data)
+
+        monkeypatch.setattr(S3ObjectOps, "put", put)
+        write = asyncio.create_task(store.batch_set_v1(keys, src.indices(0, n)))
+        for _ in range(250):  # the fast pages have landed
+            await asyncio.sleep(0.02)
+            if all(raw_get(moto_endpoint, store.names.page(k, "kv")) for k in keys[early:]):
+                break
+        assert await store.clear() is True
+        gate.set()
+        assert await write == [True] * n
+        await store.wait_index_writes()
+        assert store.get_stats()["writes_racing_clear"] == 1
+    assert [raw_get(moto_endpoint, store.names.page(k, "kv")) is not None for k in keys] == [True] * early + [False] * (n - early)
+    async with make_s3(moto_endpoint, moto_bucket, prefix, NS_A, concurrency=8) as reader:
+        assert await reader.exists_prefix(keys) == early
+
+
+async def test_a_page_named_twice_in_one_delete_is_deleted_and_counted_once(moto_endpoint, moto_bucket) -> None:
+    """As the memory backend answers: ``[True, False]``, one page counted, one REMOVED key."""
+    async with make_s3(moto_endpoint, moto_bucket, f"dup/{uuid.uuid4().hex}", NS_A) as store:
+        keys = keys_for(2, salt=3)
+        src = ArrayHostPool(2, PAGE)
+        src.fill_random(1)
+        store.register_mem_pool_host(src)
+        assert await store.batch_set_v1(keys, src.indices(0, 2)) == [True, True]
+        removed: list[str] = []
+        store.tier_changes.subscribe(lambda change: removed.extend(change.keys))
+        assert await store.batch_delete([keys[0], keys[0]]) == [True, False]
+        assert store.get_stats()["deleted_pages"] == 1 and removed == [keys[0]]
+        assert await store.exists_prefix(keys) == 0

@@ -478,9 +478,17 @@ class FsspecStorage(AsyncHiCacheStorage):
             return None
         return decode_run(data)
 
-    async def _write_run(self, pages: Sequence[PageKey], ok: Sequence[bool], parents: Sequence[PageKey | None]) -> None:
+    async def _write_run(self, pages: Sequence[PageKey], ok: Sequence[bool], parents: Sequence[PageKey | None],
+                         generation: int) -> None:
         """After a batch is stored: index its leading chain of stored pages (best effort, never
-        raises: it runs as a task of this store, drained by close)."""
+        raises: it runs as a task of this store, drained by close).
+
+        Not when a clear ran while the batch was in flight (``generation``: the batch's ticket):
+        the clear removed the pages that had landed before its listing, and an index stored
+        after it vouched for them, so a lookup answered present for pages no read returned."""
+        if self.exists_cache.cleared_since(generation):
+            self.stats.incr("writes_racing_clear")
+            return
         run = 0
         while run < len(pages) and ok[run] and (run == 0 or parents[run] == pages[run - 1]):
             run += 1
@@ -646,7 +654,7 @@ class FsspecStorage(AsyncHiCacheStorage):
         generation = self.exists_cache.generation
         ok = await self.runner.batch("write", [self._write_one(p, b, generation) for p, b in zip(pages, buffers)])
         # the index follows the pages in the background: the batch does not wait a round trip
-        task = asyncio.get_running_loop().create_task(self._write_run(list(pages), ok, list(parents)))
+        task = asyncio.get_running_loop().create_task(self._write_run(list(pages), ok, list(parents), generation))
         with self._tasks_lock:
             self._index_writes.add(task)
         task.add_done_callback(self._index_write_done)
@@ -733,8 +741,12 @@ class FsspecStorage(AsyncHiCacheStorage):
             # anew. In the same DeleteObjects requests (S3 answers a missing key as deleted); an
             # index that fails to go is only an index, never a page reported not deleted
             indexes = [self.names.run_index(p.key, p.pool) for p, there in zip(pages, present) if there]
-            failed = await self._remove_many(targets + indexes, left)
-            return [there and path not in failed for path, there in zip(paths, present)]
+            failed = await self._remove_many(list(dict.fromkeys(targets + indexes)), left)
+            # a page named twice in the batch was deleted once: its first place says so (as the
+            # memory backend answers), or deleted_pages and the REMOVED event count it twice
+            first = {path: i for i, path in reversed(list(enumerate(paths)))}
+            return [there and path not in failed and first[path] == i
+                    for i, (path, there) in enumerate(zip(paths, present))]
         finally:
             for path in paths:  # a lookup that overlapped the delete
                 self.exists_cache.mark_gone(path)
@@ -879,6 +891,6 @@ class S3Storage(FsspecStorage):
     def _check_protocol(self) -> None:
         if self.protocol not in _S3_PROTOCOLS:
             raise ConfigError(f"s3 backend: url must start with s3://, got {redact_url(self.url)!r} (use the fsspec backend for other protocols)")
-        bucket = self.url.split("://", 1)[1].rsplit("@", 1)[-1].split("/", 1)[0]
+        bucket = self.url.split("://", 1)[1].split("/", 1)[0]  # ("@" there is refused before: credentials)
         if not bucket:
             raise ConfigError("s3 backend: url must name a bucket (s3://bucket/prefix)")

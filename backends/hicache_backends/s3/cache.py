@@ -66,6 +66,11 @@ class ExistsCache:
         answer is refused when a clear, or a removal of its path, came after the ticket."""
         return self._tick
 
+    def cleared_since(self, generation: int) -> bool:
+        """Whether a clear came after the ticket ``generation`` (see :attr:`generation`)."""
+        with self._lock:
+            return generation < self._cleared_at
+
     def __len__(self) -> int:
         return len(self._entries)
 
