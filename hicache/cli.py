@@ -133,16 +133,30 @@ def _cmd_serve(args: argparse.Namespace) -> Any:
     return None
 
 
+class _Failed(Exception):
+    """A command that ran to its end and found what it checks failed: its result is printed
+    as ever, then ``message`` on stderr, and the process exits with ``status``."""
+
+    def __init__(self, result: Any, status: int, message: str) -> None:
+        super().__init__(message)
+        self.result, self.status = result, status
+
+
 def _cmd_replay(args: argparse.Namespace) -> Any:
     from hicache.replay.compare import format_comparison, run_comparison
 
     policies = _policy_names(args.policies) if args.policies is not None else None
     report = run_comparison(_replay_config_path(args.config), args.trace, policies, max_requests=args.limit,
                             progress=not args.no_progress)
-    if args.json:
-        return report
-    print(format_comparison(report))
-    return None
+    result = report if args.json else None
+    if not args.json:
+        print(format_comparison(report))
+    failed = {name: row["verification_failures"] for name, row in report["policies"].items() if row["verification_failures"]}
+    if failed:
+        # the replay is the bit-exact check: a job gating on it must not pass on corrupted KV
+        raise _Failed(result, 1, "KV restored from the tiers differed from the KV computed, bit for bit: "
+                                 + ", ".join(f"{name} {n} page(s)" for name, n in failed.items()))
+    return result
 
 
 def _policy_names(text: str) -> list[str]:
@@ -432,6 +446,11 @@ def _run(args: argparse.Namespace) -> int:
         result = args.func(args)
     except BrokenPipeError:
         raise
+    except _Failed as failed:
+        if failed.result is not None:
+            _emit(failed.result, getattr(args, "json", False))
+        print(f"hicache: failed: {failed}", file=sys.stderr)
+        return failed.status
     except HiCacheError as exc:
         print(f"hicache: error: {exc}", file=sys.stderr)
         return 2

@@ -251,3 +251,36 @@ def test_policies_are_a_list_of_names_spaces_allowed_none_refused(tmp_path, caps
     assert list(json.loads(capsys.readouterr().out)["policies"]) == ["lru", "reuse"]
     for empty in (",", ""):
         assert "names no placement policy" in _error(capsys, ["replay", "--trace", str(ok), "--policies", empty])
+
+
+@pytest.mark.parametrize("as_json", [False, True], ids=["table", "json"])
+def test_replay_that_restores_corrupted_kv_exits_1(tmp_path, capsys, monkeypatch, as_json) -> None:
+    """The replay is the bit-exact check: it printed the verify failures and exited 0, so a job
+    gating on it passed on corrupted KV. Its result is still printed, then one line and 1."""
+    from hicache_backends.memory.backend import MemoryStorage
+
+    real = MemoryStorage._read_into
+
+    def flipped(self, pages, buffers):  # type: ignore[no-untyped-def]
+        ok = real(self, pages, buffers)
+        for good, buf in zip(ok, buffers):
+            if good:
+                buf[-1] ^= 0x40  # a bit of the payload's last byte
+        return ok
+
+    monkeypatch.setattr(MemoryStorage, "_read_into", flipped)
+    # three prompts taking turns, each filling the device and the host: turns after the first
+    # three come from storage
+    prompts = [[1, 2, 3], [4, 5, 6], [7, 8, 9]]
+    trace = _trace(tmp_path / "t.jsonl", *({**RECORD, "timestamp": i, "input_length": 1536, "hash_ids": prompts[i % 3]}
+                                            for i in range(9)))
+    cfg = tmp_path / "tiny.toml"
+    cfg.write_text('[tiers]\ndevice_blocks = 3\nhost_blocks = 3\nstorage_fraction = 1\n[storage]\nbackend = "memory"\n')
+    argv = ["replay", "-c", str(cfg), "--trace", str(trace), "--no-progress", "--policies", "lru"]
+    assert main(argv + (["--json"] if as_json else [])) == 1
+    out, err = capsys.readouterr()
+    assert "Traceback" not in err and "differed from the KV computed" in err and "lru" in err
+    if as_json:
+        assert json.loads(out)["policies"]["lru"]["verification_failures"] > 0
+    else:
+        assert "lru" in out
