@@ -15,7 +15,7 @@ import types
 import typing
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 __all__ = [
     "CacheConfig",
@@ -62,8 +62,16 @@ class _Section(BaseModel):
         return data
 
 
+def _not_bool(value: Any) -> Any:
+    """``true`` is no dimension: lax mode read ``[true, 64]`` as ``[1, 64]`` (a pool of the wrong
+    size, silently); the sections' own check sees only their top-level fields."""
+    if isinstance(value, bool):
+        raise ValueError(f"a dimension must be a number, got {str(value).lower()}")
+    return value
+
+
 #: one dimension of a state shape
-_Dim = Annotated[int, Field(gt=0, le=1 << 31)]
+_Dim = Annotated[int, BeforeValidator(_not_bool), Field(gt=0, le=1 << 31)]
 
 
 class ModelConfig(_Section):

@@ -39,6 +39,8 @@ def test_absurd_sizes_name_the_field_and_the_memory(data: dict, words: str) -> N
         ({"cache": {"prefetch": {"timeout_base_s": float("nan")}}}, r"timeout_base_s: .*finite"),
         ({"extra_pools": [{"state_shapes": {"conv": [4, -1]}}]}, r"state_shapes\.conv\.1: .*greater than 0"),
         ({"extra_pools": [{"state_shapes": {"conv": []}}]}, r"state_shapes\.conv"),
+        # lax mode read true as 1: a pool of the wrong size, silently
+        ({"extra_pools": [{"state_shapes": {"conv": [True, 64]}}]}, r"state_shapes\.conv\.0: .*must be a number, got true"),
         ({"extra_pools": [{"name": "m"}, {"name": "m"}]}, r"\['m'\] given more than once"),
     ],
 )
