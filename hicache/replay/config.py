@@ -22,7 +22,7 @@ from typing import Any
 
 from hicache.controller.config import ControllerConfig
 from hicache.errors import ConfigError
-from hicache.placement import PLACEMENT_POLICIES
+from hicache.placement import PLACEMENT_POLICIES, make_placement
 from hicache.stack import controller_options, stack_config_from
 
 __all__ = ["ReplayConfig", "load_replay_config"]
@@ -109,6 +109,9 @@ class ReplayConfig:
             if not isinstance(getattr(self, name), dict):
                 raise ConfigError(f"{name} must be a table, got {type(getattr(self, name)).__name__}")
         self.controller_config()
+        # built once now: a comparison applies the options to this policy's replay only, and a
+        # bad one was found when its turn came, after the other policies' replays had run
+        make_placement(self.placement, self.placement_options)
 
     def capacity_blocks(self, unique: int) -> dict[str, int]:
         """Capacity of each tier in trace blocks for ``unique`` unique blocks."""

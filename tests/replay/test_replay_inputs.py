@@ -178,6 +178,9 @@ def test_timestamps_that_go_back_are_served_in_file_order_with_a_warning(tmp_pat
     ({"controller": "fast"}, "controller"),
     ({"kv": {"dtype": "float8_e4m3fn"}}, "cannot hold exact synthetic KV"),  # 55 values for 8,192 KV: blind
     ({"replay": {"placement": "bogus"}}, r"unknown placement policy 'bogus'; allowed: \['lru'"),  # compare ignored it
+    # found when the policy's replay came, after the others had run (and were thrown away)
+    ({"replay": {"placement": "tiered", "placement_options": {"tail_tokens": "x"}}}, "tail_tokens.*an integer"),
+    ({"replay": {"placement": "reuse", "placement_options": {"no_such": 1}}}, r"unknown option\(s\) \['no_such'\]"),
 ])
 def test_replay_config_values_of_the_wrong_type_or_range_are_config_errors(data, match) -> None:
     with pytest.raises(ConfigError, match=match):
