@@ -84,8 +84,7 @@ async def inspect_store(
         raise ConfigError(f"no file store at {opts['root']!r}: {why}")
     probe = create_async_storage(backend, None, **opts)
     try:  # not opened: opening would create the probe's own (empty) namespace
-        namespaces = await probe.list_namespaces()
-        unreadable = await probe.unreadable_namespaces()
+        namespaces, unreadable = await probe.read_namespaces()  # one pass over the manifests
         space = await probe.describe_space()
     except NotImplementedError:
         # the hooks are optional (only the file backend has them here): one line, not a traceback

@@ -298,11 +298,12 @@ class AsyncHiCacheStorage(ABC):
         """Every namespace stored on this backend's medium (for ``hicache inspect``)."""
         raise NotImplementedError(f"{type(self).__name__} cannot list namespaces")
 
-    async def unreadable_namespaces(self) -> dict[str, str]:
-        """Namespaces stored on this medium whose description cannot be read (a corrupt
-        manifest), by digest, each with why: ``hicache inspect`` lists them as corrupt, since
-        :meth:`list_namespaces` cannot name them. Empty when the backend has none to report."""
-        return {}
+    async def read_namespaces(self) -> tuple[list[Namespace], dict[str, str]]:
+        """:meth:`list_namespaces`, and the namespaces on this medium whose description cannot
+        be read (a corrupt manifest) by digest, each with why, from one read of the medium
+        (``hicache inspect`` lists the second kind as corrupt: ``list_namespaces`` cannot name
+        them). By default none is unreadable."""
+        return await self.list_namespaces(), {}
 
     async def list_pages(self) -> list[tuple[PageKey, int]]:
         """Every page of this namespace with its stored size in bytes (for ``hicache inspect``)."""

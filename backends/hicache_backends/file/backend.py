@@ -953,18 +953,14 @@ class FileStorage(AsyncHiCacheStorage):
             await asyncio.gather(*pending, return_exceptions=True)
 
     async def list_namespaces(self) -> list[Namespace]:
-        """Every namespace a folder's manifest describes; :meth:`unreadable_namespaces` names
+        """Every namespace a folder's manifest describes; :meth:`read_namespaces` also names
         the folders whose manifest describes none (inspect lists them, so no warning here)."""
-        return (await self._read_namespaces())[0]
+        return (await self.read_namespaces())[0]
 
-    async def unreadable_namespaces(self) -> dict[str, str]:
-        """Namespace folders whose manifest is corrupt (not JSON, fields of another format, or
-        the description of another namespace), each with why."""
-        return (await self._read_namespaces())[1]
-
-    async def _read_namespaces(self) -> tuple[list[Namespace], dict[str, str]]:
+    async def read_namespaces(self) -> tuple[list[Namespace], dict[str, str]]:
         """The namespace each folder's manifest describes, and why for each folder whose
-        manifest describes none, or not its own."""
+        manifest is corrupt (not JSON, fields of another format) or describes another
+        namespace than its folder's."""
         manifests = await asyncio.to_thread(page_io.read_manifests, str(self.root))
         found: list[Namespace] = []
         corrupt: dict[str, str] = {}
