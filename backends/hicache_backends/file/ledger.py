@@ -47,7 +47,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from hicache_backends.file.locks import SharedFile, flock_within
-from hicache_backends.writers import MACHINE, pid_alive
+from hicache_backends.writers import MACHINE, writer_gone
 
 __all__ = ["LEDGER_NAME", "USERS_NAME", "Usage", "UsageLedger", "read_usage"]
 
@@ -110,10 +110,9 @@ def _taken(slots: list[int]) -> list[int]:
 def _reclaim(slots: list[int]) -> int:
     """Free the slots of this machine's dead processes; returns the bytes they held."""
     freed = 0
-    me = os.getpid()
     for i in _taken(slots):
         machine, pid, held = slots[i : i + 3]
-        if machine == MACHINE and pid != me and not pid_alive(pid):
+        if writer_gone(pid, machine):
             freed += held
             slots[i : i + 3] = (0, 0, 0)
     return freed
