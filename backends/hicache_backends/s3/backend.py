@@ -720,36 +720,36 @@ class FsspecStorage(AsyncHiCacheStorage):
         deletes, retries) is bounded by ``call_timeout``: a page whose delete has not answered
         by then is reported not deleted (``False``, counted in ``call_timeouts``), though the
         store may have removed it."""
-        paths = [self.names.page(p.key, p.pool) for p in pages]
+        # a page named twice is asked about and deleted once, and answered at its first place
+        # only (as the memory backend answers): deleted_pages and the REMOVED event count it once
+        asked = [self.names.page(p.key, p.pool) for p in pages]
+        named = dict(zip(asked, pages))
+        paths = list(named)
         # gone, not just forgotten: the run index written with a page still lists it, and
         # would vouch for it again once the cache's entry for it is forgotten
         for path in paths:
             self.exists_cache.mark_gone(path)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.call_timeout  # the whole call, not each phase
+        deleted: dict[str, bool] = {}
         try:
             present = await self.runner.batch("delete", [self._present(path) for path in paths])
             targets = [path for path, there in zip(paths, present) if there]
-            if not targets:
-                return present
             left = deadline - loop.time()
-            if left <= 0:  # the HEADs used the whole call (their batch counted the timeout)
-                return [False] * len(paths)
-            # the run index stored under a page (when the page started a written chain) goes
-            # with it: left behind, it is an object nothing bounds or removes but a clear, and in
-            # another process it vouches for its whole chain again once the chain is written
-            # anew. In the same DeleteObjects requests (S3 answers a missing key as deleted); an
-            # index that fails to go is only an index, never a page reported not deleted
-            indexes = [self.names.run_index(p.key, p.pool) for p, there in zip(pages, present) if there]
-            failed = await self._remove_many(list(dict.fromkeys(targets + indexes)), left)
-            # a page named twice in the batch was deleted once: its first place says so (as the
-            # memory backend answers), or deleted_pages and the REMOVED event count it twice
-            first = {path: i for i, path in reversed(list(enumerate(paths)))}
-            return [there and path not in failed and first[path] == i
-                    for i, (path, there) in enumerate(zip(paths, present))]
+            if targets and left > 0:  # (else the HEADs used the whole call: their batch counted the timeout)
+                # the run index stored under a page (when the page started a written chain) goes
+                # with it: left behind, it is an object nothing bounds or removes but a clear, and
+                # in another process it vouches for its whole chain again once the chain is
+                # written anew. In the same DeleteObjects requests (S3 answers a missing key as
+                # deleted); an index that fails to go is only an index, never a page reported not
+                # deleted
+                indexes = [self.names.run_index(named[path].key, named[path].pool) for path in targets]
+                failed = await self._remove_many(targets + indexes, left)
+                deleted = {path: path not in failed for path in targets}
         finally:
             for path in paths:  # a lookup that overlapped the delete
                 self.exists_cache.mark_gone(path)
+        return [deleted.pop(path, False) for path in asked]  # popped: a second place answers False
 
     async def _remove_many(self, paths: list[str], timeout: float) -> set[str]:
         """Remove ``paths`` within ``timeout`` s; those not known to be removed by then. One
