@@ -44,13 +44,7 @@ def _cannot_inspect(backend: str) -> ConfigError:
                 can.append(name)
         except HiCacheError:
             continue
-    why = (
-        # the memory backend's pages live in the process that wrote them: a separate inspect
-        # process has none of them, whatever ROOT it is given
-        "keeps its pages in the memory of the process that wrote them: there is nothing on disk to inspect"
-        if backend == "memory"
-        else "cannot list its namespaces, so its store cannot be inspected"
-    )
+    why = backend_class(backend).not_inspectable_why
     return ConfigError(f"backend {backend!r} {why}; backends that can be inspected: {', '.join(can) or 'none installed'}")
 
 

@@ -119,6 +119,9 @@ class AsyncHiCacheStorage(ABC):
     #: by the thread that writes it). Otherwise pools without a page view move in pipelined
     #: chunks of staging pages.
     supports_staged_pages: ClassVar[bool] = False
+    #: Why ``hicache inspect`` cannot look at this backend's store when it cannot list its
+    #: namespaces (said with the backends that can).
+    not_inspectable_why: ClassVar[str] = "cannot list its namespaces, so its store cannot be inspected"
 
     def __init__(
         self,
