@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import os
 import select
@@ -131,29 +132,71 @@ def test_lines_a_later_writer_appends_are_read_from_the_journals_start(tmp_path:
     reader.close()
 
 
-def test_a_short_append_on_a_full_disk_leaves_no_torn_line(tmp_path: Path, monkeypatch) -> None:
-    """A write that runs out of room (a full disk, RLIMIT_FSIZE) writes what fits and says so
-    without raising. The part was left as a line with no end, reported written, and the next
-    line any process appended joined it: a reader skipped both as one malformed line."""
+@pytest.mark.parametrize("how", ["short", "raises"])
+def test_an_append_that_fails_part_way_costs_no_later_line(tmp_path: Path, monkeypatch, how: str) -> None:
+    """An append that fails after part of its line went out (a short write on a full disk, or
+    a write that raises once some bytes are in the file) left that part as a line with no end,
+    and the next line appended joined it: a reader skipped both as one malformed line, losing
+    a removal that was written right. Cutting the part off again was no cure: a reader in
+    another process may read it before the cut, and then read the next line from the wrong
+    place. Here the reader polls in the middle of the failed write, as it may at any time."""
     reader = RemovalJournal(str(tmp_path))
-    full = RemovalJournal(str(tmp_path))
+    failing = RemovalJournal(str(tmp_path))
     real_write = os.write
 
-    def short_write(fd, data):  # what the kernel does when only part of a journal line fits
-        if bytes(data[:5]) == b'{"w":':
-            return real_write(fd, data[: len(data) // 2])
-        return real_write(fd, data)
+    def write_half(fd, data):  # what a write does when only part of a journal line fits
+        if bytes(data).lstrip(b"\n")[:5] != b'{"w":':
+            return real_write(fd, data)
+        n = real_write(fd, data[: len(data) // 2])
+        assert reader.poll() == []  # (it reads the part: a line not yet ended)
+        if how == "raises":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return n
 
-    monkeypatch.setattr(os, "write", short_write)
-    assert not full.append_removed([("lost", "kv")], "evicted")
-    assert full.dropped_lines == 1
+    monkeypatch.setattr(os, "write", write_half)
+    assert not failing.append_removed([("lost", "kv"), ("lost-too", "kv")], "evicted")
+    assert failing.dropped_lines == 1  # visible: the store's journal_dropped_lines
     monkeypatch.undo()
-    RemovalJournal(str(tmp_path)).append_removed([("after", "kv")], "evicted")  # another writer
+    other = RemovalJournal(str(tmp_path))
+    assert other.append_removed([("after", "kv")], "evicted")  # another writer, after the failure
     assert [r.pages for r in reader.poll()] == [(("after", "kv"),)]
-    assert reader.malformed_lines == 0
-    assert (tmp_path / JOURNAL_NAME).read_bytes().count(b"\n") == 1
+    assert reader.malformed_lines == 1  # the part, skipped alone
+    assert other.torn_lines == 1  # the writer found the part and ended it before its own line
+    assert failing.append_removed([("later", "kv")], "evicted")
+    assert [r.pages for r in reader.poll()] == [(("later", "kv"),)]
+    for journal in (reader, failing, other):
+        journal.close()
+
+
+def test_a_line_left_torn_by_a_writer_that_died_costs_no_later_line(tmp_path: Path) -> None:
+    """A writer killed in the middle of its append (a fatal signal ends a write early) leaves
+    part of a line and nobody to clean it up: the next append ends it first."""
+    reader = RemovalJournal(str(tmp_path))
+    line = RemovalJournal._line({"w": "dead", "rm": [["gone", "kv"]], "r": "evicted"})
+    with open(tmp_path / JOURNAL_NAME, "ab") as f:
+        f.write(line[: len(line) // 2])
+    writer = RemovalJournal(str(tmp_path))
+    assert writer.append_removed([("after", "kv")], "evicted")
+    assert [r.pages for r in reader.poll()] == [(("after", "kv"),)]
+    assert reader.malformed_lines == 1 and writer.torn_lines == 1
+    assert writer.append_removed([("next", "kv")], "evicted") and writer.torn_lines == 1  # (ended once)
+    assert [r.pages for r in reader.poll()] == [(("next", "kv"),)]
     reader.close()
-    full.close()
+    writer.close()
+
+
+def test_a_reader_finds_a_whole_line_behind_a_torn_one(tmp_path: Path) -> None:
+    """A journal written by a writer that did not end a torn part (an older version sharing the
+    root) holds the part and the next line as one: the reader reads the line behind the part."""
+    reader = RemovalJournal(str(tmp_path))
+    torn = RemovalJournal._line({"w": "dead", "rm": [["gone", "kv"]], "r": "evicted"})
+    whole = RemovalJournal._line({"w": "old", "rm": [["after", "kv"], ["b", "kv"]], "r": "corrupt"})
+    with open(tmp_path / JOURNAL_NAME, "ab") as f:
+        f.write(torn[:9] + whole + torn[:30] + b"\n")
+    got = reader.poll()
+    assert [(r.pages, r.reason) for r in got] == [((("after", "kv"), ("b", "kv")), "corrupt")]
+    assert reader.malformed_lines == 2  # the part before the line, and the part alone
+    reader.close()
 
 
 @pytest.mark.parametrize("how", ["cleared", "deleted"])

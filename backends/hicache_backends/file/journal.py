@@ -18,7 +18,10 @@ journal is advisory, and a peer that misses a line finds the page gone at its ne
 Format: one JSON object per line, ``{"w": writer, "rm": [[key, pool], ...], "r": reason}`` or
 ``{"w": writer, "clear": 1}``; ``writer`` is a random id per open store, so a store skips its
 own lines. Appends happen under an exclusive ``flock`` on ``removals.lock`` (released by the
-kernel if the holder dies), one ``write`` per batch. The lock file stays open between appends,
+kernel if the holder dies), one ``write`` per batch. An append that failed part-way (a full
+disk, a writer killed mid-write) leaves part of a line: the next append ends it with a newline
+first (``torn_lines``), and readers skip it alone (the journal only ever grows: see
+:func:`_append_whole`). The lock file stays open between appends,
 and is opened again when the path names another file (a clear, or a cleaner that deleted the
 namespace folder, which the next write recreates): a writer locking the old file no longer
 excluded those that opened the new one, and two of them rotating at once moved a journal that
@@ -71,8 +74,10 @@ JOURNAL_NAME = "removals"
 _LOCK_NAME = "removals.lock"
 DEFAULT_JOURNAL_BYTES = 256 << 10
 _READ_LIMIT = 16 << 20  # most bytes one poll reads (the rest waits for the next poll)
-_O_APPEND = os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
+# read and write: an append reads the file's last byte first, to end a line left torn (_append_whole)
+_O_APPEND = os.O_RDWR | os.O_APPEND | os.O_CREAT | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
 _O_READ = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+_BAD_LINE = (ValueError, KeyError, TypeError, InvalidKeyError)  # what a malformed line raises when parsed
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,19 +91,26 @@ class PeerRemoval:
     missed: bool = False  # a journal file went by unread: removals of unknown pages were lost
 
 
-def _append_whole(fd: int, data: bytes) -> None:
-    """(Under the lock.) Append ``data`` whole or not at all.
+def _append_whole(fd: int, data: bytes) -> bool:
+    """(Under the lock.) Append ``data``, whole lines, after the last whole line in the file;
+    whether a torn line had to be ended first. A short write raises (reported failed).
 
-    A write that runs out of room (a full disk, a file-size limit) may write a part and
-    report it, without raising. That part was left behind as a line with no end, and the next
-    line any process appended joined it: readers skipped both as one malformed line, so a
-    line that was written right was lost too, while this one was reported written. The part
-    is cut off again (which needs no space) and the write reported failed."""
-    n = os.write(fd, data)  # (one that raises wrote nothing)
-    if n != len(data):
-        # an O_APPEND write moved the offset to the end of what it wrote
-        os.ftruncate(fd, os.lseek(fd, 0, os.SEEK_CUR) - n)
+    An append that fails part-way (a write that runs out of room on a full disk or past a
+    file-size limit, one that raises after some bytes went out, a writer killed in the middle
+    of its write) leaves part of a line with no end. The next line appended joined it, and
+    readers skipped both as one malformed line: a removal written right was lost too. So an
+    append to a file whose last line has no end starts with a newline, and the part is a line
+    of its own, skipped alone. The part is not cut off: readers tail the file by offset
+    without the lock, and one that read the part before the cut read the next line from the
+    wrong place and lost it all the same. The journal only ever grows."""
+    size = os.fstat(fd).st_size  # where the append lands: every appender holds the lock
+    torn = size > 0 and os.pread(fd, 1, size - 1) != b"\n"
+    if torn:
+        data = b"\n" + data
+    n = os.write(fd, data)
+    if n != len(data):  # the part written is ended by the next append
         raise OSError(errno.ENOSPC, f"short write to the removal journal ({n} of {len(data)} bytes)")
+    return torn
 
 
 class RemovalJournal:
@@ -117,6 +129,7 @@ class RemovalJournal:
         self._queue_lock = threading.Lock()
         self._queued: list[bytes] = []
         self.dropped_lines = 0  # queued lines given up (lock not free in time, I/O error)
+        self.torn_lines = 0  # lines left torn by a failed append (any writer's), ended by ours
         self._pos = 0
         self._tail = b""  # an incomplete last line, completed by a later poll
         self.malformed_lines = 0
@@ -168,13 +181,14 @@ class RemovalJournal:
             if lock is None:
                 self._drop(lines, "the journal is unavailable")
                 return False
+            torn = False
             try:
                 flock_within(lock, fcntl.LOCK_EX)
                 try:
                     self._rotate()
                     fd = os.open(self.path, _O_APPEND, 0o644)
                     try:
-                        _append_whole(fd, b"".join(lines))
+                        torn = _append_whole(fd, b"".join(lines))
                     finally:
                         os.close(fd)
                 finally:
@@ -182,6 +196,10 @@ class RemovalJournal:
             except OSError as exc:  # TimeoutError included: a holder that does not let go
                 self._drop(lines, str(exc))
                 return False
+            if torn:
+                self.torn_lines += 1
+                logger.warning("file store %s: ended a removal journal line left torn by a failed append "
+                               "(skipped alone by readers)", self.ns_dir)
         return True
 
     def _drop(self, lines: list[bytes], why: str) -> None:
@@ -306,21 +324,34 @@ class RemovalJournal:
             return None
         self.lines_read += 1
         try:
-            rec = json.loads(raw.decode("utf-8", "surrogatepass"))
-            if not isinstance(rec, dict):
-                raise ValueError("not an object")
-            if rec.get("w") == self.writer:
-                return None
-            if rec.get("clear"):
-                return PeerRemoval(cleared=True, reason="clear")
-            # what no store writes (a key or pool name that is not storable text) is a bad line,
-            # not a removal: its page id cannot even be computed
-            pages = tuple((validate_key(str(k)), pool_name_str(str(p))) for k, p in rec["rm"])
-            return PeerRemoval(pages=pages, reason=str(rec.get("r", "evicted")))
-        except (ValueError, KeyError, TypeError, InvalidKeyError) as exc:
+            return self._record(raw)
+        except _BAD_LINE as exc:
             self.malformed_lines += 1
             logger.warning("file store %s: skipped a malformed removal journal line (%s)", self.ns_dir, exc)
+        # part of a line torn by a failed append, joined by the next line (its writer did not end
+        # the part first: an older version): the line behind the part is whole. Every line starts
+        # with '{"w":', and no line holds it anywhere else (a quote inside a string is escaped).
+        start = raw.rfind(b'{"w":')
+        if start > 0:
+            try:
+                return self._record(raw[start:])
+            except _BAD_LINE:
+                pass
+        return None
+
+    def _record(self, raw: bytes) -> PeerRemoval | None:
+        """One line parsed (``None``: this store's own); raises ``_BAD_LINE`` for a malformed one."""
+        rec = json.loads(raw.decode("utf-8", "surrogatepass"))
+        if not isinstance(rec, dict):
+            raise ValueError("not an object")
+        if rec.get("w") == self.writer:
             return None
+        if rec.get("clear"):
+            return PeerRemoval(cleared=True, reason="clear")
+        # what no store writes (a key or pool name that is not storable text) is a bad line,
+        # not a removal: its page id cannot even be computed
+        pages = tuple((validate_key(str(k)), pool_name_str(str(p))) for k, p in rec["rm"])
+        return PeerRemoval(pages=pages, reason=str(rec.get("r", "evicted")))
 
     def close(self) -> None:
         if self._fd is not None:
