@@ -1032,3 +1032,26 @@ def test_the_ledger_reservation_table_keeps_every_slot_it_cannot_judge() -> None
     full = [L.MACHINE ^ 1, 1, 1] * L._SLOTS
     L._move_own(full, 10)  # no free slot: counted in ``used`` only, the table unchanged
     assert full == [L.MACHINE ^ 1, 1, 1] * L._SLOTS
+
+
+async def test_a_journal_line_left_torn_is_ended_by_the_next_append_and_counted(tmp_path) -> None:
+    """A process that died (or ran out of disk) in the middle of a removal journal append left
+    part of a line: this store's next eviction ends it before its own line, counts it in
+    ``journal_torn_lines``, and its own lines stay whole (peers read them)."""
+    size = 4096
+    async with make_store(tmp_path, max_bytes=3 * (size + 512)) as store:
+        await store.wait_background()
+        journal = os.path.join(store.layout.ns_dir, "removals")
+        with open(journal, "ab") as f:
+            f.write(b'{"w":"dead","rm":[["gone"')  # a writer killed mid-write
+        for i in range(5):  # room for three: the later writes evict, each a journal line
+            assert await within(store.set(f"k{i}", v0(size, i)))
+        await within(store.wait_background())
+        deadline = time.monotonic() + LIMIT
+        while store.get_stats()["journal_torn_lines"] == 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert store.get_stats()["journal_torn_lines"] == 1
+        with open(journal, "rb") as f:
+            lines = f.read().split(b"\n")
+        assert lines[0] == b'{"w":"dead","rm":[["gone"' and lines[1].startswith(b'{"w":')
+        assert all(line.startswith(b'{"w":') for line in lines[1:-1]) and lines[-1] == b""

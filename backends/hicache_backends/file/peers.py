@@ -43,6 +43,10 @@ class PeerRemovals:
         return self.journal.dropped_lines if self.journal is not None else 0
 
     @property
+    def torn_lines(self) -> int:
+        return self.journal.torn_lines if self.journal is not None else 0
+
+    @property
     def missed_files(self) -> int:
         return self.journal.missed_files if self.journal is not None else 0
 
