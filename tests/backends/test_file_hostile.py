@@ -746,6 +746,46 @@ async def test_a_cancelled_batch_read_starts_no_more_pages(tmp_path, monkeypatch
         assert started <= 2
 
 
+def test_a_write_batch_past_the_call_timeout_stops_and_counts_what_landed(tmp_path, monkeypatch) -> None:
+    """SGLang's ``hicache_call_timeout`` on a write: the facade cancels the batch and SGLang
+    gets misses (False), but the store's threads wrote every page of the batch to the end
+    (the call held its thread for the whole batch), and the pages that landed were counted
+    nowhere (``write_ok`` counts no cancelled call). Now the batch starts no page after the
+    caller gave up, the shared ledger holds exactly the bytes of the pages on disk (the bytes
+    reserved for the pages not written are given back) and the pages that did land are
+    counted as ``write_late_pages``."""
+    from hicache.storage import HiCacheStorage
+    from hicache.testing import ArrayHostPool
+    from hicache.testing.store_tests import PAGE
+
+    n = 12
+    store = make_store(tmp_path, shared=True, max_bytes=1 << 30, io_threads=1)
+    facade = HiCacheStorage(store, call_timeout=0.5)
+    try:
+        assert facade.run(store.wait_index_ready(LIMIT))
+        src = ArrayHostPool(n, PAGE)
+        src.fill_random(7)
+        facade.register_mem_pool_host(src)
+        keys = [f"late{i}" for i in range(n)]
+        slow_page_writes(monkeypatch, 0.2)  # the whole batch: 2.4 s, five times the limit
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError):
+            facade.batch_set_v1(keys, src.indices(0, n))
+        assert time.monotonic() - t0 < 1.5  # the pages in flight, not the whole batch
+        on_disk = [k for k in keys if os.path.exists(page_path(store.root, store.namespace.digest, k))]
+        assert 1 <= len(on_disk) < n, f"{len(on_disk)} of {n} pages written after the caller gave up"
+        assert on_disk == keys[: len(on_disk)]  # in order: the batch stopped between pages
+        usage = read_usage(os.path.join(store.layout.ns_dir, LEDGER_NAME))
+        assert usage is not None and usage.used == namespace_bytes(store.layout.ns_dir) > 0
+        stats = facade.get_stats()
+        assert stats["call_timeouts"] == 1
+        assert stats["write_late_pages"] == len(on_disk) == stats["stored_pages"]  # counted and indexed
+        assert stats.get("io_errors", 0) == stats["backend_errors"] == 0  # pages not started are no failures
+        assert facade.batch_exists(keys) == len(on_disk)
+    finally:
+        facade.close()
+
+
 # ---------------------------------------------------------------------- exhaustion, found while running
 
 

@@ -239,3 +239,55 @@ async def test_a_cancellation_landing_as_the_batch_ends_keeps_its_results(tmp_pa
         finally:
             del loop.run_in_executor
     assert batch.cancelled and batch.results == [0, 2, 4]
+
+
+async def test_a_batch_stopped_on_cancel_runs_its_last_step_after_the_calls_that_started(tmp_path: Path) -> None:
+    """A write batch stops between pages when its caller gives up (``stop_on_cancel``); its
+    last step (the shared ledger's settlement) must still run, once, after the calls that
+    started, given ``None`` for those that never did: it ran only when *every* call returned,
+    so a stopped batch would have left its whole reservation in the ledger."""
+    gate = threading.Event()
+    ran: list[int] = []
+    lasts: list[list[int | None]] = []
+
+    def call(i: int) -> int:
+        ran.append(i)
+        if i == 0:
+            gate.wait(5)
+        return i
+
+    def last(results: list[int | None]) -> str:
+        lasts.append(list(results))
+        return "settled"
+
+    async with _store(tmp_path) as store:
+        task = asyncio.ensure_future(store._threads.run_batch(
+            call, [(i,) for i in range(6)], threads=1, stop_on_cancel=True, first=lambda: True, last=last))
+        while not ran:
+            await asyncio.sleep(0.005)
+        task.cancel()
+        await asyncio.sleep(0.05)  # the cancellation reaches the batch while call 0 runs
+        gate.set()
+        batch = await task
+    assert ran == [0] and batch.cancelled and not batch.declined
+    assert lasts == [[0, None, None, None, None, None]] and batch.after == "settled"
+
+
+async def test_a_batch_stopped_before_its_first_step_runs_nothing(tmp_path: Path) -> None:
+    """Stopped while its thread was still queued: neither ``first`` (a reservation in the shared
+    ledger) nor any call nor ``last`` runs; the batch is declined, with nothing to settle."""
+    steps: list[str] = []
+    busy = threading.Event()
+    async with create_async_storage("file", None, root=str(tmp_path), io_threads=1,
+                                    namespace={"model": "io-batches"}) as store:
+        blocker = asyncio.get_running_loop().run_in_executor(store._threads.executor, busy.wait, 5)
+        task = asyncio.ensure_future(store._threads.run_batch(
+            lambda i: steps.append(f"call{i}"), [(i,) for i in range(3)], stop_on_cancel=True,
+            first=lambda: steps.append("first") is None, last=lambda r: steps.append("last")))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        await asyncio.sleep(0.05)
+        busy.set()
+        await blocker
+        batch = await task
+    assert steps == [] and batch.declined and batch.cancelled and batch.results is None and batch.after is None

@@ -685,6 +685,12 @@ class FileStorage(AsyncHiCacheStorage):
                     await self._space.refused_for_space(refused, res.usage)
                 batch = await self._write_batch(jobs, res, refused)
             results, cancelled, settled = batch.results, batch.cancelled, batch.after
+            if results is not None and any(r is None for r in results):
+                # the caller gave up and the batch stopped between pages: the pages never
+                # started were not written (nothing to index or count; the settlement gave
+                # back their reservation), the others are facts about the disk
+                started = [i for i, r in enumerate(results) if r is not None]
+                jobs, results = [jobs[i] for i in started], [results[i] for i in started]
             if results is not None and generation != self._generation:
                 raced = True
                 generation, results, late = await self._published_after_clear(jobs, results)
@@ -698,14 +704,24 @@ class FileStorage(AsyncHiCacheStorage):
         # page would escape max_bytes (and, unshared, lookups) until the next restart.
         self._apply_writes(jobs, results, generation, ok)
         if cancelled:
+            # the caller answers every page of the batch as failed (an engine adapter, a miss)
+            # and no write counter counts a cancelled call: the pages that landed anyway are
+            # counted here, or the store's figures would disagree with its disk
+            landed = sum(r.ok and not r.skipped for r in results)
+            if landed:
+                self.stats.incr("write_late_pages", landed)
             raise asyncio.CancelledError
         return ok
 
     async def _write_batch(
         self, jobs: list[_WriteJob], res: Reservation, refused: int, reserve: tuple[int, int] | None = None
     ) -> BatchOutcome:
-        """Write ``jobs`` on the I/O threads, to the end even if the caller is cancelled. With
-        a shared reservation, the last write's thread settles it (:meth:`SpaceAccountant.settle_last`);
+        """Write ``jobs`` on the I/O threads. A cancelled caller (a facade's ``call_timeout``)
+        starts no more pages: those being written finish (each is a temporary file renamed into
+        place, whole or not at all), the others keep a ``None`` result; before, the whole batch
+        was written for a caller that had answered it as failed. With a shared reservation,
+        the last write's thread settles it (:meth:`SpaceAccountant.settle_last`), giving back
+        what the pages not written reserved;
         ``reserve`` (bytes, debt): the first thread takes it, and the batch is declined (writes
         nothing) when it does not fit (:meth:`SpaceAccountant.reserve_first`)."""
         assert self._layout is not None and self._codec is not None
@@ -717,7 +733,8 @@ class FileStorage(AsyncHiCacheStorage):
         last = (functools.partial(self._space.settle_last, res, refused)
                 if reserve is not None or res.usage is not None else None)
         return await self._threads.run_batch(
-            page_io.write_page, calls, sum(j.buf.nbytes for j in jobs), 4 * _FILE_OP_COST, first=first, last=last
+            page_io.write_page, calls, sum(j.buf.nbytes for j in jobs), 4 * _FILE_OP_COST,
+            stop_on_cancel=True, first=first, last=last,
         )
 
     async def _published_after_clear(
@@ -1042,6 +1059,7 @@ class FileStorage(AsyncHiCacheStorage):
             "evicted_bytes": self.stats.get("evicted_bytes"),
             "corrupt_pages": self.stats.get("corrupt_pages"),
             "rejected_pages_no_space": self.stats.get("rejected_pages_no_space"),
+            "write_late_pages": self.stats.get("write_late_pages"),  # stored for a caller that gave up
             "index_ready": self.index_ready,
             "scan_seconds": self._scanner.seconds,
             "io_threads": self.io_threads,

@@ -279,7 +279,9 @@ class SpaceAccountant:
             self.owe(debt, generation)
         self.after_reclaim(res.usage)
 
-    def settle_last(self, res: Reservation, refused: int, results: Sequence[page_io.WriteResult]) -> tuple[Usage | None]:
+    def settle_last(
+        self, res: Reservation, refused: int, results: Sequence[page_io.WriteResult | None]
+    ) -> tuple[Usage | None]:
         """(On an I/O thread, after a batch's last write.) :meth:`settle` there; the ledger's
         answer in a 1-tuple (its ``None`` means unavailable, the tuple that it settled)."""
         if res.usage is None or self.ledger is None:
@@ -308,12 +310,14 @@ class SpaceAccountant:
             self.writes_in_flight -= 1
 
     @staticmethod
-    def _kept(results: Sequence[page_io.WriteResult] | None) -> int:
-        """Bytes a batch's writes added to the store (new pages, less what they replaced)."""
+    def _kept(results: Sequence[page_io.WriteResult | None] | None) -> int:
+        """Bytes a batch's writes added to the store (new pages, less what they replaced); a
+        ``None`` result is a page never started (its caller gave up): it added nothing, so the
+        settlement gives back all it reserved."""
         kept = 0
         if results is not None:
             for r in results:
-                if r.ok and not r.skipped:
+                if r is not None and r.ok and not r.skipped:
                     kept += r.size - r.replaced
         return kept
 

@@ -56,9 +56,15 @@ class _SharedCalls:
     ``after`` (``None`` when it did not run or raised, so it must answer something else).
     Both save the batch a round trip to the event loop each (a write batch's reservation and
     settlement in the shared usage ledger).
+
+    :meth:`stop` (the caller gave up) ends the batch early: calls not started never run and
+    keep a ``None`` result, and ``last`` runs once the calls that did start have returned, so
+    a write batch's settlement gives back what its unwritten pages reserved. Stopped before
+    ``first`` ran, the batch is ``declined`` (nothing reserved, nothing to settle).
     """
 
-    __slots__ = ("fn", "calls", "results", "first", "last", "declined", "after", "_next", "_done", "_started", "_lock")
+    __slots__ = ("fn", "calls", "results", "first", "last", "declined", "after", "_next", "_end", "_done",
+                 "_started", "_stopped", "_last_taken", "_lock", "_first_lock")
 
     def __init__(
         self, fn: Callable[..., Any], calls: Sequence[tuple[Any, ...]],
@@ -71,46 +77,62 @@ class _SharedCalls:
         self.last = last
         self.declined = False
         self.after: Any = None
-        self._next = 0
+        self._next = 0  # the next call to start
+        self._end = len(calls)  # calls that will start: lowered by a decline or a stop
         self._done = 0
         self._started = first is None
-        self._lock = threading.Lock()
+        self._stopped = False
+        self._last_taken = False
+        self._lock = threading.Lock()  # never held across a call or a step: stop() takes it on the loop
+        self._first_lock = threading.Lock()  # the batch's other threads wait here for ``first``
 
     def drain(self) -> None:
         """Run calls until none is left (on an I/O thread); a call that raises stops this
         thread only (the batch then fails as a whole, once every thread has stopped)."""
         if not self._started:
-            with self._lock:  # the other threads of the batch wait here until it has run
+            with self._first_lock:
                 if not self._started:
-                    self._started = True
                     assert self.first is not None
                     go = False
                     try:
-                        go = self.first()
-                    finally:  # declined, or it raised: no call runs
+                        go = not self._stopped and self.first()
+                    finally:  # declined, stopped before it, or it raised: no call runs
                         if not go:
-                            self.declined = True
-                            self._next = len(self.calls)
+                            with self._lock:
+                                self.declined = True
+                                self._end = 0
+                        self._started = True
         while True:
             with self._lock:
                 i = self._next
-                if i >= len(self.calls):
-                    return
-                self._next = i + 1
-            self.results[i] = self.fn(*self.calls[i])
+                more = i < self._end
+                if more:
+                    self._next = i + 1
+            if more:
+                self.results[i] = self.fn(*self.calls[i])
             with self._lock:
-                self._done += 1
-                finished = self._done == len(self.calls)
-            if finished and self.last is not None:
+                self._done += more
+                # every call that will ever start has returned (all of them, or those started
+                # before a stop): checked after each call *and* by a thread that finds none
+                # left, since a stop may land while no call runs
+                due = (self.last is not None and not self.declined and not self._last_taken
+                       and self._done == self._end)
+                self._last_taken = self._last_taken or due
+            if due:
+                assert self.last is not None
                 try:
                     self.after = self.last(self.results)
                 except Exception:  # noqa: BLE001 - the calls' results must still reach the caller
                     logger.exception("the last step of an I/O batch failed; the event loop does it instead")
+            if not more:
+                return
 
     def stop(self) -> None:
-        """Start no more calls (those running finish; the others keep a ``None`` result)."""
+        """Start no more calls (those running finish; the others keep a ``None`` result);
+        ``last`` still runs, after the calls that started."""
         with self._lock:
-            self._next = len(self.calls)
+            self._stopped = True
+            self._end = min(self._end, self._next)
 
 
 class CallerCalls:
@@ -156,7 +178,8 @@ class CallerCalls:
 @dataclass(frozen=True, slots=True)
 class BatchOutcome:
     """What became of a batch: its ``results`` in call order (``None`` when a call raised, the
-    batch was declined, or the loop shut down), whether the caller was ``cancelled`` meanwhile,
+    batch was declined, or the loop shut down; an entry is ``None`` for a call a stop on
+    cancellation never started), whether the caller was ``cancelled`` meanwhile,
     whether its ``first`` step ``declined`` it (no call ran), and what its ``last`` step
     answered (``after``: ``None`` when it did not run)."""
 
@@ -223,7 +246,9 @@ class PageThreads:
         first: Callable[[], bool] | None = None, last: Callable[[list[Any]], Any] | None = None,
     ) -> BatchOutcome:
         """:meth:`run_chunked_to_end` with a ``first`` and a ``last`` step on the batch's own
-        threads (see :class:`_SharedCalls`), and what they did, in a :class:`BatchOutcome`."""
+        threads (see :class:`_SharedCalls`), and what they did, in a :class:`BatchOutcome`.
+        ``stop_on_cancel``: a cancelled caller starts no more calls (their results stay
+        ``None``); ``last`` still runs, after the calls that started."""
         if not calls:
             return BatchOutcome([], False, False, None)
         assert self.executor is not None
