@@ -2,7 +2,8 @@
 
 Connects as a subscriber (:class:`~hicache.events.subscriber.EventSubscriber`); with
 ``--replay URL`` it catches up through the publisher's replay socket on start (``--from SEQ``)
-and whenever a sequence number is skipped (a reconnect, a slow terminal). Lines::
+and whenever a sequence number is skipped (a reconnect, a slow terminal) or the publisher goes
+quiet after batches that never arrived (the subscriber's tail check). Lines::
 
     seq=12 GPU stored 4 blocks 3f2a19c0..,9b1e..(4) parent=77aa01.. tokens=64
     seq=13 STORAGE removed 2 blocks c0ffee12..,d00d..(2)

@@ -7,14 +7,26 @@ number (vLLM's protocol, see :mod:`hicache.events.publisher`) and yields those b
 before going on, skipping live duplicates. Batches older than the publisher's replay buffer are
 lost, and counted (``lost``).
 
+Why tail checks: a gap shows only when a later batch arrives. Batches lost at the end of a burst
+(the PUB's high-water mark, a proxy) or published while the SUB was (re)connecting are followed
+by nothing when the cache then goes quiet, and the consumer's view would lag until it publishes
+again. So the subscriber also asks the replay socket for everything from ``next_seq`` once the
+live socket has been silent for ``idle_timeout_s`` after a batch (or ``receive`` times out
+first), and shortly after its SUB (re)connects; what the answer holds is yielded like a gap's
+replay, what the buffer no longer holds is counted lost. One request per quiet period, and only
+after something happened (a batch, a reconnect): an idle subscriber does not poll, and when
+nothing was missed the answer is the end marker alone (nothing counted). While the monitor
+says the SUB is disconnected there is nothing to ask; the reconnect asks.
+
 Why run ids: a restarted publisher numbers from 0 again and its first batches are published
 before this subscriber's connection to it carries the subscription, so they never arrive live.
 Its numbers alone do not always show the restart (they may go on exactly where the old
 publisher stopped). Our publishers end every replay with their random run id, and the socket's
-monitor tells when the SUB (re)connects; on the first live batch after a (re)connect, a gap, or
-numbers going back, the subscriber asks for the run id (an empty replay: one round trip). A new
-run is a restart (``restarts``): the subscriber replays the new publisher's batches from 0 up to
-the live one, then follows its numbers. Without run ids (vLLM's publisher, older hicache ones)
+monitor tells when the SUB (re)connects; on the first live batch after a (re)connect (or the
+tail check after it, when no live batch comes first), a gap, or numbers going back, the
+subscriber asks for the run id (an empty replay: one round trip). A new run is a restart
+(``restarts``): the subscriber replays the new publisher's batches from 0 up to the live one (or
+all it has, at a tail check), then follows its numbers. Without run ids (vLLM's publisher, older hicache ones)
 the numbers decide: a live number at or below the last live one is a restart; so is a first
 live number below the position a consumer resumed from (``start_seq``) when the catch-up replay
 had nothing at or after it (the publisher never got there: it is a new one). A consumer that
@@ -27,6 +39,7 @@ Used by ``hicache events URL`` and by the tests; synchronous (a router would run
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -45,6 +58,9 @@ log = logging.getLogger(__name__)
 
 #: a replay request beyond any batch: the answer is only the end marker, with the run id
 _PROBE_SEQ = (1 << 63) - 1
+#: after a (re)connect, the time the subscription takes to reach the publisher: a tail request
+#: sent sooner could miss batches published between its answer and the subscription
+_SETTLE_S = 0.1
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +84,9 @@ class EventSubscriber:
             publisher now runs another one, the catch-up starts from 0 (``None``: unknown).
         replay_timeout_s: how long a replay answer may stay silent before it is given up (what it
             had answered is kept, and the rest asked for again while answers make progress).
+        idle_timeout_s: how long the live socket may stay silent after a batch before the
+            subscriber asks the replay socket whether the last batches were lost on the way (see
+            the module docstring).
     """
 
     def __init__(
@@ -79,7 +98,10 @@ class EventSubscriber:
         start_seq: int | None = None,
         start_run_id: int | None = None,
         replay_timeout_s: float = 5.0,
+        idle_timeout_s: float = 1.0,
     ) -> None:
+        if isinstance(idle_timeout_s, bool) or not isinstance(idle_timeout_s, int | float) or not idle_timeout_s > 0:
+            raise ValueError(f"idle_timeout_s must be a positive number of seconds, got {idle_timeout_s!r}")
         if start_seq is not None and (isinstance(start_seq, bool) or not isinstance(start_seq, int)
                                       or not 0 <= start_seq < (1 << 63) - 1):
             raise ValueError(f"start_seq must be an integer from 0 to 2**63 - 2, got {start_seq!r}")
@@ -88,7 +110,10 @@ class EventSubscriber:
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._topic = topic.encode("utf-8")
         self._monitor: zmq.Socket | None = None
+        self._connected = False  # the SUB has a connection (as far as the monitor tells)
         self._verify = False  # the SUB (re)connected: check the publisher's run on the next live batch
+        self._idle_timeout = float(idle_timeout_s)
+        self._tail_due: float | None = None  # when to ask for batches lost at the tail (None: nothing to ask)
         self._sub = self._connect()
         self._replay: zmq.Socket | None = None
         self._replay_timeout = replay_timeout_s
@@ -113,10 +138,11 @@ class EventSubscriber:
         sub.setsockopt(zmq.RCVHWM, 0)
         sub.setsockopt(zmq.SUBSCRIBE, self._topic)
         try:  # tells reconnects; without a monitor, numbers alone tell restarts
-            self._monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED)
+            self._monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         except zmq.ZMQError as exc:
             log.warning("kv events: no socket monitor (%s); restarts are told by sequence numbers only", exc)
             self._monitor = None
+        self._connected = self._monitor is None  # without a monitor, assume a connection
         sub.connect(self.endpoint)
         return sub
 
@@ -132,19 +158,35 @@ class EventSubscriber:
 
     def _reconnected(self) -> bool:
         """Whether the SUB (re)connected since the last call (monitor events, read without
-        waiting)."""
+        waiting); keeps ``_connected`` up to date."""
         seen = False
         while self._monitor is not None and cast(int, self._monitor.get(zmq.EVENTS)) & zmq.POLLIN:
             try:
                 event = recv_monitor_message(self._monitor, zmq.NOBLOCK)
             except zmq.ZMQError:
                 break
-            seen = seen or event.get("event") == zmq.EVENT_CONNECTED
+            if event.get("event") == zmq.EVENT_CONNECTED:
+                seen = self._connected = True
+            elif event.get("event") == zmq.EVENT_DISCONNECTED:
+                self._connected = False
         return seen
+
+    def _note_reconnect(self) -> bool:
+        """Read the monitor: after a (re)connect the publisher's run is checked (on the next live
+        batch, or by the tail check) and what was published meanwhile is asked for once the
+        subscription has settled, even if no live batch follows to show the gap. Returns
+        whether it (re)connected."""
+        if not self._reconnected():
+            return False
+        self._verify = True
+        due = time.monotonic() + _SETTLE_S
+        self._tail_due = due if self._tail_due is None else min(self._tail_due, due)
+        return True
 
     def reconnect(self) -> None:
         """Drop the connection and make a new one, keeping the position: what was published
-        meanwhile comes through the replay when the next live batch shows the gap."""
+        meanwhile comes through the replay, when the next live batch shows the gap or, if none
+        comes, by the tail check after the new connection is made."""
         self._close_sub()
         self._sub = self._connect()
 
@@ -163,24 +205,45 @@ class EventSubscriber:
     # ------------------------------------------------------------------ receiving
 
     def receive(self, timeout_s: float | None = None) -> Iterator[Received]:
-        """Yield batches in sequence order; stops after ``timeout_s`` without a live message
-        (``None``: never)."""
+        """Yield batches in sequence order; stops after ``timeout_s`` without a batch (``None``:
+        never). A silence of ``idle_timeout_s`` after a batch or a reconnect, or the end of
+        ``timeout_s``, asks once for batches lost at the tail (see the module docstring)."""
         if self._catch_up:
             self._catch_up = False
-            time.sleep(0.1)  # let the subscription reach the publisher before the replay
+            time.sleep(_SETTLE_S)  # let the subscription reach the publisher before the replay
             self._reconnected()  # that connection is older than the catch-up, which tells the run
             yield from self._catch_up_from(self.next_seq or 0)
-        poll_ms = None if timeout_s is None else int(timeout_s * 1000)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
-            if not self._sub.poll(poll_ms):
-                return
+            now = time.monotonic()
+            wake = min((t for t in (deadline, self._tail_due) if t is not None), default=None)
+            if not self._wait_live(None if wake is None else wake - now):
+                now = time.monotonic()
+                timed_out = deadline is not None and now >= deadline
+                if self._tail_due is None or not (timed_out or now >= self._tail_due):
+                    if timed_out:
+                        return
+                    continue  # woken by the monitor, or early
+                got = False
+                for received in self._fill_tail():
+                    got = True
+                    yield received
+                if got and timeout_s is not None:
+                    deadline = time.monotonic() + timeout_s  # batches came: the silence starts again
+                elif timed_out:
+                    return
+                continue
             frames = self._sub.recv_multipart()
+            if timeout_s is not None:
+                deadline = time.monotonic() + timeout_s
             item = self._decode(frames)
             if item is None:
                 continue
             seq, batch = item
-            if self._reconnected():
-                self._verify = True
+            self._note_reconnect()
+            # a quiet period starts with every live batch: if it is the last for a while, ask
+            # whether the ones after it were lost on the way
+            self._tail_due = time.monotonic() + self._idle_timeout
             restarted = self._restarted(seq)
             self._last_live = seq
             if restarted:  # a new publisher: its batches from 0, then its numbers
@@ -196,6 +259,51 @@ class EventSubscriber:
                     continue
             self.next_seq = seq + 1
             yield Received(seq, batch)
+
+    def _wait_live(self, timeout_s: float | None) -> bool:
+        """Wait up to ``timeout_s`` (``None``: no limit) for a live message, reading the monitor
+        meanwhile (a reconnect sets the tail check); ``True`` when a message waits."""
+        poller = zmq.Poller()  # made each time: reconnect() replaces both sockets
+        poller.register(self._sub, zmq.POLLIN)
+        if self._monitor is not None:
+            poller.register(self._monitor, zmq.POLLIN)
+        ready = dict(poller.poll(None if timeout_s is None else max(0, math.ceil(timeout_s * 1000))))
+        if self._monitor is not None and self._monitor in ready:
+            self._note_reconnect()
+        return self._sub in ready
+
+    def _fill_tail(self) -> Iterator[Received]:
+        """The tail check: everything the publisher has from ``next_seq`` on (lost at the end of
+        a burst, or while reconnecting), what it no longer holds counted as lost; a restarted
+        publisher (another run id since a reconnect) is replayed from 0. Done once per quiet
+        period: a check that found something sets another, in case more was lost meanwhile."""
+        self._tail_due = None
+        if self.replay_endpoint is None or self.next_seq is None:
+            return
+        if self._note_reconnect() or not self._connected:
+            return  # just reconnected: asked once that settles; disconnected: the reconnect asks
+        if self._verify:  # (re)connected since the last live batch: is it still the same publisher?
+            known = self.run_id
+            run = self._probe()
+            if not self._answer_ended:
+                return  # no answer (logged): the next live batch asks again
+            self._verify = False
+            if run is not None:
+                self.run_id = run
+            if run is not None and known is not None and run != known:
+                self.restarts += 1  # a new publisher: its batches from 0
+                self.next_seq = 0
+                self._last_live = None  # the old run's numbers tell nothing about the new one's
+        before = (self.replayed, self.lost)
+        done = False
+        try:
+            yield from self._replay_from(self.next_seq)
+            done = True
+        finally:
+            if (self.replayed, self.lost) != before:
+                self.gaps += 1
+                # more may have been lost meanwhile; a consumer that stopped reading gets the rest
+                self._tail_due = time.monotonic() + (self._idle_timeout if done else 0.0)
 
     def _catch_up_from(self, start: int) -> Iterator[Received]:
         if self._start_run is not None and self.replay_endpoint is not None:

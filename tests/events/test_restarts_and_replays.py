@@ -17,7 +17,7 @@ from hicache.errors import ConfigError
 from hicache.events import BlockStored
 from hicache.events.publisher import END_SEQ, EventPublisher, parse_run_frame
 from hicache.events.subscriber import EventSubscriber, Received
-from event_helpers import rebind
+from event_helpers import LossyLink, rebind
 
 LOOPBACK = "tcp://127.0.0.1:0"
 PROBE = ((1 << 63) - 1).to_bytes(8, "big")
@@ -268,3 +268,124 @@ def test_replay_limits_are_validated() -> None:
                 {"replay_pass_bytes": 1.5}, {"replay_stall_s": 0}):
         with pytest.raises(ConfigError):
             EventPublisher(None, **bad)
+
+
+# ---------------------------------------------------------------------------------- tail gaps
+# A gap was noticed only when a later batch arrived: batches lost at the end of a burst, or
+# published while the subscriber reconnected, were never fetched (``lost`` stayed 0 and the
+# consumer's view lagged) until the cache published again.
+
+
+def collect(sub: EventSubscriber, n: int, within_s: float = 10.0) -> tuple[list[Received], float]:
+    """What ``sub`` yields until it has ``n`` batches or ``within_s`` passed without one, and
+    how long that took."""
+    started = time.monotonic()
+    got: list[Received] = []
+    for r in sub.receive(timeout_s=within_s):
+        got.append(r)
+        if len(got) == n:
+            break
+    return got, time.monotonic() - started
+
+
+def test_batches_lost_at_the_end_of_a_burst_are_replayed_when_nothing_follows() -> None:
+    pub = EventPublisher(LOOPBACK, LOOPBACK, max_batch_events=1)  # one batch per event
+    link = LossyLink(pub.endpoint)
+    sub = EventSubscriber(link.endpoint, pub.replay_endpoint, idle_timeout_s=0.3)
+    try:
+        time.sleep(0.3)  # subscribed to the link
+        for i in range(6):
+            pub.publish([stored(i)])
+        link.forward(6, drop=range(3, 6))  # the burst's last three never reach the subscriber
+        got, took = collect(sub, 6)  # and the publisher publishes nothing more
+        assert tokens(got) == list(range(6)) and [r.replayed for r in got] == [False] * 3 + [True] * 3
+        assert took < 5.0  # an idle timeout (0.3 s) after the last live batch, not receive's 10 s
+        assert sub.gaps == 1 and sub.replayed == 3 and sub.lost == 0 and sub.next_seq == 6
+    finally:
+        sub.close()
+        link.close()
+        pub.close()
+
+
+def test_an_idle_subscriber_that_missed_nothing_asks_once_and_counts_nothing() -> None:
+    pub = EventPublisher(LOOPBACK, LOOPBACK)
+    sub = EventSubscriber(pub.endpoint, pub.replay_endpoint, idle_timeout_s=0.1)
+    try:
+        time.sleep(0.3)
+        pub.publish([stored(0)])
+        got = list(sub.receive(timeout_s=1.5))  # fifteen idle timeouts
+        assert tokens(got) == [0] and not got[0].replayed
+        # the run-id probe of the first live batch on a new connection, and one empty tail request:
+        # no busy polling while nothing happens
+        assert pub.stats()["replay_requests"] == 2
+        assert sub.gaps == sub.lost == sub.replayed == sub.restarts == 0
+    finally:
+        sub.close()
+        pub.close()
+    with pytest.raises(ValueError, match="idle_timeout_s"):
+        EventSubscriber(LOOPBACK, idle_timeout_s=0)
+
+
+def test_batches_published_while_the_subscriber_reconnects_are_replayed() -> None:
+    pub = EventPublisher(LOOPBACK, LOOPBACK, max_batch_events=1)
+    link = LossyLink(pub.endpoint)
+    sub = EventSubscriber(link.endpoint, pub.replay_endpoint, idle_timeout_s=0.3)
+    try:
+        time.sleep(0.3)
+        for i in range(3):
+            pub.publish([stored(i)])
+        link.forward(3)
+        assert tokens(list(sub.receive(timeout_s=1.0))) == [0, 1, 2]  # its idle check found nothing
+        link.cut()  # the subscriber is disconnected
+        for i in range(3, 6):
+            pub.publish([stored(i)])
+        link.forward(3)  # lost: nobody is connected
+        link.restore()  # the subscriber reconnects by itself; nothing more is published
+        got, took = collect(sub, 3)
+        assert tokens(got) == [3, 4, 5] and all(r.replayed for r in got) and took < 5.0
+        assert sub.lost == 0 and sub.restarts == 0 and sub.gaps == 1
+    finally:
+        sub.close()
+        link.close()
+        pub.close()
+
+
+def test_a_restarted_publishers_batches_are_replayed_when_it_publishes_no_more() -> None:
+    pub = EventPublisher(LOOPBACK, LOOPBACK)
+    sub = EventSubscriber(pub.endpoint, pub.replay_endpoint, start_seq=0, idle_timeout_s=0.3)
+    try:
+        time.sleep(0.3)
+        pub.publish([stored(1000)])
+        assert tokens(list(sub.receive(timeout_s=1.0))) == [1000]
+        pub.close()
+        new = rebind(pub.endpoint, pub.replay_endpoint)
+        try:
+            for i in range(3):  # before the subscriber is connected again (PUB drops them), and no more
+                new.publish([stored(i)])
+                wait_for(lambda i=i: new.stats()["next_seq"] == i + 1)  # type: ignore[misc]
+            got, took = collect(sub, 3)
+            assert tokens(got) == [0, 1, 2] and [r.seq for r in got] == [0, 1, 2] and took < 5.0
+            assert sub.restarts == 1 and sub.lost == 0 and sub.run_id == new.run_id
+        finally:
+            new.close()
+    finally:
+        sub.close()
+        pub.close()
+
+
+def test_a_tail_gap_the_publisher_no_longer_holds_is_counted_lost() -> None:
+    pub = EventPublisher(LOOPBACK, LOOPBACK, max_batch_events=1, buffer_steps=2)
+    link = LossyLink(pub.endpoint)
+    sub = EventSubscriber(link.endpoint, pub.replay_endpoint, idle_timeout_s=0.3)
+    try:
+        time.sleep(0.3)
+        for i in range(8):
+            pub.publish([stored(i)])
+        link.forward(8, drop=range(3, 8))  # five lost on the way; the buffer holds the last two
+        got, took = collect(sub, 5)
+        assert [r.seq for r in got] == [0, 1, 2, 6, 7] and [r.replayed for r in got] == [False] * 3 + [True] * 2
+        assert sub.lost == 3 and sub.gaps == 1 and sub.next_seq == 8 and took < 5.0
+    finally:
+        sub.close()
+        link.close()
+        pub.close()
