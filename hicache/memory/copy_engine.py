@@ -70,6 +70,13 @@ from hicache.memory.transfer import (
 
 __all__ = ["INLINE_MAX_BYTES", "CopyEngine", "LayerLoadHandle", "TransferPool"]
 
+
+def _dropped() -> CacheClosedError:
+    """The error of a copy job its executor dropped unrun (a shared executor shut down with
+    ``cancel_futures``). Not a ``CancelledError``: nobody cancelled the caller, and a worker
+    that took it for its own cancellation stopped for good, silently."""
+    return CacheClosedError("the copy engine's executor dropped a queued copy (shut down?): the copy did not run")
+
 logger = logging.getLogger(__name__)
 
 #: A CPU step of at most this many bytes (all layers of a backup, all layers of a load) runs on
@@ -226,8 +233,9 @@ class CopyEngine:
         # scattered units (see ``prefers_unitwise_split``)
         self._split_ok: bool = not self.is_cuda and (os.cpu_count() or 1) >= 2
         self._helper: concurrent.futures.ThreadPoolExecutor | None = None
-        # the last job handed to the copy thread: the engine is idle once it is done (FIFO)
-        self._last: concurrent.futures.Future[Any] | None = None
+        # jobs handed to the copy thread and not finished: the engine is idle when there are none
+        # (also what a close waits for on an executor it does not own)
+        self._pending: set[concurrent.futures.Future[Any]] = set()
         self._step_bytes: int = sum(self._unit_bytes)
         #: CPU steps of at most this many bytes run on the caller's thread when the engine is
         #: idle (0: every copy goes to the copy thread, as a test that makes copies slow needs)
@@ -269,6 +277,10 @@ class CopyEngine:
             self._closed = True
         if self._owns_executor:
             self._executor.shutdown(wait=True)
+        else:  # a shared executor outlives the engine: its queued copies must still land first
+            with self._lock:
+                pending = list(self._pending)
+            concurrent.futures.wait(pending)
         with self._lock:
             helper, self._helper = self._helper, None
         if helper is not None:
@@ -313,11 +325,14 @@ class CopyEngine:
             self._backup_cpu(plan)
             return
         job = self._backup_job(plan)
-        fut = asyncio.wrap_future(self._submit(job))
+        queued = self._submit(job)
+        fut = asyncio.wrap_future(queued)
         # a cancelled caller (once or many times: a shutdown cancels every task) still waits:
         # the copy writes host pages the caller's side frees once it unwinds
         if await wait_out(fut):
             raise asyncio.CancelledError
+        if queued.cancelled():  # dropped by the executor, not cancelled by our caller
+            raise _dropped()
         fut.result()
 
     def backup_sync(self, device_indices: IndexLike, host_indices: IndexLike) -> None:
@@ -326,7 +341,13 @@ class CopyEngine:
         if self._runs_here(plan):
             self._backup_cpu(plan)
         elif plan.num_units:
-            self._submit(self._backup_job(plan)).result()
+            queued = self._submit(self._backup_job(plan))
+            try:
+                queued.result()
+            except concurrent.futures.CancelledError:
+                if queued.cancelled():  # dropped by the executor
+                    raise _dropped() from None
+                raise
 
     def _runs_here(self, plan: TransferPlan) -> bool:
         """Whether ``plan`` is a small CPU step to copy on the caller's thread (see
@@ -334,8 +355,7 @@ class CopyEngine:
         is overtaken, and the engine open."""
         if self.is_cuda or self._closed or not 0 < plan.num_units * self._step_bytes <= self.inline_max_bytes:
             return False
-        last = self._last
-        return last is None or last.done()
+        return not self._pending
 
     def _backup_job(self, plan: TransferPlan) -> Callable[[], None]:
         if not self.is_cuda:
@@ -488,13 +508,18 @@ class CopyEngine:
                 self._load_cpu(plan, counter)
             return LayerLoadHandle(counter, None)
         if not self.is_cuda:
-            fut = self._submit(self._load_cpu, plan, counter)
+            fut = self._submit(self._load_cpu, plan, counter, on_dropped=counter.fail)
             return LayerLoadHandle(counter, fut)
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(self.device))
         events = [torch.cuda.Event() for _ in range(self.num_layers)]
         enqueued = LayerDoneCounter(self.num_layers)
-        fut = self._submit(self._load_cuda, plan, counter, ready, events, enqueued)
+
+        def dropped(exc: BaseException) -> None:
+            enqueued.fail(exc)
+            counter.fail(exc)
+
+        fut = self._submit(self._load_cuda, plan, counter, ready, events, enqueued, on_dropped=dropped)
         return LayerLoadHandle(counter, fut, events, enqueued)
 
     def load_sync(self, host_indices: IndexLike, device_indices: IndexLike) -> None:
@@ -544,18 +569,34 @@ class CopyEngine:
             counter.fail(exc)
             raise
 
-    def _submit(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future[Any]:
+    def _submit(
+        self, fn: Callable[..., Any], *args: Any, on_dropped: Callable[[BaseException], object] | None = None
+    ) -> concurrent.futures.Future[Any]:
         """Queue ``fn`` on the copy thread; :class:`CacheClosedError` once closed, also when
-        a close on another thread lands between the check and the submit."""
+        a close on another thread lands between the check and the submit.
+
+        ``on_dropped(error)`` runs if the executor drops the job unrun (a shared executor shut
+        down with ``cancel_futures``): nothing else would settle what the job was to settle
+        (a load's layer counter, whose waiters would wait forever)."""
         if self._closed:
             raise CacheClosedError("CopyEngine is closed")
         try:
-            self._last = fut = self._executor.submit(fn, *args)
-            return fut
+            fut = self._executor.submit(fn, *args)
         except RuntimeError as exc:  # the executor shut down meanwhile
             if self._closed:
                 raise CacheClosedError("CopyEngine is closed") from exc
             raise
+        with self._lock:
+            self._pending.add(fut)
+
+        def settled(f: concurrent.futures.Future[Any]) -> None:
+            with self._lock:
+                self._pending.discard(f)
+            if f.cancelled() and on_dropped is not None:
+                on_dropped(_dropped())
+
+        fut.add_done_callback(settled)
+        return fut
 
     def __repr__(self) -> str:
         return f"CopyEngine(device={self.device}, unit={self.unit}, layers={self.num_layers}, closed={self._closed})"

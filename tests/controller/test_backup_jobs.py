@@ -57,3 +57,38 @@ async def test_a_job_that_fails_the_joined_copy_fails_alone() -> None:
         assert ctl.metrics.counters["backup_failures"] == 1
     finally:
         await stack.aclose()
+
+
+async def test_the_backup_worker_outlives_a_copy_its_shared_executor_dropped() -> None:
+    """A copy engine on an executor another owner shuts down (``cancel_futures``): the dropped
+    copy fails its job (counted), and the worker goes on. It took the drop for its own
+    cancellation and stopped, silently: every later backup was queued forever and ``drain``
+    hung."""
+    import asyncio
+    import concurrent.futures
+    import threading
+
+    from hicache.memory import CopyEngine
+
+    stack = _stack()
+    shared = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+    gate = threading.Event()
+    shared.submit(gate.wait, 10)
+    own_engine = stack.controller.copy_engine
+    stack.controller.copy_engine = CopyEngine(stack.device_pool, stack.host_pool, executor=shared,
+                                              inline_max_bytes=0)
+    try:
+        results: list[bool] = []
+        assert stack.controller.submit_backup(pages(1), pages(20), results.append)
+        await asyncio.sleep(0.05)  # the worker handed the copy to the executor
+        shared.shutdown(wait=False, cancel_futures=True)
+        gate.set()
+        await asyncio.wait_for(stack.controller.drain(), 5)
+        assert results == [False] and stack.controller.metrics.counters["backup_failures"] == 1
+        stack.controller.copy_engine = own_engine  # a healthy engine again: backups copy
+        assert stack.controller.submit_backup(pages(2), pages(21), results.append)
+        await asyncio.wait_for(stack.controller.drain(), 5)
+        assert results == [False, True] and host_value(stack, 21) == 2.0
+    finally:
+        stack.controller.copy_engine = own_engine
+        await stack.aclose()

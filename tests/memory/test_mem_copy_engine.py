@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
 import time
 
@@ -573,3 +574,56 @@ def test_split_half_failure_waits_for_the_other_half(monkeypatch, pools):
         with pytest.raises(RuntimeError, match="boom"):
             eng.backup_sync(token_idx([1, 5, 3, 8], 4), token_idx([2, 9, 4, 0], 4))
         assert other_done.is_set()
+
+
+def _busy_shared_executor() -> tuple[concurrent.futures.ThreadPoolExecutor, threading.Event]:
+    """A one-thread executor another owner shares with the engine, busy until the event is set."""
+    shared = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+    gate = threading.Event()
+    shared.submit(gate.wait, 10)
+    return shared, gate
+
+
+async def test_a_copy_a_shared_executor_drops_fails_clearly(pools):
+    """A shared executor shut down with ``cancel_futures`` drops this engine's queued copies
+    unrun. A load's waiters get a clear error (they waited forever: nothing settled the layer
+    counter), and a backup raises one too, not a ``CancelledError``: its caller was not
+    cancelled, and a worker that took it for its own cancellation stopped for good."""
+    src, dst, host = pools(layers=2)
+    shared, gate = _busy_shared_executor()
+    eng = CopyEngine(dst, host, executor=shared, inline_max_bytes=0)
+    handle = eng.load(token_idx([0], 4), token_idx([1], 4))
+    backup = asyncio.create_task(eng.backup(token_idx([2], 4), token_idx([3], 4)))
+    await asyncio.sleep(0.01)
+    shared.shutdown(wait=False, cancel_futures=True)
+    gate.set()
+    with pytest.raises(CacheClosedError, match="dropped"):
+        await asyncio.wait_for(handle.wait(), 5)
+    with pytest.raises(CacheClosedError, match="dropped"):
+        handle.wait_layer_sync(0, timeout=5)
+    with pytest.raises(CacheClosedError, match="dropped"):
+        await asyncio.wait_for(backup, 5)
+    eng.close()
+
+
+def test_a_dropped_blocking_backup_fails_clearly(pools):
+    src, _, host = pools(layers=2)
+    shared, gate = _busy_shared_executor()
+    eng = CopyEngine(src, host, executor=shared, inline_max_bytes=0)
+    threading.Timer(0.05, lambda: (shared.shutdown(wait=False, cancel_futures=True), gate.set())).start()
+    with pytest.raises(CacheClosedError, match="dropped"):
+        eng.backup_sync(token_idx([2], 4), token_idx([3], 4))
+    eng.close()
+
+
+def test_close_on_a_shared_executor_waits_for_this_engines_queued_copies(pools):
+    """``close()`` finishes queued copies: with a shared executor it returned at once, and a
+    load still queued wrote device pages after it."""
+    src, dst, host = pools(layers=2)
+    shared, gate = _busy_shared_executor()
+    eng = CopyEngine(dst, host, executor=shared, inline_max_bytes=0)
+    handle = eng.load(token_idx([0, 1], 4), token_idx([2, 3], 4))
+    threading.Timer(0.2, gate.set).start()
+    eng.close()
+    assert handle.done()  # landed before close returned
+    shared.shutdown()
