@@ -13,7 +13,9 @@ is the string ``"2024"``; ``null`` still means none). A variable that sets a fie
 it (``..__PAGE_SIZE`` and ``..__PAGE_SIZE__X``) is an error whatever their order. Storage options
 from the environment that the configured backend does not take are dropped with a warning (one
 global ``HICACHE__STORAGE__OPTIONS__ROOT`` must not break a config whose backend has no root);
-in a file they stay errors.
+in a file they stay errors. A ``HICACHE__STORAGE__BACKEND`` that names another backend than the
+file's leaves the file's storage options out (logged at info: they were the other backend's),
+and ``HICACHE__STORAGE__OPTIONS={}`` (or ``null``) empties them; the same backend merges.
 
 Every problem becomes one :class:`~hicache.errors.ConfigError` listing each bad field by its
 dotted path, with what was given (shortened: an alias bomb must not take minutes to print) and
@@ -256,6 +258,7 @@ def _finish(
     if use_env:
         env = env_overrides(environ)
         if env:
+            data = _storage_options_under_env(data, env)
             if check:
                 _drop_foreign_env_options(data, env)
             data = _merge(data, env)
@@ -264,6 +267,41 @@ def _finish(
     if check:
         check_backend(config)
     return config
+
+
+def _backend_named(value: Any) -> Any:
+    """A ``storage.backend`` value as the schema reads it: ``"none"`` and ``""`` are no backend."""
+    return None if isinstance(value, str) and value.strip().lower() in ("", "none") else value
+
+
+def _storage_options_under_env(data: dict[str, Any], env: dict[str, Any]) -> dict[str, Any]:
+    """``data`` without the file's ``storage.options`` where the environment does not build on them.
+
+    Options belong to a backend: when the environment switches ``storage.backend`` to another
+    one, the file's options (``root`` of the default ``file`` backend) would be refused by the
+    new backend and no variable could remove them, so they are left out (logged) and only the
+    environment's options apply. An empty or null ``HICACHE__STORAGE__OPTIONS`` means "no
+    options" and replaces the file's table (merged, it changed nothing). The same backend keeps
+    merging the environment's options into the file's."""
+    env_storage = env.get("storage")
+    if not isinstance(env_storage, dict):
+        return data
+    if "options" in env_storage and env_storage["options"] is None:
+        env_storage["options"] = {}  # null: no options (the field is a table, never null)
+    storage = data.get("storage")
+    if not isinstance(storage, Mapping) or not isinstance(storage.get("options"), Mapping) or not storage["options"]:
+        return data
+    if env_storage.get("options", None) == {}:
+        return {**data, "storage": {k: v for k, v in storage.items() if k != "options"}}
+    if "backend" not in env_storage:
+        return data
+    before = _backend_named(storage.get("backend", "file"))  # the schema's default backend
+    after = _backend_named(env_storage["backend"])
+    if after == before:
+        return data
+    logger.info("HICACHE__STORAGE__BACKEND switches the storage backend from %r to %r: the configured "
+                "storage options %s (the other backend's) are left out", before, after, sorted(storage["options"]))
+    return {**data, "storage": {k: v for k, v in storage.items() if k != "options"}}
 
 
 def _drop_foreign_env_options(data: Mapping[str, Any], env: dict[str, Any]) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -91,6 +92,28 @@ def test_environment_overrides() -> None:
     assert config.cache.prefetch.policy == "best_effort"
     with pytest.raises(ConfigError, match="device.page_size"):
         load_config(None, environ={"HICACHE__DEVICE__PAGE_SIZE": "many"}, check=False)
+
+
+def test_environment_switches_the_backend_of_the_default_config(caplog: pytest.LogCaptureFixture) -> None:
+    """The loader's own example (``HICACHE__STORAGE__BACKEND=s3`` + ``..__OPTIONS__URL``) on the
+    shipped default was refused: the file backend's ``root`` and ``max_bytes`` came along to a
+    backend without them, and ``HICACHE__STORAGE__OPTIONS={}`` merged into them, changing nothing."""
+    default = Path(__file__).parents[2] / "configs" / "default.toml"
+    caplog.set_level(logging.INFO, logger="hicache.config")
+    config = load_config(default, environ={"HICACHE__STORAGE__BACKEND": "memory",
+                                           "HICACHE__STORAGE__OPTIONS__MAX_BYTES": "1024"})
+    assert config.storage.backend == "memory" and config.storage.options == {"max_bytes": 1024}
+    assert any("'file' to 'memory'" in r.getMessage() and "['max_bytes', 'root']" in r.getMessage()
+               for r in caplog.records)
+    config = load_config(default, environ={"HICACHE__STORAGE__BACKEND": "s3", "HICACHE__STORAGE__OPTIONS__URL": "s3://b/p"},
+                         check=_has_s3())
+    assert config.storage.backend == "s3" and config.storage.options == {"url": "s3://b/p"}
+    for empty in ("{}", "null"):  # an empty table replaces the file's
+        config = load_config(default, environ={"HICACHE__STORAGE__OPTIONS": empty})
+        assert config.storage.backend == "file" and config.storage.options == {}
+    # the same backend still merges into the file's options
+    config = load_config(default, environ={"HICACHE__STORAGE__BACKEND": "file", "HICACHE__STORAGE__OPTIONS__ROOT": "/srv/kv"})
+    assert config.storage.options == {"root": "/srv/kv", "max_bytes": 4294967296}
 
 
 async def test_a_loaded_config_object_is_taken_as_it_is() -> None:
