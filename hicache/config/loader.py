@@ -260,7 +260,7 @@ def _finish(
         if env:
             data = _storage_options_under_env(data, env)
             if check:
-                _drop_foreign_env_options(data, env)
+                _fit_env_options(data, env)
             data = _merge(data, env)
             label += " + HICACHE__ environment"
     config = config_from_dict(data, source=label)
@@ -304,10 +304,12 @@ def _storage_options_under_env(data: dict[str, Any], env: dict[str, Any]) -> dic
     return {**data, "storage": {k: v for k, v in storage.items() if k != "options"}}
 
 
-def _drop_foreign_env_options(data: Mapping[str, Any], env: dict[str, Any]) -> None:
+def _fit_env_options(data: Mapping[str, Any], env: dict[str, Any]) -> None:
     """Remove from ``env`` the storage options the configured backend does not take (and the
     file did not set): a global override such as ``..__OPTIONS__ROOT`` is meant for the
-    backends that have that option."""
+    backends that have that option. Options the backend annotates ``bool`` are read from their
+    usual spellings (``False``, ``no``, ``0``...): a variable's text is not JSON, so it stayed
+    the string ``"False"``, where a typed field spelt the same way was read as false."""
     options = env.get("storage", {}).get("options") if isinstance(env.get("storage"), dict) else None
     if not isinstance(options, dict) or not options:
         return
@@ -316,16 +318,21 @@ def _drop_foreign_env_options(data: Mapping[str, Any], env: dict[str, Any]) -> N
     name = storage.get("backend", "file")
     if not isinstance(name, str) or not name:
         return
+    from hicache.storage.options import parse_bool_text, takes_bool
     from hicache.storage.registry import backend_options
 
     try:
-        allowed = set(backend_options(name)) - {"namespace"}
+        params = backend_options(name)
     except (BackendNotFoundError, BackendLoadError):
         return  # check_backend reports the backend itself
+    allowed = set(params) - {"namespace"}
     file_options = storage.get("options") if isinstance(storage.get("options"), Mapping) else {}
     for key in sorted(set(options) - allowed - set(file_options or {})):
         logger.warning("ignoring HICACHE__STORAGE__OPTIONS__%s: backend %r has no option %r", key.upper(), name, key)
         del options[key]
+    for key in options.keys() & allowed:
+        if takes_bool(params[key]):
+            options[key] = parse_bool_text(options[key])
 
 
 def check_backend(config: HiCacheConfig) -> None:
@@ -347,3 +354,11 @@ def check_backend(config: HiCacheConfig) -> None:
             f"storage.options: backend {name!r} has no option(s) {unknown}; allowed: "
             f"{sorted(k for k in allowed if k != 'namespace')} (backends: {available_backends()})"
         )
+    from hicache.storage.options import bool_option, takes_bool
+
+    for key, value in config.storage.options.items():
+        if key in allowed and takes_bool(allowed[key]):  # a string "false" is refused here, not taken as true later
+            try:
+                bool_option(name, key, value)
+            except ConfigError as exc:
+                raise ConfigError(f"storage.options: {exc}") from None

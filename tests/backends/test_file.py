@@ -580,6 +580,17 @@ async def test_chunk_failure_waits_for_the_other_chunks(tmp_path, monkeypatch) -
         assert len(finished) == 63 and max(finished) <= returned  # every other read had ended
 
 
+@pytest.mark.parametrize("option", ["fsync", "shared", "skip_existing", "removal_journal"])
+@pytest.mark.parametrize("value", ["False", "false", 0, 1, None])
+def test_boolean_options_take_only_booleans(option: str, value: object) -> None:
+    """``bool(value)`` read ``"False"`` (an environment variable's text, a TOML string) as true:
+    the store ended up shared, fsyncing, or journaling when told not to."""
+    from hicache.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=f"option {option} must be true or false, got {value!r}"):
+        create_async_storage("file", None, root="/tmp/never-made", **{option: value})
+
+
 def test_empty_root_is_a_config_error() -> None:
     from hicache.errors import ConfigError
 

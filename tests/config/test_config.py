@@ -116,6 +116,25 @@ def test_environment_switches_the_backend_of_the_default_config(caplog: pytest.L
     assert config.storage.options == {"root": "/srv/kv", "max_bytes": 4294967296}
 
 
+def test_boolean_backend_options_from_the_environment_are_read_as_booleans(tmp_path: Path) -> None:
+    """``HICACHE__STORAGE__OPTIONS__SHARED=False`` stayed the string ``"False"`` (not JSON) and the
+    file store took it as true, where ``HICACHE__SESSION__ENABLED=False`` was read as false."""
+    env = {"HICACHE__STORAGE__OPTIONS__SHARED": "False", "HICACHE__STORAGE__OPTIONS__FSYNC": "no",
+           "HICACHE__STORAGE__OPTIONS__SKIP_EXISTING": "0", "HICACHE__STORAGE__OPTIONS__REMOVAL_JOURNAL": "YES",
+           "HICACHE__SESSION__ENABLED": "False"}
+    config = load_config({"storage": {"backend": "file", "options": {"root": str(tmp_path)}}}, environ=env)
+    assert config.session.enabled is False
+    assert config.storage.options == {"root": str(tmp_path), "shared": False, "fsync": False,
+                                      "skip_existing": False, "removal_journal": True}
+    with pytest.raises(ConfigError, match=r"storage\.options: .*option shared must be true or false, got 'maybe'"):
+        load_config(None, environ={"HICACHE__STORAGE__OPTIONS__SHARED": "maybe"})
+    # a file has real booleans: a string there is an error at load, not true at the first write
+    path = tmp_path / "c.toml"
+    path.write_text('[storage]\nbackend = "file"\noptions = { fsync = "false" }\n')
+    with pytest.raises(ConfigError, match="option fsync must be true or false, got 'false'"):
+        load_config(path, environ={})
+
+
 async def test_a_loaded_config_object_is_taken_as_it_is() -> None:
     """A config loaded once (environment applied) and then changed by its caller keeps the
     changes when it is handed on: the environment is not layered a second time."""

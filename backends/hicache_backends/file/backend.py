@@ -40,6 +40,7 @@ from hicache.observability.tier_events import ChangeKind, Tier
 from hicache.storage import AsyncHiCacheStorage, HiCacheStorageConfig, PageCodec, PageKey, StorageState
 from hicache.storage.changes import report_cleared
 from hicache.storage.io_threads import copy_threads
+from hicache.storage.options import bool_option
 from hicache.storage.segments import PageSegments
 from hicache.storage.staging import PoolPage, StagedPage
 from hicache.storage.stats import Throttle
@@ -166,13 +167,13 @@ class FileStorage(AsyncHiCacheStorage):
         self.root = os.path.abspath(os.fspath(root))
         self.max_bytes = max_bytes
         self.min_free_bytes = min_free_bytes
-        self.fsync = bool(fsync)
+        self.fsync = bool_option("file", "fsync", fsync)
         self.io_threads = io_threads
-        self.skip_existing = bool(skip_existing)
-        self.shared = bool(shared)
+        self.skip_existing = bool_option("file", "skip_existing", skip_existing)
+        self.shared = bool_option("file", "shared", shared)
         if isinstance(journal_poll_s, bool) or not isinstance(journal_poll_s, (int, float)) or not 0 < journal_poll_s <= 3600:
             raise ConfigError(f"file backend: journal_poll_s must be a number of seconds in (0, 3600], got {journal_poll_s!r}")
-        self.removal_journal = bool(removal_journal) and self.shared
+        self.removal_journal = bool_option("file", "removal_journal", removal_journal) and self.shared
         self.journal_poll_s = float(journal_poll_s)
         # this store's removals out to the other processes, theirs in (shared stores only)
         self._peers = PeerRemovals(self.root, self.journal_poll_s, self._peer_removal) if self.removal_journal else None
