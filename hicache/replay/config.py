@@ -134,9 +134,11 @@ class ReplayConfig:
         if unknown:
             raise ConfigError(f"unknown replay config section(s) {unknown}; allowed: {sorted(sections)}")
         tiers = _table(data, "tiers")
+        # basis first: it sizes no tier, so a table of it alone keeps the default fractions
+        # (tested for emptiness before it was popped, every tier was 0 blocks)
+        basis = tiers.pop("basis", "trace")
         if tiers:
             cfg.fractions, cfg.blocks = {}, {}
-        basis = tiers.pop("basis", "trace")
         if basis not in ("trace", "replayed"):
             raise ConfigError(f"[tiers] basis must be 'trace' or 'replayed', got {basis!r}")
         cfg.capacity_basis = basis

@@ -323,3 +323,14 @@ def test_a_storage_backend_that_is_not_a_name_is_a_config_error(backend) -> None
     traceback after the whole trace was read."""
     with pytest.raises(ConfigError, match=r"\[storage\] backend must be a backend's name"):
         ReplayConfig.from_dict({"storage": {"backend": backend}})
+
+
+def test_a_tiers_table_of_basis_alone_keeps_the_default_fractions() -> None:
+    """``[tiers] basis = "replayed"`` alone emptied the default 1% / 5% / 20% (every tier 0
+    blocks, then an error that the device tier holds 0 tokens): it sizes no tier."""
+    default = ReplayConfig.from_dict({})
+    only_basis = ReplayConfig.from_dict({"tiers": {"basis": "replayed"}})
+    assert only_basis.capacity_basis == "replayed"
+    assert only_basis.fractions == default.fractions
+    assert only_basis.capacity_blocks(43924) == default.capacity_blocks(43924) == \
+        {"device": 439, "host": 2196, "storage": 8784}
