@@ -11,6 +11,10 @@ For programs, :meth:`ReplayConfig.from_dict` also takes capacities relative to t
     {"tiers": {"device_fraction": 0.01, "host_fraction": 0.05, "storage_fraction": 0.2},
      "kv": {"page_size": 512, "layer_num": 1, "head_num": 1, "head_dim": 2, "dtype": "float32"},
      "storage": {"backend": "memory"}, "controller": {"prefetch_policy": "wait_complete"}}
+
+``storage.backend`` ``""`` or ``"none"`` is no storage tier (capacity 0, as a deployment config
+reads them); ``storage.options.max_bytes`` bounds the store, so it sizes the storage tier when
+``tiers`` does not, and must agree with ``storage_blocks`` when both are given.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from typing import Any
 from hicache.controller.config import ControllerConfig
 from hicache.errors import ConfigError
 from hicache.placement import PLACEMENT_POLICIES, make_placement
-from hicache.stack import controller_options, stack_config_from
+from hicache.stack import controller_options, stack_config_from, torch_dtype
 
 __all__ = ["ReplayConfig", "load_replay_config"]
 
@@ -67,6 +71,25 @@ class ReplayConfig:
         default_factory=lambda: {"write_policy": "write_through", "prefetch_policy": "wait_complete"}
     )
 
+    def __post_init__(self) -> None:
+        # "" and "none" say "no storage tier", as in a deployment config (whose schema reads
+        # them so): "none" was a backend name not found after the whole trace was read
+        self.storage_backend = _backend_name(self.storage_backend)
+
+    @property
+    def page_nbytes(self) -> int:
+        """Bytes of one page of this geometry's KV (what ``max_bytes`` is counted in)."""
+        return 2 * self.layer_num * self.head_num * self.head_dim * self.page_size * \
+            torch_dtype(self.dtype).itemsize
+
+    def storage_bound_pages(self) -> int | None:
+        """Pages ``[storage] options.max_bytes`` bounds the store to (``None``: not set, or no
+        storage tier). The store is built with that bound whatever ``[tiers]`` says, so it is
+        the tier's size: the report and the reference LRU count this, not another."""
+        if self.storage_backend is None or "max_bytes" not in self.storage_options:
+            return None
+        return int(self.storage_options["max_bytes"]) // self.page_nbytes
+
     def controller_config(self) -> ControllerConfig:
         return ControllerConfig.from_dict(dict(self.controller))
 
@@ -108,19 +131,48 @@ class ReplayConfig:
         for name in ("placement_options", "storage_options", "controller"):
             if not isinstance(getattr(self, name), dict):
                 raise ConfigError(f"{name} must be a table, got {type(getattr(self, name)).__name__}")
+        self._check_storage_bound()
         self.controller_config()
         # built once now: a comparison applies the options to this policy's replay only, and a
         # bad one was found when its turn came, after the other policies' replays had run
         make_placement(self.placement, self.placement_options)
 
+    def _check_storage_bound(self) -> None:
+        """A :class:`ConfigError` for a ``max_bytes`` that is no size, or that says another
+        size than the storage tier's pages or blocks: the store was bounded by it while the
+        tiers line and the reference LRU counted the tier (20 blocks named, 4 replayed)."""
+        if self.storage_backend is None or "max_bytes" not in self.storage_options:
+            return
+        max_bytes = self.storage_options["max_bytes"]
+        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < self.page_nbytes:
+            raise ConfigError(f"[storage] options.max_bytes must be an integer of at least one page "
+                              f"({self.page_nbytes} bytes), got {max_bytes!r}")
+        bound = max_bytes // self.page_nbytes
+        if "storage" in self.pages:
+            tier, what = int(self.pages["storage"]), f"{self.pages['storage']} pages"
+        elif "storage" in self.blocks:
+            tier, what = int(self.blocks["storage"]) * (512 // self.page_size), f"storage_blocks = {self.blocks['storage']}"
+        else:
+            return  # sized by max_bytes alone (a fraction gives way to it, see capacity_blocks)
+        if tier != bound:
+            raise ConfigError(f"[storage] options.max_bytes ({max_bytes}) bounds the store to {bound} pages but "
+                              f"[tiers] {what} is {tier} pages; set one of them")
+
     def capacity_blocks(self, unique: int) -> dict[str, int]:
-        """Capacity of each tier in trace blocks for ``unique`` unique blocks."""
+        """Capacity of each tier in trace blocks for ``unique`` unique blocks. No storage
+        backend is no storage tier; a storage tier not sized in pages or blocks is the store's
+        ``max_bytes`` when it has one (that is the bound it runs with), else its fraction."""
         out = {}
+        bound = self.storage_bound_pages()
         for tier in _TIERS:
-            if tier in self.pages:
+            if tier == "storage" and self.storage_backend is None:
+                out[tier] = 0
+            elif tier in self.pages:
                 out[tier] = int(self.pages[tier]) * self.page_size // 512
             elif tier in self.blocks:
                 out[tier] = int(self.blocks[tier])
+            elif tier == "storage" and bound is not None:
+                out[tier] = bound * self.page_size // 512
             else:
                 out[tier] = int(unique * float(self.fractions.get(tier, 0.0)))
         return out
@@ -159,8 +211,12 @@ class ReplayConfig:
             if key not in ("backend", "options"):
                 raise ConfigError(f"[storage] {key!r} unknown; allowed: backend, options")
         if "backend" in storage:
-            cfg.storage_backend = storage["backend"] or None
+            cfg.storage_backend = _backend_name(storage["backend"] or None)
         cfg.storage_options = _table(storage, "options", "[storage] options")
+        if "storage_fraction" in tiers and cfg.storage_backend is not None and "max_bytes" in cfg.storage_options:
+            # a fraction of a trace not read yet cannot be checked against the bound
+            raise ConfigError("[tiers] storage_fraction and [storage] options.max_bytes both size the storage "
+                              "tier; set one of them (or storage_blocks equal to max_bytes)")
         replay = _table(data, "replay")
         for key, value in replay.items():
             if key not in _REPLAY_KEYS:
@@ -178,7 +234,13 @@ class ReplayConfig:
         """Capacity of each tier in pages (absolute pages win over blocks and fractions)."""
         per_block = 512 // self.page_size
         blocks = self.capacity_blocks(unique)
-        return {tier: int(self.pages[tier]) if tier in self.pages else blocks[tier] * per_block for tier in _TIERS}
+        out = {tier: int(self.pages[tier]) if tier in self.pages else blocks[tier] * per_block for tier in _TIERS}
+        bound = self.storage_bound_pages()
+        if self.storage_backend is None:
+            out["storage"] = 0
+        elif bound is not None and "storage" not in self.pages and "storage" not in self.blocks:
+            out["storage"] = bound  # whole pages, not the whole blocks of capacity_blocks
+        return out
 
     @classmethod
     def from_hicache_config(cls, config: Any) -> ReplayConfig:
@@ -244,6 +306,12 @@ def _warn_unsized_storage(backend: str) -> None:
            f"{backend!r} takes no max_bytes: replay a copy with backend = \"memory\" and options.max_bytes")
     logger.warning("replay: storage backend %r has no max_bytes to size the storage tier from, so this replay "
                    "has no storage tier; to replay one, %s", backend, how)
+
+
+def _backend_name(value: Any) -> Any:
+    """``None`` for ``""`` and ``"none"`` (no storage tier, as a deployment config's schema reads
+    them); anything else as it is, for :meth:`ReplayConfig.validate` to judge."""
+    return None if isinstance(value, str) and value.strip().lower() in ("", "none") else value
 
 
 def _table(data: dict[str, Any], key: str, what: str | None = None) -> dict[str, Any]:

@@ -334,3 +334,59 @@ def test_a_tiers_table_of_basis_alone_keeps_the_default_fractions() -> None:
     assert only_basis.fractions == default.fractions
     assert only_basis.capacity_blocks(43924) == default.capacity_blocks(43924) == \
         {"device": 439, "host": 2196, "storage": 8784}
+
+
+def _cycle_trace(path: Path) -> Path:
+    """20 one-block requests, then the same 20 again: a store of 20 blocks hits the second round."""
+    return _write(path, *([i % 20] for i in range(40)))
+
+
+_PAGE = 512 * 2 * 4 * 2  # one 512-token page of the default replay geometry (float32, K and V)
+
+
+def test_a_storage_bound_that_contradicts_the_tier_is_a_config_error_before_the_trace(tmp_path, capsys) -> None:
+    """``[storage] options.max_bytes`` of 4 pages bounded the store while ``[tiers]`` said 20
+    blocks: the tiers line said storage 20, the nested LRU 0.5000, and ``lru`` replayed 0."""
+    bad = {"tiers": {"device_blocks": 2, "host_blocks": 2, "storage_blocks": 20},
+           "storage": {"backend": "memory", "options": {"max_bytes": 4 * _PAGE}}}
+    with pytest.raises(ConfigError, match=r"max_bytes \(32768\) bounds the store to 4 pages but \[tiers\] "
+                                          r"storage_blocks = 20 is 20 pages"):
+        ReplayConfig.from_dict(bad)
+    with pytest.raises(ConfigError, match="storage_fraction and .*max_bytes both size"):
+        ReplayConfig.from_dict({**bad, "tiers": {"device_blocks": 2, "host_blocks": 2, "storage_fraction": 0.5}})
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('[tiers]\ndevice_blocks = 2\nhost_blocks = 2\nstorage_blocks = 20\n'
+                   '[storage]\nbackend = "memory"\noptions = { max_bytes = 32768 }\n')
+    # before the trace is read: a trace that is not there is not what it reports
+    assert main(["replay", "-c", str(cfg), "--trace", str(tmp_path / "absent.jsonl"), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "max_bytes (32768) bounds the store to 4 pages" in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("tiers", [{"storage_blocks": 20}, {}])
+def test_a_storage_bound_sizes_the_tier_the_report_and_reference_count(tmp_path, tiers) -> None:
+    """A ``max_bytes`` that agrees with ``storage_blocks``, or sizes the tier alone, is the
+    tier's size in the report and the reference, and the replay matches the reference."""
+    requests = load_trace(_cycle_trace(tmp_path / "t.jsonl"))
+    cfg = ReplayConfig.from_dict({"tiers": {"device_blocks": 2, "host_blocks": 2, **tiers},
+                                  "storage": {"backend": "memory", "options": {"max_bytes": 20 * _PAGE}}})
+    report = asyncio.run(compare_policies(cfg, requests, ["lru"]))
+    assert report["capacities_blocks"] == {"device": 2, "host": 2, "storage": 20}
+    row = report["policies"]["lru"]
+    assert row["total_hit"] == row["nested_lru_hit"] == 0.5
+
+
+@pytest.mark.parametrize("backend", ["", "none", "None"])
+def test_no_storage_backend_is_no_storage_tier_in_the_report_and_reference(tmp_path, backend) -> None:
+    """``backend = ""`` switched storage off but the tiers line still said storage 20 and the
+    nested LRU counted storage hits (0.5000 against 0 replayed); ``"none"``, which a deployment
+    config reads as no storage, was a BackendNotFoundError after the trace was read."""
+    requests = load_trace(_cycle_trace(tmp_path / "t.jsonl"))
+    cfg = ReplayConfig.from_dict({"tiers": {"device_blocks": 2, "host_blocks": 2, "storage_blocks": 20},
+                                  "storage": {"backend": backend}})
+    assert cfg.storage_backend is None and cfg.capacity_pages(20)["storage"] == 0
+    report = asyncio.run(compare_policies(cfg, requests, ["lru"]))
+    assert report["capacities_blocks"]["storage"] == 0
+    row = report["policies"]["lru"]
+    assert row["total_hit"] == row["nested_lru_hit"] == 0.0
+    assert ReplayConfig(storage_backend="none").capacity_blocks(100)["storage"] == 0
