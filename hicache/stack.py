@@ -34,7 +34,7 @@ from hicache.observability.tier_events import TierChangeHub
 from hicache.placement import make_placement
 from hicache.prefix_cache.hiradix import HiRadixCache
 from hicache.storage import AsyncHiCacheStorage, HiCacheStorageConfig, create_async_storage
-from hicache.storage.registry import backend_options
+from hicache.storage.registry import backend_class, backend_options
 
 __all__ = [
     "CacheStack",
@@ -189,7 +189,8 @@ def build_stack(cfg: StackConfig, *, storage: AsyncHiCacheStorage | None = None)
         if cfg.storage_pages is not None and "max_bytes" in backend_options(cfg.storage_backend):
             # any store that takes a bound gets the tier's size (a file store's own default,
             # 64 GiB, kept every page of a tier sized in pages)
-            options.setdefault("max_bytes", cfg.storage_pages * cfg.page_nbytes)
+            options.setdefault("max_bytes", cfg.storage_pages * stored_page_nbytes(cfg.storage_backend,
+                                                                                   cfg.page_nbytes))
         options.setdefault("namespace", cfg.namespace or storage_namespace(host_pool))
         storage = create_async_storage(cfg.storage_backend, None, **options)
     if storage is not None and "kv" not in storage.registered_pools:
@@ -217,6 +218,16 @@ def build_stack(cfg: StackConfig, *, storage: AsyncHiCacheStorage | None = None)
                        detach)
     _wire_attribution(stack)
     return stack
+
+
+def stored_page_nbytes(backend: str, page_nbytes: int) -> int:
+    """Bytes one page of ``page_nbytes`` takes of ``backend``'s ``max_bytes``: what its class's
+    ``stored_page_nbytes(page_nbytes)`` says (a ``file`` store counts each page file whole,
+    header and footer too: 224 bytes for a 64-byte page), else the page itself. A store
+    bounded to ``storage_pages`` pages of payload held fewer (4 of 16) while the placement
+    directory counted ``storage_pages``, so the store's own LRU evicted pages the tree kept."""
+    size = getattr(backend_class(backend), "stored_page_nbytes", None)
+    return int(size(page_nbytes)) if callable(size) else page_nbytes
 
 
 def _wire_attribution(stack: CacheStack) -> None:

@@ -218,3 +218,38 @@ def test_size_shows_its_progress_on_a_terminal(tmp_path: Path, monkeypatch: pyte
         report = size_report(trace, progress=True)
         assert ("sizing" in stderr.getvalue() and "reading" in stderr.getvalue()) is shown
         assert report == size_report(trace)
+
+
+def test_a_file_store_sized_by_storage_pages_holds_that_many_pages(tmp_path) -> None:
+    """The stack bounded a ``file`` store sized by ``storage_pages`` to that many pages of
+    payload, but the store counts each page file whole (header and footer too): it held 15 or
+    4 of 16 pages, its own LRU evicting pages the placement directory had room for. It now
+    holds exactly ``storage_pages``; one page more, and its bound evicts one."""
+    from hicache.controller import ControllerConfig
+    from hicache.replay import serve_request
+    from hicache.stack import StackConfig, build_stack
+
+    ps, n = 4, 16
+
+    async def run() -> None:
+        for head_dim in (2, 128):  # 64-byte pages (224 on disk) and 32 KiB ones
+            stack = build_stack(StackConfig(
+                page_size=ps, device_pages=2 * n, host_pages=2 * n, storage_pages=n, head_num=8, head_dim=head_dim,
+                storage_backend="file", storage_options={"root": str(tmp_path / f"s{head_dim}"), "min_free_bytes": 0},
+                req_slots=4, max_context_len=256,
+                controller=ControllerConfig(prefetch_threshold=ps, prefetch_policy="wait_complete")))
+            try:
+                await serve_request(stack, list(range(n * ps)), rid="fill")
+                await stack.controller.wait_prefetches()
+                await stack.cache.drain()
+                assert len(await stack.storage.list_pages()) == n
+                assert stack.storage.get_stats().get("evicted_pages", 0) == 0
+                # one page more: the store's own bound evicts one
+                await serve_request(stack, [10_000 + t for t in range(ps)], rid="one-more")
+                await stack.cache.drain()
+                assert len(await stack.storage.list_pages()) == n
+                assert stack.storage.get_stats().get("evicted_pages", 0) == 1
+            finally:
+                await stack.aclose()
+
+    asyncio.run(run())

@@ -137,6 +137,12 @@ class FileStorage(AsyncHiCacheStorage):
     supports_segments = True  # pages scattered in pool memory move by preadv/pwritev, no staging
     supports_staged_pages = True  # seed-protocol pools: each page copied and moved by one thread
 
+    @classmethod
+    def stored_page_nbytes(cls, payload_nbytes: int) -> int:
+        """Bytes one page of ``payload_nbytes`` counts against ``max_bytes``: the whole file,
+        header and footer too, for a cache key (a 64-hex-digit hash) in the ``kv`` pool."""
+        return NamespaceLayout.file_size("0" * 64, "kv", payload_nbytes)
+
     def __init__(
         self,
         storage_config: HiCacheStorageConfig | None = None,
