@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from hicache.errors import HiCacheError
 from hicache.prefix_cache.req import Req
 from hicache.stack import CacheStack
 from hicache.replay.synthetic import verify_kv, write_synthetic_kv
@@ -19,8 +20,10 @@ from hicache.replay.synthetic import verify_kv, write_synthetic_kv
 __all__ = ["RequestOutcome", "serve_request", "OutOfDeviceMemory"]
 
 
-class OutOfDeviceMemory(RuntimeError):
-    """The device pool cannot hold the request even after evicting everything evictable."""
+class OutOfDeviceMemory(HiCacheError, RuntimeError):
+    """The device pool cannot hold the request even after evicting everything evictable (and
+    waiting for the copies in flight). A :class:`HiCacheError`: the CLI reports it in one line,
+    exit status 2 (a traceback exited 1, the status of "restored KV differs")."""
 
 
 @dataclasses.dataclass
@@ -67,6 +70,14 @@ async def serve_request(
     n_alloc = -(-need // ps) * ps
     dev = stack.allocator.alloc(n_alloc)
     if dev is None:
+        await cache.evict_async(n_alloc - stack.allocator.available_size())
+        dev = stack.allocator.alloc(n_alloc)
+    if dev is None:
+        # device pages whose host copy or load is still in flight are not evictable yet (with
+        # drain_between_requests = false the copies go on between requests): the room is
+        # there once they land, so wait for them before calling it out of memory
+        await stack.controller.wait_prefetches()
+        await cache.drain()
         await cache.evict_async(n_alloc - stack.allocator.available_size())
         dev = stack.allocator.alloc(n_alloc)
     if dev is None:

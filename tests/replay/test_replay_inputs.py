@@ -390,3 +390,33 @@ def test_no_storage_backend_is_no_storage_tier_in_the_report_and_reference(tmp_p
     row = report["policies"]["lru"]
     assert row["total_hit"] == row["nested_lru_hit"] == 0.0
     assert ReplayConfig(storage_backend="none").capacity_blocks(100)["storage"] == 0
+
+
+def test_without_draining_a_request_waits_for_copies_in_flight_before_running_out(tmp_path, capsys,
+                                                                                   monkeypatch) -> None:
+    """``drain_between_requests = false``: device pages whose copies were still in flight
+    could not be evicted yet, and the replay died with an ``OutOfDeviceMemory`` traceback,
+    exit 1 (the status of "restored KV differs"), though the room was there once they landed.
+    A request now waits for them first; a real shortage is one line, exit status 2."""
+    from hicache.replay import runner
+    from hicache.replay.driver import OutOfDeviceMemory
+
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(
+        json.dumps({"timestamp": i, "input_length": 1024 + (i % 3) * 100, "output_length": 1,
+                    "hash_ids": [i % 7, 100 + i % 5] + ([200 + i % 3] if i % 3 else [])}) + "\n"
+        for i in range(60)))
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('[tiers]\ndevice_blocks = 4\nhost_blocks = 4\nstorage_blocks = 8\n[storage]\nbackend = "memory"\n'
+                   '[replay]\ndrain_between_requests = false\n[controller]\nprefetch_policy = "best_effort"\n')
+    args = ["replay", "-c", str(cfg), "--trace", str(trace), "--policies", "lru", "--no-progress"]
+    assert main(args) == 0
+    assert "verify" in capsys.readouterr().out
+
+    async def short(*_args, rid: str, **_kwargs):
+        raise OutOfDeviceMemory(f"request {rid}: 1536 tokens do not fit on device")
+
+    monkeypatch.setattr(runner, "serve_request", short)
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err == "hicache: error: request r0: 1536 tokens do not fit on device\n"
