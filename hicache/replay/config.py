@@ -38,6 +38,7 @@ _TIERS = ("device", "host", "storage")
 _EXACT_DTYPES = ("float32", "float16", "bfloat16")
 _REPLAY_KEYS = (
     "eviction_policy", "placement", "placement_options", "drain_between_requests", "verify", "max_requests",
+    "attribution_ledger_pages", "explain_misses",
 )
 
 
@@ -67,6 +68,11 @@ class ReplayConfig:
     drain_between_requests: bool = True
     verify: bool = True
     max_requests: int | None = None
+    #: page keys the miss attribution remembers (``None``: the stack's default) and its explain
+    #: mode, as a deployment's ``cache`` section sets them: the README has the replay raise
+    #: the ledger to explain ``unknown`` misses, and the replay dropped both
+    attribution_ledger_pages: int | None = None
+    explain_misses: bool = False
     controller: dict[str, Any] = dataclasses.field(
         default_factory=lambda: {"write_policy": "write_through", "prefetch_policy": "wait_complete"}
     )
@@ -116,7 +122,9 @@ class ReplayConfig:
             _check_int(self.max_requests, "max_requests", minimum=0)
         if self.load_back_quota_tokens is not None:
             _check_int(self.load_back_quota_tokens, "load_back_quota_tokens", minimum=0)
-        for name in ("drain_between_requests", "verify"):
+        if self.attribution_ledger_pages is not None:
+            _check_int(self.attribution_ledger_pages, "attribution_ledger_pages", minimum=0)
+        for name in ("drain_between_requests", "verify", "explain_misses"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         for name in ("eviction_policy", "placement"):
@@ -284,6 +292,8 @@ class ReplayConfig:
             device=st.device,
             host_layout=st.host_layout,
             load_back_quota_tokens=config.cache.load_back_quota_tokens,
+            attribution_ledger_pages=st.attribution_ledger_pages,
+            explain_misses=st.explain_misses,
         )
         if 512 % ps:
             raise ConfigError(f"replay: device.page_size must divide the trace block (512), got {ps}")

@@ -174,6 +174,8 @@ async def replay_requests(
         req_slots=4,
         max_context_len=max((r.input_length for r in requests), default=1) + BLOCK_TOKENS,
         controller=cfg.controller_config(),
+        attribution_ledger_pages=cfg.attribution_ledger_pages,
+        explain_misses=cfg.explain_misses,
         namespace=Namespace(model="hicache-replay", kv_dtype=cfg.dtype, page_size=cfg.page_size,
                             num_layers=cfg.layer_num, num_kv_heads=cfg.head_num, head_dim=cfg.head_dim,
                             layout=cfg.host_layout, salt=f"run-{os.getpid()}-{uuid.uuid4().hex[:12]}"),

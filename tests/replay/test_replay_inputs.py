@@ -420,3 +420,31 @@ def test_without_draining_a_request_waits_for_copies_in_flight_before_running_ou
     assert main(args) == 2
     err = capsys.readouterr().err
     assert err == "hicache: error: request r0: 1536 tokens do not fit on device\n"
+
+
+def test_the_attribution_ledger_and_explain_mode_of_a_config_reach_the_replay(tmp_path, monkeypatch) -> None:
+    """``cache.attribution_ledger_pages`` (the README: raise it to explain ``unknown`` misses)
+    and ``cache.explain_misses`` of a deployment config were dropped by the replay: a ledger of
+    no pages explained the misses as well as the default one."""
+    from hicache.replay import load_replay_config, runner
+
+    requests = load_trace(_prefix_reuse_trace(tmp_path / "t.jsonl"))
+    base = ('[model]\nnum_layers = 1\nnum_kv_heads = 1\nhead_dim = 2\nkv_dtype = "float32"\n'
+            '[device]\npage_size = 512\nsize_tokens = 4096\n[host]\nsize_bytes = 32768\n'
+            '[storage]\nbackend = "memory"\noptions = { max_bytes = 65536 }\n[cache]\n')
+    built, real = [], runner.build_stack
+    monkeypatch.setattr(runner, "build_stack", lambda sc, **kw: built.append(sc) or real(sc, **kw))
+    unknown = {}
+    for ledger in (None, 0):
+        path = tmp_path / f"c{ledger}.toml"
+        path.write_text(base + ("" if ledger is None else f"attribution_ledger_pages = {ledger}\nexplain_misses = true\n"))
+        cfg = load_replay_config(path)
+        assert (cfg.attribution_ledger_pages, cfg.explain_misses) == (ledger, ledger is not None)
+        row = asyncio.run(compare_policies(cfg, requests, ["lru"]))["policies"]["lru"]
+        assert (built[-1].attribution_ledger_pages, built[-1].explain_misses) == (ledger, ledger is not None)
+        unknown[ledger] = row["miss_tokens"].get("unknown", 0)
+    assert unknown[None] == 0 < unknown[0]
+    native = ReplayConfig.from_dict({"replay": {"attribution_ledger_pages": 64, "explain_misses": True}})
+    assert (native.attribution_ledger_pages, native.explain_misses) == (64, True)
+    with pytest.raises(ConfigError, match="attribution_ledger_pages must be an integer >= 0"):
+        ReplayConfig.from_dict({"replay": {"attribution_ledger_pages": -1}})
