@@ -78,6 +78,7 @@ async def compare_policies(
             "host_written_bytes": result["bytes"]["d2h"],
             "storage_written_bytes": result["bytes"]["h2s"],
             "verification_failures": result["verification_failures"],
+            "verified": result["verified"],
             "evicted": result["evicted"],
             "storage_deleted_bytes": result["evicted"]["storage"]["bytes"],
             "wall_time_s": result["wall_time_s"],
@@ -106,7 +107,8 @@ async def compare_policies(
 
 def format_comparison(report: dict[str, Any]) -> str:
     """The comparison as a text table (token hit ratios, MiB written). "vs lru" is ``-`` where
-    there is no ratio: ``lru`` not replayed, or it wrote nothing to storage (was ``nanx``)."""
+    there is no ratio: ``lru`` not replayed, or it wrote nothing to storage (was ``nanx``);
+    "verify" is ``off`` where nothing was verified (``verify = false``)."""
     cols = ("device", "host", "storage", "total", "host MiB", "storage MiB", "vs lru", "st. del MiB", "verify")
     lines = [
         f"trace {report.get('trace', '?')}",
@@ -120,7 +122,8 @@ def format_comparison(report: dict[str, Any]) -> str:
             f"{r['host_written_bytes'] / 2**20:.1f}", f"{r['storage_written_bytes'] / 2**20:.1f}",
             f"{r['storage_written_vs_lru']:.2f}x" if "storage_written_vs_lru" in r else "-",
             f"{r['storage_deleted_bytes'] / 2**20:.1f}",
-            str(r["verification_failures"]),
+            # "off", not 0, when verify = false: 0 read as "every restored page checked out"
+            str(r["verification_failures"]) if r.get("verified", True) else "off",
         )
         lines.append(f"{name:<12}" + "".join(f"{v:>12}" for v in vals))
     any_row = next(iter(report["policies"].values()), None)

@@ -228,6 +228,8 @@ async def replay_requests(
     return {
         "requests": len(requests),
         **totals,
+        # verification_failures is 0 when nothing was checked too: say which it is
+        "verified": cfg.verify,
         "hit_tokens": hit_tokens,
         "hit_ratio_tokens": hit_tokens / max(1, totals["prompt_tokens"]),
         "bytes": snap["bytes"],

@@ -448,3 +448,21 @@ def test_the_attribution_ledger_and_explain_mode_of_a_config_reach_the_replay(tm
     assert (native.attribution_ledger_pages, native.explain_misses) == (64, True)
     with pytest.raises(ConfigError, match="attribution_ledger_pages must be an integer >= 0"):
         ReplayConfig.from_dict({"replay": {"attribution_ledger_pages": -1}})
+
+
+def test_a_replay_without_verification_says_so_in_the_table_and_json(tmp_path, capsys) -> None:
+    """``verify = false`` printed 0 in the verify column (and the JSON's 0 failures), read as
+    every restored page checked out, though none was checked."""
+    trace = _prefix_reuse_trace(tmp_path / "t.jsonl")
+    rows = {}
+    for verify in ("true", "false"):
+        cfg = tmp_path / f"{verify}.toml"
+        cfg.write_text(f'[tiers]\ndevice_blocks = 8\nhost_blocks = 12\n[replay]\nverify = {verify}\n')
+        args = ["replay", "-c", str(cfg), "--trace", str(trace), "--policies", "lru", "--no-progress"]
+        assert main(args) == 0
+        table = capsys.readouterr().out.splitlines()
+        row = next(line.split() for line in table if line.startswith("lru "))  # the hit table's, not the misses'
+        assert main([*args, "--json"]) == 0
+        rows[verify] = (row[-1], json.loads(capsys.readouterr().out)["policies"]["lru"])
+    assert rows["true"][0] == "0" and rows["true"][1]["verified"] is True
+    assert rows["false"][0] == "off" and rows["false"][1]["verified"] is False
