@@ -27,7 +27,7 @@ from typing import Any
 from hicache.controller.config import ControllerConfig
 from hicache.errors import ConfigError
 from hicache.placement import PLACEMENT_POLICIES, make_placement
-from hicache.stack import controller_options, stack_config_from, torch_dtype
+from hicache.stack import controller_options, stack_config_from, stored_page_nbytes, torch_dtype
 
 __all__ = ["ReplayConfig", "load_replay_config"]
 
@@ -94,7 +94,7 @@ class ReplayConfig:
         the tier's size: the report and the reference LRU count this, not another."""
         if self.storage_backend is None or "max_bytes" not in self.storage_options:
             return None
-        return int(self.storage_options["max_bytes"]) // self.page_nbytes
+        return int(self.storage_options["max_bytes"]) // stored_page_nbytes(self.storage_backend, self.page_nbytes)
 
     def controller_config(self) -> ControllerConfig:
         return ControllerConfig.from_dict(dict(self.controller))
@@ -155,7 +155,7 @@ class ReplayConfig:
         if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < self.page_nbytes:
             raise ConfigError(f"[storage] options.max_bytes must be an integer of at least one page "
                               f"({self.page_nbytes} bytes), got {max_bytes!r}")
-        bound = max_bytes // self.page_nbytes
+        bound = self.storage_bound_pages()
         if "storage" in self.pages:
             tier, what = int(self.pages["storage"]), f"{self.pages['storage']} pages"
         elif "storage" in self.blocks:
@@ -270,7 +270,8 @@ class ReplayConfig:
             if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < st.page_nbytes:
                 raise ConfigError(f"replay: storage.options.max_bytes must be an integer of at least one page "
                                   f"({st.page_nbytes} bytes), got {max_bytes!r}")
-            pages["storage"] = max_bytes // st.page_nbytes
+            # what the store holds: a file store counts each page file whole (header, footer)
+            pages["storage"] = max_bytes // stored_page_nbytes(st.storage_backend, st.page_nbytes)
         else:
             pages["storage"] = 0
             if st.storage_backend:

@@ -466,3 +466,19 @@ def test_a_replay_without_verification_says_so_in_the_table_and_json(tmp_path, c
         rows[verify] = (row[-1], json.loads(capsys.readouterr().out)["policies"]["lru"])
     assert rows["true"][0] == "0" and rows["true"][1]["verified"] is True
     assert rows["false"][0] == "off" and rows["false"][1]["verified"] is False
+
+
+def test_a_file_store_bound_counts_as_the_pages_the_store_holds() -> None:
+    """A deployment config's ``max_bytes`` sizes the storage tier in the pages the store really
+    holds: a file store counts each page file whole (header and footer too), so counting
+    ``max_bytes`` in bare pages reported (and gave the reference LRU) ~2% more room than the
+    store had."""
+    from hicache.config import load_config
+    from hicache_backends.file import FileStorage
+
+    repo = Path(__file__).resolve().parents[2]
+    cfg = ReplayConfig.from_hicache_config(load_config(repo / "configs" / "replay-20pct-file.toml", environ={}))
+    max_bytes = cfg.storage_options["max_bytes"]
+    assert cfg.pages["storage"] == max_bytes // FileStorage.stored_page_nbytes(cfg.page_nbytes)
+    assert cfg.pages["storage"] < max_bytes // cfg.page_nbytes
+    assert cfg.storage_bound_pages() == cfg.pages["storage"]
