@@ -87,6 +87,20 @@ class StoredPages:
     def is_orphan(self, key: str) -> bool:
         return self._pages[key].orphan
 
+    def reachable(self, keys: Sequence[str], upto: int) -> int:
+        """How many of ``keys[:upto]``, from the first, storage holds with their whole prefix
+        (listed and not orphans): the pages a prefix lookup can still reach. The tree checks
+        its nodes' ``storage_pages`` with it, since pages leave storage (this directory's
+        evictions, the backend's removals, a clear) without the tree hearing of it per node."""
+        pages = self._pages
+        n, upto = 0, min(upto, len(keys))
+        while n < upto:
+            page = pages.get(keys[n])
+            if page is None or page.orphan:
+                break
+            n += 1
+        return n
+
     # ------------------------------------------------------------------ events
 
     def add(self, keys: Sequence[str], prior: str | None) -> None:

@@ -134,7 +134,8 @@ class HiRadixCache(RadixCache):
         self.prefetches = Prefetches(self, self._stored)
         #: submits storage writes, making room in the directory first (deletions it owes)
         self.storage_writes = StorageWrites(controller=controller, metrics=self.metrics, page_size=page_size,
-                                            stored=self._stored, tier_changes=self.tier_changes)
+                                            stored=self._stored, tier_changes=self.tier_changes,
+                                            on_cleared=self._storage_cleared)
         super().__init__(
             req_to_token_pool=req_to_token_pool,
             token_to_kv_pool_allocator=token_to_kv_pool_allocator,
@@ -394,6 +395,37 @@ class HiRadixCache(RadixCache):
             and node.storage_op is None
         )
 
+    def _check_stored(self, node: TreeNode) -> bool:
+        """Where the policy keeps a directory of what storage holds (``self._stored``), lower
+        ``node.storage_pages`` to the leading pages a prefix lookup can still reach there;
+        whether it dropped (counted, ``storage_pages_lost``).
+
+        Why: pages leave storage without the tree hearing of it per node (the directory's own
+        evictions, the backend's removals, a clear). A node that still counted them was taken
+        as written: host dropped it first as storage-backed without writing it, its redundant
+        host copy was shed, and write-backs of its children chained from the missing pages and
+        landed as orphans no lookup reaches, while the node itself was never written again.
+        Checked where the count decides something (host eviction's order and write-back chain,
+        shedding), so it costs a lookup per page only there. Not while a write of the node is
+        in flight: its completion credits pages from the count it started at."""
+        stored = self._stored
+        k = node.storage_pages
+        if stored is None or k <= 0 or node.storage_op is not None:
+            return False
+        have = stored.reachable(node.hash_value, k)
+        if have >= k:
+            return False
+        node.storage_pages = have
+        self.metrics.incr("storage_pages_lost", k - have)
+        return True
+
+    def _storage_cleared(self) -> None:
+        """The store lost every page (a clear, just applied to the directory): every node's
+        count drops to what the (empty) directory holds now, so none is taken as storage-backed.
+        A node with a write in flight is checked when it is next relied on."""
+        for node in self._nodes():
+            self._check_stored(node)
+
     def _shed_host_copies(self, num_tokens: int) -> int:
         """Free host copies that are redundant (device and storage hold the pages), oldest
         first; returns tokens freed. The nodes stay, on device."""
@@ -401,6 +433,7 @@ class HiRadixCache(RadixCache):
         while freed < num_tokens and self._sheddable:
             node = next(iter(self._sheddable))
             del self._sheddable[node]
+            self._check_stored(node)  # a copy whose pages left storage is the only one below the device
             if not self._sheds(node):
                 continue  # listed again by the change that lets it shed (see _note)
             host = self._drop_host(node)
@@ -441,6 +474,11 @@ class HiRadixCache(RadixCache):
             node = self._host_index.pop()
             if node is None:
                 break
+            if self._check_stored(node):
+                # queued as storage-backed, but its pages left storage: not the first to go any
+                # more; queued again under the key its real count gives (it may be written back)
+                self._host_index.note(node)
+                continue
             if self._write_victim(node):
                 continue  # host drops it once storage holds it (it is then evicted first)
             parent = node.parent
@@ -483,7 +521,10 @@ class HiRadixCache(RadixCache):
             return False  # its write-back failed once: drop it rather than retry at every eviction
         chain = [node]
         n = node.parent
-        while n is not None and n is not self.root_node and not n.on_storage:
+        while n is not None and n is not self.root_node:
+            self._check_stored(n)  # an ancestor whose pages left storage is written again, first
+            if n.on_storage:
+                break
             if not n.backuped or n.storage_op is not None:
                 self.metrics.incr("victim_writes_skipped_pages", want - node.storage_pages)
                 return False
@@ -872,6 +913,7 @@ class HiRadixCache(RadixCache):
         if node.host_value is not None:
             # an eviction (its device parent goes), not a reset: the policy hears of it like
             # evict_host's drops, or a ghost list forgets pages host dropped unwritten
+            self._check_stored(node)
             self.placement.on_host_evicted(node)
             self._free_host(self._drop_host(node))
         self._delete_leaf(node)

@@ -40,11 +40,17 @@ class StorageWrites:
             backend can delete; ``None``: the backend's own bound evicts, jobs go as they are.
         tier_changes: the hub the backend reports its own removals on (followed only with a
             directory, see :meth:`_on_storage_change`).
+        on_cleared: called (on the cache's loop) once a clear of the store reached the
+            directory: the tree's nodes still count pages storage lost (a removal of single
+            pages the tree finds itself, checking a node against the directory when it needs
+            its count; a clear concerns every node, so they are all corrected at once).
     """
 
     def __init__(self, *, controller: HiCacheController, metrics: Any, page_size: int,
-                 stored: StoredPages | None, tier_changes: TierChangeHub) -> None:
+                 stored: StoredPages | None, tier_changes: TierChangeHub,
+                 on_cleared: Callable[[], None] | None = None) -> None:
         self.controller = controller
+        self.on_cleared = on_cleared
         self.metrics = metrics
         self.page_size = page_size
         self.stored = stored
@@ -129,6 +135,8 @@ class StorageWrites:
         def apply() -> None:
             if change.kind is ChangeKind.CLEARED:
                 stored.clear()
+                if self.on_cleared is not None:
+                    self.on_cleared()
             else:
                 stored.remove(keys)
 

@@ -604,3 +604,120 @@ async def test_a_close_that_times_out_on_the_deletions_reports_no_unwritten_page
     assert not report.drained
     assert [(u.first_key, u.pages) for u in report.unwritten] == [("e0000000", 1)]
     assert report.undeleted_storage_pages == 1
+
+
+@pytest.mark.parametrize("lost_by", ["directory", "clear"])
+async def test_a_node_whose_pages_left_storage_is_written_again_before_its_children(lost_by: str) -> None:
+    """A (a hot prefix) stays on device and host while its pages leave storage: the directory
+    evicts them to make room for other writes, or the store is cleared. The tree still counted
+    A as stored, so the write-back of its child C chained from A's missing pages and landed as
+    an orphan no lookup reaches (and A was never written again). A is written again in C's
+    chain now, ahead of C, and a later request for C is served from storage."""
+    from hicache.prefix_cache import EvictParams, MatchPrefixParams, RadixKey
+
+    stack = build_stack(StackConfig(
+        page_size=PS, device_pages=16, host_pages=32, storage_pages=4 if lost_by == "directory" else 64,
+        placement="tiered", placement_options={"reuse_hits": 1, "long_prompt_tokens": None},
+        req_slots=4, max_context_len=256,
+        controller=ControllerConfig(prefetch_threshold=PS, prefetch_policy="wait_complete")))
+    cache, stored = stack.cache, stack.cache._stored
+
+    async def serve_and_evict(tokens: list[int], rid: str) -> None:
+        await serve_request(stack, tokens, rid=rid, prefetch=False)
+        await cache.drain()
+        cache.evict(EvictParams(num_tokens=10**6))
+        cache.evict_host(10**6)
+        await cache.drain()
+
+    try:
+        a = list(range(100, 100 + 2 * PS))
+        await serve_and_evict(a, "a")  # A written back
+        await serve_request(stack, a, rid="a2")  # and back to device and host from storage
+        await cache.drain()
+        node_a = cache.match_prefix(MatchPrefixParams(key=RadixKey(a)), count_hit=False).last_device_node
+        ka = list(node_a.hash_value)
+        assert node_a.storage_pages == 2 and all(k in stored for k in ka) and node_a.host_value is not None
+        cache.inc_lock_ref(node_a)
+        if lost_by == "directory":
+            for i, other in enumerate((list(range(200, 200 + 2 * PS)), list(range(300, 300 + 2 * PS)))):
+                await serve_and_evict(other, f"b{i}")  # storage holds 4 pages: A's make room
+        else:
+            await stack.controller._on_io(stack.storage.clear())
+            await asyncio.sleep(0.05)  # the clear report reaches the cache's loop
+        assert not any(k in stored for k in ka) and not set(ka) & set(_medium_keys(stack))
+        c = a + list(range(400, 400 + PS))
+        await serve_and_evict(c, "c")  # C's write-back writes A first, in the same job
+        kc = cache.match_prefix(MatchPrefixParams(key=RadixKey(c)), count_hit=False).last_device_node.hash_value
+        assert set(ka) <= set(_medium_keys(stack)) and all(k in stored for k in ka)
+        assert not any(stored.is_orphan(k) for k in stored._pages) and _closed(stored)
+        assert node_a.storage_pages == 2 and stack.controller.metrics.counters["storage_pages_lost"] == 2
+        cache.dec_lock_ref(node_a)
+        cache.evict(EvictParams(num_tokens=10**6))
+        cache.evict_host(10**6)
+        await cache.drain()
+        out = await serve_request(stack, c, rid="c2")
+        assert (out.storage_hit, out.verify_failures) == (len(c), 0), (out, kc)
+    finally:
+        await stack.aclose()
+
+
+@pytest.mark.parametrize("then", ["host_eviction", "shedding"])
+async def test_a_node_whose_pages_left_storage_is_not_taken_as_storage_backed(then: str) -> None:
+    """P was written back and is on device and host; the directory then evicts P's pages for
+    Q's write. The tree still counted P as stored: shedding dropped P's host copy as redundant
+    (its only copy below the device), and host eviction took P first, as storage-backed, and
+    dropped it unwritten. P keeps its host copy now; host takes Q, which storage does hold,
+    and writes P back when P's turn comes."""
+    from hicache.prefix_cache import EvictParams, MatchPrefixParams, RadixKey
+
+    stack = build_stack(StackConfig(
+        page_size=PS, device_pages=16, host_pages=32, storage_pages=2,
+        placement="tiered", placement_options={"reuse_hits": 1, "long_prompt_tokens": None},
+        req_slots=4, max_context_len=256,
+        controller=ControllerConfig(prefetch_threshold=PS, prefetch_policy="wait_complete")))
+    cache, stored = stack.cache, stack.cache._stored
+    find = lambda t: cache.match_prefix(MatchPrefixParams(key=RadixKey(t)), count_hit=False).last_host_node  # noqa: E731
+    try:
+        p, q = list(range(100, 100 + 2 * PS)), list(range(500, 500 + 2 * PS))
+        await serve_request(stack, p, rid="p", prefetch=False)
+        await cache.drain()
+        cache.evict(EvictParams(num_tokens=10**6))
+        cache.evict_host(1)  # P written back; it stays on host, storage-backed
+        await cache.drain()
+        node_p = find(p)
+        kp = list(node_p.hash_value)
+        assert node_p.host_value is not None and node_p.on_storage and set(kp) <= set(_medium_keys(stack))
+        await serve_request(stack, p, rid="p2", prefetch=False)  # P on device too, kept there
+        await cache.drain()
+        cache.inc_lock_ref(node_p)
+        await serve_request(stack, q, rid="q", prefetch=False)
+        await cache.drain()
+        cache.evict(EvictParams(num_tokens=10**6))
+        cache.evict_host(1)  # Q written back: storage holds 2 pages, P's make the room
+        await cache.drain()
+        node_q = find(q)
+        assert node_q.on_storage and not set(kp) & set(_medium_keys(stack))
+        cache.dec_lock_ref(node_p)  # P on device, host and (it believed) storage: listed to shed
+        if then == "shedding":
+            cache._shed_host_copies(10**6)
+            assert node_p.host_value is not None, "P's only copy below the device was shed as redundant"
+            assert node_p.storage_pages == 0
+            return
+        cache.evict(EvictParams(num_tokens=10**6))  # P host-only again, older than Q
+        assert cache.evict_host(2 * PS) == 2 * PS
+        assert node_p.host_value is not None and node_q.host_value is None  # Q went, storage has it
+        cache.evict_host(10**6)  # P's turn: written back, not dropped
+        await cache.drain()
+        assert set(kp) <= set(_medium_keys(stack)) and node_p.on_storage
+        assert set(stored._pages) == set(_medium_keys(stack))
+    finally:
+        await stack.aclose()
+
+
+def test_reachable_counts_the_leading_pages_a_lookup_can_reach() -> None:
+    stored = StoredPages(10)
+    stored.add(["R", "P", "C"], None)
+    assert stored.reachable(["R", "P", "C"], 3) == 3 and stored.reachable(["R", "P", "C"], 2) == 2
+    assert stored.reachable(["R", "P", "C"], 9) == 3 and stored.reachable([], 2) == 0
+    stored.remove(["P"])  # C stays stored, but as an orphan no prefix lookup reaches
+    assert stored.reachable(["R", "P", "C"], 3) == 1 and stored.reachable(["C"], 1) == 0
