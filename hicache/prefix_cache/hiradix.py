@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from hicache.controller.controller import HiCacheController
+from hicache.controller.controller import ControllerState, HiCacheController
 from hicache.controller.jobs import CloseReport, PrefetchResult, StorageWriteJob
 from hicache.errors import ChainGoneError
 from hicache.events.log import EventLog
@@ -556,11 +556,19 @@ class HiRadixCache(RadixCache):
             if gen != self._generation:
                 return
             self._victim_pages_in_flight -= pages
-            if written < len(job.keys):  # pages sent and not written: the store refused them
+            ctl = self.controller
+            if written < len(job.keys) and ctl.health.up and ctl.state is ControllerState.RUNNING:
+                # pages sent and not written, the store up: it answered and refused them
                 self.metrics.incr("victim_write_failed_pages", len(job.keys) - written)
                 self._victim_failed.add(keys[written : written + 1])
-            # pages storage had no room for were never sent (the job was cut, counted as
-            # storage_writes_no_room_pages): not a failure, written back at a later eviction
+            # no refusal, so not remembered as failed (a transient outage must not keep a page
+            # out of storage for good): pages the store was down for, skipped (counted,
+            # storage_write_skipped_unhealthy; the completion runs in the same loop step as
+            # the skip, so health still says down), or left at a close; the nodes are host
+            # leaves again, written back at a later eviction once the store is up, or dropped
+            # as before with their keys in the ghost list. Pages storage had no room for were
+            # never sent (the job was cut, counted as storage_writes_no_room_pages): not a
+            # failure either, written back at a later eviction
             self._storage_done(gen, node, op, written)
 
         job = StorageWriteJob(keys=keys, host_indices=torch.cat(hosts), prior_key=prior, on_done=done)

@@ -22,7 +22,7 @@ from hicache.placement import (
     TieredPlacement,
     make_placement,
 )
-from hicache.prefix_cache import EvictParams
+from hicache.prefix_cache import EvictParams, MatchPrefixParams, RadixKey
 from hicache.replay import serve_request
 from hicache.stack import StackConfig, build_stack
 
@@ -416,5 +416,46 @@ async def test_a_write_back_that_failed_at_an_ancestor_is_not_retried_through_a_
         await cache.drain()
         assert calls == before
         cache.sanity_check()
+    finally:
+        await stack.aclose()
+
+
+async def test_a_write_back_the_store_was_down_for_is_written_once_it_is_back() -> None:
+    """The store goes down while a write-back is queued: the job ends unwritten (skipped, not
+    refused). It was remembered as a failed write-back, so once the store was back every later
+    eviction of the same pages dropped them unwritten, for good. Only a refusal is remembered
+    now: the pages are host leaves again, and the next eviction with the store up writes them."""
+    stack = _stack("tiered", ControllerConfig(prefetch_threshold=PS, prefetch_policy="wait_complete"),
+                   reuse_hits=1, long_prompt_tokens=None)
+    cache, ctl = stack.cache, stack.controller
+    counters = ctl.metrics.counters
+    submit = ctl.submit_storage_write
+
+    def submit_then_outage(job):  # type: ignore[no-untyped-def]
+        queued = submit(job)
+        ctl.health.trip("test: a brief outage while the write-back is queued")
+        ctl.submit_storage_write = submit
+        return queued
+
+    try:
+        doc = list(range(100, 100 + 3 * PS))
+        await serve_request(stack, doc, rid="a", prefetch=False)
+        await cache.drain()
+        cache.evict(EvictParams(num_tokens=10**6))
+        ctl.submit_storage_write = submit_then_outage
+        cache.evict_host(10**6)  # queued, then the store goes down before its turn
+        await cache.drain()
+        assert counters["storage_write_skipped_unhealthy"] == 3 and ctl.metrics.pages["h2s"] == 0
+        assert counters["victim_write_failed_pages"] == 0 and len(cache._victim_failed) == 0
+        assert cache.host_size() == 3 * PS  # still on host, a leaf host may take again
+        ctl.health.probe_passed()
+        assert ctl.health.up
+        cache.evict_host(10**6)  # the store is back: written back now
+        await cache.drain()
+        assert ctl.metrics.pages["h2s"] == 3 and set(_stored_keys(stack)) == set(
+            cache.match_prefix(MatchPrefixParams(key=RadixKey(doc)), count_hit=False).last_host_node.hash_value)
+        cache.evict_host(10**6)
+        out = await serve_request(stack, doc, rid="back")
+        assert (out.storage_hit, out.verify_failures) == (len(doc), 0)
     finally:
         await stack.aclose()
