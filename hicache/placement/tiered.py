@@ -33,6 +33,9 @@ __all__ = ["ReusePlacement", "TieredPlacement"]
 
 _STORAGE_EVICTIONS = ("tree", "backend")
 
+#: keys of long-prompt bodies remembered at least (about 14 MiB of 64-hex keys at most)
+_EARLY_KEYS_MIN = 1 << 16
+
 
 class ReusePlacement(PlacementPolicy):
     """Storage admission on proven reuse; host evicts LRU.
@@ -49,8 +52,9 @@ class ReusePlacement(PlacementPolicy):
             raise ValueError(f"reuse_hits must be at least 1, got {reuse_hits}")
         self.ghost = GhostList(ghost_pages)
         self.reuse_hits = reuse_hits
-        # page keys admitted before their node was hit (ghost hits, early admission); bounded
-        # like the ghost list, since a page may leave the tree before it is ever written
+        # page keys admitted before their node was hit (ghost hits; ``tiered`` keeps its early
+        # admissions apart); bounded like the ghost list they come from, since a page may leave
+        # the tree before it is ever written
         self._wanted = GhostList(max(1, ghost_pages))
         self.early_pages = 0
 
@@ -125,6 +129,13 @@ class TieredPlacement(ReusePlacement):
             raise ValueError(f"tail_tokens must not be negative, got {tail_tokens}")
         self.long_prompt_tokens = long_prompt_tokens
         self.tail_tokens = tail_tokens
+        # keys of long-prompt bodies admitted on first sight, kept until host drops the pages
+        # (write-back at eviction reads them then). A bound of their own: they shared the ghost
+        # list's (``ghost_pages``), so a ghost list of 0 ("none") or one shorter than a body
+        # admitted no body at all (admission is a leading run: a body's first keys went first).
+        # The policy is not told the tree's size; storage's capacity, where known, is the tier
+        # these pages are meant for, and a floor covers stacks that give none
+        self._early = GhostList(max(_EARLY_KEYS_MIN, 2 * (storage_capacity_pages or 0)))
 
     def host_key(self, node: TreeNode) -> tuple[Any, ...]:
         # Nodes storage (mostly) holds go first: dropping them costs a read, not a recompute.
@@ -139,6 +150,18 @@ class TieredPlacement(ReusePlacement):
     def victim_pages(self, node: TreeNode) -> int:
         return self.admitted_pages(node)
 
+    def admitted_pages(self, node: TreeNode) -> int:
+        """:meth:`ReusePlacement.admitted_pages`, where a page of a long prompt's body admitted
+        on first sight counts too."""
+        keys = node.hash_value
+        if node.hit_count >= self.reuse_hits:
+            return len(keys)
+        wanted, early = self._wanted, self._early
+        n = 0
+        while n < len(keys) and (keys[n] in wanted or keys[n] in early):
+            n += 1
+        return n
+
     def on_new_node(self, node: TreeNode) -> None:
         super().on_new_node(node)
         if self.long_prompt_tokens is None or not node.hash_value:
@@ -148,8 +171,11 @@ class TieredPlacement(ReusePlacement):
         page = len(node.key) // len(node.hash_value)
         body = len(node.hash_value) - -(-self.tail_tokens // page)
         if body > 0:
-            self._wanted.add(node.hash_value[:body])
-            self.early_pages += body
+            # only what the bound keeps, from the first page (a body's later pages are admitted
+            # only behind its first), and only that is counted as admitted
+            kept = node.hash_value[: min(body, self._early.capacity)]
+            self._early.add(kept)
+            self.early_pages += len(kept)
 
     def stats(self) -> dict[str, int]:
         out = super().stats()

@@ -459,3 +459,41 @@ async def test_a_write_back_the_store_was_down_for_is_written_once_it_is_back() 
         assert (out.storage_hit, out.verify_failures) == (len(doc), 0)
     finally:
         await stack.aclose()
+
+
+@pytest.mark.parametrize("ghost_pages", [0, 8])
+async def test_early_admission_does_not_depend_on_the_ghost_list(ghost_pages: int) -> None:
+    """The keys of a long prompt's body were kept in a set bounded by ``ghost_pages``: a ghost
+    list of 0 pages ("none") or shorter than the body admitted none of it, while
+    ``early_admitted_pages`` still counted the whole body. The body is written at host
+    eviction whatever the ghost list's size."""
+    stack = _stack("tiered", long_prompt_tokens=8 * PS, tail_tokens=PS, ghost_pages=ghost_pages)
+    try:
+        cache = stack.cache
+        await serve_request(stack, list(range(1000, 1000 + 12 * PS)), rid="long")  # seen once
+        await cache.drain()
+        cache.evict(EvictParams(num_tokens=10**6))
+        cache.evict_host(10**6)
+        await cache.drain()
+        assert stack.controller.metrics.pages["h2s"] == 11  # 12 pages, the last one held back
+        assert cache.placement.stats()["early_admitted_pages"] == 11
+        assert cache.placement.ghost.capacity == ghost_pages
+    finally:
+        await stack.aclose()
+
+
+def test_early_admission_counts_only_the_keys_it_keeps() -> None:
+    """A body longer than the early-admission bound: its first pages are kept (admission is a
+    leading run; adding the whole body kept its last pages, so none was admitted) and only
+    they are counted as admitted."""
+    from hicache.prefix_cache import TreeNode
+    from hicache.prefix_cache.tokens import pack_tokens
+
+    policy = TieredPlacement(ghost_pages=0, long_prompt_tokens=8 * PS, tail_tokens=PS)
+    body = (1 << 16) + 100  # past the bound (the ghost list's is 0 here, and does not matter)
+    node = TreeNode(parent=TreeNode(), key=pack_tokens(list(range((body + 1) * PS))))
+    node.hash_value = [f"k{i:06d}" for i in range(body + 1)]
+    policy.on_new_node(node)
+    kept = policy.admitted_pages(node)
+    assert 0 < kept < body and policy.stats()["early_admitted_pages"] == kept
+    assert policy.victim_pages(node) == kept and policy.storage_pages(node) == 0
