@@ -158,8 +158,10 @@ class HiRadixCache(RadixCache):
     # ------------------------------------------------------------------ state
 
     def reset(self) -> None:
-        """Drop the tree and give back its host pages. Drain the controller first: copies
-        still in flight complete into a tree that no longer exists and are ignored."""
+        """Drop the tree and give back its host pages. A node a copy in flight reads or writes
+        (a backup to host, a storage write) keeps its host pages until that copy ends: freed
+        now, they could be handed out again while it still uses them; the copy's completion,
+        which finds the tree gone, frees them then (:meth:`_release_old`)."""
         old = getattr(self, "root_node", None)
         if old is not None:
             for tier in (Tier.DEVICE, Tier.HOST):
@@ -554,6 +556,7 @@ class HiRadixCache(RadixCache):
 
         def done(written: int) -> None:
             if gen != self._generation:
+                self._release_old(node, "storage_op", op)  # the bound was reset with the tree
                 return
             self._victim_pages_in_flight -= pages
             ctl = self.controller
@@ -738,6 +741,7 @@ class HiRadixCache(RadixCache):
 
     def _backup_done(self, gen: int, node: TreeNode, op: object, ok: bool, keep: bool = False) -> None:
         if gen != self._generation:
+            self._release_old(node, "backup_op", op)
             return
         chain = self._op_chain(node, "backup_op", op)
         for n in chain:
@@ -825,6 +829,7 @@ class HiRadixCache(RadixCache):
 
     def _storage_done(self, gen: int, node: TreeNode, op: object, pages: int) -> None:
         if gen != self._generation:
+            self._release_old(node, "storage_op", op)
             return
         remaining = pages
         chain = self._op_chain(node, "storage_op", op)
@@ -849,6 +854,18 @@ class HiRadixCache(RadixCache):
         if self._listed() > self._prune_at:
             self._prune_lists()
         self._retry_deferred()
+
+    def _release_old(self, node: TreeNode, attr: str, op: object) -> None:
+        """A copy (``attr`` names its mark, ``op``) of a tree reset since has ended: free the
+        host pages its nodes still hold. :meth:`reset` left them to it, and nobody else frees
+        them (they leaked, for ``lru`` and ``tiered`` alike). The mark is cleared as each node
+        is freed, so a node is freed once; the pages are the old node's own, never the new
+        tree's (reset did not free them, so they were never handed out again)."""
+        for n in self._op_chain(node, attr, op):
+            setattr(n, attr, None)
+            if n.host_value is not None:
+                self._free_host(n.host_value)
+                n.host_value = None
 
     def _offer_short_writes(self) -> None:
         """The store is back: offer again the writes that landed short, oldest first (each

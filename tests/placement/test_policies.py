@@ -8,6 +8,7 @@ children), that a locked prefix keeps its KV, and that no tier holds more than i
 
 from __future__ import annotations
 
+import asyncio
 import random
 from pathlib import Path
 
@@ -497,3 +498,38 @@ def test_early_admission_counts_only_the_keys_it_keeps() -> None:
     kept = policy.admitted_pages(node)
     assert 0 < kept < body and policy.stats()["early_admitted_pages"] == kept
     assert policy.victim_pages(node) == kept and policy.storage_pages(node) == 0
+
+
+@pytest.mark.parametrize(("policy", "in_flight"), [("lru", "backup"), ("lru", "storage write"),
+                                                   ("tiered", "write-back")])
+async def test_a_reset_with_a_copy_in_flight_gives_back_its_host_pages(policy: str, in_flight: str) -> None:
+    """reset() leaves the host pages of nodes a copy still reads or writes (a device->host
+    backup, a write-through to storage, a write-back at host eviction) to that copy; its
+    completion found the tree gone and returned, so nobody freed them: host lost them for good.
+    The completion frees them now, once, and no page the new tree holds."""
+    options = {"reuse_hits": 1, "long_prompt_tokens": None} if policy == "tiered" else {}
+    stack = _stack(policy, **options)
+    cache, host = stack.cache, stack.host_pool
+    try:
+        full = host.available_size()
+        await serve_request(stack, list(range(100, 100 + 4 * PS)), rid="a", prefetch=False)
+        if in_flight == "backup":
+            await asyncio.sleep(0)  # the insert's backups start on the loop's next turn
+            assert any(n.backup_op is not None and n.host_value is not None for n in cache._nodes())
+        else:
+            await cache.drain_backups()  # on host; its storage write (lru) still queued
+            cache.evict(EvictParams(num_tokens=10**6))
+            if policy == "tiered":
+                cache.evict_host(10**6)  # queues the write-back, which keeps the pages on host
+            assert stack.controller.storage_writes_pending
+        old = list(cache._nodes())
+        assert any(n.host_value is not None for n in old)
+        cache.reset()
+        await serve_request(stack, list(range(900, 900 + 3 * PS)), rid="b", prefetch=False)  # the new tree's
+        await cache.drain()
+        await stack.controller.drain()
+        assert all(n.host_value is None for n in old)
+        assert host.available_size() == full - cache.host_size() and cache.host_size() == 3 * PS
+        cache.sanity_check()
+    finally:
+        await stack.aclose()
