@@ -79,6 +79,7 @@ _COUNTERS: dict[str, str] = {
     "storage_write_dropped_pages": "pages the placement wanted in storage that host dropped before their write could start (it waited for their prefix's write)",
     "storage_writes_reoffered": "writes that landed short (failed, refused, skipped while the store was down) offered again once the store was back",
     "storage_writes_no_room_pages": "pages a placement policy did not send to storage: no room without evicting the write's own prefix or a page being read",
+    "storage_pages_lost": "pages the tree counted as stored that storage no longer holds (evicted, removed by the backend, cleared): written again when needed",
     "worker_errors": "unexpected errors caught in controller workers",
 }
 
