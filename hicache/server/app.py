@@ -3,8 +3,10 @@
 Routes:
 
 - ``POST /v1/generate`` - see :mod:`hicache.server.protocol`; JSON, or NDJSON with ``stream``
-- ``POST /v1/sessions/{id}/release`` - end a session (its KV is written back and freed); 404
-  for an id with no session (never opened, released, or expired)
+- ``POST /v1/sessions/{id}/release`` - end a session (its KV is written back and freed):
+  ``{"released": id}``; with turns of it queued or running, the release applies after the last
+  of them and the answer says ``"deferred": true``; 404 for an id with no session (never
+  opened, released, or expired) and no turn pending
 - ``GET /v1/model`` - the model spec, so a client can rebuild the same model and verify answers
 - ``GET /metrics`` - the process's Prometheus scrape (the cache's, the server's and every other
   family on the default registry; every worker's in multi-process mode)
@@ -248,15 +250,19 @@ async def _release(request: web.Request) -> web.Response:
     if st.draining:
         return _draining()
     try:
-        existed = await st.cache.release_session(sid)
+        # through the scheduler, not the cache: a turn of the session still queued (or between
+        # two memory attempts) is invisible to the cache, and re-opened the session it released
+        outcome = await st.scheduler.release_session(sid)
     except Exception as exc:  # noqa: BLE001 - a closed cache, a bad id: an answer, not a traceback
         # a release that failed still closed the session (hicache's let go of what it could);
         # the answer says it failed (a JSON 500, not aiohttp's bare page), the log has the trace
         return _failure(f"release of session {sid!r}", exc)
-    if existed is False:  # (None: a cache that keeps no sessions cannot tell; recompute mode)
+    if outcome == "missing":
         # a 200 for an id the cache never had made a client's typo or a double release look
         # like success
         return _error(404, f"no session {sid!r} (never opened, released, or expired)")
+    if outcome == "deferred":
+        return web.json_response({"released": sid, "deferred": True})
     return web.json_response({"released": sid})
 
 

@@ -16,7 +16,9 @@ Why a scheduler between HTTP handlers and the engine:
   alone, where nothing else can free memory, count against ``max_memory_retries``. Greedy decoding is deterministic, so a
   restarted stream resumes without repeating the tokens it already sent;
 - ordering within a session: turns of one session run one after another (a later turn must see
-  the earlier turn's KV committed), different sessions run concurrently;
+  the earlier turn's KV committed), different sessions run concurrently. A release of a session
+  takes its place in that order (:meth:`Scheduler.release_session`): it applies after the turns
+  submitted before it and before the ones submitted after it;
 - a graceful drain: :meth:`Scheduler.aclose` refuses new work, lets queued and running requests
   finish, and only then returns, so the cache is closed with nothing in flight.
 
@@ -28,11 +30,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from hicache.engine.runner import Engine, GenerateResult
 from hicache.errors import CacheClosedError, HiCacheError, OutOfKVSlotsError
@@ -66,6 +69,13 @@ class Job:
 
 
 _STOP = object()
+
+
+@dataclass(frozen=True)
+class _Release:
+    """A release of ``session_id`` queued behind that session's turns."""
+
+    session_id: str
 
 
 class _SessionLocks:
@@ -118,6 +128,9 @@ class Scheduler:
         self._waiting = 0
         self._slots = asyncio.Semaphore(max_active)
         self._sessions = _SessionLocks()
+        # jobs per session id from submit until done (queued, waiting, running): a release
+        # while any is pending must wait for them, or the next of them re-opened the session
+        self._session_jobs: dict[str, int] = {}
         self._finished = asyncio.Condition()  # notified whenever a request ends
         self.max_memory_retries = max_memory_retries
         self.memory_wait_s = memory_wait_s
@@ -168,7 +181,40 @@ class Scheduler:
                   asyncio.get_running_loop().create_future(), on_token, queued=True)
         self._queue.put_nowait(job)
         self._count_waiting(+1)
+        if request.session_id is not None:
+            self._session_jobs[request.session_id] = self._session_jobs.get(request.session_id, 0) + 1
         return job
+
+    def _job_done(self, job: Job, _task: object = None) -> None:
+        """``job`` is over (served, failed, or dropped before it ran): no longer pending."""
+        sid = job.request.session_id
+        if sid is None:
+            return
+        left = self._session_jobs.get(sid, 0) - 1
+        if left > 0:
+            self._session_jobs[sid] = left
+        else:
+            self._session_jobs.pop(sid, None)
+
+    async def release_session(self, session_id: str) -> Literal["released", "deferred", "missing"]:
+        """The client ended the conversation: release the session in its turn.
+
+        With no turn of the session queued or running, the cache releases it now: ``"released"``
+        (or ``"missing"`` when the cache has no such session). Otherwise the release queues
+        behind those turns (``"deferred"``) and applies once the last of them has finished,
+        its memory retries included. Released straight away, a turn still waiting (for a slot,
+        its session, or device memory between two attempts) was invisible to the cache: the
+        release closed the session and the turn then re-opened it, holding its row and pages
+        until ``idle_offload_s``/``session_timeout_s`` though the client was told it was
+        released. A turn submitted after the release runs after it, on a fresh session.
+        Raises :class:`SchedulerClosedError` while draining with turns of it pending."""
+        if not self._session_jobs.get(session_id):
+            existed = await self.engine.cache.release_session(session_id)
+            return "missing" if existed is False else "released"  # (None: a cache without sessions)
+        if self._closing:  # the dispatcher may be past its last item: nothing would apply it
+            raise SchedulerClosedError("the server is shutting down")
+        self._queue.put_nowait(_Release(session_id))
+        return "deferred"
 
     def _dequeued(self, job: Job) -> None:
         """``job`` no longer waits (taken by the scheduler, or abandoned): its place is free."""
@@ -200,12 +246,19 @@ class Scheduler:
                 item = await self._queue.get()
                 if item is _STOP:
                     break
+                if isinstance(item, _Release):
+                    tg.create_task(self._release_in_turn(item.session_id))
+                    continue
                 job: Job = item
                 if job.future.done():  # the client went away while queued
+                    self._job_done(job)
                     if job.request.end_session:  # its session ends all the same
                         tg.create_task(self._end_failed_session(job.request))
                     continue
                 job.task = tg.create_task(self._serve(job), name=f"hicache-req-{job.request.rid}")
+                # a callback, not _serve's finally: a task cancelled before its first step
+                # never enters _serve's body
+                job.task.add_done_callback(functools.partial(self._job_done, job))
         self._tg = None
 
     async def _serve(self, job: Job) -> None:
@@ -260,6 +313,18 @@ class Scheduler:
                 self._slots.release()
             async with self._finished:
                 self._finished.notify_all()
+
+    async def _release_in_turn(self, session_id: str) -> None:
+        """Apply a deferred release under the session's lock. The lock is first come, first
+        served, and job tasks reach it in submission order (this task was created after theirs,
+        from the same queue), so it runs once every earlier turn has let the session go, and
+        before any later one takes it. A failure is the cache's to count; it is logged here,
+        the client having been answered already."""
+        async with self._sessions.hold(session_id):
+            try:
+                await self.engine.cache.release_session(session_id)
+            except Exception as exc:  # noqa: BLE001 - nobody is waiting for this answer
+                logger.warning("deferred release of session %s failed: %r", session_id, exc)
 
     async def _end_failed_session(self, req: GenerateRequest) -> None:
         """The turn that was to end its session failed, or its client went away (while it ran,

@@ -140,3 +140,139 @@ async def test_a_final_turn_dropped_while_it_waits_for_a_slot_still_ends_its_ses
         gate.set()
         (await blocker).release()
         _nothing_held(sessions)
+
+
+class _HoldTheSlot:
+    """With ``max_batch`` 1, a request parked in ``engine.generate`` until :meth:`open` holds
+    the only slot: every request after it waits in the scheduler."""
+
+    def __init__(self, srv: Any, http: aiohttp.ClientSession) -> None:
+        import asyncio
+
+        self._srv, self._http, self._gate = srv, http, asyncio.Event()
+        self.task: Any = None
+
+    async def __aenter__(self) -> "_HoldTheSlot":
+        import asyncio
+
+        engine = self._srv.state.engine
+        real, gate = engine.generate, self._gate
+
+        async def held(*args: Any, **kwargs: Any) -> Any:
+            await gate.wait()
+            return await real(*args, **kwargs)
+
+        engine.generate = held
+        self.task = asyncio.ensure_future(self._http.post(f"{self._srv.url}/v1/generate",
+                                                          json={"tokens": list(range(100, 140)), "max_new_tokens": 2}))
+        await asyncio.sleep(0.2)  # the held request has the slot
+        engine.generate = real
+        return self
+
+    def open(self) -> None:
+        self._gate.set()
+
+    async def __aexit__(self, *exc: Any) -> None:
+        self.open()
+        async with await self.task as resp:
+            assert resp.status == 200
+
+
+@requires_facade
+async def test_a_release_while_a_turn_of_the_session_is_queued_waits_for_that_turn() -> None:
+    """Turn 2 of ``s`` waits for the only slot when ``s`` is released: the release closed the
+    session and answered 200, then turn 2 ran and re-opened it, holding its row and pages
+    though the client was told it was released. The release is deferred to the queued turn
+    (and says so), and applied when it ends; a turn sent after the release runs after it."""
+    import asyncio
+
+    async with running_server(small_config(server={"max_batch": 1}), mode="hicache", port=0) as srv, \
+            aiohttp.ClientSession() as http:
+        sessions = srv.state.cache.cache  # type: ignore[attr-defined]
+        async with http.post(f"{srv.url}/v1/generate", json=TURN) as resp:
+            out = await resp.json()
+        async with _HoldTheSlot(srv, http) as hold:
+            turn2 = {**TURN, "tokens": TURN["tokens"] + out["tokens"] + [7, 8, 9]}
+            t2 = asyncio.ensure_future(http.post(f"{srv.url}/v1/generate", json=turn2))
+            await asyncio.sleep(0.2)  # turn 2 is queued behind the held request
+            async with http.post(f"{srv.url}/v1/sessions/s/release") as resp:
+                assert resp.status == 200 and (await resp.json()) == {"released": "s", "deferred": True}
+            hold.open()
+            async with await t2 as resp:
+                assert resp.status == 200
+        for _ in range(50):  # the deferred release runs just after turn 2
+            if "s" not in sessions.slots:
+                break
+            await asyncio.sleep(0.02)
+        _nothing_held(sessions)
+        assert sessions.session_metrics.counters["sessions_released"] == 1
+
+
+@requires_facade
+async def test_a_release_of_a_session_whose_first_turn_is_queued_is_not_a_404() -> None:
+    """The first turn of ``s`` is queued when ``s`` is released: the cache had no session yet,
+    so the release answered 404, and the turn then opened a session nobody would release. The
+    release is deferred to that turn; a turn sent after it starts a fresh session."""
+    import asyncio
+
+    async with running_server(small_config(server={"max_batch": 1}), mode="hicache", port=0) as srv, \
+            aiohttp.ClientSession() as http:
+        sessions = srv.state.cache.cache  # type: ignore[attr-defined]
+        async with _HoldTheSlot(srv, http) as hold:
+            t1 = asyncio.ensure_future(http.post(f"{srv.url}/v1/generate", json=TURN))
+            await asyncio.sleep(0.2)
+            async with http.post(f"{srv.url}/v1/sessions/s/release") as resp:
+                assert resp.status == 200 and (await resp.json()) == {"released": "s", "deferred": True}
+            t_after = asyncio.ensure_future(http.post(f"{srv.url}/v1/generate", json=TURN))
+            await asyncio.sleep(0.1)
+            hold.open()
+            async with await t1 as resp:
+                assert resp.status == 200
+            async with await t_after as resp:
+                assert resp.status == 200
+        # the release came between the two turns: the first's session closed, the second's open
+        assert sessions.session_metrics.counters["sessions_released"] == 1
+        assert "s" in sessions.slots
+        async with http.post(f"{srv.url}/v1/sessions/s/release") as resp:
+            assert resp.status == 200 and (await resp.json()) == {"released": "s"}
+        _nothing_held(sessions)
+
+
+@requires_facade
+async def test_a_release_during_a_memory_retry_is_not_undone_by_the_retry() -> None:
+    """A turn's first attempt fails for device memory and the session is released while the
+    turn waits to retry: the release closed the idle session at once, then the retry re-opened
+    it. The release waits for the turn, retries included."""
+    import asyncio
+
+    from hicache.errors import OutOfKVSlotsError
+
+    async with running_server(small_config(), mode="hicache", port=0) as srv, aiohttp.ClientSession() as http:
+        sessions = srv.state.cache.cache  # type: ignore[attr-defined]
+        async with http.post(f"{srv.url}/v1/generate", json=TURN) as resp:
+            out = await resp.json()
+        engine = srv.state.engine
+        real = engine.generate
+        failing, gate = asyncio.Event(), asyncio.Event()
+
+        async def out_of_memory_once(*args: Any, **kwargs: Any) -> Any:
+            engine.generate = real  # the retry is the real one
+            failing.set()
+            await gate.wait()
+            raise OutOfKVSlotsError("injected: device full")
+
+        engine.generate = out_of_memory_once
+        turn2 = {**TURN, "tokens": TURN["tokens"] + out["tokens"] + [7, 8, 9]}
+        t2 = asyncio.ensure_future(http.post(f"{srv.url}/v1/generate", json=turn2))
+        await failing.wait()
+        async with http.post(f"{srv.url}/v1/sessions/s/release") as resp:
+            assert resp.status == 200 and (await resp.json()) == {"released": "s", "deferred": True}
+        gate.set()
+        async with await t2 as resp:
+            assert resp.status == 200
+        assert srv.state.metrics.memory_retries == 1
+        for _ in range(50):
+            if "s" not in sessions.slots:
+                break
+            await asyncio.sleep(0.02)
+        _nothing_held(sessions)
