@@ -14,7 +14,9 @@ Routes:
 
 Hostile clients: a body is decoded and validated off the event loop when it is large (a 6 MiB
 token list would hold the loop for a second), and anything it cannot be (bad JSON, too deep,
-too-long integers, lone surrogates) is a 400 with one log line. A client that hangs up, queued
+too-long integers, lone surrogates) is a 400 with one log line. What aiohttp refuses itself (a
+body over 8 MiB: 413; a wrong method: 405; an unknown path: 404) is answered in the same JSON
+shape, counted as ``bad_request`` and logged once too. A client that hangs up, queued
 or mid-stream, has its request dropped (:meth:`Scheduler.abandon`): aiohttp does not cancel the
 handler on disconnect, so the handler watches the connection itself while it waits.
 
@@ -121,6 +123,26 @@ def _failure(rid: str, exc: BaseException) -> web.Response:
         return _error_of(exc)
     logger.error("request %s failed", rid, exc_info=exc)
     return _error(500, f"internal error: {type(exc).__name__}")
+
+
+@web.middleware
+async def _json_http_errors(request: web.Request, handler: Any) -> web.StreamResponse:
+    """aiohttp's own refusals (413 for a body over ``client_max_size``, raised by
+    ``request.read``; 405 for a wrong method; 404 for an unknown path) in the server's JSON
+    shape. They were aiohttp's plain-text pages, which a client parsing ``{"error": ...}``
+    could not read, and a client's error among them was neither counted nor logged like other
+    bad input; it now is (``bad_request``, one log line)."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:  # a redirect is an answer, not an error
+            raise
+        if exc.status < 500:
+            request.app[STATE].metrics.requests["bad_request"] += 1
+            logger.info("bad request from %s: %s %s: %d %s", request.remote, request.method, request.path,
+                        exc.status, exc.reason)
+        headers = {k: v for k, v in exc.headers.items() if k.lower() not in ("content-type", "content-length")}  # keeps Allow
+        return _error(exc.status, exc.text or exc.reason, **headers)
 
 
 def _draining() -> web.Response:
@@ -304,7 +326,7 @@ def create_app(
     metrics = ServerMetrics(getattr(cache, "metrics_label", None))  # the cache's label: one row per deployment
     engine = Engine(cache, model)
     scheduler = Scheduler(engine, max_active=config.server.max_batch, queue_size=config.cache.queue_size, metrics=metrics)
-    app = web.Application(client_max_size=8 * 1024 * 1024)
+    app = web.Application(client_max_size=8 * 1024 * 1024, middlewares=[_json_http_errors])
     app[STATE] = ServerState(config=config, cache=cache, engine=engine, scheduler=scheduler, metrics=metrics, spec=spec)
 
     async def on_startup(app: web.Application) -> None:

@@ -150,3 +150,33 @@ async def test_a_closed_cache_answers_503_once_counted_and_release_too() -> None
                 assert sum(counted.values()) == 1, counted
                 async with http.post(srv.url + "/v1/generate", json={"tokens": [1, 2, 3], "stream": True}) as r:
                     assert r.status == 503 and r.headers.get("Retry-After") == "1", await r.text()
+
+
+@pytest.mark.parametrize(
+    "method, path, body, status, words",
+    [
+        ("POST", "/v1/generate", b'{"tokens": [' + b"1," * (4 * 1024 * 1024 + 1) + b"1]}", 413, "Maximum request body size"),
+        ("GET", "/v1/generate", b"", 405, "Method Not Allowed"),
+        ("POST", "/v1/nowhere", b"{}", 404, "Not Found"),
+    ],
+    ids=["body-over-8MiB", "wrong-method", "unknown-path"],
+)
+async def test_what_aiohttp_refuses_is_a_json_error_counted_and_logged_once(
+        method: str, path: str, body: bytes, status: int, words: str, caplog: pytest.LogCaptureFixture) -> None:
+    """A body over ``client_max_size`` (and a wrong method, an unknown path) got aiohttp's
+    plain-text page: no JSON error for the client to read, not counted as ``bad_request``, not
+    logged. It is answered like the server's other bad input."""
+    caplog.set_level(logging.INFO)
+    async with running_server(small_config(), mode="recompute", port=0) as srv, aiohttp.ClientSession() as http:
+        caplog.clear()
+        async with http.request(method, srv.url + path, data=body or None,
+                                headers={"Content-Type": "application/json"}) as resp:
+            assert resp.status == status and resp.content_type == "application/json"
+            assert words in (await resp.json())["error"]
+            if status == 405:
+                assert resp.headers["Allow"] == "POST"
+        assert srv.state.metrics.requests["bad_request"] == 1
+        assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR]
+        assert len([r for r in caplog.records if "bad request" in r.getMessage()]) == 1
+        async with http.post(f"{srv.url}/v1/generate", json={"tokens": [1, 2, 3]}) as resp:
+            assert resp.status == 200  # and the server goes on serving
