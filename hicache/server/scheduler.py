@@ -252,8 +252,10 @@ class Scheduler:
                 job: Job = item
                 if job.future.done():  # the client went away while queued
                     self._job_done(job)
-                    if job.request.end_session:  # its session ends all the same
-                        tg.create_task(self._end_failed_session(job.request))
+                    if job.request.end_session and job.request.session_id is not None:
+                        # its session ends all the same, in its turn (after an earlier turn
+                        # still between two memory attempts, which would re-open it)
+                        tg.create_task(self._release_in_turn(job.request.session_id))
                     continue
                 job.task = tg.create_task(self._serve(job), name=f"hicache-req-{job.request.rid}")
                 # a callback, not _serve's finally: a task cancelled before its first step
@@ -305,14 +307,32 @@ class Scheduler:
                 job.future.set_exception(exc)
         finally:
             self._dequeued(job)  # (cancelled while it waited)
-            if not ended:  # a final turn dropped before it ran (waiting for its session or a slot)
-                await self._end_failed_session(req)
+            if not ended and req.end_session and req.session_id is not None:
+                # a final turn dropped before it ran (waiting for its session or a slot): its
+                # session ends all the same, in its turn (it may not hold the session: an
+                # earlier turn between two memory attempts would re-open what it released)
+                if not self._release_later(req.session_id):
+                    await self._end_failed_session(req)  # closing: no turn of it left to wait for
             if running:
                 self.metrics.active -= 1
             if slotted:
                 self._slots.release()
             async with self._finished:
                 self._finished.notify_all()
+
+    def _release_later(self, session_id: str) -> bool:
+        """Queue :meth:`_release_in_turn` on the dispatcher's task group; False when it is gone
+        or shutting down (the scheduler is closing: nothing of the session runs any more)."""
+        tg = self._tg
+        if tg is None:
+            return False
+        coro = self._release_in_turn(session_id)
+        try:
+            tg.create_task(coro)
+        except RuntimeError:
+            coro.close()
+            return False
+        return True
 
     async def _release_in_turn(self, session_id: str) -> None:
         """Apply a deferred release under the session's lock. The lock is first come, first

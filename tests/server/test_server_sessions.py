@@ -276,3 +276,47 @@ async def test_a_release_during_a_memory_retry_is_not_undone_by_the_retry() -> N
                 break
             await asyncio.sleep(0.02)
         _nothing_held(sessions)
+
+
+@requires_facade
+async def test_a_dropped_final_turn_ends_its_session_after_a_turn_between_memory_attempts() -> None:
+    """An ``end_session`` turn whose client hangs up while it waits for its session (an earlier
+    turn of it is between two memory attempts): the session ends after that turn, not at the
+    hang-up, when the earlier turn's retry re-opened it and it held its row and pages."""
+    import asyncio
+
+    from hicache.errors import OutOfKVSlotsError
+
+    async with running_server(small_config(), mode="hicache", port=0) as srv, aiohttp.ClientSession() as http:
+        sessions = srv.state.cache.cache  # type: ignore[attr-defined]
+        async with http.post(f"{srv.url}/v1/generate", json=TURN) as resp:
+            out = await resp.json()
+        engine = srv.state.engine
+        real = engine.generate
+        failing, gate = asyncio.Event(), asyncio.Event()
+
+        async def out_of_memory_once(*args: Any, **kwargs: Any) -> Any:
+            engine.generate = real  # the retry is the real one
+            failing.set()
+            await gate.wait()
+            raise OutOfKVSlotsError("injected: device full")
+
+        engine.generate = out_of_memory_once
+        history = TURN["tokens"] + out["tokens"]
+        t2 = asyncio.ensure_future(http.post(f"{srv.url}/v1/generate", json={**TURN, "tokens": history + [7, 8, 9]}))
+        await failing.wait()
+        last = {**TURN, "tokens": history + [5, 6], "end_session": True}
+        try:
+            async with http.post(f"{srv.url}/v1/generate", json=last, timeout=aiohttp.ClientTimeout(total=0.5)):
+                pass
+        except asyncio.TimeoutError:
+            pass  # hung up while the final turn waited for its session
+        await asyncio.sleep(0.3)  # the server notices the hang-up and drops the job
+        gate.set()
+        async with await t2 as resp:
+            assert resp.status == 200
+        for _ in range(100):
+            if "s" not in sessions.slots:
+                break
+            await asyncio.sleep(0.02)
+        _nothing_held(sessions)
