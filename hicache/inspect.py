@@ -4,6 +4,12 @@ Works with any backend that implements the optional introspection hooks of
 :class:`~hicache.storage.AsyncHiCacheStorage` (``list_namespaces``, ``list_pages``); every page
 check goes through the backend's normal verified read, so "intact" means exactly what a cache
 read would accept. A page found corrupt is dropped by that read, as it would be in service.
+
+Stores are opened as observers where the backend has such a mode (``supports_read_only``: the
+file backend's ``read_only``): inspecting changes nothing but those corrupt pages. Opened as a
+writer, a store evicted down to its own ``max_bytes`` (64 GiB unless the options said
+otherwise) once its scan was done, so inspecting a server's store that was allowed more (or
+unbounded) deleted its pages, and swept temp files, trash and the usage ledger besides.
 """
 
 from __future__ import annotations
@@ -71,6 +77,8 @@ async def inspect_store(
     opts = dict(options or {})
     if root is not None:
         opts["root"] = root
+    if getattr(backend_class(backend), "supports_read_only", False):
+        opts["read_only"] = True  # an observer, whatever the options say (see the module docstring)
     if backend == "file" and "root" in opts and not os.path.isdir(opts["root"]):
         # a report of zero pages would read as "the store is empty", not "wrong path"
         # a file there is not "no such folder" (the message sent an operator looking for a typo)

@@ -814,3 +814,31 @@ async def test_pages_torn_by_a_crash_are_removed_by_the_scan_and_counted(tmp_pat
         assert used == stats["stored_bytes"]
         assert await store.batch_set(keys[:2], [v0(100, 7), v0(100, 8)])
         assert read_usage(os.path.join(store.layout.ns_dir, LEDGER_NAME)).used == used + 2 * size
+
+
+async def test_a_read_only_store_reads_and_changes_nothing_on_disk(tmp_path) -> None:
+    """``read_only`` (what ``hicache inspect`` opens): pages are found and read, a bound below
+    what is stored evicts nothing, torn pages stay (a listing counts them), writes and
+    deletes are refused and counted, a clear fails, and a namespace it does not find is
+    not made."""
+    keys = [f"ro-{i}" for i in range(6)]
+    async with make_store(tmp_path) as store:
+        assert await store.batch_set(keys, [v0(100, i) for i in range(len(keys))])
+        page = os.path.getsize(page_path(tmp_path, NS_A.digest, keys[0]))
+    torn = page_path(tmp_path, NS_A.digest, keys[5])
+    open(torn, "wb").close()
+    before = {p: os.stat(p).st_mtime_ns for p in all_files(tmp_path)}
+    async with make_store(tmp_path, read_only=True, max_bytes=2 * page) as ro:
+        await ro.wait_background()
+        assert await ro.batch_exists(keys[:5]) == 5
+        assert await ro.get(keys[0]) is not None
+        assert await ro.batch_set(["new"], [v0(100, 9)]) is False
+        assert await ro.batch_delete(keys[:1]) == [False]
+        assert await ro.clear() is False
+        stats = ro.get_stats()
+        assert stats["read_only_refused_pages"] == 2 and stats["read_only"] and stats["evicted_pages"] == 0
+    assert {p: os.stat(p).st_mtime_ns for p in all_files(tmp_path)} == before
+    async with make_store(tmp_path, namespace=NS_B, read_only=True) as ro:
+        await ro.wait_background()
+        assert not await ro.exists(keys[0])
+    assert not os.path.exists(os.path.join(tmp_path, NS_B.digest))

@@ -159,3 +159,75 @@ def test_cli_inspect_shows_a_corrupt_manifest(tmp_path: Path, capsys) -> None:  
     # the stats screen of a store (the same report) shows it too
     screen = render_store(asyncio.run(inspect_store(str(tmp_path), verify="none", progress=False)), str(tmp_path))
     assert "corrupt manifest" in screen and bad.digest[:12] in screen
+
+
+def _snapshot(root: Path) -> dict[str, tuple]:
+    """Every folder and file under ``root``: size and mtime of each file, and the bytes of
+    the small ones (the ledger, the journal, lock files, manifests)."""
+    out: dict[str, tuple] = {}
+    for d, dirs, files in os.walk(root):
+        for name in dirs:
+            out[os.path.relpath(os.path.join(d, name), root)] = ("dir",)
+        for name in files:
+            path = os.path.join(d, name)
+            st = os.lstat(path)
+            data = Path(path).read_bytes() if st.st_size < (1 << 20) else None
+            out[os.path.relpath(path, root)] = (st.st_size, st.st_mtime_ns, data)
+    return out
+
+
+async def test_inspect_changes_nothing_in_a_store_larger_than_the_default_bound(tmp_path: Path, monkeypatch) -> None:
+    """``hicache inspect ROOT`` opened each namespace as a writer with the default max_bytes
+    (64 GiB): once its scan was done it evicted what a server allowed more (here unbounded)
+    had stored beyond 64 GiB, corrected the shared ledger, and swept temp files and trash.
+    Inspect opens stores read-only now: nothing on disk changes. Pages are sparse files (1 GiB
+    each, no disk used) with sound headers and footers."""
+    import subprocess
+
+    from hicache.storage.page_format import PageCodec, checksum_stream
+    from hicache_backends.file import FileStorage
+    from hicache_backends.file.layout import TMP_SUFFIX, encode_footer, page_id
+    from hicache_backends.writers import MACHINE_HEX
+
+    gib = 1 << 30
+    ns = Namespace(model="big")
+    async with FileStorage(None, root=str(tmp_path), namespace=ns, max_bytes=None, min_free_bytes=0) as server:
+        assert await server.set("small", torch.full((1024,), 1.0))
+        layout, codec = server.layout, PageCodec(server.namespace.digest_bytes)
+    h = checksum_stream()
+    zeros = bytes(64 << 20)
+    for _ in range(gib // len(zeros)):
+        h.update(zeros)
+    digest = h.intdigest()
+
+    class Payload:  # all the header needs of a 1 GiB payload: its length
+        def __len__(self) -> int:
+            return gib
+
+    for i in range(65):  # 65 GiB: over the default bound
+        key = f"big{i}"
+        pid = page_id(key, "kv")
+        os.makedirs(layout.subdir(pid), exist_ok=True)
+        with open(layout.path(pid), "wb") as f:
+            f.write(codec.encode(key, "kv", Payload(), digest))  # type: ignore[arg-type]
+            f.seek(codec.header_len(key, "kv") + gib)
+            f.write(encode_footer(None))
+    # what the sweeps of a writer remove: a dead writer's temp file, a dead clearer's trash
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # reaped: its pid names no process now
+    pid = page_id("big0", "kv")
+    Path(layout.subdir(pid), f".{pid}.{dead.pid}.0.{MACHINE_HEX}{TMP_SUFFIX}").write_bytes(b"partial")
+    (tmp_path / f".trash-{ns.digest}-{dead.pid}-0").mkdir()
+    before = _snapshot(tmp_path)
+
+    # the store's scan ends (its eviction ran there) before inspect lists and closes the store
+    listed = FileStorage.list_pages
+
+    async def list_after_scan(self: FileStorage):  # type: ignore[no-untyped-def]
+        await self.wait_background()
+        return await listed(self)
+
+    monkeypatch.setattr(FileStorage, "list_pages", list_after_scan)
+    report = await inspect_store(str(tmp_path), progress=False, verify="none")
+    assert report["pages"] == 66 and report["corrupt"] == 0
+    assert _snapshot(tmp_path) == before

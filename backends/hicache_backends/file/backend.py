@@ -130,12 +130,23 @@ class FileStorage(AsyncHiCacheStorage):
             the namespace's journal and tail the other processes' (default on for shared
             stores), so every process reports every removal as a KV event (:mod:`.journal`).
         journal_poll_s: how often the journal is read (default 0.5 s).
+        read_only: open as an observer (default off; ``hicache inspect`` opens stores so): the
+            store lists, looks up and reads pages, and changes nothing else on disk - no
+            folder or manifest made, no eviction (whatever ``max_bytes`` says: the writers
+            set the bound, and an observer with the default one deleted what a writer with
+            a larger one kept), no stale temp file, torn page or cleared trash swept, the
+            usage ledger and the removal journal neither joined nor written. Writes and
+            deletes are refused (``read_only_refused_pages``), a clear fails. The one
+            removal left is a read's: a page that fails verification is deleted as on any
+            read (counted ``corrupt_pages``); its bytes stay in the shared count until a
+            writer's scan corrects it, and peers find it gone at their next read.
         namespace: override the namespace derived from the storage config.
     """
 
     backend_name = "file"
     supports_segments = True  # pages scattered in pool memory move by preadv/pwritev, no staging
     supports_staged_pages = True  # seed-protocol pools: each page copied and moved by one thread
+    supports_read_only = True  # ``read_only``: an observer's store (``hicache inspect`` opens them so)
 
     @classmethod
     def stored_page_nbytes(cls, payload_nbytes: int) -> int:
@@ -156,6 +167,7 @@ class FileStorage(AsyncHiCacheStorage):
         shared: bool = True,
         removal_journal: bool = True,
         journal_poll_s: float = 0.5,
+        read_only: bool = False,
         namespace: Namespace | dict[str, Any] | None = None,
     ) -> None:
         super().__init__(storage_config, namespace=namespace)
@@ -177,9 +189,11 @@ class FileStorage(AsyncHiCacheStorage):
         self.io_threads = io_threads
         self.skip_existing = bool_option("file", "skip_existing", skip_existing)
         self.shared = bool_option("file", "shared", shared)
+        self.read_only = bool_option("file", "read_only", read_only)
         if isinstance(journal_poll_s, bool) or not isinstance(journal_poll_s, (int, float)) or not 0 < journal_poll_s <= 3600:
             raise ConfigError(f"file backend: journal_poll_s must be a number of seconds in (0, 3600], got {journal_poll_s!r}")
-        self.removal_journal = bool_option("file", "removal_journal", removal_journal) and self.shared
+        # an observer appends nothing (and a journal file opened is a journal file created)
+        self.removal_journal = bool_option("file", "removal_journal", removal_journal) and self.shared and not self.read_only
         self.journal_poll_s = float(journal_poll_s)
         # this store's removals out to the other processes, theirs in (shared stores only)
         self._peers = PeerRemovals(self.root, self.journal_poll_s, self._peer_removal) if self.removal_journal else None
@@ -208,6 +222,7 @@ class FileStorage(AsyncHiCacheStorage):
         self._scanner = IndexScanner(
             self.root, index=self.index, pins=self._pins, space=self._space, stats=self.stats,
             generation=lambda: self._generation, stop=self._stop, housekeeping=self._housekeeping,
+            read_only=self.read_only,
         )
         self._manifest_pending = False  # the disk was too full to write it: housekeeping retries
         # calls of the primitives in progress: close() waits for them, so that a batch in
@@ -222,6 +237,7 @@ class FileStorage(AsyncHiCacheStorage):
         # the process out of file descriptors): one line a minute each way, not one per page
         self._write_error_warnings = Throttle(_WARN_SECONDS)
         self._read_error_warnings = Throttle(_WARN_SECONDS)
+        self._read_only_warnings = Throttle(_WARN_SECONDS)
         self._background: set[asyncio.Task[None]] = set()
         self._rehousing: asyncio.Task[None] | None = None  # housekeeping after the folder was deleted
         self._pruning: asyncio.Task[None] | None = None  # the index checked against the disk (journal lines lost)
@@ -264,7 +280,8 @@ class FileStorage(AsyncHiCacheStorage):
         self._scan_executor = ThreadPoolExecutor(1, thread_name_prefix="hicache-file-scan")
         self._scanner.prepare()
         try:
-            self._manifest_pending = not await self._threads.run(
+            # an observer makes nothing: a namespace without a folder is simply empty to it
+            self._manifest_pending = not self.read_only and not await self._threads.run(
                 page_io.prepare_namespace, self._layout, self.namespace.to_dict()
             )
         except BaseException as exc:
@@ -274,7 +291,10 @@ class FileStorage(AsyncHiCacheStorage):
             raise
         if self._manifest_pending:
             self._warn_manifest_deferred()
-        self._space.open(self._layout, self._threads.executor, shared=self.shared)
+        # an observer leaves the ledger alone: joining it writes it (a dead writer's slot
+        # reclaimed, a short file completed) and holds its users lock, so a writer's scan
+        # could not correct the count while it looks
+        self._space.open(self._layout, self._threads.executor, shared=self.shared and not self.read_only)
         if self._peers is not None:
             await self._peers.open(self._layout.ns_dir, self.namespace.digest)
         self._scanner.start(self._layout, self._scan_executor, self.namespace.digest)
@@ -353,8 +373,10 @@ class FileStorage(AsyncHiCacheStorage):
         """Off the request path: finish clears that a killed (or closed) process left half
         deleted - first, since on a full disk that is what frees space -, write the manifest if
         the disk was too full for it, then create missing page folders. Never raises but
-        cancellation."""
+        cancellation. Nothing for an observer (:attr:`read_only`): each step writes."""
         assert self._layout is not None and self._scan_executor is not None
+        if self.read_only:
+            return
         loop = asyncio.get_running_loop()
         for what, fn, args in (
             ("removing stale trash", page_io.remove_stale_trash, (self._layout.root, self._layout.digest, self._stop)),
@@ -395,6 +417,8 @@ class FileStorage(AsyncHiCacheStorage):
         it stayed on disk and in the shared count although the caller was told nothing of it,
         and the next lookup found and adopted it. It is removed like an indexed page: its
         writer counted it in the shared ledger, and the unlink gives its bytes back there."""
+        if self.read_only:
+            return self._refused_read_only("delete", len(pages))
         ids = [page_id(p.key, p.pool) for p in pages]
         busy, deleting = self._pins.busy, self._pins.deleting  # (changed in place, never replaced)
         on_disk: dict[str, int] = {}
@@ -632,6 +656,8 @@ class FileStorage(AsyncHiCacheStorage):
         parents: Sequence[PageKey | None],
     ) -> list[bool]:
         assert self._layout is not None and self._codec is not None
+        if self.read_only:
+            return self._refused_read_only("write", len(pages))
         ok = [False] * len(pages)
         jobs: list[_WriteJob] = []
         pids = [page_id(page.key, page.pool) for page in pages]
@@ -807,6 +833,15 @@ class FileStorage(AsyncHiCacheStorage):
         if any(r.remade_namespace for r in results):
             self._namespace_remade()
 
+    def _refused_read_only(self, what: str, n: int) -> list[bool]:
+        """An observer's write or delete: refused, counted, and said at most once a minute (an
+        answer of ``False`` alone looks like a full or failing disk)."""
+        self.stats.incr("read_only_refused_pages", n)
+        count = self._read_only_warnings.due(n)
+        if count:
+            logger.warning("file store %s: opened read_only; refused %d page %s(s)", self.root, count, what)
+        return [False] * n
+
     def _namespace_remade(self) -> None:
         """A write made the namespace folder again (a cleaner had deleted it: the default root
         is under /tmp). Housekeeping, which otherwise runs only after a scan or a clear, writes
@@ -844,6 +879,8 @@ class FileStorage(AsyncHiCacheStorage):
     @_tracked
     async def _clear(self) -> None:
         assert self._layout is not None
+        if self.read_only:
+            raise ConfigError(f"file store {self.root}: opened read_only, a clear is refused")
         self._generation += 1
         await self._scanner.stop()
         self.index.clear()
@@ -1072,6 +1109,7 @@ class FileStorage(AsyncHiCacheStorage):
             "io_threads": self.io_threads,
             "fsync": self.fsync,
             "shared": self.shared,
+            "read_only": self.read_only,
             "journal_dropped_lines": self._peers.dropped_lines if self._peers is not None else 0,
             "journal_missed_files": self._peers.missed_files if self._peers is not None else 0,
             "journal_torn_lines": self._peers.torn_lines if self._peers is not None else 0,

@@ -941,7 +941,7 @@ class PartialScan(OSError):
         self.entries, self.removed, self.torn, self.unreadable = entries, removed, torn, unreadable
 
 
-def scan_subdir(path: str, stale_tmp_seconds: float) -> tuple[list[ScanEntry], int, int]:
+def scan_subdir(path: str, stale_tmp_seconds: float, *, remove: bool = True) -> tuple[list[ScanEntry], int, int]:
     """Every page file in one hashed folder, how many dead writers' temp files were removed,
     and how many torn page files were.
 
@@ -955,6 +955,7 @@ def scan_subdir(path: str, stale_tmp_seconds: float) -> tuple[list[ScanEntry], i
     its bytes as replaced though no count held them. A footer that is not ours but not zeros
     (another program's file, another version's format) is left alone. A file that cannot be read is skipped and the rest of
     the folder scanned; the scan then raises :class:`PartialScan` with what it found.
+    ``remove=False`` (a read-only store's scan): nothing is removed, only pages listed.
     """
     entries: list[ScanEntry] = []
     removed = torn = 0
@@ -979,13 +980,13 @@ def scan_subdir(path: str, stale_tmp_seconds: float) -> tuple[list[ScanEntry], i
                     raw = _footer_bytes(e.path, st.st_size)
                     foot = decode_footer(raw) if raw else None
                     if foot is None:  # not indexed, so never claimed; removed if torn by a crash
-                        if raw is not None and not any(raw) and _discard(e.path, st):
+                        if remove and raw is not None and not any(raw) and _discard(e.path, st):
                             torn += 1
                         continue
                     entries.append(ScanEntry(pid, st.st_size, foot.parent, max(st.st_mtime, st.st_atime)))
                 else:
                     parsed = parse_tmp_name(name)
-                    if parsed is None:
+                    if parsed is None or not remove:
                         continue
                     if tmp_abandoned(e.path, *parsed, stale_tmp_seconds, now):
                         os.unlink(e.path)
@@ -1063,11 +1064,13 @@ def count_page_files(layout: NamespaceLayout) -> int:
 
 
 def list_pages(layout: NamespaceLayout) -> list[tuple[str, str, int]]:
-    """(key, pool, file size) of every readable page file of a namespace."""
+    """(key, pool, file size) of every readable page file of a namespace. A listing removes
+    nothing (``hicache inspect`` lists a read-only store's pages: a dead writer's temp file or a
+    torn page is the scans' to sweep, and a torn page is counted corrupt there)."""
     out: list[tuple[str, str, int]] = []
     for subdir in list_subdirs(layout):
         try:
-            entries = scan_subdir(subdir, float("inf"))[0]
+            entries = scan_subdir(subdir, float("inf"), remove=False)[0]
         except PartialScan as partial:  # what could be read is listed
             entries = partial.entries
         for e in entries:

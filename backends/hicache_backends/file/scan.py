@@ -13,6 +13,7 @@ Touched only on the event loop thread; the blocking work runs on the scan's own 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import threading
 import time
@@ -43,7 +44,9 @@ class IndexScanner:
     not indexed), the space accountant (the shared count the scan corrects, the eviction after
     it), ``generation`` (bumped by each clear: a scan of the cleared folder stops), ``stop``
     (set when the store closes: no new scan), ``housekeeping`` (run after each scan) and the
-    stats it counts in. The layout and the scan's thread come at :meth:`start`.
+    stats it counts in. The layout and the scan's thread come at :meth:`start`. ``read_only``
+    (an observer's store, see ``FileStorage``): the scan only indexes - it removes no file and
+    evicts nothing after it.
     """
 
     def __init__(
@@ -57,6 +60,7 @@ class IndexScanner:
         generation: Callable[[], int],
         stop: threading.Event,
         housekeeping: Callable[[], Awaitable[None]],
+        read_only: bool = False,
     ) -> None:
         self.root = root
         self._index = index
@@ -66,6 +70,7 @@ class IndexScanner:
         self._generation = generation
         self._stop = stop
         self._housekeeping = housekeeping
+        self._read_only = read_only
         self._layout: NamespaceLayout | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._tag = ""  # the namespace digest's start, in the scan tasks' names
@@ -167,11 +172,13 @@ class IndexScanner:
         complete = True
         try:
             before = await self._space.baseline(self._executor)
+            # an observer's scan removes nothing (a torn page, a dead writer's temp file)
+            scan_subdir = functools.partial(page_io.scan_subdir, remove=False) if self._read_only else page_io.scan_subdir
             subdirs = await loop.run_in_executor(self._executor, page_io.list_subdirs, self._layout)
             for subdir in subdirs:
                 try:
                     entries, removed, torn = await loop.run_in_executor(
-                        self._executor, page_io.scan_subdir, subdir, STALE_TMP_SECONDS
+                        self._executor, scan_subdir, subdir, STALE_TMP_SECONDS
                     )
                 except asyncio.CancelledError:
                     raise
@@ -230,6 +237,10 @@ class IndexScanner:
                     asyncio.get_running_loop().call_soon(lambda: self.maybe_rescan(None, reclaimed=True))
         if removed_tmp:
             self._stats.incr("stale_tmp_removed", removed_tmp)
+        if self._read_only:
+            # an observer never evicts: the bound is the writers' (an observer opened with the
+            # default max_bytes deleted what a writer with a larger one, or none, had kept)
+            return
         try:  # pages found on disk may exceed a max_bytes lowered since the last run
             await self._space.evict_for(False, frozenset(), whole_excess=True)
         except asyncio.CancelledError:
