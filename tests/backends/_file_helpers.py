@@ -106,3 +106,20 @@ def slow_page_writes(monkeypatch, seconds: float) -> threading.Event:
 
     monkeypatch.setattr(file_io, "write_page", slow_write)
     return started
+
+
+def hold_publish_window(monkeypatch, hold) -> None:
+    """Call ``hold(path)`` (it may block) right after a page write measures the file its publish
+    replaces (``io._regular_size``). Before publishes learnt that size in the same step as the
+    rename, this was the window in which another process's publish or unlink of the same page
+    went uncounted; a test that widens it shows nothing can come between any more."""
+    from hicache_backends.file import io as file_io
+
+    real = file_io._regular_size
+
+    def measured_then_held(path):
+        size = real(path)
+        hold(path)
+        return size
+
+    monkeypatch.setattr(file_io, "_regular_size", measured_then_held)

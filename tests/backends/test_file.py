@@ -842,3 +842,29 @@ async def test_a_read_only_store_reads_and_changes_nothing_on_disk(tmp_path) -> 
         await ro.wait_background()
         assert not await ro.exists(keys[0])
     assert not os.path.exists(os.path.join(tmp_path, NS_B.digest))
+
+
+@pytest.mark.parametrize("renameat2", [True, False])
+def test_publish_says_what_it_replaced_and_never_replaces_a_folder(tmp_path, monkeypatch, renameat2) -> None:
+    """A page published by exchange (``renameat2``) or, without it, by ``os.replace``: a new
+    page replaced nothing, a rewrite replaced the old file's bytes and leaves no file behind,
+    and a folder at the page's path fails the publish and stays."""
+    if not renameat2:
+        monkeypatch.setattr(file_io, "_renameat2", None)
+    elif file_io._renameat2 is None:
+        pytest.skip("no renameat2 here")
+    page, tmp = str(tmp_path / "p.page"), str(tmp_path / ".p.tmp")
+    with open(tmp, "wb") as f:
+        f.write(b"x" * 10)
+    assert file_io._publish(tmp, page) == 0
+    with open(tmp, "wb") as f:
+        f.write(b"y" * 3)
+    assert file_io._publish(tmp, page) == 10
+    assert sorted(os.listdir(tmp_path)) == ["p.page"] and open(page, "rb").read() == b"yyy"
+    os.unlink(page)
+    os.makedirs(os.path.join(page, "inside"))
+    with open(tmp, "wb") as f:
+        f.write(b"z")
+    with pytest.raises(OSError):
+        file_io._publish(tmp, page)
+    assert os.path.isdir(os.path.join(page, "inside")) and open(tmp, "rb").read() == b"z"

@@ -26,7 +26,7 @@ from hicache_backends.file import FileStorage
 from hicache_backends.file import io as file_io
 from hicache_backends.file.ledger import LEDGER_NAME, USERS_NAME, read_usage
 
-from _file_helpers import page_path, slow_page_writes
+from _file_helpers import hold_publish_window, page_path, slow_page_writes
 
 LIMIT = 3.0  # seconds any call may take here (a blocked open would take forever)
 
@@ -428,6 +428,58 @@ async def test_the_shared_count_stays_exact_through_cancellations_failures_and_f
         await b.wait_background()
         assert await a.batch_set(["e0", "e1"], [v0(size, 5)] * 2)  # a's next write: new ledger
         assert exact() and read_usage(ledger).used == 2 * a.layout.file_size("e0", "kv", size)
+
+
+async def test_two_stores_publishing_one_page_at_once_count_it_once(tmp_path, monkeypatch) -> None:
+    """Two stores on one root (two data-parallel servers with a shared prompt prefix) publish
+    the same page at once. Each measured the file it would replace, found none, then renamed:
+    the shared count held the page twice, one file on disk, for as long as peers stayed open.
+    Held in that window until the other store has measured too, both writers still count the
+    page once between them."""
+    size = 8192
+    both = threading.Barrier(2, timeout=0.5)
+
+    def meet(path: str) -> None:  # since the fix only the second publish measures: alone, it goes on
+        with contextlib.suppress(threading.BrokenBarrierError):
+            both.wait()
+
+    a, b = make_store(tmp_path, max_bytes=1 << 22), make_store(tmp_path, max_bytes=1 << 22)
+    ns_dir = a.layout.ns_dir
+    async with a, b:
+        await a.wait_index_ready(10)
+        await b.wait_index_ready(10)
+        hold_publish_window(monkeypatch, meet)
+        assert all(await within(asyncio.gather(a.set("same", v0(size, 1)), b.set("same", v0(size, 2)))))
+        usage = read_usage(os.path.join(ns_dir, LEDGER_NAME))
+        assert usage is not None and usage.used == namespace_bytes(ns_dir) == a.layout.file_size("same", "kv", size)
+
+
+async def test_a_page_unlinked_by_a_peer_while_it_is_published_again_is_counted_right(tmp_path, monkeypatch) -> None:
+    """One store deletes a page while another publishes it again (it did not know the page).
+    The publisher measured the old file, the peer unlinked it (subtracted), the rename then
+    put a new page there counted nowhere (its size less the old one's): the shared count was
+    a page below the disk, and ``max_bytes`` let the namespace grow past it."""
+    size = 8192
+    measured, deleted = threading.Event(), threading.Event()
+
+    def wait_for_the_delete(path: str) -> None:
+        measured.set()
+        deleted.wait(LIMIT)
+
+    a, b = make_store(tmp_path, max_bytes=1 << 22), make_store(tmp_path, max_bytes=1 << 22)
+    ns_dir = a.layout.ns_dir
+    async with a, b:
+        await a.wait_index_ready(10)
+        await b.wait_index_ready(10)
+        assert await a.set("k", v0(size, 1))
+        hold_publish_window(monkeypatch, wait_for_the_delete)
+        again = asyncio.create_task(b.set("k", v0(size, 2)))
+        assert await within(asyncio.to_thread(measured.wait, LIMIT))
+        assert await within(a.batch_delete(["k"])) == [True]
+        deleted.set()
+        assert await within(again)
+        usage = read_usage(os.path.join(ns_dir, LEDGER_NAME))
+        assert usage is not None and usage.used == namespace_bytes(ns_dir)
 
 
 @pytest.mark.parametrize("how", ["delete", "evict"])

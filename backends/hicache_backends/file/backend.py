@@ -14,7 +14,7 @@ What it improves over SGLang's ``HiCacheFile`` (see FIELD-NOTES):
 * capacity - ``max_bytes`` and a free-space floor, enforced before each write by evicting
   leaves first (a page's descendants before the page), least recently used first; sizes and
   parent links are rebuilt from the files after a restart;
-* robustness - writes are atomic (temp file + ``os.replace``); a full disk fails the write,
+* robustness - writes are atomic (temp file + rename); a full disk fails the write,
   removes its temp file and leaves reads working; the background scan never dies.
 
 The index is mutated only on the event loop thread; executor threads only return facts.

@@ -6,8 +6,8 @@ the index belongs to the event loop thread, which applies the facts.
 Reads fetch header, payload and footer with one ``preadv`` whose payload buffer *is* the
 destination (the host pool's page when it is contiguous), then verify before saying yes.
 Writes checksum the payload on this thread, ``pwritev`` header + payload view + footer to a
-temporary file in the page's own folder and publish it with ``os.replace``: a reader, or a
-process restarted after a crash at any instant, sees the old page, the new page or none,
+temporary file in the page's own folder and publish it by rename (:func:`_publish`): a reader,
+or a process restarted after a crash at any instant, sees the old page, the new page or none,
 never a torn one. Any failure removes the temporary file.
 
 A page given as :class:`~hicache.storage.segments.PageSegments` (pieces of a host pool page
@@ -20,6 +20,7 @@ header (which holds the checksum) last, into the same unpublished temporary file
 
 from __future__ import annotations
 
+import ctypes
 import enum
 import errno
 import itertools
@@ -27,9 +28,10 @@ import json
 import logging
 import os
 import stat
+import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 
@@ -627,8 +629,7 @@ def write_page(
                 os.fsync(fd)
         finally:
             os.close(fd)
-        replaced = _regular_size(path)
-        os.replace(tmp, path)
+        replaced = _publish(tmp, path)
     except BaseException as exc:
         try:
             os.unlink(tmp)
@@ -657,6 +658,92 @@ def linked_folder(path: str) -> str | None:
         if os.path.islink(folder):
             return folder
     return None
+
+
+# renameat2(2) (Linux 3.15+, glibc 2.28+), for :func:`_publish`
+_AT_FDCWD = -100
+_RENAME_NOREPLACE = 1
+_RENAME_EXCHANGE = 2
+_PUBLISH_ATTEMPTS = 8  # a page that comes and goes under every try: published by os.replace
+
+
+def _load_renameat2() -> Callable[..., int] | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):  # a libc without the wrapper
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_renameat2 = _load_renameat2()
+
+
+def _rename2(src: bytes, dst: bytes, flags: int) -> int:
+    """``renameat2`` of ``src`` to ``dst``: 0, or the errno."""
+    assert _renameat2 is not None
+    return 0 if _renameat2(_AT_FDCWD, src, _AT_FDCWD, dst, flags) == 0 else ctypes.get_errno()
+
+
+def _publish(tmp: str, path: str) -> int:
+    """Rename the finished page ``tmp`` to ``path``; returns the bytes of the page file it
+    replaced (0 if none), which the shared ledger takes off the write's count.
+
+    Why not ``stat`` then ``os.replace``: another process may publish or remove the same page
+    in between. Two stores writing one page at once (data-parallel servers sharing a prompt
+    prefix do it all the time) both found no file there, both counted the page whole, and the
+    ledger held it twice for as long as peers kept the namespace open (only a scan alone
+    corrects it); a peer's unlink in between had the new page counted nowhere. So the size is
+    learnt in the same step as the publish: a no-replace rename says there was no file (the
+    page is new), else the rename *exchanges* the two files, and ``tmp`` then holds exactly
+    the file replaced - measured, then unlinked. The page's path holds a whole page
+    throughout (the old one, then the new one), as with ``os.replace``. A file system or
+    kernel without ``renameat2`` and its flags (another OS, NFS, Linux < 3.15) falls back to
+    ``stat`` + ``os.replace`` and its window.
+    """
+    global _renameat2
+    if _renameat2 is not None:
+        src, dst = os.fsencode(tmp), os.fsencode(path)
+        for _ in range(_PUBLISH_ATTEMPTS):
+            err = _rename2(src, dst, _RENAME_NOREPLACE)
+            if not err:
+                return 0
+            if err == errno.EEXIST:
+                err = _rename2(src, dst, _RENAME_EXCHANGE)
+                if not err:
+                    return _swapped_out(src, dst, tmp)
+                if err == errno.ENOENT:  # the page went meanwhile: a new page after all
+                    continue
+            if err == errno.ENOSYS:  # the kernel has no renameat2: never ask again
+                _renameat2 = None
+                break
+            if err == errno.EINVAL:  # this file system refuses the flag: os.replace below
+                break
+            raise OSError(err, os.strerror(err), path)
+    replaced = _regular_size(path)
+    os.replace(tmp, path)
+    return replaced
+
+
+def _swapped_out(src: bytes, dst: bytes, tmp: str) -> int:
+    """After :func:`_publish`'s exchange, ``tmp`` names the file that was at the page's path:
+    its size is what the write replaced; it is unlinked. A folder there goes back (a rename
+    over a folder fails, and so does this write). Swept meanwhile by a scan (it judged the old
+    page's mtime stale), its size is unknown: counted 0, an over-count, the safe direction."""
+    replaced = _regular_size(tmp)
+    try:
+        os.unlink(tmp)
+    except IsADirectoryError:
+        _rename2(src, dst, _RENAME_EXCHANGE)
+        raise
+    except FileNotFoundError:
+        pass
+    except OSError as exc:  # published all the same; a scan sweeps the old file later
+        logger.warning("could not remove %s, which a write replaced: %s", tmp, exc)
+    return replaced
 
 
 def _regular_size(path: str) -> int:
