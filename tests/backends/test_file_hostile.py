@@ -352,6 +352,83 @@ async def test_a_frozen_process_holding_the_ledger_lock_does_not_hang_writers(tm
         assert usage is not None and usage.used >= 2 * store.layout.file_size("after", "kv", 4096)
 
 
+def peer_takes_the_ledger_lock(ledger: str, seconds: float = 0.8) -> None:
+    """Another open file of the ledger takes its lock for ``seconds`` (longer than the store's
+    patience, ``LOCK_PATIENCE``): a peer frozen holding it, for that long."""
+    import fcntl
+
+    fd = os.open(ledger, os.O_RDWR)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    threading.Timer(seconds, os.close, (fd,)).start()
+
+
+def own_slot_bytes(ledger: str) -> int:
+    """Bytes this process's slot of the ledger's in-flight table holds (both stores here are
+    one process: one slot)."""
+    from hicache_backends.file.ledger import _decode_slots, _taken
+
+    with open(ledger, "rb") as f:
+        slots = _decode_slots(f.read())
+    return sum(slots[i + 2] for i in _taken(slots) if slots[i + 1] == os.getpid())
+
+
+@pytest.mark.parametrize("where", ["last_write", "after_cancel"])
+async def test_a_settlement_the_ledger_is_unavailable_for_is_owed_not_lost(tmp_path, monkeypatch, where) -> None:
+    """A peer holds the ledger's lock past our patience exactly when a batch settles, on the
+    batch's last I/O thread (``last_write``) or on the loop after a cancelled reservation
+    (``after_cancel``). The settlement was dropped: what the batch reserved and did not keep
+    (here a page it replaced) stayed counted for good, and its in-flight bytes stayed in this
+    process's slot, for a peer to take off the count again once this process dies. Now both
+    are owed and settled by the next reservation."""
+    from hicache_backends.file.space import SpaceAccountant
+
+    size = 8192
+    a, b = make_store(tmp_path, max_bytes=1 << 22), make_store(tmp_path, max_bytes=1 << 22)
+    ns_dir = a.layout.ns_dir
+    ledger = os.path.join(ns_dir, LEDGER_NAME)
+    async with a, b:
+        await a.wait_index_ready(10)
+        await b.wait_index_ready(10)
+        assert await a.set("k", v0(size, 1))
+        if where == "last_write":
+            real_write = file_io.write_page
+
+            def write_then_peer_locks(*args):
+                result = real_write(*args)
+                peer_takes_the_ledger_lock(ledger)
+                return result
+
+            monkeypatch.setattr(file_io, "write_page", write_then_peer_locks)
+            assert await within(b.set("k", v0(size, 2)))  # b did not know it: replaced
+        else:
+            reserved = threading.Event()
+            real_reserve = SpaceAccountant._reserve
+
+            def reserve_then_peer_locks(self, res, amount, debt):
+                real_reserve(self, res, amount, debt)
+                peer_takes_the_ledger_lock(ledger)
+                reserved.set()
+                time.sleep(0.1)  # the caller's cancellation lands while this call runs
+
+            async def on_a_round_trip_of_its_own(self, incoming):  # not on the batch's thread
+                return False
+
+            monkeypatch.setattr(SpaceAccountant, "reserves_in_batch", on_a_round_trip_of_its_own)
+            monkeypatch.setattr(SpaceAccountant, "_reserve", reserve_then_peer_locks)
+            task = asyncio.create_task(b.set("k", v0(size, 2)))
+            assert await within(asyncio.to_thread(reserved.wait, LIMIT))
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await within(task)
+        monkeypatch.undo()
+        await asyncio.sleep(1.0)  # the peer lets go
+        for i in range(2):  # later writes of both stores settle what is owed
+            assert await a.set(f"a{i}", v0(size, 3)) and await b.set(f"b{i}", v0(size, 4))
+        usage = read_usage(ledger)
+        assert usage is not None and usage.used == namespace_bytes(ns_dir)
+        assert own_slot_bytes(ledger) == 0
+
+
 async def test_a_frozen_process_holding_the_journal_lock_does_not_hang_page_io(tmp_path) -> None:
     """A process stopped while it holds the removal journal's lock: this store keeps evicting
     (each eviction is a journal line) and reading and writing within a bounded wait; the lines

@@ -694,7 +694,7 @@ class FileStorage(AsyncHiCacheStorage):
         try:
             batch = None
             if await self._space.reserves_in_batch(incoming):
-                debt = self._space.take_debt()
+                debt = self._space.take_debt(res)
                 try:
                     batch = await self._write_batch(jobs, res, 0, reserve=(incoming, debt))
                 finally:

@@ -50,6 +50,11 @@ class Reservation:
 
     amount: int = 0
     usage: Usage | None = None
+    #: in-flight bytes of earlier batches whose settlement could not release them (the
+    #: ledger was unavailable), released by this reservation's call (see ``unreleased``)
+    release: int = 0
+    #: the store's generation when the batch began: a clear since took its reservation along
+    generation: int = 0
 
 
 class SpaceAccountant:
@@ -99,6 +104,10 @@ class SpaceAccountant:
         # told of (given back), less pages written while it was unavailable (added), all settled
         # by the next write's reservation
         self.debt = 0
+        # bytes of this process's in-flight slot in the ledger that settlements could not
+        # release (unavailable), released by the next reservation: left there, a later death
+        # of this process had a peer take them off the count again
+        self.unreleased = 0
         self.writes_in_flight = 0  # batches between their reservation and its settlement
         self.writes_started = 0
         self._refusal_warnings = Throttle(_REFUSAL_WARN_SECONDS)
@@ -168,12 +177,12 @@ class SpaceAccountant:
         # it (one that reserved before it may publish during the scan without changing seq),
         # then "alone" (a process that reserved before the reading holds the users lock by
         # then); any reservation after the reading changes seq.
-        quiet = not self.writes_in_flight and not self.debt
+        quiet = not self.writes_in_flight and not self.debt and not self.unreleased
         started = self.writes_started
         before = await self.ledger_call(executor, 0, token=-1) if quiet else None
         if before is not None and self.ledger is not None:
             alone = await asyncio.get_running_loop().run_in_executor(executor, self.ledger.alone)
-            if not alone or self.writes_started != started or self.debt:
+            if not alone or self.writes_started != started or self.debt or self.unreleased:
                 before = None
         return before
 
@@ -183,7 +192,7 @@ class SpaceAccountant:
         """A complete scan found ``found`` bytes of pages: replace the shared count with them
         (``before``: :meth:`baseline`), or, not alone, raise the count to ``still_on_disk()``
         (summed under the ledger's lock) if it is below."""
-        if before is not None and not self.debt:
+        if before is not None and not self.debt and not self.unreleased:
             # applied only if nobody changed the ledger during the scan (seq)
             await self.ledger_call(executor, found - before.used, token=before.token, if_seq=before.seq)
         else:  # not alone: never lowered, but raised to what is on disk if below
@@ -203,6 +212,7 @@ class SpaceAccountant:
 
     def cleared(self) -> None:
         self.debt = 0  # owed to the ledger that goes with the cleared folder
+        self.unreleased = 0  # and its slot with it
 
     def owe_unreserved(self, results: Sequence[page_io.WriteResult]) -> None:
         """A batch written while the shared ledger was unavailable (a peer frozen holding its
@@ -221,7 +231,7 @@ class SpaceAccountant:
         self.reserved += incoming
         self.writes_in_flight += 1
         self.writes_started += 1
-        return Reservation()
+        return Reservation(generation=self._generation())
 
     def unreserve(self, nbytes: int) -> None:
         """Pages of a batch dropped before they were written (no room for them)."""
@@ -233,21 +243,30 @@ class SpaceAccountant:
         if self.ledger is None or not incoming:
             return
         assert self._executor is not None
-        debt, self.debt = self.debt, 0
+        debt = self.take_debt(res)
         try:
             await run_to_completion(self._reserve, res, incoming, debt, executor=self._executor)
         finally:
-            if res.usage is None:  # not applied: still owed
-                self.owe(debt, generation)
+            self._not_reserved(res, debt, generation)
         self.after_reclaim(res.usage)
 
     def _reserve(self, res: Reservation, amount: int, debt: int) -> None:
-        """(On an I/O thread.) Reserve ``amount`` bytes, giving back ``debt`` (bytes of corrupt
-        pages reads removed); the outcome lands in ``res``."""
+        """(On an I/O thread.) Reserve ``amount`` bytes, giving back ``debt`` (what is owed, see
+        :attr:`debt`) and releasing ``res.release`` of this process's in-flight slot; the
+        outcome lands in ``res``."""
         assert self.ledger is not None
-        res.usage = self.ledger.add(amount - debt, inflight=amount)
+        res.usage = self.ledger.add(amount - debt, inflight=amount - res.release)
         if res.usage is not None:
             res.amount = amount
+
+    def _not_reserved(self, res: Reservation, debt: int, generation: int) -> None:
+        """A reservation that was not applied still owes ``debt`` and still has ``res.release``
+        to release."""
+        if res.usage is None:
+            self.owe(debt, generation)
+            if generation == self._generation():
+                self.unreleased += res.release
+            res.release = 0
 
     async def reserves_in_batch(self, incoming: int) -> bool:
         """Whether a write batch of ``incoming`` new bytes takes its shared reservation on its
@@ -259,9 +278,11 @@ class SpaceAccountant:
             return False
         return not self.min_free_bytes or self.min_free_bytes + self.reserved - await self.free_bytes() <= 0
 
-    def take_debt(self) -> int:
-        """What is owed to the shared ledger, handed to a reservation (see :meth:`reserved_first`)."""
+    def take_debt(self, res: Reservation) -> int:
+        """What is owed to the shared ledger, handed to a reservation (see :meth:`reserved_first`),
+        and the in-flight bytes it is to release (into ``res``)."""
         debt, self.debt = self.debt, 0
+        res.release, self.unreleased = self.unreleased, 0
         return debt
 
     def reserve_first(self, res: Reservation, amount: int, debt: int) -> bool:
@@ -275,8 +296,7 @@ class SpaceAccountant:
     def reserved_first(self, res: Reservation, debt: int, generation: int) -> None:
         """(On the event loop, after the batch.) What :meth:`reserve` does once its call is
         back: a reservation that was not applied still owes ``debt``."""
-        if res.usage is None:
-            self.owe(debt, generation)
+        self._not_reserved(res, debt, generation)
         self.after_reclaim(res.usage)
 
     def settle_last(
@@ -301,6 +321,8 @@ class SpaceAccountant:
         self.reserved -= incoming
         try:
             if settled is not None:
+                if settled[0] is None:
+                    self._unsettled(res, results)
                 self.after_reclaim(settled[0])
             elif res.usage is not None:
                 await self.settle(res, results, refused)
@@ -327,8 +349,24 @@ class SpaceAccountant:
         assert res.usage is not None
         delta = self._kept(results) - res.amount
         if delta or refused or res.amount:  # res.amount: this batch's in-flight mark goes too
-            await self.ledger_call(self._executor, delta, refused=refused, token=res.usage.token,
-                                   inflight=-res.amount)
+            usage = await self.ledger_call(self._executor, delta, refused=refused, token=res.usage.token,
+                                           inflight=-res.amount)
+            if usage is None:
+                self._unsettled(res, results)
+
+    def _unsettled(self, res: Reservation, results: Sequence[page_io.WriteResult | None] | None) -> None:
+        """A batch's settlement found the ledger unavailable (a peer frozen holding its lock,
+        no descriptor left): what it reserved and did not keep (pages replaced, failed,
+        dropped or never started) is owed, given back by the next reservation, which also
+        releases the batch's in-flight bytes. Lost, both stayed counted for good: the bytes
+        as used, shrinking ``max_bytes``, the in-flight mark as this process's, taken off the
+        count again by a peer once this process dies. Refused pages it was to record are
+        only a statistic, and are not carried. A clear since the batch began (its results
+        are then the new folder's, see ``_published_after_clear``) took the reservation and
+        the slot along: nothing is owed."""
+        self.owe(res.amount - self._kept(results), res.generation)
+        if res.generation == self._generation():
+            self.unreleased += res.amount
 
     async def refused_for_space(self, n: int, usage: Usage | None) -> None:
         """Say, at most once a minute, that and why writes are refused (DEBUG is not enough:
