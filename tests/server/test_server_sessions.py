@@ -238,6 +238,27 @@ async def test_a_release_of_a_session_whose_first_turn_is_queued_is_not_a_404() 
         _nothing_held(sessions)
 
 
+def _out_of_memory_once(engine: Any) -> tuple[Any, Any]:
+    """The engine's next turn fails for device memory once it is let go (``gate``), after
+    telling it started (``failing``); its retry runs the real engine. Between the two attempts
+    the turn holds its session but no request: what a release or a final turn meets then."""
+    import asyncio
+
+    from hicache.errors import OutOfKVSlotsError
+
+    real = engine.generate
+    failing, gate = asyncio.Event(), asyncio.Event()
+
+    async def out_of_memory_once(*args: Any, **kwargs: Any) -> Any:
+        engine.generate = real  # the retry is the real one
+        failing.set()
+        await gate.wait()
+        raise OutOfKVSlotsError("injected: device full")
+
+    engine.generate = out_of_memory_once
+    return failing, gate
+
+
 @requires_facade
 async def test_a_release_during_a_memory_retry_is_not_undone_by_the_retry() -> None:
     """A turn's first attempt fails for device memory and the session is released while the
@@ -245,23 +266,11 @@ async def test_a_release_during_a_memory_retry_is_not_undone_by_the_retry() -> N
     it. The release waits for the turn, retries included."""
     import asyncio
 
-    from hicache.errors import OutOfKVSlotsError
-
     async with running_server(small_config(), mode="hicache", port=0) as srv, aiohttp.ClientSession() as http:
         sessions = srv.state.cache.cache  # type: ignore[attr-defined]
         async with http.post(f"{srv.url}/v1/generate", json=TURN) as resp:
             out = await resp.json()
-        engine = srv.state.engine
-        real = engine.generate
-        failing, gate = asyncio.Event(), asyncio.Event()
-
-        async def out_of_memory_once(*args: Any, **kwargs: Any) -> Any:
-            engine.generate = real  # the retry is the real one
-            failing.set()
-            await gate.wait()
-            raise OutOfKVSlotsError("injected: device full")
-
-        engine.generate = out_of_memory_once
+        failing, gate = _out_of_memory_once(srv.state.engine)
         turn2 = {**TURN, "tokens": TURN["tokens"] + out["tokens"] + [7, 8, 9]}
         t2 = asyncio.ensure_future(http.post(f"{srv.url}/v1/generate", json=turn2))
         await failing.wait()
@@ -285,23 +294,11 @@ async def test_a_dropped_final_turn_ends_its_session_after_a_turn_between_memory
     hang-up, when the earlier turn's retry re-opened it and it held its row and pages."""
     import asyncio
 
-    from hicache.errors import OutOfKVSlotsError
-
     async with running_server(small_config(), mode="hicache", port=0) as srv, aiohttp.ClientSession() as http:
         sessions = srv.state.cache.cache  # type: ignore[attr-defined]
         async with http.post(f"{srv.url}/v1/generate", json=TURN) as resp:
             out = await resp.json()
-        engine = srv.state.engine
-        real = engine.generate
-        failing, gate = asyncio.Event(), asyncio.Event()
-
-        async def out_of_memory_once(*args: Any, **kwargs: Any) -> Any:
-            engine.generate = real  # the retry is the real one
-            failing.set()
-            await gate.wait()
-            raise OutOfKVSlotsError("injected: device full")
-
-        engine.generate = out_of_memory_once
+        failing, gate = _out_of_memory_once(srv.state.engine)
         history = TURN["tokens"] + out["tokens"]
         t2 = asyncio.ensure_future(http.post(f"{srv.url}/v1/generate", json={**TURN, "tokens": history + [7, 8, 9]}))
         await failing.wait()
