@@ -40,6 +40,7 @@ def test_the_storage_class_without_sglang_is_a_clear_import_error() -> None:
         ({"hicache_call_timeout": 0}, "hicache_call_timeout"),
         ({"hicache_staging_mib": 0}, "hicache_staging_mib"),
         ({"hicache_backend": ""}, "hicache_backend"),
+        ({"hicache_model_id": ""}, "hicache_model_id"),
     ],
 )
 def test_bad_adapter_settings_name_the_key(extra, needle) -> None:

@@ -14,6 +14,9 @@ SGLang hands a dynamic backend one dict: its own keys (``backend_name``, ``modul
                           page (default 32 MiB; two halves, so reads and copies overlap)
     hicache_namespace_salt  extra text in the namespace (tenant, LoRA set, anything that
                           makes pages of the same tokens differ)
+    hicache_model_id      the model's identity in the namespace, in place of the server's
+                          --model-path and --revision (servers that load the same weights
+                          from different local paths share pages only with the same id)
     hicache_kv_cache_dtype  the KV cache dtype (SGLang's --kv-cache-dtype, e.g. fp8_e4m3) when
                           the server's own settings cannot be read: SGLang stores every fp8
                           format as uint8, so the pool alone cannot tell e4m3 from e5m2
@@ -43,6 +46,7 @@ _KEYS = (
     "hicache_staging_mib",
     "hicache_namespace_salt",
     "hicache_kv_cache_dtype",
+    "hicache_model_id",
 )
 DEFAULT_CALL_TIMEOUT = 60.0
 DEFAULT_STAGING_MIB = 32
@@ -58,6 +62,7 @@ class AdapterSettings:
     staging_bytes: int = DEFAULT_STAGING_MIB << 20
     namespace_salt: str | None = None
     kv_cache_dtype: str | None = None
+    model_id: str | None = None
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> AdapterSettings:
@@ -107,6 +112,9 @@ class AdapterSettings:
         kv_dtype = extra.get("hicache_kv_cache_dtype")
         if kv_dtype is not None and (not isinstance(kv_dtype, str) or not kv_dtype):
             raise ConfigError(f"hicache_kv_cache_dtype must be SGLang's --kv-cache-dtype (e.g. fp8_e4m3), got {kv_dtype!r}")
+        model_id = extra.get("hicache_model_id")
+        if model_id is not None and (not isinstance(model_id, str) or not model_id):
+            raise ConfigError(f"hicache_model_id must be a non-empty string naming the weights, got {model_id!r}")
         return cls(
             backend=backend,
             options=options,
@@ -114,6 +122,7 @@ class AdapterSettings:
             staging_bytes=staging << 20,
             namespace_salt=salt,
             kv_cache_dtype=kv_dtype,
+            model_id=model_id,
         )
 
 
@@ -124,11 +133,18 @@ def namespace_for(
     kv_format: str | None = None,
     pool_formats: Mapping[str, str] | None = None,
     salt: str | None = None,
+    model: str | None = None,
+    revision: str | None = None,
 ) -> Namespace:
     """The namespace of an SGLang server's pages.
 
-    From SGLang's ``HiCacheStorageConfig``: the model name (SGLang already tags it with a host
-    pool's own page format), TP/PP ranks, attention-CP and decode-CP shards (not the
+    The model is ``model`` and ``revision``: the weights the server loaded (its
+    ``--model-path`` and ``--revision``, or ``hicache_model_id``). Only without them is it
+    SGLang's ``model_name``, which is ``--served-model-name``: an API alias that servers of
+    different weights often share (``default``), and page keys are token hashes alone, so
+    that alias would let one model restore another's KV.
+
+    From SGLang's ``HiCacheStorageConfig``: TP/PP ranks, attention-CP and decode-CP shards (not the
     DP-attention rank: DP groups hold the same KV), and MLA (MLA latents are replicated over TP, so TP does not split those namespaces,
     as in SGLang). From the KV host pool (``signature``): dtype, layers, heads, head size, page
     size. The host *layout* is not part of it: pages are stored in canonical order, so every
@@ -153,7 +169,8 @@ def namespace_for(
         extra[f"pool.{pool}"] = tag
     tp_rank, tp_size = int(getattr(config, "tp_rank", 0)), int(getattr(config, "tp_size", 1))
     return Namespace(
-        model=getattr(config, "model_name", None) or "",
+        model=model or getattr(config, "model_name", None) or "",
+        revision=revision or None,
         kv_dtype=None if "dtype" not in sig else str(sig["dtype"]),
         layout=kv_format,
         page_size=None if "page_size" not in sig else int(sig["page_size"]),

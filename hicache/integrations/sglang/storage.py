@@ -106,21 +106,34 @@ def _with_logical_dtype(signature: dict[str, Any], configured: str | None) -> di
     return {**signature, "kv_cache_dtype": logical}
 
 
-def _draft_settings() -> dict[str, str]:
-    """The draft model's KV format and identity from the server's published settings (none
-    in a process that did not start a server)."""
+def _server_settings(*keys: str) -> dict[str, str] | None:
+    """The string settings ``keys`` from the server's published settings (those it has);
+    ``None`` when there are none to read (a process that did not start a server)."""
     try:
         from sglang.srt.runtime_context import get_server_args
 
         args = get_server_args()
     except Exception:  # noqa: BLE001 - not published, or another SGLang version's API
-        return {}
+        return None
     out: dict[str, str] = {}
-    for key in ("speculative_draft_kv_cache_dtype", "speculative_draft_model_path", "speculative_draft_model_revision"):
+    for key in keys:
         value = getattr(args, key, None)
         if isinstance(value, str) and value:
             out[key] = value
     return out
+
+
+def _draft_settings() -> dict[str, str]:
+    """The draft model's KV format and identity from the server's published settings (none
+    in a process that did not start a server)."""
+    return _server_settings("speculative_draft_kv_cache_dtype", "speculative_draft_model_path",
+                            "speculative_draft_model_revision") or {}
+
+
+def _target_settings() -> dict[str, str] | None:
+    """The served model's identity from the server's published settings: ``model_path`` and
+    ``revision`` (those it has); ``None`` when there are none to read."""
+    return _server_settings("model_path", "revision")
 
 
 def _sidecar_format(signature: dict[str, Any], logical_kv: str | None, draft: dict[str, str]) -> str | None:
@@ -301,12 +314,15 @@ class HiCacheSGLangStorage(_SGLangStorage):
             tags = dict(self._tags)
             signature = kv.storage_signature() if callable(getattr(kv, "storage_signature", None)) else {}
             signature = _with_logical_dtype(signature, self.settings.kv_cache_dtype)
+            model, revision = self._model_identity()
             namespace = namespace_for(
                 self.storage_config,
                 signature=signature,
                 kv_format=tags.pop(KV, None),
                 pool_formats=tags,
                 salt=self.settings.namespace_salt,
+                model=model,
+                revision=revision,
             )
             options = dict(self.settings.options)
             options["namespace"] = namespace
@@ -335,6 +351,28 @@ class HiCacheSGLangStorage(_SGLangStorage):
             logger.info("hicache SGLang storage: backend %r, namespace %s", self.settings.backend, namespace.digest)
             self._facade = facade
             return facade
+
+    def _model_identity(self) -> tuple[str | None, str | None]:
+        """The weights this server's pages are KV of: ``hicache_model_id``, else the server's
+        ``--model-path`` and ``--revision``; ``(None, None)`` leaves SGLang's ``model_name``.
+
+        Why not ``model_name``: SGLang fills it from ``--served-model-name``, an API alias that
+        deployments often set alike (``default``), and page keys are token hashes alone, so
+        base and instruct models, two fine-tunes, or one path at two revisions restored each
+        other's KV. The alias is the only identity only where no server settings can be read.
+        SGLang tags ``model_name`` with the KV host pool's own page format; kept here too."""
+        model, revision = self.settings.model_id, None
+        if model is None:
+            target = _target_settings()
+            if not target or "model_path" not in target:
+                logger.warning(
+                    "hicache SGLang storage: the server's --model-path could not be read; the served model "
+                    "name %r is the only model identity in the namespace (set hicache_model_id to name "
+                    "the weights)", getattr(self.storage_config, "model_name", None))
+                return None, None
+            model, revision = target["model_path"], target.get("revision")
+        tag = getattr(self.mem_pool_host, "storage_format_tag", None)
+        return (f"{model}-{tag}" if isinstance(tag, str) and tag else model), revision
 
     @property
     def backend(self) -> AsyncHiCacheStorage | None:
