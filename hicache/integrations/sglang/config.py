@@ -135,6 +135,7 @@ def namespace_for(
     salt: str | None = None,
     model: str | None = None,
     revision: str | None = None,
+    draft: Mapping[str, str] | None = None,
 ) -> Namespace:
     """The namespace of an SGLang server's pages.
 
@@ -142,7 +143,9 @@ def namespace_for(
     ``--model-path`` and ``--revision``, or ``hicache_model_id``). Only without them is it
     SGLang's ``model_name``, which is ``--served-model-name``: an API alias that servers of
     different weights often share (``default``), and page keys are token hashes alone, so
-    that alias would let one model restore another's KV.
+    that alias would let one model restore another's KV. ``draft``: the speculative draft's
+    settings when the KV pool (or another pool in the namespace: one in SGLang's own bytes)
+    packs its MTP layers, whose KV is then in those pages.
 
     From SGLang's ``HiCacheStorageConfig``: TP/PP ranks, attention-CP and decode-CP shards (not the
     DP-attention rank: DP groups hold the same KV), and MLA (MLA latents are replicated over TP, so TP does not split those namespaces,
@@ -165,6 +168,8 @@ def namespace_for(
     for key in ("page_format", "kv_lora_rank", "qk_rope_head_dim", "page_nbytes", "kv_cache_dtype"):
         if key in sig:
             extra[key] = str(sig[key])
+    for key, value in sorted((draft or {}).items()):
+        extra[f"draft.{key}"] = value
     for pool, tag in sorted((pool_formats or {}).items()):
         extra[f"pool.{pool}"] = tag
     tp_rank, tp_size = int(getattr(config, "tp_rank", 0)), int(getattr(config, "tp_size", 1))

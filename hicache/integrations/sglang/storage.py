@@ -136,18 +136,41 @@ def _target_settings() -> dict[str, str] | None:
     return _server_settings("model_path", "revision")
 
 
-def _sidecar_format(signature: dict[str, Any], logical_kv: str | None, draft: dict[str, str]) -> str | None:
+_DRAFT_DTYPE = "speculative_draft_kv_cache_dtype"
+
+
+def _is_draft_pool(name: str) -> bool:
+    """Whether SGLang's pool ``name`` is the draft model's own (``draft``, ``draft_swa``,
+    ``draft_indexer``): every other pool (``swa``, ``indexer``, ...) is the target's."""
+    return name.startswith("draft")
+
+
+def _packs_draft_layers(pool: Any) -> bool:
+    """Whether SGLang's host ``pool`` holds MTP draft layers after the target's: SGLang packs
+    them into the target's KV, SWA and Mamba host pools (``packed_draft_device_pools``), so
+    those pages are draft KV too."""
+    layers, target = getattr(pool, "layer_num", None), getattr(pool, "target_layer_num", None)
+    if isinstance(layers, int) and isinstance(target, int) and layers > target:
+        return True
+    return bool(getattr(pool, "mtp_draft_buffer_infos", None))
+
+
+def _sidecar_format(signature: dict[str, Any], logical_kv: str | None, draft: dict[str, str],
+                    packed: bool = False) -> str | None:
     """A canonical sidecar pool's format, as a digest its stored pool name carries: its
-    geometry and element type, with the draft's logical KV format when it stores bytes (the
-    server's draft dtype, else the target's, as SGLang chooses it), and the draft model it
-    holds the KV of. ``None``: bytes of a format nothing says. ``draft``: :func:`_draft_settings`."""
+    geometry and element type, with its logical KV format when it stores bytes, and the draft
+    model it holds the KV of. ``draft``: :func:`_draft_settings` for a pool that holds draft
+    KV, empty for a target's own pool (its SWA: the same target with another draft, or none,
+    shares it). A draft pool's bytes are in the server's draft dtype, else the target's (as
+    SGLang chooses it); a target pool with ``packed`` draft layers keeps the target's and
+    carries the draft's beside it. ``None``: bytes of a format nothing says."""
     facts = dict(signature)
     if facts.get("dtype") == "uint8":
-        logical = draft.get("speculative_draft_kv_cache_dtype") or logical_kv
+        logical = logical_kv if packed else (draft.get(_DRAFT_DTYPE) or logical_kv)
         if logical is None:
             return None
         facts["kv_cache_dtype"] = logical
-    facts.update({k: v for k, v in draft.items() if k != "speculative_draft_kv_cache_dtype"})
+    facts.update({k: v for k, v in draft.items() if packed or k != _DRAFT_DTYPE})
     text = ";".join(f"{k}={facts[k]}" for k in sorted(facts))
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
@@ -206,6 +229,8 @@ class HiCacheSGLangStorage(_SGLangStorage):
         self._names: dict[str, str] = {}
         #: pools SGLang gives no flat storage pages (see :meth:`_register`): stored nowhere
         self._refused: dict[str, str] = {}
+        #: a pool whose format is in the namespace packs MTP draft layers (see :meth:`_register`)
+        self._packed_in_namespace = False
         self._facade: HiCacheStorage | None = None
         self._backend: AsyncHiCacheStorage | None = None
         self._kv: CanonicalPagePool | None = None
@@ -262,6 +287,11 @@ class HiCacheSGLangStorage(_SGLangStorage):
             # rank read that rank's head shard as its own
             self._refuse(name, "an MHA pool under an MLA model with TP > 1 (SGLang stores one rank's shard)")
             return
+        # the draft's identity only where its KV is: a draft pool, or a target pool that packs
+        # MTP draft layers; the target's own SWA with it was never found by the same target
+        # run with another draft or none (every TRAILING_PAGES hit was 0)
+        packed = name != KV and not _is_draft_pool(name) and _packs_draft_layers(pool)
+        draft = _draft_settings() if name != KV and (packed or _is_draft_pool(name)) else {}
         if name != KV and tag is None and callable(getattr(adapted, "storage_signature", None)):
             # a canonical sidecar (a draft model's KV, SWA) carries its own format and geometry,
             # in its pool's stored name: left out, two servers whose drafts differ (fp8 e4m3 and
@@ -270,7 +300,7 @@ class HiCacheSGLangStorage(_SGLangStorage):
             # (at start-up) or before (a runtime attach), and the KV namespace must not change
             # with that, nor the draft's pages
             fmt = _sidecar_format(adapted.storage_signature(), self.settings.kv_cache_dtype or _server_kv_cache_dtype(),
-                                  _draft_settings())
+                                  draft, packed)
             if fmt is None:
                 self._refuse(name, "its KV is stored as bytes and its format is unknown (no server settings, "
                                    "no hicache_kv_cache_dtype)")
@@ -285,6 +315,9 @@ class HiCacheSGLangStorage(_SGLangStorage):
         self._adapted[name] = adapted
         if tag is not None:
             self._tags[_name(pool_name)] = tag
+            # a pool in SGLang's own bytes is named in the namespace: one that packs draft
+            # layers (Mamba under MTP) puts the draft there too
+            self._packed_in_namespace |= packed
 
     def _refuse(self, name: str, why: str) -> None:
         """Store nothing of pool ``name`` (its pages are misses); said once for a sidecar (the
@@ -315,6 +348,11 @@ class HiCacheSGLangStorage(_SGLangStorage):
             signature = kv.storage_signature() if callable(getattr(kv, "storage_signature", None)) else {}
             signature = _with_logical_dtype(signature, self.settings.kv_cache_dtype)
             model, revision = self._model_identity()
+            # MTP draft layers packed into the KV pool (or a pool in SGLang's own bytes): its
+            # pages are draft KV too, and servers of one target with other drafts must not
+            # share them
+            packed = self._packed_in_namespace or _packs_draft_layers(kv.pool if isinstance(kv, CanonicalPagePool) else kv)
+            draft = _draft_settings() if packed else {}
             namespace = namespace_for(
                 self.storage_config,
                 signature=signature,
@@ -323,6 +361,7 @@ class HiCacheSGLangStorage(_SGLangStorage):
                 salt=self.settings.namespace_salt,
                 model=model,
                 revision=revision,
+                draft=draft,
             )
             options = dict(self.settings.options)
             options["namespace"] = namespace

@@ -8,7 +8,7 @@ import logging
 import pytest
 import sgl_helpers as helpers
 import torch
-from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig, PoolName, PoolTransfer
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig, PoolHitPolicy, PoolName, PoolTransfer
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
 PS = 16
@@ -163,3 +163,126 @@ def test_a_pool_in_sglangs_own_bytes_registered_after_the_open_is_refused_once(t
         assert len(said) == 1 and "after the store opened" in said[0].getMessage()
     finally:
         st.close()
+
+
+def _hybrid_server(root, draft_settings, monkeypatch, *, dtype=torch.bfloat16, packed=(), **extra_keys):
+    """A hybrid (SWA) target's store; ``draft_settings``: the speculative draft the server runs
+    (its published settings; empty: none); ``packed``: the pools (``kv``, ``swa``) into which
+    SGLang packs one MTP draft layer after the target's."""
+    from hicache.integrations.sglang import storage as adapter
+
+    monkeypatch.setattr(adapter, "_draft_settings", lambda: dict(draft_settings))
+    cfg = HiCacheStorageConfig(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
+                               is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=True,
+                               model_name="org/swa-model",
+                               extra_config={**helpers.extra_config("file", root=str(root)), **extra_keys})
+    kv = _host(helpers.device_pool(dtype=dtype), "kv" in packed)
+    swa = _host(helpers.device_pool(layers=2, dtype=dtype), "swa" in packed)
+    st = StorageBackendFactory.create_backend("dynamic", cfg, kv)
+    st.register_mem_pool_host(kv)
+    st.register_mem_host_pool_v2(kv, PoolName.KV)
+    st.register_mem_host_pool_v2(swa, PoolName.SWA)
+    st.on_host_pools_registered()
+    return st
+
+
+def _host(dev, packs_draft):  # type: ignore[no-untyped-def]
+    """SGLang's MHA host pool of ``dev``, with one MTP draft layer packed after the target's
+    (as its hybrid pool assembler builds it from ``packed_draft_device_pools``)."""
+    if not packs_draft:
+        return helpers.host_pool(dev, "page_first")
+    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+
+    draft = helpers.device_pool(layers=1, dtype=dev.dtype)
+    return MHATokenToKVPoolHost(
+        dev.get_device_pool_infos()[0].buffer_info, 2.0, 0, dev.page_size, "page_first", pin_memory=False,
+        device="cpu", device_capacity_tokens=dev.size, start_layer=dev.start_layer, end_layer=dev.end_layer,
+        draft_buffer_infos=(draft.get_device_pool_infos()[0].buffer_info,))
+
+
+@pytest.mark.parametrize("dtype, keys", [
+    (torch.bfloat16, {}),
+    (torch.float8_e4m3fn, {"hicache_kv_cache_dtype": "fp8_e4m3"}),  # the draft's bytes: e5m2
+], ids=["bf16", "fp8"])
+def test_the_targets_swa_pages_do_not_depend_on_its_draft(tmp_path, monkeypatch, dtype, keys):
+    """The target's own SWA pool was stored under a name carrying the draft's model and KV
+    format: the same target restarted without its draft (or with another) found its KV but
+    no SWA page, so every hybrid hit (TRAILING_PAGES on SWA) was 0."""
+    keys2 = ["%064x" % (i + 1) for i in range(2)]
+    draft = {"speculative_draft_model_path": "org/eagle-draft", "speculative_draft_kv_cache_dtype": "fp8_e5m2"}
+    a = _hybrid_server(tmp_path / "s", draft, monkeypatch, dtype=dtype, **keys)
+    b = _hybrid_server(tmp_path / "s", {}, monkeypatch, dtype=dtype, **keys)
+    try:
+        idx = torch.arange(2 * PS)
+        assert a.batch_set_v1(keys2, idx) == [True, True]
+        assert a.batch_set_v2([PoolTransfer(PoolName.SWA, idx, keys=keys2)])[PoolName.SWA] == [True, True]
+        swa = [PoolTransfer(PoolName.SWA, keys=keys2, hit_policy=PoolHitPolicy.TRAILING_PAGES)]
+        assert b.batch_exists_v2(keys2, swa).kv_hit_pages == 2
+        assert b.batch_get_v2([PoolTransfer(PoolName.SWA, idx, keys=keys2)])[PoolName.SWA] == [True, True]
+    finally:
+        a.close()
+        b.close()
+
+
+@pytest.mark.parametrize("pool", ["kv", "swa"])
+def test_draft_layers_packed_into_a_target_pool_carry_the_draft(tmp_path, monkeypatch, pool):
+    """SGLang packs MTP draft layers after the target's in its KV and SWA host pools: those
+    pages hold draft KV, and a server of the same target with another draft read them as its
+    own. Servers of one draft share them."""
+    keys2 = ["%064x" % (i + 1) for i in range(2)]
+    a = _hybrid_server(tmp_path / "s", {"speculative_draft_model_path": "org/mtp-A"}, monkeypatch, packed=(pool,))
+    b = _hybrid_server(tmp_path / "s", {"speculative_draft_model_path": "org/mtp-A"}, monkeypatch, packed=(pool,))
+    c = _hybrid_server(tmp_path / "s", {"speculative_draft_model_path": "org/mtp-B"}, monkeypatch, packed=(pool,))
+    try:
+        idx = torch.arange(2 * PS)
+        name = PoolName.KV if pool == "kv" else PoolName.SWA
+        assert a.batch_set_v1(keys2, idx) == [True, True]
+        assert a.batch_set_v2([PoolTransfer(name, idx, keys=keys2)])[name] == [True, True]
+        assert b.batch_get_v2([PoolTransfer(name, idx, keys=keys2)])[name] == [True, True]
+        assert c.batch_get_v2([PoolTransfer(name, idx, keys=keys2)])[name] == [False, False]
+    finally:
+        for st in (a, b, c):
+            st.close()
+
+
+def _mamba_server(root, draft_settings, monkeypatch):
+    """A hybrid target whose Mamba host pool packs one MTP draft layer's state (a pool in
+    SGLang's own bytes: its format is in the namespace)."""
+    from sglang.srt.mem_cache.device_pool_info import MambaStateBufferInfo
+    from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
+
+    from hicache.integrations.sglang import storage as adapter
+
+    monkeypatch.setattr(adapter, "_draft_settings", lambda: dict(draft_settings))
+
+    def state(layers):  # type: ignore[no-untyped-def]
+        return MambaStateBufferInfo(temporal=torch.zeros(layers, 8, 4, 8, dtype=torch.bfloat16),
+                                    conv=(torch.zeros(layers, 8, 3, 8, dtype=torch.bfloat16),))
+
+    mamba = MambaPoolHost(state(2), 2.0, 0, device_capacity=8, pin_memory=False, device="cpu", layout="page_first",
+                          mtp_draft_buffer_infos=(state(1),))
+    cfg = HiCacheStorageConfig(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
+                               is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=True,
+                               model_name="org/hybrid", extra_config=helpers.extra_config("file", root=str(root)))
+    kv = helpers.host_pool(helpers.device_pool(), "page_first")
+    st = StorageBackendFactory.create_backend("dynamic", cfg, kv)
+    st.register_mem_pool_host(kv)
+    st.register_mem_host_pool_v2(mamba, PoolName.MAMBA)
+    st.on_host_pools_registered()
+    return st
+
+
+def test_draft_state_packed_into_a_mamba_pool_carries_the_draft(tmp_path, monkeypatch):
+    """The Mamba pool is stored in SGLang's own bytes, whose format (not the draft's weights)
+    was in the namespace: a server with another MTP draft restored its draft state."""
+    a = _mamba_server(tmp_path / "s", {"speculative_draft_model_path": "org/mtp-A"}, monkeypatch)
+    b = _mamba_server(tmp_path / "s", {"speculative_draft_model_path": "org/mtp-A"}, monkeypatch)
+    c = _mamba_server(tmp_path / "s", {"speculative_draft_model_path": "org/mtp-B"}, monkeypatch)
+    try:
+        t = PoolTransfer(PoolName.MAMBA, torch.tensor([1]), keys=KEYS)
+        assert a.batch_set_v2([t])[PoolName.MAMBA] == [True]
+        assert b.batch_get_v2([t])[PoolName.MAMBA] == [True]
+        assert c.batch_get_v2([t])[PoolName.MAMBA] == [False]
+    finally:
+        for st in (a, b, c):
+            st.close()
