@@ -94,6 +94,11 @@ class HiCacheWorkerMetadata(KVConnectorWorkerMetadata):
         return HiCacheWorkerMetadata(self.report.merge(other.report))
 
 
+#: full-attention spec classes whose manager still swaps blocks for vLLM's null block (by name:
+#: not every vLLM version has them)
+_DROPS_BLOCKS = frozenset({"RSWASpec"})
+
+
 def _geometry(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> tuple[KVGeometry, list[str]]:
     groups = kv_cache_config.kv_cache_groups
     if len(groups) != 1:
@@ -102,13 +107,22 @@ def _geometry(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> tuple[
             "(hybrid models need --disable-hybrid-kv-cache-manager or another connector)"
         )
     spec = groups[0].kv_cache_spec
-    if not isinstance(spec, FullAttentionSpec):
+    if not isinstance(spec, FullAttentionSpec) or _DROPS_BLOCKS & {c.__name__ for c in type(spec).__mro__}:
         # a sliding-window (or chunked-local) group has vLLM put its null block in place of
-        # the blocks that left the window: saved, their pages would hold that block's bytes
-        # under real keys, and a later prompt would load them as its KV
+        # the blocks that left the window, and so does R-SWA (a FullAttentionSpec subclass)
+        # for the decode blocks between the prompt and its window: saved, their pages would
+        # hold that block's bytes under real keys, and a later prompt would load them as its KV
         raise ValueError(
             f"HiCacheConnector stores full-attention KV; this model's KV cache is {type(spec).__name__} "
             "(for a sliding-window model, --disable-hybrid-kv-cache-manager keeps every block as full attention)"
+        )
+    if getattr(spec, "non_causal", False):
+        # a prefix-LM's prefill attends both ways: a page's KV depends on the whole prompt,
+        # not on its prefix, so a page found by its prefix holds another prompt's KV (vLLM
+        # turns its own prefix caching off for these models for the same reason)
+        raise ValueError(
+            "HiCacheConnector stores KV by token prefix, and this model attends non-causally (a prefix LM): "
+            "its KV of a prefix depends on the rest of the prompt, so stored pages would be another prompt's KV"
         )
     for attr in ("num_kv_heads", "head_size", "dtype"):
         if not hasattr(spec, attr):

@@ -551,6 +551,24 @@ def test_a_sliding_window_kv_cache_is_refused(model_dir: str, tmp_path: Path) ->
         vllm_connector(model_dir, tmp_path, KVConnectorRole.SCHEDULER, num_layers=5, spec=window)
 
 
+def test_kv_caches_whose_pages_are_not_their_prefixs_are_refused(model_dir: str, tmp_path: Path) -> None:
+    """Two full-attention specs that pass the class check and still must not be stored:
+    R-SWA swaps the decode blocks between a prompt and its window for vLLM's null block (saved
+    late, a page held zeros under its real key: the next turn loaded them as its KV), and a
+    prefix LM's prefill attends both ways (a page's KV depends on the whole prompt, so one
+    found by its prefix is another prompt's KV; vLLM turns its own prefix caching off for it)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, RSWASpec
+
+    rswa = RSWASpec(block_size=BS, num_kv_heads=2, head_size=16, dtype=torch.bfloat16, rswa_window=32)
+    with pytest.raises(ValueError, match="full-attention KV.*RSWASpec"):
+        vllm_connector(model_dir, tmp_path, KVConnectorRole.SCHEDULER, num_layers=5, spec=rswa)
+    prefix_lm = FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=16, dtype=torch.bfloat16, non_causal=True)
+    for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
+        with pytest.raises(ValueError, match="non-causally"):
+            vllm_connector(model_dir, tmp_path, role, num_layers=5, spec=prefix_lm)
+
+
 def test_context_parallelism_is_refused(model_dir: str, tmp_path: Path) -> None:
     """Under context parallelism a worker's block holds its share of the tokens, and prefill
     ranks of one tensor-parallel rank would share a namespace: one would load another's share
