@@ -46,6 +46,17 @@ def extra_config(backend: str = "file", **options: Any) -> dict[str, Any]:
     }
 
 
+def storage_config(root: Any, model_name: str, *, extra: dict[str, Any] | None = None, **fields: Any) -> Any:
+    """SGLang's ``HiCacheStorageConfig`` of a one-rank MHA server (page-first host layout,
+    metrics off) storing in a ``file`` store at ``root``; ``extra`` adds adapter keys,
+    ``fields`` replace the config's own."""
+    base: dict[str, Any] = dict(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
+                                is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=True,
+                                model_name=model_name,
+                                extra_config={**extra_config("file", root=str(root)), **(extra or {})})
+    return HiCacheStorageConfig(**{**base, **fields})
+
+
 def device_pool(
     *, size: int = 512, page_size: int = 16, layers: int = 4, heads: int = 2, head_dim: int = 32,
     dtype: torch.dtype = torch.bfloat16, mla: bool = False,
@@ -109,9 +120,7 @@ def mamba_server(root: str, ssm_dtype: torch.dtype = torch.bfloat16, ratio: floa
     info = MambaStateBufferInfo(temporal=torch.zeros(2, 8, 4, 8, dtype=ssm_dtype),
                                 conv=(torch.zeros(2, 8, 3, 8, dtype=torch.bfloat16),))
     mamba = MambaPoolHost(info, ratio, 0, device_capacity=8, pin_memory=False, device="cpu", layout="page_first")
-    cfg = HiCacheStorageConfig(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
-                               is_mla_model=False, enable_storage_metrics=metrics, is_page_first_layout=True,
-                               model_name="m", extra_config=extra_config("file", root=root))
+    cfg = storage_config(root, "m", enable_storage_metrics=metrics)
     st = StorageBackendFactory.create_backend("dynamic", cfg, kv)
     st.register_mem_pool_host(kv)
     st.register_mem_host_pool_v2(kv, PoolName.KV)

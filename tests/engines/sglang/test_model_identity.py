@@ -10,7 +10,6 @@ import pytest
 import sgl_helpers as helpers
 import torch
 from sglang.srt import runtime_context
-from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
 PS = 16
@@ -23,10 +22,7 @@ def _server(root, monkeypatch, model_path, revision=None, served="default", **ex
     args = types.SimpleNamespace(model_path=model_path, revision=revision, served_model_name=served,
                                  kv_cache_dtype="auto")
     monkeypatch.setattr(runtime_context, "get_server_args", lambda: args)
-    cfg = HiCacheStorageConfig(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
-                               is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=True,
-                               model_name=served,
-                               extra_config={**helpers.extra_config("file", root=str(root)), **extra_keys})
+    cfg = helpers.storage_config(root, served, extra=extra_keys)
     host = helpers.host_pool(helpers.device_pool(), "page_first")
     st = StorageBackendFactory.create_backend("dynamic", cfg, host)
     st.register_mem_pool_host(host)
@@ -82,9 +78,7 @@ def test_without_server_settings_the_served_name_is_the_identity_and_that_is_sai
         raise ValueError("Global server args is not set yet!")
 
     monkeypatch.setattr(runtime_context, "get_server_args", unpublished)
-    cfg = HiCacheStorageConfig(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
-                               is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=True,
-                               model_name="default", extra_config=helpers.extra_config("file", root=str(tmp_path)))
+    cfg = helpers.storage_config(tmp_path, "default")
     host = helpers.host_pool(helpers.device_pool(), "page_first")
     st = StorageBackendFactory.create_backend("dynamic", cfg, host)
     st.register_mem_pool_host(host)

@@ -22,9 +22,7 @@ TIMINGS = pytest.mark.parametrize("late", [False, True], ids=["before-open", "af
 
 
 def _server(root, draft_dtype, seed, late=False):
-    cfg = HiCacheStorageConfig(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
-                               is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=True,
-                               model_name="target/model", extra_config=helpers.extra_config("file", root=str(root)))
+    cfg = helpers.storage_config(root, "target/model")
     kv = helpers.host_pool(helpers.device_pool(), "page_first")
     draft = helpers.host_pool(helpers.device_pool(layers=1, dtype=draft_dtype), "page_first")
     st = StorageBackendFactory.create_backend("dynamic", cfg, kv)
@@ -145,9 +143,7 @@ def test_a_pool_in_sglangs_own_bytes_registered_after_the_open_is_refused_once(t
     info = MambaStateBufferInfo(temporal=torch.zeros(2, 8, 4, 8, dtype=torch.bfloat16),
                                 conv=(torch.zeros(2, 8, 3, 8, dtype=torch.bfloat16),))
     mamba = MambaPoolHost(info, 2.0, 0, device_capacity=8, pin_memory=False, device="cpu", layout="page_first")
-    cfg = HiCacheStorageConfig(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
-                               is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=True,
-                               model_name="m", extra_config=helpers.extra_config("file", root=str(tmp_path)))
+    cfg = helpers.storage_config(tmp_path, "m")
     st = Factory.create_backend("dynamic", cfg, kv)
     st.register_mem_pool_host(kv)
     st.on_host_pools_registered()
@@ -172,10 +168,7 @@ def _hybrid_server(root, draft_settings, monkeypatch, *, dtype=torch.bfloat16, p
     from hicache.integrations.sglang import storage as adapter
 
     monkeypatch.setattr(adapter, "_draft_settings", lambda: dict(draft_settings))
-    cfg = HiCacheStorageConfig(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
-                               is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=True,
-                               model_name="org/swa-model",
-                               extra_config={**helpers.extra_config("file", root=str(root)), **extra_keys})
+    cfg = helpers.storage_config(root, "org/swa-model", extra=extra_keys)
     kv = _host(helpers.device_pool(dtype=dtype), "kv" in packed)
     swa = _host(helpers.device_pool(layers=2, dtype=dtype), "swa" in packed)
     st = StorageBackendFactory.create_backend("dynamic", cfg, kv)
@@ -261,9 +254,7 @@ def _mamba_server(root, draft_settings, monkeypatch):
 
     mamba = MambaPoolHost(state(2), 2.0, 0, device_capacity=8, pin_memory=False, device="cpu", layout="page_first",
                           mtp_draft_buffer_infos=(state(1),))
-    cfg = HiCacheStorageConfig(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
-                               is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=True,
-                               model_name="org/hybrid", extra_config=helpers.extra_config("file", root=str(root)))
+    cfg = helpers.storage_config(root, "org/hybrid")
     kv = helpers.host_pool(helpers.device_pool(), "page_first")
     st = StorageBackendFactory.create_backend("dynamic", cfg, kv)
     st.register_mem_pool_host(kv)
