@@ -22,9 +22,13 @@ room it needs. Pages a prefetch is reading are pinned and never chosen.
 from __future__ import annotations
 
 import heapq
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
 __all__ = ["StoredPages"]
+
+#: removed keys remembered at least (see ``StoredPages.reachable``)
+_GONE_MIN = 1 << 16
 
 
 class _Page:
@@ -68,6 +72,10 @@ class StoredPages:
         self.reserved = 0
         # orphans by the key of their missing parent: re-linked if that page is written again
         self._waiting: dict[str, set[str]] = {}
+        # keys deleted or removed since they were last written, most recent last (bounded: a
+        # removal forgotten leaves the tree's count as it was, and a lookup misses cleanly)
+        self._gone: OrderedDict[str, None] = OrderedDict()
+        self._gone_limit = max(_GONE_MIN, 2 * (capacity or 0))
         #: pages chosen for deletion so far; pages the backend removed by itself
         self.evicted_pages = 0
         self.removed_pages = 0
@@ -88,18 +96,38 @@ class StoredPages:
         return self._pages[key].orphan
 
     def reachable(self, keys: Sequence[str], upto: int) -> int:
-        """How many of ``keys[:upto]``, from the first, storage holds with their whole prefix
-        (listed and not orphans): the pages a prefix lookup can still reach. The tree checks
-        its nodes' ``storage_pages`` with it, since pages leave storage (this directory's
-        evictions, the backend's removals, a clear) without the tree hearing of it per node."""
-        pages = self._pages
+        """How many of ``keys[:upto]``, from the first, storage may still hold: the leading
+        run of keys not known to be gone (deleted by this directory or removed by the backend
+        since they were last written). The tree checks its nodes' ``storage_pages`` with it,
+        since pages leave storage without the tree hearing of it per node.
+
+        A page whose prefix was removed (an orphan below a gone page) is held but no prefix
+        lookup reaches it, so it stops the run too. A key the directory never listed counts as
+        held, and so does an orphan whose missing parent it never listed: pages a prefetch
+        found (an earlier process's, a peer's) are in storage though nothing here wrote them,
+        and taking them for lost counted them lost and wrote them again. (A clear, which loses
+        everything, the tree applies to its nodes itself.)"""
+        gone, pages = self._gone, self._pages
         n, upto = 0, min(upto, len(keys))
         while n < upto:
-            page = pages.get(keys[n])
-            if page is None or page.orphan:
+            key = keys[n]
+            if key in gone:
+                break
+            page = pages.get(key)
+            if page is not None and page.orphan and self._prefix_gone(page):
                 break
             n += 1
         return n
+
+    def _prefix_gone(self, page: _Page) -> bool:
+        """Whether the first ancestor of orphan ``page`` that the directory lacks is known
+        gone (rather than never listed here)."""
+        while page.orphan and page.parent is not None:
+            up = self._pages.get(page.parent)
+            if up is None:
+                return page.parent in self._gone
+            page = up
+        return False
 
     # ------------------------------------------------------------------ events
 
@@ -108,8 +136,10 @@ class StoredPages:
         at the root). A page whose parent storage does not hold (as far as is known) is an
         orphan: it cannot be hit, so it is the first to go."""
         parent = prior
+        gone = self._gone
         for key in keys:
             self._tick += 1
+            gone.pop(key, None)  # stored again
             page = self._pages.get(key)
             if page is None:
                 up = self._pages.get(parent) if parent is not None else None
@@ -173,6 +203,7 @@ class StoredPages:
         self._pages.clear()
         self._heap.clear()
         self._waiting.clear()
+        self._gone.clear()  # every key is gone: the tree resets its nodes' counts itself
 
     # ------------------------------------------------------------------ eviction
 
@@ -269,6 +300,11 @@ class StoredPages:
         page = self._pages.pop(key, None)
         if page is None:
             return False
+        gone = self._gone
+        gone[key] = None
+        gone.move_to_end(key)
+        if len(gone) > self._gone_limit:
+            gone.popitem(last=False)
         if page.parent is not None:
             up = self._pages.get(page.parent)
             if up is not None:

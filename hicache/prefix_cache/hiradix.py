@@ -399,8 +399,9 @@ class HiRadixCache(RadixCache):
 
     def _check_stored(self, node: TreeNode) -> bool:
         """Where the policy keeps a directory of what storage holds (``self._stored``), lower
-        ``node.storage_pages`` to the leading pages a prefix lookup can still reach there;
-        whether it dropped (counted, ``storage_pages_lost``).
+        ``node.storage_pages`` to its leading pages the directory does not know to be gone
+        (:meth:`StoredPages.reachable`: pages a prefetch found there count as held); whether
+        it dropped (counted, ``storage_pages_lost``).
 
         Why: pages leave storage without the tree hearing of it per node (the directory's own
         evictions, the backend's removals, a clear). A node that still counted them was taken
@@ -423,10 +424,13 @@ class HiRadixCache(RadixCache):
 
     def _storage_cleared(self) -> None:
         """The store lost every page (a clear, just applied to the directory): every node's
-        count drops to what the (empty) directory holds now, so none is taken as storage-backed.
-        A node with a write in flight is checked when it is next relied on."""
+        count drops to 0, so none is taken as storage-backed. A node with a write in flight
+        keeps its count until the write lands (its completion credits pages from it)."""
         for node in self._nodes():
-            self._check_stored(node)
+            k = node.storage_pages
+            if k > 0 and node.storage_op is None:
+                node.storage_pages = 0
+                self.metrics.incr("storage_pages_lost", k)
 
     def _shed_host_copies(self, num_tokens: int) -> int:
         """Free host copies that are redundant (device and storage hold the pages), oldest

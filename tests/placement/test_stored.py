@@ -721,3 +721,43 @@ def test_reachable_counts_the_leading_pages_a_lookup_can_reach() -> None:
     assert stored.reachable(["R", "P", "C"], 9) == 3 and stored.reachable([], 2) == 0
     stored.remove(["P"])  # C stays stored, but as an orphan no prefix lookup reaches
     assert stored.reachable(["R", "P", "C"], 3) == 1 and stored.reachable(["C"], 1) == 0
+
+
+async def test_pages_a_prefetch_found_in_storage_are_not_counted_lost_nor_written_again() -> None:
+    """A restarted server (or a peer) on the same store: its directory lists only its own
+    writes, so the pages a prefetch found there were taken for lost at the next host eviction
+    (``storage_pages_lost``), and a child's write-back wrote the parent's pages again. They
+    count as held: only pages known deleted or removed lower a node's count."""
+    from hicache.prefix_cache import EvictParams
+
+    def config() -> StackConfig:
+        return StackConfig(page_size=PS, device_pages=16, host_pages=32, storage_pages=64, placement="tiered",
+                           placement_options={"reuse_hits": 1, "long_prompt_tokens": None}, req_slots=4,
+                           max_context_len=256, storage_backend="memory", storage_options={"store_id": "restored"},
+                           controller=ControllerConfig(prefetch_threshold=PS, prefetch_policy="wait_complete"))
+
+    async def evict_all(stack) -> None:  # type: ignore[no-untyped-def]
+        await stack.cache.drain()
+        stack.cache.evict(EvictParams(num_tokens=10**6))
+        stack.cache.evict_host(10**6)
+        await stack.cache.drain()
+
+    first = build_stack(config())
+    second = build_stack(config())
+    try:
+        p = list(range(100, 100 + 3 * PS))
+        await serve_request(first, p, rid="p", prefetch=False)
+        await evict_all(first)  # P's three pages written back
+        assert (await serve_request(second, p, rid="p2")).storage_hit == 3 * PS
+        c = p + list(range(400, 400 + PS))
+        await serve_request(second, c, rid="c1", prefetch=False)
+        await serve_request(second, c, rid="c2", prefetch=False)  # C proved reuse: admitted
+        await evict_all(second)
+        counters = second.controller.metrics.counters
+        assert counters.get("storage_pages_lost", 0) == 0
+        assert counters.get("victim_write_pages", 0) == 1  # C alone, chained from P's pages
+        out = await serve_request(first, c, rid="c3")  # C's page chains from P's in storage
+        assert out.computed == 0 and out.storage_hit >= PS and out.verify_failures == 0
+    finally:
+        await second.aclose()
+        await first.aclose()
