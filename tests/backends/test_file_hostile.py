@@ -429,6 +429,37 @@ async def test_a_settlement_the_ledger_is_unavailable_for_is_owed_not_lost(tmp_p
         assert own_slot_bytes(ledger) == 0
 
 
+async def test_what_a_settlement_could_not_tell_the_ledger_is_told_at_close(tmp_path, monkeypatch) -> None:
+    """The same unavailable settlement, then the store closes with no later write to carry
+    what it owes: the close tells the ledger. Dropped, this process's slot kept the batch's
+    bytes, and a peer took them off the count once the process exited: pages on disk
+    under-counted for as long as peers kept the namespace open."""
+    size = 8192
+    a, b = make_store(tmp_path, max_bytes=1 << 22), make_store(tmp_path, max_bytes=1 << 22)
+    ns_dir = a.layout.ns_dir
+    ledger = os.path.join(ns_dir, LEDGER_NAME)
+    async with a:
+        await a.wait_index_ready(10)
+        async with b:
+            await b.wait_index_ready(10)
+            assert await a.set("k", v0(size, 1))
+            real_write = file_io.write_page
+
+            def write_then_peer_locks(*args):
+                result = real_write(*args)
+                peer_takes_the_ledger_lock(ledger)
+                return result
+
+            monkeypatch.setattr(file_io, "write_page", write_then_peer_locks)
+            assert await within(b.set("k", v0(size, 2)))  # b did not know it: replaced
+            monkeypatch.undo()
+            assert b._space.debt or b._space.unreleased  # owed: the settlement found no ledger
+            await asyncio.sleep(1.0)  # the peer lets go; b closes with no write after
+        usage = read_usage(ledger)
+        assert usage is not None and usage.used == namespace_bytes(ns_dir)
+        assert own_slot_bytes(ledger) == 0
+
+
 async def test_a_frozen_process_holding_the_journal_lock_does_not_hang_page_io(tmp_path) -> None:
     """A process stopped while it holds the removal journal's lock: this store keeps evicting
     (each eviction is a journal line) and reading and writing within a bounded wait; the lines

@@ -322,6 +322,9 @@ class FileStorage(AsyncHiCacheStorage):
                 await self._peers.stop_tailing()
             if self._background:
                 await asyncio.gather(*self._background, return_exceptions=True)
+            # what settlements could not tell the shared ledger, told now (no write is left to
+            # carry it: see SpaceAccountant.settle_owed)
+            await self._space.settle_owed(self._threads.executor)
             # in-flight page writes finish (each cleans up after itself), off the loop
             await asyncio.to_thread(self._shutdown_executors, True)
         finally:

@@ -122,6 +122,23 @@ class SpaceAccountant:
         if self.ledger is not None:
             self.ledger.close()
 
+    async def settle_owed(self, executor: ThreadPoolExecutor | None) -> None:
+        """Closing: give the shared ledger what it is still owed (``debt``) and release this
+        process's in-flight bytes a settlement could not (``unreleased``), which the next
+        reservation would have done. Dropped at close, the slot kept a finished batch's bytes
+        and a peer took them off the count once this process exited, under-counting pages
+        on disk for as long as peers kept the namespace open. Still unavailable: logged."""
+        if self.ledger is None or not (self.debt or self.unreleased):
+            return
+        debt, release = self.debt, self.unreleased
+        if await self.ledger_call(executor, -debt, inflight=-release) is None:
+            logger.warning("file store %s: closing with %d byte(s) owed to the shared usage ledger and %d in-flight "
+                           "byte(s) unreleased (the ledger is unavailable): the count stays off until a scan "
+                           "of the namespace alone corrects it", self.root, debt, release)
+            return
+        self.debt -= debt
+        self.unreleased -= release
+
     # ------------------------------------------------------------------ free space
 
     async def free_bytes(self) -> int:
