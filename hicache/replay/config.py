@@ -152,9 +152,10 @@ class ReplayConfig:
         if self.storage_backend is None or "max_bytes" not in self.storage_options:
             return
         max_bytes = self.storage_options["max_bytes"]
-        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < self.page_nbytes:
+        one = stored_page_nbytes(self.storage_backend, self.page_nbytes)  # as the store counts a page
+        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < one:
             raise ConfigError(f"[storage] options.max_bytes must be an integer of at least one page "
-                              f"({self.page_nbytes} bytes), got {max_bytes!r}")
+                              f"({one} bytes as the {self.storage_backend} store counts it), got {max_bytes!r}")
         bound = self.storage_bound_pages()
         if "storage" in self.pages:
             tier, what = int(self.pages["storage"]), f"{self.pages['storage']} pages"
@@ -267,11 +268,12 @@ class ReplayConfig:
             # int() made nan or a string a traceback, true or a size under one page a replay
             # with no storage at all
             max_bytes = st.storage_options["max_bytes"]
-            if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < st.page_nbytes:
-                raise ConfigError(f"replay: storage.options.max_bytes must be an integer of at least one page "
-                                  f"({st.page_nbytes} bytes), got {max_bytes!r}")
             # what the store holds: a file store counts each page file whole (header, footer)
-            pages["storage"] = max_bytes // stored_page_nbytes(st.storage_backend, st.page_nbytes)
+            one = stored_page_nbytes(st.storage_backend, st.page_nbytes)
+            if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < one:
+                raise ConfigError(f"replay: storage.options.max_bytes must be an integer of at least one page "
+                                  f"({one} bytes as the {st.storage_backend} store counts it), got {max_bytes!r}")
+            pages["storage"] = max_bytes // one
         else:
             pages["storage"] = 0
             if st.storage_backend:

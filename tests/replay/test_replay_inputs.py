@@ -187,17 +187,21 @@ def test_replay_config_values_of_the_wrong_type_or_range_are_config_errors(data,
         ReplayConfig.from_dict(data)
 
 
-@pytest.mark.parametrize("max_bytes", ["nan", '"big"', "true", "0", "100"])
-def test_a_storage_bound_that_is_no_size_is_a_config_error(tmp_path, max_bytes) -> None:
+@pytest.mark.parametrize(("backend", "max_bytes"), [
+    *(("memory", v) for v in ("nan", '"big"', "true", "0", "100")),
+    ("file", "8192"),  # one page of KV, but a page file is bigger (header, footer): 0 pages
+])
+def test_a_storage_bound_that_is_no_size_is_a_config_error(tmp_path, backend, max_bytes) -> None:
     """A deployment config's ``storage.options.max_bytes`` sizes the replay's storage tier: nan
-    or a string was a ``ValueError`` traceback from ``int()``, true or a size under one page a
-    replay that silently had no storage tier."""
+    or a string was a ``ValueError`` traceback from ``int()``, true or a size under one page
+    (as the store counts it) a replay that silently had no storage tier."""
     from hicache.replay import load_replay_config
 
     cfg = tmp_path / "c.toml"
+    root = f'root = "{tmp_path / "store"}", ' if backend == "file" else ""
     cfg.write_text('[model]\nnum_layers = 1\nnum_kv_heads = 1\nhead_dim = 2\nkv_dtype = "float32"\n'
                    '[device]\npage_size = 512\nsize_tokens = 8192\n[host]\nsize_bytes = 262144\n'
-                   f'[storage]\nbackend = "memory"\noptions = {{ max_bytes = {max_bytes} }}\n')
+                   f'[storage]\nbackend = "{backend}"\noptions = {{ {root}max_bytes = {max_bytes} }}\n')
     with pytest.raises(ConfigError, match="max_bytes must be an integer of at least one page"):
         load_replay_config(cfg)
 
