@@ -362,6 +362,20 @@ def peer_takes_the_ledger_lock(ledger: str, seconds: float = 0.8) -> None:
     threading.Timer(seconds, os.close, (fd,)).start()
 
 
+def peer_locks_the_ledger_after_each_write(monkeypatch, ledger: str) -> None:  # type: ignore[no-untyped-def]
+    """Right after each page write, before its batch settles, a peer takes the ledger's lock
+    past the store's patience (:func:`peer_takes_the_ledger_lock`): the settlement finds the
+    ledger unavailable."""
+    real_write = file_io.write_page
+
+    def write_then_peer_locks(*args):  # type: ignore[no-untyped-def]
+        result = real_write(*args)
+        peer_takes_the_ledger_lock(ledger)
+        return result
+
+    monkeypatch.setattr(file_io, "write_page", write_then_peer_locks)
+
+
 def own_slot_bytes(ledger: str) -> int:
     """Bytes this process's slot of the ledger's in-flight table holds (both stores here are
     one process: one slot)."""
@@ -391,14 +405,7 @@ async def test_a_settlement_the_ledger_is_unavailable_for_is_owed_not_lost(tmp_p
         await b.wait_index_ready(10)
         assert await a.set("k", v0(size, 1))
         if where == "last_write":
-            real_write = file_io.write_page
-
-            def write_then_peer_locks(*args):
-                result = real_write(*args)
-                peer_takes_the_ledger_lock(ledger)
-                return result
-
-            monkeypatch.setattr(file_io, "write_page", write_then_peer_locks)
+            peer_locks_the_ledger_after_each_write(monkeypatch, ledger)
             assert await within(b.set("k", v0(size, 2)))  # b did not know it: replaced
         else:
             reserved = threading.Event()
@@ -443,14 +450,7 @@ async def test_what_a_settlement_could_not_tell_the_ledger_is_told_at_close(tmp_
         async with b:
             await b.wait_index_ready(10)
             assert await a.set("k", v0(size, 1))
-            real_write = file_io.write_page
-
-            def write_then_peer_locks(*args):
-                result = real_write(*args)
-                peer_takes_the_ledger_lock(ledger)
-                return result
-
-            monkeypatch.setattr(file_io, "write_page", write_then_peer_locks)
+            peer_locks_the_ledger_after_each_write(monkeypatch, ledger)
             assert await within(b.set("k", v0(size, 2)))  # b did not know it: replaced
             monkeypatch.undo()
             assert b._space.debt or b._space.unreleased  # owed: the settlement found no ledger
