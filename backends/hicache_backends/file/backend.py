@@ -701,12 +701,12 @@ class FileStorage(AsyncHiCacheStorage):
                 try:
                     batch = await self._write_batch(jobs, res, 0, reserve=(incoming, debt))
                 finally:
-                    self._space.reserved_first(res, debt, generation)
+                    self._space.reserved_first(res, debt)
                 if batch.declined and batch.cancelled:  # nothing written: stop, as a cancelled reserve did
                     raise asyncio.CancelledError
             if batch is None or batch.declined:
                 if batch is None:
-                    await self._space.reserve(res, incoming, generation)
+                    await self._space.reserve(res, incoming)
                 missing = await self._space.evict_for(incoming > 0, protect, res.usage)
                 while missing > 0 and jobs:  # cannot fit them all: drop the deepest pages (batch tail)
                     dropped = jobs.pop()

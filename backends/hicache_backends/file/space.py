@@ -254,7 +254,7 @@ class SpaceAccountant:
         """Pages of a batch dropped before they were written (no room for them)."""
         self.reserved -= nbytes
 
-    async def reserve(self, res: Reservation, incoming: int, generation: int) -> None:
+    async def reserve(self, res: Reservation, incoming: int) -> None:
         """Reserve a batch's bytes in the shared ledger before any byte is written (so that
         other processes cannot claim the same space), giving back what is owed to it."""
         if self.ledger is None or not incoming:
@@ -264,7 +264,7 @@ class SpaceAccountant:
         try:
             await run_to_completion(self._reserve, res, incoming, debt, executor=self._executor)
         finally:
-            self._not_reserved(res, debt, generation)
+            self._not_reserved(res, debt)
         self.after_reclaim(res.usage)
 
     def _reserve(self, res: Reservation, amount: int, debt: int) -> None:
@@ -276,14 +276,20 @@ class SpaceAccountant:
         if res.usage is not None:
             res.amount = amount
 
-    def _not_reserved(self, res: Reservation, debt: int, generation: int) -> None:
+    def _not_reserved(self, res: Reservation, debt: int) -> None:
         """A reservation that was not applied still owes ``debt`` and still has ``res.release``
-        to release."""
+        to release (unless a clear since the batch began took both along)."""
         if res.usage is None:
-            self.owe(debt, generation)
-            if generation == self._generation():
-                self.unreleased += res.release
+            self._carry(res, debt, res.release)
             res.release = 0
+
+    def _carry(self, res: Reservation, owed: int, inflight: int) -> None:
+        """A ledger call of ``res``'s batch found the ledger unavailable: ``owed`` bytes and
+        ``inflight`` bytes of this process's slot go to the next reservation (:attr:`debt`,
+        :attr:`unreleased`), unless a clear since the batch began took both along."""
+        self.owe(owed, res.generation)
+        if res.generation == self._generation():
+            self.unreleased += inflight
 
     async def reserves_in_batch(self, incoming: int) -> bool:
         """Whether a write batch of ``incoming`` new bytes takes its shared reservation on its
@@ -310,10 +316,10 @@ class SpaceAccountant:
         self._reserve(res, amount, debt)
         return res.usage is not None and (self.max_bytes is None or res.usage.used <= self.max_bytes)
 
-    def reserved_first(self, res: Reservation, debt: int, generation: int) -> None:
+    def reserved_first(self, res: Reservation, debt: int) -> None:
         """(On the event loop, after the batch.) What :meth:`reserve` does once its call is
         back: a reservation that was not applied still owes ``debt``."""
-        self._not_reserved(res, debt, generation)
+        self._not_reserved(res, debt)
         self.after_reclaim(res.usage)
 
     def settle_last(
@@ -381,9 +387,7 @@ class SpaceAccountant:
         only a statistic, and are not carried. A clear since the batch began (its results
         are then the new folder's, see ``_published_after_clear``) took the reservation and
         the slot along: nothing is owed."""
-        self.owe(res.amount - self._kept(results), res.generation)
-        if res.generation == self._generation():
-            self.unreleased += res.amount
+        self._carry(res, res.amount - self._kept(results), res.amount)
 
     async def refused_for_space(self, n: int, usage: Usage | None) -> None:
         """Say, at most once a minute, that and why writes are refused (DEBUG is not enough:
