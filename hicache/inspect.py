@@ -77,7 +77,7 @@ async def inspect_store(
     opts = dict(options or {})
     if root is not None:
         opts["root"] = root
-    if getattr(backend_class(backend), "supports_read_only", False):
+    if backend_class(backend).supports_read_only:
         opts["read_only"] = True  # an observer, whatever the options say (see the module docstring)
     if backend == "file" and "root" in opts and not os.path.isdir(opts["root"]):
         # a report of zero pages would read as "the store is empty", not "wrong path"

@@ -221,13 +221,12 @@ def build_stack(cfg: StackConfig, *, storage: AsyncHiCacheStorage | None = None)
 
 
 def stored_page_nbytes(backend: str, page_nbytes: int) -> int:
-    """Bytes one page of ``page_nbytes`` takes of ``backend``'s ``max_bytes``: what its class's
-    ``stored_page_nbytes(page_nbytes)`` says (a ``file`` store counts each page file whole,
-    header and footer too: 224 bytes for a 64-byte page), else the page itself. A store
+    """Bytes one page of ``page_nbytes`` takes of ``backend``'s ``max_bytes``
+    (:meth:`AsyncHiCacheStorage.stored_page_nbytes`: a ``file`` store counts each page file
+    whole, header and footer too, 224 bytes for a 64-byte page). A store
     bounded to ``storage_pages`` pages of payload held fewer (4 of 16) while the placement
     directory counted ``storage_pages``, so the store's own LRU evicted pages the tree kept."""
-    size = getattr(backend_class(backend), "stored_page_nbytes", None)
-    return int(size(page_nbytes)) if callable(size) else page_nbytes
+    return int(backend_class(backend).stored_page_nbytes(page_nbytes))
 
 
 def _wire_attribution(stack: CacheStack) -> None:

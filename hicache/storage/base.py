@@ -122,6 +122,16 @@ class AsyncHiCacheStorage(ABC):
     #: Why ``hicache inspect`` cannot look at this backend's store when it cannot list its
     #: namespaces (said with the backends that can).
     not_inspectable_why: ClassVar[str] = "cannot list its namespaces, so its store cannot be inspected"
+    #: Whether the constructor takes ``read_only=True``: an observer's store that changes
+    #: nothing on its medium (``hicache inspect`` opens stores so where they can be).
+    supports_read_only: ClassVar[bool] = False
+
+    @classmethod
+    def stored_page_nbytes(cls, payload_nbytes: int) -> int:
+        """Bytes one page of ``payload_nbytes`` counts against this backend's ``max_bytes``
+        (what a store sized in pages is given per page). By default the page itself; a backend
+        that counts more per page (a file's header and footer) says so."""
+        return payload_nbytes
 
     def __init__(
         self,

@@ -146,7 +146,7 @@ class FileStorage(AsyncHiCacheStorage):
     backend_name = "file"
     supports_segments = True  # pages scattered in pool memory move by preadv/pwritev, no staging
     supports_staged_pages = True  # seed-protocol pools: each page copied and moved by one thread
-    supports_read_only = True  # ``read_only``: an observer's store (``hicache inspect`` opens them so)
+    supports_read_only = True  # ``read_only`` (see the class docstring)
 
     @classmethod
     def stored_page_nbytes(cls, payload_nbytes: int) -> int:
