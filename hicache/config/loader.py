@@ -37,7 +37,7 @@ import aiofiles
 import yaml
 from pydantic import ValidationError
 
-from hicache.config.schema import HiCacheConfig, union_args
+from hicache.config.schema import HiCacheConfig, storage_backend_name, union_args
 from hicache.errors import BackendLoadError, BackendNotFoundError, ConfigError
 
 __all__ = ["ENV_PREFIX", "load_config", "aload_config", "config_from_dict", "env_overrides", "check_backend"]
@@ -269,11 +269,6 @@ def _finish(
     return config
 
 
-def _backend_named(value: Any) -> Any:
-    """A ``storage.backend`` value as the schema reads it: ``"none"`` and ``""`` are no backend."""
-    return None if isinstance(value, str) and value.strip().lower() in ("", "none") else value
-
-
 def _storage_options_under_env(data: dict[str, Any], env: dict[str, Any]) -> dict[str, Any]:
     """``data`` without the file's ``storage.options`` where the environment does not build on them.
 
@@ -295,8 +290,8 @@ def _storage_options_under_env(data: dict[str, Any], env: dict[str, Any]) -> dic
         return {**data, "storage": {k: v for k, v in storage.items() if k != "options"}}
     if "backend" not in env_storage:
         return data
-    before = _backend_named(storage.get("backend", "file"))  # the schema's default backend
-    after = _backend_named(env_storage["backend"])
+    before = storage_backend_name(storage.get("backend", "file"))  # the schema's default backend
+    after = storage_backend_name(env_storage["backend"])
     if after == before:
         return data
     logger.info("HICACHE__STORAGE__BACKEND switches the storage backend from %r to %r: the configured "

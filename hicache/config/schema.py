@@ -30,6 +30,7 @@ __all__ = [
     "SessionConfig",
     "StorageConfig",
     "TracingConfig",
+    "storage_backend_name",
 ]
 
 
@@ -134,6 +135,15 @@ class HostConfig(_Section):
         return self
 
 
+def storage_backend_name(value: Any) -> Any:
+    """A ``storage.backend`` value as every reader takes it: ``"none"`` and ``""`` are how TOML
+    and the environment, which have no null, say "no storage tier", and both become ``None``,
+    so every reader asks one question (``is None``); anything else is returned as it is."""
+    if isinstance(value, str) and value.strip().lower() in ("", "none"):
+        return None
+    return value
+
+
 class StorageConfig(_Section):
     """The L3 backend, found by name through the ``hicache.backends`` entry points."""
 
@@ -146,12 +156,7 @@ class StorageConfig(_Section):
     @field_validator("backend", mode="before")
     @classmethod
     def _no_backend_spelt(cls, value: Any) -> Any:
-        """``"none"`` and ``""`` are how TOML and the environment, which have no null, say "no
-        storage tier": both become ``None``, so every reader asks one question (``is None``);
-        ``""`` used to pass through as a name that only some readers took for "none"."""
-        if isinstance(value, str) and value.strip().lower() in ("", "none"):
-            return None
-        return value
+        return storage_backend_name(value)
 
 
 class PrefetchConfig(_Section):

@@ -24,6 +24,7 @@ import logging
 import os
 from typing import Any
 
+from hicache.config.schema import storage_backend_name
 from hicache.controller.config import ControllerConfig
 from hicache.errors import ConfigError
 from hicache.placement import PLACEMENT_POLICIES, make_placement
@@ -80,7 +81,7 @@ class ReplayConfig:
     def __post_init__(self) -> None:
         # "" and "none" say "no storage tier", as in a deployment config (whose schema reads
         # them so): "none" was a backend name not found after the whole trace was read
-        self.storage_backend = _backend_name(self.storage_backend)
+        self.storage_backend = storage_backend_name(self.storage_backend)
 
     @property
     def page_nbytes(self) -> int:
@@ -220,7 +221,7 @@ class ReplayConfig:
             if key not in ("backend", "options"):
                 raise ConfigError(f"[storage] {key!r} unknown; allowed: backend, options")
         if "backend" in storage:
-            cfg.storage_backend = _backend_name(storage["backend"] or None)
+            cfg.storage_backend = storage_backend_name(storage["backend"] or None)
         cfg.storage_options = _table(storage, "options", "[storage] options")
         if "storage_fraction" in tiers and cfg.storage_backend is not None and "max_bytes" in cfg.storage_options:
             # a fraction of a trace not read yet cannot be checked against the bound
@@ -319,12 +320,6 @@ def _warn_unsized_storage(backend: str) -> None:
            f"{backend!r} takes no max_bytes: replay a copy with backend = \"memory\" and options.max_bytes")
     logger.warning("replay: storage backend %r has no max_bytes to size the storage tier from, so this replay "
                    "has no storage tier; to replay one, %s", backend, how)
-
-
-def _backend_name(value: Any) -> Any:
-    """``None`` for ``""`` and ``"none"`` (no storage tier, as a deployment config's schema reads
-    them); anything else as it is, for :meth:`ReplayConfig.validate` to judge."""
-    return None if isinstance(value, str) and value.strip().lower() in ("", "none") else value
 
 
 def _table(data: dict[str, Any], key: str, what: str | None = None) -> dict[str, Any]:
