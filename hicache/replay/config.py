@@ -95,7 +95,8 @@ class ReplayConfig:
         the tier's size: the report and the reference LRU count this, not another."""
         if self.storage_backend is None or "max_bytes" not in self.storage_options:
             return None
-        return int(self.storage_options["max_bytes"]) // stored_page_nbytes(self.storage_backend, self.page_nbytes)
+        return _bound_pages(self.storage_backend, self.storage_options["max_bytes"], self.page_nbytes,
+                            "[storage] options.max_bytes")
 
     def controller_config(self) -> ControllerConfig:
         return ControllerConfig.from_dict(dict(self.controller))
@@ -150,14 +151,9 @@ class ReplayConfig:
         """A :class:`ConfigError` for a ``max_bytes`` that is no size, or that says another
         size than the storage tier's pages or blocks: the store was bounded by it while the
         tiers line and the reference LRU counted the tier (20 blocks named, 4 replayed)."""
-        if self.storage_backend is None or "max_bytes" not in self.storage_options:
+        bound = self.storage_bound_pages()  # (a bound that is no size is refused there)
+        if bound is None:
             return
-        max_bytes = self.storage_options["max_bytes"]
-        one = stored_page_nbytes(self.storage_backend, self.page_nbytes)  # as the store counts a page
-        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < one:
-            raise ConfigError(f"[storage] options.max_bytes must be an integer of at least one page "
-                              f"({one} bytes as the {self.storage_backend} store counts it), got {max_bytes!r}")
-        bound = self.storage_bound_pages()
         if "storage" in self.pages:
             tier, what = int(self.pages["storage"]), f"{self.pages['storage']} pages"
         elif "storage" in self.blocks:
@@ -165,7 +161,8 @@ class ReplayConfig:
         else:
             return  # sized by max_bytes alone (a fraction gives way to it, see capacity_blocks)
         if tier != bound:
-            raise ConfigError(f"[storage] options.max_bytes ({max_bytes}) bounds the store to {bound} pages but "
+            raise ConfigError(f"[storage] options.max_bytes ({self.storage_options['max_bytes']}) bounds the store "
+                              f"to {bound} pages but "
                               f"[tiers] {what} is {tier} pages; set one of them")
 
     def capacity_blocks(self, unique: int) -> dict[str, int]:
@@ -268,13 +265,8 @@ class ReplayConfig:
             # checked here: the replay sizes the tier from it before the backend sees it, and
             # int() made nan or a string a traceback, true or a size under one page a replay
             # with no storage at all
-            max_bytes = st.storage_options["max_bytes"]
-            # what the store holds: a file store counts each page file whole (header, footer)
-            one = stored_page_nbytes(st.storage_backend, st.page_nbytes)
-            if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < one:
-                raise ConfigError(f"replay: storage.options.max_bytes must be an integer of at least one page "
-                                  f"({one} bytes as the {st.storage_backend} store counts it), got {max_bytes!r}")
-            pages["storage"] = max_bytes // one
+            pages["storage"] = _bound_pages(st.storage_backend, st.storage_options["max_bytes"], st.page_nbytes,
+                                            "replay: storage.options.max_bytes")
         else:
             pages["storage"] = 0
             if st.storage_backend:
@@ -320,6 +312,19 @@ def _warn_unsized_storage(backend: str) -> None:
            f"{backend!r} takes no max_bytes: replay a copy with backend = \"memory\" and options.max_bytes")
     logger.warning("replay: storage backend %r has no max_bytes to size the storage tier from, so this replay "
                    "has no storage tier; to replay one, %s", backend, how)
+
+
+def _bound_pages(backend: str, max_bytes: Any, page_nbytes: int, what: str) -> int:
+    """The pages a store of ``backend`` bounded to ``max_bytes`` holds, counted as the store
+    counts a page (a file store each page file whole, header and footer too); a
+    :class:`ConfigError` naming ``what`` for a bound that is no size or holds no page (nan or
+    a string was an ``int()`` traceback, true or a size under one page a replay that silently
+    had no storage tier)."""
+    one = stored_page_nbytes(backend, page_nbytes)
+    if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < one:
+        raise ConfigError(f"{what} must be an integer of at least one page ({one} bytes as the {backend} "
+                          f"store counts it), got {max_bytes!r}")
+    return max_bytes // one
 
 
 def _table(data: dict[str, Any], key: str, what: str | None = None) -> dict[str, Any]:
