@@ -69,11 +69,14 @@ class ReusePlacement(PlacementPolicy):
         keys = node.hash_value
         if node.hit_count >= self.reuse_hits:
             return len(keys)
-        wanted = self._wanted
         n = 0
-        while n < len(keys) and keys[n] in wanted:
+        while n < len(keys) and self._admitted(keys[n]):
             n += 1
         return n
+
+    def _admitted(self, key: str) -> bool:
+        """Whether page ``key`` was admitted ahead of its node's hits (a ghost hit)."""
+        return key in self._wanted
 
     def on_new_node(self, node: TreeNode) -> None:
         returned = [k for k in node.hash_value if self.ghost.take(k)]
@@ -150,17 +153,9 @@ class TieredPlacement(ReusePlacement):
     def victim_pages(self, node: TreeNode) -> int:
         return self.admitted_pages(node)
 
-    def admitted_pages(self, node: TreeNode) -> int:
-        """:meth:`ReusePlacement.admitted_pages`, where a page of a long prompt's body admitted
-        on first sight counts too."""
-        keys = node.hash_value
-        if node.hit_count >= self.reuse_hits:
-            return len(keys)
-        wanted, early = self._wanted, self._early
-        n = 0
-        while n < len(keys) and (keys[n] in wanted or keys[n] in early):
-            n += 1
-        return n
+    def _admitted(self, key: str) -> bool:
+        """A ghost hit's page, or a page of a long prompt's body admitted on first sight."""
+        return key in self._wanted or key in self._early
 
     def on_new_node(self, node: TreeNode) -> None:
         super().on_new_node(node)
