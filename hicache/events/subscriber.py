@@ -283,14 +283,11 @@ class EventSubscriber:
         if self._note_reconnect() or not self._connected:
             return  # just reconnected: asked once that settles; disconnected: the reconnect asks
         if self._verify:  # (re)connected since the last live batch: is it still the same publisher?
-            known = self.run_id
-            run = self._probe()
+            changed = self._run_changed()
             if not self._answer_ended:
                 return  # no answer (logged): the next live batch asks again
             self._verify = False
-            if run is not None:
-                self.run_id = run
-            if run is not None and known is not None and run != known:
+            if changed:
                 self.restarts += 1  # a new publisher: its batches from 0
                 self.next_seq = 0
                 self._last_live = None  # the old run's numbers tell nothing about the new one's
@@ -328,13 +325,20 @@ class EventSubscriber:
         if not (self._verify or went_back or ahead or below_resume):
             return False
         self._verify = False
-        known = self.run_id
-        run = self._probe() if self.replay_endpoint is not None else None
-        if run is not None:
-            self.run_id = run
-        if run is not None and known is not None and not below_resume:
-            return run != known
+        changed = self._run_changed() if self.replay_endpoint is not None else None
+        if changed is not None and not below_resume:
+            return changed
         return went_back or below_resume
+
+    def _run_changed(self) -> bool | None:
+        """Ask the publisher's run id and keep it: whether it is another run than the one known
+        (``None``: it said none, or none was known to compare with)."""
+        known = self.run_id
+        run = self._probe()
+        if run is None:
+            return None
+        self.run_id = run
+        return None if known is None else run != known
 
     def _probe(self) -> int | None:
         """The publisher's run id (an empty replay); ``None`` when it does not say one."""
