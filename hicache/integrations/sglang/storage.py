@@ -77,13 +77,7 @@ _TP_SPLIT_UNDER_MLA = frozenset({"mamba"})
 def _server_kv_cache_dtype() -> str | None:
     """SGLang's ``--kv-cache-dtype`` from the server's published settings, if it has any
     (none in a process that did not start a server, such as a test or a tool)."""
-    try:
-        from sglang.srt.runtime_context import get_server_args
-
-        value = getattr(get_server_args(), "kv_cache_dtype", None)
-    except Exception:  # noqa: BLE001 - not published, or another SGLang version's API
-        return None
-    return value if isinstance(value, str) and value else None
+    return (_server_settings("kv_cache_dtype") or {}).get("kv_cache_dtype")
 
 
 def _with_logical_dtype(signature: dict[str, Any], configured: str | None) -> dict[str, Any]:
