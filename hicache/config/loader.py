@@ -35,7 +35,7 @@ from typing import Any
 
 import aiofiles
 import yaml
-from pydantic import ValidationError
+from pydantic import TypeAdapter, ValidationError
 
 from hicache.config.schema import HiCacheConfig, storage_backend_name, union_args
 from hicache.errors import BackendLoadError, BackendNotFoundError, ConfigError
@@ -313,7 +313,7 @@ def _fit_env_options(data: Mapping[str, Any], env: dict[str, Any]) -> None:
     name = storage.get("backend", "file")
     if not isinstance(name, str) or not name:
         return
-    from hicache.storage.options import parse_bool_text, takes_bool
+    from hicache.storage.options import takes_bool
     from hicache.storage.registry import backend_options
 
     try:
@@ -327,7 +327,17 @@ def _fit_env_options(data: Mapping[str, Any], env: dict[str, Any]) -> None:
         del options[key]
     for key in options.keys() & allowed:
         if takes_bool(params[key]):
-            options[key] = parse_bool_text(options[key])
+            options[key] = _as_bool(options[key])
+
+
+def _as_bool(value: Any) -> Any:
+    """``value`` read as a boolean the way a typed field of the schema reads it (pydantic's lax
+    booleans: ``False``, ``no``, ``0``, ``off``... in any case), or unchanged when it is none, for
+    the backend's own check to refuse."""
+    try:
+        return TypeAdapter(bool).validate_python(value)
+    except ValidationError:
+        return value
 
 
 def check_backend(config: HiCacheConfig) -> None:

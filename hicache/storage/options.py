@@ -8,10 +8,7 @@ from typing import Any
 
 from hicache.errors import ConfigError
 
-__all__ = ["bool_option", "parse_bool_text", "takes_bool"]
-
-_TRUE = frozenset({"true", "1", "yes"})
-_FALSE = frozenset({"false", "0", "no"})
+__all__ = ["bool_option", "takes_bool"]
 
 
 def bool_option(backend: str, name: str, value: Any) -> bool:
@@ -21,21 +18,6 @@ def bool_option(backend: str, name: str, value: Any) -> bool:
     ``..__OPTIONS__SHARED=False`` from the environment, turned the option on."""
     if not isinstance(value, bool):
         raise ConfigError(f"{backend} backend: option {name} must be true or false, got {value!r}")
-    return value
-
-
-def parse_bool_text(value: Any) -> Any:
-    """The usual spellings of a boolean (true/false, 1/0, yes/no, any case; the environment's
-    ``1``/``0`` arrive as JSON numbers) as ``True``/``False``; anything else unchanged, for
-    :func:`bool_option` to refuse."""
-    if isinstance(value, str):
-        text = value.strip().lower()
-        if text in _TRUE:
-            return True
-        if text in _FALSE:
-            return False
-    elif isinstance(value, int) and not isinstance(value, bool) and value in (0, 1):
-        return bool(value)
     return value
 
 
