@@ -70,6 +70,8 @@ from hicache.memory.transfer import (
 
 __all__ = ["INLINE_MAX_BYTES", "CopyEngine", "LayerLoadHandle", "TransferPool"]
 
+logger = logging.getLogger(__name__)
+
 
 def _dropped() -> CacheClosedError:
     """The error of a copy job its executor dropped unrun (a shared executor shut down with
@@ -77,7 +79,6 @@ def _dropped() -> CacheClosedError:
     that took it for its own cancellation stopped for good, silently."""
     return CacheClosedError("the copy engine's executor dropped a queued copy (shut down?): the copy did not run")
 
-logger = logging.getLogger(__name__)
 
 #: A CPU step of at most this many bytes (all layers of a backup, all layers of a load) runs on
 #: the caller's thread when the engine is idle: about 20-30 us of memcpy, less than the loop loses

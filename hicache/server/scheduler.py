@@ -347,9 +347,9 @@ class Scheduler:
                 logger.warning("deferred release of session %s failed: %r", session_id, exc)
 
     async def _end_failed_session(self, req: GenerateRequest) -> None:
-        """The turn that was to end its session failed, or its client went away (while it ran,
-        or before: still queued, or waiting for its session or a slot): end the session all
-        the same. The conversation is over either way, and the session otherwise
+        """The turn that was to end its session failed, or its client went away while it ran
+        (one dropped before it ran ends it in its turn, :meth:`_release_in_turn`; here only once
+        the scheduler is closing): end the session all the same. The conversation is over either way, and the session otherwise
         held its row and pages until ``session_timeout_s`` (for good with none); its history is
         handed to the tree, so a retried turn still finds it. The turn's error is what the
         client is told; a release failing too is logged."""
