@@ -33,7 +33,7 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -41,6 +41,7 @@ from hicache.engine.runner import Engine, GenerateResult
 from hicache.errors import CacheClosedError, HiCacheError, OutOfKVSlotsError
 from hicache.server.metrics import ServerMetrics
 from hicache.server.protocol import GenerateRequest
+from hicache.server.session_order import SessionOrder, SessionTurn
 
 __all__ = ["Job", "QueueFullError", "Scheduler", "SchedulerClosedError"]
 
@@ -78,30 +79,6 @@ class _Release:
     session_id: str
 
 
-class _SessionLocks:
-    """One lock per live session id, dropped when nobody holds or waits for it."""
-
-    def __init__(self) -> None:
-        self._locks: dict[str, tuple[asyncio.Lock, int]] = {}
-
-    @contextlib.asynccontextmanager
-    async def hold(self, session_id: str | None) -> AsyncIterator[None]:
-        if session_id is None:
-            yield
-            return
-        lock, users = self._locks.get(session_id, (asyncio.Lock(), 0))
-        self._locks[session_id] = (lock, users + 1)
-        try:
-            async with lock:
-                yield
-        finally:
-            lock, users = self._locks[session_id]
-            if users <= 1:
-                del self._locks[session_id]
-            else:
-                self._locks[session_id] = (lock, users - 1)
-
-
 class Scheduler:
     """Feeds requests from a bounded queue to an :class:`Engine`."""
 
@@ -127,7 +104,7 @@ class Scheduler:
         self.queue_size = queue_size
         self._waiting = 0
         self._slots = asyncio.Semaphore(max_active)
-        self._sessions = _SessionLocks()
+        self._sessions = SessionOrder()
         # jobs per session id from submit until done (queued, waiting, running): a release
         # while any is pending must wait for them, or the next of them re-opened the session
         self._session_jobs: dict[str, int] = {}
@@ -140,7 +117,6 @@ class Scheduler:
         self._admit = asyncio.Event()  # cleared while a running request waits for device memory
         self._admit.set()
         self._main: asyncio.Task[None] | None = None
-        self._tg: asyncio.TaskGroup | None = None
         self._closing = False
 
     # -- lifecycle
@@ -162,6 +138,7 @@ class Scheduler:
             return
         await self._queue.put(_STOP)
         await asyncio.shield(self._main)
+        await self._sessions.aclose()  # the releases the last turns owed, run in their turns
         logger.info("scheduler drained")
 
     @property
@@ -185,8 +162,11 @@ class Scheduler:
             self._session_jobs[request.session_id] = self._session_jobs.get(request.session_id, 0) + 1
         return job
 
-    def _job_done(self, job: Job, _task: object = None) -> None:
-        """``job`` is over (served, failed, or dropped before it ran): no longer pending."""
+    def _job_done(self, job: Job, turn: SessionTurn | None = None, _task: object = None) -> None:
+        """``job`` is over (served, failed, or dropped before it ran): no longer pending, and
+        its place in its session's order (``turn``) is given up, if it was not already."""
+        if turn is not None:
+            turn.leave()
         sid = job.request.session_id
         if sid is None:
             return
@@ -240,38 +220,47 @@ class Scheduler:
     # -- internals
     async def _run(self, ready: asyncio.Event) -> None:
         async with asyncio.TaskGroup() as tg:
-            self._tg = tg
             ready.set()
             while True:
                 item = await self._queue.get()
                 if item is _STOP:
                     break
                 if isinstance(item, _Release):
-                    tg.create_task(self._release_in_turn(item.session_id))
+                    self._sessions.reserve(item.session_id, self._release_after(item.session_id)).leave()
                     continue
                 job: Job = item
+                sid = job.request.session_id
+                # the job's place in its session's order is taken here, in submission order; a
+                # final turn owes the session's end, which runs in that place whatever happens
+                # to the turn (dropped while queued, while waiting, or failing)
+                turn = None if sid is None else self._sessions.reserve(
+                    sid, self._release_after(sid) if job.request.end_session else None)
                 if job.future.done():  # the client went away while queued
-                    self._job_done(job)
-                    if job.request.end_session and job.request.session_id is not None:
-                        # its session ends all the same, in its turn (after an earlier turn
-                        # still between two memory attempts, which would re-open it)
-                        tg.create_task(self._release_in_turn(job.request.session_id))
+                    self._job_done(job, turn)
                     continue
-                job.task = tg.create_task(self._serve(job), name=f"hicache-req-{job.request.rid}")
+                job.task = tg.create_task(self._serve(job, turn), name=f"hicache-req-{job.request.rid}")
                 # a callback, not _serve's finally: a task cancelled before its first step
                 # never enters _serve's body
-                job.task.add_done_callback(functools.partial(self._job_done, job))
-        self._tg = None
+                job.task.add_done_callback(functools.partial(self._job_done, job, turn))
 
-    async def _serve(self, job: Job) -> None:
+    def _release_after(self, session_id: str) -> Callable[[], Awaitable[object]]:
+        return functools.partial(self.engine.cache.release_session, session_id)
+
+    async def _serve(self, job: Job, turn: SessionTurn | None) -> None:
         """Run ``job``: its session first, then an active slot. A turn waiting for its session
         (an earlier turn of it runs) holds no slot: the other sessions' requests take them
         meanwhile. The job counts as queued (in the bound and the queue depth) until it has
-        its slot, and is served in arrival order among the jobs ready to run."""
+        its slot, and is served in arrival order among the jobs ready to run. A final turn
+        ends its session before its client is answered, whether it succeeded or failed; one
+        dropped before it ran leaves that to its place in the session's order
+        (:meth:`SessionTurn.leave`), so the session ends after the turns before it and before
+        the ones after it."""
         req = job.request
-        slotted = running = ended = False
+        slotted = running = False
         try:
-            async with self._sessions.hold(req.session_id):
+            try:
+                if turn is not None:
+                    await turn.wait()
                 await self._slots.acquire()
                 slotted = True
                 await self._admit.wait()  # a request waiting for memory gets it before newcomers
@@ -281,22 +270,24 @@ class Scheduler:
                 self.metrics.active += 1
                 running = True
                 # counted for "alone" only once it holds its session: a later turn queued on
-                # the lock holds no memory, and counting it made a turn that cannot fit wait
+                # the session holds no memory, and counting it made a turn that cannot fit wait
                 # (with admissions paused) for a request that could never finish first
                 self._generating += 1
                 try:
                     result = await self._generate_with_memory_retry(job)
                 except BaseException:
-                    ended = True
-                    await self._end_failed_session(req)
+                    await self._end_failed_session(req, turn)
                     raise
                 finally:
                     self._generating -= 1
-                if req.end_session and req.session_id is not None:
-                    ended = True
-                    await self.engine.cache.release_session(req.session_id)
+                if turn is not None and turn.after is not None:
+                    await self.engine.cache.release_session(turn.session_id)
+                    turn.after = None
                 if req.debug_reference:
                     job.reference = await self.engine.run(self.engine.reference_generate, req.tokens, req.max_new_tokens)
+            finally:
+                if turn is not None:
+                    turn.leave()  # (ending the session first if this turn still owes that)
             self.metrics.observe(result)
             if not job.future.done():
                 job.future.set_result(result)
@@ -307,12 +298,6 @@ class Scheduler:
                 job.future.set_exception(exc)
         finally:
             self._dequeued(job)  # (cancelled while it waited)
-            if not ended and req.end_session and req.session_id is not None:
-                # a final turn dropped before it ran (waiting for its session or a slot): its
-                # session ends all the same, in its turn (it may not hold the session: an
-                # earlier turn between two memory attempts would re-open what it released)
-                if not self._release_later(req.session_id):
-                    await self._end_failed_session(req)  # closing: no turn of it left to wait for
             if running:
                 self.metrics.active -= 1
             if slotted:
@@ -320,46 +305,22 @@ class Scheduler:
             async with self._finished:
                 self._finished.notify_all()
 
-    def _release_later(self, session_id: str) -> bool:
-        """Queue :meth:`_release_in_turn` on the dispatcher's task group; False when it is gone
-        or shutting down (the scheduler is closing: nothing of the session runs any more)."""
-        tg = self._tg
-        if tg is None:
-            return False
-        coro = self._release_in_turn(session_id)
-        try:
-            tg.create_task(coro)
-        except RuntimeError:
-            coro.close()
-            return False
-        return True
-
-    async def _release_in_turn(self, session_id: str) -> None:
-        """Apply a deferred release under the session's lock. The lock is first come, first
-        served, and job tasks reach it in submission order (this task was created after theirs,
-        from the same queue), so it runs once every earlier turn has let the session go, and
-        before any later one takes it. A failure is the cache's to count; it is logged here,
-        the client having been answered already."""
-        async with self._sessions.hold(session_id):
-            try:
-                await self.engine.cache.release_session(session_id)
-            except Exception as exc:  # noqa: BLE001 - nobody is waiting for this answer
-                logger.warning("deferred release of session %s failed: %r", session_id, exc)
-
-    async def _end_failed_session(self, req: GenerateRequest) -> None:
-        """The turn that was to end its session failed, or its client went away while it ran
-        (one dropped before it ran ends it in its turn, :meth:`_release_in_turn`; here only once
-        the scheduler is closing): end the session all the same. The conversation is over either way, and the session otherwise
-        held its row and pages until ``session_timeout_s`` (for good with none); its history is
-        handed to the tree, so a retried turn still finds it. The turn's error is what the
-        client is told; a release failing too is logged."""
-        if not req.end_session or req.session_id is None:
+    async def _end_failed_session(self, req: GenerateRequest, turn: SessionTurn | None) -> None:
+        """The turn that was to end its session failed, or its client went away while it ran:
+        end the session all the same, before the error is answered. The conversation is over
+        either way, and the session otherwise held its row and pages until
+        ``session_timeout_s`` (for good with none); its history is handed to the tree, so a
+        retried turn still finds it. The turn's error is what the client is told; a release
+        failing too is logged; one cut short (cancelled again) is still owed, and the turn's
+        place in the session's order runs it."""
+        if turn is None or turn.after is None:
             return
         try:
-            await self.engine.cache.release_session(req.session_id)
+            await self.engine.cache.release_session(turn.session_id)
         except Exception as exc:  # noqa: BLE001 - the turn's own failure is the one to answer
             logger.warning("request %s: ending session %s after the turn failed failed too: %r",
-                           req.rid, req.session_id, exc)
+                           req.rid, turn.session_id, exc)
+        turn.after = None
 
     async def _generate_with_memory_retry(self, job: Job) -> GenerateResult:
         """``engine.generate``; on ``OutOfKVSlotsError`` wait for a running request to end (or

@@ -317,3 +317,45 @@ async def test_a_dropped_final_turn_ends_its_session_after_a_turn_between_memory
                 break
             await asyncio.sleep(0.02)
         _nothing_held(sessions)
+
+
+@requires_facade
+async def test_a_dropped_final_turn_ends_its_session_before_a_later_turn_not_after_it() -> None:
+    """An ``end_session`` turn dropped while it waits for its session (an earlier turn is
+    between two memory attempts), with a later turn of the same session sent after it: the
+    release ran behind the later turn (a dropped turn lost its place in the session's lock),
+    and closed the fresh session that turn had opened. It now runs in the dropped turn's place:
+    after the earlier turn, before the later one, which keeps its session."""
+    import asyncio
+
+    async with running_server(small_config(), mode="hicache", port=0) as srv, aiohttp.ClientSession() as http:
+        sessions = srv.state.cache.cache  # type: ignore[attr-defined]
+        async with http.post(f"{srv.url}/v1/generate", json=TURN) as resp:
+            out = await resp.json()
+        failing, gate = _out_of_memory_once(srv.state.engine)
+        history = TURN["tokens"] + out["tokens"]
+        t2 = asyncio.ensure_future(http.post(f"{srv.url}/v1/generate", json={**TURN, "tokens": history + [7, 8, 9]}))
+        await failing.wait()
+        last = {**TURN, "tokens": history + [5, 6], "end_session": True}
+        dropped = asyncio.ensure_future(http.post(f"{srv.url}/v1/generate", json=last,
+                                                  timeout=aiohttp.ClientTimeout(total=0.5)))
+        await asyncio.sleep(0.1)  # the final turn is queued on the session before the next one
+        fresh = {**TURN, "tokens": list(range(200, 240))}
+        t4 = asyncio.ensure_future(http.post(f"{srv.url}/v1/generate", json=fresh))
+        try:
+            async with await dropped:
+                pass
+        except asyncio.TimeoutError:
+            pass  # hung up while the final turn waited for its session
+        await asyncio.sleep(0.3)  # the server notices the hang-up and drops the job
+        gate.set()
+        async with await t2 as resp:
+            assert resp.status == 200
+        async with await t4 as resp:
+            assert resp.status == 200
+        await asyncio.sleep(0.2)  # nothing left to run: a misplaced release would have run by now
+        assert sessions.session_metrics.counters["sessions_released"] == 1
+        assert "s" in sessions.slots and sessions.session_held_tokens() > 0  # the later turn's session
+        async with http.post(f"{srv.url}/v1/sessions/s/release") as resp:
+            assert resp.status == 200 and (await resp.json()) == {"released": "s"}
+        _nothing_held(sessions)
