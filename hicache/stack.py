@@ -110,10 +110,16 @@ class StackConfig:
 
     @property
     def page_nbytes(self) -> int:
-        itemsize = torch.empty((), dtype=self.torch_dtype).element_size()
+        """Bytes of one page of this geometry's KV, every layer (what host and store sizes count)."""
         if self.attention == "mla":
+            itemsize = self.torch_dtype.itemsize
             return self.layer_num * (self.kv_lora_rank + self.qk_rope_head_dim) * itemsize * self.page_size
-        return 2 * self.layer_num * self.head_num * self.head_dim * itemsize * self.page_size
+        return mha_page_nbytes(self.page_size, self.layer_num, self.head_num, self.head_dim, self.dtype)
+
+
+def mha_page_nbytes(page_size: int, layer_num: int, head_num: int, head_dim: int, dtype: str) -> int:
+    """Bytes of one page of MHA KV (K and V, every layer) in ``dtype`` (a config's dtype name)."""
+    return 2 * layer_num * head_num * head_dim * page_size * torch_dtype(dtype).itemsize
 
 
 @dataclasses.dataclass

@@ -28,7 +28,7 @@ from hicache.config.schema import storage_backend_name
 from hicache.controller.config import ControllerConfig
 from hicache.errors import ConfigError
 from hicache.placement import PLACEMENT_POLICIES, make_placement
-from hicache.stack import controller_options, stack_config_from, stored_page_nbytes, torch_dtype
+from hicache.stack import controller_options, mha_page_nbytes, stack_config_from, stored_page_nbytes
 
 __all__ = ["ReplayConfig", "load_replay_config"]
 
@@ -86,8 +86,7 @@ class ReplayConfig:
     @property
     def page_nbytes(self) -> int:
         """Bytes of one page of this geometry's KV (what ``max_bytes`` is counted in)."""
-        return 2 * self.layer_num * self.head_num * self.head_dim * self.page_size * \
-            torch_dtype(self.dtype).itemsize
+        return mha_page_nbytes(self.page_size, self.layer_num, self.head_num, self.head_dim, self.dtype)
 
     def storage_bound_pages(self) -> int | None:
         """Pages ``[storage] options.max_bytes`` bounds the store to (``None``: not set, or no
