@@ -93,6 +93,29 @@ def test_urls_whose_paths_would_leave_the_prefix_are_config_errors(url: str, nee
     assert "s3cret" not in str(exc.value)
 
 
+async def test_an_object_store_url_without_a_bucket_is_refused(moto_endpoint: str) -> None:
+    """The fsspec backend took ``s3://`` (only the s3 backend asked for a bucket): the namespace
+    digest became the bucket's name, and pages and manifest went into a bucket nobody
+    configured (on AWS, bucket names are global: a stranger's). Any bucket-style url, either
+    backend, is refused; a memory store needs no bucket and keeps working."""
+    from hicache.errors import ConfigError
+    from s3_server import create_bucket, raw_client
+
+    create_bucket(moto_endpoint, NS_A.digest)  # someone else's bucket, named as the digest names it
+    for backend, url in [("fsspec", "s3://"), ("fsspec", "s3:///kv"), ("fsspec", "S3A://"), ("s3", "s3://"),
+                         ("s3", "s3:///kv"), ("fsspec", "gs://"), ("fsspec", "abfs:///kv")]:
+        with pytest.raises(ConfigError, match="must name a bucket"):
+            create_async_storage(backend, None, url=url, storage_options=s3_options(moto_endpoint), namespace=NS_A)
+    assert raw_client(moto_endpoint).list_objects_v2(Bucket=NS_A.digest).get("KeyCount") == 0
+    memory = fsspec.filesystem("memory")
+    try:
+        async with create_async_storage("fsspec", None, url="memory://", namespace=NS_A) as store:
+            assert await store.set("k", torch.ones(8)) and await store.exists("k")
+    finally:
+        if memory.exists(f"/{NS_A.digest}"):
+            memory.rm(f"/{NS_A.digest}", recursive=True)
+
+
 def test_an_at_sign_in_an_s3_prefix_is_a_key_character() -> None:
     """The bucket was taken after the last "@" anywhere in the url: ``s3://bucket/team@/kv``
     was refused as naming no bucket (credentials can only be in the bucket part, refused)."""

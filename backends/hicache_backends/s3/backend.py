@@ -63,6 +63,9 @@ __all__ = ["FsspecStorage", "S3Storage"]
 logger = logging.getLogger("hicache.storage.s3")
 
 _S3_PROTOCOLS = ("s3", "s3a")
+#: object stores whose urls are ``protocol://bucket/key-prefix`` (the first path part names a
+#: bucket or container, whichever filesystem package serves them): a url of one must name it
+_BUCKET_PROTOCOLS = (*_S3_PROTOCOLS, "gs", "gcs", "az", "abfs", "abfss", "adl", "oss", "oci", "tos")
 
 
 #: storage options that are credentials or an address: text, whatever parsed them
@@ -179,6 +182,8 @@ class FsspecStorage(AsyncHiCacheStorage):
             raise ConfigError(f"{self.backend_name} backend: credentials do not go in the url "
                               f"({redact_url(url)!r}); give storage_options key and secret")
         self._check_protocol()
+        if self.protocol in _BUCKET_PROTOCOLS:
+            url = self.url = self._bucket_url(rest)
         try:
             self._fs_class: Any = fsspec.get_filesystem_class(self.protocol)
         except ImportError as exc:
@@ -240,6 +245,16 @@ class FsspecStorage(AsyncHiCacheStorage):
         self._clears: set[asyncio.Future[None]] = set()  # clears in progress: a close waits for them
 
     # ------------------------------------------------------------------ configuration
+
+    def _bucket_url(self, rest: str) -> str:
+        """The url of an object store (``rest``: what follows ``protocol://``), checked: it must
+        name a bucket. With none, the namespace digest became the bucket's name, and pages and
+        manifest went into a bucket nobody configured (on AWS, one a stranger may own: bucket
+        names are global and the digest follows from the model's settings)."""
+        if not rest.partition("/")[0]:
+            raise ConfigError(f"{self.backend_name} backend: url must name a bucket "
+                              f"({self.protocol}://bucket/prefix), got {redact_url(self.url)!r}")
+        return self.url
 
     def _check_protocol(self) -> None:
         """Hook for subclasses that accept only some protocols."""
@@ -891,6 +906,4 @@ class S3Storage(FsspecStorage):
     def _check_protocol(self) -> None:
         if self.protocol not in _S3_PROTOCOLS:
             raise ConfigError(f"s3 backend: url must start with s3://, got {redact_url(self.url)!r} (use the fsspec backend for other protocols)")
-        bucket = self.url.split("://", 1)[1].split("/", 1)[0]  # ("@" there is refused before: credentials)
-        if not bucket:
-            raise ConfigError("s3 backend: url must name a bucket (s3://bucket/prefix)")
+        # (a url without a bucket is refused next, whichever backend: see _bucket_url)
