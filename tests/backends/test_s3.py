@@ -21,7 +21,7 @@ from hicache.keys import Namespace
 from hicache.storage import AsyncHiCacheStorage, PageCodec, create_async_storage
 from hicache.testing import ArrayHostPool, StoreTests
 from hicache.testing.store_tests import NS_A, PAGE, keys_for
-from s3_server import TEST_KEY, TEST_SECRET, make_s3, raw_get, raw_put, s3_options
+from s3_server import TEST_KEY, TEST_SECRET, make_s3, raw_client, raw_get, raw_put, s3_options
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -76,6 +76,45 @@ async def test_layout_manifest_and_hashed_names(moto_endpoint: str, moto_bucket:
             path = names.page(k, "kv")
             assert path.startswith(names.pages_dir + "/") and k not in path
             assert raw_get(moto_endpoint, path) is not None
+
+
+async def test_a_prefix_with_a_leading_slash_is_the_prefix_without_it(
+    moto_endpoint: str, moto_bucket: str, prefix: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``s3://bucket//lead`` (``f"s3://{bucket}/{prefix}"`` with ``prefix="/lead"``): s3fs wrote
+    its pages under the key ``/lead/...`` but listed ``lead/...``, so its clear deleted the pages
+    of the store at ``s3://bucket/lead`` and kept its own, and said it had cleared. The leading
+    slash is dropped (with a warning): both urls are one store, and its clear removes its pages."""
+    keys = keys_for(4, salt=171)
+    caplog.set_level(logging.WARNING, logger="hicache")
+    slashed = make_s3(moto_endpoint, moto_bucket, "/" + prefix, NS_A)
+    assert slashed.root == f"{moto_bucket}/{prefix}" and "leading '/'" in caplog.text
+    async with slashed, make_s3(moto_endpoint, moto_bucket, prefix, NS_A) as plain:
+        await _write_pages(slashed, keys[:2], seed=1)
+        await _write_pages(plain, keys[2:], seed=2)
+        listed = raw_client(moto_endpoint).list_objects_v2(Bucket=moto_bucket, Prefix=f"/{prefix}")
+        assert listed.get("KeyCount") == 0  # no key with a leading slash, which no listing finds
+        assert await slashed.exists_pages(keys) == [True] * 4
+        assert await slashed.clear() is True
+        pages = raw_client(moto_endpoint).list_objects_v2(Bucket=moto_bucket, Prefix=f"{prefix}/{NS_A.digest}/pages/")
+        assert pages.get("KeyCount") == 0
+        assert await plain.exists_pages(keys) == [False] * 4
+
+
+async def test_a_tree_removal_deletes_nothing_its_listing_puts_outside_the_prefix(
+    moto_endpoint: str, moto_bucket: str, prefix: str
+) -> None:
+    """s3fs lists ``bucket//p`` as ``bucket/p/...`` (it strips a key's leading slashes): a tree
+    removal deleted every name the listing gave, another prefix's objects. It deletes only names
+    under its prefix, and fails (a clear reports it) rather than claim it removed the tree."""
+    ours, theirs = f"{moto_bucket}//{prefix}/pages/aa/1", f"{moto_bucket}/{prefix}/pages/aa/1"
+    raw_put(moto_endpoint, ours, b"ours")  # the key "/<prefix>/pages/aa/1"
+    raw_put(moto_endpoint, theirs, b"theirs")
+    async with make_s3(moto_endpoint, moto_bucket, prefix, NS_A) as store:
+        ops = store._local.get().ops
+        with pytest.raises(OSError, match="1 object\\(s\\) outside it"):
+            await ops.remove_tree(f"{moto_bucket}//{prefix}/pages")
+    assert raw_get(moto_endpoint, theirs) == b"theirs"
 
 
 async def test_read_is_one_ranged_get_per_page(moto_endpoint: str, moto_bucket: str, prefix: str) -> None:

@@ -247,14 +247,28 @@ class FsspecStorage(AsyncHiCacheStorage):
     # ------------------------------------------------------------------ configuration
 
     def _bucket_url(self, rest: str) -> str:
-        """The url of an object store (``rest``: what follows ``protocol://``), checked: it must
-        name a bucket. With none, the namespace digest became the bucket's name, and pages and
-        manifest went into a bucket nobody configured (on AWS, one a stranger may own: bucket
-        names are global and the digest follows from the model's settings)."""
-        if not rest.partition("/")[0]:
+        """The url of an object store (``rest``: what follows ``protocol://``), checked, and
+        without leading slashes in its key prefix.
+
+        * It must name a bucket: with none, the namespace digest became the bucket's name, and
+          pages and manifest went into a bucket nobody configured (on AWS, one a stranger may
+          own: bucket names are global and the digest follows from the model's settings).
+        * ``s3://bucket//lead`` (``f"s3://{bucket}/{prefix}"`` with ``prefix="/lead"``) is
+          ``s3://bucket/lead``: s3fs wrote and read its pages under the key ``/lead/...``, but
+          its listings strip leading slashes, so a clear listed ``lead/...``: another store's
+          pages went, its own stayed. Only the leading slashes go, and a warning says so: a
+          ``//`` inside the prefix is listed as written, so pages under one stay where they are.
+        """
+        bucket, _, key = rest.partition("/")
+        if not bucket:
             raise ConfigError(f"{self.backend_name} backend: url must name a bucket "
                               f"({self.protocol}://bucket/prefix), got {redact_url(self.url)!r}")
-        return self.url
+        if not key.startswith("/"):
+            return self.url
+        url = f"{self.protocol}://{bucket}/{key.lstrip('/')}"
+        logger.warning("%s backend: url %r: leading '/' of the prefix dropped (object store listings ignore "
+                       "it); the store is %r", self.backend_name, redact_url(self.url), redact_url(url))
+        return url
 
     def _check_protocol(self) -> None:
         """Hook for subclasses that accept only some protocols."""

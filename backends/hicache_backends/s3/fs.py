@@ -188,13 +188,13 @@ class AsyncObjectOps:
 
     async def remove_tree(self, prefix: str) -> int:
         try:
-            files = _not_in_flight(await self.fs._find(prefix))
+            files, strays = _under(self.fs, prefix, _not_in_flight(await self.fs._find(prefix)))
         except FileNotFoundError:
             return 0
         failed: set[str] = set()
         for at in range(0, len(files), _REMOVE_CHUNK):  # bounded concurrency, like fsspec's rm
             failed |= await self.remove_many(files[at : at + _REMOVE_CHUNK])
-        return _removed_all(prefix, files, failed)
+        return _removed_all(prefix, files, failed, strays)
 
     async def close(self) -> None:
         session = getattr(self.fs, "_session", None)
@@ -331,13 +331,13 @@ class S3ObjectOps(AsyncObjectOps):
         """Delete every object under ``prefix``; keys S3 failed to delete are tried once more,
         then an ``OSError`` names how many are left (a clear must not report success then)."""
         try:
-            files = await self.fs._find(prefix)
+            files, strays = _under(self.fs, prefix, await self.fs._find(prefix))
         except FileNotFoundError:
             return 0
         failed = await self.remove_many(files)
         if failed:
             failed = await self.remove_many(sorted(failed))
-        return _removed_all(prefix, files, failed)
+        return _removed_all(prefix, files, failed, strays)
 
     async def remove_many(self, paths: list[str]) -> set[str]:
         """DeleteObjects, up to 1,000 keys a request, in quiet mode: S3 answers only the keys it
@@ -470,10 +470,10 @@ class ThreadObjectOps:
 
     async def remove_tree(self, prefix: str) -> int:
         try:
-            files = _not_in_flight(await asyncio.to_thread(self.fs.find, prefix))
+            files, strays = _under(self.fs, prefix, _not_in_flight(await asyncio.to_thread(self.fs.find, prefix)))
         except FileNotFoundError:
             return 0
-        return _removed_all(prefix, files, await self.remove_many(files))
+        return _removed_all(prefix, files, await self.remove_many(files), strays)
 
     async def close(self) -> None:
         return None
@@ -517,13 +517,31 @@ def _in_flight(tmp: str) -> bool:
         return False
 
 
-def _removed_all(prefix: str, files: list[str], failed: set[str]) -> int:
+def _under(fs: Any, prefix: str, listed: list[str]) -> tuple[list[str], int]:
+    """The names of a listing of ``prefix`` that are under it, and how many are not.
+
+    A listing is the filesystem's idea of the prefix, which may not be the one its writes use:
+    s3fs writes ``bucket//lead/x`` under the key ``/lead/x`` but lists ``bucket//lead`` as
+    ``bucket/lead/...`` (it strips the key's leading slashes), and a clear that deleted what it
+    listed removed another store's pages and kept its own. A tree removal deletes only names
+    under its prefix (as the filesystem spells it), whatever the listing says."""
+    root = fs._strip_protocol(prefix).rstrip("/") + "/"
+    files = [f for f in listed if f.startswith(root)]
+    return files, len(listed) - len(files)
+
+
+def _removed_all(prefix: str, files: list[str], failed: set[str], strays: int = 0) -> int:
     """How many of ``files`` a tree removal deleted; an error naming what it could not. A file
     already gone (a concurrent delete, a write's rename) is removed as far as a clear cares:
-    a filesystem's bulk ``rm`` stopped at the first such file and left the rest."""
+    a filesystem's bulk ``rm`` stopped at the first such file and left the rest. A listing that
+    named objects outside the prefix (``strays``, left alone: see :func:`_under`) is an error
+    too: the removal cannot tell that it found everything under the prefix."""
     if failed:
         raise OSError(f"{len(failed)} of {len(files)} object(s) under {prefix} could not be deleted "
                       f"(first: {min(failed)})")
+    if strays:
+        raise OSError(f"the listing of {prefix} named {strays} object(s) outside it: left alone, and what "
+                      f"is under it may not all be removed")
     return len(files)
 
 
