@@ -553,3 +553,69 @@ async def test_a_clear_racing_a_close_is_not_an_error_of_the_endpoint(
         left = raw_client(moto_endpoint).list_objects_v2(Bucket=moto_bucket, Prefix=f"{prefix}/{NS_A.digest}/pages/")
         assert not errors, [r.getMessage() for r in errors]
         assert cleared is True and left.get("KeyCount") == 0
+
+
+async def test_a_close_lets_the_writes_in_progress_finish(
+    moto_endpoint: str, moto_bucket: str, prefix: str, proxy: FaultProxy
+) -> None:
+    """A server shutting down after its last write-back: the close cut the write batch at once,
+    the pages waiting for a slot were dropped and those whose PUT had landed were reported as
+    failed, and nothing was logged. The close waits for the writes (as for a clear)."""
+    async def slow_put(request: Any) -> Any:
+        if request.method == "PUT" and "/pages/" in request.path and "/runs/" not in request.path:
+            await asyncio.sleep(0.2)
+        return None
+
+    keys = keys_for(16, salt=181)
+    store = make_s3(proxy.endpoint, moto_bucket, prefix, NS_A, concurrency=4, call_timeout=10)
+    await store.open()
+    src = ArrayHostPool(len(keys), PAGE)
+    src.fill_random(181)
+    store.register_mem_pool_host(src)
+    proxy.answer = slow_put
+    writing = asyncio.create_task(store.batch_set_v1(keys, src.indices(0, len(keys))))  # four rounds of PUTs
+    await asyncio.sleep(0.1)
+    await store.aclose()
+    assert writing.done() and writing.result() == [True] * len(keys)
+    stats = store.get_stats()
+    assert stats["write_ok"] == len(keys) and not stats.get("close_cut_write_pages")
+    pages = raw_client(moto_endpoint).list_objects_v2(Bucket=moto_bucket, Prefix=f"{prefix}/{NS_A.digest}/pages/")
+    assert sum("/runs/" not in o["Key"] for o in pages.get("Contents", [])) == len(keys)
+
+
+async def test_writes_a_close_cannot_wait_for_are_counted_and_logged(
+    moto_endpoint: str, moto_bucket: str, prefix: str, proxy: FaultProxy, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A write on another event loop (the blocking facade's) cannot be waited for by a close on
+    this one: it is cut, and the close says so - a warning and ``close_cut_write_pages`` - rather
+    than leaving failed pages nobody can explain."""
+    import threading
+
+    async def slow_put(request: Any) -> Any:
+        if request.method == "PUT" and "/pages/" in request.path:
+            await asyncio.sleep(0.5)
+        return None
+
+    keys = keys_for(8, salt=191)
+    store = make_s3(proxy.endpoint, moto_bucket, prefix, NS_A, concurrency=2, call_timeout=10)
+    await store.open()
+    src = ArrayHostPool(len(keys), PAGE)
+    src.fill_random(191)
+    store.register_mem_pool_host(src)
+    proxy.answer = slow_put
+    answered: list[list[bool]] = []
+    thread = threading.Thread(target=lambda: answered.append(
+        asyncio.run(store.batch_set_v1(keys, src.indices(0, len(keys))))))
+    thread.start()
+    try:
+        async def putting() -> bool:  # the other loop's batch is uploading
+            return any(method == "PUT" and "/pages/" in path for method, path, _ in proxy.seen)
+
+        await eventually(putting)
+        caplog.set_level(logging.WARNING, logger="hicache")
+        await store.aclose()
+    finally:
+        await asyncio.to_thread(thread.join, 20)
+    assert store.get_stats()["close_cut_write_pages"] == len(keys)
+    assert any("still running" in r.getMessage() for r in caplog.records)
+    assert answered and False in answered[0]

@@ -122,7 +122,9 @@ class FsspecStorage(AsyncHiCacheStorage):
         concurrency: requests in flight per event loop; also the HTTP connection pool size.
         request_timeout: seconds one request attempt may take.
         call_timeout: seconds one backend call (a whole batch, retries included) may take;
-            pages not done by then are misses/failures.
+            pages not done by then are misses/failures. A close waits as long for the writes
+            and clears of its event loop in progress; writes still running after that (or on
+            another loop) fail, counted in ``close_cut_write_pages`` and logged.
         retries: extra attempts after a transient failure (connection, timeout, 5xx, throttling).
         retry_backoff, retry_backoff_max: first and largest wait between attempts (seconds).
         breaker_threshold: consecutive transient failures that open the circuit breaker.
@@ -243,6 +245,7 @@ class FsspecStorage(AsyncHiCacheStorage):
         self._tasks_lock = threading.Lock()
         self._index_writes: set[asyncio.Task[None]] = set()  # run indexes still being stored
         self._clears: set[asyncio.Future[None]] = set()  # clears in progress: a close waits for them
+        self._writes: dict[asyncio.Future[None], int] = {}  # write calls in progress (-> pages): likewise
 
     # ------------------------------------------------------------------ configuration
 
@@ -352,15 +355,24 @@ class FsspecStorage(AsyncHiCacheStorage):
         self._prober = asyncio.get_running_loop().create_task(self._probe_loop(), name="hicache-s3-prober")
 
     async def _close(self) -> None:
-        await self.wait_index_writes()
-        # a clear in progress finishes first (bounded by call_timeout): a close cut its listing
-        # or deletes mid-way, left the namespace half cleared, and the clear was logged at
-        # ERROR as the endpoint's fault ("Could not connect"). Reads and lookups give up instead.
+        # clears and writes in progress finish first, within call_timeout (which bounds each of
+        # them anyway, but for a clear): a close cut a clear's listing or deletes mid-way (the
+        # namespace half cleared, the clear logged at ERROR as the endpoint's fault), and cut a
+        # write batch at once - pages waiting for a slot dropped, pages whose PUT had landed
+        # reported as failed, nothing said. Reads and lookups give up instead.
         here = asyncio.get_running_loop()
         with self._tasks_lock:
-            clears = [f for f in self._clears if f.get_loop() is here]
-        if clears:
-            await asyncio.wait(clears, timeout=self.call_timeout)
+            running = [f for f in (*self._clears, *self._writes) if f.get_loop() is here]
+        if running:
+            await asyncio.wait(running, timeout=self.call_timeout)
+        with self._tasks_lock:  # (another loop's are cut too: the close cannot wait on its loop)
+            cut = sum(n for f, n in self._writes.items() if not f.done())
+        if cut:
+            self.stats.incr("close_cut_write_pages", cut)
+            logger.warning("%s: closing %s with writes of %d page(s) still running after %.1f s: they answer "
+                           "failed, though the store may hold some", type(self).__name__,
+                           redact_url(self.url), cut, self.call_timeout)
+        await self.wait_index_writes()  # (after the writes: each finished one leaves an index behind)
         self.runner.closed = True  # calls still in flight give up rather than open a new client
         prober, self._prober = self._prober, None
         if prober is not None and not prober.done():
@@ -681,12 +693,21 @@ class FsspecStorage(AsyncHiCacheStorage):
         # a missing manifest is written by the prober, never on the write path: the manifest
         # only describes the namespace, and waiting for it would stretch a batch past its timeout
         generation = self.exists_cache.generation
-        ok = await self.runner.batch("write", [self._write_one(p, b, generation) for p, b in zip(pages, buffers)])
-        # the index follows the pages in the background: the batch does not wait a round trip
-        task = asyncio.get_running_loop().create_task(self._write_run(list(pages), ok, list(parents), generation))
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()  # a close waits for it (see _close)
         with self._tasks_lock:
-            self._index_writes.add(task)
-        task.add_done_callback(self._index_write_done)
+            self._writes[done] = len(pages)
+        try:
+            ok = await self.runner.batch("write", [self._write_one(p, b, generation) for p, b in zip(pages, buffers)])
+            # the index follows the pages in the background: the batch does not wait a round trip
+            task = loop.create_task(self._write_run(list(pages), ok, list(parents), generation))
+            with self._tasks_lock:
+                self._index_writes.add(task)
+            task.add_done_callback(self._index_write_done)
+        finally:
+            with self._tasks_lock:
+                del self._writes[done]
+            done.set_result(None)
         return ok
 
     def _index_write_done(self, task: asyncio.Task[None]) -> None:
