@@ -141,6 +141,32 @@ def _geometry(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> tuple[
     return geometry, list(groups[0].layer_names)
 
 
+def _refuse_kernel_blocks(layer: str, kv_cache: torch.Tensor, num_blocks: int, block_size: int) -> None:
+    """Refuse KV caches that vLLM split into kernel blocks.
+
+    When the attention backend takes only blocks smaller than the KV cache manager's (vLLM's
+    ``prepare_kernel_block_sizes``: FlashInfer's 16/32/64 under ``--block-size 128``, say),
+    vLLM splits every block into ``r`` kernel blocks and registers ``[num_blocks * r, H,
+    N / r, C]`` tensors, while the scheduler's block ids, and so this connector's, count the
+    manager's blocks. Mapping the ids (block ``b`` is kernel blocks ``b * r .. b * r + r - 1``)
+    is not enough: a block's bytes are then ``r`` kernel blocks in the backend's own format,
+    not the page an unsplit engine stores for the same tokens (the CPU backend, for one, keeps
+    a block's K of all its tokens before their V), so such pages need a namespace of their
+    own, and the scheduler, which names the pages it looks up, cannot know the kernel block
+    size: the workers' attention backends choose it."""
+    rows = int(kv_cache.shape[0])
+    if kv_cache.dim() != 4 or num_blocks < 1 or rows == num_blocks or rows % num_blocks:
+        return
+    kernel = block_size * num_blocks // rows
+    raise ValueError(
+        f"HiCacheConnector does not support vLLM's kernel blocks: the attention backend takes "
+        f"{kernel}-token blocks, so vLLM split every {block_size}-token block into {rows // num_blocks} "
+        f"(layer {layer}: {rows} kernel blocks for {num_blocks} blocks). A split block's bytes are not "
+        f"the page an unsplit engine stores for its tokens, and the scheduler cannot know the split to "
+        f"keep those pages apart. Start vLLM with --block-size {kernel} (a size the backend takes whole)"
+    )
+
+
 def request_salt(request: Any) -> str | None:
     """What besides its tokens decides a request's KV, as the root of its page-key chain: the
     cache salt, the LoRA adapter, and each multimodal input (an image's placeholder tokens are
@@ -307,6 +333,8 @@ class HiCacheConnector(KVConnectorBase_V1):
         missing = [n for n in self._layer_names if n not in kv_caches]
         if missing:
             raise ValueError(f"HiCacheConnector: KV caches of layers {missing} were not registered")
+        for n in self._layer_names:
+            _refuse_kernel_blocks(n, kv_caches[n], int(self._kv_cache_config.num_blocks), self.geometry.block_size)
         self._worker.register([(n, kv_caches[n]) for n in self._layer_names])
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:

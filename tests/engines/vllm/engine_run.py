@@ -25,6 +25,17 @@ def _wait_for(path: str, timeout: float) -> None:
         time.sleep(0.2)
 
 
+def _only_kernel_blocks(size: int) -> None:
+    """Make vLLM's CPU attention backend take only ``size``-token kernel blocks, as FlashInfer
+    takes only 16/32/64 on a GPU: vLLM then splits every larger block into kernel blocks
+    (``prepare_kernel_block_sizes``). The CPU kernels run any multiple of 32 tokens, so the
+    engine generates the same text either way; only its KV cache tensors and block tables are in
+    kernel blocks. Needs the engine in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)."""
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    CPUAttentionBackend.get_supported_kernel_block_sizes = staticmethod(lambda kv_cache_spec=None: [size])  # type: ignore[method-assign]
+
+
 def main(spec_path: str) -> None:
     spec: dict[str, Any] = json.loads(Path(spec_path).read_text())
     for p in spec.get("sys_path", []):
@@ -33,6 +44,8 @@ def main(spec_path: str) -> None:
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
 
+    if spec.get("kernel_block_size"):
+        _only_kernel_blocks(int(spec["kernel_block_size"]))
     kwargs: dict[str, Any] = {}
     if spec.get("connector") is not None:
         kwargs["kv_transfer_config"] = KVTransferConfig(**spec["connector"])

@@ -588,6 +588,67 @@ def test_context_parallelism_is_refused(model_dir: str, tmp_path: Path) -> None:
     _refuse_context_parallel(ParallelConfig(tensor_parallel_size=4, distributed_executor_backend="mp"))
 
 
+def split_kv_caches(model: str, root: Path, layout: str, kernel_block_size: int) -> tuple[Any, dict[str, torch.Tensor]]:
+    """A worker's connector and the KV caches vLLM registers with it, both built by vLLM:
+    5 layers of 64-token blocks, allocated (``allocate_kv_cache``) in the kernel blocks that
+    ``prepare_kernel_block_sizes`` picks for a CPU attention backend that takes only
+    ``kernel_block_size``-token blocks (what FlashInfer's 16/32/64 do to ``--block-size 128``)."""
+    from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, VllmConfig, set_current_vllm_config
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
+    from vllm.v1.worker.utils import AttentionGroup, allocate_kv_cache, prepare_kernel_block_sizes
+
+    class FixedKernelBlocks(CPUAttentionBackend):
+        @staticmethod
+        def get_supported_kernel_block_sizes(kv_cache_spec: Any = None) -> list[Any]:
+            return [kernel_block_size]
+
+    kv = KVTransferConfig(kv_connector="HiCacheConnector", kv_connector_module_path="hicache.integrations.vllm",
+                          kv_role="kv_both", kv_connector_extra_config={"backend": "file",
+                                                                        "backend_options": {"root": str(root)}})
+    config = VllmConfig(model_config=ModelConfig(model=model, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=512),
+                        cache_config=CacheConfig(block_size=64), kv_transfer_config=kv)
+    config.cache_config.kv_cache_layout = layout  # what the engine core resolves
+    spec = FullAttentionSpec(block_size=64, num_kv_heads=2, head_size=16, dtype=torch.bfloat16)
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(5)]
+    with set_current_vllm_config(config):
+        kv_cache_config = get_kv_cache_config_from_groups(config, [KVCacheGroupSpec(names, spec)], 8 * 5 * spec.page_size_bytes)
+        kernel = prepare_kernel_block_sizes(kv_cache_config, [[AttentionGroup(FixedKernelBlocks, names, spec, 0)]])
+        assert kernel == [kernel_block_size]
+        caches = allocate_kv_cache(kv_cache_config, torch.device("cpu"), config.cache_config.get_resolved_kv_cache_layout(), kernel)
+        conn = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, kv_cache_config)
+    assert kv_cache_config.num_blocks == 8
+    return conn, caches
+
+
+@pytest.mark.parametrize("layout", ["LBHNC", "LBNHC"])
+def test_kv_caches_split_into_kernel_blocks_are_refused_at_start(model_dir: str, tmp_path: Path, layout: str) -> None:
+    """vLLM splits every 64-token block into 32-token kernel blocks when the attention
+    backend takes only those, and registers KV caches indexed by kernel block while the
+    scheduler's block ids count 64-token blocks. The connector stopped with "holds no block of
+    the 8192 bytes the namespace says". A split block's bytes are not an unsplit engine's
+    page of the same tokens (the CPU backend keeps a block's K of all its tokens before their
+    V), and the scheduler cannot know the split to keep such pages apart: the connector says
+    so, and which block size works. The same KV caches unsplit register as before."""
+    split, split_caches = split_kv_caches(model_dir, tmp_path, layout, kernel_block_size=32)
+    whole, whole_caches = split_kv_caches(model_dir, tmp_path, layout, kernel_block_size=64)
+    try:
+        assert tuple(split_caches[split._layer_names[0]].shape) == (16, 2, 32, 32)  # 8 blocks of 2 kernel blocks
+        assert tuple(whole_caches[whole._layer_names[0]].shape) == (8, 2, 64, 32)
+        with pytest.raises(ValueError, match=r"does not support vLLM's kernel blocks: the attention backend takes "
+                                             r"32-token blocks, so vLLM split every 64-token block into 2 .*"
+                                             r"--block-size 32"):
+            split.register_kv_caches(split_caches)
+        whole.register_kv_caches(whole_caches)
+        assert whole._worker is not None and whole._worker._num_blocks == 8
+    finally:
+        split.shutdown()
+        whole.shutdown()
+
+
 def test_a_streaming_session_given_an_image_saves_under_its_new_root(model_dir: str, tmp_path: Path) -> None:
     """vLLM's streaming-input update appends the new input's images to the running request's
     ``mm_features``: the connector's next step plan sees it and saves the session's pages

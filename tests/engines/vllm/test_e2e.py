@@ -211,6 +211,22 @@ def test_two_engines_share_one_store(tiny: Path, computed: Any, tmp_path: Path) 
     assert b[1]["outputs"] == a[0]["outputs"] == first["outputs"][:2]
 
 
+def test_an_engine_that_splits_its_blocks_into_kernel_blocks_is_refused_at_start(tmp_path: Path) -> None:
+    """vLLM splits each 64-token block into 32-token kernel blocks when its attention backend
+    takes only those (here the CPU backend made to, as FlashInfer does to ``--block-size 128``
+    on a GPU). Such an engine's pages are not an unsplit engine's (served across, they gave
+    other text), and the scheduler cannot tell them apart: the engine stops at start with
+    the connector's reason, not with a KV size "the namespace says"."""
+    model = make_tiny_llama(tmp_path / "tiny-2kv", kv_heads=2)
+    cmd, _, log, env = engine_cmd(tmp_path, "split", spec_for(model, file_store(tmp_path / "store"), block_size=64,
+                                                             kernel_block_size=32))
+    with log.open("wb") as f:
+        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=ENGINE_TIMEOUT, cwd=tmp_path)
+    text = log.read_text(errors="replace")
+    assert proc.returncode != 0
+    assert "does not support vLLM's kernel blocks" in text and "--block-size 32" in text, text[-6000:]
+
+
 def test_host_tier_serves_a_prompt_after_vllm_freed_its_blocks(tiny: Path, computed: Any, tmp_path: Path) -> None:
     """One engine without vLLM's own prefix cache (its blocks are freed when a request ends):
     the prompts computed once are asked again after the store was emptied, so the cached
