@@ -46,6 +46,7 @@ What cannot be reclaimed is the memory of *running* turns: when they hold everyt
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import inspect
 import logging
@@ -55,6 +56,7 @@ from typing import Any
 
 import torch
 
+from hicache.controller.close_task import start_close_task
 from hicache.prefix_cache.base import BasePrefixCache
 from hicache.prefix_cache.facade import AdmitResult
 from hicache.prefix_cache.req import Req
@@ -126,6 +128,9 @@ class SessionAwareCache(ForwardingCache):
         self._lifecycle = Lifecycle(self.slots, self.config, self._offloader, self.writeback, self.session_metrics,
                                     clock)
         self._extender = RowExtender(self, self._lifecycle)
+        # the one close every aclose() caller waits for (see aclose); set by the first call
+        self._close_task: asyncio.Task[Any] | None = None
+        self._close_hurried = False  # the close task took a cancellation and closes without draining
 
     # ------------------------------------------------------------------ helpers
 
@@ -417,16 +422,48 @@ class SessionAwareCache(ForwardingCache):
 
     async def aclose(self, *, close_inner: bool = True) -> Any:
         """Stop the reaper, release every session (when ``release_on_close``), wait for the
-        write-backs, then close the inner cache (its controller drains to storage). Idempotent."""
-        if not await self._lifecycle.close():
+        write-backs, then close the inner cache (its controller drains to storage) and return
+        its close report. Idempotent: every call waits for the one close (the first call's
+        ``close_inner`` decides) and returns the same report.
+
+        Why one shared close task: a second caller used to be told "closed" (``None``) at once
+        while the first was still draining the write-backs; a caller that then went on with its
+        shutdown (the copy engine, the storage) made every queued write-back fail. As with
+        ``HiCache.aclose``, a cancelled caller leaves, the close goes on; the close task itself
+        cancelled (a shutdown sweep) closes without draining (see :meth:`finish_cut_close`)."""
+        task = self._close_task
+        if task is None:
+            # a CloseTask: cancelled before its first step, it still closes (hurried)
+            task = self._close_task = start_close_task(self._close(close_inner), name="hicache-session-close")
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            me = asyncio.current_task()
+            if not task.cancelled() or (me is not None and me.cancelling()):
+                raise  # this caller was cancelled; the close goes on for the others
+        # the close task was cancelled even during its hurried end: finish it here
+        return await self.finish_cut_close()
+
+    async def _close(self, close_inner: bool) -> Any:
+        """The close task's body; a cancellation hurries it to :meth:`_cut_close` (the
+        write-backs not waited for, the inner cache closed without draining): a half-done
+        close would leave the controller running and the queued writes unreported."""
+        try:
+            await self._lifecycle.close()
+            self._let_go()
+            await self.writeback.drain()
+            self.writeback.seal()
+            fn = getattr(self.inner, "aclose", None)
+            if close_inner and fn is not None:
+                return await fn()
             return None
-        self._let_go()
-        await self.writeback.drain()
-        self.writeback.seal()
-        fn = getattr(self.inner, "aclose", None)
-        if close_inner and fn is not None:
-            return await fn()
-        return None
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None:
+                task.uncancel()
+            self._close_hurried = True
+            logger.warning("session cache: the close was cancelled; closing without draining")
+            return await self._cut_close(close_inner)
 
     async def finish_cut_close(self) -> Any:
         """The rest of an :meth:`aclose` a cancellation cut short, waiting for nothing: the
@@ -434,12 +471,29 @@ class SessionAwareCache(ForwardingCache):
         reported by the inner cache's close), and the inner cache closed without draining;
         returns its close report.
 
-        Why: a cancelled close (asyncio.run's shutdown sweep) is hurried, not abandoned, and a
-        second :meth:`aclose` does nothing once the first marked the cache closed."""
+        Why: a cancelled close (asyncio.run's shutdown sweep) is hurried, not abandoned. A
+        close task still running is hurried (cancelled: it takes that back and ends this way)
+        and its report returned, so there is still one close and one report; one that finished
+        before returns its report."""
+        task = self._close_task
+        if task is not None and not task.done():
+            if not self._close_hurried and task.cancelling() == 0:
+                task.cancel()
+            try:
+                return await asyncio.shield(task)
+            except asyncio.CancelledError:
+                me = asyncio.current_task()
+                if not task.cancelled() or (me is not None and me.cancelling()):
+                    raise
+        elif task is not None and not task.cancelled() and task.exception() is None:
+            return task.result()
+        return await self._cut_close()
+
+    async def _cut_close(self, close_inner: bool = True) -> Any:
         self._let_go()
         self.writeback.seal()
         fn = getattr(self.inner, "aclose", None)
-        if fn is None:
+        if not close_inner or fn is None:
             return None
         if "timeout" in inspect.signature(fn).parameters:
             return await fn(timeout=0.0)

@@ -98,7 +98,8 @@ class Lifecycle:
 
     async def close(self) -> bool:
         """Mark the cache closed, then stop the reaper task and wait for it. ``False`` when it
-        was closed already (nothing done)."""
+        was closed already (nothing done). Callers of the session cache's ``aclose`` do not ask
+        this: they all wait for its one close task, which calls it first."""
         if self._state is _State.CLOSED:
             return False
         self._state = _State.CLOSED

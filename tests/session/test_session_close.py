@@ -4,6 +4,7 @@ session's; nothing handed over after the close is lost without being counted."""
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 
 from session_helpers import Conversation, make_stack
@@ -42,6 +43,43 @@ async def test_a_session_released_while_its_turn_is_queued_closes_when_pressure_
     assert "A" not in st.cache.slots
     assert st.cache.session_metrics.counters["sessions_released"] == 1
     await st.aclose()
+
+
+async def test_a_second_aclose_waits_for_the_close_under_way_and_gets_its_report() -> None:
+    """A second aclose() used to return None at once while the first still drained the
+    write-backs; its caller then closed the copy engine and every session's history was
+    dropped while the first close reported drained=True."""
+    st = make_stack(storage_id=uuid.uuid4().hex)
+    for i in range(4):
+        await Conversation(st, f"s{i}", seed=i).turn(40, 3)
+    first = asyncio.ensure_future(st.cache.aclose())
+    await asyncio.sleep(0)  # the first close has begun
+    second = await asyncio.wait_for(st.cache.aclose(), 30)
+    assert len(st.cache.writeback) == 0 and st.controller.state.name == "CLOSED"
+    await st.engine.aclose()  # the second caller's shutdown goes on
+    report = await asyncio.wait_for(first, 30)
+    counters = st.cache.session_metrics.counters
+    assert second is report and report.drained and not report.unwritten
+    assert counters["writeback_done"] == counters["writeback_queued"] == 4 and counters["writeback_dropped"] == 0
+    assert await st.cache.aclose() is report  # and after it ended
+
+
+async def test_a_cancelled_aclose_caller_leaves_the_close_to_the_others_and_a_cut_close_hurries_it() -> None:
+    st = make_stack(storage_id=uuid.uuid4().hex)
+    for i in range(3):
+        await Conversation(st, f"s{i}", seed=i).turn(40, 3)
+    first = asyncio.ensure_future(st.cache.aclose())
+    await asyncio.sleep(0)
+    first.cancel()  # this caller goes; the close does not
+    waiter = asyncio.ensure_future(st.cache.aclose())
+    await asyncio.sleep(0)
+    assert not waiter.done()
+    # a cut close (HiCache's close task cancelled) hurries the one close under way: one report
+    cut = await asyncio.wait_for(st.cache.finish_cut_close(), 30)
+    assert await asyncio.wait_for(waiter, 30) is cut and await st.cache.aclose() is cut
+    assert first.cancelled() and cut is not None
+    assert not st.cache.slots and st.controller.state.name == "CLOSED"
+    await st.engine.aclose()
 
 
 def test_a_handover_after_the_close_is_counted_lost() -> None:

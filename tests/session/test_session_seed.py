@@ -216,10 +216,10 @@ async def test_closed_cache_refuses_turns_and_closes_once() -> None:
     s = make_stack(hier=True)
     conv = Conversation(s, "z", seed=10)
     await conv.turn(9, 2)
-    await s.cache.aclose()  # releases the session and drains its write-back first
+    report = await s.cache.aclose()  # releases the session and drains its write-back first
     assert not s.cache.slots and s.req_pool.available_size() == s.req_pool.size
     assert s.cache.metrics()["writeback_done"] == 1
-    assert await s.cache.aclose() is None
+    assert await s.cache.aclose() is report  # closed once; a later call gets the same report
     with pytest.raises(CacheClosedError):
         await s.cache.admit(conv.request(3))
     await s.engine.aclose()
