@@ -144,7 +144,7 @@ class SessionAwareCache(ForwardingCache):
 
     def match_prefix(self, params: MatchPrefixParams, **kwargs: Any) -> MatchResult:
         """Restore a streaming session's slot (no tree walk), else the inner cache's match."""
-        slot = self._turns.restorable(params.req)
+        slot = self._turns.restorable(params.req, len(params.key))
         if slot is None:
             return self.inner.match_prefix(params, **kwargs)
         assert params.req is not None
@@ -156,7 +156,7 @@ class SessionAwareCache(ForwardingCache):
         tokens = req.fill_ids or req.origin_input_ids
         if max_prefix_len is not None:
             tokens = tokens[:max_prefix_len]
-        slot = self._turns.restorable(req)
+        slot = self._turns.restorable(req, len(tokens))
         if slot is None:
             inner_match_req = getattr(self.inner, "match_req", None)
             if inner_match_req is not None:

@@ -77,14 +77,47 @@ class Turns:
             return slot
         return None
 
-    def restorable(self, req: Req | None) -> SessionSlot | None:
-        """Attach a streaming request to its session; the slot if it holds KV to restore."""
+    def restorable(self, req: Req | None, key_len: int | None = None) -> SessionSlot | None:
+        """Attach a streaming request to its session; the slot if it holds KV to restore.
+
+        ``key_len``: the length of the key matched (the request's tokens capped by a
+        ``max_prefix_len``). A key no longer than the tree-protected part cannot be restored in
+        place: the prefix would have to cover tree-owned positions past the cap (the caller
+        asked for at most ``key_len``; positions past it would be silently skipped), or the
+        turn would rewrite them. The slot is given up then, as for a turn that does not
+        continue its history, and the inner cache matches with the cap."""
         sid = session_id_of(req)
         if sid is None:
             return None
         assert req is not None
         slot = self.attach(req, sid)
-        return slot if slot is not None and slot.is_holding_kv else None
+        if slot is None or not slot.is_holding_kv:
+            return None
+        if key_len is not None and key_len <= slot.cache_protected_len:
+            self._give_up_for_key(req, slot, key_len)
+            return None
+        return slot
+
+    def _give_up_for_key(self, req: Req, slot: SessionSlot, key_len: int) -> None:
+        """Give ``slot`` up because ``req``'s key is too short to restore it (see
+        :meth:`restorable`); a restore ``req`` got from an earlier match is taken back first,
+        as pressure takes back a queued turn's. Once admitted (the server holds the restored
+        prefix, may have written past it) the slot cannot be taken back: a clear error."""
+        if req.req_pool_idx == slot.req_pool_idx:
+            if slot.admitted or int(req.kv_allocated_len) > slot.kv_allocated_len:
+                raise ValueError(
+                    f"session {slot.session_id}: request {req.rid} was admitted with a prefix of "
+                    f"{slot.turn_prefix_len} tokens restored from its slot; it cannot be matched again "
+                    f"with a key of {key_len} (max_prefix_len) inside the {slot.cache_protected_len} "
+                    f"tree-protected tokens")
+            req.req_pool_idx = None
+            req.prefix_indices = torch.empty((0,), dtype=torch.int64)
+            req.last_node = req.last_host_node = req.best_match_node = None
+            req.kv_committed_len = req.kv_allocated_len = 0
+            req.cache_protected_len = 0
+            req.last_matched_prefix_len = 0
+            slot.turn_prefix_len = 0
+        self._offloader.give_up(slot, reason="mismatch")
 
     def attach(self, req: Req, sid: str) -> SessionSlot | None:
         """Make ``req`` the running turn of ``sid``; ``None`` when another turn runs already
@@ -128,11 +161,17 @@ class Turns:
 
     def restore(self, req: Req, slot: SessionSlot, key_len: int) -> MatchResult:
         """Hand the slot's row to ``req``; the committed KV is the prefix (at least one token
-        is left to compute, for the logits)."""
+        of the ``key_len`` matched is left to compute, for the logits). Only for a slot
+        :meth:`restorable` returned for this ``key_len``."""
         assert slot.req_pool_idx is not None
         keep = req.req_pool_idx == slot.req_pool_idx  # same request again (a retry)
+        # never longer than the key (a max_prefix_len cap is honoured like the inner cache's);
+        # never inside the tree-protected part either: restorable() gave such a slot up
+        prefix_len = min(slot.kv_committed_len, key_len - 1)
+        if prefix_len < slot.cache_protected_len:
+            raise ValueError(f"session {slot.session_id}: a key of {key_len} tokens cannot restore a slot "
+                             f"whose first {slot.cache_protected_len} tokens the tree protects")
         slot.restore_to_req(req, keep_allocated=keep)
-        prefix_len = max(min(slot.kv_committed_len, key_len - 1), slot.cache_protected_len)
         slot.turn_prefix_len = prefix_len
         indices = slot.row(self._inner.req_to_token_pool.req_to_token)[:prefix_len].to(torch.int64)
         vn = slot.virtual_node

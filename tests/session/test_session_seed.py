@@ -297,3 +297,40 @@ async def test_a_length_whose_last_page_passes_the_row_is_refused_before_any_all
     with pytest.raises(ValueError, match="whole pages"):
         await s.cache.alloc_extend(req, 4 * PS + 1)
     assert s.allocator.available_size() == free and req.req_pool_idx is None
+
+
+@pytest.mark.parametrize("hier", [True, False])
+async def test_max_prefix_len_is_honoured_for_a_session_turn(hier: bool) -> None:
+    """admit/match_req(max_prefix_len=k) never returns more than k tokens of prefix (the inner
+    cache never does): a restored slot's prefix used to be floored at its tree-protected part
+    (16 tokens for max_prefix_len=4), and the caller's tokens 4-15 were silently skipped. A
+    cap inside the tree-protected part gives the slot up (the tree matches with the cap); a cap
+    past it restores the slot, clamped."""
+    s = make_stack(hier=hier)
+    c = Conversation(s, "s", seed=1)
+    await c.turn(20, 3, chunk=8)  # chunked first turn: 16 tokens tree-protected
+    assert s.cache.slots["s"].cache_protected_len == 16
+    req = c.request(5)
+    s.cache.match_req(req)  # matched (restored) while queued, then admitted with a cap
+    res = await s.cache.admit(req, max_prefix_len=4)
+    n = int(req.prefix_indices.numel())
+    assert res.prefix_len == n <= 4 and not res.restored
+    assert kv_matches(s.device_pool, req.prefix_indices, req.origin_input_ids[:n])
+    await c.prefill(req)
+    await c.decode(req, 2)
+    c.finish(req)
+    c.check_slot()
+    s.cache.sanity_check()
+    req = c.request(4)  # a cap past the tree-protected part restores in place, clamped
+    res = await s.cache.admit(req, max_prefix_len=20)
+    assert res.restored and res.prefix_len == int(req.prefix_indices.numel()) == 19
+    assert kv_matches(s.device_pool, req.prefix_indices, req.origin_input_ids[:19])
+    with pytest.raises(ValueError, match="tree-protected"):  # admitted: its restore cannot be taken back
+        s.cache.match_req(req, 4)
+    await c.prefill(req)
+    await c.decode(req, 2)
+    c.finish(req)
+    c.check_slot()
+    s.cache.sanity_check()
+    assert s.cache.session_metrics.counters["offloads_mismatch"] == 1
+    await s.aclose()
