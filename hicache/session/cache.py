@@ -562,7 +562,14 @@ class SessionAwareCache(ForwardingCache):
 
     def reset(self) -> None:
         """Forget every slot and reset the inner cache. Like the inner cache, memory is not
-        freed here: the server resets its pools together with the cache."""
+        freed here: the server resets its pools together with the cache.
+
+        Every session's stats go to the bounded closed history, as a release's do (counted in
+        ``sessions_reset``): left open, they grew with every reset (a server's flush) and
+        ``metrics()["sessions"]`` listed sessions that no longer existed."""
+        self.session_metrics.incr("sessions_reset", len(self.slots))
+        for sid in list(self.session_metrics.sessions):
+            self.session_metrics.close(sid)
         self.slots.clear()
         self._turns.bypass.clear()
         self.writeback.discard_all()

@@ -30,6 +30,7 @@ _COUNTERS = (
     "sessions_opened",
     "sessions_released",
     "sessions_expired",
+    "sessions_reset",
     "turns",
     "aborts",
     "turns_aborted_at_close",

@@ -334,3 +334,23 @@ async def test_max_prefix_len_is_honoured_for_a_session_turn(hier: bool) -> None
     s.cache.sanity_check()
     assert s.cache.session_metrics.counters["offloads_mismatch"] == 1
     await s.aclose()
+
+
+async def test_reset_moves_every_sessions_stats_to_the_bounded_history() -> None:
+    """reset() (a server's cache flush) forgot the slots but left each session's stats open for
+    good: metrics()["sessions"] grew with every reset and listed sessions that no longer
+    existed. They go to the bounded closed history now, as a release's do."""
+    from hicache.session import SessionConfig
+
+    s = make_stack(hier=False, config=SessionConfig(keep_closed_stats=4))
+    for r in range(3):
+        for i in range(5):
+            await Conversation(s, f"s{r}-{i}", seed=i).turn(6, 2)
+        s.cache.reset()
+        s.allocator.clear()
+        s.req_pool.clear()
+        m = s.cache.metrics()
+        assert m["sessions_open"] == 0 and m["sessions"] == {}
+        assert m["sessions_reset"] == 5 * (r + 1)
+    assert len(s.cache.session_metrics._closed) == 4  # bounded
+    await s.aclose()
