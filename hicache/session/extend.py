@@ -48,12 +48,17 @@ class RowExtender:
         row already has are allocated, reusing the partly filled last page. Room is made first
         (:meth:`ensure_free`, :meth:`ensure_req_slots`), so idle sessions are offloaded rather
         than the request failing. ``None`` when the memory cannot be found even so (nothing
-        of this call stays allocated; the request keeps what it had).
+        of this call stays allocated; the request keeps what it had). A negative ``seq_len``,
+        or one past the row's ``max_context_len``, is a :class:`ValueError`.
         """
         self._lifecycle.check_open()
         host = self._host
         pool = host.req_to_token_pool
         ps = host.page_size
+        if seq_len < 0:
+            # refused before anything is allocated: -1 needed no page and returned row[:-1], the
+            # row's slots mostly unallocated or another request's (garbage KV to the caller)
+            raise ValueError(f"seq_len must not be negative, got {seq_len}")
         need = ceil_align(seq_len, ps)
         if need > pool.max_context_len:
             # rows hold whole pages: the last page of this length would not fit (past the limit,

@@ -299,6 +299,28 @@ async def test_a_length_whose_last_page_passes_the_row_is_refused_before_any_all
     assert s.allocator.available_size() == free and req.req_pool_idx is None
 
 
+@pytest.mark.parametrize("streaming", [True, False])
+async def test_a_negative_length_is_refused_before_any_allocation(streaming: bool) -> None:
+    """alloc_extend(req, -1) needed no page and returned row[:-1]: the row's 1023 other slots,
+    mostly unallocated or another request's. A session turn restored from its slot and a plain
+    request alike get a ValueError, nothing allocated, the request as it was."""
+    s = make_stack(hier=False)
+    conv = Conversation(s, "A", seed=1, streaming=streaming)
+    await conv.turn(10, 2)
+    req = conv.request(4)
+    await conv.begin(req)
+    free, rows = s.allocator.available_size(), s.req_pool.available_size()
+    before = (req.req_pool_idx, int(req.kv_allocated_len))
+    with pytest.raises(ValueError, match="negative"):
+        await s.cache.alloc_extend(req, -1)
+    assert s.allocator.available_size() == free and s.req_pool.available_size() == rows
+    assert (req.req_pool_idx, int(req.kv_allocated_len)) == before
+    await conv.prefill(req)  # the request goes on
+    conv.finish(req)
+    s.cache.sanity_check()
+    await s.aclose()
+
+
 @pytest.mark.parametrize("hier", [True, False])
 async def test_max_prefix_len_is_honoured_for_a_session_turn(hier: bool) -> None:
     """admit/match_req(max_prefix_len=k) never returns more than k tokens of prefix (the inner
