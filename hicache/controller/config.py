@@ -35,7 +35,8 @@ class ControllerConfig:
     storage_hop_bytes: storage writes queued together (several small jobs, or the batches of
         one) go to the storage I/O thread in one hand-off, up to this many bytes (at least one
         batch, at most 16): each hand-off costs the loop two thread wake-ups.
-    storage_io_timeout_s: one storage call that takes longer counts as failed.
+    storage_io_timeout_s: one storage call that takes longer counts as failed; a positive
+        number of seconds (0 is refused: no call could meet it).
     storage_stall_s: a storage call still unanswered after this long marks the store down
         (see :mod:`hicache.controller.health`); 0 leaves it to ``storage_io_timeout_s``.
     storage_health_errors: consecutive failing storage calls that mark the store down.
@@ -111,12 +112,18 @@ class ControllerConfig:
         non_negative = (
             "storage_max_retries", "storage_retry_base_s", "storage_retry_max_s", "prefetch_threshold",
             "prefetch_timeout_base_s", "prefetch_timeout_per_ki_token_s", "prefetch_timeout_max_s",
-            "cancelled_io_grace_s", "close_timeout_s", "storage_io_timeout_s", "load_back_threshold",
+            "cancelled_io_grace_s", "close_timeout_s", "load_back_threshold",
             "io_thread_nice", "storage_hop_bytes", "storage_stall_s", "storage_probe_base_s", "storage_probe_max_s",
         )
         for name in non_negative:
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must not be negative, got {getattr(self, name)!r}")
+        # 0 (or NaN) is a limit no storage call can meet: every call would time out and mark the
+        # store down before it was even made (and, before this check, the controller's wait loop
+        # spun on it without ever yielding, freezing the server's event loop)
+        timeout = self.storage_io_timeout_s
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise ConfigError(f"storage_io_timeout_s must be a positive number of seconds, got {timeout!r}")
 
     def prefetch_timeout(self, num_tokens: int) -> float:
         """Seconds a request may wait for its prefetch under the ``timeout`` policy."""

@@ -1154,7 +1154,9 @@ class HiCacheController:
                 if left > 0:
                     await asyncio.wait({call}, timeout=left)
                     continue
-                if limit == stall:
+                # the stall limit passed: only when one is set (``limit == stall`` also held
+                # for an I/O timeout of 0 with no stall limit, and looped without awaiting)
+                if stall and not stalled:
                     stalled = True
                     self.metrics.incr("storage_stalls")
                     self.health.trip(f"a storage {what} gave no answer within {stall:.1f} s")

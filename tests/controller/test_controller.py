@@ -64,6 +64,23 @@ def test_config_validation_and_timeout_formula() -> None:
     assert c.prefetch_timeout(10**9) == pytest.approx(30.0)
 
 
+def test_a_zero_io_timeout_is_refused_at_start_on_every_path() -> None:
+    """``storage_io_timeout_s=0`` passed the old check (not negative) and froze the server's
+    event loop at its first storage call: the wait loop of ``_storage_call`` took 0 for a
+    reached stall limit on every pass and never awaited. It is a ConfigError naming the option
+    now, from the controller's config and from the options of the paths that build one."""
+    from hicache.integrations.vllm.options import ConnectorOptions
+
+    for bad in (0, 0.0, -1.0, math.nan, True, "30"):
+        with pytest.raises(ConfigError, match="storage_io_timeout_s"):
+            ControllerConfig(storage_io_timeout_s=bad)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="storage_io_timeout_s"):
+        ControllerConfig.from_dict({"storage_io_timeout_s": 0})
+    with pytest.raises(ConfigError, match="storage_io_timeout_s"):
+        ConnectorOptions.from_extra_config({"controller": {"storage_io_timeout_s": 0}})
+    assert ControllerConfig(storage_io_timeout_s=0.001, storage_stall_s=0).storage_io_timeout_s == 0.001
+
+
 def test_metrics_snapshot_and_prometheus_text() -> None:
     m = ControllerMetrics()
     m.hit("host", 128)
