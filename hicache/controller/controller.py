@@ -225,7 +225,9 @@ class HiCacheController:
             on_change=self._health_changed,
             count=self.metrics.incr,
         )
-        self._calls: set[asyncio.Future[Any]] = set()  # storage calls in flight
+        #: storage calls in flight that a store going down interrupts, each with its caller's
+        #: ``gave_up`` (see :meth:`_storage_call`)
+        self._calls: dict[asyncio.Future[Any], Callable[[], None] | None] = {}
         self._up_listeners: list[Callable[[], None]] = []  # see on_storage_up
         self._stuck_calls = 0  # cancelled calls still running past cancelled_io_grace_s
         self._prober: asyncio.Task[None] | None = None
@@ -1102,7 +1104,8 @@ class HiCacheController:
 
     async def _storage_call(self, coro: Coroutine[Any, Any, Any], what: str,
                             progress: list[float] | None = None, *,
-                            landed: Callable[[], None] | None = None, promised: bool = False) -> Any:
+                            landed: Callable[[], None] | None = None, promised: bool = False,
+                            gave_up: Callable[[], None] | None = None) -> Any:
         """Await a storage call under the health rules and the I/O timeout; ``None`` when it
         failed, timed out, was interrupted because the store went down, or was not made
         because the store is down. A ``promised`` call (a read an engine already counted as a
@@ -1115,6 +1118,9 @@ class HiCacheController:
         written to storage or served to a request with someone else's KV. A call still running
         ``cancelled_io_grace_s`` after it was cancelled is logged and counted as stuck (its
         pages stay out of use; the store is marked down, so no new call piles up behind it).
+        ``gave_up()`` runs (on this loop) as soon as the call is given up on, timed out or
+        interrupted, before that wait: whoever waits for the caller need not wait for a call
+        that may never return (a prefetch's request takes the pages that completed).
         """
         if not self.health.up and not promised:
             coro.close()
@@ -1136,8 +1142,8 @@ class HiCacheController:
 
         call.add_done_callback(close_unstarted)
         if not promised:  # the calls a store that goes down interrupts
-            self._calls.add(call)
-            call.add_done_callback(self._calls.discard)
+            self._calls[call] = gave_up
+            call.add_done_callback(lambda c: self._calls.pop(c, None))
         try:
             stall = cfg.storage_stall_s if 0 < cfg.storage_stall_s < cfg.storage_io_timeout_s else 0.0
             # a call that makes several calls inside (a hop) reports each one's end in
@@ -1165,6 +1171,8 @@ class HiCacheController:
                 logger.warning("storage %s timed out after %.1f s", what, cfg.storage_io_timeout_s)
                 self.health.trip(f"a storage {what} timed out after {cfg.storage_io_timeout_s:.1f} s")
                 call.cancel()
+                if gave_up is not None and not call.done():
+                    gave_up()
                 break
         except asyncio.CancelledError:
             call.cancel()
@@ -1227,8 +1235,10 @@ class HiCacheController:
             return
         if state is not HealthState.DOWN:
             return
-        for call in list(self._calls):
+        for call, gave_up in list(self._calls.items()):
             call.cancel()
+            if gave_up is not None and not call.done():
+                gave_up()
         if self.state is ControllerState.RUNNING and (self._prober is None or self._prober.done()):
             self._prober = self._spawn(self._probe_until_up(), "hicache-storage-probe")
 

@@ -3,7 +3,8 @@
 When a request arrives, the cache asks storage how far the chain of page keys after the host
 hit extends, allocates host pages for that many and fetches them in batches, counting complete
 pages as they land. The request then stops waiting as its policy says (``best_effort``: now;
-``wait_complete``: when done; ``timeout``: at most ``min(max, base + per_ki_token * tokens /
+``wait_complete``: when done, or when a storage call of it was given up on, since one that
+timed out may not return for long; ``timeout``: at most ``min(max, base + per_ki_token * tokens /
 1024)`` seconds after the prefetch started, and, once the engine's prefill rate is known
 (configured or reported), no longer than the missing pages would take to recompute: see
 :mod:`hicache.controller.recompute`), takes the complete pages, and the op frees the rest.
@@ -44,10 +45,12 @@ Spawn = Callable[[Coroutine[Any, Any, Any], str], "asyncio.Task[Any]"]
 #: ``storage_call(coro, what) -> result | None``: a storage call under the I/O timeout
 class StorageCall(Protocol):
     """The controller's storage call: ``coro`` under its I/O timeout and health rules (``None``:
-    a failed call); ``landed()`` runs on the I/O loop once ``coro`` has returned there."""
+    a failed call); ``landed()`` runs on the I/O loop once ``coro`` has returned there;
+    ``gave_up()`` runs as soon as the call is given up on (it may still run for a while)."""
 
     def __call__(self, coro: Coroutine[Any, Any, Any], what: str, *,
-                 landed: Callable[[], None] | None = None, promised: bool = False) -> Coroutine[Any, Any, Any]: ...
+                 landed: Callable[[], None] | None = None, promised: bool = False,
+                 gave_up: Callable[[], None] | None = None) -> Coroutine[Any, Any, Any]: ...
 
 logger = logging.getLogger("hicache.controller")
 
@@ -168,7 +171,7 @@ class Prefetcher:
                 op.inflight_since = time.monotonic()
                 with counting_call() as call:
                     hit = await self._storage_call(self.storage.batch_exists_v2(op.keys, op.extra or None), "exists",
-                                                   promised=op.promised)
+                                                   promised=op.promised, gave_up=lambda: self._give_up(op))
                 if hit is not None:
                     self.round_trip.observe(1, time.monotonic() - op.inflight_since)
                 found = min(len(op.keys), hit.kv_hit_pages if hit is not None else 0)
@@ -199,7 +202,8 @@ class Prefetcher:
                     batch_t0 = time.perf_counter()  # t0 stays the whole prefetch's start
                     with counting_call() as call:
                         result = await self._storage_call(self.storage.batch_get_v2(transfers), "read",
-                                                          landed=op.note_read_landed, promised=op.promised)
+                                                          landed=op.note_read_landed, promised=op.promised,
+                                                          gave_up=lambda: self._give_up(op))
                     self._reading.discard(op)
                     # the store's time ends where the read landed on the I/O loop: a blocked
                     # loop (a forward pass) that took its answer late is not a slow store
@@ -234,9 +238,23 @@ class Prefetcher:
             traced.__exit__(None, None, None)
             self._finish_op(op)
 
+    def _give_up(self, op: PrefetchOp) -> None:
+        """The controller gave up on the op's storage call in flight (timed out, or interrupted
+        as the store went down), which may still run: a stuck read returns when it returns (a
+        hung mount). The op lands nothing more then, so its waiter is let go at once and takes
+        the pages that completed, as the ``timeout`` policy's would; the pages the call was
+        given stay the op's until it has returned (:meth:`_finish_op` frees them)."""
+        if op.finished or op.given_up:
+            return
+        op.given_up = True
+        op.stop = op.stop or ("read_failed" if op.exists_answered else "exists_failed")
+        op.settled.set()
+        op.progress.set()
+
     def _finish_op(self, op: PrefetchOp) -> None:
         op.finished = True
         op.done.set()
+        op.settled.set()
         op.progress.set()
         if self._prefetches.get(op.rid) is op and op.taken_pages is not None:
             del self._prefetches[op.rid]
@@ -264,7 +282,7 @@ class Prefetcher:
     def ready(self, rid: str) -> bool:
         """Non-blocking: may the request stop waiting for its prefetch, under the policy?"""
         op = self._prefetches.get(rid)
-        if op is None or op.finished:
+        if op is None or op.settled.is_set():  # finished, or its call given up on (_give_up)
             return True
         policy = self.config.prefetch_policy
         if policy == "best_effort":
@@ -292,16 +310,16 @@ class Prefetcher:
             return None
         policy = policy or self.config.prefetch_policy
         t0 = time.monotonic()
-        if not op.finished and policy != "best_effort":
+        if not op.settled.is_set() and policy != "best_effort":
             if policy == "wait_complete":
-                await op.done.wait()
+                await op.settled.wait()  # not op.done: a call given up on may never return
             else:
                 remaining = self.config.prefetch_timeout(op.num_tokens) - (t0 - op.started)
                 if remaining > 0:
                     await self._wait_for_rate(op, t0, t0 + remaining)
                 # a read that ended in time while this loop was blocked: its pages are in host
                 # memory, only its answer is late (a few loop turns); cutting it would drop them
-                while policy == "timeout" and op.read_landed and not op.finished:
+                while policy == "timeout" and op.read_landed and not op.settled.is_set():
                     await asyncio.sleep(0)
         if self._prefetches.get(rid) is not op:
             return None  # aborted while we waited (and perhaps started again: not ours to cut)
@@ -365,7 +383,7 @@ class Prefetcher:
         prefill rate is known (at once, or when the engine's reports of other requests'
         prefills make one known meanwhile) the rest of the wait is weighed against the
         recompute (:meth:`_wait_worth_it`)."""
-        while not op.finished:
+        while not op.settled.is_set():
             now = time.monotonic()
             if now >= deadline:
                 return
@@ -375,14 +393,14 @@ class Prefetcher:
                 return
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(min(deadline - now, _RATE_POLL_S)):
-                    await op.done.wait()
+                    await op.settled.wait()
 
     async def _wait_worth_it(self, op: PrefetchOp, t0: float, deadline: float, spt: float) -> None:
         """Wait for ``op`` until it ends, the policy's ``deadline`` passes, or the pages it
         still lacks would be recomputed sooner than fetched (re-decided whenever it moves,
         and when a call in flight runs late enough to lose)."""
         cap = self._missing_pages(op) * self.page_size * spt  # recomputing what is missing now
-        while not op.finished:
+        while not op.settled.is_set():
             now = time.monotonic()
             if now >= deadline or self._cut_for_recompute(op, now, t0, cap, spt):
                 return

@@ -15,6 +15,7 @@ import threading
 import uuid
 from collections.abc import Sequence
 
+import pytest
 import torch
 from hicache_backends.memory import MemoryStorage
 
@@ -107,12 +108,13 @@ def keys_for(n: int) -> list[str]:
     return page_hashes(list(range(1000, 1000 + n * PS)), PS)
 
 
-async def stored_pages() -> tuple[GatedThreadStorage, list[str]]:
-    """A gated backend over a fresh medium that already holds ``PAGES`` pages, and their keys."""
+async def stored_pages(kind: type[GatedThreadStorage] = GatedThreadStorage) -> tuple[GatedThreadStorage, list[str]]:
+    """A gated backend (of ``kind``) over a fresh medium that already holds ``PAGES`` pages,
+    and their keys."""
     store_id = f"gated-{uuid.uuid4()}"
     keys = keys_for(PAGES)
     await seeded(GatedThreadStorage(store_id=store_id), keys)
-    return GatedThreadStorage(store_id=store_id), keys
+    return kind(store_id=store_id), keys
 
 
 def held_prefetch(stack, store: GatedThreadStorage, keys: list[str]):  # type: ignore[no-untyped-def]
@@ -195,3 +197,58 @@ async def test_close_reports_a_call_that_never_returns_and_does_not_hang() -> No
     finally:
         store.open_gate()
         await asyncio.wait({closing}, timeout=20)
+
+
+class LaterReadsHang(GatedThreadStorage):
+    """Its first read passes; the ones after hang on the gate (a mount that hangs mid-prefetch)."""
+
+    reads = 0
+
+    async def _read(self, pages: Sequence[PageKey], buffers: Sequence[memoryview]) -> list[bool]:
+        self.reads += 1
+        if self.reads > 1:
+            self.hold()
+        return await super()._read(pages, buffers)
+
+
+@pytest.mark.parametrize("how", ["wait", "poll", "interrupted"])
+async def test_a_wait_complete_request_is_let_go_when_its_read_is_given_up_on(how: str) -> None:
+    """A read stuck past the I/O timeout (the file backend waits out its I/O threads when
+    cancelled, so a read on a hung mount returns only when the mount does) held a request
+    waiting under ``wait_complete`` - awaiting or polling (SGLang) - until the read returned,
+    long after the controller had given up on it. The wait ends when the call is given up on
+    now (timed out, or interrupted when a stall marks the store down): the request takes the
+    pages that completed, and the pages the stuck read was given stay out of use until it
+    returns."""
+    store, keys = await stored_pages(LaterReadsHang)
+    limits = dict(storage_io_timeout_s=30.0, storage_stall_s=0.1) if how == "interrupted" else {}
+    stack = make(store, prefetch_policy="wait_complete", prefetch_batch_pages=2, **limits)
+    ctl = stack.controller
+    log = FreeLog(stack, store)
+    free_before = stack.host_pool.available_size()
+    op = ctl.start_prefetch("r", keys, alloc_host=stack.host_pool.alloc)
+    assert op is not None
+    try:
+        if how == "poll":
+            assert not ctl.prefetch_ready("r")
+
+            async def polled() -> None:
+                while not ctl.prefetch_ready("r"):
+                    await asyncio.sleep(0.01)
+
+            await asyncio.wait_for(polled(), 10.0)
+            res = ctl.take_prefetch("r")
+        else:
+            res = await asyncio.wait_for(ctl.wait_prefetch("r"), 10.0)
+        assert res is not None and res.pages == 2  # the first batch landed before the hang
+        assert store.busy.is_set() and not op.finished and op.stop == "read_failed"
+        assert log.freed == 0  # the hung read's two pages are still its own
+        store.open_gate()
+        await ctl.wait_prefetches()
+        await eventually(lambda: log.freed == 2)
+        assert log.early == []
+        stack.host_pool.free(res.host_indices)
+        assert stack.host_pool.available_size() == free_before
+    finally:
+        store.open_gate()
+        await stack.aclose()
