@@ -32,13 +32,26 @@ from hicache.controller.config import ControllerConfig
 from hicache.controller.jobs import PrefetchOp, PrefetchResult
 from hicache.controller.metrics import ControllerMetrics
 from hicache.controller.recompute import PrefillCost, ReadPace, give_up_at
-from hicache.controller.transfers import all_pools_ok, slice_transfer
+from hicache.controller.transfers import all_pools_ok, slice_transfer, trailing_at
 from hicache.observability import tracing
-from hicache.storage import AsyncHiCacheStorage, PoolName, PoolTransfer
+from hicache.storage import AsyncHiCacheStorage, PoolHitPolicy, PoolName, PoolTransfer
 from hicache.storage.hit_policy import leading_run
 from hicache.storage.stats import counting_call
 
 __all__ = ["Prefetcher"]
+
+
+def _has_trailing(op: PrefetchOp) -> bool:
+    return any(t.hit_policy is PoolHitPolicy.TRAILING_PAGES for t in op.extra)
+
+
+def _restorable_pages(op: PrefetchOp) -> int:
+    """The completed pages a request may take: all of them, but with a ``TRAILING_PAGES``
+    pool none until the last page landed. Its state is read with the batch that holds the
+    last page and restores the prefix there only: the pages before it, handed over on their
+    own (a stop policy's cut, a later read that failed), come with a state slot nobody wrote."""
+    done = op.completed_pages
+    return 0 if done < op.room_pages and _has_trailing(op) else done
 
 #: ``spawn(coro, name) -> task``: start a task its owner keeps and drains on close
 Spawn = Callable[[Coroutine[Any, Any, Any], str], "asyncio.Task[Any]"]
@@ -187,6 +200,11 @@ class Prefetcher:
                 if host is None or host.numel() == 0:
                     op.stop = op.stop or "no_host_room"
                     return
+                if _has_trailing(op):
+                    host = self._cut_to_restorable(op, host, getattr(hit, "restorable_prefix_pages", None), found)
+                    if host is None:
+                        op.stop = op.stop or "no_host_room"
+                        return
                 op.host_indices = host
                 pages = op.room_pages = host.numel() // ps
                 while op.completed_pages < pages and not op.stop_requested:
@@ -194,8 +212,8 @@ class Prefetcher:
                     n = min(self.config.prefetch_batch_pages, pages - a)
                     keys = op.keys[a : a + n]
                     transfers = [PoolTransfer(PoolName.KV, host[a * ps : (a + n) * ps], keys=keys)]
-                    for extra in op.extra:
-                        transfers.append(slice_transfer(extra, a, n, len(op.keys)))
+                    for extra in op.extra:  # a trailing pool ends at ``pages`` (_cut_to_restorable)
+                        transfers.append(slice_transfer(extra, a, n, pages))
                     op.inflight_start, op.inflight_end = a, a + n
                     op.inflight_since = time.monotonic()
                     self._reading.add(op)
@@ -237,6 +255,29 @@ class Prefetcher:
             span.set_attribute("hicache.pages", op.completed_pages)
             traced.__exit__(None, None, None)
             self._finish_op(op)
+
+    def _cut_to_restorable(self, op: PrefetchOp, host: torch.Tensor, restorable: object,
+                           found: int) -> torch.Tensor | None:
+        """The host pages of a prefetch with a ``TRAILING_PAGES`` pool (a hybrid model's Mamba
+        or SWA state) cut to the longest prefix its state restores; ``None`` (pages freed) when
+        none fits in them. Its keys are moved there (:func:`trailing_at`): the storage's usable
+        hit may end before the chain asked for (an earlier, shorter request stored the state
+        there), and host room may cut it shorter, where a state exists only if storage listed
+        that length as restorable (``restorable``: the lengths it listed; none listed, only the
+        hit itself is known to be). Read with the chain's own state keys, such a prefetch read
+        no state at all and handed over pages whose state slot nobody wrote."""
+        ps = self.page_size
+        room = host.numel() // ps
+        listed = [p for p in restorable if type(p) is int] if isinstance(restorable, list) else []
+        fits = [p for p in (listed or [found]) if 0 < p <= min(room, found)]
+        end = max(fits, default=0)
+        if end * ps < host.numel():
+            self._free_host(host[end * ps :])
+            host = host[: end * ps]
+        if end == 0:
+            return None
+        op.extra = [trailing_at(t, op.keys, end) for t in op.extra]
+        return host
 
     def _give_up(self, op: PrefetchOp) -> None:
         """The controller gave up on the op's storage call in flight (timed out, or interrupted
@@ -414,14 +455,15 @@ class Prefetcher:
 
     def take(self, rid: str) -> PrefetchResult | None:
         """Stop ``rid``'s prefetch and hand over the pages completed so far (the caller owns
-        them now); the op frees the rest when its task ends."""
+        them now; with a ``TRAILING_PAGES`` pool, all of them with the state at their end, or
+        none: :func:`_restorable_pages`); the op frees the rest when its task ends."""
         op = self._prefetches.pop(rid, None)
         if op is None:
             return None
         op.stop_requested = True
         if not op.finished and op.stop is None:
             op.stop = "cut"  # the stop policy ended the wait before the fetch did
-        taken = op.completed_pages
+        taken = _restorable_pages(op)
         op.taken_pages = taken
         ps = self.page_size
         host = op.host_indices[: taken * ps] if op.host_indices is not None else torch.empty(0, dtype=torch.int64)

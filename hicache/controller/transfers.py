@@ -10,7 +10,7 @@ from typing import Any
 from hicache.storage import PoolHitPolicy, PoolTransfer
 from hicache.storage.types import pool_name_str
 
-__all__ = ["all_pools_ok", "call_back", "slice_transfer"]
+__all__ = ["all_pools_ok", "call_back", "slice_transfer", "trailing_at"]
 
 logger = logging.getLogger("hicache.controller")
 
@@ -45,6 +45,25 @@ def slice_transfer(t: PoolTransfer, first_page: int, num_pages: int, total_pages
     if host is not None and keys:
         host = host[lo * per : hi * per]
     return PoolTransfer(t.name, host, keys=part, hit_policy=t.hit_policy)
+
+
+def trailing_at(t: PoolTransfer, keys: Sequence[str], end: int) -> PoolTransfer:
+    """A ``TRAILING_PAGES`` pool's transfer moved to the prefix of ``end`` pages of the chain
+    ``keys``: its keys become that prefix's last ``N`` pages (the others are returned as they
+    are). Why: its keys name the state snapshot at the end of the chain a request asked for,
+    while storage may hold a shorter prefix only (its snapshot stored there by an earlier,
+    shorter request), and host room may cut the fetch shorter still; the pages a prefetch
+    hands over are restorable only with the snapshot at *their* end. The host slots stay the
+    caller's; with fewer than ``N`` pages before ``end``, the last slots take them."""
+    if t.hit_policy is not PoolHitPolicy.TRAILING_PAGES or not t.keys:
+        return t
+    n = len(t.keys)
+    part = list(keys[max(0, end - n) : max(0, end)])
+    host = t.host_indices
+    if host is not None:
+        per = host.numel() // n
+        host = host[(n - len(part)) * per :]
+    return PoolTransfer(t.name, host, keys=part or None, hit_policy=t.hit_policy)
 
 
 def all_pools_ok(result: dict[str, list[bool]] | None, n: int,

@@ -4,6 +4,7 @@ key goes with the batch that holds its page; its flags answer for that page alon
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 
 import pytest
@@ -14,6 +15,7 @@ from hicache.controller.transfers import all_pools_ok, slice_transfer
 from hicache.keys import page_hashes
 from hicache.replay import StackConfig, build_stack
 from hicache.storage import PoolHitPolicy, PoolTransfer
+from hicache.testing import eventually
 from hicache.testing.pools import ArrayHostPool
 from hicache_backends.memory import MemoryStorage
 
@@ -100,3 +102,96 @@ def test_an_answer_that_leaves_out_a_pool_landed_nothing() -> None:
     assert all_pools_ok({"kv": [True, True]}, 2, [kv]) == [True, True]
     state = PoolTransfer("mamba", torch.arange(1), keys=["b"], hit_policy=TRAILING)
     assert all_pools_ok({"kv": [True, True]}, 2, [kv, state]) == [False, False]
+
+
+class _HeldLaterReads(MemoryStorage):
+    """Reads after the first wait until ``go`` is set (a prefetch cut between its batches)."""
+
+    def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(*args, **kwargs)
+        self.go = asyncio.Event()
+        self.reads = 0
+
+    async def batch_get_v2(self, transfers, extra_info=None):  # type: ignore[no-untyped-def]
+        self.reads += 1
+        if self.reads > 1:
+            await self.go.wait()
+        return await super().batch_get_v2(transfers, extra_info)
+
+
+async def _states_then_prefetch(store: MemoryStorage, states_at: list[int], *, room_pages: int = 64,
+                                cut_after_first_batch: bool = False, **controller: int) -> tuple[object, object, object]:
+    """Store a 5-page chain's KV, with a state snapshot (slot 1 + i) at each page of ``states_at``
+    (what earlier, shorter requests left), then prefetch all 5 pages with the state into slot 7,
+    with host room for ``room_pages``: (the prefetch's result, the state each stored length
+    restores to, slot 7's bytes)."""
+    mamba = ArrayHostPool(num_pages=8, page_size=1, token_elems=8, dtype=torch.float32)
+    mamba.fill_random(5)
+    store.register_mem_host_pool_v2(mamba, "mamba")
+    cfg = StackConfig(page_size=PS, device_pages=16, host_pages=64, storage_backend=None,
+                      controller=ControllerConfig(prefetch_threshold=PS, **controller))  # type: ignore[arg-type]
+    stack = build_stack(cfg, storage=store)
+    ctl = stack.controller
+    free_before = stack.host_pool.available_size()
+    try:
+        keys = page_hashes(list(range(5 * PS)), PS)
+        for i, page in enumerate(states_at):
+            host = stack.host_pool.alloc((page + 1) * PS)
+            written: list[int] = []
+            job = StorageWriteJob(keys=keys[: page + 1], host_indices=host, prior_key=None, on_done=written.append,
+                                  extra=[PoolTransfer("mamba", mamba.indices(1 + i, 1), keys=keys[page : page + 1],
+                                                      hit_policy=TRAILING)])
+            assert ctl.submit_storage_write(job)
+            await ctl.drain()
+            assert written == [page + 1]
+            stack.host_pool.free(host)
+        before = mamba.page_bytes(7)
+        op = ctl.start_prefetch("r", keys, alloc_host=lambda n: stack.host_pool.alloc(min(n, room_pages * PS)),
+                                extra=[PoolTransfer("mamba", mamba.indices(7, 1), keys=keys[-1:], hit_policy=TRAILING)])
+        assert op is not None
+        if cut_after_first_batch:
+            assert isinstance(store, _HeldLaterReads)
+            await eventually(lambda: op.completed_pages > 0)
+            res = ctl.take_prefetch("r")  # the stop policy's cut, before the batch with the state
+            store.go.set()
+            await ctl.wait_prefetches()
+        else:
+            res = await ctl.wait_prefetch("r", "wait_complete")
+        assert res is not None
+        stack.host_pool.free(res.host_indices)
+        await eventually(lambda: stack.host_pool.available_size() == free_before)
+        states = {page + 1: mamba.page_bytes(1 + i) for i, page in enumerate(states_at)}
+        return res, states, (before, mamba.page_bytes(7))
+    finally:
+        await stack.aclose()
+
+
+@pytest.mark.parametrize("batch_pages", [1, 2, 8])
+async def test_a_partial_hybrid_hit_reads_the_state_at_its_own_end(batch_pages: int) -> None:
+    """Storage held 3 of the 5 pages asked for, with the state an earlier 3-page request
+    stored at page 2: the usable hit is 3 pages, but the prefetch read its state under the
+    5-page chain's key (page 4), i.e. not at all, and handed over 3 pages as complete with a
+    state slot nobody wrote. It reads the state at page 2 now."""
+    res, states, (_, slot) = await _states_then_prefetch(
+        MemoryStorage(store_id=f"trail-{uuid.uuid4()}"), [2], prefetch_batch_pages=batch_pages)
+    assert res.pages == 3 and slot == states[3]  # type: ignore[attr-defined]
+
+
+async def test_a_hybrid_prefetch_cut_by_host_room_ends_at_a_stored_state() -> None:
+    """Host room for 3 of 5 found pages: the pages handed over end where a state was stored
+    (page 2 of snapshots at pages 1 and 4) and come with it; with no state at or before the
+    room's end, nothing is handed over."""
+    res, states, (_, slot) = await _states_then_prefetch(
+        MemoryStorage(store_id=f"trail-{uuid.uuid4()}"), [1, 4], room_pages=3, prefetch_batch_pages=1)
+    assert res.pages == 2 and slot == states[2]  # type: ignore[attr-defined]
+    res, _, (before, slot) = await _states_then_prefetch(
+        MemoryStorage(store_id=f"trail-{uuid.uuid4()}"), [4], room_pages=3)
+    assert res.pages == 0 and slot == before  # type: ignore[attr-defined]
+
+
+async def test_a_hybrid_prefetch_cut_before_its_state_landed_hands_over_nothing() -> None:
+    """A stop policy's cut after the first of several batches handed over that batch's pages,
+    though the state is read with the last one: pages with a state slot nobody wrote."""
+    res, _, (before, slot) = await _states_then_prefetch(
+        _HeldLaterReads(store_id=f"trail-{uuid.uuid4()}"), [4], cut_after_first_batch=True, prefetch_batch_pages=2)
+    assert res.pages == 0 and slot == before  # type: ignore[attr-defined]
