@@ -1180,12 +1180,15 @@ class HiCacheController:
             raise
         if await self._outlast(call, what):
             raise asyncio.CancelledError
+        # counted here alone, once per call, whatever ended it (timed out, interrupted as the
+        # store went down, raised): a caller seeing ``None`` cannot tell these apart from a
+        # call not made (counted in storage_calls_skipped) and must not count it again
+        if what in ("exists", "read") and (call.cancelled() or call.exception() is not None):
+            self.metrics.incr("storage_read_failures")
         if call.cancelled():
             return None
         exc = call.exception()
         if exc is not None:  # the backend's base class guards, but be sure
-            if what in ("exists", "read"):
-                self.metrics.incr("storage_read_failures")
             self._judge_outcome(exc, False, what)
             return None
         if progress is None:  # a hop's caller judges each inner call, in order (_judge)

@@ -236,9 +236,7 @@ class Prefetcher:
                         if got == n:
                             self.pace.observe(n, took)
                         op.progress.set()
-                    if got < n:
-                        if result is None:
-                            self.metrics.incr("storage_read_failures")
+                    if got < n:  # a failed call was counted by the storage call (storage_read_failures)
                         op.stop = op.stop or ("read_failed" if result is None else
                                    "backend_error" if call.errors else "page_failed")
                         break

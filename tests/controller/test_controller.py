@@ -200,6 +200,53 @@ async def test_backend_exception_does_not_kill_the_worker() -> None:
     await stack.aclose()
 
 
+class _FailingCall(FaultyStorage):
+    """Its ``batch_exists_v2`` or ``batch_get_v2`` itself raises, or hangs until cancelled."""
+
+    def __init__(self, call: str, how: str, **kwargs: object) -> None:
+        super().__init__(**kwargs)
+        self.call, self.how, self.failed_calls = call, how, 0
+
+    async def _fail(self) -> None:
+        self.failed_calls += 1
+        if self.how == "raises":
+            raise OSError("injected: the store's call raised")
+        await asyncio.Event().wait()  # the controller's I/O timeout cancels it
+
+    async def batch_exists_v2(self, keys, pool_transfers=None, extra_info=None):  # type: ignore[no-untyped-def]
+        if self.call == "exists":
+            await self._fail()
+        return await super().batch_exists_v2(keys, pool_transfers, extra_info)
+
+    async def batch_get_v2(self, transfers, extra_info=None):  # type: ignore[no-untyped-def]
+        if self.call == "read":
+            await self._fail()
+        return await super().batch_get_v2(transfers, extra_info)
+
+
+@pytest.mark.parametrize("call", ["exists", "read"])
+@pytest.mark.parametrize("how", ["raises", "times_out"])
+async def test_a_failed_read_or_exists_call_counts_once(call: str, how: str) -> None:
+    """``storage_read_failures`` ("storage read or exists calls that failed") counted a read
+    that raised twice (the storage call, then the prefetch seeing ``None``), one that timed
+    out once, and an exists that timed out not at all: one failed call is one count now."""
+    sid = f"failing-{uuid.uuid4()}"
+    await seed_storage(sid, toks(0, 32))
+    store = _FailingCall(call, how, store_id=sid)
+    cfg = StackConfig(page_size=PS, device_pages=16, host_pages=64, storage_backend=None,
+                      controller=ControllerConfig(prefetch_threshold=PS, prefetch_policy="wait_complete",
+                                                  storage_io_timeout_s=0.1, storage_stall_s=0.0,
+                                                  cancelled_io_grace_s=0.0))
+    stack = build_stack(cfg, storage=store)
+    try:
+        out = await asyncio.wait_for(serve_request(stack, toks(0, 32), rid="r"), 10.0)
+        await asyncio.wait_for(stack.controller.wait_prefetches(), 10.0)  # a timed-out call has ended
+        assert out.computed == 32 and store.failed_calls == 1
+        assert stack.controller.metrics.counters["storage_read_failures"] == 1
+    finally:
+        await stack.aclose()
+
+
 async def test_hanging_backend_requests_fall_back_to_compute() -> None:
     stack, store = make(prefetch_policy="timeout", prefetch_timeout_base_s=0.05,
                         prefetch_timeout_per_ki_token_s=0.0, storage_io_timeout_s=60.0)
