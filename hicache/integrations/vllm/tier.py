@@ -5,6 +5,7 @@ each stored chunk to its secondary tiers; a chunk missing from the primary tier 
 them and promoted back. :class:`HiCacheTier` is such a tier over any hicache storage backend,
 loaded by vLLM from its config alone::
 
+    VLLM_KV_CACHE_LAYOUT=NHD vllm serve MODEL
     --kv-transfer-config '{"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
       "kv_connector_extra_config": {"spec_name": "TieringOffloadingSpec",
         "cpu_bytes_to_use": 8589934592,
@@ -25,8 +26,11 @@ What it adds over vLLM's own ``fs``/``obj`` tiers (see FIELD-NOTES):
   ``memory`` or a plugin, by name;
 * zero copy - pages move straight between storage and the primary tier's mmap
   (:class:`~hicache.integrations.vllm.tier_pool.ChunkPool`);
-* namespaces - model, dtype, chunk geometry, layers and parallel layout separate stores that
-  share a root (:func:`~hicache.integrations.vllm.tier_keys.tier_namespace`).
+* namespaces - model, dtype, chunk geometry, layers, parallel layout and the chunks' byte format
+  (KV cache layout) separate stores that share a root
+  (:func:`~hicache.integrations.vllm.tier_keys.tier_namespace`); a configuration whose bytes the
+  scheduler cannot know (direct mode in a head-major layout, where a kernel-block split reorders
+  them) is refused at start (:func:`~hicache.integrations.vllm.tier_keys.chunk_format`).
 
 Every method runs in vLLM's scheduler thread and returns at once: lookups are answered by
 vLLM's ``AsyncLookupManager`` thread (RETRY until known), jobs run on the tier's own event loop

@@ -14,6 +14,16 @@ format of a chunk. :func:`tier_namespace` puts all of that into hicache's
 other's pages. The scheduler-side chunk holds every worker's slice side by side, so the world
 layout (TP/PP/PCP/DCP sizes) is part of the namespace, not one rank.
 
+The byte format is decided on the workers, which this tier never sees (it runs in vLLM's
+scheduler): in vLLM's default *direct* mode a chunk is each layer's block copied raw from the
+GPU, so its bytes follow the engine's physical KV cache layout, and, when the attention backend
+takes only smaller blocks, the kernel blocks vLLM split each block into
+(``prepare_kernel_block_sizes``; the worker regroups them by bytes, ``group_kernel_blocks``).
+The scheduler knows the layout (vLLM resolves it before building the scheduler) but not the
+split. :func:`chunk_format` names the layout, and refuses the configurations whose bytes a split
+can change unseen (see there): a mismatch is then a miss or an error at start, never KV read in
+another engine's byte order.
+
 Nothing here imports vLLM: the functions read the attributes of vLLM's ``OffloadingConfig``.
 """
 
@@ -25,7 +35,7 @@ from typing import Any
 from hicache.errors import ConfigError
 from hicache.keys import Namespace
 
-__all__ = ["GROUP_BYTES", "offload_key_group", "page_key", "tier_namespace"]
+__all__ = ["GROUP_BYTES", "SPLIT_SAFE_LAYOUTS", "chunk_format", "offload_key_group", "page_key", "tier_namespace"]
 
 #: Bytes of the KV-cache group index at the end of an ``OffloadKey``.
 GROUP_BYTES = 4
@@ -45,6 +55,56 @@ def offload_key_group(offload_key: bytes) -> int:
     return int.from_bytes(offload_key[-GROUP_BYTES:], "big", signed=False)
 
 
+#: vLLM ``KVCacheLayout`` names whose direct-mode chunks do not depend on a kernel-block split:
+#: tokens are the outermost axis of a layer's page (``[N, H, C]``), so a block split into kernel
+#: blocks is the same bytes as the whole block. In the head-major ones (``LBHNC``, vLLM's choice
+#: for ``OffloadingConnector``) a split block is ``[H, N/r, C]`` r times, not ``[H, N, C]``.
+SPLIT_SAFE_LAYOUTS = ("LBNHC", "BLNHC")
+
+
+def chunk_format(config: Any) -> str:
+    """The byte format of the chunks an engine with vLLM ``OffloadingConfig`` ``config`` stores,
+    for its namespace; :class:`ConfigError` for a configuration whose chunks it cannot name.
+
+    Direct mode: ``direct-<layout>``, for the split-safe layouts only (:data:`SPLIT_SAFE_LAYOUTS`):
+    with any other a split block's bytes differ from a whole block's and nothing on the scheduler
+    side tells them apart. Canonical mode (``canonical_layout``): the layout, when vLLM declares
+    the chunks parallelism-agnostic, because it then refuses at worker start any layer it cannot
+    map to the canonical page (a split one included); otherwise it stores such a layer's raw bytes
+    under the same canonical format, so that is refused too. A layout vLLM has not resolved yet
+    (``None``) is refused: the bytes depend on it.
+    """
+    layout = getattr(config, "kv_cache_layout", None)
+    canonical = bool(getattr(config, "canonical_layout", False))
+    if layout is None:
+        raise ConfigError(
+            "HiCacheTier: vLLM has not resolved the KV cache layout (OffloadingConfig.kv_cache_layout "
+            "is None); a stored chunk's bytes depend on it, so the tier cannot name them safely"
+        )
+    layout = str(layout)
+    if canonical:
+        if not config.parallel.is_parallelism_agnostic:
+            raise ConfigError(
+                f"HiCacheTier cannot key canonical_layout chunks of this engine: vLLM does not declare "
+                f"them parallelism-agnostic, so it stores a layer it cannot map to the canonical page "
+                f"(one whose blocks the attention backend split into kernel blocks, say) as raw bytes "
+                f"under the same canonical format, and the scheduler cannot see which. Remove "
+                f"canonical_layout and start vLLM with VLLM_KV_CACHE_LAYOUT=NHD (layout now {layout})"
+            )
+        return layout
+    if layout not in SPLIT_SAFE_LAYOUTS:
+        raise ConfigError(
+            f"HiCacheTier cannot key direct-mode chunks of KV cache layout {layout}: a layer's block "
+            f"is head-major there, so when the attention backend splits blocks into smaller kernel "
+            f"blocks (vLLM's prepare_kernel_block_sizes: FlashInfer under --block-size 128, say) a "
+            f"chunk holds the same tokens in another byte order, and the scheduler, which names the "
+            f"chunks, cannot see the split. Set \"canonical_layout\": true in kv_connector_extra_config "
+            f"(vLLM then certifies every layer's bytes at worker start and refuses a split block), or "
+            f"start vLLM with VLLM_KV_CACHE_LAYOUT=NHD (token-major: a split block is the same bytes)"
+        )
+    return f"direct-{layout}"
+
+
 def tier_namespace(
     config: Any,
     chunk_bytes: int,
@@ -56,7 +116,8 @@ def tier_namespace(
 
     ``chunk_bytes`` is the stride of one chunk in the primary tier (padding included: a chunk
     is stored whole). ``salt`` separates tenants that must never share KV even for equal keys;
-    ``model_revision`` separates weights published under one model name.
+    ``model_revision`` separates weights published under one model name. Raises
+    :class:`ConfigError` where :func:`chunk_format` does.
     """
     if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
         raise ConfigError(f"chunk_bytes must be a positive integer, got {chunk_bytes!r}")
@@ -82,8 +143,9 @@ def tier_namespace(
             f"tp{parallel.tp_size}-pp{parallel.pp_size}-pcp{parallel.pcp_size}-dcp{parallel.dcp_size}"
         ),
         "replicated_layout": str(bool(getattr(config, "replicated_layout", False))),
-        "canonical_layout": str(getattr(config, "kv_cache_layout", None))
-        if getattr(config, "canonical_layout", False) else "direct",
+        # the byte format (key kept from when direct mode recorded only "direct", so canonical
+        # namespaces are unchanged; direct ones now carry their layout)
+        "canonical_layout": chunk_format(config),
     }
     return Namespace(
         model=str(config.model.name),

@@ -64,8 +64,13 @@ def offloading_config(
     tp_size: int = 1,
     chunks: int = 64,
     block_bytes: int = BLOCK_BYTES,
+    layout: str | None = "LBNHC",
+    canonical: bool = False,
+    agnostic: bool = False,
     **extra: Any,
 ) -> OffloadingConfig:
+    """An engine's ``OffloadingConfig``; ``layout`` is the KV cache layout vLLM's engine core
+    resolved (token-major by default: direct-mode chunks of a head-major one are refused)."""
     return OffloadingConfig(
         groups=(OffloadingGroupConfig(BLOCK, ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"), 0),),
         worker_kv_bytes_per_block=block_bytes // tp_size,
@@ -77,8 +82,10 @@ def offloading_config(
         parallel=OffloadingParallelConfig(
             rank=0, world_size=tp_size, tp_size=tp_size, pp_size=1, pcp_size=1, dcp_size=1,
             data_parallel_index=0, data_parallel_size=1, data_parallel_rank_local=None,
-            is_parallelism_agnostic=False,
+            is_parallelism_agnostic=agnostic,
         ),
+        canonical_layout=canonical,
+        kv_cache_layout=layout,
     )
 
 

@@ -42,7 +42,8 @@ def test_another_process_shares_the_store(file_tier_options: dict, tmp_path: Pat
     whose Python string hashes differ (PYTHONHASHSEED unset: vLLM would take it as its seed,
     and every engine sharing a store must then set the same value)."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
-    env["PYTHONPATH"] = str(HERE)
+    # the child imports the hicache this process does (a checkout on PYTHONPATH included)
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE), *filter(None, [os.environ.get("PYTHONPATH")])])
     subprocess.run(
         [sys.executable, str(HERE / "_store_worker.py"), file_tier_options["root"], ",".join(map(str, TOKENS))],
         check=True, env=env, timeout=300,
@@ -143,8 +144,10 @@ def test_parent_links_follow_the_prompt_across_jobs(file_tier_options: dict) -> 
         {"dtype": "float16"},
         {"tp_size": 2},
         {"block_bytes": 8192},
+        {"layout": "BLNHC"},
+        {"canonical": True, "agnostic": True},
     ],
-    ids=["model", "dtype", "tp", "geometry"],
+    ids=["model", "dtype", "tp", "geometry", "kv-layout", "canonical"],
 )
 def test_incompatible_engine_never_reads_the_pages(file_tier_options: dict, change: dict) -> None:
     keys = block_keys(TOKENS)

@@ -93,6 +93,37 @@ def test_parallelism_agnostic_chunks_share_across_tp_sizes() -> None:
     assert tier_namespace(agnostic(1), 4096) == tier_namespace(agnostic(4), 4096)
 
 
+def test_namespace_names_the_chunk_byte_format() -> None:
+    """A direct-mode chunk is each layer's block copied raw, in the engine's KV cache layout;
+    the namespace recorded only "direct", so engines of different layouts shared pages."""
+    direct = tier_namespace(offloading_config([], layout="LBNHC"), 4096)
+    assert dict(direct.extra)["canonical_layout"] == "direct-LBNHC"
+    assert direct != tier_namespace(offloading_config([], layout="BLNHC"), 4096)
+    # canonical namespaces are what they were (the layout), so their pages stay readable
+    canonical = tier_namespace(offloading_config([], layout="LBHNC", canonical=True, agnostic=True), 4096)
+    assert dict(canonical.extra)["canonical_layout"] == "LBHNC"
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"layout": None}, "has not resolved the KV cache layout"),
+        ({"layout": "LBHNC"}, "cannot key direct-mode chunks of KV cache layout LBHNC"),
+        ({"layout": "BHLNC"}, "cannot key direct-mode chunks of KV cache layout BHLNC"),
+        ({"layout": "LBNHC", "canonical": True}, "cannot key canonical_layout chunks"),
+    ],
+    ids=["unresolved", "head-major", "block-head-major", "canonical-uncertified"],
+)
+def test_chunks_a_kernel_split_could_change_unseen_are_refused(change: dict, message: str) -> None:
+    """The scheduler, where the tier names chunks, cannot see vLLM's kernel-block split, which
+    changes a head-major block's bytes (and a canonical chunk's, where vLLM falls back to raw
+    bytes for a layer it cannot map): those configurations fail at start, clearly."""
+    with pytest.raises(ConfigError, match=message):
+        tier_namespace(offloading_config([], **change), 4096)
+    with pytest.raises(ConfigError, match=message):
+        Engine([tier_config(backend="memory")], **change)
+
+
 def test_namespace_rejects_bad_values() -> None:
     base = offloading_config([])
     for bad in (0, -1, True, 1.5):

@@ -31,6 +31,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCache
 from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext, make_offload_key
 from vllm.v1.request import Request
 
+from hicache.errors import ConfigError
 from hicache.integrations.vllm.tier import HiCacheTier
 
 LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
@@ -48,7 +49,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(path)
 
 
-def kv_transfer_config(root: str) -> dict[str, Any]:
+def kv_transfer_config(root: str, **extra: Any) -> dict[str, Any]:
     """Exactly what a user passes as ``--kv-transfer-config`` (docs/vllm-tier.md)."""
     return {
         "kv_connector": "OffloadingConnector",
@@ -60,20 +61,29 @@ def kv_transfer_config(root: str) -> dict[str, Any]:
                 {"type": "HiCacheTier", "module_path": TIER_MODULE, "backend": "file",
                  "options": {"root": root, "min_free_bytes": 0}},
             ],
+            **extra,
         },
     }
 
 
-def connector(model_dir: str, root: str, role: KVConnectorRole) -> Any:
-    vllm_config = VllmConfig(
+def engine_config(model_dir: str, root: str, layout: str | None = "LBNHC", **extra: Any) -> VllmConfig:
+    """A real ``VllmConfig`` with the tier; ``layout`` is the KV cache layout the engine core
+    resolves before it builds the scheduler (``VLLM_KV_CACHE_LAYOUT=NHD`` gives ``LBNHC``)."""
+    config = VllmConfig(
         model_config=ModelConfig(model=model_dir, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=512),
         cache_config=CacheConfig(block_size=BLOCK),
-        kv_transfer_config=KVTransferConfig(**kv_transfer_config(root)),
+        kv_transfer_config=KVTransferConfig(**kv_transfer_config(root, **extra)),
     )
+    config.cache_config.kv_cache_layout = layout
+    return config
+
+
+def connector(model_dir: str, root: str, role: KVConnectorRole, layout: str | None = "LBNHC", **extra: Any) -> Any:
+    config = engine_config(model_dir, root, layout, **extra)
     spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=16, dtype=torch.bfloat16)
     kv_cache_config = KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(LAYERS, spec)])
-    with set_current_vllm_config(vllm_config):
-        return KVConnectorFactory.create_connector(vllm_config, role, kv_cache_config)
+    with set_current_vllm_config(config):
+        return KVConnectorFactory.create_connector(config, role, kv_cache_config)
 
 
 def request(request_id: str) -> Request:
@@ -149,3 +159,91 @@ def test_worker_side_needs_a_gpu(model_dir: str, tmp_path: Path) -> None:
     caches = {name: torch.zeros(64, 2, BLOCK, 2, 16, dtype=torch.bfloat16) for name in LAYERS}
     with pytest.raises(Exception, match="only supported on CUDA-alike and XPU"):
         worker.register_kv_caches(caches)
+
+
+# ---------------------------------------------------------------------------- chunk byte format
+
+def block_bytes(model_dir: str, layout: str, kernel_block_size: int) -> list[bytes]:
+    """Each block's bytes as vLLM's offloading worker copies them in direct mode, for the same
+    KV (every element a distinct value): 3 blocks of 64 tokens, 2 KV heads, allocated by vLLM
+    (``allocate_kv_cache``) in the kernel blocks ``prepare_kernel_block_sizes`` picks for a CPU
+    attention backend that takes only ``kernel_block_size``-token blocks (what FlashInfer's
+    16/32/64 do to ``--block-size 128``), then viewed by ``group_kernel_blocks`` as the worker
+    does (``OffloadingConnectorWorker.register_kv_caches``)."""
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups
+    from vllm.v1.kv_cache_interface import group_kernel_blocks
+    from vllm.v1.worker.utils import AttentionGroup, allocate_kv_cache, prepare_kernel_block_sizes
+
+    class FixedKernelBlocks(CPUAttentionBackend):
+        @staticmethod
+        def get_supported_kernel_block_sizes(kv_cache_spec: Any = None) -> list[Any]:
+            return [kernel_block_size]
+
+    config = engine_config(model_dir, "/nonexistent", layout)
+    config.cache_config.block_size = 64
+    spec = FullAttentionSpec(block_size=64, num_kv_heads=2, head_size=16, dtype=torch.bfloat16)
+    with set_current_vllm_config(config):
+        kv_cache_config = get_kv_cache_config_from_groups(config, [KVCacheGroupSpec(LAYERS[:1], spec)], 3 * spec.page_size_bytes)
+        kernel = prepare_kernel_block_sizes(kv_cache_config, [[AttentionGroup(FixedKernelBlocks, LAYERS[:1], spec, 0)]])
+        cache = allocate_kv_cache(kv_cache_config, torch.device("cpu"), config.cache_config.get_resolved_kv_cache_layout(), kernel)[LAYERS[0]]
+    assert kv_cache_config.num_blocks == 3 and kernel == [kernel_block_size]
+    ratio = 64 // kernel_block_size
+    blocks, heads, _, content = cache.shape[0] // ratio, cache.shape[1], cache.shape[2], cache.shape[3]
+    kv = torch.arange(blocks * heads * 64 * content, dtype=torch.float32).to(torch.bfloat16).view(blocks, heads, 64, content)
+    # the same logical KV: token t of block b is token t % k of kernel block b * ratio + t // k
+    cache.copy_(kv.view(blocks, heads, ratio, 64 // ratio, content).transpose(1, 2).reshape(cache.shape))
+    ref = group_kernel_blocks(cache, blocks)
+    page = spec.page_size_bytes
+    raw = torch.tensor([], dtype=torch.int8).set_(ref.untyped_storage(), ref.storage_offset() * ref.element_size(),
+                                                  (blocks, page), (ref.stride(0) * ref.element_size(), 1))
+    return [raw[b].numpy().tobytes() for b in range(blocks)]
+
+
+def test_a_kernel_split_reorders_only_head_major_chunks(model_dir: str) -> None:
+    """What the tier's rule rests on, pinned on vLLM's own allocation: in the head-major layout
+    vLLM picks for ``OffloadingConnector`` (``LBHNC``) a block split into two kernel blocks is
+    not the whole block's bytes for the same KV; in the token-major one (``LBNHC``) it is."""
+    assert block_bytes(model_dir, "LBHNC", 32) != block_bytes(model_dir, "LBHNC", 64)
+    assert block_bytes(model_dir, "LBNHC", 32) == block_bytes(model_dir, "LBNHC", 64)
+
+
+def test_direct_mode_in_a_head_major_layout_is_refused_at_start(model_dir: str, tmp_path: Path) -> None:
+    """The engine core resolves ``OffloadingConnector``'s own layout, ``LBHNC``, unless told
+    otherwise; direct-mode chunks there depend on a kernel split only the workers know, and the
+    namespace recorded no layout at all, so an engine with split blocks and one without (a
+    FlashInfer and a FlashAttention engine of one model, say) read each other's chunks as KV.
+    The tier now refuses that at start, saying why and what works."""
+    from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
+
+    config = engine_config(model_dir, str(tmp_path / "store"), None)
+    default_preference = ["LBNHC", "LBHNC", "BLNHC", "BLHNC", "BHLNC", "LHBNC"]
+    with set_current_vllm_config(config):
+        assert resolve_kv_cache_layout(config, [default_preference]).name == "LBHNC"
+    with pytest.raises(ConfigError, match=r"cannot key direct-mode chunks of KV cache layout LBHNC.*"
+                                          r"canonical_layout.*VLLM_KV_CACHE_LAYOUT=NHD"):
+        connector(model_dir, str(tmp_path / "store"), KVConnectorRole.SCHEDULER, "LBHNC")
+    with pytest.raises(ConfigError, match="has not resolved the KV cache layout"):
+        connector(model_dir, str(tmp_path / "store"), KVConnectorRole.SCHEDULER, None)
+
+
+def test_canonical_layout_in_a_head_major_layout_is_keyed_by_it(model_dir: str, tmp_path: Path) -> None:
+    """With ``canonical_layout`` vLLM maps each layer to a canonical page at worker start, and,
+    because it declares this engine's chunks parallelism-agnostic, refuses a layer it cannot map:
+    a split one gets only its raw-bytes fallback (pinned here). So the tier takes ``LBHNC`` there,
+    and its namespace records the layout."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.canonical_mapping import derive_canonical_mappings
+
+    conn = connector(model_dir, str(tmp_path / "store"), KVConnectorRole.SCHEDULER, "LBHNC", canonical_layout=True)
+    try:
+        tier = conn.scheduler.manager.secondary_tiers[0]
+        assert dict(tier.namespace.extra)["canonical_layout"] == "LBHNC"
+    finally:
+        conn.shutdown()
+    config = engine_config(model_dir, "/nonexistent", "LBHNC", canonical_layout=True)
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=16, dtype=torch.bfloat16)
+    kv_cache_config = KVCacheConfig(num_blocks=4, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(LAYERS[:1], spec)])
+    whole = torch.zeros(4, 2, BLOCK, 32, dtype=torch.bfloat16)
+    split = torch.zeros(8, 2, BLOCK // 2, 32, dtype=torch.bfloat16)
+    assert derive_canonical_mappings(config, kv_cache_config, {LAYERS[0]: whole})[LAYERS[0]].parallelism_agnostic
+    assert not derive_canonical_mappings(config, kv_cache_config, {LAYERS[0]: split})[LAYERS[0]].parallelism_agnostic
