@@ -5,7 +5,7 @@ each stored chunk to its secondary tiers; a chunk missing from the primary tier 
 them and promoted back. :class:`HiCacheTier` is such a tier over any hicache storage backend,
 loaded by vLLM from its config alone::
 
-    VLLM_KV_CACHE_LAYOUT=NHD vllm serve MODEL
+    vllm serve MODEL
     --kv-transfer-config '{"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
       "kv_connector_extra_config": {"spec_name": "TieringOffloadingSpec",
         "cpu_bytes_to_use": 8589934592,
@@ -29,8 +29,8 @@ What it adds over vLLM's own ``fs``/``obj`` tiers (see FIELD-NOTES):
 * namespaces - model, dtype, chunk geometry, layers, parallel layout and the chunks' byte format
   (KV cache layout) separate stores that share a root
   (:func:`~hicache.integrations.vllm.tier_keys.tier_namespace`); a configuration whose bytes the
-  scheduler cannot know (direct mode in a head-major layout, where a kernel-block split reorders
-  them) is refused at start (:func:`~hicache.integrations.vllm.tier_keys.chunk_format`).
+  scheduler cannot know (direct mode in a head-major layout with blocks over 16 tokens, where a
+  kernel-block split reorders them) is refused at start (:func:`~hicache.integrations.vllm.tier_keys.chunk_format`).
 
 Every method runs in vLLM's scheduler thread and returns at once: lookups are answered by
 vLLM's ``AsyncLookupManager`` thread (RETRY until known), jobs run on the tier's own event loop

@@ -35,7 +35,7 @@ from typing import Any
 from hicache.errors import ConfigError
 from hicache.keys import Namespace
 
-__all__ = ["GROUP_BYTES", "SPLIT_SAFE_LAYOUTS", "chunk_format", "offload_key_group", "page_key", "tier_namespace"]
+__all__ = ["GROUP_BYTES", "NEVER_SPLIT_BLOCK_TOKENS", "SPLIT_SAFE_LAYOUTS", "chunk_format", "offload_key_group", "page_key", "tier_namespace"]
 
 #: Bytes of the KV-cache group index at the end of an ``OffloadKey``.
 GROUP_BYTES = 4
@@ -61,14 +61,34 @@ def offload_key_group(offload_key: bytes) -> int:
 #: for ``OffloadingConnector``) a split block is ``[H, N/r, C]`` r times, not ``[H, N, C]``.
 SPLIT_SAFE_LAYOUTS = ("LBNHC", "BLNHC")
 
+#: The largest block (tokens one worker's block holds) vLLM never splits into kernel blocks: it
+#: splits only a block size some attention backend does not take (``select_common_block_size``),
+#: and every backend of vLLM 0.32 takes 16 (``MultipleOf(16)``, ``MultipleOf(1)``, or 16 among
+#: its sizes) or takes no size dividing 16 at all (an engine that cannot start). vLLM's default
+#: block size on GPUs is 16, so a default engine in any layout stores unsplit blocks.
+NEVER_SPLIT_BLOCK_TOKENS = 16
+
+
+def _never_split(config: Any) -> bool:
+    """Whether this engine's direct-mode chunks are the same bytes whatever kernel blocks its
+    attention backend takes: blocks of at most :data:`NEVER_SPLIT_BLOCK_TOKENS` tokens, or a
+    pure-MLA model (``replicated_layout``: one latent vector a token, no head axis a split could
+    move tokens across)."""
+    if getattr(config, "replicated_layout", False):
+        return True
+    parallel = config.parallel
+    cp = max(1, int(parallel.pcp_size)) * max(1, int(parallel.dcp_size))  # tokens_per_block spans the CP ranks
+    return all(int(g.tokens_per_block) // cp <= NEVER_SPLIT_BLOCK_TOKENS for g in config.groups)
+
 
 def chunk_format(config: Any) -> str:
     """The byte format of the chunks an engine with vLLM ``OffloadingConfig`` ``config`` stores,
     for its namespace; :class:`ConfigError` for a configuration whose chunks it cannot name.
 
-    Direct mode: ``direct-<layout>``, for the split-safe layouts only (:data:`SPLIT_SAFE_LAYOUTS`):
-    with any other a split block's bytes differ from a whole block's and nothing on the scheduler
-    side tells them apart. Canonical mode (``canonical_layout``): the layout, when vLLM declares
+    Direct mode: ``direct-<layout>``, for the split-safe layouts (:data:`SPLIT_SAFE_LAYOUTS`), and
+    for any layout where no split can happen (:func:`_never_split`: blocks of 16 tokens, vLLM's
+    default, or a pure-MLA model); otherwise a split block's bytes differ from a whole block's
+    and nothing on the scheduler side tells them apart. Canonical mode (``canonical_layout``): the layout, when vLLM declares
     the chunks parallelism-agnostic, because it then refuses at worker start any layer it cannot
     map to the canonical page (a split one included); otherwise it stores such a layer's raw bytes
     under the same canonical format, so that is refused too. A layout vLLM has not resolved yet
@@ -92,7 +112,7 @@ def chunk_format(config: Any) -> str:
                 f"canonical_layout and start vLLM with VLLM_KV_CACHE_LAYOUT=NHD (layout now {layout})"
             )
         return layout
-    if layout not in SPLIT_SAFE_LAYOUTS:
+    if layout not in SPLIT_SAFE_LAYOUTS and not _never_split(config):
         raise ConfigError(
             f"HiCacheTier cannot key direct-mode chunks of KV cache layout {layout}: a layer's block "
             f"is head-major there, so when the attention backend splits blocks into smaller kernel "
@@ -100,7 +120,8 @@ def chunk_format(config: Any) -> str:
             f"chunk holds the same tokens in another byte order, and the scheduler, which names the "
             f"chunks, cannot see the split. Set \"canonical_layout\": true in kv_connector_extra_config "
             f"(vLLM then certifies every layer's bytes at worker start and refuses a split block), or "
-            f"start vLLM with VLLM_KV_CACHE_LAYOUT=NHD (token-major: a split block is the same bytes)"
+            f"start vLLM with VLLM_KV_CACHE_LAYOUT=NHD (token-major: a split block is the same bytes), "
+            f"or with --block-size 16 (no attention backend splits a 16-token block)"
         )
     return f"direct-{layout}"
 

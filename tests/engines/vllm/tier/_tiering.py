@@ -67,24 +67,28 @@ def offloading_config(
     layout: str | None = "LBNHC",
     canonical: bool = False,
     agnostic: bool = False,
+    block: int = BLOCK,
+    replicated: bool = False,
     **extra: Any,
 ) -> OffloadingConfig:
     """An engine's ``OffloadingConfig``; ``layout`` is the KV cache layout vLLM's engine core
-    resolved (token-major by default: direct-mode chunks of a head-major one are refused)."""
+    resolved (token-major by default: direct-mode chunks of a head-major one whose blocks a
+    kernel split could reorder are refused); ``block`` its block size in tokens."""
     return OffloadingConfig(
-        groups=(OffloadingGroupConfig(BLOCK, ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"), 0),),
+        groups=(OffloadingGroupConfig(block, ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"), 0),),
         worker_kv_bytes_per_block=block_bytes // tp_size,
         enable_kv_cache_events=False,
         extra_config={"cpu_bytes_to_use": chunks * block_bytes, "secondary_tiers": tiers, **extra},
         engine_id=f"hicache-test-{uuid.uuid4().hex[:12]}",
         model=OffloadingModelConfig(model, dtype),
-        cache=OffloadingCacheConfig(BLOCK, 1),
+        cache=OffloadingCacheConfig(block, 1),
         parallel=OffloadingParallelConfig(
             rank=0, world_size=tp_size, tp_size=tp_size, pp_size=1, pcp_size=1, dcp_size=1,
             data_parallel_index=0, data_parallel_size=1, data_parallel_rank_local=None,
             is_parallelism_agnostic=agnostic,
         ),
         canonical_layout=canonical,
+        replicated_layout=replicated,
         kv_cache_layout=layout,
     )
 

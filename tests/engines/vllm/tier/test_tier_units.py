@@ -108,8 +108,8 @@ def test_namespace_names_the_chunk_byte_format() -> None:
     ("change", "message"),
     [
         ({"layout": None}, "has not resolved the KV cache layout"),
-        ({"layout": "LBHNC"}, "cannot key direct-mode chunks of KV cache layout LBHNC"),
-        ({"layout": "BHLNC"}, "cannot key direct-mode chunks of KV cache layout BHLNC"),
+        ({"layout": "LBHNC", "block": 32}, "cannot key direct-mode chunks of KV cache layout LBHNC"),
+        ({"layout": "BHLNC", "block": 128}, "cannot key direct-mode chunks of KV cache layout BHLNC"),
         ({"layout": "LBNHC", "canonical": True}, "cannot key canonical_layout chunks"),
     ],
     ids=["unresolved", "head-major", "block-head-major", "canonical-uncertified"],
@@ -122,6 +122,18 @@ def test_chunks_a_kernel_split_could_change_unseen_are_refused(change: dict, mes
         tier_namespace(offloading_config([], **change), 4096)
     with pytest.raises(ConfigError, match=message):
         Engine([tier_config(backend="memory")], **change)
+
+
+@pytest.mark.parametrize("change", [{"block": 16}, {"block": 128, "replicated": True}], ids=["16-token-blocks", "pure-mla"])
+def test_head_major_chunks_no_kernel_split_can_reorder_are_keyed_by_their_layout(change: dict) -> None:
+    """vLLM splits only a block size some attention backend does not take, and every backend
+    takes 16 (vLLM's default on GPUs); a pure-MLA model's block has no head axis to reorder.
+    Those head-major engines store the same bytes whatever their backend: taken, and keyed by
+    their layout, apart from token-major engines."""
+    ns = tier_namespace(offloading_config([], layout="LBHNC", **change), 4096)
+    assert dict(ns.extra)["canonical_layout"] == "direct-LBHNC"
+    assert ns != tier_namespace(offloading_config([], layout="LBNHC", **change), 4096)
+    Engine([tier_config(backend="memory")], layout="LBHNC", **change)
 
 
 def test_namespace_rejects_bad_values() -> None:

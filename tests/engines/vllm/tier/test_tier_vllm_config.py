@@ -66,21 +66,23 @@ def kv_transfer_config(root: str, **extra: Any) -> dict[str, Any]:
     }
 
 
-def engine_config(model_dir: str, root: str, layout: str | None = "LBNHC", **extra: Any) -> VllmConfig:
+def engine_config(model_dir: str, root: str, layout: str | None = "LBNHC", block: int = BLOCK,
+                  **extra: Any) -> VllmConfig:
     """A real ``VllmConfig`` with the tier; ``layout`` is the KV cache layout the engine core
     resolves before it builds the scheduler (``VLLM_KV_CACHE_LAYOUT=NHD`` gives ``LBNHC``)."""
     config = VllmConfig(
         model_config=ModelConfig(model=model_dir, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=512),
-        cache_config=CacheConfig(block_size=BLOCK),
+        cache_config=CacheConfig(block_size=block),
         kv_transfer_config=KVTransferConfig(**kv_transfer_config(root, **extra)),
     )
     config.cache_config.kv_cache_layout = layout
     return config
 
 
-def connector(model_dir: str, root: str, role: KVConnectorRole, layout: str | None = "LBNHC", **extra: Any) -> Any:
-    config = engine_config(model_dir, root, layout, **extra)
-    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=16, dtype=torch.bfloat16)
+def connector(model_dir: str, root: str, role: KVConnectorRole, layout: str | None = "LBNHC", block: int = BLOCK,
+              **extra: Any) -> Any:
+    config = engine_config(model_dir, root, layout, block, **extra)
+    spec = FullAttentionSpec(block_size=block, num_kv_heads=2, head_size=16, dtype=torch.bfloat16)
     kv_cache_config = KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(LAYERS, spec)])
     with set_current_vllm_config(config):
         return KVConnectorFactory.create_connector(config, role, kv_cache_config)
@@ -213,7 +215,8 @@ def test_direct_mode_in_a_head_major_layout_is_refused_at_start(model_dir: str, 
     otherwise; direct-mode chunks there depend on a kernel split only the workers know, and the
     namespace recorded no layout at all, so an engine with split blocks and one without (a
     FlashInfer and a FlashAttention engine of one model, say) read each other's chunks as KV.
-    The tier now refuses that at start, saying why and what works."""
+    The tier now refuses that at start, saying why and what works, where a split can happen:
+    not for vLLM's default 16-token blocks, which no attention backend splits."""
     from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
 
     config = engine_config(model_dir, str(tmp_path / "store"), None)
@@ -222,7 +225,13 @@ def test_direct_mode_in_a_head_major_layout_is_refused_at_start(model_dir: str, 
         assert resolve_kv_cache_layout(config, [default_preference]).name == "LBHNC"
     with pytest.raises(ConfigError, match=r"cannot key direct-mode chunks of KV cache layout LBHNC.*"
                                           r"canonical_layout.*VLLM_KV_CACHE_LAYOUT=NHD"):
-        connector(model_dir, str(tmp_path / "store"), KVConnectorRole.SCHEDULER, "LBHNC")
+        connector(model_dir, str(tmp_path / "store"), KVConnectorRole.SCHEDULER, "LBHNC", 64)
+    conn = connector(model_dir, str(tmp_path / "store16"), KVConnectorRole.SCHEDULER, "LBHNC", 16)
+    try:
+        tier = conn.scheduler.manager.secondary_tiers[0]
+        assert dict(tier.namespace.extra)["canonical_layout"] == "direct-LBHNC"
+    finally:
+        conn.shutdown()
     with pytest.raises(ConfigError, match="has not resolved the KV cache layout"):
         connector(model_dir, str(tmp_path / "store"), KVConnectorRole.SCHEDULER, None)
 
