@@ -65,6 +65,7 @@ _COUNTERS: dict[str, str] = {
     "prefetch_skipped_threshold": "prefetches not started: below the token threshold",
     "prefetch_rate_limited": "prefetches not started: rate limit",
     "prefetch_aborted": "prefetches aborted",
+    "prefetch_dropped_for_room": "prefetches of waiting requests aborted because device eviction needed the prefix they continue from (no host copy); the request computes those pages",
     "prefetch_cut_recompute": "prefetch waits ended because the missing pages would be recomputed sooner than fetched",
     "prefetch_pages_done": "pages fetched from storage",
     "prefetch_pages_used": "fetched pages handed to requests",

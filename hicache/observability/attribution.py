@@ -63,7 +63,7 @@ class MissReason(str, enum.Enum):
     #: on host (or just fetched there) but its load to device found no room or failed
     LOAD_SKIPPED = "load_skipped"
     #: storage holds it but it was not fetched: below the prefetch threshold, rate limited,
-    #: or no host memory for it
+    #: no host memory for it, or the prefetch was dropped for device room before admit
     PREFETCH_SKIPPED = "prefetch_skipped"
     #: the stop policy ended the wait before the fetch reached it
     PREFETCH_TIMEOUT = "prefetch_timeout"

@@ -9,7 +9,9 @@ Tier rules kept here:
 
 * Device eviction takes unlocked device leaves by policy. A node with a complete host copy is
   *demoted* (device slots freed, node kept as host-only); without one it is deleted
-  (``write_back`` copies it to host first, see :meth:`evict_async`).
+  (``write_back`` copies it to host first, see :meth:`evict_async`). A prefetch anchor without
+  one is kept while other room is found, and when none is, its prefetches are dropped so it can
+  go (see :meth:`evict`): whatever ``evictable_size`` counts an eviction can free.
 * Host eviction takes host-only leaves in LRU order, never a locked node, a prefetch anchor, or
   a node with a copy to host or storage in flight.
 * Both evictions pop their candidates from an :class:`~hicache.prefix_cache.eviction_index.EvictionIndex`
@@ -189,6 +191,8 @@ class HiRadixCache(RadixCache):
         #: ``_KEPT_COPY_TRIES`` times
         self._failed_kept_copies: dict[TreeNode, int] = {}
         self._prune_at = 1024
+        #: prefetch anchors the running device eviction kept (see :meth:`evict`), policy order
+        self._kept_anchors: list[TreeNode] = []
         #: pages of host-eviction write-backs queued or being written (bounded)
         self._victim_pages_in_flight = 0
         #: first keys of write-backs that failed (not retried; bounded, oldest forgotten)
@@ -708,8 +712,31 @@ class HiRadixCache(RadixCache):
         return False
 
     def evict(self, params: EvictParams | int) -> EvictResult:
+        """Free device slots (see :meth:`RadixCache.evict`). The device-only prefetch anchors
+        it meets are kept; only when the other leaves fall short are the prefetches on them
+        dropped and they evicted, in policy order, as many as the room still missing.
+
+        Why: a prefetch keeps its anchor until its request is admitted, and a request may wait
+        long after its prefetch finished; such anchors were skipped but counted as evictable,
+        so a scheduler trusting ``evictable_size`` admitted requests that then failed for
+        memory while queued ones held it (see :meth:`Prefetches.drop_for_room`). Anchors go
+        last: a waiting request's prefix is about to be used, and its fetch is lost with it."""
         self._start_backups()
-        return super().evict(params)
+        need = params if isinstance(params, int) else params.num_tokens
+        self._kept_anchors = []
+        freed = super().evict(params).num_tokens_evicted
+        anchors, self._kept_anchors = self._kept_anchors, []
+        if freed < need and anchors:
+            room = 0
+            for node in anchors:
+                if room >= need - freed:
+                    break
+                if self._in_tree(node) and node.value is not None and self.prefetches.drop_for_room(node):
+                    room += len(node.key)
+            if room:
+                freed += super().evict(need - freed).num_tokens_evicted
+                self._kept_anchors = []
+        return EvictResult(num_tokens_evicted=freed)
 
     def match_prefix(self, params: MatchPrefixParams, *, count_hit: bool = True) -> MatchResult:
         if self._backup_batch:  # requests served back to back, the loop never between them
@@ -910,12 +937,17 @@ class HiRadixCache(RadixCache):
             self._free(self._drop_device(node))
             self.metrics.incr("device_evicted_tokens", n)
             return n
-        if node.backup_op is not None or node.host_ref:
-            return 0  # a copy in flight, or a prefetch anchor: keep the node
+        if node.backup_op is not None:
+            return 0  # a copy in flight: freed by a later eviction once it is done
         if (self.write_policy == "write_back" or node in self._deferred) and self._backup(node):
-            return 0  # freed by a later eviction once the copy is done
+            return 0  # freed by a later eviction once the copy is done (a prefetch anchor stays)
         if self._deferred.get(node):
             return 0  # KV that must be written waits on device for host room
+        if node.host_ref:
+            # a prefetch anchor (of a waiting request) that can only go by leaving the tree:
+            # kept unless the rest of the tree cannot make the room (see evict)
+            self._kept_anchors.append(node)
+            return 0
         # no host copy and none possible (write-through refused, or no host room): drop it
         if node.children:
             if not all(self._host_evictable(c) or self._droppable(c) for c in node.children.values()):

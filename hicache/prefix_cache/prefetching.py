@@ -2,16 +2,19 @@
 
 The controller fetches the pages (see :mod:`hicache.controller.prefetch`); this module keeps
 the tree's side of each prefetch: the anchor it continues from (protected from host eviction
-by a ``host_ref`` while the fetch runs), the page keys and tokens it fetches, the stored pages
-it pins in the placement's directory, and, once the pages are in the tree, the protection
-admit holds on them until it has used them (:meth:`Prefetches.wait_prefetch` with ``hold``).
+by a ``host_ref`` while the fetch runs; a device eviction that finds no other room drops the
+prefetch, see :meth:`Prefetches.drop_for_room`), the page keys and tokens it fetches, the
+stored pages it pins in the placement's directory, and, once the pages are in the tree, the
+protection admit holds on them until it has used them (:meth:`Prefetches.wait_prefetch` with
+``hold``).
 
 Why a collaborator the cache owns (``cache.prefetches``) and not a part of the cache class: the
 running prefetches and the holds on fetched pages are state of their own, with their own
 invariant (every anchor ``host_ref`` and every pin is released exactly once: at the finish,
-the cancel or the reset); the prefetch needs only a narrow slice of the tree, spelled out as
-:class:`PrefetchHost`, so this module does not import the cache class. Hanging fetched pages
-under their prefix is tree surgery and stays with the tree (``_insert_host``).
+the cancel, a drop for device room or the reset); the prefetch needs only a narrow slice of
+the tree, spelled out as :class:`PrefetchHost`, so this module does not import the cache
+class. Hanging fetched pages under their prefix is tree surgery and stays with the tree
+(``_insert_host``).
 """
 
 from __future__ import annotations
@@ -148,11 +151,43 @@ class Prefetches:
         (its ``owner``) and the other holders' protection stay."""
         state = self.running.get(req_id)
         if state is not None and (holder is None or state.owner is None or state.owner is holder):
-            self.cache.controller.abort_prefetch(req_id)
-            del self.running[req_id]
-            self.cache._dec_host_ref(state.anchor)
-            self._unpin(state)
+            self._abort(req_id, state)
         self.release_prefetched(req_id, holder)
+
+    def _abort(self, req_id: str, state: Prefetch) -> None:
+        """Abort the running prefetch ``state`` of ``req_id``: host pages, anchor and pins."""
+        self.cache.controller.abort_prefetch(req_id)
+        del self.running[req_id]
+        self.cache._dec_host_ref(state.anchor)
+        self._unpin(state)
+
+    def drop_for_room(self, node: TreeNode) -> bool:
+        """Abort the running prefetches that continue from ``node`` or from a node below it,
+        if they are all that protects it (its ``host_ref``); whether they were (none is left).
+
+        Why: device eviction wants ``node``'s slots and ``node`` has no host copy, so it can go
+        only by leaving the tree, which an anchor must not (its prefetch's pages hang below
+        it, its ``host_ref`` is released along its path). A queued request's prefetch held its
+        anchor until the request was admitted, finished or not, while the tree counted the
+        anchor as evictable: a request that could run failed for memory nobody could free.
+        Memory for a request that runs wins over a fetch for one that waits: the prefetch is
+        aborted (its host pages freed, room for the backups host lacked) and its request finds
+        no prefetch at admit, matches again and computes what it would have fetched; counted
+        as ``prefetch_dropped_for_room``. A node an admit's hold protects (see
+        :meth:`wait_prefetch`) keeps everything: that admit is using the pages."""
+        through = []
+        for rid, state in self.running.items():
+            n: TreeNode | None = state.anchor
+            while n is not None and n is not node:
+                n = n.parent
+            if n is not None:
+                through.append((rid, state))
+        if not through or len(through) != node.host_ref:
+            return False
+        for rid, state in through:
+            self._abort(rid, state)
+        self.cache.metrics.incr("prefetch_dropped_for_room", len(through))
+        return True
 
     def release_prefetched(self, req_id: str, holder: object = None) -> None:
         """Drop the protection :meth:`wait_prefetch` (``hold``) kept on ``req_id``'s fetched

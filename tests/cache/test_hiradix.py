@@ -901,3 +901,121 @@ async def test_a_live_request_reusing_a_rid_neither_waits_for_nor_takes_anothers
         cache.abort_req(r)
     assert hits == {"b": (8, 0), "a": (0, 8)}
     await nothing_held_then_close(stack)
+
+
+@pytest.mark.parametrize("policy", ["write_through", "write_back"])
+async def test_a_queued_requests_prefetch_anchor_gives_its_device_room_to_a_running_request(policy: str) -> None:
+    """A queued request matched ``a`` on device (no host copy: host was full) and its prefetch
+    of ``b`` continues from it; the prefetch finished, its pages wait in host until admit. The
+    anchor's ``host_ref`` kept ``a`` on device until the request was admitted, while the tree
+    counted it as evictable: a running request needing the room got none (evict freed 0 with
+    evictable_size 8). Device room wins: the prefetch is dropped (counted), which frees its
+    host pages, ``a`` goes to host, and the queued request still gets correct KV."""
+    store = f"anchor-{uuid.uuid4()}"
+    c = dataclasses.replace(cfg(), storage_backend="memory", storage_options={"store_id": store})
+    first = build_stack(c)
+    a, b = toks(0, 8), toks(100, 8)
+    await serve_request(first, a + b, rid="w")
+    await first.cache.drain()
+    await first.aclose()
+    c = dataclasses.replace(cfg(write_policy=policy), storage_backend="memory", storage_options={"store_id": store})
+    stack = build_stack(dataclasses.replace(c, device_pages=4, host_pages=2))
+    cache, alloc, host = stack.cache, stack.allocator, stack.host_pool
+    blocker = host.alloc(host.available_size())  # host full: a gets no host copy
+    await serve_request(stack, a, rid="a", prefetch=False)
+    await cache.drain()
+    queued = Req(rid="q", origin_input_ids=a + b)
+    assert cache.match_req(queued).device_hit_length == 8
+    a_node = queued.last_host_node
+    assert a_node.value is not None and a_node.host_value is None
+    assert cache.start_prefetch(queued)  # anchored on a, on device only
+    host.free(blocker)  # the prefetch takes it
+    await asyncio.wait_for(stack.controller.wait_prefetches(), 10)  # b waits in host: host full
+    assert host.available_size() == 0 and a_node.host_ref == 1
+    running = alloc.alloc(alloc.available_size())  # a running request holds the rest
+    assert cache.evictable_size() == 8  # a, which only the prefetch anchor keeps
+    assert await asyncio.wait_for(cache.make_device_room(8), 10)  # a's room goes to the running request
+    assert stack.controller.metrics.counters["prefetch_dropped_for_room"] == 1
+    assert not cache.is_prefetching("q") and all(n.host_ref == 0 for n in cache._nodes())
+    alloc.free(running)
+    queued.req_pool_idx = stack.req_to_token_pool.alloc(1)[0]
+    res = await asyncio.wait_for(cache.admit(queued), 10)
+    # the dropped prefetch freed host room for a's copy, so a went to host and is loaded back;
+    # b, no longer fetched, is computed
+    assert (res.device_hit, res.host_hit, res.storage_hit) == (0, 8, 0)
+    assert verify_kv(stack.device_pool, queued.prefix_indices, torch.tensor(a[: res.prefix_len])) == 0
+    cache.abort_req(queued)
+    again = await asyncio.wait_for(serve_request(stack, a + b, rid="again"), 10)
+    assert again.verify_failures == 0
+    await nothing_held_then_close(stack)
+
+
+async def test_a_prefetch_anchor_goes_last_and_without_a_host_copy_leaves_the_tree() -> None:
+    """Host stays full, so neither ``a`` (a queued request's prefetch anchor, on device only)
+    nor the older ``c`` can be copied there. An eviction takes ``c`` first and keeps the
+    prefetch; one that finds nothing else drops the prefetch and deletes ``a`` (it freed 0
+    before, with ``a`` counted as evictable). The queued request then misses and is computed."""
+    store = f"anchor-last-{uuid.uuid4()}"
+    c = dataclasses.replace(cfg(), storage_backend="memory", storage_options={"store_id": store})
+    first = build_stack(c)
+    a, b, other = toks(0, 8), toks(100, 8), toks(200, 8)
+    await serve_request(first, a + b, rid="w")
+    await first.cache.drain()
+    await first.aclose()
+    stack = build_stack(dataclasses.replace(c, device_pages=4, host_pages=2))
+    cache, alloc, host = stack.cache, stack.allocator, stack.host_pool
+    blocker = host.alloc(host.available_size())  # host full throughout
+    await serve_request(stack, other, rid="c", prefetch=False)
+    await serve_request(stack, a, rid="a", prefetch=False)
+    await cache.drain()
+    queued = Req(rid="q", origin_input_ids=a + b)
+    assert cache.match_req(queued).device_hit_length == 8
+    assert cache.start_prefetch(queued)  # anchored on a, on device only
+    await asyncio.wait_for(stack.controller.wait_prefetches(), 10)
+    counters = stack.controller.metrics.counters
+    assert alloc.available_size() == 0 and cache.evictable_size() == 16
+    assert cache.evict(8).num_tokens_evicted == 8  # c, the older leaf: the prefetch stays
+    assert cache.is_prefetching("q") and counters.get("prefetch_dropped_for_room", 0) == 0
+    assert cache.evict(8).num_tokens_evicted == 8  # nothing else left: a goes, its prefetch first
+    assert not cache.is_prefetching("q") and counters["prefetch_dropped_for_room"] == 1
+    assert cache.total_size() == 0 and cache.evictable_size() == 0
+    cache.sanity_check()
+    queued.req_pool_idx = stack.req_to_token_pool.alloc(1)[0]
+    res = await asyncio.wait_for(cache.admit(queued), 10)
+    assert res.prefix_len == 0  # a miss: computed
+    cache.abort_req(queued)
+    host.free(blocker)
+    again = await asyncio.wait_for(serve_request(stack, a + b, rid="again"), 10)
+    assert (again.storage_hit, again.verify_failures) == (8, 0)  # what host (2 pages) can take
+    await nothing_held_then_close(stack)
+
+
+async def test_write_back_copies_a_prefetch_anchor_to_host_rather_than_drop_its_prefetch() -> None:
+    """With host room, device eviction under ``write_back`` copies a device-only prefetch
+    anchor to host and demotes it, as any node: the anchor stays in the tree, so the prefetch
+    goes on and its request gets both the host and the storage hit."""
+    store = f"anchor-wb-{uuid.uuid4()}"
+    c = dataclasses.replace(cfg(), storage_backend="memory", storage_options={"store_id": store})
+    first = build_stack(c)
+    a, b = toks(0, 8), toks(100, 8)
+    await serve_request(first, a + b, rid="w")
+    await first.cache.drain()
+    await first.aclose()
+    c = dataclasses.replace(cfg(write_policy="write_back"), storage_backend="memory",
+                            storage_options={"store_id": store}, device_pages=4, host_pages=4)
+    stack = build_stack(c)
+    cache = stack.cache
+    await serve_request(stack, a, rid="a", prefetch=False)
+    queued = Req(rid="q", origin_input_ids=a + b)
+    assert cache.match_req(queued).device_hit_length == 8
+    assert cache.start_prefetch(queued)  # anchored on a, on device only
+    assert (await asyncio.wait_for(cache.evict_async(8), 10)).num_tokens_evicted == 8
+    a_node = queued.last_host_node
+    assert a_node.value is None and a_node.backuped  # demoted, still the anchor
+    assert cache.is_prefetching("q") and stack.controller.metrics.counters["prefetch_dropped_for_room"] == 0
+    queued.req_pool_idx = stack.req_to_token_pool.alloc(1)[0]
+    res = await asyncio.wait_for(cache.admit(queued), 10)
+    assert (res.host_hit, res.storage_hit) == (8, 8)
+    assert verify_kv(stack.device_pool, queued.prefix_indices, torch.tensor((a + b)[: res.prefix_len])) == 0
+    cache.abort_req(queued)
+    await nothing_held_then_close(stack)
