@@ -12,14 +12,12 @@ from __future__ import annotations
 
 import logging
 
-import torch
-
 from hicache.prefix_cache.base import BasePrefixCache
 from hicache.prefix_cache.types import EvictParams, EvictResult
 from hicache.session.config import SessionConfig
 from hicache.session.metrics import SessionMetrics
 from hicache.session.offload import Offloader
-from hicache.session.slot import SessionSlot
+from hicache.session.slot import SessionSlot, take_restore_back
 from hicache.session.turns import Turns
 from hicache.session.writeback import WriteBackQueue
 
@@ -77,12 +75,7 @@ class Room:
         matches the tree, when it is admitted)."""
         req = slot.attached_req
         assert req is not None
-        req.req_pool_idx = None
-        req.prefix_indices = torch.empty((0,), dtype=torch.int64)
-        req.last_node = req.last_host_node = req.best_match_node = None
-        req.kv_committed_len = req.kv_allocated_len = 0
-        req.cache_protected_len = 0
-        req.last_matched_prefix_len = 0
+        take_restore_back(req)
         self._metrics.incr("preempted_queued_turns")
         self._turns.detach(slot, fire=False)
 

@@ -182,3 +182,15 @@ class SessionSlot:
     def row(self, req_to_token: torch.Tensor) -> torch.Tensor:
         assert self.req_pool_idx is not None
         return req_to_token[self.req_pool_idx]
+
+
+def take_restore_back(req: Req) -> None:
+    """Undo on ``req`` what restoring a session slot into it set (its row, prefix, tree
+    nodes, lengths): it matches afresh when it is next matched. Used where a queued turn's
+    restore is taken back (pressure preempting it, a re-match with a shorter key)."""
+    req.req_pool_idx = None
+    req.prefix_indices = torch.empty((0,), dtype=torch.int64)
+    req.last_node = req.last_host_node = req.best_match_node = None
+    req.kv_committed_len = req.kv_allocated_len = 0
+    req.cache_protected_len = 0
+    req.last_matched_prefix_len = 0

@@ -24,7 +24,7 @@ from hicache.prefix_cache.req import Req
 from hicache.prefix_cache.types import MatchResult
 from hicache.session.metrics import SessionMetrics
 from hicache.session.offload import Offloader
-from hicache.session.slot import SessionSlot, ceil_align
+from hicache.session.slot import SessionSlot, ceil_align, take_restore_back
 
 __all__ = ["Turns", "session_id_of"]
 
@@ -110,12 +110,7 @@ class Turns:
                     f"{slot.turn_prefix_len} tokens restored from its slot; it cannot be matched again "
                     f"with a key of {key_len} (max_prefix_len) inside the {slot.cache_protected_len} "
                     f"tree-protected tokens")
-            req.req_pool_idx = None
-            req.prefix_indices = torch.empty((0,), dtype=torch.int64)
-            req.last_node = req.last_host_node = req.best_match_node = None
-            req.kv_committed_len = req.kv_allocated_len = 0
-            req.cache_protected_len = 0
-            req.last_matched_prefix_len = 0
+            take_restore_back(req)
             slot.turn_prefix_len = 0
         self._offloader.give_up(slot, reason="mismatch")
 
