@@ -287,6 +287,20 @@ async def test_a_release_during_a_memory_retry_is_not_undone_by_the_retry() -> N
         _nothing_held(sessions)
 
 
+async def _second_turn_between_memory_attempts(srv: Any, http: aiohttp.ClientSession) -> tuple[Any, list[int], Any]:
+    """Session ``s``'s first turn served, its second sent and between two memory attempts (its
+    retry waits for ``gate``): ``(gate, the history so far, the second turn's response future)``."""
+    import asyncio
+
+    async with http.post(f"{srv.url}/v1/generate", json=TURN) as resp:
+        out = await resp.json()
+    failing, gate = _out_of_memory_once(srv.state.engine)
+    history = TURN["tokens"] + out["tokens"]
+    t2 = asyncio.ensure_future(http.post(f"{srv.url}/v1/generate", json={**TURN, "tokens": history + [7, 8, 9]}))
+    await failing.wait()
+    return gate, history, t2
+
+
 @requires_facade
 async def test_a_dropped_final_turn_ends_its_session_after_a_turn_between_memory_attempts() -> None:
     """An ``end_session`` turn whose client hangs up while it waits for its session (an earlier
@@ -296,12 +310,7 @@ async def test_a_dropped_final_turn_ends_its_session_after_a_turn_between_memory
 
     async with running_server(small_config(), mode="hicache", port=0) as srv, aiohttp.ClientSession() as http:
         sessions = srv.state.cache.cache  # type: ignore[attr-defined]
-        async with http.post(f"{srv.url}/v1/generate", json=TURN) as resp:
-            out = await resp.json()
-        failing, gate = _out_of_memory_once(srv.state.engine)
-        history = TURN["tokens"] + out["tokens"]
-        t2 = asyncio.ensure_future(http.post(f"{srv.url}/v1/generate", json={**TURN, "tokens": history + [7, 8, 9]}))
-        await failing.wait()
+        gate, history, t2 = await _second_turn_between_memory_attempts(srv, http)
         last = {**TURN, "tokens": history + [5, 6], "end_session": True}
         try:
             async with http.post(f"{srv.url}/v1/generate", json=last, timeout=aiohttp.ClientTimeout(total=0.5)):
@@ -330,12 +339,7 @@ async def test_a_dropped_final_turn_ends_its_session_before_a_later_turn_not_aft
 
     async with running_server(small_config(), mode="hicache", port=0) as srv, aiohttp.ClientSession() as http:
         sessions = srv.state.cache.cache  # type: ignore[attr-defined]
-        async with http.post(f"{srv.url}/v1/generate", json=TURN) as resp:
-            out = await resp.json()
-        failing, gate = _out_of_memory_once(srv.state.engine)
-        history = TURN["tokens"] + out["tokens"]
-        t2 = asyncio.ensure_future(http.post(f"{srv.url}/v1/generate", json={**TURN, "tokens": history + [7, 8, 9]}))
-        await failing.wait()
+        gate, history, t2 = await _second_turn_between_memory_attempts(srv, http)
         last = {**TURN, "tokens": history + [5, 6], "end_session": True}
         dropped = asyncio.ensure_future(http.post(f"{srv.url}/v1/generate", json=last,
                                                   timeout=aiohttp.ClientTimeout(total=0.5)))
