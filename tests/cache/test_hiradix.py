@@ -903,6 +903,16 @@ async def test_a_live_request_reusing_a_rid_neither_waits_for_nor_takes_anothers
     await nothing_held_then_close(stack)
 
 
+async def _memory_store_holding(tokens: list[int], name: str) -> str:
+    """A fresh ``memory`` store (its ``store_id``) that an earlier stack wrote ``tokens`` to."""
+    store = f"{name}-{uuid.uuid4()}"
+    first = build_stack(dataclasses.replace(cfg(), storage_backend="memory", storage_options={"store_id": store}))
+    await serve_request(first, tokens, rid="w")
+    await first.cache.drain()
+    await first.aclose()
+    return store
+
+
 @pytest.mark.parametrize("policy", ["write_through", "write_back"])
 async def test_a_queued_requests_prefetch_anchor_gives_its_device_room_to_a_running_request(policy: str) -> None:
     """A queued request matched ``a`` on device (no host copy: host was full) and its prefetch
@@ -911,13 +921,8 @@ async def test_a_queued_requests_prefetch_anchor_gives_its_device_room_to_a_runn
     counted it as evictable: a running request needing the room got none (evict freed 0 with
     evictable_size 8). Device room wins: the prefetch is dropped (counted), which frees its
     host pages, ``a`` goes to host, and the queued request still gets correct KV."""
-    store = f"anchor-{uuid.uuid4()}"
-    c = dataclasses.replace(cfg(), storage_backend="memory", storage_options={"store_id": store})
-    first = build_stack(c)
     a, b = toks(0, 8), toks(100, 8)
-    await serve_request(first, a + b, rid="w")
-    await first.cache.drain()
-    await first.aclose()
+    store = await _memory_store_holding(a + b, "anchor")
     c = dataclasses.replace(cfg(write_policy=policy), storage_backend="memory", storage_options={"store_id": store})
     stack = build_stack(dataclasses.replace(c, device_pages=4, host_pages=2))
     cache, alloc, host = stack.cache, stack.allocator, stack.host_pool
@@ -955,13 +960,9 @@ async def test_a_prefetch_anchor_goes_last_and_without_a_host_copy_leaves_the_tr
     nor the older ``c`` can be copied there. An eviction takes ``c`` first and keeps the
     prefetch; one that finds nothing else drops the prefetch and deletes ``a`` (it freed 0
     before, with ``a`` counted as evictable). The queued request then misses and is computed."""
-    store = f"anchor-last-{uuid.uuid4()}"
-    c = dataclasses.replace(cfg(), storage_backend="memory", storage_options={"store_id": store})
-    first = build_stack(c)
     a, b, other = toks(0, 8), toks(100, 8), toks(200, 8)
-    await serve_request(first, a + b, rid="w")
-    await first.cache.drain()
-    await first.aclose()
+    store = await _memory_store_holding(a + b, "anchor-last")
+    c = dataclasses.replace(cfg(), storage_backend="memory", storage_options={"store_id": store})
     stack = build_stack(dataclasses.replace(c, device_pages=4, host_pages=2))
     cache, alloc, host = stack.cache, stack.allocator, stack.host_pool
     blocker = host.alloc(host.available_size())  # host full throughout
@@ -994,13 +995,8 @@ async def test_write_back_copies_a_prefetch_anchor_to_host_rather_than_drop_its_
     """With host room, device eviction under ``write_back`` copies a device-only prefetch
     anchor to host and demotes it, as any node: the anchor stays in the tree, so the prefetch
     goes on and its request gets both the host and the storage hit."""
-    store = f"anchor-wb-{uuid.uuid4()}"
-    c = dataclasses.replace(cfg(), storage_backend="memory", storage_options={"store_id": store})
-    first = build_stack(c)
     a, b = toks(0, 8), toks(100, 8)
-    await serve_request(first, a + b, rid="w")
-    await first.cache.drain()
-    await first.aclose()
+    store = await _memory_store_holding(a + b, "anchor-wb")
     c = dataclasses.replace(cfg(write_policy="write_back"), storage_backend="memory",
                             storage_options={"store_id": store}, device_pages=4, host_pages=4)
     stack = build_stack(c)
