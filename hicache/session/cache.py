@@ -190,7 +190,9 @@ class SessionAwareCache(ForwardingCache):
         slot = self._turns.restored(req)
         if slot is not None:
             req.cache_protected_len = slot.cache_protected_len
-            self._admit_restored(slot, req)
+            if not slot.admitted:  # a retried admit of the same turn is not counted again
+                self._admit_restored(slot, req)
+                self._count_restored(req, slot.turn_prefix_len)
             return TurnAdmit(slot.turn_prefix_len, 0, 0, slot.turn_prefix_len, restored=True,
                              attribution=req.attribution)
         inner_admit = getattr(self.inner, "admit", None)
@@ -231,6 +233,22 @@ class SessionAwareCache(ForwardingCache):
         slot.admitted = True
         self.session_metrics.admitted(slot.session_id, slot.turn_prefix_len, "slot")
         self._attribute_restored(req, slot.turn_prefix_len)
+
+    def _count_restored(self, req: Req, prefix_len: int) -> None:
+        """Count a restored turn in the inner cache's request and hit counters (requests,
+        prompt, computed and per-tier hit tokens), its history as a device hit.
+
+        Why: the inner cache's admit counts every other request, but a restored turn never
+        reaches it; left out, ``hicache stats`` undercounted chat requests and hit rates while
+        the turn's attribution reported the hit. Counted where the inner cache counts, in
+        ``admit`` (not in ``inc_lock_ref``: a scheduler that never calls ``admit`` has no
+        request counted), the same way: left in ``req.pending_counts`` for the caller's
+        ``count_admitted`` when it defers (a turn given up for room is then not counted), else
+        at once."""
+        total = len(req.fill_ids or req.origin_input_ids)
+        req.pending_counts = (total, total - prefix_len, prefix_len, 0, 0)
+        if not req.defer_counts:
+            self.count_admitted(req)
 
     def _attribute_restored(self, req: Req, prefix_len: int) -> None:
         """A turn restored from its slot: its history hit on device (miss attribution)."""

@@ -215,6 +215,33 @@ async def test_a_begin_refused_for_room_is_not_counted() -> None:
         await cache.abort(hold)
 
 
+async def test_restored_session_turns_are_counted_in_the_request_and_hit_totals() -> None:
+    """Each turn of a streaming session is a request, its restored history a device hit: the
+    scrape's request, prompt, computed and per-tier hit totals count it as the handle reports it
+    (restored turns were left out: three turns of a chat counted as one request, no hit); a turn
+    refused for room is not counted, as for any request."""
+    async with HiCache.from_config(config(storage={"backend": None})) as cache:
+        label = cache.metrics_label
+        history = prompt(21, 40)
+        handles = []
+        for turn in range(3):
+            history = history + prompt(300 + turn, 3)
+            handles.append(await run(cache, f"t{turn}", history, session_id="chat"))
+            history = list(handles[-1].token_ids)
+        assert all(h.hits["device"] == h.prefix_len > 0 for h in handles[1:])
+        free = cache.metrics()["device"]["free_tokens"]
+        with pytest.raises(OutOfKVSlotsError):  # a restored turn refused for room: not counted
+            await cache.begin("t3", history + prompt(400, free + PS), session_id="chat")
+        scrape = Scrape(cache.prometheus_text())
+        prompt_tokens = sum(len(h.token_ids) for h in handles)
+        device_hits = sum(h.hits["device"] for h in handles)
+        assert scrape.value("hicache_requests_total", cache=label) == 3
+        assert scrape.value("hicache_prompt_tokens_total", cache=label) == prompt_tokens
+        assert scrape.value("hicache_computed_tokens_total", cache=label) == prompt_tokens - device_hits
+        assert scrape.value("hicache_hit_tokens_total", cache=label, tier="device") == device_hits
+        assert scrape.value("hicache_request_hit_tokens_total", cache=label, tier="device") == device_hits
+
+
 async def test_a_failing_tier_change_consumer_is_counted_in_the_scrape() -> None:
     """A consumer of tier changes that raises is logged and counted by the hub (never breaks
     a tier); the count reaches the scrape (it stayed in the hub, unseen)."""

@@ -91,6 +91,40 @@ async def test_restore_is_idempotent_on_retry(stack) -> None:
     stack.assert_initial()
 
 
+async def test_a_restored_turn_is_counted_once_as_a_request_and_a_device_hit() -> None:
+    """A turn restored from its slot is a request whose history hit on device: it is counted in
+    the cache's request, prompt, computed and hit counters like any admitted request (it was
+    left out: three chat turns counted as one request, with no hit), once per turn, even when
+    the scheduler admits the same turn again; an aborted turn keeps its one count."""
+    stack = make_stack(hier=True)
+    try:
+        metrics = stack.inner.metrics
+        conv = Conversation(stack, "s", seed=21)
+        await conv.turn(9, 3)  # the first turn: admitted (and counted) by the inner cache
+        assert metrics.counters["requests"] == 1
+        before = (dict(metrics.counters), dict(metrics.hit_tokens))
+        req = conv.request(5)
+        res = await conv.begin(req)
+        assert res.restored
+        await stack.cache.admit(req)  # the scheduler admits it again: counted once
+        total, prefix = len(req.origin_input_ids), res.prefix_len
+        assert metrics.counters["requests"] == before[0]["requests"] + 1
+        assert metrics.counters["prompt_tokens"] == before[0]["prompt_tokens"] + total
+        assert metrics.counters["computed_tokens"] == before[0]["computed_tokens"] + total - prefix
+        assert metrics.hit_tokens["device"] == before[1]["device"] + prefix
+        assert metrics.hit_tokens["host"] == before[1]["host"]
+        assert req.pending_counts is None  # counted at admit: nothing left for count_admitted
+        stack.cache.count_admitted(req)
+        stack.cache.abort_req(req)
+        assert metrics.counters["requests"] == before[0]["requests"] + 1
+        await conv.turn(4, 2, retries=2)  # restored again after the abort: one more request
+        assert metrics.counters["requests"] == before[0]["requests"] + 2
+        await stack.empty_everything()
+        stack.assert_initial()
+    finally:
+        await stack.aclose()
+
+
 async def test_chunked_turns_touch_the_tree_only_on_the_first_turn(stack) -> None:
     conv = Conversation(stack, "c", seed=4)
     await conv.turn(23, 3, chunk=8)
