@@ -24,6 +24,7 @@ import contextlib
 import enum
 from array import array
 import logging
+import operator
 import os
 from collections.abc import Awaitable, Coroutine, Iterator
 from dataclasses import dataclass, field
@@ -122,19 +123,45 @@ class RequestHandle:
     #: hits per tier and misses per reason of the prompt's tokens
     #: (:class:`~hicache.observability.attribution.RequestAttribution`; ``None`` when off)
     attribution: Any = None
+    #: the model's KV layers (the valid ``layer`` arguments of :meth:`wait_layer` are
+    #: ``0..num_layers-1``); ``None``: the load's own count, when there is a load
+    num_layers: int | None = None
 
     async def wait_layer(self, layer: int) -> None:
         """Return once layer ``layer`` of the prefix KV is on device; a failed load raises
-        :class:`~hicache.errors.PrefixLoadError` (abort the request)."""
+        :class:`~hicache.errors.PrefixLoadError` (abort the request). A ``layer`` that is not
+        an integer in ``0..num_layers-1`` raises ``TypeError``/``IndexError``."""
+        layer = self._checked_layer(layer)
         if self.load is not None:
             with self._typed_load_errors():
                 await self.load.wait_layer(layer)
 
     def wait_layer_sync(self, layer: int) -> None:
         """Blocking :meth:`wait_layer`, for a model's forward running on a worker thread."""
+        layer = self._checked_layer(layer)
         if self.load is not None:
             with self._typed_load_errors():
                 self.load.wait_layer_sync(layer)
+
+    def _checked_layer(self, layer: Any) -> int:
+        """``layer`` as an int in ``0..num_layers-1``, checked before the load is looked at.
+
+        Why: without a load any value returned as if the layer were ready, and with one the
+        counter's ``IndexError`` came out of :meth:`_typed_load_errors` as a
+        :class:`~hicache.errors.PrefixLoadError` ("could not be loaded from host; abort it")
+        although the load was fine: a server following that contract aborted a good request
+        for its own wrong argument. The same bad argument now fails the same way either way."""
+        if isinstance(layer, bool):
+            raise TypeError("layer must be an integer layer index, not a bool")
+        try:
+            index = operator.index(layer)  # ints and integer scalars (numpy, 0-d tensors)
+        except TypeError:
+            raise TypeError(f"layer must be an integer layer index, got {layer!r:.40} "
+                            f"({type(layer).__name__})") from None
+        n = self.num_layers if self.num_layers is not None else getattr(self.load, "num_layers", None)
+        if n is not None and not 0 <= index < n:
+            raise IndexError(f"request {self.rid}: layer {index} out of range [0, {n})")
+        return index
 
     async def wait_loaded(self) -> None:
         """Return once every layer of the prefix KV is on device (a forward that reads the
@@ -523,6 +550,7 @@ class HiCache:
             req=req,
             load=admitted.load_handle,
             attribution=attribution,
+            num_layers=self._require_stack().copy_engine.num_layers,
         )
         self._live[id(handle)] = handle
         return handle

@@ -72,6 +72,43 @@ async def test_second_request_waits_for_a_load_in_flight() -> None:
         assert_no_leak(cache)
 
 
+async def test_a_layer_out_of_range_is_an_argument_error_with_or_without_a_load() -> None:
+    """``wait_layer`` with a layer outside ``0..num_layers-1`` (or not an integer) is the
+    caller's error, the same with or without a host load: it returned silently without one, and
+    with one it came out as a PrefixLoadError ("abort it") although the load was fine."""
+    async with HiCache.from_config(config()) as cache:
+        shared = prompt(2, 5 * PS)
+        await demote_shared(cache, shared)
+        slow_loads(cache)
+        fresh = await cache.begin("fresh", prompt(7, 9))
+        loaded = await cache.begin("loaded", shared + prompt(5, 7))
+        assert fresh.load is None and loaded.load is not None
+        n = cache.device_pool.layer_num
+        for h in (loaded, fresh):
+            for bad in (n, -1, 99):
+                with pytest.raises(IndexError, match="out of range"):
+                    await h.wait_layer(bad)
+                with pytest.raises(IndexError, match="out of range"):
+                    await asyncio.to_thread(h.wait_layer_sync, bad)
+            for bad in (True, 0.0, "0", None):
+                with pytest.raises(TypeError, match="layer"):
+                    await h.wait_layer(bad)  # type: ignore[arg-type]
+                with pytest.raises(TypeError, match="layer"):
+                    h.wait_layer_sync(bad)  # type: ignore[arg-type]
+            for layer in range(n):
+                await h.wait_layer(torch.tensor(layer))  # an integer scalar is an index
+            assert h.num_layers == n
+        # the load itself was fine: the request goes on and its prefix KV is exact
+        tl = torch.tensor(loaded.token_ids)
+        assert verify_kv(cache.device_pool, loaded.kv_indices[: loaded.prefix_len], tl[: loaded.prefix_len]) == 0
+        for h in (fresh, loaded):
+            t = torch.tensor(h.token_ids)
+            write_synthetic_kv(cache.device_pool, h.kv_indices[h.prefix_len :], t[h.prefix_len :])
+            await cache.commit(h)
+        await cache.drain()
+        assert_no_leak(cache)
+
+
 async def test_requests_sharing_an_id_do_not_leak_locks() -> None:
     async with HiCache.from_config(config()) as cache:
         shared = prompt(2, 5 * PS)
