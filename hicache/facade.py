@@ -528,8 +528,19 @@ class HiCache:
                 raise CacheClosedError("HiCache was closed while the request was being admitted") from exc
             raise
         if slots is None:
+            # alloc_extend answers None whether the request found no req_to_token row or no device
+            # KV slots: told apart here (the caller's remedy differs: wait for a running request
+            # to end vs. make KV room), before the abort frees anything
+            no_row = req.req_pool_idx is None and cache.req_to_token_pool.available_size() == 0
             cache.abort_req(req)
             self._rids.discard(cache_rid)
+            if no_row:
+                raise OutOfKVSlotsError(
+                    f"no request slot for request {rid}: all {self.config.device.max_requests} "
+                    "(device.max_requests) are held by running requests and session turns even after "
+                    f"session offload ({self._require_stack().allocator.available_size()} device KV "
+                    "tokens are free); retry when a request ends"
+                )
             raise OutOfKVSlotsError(
                 f"no room for {len(tokens)} tokens on device even after eviction and session offload"
             )

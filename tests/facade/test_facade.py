@@ -143,6 +143,29 @@ async def test_abort_and_capacity_leak_nothing() -> None:
             await cache.begin("toolong", list(range(3000)))
 
 
+async def test_running_out_of_request_slots_says_so() -> None:
+    """With every request row (``device.max_requests``) in use, ``begin`` is refused for a row,
+    not for device KV room (it said "no room for 2 tokens on device even after eviction" with
+    the device nearly empty): the message names the limit; the type is still
+    OutOfKVSlotsError, which servers retry. A request short of KV room is still told so."""
+    cfg = config(storage={"backend": None})
+    cfg["device"]["max_requests"] = 2
+    async with HiCache.from_config(cfg) as cache:
+        held = [await cache.begin(f"r{i}", prompt(20 + i, 2)) for i in range(2)]
+        for _ in range(2):  # refused cleanly: nothing claimed, the same answer again
+            with pytest.raises(OutOfKVSlotsError, match=r"request slot.*device\.max_requests") as err:
+                await cache.begin("r2", prompt(22, 2))
+            assert "no room for" not in str(err.value)
+        await cache.abort(held.pop())
+        with pytest.raises(OutOfKVSlotsError, match="no room for") as err:  # a row, but no KV room
+            await cache.begin("big", prompt(23, 64 * PS))
+        assert "max_requests" not in str(err.value)
+        h = await run(cache, "r2", prompt(22, 2))  # a row is free again
+        assert h.prefix_len == 0
+        await cache.abort(held.pop())
+        assert cache.metrics()["device"]["free_tokens"] == 64 * PS
+
+
 async def test_decode_extend_and_chunked_commit() -> None:
     async with HiCache.from_config(config()) as cache:
         tokens = prompt(11, 33)
