@@ -37,6 +37,7 @@ from hicache.engine.model import KVPoolLike, TinyTransformer
 from hicache.engine.worker import DECODE, PREFILL, ForwardWorker
 from hicache.memory.device_pool import MHATokenToKVPool
 from hicache.storage.offload import wait_out
+from hicache.tokens import token_ids_of
 
 __all__ = ["CacheLike", "Engine", "GenerateResult", "reference_generate", "reference_logits"]
 
@@ -221,10 +222,9 @@ class Engine:
         """
         if max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be positive, got {max_new_tokens}")
-        if not token_ids:
-            raise ValueError("generate needs at least one prompt token")
+        prompt = self._prompt_ids(token_ids)
         t0 = time.perf_counter() if arrival is None else arrival
-        handle = await self.cache.begin(rid, [int(t) for t in token_ids], session_id=session_id)
+        handle = await self.cache.begin(rid, prompt, session_id=session_id)
         try:
             result = await self._generate(handle, max_new_tokens, t0, on_token, return_logits)
         except BaseException:
@@ -234,6 +234,23 @@ class Engine:
         await self.cache.commit(handle, finished=True)
         result.latency_s = time.perf_counter() - t0
         return result
+
+    def _prompt_ids(self, token_ids: Sequence[int]) -> list[int]:
+        """``token_ids`` as the model's token ids, checked before the cache is asked for anything.
+
+        Why: ``int()`` on each id truncated a float (``[1.7, 2.2]`` was served as ``[1, 2]``,
+        another prompt, without a word), and an id past the model's vocabulary only failed in
+        the embedding lookup on the worker, after the cache had matched and allocated for it.
+        The facade's own check (:func:`hicache.tokens.token_ids_of`) refuses a non-integer, the
+        vocabulary bound is the model's: a ``TypeError``/``ValueError`` naming the bad id."""
+        tokens = token_ids_of(token_ids)
+        if not tokens:
+            raise ValueError("generate needs at least one prompt token")
+        vocab = self.model.spec.vocab_size
+        bad = next((t for t in tokens if t >= vocab), None)
+        if bad is not None:
+            raise ValueError(f"token_ids: token id {bad} is outside the model's vocabulary (vocab_size {vocab})")
+        return tokens
 
     async def _generate(
         self,

@@ -128,6 +128,30 @@ async def test_out_of_slots_is_an_error_and_leaks_nothing(model: TinyTransformer
         await engine.aclose()
 
 
+async def test_a_prompt_of_non_integer_or_out_of_vocabulary_ids_is_refused_before_the_cache(
+        model: TinyTransformer) -> None:
+    """``generate`` checks its prompt as ``HiCache.begin`` does: float ids were truncated by
+    ``int()`` (``[1.7, 2.2, 3.9]`` answered as the prompt ``[1, 2, 3]``), and an id past the
+    model's vocabulary failed only in the embedding lookup, after the cache had allocated."""
+    cfg = small_config()
+    async with RecomputeCache(cfg) as cache:
+        engine = Engine(cache, model)
+        vocab = model.spec.vocab_size
+        for bad, error, match in (([1.7, 2.2, 3.9], TypeError, "integers"),
+                                  (torch.tensor([1.0, 2.0]), TypeError, "integers"),
+                                  ("123", TypeError, "sequence"),
+                                  ([1, -2, 3], ValueError, "outside"),
+                                  ([1, vocab, 3], ValueError, "vocab_size"),
+                                  ([], ValueError, "at least one")):
+            with pytest.raises(error, match=match):
+                await engine.generate("bad", bad, 2)  # type: ignore[arg-type]
+        assert engine.forwards == 0 and cache.metrics()["device_free_tokens"] == cfg.device.size_tokens
+        # integer ids of any integer type are the prompt they say
+        res = await engine.generate("ok", torch.tensor([1, 2, vocab - 1]), 2)
+        assert res.tokens == reference_generate(model, [1, 2, vocab - 1], 2)
+        await engine.aclose()
+
+
 async def test_cancelled_request_waits_for_its_forward_then_aborts(spec) -> None:
     model = TinyTransformer(spec)
     cache = DevicePrefixCache(spec)
