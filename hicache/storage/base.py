@@ -338,6 +338,13 @@ class AsyncHiCacheStorage(ABC):
         await self._ensure_open()
         return await self._guard("verify", self._read_bytes(page), None) is not None
 
+    async def check_page(self, page: PageKey) -> str:
+        """:meth:`verify_page` with why a page failed (``hicache inspect``): ``"ok"``,
+        ``"corrupt"``, or ``"vanished"`` (removed by a writer before it was read: no damage).
+        By default every failed read is ``"corrupt"``; a backend that can tell a missing page
+        from a damaged one says so."""
+        return "ok" if await self.verify_page(page) else "corrupt"
+
     # ------------------------------------------------------------------ guarded calls
 
     async def _guard(self, what: str, coro: Any, fallback: Any) -> Any:

@@ -231,3 +231,53 @@ async def test_inspect_changes_nothing_in_a_store_larger_than_the_default_bound(
     report = await inspect_store(str(tmp_path), progress=False, verify="none")
     assert report["pages"] == 66 and report["corrupt"] == 0
     assert _snapshot(tmp_path) == before
+
+
+async def test_inspect_counts_a_torn_and_a_corrupt_page_as_two(tmp_path: Path) -> None:
+    """Page files were counted after verification, which drops the corrupt page it finds: the
+    count went down by one, hiding the torn page beside it (``corrupt 1``)."""
+    ns = Namespace(model="a")
+    await _fill(tmp_path, ns, 5)
+    pages = sorted((tmp_path / ns.digest).rglob("*.page"))
+    os.truncate(pages[0], 100)  # torn: the listing cannot read it
+    data = bytearray(pages[1].read_bytes())
+    data[200] ^= 0xFF  # listed, fails verification
+    pages[1].write_bytes(bytes(data))
+    report = await inspect_store(str(tmp_path), verify="all", progress=False)
+    assert report["namespaces"][ns.digest]["corrupt"] == 2 and report["corrupt"] == 2
+    assert report["pages"] == 4 and report["vanished"] == 0
+
+
+async def test_a_live_servers_writes_and_evictions_during_inspect_are_no_corruption(tmp_path: Path, monkeypatch) -> None:
+    """inspect observes a live server's store: pages the server published while inspect
+    verified counted as corrupt (page files on disk minus pages listed), and pages it evicted
+    between the listing and their read counted as corrupt too. Now: none corrupt, the
+    evicted ones shown as ``vanished``."""
+    from hicache_backends.file import io as file_io
+
+    ns = Namespace(model="live")
+    store_root, elsewhere = tmp_path / "store", tmp_path / "elsewhere"
+    await _fill(store_root, ns, 5)
+    async with create_async_storage("file", None, root=str(elsewhere), namespace=ns) as other:
+        assert await other.batch_set([f"new{i}" for i in range(3)], [torch.full((256,), 9.0) for _ in range(3)])
+    new_pages = sorted((elsewhere / ns.digest).rglob("*.page"))
+    real_read = file_io.read_page_bytes
+    acted: list[str] = []
+
+    def read_while_the_server_works(path, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if not acted:  # on inspect's first read, the server publishes 3 pages and evicts 2
+            for f in new_pages:  # published as a writer publishes: by rename
+                dest = store_root / f.relative_to(elsewhere)
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                os.rename(f, dest)
+            for f in [p for p in old_pages if str(p) != path][:2]:  # two pages inspect reads later
+                os.remove(f)
+                acted.append(f.name)
+        return real_read(path, *args, **kwargs)
+
+    old_pages = sorted((store_root / ns.digest).rglob("*.page"))
+    monkeypatch.setattr(file_io, "read_page_bytes", read_while_the_server_works)
+    report = await inspect_store(str(store_root), verify="all", progress=False)
+    assert len(acted) == 2 and report["pages"] == 5 and report["checked"] == 5
+    assert report["corrupt"] == 0, report["namespaces"][ns.digest]
+    assert report["vanished"] == 2 and report["namespaces"][ns.digest]["vanished"] == 2

@@ -632,8 +632,14 @@ class FileStorage(AsyncHiCacheStorage):
                 logger.warning("file store %s: %d page read(s) failed since the last warning; reading %s: %s",
                                self.root, count, page.label()[:80], r.reason)
 
-    @_tracked
     async def _read_bytes(self, page: PageKey) -> bytes | None:
+        r = await self._read_result(page)
+        return r.payload if r.status is page_io.ReadStatus.OK else None
+
+    @_tracked
+    async def _read_result(self, page: PageKey) -> page_io.ReadResult:
+        """Read one page, with the bookkeeping of any read (a page adopted, a corrupt one
+        dropped, a vanished one forgotten); the result says which (:meth:`check_page`)."""
         assert self._layout is not None and self._codec is not None
         pid = page_id(page.key, page.pool)
         before = self.index.get(pid)
@@ -647,9 +653,22 @@ class FileStorage(AsyncHiCacheStorage):
                 self.index.touch(pid, time.time())
             else:
                 self._adopt(pid, r)
-            return r.payload
+            return r
         self._after_failed_read(page, pid, r, before)
-        return None
+        return r
+
+    async def check_page(self, page: PageKey) -> str:
+        """:meth:`verify_page`, telling a page that is gone (no file: evicted or cleared by a
+        writer between ``hicache inspect``'s listing and this read, as a live store does all
+        the time) - ``"vanished"`` - from one that failed verification or could not be read -
+        ``"corrupt"``, dropped as on any read."""
+        await self._ensure_open()
+        r = await self._guard("verify", self._read_result(page), None)
+        if r is None:  # the read raised (counted and logged): unreadable, as before
+            return "corrupt"
+        if r.status is page_io.ReadStatus.OK:
+            return "ok"
+        return "vanished" if r.status is page_io.ReadStatus.MISSING else "corrupt"
 
     @_tracked
     async def _write(
@@ -1059,17 +1078,17 @@ class FileStorage(AsyncHiCacheStorage):
         return found
 
     async def list_pages(self) -> list[tuple[PageKey, int]]:
-        await self._ensure_open()
-        assert self._layout is not None
-        rows = await asyncio.to_thread(page_io.list_pages, self._layout)
-        return [(PageKey(key, pool), size) for key, pool, size in rows]
+        return (await self.survey_pages())[0]
 
-    async def count_page_files(self) -> int:
-        """Page files of this namespace, readable or not (``hicache inspect``: the ones
-        :meth:`list_pages` could not read are corrupt)."""
+    async def survey_pages(self) -> tuple[list[tuple[PageKey, int]], int]:
+        """:meth:`list_pages`, and how many page files the listing could not read (torn, a
+        damaged footer: ``hicache inspect`` counts them corrupt), from the same look at each
+        folder: counted apart, a live server's writes and evictions in between were miscounted
+        as corrupt pages."""
         await self._ensure_open()
         assert self._layout is not None
-        return await asyncio.to_thread(page_io.count_page_files, self._layout)
+        rows, unreadable = await asyncio.to_thread(page_io.survey_pages, self._layout)
+        return [(PageKey(key, pool), size) for key, pool, size in rows], unreadable
 
     async def describe_space(self) -> dict[str, Any]:
         """The file system's free space against ``min_free_bytes``, and this namespace's shared

@@ -1137,31 +1137,58 @@ def page_identity(path: str) -> tuple[str, str] | None:
     return None if parsed is None else (parsed.key, parsed.pool)
 
 
-def count_page_files(layout: NamespaceLayout) -> int:
-    """Page files of a namespace, readable or not (what :func:`list_pages` cannot read -
-    torn, a damaged footer - is the difference)."""
-    count = 0
+def list_pages(layout: NamespaceLayout) -> list[tuple[str, str, int]]:
+    """(key, pool, file size) of every readable page file of a namespace (:func:`survey_pages`)."""
+    return survey_pages(layout)[0]
+
+
+def survey_pages(layout: NamespaceLayout) -> tuple[list[tuple[str, str, int]], int]:
+    """(key, pool, file size) of every readable page file of a namespace, and how many page
+    files could not be read (torn, a damaged footer or header, an I/O error), from one listing
+    of each folder: a page file is either listed or counted unreadable, and one removed while
+    we looked (a live writer evicts all the time) is neither. Counted from a second listing,
+    a writer's new pages - or its evictions - showed up as unreadable ones. Nothing is removed
+    (``hicache inspect`` surveys a read-only store: a torn page is the scans' to sweep)."""
+    out: list[tuple[str, str, int]] = []
+    unreadable = 0
     for subdir in list_subdirs(layout):
         try:
             with os.scandir(subdir) as it:
-                count += sum(1 for e in it if e.name.endswith(PAGE_SUFFIX) and e.is_file(follow_symlinks=False))
+                paths = [e.path for e in it if _page_file_name(e.name) and e.is_file(follow_symlinks=False)]
         except OSError:
             continue
-    return count
+        for path in paths:
+            try:
+                row = _surveyed_page(path)
+            except FileNotFoundError:
+                continue  # removed since the listing: no page, and no damage
+            except OSError:
+                row = None
+            if row is None:
+                unreadable += 1
+            else:
+                out.append(row)
+    return out, unreadable
 
 
-def list_pages(layout: NamespaceLayout) -> list[tuple[str, str, int]]:
-    """(key, pool, file size) of every readable page file of a namespace. A listing removes
-    nothing (``hicache inspect`` lists a read-only store's pages: a dead writer's temp file or a
-    torn page is the scans' to sweep, and a torn page is counted corrupt there)."""
-    out: list[tuple[str, str, int]] = []
-    for subdir in list_subdirs(layout):
-        try:
-            entries = scan_subdir(subdir, float("inf"), remove=False)[0]
-        except PartialScan as partial:  # what could be read is listed
-            entries = partial.entries
-        for e in entries:
-            ident = page_identity(layout.path(e.pid))
-            if ident is not None:
-                out.append((ident[0], ident[1], e.size))
-    return out
+def _page_file_name(name: str) -> bool:
+    """Whether a file name is a page's (what a scan indexes; other files are not pages)."""
+    pid = name[: -len(PAGE_SUFFIX)]
+    return name.endswith(PAGE_SUFFIX) and len(pid) == 2 * ID_LEN and set(pid) <= _ID_HEX
+
+
+def _surveyed_page(path: str) -> tuple[str, str, int] | None:
+    """(key, pool, size) of one page file whose footer and header read as ours, else ``None``;
+    raises ``FileNotFoundError`` for a file gone since it was listed."""
+    size = os.stat(path, follow_symlinks=False).st_size
+    raw = _footer_bytes(path, size)  # the scan's own check of a footer
+    if not raw or decode_footer(raw) is None:
+        return None
+    fd = os.open(path, _O_READ)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        parsed = PageCodec.parse(os.pread(fd, 4096, 0))
+    finally:
+        os.close(fd)
+    return None if parsed is None else (parsed.key, parsed.pool, size)
