@@ -107,8 +107,9 @@ async def inspect_store(
         store = create_async_storage(backend, None, namespace=ns, **opts)
         layout = getattr(store, "layout", None)  # a store of folders (file)
         if layout is not None and not await asyncio.to_thread(os.path.isdir, layout.ns_dir):
-            # a manifest that does not name its own folder (edited, or another version's):
-            # opening its namespace would create a folder in the store being inspected
+            # a namespace whose folder is not there (a backend that lists a manifest naming
+            # another folder, or the folder removed since): opening it would create a folder
+            # in the store being inspected
             report["unmatched_manifests"] = report.get("unmatched_manifests", 0) + 1
             logger.warning("inspect: a manifest names namespace %s, which has no folder; not opened", ns.digest)
             continue

@@ -70,7 +70,19 @@ async def test_inspect_counts_unreadable_page_files_and_never_creates_a_folder(t
     manifest.write_text('{"model": "edited"}')
     before = sorted(os.listdir(root))
     report = await inspect_store(root, verify="none", progress=False)
-    assert sorted(os.listdir(root)) == before and report.get("unmatched_manifests") == 1
+    assert sorted(os.listdir(root)) == before and report["corrupt_manifests"] == 1
+
+
+async def test_an_edited_manifest_is_one_problem_not_two(tmp_path: Path) -> None:
+    """A manifest naming another namespace than its folder's was reported twice: as a corrupt
+    manifest and as an unmatched one (with a warning). It is one corrupt manifest, with why."""
+    ns = Namespace(model="a")
+    await _fill(tmp_path, ns, 1)
+    (tmp_path / ns.digest / "manifest.json").write_text('{"model": "edited"}')
+    report = await inspect_store(str(tmp_path), verify="none", progress=False)
+    assert report["corrupt_manifests"] == 1 and "unmatched_manifests" not in report, report
+    assert "describes namespace" in report["namespaces"][ns.digest]["corrupt_manifest"]
+    assert list(report["namespaces"]) == [ns.digest] and report["pages"] == 0
 
 
 def test_a_backend_that_cannot_list_namespaces_is_one_line(capsys) -> None:

@@ -1043,7 +1043,7 @@ class FileStorage(AsyncHiCacheStorage):
     async def read_namespaces(self) -> tuple[list[Namespace], dict[str, str]]:
         """The namespace each folder's manifest describes, and why for each folder whose
         manifest is corrupt (not JSON, fields of another format) or describes another
-        namespace than its folder's."""
+        namespace than its folder's (each folder is in one of the two)."""
         manifests = await asyncio.to_thread(page_io.read_manifests, str(self.root))
         found: list[Namespace] = []
         corrupt: dict[str, str] = {}
@@ -1056,11 +1056,13 @@ class FileStorage(AsyncHiCacheStorage):
             except (ConfigError, TypeError, ValueError) as exc:  # ValueError: an ``extra`` like "ab"
                 corrupt[digest] = f"manifest.json has fields of another format: {type(exc).__name__}: {exc}"
                 continue
-            # still listed: inspect counts it as an unmatched manifest and never opens it
-            found.append(ns)
             if ns.digest != digest:
+                # corrupt only: listed as found too, one edited manifest was two problems in
+                # inspect's report (a corrupt manifest, and one naming a folder that is not there)
                 corrupt[digest] = (f"manifest.json describes namespace {ns.digest}, not this folder's "
                                    "(edited, or written by another version)")
+                continue
+            found.append(ns)
         return found, corrupt
 
     def other_namespaces_holding(self, key: str, pool: str = "kv", *, limit: int = 8) -> list[str] | None:
