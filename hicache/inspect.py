@@ -20,10 +20,9 @@ import os
 import random
 from typing import Any
 
-from tqdm import tqdm
-
 from hicache.errors import ConfigError, HiCacheError
 from hicache.storage import AsyncHiCacheStorage, create_async_storage
+from hicache.replay.trace import progress_bar
 from hicache.storage.registry import available_backends, backend_class
 
 logger = logging.getLogger(__name__)
@@ -128,14 +127,19 @@ async def inspect_store(
             else:
                 chosen = []
             bad, vanished = unlisted, 0
-            for page, _ in tqdm(chosen, desc=f"verify {ns.digest[:8]}", unit="page", disable=not progress or not chosen, leave=False):
-                verdict = await store.check_page(page)
-                # a page gone since the listing was evicted (or cleared) by its writer, as a
-                # live store at its max_bytes does all the time: no damage, but shown
-                if verdict == "vanished":
-                    vanished += 1
-                elif verdict != "ok":
-                    bad += 1
+            # the trace tools' bar: drawn on a terminal only (into a log or a pipe, every
+            # redraw was a line of carriage returns)
+            with progress_bar(progress and bool(chosen), total=len(chosen), desc=f"verify {ns.digest[:8]}",
+                              unit="page", leave=False) as bar:
+                for page, _ in chosen:
+                    verdict = await store.check_page(page)
+                    # a page gone since the listing was evicted (or cleared) by its writer, as
+                    # a live store at its max_bytes does all the time: no damage, but shown
+                    if verdict == "vanished":
+                        vanished += 1
+                    elif verdict != "ok":
+                        bad += 1
+                    bar.update()
             pools: dict[str, int] = {}
             for page, _ in pages:
                 pools[page.pool] = pools.get(page.pool, 0) + 1

@@ -293,3 +293,19 @@ async def test_a_live_servers_writes_and_evictions_during_inspect_are_no_corrupt
     assert len(acted) == 2 and report["pages"] == 5 and report["checked"] == 5
     assert report["corrupt"] == 0, report["namespaces"][ns.digest]
     assert report["vanished"] == 2 and report["namespaces"][ns.digest]["vanished"] == 2
+
+
+async def test_inspect_progress_shows_on_a_terminal_only(tmp_path: Path, monkeypatch) -> None:
+    """inspect drew its verification bar into any stderr (a log, a pipe: a line of carriage
+    returns per redraw); like the trace tools' bar, it shows on a terminal only."""
+    import io
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    await _fill(tmp_path, Namespace(model="a"), 3)
+    for stderr, shown in ((Terminal(), True), (io.StringIO(), False)):
+        monkeypatch.setattr("sys.stderr", stderr)
+        report = await inspect_store(str(tmp_path), verify="all", progress=True)
+        assert report["checked"] == 3 and ("verify" in stderr.getvalue()) is shown, stderr.getvalue()[:200]
