@@ -113,14 +113,30 @@ def _cmd_backends(args: argparse.Namespace) -> Any:
     return out
 
 
+class _Failed(Exception):
+    """A command that ran to its end and found what it checks failed: its result is printed
+    as ever, then ``message`` on stderr, and the process exits with ``status``."""
+
+    def __init__(self, result: Any, status: int, message: str) -> None:
+        super().__init__(message)
+        self.result, self.status = result, status
+
+
 def _cmd_demo(args: argparse.Namespace) -> Any:
     from hicache.demo import format_report, run_demo
 
     report = run_demo(_load(args.config), quick=args.quick, echo=False)
-    if args.json:
-        return report
-    print(format_report(report))
-    return None
+    result = report if args.json else None
+    if not args.json:
+        print(format_report(report))
+    if not report["all_answers_match"]:
+        # the demo checks every cached answer against the recompute: like ``replay``, a job
+        # running it (scripts/demo.sh in CI) must not pass on wrong KV or failed requests
+        failed = len(report.get("failed_requests", []))
+        raise _Failed(result, 1, f"not every cached answer equals the no-cache recompute: {report['answers_mismatched']} "
+                                 f"differ, {report.get('answers_missing', 0)} missing, {failed} request(s) failed "
+                                 f"({report['answers_compared']} answers compared)")
+    return result
 
 
 def _cmd_serve(args: argparse.Namespace) -> Any:
@@ -131,15 +147,6 @@ def _cmd_serve(args: argparse.Namespace) -> Any:
         config = config.model_copy(update={"server": config.server.model_copy(update={"port": args.port})})
     serve(config)
     return None
-
-
-class _Failed(Exception):
-    """A command that ran to its end and found what it checks failed: its result is printed
-    as ever, then ``message`` on stderr, and the process exits with ``status``."""
-
-    def __init__(self, result: Any, status: int, message: str) -> None:
-        super().__init__(message)
-        self.result, self.status = result, status
 
 
 def _cmd_replay(args: argparse.Namespace) -> Any:

@@ -134,6 +134,31 @@ def test_the_demo_refuses_a_context_too_short_for_its_conversations(tmp_path, ca
     assert "device.max_context_len is 256" in _error(capsys, ["demo", "-c", str(cfg), "--quick"])
 
 
+@pytest.mark.parametrize("as_json", [False, True])
+def test_the_demo_fails_when_a_cached_answer_differs(capsys, monkeypatch, as_json: bool) -> None:
+    """The demo printed "NO (1 differ)" for an answer wrong KV changed, and exited 0: CI ran
+    scripts/demo.sh and passed. Like ``replay``, it prints its report, then one line, exit 1."""
+    import hicache.demo as demo
+
+    real = demo.run_cached_phases
+
+    async def one_wrong_answer(*args, **kwargs):  # type: ignore[no-untyped-def]
+        runs = await real(*args, **kwargs)
+        rec = next(r for r in runs.cached["records"] if r["error"] is None)
+        rec["tokens"] = [t + 1 for t in rec["tokens"]]  # what wrong KV does to an answer
+        return runs
+
+    monkeypatch.setattr(demo, "run_cached_phases", one_wrong_answer)
+    assert main(["demo", "--quick", "-c", "configs/memory.toml", *(["--json"] if as_json else [])]) == 1
+    captured = capsys.readouterr()
+    if as_json:
+        assert json.loads(captured.out)["answers_mismatched"] == 1
+    else:
+        assert "NO (1 differ)" in captured.out
+    failed = [line for line in captured.err.splitlines() if line.startswith("hicache: failed: ")]
+    assert len(failed) == 1 and "1 differ, 0 missing" in failed[0] and "Traceback" not in captured.err
+
+
 def test_replay_on_a_file_root_it_cannot_use_is_an_error_not_a_table_of_misses(tmp_path, capsys) -> None:
     """The store was opened by its first call: every call failed (a traceback each, logged),
     and the replay exited 0 with its misses blamed on the backend."""
