@@ -128,15 +128,21 @@ def _is_string_field(path: list[str]) -> bool:
     return str in args and all(a in (str, type(None)) for a in args)
 
 
+def _env_path(name: str) -> list[str] | None:
+    """The config path a ``HICACHE__...`` variable sets (lower case), or ``None`` for another
+    variable."""
+    if not name.upper().startswith(ENV_PREFIX):
+        return None
+    return [p.lower() for p in name[len(ENV_PREFIX) :].split("__") if p]
+
+
 def env_overrides(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
     """The nested dict that ``HICACHE__...`` variables describe."""
     environ = os.environ if environ is None else environ
     out: dict[str, Any] = {}
     leaves: dict[tuple[str, ...], str] = {}  # path -> the variable that set it
     for name, raw in sorted(environ.items()):
-        if not name.upper().startswith(ENV_PREFIX):
-            continue
-        path = [p.lower() for p in name[len(ENV_PREFIX) :].split("__") if p]
+        path = _env_path(name)
         if not path:
             continue
         for i in range(1, len(path)):
@@ -260,7 +266,7 @@ def _finish(
         if env:
             data = _storage_options_under_env(data, env)
             if check:
-                _fit_env_options(data, env)
+                _fit_env_options(data, env, os.environ if environ is None else environ)
             data = _merge(data, env)
             label += " + HICACHE__ environment"
     config = config_from_dict(data, source=label)
@@ -299,12 +305,15 @@ def _storage_options_under_env(data: dict[str, Any], env: dict[str, Any]) -> dic
     return {**data, "storage": {k: v for k, v in storage.items() if k != "options"}}
 
 
-def _fit_env_options(data: Mapping[str, Any], env: dict[str, Any]) -> None:
+def _fit_env_options(data: Mapping[str, Any], env: dict[str, Any], environ: Mapping[str, str]) -> None:
     """Remove from ``env`` the storage options the configured backend does not take (and the
     file did not set): a global override such as ``..__OPTIONS__ROOT`` is meant for the
     backends that have that option. Options the backend annotates ``bool`` are read from their
     usual spellings (``False``, ``no``, ``0``...): a variable's text is not JSON, so it stayed
-    the string ``"False"``, where a typed field spelt the same way was read as false."""
+    the string ``"False"``, where a typed field spelt the same way was read as false. Options
+    it annotates as text (``str``, a path, optionally ``None``) keep their variable's text
+    (from ``environ``), as string fields of the schema do: read as JSON, a root folder named
+    ``2024`` became the number 2024 and the backend refused it."""
     options = env.get("storage", {}).get("options") if isinstance(env.get("storage"), dict) else None
     if not isinstance(options, dict) or not options:
         return
@@ -313,7 +322,7 @@ def _fit_env_options(data: Mapping[str, Any], env: dict[str, Any]) -> None:
     name = storage.get("backend", "file")
     if not isinstance(name, str) or not name:
         return
-    from hicache.storage.options import takes_bool
+    from hicache.storage.options import takes_bool, takes_str
     from hicache.storage.registry import backend_options
 
     try:
@@ -325,9 +334,13 @@ def _fit_env_options(data: Mapping[str, Any], env: dict[str, Any]) -> None:
     for key in sorted(set(options) - allowed - set(file_options or {})):
         logger.warning("ignoring HICACHE__STORAGE__OPTIONS__%s: backend %r has no option %r", key.upper(), name, key)
         del options[key]
+    texts = {path[2]: raw for name, raw in sorted(environ.items())
+             if (path := _env_path(name)) is not None and len(path) == 3 and path[:2] == ["storage", "options"]}
     for key in options.keys() & allowed:
         if takes_bool(params[key]):
             options[key] = _as_bool(options[key])
+        elif takes_str(params[key]) and key in texts:
+            options[key] = _parse_env_value(texts[key], True)  # null still clears an optional one
 
 
 def _as_bool(value: Any) -> Any:

@@ -116,6 +116,35 @@ def test_environment_switches_the_backend_of_the_default_config(caplog: pytest.L
     assert config.storage.options == {"root": "/srv/kv", "max_bytes": 4294967296}
 
 
+@pytest.mark.parametrize("text", ["2024", "true", "1e3", "[1]"])
+def test_text_backend_options_from_the_environment_stay_text(text: str) -> None:
+    """``HICACHE__STORAGE__OPTIONS__ROOT=2024`` (the README's variable, a folder named by a
+    year) was read as JSON into the number 2024 and the file backend refused it; ``true`` and
+    ``1e3`` changed type too. An option the backend annotates as text or a path keeps the text;
+    a number option is still read as one."""
+    default = str(Path(__file__).resolve().parents[2] / "configs" / "default.toml")
+    config = load_config(default, environ={"HICACHE__STORAGE__OPTIONS__ROOT": text,
+                                           "HICACHE__STORAGE__OPTIONS__MAX_BYTES": "1024"})
+    assert config.storage.options["root"] == text and config.storage.options["max_bytes"] == 1024
+    config = load_config({"storage": {"backend": "memory"}}, environ={"HICACHE__STORAGE__OPTIONS__STORE_ID": text})
+    assert config.storage.options == {"store_id": text}
+
+
+def test_takes_str_reads_text_and_path_annotations() -> None:
+    import inspect
+    import os
+
+    from hicache.storage.options import takes_str
+
+    def param(ann: object) -> inspect.Parameter:
+        return inspect.Parameter("x", inspect.Parameter.KEYWORD_ONLY, annotation=ann)
+
+    for ann in (str, str | None, str | os.PathLike[str] | None, Path, "str", "str | os.PathLike[str] | None", "Path | None"):
+        assert takes_str(param(ann)), ann
+    for ann in (int, bool, "int | None", "str | int", str | int, "dict[str, Any] | None", None, inspect.Parameter.empty):
+        assert not takes_str(param(ann)), ann
+
+
 def test_boolean_backend_options_from_the_environment_are_read_as_booleans(tmp_path: Path) -> None:
     """``HICACHE__STORAGE__OPTIONS__SHARED=False`` stayed the string ``"False"`` (not JSON) and the
     file store took it as true, where ``HICACHE__SESSION__ENABLED=False`` was read as false."""
