@@ -269,6 +269,28 @@ def test_a_plot_that_cannot_be_written_is_refused_before_the_trace_is_read(tmp_p
         assert usage.value.code == 2 and words in err and "Traceback" not in err, err
 
 
+@pytest.mark.parametrize("name", [b"caf\xe9.jsonl", b"a\x01b.jsonl"])
+def test_size_plots_a_trace_whose_name_is_not_utf8_or_has_a_control_character(tmp_path, name: bytes) -> None:
+    """A trace named ``café`` in latin-1 (the plot's title is its name) ended ``size`` with a
+    UnicodeEncodeError traceback, after the plot file was opened: an existing plot was left
+    empty. A control character in the name made an SVG no XML reader opens."""
+    import os
+    import xml.etree.ElementTree as ET
+
+    trace = os.fsdecode(name)
+    _trace(tmp_path / trace, RECORD, RECORD)
+    (tmp_path / "out.svg").write_text("an earlier plot")
+    env = {**os.environ, "PYTHONIOENCODING": "utf-8:strict"}  # a UTF-8 terminal's stdout
+    proc = subprocess.run([sys.executable, "-m", "hicache.cli", "size", trace, "--plot", "out.svg", "--no-progress"],
+                          cwd=tmp_path, env=env, capture_output=True, timeout=120)
+    assert proc.returncode == 0 and b"Traceback" not in proc.stderr, proc.stderr.decode(errors="replace")
+    svg = ET.parse(tmp_path / "out.svg").getroot()  # well-formed
+    title = next(t.text for t in svg.iter("{http://www.w3.org/2000/svg}text") if t.text and "vs cache size" in t.text)
+    assert title.endswith(("caf\ufffd.jsonl", "a\ufffdb.jsonl")), title
+    assert ".jsonl: 2 requests" in proc.stdout.decode()  # the report (UTF-8: it printed) names it too
+    assert sorted(os.listdir(tmp_path)) == sorted([trace, "out.svg"])  # no temporary file left
+
+
 def test_policies_are_a_list_of_names_spaces_allowed_none_refused(tmp_path, capsys) -> None:
     """``lru, reuse`` failed on the policy ' reuse'; ``,`` replayed every policy, silently."""
     ok = _trace(tmp_path / "ok.jsonl", RECORD)
