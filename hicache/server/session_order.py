@@ -51,6 +51,8 @@ class SessionTurn:
         if self._left:
             return
         self._left = True
+        if self.after is not None:
+            self._order._owed.add(self)
         before = self._before
         if before is not None and not before.done():
             before.add_done_callback(lambda _f: self._order._finish(self))
@@ -67,6 +69,9 @@ class SessionOrder:
     def __init__(self) -> None:
         self._last: dict[str, asyncio.Future[None]] = {}  # per session, the newest turn's ``_done``
         self._tasks: set[asyncio.Task[None]] = set()
+        # turns that left owing work not yet run: queued behind earlier turns (each link of a
+        # chain of left turns passes on one loop turn later, before any task exists) or running
+        self._owed: set[SessionTurn] = set()
 
     def reserve(self, session_id: str, after: Callable[[], Awaitable[object]] | None = None) -> SessionTurn:
         """Take the next place in ``session_id``'s order. Synchronous: the order of the calls is
@@ -98,12 +103,13 @@ class SessionOrder:
             self._pass_on(turn)
 
     def _pass_on(self, turn: SessionTurn) -> None:
+        self._owed.discard(turn)
         turn._done.set_result(None)
         if self._last.get(turn.session_id) is turn._done:
             del self._last[turn.session_id]
 
     async def aclose(self) -> None:
-        """Wait until the work owed by leaving turns has run (a turn leaving while it runs may
-        start more)."""
-        while self._tasks:
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+        """Wait until the work owed by every turn that has left has run, that of turns still
+        queued behind earlier ones included (a turn leaving meanwhile may owe more)."""
+        while self._owed or self._tasks:
+            await asyncio.gather(*(t._done for t in self._owed), *self._tasks, return_exceptions=True)

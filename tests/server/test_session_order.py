@@ -87,3 +87,22 @@ async def test_aclose_waits_for_work_owed_started_by_earlier_work() -> None:
     gate.set()
     await asyncio.wait_for(closing, 1)
     assert log == ["first", "second"]
+
+
+async def test_aclose_waits_for_work_owed_behind_a_chain_of_left_turns() -> None:
+    """Each left turn of a chain passes the session on one loop turn after the one before it,
+    and only the owing turn's own turn starts a task: an ``aclose`` that waited for the tasks
+    it saw returned before the release a dropped final turn at the end of a long chain owed."""
+    order, log = SessionOrder(), list[str]()
+
+    async def release() -> None:
+        log.append("released")
+
+    holder = order.reserve("s")
+    dropped = [order.reserve("s") for _ in range(8)]
+    final = order.reserve("s", after=release)
+    for turn in (*dropped, final):
+        turn.leave()
+    holder.leave()
+    await asyncio.wait_for(order.aclose(), 1)
+    assert log == ["released"] and len(order) == 0
