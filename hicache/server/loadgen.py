@@ -79,6 +79,9 @@ class RequestRecord:
     hits: dict[str, int] = field(default_factory=dict)
     reference_match: bool | None = None
     error: str | None = None
+    #: on the turn that cut its conversation short: whether the session it left open was
+    #: released (None: no session, or nothing to release)
+    session_released: bool | None = None
 
 
 def _tokens(rng: random.Random, n: int, vocab: int) -> list[int]:
@@ -122,6 +125,29 @@ async def _post(
     return out
 
 
+async def _release_session(http: aiohttp.ClientSession, url: str, session: str, record: RequestRecord) -> None:
+    """End ``session`` on the server after a failed turn cut its conversation short.
+
+    Only the last turn sends ``end_session``, so without this a conversation stopped by a 503,
+    a 500 or a client timeout left its session (request row and pages) on the server until
+    ``session_timeout_s`` - for good with none - and the next load run measured a server
+    filled by this one's leftovers. A 404 is fine: the session was never opened (turn 0
+    refused) or the server already ended it (a final turn that failed). After a client
+    timeout the server may still be running the turn; it queues the release behind the
+    session's pending turns, so the release applies after it, in order. A failed release is
+    recorded (``session_released=False``, counted in the summary) and logged, never raised:
+    the run's result is the turns'."""
+    try:
+        async with http.post(f"{url}/v1/sessions/{session}/release") as resp:
+            if resp.status not in (200, 404):
+                raise RuntimeError(f"HTTP {resp.status}: {(await resp.text())[:300]}")
+        record.session_released = True
+    except (aiohttp.ClientError, RuntimeError, asyncio.TimeoutError) as exc:
+        record.session_released = False
+        logger.warning("loadgen: releasing session %s after a failed turn failed: %s", session,
+                       str(exc) or type(exc).__name__)
+
+
 async def _conversation(
     http: aiohttp.ClientSession, url: str, w: Workload, client: int, system: list[int], verify: Verify, run_tag: str
 ) -> list[RequestRecord]:
@@ -144,6 +170,8 @@ async def _conversation(
         except (aiohttp.ClientError, RuntimeError, asyncio.TimeoutError) as exc:
             rec.error = str(exc) or type(exc).__name__
             records.append(rec)
+            if session is not None:
+                await _release_session(http, url, session, rec)
             break  # the rest of the conversation depends on this answer
         rec.tokens = list(out["tokens"])
         rec.ttft_s = out.get("ttft_s")
@@ -189,6 +217,8 @@ def summarize(records: Sequence[RequestRecord]) -> dict[str, Any]:
         "client_ttft_mean_s": statistics.fmean(cttft) if cttft else None,
         "verified": (all(checked) if checked and len(checked) == len(ok) else None),
         "mismatches": sum(1 for c in checked if c is False),
+        # sessions of cut-short conversations the server may still hold (see _release_session)
+        "session_release_failures": sum(1 for r in records if r.session_released is False),
     }
 
 

@@ -363,3 +363,38 @@ async def test_a_dropped_final_turn_ends_its_session_before_a_later_turn_not_aft
         async with http.post(f"{srv.url}/v1/sessions/s/release") as resp:
             assert resp.status == 200 and (await resp.json()) == {"released": "s"}
         _nothing_held(sessions)
+
+
+@requires_facade
+async def test_loadgen_releases_the_session_of_a_conversation_cut_short() -> None:
+    """loadgen sent ``end_session`` only on a conversation's last turn: one stopped by a failed
+    turn (here a 500, and a client timeout while the server still runs the turn) left its
+    session open, holding its row and pages until ``session_timeout_s``, so the next load run
+    measured a server filled by this one's leftovers. It now releases the session; the release
+    after the timeout is queued behind the turn still running and applies after it."""
+    import asyncio
+
+    from hicache.server.loadgen import Workload, run_load
+    from hicache.testing import eventually
+
+    async with running_server(small_config(), mode="hicache", port=0) as srv:
+        sessions = srv.state.cache.cache  # type: ignore[attr-defined]
+        engine = srv.state.engine
+        real = engine.generate
+
+        async def second_turns_fail(rid: str, *args: Any, **kwargs: Any) -> Any:
+            if rid == "cut-c0-t1":
+                raise RuntimeError("injected: turn 1 fails")
+            if rid == "cut-c1-t1":
+                await asyncio.sleep(3.0)  # past the client's timeout: it gives up, the server runs on
+            return await real(rid, *args, **kwargs)
+
+        engine.generate = second_turns_fail
+        w = Workload(clients=3, turns=3, system_tokens=32, user_tokens=8, max_new_tokens=2, warmup=False)
+        report = await run_load(srv.url, w, run_tag="cut", timeout_s=1.0)
+        await eventually(lambda: not sessions.slots and not srv.state.metrics.active)
+        assert sessions.session_held_tokens() == 0
+        sessions.sanity_check()
+        s = report["summary"]
+        assert (s["requests"], s["errors"], s["session_release_failures"]) == (2 + 2 + 3, 2, 0), s
+        assert [r["session_released"] for r in report["records"] if r["error"]] == [True, True]
