@@ -39,11 +39,11 @@ from aiohttp import web
 from hicache.config.schema import HiCacheConfig
 from hicache.engine.model import ModelSpec, TinyTransformer
 from hicache.engine.runner import CacheLike, Engine, GenerateResult
-from hicache.errors import CacheClosedError, HiCacheError
+from hicache.errors import HiCacheError
 from hicache.observability.metrics import CONTENT_TYPE, exposition
 from hicache.server.metrics import ServerMetrics
 from hicache.server.protocol import GenerateRequest, RequestError, decode_generate, text_of_tokens
-from hicache.server.scheduler import Job, QueueFullError, Scheduler
+from hicache.server.scheduler import Job, Scheduler, status_of
 
 __all__ = ["ServerState", "STATE", "create_app"]
 
@@ -110,9 +110,9 @@ def _payload(req: GenerateRequest, result: GenerateResult, job: Job) -> dict[str
 
 
 def _error_of(exc: BaseException) -> web.Response:
-    """The answer to an exception raised while serving (see :func:`_status_of`); a 503 says
-    when to try again."""
-    status, _ = _status_of(exc)
+    """The answer to an exception raised while serving (:func:`status_of`, the mapping the
+    requests are counted by too); a 503 says when to try again."""
+    status, _ = status_of(exc)
     return _error(status, str(exc) or type(exc).__name__, **({"Retry-After": "1"} if status == 503 else {}))
 
 
@@ -149,15 +149,6 @@ def _draining() -> web.Response:
     return _error(503, "the server is shutting down", **{"Retry-After": "1"})
 
 
-def _status_of(exc: BaseException) -> tuple[int, str]:
-    """HTTP status and outcome label for an exception raised while serving."""
-    if isinstance(exc, (QueueFullError, CacheClosedError, MemoryError)):
-        return 503, "rejected"
-    if isinstance(exc, ValueError):
-        return 400, "bad_request"
-    return 500, "error"
-
-
 async def _generate(request: web.Request) -> web.StreamResponse:
     arrival = time.perf_counter()
     st = request.app[STATE]
@@ -188,8 +179,8 @@ async def _generate(request: web.Request) -> web.StreamResponse:
             return _error(499, "client closed the request")
         result = job.future.result()
     except Exception as exc:
-        if job is None and isinstance(exc, (HiCacheError, MemoryError, ValueError)):
-            st.metrics.requests[_status_of(exc)[1]] += 1  # refused by submit; a job that ran was counted
+        if job is None:  # refused by submit; a job that ran was counted by the scheduler, the same way
+            st.metrics.requests[status_of(exc)[1]] += 1
         return _failure(req.rid, exc)
     if job.reference is not None:
         st.metrics.reference_checks["match" if job.reference == result.tokens else "mismatch"] += 1
@@ -202,9 +193,9 @@ async def _generate_stream(request: web.Request, st: ServerState, req: GenerateR
     tokens: asyncio.Queue[int] = asyncio.Queue()
     try:
         job = st.scheduler.submit(req, arrival=arrival, on_token=tokens.put_nowait)
-    except (QueueFullError, CacheClosedError) as exc:
-        st.metrics.requests["rejected"] += 1
-        return _error_of(exc)
+    except Exception as exc:  # refused by submit (queue full, shutting down): as a plain request's refusal
+        st.metrics.requests[status_of(exc)[1]] += 1
+        return _failure(req.rid, exc)
     resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
     try:
         failed = await _stream_tokens(request, st, req, job, tokens, resp)

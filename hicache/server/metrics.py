@@ -46,7 +46,8 @@ class ServerMetrics(InstanceMetrics):
 
     def __init__(self, label: str | None = None) -> None:
         super().__init__(label)
-        # by outcome: ok, bad_request, rejected, error, abandoned
+        # by outcome: ok, bad_request (4xx), rejected (503), error (500), abandoned; a failure is
+        # labelled by the status it is answered with (scheduler.status_of), at submit or after
         self.requests: Counter[str] = _Tally(self, "server_requests", "generate requests by outcome", "outcome")
         self.prompt_tokens = 0
         self.prefill_tokens = 0

@@ -43,7 +43,7 @@ from hicache.server.metrics import ServerMetrics
 from hicache.server.protocol import GenerateRequest
 from hicache.server.session_order import SessionOrder, SessionTurn
 
-__all__ = ["Job", "QueueFullError", "Scheduler", "SchedulerClosedError"]
+__all__ = ["Job", "QueueFullError", "Scheduler", "SchedulerClosedError", "status_of"]
 
 logger = logging.getLogger("hicache.server")
 
@@ -67,6 +67,23 @@ class Job:
     reference: list[int] | None = field(default=None)
     task: asyncio.Task[None] | None = field(default=None, repr=False)  # set once it runs
     queued: bool = field(default=False, repr=False)  # waiting for the scheduler, counted in its bound
+
+
+def status_of(exc: BaseException) -> tuple[int, str]:
+    """HTTP status and ``requests`` outcome label for an exception raised while serving.
+
+    One mapping for both places a request can fail: refused at :meth:`Scheduler.submit` (the
+    handler counts it) and failed once it ran (:meth:`Scheduler._serve` counts it). The
+    scheduler counted every failure of a job that ran as ``error``, so a 503 for device memory
+    or a closed cache and a 400 for a bad value inflated ``outcome="error"`` (and the alerts
+    on it) with rejections and bad requests, while the same failure at submit was labelled by
+    its status. A stream that fails after its 200 is labelled the same way, by what failed.
+    Lives here, not in the app, since the app imports the scheduler."""
+    if isinstance(exc, (QueueFullError, CacheClosedError, MemoryError)):
+        return 503, "rejected"
+    if isinstance(exc, ValueError):
+        return 400, "bad_request"
+    return 500, "error"
 
 
 _STOP = object()
@@ -292,7 +309,8 @@ class Scheduler:
             if not job.future.done():
                 job.future.set_result(result)
         except Exception as exc:  # a failed request must not take the scheduler down
-            self.metrics.requests["error"] += 1
+            # labelled as it is answered (status_of): 503 rejected, 400 bad_request, 500 error
+            self.metrics.requests[status_of(exc)[1]] += 1
             logger.warning("request %s failed: %r", req.rid, exc)
             if not job.future.done():
                 job.future.set_exception(exc)

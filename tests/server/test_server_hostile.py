@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from typing import Any
 
 import aiohttp
 import pytest
@@ -150,6 +151,51 @@ async def test_a_closed_cache_answers_503_once_counted_and_release_too() -> None
                 assert sum(counted.values()) == 1, counted
                 async with http.post(srv.url + "/v1/generate", json={"tokens": [1, 2, 3], "stream": True}) as r:
                     assert r.status == 503 and r.headers.get("Retry-After") == "1", await r.text()
+
+
+async def test_a_job_that_fails_is_counted_by_the_status_it_is_answered_with() -> None:
+    """A job that failed once it ran was counted ``error`` whatever it was answered: a 503 for
+    device memory (after its retries) or a closed cache, and a 400 for a bad value, so
+    ``outcome="error"`` (and alerts on it) held capacity refusals and bad requests, while the
+    same failures refused at submit were ``rejected``/``bad_request``. Each is now counted by
+    its status; every request counted once."""
+    from hicache.errors import OutOfKVSlotsError
+    from hicache.facade import HiCache
+    from hicache.observability.scrape import Scrape
+
+    failures: dict[str, Exception] = {"full": OutOfKVSlotsError("injected: device full"),
+                                      "full-stream": OutOfKVSlotsError("injected: device full"),
+                                      "bad": ValueError("injected: bad value"),
+                                      "bug": RuntimeError("injected: bug")}
+    cfg = small_config()
+    async with HiCache.from_config(cfg) as cache:
+        async with running_server(cfg, cache=cache) as srv, aiohttp.ClientSession() as http:
+            srv.state.scheduler.max_memory_retries = 0  # give up on device memory at once
+            real = srv.state.engine.generate
+
+            async def failing(rid: str, *args: Any, **kwargs: Any) -> Any:
+                if rid in failures:
+                    raise failures[rid]
+                return await real(rid, *args, **kwargs)
+
+            srv.state.engine.generate = failing  # type: ignore[method-assign]
+            answered = {}
+            for rid in ("ok", "full", "full-stream", "bad", "bug"):
+                body = {"tokens": [1, 2, 3], "max_new_tokens": 2, "rid": rid, "stream": rid.endswith("stream")}
+                async with http.post(srv.url + "/v1/generate", json=body) as r:
+                    answered[rid] = (r.status, r.headers.get("Retry-After"))
+            await cache.aclose()
+            async with http.post(srv.url + "/v1/generate", json={"tokens": [1, 2, 3], "rid": "closed"}) as r:
+                answered["closed"] = (r.status, r.headers.get("Retry-After"))
+            assert answered == {"ok": (200, None), "full": (503, "1"), "full-stream": (503, "1"),
+                                "bad": (400, None), "bug": (500, None), "closed": (503, "1")}
+            counted = {k: v for k, v in srv.state.metrics.requests.items() if v}
+            assert counted == {"ok": 1, "rejected": 3, "bad_request": 1, "error": 1}, counted
+            async with http.get(srv.url + "/metrics") as r:
+                scrape = Scrape(await r.text())
+            mine = {"cache": srv.state.metrics.label}
+            assert scrape.value("hicache_server_requests_total", outcome="error", **mine) == 1
+            assert scrape.value("hicache_server_requests_total", outcome="rejected", **mine) == 3
 
 
 @pytest.mark.parametrize(
