@@ -72,8 +72,11 @@ def decode_generate(
 
 
 def text_of_tokens(tokens: list[int]) -> str:
-    """Inverse of :func:`tokens_of_text`; tokens above 255 and broken UTF-8 become U+FFFD."""
-    return bytes(t if 0 <= t < 256 else 0x3F for t in tokens).decode("utf-8", errors="replace")
+    """Inverse of :func:`tokens_of_text`; tokens above 255 and broken UTF-8 become U+FFFD.
+
+    A token that is no byte stands in as 0xFF, a byte UTF-8 never uses: the decoder replaces
+    each with exactly one U+FFFD, as documented (it was ``?``, which read as real text)."""
+    return bytes(t if 0 <= t < 256 else 0xFF for t in tokens).decode("utf-8", errors="replace")
 
 
 def _flag(body: dict[str, Any], name: str) -> bool:

@@ -152,3 +152,21 @@ async def test_restart_serves_an_earlier_conversation_from_storage(tmp_path: Pat
     s = again["summary"]
     assert s["errors"] == 0 and s["verified"] is True
     assert s["hit_tokens"]["storage"] > 0, s
+
+
+async def test_a_text_answer_shows_tokens_that_are_no_byte_as_the_replacement_character() -> None:
+    """A model whose vocabulary is wider than a byte answers tokens a text prompt's byte
+    "tokenizer" has no byte for; they read as U+FFFD, as documented, not as a ``?`` that
+    looked like real text."""
+    from hicache.engine.model import ModelSpec
+
+    cfg = small_config()
+    spec = ModelSpec.from_model_config(cfg.model, vocab_size=1024, max_positions=cfg.device.max_context_len)
+    async with running_server(cfg, mode="recompute", port=0, spec=spec) as srv, aiohttp.ClientSession() as http:
+        async with http.post(f"{srv.url}/v1/generate", json={"prompt": "hello", "max_new_tokens": 16}) as resp:
+            assert resp.status == 200
+            out = await resp.json()
+    wide = [t for t in out["tokens"] if t > 255]
+    assert wide, out["tokens"]  # (the seeded model answers some)
+    assert out["text"].count("?") == out["tokens"].count(ord("?")), out  # only a real "?" reads as one
+    assert out["text"].count("\ufffd") >= len(wide), out

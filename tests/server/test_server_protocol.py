@@ -13,7 +13,14 @@ def test_text_prompts_map_to_utf8_bytes_and_back() -> None:
     req = parse_generate({"prompt": "héllo"}, **LIMITS)
     assert req.tokens == list("héllo".encode()) and req.from_text and req.max_new_tokens == 8
     assert text_of_tokens(tokens_of_text("héllo")) == "héllo"
-    assert text_of_tokens([0xFF, 300]) == "\ufffd?"
+    assert text_of_tokens([0xFF, 300]) == "\ufffd\ufffd"
+
+
+def test_tokens_that_are_no_byte_become_the_replacement_character() -> None:
+    """The docstring said U+FFFD; the code wrote ``?``, indistinguishable from a real one."""
+    assert text_of_tokens([ord("h"), 300, ord("i"), -1]) == "h\ufffdi\ufffd"
+    assert text_of_tokens([0xC3, 256, 0xA9]) == "\ufffd\ufffd\ufffd"  # a split character: each piece
+    assert text_of_tokens([0xC3, 0xA9, 1000]) == "\u00e9\ufffd"
 
 
 def test_defaults_and_flags() -> None:
