@@ -4,9 +4,18 @@ tiers or the event loop.
 Why a thread with a bounded queue: tiers report changes on the event loop and on I/O threads,
 and a router may be slow, absent or gone. :meth:`EventPublisher.publish` only does a
 ``put_nowait``; when the queue is full the events are dropped and counted (``dropped_events``),
-which a consumer also sees as a gap in the sequence numbers. The thread takes what is queued
-(up to ``max_batch_events``) as one :class:`~hicache.events.schema.KVEventBatch`, numbers it
-(0, 1, 2, ... per publisher, like vLLM) and hands it to:
+which a consumer also sees as a gap in the sequence numbers: dropped events never reach the
+thread, so the thread skips one number before its next batch (nothing is buffered under it; a
+batch that failed to publish is skipped the same way). A consumer sees the gap, its replay finds
+nothing there, and it counts the batch lost (``lost``) - it knows its view of this replica is
+incomplete. Why a gap and not an ``AllBlocksCleared``: vLLM-schema consumers take that event as
+"the replica's cache was emptied" and forget every block of it, and nothing announces the blocks
+still held again, so a few lost events would cost the router every prefix this replica still
+holds; a gap is what vLLM's own consumer already watches for (it asks for a replay).
+
+The thread takes what is queued (up to ``max_batch_events``) as one
+:class:`~hicache.events.schema.KVEventBatch`, numbers it (0, 1, 2, ... per publisher, like vLLM)
+and hands it to:
 
 * a ZMQ ``PUB`` socket, frames ``(topic, seq as 8 bytes big-endian, msgpack payload)`` - vLLM's
   wire protocol, so vLLM's consumers read it; the socket drops at its high-water mark rather
@@ -154,7 +163,8 @@ class EventPublisher:
         self.topic = topic
         self._topic = topic.encode("utf-8")
         self._queue: queue.Queue[list[KVEvent]] = queue.Queue(maxsize=max_queue_events)
-        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
+        # (seq, payload); ``None`` for a skipped number (dropped events), so numbers stay consecutive
+        self._buffer: deque[tuple[int, bytes | None]] = deque(maxlen=buffer_steps)
         self._max_batch = max_batch_events
         self._hwm = hwm
         self._rank = data_parallel_rank
@@ -170,6 +180,7 @@ class EventPublisher:
         self._run_frame = run_frame(self.run_id)
         self._streams: tuple[EventStream, ...] = ()
         self._lock = threading.Lock()
+        self._gap_pending = False  # events were dropped since the last batch (under _lock)
         self._closing = threading.Event()
         self._ready = threading.Event()
         self._error: BaseException | None = None
@@ -214,6 +225,7 @@ class EventPublisher:
     def _drop(self, n: int) -> None:
         with self._lock:
             self.dropped_events += n
+            self._gap_pending = True  # the next batch's number is skipped: consumers see the loss
 
     def add_stream(self, stream: EventStream) -> None:
         with self._lock:
@@ -327,6 +339,11 @@ class EventPublisher:
         return events
 
     def _publish_batch(self, pub: zmq.Socket | None, events: list[KVEvent]) -> None:
+        with self._lock:
+            if self._gap_pending:  # events dropped since the last batch: see the module docstring
+                self._gap_pending = False
+                self._buffer.append((self.next_seq, None))  # a replay skips it: counted lost
+                self.next_seq += 1
         try:
             seq = self.next_seq
             batch = KVEventBatch(ts=time.time(), events=events, data_parallel_rank=self._rank)
@@ -348,6 +365,7 @@ class EventPublisher:
             with self._lock:
                 self.errors += 1
                 self.dropped_events += len(events)
+                self._gap_pending = True  # as for a drop: the next batch's number tells the loss
             log.exception("kv events: publishing a batch of %d events failed", len(events))
 
     def _serve_replays(self, replay: zmq.Socket) -> bool:
@@ -476,7 +494,8 @@ class EventPublisher:
                 self.replays_open -= len(pending)
 
     def _payload(self, seq: int) -> bytes | None:
-        """The buffered payload of ``seq`` (the buffer's numbers are consecutive)."""
+        """The buffered payload of ``seq`` (the buffer's numbers are consecutive); ``None`` when
+        it is not buffered or was skipped."""
         if not self._buffer:
             return None
         i = seq - self._buffer[0][0]

@@ -192,6 +192,66 @@ def test_a_full_queue_drops_and_counts_instead_of_blocking() -> None:
     assert not pub.publish([stored(0)]) and pub.stats()["dropped_events"] == results.count(False) + 1
 
 
+async def test_events_dropped_at_the_queue_bound_leave_a_gap_that_consumers_count_lost(monkeypatch: Any) -> None:
+    """publish() dropped events at max_queue_events and only counted them; numbers were given to
+    the queued batches alone, so they stayed consecutive and no consumer could tell: a router
+    missed those removals and kept routing to prefixes the replica no longer held. The thread now
+    skips a number for the drop (and for a batch that failed to publish): live and in-process
+    consumers see the gap, the replay has nothing there, the subscriber counts it lost."""
+    from hicache.events import BlockRemoved
+    from hicache.events.stream import EventStream
+
+    def removed(i: int) -> BlockRemoved:
+        return BlockRemoved(block_hashes=[i.to_bytes(32, "big")], medium="GPU")
+
+    gate = threading.Event()
+    gate.set()
+    offered: list[int] = []
+
+    class Gated(EventStream):  # holds the publisher's thread in its offer while the gate is shut
+        def offer(self, seq: int, batch: KVEventBatch) -> None:
+            offered.append(seq)
+            assert gate.wait(30)
+            super().offer(seq, batch)
+
+    pub = EventPublisher(LOOPBACK, LOOPBACK, max_queue_events=4)
+    pub.add_stream(Gated(1024, on_close=pub.remove_stream))
+    sub = EventSubscriber(pub.endpoint, pub.replay_endpoint, idle_timeout_s=0.2)
+    try:
+        time.sleep(0.5)  # subscribed
+        assert pub.publish([removed(0)])
+        seqs = [next(iter(sub.receive(timeout_s=10))).seq]  # the router knows batch 0
+        gate.clear()
+        assert pub.publish([removed(1)])
+        while pub.stats()["next_seq"] != 2:  # the thread is held in the stream's offer of batch 1
+            await asyncio.sleep(0.01)
+        results = [pub.publish([removed(i)]) for i in range(2, 12)]
+        assert results == [True] * 4 + [False] * 6  # 4 queued, 6 dropped
+        gate.set()
+        received = list(sub.receive(timeout_s=1.0))
+        seqs += [r.seq for r in received]
+        assert seqs == [0, 1, 3] and sub.gaps == 1 and sub.lost == 1
+        assert [e.block_hashes[0][-1] for e in received[-1].batch.events] == [2, 3, 4, 5]
+
+        # a batch that fails to publish leaves a gap too (it was counted dropped, numbered never)
+        import hicache.events.publisher as publisher_module
+        real = publisher_module.encode_batch
+        monkeypatch.setattr(publisher_module, "encode_batch", lambda b: (_ for _ in ()).throw(ValueError("bad")))
+        assert pub.publish([removed(20)])
+        while pub.stats()["errors"] != 1:
+            await asyncio.sleep(0.01)
+        monkeypatch.setattr(publisher_module, "encode_batch", real)
+        assert pub.publish([removed(21)])
+        received = list(sub.receive(timeout_s=1.0))
+        assert [r.seq for r in received] == [5] and sub.gaps == 2 and sub.lost == 2
+    finally:
+        gate.set()
+        stats = pub.close()
+        sub.close()
+    assert stats["dropped_events"] == 7 and stats["next_seq"] == 6
+    assert offered == [0, 1, 3, 5]  # in-process consumers see the same gaps
+
+
 async def test_in_process_streams_are_bounded_per_consumer(tmp_path: Path) -> None:
     cfg = config(tmp_path / "store", endpoint=None, replay_endpoint=None)
     async with HiCache.from_config(cfg) as cache:
