@@ -74,7 +74,8 @@ class MissReason(str, enum.Enum):
     NAMESPACE_MISMATCH = "namespace_mismatch"
     #: the stored page failed its checksum or format check and was dropped
     VERIFICATION_FAILED = "verification_failed"
-    #: cannot be known (a record the ledger's capacity pushed out, a page lost in a race)
+    #: cannot be known (a record the ledger's capacity pushed out, a page lost in a race, a page
+    #: with no record after a device or host clear: the tree's ``reset()`` names no pages)
     UNKNOWN = "unknown"
 
 

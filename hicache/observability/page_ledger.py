@@ -14,6 +14,12 @@ Collisions only turn a certain "never stored" into an honest "unknown". The bit 
 of the key that is the same in every process (xxh3), not Python's ``hash``, which changes with
 each process's ``PYTHONHASHSEED``: a replay must attribute its misses the same way every run.
 
+Clears: a storage clear marks every page this process wrote as lost from storage. A device or
+host clear (the tree's ``reset()``, SGLang's ``flush_cache``) names no pages, and the ledger has
+no record of device and host stores (see ``LEDGER_WANTS``), so it cannot tell which pages went;
+from then on every key without a record is "maybe forgotten" (``unknown``), not "never stored":
+the tiers may have held it before the clear. One flag, no walk over the tree or the records.
+
 Thread-safe: tiers emit on the event loop and on I/O threads; every method takes one lock for
 O(keys) dict operations.
 """
@@ -80,6 +86,8 @@ class PageLedger:
         self._lock = threading.Lock()
         #: keys pushed out by the capacity
         self.forgotten = 0
+        #: a device or host clear was seen: any key may have been held unrecorded (module docstring)
+        self.tiers_cleared = False
         self._unsubscribe: Callable[[], None] | None = None
 
     def __len__(self) -> int:
@@ -110,8 +118,11 @@ class PageLedger:
             clear = _LOST_MASK | (IN_STORAGE if change.tier is Tier.STORAGE else 0)
             self._update(change.keys, lost, clear)
             return
-        if change.kind is ChangeKind.CLEARED and change.tier is Tier.STORAGE:
-            self._storage_cleared()
+        if change.kind is ChangeKind.CLEARED:
+            if change.tier is Tier.STORAGE:
+                self._storage_cleared()
+            else:  # pages the ledger has no record of went too: no key is surely "never stored" now
+                self.tiers_cleared = True
 
     def _update(self, keys: Sequence[str], set_bits: int, clear_bits: int) -> None:
         if not keys or self.capacity == 0:
@@ -158,6 +169,9 @@ class PageLedger:
             return [get(k) for k in keys]
 
     def maybe_forgotten(self, key: str) -> bool:
-        """Whether a key with no record may have had one that the capacity pushed out."""
+        """Whether a key with no record may have had one: the capacity pushed it out, or a device
+        or host clear dropped it unrecorded (see the module docstring)."""
+        if self.tiers_cleared:
+            return True
         bit = _bit_of(key) % self._nbits
         return bool(self._bits[bit >> 3] & (1 << (bit & 7)))

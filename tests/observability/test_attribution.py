@@ -384,6 +384,25 @@ async def test_a_record_the_ledger_forgot_is_unknown() -> None:
         await stack.aclose()
 
 
+async def test_after_a_reset_a_page_with_no_record_is_unknown_not_never_stored() -> None:
+    """reset() (SGLang's flush_cache) drops device and host at once with one CLEARED per tier,
+    naming no pages; the ledger ignored it, so a prompt served just before was attributed
+    never_stored afterwards. Now a page with no record is unknown; recorded losses keep theirs."""
+    async with stack_on(None) as (stack, _):
+        await serve(stack, prompt(2), "a")
+        await stack.cache.drain()
+        drop_device_and_host(stack)  # prompt 2: evicted from host, recorded
+        await serve(stack, prompt(1), "b")
+        assert (await serve(stack, prompt(1), "c")).hits["device"] == 10 * PS
+        await stack.cache.drain()
+        stack.cache.reset()
+        stack.allocator.clear()
+        a = await serve(stack, prompt(1), "d")
+        assert a.misses == {"unknown": 10 * PS, "partial_page": 2}, a
+        b = await serve(stack, prompt(2), "e")
+        assert b.misses == {"evicted_host": 10 * PS, "partial_page": 2}, b
+
+
 async def test_the_ledger_size_is_a_config_key() -> None:
     """``cache.attribution_ledger_pages`` reaches the ledger; unset, it follows the tiers."""
     from hicache.config import load_config

@@ -52,6 +52,20 @@ def test_zero_capacity_forgets_everything() -> None:
     assert ledger.flags(["k"]) == [None] and ledger.maybe_forgotten("k")
 
 
+def test_a_device_or_host_clear_makes_every_unrecorded_key_maybe_forgotten() -> None:
+    """The tree's reset() emits CLEARED for device and host, naming no pages; the ledger ignored
+    it, so a page the tiers held until then was still 'never seen' (attributed never_stored)."""
+    for tier in (Tier.DEVICE, Tier.HOST):
+        hub = TierChangeHub()
+        ledger = PageLedger(capacity=16, forgotten_bits=1 << 16)
+        ledger.attach(hub)
+        hub.emit(removed(Tier.HOST, "evicted"))
+        assert not ledger.maybe_forgotten("held-until-the-reset")
+        hub.emit(TierChange(ChangeKind.CLEARED, tier))
+        assert ledger.maybe_forgotten("held-until-the-reset") and ledger.tiers_cleared
+        assert ledger.flags(["evicted", "held-until-the-reset"]) == [LOST_HOST, None]  # records stay
+
+
 def test_bad_sizes_are_errors() -> None:
     with pytest.raises(ValueError, match="capacity"):
         PageLedger(capacity=-1)
