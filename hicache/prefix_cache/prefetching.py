@@ -117,7 +117,9 @@ class Prefetches:
             return False
         ps = cache.page_size
         aligned = len(new_input_tokens) // ps * ps
-        if aligned < cache.config.prefetch_threshold or aligned == 0:
+        if aligned == 0:  # nothing left to fetch (a full hit, a partial page): no prefetch skipped
+            return False
+        if aligned < cache.config.prefetch_threshold:
             cache.metrics.incr("prefetch_skipped_threshold")
             return False
         tokens = list(new_input_tokens[:aligned])

@@ -55,6 +55,24 @@ def node_of(cache, tokens):  # type: ignore[no-untyped-def]
     return cache.match_prefix(MatchPrefixParams(key=RadixKey(tokens))).last_host_node
 
 
+async def test_prefetch_skipped_threshold_counts_only_fetches_below_the_threshold() -> None:
+    """Every request with nothing left to fetch (a full device hit) was counted as a prefetch
+    skipped below the threshold, even with a threshold of 0."""
+    for threshold, below in ((0, 0), (4 * PS, 1)):
+        stack = build_stack(dataclasses.replace(cfg(prefetch_threshold=threshold), storage_backend="memory"))
+        await stack.controller.open_storage()
+        counters = stack.controller.metrics.counters
+        prompt = toks(0, 8 * PS)
+        await serve_request(stack, prompt, rid="a")
+        await stack.cache.drain()
+        for i in range(3):  # full device hits (and one partial page): nothing to fetch
+            await serve_request(stack, prompt + [7], rid=f"hit{i}")
+        assert counters["prefetch_skipped_threshold"] == 0, threshold
+        await serve_request(stack, toks(1000, 2 * PS), rid="short")  # 2 pages to fetch, below 4 pages
+        assert counters["prefetch_skipped_threshold"] == below, threshold
+        await nothing_held_then_close(stack)
+
+
 async def test_write_through_after_n_hits() -> None:
     stack = build_stack(cfg(write_policy="write_through_selective"))
     cache = stack.cache
