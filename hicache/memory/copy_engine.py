@@ -579,16 +579,21 @@ class CopyEngine:
         ``on_dropped(error)`` runs if the executor drops the job unrun (a shared executor shut
         down with ``cancel_futures``): nothing else would settle what the job was to settle
         (a load's layer counter, whose waiters would wait forever)."""
-        if self._closed:
-            raise CacheClosedError("CopyEngine is closed")
-        try:
-            fut = self._executor.submit(fn, *args)
-        except RuntimeError as exc:  # the executor shut down meanwhile
-            if self._closed:
-                raise CacheClosedError("CopyEngine is closed") from exc
-            raise
+        # the check, the submit and the entry in ``_pending`` under one lock hold, the one
+        # close() sets ``_closed`` under: either close() sees the job (a shared executor's
+        # close waits for ``_pending``) or this call sees the close. Checked outside it, a close
+        # on another thread between the check and the entry returned with the job still to run
         with self._lock:
+            if self._closed:
+                raise CacheClosedError("CopyEngine is closed")
+            try:
+                fut = self._executor.submit(fn, *args)
+            except RuntimeError as exc:  # the executor shut down meanwhile
+                if self._closed:
+                    raise CacheClosedError("CopyEngine is closed") from exc
+                raise
             self._pending.add(fut)
+        # (after the lock: ``settled`` takes it, and runs at once on a job already done)
 
         def settled(f: concurrent.futures.Future[Any]) -> None:
             with self._lock:

@@ -280,29 +280,46 @@ async def test_misuse_fails_at_the_call_site(pools):
         eng.load(token_idx([1], 4), token_idx([1], 4))
 
 
-async def test_a_close_on_another_thread_mid_submit_is_a_closed_error(pools):
-    """``close()`` from another thread landing between the closed check and the submit gives
-    :class:`CacheClosedError`, as a call after the close does (it was a bare RuntimeError)."""
+@pytest.mark.parametrize("shared", [True, False], ids=["shared-executor", "own-executor"])
+def test_a_close_racing_a_submit_waits_for_that_copy(pools, shared):
+    """A ``close()`` from another thread while a copy is being submitted either refuses it
+    (:class:`CacheClosedError`, once closed) or waits for it: never returns with it still to
+    run. On an executor the engine does not own the close waits for the engine's copies in
+    ``_pending``, and one landing between the closed check and the entry returned at once, the
+    copy running after it (into pages the caller had given back). The check, the submit and
+    the entry are one step now, under the lock the close marks the engine closed under, so a
+    close that comes during the submit waits for the copy, on either executor."""
     src, _, host = pools()
-    for call in ("backup", "load"):
-        eng = CopyEngine(src, host, inline_max_bytes=0)
-        real_submit = eng._executor.submit
+    executor = concurrent.futures.ThreadPoolExecutor(max_workers=1) if shared else None
+    eng = CopyEngine(src, host, executor=executor, inline_max_bytes=0)
+    real_submit = eng._executor.submit
+    events: list[str] = []
+    closer: list[threading.Thread] = []
 
-        def submit_after_close(*args, _real=real_submit, _eng=eng):  # type: ignore[no-untyped-def]
-            threading.Thread(target=_eng.close).start()
-            deadline = time.monotonic() + 5
-            while not _eng._closed and time.monotonic() < deadline:
-                time.sleep(0.001)
+    def submit_with_a_close_racing(fn, *args):  # type: ignore[no-untyped-def]
+        t = threading.Thread(target=lambda: (eng.close(), events.append("closed")))
+        t.start()
+        closer.append(t)
+        time.sleep(0.05)  # the close runs now, as far as it can
+
+        def job():  # type: ignore[no-untyped-def]
             time.sleep(0.05)
-            return _real(*args)
+            events.append("copied")
+            return fn(*args)
 
-        eng._executor.submit = submit_after_close  # type: ignore[method-assign]
+        return real_submit(job)
+
+    eng._executor.submit = submit_with_a_close_racing  # type: ignore[method-assign]
+    try:
+        handle = eng.load(token_idx([1], 4), token_idx([1], 4))
+        handle.wait_sync(5)
+        closer[0].join(5)
+        assert events == ["copied", "closed"]
         with pytest.raises(CacheClosedError):
-            if call == "backup":
-                await eng.backup(token_idx([1], 4), token_idx([1], 4))
-            else:
-                eng.load(token_idx([1], 4), token_idx([1], 4))
-        eng.close()
+            eng.load(token_idx([1], 4), token_idx([1], 4))
+    finally:
+        if executor is not None:
+            executor.shutdown()
 
 
 def test_geometry_mismatch_rejected(device_pool_factory, host_pool_factory):
