@@ -19,10 +19,12 @@ SGLang hands a dynamic backend one dict: its own keys (``backend_name``, ``modul
                           from different local paths share pages only with the same id)
     hicache_kv_cache_dtype  the KV cache dtype (SGLang's --kv-cache-dtype, e.g. fp8_e4m3) when
                           the server's own settings cannot be read: SGLang stores every fp8
-                          format as uint8, so the pool alone cannot tell e4m3 from e5m2
+                          format as uint8, so the pool alone cannot tell e4m3 from e5m2 (the
+                          server's own setting wins; one contradicting it fails the attach)
 
 An unknown ``hicache_*`` key is an error that lists the allowed ones; SGLang's keys are left
-to SGLang. No SGLang import here.
+to SGLang (its own ``hicache_storage_pass_prefix_keys`` included, which reaches us on a PD
+decode server's offload path). No SGLang import here.
 """
 
 from __future__ import annotations
@@ -38,6 +40,10 @@ from hicache.keys import Namespace
 __all__ = ["AdapterSettings", "namespace_for", "PREFIX"]
 
 PREFIX = "hicache_"
+#: SGLang's own keys of the storage backend's extra config that share our prefix: SGLang takes
+#: them out before it builds the backend, except on paths that pass the raw config on (a PD
+#: decode server's KV offload manager), where they reach us and are SGLang's, not unknown
+_SGLANG_KEYS = ("hicache_storage_pass_prefix_keys",)
 _KEYS = (
     "hicache_backend",
     "hicache_options",
@@ -67,7 +73,8 @@ class AdapterSettings:
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> AdapterSettings:
         extra = dict(extra or {})
-        unknown = sorted(k for k in extra if isinstance(k, str) and k.startswith(PREFIX) and k not in _KEYS)
+        unknown = sorted(k for k in extra if isinstance(k, str) and k.startswith(PREFIX)
+                         and k not in _KEYS and k not in _SGLANG_KEYS)
         if unknown:
             raise ConfigError(f"SGLang extra config: unknown key(s) {unknown}; allowed: {list(_KEYS)}")
         backend: Any = None

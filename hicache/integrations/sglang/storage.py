@@ -80,6 +80,28 @@ def _server_kv_cache_dtype() -> str | None:
     return (_server_settings("kv_cache_dtype") or {}).get("kv_cache_dtype")
 
 
+def _kv_cache_dtype(configured: str | None) -> str | None:
+    """The KV cache dtype the pages are stored in: the server's own ``--kv-cache-dtype`` when
+    its settings can be read, ``hicache_kv_cache_dtype`` (``configured``) only when they cannot.
+
+    Why the server's first: the key is the fallback for a server whose settings cannot be read,
+    and an extra config shared across a fleet may name another format than a server runs (e4m3
+    in the config, e5m2 on the server): taken first, that server filed its e5m2 bytes under the
+    e4m3 namespace, where e4m3 servers read them as valid KV. Both known and different is an
+    error naming both. A server on ``auto`` (an fp8 checkpoint's own format) names no format:
+    the key, when set, says which."""
+    served = _server_kv_cache_dtype()
+    if served is not None and str(served) == "auto" and configured is not None:
+        return configured
+    if served is not None and configured is not None and str(served) != str(configured):
+        raise SGLangAttachError(
+            f"hicache_kv_cache_dtype is {configured!r} but the server runs --kv-cache-dtype {served!r}: "
+            "the pages would be filed under a format they are not in; remove the key (the server's "
+            "setting is read) or make it match"
+        )
+    return served if served is not None else configured
+
+
 def _with_logical_dtype(signature: dict[str, Any], configured: str | None) -> dict[str, Any]:
     """``signature`` with the KV cache dtype when the pool stores its KV as raw bytes.
 
@@ -89,7 +111,7 @@ def _with_logical_dtype(signature: dict[str, Any], configured: str | None) -> di
     Unknown (no extra-config key, no readable server settings) is an error, never a guess."""
     if signature.get("dtype") != "uint8":
         return signature
-    logical = configured or _server_kv_cache_dtype()
+    logical = _kv_cache_dtype(configured)
     if logical is None:
         raise SGLangAttachError(
             "the KV host pool stores its KV as uint8 (an fp8 or fp4 KV cache), and its format could not "
@@ -293,7 +315,9 @@ class HiCacheSGLangStorage(_SGLangStorage):
             # the name, not the namespace: SGLang registers its draft after the store opened
             # (at start-up) or before (a runtime attach), and the KV namespace must not change
             # with that, nor the draft's pages
-            fmt = _sidecar_format(adapted.storage_signature(), self.settings.kv_cache_dtype or _server_kv_cache_dtype(),
+            signature = adapted.storage_signature()
+            stored_as_bytes = signature.get("dtype") == "uint8"  # only then is the format needed
+            fmt = _sidecar_format(signature, _kv_cache_dtype(self.settings.kv_cache_dtype) if stored_as_bytes else None,
                                   draft, packed)
             if fmt is None:
                 self._refuse(name, "its KV is stored as bytes and its format is unknown (no server settings, "

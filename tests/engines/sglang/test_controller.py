@@ -387,3 +387,44 @@ def test_an_fp8_pool_of_unknown_format_fails_the_attach(store_root):
         _fp8_namespace(store_root, torch.float8_e4m3fn)
     with pytest.raises(Exception, match="hicache_kv_cache_dtype"):
         _fp8_namespace(store_root, torch.float8_e4m3fn, hicache_kv_cache_dtype=3)
+
+
+def test_the_servers_own_fp8_format_wins_over_the_extra_config(store_root, monkeypatch):
+    """``hicache_kv_cache_dtype`` is the fallback for a server whose settings cannot be read;
+    it overrode the format a running server publishes, so an e5m2 server under a fleet's
+    shared extra config saying e4m3 filed its bytes under the e4m3 namespace, where e4m3
+    servers read them as valid KV. The server's format wins; a key that contradicts it fails
+    the attach naming both; a server on ``auto`` names no format, so the key still says it."""
+    import types
+
+    import sglang.srt.runtime_context as runtime_context
+
+    def serving(dtype: str) -> None:
+        monkeypatch.setattr(runtime_context, "get_server_args", lambda: types.SimpleNamespace(kv_cache_dtype=dtype))
+
+    serving("fp8_e4m3")
+    e4m3 = _fp8_namespace(store_root, torch.float8_e4m3fn)
+    serving("fp8_e5m2")
+    with pytest.raises(SGLangAttachError, match=r"'fp8_e4m3'.*--kv-cache-dtype 'fp8_e5m2'"):
+        _fp8_namespace(store_root, torch.float8_e5m2, hicache_kv_cache_dtype="fp8_e4m3")
+    assert _fp8_namespace(store_root, torch.float8_e5m2, hicache_kv_cache_dtype="fp8_e5m2") != e4m3
+    serving("auto")
+    assert _fp8_namespace(store_root, torch.float8_e4m3fn, hicache_kv_cache_dtype="fp8_e4m3") == e4m3
+
+
+def test_sglangs_own_extra_config_keys_are_not_refused(store_root):
+    """A PD decode server's KV offload manager hands SGLang's raw extra config to the
+    controller, SGLang's own ``hicache_storage_pass_prefix_keys`` included (elsewhere SGLang
+    takes it out first): the adapter refused it as an unknown ``hicache_`` key, so a decode
+    server started with its prefill server's extra config could not start."""
+    import json
+
+    raw = json.dumps({**helpers.extra_config("file", root=store_root),
+                      "hicache_storage_pass_prefix_keys": True, "prefetch_threshold": 256})
+    dev = helpers.device_pool(page_size=PAGE, layers=LAYERS)
+    host = helpers.host_pool(dev, "page_first")
+    ctl = helpers.controller(dev, host, json.loads(raw))
+    try:
+        assert ctl.storage_backend is not None
+    finally:
+        ctl.detach_storage_backend()
