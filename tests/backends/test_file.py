@@ -719,6 +719,51 @@ async def test_opening_scan_floor_leaves_out_a_page_deleted_while_it_waits(tmp_p
         go_floor.set()
 
 
+async def test_a_peer_clear_during_the_scan_leaves_the_fresh_namespace_counted_empty(tmp_path, monkeypatch) -> None:
+    """Store b's opening scan (a peer is open: its measurement can only raise the shared count,
+    a floor) saw a's pages, then a cleared the namespace. The floor of the old folder's pages
+    landed on the fresh, empty namespace's ledger: counted nearly full with nothing on disk,
+    and, floors never lowering it while peers are open, every later write evicted its own
+    pages. The floor is only for the ledger the scan began with. Forced order: b's scan reads
+    every folder but the last, a clears, b's scan ends."""
+    page = make_store(tmp_path).layout.file_size("k0", "kv", 4096)
+    a = make_store(tmp_path, max_bytes=40 * page, min_free_bytes=0)
+    b = make_store(tmp_path, max_bytes=40 * page, min_free_bytes=0)
+    at_last, go_last = threading.Event(), threading.Event()
+    real_scan = file_io.scan_subdir
+    async with a:
+        await a.wait_index_ready(30)
+        assert await a.batch_set([f"k{i}" for i in range(36)], [v0(4096, 1)] * 36)
+        await a.wait_background()
+        folders = len(file_io.list_subdirs(a.layout))
+        calls = 0
+
+        def scan_subdir(path, stale):  # b's scan: its last folder waits for a's clear
+            nonlocal calls
+            calls += 1
+            if calls == folders:
+                at_last.set()
+                assert go_last.wait(30)
+            return real_scan(path, stale)
+
+        monkeypatch.setattr(file_io, "scan_subdir", scan_subdir)
+        try:
+            async with b:
+                assert await asyncio.to_thread(at_last.wait, 30)  # b's scan saw 35-36 pages
+                assert await a.clear()
+                go_last.set()
+                assert await b.wait_index_ready(30)
+                await b.wait_background()
+                assert not disk_pages(a)
+                assert read_usage(os.path.join(a.layout.ns_dir, LEDGER_NAME)).used == 0
+                for r in range(5):  # 20 pages fit in 40: nothing is evicted
+                    assert await b.batch_set([f"new{r}-{i}" for i in range(4)], [v0(4096, 2)] * 4)
+                assert b.get_stats().get("evicted_pages", 0) == 0
+                assert len(disk_pages(a)) == 20
+        finally:
+            go_last.set()
+
+
 async def test_delete_removes_a_page_another_process_wrote_that_the_index_has_not_seen(tmp_path) -> None:
     """A page written by another store on the root after this one indexed the namespace is on
     disk but not in this store's index: a delete answered False and left it there (and in the

@@ -171,7 +171,7 @@ class IndexScanner:
         seen: dict[str, int] = {}  # page id -> size of every page file the scan found
         complete = True
         try:
-            before = await self._space.baseline(self._executor)
+            before, token = await self._space.baseline(self._executor)
             # an observer's scan removes nothing (a torn page, a dead writer's temp file)
             scan_subdir = functools.partial(page_io.scan_subdir, remove=False) if self._read_only else page_io.scan_subdir
             subdirs = await loop.run_in_executor(self._executor, page_io.list_subdirs, self._layout)
@@ -217,7 +217,7 @@ class IndexScanner:
                     tombstones, deleting = self.tombstones or (), self._pins.deleting
                     return sum(size for pid, size in seen.items() if pid not in tombstones and pid not in deleting)
 
-                await self._space.measured(self._executor, before, sum(seen.values()), still_on_disk)
+                await self._space.measured(self._executor, before, token, sum(seen.values()), still_on_disk)
             self.seconds = time.perf_counter() - t0
             logger.info(
                 "file store %s: indexed %d pages (%d bytes) in %.3fs; removed %d stale temp files",

@@ -186,34 +186,44 @@ class SpaceAccountant:
         if usage is not None and usage.reclaimed:
             self._on_reclaim(usage)
 
-    async def baseline(self, executor: ThreadPoolExecutor) -> Usage | None:
-        """The shared count before a scan, when what the scan measures may replace it (``None``
-        when not). What the scan measures replaces the shared count (correcting what killed
-        writers left behind) only if nothing can be in flight meanwhile (see .ledger)."""
+    async def baseline(self, executor: ThreadPoolExecutor) -> tuple[Usage | None, int | None]:
+        """Before a scan: the shared count, when what the scan measures may replace it (``None``
+        when not), and the token of the ledger file current now (``None``: unavailable). What
+        the scan measures replaces the shared count (correcting what killed writers left
+        behind) only if nothing can be in flight meanwhile (see .ledger); otherwise it only
+        raises the count (a floor), and only in *this* ledger: a clear by another process
+        during the scan replaces it, and a floor of the old folder's pages landing on the
+        fresh, empty namespace's ledger counted it full for as long as peers kept it open
+        (floors never lower, only a lone scan does), so every write evicted its own pages."""
         # The order matters: no write of ours in flight from before the reading until after
         # it (one that reserved before it may publish during the scan without changing seq),
         # then "alone" (a process that reserved before the reading holds the users lock by
         # then); any reservation after the reading changes seq.
         quiet = not self.writes_in_flight and not self.debt and not self.unreleased
         started = self.writes_started
-        before = await self.ledger_call(executor, 0, token=-1) if quiet else None
+        reading = await self.ledger_call(executor, 0, token=-1)
+        token = reading.token if reading is not None else None
+        before = reading if quiet else None
         if before is not None and self.ledger is not None:
             alone = await asyncio.get_running_loop().run_in_executor(executor, self.ledger.alone)
             if not alone or self.writes_started != started or self.debt or self.unreleased:
                 before = None
-        return before
+        return before, token
 
     async def measured(
-        self, executor: ThreadPoolExecutor, before: Usage | None, found: int, still_on_disk: Callable[[], int]
+        self, executor: ThreadPoolExecutor, before: Usage | None, token: int | None, found: int,
+        still_on_disk: Callable[[], int],
     ) -> None:
         """A complete scan found ``found`` bytes of pages: replace the shared count with them
         (``before``: :meth:`baseline`), or, not alone, raise the count to ``still_on_disk()``
-        (summed under the ledger's lock) if it is below."""
+        (summed under the ledger's lock) if it is below, in the ledger file ``token`` names
+        only (a clear since the scan began replaced it: the floor is dropped, see
+        :meth:`baseline`; so is one for a ledger that could not be read then)."""
         if before is not None and not self.debt and not self.unreleased:
             # applied only if nobody changed the ledger during the scan (seq)
             await self.ledger_call(executor, found - before.used, token=before.token, if_seq=before.seq)
-        else:  # not alone: never lowered, but raised to what is on disk if below
-            await self.ledger_call(executor, 0, floor=still_on_disk)
+        elif token is not None:  # not alone: never lowered, but raised to what is on disk if below
+            await self.ledger_call(executor, 0, token=token, floor=still_on_disk)
 
     def owe(self, amount: int, generation: int) -> None:
         """Add ``amount`` bytes to what the shared count is owed (settled by the next write's
