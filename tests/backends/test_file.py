@@ -764,6 +764,49 @@ async def test_a_peer_clear_during_the_scan_leaves_the_fresh_namespace_counted_e
             go_last.set()
 
 
+async def test_a_batch_in_flight_during_a_peer_clear_is_counted_in_the_new_ledger(tmp_path, monkeypatch) -> None:
+    """Store b reserved a batch in the shared ledger, then a (another process's store) cleared
+    the namespace before b's pages were written: they landed in the fresh folder, but b's
+    settlement carried the old ledger's token and was dropped (b's own generation never
+    moved), so they were counted nowhere and b's later writes kept the namespace over
+    max_bytes. The settlement's answer tells the replaced ledger; what landed is counted in
+    the new one. Forced order: b reserves, its first write waits, a clears, b writes."""
+    page = make_store(tmp_path).layout.file_size("b0", "kv", 4096)
+    a = make_store(tmp_path, max_bytes=10 * page, min_free_bytes=0)
+    b = make_store(tmp_path, max_bytes=10 * page, min_free_bytes=0)
+    started, go = threading.Event(), threading.Event()
+    real_write = file_io.write_page
+
+    def write_page(*args):  # b's first write waits for a's clear (the reservation is taken)
+        if not started.is_set():
+            started.set()
+            assert go.wait(30)
+        return real_write(*args)
+
+    async with a, b:
+        await a.wait_index_ready(30)
+        await b.wait_index_ready(30)
+        monkeypatch.setattr(file_io, "write_page", write_page)
+        try:
+            task = asyncio.create_task(b.batch_set([f"b{i}" for i in range(8)], [v0(4096, i) for i in range(8)]))
+            assert await asyncio.to_thread(started.wait, 30)
+            assert await a.clear()
+            go.set()
+            assert await task
+        finally:
+            go.set()
+        assert len(disk_pages(a)) == 8
+        assert read_usage(os.path.join(a.layout.ns_dir, LEDGER_NAME)).used == 8 * page
+        assert b.get_stats()["writes_racing_clear"] == 8
+        for r in range(10):  # b keeps writing: the namespace stays within max_bytes
+            await b.batch_set([f"c{r}-{i}" for i in range(4)], [v0(4096, 2)] * 4)
+        await b.wait_background()
+        assert len(disk_pages(a)) <= 10
+        assert read_usage(os.path.join(a.layout.ns_dir, LEDGER_NAME)).used == sum(
+            os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(a.layout.pages_dir) for f in fs
+            if f.endswith(".page"))
+
+
 async def test_delete_removes_a_page_another_process_wrote_that_the_index_has_not_seen(tmp_path) -> None:
     """A page written by another store on the root after this one indexed the namespace is on
     disk but not in this store's index: a delete answered False and left it there (and in the

@@ -746,7 +746,10 @@ class FileStorage(AsyncHiCacheStorage):
                 # back their reservation), the others are facts about the disk
                 started = [i for i, r in enumerate(results) if r is not None]
                 jobs, results = [jobs[i] for i in started], [results[i] for i in started]
-            if results is not None and generation != self._generation:
+            if results is not None and (generation != self._generation or self._space.ledger_replaced(res, settled)):
+                # a clear ran meanwhile: ours, or another process's (it replaced the ledger the
+                # batch reserved in, so the settlement was not applied: what landed in the
+                # new folder was counted nowhere, and the namespace stayed over max_bytes)
                 raced = True
                 generation, results, late = await self._published_after_clear(jobs, results)
                 cancelled = cancelled or late
@@ -795,7 +798,8 @@ class FileStorage(AsyncHiCacheStorage):
     async def _published_after_clear(
         self, jobs: list[_WriteJob], results: list[page_io.WriteResult]
     ) -> tuple[int, list[page_io.WriteResult], bool]:
-        """A ``clear()`` ran while these pages were written. A write that landed before it went
+        """A ``clear()`` ran while these pages were written (this store's, or another process's
+        that replaced the ledger the batch reserved in). A write that landed before it went
         with the old folder; one that landed after it (the folder is recreated) is in the
         namespace that followed, ordered after the clear: it is indexed and counted (in the new
         ledger) like any write, never a file that the index and ``max_bytes`` do not know. The
@@ -821,7 +825,8 @@ class FileStorage(AsyncHiCacheStorage):
                 checked[i] = replace(r, skipped=True, replaced=0)
         self.stats.incr("writes_racing_clear", len(wrote))
         if published and generation == self._generation:  # (another clear since: they went with it)
-            # the batch's own settlement goes to the old ledger's token: not applied
+            # the batch's own settlement goes to the old ledger's token: not applied (nor its
+            # in-flight release: that slot went with the old ledger)
             try:
                 await self._space.ledger_call(self._threads.executor, published)
             except asyncio.CancelledError:

@@ -343,6 +343,16 @@ class SpaceAccountant:
         usage = self.ledger.add(delta, refused=refused, token=res.usage.token, inflight=-res.amount)
         return (usage,)
 
+    @staticmethod
+    def ledger_replaced(res: Reservation, settled: tuple[Usage | None] | None) -> bool:
+        """Whether a batch's settlement (:meth:`settle_last`) found another ledger file than
+        the one it reserved in: a clear by another process (or a cleaner deleting the folder)
+        replaced it meanwhile, so the settlement, carrying the old token, was not applied, and
+        the pages the batch published into the new folder are in no count yet (this store's
+        own clear is told by its generation instead)."""
+        return (res.usage is not None and settled is not None and settled[0] is not None
+                and settled[0].token != res.usage.token)
+
     async def end_batch(
         self, res: Reservation, incoming: int, results: Sequence[page_io.WriteResult] | None, refused: int,
         raced: bool, settled: tuple[Usage | None] | None = None,
