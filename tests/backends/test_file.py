@@ -191,6 +191,78 @@ async def test_stale_temp_files_are_removed_at_open(tmp_path) -> None:
         assert not trash.exists()
 
 
+async def test_trash_of_a_clear_in_another_pid_namespace_goes_by_age(tmp_path, monkeypatch) -> None:
+    """A clear's trash whose deletion its store stopped (closed) is finished by the next open,
+    unless its owner may still be deleting it. Judged by its pid here, a clear by a server in
+    another PID namespace (a container: pid 1, alive in every namespace) was never finished:
+    its pages stayed on disk, outside every count and bound. As for temporary files, a pid is
+    judged only on its own machine; a trash of elsewhere, or named before machines were, goes
+    by age (older names also by their pid here, as before)."""
+    from hicache_backends.writers import MACHINE_HEX
+
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    digest = NS_A.digest
+    names = {
+        "elsewhere, pid 1": f".trash-{digest}-1-0-{'ab' * 8}",
+        "old name, pid 1": f".trash-{digest}-1-1",
+        "here, dead": f".trash-{digest}-{proc.pid}-2-{MACHINE_HEX}",
+        "old name, dead": f".trash-{digest}-{proc.pid}-3",
+        "here, pid 1 (alive)": f".trash-{digest}-1-4-{MACHINE_HEX}",
+    }
+    for name in names.values():
+        (tmp_path / name / "pages").mkdir(parents=True)
+        (tmp_path / name / "pages" / "x.page").write_bytes(b"old")
+    left = lambda: {what for what, name in names.items() if (tmp_path / name).exists()}  # noqa: E731
+    async with make_store(tmp_path) as store:
+        await asyncio.wait_for(store.wait_background(), 10)
+    assert left() == {"elsewhere, pid 1", "old name, pid 1", "here, pid 1 (alive)"}  # recent: maybe in progress
+    monkeypatch.setattr(file_io, "STALE_TMP_SECONDS", 0.0, raising=False)  # an hour later
+    async with make_store(tmp_path) as store:
+        await asyncio.wait_for(store.wait_background(), 10)
+    assert not left()
+
+
+async def test_a_clear_stopped_in_another_pid_namespace_is_finished_by_the_next_open(tmp_path, monkeypatch) -> None:
+    """The same through a real clear in a real PID namespace (``unshare``, where allowed): its
+    trash carries that namespace's machine id, so a store here judges it by age, not by a pid
+    of its own namespace."""
+    import shutil
+    import sys
+
+    if shutil.which("unshare") is None or subprocess.run(
+        ["unshare", "-p", "-f", "--mount-proc", "true"], capture_output=True, timeout=30
+    ).returncode:
+        pytest.skip("no unshare, or no permission for a PID namespace")
+    child = (
+        "import asyncio, os, sys, torch\n"
+        "from hicache.testing.store_tests import NS_A\n"
+        "from hicache_backends.file import FileStorage\n"
+        "from hicache_backends.file import io as file_io\n"
+        "async def main():\n"
+        "    s = FileStorage(None, root=sys.argv[1], namespace=NS_A, min_free_bytes=0)\n"
+        "    async with s:\n"
+        "        assert await s.batch_set([f'k{i}' for i in range(8)], [torch.full((4096,), 1, dtype=torch.uint8)] * 8)\n"
+        "        file_io.remove_tree = lambda path, stop=None: False  # stopped by the close\n"
+        "        assert await s.clear()\n"
+        "    print(os.getpid())\n"
+        "asyncio.run(main())\n"
+    )
+    done = subprocess.run(["unshare", "-p", "-f", "--mount-proc", sys.executable, "-c", child, str(tmp_path)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["1"]
+    trash = [n for n in os.listdir(tmp_path) if n.startswith(".trash-")]
+    assert len(trash) == 1
+    async with make_store(tmp_path) as store:  # recent: its owner may be deleting it still
+        await asyncio.wait_for(store.wait_background(), 10)
+    assert os.listdir(tmp_path).count(trash[0]) == 1
+    monkeypatch.setattr(file_io, "STALE_TMP_SECONDS", 0.0, raising=False)  # an hour later
+    async with make_store(tmp_path) as store:
+        await asyncio.wait_for(store.wait_background(), 10)
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".trash-")]
+
+
 # ---------------------------------------------------------------------- corruption
 
 async def test_corrupt_pages_are_misses_removed_and_counted(tmp_path) -> None:

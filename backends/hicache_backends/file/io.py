@@ -49,7 +49,7 @@ from hicache_backends.file.layout import (
     encode_footer,
     parse_tmp_name,
 )
-from hicache_backends.writers import pid_alive, tmp_abandoned
+from hicache_backends.writers import MACHINE, MACHINE_HEX, STALE_TMP_SECONDS, parse_machine, pid_alive, tmp_abandoned
 
 __all__ = [
     "PartialScan",
@@ -939,8 +939,13 @@ def clear_namespace(layout: NamespaceLayout, manifest: dict) -> tuple[str | None
     every reader, and a write racing with it lands in the doomed folder or the fresh one,
     never half in each. Deleting the old files (slow: minutes for 10^5 files on a busy disk)
     is left to :func:`remove_tree`, which the caller runs in the background.
+
+    The trash is named ``.trash-<digest>-<pid>-<n>-<machine>``: like a temporary file's, its
+    pid means something only on its own machine and PID namespace (see
+    :func:`remove_stale_trash`); older versions, which read ``<pid>`` and ``<n>`` only, still
+    parse it.
     """
-    trash = os.path.join(layout.root, f".trash-{layout.digest}-{os.getpid()}-{next(_serial)}")
+    trash = os.path.join(layout.root, f".trash-{layout.digest}-{os.getpid()}-{next(_serial)}-{MACHINE_HEX}")
     try:
         os.rename(layout.ns_dir, trash)
     except FileNotFoundError:
@@ -991,9 +996,10 @@ def remove_tree(path: str, stop: threading.Event | None = None) -> bool:
             _removing.discard(path)
 
 
-def remove_stale_trash(root: str, digest: str, stop: threading.Event | None = None) -> int:
+def remove_stale_trash(root: str, digest: str, stop: threading.Event | None = None, now: float | None = None) -> int:
     """Finish deletions of cleared namespaces that nobody is doing any more
-    (``.trash-<digest>-<pid>-<n>`` of a dead process, or an interrupted one of ours)."""
+    (``.trash-<digest>-<pid>-<n>-<machine>`` of a dead process, or an interrupted one of
+    ours; see :func:`_trash_abandoned`)."""
     removed = 0
     prefix = f".trash-{digest}-"
     try:
@@ -1008,13 +1014,36 @@ def remove_stale_trash(root: str, digest: str, stop: threading.Event | None = No
         if not parts or not parts[0].isdigit():
             continue
         owner = int(parts[0])
+        machine = parse_machine(parts[2]) if len(parts) > 2 else None
         with _removing_lock:
             busy = path in _removing
-        if busy or (owner != os.getpid() and pid_alive(owner)):
+        try:
+            if busy or not _trash_abandoned(path, owner, machine, now):
+                continue
+        except FileNotFoundError:  # its owner finished meanwhile
             continue
         if remove_tree(path, stop):
             removed += 1
     return removed
+
+
+def _trash_abandoned(path: str, owner: int, machine: int | None, now: float | None) -> bool:
+    """Whether nobody is deleting the trash folder at ``path`` of a clear by ``owner`` of
+    ``machine`` (``None``: a name from before machines were written in it). The rule of
+    temporary files (:func:`~hicache_backends.writers.tmp_abandoned`): the pid is judged only
+    on its own machine and PID namespace, anything else goes by age. A clearing server in a
+    container is typically pid 1, alive in every other PID namespace: judged by its pid here,
+    a close that stopped its deletion left its cleared pages on disk, outside every count
+    and bound, for good. An older name is judged both ways: by its pid, as before (a clear
+    killed on this machine goes at once), or by age (one from elsewhere still goes); taking
+    a live clearer's trash early only shares its deletion. Age: since the rename made it
+    trash (``st_ctime``; ``st_mtime`` is the namespace folder's last change of entries,
+    maybe long before); ``FileNotFoundError`` when it is gone."""
+    if machine == MACHINE or machine is None:
+        if owner == os.getpid() or not pid_alive(owner):  # an interrupted one of ours, or its owner died
+            return True
+    st = os.stat(path, follow_symlinks=False)
+    return (time.time() if now is None else now) - max(st.st_mtime, st.st_ctime) > STALE_TMP_SECONDS
 
 
 class PartialScan(OSError):
