@@ -487,12 +487,14 @@ class WorkerSide:
         with self._lock:
             failed = set().union(*self._recent_failed.values())
         planned: list[tuple[PageSave, list[int], list[int]]] = []
-        claimed: set[int] = set()  # slots this step's saves fill: one page each
+        claimed: dict[int, str] = {}  # slots this step's saves fill (one page each), with their key
         for spec in saves:
             if spec.depends_on and failed.intersection(spec.depends_on):
                 self._drop_tainted(spec, failed)
             else:
                 planned.append(self._plan_save(spec, claimed))
+        # every copy of the step lands before any write starts: a save may write a page that
+        # an earlier save of the step copies (see _plan_save)
         self._gather([(slot, block) for spec, copied, _ in planned
                       for slot, block in zip(copied, spec.block_ids[spec.copy_from :])])
         for spec, copied, writes in planned:
@@ -518,22 +520,31 @@ class WorkerSide:
                     spec.req_id, sorted(failed.intersection(spec.depends_on)))
         self._job_done(spec, [], 0)
 
-    def _plan_save(self, spec: PageSave, claimed: set[int]) -> tuple[PageSave, list[int], list[int]]:
+    def _plan_save(self, spec: PageSave, claimed: dict[int, str]) -> tuple[PageSave, list[int], list[int]]:
         """Which of the save's slots it fills (``copied``) and which it writes to storage
         (``writes``: the leading run of pages that hold their page, from ``write_from`` on);
-        marks them (``copied`` hold nothing until the copy, ``writes`` are busy)."""
+        marks them (``copied`` hold nothing until the copy, ``writes`` are busy).
+
+        ``claimed``: the slots earlier saves of this step copy into, with their keys. A page
+        the scheduler put in the tree earlier in the same step (another request copies it)
+        is one this save only writes: its slot holds nothing yet, but it is kept all the same,
+        as :meth:`save` gathers every copy of the step before it starts any write."""
         cf = spec.copy_from
         with self._lock:
-            # pages the host pool holds already (only written): each must still be in its slot
+            # pages the host pool holds already, or gets in this step's gather (only written):
+            # each must still be in its slot
             kept: list[int] = []
             for key, slot in zip(spec.keys[:cf], spec.slots[:cf]):
+                if claimed.get(slot) == key:
+                    kept.append(slot)
+                    continue
                 if not (self._valid_slot(slot) and self._resident[slot] == key and not self._reading[slot]):
                     if self._valid_slot(slot) and self._resident[slot] != key:
                         self._report.bad_slots.add(slot)
                     break
                 kept.append(slot)
             copied: list[int] = []
-            for slot, block in zip(spec.slots[cf:], spec.block_ids[cf:]):
+            for key, slot, block in zip(spec.keys[cf:], spec.slots[cf:], spec.block_ids[cf:]):
                 if not self._free_slot(slot) or slot in claimed:
                     break
                 if not self._valid_block(block):
@@ -541,7 +552,7 @@ class WorkerSide:
                                  self._num_blocks)
                     break
                 copied.append(slot)
-                claimed.add(slot)
+                claimed[slot] = key
                 self._resident[slot] = None  # not a complete page until the copy is done
             for slot in spec.slots[cf + len(copied) :]:
                 if self._valid_slot(slot):

@@ -1063,6 +1063,49 @@ def test_a_host_page_another_request_of_the_step_reads_loads_whatever_the_order(
         s.close(5)
 
 
+def test_a_page_copied_and_written_by_two_requests_in_one_step_is_kept_and_stored(tmp_path: Path) -> None:
+    """A and B share page 0 (vLLM's block 2), which the host tree lacks. In one step A, which
+    knows page 0 is stored, copies it into a new slot; B, which does not, then matches that
+    slot in the tree and writes page 0 from it with its own new page 1. The worker saw the slot
+    empty (A's copy lands in the step's gather) and reported it bad: the scheduler dropped A's
+    pages and B's, and B's page 1 was never written. Every copy of the step lands before any
+    write starts, so the slot is kept: nothing is dropped and B's pages are stored bit-exact."""
+    root = tmp_path / "store"
+    s = scheduler("file", {"root": str(root)})
+    layers = kv_layers(seed=2)
+    w = worker(root, layers)
+    try:
+        b_tokens = TOKENS[:BS] + OTHER[:BS]
+        assert s.matched_tokens("b", b_tokens[: BS + 5], None, BS) == 0  # vLLM holds page 0; store lacks it
+        src, _ = stored(root, seed=1, num_pages=1)  # page 0 reaches the store meanwhile
+        for layer, layer_src in zip(layers, src):
+            layer[2] = layer_src[0]  # vLLM's block 2 holds that same page 0
+        a_tokens = TOKENS[: 2 * BS + 29]
+        assert s.matched_tokens("a", a_tokens, None, BS) == 0  # vLLM holds page 0; it is stored
+        plan, _ = run_step(s, w, [("a", BS, 2 * BS + 29, a_tokens, [2, 9, 6]),
+                                  ("b", 2 * BS - 1, 2 * BS, b_tokens, [2, 13])])
+        sa, sb = plan.saves
+        assert (sa.copy_from, sa.write_from, sb.copy_from, sb.write_from) == (0, 1, 1, 0)
+        assert sb.slots[0] == sa.slots[0]  # B writes page 0 from the slot A copies it into
+        assert s.stats["bad_slot_pages_dropped"] == 0
+        assert s.tree.match(a_tokens, None, 2, count_hit=False).pages == 2
+        assert s.tree.match(b_tokens, None, 2, count_hit=False).pages == 2
+        wait_report(s, w)
+        assert w.close(timeout=30) == 0
+        dst = kv_layers(seed=None)
+        w2 = worker(root, dst)
+        try:
+            keys = PageKeyChain(BS).extend(b_tokens, 2)
+            assert load(w2, [PageLoad("r", tuple(keys), (0, 1), (3, 4))]) == set()
+            for layer_dst, layer in zip(dst, layers):
+                assert torch.equal(layer_dst[3], layer[2]) and torch.equal(layer_dst[4], layer[13])
+        finally:
+            w2.close(timeout=10)
+    finally:
+        w.close(timeout=10)
+        s.close(timeout=10)
+
+
 def test_a_capped_storage_hit_is_counted_once_per_request(tmp_path: Path) -> None:
     """vLLM asks about a waiting request at every step: pages the host tier has no room for
     are counted once (``hits_capped_for_room``), not once per ask."""
