@@ -369,9 +369,9 @@ class SchedulerSide:
         self.stats["pages_to_load"] += n
 
     def _lock_for_step(self, node: TreeNode) -> None:
-        """Keep ``node``'s slots out of this step's evictions: a load planned into a slot that a
-        later request of the same step got again would fail (the worker refuses two reads into
-        one slot)."""
+        """Keep ``node``'s slots out of this step's evictions: a load or a save's copy planned
+        into a slot that a later request of the same step got again would fail (the worker
+        refuses two reads, or two copies, into one slot)."""
         self.tree.lock(node)
         self._step_locks.append(node)
 
@@ -456,6 +456,10 @@ class SchedulerSide:
                     self.stats["saves_dropped"] += full - held - len(new)
         end = held + len(new)
         node = self.tree.insert(token_ids, state.salt, host, new) if new else host.node
+        if new:
+            # the new pages land in their slots only at this step's save: a later request of
+            # the plan must not evict them (the copy-only ones hold no write's lock)
+            self._lock_for_step(node)
         state.saved_pages = max(state.saved_pages, end)
         first = self._first_unknown(state, host.slots, end)
         begin = min(first, held)  # tree pages before `held` are only written, never copied

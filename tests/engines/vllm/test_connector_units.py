@@ -1106,6 +1106,37 @@ def test_a_page_copied_and_written_by_two_requests_in_one_step_is_kept_and_store
         s.close(timeout=10)
 
 
+def test_a_page_copied_in_a_step_is_not_evicted_for_a_later_request_of_that_step(tmp_path: Path) -> None:
+    """A, which knows its pages are stored, only copies them into the host tier's two slots
+    (no write locks them). B, later in the same step, needs a slot for its own new page:
+    eviction took A's fresh pages and gave B one of their slots, the worker refused the second
+    copy into it and reported it bad, and B's page was neither kept nor written. A's pages now
+    stay put for the step; B's page waits for room and is saved the next step."""
+    root = tmp_path / "store"
+    s = scheduler("file", {"root": str(root)}, host_pages=2)
+    w = worker(root, kv_layers(seed=2))
+    try:
+        stored(root, seed=1, num_pages=2)
+        a_tokens, b_tokens = TOKENS[: 2 * BS + 5], OTHER[: BS + 5]
+        # vLLM holds page 0 and computes page 1 itself (it loads none of the hit)
+        assert s.matched_tokens("a", a_tokens, None, BS) == BS
+        s.allocated("a", [2, 3, 4], 0)
+        assert s.matched_tokens("b", b_tokens, None, 0) == 0
+        plan, _ = run_step(s, w, [("a", BS, 2 * BS + 5, a_tokens, [2, 3, 4]), ("b", 0, BS + 5, b_tokens, [5, 6])])
+        assert s.stats["bad_slot_pages_dropped"] == 0 and w.stats["saves_dropped"] == 0
+        assert [(sv.req_id, sv.slots, sv.job) for sv in plan.saves] == [("a", (0, 1), 0)]  # B: no room
+        assert s.tree.match(a_tokens, None, 2, count_hit=False).pages == 2
+        plan, _ = run_step(s, w, [("b", BS + 5, BS + 6, b_tokens, [5, 6])])
+        (sv,) = plan.saves  # A's pages are evictable now
+        assert sv.req_id == "b" and sv.job
+        wait_report(s, w)
+        assert s.stats["bad_slot_pages_dropped"] == 0 and s.stats["pages_unwritten"] == 0
+        assert s.matched_tokens("c", b_tokens, None, 0) == BS  # B's page is stored
+    finally:
+        w.close(timeout=10)
+        s.close(timeout=10)
+
+
 def test_a_capped_storage_hit_is_counted_once_per_request(tmp_path: Path) -> None:
     """vLLM asks about a waiting request at every step: pages the host tier has no room for
     are counted once (``hits_capped_for_room``), not once per ask."""
