@@ -101,13 +101,12 @@ class PrefetchOp:
     stop_requested: bool = False
     finished: bool = False
     done: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
-    #: a storage call of the op was given up on (timed out, or interrupted as the store went
-    #: down) while it may still run (a read stuck on a hung mount returns when it returns):
-    #: the op lands nothing more a waiter should wait for, so the request takes the pages that
-    #: completed now, as under the ``timeout`` policy; the op keeps the pages that call was
-    #: given out of use until it has really returned (``finished``)
-    given_up: bool = False
-    #: set once a waiter may take the op: it finished, or a call of it was given up on
+    #: set once a waiter may take the op: it finished, or a storage call of it was given up on
+    #: (timed out, or interrupted as the store went down) while it may still run (a read stuck
+    #: on a hung mount returns when it returns): the op lands nothing more a waiter should wait
+    #: for, so the request takes the pages that completed now, as under the ``timeout`` policy;
+    #: the op keeps the pages that call was given out of use until it has really returned
+    #: (``finished``)
     settled: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
     task: asyncio.Task[None] | None = None
     inflight_start: int = 0

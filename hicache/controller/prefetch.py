@@ -283,9 +283,8 @@ class Prefetcher:
         hung mount). The op lands nothing more then, so its waiter is let go at once and takes
         the pages that completed, as the ``timeout`` policy's would; the pages the call was
         given stay the op's until it has returned (:meth:`_finish_op` frees them)."""
-        if op.finished or op.given_up:
+        if op.settled.is_set():  # finished, or given up on already
             return
-        op.given_up = True
         op.stop = op.stop or ("read_failed" if op.exists_answered else "exists_failed")
         op.settled.set()
         op.progress.set()
