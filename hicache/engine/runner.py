@@ -247,8 +247,8 @@ class Engine:
         if not tokens:
             raise ValueError("generate needs at least one prompt token")
         vocab = self.model.spec.vocab_size
-        bad = next((t for t in tokens if t >= vocab), None)
-        if bad is not None:
+        if max(tokens) >= vocab:  # (in C; the id is found only to name it)
+            bad = next(t for t in tokens if t >= vocab)
             raise ValueError(f"token_ids: token id {bad} is outside the model's vocabulary (vocab_size {vocab})")
         return tokens
 
