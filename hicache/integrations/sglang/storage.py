@@ -91,15 +91,15 @@ def _kv_cache_dtype(configured: str | None) -> str | None:
     error naming both. A server on ``auto`` (an fp8 checkpoint's own format) names no format:
     the key, when set, says which."""
     served = _server_kv_cache_dtype()
-    if served is not None and str(served) == "auto" and configured is not None:
+    if served is None or (served == "auto" and configured is not None):
         return configured
-    if served is not None and configured is not None and str(served) != str(configured):
+    if configured is not None and configured != served:
         raise SGLangAttachError(
             f"hicache_kv_cache_dtype is {configured!r} but the server runs --kv-cache-dtype {served!r}: "
             "the pages would be filed under a format they are not in; remove the key (the server's "
             "setting is read) or make it match"
         )
-    return served if served is not None else configured
+    return served
 
 
 def _with_logical_dtype(signature: dict[str, Any], configured: str | None) -> dict[str, Any]:
