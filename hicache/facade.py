@@ -32,7 +32,7 @@ from typing import Any, TypeVar
 import torch
 
 from hicache.config import HiCacheConfig, aload_config, load_config
-from hicache.controller.close_task import coroutine_function, start_close_task
+from hicache.controller.close_task import CLOSE_CUT, coroutine_function, start_close_task, wait_for_close
 from hicache.controller.jobs import CloseReport
 from hicache.errors import (
     CacheClosedError,
@@ -365,17 +365,11 @@ class HiCache:
                         pass
                 return self.close_report
             self._start_close()
-        task = self._close_task
-        assert task is not None
-        try:
-            return await asyncio.shield(task)
-        except asyncio.CancelledError:
-            me = asyncio.current_task()
-            if not task.cancelled() or (me is not None and me.cancelling()):
-                raise  # this caller was cancelled
-        # The close task, not this caller, was cancelled and could not go on: re-raising told
-        # every later caller, whom nobody cancelled, "cancelled". It answers with what the
-        # close learned.
+        assert self._close_task is not None
+        report = await wait_for_close(self._close_task)
+        if report is not CLOSE_CUT:
+            return report
+        # the close task, not this caller, was cancelled and could not go on: what it learned
         return self.close_report if self.close_report is not None else CloseReport(drained=False)
 
     async def _close(self) -> Any:

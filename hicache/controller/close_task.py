@@ -19,7 +19,7 @@ import types
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar, cast
 
-__all__ = ["CloseTask", "coroutine_function", "start_close_task"]
+__all__ = ["CLOSE_CUT", "CloseTask", "coroutine_function", "start_close_task", "wait_for_close"]
 
 _T = TypeVar("_T")
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -107,3 +107,22 @@ def start_close_task(coro: Coroutine[Any, Any, _T], *, name: str,
                      loop: asyncio.AbstractEventLoop | None = None) -> CloseTask[_T]:
     """Run ``coro`` (a close) as a :class:`CloseTask` on ``loop`` (default: the running one)."""
     return CloseTask(coro, loop=loop or asyncio.get_running_loop(), name=name)
+
+
+#: what :func:`wait_for_close` answers when the close task itself was cancelled and could not go on
+CLOSE_CUT: Any = object()
+
+
+async def wait_for_close(task: asyncio.Task[_T]) -> Any:
+    """Wait for the one close ``task`` that every caller of a close shares, shielded: a caller
+    cancelled meanwhile gets its ``CancelledError`` and the close goes on for the others.
+    :data:`CLOSE_CUT` when the close task itself, not this caller, was cancelled and could not
+    finish: re-raising told every later caller, whom nobody cancelled, "cancelled"; each
+    closer answers with what it can (the report so far, a hurried close)."""
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        me = asyncio.current_task()
+        if not task.cancelled() or (me is not None and me.cancelling()):
+            raise  # this caller was cancelled
+    return CLOSE_CUT

@@ -56,7 +56,7 @@ from typing import Any
 
 import torch
 
-from hicache.controller.close_task import start_close_task
+from hicache.controller.close_task import CLOSE_CUT, start_close_task, wait_for_close
 from hicache.prefix_cache.base import BasePrefixCache
 from hicache.prefix_cache.facade import AdmitResult
 from hicache.prefix_cache.req import Req
@@ -453,14 +453,9 @@ class SessionAwareCache(ForwardingCache):
         if task is None:
             # a CloseTask: cancelled before its first step, it still closes (hurried)
             task = self._close_task = start_close_task(self._close(close_inner), name="hicache-session-close")
-        try:
-            return await asyncio.shield(task)
-        except asyncio.CancelledError:
-            me = asyncio.current_task()
-            if not task.cancelled() or (me is not None and me.cancelling()):
-                raise  # this caller was cancelled; the close goes on for the others
-        # the close task was cancelled even during its hurried end: finish it here
-        return await self.finish_cut_close()
+        report = await wait_for_close(task)
+        # CLOSE_CUT: the close task was cancelled even during its hurried end: finish it here
+        return await self.finish_cut_close() if report is CLOSE_CUT else report
 
     async def _close(self, close_inner: bool) -> Any:
         """The close task's body; a cancellation hurries it to :meth:`_cut_close` (the
@@ -497,12 +492,9 @@ class SessionAwareCache(ForwardingCache):
         if task is not None and not task.done():
             if not self._close_hurried and task.cancelling() == 0:
                 task.cancel()
-            try:
-                return await asyncio.shield(task)
-            except asyncio.CancelledError:
-                me = asyncio.current_task()
-                if not task.cancelled() or (me is not None and me.cancelling()):
-                    raise
+            report = await wait_for_close(task)
+            if report is not CLOSE_CUT:
+                return report
         elif task is not None and not task.cancelled() and task.exception() is None:
             return task.result()
         return await self._cut_close()
