@@ -117,8 +117,7 @@ async def inspect_store(
             # are counted in the same look at the folders: counted after verifying, the
             # corrupt pages verification dropped hid as many torn ones, and a live server's
             # new pages (or its evictions) in between counted as corrupt
-            survey = getattr(store, "survey_pages", None)
-            pages, unlisted = await survey() if survey is not None else (await store.list_pages(), 0)
+            pages, unlisted = await store.survey_pages()
             nbytes = sum(size for _, size in pages)
             if verify == "all":
                 chosen = pages

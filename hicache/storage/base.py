@@ -338,6 +338,12 @@ class AsyncHiCacheStorage(ABC):
         await self._ensure_open()
         return await self._guard("verify", self._read_bytes(page), None) is not None
 
+    async def survey_pages(self) -> tuple[list[tuple[PageKey, int]], int]:
+        """:meth:`list_pages`, and how many stored pages the listing could not read (``hicache
+        inspect`` counts them corrupt), from the same look at the store. By default none: a
+        backend whose listing can meet unreadable pages (torn files) counts them."""
+        return await self.list_pages(), 0
+
     async def check_page(self, page: PageKey) -> str:
         """:meth:`verify_page` with why a page failed (``hicache inspect``): ``"ok"``,
         ``"corrupt"``, or ``"vanished"`` (removed by a writer before it was read: no damage).
