@@ -6,7 +6,8 @@ and a router may be slow, absent or gone. :meth:`EventPublisher.publish` only do
 ``put_nowait``; when the queue is full the events are dropped and counted (``dropped_events``),
 which a consumer also sees as a gap in the sequence numbers: dropped events never reach the
 thread, so the thread skips one number before its next batch (nothing is buffered under it; a
-batch that failed to publish is skipped the same way). A consumer sees the gap, its replay finds
+batch that failed to publish is skipped the same way; when no batch follows, an empty one is sent
+after the skipped number). A consumer sees the gap, its replay finds
 nothing there, and it counts the batch lost (``lost``) - it knows its view of this replica is
 incomplete. Why a gap and not an ``AllBlocksCleared``: vLLM-schema consumers take that event as
 "the replica's cache was emptied" and forget every block of it, and nothing announces the blocks
@@ -316,6 +317,8 @@ class EventPublisher:
                 try:
                     first = self._queue.get(timeout=wait) if wait else self._queue.get_nowait()
                 except queue.Empty:
+                    if self._gap_pending:
+                        self._publish_gap_marker(pub)
                     if self._closing.is_set():
                         return
                     continue
@@ -328,6 +331,17 @@ class EventPublisher:
             for s in (pub, replay):
                 if s is not None:
                     s.close(0)
+
+    def _publish_gap_marker(self, pub: zmq.Socket | None) -> None:
+        """Publish an empty batch after the number a drop skipped, the queue being empty.
+
+        Why: a drop skips the number of the *next* batch (:meth:`_publish_batch`). When the
+        drop ends a burst no next batch comes, and consumers saw nothing: a live one waits
+        for a number that never follows, and a replay probe answers the newest number, which
+        the skip had not taken yet. With this marker every consumer sees the gap within a
+        poll of the burst's end. It is sent only after a drop, at most once a poll; an empty
+        batch is valid vLLM-schema KV events, which vLLM's consumers read as no events."""
+        self._publish_batch(pub, [])
 
     def _take_more(self, first: list[KVEvent]) -> list[KVEvent]:
         events = list(first)
