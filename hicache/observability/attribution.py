@@ -75,7 +75,7 @@ class MissReason(str, enum.Enum):
     #: the stored page failed its checksum or format check and was dropped
     VERIFICATION_FAILED = "verification_failed"
     #: cannot be known (a record the ledger's capacity pushed out, a page lost in a race, a page
-    #: with no record after a device or host clear: the tree's ``reset()`` names no pages)
+    #: with no record after a device or host clear that named no pages)
     UNKNOWN = "unknown"
 
 

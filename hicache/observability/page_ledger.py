@@ -15,10 +15,11 @@ of the key that is the same in every process (xxh3), not Python's ``hash``, whic
 each process's ``PYTHONHASHSEED``: a replay must attribute its misses the same way every run.
 
 Clears: a storage clear marks every page this process wrote as lost from storage. A device or
-host clear (the tree's ``reset()``, SGLang's ``flush_cache``) names no pages, and the ledger has
-no record of device and host stores (see ``LEDGER_WANTS``), so it cannot tell which pages went;
-from then on every key without a record is "maybe forgotten" (``unknown``), not "never stored":
-the tiers may have held it before the clear. One flag, no walk over the tree or the records.
+host clear that lists its pages (the tree's ``reset()``, SGLang's ``flush_cache``: the tree knows
+what it held) records each as lost from that tier, as a removal would. One that names no pages
+leaves the ledger unable to tell which went (it has no record of device and host stores, see
+``LEDGER_WANTS``): from then on every key without a record is "maybe forgotten" (``unknown``),
+not "never stored". One flag, no walk over the records.
 
 Thread-safe: tiers emit on the event loop and on I/O threads; every method takes one lock for
 O(keys) dict operations.
@@ -86,7 +87,8 @@ class PageLedger:
         self._lock = threading.Lock()
         #: keys pushed out by the capacity
         self.forgotten = 0
-        #: a device or host clear was seen: any key may have been held unrecorded (module docstring)
+        #: a device or host clear that named no pages was seen: any key may have been held
+        #: unrecorded (module docstring)
         self.tiers_cleared = False
         self._unsubscribe: Callable[[], None] | None = None
 
@@ -121,6 +123,8 @@ class PageLedger:
         if change.kind is ChangeKind.CLEARED:
             if change.tier is Tier.STORAGE:
                 self._storage_cleared()
+            elif change.keys_complete:  # the pages it held, each lost from that tier
+                self._update(change.keys, _LOST[change.tier], _LOST_MASK)
             else:  # pages the ledger has no record of went too: no key is surely "never stored" now
                 self.tiers_cleared = True
 

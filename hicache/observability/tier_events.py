@@ -44,7 +44,9 @@ class TierChange:
     """Pages that one tier started or stopped holding.
 
     ``keys`` are hicache's chained page hashes (the storage keys), in prefix order for
-    ``STORED``; empty for ``CLEARED``. ``token_ids`` and ``parent_key`` are filled when the tier
+    ``STORED``. A ``CLEARED`` change lists the pages the tier dropped when it knows them all
+    (``keys_complete``: the tree's reset of device and host); otherwise its keys are empty and
+    any page may have gone. ``token_ids`` and ``parent_key`` are filled when the tier
     knows them (the tree does, a storage deletion does not). ``backend`` names the storage
     backend (``"file"``, ``"s3"``...) for storage changes. ``origin`` is ``"local"`` for changes
     this process made and ``"peer"`` for ones another process sharing the store made and this
@@ -60,6 +62,8 @@ class TierChange:
     backend: str | None = None
     origin: str = "local"
     reason: str | None = None
+    #: ``CLEARED`` only: ``keys`` is every page the tier dropped (an empty tuple: none)
+    keys_complete: bool = False
 
 
 Subscriber = Callable[[TierChange], None]

@@ -166,8 +166,7 @@ class HiRadixCache(RadixCache):
         which finds the tree gone, frees them then (:meth:`_release_old`)."""
         old = getattr(self, "root_node", None)
         if old is not None:
-            for tier in (Tier.DEVICE, Tier.HOST):
-                self.tier_changes.emit(TierChange(ChangeKind.CLEARED, tier))
+            self._report_cleared()
             for node in self._nodes():
                 if node.host_value is not None and node.backup_op is None and node.storage_op is None:
                     self._free_host(node.host_value)
@@ -281,6 +280,27 @@ class HiRadixCache(RadixCache):
             parent_key=parent.hash_value[-1] if parent is not None and parent is not self.root_node and parent.hash_value else None,
             page_size=self.page_size,
         ))
+
+    def _report_cleared(self) -> None:
+        """Tell the hub that device and host dropped everything, listing the pages each held.
+
+        Why list them: a clear that names no pages leaves the attribution ledger unable to
+        tell a page the tiers held from one never seen, so after one ``flush_cache`` every
+        later miss read ``unknown`` for good (a server that flushes on each weight update lost
+        its miss reasons). Keys not computed yet are hashed here, once per page, as an
+        eviction would hash them; nothing is hashed when no subscriber wants clears."""
+        hub = self.tier_changes
+        wanted = [tier for tier in (Tier.DEVICE, Tier.HOST) if hub.wants(ChangeKind.CLEARED, tier)]
+        if not wanted:
+            return
+        held: dict[Tier, list[str]] = {Tier.DEVICE: [], Tier.HOST: []}
+        for node in self._nodes():  # parents first: each node hashes only its own pages
+            if node.value is not None:
+                held[Tier.DEVICE] += node.hash_value
+            if node.host_value is not None:
+                held[Tier.HOST] += node.hash_value
+        for tier in wanted:
+            hub.emit(TierChange(ChangeKind.CLEARED, tier, tuple(held[tier]), keys_complete=True))
 
     def _add_device(self, node: TreeNode, value: torch.Tensor) -> None:
         super()._add_device(node, value)

@@ -384,10 +384,12 @@ async def test_a_record_the_ledger_forgot_is_unknown() -> None:
         await stack.aclose()
 
 
-async def test_after_a_reset_a_page_with_no_record_is_unknown_not_never_stored() -> None:
-    """reset() (SGLang's flush_cache) drops device and host at once with one CLEARED per tier,
-    naming no pages; the ledger ignored it, so a prompt served just before was attributed
-    never_stored afterwards. Now a page with no record is unknown; recorded losses keep theirs."""
+async def test_after_a_reset_the_pages_it_dropped_read_evicted_and_new_ones_never_stored() -> None:
+    """reset() (SGLang's flush_cache) drops device and host at once. Its CLEARED changes named
+    no pages: first the ledger ignored them (a prompt served just before read never_stored
+    afterwards), then it made every page with no record unknown, for good: after one flush no
+    miss had a reason. The reset now lists the pages each tier held: those read evicted, a
+    prompt never served reads never_stored, and recorded losses keep theirs."""
     async with stack_on(None) as (stack, _):
         await serve(stack, prompt(2), "a")
         await stack.cache.drain()
@@ -398,9 +400,12 @@ async def test_after_a_reset_a_page_with_no_record_is_unknown_not_never_stored()
         stack.cache.reset()
         stack.allocator.clear()
         a = await serve(stack, prompt(1), "d")
-        assert a.misses == {"unknown": 10 * PS, "partial_page": 2}, a
+        assert a.misses == {"evicted_host": 10 * PS, "partial_page": 2}, a  # device and host held it
         b = await serve(stack, prompt(2), "e")
         assert b.misses == {"evicted_host": 10 * PS, "partial_page": 2}, b
+        fresh = await serve(stack, prompt(3), "f")
+        assert fresh.misses == {"never_stored": 10 * PS, "partial_page": 2}, fresh
+        assert not stack.attributor.ledger.tiers_cleared
 
 
 async def test_the_ledger_size_is_a_config_key() -> None:

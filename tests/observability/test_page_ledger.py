@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from hicache.observability.page_ledger import CORRUPT, IN_STORAGE, LOST_HOST, LOST_STORAGE, PageLedger
+from hicache.observability.page_ledger import CORRUPT, IN_STORAGE, LOST_DEVICE, LOST_HOST, LOST_STORAGE, PageLedger
 from hicache.observability.tier_events import ChangeKind, Tier, TierChange, TierChangeHub
 
 
@@ -64,6 +64,21 @@ def test_a_device_or_host_clear_makes_every_unrecorded_key_maybe_forgotten() -> 
         hub.emit(TierChange(ChangeKind.CLEARED, tier))
         assert ledger.maybe_forgotten("held-until-the-reset") and ledger.tiers_cleared
         assert ledger.flags(["evicted", "held-until-the-reset"]) == [LOST_HOST, None]  # records stay
+
+
+def test_a_clear_that_lists_its_pages_records_each_lost_and_leaves_other_keys_never_seen() -> None:
+    """The tree's reset() lists what device and host held; the ledger records those pages as
+    lost from the tier, and a key it never saw stays certain (``never_stored``), where a clear
+    naming no pages made every unrecorded key ``unknown`` for good."""
+    hub = TierChangeHub()
+    ledger = PageLedger(capacity=16, forgotten_bits=1 << 16)
+    ledger.attach(hub)
+    hub.emit(TierChange(ChangeKind.STORED, Tier.STORAGE, ("stored",)))
+    hub.emit(TierChange(ChangeKind.CLEARED, Tier.DEVICE, ("on-device", "stored"), keys_complete=True))
+    hub.emit(TierChange(ChangeKind.CLEARED, Tier.HOST, ("on-host",), keys_complete=True))
+    hub.emit(TierChange(ChangeKind.CLEARED, Tier.HOST, (), keys_complete=True))  # an empty tier
+    assert not ledger.tiers_cleared and not ledger.maybe_forgotten("never-seen-key")
+    assert ledger.flags(["on-device", "on-host", "stored"]) == [LOST_DEVICE, LOST_HOST, IN_STORAGE | LOST_DEVICE]
 
 
 def test_bad_sizes_are_errors() -> None:
