@@ -533,8 +533,11 @@ class RadixCache(BasePrefixCache):
             return IncLockRefResult(delta=0)
         delta = 0
         start = node
+        # a node of a tree reset() dropped (a lock taken before a flush) counts in no size of
+        # this one: its lock changes, the sizes stay (see dec_lock_ref)
+        mine = node.tree is self.root_node.tree
         while node is not self.root_node and node is not None:
-            if node.lock_ref == 0 and node.value is not None:
+            if mine and node.lock_ref == 0 and node.value is not None:
                 self.evictable_size_ -= len(node.key)
                 self.protected_size_ += len(node.key)
                 delta -= len(node.key)
@@ -546,10 +549,15 @@ class RadixCache(BasePrefixCache):
         if self.disable or node is None:
             return DecLockRefResult(delta=0)
         delta = 0
+        # Why: a request admitted before a flush (reset()) releases its lock after it, on nodes
+        # of the dropped tree; counted here they made the new tree's evictable_size() report
+        # tokens no node holds (and protected_size() go negative), so a scheduler admitted
+        # requests that then failed for memory, and each eviction walked the tree for them
+        mine = node.tree is self.root_node.tree
         while node is not self.root_node and node is not None:
             if node.lock_ref <= 0:
                 raise RuntimeError(f"dec_lock_ref on unlocked {node!r}: a lock was released twice")
-            if node.lock_ref == 1 and node.value is not None:
+            if mine and node.lock_ref == 1 and node.value is not None:
                 self.evictable_size_ += len(node.key)
                 self.protected_size_ -= len(node.key)
                 delta += len(node.key)

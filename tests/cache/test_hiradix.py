@@ -1033,3 +1033,32 @@ async def test_write_back_copies_a_prefetch_anchor_to_host_rather_than_drop_its_
     assert verify_kv(stack.device_pool, queued.prefix_indices, torch.tensor((a + b)[: res.prefix_len])) == 0
     cache.abort_req(queued)
     await nothing_held_then_close(stack)
+
+
+async def test_a_lock_taken_before_a_reset_and_released_after_it_leaves_the_new_trees_sizes_alone() -> None:
+    """A request admitted (its device prefix locked) before a flush and aborted after it
+    released its lock on nodes of the dropped tree, and the new tree counted their tokens:
+    evictable_size() said 16 tokens could be freed that no node holds (a scheduler trusting
+    it admits requests that then fail for memory), protected_size() went negative, and every
+    eviction walked the whole tree looking for them."""
+    stack = build_stack(cfg())
+    cache = stack.cache
+    a = toks(0, 16)
+    await serve_request(stack, a, rid="seed")
+    await cache.drain()
+    req = Req(rid="r", origin_input_ids=a + [99])
+    cache.match_req(req)
+    req.req_pool_idx = stack.req_to_token_pool.alloc(1)[0]
+    await cache.admit(req)
+    assert cache.protected_size() == 16
+    cache.reset()  # a flush: the server clears its pools with the cache
+    stack.allocator.clear()
+    stack.host_pool.clear()
+    cache.abort_req(req)
+    assert (cache.evictable_size(), cache.protected_size(), cache.total_size()) == (0, 0, 0)
+    cache.sanity_check()
+    await serve_request(stack, toks(100, 8), rid="after")  # the new tree works as before
+    await cache.drain()
+    assert (cache.evictable_size(), cache.protected_size()) == (8, 0)
+    cache.sanity_check()
+    await stack.aclose()
