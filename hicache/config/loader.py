@@ -366,6 +366,13 @@ def check_backend(config: HiCacheConfig) -> None:
         raise ConfigError(f"storage.backend: {exc}") from None
     except BackendLoadError as exc:
         raise ConfigError(f"storage.backend: {exc}") from None
+    if "namespace" in config.storage.options:
+        # every backend takes ``namespace``, but a deployment's is made from [model] and
+        # storage.namespace_salt (stack.config_namespace): one given here replaced it, so
+        # neither the model nor the salt kept pages apart any more (and a string crashed the
+        # start with an AttributeError)
+        raise ConfigError("storage.options.namespace: the storage namespace comes from [model] and "
+                          "storage.namespace_salt; set storage.namespace_salt to keep pages apart")
     unknown = sorted(set(config.storage.options) - set(allowed) - {"namespace"})
     if unknown:
         raise ConfigError(

@@ -156,3 +156,15 @@ def test_a_max_context_len_of_no_whole_pages_is_refused() -> None:
 
     with pytest.raises(ConfigError, match="max_context_len"):
         load_config({"device": {"size_tokens": 1024, "page_size": 16, "max_context_len": 100}})
+
+
+@pytest.mark.parametrize("namespace", ["tenant-a", {"model": "other/model"}])
+def test_a_namespace_among_the_storage_options_is_refused(tmp_path: Path, namespace: object) -> None:
+    """``storage.options.namespace`` was let through (hidden from the allowed options, never
+    refused): a string crashed the start with ``'str' object has no attribute 'with_signature'``,
+    and a table replaced the deployment's namespace, so ``[model]`` and ``namespace_salt`` no
+    longer kept pages apart (two salts read each other's pages). The namespace is the config's."""
+    data = {"storage": {"backend": "file", "options": {"root": str(tmp_path), "namespace": namespace},
+                        "namespace_salt": "tenant-b"}}
+    with pytest.raises(ConfigError, match=r"storage\.options\.namespace.*namespace_salt"):
+        load_config(data, environ={})
