@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from hicache.config.schema import ModelConfig
+from hicache.errors import ConfigError
 
 __all__ = ["KVPoolLike", "ModelSpec", "TinyTransformer", "kv_dtype_of"]
 
@@ -116,8 +117,14 @@ class ModelSpec:
         still fits. Only MHA/GQA is modelled: an MLA
         deployment is rejected because its pool has no separate K and V.
         """
+        # ConfigErrors naming the [model] field: a config the cache takes but this model cannot
+        # run ended ``hicache serve`` and ``hicache demo`` in a ValueError traceback
         if model.attention != "mha":
-            raise ValueError(f"the reference model implements MHA/GQA only, not {model.attention!r}")
+            raise ConfigError(f"model.attention = {model.attention!r}: the demo's reference model implements "
+                              "MHA/GQA only ('mha')")
+        if positions == "rope" and model.head_dim % 2:
+            raise ConfigError(f"model.head_dim = {model.head_dim}: the demo's reference model uses rotary "
+                              "positions, which need an even head dim")
         num_heads = model.num_kv_heads * query_groups
         hidden = hidden_size if hidden_size is not None else num_heads * model.head_dim
         return cls(

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from hicache.config.schema import HiCacheConfig
-from hicache.errors import CacheClosedError, OutOfKVSlotsError
+from hicache.errors import CacheClosedError, ConfigError, OutOfKVSlotsError
 from hicache.memory.allocator import PagedTokenAllocator
 from hicache.memory.device import device_for
 from hicache.memory.device_pool import MHATokenToKVPool
@@ -57,8 +57,8 @@ class RecomputeCache:
 
     def __init__(self, config: HiCacheConfig) -> None:
         m, d = config.model, config.device
-        if m.attention != "mha":
-            raise ValueError("RecomputeCache models MHA/GQA pools only")
+        if m.attention != "mha":  # a ConfigError (a ValueError): the CLI says it in one line
+            raise ConfigError(f"model.attention = {m.attention!r}: RecomputeCache models MHA/GQA pools only ('mha')")
         self.config: HiCacheConfig = config
         device = device_for(None if d.device == "auto" else d.device)
         self.device_pool: MHATokenToKVPool = MHATokenToKVPool(

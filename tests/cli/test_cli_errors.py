@@ -331,3 +331,14 @@ def test_replay_that_restores_corrupted_kv_exits_1(tmp_path, capsys, monkeypatch
         assert json.loads(out)["policies"]["lru"]["verification_failures"] > 0
     else:
         assert "lru" in out
+
+
+@pytest.mark.parametrize("model, words", [('attention = "mla"', "model.attention"), ("head_dim = 33", "model.head_dim")])
+@pytest.mark.parametrize("command", [["serve", "--port", "0"], ["demo", "--quick"]])
+def test_a_model_the_demo_engine_cannot_run_is_one_line(tmp_path, capsys, model: str, words: str,
+                                                        command: list[str]) -> None:
+    """A cache config the demo's reference model cannot run (MLA: no separate K and V; an odd
+    head dim: no rotary halves) ended ``serve`` and ``demo`` in a ValueError traceback."""
+    cfg = tmp_path / "model.toml"
+    cfg.write_text(f'[model]\n{model}\n[device]\ndevice = "cpu"\nsize_tokens = 4096\n[storage]\nbackend = "none"\n')
+    assert words in _error(capsys, [*command, "-c", str(cfg)])
