@@ -8,6 +8,7 @@ pages; :func:`stack_config_from` derives them from a deployment config.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import torch
@@ -317,7 +318,9 @@ def stack_config_from(config: Any) -> StackConfig:
     probe = StackConfig(page_size=ps, layer_num=m.num_layers, head_num=m.num_kv_heads, head_dim=m.head_dim,
                         dtype=m.kv_dtype, attention=m.attention, kv_lora_rank=m.kv_lora_rank,
                         qk_rope_head_dim=m.qk_rope_head_dim)
-    host_pages = (h.size_bytes // probe.page_nbytes) if h.size_bytes else int(device_pages * h.ratio)
+    # a ratio's product is rounded to 6 places before the floor: int(100 * 0.29) is 28, since the
+    # float product is 28.999999999999996, and a ratio naming whole pages lost one of them
+    host_pages = (h.size_bytes // probe.page_nbytes) if h.size_bytes else math.floor(round(device_pages * h.ratio, 6))
     if host_pages <= 0:
         # named by what sized it: with ratio the message read "None bytes hold no page"
         given = (f"host.size_bytes ({h.size_bytes})" if h.size_bytes else

@@ -168,3 +168,12 @@ def test_a_namespace_among_the_storage_options_is_refused(tmp_path: Path, namesp
                         "namespace_salt": "tenant-b"}}
     with pytest.raises(ConfigError, match=r"storage\.options\.namespace.*namespace_salt"):
         load_config(data, environ={})
+
+
+@pytest.mark.parametrize("pages, ratio, want", [(100, 0.29, 29), (100, 0.57, 57), (1000, 1.1, 1100), (100, 0.295, 29)])
+def test_a_host_ratio_gives_the_pages_it_says(pages: int, ratio: float, want: int) -> None:
+    """``int(100 * 0.29)`` is 28 (the product is 28.999999999999996): a ratio that names whole
+    pages lost one to float rounding; only a real fraction of a page is rounded down."""
+    config = load_config({"device": {"size_tokens": 16 * pages, "page_size": 16}, "host": {"ratio": ratio},
+                          "storage": {"backend": None}}, environ={})
+    assert stack_config_from(config).host_pages == want
