@@ -161,14 +161,17 @@ class HiRadixCache(RadixCache):
 
     def reset(self) -> None:
         """Drop the tree and give back its host pages. A node a copy in flight reads or writes
-        (a backup to host, a storage write) keeps its host pages until that copy ends: freed
-        now, they could be handed out again while it still uses them; the copy's completion,
-        which finds the tree gone, frees them then (:meth:`_release_old`)."""
+        (a backup to host, a storage write, a load to device) keeps its host pages until that
+        copy ends: freed now, they could be handed out again while it still uses them; the
+        copy's completion, which finds the tree gone, frees them then (:meth:`_release_old`,
+        and :class:`~hicache.prefix_cache.load_back.LoadBacks` for loads)."""
         old = getattr(self, "root_node", None)
         if old is not None:
             self._report_cleared()
+            loading = self.load_backs.reads_host()
             for node in self._nodes():
-                if node.host_value is not None and node.backup_op is None and node.storage_op is None:
+                if (node.host_value is not None and node.backup_op is None and node.storage_op is None
+                        and node not in loading):
                     self._free_host(node.host_value)
                     node.host_value = None
         self.prefetches.reset()  # aborts the running prefetches (none before the first tree)
@@ -914,7 +917,8 @@ class HiRadixCache(RadixCache):
         tree's (reset did not free them, so they were never handed out again)."""
         for n in self._op_chain(node, attr, op):
             setattr(n, attr, None)
-            if n.host_value is not None:
+            # a load of the dropped tree still reading the pages frees them when it ends
+            if n.host_value is not None and not self.load_backs.reads_dropped_host(n):
                 self._free_host(n.host_value)
                 n.host_value = None
 

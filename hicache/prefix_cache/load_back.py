@@ -62,6 +62,7 @@ class LoadHost(Protocol):
     def _add_device(self, node: TreeNode, value: torch.Tensor) -> None: ...
     def _drop_device(self, node: TreeNode) -> torch.Tensor: ...
     def _free(self, indices: torch.Tensor) -> None: ...
+    def _free_host(self, indices: torch.Tensor) -> None: ...
     def _empty(self) -> torch.Tensor: ...
 
 
@@ -75,16 +76,56 @@ class LoadBacks:
         self.loads: list[_Load] = []
         #: handles started since :meth:`ready_to_load_host_cache` last took them
         self.new_handles: list[Any] = []
+        #: nodes of dropped trees whose host pages a load still in flight reads, with how many
+        #: such loads (see :meth:`reset`)
+        self._dropped_reads: dict[TreeNode, int] = {}
+
+    def reads_host(self) -> set[TreeNode]:
+        """Nodes whose host pages a load in flight still reads: the current tree's loads and
+        those of trees dropped before (which the tree's ``reset`` must not free)."""
+        return {c for load in self.loads for c in load.chain} | self._dropped_reads.keys()
 
     def reset(self) -> None:
         """The tree was dropped: loads still in flight complete into nothing, and whoever waits
-        for one must not wait forever."""
+        for one must not wait forever.
+
+        The host pages such a load reads stay allocated until it ends, and its completion
+        frees them (:meth:`_free_dropped_reads`): the tree's ``reset`` frees every other host
+        page of the dropped tree, and pages freed under a running load were handed to the new
+        tree's backups, whose writes the load then copied to the device as KV."""
         self.generation += 1
+        if self.loads:
+            # the device slots such a load writes go back with the caller's cleared allocator,
+            # and nothing here can stop the copy: said, so a flush mid-load is never silent
+            logger.warning("reset() while %d host->device load(s) run: they still write their device "
+                           "slots, which the cleared allocator may hand out; drain() before a flush",
+                           len(self.loads))
         for load in self.loads:
+            for c in load.chain:
+                self._dropped_reads[c] = self._dropped_reads.get(c, 0) + 1
             if load.done is not None and not load.done.done():
                 load.done.set_result(False)  # whoever waits for it must not wait forever
         self.loads = []
         self.new_handles = []
+
+    def reads_dropped_host(self, node: TreeNode) -> bool:
+        """Whether a load of a dropped tree still reads ``node``'s host pages (then that load's
+        end frees them, not the end of another copy of the node)."""
+        return node in self._dropped_reads
+
+    def _free_dropped_reads(self, load: _Load) -> None:
+        """A load of a dropped tree ended: free the host pages of its chain that no other copy
+        in flight still holds (a storage write's end frees those, see the tree's
+        ``_release_old``)."""
+        for c in load.chain:
+            left = self._dropped_reads.get(c, 0) - 1
+            if left > 0:
+                self._dropped_reads[c] = left
+                continue
+            self._dropped_reads.pop(c, None)
+            if c.host_value is not None and c.backup_op is None and c.storage_op is None:
+                self.cache._free_host(c.host_value)
+                c.host_value = None
 
     def init_load_back(self, params: InitLoadBackParams) -> tuple[torch.Tensor, Any]:
         """Allocate device slots for the host part of a match and start loading it layer by
@@ -199,6 +240,7 @@ class LoadBacks:
 
     def _load_done(self, gen: int, load: _Load, ok: bool) -> None:
         if gen != self.generation:  # the tree was reset meanwhile: nothing to update
+            self._free_dropped_reads(load)
             if load.done is not None and not load.done.done():
                 load.done.set_result(False)
             return

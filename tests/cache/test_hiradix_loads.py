@@ -145,6 +145,31 @@ async def test_reset_during_a_load_wakes_whoever_waits_for_it() -> None:
     await stack.aclose()
 
 
+async def test_reset_during_a_load_keeps_the_host_pages_it_reads_until_it_ends() -> None:
+    """reset() freed every host page of the dropped tree but those a backup or storage write
+    still used, not those a load to device was reading: the new tree's backups were handed
+    them while the load ran, and it copied their writes to the device as KV. Now the load's
+    end frees them."""
+    stack = make()
+    cache = stack.cache
+    a = list(range(16))
+    await host_only(stack, a)
+    read = torch.cat([n.host_value for n in cache._nodes() if n.host_value is not None])
+    inject_load_faults(stack.copy_engine, delay=0.05)
+    req = Req(rid="loading", origin_input_ids=a + [99])
+    cache.match_req(req)
+    res = await cache.admit(req, wait_load=False)
+    assert res.load_handle is not None and not res.load_handle.counter.all_done()
+    cache.reset()  # a flush while the load runs
+    stack.allocator.clear()
+    host = stack.host_pool.allocator
+    assert host.is_allocated(read), "the pages a running load reads were freed"
+    await res.load_handle.counter.wait_all()
+    await stack.controller.drain()
+    assert host.available_size() == host.size, "the load's end did not free the dropped tree's pages"
+    await stack.aclose()
+
+
 async def test_a_device_node_left_below_a_failed_load_is_never_the_start_of_a_load() -> None:
     """A load of P fails after another request's insert hung R+S (its own, valid KV) below P's
     node: P is host-only again, R+S on device below it. S demoted to host, a request for
