@@ -54,7 +54,7 @@ from vllm.v1.kv_offload.base import (
     RequestOffloadingContext,
     ScheduleEndContext,
 )
-from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
+from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager, LookupPhase
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
 from hicache.errors import ConfigError
@@ -78,10 +78,39 @@ class _Lookups(AsyncLookupManager):
 
     def __init__(self, runner: TierRunner, tier_type: str) -> None:
         self._runner = runner
+        # keys this tier stored while a lookup of them was in flight (its answer may predate
+        # the write): made hits once that answer is in
+        self._stored_in_flight: set[OffloadKey] = set()
         super().__init__(tier_type=tier_type)
 
     def batch_lookup(self, keys: list[OffloadKey], req_context: ReqContext) -> Iterable[bool]:
         return self._runner.exists([page_key(k) for k in keys])
+
+    def mark_stored(self, keys: Iterable[OffloadKey]) -> None:
+        """This tier just stored ``keys``: a remembered miss for one of them is a hit now.
+
+        vLLM keeps a verdict while any request that asked for it is alive, and every later
+        request that asks joins it. The request that missed a prompt is the one that computes
+        and stores it, and it lives on (decoding): without this, once the primary tier evicts
+        the chunks, every request with that prompt is told "miss" while it or a later one runs.
+        """
+        for key in keys:
+            state = self._lookup_state.get(key)
+            if state is None:
+                continue
+            if state.phase is LookupPhase.RESOLVED:
+                state.result = True
+            elif state.phase is LookupPhase.IN_FLIGHT:
+                self._stored_in_flight.add(key)
+
+    def drain_results(self) -> None:
+        super().drain_results()
+        for key in list(self._stored_in_flight):
+            state = self._lookup_state.get(key)
+            if state is not None and state.phase is LookupPhase.RESOLVED:
+                state.result = True
+            if state is None or state.phase is not LookupPhase.IN_FLIGHT:
+                self._stored_in_flight.discard(key)
 
 
 class HiCacheTier(SecondaryTierManager):
@@ -146,6 +175,7 @@ class HiCacheTier(SecondaryTierManager):
         self._lookups = _Lookups(self._runner, tier_type)
         self._chains = PrefixChains()
         self._load_keys: dict[int, list[OffloadKey]] = {}
+        self._store_keys: dict[int, list[OffloadKey]] = {}
         logger.info(
             "hicache tier %r: backend %s, namespace %s, %d-byte chunks",
             tier_type, backend, self.namespace.digest, self.block_size_bytes,
@@ -182,6 +212,7 @@ class HiCacheTier(SecondaryTierManager):
 
     def submit_store(self, job_metadata: TransferJob) -> None:
         keys = list(job_metadata.keys)
+        self._store_keys[job_metadata.job_id] = keys
         ctx = job_metadata.req_context
         try:
             self._chains.record(keys, ctx)
@@ -218,6 +249,9 @@ class HiCacheTier(SecondaryTierManager):
                     self._lookups.mark_miss(failed)
                 if not outcome.success:
                     successful = tuple(k for k, ok in zip(keys, outcome.ok) if ok) or None
+            else:
+                keys = self._store_keys.pop(outcome.job_id, [])
+                self._lookups.mark_stored(k for k, ok in zip(keys, outcome.ok) if ok)
             results.append(
                 JobResult(
                     job_id=outcome.job_id,

@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 from _tiering import BLOCK, Engine, block_keys, payload, tier_config
 from vllm.v1.kv_offload.base import LookupResult
@@ -102,6 +103,29 @@ def test_page_deleted_after_lookup_fails_only_that_chunk(file_tier_options: dict
         assert got[5] is None
         assert all(g == payload(k, second.chunk_bytes) for g, k in zip(got, keys) if k != keys[5])
         assert second.tier.storage.get_stats()["read_misses"] == 1
+
+
+def test_chunks_stored_while_a_request_that_missed_them_runs_are_hits(file_tier_options: dict) -> None:
+    """vLLM's lookup manager remembers a verdict while any request that asked is alive. The
+    request that missed a prompt computes it and the tier stores it; once the primary tier
+    evicts it, a request with the same prompt was told "miss" from that stale verdict (for as
+    long as the first request decoded, or any later one that asked kept it alive)."""
+    keys = block_keys(TOKENS[: 4 * BLOCK])
+    with Engine([tier_config(options=file_tier_options)], chunks=8) as engine:
+        first, results = engine.lookup(keys)  # a miss everywhere; the request keeps running
+        assert results == [LookupResult.MISS] * len(keys)
+        out = engine.manager.prepare_store(keys, first)
+        assert out is not None
+        for key, chunk_id in zip(out.keys_to_store, out.store_spec.chunk_ids):
+            engine.chunk(int(chunk_id))[:] = np.frombuffer(payload(key, engine.chunk_bytes), dtype=np.uint8)
+        engine.manager.complete_store(keys, first)
+        engine.settle()  # the cascade wrote every chunk
+        assert engine.tier.storage.get_stats()["write_ok"] == len(keys)
+        engine.store(block_keys(TOKENS[4 * BLOCK :] + list(range(9000, 9000 + 4 * BLOCK))))  # evicts them
+        assert {engine.manager.primary_tier.lookup(k, first) for k in keys} == {LookupResult.MISS}
+        got = engine.load(keys)  # a second request with the same prompt, while the first runs
+        assert got == [payload(k, engine.chunk_bytes) for k in keys]
+        engine.manager.on_request_finished(first)
 
 
 def test_disk_stays_bounded_and_evicts_tails_first(tmp_path: Path) -> None:

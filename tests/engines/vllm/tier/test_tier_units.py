@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 from _tiering import BLOCK, Engine, block_keys, offloading_config, tier_config
+from vllm.v1.kv_offload.base import LookupResult
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
 from hicache.errors import BackendNotFoundError, ConfigError, StorageStateError
@@ -252,6 +253,39 @@ def test_memory_backend_works_as_a_tier() -> None:
         engine.manager.reset_cache()  # the primary tier forgets; the secondary keeps the chunks
         got = engine.load(keys)
         assert all(g is not None for g in got)
+
+
+def test_chunk_stored_while_its_lookup_is_in_flight_is_a_hit() -> None:
+    """A lookup that asked the store before the tier's own write landed answers "miss"; the
+    tier knows better by then (the write succeeded), and a later request must hit."""
+    import threading
+
+    keys = block_keys(list(range(4 * BLOCK)))
+    with Engine([tier_config("memory")]) as engine:
+        storage = engine.tier.storage
+        real_exists, gate, asked = storage._exists, threading.Event(), threading.Event()
+
+        async def first_answer_late(pages):  # the first lookup's answer predates the write
+            import asyncio
+
+            if not asked.is_set():
+                asked.set()
+                answer = [False] * len(pages)
+                while not gate.is_set():
+                    await asyncio.sleep(0.01)
+                return answer
+            return await real_exists(pages)
+
+        storage._exists = first_answer_late  # type: ignore[method-assign]
+        waiting = engine.begin(keys)
+        assert {engine.manager.lookup(k, waiting) for k in keys} == {LookupResult.RETRY}
+        engine.step()  # the lookup is in flight now
+        assert asked.wait(10)
+        engine.store(keys)  # another request computes and stores the prompt meanwhile
+        gate.set()
+        engine.manager.reset_cache()  # the primary tier forgets; the store has the chunks
+        assert all(g is not None for g in engine.load(keys))
+        engine.manager.on_request_finished(waiting)
 
 
 def test_malformed_jobs_fail_without_raising_into_vllm(file_tier_options: dict) -> None:
