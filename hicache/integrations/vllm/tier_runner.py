@@ -88,9 +88,13 @@ class TierRunner:
         open_timeout: float = 5.0,
     ) -> None:
         for what, value in (("lookup_timeout", lookup_timeout), ("open_timeout", open_timeout)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            # bounded by what a thread can wait: past it (inf, 1e12) every wait raises
+            # OverflowError, which made every lookup a miss and start-up fail unclearly
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= threading.TIMEOUT_MAX:
                 pool.close()  # vLLM releases its view when start-up fails: hold no export of it
-                raise ConfigError(f"{what} must be a positive number of seconds, got {value!r}")
+                raise ConfigError(
+                    f"{what} must be a positive number of seconds up to {threading.TIMEOUT_MAX:.0f}, got {value!r}"
+                )
         self.storage = storage
         self.pool = pool
         self.lookup_timeout = float(lookup_timeout)

@@ -226,6 +226,9 @@ def test_runner_exists_is_bounded_by_its_timeout() -> None:
         ({"options": {"no_such_option": 1}}, ConfigError),
         ({"locality": "MARS"}, ConfigError),
         ({"lookup_timeout": 0}, ConfigError),
+        # past what a thread can wait: every lookup failed (a miss), start-up raised OverflowError
+        ({"lookup_timeout": float("inf")}, ConfigError),
+        ({"open_timeout": 1e12}, ConfigError),
     ],
 )
 def test_bad_tier_config_fails_engine_start_clearly(
