@@ -8,6 +8,7 @@ allowed keys (a silently ignored option would be a cache that never hits).
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,6 +20,10 @@ from hicache.prefix_cache.policy import eviction_key
 __all__ = ["ConnectorOptions"]
 
 _FIXED = {"prefetch_threshold": 0, "prefetch_policy": "wait_complete"}
+
+#: The longest a timeout may be: threads wait on these (plus a few seconds of margin) and a
+#: wait past ``threading.TIMEOUT_MAX`` raises OverflowError instead of waiting.
+MAX_WAIT_S = threading.TIMEOUT_MAX / 2
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -75,8 +80,9 @@ class ConnectorOptions:
             raise ConfigError(f"host_pages must be an integer >= 1, got {self.host_pages!r}")
         for name in ("lookup_wait_s", "lookup_timeout_s", "load_timeout_s", "close_timeout_s"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-                raise ConfigError(f"{name} must be a finite number >= 0, got {value!r}")
+            if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+                    or not 0 <= value <= MAX_WAIT_S):
+                raise ConfigError(f"{name} must be a number of seconds from 0 to {MAX_WAIT_S:.0f}, got {value!r}")
         if not isinstance(self.recompute_bound, bool):
             raise ConfigError(f"recompute_bound must be true or false, got {self.recompute_bound!r}")
         rate = self.recompute_tokens_per_s

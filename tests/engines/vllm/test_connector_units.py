@@ -181,6 +181,12 @@ def test_options_refuse_unknown_keys_and_bad_values() -> None:
                 {"backend": ""}, {"backend_options": []}):
         with pytest.raises(ConfigError):
             ConnectorOptions.from_extra_config(bad)
+    # finite, but past what a thread can wait: every wait on them raised OverflowError (each
+    # storage read a miss, the forward's layer wait and shutdown's drain an exception)
+    for name in ("lookup_wait_s", "lookup_timeout_s", "load_timeout_s", "close_timeout_s"):
+        with pytest.raises(ConfigError, match=name):
+            ConnectorOptions.from_extra_config({name: 1e12})
+    assert ConnectorOptions.from_extra_config({"load_timeout_s": 86400.0}).load_timeout_s == 86400.0
     with pytest.raises(ConfigError, match="no option"):
         StoreIO("file", {"rooot": "/nonexistent"}, [namespace()], name="t")
     with pytest.raises(ConfigError, match="lru"):
