@@ -1154,11 +1154,17 @@ class HiRadixCache(RadixCache):
 
     async def drain(self) -> None:
         """Wait for every queued copy (device->host, host->storage, loads) to complete, and
-        for the deferred backups that room freed by those copies lets start."""
+        for the deferred backups that room freed by those copies lets start.
+
+        A retry that finds no room may still have queued a write: host eviction writes a
+        victim back (``tiered``) and drops it only once it landed. That write is waited for
+        too, and the backup retried after it: returning then left the write queued and the
+        backup unstarted, and storage behind the directory, after a drain."""
         while True:
             self._start_backups()
             await self.controller.drain()
-            if not self._retry_deferred() and not self._backup_batch:
+            if not self._retry_deferred() and not self._backup_batch \
+                    and not self.controller.storage_writes_pending:
                 return
 
     async def drain_backups(self) -> None:

@@ -761,3 +761,39 @@ async def test_pages_a_prefetch_found_in_storage_are_not_counted_lost_nor_writte
     finally:
         await second.aclose()
         await first.aclose()
+
+
+async def test_a_drain_waits_for_the_write_back_that_room_for_a_deferred_backup_started() -> None:
+    """A backup deferred for host room (the only host-only leaf, A, was locked) is retried by
+    the drain once A is free: host eviction then writes A back (tiered) and the backup waits
+    for that write. The drain returned with the write still queued and the backup not started:
+    storage and the directory disagreed after it (a replay's next request ran beside the
+    write), against "wait for every queued copy and the deferred backups they let start"."""
+    from hicache.prefix_cache import EvictParams, MatchPrefixParams, RadixKey
+
+    stack = build_stack(StackConfig(
+        page_size=PS, device_pages=16, host_pages=4, storage_backend="memory", storage_pages=16,
+        placement="tiered", placement_options={"reuse_hits": 1, "long_prompt_tokens": None},
+        controller=ControllerConfig(prefetch_threshold=PS)))
+    try:
+        cache = stack.cache
+        find = lambda t: cache.match_prefix(MatchPrefixParams(key=RadixKey(t)), count_hit=False)  # noqa: E731
+        a, b = list(range(100, 100 + 2 * PS)), list(range(200, 200 + 4 * PS))
+        await serve_request(stack, a, rid="a", prefetch=False)
+        await cache.drain()
+        cache.evict(EvictParams(num_tokens=10**6))
+        node_a = find(a).last_host_node
+        assert node_a.value is None and node_a.host_value is not None and not node_a.storage_pages
+        cache.inc_lock_ref(node_a)  # read by a request: not evictable from host
+        await serve_request(stack, b, rid="b", prefetch=False)
+        await cache.drain()
+        node_b = find(b).last_device_node
+        assert node_b.host_value is None  # deferred: host is A's and B's room is not there
+        cache.dec_lock_ref(node_a)
+        await cache.drain()
+        assert stack.controller.storage_writes_pending == 0
+        assert node_a.host_value is None and node_b.host_value is not None  # A written back, B backed up
+        assert set(cache.placement.stored._pages) == set(_medium_keys(stack)) == set(node_a.hash_value)
+        cache.sanity_check()
+    finally:
+        await stack.aclose()
