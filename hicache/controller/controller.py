@@ -66,7 +66,7 @@ from hicache.storage import (
 )
 from hicache.storage.hit_policy import leading_run
 from hicache.storage.offload import wait_out
-from hicache.storage.stats import counting_call
+from hicache.storage.stats import CallCounts, Throttle, counting_call
 
 __all__ = ["HiCacheController", "ControllerState"]
 
@@ -83,8 +83,9 @@ _OPS = {"exists": "exists", "read": "get", "write": "set"}
 #: storage write jobs the worker takes at once (see HiCacheController._write_jobs)
 _HOP_MAX_JOBS = 64
 #: one storage call made inside a hop: its result (or the exception it raised), its seconds,
-#: and whether the backend counted an error meanwhile (judged on the loop, see _judge)
-_InnerCall = tuple[Any, float, bool]
+#: whether the backend counted an error meanwhile (judged on the loop, see _judge), and the
+#: pages it refused for room (see _no_room)
+_InnerCall = tuple[Any, float, bool, int]
 
 
 @dataclasses.dataclass(eq=False)
@@ -230,6 +231,7 @@ class HiCacheController:
         self._calls: dict[asyncio.Future[Any], Callable[[], None] | None] = {}
         self._up_listeners: list[Callable[[], None]] = []  # see on_storage_up
         self._stuck_calls = 0  # cancelled calls still running past cancelled_io_grace_s
+        self._no_room_warnings = Throttle()  # writes a bounded store refused for room (see _no_room)
         self._prober: asyncio.Task[None] | None = None
         if storage is not None:
             registered = getattr(storage, "registered_pools", {}).get(KV)
@@ -891,6 +893,8 @@ class HiCacheController:
                     break
             if done == len(job.keys):
                 self._finish(job, done, t0)
+            elif len(result.batches) and self._no_room(job, done, result.batches[-1]):
+                self._finish(job, done, t0)
             else:
                 self._note_landed(job, done)
                 unfinished.append((job, done, bool(job.delete_first) and result.deleted is None, True))
@@ -948,13 +952,13 @@ class HiCacheController:
                 outcome: Any = await coro
             except Exception as exc:  # noqa: BLE001 - judged on the loop
                 outcome = exc
-        return outcome, time.perf_counter() - t0, call.errors > 0
+        return outcome, time.perf_counter() - t0, call.errors > 0, _refused_for_room(call)
 
     def _judge(self, call: _InnerCall, what: str) -> Any:
         """A call made inside a hop, judged as :meth:`_storage_call` judges a call of its own:
         one latency sample, and held for or against the store's health (a raise is logged; a
         bad key is the caller's bug and says nothing of the store). Returns its outcome."""
-        outcome, seconds, errored = call
+        outcome, seconds, errored, _ = call
         self.metrics.observe(_OPS.get(what, what), "storage", seconds)
         self._judge_outcome(outcome, errored, what)
         return outcome
@@ -1000,14 +1004,38 @@ class HiCacheController:
             n = min(cfg.storage_batch_pages, total - done)
             batch = self._batch(job, done, n, prior)
             t0 = time.perf_counter()
-            result = await self._storage_call(self.storage.batch_set_v2(batch.transfers, batch.info), "write")
+            with counting_call() as counted:
+                result = await self._storage_call(self.storage.batch_set_v2(batch.transfers, batch.info), "write")
             ok = self._landed(result, batch, time.perf_counter() - t0)
             if ok:
                 done += ok
                 prior = job.keys[done - 1]
                 self._note_landed(job, done)
+            if ok < n and result is not None and self._no_room(
+                    job, done, (result, 0.0, counted.errors > 0, _refused_for_room(counted))):
+                return done
             attempt = 0 if ok == n else attempt + 1
         return done
+
+    def _no_room(self, job: StorageWriteJob, done: int, call: _InnerCall) -> bool:
+        """Whether a write call of ``job`` that landed its pages short (``done`` written) was
+        refused for room: the store counted pages it refused for space
+        (``rejected_pages_no_space``, ``oversized_pages``) and no error. Then the rest of the
+        job is not retried: a bounded store keeps the leading pages that fit and refuses the
+        rest (a page after a missing one is never found), and asked again it refuses again, or
+        would have to evict the job's own prefix. Retried as a transient failure, each retry
+        slept the storage queue's backoff, and the pages were counted as failed writes."""
+        outcome, _, errored, refused = call
+        if isinstance(outcome, BaseException) or errored or not refused:
+            return False
+        left = len(job.keys) - done
+        self.metrics.incr("storage_write_no_space_pages", left)
+        count = self._no_room_warnings.due(left)
+        if count:
+            logger.warning("storage write: the store refused %d page(s) for room (a write longer than it holds, "
+                           "or room only its own prefix could give); its leading pages are kept, the rest is "
+                           "not retried (raise the store's max_bytes to keep longer prefixes)", count)
+        return True
 
     def _landed(self, result: dict[str, list[bool]] | None, batch: _Batch, seconds: float) -> int:
         """Leading pages of a write call that landed in every pool (``None``: none), counted."""
@@ -1267,6 +1295,11 @@ class HiCacheController:
                 self.health.probe_passed()
             else:
                 self.health.probe_failed()
+
+
+def _refused_for_room(call: CallCounts) -> int:
+    """Pages a storage call's backend refused for lack of room (see ``AsyncHiCacheStorage``)."""
+    return int(call.counts["rejected_pages_no_space"] + call.counts["oversized_pages"])
 
 
 def _uncancel() -> None:

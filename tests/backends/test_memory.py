@@ -111,11 +111,11 @@ def _watched(store) -> list[tuple[str, tuple[str, ...]]]:  # type: ignore[no-unt
     return seen
 
 
-async def test_a_batch_bigger_than_the_medium_stores_its_last_pages_and_says_so() -> None:
-    """A batch bigger than the medium evicts its own first pages in order: those are not
-    stored (False, no event), the rest are (one STORED run). They were reported REMOVED before
-    the batch's STORED named them, so every subscriber (the page ledger, KV events) took
-    them for stored; older pages it evicts are still reported REMOVED."""
+async def test_a_batch_bigger_than_the_medium_stores_its_first_pages_and_says_so() -> None:
+    """A chained batch bigger than the medium keeps the leading pages that fit and refuses the
+    rest (counted as refused for room), evicting nothing for them. It used to evict its own
+    first pages for its tail, answering them False: the tail it kept follows a prefix no
+    lookup finds. Older pages it evicts for its first pages are reported REMOVED."""
     import torch
 
     store = create_async_storage("memory", None, max_bytes=10_000)
@@ -126,10 +126,10 @@ async def test_a_batch_bigger_than_the_medium_stores_its_last_pages_and_says_so(
         keys = [f"k{i}" for i in range(50)]
         assert not await store.batch_set(keys, [torch.full((1000,), i, dtype=torch.uint8) for i in range(50)])
         stats = store.get_stats()
-        assert (stats["stored_bytes"], stats["evicted_pages"]) == (10_000, 41)
-        assert seen == [("REMOVED", ("old",)), ("STORED", tuple(keys[40:]))]
-        assert await store.exists_pages(keys) == [False] * 40 + [True] * 10
-        assert (await store.get("k45"))[0] == 45
+        assert (stats["stored_bytes"], stats["evicted_pages"], stats["rejected_pages_no_space"]) == (10_000, 1, 40)
+        assert seen == [("REMOVED", ("old",)), ("STORED", tuple(keys[:10]))]
+        assert await store.exists_pages(keys) == [True] * 10 + [False] * 40
+        assert (await store.get("k5"))[0] == 5
 
 
 async def test_evicted_bytes_are_counted_and_a_shared_medium_has_one_bound() -> None:

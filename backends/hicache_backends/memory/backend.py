@@ -61,6 +61,9 @@ class MemoryMedium:
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
         self.pages: OrderedDict[_Entry, Payload] = OrderedDict()
+        #: the page each held page was written after (its parent), where it had one: what a
+        #: chained write must not evict for room (see :meth:`chain_of`)
+        self.links: dict[_Entry, _Entry] = {}
         self.nbytes = 0
         self.evicted_pages = 0
         self.evicted_bytes = 0
@@ -85,31 +88,98 @@ class MemoryMedium:
         with cls._shared_lock:
             cls._shared.pop(store_id, None)
 
-    def put(self, entry: _Entry, payload: Payload, evicted: list[_Entry] | None = None) -> bool:
-        """Store a page, evicting least recently used ones for room (appended to ``evicted``)."""
+    def put(self, entry: _Entry, payload: Payload, evicted: list[_Entry] | None = None, *,
+            parent: _Entry | None = None, protect: set[_Entry] | None = None) -> bool:
+        """Store a page, evicting least recently used ones for room (appended to ``evicted``),
+        never one of ``protect``: ``False`` (nothing evicted) when only they could make room."""
         with self.lock:
-            return self._put_locked(entry, payload, evicted)
+            return self._put_locked(entry, payload, evicted, parent, protect)
 
-    def _put_locked(self, entry: _Entry, payload: Payload, evicted: list[_Entry] | None) -> bool:
+    def _put_locked(self, entry: _Entry, payload: Payload, evicted: list[_Entry] | None,
+                    parent: _Entry | None = None, protect: set[_Entry] | None = None) -> bool:
         """:meth:`put` with the lock held."""
-        if len(payload) > self.max_bytes:
+        size = len(payload)
+        if size > self.max_bytes:
             return False
-        old = self.pages.pop(entry, None)
+        pages = self.pages
+        old = pages.get(entry)
+        need = self.nbytes - (len(old) if old is not None else 0) + size - self.max_bytes
+        if need > 0:
+            # the victims are chosen before any goes: a page that cannot have its room is
+            # refused without evicting anything for it
+            victims: list[_Entry] = []
+            for victim, held in pages.items():  # least recently used first
+                if victim == entry or (protect is not None and victim in protect):
+                    continue
+                victims.append(victim)
+                need -= len(held)
+                if need <= 0:
+                    break
+            if need > 0:
+                return False
+            for victim in victims:
+                gone = pages.pop(victim)
+                self.links.pop(victim, None)
+                self.nbytes -= len(gone)
+                self.evicted_pages += 1
+                self.evicted_bytes += len(gone)
+                if evicted is not None:
+                    evicted.append(victim)
         if old is not None:
+            del pages[entry]  # put again: most recently used
             self.nbytes -= len(old)
-        while self.pages and self.nbytes + len(payload) > self.max_bytes:
-            victim, gone = self.pages.popitem(last=False)
-            self.nbytes -= len(gone)
-            self.evicted_pages += 1
-            self.evicted_bytes += len(gone)
-            if evicted is not None:
-                evicted.append(victim)
-        self.pages[entry] = payload
-        self.nbytes += len(payload)
+        pages[entry] = payload
+        self.nbytes += size
+        if parent is not None:
+            self.links[entry] = parent
+        else:
+            self.links.pop(entry, None)
         return True
 
+    def chain_of(self, entries: Sequence[_Entry], parents: Sequence[_Entry | None]) -> set[_Entry]:
+        """What a chained batch (``parents``: the page before each) must never evict for its
+        own room: its pages and every held ancestor of them. Evicted for the batch's tail,
+        they left the tail stored after a prefix no lookup finds (a lookup stops at the first
+        missing page): the tail then took the room of pages that were useful, for nothing."""
+        with self.lock:
+            return self._chain_locked(entries, parents)
+
+    def _chain_locked(self, entries: Sequence[_Entry], parents: Sequence[_Entry | None]) -> set[_Entry]:
+        keep = set(entries)
+        pages, links = self.pages, self.links
+        for parent in parents:
+            while parent is not None and parent not in keep and parent in pages:
+                keep.add(parent)
+                parent = links.get(parent)
+        return keep
+
+    def put_chain(self, entries: Sequence[_Entry], payloads: Sequence[Payload], parents: Sequence[_Entry | None],
+                  evicted: list[_Entry] | None = None) -> list[bool]:
+        """:meth:`put` of a chained batch with the lock held throughout (see :meth:`put_many`)."""
+        with self.lock:
+            return self._put_chain_locked(entries, payloads, parents, evicted)
+
+    def _put_chain_locked(self, entries: Sequence[_Entry], payloads: Sequence[Payload],
+                          parents: Sequence[_Entry | None], evicted: list[_Entry] | None,
+                          keep: set[_Entry] | None = None) -> list[bool]:
+        """Each page in turn, never evicting the batch's own pages or what they chain from
+        (:meth:`chain_of`); a page after one refused is refused too (no lookup reaches it).
+        So a batch longer than the medium stores its leading pages that fit and refuses the
+        rest, without evicting anything for them."""
+        if keep is None:
+            keep = self._chain_locked(entries, parents)
+        refused: set[_Entry] = set()
+        ok = []
+        for e, p, parent in zip(entries, payloads, parents):
+            put = (parent is None or parent not in refused) and self._put_locked(e, p, evicted, parent, keep)
+            if not put:
+                refused.add(e)
+            ok.append(put)
+        return ok
+
     def put_many(
-        self, entries: Sequence[_Entry], payloads: Sequence[Payload], evicted: list[_Entry] | None = None
+        self, entries: Sequence[_Entry], payloads: Sequence[Payload], evicted: list[_Entry] | None = None,
+        parents: Sequence[_Entry | None] | None = None,
     ) -> list[bool]:
         """:meth:`put` of each ``(entry, payload)`` in turn, under one lock acquisition.
 
@@ -117,10 +187,11 @@ class MemoryMedium:
         and lock round trip is Python the server's event loop waits on for the GIL. The outcome
         (pages kept, evictions and their order, counters) is that of the puts one by one; a
         batch of new pages that fits without evicting (the usual one) is stored by one
-        ``update`` without a Python iteration per page.
+        ``update`` without a Python iteration per page. ``parents`` (the page before each):
+        a chained batch, stored as :meth:`put_chain` does.
         """
         n = len(entries)
-        if len(payloads) != n:
+        if len(payloads) != n or (parents is not None and len(parents) != n):
             raise ValueError(f"put_many: {n} entries but {len(payloads)} payloads")
         total = sum(map(len, payloads))
         with self.lock:
@@ -130,9 +201,13 @@ class MemoryMedium:
                 pages.update(zip(entries, payloads))
                 if len(pages) == before + n:
                     self.nbytes += total
+                    if parents is not None:
+                        self.links.update((e, p) for e, p in zip(entries, parents) if p is not None)
                     return [True] * n
                 for e in entries:  # an entry twice in the batch (rare): undo, then one by one
                     pages.pop(e, None)
+            if parents is not None:
+                return self._put_chain_locked(entries, payloads, parents, evicted)
             return [self._put_locked(e, p, evicted) for e, p in zip(entries, payloads)]
 
     def present(self, entries: Sequence[_Entry]) -> list[bool]:
@@ -158,6 +233,7 @@ class MemoryMedium:
             gone = self.pages.pop(entry, None)
             if gone is None:
                 return False
+            self.links.pop(entry, None)
             self.nbytes -= len(gone)
             return True
 
@@ -166,6 +242,7 @@ class MemoryMedium:
             doomed = [e for e in self.pages if e[0] == digest]
             for e in doomed:
                 self.nbytes -= len(self.pages.pop(e))
+                self.links.pop(e, None)
             return len(doomed)
 
 
@@ -224,8 +301,8 @@ class MemoryStorage(AsyncHiCacheStorage):
         self, pages: Sequence[PageKey], buffers: Sequence[memoryview], parents: Sequence[PageKey | None]
     ) -> list[bool]:
         if sum(map(len, buffers)) >= OFFLOAD_MIN_BYTES:
-            return await run_to_completion(self._store, pages, buffers)
-        return self._store(pages, buffers)
+            return await run_to_completion(self._store, pages, buffers, parents)
+        return self._store(pages, buffers, parents)
 
     def _entries(self, pages: Sequence[PageKey]) -> Iterable[_Entry]:
         """The medium's entry of each page, built in C (a page key is a ``(key, pool)`` tuple):
@@ -234,21 +311,47 @@ class MemoryStorage(AsyncHiCacheStorage):
             return ()
         return zip(repeat(self.namespace.digest), *zip(*pages))
 
-    def _store(self, pages: Sequence[PageKey], buffers: Sequence[memoryview]) -> list[bool]:
+    def _store(self, pages: Sequence[PageKey], buffers: Sequence[memoryview],
+               parents: Sequence[PageKey | None] | None = None) -> list[bool]:
+        """Store a batch; ``parents`` (the page before each) chain it: then it never evicts
+        its own pages or what they chain from, and stores the leading pages that fit
+        (:meth:`MemoryMedium.put_chain`). Pages refused for room are counted in
+        ``rejected_pages_no_space`` (``oversized_pages``: bigger than the whole medium), which
+        tells a writer that retrying them is useless."""
         evicted: list[_Entry] = []
         n = min(len(pages), len(buffers))
         entries = list(self._entries(pages[:n]))
+        links = None
+        if parents is not None:
+            digest = self.namespace.digest
+            links = [None if p is None else (digest, p.key, p.pool) for p in parents[:n]]
         medium = self.medium
         # which pages were held before (reported stored): only a batch that may evict asks
         was = medium.present(entries) if medium.nbytes + sum(map(len, buffers[:n])) > medium.max_bytes else None
         if buffers and max(map(len, buffers)) < _ARRAY_MIN_BYTES:
             # small pages (see _snapshot): snapshotted in C and stored under one lock; the
             # copies of a batch live together for a moment, a small batch by definition
-            ok = medium.put_many(entries, list(map(bytes, buffers[:n])), evicted)
-        else:  # big pages are copied outside the lock, with the GIL released, one at a time
+            ok = medium.put_many(entries, list(map(bytes, buffers[:n])), evicted, links)
+        elif links is None:  # big pages are copied outside the lock, with the GIL released, one at a time
             ok = [medium.put(e, _snapshot(b), evicted) for e, b in zip(entries, buffers)]
+        else:
+            keep = medium.chain_of(entries, links)
+            refused: set[_Entry] = set()
+            ok = []
+            for e, b, parent in zip(entries, buffers, links):
+                put = (parent is None or parent not in refused) and \
+                    medium.put(e, _snapshot(b), evicted, parent=parent, protect=keep)
+                if not put:
+                    refused.add(e)
+                ok.append(put)
         if evicted:
             self._settle_evictions(pages[:n], entries, ok, was, evicted)
+        if not all(ok):
+            oversized = sum(1 for b, f in zip(buffers, ok) if not f and len(b) > medium.max_bytes)
+            if oversized:
+                self.stats.incr("oversized_pages", oversized)
+            if n - sum(ok) - oversized:
+                self.stats.incr("rejected_pages_no_space", n - sum(ok) - oversized)
         return ok
 
     def _settle_evictions(self, pages: Sequence[PageKey], entries: list[_Entry], ok: list[bool],
