@@ -63,7 +63,7 @@ class MemoryMedium:
         self.pages: OrderedDict[_Entry, Payload] = OrderedDict()
         #: the page each held page was written after (its parent), where it had one: what a
         #: chained write must not evict for room (see :meth:`chain_of`)
-        self.links: dict[_Entry, _Entry] = {}
+        self.links: dict[_Entry, _Entry | None] = {}
         self.nbytes = 0
         self.evicted_pages = 0
         self.evicted_bytes = 0
@@ -201,8 +201,8 @@ class MemoryMedium:
                 pages.update(zip(entries, payloads))
                 if len(pages) == before + n:
                     self.nbytes += total
-                    if parents is not None:
-                        self.links.update((e, p) for e, p in zip(entries, parents) if p is not None)
+                    if parents is not None:  # a None parent is no link: links.get() says the same
+                        self.links.update(zip(entries, parents))
                     return [True] * n
                 for e in entries:  # an entry twice in the batch (rare): undo, then one by one
                     pages.pop(e, None)
