@@ -121,7 +121,15 @@ class CanonicalPagePool:
             )
         self.pool = pool
         self.layout: str = layout
-        self.page_size: int = int(pool.page_size)
+        # Under decode context parallelism (SGLang's MLA pool with ``dcp_size`` > 1) SGLang's
+        # controller hands storage *logical* host indices, ``dcp_size`` of them to one host row,
+        # and the pool maps them itself (``_storage_page_index``: row = index // dcp_size): a
+        # page is ``page_size * dcp_size`` indices, ``page_size`` rows. Taken as rows, every
+        # page was refused and a DCP server stored nothing. ``page_size`` and ``size`` here are
+        # in SGLang's index space (what storage counts host indices in), ``rows`` in the pool's.
+        self._dcp = max(1, int(getattr(pool, "dcp_size", 1) or 1))
+        self.rows: int = int(pool.page_size)
+        self.page_size: int = self.rows * self._dcp
         self.dtype: torch.dtype = kv.dtype
         self._kv = kv
         self._slice, self._perm = table[layout]
@@ -129,7 +137,8 @@ class CanonicalPagePool:
         self.page_shape: tuple[int, ...] = tuple(probe.shape)
         self.page_numel: int = probe.numel()
         self.page_nbytes: int = self.page_numel * kv.element_size()
-        self.size: int = int(getattr(pool, "size", 0)) or (kv.numel() // (self.page_numel // self.page_size))
+        rows = int(getattr(pool, "size", 0)) or (kv.numel() // (self.page_numel // self.rows))
+        self.size: int = rows * self._dcp
         self._live = probe.is_contiguous()
         self._pieces = _piece_plan(probe, kv.element_size())
         # the pool's bytes, sliced for each direct piece (cheaper than a tensor view per piece)
@@ -169,8 +178,7 @@ class CanonicalPagePool:
 
     def _canonical(self, index: int) -> torch.Tensor:
         """A (strided) view of the page in canonical order: (C, L, ps, *token)."""
-        start, page = index, index // self.page_size
-        native = self._slice(self._kv, start, page, self.page_size)
+        native = self._slice(self._kv, index // self._dcp, index // self.page_size, self.rows)
         view = native.permute(*self._perm)
         return view.unsqueeze(0) if self.mla else view
 
@@ -293,7 +301,7 @@ class CanonicalPagePool:
         """The page at ``index`` as a canonical-order numpy view of the pool's memory, and
         the byte offset of its first element in the pool."""
         assert self._kv_np is not None
-        view = self._slice(self._kv_np, index, index // self.page_size, self.page_size).transpose(self._perm)
+        view = self._slice(self._kv_np, index // self._dcp, index // self.page_size, self.rows).transpose(self._perm)
         if self.mla:
             view = view[np.newaxis]
         return view, view.__array_interface__["data"][0] - self._kv_np.__array_interface__["data"][0]
@@ -313,7 +321,7 @@ class CanonicalPagePool:
     # -- v0 (SGLang's own flat pages) <-> canonical
     def native_to_canonical(self, flat: torch.Tensor) -> torch.Tensor:
         """SGLang's flat page of this layout (``get_data_page(flat=True)``) -> canonical bytes."""
-        native = self._slice(self._kv, 0, 0, self.page_size)
+        native = self._slice(self._kv, 0, 0, self.rows)
         typed = flat.detach().reshape(-1).view(self.dtype).view(native.shape)
         view = typed.permute(*self._perm)
         view = view.unsqueeze(0) if self.mla else view
@@ -321,7 +329,7 @@ class CanonicalPagePool:
 
     def canonical_into_native(self, canonical: torch.Tensor, out: torch.Tensor) -> None:
         """Write canonical page bytes into ``out``, a flat page in SGLang's order of this layout."""
-        native = self._slice(self._kv, 0, 0, self.page_size)
+        native = self._slice(self._kv, 0, 0, self.rows)
         target = out.view(-1).view(self.dtype).view(native.shape).permute(*self._perm)
         target = target.unsqueeze(0) if self.mla else target
         target.copy_(canonical.reshape(-1).view(torch.uint8).view(self.dtype).view(self.page_shape))
@@ -334,7 +342,7 @@ class CanonicalPagePool:
             "page_format": PAGE_FORMAT,
             "dtype": str(self.dtype).removeprefix("torch."),
             "layer_num": int(self.page_shape[1]),
-            "page_size": self.page_size,
+            "page_size": self.rows,  # the rows a stored page holds (DCP: the logical page is in the namespace)
             "is_mla": self.mla,
             "page_nbytes": self.page_nbytes,
         }

@@ -162,3 +162,55 @@ def test_a_mamba_state_of_another_dtype_is_never_restored(tmp_path) -> None:
     finally:
         for st in (a, b, c):
             st.close()
+
+
+def _dcp_rank(root, layout: str, backend: str, rank: int, logical_page: int):  # type: ignore[no-untyped-def]
+    """One decode-context-parallel rank of an MLA model (DCP 2): SGLang's MLA host pool holds
+    ``logical_page / 2`` rows of each logical page, and SGLang's controller hands storage the
+    logical host indices (``logical_page`` of them per page), as its allocator gives them."""
+    from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+
+    dev = helpers.device_pool(page_size=logical_page // 2, layers=2, mla=True)
+    info = dev.get_device_pool_infos()[0].buffer_info
+    host = MLATokenToKVPoolHost(info, 2.0, 0, logical_page, layout, pin_memory=False, device="cpu", dcp_size=2,
+                                dcp_rank=rank, device_capacity_tokens=dev.size, start_layer=0, end_layer=1,
+                                target_layer_num=2)
+    helpers.fill_random(host, rank + 1)
+    extra = helpers.extra_config(backend, **({"root": str(root)} if backend == "file" else {}))
+    cfg = HiCacheStorageConfig(tp_rank=rank, tp_size=2, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
+                               is_mla_model=True, enable_storage_metrics=False, is_page_first_layout=False,
+                               model_name="deepseek/v3", extra_config=extra, dcp_size=2, dcp_rank=rank,
+                               logical_page_size=logical_page)
+    st = StorageBackendFactory.create_backend("dynamic", cfg, host)
+    st.register_mem_pool_host(host)
+    st.on_host_pools_registered()
+    return host, st
+
+
+@pytest.mark.parametrize("backend", ["file", "memory"])
+@pytest.mark.parametrize("layout", helpers.MLA_LAYOUTS)
+def test_dcp_ranks_store_and_read_their_shard_of_each_logical_page(tmp_path, layout, backend) -> None:
+    """Under DCP, SGLang's host indices are logical (``logical_page_size`` per page, ``dcp_size``
+    tokens to a host row) and its host pool maps them to its rows itself: the adapter took them
+    as rows, so every write and read failed ("expects 48 host indices, got 96") and DCP servers
+    stored nothing. Each rank now stores its shard of each logical page and reads it back into
+    the rows SGLang's own page methods name, through the v1 and the v0 (flat page) paths."""
+    lp = 2 * PS
+    host, st = _dcp_rank(tmp_path / "s", layout, backend, 0, lp)
+    try:
+        keys = [f"{i:02x}" * 32 for i in range(3)]
+        host.alloc(2 * lp)  # pages past the first: the logical -> row mapping must hold off 0
+        src = host.alloc(3 * lp)
+        assert st.batch_set_v1(keys, src) == [True] * 3
+        assert st.batch_exists(keys) == 3
+        dst = host.alloc(3 * lp)
+        assert st.batch_get_v1(keys, dst) == [True] * 3
+        for a, b in zip(src[::lp].tolist(), dst[::lp].tolist()):
+            assert torch.equal(host.get_data_page(b), host.get_data_page(a))
+        # SGLang's generic path (interface_v1 0): its own flat pages, of the rows it holds
+        flat = [f"{i:02x}" * 32 for i in range(3, 5)]
+        assert st.batch_set(flat, [host.get_data_page(a) for a in src[: 2 * lp : lp].tolist()])
+        got = st.batch_get(flat, [host.get_dummy_flat_data_page() for _ in flat])
+        assert all(torch.equal(g, host.get_data_page(a)) for g, a in zip(got, src[: 2 * lp : lp].tolist()))
+    finally:
+        st.close()
