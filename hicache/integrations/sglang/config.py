@@ -103,6 +103,12 @@ class AdapterSettings:
             if not isinstance(given, Mapping):
                 raise ConfigError(f"hicache_options must be a dict of backend options, got {type(given).__name__}")
             options = {**options, **dict(given)}
+        if "namespace" in options:
+            # the adapter builds the namespace from SGLang's config and the pools and would put
+            # it over this one without a word: servers given different namespaces (tenants)
+            # shared each other's pages. The salt is what keeps them apart.
+            raise ConfigError("hicache_options: the namespace comes from SGLang's config and host pools; "
+                              "use hicache_namespace_salt to keep pages apart")
         timeout = extra.get("hicache_call_timeout", DEFAULT_CALL_TIMEOUT)
         if timeout is not None and (
             isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0

@@ -83,6 +83,24 @@ def test_bad_extra_config_fails_the_factory_clearly(change, needle, store_root):
         StorageBackendFactory.create_backend("dynamic", _config(extra), None)
 
 
+@pytest.mark.parametrize("via_file", [False, True])
+def test_a_namespace_in_the_backend_options_fails_the_factory(store_root, tmp_path, via_file):
+    """The adapter builds the namespace from SGLang's config and put it over a ``namespace``
+    the user gave in the backend's options (a tenant's, say) without a word: two servers
+    given different namespaces shared each other's pages. It is refused now, naming the key
+    that does separate them (as the vLLM tier and hicache's config file refuse it)."""
+    options = {"root": store_root, "namespace": {"model": "m", "salt": "tenant-a"}}
+    extra = {k: v for k, v in helpers.extra_config().items() if not k.startswith("hicache_")}
+    if via_file:
+        cfg = tmp_path / "hicache.json"
+        cfg.write_text(json.dumps({"storage": {"backend": "file", "options": options}}))
+        extra["hicache_config"] = str(cfg)
+    else:
+        extra.update(hicache_backend="file", hicache_options=options)
+    with pytest.raises(Exception, match="namespace_salt"):
+        StorageBackendFactory.create_backend("dynamic", _config(extra), None)
+
+
 def test_a_store_that_cannot_open_fails_the_attach(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")
