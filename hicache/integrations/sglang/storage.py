@@ -601,13 +601,17 @@ class HiCacheSGLangStorage(_SGLangStorage):
         def run(f: HiCacheStorage) -> list[torch.Tensor | None]:
             if kv is None:
                 return f.batch_get(keys, targets)
-            staged = [kv.new_staging(1)[0] if t is not None else None for t in targets]
+            # every page is read as canonical bytes and handed back as SGLang's flat page of
+            # this layout (what ``set`` took): into the target, or a new one where none is given
+            # (the stored bytes were returned there, in another dtype and order)
+            staged = [kv.new_staging(1)[0] for _ in targets]
             got = f.batch_get(keys, staged)
             out: list[torch.Tensor | None] = []
             for t, page in zip(targets, got):
-                if page is None or t is None:
-                    out.append(page)
+                if page is None:
+                    out.append(None)
                     continue
+                t = t if t is not None else kv.get_dummy_flat_data_page()
                 kv.canonical_into_native(page, t)
                 out.append(t)
             return out

@@ -86,3 +86,22 @@ def test_canonical_page_equals_sglang_layer_first_flat_page(store_root):
         for page in range(3):
             adapter_other.set_from_flat_data_page(page * PAGE, adapter_lf.get_data_page(page * PAGE))
             assert torch.equal(adapter_other.get_data_page(page * PAGE), lf.get_data_page(page * PAGE, flat=True))
+
+
+@pytest.mark.parametrize("layout", ["page_head", "page_first"])
+def test_v0_get_without_a_target_returns_the_page_that_was_set(layout, store_root):
+    """SGLang's ``get(key)`` returns the value ``set(key, value)`` stored. Without a target the
+    adapter returned the stored canonical bytes (uint8, layer_first order) in place of the
+    pool's flat page, so the value came back in another dtype and, for a layout other than
+    layer_first, scrambled. It is now the flat page in the pool's own order and dtype."""
+    host, ctl = _server(layout, store_root, interface_v1=0, seed=6)
+    st = ctl.storage_backend
+    try:
+        keys = ["ab" * 32, "cd" * 32]
+        pages = [host.get_data_page(i * PAGE) for i in range(2)]
+        assert st.set(keys[0], pages[0]) and st.batch_set(keys[1:], pages[1:])
+        got = [st.get(keys[0]), *st.batch_get(keys[1:])]
+        for page, back in zip(pages, got):
+            assert back is not None and back.dtype == page.dtype and torch.equal(back, page)
+    finally:
+        ctl.detach_storage_backend()
