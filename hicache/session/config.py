@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 from hicache.errors import ConfigError
@@ -47,6 +48,11 @@ class SessionConfig:
     def __post_init__(self) -> None:
         for name in ("idle_offload_s", "session_timeout_s", "reap_interval_s"):
             value = getattr(self, name)
+            # NaN passed a "< 0" check: a reaper sleeping NaN seconds never woke and "idle > nan"
+            # is never true, so no session was offloaded or expired, without a word; inf is
+            # refused as the deployment schema refuses it (None says "never")
+            if value is not None and not math.isfinite(value):
+                raise ConfigError(f"{name} must be a finite number of seconds (None: never), got {value!r}")
             if value is not None and value < 0:
                 raise ConfigError(f"{name} must not be negative, got {value!r}")
         if self.reap_interval_s == 0:

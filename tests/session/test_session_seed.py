@@ -244,6 +244,18 @@ def test_config_is_validated() -> None:
     assert SessionConfig.from_dict({"idle_offload_s": 3}).idle_offload_s == 3
 
 
+@pytest.mark.parametrize("name", ["idle_offload_s", "session_timeout_s", "reap_interval_s"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_a_time_that_is_not_finite_is_refused(name: str, value: float) -> None:
+    """NaN passed the ``< 0`` check: a reaper sleeping NaN seconds never woke (no session was
+    ever offloaded or expired, without a word), and ``idle > nan`` is never true either."""
+    from hicache.errors import ConfigError
+    from hicache.session import SessionConfig
+
+    with pytest.raises(ConfigError, match=name):
+        SessionConfig(**{name: value})
+
+
 async def test_closed_cache_refuses_turns_and_closes_once() -> None:
     from hicache.errors import CacheClosedError
 
