@@ -7,7 +7,8 @@ and different whenever the KV would differ. So:
   which ``PYTHONHASHSEED`` changes per process), chained from a root that is the request's
   ``cache_salt`` when it has one: salted requests never share pages with unsalted ones;
 - the namespace (kept apart by every backend) holds the model and revision, the KV dtype, the
-  block size, the KV geometry, the tensor/pipeline ranks and an optional deployment salt.
+  block size, the KV geometry, the block's byte format (the attention backend's), the
+  tensor/pipeline ranks and an optional deployment salt.
 
 Nothing here imports vLLM: the connector reads these facts from vLLM's config objects and
 passes them in as plain values.
@@ -24,9 +25,13 @@ from hicache.prefix_cache.hashing import fast_page_hashes
 
 __all__ = ["KVGeometry", "PAGE_LAYOUT", "PageKeyChain", "deployment_namespace", "salt_root"]
 
-#: How a page's bytes are ordered: every layer's block, layer after layer, each block's
-#: [heads, tokens, content] in vLLM's logical order. Part of the namespace: a different order
-#: is a different namespace.
+#: How a page's bytes are ordered: every layer's block, layer after layer, each block the
+#: [H, N, C] cells of vLLM's logical per-layer view ``[blocks, H, N, C]`` (vLLM 0.32 registers
+#: that view whatever the physical layout, ``VLLM_KV_CACHE_LAYOUT``, and the worker copies it
+#: in logical order). What a block's bytes hold is not fixed by that: each attention backend
+#: reads the cells its own way (FlashAttention's cell (h, n) is token n's K then V, vLLM's CPU
+#: backend keeps per head the block's K, packed by its ISA, then its V), so the namespace also
+#: names that ``block_format`` (see :func:`deployment_namespace`). Part of the namespace.
 PAGE_LAYOUT = "vllm-block-L.HNC"
 
 
@@ -61,9 +66,17 @@ def deployment_namespace(
     tp_size: int,
     pp_rank: int,
     pp_size: int,
+    block_format: str,
     salt: str | None = None,
 ) -> Namespace:
-    """The namespace pages of one (tp, pp) rank of this deployment live in."""
+    """The namespace pages of one (tp, pp) rank of this deployment live in.
+
+    ``block_format`` names what a block's bytes hold (the attention backend's format, which
+    the connector derives from vLLM's platform and KV cache spec the same way in the scheduler
+    and in every worker): engines whose backends write the same KV as other bytes never read
+    each other's pages."""
+    if not isinstance(block_format, str) or not block_format:
+        raise ValueError(f"block_format must be a non-empty string, got {block_format!r}")
     return Namespace(
         model=model,
         revision=revision,
@@ -78,7 +91,7 @@ def deployment_namespace(
         pp_rank=pp_rank,
         pp_size=pp_size,
         salt=salt,
-        extra=(("block_nbytes", str(geometry.block_nbytes)), ("engine", "vllm")),
+        extra=(("block_format", block_format), ("block_nbytes", str(geometry.block_nbytes)), ("engine", "vllm")),
     )
 
 

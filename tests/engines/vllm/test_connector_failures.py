@@ -507,8 +507,21 @@ def vllm_connector(model: str, root: Path, role: Any, num_layers: int, pp_size: 
     spec = spec or FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=16, dtype=torch.bfloat16)
     names = [f"model.layers.{i}.self_attn.attn" for i in range(num_layers)]
     kv_cache_config = KVCacheConfig(num_blocks=16, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(names, spec)])
+    cpu_attention_layers(config, names, spec)
     with set_current_vllm_config(config):
         return KVConnectorFactory.create_connector(config, role, kv_cache_config)
+
+
+def cpu_attention_layers(config: Any, names: list[str], spec: Any, backend: Any = None) -> None:
+    """What vLLM's model runner has in the forward context when the connector's KV caches are
+    registered: attention layers run by the CPU backend (``backend``: another one), of the
+    ISA that backend picks for ``spec``."""
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, _get_attn_isa
+
+    isa = _get_attn_isa(spec.dtype, spec.block_size, spec.head_size, str(config.cache_config.cache_dtype))
+    for name in names:
+        config.compilation_config.static_forward_context[name] = SimpleNamespace(
+            get_attn_backend=lambda: backend or CPUAttentionBackend, impl=SimpleNamespace(isa=isa))
 
 
 def store_five_pages(conn: Any, root: Path) -> None:
@@ -614,6 +627,7 @@ def split_kv_caches(model: str, root: Path, layout: str, kernel_block_size: int)
     config.cache_config.kv_cache_layout = layout  # what the engine core resolves
     spec = FullAttentionSpec(block_size=64, num_kv_heads=2, head_size=16, dtype=torch.bfloat16)
     names = [f"model.layers.{i}.self_attn.attn" for i in range(5)]
+    cpu_attention_layers(config, names, spec)
     with set_current_vllm_config(config):
         kv_cache_config = get_kv_cache_config_from_groups(config, [KVCacheGroupSpec(names, spec)], 8 * 5 * spec.page_size_bytes)
         kernel = prepare_kernel_block_sizes(kv_cache_config, [[AttentionGroup(FixedKernelBlocks, names, spec, 0)]])
@@ -961,3 +975,95 @@ def test_a_resumed_request_writes_again_the_pages_the_store_lost(tmp_path: Path,
     finally:
         w.close(timeout=30)
         s.close(timeout=10)
+
+
+# ---------------------------------------------------------------- a block's byte format
+def _one_block(isa: str | None, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """A 2-block KV cache of vLLM's logical [blocks, H, N, 2 * D] shape whose block 1 holds the
+    tokens' ``key``/``value`` ([N, H, D]) as an attention backend writes them: vLLM's CPU
+    backend (its ``cpu_attn_reshape_and_cache`` of ISA ``isa``, on the [blocks, H, 2N, D] view
+    that backend takes) or, for ``isa=None``, FlashAttention's (cell (h, n) = K then V,
+    flash_attn.py's ``kv_cache.transpose(1, 2).split(head_size, dim=-1)``)."""
+    from vllm import _custom_ops as ops
+
+    n, h, d = key.shape
+    cache = torch.zeros(2, h, n, 2 * d, dtype=key.dtype)
+    if isa is None:
+        k_cache, v_cache = cache.transpose(1, 2).split(d, dim=-1)
+        k_cache[1], v_cache[1] = key, value
+    else:
+        k_cache, v_cache = cache.view(2, h, 2 * n, d).chunk(2, dim=2)
+        ops.cpu_attn_reshape_and_cache(key, value, k_cache, v_cache, torch.arange(n, 2 * n), isa)
+    return cache
+
+
+def test_a_blocks_bytes_follow_the_attention_backend_and_key_the_namespace(
+    model_dir: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM 0.32 registers every layer as the logical [blocks, H, N, C] view whatever the
+    physical layout, and the worker copies a block in that logical order; but what the bytes
+    of a block hold is the attention backend's own format: FlashAttention's cell (h, n) is
+    token n's K then V, vLLM's CPU backend keeps per head its K of the block's tokens (packed
+    by its ISA: transposed for "vec", tiled for "amx") and then their V. The same tokens' KV
+    were pages of different bytes under one namespace, so an engine of another backend (or a
+    CPU engine of another ISA) sharing the store loaded them as its KV. The namespace now
+    names the block format each side derives from vLLM's platform (and the CPU backend's
+    ISA)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
+    from vllm.platforms import current_platform
+    from vllm.v1.attention.backends import cpu_attn
+
+    g = torch.Generator().manual_seed(3)
+    key, value = (torch.randn(BS, 2, 32, generator=g).to(torch.bfloat16) for _ in range(2))
+    pages = {isa: _one_block(isa, key, value)[1].contiguous().view(torch.uint8).flatten()
+             for isa in (None, "vec", "amx")}
+    assert len({bytes(p.numpy()) for p in pages.values()}) == 3  # the same KV, three byte formats
+
+    def namespace(isa: str, cuda: bool = False) -> Any:
+        monkeypatch.setattr(cpu_attn, "_get_attn_isa", lambda *a, **k: isa)
+        monkeypatch.setattr(type(current_platform), "is_cpu", lambda self: not cuda)
+        monkeypatch.setattr(type(current_platform), "is_cuda", lambda self: cuda)
+        conn = vllm_connector(model_dir, tmp_path, KVConnectorRole.SCHEDULER, num_layers=5)
+        try:
+            return conn._scheduler.store.backends[0].namespace
+        finally:
+            conn.shutdown()
+
+    vec, amx, cuda = namespace("vec"), namespace("amx"), namespace("vec", cuda=True)
+    assert len({vec.digest, amx.digest, cuda.digest}) == 3
+    assert dict(vec.extra)["block_format"] == "cpu_attn-vec" and dict(cuda.extra)["block_format"] == "kv-cells"
+
+
+def test_a_worker_whose_backend_writes_another_block_format_is_refused_at_start(model_dir: str, tmp_path: Path) -> None:
+    """The scheduler names the block format from vLLM's platform; a worker whose attention
+    layers write another (FlashAttention's cells on a CPU engine, the CPU backend of another
+    ISA, a layer vLLM did not put in the forward context) would store its pages under a
+    namespace that says otherwise: the connector stops at start and says why."""
+    from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
+    from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
+
+    from hicache.errors import ConfigError
+
+    caches = {f"model.layers.{i}.self_attn.attn": torch.zeros(16, 2, BS, 32, dtype=torch.bfloat16) for i in range(5)}
+    conn = vllm_connector(model_dir, tmp_path, KVConnectorRole.WORKER, num_layers=5)
+    context = conn._vllm_config.compilation_config.static_forward_context
+    try:
+        assert conn._block_format.startswith("cpu_attn-")
+        layer = context["model.layers.3.self_attn.attn"]
+        context["model.layers.3.self_attn.attn"] = SimpleNamespace(get_attn_backend=lambda: FlashAttentionBackend,
+                                                                   impl=SimpleNamespace())
+        with pytest.raises(ConfigError, match=r"layer model.layers.3.self_attn.attn \(FlashAttentionBackend\) writes "
+                                              r"KV blocks in format kv-cells, the namespace says cpu_attn-"):
+            conn.register_kv_caches(caches)
+        context["model.layers.3.self_attn.attn"] = SimpleNamespace(get_attn_backend=layer.get_attn_backend,
+                                                                   impl=SimpleNamespace(isa="amx-other"))
+        with pytest.raises(ConfigError, match=r"format cpu_attn-amx-other, the namespace says cpu_attn-"):
+            conn.register_kv_caches(caches)
+        del context["model.layers.3.self_attn.attn"]
+        with pytest.raises(ConfigError, match=r"\(no attention layer\) writes KV blocks in format unknown"):
+            conn.register_kv_caches(caches)
+        context["model.layers.3.self_attn.attn"] = layer
+        conn.register_kv_caches(caches)
+        assert conn._worker is not None and conn._worker._num_blocks == 16
+    finally:
+        conn.shutdown()

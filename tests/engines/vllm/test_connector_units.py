@@ -34,7 +34,8 @@ OTHER = [(i * 53 + 5) % 500 for i in range(5 * BS + 3)]
 
 
 def namespace(**kw: object):
-    args = dict(model="m", revision=None, geometry=GEOM, tp_rank=0, tp_size=1, pp_rank=0, pp_size=1)
+    args = dict(model="m", revision=None, geometry=GEOM, tp_rank=0, tp_size=1, pp_rank=0, pp_size=1,
+                block_format="cpu_attn-vec")
     args.update(kw)
     return deployment_namespace(**args)  # type: ignore[arg-type]
 
@@ -163,7 +164,7 @@ def test_namespace_changes_with_what_makes_kv_incompatible() -> None:
     base = namespace().digest
     variants = [
         namespace(model="other"), namespace(revision="r2"), namespace(tp_rank=1, tp_size=2), namespace(pp_size=2),
-        namespace(salt="deploy-b"),
+        namespace(salt="deploy-b"), namespace(block_format="cpu_attn-amx"), namespace(block_format="kv-cells"),
         namespace(geometry=KVGeometry(**{**GEOM.__dict__, "dtype": "float16"})),
         namespace(geometry=KVGeometry(**{**GEOM.__dict__, "block_size": 64})),
         namespace(geometry=KVGeometry(**{**GEOM.__dict__, "num_layers": 3})),
