@@ -43,7 +43,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from hicache.errors import ConfigError
+from hicache.integrations.vllm.block_format import block_format, check_block_format
 from hicache.integrations.vllm.naming import KVGeometry, deployment_namespace
 from hicache.integrations.vllm.options import ConnectorOptions
 from hicache.integrations.vllm.host_tree import HostPageTree
@@ -140,99 +140,6 @@ def _geometry(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> tuple[
         block_nbytes=int(spec.page_size_bytes),
     )
     return geometry, list(groups[0].layer_names)
-
-
-#: Attention backends (by class, as ``module.QualName``) whose block is ``kv-cells``: the logical
-#: [H, N, C] cell (h, n) is token n's K then V of head h (each writes and reads the cache as
-#: ``kv_cache.transpose(1, 2).split(head_size, dim=-1)``), in vLLM 0.32.
-_KV_CELL_BACKENDS = frozenset({
-    "vllm.v1.attention.backends.flash_attn.FlashAttentionBackend",
-    "vllm.v1.attention.backends.flashinfer.FlashInferBackend",
-    "vllm.v1.attention.backends.triton_attn.TritonAttentionBackend",
-    "vllm.v1.attention.backends.flex_attention.FlexAttentionBackend",
-})
-_CPU_BACKEND = "vllm.v1.attention.backends.cpu_attn.CPUAttentionBackend"
-
-
-def _block_format(spec: Any, cache_dtype: str) -> str:
-    """What a block's bytes hold, for the namespace: the format of the attention backend vLLM
-    runs on this platform, from facts the scheduler and the workers share (the platform, the
-    KV cache spec); the workers check their backends write it (:func:`_check_block_format`).
-
-    vLLM 0.32 hands every backend the logical view [blocks, H, N, C] whatever the physical
-    layout, and the worker copies blocks in that logical order, so ``VLLM_KV_CACHE_LAYOUT``
-    does not change a page; the backend's reading of the cells does. ``kv-cells`` (NVIDIA
-    GPUs: FlashAttention, FlashInfer, Triton, FlexAttention), ``cpu_attn-<isa>`` (vLLM's CPU
-    backend: per head the block's K, packed by the ISA its kernels use, then its V; the ISA
-    follows the machine), ``mla-concat`` (MLA latents written by vLLM's ``concat_and_cache_mla``
-    on NVIDIA GPUs). Anything else is a :class:`ConfigError`: its bytes could be another
-    engine's format under the same namespace."""
-    from vllm.platforms import current_platform
-    from vllm.v1.kv_cache_interface import MLAAttentionSpec
-
-    if getattr(spec, "num_head_slots", None) is not None or getattr(spec, "state_content_bytes", None) is not None:
-        raise ConfigError(
-            f"HiCacheConnector cannot name the block format of this KV cache: its attention backend packs "
-            f"the block its own way ({type(spec).__name__} with num_head_slots={spec.num_head_slots}, "
-            f"state_content_bytes={spec.state_content_bytes}), and pages of another backend's format would "
-            f"share its namespace. Use an attention backend that stores plain K/V cells"
-        )
-    if isinstance(spec, MLAAttentionSpec):
-        if current_platform.is_cuda():
-            return "mla-concat"
-    elif current_platform.is_cuda():
-        return "kv-cells"
-    elif current_platform.is_cpu():
-        from vllm.v1.attention.backends import cpu_attn
-
-        isa = cpu_attn._get_attn_isa(spec.dtype, int(spec.block_size), int(spec.head_size), cache_dtype)
-        return f"cpu_attn-{isa}"
-    raise ConfigError(
-        f"HiCacheConnector cannot name the block format of {type(spec).__name__} KV caches on "
-        f"{type(current_platform).__name__}: only NVIDIA GPUs (FlashAttention, FlashInfer, Triton, "
-        f"FlexAttention; MLA) and vLLM's CPU backend are known, and another backend's pages of the same "
-        f"tokens are other bytes under the same namespace"
-    )
-
-
-def _layer_block_format(layer: Any) -> str | None:
-    """The block format the attention layer's backend writes (``None``: one this connector does
-    not know)."""
-    get_backend = getattr(layer, "get_attn_backend", None)
-    if get_backend is None:
-        return None
-    names = {f"{c.__module__}.{c.__qualname__}" for c in get_backend().__mro__}
-    impl = getattr(layer, "impl", None)
-    if _CPU_BACKEND in names:
-        isa = getattr(impl, "isa", None) or getattr(layer, "isa", None)
-        return f"cpu_attn-{isa}" if isa else None
-    if names & _KV_CELL_BACKENDS:
-        return "kv-cells"
-    if impl is not None:
-        from vllm.v1.attention.backend import MLAAttentionImpl
-
-        if isinstance(impl, MLAAttentionImpl) and type(impl).do_kv_cache_update is MLAAttentionImpl.do_kv_cache_update:
-            return "mla-concat"
-    return None
-
-
-def _check_block_format(vllm_config: Any, layers: list[str], want: str) -> None:
-    """Refuse a worker whose attention layers write another block format than the namespace
-    says (the scheduler's, derived from the platform): a ``ConfigError`` at start, never pages
-    of one format stored or loaded as another's."""
-    context = vllm_config.compilation_config.static_forward_context
-    for name in layers:
-        layer = context.get(name)
-        have = None if layer is None else _layer_block_format(layer)
-        if have != want:
-            backend = "no attention layer" if layer is None else getattr(
-                getattr(layer, "get_attn_backend", lambda: None)(), "__name__", type(layer).__name__)
-            raise ConfigError(
-                f"HiCacheConnector: layer {name} ({backend}) writes KV blocks in format {have or 'unknown'}, "
-                f"the namespace says {want} (vLLM's default backend on this platform): another backend's "
-                f"pages of the same tokens are other bytes. Run the default attention backend, or one that "
-                f"writes {want}"
-            )
 
 
 def _refuse_kernel_blocks(layer: str, kv_cache: torch.Tensor, num_blocks: int, block_size: int) -> None:
@@ -376,7 +283,7 @@ class HiCacheConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self.options = ConnectorOptions.from_extra_config(self._kv_transfer_config.kv_connector_extra_config)
         self.geometry, self._layer_names = _geometry(vllm_config, kv_cache_config)
-        self._block_format = _block_format(kv_cache_config.kv_cache_groups[0].kv_cache_spec,
+        self._block_format = block_format(kv_cache_config.kv_cache_groups[0].kv_cache_spec,
                                            str(vllm_config.cache_config.cache_dtype))
         model = vllm_config.model_config
         par = vllm_config.parallel_config
@@ -430,7 +337,7 @@ class HiCacheConnector(KVConnectorBase_V1):
         missing = [n for n in self._layer_names if n not in kv_caches]
         if missing:
             raise ValueError(f"HiCacheConnector: KV caches of layers {missing} were not registered")
-        _check_block_format(self._vllm_config, self._layer_names, self._block_format)
+        check_block_format(self._vllm_config, self._layer_names, self._block_format)
         for n in self._layer_names:
             _refuse_kernel_blocks(n, kv_caches[n], int(self._kv_cache_config.num_blocks), self.geometry.block_size)
         self._worker.register([(n, kv_caches[n]) for n in self._layer_names])

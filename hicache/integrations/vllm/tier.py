@@ -27,10 +27,12 @@ What it adds over vLLM's own ``fs``/``obj`` tiers (see FIELD-NOTES):
 * zero copy - pages move straight between storage and the primary tier's mmap
   (:class:`~hicache.integrations.vllm.tier_pool.ChunkPool`);
 * namespaces - model, dtype, chunk geometry, layers, parallel layout and the chunks' byte format
-  (KV cache layout) separate stores that share a root
+  (KV cache layout, and the attention backend's block format) separate stores that share a root
   (:func:`~hicache.integrations.vllm.tier_keys.tier_namespace`); a configuration whose bytes the
   scheduler cannot know (direct mode in a head-major layout with blocks over 16 tokens, where a
-  kernel-block split reorders them) is refused at start (:func:`~hicache.integrations.vllm.tier_keys.chunk_format`).
+  kernel-block split reorders them; a platform other than NVIDIA GPUs, whose backends pack
+  blocks their own ways) is refused at start (:func:`~hicache.integrations.vllm.tier_keys.chunk_format`,
+  :func:`~hicache.integrations.vllm.block_format.offload_block_format`).
 
 Every method runs in vLLM's scheduler thread and returns at once: lookups are answered by
 vLLM's ``AsyncLookupManager`` thread (RETRY until known), jobs run on the tier's own event loop
@@ -58,6 +60,7 @@ from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager, LookupPh
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
 from hicache.errors import ConfigError
+from hicache.integrations.vllm.block_format import offload_block_format
 from hicache.integrations.vllm.tier_chains import PrefixChains
 from hicache.integrations.vllm.tier_keys import page_key, tier_namespace
 from hicache.integrations.vllm.tier_pool import ChunkPool
@@ -162,7 +165,8 @@ class HiCacheTier(SecondaryTierManager):
         except ValueError as exc:
             raise ConfigError(f"HiCacheTier: locality must be LOCAL or REMOTE, got {locality!r}") from exc
         self.namespace = tier_namespace(
-            offloading_spec.config, self.block_size_bytes, salt=namespace_salt, model_revision=model_revision
+            offloading_spec.config, self.block_size_bytes, block_format=offload_block_format(offloading_spec.config),
+            salt=namespace_salt, model_revision=model_revision,
         )
         storage = create_async_storage(backend, None, namespace=self.namespace, **options)
         self._runner = TierRunner(

@@ -9,7 +9,7 @@ then). The page key is that key in hex: stable, and reversible for inspection.
 
 What the key does not carry is what makes two chunks of the same tokens incompatible: the
 model, KV dtype, block and chunk size, the layers of each group, the parallel layout, the byte
-format of a chunk. :func:`tier_namespace` puts all of that into hicache's
+format of a chunk (its layout, and the attention backend's block format: what each cell holds). :func:`tier_namespace` puts all of that into hicache's
 :class:`~hicache.keys.Namespace`, so two engines that differ in any of them never read each
 other's pages. The scheduler-side chunk holds every worker's slice side by side, so the world
 layout (TP/PP/PCP/DCP sizes) is part of the namespace, not one rank.
@@ -130,18 +130,24 @@ def tier_namespace(
     config: Any,
     chunk_bytes: int,
     *,
+    block_format: str,
     salt: str | None = None,
     model_revision: str | None = None,
 ) -> Namespace:
     """The namespace of the chunks an engine with vLLM ``OffloadingConfig`` ``config`` stores.
 
     ``chunk_bytes`` is the stride of one chunk in the primary tier (padding included: a chunk
-    is stored whole). ``salt`` separates tenants that must never share KV even for equal keys;
+    is stored whole). ``block_format`` names what a layer's block holds, the attention backend's
+    format (:func:`~hicache.integrations.vllm.block_format.offload_block_format`, from vLLM's
+    platform): vLLM's offloading worker keeps each cell's bytes in both modes, so chunks of the
+    same tokens and layout written by backends of other formats are other bytes. ``salt`` separates tenants that must never share KV even for equal keys;
     ``model_revision`` separates weights published under one model name. Raises
     :class:`ConfigError` where :func:`chunk_format` does.
     """
     if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
         raise ConfigError(f"chunk_bytes must be a positive integer, got {chunk_bytes!r}")
+    if not isinstance(block_format, str) or not block_format:
+        raise ConfigError(f"block_format must be a non-empty string, got {block_format!r}")
     for name, value in (("namespace_salt", salt), ("model_revision", model_revision)):
         if value is not None and (not isinstance(value, str) or not value):
             raise ConfigError(f"{name} must be a non-empty string or null, got {value!r}")
@@ -167,6 +173,8 @@ def tier_namespace(
         # the byte format (key kept from when direct mode recorded only "direct", so canonical
         # namespaces are unchanged; direct ones now carry their layout)
         "canonical_layout": chunk_format(config),
+        # what a block's bytes hold: the attention backend's format (the layout orders them)
+        "block_format": block_format,
     }
     return Namespace(
         model=str(config.model.name),

@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import sys
 
-from _tiering import Engine, block_keys, tier_config
+from _tiering import Engine, block_keys, nvidia_gpu, tier_config
+
+from hicache.integrations.vllm import block_format
 
 if __name__ == "__main__":
+    block_format._platform = nvidia_gpu  # a GPU engine's scheduler side, as conftest.py plays it
     root, tokens = sys.argv[1], [int(t) for t in sys.argv[2].split(",")]
     with Engine([tier_config(options={"root": root, "min_free_bytes": 0})]) as engine:
         engine.store(block_keys(tokens))

@@ -34,6 +34,16 @@ BLOCK_BYTES = 4096  # one worker's KV bytes per block (a page-aligned chunk: no 
 TIER_MODULE = "hicache.integrations.vllm.tier"
 
 
+def nvidia_gpu() -> type:
+    """A stand-in for vLLM's platform on an NVIDIA GPU, as the tier's block format reads it
+    (``hicache.integrations.vllm.block_format._platform``): vLLM's offloading worker does not
+    run on its CPU platform, so the tier refuses that, and these tests play a GPU engine's
+    scheduler side."""
+    from hicache.integrations.vllm.block_format import PLATFORM_CHECKS
+
+    return type("NvidiaGpu", (), {n: staticmethod(lambda n=n: n in ("is_cuda", "is_cuda_alike")) for n in PLATFORM_CHECKS})
+
+
 def block_keys(tokens: Sequence[int], salt: str | None = None, group: int = 0) -> list[bytes]:
     """vLLM's offload keys of every full block of ``tokens`` (its chained sha256 block hash)."""
     kv_cache_utils.init_none_hash(sha256)

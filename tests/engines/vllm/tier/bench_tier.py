@@ -22,7 +22,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _tiering import BLOCK, Engine, block_keys, payload, tier_config  # noqa: E402
+from _tiering import BLOCK, Engine, block_keys, nvidia_gpu, payload, tier_config  # noqa: E402
+
+from hicache.integrations.vllm import block_format  # noqa: E402
 
 
 def tiers(root: str) -> dict[str, dict]:
@@ -51,6 +53,7 @@ def main() -> None:
     ap.add_argument("--mib", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args()
+    block_format._platform = nvidia_gpu  # a GPU engine's scheduler side, as the tests play it
     block_bytes = args.mib << 20
     keys = block_keys(list(range(args.chunks * BLOCK)))
     for key in keys:  # made once, outside the timed stores

@@ -41,3 +41,24 @@ def s3_tier_options(moto_endpoint: str) -> dict:
 def file_tier_options(tmp_path: Path) -> dict:
     """Options of the ``file`` backend in a temporary root (no free-space floor: tmp is small)."""
     return {"root": str(tmp_path / "store"), "min_free_bytes": 0}
+
+
+@pytest.fixture
+def platform_as_is() -> None:
+    """Requested by a test that derives the tier's block format on the platform it sets up
+    itself (see :func:`_cuda_block_format`)."""
+
+
+@pytest.fixture(autouse=True)
+def _cuda_block_format(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests play the scheduler side of a CUDA engine: vLLM's offloading worker runs only
+    on GPUs (``CPUOffloadingSpec.get_worker``), so the tier refuses vLLM's CPU platform, where
+    these tests run. The tier names its chunks' block format as on an NVIDIA GPU here, and
+    nothing else about the platform changes."""
+    if "platform_as_is" in request.fixturenames:
+        return
+    from _tiering import nvidia_gpu
+
+    from hicache.integrations.vllm import block_format
+
+    monkeypatch.setattr(block_format, "_platform", nvidia_gpu)

@@ -16,10 +16,16 @@ from vllm.v1.kv_offload.base import LookupResult
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
 from hicache.errors import BackendNotFoundError, ConfigError, StorageStateError
-from hicache.integrations.vllm.tier_keys import offload_key_group, page_key, tier_namespace
+from hicache.integrations.vllm.tier_keys import offload_key_group, page_key
+from hicache.integrations.vllm.tier_keys import tier_namespace as _tier_namespace
 from hicache.integrations.vllm.tier_pool import ChunkPool
 from hicache.integrations.vllm.tier_runner import TierRunner, parent_runs
 from hicache.storage import create_async_storage
+
+
+def tier_namespace(config: object, chunk_bytes: int, *, block_format: str = "kv-cells|mla-concat", **kw: object) -> object:
+    """The tier's namespace of ``config`` on an NVIDIA GPU (the block format tier.py derives there)."""
+    return _tier_namespace(config, chunk_bytes, block_format=block_format, **kw)  # type: ignore[arg-type]
 
 
 def _view(chunks: int = 8, stride: int = 256) -> tuple[np.ndarray, memoryview]:
@@ -79,6 +85,7 @@ def test_namespace_carries_what_makes_kv_incompatible() -> None:
         tier_namespace(base, 8192),
         tier_namespace(base, 4096, salt="tenant"),
         tier_namespace(base, 4096, model_revision="r2"),
+        tier_namespace(base, 4096, block_format="cpu_attn-vec"),
         tier_namespace(dataclasses.replace(base, cache=dataclasses.replace(base.cache, blocks_per_chunk=2)), 4096),
         tier_namespace(dataclasses.replace(base, groups=(dataclasses.replace(base.groups[0], layer_names=("x",)),)), 4096),
     ]
@@ -144,6 +151,9 @@ def test_namespace_rejects_bad_values() -> None:
             tier_namespace(base, bad)  # type: ignore[arg-type]
     with pytest.raises(ConfigError):
         tier_namespace(base, 4096, salt="")
+    for bad_format in ("", None):
+        with pytest.raises(ConfigError, match="block_format"):
+            tier_namespace(base, 4096, block_format=bad_format)  # type: ignore[arg-type]
 
 
 # ---------------------------------------------------------------------------- runner
@@ -325,3 +335,40 @@ def test_prefix_chains_link_each_key_to_the_one_before_it() -> None:
     assert chains.parent(b"\x09" * 36, ctx) is None  # no position known
     chains.forget("r")
     assert chains.parent(keys[5], ctx) is None
+
+
+# ---------------------------------------------------------------------------- the attention backend's block format
+
+def _on_platform(monkeypatch: pytest.MonkeyPatch, kind: str) -> None:
+    """vLLM's current platform answers as ``kind`` (cuda, rocm, xpu, cpu) would."""
+    from vllm.platforms import current_platform
+
+    for check in ("is_cuda", "is_rocm", "is_xpu", "is_cpu"):
+        monkeypatch.setattr(type(current_platform), check, lambda self, c=check: c == f"is_{kind}")
+    monkeypatch.setattr(type(current_platform), "is_cuda_alike", lambda self: kind in ("cuda", "rocm"))
+
+
+@pytest.mark.parametrize("canonical", [False, True], ids=["direct", "canonical"])
+def test_engines_whose_attention_backends_write_other_bytes_never_share_a_namespace(
+    monkeypatch: pytest.MonkeyPatch, platform_as_is: None, canonical: bool
+) -> None:
+    """A chunk holds each layer's block as the attention backend wrote it (direct mode: raw;
+    canonical mode: its cells moved whole, see test_tier_vllm_config), and the backends vLLM
+    runs on each platform write the same KV as other bytes: NVIDIA GPUs' FlashAttention,
+    FlashInfer, Triton (token n's K then V in cell (h, n)) and MLA's concat_and_cache_mla, ROCm's
+    and XPU's kernels their own packings, vLLM's CPU backend per head the block's K packed by
+    its ISA then V. The namespace named only the KV cache layout, so engines on different
+    platforms read each other's chunks as KV. It now names the block format of the platform's
+    backends, and a platform whose format the tier cannot name is refused at start."""
+    change = {"layout": "LBHNC", "canonical": True, "agnostic": True} if canonical else {}
+
+    def namespace(kind: str) -> object:
+        _on_platform(monkeypatch, kind)
+        with Engine([tier_config(backend="memory")], **change) as engine:
+            return engine.tier.namespace
+
+    cuda = namespace("cuda")
+    assert dict(cuda.extra)["block_format"] == "kv-cells|mla-concat"
+    for kind, why in (("rocm", "RocmPlatform|ROCm"), ("xpu", "XPU"), ("cpu", "CPU")):
+        with pytest.raises(ConfigError, match=rf"HiCacheTier cannot name the block format.*({why})"):
+            namespace(kind)

@@ -256,3 +256,60 @@ def test_canonical_layout_in_a_head_major_layout_is_keyed_by_it(model_dir: str, 
     split = torch.zeros(8, 2, BLOCK // 2, 32, dtype=torch.bfloat16)
     assert derive_canonical_mappings(config, kv_cache_config, {LAYERS[0]: whole})[LAYERS[0]].parallelism_agnostic
     assert not derive_canonical_mappings(config, kv_cache_config, {LAYERS[0]: split})[LAYERS[0]].parallelism_agnostic
+
+
+# ---------------------------------------------------------------------------- the attention backend's bytes
+
+def backend_cache(isa: str | None, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """A 2-block KV cache of vLLM's logical [blocks, H, N, 2 * D] shape whose block 1 holds the
+    tokens' ``key``/``value`` ([N, H, D]) as an attention backend writes them: vLLM's CPU backend
+    (``cpu_attn_reshape_and_cache`` of ISA ``isa`` on the [blocks, H, 2N, D] view it takes) or,
+    for ``isa=None``, FlashAttention's (``kv_cache.transpose(1, 2).split(head_size, dim=-1)``:
+    cell (h, n) is token n's K then V)."""
+    from vllm import _custom_ops as ops
+
+    n, h, d = key.shape
+    cache = torch.zeros(2, h, n, 2 * d, dtype=key.dtype)
+    if isa is None:
+        k_cache, v_cache = cache.transpose(1, 2).split(d, dim=-1)
+        k_cache[1], v_cache[1] = key, value
+    else:
+        k_cache, v_cache = cache.view(2, h, 2 * n, d).chunk(2, dim=2)
+        ops.cpu_attn_reshape_and_cache(key, value, k_cache, v_cache, torch.arange(n, 2 * n), isa)
+    return cache
+
+
+def test_a_chunks_bytes_are_the_attention_backends_in_direct_and_canonical_mode(model_dir: str) -> None:
+    """What the tier's ``block_format`` rests on, pinned on vLLM's own code: the same tokens' KV
+    written by two attention backends is two chunks of different bytes in both of the
+    offloading worker's modes. Direct mode copies a layer's block raw
+    (``OffloadingConnectorWorker.register_kv_caches``); canonical mode derives one mapping from
+    the cache's shape and strides alone (``derive_canonical_mappings``: the same runs for both
+    backends), which moves whole (token, head) cells of the logical view and never reads what a
+    cell holds, so the canonical page is the backend's bytes rearranged, not a normal form."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.canonical_mapping import derive_canonical_mappings
+
+    g = torch.Generator().manual_seed(5)
+    key, value = (torch.randn(BLOCK, 2, 32, generator=g).to(torch.bfloat16) for _ in range(2))
+    caches = {"flash_attn": backend_cache(None, key, value), "cpu_attn-vec": backend_cache("vec", key, value)}
+    direct = {name: cache[1].contiguous().view(torch.uint8).flatten().numpy().tobytes() for name, cache in caches.items()}
+    assert direct["flash_attn"] != direct["cpu_attn-vec"]
+
+    config = engine_config(model_dir, "/nonexistent", "LBHNC", canonical_layout=True)
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=32, dtype=torch.bfloat16)
+    kv_cache_config = KVCacheConfig(num_blocks=2, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(LAYERS[:1], spec)])
+    mappings = {name: derive_canonical_mappings(config, kv_cache_config, {LAYERS[0]: cache})[LAYERS[0]]
+                for name, cache in caches.items()}
+    assert mappings["flash_attn"] == mappings["cpu_attn-vec"] and mappings["flash_attn"].parallelism_agnostic
+
+    def canonical(local: bytes) -> bytes:
+        mapping = mappings["flash_attn"]
+        page = bytearray(mapping.canonical_page_size_bytes)
+        for run in mapping.runs:
+            for i in range(run.num_fragments):
+                src, dst = run.local_offset + i * run.local_stride, run.canonical_offset + i * run.canonical_stride
+                page[dst : dst + run.fragment_size] = local[src : src + run.fragment_size]
+        return bytes(page)
+
+    assert canonical(direct["flash_attn"]) != canonical(direct["cpu_attn-vec"])
+    assert sorted(canonical(direct["cpu_attn-vec"])) == sorted(direct["cpu_attn-vec"])  # the same bytes, moved
