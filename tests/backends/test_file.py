@@ -791,6 +791,53 @@ async def test_opening_scan_floor_leaves_out_a_page_deleted_while_it_waits(tmp_p
         go_floor.set()
 
 
+async def test_eviction_after_the_opening_scan_leaves_a_write_in_flight_to_make_its_own_room(tmp_path, monkeypatch) -> None:
+    """The opening scan ends with an eviction of all the namespace holds over ``max_bytes``
+    (a bound lowered since the last run). The shared count it read held the reservation of a
+    write in flight, which evicts for itself: both evicted a page for the one written, and a
+    store bounded to 2 pages held 1 (``test_a_file_store_sized_by_storage_pages_holds_that_many_pages``
+    under load: 15 of 16). Forced order: the scan waits until a full store's third write has
+    reserved and picked its victim; the write's unlink waits until the scan is done."""
+    go_scan, scan_done = threading.Event(), threading.Event()
+    real_list, real_remove, real_trash = file_io.list_subdirs, file_io.remove_files, file_io.remove_stale_trash
+    removals = 0
+
+    def list_subdirs(layout):
+        assert go_scan.wait(30)
+        return real_list(layout)
+
+    def remove_files(paths, sizes):  # the write's eviction: the scan runs to its end meanwhile
+        nonlocal removals
+        removals += 1
+        if removals == 1:
+            go_scan.set()
+            scan_done.wait(10)
+        return real_remove(paths, sizes)
+
+    def remove_stale_trash(*args):  # the scan's housekeeping: its eviction is over
+        scan_done.set()
+        return real_trash(*args)
+
+    monkeypatch.setattr(file_io, "list_subdirs", list_subdirs)
+    monkeypatch.setattr(file_io, "remove_files", remove_files)
+    monkeypatch.setattr(file_io, "remove_stale_trash", remove_stale_trash)
+    page = make_store(tmp_path).layout.file_size("a", "kv", 64)
+    try:
+        async with make_store(tmp_path, max_bytes=2 * page, min_free_bytes=0) as store:
+            assert await store.set("a", v0(64, 1))
+            assert await store.set("c", v0(64, 2))  # full; the scan has not listed a folder yet
+            assert await store.set("b", v0(64, 3))  # reserves a third page, evicts a
+            assert scan_done.is_set()
+            assert await store.wait_index_ready(30)
+            await store.wait_background()
+            assert store.get_stats()["evicted_pages"] == 1
+            assert sorted(disk_pages(store)) == sorted(page_id(k, "kv") for k in ("c", "b"))
+            assert read_usage(os.path.join(store.layout.ns_dir, LEDGER_NAME)).used == 2 * page
+    finally:
+        go_scan.set()
+        scan_done.set()
+
+
 async def test_a_peer_clear_during_the_scan_leaves_the_fresh_namespace_counted_empty(tmp_path, monkeypatch) -> None:
     """Store b's opening scan (a peer is open: its measurement can only raise the shared count,
     a floor) saw a's pages, then a cleared the namespace. The floor of the old folder's pages

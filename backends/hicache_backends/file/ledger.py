@@ -76,6 +76,9 @@ class Usage:
     #: the writer published before it died, so the caller re-indexes the namespace, and its
     #: scan raises the count to what is on disk (:meth:`UsageLedger.add`'s ``floor``)
     reclaimed: int = 0
+    #: bytes every process reserved and has not settled (the reservation table's sum, in
+    #: ``used``): writes in flight, each of which makes its own room before it writes
+    inflight: int = 0
 
 
 def _decode(raw: bytes) -> tuple[int, int, float, int]:
@@ -215,7 +218,7 @@ class UsageLedger:
                     logger.warning("file store: usage ledger %s unavailable (%s); counting this process only", self.path, exc)
                 return None
             self._warned = False
-            return Usage(used, nref, at, seq, self._counters.ino, reclaimed)
+            return Usage(used, nref, at, seq, self._counters.ino, reclaimed, sum(slots[2::3]))
 
     def read(self) -> Usage | None:
         """The current totals (a locked read)."""

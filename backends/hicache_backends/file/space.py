@@ -443,8 +443,9 @@ class SpaceAccountant:
         (this awaits), in this process or another, never count the same free space twice.
         With the ledger, the bound is on every process's pages together; victims are this
         process's (and the pages it has seen) - each writer makes room for its own writes.
-        ``whole_excess``: evict all that the namespace holds over its bound, not only this
-        store's reservation (after a scan: a max_bytes lowered since the last run).
+        ``whole_excess``: evict all that the namespace's stored pages take over its bound,
+        not only this store's reservation (after a scan: a max_bytes lowered since the last
+        run); the writes in flight are left out, as each makes its own room.
         """
         want = 0
         shared = False
@@ -454,7 +455,17 @@ class SpaceAccountant:
             shared = usage is not None
             used = usage.used if usage is not None else self._index.nbytes + self.reserved
             want = used - self.max_bytes
-            if shared and not whole_excess:
+            if whole_excess:
+                # the count holds the writes in flight (reserved, in this process or another),
+                # and each of them evicts for itself: evicting for them here too, the eviction
+                # after the opening scan, racing the first write over the bound, took a second
+                # page for it (a store bounded to 16 pages held 15). Left in this process's
+                # slot by settlements the ledger missed (``unreleased``) are pages, not writes
+                if usage is not None:
+                    want -= max(0, usage.inflight - self.unreleased)
+                else:
+                    want -= self.reserved
+            elif shared:
                 # the shared count holds every process's reservations: each makes room for its
                 # own. Evicting for another's too, two writers each emptied the namespace for
                 # both, then refused their own writes for the room the other still held
