@@ -8,12 +8,12 @@ every page in one canonical order whatever the layout (:mod:`hicache.memory.layo
     [component][layer][token in page][*token shape]     C = 2 (K, V) for MHA, 1 for MLA
 
 :class:`CanonicalPagePool` wraps one SGLang KV host pool and gives hicache's storage that
-order: a *live* view of a page where the layout keeps it contiguous (MLA ``page_first_direct``),
-otherwise a permuted view that one ``copy_`` turns into canonical bytes or scatters back. No
-SGLang import is needed here: the pool is read through its documented attributes
+order: a *live* view of a page where the layout keeps it contiguous (MLA ``page_first_direct``
+and ``page_unified``), otherwise a permuted view that one ``copy_`` turns into canonical bytes or
+scatters back. No SGLang import is needed here: the pool is read through its documented attributes
 (``layout``, ``kv_buffer``, ``page_size``).
 
-Pools whose layout is not known here (``page_unified``, quantized or sparse pools, Mamba state)
+Pools whose layout is not known here (``page_first_kv_split``, quantized or sparse pools, Mamba state)
 are passed through unchanged by :func:`adapt_host_pool`; their pages keep SGLang's own bytes,
 and the pool's class and layout go into the namespace so that no other layout ever reads them.
 """
@@ -41,11 +41,16 @@ __all__ = [
 ]
 
 #: SGLang host layouts with a known canonical reorder (MHA and MLA pools).
-KNOWN_LAYOUTS: tuple[str, ...] = ("layer_first", "page_first", "page_first_direct", "page_head")
+KNOWN_LAYOUTS: tuple[str, ...] = ("layer_first", "page_first", "page_first_direct", "page_head", "page_unified")
 
 # (kind, layout) -> (page slicer, permutation of the slice to canonical order). The slicer takes
 # (kv_buffer, first token, page index, page_size) and returns the page as SGLang's
-# ``get_data_page(flat=False)`` sees it; the permutation maps that to (C, L, ps, *token).
+# ``get_data_page(flat=False)`` sees it (``page_unified``, whose pages SGLang does not hand out,
+# as its buffer holds it); the permutation maps that to (C, L, ps, *token). MHA ``page_unified``
+# keeps the heads split in groups, (C, L, ps, G, H/G, D): head ``g * H/G + j`` is group ``g``'s
+# ``j``-th (SGLang's page_unified kernels give group ``g`` the run of heads ``[g*H/G, (g+1)*H/G)``
+# of a token's row), which no single view can merge back into ``H``; the canonical page is the
+# same bytes, ``(C, L, ps, H, D)``, seen as ``(C, L, ps, G, H/G, D)``.
 _Buf = TypeVar("_Buf", torch.Tensor, np.ndarray)
 
 
@@ -64,6 +69,8 @@ _MHA: dict[str, tuple[_Slicer, tuple[int, ...]]] = {
     "page_first_direct": (lambda b, s, p, ps: b[:, p], (0, 1, 2, 3, 4)),
     # (2, P, H, ps, L, D)
     "page_head": (lambda b, s, p, ps: b[:, p], (0, 3, 2, 1, 4)),
+    # (P, G, L, 2, ps, H/G, D): sglang.srt.mem_cache.pool_host.page_unified.PageUnifiedLayout
+    "page_unified": (lambda b, s, p, ps: b[p], (2, 1, 3, 0, 4, 5)),
 }
 _MLA: dict[str, tuple[_Slicer, tuple[int, ...]]] = {
     # (L, T, 1, D); one component, added as dim 0 below
@@ -72,6 +79,8 @@ _MLA: dict[str, tuple[_Slicer, tuple[int, ...]]] = {
     "page_first": (lambda b, s, p, ps: b[s : s + ps], (1, 0, 2, 3)),
     # (P, L, ps, 1, D)
     "page_first_direct": (lambda b, s, p, ps: b[p], (0, 1, 2, 3)),
+    # (P, L, ps, D): page_first_direct's bytes without the unit axis (PageUnifiedLayout, MLA)
+    "page_unified": (lambda b, s, p, ps: b[p][:, :, None], (0, 1, 2, 3)),
 }
 
 
@@ -134,7 +143,13 @@ class CanonicalPagePool:
         self._kv = kv
         self._slice, self._perm = table[layout]
         probe = self._canonical(0)
-        self.page_shape: tuple[int, ...] = tuple(probe.shape)
+        #: the shape of :meth:`_canonical`'s views (MHA ``page_unified``: heads in groups)
+        self._view_shape: tuple[int, ...] = tuple(probe.shape)
+        #: the canonical page, (C, L, ps, *token), the same for every layout of a model
+        self.page_shape: tuple[int, ...] = (
+            (*self._view_shape[:3], int(np.prod(self._view_shape[3:-1])), self._view_shape[-1])
+            if len(self._view_shape) > 5 else self._view_shape
+        )
         self.page_numel: int = probe.numel()
         self.page_nbytes: int = self.page_numel * kv.element_size()
         rows = int(getattr(pool, "size", 0)) or (kv.numel() // (self.page_numel // self.rows))
@@ -217,7 +232,7 @@ class CanonicalPagePool:
     def gather(self, index: int, out: torch.Tensor) -> None:
         """Copy the page into ``out`` (uint8, one page) in canonical order."""
         self._page(index)
-        out.view(self.dtype).view(self.page_shape).copy_(self._canonical(index))
+        out.view(self.dtype).view(self._view_shape).copy_(self._canonical(index))
 
     def scatter(self, index: int, src: torch.Tensor) -> None:
         """Store a canonical page (any dtype, exactly ``page_nbytes`` bytes) into the pool."""
@@ -227,7 +242,7 @@ class CanonicalPagePool:
         if nbytes != self.page_nbytes:
             raise ValueError(f"flat page has {nbytes} bytes, expected {self.page_nbytes}")
         dst = self._canonical(index)
-        typed = src.view(torch.uint8).view(self.dtype).view(self.page_shape)
+        typed = src.view(torch.uint8).view(self.dtype).view(self._view_shape)
         if typed.data_ptr() == dst.data_ptr() and dst.is_contiguous():
             return  # read straight into the live page
         dst.copy_(typed)
@@ -310,7 +325,7 @@ class CanonicalPagePool:
         """A canonical copy of the page (pool dtype; 1-D when ``flat``)."""
         self._page(index)
         page = self._canonical(index).clone(memory_format=torch.contiguous_format)  # a snapshot
-        return page.reshape(-1) if flat else page
+        return page.reshape(-1) if flat else page.view(self.page_shape)
 
     def get_dummy_flat_data_page(self) -> torch.Tensor:
         return torch.empty(self.page_numel, dtype=self.dtype)
@@ -332,7 +347,7 @@ class CanonicalPagePool:
         native = self._slice(self._kv, 0, 0, self.rows)
         target = out.view(-1).view(self.dtype).view(native.shape).permute(*self._perm)
         target = target.unsqueeze(0) if self.mla else target
-        target.copy_(canonical.reshape(-1).view(torch.uint8).view(self.dtype).view(self.page_shape))
+        target.copy_(canonical.reshape(-1).view(torch.uint8).view(self.dtype).view(self._view_shape))
 
     def storage_signature(self) -> dict[str, Any]:
         """What makes pages incompatible. The layout is absent on purpose: every layout stores

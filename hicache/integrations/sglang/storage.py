@@ -208,16 +208,27 @@ def _hicache_config(cfg: Any) -> HiCacheStorageConfig:
     )
 
 
-def _has_flat_pages(pool: Any) -> bool:
-    """Whether SGLang gives ``pool``'s pages as flat tensors (what a pass-through pool's
-    pages are stored as): a pool whose page methods raise ``NotImplementedError`` has none."""
+def _no_flat_pages(pool: Any) -> str | None:
+    """Why SGLang gives no flat pages of ``pool`` (what a pass-through pool's pages are stored
+    as), or ``None`` where it does. A pool whose page methods raise ``NotImplementedError``
+    has none (SGLang's MXFP8 pool), nor one whose ``get_data_page`` raises ``ValueError``: SGLang
+    raises that for a layout its page methods do not know ("Unsupported layout"), which
+    ``get_dummy_flat_data_page`` (the same for every layout) never showed, so such a pool
+    attached and every write failed. The first page is asked for (a page's copy at most)."""
     try:
         pool.get_dummy_flat_data_page()
-    except NotImplementedError:
-        return False
+    except NotImplementedError as exc:
+        return f"{type(pool).__name__} has no flat storage pages in SGLang" + (f" ({exc})" if str(exc) else "")
     except Exception:  # noqa: BLE001 - anything else is for the page path to report
-        return True
-    return True
+        return None
+    try:
+        pool.get_data_page(0, flat=True)
+    except (NotImplementedError, ValueError) as exc:
+        return (f"{type(pool).__name__} has no flat storage pages in SGLang for layout "
+                f"{getattr(pool, 'layout', None)!r} ({type(exc).__name__}: {exc})")
+    except Exception:  # noqa: BLE001 - anything else is for the page path to report
+        return None
+    return None
 
 
 class HiCacheSGLangStorage(_SGLangStorage):
@@ -289,11 +300,13 @@ class HiCacheSGLangStorage(_SGLangStorage):
         if prior is not None and getattr(prior, "pool", prior) is pool:
             return  # the same SGLang pool again (KV: once as the anchor, once by name)
         adapted, tag = adapt_host_pool(pool)
-        if tag is not None and not _has_flat_pages(pool):
+        no_pages = _no_flat_pages(pool) if tag is not None else None
+        if no_pages is not None:
             # SGLang refuses storage pages for it (its MXFP8 pool keeps scales outside the
-            # page): every one of its writes would fail. The KV pool fails the attach (a
-            # store that can hold nothing); a sidecar is a miss, said once here.
-            self._refuse(name, f"{type(pool).__name__} has no flat storage pages in SGLang")
+            # page; a layout its page methods do not know): every one of its writes would
+            # fail. The KV pool fails the attach (a store that can hold nothing); a sidecar is
+            # a miss, said once here.
+            self._refuse(name, no_pages)
             return
         cfg = self.storage_config
         if (name != KV and isinstance(adapted, CanonicalPagePool) and not is_mla_pool(pool)

@@ -80,12 +80,16 @@ def token_kv(host: Any, layer: int, token: int) -> torch.Tensor:
             return kv[:, p, layer, o]
         if lay == "page_head":
             return kv[:, p, :, o, layer]
+        if lay == "page_unified":  # (P, head group, L, 2, ps, heads in group, D)
+            return kv[p, :, layer, :, o].transpose(0, 1).reshape(2, -1, kv.shape[-1])
     if lay == "layer_first":
         return kv[layer, token].unsqueeze(0)
     if lay == "page_first":
         return kv[token, layer].unsqueeze(0)
     if lay == "page_first_direct":
         return kv[p, layer, o].unsqueeze(0)
+    if lay == "page_unified":  # (P, L, ps, D)
+        return kv[p, layer, o].view(1, 1, -1)
     raise AssertionError(f"no reader for {lay}")
 
 

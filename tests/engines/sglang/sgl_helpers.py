@@ -19,6 +19,9 @@ from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 
 MHA_LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")
 MLA_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
+#: a host layout SGLang 0.5.23's MHA and MLA host pools build, whose pages its own page methods
+#: and its CPU transfers do not move (storage moves them through hicache's canonical adapter)
+UNIFIED = "page_unified"
 MODULE = "hicache.integrations.sglang"
 CLASS = "HiCacheSGLangStorage"
 
@@ -72,13 +75,15 @@ def device_pool(
     )
 
 
-def host_pool(dev: Any, layout: str, *, ratio: float = 2.0) -> Any:
+def host_pool(dev: Any, layout: str, *, ratio: float = 2.0, head_group_num: int = 1) -> Any:
+    """SGLang's host pool of ``dev`` in ``layout``; ``head_group_num``: the kv-head groups of
+    an MHA ``page_unified`` page."""
     info = dev.get_device_pool_infos()[0].buffer_info
     common = dict(pin_memory=False, device="cpu", device_capacity_tokens=dev.size,
                   start_layer=dev.start_layer, end_layer=dev.end_layer)
     if isinstance(dev, MLATokenToKVPool):
         return MLATokenToKVPoolHost(info, ratio, 0, dev.page_size, layout, target_layer_num=dev.layer_num, **common)
-    return MHATokenToKVPoolHost(info, ratio, 0, dev.page_size, layout, **common)
+    return MHATokenToKVPoolHost(info, ratio, 0, dev.page_size, layout, head_group_num=head_group_num, **common)
 
 
 def fill_random(host: Any, seed: int = 0) -> None:

@@ -105,3 +105,108 @@ def test_v0_get_without_a_target_returns_the_page_that_was_set(layout, store_roo
             assert back is not None and back.dtype == page.dtype and torch.equal(back, page)
     finally:
         ctl.detach_storage_backend()
+
+
+#: (MLA, kv-head groups of an MHA page) of the ``page_unified`` pools below
+_UNIFIED = [(False, 1), (False, 2), (True, 1)]
+
+
+def _unified_dev(mla: bool):  # type: ignore[no-untyped-def]
+    # 4 heads, so that 2 groups of 2 heads each put a head's place in the page to the test
+    return helpers.device_pool(page_size=PAGE, layers=LAYERS, heads=4, mla=mla)
+
+
+def _attached(host, root: str, *, mla: bool, backend: str = "file"):  # type: ignore[no-untyped-def]
+    """hicache's storage through SGLang's factory, with ``host`` as the KV host pool."""
+    from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+
+    extra = helpers.extra_config(backend, **({"root": root} if backend == "file" else {}))
+    cfg = helpers.storage_config(root, "m", extra=extra, is_mla_model=mla)
+    st = StorageBackendFactory.create_backend("dynamic", cfg, host)
+    st.register_mem_pool_host(host)
+    st.on_host_pools_registered()
+    return st
+
+
+@pytest.mark.parametrize("mla,groups", _UNIFIED)
+def test_page_unified_canonical_pages_are_the_other_layouts(mla, groups):
+    """SGLang's ``page_unified`` host pools (MLA: ``(P, L, ps, D)``; MHA: ``(P, head group, L,
+    2, ps, heads in group, D)``) were passed through in SGLang's own bytes, and SGLang's
+    ``get_data_page`` raises ``ValueError`` for that layout: every write failed. The canonical
+    adapter now reorders them: every token's K/V (or latent), read by the layout's definition,
+    is where the canonical page of every other layout puts it."""
+    from hicache.integrations.sglang.pages import CanonicalPagePool
+
+    dev = _unified_dev(mla)
+    unified = helpers.host_pool(dev, helpers.UNIFIED, head_group_num=groups)
+    helpers.fill_random(unified, 5)
+    adapter = CanonicalPagePool(unified)
+    assert adapter.has_live_pages == mla  # MLA: page_first_direct's bytes, no copy
+    for layout in helpers.MLA_LAYOUTS if mla else helpers.MHA_LAYOUTS:
+        other = helpers.host_pool(dev, layout)
+        helpers.fill_random(other, 6)
+        theirs = CanonicalPagePool(other)
+        assert theirs.storage_signature() == adapter.storage_signature()
+        idx = torch.arange(3 * PAGE)
+        for page in range(3):
+            theirs.set_from_flat_data_page(page * PAGE, adapter.get_data_page(page * PAGE))
+        assert drive.pages_equal(unified, idx, other, idx, LAYERS)
+        helpers.fill_random(other, 7)
+        for page in range(3):  # and back, through the strided gather/scatter
+            buf = adapter.new_staging(1)[0]
+            theirs.gather(page * PAGE, buf)
+            adapter.scatter(page * PAGE, buf)
+        assert drive.pages_equal(unified, idx, other, idx, LAYERS)
+
+
+@pytest.mark.parametrize("backend", ["file", "memory"])
+@pytest.mark.parametrize("mla,groups", _UNIFIED)
+def test_page_unified_pages_round_trip_byte_exact(mla, groups, backend, store_root):
+    """A ``page_unified`` KV host pool stores its pages and reads them back byte for byte,
+    through the file store (its pool pieces) and the memory store (staged pages)."""
+    dev = _unified_dev(mla)
+    host = helpers.host_pool(dev, helpers.UNIFIED, head_group_num=groups)
+    helpers.fill_random(host, 8)
+    st = _attached(host, store_root, mla=mla, backend=backend)
+    try:
+        keys = [f"{i:02x}" * 32 for i in range(3)]
+        host.alloc(PAGE)  # pages off the first
+        src, dst = host.alloc(3 * PAGE), host.alloc(3 * PAGE)
+        assert st.batch_set_v1(keys, src) == [True] * 3
+        assert st.batch_get_v1(keys, dst) == [True] * 3
+        for a, b in zip(src[::PAGE].tolist(), dst[::PAGE].tolist()):
+            assert torch.equal(host.kv_buffer[a // PAGE], host.kv_buffer[b // PAGE])
+    finally:
+        st.close()
+
+
+@pytest.mark.parametrize("mla,groups", _UNIFIED)
+def test_page_unified_and_every_other_layout_share_pages(mla, groups, store_root):
+    """One namespace for every layout: pages a ``page_unified`` server wrote are hits with the
+    same K/V for a server of any other layout, and the other way round."""
+    dev = _unified_dev(mla)
+    unified = helpers.host_pool(dev, helpers.UNIFIED, head_group_num=groups)
+    helpers.fill_random(unified, 9)
+    u = _attached(unified, store_root, mla=mla)
+    keys = [f"{i:02x}" * 32 for i in range(2)]
+    src = unified.alloc(2 * PAGE)
+    try:
+        assert u.batch_set_v1(keys, src) == [True, True]
+        for n, layout in enumerate(helpers.MLA_LAYOUTS if mla else helpers.MHA_LAYOUTS):
+            other = helpers.host_pool(dev, layout)
+            helpers.fill_random(other, 10 + n)
+            st = _attached(other, store_root, mla=mla)
+            try:
+                dst = other.alloc(2 * PAGE)
+                assert st.batch_get_v1(keys, dst) == [True, True]
+                assert drive.pages_equal(unified, src, other, dst, LAYERS)
+                theirs = [f"{0xa0 + n:02x}{i:02x}" * 16 for i in range(2)]
+                mine = other.alloc(2 * PAGE)
+                assert st.batch_set_v1(theirs, mine) == [True, True]
+            finally:
+                st.close()
+            back = unified.alloc(2 * PAGE)
+            assert u.batch_get_v1(theirs, back) == [True, True]
+            assert drive.pages_equal(other, mine, unified, back, LAYERS)
+    finally:
+        u.close()

@@ -130,6 +130,27 @@ def test_a_pool_with_state_outside_its_pages_is_never_stored_half(tmp_path) -> N
         st.close()
 
 
+def test_a_layout_sglang_gives_no_pages_of_fails_the_attach_naming_it(tmp_path) -> None:
+    """A pass-through pool whose ``get_data_page`` SGLang answers with ``ValueError`` ("Unsupported
+    layout": MLA ``page_first_kv_split``, an NPU layout, built here from a page_first pool)
+    attached, because only ``NotImplementedError`` from ``get_dummy_flat_data_page`` (the same
+    for every layout) was taken as "no pages", and then every write failed. As the KV pool it
+    now fails the attach, naming the layout."""
+    dev = helpers.device_pool(page_size=PS, layers=2, mla=True)
+    host = helpers.host_pool(dev, "page_first")
+    host.layout = "page_first_kv_split"
+    with pytest.raises(ValueError):
+        host.get_data_page(0)  # SGLang's own word on this layout
+    st = _store(tmp_path / "s", mla=True)
+    st.register_mem_pool_host(host)
+    try:
+        with pytest.raises(SGLangAttachError, match="no flat storage pages.*'page_first_kv_split'"):
+            st.on_host_pools_registered()
+        assert st.batch_set_v1([KEYS[0]], torch.arange(PS)) == [False]
+    finally:
+        st.close()
+
+
 @pytest.mark.parametrize("timeout", [1e10, float("inf")])
 def test_a_call_timeout_beyond_the_clock_means_no_limit(tmp_path, timeout) -> None:
     """Accepted at start-up, then every call raised OverflowError and the attach failed as
@@ -212,5 +233,24 @@ def test_dcp_ranks_store_and_read_their_shard_of_each_logical_page(tmp_path, lay
         assert st.batch_set(flat, [host.get_data_page(a) for a in src[: 2 * lp : lp].tolist()])
         got = st.batch_get(flat, [host.get_dummy_flat_data_page() for _ in flat])
         assert all(torch.equal(g, host.get_data_page(a)) for g, a in zip(got, src[: 2 * lp : lp].tolist()))
+    finally:
+        st.close()
+
+
+@pytest.mark.parametrize("backend", ["file", "memory"])
+def test_dcp_page_unified_ranks_store_and_read_their_shard(tmp_path, backend) -> None:
+    """An MLA ``page_unified`` pool under DCP, whose pages SGLang's own methods do not give: the
+    canonical pool maps SGLang's logical indices to its page blocks, byte for byte."""
+    host, st = _dcp_rank(tmp_path / "s", helpers.UNIFIED, backend, 0, 2 * PS)
+    lp, ps = host.logical_page_size, host.page_size
+    try:
+        keys = [f"{i:02x}" * 32 for i in range(3)]
+        host.alloc(2 * lp)
+        src, dst = host.alloc(3 * lp), host.alloc(3 * lp)
+        assert st.batch_set_v1(keys, src) == [True] * 3
+        assert st.batch_get_v1(keys, dst) == [True] * 3
+        for a, b in zip(src[::lp].tolist(), dst[::lp].tolist()):  # a host row is dcp_size indices
+            assert torch.equal(host.kv_buffer[a // 2 // ps], host.kv_buffer[b // 2 // ps])
+            assert not torch.equal(host.kv_buffer[a // 2 // ps], host.kv_buffer[0])
     finally:
         st.close()
