@@ -16,6 +16,8 @@ scatters back. No SGLang import is needed here: the pool is read through its doc
 Pools whose layout is not known here (``page_first_kv_split``, quantized or sparse pools, Mamba state)
 are passed through unchanged by :func:`adapt_host_pool`; their pages keep SGLang's own bytes,
 and the pool's class and layout go into the namespace so that no other layout ever reads them.
+Under decode context parallelism such a pool is seen through :class:`LogicalIndexPool`, which
+counts its pages in SGLang's logical index space, as :class:`CanonicalPagePool` does.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from hicache.storage.segments import BOUNCE_BYTES, PageSegments, PieceSpans, Str
 __all__ = [
     "CanonicalPagePool",
     "KNOWN_LAYOUTS",
+    "LogicalIndexPool",
     "adapt_host_pool",
     "is_mla_pool",
     "passthrough_tag",
@@ -136,7 +139,7 @@ class CanonicalPagePool:
         # page is ``page_size * dcp_size`` indices, ``page_size`` rows. Taken as rows, every
         # page was refused and a DCP server stored nothing. ``page_size`` and ``size`` here are
         # in SGLang's index space (what storage counts host indices in), ``rows`` in the pool's.
-        self._dcp = max(1, int(getattr(pool, "dcp_size", 1) or 1))
+        self._dcp = _dcp_size(pool)
         self.rows: int = int(pool.page_size)
         self.page_size: int = self.rows * self._dcp
         self.dtype: torch.dtype = kv.dtype
@@ -420,11 +423,51 @@ def _plain_pages(pool: Any) -> bool:
     return base is not None and all(getattr(cls, m, None) is getattr(base, m, None) for m in _PAGE_METHODS)
 
 
+def _dcp_size(pool: Any) -> int:
+    """The decode-context-parallel ranks a host pool's logical index spans (SGLang's ``dcp_size``:
+    ``dcp_size`` logical host indices share one host row); 1 without DCP."""
+    size = getattr(pool, "dcp_size", 1)
+    return size if isinstance(size, int) and not isinstance(size, bool) and size > 1 else 1
+
+
+class LogicalIndexPool:
+    """A pass-through SGLang host pool under decode context parallelism, with its pages counted
+    in SGLang's logical index space.
+
+    SGLang's controller hands storage logical host indices, ``dcp_size`` of them to one host row,
+    and the pool's own page methods take them so (``_storage_page_index``: row = index //
+    ``dcp_size``); but the pool's ``page_size`` counts rows. hicache's storage takes a page as
+    ``page_size`` host indices, so with the pool as it is every page of a batch was refused
+    ("expects 48 host indices, got 96") and the pool stored nothing. Here ``page_size`` and
+    ``size`` are the pool's ``logical_page_size`` and ``logical_size`` and the page methods are
+    the pool's own, given the logical index unchanged. No ``layout``: the pool's format tag goes
+    into the namespace by the adapter (:func:`adapt_host_pool`), from the pool itself."""
+
+    def __init__(self, pool: Any) -> None:
+        self.pool = pool
+        self._dcp = _dcp_size(pool)
+        self.page_size: int = int(pool.page_size) * self._dcp
+        self.size: int = int(getattr(pool, "size", 0)) * self._dcp
+
+    def get_data_page(self, index: int, flat: bool = True) -> torch.Tensor:
+        return self.pool.get_data_page(index, flat)
+
+    def get_dummy_flat_data_page(self) -> torch.Tensor:
+        return self.pool.get_dummy_flat_data_page()
+
+    def set_from_flat_data_page(self, index: int, data_page: torch.Tensor) -> None:
+        self.pool.set_from_flat_data_page(index, data_page)
+
+    def __repr__(self) -> str:
+        return f"LogicalIndexPool({type(self.pool).__name__}, dcp_size={self._dcp}, page_size={self.page_size})"
+
+
 def adapt_host_pool(pool: Any) -> tuple[Any, str | None]:
     """The pool hicache's storage should see, and (for a pass-through pool) the tag of its own
     byte format that the namespace must carry. A pool that already is a canonical adapter
-    (or hicache's own host pool) is returned as is."""
-    if isinstance(pool, CanonicalPagePool) or callable(getattr(pool, "storage_signature", None)):
+    (or hicache's own host pool) is returned as is; a pass-through pool under DCP is seen in
+    SGLang's logical index space (:class:`LogicalIndexPool`)."""
+    if isinstance(pool, (CanonicalPagePool, LogicalIndexPool)) or callable(getattr(pool, "storage_signature", None)):
         return pool, None
     table = _MLA if is_mla_pool(pool) else _MHA
     if (getattr(pool, "layout", None) in table and isinstance(getattr(pool, "kv_buffer", None), torch.Tensor)
@@ -433,4 +476,4 @@ def adapt_host_pool(pool: Any) -> tuple[Any, str | None]:
             return CanonicalPagePool(pool), None
         except (TypeError, ValueError, RuntimeError):
             pass  # a shape this table does not describe: keep SGLang's bytes, tagged
-    return pool, passthrough_tag(pool)
+    return (LogicalIndexPool(pool) if _dcp_size(pool) > 1 else pool), passthrough_tag(pool)

@@ -36,7 +36,7 @@ from sglang.srt.mem_cache.hicache_storage import PoolTransferResult as _SGLangRe
 from hicache.errors import HiCacheError
 from hicache.integrations.sglang.config import AdapterSettings, namespace_for
 from hicache.integrations.sglang.hits import resolve_hits
-from hicache.integrations.sglang.pages import CanonicalPagePool, adapt_host_pool, is_mla_pool
+from hicache.integrations.sglang.pages import CanonicalPagePool, LogicalIndexPool, adapt_host_pool, is_mla_pool
 from hicache.integrations.sglang.transfer import PageMover
 from hicache.storage import (
     AsyncHiCacheStorage,
@@ -382,7 +382,8 @@ class HiCacheSGLangStorage(_SGLangStorage):
             # MTP draft layers packed into the KV pool (or a pool in SGLang's own bytes): its
             # pages are draft KV too, and servers of one target with other drafts must not
             # share them
-            packed = self._packed_in_namespace or _packs_draft_layers(kv.pool if isinstance(kv, CanonicalPagePool) else kv)
+            sglang_pool = kv.pool if isinstance(kv, (CanonicalPagePool, LogicalIndexPool)) else kv
+            packed = self._packed_in_namespace or _packs_draft_layers(sglang_pool)
             draft = _draft_settings() if packed else {}
             namespace = namespace_for(
                 self.storage_config,

@@ -13,8 +13,10 @@ from sglang.srt.mem_cache.device_pool_info import MambaStateBufferInfo
 from sglang.srt.mem_cache.hicache_storage import HiCacheFile, HiCacheStorageConfig, PoolName, PoolTransfer
 from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
 from sglang.srt.mem_cache.pool_host.mha_mxfp8 import MHATokenToKVPoolMXFP8Host
+from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
+from hicache.integrations.sglang.pages import CanonicalPagePool
 from hicache.integrations.sglang.storage import SGLangAttachError
 
 PS = 16
@@ -185,17 +187,27 @@ def test_a_mamba_state_of_another_dtype_is_never_restored(tmp_path) -> None:
             st.close()
 
 
-def _dcp_rank(root, layout: str, backend: str, rank: int, logical_page: int):  # type: ignore[no-untyped-def]
+class _OwnPagesMLAHost(MLATokenToKVPoolHost):
+    """SGLang's MLA host pool with page methods of its own (here SGLang's, called through), as a
+    subclass that keeps state beyond ``kv_buffer`` has them: the adapter passes it through
+    unchanged, in SGLang's own bytes and through SGLang's own page methods."""
+
+    def get_data_page(self, index, flat: bool = True):  # type: ignore[no-untyped-def]
+        return super().get_data_page(index, flat)
+
+    def set_from_flat_data_page(self, index, data_page) -> None:  # type: ignore[no-untyped-def]
+        super().set_from_flat_data_page(index, data_page)
+
+
+def _dcp_rank(root, layout: str, backend: str, rank: int, logical_page: int,  # type: ignore[no-untyped-def]
+              cls: type = MLATokenToKVPoolHost):
     """One decode-context-parallel rank of an MLA model (DCP 2): SGLang's MLA host pool holds
     ``logical_page / 2`` rows of each logical page, and SGLang's controller hands storage the
     logical host indices (``logical_page`` of them per page), as its allocator gives them."""
-    from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
-
     dev = helpers.device_pool(page_size=logical_page // 2, layers=2, mla=True)
     info = dev.get_device_pool_infos()[0].buffer_info
-    host = MLATokenToKVPoolHost(info, 2.0, 0, logical_page, layout, pin_memory=False, device="cpu", dcp_size=2,
-                                dcp_rank=rank, device_capacity_tokens=dev.size, start_layer=0, end_layer=1,
-                                target_layer_num=2)
+    host = cls(info, 2.0, 0, logical_page, layout, pin_memory=False, device="cpu", dcp_size=2,
+               dcp_rank=rank, device_capacity_tokens=dev.size, start_layer=0, end_layer=1, target_layer_num=2)
     helpers.fill_random(host, rank + 1)
     extra = helpers.extra_config(backend, **({"root": str(root)} if backend == "file" else {}))
     cfg = HiCacheStorageConfig(tp_rank=rank, tp_size=2, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
@@ -216,8 +228,24 @@ def test_dcp_ranks_store_and_read_their_shard_of_each_logical_page(tmp_path, lay
     as rows, so every write and read failed ("expects 48 host indices, got 96") and DCP servers
     stored nothing. Each rank now stores its shard of each logical page and reads it back into
     the rows SGLang's own page methods name, through the v1 and the v0 (flat page) paths."""
-    lp = 2 * PS
-    host, st = _dcp_rank(tmp_path / "s", layout, backend, 0, lp)
+    _dcp_round_trip(*_dcp_rank(tmp_path / "s", layout, backend, 0, 2 * PS))
+
+
+@pytest.mark.parametrize("backend", ["file", "memory"])
+@pytest.mark.parametrize("layout", helpers.MLA_LAYOUTS)
+def test_dcp_pools_passed_through_count_pages_in_sglangs_index_space(tmp_path, layout, backend) -> None:
+    """A DCP host pool the adapter passes through unchanged (not through the canonical pool:
+    here one with page methods of its own) had the same index mismatch: hicache's storage took
+    SGLang's logical host indices as rows of ``page_size`` ("expects 48 host indices, got 96"),
+    so every write and read failed. Its pages are now counted in SGLang's logical index space
+    and handed to SGLang's own page methods, which map them to the pool's rows."""
+    host, st = _dcp_rank(tmp_path / "s", layout, backend, 0, 2 * PS, cls=_OwnPagesMLAHost)
+    assert not isinstance(st._adapted["kv"], CanonicalPagePool)  # passed through
+    _dcp_round_trip(host, st)
+
+
+def _dcp_round_trip(host, st) -> None:  # type: ignore[no-untyped-def]
+    lp = host.logical_page_size
     try:
         keys = [f"{i:02x}" * 32 for i in range(3)]
         host.alloc(2 * lp)  # pages past the first: the logical -> row mapping must hold off 0
