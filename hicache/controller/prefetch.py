@@ -483,6 +483,11 @@ class Prefetcher:
         self.metrics.incr("prefetch_aborted")
         op.stop_requested = True
         op.taken_pages = 0
+        # a request waiting for the op (another task awaits it under its policy) is let go now:
+        # the op lands nothing for anyone any more, and its task may outlive the cancel for as
+        # long as a read in flight is stuck (a hung mount), which held the waiter that long
+        op.settled.set()
+        op.progress.set()
         if op.finished:
             self._release_untaken(op)
         elif op.task is not None:

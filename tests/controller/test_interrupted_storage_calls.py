@@ -252,3 +252,34 @@ async def test_a_wait_complete_request_is_let_go_when_its_read_is_given_up_on(ho
     finally:
         store.open_gate()
         await stack.aclose()
+
+
+@pytest.mark.parametrize("policy", ["wait_complete", "timeout"])
+async def test_a_request_waiting_for_its_prefetch_is_let_go_when_the_prefetch_is_aborted(policy: str) -> None:
+    """An abort from another task (a client that went away while its admit waited) cancels the
+    prefetch, whose read is stuck on a hung mount (cancelled, it returns only when the mount
+    does). The waiter was left waiting for that read - under ``wait_complete`` until it
+    returned, possibly never - though nothing it waited for could come any more: it is let go
+    at once with no prefetch (``None``); the stuck read's pages stay out of use until it
+    returns."""
+    store, keys = await stored_pages()
+    stack = make(store, prefetch_policy=policy, storage_io_timeout_s=30.0, prefetch_timeout_base_s=30.0)
+    ctl, log, op, free_before = held_prefetch(stack, store, keys)
+    try:
+        await eventually(store.busy.is_set)
+        waiter = asyncio.ensure_future(ctl.wait_prefetch("r"))
+        await asyncio.sleep(0.05)
+        assert not waiter.done()
+        assert ctl.abort_prefetch("r")
+        done, _ = await asyncio.wait({waiter}, timeout=2.0)
+        assert done, "the waiter of an aborted prefetch waited for its stuck read"
+        assert waiter.result() is None
+        assert ctl.prefetch_ready("r")
+        assert log.freed == 0 and not op.finished  # the stuck read's pages are still its own
+        store.open_gate()
+        await ctl.wait_prefetches()
+        await eventually(lambda: stack.host_pool.available_size() == free_before)
+        assert log.early == [] and log.freed == PAGES
+    finally:
+        store.open_gate()
+        await stack.aclose()
