@@ -193,6 +193,32 @@ def test_health_state_machine_backoff() -> None:
     assert h.next_probe_in() == 0.5  # the backoff starts over
 
 
+def test_a_zero_probe_base_still_backs_off_after_a_failed_probe() -> None:
+    """``storage_probe_base_s=0`` (probe as soon as the store is marked down) is a valid setting,
+    and the backoff is "doubled after each failed probe up to the maximum": doubling 0 kept it
+    0, and a store that stayed down was probed back to back, thousands of times a second."""
+    h = StorageHealth(errors_to_trip=1, probe_base_s=0.0, probe_max_s=2.0)
+    h.trip("gone")
+    assert h.next_probe_in() == 0.0  # the first probe at once, as configured
+    h.probe_failed()
+    assert h.next_probe_in() > 0.0
+    first = h.next_probe_in()
+    h.probe_failed()
+    assert h.next_probe_in() == min(2.0, 2 * first)  # and doubled from there
+    for _ in range(20):
+        h.probe_failed()
+    assert h.next_probe_in() == 2.0
+
+
+async def test_a_store_that_stays_down_is_not_probed_back_to_back_with_a_zero_probe_base() -> None:
+    async with switched(storage_probe_base_s=0.0, storage_probe_max_s=1.0, storage_health_errors=1) as (store, stack):
+        store.mode = "raise"
+        await serve_request(stack, prompt(1), rid="a")
+        await eventually(lambda: not stack.controller.health.up)
+        await asyncio.sleep(0.5)
+        assert stack.controller.metrics.counters.get("storage_probes", 0) <= 10
+
+
 class OneBadRead(MemoryStorage):
     """Reads take a while; the next ``bad`` of them raise."""
 
