@@ -285,6 +285,10 @@ class Prefetcher:
         given stay the op's until it has returned (:meth:`_finish_op` frees them)."""
         if op.settled.is_set():  # finished, or given up on already
             return
+        # nor does it tell the store's pace any more (:meth:`_seconds_per_page`): stuck, it
+        # looked slower with every second, and once a probe took the store back every wait
+        # for a fast read was cut at once, for as long as this one stayed stuck
+        self._reading.discard(op)
         op.stop = op.stop or ("read_failed" if op.exists_answered else "exists_failed")
         op.settled.set()
         op.progress.set()
@@ -488,6 +492,7 @@ class Prefetcher:
         # long as a read in flight is stuck (a hung mount), which held the waiter that long
         op.settled.set()
         op.progress.set()
+        self._reading.discard(op)  # a read cancelled and stuck tells no pace (see _give_up)
         if op.finished:
             self._release_untaken(op)
         elif op.task is not None:

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import math
+import threading
 import time
 import uuid
 from pathlib import Path
 
 import pytest
+from hicache_backends.memory import MemoryStorage
 
 from _hicache_faults import FaultyStorage, seed_memory_store
 from hicache.config import HiCacheConfig
@@ -19,6 +21,8 @@ from hicache.controller.recompute import PrefillCost, ReadPace, give_up_at
 from hicache.errors import ConfigError
 from hicache.prefix_cache import Req
 from hicache.replay import StackConfig, build_stack, serve_request
+from hicache.storage.offload import run_to_completion
+from hicache.testing import eventually
 
 PS = 4
 
@@ -461,3 +465,73 @@ async def test_a_rate_learned_while_a_request_waits_applies_to_that_wait() -> No
     assert stack.controller.metrics.counters["prefetch_cut_recompute"] == 1
     store.release()
     await stack.aclose()
+
+
+class _SomeReadsStuck(MemoryStorage):
+    """Reads of the pages under ``stuck`` wait on a worker thread until ``free()`` (a hung
+    mount, as the file backend's I/O threads hang: a cancelled call returns only when the
+    thread does); every other call answers at once."""
+
+    backend_name = "some-reads-stuck-memory"
+
+    def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(*args, **kwargs)
+        self.stuck: set[str] = set()
+        self.gate = threading.Event()
+
+    def free(self) -> None:
+        self.gate.set()
+
+    def _gated(self, pages, buffers):  # type: ignore[no-untyped-def]
+        if any(p.key in self.stuck for p in pages):
+            self.gate.wait(60)
+        return self._read_into(pages, buffers)
+
+    async def _read(self, pages, buffers):  # type: ignore[no-untyped-def]
+        return await run_to_completion(self._gated, pages, buffers)
+
+
+@pytest.mark.parametrize("how", ["timed_out", "aborted"])
+async def test_a_read_given_up_on_does_not_set_the_pace_after_the_store_is_back(how: str) -> None:
+    """A read that timed out is given up on (the store marked down, its request let go) but may
+    never return (a hung mount); so may a read whose request was aborted. It still counted as a
+    read in flight, its pace growing with every second it was stuck: once the store answered
+    again (a probe took it back) and reads were fast, every request under the ``timeout``
+    policy was cut at once (recomputed), for as long as that one read stayed stuck. A call
+    nobody waits for any more says nothing of the store's pace now."""
+    a, b = toks(0, 32), toks(1000, 32)
+    store_id = await _seeded(a, b)
+    store = _SomeReadsStuck(store_id=store_id)
+    cfg = StackConfig(page_size=PS, device_pages=64, host_pages=128, storage_backend=None,
+                      controller=ControllerConfig(prefetch_threshold=PS, prefetch_batch_pages=2, prefetch_policy="timeout",
+                                                  prefetch_timeout_base_s=60.0, prefetch_timeout_per_ki_token_s=0.0,
+                                                  prefetch_recompute_tokens_per_s=100.0,  # 40 ms a page
+                                                  storage_io_timeout_s=0.2 if how == "timed_out" else 30.0,
+                                                  storage_stall_s=0.0, storage_probe_base_s=0.05,
+                                                  storage_probe_max_s=0.1, cancelled_io_grace_s=0.0))
+    stack = build_stack(cfg, storage=store)
+    ctl = stack.controller
+    try:
+        first = Req(rid="first", origin_input_ids=a)
+        stack.cache.match_req(first)
+        assert stack.cache.start_prefetch(first)
+        op = ctl.prefetch_op("first")
+        assert op is not None
+        store.stuck = set(op.keys)
+        if how == "timed_out":
+            assert await stack.cache.wait_prefetch("first") == 0  # its read hangs: nothing fetched
+            stack.cache.abort_req(first)
+            await eventually(lambda: ctl.metrics.counters.get("storage_timeouts", 0) == 1)  # given up on
+            await eventually(lambda: ctl.health.up, timeout=5.0)  # a probe took the store back
+        else:
+            await eventually(lambda: bool(ctl._prefetcher._reading))
+            stack.cache.abort_req(first)
+        await asyncio.sleep(0.5)  # the read given up on, still stuck: 0.25 s a page and growing
+        cuts = ctl.metrics.counters.get("prefetch_cut_recompute", 0)  # the first request's wait
+        out = await serve_request(stack, b, rid="second")  # 2 ms reads against 40 ms a page
+        assert out.storage_hit == 32 and out.verify_failures == 0
+        assert ctl.metrics.counters.get("prefetch_cut_recompute", 0) == cuts
+        assert not op.finished  # (the stuck read still runs)
+    finally:
+        store.free()
+        await stack.aclose()
