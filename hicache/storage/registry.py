@@ -81,7 +81,13 @@ def register_backend(name: str, target: type[AsyncHiCacheStorage] | str) -> None
 
 
 def _import_target(name: str, value: str) -> Any:
-    module_name, _, attr = value.partition(":")
+    # parsed as the entry-point syntax has it, not split at ":" by hand: a value may name extras
+    # ("mod:Class [fast]") and put spaces around the colon, and such valid plugins were refused
+    # ("... does not exist", "No module named 'mod '")
+    match = EntryPoint.pattern.match(value)
+    if match is None:
+        raise BackendLoadError(f"storage backend {name!r}: {value!r} is not a 'module:attribute' reference")
+    module_name, attr = match.group("module"), match.group("attr") or ""
     try:
         obj: Any = importlib.import_module(module_name)
     except ImportError as exc:

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Iterator
+from typing import Any
+
 import pytest
 
 from hicache.errors import BackendLoadError, BackendNotFoundError, ConfigError
@@ -12,6 +16,7 @@ from hicache.storage import (
     backend_class,
     create_async_storage,
     create_storage,
+    refresh_backends,
     register_backend,
 )
 
@@ -51,3 +56,43 @@ def test_runtime_registration_and_type_check() -> None:
     register_backend("broken", "no_such_module_xyz:Thing")
     with pytest.raises(BackendLoadError, match="could not be imported"):
         backend_class("broken")
+
+
+def _install_plugin(root: Any, entry_points_txt: str) -> None:
+    """A real installed distribution (a package and its ``.dist-info``) under ``root``."""
+    (root / "hicache_demo_plugin").mkdir()
+    (root / "hicache_demo_plugin" / "__init__.py").write_text(
+        "from hicache_backends.memory import MemoryStorage\n\n"
+        "class DemoStorage(MemoryStorage):\n    backend_name = 'demo'\n"
+    )
+    info = root / "hicache_demo_plugin-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: hicache-demo-plugin\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text(entry_points_txt)
+
+
+@pytest.fixture
+def plugin_site(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    monkeypatch.syspath_prepend(str(tmp_path))
+    refresh_backends()
+    yield tmp_path
+    sys.modules.pop("hicache_demo_plugin", None)
+    monkeypatch.undo()
+    refresh_backends()
+
+
+def test_entry_points_with_extras_or_spaces_load(plugin_site: Any) -> None:
+    """Entry-point values may name extras (``mod:Class [extra]``) and put spaces around the
+    colon; the registry took the raw text apart itself and refused both valid plugins."""
+    _install_plugin(plugin_site, "[hicache.backends]\n"
+                                 "demo-extras = hicache_demo_plugin:DemoStorage [fast]\n"
+                                 "demo-spaces = hicache_demo_plugin : DemoStorage\n")
+    refresh_backends()
+    assert {"demo-extras", "demo-spaces"} <= set(available_backends())
+    for name in ("demo-extras", "demo-spaces"):
+        assert backend_class(name).__name__ == "DemoStorage"
+        store = create_storage(name)
+        try:
+            assert store.batch_exists(["x"]) == 0
+        finally:
+            store.close()
