@@ -127,6 +127,13 @@ def backend_class(name: str) -> type[AsyncHiCacheStorage]:
         raise BackendLoadError(
             f"storage backend {name!r} is {target!r}, which is not an AsyncHiCacheStorage subclass"
         )
+    missing = sorted(getattr(target, "__abstractmethods__", ()))
+    if missing:
+        # such a class can never be built: refused here, where a config is checked at start,
+        # not when built (a TypeError then, reported as a ConfigError blaming the options)
+        raise BackendLoadError(
+            f"storage backend {name!r} ({target.__module__}.{target.__qualname__}) does not implement {missing}"
+        )
     _loaded[name] = target
     return target
 

@@ -96,3 +96,19 @@ def test_entry_points_with_extras_or_spaces_load(plugin_site: Any) -> None:
             assert store.batch_exists(["x"]) == 0
         finally:
             store.close()
+
+
+def test_a_plugin_missing_primitives_is_a_load_error_naming_them() -> None:
+    """A backend class that leaves primitives abstract can never be built: it was accepted
+    (listed, its options shown, a config naming it passed the check at start) and failed only
+    when built, as a ConfigError that blamed the options."""
+
+    class HalfStorage(AsyncHiCacheStorage):
+        async def _exists(self, pages: Any) -> list[bool]:
+            return [False] * len(pages)
+
+    register_backend("half-done", HalfStorage)
+    with pytest.raises(BackendLoadError, match=r"half-done.*_clear.*_read.*_read_bytes.*_write"):
+        backend_class("half-done")
+    with pytest.raises(BackendLoadError, match="half-done"):
+        create_async_storage("half-done")
