@@ -11,6 +11,7 @@ import fsspec
 import pytest
 import torch
 
+from hicache.errors import ConfigError
 from hicache.storage import AsyncHiCacheStorage, PageCodec, create_async_storage
 from hicache.testing import StoreTests
 from hicache.testing.store_tests import NS_A
@@ -488,3 +489,30 @@ async def test_a_store_written_from_another_loop_waits_for_its_index_writes_safe
         await asyncio.to_thread(t.join)
     assert errors == 0 and not failures
     await store.aclose()
+
+
+async def test_options_the_filesystem_refuses_are_a_config_error_at_open(tmp_path: Any) -> None:
+    """The filesystem is built when the store opens (one per event loop); one that refused its
+    storage_options raised its own TypeError/ValueError out of open() and out of every call after
+    (each tried to open again), unredacted. It is now a ConfigError naming the backend and the
+    filesystem's complaint, with the options' secrets scrubbed from it."""
+    store = create_async_storage("fsspec", None, url="dir://", namespace=NS_A,
+                                 storage_options={"target_protocol": "file", "password": "hunter2-secret"})
+    with pytest.raises(ConfigError, match="dir filesystem") as info:
+        await store.open()
+    assert "hunter2-secret" not in str(info.value)
+    with pytest.raises(ConfigError):
+        await store.exists("k")
+    await store.aclose()
+    # a loop the store meets later whose filesystem cannot be built: a counted miss, not an error
+    ok = create_async_storage("fsspec", None, url=f"file://{tmp_path}/store", namespace=NS_A)
+    async with ok:
+        assert await ok.set("k", torch.ones(4))
+        ok._storage_options["no_such_option_of_local_files"] = 1  # what the next loop's filesystem gets
+        ok._fs_class = fsspec.get_filesystem_class("dir")  # refuses being built without its path
+
+        def other_loop() -> Any:
+            return asyncio.run(ok.get("k", torch.empty(4)))
+
+        assert await asyncio.to_thread(other_loop) is None
+        assert ok.get_stats()["permanent_errors"] >= 1

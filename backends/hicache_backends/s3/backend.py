@@ -347,6 +347,14 @@ class FsspecStorage(AsyncHiCacheStorage):
         self.exists_cache = ExistsCache.shared(
             self._cache_scope(), self.exists_cache.max_entries, self.exists_cache.ttl
         )
+        # the filesystem is built here (for this loop), from storage_options only: one that
+        # refuses them is a configuration error, said once, not the filesystem's own TypeError
+        # or ValueError out of open() and every call after it (each opening again), unredacted
+        try:
+            self._local.get()
+        except Exception as exc:  # noqa: BLE001 - whatever a filesystem's constructor raises
+            raise ConfigError(f"{self.backend_name} backend: the {self.protocol} filesystem refused its "
+                              f"storage_options: {type(exc).__name__}: {self._redactor.scrub(str(exc))}") from None
         try:  # never raises and never hangs: an unreachable store opens, misses, and probes
             async with asyncio.timeout(self.call_timeout):
                 await self._ensure_manifest()

@@ -75,7 +75,18 @@ class RequestRunner:
         """
         if self.closed:
             raise GaveUp(what)
-        res = self.local.get()
+        try:
+            res = self.local.get()
+        except Exception as exc:  # noqa: BLE001 - a loop whose filesystem cannot be built (open
+            # built one, so the options were fine there): a counted miss, as nothing raises out
+            # of a primitive
+            self.stats.incr("permanent_errors")
+            throttle = self._permanent_warnings.setdefault(("filesystem", type(exc).__name__), Throttle())
+            count = throttle.due()
+            if count:
+                logger.warning("%s: building the filesystem for this event loop failed (%d time(s) since the last "
+                               "warning): %s: %s", self.name, count, type(exc).__name__, self.redactor.scrub(str(exc)))
+            raise GaveUp(what) from exc
         timeout = self.request_timeout if timeout is None else timeout
         for attempt in range(self.policy.attempts):
             if self.closed:
