@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import shutil
 import sys
 import time
 import uuid
@@ -187,23 +188,59 @@ class CachedRuns:
 
 async def run_cached_phases(cfg: HiCacheConfig, w: Workload, tag: str, *, say: Callable[[str], None] | None = None) -> CachedRuns:
     """Run the cached phase, then (with storage) the restart phase, each on its own server.
-    ``say``: an optional progress callback taking one line."""
-    async with running_server(cfg, mode="hicache") as srv:
-        cached = await run_load(srv.url, w, run_tag=f"{tag}-cached")
-        cached["memory_retries"] = srv.state.metrics.memory_retries
-        cache_metrics = srv.cache.metrics() if hasattr(srv.cache, "metrics") else {}
-    if say:
-        say(f"cached done in {cached['wall_s']:.1f} s")
-    restart = None
-    if cfg.storage.backend is not None:
-        if say:
-            say("restart: a fresh server on the same storage replays every first turn")
+    ``say``: an optional progress callback taking one line.
+
+    The pages both phases stored are removed at the end (however the run ends): they are under
+    a namespace of this run's own (``cfg``'s salt, :func:`demo_config`), which no later run
+    reads, so each run left one more namespace of dead pages in the store."""
+    namespace: Any = None
+    try:
         async with running_server(cfg, mode="hicache") as srv:
-            restart = await run_load(srv.url, replace(w, first_turn_only=True, warmup=False), run_tag=f"{tag}-restart")
-            restart["memory_retries"] = srv.state.metrics.memory_retries
+            namespace = getattr(getattr(srv.cache, "storage", None), "namespace", None)
+            cached = await run_load(srv.url, w, run_tag=f"{tag}-cached")
+            cached["memory_retries"] = srv.state.metrics.memory_retries
+            cache_metrics = srv.cache.metrics() if hasattr(srv.cache, "metrics") else {}
         if say:
-            say(f"restart done in {restart['wall_s']:.1f} s")
+            say(f"cached done in {cached['wall_s']:.1f} s")
+        restart = None
+        if cfg.storage.backend is not None:
+            if say:
+                say("restart: a fresh server on the same storage replays every first turn")
+            async with running_server(cfg, mode="hicache") as srv:
+                restart = await run_load(srv.url, replace(w, first_turn_only=True, warmup=False), run_tag=f"{tag}-restart")
+                restart["memory_retries"] = srv.state.metrics.memory_retries
+            if say:
+                say(f"restart done in {restart['wall_s']:.1f} s")
+    finally:
+        if namespace is not None:
+            await _remove_run_pages(cfg, namespace)
     return CachedRuns(cached, restart, cache_metrics)
+
+
+async def _remove_run_pages(cfg: HiCacheConfig, namespace: Any) -> None:
+    """Remove the pages of this run's ``namespace`` once its servers are closed (their close
+    writes sessions' KV back to storage): a ``file`` store's namespace folder goes whole (its
+    ``clear`` only renames the pages aside for a later sweep), another store is cleared. A
+    store that cannot be cleared is a warning naming the namespace, never the demo's error."""
+    from hicache.stack import stack_config_from
+    from hicache.storage import create_async_storage
+
+    backend = cfg.storage.backend
+    assert backend is not None
+    options = stack_config_from(cfg).storage_options
+    try:
+        store = create_async_storage(backend, None, namespace=namespace, **options)
+        layout = getattr(store, "layout", None)
+        if layout is not None:  # file: the folder holds the namespace's pages, ledger and manifest
+            await store.aclose()
+            await asyncio.to_thread(shutil.rmtree, layout.ns_dir, ignore_errors=True)
+            return
+        async with store:
+            if not await store.clear():
+                raise RuntimeError("clear() failed")
+    except Exception as exc:  # noqa: BLE001 - the demo's result stands; the leftover is named
+        logger.warning("demo: could not remove this run's pages from the %s store (namespace %s): %s",
+                       backend, getattr(namespace, "digest", namespace), exc)
 
 
 async def run_demo_async(config: HiCacheConfig, *, quick: bool = False, workload: Workload | None = None) -> dict[str, Any]:

@@ -58,3 +58,16 @@ def test_a_missing_answer_is_told_apart_from_a_different_one() -> None:
     records[5] = {**records[5], "tokens": [9, 9, 9]}
     check = _compare(_answers({"records": records}), want) + _compare({(0, 0): [0, 0, 7]}, {(0, 0): [0, 0, 7]})
     assert check == AnswerCheck(compared=9, differing=1, missing=1)
+
+
+@requires_facade
+async def test_a_demo_run_leaves_no_pages_in_the_store(tmp_path: Path) -> None:
+    """Each run writes under a namespace of its own (a fresh salt), which no later run can read:
+    its pages were left in the store, a namespace of dead pages more with every ``hicache demo``
+    (``./.hicache/store``; ``demo_stress.py --runs 20`` left twenty)."""
+    root = tmp_path / "store"
+    w = Workload(clients=2, turns=2, system_tokens=128, user_tokens=32, max_new_tokens=4)
+    for _ in range(2):
+        report = await run_demo_async(small_config(root), workload=w)
+        assert report["all_answers_match"] is True and report["restart"]["hit_tokens"]["storage"] > 0
+    assert [p for p in root.rglob("*") if p.is_file()] == []
