@@ -424,6 +424,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 #: the exit status of a command whose reader went away (128 + SIGPIPE, as a shell reports it)
 _EXIT_PIPE_CLOSED = 141
+#: the exit status of a command stopped by Ctrl-C (128 + SIGINT, as a shell reports it)
+_EXIT_INTERRUPTED = 130
 
 
 def _stdout_closed() -> int:
@@ -443,6 +445,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _run(args)
     except BrokenPipeError:
         return _stdout_closed()
+    except KeyboardInterrupt:
+        # Ctrl-C stops a replay, an inspect or a size run: each command's own clean-up has run
+        # as the interrupt unwound it (a replay's pages removed, a plot's temp file deleted), so
+        # one line says why it ended; it was a traceback through asyncio's and our frames
+        print("hicache: interrupted", file=sys.stderr)
+        return _EXIT_INTERRUPTED
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -342,3 +342,34 @@ def test_a_model_the_demo_engine_cannot_run_is_one_line(tmp_path, capsys, model:
     cfg = tmp_path / "model.toml"
     cfg.write_text(f'[model]\n{model}\n[device]\ndevice = "cpu"\nsize_tokens = 4096\n[storage]\nbackend = "none"\n')
     assert words in _error(capsys, [*command, "-c", str(cfg)])
+
+
+def test_ctrl_c_during_a_replay_is_one_line_and_leaves_nothing_behind(tmp_path) -> None:
+    """SIGINT to a real ``hicache replay`` mid-run: it printed a KeyboardInterrupt traceback
+    (asyncio's and the CLI's frames, forty lines) instead of one line; the run's pages must
+    still be removed from the store and no half report printed."""
+    import os
+    import signal
+    import time
+
+    trace = tmp_path / "chat.jsonl"
+    assert main(["workload", "chat", str(trace)]) == 0
+    root = tmp_path / "store"
+    root.mkdir()
+    cfg = tmp_path / "file.toml"
+    cfg.write_text('[tiers]\ndevice_fraction = 0.05\nhost_fraction = 0.2\nstorage_fraction = 0.5\n'
+                   f'[storage]\nbackend = "file"\noptions = {{ root = "{root}" }}\n')
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.Popen([sys.executable, "-m", "hicache.cli", "replay", "-c", str(cfg), "--trace", str(trace),
+                             "--policies", "lru", "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+                            # a child of a non-interactive shell (CI) may inherit SIGINT ignored
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    deadline = time.monotonic() + 120
+    while not any(root.iterdir()) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)  # the run's namespace folder: the replay is under way
+    time.sleep(0.5)
+    assert proc.poll() is None, "the replay ended before it could be interrupted"
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert (proc.returncode, out, err.decode()) == (130, b"", "hicache: interrupted\n")
+    assert list(root.iterdir()) == []
