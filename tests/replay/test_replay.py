@@ -180,3 +180,30 @@ def test_replay_progress_shows_on_a_terminal_only(monkeypatch: pytest.MonkeyPatc
         monkeypatch.setattr("sys.stderr", stderr)
         run_replay(cfg, _trace(), max_requests=20, progress=True)
         assert ("replay" in stderr.getvalue()) is shown, stderr.getvalue()[:200]
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--config", "{tmp}/bad.toml"], "is not valid TOML"),
+    (["--config", "{tmp}/missing.toml"], "cannot read config file"),
+    (["--trace", "{tmp}/missing.jsonl"], "is not a file"),
+    (["--max-requests", "-3"], "must not be negative"),
+    (["--log-level", "bogus"], "invalid choice"),
+    # found before the run, not by a traceback after a whole trace was replayed
+    (["--output", "{tmp}/no/such/folder/out.json"], "no folder"),
+])
+def test_replay_script_errors_are_one_line_and_exit_2(tmp_path: Path, capsys, args: list[str], words: str) -> None:
+    """``scripts/replay.py`` let every operator error out as a traceback with exit status 1,
+    the status it gives a replay that restored corrupted KV: a job gating on it could not tell
+    a typo from a failed bit-exact check."""
+    import runpy
+
+    (tmp_path / "bad.toml").write_text("[x\n")
+    script = runpy.run_path(str(REPO / "scripts" / "replay.py"), run_name="replay_script")
+    argv = [a.format(tmp=tmp_path) for a in args] + ["--no-progress"]
+    try:
+        code = script["main"](argv)
+    except SystemExit as stop:  # argparse's usage errors
+        code = stop.code
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    assert words in err.strip().splitlines()[-1]  # one error line (after argparse's usage)
