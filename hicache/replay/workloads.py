@@ -16,6 +16,7 @@ Deterministic for a seed (numpy's PCG64), so tests and the README reproduce the 
 
 from __future__ import annotations
 
+import errno
 import gzip
 import json
 import os
@@ -120,12 +121,30 @@ def session_workload(
 def write_trace(path: str | os.PathLike[str], requests: Sequence[TraceRequest]) -> None:
     """Write ``requests`` as Mooncake-format JSON lines, gzip-compressed when ``path`` ends in
     ``.gz``: :func:`~hicache.replay.trace.load_trace` reads such a file through gzip, so plain
-    text under that name was a trace no command could read back."""
+    text under that name was a trace no command could read back.
+
+    Written to a temporary file renamed over ``path``: written in place, a write that failed
+    halfway (a full disk, Ctrl-C) left the trace that was there truncated to part of the new one."""
     opener = gzip.open if str(path).endswith(".gz") else open
-    with opener(path, "wt", encoding="utf-8") as f:
-        for r in requests:
-            f.write(json.dumps({"timestamp": r.timestamp, "input_length": r.input_length,
-                                "output_length": r.output_length, "hash_ids": list(r.hash_ids)}) + "\n")
+    final = os.path.realpath(path)  # a symlink's target is the trace, as open() wrote it
+    # errors name the operator's path, not the temporary one
+    if os.path.isdir(final):
+        raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), os.fspath(path))
+    if not os.path.isdir(os.path.dirname(final)):
+        raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), os.fspath(path))
+    tmp = f"{final}.{os.getpid()}.tmp"
+    try:
+        with opener(tmp, "wt", encoding="utf-8") as f:
+            for r in requests:
+                f.write(json.dumps({"timestamp": r.timestamp, "input_length": r.input_length,
+                                    "output_length": r.output_length, "hash_ids": list(r.hash_ids)}) + "\n")
+        os.replace(tmp, final)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
 
 
 WORKLOADS: dict[str, Callable[..., list[TraceRequest]]] = {"agents": agent_workload, "chat": chat_workload}

@@ -373,3 +373,26 @@ def test_ctrl_c_during_a_replay_is_one_line_and_leaves_nothing_behind(tmp_path) 
     out, err = proc.communicate(timeout=120)
     assert (proc.returncode, out, err.decode()) == (130, b"", "hicache: interrupted\n")
     assert list(root.iterdir()) == []
+
+
+def test_a_workload_that_cannot_be_written_whole_keeps_the_trace_that_was_there(tmp_path) -> None:
+    """The trace was written in place: a write that failed halfway (a full disk; here a file
+    size limit, a real one on a real process) left the old trace truncated to a partial new one."""
+    import os
+    import resource
+
+    out = tmp_path / "trace.jsonl"
+    assert main(["workload", "agents", str(out)]) == 0
+    before = out.read_bytes()
+    limit = len(before) // 2
+
+    def small_files() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.run([sys.executable, "-m", "hicache.cli", "workload", "chat", str(out)], capture_output=True,
+                          env=env, preexec_fn=small_files, timeout=120)
+    err = proc.stderr.decode()
+    assert proc.returncode == 2 and "File too large" in err and "Traceback" not in err
+    assert out.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["trace.jsonl"]  # no temporary file left
