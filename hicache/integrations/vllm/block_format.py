@@ -65,13 +65,18 @@ def _platform_name(platform: Any) -> str:
     return getattr(platform, "__name__", type(platform).__name__)
 
 
-def block_format(spec: Any, cache_dtype: str, owner: str = "HiCacheConnector") -> str:
+def block_format(spec: Any, cache_dtype: str, model_dtype: Any, owner: str = "HiCacheConnector") -> str:
     """What a block of KV cache spec ``spec`` holds, for the namespace: the format of the
     attention backend vLLM runs on this platform, from facts the scheduler and the workers
-    share (the platform, the spec); the workers check their backends write it
-    (:func:`check_block_format`). Anything but ``kv-cells``, ``mla-concat`` (NVIDIA GPUs) and
+    share (the platform, the spec, the model's dtype); the workers check their backends write
+    it (:func:`check_block_format`). Anything but ``kv-cells``, ``mla-concat`` (NVIDIA GPUs) and
     ``cpu_attn-<isa>`` (vLLM's CPU backend, whose ISA follows the machine) is a
-    :class:`ConfigError`: its bytes could be another engine's format under the same namespace."""
+    :class:`ConfigError`: its bytes could be another engine's format under the same namespace.
+
+    The CPU ISA is chosen as vLLM's ``CPUAttentionMetadataBuilder`` chooses it, from the
+    *model's* dtype (``model_config.dtype``), not the cache spec's: with an fp8 cache the spec
+    says ``uint8``, and a bf16 model on an AMX machine was named ``vec`` here while its layers
+    wrote ``amx``, so a working engine was refused at start."""
     from vllm.v1.kv_cache_interface import MLAAttentionSpec
 
     platform = _platform()
@@ -90,7 +95,7 @@ def block_format(spec: Any, cache_dtype: str, owner: str = "HiCacheConnector") -
     elif platform.is_cpu():
         from vllm.v1.attention.backends import cpu_attn
 
-        isa = cpu_attn._get_attn_isa(spec.dtype, int(spec.block_size), int(spec.head_size), cache_dtype)
+        isa = cpu_attn._get_attn_isa(model_dtype, int(spec.block_size), int(spec.head_size), cache_dtype)
         return f"cpu_attn-{isa}"
     raise ConfigError(
         f"{owner} cannot name the block format of {type(spec).__name__} KV caches on "

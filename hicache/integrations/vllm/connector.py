@@ -284,7 +284,8 @@ class HiCacheConnector(KVConnectorBase_V1):
         self.options = ConnectorOptions.from_extra_config(self._kv_transfer_config.kv_connector_extra_config)
         self.geometry, self._layer_names = _geometry(vllm_config, kv_cache_config)
         self._block_format = block_format(kv_cache_config.kv_cache_groups[0].kv_cache_spec,
-                                           str(vllm_config.cache_config.cache_dtype))
+                                           str(vllm_config.cache_config.cache_dtype),
+                                           vllm_config.model_config.dtype)
         model = vllm_config.model_config
         par = vllm_config.parallel_config
         _refuse_context_parallel(par)

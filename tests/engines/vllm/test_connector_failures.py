@@ -518,7 +518,8 @@ def cpu_attention_layers(config: Any, names: list[str], spec: Any, backend: Any 
     ISA that backend picks for ``spec``."""
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, _get_attn_isa
 
-    isa = _get_attn_isa(spec.dtype, spec.block_size, spec.head_size, str(config.cache_config.cache_dtype))
+    # as vLLM's CPUAttentionMetadataBuilder picks it: from the model's dtype, not the spec's
+    isa = _get_attn_isa(config.model_config.dtype, spec.block_size, spec.head_size, str(config.cache_config.cache_dtype))
     for name in names:
         config.compilation_config.static_forward_context[name] = SimpleNamespace(
             get_attn_backend=lambda: backend or CPUAttentionBackend, impl=SimpleNamespace(isa=isa))
@@ -1067,3 +1068,23 @@ def test_a_worker_whose_backend_writes_another_block_format_is_refused_at_start(
         assert conn._worker is not None and conn._worker._num_blocks == 16
     finally:
         conn.shutdown()
+
+
+def test_the_cpu_block_format_follows_the_models_dtype_as_vllms_attention_builder_does(monkeypatch: Any) -> None:
+    """The CPU ISA (part of the block format) was picked from the KV cache spec's dtype, where
+    vLLM's CPU attention builder, which sets the ISA its layers write, picks it from the model's
+    dtype: under an fp8 cache (spec dtype uint8) a bf16 model on an AMX machine was named ``vec``
+    while its layers wrote ``amx``, and the engine was refused at start."""
+    import torch
+    from vllm.v1.attention.backends import cpu_attn
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    from hicache.integrations.vllm import block_format as formats
+
+    monkeypatch.setattr(formats, "_platform", lambda: SimpleNamespace(
+        is_cuda=lambda: False, is_cpu=lambda: True, is_rocm=lambda: False, is_xpu=lambda: False))
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    spec = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.uint8)  # an fp8 cache
+    builder_isa = cpu_attn._get_attn_isa(torch.bfloat16, 32, 64, "fp8")  # what the layers are given
+    assert builder_isa == "amx"
+    assert formats.block_format(spec, "fp8", torch.bfloat16) == f"cpu_attn-{builder_isa}"
