@@ -41,8 +41,10 @@ class ControllerConfig:
         (see :mod:`hicache.controller.health`); 0 leaves it to ``storage_io_timeout_s``.
     storage_health_errors: consecutive failing storage calls that mark the store down.
     storage_probe_base_s / storage_probe_max_s: while the store is down, a probe runs after
-        this backoff, doubled after each failed probe up to the maximum (from at least
-        50 ms, or the maximum if lower: a base of 0 probes at once, then backs off).
+        this backoff, doubled after each failed probe up to the maximum, and never less than
+        50 ms after a failed probe (a base of 0 probes at once, then backs off; a maximum
+        below 50 ms, or 0, still waits 50 ms): a store that stays down is never probed back
+        to back.
     prefetch_policy: ``best_effort`` (take what arrived), ``wait_complete`` or ``timeout``.
     prefetch_recompute_tokens_per_s: the engine's prefill throughput. Under ``timeout`` a
         request then stops waiting as soon as the pages it still lacks would be recomputed

@@ -112,8 +112,7 @@ class StorageHealth:
         # doubled from at least a floor: a base of 0 (probe as soon as the store goes down) or
         # a maximum of 0 never grew, and a store that stayed down was probed back to back
         # (thousands of calls a second, the I/O thread and the loop kept busy by them)
-        floor = _MIN_PROBE_BACKOFF_S if self.probe_max_s <= 0 else min(_MIN_PROBE_BACKOFF_S, self.probe_max_s)
-        self._backoff = max(floor, min(self.probe_max_s, self._backoff * 2))
+        self._backoff = max(_MIN_PROBE_BACKOFF_S, min(self.probe_max_s, self._backoff * 2))
         logger.info("storage probe failed; next in %.2f s", self._backoff)
 
     def probe_passed(self) -> None:
