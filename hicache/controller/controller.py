@@ -1019,12 +1019,14 @@ class HiCacheController:
 
     def _no_room(self, job: StorageWriteJob, done: int, call: _InnerCall) -> bool:
         """Whether a write call of ``job`` that landed its pages short (``done`` written) was
-        refused for room: the store counted pages it refused for space
-        (``rejected_pages_no_space``, ``oversized_pages``) and no error. Then the rest of the
-        job is not retried: a bounded store keeps the leading pages that fit and refuses the
-        rest (a page after a missing one is never found), and asked again it refuses again, or
-        would have to evict the job's own prefix. Retried as a transient failure, each retry
-        slept the storage queue's backoff, and the pages were counted as failed writes."""
+        refused for room no retry can make: the store counted pages it cannot hold at all
+        (``rejected_pages_beyond_capacity``, ``oversized_pages``) and no error. Then the rest
+        of the job is not retried: a bounded store keeps the leading pages that fit and refuses
+        the rest (a page after a missing one is never found), and asked again it refuses again,
+        or would have to evict the job's own prefix. Retried as a transient failure, each retry
+        slept the storage queue's backoff, and the pages were counted as failed writes. The
+        job's pages left (refused, or after a refused one) are counted
+        ``storage_write_no_space_pages``."""
         outcome, _, errored, refused = call
         if isinstance(outcome, BaseException) or errored or not refused:
             return False
@@ -1298,8 +1300,12 @@ class HiCacheController:
 
 
 def _refused_for_room(call: CallCounts) -> int:
-    """Pages a storage call's backend refused for lack of room (see ``AsyncHiCacheStorage``)."""
-    return int(call.counts["rejected_pages_no_space"] + call.counts["oversized_pages"])
+    """Pages a storage call's backend refused for room no retry can make (see
+    ``AsyncHiCacheStorage``): a page bigger than the store, or beyond what it can hold beside
+    the prefix the write continues. Not a refusal that may clear up (``rejected_pages_no_space``
+    alone: the file store's, whose room comes back as a peer's pages are indexed, a read in
+    flight ends or the disk frees up), which is retried as before."""
+    return int(call.counts["rejected_pages_beyond_capacity"] + call.counts["oversized_pages"])
 
 
 def _uncancel() -> None:

@@ -47,7 +47,7 @@ _COUNTERS: dict[str, str] = {
     "load_back_skipped": "load-backs skipped (quota or no device memory)",
     "storage_write_retries": "storage write attempts retried",
     "storage_write_failures": "pages whose storage write failed after all retries",
-    "storage_write_no_space_pages": "pages a bounded store refused for room (a write longer than it holds, or room only the write's own prefix could give); its leading pages kept, the rest not retried",
+    "storage_write_no_space_pages": "pages of storage writes left unwritten because the store cannot hold them beside their prefix (a write longer than it holds, or a page bigger than it): refused, or after a refused page of the same write; its leading pages kept, the rest not retried",
     "storage_read_failures": "storage read or exists calls that failed",
     "storage_timeouts": "storage calls that exceeded the I/O timeout",
     "storage_calls_stuck": "cancelled storage calls still running after cancelled_io_grace_s (their host pages stay out of use until they return)",

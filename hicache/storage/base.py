@@ -19,10 +19,12 @@ Primitives (override in a backend)::
     _open(), _close(), _backend_stats()              optional
 
 A bounded backend that refuses pages of a write for lack of room answers them ``False`` and
-counts them in ``rejected_pages_no_space`` (``oversized_pages``: a page bigger than the whole
-store): the flags stay SGLang's, and the controller reads the count of its own call to tell
-"no room" (final: a chained batch keeps its leading pages that fit, a retry would only be
-refused again) from a failure it retries.
+counts them in ``rejected_pages_no_space``; where no eviction could ever make that room (a
+page bigger than the whole store, ``oversized_pages``, or a chained batch longer than the store
+beside the prefix it continues), also in ``rejected_pages_beyond_capacity``. The flags stay
+SGLang's; the controller reads the counts of its own call to tell "never fits" (final: a
+chained batch keeps its leading pages that fit, a retry would only be refused again) from a
+refusal that may clear up or a failure, both of which it retries.
 
 Every primitive call is guarded: an exception inside a backend is logged, counted as
 ``backend_errors`` and turned into misses/False (so is a result list of the wrong length).

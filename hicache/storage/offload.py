@@ -11,6 +11,7 @@ of ours touches the buffers any more.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -26,8 +27,14 @@ OFFLOAD_MIN_BYTES = 1 << 20
 
 
 async def run_to_completion(fn: Callable[..., T], /, *args: Any, executor: Any = None) -> T:
-    """Run ``fn(*args)`` on a thread; if the caller is cancelled, wait for it, then re-raise."""
-    fut = asyncio.get_running_loop().run_in_executor(executor, fn, *args)
+    """Run ``fn(*args)`` on a thread; if the caller is cancelled, wait for it, then re-raise.
+
+    ``fn`` runs in a copy of the caller's context, as a task would: a backend's counters go to
+    the call counting them (:func:`~hicache.storage.stats.counting_call`), where
+    ``run_in_executor`` alone dropped what a thread counted (a memory store's big-page write
+    refused for room was retried as a failure, the refusal never seen)."""
+    context = contextvars.copy_context()
+    fut = asyncio.get_running_loop().run_in_executor(executor, context.run, fn, *args)
     if await wait_out(fut):
         if not fut.cancelled():
             fut.exception()  # retrieved: no "exception was never retrieved" noise

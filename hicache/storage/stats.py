@@ -66,12 +66,12 @@ class StorageStats:
         self._counts: dict[str, int | float] = {}
 
     def incr(self, name: str, value: int | float = 1) -> None:
-        with self._lock:
-            self._counts[name] = self._counts.get(name, 0) + value
         call = _CALL_COUNTS.get()
-        while call is not None:
-            call.counts[name] += value  # type: ignore[assignment]  # Counter is typed int-valued; incr also counts floats
-            call = call.outer
+        with self._lock:  # a call's threads (run_to_completion copies its context) count at once
+            self._counts[name] = self._counts.get(name, 0) + value
+            while call is not None:
+                call.counts[name] += value  # type: ignore[assignment]  # Counter is typed int-valued; incr also counts floats
+                call = call.outer
 
     def get(self, name: str) -> int | float:
         with self._lock:

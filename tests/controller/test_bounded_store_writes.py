@@ -1,17 +1,18 @@
 """Write-through into a store smaller than what is written to it (a prompt longer than the
-storage tier): the store keeps the leading pages that fit and refuses the rest for room, and
-the controller takes that refusal as final.
+storage tier): the memory store keeps the leading pages that fit and refuses the rest as
+beyond its capacity, and the controller takes that refusal as final. A refusal for room that
+may clear up (the file store's: a peer's pages not indexed yet) is retried as before.
 
 Before: the memory store evicted everything for the batch - other prompts' pages and then
 the batch's own first pages, for its tail - and answered the first pages as not stored; the
 controller retried that as a transient failure (each retry evicting again), ended with the
 pages counted as failed writes, the store holding tail pages no lookup reaches, and the
-storage queue stalled by the backoff sleeps. A file store refused the tail the same way
-every retry.
+storage queue stalled by the backoff sleeps.
 """
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from typing import Any
 
@@ -26,18 +27,20 @@ from hicache.stack import StackConfig, build_stack
 PS = 4
 
 
-def _stack(backend: str, tmp_path: Any, **controller: Any) -> Any:
+def _stack(backend: str, tmp_path: Any, head_dim: int = 1, **controller: Any) -> Any:
     options = {"root": str(tmp_path / "store"), "min_free_bytes": 0} if backend == "file" else {}
     return build_stack(StackConfig(
         page_size=PS, device_pages=16, host_pages=32, storage_backend=backend, storage_pages=3,
-        storage_options=options, placement="lru",
+        storage_options=options, placement="lru", head_dim=head_dim,
         controller=ControllerConfig(prefetch_threshold=PS, prefetch_policy="wait_complete", **controller)))
 
 
-@pytest.mark.parametrize("backend", ["memory", "file"])
+# 256 KiB pages: a batch of them is stored on a thread (run_to_completion), whose counts did
+# not reach the call (the refusal went unseen and was retried as a failure)
+@pytest.mark.parametrize("head_dim", [1, 8192])
 async def test_a_prompt_longer_than_the_store_keeps_its_leading_pages_and_is_not_retried(
-        backend: str, tmp_path: Any) -> None:
-    stack = _stack(backend, tmp_path)
+        head_dim: int, tmp_path: Any) -> None:
+    stack = _stack("memory", tmp_path, head_dim=head_dim)
     try:
         cache = stack.cache
         await serve_request(stack, list(range(8)), rid="a")
@@ -48,7 +51,8 @@ async def test_a_prompt_longer_than_the_store_keeps_its_leading_pages_and_is_not
         c = stack.controller.metrics.counters
         assert c["storage_write_retries"] == 0 and c["storage_write_failures"] == 0
         assert c["storage_write_no_space_pages"] == 3
-        assert stack.storage.get_stats()["rejected_pages_no_space"] == 3
+        stats = stack.storage.get_stats()
+        assert stats["rejected_pages_no_space"] == stats["rejected_pages_beyond_capacity"] == 3
         # the first 3 pages of b are in storage and reachable: served again from there
         cache.evict(EvictParams(num_tokens=10**6))
         cache.evict_host(10**6)
@@ -90,3 +94,27 @@ async def test_a_continuation_never_evicts_its_own_leading_pages(tmp_path: Any, 
         assert stack.storage.get_stats()["evicted_pages"] == 0
     finally:
         await stack.aclose()
+
+
+async def test_a_file_store_refusal_that_clears_up_is_retried(tmp_path: Any) -> None:
+    """Two stacks share one file namespace bounded to 3 pages; A fills it, then B writes 3
+    pages. B has not indexed A's pages, so its first write is refused for room (nothing of its
+    own to evict), which starts its rescan; the retry, with A's pages indexed, evicts them and
+    lands. Taking every refusal for room as final left B's pages out of storage."""
+    root = tmp_path / "shared"
+    b = _stack("file", root, storage_retry_base_s=0.05)
+    a = _stack("file", root)
+    try:
+        await b.controller.open_storage()
+        await asyncio.sleep(0.2)  # B's opening scan ends (an empty store)
+        await serve_request(a, list(range(12)), rid="x")
+        await a.cache.drain()
+        await serve_request(b, list(range(100, 112)), rid="y")
+        await b.cache.drain()
+        c = b.controller.metrics.counters
+        assert c["storage_write_failures"] == 0 and c.get("storage_write_no_space_pages", 0) == 0
+        stats = b.storage.get_stats()
+        assert stats["write_ok"] == 3 and stats.get("rejected_pages_beyond_capacity", 0) == 0
+    finally:
+        await a.aclose()
+        await b.aclose()
