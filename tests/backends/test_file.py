@@ -6,8 +6,10 @@ from __future__ import annotations
 import asyncio
 import errno
 import json
+import logging
 import os
 import random
+import re
 import shutil
 import subprocess
 import threading
@@ -1075,3 +1077,30 @@ def test_publish_says_what_it_replaced_and_never_replaces_a_folder(tmp_path, mon
     with pytest.raises(OSError):
         file_io._publish(tmp, page)
     assert os.path.isdir(os.path.join(page, "inside")) and open(tmp, "rb").read() == b"z"
+
+
+async def test_a_refusal_for_max_bytes_reports_the_pages_stored_not_the_refused_write(tmp_path, caplog) -> None:
+    """A write refused for ``max_bytes`` was logged as "the namespace holds N bytes of
+    max_bytes=M" with N the shared count *with every write in flight reserved*, the refused one
+    included: over M by construction (that is why it was refused), so every such warning read
+    as a store over its bound (a live server: 3,095,232 of max_bytes=3,000,000) while the pages
+    on disk were within it. Another store of the namespace (this one has not seen its pages, so
+    cannot evict them) fills it; this store's write is refused: the warning's figure for what
+    the namespace holds is the bytes of its pages, and the write in flight is told apart."""
+    page = make_store(tmp_path).layout.file_size("a", "kv", 64)
+    async with make_store(tmp_path, max_bytes=2 * page, min_free_bytes=0) as refuser:
+        assert await refuser.wait_index_ready(30)
+        async with make_store(tmp_path, max_bytes=2 * page, min_free_bytes=0) as filler:
+            assert await filler.set("a", v0(64, 1))
+            assert await filler.set("b", v0(64, 2))
+        with caplog.at_level(logging.WARNING, logger="hicache.storage.file"):
+            assert not await refuser.set("c", v0(64, 3))
+        on_disk = sum(size for size, _ in disk_pages(refuser).values())
+        assert on_disk == 2 * page
+        lines = [r.getMessage() for r in caplog.records if "for space" in r.getMessage()]
+        assert len(lines) == 1, lines
+        held = re.search(r"holds (\d+) bytes of .*max_bytes=(\d+)", lines[0])
+        assert held is not None, lines[0]
+        assert int(held.group(2)) == 2 * page
+        assert int(held.group(1)) == on_disk <= 2 * page, lines[0]
+        assert f"{page} byte(s) reserved by writes in flight" in lines[0], lines[0]

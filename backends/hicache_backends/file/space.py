@@ -423,9 +423,22 @@ class SpaceAccountant:
                 "lower min_free_bytes or free disk space"
             )
         else:
-            used = usage.used if usage is not None else self._index.nbytes
+            # what the namespace holds is its pages: the shared count also holds every write in
+            # flight (reserved before a byte is written), the refused one's included, so it is
+            # over max_bytes whenever a write is refused for it. Reported as what the namespace
+            # held, each such warning read as a store over its bound ("3095232 bytes of
+            # max_bytes=3000000") while its pages were within it. Read now, after the eviction
+            # the refusal followed (``usage``, read at the reservation, is from before it)
+            now = await self.ledger_call(self._executor, 0, token=-1) if self.ledger is not None else None
+            usage = now or usage
+            if usage is not None:
+                inflight = max(0, usage.inflight - self.unreleased)  # (``unreleased``: pages, not writes)
+                stored = max(0, usage.used - inflight)
+            else:
+                stored, inflight = self._index.nbytes, self.reserved
             why = (
-                f"the namespace holds {used} bytes of max_bytes={self.max_bytes} and nothing more "
+                f"the namespace holds {stored} bytes of pages of max_bytes={self.max_bytes}, with "
+                f"{inflight} byte(s) reserved by writes in flight (this one's included), and nothing more "
                 "of it may be evicted now (pages in use, or written by other processes)"
             )
         logger.warning("file store %s: refused %d page write(s) for space: %s", self.root, count, why)
