@@ -6,7 +6,8 @@ check goes through the backend's normal verified read, so "intact" means exactly
 read would accept. A page found corrupt is dropped by that read, as it would be in service.
 
 Stores are opened as observers where the backend has such a mode (``supports_read_only``: the
-file backend's ``read_only``): inspecting changes nothing but those corrupt pages. Opened as a
+file backend's ``read_only``): inspecting changes nothing but those corrupt pages (and the
+namespace's shared count, which they leave). Opened as a
 writer, a store evicted down to its own ``max_bytes`` (64 GiB unless the options said
 otherwise) once its scan was done, so inspecting a server's store that was allowed more (or
 unbounded) deleted its pages, and swept temp files, trash and the usage ledger besides.

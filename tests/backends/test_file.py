@@ -18,7 +18,7 @@ import time
 import pytest
 import torch
 
-from hicache.storage import PoolName, PoolTransfer, create_async_storage
+from hicache.storage import PageKey, PoolName, PoolTransfer, create_async_storage
 from hicache.testing import ArrayHostPool, StoreTests
 from hicache.testing.store_tests import NS_A, NS_B, ODD_KEYS, PAGE, keys_for
 from hicache_backends.file import FileStorage
@@ -1104,3 +1104,49 @@ async def test_a_refusal_for_max_bytes_reports_the_pages_stored_not_the_refused_
         assert int(held.group(2)) == 2 * page
         assert int(held.group(1)) == on_disk <= 2 * page, lines[0]
         assert f"{page} byte(s) reserved by writes in flight" in lines[0], lines[0]
+
+
+async def test_a_corrupt_page_an_observer_drops_leaves_the_shared_count(tmp_path) -> None:
+    """``hicache inspect --verify`` (a read-only observer) drops a page that fails verification,
+    as any read does, but an observer keeps out of the usage ledger, so the dropped page's bytes
+    stayed counted for as long as a writer kept the namespace open: its eviction then found the
+    page gone (nothing freed, nothing subtracted) and evicted a sound page in its place, each
+    drop shrinking ``max_bytes`` for good (a live server with inspect running beside it ended
+    with 7 pages counted, none on disk, and every write refused). The observer now gives the
+    bytes of the page it removed back to the ledger, without joining it."""
+    page = make_store(tmp_path).layout.file_size("a", "kv", 64)
+    async with make_store(tmp_path, max_bytes=2 * page, min_free_bytes=0) as store:
+        assert await store.set("a", v0(64, 1))
+        assert await store.set("b", v0(64, 2))
+        ledger = os.path.join(store.layout.ns_dir, LEDGER_NAME)
+        with open(page_path(tmp_path, store.layout.digest, "a"), "r+b") as f:  # a payload byte
+            f.seek(page - 40)
+            f.write(b"\xff")
+        async with make_store(tmp_path, read_only=True, min_free_bytes=0) as observer:
+            assert await observer.check_page(PageKey("a", "kv")) == "corrupt"
+            assert read_usage(ledger).used == page  # given back at once, not only at close
+            assert store._space.ledger.alone()  # without joining the ledger (a writer's scan still corrects it)
+        assert sorted(disk_pages(store)) == [page_id("b", "kv")]
+        assert read_usage(ledger).used == page
+        assert await store.set("c", v0(64, 3))  # room for it: b stays
+        assert sorted(disk_pages(store)) == sorted(page_id(k, "kv") for k in ("b", "c"))
+        assert read_usage(ledger).used == 2 * page
+
+
+async def test_an_observer_gives_back_nothing_to_a_ledger_a_clear_replaced(tmp_path) -> None:
+    """The give-back goes to the ledger that counted the page: a clear since the observer
+    opened replaced it (the fresh namespace never counted that page), and subtracting there
+    would count the new namespace's pages short (the store then overfills by a page)."""
+    page = make_store(tmp_path).layout.file_size("a", "kv", 64)
+    async with make_store(tmp_path, max_bytes=2 * page, min_free_bytes=0) as store:
+        assert await store.set("a", v0(64, 1))
+        async with make_store(tmp_path, read_only=True, min_free_bytes=0) as observer:
+            assert await store.clear()
+            assert await store.set("a", v0(64, 1))
+            assert await store.set("b", v0(64, 2))
+            with open(page_path(tmp_path, store.layout.digest, "a"), "r+b") as f:
+                f.seek(page - 40)
+                f.write(b"\xff")
+            assert await observer.check_page(PageKey("a", "kv")) == "corrupt"
+        # the page went, and the fresh ledger's count may only err high (never below the disk)
+        assert read_usage(os.path.join(store.layout.ns_dir, LEDGER_NAME)).used >= page

@@ -138,8 +138,12 @@ class FileStorage(AsyncHiCacheStorage):
             usage ledger and the removal journal neither joined nor written. Writes and
             deletes are refused (``read_only_refused_pages``), a clear fails. The one
             removal left is a read's: a page that fails verification is deleted as on any
-            read (counted ``corrupt_pages``); its bytes stay in the shared count until a
-            writer's scan corrects it, and peers find it gone at their next read.
+            read (counted ``corrupt_pages``), its bytes taken off the shared count at once
+            (the ledger's counters only, still not joined), and peers find it gone at their
+            next read. Left in the count for "a writer's scan" to correct, they stayed: a
+            writer's index still held the page (no rescan was due) and its scans correct the
+            count only with the namespace to themselves and no write in flight, so each drop
+            shrank ``max_bytes`` for as long as it served.
         namespace: override the namespace derived from the storage config.
     """
 
@@ -294,7 +298,11 @@ class FileStorage(AsyncHiCacheStorage):
         # an observer leaves the ledger alone: joining it writes it (a dead writer's slot
         # reclaimed, a short file completed) and holds its users lock, so a writer's scan
         # could not correct the count while it looks
-        self._space.open(self._layout, self._threads.executor, shared=self.shared and not self.read_only)
+        # (it still gives back the corrupt pages its reads remove: see SpaceAccountant.give_back_removed)
+        self._space.open(self._layout, self._threads.executor, shared=self.shared and not self.read_only,
+                         observer=self.shared and self.read_only)
+        if self.shared and self.read_only:
+            await self._threads.run(self._space.observe)
         if self._peers is not None:
             await self._peers.open(self._layout.ns_dir, self.namespace.digest)
         self._scanner.start(self._layout, self._scan_executor, self.namespace.digest)
@@ -511,7 +519,10 @@ class FileStorage(AsyncHiCacheStorage):
             )
         finally:
             self._pins.release(ids)
-        return self._settle_reads(pages, ids, results, before)
+        ok = self._settle_reads(pages, ids, results, before)
+        if self.read_only:  # corrupt pages it removed leave the shared count (SpaceAccountant.give_back_removed)
+            await self._space.give_back_removed(self._threads.executor)
+        return ok
 
     def _read_now(self, pages: Sequence[PageKey], buffers: Sequence[Any], deadline: float | None = None) -> list[bool] | None:
         """Pages read on the caller's thread, one after the other, as one I/O thread reads a
@@ -655,6 +666,8 @@ class FileStorage(AsyncHiCacheStorage):
                 self._adopt(pid, r)
             return r
         self._after_failed_read(page, pid, r, before)
+        if self.read_only:
+            await self._space.give_back_removed(self._threads.executor)
         return r
 
     async def check_page(self, page: PageKey) -> str:

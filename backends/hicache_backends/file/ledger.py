@@ -49,7 +49,7 @@ from dataclasses import dataclass
 from hicache_backends.file.locks import SharedFile, flock_within
 from hicache_backends.writers import MACHINE, writer_gone
 
-__all__ = ["LEDGER_NAME", "USERS_NAME", "Usage", "UsageLedger", "read_usage"]
+__all__ = ["LEDGER_NAME", "USERS_NAME", "Usage", "UsageLedger", "give_back", "ledger_token", "read_usage"]
 
 logger = logging.getLogger("hicache.storage.file")
 
@@ -149,6 +149,49 @@ def read_usage(path: str) -> Usage | None:
         if not stat.S_ISREG(st.st_mode):
             return None
         return Usage(*_decode(os.pread(fd, _FORMAT.size, 0)), token=st.st_ino)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+def ledger_token(path: str) -> int | None:
+    """The token (inode) of the ledger file at ``path``, ``None`` when there is none."""
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except OSError:
+        return None
+    return st.st_ino if stat.S_ISREG(st.st_mode) else None
+
+
+def give_back(path: str, nbytes: int, token: int) -> bool | None:
+    """Subtract ``nbytes`` of pages an observer removed (a corrupt page ``hicache inspect``'s
+    verification dropped) from the ledger at ``path``, if it is still the file ``token`` names
+    (a clear since replaced it: the fresh namespace never counted that page). An observer
+    keeps out of the ledger (see ``FileStorage``'s ``read_only``): this neither creates it
+    nor joins its ``users`` lock nor reclaims dead writers' slots; only the counters change.
+    Whether it was applied; ``None`` when the ledger could not be used (lock held too long)."""
+    try:
+        fd = os.open(path, os.O_RDWR | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+                     | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_ino != token:
+            return False
+        flock_within(fd, fcntl.LOCK_EX)
+        try:
+            raw = os.pread(fd, _FORMAT.size, 0)
+            if len(raw) != _FORMAT.size or raw[: len(_MAGIC)] != _MAGIC:
+                return False
+            used, nref, at, seq = _decode(raw)
+            os.pwrite(fd, _FORMAT.pack(_MAGIC, max(0, used - nbytes), nref, at, seq + 1), 0)
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        return True
     except OSError:
         return None
     finally:

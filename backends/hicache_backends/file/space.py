@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import os
 import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -31,7 +32,7 @@ from hicache.storage.stats import StorageStats, Throttle
 from hicache_backends.file import io as page_io
 from hicache_backends.file.index import PageIndex
 from hicache_backends.file.layout import NamespaceLayout
-from hicache_backends.file.ledger import Usage, UsageLedger
+from hicache_backends.file.ledger import LEDGER_NAME, Usage, UsageLedger, give_back, ledger_token
 from hicache_backends.file.pins import PagePins
 
 __all__ = ["Reservation", "SpaceAccountant"]
@@ -97,6 +98,10 @@ class SpaceAccountant:
         self._layout: NamespaceLayout | None = None
         self._executor: ThreadPoolExecutor | None = None
         self.ledger: UsageLedger | None = None  # shared usage (shared stores only)
+        # an observer's (read_only) view of the ledger: the path, and the file it saw at open
+        # (see :meth:`give_back_removed`)
+        self._observed: str | None = None
+        self._observed_token: int | None = None
         self.reserved = 0  # bytes of writes in flight
         self._free_est = 0
         self._free_at = float("-inf")
@@ -112,11 +117,38 @@ class SpaceAccountant:
         self.writes_started = 0
         self._refusal_warnings = Throttle(_REFUSAL_WARN_SECONDS)
 
-    def open(self, layout: NamespaceLayout, executor: ThreadPoolExecutor, *, shared: bool) -> None:
+    def open(self, layout: NamespaceLayout, executor: ThreadPoolExecutor, *, shared: bool, observer: bool = False) -> None:
+        """``observer``: a read-only store of a shared namespace, which keeps out of the ledger
+        but gives back the pages its reads remove (:meth:`give_back_removed`)."""
         self._layout = layout
         self._executor = executor
         if shared:
             self.ledger = UsageLedger(layout.ns_dir)
+        elif observer:
+            self._observed = os.path.join(layout.ns_dir, LEDGER_NAME)
+
+    def observe(self) -> None:
+        """(On an I/O thread, at an observer's open.) Note the ledger file there is now: what
+        this observer removes was counted in it."""
+        if self._observed is not None:
+            self._observed_token = ledger_token(self._observed)
+
+    async def give_back_removed(self, executor: ThreadPoolExecutor | None) -> None:
+        """An observer's reads removed corrupt pages (``debt``): their bytes leave the shared
+        count now. Kept, they stayed counted for as long as a writer kept the namespace open:
+        its eviction found such a page gone (nothing freed, nothing subtracted) and evicted a
+        sound page in its place, each ``hicache inspect --verify`` drop shrinking ``max_bytes``
+        for good. Not given to a ledger a clear replaced since the open (it never counted
+        them); a ledger that cannot be used now is tried again by the next call (or the close)."""
+        if self._observed is None or not self.debt:
+            return
+        amount, self.debt = self.debt, 0
+        token = self._observed_token
+        if token is None:
+            return
+        done = await run_to_completion(give_back, self._observed, amount, token, executor=executor)
+        if done is None:
+            self.debt += amount
 
     def close(self) -> None:
         if self.ledger is not None:
@@ -128,6 +160,12 @@ class SpaceAccountant:
         reservation would have done. Dropped at close, the slot kept a finished batch's bytes
         and a peer took them off the count once this process exited, under-counting pages
         on disk for as long as peers kept the namespace open. Still unavailable: logged."""
+        if self._observed is not None:
+            await self.give_back_removed(executor)
+            if self.debt:
+                logger.warning("file store %s: closing with %d byte(s) of corrupt pages it removed still counted in the "
+                               "shared usage ledger (unavailable)", self.root, self.debt)
+            return
         if self.ledger is None or not (self.debt or self.unreleased):
             return
         debt, release = self.debt, self.unreleased
