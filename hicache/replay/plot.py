@@ -6,13 +6,14 @@ polylines and labels is a page of text any browser opens.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from xml.sax.saxutils import escape
 
-__all__ = ["write_svg_plot"]
+__all__ = ["write_svg_plot", "written_whole"]
 
 # what XML 1.0 forbids in a document (control characters, lone surrogates: a file name that is
 # not UTF-8 decodes to those), each shown as U+FFFD instead
@@ -36,22 +37,29 @@ def _text(s: str) -> str:
     return escape(_NOT_XML.sub("\ufffd", s))
 
 
-def _write_whole(path: str | os.PathLike[str], data: bytes) -> None:
-    """Write ``data`` to ``path`` through a temporary file renamed over it: a failed write
-    leaves the plot that was there (it was truncated first, then left empty)."""
-    final = os.path.realpath(path)  # a symlink's target is the plot, as open() wrote it
+@contextlib.contextmanager
+def written_whole(path: str | os.PathLike[str]) -> Iterator[str]:
+    """A temporary path beside ``path`` to write to, renamed over ``path`` when the block ends
+    and removed if it raises: a failed write leaves the file that was there (written in place,
+    a plot or a trace was truncated to part of the new one, or left empty). A symlink's target
+    is replaced, as ``open()`` would have written it."""
+    final = os.path.realpath(path)
     tmp = f"{final}.{os.getpid()}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask's mode, as open()
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
+        yield tmp
         os.replace(tmp, final)
     except BaseException:
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(tmp)
-        except OSError:
-            pass
         raise
+
+
+def _write_whole(path: str | os.PathLike[str], data: bytes) -> None:
+    """Write ``data`` to ``path`` whole (see :func:`written_whole`)."""
+    with written_whole(path) as tmp:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask's mode, as open()
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
 
 
 def write_svg_plot(

@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from hicache.replay.plot import written_whole
 from hicache.replay.trace import BLOCK_TOKENS, TraceRequest
 
 __all__ = ["WORKLOADS", "agent_workload", "chat_workload", "session_workload", "write_trace"]
@@ -132,19 +133,10 @@ def write_trace(path: str | os.PathLike[str], requests: Sequence[TraceRequest]) 
         raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), os.fspath(path))
     if not os.path.isdir(os.path.dirname(final)):
         raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), os.fspath(path))
-    tmp = f"{final}.{os.getpid()}.tmp"
-    try:
-        with opener(tmp, "wt", encoding="utf-8") as f:
-            for r in requests:
-                f.write(json.dumps({"timestamp": r.timestamp, "input_length": r.input_length,
-                                    "output_length": r.output_length, "hash_ids": list(r.hash_ids)}) + "\n")
-        os.replace(tmp, final)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    with written_whole(path) as tmp, opener(tmp, "wt", encoding="utf-8") as f:
+        for r in requests:
+            f.write(json.dumps({"timestamp": r.timestamp, "input_length": r.input_length,
+                                "output_length": r.output_length, "hash_ids": list(r.hash_ids)}) + "\n")
 
 
 WORKLOADS: dict[str, Callable[..., list[TraceRequest]]] = {"agents": agent_workload, "chat": chat_workload}

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+from _block_formats import backend_cache
 from test_connector_units import (
     BS,
     begin,
@@ -979,25 +980,6 @@ def test_a_resumed_request_writes_again_the_pages_the_store_lost(tmp_path: Path,
 
 
 # ---------------------------------------------------------------- a block's byte format
-def _one_block(isa: str | None, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-    """A 2-block KV cache of vLLM's logical [blocks, H, N, 2 * D] shape whose block 1 holds the
-    tokens' ``key``/``value`` ([N, H, D]) as an attention backend writes them: vLLM's CPU
-    backend (its ``cpu_attn_reshape_and_cache`` of ISA ``isa``, on the [blocks, H, 2N, D] view
-    that backend takes) or, for ``isa=None``, FlashAttention's (cell (h, n) = K then V,
-    flash_attn.py's ``kv_cache.transpose(1, 2).split(head_size, dim=-1)``)."""
-    from vllm import _custom_ops as ops
-
-    n, h, d = key.shape
-    cache = torch.zeros(2, h, n, 2 * d, dtype=key.dtype)
-    if isa is None:
-        k_cache, v_cache = cache.transpose(1, 2).split(d, dim=-1)
-        k_cache[1], v_cache[1] = key, value
-    else:
-        k_cache, v_cache = cache.view(2, h, 2 * n, d).chunk(2, dim=2)
-        ops.cpu_attn_reshape_and_cache(key, value, k_cache, v_cache, torch.arange(n, 2 * n), isa)
-    return cache
-
-
 def test_a_blocks_bytes_follow_the_attention_backend_and_key_the_namespace(
     model_dir: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -1016,7 +998,7 @@ def test_a_blocks_bytes_follow_the_attention_backend_and_key_the_namespace(
 
     g = torch.Generator().manual_seed(3)
     key, value = (torch.randn(BS, 2, 32, generator=g).to(torch.bfloat16) for _ in range(2))
-    pages = {isa: _one_block(isa, key, value)[1].contiguous().view(torch.uint8).flatten()
+    pages = {isa: backend_cache(isa, key, value)[1].contiguous().view(torch.uint8).flatten()
              for isa in (None, "vec", "amx")}
     assert len({bytes(p.numpy()) for p in pages.values()}) == 3  # the same KV, three byte formats
 

@@ -15,6 +15,7 @@ import pytest
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))  # for ``import _tiering``
+sys.path.insert(0, str(HERE.parent))  # for ``import _block_formats``
 sys.path.insert(0, str(HERE.parents[2] / "backends"))  # the S3 tests' moto helpers
 
 from s3_server import create_bucket, s3_options, threaded_moto  # noqa: E402
