@@ -32,6 +32,8 @@ from typing import Any, Literal
 
 import aiohttp
 
+from hicache.bench_args import non_negative_int, positive_int
+
 __all__ = ["RequestRecord", "Workload", "conversation_turn_tokens", "main", "run_load", "run_load_sync", "summarize"]
 
 logger = logging.getLogger("hicache.server")
@@ -284,13 +286,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="Multi-turn chat load against a hicache demo server; prints JSON.")
     p.add_argument("--url", default="http://127.0.0.1:8471")
     d = Workload()
-    p.add_argument("--clients", type=int, default=d.clients)
-    p.add_argument("--turns", type=int, default=d.turns)
-    p.add_argument("--system-tokens", type=int, default=d.system_tokens)
-    p.add_argument("--user-tokens", type=int, default=d.user_tokens)
-    p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
-    p.add_argument("--vocab-size", type=int, default=d.vocab_size)
-    p.add_argument("--seed", type=int, default=d.seed)
+    # counts checked by argparse: a negative one was a traceback from deep in the load
+    p.add_argument("--clients", type=positive_int, default=d.clients)
+    p.add_argument("--turns", type=positive_int, default=d.turns)
+    p.add_argument("--system-tokens", type=non_negative_int, default=d.system_tokens)
+    p.add_argument("--user-tokens", type=positive_int, default=d.user_tokens)
+    p.add_argument("--max-new-tokens", type=positive_int, default=d.max_new_tokens)
+    p.add_argument("--vocab-size", type=positive_int, default=d.vocab_size)
+    p.add_argument("--seed", type=non_negative_int, default=d.seed)
     p.add_argument("--no-sessions", action="store_true", help="send no session_id")
     p.add_argument("--no-stream", action="store_true", help="plain JSON responses (client TTFT = latency)")
     p.add_argument("--no-warmup", action="store_true", help="do not send the system prompt first")

@@ -396,3 +396,16 @@ def test_a_workload_that_cannot_be_written_whole_keeps_the_trace_that_was_there(
     assert proc.returncode == 2 and "File too large" in err and "Traceback" not in err
     assert out.read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["trace.jsonl"]  # no temporary file left
+
+
+@pytest.mark.parametrize("argv", [["--clients", "-1"], ["--turns", "0"], ["--max-new-tokens", "0"], ["--seed", "-2"]])
+def test_loadgen_counts_out_of_range_are_usage_errors(capsys, argv: list[str]) -> None:
+    """``scripts/loadgen.py --clients -1`` was a ValueError traceback from the workload; a
+    count out of range is argparse's one-line usage error (exit status 2) now."""
+    from hicache.server.loadgen import main as loadgen_main
+
+    with pytest.raises(SystemExit) as exc:
+        loadgen_main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and argv[0] in err
