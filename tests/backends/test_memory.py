@@ -181,3 +181,39 @@ async def test_a_page_whose_old_copy_the_batch_evicted_and_put_again_is_stored()
         assert await store.batch_set(["x"], [torch.full((1000,), 2, dtype=torch.uint8)])
         ok = store._store([PageKey("a", "kv"), PageKey("b", "kv")], [memoryview(bytes([i]) * 1000) for i in range(2)])
         assert ok == await store.exists_pages(["a", "b"]) == [True, True]
+
+
+async def test_a_chained_batch_of_big_pages_never_evicts_its_prefix_for_a_writer_in_between() -> None:
+    """Big pages are put one by one, each under its own hold of the medium's lock; the batch
+    decided whether it might evict (and so what to protect) before the first put, without the
+    lock. Another writer filling the shared medium in between made the batch evict its own
+    stored prefix, leaving its new pages behind a missing page."""
+    from hicache.storage import create_async_storage
+    from hicache.storage.types import PageKey
+
+    page = 64 << 10  # big: the per-page put path
+    a = create_async_storage("memory", None, max_bytes=8 * page, store_id="chain-race")
+    b = create_async_storage("memory", None, max_bytes=8 * page, store_id="chain-race")
+    await a.open()
+    await b.open()
+    try:
+        keys = [PageKey(f"p{i}", "kv") for i in range(6)]
+        bufs = [memoryview(bytes([i]) * page) for i in range(6)]
+        assert a._store(keys[:4], bufs[:4], [None, *keys[:3]]) == [True] * 4
+        medium = a.medium
+        real_put = medium.put
+        fired: list[int] = []
+
+        def put(*args, **kwargs):  # type: ignore[no-untyped-def]
+            if not fired:  # another writer's batch lands between the check and this batch's puts
+                fired.append(1)
+                b._store([PageKey(f"other{i}", "kv") for i in range(4)], [memoryview(b"x" * page)] * 4, [None] * 4)
+            return real_put(*args, **kwargs)
+
+        medium.put = put  # type: ignore[method-assign]
+        assert a._store(keys[4:], bufs[4:], [keys[3], keys[4]]) == [True, True]
+        medium.put = real_put  # type: ignore[method-assign]
+        assert medium.present(list(a._entries(keys))) == [True] * 6
+    finally:
+        await a.aclose()
+        await b.aclose()

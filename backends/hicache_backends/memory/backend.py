@@ -342,9 +342,10 @@ class MemoryStorage(AsyncHiCacheStorage):
         elif links is None:  # big pages are copied outside the lock, with the GIL released, one at a time
             ok = [medium.put(e, _snapshot(b), evicted) for e, b in zip(entries, buffers)]
         else:
-            # only a batch that may evict needs what it must not evict
-            keep = medium.chain_of(entries, links) if medium.nbytes + sum(map(len, buffers[:n])) > medium.max_bytes \
-                else None
+            # always (cheap: the walk moves the prefix to the MRU end): the pages are put one by
+            # one, each under its own lock hold, and a writer filling the medium in between
+            # would have them evict their own prefix if the batch had looked like it fit
+            keep = medium.chain_of(entries, links)
             refused: set[_Entry] = set()
             ok = []
             for e, b, parent in zip(entries, buffers, links):
