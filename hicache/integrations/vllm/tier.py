@@ -255,7 +255,10 @@ class HiCacheTier(SecondaryTierManager):
                     successful = tuple(k for k, ok in zip(keys, outcome.ok) if ok) or None
             else:
                 keys = self._store_keys.pop(outcome.job_id, [])
-                self._lookups.mark_stored(k for k, ok in zip(keys, outcome.ok) if ok)
+                # only pages this job wrote: one it found stored already may be the very object
+                # a failed load marked a miss (a store that keeps an object it cannot prove
+                # damaged), and a hit again, every request sharing it would pay that load
+                self._lookups.mark_stored(k for k, wrote in zip(keys, outcome.wrote) if wrote)
             results.append(
                 JobResult(
                     job_id=outcome.job_id,

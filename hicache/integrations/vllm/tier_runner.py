@@ -54,6 +54,8 @@ class JobOutcome:
     ok: tuple[bool, ...]
     seconds: float
     nbytes: int
+    #: a store job's pages it wrote itself (``ok`` also holds pages it found stored already)
+    wrote: tuple[bool, ...] = ()
 
     @property
     def success(self) -> bool:
@@ -218,7 +220,7 @@ class TierRunner:
     async def _store(self, job_id: int, keys: list[str], chunk_ids: list[int], parents: list[str | None]) -> JobOutcome:
         t0 = time.perf_counter()
         ok = [False] * len(keys)
-        written = 0
+        wrote = [False] * len(keys)
         try:
             present = await self.storage.exists_pages(keys)
             ok = list(present)
@@ -230,12 +232,12 @@ class TierRunner:
                     HiCacheStorageExtraInfo(prefix_keys=[parent] if parent else None),
                 )
                 for i, flag in zip(run, result.get(KV, ())):
-                    ok[i] = bool(flag)
-                    written += bool(flag)
+                    ok[i] = wrote[i] = bool(flag)
         except Exception:  # noqa: BLE001 - a failed store is a result, never a dead task
             logger.exception("hicache tier: store job %d failed", job_id)
-            ok = [False] * len(keys)
-        return JobOutcome(job_id, False, tuple(ok), time.perf_counter() - t0, written * self.pool.page_nbytes)
+            ok = wrote = [False] * len(keys)
+        return JobOutcome(job_id, False, tuple(ok), time.perf_counter() - t0, sum(wrote) * self.pool.page_nbytes,
+                          tuple(wrote))
 
     async def _load(self, job_id: int, keys: list[str], chunk_ids: list[int]) -> JobOutcome:
         t0 = time.perf_counter()

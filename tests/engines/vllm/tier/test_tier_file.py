@@ -128,6 +128,39 @@ def test_chunks_stored_while_a_request_that_missed_them_runs_are_hits(file_tier_
         engine.manager.on_request_finished(first)
 
 
+def test_a_chunk_a_failed_load_marked_a_miss_stays_one_when_a_store_finds_it_stored(file_tier_options: dict) -> None:
+    """A store job answers ok for a chunk it finds stored already, without writing it; every ok
+    chunk was made a hit, so a chunk a failed load had marked a miss (an object the store
+    keeps though it cannot be read back) was a hit again for every request sharing the prompt,
+    each paying the failed load. Only chunks the job wrote are made hits."""
+    from vllm.v1.kv_offload.base import ReqContext
+    from vllm.v1.kv_offload.tiering.base import TransferJob
+
+    keys = block_keys(TOKENS[: 4 * BLOCK])
+    with Engine([tier_config(options=file_tier_options)], chunks=8) as engine:
+        engine.store(keys)
+        tier, ctx = engine.tier, ReqContext("asks")
+        lookups = tier._lookups
+        assert {lookups.lookup(k, ctx) for k in keys} == {None}  # asked
+        deadline = time.monotonic() + 30
+        while any(lookups.lookup(k, ctx) is None for k in keys):
+            assert time.monotonic() < deadline
+            lookups.flush()  # as vLLM does at each step's end: posts the keys, takes the answers
+            time.sleep(0.01)
+        assert {lookups.lookup(k, ctx) for k in keys} == {True}
+        lookups.mark_miss(keys)  # what the tier does when their load fails
+        writes = tier.storage.get_stats()["write_ok"]
+        tier.submit_store(TransferJob(999, keys, np.arange(len(keys)), False, ctx))  # the recompute's cascade
+        finished: list = []
+        while not any(r.job_id == 999 for r in finished):
+            assert time.monotonic() < deadline
+            finished += list(tier.get_finished_jobs())
+            time.sleep(0.01)
+        assert tier.storage.get_stats()["write_ok"] == writes  # found stored, nothing written
+        assert {lookups.lookup(k, ctx) for k in keys} == {False}  # still a miss
+        lookups.cleanup(ctx.req_id)
+
+
 def test_disk_stays_bounded_and_evicts_tails_first(tmp_path: Path) -> None:
     pages = 10
     root = str(tmp_path / "store")
