@@ -42,8 +42,13 @@ def written_whole(path: str | os.PathLike[str]) -> Iterator[str]:
     """A temporary path beside ``path`` to write to, renamed over ``path`` when the block ends
     and removed if it raises: a failed write leaves the file that was there (written in place,
     a plot or a trace was truncated to part of the new one, or left empty). A symlink's target
-    is replaced, as ``open()`` would have written it."""
+    is replaced, as ``open()`` would have written it. A target that exists and is no regular
+    file (a pipe, ``/dev/stdout``, a device) is written in place: there is nothing to keep, and
+    a temporary file beside ``/proc/self/fd/pipe:[...]`` cannot be made."""
     final = os.path.realpath(path)
+    if os.path.exists(final) and not os.path.isfile(final):
+        yield os.fspath(path)
+        return
     tmp = f"{final}.{os.getpid()}.tmp"
     try:
         yield tmp

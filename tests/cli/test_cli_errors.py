@@ -409,3 +409,24 @@ def test_loadgen_counts_out_of_range_are_usage_errors(capsys, argv: list[str]) -
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err and argv[0] in err
+
+
+def test_a_workload_written_to_a_pipe_streams_through_it(tmp_path) -> None:
+    """``hicache workload agents /dev/stdout | ...`` failed once traces were written through a
+    temporary file renamed over the target: a pipe has no folder to put it in. A target that is
+    no regular file is written in place."""
+    import os
+    import threading
+
+    from hicache.replay.trace import TraceRequest
+    from hicache.replay.workloads import write_trace
+
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    got: list[bytes] = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_bytes()))
+    reader.start()
+    write_trace(fifo, [TraceRequest(timestamp=0, input_length=512, output_length=1, hash_ids=(1,))])
+    reader.join(10)
+    assert b'"hash_ids": [1]' in got[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pipe"]
