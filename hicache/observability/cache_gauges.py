@@ -34,6 +34,7 @@ BREAKER_STATES = {"closed": 0.0, "half_open": 1.0, "open": 2.0}
 # running totals some backends keep outside StorageStats: counters whichever backend reports them
 # (a family's kind is fixed for the process by the first backend that reports it)
 _BACKEND_TOTALS = frozenset({"evicted_pages", "evicted_bytes", "corrupt_pages", "rejected_pages_no_space",
+                             "rejected_pages_beyond_capacity", "oversized_pages",
                              "breaker_times_opened", "transit_errors", "write_late_pages"})
 # StorageStats' well-known counters: published as zeros before a backend first counts one, so a
 # dashboard sees "no errors", not "no data"
