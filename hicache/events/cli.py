@@ -12,8 +12,10 @@ quiet after batches that never arrived (the subscriber's tail check). Lines::
 or, with ``--json``, one object per event: ``{"seq", "ts", "replayed", "rank", "event"}``.
 What was missed for good (older than the replay buffer) is reported on stderr at the end. The
 returned counters include ``run_id`` (the publisher run ``next_seq`` belongs to, 16 hex digits):
-a consumer that saves its position passes both back (``start_seq``, ``start_run_id``) so that a
-resume against a restarted publisher starts from that publisher's first batch.
+``next_seq`` is the first batch not printed whole (a stop inside a batch resumes at it, printing
+its first events again: applying a prefix of events twice leaves the same state), and a consumer
+that saves its position passes both back (``start_seq``, ``start_run_id``) so that a resume
+against a restarted publisher starts from that publisher's first batch.
 """
 
 from __future__ import annotations
@@ -66,10 +68,14 @@ def run(
     ``None``: until interrupted); returns the subscriber's counters. ``start_run_id``: the
     ``run_id`` of an earlier run (``hicache events --run-id`` parses its 16 hex digits)."""
     printed = 0
+    # the batch being printed: a stop inside it (``count``, an interrupt) resumes at it, not
+    # after it (the subscriber's next_seq), which would skip the events not printed yet
+    unfinished: int | None = None
     with EventSubscriber(endpoint, replay_endpoint, topic=topic, start_seq=start_seq,
                          start_run_id=start_run_id) as sub:
         try:
             for got in sub.receive(timeout_s):
+                unfinished, shown = got.seq, 0
                 for event in got.batch.events:
                     if as_json:
                         line = json.dumps({"seq": got.seq, "ts": got.batch.ts, "replayed": got.replayed,
@@ -78,14 +84,18 @@ def run(
                         line = format_event(got.seq, event)
                     out.write(line + "\n")
                     printed += 1
+                    shown += 1
                     if count is not None and printed >= count:
                         break
                 out.flush()
+                if shown == len(got.batch.events):
+                    unfinished = None
                 if count is not None and printed >= count:
                     break
         except KeyboardInterrupt:
             pass
-        stats = {"events": printed, "next_seq": sub.next_seq if sub.next_seq is not None else -1,
+        position = unfinished if unfinished is not None else sub.next_seq
+        stats = {"events": printed, "next_seq": position if position is not None else -1,
                  "gaps": sub.gaps, "replayed": sub.replayed, "lost": sub.lost, "restarts": sub.restarts,
                  "bad_messages": sub.bad_messages,
                  "run_id": f"{sub.run_id:016x}" if sub.run_id is not None else None}

@@ -375,3 +375,35 @@ async def test_a_batch_offered_after_the_end_marker_is_counted_dropped() -> None
     await asyncio.sleep(0)  # the end marker is queued
     stream._put((0, batch))  # what a racing offer lands as
     assert [item async for item in stream] == [] and stream.dropped == 1
+
+
+def test_the_cli_stopping_inside_a_batch_reports_a_position_that_resumes_the_rest() -> None:
+    """``hicache events --count N`` stops after N events, and its counters give the position to
+    resume from (``next_seq``, with ``run_id``). A stop inside a batch reported the number after
+    that batch, so a resume skipped the batch's events not printed yet (a router resuming from
+    it never learned of those stores and removals). The position is now that batch's own number:
+    the resume prints it again from its start (applying a prefix again leaves the same state)."""
+    import io
+
+    from hicache.events.cli import run
+
+    pub = EventPublisher(LOOPBACK, LOOPBACK)
+    try:
+        for n, events in enumerate(([stored(0)], [stored(1), stored(2), stored(3)])):
+            assert pub.publish(events)  # a batch each
+            while pub.stats()["next_seq"] == n:
+                time.sleep(0.01)
+        first = io.StringIO()
+        stats = run(pub.endpoint, pub.replay_endpoint, start_seq=0, count=2, timeout_s=1.0,
+                    out=first, err=io.StringIO())
+        assert [line.split()[0] for line in first.getvalue().splitlines()] == ["seq=0", "seq=1"]
+        assert stats["next_seq"] == 1, stats  # batch 1 was printed in part
+        rest = io.StringIO()
+        run(pub.endpoint, pub.replay_endpoint, start_seq=stats["next_seq"], timeout_s=1.0, as_json=True, out=rest, err=io.StringIO())
+        seen = [json.loads(line)["event"]["token_ids"][0] for line in rest.getvalue().splitlines()]
+        assert seen == [1, 2, 3]  # nothing of the batch is skipped
+        stats = run(pub.endpoint, pub.replay_endpoint, start_seq=0, count=4, timeout_s=1.0,
+                    out=io.StringIO(), err=io.StringIO())
+        assert stats["next_seq"] == 2  # a count that ends with a batch resumes after it
+    finally:
+        pub.close()
