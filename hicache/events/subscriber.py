@@ -303,11 +303,16 @@ class EventSubscriber:
                 self._tail_due = time.monotonic() + (self._idle_timeout if done else 0.0)
 
     def _catch_up_from(self, start: int) -> Iterator[Received]:
-        if self._start_run is not None and self.replay_endpoint is not None:
+        if self.replay_endpoint is not None:
+            # the run asked first, not read from the replay's end marker alone: a consumer that
+            # stops inside the catch-up never reads that marker, and saved its position with
+            # ``run_id`` None (a resume against a restarted publisher then went by numbers)
             run = self._probe()
-            if run is not None and run != self._start_run:
+            if run is not None and self._start_run is not None and run != self._start_run:
                 self.restarts += 1  # the saved position is another publisher's
                 self.next_seq = start = 0
+            if run is not None:
+                self.run_id = run
         got = False
         for received in self._replay_from(start):
             got = True

@@ -234,7 +234,8 @@ def test_unread_replay_requests_neither_grow_memory_nor_hold_up_live_batches() -
         stuck.close(0)  # gone: its replays are dropped, and counted
         wait_for(lambda: pub.stats()["replays_open"] == 0)
         stats = pub.stats()
-        assert stats["replays_dropped"] == 2 and stats["replays_served"] == 1 and stats["errors"] == 0
+        # served: the good consumer's run-id probe and its catch-up
+        assert stats["replays_dropped"] == 2 and stats["replays_served"] == 2 and stats["errors"] == 0
     finally:
         live.close()
         pub.close()
@@ -388,4 +389,23 @@ def test_a_tail_gap_the_publisher_no_longer_holds_is_counted_lost() -> None:
     finally:
         sub.close()
         link.close()
+        pub.close()
+
+
+def test_a_consumer_that_stops_inside_its_catch_up_knows_the_run_of_its_position() -> None:
+    """A consumer saves ``next_seq`` with ``run_id`` (``hicache events --from SEQ --count N``
+    prints both). The run id came only with the end marker of the catch-up's replay, so one that
+    stopped reading inside the catch-up had ``run_id`` None beside a position: resumed against a
+    restarted publisher, numbers alone could not tell. The catch-up now asks the run first."""
+    pub = EventPublisher(LOOPBACK, LOOPBACK)
+    try:
+        for i in range(5):
+            pub.publish([stored(i)])
+            time.sleep(0.02)
+        wait_for(lambda: pub.stats()["next_seq"] == 5)
+        with EventSubscriber(pub.endpoint, pub.replay_endpoint, start_seq=1) as sub:
+            first = next(iter(sub.receive(timeout_s=0.5)))
+            assert first.seq == 1 and sub.next_seq == 2
+            assert sub.run_id == pub.run_id and sub.restarts == 0
+    finally:
         pub.close()
