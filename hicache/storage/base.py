@@ -57,7 +57,7 @@ from hicache.keys import Namespace, validate_key, validate_keys
 from hicache.observability.tier_events import TierChangeHub
 from hicache.storage import changes, pool_pages, staging, tensor_pages
 from hicache.storage.hit_policy import leading_run, resolve_v2_hits
-from hicache.storage.pool_format import pool_format_tag, states_its_format
+from hicache.storage.pool_format import pool_format_tag, signature_tag, states_its_format
 from hicache.storage.pool_pages import page_keys
 from hicache.storage.stats import StorageStats
 from hicache.storage.view_pages import LivePageViews
@@ -550,6 +550,14 @@ class AsyncHiCacheStorage(ABC):
         refined = self._namespace
         if name == KV and callable(signature):
             refined = refined.with_signature(signature())
+        elif callable(signature) and "@" not in name:
+            # An extra pool with a signature (hicache's MambaHostPool: state dtype and shapes)
+            # had none of it in the namespace, so a server whose states differ in meaning but
+            # not in size (bfloat16 and float16, shapes in another split) restored another's
+            # states as valid. Its format goes in as an engine pool's does. A pool whose stored
+            # name carries its format already ("name@format", the SGLang integration's canonical
+            # sidecars) keeps the namespace as it is.
+            refined = self._with_format_of(name, host_pool, signature_tag(signature()))
         elif states_its_format(host_pool):
             refined = self._with_format_of(name, host_pool)
         if refined != self._namespace:
@@ -561,13 +569,13 @@ class AsyncHiCacheStorage(ABC):
             self._namespace = refined
         self.registered_pools[name] = host_pool
 
-    def _with_format_of(self, name: str, host_pool: Any) -> Namespace:
+    def _with_format_of(self, name: str, host_pool: Any, tag: str | None = None) -> Namespace:
         """The namespace with the byte format of ``host_pool`` (an engine's pool, which stores
         its own bytes: without its format a pool of another layout or dtype, another server of
         the model, reads them as KV). A store opened before any such pool of this name was
         known keeps its namespace (as before), said once; a pool of another format than the
         one named is refused by the caller."""
-        tag = pool_format_tag(host_pool)
+        tag = tag or pool_format_tag(host_pool)
         refined = self._namespace.with_pool_format(name, tag)
         opened_without = (self._state is not StorageState.UNOPENED
                           and f"pool.{name}" not in dict(self._namespace.extra))

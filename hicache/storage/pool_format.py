@@ -12,11 +12,12 @@ never share pages.
 from __future__ import annotations
 
 import hashlib
+import json
 from typing import Any
 
 import torch
 
-__all__ = ["pool_format_tag", "states_its_format"]
+__all__ = ["pool_format_tag", "signature_tag", "states_its_format"]
 
 #: counts that shape a pass-through pool's page, besides its ``*dtype`` and ``*_shape(s)``
 _FORMAT_COUNTS = ("num_mamba_layers", "layer_num", "head_num", "head_dim", "page_size")
@@ -51,6 +52,13 @@ def pool_format_tag(pool: Any) -> str:
     if parts:
         tag += "/" + hashlib.sha256(";".join(parts).encode()).hexdigest()[:16]
     return tag
+
+
+def signature_tag(signature: Any) -> str:
+    """The format of a pool that describes itself with ``storage_signature()`` (a digest of
+    the signature, whose keys and values are plain data)."""
+    text = json.dumps(signature, sort_keys=True, default=str)
+    return "signature/" + hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def _is_shape_like(value: Any) -> bool:

@@ -5,6 +5,7 @@ whose pools differ in layout or dtype never read each other's pages as valid KV.
 from __future__ import annotations
 
 import uuid
+from typing import Any
 
 import pytest
 import torch
@@ -81,3 +82,48 @@ def test_a_format_the_namespace_names_already_leaves_it_as_it_is() -> None:
     assert ns.with_pool_format("mamba.tp1-2", "T") is ns
     assert Namespace(model="m", layout="K").with_pool_format("kv", "K").digest == Namespace(model="m", layout="K").digest
     assert dict(ns.with_pool_format("mamba", "U").extra)["pool.mamba"] == "U"
+
+
+def _mamba_host(dtype: torch.dtype, shapes: dict[str, tuple[int, ...]]) -> "MambaHostPool":
+    from hicache.memory import MambaHostPool, MambaStatePool
+
+    state = MambaStatePool(4, shapes, dtype, torch.device("cpu"))
+    return MambaHostPool(state, host_size=4, pin_memory=False)
+
+
+@pytest.mark.parametrize("other", [(torch.bfloat16, {"conv": (2, 8), "ssm": (4, 4)}),
+                                   (torch.float16, {"conv": (4, 4), "ssm": (2, 8)})])
+def test_extra_pools_with_a_signature_of_other_formats_do_not_share_state_pages(other) -> None:
+    """A hicache extra pool (``MambaHostPool``, what ``HiCache``'s ``extra_pools`` register)
+    describes its state format with ``storage_signature()``; two servers whose state dtypes or
+    shapes differ but whose slots have the same size must not restore each other's states,
+    reinterpreted, as valid (the KV namespace alone does not tell them apart)."""
+    from hicache.storage import PoolTransfer
+    from hicache.storage.types import PoolHitPolicy
+    from hicache.testing.pools import ArrayHostPool
+
+    sid = f"fmt-{uuid.uuid4()}"
+    cfg = HiCacheStorageConfig(model_name="my/model")
+    shapes = {"conv": (2, 8), "ssm": (4, 4)}
+
+    def store(mamba: Any) -> Any:
+        s = create_storage("memory", cfg, store_id=sid)
+        kv = ArrayHostPool(4, 4, 8)
+        kv.fill_random(1)
+        s.register_mem_pool_host(kv)
+        s.register_mem_host_pool_v2(mamba, "mamba")
+        return s, kv
+
+    src = _mamba_host(torch.float16, shapes)
+    src._buf.copy_(torch.randint(0, 255, src._buf.shape, dtype=torch.uint8))
+    writer, kv = store(src)
+    state = [PoolTransfer("mamba", torch.tensor([1]), keys=["b"], hit_policy=PoolHitPolicy.TRAILING_PAGES)]
+    assert writer.batch_set_v2([PoolTransfer("kv", kv.indices(0, 2), keys=["a", "b"]), *state]) == {
+        "kv": [True, True], "mamba": [True]}
+    same, _ = store(_mamba_host(torch.float16, shapes))
+    assert same.batch_exists_v2(["a", "b"], state).kv_hit_pages == 2  # the same format shares them
+    reader, _ = store(_mamba_host(*other))
+    assert reader.batch_exists_v2(["a", "b"], state).kv_hit_pages == 0
+    assert reader.batch_get_v2(state) == {"mamba": [False]}
+    for s in (writer, same, reader):
+        s.close()
