@@ -156,6 +156,20 @@ async def _generate(request: web.Request) -> web.StreamResponse:
         return _draining()
     try:
         raw = await request.read()
+    except web.RequestPayloadError as exc:
+        # a body aiohttp cannot decode (``Content-Encoding: gzip`` over bytes that are no gzip
+        # stream) is the client's bad input; raised out of the handler it was a plain-text 500
+        # and two ERROR tracebacks. The rest of such a stream cannot be trusted: the connection
+        # closes after the answer, and aiohttp is told the body is over, or it read it again
+        # after the answer and logged the same error as unhandled
+        reason = getattr(exc.__cause__, "message", None) or str(exc)
+        request.content.feed_eof()
+        st.metrics.requests["bad_request"] += 1
+        logger.info("bad request from %s: the body could not be read: %s", request.remote, reason)
+        resp = _error(400, f"the body could not be read: {reason}")
+        resp.force_close()
+        return resp
+    try:
         limits = dict(vocab_size=st.spec.vocab_size,
                       # a sequence longer than the device pool can never be served: refused
                       # here, not after waiting for memory that will never be enough

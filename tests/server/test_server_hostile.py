@@ -226,3 +226,25 @@ async def test_what_aiohttp_refuses_is_a_json_error_counted_and_logged_once(
         assert len([r for r in caplog.records if "bad request" in r.getMessage()]) == 1
         async with http.post(f"{srv.url}/v1/generate", json={"tokens": [1, 2, 3]}) as resp:
             assert resp.status == 200  # and the server goes on serving
+
+
+@pytest.mark.parametrize("encoding", ["gzip", "deflate"])
+async def test_a_body_that_does_not_decode_as_its_content_encoding_is_a_400(
+        encoding: str, caplog: pytest.LogCaptureFixture) -> None:
+    """A body sent with ``Content-Encoding: gzip`` (or deflate) that is no such stream made
+    ``request.read`` raise aiohttp's payload error out of the handler: a plain-text 500
+    ("Server got itself in trouble") and two ERROR tracebacks per request. It is the client's
+    bad input: a JSON 400 that says so, counted and logged once like the others."""
+    caplog.set_level(logging.INFO)
+    async with running_server(small_config(), mode="recompute", port=0) as srv, aiohttp.ClientSession() as http:
+        caplog.clear()
+        async with http.post(f"{srv.url}/v1/generate", data=b'{"tokens": [1, 2, 3]}',
+                             headers={"Content-Type": "application/json", "Content-Encoding": encoding}) as resp:
+            assert resp.status == 400 and resp.content_type == "application/json"
+            assert encoding in (await resp.json())["error"]
+        await asyncio.sleep(0.1)  # (aiohttp's own read of what is left of the body comes after the answer)
+        assert srv.state.metrics.requests["bad_request"] == 1
+        assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR]
+        assert len([r for r in caplog.records if "bad request" in r.getMessage()]) == 1
+        async with http.post(f"{srv.url}/v1/generate", json={"tokens": [1, 2, 3]}) as resp:
+            assert resp.status == 200  # and the server goes on serving
