@@ -169,6 +169,14 @@ async def _generate(request: web.Request) -> web.StreamResponse:
         resp = _error(400, f"the body could not be read: {reason}")
         resp.force_close()
         return resp
+    except ConnectionError as exc:
+        # the client went away before its whole body arrived (a timeout while uploading a long
+        # prompt): raised out of the handler it was an ERROR traceback from aiohttp and the
+        # request in no outcome; like any client that hangs up, one line and ``abandoned``
+        st.metrics.requests["abandoned"] += 1
+        logger.info("request from %s: the client hung up while sending its body (%s); dropped",
+                    request.remote, type(exc).__name__)
+        return _error(499, "client closed the request")
     try:
         limits = dict(vocab_size=st.spec.vocab_size,
                       # a sequence longer than the device pool can never be served: refused

@@ -248,3 +248,27 @@ async def test_a_body_that_does_not_decode_as_its_content_encoding_is_a_400(
         assert len([r for r in caplog.records if "bad request" in r.getMessage()]) == 1
         async with http.post(f"{srv.url}/v1/generate", json={"tokens": [1, 2, 3]}) as resp:
             assert resp.status == 200  # and the server goes on serving
+
+
+async def test_a_client_that_hangs_up_while_sending_its_body_is_one_log_line(caplog: pytest.LogCaptureFixture) -> None:
+    """A client that went away before its whole body arrived (a timeout while uploading a long
+    prompt) made ``request.read`` raise ``ConnectionResetError`` out of the handler: an ERROR
+    traceback from aiohttp per client, and the request in no outcome. Like any client that
+    hangs up, it is one log line and counted ``abandoned``."""
+    caplog.set_level(logging.INFO)
+    async with running_server(small_config(), mode="recompute", port=0) as srv, aiohttp.ClientSession() as http:
+        caplog.clear()
+        reader, writer = await asyncio.open_connection("127.0.0.1", srv.port)
+        writer.write(b"POST /v1/generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100000\r\n\r\n" + b'{"tokens": [1, 2, 3')
+        await writer.drain()
+        await asyncio.sleep(0.1)  # the handler is reading the body
+        writer.close()
+        await writer.wait_closed()
+        await eventually(lambda: srv.state.metrics.requests["abandoned"] > 0)
+        await asyncio.sleep(0.1)
+        assert dict(srv.state.metrics.requests) == {"abandoned": 1}
+        assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR]
+        assert len([r for r in caplog.records if "hung up" in r.getMessage()]) == 1
+        async with http.post(f"{srv.url}/v1/generate", json={"tokens": [1, 2, 3]}) as resp:
+            assert resp.status == 200  # and the server goes on serving
