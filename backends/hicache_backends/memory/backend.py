@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from itertools import repeat
 from typing import Any, ClassVar
 
@@ -50,6 +50,19 @@ def _snapshot(buf: memoryview) -> Payload:
 
 #: a memory store's bound when none is given
 DEFAULT_MAX_BYTES = 1 << 30
+
+
+def put_in_order(entries: Sequence[_Entry], parents: Sequence[_Entry | None], put: Callable[[int], bool]) -> list[bool]:
+    """Put a chained batch's pages in order, page ``i`` with ``put(i)``; a page after one refused
+    is refused too, without a put (no lookup reaches it: it would only take room)."""
+    refused: set[_Entry] = set()
+    ok: list[bool] = []
+    for i, (entry, parent) in enumerate(zip(entries, parents)):
+        done = (parent is None or parent not in refused) and put(i)
+        if not done:
+            refused.add(entry)
+        ok.append(done)
+    return ok
 
 
 class MemoryMedium:
@@ -159,12 +172,6 @@ class MemoryMedium:
                 parent = links.get(parent)
         return keep
 
-    def put_chain(self, entries: Sequence[_Entry], payloads: Sequence[Payload], parents: Sequence[_Entry | None],
-                  evicted: list[_Entry] | None = None) -> list[bool]:
-        """:meth:`put` of a chained batch with the lock held throughout (see :meth:`put_many`)."""
-        with self.lock:
-            return self._put_chain_locked(entries, payloads, parents, evicted)
-
     def _put_chain_locked(self, entries: Sequence[_Entry], payloads: Sequence[Payload],
                           parents: Sequence[_Entry | None], evicted: list[_Entry] | None,
                           keep: set[_Entry] | None = None) -> list[bool]:
@@ -174,14 +181,7 @@ class MemoryMedium:
         rest, without evicting anything for them."""
         if keep is None and self.nbytes + sum(map(len, payloads)) > self.max_bytes:
             keep = self._chain_locked(entries, parents)  # only a batch that may evict needs it
-        refused: set[_Entry] = set()
-        ok = []
-        for e, p, parent in zip(entries, payloads, parents):
-            put = (parent is None or parent not in refused) and self._put_locked(e, p, evicted, parent, keep)
-            if not put:
-                refused.add(e)
-            ok.append(put)
-        return ok
+        return put_in_order(entries, parents, lambda i: self._put_locked(entries[i], payloads[i], evicted, parents[i], keep))
 
     def put_many(
         self, entries: Sequence[_Entry], payloads: Sequence[Payload], evicted: list[_Entry] | None = None,
@@ -194,7 +194,7 @@ class MemoryMedium:
         (pages kept, evictions and their order, counters) is that of the puts one by one; a
         batch of new pages that fits without evicting (the usual one) is stored by one
         ``update`` without a Python iteration per page. ``parents`` (the page before each):
-        a chained batch, stored as :meth:`put_chain` does.
+        a chained batch, stored as :meth:`_put_chain_locked` does.
         """
         n = len(entries)
         if len(payloads) != n or (parents is not None and len(parents) != n):
@@ -321,7 +321,7 @@ class MemoryStorage(AsyncHiCacheStorage):
                parents: Sequence[PageKey | None] | None = None) -> list[bool]:
         """Store a batch; ``parents`` (the page before each) chain it: then it never evicts
         its own pages or what they chain from, and stores the leading pages that fit
-        (:meth:`MemoryMedium.put_chain`). Pages refused for room are counted in
+        (:func:`put_in_order`). Pages refused for room are counted in
         ``rejected_pages_no_space``, and, since nothing this store may evict could make that
         room (a page bigger than the medium, ``oversized_pages``, or a chain longer than it),
         in ``rejected_pages_beyond_capacity``: that tells a writer retrying them is useless."""
@@ -346,14 +346,8 @@ class MemoryStorage(AsyncHiCacheStorage):
             # one, each under its own lock hold, and a writer filling the medium in between
             # would have them evict their own prefix if the batch had looked like it fit
             keep = medium.chain_of(entries, links)
-            refused: set[_Entry] = set()
-            ok = []
-            for e, b, parent in zip(entries, buffers, links):
-                put = (parent is None or parent not in refused) and \
-                    medium.put(e, _snapshot(b), evicted, parent=parent, protect=keep)
-                if not put:
-                    refused.add(e)
-                ok.append(put)
+            ok = put_in_order(entries, links, lambda i: medium.put(entries[i], _snapshot(buffers[i]), evicted,
+                                                                     parent=links[i], protect=keep))
         if evicted:
             self._settle_evictions(pages[:n], entries, ok, was, evicted)
         if not all(ok):
