@@ -49,7 +49,7 @@ from dataclasses import dataclass
 from hicache_backends.file.locks import SharedFile, flock_within
 from hicache_backends.writers import MACHINE, writer_gone
 
-__all__ = ["LEDGER_NAME", "USERS_NAME", "Usage", "UsageLedger", "give_back", "ledger_token", "read_usage"]
+__all__ = ["LEDGER_NAME", "USERS_NAME", "Usage", "UsageLedger", "give_back", "read_usage"]
 
 logger = logging.getLogger("hicache.storage.file")
 
@@ -153,15 +153,6 @@ def read_usage(path: str) -> Usage | None:
         return None
     finally:
         os.close(fd)
-
-
-def ledger_token(path: str) -> int | None:
-    """The token (inode) of the ledger file at ``path``, ``None`` when there is none."""
-    try:
-        st = os.stat(path, follow_symlinks=False)
-    except OSError:
-        return None
-    return st.st_ino if stat.S_ISREG(st.st_mode) else None
 
 
 def give_back(path: str, nbytes: int, token: int) -> bool | None:

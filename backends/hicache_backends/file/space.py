@@ -32,7 +32,7 @@ from hicache.storage.stats import StorageStats, Throttle
 from hicache_backends.file import io as page_io
 from hicache_backends.file.index import PageIndex
 from hicache_backends.file.layout import NamespaceLayout
-from hicache_backends.file.ledger import LEDGER_NAME, Usage, UsageLedger, give_back, ledger_token
+from hicache_backends.file.ledger import LEDGER_NAME, Usage, UsageLedger, give_back, read_usage
 from hicache_backends.file.pins import PagePins
 
 __all__ = ["Reservation", "SpaceAccountant"]
@@ -131,7 +131,8 @@ class SpaceAccountant:
         """(On an I/O thread, at an observer's open.) Note the ledger file there is now: what
         this observer removes was counted in it."""
         if self._observed is not None:
-            self._observed_token = ledger_token(self._observed)
+            usage = read_usage(self._observed)
+            self._observed_token = usage.token if usage is not None else None
 
     async def give_back_removed(self, executor: ThreadPoolExecutor | None) -> None:
         """An observer's reads removed corrupt pages (``debt``): their bytes leave the shared
@@ -381,6 +382,14 @@ class SpaceAccountant:
         usage = self.ledger.add(delta, refused=refused, token=res.usage.token, inflight=-res.amount)
         return (usage,)
 
+    def _writes_in_flight(self, usage: Usage | None) -> int:
+        """Bytes reserved by writes in flight, of every process when ``usage`` (a ledger
+        reading) is given, else this store's own. What this process's slot still holds for
+        settlements the ledger missed (``unreleased``) is pages, not writes."""
+        if usage is None:
+            return self.reserved
+        return max(0, usage.inflight - self.unreleased)
+
     @staticmethod
     def ledger_replaced(res: Reservation, settled: tuple[Usage | None] | None) -> bool:
         """Whether a batch's settlement (:meth:`settle_last`) found another ledger file than
@@ -469,11 +478,8 @@ class SpaceAccountant:
             # the refusal followed (``usage``, read at the reservation, is from before it)
             now = await self.ledger_call(self._executor, 0, token=-1) if self.ledger is not None else None
             usage = now or usage
-            if usage is not None:
-                inflight = max(0, usage.inflight - self.unreleased)  # (``unreleased``: pages, not writes)
-                stored = max(0, usage.used - inflight)
-            else:
-                stored, inflight = self._index.nbytes, self.reserved
+            inflight = self._writes_in_flight(usage)
+            stored = max(0, usage.used - inflight) if usage is not None else self._index.nbytes
             why = (
                 f"the namespace holds {stored} bytes of pages of max_bytes={self.max_bytes}, with "
                 f"{inflight} byte(s) reserved by writes in flight (this one's included), and nothing more "
@@ -510,12 +516,8 @@ class SpaceAccountant:
                 # the count holds the writes in flight (reserved, in this process or another),
                 # and each of them evicts for itself: evicting for them here too, the eviction
                 # after the opening scan, racing the first write over the bound, took a second
-                # page for it (a store bounded to 16 pages held 15). Left in this process's
-                # slot by settlements the ledger missed (``unreleased``) are pages, not writes
-                if usage is not None:
-                    want -= max(0, usage.inflight - self.unreleased)
-                else:
-                    want -= self.reserved
+                # page for it (a store bounded to 16 pages held 15)
+                want -= self._writes_in_flight(usage)
             elif shared:
                 # the shared count holds every process's reservations: each makes room for its
                 # own. Evicting for another's too, two writers each emptied the namespace for
