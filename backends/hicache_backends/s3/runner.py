@@ -67,6 +67,18 @@ class RequestRunner:
         self.closed = False
         self._permanent_warnings: dict[tuple[str, str], Throttle] = {}
 
+    def _permanent(self, what: str, doing: str, exc: Exception) -> GaveUp:
+        """The miss for a failure no retry mends (``doing`` failed with ``exc``), counted
+        (``permanent_errors``) and said in one line a minute per ``doing`` and error kind, with
+        how many it stands for: a refusal repeats for every page (no ListBucket right: a 403
+        per miss), as a filesystem that cannot be built does for every call."""
+        self.stats.incr("permanent_errors")
+        count = self._permanent_warnings.setdefault((doing, type(exc).__name__), Throttle()).due()
+        if count:
+            logger.warning("%s: %s failed (%d time(s) since the last warning): %s: %s", self.name, doing, count,
+                           type(exc).__name__, self.redactor.scrub(str(exc)))
+        return GaveUp(what)
+
     async def request(self, what: str, op: Callable[[ObjectOps], Awaitable[T]], timeout: float | None = None) -> T:
         """Run ``op`` with breaker gate, concurrency slot, timeout and retries.
 
@@ -80,13 +92,7 @@ class RequestRunner:
         except Exception as exc:  # noqa: BLE001 - a loop whose filesystem cannot be built (open
             # built one, so the options were fine there): a counted miss, as nothing raises out
             # of a primitive
-            self.stats.incr("permanent_errors")
-            throttle = self._permanent_warnings.setdefault(("filesystem", type(exc).__name__), Throttle())
-            count = throttle.due()
-            if count:
-                logger.warning("%s: building the filesystem for this event loop failed (%d time(s) since the last "
-                               "warning): %s: %s", self.name, count, type(exc).__name__, self.redactor.scrub(str(exc)))
-            raise GaveUp(what) from exc
+            raise self._permanent(what, "building the filesystem for this event loop", exc) from exc
         timeout = self.request_timeout if timeout is None else timeout
         for attempt in range(self.policy.attempts):
             if self.closed:
@@ -113,15 +119,7 @@ class RequestRunner:
                     self.stats.incr("timeouts")
                 if not is_transient(exc):
                     self.breaker.record_success()  # the service answered, just not with data
-                    self.stats.incr("permanent_errors")
-                    # one line a minute per operation and error kind, saying how many it stands
-                    # for: a refusal repeats for every page (no ListBucket right: 403 per miss)
-                    throttle = self._permanent_warnings.setdefault((what, type(exc).__name__), Throttle())
-                    count = throttle.due()
-                    if count:
-                        logger.warning("%s: %s failed (%d time(s) since the last warning): %s: %s", self.name,
-                                       what, count, type(exc).__name__, self.redactor.scrub(str(exc)))
-                    raise GaveUp(what) from exc
+                    raise self._permanent(what, what, exc) from exc
                 self.stats.incr("transient_errors")
                 throttled = is_throttle(exc)
                 if throttled:
