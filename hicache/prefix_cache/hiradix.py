@@ -166,17 +166,13 @@ class HiRadixCache(RadixCache):
         copy's completion, which finds the tree gone, frees them then (:meth:`_release_old`,
         and :class:`~hicache.prefix_cache.load_back.LoadBacks` for loads)."""
         old = getattr(self, "root_node", None)
+        # first: the loads still in flight become the dropped tree's, whose host pages they
+        # read stay theirs (LoadBacks.reads_dropped_host)
+        self.load_backs.reset()
         if old is not None:
-            self._report_cleared()
-            loading = self.load_backs.reads_host()
-            for node in self._nodes():
-                if (node.host_value is not None and node.backup_op is None and node.storage_op is None
-                        and node not in loading):
-                    self._free_host(node.host_value)
-                    node.host_value = None
+            self._drop_tree_pages()
         self.prefetches.reset()  # aborts the running prefetches (none before the first tree)
         self._generation = getattr(self, "_generation", 0) + 1
-        self.load_backs.reset()
         #: write-through backups of inserted nodes, started together once the insert's loop
         #: callback returns (see :meth:`_backup_soon`): (node, op), oldest first
         self._backup_batch: list[tuple[TreeNode, object]] = []
@@ -284,8 +280,10 @@ class HiRadixCache(RadixCache):
             page_size=self.page_size,
         ))
 
-    def _report_cleared(self) -> None:
-        """Tell the hub that device and host dropped everything, listing the pages each held.
+    def _drop_tree_pages(self) -> None:
+        """One walk over the tree being dropped: free the host pages no copy in flight uses
+        (see :meth:`reset`), and tell the hub that device and host dropped everything, listing
+        the pages each held.
 
         Why list them: a clear that names no pages leaves the attribution ledger unable to
         tell a page the tiers held from one never seen, so after one ``flush_cache`` every
@@ -294,14 +292,17 @@ class HiRadixCache(RadixCache):
         eviction would hash them; nothing is hashed when no subscriber wants clears."""
         hub = self.tier_changes
         wanted = [tier for tier in (Tier.DEVICE, Tier.HOST) if hub.wants(ChangeKind.CLEARED, tier)]
-        if not wanted:
-            return
         held: dict[Tier, list[str]] = {Tier.DEVICE: [], Tier.HOST: []}
         for node in self._nodes():  # parents first: each node hashes only its own pages
-            if node.value is not None:
-                held[Tier.DEVICE] += node.hash_value
-            if node.host_value is not None:
-                held[Tier.HOST] += node.hash_value
+            if wanted:
+                if node.value is not None:
+                    held[Tier.DEVICE] += node.hash_value
+                if node.host_value is not None:
+                    held[Tier.HOST] += node.hash_value
+            if (node.host_value is not None and node.backup_op is None and node.storage_op is None
+                    and not self.load_backs.reads_dropped_host(node)):
+                self._free_host(node.host_value)
+                node.host_value = None
         for tier in wanted:
             hub.emit(TierChange(ChangeKind.CLEARED, tier, tuple(held[tier]), keys_complete=True))
 
@@ -414,7 +415,7 @@ class HiRadixCache(RadixCache):
         """May ``node``'s host copy go? Only when the device and storage hold every page too,
         and nothing reads it (a load-back locks its node) or writes it."""
         return (
-            node.tree is self.root_node.tree
+            self._of_this_tree(node)
             and node.value is not None
             and node.host_value is not None
             and node.on_storage
@@ -951,7 +952,7 @@ class HiRadixCache(RadixCache):
 
     def _in_tree(self, node: TreeNode) -> bool:
         """Whether ``node`` is still a node of this tree (not removed, not of a tree reset since)."""
-        return node.parent is not None and node.tree is self.root_node.tree
+        return node.parent is not None and self._of_this_tree(node)
 
     # ------------------------------------------------------------------ device eviction
 
@@ -1193,7 +1194,7 @@ class HiRadixCache(RadixCache):
         # a node storage holds lost nothing)
         pages = sum(
             len(n.key) // self.page_size for n in self._deferred
-            if n.tree is self.root_node.tree and n.value is not None and n.host_value is None and not n.on_storage
+            if self._of_this_tree(n) and n.value is not None and n.host_value is None and not n.on_storage
         )
         if pages and isinstance(report, CloseReport):
             report.deferred_backup_pages = pages

@@ -80,11 +80,6 @@ class LoadBacks:
         #: such loads (see :meth:`reset`)
         self._dropped_reads: dict[TreeNode, int] = {}
 
-    def reads_host(self) -> set[TreeNode]:
-        """Nodes whose host pages a load in flight still reads: the current tree's loads and
-        those of trees dropped before (which the tree's ``reset`` must not free)."""
-        return {c for load in self.loads for c in load.chain} | self._dropped_reads.keys()
-
     def reset(self) -> None:
         """The tree was dropped: loads still in flight complete into nothing, and whoever waits
         for one must not wait forever.
@@ -110,7 +105,7 @@ class LoadBacks:
 
     def reads_dropped_host(self, node: TreeNode) -> bool:
         """Whether a load of a dropped tree still reads ``node``'s host pages (then that load's
-        end frees them, not the end of another copy of the node)."""
+        end frees them, not the tree's ``reset`` nor the end of another copy of the node)."""
         return node in self._dropped_reads
 
     def _free_dropped_reads(self, load: _Load) -> None:

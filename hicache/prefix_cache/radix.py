@@ -164,9 +164,14 @@ class RadixCache(BasePrefixCache):
 
         Nodes of a tree dropped by :meth:`reset` are ignored: a lock released on one after the
         reset must not put it, and slots the new tree may own, up for eviction."""
-        if node is not None and node is not self.root_node and node.tree is self.root_node.tree:
+        if node is not None and node is not self.root_node and self._of_this_tree(node):
             for index in self._eviction_indexes:
                 index.note(node)
+
+    def _of_this_tree(self, node: TreeNode) -> bool:
+        """Whether ``node`` belongs to this tree, not to one :meth:`reset` dropped (whose
+        nodes live on in the requests, copies and loads that still hold them)."""
+        return node.tree is self.root_node.tree
 
     def evictable_size(self) -> int:
         return self.evictable_size_
@@ -535,7 +540,7 @@ class RadixCache(BasePrefixCache):
         start = node
         # a node of a tree reset() dropped (a lock taken before a flush) counts in no size of
         # this one: its lock changes, the sizes stay (see dec_lock_ref)
-        mine = node.tree is self.root_node.tree
+        mine = self._of_this_tree(node)
         while node is not self.root_node and node is not None:
             if mine and node.lock_ref == 0 and node.value is not None:
                 self.evictable_size_ -= len(node.key)
@@ -553,7 +558,7 @@ class RadixCache(BasePrefixCache):
         # of the dropped tree; counted here they made the new tree's evictable_size() report
         # tokens no node holds (and protected_size() go negative), so a scheduler admitted
         # requests that then failed for memory, and each eviction walked the tree for them
-        mine = node.tree is self.root_node.tree
+        mine = self._of_this_tree(node)
         while node is not self.root_node and node is not None:
             if node.lock_ref <= 0:
                 raise RuntimeError(f"dec_lock_ref on unlocked {node!r}: a lock was released twice")
