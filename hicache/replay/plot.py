@@ -6,14 +6,15 @@ polylines and labels is a page of text any browser opens.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from xml.sax.saxutils import escape
 
-__all__ = ["write_svg_plot", "written_whole"]
+from hicache.replay.whole_file import written_whole
+
+__all__ = ["write_svg_plot"]
 
 # what XML 1.0 forbids in a document (control characters, lone surrogates: a file name that is
 # not UTF-8 decodes to those), each shown as U+FFFD instead
@@ -35,28 +36,6 @@ def _text(s: str) -> str:
     """``s`` as SVG text: a trace's file name (the title) may hold bytes that are not UTF-8 or
     control characters, which made the plot fail to encode, or a file no XML reader opens."""
     return escape(_NOT_XML.sub("\ufffd", s))
-
-
-@contextlib.contextmanager
-def written_whole(path: str | os.PathLike[str]) -> Iterator[str]:
-    """A temporary path beside ``path`` to write to, renamed over ``path`` when the block ends
-    and removed if it raises: a failed write leaves the file that was there (written in place,
-    a plot or a trace was truncated to part of the new one, or left empty). A symlink's target
-    is replaced, as ``open()`` would have written it. A target that exists and is no regular
-    file (a pipe, ``/dev/stdout``, a device) is written in place: there is nothing to keep, and
-    a temporary file beside ``/proc/self/fd/pipe:[...]`` cannot be made."""
-    final = os.path.realpath(path)
-    if os.path.exists(final) and not os.path.isfile(final):
-        yield os.fspath(path)
-        return
-    tmp = f"{final}.{os.getpid()}.tmp"
-    try:
-        yield tmp
-        os.replace(tmp, final)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
 
 
 def _write_whole(path: str | os.PathLike[str], data: bytes) -> None:

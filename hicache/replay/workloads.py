@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from hicache.replay.plot import written_whole
+from hicache.replay.whole_file import written_whole
 from hicache.replay.trace import BLOCK_TOKENS, TraceRequest
 
 __all__ = ["WORKLOADS", "agent_workload", "chat_workload", "session_workload", "write_trace"]
