@@ -165,12 +165,14 @@ async def _seeded(*prompts: list[int]) -> str:
     return store_id
 
 
-def _stack(store_id: str, **controller: object):  # type: ignore[no-untyped-def]
+def _stack(store_id: str, store: object = None, device_pages: int = 32, **controller: object):  # type: ignore[no-untyped-def]
+    """A stack under the ``timeout`` policy reading ``store`` (default: a FaultyStorage of
+    ``store_id``), host twice the device; ``controller`` overrides the policy's settings."""
     base: dict[str, object] = dict(prefetch_threshold=PS, prefetch_batch_pages=2, prefetch_policy="timeout",
                                    prefetch_timeout_base_s=60.0, prefetch_timeout_per_ki_token_s=0.0)
     base.update(controller)
-    store = FaultyStorage(store_id=store_id)
-    cfg = StackConfig(page_size=PS, device_pages=32, host_pages=64, storage_backend=None,
+    store = store if store is not None else FaultyStorage(store_id=store_id)
+    cfg = StackConfig(page_size=PS, device_pages=device_pages, host_pages=2 * device_pages, storage_backend=None,
                       controller=ControllerConfig(**base))  # type: ignore[arg-type]
     return build_stack(cfg, storage=store), store
 
@@ -299,12 +301,8 @@ async def test_a_read_still_running_shows_the_pace_before_any_read_finished() ->
     a, b = toks(0, 64), toks(1000, 64)
     store_id = await _seeded(a, b)
     store = _ReadsHang(store_id=store_id)
-    cfg = StackConfig(page_size=PS, device_pages=64, host_pages=128, storage_backend=None,
-                      controller=ControllerConfig(prefetch_threshold=PS, prefetch_batch_pages=2, prefetch_policy="timeout",
-                                                  prefetch_timeout_base_s=60.0, prefetch_timeout_per_ki_token_s=0.0,
-                                                  prefetch_recompute_tokens_per_s=10.0, storage_io_timeout_s=120.0,
-                                                  cancelled_io_grace_s=0.0))
-    stack = build_stack(cfg, storage=store)
+    stack, _ = _stack(store_id, store, device_pages=64, prefetch_recompute_tokens_per_s=10.0,
+                      storage_io_timeout_s=120.0, cancelled_io_grace_s=0.0)
     prefetcher = stack.controller._prefetcher
     first = Req(rid="first", origin_input_ids=a)
     stack.cache.match_req(first)
@@ -411,11 +409,7 @@ async def test_a_slow_lookup_does_not_hide_reads_known_to_be_fast() -> None:
     store_id = await _seeded(data, first)
     store = _SlowLookup(store_id=store_id)
     store.lookup_s = 0.5
-    cfg = StackConfig(page_size=PS, device_pages=64, host_pages=128, storage_backend=None,
-                      controller=ControllerConfig(prefetch_threshold=PS, prefetch_batch_pages=2, prefetch_policy="timeout",
-                                                  prefetch_timeout_base_s=60.0, prefetch_timeout_per_ki_token_s=0.0,
-                                                  storage_io_timeout_s=120.0))
-    stack = build_stack(cfg, storage=store)
+    stack, _ = _stack(store_id, store, device_pages=64, storage_io_timeout_s=120.0)
     out = await serve_request(stack, first, rid="learn")  # no rate yet: waited for, the pace learned
     assert out.storage_hit == 64
     prefetcher = stack.controller._prefetcher
@@ -502,14 +496,9 @@ async def test_a_read_given_up_on_does_not_set_the_pace_after_the_store_is_back(
     a, b = toks(0, 32), toks(1000, 32)
     store_id = await _seeded(a, b)
     store = _SomeReadsStuck(store_id=store_id)
-    cfg = StackConfig(page_size=PS, device_pages=64, host_pages=128, storage_backend=None,
-                      controller=ControllerConfig(prefetch_threshold=PS, prefetch_batch_pages=2, prefetch_policy="timeout",
-                                                  prefetch_timeout_base_s=60.0, prefetch_timeout_per_ki_token_s=0.0,
-                                                  prefetch_recompute_tokens_per_s=100.0,  # 40 ms a page
-                                                  storage_io_timeout_s=0.2 if how == "timed_out" else 30.0,
-                                                  storage_stall_s=0.0, storage_probe_base_s=0.05,
-                                                  storage_probe_max_s=0.1, cancelled_io_grace_s=0.0))
-    stack = build_stack(cfg, storage=store)
+    stack, _ = _stack(store_id, store, device_pages=64, prefetch_recompute_tokens_per_s=100.0,  # 40 ms a page
+                      storage_io_timeout_s=0.2 if how == "timed_out" else 30.0, storage_stall_s=0.0,
+                      storage_probe_base_s=0.05, storage_probe_max_s=0.1, cancelled_io_grace_s=0.0)
     ctl = stack.controller
     try:
         first = Req(rid="first", origin_input_ids=a)
