@@ -39,6 +39,14 @@ def wait_for(cond: Callable[[], bool], within_s: float = 20.0) -> None:
         time.sleep(0.02)
 
 
+def publish_batches(pub: EventPublisher, n: int) -> None:
+    """Publish ``n`` batches of one event each (``stored(0..n-1)``) and wait until all are out."""
+    for i in range(n):
+        pub.publish([stored(i)])
+        time.sleep(0.02)  # one event a batch: the thread takes each before the next
+    wait_for(lambda: pub.stats()["next_seq"] == n)
+
+
 def until_live(sub: EventSubscriber, pub: EventPublisher, first: int, work_s: float = 0.0) -> list[Received]:
     """Publish ``first``, ``first`` + 1, ... (one batch each) until ``sub`` yields a live batch;
     returns what it yielded. ``work_s``: the consumer's own time per batch."""
@@ -123,10 +131,7 @@ def test_a_consumer_slow_with_each_replayed_batch_loses_none_of_them() -> None:
 def test_a_consumer_resuming_ahead_of_a_restarted_publisher_gets_its_batches() -> None:
     pub = EventPublisher(LOOPBACK, LOOPBACK)  # restarted: it numbers from 0 again
     try:
-        for i in range(5):
-            pub.publish([stored(i)])
-            time.sleep(0.02)
-        wait_for(lambda: pub.stats()["next_seq"] == 5)
+        publish_batches(pub, 5)
         with EventSubscriber(pub.endpoint, pub.replay_endpoint, start_seq=50) as sub:  # a saved position
             got = until_live(sub, pub, first=5)
             got += list(sub.receive(timeout_s=0.5))
@@ -139,10 +144,7 @@ def test_a_consumer_resuming_ahead_of_a_restarted_publisher_gets_its_batches() -
 def test_a_saved_run_id_tells_a_restart_the_numbers_cannot() -> None:
     pub = EventPublisher(LOOPBACK, LOOPBACK)
     try:
-        for i in range(10):
-            pub.publish([stored(i)])
-            time.sleep(0.02)
-        wait_for(lambda: pub.stats()["next_seq"] == 10)
+        publish_batches(pub, 10)
         # the saved position 4 was another publisher's: this one is beyond it, yet all of it is news
         with EventSubscriber(pub.endpoint, pub.replay_endpoint, start_seq=4, start_run_id=pub.run_id ^ 1) as sub:
             got = list(sub.receive(timeout_s=0.5))
@@ -399,10 +401,7 @@ def test_a_consumer_that_stops_inside_its_catch_up_knows_the_run_of_its_position
     restarted publisher, numbers alone could not tell. The catch-up now asks the run first."""
     pub = EventPublisher(LOOPBACK, LOOPBACK)
     try:
-        for i in range(5):
-            pub.publish([stored(i)])
-            time.sleep(0.02)
-        wait_for(lambda: pub.stats()["next_seq"] == 5)
+        publish_batches(pub, 5)
         with EventSubscriber(pub.endpoint, pub.replay_endpoint, start_seq=1) as sub:
             first = next(iter(sub.receive(timeout_s=0.5)))
             assert first.seq == 1 and sub.next_seq == 2
