@@ -893,7 +893,7 @@ class HiCacheController:
                     break
             if done == len(job.keys):
                 self._finish(job, done, t0)
-            elif len(result.batches) and self._no_room(job, done, result.batches[-1]):
+            elif len(result.batches) and self._no_room(job, done, *_refusal(result.batches[-1])):
                 self._finish(job, done, t0)
             else:
                 self._note_landed(job, done)
@@ -1011,13 +1011,12 @@ class HiCacheController:
                 done += ok
                 prior = job.keys[done - 1]
                 self._note_landed(job, done)
-            if ok < n and result is not None and self._no_room(
-                    job, done, (result, 0.0, counted.errors > 0, _refused_for_room(counted))):
+            if ok < n and self._no_room(job, done, result, counted.errors > 0, _refused_for_room(counted)):
                 return done
             attempt = 0 if ok == n else attempt + 1
         return done
 
-    def _no_room(self, job: StorageWriteJob, done: int, call: _InnerCall) -> bool:
+    def _no_room(self, job: StorageWriteJob, done: int, outcome: Any, errored: bool, refused: int) -> bool:
         """Whether a write call of ``job`` that landed its pages short (``done`` written) was
         refused for room no retry can make: the store counted pages it cannot hold at all
         (``rejected_pages_beyond_capacity``, ``oversized_pages``) and no error. Then the rest
@@ -1027,8 +1026,7 @@ class HiCacheController:
         slept the storage queue's backoff, and the pages were counted as failed writes. The
         job's pages left (refused, or after a refused one) are counted
         ``storage_write_no_space_pages``."""
-        outcome, _, errored, refused = call
-        if isinstance(outcome, BaseException) or errored or not refused:
+        if outcome is None or isinstance(outcome, BaseException) or errored or not refused:
             return False
         left = len(job.keys) - done
         self.metrics.incr("storage_write_no_space_pages", left)
@@ -1297,6 +1295,13 @@ class HiCacheController:
                 self.health.probe_passed()
             else:
                 self.health.probe_failed()
+
+
+def _refusal(call: _InnerCall) -> tuple[Any, bool, int]:
+    """What :meth:`HiCacheController._no_room` reads of a call made inside a hop: its outcome,
+    whether the backend counted an error, the pages it refused for room."""
+    outcome, _, errored, refused = call
+    return outcome, errored, refused
 
 
 def _refused_for_room(call: CallCounts) -> int:
