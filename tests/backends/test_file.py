@@ -681,6 +681,11 @@ async def test_huge_stray_file_is_rejected_before_allocating_it(tmp_path) -> Non
     async with store:
         assert await store.set("real", v0(64, 1))
         assert await store.set("other", v0(64, 2))
+        # the opening scan ends first: racing it, the scan could find the stray file first,
+        # remove it as torn and count it only at its end, and the get then found no file (a
+        # vanished page on a loaded machine), which is not the read this test is about
+        if store._scanner.task is not None:
+            await store._scanner.task
         target = page_path(tmp_path, store.namespace.digest, "real")
         with open(page_path(tmp_path, store.namespace.digest, "other"), "rb") as f:
             foreign_header = f.read(256)
