@@ -117,9 +117,16 @@ class SessionMetrics:
             stats = self._closed.pop(session_id, None)
             if stats is None:
                 stats = SessionStats(session_id)
-                self.incr("sessions_opened")
             self.sessions[session_id] = stats
         return stats
+
+    def opened(self, session_id: str) -> SessionStats:
+        """A session was opened (a new slot): counted every time, a released or expired id
+        coming back included. Counted with the stats instead, a reopened id whose stats the
+        closed history still kept was never counted opened again, though its slot was and its
+        next release or expiry was counted: more sessions closed than ever opened."""
+        self.incr("sessions_opened")
+        return self.session(session_id)
 
     def close(self, session_id: str) -> None:
         """Move a released session's stats to the bounded history."""

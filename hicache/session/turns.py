@@ -122,7 +122,7 @@ class Turns:
         slot = self._slots.get(sid)
         if slot is None:
             slot = self._slots[sid] = SessionSlot(sid, last_used=self._clock())
-            self._metrics.session(sid)
+            self._metrics.opened(sid)
         if slot.attached_rid is None:
             if slot.closing:
                 self._bypass_req(req, sid)

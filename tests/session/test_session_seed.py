@@ -422,3 +422,31 @@ async def test_reset_moves_every_sessions_stats_to_the_bounded_history() -> None
         assert m["sessions_reset"] == 5 * (r + 1)
     assert len(s.cache.session_metrics._closed) == 4  # bounded
     await s.aclose()
+
+
+@pytest.mark.parametrize("keep_closed", [1024, 0])
+async def test_a_session_reopened_after_release_or_expiry_is_counted_opened_again(keep_closed: int) -> None:
+    """``sessions_opened`` was counted when a session's stats were created, and the stats of
+    a released or expired session are kept (``keep_closed_stats``) so that its id coming back
+    counts as a resume: a conversation reopened under its id opened a new slot, and was
+    counted released (or expired) again, but never opened again. A server whose clients
+    reuse ids showed more sessions closed than ever opened (opened - released - expired
+    negative), and the count depended on ``keep_closed_stats``. Every slot opened counts."""
+    from hicache.session import SessionConfig
+
+    now = [0.0]
+    s = make_stack(hier=False, config=SessionConfig(keep_closed_stats=keep_closed, session_timeout_s=10.0),
+                   clock=lambda: now[0])
+    conv = Conversation(s, "chat", seed=3)
+    await conv.turn(6, 2)
+    s.cache.release_session("chat")
+    await conv.turn(6, 2)  # the same id again: a new session
+    now[0] += 60.0
+    assert s.cache.reap_idle() == 1  # expired
+    await conv.turn(6, 2)  # and again
+    m = s.cache.metrics()
+    assert m["sessions_released"] == 1 and m["sessions_expired"] == 1 and m["sessions_open"] == 1
+    assert m["sessions_opened"] == m["sessions_released"] + m["sessions_expired"] + m["sessions_open"] == 3
+    if keep_closed:  # the stats still follow the conversation across its sessions
+        assert m["sessions"]["chat"]["turns"] == 3
+    await s.aclose()
