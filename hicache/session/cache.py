@@ -216,14 +216,31 @@ class SessionAwareCache(ForwardingCache):
             # the session had history: where did it come back from?
             tier = (resume_tier(device_hit=res.device_hit, host_hit=res.host_hit, storage_hit=res.storage_hit)
                     if stats.turns else None)
-            self.session_metrics.admitted(slot.session_id, res.prefix_len, tier)
+            self._count_turn(slot, req, res.prefix_len, tier)
         return res
 
     def count_admitted(self, req: Req) -> None:
-        """Count a turn whose admit deferred its counts (see ``Req.defer_counts``)."""
+        """Count a turn whose admit deferred its counts (see ``Req.defer_counts``): the inner
+        cache's request counts and the session's resume counts."""
+        slot = self._turns.slot_for(req)
+        if slot is not None and slot.uncounted is not None:
+            (prefix_len, tier), slot.uncounted = slot.uncounted, None
+            self.session_metrics.admitted(slot.session_id, prefix_len, tier)
         fn = getattr(self.inner, "count_admitted", None)
         if fn is not None:
             fn(req)
+
+    def _count_turn(self, slot: SessionSlot, req: Req, prefix_len: int, tier: str | None) -> None:
+        """Count an admitted turn in the session counters, or (``req.defer_counts``) leave it
+        on the slot for :meth:`count_admitted`, as the inner cache leaves its request counts.
+
+        Why: a caller that defers its counts may still give the turn up for want of device
+        room and retry it (the server does, up to 8 times); counted here, every refused
+        attempt was one more resume of the history and its tokens once more restored."""
+        if getattr(req, "defer_counts", False):  # (an engine's own request type has no such field)
+            slot.uncounted = (prefix_len, tier)
+        else:
+            self.session_metrics.admitted(slot.session_id, prefix_len, tier)
 
     def _admit_restored(self, slot: SessionSlot, req: Req) -> None:
         """A restored turn is admitted: from now on pressure never takes its slot back (the
@@ -231,7 +248,7 @@ class SessionAwareCache(ForwardingCache):
         if slot.admitted:
             return
         slot.admitted = True
-        self.session_metrics.admitted(slot.session_id, slot.turn_prefix_len, "slot")
+        self._count_turn(slot, req, slot.turn_prefix_len, "slot")
         self._attribute_restored(req, slot.turn_prefix_len)
 
     def _count_restored(self, req: Req, prefix_len: int) -> None:

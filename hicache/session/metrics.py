@@ -5,7 +5,9 @@ recomputed, resumed from storage) as well as the totals; both are plain dicts so
 registry can take them. Everything is updated on the event loop thread.
 
 Resume tiers: a turn of a session that already had turns is a *resume* (counted when the turn
-is admitted, so a turn aborted later still counts); it is counted by where
+is admitted, so a turn aborted later still counts; a caller that defers its counts, as the
+facade does, counts it once it really starts, so a turn refused for room and retried counts
+once); it is counted by where
 its history came from: ``slot`` (the device slot, no lookup), ``device`` (the tree's device
 pages after an offload), ``host``, ``storage`` (the deepest tier that contributed), or
 ``recompute`` (nothing reusable was found).

@@ -104,6 +104,9 @@ class SessionSlot:
     attached_req: Req | None = None
     turn_prefix_len: int = 0
     admitted: bool = False
+    #: the admitted turn's session counts (prefix length, resume tier) its caller deferred
+    #: (``Req.defer_counts``) until it really starts (``count_admitted``)
+    uncounted: tuple[int, str | None] | None = None
     closing: bool = False
     last_used: float = 0.0
 

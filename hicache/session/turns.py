@@ -203,6 +203,7 @@ class Turns:
         slot.attached_req = None
         slot.turn_prefix_len = 0
         slot.admitted = False
+        slot.uncounted = None  # a turn given up before it started is not counted
         slot.last_used = self._clock()
         if fire:
             self.after_detach(slot)

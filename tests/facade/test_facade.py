@@ -265,6 +265,42 @@ async def test_restored_session_turns_are_counted_in_the_request_and_hit_totals(
         assert scrape.value("hicache_request_hit_tokens_total", cache=label, tier="device") == device_hits
 
 
+async def test_a_session_turn_refused_for_room_is_not_counted_as_a_resume() -> None:
+    """A turn refused for device room never starts (the server retries it, up to 8 times and
+    for minutes under pressure): the request totals leave it out, but the session counters
+    took each refused attempt for a resumed turn (``resumes_slot``, ``restored_tokens``), so a
+    conversation of 2 turns showed 4 resumes of its history, and the resume figures grew
+    fastest exactly when the device was full. A turn counts once, when it starts."""
+    async with HiCache.from_config(config(storage={"backend": None})) as cache:
+        history = prompt(21, 40)
+        for turn in range(2):
+            history = history + prompt(300 + turn, 3)
+            history = list((await run(cache, f"t{turn}", history, session_id="chat")).token_ids)
+        keys = ("restored_tokens", "resumes_slot", "resume_tokens_slot")
+        before = {k: cache.metrics()["sessions"][k] for k in keys}
+        assert before["resumes_slot"] == 1
+        free = cache.metrics()["device"]["free_tokens"]
+        for _ in range(3):
+            with pytest.raises(OutOfKVSlotsError):
+                await cache.begin("t2", history + prompt(400, free + PS), session_id="chat")
+        m = cache.metrics()["sessions"]
+        assert {k: m[k] for k in keys} == before
+        assert m["sessions"]["chat"]["resumes"]["slot"] == 1
+        h = await run(cache, "t2", history + prompt(401, 3), session_id="chat")  # fits: counted once
+        m = cache.metrics()["sessions"]
+        assert m["resumes_slot"] == 2 and m["restored_tokens"] == before["restored_tokens"] + h.prefix_len
+        # the same for a turn whose history comes back from the tree (the session offloaded)
+        history = list(h.token_ids)
+        assert cache.cache.offload_session("chat")
+        free = cache.metrics()["device"]["free_tokens"]
+        with pytest.raises(OutOfKVSlotsError):
+            await cache.begin("t3", history + prompt(402, free + 2 * PS), session_id="chat")
+        assert cache.metrics()["sessions"]["resumes_device"] == 0
+        h = await run(cache, "t3", history + prompt(403, 3), session_id="chat")
+        m = cache.metrics()["sessions"]
+        assert m["resumes_device"] == 1 and m["resume_tokens_device"] == h.prefix_len > 0
+
+
 async def test_a_failing_tier_change_consumer_is_counted_in_the_scrape() -> None:
     """A consumer of tier changes that raises is logged and counted by the hub (never breaks
     a tier); the count reaches the scrape (it stayed in the hub, unseen)."""
