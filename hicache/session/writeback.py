@@ -26,6 +26,10 @@ __all__ = ["WriteBackQueue"]
 
 logger = logging.getLogger("hicache.session")
 
+#: how long :meth:`WriteBackQueue.drain` waits in all for storage writes to free host room, for
+#: a tree without a controller config to take its close timeout from
+_HOST_ROOM_WAIT_S = 30.0
+
 
 @dataclasses.dataclass(eq=False)
 class _Entry:
@@ -219,8 +223,12 @@ class WriteBackQueue:
         # Only the host copies are followed here: wait for the device->host copies, not for
         # the storage writes queued behind them (a slow or hung backend would hold up a
         # session close, or aclose() past its close timeout; the controller's close bounds
-        # and reports those writes).
+        # and reports those writes). The one exception, bounded: a copy refused because host
+        # is full of pages those writes hold waits for the next to land (_wait_for_host_room).
         drain = getattr(self._tree, "drain_backups", None) or getattr(self._tree, "drain", None)
+        controller = getattr(self._tree, "controller", None)
+        budget = getattr(getattr(controller, "config", None), "close_timeout_s", _HOST_ROOM_WAIT_S)
+        deadline = asyncio.get_running_loop().time() + budget
         idle = 0
         while self._entries:
             self.pump()
@@ -230,6 +238,8 @@ class WriteBackQueue:
                 return
             before = [(e.attempts, e.submits, e.started) for e in self._entries]
             await drain()
+            if await self._wait_for_host_room(deadline):
+                continue  # a storage write landed: its pages' host copies can go, retry uncounted
             self.pump(count_refusals=True)
             # a drain that had nothing to wait for (the controller closed) while entries wait
             # for copies that can never end: report them rather than spin on the loop
@@ -239,6 +249,31 @@ class WriteBackQueue:
                 self._give_up_stuck()
                 return
             await asyncio.sleep(0)  # never starve the loop, whatever drain() did
+
+    async def _wait_for_host_room(self, deadline: float) -> bool:
+        """Wait for the next storage write to land when an entry was refused for host room
+        and writes are in flight; returns whether one landed before ``deadline``.
+
+        Why: host full of pages on their way to storage refuses every copy at once, and each
+        write that lands frees room (a written page's host copy can be shed). Counted instead,
+        the refusals used up an entry's attempts in microseconds and it was reported dropped,
+        with a warning, though the cache's close then copied and wrote it. Bounded by the
+        controller's close timeout: a hung store must not hold a session close longer than
+        it holds the controller's (a store that hangs is marked down, which ends its writes)."""
+        controller = getattr(self._tree, "controller", None)
+        wait = getattr(controller, "wait_storage_progress", None)
+        if wait is None or not getattr(controller, "storage_writes_pending", 0) \
+                or not getattr(getattr(controller, "health", None), "up", True) \
+                or not any(e.kept for e in self._entries):  # (a store down lands nothing)
+            return False
+        left = deadline - asyncio.get_running_loop().time()
+        if left <= 0:
+            return False
+        try:
+            await asyncio.wait_for(wait(), left)
+        except TimeoutError:
+            return False
+        return True
 
     def _give_up_stuck(self) -> None:
         for e in self._entries:

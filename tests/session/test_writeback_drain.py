@@ -197,3 +197,36 @@ async def test_an_entry_the_tree_fails_on_is_given_up_not_raised_at_every_pump()
     good.backup_op, good.host_value = None, object()  # type: ignore[attr-defined]  # its copy landed
     queue.pump()
     assert len(queue) == 0 and counts["writeback_done"] == 1
+
+
+async def test_write_backs_refused_while_host_is_full_of_storage_writes_wait_for_them(tmp_path) -> None:
+    """Host, a tenth of the device, is full of pages on their way to storage when the released
+    sessions' write-backs drain. Each refusal used to count at once: an entry's attempts ran
+    out in microseconds and it was reported dropped (with a warning), though the close then
+    copied and wrote it. Now the drain waits for the writes that free the room."""
+    import torch
+
+    from hicache.facade import HiCache
+    from hicache.replay.synthetic import write_synthetic_kv
+
+    ps = 16
+    cfg = {
+        "model": {"name": "test/x", "num_layers": 2, "num_kv_heads": 2, "head_dim": 8},
+        "device": {"device": "cpu", "size_tokens": 256 * ps, "page_size": ps, "max_requests": 16,
+                   "max_context_len": 4096},
+        "host": {"ratio": 0.1},
+        "storage": {"backend": "file", "options": {"root": str(tmp_path / "kv")}},
+        "cache": {"prefetch": {"policy": "wait_complete", "threshold_tokens": 0}},
+        "session": {"reap_interval_s": None},
+    }
+    async with HiCache.from_config(cfg) as c:
+        for s in range(12):
+            toks = list(range(10000 * (s + 1), 10000 * (s + 1) + 3 * ps))
+            h = await c.begin(f"r{s}", toks, session_id=f"S{s}")
+            write_synthetic_kv(c.device_pool, h.kv_indices[h.prefix_len:], torch.tensor(toks)[h.prefix_len:])
+            await c.commit(h, finished=True)
+        for s in range(12):
+            await c.release_session(f"S{s}")
+    m = c.cache.metrics()
+    assert m["writeback_dropped"] == 0 and m["writeback_lost"] == 0
+    assert m["writeback_done"] == m["writeback_queued"] == 12
