@@ -790,6 +790,41 @@ async def test_a_writer_killed_after_publishing_leaves_its_pages_counted_and_evi
         assert await within(store.exists("k-child"))
 
 
+async def test_a_reservation_left_by_a_writer_no_process_here_can_judge_goes_at_a_lone_scan(tmp_path) -> None:
+    """A writer of another machine or PID namespace (a container sharing the root's volume)
+    killed between its reservation and its settlement left its slot in the reservation table:
+    no process here may judge its pid, so it was never freed. A scan of the namespace alone
+    corrected the count to the pages on disk but kept the slot, whose bytes then passed for a
+    write in flight for good: the eviction after the scan left them out, and a store reopened
+    with a lower max_bytes stayed over it (twice its bound here) however much it wrote. Alone,
+    nothing is in flight: the correction now empties the table too."""
+    page = 4000
+    async with make_store(tmp_path, max_bytes=1 << 20) as store:
+        await within(store.wait_background())
+        for i in range(8):
+            assert await within(store.set(f"k{i}", v0(page, i)))
+        ns_dir = store.layout.ns_dir
+    child = (
+        "import os, sys\n"
+        "from hicache_backends.file import ledger as L\n"
+        "L.MACHINE ^= 1  # a writer in another PID namespace, or on another machine\n"
+        "L.UsageLedger(sys.argv[1]).add(64_000, inflight=64_000)  # reserved, never settled\n"
+        "os.kill(os.getpid(), 9)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", child, ns_dir], timeout=60)
+    assert done.returncode == -9
+    bound = 4 * (page + 200)
+    async with make_store(tmp_path, max_bytes=bound) as store:  # alone: its scan corrects the count
+        await within(store.wait_background(), 10.0)
+        for i in range(8, 12):
+            assert await within(store.set(f"k{i}", v0(page, i)))
+        await within(store.wait_background(), 10.0)
+        usage = await asyncio.to_thread(store._space.ledger.read)
+        on_disk = sum(p.stat().st_size for p in Path(ns_dir).rglob("*.page"))
+        assert usage is not None and usage.inflight == 0
+        assert usage.used == on_disk <= bound
+
+
 @pytest.mark.parametrize("shared", [True, False])
 async def test_a_write_racing_a_clear_leaves_the_index_equal_to_the_disk(tmp_path, monkeypatch, shared) -> None:
     """A write that starts before ``clear()`` and lands after it (its folder recreated) is

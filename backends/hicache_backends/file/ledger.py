@@ -25,7 +25,8 @@ when nothing can have been in flight: this process had no write in flight when t
 no other process had the namespace open at its start or its end (each open store holds a
 shared ``flock`` on the ``users`` file; :meth:`UsageLedger.alone` tries for an exclusive one),
 and ``seq`` did not move in between (nobody changed anything). Killed writers' reservations
-are exactly what such a scan removes.
+are exactly what such a scan removes, slots included: those of writers on another machine or
+in another PID namespace, which no process here may judge dead, go only then.
 
 A clear renames the namespace folder away, and with it the ledger; the next operation notices
 that the path now names another file and reopens it, and a delta reserved against the old file
@@ -207,7 +208,8 @@ class UsageLedger:
         when the ledger cannot be used. With ``token``, a delta meant for a ledger file that has
         since been replaced (a clear) is not applied; the current totals are still returned.
         With ``if_seq``, the delta is applied only if nobody changed the ledger since the
-        reading that had that ``seq`` (a scan's correction, see the module docstring).
+        reading that had that ``seq`` (a scan's correction, see the module docstring), and the
+        reservation table is then emptied (only a scan of the namespace alone passes it).
         ``inflight``: bytes this process starts (> 0, with its reservation) or stops (< 0, when
         it settles) having reserved and not settled; given back for it if it dies between.
         ``floor``: bytes a scan found on disk; the count is raised to it if below (never
@@ -227,6 +229,11 @@ class UsageLedger:
                     applies = token is None or token == self._counters.ino
                     if delta and applies and if_seq in (None, seq):
                         used, changed = max(0, used + delta), True
+                    if applies and if_seq == seq and any(slots[2::3]):
+                        # a lone scan's correction: nothing is in flight, so a slot left is a
+                        # dead writer's that nobody here may judge (another machine or PID
+                        # namespace); kept, its bytes passed for a write in flight for good
+                        slots, changed = [0] * len(slots), True
                     reclaimed = _reclaim(slots)
                     if reclaimed:
                         used, changed = max(0, used - reclaimed), True
