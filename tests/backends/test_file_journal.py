@@ -404,3 +404,62 @@ async def test_removals_in_a_journal_file_the_tail_missed_leave_the_index(tmp_pa
             assert stats["journal_missed_files"] == 1 and stats["pruned_pages"] == 2
             assert [page_id(k, "kv") in a.index for k in keys] == [False, False, True]
             assert await a.batch_exists(keys) == 0 and await a.exists(keys[2])
+
+
+_KILLED_CLEAR = textwrap.dedent(
+    """
+    import asyncio, os, sys
+    from hicache.storage import create_async_storage
+    from hicache.testing.store_tests import NS_A
+    from hicache_backends.file import io as page_io
+
+    async def main(root, where):
+        store = create_async_storage("file", None, root=root, namespace=NS_A)
+        async with store:
+            await store.wait_background()
+            def die(*args):
+                os.kill(os.getpid(), 9)
+            if where == "after_rename":  # the folder renamed to trash, no fresh one yet
+                page_io.prepare_namespace = die
+            else:  # the fresh folder set up, the clear line not yet journalled
+                async def die_async():
+                    die()
+                store._peers.append_cleared = die_async
+            await store.clear()
+
+    asyncio.run(main(sys.argv[1], sys.argv[2]))
+    """
+)
+
+
+@pytest.mark.parametrize("where", ["after_rename", "before_line"])
+async def test_a_clear_killed_before_its_journal_line_still_empties_the_peers_index(tmp_path: Path, where: str) -> None:
+    """A process killed in the middle of a clear (SIGKILL after it renamed the namespace folder
+    away, before its clear line reached the journal) left every peer answering present for
+    each page the clear took, until a read missed it, and its trash (the whole old namespace)
+    on disk outside every count until a restart. A peer's tail now finds the journal in a
+    fresh folder with no predecessor: the folder was replaced, so it checks its index against
+    the disk and finishes the dead clear's deletion."""
+    keys = keys_for(6, salt=21)
+    a, pool = _store_with_pool(tmp_path, len(keys), 2, journal_poll_s=0.05)
+    async with a:
+        assert all(await a.batch_set_v1(keys, pool.indices(0, len(keys))))
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "backends")]))
+        done = subprocess.run([sys.executable, "-c", _KILLED_CLEAR, str(tmp_path), where], env=env, timeout=120)
+        assert done.returncode == -9
+        assert any(n.startswith(".trash-") for n in os.listdir(tmp_path))
+        if where == "after_rename":  # a server (re)starting on the namespace sets the folder up
+            async with create_async_storage("file", None, root=str(tmp_path), namespace=NS_A) as c:
+                await c.wait_background()
+        assert await wait_for(lambda: not any(pid in a.index for pid in _pids(keys)))
+        assert await a.batch_exists(keys) == 0
+        await a.wait_background()
+        assert not any(n.startswith(".trash-") for n in os.listdir(tmp_path))
+        assert all(await a.batch_set_v1(keys[:2], pool.indices(0, 2)))
+        assert await a.batch_exists(keys) == 2
+
+
+def _pids(keys: list[str]) -> list[str]:
+    from hicache_backends.file.layout import page_id
+
+    return [page_id(k, "kv") for k in keys]

@@ -886,13 +886,19 @@ class FileStorage(AsyncHiCacheStorage):
         """A write made the namespace folder again (a cleaner had deleted it: the default root
         is under /tmp). Housekeeping, which otherwise runs only after a scan or a clear, writes
         its manifest back and makes its page folders; once at a time."""
+        if self._rehouse():
+            logger.warning("file store %s: the folder of namespace %s was gone (deleted while in use?); set up again",
+                           self.root, self.namespace.digest)
+
+    def _rehouse(self) -> bool:
+        """Run housekeeping in the background (the namespace folder was made again, or replaced
+        by another process); whether it started (not while one runs, nor once closing)."""
         if self._stop.is_set() or (self._rehousing is not None and not self._rehousing.done()):
-            return
-        logger.warning("file store %s: the folder of namespace %s was gone (deleted while in use?); set up again",
-                       self.root, self.namespace.digest)
+            return False
         task = self._rehousing = asyncio.get_running_loop().create_task(self._housekeeping())
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+        return True
 
     def _write_failed(self, job: _WriteJob, r: page_io.WriteResult) -> None:
         if r.pool_error:
@@ -961,6 +967,13 @@ class FileStorage(AsyncHiCacheStorage):
     def _peer_removal(self, removal: PeerRemoval) -> None:
         if removal.missed:
             self._prune_later()
+            return
+        if removal.replaced:
+            # what the old folder held is gone, and a clear killed before its line leaves no other
+            # sign: the index is checked against the disk, and housekeeping finishes the deletion
+            self.stats.incr("namespace_folder_replaced")
+            self._prune_later()
+            self._rehouse()
             return
         if removal.cleared:
             self.stats.incr("peer_clears")

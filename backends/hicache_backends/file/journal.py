@@ -45,7 +45,8 @@ returns (a ``missed`` record); the store then checks its index against the disk.
 A clear renames the whole namespace folder, journal included; the clearing store writes a
 ``clear`` line into the fresh journal, and readers, finding a new file under the name, read the
 old one to its end and the new one from its start (a reader creates the journal when it opens,
-so it holds the file before any line is written). Every call here blocks (``flock``, file I/O): run it on an executor thread.
+so it holds the file before any line is written). A fresh file with no predecessor is itself
+said (``replaced``): a clear killed before its line leaves no other sign. Every call here blocks (``flock``, file I/O): run it on an executor thread.
 Any ``OSError`` is logged and the call does nothing: a journal problem never breaks the store.
 """
 
@@ -83,12 +84,15 @@ _BAD_LINE = (ValueError, KeyError, TypeError, InvalidKeyError)  # what a malform
 @dataclass(frozen=True, slots=True)
 class PeerRemoval:
     """What another process removed: ``pages`` as ``(key, pool)``, or everything (``cleared``),
-    or an unknown set of pages (``missed``: lines that went by unread)."""
+    or an unknown set of pages (``missed``: lines that went by unread), or whatever the
+    namespace folder held (``replaced``: a clear, or a deletion of the folder, whose clear line
+    may never come: its process may have been killed before writing it)."""
 
     pages: tuple[tuple[str, str], ...] = ()
     reason: str = "evicted"
     cleared: bool = False
     missed: bool = False  # a journal file went by unread: removals of unknown pages were lost
+    replaced: bool = False  # the journal is the first of a fresh namespace folder
 
 
 def _append_whole(fd: int, data: bytes) -> bool:
@@ -258,15 +262,30 @@ class RemovalJournal:
                 if self._fd is None:
                     return out
             self._read_lines(out)
-            try:
-                now = os.stat(self.path).st_ino
-            except FileNotFoundError:
-                now = None
+            now = self._current_ino()
             if now is not None and now != os.fstat(self._fd).st_ino:
                 self._next_file(out)  # rotated or cleared, and the next file exists
         except OSError as exc:
             logger.warning("file store %s: reading the removal journal failed: %s", self.ns_dir, exc)
         return out
+
+    def _current_ino(self) -> int | None:
+        """The inode of the journal now under the name (``None``: none there). A folder without
+        one gets one, as a reader's open makes it: a clear killed after setting up the fresh
+        folder and before its clear line left none there, and a reader that waited for the next
+        append to make it kept the cleared pages indexed for as long as no process removed one.
+        Never in a folder that is a link, nor a folder that is gone (a clear between its steps)."""
+        try:
+            return os.stat(self.path).st_ino
+        except FileNotFoundError:
+            pass
+        if os.path.islink(self.ns_dir):
+            return None
+        try:
+            os.close(os.open(self.path, _O_READ | os.O_CREAT, 0o644))
+            return os.stat(self.path).st_ino
+        except OSError:  # gone, or a dangling link planted there (never followed): nothing to follow
+            return None
 
     def _next_file(self, out: list[PeerRemoval]) -> None:
         """Finish the old file and move to the one now under the name.
@@ -291,7 +310,10 @@ class RemovalJournal:
         try:
             before = os.stat(self.path + ".1")
         except FileNotFoundError:
-            before = None  # nothing rotated in this folder: the new file is its first (a clear)
+            # nothing rotated in this folder: the new file is its first, so the folder was
+            # replaced (a clear, or deleted and made again): said whether or not a clear line follows
+            before = None
+            out.append(PeerRemoval(reason="replaced", replaced=True))
         # .1 is the old file (the new one is its successor) or the new one (rotated right after
         # we opened it: its predecessor cannot be told, so counted as missed to be safe)
         if before is not None and (before.st_dev, before.st_ino) != (was.st_dev, was.st_ino):
