@@ -699,6 +699,36 @@ async def test_a_namespace_folder_that_is_a_link_is_refused_and_clear_spares_its
     assert sorted(outside.rglob("*.txt")) == files
 
 
+async def test_links_planted_at_the_ledger_and_lock_files_are_replaced_and_the_bound_holds(tmp_path) -> None:
+    """A link planted at the usage ledger, its ``users`` lock or the journal's lock file was
+    never followed, but never replaced either (a FIFO there was): the ledger stayed unavailable
+    for good, each process counted only its own pages, and two stores bounded to three pages
+    held five. Only the link goes, never what it points to."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    root = tmp_path / "root"
+    async with make_store(root) as store:
+        ns = Path(store.layout.ns_dir)
+    for name in (LEDGER_NAME, USERS_NAME, "removals.lock"):
+        (outside / name).write_bytes(b"keep me")
+        if os.path.lexists(ns / name):
+            os.unlink(ns / name)
+        (ns / name).symlink_to(outside / name)
+    size, pages = 4000, 3
+    bound = pages * (size + 200)
+    a, b = make_store(root, max_bytes=bound), make_store(root, max_bytes=bound)
+    async with a, b:
+        await within(a.wait_background())
+        await within(b.wait_background())
+        for i in range(6):
+            assert await within((a if i % 2 else b).set(f"k{i}", v0(size, i)))
+        on_disk = sum(p.stat().st_size for p in ns.rglob("*.page"))
+        usage = read_usage(str(ns / LEDGER_NAME))
+        assert usage is not None and usage.used == on_disk <= bound
+    assert all((outside / n).read_bytes() == b"keep me" for n in (LEDGER_NAME, USERS_NAME, "removals.lock"))
+    assert not any(os.path.islink(ns / n) for n in (LEDGER_NAME, USERS_NAME, "removals.lock"))
+
+
 async def test_pages_never_go_through_a_linked_page_folder(tmp_path) -> None:
     """Page files are opened without following links, but the folders on their path were
     followed: a write landed outside the root and was then served as a hit."""

@@ -66,15 +66,30 @@ class SharedFile:
         folder = os.path.dirname(self.path)
         if os.path.islink(folder):  # the namespace folder swapped for a link: never create outside the root
             raise OSError(errno.ELOOP, f"{folder} is a symbolic link")
-        fd = os.open(self.path, _O_FLAGS, 0o644)
+        try:
+            fd = os.open(self.path, _O_FLAGS, 0o644)
+        except OSError as exc:
+            # a link planted here (never followed): kept, the file stayed unavailable for good,
+            # and with it the shared count and every process's bound on it
+            if exc.errno != errno.ELOOP:
+                raise
+            fd = self._replace_stray()
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):  # a FIFO or device planted here: not ours
             os.close(fd)
-            os.unlink(self.path)
-            fd = os.open(self.path, _O_FLAGS | os.O_EXCL, 0o644)
+            fd = self._replace_stray()
             st = os.fstat(fd)
         self.fd, self.ino = fd, st.st_ino
         return fd, True
+
+    def _replace_stray(self) -> int:
+        """A link, FIFO or device at the path is not ours: only it goes (never what a link
+        points to), and a fresh regular file takes its place."""
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+        return os.open(self.path, _O_FLAGS | os.O_EXCL, 0o644)
 
     def close(self) -> None:
         if self.fd is not None:
