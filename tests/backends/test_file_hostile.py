@@ -729,6 +729,28 @@ async def test_links_planted_at_the_ledger_and_lock_files_are_replaced_and_the_b
     assert not any(os.path.islink(ns / n) for n in (LEDGER_NAME, USERS_NAME, "removals.lock"))
 
 
+async def test_a_link_planted_at_the_manifests_temporary_name_takes_no_write_outside(tmp_path, monkeypatch) -> None:
+    """The manifest is written to a temporary name (the writer's pid and a counter: easy to
+    guess) opened by a plain ``open``, which followed a link planted there: opening the store
+    truncated the file it pointed to, outside the root, and wrote the manifest into it."""
+    import itertools
+
+    outside = tmp_path / "outside.txt"
+    outside.write_text("keep me")
+    root = tmp_path / "root"
+    store = make_store(root)
+    ns = root / store.namespace.digest
+    ns.mkdir(parents=True)
+    monkeypatch.setattr(file_io, "_serial", itertools.count(0))
+    (ns / f"manifest.json.{os.getpid()}.0.tmp").symlink_to(outside)
+    async with store:
+        await within(store.wait_background())
+        assert await within(store.set("k", v0(64, 1)))
+    assert outside.read_text() == "keep me"
+    assert (ns / "manifest.json").is_file() and not (ns / "manifest.json").is_symlink()
+    assert not os.path.lexists(ns / f"manifest.json.{os.getpid()}.0.tmp")
+
+
 async def test_pages_never_go_through_a_linked_page_folder(tmp_path) -> None:
     """Page files are opened without following links, but the folders on their path were
     followed: a write landed outside the root and was then served as a hit."""

@@ -829,7 +829,7 @@ def _write_manifest(layout: NamespaceLayout, manifest: dict) -> None:
         return
     tmp = f"{layout.manifest_path}.{os.getpid()}.{next(_serial)}.tmp"
     try:
-        with open(tmp, "w", encoding="utf-8") as f:
+        with os.fdopen(_create_fresh(tmp), "w", encoding="utf-8") as f:
             f.write(text)
         os.replace(tmp, layout.manifest_path)
     except OSError:
@@ -838,6 +838,18 @@ def _write_manifest(layout: NamespaceLayout, manifest: dict) -> None:
         except OSError:
             pass
         raise
+
+
+def _create_fresh(path: str) -> int:
+    """A new file at ``path`` (a temporary name of this process's), opened for writing. What is
+    already there is stale or planted: removed (a link, never what it points to), then the file
+    is created exclusively. A plain ``open`` followed a link planted at the name (a pid and a
+    counter: easy to guess) and wrote over the file it pointed to, outside the root."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0), 0o644)
 
 
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
