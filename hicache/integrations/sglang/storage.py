@@ -214,13 +214,18 @@ def _no_flat_pages(pool: Any) -> str | None:
     has none (SGLang's MXFP8 pool), nor one whose ``get_data_page`` raises ``ValueError``: SGLang
     raises that for a layout its page methods do not know ("Unsupported layout"), which
     ``get_dummy_flat_data_page`` (the same for every layout) never showed, so such a pool
-    attached and every write failed. The first page is asked for (a page's copy at most)."""
+    attached and every write failed. Nor one whose flat page is empty: SGLang's DeepSeek V4 KV
+    anchor (``LogicalHostPool``) holds no bytes, and every write of it failed ("cannot say its
+    page size"), so that server never stored a KV page nor had a hit. The first page is asked
+    for (a page's copy at most)."""
     try:
-        pool.get_dummy_flat_data_page()
+        dummy = pool.get_dummy_flat_data_page()
     except NotImplementedError as exc:
         return f"{type(pool).__name__} has no flat storage pages in SGLang" + (f" ({exc})" if str(exc) else "")
     except Exception:  # noqa: BLE001 - anything else is for the page path to report
         return None
+    if isinstance(dummy, torch.Tensor) and dummy.numel() == 0:
+        return f"{type(pool).__name__} holds no bytes (its flat storage pages are empty: a logical pool)"
     try:
         pool.get_data_page(0, flat=True)
     except (NotImplementedError, ValueError) as exc:

@@ -153,6 +153,26 @@ def test_a_layout_sglang_gives_no_pages_of_fails_the_attach_naming_it(tmp_path) 
         st.close()
 
 
+def test_a_kv_anchor_that_holds_no_bytes_fails_the_attach_naming_it(tmp_path) -> None:
+    """SGLang's DeepSeek V4 KV anchor (``LogicalHostPool``) holds no KV: its flat pages are
+    empty. It attached, and then every KV write failed with an error in the log ("cannot say
+    its page size"), so no KV page was ever stored and the server never had a hit. As the KV
+    pool it now fails the attach, as a pool with no flat pages does."""
+    from sglang.srt.mem_cache.memory_pool_host import LogicalHostPool
+
+    anchor = LogicalHostPool(64 * PS, PS)
+    assert anchor.get_dummy_flat_data_page().numel() == 0  # SGLang's own word: no bytes
+    st = _store(tmp_path / "s", mla=True)
+    st.register_mem_pool_host(anchor)
+    st.register_mem_host_pool_v2(anchor, PoolName.KV)
+    try:
+        with pytest.raises(SGLangAttachError, match="LogicalHostPool.*no bytes"):
+            st.on_host_pools_registered()
+        assert st.batch_set_v1([KEYS[0]], torch.arange(PS)) == [False]
+    finally:
+        st.close()
+
+
 @pytest.mark.parametrize("timeout", [1e10, float("inf")])
 def test_a_call_timeout_beyond_the_clock_means_no_limit(tmp_path, timeout) -> None:
     """Accepted at start-up, then every call raised OverflowError and the attach failed as
