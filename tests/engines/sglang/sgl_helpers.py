@@ -111,11 +111,12 @@ def controller(
 
 
 def mamba_server(root: str, ssm_dtype: torch.dtype = torch.bfloat16, ratio: float = 2.0, *,
-                 metrics: bool = False, fill: bool = False) -> tuple[Any, Any]:
+                 metrics: bool = False, fill: bool = False, side_state: bool = False) -> tuple[Any, Any]:
     """A hybrid model's rank through SGLang's factory (``dynamic`` -> hicache's file store at
     ``root``): its KV host pool (page 16, 4 layers, page_first) and a Mamba state pool (SSM
     state of ``ssm_dtype``, conv bf16) registered as v2 pools. Returns the storage and the Mamba
-    pool. ``metrics``: SGLang's storage metrics on; ``fill``: the KV pool filled at random."""
+    pool. ``metrics``: SGLang's storage metrics on; ``fill``: the KV pool filled at random;
+    ``side_state``: a per-slot side state kept in each state page (``extra_checkpoint_buffers``)."""
     from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
     dev = device_pool(page_size=16, layers=4)
@@ -123,7 +124,8 @@ def mamba_server(root: str, ssm_dtype: torch.dtype = torch.bfloat16, ratio: floa
     if fill:
         fill_random(kv)
     info = MambaStateBufferInfo(temporal=torch.zeros(2, 8, 4, 8, dtype=ssm_dtype),
-                                conv=(torch.zeros(2, 8, 3, 8, dtype=torch.bfloat16),))
+                                conv=(torch.zeros(2, 8, 3, 8, dtype=torch.bfloat16),),
+                                extra_checkpoint_buffers=(torch.zeros(8, 5),) if side_state else ())
     mamba = MambaPoolHost(info, ratio, 0, device_capacity=8, pin_memory=False, device="cpu", layout="page_first")
     cfg = storage_config(root, "m", enable_storage_metrics=metrics)
     st = StorageBackendFactory.create_backend("dynamic", cfg, kv)

@@ -207,6 +207,31 @@ def test_a_mamba_state_of_another_dtype_is_never_restored(tmp_path) -> None:
             st.close()
 
 
+
+def test_mamba_pools_with_and_without_a_side_state_keep_their_own_pages(tmp_path) -> None:
+    """A Mamba pool that keeps a per-slot side state in each page (``extra_checkpoint_buffers``)
+    has longer pages than one without, but the same format tag: two servers of one model, one
+    with it, shared the pool's pages and overwrote each other's (each then read the other's
+    page as a miss), so each lost the other's states. Each format has its own pages now."""
+    root = str(tmp_path / "store")
+    a, m_a = helpers.mamba_server(root)
+    b, m_b = helpers.mamba_server(root, side_state=True)
+    assert m_a.size_per_token != m_b.size_per_token
+    try:
+        def put(st, mamba, value):  # type: ignore[no-untyped-def]
+            for t in mamba._iter_page_tensors(1):
+                t.fill_(value)
+            return st.batch_set_v2([PoolTransfer(PoolName.MAMBA, torch.tensor([1]), keys=["k0"])])[PoolName.MAMBA]
+
+        assert put(a, m_a, 1.0) == [True]
+        assert put(b, m_b, 2.0) == [True]
+        for st, mamba, value in ((a, m_a, 1.0), (b, m_b, 2.0)):
+            assert st.batch_get_v2([PoolTransfer(PoolName.MAMBA, torch.tensor([2]), keys=["k0"])])[PoolName.MAMBA] == [True]
+            assert all(bool((t == value).all()) for t in mamba._iter_page_tensors(2))
+    finally:
+        a.close()
+        b.close()
+
 class _OwnPagesMLAHost(MLATokenToKVPoolHost):
     """SGLang's MLA host pool with page methods of its own (here SGLang's, called through), as a
     subclass that keeps state beyond ``kv_buffer`` has them: the adapter passes it through
