@@ -24,6 +24,8 @@ from hicache.errors import LoopMisuseError, StorageStateError
 from hicache.storage.base import AsyncHiCacheStorage, StorageState
 from hicache.storage.stats import Throttle
 from hicache.storage.key_screen import first_unstorable, is_storable, page_indices, storable_runs
+from hicache.storage.pages import checked_starts
+from hicache.storage.pool_pages import clashing_reads
 from hicache.storage.types import (
     HiCacheStorageExtraInfo,
     PoolName,
@@ -323,10 +325,12 @@ class HiCacheStorage:
         return list(keys[:cut])
 
     def _transfers(
-        self, call: TransferCall, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None
+        self, call: TransferCall, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None,
+        *, reads: bool = False,
     ) -> dict[str, list[bool]]:
-        """A v2 get or set with every unstorable key failed alone: each run of good keys of a
-        transfer goes to the backend with its own pages (a run after a bad key has no parent)."""
+        """A v2 get (``reads``) or set with every unstorable key failed alone: each run of good
+        keys of a transfer goes to the backend with its own pages (a run after a bad key has no
+        parent)."""
         if all(not _is_batch(t.keys) or first_unstorable(t.keys or []) is None for t in transfers):
             return self._call(call(transfers, extra_info))
 
@@ -336,7 +340,11 @@ class HiCacheStorage:
                 keys = list(t.keys or [])
                 flags = [False] * len(keys)
                 self._count_unstorable(keys)
-                for start, end in storable_runs(keys):
+                runs_of: list[object] = list(keys)
+                if reads:  # a page clashing with another run's target fails as a bad key does
+                    for i in self._clashing_reads(t, keys):
+                        runs_of[i] = None
+                for start, end in storable_runs(runs_of):
                     indices = page_indices(t.host_indices, len(keys), start, end)
                     if indices is None:  # indices that do not split into pages: the whole transfer fails
                         self.backend.stats.incr("invalid_requests")
@@ -351,6 +359,25 @@ class HiCacheStorage:
 
         return self._call(screened())
 
+    def _clashing_reads(self, transfer: PoolTransfer, keys: Sequence[object]) -> set[int]:
+        """Positions of the storable pages of a read ``transfer`` whose host memory another
+        storable page of it is read into (the first kept; counted and logged).
+
+        Why here: the screened runs go to the backend one by one, and the backend drops such
+        pages only within one run; two pages either side of a bad key were both read into the
+        same memory and both reported hits, the first's host page holding the second's KV."""
+        name = pool_name_str(transfer.name)
+        pool = self.backend.registered_pools.get(name)
+        if pool is None:
+            return set()  # the backend's call refuses the transfer
+        starts, bad = checked_starts(transfer.host_indices, len(keys), pool.page_size)
+        if starts is None:
+            return set()  # not whole pages: the whole transfer fails (see screened())
+        usable: list[int | None] = [st if is_storable(k) else None for st, k in zip(starts, keys)]
+        for i in bad:
+            usable[i] = None
+        return clashing_reads(self.backend, name, usable, pool.page_size, "those pages fail")
+
     # v2
     def batch_exists_v2(
         self,
@@ -363,7 +390,7 @@ class HiCacheStorage:
     def batch_get_v2(
         self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None
     ) -> dict[str, list[bool]]:
-        return self._transfers(self.backend.batch_get_v2, transfers, extra_info)
+        return self._transfers(self.backend.batch_get_v2, transfers, extra_info, reads=True)
 
     def batch_set_v2(
         self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None
@@ -371,10 +398,12 @@ class HiCacheStorage:
         return self._transfers(self.backend.batch_set_v2, transfers, extra_info)
 
     # v1
-    def _v1(self, call: TransferCall, keys: list[str], host_indices: torch.Tensor, extra_info: Any) -> list[bool]:
+    def _v1(self, call: TransferCall, keys: list[str], host_indices: torch.Tensor, extra_info: Any,
+            *, reads: bool = False) -> list[bool]:
         if PoolName.KV.value not in self.backend.registered_pools:
             raise StorageStateError("the v1 calls need register_mem_pool_host(host_pool) first")
-        return self._transfers(call, [PoolTransfer(PoolName.KV, host_indices, keys=keys)], extra_info)[PoolName.KV.value]
+        transfer = [PoolTransfer(PoolName.KV, host_indices, keys=keys)]
+        return self._transfers(call, transfer, extra_info, reads=reads)[PoolName.KV.value]
 
     def batch_get_v1(
         self, keys: list[str], host_indices: torch.Tensor, extra_info: HiCacheStorageExtraInfo | None = None
@@ -390,7 +419,7 @@ class HiCacheStorage:
                 if now is not None:
                     return now
             return self._call(self.backend.batch_get_v1(keys, host_indices, extra_info))
-        return self._v1(self.backend.batch_get_v2, keys, host_indices, extra_info)
+        return self._v1(self.backend.batch_get_v2, keys, host_indices, extra_info, reads=True)
 
     def batch_set_v1(
         self, keys: list[str], host_indices: torch.Tensor, extra_info: HiCacheStorageExtraInfo | None = None

@@ -103,3 +103,21 @@ def test_v0_fails_the_bad_key_only(facade: HiCacheStorage) -> None:
     assert got[2] is not None and torch.equal(got[2], values[2])
     assert facade.get("\x00") is None
     assert invalid(facade) == 4
+
+
+def test_reads_into_one_host_page_across_a_bad_key_fail_except_the_first(facade: HiCacheStorage) -> None:
+    # before: the runs either side of the bad key were read one after the other, each checked
+    # alone for pages sharing host memory, so "a" and "c" (same host page) both reported a hit
+    # and the page held "c"'s KV under "a"'s name
+    src, dst = pools(facade)
+    facade.register_mem_pool_host(src)
+    assert facade.batch_set_v1(["a", "b", "c"], src.indices(0, 3)) == [True, True, True]
+    facade.register_mem_pool_host(dst)
+    same = torch.cat([dst.indices(5, 1), dst.indices(6, 1), dst.indices(5, 1)])
+    assert facade.batch_get_v1(["a", "", "c"], same) == [True, False, False]
+    assert dst.page_bytes(5 * PAGE) == src.page_bytes(0)
+    assert invalid(facade) == 2  # the bad key and the clashing page
+    # a page clashing only with the bad key's target is read: the bad key reads nothing
+    dst.buffer.zero_()
+    assert facade.batch_get_v1(["", "b", "c"], same) == [False, True, True]
+    assert dst.page_bytes(5 * PAGE) == src.page_bytes(2 * PAGE)
