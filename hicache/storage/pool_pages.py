@@ -121,7 +121,9 @@ async def read_pages(host: PoolPagesHost, name: str, keys: list[str], host_indic
 
         nbytes = page_io.page_nbytes_hint(pool)
         if host.supports_staged_pages:
-            flags = await staging.read_committed(pool, good_starts, read, host._staging, nbytes)
+            flags = await staging.read_committed(
+                pool, good_starts, read, host._staging, nbytes, lambda n: _refused(host, name, "get", n)
+            )
         else:
             flags = await staging.read_staged(
                 pool, good_starts, read, host._staging, nbytes, lambda n: _refused(host, name, "get", n)
@@ -261,7 +263,7 @@ async def write_pages(
             if not nbytes:
                 logger.error("%s set: pool %r cannot say its page size; its pages fail", type(host).__name__, name)
                 return [False] * len(keys)
-            flags = await staging.write_produced(pool, good_starts, write, nbytes)
+            flags = await staging.write_produced(pool, good_starts, write, nbytes, lambda n: _refused(host, name, "set", n))
         else:
             flags = await staging.write_staged(pool, good_starts, write, nbytes, lambda n: _refused(host, name, "set", n))
         return _scatter(len(keys), good, flags)

@@ -164,14 +164,17 @@ def _staging_like(pool: Any) -> torch.Tensor:
 
 
 class _PageOfPool:
-    """One page of a host pool as a backend buffer: its pool, first token index and bytes."""
+    """One page of a host pool as a backend buffer: its pool, first token index and bytes;
+    ``refused`` once the pool would not hand the page out or take it (its index outside
+    the pool, a page of another size), told to the caller after the backend's call."""
 
-    __slots__ = ("pool", "index", "nbytes")
+    __slots__ = ("pool", "index", "nbytes", "refused")
 
     def __init__(self, pool: Any, index: int, nbytes: int) -> None:
         self.pool = pool
         self.index = index
         self.nbytes = nbytes
+        self.refused = False
 
     def __len__(self) -> int:
         return self.nbytes
@@ -203,6 +206,7 @@ class StagedPage(_PageOfPool):
             self.pool.set_from_flat_data_page(self.index, stage)
         except Exception:  # noqa: BLE001 - a page the pool refuses fails alone
             logger.debug("host pool refused page at %d", self.index, exc_info=True)
+            self.refused = True
             return False
         return True
 
@@ -235,10 +239,16 @@ async def _checked_like(pool: Any, nbytes_hint: int | None, arena: StagingArena)
 
 
 async def read_committed(
-    pool: Any, starts: Sequence[int], read: ReadFn, arena: StagingArena, nbytes_hint: int | None = None
+    pool: Any,
+    starts: Sequence[int],
+    read: ReadFn,
+    arena: StagingArena,
+    nbytes_hint: int | None = None,
+    refused: Callable[[int], None] | None = None,
 ) -> list[bool]:
     """Read pages ``starts`` of ``pool`` as :class:`StagedPage` buffers, in one backend call:
-    ``read(positions, pages)`` reads, verifies and commits each page on its I/O threads."""
+    ``read(positions, pages)`` reads, verifies and commits each page on its I/O threads;
+    ``refused(n)`` hears of the pages the pool would not take (as :func:`read_staged`)."""
     if not starts:
         return []
     like = await _checked_like(pool, nbytes_hint, arena)
@@ -246,7 +256,16 @@ async def read_committed(
         return [False] * len(starts)
     nbytes = like.numel() * like.element_size()
     pages = [StagedPage(pool, start, like, arena, nbytes) for start in starts]
-    return list(await read(list(range(len(starts))), pages))
+    flags = list(await read(list(range(len(starts))), pages))
+    _tell_refused(pages, refused)
+    return flags
+
+
+def _tell_refused(pages: Sequence[_PageOfPool], refused: Callable[[int], None] | None) -> None:
+    """``refused(n)`` of the pages a backend's threads found the pool refusing, if any."""
+    n = sum(p.refused for p in pages)
+    if n and refused is not None:
+        refused(n)
 
 
 async def read_staged(
@@ -326,23 +345,32 @@ class PoolPage(_PageOfPool):
     def produce(self) -> tuple[torch.Tensor, memoryview]:
         """The page's copy and a byte view of it; ``ValueError`` if it is not ``nbytes`` long
         (a pool whose pages are not the size it reports would store truncated pages)."""
-        page = self.pool.get_data_page(self.index, flat=True)
-        if page.device.type != "cpu":
-            page = page.cpu()
-        if not page.is_contiguous():
-            page = page.contiguous()
-        view = as_bytes(page)
-        if len(view) != self.nbytes:
-            raise ValueError(
-                f"host pool {type(self.pool).__name__}: get_data_page({self.index}) is {len(view)} bytes, "
-                f"a page is {self.nbytes}"
-            )
+        try:
+            page = self.pool.get_data_page(self.index, flat=True)
+            if page.device.type != "cpu":
+                page = page.cpu()
+            if not page.is_contiguous():
+                page = page.contiguous()
+            view = as_bytes(page)
+            if len(view) != self.nbytes:
+                raise ValueError(
+                    f"host pool {type(self.pool).__name__}: get_data_page({self.index}) is {len(view)} bytes, "
+                    f"a page is {self.nbytes}"
+                )
+        except Exception:
+            self.refused = True
+            raise
         return page, view
 
 
-async def write_produced(pool: Any, starts: Sequence[int], write: WriteFn, page_bytes: int) -> list[bool]:
-    """Write pages ``starts`` of ``pool`` as :class:`PoolPage` buffers, in one backend call."""
+async def write_produced(
+    pool: Any, starts: Sequence[int], write: WriteFn, page_bytes: int, refused: Callable[[int], None] | None = None
+) -> list[bool]:
+    """Write pages ``starts`` of ``pool`` as :class:`PoolPage` buffers, in one backend call;
+    ``refused(n)`` hears of the pages the pool could not produce (as :func:`write_staged`)."""
     if not starts:
         return []
     pages = [PoolPage(pool, start, page_bytes) for start in starts]
-    return list(await write(list(range(len(starts))), pages))
+    flags = list(await write(list(range(len(starts))), pages))
+    _tell_refused(pages, refused)
+    return flags

@@ -371,3 +371,32 @@ def test_staging_bytes_are_made_once_per_page_and_write_through() -> None:
     assert len(view) == page.numel() * page.element_size() and view.format == "B"
     view[:] = bytes(range(64))
     assert bytes(staging.as_bytes(page)) == bytes(range(64))
+
+
+@pytest.mark.parametrize("backend", ["memory", "file"])
+async def test_pages_outside_the_pool_are_counted_as_invalid_requests_by_every_backend(
+    tmp_path: Path, backend: str
+) -> None:
+    """Host indices past the pool's end (or off a page boundary) fail those pages alone and are
+    counted in ``invalid_requests``, whichever backend moves them. Before, the file backend
+    (whose I/O threads copy pages out of and into the pool) counted them only under its own
+    ``pool_page_errors`` / ``pool_refused_pages``: a dashboard of ``invalid_requests`` showed a
+    caller writing to and reading from outside its pool as a healthy store."""
+    src = CountingPool(16, PAGE, ELEMS)
+    src.fill_random(9)
+    options = {"root": str(tmp_path)} if backend == "file" else {}
+    store = create_async_storage(backend, None, namespace={"model": "staging-test"}, **options)
+    store.register_mem_host_pool_v2(src, "kv")
+    try:
+        outside = torch.cat([src.indices(0, 1), src.indices(16, 1), torch.arange(2, 2 + PAGE)])
+        res = await store.batch_set_v2([PoolTransfer("kv", host_indices=outside, keys=_keys(3))])
+        assert res["kv"] == [True, False, False]
+        assert store.get_stats()["invalid_requests"] == 1  # one batch that named pages outside
+        dst = CountingPool(16, PAGE, ELEMS)
+        store.register_mem_host_pool_v2(dst, "kv")
+        await store.batch_set_v2([PoolTransfer("kv", host_indices=src.indices(1, 1), keys=["other"])])
+        got = await store.batch_get_v2([PoolTransfer("kv", host_indices=outside[:PAGE * 2], keys=[_keys(1)[0], "other"])])
+        assert got["kv"] == [True, False]
+        assert store.get_stats()["invalid_requests"] == 2
+    finally:
+        await store.aclose()
