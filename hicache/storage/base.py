@@ -56,7 +56,7 @@ from hicache.errors import StorageStateError
 from hicache.keys import Namespace, validate_key, validate_keys
 from hicache.observability.tier_events import TierChangeHub
 from hicache.storage import changes, pool_pages, staging, tensor_pages
-from hicache.storage.hit_policy import leading_run, resolve_v2_hits
+from hicache.storage.hit_policy import checked_policies, leading_run, resolve_v2_hits
 from hicache.storage.pool_format import pool_format_tag, signature_tag, states_its_format
 from hicache.storage.pool_pages import page_keys
 from hicache.storage.stats import StorageStats
@@ -658,10 +658,11 @@ class AsyncHiCacheStorage(ABC):
     ) -> PoolTransferResult:
         """Usable prefix length in pages, honouring each extra pool's hit policy."""
         keys = validate_keys(keys)
+        extra = [t for t in (pool_transfers or ()) if pool_name_str(t.name) != KV]
+        checked_policies(extra)
         await self._ensure_open()
         kv_pages = await self._kv_prefix([PageKey(k, KV) for k in keys])
         kv_flags = [True] * kv_pages + [False] * (len(keys) - kv_pages)  # only its leading run counts
-        extra = [t for t in (pool_transfers or ()) if pool_name_str(t.name) != KV]
         pool_flags: dict[str, list[bool]] = {}
         if kv_pages and extra:
             names = list(dict.fromkeys(pool_name_str(t.name) for t in extra))

@@ -29,7 +29,7 @@ from hicache.storage.types import (
     pool_name_str,
 )
 
-__all__ = ["leading_run", "restorable_lengths", "resolve_v2_hits"]
+__all__ = ["checked_policies", "leading_run", "restorable_lengths", "resolve_v2_hits"]
 
 
 def leading_run(flags: Sequence[bool]) -> int:
@@ -38,6 +38,22 @@ def leading_run(flags: Sequence[bool]) -> int:
         if not flag:
             return i
     return len(flags)
+
+
+def checked_policies(transfers: Sequence[PoolTransfer]) -> None:
+    """Raise ``ValueError`` naming the pool for a transfer whose ``hit_policy`` is not one of
+    :class:`PoolHitPolicy`.
+
+    Why before the lookups: :func:`resolve_v2_hits` reads a pool's policy only while some
+    prefix is usable, so a bad one passed every lookup of an empty store (a test) and failed
+    every lookup once pages were stored (production), with an error that named no pool."""
+    for transfer in transfers:
+        try:
+            PoolHitPolicy(transfer.hit_policy)
+        except ValueError:
+            allowed = ", ".join(p.value for p in PoolHitPolicy)
+            raise ValueError(f"pool {pool_name_str(transfer.name)!r}: hit_policy {transfer.hit_policy!r:.80} "
+                             f"is not one of {allowed}") from None
 
 
 def restorable_lengths(flags: Sequence[bool], limit: int, policy: PoolHitPolicy | str, trailing: int = 1) -> list[int]:
