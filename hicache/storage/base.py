@@ -541,11 +541,12 @@ class AsyncHiCacheStorage(ABC):
             for m in ("get_data_page", "get_dummy_flat_data_page", "set_from_flat_data_page")
             if not callable(getattr(host_pool, m, None))
         ]
-        if missing or not isinstance(getattr(host_pool, "page_size", None), int):
-            raise TypeError(
-                f"host pool for {name!r} does not follow the page protocol: missing "
-                f"{missing or ['page_size']}"
-            )
+        if missing:
+            raise TypeError(f"host pool for {name!r} does not follow the page protocol: missing {missing}")
+        page_size = getattr(host_pool, "page_size", None)
+        if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size < 1:
+            # a page of 0 tokens (or a bool) failed every transfer later, or raised from numpy
+            raise TypeError(f"host pool for {name!r}: page_size must be a positive int, got {page_size!r:.40}")
         signature = getattr(host_pool, "storage_signature", None)
         refined = self._namespace
         if name == KV and callable(signature):

@@ -243,6 +243,20 @@ async def test_pool_names_are_validated_with_clear_errors() -> None:
         store.register_mem_host_pool_v2(pool, 3)
 
 
+@pytest.mark.parametrize("page_size", [0, -4, True, 4.0])
+async def test_a_pool_whose_page_size_is_not_a_positive_int_is_refused_at_registration(page_size: Any) -> None:
+    """Before: any ``int`` passed (0, negatives, ``True``); every transfer of the pool then
+    failed as an invalid request, and a read with no host indices raised numpy's "slice step
+    cannot be zero" out of ``batch_get_v1``."""
+    store = MemoryStorage()
+    pool = filled_pool()
+    pool.page_size = page_size
+    with pytest.raises(TypeError, match=f"page_size must be a positive int, got {page_size!r}"):
+        store.register_mem_pool_host(pool)
+    assert store.registered_pools == {}
+    await store.aclose()
+
+
 async def test_a_store_that_never_failed_reports_its_well_known_counters_as_zero() -> None:
     """``get_stats()["backend_errors"]`` of a store that never failed is 0, not a KeyError."""
     from hicache.storage.stats import WELL_KNOWN
