@@ -8,6 +8,7 @@ Why a module of its own: the engine validates prompts with the same rule as
 from __future__ import annotations
 
 from array import array
+from collections.abc import Mapping, Set
 from typing import Any
 
 import torch
@@ -22,7 +23,9 @@ def token_ids_of(values: Any, what: str = "token_ids") -> list[int]:
     converted with ``int()`` would quietly become other tokens and other page keys, and an id
     outside uint32 only fails later, inside the tree's insert or a session's release (a half-done
     insert, a close that raises). A bad value is a ``TypeError``/``ValueError`` naming it."""
-    if isinstance(values, (str, bytes, bytearray)):
+    if isinstance(values, (str, bytes, bytearray, Set, Mapping)):
+        # text, or unordered: a set drops repeated tokens and a dict gives its keys, neither in
+        # the prompt's order (other tokens, other page keys)
         raise TypeError(f"{what} must be a sequence of integer token ids, not {type(values).__name__}")
     if hasattr(values, "tolist"):  # torch tensors, numpy arrays: a 1-D array of integers
         dtype = getattr(values, "dtype", None)

@@ -30,6 +30,11 @@ def nothing_held(cache: HiCache) -> bool:
     ([-1] * 40, ValueError, "-1 is outside"),
     ([2**32] * 40, ValueError, "4294967296 is outside"),
     (None, TypeError, "NoneType"),
+    # unordered: a set drops repeated tokens and a dict gives its keys, both in an order that
+    # is not the prompt's; before, both were taken as the prompt's tokens
+    (set(range(40)), TypeError, "not set"),
+    (frozenset(range(40)), TypeError, "not frozenset"),
+    ({t: t for t in range(40)}, TypeError, "not dict"),
 ])
 async def test_begin_refuses_tokens_that_are_not_uint32_ids(bad, error, match) -> None:
     async with HiCache.from_config(config()) as cache:
