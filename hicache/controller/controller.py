@@ -193,6 +193,8 @@ class HiCacheController:
         self.page_size: int = int(host_pool.page_size)
         self.page_nbytes: int = int(getattr(host_pool, "page_nbytes", 0) or 0)
         self.state = ControllerState.UNSTARTED
+        #: the loop :meth:`start` ran on: every call that takes work must come from it
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._backup_q: asyncio.Queue[BackupJob] | None = None
         self._storage_q: asyncio.Queue[StorageWriteJob] | None = None
@@ -284,7 +286,7 @@ class HiCacheController:
         if self.state is not ControllerState.UNSTARTED:
             raise CacheClosedError("the controller is closed")
         try:
-            asyncio.get_running_loop()  # the loop that will own the tasks
+            self._loop = asyncio.get_running_loop()  # the loop that will own the tasks
         except RuntimeError:
             raise LoopMisuseError(
                 "HiCacheController runs in the server's event loop: call the cache from a "
@@ -303,9 +305,27 @@ class HiCacheController:
         drains them or reports them."""
         if self.state is ControllerState.UNSTARTED:
             self.start()
+        if self.state is not ControllerState.CLOSED:
+            self._check_loop()
         if self.state is ControllerState.CLOSING:
             return continuation and not self._sealed
         return self.state is ControllerState.RUNNING
+
+    def _check_loop(self) -> None:
+        """:class:`LoopMisuseError` unless called on the loop the controller started on. Why:
+        its queues, tasks and prefetch ops belong to that loop and are not thread-safe. A
+        :meth:`start_prefetch` from another thread registered its op and tokens, then failed to
+        start its task (no running loop there): the op, its in-flight tokens and its rid stayed
+        taken for good, and a ``start_load`` left a copy running that nobody watched."""
+        try:
+            running: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is not self._loop:
+            raise LoopMisuseError(
+                "HiCacheController was started on another event loop: call it from a coroutine "
+                "(or a callback) on that loop's thread (asyncio.run_coroutine_threadsafe from another thread)"
+            )
 
     def _spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
         task = asyncio.get_running_loop().create_task(coro, name=name)

@@ -130,9 +130,13 @@ class Prefetches:
         keys = fast_page_hashes(tokens, ps, prior)
         prefix = list(prefix_tokens) if prefix_tokens is not None else self._path_tokens(last_host_node)
         cache._inc_host_ref(last_host_node)
-        op = controller.start_prefetch(req_id, keys, alloc_host=cache._alloc_host_upto)
+        op = None
+        try:  # raised too (called off the cache's loop): the anchor must not stay held
+            op = controller.start_prefetch(req_id, keys, alloc_host=cache._alloc_host_upto)
+        finally:
+            if op is None:
+                cache._dec_host_ref(last_host_node)
         if op is None:
-            cache._dec_host_ref(last_host_node)
             return False
         pinned = self.stored.pin(keys) if self.stored is not None else []
         self.running[req_id] = Prefetch(last_host_node, prefix + tokens, len(prefix), keys, extra_key, pinned, owner)

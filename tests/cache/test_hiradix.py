@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from hicache.controller import ControllerConfig
+from hicache.errors import LoopMisuseError
 from hicache.keys import page_hashes
 from hicache.prefix_cache import (
     EvictParams,
@@ -1062,3 +1063,26 @@ async def test_a_lock_taken_before_a_reset_and_released_after_it_leaves_the_new_
     assert (cache.evictable_size(), cache.protected_size()) == (8, 0)
     cache.sanity_check()
     await stack.aclose()
+
+
+async def test_a_prefetch_started_off_the_loops_thread_leaves_its_anchor_unheld() -> None:
+    """The cache protects the prefetch's anchor (``host_ref``) before it asks the controller;
+    a call from another thread raised there and the anchor stayed protected for good (never
+    evicted, and ``_dec_host_ref`` of a later prefetch could not balance it)."""
+    a, b = toks(0, 8), toks(100, 8)
+    store = await _memory_store_holding(a + b, "off-thread")
+    stack = build_stack(dataclasses.replace(cfg(), storage_backend="memory", storage_options={"store_id": store}))
+    cache = stack.cache
+    await serve_request(stack, a, rid="a", prefetch=False)
+    await cache.drain()
+    req = Req(rid="q", origin_input_ids=a + b)
+    cache.match_req(req)
+    anchor = req.last_host_node
+    assert anchor is not cache.root_node
+    with pytest.raises(LoopMisuseError):
+        await asyncio.to_thread(cache.start_prefetch, req)
+    assert anchor.host_ref == 0 and not cache.is_prefetching("q")
+    assert cache.start_prefetch(req)  # on the loop it starts
+    await asyncio.wait_for(stack.controller.wait_prefetches(), 10)
+    cache.cancel_prefetch("q")
+    await nothing_held_then_close(stack)

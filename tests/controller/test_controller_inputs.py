@@ -5,6 +5,7 @@ every later write was skipped)."""
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 
 import pytest
@@ -12,7 +13,7 @@ import torch
 
 from hicache.controller import ControllerConfig
 from hicache.controller.jobs import StorageWriteJob
-from hicache.errors import InvalidKeyError
+from hicache.errors import InvalidKeyError, LoopMisuseError
 from hicache.stack import StackConfig, build_stack
 
 PS = 4
@@ -65,3 +66,20 @@ async def test_a_bad_key_in_a_storage_call_does_not_mark_the_store_down(stack) -
     assert c.submit_storage_write(job(["good"], host, done))
     await c.drain()
     assert done == [1]
+
+
+async def test_a_prefetch_started_off_the_loops_thread_is_refused_and_holds_nothing(stack) -> None:  # type: ignore[no-untyped-def]
+    """A call from another thread (an engine's worker, a metrics thread) registered the op and
+    its tokens, then failed to start its task there (``no running event loop``): the rid stayed
+    taken and its tokens held the in-flight budget for good. It is refused before anything is
+    held now, and the same rid starts on the loop afterwards."""
+    c = stack.controller
+    c.start()
+    alloc = lambda n: stack.host_pool.alloc(n)  # noqa: E731
+    with pytest.raises(LoopMisuseError):
+        await asyncio.to_thread(c.start_prefetch, "r", ["a", "b"], alloc_host=alloc)
+    assert (c._prefetcher.inflight, c._prefetcher.inflight_tokens) == (0, 0)
+    assert c.metrics.counters.get("prefetch_started", 0) == 0
+    assert c.start_prefetch("r", ["a", "b"], alloc_host=alloc) is not None
+    await c.wait_prefetches()
+    assert c.take_prefetch("r") is not None
