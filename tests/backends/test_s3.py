@@ -21,7 +21,7 @@ from hicache.keys import Namespace
 from hicache.storage import AsyncHiCacheStorage, PageCodec, create_async_storage
 from hicache.testing import ArrayHostPool, StoreTests
 from hicache.testing.store_tests import NS_A, PAGE, keys_for
-from s3_server import TEST_KEY, TEST_SECRET, make_s3, raw_client, raw_get, raw_put, s3_options
+from s3_server import TEST_KEY, TEST_SECRET, make_s3, raw_client, raw_get, raw_put, s3_options, shared_session
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -149,6 +149,25 @@ async def test_exists_cache_saves_round_trips_and_forgets_cleared_pages(moto_end
         async with make_s3(moto_endpoint, moto_bucket, prefix, NS_A) as other:
             await _write_pages(other, keys[:1])
         assert await store.exists_pages(keys[:1]) == [True]
+
+
+@pytest.mark.parametrize("url, endpoint_tail", [("s3a://{bucket}/{prefix}", ""), ("s3://{bucket}/{prefix}/", "/")])
+async def test_stores_of_one_location_spelled_differently_share_the_exists_cache(
+    moto_endpoint: str, moto_bucket: str, prefix: str, url: str, endpoint_tail: str
+) -> None:
+    """``s3a://`` for ``s3://``, or the endpoint with a trailing slash: the same objects, but
+    two exists caches; after a clear through one store the other answered the removed pages as
+    hits until its entries expired (a prefetch promised pages no read could find)."""
+    keys = keys_for(3, salt=172)
+    twin = create_async_storage(
+        "s3", None, url=url.format(bucket=moto_bucket, prefix=prefix), namespace=NS_A,
+        storage_options={**s3_options(moto_endpoint + endpoint_tail), "session": shared_session()},
+    )
+    async with make_s3(moto_endpoint, moto_bucket, prefix, NS_A) as store, twin:
+        await _write_pages(store, keys)
+        assert await twin.exists_pages(keys) == [True] * 3  # now in the twin's cache
+        assert await store.clear() is True
+        assert await twin.exists_pages(keys) == [False] * 3
 
 
 async def test_corrupt_objects_are_counted_misses(moto_endpoint: str, moto_bucket: str, prefix: str) -> None:

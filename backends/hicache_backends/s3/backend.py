@@ -326,10 +326,16 @@ class FsspecStorage(AsyncHiCacheStorage):
         )
 
     def _cache_scope(self) -> tuple[str, ...]:
-        """What identifies this store's objects within the process: protocol, service, path."""
+        """What identifies this store's objects within the process: filesystem, service, path.
+
+        The filesystem class, not the protocol as spelled, and the endpoint without trailing
+        slashes: ``s3a://b/p`` and ``s3://b/p``, or ``http://host:9000/`` and ``http://host:9000``,
+        are one store's objects. Spelled differently, two stores kept two caches, and after a
+        clear (or delete) through one the other answered its removed pages as hits for a TTL."""
         opts = self._storage_options
         endpoint = opts.get("endpoint_url") or (opts.get("client_kwargs") or {}).get("endpoint_url") or ""
-        return (self.protocol, str(endpoint), self.names.namespace_dir)
+        fs = self._fs_class
+        return (f"{fs.__module__}.{fs.__qualname__}", str(endpoint).rstrip("/"), self.names.namespace_dir)
 
     @property
     def names(self) -> ObjectNames:
