@@ -46,7 +46,7 @@ from hicache.storage.staging import PoolPage, StagedPage
 from hicache.storage.stats import Throttle
 
 from hicache_backends.file import io as page_io
-from hicache_backends.file.index import PageIndex
+from hicache_backends.file.index import Entry, PageIndex
 from hicache_backends.file.journal import PeerRemoval
 from hicache_backends.file.layout import NamespaceLayout, page_id
 from hicache_backends.file.ledger import LEDGER_NAME, Usage, read_usage
@@ -740,6 +740,7 @@ class FileStorage(AsyncHiCacheStorage):
                 if batch is None:
                     await self._space.reserve(res, incoming)
                 missing = await self._space.evict_for(incoming > 0, protect, res.usage)
+                batch_jobs = list(jobs)
                 while missing > 0 and jobs:  # cannot fit them all: drop the deepest pages (batch tail)
                     dropped = jobs.pop()
                     if dropped.skip_size is None:
@@ -749,6 +750,8 @@ class FileStorage(AsyncHiCacheStorage):
                     refused += 1
                 if refused:
                     self.stats.incr("rejected_pages_no_space", refused)
+                    if self.max_bytes is not None and self._chain_bytes(dropped, batch_jobs) > self.max_bytes:
+                        self.stats.incr("rejected_pages_beyond_capacity", refused)
                     self._scanner.maybe_rescan(res.usage)
                     await self._space.refused_for_space(refused, res.usage)
                 batch = await self._write_batch(jobs, res, refused)
@@ -783,6 +786,27 @@ class FileStorage(AsyncHiCacheStorage):
                 self.stats.incr("write_late_pages", landed)
             raise asyncio.CancelledError
         return ok
+
+    def _chain_bytes(self, job: _WriteJob, batch: list[_WriteJob]) -> int:
+        """Bytes of ``job``'s page and of every page it chains from (its parent, the parent's
+        parent...: in ``batch``, else in the index), up to the first one not stored.
+
+        Why: a chained page is stored only with its prefix kept (eviction takes leaves first,
+        and never a page a write continues), so where those bytes pass ``max_bytes`` no
+        eviction can ever make its room: the refusal is final
+        (``rejected_pages_beyond_capacity``, as the memory store counts it). Counted only as
+        ``rejected_pages_no_space``, the controller retried it with backoff, held up the
+        storage queue, and counted the pages as failed writes."""
+        in_batch = {j.pid: j for j in batch}
+        total, seen, pid = job.size, {job.pid}, job.parent
+        while pid is not None and pid not in seen:
+            seen.add(pid)
+            link: _WriteJob | Entry | None = in_batch.get(pid) or self.index.get(pid)
+            if link is None:
+                break
+            total += link.size
+            pid = link.parent
+        return total
 
     async def _write_batch(
         self, jobs: list[_WriteJob], res: Reservation, refused: int, reserve: tuple[int, int] | None = None
