@@ -57,6 +57,7 @@ from hicache.keys import Namespace, validate_key, validate_keys
 from hicache.observability.tier_events import TierChangeHub
 from hicache.storage import changes, pool_pages, staging, tensor_pages
 from hicache.storage.hit_policy import checked_policies, leading_run, resolve_v2_hits
+from hicache.storage.key_screen import is_storable
 from hicache.storage.pool_format import pool_format_tag, signature_tag, states_its_format
 from hicache.storage.pool_pages import page_keys
 from hicache.storage.stats import StorageStats
@@ -695,7 +696,11 @@ class AsyncHiCacheStorage(ABC):
         """Write each transfer's pages from its host pool to storage."""
         await self._ensure_open()
         prefix = (extra_info.prefix_keys if extra_info is not None else None) or []
-        prefix = [k for k in prefix if isinstance(k, str) and k]
+        # ``prefix_keys + keys`` is one chain: the first page's parent is the last prefix key,
+        # or none where that key is not storable (as a run after a bad key has none). Bad keys
+        # filtered out first, a page was recorded as continuing one two or more pages back
+        last = prefix[-1] if prefix else None
+        parent = last if is_storable(last) else None
         results: dict[str, list[bool]] = {}
         for transfer in transfers:
             name = pool_name_str(transfer.name)
@@ -703,7 +708,7 @@ class AsyncHiCacheStorage(ABC):
             kv_pages = page_keys(keys, KV)
             parents: Sequence[PageKey | None]
             if name == KV:  # each page's parent is the page before it (validated keys: never empty)
-                first: list[PageKey | None] = [PageKey(prefix[-1], KV) if prefix else None]
+                first: list[PageKey | None] = [PageKey(parent, KV) if parent is not None else None]
                 parents = [*first, *kv_pages[:-1]]
             else:  # an extra pool's page lives and dies with the KV page of the same key
                 parents = kv_pages

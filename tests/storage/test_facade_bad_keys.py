@@ -14,6 +14,7 @@ from hicache.storage import HiCacheStorage, PoolTransfer
 from hicache.storage.types import HiCacheStorageExtraInfo
 from hicache.testing import ArrayHostPool
 from hicache_backends.file import FileStorage
+from hicache_backends.file.layout import page_id
 from hicache_backends.memory import MemoryStorage
 
 PAGE = 4
@@ -121,3 +122,31 @@ def test_reads_into_one_host_page_across_a_bad_key_fail_except_the_first(facade:
     dst.buffer.zero_()
     assert facade.batch_get_v1(["", "b", "c"], same) == [False, True, True]
     assert dst.page_bytes(5 * PAGE) == src.page_bytes(2 * PAGE)
+
+
+def _parent_of(store: HiCacheStorage, key: str) -> object:
+    """The page the backend recorded ``key``'s page as continuing (its eviction tree)."""
+    backend = store.backend
+    if isinstance(backend, FileStorage):
+        entry = backend.index.get(page_id(key, "kv"))
+        assert entry is not None
+        return entry.parent
+    assert isinstance(backend, MemoryStorage)
+    link = backend.medium.links[(backend.namespace.digest, key, "kv")]
+    return None if link is None else link[1]
+
+
+@pytest.mark.parametrize("bad", BAD, ids=["empty", "nul", "too-long", "int", "none", "bytes"])
+def test_v2_set_with_a_bad_last_prefix_key_records_no_parent_not_an_earlier_key(facade: HiCacheStorage, bad: Any) -> None:
+    """``prefix_keys + keys`` is one chain (SGLang's interface): the last prefix key is the
+    parent of the first page. A bad one was filtered out and the key before it taken instead:
+    the page was recorded as continuing a page two back, another chain's (the eviction tree
+    kept that page for it and let its real parent go first). With no storable parent it has
+    none, as a run after a bad key has in a batch."""
+    src, _ = pools(facade)
+    facade.register_mem_host_pool_v2(src, "kv")
+    info = HiCacheStorageExtraInfo(prefix_keys=["p1", bad])
+    assert facade.batch_set_v2([PoolTransfer("kv", host_indices=src.indices(0, 2), keys=["a", "b"])], info) == \
+        {"kv": [True, True]}
+    assert _parent_of(facade, "a") is None
+    assert _parent_of(facade, "b") == (page_id("a", "kv") if isinstance(facade.backend, FileStorage) else "a")
