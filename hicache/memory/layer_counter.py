@@ -104,6 +104,14 @@ class LayerDoneCounter:
                 raise self._exc
             return False
 
+    def ended(self) -> bool:
+        """Whether the load is over: every layer done, or failed. Never raises, unlike
+        :meth:`all_done`: one read under the lock, for bookkeeping on another thread than the
+        copy's (asking :attr:`exception` and then ``all_done()`` let a failure landing in
+        between raise that load's error into the caller)."""
+        with self._cond:
+            return self._num_done == self.num_layers or self._exc is not None
+
     @property
     def exception(self) -> BaseException | None:
         return self._exc

@@ -42,8 +42,7 @@ class _Load:
 
 def _load_running(handle: Any) -> bool:
     """Whether a load handle's copy is still running (one that failed has ended too)."""
-    counter = handle.counter
-    return counter.exception is None and not counter.all_done()
+    return not handle.counter.ended()
 
 
 class LoadHost(Protocol):

@@ -4,6 +4,8 @@ copy ends, and a failed load takes back every slot it handed out, even after spl
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 
 import torch
 
@@ -248,3 +250,51 @@ async def test_an_abort_while_admit_waits_for_its_load_leaves_nothing_locked() -
         cache.sanity_check()
     finally:
         await stack.aclose()
+
+
+async def test_another_loads_failure_landing_mid_bookkeeping_does_not_fail_a_new_load(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A new load-back prunes the handles of ended loads. It asked a handle's counter whether
+    it had failed, then whether it was done: a failure landing on the copy thread between the
+    two made the second question raise that other load's error, and the new request's admit
+    failed with it (its load started but never handed out)."""
+    from hicache.memory.layer_counter import LayerDoneCounter
+
+    stack = make()
+    cache = stack.cache
+    a, b = list(range(16)), list(range(100, 116))
+    await host_only(stack, a, rid="a")
+    await host_only(stack, b, rid="b")
+    go = threading.Event()
+    calls = iter([True])  # the first layer of the first load waits for its cue, then fails
+
+    def fail_first() -> bool:
+        first_call = next(calls, False)
+        return first_call and go.wait(5)
+
+    inject_load_faults(stack.copy_engine, fail=fail_first)
+    first = Req(rid="first", origin_input_ids=a + [99])
+    cache.match_req(first)
+    r1 = await cache.admit(first, wait_load=False)
+    assert r1.load_handle is not None
+    counter = r1.load_handle.counter
+    all_done = LayerDoneCounter.all_done
+
+    def preempted(self: LayerDoneCounter) -> bool:
+        if self is counter and not go.is_set():  # the copy thread fails the load right here
+            go.set()
+            deadline = time.monotonic() + 5
+            while self.exception is None and time.monotonic() < deadline:
+                time.sleep(0.001)
+        return all_done(self)
+
+    monkeypatch.setattr(LayerDoneCounter, "all_done", preempted)
+    second = Req(rid="second", origin_input_ids=b + [98])
+    cache.match_req(second)
+    r2 = await cache.admit(second)
+    assert r2.host_hit == 16 and verify_kv(stack.device_pool, second.prefix_indices, torch.tensor(b)) == 0
+    cache.abort_req(first)
+    cache.abort_req(second)
+    await cache.drain()
+    assert cache.protected_size() == 0
+    cache.sanity_check()
+    await stack.aclose()
