@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from types import TracebackType
 
 __all__ = ["LayerDoneCounter"]
 
@@ -44,6 +45,7 @@ class LayerDoneCounter:
         self._done: list[bool] = [False] * num_layers
         self._num_done: int = 0
         self._exc: BaseException | None = None
+        self._tb: TracebackType | None = None  # where the load failed (see _error)
         # (layer, loop, future); layer == -1 waits for all layers
         self._waiters: list[tuple[int, asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
         # blocked threads per awaited layer (-1: all); mark_done wakes threads only when one
@@ -78,6 +80,7 @@ class LayerDoneCounter:
         with self._cond:
             if self._exc is None:
                 self._exc = exc
+                self._tb = exc.__traceback__
             wake = self._waiters
             self._waiters = []
             self._cond.notify_all()
@@ -93,7 +96,7 @@ class LayerDoneCounter:
             if self._done[layer]:
                 return True
             if self._exc is not None:
-                raise self._exc
+                raise self._error()
             return False
 
     def all_done(self) -> bool:
@@ -101,7 +104,7 @@ class LayerDoneCounter:
             if self._num_done == self.num_layers:
                 return True
             if self._exc is not None:
-                raise self._exc
+                raise self._error()
             return False
 
     def ended(self) -> bool:
@@ -137,6 +140,14 @@ class LayerDoneCounter:
         await self._await(-1)
 
     # -- internals
+    def _error(self) -> BaseException:
+        """The failure, to raise, with the traceback of where the load failed. Why: every
+        waiter raises the same object, and a raise stacks the raiser's frames onto its
+        traceback; after a forward's waits on every layer the error logged hundreds of repeated
+        frames and kept each waiter's frames (and their tensors) alive with the counter."""
+        assert self._exc is not None
+        return self._exc.with_traceback(self._tb)
+
     def _check(self, layer: int) -> None:
         if not 0 <= layer < self.num_layers:
             raise IndexError(f"layer {layer} out of range [0, {self.num_layers})")
@@ -153,7 +164,7 @@ class LayerDoneCounter:
             try:
                 while not self._ready(layer):
                     if self._exc is not None:
-                        raise self._exc
+                        raise self._error()
                     remaining = None if deadline is None else deadline - time.monotonic()
                     if remaining is not None and remaining <= 0:
                         what = "all layers" if layer == -1 else f"layer {layer}"
@@ -170,7 +181,7 @@ class LayerDoneCounter:
             if self._ready(layer):
                 return
             if self._exc is not None:
-                raise self._exc
+                raise self._error()
             fut: asyncio.Future[None] = loop.create_future()
             entry = (layer, loop, fut)
             self._waiters.append(entry)

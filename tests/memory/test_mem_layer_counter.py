@@ -117,3 +117,38 @@ async def test_zero_layers_is_done():
     c = LayerDoneCounter(0)
     assert c.all_done()
     await c.wait_all()
+
+
+async def test_a_failure_raised_to_many_waiters_keeps_its_own_traceback():
+    """Every waiter of a failed load gets the same exception object. Raised as it was, each
+    raise stacked the raiser's frames onto that object's traceback: after a forward's waits on
+    every layer the load's error logged hundreds of repeated frames, and kept every waiter's
+    frames (and their tensors) alive as long as the counter."""
+    import traceback
+
+    def boom() -> None:
+        raise RuntimeError("copy failed")
+
+    c = LayerDoneCounter(4)
+    try:
+        boom()
+    except RuntimeError as exc:
+        c.fail(exc)
+    depth = len(traceback.extract_tb(c.exception.__traceback__))
+
+    def frames_of_one_raise(call) -> int:  # type: ignore[no-untyped-def]
+        try:
+            call()
+        except RuntimeError as exc:
+            return len(traceback.extract_tb(exc.__traceback__))
+        raise AssertionError("no raise")
+
+    for _ in range(50):
+        for call in (lambda: c.is_done(1), c.all_done, lambda: c.wait_sync(2, timeout=1), c.wait_all_sync):
+            frames_of_one_raise(call)
+    for _ in range(20):
+        with pytest.raises(RuntimeError):
+            await c.wait(3)
+    assert frames_of_one_raise(lambda: c.is_done(1)) <= depth + 3
+    tb = traceback.extract_tb(c.exception.__traceback__)
+    assert len(tb) <= depth + 3 and tb[-1].name == "boom"  # still says where the copy failed
