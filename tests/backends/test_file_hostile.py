@@ -842,6 +842,48 @@ async def test_a_writer_killed_after_publishing_leaves_its_pages_counted_and_evi
         assert await within(store.exists("k-child"))
 
 
+async def test_an_evictor_killed_between_its_unlinks_and_its_subtraction_leaves_no_over_count(tmp_path) -> None:
+    """An eviction unlinks its victims, then subtracts their bytes from the shared count. A
+    process killed in between left them counted for as long as any other process kept the
+    namespace open (only a scan of the namespace alone corrects the count): each such kill
+    shrank ``max_bytes`` for good, here by a page, evicted again from a store with room. The
+    evictor now marks the victims' bytes in its reservation slot before unlinking them, so
+    the next process to take the ledger's lock settles a dead evictor's removal."""
+    page = 64 << 10
+    bound = 4 * (page + 512)
+    child = (
+        "import asyncio, os, sys, torch\n"
+        "from hicache.testing.store_tests import NS_A\n"
+        "from hicache_backends.file import FileStorage\n"
+        "from hicache_backends.file import io as page_io\n"
+        "async def main():\n"
+        "    s = FileStorage(None, root=sys.argv[1], namespace=NS_A, min_free_bytes=0, max_bytes=int(sys.argv[2]))\n"
+        "    async with s:\n"
+        "        await s.wait_background()\n"
+        "        real = page_io.remove_files\n"
+        "        def die(paths, sizes):\n"
+        "            real(paths, sizes)\n"
+        "            os.kill(os.getpid(), 9)  # unlinked, not subtracted\n"
+        "        page_io.remove_files = die\n"
+        "        await s.set('k-child', torch.full((int(sys.argv[3]),), 3, dtype=torch.uint8))\n"
+        "asyncio.run(main())\n"
+    )
+    async with make_store(tmp_path, max_bytes=bound) as store, make_store(tmp_path, max_bytes=bound) as peer:
+        await within(store.wait_background())
+        await within(peer.wait_background())  # a peer keeps the namespace open: no lone scan
+        for i in range(4):
+            assert await within(store.set(f"k{i}", v0(page, i)))
+        done = subprocess.run([sys.executable, "-c", child, str(tmp_path), str(bound), str(page)], timeout=120)
+        assert done.returncode == -9
+        ledger = os.path.join(store.layout.ns_dir, LEDGER_NAME)
+        assert await within(store.set("k-parent", v0(1 << 10, 1)))  # takes the lock: settles the dead one's
+        for _ in range(2):
+            await within(store.wait_background(), 10.0)
+            await asyncio.sleep(0.2)
+        on_disk = sum(p.stat().st_size for p in Path(store.layout.ns_dir).rglob("*.page"))
+        assert read_usage(ledger).used == on_disk
+        assert len(list(Path(store.layout.ns_dir).rglob("*.page"))) == 4  # 3 of ours and the new one
+
 async def test_a_reservation_left_by_a_writer_no_process_here_can_judge_goes_at_a_lone_scan(tmp_path) -> None:
     """A writer of another machine or PID namespace (a container sharing the root's volume)
     killed between its reservation and its settlement left its slot in the reservation table:

@@ -7,14 +7,16 @@ exclusive ``flock`` (released by the kernel when a holder dies, so a SIGKILL nev
 
 * ``used`` - bytes of page files and of writes in flight. A writer *reserves* its bytes here
   before it writes (and evicts if the total is then over ``max_bytes``), gives back what it did
-  not publish, and an evictor subtracts what it actually unlinked. A writer killed in between
-  leaves an over-count (the safe direction), which a later scan corrects (below).
+  not publish, and an evictor subtracts what it actually unlinked (having marked its victims'
+  bytes in its slot of the table below first). A writer killed in between leaves an
+  over-count (the safe direction), which a later scan corrects (below).
 * ``refused`` and ``refused_at`` - pages refused for lack of space, and when, so that
   ``hicache inspect`` (another process) can say that writes are being refused and why;
 * ``seq`` - how many changes were made;
 * a table of in-flight reservations, one slot per writing process (machine, pid, bytes):
   whoever next takes the lock gives back the reservations of processes of this machine that
-  are gone (killed between reserving and settling: the OOM killer, a SIGKILL). Without it a
+  are gone (killed between reserving and settling: the OOM killer, a SIGKILL; or between an
+  eviction's unlinks and its subtraction: the victims' bytes are marked there first). Without it a
   killed writer's bytes stayed counted for as long as any other process kept the namespace
   open (the scan's correction below needs the namespace to itself), so each kill shrank
   ``max_bytes`` for good: a 4 MiB store refused a 1 MiB write with nothing on disk.

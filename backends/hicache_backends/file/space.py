@@ -58,6 +58,17 @@ class Reservation:
     generation: int = 0
 
 
+@dataclass(slots=True)
+class _Removal:
+    """What unlinking a batch of pages did (:meth:`SpaceAccountant._remove_victims`)."""
+
+    freed: int  # bytes of the page files this call removed
+    idents: list[tuple[str, str]]  # their (key, pool), when anyone needs them
+    owed: int = 0  # bytes the ledger could not be told of (unavailable): owed to it
+    unreleased: int = 0  # bytes of this process's slot it could not release then
+    usage: Usage | None = None  # a reading that may have given back a dead writer's slot
+
+
 class SpaceAccountant:
     """Reservations, the shared ledger (and what is owed to it), free space and eviction.
 
@@ -555,23 +566,43 @@ class SpaceAccountant:
         self._pins.removing(ids)
         generation = self._generation()
         try:
-            removed, idents, owed = await run_to_completion(
+            out = await run_to_completion(
                 self._remove_victims, [self._layout.path(p) for p in ids], sizes, executor=self._executor
             )
         finally:
             self._pins.removals_done(ids)
-        self.owe(owed, generation)
-        self._free_est += removed
-        return removed, idents
+        self.owe(out.owed, generation)
+        if generation == self._generation():
+            self.unreleased += out.unreleased
+        self.after_reclaim(out.usage)
+        self._free_est += out.freed
+        return out.freed, out.idents
 
-    def _remove_victims(self, paths: list[str], sizes: list[int]) -> tuple[int, list[tuple[str, str]], int]:
-        """(On an I/O thread.) Unlink evicted pages; returns, and releases in the ledger, the
-        bytes actually removed, the ``(key, pool)`` of the pages (read from their headers
-        first when anyone needs them: KV-event subscribers or the removal journal), and the
-        bytes the ledger could not be told of (unavailable: the caller owes them to it)."""
+    def _remove_victims(self, paths: list[str], sizes: list[int]) -> _Removal:
+        """(On an I/O thread.) Unlink evicted pages, and take the bytes actually removed off
+        the shared count (see :class:`_Removal`). Their bytes are marked in this process's
+        slot of the reservation table before the first unlink, and the mark goes with the
+        subtraction, in one locked change: a process killed between the unlinks and the
+        subtraction left them counted for as long as any peer kept the namespace open (each
+        such kill shrank ``max_bytes`` for good); the next process to take the ledger's lock
+        now gives them back with the dead process's slot. The mark is all the victims' bytes,
+        so that reclaim may also take a victim not unlinked yet (or gone already) off the
+        count: an under-count the reclaim's rescan raises back (its floor), as for a writer
+        killed after publishing. A replaced ledger (a clear since the mark) keeps nothing of
+        the mark: what the unlinks freed is then taken off the current one, as before."""
         wanted = self._wants_identities()
         idents = [i for i in map(page_io.page_identity, paths) if i is not None] if wanted else []
+        ledger, claimed = self.ledger, sum(sizes)
+        marked = ledger.add(0, inflight=claimed) if ledger is not None and claimed else None
         freed = page_io.remove_files(paths, sizes)
-        if freed and self.ledger is not None and self.ledger.add(-freed) is None:
-            return freed, idents, freed
-        return freed, idents, 0
+        if ledger is None:
+            return _Removal(freed, idents)
+        if marked is not None:
+            usage = ledger.add(-freed, token=marked.token, inflight=-claimed)
+            if usage is None:  # both given to the next reservation (debt, unreleased)
+                return _Removal(freed, idents, owed=freed, unreleased=claimed, usage=marked)
+            if usage.token == marked.token or not freed:
+                return _Removal(freed, idents, usage=usage if usage.reclaimed else marked)
+        if freed and ledger.add(-freed) is None:
+            return _Removal(freed, idents, owed=freed, usage=marked)
+        return _Removal(freed, idents, usage=marked)
