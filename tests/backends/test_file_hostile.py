@@ -884,6 +884,61 @@ async def test_an_evictor_killed_between_its_unlinks_and_its_subtraction_leaves_
         assert read_usage(ledger).used == on_disk
         assert len(list(Path(store.layout.ns_dir).rglob("*.page"))) == 4  # 3 of ours and the new one
 
+def _spawn_with_pid(pid: int, argv: list[str]) -> subprocess.Popen | None:
+    """A process started as ``pid`` (a dead one's, reused: ``ns_last_pid``, root only), or
+    ``None`` when this machine will not give it (no permission, another process took it)."""
+    for _ in range(50):
+        try:
+            with open("/proc/sys/kernel/ns_last_pid", "w") as f:
+                f.write(str(pid - 1))
+        except OSError:
+            return None
+        proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        if proc.pid == pid:
+            return proc
+        proc.kill()
+        proc.wait()
+    return None
+
+
+async def test_a_process_reusing_a_dead_writers_pid_does_not_inherit_its_reservation(tmp_path) -> None:
+    """The reservation table keyed a slot by machine and pid: a writer killed mid-batch whose
+    pid a new process got (pids wrap, fast on a busy host or in a container) was judged alive
+    for as long as that process lived, and the process took the slot as its own, so the dead
+    writer's bytes stayed counted (``max_bytes`` shrunk) until it exited. A slot now also
+    names its process's start time, and one whose pid runs another process is given back."""
+    reserve = (
+        "import os, sys\n"
+        "from hicache_backends.file.ledger import UsageLedger\n"
+        "UsageLedger(sys.argv[1]).add(3 << 20, inflight=3 << 20)  # reserved, never settled\n"
+        "os.kill(os.getpid(), 9)\n"
+    )
+    heir = (  # writes a batch of its own (reserved and settled), then stays alive
+        "import sys\n"
+        "from hicache_backends.file.ledger import UsageLedger\n"
+        "led = UsageLedger(sys.argv[1])\n"
+        "led.add(4096, inflight=4096)\n"
+        "led.add(-4096, inflight=-4096)\n"
+        "print('ready', flush=True)\n"
+        "sys.stdin.read()\n"
+    )
+    async with make_store(tmp_path, max_bytes=4 << 20) as store:
+        await within(store.wait_background())
+        ledger = os.path.join(store.layout.ns_dir, LEDGER_NAME)
+        dead = subprocess.Popen([sys.executable, "-c", reserve, store.layout.ns_dir])
+        assert dead.wait(timeout=60) == -9
+        assert read_usage(ledger).used == 3 << 20
+        proc = _spawn_with_pid(dead.pid, [sys.executable, "-c", heir, store.layout.ns_dir])
+        if proc is None:
+            pytest.skip("cannot start a process with a chosen pid here (needs root)")
+        try:
+            assert proc.stdout.readline().strip() == "ready"
+            usage = await asyncio.to_thread(store._space.ledger.read)
+            assert usage.used == 0 and usage.inflight == 0
+        finally:
+            proc.kill()
+            proc.wait()
+
 async def test_a_reservation_left_by_a_writer_no_process_here_can_judge_goes_at_a_lone_scan(tmp_path) -> None:
     """A writer of another machine or PID namespace (a container sharing the root's volume)
     killed between its reservation and its settlement left its slot in the reservation table:
@@ -1355,9 +1410,18 @@ def test_the_ledger_reservation_table_keeps_every_slot_it_cannot_judge() -> None
     assert L._reclaim(slots) == 100 and slots[0:3] == [0, 0, 0]
     assert slots[3:12] == [L.MACHINE ^ 1, dead.pid, 200, 0, 0, 0, L.MACHINE, os.getppid(), 300]
     L._move_own(slots, 50)
-    assert slots[0:3] == [L.MACHINE, os.getpid(), 50]  # the first free slot
+    assert slots[0:3] == [L._owner(), os.getpid(), 50]  # the first free slot
     L._move_own(slots, -50)
     assert slots[0:3] == [0, 0, 0]
+    # a pid now running another process than the slot's (reused), this process's pid in a
+    # slot that is not its own (a dead process had it): both dead, never taken over
+    parent, own = L._owner() ^ (1 << 32), L._owner() ^ (1 << 33)
+    assert L._started(os.getppid()) is not None
+    slots[0:3], slots[12:15] = (parent, os.getppid(), 400), (own, os.getpid(), 500)
+    L._move_own(slots, 60)
+    assert slots[12:15] == [own, os.getpid(), 500] and slots[6:9] == [L._owner(), os.getpid(), 60]
+    assert L._reclaim(slots) == 900 and slots[0:3] == slots[12:15] == [0, 0, 0]
+    assert slots[6:12] == [L._owner(), os.getpid(), 60, L.MACHINE, os.getppid(), 300]  # ours; by the pid alone
     full = [L.MACHINE ^ 1, 1, 1] * L._SLOTS
     L._move_own(full, 10)  # no free slot: counted in ``used`` only, the table unchanged
     assert full == [L.MACHINE ^ 1, 1, 1] * L._SLOTS

@@ -13,7 +13,8 @@ exclusive ``flock`` (released by the kernel when a holder dies, so a SIGKILL nev
 * ``refused`` and ``refused_at`` - pages refused for lack of space, and when, so that
   ``hicache inspect`` (another process) can say that writes are being refused and why;
 * ``seq`` - how many changes were made;
-* a table of in-flight reservations, one slot per writing process (machine, pid, bytes):
+* a table of in-flight reservations, one slot per writing process (machine and start time,
+  pid, bytes; the start time tells a reused pid's new process from the dead one):
   whoever next takes the lock gives back the reservations of processes of this machine that
   are gone (killed between reserving and settling: the OOM killer, a SIGKILL; or between an
   eviction's unlinks and its subtraction: the victims' bytes are marked there first). Without it a
@@ -50,7 +51,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from hicache_backends.file.locks import SharedFile, flock_within
-from hicache_backends.writers import MACHINE, writer_gone
+from hicache_backends.writers import MACHINE, pid_alive
 
 __all__ = ["LEDGER_NAME", "USERS_NAME", "Usage", "UsageLedger", "give_back", "read_usage"]
 
@@ -60,7 +61,7 @@ LEDGER_NAME = "usage"
 USERS_NAME = "users"
 _FORMAT = struct.Struct("<8sqqdq")  # magic, used bytes, refused pages, last refusal, changes
 _MAGIC = b"HKVUSE01"
-_SLOT = struct.Struct("<qqq")  # machine, pid, bytes reserved and not settled (0: a free slot)
+_SLOT = struct.Struct("<qqq")  # owner (see _owner), pid, bytes reserved and not settled (0: a free slot)
 _SLOTS = 128  # writers at once that can be tracked; more are counted, only not reclaimable
 _SIZE = _FORMAT.size + _SLOTS * _SLOT.size
 _TABLE = struct.Struct("<" + "qqq" * _SLOTS)  # the whole table at once (same bytes as _SLOT each)
@@ -95,7 +96,7 @@ def _decode(raw: bytes) -> tuple[int, int, float, int]:
 
 def _decode_slots(raw: bytes) -> list[int]:
     """The reservation table after the counters, flat: slot ``i`` is ``[3i, 3i + 3)``
-    (machine, pid, bytes); empty slots for a file written before it. One ``unpack`` of the
+    (owner, pid, bytes); empty slots for a file written before it. One ``unpack`` of the
     whole table: every write batch reads it twice (reserve, settle), and a call and a list per
     slot made most of a ledger call's ~50 us."""
     table = raw[_FORMAT.size : _SIZE]
@@ -113,12 +114,76 @@ def _taken(slots: list[int]) -> list[int]:
     return [i for i in range(0, len(slots), 3) if slots[i + 2]]
 
 
+_LOW = 0xFFFFFFFF
+_owners: dict[int, int] = {}  # pid -> this process's owner (a fork child has its own)
+#: how long a live slot's start time, once found to match, is taken on trust: reading it costs
+#: ~15 us, for each slot of each ledger call (a writer's batch makes one or two); a pid reused
+#: within that time is found on the next reading
+_TRUST_SECONDS = 1.0
+_matched: dict[tuple[int, int], float] = {}  # (owner, pid) -> when its start time last matched
+
+
+def _started(pid: int) -> int | None:
+    """When process ``pid`` of this machine started (clock ticks since boot: the 22nd field
+    of ``/proc/<pid>/stat``, after the parenthesised name), or ``None`` if it cannot be read
+    (gone, no ``/proc``)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read()
+        return int(raw[raw.rindex(b")") + 2 :].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _owner() -> int:
+    """Whose slot is this process's: :data:`MACHINE`'s low 32 bits (this machine and PID
+    namespace) under the low 32 bits of the process's start time. A pid alone named a dead
+    writer's slot and the next process to get its pid too: that process was judged to be the
+    writer, alive, for as long as it lived, and took the slot as its own, so the writer's
+    bytes stayed counted until it exited. Just :data:`MACHINE` (an older version's form: by
+    the pid alone) where the start time cannot be read."""
+    pid = os.getpid()
+    owner = _owners.get(pid)
+    if owner is None:
+        started = _started(pid)
+        owner = MACHINE if started is None else ((started & _LOW) << 32 | (MACHINE & _LOW))
+        owner = owner - (1 << 64) if owner >= 1 << 63 else owner  # a signed 64-bit field
+        _owners[pid] = owner
+    return owner
+
+
+def _gone(owner: int, pid: int) -> bool:
+    """Whether the slot of ``owner`` and ``pid`` is a dead process's: only one of this
+    machine can be (another machine or PID namespace has pids of its own); its pid runs no
+    process, or one started at another time (reused), or it is this process's pid but not
+    its slot."""
+    if owner != MACHINE and (owner ^ MACHINE) & _LOW:
+        return False  # another machine or PID namespace: never judged here
+    if pid == os.getpid():
+        return owner != _owner()
+    if not pid_alive(pid):
+        return True
+    if owner == MACHINE:  # no start time in it: judged by the pid alone
+        return False
+    now = time.monotonic()
+    if now - _matched.get((owner, pid), -_TRUST_SECONDS) < _TRUST_SECONDS:
+        return False
+    started = _started(pid)
+    if started is not None and (started & _LOW) != (owner >> 32) & _LOW:
+        _matched.pop((owner, pid), None)
+        return True
+    if len(_matched) >= 4 * _SLOTS:  # slots long gone
+        _matched.clear()
+    _matched[(owner, pid)] = now
+    return False
+
+
 def _reclaim(slots: list[int]) -> int:
     """Free the slots of this machine's dead processes; returns the bytes they held."""
     freed = 0
     for i in _taken(slots):
-        machine, pid, held = slots[i : i + 3]
-        if writer_gone(pid, machine):
+        owner, pid, held = slots[i : i + 3]
+        if _gone(owner, pid):
             freed += held
             slots[i : i + 3] = (0, 0, 0)
     return freed
@@ -127,15 +192,15 @@ def _reclaim(slots: list[int]) -> int:
 def _move_own(slots: list[int], amount: int) -> None:
     """Add ``amount`` to this process's slot (taken when needed, freed at zero). With every
     slot taken the bytes are still counted in ``used``, only not given back on a death."""
-    pid = os.getpid()
-    own = next((i for i in _taken(slots) if slots[i] == MACHINE and slots[i + 1] == pid), None)
+    pid, owner = os.getpid(), _owner()
+    own = next((i for i in _taken(slots) if slots[i] == owner and slots[i + 1] == pid), None)
     if own is None:
         if amount <= 0:
             return
         own = next((i for i in range(0, len(slots), 3) if not slots[i + 2]), None)
         if own is None:
             return
-        slots[own : own + 3] = (MACHINE, pid, 0)
+        slots[own : own + 3] = (owner, pid, 0)
     slots[own + 2] = max(0, slots[own + 2] + amount)
     if not slots[own + 2]:
         slots[own : own + 3] = (0, 0, 0)
