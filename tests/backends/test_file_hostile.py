@@ -735,6 +735,8 @@ async def test_a_link_planted_at_the_manifests_temporary_name_takes_no_write_out
     truncated the file it pointed to, outside the root, and wrote the manifest into it."""
     import itertools
 
+    from hicache_backends.writers import MACHINE_HEX
+
     outside = tmp_path / "outside.txt"
     outside.write_text("keep me")
     root = tmp_path / "root"
@@ -742,14 +744,49 @@ async def test_a_link_planted_at_the_manifests_temporary_name_takes_no_write_out
     ns = root / store.namespace.digest
     ns.mkdir(parents=True)
     monkeypatch.setattr(file_io, "_serial", itertools.count(0))
-    (ns / f"manifest.json.{os.getpid()}.0.tmp").symlink_to(outside)
+    planted = ns / f"manifest.json.{os.getpid()}.0.{MACHINE_HEX}.tmp"
+    planted.symlink_to(outside)
     async with store:
         await within(store.wait_background())
         assert await within(store.set("k", v0(64, 1)))
     assert outside.read_text() == "keep me"
     assert (ns / "manifest.json").is_file() and not (ns / "manifest.json").is_symlink()
-    assert not os.path.lexists(ns / f"manifest.json.{os.getpid()}.0.tmp")
+    assert not os.path.lexists(planted)
 
+
+async def test_a_manifest_temporary_file_left_by_a_killed_process_is_swept(tmp_path) -> None:
+    """A process killed while writing a namespace's manifest (between creating its temporary
+    file and renaming it into place) left ``manifest.json.<pid>.<n>.tmp`` for good: scans only
+    visit the page folders. Housekeeping now sweeps one whose writer is dead (or that is
+    older than the bound on temporary files), never one a live process is writing."""
+    from hicache_backends.writers import STALE_TMP_SECONDS
+
+    child = (
+        "import asyncio, os, sys\n"
+        "from hicache.testing.store_tests import NS_A\n"
+        "from hicache_backends.file import FileStorage\n"
+        "real = os.replace\n"
+        "def die(src, dst, *a, **k):\n"
+        "    if str(dst).endswith('manifest.json'):\n"
+        "        os.kill(os.getpid(), 9)  # written, not renamed into place\n"
+        "    return real(src, dst, *a, **k)\n"
+        "os.replace = die\n"
+        "asyncio.run(FileStorage(None, root=sys.argv[1], namespace=NS_A, min_free_bytes=0).open())\n"
+    )
+    done = subprocess.run([sys.executable, "-c", child, str(tmp_path)], timeout=120)
+    assert done.returncode == -9
+    ns = tmp_path / make_store(tmp_path).namespace.digest
+    (left,) = ns.glob("manifest.json.*.tmp")
+    live = ns / f"manifest.json.{os.getppid()}.7.tmp"  # a live process's, no machine in the name: by age
+    old = ns / f"manifest.json.{os.getppid()}.8.tmp"
+    live.write_text("{}")
+    old.write_text("{}")
+    os.utime(old, (time.time() - STALE_TMP_SECONDS - 60,) * 2)
+    async with make_store(tmp_path) as store:
+        await within(store.wait_background(), 10.0)
+        assert (ns / "manifest.json").is_file()
+    assert not left.exists() and not old.exists()
+    assert live.exists()
 
 async def test_pages_never_go_through_a_linked_page_folder(tmp_path) -> None:
     """Page files are opened without following links, but the folders on their path were

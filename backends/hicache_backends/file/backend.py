@@ -383,7 +383,8 @@ class FileStorage(AsyncHiCacheStorage):
     async def _housekeeping(self) -> None:
         """Off the request path: finish clears that a killed (or closed) process left half
         deleted - first, since on a full disk that is what frees space -, write the manifest if
-        the disk was too full for it, then create missing page folders. Never raises but
+        the disk was too full for it, remove the manifest's temporary files a killed writer
+        left, then create missing page folders. Never raises but
         cancellation. Nothing for an observer (:attr:`read_only`): each step writes."""
         assert self._layout is not None and self._scan_executor is not None
         if self.read_only:
@@ -392,6 +393,7 @@ class FileStorage(AsyncHiCacheStorage):
         for what, fn, args in (
             ("removing stale trash", page_io.remove_stale_trash, (self._layout.root, self._layout.digest, self._stop)),
             ("writing the manifest", self._retry_manifest, ()),
+            ("removing stale manifest temporary files", page_io.remove_stale_manifest_tmps, (self._layout,)),
             ("creating page folders", page_io.ensure_subdirs, (self._layout, self._stop)),
         ):
             try:

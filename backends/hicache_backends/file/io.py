@@ -43,6 +43,7 @@ from hicache_backends.file.layout import (
     FOOTER_LEN,
     ID_LEN,
     PAGE_SUFFIX,
+    TMP_SUFFIX,
     Footer,
     NamespaceLayout,
     decode_footer,
@@ -827,7 +828,8 @@ def _write_manifest(layout: NamespaceLayout, manifest: dict) -> None:
     text = json.dumps(manifest, sort_keys=True, indent=2) + "\n"
     if read_small_file(layout.manifest_path) == text.encode():
         return
-    tmp = f"{layout.manifest_path}.{os.getpid()}.{next(_serial)}.tmp"
+    # the writer's pid and machine, as a page's temporary file: see remove_stale_manifest_tmps
+    tmp = f"{layout.manifest_path}.{os.getpid()}.{next(_serial)}.{MACHINE_HEX}{TMP_SUFFIX}"
     try:
         with os.fdopen(_create_fresh(tmp), "w", encoding="utf-8") as f:
             f.write(text)
@@ -838,6 +840,41 @@ def _write_manifest(layout: NamespaceLayout, manifest: dict) -> None:
         except OSError:
             pass
         raise
+
+
+def remove_stale_manifest_tmps(layout: NamespaceLayout) -> int:
+    """Remove the manifest's temporary files (``manifest.json.<pid>.<n>[.<machine>].tmp``)
+    whose writer surely gave up: killed between writing one and renaming it into place. The
+    rule of a page's temporary file (:func:`~hicache_backends.writers.tmp_abandoned`): its
+    pid dead on this machine and PID namespace, or older than the bound (a name without a
+    machine, or another machine's, goes by age alone), so never one a live process is
+    writing. Scans visit only the page folders: left, such a file stayed for good. Returns
+    how many were removed."""
+    prefix = os.path.basename(layout.manifest_path) + "."
+    try:
+        names = os.listdir(layout.ns_dir)
+    except OSError:
+        return 0
+    removed = 0
+    for name in names:
+        if not (name.startswith(prefix) and name.endswith(TMP_SUFFIX)):
+            continue
+        parts = name[len(prefix) : -len(TMP_SUFFIX)].split(".")
+        if len(parts) not in (2, 3) or not parts[0].isdigit():
+            continue
+        machine = parse_machine(parts[2]) if len(parts) == 3 else None
+        if len(parts) == 3 and machine is None:
+            continue
+        path = os.path.join(layout.ns_dir, name)
+        try:
+            if tmp_abandoned(path, int(parts[0]), machine):
+                os.unlink(path)  # a link planted there: only the link goes
+                removed += 1
+        except FileNotFoundError:  # renamed into place, or removed by another sweep
+            continue
+        except OSError as exc:
+            logger.warning("could not remove %s: %s", path, exc)
+    return removed
 
 
 def _create_fresh(path: str) -> int:
