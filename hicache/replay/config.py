@@ -37,6 +37,11 @@ logger = logging.getLogger(__name__)
 _TIERS = ("device", "host", "storage")
 #: KV dtypes that hold the synthetic KV of :mod:`hicache.replay.synthetic` exactly
 _EXACT_DTYPES = ("float32", "float16", "bfloat16")
+#: why a storage tier needs a host tier: a replay ran a one-page host in its place, the storage
+#: tier never held a page, and the report and the nested LRU still counted it
+NO_HOST_TIER = ("the host tier holds no page, but every page moves between device and storage through it: "
+                "the storage tier would hold nothing; give [tiers] a host_blocks or host_fraction that holds "
+                "a page, or no storage tier")
 _REPLAY_KEYS = (
     "eviction_policy", "placement", "placement_options", "drain_between_requests", "verify", "max_requests",
     "attribution_ledger_pages", "explain_misses",
@@ -141,10 +146,29 @@ class ReplayConfig:
             if not isinstance(getattr(self, name), dict):
                 raise ConfigError(f"{name} must be a table, got {type(getattr(self, name)).__name__}")
         self._check_storage_bound()
+        if self._storage_sized() and self._host_unsized():
+            raise ConfigError(NO_HOST_TIER)
         self.controller_config()
         # built once now: a comparison applies the options to this policy's replay only, and a
         # bad one was found when its turn came, after the other policies' replays had run
         make_placement(self.placement, self.placement_options)
+
+    def _host_unsized(self) -> bool:
+        """Whether the host tier is 0 pages whatever the trace (sized 0, or not sized in a
+        ``[tiers]`` table that sizes the others)."""
+        for table in (self.pages, self.blocks):
+            if "host" in table:
+                return int(table["host"]) == 0
+        return not self.fractions.get("host", 0.0)
+
+    def _storage_sized(self) -> bool:
+        """Whether the storage tier may hold pages (by the order :meth:`capacity_blocks` sizes it)."""
+        if self.storage_backend is None:
+            return False
+        for table in (self.pages, self.blocks):
+            if "storage" in table:
+                return int(table["storage"]) > 0
+        return self.storage_bound_pages() is not None or bool(self.fractions.get("storage", 0.0))
 
     def _check_storage_bound(self) -> None:
         """A :class:`ConfigError` for a ``max_bytes`` that is no size, or that says another

@@ -27,7 +27,7 @@ from hicache.errors import ConfigError, TraceFormatError
 from hicache.keys import Namespace
 from hicache.observability.tier_events import ChangeKind, Tier
 from hicache.observability.attribution import AttributionTotals
-from hicache.replay.config import ReplayConfig, load_replay_config
+from hicache.replay.config import NO_HOST_TIER, ReplayConfig, load_replay_config
 from hicache.replay.driver import serve_request
 from hicache.replay.reference import reference_lru, unique_blocks
 from hicache.stack import StackConfig, build_stack
@@ -149,6 +149,8 @@ async def replay_requests(
     basis = basis_unique_blocks if basis_unique_blocks is not None else unique
     caps = cfg.capacity_blocks(basis)
     pages = cfg.capacity_pages(basis)
+    if pages["host"] == 0 and pages["storage"] > 0:  # a fraction of this trace that holds no page
+        raise ConfigError(NO_HOST_TIER)
     largest = max((r.input_length for r in requests), default=0)
     if pages["device"] * cfg.page_size < largest:
         raise ConfigError(

@@ -486,3 +486,30 @@ def test_a_file_store_bound_counts_as_the_pages_the_store_holds() -> None:
     assert cfg.pages["storage"] == max_bytes // FileStorage.stored_page_nbytes(cfg.page_nbytes)
     assert cfg.pages["storage"] < max_bytes // cfg.page_nbytes
     assert cfg.storage_bound_pages() == cfg.pages["storage"]
+
+
+
+@pytest.mark.parametrize("tiers", [{"host_blocks": 0}, {}])
+def test_a_storage_tier_without_a_host_tier_is_a_config_error_before_the_trace(tmp_path, capsys, tiers) -> None:
+    """A host tier of 0 blocks (``host_blocks = 0``, or no host entry in a ``[tiers]`` table)
+    was replayed with a one-page host: every page moves to storage through host, so the storage
+    tier of 20 blocks never held a page, while the tiers line said storage 20 and the nested
+    LRU 0.5000 against 0 replayed, for every policy. A deployment config refuses a host that
+    holds no page; the replay says so too, before the trace is read."""
+    data = {"tiers": {"device_blocks": 2, "storage_blocks": 20, **tiers}, "storage": {"backend": "memory"}}
+    with pytest.raises(ConfigError, match="host tier holds no page"):
+        ReplayConfig.from_dict(data)
+    cfg = tmp_path / "c.toml"
+    cfg.write_text("[tiers]\ndevice_blocks = 2\nstorage_blocks = 20\n" + "".join(f"{k} = {v}\n" for k, v in tiers.items()))
+    assert main(["replay", "-c", str(cfg), "--trace", str(tmp_path / "absent.jsonl"), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "host tier holds no page" in err and err.count("\n") == 1
+    requests = load_trace(_cycle_trace(tmp_path / "t.jsonl"))
+    # a fraction that holds no page of this trace (5% of 20 blocks): found once the trace is known
+    small = ReplayConfig.from_dict({**data, "tiers": {"device_blocks": 2, "storage_blocks": 20, "host_fraction": 0.04}})
+    with pytest.raises(ConfigError, match="host tier holds no page"):
+        asyncio.run(compare_policies(small, requests, ["lru"]))
+    # without a storage tier a device-only replay runs as before
+    no_storage = ReplayConfig.from_dict({**data, "tiers": {"device_blocks": 2, **tiers}})
+    report = asyncio.run(compare_policies(no_storage, requests, ["lru"]))
+    assert report["capacities_blocks"] == {"device": 2, "host": 0, "storage": 0}
