@@ -380,6 +380,12 @@ class HiCacheController:
         q = self._storage_q
         return 0 if q is None or self.state is ControllerState.CLOSED else q._unfinished_tasks  # type: ignore[attr-defined]
 
+    @property
+    def storage_queue_full(self) -> bool:
+        """Whether :meth:`submit_storage_write` would refuse a job for want of queue room now."""
+        q = self._storage_q
+        return q is not None and q.full()
+
     async def wait_storage_progress(self) -> None:
         """Wait until the next storage write job ends (written, failed or reported at close);
         at once when none is queued or running. What device eviction waits for when the room it

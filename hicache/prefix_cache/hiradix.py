@@ -185,6 +185,9 @@ class HiRadixCache(RadixCache):
         #: down), oldest first: offered again when the store comes back, so neither they nor the
         #: children waiting for them stay out of storage until a hit happens to pass by
         self._short_writes: dict[TreeNode, None] = {}
+        #: nodes whose storage write the full queue refused (backpressure), oldest first:
+        #: offered again as soon as the queue has room (see :meth:`_offer_refused_writes`)
+        self._refused_writes: dict[TreeNode, None] = {}
         #: failed copies of kept nodes (KV that must be written), by node: retried up to
         #: ``_KEPT_COPY_TRIES`` times
         self._failed_kept_copies: dict[TreeNode, int] = {}
@@ -873,6 +876,8 @@ class HiRadixCache(RadixCache):
         if not self.storage_writes.submit(job):
             node.storage_op = None
             self._short_writes[node] = None
+            if self.controller.storage_queue_full:
+                self._refused_writes[node] = None
             self._note(node)
 
     def _page_prior(self, node: TreeNode, k: int) -> str | None:
@@ -908,7 +913,20 @@ class HiRadixCache(RadixCache):
                     self._maybe_write_storage(child)
         if self._listed() > self._prune_at:
             self._prune_lists()
+        self._offer_refused_writes()
         self._retry_deferred()
+
+    def _offer_refused_writes(self) -> None:
+        """Offer again, oldest first, the storage writes the full queue refused, while it has
+        room (a write that ends makes some). Why: a refused write stayed on host unwritten
+        until a hit happened to pass by, and so did every child waiting for it: ``drain()``
+        returned with storage missing the burst that filled the queue, and the close neither
+        wrote nor reported it (``drained``, nothing unwritten)."""
+        while self._refused_writes and not self.controller.storage_queue_full:
+            node = next(iter(self._refused_writes))
+            del self._refused_writes[node]
+            if self._in_tree(node) and node.host_value is not None:
+                self._maybe_write_storage(node)
 
     def _release_old(self, node: TreeNode, attr: str, op: object) -> None:
         """A copy (``attr`` names its mark, ``op``) of a tree reset since has ended: free the
@@ -939,7 +957,7 @@ class HiRadixCache(RadixCache):
         # device lists forget nodes off the device; the short writes, nodes off host
         lists: list[tuple[dict[TreeNode, Any], str]] = [
             (self._sheddable, "value"), (self._deferred, "value"), (self._failed_kept_copies, "value"),
-            (self._short_writes, "host_value"),
+            (self._short_writes, "host_value"), (self._refused_writes, "host_value"),
         ]
         for d, copy in lists:
             for n in [n for n in d if not self._in_tree(n) or getattr(n, copy) is None]:
@@ -948,7 +966,8 @@ class HiRadixCache(RadixCache):
 
     def _listed(self) -> int:
         """Nodes held by the lists :meth:`_prune_lists` prunes."""
-        return len(self._sheddable) + len(self._deferred) + len(self._short_writes) + len(self._failed_kept_copies)
+        return (len(self._sheddable) + len(self._deferred) + len(self._short_writes) + len(self._refused_writes)
+                + len(self._failed_kept_copies))
 
     def _in_tree(self, node: TreeNode) -> bool:
         """Whether ``node`` is still a node of this tree (not removed, not of a tree reset since)."""
@@ -1164,6 +1183,7 @@ class HiRadixCache(RadixCache):
         while True:
             self._start_backups()
             await self.controller.drain()
+            self._offer_refused_writes()  # the queue has room now: queued, so waited for below
             if not self._retry_deferred() and not self._backup_batch \
                     and not self.controller.storage_writes_pending:
                 return
@@ -1186,6 +1206,7 @@ class HiRadixCache(RadixCache):
             self.prefetches.close()
             self.storage_writes.unsubscribe()
             self._start_backups()  # drained by the close, or reported
+            self._offer_refused_writes()  # as is each write the queue refused (re-offered as it drains)
             self._retry_deferred()
             self.storage_writes.send_doomed()
         report = await self.controller.aclose(timeout)

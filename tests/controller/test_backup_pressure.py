@@ -180,3 +180,53 @@ async def test_close_reports_backups_still_waiting_for_host_room() -> None:
     finally:
         report = await stack.aclose()
     assert report.deferred_backup_pages == 4, report
+
+
+async def stored_prompts(store: FaultyStorage, n: int) -> int:
+    """How many of ``prompt(0..n-1)`` storage holds whole."""
+    held = 0
+    for i in range(n):
+        keys = fast_page_hashes(prompt(i), PS, namespace_seed(None))
+        held += all(await store.exists_pages(keys))
+    return held
+
+
+def burst_past_the_storage_queue(close_timeout_s: float = 30.0):  # type: ignore[no-untyped-def]
+    """A stack whose storage queue (2 jobs) is far shorter than a burst of write-throughs to a
+    slow store: most writes are refused by the full queue (backpressure)."""
+    store = FaultyStorage(store_id=f"queue-{uuid.uuid4()}")
+    store.delay = 0.01
+    cfg = StackConfig(page_size=PS, device_pages=256, host_pages=256, storage_backend=None,
+                      controller=ControllerConfig(prefetch_threshold=PS, storage_queue_size=2,
+                                                  cancelled_io_grace_s=0.0, close_timeout_s=close_timeout_s))
+    return store, build_stack(cfg, storage=store)
+
+
+async def test_a_storage_write_refused_by_a_full_queue_is_written_by_drain() -> None:
+    """``drain()`` waits for every storage write: one the full queue refused is offered again
+    once the queue has room. It stayed on host unwritten, drain() returned, and storage missed
+    the prompt for good (it was offered again only on a later hit of the prompt)."""
+    store, stack = burst_past_the_storage_queue()
+    try:
+        for i in range(20):
+            await serve_request(stack, prompt(i), rid=f"q{i}", prefetch=False)
+        await stack.cache.drain()
+        assert stack.controller.metrics.counters["storage_rejected"] > 0  # the queue was full
+        assert await stored_prompts(store, 20) == 20
+    finally:
+        await stack.aclose()
+
+
+async def test_a_close_writes_or_reports_storage_writes_a_full_queue_refused() -> None:
+    """A close that drains writes the pages the full queue refused too, and one that cannot
+    drain reports them: the close said ``drained`` with nothing unwritten while most of the
+    burst never reached storage."""
+    for timeout in (30.0, 0.02):
+        store, stack = burst_past_the_storage_queue(close_timeout_s=timeout)
+        for i in range(20):
+            await serve_request(stack, prompt(i), rid=f"q{i}", prefetch=False)
+        report = await stack.aclose()
+        held = await stored_prompts(store, 20)
+        assert held * 4 + report.unwritten_pages + report.failed_storage_pages == 20 * 4, (timeout, held, report)
+        if report.drained:
+            assert held == 20, report
