@@ -139,14 +139,27 @@ def backend_class(name: str) -> type[AsyncHiCacheStorage]:
 
 
 def backend_options(name: str) -> dict[str, inspect.Parameter]:
-    """The keyword options a backend's constructor accepts."""
-    cls = backend_class(name)
-    params = inspect.signature(cls.__init__).parameters
-    return {
-        k: p
-        for k, p in params.items()
-        if k not in ("self", "storage_config") and p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)
-    }
+    """The keyword options a backend's constructor accepts: its own, and where it takes
+    ``**kwargs``, those of the base class it passes them on to (the usual subclass: a plugin
+    that wraps ``file`` with ``def __init__(self, *args, latency_ms=0, **kwargs)``).
+
+    Why the bases: read from the class's own signature alone, such a backend's base options
+    (``root``, ``max_bytes``...) were refused by the config check as unknown, though the
+    backend takes them."""
+    options: dict[str, inspect.Parameter] = {}
+    for klass in backend_class(name).__mro__:
+        init = klass.__dict__.get("__init__")
+        if init is None:
+            continue
+        if klass is object:
+            break
+        params = inspect.signature(init).parameters
+        for k, p in params.items():
+            if k not in ("self", "storage_config") and p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD):
+                options.setdefault(k, p)
+        if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+            break
+    return options
 
 
 def create_async_storage(

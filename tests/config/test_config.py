@@ -226,3 +226,18 @@ def test_every_section_model_is_exported() -> None:
         model = getattr(model, "__args__", (model,))[0]  # list[ExtraPoolConfig]
         assert model.__name__ in pkg.__all__ and getattr(pkg, model.__name__) is model, name
         assert model.__name__ in schema.__all__, name
+
+
+def test_a_plugin_backend_that_passes_kwargs_on_takes_its_base_options(tmp_path: Path) -> None:
+    """A plugin subclassing a bundled backend with ``**kwargs`` passed on (hicache's own
+    ``slow-file`` is one) had its base's options refused by the config check: ``root`` was
+    'no option', though the backend takes it. Options of neither class are still refused."""
+    from hicache.storage.registry import backend_options
+    from hicache.testing.slow_store import register_slow_file
+
+    register_slow_file()
+    assert {"root", "max_bytes", "latency_ms"} <= set(backend_options("slow-file"))
+    good = {"storage": {"backend": "slow-file", "options": {"root": str(tmp_path), "latency_ms": 5}}}
+    assert load_config(good).storage.options["root"] == str(tmp_path)
+    with pytest.raises(ConfigError, match="no option"):
+        load_config({"storage": {"backend": "slow-file", "options": {"rooot": str(tmp_path)}}})
