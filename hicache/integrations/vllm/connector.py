@@ -95,6 +95,11 @@ class HiCacheWorkerMetadata(KVConnectorWorkerMetadata):
         return HiCacheWorkerMetadata(self.report.merge(other.report))
 
 
+#: how long start-up waits for the store to open: an unusable one (a root that cannot be
+#: made) fails start-up with its error, one slow to answer (an object store that is down) opens
+#: on first use instead
+STORE_OPEN_WAIT_S = 5.0
+
 #: full-attention spec classes whose manager still swaps blocks for vLLM's null block (by name:
 #: not every vLLM version has them)
 _DROPS_BLOCKS = frozenset({"RSWASpec"})
@@ -306,6 +311,11 @@ class HiCacheConnector(KVConnectorBase_V1):
             layers = pp_layer_counts(vllm_config, self.geometry.num_layers)
             namespaces = [ns(tp, pp, layers[pp]) for pp in range(pp_size) for tp in range(tp_size)]
             store = StoreIO(opts.backend, opts.backend_options, namespaces, name="hicache-vllm-sched")
+            try:
+                store.open(STORE_OPEN_WAIT_S)
+            except BaseException:
+                store.close(0)
+                raise
             tree = HostPageTree(opts.host_pages, self.geometry.block_size, eviction_policy=opts.eviction_policy)
             self._scheduler = SchedulerSide(
                 store, tree, lookup_wait_s=opts.lookup_wait_s, lookup_timeout_s=opts.lookup_timeout_s,
@@ -322,6 +332,11 @@ class HiCacheConnector(KVConnectorBase_V1):
                 self.geometry, make_backend(opts.backend, opts.backend_options, ns(tp, pp)),
                 host_pages=opts.host_pages, load_timeout_s=opts.load_timeout_s, controller=opts.controller_config(),
             )
+            try:
+                self._worker.open_storage(STORE_OPEN_WAIT_S)
+            except BaseException:
+                self._worker.close(0)
+                raise
             _close_worker_at_exit(self)
 
     @classmethod

@@ -71,6 +71,20 @@ class StoreIO:
         ``TimeoutError`` is raised (it may be filling host pages the caller reuses)."""
         return self._loop.call(coro, timeout)
 
+    def open(self, timeout: float) -> None:
+        """Open every backend now, so that an unusable store (a root that cannot be made, an
+        option the backend refuses only when it opens) fails engine start-up with its error
+        instead of every lookup logging it while the cache never hits. A store slow to answer
+        (an object store that is down) is not an error: after ``timeout`` s it is left to open
+        on first use, as before."""
+        try:
+            self._loop.call(self._open_all(), timeout)
+        except concurrent.futures.TimeoutError:
+            logger.warning("hicache: storage is slow to open; it opens on first use")
+
+    async def _open_all(self) -> None:
+        await asyncio.gather(*(backend.open() for backend in self.backends))
+
     def _forget(self, fut: concurrent.futures.Future[Any]) -> None:
         with self._lock:
             self._pending.discard(fut)

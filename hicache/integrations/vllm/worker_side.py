@@ -158,6 +158,14 @@ class WorkerSide:
         )
 
     # ------------------------------------------------------------------ set-up
+    def open_storage(self, timeout: float) -> None:
+        """Open the store now, on the controller's loop (see :meth:`.StoreIO.open`): an
+        unusable one fails start-up with its error; one slow to answer opens on first use."""
+        try:
+            self._loop.call(self.controller.open_storage(), timeout)
+        except concurrent.futures.TimeoutError:
+            logger.warning("hicache worker: the store is slow to open; it opens on first use")
+
     def register(self, named_layers: Sequence[tuple[str, torch.Tensor]]) -> None:
         """Bind vLLM's KV tensors; each must hold blocks of exactly the geometry's size."""
         if len(named_layers) != self.geometry.num_layers:

@@ -38,6 +38,7 @@ from test_connector_units import (
     worker,
 )
 
+from hicache.errors import ConfigError
 from hicache.integrations.vllm.host_tree import HostPageTree
 from hicache.integrations.vllm.naming import PageKeyChain
 from hicache.integrations.vllm.options import ConnectorOptions
@@ -601,6 +602,18 @@ def test_context_parallelism_is_refused(model_dir: str, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"context parallelism \(prefill 2, decode 1\)"):
         _refuse_context_parallel(ParallelConfig(prefill_context_parallel_size=2, distributed_executor_backend="mp"))
     _refuse_context_parallel(ParallelConfig(tensor_parallel_size=4, distributed_executor_backend="mp"))
+
+
+def test_a_store_that_cannot_be_used_fails_start_up_with_its_error(model_dir: str, tmp_path: Path) -> None:
+    """A ``root`` that cannot be a folder (under a file, say) is the backend's error at engine
+    start, on both sides, as with hicache's other integrations. The store used to open on first
+    use: the engine started, every lookup logged the error, and the cache never hit."""
+    from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
+
+    (tmp_path / "a-file").write_text("")
+    for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
+        with pytest.raises(ConfigError, match="cannot use root"):
+            vllm_connector(model_dir, tmp_path / "a-file" / "kv", role, num_layers=5)
 
 
 def split_kv_caches(model: str, root: Path, layout: str, kernel_block_size: int) -> tuple[Any, dict[str, torch.Tensor]]:
