@@ -83,6 +83,11 @@ class ConnectorOptions:
             if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
                     or not 0 <= value <= MAX_WAIT_S):
                 raise ConfigError(f"{name} must be a number of seconds from 0 to {MAX_WAIT_S:.0f}, got {value!r}")
+        if self.load_timeout_s == 0:
+            # no time for any storage read: every page the scheduler claimed would fail its load,
+            # and under vLLM's default kv_load_failure_policy ("fail") so would its request
+            raise ConfigError("load_timeout_s must be above 0: a storage read given no time fails the load, "
+                              "and the request, of every storage hit")
         if not isinstance(self.recompute_bound, bool):
             raise ConfigError(f"recompute_bound must be true or false, got {self.recompute_bound!r}")
         rate = self.recompute_tokens_per_s

@@ -206,6 +206,23 @@ def test_options_refuse_unknown_keys_and_bad_values() -> None:
 
 
 # ---------------------------------------------------------------- worker: save, load
+def test_a_load_timeout_of_zero_is_refused_at_start(tmp_path: Path) -> None:
+    """``load_timeout_s: 0`` gave every storage read no time at all: each page the scheduler
+    had claimed (its lookup found it) failed its load, and under vLLM's default
+    ``kv_load_failure_policy: fail`` every request with a storage hit failed. The option is
+    refused at start; the other timeouts keep 0 (no wait, no lookups, no drain)."""
+    src, keys = stored(tmp_path, seed=3, num_pages=2)
+    w = worker(tmp_path, kv_layers(None), load_timeout_s=0.0)
+    try:
+        assert load(w, [PageLoad("r", tuple(keys), (0, 1), (0, 1))]) == {0, 1}  # what 0 did
+    finally:
+        w.close(timeout=10)
+    with pytest.raises(ConfigError, match="load_timeout_s"):
+        ConnectorOptions.from_extra_config({"load_timeout_s": 0})
+    for name in ("lookup_wait_s", "lookup_timeout_s", "close_timeout_s"):
+        assert getattr(ConnectorOptions.from_extra_config({name: 0}), name) == 0
+
+
 def test_saved_pages_load_back_bit_exact_in_a_new_worker(tmp_path: Path) -> None:
     src = kv_layers(seed=1)
     keys = PageKeyChain(BS).extend(TOKENS, 5)
