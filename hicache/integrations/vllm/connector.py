@@ -301,7 +301,7 @@ class HiCacheConnector(KVConnectorBase_V1):
             return deployment_namespace(
                 model=str(model.model), revision=model.revision, geometry=geometry,
                 tp_rank=tp, tp_size=tp_size, pp_rank=pp, pp_size=pp_size, block_format=self._block_format,
-                salt=self.options.namespace_salt,
+                salt=self.options.namespace_salt, quantization=model.quantization,
             )
 
         self._scheduler: SchedulerSide | None = None

@@ -6,9 +6,9 @@ and different whenever the KV would differ. So:
 - a page key is hicache's chained SHA-256 of the block's token ids (never Python's ``hash()``,
   which ``PYTHONHASHSEED`` changes per process), chained from a root that is the request's
   ``cache_salt`` when it has one: salted requests never share pages with unsalted ones;
-- the namespace (kept apart by every backend) holds the model and revision, the KV dtype, the
-  block size, the KV geometry, the block's byte format (the attention backend's), the
-  tensor/pipeline ranks and an optional deployment salt.
+- the namespace (kept apart by every backend) holds the model and revision, the weights'
+  quantization, the KV dtype, the block size, the KV geometry, the block's byte format (the
+  attention backend's), the tensor/pipeline ranks and an optional deployment salt.
 
 Nothing here imports vLLM: the connector reads these facts from vLLM's config objects and
 passes them in as plain values.
@@ -68,15 +68,21 @@ def deployment_namespace(
     pp_size: int,
     block_format: str,
     salt: str | None = None,
+    quantization: str | None = None,
 ) -> Namespace:
     """The namespace pages of one (tp, pp) rank of this deployment live in.
 
     ``block_format`` names what a block's bytes hold (the attention backend's format, which
     the connector derives from vLLM's platform and KV cache spec the same way in the scheduler
     and in every worker): engines whose backends write the same KV as other bytes never read
-    each other's pages."""
+    each other's pages. ``quantization`` is the weights' (vLLM's ``--quantization``): the same
+    model name with quantized weights computes other KV for the same tokens. Named only when
+    set, so the namespaces of unquantized engines stay what they were."""
     if not isinstance(block_format, str) or not block_format:
         raise ValueError(f"block_format must be a non-empty string, got {block_format!r}")
+    extra = [("block_format", block_format), ("block_nbytes", str(geometry.block_nbytes)), ("engine", "vllm")]
+    if quantization:
+        extra.append(("quantization", str(quantization)))
     return Namespace(
         model=model,
         revision=revision,
@@ -91,7 +97,7 @@ def deployment_namespace(
         pp_rank=pp_rank,
         pp_size=pp_size,
         salt=salt,
-        extra=(("block_format", block_format), ("block_nbytes", str(geometry.block_nbytes)), ("engine", "vllm")),
+        extra=tuple(extra),
     )
 
 

@@ -488,10 +488,10 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def vllm_connector(model: str, root: Path, role: Any, num_layers: int, pp_size: int = 1, spec: Any = None,
-                   **parallel: Any) -> Any:
+                   quantization: str | None = None, **parallel: Any) -> Any:
     """Our connector as vLLM's factory builds it, from a real ``VllmConfig``; its
     ``KVCacheConfig`` has ``num_layers`` layers (vLLM gives each pipeline stage its own) of
-    ``spec`` (full attention by default)."""
+    ``spec`` (full attention by default), of the model's weights quantized by ``quantization``."""
     from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, ParallelConfig, VllmConfig, set_current_vllm_config
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
@@ -500,7 +500,8 @@ def vllm_connector(model: str, root: Path, role: Any, num_layers: int, pp_size: 
                           kv_role="kv_both", kv_connector_extra_config={"backend": "file",
                                                                         "backend_options": {"root": str(root)}})
     config = VllmConfig(
-        model_config=ModelConfig(model=model, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=512),
+        model_config=ModelConfig(model=model, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=512,
+                                 quantization=quantization),
         cache_config=CacheConfig(block_size=BS),
         parallel_config=ParallelConfig(pipeline_parallel_size=pp_size, **parallel,
                                        distributed_executor_backend="mp" if pp_size > 1 or parallel else None),
@@ -553,6 +554,23 @@ def test_vllms_connector_reset_reaches_hicache(model_dir: str, tmp_path: Path) -
         assert answer(conn._scheduler, "b", TOKENS) == 0
     finally:
         conn.shutdown()
+
+
+def test_an_engine_with_quantized_weights_never_reads_the_pages_of_one_without(model_dir: str, tmp_path: Path) -> None:
+    """``--quantization fp8`` runs the same model name, revision and KV dtype with other weights,
+    so the KV of the same tokens is other values: two engines sharing a store, one quantized
+    and one not, served each other's KV. The weights' quantization is part of the namespace."""
+    from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
+
+    plain = vllm_connector(model_dir, tmp_path, KVConnectorRole.SCHEDULER, num_layers=5)
+    fp8 = vllm_connector(model_dir, tmp_path, KVConnectorRole.SCHEDULER, num_layers=5, quantization="fp8")
+    try:
+        store_five_pages(plain, tmp_path)
+        assert answer(plain._scheduler, "a", TOKENS) == 5 * BS
+        assert answer(fp8._scheduler, "a", TOKENS) == 0
+    finally:
+        plain.shutdown()
+        fp8.shutdown()
 
 
 def test_a_sliding_window_kv_cache_is_refused(model_dir: str, tmp_path: Path) -> None:
