@@ -15,10 +15,12 @@ forward pass of the step that schedules it, layer by layer, overlapped with atte
 blocks when it wants (``request_finished`` never holds them).
 
 Failed loads are reported through ``get_block_ids_with_load_errors``. Keep vLLM's default
-``"kv_load_failure_policy": "fail"`` (the request fails): under ``"recompute"`` vLLM 0.32 can
-leave a failed block in its own prefix cache as computed and serve it to a later request
-(docs/vllm-connector.md, "Which kv_load_failure_policy"). Either way vLLM runs the step first,
-so what that step computes over a failed load is never saved (see :mod:`.scheduler_side`).
+``"kv_load_failure_policy": "fail"`` (the request fails; docs/vllm-connector.md, "Which
+kv_load_failure_policy"). vLLM 0.32 can leave a failed block in its own prefix cache as
+computed (under ``"recompute"``, and under ``"fail"`` for a request preempted before the
+failure's report), so the scheduler side evicts every reported block from it. Either way vLLM
+runs the step first, so what that step computes over a failed load is never saved (see
+:mod:`.scheduler_side`).
 
 ``reset_cache`` (vLLM's ``reset_prefix_cache(reset_connector=True)``, and a pause that clears
 the caches, e.g. for new weights) empties the host tier and rotates the cache epoch, so that no
@@ -489,9 +491,23 @@ class HiCacheConnector(KVConnectorBase_V1):
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         super().update_connector_output(connector_output)
+        self._uncache_failed_blocks(connector_output.invalid_block_ids)
         meta = connector_output.kv_connector_worker_meta
         if self._scheduler is not None and isinstance(meta, HiCacheWorkerMetadata):
             self._scheduler.on_report(meta.report)
+
+    def _uncache_failed_blocks(self, blocks: set[int] | None) -> None:
+        """Take the blocks whose load failed out of vLLM's prefix cache (vLLM calls this after
+        its own handling of them). vLLM caches a step's loaded blocks as computed when it plans
+        the load, and evicts failed ones only for the requests running when the failure is
+        reported (and only under ``kv_load_failure_policy: fail``). With async scheduling the
+        next step is planned first, and may preempt the loading request: vLLM then never saw
+        it affected, its failed blocks stayed cached, and the request resumed (or any request
+        of the same prefix) was served them as its KV, and its saves stored what it computed
+        over them. Evicting a block only drops its hash: a request holding it keeps it."""
+        manager = self._kv_cache_manager
+        if blocks and manager is not None:
+            manager.evict_blocks(set(blocks))
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         if self._scheduler is not None:
