@@ -10,7 +10,8 @@ the HTTP level, where a flaky link or a failing service would put them:
 * ``answer`` - a coroutine that may answer a request itself (an odd or failing service: any
   status, headers or body, a connection cut mid-body); ``None`` forwards it.
 
-``seen`` lists ``(method, path, headers)`` of every request, as it arrived.
+``seen`` lists ``(method, path, headers)`` of every request, as it arrived; ``served`` lists
+``(method, path, body bytes)`` of every answer it forwarded from upstream.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ class FaultProxy:
         self.flipped = 0
         self.answer: Callable[[web.Request], Awaitable[web.StreamResponse | None]] | None = None
         self.seen: list[tuple[str, str, dict[str, str]]] = []
+        self.served: list[tuple[str, str, int]] = []
         self.endpoint = ""
         self._runner: web.AppRunner | None = None
         self._session: aiohttp.ClientSession | None = None
@@ -86,6 +88,7 @@ class FaultProxy:
             flipped[len(flipped) // 2] ^= 0x10
             data = bytes(flipped)
             self.flipped += 1
+        self.served.append((request.method, request.path, len(data)))
         if request.method == "HEAD" and "Content-Length" in upstream.headers:  # the object's size, no body
             return web.Response(status=status, headers={**out, "Content-Length": upstream.headers["Content-Length"]})
         return web.Response(status=status, body=data, headers=out)

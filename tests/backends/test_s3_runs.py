@@ -222,3 +222,27 @@ async def test_a_page_named_twice_in_one_delete_is_deleted_and_counted_once(moto
         assert await store.batch_delete([keys[0], keys[0]]) == [True, False]
         assert store.get_stats()["deleted_pages"] == 1 and removed == [keys[0]]
         assert await store.exists_prefix(keys) == 0
+
+
+async def test_a_huge_object_at_an_index_name_is_not_downloaded(moto_endpoint: str, moto_bucket: str) -> None:
+    """An object that is no index of ours (a foreign upload, 24 MiB) sits where a chain's run
+    index goes. A lookup downloaded it whole (held twice in memory, joined) before finding it
+    is no index; a big enough one outlasted the request timeout on every lookup, was retried
+    and fed the breaker. An index is at most ``64 * MAX_RUN`` bytes: no more is asked for."""
+    from hicache_backends.s3.runs import MAX_RUN
+    from s3_proxy import FaultProxy
+
+    async with FaultProxy(moto_endpoint) as proxy:
+        async with make_s3(proxy.endpoint, moto_bucket, f"runs/{uuid.uuid4().hex}", concurrency=4) as store:
+            keys, _ = await _filled(store, 12)
+            path = store.names.run_index(keys[0], "kv")
+            await asyncio.to_thread(raw_put, moto_endpoint, path, b"{" * (24 << 20))
+            try:
+                proxy.served.clear()
+                assert await store.exists_prefix(keys) == 12  # the HEAD waves answer
+                got = [n for method, p, n in proxy.served if method == "GET" and p.endswith(path.split("/", 1)[1])]
+                assert got and max(got) <= 64 * MAX_RUN + 1
+                stats = store.get_stats()
+                assert not stats.get("timeouts") and not stats.get("transient_errors")
+            finally:
+                await store.clear()

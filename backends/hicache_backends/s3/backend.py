@@ -54,7 +54,7 @@ from hicache_backends.s3.cache import ExistsCache
 from hicache_backends.s3 import fs as s3_fs
 from hicache_backends.s3.fs import LoopLocal, LoopResources, ObjectOps, close_all, make_ops
 from hicache_backends.s3.naming import ObjectNames, Redactor, redact_options, redact_url
-from hicache_backends.s3.runs import MIN_RUN, decode_run, encode_run
+from hicache_backends.s3.runs import MAX_BYTES as MAX_INDEX_BYTES, MIN_RUN, decode_run, encode_run
 from hicache_backends.s3.retry import RetryPolicy, is_transient
 from hicache_backends.s3.runner import GaveUp, RequestRunner
 
@@ -528,7 +528,9 @@ class FsspecStorage(AsyncHiCacheStorage):
     async def _read_run(self, first: PageKey) -> list[str] | None:
         path = self.names.run_index(first.key, first.pool)
         try:
-            data = await self.runner.request("exists", lambda ops: ops.get(path))
+            # one byte more than an index can be: a huge object at this name (no index of ours)
+            # is not downloaded whole by every lookup, and still reads as too long
+            data = await self.runner.request("exists", lambda ops: ops.get_range(path, 0, MAX_INDEX_BYTES + 1))
         except (GaveUp, FileNotFoundError):
             return None
         return decode_run(data)

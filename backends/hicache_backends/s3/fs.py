@@ -258,9 +258,15 @@ class S3ObjectOps(AsyncObjectOps):
         if self.fs.dircache:
             self.fs.invalidate_cache(path)
 
-    async def get_range(self, path: str, start: int, end: int) -> bytes:
+    async def get_range(self, path: str, start: int, end: int | None) -> bytes:
+        """Bytes ``[start, end)`` (to the object's end if ``end`` is ``None``), sent directly
+        where the bucket allows; an empty object (S3 answers a range on it 416) is ``b""``."""
         try:
-            return await self.fs._cat_file(path, start=start, end=end)
+            chunks: list[bytes] = []
+            if await self._try_direct(path, "GetObject", lambda route, bucket, key: self.direct.get_into(
+                    route, bucket, key, start, end, chunks.append)) is _BOTOCORE:
+                return await self.fs._cat_file(path, start=start, end=end)
+            return b"".join(chunks)
         except OSError as exc:
             if _is_invalid_range(exc):
                 return b""
@@ -296,16 +302,7 @@ class S3ObjectOps(AsyncObjectOps):
             body.close()
 
     async def get(self, path: str) -> bytes:
-        try:
-            chunks: list[bytes] = []
-            if await self._try_direct(path, "GetObject", lambda route, bucket, key: self.direct.get_into(
-                    route, bucket, key, 0, None, chunks.append)) is _BOTOCORE:
-                return await self.fs._cat_file(path, start=0)
-            return b"".join(chunks)
-        except OSError as exc:
-            if _is_invalid_range(exc):
-                return b""
-            raise
+        return await self.get_range(path, 0, None)
 
     async def size(self, path: str) -> int | None:
         try:

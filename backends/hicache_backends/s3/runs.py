@@ -25,12 +25,15 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 
-__all__ = ["MAX_RUN", "MIN_RUN", "decode_run", "encode_run"]
+__all__ = ["MAX_BYTES", "MAX_RUN", "MIN_RUN", "decode_run", "encode_run"]
 
 #: Shorter chains gain nothing over the HEADs sent alongside.
 MIN_RUN = 2
 #: Page names per index (16 bytes of hex each): bounds what a lookup downloads and parses.
 MAX_RUN = 8192
+#: The largest body that may be an index: a lookup reads no more of the object (anything
+#: larger, a foreign object at an index's name, is no index of ours).
+MAX_BYTES = 64 * MAX_RUN
 _VERSION = 1
 
 
@@ -41,7 +44,7 @@ def encode_run(names: Sequence[str]) -> bytes:
 
 def decode_run(data: bytes | None) -> list[str] | None:
     """The page names of an index body; ``None`` for anything that is not one of ours."""
-    if not data or len(data) > 64 * MAX_RUN:
+    if not data or len(data) > MAX_BYTES:
         return None
     try:
         doc = json.loads(data)
