@@ -135,6 +135,33 @@ async def test_write_bodies_are_reused_and_payloads_unsigned(moto_endpoint: str,
         assert got["kv"] == [True] * 12 and dst.buffer.equal(src.buffer)
 
 
+async def test_a_body_whose_put_timed_out_once_is_not_reused(moto_endpoint: str, moto_bucket: str, prefix: str) -> None:
+    """The first PUT of a page hangs past the request timeout; the retry lands. The body's
+    buffer was given back for the next page: on Python 3.12+ a transport keeps a view of what
+    it has not sent yet (and a close goes on sending it), so the abandoned attempt, once the
+    server read on, sent the next page's bytes as this page's (a lost write: a corrupt object
+    replacing the good one). A body is reused only after an attempt that was answered alone."""
+    async with FaultProxy(moto_endpoint) as proxy:
+        hung: list[str] = []
+
+        async def hang_first(request: Any) -> Any:
+            if request.method == "PUT" and "/pages/" in request.path and "/runs/" not in request.path and not hung:
+                hung.append(request.path)
+                await asyncio.sleep(1.0)  # past request_timeout: the client gives this attempt up
+            return None
+
+        proxy.answer = hang_first
+        async with make_s3(proxy.endpoint, moto_bucket, prefix, concurrency=4, request_timeout=0.3,
+                           retry_backoff=0.0) as store:
+            src = ArrayHostPool(1, PAGE, token_elems=4)
+            src.fill_random(3)
+            store.register_mem_pool_host(src)
+            res = await store.batch_set_v2([PoolTransfer("kv", host_indices=src.indices(0, 1), keys=["hung"])])
+            assert res["kv"] == [True] and hung and store.get_stats()["retries"] >= 1
+            assert len(store._local.get().bodies) == 0  # dropped, never handed to another page
+            await asyncio.sleep(1.0)  # (the abandoned attempt lands)
+
+
 async def test_with_the_exists_cache_off_a_page_deleted_elsewhere_is_claimed_once(
     moto_endpoint: str, moto_bucket: str, prefix: str
 ) -> None:

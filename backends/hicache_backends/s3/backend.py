@@ -742,9 +742,19 @@ class FsspecStorage(AsyncHiCacheStorage):
             # huge batch never holds a copy of every page; a big one is built on a thread.
             async with res.staging:
                 data = await self._body(res, codec, page, buf)
-                await self.runner.request("write", lambda ops: ops.put(path, data))
-                if isinstance(data, bytearray):
-                    res.bodies.give_back(data)  # answered: nothing refers to it any more
+                attempts = 0
+
+                def put(ops: ObjectOps) -> Any:
+                    nonlocal attempts
+                    attempts += 1
+                    return ops.put(path, data)
+
+                await self.runner.request("write", put)
+                if isinstance(data, bytearray) and attempts == 1:
+                    # answered, and no attempt was abandoned: nothing refers to it any more.
+                    # An attempt given up (timed out) may still be flushing it from its
+                    # transport (Python 3.12+ keeps a view, not a copy): never reused then
+                    res.bodies.give_back(data)
         except FileNotFoundError:
             self.stats.incr("permanent_errors")
             self._manifest_ok = False  # the bucket is gone; if it comes back, so must the manifest

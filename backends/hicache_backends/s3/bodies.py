@@ -6,9 +6,10 @@ wake-ups per page). A ``bytearray`` body is passed through as it is and sent wit
 write. Building header + payload into a fresh buffer also costs an allocation, zero-fill and page
 faults per page; buffers returned here after their request are reused.
 
-A buffer is given back only after its request ended with an answer (any answer, retries
-included): a request that was cancelled or timed out may still have its body referenced by a
-transport, so that buffer is dropped, never reused. The free list is bounded by count and bytes,
+A buffer is given back only after its request was answered at its first attempt: an attempt
+that was cancelled or timed out may still have its body referenced by a transport (Python 3.12+
+buffers a view of unsent bytes, not a copy, and a closing transport goes on sending them), so
+after one the buffer is dropped, never reused, even when a retry was answered. The free list is bounded by count and bytes,
 so an idle store keeps little memory.
 """
 
