@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import dataclasses
 import enum
 import inspect
@@ -295,9 +296,9 @@ class HiCacheController:
         self._backup_q = asyncio.Queue(self.config.backup_queue_size)
         self._storage_q = asyncio.Queue(self.config.storage_queue_size)
         self.state = ControllerState.RUNNING
-        self._spawn(self._backup_worker(), "hicache-backup")
+        self._spawn(self._backup_worker(), "hicache-backup", detached=True)
         if self.storage is not None:
-            self._spawn(self._storage_worker(), "hicache-storage-write")
+            self._spawn(self._storage_worker(), "hicache-storage-write", detached=True)
 
     def _accepting(self, continuation: bool = False) -> bool:
         """Whether new work is taken. While closing, only continuations of work already
@@ -327,8 +328,14 @@ class HiCacheController:
                 "(or a callback) on that loop's thread (asyncio.run_coroutine_threadsafe from another thread)"
             )
 
-    def _spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
-        task = asyncio.get_running_loop().create_task(coro, name=name)
+    def _spawn(self, coro: Coroutine[Any, Any, Any], name: str, *, detached: bool = False) -> asyncio.Task[Any]:
+        """Run ``coro`` as a task the close waits for. ``detached``: in a fresh context, for a
+        task that outlives the call that starts it (the workers, the prober). Why: a task copies
+        its creator's context, and the workers start lazily inside the first request's
+        ``begin``: they took its current span, so every later request's ``hicache.backup``
+        spans landed in that first request's trace instead of being roots."""
+        context = contextvars.Context() if detached else None
+        task = asyncio.get_running_loop().create_task(coro, name=name, context=context)
         self._tasks.add(task)
         task.add_done_callback(self._task_done)
         return task
@@ -1297,7 +1304,7 @@ class HiCacheController:
             if gave_up is not None and not call.done():
                 gave_up()
         if self.state is ControllerState.RUNNING and (self._prober is None or self._prober.done()):
-            self._prober = self._spawn(self._probe_until_up(), "hicache-storage-probe")
+            self._prober = self._spawn(self._probe_until_up(), "hicache-storage-probe", detached=True)
 
     async def _probe_until_up(self) -> None:
         """Probe the store after each backoff until it answers (or the controller closes)."""

@@ -115,3 +115,22 @@ def test_off_by_default_and_nothing_imported() -> None:
 
 def test_enabled_without_the_extra_is_a_config_error() -> None:
     subprocess.run([sys.executable, "-c", CODE_MISSING], check=True, timeout=120)
+
+
+async def test_backup_spans_are_roots_not_in_the_first_requests_trace(exporter) -> None:
+    """The workers' ``hicache.backup`` / ``hicache.backup.storage`` spans are roots, as the
+    README and this module's docstring say. Why: the workers were started lazily inside the
+    first request's ``begin`` and inherited its span context, so every backup of every later
+    request landed in that first request's trace, under its long-ended ``hicache.begin``."""
+    store = uuid.uuid4().hex
+    async with HiCache.from_config(config(store)) as cache:
+        for i in range(3):
+            await _serve(cache, f"r{i}", [10_000 * (i + 1) + t for t in range(4 * PS)])
+            await cache.drain()
+    spans = exporter.get_finished_spans()
+    backups = [s for s in spans if s.name in ("hicache.backup", "hicache.backup.storage")]
+    assert len(backups) >= 6, sorted(s.name for s in spans)  # each request: a host and a storage backup
+    begins = {s.context.trace_id for s in spans if s.name == "hicache.begin"}
+    for s in backups:
+        assert s.parent is None, (s.name, "parented to another span")
+        assert s.context.trace_id not in begins, (s.name, "in a request's trace")
