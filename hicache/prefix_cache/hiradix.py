@@ -204,6 +204,14 @@ class HiRadixCache(RadixCache):
         self._eviction_indexes.append(self._host_index)
 
     def cache_finished_req(self, req: Any, is_insert: bool = True, **kwargs: Any) -> None:
+        if req.req_pool_idx is None and req.last_node is not None and self.is_admitted(req):
+            # admitted but never given a row (its whole prompt was a hit, nothing computed): no
+            # KV of its own to insert, but its admit's lock must go, or the prefix stays
+            # protected for good (the request is forgotten below: not even an abort frees it)
+            self.dec_lock_ref(req.last_node)
+            req.last_node = None
+            req.prefix_indices = self._empty()
+            req.cache_protected_len = 0
         self.forget_req(req)
         super().cache_finished_req(req, is_insert=is_insert, **kwargs)
 

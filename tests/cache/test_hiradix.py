@@ -1086,3 +1086,23 @@ async def test_a_prefetch_started_off_the_loops_thread_leaves_its_anchor_unheld(
     await asyncio.wait_for(stack.controller.wait_prefetches(), 10)
     cache.cancel_prefetch("q")
     await nothing_held_then_close(stack)
+
+
+async def test_finishing_an_admitted_request_that_never_got_a_row_releases_its_prefix() -> None:
+    """A request whose whole prompt was a hit has nothing to compute; finished without a
+    ``req_to_token`` row (``release_req``), its admit's lock was never released: the insert
+    returns early without a row, and the request was forgotten, so not even an abort could
+    release it. Its prefix stayed protected for good (never evictable)."""
+    stack = build_stack(cfg())
+    cache = stack.cache
+    a = toks(0, 16)
+    await serve_request(stack, a, rid="a")
+    await cache.drain()  # the write-through backup's lock is gone
+    req = Req(rid="full-hit", origin_input_ids=a)
+    cache.match_req(req)
+    res = await cache.admit(req)
+    assert res.device_hit == 16 and cache.protected_size() == 16
+    cache.release_req(req)  # nothing to compute: no row was ever taken
+    assert cache.protected_size() == 0 and req.last_node is None
+    cache.abort_req(req)  # a late abort releases nothing twice
+    await nothing_held_then_close(stack)
