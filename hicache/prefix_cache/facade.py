@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import weakref
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
@@ -97,6 +98,15 @@ class FlowHost(Protocol):
     async def make_device_room(self, num_tokens: int) -> bool: ...
 
 
+def remember_aborted(aborted: weakref.WeakSet[Any], req: Any) -> None:
+    """Note ``req`` in ``aborted`` (requests whose admit must refuse them), where its type can
+    be weakly referenced (an engine's own request type may use ``__slots__``)."""
+    try:
+        aborted.add(req)
+    except TypeError:
+        pass
+
+
 class RequestFlow:
     """Per-request calls of a tiered cache, over the primitives of :class:`FlowHost`."""
 
@@ -110,6 +120,9 @@ class RequestFlow:
         # admit releases its lock and raises instead of recording them as admitted
         self.admitting: set[Req] = set()
         self._aborted: set[Req] = set()
+        # requests aborted before their admit began (an admit task that had not run yet): that
+        # admit refuses them (weak: an aborted request that is dropped is forgotten with it)
+        self._aborted_early: weakref.WeakSet[Req] = weakref.WeakSet()
 
     def forget(self, req: Any) -> None:
         """``req`` is over (finished, or its lock taken over by a decorator)."""
@@ -169,6 +182,10 @@ class RequestFlow:
         :data:`LOAD_BACK_TRIES` times: concurrent turns then take turns with the room instead
         of recomputing histories that sit on host.
         """
+        if req in self._aborted_early:
+            # nothing was taken yet: the request is gone, its admit must not lock a prefix
+            # nobody would release (the abort released what there was)
+            raise RequestAbortedError(f"request {req.rid} was aborted before it was admitted")
         self.admitting.add(req)
         try:
             return await self._admit(req, mem_quota, wait_load, max_prefix_len, make_room)
@@ -305,9 +322,12 @@ class RequestFlow:
         """Abort: cancel the prefetch (its host pages are freed), drop the lock and free the
         request's own KV without inserting it. Safe at any point after :meth:`match_req`,
         also while its :meth:`admit` waits (that admit then releases what it locked and raises
-        :class:`~hicache.errors.RequestAbortedError`)."""
+        :class:`~hicache.errors.RequestAbortedError`), or before it began (an admit task that
+        had not run yet raises so too, having taken nothing)."""
         if req in self.admitting:
             self._aborted.add(req)
+        elif not self.is_admitted(req):
+            remember_aborted(self._aborted_early, req)
         self.matched.discard(req.rid)
         if not self.is_admitted(req):  # match_req set last_node but locked nothing
             req.last_node = None

@@ -51,6 +51,7 @@ import dataclasses
 import inspect
 import logging
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -58,7 +59,8 @@ import torch
 
 from hicache.controller.close_task import CLOSE_CUT, start_close_task, wait_for_close
 from hicache.prefix_cache.base import BasePrefixCache
-from hicache.prefix_cache.facade import AdmitResult
+from hicache.errors import RequestAbortedError
+from hicache.prefix_cache.facade import AdmitResult, remember_aborted
 from hicache.prefix_cache.req import Req
 from hicache.prefix_cache.types import (
     DecLockRefParams,
@@ -118,6 +120,8 @@ class SessionAwareCache(ForwardingCache):
         super().__init__(inner)
         self.config = config or SessionConfig()
         self.slots: dict[str, SessionSlot] = {}
+        #: requests aborted here, whose admit (a task that had not run yet) must refuse them
+        self._aborted: weakref.WeakSet[Req] = weakref.WeakSet()
         self.session_metrics = SessionMetrics(self.config.keep_closed_stats)
         self.writeback = WriteBackQueue(inner, max_attempts=self.config.writeback_max_attempts,
                                         count=self.session_metrics.incr)
@@ -184,6 +188,10 @@ class SessionAwareCache(ForwardingCache):
         ``req.cache_protected_len`` is set (as ``HiRadixCache.admit`` leaves them).
         """
         self._lifecycle.check_open()
+        if req in self._aborted:
+            # before its match: matched again, the aborted turn took its session's slot back
+            # (restored or attached) and kept it from every later turn, offload and release
+            raise RequestAbortedError(f"request {req.rid} was aborted before it was admitted")
         self.writeback.pump()
         sid = session_id_of(req)
         m = self.match_req(req, max_prefix_len)
@@ -343,6 +351,7 @@ class SessionAwareCache(ForwardingCache):
         frees nothing); the session stays usable. Anything else is aborted by the inner cache
         (prefetch cancelled, lock dropped, its own KV freed, row returned)."""
         sid = session_id_of(req)
+        remember_aborted(self._aborted, req)
         self._turns.bypass.discard(req.rid)
         slot = self._turns.slot_for(req)
         if slot is not None and slot.is_holding_kv and req.req_pool_idx == slot.req_pool_idx:

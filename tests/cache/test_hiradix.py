@@ -1106,3 +1106,31 @@ async def test_finishing_an_admitted_request_that_never_got_a_row_releases_its_p
     assert cache.protected_size() == 0 and req.last_node is None
     cache.abort_req(req)  # a late abort releases nothing twice
     await nothing_held_then_close(stack)
+
+
+@pytest.mark.parametrize("where", ["device", "host"])
+async def test_an_abort_before_the_admit_task_ran_leaves_nothing_locked(where: str) -> None:
+    """A server that runs ``admit`` as a task and aborts the request before the task's first
+    step (a client gone in the same turn of the loop): the abort found the request neither
+    admitting nor admitted, so it released nothing, and the admit then ran on the aborted
+    request, loaded and locked its prefix and returned normally. Nobody would ever release
+    that lock. The admit now raises RequestAbortedError and holds nothing."""
+    from hicache.errors import RequestAbortedError
+
+    stack = build_stack(cfg())
+    cache = stack.cache
+    a = toks(0, 16)
+    if where == "host":
+        await host_only(stack, a, rid="a")
+    else:
+        await serve_request(stack, a, rid="a")
+        await cache.drain()
+    req = Req(rid="gone", origin_input_ids=a + [99])
+    cache.match_req(req)
+    cache.start_prefetch(req)
+    task = asyncio.ensure_future(cache.admit(req))
+    cache.abort_req(req)  # before the task ran
+    with pytest.raises(RequestAbortedError):
+        await task
+    assert req.last_node is None and not cache.is_admitted(req)
+    await nothing_held_then_close(stack)

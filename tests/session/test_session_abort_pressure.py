@@ -44,6 +44,30 @@ async def test_abort_before_run_keeps_the_slot(stack: Stack) -> None:
     stack.assert_initial()
 
 
+async def test_abort_before_the_admit_task_ran_keeps_the_session_usable(stack: Stack) -> None:
+    """A turn whose ``admit`` runs as a task, aborted before the task's first step: the abort
+    rolled the slot back and detached it, then the admit restored the slot again for the
+    aborted request and returned normally. The slot stayed attached to a request the server
+    had dropped: the session could never be offloaded, and its release waited for a turn that
+    never ends. The admit now raises RequestAbortedError and leaves the slot idle."""
+    from hicache.errors import RequestAbortedError
+
+    conv = Conversation(stack, "t", seed=25)
+    await conv.turn(10, 3)
+    state = _slot_state(stack, "t")
+    req = conv.request(6)
+    stack.cache.match_req(req)
+    task = asyncio.ensure_future(stack.cache.admit(req))
+    stack.cache.abort_req(req)  # before the task ran
+    with pytest.raises(RequestAbortedError):
+        await task
+    assert stack.cache.slots["t"].attached_rid is None and _slot_state(stack, "t") == state
+    r = await conv.turn(4, 2)  # the client's retry, a new request
+    assert r.restored
+    await stack.empty_everything()
+    stack.assert_initial()
+
+
 @pytest.mark.parametrize("where", ["after_prefill", "mid_chunks", "mid_decode"])
 async def test_abort_mid_turn_frees_the_turn_and_keeps_the_session(stack: Stack, where: str) -> None:
     conv = Conversation(stack, "m", seed=22)
