@@ -488,12 +488,19 @@ class SessionAwareCache(ForwardingCache):
         write-backs not waited for, the inner cache closed without draining): a half-done
         close would leave the controller running and the queued writes unreported."""
         try:
+            # one deadline for the whole close: the write-backs' waits for host room and then
+            # the inner cache's drain share the close timeout (each taking all of it, a close
+            # with storage writes slow to land took twice the timeout)
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + self.writeback.close_budget()
             await self._lifecycle.close()
             self._let_go()
-            await self.writeback.drain()
+            await self.writeback.drain(deadline)
             self.writeback.seal()
             fn = getattr(self.inner, "aclose", None)
             if close_inner and fn is not None:
+                if "timeout" in inspect.signature(fn).parameters:
+                    return await fn(timeout=max(0.0, deadline - loop.time()))
                 return await fn()
             return None
         except asyncio.CancelledError:

@@ -217,18 +217,24 @@ class WriteBackQueue:
             e.started = True
         return True
 
-    async def drain(self) -> None:
+    def close_budget(self) -> float:
+        """Seconds a close may spend: the tree's controller's close timeout (what
+        :meth:`drain`'s waits for host room are bounded by)."""
+        controller = getattr(self._tree, "controller", None)
+        return float(getattr(getattr(controller, "config", None), "close_timeout_s", _HOST_ROOM_WAIT_S))
+
+    async def drain(self, deadline: float | None = None) -> None:
         """Wait until every entry finished: copies complete (the tree's controller drains),
-        refused ones are retried up to the attempt limit."""
+        refused ones are retried up to the attempt limit. ``deadline`` (the loop's clock)
+        bounds the waits for host room; default :meth:`close_budget` from now."""
         # Only the host copies are followed here: wait for the device->host copies, not for
         # the storage writes queued behind them (a slow or hung backend would hold up a
         # session close, or aclose() past its close timeout; the controller's close bounds
         # and reports those writes). The one exception, bounded: a copy refused because host
         # is full of pages those writes hold waits for the next to land (_wait_for_host_room).
         drain = getattr(self._tree, "drain_backups", None) or getattr(self._tree, "drain", None)
-        controller = getattr(self._tree, "controller", None)
-        budget = getattr(getattr(controller, "config", None), "close_timeout_s", _HOST_ROOM_WAIT_S)
-        deadline = asyncio.get_running_loop().time() + budget
+        if deadline is None:
+            deadline = asyncio.get_running_loop().time() + self.close_budget()
         idle = 0
         while self._entries:
             self.pump()
