@@ -463,3 +463,22 @@ def _pids(keys: list[str]) -> list[str]:
     from hicache_backends.file.layout import page_id
 
     return [page_id(k, "kv") for k in keys]
+
+
+async def test_a_store_does_not_take_its_own_clear_for_a_replaced_folder(tmp_path: Path) -> None:
+    """A clearer's own journal reader finds the fresh folder its clear made: it counted
+    ``namespace_folder_replaced`` and checked its (empty) index against the disk again, so
+    every ordinary clear looked like a peer's killed one. A peer still counts the folder
+    replaced, and still forgets the cleared pages."""
+    a = create_async_storage("file", None, root=str(tmp_path), namespace=NS_A, journal_poll_s=0.05)
+    b = create_async_storage("file", None, root=str(tmp_path), namespace=NS_A, journal_poll_s=0.05)
+    async with a, b:
+        await a.wait_background()
+        await b.wait_background()
+        await a.clear()
+        for _ in range(3):
+            await asyncio.sleep(0.2)
+            await a.exists("x")
+            await b.exists("x")
+        assert a.stats.snapshot().get("namespace_folder_replaced", 0) == 0
+        assert b.stats.snapshot().get("namespace_folder_replaced", 0) == 1

@@ -244,6 +244,9 @@ class FileStorage(AsyncHiCacheStorage):
         self._read_only_warnings = Throttle(_WARN_SECONDS)
         self._background: set[asyncio.Task[None]] = set()
         self._rehousing: asyncio.Task[None] | None = None  # housekeeping after the folder was deleted
+        #: this store cleared the namespace since its journal was last read: the fresh folder its
+        #: journal then finds is its own clear's, not a peer's (see :meth:`_peer_removal`)
+        self._cleared_here = False
         self._pruning: asyncio.Task[None] | None = None  # the index checked against the disk (journal lines lost)
         self._prune_again = False  # journal lines were lost while that check ran
 
@@ -960,6 +963,7 @@ class FileStorage(AsyncHiCacheStorage):
         self._space.cleared()
         trash, written = await self._threads.run(page_io.clear_namespace, self._layout, self.namespace.to_dict())
         if self._peers is not None:
+            self._cleared_here = True
             await self._peers.append_cleared()
         self._manifest_pending = not written
         if not written:
@@ -995,6 +999,11 @@ class FileStorage(AsyncHiCacheStorage):
             self._prune_later()
             return
         if removal.replaced:
+            if self._cleared_here:
+                # this store's own clear: its index is empty and its clear deletes the old folder;
+                # counted and checked again, every clear looked like a peer's killed one
+                self._cleared_here = False
+                return
             # what the old folder held is gone, and a clear killed before its line leaves no other
             # sign: the index is checked against the disk, and housekeeping finishes the deletion
             self.stats.incr("namespace_folder_replaced")
