@@ -22,7 +22,9 @@ __all__ = ["pool_format_tag", "signature_tag", "states_its_format"]
 #: counts that shape a pass-through pool's page, besides its ``*dtype`` and ``*_shape(s)``.
 #: ``size_per_token``: a slot's bytes, which state kept beside the named buffers adds to
 #: (SGLang's Mamba pool with ``extra_checkpoint_buffers``): without it two servers of one model,
-#: one with that state, shared the pool's pages and overwrote each other's
+#: one with that state, shared the pool's pages and overwrote each other's. (Named since stop
+#: 45: every pass-through pool that has it, SGLang's Mamba pools included, got a new namespace,
+#: so their pages stored before are misses once.)
 _FORMAT_COUNTS = ("num_mamba_layers", "layer_num", "head_num", "head_dim", "page_size", "size_per_token")
 
 
