@@ -163,9 +163,14 @@ def backend_options(name: str) -> dict[str, inspect.Parameter]:
 
 
 def create_async_storage(
-    name: str, storage_config: HiCacheStorageConfig | None = None, **options: Any
+    name: str, storage_config: HiCacheStorageConfig | None = None, /, **options: Any
 ) -> AsyncHiCacheStorage:
-    """Build the backend registered as ``name``; unknown or missing options are clear errors."""
+    """Build the backend registered as ``name``; unknown or missing options are clear errors.
+
+    ``name`` and ``storage_config`` are positional only: options come from users' configs
+    (``storage.options``, a vLLM tier's ``options``), and one called ``name`` or
+    ``storage_config`` was a raw ``TypeError`` ("got multiple values") instead of an option
+    the backend does not have."""
     cls = backend_class(name)
     params = inspect.signature(cls.__init__).parameters
     if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
@@ -191,6 +196,7 @@ def create_async_storage(
 def create_storage(
     name: str,
     storage_config: HiCacheStorageConfig | None = None,
+    /,
     *,
     call_timeout: float | None = None,
     **options: Any,

@@ -112,3 +112,18 @@ def test_a_plugin_missing_primitives_is_a_load_error_naming_them() -> None:
         backend_class("half-done")
     with pytest.raises(BackendLoadError, match="half-done"):
         create_async_storage("half-done")
+
+
+@pytest.mark.parametrize("option", ["name", "storage_config"])
+@pytest.mark.parametrize("backend", ["memory", "file", "slow-file"])
+def test_an_option_named_like_the_factorys_own_arguments_is_a_config_error(tmp_path, option: str, backend: str) -> None:
+    """An option called ``name`` or ``storage_config`` (from a user's config) collided with the
+    factory's own arguments: a raw TypeError ("got multiple values") instead of an option the
+    backend does not have, also for a backend taking **kwargs (hicache's slow-file)."""
+    from hicache.errors import ConfigError
+    from hicache.testing.slow_store import register_slow_file
+
+    register_slow_file()
+    roots = {} if backend == "memory" else {"root": str(tmp_path)}
+    with pytest.raises(ConfigError):
+        create_async_storage(backend, None, **roots, **{option: "x"})
