@@ -131,7 +131,8 @@ class PrefetchOp:
     #: short of ``found_pages``: ``"cut"`` (the stop policy took it early), ``"exists_failed"``,
     #: ``"read_failed"`` (a read call gave no answer), ``"page_failed"`` (a page read as a
     #: miss), ``"backend_error"`` (that read made the backend count an error),
-    #: ``"no_host_room"``, ``"error"``; ``room_pages``: found pages host memory was found for
+    #: ``"no_host_room"``, ``"below_threshold"`` (the hit, or the host room for it, was below
+    #: ``prefetch_threshold``), ``"error"``; ``room_pages``: found pages host memory was found for
     exists_answered: bool = False
     room_pages: int = 0
     stop: str | None = None

@@ -194,7 +194,7 @@ class Prefetcher:
                 op.progress.set()
                 if not op.exists_answered:
                     op.stop = op.stop or "exists_failed"
-                if found == 0 or op.stop_requested:
+                if found == 0 or op.stop_requested or self._below_threshold(op, found * ps):
                     return
                 host = alloc_host(found * ps)
                 if host is None or host.numel() == 0:
@@ -205,6 +205,9 @@ class Prefetcher:
                     if host is None:
                         op.stop = op.stop or "no_host_room"
                         return
+                if self._below_threshold(op, host.numel()):
+                    self._free_host(host)
+                    return
                 op.host_indices = host
                 pages = op.room_pages = host.numel() // ps
                 while op.completed_pages < pages and not op.stop_requested:
@@ -253,6 +256,22 @@ class Prefetcher:
             span.set_attribute("hicache.pages", op.completed_pages)
             traced.__exit__(None, None, None)
             self._finish_op(op)
+
+    def _below_threshold(self, op: PrefetchOp, tokens: int) -> bool:
+        """Whether ``tokens`` (what storage holds of the chain, then what host room was found
+        for) are too few to read under ``prefetch_threshold`` (a ``promised`` op reads them
+        all: an engine counted them as hits); counted, and the op stops reading nothing.
+
+        Why after the lookup too, not only on the tokens asked for: a long request whose store
+        holds a page or two of it (or whose host had room for a page or two) read them, and
+        under ``wait_complete`` or ``timeout`` waited a storage round trip for fewer tokens
+        than the threshold says are worth one. SGLang revokes such a hit after its lookup and
+        takes no host room below the threshold either."""
+        if op.promised or tokens >= self.config.prefetch_threshold:
+            return False
+        self.metrics.incr("prefetch_skipped_threshold")
+        op.stop = op.stop or "below_threshold"
+        return True
 
     def _cut_to_restorable(self, op: PrefetchOp, host: torch.Tensor, restorable: object,
                            found: int) -> torch.Tensor | None:

@@ -349,6 +349,38 @@ async def test_prefetch_policy_timeout_stops_at_the_deadline() -> None:
     assert waited < 0.6
 
 
+@pytest.mark.parametrize("short", ["stored", "host_room"])
+async def test_a_storage_hit_below_the_threshold_is_not_read(tmp_path, short: str) -> None:  # type: ignore[no-untyped-def]
+    """``prefetch_threshold``: fewer storage tokens than this are not worth a prefetch (SGLang
+    revokes such a hit after its lookup, and takes no host room below it). The threshold was
+    checked against the tokens asked for only: a 64-token request with 2 pages in storage, or
+    host room for 2 pages, read them under a threshold of 4 pages, and the request waited for
+    the read. Now nothing is read (counted in ``prefetch_skipped_threshold``) and the request
+    computes those tokens."""
+    def stack_for(host_pages: int):  # type: ignore[no-untyped-def]
+        ctrl = ControllerConfig(prefetch_threshold=4 * PS, prefetch_policy="wait_complete")
+        return build_stack(StackConfig(page_size=PS, device_pages=32, host_pages=host_pages,
+                                       storage_backend="file", storage_options={"root": str(tmp_path)},
+                                       controller=ctrl))
+
+    writer = stack_for(64)
+    stored = toks(0, 8) if short == "stored" else toks(0, 64)
+    await serve_request(writer, stored, rid="w")
+    await writer.cache.drain()
+    await writer.aclose()
+    reader = stack_for(64 if short == "stored" else 2)
+    out = await serve_request(reader, toks(0, 64), rid="r")
+    await reader.controller.wait_prefetches()
+    counters = reader.controller.metrics.counters
+    assert out.storage_hit == 0 and out.computed == 64 and out.verify_failures == 0
+    assert counters["prefetch_pages_done"] == 0 and reader.controller.metrics.pages["s2h"] == 0
+    assert counters["prefetch_skipped_threshold"] == 1
+    assert out.attribution is not None and out.attribution.misses.get("prefetch_skipped") == len(stored)
+    await reader.cache.drain()
+    assert reader.host_pool.available_size() + reader.cache.host_size() == reader.host_pool.size
+    await reader.aclose()
+
+
 async def test_prefetch_rate_limit() -> None:
     store_id = f"rate-{uuid.uuid4()}"
     await seed_storage(store_id, toks(0, 32))
