@@ -26,7 +26,10 @@ monitor tells when the SUB (re)connects; on the first live batch after a (re)con
 tail check after it, when no live batch comes first), a gap, or numbers going back, the
 subscriber asks for the run id (an empty replay: one round trip). A new run is a restart
 (``restarts``): the subscriber replays the new publisher's batches from 0 up to the live one (or
-all it has, at a tail check), then follows its numbers. Without run ids (vLLM's publisher, older hicache ones)
+all it has, at a tail check), then follows its numbers. A live batch read after the run id
+changed may still be the old publisher's (queued in the SUB before its connection dropped): the
+new publisher's batch of that number is asked for and compared, and an old one is yielded as the
+old run's. Without run ids (vLLM's publisher, older hicache ones)
 the numbers decide: a live number at or below the last live one is a restart; so is a first
 live number below the position a consumer resumed from (``start_seq``) when the catch-up replay
 had nothing at or after it (the publisher never got there: it is a new one). A consumer that
@@ -124,6 +127,7 @@ class EventSubscriber:
         self._resumed_at: int | None = None  # a catch-up found nothing at or after this position
         self._answer_run: int | None = None  # the run id of the last replay answer
         self._answer_ended = False  # whether the last replay answer came to its end marker
+        self._old_run = False  # the last live batch was still queued from a publisher that restarted
         #: the run id of the publisher whose numbers ``next_seq`` follows (``None``: not known)
         self.run_id: int | None = start_run_id
         self.gaps = 0
@@ -244,7 +248,7 @@ class EventSubscriber:
             # a quiet period starts with every live batch: if it is the last for a while, ask
             # whether the ones after it were lost on the way
             self._tail_due = time.monotonic() + self._idle_timeout
-            restarted = self._restarted(seq)
+            restarted = self._restarted(seq, batch)
             self._last_live = seq
             if restarted:  # a new publisher: its batches from 0, then its numbers
                 self.restarts += 1
@@ -254,7 +258,11 @@ class EventSubscriber:
                 continue  # a duplicate of something a replay gave us
             elif self.next_seq is not None and seq > self.next_seq:
                 self.gaps += 1
-                yield from self._replay_from(self.next_seq, upto=seq)
+                if self._old_run:  # that publisher is gone: its replay socket is the new one's
+                    self.lost += seq - self.next_seq
+                    self.next_seq = seq
+                else:
+                    yield from self._replay_from(self.next_seq, upto=seq)
                 if seq < (self.next_seq or 0):
                     continue
             self.next_seq = seq + 1
@@ -320,7 +328,7 @@ class EventSubscriber:
         if not got and self._start_run is None:
             self._resumed_at = start
 
-    def _restarted(self, seq: int) -> bool:
+    def _restarted(self, seq: int, batch: KVEventBatch) -> bool:
         """Whether the live batch ``seq`` comes from another publisher than ``next_seq``'s (see
         the module docstring); asks for the run id when something looks different."""
         went_back = self._last_live is not None and seq <= self._last_live  # live numbers only grow
@@ -330,10 +338,34 @@ class EventSubscriber:
         if not (self._verify or went_back or ahead or below_resume):
             return False
         self._verify = False
+        known = self.run_id
         changed = self._run_changed() if self.replay_endpoint is not None else None
+        self._old_run = bool(changed) and not below_resume and self._sent_before_restart(seq, batch)
+        if self._old_run:  # the restart shows on a later batch, the new publisher's first one
+            self.run_id = known
+            self._verify = True
+            return False
         if changed is not None and not below_resume:
             return changed
         return went_back or below_resume
+
+    def _sent_before_restart(self, seq: int, batch: KVEventBatch) -> bool:
+        """Whether the live batch ``seq``, read after the run id told a restart, is still the old
+        publisher's: the new one holds another batch under that number, or none yet.
+
+        Why: the SUB keeps what the old publisher sent before its connection dropped, and the
+        monitor tells the new connection at once, while a consumer that is behind has not read
+        those batches yet. Taken for the new publisher's, they were yielded as its batches and
+        its own first batches were then skipped as duplicates of them. One replay request, only
+        while a restart is being told; a batch the new publisher no longer holds cannot be
+        compared and counts as its own."""
+        answer = self._ask(seq)
+        try:
+            for got, replayed in answer:
+                return got == seq and replayed != batch
+        finally:
+            answer.close()  # the rest of that answer is not read (its socket is replaced)
+        return self._answer_ended  # it has not published that number yet
 
     def _run_changed(self) -> bool | None:
         """Ask the publisher's run id and keep it: whether it is another run than the one known

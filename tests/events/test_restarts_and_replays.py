@@ -408,3 +408,44 @@ def test_a_consumer_that_stops_inside_its_catch_up_knows_the_run_of_its_position
             assert sub.run_id == pub.run_id and sub.restarts == 0
     finally:
         pub.close()
+
+
+def test_a_consumer_behind_when_the_publisher_restarts_keeps_both_runs_apart() -> None:
+    """A consumer still reading the old publisher's queued batches when the new one came up read
+    the reconnect from the socket's monitor first, asked the run id, got the new one and took the
+    next *old* batch for the new publisher's: the old run's tail was yielded as the new run's
+    batches, and the new publisher's first batches were then skipped as duplicates of them
+    (silently), or counted lost although they were never missing."""
+    pub = EventPublisher(LOOPBACK, LOOPBACK)
+    sub = EventSubscriber(pub.endpoint, pub.replay_endpoint, idle_timeout_s=0.3)
+    time.sleep(0.3)  # subscribed
+    got: list[Received] = []
+    items = sub.receive(timeout_s=3.0)
+    publish_batches(pub, 1)
+    got.append(next(items))  # connected, run known
+    for i in range(1, 30):  # the consumer is busy: these wait in its socket
+        pub.publish([stored(i)])
+        time.sleep(0.005)
+    wait_for(lambda: pub.stats()["next_seq"] == 30)
+    time.sleep(0.1)
+    pub.close()
+    new = rebind(pub.endpoint, pub.replay_endpoint)
+    try:
+        wait_for(lambda: sub._sub.poll(0) != 0)
+        time.sleep(0.5)  # the consumer's socket reconnects (its monitor tells) before it reads on
+        for i in range(40):
+            new.publish([stored(1000 + i)])
+            time.sleep(0.005)
+        wait_for(lambda: new.stats()["next_seq"] == 40)
+        for received in items:
+            got.append(received)
+            time.sleep(0.01)  # a slow consumer
+        old = [r for r in got if r.batch.events[0].token_ids[0] < 1000]
+        fresh = [r for r in got if r.batch.events[0].token_ids[0] >= 1000]
+        assert [(r.seq, tokens([r])) for r in old] == [(i, [i]) for i in range(30)]
+        assert [(r.seq, tokens([r])) for r in fresh] == [(i, [1000 + i]) for i in range(40)]
+        assert sub.restarts == 1 and sub.lost == 0
+        assert sub.run_id == new.run_id
+    finally:
+        new.close()
+        sub.close()
