@@ -101,7 +101,7 @@ class HiRadixCache(RadixCache):
         tier_changes: TierChangeHub | None = None,
     ) -> None:
         self.tier_changes = tier_changes if tier_changes is not None else TierChangeHub()
-        self._event_log = EventLog(self.tier_changes)
+        self._event_log = EventLog(self.tier_changes, count=lambda n: controller.metrics.incr("take_events_dropped", n))
         #: what host keeps and what storage admits (see :mod:`hicache.placement`)
         self.placement: PlacementPolicy = make_placement(placement)
         if host_pool.page_size != page_size:

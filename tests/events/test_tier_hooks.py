@@ -200,3 +200,19 @@ def test_a_subscriber_that_raises_never_breaks_a_tier() -> None:
 
     asyncio.run(go())
     assert stack.tier_changes.subscriber_errors >= 2
+
+
+async def test_events_take_events_drops_are_counted_in_the_caches_metrics(caplog) -> None:
+    """An engine polling take_events too rarely lost the oldest events silently: only the log
+    object counted them. They are the cache's ``take_events_dropped`` metric now, with one
+    warning."""
+    stack = stack_for()
+    cache = stack.cache
+    cache._event_log._maxlen = 1
+    assert cache.take_events() == []  # starts the log
+    await serve_request(stack, toks(0, 8), rid="a")
+    await cache.drain()
+    assert len(cache.take_events()) == 1
+    assert stack.controller.metrics.counters["take_events_dropped"] == 1
+    assert any("take_events" in r.getMessage() for r in caplog.records)
+    await stack.aclose()
