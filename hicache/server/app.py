@@ -16,8 +16,9 @@ Hostile clients: a body is decoded and validated off the event loop when it is l
 token list would hold the loop for a second), and anything it cannot be (bad JSON, too deep,
 too-long integers, lone surrogates) is a 400 with one log line. What aiohttp refuses itself (a
 body over 8 MiB: 413; a wrong method: 405; an unknown path: 404) is answered in the same JSON
-shape, counted as ``bad_request`` and logged once too. A client that hangs up, queued
-or mid-stream, has its request dropped (:meth:`Scheduler.abandon`): aiohttp does not cancel the
+shape, counted as ``bad_request`` and logged once too. A request whose head aiohttp cannot parse gets
+aiohttp's plain 400, counted and logged once the same way (:class:`ProtocolLog`, which
+``running_server`` gives the runner). A client that hangs up, queued or mid-stream, has its request dropped (:meth:`Scheduler.abandon`): aiohttp does not cancel the
 handler on disconnect, so the handler watches the connection itself while it waits.
 
 The app does not own the cache: whoever created it (``serve``, ``running_server``, a test)
@@ -35,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from hicache.config.schema import HiCacheConfig
 from hicache.engine.model import ModelSpec, TinyTransformer
@@ -45,7 +47,7 @@ from hicache.server.metrics import ServerMetrics
 from hicache.server.protocol import GenerateRequest, RequestError, decode_generate, text_of_tokens
 from hicache.server.scheduler import Job, Scheduler, status_of
 
-__all__ = ["ServerState", "STATE", "create_app"]
+__all__ = ["ServerState", "STATE", "ProtocolLog", "create_app"]
 
 logger = logging.getLogger("hicache.server")
 
@@ -143,6 +145,30 @@ async def _json_http_errors(request: web.Request, handler: Any) -> web.StreamRes
                         exc.status, exc.reason)
         headers = {k: v for k, v in exc.headers.items() if k.lower() not in ("content-type", "content-length")}  # keeps Allow
         return _error(exc.status, exc.text or exc.reason, **headers)
+
+
+class ProtocolLog(logging.LoggerAdapter):  # type: ignore[type-arg]
+    """aiohttp's connection logger for the app's server (``AppRunner(app, logger=...)``).
+
+    Why: a request whose head aiohttp's parser refuses (a header line over 8 KiB, a Content-Length
+    that is no number, a control byte in a header) is answered 400 by aiohttp itself, before any
+    handler or middleware, and logged through this logger's ``exception`` as an ERROR with a
+    traceback: any client could fill the log and page whoever alerts on ERROR. Such a refusal
+    (an ``HttpProcessingError`` with a 4xx code) is the client's bad input: one INFO line and
+    ``bad_request``, like the server's other bad input. Everything else passes through."""
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        super().__init__(logging.getLogger("aiohttp.server"), {})
+        self._metrics = metrics
+
+    def exception(self, msg: object, *args: object, exc_info: Any = True, **kwargs: Any) -> None:
+        exc = exc_info if isinstance(exc_info, BaseException) else None
+        if isinstance(exc, HttpProcessingError) and 400 <= exc.code < 500:
+            self._metrics.requests["bad_request"] += 1
+            reason = (str(exc.message).splitlines() or [type(exc).__name__])[0]
+            logger.info("bad request: %s: aiohttp could not parse it: %d %s", str(msg) % args, exc.code, reason)
+            return
+        super().exception(msg, *args, exc_info=exc_info, **kwargs)
 
 
 def _draining() -> web.Response:

@@ -23,7 +23,7 @@ from hicache.engine.model import ModelSpec
 from hicache.engine.recompute import RecomputeCache
 from hicache.engine.runner import CacheLike
 from hicache.errors import ConfigError
-from hicache.server.app import STATE, ServerState, create_app
+from hicache.server.app import STATE, ProtocolLog, ServerState, create_app
 
 __all__ = ["RunningServer", "running_server", "serve"]
 
@@ -77,7 +77,8 @@ async def running_server(
             opened: CacheLike = await stack.enter_async_context(_open_cache(config, mode))
             cache = opened
         app = create_app(cache, config, spec=spec)
-        runner = web.AppRunner(app, access_log=None, shutdown_timeout=shutdown_timeout)
+        runner = web.AppRunner(app, access_log=None, shutdown_timeout=shutdown_timeout,
+                               logger=ProtocolLog(app[STATE].metrics))  # a request it cannot parse: one line
         await runner.setup()
         stack.push_async_callback(runner.cleanup)
         site = web.TCPSite(runner, host, port)

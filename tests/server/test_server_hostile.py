@@ -272,3 +272,36 @@ async def test_a_client_that_hangs_up_while_sending_its_body_is_one_log_line(cap
         assert len([r for r in caplog.records if "hung up" in r.getMessage()]) == 1
         async with http.post(f"{srv.url}/v1/generate", json={"tokens": [1, 2, 3]}) as resp:
             assert resp.status == 200  # and the server goes on serving
+
+
+@pytest.mark.parametrize(
+    "head",
+    [
+        b"POST /v1/generate HTTP/1.1\r\nHost: x\r\nCookie: " + b"a" * 20_000 + b"\r\nContent-Length: 2\r\n\r\n{}",
+        b"POST /v1/generate HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n{}",
+        b"POST /v1/generate HTTP/1.1\r\nHost: x\r\nX-Bad\x01: 1\r\nContent-Length: 2\r\n\r\n{}",
+    ],
+    ids=["header-over-8KiB", "bad-content-length", "bad-header-name"],
+)
+async def test_a_request_aiohttp_cannot_parse_is_a_400_counted_and_logged_once(
+        head: bytes, caplog: pytest.LogCaptureFixture) -> None:
+    """A request whose head aiohttp's parser refuses (a header line over 8 KiB - a big cookie -,
+    a Content-Length that is no number, a control byte in a header name) is answered 400 by aiohttp before any handler or
+    middleware runs, and aiohttp logged each as an ERROR with a traceback: any client could
+    fill the log and page whoever alerts on ERROR. It is the client's bad input: one INFO line
+    and counted ``bad_request``, like the server's other bad input."""
+    caplog.set_level(logging.INFO)
+    async with running_server(small_config(), mode="recompute", port=0) as srv, aiohttp.ClientSession() as http:
+        caplog.clear()
+        reader, writer = await asyncio.open_connection("127.0.0.1", srv.port)
+        writer.write(head)
+        await writer.drain()
+        answer = await asyncio.wait_for(reader.read(), 10)  # aiohttp closes after its 400
+        writer.close()
+        await writer.wait_closed()
+        assert b"HTTP/1.0 400 " in answer or b"HTTP/1.1 400 " in answer
+        assert srv.state.metrics.requests["bad_request"] == 1
+        assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR]
+        assert len([r for r in caplog.records if "bad request" in r.getMessage()]) == 1
+        async with http.post(f"{srv.url}/v1/generate", json={"tokens": [1, 2, 3]}) as resp:
+            assert resp.status == 200  # and the server goes on serving
