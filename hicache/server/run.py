@@ -64,7 +64,8 @@ async def running_server(
     shutdown_timeout: float = 30.0,
 ) -> AsyncIterator[RunningServer]:
     """Serve on ``host:port`` (default: ``config.server``; port 0 picks a free one) until the
-    block exits, then drain: stop listening, finish in-flight requests, close the cache.
+    block exits, then drain: stop listening, finish in-flight requests, close the cache. A
+    request that has not started within ``shutdown_timeout`` is answered 503 (retry elsewhere).
 
     ``mode="recompute"`` serves with no cache at all (the baseline); ``cache`` serves an
     already entered cache that the caller keeps ownership of.
@@ -77,6 +78,7 @@ async def running_server(
             opened: CacheLike = await stack.enter_async_context(_open_cache(config, mode))
             cache = opened
         app = create_app(cache, config, spec=spec)
+        _shed_waiting_after(app, shutdown_timeout, stack)
         runner = web.AppRunner(app, access_log=None, shutdown_timeout=shutdown_timeout,
                                logger=ProtocolLog(app[STATE].metrics))  # a request it cannot parse: one line
         await runner.setup()
@@ -92,6 +94,23 @@ async def running_server(
         logger.info("serving on %s (%s)", server.url, "caller's cache" if external else mode)
         yield server
     logger.info("server stopped")
+
+
+def _shed_waiting_after(app: web.Application, delay: float, stack: contextlib.AsyncExitStack) -> None:
+    """Once the drain begins, in ``delay`` (the runner's ``shutdown_timeout``, when aiohttp
+    stops waiting for its handlers) the requests that have not started are refused with a 503
+    (:meth:`Scheduler.shed_waiting`), not cut with their connections a timeout later."""
+    timers: list[asyncio.TimerHandle] = []
+
+    async def on_shutdown(app: web.Application) -> None:
+        timers.append(asyncio.get_running_loop().call_later(delay, app[STATE].scheduler.shed_waiting))
+
+    app.on_shutdown.append(on_shutdown)
+    def cancel() -> None:
+        for timer in timers:
+            timer.cancel()
+
+    stack.callback(cancel)  # runs after the runner's cleanup
 
 
 async def _serve_until_signal(config: HiCacheConfig, mode: Literal["hicache", "recompute"]) -> None:

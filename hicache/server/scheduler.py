@@ -120,6 +120,7 @@ class Scheduler:
         self._queue: asyncio.Queue[Any] = asyncio.Queue()
         self.queue_size = queue_size
         self._waiting = 0
+        self._waiting_jobs: set[Job] = set()  # those ``_waiting`` counts, for :meth:`shed_waiting`
         self._slots = asyncio.Semaphore(max_active)
         self._sessions = SessionOrder()
         # jobs per session id from submit until done (queued, waiting, running): a release
@@ -174,6 +175,7 @@ class Scheduler:
         job = Job(request, time.perf_counter() if arrival is None else arrival,
                   asyncio.get_running_loop().create_future(), on_token, queued=True)
         self._queue.put_nowait(job)
+        self._waiting_jobs.add(job)
         self._count_waiting(+1)
         if request.session_id is not None:
             self._session_jobs[request.session_id] = self._session_jobs.get(request.session_id, 0) + 1
@@ -217,6 +219,7 @@ class Scheduler:
         """``job`` no longer waits (taken by the scheduler, or abandoned): its place is free."""
         if job.queued:
             job.queued = False
+            self._waiting_jobs.discard(job)
             self._count_waiting(-1)
 
     def _count_waiting(self, delta: int) -> None:
@@ -233,6 +236,26 @@ class Scheduler:
         job.future.cancel()
         if job.task is not None and not job.task.done():
             job.task.cancel()
+
+    def shed_waiting(self) -> int:
+        """The drain's time is up: refuse every request that has not started (queued, or
+        waiting for its session or a slot) with :class:`SchedulerClosedError` (HTTP 503, retry
+        elsewhere), counted ``rejected``; the running ones are left to finish. Returns how many.
+
+        Why: once the HTTP server's ``shutdown_timeout`` has passed, aiohttp cancels its
+        handlers and then cuts their connections; a request still queued was cut with no
+        status, which no client or balancer can tell safe to retry, and logged as a client
+        that hung up."""
+        shed = [job for job in self._waiting_jobs if not job.future.done()]
+        for job in shed:
+            self._dequeued(job)
+            self.metrics.requests["rejected"] += 1
+            job.future.set_exception(SchedulerClosedError("the server is shutting down: the request did not start in time"))
+            if job.task is not None and not job.task.done():
+                job.task.cancel()
+        if shed:
+            logger.warning("drain timed out: %d request(s) that had not started were refused (503)", len(shed))
+        return len(shed)
 
     # -- internals
     async def _run(self, ready: asyncio.Event) -> None:

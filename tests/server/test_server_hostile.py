@@ -305,3 +305,40 @@ async def test_a_request_aiohttp_cannot_parse_is_a_400_counted_and_logged_once(
         assert len([r for r in caplog.records if "bad request" in r.getMessage()]) == 1
         async with http.post(f"{srv.url}/v1/generate", json={"tokens": [1, 2, 3]}) as resp:
             assert resp.status == 200  # and the server goes on serving
+
+
+async def test_requests_still_queued_when_the_drain_times_out_get_a_503() -> None:
+    """A drain (SIGTERM) gives the requests in flight ``shutdown_timeout`` to finish; aiohttp
+    then cancels its handlers and, a second ``shutdown_timeout`` later, cuts their connections.
+    A request still queued behind a long one was served nothing and cut there, with no status
+    (a balancer cannot tell it safe to retry) and logged as a client that hung up. Once the
+    drain's time is up, a request that has not started is answered 503 with Retry-After."""
+    cfg = small_config(server={"max_batch": 1})
+    async with aiohttp.ClientSession() as http:
+        server = running_server(cfg, mode="recompute", port=0, shutdown_timeout=1.0)
+        srv = await server.__aenter__()
+        gate = _Gate(srv.state.engine)  # the running request never finishes
+        closing: asyncio.Task[Any] | None = None
+
+        async def post(body: dict[str, Any]) -> tuple[int, str | None, Any]:
+            async with http.post(f"{srv.url}/v1/generate", json=body) as resp:
+                return resp.status, resp.headers.get("Retry-After"), await resp.json()
+
+        try:
+            running = asyncio.create_task(post({"tokens": [1, 2, 3]}))
+            await eventually(lambda: gate.calls == 1)
+            queued = [asyncio.create_task(post({"tokens": [4, 5, 6], "stream": stream})) for stream in (False, True)]
+            await eventually(lambda: srv.state.metrics.queue_depth == 2)
+            closing = asyncio.create_task(server.__aexit__(None, None, None))
+            for task in queued:
+                status, retry_after, body = await asyncio.wait_for(task, 10)
+                assert (status, retry_after) == (503, "1") and "shutting down" in body["error"]
+            assert srv.state.metrics.requests["rejected"] == 2
+            with pytest.raises(aiohttp.ClientError):  # cut once the drain's second window is up too
+                await asyncio.wait_for(running, 10)
+        finally:
+            if closing is None:
+                gate.open.set()
+                await server.__aexit__(None, None, None)
+            else:
+                await closing
