@@ -23,8 +23,11 @@ class CallCounts:
 
     @property
     def errors(self) -> float:
-        """The call's ``backend_errors``: whether *this* call failed."""
-        return self.counts["backend_errors"]
+        """The call's ``backend_errors`` and ``unavailable`` (a backend that answers misses
+        while its service is unreachable, as the ``s3`` backend's breaker does, says so there):
+        whether *this* call failed. Without the second the controller's health held such a
+        store up, its ``storage_up`` gauge 1, for as long as the service was gone."""
+        return self.counts["backend_errors"] + self.counts["unavailable"]
 
 
 _CALL_COUNTS: contextvars.ContextVar[CallCounts | None] = contextvars.ContextVar("hicache_call_counts", default=None)

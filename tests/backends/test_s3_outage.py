@@ -136,3 +136,42 @@ async def test_unreachable_at_open_still_opens_and_misses() -> None:
         assert await within_limit(store.get("a")) is None
         assert await store.clear() is False
         assert store.get_stats()["manifest_errors"] >= 1
+
+
+@pytest.mark.timeout(120)
+async def test_the_controller_marks_an_unreachable_s3_store_down_and_up_again(moto_process: MotoProcess) -> None:
+    """The s3 backend answers misses while its service is gone (its breaker), and counted no
+    backend error: the controller's health held the store up, ``storage_up`` 1, writes sent
+    into the breaker, for as long as the service was dead. Its give-ups now count as the call's
+    ``unavailable``: the store is marked down, then up again once the service answers."""
+    from hicache.controller.config import ControllerConfig
+    from hicache.replay.driver import serve_request
+    from hicache.stack import StackConfig, build_stack
+    from s3_server import eventually
+
+    bucket = "hicache-health"
+    await asyncio.to_thread(create_bucket, moto_process.endpoint, bucket)
+    options = {"url": f"s3://{bucket}/x", "storage_options": s3_options(moto_process.endpoint), **FAULT_OPTIONS}
+    cfg = StackConfig(page_size=4, layer_num=1, head_num=1, head_dim=4, dtype="float32", device_pages=64,
+                      host_pages=64, storage_backend="s3", storage_options=options,
+                      controller=ControllerConfig(write_policy="write_through", storage_probe_base_s=0.2,
+                                                  storage_probe_max_s=0.5))
+    stack = build_stack(cfg)
+    try:
+        await serve_request(stack, list(range(16)), rid="a")
+        await stack.cache.drain()
+        assert stack.controller.health.up
+        await asyncio.to_thread(moto_process.stop)
+        for i in range(6):
+            await serve_request(stack, list(range(1000 * (i + 1), 1000 * (i + 1) + 16)), rid=f"b{i}")
+            await stack.cache.drain()
+        assert not stack.controller.health.up
+        await asyncio.to_thread(moto_process.start)
+        await asyncio.to_thread(create_bucket, moto_process.endpoint, bucket)
+
+        async def up() -> bool:
+            return stack.controller.health.up
+
+        await eventually(up, 15)
+    finally:
+        await stack.aclose()

@@ -99,6 +99,7 @@ class RequestRunner:
                 raise GaveUp(what)
             if not self.breaker.allow():
                 self.stats.incr("breaker_rejected")
+                self.stats.incr("unavailable")  # the call's miss is the service's absence
                 raise GaveUp(what)
             self.stats.incr("requests")
             try:
@@ -131,6 +132,8 @@ class RequestRunner:
                         self.name, self.location, type(exc).__name__, self.breaker.cooldown,
                     )
                 if attempt + 1 >= self.policy.attempts:
+                    if not throttled:  # a throttling service answers: it is there, only busy
+                        self.stats.incr("unavailable")
                     logger.debug("%s: %s gave up after %d attempts: %s: %s", self.name, what, attempt + 1,
                                  type(exc).__name__, self.redactor.scrub(str(exc)))
                     raise GaveUp(what) from exc
