@@ -44,7 +44,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass
 from typing import cast
 
@@ -394,7 +394,7 @@ class EventSubscriber:
             log.warning("kv events: undecodable batch (%s)", exc)
             return None
 
-    def _ask(self, start: int) -> Iterator[tuple[int, KVEventBatch]]:
+    def _ask(self, start: int) -> Generator[tuple[int, KVEventBatch], None, None]:
         """One replay request: the batches of the answer as they come; afterwards
         ``_answer_run`` is the run id the end marker carried (``None``: none, or no end) and
         ``_answer_ended`` whether the answer came to that marker."""
