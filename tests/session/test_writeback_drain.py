@@ -199,34 +199,48 @@ async def test_an_entry_the_tree_fails_on_is_given_up_not_raised_at_every_pump()
     assert len(queue) == 0 and counts["writeback_done"] == 1
 
 
+_PS = 16
+
+
+def _small_host_config(backend: str, root: str, **cache: object) -> dict[str, object]:
+    """A facade config whose host is a tenth of the device, over storage ``backend``."""
+    return {
+        "model": {"name": "test/x", "num_layers": 2, "num_kv_heads": 2, "head_dim": 8},
+        "device": {"device": "cpu", "size_tokens": 256 * _PS, "page_size": _PS, "max_requests": 16,
+                   "max_context_len": 4096},
+        "host": {"ratio": 0.1},
+        "storage": {"backend": backend, "options": {"root": root}},
+        "cache": {"prefetch": {"policy": "wait_complete", "threshold_tokens": 0}, **cache},
+        "session": {"reap_interval_s": None},
+    }
+
+
+async def _twelve_released_sessions(c: object) -> None:
+    """Twelve one-turn sessions of 3 pages each, then every one released: their write-backs
+    queue while host is full of pages on their way to storage."""
+    import torch
+
+    from hicache.replay.synthetic import write_synthetic_kv
+
+    for s in range(12):
+        toks = list(range(10000 * (s + 1), 10000 * (s + 1) + 3 * _PS))
+        h = await c.begin(f"r{s}", toks, session_id=f"S{s}")  # type: ignore[attr-defined]
+        write_synthetic_kv(c.device_pool, h.kv_indices[h.prefix_len:],  # type: ignore[attr-defined]
+                           torch.tensor(toks)[h.prefix_len:])
+        await c.commit(h, finished=True)  # type: ignore[attr-defined]
+    for s in range(12):
+        await c.release_session(f"S{s}")  # type: ignore[attr-defined]
+
+
 async def test_write_backs_refused_while_host_is_full_of_storage_writes_wait_for_them(tmp_path) -> None:
     """Host, a tenth of the device, is full of pages on their way to storage when the released
     sessions' write-backs drain. Each refusal used to count at once: an entry's attempts ran
     out in microseconds and it was reported dropped (with a warning), though the close then
     copied and wrote it. Now the drain waits for the writes that free the room."""
-    import torch
-
     from hicache.facade import HiCache
-    from hicache.replay.synthetic import write_synthetic_kv
 
-    ps = 16
-    cfg = {
-        "model": {"name": "test/x", "num_layers": 2, "num_kv_heads": 2, "head_dim": 8},
-        "device": {"device": "cpu", "size_tokens": 256 * ps, "page_size": ps, "max_requests": 16,
-                   "max_context_len": 4096},
-        "host": {"ratio": 0.1},
-        "storage": {"backend": "file", "options": {"root": str(tmp_path / "kv")}},
-        "cache": {"prefetch": {"policy": "wait_complete", "threshold_tokens": 0}},
-        "session": {"reap_interval_s": None},
-    }
-    async with HiCache.from_config(cfg) as c:
-        for s in range(12):
-            toks = list(range(10000 * (s + 1), 10000 * (s + 1) + 3 * ps))
-            h = await c.begin(f"r{s}", toks, session_id=f"S{s}")
-            write_synthetic_kv(c.device_pool, h.kv_indices[h.prefix_len:], torch.tensor(toks)[h.prefix_len:])
-            await c.commit(h, finished=True)
-        for s in range(12):
-            await c.release_session(f"S{s}")
+    async with HiCache.from_config(_small_host_config("file", str(tmp_path / "kv"))) as c:
+        await _twelve_released_sessions(c)
     m = c.cache.metrics()
     assert m["writeback_dropped"] == 0 and m["writeback_lost"] == 0
     assert m["writeback_done"] == m["writeback_queued"] == 12
@@ -239,10 +253,7 @@ async def test_a_close_whose_write_backs_wait_for_slow_storage_writes_keeps_one_
     reported, as before."""
     import time
 
-    import torch
-
     from hicache.facade import HiCache
-    from hicache.replay.synthetic import write_synthetic_kv
     from hicache.storage.registry import register_backend
     from hicache_backends.file.backend import FileStorage
 
@@ -254,26 +265,10 @@ async def test_a_close_whose_write_backs_wait_for_slow_storage_writes_keeps_one_
             return await super()._write(*args, **kwargs)
 
     register_backend(SlowWrites.backend_name, SlowWrites)
-    ps = 16
-    cfg = {
-        "model": {"name": "test/x", "num_layers": 2, "num_kv_heads": 2, "head_dim": 8},
-        "device": {"device": "cpu", "size_tokens": 256 * ps, "page_size": ps, "max_requests": 16,
-                   "max_context_len": 4096},
-        "host": {"ratio": 0.1},
-        "storage": {"backend": SlowWrites.backend_name, "options": {"root": str(tmp_path / "kv")}},
-        "cache": {"prefetch": {"policy": "wait_complete", "threshold_tokens": 0}, "backup_batch_pages": 1},
-        "session": {"reap_interval_s": None},
-    }
-    c = HiCache.from_config(cfg)
+    c = HiCache.from_config(_small_host_config(SlowWrites.backend_name, str(tmp_path / "kv"), backup_batch_pages=1))
     await c.start()
     c._stack.controller.config.close_timeout_s = 1.0
-    for s in range(12):
-        toks = list(range(10000 * (s + 1), 10000 * (s + 1) + 3 * ps))
-        h = await c.begin(f"r{s}", toks, session_id=f"S{s}")
-        write_synthetic_kv(c.device_pool, h.kv_indices[h.prefix_len:], torch.tensor(toks)[h.prefix_len:])
-        await c.commit(h, finished=True)
-    for s in range(12):
-        await c.release_session(f"S{s}")
+    await _twelve_released_sessions(c)
     t0 = time.monotonic()
     report = await c.aclose()
     took = time.monotonic() - t0
