@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from typing import Any
 
 import torch
 
@@ -25,6 +26,17 @@ def make():  # type: ignore[no-untyped-def]
     return build_stack(cfg)
 
 
+
+async def _abort_and_close(stack: Any, *reqs: Req) -> None:
+    """Abort ``reqs``, drain, check nothing stays locked and the tree is sound, then close."""
+    cache = stack.cache
+    for req in reqs:
+        cache.abort_req(req)
+    await cache.drain()
+    assert cache.protected_size() == 0
+    cache.sanity_check()
+    await stack.aclose()
+
 async def test_admit_waits_for_a_load_of_its_prefix_started_by_another_request() -> None:
     stack = make()
     cache = stack.cache
@@ -41,12 +53,7 @@ async def test_admit_waits_for_a_load_of_its_prefix_started_by_another_request()
     assert r2.device_hit == 16 and r2.load_handle is None
     # second got no handle to wait on: its prefix must be loaded already
     assert verify_kv(stack.device_pool, second.prefix_indices, torch.tensor(a)) == 0
-    cache.abort_req(first)
-    cache.abort_req(second)
-    await cache.drain()
-    assert cache.protected_size() == 0
-    cache.sanity_check()
-    await stack.aclose()
+    await _abort_and_close(stack, first, second)
 
 
 async def test_failed_load_drops_slots_of_nodes_split_during_the_load() -> None:
@@ -104,11 +111,7 @@ async def test_cancelled_admit_waiting_for_another_load_holds_nothing() -> None:
     except asyncio.CancelledError:
         pass
     cache.abort_req(second)
-    cache.abort_req(first)
-    await cache.drain()
-    assert cache.protected_size() == 0
-    cache.sanity_check()
-    await stack.aclose()
+    await _abort_and_close(stack, first)
 
 
 async def test_insert_through_a_revived_node_frees_every_duplicate() -> None:
@@ -292,9 +295,4 @@ async def test_another_loads_failure_landing_mid_bookkeeping_does_not_fail_a_new
     cache.match_req(second)
     r2 = await cache.admit(second)
     assert r2.host_hit == 16 and verify_kv(stack.device_pool, second.prefix_indices, torch.tensor(b)) == 0
-    cache.abort_req(first)
-    cache.abort_req(second)
-    await cache.drain()
-    assert cache.protected_size() == 0
-    cache.sanity_check()
-    await stack.aclose()
+    await _abort_and_close(stack, first, second)
