@@ -1452,8 +1452,13 @@ def test_the_ledger_reservation_table_keeps_every_slot_it_cannot_judge() -> None
     assert slots[0:3] == [0, 0, 0]
     # a pid now running another process than the slot's (reused), this process's pid in a
     # slot that is not its own (a dead process had it): both dead, never taken over
-    parent, own = L._owner() ^ (1 << 32), L._owner() ^ (1 << 33)
-    assert L._started(os.getppid()) is not None
+    # (the parent's slot names a start time one tick off the parent's own: built from ours, it
+    # could equal the parent's, which starts a tick or two before this process under a script)
+    started = L._started(os.getppid())
+    assert started is not None
+    parent = ((started ^ 1) & L._LOW) << 32 | (L.MACHINE & L._LOW)
+    parent = parent - (1 << 64) if parent >= 1 << 63 else parent
+    own = L._owner() ^ (1 << 33)
     slots[0:3], slots[12:15] = (parent, os.getppid(), 400), (own, os.getpid(), 500)
     L._move_own(slots, 60)
     assert slots[12:15] == [own, os.getpid(), 500] and slots[6:9] == [L._owner(), os.getpid(), 60]
