@@ -106,6 +106,7 @@ def _shed_waiting_after(app: web.Application, delay: float, stack: contextlib.As
         timers.append(asyncio.get_running_loop().call_later(delay, app[STATE].scheduler.shed_waiting))
 
     app.on_shutdown.append(on_shutdown)
+
     def cancel() -> None:
         for timer in timers:
             timer.cancel()

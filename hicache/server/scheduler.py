@@ -119,8 +119,9 @@ class Scheduler:
         # hangs up while queued gives its place back at once, not when the scheduler reaches it
         self._queue: asyncio.Queue[Any] = asyncio.Queue()
         self.queue_size = queue_size
-        self._waiting = 0
-        self._waiting_jobs: set[Job] = set()  # those ``_waiting`` counts, for :meth:`shed_waiting`
+        #: the requests queued and not yet taken (the queue bound counts them; the drain's end
+        #: refuses them, :meth:`shed_waiting`)
+        self._waiting: set[Job] = set()
         self._slots = asyncio.Semaphore(max_active)
         self._sessions = SessionOrder()
         # jobs per session id from submit until done (queued, waiting, running): a release
@@ -170,13 +171,13 @@ class Scheduler:
         :class:`QueueFullError` or :class:`SchedulerClosedError` instead of waiting."""
         if self._closing or self._main is None:
             raise SchedulerClosedError("the server is shutting down" if self._closing else "scheduler not started")
-        if self._waiting >= self.queue_size:
-            raise QueueFullError(f"request queue full ({self._waiting} waiting)")
+        if len(self._waiting) >= self.queue_size:
+            raise QueueFullError(f"request queue full ({len(self._waiting)} waiting)")
         job = Job(request, time.perf_counter() if arrival is None else arrival,
                   asyncio.get_running_loop().create_future(), on_token, queued=True)
         self._queue.put_nowait(job)
-        self._waiting_jobs.add(job)
-        self._count_waiting(+1)
+        self._waiting.add(job)
+        self.metrics.queue_depth = len(self._waiting)
         if request.session_id is not None:
             self._session_jobs[request.session_id] = self._session_jobs.get(request.session_id, 0) + 1
         return job
@@ -219,12 +220,8 @@ class Scheduler:
         """``job`` no longer waits (taken by the scheduler, or abandoned): its place is free."""
         if job.queued:
             job.queued = False
-            self._waiting_jobs.discard(job)
-            self._count_waiting(-1)
-
-    def _count_waiting(self, delta: int) -> None:
-        self._waiting += delta
-        self.metrics.queue_depth = self._waiting
+            self._waiting.discard(job)
+            self.metrics.queue_depth = len(self._waiting)
 
     def abandon(self, job: Job) -> None:
         """The client went away: drop ``job``. A queued job is skipped when its turn comes; a
@@ -246,7 +243,7 @@ class Scheduler:
         handlers and then cuts their connections; a request still queued was cut with no
         status, which no client or balancer can tell safe to retry, and logged as a client
         that hung up."""
-        shed = [job for job in self._waiting_jobs if not job.future.done()]
+        shed = [job for job in self._waiting if not job.future.done()]
         for job in shed:
             self._dequeued(job)
             self.metrics.requests["rejected"] += 1
