@@ -208,10 +208,7 @@ class HiRadixCache(RadixCache):
             # admitted but never given a row (its whole prompt was a hit, nothing computed): no
             # KV of its own to insert, but its admit's lock must go, or the prefix stays
             # protected for good (the request is forgotten below: not even an abort frees it)
-            self.dec_lock_ref(req.last_node)
-            req.last_node = None
-            req.prefix_indices = self._empty()
-            req.cache_protected_len = 0
+            self._release_lock(req)
         self.forget_req(req)
         super().cache_finished_req(req, is_insert=is_insert, **kwargs)
 
@@ -883,9 +880,9 @@ class HiRadixCache(RadixCache):
         )
         if not self.storage_writes.submit(job):
             node.storage_op = None
-            self._short_writes[node] = None
-            if self.controller.storage_queue_full:
-                self._refused_writes[node] = None
+            # a full queue (backpressure) makes room as its writes end; any other refusal (the
+            # store down) is offered again when the store is back
+            (self._refused_writes if self.controller.storage_queue_full else self._short_writes)[node] = None
             self._note(node)
 
     def _page_prior(self, node: TreeNode, k: int) -> str | None:

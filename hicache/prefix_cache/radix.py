@@ -463,6 +463,10 @@ class RadixCache(BasePrefixCache):
             self._free_duplicates(row, protected, aligned, result)
             if alloc_end > aligned:
                 self._free(row[aligned:alloc_end])
+        self._release_lock(req)
+
+    def _release_lock(self, req: Req) -> None:
+        """Drop ``req``'s lock on its prefix and forget the prefix (the request is over)."""
         if req.last_node is not None:
             self.dec_lock_ref(req.last_node)
         req.last_node = None
