@@ -43,13 +43,14 @@ from hicache_backends.file.layout import (
     FOOTER_LEN,
     ID_LEN,
     PAGE_SUFFIX,
-    TMP_SUFFIX,
     Footer,
     NamespaceLayout,
     decode_footer,
     encode_footer,
+    parse_manifest_tmp_name,
     parse_tmp_name,
 )
+from hicache_backends.file.locks import create_in_place
 from hicache_backends.writers import MACHINE, MACHINE_HEX, STALE_TMP_SECONDS, parse_machine, pid_alive, tmp_abandoned
 
 __all__ = [
@@ -828,10 +829,11 @@ def _write_manifest(layout: NamespaceLayout, manifest: dict) -> None:
     text = json.dumps(manifest, sort_keys=True, indent=2) + "\n"
     if read_small_file(layout.manifest_path) == text.encode():
         return
-    # the writer's pid and machine, as a page's temporary file: see remove_stale_manifest_tmps
-    tmp = f"{layout.manifest_path}.{os.getpid()}.{next(_serial)}.{MACHINE_HEX}{TMP_SUFFIX}"
+    tmp = layout.manifest_tmp_path(next(_serial))
     try:
-        with os.fdopen(_create_fresh(tmp), "w", encoding="utf-8") as f:
+        # created in place of whatever is at the name (a pid and a counter: easy to guess and
+        # plant a link at), never through it
+        with os.fdopen(create_in_place(tmp, os.O_WRONLY | _O_CLOEXEC), "w", encoding="utf-8") as f:
             f.write(text)
         os.replace(tmp, layout.manifest_path)
     except OSError:
@@ -850,24 +852,18 @@ def remove_stale_manifest_tmps(layout: NamespaceLayout) -> int:
     machine, or another machine's, goes by age alone), so never one a live process is
     writing. Scans visit only the page folders: left, such a file stayed for good. Returns
     how many were removed."""
-    prefix = os.path.basename(layout.manifest_path) + "."
     try:
         names = os.listdir(layout.ns_dir)
     except OSError:
         return 0
     removed = 0
     for name in names:
-        if not (name.startswith(prefix) and name.endswith(TMP_SUFFIX)):
-            continue
-        parts = name[len(prefix) : -len(TMP_SUFFIX)].split(".")
-        if len(parts) not in (2, 3) or not parts[0].isdigit():
-            continue
-        machine = parse_machine(parts[2]) if len(parts) == 3 else None
-        if len(parts) == 3 and machine is None:
+        writer = parse_manifest_tmp_name(name)
+        if writer is None:
             continue
         path = os.path.join(layout.ns_dir, name)
         try:
-            if tmp_abandoned(path, int(parts[0]), machine):
+            if tmp_abandoned(path, *writer):
                 os.unlink(path)  # a link planted there: only the link goes
                 removed += 1
         except FileNotFoundError:  # renamed into place, or removed by another sweep
@@ -875,18 +871,6 @@ def remove_stale_manifest_tmps(layout: NamespaceLayout) -> int:
         except OSError as exc:
             logger.warning("could not remove %s: %s", path, exc)
     return removed
-
-
-def _create_fresh(path: str) -> int:
-    """A new file at ``path`` (a temporary name of this process's), opened for writing. What is
-    already there is stale or planted: removed (a link, never what it points to), then the file
-    is created exclusively. A plain ``open`` followed a link planted at the name (a pid and a
-    counter: easy to guess) and wrote over the file it pointed to, outside the root."""
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0), 0o644)
 
 
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)

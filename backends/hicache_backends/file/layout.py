@@ -44,11 +44,14 @@ __all__ = [
     "decode_footer",
     "encode_footer",
     "page_id",
+    "parse_manifest_tmp_name",
     "parse_tmp_name",
 ]
 
 PAGE_SUFFIX = ".page"
 TMP_SUFFIX = ".tmp"
+MANIFEST_NAME = "manifest.json"
+_MANIFEST_TMP_PREFIX = MANIFEST_NAME + "."
 FANOUT = 256
 ID_LEN = 16  # bytes; 32 hex digits
 
@@ -105,19 +108,32 @@ def decode_footer(data: bytes | bytearray | memoryview) -> Footer | None:
 
 def parse_tmp_name(name: str) -> tuple[int, int | None] | None:
     """The writer's pid and machine (see :mod:`hicache_backends.writers`; ``None`` in names
-    from before it was written there) of a temporary file name, or ``None`` if ``name`` is not
-    one of ours."""
+    from before it was written there) of a page's temporary file name
+    (``.<page>.<pid>.<serial>[.<machine>].tmp``), or ``None`` if ``name`` is not one of ours."""
     if not (name.startswith(".") and name.endswith(TMP_SUFFIX)):
         return None
-    parts = name[1 : -len(TMP_SUFFIX)].split(".")
-    if len(parts) not in (3, 4) or not parts[1].isdigit():
+    return _writer_of(name[1 : -len(TMP_SUFFIX)].split(".")[1:])
+
+
+def parse_manifest_tmp_name(name: str) -> tuple[int, int | None] | None:
+    """The writer's pid and machine of the manifest's temporary file name
+    (``manifest.json.<pid>.<serial>[.<machine>].tmp``), as :func:`parse_tmp_name` reads a page's."""
+    if not (name.startswith(_MANIFEST_TMP_PREFIX) and name.endswith(TMP_SUFFIX)):
+        return None
+    return _writer_of(name[len(_MANIFEST_TMP_PREFIX) : -len(TMP_SUFFIX)].split("."))
+
+
+def _writer_of(fields: list[str]) -> tuple[int, int | None] | None:
+    """A temporary name's writer fields, ``pid``, ``serial`` and (written since) ``machine``,
+    as ``(pid, machine)``; ``None`` when they are not ours."""
+    if len(fields) not in (2, 3) or not fields[0].isdigit():
         return None
     machine = None
-    if len(parts) == 4:
-        machine = parse_machine(parts[3])
+    if len(fields) == 3:
+        machine = parse_machine(fields[2])
         if machine is None:
             return None
-    return int(parts[1]), machine
+    return int(fields[0]), machine
 
 
 class NamespaceLayout:
@@ -128,7 +144,7 @@ class NamespaceLayout:
         self.digest = digest
         self.ns_dir = os.path.join(self.root, digest)
         self.pages_dir = os.path.join(self.ns_dir, "pages")
-        self.manifest_path = os.path.join(self.ns_dir, "manifest.json")
+        self.manifest_path = os.path.join(self.ns_dir, MANIFEST_NAME)
         self.subdirs = [os.path.join(self.pages_dir, f"{i:02x}") for i in range(FANOUT)]
 
     def subdir(self, pid: str) -> str:
@@ -143,6 +159,11 @@ class NamespaceLayout:
         PID namespace judges the writer dead by its pid (a container that shares the root
         has pids of its own)."""
         return os.path.join(self.pages_dir, pid[:2], f".{pid}.{os.getpid()}.{serial}.{MACHINE_HEX}{TMP_SUFFIX}")
+
+    def manifest_tmp_path(self, serial: int) -> str:
+        """The manifest's temporary name, naming its writer as :meth:`tmp_path` does (so a
+        sweep can tell a killed writer's, :func:`parse_manifest_tmp_name`)."""
+        return f"{self.manifest_path}.{os.getpid()}.{serial}.{MACHINE_HEX}{TMP_SUFFIX}"
 
     @staticmethod
     def header_len(key: str, pool: str) -> int:

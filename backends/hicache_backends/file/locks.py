@@ -20,7 +20,7 @@ import os
 import stat
 import time
 
-__all__ = ["LOCK_PATIENCE", "SharedFile", "flock_within"]
+__all__ = ["LOCK_PATIENCE", "SharedFile", "create_in_place", "flock_within"]
 
 LOCK_PATIENCE = 0.5  # seconds to wait for a lock before answering "unavailable"
 _O_FLAGS = os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
@@ -40,6 +40,18 @@ def flock_within(fd: int, op: int, patience: float = LOCK_PATIENCE) -> None:
                 raise TimeoutError(f"lock held by another process for over {patience} s") from None
             time.sleep(pause)
             pause = min(pause * 2, 0.02)
+
+
+def create_in_place(path: str, flags: int, mode: int = 0o644) -> int:
+    """A new regular file at ``path``, opened with ``flags`` (``O_CREAT`` and ``O_EXCL`` added):
+    whatever is there first (stale, or planted: a link, a FIFO) is removed, and only it, never
+    what a link points to. Opened without ``O_EXCL``, a link planted at the name was followed
+    and the file it points to, outside the root, written."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    return os.open(path, flags | os.O_CREAT | os.O_EXCL, mode)
 
 
 class SharedFile:
@@ -83,13 +95,8 @@ class SharedFile:
         return fd, True
 
     def _replace_stray(self) -> int:
-        """A link, FIFO or device at the path is not ours: only it goes (never what a link
-        points to), and a fresh regular file takes its place."""
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
-        return os.open(self.path, _O_FLAGS | os.O_EXCL, 0o644)
+        """A link, FIFO or device at the path is not ours: a fresh regular file takes its place."""
+        return create_in_place(self.path, _O_FLAGS)
 
     def close(self) -> None:
         if self.fd is not None:
