@@ -497,12 +497,7 @@ class SessionAwareCache(ForwardingCache):
             self._let_go()
             await self.writeback.drain(deadline)
             self.writeback.seal()
-            fn = getattr(self.inner, "aclose", None)
-            if close_inner and fn is not None:
-                if "timeout" in inspect.signature(fn).parameters:
-                    return await fn(timeout=max(0.0, deadline - loop.time()))
-                return await fn()
-            return None
+            return await self._close_inner(close_inner, max(0.0, deadline - loop.time()))
         except asyncio.CancelledError:
             task = asyncio.current_task()
             if task is not None:
@@ -535,12 +530,17 @@ class SessionAwareCache(ForwardingCache):
     async def _cut_close(self, close_inner: bool = True) -> Any:
         self._let_go()
         self.writeback.seal()
+        return await self._close_inner(close_inner, 0.0)
+
+    async def _close_inner(self, close_inner: bool, timeout: float) -> Any:
+        """Close the inner cache within ``timeout`` (0: without draining) and return its report;
+        an inner cache whose close takes no timeout is closed as it closes."""
         fn = getattr(self.inner, "aclose", None)
         if not close_inner or fn is None:
             return None
         if "timeout" in inspect.signature(fn).parameters:
-            return await fn(timeout=0.0)
-        return await fn()  # an inner cache whose close takes no timeout
+            return await fn(timeout=timeout)
+        return await fn()
 
     def _let_go(self) -> None:
         """Abort each running turn and release every session (``release_on_close``); once
