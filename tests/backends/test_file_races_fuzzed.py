@@ -75,3 +75,30 @@ async def test_clear_racing_a_peer_clear(tmp_path, monkeypatch, caplog) -> None:
         assert not await a.exists("k")
         assert await a.set("k2", torch.ones(16, dtype=torch.uint8))
         assert await b.exists("k2")
+
+
+async def test_a_peer_clear_landing_inside_makedirs_is_set_up_again(tmp_path, monkeypatch, caplog) -> None:
+    """A peer's clear renamed the namespace folder away while this clear's makedirs ran: makedirs
+    found the page folder it was told exists gone and raised FileExistsError, and the clear
+    failed (False, 'clear failed' at ERROR), where a rename between the steps is set up again."""
+    a = make_store(tmp_path)
+    async with a:
+        assert await a.set("k", torch.zeros(16, dtype=torch.uint8))
+        real = os.makedirs
+        raced: list[int] = []
+
+        def peer_clears_inside(name, *args, **kwargs):  # type: ignore[no-untyped-def]
+            if not raced and str(name).endswith("pages"):
+                raced.append(1)
+                layout = a._layout
+                real(name, *args, **kwargs)  # made, then the peer's rename before makedirs looks again
+                os.rename(layout.ns_dir, os.path.join(layout.root, f".trash-{layout.digest}-1-2"))
+                raise FileExistsError(17, "File exists", str(name))
+            return real(name, *args, **kwargs)
+
+        monkeypatch.setattr(file_io.os, "makedirs", peer_clears_inside)
+        with caplog.at_level(logging.ERROR):
+            assert await a.clear() is True
+        monkeypatch.setattr(file_io.os, "makedirs", real)
+        assert raced and not [r for r in caplog.records if r.levelno >= logging.ERROR]
+        assert await a.set("k2", torch.zeros(16, dtype=torch.uint8))

@@ -961,9 +961,10 @@ class FileStorage(AsyncHiCacheStorage):
         self.index.clear()
         self._scanner.cleared()
         self._space.cleared()
+        # before the rename: this store's journal reader may poll while the clear runs
+        self._cleared_here = self._peers is not None
         trash, written = await self._threads.run(page_io.clear_namespace, self._layout, self.namespace.to_dict())
         if self._peers is not None:
-            self._cleared_here = True
             await self._peers.append_cleared()
         self._manifest_pending = not written
         if not written:

@@ -901,9 +901,10 @@ def prepare_namespace(layout: NamespaceLayout, manifest: dict) -> bool:
         try:
             os.makedirs(layout.pages_dir, exist_ok=True)
             _write_manifest(layout, manifest)
-        except FileNotFoundError:
-            # another process's clear renamed the namespace folder away between the two steps
-            # (or under makedirs): set it up again, as that clear does too
+        except (FileNotFoundError, FileExistsError):
+            # another process's clear renamed the namespace folder away between the two steps,
+            # or under makedirs (which then finds the folder it was told exists gone: EEXIST, not
+            # a folder): set it up again, as that clear does too
             if attempt + 1 == _PREPARE_ATTEMPTS:
                 raise
             continue
