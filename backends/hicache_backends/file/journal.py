@@ -139,6 +139,8 @@ class RemovalJournal:
         self.malformed_lines = 0
         self.lines_read = 0
         self.missed_files = 0  # journal files rotated away before this reader read them
+        #: the previous poll found the namespace folder without a journal (see _current_ino)
+        self._found_none = False
         self._open_reader(at_end=True)  # what was removed before we opened is not news
 
     # ------------------------------------------------------------------ writing
@@ -270,16 +272,26 @@ class RemovalJournal:
         return out
 
     def _current_ino(self) -> int | None:
-        """The inode of the journal now under the name (``None``: none there). A folder without
-        one gets one, as a reader's open makes it: a clear killed after setting up the fresh
-        folder and before its clear line left none there, and a reader that waited for the next
-        append to make it kept the cleared pages indexed for as long as no process removed one.
-        Never in a folder that is a link, nor a folder that is gone (a clear between its steps)."""
+        """The inode of the journal now under the name (``None``: none there). A folder found
+        without one at two polls in a row gets one, as a reader's open makes it: a clear killed
+        after setting up the fresh folder and before its clear line left none there, and a
+        reader that waited for the next append to make it kept the cleared pages indexed for as
+        long as no process removed one. Not at the first poll: a live clearer appends its clear
+        line within moments, after the removal lines it was still writing (one append at a
+        time); made at once, the new file moved this reader on while such a line, its file
+        opened before the clear's rename, still went to the old one, and was lost. Never in a
+        folder that is a link, nor a folder that is gone (a clear between its steps)."""
         try:
-            return os.stat(self.path).st_ino
+            ino = os.stat(self.path).st_ino
         except FileNotFoundError:
             pass
+        else:
+            self._found_none = False
+            return ino
         if os.path.islink(self.ns_dir):
+            return None
+        if not self._found_none:  # the first poll to find none: a live clearer is about to make it
+            self._found_none = True
             return None
         try:
             os.close(os.open(self.path, _O_READ | os.O_CREAT, 0o644))
