@@ -57,7 +57,7 @@ from hicache.controller.metrics import ControllerMetrics
 from hicache.controller.prefetch import Prefetcher
 from hicache.controller.transfers import all_pools_ok, call_back, slice_transfer
 from hicache.errors import CacheClosedError, ConfigError, InvalidKeyError, LoopMisuseError
-from hicache.memory.slots import cat_slots
+from hicache.memory.slots import read_slots
 from hicache.observability import tracing
 from hicache.storage import (
     AsyncHiCacheStorage,
@@ -700,8 +700,8 @@ class HiCacheController:
             try:
                 # joined in numpy where the indices are on CPU: torch's own cat (and a reshape
                 # per job) ran on its intra-op pool and released the GIL at every call
-                dev = cat_slots([j.device_indices for j in jobs])
-                host = cat_slots([j.host_indices for j in jobs], dtype=torch.int64)
+                dev = read_slots([j.device_indices for j in jobs])
+                host = read_slots([j.host_indices for j in jobs], dtype=torch.int64)
                 with tracing.span("hicache.backup") as span:
                     span.set_attribute("hicache.pages", pages)
                     await self.copy_engine.backup(dev, host)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from hicache.memory.slots import cat_slots, copy_slots
+from hicache.memory.slots import cat_slots, copy_slots, read_slots
 
 
 def _never() -> torch.Tensor:
@@ -48,3 +48,16 @@ def test_tensors_off_the_cpu_go_through_torch() -> None:
     parts = [torch.empty(3, dtype=torch.int32, device="meta"), torch.empty((2, 2), dtype=torch.int32, device="meta")]
     joined = cat_slots(parts, _never, torch.int64)
     assert joined.device.type == "meta" and joined.shape == (7,) and joined.dtype == torch.int64
+
+
+def test_read_slots_shares_a_lone_part_and_joins_the_rest() -> None:
+    a = torch.arange(5)
+    assert read_slots([a]) is a  # nothing copied: the caller only reads it
+    assert read_slots([a], torch.int64) is a
+    narrow = torch.arange(3, dtype=torch.int32)
+    wide = read_slots([narrow], torch.int64)
+    assert wide.dtype == torch.int64 and wide.tolist() == [0, 1, 2]
+    grid = torch.arange(6).view(2, 3)
+    assert read_slots([grid]).tolist() == list(range(6))  # flattened
+    assert read_slots([a, grid]).tolist() == [0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5]
+    assert read_slots([]).numel() == 0
