@@ -83,6 +83,7 @@ _PROBE_KEY = "hicache-health-probe"
 _OPS = {"exists": "exists", "read": "get", "write": "set"}
 #: storage write jobs the worker takes at once (see HiCacheController._write_jobs)
 _HOP_MAX_JOBS = 64
+_STORAGE_WORKER = "hicache-storage-write"  # the storage worker's task name (close looks for it)
 #: one storage call made inside a hop: its result (or the exception it raised), its seconds,
 #: whether the backend counted an error meanwhile (judged on the loop, see _judge), and the
 #: pages it refused for room (see _no_room)
@@ -203,6 +204,9 @@ class HiCacheController:
         #: the storage jobs the worker has taken and not acknowledged, each with the leading
         #: pages it has landed so far (close acknowledges those, reports only the rest)
         self._storage_busy: dict[StorageWriteJob, int] = {}
+        #: the jobs whose storage call the worker is in (a hop's, or the one job it writes on
+        #: its own): when the worker is stuck at close, the ones close reports ``"stuck"``
+        self._storage_calling: list[StorageWriteJob] = []
         #: callers of :meth:`wait_storage_progress`, woken when the next storage job ends
         self._storage_progress: list[asyncio.Future[None]] = []
         self._backup_busy: list[BackupJob] = []
@@ -298,7 +302,7 @@ class HiCacheController:
         self.state = ControllerState.RUNNING
         self._spawn(self._backup_worker(), "hicache-backup", detached=True)
         if self.storage is not None:
-            self._spawn(self._storage_worker(), "hicache-storage-write", detached=True)
+            self._spawn(self._storage_worker(), _STORAGE_WORKER, detached=True)
 
     def _accepting(self, continuation: bool = False) -> bool:
         """Whether new work is taken. While closing, only continuations of work already
@@ -487,8 +491,11 @@ class HiCacheController:
                 report.drained = False
             for task in list(self._tasks):
                 task.cancel()
-            stuck = await self._wait_tasks(self._hurried(limit))
-            self._report_leftovers(report)
+            pending = await self._wait_tasks(self._hurried(limit))
+            stuck = len(pending)
+            report.stuck_storage_calls = stuck
+            writing = any(t.get_name() == _STORAGE_WORKER for t in pending)
+            self._report_leftovers(report, self._storage_calling if writing else [])
         self._sealed = True  # no worker is left: a continuation from now on is refused, not lost
         self._backup_room.set()  # a backup() waiting for room learns the queue is closed
         # A backend that blocks its I/O loop (a hung mount) must not make close hang: its
@@ -520,6 +527,7 @@ class HiCacheController:
             await self._close_wait({closing}, 1.0)
         if stuck:
             await self._wait_tasks(1.0)
+            logger.warning("controller %s", report.summary())  # the stuck calls beside what else it left
         self.state = ControllerState.CLOSED
         counters = self.metrics.counters
         report.failed_storage_pages = int(counters.get("storage_write_failures", 0) + counters.get(
@@ -569,19 +577,19 @@ class HiCacheController:
             return min(limit, self.config.cancelled_io_grace_s or 1.0)
         return limit
 
-    async def _wait_tasks(self, timeout: float) -> int:
-        """Wait up to ``timeout`` for the (cancelled) tasks to end; how many are still running.
+    async def _wait_tasks(self, timeout: float) -> set[asyncio.Task[Any]]:
+        """Wait up to ``timeout`` for the (cancelled) tasks to end; those still running.
         A task can outlive its cancellation only while it waits out a storage call that has not
         returned (a hung mount): it is reported, never abandoned silently."""
         if not self._tasks:
-            return 0
+            return set()
         pending = await self._close_wait(set(self._tasks), max(0.1, timeout))
         if pending:
             logger.warning(
                 "controller close: %d task(s) still wait for storage calls that have not returned: %s",
                 len(pending), ", ".join(sorted(t.get_name() for t in pending)),
             )
-        return len(pending)
+        return pending
 
     async def _drain_for_close(self) -> None:
         while True:
@@ -590,9 +598,11 @@ class HiCacheController:
                 return
             await asyncio.wait([t for t in self._tasks if t.get_name().startswith("hicache-prefetch")])
 
-    def _report_leftovers(self, report: CloseReport) -> None:
-        """Fail every job the cancelled workers left behind; report storage writes. Their
-        callbacks may queue more (nothing succeeds now), so repeat until the queues are empty."""
+    def _report_leftovers(self, report: CloseReport, stuck: list[StorageWriteJob]) -> None:
+        """Fail every job the cancelled workers left behind; report storage writes, those in
+        ``stuck`` (in the write call the worker still waits for) as ``"stuck"``: that call may
+        yet land their pages, unlike a write never sent. Their callbacks may queue more
+        (nothing succeeds now), so repeat until the queues are empty."""
         while True:
             backups: list[BackupJob] = list(self._backup_busy)
             self._backup_busy = []
@@ -624,10 +634,12 @@ class HiCacheController:
                 pages = len(job.keys) - landed
                 if pages > 0:  # (a job of deletions alone writes nothing: its end tells its policy)
                     first = job.keys[landed]
-                    report.unwritten.append(UnwrittenBackup(first, pages, "closed"))
+                    reason = "stuck" if job in stuck else "closed"
+                    report.unwritten.append(UnwrittenBackup(first, pages, reason))
                     self.metrics.incr("unwritten_on_close", pages)
-                    logger.warning("controller close: %d page(s) from key %.16s... were not written to storage",
-                                   pages, first)
+                    logger.warning("controller close: %d page(s) from key %.16s... were not written to storage%s",
+                                   pages, first, " (their write call is stuck; it may still land them)"
+                                   if reason == "stuck" else "")
                 call_back(job.on_done, landed)
 
     # ------------------------------------------------------------------ device -> host
@@ -818,6 +830,7 @@ class HiCacheController:
                     span.set_attribute("hicache.pages", pages)
                     span.set_attribute("hicache.jobs", len(jobs))
                     await self._write_jobs(jobs, t0)
+                self._storage_calling = []  # (the jobs are done with: their tensors are not kept)
             except asyncio.CancelledError:
                 raise  # the jobs not finished stay in _storage_busy; aclose reports them unwritten
             except Exception:  # noqa: BLE001
@@ -884,6 +897,7 @@ class HiCacheController:
         results: list[_HopResult] = []
         if hop:
             progress = [time.monotonic()]
+            self._storage_calling = [job for job, _ in hop]
             try:
                 await self._storage_call(self._hop(hop, results, progress), "write", progress)
             except asyncio.CancelledError:
@@ -895,8 +909,10 @@ class HiCacheController:
                     logger.exception("storage write: settling a cancelled hop failed")
                 raise
         for job, done, deletions, tried in self._settle_hop(hop, results, t0):
+            self._storage_calling = [job]
             self._finish(job, await self._write_job(job, done=done, attempt=int(tried), delete=deletions), t0)
         for job in jobs[len(hop):]:
+            self._storage_calling = [job]
             self._finish(job, await self._write_job(job, delete=True), t0)
 
     def _settle_hop(self, hop: list[tuple[StorageWriteJob, list[_Batch]]], results: list[_HopResult],

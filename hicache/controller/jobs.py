@@ -160,7 +160,10 @@ class PrefetchResult:
 
 @dataclasses.dataclass
 class UnwrittenBackup:
-    """A storage backup the controller could not write before it closed."""
+    """A storage backup the controller could not write before it closed. ``reason``:
+    ``"closed"`` (never sent, or its call had ended short), ``"stuck"`` (its write call was
+    still running when the close gave up on it, a hung mount: the store may yet hold some of
+    these pages once the call returns)."""
 
     first_key: str
     pages: int
@@ -187,7 +190,25 @@ class CloseReport:
     #: the cache closed (the store was down): they stay in the store, unknown to the next
     #: directory, until the backend's own bound evicts them (filled in by the tree)
     undeleted_storage_pages: int = 0
+    #: storage calls (writes, deletions, prefetch reads) still running when the close gave up
+    #: waiting for them (the ``storage_calls_stuck`` counter's calls still out at close): the
+    #: pages of a stuck write are listed in ``unwritten`` with reason ``"stuck"``
+    stuck_storage_calls: int = 0
 
     @property
     def unwritten_pages(self) -> int:
         return sum(u.pages for u in self.unwritten)
+
+    def summary(self) -> str:
+        """One line for a shutdown log: what the close left, stuck calls apart from writes
+        never started (a stuck write may still land; an unstarted one never will)."""
+        stuck_pages = sum(u.pages for u in self.unwritten if u.reason == "stuck")
+        parts = [f"drained={self.drained}", f"{self.unwritten_pages - stuck_pages} page(s) unwritten"]
+        if self.stuck_storage_calls or stuck_pages:
+            parts.append(f"{self.stuck_storage_calls} storage call(s) stuck "
+                         f"({stuck_pages} page(s) of stuck writes, which may still land)")
+        for name in ("cancelled_prefetches", "failed_device_backups", "failed_storage_pages",
+                     "deferred_backup_pages", "undeleted_storage_pages"):
+            if getattr(self, name):
+                parts.append(f"{name}={getattr(self, name)}")
+        return "close: " + ", ".join(parts)

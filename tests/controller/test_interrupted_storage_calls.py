@@ -283,3 +283,36 @@ async def test_a_request_waiting_for_its_prefetch_is_let_go_when_the_prefetch_is
     finally:
         store.open_gate()
         await stack.aclose()
+
+
+async def test_close_reports_a_write_stuck_past_the_close_apart_from_writes_never_started() -> None:
+    """A write whose backend call hangs (a hung mount) past the close's timeout is still running
+    when the close gives up on it: it may yet land. The close report listed it like a write that
+    never started (reason ``"closed"``), with nothing saying a storage call was stuck (only the
+    ``storage_calls_stuck`` counter did): the report now counts the stuck calls and lists the
+    pages of a stuck write under reason ``"stuck"``, and its summary says so."""
+    store = GatedThreadStorage(store_id=f"gated-{uuid.uuid4()}")
+    stack = make(store, storage_io_timeout_s=30.0, close_timeout_s=0.3)
+    ctl = stack.controller
+    stuck_keys, queued_keys = keys_for(2 * PAGES)[:PAGES], keys_for(2 * PAGES)[PAGES:]
+    store.hold()
+    done: list[int] = []
+    first = StorageWriteJob(stuck_keys, stack.host_pool.alloc(PAGES * PS), None, done.append)
+    assert ctl.submit_storage_write(first)
+    await eventually(store.busy.is_set)
+    second = StorageWriteJob(queued_keys, stack.host_pool.alloc(PAGES * PS), stuck_keys[-1], done.append)
+    assert ctl.submit_storage_write(second)  # queued behind the stuck write, never started
+    closing = asyncio.ensure_future(stack.aclose())
+    try:
+        finished, _ = await asyncio.wait({closing}, timeout=20)
+        assert finished, "close hung on a write that never returns"
+        report = closing.result()
+        assert ctl.metrics.counters.get("storage_calls_stuck") == 1
+        assert report.stuck_storage_calls == 1
+        reasons = {u.first_key: (u.reason, u.pages) for u in report.unwritten}
+        assert reasons == {stuck_keys[0]: ("stuck", PAGES), queued_keys[0]: ("closed", PAGES)}
+        assert report.unwritten_pages == 2 * PAGES
+        assert "1 storage call(s) stuck" in report.summary()
+    finally:
+        store.open_gate()
+        await asyncio.wait({closing}, timeout=20)
