@@ -17,6 +17,7 @@ from hicache.config.budget import check_memory, memory_needs, system_memory_byte
 from hicache.controller.config import ControllerConfig
 from hicache.controller.controller import HiCacheController
 from hicache.errors import ConfigError
+from hicache.events.convert import HashFormat
 from hicache.keys import Namespace
 from hicache.memory import (
     CopyEngine,
@@ -104,6 +105,10 @@ class StackConfig:
     #: page keys the attribution's ledger remembers (about 200 bytes each); default twice the
     #: pages device, host and a sized store hold, at least 16Ki and at most 256Ki
     attribution_ledger_pages: int | None = None
+    #: the block hashes and tiers of the tree's ``take_events()`` (the config's ``[events]``
+    #: ``hash_format`` and ``tiers``; ``None``: every tier)
+    events_hash_format: HashFormat = "bytes"
+    events_tiers: list[str] | None = None
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -215,6 +220,8 @@ def build_stack(cfg: StackConfig, *, storage: AsyncHiCacheStorage | None = None)
         controller=controller,
         eviction_policy=cfg.eviction_policy,
         placement=make_placement(cfg.placement, cfg.placement_options, defaults=placement_defaults(cfg)),
+        event_hash_format=cfg.events_hash_format,
+        event_tiers=cfg.events_tiers,
     )
     detach = None
     if own:
@@ -350,4 +357,6 @@ def stack_config_from(config: Any) -> StackConfig:
         namespace=config_namespace(config),
         explain_misses=config.cache.explain_misses,
         attribution_ledger_pages=config.cache.attribution_ledger_pages,
+        events_hash_format=config.events.hash_format,
+        events_tiers=list(config.events.tiers),
     )

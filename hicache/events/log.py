@@ -6,6 +6,10 @@ the log subscribes to the hub on the first :meth:`EventLog.take` (which returns 
 keeps at most ``maxlen`` events; older ones are dropped and counted (``dropped``, and the
 ``count`` callback: the cache's ``take_events_dropped`` metric), with one warning: an engine
 polling too rarely must see that its consumers missed events.
+
+``hash_format`` and ``tiers`` are the config's ``[events]`` settings, as the publisher
+(:class:`~hicache.events.service.KVEventService`) applies them: an engine that publishes what it
+takes sends its router the same hashes and tiers the config names.
 """
 
 from __future__ import annotations
@@ -13,11 +17,11 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from hicache.events.convert import HashFormat, to_event
 from hicache.events.schema import KVEvent
-from hicache.observability.tier_events import TierChange, TierChangeHub
+from hicache.observability.tier_events import Tier, TierChange, TierChangeHub
 
 __all__ = ["EventLog"]
 
@@ -28,8 +32,11 @@ class EventLog:
     """A bounded log of the events of ``hub``; see the module docstring."""
 
     def __init__(self, hub: TierChangeHub, *, maxlen: int = 100_000, hash_format: HashFormat = "bytes",
-                 count: Callable[[int], None] | None = None) -> None:
+                 tiers: Iterable[Tier | str] | None = None, count: Callable[[int], None] | None = None) -> None:
+        if hash_format not in ("bytes", "int"):
+            raise ValueError(f"hash_format must be 'bytes' or 'int', got {hash_format!r}")
         self._hub = hub
+        self._tiers = frozenset(Tier(t) for t in tiers) if tiers is not None else frozenset(Tier)
         self._events: deque[KVEvent] = deque()
         self._maxlen = maxlen
         self._fmt: HashFormat = hash_format
@@ -39,6 +46,8 @@ class EventLog:
         self._count = count
 
     def _on_change(self, change: TierChange) -> None:
+        if change.tier not in self._tiers:
+            return
         event = to_event(change, self._fmt)
         if event is None:
             return

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -47,6 +48,7 @@ import torch
 from hicache.controller.controller import ControllerState, HiCacheController
 from hicache.controller.jobs import CloseReport, PrefetchResult, StorageWriteJob
 from hicache.errors import ChainGoneError
+from hicache.events.convert import HashFormat
 from hicache.events.log import EventLog
 from hicache.memory.slots import cat_slots
 from hicache.observability.tier_events import ChangeKind, Tier, TierChange, TierChangeHub
@@ -84,6 +86,8 @@ class HiRadixCache(RadixCache):
             :func:`default_victim_write_limit`.
         tier_changes: the hub this tree reports device and host stores and removals to
             (the stack's; a private one by default).
+        event_hash_format, event_tiers: the block hashes and the tiers of
+            :meth:`take_events` (the config's ``[events]`` ``hash_format`` and ``tiers``).
     """
 
     def __init__(
@@ -99,9 +103,12 @@ class HiRadixCache(RadixCache):
         victim_write_limit: int | None = None,
         disable: bool = False,
         tier_changes: TierChangeHub | None = None,
+        event_hash_format: HashFormat = "bytes",
+        event_tiers: Iterable[Tier | str] | None = None,
     ) -> None:
         self.tier_changes = tier_changes if tier_changes is not None else TierChangeHub()
-        self._event_log = EventLog(self.tier_changes, count=lambda n: controller.metrics.incr("take_events_dropped", n))
+        self._event_log = EventLog(self.tier_changes, hash_format=event_hash_format, tiers=event_tiers,
+                                   count=lambda n: controller.metrics.incr("take_events_dropped", n))
         #: what host keeps and what storage admits (see :mod:`hicache.placement`)
         self.placement: PlacementPolicy = make_placement(placement)
         if host_pool.page_size != page_size:

@@ -216,3 +216,32 @@ async def test_events_take_events_drops_are_counted_in_the_caches_metrics(caplog
     assert stack.controller.metrics.counters["take_events_dropped"] == 1
     assert any("take_events" in r.getMessage() for r in caplog.records)
     await stack.aclose()
+
+
+async def test_take_events_honours_the_config_files_hash_format_and_tiers(tmp_path: Path) -> None:
+    """The ``[events]`` section's ``hash_format`` and ``tiers`` shaped what the publisher sent,
+    while ``take_events()`` (what an engine that polls publishes itself) ignored both: it gave
+    32-byte hashes to a router configured for 64-bit ints, and every tier's events to one
+    configured for some. Both are honoured now, for a cache built from a config file."""
+    from hicache.events.convert import block_hash
+    from hicache.facade import HiCache
+
+    path = tmp_path / "hicache.toml"
+    path.write_text(
+        '[model]\nnum_layers = 1\nnum_kv_heads = 1\nhead_dim = 8\nkv_dtype = "float32"\n'
+        '[device]\ndevice = "cpu"\nsize_tokens = 64\npage_size = 4\nmax_context_len = 256\n'
+        '[host]\nratio = 2.0\n'
+        '[storage]\nbackend = ""\n'
+        '[events]\nhash_format = "int"\ntiers = ["host"]\n'
+    )
+    async with HiCache.from_config(str(path)) as cache:
+        assert cache.cache is not None
+        assert cache.cache.take_events() == []  # starts the log
+        tokens = toks(0, 8)
+        h = await cache.begin("a", tokens)
+        await cache.commit(h)
+        await cache.drain()
+        events = cache.cache.take_events()
+    assert events, "no event for the host tier"
+    assert {e.medium for e in events} == {"CPU"}
+    assert [h for e in events for h in e.block_hashes] == [block_hash(k, "int") for k in page_hashes(tokens, PS)]
