@@ -92,8 +92,18 @@ async def _wait_for_client(request: web.Request, st: ServerState, job: Job,
                 st.scheduler.abandon(job)
                 return False
     except asyncio.CancelledError:
-        st.scheduler.abandon(job)
+        _cut(st, job)
         raise
+
+
+def _cut(st: ServerState, job: Job) -> None:
+    """The handler of ``job`` was cancelled: drop the job, and say so when the drain did it
+    (aiohttp cuts a handler still running a second ``shutdown_timeout`` in, with no answer;
+    ``running_server`` answers them before, an app run by another runner may not)."""
+    if st.draining and not job.future.done():
+        logger.warning("request %s: cut by the server's shutdown before it finished; no answer was sent",
+                       job.request.rid)
+    st.scheduler.abandon(job)
 
 
 def _error(status: int, message: str, **headers: str) -> web.Response:
@@ -254,7 +264,7 @@ async def _generate_stream(request: web.Request, st: ServerState, req: GenerateR
         logger.info("request %s: the client hung up while streaming (%s); dropped", req.rid, type(exc).__name__)
         st.scheduler.abandon(job)
     except asyncio.CancelledError:
-        st.scheduler.abandon(job)
+        _cut(st, job)
         raise
     return resp
 

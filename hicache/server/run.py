@@ -65,7 +65,9 @@ async def running_server(
 ) -> AsyncIterator[RunningServer]:
     """Serve on ``host:port`` (default: ``config.server``; port 0 picks a free one) until the
     block exits, then drain: stop listening, finish in-flight requests, close the cache. A
-    request that has not started within ``shutdown_timeout`` is answered 503 (retry elsewhere).
+    request that has not started within ``shutdown_timeout`` is answered 503 (retry elsewhere);
+    one still running just before twice that (when aiohttp would cut it) is stopped and answered
+    503 too (a stream already under way: its last line carries the error).
 
     ``mode="recompute"`` serves with no cache at all (the baseline); ``cache`` serves an
     already entered cache that the caller keeps ownership of.
@@ -99,11 +101,17 @@ async def running_server(
 def _shed_waiting_after(app: web.Application, delay: float, stack: contextlib.AsyncExitStack) -> None:
     """Once the drain begins, in ``delay`` (the runner's ``shutdown_timeout``, when aiohttp
     stops waiting for its handlers) the requests that have not started are refused with a 503
-    (:meth:`Scheduler.shed_waiting`), not cut with their connections a timeout later."""
+    (:meth:`Scheduler.shed_waiting`), not cut with their connections a timeout later. The ones
+    still running are answered (:meth:`Scheduler.stop_running`) shortly before aiohttp cancels
+    their handlers and cuts their connections, ``2 * delay`` in (at the earliest): they keep
+    all the time they had to finish, less :func:`_answer_margin`."""
     timers: list[asyncio.TimerHandle] = []
 
     async def on_shutdown(app: web.Application) -> None:
-        timers.append(asyncio.get_running_loop().call_later(delay, app[STATE].scheduler.shed_waiting))
+        loop = asyncio.get_running_loop()
+        scheduler = app[STATE].scheduler
+        timers.append(loop.call_later(delay, scheduler.shed_waiting))
+        timers.append(loop.call_later(max(delay, 2 * delay - _answer_margin(delay)), scheduler.stop_running))
 
     app.on_shutdown.append(on_shutdown)
 
@@ -112,6 +120,12 @@ def _shed_waiting_after(app: web.Application, delay: float, stack: contextlib.As
             timer.cancel()
 
     stack.callback(cancel)  # runs after the runner's cleanup
+
+
+def _answer_margin(delay: float) -> float:
+    """How long before aiohttp's cut a request still running is answered: time for its handler
+    to wake and write the answer (a quarter of ``delay``, at most 1 s)."""
+    return min(1.0, delay / 4)
 
 
 async def _serve_until_signal(config: HiCacheConfig, mode: Literal["hicache", "recompute"]) -> None:

@@ -122,6 +122,9 @@ class Scheduler:
         #: the requests queued and not yet taken (the queue bound counts them; the drain's end
         #: refuses them, :meth:`shed_waiting`)
         self._waiting: set[Job] = set()
+        #: the requests the dispatcher has given a task and that have not ended (waiting for
+        #: their session or a slot, or running): what :meth:`stop_running` answers
+        self._started: set[Job] = set()
         self._slots = asyncio.Semaphore(max_active)
         self._sessions = SessionOrder()
         # jobs per session id from submit until done (queued, waiting, running): a release
@@ -185,6 +188,7 @@ class Scheduler:
     def _job_done(self, job: Job, turn: SessionTurn | None = None, _task: object = None) -> None:
         """``job`` is over (served, failed, or dropped before it ran): no longer pending, and
         its place in its session's order (``turn``) is given up, if it was not already."""
+        self._started.discard(job)
         if turn is not None:
             turn.leave()
         sid = job.request.session_id
@@ -254,6 +258,28 @@ class Scheduler:
             logger.warning("drain timed out: %d request(s) that had not started were refused (503)", len(shed))
         return len(shed)
 
+    def stop_running(self) -> int:
+        """The drain is about to cut its handlers: answer every request not finished yet with
+        :class:`SchedulerClosedError` (HTTP 503 with Retry-After; a stream already under way
+        ends with an error line after its tokens), counted ``rejected``, and stop its
+        generation (the engine aborts it and frees what it held). Returns how many.
+
+        Why: aiohttp cancels a handler still running a second ``shutdown_timeout`` after the
+        first and cuts its connection, with no status: the client and its balancer could not
+        tell a server that went away from a network fault, and the request was counted only
+        as ``abandoned``, with no log line."""
+        cut = [job for job in self._started if not job.future.done()]
+        for job in cut:
+            self._dequeued(job)
+            self.metrics.requests["rejected"] += 1
+            job.future.set_exception(SchedulerClosedError("the server is shutting down: the request did not finish in time"))
+            if job.task is not None and not job.task.done():
+                job.task.cancel()
+        if cut:
+            logger.warning("drain timed out: %d request(s) that did not finish were stopped and answered 503",
+                           len(cut))
+        return len(cut)
+
     # -- internals
     async def _run(self, ready: asyncio.Event) -> None:
         async with asyncio.TaskGroup() as tg:
@@ -276,6 +302,7 @@ class Scheduler:
                     self._job_done(job, turn)
                     continue
                 job.task = tg.create_task(self._serve(job, turn), name=f"hicache-req-{job.request.rid}")
+                self._started.add(job)
                 # a callback, not _serve's finally: a task cancelled before its first step
                 # never enters _serve's body
                 job.task.add_done_callback(functools.partial(self._job_done, job, turn))

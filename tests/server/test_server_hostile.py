@@ -334,11 +334,92 @@ async def test_requests_still_queued_when_the_drain_times_out_get_a_503() -> Non
                 status, retry_after, body = await asyncio.wait_for(task, 10)
                 assert (status, retry_after) == (503, "1") and "shutting down" in body["error"]
             assert srv.state.metrics.requests["rejected"] == 2
-            with pytest.raises(aiohttp.ClientError):  # cut once the drain's second window is up too
-                await asyncio.wait_for(running, 10)
+            # the running one is answered too before aiohttp cuts it (see the next test)
+            status, retry_after, body = await asyncio.wait_for(running, 10)
+            assert (status, retry_after) == (503, "1") and "did not finish" in body["error"]
         finally:
             if closing is None:
                 gate.open.set()
                 await server.__aexit__(None, None, None)
             else:
                 await closing
+
+
+class _Hang:
+    """Wraps the engine's ``generate``: each request streams ``tokens`` tokens, then hangs
+    (until cancelled): a request that outlasts the drain."""
+
+    def __init__(self, engine, tokens: int) -> None:  # type: ignore[no-untyped-def]
+        self.calls = 0
+        self.tokens = tokens
+        engine.generate = self
+
+    async def __call__(self, rid, token_ids, max_new_tokens, session_id=None, *, on_token=None, **kw):  # type: ignore[no-untyped-def]
+        self.calls += 1
+        for i in range(self.tokens):
+            if on_token is not None:
+                on_token(100 + i)
+        await asyncio.Event().wait()
+
+
+async def test_a_request_still_running_when_the_drain_ends_is_answered_not_cut(caplog: pytest.LogCaptureFixture) -> None:
+    """A drain (SIGTERM) gives the requests in flight ``shutdown_timeout``; aiohttp then
+    cancels their bodies and, a second ``shutdown_timeout`` later, cancels their handlers and
+    cuts their connections. A request still running then was cut with no status: its client
+    (and a balancer) could not tell the server went away from a network fault, and nothing was
+    logged or counted but ``abandoned``. It is now answered before the cut: a plain request
+    503 with Retry-After, a stream already under way its tokens so far and a last line with
+    the error; each counted ``rejected`` and logged."""
+    cfg = small_config(server={"max_batch": 2})
+    async with aiohttp.ClientSession() as http:
+        server = running_server(cfg, mode="recompute", port=0, shutdown_timeout=1.0)
+        srv = await server.__aenter__()
+        hang = _Hang(srv.state.engine, tokens=2)
+
+        async def post(body: dict[str, Any]) -> tuple[int, str | None, bytes]:
+            async with http.post(f"{srv.url}/v1/generate", json=body) as resp:
+                return resp.status, resp.headers.get("Retry-After"), await resp.read()
+
+        plain = asyncio.create_task(post({"tokens": [1, 2, 3]}))
+        stream = asyncio.create_task(post({"tokens": [4, 5, 6], "stream": True}))
+        await eventually(lambda: hang.calls == 2)
+        caplog.clear()
+        await asyncio.wait_for(server.__aexit__(None, None, None), 30)
+        status, retry_after, raw = await asyncio.wait_for(plain, 10)
+        assert (status, retry_after) == (503, "1") and "did not finish" in json.loads(raw)["error"]
+        status, _, raw = await asyncio.wait_for(stream, 10)
+        lines = [json.loads(line) for line in raw.splitlines()]
+        assert status == 200 and [line.get("token") for line in lines[:2]] == [100, 101]
+        assert lines[-1]["done"] is True and "did not finish" in lines[-1]["error"]
+    assert srv.state.metrics.requests["rejected"] == 2
+    assert srv.state.metrics.requests["abandoned"] == 0
+    assert any("did not finish" in r.getMessage() for r in caplog.records)
+
+
+async def test_an_app_under_another_runner_logs_a_request_its_drain_cuts(caplog: pytest.LogCaptureFixture) -> None:
+    """An embedder serving ``create_app`` under its own ``AppRunner`` has no
+    ``running_server`` to answer its running requests before aiohttp's cut: such a cut is
+    logged (a WARNING naming the request), never silent."""
+    from aiohttp import web
+
+    from hicache.engine.recompute import RecomputeCache
+    from hicache.server.app import STATE, create_app
+
+    cfg = small_config()
+    async with RecomputeCache(cfg) as cache:
+        app = create_app(cache, cfg)
+        runner = web.AppRunner(app, shutdown_timeout=0.3)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = runner.addresses[0][1]
+        hang = _Hang(app[STATE].engine, tokens=0)
+        async with aiohttp.ClientSession() as http:
+            post = asyncio.create_task(http.post(f"http://127.0.0.1:{port}/v1/generate", json={"tokens": [1, 2]}))
+            await eventually(lambda: hang.calls == 1)
+            caplog.clear()
+            await asyncio.wait_for(runner.cleanup(), 30)
+            with pytest.raises(aiohttp.ClientError):
+                await asyncio.wait_for(post, 10)
+    assert any("cut by the server's shutdown" in r.getMessage() and r.levelno == logging.WARNING
+               for r in caplog.records)
