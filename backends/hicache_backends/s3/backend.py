@@ -224,7 +224,7 @@ class FsspecStorage(AsyncHiCacheStorage):
         self._remote = bool(getattr(self._fs_class, "async_impl", False))
         self._transit_warnings = Throttle(60.0)
         self.root = self._fs_class._strip_protocol(url).rstrip("/")
-        self._local: LoopLocal[LoopResources] = LoopLocal(self._make_resources)
+        self._local: LoopLocal[LoopResources] = LoopLocal(self._make_resources, _close_resources)
         self.runner = RequestRunner(
             name=type(self).__name__,
             location=redact_url(url),
@@ -899,6 +899,11 @@ class FsspecStorage(AsyncHiCacheStorage):
             "concurrency": self.concurrency,
             "event_loops": len(self._local),
         }
+
+
+async def _close_resources(res: LoopResources) -> None:
+    """Close one loop's filesystem (its loop is shutting down: see :class:`LoopLocal`)."""
+    await res.ops.close()
 
 
 class _Landing:

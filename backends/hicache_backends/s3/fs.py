@@ -4,7 +4,8 @@ Async fsspec filesystems (s3fs, gcsfs, ...) hold an aiohttp session, which belon
 loop that created it. A backend may be used from several loops (a server's loop, the blocking
 facade's private loop, one loop per test), so :class:`LoopLocal` creates one filesystem - and
 one semaphore, also loop-bound - per running loop, lazily on first use, and closes them on
-``aclose``. Every call then runs natively on the caller's loop: no thread hop per request.
+``aclose`` or when their loop shuts down. Every call then runs natively on the caller's loop:
+no thread hop per request.
 
 Synchronous filesystems (``memory://``, ``file://`` ...) have no coroutine API; for them
 :class:`ThreadObjectOps` runs each call in the default thread pool via ``asyncio.to_thread``.
@@ -19,9 +20,10 @@ import contextlib
 import itertools
 import logging
 import os
+import sys
 import threading
 import weakref
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
@@ -568,11 +570,22 @@ class LoopResources:
 
 
 class LoopLocal(Generic[T]):
-    """One value per running event loop, created on first use in that loop."""
+    """One value per running event loop, created on first use in that loop.
 
-    def __init__(self, factory: Callable[[], T]) -> None:
+    With ``closer``, a loop's value is closed on that loop when it shuts down (the end of
+    ``asyncio.run``, or any ``loop.shutdown_asyncgens()``) and forgotten: a caller that runs
+    each call in a new loop left a client and its HTTP session open per loop ("Unclosed client
+    session" when collected, its pooled connections open until then). The hook is an async
+    generator parked at its ``yield``: a loop closes every async generator it saw start at its
+    shutdown, while it can still run the ``finally`` that closes the value."""
+
+    def __init__(self, factory: Callable[[], T], closer: Callable[[T], Awaitable[None]] | None = None) -> None:
         self._factory = factory
+        self._closer = closer
         self._values: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, T] = weakref.WeakKeyDictionary()
+        #: each loop's shutdown hook (see the class docstring)
+        self._hooks: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, AsyncGenerator[None, None]] = (
+            weakref.WeakKeyDictionary())
         self._lock = threading.Lock()  # loops may live in different threads
 
     def get(self) -> T:
@@ -583,18 +596,48 @@ class LoopLocal(Generic[T]):
                 value = self._values.get(loop)
                 if value is None:
                     # a value holds its loop (its session, its semaphores), so the weak key
-                    # never dies: the values of loops closed since are dropped here, else a
-                    # caller that runs each call in a new loop (asyncio.run) piled up a
-                    # filesystem, a client and reusable write bodies per call until close
+                    # never dies: the values of loops closed since (without a shutdown that
+                    # closed them) are dropped here, else a caller that runs each call in a new
+                    # loop piled up a filesystem, a client and reusable write bodies per call
                     for old in [lp for lp in self._values if lp.is_closed()]:
                         del self._values[old]
+                        self._hooks.pop(old, None)
                     value = self._values[loop] = self._factory()
+                    if self._closer is not None:
+                        self._watch(loop, value)
         return value
+
+    def _watch(self, loop: asyncio.AbstractEventLoop, value: T) -> None:
+        """Close ``value`` when ``loop`` shuts down. Only where the loop tracks async generators
+        (asyncio's and uvloop's do while they run): one nobody tracks would be closed by the
+        garbage collector, outside any loop, where the closer cannot run."""
+        if sys.get_asyncgen_hooks().firstiter is None:
+            return
+        hook = self._close_at_shutdown(loop, value)
+        with contextlib.suppress(StopIteration):
+            hook.asend(None).send(None)  # started (so the loop tracks it), parked at its yield
+        self._hooks[loop] = hook
+
+    async def _close_at_shutdown(self, loop: asyncio.AbstractEventLoop, value: T) -> AsyncGenerator[None, None]:
+        try:
+            yield
+        finally:  # the loop shuts down (or the hook was dropped: then the value is no longer ours)
+            with self._lock:
+                mine = self._values.get(loop) is value
+                if mine:
+                    del self._values[loop]
+                    self._hooks.pop(loop, None)
+            if mine and self._closer is not None:
+                try:
+                    await self._closer(value)
+                except Exception:  # noqa: BLE001 - a loop's shutdown must not fail for it
+                    logger.warning("closing a filesystem at its event loop's shutdown failed", exc_info=True)
 
     def pop_all(self) -> list[tuple[asyncio.AbstractEventLoop, T]]:
         with self._lock:
             items = list(self._values.items())
             self._values.clear()
+            self._hooks.clear()
         return items
 
     def __len__(self) -> int:
@@ -603,7 +646,7 @@ class LoopLocal(Generic[T]):
 
 async def close_all(local: LoopLocal[LoopResources]) -> None:
     """Close every loop's filesystem: this loop's inline, running loops' through their thread,
-    closed loops' are dropped (their sessions died with the loop)."""
+    closed loops' are dropped (closed at their loop's shutdown, where it ran one)."""
     current = asyncio.get_running_loop()
     for loop, res in local.pop_all():
         try:
