@@ -209,6 +209,59 @@ async def test_a_clear_racing_a_write_leaves_no_index_that_claims_the_pages_it_r
         assert await reader.exists_prefix(keys) == early
 
 
+@pytest.mark.parametrize("race", ["write starts during the clear", "index lands during a peer's clear"])
+async def test_a_clear_that_overlaps_a_run_index_write_leaves_no_index_behind(
+        moto_endpoint, moto_bucket, monkeypatch, race: str) -> None:
+    """A clear's listing misses a run index that lands after it, while the pages the index
+    names went with the clear: the index stayed, vouching for removed pages. Two ways the
+    check for a clear since the write began let it through: the write started while the clear
+    ran (its ticket postdated the clear's start), or another store of this process (sharing the
+    exists cache, not waiting for this store's indexes) cleared while the index's PUT was in
+    flight. Neither leaves an index now."""
+    from hicache_backends.s3.fs import S3ObjectOps
+
+    prefix = f"race/{uuid.uuid4().hex}"
+    n = 12
+    keys = keys_for(n, salt=78)
+    src = ArrayHostPool(n, PAGE)
+    src.fill_random(6)
+    during = race.startswith("write")
+    store = make_s3(moto_endpoint, moto_bucket, prefix, NS_A, concurrency=8)
+    peer = make_s3(moto_endpoint, moto_bucket, prefix, NS_A, concurrency=8)
+    async with store, peer:
+        store.register_mem_pool_host(src)
+        index = store.names.run_index(keys[0], "kv")
+        sending, listed = asyncio.Event(), asyncio.Event()
+        real_put, real_remove_tree = S3ObjectOps.put, S3ObjectOps.remove_tree
+
+        async def put(self, path, data):  # type: ignore[no-untyped-def]
+            if path == index:  # the index lands after the clear's listing
+                sending.set()
+                await listed.wait()
+            return await real_put(self, path, data)
+
+        async def remove_tree(self, prefix):  # type: ignore[no-untyped-def]
+            if during:  # the write starts (and its pages land) once the clear has begun
+                assert await store.batch_set_v1(keys, src.indices(0, n)) == [True] * n
+            try:
+                return await real_remove_tree(self, prefix)
+            finally:
+                listed.set()
+
+        monkeypatch.setattr(S3ObjectOps, "put", put)
+        monkeypatch.setattr(S3ObjectOps, "remove_tree", remove_tree)
+        if during:
+            assert await store.clear() is True
+        else:
+            assert await store.batch_set_v1(keys, src.indices(0, n)) == [True] * n
+            await sending.wait()  # the index is on its way
+            assert await peer.clear() is True
+        await store.wait_index_writes()
+        assert store.get_stats()["writes_racing_clear"] == 1
+    assert [raw_get(moto_endpoint, store.names.page(k, "kv")) for k in keys] == [None] * n
+    assert raw_get(moto_endpoint, index) is None
+
+
 async def test_a_page_named_twice_in_one_delete_is_deleted_and_counted_once(moto_endpoint, moto_bucket) -> None:
     """As the memory backend answers: ``[True, False]``, one page counted, one REMOVED key."""
     async with make_s3(moto_endpoint, moto_bucket, f"dup/{uuid.uuid4().hex}", NS_A) as store:

@@ -540,10 +540,14 @@ class FsspecStorage(AsyncHiCacheStorage):
         """After a batch is stored: index its leading chain of stored pages (best effort, never
         raises: it runs as a task of this store, drained by close).
 
-        Not when a clear ran while the batch was in flight (``generation``: the batch's ticket):
-        the clear removed the pages that had landed before its listing, and an index stored
-        after it vouched for them, so a lookup answered present for pages no read returned."""
-        if self.exists_cache.cleared_since(generation):
+        Not when a clear ran while the batch was in flight (``generation``: the batch's ticket),
+        or runs now: the clear removed the pages that had landed before its listing, and an
+        index stored after it vouched for them, so a lookup answered present for pages no read
+        returned. An index whose PUT a clear overlapped (one through another store of this
+        process, which does not wait for this store's indexes) is removed again: the clear's
+        listing may have missed it."""
+        cache = self.exists_cache
+        if cache.cleared_since(generation):
             self.stats.incr("writes_racing_clear")
             return
         run = 0
@@ -553,12 +557,20 @@ class FsspecStorage(AsyncHiCacheStorage):
             return
         body = encode_run([ObjectNames.page_hash(p.key, p.pool) for p in pages[:run]])
         path = self.names.run_index(pages[0].key, pages[0].pool)
+        ticket = cache.generation
         try:
             await self.runner.request("write run index", lambda ops: ops.put(path, body))
         except asyncio.CancelledError:
             raise
         except Exception:  # noqa: BLE001 - GaveUp, a missing bucket, anything: the index is optional
             self.stats.incr("run_index_failures")
+            return
+        if cache.cleared_since(ticket):
+            self.stats.incr("writes_racing_clear")
+            try:
+                await self.runner.request("remove run index", lambda ops: ops.remove(path))
+            except (GaveUp, FileNotFoundError):
+                self.stats.incr("run_index_failures")
 
     async def _exists_one(self, path: str, min_size: int, generation: int) -> bool:
         try:
@@ -873,7 +885,7 @@ class FsspecStorage(AsyncHiCacheStorage):
         # run indexes of writes that returned before the clear land first, so that the listing
         # removes them (one landing after it would vouch for pages the clear removed)
         await self.wait_index_writes()
-        self.exists_cache.clear()
+        self.exists_cache.begin_clear()  # (writes' run indexes meanwhile: see _write_run)
         try:
             removed = await self.runner.request(
                 "clear", lambda ops: ops.remove_tree(self.names.pages_dir), timeout=max(self.call_timeout, 300.0)
@@ -887,7 +899,7 @@ class FsspecStorage(AsyncHiCacheStorage):
             detail = f": {type(cause).__name__}: {self._redactor.scrub(str(cause))}" if cause else ""
             raise RuntimeError(f"clearing {redact_url(self.url)} failed{detail}") from None
         finally:
-            self.exists_cache.clear()  # also drops answers of lookups that overlapped the delete
+            self.exists_cache.end_clear()  # also drops answers of lookups that overlapped the delete
         return removed
 
     def _backend_stats(self) -> dict[str, Any]:

@@ -59,6 +59,7 @@ class ExistsCache:
         self._gone: OrderedDict[str, int] = OrderedDict()
         self._tick = 0  # advances at every removal and clear
         self._cleared_at = 0  # the tick of the last clear
+        self._clearing = 0  # clears in progress (between begin_clear and end_clear)
 
     @property
     def generation(self) -> int:
@@ -67,9 +68,10 @@ class ExistsCache:
         return self._tick
 
     def cleared_since(self, generation: int) -> bool:
-        """Whether a clear came after the ticket ``generation`` (see :attr:`generation`)."""
+        """Whether a clear began after the ticket ``generation`` (see :attr:`generation`) or
+        is still running: its listing may have missed an object stored since the ticket."""
         with self._lock:
-            return generation < self._cleared_at
+            return generation < self._cleared_at or self._clearing > 0
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -128,7 +130,24 @@ class ExistsCache:
 
     def clear(self) -> None:
         with self._lock:
-            self._tick += 1
-            self._cleared_at = self._tick
-            self._entries.clear()
-            self._gone.clear()
+            self._clear_locked()
+
+    def begin_clear(self) -> None:
+        """A clear of the store starts: :meth:`clear`, and :meth:`cleared_since` answers yes
+        to every ticket until the matching :meth:`end_clear`."""
+        with self._lock:
+            self._clearing += 1
+            self._clear_locked()
+
+    def end_clear(self) -> None:
+        """The clear is done (also when it failed): :meth:`clear` again, which drops the
+        answers of lookups that overlapped its deletes."""
+        with self._lock:
+            self._clearing -= 1
+            self._clear_locked()
+
+    def _clear_locked(self) -> None:
+        self._tick += 1
+        self._cleared_at = self._tick
+        self._entries.clear()
+        self._gone.clear()
