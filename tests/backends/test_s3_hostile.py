@@ -619,3 +619,46 @@ async def test_writes_a_close_cannot_wait_for_are_counted_and_logged(
     assert store.get_stats()["close_cut_write_pages"] == len(keys)
     assert any("still running" in r.getMessage() for r in caplog.records)
     assert answered and False in answered[0]
+
+
+async def test_a_multipart_upload_cut_short_is_aborted(
+    moto_endpoint: str, moto_bucket: str, prefix: str, proxy: FaultProxy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A page big enough to go as a multipart upload (from twice the part size: 100 MiB by
+    default, 10 MiB here) whose upload timed out part-way: the parts already sent stayed in the
+    bucket for good, listed by no listing and billed until a lifecycle rule aborts them (s3fs
+    aborts an upload that fails, not one that is cancelled). It is aborted now."""
+    import torch
+
+    from hicache_backends.s3.fs import S3ObjectOps
+
+    monkeypatch.setattr(S3ObjectOps, "part_size", 5 << 20)  # S3's smallest part
+    release = asyncio.Event()
+
+    async def stall_second_part(request: Any) -> Any:
+        if request.method == "PUT" and request.query.get("partNumber") == "2":
+            await release.wait()  # the attempt times out meanwhile
+        return None
+
+    proxy.answer = stall_second_part
+    client = raw_client(moto_endpoint)
+    try:
+        async with make_s3(proxy.endpoint, moto_bucket, prefix, NS_A, **FAST) as store:
+            big = torch.rand(3 << 20)  # 12 MiB: three parts
+            assert await store.set("big", big) is False
+            assert store.get_stats()["timeouts"] >= 1
+
+            async def no_upload_left() -> bool:
+                out = await asyncio.to_thread(client.list_multipart_uploads, Bucket=moto_bucket, Prefix=prefix)
+                return not out.get("Uploads")
+
+            await eventually(no_upload_left, timeout=5.0)
+        release.set()
+        async with make_s3(moto_endpoint, moto_bucket, prefix, NS_A) as store:  # (the multipart path works)
+            assert await store.set("big", big) is True
+            got = await store.get("big", torch.empty(3 << 20))
+            assert got is not None and torch.equal(got, big)
+            assert await no_upload_left()
+    finally:
+        release.set()
+

@@ -58,7 +58,7 @@ __all__ = ["DirectRequests", "Route", "Unsupported", "UseBotocore"]
 logger = logging.getLogger("hicache.storage.s3")
 
 UNSIGNED_PAYLOAD = "UNSIGNED-PAYLOAD"
-#: s3fs sends bodies from this size as multipart uploads (``_pipe_file``): those stay with it
+#: bodies from this size go as multipart uploads (``S3ObjectOps.put``), through botocore
 MAX_DIRECT_PUT = 100 << 20
 #: an error answer's body is read up to this many bytes (S3's are a few hundred)
 _MAX_ERROR_BODY = 64 << 10
@@ -128,7 +128,7 @@ class _Captured(Exception):
 class DirectRequests:
     """Direct PUT / ranged GET / HEAD for one s3fs filesystem (so one event loop)."""
 
-    #: bodies from this size go to s3fs, which sends them as multipart uploads
+    #: bodies from this size go through botocore, as multipart uploads
     max_put = MAX_DIRECT_PUT
     #: seconds a bucket stays with botocore after learning its route failed for a reason that
     #: may pass (credentials, network); an :class:`Unsupported` shape stays with it for good

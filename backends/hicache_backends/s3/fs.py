@@ -221,6 +221,9 @@ class S3ObjectOps(AsyncObjectOps):
     """
 
     reuses_bodies = True
+    #: a body from twice this size goes as a multipart upload of parts this big (s3fs's rule
+    #: and default chunk; S3 takes parts from 5 MiB), smaller ones as one PUT
+    part_size = 50 << 20
 
     def __init__(self, fs: Any) -> None:
         from hicache_backends.s3.direct import DirectRequests, UseBotocore
@@ -230,6 +233,8 @@ class S3ObjectOps(AsyncObjectOps):
         #: what a direct request raises to be sent through botocore instead (imported here:
         #: the module needs botocore, which the fsspec backend does without)
         self._use_botocore: type[Exception] = UseBotocore
+        self._aborts: set[asyncio.Task[None]] = set()  # multipart uploads being aborted
+        self._closed = False
 
     async def _route(self, path: str, operation: str) -> tuple[Route, str, str] | None:
         """(route, bucket, key) to send ``operation`` on ``path`` directly, or ``None``."""
@@ -253,12 +258,61 @@ class S3ObjectOps(AsyncObjectOps):
             return _BOTOCORE
 
     async def put(self, path: str, data: bytes | bytearray) -> None:
+        if len(data) >= 2 * self.part_size:
+            await self._put_multipart(path, data)
+            return
         if len(data) >= self.direct.max_put or await self._try_direct(
                 path, "PutObject", lambda route, bucket, key: self.direct.put(route, bucket, key, data)) is _BOTOCORE:
             await super().put(path, data)
             return
         if self.fs.dircache:
             self.fs.invalidate_cache(path)
+
+    async def _put_multipart(self, path: str, data: bytes | bytearray) -> None:
+        """``data`` as a multipart upload, parts sent ``fs.max_concurrency`` at a time, as s3fs's
+        ``_pipe_file`` sends them. Unlike it, an upload cut short by a cancellation (a request
+        timeout, a batch cut at its deadline, a close) is aborted too: its parts stayed in the
+        bucket, billed and listed by no listing, until a lifecycle rule removed them."""
+        bucket, key, _ = self.fs.split_path(path)
+        upload = (await self.fs._call_s3("create_multipart_upload", Bucket=bucket, Key=key))["UploadId"]
+        size, window = self.part_size, max(1, int(getattr(self.fs, "max_concurrency", 1) or 1))
+        count = -(-len(data) // size)
+        parts: list[dict[str, Any]] = []
+        try:
+            for first in range(1, count + 1, window):
+                numbers = range(first, min(first + window, count + 1))
+                sent = await _all_or_none([self.fs._call_s3(
+                    "upload_part", Bucket=bucket, Key=key, UploadId=upload, PartNumber=n,
+                    Body=data[(n - 1) * size : n * size]) for n in numbers])
+                parts += [{"PartNumber": n, "ETag": out["ETag"]} for n, out in zip(numbers, sent)]
+            await self.fs._call_s3("complete_multipart_upload", Bucket=bucket, Key=key, UploadId=upload,
+                                   MultipartUpload={"Parts": parts})
+        except BaseException:
+            await self._abort_upload(bucket, key, upload)
+            raise
+        if self.fs.dircache:
+            self.fs.invalidate_cache(path)
+
+    async def _abort_upload(self, bucket: str, key: str, upload: str) -> None:
+        """Abort an upload cut short. A task of its own, so a caller cancelled again while it
+        waits leaves it running (and a close waits for it before the client goes)."""
+        if self._closed:  # its request would build a client nobody closes
+            logger.warning("multipart upload of %s/%s cut by a close, not aborted: its parts stay until the "
+                           "bucket's lifecycle rule (AbortIncompleteMultipartUpload) removes them", bucket, key)
+            return
+        task = asyncio.get_running_loop().create_task(self._abort(bucket, key, upload))
+        self._aborts.add(task)
+        task.add_done_callback(self._aborts.discard)
+        await asyncio.shield(task)
+
+    async def _abort(self, bucket: str, key: str, upload: str) -> None:
+        try:
+            async with asyncio.timeout(ABORT_TIMEOUT):
+                await self.fs._call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload)
+        except Exception as exc:  # noqa: BLE001 - the put's own error is what its caller sees
+            logger.warning("aborting a multipart upload of %s/%s failed (%s: %s): its parts stay until the "
+                           "bucket's lifecycle rule (AbortIncompleteMultipartUpload) removes them",
+                           bucket, key, type(exc).__name__, exc)
 
     async def get_range(self, path: str, start: int, end: int | None) -> bytes:
         """Bytes ``[start, end)`` (to the object's end if ``end`` is ``None``), sent directly
@@ -359,6 +413,9 @@ class S3ObjectOps(AsyncObjectOps):
         return failed
 
     async def close(self) -> None:
+        self._closed = True
+        if self._aborts:  # uploads cut short are aborted with the client they need
+            await asyncio.wait(list(self._aborts), timeout=ABORT_TIMEOUT)
         client = getattr(self.fs, "_s3", None)
         creator = getattr(self.fs, "_s3creator", None)
         self.fs._s3 = None
@@ -369,6 +426,20 @@ class S3ObjectOps(AsyncObjectOps):
             await creator.clear()
         elif client is not None:
             await client.close()
+
+
+async def _all_or_none(coros: list[Awaitable[T]]) -> list[T]:
+    """Every result of ``coros``, run concurrently; when one fails (or the caller is cancelled)
+    the others are cancelled and waited for before the error goes on: ``gather`` left them
+    running, and a part that landed after its upload's abort stayed in the bucket."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.wait(tasks)
+        raise
 
 
 def _is_region_cache(creator: Any) -> bool:
@@ -480,6 +551,9 @@ class ThreadObjectOps:
 
 #: keys one DeleteObjects request takes (S3's limit)
 DELETE_BATCH = 1000
+
+#: seconds an abort of a multipart upload cut short may take (and a close waits for aborts)
+ABORT_TIMEOUT = 10.0
 
 #: objects a tree removal deletes concurrently, one request each (fsspec's own batch size)
 _REMOVE_CHUNK = 128
