@@ -662,3 +662,32 @@ async def test_a_multipart_upload_cut_short_is_aborted(
     finally:
         release.set()
 
+
+async def test_verifying_a_page_does_not_download_a_huge_foreign_object(
+    moto_endpoint: str, moto_bucket: str, prefix: str, proxy: FaultProxy
+) -> None:
+    """``verify_page`` (``hicache inspect``) of a page whose name holds a foreign object (24 MiB
+    of something else) downloaded it whole, held it in memory and hashed it. The first bytes
+    are read first now: an object that is no page costs those (4 KiB)."""
+    import torch
+
+    from hicache.storage import PageKey
+
+    keys = keys_for(2, salt=151)
+    async with make_s3(proxy.endpoint, moto_bucket, prefix, NS_A) as store:
+        await write_pages(store, keys, seed=151)
+        assert await store.verify_page(PageKey(keys[1], "kv")) is True  # a good page still verifies
+        path = store.names.page(keys[0], "kv")
+        await asyncio.to_thread(raw_put, moto_endpoint, path, b"\x5a" * (24 << 20))
+        proxy.served.clear()
+        assert await store.verify_page(PageKey(keys[0], "kv")) is False
+        got = [n for method, p, n in proxy.served if method == "GET" and p.endswith(path.split("/", 1)[1])]
+        assert got and sum(got) <= 4096
+        # a page bigger than those first bytes is read whole (in two ranges), and checked whole
+        big = torch.rand(8192)
+        assert await store.set("big", big) is True
+        back = await store.get("big")
+        assert back is not None and bytes(back.numpy()) == bytes(big.numpy())
+        stored = await asyncio.to_thread(raw_get, moto_endpoint, store.names.page("big", "kv"))
+        await asyncio.to_thread(raw_put, moto_endpoint, store.names.page("big", "kv"), stored + b"+")
+        assert await store.get("big") is None  # trailing bytes: a wrong length

@@ -63,6 +63,9 @@ __all__ = ["FsspecStorage", "S3Storage"]
 logger = logging.getLogger("hicache.storage.s3")
 
 _S3_PROTOCOLS = ("s3", "s3a")
+#: bytes a read of a page of unknown size asks for first: any header a page key makes, and a
+#: small page whole (see ``FsspecStorage._read_bytes``)
+_HEADER_PROBE = 4096
 #: object stores whose urls are ``protocol://bucket/key-prefix`` (the first path part names a
 #: bucket or container, whichever filesystem package serves them): a url of one must name it
 _BUCKET_PROTOCOLS = (*_S3_PROTOCOLS, "gs", "gcs", "az", "abfs", "abfss", "adl", "oss", "oci", "tos")
@@ -639,24 +642,36 @@ class FsspecStorage(AsyncHiCacheStorage):
             self.report_removed([page], reason="vanished", origin="peer")
 
     async def _read_bytes(self, page: PageKey) -> bytes | None:
+        """A page of unknown size (``verify_page``, a v0 ``get`` without a target): its first
+        bytes (the header, whichever page's it is, and a small page whole), then the rest of
+        the page the header describes, and one byte more (trailing bytes are a wrong length).
+        An object at the page's name that is no page at all (a foreign upload, of any size)
+        costs those first bytes: it was downloaded whole, held and hashed."""
         path = self.names.page(page.key, page.pool)
+        hlen = PageCodec.header_len(page.key, page.pool)
+        probe = max(hlen, _HEADER_PROBE)
 
         async def one() -> bytes | None:
+            rest = b""
             try:
-                data = await self.runner.request("read", lambda ops: ops.get(path))
+                first = await self.runner.request("read", lambda ops: ops.get_range(path, 0, probe))
+                parsed = PageCodec.parse(first)
+                end = 0 if parsed is None else parsed.header_len + parsed.payload_len + 1
+                if len(first) == probe and end > probe:  # a page (this one or not) goes on
+                    rest = await self.runner.request("read", lambda ops: ops.get_range(path, probe, end))
             except FileNotFoundError:
                 self._vanished(path, page)
                 return None
             except GaveUp:
                 return None
-            view = memoryview(data)
-            parsed = PageCodec.parse(view)
-            hlen = parsed.header_len if parsed is not None else PageCodec.header_len(page.key, page.pool)
-            verdict = self._verify(view[:hlen], view[hlen:], page, None)
-            if verdict is not Verdict.OK:
-                await self._reject(path, view, hlen, verdict, None, page)
-                return None
-            return bytes(view[hlen:])
+            split = hlen if parsed is None else parsed.header_len
+            payload = first[split:] + rest
+            verdict = self._verify(memoryview(first)[:split], memoryview(payload), page, None)
+            if verdict is Verdict.OK:
+                return payload
+            # (read whole when it is a page, so its bytes may prove it corrupt at rest)
+            await self._reject(path, memoryview(first + rest), split, verdict, None, page)
+            return None
 
         try:
             async with asyncio.timeout(self.call_timeout):
