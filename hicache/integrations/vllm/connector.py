@@ -44,6 +44,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
+from vllm.v1.request import RequestStatus
 
 from hicache.integrations.vllm.block_format import block_format, check_block_format
 from hicache.integrations.vllm.naming import KVGeometry, deployment_namespace
@@ -296,6 +297,8 @@ class HiCacheConnector(KVConnectorBase_V1):
         model = vllm_config.model_config
         par = vllm_config.parallel_config
         _refuse_context_parallel(par)
+        #: vLLM reschedules requests whose load failed instead of failing them
+        self._recompute = getattr(self._kv_transfer_config, "kv_load_failure_policy", "fail") == "recompute"
         tp_size, pp_size = int(par.tensor_parallel_size), int(par.pipeline_parallel_size)
 
         def ns(tp: int, pp: int, num_layers: int | None = None) -> Any:
@@ -491,6 +494,8 @@ class HiCacheConnector(KVConnectorBase_V1):
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         super().update_connector_output(connector_output)
+        if self._recompute:
+            self._recompute_shared_failed_blocks(connector_output.invalid_block_ids)
         self._uncache_failed_blocks(connector_output.invalid_block_ids)
         meta = connector_output.kv_connector_worker_meta
         if self._scheduler is not None and isinstance(meta, HiCacheWorkerMetadata):
@@ -508,6 +513,29 @@ class HiCacheConnector(KVConnectorBase_V1):
         manager = self._kv_cache_manager
         if blocks and manager is not None:
             manager.evict_blocks(set(blocks))
+
+    def _recompute_shared_failed_blocks(self, blocks: set[int] | None) -> None:
+        """Under ``kv_load_failure_policy: recompute``, have every request that shares a block
+        whose load failed compute it again itself (vLLM calls this after its own handling).
+        vLLM 0.32 rolls back only the first running request holding such a block to it, and
+        leaves the others of the batch counting it as computed, for the first to recompute;
+        if that one is aborted, preempted, or computes only part of the block next step, the
+        others attend to the failed load's bytes as their KV. Each is rolled back as vLLM rolls
+        back the first: to the start of its first failed block (the blocks stay allocated; the
+        requests write the same KV into the shared block)."""
+        manager = self._kv_cache_manager
+        if not blocks or manager is None:
+            return
+        bs = self.geometry.block_size
+        for req_id, request in self._requests.items():
+            if request.status != RequestStatus.RUNNING or request.num_computed_tokens <= 0:
+                continue
+            held = manager.get_block_ids(req_id)[0][: -(-request.num_computed_tokens // bs)]
+            first = next((i for i, b in enumerate(held) if b in blocks), None)
+            if first is not None:
+                logger.info("hicache: request %s shares a block whose load failed; recomputing from token %d",
+                            req_id, first * bs)
+                request.num_computed_tokens = first * bs
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         if self._scheduler is not None:

@@ -31,7 +31,7 @@ class Engine:
 
     def __init__(self, model: str, root: Path, num_blocks: int, *, prefix_caching: bool = True,
                  batch_tokens: int = 64, max_seqs: int = 4, extra: dict[str, Any] | None = None,
-                 async_scheduling: bool = False) -> None:
+                 async_scheduling: bool = False, policy: str = "fail") -> None:
         from vllm.config import (CacheConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig,
                                  set_current_vllm_config)
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
@@ -45,7 +45,8 @@ class Engine:
 
         extra = {"backend": "file", "backend_options": {"root": str(root)}, "host_pages": 64, **(extra or {})}
         kv = KVTransferConfig(kv_connector="HiCacheConnector", kv_connector_module_path="hicache.integrations.vllm",
-                              kv_role="kv_both", kv_connector_extra_config=extra)
+                              kv_role="kv_both", kv_connector_extra_config=extra,
+                              kv_load_failure_policy=policy)
         self.config = VllmConfig(
             model_config=ModelConfig(model=model, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=512),
             cache_config=CacheConfig(block_size=BS, enable_prefix_caching=prefix_caching),
@@ -254,19 +255,21 @@ def damage_pages(root: Path, rng: random.Random, share: float = 0.25) -> None:
         page.write_bytes(bytes(data))
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize(("async_scheduling", "policy"), [(False, "fail"), (True, "fail"), (False, "recompute")])
 def test_under_vllms_scheduler_every_forward_attends_to_its_own_kv(model_dir: str, tmp_path: Path,  # noqa: F811
-                                                                 async_scheduling: bool) -> None:
+                                                                 async_scheduling: bool, policy: str) -> None:
     """14 blocks for 8 requests (preemptions), chunked prefill, shared prefixes from the host
     tier, aborts, a connector reset with a step in flight, host pages a worker lost; then a
     second engine over the same store with a quarter of its pages damaged, and a third. Under
-    vLLM's default ``kv_load_failure_policy`` no forward attends to a cell that is not its
-    prefix's KV (a failed load's blocks aside, in its step and, with async scheduling, in the
-    next: vLLM fails those requests), and nothing computed over one is stored."""
+    either ``kv_load_failure_policy`` (``recompute`` only without steps in flight: refused
+    there) no forward attends to a cell that is not its prefix's KV (a failed load's blocks
+    aside, in its step and, with async scheduling, in the next: vLLM fails or rolls back those
+    requests), and nothing computed over one is stored."""
     for seed in range(3):
         rng = random.Random(seed)
         root = tmp_path / str(seed)
-        kw: dict[str, Any] = {"num_blocks": 14, "extra": {"host_pages": 20}, "async_scheduling": async_scheduling}
+        kw: dict[str, Any] = {"num_blocks": 14, "extra": {"host_pages": 20}, "async_scheduling": async_scheduling,
+                              "policy": policy}
         first = Engine(model_dir, root, **kw)
         try:
             drive(first, "a", seed, 30, rng, abort=0.03, lose=0.2)
@@ -327,5 +330,41 @@ def test_a_request_preempted_before_its_failed_load_is_reported_leaves_no_block_
         probe = Request("probe", list(prompt), SamplingParams(max_tokens=1), None, block_hasher=second.hasher)
         _, cached = sched.kv_cache_manager.get_computed_blocks(probe)[:2]
         assert cached == 0
+    finally:
+        second.close()
+
+
+def test_under_recompute_every_request_sharing_a_failed_block_computes_it_again(
+        model_dir: str, tmp_path: Path) -> None:  # noqa: F811
+    """Two requests of one prefix admitted in one step: the first loads its pages from storage
+    (all damaged), the second takes those blocks from vLLM's prefix cache. Under
+    ``kv_load_failure_policy: recompute`` vLLM rolls back only the first to the failed blocks
+    and leaves the second counting them computed, for the first to recompute; aborted before
+    it did, the second attended to the failed load's bytes as its KV in every later step."""
+    from vllm.v1.request import RequestStatus
+
+    prompt = prompts(7, 1, shared=40)[0]
+    first = Engine(model_dir, tmp_path, num_blocks=30, policy="recompute")
+    try:
+        first.add("x0", prompt, max_tokens=2)
+        first.run()
+        first.settle()
+    finally:
+        first.close()
+    damage_pages(tmp_path, random.Random(0), share=1.0)
+    second = Engine(model_dir, tmp_path, num_blocks=30, policy="recompute", batch_tokens=256)
+    try:
+        second.add("x", prompt, max_tokens=5)
+        second.add("y", [*prompt, 3, 4, 5], max_tokens=5)
+        for _ in range(50):  # the storage lookup may answer "not yet" first
+            out = second.step()
+            if out.kv_connector_metadata.loads:
+                break
+        loaded = {b for load in out.kv_connector_metadata.loads for b in load.block_ids}
+        assert out.num_scheduled_tokens.keys() == {"x", "y"}
+        assert loaded & set(second.scheduler.kv_cache_manager.get_block_ids("y")[0])  # y shares x's loaded blocks
+        second.scheduler.finish_requests(["x"], RequestStatus.FINISHED_ABORTED)
+        second.run()
+        assert second.bad == []
     finally:
         second.close()
