@@ -14,13 +14,14 @@ forward pass of the step that schedules it, layer by layer, overlapped with atte
 ``wait_for_layer_load``. Saves copy whole pages out at the end of the step, so vLLM frees
 blocks when it wants (``request_finished`` never holds them).
 
-Failed loads are reported through ``get_block_ids_with_load_errors``. Keep vLLM's default
-``"kv_load_failure_policy": "fail"`` (the request fails; docs/vllm-connector.md, "Which
-kv_load_failure_policy"). vLLM 0.32 can leave a failed block in its own prefix cache as
+Failed loads are reported through ``get_block_ids_with_load_errors`` (docs/vllm-connector.md,
+"Which kv_load_failure_policy"). vLLM 0.32 can leave a failed block in its own prefix cache as
 computed (under ``"recompute"``, and under ``"fail"`` for a request preempted before the
-failure's report), so the scheduler side evicts every reported block from it. Either way vLLM
-runs the step first, so what that step computes over a failed load is never saved (see
-:mod:`.scheduler_side`).
+failure's report), so the scheduler side evicts every reported block from it; under
+``"recompute"`` it also rolls back every request sharing a failed block, where vLLM rolls back
+only the first, and it refuses ``"recompute"`` with steps in flight (async scheduling, pipeline
+parallelism), where vLLM's own rollback leaves wrong KV. Either way vLLM runs the step first,
+so what that step computes over a failed load is never saved (see :mod:`.scheduler_side`).
 
 ``reset_cache`` (vLLM's ``reset_prefix_cache(reset_connector=True)``, and a pause that clears
 the caches, e.g. for new weights) empties the host tier and rotates the cache epoch, so that no
@@ -210,6 +211,25 @@ def _refuse_context_parallel(parallel: Any) -> None:
         )
 
 
+def _refuse_recompute_with_steps_in_flight(vllm_config: VllmConfig) -> None:
+    """Refuse ``kv_load_failure_policy: recompute`` where vLLM plans a step before the output
+    of the one before (async scheduling, on by default, or pipeline parallelism: vLLM's
+    ``max_concurrent_batches`` above 1). vLLM 0.32 then drops the token sampled by the step
+    whose load failed while the step planned after it already fed that token to the model:
+    the request's tokens and its KV part ways (a position vLLM counts as computed was never
+    written), and the request that shared the failed block in that next step keeps what it
+    computed over it. No connector report undoes that; under ``fail`` those requests fail."""
+    policy = getattr(vllm_config.kv_transfer_config, "kv_load_failure_policy", "fail")
+    in_flight = int(getattr(vllm_config, "max_concurrent_batches", 1) or 1)
+    if policy == "recompute" and in_flight > 1:
+        raise ValueError(
+            f"HiCacheConnector does not support kv_load_failure_policy='recompute' with {in_flight} steps in "
+            "flight (async scheduling or pipeline parallelism): vLLM then serves KV computed over a failed load. "
+            "Keep kv_load_failure_policy='fail' (the default), or run with --no-async-scheduling and without "
+            "pipeline parallelism (docs/vllm-connector.md, \"Which kv_load_failure_policy\")"
+        )
+
+
 def pp_layer_counts(vllm_config: VllmConfig, stage0_layers: int) -> list[int]:
     """KV layers of each pipeline stage. The scheduler's ``KVCacheConfig`` is stage 0's, but
     each stage's workers store pages of their own layers, under a namespace with their own
@@ -297,6 +317,7 @@ class HiCacheConnector(KVConnectorBase_V1):
         model = vllm_config.model_config
         par = vllm_config.parallel_config
         _refuse_context_parallel(par)
+        _refuse_recompute_with_steps_in_flight(vllm_config)
         #: vLLM reschedules requests whose load failed instead of failing them
         self._recompute = getattr(self._kv_transfer_config, "kv_load_failure_policy", "fail") == "recompute"
         tp_size, pp_size = int(par.tensor_parallel_size), int(par.pipeline_parallel_size)

@@ -488,17 +488,21 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def vllm_connector(model: str, root: Path, role: Any, num_layers: int, pp_size: int = 1, spec: Any = None,
-                   quantization: str | None = None, **parallel: Any) -> Any:
+                   quantization: str | None = None, policy: str = "fail", async_scheduling: bool = False,
+                   **parallel: Any) -> Any:
     """Our connector as vLLM's factory builds it, from a real ``VllmConfig``; its
     ``KVCacheConfig`` has ``num_layers`` layers (vLLM gives each pipeline stage its own) of
-    ``spec`` (full attention by default), of the model's weights quantized by ``quantization``."""
+    ``spec`` (full attention by default), of the model's weights quantized by ``quantization``,
+    under ``kv_load_failure_policy`` ``policy``, with async scheduling (as a GPU platform keeps
+    it: vLLM's CPU platform turns it off) if ``async_scheduling``."""
     from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, ParallelConfig, VllmConfig, set_current_vllm_config
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
     kv = KVTransferConfig(kv_connector="HiCacheConnector", kv_connector_module_path="hicache.integrations.vllm",
                           kv_role="kv_both", kv_connector_extra_config={"backend": "file",
-                                                                        "backend_options": {"root": str(root)}})
+                                                                        "backend_options": {"root": str(root)}},
+                          kv_load_failure_policy=policy)
     config = VllmConfig(
         model_config=ModelConfig(model=model, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=512,
                                  quantization=quantization),
@@ -507,6 +511,8 @@ def vllm_connector(model: str, root: Path, role: Any, num_layers: int, pp_size: 
                                        distributed_executor_backend="mp" if pp_size > 1 or parallel else None),
         kv_transfer_config=kv,
     )
+    if async_scheduling:
+        config.scheduler_config.async_scheduling = True
     spec = spec or FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=16, dtype=torch.bfloat16)
     names = [f"model.layers.{i}.self_attn.attn" for i in range(num_layers)]
     kv_cache_config = KVCacheConfig(num_blocks=16, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(names, spec)])
@@ -620,6 +626,26 @@ def test_context_parallelism_is_refused(model_dir: str, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"context parallelism \(prefill 2, decode 1\)"):
         _refuse_context_parallel(ParallelConfig(prefill_context_parallel_size=2, distributed_executor_backend="mp"))
     _refuse_context_parallel(ParallelConfig(tensor_parallel_size=4, distributed_executor_backend="mp"))
+
+
+def test_recompute_with_steps_in_flight_is_refused_at_start(model_dir: str, tmp_path: Path) -> None:
+    """Where vLLM plans a step before the output of the one before (async scheduling, its
+    default on a GPU; pipeline parallelism), ``kv_load_failure_policy: recompute`` drops the
+    token the failed step sampled while the next step already computed over it, and a request
+    that shared the failed block in that next step keeps what it computed: wrong KV no report
+    of the connector undoes. The connector refuses it at start, naming the setting; ``fail``
+    starts, and so does ``recompute`` with one step at a time."""
+    from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
+
+    for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
+        with pytest.raises(ValueError, match=r"kv_load_failure_policy='recompute' with 2 steps in flight"):
+            vllm_connector(model_dir, tmp_path, role, num_layers=5, policy="recompute", async_scheduling=True)
+    with pytest.raises(ValueError, match="kv_load_failure_policy='recompute'.*--no-async-scheduling"):
+        vllm_connector(model_dir, tmp_path, KVConnectorRole.SCHEDULER, num_layers=5, pp_size=2, policy="recompute")
+    for policy, in_flight in (("fail", True), ("recompute", False)):
+        conn = vllm_connector(model_dir, tmp_path, KVConnectorRole.SCHEDULER, num_layers=5, policy=policy,
+                              async_scheduling=in_flight)
+        conn.shutdown()
 
 
 def test_a_store_that_cannot_be_used_fails_start_up_with_its_error(model_dir: str, tmp_path: Path) -> None:
