@@ -100,8 +100,8 @@ class HiCacheWorkerMetadata(KVConnectorWorkerMetadata):
 
 
 #: how long start-up waits for the store to open: an unusable one (a root that cannot be
-#: made) fails start-up with its error, one slow to answer (an object store that is down) opens
-#: on first use instead
+#: made) fails start-up with its error, one slow to answer (an object store that is down) goes
+#: on opening after it, and calls wait for it
 STORE_OPEN_WAIT_S = 5.0
 
 #: full-attention spec classes whose manager still swaps blocks for vLLM's null block (by name:

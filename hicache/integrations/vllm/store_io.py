@@ -22,7 +22,7 @@ from hicache.keys import Namespace
 from hicache.storage import AsyncHiCacheStorage, HiCacheStorageConfig, create_async_storage
 from hicache.storage.sync import LoopThread
 
-__all__ = ["StoreIO", "make_backend"]
+__all__ = ["StoreIO", "make_backend", "open_at_start"]
 
 logger = logging.getLogger("hicache.integrations.vllm")
 
@@ -32,6 +32,31 @@ T = TypeVar("T")
 def make_backend(backend: str, options: dict[str, Any], namespace: Namespace) -> AsyncHiCacheStorage:
     """The backend ``backend`` for pages of ``namespace``; option errors are ``ConfigError``."""
     return create_async_storage(backend, HiCacheStorageConfig(model_name=namespace.model), namespace=namespace, **options)
+
+
+def open_at_start(loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, Any], timeout: float, who: str) -> None:
+    """Open a store on ``loop`` at engine start: an unusable one (a root that cannot be made,
+    an option the backend refuses only when it opens) fails start-up with its error; one still
+    opening after ``timeout`` s is left to go on opening (calls meanwhile wait for it), and
+    start-up goes on. The open is not cancelled: a backend's cancelled open may still wait for
+    a thread it cannot cut (a folder made on a hung network mount), and start-up would wait
+    with it."""
+    fut = asyncio.run_coroutine_threadsafe(coro, loop)
+    try:
+        fut.result(timeout)
+    except concurrent.futures.TimeoutError:
+        logger.warning("%s: the store is still opening after %.1f s; start-up goes on, calls wait for it", who, timeout)
+        fut.add_done_callback(lambda f: _log_late_open(f, who))
+
+
+def _log_late_open(fut: concurrent.futures.Future[Any], who: str) -> None:
+    if fut.cancelled():
+        return
+    exc = fut.exception()
+    if exc is None:
+        logger.info("%s: the store is open", who)
+    else:
+        logger.warning("%s: opening the store failed: %r (calls try again)", who, exc)
 
 
 class StoreIO:
@@ -75,12 +100,9 @@ class StoreIO:
         """Open every backend now, so that an unusable store (a root that cannot be made, an
         option the backend refuses only when it opens) fails engine start-up with its error
         instead of every lookup logging it while the cache never hits. A store slow to answer
-        (an object store that is down) is not an error: after ``timeout`` s it is left to open
-        on first use, as before."""
-        try:
-            self._loop.call(self._open_all(), timeout)
-        except concurrent.futures.TimeoutError:
-            logger.warning("hicache: storage is slow to open; it opens on first use")
+        (an object store that is down) is not an error: after ``timeout`` s it is left to open,
+        and calls wait for it (see :func:`open_at_start`)."""
+        open_at_start(self._loop.loop, self._open_all(), timeout, "hicache")
 
     async def _open_all(self) -> None:
         await asyncio.gather(*(backend.open() for backend in self.backends))

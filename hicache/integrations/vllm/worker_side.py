@@ -55,6 +55,7 @@ from hicache.controller.jobs import StorageWriteJob
 from hicache.integrations.vllm.host_pool import block_host_pool, slot_indices
 from hicache.integrations.vllm.naming import KVGeometry
 from hicache.integrations.vllm.options import ConnectorOptions
+from hicache.integrations.vllm.store_io import open_at_start
 from hicache.integrations.vllm.transfers import PageLoad, PageSave, WorkerReport
 from hicache.memory.layer_counter import LayerDoneCounter
 from hicache.storage import AsyncHiCacheStorage
@@ -160,11 +161,8 @@ class WorkerSide:
     # ------------------------------------------------------------------ set-up
     def open_storage(self, timeout: float) -> None:
         """Open the store now, on the controller's loop (see :meth:`.StoreIO.open`): an
-        unusable one fails start-up with its error; one slow to answer opens on first use."""
-        try:
-            self._loop.call(self.controller.open_storage(), timeout)
-        except concurrent.futures.TimeoutError:
-            logger.warning("hicache worker: the store is slow to open; it opens on first use")
+        unusable one fails start-up with its error; one slow to answer goes on opening."""
+        open_at_start(self._loop.loop, self.controller.open_storage(), timeout, "hicache worker")
 
     def register(self, named_layers: Sequence[tuple[str, torch.Tensor]]) -> None:
         """Bind vLLM's KV tensors; each must hold blocks of exactly the geometry's size."""

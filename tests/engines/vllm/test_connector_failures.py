@@ -46,6 +46,7 @@ from hicache.integrations.vllm.scheduler_side import SchedulerSide
 from hicache.integrations.vllm.store_io import StoreIO, make_backend
 from hicache.integrations.vllm.transfers import PageLoad, PageSave
 from hicache.integrations.vllm.worker_side import WorkerSide
+from hicache.storage import StorageState
 from hicache.storage.offload import run_to_completion
 
 
@@ -658,6 +659,46 @@ def test_a_store_that_cannot_be_used_fails_start_up_with_its_error(model_dir: st
     for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
         with pytest.raises(ConfigError, match="cannot use root"):
             vllm_connector(model_dir, tmp_path / "a-file" / "kv", role, num_layers=5)
+
+
+def test_a_store_whose_open_hangs_does_not_hold_up_start_up(model_dir: str, tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """A file store whose folder set-up hangs in the kernel (a hard NFS mount whose server is
+    down): the backend's thread call cannot be cut, and a cancelled open waits for it. Start-up
+    used to cancel the open at its wait's end and then wait for that thread too, so vLLM did
+    not start until the mount answered. Now each side starts after the wait, the open goes on
+    meanwhile, and the store is used once it is open."""
+    from hicache_backends.file import io as page_io
+    from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
+
+    from hicache.integrations.vllm import connector as connector_module
+
+    mount_back = threading.Event()
+    prepare = page_io.prepare_namespace
+
+    def hung_mount(*args: Any) -> bool:
+        mount_back.wait(30)
+        return prepare(*args)
+
+    monkeypatch.setattr(page_io, "prepare_namespace", hung_mount)
+    monkeypatch.setattr(connector_module, "STORE_OPEN_WAIT_S", 0.3)
+    conns = []
+    try:
+        for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
+            began = time.monotonic()
+            conns.append(vllm_connector(model_dir, tmp_path, role, num_layers=5))
+            assert time.monotonic() - began < 10
+        stores = [conns[0]._scheduler.store.primary, conns[1]._worker.controller.storage]
+        assert [store.state for store in stores] == [StorageState.UNOPENED] * 2  # still in the mount
+        mount_back.set()
+        deadline = time.monotonic() + 10
+        while any(store.state is not StorageState.OPEN for store in stores) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert [store.state for store in stores] == [StorageState.OPEN] * 2
+    finally:
+        mount_back.set()
+        for conn in conns:
+            conn.shutdown()
 
 
 def split_kv_caches(model: str, root: Path, layout: str, kernel_block_size: int) -> tuple[Any, dict[str, torch.Tensor]]:
