@@ -629,12 +629,12 @@ async def test_chunk_failure_waits_for_the_other_chunks(tmp_path, monkeypatch) -
     real_read = file_io.read_page_into
     finished: list[float] = []
 
-    def flaky_read(path, codec, key, pool, buf):
+    def flaky_read(path, codec, key, pool, buf, *rest):
         if key == "boom":
             raise RuntimeError("simulated bug in a reader")
         if key == "p0":
             time.sleep(0.2)  # the first chunk is still reading when the second one fails
-        out = real_read(path, codec, key, pool, buf)
+        out = real_read(path, codec, key, pool, buf, *rest)
         finished.append(time.monotonic())
         return out
 

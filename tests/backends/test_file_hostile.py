@@ -921,6 +921,59 @@ async def test_an_evictor_killed_between_its_unlinks_and_its_subtraction_leaves_
         assert read_usage(ledger).used == on_disk
         assert len(list(Path(store.layout.ns_dir).rglob("*.page"))) == 4  # 3 of ours and the new one
 
+async def test_a_reader_killed_between_removing_a_corrupt_page_and_its_subtraction_leaves_no_over_count(tmp_path) -> None:
+    """A read that finds a page failing verification unlinks it; its bytes left the shared
+    count only with this process's next write batch (or its close). A process killed in
+    between left them counted for as long as any other process kept the namespace open: each
+    such kill shrank ``max_bytes`` for good, a sound page evicted again for it. The reader now
+    marks the page's bytes in its reservation slot before the unlink and takes them off the
+    count right after it, so the next process to take the ledger's lock settles a dead one's."""
+    page = 64 << 10
+    bound = 8 * (page + 512)
+    child = (
+        "import asyncio, os, sys, torch\n"
+        "from hicache.testing.store_tests import NS_A\n"
+        "from hicache_backends.file import FileStorage\n"
+        "from hicache_backends.file import io as page_io\n"
+        "async def main():\n"
+        "    s = FileStorage(None, root=sys.argv[1], namespace=NS_A, min_free_bytes=0, max_bytes=int(sys.argv[2]))\n"
+        "    async with s:\n"
+        "        await s.wait_background()\n"
+        "        real = page_io._discard\n"
+        "        def die(path, st):\n"
+        "            assert real(path, st)\n"
+        "            os.kill(os.getpid(), 9)  # unlinked, not subtracted\n"
+        "        page_io._discard = die\n"
+        "        await s.get('k1', torch.empty(int(sys.argv[3]), dtype=torch.uint8))\n"
+        "asyncio.run(main())\n"
+    )
+    async with make_store(tmp_path, max_bytes=bound) as store, make_store(tmp_path, max_bytes=bound) as peer:
+        await within(store.wait_background())
+        await within(peer.wait_background())  # a peer keeps the namespace open: no lone scan
+        for i in range(4):
+            assert await within(store.set(f"k{i}", v0(page, i)))
+        ledger = os.path.join(store.layout.ns_dir, LEDGER_NAME)
+        for key in ("k1", "k2"):
+            path = page_path(tmp_path, store.namespace.digest, key)
+            data = bytearray(Path(path).read_bytes())
+            data[len(data) // 2] ^= 0xFF  # a flipped byte: a read removes the page
+            Path(path).write_bytes(data)
+        # a live reader's removal leaves the count at once, not with its next write
+        assert await within(peer.get("k2", torch.empty(page, dtype=torch.uint8))) is None
+        on_disk = sum(p.stat().st_size for p in Path(store.layout.ns_dir).rglob("*.page"))
+        assert read_usage(ledger).used == on_disk
+        done = subprocess.run([sys.executable, "-c", child, str(tmp_path), str(bound), str(page)], timeout=120)
+        assert done.returncode == -9
+        assert not os.path.exists(page_path(tmp_path, store.namespace.digest, "k1"))
+        assert await within(store.set("k-parent", v0(1 << 10, 1)))  # takes the lock: settles the dead one's
+        for _ in range(2):
+            await within(store.wait_background(), 10.0)
+            await asyncio.sleep(0.2)
+        on_disk = sum(p.stat().st_size for p in Path(store.layout.ns_dir).rglob("*.page"))
+        assert read_usage(ledger).used == on_disk
+        assert len(list(Path(store.layout.ns_dir).rglob("*.page"))) == 3  # 2 of the 4 and the new one
+
+
 def _spawn_with_pid(pid: int, argv: list[str]) -> subprocess.Popen | None:
     """A process started as ``pid`` (a dead one's, reused: ``ns_last_pid``, root only), or
     ``None`` when this machine will not give it (no permission, another process took it)."""

@@ -375,11 +375,9 @@ class FileStorage(AsyncHiCacheStorage):
         )
 
     def _count_corrupt(self, result: page_io.ReadResult) -> None:
-        """A corrupt page counted; its bytes leave the store's count when the read removed the
-        file (not one another writer put there since)."""
+        """A corrupt page counted (its bytes left the shared count with its removal, see
+        :meth:`SpaceAccountant.discard`)."""
         self.stats.incr("corrupt_pages")
-        if result.removed:
-            self._space.read_removed(result.size)
 
     # ------------------------------------------------------------------ housekeeping
 
@@ -512,7 +510,8 @@ class FileStorage(AsyncHiCacheStorage):
         ids = [page_id(p.key, p.pool) for p in pages]
         before = [self.index.get(pid) for pid in ids]
         calls = [
-            (self._layout.path(pid), self._codec, p.key, p.pool, buf) for pid, p, buf in zip(ids, pages, buffers)
+            (self._layout.path(pid), self._codec, p.key, p.pool, buf, self._space.discard)
+            for pid, p, buf in zip(ids, pages, buffers)
         ]
         # staged pages are copied into their pool on these threads: CPU work, not I/O waits
         staged = any(isinstance(b, StagedPage) for b in buffers)
@@ -525,7 +524,7 @@ class FileStorage(AsyncHiCacheStorage):
         finally:
             self._pins.release(ids)
         ok = self._settle_reads(pages, ids, results, before)
-        if self.read_only:  # corrupt pages it removed leave the shared count (SpaceAccountant.give_back_removed)
+        if self.read_only or any(r.removed for r in results):  # corrupt pages removed leave the shared count
             await self._space.give_back_removed(self._threads.executor)
         return ok
 
@@ -571,7 +570,7 @@ class FileStorage(AsyncHiCacheStorage):
             if deadline is not None and time.monotonic() > deadline:  # as a timeout on the loop:
                 self.stats.incr("call_timeouts")  # pages not started are not, they fail
                 break
-            results.append(page_io.read_page_into(layout.path(pid), codec, p.key, p.pool, buf))
+            results.append(page_io.read_page_into(layout.path(pid), codec, p.key, p.pool, buf, self._space.discard))
         done = len(results)
         try:
             loop.call_soon_threadsafe(self._settle_reads_later, pages[:done], ids[:done], results, before[:done], generation)
@@ -585,9 +584,9 @@ class FileStorage(AsyncHiCacheStorage):
         """(Loop.) :meth:`_settle_reads` for reads done on another thread, without their pins:
         nothing after a clear, and nothing for a page whose index entry changed since it was
         read (removed, written again, or touched by another read: its removal or write ran
-        beside the read, and what the read found may be another file's news). A corrupt file
-        the read removed still leaves the store's count. A failure is counted and logged (a
-        loop callback has nobody to raise to)."""
+        beside the read, and what the read found may be another file's news). A corrupt page
+        the read found is still counted (its removal settles the shared count on its own). A
+        failure is counted and logged (a loop callback has nobody to raise to)."""
         if self.state is not StorageState.OPEN or generation != self._generation:
             return
         changed = {i for i, (pid, was) in enumerate(zip(ids, before)) if self.index.get(pid) is not was}
@@ -661,7 +660,10 @@ class FileStorage(AsyncHiCacheStorage):
         before = self.index.get(pid)
         self._pins.hold((pid,))
         try:
-            r = await self._threads.run(page_io.read_page_bytes, self._layout.path(pid), self._codec, page.key, page.pool)
+            r = await self._threads.run(
+                functools.partial(page_io.read_page_bytes, discard=self._space.discard),
+                self._layout.path(pid), self._codec, page.key, page.pool,
+            )
         finally:
             self._pins.release((pid,))
         if r.status is page_io.ReadStatus.OK:
@@ -671,7 +673,7 @@ class FileStorage(AsyncHiCacheStorage):
                 self._adopt(pid, r)
             return r
         self._after_failed_read(page, pid, r, before)
-        if self.read_only:
+        if self.read_only or r.removed:
             await self._space.give_back_removed(self._threads.executor)
         return r
 

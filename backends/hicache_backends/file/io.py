@@ -54,6 +54,7 @@ from hicache_backends.file.locks import create_in_place
 from hicache_backends.writers import MACHINE, MACHINE_HEX, STALE_TMP_SECONDS, parse_machine, pid_alive, tmp_abandoned
 
 __all__ = [
+    "Discard",
     "PartialScan",
     "ReadResult",
     "ReadStatus",
@@ -266,6 +267,17 @@ def read_small_file(path: str, limit: int = _MANIFEST_MAX_BYTES) -> bytes | None
         os.close(fd)
 
 
+#: How a read removes a page that failed verification: called with the page's path, its
+#: file's bytes and the removal itself (which answers whether it removed the file: not one
+#: replaced since the read opened it), it answers what the removal did. A shared store's
+#: marks the bytes in its usage ledger slot first (``SpaceAccountant.discard``).
+Discard = Callable[[str, int, Callable[[], bool]], bool]
+
+
+def _just_remove(path: str, nbytes: int, remove: Callable[[], bool]) -> bool:
+    return remove()
+
+
 def _discard(path: str, st: os.stat_result) -> bool:
     """Remove a corrupt page, unless another writer replaced it since we opened it; whether
     this call removed it (its bytes leave the store's count only then)."""
@@ -283,8 +295,9 @@ def _discard(path: str, st: os.stat_result) -> bool:
     return False
 
 
-def _corrupt(path: str, st: os.stat_result, reason: str) -> ReadResult:
-    return ReadResult(ReadStatus.CORRUPT, st.st_size, reason=reason, removed=_discard(path, st))
+def _corrupt(path: str, st: os.stat_result, reason: str, discard: Discard) -> ReadResult:
+    removed = discard(path, st.st_size, lambda: _discard(path, st))
+    return ReadResult(ReadStatus.CORRUPT, st.st_size, reason=reason, removed=removed)
 
 
 def _check_header(
@@ -417,12 +430,14 @@ def _write_segments(fd: int, codec: PageCodec, key: str, pool: str, page: PageSe
 
 
 def read_page_into(
-    path: str, codec: PageCodec, key: str, pool: str, buf: memoryview | PageSegments | StagedPage
+    path: str, codec: PageCodec, key: str, pool: str, buf: memoryview | PageSegments | StagedPage,
+    discard: Discard = _just_remove,
 ) -> ReadResult:
     """Read and verify one page whose payload must be exactly ``len(buf)`` bytes (a
-    :class:`StagedPage`: into a staging page, committed to its pool once verified)."""
+    :class:`StagedPage`: into a staging page, committed to its pool once verified); a page
+    that fails verification is removed through ``discard``."""
     if isinstance(buf, StagedPage):
-        return _read_staged(path, codec, key, pool, buf)
+        return _read_staged(path, codec, key, pool, buf, discard)
     if not isinstance(buf, PageSegments):
         buf = _as_bytes_view(buf)
     fd = _open_page(path)
@@ -439,26 +454,26 @@ def read_page_into(
             # damaged. The header alone tells which; the caller's buffer is never touched.
             parsed = _check_header(codec, os.pread(fd, hlen, 0), key, pool)
             if isinstance(parsed, Verdict):
-                return _corrupt(path, st, parsed.value)
+                return _corrupt(path, st, parsed.value, discard)
             if st.st_size == hlen + parsed.payload_len + FOOTER_LEN:
                 return ReadResult(ReadStatus.SIZE_MISMATCH, st.st_size, reason="size")
-            return _corrupt(path, st, "truncated")
+            return _corrupt(path, st, "truncated", discard)
         header = memoryview(bytearray(hlen))
         footer = memoryview(bytearray(FOOTER_LEN))
         if isinstance(buf, PageSegments):
             verdict = _read_segments(fd, codec, header, buf, footer, key, pool)
             if verdict is not Verdict.OK:
-                return _corrupt(path, st, verdict.value)
+                return _corrupt(path, st, verdict.value, discard)
         else:
             got = _read_all(fd, [header, buf, footer])
             if got != want:
-                return _corrupt(path, st, "short_read")
+                return _corrupt(path, st, "short_read", discard)
             verdict = _verify(codec, header, buf, key, pool)
             if verdict is not Verdict.OK:
-                return _corrupt(path, st, verdict.value)
+                return _corrupt(path, st, verdict.value, discard)
         foot = decode_footer(footer)
         if foot is None:
-            return _corrupt(path, st, "bad_footer")
+            return _corrupt(path, st, "bad_footer", discard)
         return ReadResult(ReadStatus.OK, st.st_size, foot.parent, st.st_mtime)
     except OSError as exc:
         return ReadResult(ReadStatus.ERROR, reason=f"read: {exc}")
@@ -466,12 +481,12 @@ def read_page_into(
         os.close(fd)
 
 
-def _read_staged(path: str, codec: PageCodec, key: str, pool: str, page: StagedPage) -> ReadResult:
+def _read_staged(path: str, codec: PageCodec, key: str, pool: str, page: StagedPage, discard: Discard) -> ReadResult:
     """Read and verify a page into a staging page, then commit it to its pool, on this thread:
     the bytes are still in the CPU cache for the checksum and the pool's copy."""
     stage, view = page.take()
     try:
-        result = read_page_into(path, codec, key, pool, view)
+        result = read_page_into(path, codec, key, pool, view, discard)
         if result.status is ReadStatus.OK and not page.commit(stage):
             return ReadResult(ReadStatus.REFUSED, result.size, result.parent, result.mtime, reason="host pool refused it")
         return result
@@ -479,8 +494,11 @@ def _read_staged(path: str, codec: PageCodec, key: str, pool: str, page: StagedP
         page.give(stage)
 
 
-def read_page_bytes(path: str, codec: PageCodec, key: str, pool: str, max_bytes: int = 1 << 34) -> ReadResult:
-    """Read and verify one page of unknown size; ``payload`` holds it on success."""
+def read_page_bytes(
+    path: str, codec: PageCodec, key: str, pool: str, max_bytes: int = 1 << 34, discard: Discard = _just_remove
+) -> ReadResult:
+    """Read and verify one page of unknown size; ``payload`` holds it on success (a page that
+    fails verification is removed through ``discard``)."""
     fd = _open_page(path)
     if isinstance(fd, ReadResult):
         return fd
@@ -491,23 +509,23 @@ def read_page_bytes(path: str, codec: PageCodec, key: str, pool: str, max_bytes:
         hlen = codec.header_len(key, pool)
         plen = st.st_size - hlen - FOOTER_LEN
         if plen < 0 or plen > max_bytes:
-            return _corrupt(path, st, "truncated")
+            return _corrupt(path, st, "truncated", discard)
         # The header first: a stray or foreign file is rejected before its size is allocated.
         header = memoryview(bytearray(hlen))
         if _read_all(fd, [header]) != hlen:
-            return _corrupt(path, st, "short_read")
+            return _corrupt(path, st, "short_read", discard)
         parsed = _check_header(codec, header, key, pool, plen)
         if isinstance(parsed, Verdict):
-            return _corrupt(path, st, parsed.value)
+            return _corrupt(path, st, parsed.value, discard)
         payload = bytearray(plen)
         footer = memoryview(bytearray(FOOTER_LEN))
         if _read_all(fd, [memoryview(payload), footer], hlen) != plen + FOOTER_LEN:
-            return _corrupt(path, st, "short_read")
+            return _corrupt(path, st, "short_read", discard)
         if payload_checksum(payload) != parsed.checksum:
-            return _corrupt(path, st, Verdict.BAD_CHECKSUM.value)
+            return _corrupt(path, st, Verdict.BAD_CHECKSUM.value, discard)
         foot = decode_footer(footer)
         if foot is None:
-            return _corrupt(path, st, "bad_footer")
+            return _corrupt(path, st, "bad_footer", discard)
         return ReadResult(ReadStatus.OK, st.st_size, foot.parent, st.st_mtime, payload=bytes(payload))
     except OSError as exc:
         return ReadResult(ReadStatus.ERROR, reason=f"read: {exc}")

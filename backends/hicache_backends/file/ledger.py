@@ -17,7 +17,8 @@ exclusive ``flock`` (released by the kernel when a holder dies, so a SIGKILL nev
   pid, bytes; the start time tells a reused pid's new process from the dead one):
   whoever next takes the lock gives back the reservations of processes of this machine that
   are gone (killed between reserving and settling: the OOM killer, a SIGKILL; or between an
-  eviction's unlinks and its subtraction: the victims' bytes are marked there first). Without it a
+  eviction's unlinks, or a read's removal of a corrupt page, and its subtraction: the removed
+  bytes are marked there first). Without it a
   killed writer's bytes stayed counted for as long as any other process kept the namespace
   open (the scan's correction below needs the namespace to itself), so each kill shrank
   ``max_bytes`` for good: a 4 MiB store refused a 1 MiB write with nothing on disk.

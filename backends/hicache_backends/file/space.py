@@ -31,7 +31,7 @@ from hicache.storage.stats import StorageStats, Throttle
 
 from hicache_backends.file import io as page_io
 from hicache_backends.file.index import PageIndex
-from hicache_backends.file.layout import NamespaceLayout
+from hicache_backends.file.layout import PAGE_SUFFIX, NamespaceLayout
 from hicache_backends.file.ledger import LEDGER_NAME, Usage, UsageLedger, give_back, read_usage
 from hicache_backends.file.pins import PagePins
 
@@ -108,6 +108,7 @@ class SpaceAccountant:
         self._on_reclaim = on_reclaim
         self._layout: NamespaceLayout | None = None
         self._executor: ThreadPoolExecutor | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # the store's (where a read's removal is settled)
         self.ledger: UsageLedger | None = None  # shared usage (shared stores only)
         # an observer's (read_only) view of the ledger: the path, and the file it saw at open
         # (see :meth:`give_back_removed`)
@@ -118,11 +119,12 @@ class SpaceAccountant:
         self._free_at = float("-inf")
         # bytes the shared count owes: corrupt pages reads removed and evictions it could not be
         # told of (given back), less pages written while it was unavailable (added), all settled
-        # by the next write's reservation
+        # by the next write's reservation (a read's removal by the read, see give_back_removed)
         self.debt = 0
         # bytes of this process's in-flight slot in the ledger that settlements could not
-        # release (unavailable), released by the next reservation: left there, a later death
-        # of this process had a peer take them off the count again
+        # release (unavailable), and the marks of corrupt pages reads removed (see discard),
+        # released by the next reservation: left there, a later death of this process had a
+        # peer take them off the count again
         self.unreleased = 0
         self.writes_in_flight = 0  # batches between their reservation and its settlement
         self.writes_started = 0
@@ -133,6 +135,7 @@ class SpaceAccountant:
         but gives back the pages its reads remove (:meth:`give_back_removed`)."""
         self._layout = layout
         self._executor = executor
+        self._loop = asyncio.get_running_loop()
         if shared:
             self.ledger = UsageLedger(layout.ns_dir)
         elif observer:
@@ -146,13 +149,27 @@ class SpaceAccountant:
             self._observed_token = usage.token if usage is not None else None
 
     async def give_back_removed(self, executor: ThreadPoolExecutor | None) -> None:
-        """An observer's reads removed corrupt pages (``debt``): their bytes leave the shared
-        count now. Kept, they stayed counted for as long as a writer kept the namespace open:
+        """Reads removed corrupt pages (``debt``): their bytes leave the shared count now
+        (a writer's with its slot's marks, see :meth:`discard`), not with the next write
+        batch: until then peers evicted sound pages for room the count no longer had, and a
+        process that reads and never writes kept them counted until its close.
+
+        An observer's: kept, they stayed counted for as long as a writer kept the namespace open:
         its eviction found such a page gone (nothing freed, nothing subtracted) and evicted a
         sound page in its place, each ``hicache inspect --verify`` drop shrinking ``max_bytes``
         for good. Not given to a ledger a clear replaced since the open (it never counted
         them); a ledger that cannot be used now is tried again by the next call (or the close)."""
-        if self._observed is None or not self.debt:
+        if self._observed is None:
+            if self.ledger is not None and (self.debt or self.unreleased):
+                generation = self._generation()
+                debt, release = self.debt, self.unreleased
+                self.debt = self.unreleased = 0
+                if await self.ledger_call(executor, -debt, inflight=-release) is None:
+                    self.owe(debt, generation)  # the next reservation tries again
+                    if generation == self._generation():
+                        self.unreleased += release
+            return
+        if not self.debt:
             return
         amount, self.debt = self.debt, 0
         token = self._observed_token
@@ -283,9 +300,38 @@ class SpaceAccountant:
         if generation == self._generation():
             self.debt += amount
 
-    def read_removed(self, nbytes: int) -> None:
-        """A read removed a (corrupt) page file of ``nbytes``: given back with the next reservation."""
-        self.debt += nbytes
+    def discard(self, path: str, nbytes: int, remove: Callable[[], bool]) -> bool:
+        """(On an I/O or a caller's thread; :data:`~.io.Discard`.) Remove a page file of
+        ``nbytes`` a read found corrupt (``remove``: whether it removed it), its bytes marked
+        in this process's ledger slot first, as an eviction's victims are: they leave the
+        shared count with the next ledger call of this process (:meth:`pay_removed`, or a
+        write's reservation), and were left counted for as long as any peer kept the
+        namespace open when it was killed before that call (each kill shrank ``max_bytes``,
+        peers evicting sound pages for room the count no longer had); the next process to
+        take the ledger's lock now gives them back with the dead process's slot. The loop
+        learns what to settle by a callback (:meth:`_discarded`)."""
+        generation = self._generation()
+        marked = self.ledger.add(0, inflight=nbytes) if self.ledger is not None and nbytes else None
+        removed = remove()
+        if self._loop is not None:
+            try:
+                self._loop.call_soon_threadsafe(
+                    self._discarded, path, nbytes if removed else 0, nbytes if marked is not None else 0, marked,
+                    generation,
+                )
+            except RuntimeError:  # the loop closed under the read: nothing is left to settle into
+                pass
+        return removed
+
+    def _discarded(self, path: str, freed: int, marked: int, usage: Usage | None, generation: int) -> None:
+        """(Loop.) A read's removal (:meth:`discard`): the page leaves the running scan
+        (before its bytes leave the count: that scan's floor sums what it found less what
+        left), its bytes are owed, its slot's mark to be released, both settled together."""
+        self._leaving([os.path.basename(path)[: -len(PAGE_SUFFIX)]])
+        self.owe(freed, generation)
+        if generation == self._generation():
+            self.unreleased += marked
+        self.after_reclaim(usage)
 
     def cleared(self) -> None:
         self.debt = 0  # owed to the ledger that goes with the cleared folder
