@@ -468,8 +468,8 @@ def _pids(keys: list[str]) -> list[str]:
 async def test_a_store_does_not_take_its_own_clear_for_a_replaced_folder(tmp_path: Path) -> None:
     """A clearer's own journal reader finds the fresh folder its clear made: it counted
     ``namespace_folder_replaced`` and checked its (empty) index against the disk again, so
-    every ordinary clear looked like a peer's killed one. A peer still counts the folder
-    replaced, and still forgets the cleared pages."""
+    every ordinary clear looked like a peer's killed one. Nor does a peer, which finds the
+    clear's line there (see the next test)."""
     a = create_async_storage("file", None, root=str(tmp_path), namespace=NS_A, journal_poll_s=0.05)
     b = create_async_storage("file", None, root=str(tmp_path), namespace=NS_A, journal_poll_s=0.05)
     async with a, b:
@@ -481,4 +481,63 @@ async def test_a_store_does_not_take_its_own_clear_for_a_replaced_folder(tmp_pat
             await a.exists("x")
             await b.exists("x")
         assert a.stats.snapshot().get("namespace_folder_replaced", 0) == 0
-        assert b.stats.snapshot().get("namespace_folder_replaced", 0) == 1
+        assert b.stats.snapshot().get("namespace_folder_replaced", 0) == 0
+        assert b.stats.snapshot().get("peer_clears", 0) == 1
+
+
+_ORDINARY_CLEAR = textwrap.dedent(
+    """
+    import asyncio, sys
+    from hicache.storage import create_async_storage
+    from hicache.testing.store_tests import NS_A
+
+    async def main(root, n):
+        store = create_async_storage("file", None, root=root, namespace=NS_A)
+        async with store:
+            await store.wait_background()
+            for _ in range(n):
+                assert await store.clear()
+                await asyncio.sleep(0.3)  # the peer's tail reads each clear's journal
+
+    asyncio.run(main(sys.argv[1], int(sys.argv[2])))
+    """
+)
+
+
+async def test_a_peers_ordinary_clears_are_not_taken_for_killed_ones(tmp_path: Path) -> None:
+    """A peer's tail finds each clear's journal in a fresh folder with no predecessor, which
+    also says a clear killed before its line. It took every ordinary clear, journalled as
+    usual, for such a one as well: each counted ``namespace_folder_replaced`` and cost a check
+    of the whole index against the disk and a housekeeping pass beside the clear's line. A
+    fresh folder whose journal soon holds a clear line is now that clear's; only one that
+    holds none a poll later is taken for a killed clear (the test above)."""
+    keys = keys_for(6, salt=31)
+    a, pool = _store_with_pool(tmp_path, len(keys), 3, journal_poll_s=0.05)
+    async with a:
+        assert all(await a.batch_set_v1(keys, pool.indices(0, len(keys))))
+        await a.wait_background()
+        passes = {"prune": 0, "rehouse": 0}
+        prune, rehouse = a._prune, a._rehouse
+
+        async def counted_prune() -> None:
+            passes["prune"] += 1
+            await prune()
+
+        def counted_rehouse() -> bool:
+            passes["rehouse"] += 1
+            return rehouse()
+
+        a._prune, a._rehouse = counted_prune, counted_rehouse
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "backends")]))
+        # (this loop keeps polling while the peer clears)
+        peer = await asyncio.create_subprocess_exec(sys.executable, "-c", _ORDINARY_CLEAR, str(tmp_path), "3", env=env)
+        assert await asyncio.wait_for(peer.wait(), 120) == 0
+        assert await wait_for(lambda: a.get_stats().get("peer_clears") == 3)
+        for _ in range(4):  # polls enough for a replaced folder's record to come
+            await asyncio.sleep(0.1)
+            await a.exists("x")
+        await a.wait_background()
+        assert await a.batch_exists(keys) == 0
+        stats = a.get_stats()
+        assert stats.get("namespace_folder_replaced", 0) == 0
+        assert passes == {"prune": 0, "rehouse": 0}

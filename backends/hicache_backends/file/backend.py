@@ -244,9 +244,6 @@ class FileStorage(AsyncHiCacheStorage):
         self._read_only_warnings = Throttle(_WARN_SECONDS)
         self._background: set[asyncio.Task[None]] = set()
         self._rehousing: asyncio.Task[None] | None = None  # housekeeping after the folder was deleted
-        #: this store cleared the namespace since its journal was last read: the fresh folder its
-        #: journal then finds is its own clear's, not a peer's (see :meth:`_peer_removal`)
-        self._cleared_here = False
         self._pruning: asyncio.Task[None] | None = None  # the index checked against the disk (journal lines lost)
         self._prune_again = False  # journal lines were lost while that check ran
 
@@ -964,8 +961,14 @@ class FileStorage(AsyncHiCacheStorage):
         self._scanner.cleared()
         self._space.cleared()
         # before the rename: this store's journal reader may poll while the clear runs
-        self._cleared_here = self._peers is not None
-        trash, written = await self._threads.run(page_io.clear_namespace, self._layout, self.namespace.to_dict())
+        if self._peers is not None:
+            self._peers.clearing()
+        try:
+            trash, written = await self._threads.run(page_io.clear_namespace, self._layout, self.namespace.to_dict())
+        except BaseException:
+            if self._peers is not None:  # no clear line comes: a fresh folder found is a replaced one
+                self._peers.clearing(False)
+            raise
         if self._peers is not None:
             await self._peers.append_cleared()
         self._manifest_pending = not written
@@ -1002,13 +1005,9 @@ class FileStorage(AsyncHiCacheStorage):
             self._prune_later()
             return
         if removal.replaced:
-            if self._cleared_here:
-                # this store's own clear: its index is empty and its clear deletes the old folder;
-                # counted and checked again, every clear looked like a peer's killed one
-                self._cleared_here = False
-                return
             # what the old folder held is gone, and a clear killed before its line leaves no other
-            # sign: the index is checked against the disk, and housekeeping finishes the deletion
+            # sign (an ordinary clear's line says it, see .journal): the index is checked against
+            # the disk, and housekeeping finishes the deletion
             self.stats.incr("namespace_folder_replaced")
             self._prune_later()
             self._rehouse()

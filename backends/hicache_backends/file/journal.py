@@ -45,8 +45,12 @@ returns (a ``missed`` record); the store then checks its index against the disk.
 A clear renames the whole namespace folder, journal included; the clearing store writes a
 ``clear`` line into the fresh journal, and readers, finding a new file under the name, read the
 old one to its end and the new one from its start (a reader creates the journal when it opens,
-so it holds the file before any line is written). A fresh file with no predecessor is itself
-said (``replaced``): a clear killed before its line leaves no other sign. Every call here blocks (``flock``, file I/O): run it on an executor thread.
+so it holds the file before any line is written). A fresh file with no predecessor that holds
+no clear line by the next poll is itself said (``replaced``): a clear killed before its line
+leaves no other sign. One that holds a clear line (a peer's, or this store's own) is that
+clear's: said as every peer's reader at every clear, the store checked its whole index against
+the disk and ran a housekeeping pass beside each ordinary clear, and counted it
+``namespace_folder_replaced``. Every call here blocks (``flock``, file I/O): run it on an executor thread.
 Any ``OSError`` is logged and the call does nothing: a journal problem never breaks the store.
 """
 
@@ -141,6 +145,12 @@ class RemovalJournal:
         self.missed_files = 0  # journal files rotated away before this reader read them
         #: the previous poll found the namespace folder without a journal (see _current_ino)
         self._found_none = False
+        #: this reader moved to a fresh folder's journal and has read no clear line in it yet
+        #: (see :meth:`poll`)
+        self._unexplained = False
+        #: this store is clearing the namespace (set on the loop before its rename, see
+        #: :meth:`append_cleared`): the fresh folder its reader finds is its own clear's
+        self.clearing = False
         self._open_reader(at_end=True)  # what was removed before we opened is not news
 
     # ------------------------------------------------------------------ writing
@@ -158,9 +168,15 @@ class RemovalJournal:
         return self.flush()
 
     def append_cleared(self) -> bool:
-        """Write a clear line (and anything queued before it) now (blocks)."""
+        """Write a clear line (and anything queued before it) now (blocks). This reader takes
+        the fresh folder it finds for its own clear's (:attr:`clearing`) until it reads that
+        line; one that could not be written ends that here (the folder is then taken for a
+        replaced one, as by every peer)."""
         self._enqueue(self._line({"w": self.writer, "clear": 1}))
-        return self.flush()
+        written = self.flush()
+        if not written:
+            self.clearing = False
+        return written
 
     @staticmethod
     def _line(record: dict) -> bytes:
@@ -256,8 +272,12 @@ class RemovalJournal:
         self._tail = b""
 
     def poll(self) -> list[PeerRemoval]:
-        """Removals other writers appended since the last poll, oldest first."""
+        """Removals other writers appended since the last poll, oldest first; last, a fresh
+        folder's journal this reader moved to at an earlier poll and has read no clear line in
+        since (``replaced``: a clear killed before its line, or a folder deleted and made
+        again)."""
         out: list[PeerRemoval] = []
+        waited = self._unexplained
         try:
             if self._fd is None:
                 self._open_reader(at_end=False)  # created after we opened: all of it is news
@@ -269,6 +289,9 @@ class RemovalJournal:
                 self._next_file(out)  # rotated or cleared, and the next file exists
         except OSError as exc:
             logger.warning("file store %s: reading the removal journal failed: %s", self.ns_dir, exc)
+        if waited and self._unexplained:
+            self._unexplained = False
+            out.append(PeerRemoval(reason="replaced", replaced=True))
         return out
 
     def _current_ino(self) -> int | None:
@@ -323,9 +346,10 @@ class RemovalJournal:
             before = os.stat(self.path + ".1")
         except FileNotFoundError:
             # nothing rotated in this folder: the new file is its first, so the folder was
-            # replaced (a clear, or deleted and made again): said whether or not a clear line follows
+            # replaced (a clear, or deleted and made again): said unless a clear line comes
+            # (poll), or this store is the clearer (of this one fresh folder)
             before = None
-            out.append(PeerRemoval(reason="replaced", replaced=True))
+            self._unexplained, self.clearing = not self.clearing, False
         # .1 is the old file (the new one is its successor) or the new one (rotated right after
         # we opened it: its predecessor cannot be told, so counted as missed to be safe)
         if before is not None and (before.st_dev, before.st_ino) != (was.st_dev, was.st_ino):
@@ -378,10 +402,15 @@ class RemovalJournal:
         rec = json.loads(raw.decode("utf-8", "surrogatepass"))
         if not isinstance(rec, dict):
             raise ValueError("not an object")
-        if rec.get("w") == self.writer:
-            return None
+        own = rec.get("w") == self.writer
         if rec.get("clear"):
+            self._unexplained = False  # the fresh folder is this clear's
+            if own:
+                self.clearing = False
+                return None
             return PeerRemoval(cleared=True, reason="clear")
+        if own:
+            return None
         # what no store writes (a key or pool name that is not storable text) is a bad line,
         # not a removal: its page id cannot even be computed
         pages = tuple((validate_key(str(k)), pool_name_str(str(p))) for k, p in rec["rm"])

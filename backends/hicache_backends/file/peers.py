@@ -68,6 +68,12 @@ class PeerRemovals:
             except RuntimeError:  # shutting down: the store is closing, and flushes at the end
                 pass
 
+    def clearing(self, clearing: bool = True) -> None:
+        """(Loop.) This store starts clearing (before its rename), or its clear failed: while
+        it clears, the fresh folder its tail finds is its own clear's, not a replaced one."""
+        if self.journal is not None:
+            self.journal.clearing = clearing
+
     async def append_cleared(self) -> None:
         if self.journal is not None:
             await run_to_completion(self.journal.append_cleared, executor=self.executor)
