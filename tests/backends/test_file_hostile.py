@@ -974,6 +974,37 @@ async def test_a_reader_killed_between_removing_a_corrupt_page_and_its_subtracti
         assert len(list(Path(store.layout.ns_dir).rglob("*.page"))) == 3  # 2 of the 4 and the new one
 
 
+async def test_a_damaged_reservation_slot_neither_fails_every_write_nor_raises_the_count(tmp_path) -> None:
+    """The reservation table is read back from a file any damage can reach (a torn write, a
+    bad block, a tool). A slot of this machine naming a pid no process can have (beyond the
+    kernel's pid range) made every ledger call raise ``OverflowError`` (``os.kill``), which is
+    no ``OSError``: every write batch of every process on the namespace failed for good, and
+    so did the scan that would have corrected the table. Bytes below zero in a dead writer's
+    slot were "given back" by adding them to the count. Such a slot is now no process's (given
+    back at once), and a slot gives back no bytes below zero."""
+    import struct
+
+    from hicache_backends.file import ledger as L
+
+    async with make_store(tmp_path, max_bytes=1 << 20) as store:
+        await within(store.wait_background())
+        assert await within(store.set("a", v0(1000, 1)))
+        path = os.path.join(store.layout.ns_dir, LEDGER_NAME)
+        raw = bytearray(Path(path).read_bytes())
+        struct.pack_into("<qqq", raw, L._FORMAT.size + 5 * L._SLOT.size, L.MACHINE, 1 << 62, 100)
+        struct.pack_into("<qqq", raw, L._FORMAT.size + 6 * L._SLOT.size, L.MACHINE, -1, -5000)
+        Path(path).write_bytes(raw)
+        assert await within(store.set("b", v0(1000, 2)))
+        for _ in range(2):
+            await within(store.wait_background(), 10.0)
+            await asyncio.sleep(0.2)
+        assert store.get_stats().get("backend_errors", 0) == 0
+        usage = await asyncio.to_thread(store._space.ledger.read)
+        on_disk = sum(p.stat().st_size for p in Path(store.layout.ns_dir).rglob("*.page"))
+        assert usage is not None and usage.inflight == 0
+        assert usage.used == on_disk
+
+
 def _spawn_with_pid(pid: int, argv: list[str]) -> subprocess.Popen | None:
     """A process started as ``pid`` (a dead one's, reused: ``ns_last_pid``, root only), or
     ``None`` when this machine will not give it (no permission, another process took it)."""

@@ -121,6 +121,10 @@ _owners: dict[int, int] = {}  # pid -> this process's owner (a fork child has it
 #: ~15 us, for each slot of each ledger call (a writer's batch makes one or two); a pid reused
 #: within that time is found on the next reading
 _TRUST_SECONDS = 1.0
+#: Linux's PID_MAX_LIMIT: no process has a pid outside ``1.._PID_LIMIT``; a slot naming one is
+#: damage (``os.kill`` raises ``OverflowError``, no ``OSError``, for one beyond a C int, and
+#: takes 0 and negative pids for process groups)
+_PID_LIMIT = 1 << 22
 _matched: dict[tuple[int, int], float] = {}  # (owner, pid) -> when its start time last matched
 
 
@@ -160,6 +164,8 @@ def _gone(owner: int, pid: int) -> bool:
     its slot."""
     if owner != MACHINE and (owner ^ MACHINE) & _LOW:
         return False  # another machine or PID namespace: never judged here
+    if not 0 < pid <= _PID_LIMIT:
+        return True  # no process's: a damaged slot (judged alive, or raising, it stayed for good)
     if pid == os.getpid():
         return owner != _owner()
     if not pid_alive(pid):
@@ -180,12 +186,13 @@ def _gone(owner: int, pid: int) -> bool:
 
 
 def _reclaim(slots: list[int]) -> int:
-    """Free the slots of this machine's dead processes; returns the bytes they held."""
+    """Free the slots of this machine's dead processes; returns the bytes they held (none
+    below zero, which only a damaged slot holds: given back, they raised the count)."""
     freed = 0
     for i in _taken(slots):
         owner, pid, held = slots[i : i + 3]
         if _gone(owner, pid):
-            freed += held
+            freed += max(0, held)
             slots[i : i + 3] = (0, 0, 0)
     return freed
 
