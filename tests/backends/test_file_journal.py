@@ -123,6 +123,24 @@ def test_journal_is_bounded_skips_its_own_and_malformed_lines(tmp_path: Path) ->
     theirs.close()
 
 
+def test_a_line_nested_too_deep_to_parse_costs_no_other_line(tmp_path: Path) -> None:
+    """A line nested deeper than the JSON parser recurses (damage, or any process that may
+    write the namespace folder) raised ``RecursionError``, which the reader did not take for
+    a malformed line: the whole poll failed after moving past everything it had read, so the
+    removals in the lines around it were lost, never reported and never counted missed."""
+    reader = RemovalJournal(str(tmp_path))
+    writer = RemovalJournal(str(tmp_path))
+    writer.append_removed([("before", "kv")], "evicted")
+    with open(tmp_path / JOURNAL_NAME, "ab") as f:
+        f.write(b'{"w":"x","rm":' + b"[" * 100_000 + b"\n")
+    writer.append_removed([("after", "kv")], "evicted")
+    got = reader.poll()
+    assert [r.pages for r in got] == [(("before", "kv"),), (("after", "kv"),)]
+    assert reader.malformed_lines == 1
+    reader.close()
+    writer.close()
+
+
 def test_lines_a_later_writer_appends_are_read_from_the_journals_start(tmp_path: Path) -> None:
     reader = RemovalJournal(str(tmp_path))
     assert reader.poll() == []

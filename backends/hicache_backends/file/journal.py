@@ -82,7 +82,8 @@ _READ_LIMIT = 16 << 20  # most bytes one poll reads (the rest waits for the next
 # read and write: an append reads the file's last byte first, to end a line left torn (_append_whole)
 _O_APPEND = os.O_RDWR | os.O_APPEND | os.O_CREAT | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
 _O_READ = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
-_BAD_LINE = (ValueError, KeyError, TypeError, InvalidKeyError)  # what a malformed line raises when parsed
+# what a malformed line raises when parsed (RecursionError: nested deeper than the parser goes)
+_BAD_LINE = (ValueError, KeyError, TypeError, InvalidKeyError, RecursionError)
 
 
 @dataclass(frozen=True, slots=True)
