@@ -26,6 +26,9 @@ What it adds over vLLM's own ``fs``/``obj`` tiers (see FIELD-NOTES):
   ``memory`` or a plugin, by name;
 * zero copy - pages move straight between storage and the primary tier's mmap
   (:class:`~hicache.integrations.vllm.tier_pool.ChunkPool`);
+* KV events (``enable_kv_events``) - stored chunks as vLLM's ``fs`` tier reports them, and
+  every chunk the store drops after (evicted, corrupt, gone, another engine's eviction or
+  clear) (:mod:`~hicache.integrations.vllm.tier_kv_events`);
 * namespaces - model, dtype, chunk geometry, layers, parallel layout and the chunks' byte format
   (KV cache layout, and the attention backend's block format) separate stores that share a root
   (:func:`~hicache.integrations.vllm.tier_keys.tier_namespace`); a configuration whose bytes the
@@ -51,6 +54,7 @@ from vllm.v1.kv_offload.base import (
     Locality,
     LookupResult,
     Medium,
+    OffloadingEvent,
     OffloadKey,
     ReqContext,
     RequestOffloadingContext,
@@ -63,6 +67,7 @@ from hicache.errors import ConfigError
 from hicache.integrations.vllm.block_format import offload_block_format
 from hicache.integrations.vllm.tier_chains import PrefixChains
 from hicache.integrations.vllm.tier_keys import page_key, tier_namespace
+from hicache.integrations.vllm.tier_kv_events import DEFAULT_MAX_QUEUED_KEYS, TierKVEvents
 from hicache.integrations.vllm.tier_pool import ChunkPool
 from hicache.integrations.vllm.tier_runner import TierRunner
 from hicache.storage import AsyncHiCacheStorage, create_async_storage
@@ -130,6 +135,12 @@ class HiCacheTier(SecondaryTierManager):
         open_timeout: seconds start-up waits for the store to open (then it opens in the
             background; a bad option still fails start-up when the backend says so in time).
         locality: ``LOCAL`` or ``REMOTE`` (vLLM's per-request tier filters use it).
+        enable_kv_events: report the chunks this tier stores and the store removes as vLLM KV
+            events (as vLLM's ``fs`` tier's option of that name, effective only with vLLM's
+            ``--kv-events-config`` enabling KV cache events; see
+            :mod:`~hicache.integrations.vllm.tier_kv_events`).
+        kv_events_queue_size: stored keys queued between two steps before stores are dropped
+            from the events (counted in :attr:`kv_events_dropped`).
     """
 
     medium: ClassVar[Medium] = Medium.STORAGE
@@ -146,14 +157,21 @@ class HiCacheTier(SecondaryTierManager):
         lookup_timeout: float = 5.0,
         open_timeout: float = 5.0,
         locality: str | None = None,
+        enable_kv_events: bool = False,
+        kv_events_queue_size: int = DEFAULT_MAX_QUEUED_KEYS,
         backpressure_detector: BackpressureDetector | None = None,
         **unknown: Any,
     ) -> None:
         if unknown:
             raise ConfigError(
                 f"HiCacheTier has no option(s) {sorted(unknown)}; allowed: backend, options, "
-                "namespace_salt, model_revision, lookup_timeout, open_timeout, locality, backpressure"
+                "namespace_salt, model_revision, lookup_timeout, open_timeout, locality, "
+                "enable_kv_events, kv_events_queue_size, backpressure"
             )
+        if not isinstance(enable_kv_events, bool):
+            raise ConfigError(f"HiCacheTier: enable_kv_events must be true or false, got {enable_kv_events!r}")
+        if isinstance(kv_events_queue_size, bool) or not isinstance(kv_events_queue_size, int) or kv_events_queue_size <= 0:
+            raise ConfigError(f"HiCacheTier: kv_events_queue_size must be a positive integer, got {kv_events_queue_size!r}")
         if options is not None and not isinstance(options, dict):
             raise ConfigError(f"HiCacheTier: options must be a mapping of backend options, got {options!r:.80}")
         options = dict(options or {})
@@ -180,10 +198,29 @@ class HiCacheTier(SecondaryTierManager):
         self._chains = PrefixChains()
         self._load_keys: dict[int, list[OffloadKey]] = {}
         self._store_keys: dict[int, list[OffloadKey]] = {}
+        self._events = self._kv_events(enable_kv_events, kv_events_queue_size)
         logger.info(
             "hicache tier %r: backend %s, namespace %s, %d-byte chunks",
             tier_type, backend, self.namespace.digest, self.block_size_bytes,
         )
+
+    def _kv_events(self, enabled: bool, queue_size: int) -> TierKVEvents | None:
+        """The event queue, when asked for and vLLM publishes KV events (it drains
+        ``take_events`` only then: a queue it never drains would only fill)."""
+        if not enabled:
+            return None
+        if not self._offloading_spec.kv_events_config.enable_kv_cache_events:
+            logger.warning("enable_kv_events is set on secondary tier %r but KV cache events are disabled "
+                           "globally; the tier will not emit events.", self.tier_type)
+            return None
+        events = TierKVEvents(self.medium, self.locality, queue_size)
+        events.subscribe(self._runner.storage.tier_changes)
+        return events
+
+    @property
+    def kv_events_dropped(self) -> int:
+        """Stored keys left out of the KV events because vLLM did not take them in time."""
+        return self._events.dropped_keys if self._events is not None else 0
 
     @property
     def storage(self) -> AsyncHiCacheStorage:
@@ -217,6 +254,8 @@ class HiCacheTier(SecondaryTierManager):
     def submit_store(self, job_metadata: TransferJob) -> None:
         keys = list(job_metadata.keys)
         self._store_keys[job_metadata.job_id] = keys
+        if self._events is not None:
+            self._events.watch(keys)  # before the job runs: a removal meanwhile is seen
         ctx = job_metadata.req_context
         try:
             self._chains.record(keys, ctx)
@@ -259,6 +298,8 @@ class HiCacheTier(SecondaryTierManager):
                 # a failed load marked a miss (a store that keeps an object it cannot prove
                 # damaged), and a hit again, every request sharing it would pay that load
                 self._lookups.mark_stored(k for k, wrote in zip(keys, outcome.wrote) if wrote)
+                if self._events is not None:
+                    self._events.stored(keys, outcome.ok)
             results.append(
                 JobResult(
                     job_id=outcome.job_id,
@@ -270,6 +311,9 @@ class HiCacheTier(SecondaryTierManager):
             )
         return results
 
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        return self._events.take() if self._events is not None else ()
+
     def has_pending_work(self) -> bool:
         return self._runner.pending() > 0
 
@@ -277,5 +321,7 @@ class HiCacheTier(SecondaryTierManager):
         self._runner.drain()
 
     def shutdown(self) -> None:
+        if self._events is not None:
+            self._events.close()
         self._lookups.shutdown()
         self._runner.close()

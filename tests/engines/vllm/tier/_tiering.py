@@ -79,15 +79,17 @@ def offloading_config(
     agnostic: bool = False,
     block: int = BLOCK,
     replicated: bool = False,
+    kv_events: bool = False,
     **extra: Any,
 ) -> OffloadingConfig:
     """An engine's ``OffloadingConfig``; ``layout`` is the KV cache layout vLLM's engine core
     resolved (token-major by default: direct-mode chunks of a head-major one whose blocks a
-    kernel split could reorder are refused); ``block`` its block size in tokens."""
+    kernel split could reorder are refused); ``block`` its block size in tokens; ``kv_events``
+    vLLM's ``--kv-events-config`` enabling KV cache events."""
     return OffloadingConfig(
         groups=(OffloadingGroupConfig(block, ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"), 0),),
         worker_kv_bytes_per_block=block_bytes // tp_size,
-        enable_kv_cache_events=False,
+        enable_kv_cache_events=kv_events,
         extra_config={"cpu_bytes_to_use": chunks * block_bytes, "secondary_tiers": tiers, **extra},
         engine_id=f"hicache-test-{uuid.uuid4().hex[:12]}",
         model=OffloadingModelConfig(model, dtype),
