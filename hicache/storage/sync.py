@@ -13,6 +13,7 @@ import concurrent.futures
 import concurrent.futures.thread  # noqa: F401 - its exit hook first (see _close_at_exit)
 import logging
 import threading
+import time
 import weakref
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import replace
@@ -48,6 +49,12 @@ def _is_batch(keys: object) -> bool:
     return isinstance(keys, (list, tuple))
 
 
+#: How long :meth:`LoopThread.stop` waits for the loop's thread when its caller gives no limit.
+STOP_WAIT_S = 10.0
+#: The least it waits: the loop's last turns (cancelled calls ending, their callers answered).
+STOP_GRACE_S = 0.1
+
+
 class LoopThread:
     """An event loop running forever in a daemon thread, for blocking callers."""
 
@@ -58,6 +65,8 @@ class LoopThread:
         self._waiting: dict[concurrent.futures.Future[Any], Coroutine[Any, Any, Any]] = {}
         self._lock = threading.Lock()
         self._stopped = False
+        #: the tasks the stopped loop cancelled and waits for (what a stop may leave running)
+        self._ending: list[asyncio.Task[Any]] = []
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -66,7 +75,12 @@ class LoopThread:
         try:
             self.loop.run_forever()
         finally:
-            self._end_calls()
+            try:
+                self._end_calls()
+            finally:
+                # closed here, not by stop(): a stop that gave up at its deadline (a call stuck
+                # in a thread) left the loop running; it is closed once that call has ended
+                self.loop.close()
 
     def _end_calls(self) -> None:
         """The loop stopped (a close, or the facade collected) while other threads may still be
@@ -76,6 +90,7 @@ class LoopThread:
         with self._lock:
             self._stopped = True
         pending = [t for t in asyncio.all_tasks(self.loop) if not t.done()]
+        self._ending = pending
         for task in pending:
             task.cancel()
         # at least one more turn, pending tasks or not: a call that ended in the loop's last
@@ -157,10 +172,18 @@ class LoopThread:
                     pass
             raise
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = STOP_WAIT_S) -> None:
+        """Stop the loop and wait up to ``timeout`` s (the caller's remaining close time; at
+        least :data:`STOP_GRACE_S`) for its thread to end: its calls cancelled and waited for,
+        every waiting caller answered, the loop closed.
+
+        A call stuck in a thread call that cannot be cut (a folder made on a hung mount: a
+        cancelled backend call waits for its thread) keeps the thread past that; it is logged
+        and left to end on its own (its caller still gets its answer, the loop closes then),
+        instead of holding up the caller's shutdown."""
         if threading.current_thread() is self._thread:
             # Called on the loop thread itself (a finalizer run by the collector there): it
-            # cannot join itself; stopping the loop ends the thread, which closes nothing else.
+            # cannot join itself; stopping the loop ends the thread, which closes the loop.
             self.loop.stop()
             return
         if self._thread.is_alive():
@@ -168,9 +191,26 @@ class LoopThread:
                 self.loop.call_soon_threadsafe(self.loop.stop)
             except RuntimeError:
                 pass
-            self._thread.join(timeout=10)
-        if not self.loop.is_running() and not self.loop.is_closed():
+            self._thread.join(timeout=max(timeout, STOP_GRACE_S))
+        if self._thread.is_alive():
+            self._log_left_running(timeout)
+        elif not self.loop.is_closed():  # the thread died before its loop ran
             self.loop.close()
+
+    def _log_left_running(self, waited: float) -> None:
+        stuck = [t for t in self._ending if not t.done()]
+        what = ", ".join(sorted({_task_name(t) for t in stuck})) or "a call blocking the loop thread"
+        _logger.warning(
+            "%s: %d task(s) still running %.1f s after the loop was stopped (%s); left to end on "
+            "their own (their callers get their answers, the loop closes then)",
+            self._thread.name, len(stuck), max(waited, STOP_GRACE_S), what,
+        )
+
+
+def _task_name(task: asyncio.Task[Any]) -> str:
+    """What a task runs, for a log line: its coroutine's name (a task's own name is a number)."""
+    coro = task.get_coro()
+    return getattr(coro, "__qualname__", None) or task.get_name()
 
 
 def _in_running_loop() -> bool:
@@ -186,9 +226,13 @@ def _stopped_error() -> StorageStateError:
     return StorageStateError("the storage loop stopped (facade closed) during the call")
 
 
-def _stop_loop(loop_thread: LoopThread, backend: AsyncHiCacheStorage | None = None) -> None:
+def _stop_loop(loop_thread: LoopThread, backend: AsyncHiCacheStorage | None = None,
+               deadline: float | None = None) -> None:
     """Finalizer of a facade: close the backend it owns (file executors, HTTP sessions), then
-    stop its loop. Runs on ``close()``, when the facade is collected, or at interpreter exit."""
+    stop its loop, both by ``deadline`` (``time.monotonic()``; default: :data:`CLOSE_TIMEOUT_S`
+    from now). Runs on ``close()``, when the facade is collected, or at interpreter exit."""
+    if deadline is None:
+        deadline = time.monotonic() + CLOSE_TIMEOUT_S
     if (
         backend is not None
         and backend.state is not StorageState.CLOSED
@@ -196,10 +240,10 @@ def _stop_loop(loop_thread: LoopThread, backend: AsyncHiCacheStorage | None = No
         and loop_thread._thread.is_alive()
     ):
         try:
-            loop_thread.call(backend.aclose(), timeout=CLOSE_TIMEOUT_S)
+            loop_thread.call(backend.aclose(), timeout=max(0.0, deadline - time.monotonic()))
         except BaseException:  # noqa: BLE001 - a finalizer must not raise
             pass
-    loop_thread.stop()
+    loop_thread.stop(timeout=deadline - time.monotonic())
 
 
 #: How long closing a facade may take. Not ``call_timeout`` (one I/O's limit): stores bound
@@ -281,12 +325,15 @@ class HiCacheStorage:
                 "would block; call it from a thread (asyncio.to_thread(store.close)) or use "
                 "create_async_storage(...) and await aclose()"
             )
+        limit = max(CLOSE_TIMEOUT_S, self.call_timeout or 0.0)
+        deadline = time.monotonic() + limit
         try:
-            self._loop_thread.call(self.backend.aclose(), max(CLOSE_TIMEOUT_S, self.call_timeout or 0.0))
+            self._loop_thread.call(self.backend.aclose(), limit)
         finally:
             self._closed = True
             _open_facades.discard(self)
-            self._finalizer()
+            if self._finalizer.detach() is not None:  # its stop keeps this close's deadline
+                _stop_loop(self._loop_thread, self.backend, deadline)
 
     def __enter__(self) -> HiCacheStorage:
         return self

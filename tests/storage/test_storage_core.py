@@ -505,6 +505,56 @@ def test_loop_thread_stopped_from_its_own_thread_ends() -> None:
     assert lt.loop.is_closed()
 
 
+def test_facade_close_with_a_call_stuck_in_a_thread_keeps_its_deadline_and_says_so(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A store whose open hangs in a thread call (a folder made on a hard NFS mount whose server
+    is down): a caller's call waits for it, and the close's own wait ends at its timeout. The
+    loop's stop then joined its thread for a fixed 10 s more (the cancelled open waits for its
+    thread), whatever the close's deadline. Now the stop ends at the deadline, logs the call it
+    left running, and that call still gets its error and the loop still closes once the thread
+    call returns."""
+    from hicache.storage import sync
+
+    mount_back = threading.Event()
+
+    class HungOpen(DictStore):
+        async def _open(self) -> None:
+            await run_to_completion(mount_back.wait, 30)  # really blocks a thread
+            await super()._open()
+
+    backend = HungOpen()
+    facade = HiCacheStorage(backend)
+    loop_thread = facade._loop_thread
+    got: list[BaseException] = []
+
+    def caller() -> None:
+        try:
+            facade.batch_exists(["x"])
+        except BaseException as exc:  # noqa: BLE001 - the test looks at it
+            got.append(exc)
+
+    worker = threading.Thread(target=caller)
+    worker.start()
+    try:
+        deadline = time.monotonic() + 5
+        while backend._opening is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        monkeypatch.setattr(sync, "CLOSE_TIMEOUT_S", 0.5)
+        began = time.monotonic()
+        with pytest.raises(TimeoutError):  # the store's close timed out waiting for the open
+            facade.close()
+        assert time.monotonic() - began < 2.5  # was 0.5 s + 10 s
+        assert loop_thread._thread.is_alive()  # still in the mount
+        assert "1 task(s) still running" in caplog.text and "batch_exists" in caplog.text
+    finally:
+        mount_back.set()
+    worker.join(5)
+    assert [type(exc) for exc in got] == [StorageStateError]
+    loop_thread._thread.join(5)
+    assert not loop_thread._thread.is_alive() and loop_thread.loop.is_closed()
+
+
 async def test_reads_into_overlapping_host_pages_fail_except_the_first() -> None:
     """Two keys read into the same host page were filled concurrently (file: two threads) and
     both could be reported True while the page held only one of them."""
