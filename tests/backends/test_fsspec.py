@@ -516,3 +516,95 @@ async def test_options_the_filesystem_refuses_are_a_config_error_at_open(tmp_pat
 
         assert await asyncio.to_thread(other_loop) is None
         assert ok.get_stats()["permanent_errors"] >= 1
+
+
+class TestFsspecDirOverMemoryStore(StoreTests):
+    """``dir://`` (fsspec's DirFileSystem) over a synchronous filesystem: refused at open (the
+    backend asked for an asynchronous DirFileSystem, which a synchronous target cannot be);
+    now served in worker threads like the target alone, the whole conformance suite."""
+
+    @pytest.fixture
+    def store_factory(self):
+        self.base = f"/hicache-tests/{uuid.uuid4().hex}"
+
+        def make(namespace: Any = None) -> AsyncHiCacheStorage:
+            return create_async_storage("fsspec", None, url="dir://store", namespace=namespace,
+                                        storage_options={"path": self.base, "target_protocol": "memory"})
+
+        yield make
+        fs = fsspec.filesystem("memory")
+        if fs.exists(self.base):
+            fs.rm(self.base, recursive=True)
+
+    async def raw_payload(self, store: Any, key: str, pool: str = "kv") -> bytes | None:
+        try:
+            data = fsspec.filesystem("memory").cat_file(f"{self.base}/{store.names.page(key, pool)}")
+        except FileNotFoundError:
+            return None
+        header = PageCodec.parse(data)
+        assert header is not None and header.key == key and header.pool == pool
+        return data[header.header_len :]
+
+
+def _files(top: Any) -> list[str]:
+    return sorted(str(p.relative_to(top)) for p in top.rglob("*") if p.is_file())
+
+
+@pytest.mark.parametrize("target", ["target_protocol", "fs"])
+async def test_a_dir_url_over_local_folders_keeps_every_file_under_its_root(tmp_path: Any, target: str) -> None:
+    """``dir://`` over local files (by ``target_protocol`` or a filesystem object): pages,
+    manifest and run indexes land under the dir's root only, written whole (no temporary file
+    left, none a reader could see half written), read back, and cleared."""
+    from fsspec.implementations.local import LocalFileSystem
+
+    root = tmp_path / "root"
+    root.mkdir()
+    (tmp_path / "outside.txt").write_text("x")
+    opts: dict[str, Any] = {"path": str(root)}
+    opts.update({"target_protocol": "file"} if target == "target_protocol" else {"fs": LocalFileSystem()})
+    store = create_async_storage("fsspec", None, url="dir://store", storage_options=opts, namespace=NS_A)
+    async with store:
+        keys = [f"k{i}" for i in range(6)]
+        assert await store.batch_set(keys, [torch.full((8,), float(i)) for i in range(6)])
+        assert isinstance(store._local.get().ops, ThreadObjectOps)
+        assert await store.batch_exists(keys) == 6
+        got = await store.get("k3", torch.empty(8))
+        assert got is not None and torch.equal(got, torch.full((8,), 3.0))
+        await store.wait_index_writes()
+        assert (root / "store" / NS_A.digest / "manifest.json").exists()
+        assert not list(root.rglob("*.tmp"))
+        assert _files(tmp_path) == ["outside.txt", *(f"root/{f}" for f in _files(root))]
+        assert all(f.startswith(f"store/{NS_A.digest}/") for f in _files(root))
+        assert await store.clear() and not await store.exists("k3")
+    assert _files(tmp_path) == ["outside.txt", *(f"root/{f}" for f in _files(root))]
+
+
+def test_a_dir_url_that_climbs_out_of_its_root_is_refused(tmp_path: Any) -> None:
+    """A ``dir://`` url whose path climbs above the dir's root is a configuration error (fsspec
+    refuses such a path only over local files, and only in recent releases)."""
+    for target in ("file", "memory"):
+        with pytest.raises(ConfigError, match="under the dir's root"):
+            create_async_storage("fsspec", None, url="dir://a/../../escaped", namespace=NS_A,
+                                 storage_options={"path": str(tmp_path / "root"), "target_protocol": target})
+
+
+def test_a_chained_url_says_what_to_write_instead() -> None:
+    """``dir::file:///path`` (fsspec's chained urls) was "no fsspec filesystem for 'dir::file'":
+    it now says chained urls are not taken, and how to give the same store."""
+    with pytest.raises(ConfigError, match=r"chained.*storage_options") as info:
+        create_async_storage("fsspec", None, url="dir::file:///tmp/x", namespace=NS_A)
+    assert "target_protocol" in str(info.value)
+
+
+async def test_two_dir_stores_over_different_folders_never_answer_for_each_other(tmp_path: Any) -> None:
+    """The process-wide existence cache is keyed by where a store's objects are: for ``dir://``
+    that is the dir's root too (``path``), not the url alone, or a page stored through one
+    folder's store was a hit of the other's."""
+    stores = [create_async_storage("fsspec", None, url="dir://store", namespace=NS_A,
+                                   storage_options={"path": str(tmp_path / name), "target_protocol": "file"})
+              for name in ("one", "two")]
+    async with stores[0] as one, stores[1] as two:
+        assert await one.set("k", torch.ones(4))
+        assert await one.exists("k")
+        assert not await two.exists("k")
+        assert await two.get("k", torch.empty(4)) is None

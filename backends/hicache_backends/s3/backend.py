@@ -41,6 +41,7 @@ from typing import Any, ClassVar
 
 import fsspec
 import numpy as np
+from fsspec.implementations.dirfs import DirFileSystem
 
 from hicache.errors import BackendLoadError, ConfigError
 from hicache.keys import Namespace
@@ -74,6 +75,38 @@ _BUCKET_PROTOCOLS = (*_S3_PROTOCOLS, "gs", "gcs", "az", "abfs", "abfss", "adl", 
 #: storage options that are credentials or an address: text, whatever parsed them
 _TEXT_OPTIONS = ("key", "secret", "token", "endpoint_url", "profile")
 _TEXT_CLIENT_OPTIONS = ("aws_access_key_id", "aws_secret_access_key", "aws_session_token", "endpoint_url")
+
+
+def _runs_async(fs_class: Any, options: dict[str, Any]) -> bool:
+    """Whether filesystems of ``fs_class`` built with ``options`` serve coroutines (each loop's
+    is built ``asynchronous``). Not a DirFileSystem (``dir://``) over a synchronous filesystem
+    (its ``fs``, or one of ``target_protocol``, local files by default): asked to be
+    asynchronous it refuses to be built, so the store failed to open; it is built synchronous
+    and served in threads, as its target alone is. A target protocol fsspec does not know is
+    left to the DirFileSystem to refuse, with its own error."""
+    if not getattr(fs_class, "async_impl", False):
+        return False
+    if not issubclass(fs_class, DirFileSystem):
+        return True
+    target = options.get("fs")
+    if target is not None:
+        return bool(getattr(target, "async_impl", False))
+    try:
+        return bool(getattr(fsspec.get_filesystem_class(options.get("target_protocol") or "file"), "async_impl", False))
+    except (ImportError, ValueError):
+        return True
+
+
+def _dir_root(fs_class: Any, options: dict[str, Any]) -> tuple[str, ...]:
+    """Where a DirFileSystem's paths are (its target, its ``path``; nothing for another
+    filesystem): its stores' paths are relative to it, so two stores over different folders
+    shared one existence cache, each answering the other's pages as stored."""
+    if not issubclass(fs_class, DirFileSystem):
+        return ()
+    target = options.get("fs")
+    kind = type(target).__qualname__ if target is not None else str(options.get("target_protocol") or "file")
+    endpoint = (options.get("target_options") or {}).get("endpoint_url") or ""
+    return kind, str(endpoint).rstrip("/"), str(options.get("path") or options.get("fo") or "")
 
 
 def _text_credentials(options: dict[str, Any], backend: str) -> dict[str, Any]:
@@ -171,6 +204,12 @@ class FsspecStorage(AsyncHiCacheStorage):
         if storage_options is not None and not isinstance(storage_options, dict):
             raise ConfigError(f"{self.backend_name} backend: storage_options must be a dict")
         scheme, rest = url.split("://", 1)
+        if "::" in scheme:
+            raise ConfigError(
+                f"{self.backend_name} backend: chained urls ({redact_url(url)!r}) are not taken; give the outer "
+                "filesystem's url and the inner one in storage_options, e.g. url='dir://prefix' with "
+                "storage_options={'path': '/data/kv', 'target_protocol': 'file'}"
+            )
         self.protocol = scheme.lower()
         # the path is taken as given from here on: with the scheme as typed ("FILE://") it was
         # stripped as a relative path (pages written under the working directory) or a bucket
@@ -222,11 +261,18 @@ class FsspecStorage(AsyncHiCacheStorage):
             float(_positive("exists_cache_ttl", exists_cache_ttl, allow_zero=True)),
         )
         self.manifest_check_interval = float(_positive("manifest_check_interval", manifest_check_interval))
+        #: whether each loop's filesystem is built asynchronous (see :func:`_runs_async`)
+        self._async_fs = _runs_async(self._fs_class, self._storage_options)
         # bytes can be damaged on the way only from a network store (async fsspec filesystems);
         # memory:// or file:// deliver what they hold
-        self._remote = bool(getattr(self._fs_class, "async_impl", False))
+        self._remote = self._async_fs
         self._transit_warnings = Throttle(60.0)
         self.root = self._fs_class._strip_protocol(url).rstrip("/")
+        if issubclass(self._fs_class, DirFileSystem) and ".." in self.root.split("/"):
+            # the dir's root is the store's bound: a DirFileSystem refuses such a path only over
+            # local files, and only in recent fsspec releases
+            raise ConfigError(f"{self.backend_name} backend: a dir:// url must stay under the dir's root, got "
+                              f"{redact_url(url)!r}")
         self._local: LoopLocal[LoopResources] = LoopLocal(self._make_resources, _close_resources)
         self.runner = RequestRunner(
             name=type(self).__name__,
@@ -290,7 +336,7 @@ class FsspecStorage(AsyncHiCacheStorage):
     def _filesystem_options(self) -> dict[str, Any]:
         """Options for one filesystem instance (called per event loop)."""
         opts = dict(self._storage_options)
-        if getattr(self._fs_class, "async_impl", False):
+        if self._async_fs:
             opts["asynchronous"] = True
         opts["skip_instance_cache"] = True  # an instance is bound to one loop: never share it
         if self.protocol in _S3_PROTOCOLS:
@@ -338,7 +384,8 @@ class FsspecStorage(AsyncHiCacheStorage):
         opts = self._storage_options
         endpoint = opts.get("endpoint_url") or (opts.get("client_kwargs") or {}).get("endpoint_url") or ""
         fs = self._fs_class
-        return (f"{fs.__module__}.{fs.__qualname__}", str(endpoint).rstrip("/"), self.names.namespace_dir)
+        return (f"{fs.__module__}.{fs.__qualname__}", str(endpoint).rstrip("/"), *_dir_root(fs, opts),
+                self.names.namespace_dir)
 
     @property
     def names(self) -> ObjectNames:

@@ -27,6 +27,8 @@ from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
+from fsspec.implementations.dirfs import DirFileSystem
+
 from hicache.storage.offload import OFFLOAD_MIN_BYTES, run_to_completion
 from hicache_backends.s3.bodies import BodyBuffers
 from hicache_backends.writers import MACHINE_HEX, parse_machine, tmp_abandoned
@@ -483,19 +485,39 @@ def _put_local(path: str, data: bytes | bytearray) -> None:
         raise
 
 
+def _is_local(fs: Any) -> bool:
+    """Whether ``fs`` is fsspec's local files (``file://``)."""
+    protocol = getattr(fs, "protocol", ())
+    return bool({"file", "local"} & set((protocol,) if isinstance(protocol, str) else protocol))
+
+
+def _local_path_of(fs: Any) -> Callable[[str], str] | None:
+    """How a path of ``fs`` names a local file (``None``: its files are not local ones).
+
+    Local files are written by :func:`_put_local`, whole then renamed, and under a DirFileSystem
+    over local files too: its ``pipe_file`` is the local one, writing in place. Its ``_join``
+    gives the file (the backend refuses a url that climbs out of the dir's root)."""
+    if _is_local(fs):
+        return str
+    if isinstance(fs, DirFileSystem) and _is_local(fs.fs):
+        return fs._join
+    return None
+
+
 class ThreadObjectOps:
-    """A synchronous fsspec filesystem, each call in a worker thread (see module docstring)."""
+    """A synchronous fsspec filesystem, each call in a worker thread (see module docstring);
+    also a DirFileSystem over one (built synchronous: see ``FsspecStorage``)."""
 
     reuses_bodies = False  # memory:// keeps the very object it is given
 
     def __init__(self, fs: Any) -> None:
         self.fs = fs
-        protocol = getattr(fs, "protocol", ())
-        self.local = bool({"file", "local"} & set((protocol,) if isinstance(protocol, str) else protocol))
+        self._local_path = _local_path_of(fs)
+        self.local = self._local_path is not None
 
     async def put(self, path: str, data: bytes | bytearray) -> None:
-        if self.local:
-            await asyncio.to_thread(_put_local, path, data)
+        if self._local_path is not None:
+            await asyncio.to_thread(_put_local, self._local_path(path), data)
         else:
             await asyncio.to_thread(self.fs.pipe_file, path, data)
 
@@ -540,7 +562,8 @@ class ThreadObjectOps:
 
     async def remove_tree(self, prefix: str) -> int:
         try:
-            files, strays = _under(self.fs, prefix, _not_in_flight(await asyncio.to_thread(self.fs.find, prefix)))
+            listed = await asyncio.to_thread(self.fs.find, prefix)
+            files, strays = _under(self.fs, prefix, _not_in_flight(listed, self._local_path or str))
         except FileNotFoundError:
             return 0
         return _removed_all(prefix, files, await self.remove_many(files), strays)
@@ -559,11 +582,12 @@ ABORT_TIMEOUT = 10.0
 _REMOVE_CHUNK = 128
 
 
-def _not_in_flight(files: list[str]) -> list[str]:
+def _not_in_flight(files: list[str], local_path: Callable[[str], str] = str) -> list[str]:
     """A listing without the temporary files of local writes in flight (:func:`_put_local`
     renames them into place: removing one fails that write, not a page). A temporary file of
-    a writer that is gone (killed mid-write) is removed like any other file."""
-    return [f for f in files if not (f.endswith(".tmp") and _in_flight(f))]
+    a writer that is gone (killed mid-write) is removed like any other file. ``local_path``:
+    the local file a listed name is (a DirFileSystem lists names under its root)."""
+    return [f for f in files if not (f.endswith(".tmp") and _in_flight(local_path(f)))]
 
 
 def _in_flight(tmp: str) -> bool:
@@ -619,8 +643,9 @@ def _removed_all(prefix: str, files: list[str], failed: set[str], strays: int = 
 
 
 def make_ops(fs: Any) -> ObjectOps:
-    """The adapter for ``fs``: native coroutines where the filesystem has them."""
-    if getattr(fs, "async_impl", False):
+    """The adapter for ``fs``: native coroutines where the filesystem has them and was built
+    for them (a DirFileSystem over a synchronous filesystem is built synchronous)."""
+    if getattr(fs, "async_impl", False) and getattr(fs, "asynchronous", False):
         try:
             from s3fs import S3FileSystem
         except ImportError:  # pragma: no cover
