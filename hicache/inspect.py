@@ -32,7 +32,7 @@ __all__ = ["inspect_store"]
 
 # describe_space() keys about the medium as a whole (reported once), and about one namespace
 _MEDIUM_KEYS = ("free_bytes", "fs_bytes", "min_free_bytes", "writes_refused_for_free_space")
-_NAMESPACE_KEYS = ("used_bytes", "refused_pages_no_space", "last_refused_at")
+_NAMESPACE_KEYS = ("used_bytes", "inflight_bytes", "refused_pages_no_space", "last_refused_at")
 
 
 def _lists_namespaces(cls: type[AsyncHiCacheStorage]) -> bool:

@@ -309,3 +309,39 @@ async def test_inspect_progress_shows_on_a_terminal_only(tmp_path: Path, monkeyp
         monkeypatch.setattr("sys.stderr", stderr)
         report = await inspect_store(str(tmp_path), verify="all", progress=True)
         assert report["checked"] == 3 and ("verify" in stderr.getvalue()) is shown, stderr.getvalue()[:200]
+
+
+async def test_inspect_does_not_count_a_live_writers_batch_in_flight_as_stored(tmp_path: Path, monkeypatch) -> None:
+    """A live server's write batch reserves its bytes in the namespace's shared count before it
+    writes a byte; inspect reported that count as the namespace's ``used_bytes``, so a store
+    with a batch in flight (or a writer killed mid-batch) read fuller than what it holds. Now
+    ``used_bytes`` is the pages, and the reservations are ``inflight_bytes``."""
+    import asyncio
+    import threading
+
+    from hicache_backends.file import io as file_io
+
+    ns = Namespace(model="busy")
+    await _fill(tmp_path, ns, 5)
+    entered, release = threading.Event(), threading.Event()
+    real_write = file_io.write_page
+
+    def hung_write(*args, **kwargs):  # type: ignore[no-untyped-def]
+        entered.set()
+        release.wait(30)  # the thread really blocks, mid-batch
+        return real_write(*args, **kwargs)
+
+    async with create_async_storage("file", None, root=str(tmp_path), namespace=ns) as writer:
+        monkeypatch.setattr(file_io, "write_page", hung_write)
+        batch = asyncio.ensure_future(writer.batch_set([f"n{i}" for i in range(4)],
+                                                       [torch.full((256,), 7.0) for _ in range(4)]))
+        try:
+            assert await asyncio.to_thread(entered.wait, 10)
+            report = await inspect_store(str(tmp_path), verify="none", progress=False)
+        finally:
+            release.set()
+        assert await batch
+    space = report["namespaces"][ns.digest]
+    assert space["pages"] == 5
+    assert space["used_bytes"] == space["bytes"], space
+    assert space["inflight_bytes"] > 0, space

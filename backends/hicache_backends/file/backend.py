@@ -1162,7 +1162,8 @@ class FileStorage(AsyncHiCacheStorage):
 
     async def describe_space(self) -> dict[str, Any]:
         """The file system's free space against ``min_free_bytes``, and this namespace's shared
-        count and refused writes (recorded by every process in the usage ledger)."""
+        count (``used_bytes``: pages; ``inflight_bytes``: reserved by writes in flight) and
+        refused writes (recorded by every process in the usage ledger)."""
         ledger_path = os.path.join(self.layout.ns_dir, LEDGER_NAME)
 
         def facts() -> tuple[os.statvfs_result | None, Usage | None]:
@@ -1179,7 +1180,10 @@ class FileStorage(AsyncHiCacheStorage):
             out.update(free_bytes=free, fs_bytes=st.f_blocks * st.f_frsize)
             out["writes_refused_for_free_space"] = bool(self.min_free_bytes) and free < self.min_free_bytes
         if usage is not None:
-            out.update(used_bytes=usage.used, refused_pages_no_space=usage.refused)
+            # the count holds every write in flight (reserved before a byte is written) and a
+            # killed writer's reservation until a writer gives it back: not pages
+            out.update(used_bytes=max(0, usage.used - usage.inflight), inflight_bytes=usage.inflight,
+                       refused_pages_no_space=usage.refused)
             if usage.refused:
                 out["last_refused_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(usage.refused_at))
         return out

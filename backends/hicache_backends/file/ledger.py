@@ -215,7 +215,9 @@ def _move_own(slots: list[int], amount: int) -> None:
 
 
 def read_usage(path: str) -> Usage | None:
-    """The ledger at ``path`` without locking or creating it (for ``hicache inspect``)."""
+    """The ledger at ``path`` without locking or creating it (for ``hicache inspect``), its
+    ``inflight`` the reservation table's sum: ``used`` holds the writes in flight too, and an
+    observer that reported it as stored showed a namespace fuller than its pages."""
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
     except OSError:
@@ -224,7 +226,10 @@ def read_usage(path: str) -> Usage | None:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             return None
-        return Usage(*_decode(os.pread(fd, _FORMAT.size, 0)), token=st.st_ino)
+        raw = os.pread(fd, _SIZE, 0)
+        slots = _decode_slots(raw)
+        inflight = sum(slots[i + 2] for i in _taken(slots))
+        return Usage(*_decode(raw[: _FORMAT.size]), token=st.st_ino, inflight=max(0, inflight))
     except OSError:
         return None
     finally:
