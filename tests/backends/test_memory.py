@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import uuid
+from collections import OrderedDict
 
 import pytest
 
@@ -217,3 +218,297 @@ async def test_a_chained_batch_of_big_pages_never_evicts_its_prefix_for_a_writer
     finally:
         await a.aclose()
         await b.aclose()
+
+
+# ---------------------------------------------------------------- eviction: leaves first
+
+
+async def _chain(store, keys: list[str], fill: int, size: int = 1000) -> bool:  # type: ignore[no-untyped-def]
+    """Store ``keys`` as one chained batch (each page's parent the key before it)."""
+    import torch
+
+    return await store.batch_set(keys, [torch.full((size,), fill, dtype=torch.uint8)] * len(keys))
+
+
+async def test_eviction_trims_a_chain_from_its_tail_and_keeps_its_root() -> None:
+    """Plain LRU evicted a chain's root first (written first, so oldest), orphaning every later
+    page: they stayed stored, taking room, but no lookup (a prefix walk from the first page)
+    could reach them. Now the chain's leaves go first: the prefix left is still a hit."""
+    store = create_async_storage("memory", None, max_bytes=10_000)
+    seen = _watched(store)
+    async with store:
+        a = [f"a{i}" for i in range(6)]
+        assert await _chain(store, a, 1)
+        assert await _chain(store, ["b0", "b1", "b2", "b3"], 2)
+        seen.clear()
+        assert await _chain(store, ["c0", "c1"], 3)
+        assert seen == [("REMOVED", ("a5", "a4")), ("STORED", ("c0", "c1"))]
+        assert await store.exists_pages(a) == [True] * 4 + [False] * 2
+        assert await store.batch_exists(a) == 4  # the prefix left is reachable
+        stats = store.get_stats()
+        assert (stats["evicted_pages"], stats["evicted_bytes"], stats["stored_bytes"]) == (2, 2000, 10_000)
+
+
+async def test_interleaved_chains_are_each_trimmed_from_the_tail_least_recently_used_first() -> None:
+    """Two chains written page by page, interleaved. Chain B read since: A's tail goes first
+    and A's prefix is still a hit (plain LRU took a0 and a1, leaving a2 and a3 unreachable);
+    then A's prefix read: B's tail goes next."""
+    from hicache.storage.types import PageKey
+
+    store = create_async_storage("memory", None, max_bytes=8_000)
+    async with store:
+        for i in range(4):
+            for name in "ab":
+                parent = [PageKey(f"{name}{i - 1}", "kv")] if i else [None]
+                assert store._store([PageKey(f"{name}{i}", "kv")], [memoryview(b"x" * 1000)], parent) == [True]
+        a, b = [f"a{i}" for i in range(4)], [f"b{i}" for i in range(4)]
+        for key in b:  # a read of all of B: the most recently used chain now
+            assert (await store.get(key)) is not None
+        evicted: list = []
+        medium, digest = store.medium, store.namespace.digest
+        for i in range(2):
+            assert medium.put((digest, f"u{i}", "kv"), b"u" * 1000, evicted)
+        assert [k for _, k, _ in evicted] == ["a3", "a2"]
+        assert (await store.batch_exists(a), await store.batch_exists(b)) == (2, 4)
+        for key in a[:2]:
+            assert (await store.get(key)) is not None
+        for i in range(2, 4):
+            assert medium.put((digest, f"u{i}", "kv"), b"u" * 1000, evicted)
+        assert [k for _, k, _ in evicted[2:]] == ["b3", "b2"]
+        assert (await store.batch_exists(a), await store.batch_exists(b)) == (2, 2)
+
+
+def test_a_parent_left_a_leaf_keeps_its_own_last_use() -> None:
+    """A page whose last child is evicted becomes a leaf at the place its own last use gives
+    it, not at the front: a hot shared root stays while idle pages go."""
+    m = MemoryMedium(4)
+    root, child = ("ns", "root", "kv"), ("ns", "child", "kv")
+    assert m.put_many([root, child], [b"r", b"c"], parents=[None, root]) == [True, True]
+    assert m.put(("ns", "f1", "kv"), b"1") and m.put(("ns", "f2", "kv"), b"2")
+    assert m.get(root) == b"r"  # used last: the child is the oldest leaf, then f1, f2, root
+    evicted: list = []
+    for i in range(3):
+        assert m.put(("ns", f"n{i}", "kv"), b"n", evicted)
+    assert [k for _, k, _ in evicted] == ["child", "f1", "f2"]
+    assert m.has(root)
+
+
+def test_unchained_pages_are_evicted_in_plain_lru_order() -> None:
+    import random
+
+    rng = random.Random(7)
+    m = MemoryMedium(10)
+    order: OrderedDict = OrderedDict()  # the model: least recently used first
+    evicted: list = []
+    for step in range(500):
+        e = ("ns", f"k{rng.randint(0, 25)}", "kv")
+        if rng.random() < 0.4:
+            if m.get(e) is not None:
+                order.move_to_end(e)
+            continue
+        before = list(order)
+        assert m.put(e, b"x", evicted)
+        order.pop(e, None)
+        order[e] = None
+        while len(order) > 10:
+            assert evicted.pop(0) == before.pop(0) == order.popitem(last=False)[0], step
+    assert list(order) == list(m.pages)
+
+
+def test_a_chain_longer_than_the_medium_written_batch_by_batch_keeps_its_prefix() -> None:
+    """Batches continuing one chain never evict its earlier pages: the chain fills the medium
+    (after an unrelated chain, evicted from its tail) and the rest is refused."""
+    m = MemoryMedium(10)
+    other = [("ns", f"o{i}", "kv") for i in range(3)]
+    assert m.put_many(other, [b"o"] * 3, parents=[None, *other[:-1]]) == [True] * 3
+    chain = [("ns", f"c{i}", "kv") for i in range(15)]
+    evicted: list = []
+    flags: list[bool] = []
+    for start in (0, 5, 10, 10):
+        batch = chain[start:start + 5]
+        parents = [chain[start - 1] if start else None, *batch[:-1]]
+        flags += m.put_many(batch, [b"c"] * len(batch), evicted, parents)
+    assert flags == [True] * 10 + [False] * 10
+    assert evicted == other[::-1]
+    assert set(m.pages) == set(chain[:10]) and m.evicted_pages == 3
+
+
+async def test_a_shared_medium_trims_each_namespace_from_its_tails_and_reports_only_its_own() -> None:
+    """Eviction on a medium two namespaces share: leaves of both, least recently used first;
+    the writer reports only its own pages removed; the counters are the medium's."""
+    import torch
+
+    sid = f"leaves-{uuid.uuid4()}"
+    a = create_async_storage("memory", None, store_id=sid, max_bytes=5_000, namespace={"model": "a"})
+    b = create_async_storage("memory", None, store_id=sid, namespace={"model": "b"})
+    seen_b = _watched(b)
+    try:
+        async with a, b:
+            assert await a.batch_set(["p0", "p1", "p2"], [torch.zeros(1000, dtype=torch.uint8)] * 3)
+            assert await b.batch_set(["p0", "p1"], [torch.ones(1000, dtype=torch.uint8)] * 2)
+            assert (await a.get("p0")) is not None  # used: b's p1 is older now
+            seen_b.clear()
+            assert await b.batch_set(["q0", "q1", "q2"], [torch.ones(1000, dtype=torch.uint8)] * 3)
+            # a's chain is the oldest: trimmed from its tail (p2, p1), then b's p1, older than a's p0
+            assert seen_b == [("REMOVED", ("p1",)), ("STORED", ("q0", "q1", "q2"))]
+            assert await a.batch_exists(["p0", "p1", "p2"]) == 1
+            assert await b.batch_exists(["p0", "p1"]) == 1
+            stats = a.get_stats()
+            assert (stats["evicted_pages"], stats["evicted_bytes"], stats["stored_bytes"]) == (3, 3000, 5000)
+    finally:
+        MemoryMedium.drop_shared(sid)
+
+
+async def test_a_batch_repeating_a_key_makes_no_loop_that_could_never_be_evicted() -> None:
+    """``batch_set(["a", "b", "a"])`` chains a to b and b to a: a loop, in which no page is
+    ever a leaf. Linked, those pages could never be evicted and the medium refused every
+    later write; the link that would close the loop is not made."""
+    import torch
+
+    store = create_async_storage("memory", None, max_bytes=2_000)
+    async with store:
+        assert await store.batch_set(["a", "b", "a"], [torch.zeros(1000, dtype=torch.uint8)] * 3)
+        for i in range(3):
+            assert await store.set(f"k{i}", torch.zeros(1000, dtype=torch.uint8))
+        assert await store.exists_pages(["k1", "k2", "a", "b"]) == [True, True, False, False]
+
+
+class _LeavesFirstModel:
+    """The rule, the slow way: each victim the least recently used page no other page chains
+    from (after the put: the page put chains from its parent), never the page put nor one of
+    ``protect``; the victims found before any goes, else the put is refused."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap, self.clock = cap, 0
+        self.pages: dict = {}  # entry -> [payload, parent, last use]
+        self.evicted_pages = 0
+
+    def touch(self, e) -> None:  # type: ignore[no-untyped-def]
+        self.clock += 1
+        self.pages[e][2] = self.clock
+
+    def loops(self, e, parent) -> bool:  # type: ignore[no-untyped-def]
+        up = parent
+        while up is not None:
+            if up == e:
+                return True
+            up = self.pages[up][1] if up in self.pages else None
+        return False
+
+    def put(self, e, payload, evicted, parent=None, protect=None) -> bool:  # type: ignore[no-untyped-def]
+        if len(payload) > self.cap:
+            return False
+        if parent is not None and self.loops(e, parent):
+            parent = None
+        old = self.pages.get(e)
+        need = sum(len(p[0]) for p in self.pages.values()) - (len(old[0]) if old else 0) + len(payload) - self.cap
+        chosen: list = []
+        while need > 0:
+            left = [k for k in self.pages if k not in chosen]
+            linked = {(parent if k == e else self.pages[k][1]) for k in left} | {parent}
+            leaves = [k for k in left if k not in linked and k != e and not (protect and k in protect)]
+            if not leaves:
+                return False
+            victim = min(leaves, key=lambda k: self.pages[k][2])
+            chosen.append(victim)
+            need -= len(self.pages[victim][0])
+        for victim in chosen:
+            del self.pages[victim]
+            evicted.append(victim)
+            self.evicted_pages += 1
+        self.pages[e] = [payload, parent, 0]
+        self.touch(e)
+        return True
+
+    def put_many(self, entries, payloads, evicted, parents) -> list[bool]:  # type: ignore[no-untyped-def]
+        from hicache_backends.memory.backend import put_in_order
+
+        if parents is None:
+            return [self.put(e, p, evicted) for e, p in zip(entries, payloads)]
+        keep = None
+        if sum(len(p[0]) for p in self.pages.values()) + sum(map(len, payloads)) > self.cap:
+            keep = self.chain_of(entries, parents)
+        return put_in_order(entries, parents, lambda i: self.put(entries[i], payloads[i], evicted, parents[i], keep))
+
+    def chain_of(self, entries, parents) -> set:  # type: ignore[no-untyped-def]
+        keep = set(entries)
+        for parent in parents:
+            while parent is not None and parent not in keep and parent in self.pages:
+                keep.add(parent)
+                self.touch(parent)
+                parent = self.pages[parent][1]
+        return keep
+
+
+def _check_medium(m: MemoryMedium) -> None:
+    """The medium's own books agree with its pages."""
+    from collections import Counter
+
+    assert set(m.stamps) == set(m.pages) and set(m.links) <= set(m.pages)
+    assert m.children == Counter(p for p in m.links.values() if p is not None)
+    assert m.nbytes == sum(map(len, m.pages.values()))
+    first = {}
+    for stamp, e in m._leaves:
+        first[e] = min(stamp, first.get(e, stamp))
+    for e in m.pages:
+        if e not in m.children:
+            assert first[e] <= m.stamps[e]  # every leaf is in the heap, no later than its use
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_eviction_matches_the_leaves_first_rule(seed: int) -> None:
+    """Random puts (chained to held pages, to pages not held, to themselves, in batches or one
+    by one, big pages with a protected chain), reads, removes and namespace drops: the medium
+    stores, refuses and evicts (in order) exactly what the slow rule does."""
+    import random
+
+    rng = random.Random(seed)
+    cap = rng.choice([8, 20, 60])
+    m, model = MemoryMedium(cap), _LeavesFirstModel(cap)
+
+    def key() -> tuple:
+        return (rng.choice("xy"), f"k{rng.randint(0, 40)}", "kv")
+
+    for step in range(400):
+        op = rng.random()
+        ev_m: list = []
+        ev_model: list = []
+        if op < 0.35:  # a chained batch, continuing a held page or not
+            n = rng.randint(1, 8)
+            ns = rng.choice("xy")
+            held = [e for e in m.pages if e[0] == ns]
+            first = rng.choice([None, *held[-5:], *held[:3], (ns, f"k{rng.randint(0, 40)}", "kv")])
+            entries = [(ns, f"k{rng.randint(0, 60)}" if rng.random() < 0.3 else f"s{step}.{i}", "kv") for i in range(n)]
+            parents = [first, *entries[:-1]]
+            payloads = [b"p" * rng.choice([1, 1, 2, 3]) for _ in entries]
+            assert m.put_many(entries, payloads, ev_m, parents) == model.put_many(entries, payloads, ev_model, parents), step
+        elif op < 0.5:  # unchained batch
+            entries = [key() for _ in range(rng.randint(1, 5))]
+            payloads = [b"u" * rng.choice([1, 2]) for _ in entries]
+            assert m.put_many(entries, payloads, ev_m) == model.put_many(entries, payloads, ev_model, None), step
+        elif op < 0.62:  # one page, chained to anything (itself too), maybe a protected chain
+            e = key()
+            parent = rng.choice([None, key(), e, *list(m.pages)[-3:]])
+            keep = m.chain_of([e], [parent]) if rng.random() < 0.5 else None
+            mkeep = model.chain_of([e], [parent]) if keep is not None else None
+            assert keep == mkeep
+            size = rng.choice([1, 2, cap + 1])
+            assert m.put(e, b"q" * size, ev_m, parent=parent, protect=keep) == model.put(e, b"q" * size, ev_model, parent, mkeep), step
+        elif op < 0.85:
+            e = rng.choice([*m.pages, key()]) if m.pages else key()
+            got = m.get(e)
+            assert got == (model.pages[e][0] if e in model.pages else None)
+            if got is not None:
+                model.touch(e)
+        elif op < 0.97:
+            e = rng.choice([*m.pages, key()]) if m.pages else key()
+            assert m.remove(e) == (model.pages.pop(e, None) is not None)
+        else:
+            ns = rng.choice("xy")
+            assert m.drop_namespace(ns) == len([e for e in model.pages if e[0] == ns])
+            model.pages = {e: v for e, v in model.pages.items() if e[0] != ns}
+        assert ev_m == ev_model, step
+        assert set(m.pages) == set(model.pages), step
+        assert {e: p for e, p in m.links.items() if p is not None} == {e: v[1] for e, v in model.pages.items() if v[1] is not None}
+        assert m.evicted_pages == model.evicted_pages
+        _check_medium(m)

@@ -1,6 +1,7 @@
 """The ``memory`` backend: the simplest complete backend, and the one tests lean on.
 
-Pages live in a :class:`MemoryMedium` - an LRU dict bounded by bytes. Two ``MemoryStorage``
+Pages live in a :class:`MemoryMedium` - a dict bounded by bytes that evicts the least recently
+used leaf of each chain first (a chain is trimmed from its tail). Two ``MemoryStorage``
 objects given the same ``store_id`` share one medium (as two processes share a file root), each
 seeing only its own namespace. Everything is in-process, so small batches run inline (a
 ``memcpy`` of a small page is cheaper than a hop to a thread); a batch of at least
@@ -10,10 +11,12 @@ of 8 MiB pages is hundreds of MiB), and a cancelled caller waits for that copy t
 
 from __future__ import annotations
 
+import heapq
 import threading
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Sequence
-from itertools import repeat
+from itertools import compress, count, repeat
+from operator import lt, not_
 from typing import Any, ClassVar
 
 import numpy as np
@@ -65,8 +68,36 @@ def put_in_order(entries: Sequence[_Entry], parents: Sequence[_Entry | None], pu
     return ok
 
 
+def _is_chain(entries: Sequence[_Entry], parents: Sequence[_Entry | None]) -> bool:
+    """Whether each page of a batch is the parent of the next, and the first's parent (if any)
+    is not in the batch: a chained write's batch, checked in C."""
+    return len(parents) > 0 and list(parents[1:]) == list(entries[:-1]) and parents[0] not in entries
+
+
+def _links_back(entries: Sequence[_Entry], parents: Sequence[_Entry | None]) -> bool:
+    """Whether each page's parent comes before it in the batch, or is not in it: then new
+    pages nothing chains from yet close no loop. In C, no Python per page."""
+    at: dict[_Entry | None, int] = dict(zip(entries, count()))
+    return all(map(lt, map(at.get, parents, repeat(-1)), count()))
+
+
 class MemoryMedium:
-    """A byte-bounded LRU map of pages shared by every store that names the same ``store_id``."""
+    """A byte-bounded map of pages shared by every store that names the same ``store_id``.
+
+    Eviction takes leaves first: a page no other stored page chains from (its ``parent``), the
+    least recently used of them first, so a chain is trimmed from its tail and every stored
+    page's parent stays stored. Plain LRU evicted a chain's root (written and read first, so
+    the oldest) and orphaned the rest: those pages took room though no lookup, which walks a
+    prefix from its first page, could reach them, and the next write of the prefix rewrote
+    them. Pages stored without a parent are all leaves: plain LRU among themselves. A link
+    that would close a loop (``batch_set(["a", "b", "a"])`` chains a to b to a) is not made:
+    no page of a loop is ever a leaf, so none could be evicted.
+
+    The leaves wait in a heap by last use (``_leaves``, ``(stamp, entry)``), entries checked
+    when popped: a page used since (its stamp moved on: pushed again with it), no longer a
+    leaf, or gone is skipped; so a use costs no heap operation, and an eviction O(log n)
+    amortised. ``pages`` keeps its LRU order too (``list_pages``, and tests, read it).
+    """
 
     _shared: ClassVar[dict[str, MemoryMedium]] = {}
     _shared_lock: ClassVar[threading.Lock] = threading.Lock()
@@ -77,6 +108,16 @@ class MemoryMedium:
         #: the page each held page was written after (its parent), where it had one: what a
         #: chained write must not evict for room (see :meth:`chain_of`)
         self.links: dict[_Entry, _Entry | None] = {}
+        #: how many held pages chain from each entry (entries with none left out): a page with
+        #: none is a leaf, and only a leaf is evicted (see the class docstring). A Counter for
+        #: its ``update``, which counts a batch's parents in C.
+        self.children: Counter[_Entry] = Counter()
+        #: each held page's last use, on ``_clock``
+        self.stamps: dict[_Entry, int] = {}
+        self._clock = 0
+        #: the leaves, ``(stamp, entry)``; stale entries are skipped when popped. Every held
+        #: leaf has an entry with a stamp no newer than its own.
+        self._leaves: list[tuple[int, _Entry]] = []
         self.nbytes = 0
         self.evicted_pages = 0
         self.evicted_bytes = 0
@@ -103,7 +144,7 @@ class MemoryMedium:
 
     def put(self, entry: _Entry, payload: Payload, evicted: list[_Entry] | None = None, *,
             parent: _Entry | None = None, protect: set[_Entry] | None = None) -> bool:
-        """Store a page, evicting least recently used ones for room (appended to ``evicted``),
+        """Store a page, evicting least recently used leaves for room (appended to ``evicted``),
         never one of ``protect``: ``False`` (nothing evicted) when only they could make room."""
         with self.lock:
             return self._put_locked(entry, payload, evicted, parent, protect)
@@ -114,40 +155,147 @@ class MemoryMedium:
         size = len(payload)
         if size > self.max_bytes:
             return False
-        pages = self.pages
+        pages, links, children = self.pages, self.links, self.children
         old = pages.get(entry)
+        if parent is not None and (parent == entry or entry in children) and self._descends_locked(parent, entry):
+            parent = None  # a link that closes a loop: no page of the loop would ever be a leaf
         need = self.nbytes - (len(old) if old is not None else 0) + size - self.max_bytes
         if need > 0:
             # the victims are chosen before any goes: a page that cannot have its room is
             # refused without evicting anything for it
-            victims: list[_Entry] = []
-            for victim, held in pages.items():  # least recently used first
-                if victim == entry or (protect is not None and victim in protect):
-                    continue
-                victims.append(victim)
-                need -= len(held)
-                if need <= 0:
-                    break
-            if need > 0:
+            victims = self._victims_locked(entry, parent, need, protect)
+            if victims is None:
                 return False
             for victim in victims:
-                gone = pages.pop(victim)
-                self.links.pop(victim, None)
-                self.nbytes -= len(gone)
-                self.evicted_pages += 1
-                self.evicted_bytes += len(gone)
-                if evicted is not None:
-                    evicted.append(victim)
+                self._evict_locked(victim, evicted)
         if old is not None:
             del pages[entry]  # put again: most recently used
             self.nbytes -= len(old)
         pages[entry] = payload
         self.nbytes += size
-        if parent is not None:
-            self.links[entry] = parent
-        else:
-            self.links.pop(entry, None)
+        self._clock += 1
+        self.stamps[entry] = self._clock
+        if links.get(entry) != parent:  # (a new page has no link)
+            if old is not None:
+                self._unlink_locked(entry)
+            if parent is not None:
+                links[entry] = parent
+                children[parent] = children.get(parent, 0) + 1
+        if old is None and entry not in children:
+            self._push_leaf_locked(entry)  # a held leaf (put again) has its heap entry already
         return True
+
+    def _descends_locked(self, page: _Entry, entry: _Entry) -> bool:
+        """Whether ``page`` is ``entry`` or chains from it through held pages. Only a page
+        others chain from has descendants (rarely one being put: :meth:`_put_locked` asks
+        only then), so the usual put walks nothing."""
+        links = self.links
+        up: _Entry | None = page
+        while up is not None:
+            if up == entry:
+                return True
+            up = links.get(up)
+        return False
+
+    def _victims_locked(self, entry: _Entry | None, parent: _Entry | None, need: int,
+                        protect: set[_Entry] | None) -> list[_Entry] | None:
+        """The pages to evict, in order, so that ``need`` more bytes fit for ``entry`` (to be
+        linked to ``parent``), or ``None`` when they cannot be found (the heap is left as it
+        was, but for stale entries dropped). Leaves first, least recently used first; a page
+        whose last child is chosen is a leaf for the rest of the choice. Never ``entry``,
+        nor one of ``protect``, nor ``parent`` (it is to have a child)."""
+        pages, children, stamps, links = self.pages, self.children, self.stamps, self.links
+        lost: dict[_Entry, int] = {}  # children a page loses (gains: negative) by this put
+        relinked = links.get(entry) if entry is not None and entry in pages else None
+        heap = self._leaves
+        if relinked != parent:
+            if relinked is not None:
+                lost[relinked] = 1
+                if children.get(relinked) == 1 and relinked in pages:  # ``entry`` was its last child
+                    heapq.heappush(heap, (stamps[relinked], relinked))
+            if parent is not None:
+                lost[parent] = -1
+        chosen: list[_Entry] = []
+        picked: set[_Entry] = set()
+        aside: list[tuple[int, _Entry]] = []  # leaves kept: pushed back after the choice
+        while need > 0 and heap:
+            item = heapq.heappop(heap)
+            stamp, victim = item
+            last = stamps.get(victim)  # (held pages only)
+            if last is None or victim in picked:
+                continue  # gone, or a second entry of a page already chosen
+            if (victim in children or victim in lost) and children.get(victim, 0) - lost.get(victim, 0) > 0:
+                if victim not in children:
+                    aside.append(item)  # a leaf still, but this put chains from it
+                continue  # not a leaf (its entry comes back when it is one)
+            if last != stamp:
+                heapq.heappush(heap, (last, victim))  # used since: at its place now
+                continue
+            if victim == entry or (protect is not None and victim in protect):
+                aside.append(item)
+                continue
+            chosen.append(victim)
+            picked.add(victim)
+            need -= len(pages[victim])
+            up = links.get(victim)
+            if up is not None and up in stamps:
+                left = lost[up] = lost.get(up, 0) + 1
+                if children.get(up) == left:  # its last child chosen: a leaf now
+                    heapq.heappush(heap, (stamps[up], up))
+        for item in aside:
+            heapq.heappush(heap, item)
+        if need > 0:
+            for victim in chosen:
+                heapq.heappush(heap, (stamps[victim], victim))
+            if len(heap) > 2 * len(pages) + 1024:
+                self._compact_leaves_locked()
+            return None
+        return chosen
+
+    def _evict_locked(self, victim: _Entry, evicted: list[_Entry] | None) -> None:
+        """Evict a victim :meth:`_victims_locked` chose (which pushed its parent, where this
+        leaves it a leaf)."""
+        gone = self.pages.pop(victim)
+        del self.stamps[victim]
+        up = self.links.pop(victim, None)
+        if up is not None:
+            children = self.children
+            left = children[up] - 1
+            if left:
+                children[up] = left
+            else:
+                children.pop(up)
+        self.nbytes -= len(gone)
+        self.evicted_pages += 1
+        self.evicted_bytes += len(gone)
+        if evicted is not None:
+            evicted.append(victim)
+
+    def _unlink_locked(self, entry: _Entry) -> None:
+        """Drop ``entry``'s link to its parent; a held parent left without children is a leaf."""
+        up = self.links.pop(entry, None)
+        if up is None:
+            return
+        children = self.children
+        left = children.get(up, 0) - 1
+        if left > 0:
+            children[up] = left
+            return
+        children.pop(up, None)
+        if up in self.pages:
+            self._push_leaf_locked(up)
+
+    def _push_leaf_locked(self, entry: _Entry) -> None:
+        heapq.heappush(self._leaves, (self.stamps[entry], entry))
+        if len(self._leaves) > 2 * len(self.pages) + 1024:
+            self._compact_leaves_locked()
+
+    def _compact_leaves_locked(self) -> None:
+        """Rebuild the heap, which stale entries have come to outnumber the pages twice: its
+        rebuild, O(n), comes after n pushes at least (amortised O(1) a push)."""
+        children, stamps = self.children, self.stamps
+        self._leaves = [(stamps[e], e) for e in self.pages if e not in children]
+        heapq.heapify(self._leaves)
 
     def chain_of(self, entries: Sequence[_Entry], parents: Sequence[_Entry | None]) -> set[_Entry]:
         """What a chained batch (``parents``: the page before each) must never evict for its
@@ -159,16 +307,19 @@ class MemoryMedium:
 
     def _chain_locked(self, entries: Sequence[_Entry], parents: Sequence[_Entry | None]) -> set[_Entry]:
         """:meth:`chain_of`, the held ancestors also made most recently used (a write that
-        continues them uses them), so the victim scan of :meth:`_put_locked`, least recently
+        continues them uses them), so the victim choice of :meth:`_put_locked`, least recently
         used first, meets every page it may take before any it must skip: the batch's own
         prefix sat at the front of the LRU order, and every page of the batch stepped over all
         of it (a put of 64 pages after a 20,000-page chain took 128 ms under the lock)."""
         keep = set(entries)
         pages, links = self.pages, self.links
+        stamps = self.stamps
         for parent in parents:
             while parent is not None and parent not in keep and parent in pages:
                 keep.add(parent)
                 pages.move_to_end(parent)
+                self._clock += 1
+                stamps[parent] = self._clock
                 parent = links.get(parent)
         return keep
 
@@ -193,28 +344,80 @@ class MemoryMedium:
         and lock round trip is Python the server's event loop waits on for the GIL. The outcome
         (pages kept, evictions and their order, counters) is that of the puts one by one; a
         batch of new pages that fits without evicting (the usual one) is stored by one
-        ``update`` without a Python iteration per page. ``parents`` (the page before each):
+        ``update`` without a Python iteration per page, and a batch of new pages that must
+        evict has its victims chosen once, for all of it. ``parents`` (the page before each):
         a chained batch, stored as :meth:`_put_chain_locked` does.
         """
         n = len(entries)
         if len(payloads) != n or (parents is not None and len(parents) != n):
             raise ValueError(f"put_many: {n} entries but {len(payloads)} payloads")
         total = sum(map(len, payloads))
+        chain = parents is not None and _is_chain(entries, parents)
         with self.lock:
             pages = self.pages
-            if self.nbytes + total <= self.max_bytes and pages.keys().isdisjoint(entries):
-                before = len(pages)
-                pages.update(zip(entries, payloads))
-                if len(pages) == before + n:
-                    self.nbytes += total
-                    if parents is not None:  # a None parent is no link: links.get() says the same
-                        self.links.update(zip(entries, parents))
-                    return [True] * n
-                for e in entries:  # an entry twice in the batch (rare): undo, then one by one
-                    pages.pop(e, None)
+            keep: set[_Entry] | None = None
+            if (pages.keys().isdisjoint(entries) and self.children.keys().isdisjoint(entries)
+                    and (parents is None or chain or _links_back(entries, parents))):
+                need = self.nbytes + total - self.max_bytes
+                if need <= 0:
+                    before = len(pages)
+                    pages.update(zip(entries, payloads))
+                    if len(pages) == before + n:
+                        self.nbytes += total
+                        self._book_new_locked(entries, parents, chain)
+                        return [True] * n
+                    for e in entries:  # an entry twice in the batch (rare): undo, then one by one
+                        pages.pop(e, None)
+                elif total <= self.max_bytes and len(set(entries)) == n:
+                    keep = self._chain_locked(entries, parents) if parents is not None else None
+                    if self._make_room_locked(need, keep, evicted):
+                        pages.update(zip(entries, payloads))
+                        self.nbytes += total
+                        self._book_new_locked(entries, parents, chain)
+                        return [True] * n
             if parents is not None:
-                return self._put_chain_locked(entries, payloads, parents, evicted)
+                return self._put_chain_locked(entries, payloads, parents, evicted, keep)
             return [self._put_locked(e, p, evicted) for e, p in zip(entries, payloads)]
+
+    def _make_room_locked(self, need: int, keep: set[_Entry] | None, evicted: list[_Entry] | None) -> bool:
+        """Evict for a batch of new pages what their puts one by one would, or nothing when
+        that cannot free ``need`` bytes (the puts one by one then store what fits). The same
+        victims: each put takes the least recently used leaves in turn, and none of the batch's
+        own pages, which are protected (a chained batch) or the newest leaves, needed only by
+        a batch bigger than the medium (the caller's check)."""
+        victims = self._victims_locked(None, None, need, keep)
+        if victims is None:
+            return False
+        for victim in victims:
+            self._evict_locked(victim, evicted)
+        return True
+
+    def _book_new_locked(self, entries: Sequence[_Entry], parents: Sequence[_Entry | None] | None,
+                         chain: bool) -> None:
+        """The links, stamps and leaves of new pages just stored (none held or chained from
+        before; parents as :func:`_links_back` checked; ``chain``: :func:`_is_chain`), as
+        their puts one by one would leave them, in C: each page used last, so appended in
+        order their heap entries keep the heap a heap (every stamp in it is older)."""
+        n = len(entries)
+        clock = self._clock + 1
+        self._clock += n
+        self.stamps.update(zip(entries, count(clock)))
+        stamped = zip(count(clock), entries)
+        if parents is None:
+            self._leaves.extend(stamped)  # every page a leaf
+        else:
+            self.links.update(zip(entries, parents))  # a None parent is no link: links.get() says the same
+            children = self.children
+            if chain:  # each page the parent of the next: the last is the leaf
+                dict.update(children, zip(entries[:-1], repeat(1)))
+                if parents[0] is not None:
+                    children[parents[0]] = children.get(parents[0], 0) + 1
+                self._leaves.append((clock + n - 1, entries[-1]))
+            else:
+                children.update(filter(None, parents))
+                self._leaves.extend(compress(stamped, map(not_, map(children.__contains__, entries))))
+        if len(self._leaves) > 2 * len(self.pages) + 1024:
+            self._compact_leaves_locked()
 
     def present(self, entries: Sequence[_Entry]) -> list[bool]:
         """Whether each entry is held now."""
@@ -227,6 +430,8 @@ class MemoryMedium:
             payload = self.pages.get(entry)
             if payload is not None:
                 self.pages.move_to_end(entry)
+                self._clock += 1
+                self.stamps[entry] = self._clock  # its heap entry, if a leaf, is checked when popped
             return payload
 
     def has(self, entry: _Entry) -> bool:
@@ -239,7 +444,8 @@ class MemoryMedium:
             gone = self.pages.pop(entry, None)
             if gone is None:
                 return False
-            self.links.pop(entry, None)
+            del self.stamps[entry]
+            self._unlink_locked(entry)
             self.nbytes -= len(gone)
             return True
 
@@ -248,12 +454,14 @@ class MemoryMedium:
             doomed = [e for e in self.pages if e[0] == digest]
             for e in doomed:
                 self.nbytes -= len(self.pages.pop(e))
-                self.links.pop(e, None)
+                del self.stamps[e]
+                self._unlink_locked(e)
             return len(doomed)
 
 
 class MemoryStorage(AsyncHiCacheStorage):
-    """In-process storage bounded by ``max_bytes`` with LRU eviction.
+    """In-process storage bounded by ``max_bytes``, evicting the least recently used leaves of
+    its chains first (see :class:`MemoryMedium`).
 
     Options:
         max_bytes: capacity of the medium in bytes (default 1 GiB).
