@@ -668,13 +668,15 @@ async def test_verifying_a_page_does_not_download_a_huge_foreign_object(
 ) -> None:
     """``verify_page`` (``hicache inspect``) of a page whose name holds a foreign object (24 MiB
     of something else) downloaded it whole, held it in memory and hashed it. The first bytes
-    are read first now: an object that is no page costs those (4 KiB)."""
+    are read first now: an object that is no page, bigger than the store reads whole to prove
+    damage at rest (lowered to 1 MiB here; 100 MiB by default), costs those (4 KiB)."""
     import torch
 
     from hicache.storage import PageKey
 
     keys = keys_for(2, salt=151)
     async with make_s3(proxy.endpoint, moto_bucket, prefix, NS_A) as store:
+        store.verify_whole_max = 1 << 20
         await write_pages(store, keys, seed=151)
         assert await store.verify_page(PageKey(keys[1], "kv")) is True  # a good page still verifies
         path = store.names.page(keys[0], "kv")
@@ -691,3 +693,28 @@ async def test_verifying_a_page_does_not_download_a_huge_foreign_object(
         stored = await asyncio.to_thread(raw_get, moto_endpoint, store.names.page("big", "kv"))
         await asyncio.to_thread(raw_put, moto_endpoint, store.names.page("big", "kv"), stored + b"+")
         assert await store.get("big") is None  # trailing bytes: a wrong length
+
+
+@pytest.mark.parametrize("damage", ["header", "trailing"])
+async def test_a_page_damaged_at_rest_outside_its_payload_is_deleted_by_verify_page(
+    moto_endpoint: str, moto_bucket: str, prefix: str, damage: str
+) -> None:
+    """``verify_page`` reads a page in ranges (the header first), and a page whose header is
+    damaged, or that has bytes after it, failed verification on a part of the object: the
+    proof of damage at rest (the whole object's MD5 against its ETag) could not pass, so the
+    page was kept and counted damaged in transit at every inspect (the sized read deletes it).
+    The rest of such an object, up to ``verify_whole_max``, is read for the proof now."""
+    import torch
+
+    from hicache.storage import PageKey
+
+    async with make_s3(moto_endpoint, moto_bucket, prefix, NS_A) as store:
+        assert await store.set("p", torch.rand(8192)) is True
+        path = store.names.page("p", "kv")
+        stored = await asyncio.to_thread(raw_get, moto_endpoint, path)
+        bad = (bytes([stored[0] ^ 0xFF]) + stored[1:]) if damage == "header" else stored + b"x" * 40
+        await asyncio.to_thread(raw_put, moto_endpoint, path, bad)
+        assert await store.verify_page(PageKey("p", "kv")) is False
+        stats = store.get_stats()
+        assert stats["corrupt_pages"] == 1 and stats.get("transit_errors", 0) == 0, stats
+        assert await asyncio.to_thread(raw_get, moto_endpoint, path) is None  # deleted

@@ -178,6 +178,11 @@ class FsspecStorage(AsyncHiCacheStorage):
     """
 
     backend_name: ClassVar[str] = "fsspec"
+    #: the biggest object a failed ``verify_page`` reads whole to prove it damaged at rest
+    #: (:meth:`_rest_for_proof`): the size up to which pages go in one PUT, whose ETag is the
+    #: MD5 the proof compares (a multipart upload's is not; ``S3ObjectOps.put`` sends those
+    #: from twice its 50 MiB part size)
+    verify_whole_max: ClassVar[int] = 100 << 20
 
     def __init__(
         self,
@@ -716,8 +721,12 @@ class FsspecStorage(AsyncHiCacheStorage):
             verdict = self._verify(memoryview(first)[:split], memoryview(payload), page, None)
             if verdict is Verdict.OK:
                 return payload
-            # (read whole when it is a page, so its bytes may prove it corrupt at rest)
-            await self._reject(path, memoryview(first + rest), split, verdict, None, page)
+            data = first + rest
+            # all of the object read unless it filled every range asked for
+            whole = len(first) < probe if end <= probe else len(data) < end
+            if not whole:
+                data = await self._rest_for_proof(path, data)
+            await self._reject(path, memoryview(data), split, verdict, None, page)
             return None
 
         try:
@@ -726,6 +735,21 @@ class FsspecStorage(AsyncHiCacheStorage):
         except TimeoutError:
             self.stats.incr("call_timeouts")
             return None
+
+    async def _rest_for_proof(self, path: str, data: bytes) -> bytes:
+        """``data`` (the start of the object at ``path``, which failed verification) with the
+        rest of the object, when it is no bigger than :attr:`verify_whole_max`: only the whole
+        object's MD5 against its ETag proves it damaged at rest (and deletes it), and a page
+        whose header is damaged, or that has bytes after it, was otherwise kept for good,
+        counted as damaged in transit at every inspect. A bigger object (a foreign upload of
+        gigabytes at a page's name) costs what was read: it stays, a counted miss."""
+        try:
+            size = await self.runner.request("size", lambda ops: ops.size(path))
+            if size is None or size <= len(data) or size > self.verify_whole_max:
+                return data
+            return data + await self.runner.request("read", lambda ops: ops.get_range(path, len(data), size))
+        except (GaveUp, FileNotFoundError):
+            return data  # not proven: kept, a counted miss (see _reject)
 
     def _verify(self, header: memoryview, payload: memoryview, page: PageKey, want: int | None) -> Verdict:
         codec = self._codec or PageCodec(self.namespace.digest_bytes)
