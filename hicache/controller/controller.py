@@ -527,7 +527,6 @@ class HiCacheController:
             await self._close_wait({closing}, 1.0)
         if stuck:
             await self._wait_tasks(1.0)
-            logger.warning("controller %s", report.summary())  # the stuck calls beside what else it left
         self.state = ControllerState.CLOSED
         counters = self.metrics.counters
         report.failed_storage_pages = int(counters.get("storage_write_failures", 0) + counters.get(
@@ -536,6 +535,8 @@ class HiCacheController:
             logger.warning("controller close: %d page(s) meant for storage were never written there (writes "
                            "failed, skipped while storage was down, or dropped from host before their turn)",
                            report.failed_storage_pages)
+        if stuck:  # the stuck calls beside all else the close left (the report's fields are final now)
+            logger.warning("controller %s", report.summary())
         try:
             await self.metrics.aclose()  # this cache's families leave the scrape
         except asyncio.CancelledError:  # they left all the same (its finally): keep the report
