@@ -247,16 +247,7 @@ class Scheduler:
         handlers and then cuts their connections; a request still queued was cut with no
         status, which no client or balancer can tell safe to retry, and logged as a client
         that hung up."""
-        shed = [job for job in self._waiting if not job.future.done()]
-        for job in shed:
-            self._dequeued(job)
-            self.metrics.requests["rejected"] += 1
-            job.future.set_exception(SchedulerClosedError("the server is shutting down: the request did not start in time"))
-            if job.task is not None and not job.task.done():
-                job.task.cancel()
-        if shed:
-            logger.warning("drain timed out: %d request(s) that had not started were refused (503)", len(shed))
-        return len(shed)
+        return self._refuse(self._waiting, "start", "had not started were refused (503)")
 
     def stop_running(self) -> int:
         """The drain is about to cut its handlers: answer every request not finished yet with
@@ -268,17 +259,22 @@ class Scheduler:
         first and cuts its connection, with no status: the client and its balancer could not
         tell a server that went away from a network fault, and the request was counted only
         as ``abandoned``, with no log line."""
-        cut = [job for job in self._started if not job.future.done()]
-        for job in cut:
+        return self._refuse(self._started, "finish", "did not finish were stopped and answered 503")
+
+    def _refuse(self, jobs: set[Job], missed: str, logged: str) -> int:
+        """Answer each unanswered job of ``jobs`` with :class:`SchedulerClosedError` (the
+        request did not ``missed`` in time), counted ``rejected``, its generation stopped; the
+        drain's warning says how many ``logged``."""
+        refused = [job for job in jobs if not job.future.done()]
+        for job in refused:
             self._dequeued(job)
             self.metrics.requests["rejected"] += 1
-            job.future.set_exception(SchedulerClosedError("the server is shutting down: the request did not finish in time"))
+            job.future.set_exception(SchedulerClosedError(f"the server is shutting down: the request did not {missed} in time"))
             if job.task is not None and not job.task.done():
                 job.task.cancel()
-        if cut:
-            logger.warning("drain timed out: %d request(s) that did not finish were stopped and answered 503",
-                           len(cut))
-        return len(cut)
+        if refused:
+            logger.warning("drain timed out: %d request(s) that %s", len(refused), logged)
+        return len(refused)
 
     # -- internals
     async def _run(self, ready: asyncio.Event) -> None:
