@@ -192,6 +192,29 @@ async def test_store_opens_on_a_full_disk_and_reclaims_a_dead_clear(small_tmpfs)
 # ---------------------------------------------------------------------- item 3: one bound, N processes
 
 
+def _killed_after(func: str, op: str) -> str:
+    """A child script, run as ``python -c SCRIPT ROOT MAX_BYTES SIZE``: a file store at ROOT
+    bounded to MAX_BYTES runs ``op`` (SIZE is ``sys.argv[3]``), and is SIGKILLed right after
+    its ``page_io.<func>`` returns: files unlinked, their bytes not yet off the shared count."""
+    return (
+        "import asyncio, os, sys, torch\n"
+        "from hicache.testing.store_tests import NS_A\n"
+        "from hicache_backends.file import FileStorage\n"
+        "from hicache_backends.file import io as page_io\n"
+        "async def main():\n"
+        "    s = FileStorage(None, root=sys.argv[1], namespace=NS_A, min_free_bytes=0, max_bytes=int(sys.argv[2]))\n"
+        "    async with s:\n"
+        "        await s.wait_background()\n"
+        f"        real = page_io.{func}\n"
+        "        def die(*args):\n"
+        "            real(*args)\n"
+        "            os.kill(os.getpid(), 9)  # unlinked, not subtracted\n"
+        f"        page_io.{func} = die\n"
+        f"        await {op}\n"
+        "asyncio.run(main())\n"
+    )
+
+
 def namespace_bytes(ns_dir: str) -> int:
     """Bytes of page files and in-flight temporary files under a namespace folder, by size."""
     total = 0
@@ -888,23 +911,7 @@ async def test_an_evictor_killed_between_its_unlinks_and_its_subtraction_leaves_
     the next process to take the ledger's lock settles a dead evictor's removal."""
     page = 64 << 10
     bound = 4 * (page + 512)
-    child = (
-        "import asyncio, os, sys, torch\n"
-        "from hicache.testing.store_tests import NS_A\n"
-        "from hicache_backends.file import FileStorage\n"
-        "from hicache_backends.file import io as page_io\n"
-        "async def main():\n"
-        "    s = FileStorage(None, root=sys.argv[1], namespace=NS_A, min_free_bytes=0, max_bytes=int(sys.argv[2]))\n"
-        "    async with s:\n"
-        "        await s.wait_background()\n"
-        "        real = page_io.remove_files\n"
-        "        def die(paths, sizes):\n"
-        "            real(paths, sizes)\n"
-        "            os.kill(os.getpid(), 9)  # unlinked, not subtracted\n"
-        "        page_io.remove_files = die\n"
-        "        await s.set('k-child', torch.full((int(sys.argv[3]),), 3, dtype=torch.uint8))\n"
-        "asyncio.run(main())\n"
-    )
+    child = _killed_after("remove_files", "s.set('k-child', torch.full((int(sys.argv[3]),), 3, dtype=torch.uint8))")
     async with make_store(tmp_path, max_bytes=bound) as store, make_store(tmp_path, max_bytes=bound) as peer:
         await within(store.wait_background())
         await within(peer.wait_background())  # a peer keeps the namespace open: no lone scan
@@ -930,23 +937,7 @@ async def test_a_reader_killed_between_removing_a_corrupt_page_and_its_subtracti
     count right after it, so the next process to take the ledger's lock settles a dead one's."""
     page = 64 << 10
     bound = 8 * (page + 512)
-    child = (
-        "import asyncio, os, sys, torch\n"
-        "from hicache.testing.store_tests import NS_A\n"
-        "from hicache_backends.file import FileStorage\n"
-        "from hicache_backends.file import io as page_io\n"
-        "async def main():\n"
-        "    s = FileStorage(None, root=sys.argv[1], namespace=NS_A, min_free_bytes=0, max_bytes=int(sys.argv[2]))\n"
-        "    async with s:\n"
-        "        await s.wait_background()\n"
-        "        real = page_io._discard\n"
-        "        def die(path, st):\n"
-        "            assert real(path, st)\n"
-        "            os.kill(os.getpid(), 9)  # unlinked, not subtracted\n"
-        "        page_io._discard = die\n"
-        "        await s.get('k1', torch.empty(int(sys.argv[3]), dtype=torch.uint8))\n"
-        "asyncio.run(main())\n"
-    )
+    child = _killed_after("_discard", "s.get('k1', torch.empty(int(sys.argv[3]), dtype=torch.uint8))")
     async with make_store(tmp_path, max_bytes=bound) as store, make_store(tmp_path, max_bytes=bound) as peer:
         await within(store.wait_background())
         await within(peer.wait_background())  # a peer keeps the namespace open: no lone scan
