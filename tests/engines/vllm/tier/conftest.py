@@ -30,6 +30,19 @@ def moto_endpoint() -> Iterator[str]:
         server.stop()
 
 
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A tiny Llama's config (no weights: the scheduler side never loads them)."""
+    from transformers import LlamaConfig
+
+    path = tmp_path_factory.mktemp("tiny-llama")
+    LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=1000, max_position_embeddings=512,
+    ).save_pretrained(path)
+    return str(path)
+
+
 @pytest.fixture
 def s3_tier_options(moto_endpoint: str) -> dict:
     """Options of the ``s3`` backend for a fresh bucket prefix on the moto server."""

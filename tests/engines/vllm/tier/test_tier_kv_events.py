@@ -19,7 +19,6 @@ import botocore.session
 import pytest
 import torch
 from _tiering import BLOCK, TIER_MODULE, Engine, block_keys, tier_config
-from transformers import LlamaConfig
 from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, VllmConfig, set_current_vllm_config
 from vllm.config.kv_events import KVEventsConfig
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
@@ -46,16 +45,6 @@ TOKENS = list(range(1000, 1000 + 8 * BLOCK))
 
 
 # ---------------------------------------------------------------------------- a real vLLM scheduler
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    path = tmp_path_factory.mktemp("tiny-llama")
-    LlamaConfig(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=1000, max_position_embeddings=512,
-    ).save_pretrained(path)
-    return str(path)
-
 
 class Serving:
     """vLLM's ``Scheduler`` with ``OffloadingConnector`` and KV events on; the workers' copies

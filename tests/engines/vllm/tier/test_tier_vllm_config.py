@@ -21,7 +21,6 @@ import pytest
 import torch
 from _block_formats import backend_cache
 from _tiering import BLOCK, TIER_MODULE, payload
-from transformers import LlamaConfig
 from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, VllmConfig, set_current_vllm_config
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
@@ -37,17 +36,6 @@ from hicache.integrations.vllm.tier import HiCacheTier
 
 LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
 PROMPT = list(range(300, 300 + 5 * BLOCK))
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """A tiny Llama's config (no weights: the scheduler side never loads them)."""
-    path = tmp_path_factory.mktemp("tiny-llama")
-    LlamaConfig(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=1000, max_position_embeddings=512,
-    ).save_pretrained(path)
-    return str(path)
 
 
 def kv_transfer_config(root: str, **extra: Any) -> dict[str, Any]:
