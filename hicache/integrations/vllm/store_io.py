@@ -113,7 +113,9 @@ class StoreIO:
 
     def close(self, timeout: float) -> int:
         """Wait up to ``timeout`` s for submitted work, then close the backends and the loop.
-        Returns how many submitted operations had not finished (they are cancelled)."""
+        Returns how many submitted operations had not finished (they are cancelled). The loop's
+        stop keeps ``timeout`` too: a lookup stuck in a thread call (a hung mount) is left to end
+        on its own, not waited for 10 s more (lookups fill no buffer of the caller's)."""
         with self._lock:
             if self._closed:
                 return 0
@@ -129,5 +131,5 @@ class StoreIO:
                 self._loop.call(backend.aclose(), timeout=timeout)
             except BaseException as exc:  # noqa: BLE001 - closing must not raise into vLLM
                 logger.warning("hicache: closing storage %s failed: %r", backend.backend_name, exc)
-        self._loop.stop()
+        self._loop.stop(timeout)
         return len(not_done)

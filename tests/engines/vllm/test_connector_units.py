@@ -386,6 +386,36 @@ def test_close_drains_the_storage_queue_or_reports_what_it_left(tmp_path: Path) 
             assert len(page_files(root)) == w.stats["pages_saved"]
 
 
+def test_scheduler_store_close_with_a_lookup_stuck_in_a_thread_keeps_its_timeout() -> None:
+    """A store whose open hangs in a thread call (a folder made on a hard NFS mount whose server
+    is down) with a lookup waiting for it: the scheduler's close waited for the lookup and the
+    store's close up to its timeout each, then joined the loop thread for a fixed 10 s more
+    (vLLM's shutdown, and a failed start-up's ``close(0)``, held that long). Its loop's stop now
+    keeps the close's timeout; the lookup still gets its answer once the thread call returns."""
+    from hicache_backends.memory.backend import MemoryStorage
+
+    mount_back = threading.Event()
+
+    class HungOpen(MemoryStorage):
+        async def _open(self) -> None:
+            await run_to_completion(mount_back.wait, 30)  # really blocks a thread
+            await super()._open()
+
+    store = StoreIO("memory", {}, [namespace()], name="t-stuck")
+    store.backends[0] = HungOpen(namespace=namespace())
+    lookup = store.submit(store.primary.exists_pages(["x"]))
+    try:
+        began = time.monotonic()
+        store.close(0.3)
+        assert time.monotonic() - began < 3.0  # was 0.3 + 0.3 + 10 s
+    finally:
+        mount_back.set()
+    with pytest.raises(BaseException):
+        lookup.result(10)
+    store._loop._thread.join(10)
+    assert store._loop.loop.is_closed()
+
+
 def test_a_slot_still_being_written_is_never_overwritten(tmp_path: Path) -> None:
     src = kv_layers(seed=9)
     keys = PageKeyChain(BS).extend(TOKENS, 2)
