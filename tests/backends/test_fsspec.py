@@ -608,3 +608,28 @@ async def test_two_dir_stores_over_different_folders_never_answer_for_each_other
         assert await one.exists("k")
         assert not await two.exists("k")
         assert await two.get("k", torch.empty(4)) is None
+
+
+async def test_two_dir_stores_over_buckets_of_different_services_never_answer_for_each_other(
+        moto_endpoint: str, moto_bucket: str) -> None:
+    """A ``dir://`` store over S3 whose service is named in ``target_options``'
+    ``client_kwargs`` (as s3fs takes it; the plain s3 url's key reads it there too) shared its
+    existence cache with one over the same bucket name of another service: a page stored on
+    one was a hit of the other, whose service never had it."""
+    opts = s3_options(moto_endpoint)
+    elsewhere = "http://127.0.0.1:9"  # another service (none answers there)
+
+    def target(endpoint: str) -> dict[str, Any]:
+        return {"key": opts["key"], "secret": opts["secret"], "client_kwargs": {"endpoint_url": endpoint},
+                "asynchronous": True, "skip_instance_cache": True}
+
+    stores = [create_async_storage("fsspec", None, url="dir://store", namespace=NS_A, call_timeout=1,
+                                   storage_options={"path": f"{moto_bucket}/dir-services", "target_protocol": "s3",
+                                                    "target_options": target(endpoint)})
+              for endpoint in (moto_endpoint, elsewhere)]
+    assert stores[0]._cache_scope() != stores[1]._cache_scope()
+    async with stores[0] as one:
+        assert await one.set("k", torch.ones(4))
+        assert await one.exists("k")
+    async with stores[1] as two:
+        assert not await two.exists("k")

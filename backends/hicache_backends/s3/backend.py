@@ -105,8 +105,16 @@ def _dir_root(fs_class: Any, options: dict[str, Any]) -> tuple[str, ...]:
         return ()
     target = options.get("fs")
     kind = type(target).__qualname__ if target is not None else str(options.get("target_protocol") or "file")
-    endpoint = (options.get("target_options") or {}).get("endpoint_url") or ""
-    return kind, str(endpoint).rstrip("/"), str(options.get("path") or options.get("fo") or "")
+    # the target's service wherever s3fs takes it (a filesystem object keeps its own options)
+    target_options = getattr(target, "storage_options", None) if target is not None else options.get("target_options")
+    return kind, _endpoint_of(target_options or {}), str(options.get("path") or options.get("fo") or "")
+
+
+def _endpoint_of(options: dict[str, Any]) -> str:
+    """The service a filesystem's ``options`` name (``endpoint_url``, or s3fs's
+    ``client_kwargs``), without trailing slashes; ``""`` for none."""
+    endpoint = options.get("endpoint_url") or (options.get("client_kwargs") or {}).get("endpoint_url") or ""
+    return str(endpoint).rstrip("/")
 
 
 def _text_credentials(options: dict[str, Any], backend: str) -> dict[str, Any]:
@@ -387,9 +395,8 @@ class FsspecStorage(AsyncHiCacheStorage):
         are one store's objects. Spelled differently, two stores kept two caches, and after a
         clear (or delete) through one the other answered its removed pages as hits for a TTL."""
         opts = self._storage_options
-        endpoint = opts.get("endpoint_url") or (opts.get("client_kwargs") or {}).get("endpoint_url") or ""
         fs = self._fs_class
-        return (f"{fs.__module__}.{fs.__qualname__}", str(endpoint).rstrip("/"), *_dir_root(fs, opts),
+        return (f"{fs.__module__}.{fs.__qualname__}", _endpoint_of(opts), *_dir_root(fs, opts),
                 self.names.namespace_dir)
 
     @property
