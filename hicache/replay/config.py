@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 from typing import Any
 
@@ -204,7 +205,7 @@ class ReplayConfig:
             elif tier == "storage" and bound is not None:
                 out[tier] = bound * self.page_size // 512
             else:
-                out[tier] = int(unique * float(self.fractions.get(tier, 0.0)))
+                out[tier] = _fraction_blocks(tier, float(self.fractions.get(tier, 0.0)), unique)
         return out
 
     @classmethod
@@ -318,6 +319,18 @@ class ReplayConfig:
             raise ConfigError(f"replay: device.page_size must divide the trace block (512), got {ps}")
         cfg.validate()
         return cfg
+
+
+def _fraction_blocks(tier: str, fraction: float, unique: int) -> int:
+    """The whole blocks ``fraction`` of ``unique`` blocks is; a :class:`ConfigError` where that
+    is more than a float counts (``1e308`` of the trace's blocks: ``int(inf)`` was an
+    ``OverflowError`` traceback mid-replay, where a large but countable tier is refused by
+    the memory check, naming it)."""
+    blocks = unique * fraction
+    if not math.isfinite(blocks):
+        raise ConfigError(f"[tiers] {tier}_fraction {fraction:g} of the trace's {unique} unique blocks is more "
+                          "blocks than can be counted; size the tier with a fraction of about 1 or less")
+    return int(blocks)
 
 
 def _warn_unsized_storage(backend: str) -> None:

@@ -261,6 +261,17 @@ def test_tiers_larger_than_memory_are_a_config_error_naming_the_tier(tmp_path) -
             asyncio.run(compare_policies(cfg, requests, ["lru"]))
 
 
+def test_a_fraction_too_large_to_count_is_a_config_error_naming_the_tier(tmp_path, capsys) -> None:
+    """A finite fraction whose share of the trace overflows a float (``device_fraction =
+    1e308``) passed the config check and reached ``int(inf)`` mid-replay: an
+    ``OverflowError`` traceback, exit status 1, instead of one line naming the tier."""
+    trace = _prefix_reuse_trace(tmp_path / "t.jsonl")
+    config = tmp_path / "big.toml"
+    config.write_text("[tiers]\ndevice_fraction = 1e308\nhost_fraction = 0.5\n")
+    assert main(["replay", "--config", str(config), "--trace", str(trace), "--policies", "lru"]) == 2
+    assert "device_fraction" in capsys.readouterr().err
+
+
 def test_a_file_store_sized_by_tiers_is_bounded_to_them(tmp_path) -> None:
     """``[tiers] storage_blocks`` bounded only the ``memory`` store: a ``file`` store kept every
     page (its default bound is 64 GiB) and the report's storage capacity was not the one run."""
