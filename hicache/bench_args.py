@@ -5,8 +5,10 @@ run, or a run that measures nothing (zero pages, zero repeats)."""
 from __future__ import annotations
 
 import argparse
+import os
+from pathlib import Path
 
-__all__ = ["int_list", "non_negative_int", "positive_float", "positive_int"]
+__all__ = ["int_list", "non_negative_int", "output_file", "positive_float", "positive_int", "unwritable_file"]
 
 
 def _int(text: str) -> int:
@@ -49,3 +51,27 @@ def int_list(text: str) -> list[int]:
     if not values:
         raise argparse.ArgumentTypeError("needs at least one integer")
     return values
+
+
+def unwritable_file(text: str) -> str | None:
+    """Why a file named ``text`` cannot be written (a folder, in a folder that is missing or
+    not writable, or a file not writable), or ``None`` when it can: a command checks the
+    names of what it writes at its end (a report, a plot) before its work, not after it."""
+    path = Path(text)
+    if path.is_dir():
+        return f"{text!r} is a folder; name a file"
+    folder = path.parent
+    if not folder.is_dir():
+        return f"{text!r}: no folder {str(folder)!r} to write it in"
+    if not os.access(folder, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        return f"{text!r}: not writable; name another file"
+    return None
+
+
+def output_file(text: str) -> Path:
+    """The ``--out`` file a report is written to: one that cannot be written is refused now
+    (it failed when the report was written, after the whole benchmark had run)."""
+    problem = unwritable_file(text)
+    if problem:
+        raise argparse.ArgumentTypeError(problem)
+    return Path(text)

@@ -22,6 +22,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from hicache.bench_args import unwritable_file
+
 __all__ = ["main"]
 
 REPO = Path(__file__).resolve().parent.parent
@@ -238,13 +240,9 @@ def _svg_path(text: str) -> str | None:
     path = Path(text)
     if path.suffix.lower() in _NOT_SVG:
         raise argparse.ArgumentTypeError(f"{text!r}: the plot is written as SVG; give it a .svg name")
-    if path.is_dir():
-        raise argparse.ArgumentTypeError(f"{text!r} is a folder; name a file for the plot")
-    folder = path.parent
-    if not folder.is_dir():
-        raise argparse.ArgumentTypeError(f"{text!r}: no folder {str(folder)!r} to write the plot in")
-    if not os.access(folder, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
-        raise argparse.ArgumentTypeError(f"{text!r}: not writable; name another file for the plot, or --no-plot")
+    problem = unwritable_file(text)
+    if problem:
+        raise argparse.ArgumentTypeError(f"{problem} for the plot, or --no-plot")
     return text
 
 

@@ -51,7 +51,7 @@ from hicache.memory import (  # noqa: E402
     device_for,
 )
 from hicache.memory.spans import NATIVE_AVAILABLE, STREAM_KIND  # noqa: E402
-from hicache.bench_args import non_negative_int, positive_int  # noqa: E402
+from hicache.bench_args import non_negative_int, output_file, positive_int  # noqa: E402
 from hicache.bench_output import emit_report  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -81,7 +81,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="CPU copy paths, comma-separated: native, numpy (default: both where native is built)")
     p.add_argument("--seed", type=non_negative_int, default=0)
     p.add_argument("--quick", action="store_true", help="small run for a few seconds")
-    p.add_argument("--out", type=Path, default=None, help="also write the JSON here")
+    p.add_argument("--out", type=output_file, default=None, help="also write the JSON here")
     args = p.parse_args(argv)
     if args.quick:
         args.pages = min(args.pages, 8)

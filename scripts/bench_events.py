@@ -34,7 +34,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hicache.bench_args import positive_int  # noqa: E402
+from hicache.bench_args import output_file, positive_int  # noqa: E402
 from hicache.bench_output import emit_report  # noqa: E402
 from hicache.controller import ControllerConfig  # noqa: E402
 from hicache.events.publisher import EventPublisher  # noqa: E402
@@ -164,5 +164,5 @@ if __name__ == "__main__":
     ap.add_argument("--requests", type=positive_int, default=300)
     ap.add_argument("--repeats", type=positive_int, default=5)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--out", type=output_file, default=None)
     emit_report(asyncio.run(main(ap.parse_args())), ap.parse_args().out)

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hicache.memory import PagedTokenAllocator  # noqa: E402
 from hicache.prefix_cache import EvictParams, InsertParams, RadixCache, RadixKey  # noqa: E402
-from hicache.bench_args import int_list, non_negative_int, positive_int  # noqa: E402
+from hicache.bench_args import int_list, non_negative_int, output_file, positive_int  # noqa: E402
 from hicache.bench_output import emit_report  # noqa: E402
 
 
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--page-size", type=positive_int, default=16)
     p.add_argument("--reps", type=positive_int, default=20, help="evictions timed per size (each takes a leaf)")
     p.add_argument("--seed", type=non_negative_int, default=0)
-    p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--out", type=output_file, default=None)
     args = p.parse_args(argv)
     small = [n for n in args.sizes if n < args.reps]
     if small:  # each repeat evicts a leaf: a smaller tree runs out of them before the last one

@@ -37,7 +37,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hicache.bench_args import positive_int  # noqa: E402
+from hicache.bench_args import output_file, positive_int  # noqa: E402
 from hicache.bench_output import emit_report  # noqa: E402
 from hicache.prefix_cache import hashing  # noqa: E402
 from hicache.replay.trace import find_trace, load_trace, request_tokens  # noqa: E402
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--long-tokens", type=positive_int, default=16384)
     p.add_argument("--long-reps", type=positive_int, default=200)
     p.add_argument("--no-sglang", action="store_true")
-    p.add_argument("--out", default=None)
+    p.add_argument("--out", type=output_file, default=None)
     args = p.parse_args(argv)
     ps = args.page_size
     reqs = load_trace(find_trace(args.trace), limit=args.requests)

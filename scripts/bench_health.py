@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hicache_backends.memory import MemoryStorage  # noqa: E402
 
+from hicache.bench_args import output_file  # noqa: E402
 from hicache.bench_output import emit_report  # noqa: E402
 from hicache.controller import ControllerConfig  # noqa: E402
 from hicache.replay import StackConfig, build_stack, serve_request  # noqa: E402
@@ -89,6 +90,6 @@ async def main(requests: int) -> dict[str, Any]:
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=6)
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--out", type=output_file, default=None)
     args = ap.parse_args()
     emit_report(asyncio.run(main(max(2, args.requests))), args.out)

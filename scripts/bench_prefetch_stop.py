@@ -46,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from hicache.bench_args import positive_int  # noqa: E402
+from hicache.bench_args import output_file, positive_int  # noqa: E402
 from hicache.bench_output import emit_report  # noqa: E402
 from hicache.config import HiCacheConfig  # noqa: E402
 from hicache.engine import Engine, ModelSpec, TinyTransformer  # noqa: E402
@@ -201,7 +201,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                         "(latency added to every call, reads throttled to mbps)")
     p.add_argument("--repeats", type=positive_int, default=3)
     p.add_argument("--torch-threads", type=positive_int, default=2)
-    p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--out", type=output_file, default=None)
     args = p.parse_args(argv)
     t0 = time.perf_counter()
     report = asyncio.run(main_async(args))

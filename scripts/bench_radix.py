@@ -82,7 +82,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from hicache.bench_args import non_negative_int, positive_int  # noqa: E402
+from hicache.bench_args import non_negative_int, output_file, positive_int  # noqa: E402
 from hicache.bench_output import emit_report  # noqa: E402
 from hicache.controller import ControllerConfig  # noqa: E402
 from hicache.prefix_cache import InsertParams, MatchPrefixParams, RadixCache, RadixKey  # noqa: E402
@@ -595,7 +595,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                    help="run the whole process, every thread it starts included, on one CPU (Linux): "
                         "what the tiered tree costs without its copy and storage I/O threads running "
                         "on another core while the loop matches and inserts")
-    p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--out", type=output_file, default=None)
     args = p.parse_args(argv)
     if args.one_cpu:
         if not hasattr(os, "sched_setaffinity"):

@@ -54,7 +54,6 @@ import urllib.error
 import urllib.request
 import uuid
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -62,7 +61,7 @@ import torch
 from hicache.keys import Namespace
 from hicache.storage import PoolTransfer, create_async_storage
 from hicache.testing import ArrayHostPool
-from hicache.bench_args import positive_int  # noqa: E402
+from hicache.bench_args import output_file, positive_int  # noqa: E402
 from hicache.bench_output import emit_report  # noqa: E402
 
 KEY, SECRET = "bench-key", "bench-secret"
@@ -370,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=positive_int, default=8, help="repeats (default 8: every way leads twice)")
     parser.add_argument("--serial-pages", type=positive_int, default=8, help="pages timed in the one-at-a-time loop (scaled)")
     parser.add_argument("--quick", action="store_true", help="a few seconds: 16 pages, 4 repeats")
-    parser.add_argument("--out", type=Path, help="also write the JSON here")
+    parser.add_argument("--out", type=output_file, help="also write the JSON here")
     args = parser.parse_args(argv)
     if args.quick:
         args.pages, args.repeats, args.serial_pages = 16, 4, 4

@@ -35,7 +35,7 @@ import torch  # noqa: E402
 
 import conftest  # noqa: E402,F401 - SGLang's CPU import setup (test doubles of CUDA-built modules)
 import sgl_drive as drive  # noqa: E402
-from hicache.bench_args import positive_int  # noqa: E402
+from hicache.bench_args import output_file, positive_int  # noqa: E402
 import sgl_helpers as helpers  # noqa: E402
 
 
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--page-size", type=int, default=32)
     ap.add_argument("--layouts", default=",".join(helpers.MHA_LAYOUTS))
     ap.add_argument("--variants", default="", help=f"extra hicache configurations, comma-separated: {sorted(set(VARIANTS) - {'hicache'})}")
-    ap.add_argument("--out", help="also write the JSON report here")
+    ap.add_argument("--out", type=output_file, help="also write the JSON report here")
     ap.add_argument("--torch-threads", type=int, default=None,
                     help="torch's intra-op threads (SGLang's page copies); 1 prices the work without "
                          "the spin-waiting of idle OpenMP threads, which a loaded machine inflates")

@@ -117,7 +117,7 @@ if os.environ.get(ENGINE_ENV):
 
 sys.path.insert(0, str(REPO))
 
-from hicache.bench_args import non_negative_int, positive_int  # noqa: E402
+from hicache.bench_args import non_negative_int, output_file, positive_int  # noqa: E402
 from hicache.bench_engine import EngineProcess, say  # noqa: E402
 from hicache.bench_output import emit_report  # noqa: E402
 
@@ -304,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="passes of run 2 over every configuration, rotated order (default 1)")
     ap.add_argument("--seed", type=non_negative_int, default=0, help="token seed of the workload (default 0)")
     ap.add_argument("--keep", help="keep the model, stores and engine logs in this folder")
-    ap.add_argument("--out", help="also write the JSON report here")
+    ap.add_argument("--out", type=output_file, help="also write the JSON report here")
     args = ap.parse_args(argv)
     if args.engine:
         serve_engine(json.loads(args.engine))

@@ -59,7 +59,7 @@ import torch
 from hicache.keys import Namespace, page_hashes
 from hicache.storage import AsyncHiCacheStorage, PoolTransfer, create_async_storage
 from hicache.testing import ArrayHostPool
-from hicache.bench_args import int_list, positive_int  # noqa: E402
+from hicache.bench_args import int_list, output_file, positive_int  # noqa: E402
 from hicache.bench_output import emit_report  # noqa: E402
 
 TOKENS_PER_PAGE = 64
@@ -573,7 +573,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="small sizes: finishes in a few seconds")
     p.add_argument("--workdir", default=None, help="where scratch roots go (default: system temp)")
     p.add_argument("--keep", action="store_true", help="keep the scratch directory")
-    p.add_argument("--out", default=None, help="also write the JSON here")
+    p.add_argument("--out", type=output_file, default=None, help="also write the JSON here")
     args = p.parse_args(argv)
     if args.quick:
         args.pages = min(args.pages, 32)

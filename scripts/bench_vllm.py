@@ -45,7 +45,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from hicache.bench_args import positive_int  # noqa: E402
+from hicache.bench_args import output_file, positive_int  # noqa: E402
 from hicache.bench_engine import EngineProcess, say  # noqa: E402
 from hicache.bench_output import emit_report  # noqa: E402
 
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--store-latency-ms", type=float, default=0.0,
                     help="slow the store: every lookup and read call waits this long (adds the unbounded engine)")
     ap.add_argument("--store-mbps", type=float, default=0.0, help="slow the store: reads at this many MB/s")
-    ap.add_argument("--out", help="also write the JSON report here")
+    ap.add_argument("--out", type=output_file, help="also write the JSON report here")
     args = ap.parse_args(argv)
     if args.engine:
         serve_engine(json.loads(args.engine))

@@ -66,3 +66,18 @@ def test_bench_arguments_out_of_range_are_usage_errors(args: list[str], message:
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("what", ["evict", "copy", "storage"])
+def test_an_out_file_that_cannot_be_written_is_refused_before_the_run(what: str, tmp_path: Path, capsys,
+                                                                     monkeypatch) -> None:
+    """``--out`` in a missing folder, or naming a folder, failed only when the report was written:
+    after the whole benchmark had run (minutes at the default sizes), with its JSON on stdout
+    and an error (a traceback when the script is run directly). It is a usage error now."""
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    for out, words in ((tmp_path / "no" / "r.json", "no folder"), (tmp_path, "is a folder")):
+        with pytest.raises(SystemExit) as exc:
+            main(["bench", what, "--out", str(out)])
+        captured = capsys.readouterr()
+        assert exc.value.code == 2 and captured.out == "", captured.out[:200]
+        assert "argument --out" in captured.err and words in captured.err and "Traceback" not in captured.err
