@@ -31,11 +31,13 @@ from hicache.observability.metrics import InstanceMetrics, numeric_items
 __all__ = ["BREAKER_STATES", "export_cache_state"]
 
 BREAKER_STATES = {"closed": 0.0, "half_open": 1.0, "open": 2.0}
-# running totals some backends keep outside StorageStats: counters whichever backend reports them
-# (a family's kind is fixed for the process by the first backend that reports it)
+# running totals some backends report among their figures (kept outside StorageStats, or in it
+# only once counted): counters whichever backend reports them, from the first scrape on (a
+# family's kind is fixed for the process by the first scrape that sees it: a total reported as
+# 0 before its first count became a gauge, and its counter was then refused, stuck at 0)
 _BACKEND_TOTALS = frozenset({"evicted_pages", "evicted_bytes", "corrupt_pages", "rejected_pages_no_space",
                              "rejected_pages_beyond_capacity", "oversized_pages",
-                             "breaker_times_opened", "transit_errors", "write_late_pages"})
+                             "breaker_times_opened", "transit_errors", "write_late_pages", "pruned_pages"})
 # StorageStats' well-known counters: published as zeros before a backend first counts one, so a
 # dashboard sees "no errors", not "no data"
 _BACKEND_COUNTERS = ("exists_calls", "exists_keys", "exists_hits", "read_pages", "read_hits", "read_misses",

@@ -477,6 +477,50 @@ async def test_a_clear_killed_before_its_journal_line_still_empties_the_peers_in
         assert await a.batch_exists(keys) == 2
 
 
+async def test_pruned_pages_counts_in_the_scrape_after_a_scrape_saw_it_zero(tmp_path: Path) -> None:
+    """A backend figure's metric kind is fixed for the process by the first scrape that sees
+    it. The file store reports ``pruned_pages`` (0) before it ever prunes, and StorageStats
+    holds it only once counted: the first scrape made ``hicache_backend_pruned_pages`` a
+    gauge, and once pages were pruned the counter of that name was refused (another kind), so
+    the scrape showed 0 pruned pages for the life of the process. It is a counter from the
+    first scrape on."""
+    from hicache.observability.cache_gauges import _export_storage
+    from hicache.observability.metrics import InstanceMetrics, exposition_text
+    from hicache.observability.scrape import Scrape
+
+    writer, pool = _store_with_pool(tmp_path, 4, 1)
+    keys = keys_for(3, salt=21)
+    metrics = InstanceMetrics()
+    try:
+        async with writer:
+            assert all(await writer.batch_set_v1(keys, pool.indices(0, 3)))
+            reader = create_async_storage("file", None, root=str(tmp_path), namespace=NS_A, journal_poll_s=3600)
+            async with reader:
+                assert await reader.wait_index_ready(10)
+                metrics.on_refresh(lambda m: _export_storage(m, reader))
+                before = Scrape(exposition_text())
+                assert before.value("hicache_backend_pruned_pages_total", cache=metrics.label) == 0
+                # the journal's tail misses a whole file (rotated twice between two polls): the
+                # reader checks its index against the disk and forgets the two pages deleted
+                journal = os.path.join(reader.layout.ns_dir, JOURNAL_NAME)
+                rotor = RemovalJournal(reader.layout.ns_dir, max_bytes=1)
+                rotor.append_removed([("filler-1", "kv")], "evicted")
+                rotor.append_removed([("filler-2", "kv")], "evicted")
+                assert await writer.batch_delete(keys[:2]) == [True, True]
+                assert await wait_for(lambda: keys[1] in Path(journal).read_text())
+                rotor.append_removed([("filler-3", "kv")], "evicted")
+                rotor.close()
+                for removal in reader._peers.journal.poll():
+                    reader._peer_removal(removal)
+                await reader.wait_background()
+                assert reader.get_stats()["pruned_pages"] == 2
+                after = Scrape(exposition_text())
+                assert after.value("hicache_backend_pruned_pages_total", cache=metrics.label) == 2
+                assert after.select("hicache_backend_pruned_pages", cache=metrics.label) == []
+    finally:
+        metrics.close()
+
+
 def _pids(keys: list[str]) -> list[str]:
     from hicache_backends.file.layout import page_id
 
