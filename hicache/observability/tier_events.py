@@ -8,8 +8,9 @@ knowing them.
 
 Contract for subscribers: a callback runs synchronously on the emitting thread (possibly an I/O
 thread, never assume the event loop), must be thread-safe and cheap (append to a bounded buffer,
-bump a counter), and must not block. An exception in a subscriber is logged and counted, never
-propagated into the tier that emitted.
+bump a counter), and must not block. An exception in a subscriber is counted, never propagated
+into the tier that emitted, and logged: its first with the traceback, then at most once a minute
+per subscriber, as a count (a consumer's bug fails on every change, thousands a minute).
 """
 
 from __future__ import annotations
@@ -19,6 +20,10 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from hicache.storage.stats import Throttle
 
 __all__ = ["ChangeKind", "Tier", "TierChange", "TierChangeHub"]
 
@@ -77,7 +82,8 @@ class TierChangeHub:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._subscribers: tuple[tuple[Subscriber, frozenset[tuple[ChangeKind, Tier]]], ...] = ()
+        # (callback, what it wants, the throttle of its failure log)
+        self._subscribers: tuple[tuple[Subscriber, frozenset[tuple[ChangeKind, Tier]], Throttle], ...] = ()
         self._wanted: frozenset[tuple[ChangeKind, Tier]] = frozenset()
         self.subscriber_errors = 0
 
@@ -88,9 +94,11 @@ class TierChangeHub:
         Why ``wants``: some changes cost the tier work to describe (the tree hashes a new
         node's pages lazily, only when someone needs its keys), so a consumer that never reads
         device stores should say so and keep that work off the request path."""
+        from hicache.storage.stats import Throttle  # here: hicache.storage imports this module
+
         wanted = EVERY if wants is None else frozenset(wants)
         with self._lock:
-            self._subscribers = (*self._subscribers, (callback, wanted))
+            self._subscribers = (*self._subscribers, (callback, wanted, Throttle()))
             self._refresh()
 
         def unsubscribe() -> None:
@@ -101,7 +109,7 @@ class TierChangeHub:
         return unsubscribe
 
     def _refresh(self) -> None:
-        self._wanted = frozenset().union(*(w for _, w in self._subscribers))
+        self._wanted = frozenset().union(*(w for _, w, _ in self._subscribers))
 
     @property
     def active(self) -> bool:
@@ -114,7 +122,7 @@ class TierChangeHub:
 
     def emit(self, change: TierChange) -> None:
         key = (change.kind, change.tier)
-        for callback, wanted in self._subscribers:  # a tuple snapshot: never races (un)subscribe
+        for callback, wanted, throttle in self._subscribers:  # a tuple snapshot: never races (un)subscribe
             if key not in wanted:
                 continue
             try:
@@ -122,4 +130,7 @@ class TierChangeHub:
             except Exception:  # noqa: BLE001 - a consumer's bug must never break a tier
                 with self._lock:
                     self.subscriber_errors += 1
-                log.exception("tier change subscriber %r failed on %s", callback, change.kind.value)
+                count = throttle.due()
+                if count:
+                    log.exception("tier change subscriber %r failed on %s (%d failure(s) since its last report)",
+                                  callback, change.kind.value, count)

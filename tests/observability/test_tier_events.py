@@ -72,3 +72,34 @@ def test_wants_filters_changes_and_tells_tiers() -> None:
     assert not hub.wants(ChangeKind.STORED, Tier.STORAGE) or hub.wants(ChangeKind.REMOVED, Tier.HOST)
     hub.emit(TierChange(ChangeKind.REMOVED, Tier.HOST, ("h",)))
     assert [c.keys for c in everything] == [("h",)]
+
+
+async def test_a_subscriber_failing_on_every_change_logs_one_traceback_not_one_per_change(caplog) -> None:  # type: ignore[no-untyped-def]
+    """A consumer with a bug raises on every change a busy cache makes (every request stores
+    device and host pages): each one logged a full traceback, thousands a minute, burying
+    the rest of the log. The first failure is logged with its traceback, the ones after it
+    at most once a minute as a count; every one is counted (``subscriber_errors``)."""
+    import logging
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "facade"))
+    from test_facade import config, prompt, run
+
+    from hicache.facade import HiCache
+
+    async with HiCache.from_config(config()) as cache:
+        hub = cache._stack.tier_changes
+
+        def broken(change: TierChange) -> None:
+            raise RuntimeError("consumer bug")
+
+        hub.subscribe(broken)
+        with caplog.at_level(logging.WARNING, logger="hicache.observability.tier_events"):
+            for i in range(20):
+                await run(cache, f"r{i}", prompt(i, 40))
+            await cache.drain()
+    assert hub.subscriber_errors >= 20
+    logged = [r for r in caplog.records if r.name == "hicache.observability.tier_events"]
+    assert len(logged) == 1, [r.getMessage() for r in logged]
+    assert logged[0].exc_info is not None and "broken" in logged[0].getMessage()
