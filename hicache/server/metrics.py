@@ -17,9 +17,11 @@ from typing import Any
 from hicache.engine.runner import GenerateResult
 from hicache.observability.metrics import InstanceMetrics
 
-__all__ = ["ServerMetrics", "TTFT_BUCKETS"]
+__all__ = ["OUTCOMES", "ServerMetrics", "TTFT_BUCKETS"]
 
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+#: every ``outcome`` of ``hicache_server_requests_total`` (see ``ServerMetrics.requests``)
+OUTCOMES = ("ok", "bad_request", "rejected", "error", "abandoned")
 
 
 class _Tally(Counter[str]):
@@ -71,9 +73,12 @@ class ServerMetrics(InstanceMetrics):
         self._retries = self.child("counter", "server_memory_retries", "requests restarted after finding the device full")
         self.gauge("server_queue_depth", lambda: self.queue_depth, "requests waiting for the scheduler")
         self.gauge("server_active_requests", lambda: self.active, "requests being generated")
-        for tier in ("device", "host", "storage"):  # zeros from the start: a dashboard sees no gap
+        # zeros from the start: a dashboard sees no gap, and the first error counts (rate() and
+        # increase() take a series' first sample as its start: one born at 1 hid its first 500)
+        for tier in ("device", "host", "storage"):
             self.child("counter", "server_hit_tokens", "prompt tokens served from cache, by tier", {"tier": tier})
-        self.child("counter", "server_requests", "generate requests by outcome", {"outcome": "ok"})
+        for outcome in OUTCOMES:
+            self.child("counter", "server_requests", "generate requests by outcome", {"outcome": outcome})
 
     @property
     def memory_retries(self) -> int:

@@ -119,6 +119,23 @@ async def test_health_metrics_model_and_session_release(mode: str, tmp_path: Pat
         assert "# TYPE hicache_server_hit_tokens_total counter" in text
 
 
+async def test_every_request_outcome_is_in_the_scrape_as_zero_before_its_first_request() -> None:
+    """Only ``outcome="ok"`` was published from the start: the series of the first 500 (or 503,
+    400, hang-up) appeared already at 1, and Prometheus' ``rate``/``increase`` take a series'
+    first sample as its start, so an alert on ``rate(...{outcome="error"}[5m]) > 0`` never saw
+    the first error of a server's life (nor a lone one). Every outcome is a zero from start."""
+    async with running_server(small_config(None), port=0) as srv, aiohttp.ClientSession() as http:
+        async with http.get(f"{srv.url}/metrics") as resp:
+            scrape, mine = Scrape(await resp.text()), {"cache": srv.state.metrics.label}
+        for outcome in ("ok", "bad_request", "rejected", "error", "abandoned"):
+            assert scrape.value("hicache_server_requests_total", outcome=outcome, **mine) == 0, outcome
+        async with http.post(f"{srv.url}/v1/generate", json={"tokens": [], "max_new_tokens": 1}) as resp:
+            assert resp.status == 400
+        async with http.get(f"{srv.url}/metrics") as resp:
+            scrape = Scrape(await resp.text())
+        assert scrape.value("hicache_server_requests_total", outcome="bad_request", **mine) == 1
+
+
 async def test_shutdown_finishes_requests_in_flight() -> None:
     """Leaving ``running_server`` while requests run: they complete, later ones are refused."""
     cfg = small_config()
