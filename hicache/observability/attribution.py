@@ -192,6 +192,12 @@ class Attributor:
         # of its own for an attributor used alone
         self._owns_metrics = metrics is None
         self.metrics: InstanceMetrics = metrics if metrics is not None else InstanceMetrics()
+        # zeros from the start: rate() and increase() take a series' first sample as its start,
+        # so one born at its first count hid that count (a lone backend_error never showed)
+        for tier in HIT_TIERS:
+            self.metrics.child("counter", "request_hit_tokens", _HIT_DOC, {"tier": tier})
+        for reason in MissReason:
+            self.metrics.child("counter", "request_miss_tokens", _MISS_DOC, {"reason": reason.value})
 
     @property
     def explain_enabled(self) -> bool:

@@ -265,6 +265,22 @@ async def test_counters_and_debug_log(caplog: pytest.LogCaptureFixture) -> None:
                for m in lines), lines
 
 
+async def test_every_tier_and_reason_is_a_zero_counter_before_the_first_request() -> None:
+    """Series were created at their first count, already at that count: Prometheus'
+    ``rate``/``increase`` take a series' first sample as its start, so the first (or a lone)
+    ``backend_error`` or ``verification_failed`` miss never showed on a dashboard or an
+    alert. Each tier and reason is published as zero from the start."""
+    from prometheus_client import REGISTRY
+
+    async with stack_on(None) as (stack, _):
+        label = stack.controller.metrics.label
+        for tier in ("device", "host", "storage"):
+            assert REGISTRY.get_sample_value("hicache_request_hit_tokens_total", {"cache": label, "tier": tier}) == 0
+        for reason in MissReason:
+            assert REGISTRY.get_sample_value("hicache_request_miss_tokens_total",
+                                             {"cache": label, "reason": reason.value}) == 0, reason
+
+
 # ---------------------------------------------------------------------- through the facade
 
 
