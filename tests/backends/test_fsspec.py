@@ -633,3 +633,57 @@ async def test_two_dir_stores_over_buckets_of_different_services_never_answer_fo
         assert await one.exists("k")
     async with stores[1] as two:
         assert not await two.exists("k")
+
+
+
+@pytest.mark.parametrize("url", ["memory://hicache-tests/{}", "dir://store"])
+async def test_calls_on_the_shared_memory_filesystem_never_run_side_by_side(url: str, monkeypatch) -> None:
+    """fsspec's memory filesystem keeps every instance's files in one class-level dict, not
+    thread-safe, and calls on it ran side by side in worker threads: CI saw a clear's listing
+    fail ("dictionary changed size during iteration") while another namespace's store wrote.
+    Every call on it now takes one lock: two stores writing and clearing at once never have
+    two calls inside the filesystem together (each call is slowed here to give them room)."""
+    import threading
+    import time
+
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    from hicache.testing.store_tests import NS_B
+
+    inside, most, guard = [0], [0], threading.Lock()
+
+    def slowed(name: str) -> None:
+        real = getattr(MemoryFileSystem, name)
+
+        def call(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+            with guard:
+                inside[0] += 1
+                most[0] = max(most[0], inside[0])
+            try:
+                time.sleep(0.002)
+                return real(self, *args, **kwargs)
+            finally:
+                with guard:
+                    inside[0] -= 1
+
+        monkeypatch.setattr(MemoryFileSystem, name, call)
+
+    for name in ("pipe_file", "cat_file", "find", "rm_file", "info"):
+        slowed(name)
+    folder = uuid.uuid4().hex
+    options: dict[str, Any] = {}
+    if url.startswith("dir://"):
+        options = {"storage_options": {"path": f"/hicache-tests/{folder}", "target_protocol": "memory"}}
+    root = url.format(folder)
+    page = torch.arange(64, dtype=torch.float16)
+    async with create_async_storage("fsspec", None, url=root, namespace=NS_A, **options) as one, \
+            create_async_storage("fsspec", None, url=root, namespace=NS_B, **options) as two:
+
+        async def work(store: AsyncHiCacheStorage, tag: str) -> None:
+            for round_ in range(3):
+                keys = [f"{tag}{round_}-{j}" for j in range(6)]
+                assert await store.batch_set(keys, [page] * 6)
+                assert await store.clear() is True
+
+        await asyncio.gather(work(one, "a"), work(two, "b"))
+    assert most[0] == 1, f"{most[0]} calls inside the memory filesystem at once"

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 from fsspec.implementations.dirfs import DirFileSystem
+from fsspec.implementations.memory import MemoryFileSystem
 
 from hicache.storage.offload import OFFLOAD_MIN_BYTES, run_to_completion
 from hicache_backends.s3.bodies import BodyBuffers
@@ -514,21 +515,35 @@ class ThreadObjectOps:
         self.fs = fs
         self._local_path = _local_path_of(fs)
         self.local = self._local_path is not None
+        self._serial = _shared_state_lock(fs)
+
+    async def _run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """``fn(*args, **kwargs)`` in a worker thread, one at a time across every store of a
+        filesystem whose state is shared and not thread-safe (see :func:`_shared_state_lock`)."""
+        lock = self._serial
+        if lock is None:
+            return await asyncio.to_thread(fn, *args, **kwargs)
+
+        def serial() -> T:
+            with lock:
+                return fn(*args, **kwargs)
+
+        return await asyncio.to_thread(serial)
 
     async def put(self, path: str, data: bytes | bytearray) -> None:
         if self._local_path is not None:
             await asyncio.to_thread(_put_local, self._local_path(path), data)
         else:
-            await asyncio.to_thread(self.fs.pipe_file, path, data)
+            await self._run(self.fs.pipe_file, path, data)
 
     async def get_range(self, path: str, start: int, end: int) -> bytes:
-        return await asyncio.to_thread(self.fs.cat_file, path, start=start, end=end)
+        return await self._run(self.fs.cat_file, path, start=start, end=end)
 
     async def get_range_into(self, path: str, start: int, end: int, next_view: NextView) -> int:
         return await _fill(await self.get_range(path, start, end), next_view)
 
     async def get(self, path: str) -> bytes:
-        return await asyncio.to_thread(self.fs.cat_file, path)
+        return await self._run(self.fs.cat_file, path)
 
     async def size(self, path: str) -> int | None:
         def info() -> int | None:
@@ -538,10 +553,10 @@ class ThreadObjectOps:
                 return None
             return None if got.get("type") == "directory" else int(got.get("size") or 0)
 
-        return await asyncio.to_thread(info)
+        return await self._run(info)
 
     async def remove(self, path: str) -> None:
-        await asyncio.to_thread(self.fs.rm_file, path)
+        await self._run(self.fs.rm_file, path)
 
     async def remove_many(self, paths: list[str]) -> set[str]:
         def rm() -> set[str]:
@@ -555,14 +570,14 @@ class ThreadObjectOps:
                     failed.add(path)
             return failed
 
-        return await asyncio.to_thread(rm)
+        return await self._run(rm)
 
     async def stored_md5(self, path: str) -> tuple[int, str] | None:
         return None
 
     async def remove_tree(self, prefix: str) -> int:
         try:
-            listed = await asyncio.to_thread(self.fs.find, prefix)
+            listed = await self._run(self.fs.find, prefix)
             files, strays = _under(self.fs, prefix, _not_in_flight(listed, self._local_path or str))
         except FileNotFoundError:
             return 0
@@ -570,6 +585,20 @@ class ThreadObjectOps:
 
     async def close(self) -> None:
         return None
+
+
+#: the lock of fsspec's memory filesystem (see :func:`_shared_state_lock`)
+_MEMORY_LOCK = threading.Lock()
+
+
+def _shared_state_lock(fs: Any) -> threading.Lock | None:
+    """The lock every call on ``fs`` takes, where its state is shared and not thread-safe:
+    fsspec's memory filesystem keeps every instance's files in one class-level dict, which a
+    listing iterates, so a clear's listing failed ("dictionary changed size during iteration")
+    while another store of the process wrote its pages or run index on another thread. Also
+    one under a DirFileSystem. ``None``: calls run side by side (local files and the rest)."""
+    inner = fs.fs if isinstance(fs, DirFileSystem) else fs
+    return _MEMORY_LOCK if isinstance(inner, MemoryFileSystem) else None
 
 
 #: keys one DeleteObjects request takes (S3's limit)
