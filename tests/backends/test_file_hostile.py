@@ -14,7 +14,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
@@ -190,6 +190,18 @@ async def test_store_opens_on_a_full_disk_and_reclaims_a_dead_clear(small_tmpfs)
 
 
 # ---------------------------------------------------------------------- item 3: one bound, N processes
+
+
+@contextlib.asynccontextmanager
+async def _four_pages_with_a_peer(root, bound: int, page: int) -> AsyncIterator[tuple[FileStorage, FileStorage]]:
+    """A store bounded to ``bound`` bytes holding four pages of ``page`` bytes, and a peer
+    that keeps the namespace open (so no lone scan corrects the shared count)."""
+    async with make_store(root, max_bytes=bound) as store, make_store(root, max_bytes=bound) as peer:
+        await within(store.wait_background())
+        await within(peer.wait_background())
+        for i in range(4):
+            assert await within(store.set(f"k{i}", v0(page, i)))
+        yield store, peer
 
 
 def _killed_after(func: str, op: str) -> str:
@@ -912,11 +924,7 @@ async def test_an_evictor_killed_between_its_unlinks_and_its_subtraction_leaves_
     page = 64 << 10
     bound = 4 * (page + 512)
     child = _killed_after("remove_files", "s.set('k-child', torch.full((int(sys.argv[3]),), 3, dtype=torch.uint8))")
-    async with make_store(tmp_path, max_bytes=bound) as store, make_store(tmp_path, max_bytes=bound) as peer:
-        await within(store.wait_background())
-        await within(peer.wait_background())  # a peer keeps the namespace open: no lone scan
-        for i in range(4):
-            assert await within(store.set(f"k{i}", v0(page, i)))
+    async with _four_pages_with_a_peer(tmp_path, bound, page) as (store, peer):
         done = subprocess.run([sys.executable, "-c", child, str(tmp_path), str(bound), str(page)], timeout=120)
         assert done.returncode == -9
         ledger = os.path.join(store.layout.ns_dir, LEDGER_NAME)
@@ -938,11 +946,7 @@ async def test_a_reader_killed_between_removing_a_corrupt_page_and_its_subtracti
     page = 64 << 10
     bound = 8 * (page + 512)
     child = _killed_after("_discard", "s.get('k1', torch.empty(int(sys.argv[3]), dtype=torch.uint8))")
-    async with make_store(tmp_path, max_bytes=bound) as store, make_store(tmp_path, max_bytes=bound) as peer:
-        await within(store.wait_background())
-        await within(peer.wait_background())  # a peer keeps the namespace open: no lone scan
-        for i in range(4):
-            assert await within(store.set(f"k{i}", v0(page, i)))
+    async with _four_pages_with_a_peer(tmp_path, bound, page) as (store, peer):
         ledger = os.path.join(store.layout.ns_dir, LEDGER_NAME)
         for key in ("k1", "k2"):
             path = page_path(tmp_path, store.namespace.digest, key)

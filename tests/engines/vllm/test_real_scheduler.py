@@ -292,6 +292,19 @@ def test_under_vllms_scheduler_every_forward_attends_to_its_own_kv(model_dir: st
                 later.close()
 
 
+def _store_damaged(model_dir: str, tmp_path: Path, prompt: list[int], **engine: Any) -> None:
+    """One engine stores ``prompt``'s pages under ``tmp_path``, then every page is damaged:
+    the next engine's loads of them fail."""
+    first = Engine(model_dir, tmp_path, **engine)
+    try:
+        first.add("x0", prompt, max_tokens=2)
+        first.run()
+        first.settle()
+    finally:
+        first.close()
+    damage_pages(tmp_path, random.Random(0), share=1.0)
+
+
 def test_a_request_preempted_before_its_failed_load_is_reported_leaves_no_block_in_vllms_cache(
         model_dir: str, tmp_path: Path) -> None:  # noqa: F811
     """vLLM caches a step's loaded blocks as computed when it plans the load, and on the
@@ -306,14 +319,7 @@ def test_a_request_preempted_before_its_failed_load_is_reported_leaves_no_block_
     from vllm.v1.request import Request
 
     prompt = prompts(7, 1, shared=40)[0]
-    first = Engine(model_dir, tmp_path, num_blocks=14)
-    try:
-        first.add("x0", prompt, max_tokens=2)
-        first.run()
-        first.settle()
-    finally:
-        first.close()
-    damage_pages(tmp_path, random.Random(0), share=1.0)
+    _store_damaged(model_dir, tmp_path, prompt, num_blocks=14)
     second = Engine(model_dir, tmp_path, num_blocks=14, async_scheduling=True)
     try:
         second.add("x", prompt, max_tokens=5)
@@ -344,14 +350,7 @@ def test_under_recompute_every_request_sharing_a_failed_block_computes_it_again(
     from vllm.v1.request import RequestStatus
 
     prompt = prompts(7, 1, shared=40)[0]
-    first = Engine(model_dir, tmp_path, num_blocks=30, policy="recompute")
-    try:
-        first.add("x0", prompt, max_tokens=2)
-        first.run()
-        first.settle()
-    finally:
-        first.close()
-    damage_pages(tmp_path, random.Random(0), share=1.0)
+    _store_damaged(model_dir, tmp_path, prompt, num_blocks=30, policy="recompute")
     second = Engine(model_dir, tmp_path, num_blocks=30, policy="recompute", batch_tokens=256)
     try:
         second.add("x", prompt, max_tokens=5)
