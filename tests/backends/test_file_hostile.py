@@ -204,6 +204,17 @@ async def _four_pages_with_a_peer(root, bound: int, page: int) -> AsyncIterator[
         yield store, peer
 
 
+async def _settled_by_the_next_write(store: FileStorage, ledger: str) -> None:
+    """A write of ``store`` takes the ledger's lock, which settles a dead process's marked
+    bytes: the shared count is then what the namespace holds on disk."""
+    assert await within(store.set("k-parent", v0(1 << 10, 1)))
+    for _ in range(2):
+        await within(store.wait_background(), 10.0)
+        await asyncio.sleep(0.2)
+    on_disk = sum(p.stat().st_size for p in Path(store.layout.ns_dir).rglob("*.page"))
+    assert read_usage(ledger).used == on_disk
+
+
 def _killed_after(func: str, op: str) -> str:
     """A child script, run as ``python -c SCRIPT ROOT MAX_BYTES SIZE``: a file store at ROOT
     bounded to MAX_BYTES runs ``op`` (SIZE is ``sys.argv[3]``), and is SIGKILLed right after
@@ -928,12 +939,7 @@ async def test_an_evictor_killed_between_its_unlinks_and_its_subtraction_leaves_
         done = subprocess.run([sys.executable, "-c", child, str(tmp_path), str(bound), str(page)], timeout=120)
         assert done.returncode == -9
         ledger = os.path.join(store.layout.ns_dir, LEDGER_NAME)
-        assert await within(store.set("k-parent", v0(1 << 10, 1)))  # takes the lock: settles the dead one's
-        for _ in range(2):
-            await within(store.wait_background(), 10.0)
-            await asyncio.sleep(0.2)
-        on_disk = sum(p.stat().st_size for p in Path(store.layout.ns_dir).rglob("*.page"))
-        assert read_usage(ledger).used == on_disk
+        await _settled_by_the_next_write(store, ledger)
         assert len(list(Path(store.layout.ns_dir).rglob("*.page"))) == 4  # 3 of ours and the new one
 
 async def test_a_reader_killed_between_removing_a_corrupt_page_and_its_subtraction_leaves_no_over_count(tmp_path) -> None:
@@ -960,12 +966,7 @@ async def test_a_reader_killed_between_removing_a_corrupt_page_and_its_subtracti
         done = subprocess.run([sys.executable, "-c", child, str(tmp_path), str(bound), str(page)], timeout=120)
         assert done.returncode == -9
         assert not os.path.exists(page_path(tmp_path, store.namespace.digest, "k1"))
-        assert await within(store.set("k-parent", v0(1 << 10, 1)))  # takes the lock: settles the dead one's
-        for _ in range(2):
-            await within(store.wait_background(), 10.0)
-            await asyncio.sleep(0.2)
-        on_disk = sum(p.stat().st_size for p in Path(store.layout.ns_dir).rglob("*.page"))
-        assert read_usage(ledger).used == on_disk
+        await _settled_by_the_next_write(store, ledger)
         assert len(list(Path(store.layout.ns_dir).rglob("*.page"))) == 3  # 2 of the 4 and the new one
 
 
