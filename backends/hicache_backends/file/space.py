@@ -304,7 +304,7 @@ class SpaceAccountant:
         """(On an I/O or a caller's thread; :data:`~.io.Discard`.) Remove a page file of
         ``nbytes`` a read found corrupt (``remove``: whether it removed it), its bytes marked
         in this process's ledger slot first, as an eviction's victims are: they leave the
-        shared count with the next ledger call of this process (:meth:`pay_removed`, or a
+        shared count with the next ledger call of this process (:meth:`give_back_removed`, or a
         write's reservation), and were left counted for as long as any peer kept the
         namespace open when it was killed before that call (each kill shrank ``max_bytes``,
         peers evicting sound pages for room the count no longer had); the next process to

@@ -67,6 +67,8 @@ _S3_PROTOCOLS = ("s3", "s3a")
 #: bytes a read of a page of unknown size asks for first: any header a page key makes, and a
 #: small page whole (see ``FsspecStorage._read_bytes``)
 _HEADER_PROBE = 4096
+#: what the store said of an object was not asked yet (see ``FsspecStorage._corrupt_at_rest``)
+_NOT_ASKED = object()
 #: object stores whose urls are ``protocol://bucket/key-prefix`` (the first path part names a
 #: bucket or container, whichever filesystem package serves them): a url of one must name it
 _BUCKET_PROTOCOLS = (*_S3_PROTOCOLS, "gs", "gcs", "az", "abfs", "abfss", "adl", "oss", "oci", "tos")
@@ -731,9 +733,10 @@ class FsspecStorage(AsyncHiCacheStorage):
             data = first + rest
             # all of the object read unless it filled every range asked for
             whole = len(first) < probe if end <= probe else len(data) < end
+            stored: tuple[int, str] | None | object = _NOT_ASKED
             if not whole:
-                data = await self._rest_for_proof(path, data)
-            await self._reject(path, memoryview(data), split, verdict, None, page)
+                data, stored = await self._rest_for_proof(path, data)
+            await self._reject(path, memoryview(data), split, verdict, None, page, stored)
             return None
 
         try:
@@ -743,27 +746,33 @@ class FsspecStorage(AsyncHiCacheStorage):
             self.stats.incr("call_timeouts")
             return None
 
-    async def _rest_for_proof(self, path: str, data: bytes) -> bytes:
+    async def _rest_for_proof(self, path: str, data: bytes) -> tuple[bytes, tuple[int, str] | None | object]:
         """``data`` (the start of the object at ``path``, which failed verification) with the
-        rest of the object, when it is no bigger than :attr:`verify_whole_max`: only the whole
-        object's MD5 against its ETag proves it damaged at rest (and deletes it), and a page
-        whose header is damaged, or that has bytes after it, was otherwise kept for good,
-        counted as damaged in transit at every inspect. A bigger object (a foreign upload of
-        gigabytes at a page's name) costs what was read: it stays, a counted miss."""
+        rest of the object, where that can prove it damaged at rest: only the whole object's
+        MD5 against its ETag does (and deletes it), and a page whose header is damaged, or that
+        has bytes after it, was otherwise kept for good, counted as damaged in transit at every
+        inspect. Also what the store says of the object (``stored_md5``), asked once here for
+        :meth:`_corrupt_at_rest`. Nothing is read where no proof is needed (a local store) or
+        possible (no digest), nor beyond :attr:`verify_whole_max` (a foreign upload of gigabytes
+        at a page's name costs what was read: it stays, a counted miss)."""
+        if not self._remote:
+            return data, _NOT_ASKED
         try:
-            size = await self.runner.request("size", lambda ops: ops.size(path))
-            if size is None or size <= len(data) or size > self.verify_whole_max:
-                return data
-            return data + await self.runner.request("read", lambda ops: ops.get_range(path, len(data), size))
+            stored = await self.runner.request("head corrupt", lambda ops: ops.stored_md5(path))
+            if stored is None or not len(data) < stored[0] <= self.verify_whole_max:
+                return data, stored
+            size = stored[0]
+            return data + await self.runner.request("read", lambda ops: ops.get_range(path, len(data), size)), stored
         except (GaveUp, FileNotFoundError):
-            return data  # not proven: kept, a counted miss (see _reject)
+            return data, None  # not proven: kept, a counted miss (see _reject)
 
     def _verify(self, header: memoryview, payload: memoryview, page: PageKey, want: int | None) -> Verdict:
         codec = self._codec or PageCodec(self.namespace.digest_bytes)
         return codec.verify(header, payload, page.key, page.pool, expected_len=want)
 
     async def _reject(
-        self, path: str, data: memoryview, hlen: int, verdict: Verdict, want: int | None, page: PageKey
+        self, path: str, data: memoryview, hlen: int, verdict: Verdict, want: int | None, page: PageKey,
+        stored: tuple[int, str] | None | object = _NOT_ASKED,
     ) -> None:
         """A page that failed verification. A size the caller did not expect is just a miss.
         Otherwise it is deleted only when the bytes received are the bytes stored (their MD5 is
@@ -775,7 +784,7 @@ class FsspecStorage(AsyncHiCacheStorage):
         if verdict is Verdict.WRONG_LENGTH and parsed is not None and want is not None and parsed.payload_len != want:
             self.stats.incr("size_mismatches")
             return
-        if not await self._corrupt_at_rest(path, data):
+        if not await self._corrupt_at_rest(path, data, stored):
             self.stats.incr("transit_errors")
             count = self._transit_warnings.due()
             if count:
@@ -792,15 +801,20 @@ class FsspecStorage(AsyncHiCacheStorage):
         except (GaveUp, FileNotFoundError):
             pass
 
-    async def _corrupt_at_rest(self, path: str, data: memoryview) -> bool:
-        """Whether ``data`` (which failed verification) is exactly what the store holds."""
+    async def _corrupt_at_rest(self, path: str, data: memoryview, stored: tuple[int, str] | None | object = _NOT_ASKED
+                               ) -> bool:
+        """Whether ``data`` (which failed verification) is exactly what the store holds
+        (``stored``: its ``stored_md5`` if the caller asked already)."""
         if not self._remote:
             return True
-        try:
-            stored = await self.runner.request("head corrupt", lambda ops: ops.stored_md5(path))
-        except (GaveUp, FileNotFoundError):
+        if stored is _NOT_ASKED:
+            try:
+                stored = await self.runner.request("head corrupt", lambda ops: ops.stored_md5(path))
+            except (GaveUp, FileNotFoundError):
+                return False
+        if not isinstance(stored, tuple):
             return False
-        if stored is None or stored[0] != len(data):
+        if stored[0] != len(data):
             return False
         if len(data) >= OFFLOAD_MIN_BYTES:
             digest = await run_to_completion(_md5_hex, data)
