@@ -80,7 +80,7 @@ async def running_server(
             opened: CacheLike = await stack.enter_async_context(_open_cache(config, mode))
             cache = opened
         app = create_app(cache, config, spec=spec)
-        _shed_waiting_after(app, shutdown_timeout, stack)
+        _answer_unfinished_at_drain_end(app, shutdown_timeout, stack)
         runner = web.AppRunner(app, access_log=None, shutdown_timeout=shutdown_timeout,
                                logger=ProtocolLog(app[STATE].metrics))  # a request it cannot parse: one line
         await runner.setup()
@@ -98,10 +98,10 @@ async def running_server(
     logger.info("server stopped")
 
 
-def _shed_waiting_after(app: web.Application, delay: float, stack: contextlib.AsyncExitStack) -> None:
-    """Once the drain begins, in ``delay`` (the runner's ``shutdown_timeout``, when aiohttp
-    stops waiting for its handlers) the requests that have not started are refused with a 503
-    (:meth:`Scheduler.shed_waiting`), not cut with their connections a timeout later. The ones
+def _answer_unfinished_at_drain_end(app: web.Application, delay: float, stack: contextlib.AsyncExitStack) -> None:
+    """Answer what the drain would cut. Once it begins, in ``delay`` (the runner's
+    ``shutdown_timeout``, when aiohttp stops waiting for its handlers) the requests that have
+    not started are refused with a 503 (:meth:`Scheduler.shed_waiting`), not cut with their connections a timeout later. The ones
     still running are answered (:meth:`Scheduler.stop_running`) shortly before aiohttp cancels
     their handlers and cuts their connections, ``2 * delay`` in (at the earliest): they keep
     all the time they had to finish, less :func:`_answer_margin`."""
