@@ -20,10 +20,8 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from hicache.storage.stats import Throttle
+from hicache.observability.throttle import Throttle
 
 __all__ = ["ChangeKind", "Tier", "TierChange", "TierChangeHub"]
 
@@ -94,8 +92,6 @@ class TierChangeHub:
         Why ``wants``: some changes cost the tier work to describe (the tree hashes a new
         node's pages lazily, only when someone needs its keys), so a consumer that never reads
         device stores should say so and keep that work off the request path."""
-        from hicache.storage.stats import Throttle  # here: hicache.storage imports this module
-
         wanted = EVERY if wants is None else frozenset(wants)
         with self._lock:
             self._subscribers = (*self._subscribers, (callback, wanted, Throttle()))

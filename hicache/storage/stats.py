@@ -5,9 +5,10 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import threading
-import time
 from collections import Counter
 from collections.abc import Iterator
+
+from hicache.observability.throttle import Throttle  # (re-exported: its users import it from here)
 
 __all__ = ["WELL_KNOWN", "CallCounts", "StorageStats", "Throttle", "counting_call"]
 
@@ -89,26 +90,3 @@ class StorageStats:
     def reset(self) -> None:
         with self._lock:
             self._counts.clear()
-
-
-class Throttle:
-    """At most one report per ``period`` seconds, counting the events in between: a failure
-    that repeats for every page (a full disk, a flaky link) logs one line a minute, not one per
-    page, and the line says how many it stands for. Thread-safe."""
-
-    def __init__(self, period: float = 60.0) -> None:
-        self.period = period
-        self._lock = threading.Lock()
-        self._last = float("-inf")
-        self._pending = 0
-
-    def due(self, n: int = 1) -> int:
-        """Record ``n`` events; returns how many to report now (0: stay quiet)."""
-        with self._lock:
-            self._pending += n
-            now = time.monotonic()
-            if now - self._last < self.period:
-                return 0
-            self._last = now
-            count, self._pending = self._pending, 0
-            return count
