@@ -67,7 +67,7 @@ from hicache.errors import ConfigError
 from hicache.integrations.vllm.block_format import offload_block_format
 from hicache.integrations.vllm.tier_chains import PrefixChains
 from hicache.integrations.vllm.tier_keys import page_key, tier_namespace
-from hicache.integrations.vllm.tier_kv_events import DEFAULT_MAX_QUEUED_KEYS, TierKVEvents
+from hicache.integrations.vllm.tier_kv_events import DEFAULT_MAX_HELD_KEYS, DEFAULT_MAX_QUEUED_KEYS, TierKVEvents
 from hicache.integrations.vllm.tier_pool import ChunkPool
 from hicache.integrations.vllm.tier_runner import TierRunner
 from hicache.storage import AsyncHiCacheStorage, create_async_storage
@@ -141,6 +141,9 @@ class HiCacheTier(SecondaryTierManager):
             :mod:`~hicache.integrations.vllm.tier_kv_events`).
         kv_events_queue_size: stored keys queued between two steps before stores are dropped
             from the events (counted in :attr:`kv_events_dropped`).
+        kv_events_held_keys: stored keys remembered to report their removal; past it the oldest
+            are forgotten (counted in :attr:`kv_events_forgotten`) and their removals go
+            unreported (a store that never evicts would grow the set for the engine's life).
     """
 
     medium: ClassVar[Medium] = Medium.STORAGE
@@ -159,6 +162,7 @@ class HiCacheTier(SecondaryTierManager):
         locality: str | None = None,
         enable_kv_events: bool = False,
         kv_events_queue_size: int = DEFAULT_MAX_QUEUED_KEYS,
+        kv_events_held_keys: int = DEFAULT_MAX_HELD_KEYS,
         backpressure_detector: BackpressureDetector | None = None,
         **unknown: Any,
     ) -> None:
@@ -166,12 +170,13 @@ class HiCacheTier(SecondaryTierManager):
             raise ConfigError(
                 f"HiCacheTier has no option(s) {sorted(unknown)}; allowed: backend, options, "
                 "namespace_salt, model_revision, lookup_timeout, open_timeout, locality, "
-                "enable_kv_events, kv_events_queue_size, backpressure"
+                "enable_kv_events, kv_events_queue_size, kv_events_held_keys, backpressure"
             )
         if not isinstance(enable_kv_events, bool):
             raise ConfigError(f"HiCacheTier: enable_kv_events must be true or false, got {enable_kv_events!r}")
-        if isinstance(kv_events_queue_size, bool) or not isinstance(kv_events_queue_size, int) or kv_events_queue_size <= 0:
-            raise ConfigError(f"HiCacheTier: kv_events_queue_size must be a positive integer, got {kv_events_queue_size!r}")
+        for name, value in (("kv_events_queue_size", kv_events_queue_size), ("kv_events_held_keys", kv_events_held_keys)):
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"HiCacheTier: {name} must be a positive integer, got {value!r}")
         if options is not None and not isinstance(options, dict):
             raise ConfigError(f"HiCacheTier: options must be a mapping of backend options, got {options!r:.80}")
         options = dict(options or {})
@@ -198,13 +203,13 @@ class HiCacheTier(SecondaryTierManager):
         self._chains = PrefixChains()
         self._load_keys: dict[int, list[OffloadKey]] = {}
         self._store_keys: dict[int, list[OffloadKey]] = {}
-        self._events = self._kv_events(enable_kv_events, kv_events_queue_size)
+        self._events = self._kv_events(enable_kv_events, kv_events_queue_size, kv_events_held_keys)
         logger.info(
             "hicache tier %r: backend %s, namespace %s, %d-byte chunks",
             tier_type, backend, self.namespace.digest, self.block_size_bytes,
         )
 
-    def _kv_events(self, enabled: bool, queue_size: int) -> TierKVEvents | None:
+    def _kv_events(self, enabled: bool, queue_size: int, held_keys: int) -> TierKVEvents | None:
         """The event queue, when asked for and vLLM publishes KV events (it drains
         ``take_events`` only then: a queue it never drains would only fill)."""
         if not enabled:
@@ -213,7 +218,7 @@ class HiCacheTier(SecondaryTierManager):
             logger.warning("enable_kv_events is set on secondary tier %r but KV cache events are disabled "
                            "globally; the tier will not emit events.", self.tier_type)
             return None
-        events = TierKVEvents(self.medium, self.locality, queue_size)
+        events = TierKVEvents(self.medium, self.locality, queue_size, held_keys)
         events.subscribe(self._runner.storage.tier_changes)
         return events
 
@@ -221,6 +226,11 @@ class HiCacheTier(SecondaryTierManager):
     def kv_events_dropped(self) -> int:
         """Stored keys left out of the KV events because vLLM did not take them in time."""
         return self._events.dropped_keys if self._events is not None else 0
+
+    @property
+    def kv_events_forgotten(self) -> int:
+        """Announced stored keys forgotten (past ``kv_events_held_keys``): their removals go unreported."""
+        return self._events.forgotten_keys if self._events is not None else 0
 
     @property
     def storage(self) -> AsyncHiCacheStorage:

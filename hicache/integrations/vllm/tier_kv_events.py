@@ -18,25 +18,40 @@ an object vanishes. :class:`TierKVEvents` reports those too, from the backend's
 * stored keys wait for vLLM's next ``take_events`` in a bounded queue: past ``max_queued`` keys
   a store is dropped, counted (:attr:`TierKVEvents.dropped_keys`) and not taken for announced,
   so no removal of it follows. Removals are never dropped: each is of a key whose store was
-  announced, so they are bounded by what the store holds.
+  announced (and not forgotten since), so they are bounded by what the tier remembers;
+* the keys announced stored are remembered, to report their removal, up to ``max_held`` of
+  them: a store that never evicts (a bucket without a lifecycle rule) would grow the set for the
+  life of the engine. Past it the oldest announced key is forgotten, counted
+  (:attr:`TierKVEvents.forgotten_keys`), and its later removal is not reported. That is the safe
+  direction: a consumer then takes the chunk for held after it left the store, so a router may
+  send a request here that misses it and recomputes (the tier's lookups ask the store, never the
+  events: no wrong KV follows). Reporting the removal of a key the tier no longer knows it
+  announced could report one it never announced (a dropped store), taking a
+  reference-counting consumer's count below what the store holds. A forgotten key stored again
+  is announced again (such a consumer counts it twice: held longer, the same direction). vLLM
+  keeps a forgotten chunk's payload (``removal_expected``) as it does any chunk its ``fs``/``obj``
+  tiers hold for good.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 
 from vllm.v1.kv_offload.base import Locality, Medium, OffloadingEvent, OffloadKey
 
 from hicache.observability.tier_events import ChangeKind, Tier, TierChange, TierChangeHub
 
-__all__ = ["DEFAULT_MAX_QUEUED_KEYS", "TierKVEvents"]
+__all__ = ["DEFAULT_MAX_HELD_KEYS", "DEFAULT_MAX_QUEUED_KEYS", "TierKVEvents"]
 
 logger = logging.getLogger("hicache.integrations.vllm.tier")
 
 #: stored keys queued between two of vLLM's ``take_events`` calls (one a scheduler step)
 DEFAULT_MAX_QUEUED_KEYS = 1 << 16
+#: announced stored keys remembered to report their removal (some 175 bytes each: ~170 MiB)
+DEFAULT_MAX_HELD_KEYS = 1 << 20
 
 _WANTS = frozenset({(ChangeKind.REMOVED, Tier.STORAGE), (ChangeKind.CLEARED, Tier.STORAGE)})
 
@@ -44,18 +59,22 @@ _WANTS = frozenset({(ChangeKind.REMOVED, Tier.STORAGE), (ChangeKind.CLEARED, Tie
 class TierKVEvents:
     """One tier's event queue: stores from the scheduler thread, removals from the store's."""
 
-    def __init__(self, medium: Medium, locality: Locality | None, max_queued: int = DEFAULT_MAX_QUEUED_KEYS) -> None:
+    def __init__(self, medium: Medium, locality: Locality | None, max_queued: int = DEFAULT_MAX_QUEUED_KEYS,
+                 max_held: int = DEFAULT_MAX_HELD_KEYS) -> None:
         self._medium = medium
         self._locality = locality
         self._max_queued = max_queued
+        self._max_held = max_held
         self._lock = threading.Lock()
         self._queue: list[OffloadingEvent] = []
         self._queued_stored = 0  # keys of the stored events in the queue
-        self._held: set[OffloadKey] = set()  # announced stored, not removed since
+        # announced stored, not removed (nor forgotten) since; oldest announced first
+        self._held: OrderedDict[OffloadKey, None] = OrderedDict()
         self._storing: dict[OffloadKey, int] = {}  # keys of store jobs in flight -> jobs
         self._lost: set[OffloadKey] = set()  # of those, removed from the store meanwhile
         self._unsubscribe: Callable[[], None] | None = None
         self.dropped_keys = 0
+        self.forgotten_keys = 0
 
     def subscribe(self, hub: TierChangeHub) -> None:
         """Hear the store's removals and clears (on whatever thread the backend reports them)."""
@@ -91,13 +110,24 @@ class TierKVEvents:
                 dropped = self.dropped_keys
             else:
                 dropped = 0
-                self._held.update(new)
+                self._hold(new)
                 self._queued_stored += len(new)
                 self._queue.append(OffloadingEvent(keys=new, medium=self._medium, removed=False,
                                                    locality=self._locality, removal_expected=True))
         if dropped:
             logger.warning("hicache tier: KV event queue full (%d stored keys not taken); %d stored "
                            "keys not announced so far", self._max_queued, dropped)
+
+    def _hold(self, keys: list[OffloadKey]) -> None:
+        """Remember ``keys`` as announced, forgetting the oldest past ``max_held`` (lock held)."""
+        self._held.update(dict.fromkeys(keys))
+        excess = max(len(self._held) - self._max_held, 0)
+        for _ in range(excess):
+            self._held.popitem(last=False)
+        if excess and not self.forgotten_keys:  # once: from then on it is the steady state
+            logger.warning("hicache tier: %d stored keys remembered for KV events; the oldest are "
+                           "forgotten from now on (their removals go unreported)", self._max_held)
+        self.forgotten_keys += excess
 
     def take(self) -> list[OffloadingEvent]:
         """Every event queued since the last call, in order."""
@@ -115,7 +145,8 @@ class TierKVEvents:
                 keys = [k for k in map(_offload_key, change.keys) if k is not None]
                 self._lost.update(k for k in keys if k in self._storing)
                 gone = [k for k in dict.fromkeys(keys) if k in self._held]
-                self._held.difference_update(gone)
+                for key in gone:
+                    del self._held[key]
             if gone:
                 self._queue.append(OffloadingEvent(keys=gone, medium=self._medium, removed=True,
                                                    locality=self._locality))

@@ -299,6 +299,31 @@ def test_the_event_queue_is_bounded_and_counts_what_it_drops(file_tier_options: 
         assert removed_hashes(events_of(engine, tracker)) == hashes(keys[2:3])
 
 
+def test_the_keys_remembered_for_removals_are_bounded_oldest_forgotten_first(file_tier_options: dict) -> None:
+    """A store that never evicts must not grow the tier's memory of announced keys for the
+    engine's life: past ``kv_events_held_keys`` the oldest are forgotten and counted, a forgotten
+    key's removal goes unreported, a remembered one's still is, and a forgotten key stored again
+    is announced (and remembered) again."""
+    keys = block_keys(TOKENS)
+    tier = tier_config(options=file_tier_options, enable_kv_events=True, kv_events_held_keys=3)
+    with Engine([tier], kv_events=True) as engine:
+        tracker = OffloadingEventsTracker(engine.spec.kv_events_config)
+        for key in keys:  # one chunk a request, oldest first
+            engine.store([key])
+        assert sorted(stored_hashes(events_of(engine, tracker))) == sorted(hashes(keys))
+        assert len(engine.tier._events._held) == 3
+        assert engine.tier.kv_events_forgotten == len(keys) - 3 and engine.tier.kv_events_dropped == 0
+        runner = engine.tier._runner
+        gone = [keys[0], keys[-1]]  # the oldest (forgotten) and the newest (remembered)
+        assert runner._loop_thread.call(engine.tier.storage.batch_delete([page_key(k) for k in gone]), 30) == [True] * 2
+        assert removed_hashes(events_of(engine, tracker)) == hashes([keys[-1]])
+        engine.manager.reset_cache()
+        engine.store([keys[0]])
+        assert stored_hashes(events_of(engine, tracker)) == hashes([keys[0]])
+        assert runner._loop_thread.call(engine.tier.storage.batch_delete([page_key(keys[0])]), 30) == [True]
+        assert removed_hashes(events_of(engine, tracker)) == hashes([keys[0]])
+
+
 def test_events_need_vllms_kv_events_and_the_option(file_tier_options: dict, caplog: pytest.LogCaptureFixture) -> None:
     keys = block_keys(TOKENS)
     with Engine([tier_config(options=file_tier_options, enable_kv_events=True)]) as engine:
@@ -312,7 +337,8 @@ def test_events_need_vllms_kv_events_and_the_option(file_tier_options: dict, cap
 
 
 @pytest.mark.parametrize("bad", [{"enable_kv_events": "yes"}, {"kv_events_queue_size": 0},
-                                 {"kv_events_queue_size": True}, {"kv_events_queue_size": 1.5}])
+                                 {"kv_events_queue_size": True}, {"kv_events_queue_size": 1.5},
+                                 {"kv_events_held_keys": 0}, {"kv_events_held_keys": "many"}])
 def test_bad_event_options_fail_engine_start(file_tier_options: dict, bad: dict) -> None:
     with pytest.raises(ConfigError, match=next(iter(bad))):
         Engine([tier_config(options=file_tier_options, **bad)], kv_events=True)
