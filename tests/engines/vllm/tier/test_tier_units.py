@@ -224,6 +224,30 @@ def test_runner_exists_is_bounded_by_its_timeout() -> None:
         slow.close()
 
 
+def test_runner_exists_is_bounded_when_the_store_is_stuck_in_a_thread(tmp_path: Path, monkeypatch) -> None:
+    """A shared ``file`` store probes the disk for pages its index lacks, in threads: on a hung
+    mount a probe never returns and cannot be cut. The lookup still answers "miss" within
+    ``lookup_timeout`` (vLLM's lookup thread must not wait for the probe: every request asking
+    the tier would be told RETRY, and wait, for as long as the mount hangs)."""
+    import threading
+
+    from hicache_backends.file import io as page_io
+
+    _, view = _view()
+    storage = create_async_storage("file", None, root=str(tmp_path / "store"), min_free_bytes=0, shared=True)
+    runner = TierRunner(storage, ChunkPool(view), lookup_timeout=0.3)
+    hung = threading.Event()
+    probe = page_io.probe_page
+    monkeypatch.setattr(page_io, "probe_page", lambda *a: (hung.wait(30), probe(*a))[1])
+    try:
+        t0 = time.monotonic()
+        assert runner.exists(["a", "b"]) == [False, False]
+        assert time.monotonic() - t0 < 5
+    finally:
+        hung.set()  # the mount comes back
+        runner.close()
+
+
 # ---------------------------------------------------------------------------- config through vLLM
 
 @pytest.mark.parametrize(
