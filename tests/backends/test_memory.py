@@ -512,3 +512,48 @@ def test_eviction_matches_the_leaves_first_rule(seed: int) -> None:
         assert {e: p for e, p in m.links.items() if p is not None} == {e: v[1] for e, v in model.pages.items() if v[1] is not None}
         assert m.evicted_pages == model.evicted_pages
         _check_medium(m)
+
+
+async def test_a_store_whose_pages_a_sharer_of_its_medium_evicts_is_told() -> None:
+    """Stores sharing one medium (one ``store_id``): a write by one evicts another's pages for
+    room. Only the writer reported its own evictions, so the other store's subscribers (the
+    tree's storage directory, vLLM's KV events) went on believing those pages stored. Each
+    store now hears of its pages evicted, as a peer's removal, small pages and big alike (the
+    big ones are written on a worker thread), and one in the same namespace hears too."""
+    import torch
+
+    sid = f"told-{uuid.uuid4()}"
+    big = 64 << 10
+    a = create_async_storage("memory", None, store_id=sid, max_bytes=4 * big, namespace={"model": "a"})
+    twin = create_async_storage("memory", None, store_id=sid, namespace={"model": "a"})
+    b = create_async_storage("memory", None, store_id=sid, namespace={"model": "b"})
+    from hicache.observability.tier_events import ChangeKind, Tier
+
+    changes: list = []
+    a.tier_changes.subscribe(changes.append, wants={(ChangeKind.REMOVED, Tier.STORAGE)})
+    seen_a, seen_twin, seen_b = _watched(a), _watched(twin), _watched(b)
+    try:
+        async with a, twin, b:
+            assert await a.batch_set(["s0", "s1"], [torch.zeros(1000, dtype=torch.uint8)] * 2)
+            assert await a.batch_set(["a0", "a1", "a2"], [torch.zeros(big, dtype=torch.uint8)] * 3)
+            seen_a.clear(), seen_twin.clear(), changes.clear()
+            # b's two big pages need room: a's leaves go (its chain's tail, then its small chain's)
+            assert await b.batch_set(["b0", "b1"], [torch.ones(big, dtype=torch.uint8)] * 2)
+            gone = {k for k in ["s0", "s1", "a0", "a1", "a2"] if not (await a.exists_pages([k]))[0]}
+            assert gone
+            for seen in (seen_a, seen_twin):
+                assert [kind for kind, _ in seen] == ["REMOVED"] * len(seen)
+                assert {k for _, keys in seen for k in keys} == gone
+            assert {(c.reason, c.origin) for c in changes} == {("evicted", "peer")}
+            assert [kind for kind, _ in seen_b] == ["STORED"]  # b lost nothing of its own
+            seen_a.clear()
+            # the twin (same namespace) writes: a hears of its namespace's pages it evicted
+            held = [k for k in ["s0", "s1", "a0", "a1", "a2"] if k not in gone]
+            assert await twin.batch_set(["t0", "t1"], [torch.ones(big, dtype=torch.uint8)] * 2)
+            gone_now = {k for k in held if not (await a.exists_pages([k]))[0]}
+            gone_b = {k for k in ["b0", "b1"] if not (await b.exists_pages([k]))[0]}
+            assert gone_now or gone_b
+            assert {k for _, keys in seen_a if _ == "REMOVED" for k in keys} == gone_now
+            assert {k for kind, keys in seen_b if kind == "REMOVED" for k in keys} == gone_b
+    finally:
+        MemoryMedium.drop_shared(sid)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import heapq
 import threading
+import weakref
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from itertools import compress, count, repeat
@@ -122,6 +123,9 @@ class MemoryMedium:
         self.evicted_pages = 0
         self.evicted_bytes = 0
         self.lock = threading.Lock()
+        #: the open stores on this medium, by namespace digest: a store's write evicts other
+        #: stores' pages too, and each must hear of its own (see :meth:`sharers`)
+        self._stores: dict[str, weakref.WeakSet[Any]] = {}
 
     @classmethod
     def shared(cls, store_id: str, max_bytes: int | None) -> MemoryMedium:
@@ -141,6 +145,26 @@ class MemoryMedium:
     def drop_shared(cls, store_id: str) -> None:
         with cls._shared_lock:
             cls._shared.pop(store_id, None)
+
+    def join(self, digest: str, store: Any) -> None:
+        """``store`` (of namespace ``digest``) is open on this medium: told of its pages other
+        stores' writes evict."""
+        with self.lock:
+            self._stores.setdefault(digest, weakref.WeakSet()).add(store)
+
+    def leave(self, digest: str, store: Any) -> None:
+        with self.lock:
+            stores = self._stores.get(digest)
+            if stores is not None:
+                stores.discard(store)
+                if not stores:
+                    del self._stores[digest]
+
+    def sharers(self, digest: str) -> list[Any]:
+        """The open stores of namespace ``digest`` on this medium."""
+        with self.lock:
+            stores = self._stores.get(digest)
+            return list(stores) if stores is not None else []
 
     def put(self, entry: _Entry, payload: Payload, evicted: list[_Entry] | None = None, *,
             parent: _Entry | None = None, protect: set[_Entry] | None = None) -> bool:
@@ -489,6 +513,12 @@ class MemoryStorage(AsyncHiCacheStorage):
             raise ConfigError(f"memory backend: max_bytes must be a positive integer, got {max_bytes!r}")
         self.medium = MemoryMedium.shared(store_id, max_bytes) if store_id else MemoryMedium(max_bytes or DEFAULT_MAX_BYTES)
 
+    async def _open(self) -> None:
+        self.medium.join(self.namespace.digest, self)
+
+    async def _close(self) -> None:
+        self.medium.leave(self.namespace.digest, self)
+
     def _entry(self, page: PageKey) -> _Entry:
         return (self.namespace.digest, page.key, page.pool)
 
@@ -573,7 +603,8 @@ class MemoryStorage(AsyncHiCacheStorage):
         the medium) was not stored (``False``, and no STORED for it); the batch's pages held
         before and gone now, and older pages of ours it evicted, are reported REMOVED. A page
         whose old copy was evicted and that was put again is stored (``True``). A shared medium
-        evicts other namespaces' pages too: only ours are reported."""
+        evicts other stores' pages too: each open store of the page's namespace hears of it as a
+        peer's removal (:meth:`_tell_sharers`), or its subscribers would hold it stored forever."""
         digest = self.namespace.digest
         now = self.medium.present(entries)
         batch = set(pages)
@@ -583,8 +614,26 @@ class MemoryStorage(AsyncHiCacheStorage):
                 ok[i] = False
             if was is not None and was[i] and not now[i]:
                 removed.append(page)  # it was reported stored before this batch
+        removed = list(dict.fromkeys(removed))
         if removed:
-            self.report_removed(list(dict.fromkeys(removed)), reason="evicted")
+            self.report_removed(removed, reason="evicted")
+        self._tell_sharers(evicted, removed)
+
+    def _tell_sharers(self, evicted: list[_Entry], ours: list[PageKey]) -> None:
+        """Report to the other open stores on the medium the pages of theirs a write evicted
+        (``ours``: what this store reported of its own namespace, which a store of the same
+        namespace holds too), on this thread, as this store reports its own."""
+        digest = self.namespace.digest
+        by_digest: dict[str, list[PageKey]] = {}
+        for d, k, p in evicted:
+            if d != digest:
+                by_digest.setdefault(d, []).append(PageKey(k, p))
+        if ours:
+            by_digest[digest] = ours
+        for d, pages in by_digest.items():
+            for store in self.medium.sharers(d):
+                if store is not self:
+                    store.report_removed(pages, reason="evicted", origin="peer")
 
     async def _read_bytes(self, page: PageKey) -> bytes | None:
         payload = self.medium.get(self._entry(page))
