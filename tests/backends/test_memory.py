@@ -557,3 +557,35 @@ async def test_a_store_whose_pages_a_sharer_of_its_medium_evicts_is_told() -> No
             assert {k for kind, keys in seen_b if kind == "REMOVED" for k in keys} == gone_b
     finally:
         MemoryMedium.drop_shared(sid)
+
+
+async def test_a_delete_or_clear_by_a_store_sharing_the_medium_and_namespace_is_told_to_the_others() -> None:
+    """Two caches sharing one medium and namespace (what the controller suggests instead of
+    sharing a backend object): one's delete or clear removed pages the other's subscribers
+    went on believing stored. The others now hear of them as a peer's removal or clear (the
+    file store's peers hear the same through its removal journal)."""
+    import torch
+
+    from hicache.observability.tier_events import ChangeKind, Tier
+
+    sid = f"twins-{uuid.uuid4()}"
+    a = create_async_storage("memory", None, store_id=sid, namespace={"model": "m"})
+    b = create_async_storage("memory", None, store_id=sid, namespace={"model": "m"})
+    other = create_async_storage("memory", None, store_id=sid, namespace={"model": "o"})
+    seen: list = []
+    b.tier_changes.subscribe(seen.append, wants={(ChangeKind.REMOVED, Tier.STORAGE), (ChangeKind.CLEARED, Tier.STORAGE)})
+    seen_other = _watched(other)
+    try:
+        async with a, b, other:
+            assert await a.batch_set(["x", "y"], [torch.zeros(100, dtype=torch.uint8)] * 2)
+            assert await other.batch_set(["x"], [torch.zeros(100, dtype=torch.uint8)])
+            seen_other.clear()
+            assert await a.batch_delete(["x", "nothing"]) == [True, False]
+            assert [(c.kind.name, c.keys, c.reason, c.origin) for c in seen] == [("REMOVED", ("x",), "deleted", "peer")]
+            seen.clear()
+            assert await a.clear()
+            assert [(c.kind.name, c.origin) for c in seen] == [("CLEARED", "peer")]
+            assert await b.exists_pages(["y"]) == [False]
+            assert seen_other == [] and await other.exists_pages(["x"]) == [True]
+    finally:
+        MemoryMedium.drop_shared(sid)

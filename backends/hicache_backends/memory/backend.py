@@ -25,6 +25,7 @@ import numpy as np
 from hicache.errors import ConfigError
 from hicache.keys import Namespace
 from hicache.storage import AsyncHiCacheStorage, HiCacheStorageConfig, PageKey
+from hicache.storage.changes import report_cleared
 from hicache.storage.offload import OFFLOAD_MIN_BYTES, copy_bytes, run_to_completion
 
 __all__ = ["MemoryMedium", "MemoryStorage"]
@@ -631,19 +632,33 @@ class MemoryStorage(AsyncHiCacheStorage):
         if ours:
             by_digest[digest] = ours
         for d, pages in by_digest.items():
-            for store in self.medium.sharers(d):
-                if store is not self:
-                    store.report_removed(pages, reason="evicted", origin="peer")
+            for store in self._sharers(d):
+                store.report_removed(pages, reason="evicted", origin="peer")
+
+    def _sharers(self, digest: str) -> list[MemoryStorage]:
+        """The other open stores of namespace ``digest`` on this store's medium."""
+        return [s for s in self.medium.sharers(digest) if s is not self]
 
     async def _read_bytes(self, page: PageKey) -> bytes | None:
         payload = self.medium.get(self._entry(page))
         return payload if payload is None or isinstance(payload, bytes) else payload.tobytes()
 
     async def _delete(self, pages: Sequence[PageKey]) -> list[bool]:
-        return [self.medium.remove(self._entry(p)) for p in pages]
+        """Remove pages; the other stores of this namespace on the medium, which held them
+        too, hear of them as a peer's removal (as a file store's peers do from its journal)."""
+        flags = [self.medium.remove(self._entry(p)) for p in pages]
+        gone = [p for p, f in zip(pages, flags) if f]
+        if gone:
+            for store in self._sharers(self.namespace.digest):
+                store.report_removed(gone, reason="deleted", origin="peer")
+        return flags
 
     async def _clear(self) -> None:
-        self.medium.drop_namespace(self.namespace.digest)
+        """Drop the namespace's pages; its other stores on the medium hear of a peer's clear."""
+        digest = self.namespace.digest
+        self.medium.drop_namespace(digest)
+        for store in self._sharers(digest):
+            report_cleared(store.tier_changes, store.backend_name, origin="peer")
 
     async def list_pages(self) -> list[tuple[PageKey, int]]:
         digest = self.namespace.digest
