@@ -1415,6 +1415,50 @@ async def test_a_page_file_this_process_may_not_open_is_forgotten_and_rewritten(
         assert await within(store.get("locked", got)) is not None and torch.equal(got, v0(size, 2))
 
 
+@contextlib.contextmanager
+def immutable(paths: list[str]) -> Iterator[None]:
+    """The files at ``paths`` made immutable (``chattr +i``: no one, root included, may unlink
+    them), as another user's pages are to this process; made mutable again on the way out."""
+    for p in paths:
+        done = subprocess.run(["chattr", "+i", p], capture_output=True)
+        if done.returncode != 0:
+            pytest.skip(f"cannot make a file immutable here: {done.stderr.decode().strip()}")
+    try:
+        yield
+    finally:
+        for p in paths:
+            subprocess.run(["chattr", "-i", p], capture_output=True)
+
+
+async def test_a_page_this_process_may_not_unlink_is_neither_reported_removed_nor_counted_evicted(tmp_path) -> None:
+    """A page file the store may not unlink (another user's writer's folder; made immutable
+    here) stays on disk and is still served. A delete of it answered ``True``, and both the
+    delete and an eviction that picked it reported it REMOVED (the tree's storage directory
+    dropped a page every read still finds) and counted it in ``evicted_pages``; now only the
+    pages really removed are answered, reported and counted, and the eviction takes the next
+    victim for the room."""
+    from hicache.observability.tier_events import ChangeKind, Tier
+
+    size = 4096
+    async with make_store(tmp_path, max_bytes=3 * (size + 600)) as store:
+        await within(store.wait_background())
+        seen: list = []
+        store.tier_changes.subscribe(lambda c: seen.append((c.keys, c.reason)), wants={(ChangeKind.REMOVED, Tier.STORAGE)})
+        for i, key in enumerate("abc"):
+            assert await within(store.set(key, v0(size, i)))
+        with immutable([page_path(store.root, store.namespace.digest, "a")]):
+            assert await within(store.set("x", v0(size, 9)))  # evicts: "a" (kept, immutable), then "b"
+            assert seen == [(("b",), "evicted")]
+            assert store.get_stats()["evicted_pages"] == 1
+            assert await store.exists_pages(["a", "b", "c", "x"]) == [True, False, True, True]
+        seen.clear()
+        with immutable([page_path(store.root, store.namespace.digest, "x")]):
+            assert await within(store.batch_delete(["x", "c"])) == [False, True]
+            assert seen == [(("c",), "deleted")]
+            got = torch.empty(size, dtype=torch.uint8)
+            assert await within(store.get("x", got)) is not None and torch.equal(got, v0(size, 9))
+
+
 async def test_pages_written_while_the_ledger_is_unavailable_are_counted_once_it_is_back(tmp_path, monkeypatch) -> None:
     """A batch written while the usage ledger was unavailable (a peer frozen holding its lock,
     no descriptor left, the namespace folder deleted under us) reserved nothing and was never

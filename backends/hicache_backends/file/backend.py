@@ -454,8 +454,8 @@ class FileStorage(AsyncHiCacheStorage):
             return [False] * len(ids)
         for pid in doomed:
             self._scanner.forget(pid)
-        await self._space.remove(list(doomed), list(doomed.values()))
-        return [pid in doomed for pid in ids]
+        _, _, kept = await self._space.remove(list(doomed), list(doomed.values()))
+        return [pid in doomed and pid not in kept for pid in ids]
 
     # ------------------------------------------------------------------ primitives
 

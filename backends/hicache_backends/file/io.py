@@ -788,12 +788,16 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def remove_files(paths: Sequence[str], sizes: Sequence[int]) -> int:
+def remove_files(paths: Sequence[str], sizes: Sequence[int]) -> tuple[int, list[int]]:
     """Unlink each path; returns the bytes (``sizes``) of those this call removed (a file
-    gone already - another process evicted it - frees nothing here)."""
+    gone already - another process evicted it - frees nothing here), and the positions of
+    those left in place (an unlink refused: another user's folder; a folder replaced by a
+    link): still pages every read finds, which no one may be told are gone."""
     freed = 0
-    for p, size in zip(paths, sizes):
+    kept: list[int] = []
+    for i, (p, size) in enumerate(zip(paths, sizes)):
         if not _inside_root(p):  # a folder replaced by a link: not ours to empty
+            kept.append(i)
             continue
         try:
             os.unlink(p)
@@ -801,8 +805,9 @@ def remove_files(paths: Sequence[str], sizes: Sequence[int]) -> int:
         except FileNotFoundError:
             pass
         except OSError as exc:
+            kept.append(i)
             logger.warning("could not remove %s: %s", p, exc)
-    return freed
+    return freed, kept
 
 
 def missing_files(paths: Sequence[str], stop: threading.Event | None = None) -> list[int]:

@@ -64,6 +64,7 @@ class _Removal:
 
     freed: int  # bytes of the page files this call removed
     idents: list[tuple[str, str]]  # their (key, pool), when anyone needs them
+    kept: list[int]  # positions of the pages left in place (an unlink refused)
     owed: int = 0  # bytes the ledger could not be told of (unavailable): owed to it
     unreleased: int = 0  # bytes of this process's slot it could not release then
     usage: Usage | None = None  # a reading that may have given back a dead writer's slot
@@ -602,9 +603,9 @@ class SpaceAccountant:
             ids = [pid for pid, _ in victims]
             sizes = [e.size for _, e in victims]
             self._leaving(ids)
-            removed, idents = await self.remove(ids, sizes)
+            removed, idents, kept = await self.remove(ids, sizes)
             self._report_removed([PageKey(k, p) for k, p in idents], reason="evicted")
-            self._stats.incr("evicted_pages", len(victims))
+            self._stats.incr("evicted_pages", len(victims) - len(kept))
             self._stats.incr("evicted_bytes", removed)
             logger.debug("file store %s: evicted %d pages (%d bytes)", self.root, len(victims), removed)
             # a victim another process had evicted already frees nothing: against the shared
@@ -614,9 +615,10 @@ class SpaceAccountant:
                 return 0
         return max(0, want)
 
-    async def remove(self, ids: list[str], sizes: list[int]) -> tuple[int, list[tuple[str, str]]]:
+    async def remove(self, ids: list[str], sizes: list[int]) -> tuple[int, list[tuple[str, str]], set[str]]:
         """Unlink pages already out of the index (marked deleting meanwhile); returns the bytes
-        removed and the ``(key, pool)`` of the pages (see :meth:`_remove_victims`)."""
+        removed, the ``(key, pool)`` of the pages removed (see :meth:`_remove_victims`), and
+        the ids of those left in place (an unlink refused: not removed, nor to be reported)."""
         assert self._layout is not None and self._executor is not None
         self._pins.removing(ids)
         generation = self._generation()
@@ -631,7 +633,7 @@ class SpaceAccountant:
             self.unreleased += out.unreleased
         self.after_reclaim(out.usage)
         self._free_est += out.freed
-        return out.freed, out.idents
+        return out.freed, out.idents, {ids[i] for i in out.kept}
 
     def _remove_victims(self, paths: list[str], sizes: list[int]) -> _Removal:
         """(On an I/O thread.) Unlink evicted pages, and take the bytes actually removed off
@@ -645,19 +647,19 @@ class SpaceAccountant:
         count: an under-count the reclaim's rescan raises back (its floor), as for a writer
         killed after publishing. A replaced ledger (a clear since the mark) keeps nothing of
         the mark: what the unlinks freed is then taken off the current one, as before."""
-        wanted = self._wants_identities()
-        idents = [i for i in map(page_io.page_identity, paths) if i is not None] if wanted else []
+        named = list(map(page_io.page_identity, paths)) if self._wants_identities() else []
         ledger, claimed = self.ledger, sum(sizes)
         marked = ledger.add(0, inflight=claimed) if ledger is not None and claimed else None
-        freed = page_io.remove_files(paths, sizes)
+        freed, kept = page_io.remove_files(paths, sizes)
+        idents = [n for i, n in enumerate(named) if n is not None and i not in kept]
         if ledger is None:
-            return _Removal(freed, idents)
+            return _Removal(freed, idents, kept)
         if marked is not None:
             usage = ledger.add(-freed, token=marked.token, inflight=-claimed)
             if usage is None:  # both given to the next reservation (debt, unreleased)
-                return _Removal(freed, idents, owed=freed, unreleased=claimed, usage=marked)
+                return _Removal(freed, idents, kept, owed=freed, unreleased=claimed, usage=marked)
             if usage.token == marked.token or not freed:
-                return _Removal(freed, idents, usage=usage if usage.reclaimed else marked)
+                return _Removal(freed, idents, kept, usage=usage if usage.reclaimed else marked)
         if freed and ledger.add(-freed) is None:
-            return _Removal(freed, idents, owed=freed, usage=marked)
-        return _Removal(freed, idents, usage=marked)
+            return _Removal(freed, idents, kept, owed=freed, usage=marked)
+        return _Removal(freed, idents, kept, usage=marked)
