@@ -365,3 +365,37 @@ def test_an_object_gone_from_the_bucket_is_a_removal(s3_tier_options: dict, moto
         engine.manager.reset_cache()
         engine.load(keys)
         assert removed_hashes(events_of(engine, tracker)) == hashes([keys[4]])
+
+
+def test_another_engines_writes_deletes_and_clear_on_a_shared_memory_store_are_removals() -> None:
+    """Engines sharing a ``memory`` medium (one ``store_id``): another engine's writes evicting
+    this one's chunks, its deletes and its clear are gone for this one too. The memory store
+    told only the store that acted, so this engine's router went on placing requests by chunks
+    the medium no longer held."""
+    import uuid
+
+    from hicache_backends.memory import MemoryMedium
+
+    keys = block_keys(TOKENS)
+    sid = f"engines-{uuid.uuid4().hex}"
+    try:
+        with Engine([tier_config(backend="memory", options={"store_id": sid}, enable_kv_events=True)], kv_events=True) as first, \
+             Engine([tier_config(backend="memory", options={"store_id": sid})]) as second:
+            tracker = OffloadingEventsTracker(first.spec.kv_events_config)
+            first.store(keys)
+            assert stored_hashes(events_of(first, tracker)) == hashes(keys)
+            call = second.tier._runner._loop_thread.call
+            assert call(second.tier.storage.batch_delete([page_key(k) for k in keys[6:]]), 30) == [True, True]
+            assert removed_hashes(wait_for(first, tracker, 2)) == hashes(keys[6:])
+            assert call(second.tier.storage.clear(), 30)
+            assert sorted(removed_hashes(wait_for(first, tracker, 6))) == sorted(hashes(keys[:6]))
+            first.manager.reset_cache()
+            first.store(keys)  # stored again; then the other engine's writes need the whole medium
+            assert sorted(stored_hashes(events_of(first, tracker))) == sorted(hashes(keys))
+            medium = MemoryMedium.shared(sid, None)
+            size = medium.max_bytes // 4
+            pages = [torch.full((size,), i, dtype=torch.uint8) for i in range(4)]
+            assert call(second.tier.storage.batch_set([f"other-{i}" for i in range(4)], pages), 60)
+            assert sorted(removed_hashes(wait_for(first, tracker, len(keys)))) == sorted(hashes(keys))
+    finally:
+        MemoryMedium.drop_shared(sid)
