@@ -338,6 +338,43 @@ def test_loops_closed_since_leave_no_resources_behind(moto_endpoint: str, moto_b
     asyncio.run(close())
 
 
+def test_loops_closed_without_a_shutdown_leave_no_client_open(moto_endpoint: str, moto_bucket: str,
+                                                               prefix: str) -> None:
+    """A hand-made loop ended by ``loop.close()`` alone runs no shutdown, so its S3 client was
+    only dropped by the next loop's first call (or the close), its HTTP session left open until
+    garbage collection ("Unclosed client session" per loop). The next loop to use the store, and
+    the store's close, close them; the live loop's client stays open."""
+    import gc
+    import warnings
+
+    store = make_s3(moto_endpoint, moto_bucket, prefix, NS_A)
+    clients: list[Any] = []
+
+    async def lookup() -> None:
+        await store.exists_pages(["a", "b"])
+        clients.append(store._local.get().ops.fs._s3)
+        await asyncio.sleep(0)  # the closes of the loops closed before this one run
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(4):
+            loop = asyncio.new_event_loop()
+            loop.run_until_complete(lookup())
+            loop.close()
+            assert len(store._local) == 1
+        assert all(c._endpoint.http_session._sessions is None for c in clients[:-1])
+        assert clients[-1]._endpoint.http_session._sessions is not None  # its loop's close ran no closer
+
+        async def close() -> None:
+            await store.aclose()
+
+        asyncio.run(close())
+        assert clients[-1]._endpoint.http_session._sessions is None
+        del clients
+        gc.collect()
+    assert not [w for w in caught if "Unclosed" in str(w.message)]
+
+
 async def test_batch_delete_is_one_head_per_page_and_one_delete_request(moto_endpoint: str, moto_bucket: str, prefix: str) -> None:
     """An eviction of many pages: the HEADs tell which existed (and so what was freed), then a
     single DeleteObjects removes them all (was a DELETE per page)."""

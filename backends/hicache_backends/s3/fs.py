@@ -417,8 +417,12 @@ class S3ObjectOps(AsyncObjectOps):
 
     async def close(self) -> None:
         self._closed = True
-        if self._aborts:  # uploads cut short are aborted with the client they need
-            await asyncio.wait(list(self._aborts), timeout=ABORT_TIMEOUT)
+        # uploads cut short are aborted with the client they need (on its loop: closed from
+        # another loop, this one's is closed, and its aborts never run)
+        here = asyncio.get_running_loop()
+        aborts = [t for t in self._aborts if t.get_loop() is here]
+        if aborts:
+            await asyncio.wait(aborts, timeout=ABORT_TIMEOUT)
         client = getattr(self.fs, "_s3", None)
         creator = getattr(self.fs, "_s3creator", None)
         self.fs._s3 = None
@@ -715,11 +719,14 @@ class LoopLocal(Generic[T]):
         self._hooks: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, AsyncGenerator[None, None]] = (
             weakref.WeakKeyDictionary())
         self._lock = threading.Lock()  # loops may live in different threads
+        #: closes of the values of loops closed without a shutdown (see :meth:`_close_stale`)
+        self._stale_closes: set[asyncio.Task[None]] = set()
 
     def get(self) -> T:
         loop = asyncio.get_running_loop()
         value = self._values.get(loop)
         if value is None:
+            stale: list[T] = []
             with self._lock:
                 value = self._values.get(loop)
                 if value is None:
@@ -727,13 +734,26 @@ class LoopLocal(Generic[T]):
                     # never dies: the values of loops closed since (without a shutdown that
                     # closed them) are dropped here, else a caller that runs each call in a new
                     # loop piled up a filesystem, a client and reusable write bodies per call
-                    for old in [lp for lp in self._values if lp.is_closed()]:
-                        del self._values[old]
-                        self._hooks.pop(old, None)
+                    stale = [self._values.pop(lp) for lp in [lp for lp in self._values if lp.is_closed()]]
+                    for old in [lp for lp in self._hooks if lp.is_closed()]:
+                        del self._hooks[old]
                     value = self._values[loop] = self._factory()
                     if self._closer is not None:
                         self._watch(loop, value)
+            self._close_stale(loop, stale)
         return value
+
+    def _close_stale(self, loop: asyncio.AbstractEventLoop, stale: list[T]) -> None:
+        """Close, on ``loop``, the values of loops closed without a shutdown (a hand-made loop
+        ended by ``loop.close()`` alone: no hook ran): dropped only, each kept its client and
+        HTTP session open until garbage collection ("Unclosed client session"). A closed loop
+        runs nothing, so nothing still uses them; closing them needs no loop of theirs (aiohttp
+        closes a session whose loop is closed without one)."""
+        if self._closer is None or not stale:
+            return
+        task = loop.create_task(_close_each(self._closer, stale))
+        self._stale_closes.add(task)
+        task.add_done_callback(self._stale_closes.discard)
 
     def _watch(self, loop: asyncio.AbstractEventLoop, value: T) -> None:
         """Close ``value`` when ``loop`` shuts down. Only where the loop tracks async generators
@@ -772,13 +792,23 @@ class LoopLocal(Generic[T]):
         return len(self._values)
 
 
+async def _close_each(closer: Callable[[T], Awaitable[None]], values: list[T]) -> None:
+    """``closer`` on each of ``values``; a failure is logged, and the rest are closed."""
+    for value in values:
+        try:
+            await closer(value)
+        except Exception:  # noqa: BLE001 - nobody awaits this: a failure must not hide the rest
+            logger.warning("closing the filesystem of a closed event loop failed", exc_info=True)
+
+
 async def close_all(local: LoopLocal[LoopResources]) -> None:
-    """Close every loop's filesystem: this loop's inline, running loops' through their thread,
-    closed loops' are dropped (closed at their loop's shutdown, where it ran one)."""
+    """Close every loop's filesystem: this loop's and closed loops' inline (a loop closed
+    without a shutdown closed nothing; a closed loop's need no loop of theirs: see
+    :meth:`LoopLocal._close_stale`), running loops' through their thread."""
     current = asyncio.get_running_loop()
     for loop, res in local.pop_all():
         try:
-            if loop is current:
+            if loop is current or loop.is_closed():
                 await res.ops.close()
             elif loop.is_running() and not loop.is_closed():
                 asyncio.run_coroutine_threadsafe(res.ops.close(), loop)
