@@ -16,7 +16,7 @@ from hicache.storage import AsyncHiCacheStorage, PageCodec, create_async_storage
 from hicache.testing import StoreTests
 from hicache.testing.store_tests import NS_A
 from hicache_backends.s3.fs import S3ObjectOps, ThreadObjectOps
-from s3_server import s3_options
+from s3_server import raw_get, s3_options
 
 
 class TestFsspecMemoryStore(StoreTests):
@@ -544,6 +544,79 @@ class TestFsspecDirOverMemoryStore(StoreTests):
         header = PageCodec.parse(data)
         assert header is not None and header.key == key and header.pool == pool
         return data[header.header_len :]
+
+
+class TestFsspecDirOverS3Store(StoreTests):
+    """``dir://`` over S3 (``target_protocol: s3``): refused at open ("both dirfs and fs should
+    be in the same sync/async mode": the DirFileSystem was built asynchronous, its S3 target
+    not); each loop now builds both asynchronous, the whole conformance suite against moto."""
+
+    @pytest.fixture
+    def store_factory(self, moto_endpoint: str, moto_bucket: str):
+        self.endpoint, self.base = moto_endpoint, f"{moto_bucket}/dir-conformance/{uuid.uuid4().hex}"
+
+        def make(namespace: Any = None) -> AsyncHiCacheStorage:
+            return create_async_storage("fsspec", None, url="dir://store", namespace=namespace,
+                                        storage_options={"path": self.base, "target_protocol": "s3",
+                                                         "target_options": s3_options(moto_endpoint)})
+
+        return make
+
+    async def raw_payload(self, store: Any, key: str, pool: str = "kv") -> bytes | None:
+        data = await asyncio.to_thread(raw_get, self.endpoint, f"{self.base}/{store.names.page(key, pool)}")
+        if data is None:
+            return None
+        header = PageCodec.parse(data)
+        assert header is not None and header.key == key and header.pool == pool
+        return data[header.header_len :]
+
+
+async def test_a_dir_store_over_s3_closes_each_loops_client(moto_endpoint: str, moto_bucket: str) -> None:
+    """``dir://`` over S3: each loop's S3 client (the DirFileSystem's target, which holds the
+    HTTP session) is closed by the store's close and by the end of its loop, and is configured
+    as the s3 backend's own (one attempt a request: the store retries and counts)."""
+    import gc
+    import warnings
+
+    from s3fs import S3FileSystem
+
+    store = create_async_storage("fsspec", None, url="dir://store", namespace=NS_A,
+                                 storage_options={"path": f"{moto_bucket}/dir-close/{uuid.uuid4().hex}",
+                                                  "target_protocol": "s3",
+                                                  "target_options": s3_options(moto_endpoint)})
+    clients: list[Any] = []
+
+    async def use() -> None:
+        assert await store.set("k", torch.ones(4))
+        target = store._local.get().ops.fs.fs
+        assert isinstance(target, S3FileSystem) and target.retries == 1
+        clients.append(target._s3)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        await asyncio.to_thread(asyncio.run, use())  # a loop that ends
+        await use()
+        got = await store.get("k", torch.empty(4))
+        assert got is not None and torch.equal(got, torch.ones(4))
+        await store.aclose()
+        assert len(clients) == 2 and all(c._endpoint.http_session._sessions is None for c in clients)
+        del clients
+        gc.collect()
+    assert not [w for w in caught if "Unclosed" in str(w.message)]
+
+
+async def test_a_dir_store_over_s3_takes_digit_credentials_as_text(moto_endpoint: str, moto_bucket: str) -> None:
+    """Credentials made of digits (a YAML config parses them as numbers) are text to the S3
+    target of a ``dir://`` store, as to an ``s3`` store, and scrubbed from what it logs."""
+    store = create_async_storage("fsspec", None, url="dir://store", namespace=NS_A,
+                                 storage_options={"path": f"{moto_bucket}/dir-digits/{uuid.uuid4().hex}",
+                                                  "target_protocol": "s3",
+                                                  "target_options": {**s3_options(moto_endpoint),
+                                                                     "secret": 31415926535}})
+    assert "31415926535" not in store._redactor.scrub("signature of 31415926535")
+    async with store:
+        assert await store.set("k", torch.ones(4))
+        assert store._local.get().ops.fs.fs.secret == "31415926535"
 
 
 def _files(top: Any) -> list[str]:

@@ -53,7 +53,7 @@ from hicache_backends.s3.bodies import BodyBuffers
 from hicache_backends.s3.breaker import BreakerState, CircuitBreaker
 from hicache_backends.s3.cache import ExistsCache
 from hicache_backends.s3 import fs as s3_fs
-from hicache_backends.s3.fs import LoopLocal, LoopResources, ObjectOps, close_all, make_ops
+from hicache_backends.s3.fs import LoopLocal, LoopResources, ObjectOps, close_all, is_s3fs, make_ops
 from hicache_backends.s3.naming import ObjectNames, Redactor, redact_options, redact_url
 from hicache_backends.s3.runs import MAX_BYTES as MAX_INDEX_BYTES, MIN_RUN, decode_run, encode_run
 from hicache_backends.s3.retry import RetryPolicy, is_transient
@@ -110,6 +110,12 @@ def _dir_root(fs_class: Any, options: dict[str, Any]) -> tuple[str, ...]:
     # the target's service wherever s3fs takes it (a filesystem object keeps its own options)
     target_options = getattr(target, "storage_options", None) if target is not None else options.get("target_options")
     return kind, _endpoint_of(target_options or {}), str(options.get("path") or options.get("fo") or "")
+
+
+def _dir_over_s3(fs_class: Any, options: dict[str, Any]) -> bool:
+    """Whether ``fs_class`` is a DirFileSystem that builds an S3 target from ``options``."""
+    return (issubclass(fs_class, DirFileSystem) and options.get("fs") is None
+            and str(options.get("target_protocol") or "").lower() in _S3_PROTOCOLS)
 
 
 def _endpoint_of(options: dict[str, Any]) -> str:
@@ -255,6 +261,9 @@ class FsspecStorage(AsyncHiCacheStorage):
         self._storage_options: dict[str, Any] = dict(storage_options or {})
         if self.protocol in _S3_PROTOCOLS:  # s3fs's are text; other filesystems take objects (gcsfs's token)
             self._storage_options = _text_credentials(self._storage_options, self.backend_name)
+        elif _dir_over_s3(self._fs_class, self._storage_options):  # (before the redactor learns them)
+            self._storage_options["target_options"] = _text_credentials(
+                dict(self._storage_options.get("target_options") or {}), self.backend_name)
         self._redactor = Redactor(self._storage_options, url)
         self.concurrency = _positive("concurrency", concurrency, int)
         self.request_timeout = float(_positive("request_timeout", request_timeout))
@@ -355,34 +364,56 @@ class FsspecStorage(AsyncHiCacheStorage):
             opts["asynchronous"] = True
         opts["skip_instance_cache"] = True  # an instance is bound to one loop: never share it
         if self.protocol in _S3_PROTOCOLS:
-            opts.setdefault("use_listings_cache", False)  # other processes write the bucket
-            cfg = dict(opts.get("config_kwargs") or {})
-            # one connection per request in flight, or requests queue inside botocore
-            cfg["max_pool_connections"] = max(int(cfg.get("max_pool_connections") or 0), self.concurrency)
-            cfg.setdefault("connect_timeout", self.request_timeout)
-            cfg.setdefault("read_timeout", self.request_timeout)
-            # we retry (and count, and trip the breaker) ourselves; botocore's retries would
-            # multiply ours and hide outages
-            cfg.setdefault("retries", {"total_max_attempts": 1})
-            # pages carry their own xxh3 checksum, verified on every read
-            cfg.setdefault("request_checksum_calculation", "when_required")
-            cfg.setdefault("response_checksum_validation", "when_required")
-            # and for the same reason no SHA-256 of every body for the signature (botocore signs
-            # the payload on http://, and on https:// when no checksum header is sent): that
-            # hash was the largest CPU cost of a PUT, and it guards nothing the page checksum
-            # (and TLS on https) does not. An explicit "s3" config_kwargs entry wins.
-            s3cfg = dict(cfg.get("s3") or {})
-            s3cfg.setdefault("payload_signing_enabled", False)
-            cfg["s3"] = s3cfg
-            opts["config_kwargs"] = cfg
+            opts = self._s3_options(opts)
+        elif self._async_fs and issubclass(self._fs_class, DirFileSystem) and opts.get("fs") is None:
+            opts["target_options"] = self._dir_target_options(opts)
+        return opts
+
+    def _dir_target_options(self, opts: dict[str, Any]) -> dict[str, Any]:
+        """Options of the filesystem a ``dir://`` store's DirFileSystem builds from
+        ``target_protocol``: asynchronous as it is, one per loop like it (a DirFileSystem refuses
+        a target in another mode, so ``dir://`` over S3 did not open unless its options said
+        so), and an S3 target configured as the ``s3`` backend configures its own."""
+        target = dict(opts.get("target_options") or {})
+        target["asynchronous"] = True
+        target["skip_instance_cache"] = True
+        if _dir_over_s3(self._fs_class, opts):
+            target = self._s3_options(target)
+        return target
+
+    def _s3_options(self, opts: dict[str, Any]) -> dict[str, Any]:
+        """s3fs ``opts`` with the store's defaults for one client of one loop."""
+        opts = dict(opts)
+        opts.setdefault("use_listings_cache", False)  # other processes write the bucket
+        cfg = dict(opts.get("config_kwargs") or {})
+        # one connection per request in flight, or requests queue inside botocore
+        cfg["max_pool_connections"] = max(int(cfg.get("max_pool_connections") or 0), self.concurrency)
+        cfg.setdefault("connect_timeout", self.request_timeout)
+        cfg.setdefault("read_timeout", self.request_timeout)
+        # we retry (and count, and trip the breaker) ourselves; botocore's retries would
+        # multiply ours and hide outages
+        cfg.setdefault("retries", {"total_max_attempts": 1})
+        # pages carry their own xxh3 checksum, verified on every read
+        cfg.setdefault("request_checksum_calculation", "when_required")
+        cfg.setdefault("response_checksum_validation", "when_required")
+        # and for the same reason no SHA-256 of every body for the signature (botocore signs
+        # the payload on http://, and on https:// when no checksum header is sent): that
+        # hash was the largest CPU cost of a PUT, and it guards nothing the page checksum
+        # (and TLS on https) does not. An explicit "s3" config_kwargs entry wins.
+        s3cfg = dict(cfg.get("s3") or {})
+        s3cfg.setdefault("payload_signing_enabled", False)
+        cfg["s3"] = s3cfg
+        opts["config_kwargs"] = cfg
         return opts
 
     def _make_resources(self) -> LoopResources:
         fs = self._fs_class(**self._filesystem_options())
-        if self.protocol in _S3_PROTOCOLS:
+        # (a dir:// store's target may be S3: the one it built, never a filesystem the caller gave)
+        s3 = fs.fs if isinstance(fs, DirFileSystem) and fs.storage_options.get("fs") is None else fs
+        if is_s3fs(s3):
             # s3fs's own retry loop: one attempt (see _filesystem_options). It still sleeps 0.1 s
             # after a transient error before giving up; the breaker keeps that rare.
-            fs.retries = 1
+            s3.retries = 1
         # twice the request slots: every request in flight can have the next body ready
         return LoopResources(
             make_ops(fs), asyncio.Semaphore(self.concurrency), asyncio.Semaphore(2 * self.concurrency),

@@ -202,7 +202,12 @@ class AsyncObjectOps:
         return _removed_all(prefix, files, failed, strays)
 
     async def close(self) -> None:
-        session = getattr(self.fs, "_session", None)
+        # a DirFileSystem holds no session: its target does (built per loop, like it)
+        fs = self.fs.fs if isinstance(self.fs, DirFileSystem) else self.fs
+        if is_s3fs(fs):
+            await _close_s3_client(fs)
+            return
+        session = getattr(fs, "_session", None)
         closer = getattr(session, "close", None)
         if callable(closer):
             result = closer()
@@ -423,16 +428,21 @@ class S3ObjectOps(AsyncObjectOps):
         aborts = [t for t in self._aborts if t.get_loop() is here]
         if aborts:
             await asyncio.wait(aborts, timeout=ABORT_TIMEOUT)
-        client = getattr(self.fs, "_s3", None)
-        creator = getattr(self.fs, "_s3creator", None)
-        self.fs._s3 = None
-        if creator is not None and _is_region_cache(creator):
-            # region caching (AWS without an endpoint): the default client and one per region
-            # the buckets live in; closing the default one alone left the others open
-            self.fs._s3creator = None
-            await creator.clear()
-        elif client is not None:
-            await client.close()
+        await _close_s3_client(self.fs)
+
+
+async def _close_s3_client(fs: Any) -> None:
+    """Close the client of the s3fs filesystem ``fs`` (and its HTTP session)."""
+    client = getattr(fs, "_s3", None)
+    creator = getattr(fs, "_s3creator", None)
+    fs._s3 = None
+    if creator is not None and _is_region_cache(creator):
+        # region caching (AWS without an endpoint): the default client and one per region
+        # the buckets live in; closing the default one alone left the others open
+        fs._s3creator = None
+        await creator.clear()
+    elif client is not None:
+        await client.close()
 
 
 async def _all_or_none(coros: list[Awaitable[T]]) -> list[T]:
@@ -679,14 +689,17 @@ def make_ops(fs: Any) -> ObjectOps:
     """The adapter for ``fs``: native coroutines where the filesystem has them and was built
     for them (a DirFileSystem over a synchronous filesystem is built synchronous)."""
     if getattr(fs, "async_impl", False) and getattr(fs, "asynchronous", False):
-        try:
-            from s3fs import S3FileSystem
-        except ImportError:  # pragma: no cover
-            S3FileSystem = None  # type: ignore[assignment,misc]  # noqa: N806
-        if S3FileSystem is not None and isinstance(fs, S3FileSystem):
-            return S3ObjectOps(fs)
-        return AsyncObjectOps(fs)
+        return S3ObjectOps(fs) if is_s3fs(fs) else AsyncObjectOps(fs)
     return ThreadObjectOps(fs)
+
+
+def is_s3fs(fs: Any) -> bool:
+    """Whether ``fs`` is an s3fs filesystem (``False`` where s3fs is not installed)."""
+    try:
+        from s3fs import S3FileSystem
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(fs, S3FileSystem)
 
 
 @dataclass
