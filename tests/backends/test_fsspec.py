@@ -518,6 +518,28 @@ async def test_options_the_filesystem_refuses_are_a_config_error_at_open(tmp_pat
         assert ok.get_stats()["permanent_errors"] >= 1
 
 
+async def test_writes_on_a_loop_whose_filesystem_cannot_be_built_are_counted_misses(tmp_path: Any, caplog) -> None:
+    """A write batch on a loop whose filesystem cannot be built logged an ERROR with a
+    traceback for every page (counted as backend errors); like a read, it is now a counted
+    miss (``permanent_errors``) said in one warning."""
+    import logging
+
+    store = create_async_storage("fsspec", None, url=f"file://{tmp_path}/store", namespace=NS_A)
+    async with store:
+        assert await store.set("k", torch.ones(4))
+        store._fs_class = fsspec.get_filesystem_class("dir")  # refuses being built without its path
+
+        def other_loop() -> Any:
+            return asyncio.run(store.batch_set([f"p{i}" for i in range(8)], [torch.ones(4)] * 8))
+
+        with caplog.at_level(logging.WARNING, logger="hicache.storage.s3"):
+            assert await asyncio.to_thread(other_loop) is False
+        stats = store.get_stats()
+        assert stats["permanent_errors"] == 8 and not stats.get("backend_errors")
+        assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+        assert len([r for r in caplog.records if "building the filesystem" in r.getMessage()]) == 1
+
+
 class TestFsspecDirOverMemoryStore(StoreTests):
     """``dir://`` (fsspec's DirFileSystem) over a synchronous filesystem: refused at open (the
     backend asked for an asynchronous DirFileSystem, which a synchronous target cannot be);

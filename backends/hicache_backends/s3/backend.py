@@ -883,8 +883,10 @@ class FsspecStorage(AsyncHiCacheStorage):
     async def _write_one(self, page: PageKey, buf: memoryview, generation: int) -> bool:
         codec = self._codec or PageCodec(self.namespace.digest_bytes)
         path = self.names.page(page.key, page.pool)
-        res = self._local.get()
         try:
+            # (the runner's: a loop whose filesystem cannot be built is a counted miss, said
+            # once a minute; got here, it was an ERROR with a traceback for every page)
+            res = self.runner.resources("write")
             # One PUT of header+payload: an object store publishes an object whole or not at all.
             # The body is built before a request slot is free, so a PUT starts the moment one
             # frees (built inside the slot, every PUT waited for its own hashing and copy: set

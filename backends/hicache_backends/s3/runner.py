@@ -79,6 +79,15 @@ class RequestRunner:
                            type(exc).__name__, self.redactor.scrub(str(exc)))
         return GaveUp(what)
 
+    def resources(self, what: str) -> LoopResources:
+        """This loop's resources, for ``what``; :class:`GaveUp` where its filesystem cannot be
+        built (open built one, so the options were fine there): a counted miss, said once a
+        minute, as nothing raises out of a primitive."""
+        try:
+            return self.local.get()
+        except Exception as exc:  # noqa: BLE001 - whatever a filesystem's constructor raises
+            raise self._permanent(what, "building the filesystem for this event loop", exc) from exc
+
     async def request(self, what: str, op: Callable[[ObjectOps], Awaitable[T]], timeout: float | None = None) -> T:
         """Run ``op`` with breaker gate, concurrency slot, timeout and retries.
 
@@ -87,12 +96,7 @@ class RequestRunner:
         """
         if self.closed:
             raise GaveUp(what)
-        try:
-            res = self.local.get()
-        except Exception as exc:  # noqa: BLE001 - a loop whose filesystem cannot be built (open
-            # built one, so the options were fine there): a counted miss, as nothing raises out
-            # of a primitive
-            raise self._permanent(what, "building the filesystem for this event loop", exc) from exc
+        res = self.resources(what)
         timeout = self.request_timeout if timeout is None else timeout
         for attempt in range(self.policy.attempts):
             if self.closed:
