@@ -15,7 +15,7 @@ from hicache.errors import ConfigError
 from hicache.storage import AsyncHiCacheStorage, PageCodec, create_async_storage
 from hicache.testing import StoreTests
 from hicache.testing.store_tests import NS_A
-from hicache_backends.s3.fs import S3ObjectOps, ThreadObjectOps
+from hicache_backends.s3.fs import AsyncObjectOps, S3ObjectOps, ThreadObjectOps
 from s3_server import raw_get, s3_options
 
 
@@ -625,6 +625,28 @@ async def test_a_dir_store_over_s3_closes_each_loops_client(moto_endpoint: str, 
         del clients
         gc.collect()
     assert not [w for w in caught if "Unclosed" in str(w.message)]
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+async def test_a_dir_store_over_an_s3_filesystem_object(moto_endpoint: str, moto_bucket: str, asynchronous: bool) -> None:
+    """``dir://`` over an s3fs filesystem the caller built (``fs``): one built synchronous (s3fs's
+    default) was refused at open (the DirFileSystem was built asynchronous, as s3fs can be); it
+    is served in threads, as a synchronous target is. One built asynchronous is served natively,
+    and stays the caller's: the store's close does not close its client."""
+    from s3fs import S3FileSystem
+
+    target = S3FileSystem(**s3_options(moto_endpoint), asynchronous=asynchronous, skip_instance_cache=True)
+    store = create_async_storage("fsspec", None, url="dir://store", namespace=NS_A,
+                                 storage_options={"path": f"{moto_bucket}/dir-object/{uuid.uuid4().hex}",
+                                                  "fs": target})
+    async with store:
+        assert await store.set("k", torch.ones(4))
+        got = await store.get("k", torch.empty(4))
+        assert got is not None and torch.equal(got, torch.ones(4))
+        assert isinstance(store._local.get().ops, AsyncObjectOps if asynchronous else ThreadObjectOps)
+    if asynchronous:
+        assert target._s3 is not None and target._s3._endpoint.http_session._sessions is not None
+        await target._s3.close()
 
 
 async def test_a_dir_store_over_s3_takes_digit_credentials_as_text(moto_endpoint: str, moto_bucket: str) -> None:

@@ -91,8 +91,8 @@ def _runs_async(fs_class: Any, options: dict[str, Any]) -> bool:
     if not issubclass(fs_class, DirFileSystem):
         return True
     target = options.get("fs")
-    if target is not None:
-        return bool(getattr(target, "async_impl", False))
+    if target is not None:  # (s3fs's, built synchronous by default, is served in threads too)
+        return bool(getattr(target, "async_impl", False) and getattr(target, "asynchronous", False))
     try:
         return bool(getattr(fsspec.get_filesystem_class(options.get("target_protocol") or "file"), "async_impl", False))
     except (ImportError, ValueError):

@@ -202,8 +202,11 @@ class AsyncObjectOps:
         return _removed_all(prefix, files, failed, strays)
 
     async def close(self) -> None:
-        # a DirFileSystem holds no session: its target does (built per loop, like it)
-        fs = self.fs.fs if isinstance(self.fs, DirFileSystem) else self.fs
+        fs = self.fs
+        if isinstance(fs, DirFileSystem):  # it holds no session: its target does
+            if fs.storage_options.get("fs") is not None:
+                return  # a filesystem the caller gave, theirs to close
+            fs = fs.fs  # built per loop with it, from target_protocol
         if is_s3fs(fs):
             await _close_s3_client(fs)
             return
