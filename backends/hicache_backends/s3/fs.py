@@ -39,6 +39,7 @@ if TYPE_CHECKING:  # botocore is there only with s3fs; the fsspec backend works 
 
 __all__ = [
     "AsyncObjectOps",
+    "DirS3ObjectOps",
     "LoopLocal",
     "LoopResources",
     "ObjectOps",
@@ -398,12 +399,15 @@ class S3ObjectOps(AsyncObjectOps):
             files, strays = _under(self.fs, prefix, await self.fs._find(prefix))
         except FileNotFoundError:
             return 0
-        failed = await self.remove_many(files)
+        failed = await self._delete_objects(files)
         if failed:
-            failed = await self.remove_many(sorted(failed))
+            failed = await self._delete_objects(sorted(failed))
         return _removed_all(prefix, files, failed, strays)
 
     async def remove_many(self, paths: list[str]) -> set[str]:
+        return await self._delete_objects(paths)
+
+    async def _delete_objects(self, paths: list[str]) -> set[str]:
         """DeleteObjects, up to 1,000 keys a request, in quiet mode: S3 answers only the keys it
         failed to delete (s3fs's ``_bulk_delete`` drops those answers)."""
         failed: set[str] = set()
@@ -446,6 +450,42 @@ async def _close_s3_client(fs: Any) -> None:
         await creator.clear()
     elif client is not None:
         await client.close()
+
+
+class DirS3ObjectOps(S3ObjectOps):
+    """A DirFileSystem over s3fs it built (``dir://`` over S3), served on its target as S3 is
+    (:class:`S3ObjectOps`), each path joined to the dir's root. Through the generic coroutines
+    (:class:`AsyncObjectOps`) a page damaged at rest could not be proven so (no ETag) and stayed,
+    a hit of every lookup whose every read failed; an empty object's 416 was an error."""
+
+    def __init__(self, dirfs: DirFileSystem) -> None:
+        super().__init__(dirfs.fs)
+        self._join: Callable[[str], str] = dirfs._join
+
+    async def put(self, path: str, data: bytes | bytearray) -> None:
+        await super().put(self._join(path), data)
+
+    async def get_range(self, path: str, start: int, end: int | None) -> bytes:
+        return await super().get_range(self._join(path), start, end)
+
+    async def get_range_into(self, path: str, start: int, end: int, next_view: NextView) -> int:
+        return await super().get_range_into(self._join(path), start, end, next_view)
+
+    async def size(self, path: str) -> int | None:
+        return await super().size(self._join(path))
+
+    async def stored_md5(self, path: str) -> tuple[int, str] | None:
+        return await super().stored_md5(self._join(path))
+
+    async def remove(self, path: str) -> None:
+        await super().remove(self._join(path))
+
+    async def remove_many(self, paths: list[str]) -> set[str]:
+        joined = {self._join(p): p for p in paths}
+        return {joined.get(p, p) for p in await self._delete_objects(list(joined))}
+
+    async def remove_tree(self, prefix: str) -> int:
+        return await super().remove_tree(self._join(prefix))
 
 
 async def _all_or_none(coros: list[Awaitable[T]]) -> list[T]:
@@ -692,6 +732,8 @@ def make_ops(fs: Any) -> ObjectOps:
     """The adapter for ``fs``: native coroutines where the filesystem has them and was built
     for them (a DirFileSystem over a synchronous filesystem is built synchronous)."""
     if getattr(fs, "async_impl", False) and getattr(fs, "asynchronous", False):
+        if isinstance(fs, DirFileSystem) and is_s3fs(fs.fs) and fs.storage_options.get("fs") is None:
+            return DirS3ObjectOps(fs)
         return S3ObjectOps(fs) if is_s3fs(fs) else AsyncObjectOps(fs)
     return ThreadObjectOps(fs)
 
