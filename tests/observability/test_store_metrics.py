@@ -1,0 +1,44 @@
+"""A real file store's figures as they reach a scrape: which are counters, and how a store shared
+by several caches is counted."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+
+from hicache.observability.cache_gauges import _export_storage
+from hicache.observability.metrics import InstanceMetrics, exposition_text
+from hicache.observability.scrape import Scrape
+from hicache.storage import create_async_storage
+from hicache.testing.store_tests import NS_A
+from hicache_backends.file.journal import JOURNAL_NAME, RemovalJournal
+
+_JOURNAL_TOTALS = ("journal_dropped_lines", "journal_missed_files", "journal_torn_lines", "journal_failed_removals")
+
+
+async def test_journal_totals_are_counters_that_a_rate_can_read(tmp_path: Path) -> None:
+    """The journal's cumulative counts only grow: exported as gauges, ``rate()`` refused them."""
+    store = create_async_storage("file", None, root=str(tmp_path), namespace=NS_A, journal_poll_s=3600)
+    metrics = InstanceMetrics()
+    try:
+        async with store:
+            assert await store.wait_index_ready(10)
+            _export_storage(metrics, store)
+            scrape = Scrape(exposition_text())
+            for name in _JOURNAL_TOTALS:
+                assert scrape.types.get(f"hicache_backend_{name}") == "counter", (name, scrape.types.get(f"hicache_backend_{name}"))
+                assert scrape.value(f"hicache_backend_{name}_total", cache=metrics.label) == 0
+            # another process rotates the journal twice before this store reads it: one file missed
+            rotor = RemovalJournal(store.layout.ns_dir, max_bytes=1)
+            for i in range(3):
+                rotor.append_removed([(f"filler-{i}", "kv")], "evicted")
+            rotor.close()
+            assert os.path.exists(os.path.join(store.layout.ns_dir, JOURNAL_NAME))
+            store._peers.journal.poll()
+            assert store.get_stats()["journal_missed_files"] == 1
+            _export_storage(metrics, store)
+            scrape = Scrape(exposition_text())
+            assert scrape.value("hicache_backend_journal_missed_files_total", cache=metrics.label) == 1
+    finally:
+        metrics.close()
