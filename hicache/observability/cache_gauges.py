@@ -15,7 +15,8 @@ Families (all with the instance's ``cache`` label):
   ``backend_errors``, ``evicted_pages``...) and the running totals it reports among its figures
   (the file store's ``journal_{dropped_lines,torn_lines,missed_files,failed_removals}``: see
   ``_BACKEND_TOTALS``), ``hicache_backend_<figure>{backend}`` for its other
-  numeric figures (``stored_pages``, ``stored_bytes``...), and
+  numeric figures (``stored_pages``, ``stored_bytes``...; the store-wide ones also carry a
+  ``store`` label naming the medium, which caches sharing one store report alike), and
   ``hicache_backend_breaker_state{backend}`` (0 closed, 1 half open, 2 open) for a backend with
   a circuit breaker (S3)
 - ``hicache_session_<counter>_total`` and ``hicache_session_{sessions_open,...}`` gauges
@@ -51,7 +52,9 @@ _BACKEND_COUNTERS = ("exists_calls", "exists_keys", "exists_hits", "read_pages",
 _EVENT_COUNTERS = ("published_batches", "published_events", "dropped_events", "replay_requests", "replays_served",
                    "replays_refused", "replays_dropped", "replay_bytes", "errors")
 # figures of the whole store, not of this process: several workers on one store each report
-# them, so in multi-process mode they aggregate to the largest report, never the sum
+# them, so in multi-process mode they aggregate to the largest report, never the sum; and they
+# carry a ``store`` label (the backend's ``store`` figure), so caches of one process on one store
+# can be counted once too (``max by (instance, store)``; ``hicache stats`` does), not once per cache
 _STORE_WIDE = frozenset({"stored_pages", "stored_bytes", "max_bytes", "min_free_bytes", "free_bytes"})
 _SESSION_GAUGES = ("sessions_open", "sessions_holding_kv", "session_held_tokens", "writeback_pending",
                    "writeback_pending_tokens")
@@ -101,10 +104,14 @@ def _export_storage(metrics: InstanceMetrics, storage: Any) -> None:
     stats.update(storage.get_stats())
     counters = set(storage.stats.snapshot()) | _BACKEND_TOTALS | set(_BACKEND_COUNTERS)
     labels = {"backend": str(stats.get("backend", "unknown")).lower()}
+    store_wide = {**labels, "store": str(stats.get("store", ""))}
     for key, value in numeric_items(stats):
         kind = "counter" if key in counters else "gauge"
-        mode = {"mode": "livemax"} if kind == "gauge" and key in _STORE_WIDE else {}
-        metrics.mirror(kind, f"backend_{key}", value, f"storage backend {key.replace('_', ' ')}", labels, **mode)
+        if kind == "gauge" and key in _STORE_WIDE:
+            metrics.mirror(kind, f"backend_{key}", value, f"storage backend {key.replace('_', ' ')}", store_wide,
+                           mode="livemax")
+            continue
+        metrics.mirror(kind, f"backend_{key}", value, f"storage backend {key.replace('_', ' ')}", labels)
     state = stats.get("breaker_state")
     if isinstance(state, str) and state in BREAKER_STATES:
         metrics.mirror("gauge", "backend_breaker_state", BREAKER_STATES[state],

@@ -1,8 +1,8 @@
 """Reading a Prometheus scrape back: samples by name and labels, and quantiles of histograms.
 
 Why a module of our own on top of ``prometheus_client.parser``: ``hicache stats`` and the tests
-ask the same three questions of a scrape (one value, a sum over some labels, a percentile of a
-histogram), and the parser answers none of them directly.
+ask the same questions of a scrape (one value, a sum over some labels, a figure several series
+repeat counted once, a percentile of a histogram), and the parser answers none of them directly.
 """
 
 from __future__ import annotations
@@ -57,6 +57,24 @@ class Scrape:
             key = s.labels.get(label, "")
             out[key] = out.get(key, 0.0) + s.value
         return out
+
+    def once_per(self, name: str, label: str, **labels: str) -> float | None:
+        """The live matching samples summed with one sample per value of ``label``, its largest:
+        a figure that every reporter of one thing gives alike (a store's size, reported by each
+        cache on it) counts once. A sample without ``label`` (or with it empty) counts on its
+        own. None when none matches."""
+        found = self.select_live(name, **labels)
+        if not found:
+            return None
+        largest: dict[str, float] = {}
+        alone = 0.0
+        for s in found:
+            key = s.labels.get(label, "")
+            if key:
+                largest[key] = max(largest.get(key, s.value), s.value)
+            else:
+                alone += s.value
+        return alone + sum(largest.values())
 
     def quantile(self, q: float, name: str, **labels: str) -> float | None:
         """The ``q`` quantile of histogram ``name`` (its ``_bucket`` samples summed over the

@@ -125,8 +125,9 @@ def render_scrape(scrape: Scrape, source: str, previous: tuple[float, Scrape] | 
         f"storage: {store}   breaker {_BREAKER.get(worst, '-') if worst is not None else '-'}   "
         f"trips {_n(scrape.value('hicache_storage_trips_total'))}   "
         f"backend errors {_n(scrape.value('hicache_backend_backend_errors_total'))}   "
-        f"stored {_n(scrape.value('hicache_backend_stored_pages'))} pages "
-        f"({_n(scrape.value('hicache_backend_stored_bytes'), 'B')})   "
+        # a store several caches share is each one's whole store: counted once
+        f"stored {_n(scrape.once_per('hicache_backend_stored_pages', 'store'))} pages "
+        f"({_n(scrape.once_per('hicache_backend_stored_bytes', 'store'), 'B')})   "
         f"evicted {_n(scrape.value('hicache_backend_evicted_pages_total'))}   "
         f"refused for space {_n(scrape.value('hicache_backend_rejected_pages_no_space_total'))}"
     )

@@ -139,3 +139,26 @@ async def test_kv_event_publisher_counts_are_in_the_scrape(tmp_path: Path) -> No
         assert scrape.value("hicache_events_queued", cache=cache.metrics_label) is not None
         assert scrape.value("hicache_events_replays_open", cache=cache.metrics_label) == 0
         assert scrape.value("hicache_events_replays_refused_total", cache=cache.metrics_label) == 0
+
+
+async def test_stats_counts_a_store_shared_by_two_caches_once(tmp_path: Path) -> None:
+    """Two caches over one file store folder each report the whole store's size: the screen
+    showed twice its pages and bytes."""
+    cfg = small_config(tmp_path / "store")
+    async with HiCache.from_config(cfg) as first:
+        h = await first.begin("w", TOKENS)
+        await first.commit(h)
+        await first.drain()
+        async with HiCache.from_config(cfg) as second:  # its scan finds the first one's pages
+            labels = {first.metrics_label, second.metrics_label}
+            scrape = Scrape(first.prometheus_text())
+            for _ in range(200):
+                stored = {s.labels["cache"]: s.value for s in scrape.select("hicache_backend_stored_pages")
+                          if s.labels["cache"] in labels}
+                if len(stored) == 2 and set(stored.values()) == {8.0}:
+                    break
+                await asyncio.sleep(0.02)
+                scrape = Scrape(first.prometheus_text())
+            assert set(stored.values()) == {8.0}, stored  # each cache reports the one store
+            screen = render_scrape(scrape, "x")
+            assert re.search(r"stored 8 pages \(", screen), screen

@@ -42,3 +42,36 @@ async def test_journal_totals_are_counters_that_a_rate_can_read(tmp_path: Path) 
             assert scrape.value("hicache_backend_journal_missed_files_total", cache=metrics.label) == 1
     finally:
         metrics.close()
+
+
+async def test_a_memory_medium_shared_by_two_stores_is_counted_once() -> None:
+    """Stores naming one ``store_id`` each report the whole medium; private ones stay apart."""
+    import uuid
+
+    import torch
+
+    from hicache.observability.stats_view import render_scrape
+    from hicache_backends.memory import MemoryMedium
+
+    sid = f"obs-{uuid.uuid4().hex}"
+    a = create_async_storage("memory", None, store_id=sid, namespace={"model": "a"})
+    b = create_async_storage("memory", None, store_id=sid, namespace={"model": "b"})
+    alone = create_async_storage("memory", None, namespace={"model": "c"})
+    owners = [InstanceMetrics() for _ in range(3)]
+    try:
+        async with a, b, alone:
+            assert await a.batch_set(["p0", "p1"], [torch.zeros(1000, dtype=torch.uint8)] * 2)
+            assert await b.batch_set(["q0"], [torch.ones(1000, dtype=torch.uint8)])
+            assert await alone.batch_set(["r0"], [torch.ones(1000, dtype=torch.uint8)])
+            for owner, store in zip(owners, (a, b, alone)):
+                _export_storage(owner, store)
+            scrape = Scrape(exposition_text())
+            mine = [s for s in scrape.select("hicache_backend_stored_pages") if s.labels["cache"] in {o.label for o in owners}]
+            assert sorted(s.value for s in mine) == [1.0, 3.0, 3.0]  # the medium's pages, twice
+            text = "".join(f'hicache_backend_stored_pages{{cache="{s.labels["cache"]}",backend="memory",'
+                           f'store="{s.labels["store"]}"}} {s.value}\n' for s in mine)
+            assert "stored 4 pages" in render_scrape(Scrape(text), "x")
+    finally:
+        for owner in owners:
+            owner.close()
+        MemoryMedium.drop_shared(sid)

@@ -1192,6 +1192,9 @@ class FileStorage(AsyncHiCacheStorage):
     def _backend_stats(self) -> dict[str, Any]:
         return {
             "root": self.root,
+            # the medium the store-wide figures describe: one namespace of one root (every cache
+            # on it reports the same pages; a scrape counts them once per store, not per cache)
+            "store": f"file:{self.root}#{self.namespace.digest}",
             "stored_pages": len(self.index),
             "stored_bytes": self.index.nbytes,
             "max_bytes": self.max_bytes,

@@ -513,6 +513,7 @@ class MemoryStorage(AsyncHiCacheStorage):
         if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes <= 0):
             raise ConfigError(f"memory backend: max_bytes must be a positive integer, got {max_bytes!r}")
         self.medium = MemoryMedium.shared(store_id, max_bytes) if store_id else MemoryMedium(max_bytes or DEFAULT_MAX_BYTES)
+        self.store_id = store_id
 
     async def _open(self) -> None:
         self.medium.join(self.namespace.digest, self)
@@ -666,10 +667,16 @@ class MemoryStorage(AsyncHiCacheStorage):
             return [(PageKey(k, p), len(v)) for (d, k, p), v in self.medium.pages.items() if d == digest]
 
     def _backend_stats(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "stored_pages": len(self.medium.pages),
             "stored_bytes": self.medium.nbytes,
             "max_bytes": self.medium.max_bytes,
             "evicted_pages": self.medium.evicted_pages,
             "evicted_bytes": self.medium.evicted_bytes,
         }
+        if self.store_id:
+            # the medium the store-wide figures describe, shared by every store naming its
+            # store_id: a scrape counts it once, not once per cache on it (a private one has
+            # no other store to be counted with)
+            out["store"] = f"memory:{self.store_id}"
+        return out
