@@ -603,3 +603,19 @@ async def test_a_peers_ordinary_clears_are_not_taken_for_killed_ones(tmp_path: P
         stats = a.get_stats()
         assert stats.get("namespace_folder_replaced", 0) == 0
         assert passes == {"prune": 0, "rehouse": 0}
+
+
+async def test_journal_totals_outlive_the_close(tmp_path: Path) -> None:
+    """A closed store's journal figures read 0 while its other counters kept their values: a
+    multi-process scrape's last read (taken after the store closed) lost what the close's
+    flush dropped, and ``get_stats()`` after a close said no journal file was ever missed."""
+    store = create_async_storage("file", None, root=str(tmp_path), namespace=NS_A, journal_poll_s=3600)
+    async with store:
+        assert await store.wait_index_ready(10)
+        rotor = RemovalJournal(store.layout.ns_dir, max_bytes=1)
+        for i in range(3):  # rotated twice before this store reads: one file missed
+            rotor.append_removed([(f"filler-{i}", "kv")], "evicted")
+        rotor.close()
+        store._peers.journal.poll()
+        assert store.get_stats()["journal_missed_files"] == 1
+    assert store.get_stats()["journal_missed_files"] == 1

@@ -32,6 +32,9 @@ class PeerRemovals:
         self.poll_s = poll_s
         self._on_removal = on_removal
         self.journal: RemovalJournal | None = None
+        # the journal whose counts the figures below read: kept once closed, so a closed store's
+        # totals (and a scrape's last read of them, taken after the close) keep their values
+        self._counted: RemovalJournal | None = None
         # the removal journal's own thread: its lock waits never hold up page I/O
         self.executor: ThreadPoolExecutor | None = None
         self._task: asyncio.Task[None] | None = None
@@ -40,19 +43,19 @@ class PeerRemovals:
 
     @property
     def dropped_lines(self) -> int:
-        return self.journal.dropped_lines if self.journal is not None else 0
+        return self._counted.dropped_lines if self._counted is not None else 0
 
     @property
     def torn_lines(self) -> int:
-        return self.journal.torn_lines if self.journal is not None else 0
+        return self._counted.torn_lines if self._counted is not None else 0
 
     @property
     def missed_files(self) -> int:
-        return self.journal.missed_files if self.journal is not None else 0
+        return self._counted.missed_files if self._counted is not None else 0
 
     async def open(self, ns_dir: str, digest: str) -> None:
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="hicache-file-journal")
-        self.journal = await run_to_completion(RemovalJournal, ns_dir, executor=self.executor)
+        self.journal = self._counted = await run_to_completion(RemovalJournal, ns_dir, executor=self.executor)
         self._task = asyncio.get_running_loop().create_task(
             self._tail(self.journal), name=f"hicache-file-journal-{digest[:8]}"
         )
