@@ -50,7 +50,9 @@ def _give_to_tree(inner: Any, slot: SessionSlot, ours: Any, protected: int, writ
     aligned = int(ours.numel())
     key = RadixKey(list(slot.token_ids[:aligned]), slot.extra_key)
     try:
-        inner.insert(InsertParams(key=key, value=ours, priority=slot.priority))
+        # the first turn counted its hits on the protected part (its match, its own chunks):
+        # counted again here, a history nobody reused looked reused to placement and eviction
+        inner.insert(InsertParams(key=key, value=ours, priority=slot.priority, inserted_len=protected))
     except ValueError as exc:
         logger.warning("session %s: the tree refused its history (%s); its KV is freed, not kept",
                        slot.session_id, exc)

@@ -336,3 +336,31 @@ async def test_close_goes_on_when_one_session_cannot_be_released() -> None:
     assert not stack.cache.slots
     assert stack.controller is not None and stack.controller.state.value == "closed"
     await stack.aclose()
+
+
+async def test_a_release_counts_no_second_hit_on_the_history_its_first_turn_matched_or_chunked(hstack: Stack) -> None:
+    """Handing a session over inserted its whole history counting a hit on every node the tree
+    had, also those its own first turn had matched (hit counted then) or inserted chunk by chunk
+    (its own prompt, no reuse): a conversation nobody reused reached ``hit_count`` 2, so the
+    reuse placement wrote it to storage and SLRU kept it as reused. A release now counts hits
+    only past the part the session already counted, as a plain request's finish does."""
+    system = list(range(500, 516))
+    plain = Conversation(hstack, "plain", seed=90, streaming=False)
+    plain.history = list(system)
+    await plain.turn(0, 1)  # a 16-token prompt lands in the tree (one hit: its insert)
+
+    def hits() -> dict[tuple[int, ...], int]:
+        return {tuple(n.key): n.hit_count for n in hstack.inner._nodes() if n is not hstack.inner.root_node}
+
+    s = Conversation(hstack, "s", seed=91)
+    s.history = list(system)
+    await s.turn(5 * PS, 1, chunk=2 * PS)  # matches the prompt (a hit), then inserts its own chunks
+    before = hits()
+    assert before[tuple(system)] == 2
+    assert hstack.cache.release_session("s")
+    after = hits()
+    for key, count in before.items():  # a node a first turn counted is not counted again
+        assert after.get(key, count) == count, (key, count, after)
+    assert all(count == 1 for key, count in after.items() if key not in before)
+    await hstack.empty_everything()
+    hstack.assert_initial()
