@@ -226,16 +226,19 @@ class WriteBackQueue:
     async def drain(self, deadline: float | None = None) -> None:
         """Wait until every entry finished: copies complete (the tree's controller drains),
         refused ones are retried up to the attempt limit. ``deadline`` (the loop's clock)
-        bounds the waits for host room; default :meth:`close_budget` from now."""
+        bounds the waits for copies and for host room; default :meth:`close_budget` from now.
+        Past it nothing is waited for: what still cannot finish is given up and reported."""
         # Only the host copies are followed here: wait for the device->host copies, not for
         # the storage writes queued behind them (a slow or hung backend would hold up a
         # session close, or aclose() past its close timeout; the controller's close bounds
         # and reports those writes). The one exception, bounded: a copy refused because host
         # is full of pages those writes hold waits for the next to land (_wait_for_host_room).
         drain = getattr(self._tree, "drain_backups", None) or getattr(self._tree, "drain", None)
+        loop = asyncio.get_running_loop()
         if deadline is None:
-            deadline = asyncio.get_running_loop().time() + self.close_budget()
+            deadline = loop.time() + self.close_budget()
         idle = 0
+        late = False  # past the deadline: copies are no longer waited for
         while self._entries:
             self.pump()
             if not self._entries:
@@ -243,7 +246,13 @@ class WriteBackQueue:
             if drain is None:
                 return
             before = [(e.attempts, e.submits, e.started) for e in self._entries]
-            await drain()
+            if not late:
+                # bounded as the controller's own close is: a copy that never returns (a wedged
+                # copy stream) held aclose() for good, its close timeout never reached
+                try:
+                    await asyncio.wait_for(drain(), max(0.0, deadline - loop.time()))
+                except TimeoutError:
+                    late = True
             if await self._wait_for_host_room(deadline):
                 continue  # a storage write landed: its pages' host copies can go, retry uncounted
             self.pump(count_refusals=True)
@@ -284,6 +293,7 @@ class WriteBackQueue:
     def _give_up_stuck(self) -> None:
         for e in self._entries:
             self._count("writeback_lost", 1)
-            logger.warning("session %s: write-back of %d token(s) can no longer finish (the cache is closing); "
-                           "given up", e.session_id, e.tokens)
+            logger.warning("session %s: write-back of %d token(s) can no longer finish (the cache is closing, "
+                           "or the drain's deadline passed); given up", e.session_id, e.tokens)
+            self._unkeep(e)  # an entry that ends lets go of what the tree kept for it
         self._entries.clear()

@@ -274,3 +274,34 @@ async def test_a_close_whose_write_backs_wait_for_slow_storage_writes_keeps_one_
     took = time.monotonic() - t0
     assert took < 1.8, f"the close took {took:.2f} s against a close timeout of 1 s"
     assert report is not None and (report.unwritten_pages or report.deferred_backup_pages)
+
+
+async def test_a_close_whose_write_back_copy_hangs_ends_within_the_close_timeout() -> None:
+    """A device->host copy that never returns (a wedged copy stream): the write-backs' drain
+    waited for the tree's copies with no bound, so ``aclose()`` hung for good, though the
+    controller's own close bounds that wait by ``close_timeout_s``. The drain now waits for
+    copies until the close's deadline, and the close reports what it could not write."""
+    import time
+
+    st = make_stack(controller={"close_timeout_s": 0.5})
+    gate = asyncio.Event()
+    real = st.engine.backup
+
+    async def hung(dev, host):  # type: ignore[no-untyped-def]
+        await gate.wait()
+        await real(dev, host)
+
+    st.engine.backup = hung  # type: ignore[method-assign]
+    await Conversation(st, "A", seed=1).turn(20, 3)  # its KV is on device, its copy hangs
+    t0 = time.monotonic()
+    try:
+        report = await asyncio.wait_for(st.cache.aclose(), 10)
+    finally:
+        gate.set()
+    took = time.monotonic() - t0
+    assert took < 3, f"the close took {took:.2f} s against a close timeout of 0.5 s"
+    assert report is not None and not report.drained
+    m = st.cache.metrics()
+    assert not st.cache.slots and len(st.cache.writeback) == 0
+    assert m["writeback_queued"] == 1 and m["writeback_lost"] + m["writeback_dropped"] == 1, m  # reported
+    await st.engine.aclose()
