@@ -563,7 +563,9 @@ class HiCacheSGLangStorage(_SGLangStorage):
         return out
 
     def _get_kv(self, facade: HiCacheStorage, keys: list[str], host_indices: torch.Tensor) -> list[bool]:
-        if self._mover is not None and not self._mover.moves_directly:
+        # as for writes: a batch with a key no store takes goes through the facade, which
+        # misses that key alone (the mover's batch failed whole, the stored pages before it too)
+        if self._mover is not None and not self._mover.moves_directly and first_unstorable(keys) is None:
             return facade.run(self._mover.get(keys, host_indices))  # through the mover's staging
         return facade.batch_get_v1(keys, host_indices)  # on this thread where the store can read there
 

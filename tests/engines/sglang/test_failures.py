@@ -282,6 +282,7 @@ def test_an_unstorable_key_is_a_miss_for_itself_alone(backend, store_root):
     options = {"root": str(store_root)} if backend == "file" else {}
     dev = helpers.device_pool(size=2048, page_size=PAGE, layers=LAYERS)
     host = helpers.host_pool(dev, "page_first")
+    helpers.fill_random(host, 1)
     ctl = helpers.controller(dev, host, helpers.extra_config(backend, **options))
     st = ctl.storage_backend
     try:
@@ -295,5 +296,10 @@ def test_an_unstorable_key_is_a_miss_for_itself_alone(backend, store_root):
         two = ctl.mem_pool_host.alloc(3 * PAGE)
         assert st.batch_set_v1(["fresh-a", "", "fresh-b"], two) == [True, False, True]
         assert st.batch_exists(["fresh-a"]) == 1 and st.batch_exists(["fresh-b"]) == 1
+        # a read misses the bad key alone too (the staged read failed the whole batch with it)
+        dst = ctl.mem_pool_host.alloc(3 * PAGE)
+        assert st.batch_get_v1([keys[0], None, keys[1]], dst) == [True, False, True]
+        for i in (0, 2):
+            assert torch.equal(host.get_data_page(int(idx[(i // 2) * PAGE])), host.get_data_page(int(dst[i * PAGE])))
     finally:
         ctl.detach_storage_backend()
