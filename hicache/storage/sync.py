@@ -252,6 +252,12 @@ def _stop_loop(loop_thread: LoopThread, backend: AsyncHiCacheStorage | None = No
 #: locks open; this only keeps a hung close from hanging its caller for good.
 CLOSE_TIMEOUT_S = 120.0
 
+#: How long opening a store through a facade (:meth:`HiCacheStorage.open`) may take. Not
+#: ``call_timeout`` either: a store's first touch (an automounted NFS root being mounted, an
+#: S3 bucket's first connection) may take longer than one I/O may, and an open cut there
+#: failed an engine's launch; this only keeps a hung open from hanging its caller for good.
+OPEN_TIMEOUT_S = 120.0
+
 #: Facades not closed yet, closed at interpreter exit by :func:`_close_at_exit`.
 _open_facades: weakref.WeakSet[HiCacheStorage] = weakref.WeakSet()
 
@@ -313,6 +319,17 @@ class HiCacheStorage:
         return self._call(coro)
 
     # lifecycle
+    def open(self) -> None:
+        """Open the backend (idempotent), waiting up to :data:`OPEN_TIMEOUT_S` (or
+        ``call_timeout`` where that is longer), not ``call_timeout``: that bounds one I/O."""
+        if self._closed:
+            raise StorageStateError("HiCacheStorage is closed")
+        limit = max(OPEN_TIMEOUT_S, self.call_timeout or 0.0)
+        try:
+            self._loop_thread.call(self.backend.open(), limit)
+        except TimeoutError:
+            raise TimeoutError(f"opening the store took longer than {limit:g} s") from None
+
     def close(self) -> None:
         """Close the backend and stop the private loop (idempotent)."""
         if self._closed:

@@ -410,7 +410,7 @@ class HiCacheSGLangStorage(_SGLangStorage):
                         facade.register_mem_pool_host(pool)
                     else:
                         facade.register_mem_host_pool_v2(pool, name)
-                facade.run(backend.open())
+                facade.open()  # not cut at call_timeout (one I/O's limit): a slow first touch fails no launch
             except BaseException as exc:
                 try:
                     facade.close()

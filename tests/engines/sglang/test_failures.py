@@ -303,3 +303,25 @@ def test_an_unstorable_key_is_a_miss_for_itself_alone(backend, store_root):
             assert torch.equal(host.get_data_page(int(idx[(i // 2) * PAGE])), host.get_data_page(int(dst[i * PAGE])))
     finally:
         ctl.detach_storage_backend()
+
+
+def test_an_open_slower_than_the_call_timeout_still_attaches(store_root, monkeypatch):
+    """call_timeout bounds one I/O, not the store's opening: a root whose first touch is slow
+    (an NFS automount mounting it, seconds) opened past hicache_call_timeout, and SGLang's
+    launch failed with a bare 'TimeoutError: '. The store opens, and I/O is still bounded."""
+    import hicache_backends.file.io as file_io
+
+    real_prepare = file_io.prepare_namespace
+
+    def slow_prepare(*args, **kwargs):  # the mount's first access
+        time.sleep(1.0)
+        return real_prepare(*args, **kwargs)
+
+    monkeypatch.setattr(file_io, "prepare_namespace", slow_prepare)
+    host, ctl = _ctl("file", "page_first", hicache_options={"root": store_root}, hicache_call_timeout=0.3)
+    try:
+        monkeypatch.setattr(file_io, "prepare_namespace", real_prepare)
+        assert ctl.storage_backend.settings.call_timeout == 0.3
+        drive.write_then_read(ctl, host, ctl, host, 4, LAYERS)
+    finally:
+        ctl.detach_storage_backend()
