@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from hicache.errors import ConfigError, StorageStateError
+from hicache.integrations.vllm.store_io import open_at_start
 from hicache.integrations.vllm.tier_pool import ChunkPool
 from hicache.storage import AsyncHiCacheStorage, HiCacheStorageExtraInfo, PoolName, PoolTransfer
 from hicache.storage.sync import LoopThread
@@ -109,11 +110,8 @@ class TierRunner:
         self._loop_thread = LoopThread(name=name)
         # Open now so a bad option (an unusable root) fails engine start-up with a clear error;
         # a store that is slow to answer (an object store that is down) opens in the background.
-        opening = asyncio.run_coroutine_threadsafe(storage.open(), self._loop_thread.loop)
         try:
-            opening.result(open_timeout)
-        except concurrent.futures.TimeoutError:
-            logger.warning("%s: storage is slow to open; continuing, jobs wait for it", name)
+            open_at_start(self._loop_thread.loop, storage.open(), open_timeout, name)
         except BaseException:
             self.close()
             raise

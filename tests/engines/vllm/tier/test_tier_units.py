@@ -396,3 +396,28 @@ def test_engines_whose_attention_backends_write_other_bytes_never_share_a_namesp
     for kind, why in (("rocm", "RocmPlatform|ROCm"), ("xpu", "XPU"), ("cpu", "CPU")):
         with pytest.raises(ConfigError, match=rf"HiCacheTier cannot name the block format.*({why})"):
             namespace(kind)
+
+
+def test_runner_logs_a_store_that_fails_to_open_after_start_up_went_on(caplog: pytest.LogCaptureFixture) -> None:
+    """A store still opening after ``open_timeout`` opens in the background; when that late
+    open fails, the tier says so (as the connector does), not only that it was slow."""
+    import asyncio
+
+    _, view = _view()
+    storage = create_async_storage("memory", None)
+
+    async def late_failure() -> None:
+        await asyncio.sleep(0.5)
+        raise StorageStateError("the store refused to open")
+
+    storage.open = late_failure  # type: ignore[method-assign]
+    with caplog.at_level(logging.INFO):
+        runner = TierRunner(storage, ChunkPool(view), name="slow-tier", open_timeout=0.1)
+        try:
+            deadline = time.monotonic() + 10
+            while "refused to open" not in caplog.text and time.monotonic() < deadline:
+                time.sleep(0.05)
+        finally:
+            runner.close()
+    assert "slow-tier: opening the store failed" in caplog.text, caplog.text
+
