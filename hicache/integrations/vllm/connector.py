@@ -49,7 +49,7 @@ from vllm.v1.request import RequestStatus
 
 from hicache.integrations.vllm.block_format import block_format, check_block_format
 from hicache.integrations.vllm.naming import KVGeometry, deployment_namespace
-from hicache.integrations.vllm.options import ConnectorOptions
+from hicache.integrations.vllm.options import ConnectorOptions, close_timeout_in_grace
 from hicache.integrations.vllm.host_tree import HostPageTree
 from hicache.integrations.vllm.scheduler_side import SchedulerSide
 from hicache.integrations.vllm.store_io import StoreIO, make_backend
@@ -266,7 +266,7 @@ def _close_worker_at_exit(connector: HiCacheConnector) -> None:
             conn = ref()
             worker = conn._worker if conn is not None else None
             if conn is not None and worker is not None:
-                worker.close(worker_close_timeout(conn.options.close_timeout_s))
+                worker.close(close_timeout_in_grace(conn.options.close_timeout_s))
         except BaseException:  # noqa: BLE001
             logger.exception("hicache worker: draining at interpreter exit failed")
 
@@ -274,22 +274,6 @@ def _close_worker_at_exit(connector: HiCacheConnector) -> None:
         threading._register_atexit(drain)  # type: ignore[attr-defined]  # (what concurrent.futures uses)
     except (AttributeError, RuntimeError):  # another Python, or already shutting down
         pass
-
-
-def worker_close_timeout(close_timeout_s: float) -> float:
-    """How long a worker's shutdown may drain its storage queue: ``close_timeout_s``, capped
-    below vLLM's grace for worker processes (``VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS``, after
-    which the multiprocess executor sends SIGTERM, then SIGKILL): a drain cut by a signal
-    loses the pages silently, a drain that stops in time logs what it gave up. A quarter of
-    the grace: closing the store and its I/O thread may take as long again each (a store that
-    hangs in its close), and the whole close must end inside the grace."""
-    try:
-        from vllm import envs
-
-        grace = float(envs.VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS)
-    except Exception:  # noqa: BLE001 - no such setting in this vLLM: no cap
-        return close_timeout_s
-    return max(0.0, min(close_timeout_s, grace / 4))
 
 
 def _worker_ranks() -> tuple[int, int]:
@@ -434,7 +418,7 @@ class HiCacheConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         timeout = self.options.close_timeout_s
         if self._worker is not None:
-            self._worker.close(worker_close_timeout(timeout))
+            self._worker.close(close_timeout_in_grace(timeout))
             self._worker = None
         if self._scheduler is not None:
             self._scheduler.close(timeout)

@@ -17,13 +17,30 @@ from hicache.errors import ConfigError
 from hicache.options import options_from_dict
 from hicache.prefix_cache.policy import eviction_key
 
-__all__ = ["ConnectorOptions"]
+__all__ = ["ConnectorOptions", "close_timeout_in_grace"]
 
 _FIXED = {"prefetch_threshold": 0, "prefetch_policy": "wait_complete"}
 
 #: The longest a timeout may be: threads wait on these (plus a few seconds of margin) and a
 #: wait past ``threading.TIMEOUT_MAX`` raises OverflowError instead of waiting.
 MAX_WAIT_S = threading.TIMEOUT_MAX / 2
+
+
+def close_timeout_in_grace(close_timeout_s: float) -> float:
+    """How long a shutdown in a vLLM process may drain its storage work: ``close_timeout_s``,
+    capped below vLLM's shutdown grace (``VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS``, after which
+    vLLM sends SIGKILL to its worker processes, and to the engine core that its client sent
+    SIGTERM): a drain cut by a signal loses the pages silently, a drain that stops in time logs
+    what it gave up. A quarter of the grace: closing the store and stopping its loop thread may
+    take as long again each (a store that hangs in its close), and the whole close must end
+    inside the grace."""
+    try:
+        from vllm import envs
+
+        grace = float(envs.VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS)
+    except Exception:  # noqa: BLE001 - no vLLM, or no such setting in this one: no cap
+        return close_timeout_s
+    return max(0.0, min(close_timeout_s, grace / 4))
 
 
 @dataclass(frozen=True, kw_only=True)

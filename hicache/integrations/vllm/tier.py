@@ -65,11 +65,12 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 
 from hicache.errors import ConfigError
 from hicache.integrations.vllm.block_format import offload_block_format
+from hicache.integrations.vllm.options import close_timeout_in_grace
 from hicache.integrations.vllm.tier_chains import PrefixChains
 from hicache.integrations.vllm.tier_keys import page_key, tier_namespace
 from hicache.integrations.vllm.tier_kv_events import DEFAULT_MAX_HELD_KEYS, DEFAULT_MAX_QUEUED_KEYS, TierKVEvents
 from hicache.integrations.vllm.tier_pool import ChunkPool
-from hicache.integrations.vllm.tier_runner import TierRunner
+from hicache.integrations.vllm.tier_runner import CLOSE_DRAIN_TIMEOUT_S, TierRunner
 from hicache.storage import AsyncHiCacheStorage, create_async_storage
 
 if TYPE_CHECKING:
@@ -333,5 +334,9 @@ class HiCacheTier(SecondaryTierManager):
     def shutdown(self) -> None:
         if self._events is not None:
             self._events.close()
+        # inside vLLM's grace: past it the engine core is killed and the chunks of jobs still
+        # running are lost without a word; stopping in time logs them
+        self._runner.close(close_timeout_in_grace(CLOSE_DRAIN_TIMEOUT_S))
+        # after the runner: its lookups are misses now, so vLLM's lookup thread, which this
+        # joins, does not wait out lookup_timeout for each lookup queued on a hung store
         self._lookups.shutdown()
-        self._runner.close()

@@ -34,7 +34,7 @@ from hicache.errors import ConfigError, StorageStateError
 from hicache.integrations.vllm.store_io import open_at_start
 from hicache.integrations.vllm.tier_pool import ChunkPool
 from hicache.storage import AsyncHiCacheStorage, HiCacheStorageExtraInfo, PoolName, PoolTransfer
-from hicache.storage.sync import LoopThread
+from hicache.storage.sync import STOP_WAIT_S, LoopThread
 
 __all__ = ["JobOutcome", "TierRunner"]
 
@@ -179,26 +179,31 @@ class TierRunner:
             logger.warning("hicache tier lookup of %d pages failed: %s: %s", len(keys), type(exc).__name__, exc)
             return [False] * len(keys)
 
-    def close(self) -> None:
-        """Finish every job, close the storage, stop the loop, drop the view (idempotent)."""
+    def close(self, timeout: float = CLOSE_DRAIN_TIMEOUT_S) -> int:
+        """Finish every job (up to ``timeout`` s), close the storage (as long again, at least
+        1 s), stop the loop, drop the view (idempotent). Returns how many jobs had not finished
+        (logged: their chunks are lost). vLLM kills the engine core a few seconds after asking
+        it to stop: the tier passes a timeout that ends the whole close inside that grace."""
         with self._lock:
             if self._closed:
-                return
+                return 0
             self._closed = True
+        stuck = 0
         try:
-            if not self.drain(CLOSE_DRAIN_TIMEOUT_S):
+            if not self.drain(timeout):
                 # a job stuck in the backend (a hung mount) must not hang vLLM's shutdown
                 with self._lock:
                     stuck = len(self._inflight)
-                logger.error("hicache tier: %d job(s) still running after %.0f s at close; their "
-                             "chunks are lost", stuck, CLOSE_DRAIN_TIMEOUT_S)
+                logger.error("hicache tier: %d job(s) still running after %.1f s at close; their "
+                             "chunks are lost", stuck, timeout)
             try:
-                self._loop_thread.call(self.storage.aclose(), timeout=60)
+                self._loop_thread.call(self.storage.aclose(), timeout=max(1.0, timeout))
             except Exception:  # noqa: BLE001 - closing must not raise into vLLM's shutdown
                 logger.exception("hicache tier: closing the storage failed")
         finally:
-            self._loop_thread.stop()
+            self._loop_thread.stop(min(timeout, STOP_WAIT_S))
             self.pool.close()
+        return stuck
 
     # ------------------------------------------------------------------ internals
 

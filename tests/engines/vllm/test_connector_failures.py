@@ -902,12 +902,12 @@ def test_worker_shutdown_drains_within_vllms_grace_and_logs_what_it_gave_up(
     """vLLM's multiprocess executor gives a worker VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS to
     exit, then SIGTERM, then SIGKILL: a drain past that loses the queued pages without a word.
     The worker's drain stops well before, and says how many pages were queued and given up."""
-    from hicache.integrations.vllm.connector import worker_close_timeout
+    from hicache.integrations.vllm.options import close_timeout_in_grace
 
     monkeypatch.setenv("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", "1")
-    limit = worker_close_timeout(30.0)
+    limit = close_timeout_in_grace(30.0)
     assert 0 < limit < 1
-    assert worker_close_timeout(0.2) == 0.2
+    assert close_timeout_in_grace(0.2) == 0.2
     src = kv_layers(seed=8)
     keys = PageKeyChain(BS).extend(TOKENS, 5)
     w = worker(tmp_path, src, storage_batch_pages=1)
@@ -926,10 +926,10 @@ def test_worker_shutdown_ends_inside_vllms_grace_when_the_store_hangs_in_its_clo
     """The drain had half the grace, and the store's close and the I/O thread as long again
     each on top: with a store hanging in its close (a flush to a dead mount) the worker was
     still closing after vLLM's default 5 s, and was killed."""
-    from hicache.integrations.vllm.connector import worker_close_timeout
+    from hicache.integrations.vllm.options import close_timeout_in_grace
 
     monkeypatch.delenv("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", raising=False)
-    limit = worker_close_timeout(30.0)
+    limit = close_timeout_in_grace(30.0)
     src = kv_layers(seed=9)
     w = worker(tmp_path, src, storage_batch_pages=1)
     slow_writes(w, 0.5)  # the drain takes all the time it is given

@@ -421,3 +421,61 @@ def test_runner_logs_a_store_that_fails_to_open_after_start_up_went_on(caplog: p
             runner.close()
     assert "slow-tier: opening the store failed" in caplog.text, caplog.text
 
+
+def test_tier_shutdown_ends_inside_vllms_grace_and_reports_lost_chunks(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """vLLM SIGKILLs the engine core ``VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS`` after SIGTERM:
+    a tier whose store hangs (a write, then its close) must end its shutdown inside that grace
+    and log the chunks it gave up, not wait 60 s + 60 s and be killed silently."""
+    import asyncio
+
+    monkeypatch.setenv("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", "4")
+    keys = block_keys(list(range(2 * BLOCK)))
+    with Engine([tier_config("memory")]) as engine:
+        tier = engine.manager.secondary_tiers[0]
+        storage = tier.storage
+
+        async def hang(*args: object, **kwargs: object) -> None:
+            await asyncio.sleep(3600)
+
+        storage.batch_set_v2 = hang  # type: ignore[method-assign]
+        storage.aclose = hang  # type: ignore[method-assign]
+        engine.store(keys, settle=False)
+        deadline = time.monotonic() + 10
+        while not tier.has_pending_work() and time.monotonic() < deadline:
+            engine.step()
+            time.sleep(0.01)
+        assert tier.has_pending_work()
+        with caplog.at_level(logging.WARNING):
+            t0 = time.monotonic()
+            tier.shutdown()
+            took = time.monotonic() - t0
+    assert took < 4, took
+    assert "chunks are lost" in caplog.text, caplog.text
+
+
+def test_tier_shutdown_does_not_wait_out_lookups_queued_on_a_hung_store(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Lookups of several requests queued while the store hangs each waited ``lookup_timeout``
+    in vLLM's lookup thread, which the tier's shutdown joined before it closed anything: the
+    engine core outlived vLLM's grace and was killed mid-close."""
+    import asyncio
+
+    monkeypatch.setenv("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", "4")
+    with Engine([tier_config("memory", lookup_timeout=3.0)]) as engine:
+        tier = engine.manager.secondary_tiers[0]
+
+        async def hang(*args: object, **kwargs: object) -> None:
+            await asyncio.sleep(3600)
+
+        tier.storage._exists = hang  # type: ignore[method-assign]
+        for r in range(3):  # three requests, three batched lookups
+            keys = block_keys(list(range(r * 1000, r * 1000 + BLOCK)))
+            ctx = engine.begin(keys)
+            assert [engine.manager.lookup(k, ctx) for k in keys] == [LookupResult.RETRY] * len(keys)
+        engine.step()
+        time.sleep(0.2)  # the lookup thread is waiting on the first batch
+        t0 = time.monotonic()
+        tier.shutdown()
+        took = time.monotonic() - t0
+    assert took < 4, took
