@@ -416,9 +416,11 @@ class HiCacheConnector(KVConnectorBase_V1):
         return HiCacheWorkerMetadata(report) if report else None
 
     def shutdown(self) -> None:
-        timeout = self.options.close_timeout_s
+        # both inside vLLM's grace: the scheduler's half runs in the engine core, which vLLM
+        # kills as it kills the workers
+        timeout = close_timeout_in_grace(self.options.close_timeout_s)
         if self._worker is not None:
-            self._worker.close(close_timeout_in_grace(timeout))
+            self._worker.close(timeout)
             self._worker = None
         if self._scheduler is not None:
             self._scheduler.close(timeout)

@@ -112,10 +112,12 @@ class StoreIO:
             self._pending.discard(fut)
 
     def close(self, timeout: float) -> int:
-        """Wait up to ``timeout`` s for submitted work, then close the backends and the loop.
-        Returns how many submitted operations had not finished (they are cancelled). The loop's
-        stop keeps ``timeout`` too: a lookup stuck in a thread call (a hung mount) is left to end
-        on its own, not waited for 10 s more (lookups fill no buffer of the caller's)."""
+        """Wait up to ``timeout`` s for submitted work, then close the backends (all together,
+        up to ``timeout`` s: one per rank, each waited for in turn, made a close as long as the
+        ranks) and the loop. Returns how many submitted operations had not finished (they are
+        cancelled). The loop's stop keeps ``timeout`` too: a lookup stuck in a thread call (a
+        hung mount) is left to end on its own, not waited for 10 s more (lookups fill no buffer
+        of the caller's)."""
         with self._lock:
             if self._closed:
                 return 0
@@ -126,10 +128,15 @@ class StoreIO:
             fut.cancel()
         if not_done:
             logger.warning("hicache: %d storage operation(s) still queued at close were cancelled", len(not_done))
-        for backend in self.backends:
-            try:
-                self._loop.call(backend.aclose(), timeout=timeout)
-            except BaseException as exc:  # noqa: BLE001 - closing must not raise into vLLM
-                logger.warning("hicache: closing storage %s failed: %r", backend.backend_name, exc)
+        try:
+            self._loop.call(self._close_all(), timeout=timeout)
+        except BaseException as exc:  # noqa: BLE001 - closing must not raise into vLLM
+            logger.warning("hicache: closing storage failed: %r", exc)
         self._loop.stop(timeout)
         return len(not_done)
+
+    async def _close_all(self) -> None:
+        results = await asyncio.gather(*(backend.aclose() for backend in self.backends), return_exceptions=True)
+        for backend, result in zip(self.backends, results):
+            if isinstance(result, BaseException):
+                logger.warning("hicache: closing storage %s failed: %r", backend.backend_name, result)

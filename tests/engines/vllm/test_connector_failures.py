@@ -949,6 +949,31 @@ def test_worker_shutdown_ends_inside_vllms_grace_when_the_store_hangs_in_its_clo
         release.set()
 
 
+
+def test_scheduler_shutdown_ends_inside_vllms_grace_when_the_store_hangs(
+    model_dir: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The scheduler's connector runs in vLLM's engine core, which vLLM kills
+    VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS after SIGTERM. With a store that hangs (a lookup in
+    flight, then its close), its close waited close_timeout_s (30 s) for the lookup, as long
+    again for each rank's store, and for its loop: the engine core was killed mid-close."""
+    from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
+
+    monkeypatch.setenv("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", "4")
+    conn = vllm_connector(model_dir, tmp_path, KVConnectorRole.SCHEDULER, num_layers=3, pp_size=2)
+    store = conn._scheduler.store
+
+    async def hang(*args: Any, **kwargs: Any) -> None:
+        await asyncio.sleep(3600)
+
+    for backend in store.backends:
+        monkeypatch.setattr(backend, "exists_pages", hang)
+        monkeypatch.setattr(backend, "aclose", hang)
+    assert conn._scheduler.matched_tokens("r", TOKENS, None, 0) is None  # its lookup hangs
+    t0 = time.monotonic()
+    conn.shutdown()
+    assert time.monotonic() - t0 < 4.0
+
 # ---------------------------------------------------------------- batched save copies
 @pytest.mark.parametrize("kv_first", [False, True])
 def test_a_save_gathered_layer_by_layer_in_chunks_puts_every_block_in_its_slot(tmp_path: Path, kv_first: bool) -> None:
