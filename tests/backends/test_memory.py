@@ -335,7 +335,8 @@ def test_a_chain_longer_than_the_medium_written_batch_by_batch_keeps_its_prefix(
 
 async def test_a_shared_medium_trims_each_namespace_from_its_tails_and_reports_only_its_own() -> None:
     """Eviction on a medium two namespaces share: leaves of both, least recently used first;
-    the writer reports only its own pages removed; the counters are the medium's."""
+    the writer reports only its own pages removed, and counts the evictions its write made
+    (of either namespace's pages); the other store, which evicted nothing, counts none."""
     import torch
 
     sid = f"leaves-{uuid.uuid4()}"
@@ -353,8 +354,9 @@ async def test_a_shared_medium_trims_each_namespace_from_its_tails_and_reports_o
             assert seen_b == [("REMOVED", ("p1",)), ("STORED", ("q0", "q1", "q2"))]
             assert await a.batch_exists(["p0", "p1", "p2"]) == 1
             assert await b.batch_exists(["p0", "p1"]) == 1
-            stats = a.get_stats()
+            stats = b.get_stats()
             assert (stats["evicted_pages"], stats["evicted_bytes"], stats["stored_bytes"]) == (3, 3000, 5000)
+            assert (a.get_stats()["evicted_pages"], a.get_stats()["evicted_bytes"]) == (0, 0)
     finally:
         MemoryMedium.drop_shared(sid)
 

@@ -75,3 +75,42 @@ async def test_a_memory_medium_shared_by_two_stores_is_counted_once() -> None:
         for owner in owners:
             owner.close()
         MemoryMedium.drop_shared(sid)
+
+
+async def test_evictions_on_a_shared_memory_medium_sum_to_the_mediums_over_caches() -> None:
+    """Every store on one ``store_id`` exported the whole medium's evictions as its own counter:
+    a sum over caches counted each eviction once per cache, and a cache that never wrote
+    reported evictions. Each store counts the evictions its writes made."""
+    import uuid
+
+    import torch
+
+    from hicache.observability.stats_view import render_scrape
+    from hicache_backends.memory import MemoryMedium
+
+    sid = f"obs-evict-{uuid.uuid4().hex}"
+    a = create_async_storage("memory", None, store_id=sid, max_bytes=3_000, namespace={"model": "a"})
+    b = create_async_storage("memory", None, store_id=sid, namespace={"model": "b"})
+    idle = create_async_storage("memory", None, store_id=sid, namespace={"model": "a"})
+    owners = [InstanceMetrics() for _ in range(3)]
+    try:
+        async with a, b, idle:
+            assert await a.batch_set(["p0", "p1", "p2"], [torch.zeros(1000, dtype=torch.uint8)] * 3)
+            assert await b.batch_set(["q0", "q1"], [torch.ones(1000, dtype=torch.uint8)] * 2)  # evicts 2 of a's
+            assert await a.batch_set(["p3"], [torch.zeros(1000, dtype=torch.uint8)])  # evicts 1
+            assert (a.medium.evicted_pages, a.medium.evicted_bytes) == (3, 3000)
+            assert (idle.get_stats()["evicted_pages"], idle.get_stats()["evicted_bytes"]) == (0, 0)
+            for owner, store in zip(owners, (a, b, idle)):
+                _export_storage(owner, store)
+            scrape = Scrape(exposition_text())
+            labels = {o.label for o in owners}
+            pages = sum(s.value for s in scrape.select("hicache_backend_evicted_pages_total") if s.labels["cache"] in labels)
+            nbytes = sum(s.value for s in scrape.select("hicache_backend_evicted_bytes_total") if s.labels["cache"] in labels)
+            assert (pages, nbytes) == (3, 3000)
+            text = "".join(f'hicache_backend_evicted_pages_total{{cache="{s.labels["cache"]}",backend="memory"}} {s.value}\n'
+                           for s in scrape.select("hicache_backend_evicted_pages_total") if s.labels["cache"] in labels)
+            assert "evicted 3 " in render_scrape(Scrape(text), "x")
+    finally:
+        for owner in owners:
+            owner.close()
+        MemoryMedium.drop_shared(sid)

@@ -32,6 +32,15 @@ __all__ = ["MemoryMedium", "MemoryStorage"]
 
 _Entry = tuple[str, str, str]  # (namespace digest, key, pool)
 
+
+class _Evictions(list[_Entry]):
+    """The pages a store's puts evicted, in order, and their bytes (``nbytes``): what that store
+    counts as its evictions. A medium's own totals are every store's on it: exported by each
+    store, a sum over the caches sharing a ``store_id`` counted each eviction once per cache."""
+
+    nbytes: int = 0
+
+
 #: A page at least this large is stored as a read-only view of a numpy array filled by
 #: ``np.copyto``, which releases the GIL while it copies (and takes the page faults of the fresh
 #: memory). ``bytes(view)`` holds the GIL for the whole copy: a batch of 16 pages of 256 KiB took
@@ -295,6 +304,8 @@ class MemoryMedium:
         self.evicted_bytes += len(gone)
         if evicted is not None:
             evicted.append(victim)
+            if isinstance(evicted, _Evictions):
+                evicted.nbytes += len(gone)
 
     def _unlink_locked(self, entry: _Entry) -> None:
         """Drop ``entry``'s link to its parent; a held parent left without children is a leaf."""
@@ -493,6 +504,9 @@ class MemoryStorage(AsyncHiCacheStorage):
         store_id: share the medium with every other store of this process that names the same
             id (default: a private medium).
         namespace: override the namespace derived from the storage config.
+
+    Its ``evicted_pages`` and ``evicted_bytes`` count the evictions its own writes made (on a
+    shared medium, of any store's pages): summed over the stores of a medium, the medium's.
     """
 
     backend_name = "memory"
@@ -565,7 +579,7 @@ class MemoryStorage(AsyncHiCacheStorage):
         ``rejected_pages_no_space``, and, since nothing this store may evict could make that
         room (a page bigger than the medium, ``oversized_pages``, or a chain longer than it),
         in ``rejected_pages_beyond_capacity``: that tells a writer retrying them is useless."""
-        evicted: list[_Entry] = []
+        evicted = _Evictions()
         n = min(len(pages), len(buffers))
         entries = list(self._entries(pages[:n]))
         links = None
@@ -589,6 +603,8 @@ class MemoryStorage(AsyncHiCacheStorage):
             ok = put_in_order(entries, links, lambda i: medium.put(entries[i], _snapshot(buffers[i]), evicted,
                                                                      parent=links[i], protect=keep))
         if evicted:
+            self.stats.incr("evicted_pages", len(evicted))
+            self.stats.incr("evicted_bytes", evicted.nbytes)
             self._settle_evictions(pages[:n], entries, ok, was, evicted)
         if not all(ok):
             oversized = sum(1 for b, f in zip(buffers, ok) if not f and len(b) > medium.max_bytes)
@@ -671,8 +687,6 @@ class MemoryStorage(AsyncHiCacheStorage):
             "stored_pages": len(self.medium.pages),
             "stored_bytes": self.medium.nbytes,
             "max_bytes": self.medium.max_bytes,
-            "evicted_pages": self.medium.evicted_pages,
-            "evicted_bytes": self.medium.evicted_bytes,
         }
         if self.store_id:
             # the medium the store-wide figures describe, shared by every store naming its
