@@ -619,3 +619,42 @@ async def test_journal_totals_outlive_the_close(tmp_path: Path) -> None:
         store._peers.journal.poll()
         assert store.get_stats()["journal_missed_files"] == 1
     assert store.get_stats()["journal_missed_files"] == 1
+
+
+def test_journal_failures_that_repeat_are_logged_once_a_minute_with_their_count(tmp_path: Path, caplog) -> None:  # type: ignore[no-untyped-def]
+    """A peer frozen holding the journal's lock failed every flush (about two a second) and a
+    journal that could not be read failed every poll (two a second): each logged a warning, a
+    flood for as long as it lasted. Now the first is said, then one line a minute with the count."""
+    import fcntl
+    import logging
+
+    journal = RemovalJournal(str(tmp_path))
+    holder = os.open(tmp_path / "removals.lock", os.O_RDWR | os.O_CREAT)
+    fcntl.flock(holder, fcntl.LOCK_EX)  # another open file of the lock: excludes this process's too
+    caplog.set_level(logging.WARNING, logger="hicache.storage.file")
+    try:
+        for i in range(3):
+            assert not journal.append_removed([(f"k{i}", "kv"), (f"j{i}", "kv")], "evicted")
+        dropped = [r.getMessage() for r in caplog.records if "not written" in r.getMessage()]
+        assert len(dropped) == 1, dropped
+        journal._drop_warnings.period = 0  # a minute on: the next line says how many went unsaid
+        assert not journal.append_removed([("k3", "kv")], "evicted")
+    finally:
+        os.close(holder)
+    assert journal.dropped_lines == 4
+    dropped = [r.getMessage() for r in caplog.records if "not written" in r.getMessage()]
+    assert len(dropped) == 2 and "3 removal journal line(s)" in dropped[1], dropped
+    assert journal.append_removed([("k4", "kv")], "evicted")  # the lock free: written again
+
+    caplog.clear()
+    os.remove(tmp_path / JOURNAL_NAME)
+    os.symlink(JOURNAL_NAME, tmp_path / JOURNAL_NAME)  # a loop: every look at the name fails
+    for _ in range(4):
+        assert journal.poll() == []
+    failed = [r.getMessage() for r in caplog.records if "reading the removal journal failed" in r.getMessage()]
+    assert len(failed) == 1, failed
+    journal._poll_warnings.period = 0
+    journal.poll()
+    failed = [r.getMessage() for r in caplog.records if "reading the removal journal failed" in r.getMessage()]
+    assert len(failed) == 2 and "4 poll(s)" in failed[1], failed
+    journal.close()

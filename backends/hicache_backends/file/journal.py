@@ -68,6 +68,7 @@ from dataclasses import dataclass
 
 from hicache.errors import InvalidKeyError
 from hicache.keys import validate_key
+from hicache.storage.stats import Throttle
 from hicache.storage.types import pool_name_str
 from hicache_backends.file.locks import SharedFile, flock_within
 
@@ -82,6 +83,9 @@ _READ_LIMIT = 16 << 20  # most bytes one poll reads (the rest waits for the next
 # read and write: an append reads the file's last byte first, to end a line left torn (_append_whole)
 _O_APPEND = os.O_RDWR | os.O_APPEND | os.O_CREAT | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
 _O_READ = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+# at most one warning of a kind (lines dropped, polls failed) per journal this often: a frozen
+# peer fails every flush, a journal that cannot be read every poll, each about twice a second
+_WARN_SECONDS = 60.0
 # what a malformed line raises when parsed (RecursionError: nested deeper than the parser goes)
 _BAD_LINE = (ValueError, KeyError, TypeError, InvalidKeyError, RecursionError)
 
@@ -139,6 +143,8 @@ class RemovalJournal:
         self._queued: list[bytes] = []
         self.dropped_lines = 0  # queued lines given up (lock not free in time, I/O error)
         self.torn_lines = 0  # lines left torn by a failed append (any writer's), ended by ours
+        self._drop_warnings = Throttle(_WARN_SECONDS)
+        self._poll_warnings = Throttle(_WARN_SECONDS)
         self._pos = 0
         self._tail = b""  # an incomplete last line, completed by a later poll
         self.malformed_lines = 0
@@ -226,9 +232,13 @@ class RemovalJournal:
         return True
 
     def _drop(self, lines: list[bytes], why: str) -> None:
+        """Count lines given up; said at most once a minute (a frozen peer fails every flush)."""
         self.dropped_lines += len(lines)
-        logger.warning("file store %s: %d removal journal line(s) not written (%s); other processes "
-                       "sharing the root learn of those removals at their next read", self.ns_dir, len(lines), why)
+        count = self._drop_warnings.due(len(lines))
+        if count:
+            logger.warning("file store %s: %d removal journal line(s) not written since the last warning (%s); "
+                           "other processes sharing the root learn of those removals at their next read",
+                           self.ns_dir, count, why)
 
     def _mutex(self) -> threading.Lock:
         """This process's append mutex: a child forked while a thread of the parent held it
@@ -289,7 +299,10 @@ class RemovalJournal:
             if now is not None and now != os.fstat(self._fd).st_ino:
                 self._next_file(out)  # rotated or cleared, and the next file exists
         except OSError as exc:
-            logger.warning("file store %s: reading the removal journal failed: %s", self.ns_dir, exc)
+            count = self._poll_warnings.due()  # every poll (twice a second) fails alike: once a minute
+            if count:
+                logger.warning("file store %s: reading the removal journal failed (%d poll(s) since the last "
+                               "warning): %s", self.ns_dir, count, exc)
         if waited and self._unexplained:
             self._unexplained = False
             out.append(PeerRemoval(reason="replaced", replaced=True))
