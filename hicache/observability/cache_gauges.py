@@ -13,7 +13,7 @@ Families (all with the instance's ``cache`` label):
 - ``hicache_backend_<counter>_total{backend}`` for each of the backend's
   :class:`~hicache.storage.stats.StorageStats` counters (``read_bytes``, ``write_ok``,
   ``backend_errors``, ``evicted_pages``...) and the running totals it reports among its figures
-  (the file store's ``journal_{dropped_lines,torn_lines,missed_files,failed_removals}``: see
+  (the file store's ``journal_{dropped_lines,torn_lines,malformed_lines,missed_files,failed_removals}``: see
   ``_BACKEND_TOTALS``), ``hicache_backend_<figure>{backend}`` for its other
   numeric figures (``stored_pages``, ``stored_bytes``...; the store-wide ones also carry a
   ``store`` label naming the medium, which caches sharing one store report alike), and
@@ -41,9 +41,10 @@ BREAKER_STATES = {"closed": 0.0, "half_open": 1.0, "open": 2.0}
 _BACKEND_TOTALS = frozenset({"evicted_pages", "evicted_bytes", "corrupt_pages", "rejected_pages_no_space",
                              "rejected_pages_beyond_capacity", "oversized_pages",
                              "breaker_times_opened", "transit_errors", "write_late_pages", "pruned_pages",
-                             # the file store's removal journal: lines given up, torn, files missed, removals failed
+                             # the file store's removal journal: lines given up, torn, malformed, files missed,
+                             # removals failed
                              "journal_dropped_lines", "journal_missed_files", "journal_torn_lines",
-                             "journal_failed_removals"})
+                             "journal_malformed_lines", "journal_failed_removals"})
 # StorageStats' well-known counters: published as zeros before a backend first counts one, so a
 # dashboard sees "no errors", not "no data"
 _BACKEND_COUNTERS = ("exists_calls", "exists_keys", "exists_hits", "read_pages", "read_hits", "read_misses",

@@ -14,7 +14,8 @@ from hicache.storage import create_async_storage
 from hicache.testing.store_tests import NS_A
 from hicache_backends.file.journal import JOURNAL_NAME, RemovalJournal
 
-_JOURNAL_TOTALS = ("journal_dropped_lines", "journal_missed_files", "journal_torn_lines", "journal_failed_removals")
+_JOURNAL_TOTALS = ("journal_dropped_lines", "journal_missed_files", "journal_torn_lines", "journal_failed_removals",
+                   "journal_malformed_lines")
 
 
 async def test_journal_totals_are_counters_that_a_rate_can_read(tmp_path: Path) -> None:
@@ -40,6 +41,14 @@ async def test_journal_totals_are_counters_that_a_rate_can_read(tmp_path: Path) 
             _export_storage(metrics, store)
             scrape = Scrape(exposition_text())
             assert scrape.value("hicache_backend_journal_missed_files_total", cache=metrics.label) == 1
+            # a line no store could have written (kept count of, but not exported before)
+            with open(os.path.join(store.layout.ns_dir, JOURNAL_NAME), "ab") as f:
+                f.write(b"not json\n")
+            store._peers.journal.poll()
+            assert store.get_stats()["journal_malformed_lines"] == 1
+            _export_storage(metrics, store)
+            scrape = Scrape(exposition_text())
+            assert scrape.value("hicache_backend_journal_malformed_lines_total", cache=metrics.label) == 1
     finally:
         metrics.close()
 

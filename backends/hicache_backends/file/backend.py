@@ -1213,6 +1213,8 @@ class FileStorage(AsyncHiCacheStorage):
             "journal_dropped_lines": self._peers.dropped_lines if self._peers is not None else 0,
             "journal_missed_files": self._peers.missed_files if self._peers is not None else 0,
             "journal_torn_lines": self._peers.torn_lines if self._peers is not None else 0,
+            # lines no store writes (another version's, a damaged file): skipped, each a warning
+            "journal_malformed_lines": self._peers.malformed_lines if self._peers is not None else 0,
             "pruned_pages": self.stats.get("pruned_pages"),
             "journal_failed_removals": self._peers.failed_removals if self._peers is not None else 0,
         }

@@ -53,6 +53,10 @@ class PeerRemovals:
     def missed_files(self) -> int:
         return self._counted.missed_files if self._counted is not None else 0
 
+    @property
+    def malformed_lines(self) -> int:
+        return self._counted.malformed_lines if self._counted is not None else 0
+
     async def open(self, ns_dir: str, digest: str) -> None:
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="hicache-file-journal")
         self.journal = self._counted = await run_to_completion(RemovalJournal, ns_dir, executor=self.executor)
