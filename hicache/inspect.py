@@ -40,6 +40,22 @@ def _lists_namespaces(cls: type[AsyncHiCacheStorage]) -> bool:
     return cls.list_namespaces is not AsyncHiCacheStorage.list_namespaces
 
 
+def _pages_damage(pages_dir: str) -> str | None:
+    """Why a namespace's page folder cannot be listed (``None``: it can, or there is none, as
+    before a namespace's first write). Opened, such a namespace's store logged its scan's failure
+    with a traceback, and its survey raised: one damaged namespace failed the whole report."""
+    try:
+        with os.scandir(pages_dir):
+            pass
+    except FileNotFoundError:
+        return None
+    except NotADirectoryError:
+        return "its pages is a file, not a folder"
+    except OSError as exc:
+        return f"its pages folder cannot be listed: {exc.strerror or exc}"
+    return None
+
+
 def _cannot_inspect(backend: str) -> ConfigError:
     """The one-line error for a backend whose store cannot be inspected, naming those that can
     (each installed backend is imported to ask; one that cannot be imported is left out)."""
@@ -69,7 +85,9 @@ async def inspect_store(
     A namespace whose manifest is corrupt is listed under its digest with ``corrupt_manifest``
     (why) and no page counts; ``corrupt_manifests`` counts them. ``corrupt`` counts the page
     files that could not be listed and the pages that failed verification; ``vanished`` the
-    pages a live writer removed (evicted) between the listing and their check: no damage."""
+    pages a live writer removed (evicted) between the listing and their check: no damage. A
+    namespace whose pages cannot be listed (its ``pages`` a file, not a folder) is listed with
+    ``damaged`` (why) and no page counts; ``damaged_namespaces`` counts them."""
     if verify not in ("none", "sample", "all"):
         raise ValueError(f"verify must be none, sample or all, got {verify!r}")
     # before the store is built: a ROOT given to a backend without one (memory) was an error about
@@ -96,7 +114,7 @@ async def inspect_store(
     finally:
         await probe.aclose()
     report: dict[str, Any] = {"backend": backend, "namespaces": {}, "pages": 0, "bytes": 0, "checked": 0, "corrupt": 0,
-                              "vanished": 0, "corrupt_manifests": len(unreadable)}
+                              "vanished": 0, "corrupt_manifests": len(unreadable), "damaged_namespaces": 0}
     # the medium's free space against the floor (the default one unless options say otherwise):
     # a floor above it makes a store refuse every write
     report.update({k: v for k, v in space.items() if k in _MEDIUM_KEYS})
@@ -112,6 +130,12 @@ async def inspect_store(
             # in the store being inspected
             report["unmatched_manifests"] = report.get("unmatched_manifests", 0) + 1
             logger.warning("inspect: a manifest names namespace %s, which has no folder; not opened", ns.digest)
+            continue
+        damage = await asyncio.to_thread(_pages_damage, layout.pages_dir) if layout is not None else None
+        if damage is not None:  # not opened: its scan would fail, and its survey raise
+            report["namespaces"][ns.digest] = {"model": ns.model, "kv_dtype": ns.kv_dtype, "page_size": ns.page_size,
+                                               "layout": ns.layout, "damaged": damage}
+            report["damaged_namespaces"] += 1
             continue
         async with store:
             # the page files the listing could not read (torn, a damaged footer: corrupt too)

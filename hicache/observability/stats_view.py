@@ -151,6 +151,9 @@ def render_store(report: dict[str, Any], source: str) -> str:
         if "corrupt_manifest" in ns:  # listed by inspect, never opened: no model, no counts
             lines.append(f"{digest[:12]:<14} corrupt manifest: {ns['corrupt_manifest']}")
             continue
+        if "damaged" in ns:  # listed by inspect, never opened: its pages could not be listed
+            lines.append(f"{digest[:12]:<14} {str(ns.get('model'))[:24]:<24} damaged: {ns['damaged']}")
+            continue
         lines.append(
             f"{digest[:12]:<14} {str(ns.get('model'))[:24]:<24} {ns.get('page_size') or '-':>5} {_n(ns['pages']):>9} "
             f"{_n(ns['bytes'], 'B'):>11} {_n(ns.get('refused_pages_no_space')):>8}  {ns.get('last_refused_at') or '-'}"

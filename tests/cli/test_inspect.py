@@ -345,3 +345,35 @@ async def test_inspect_does_not_count_a_live_writers_batch_in_flight_as_stored(t
     assert space["pages"] == 5
     assert space["used_bytes"] == space["bytes"], space
     assert space["inflight_bytes"] > 0, space
+
+
+def test_a_namespace_whose_pages_is_a_file_is_reported_damaged_and_the_rest_normally(tmp_path: Path, capsys, caplog) -> None:  # type: ignore[no-untyped-def]
+    """One namespace whose ``pages`` is a file, not a folder: ``hicache inspect`` and ``hicache
+    stats ROOT`` failed the whole report (NotADirectoryError), after the store's scan had logged
+    an ERROR traceback. The namespace is listed as damaged, the others as ever, no traceback."""
+    import asyncio
+    import io
+    import logging
+    import shutil
+
+    from hicache.observability.stats_view import run_stats
+
+    good, bad = Namespace(model="good"), Namespace(model="bad")
+    asyncio.run(_fill(tmp_path, good, 2))
+    asyncio.run(_fill(tmp_path, bad, 1))
+    shutil.rmtree(tmp_path / bad.digest / "pages")
+    (tmp_path / bad.digest / "pages").write_text("not a folder")
+    caplog.set_level(logging.WARNING)
+    report = asyncio.run(inspect_store(str(tmp_path), verify="all", progress=False))
+    assert report["namespaces"][good.digest]["pages"] == 2 and report["pages"] == 2 and report["corrupt"] == 0
+    assert report["damaged_namespaces"] == 1
+    damaged = report["namespaces"][bad.digest]
+    assert damaged["model"] == "bad" and "not a folder" in damaged["damaged"], damaged
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info], caplog.text
+    assert main(["inspect", str(tmp_path)]) == 0
+    assert "not a folder" in capsys.readouterr().out
+    out = io.StringIO()
+    assert run_stats(str(tmp_path), once=True, out=out) == 0
+    lines = [line for line in out.getvalue().splitlines() if line.startswith(bad.digest[:12])]
+    assert len(lines) == 1 and "damaged" in lines[0] and "not a folder" in lines[0], out.getvalue()
+    assert (tmp_path / bad.digest / "pages").read_text() == "not a folder"  # inspecting changed nothing
