@@ -4,6 +4,7 @@ in worker threads), and the same backend on an ``s3://`` URL, which runs nativel
 from __future__ import annotations
 
 import asyncio
+import json
 import uuid
 from typing import Any
 
@@ -826,3 +827,75 @@ async def test_calls_on_the_shared_memory_filesystem_never_run_side_by_side(url:
 
         await asyncio.gather(work(one, "a"), work(two, "b"))
     assert most[0] == 1, f"{most[0]} calls inside the memory filesystem at once"
+
+
+_KILLED_WRITER = """
+import asyncio, json, sys, torch
+from hicache.storage import create_async_storage
+from hicache.testing.store_tests import NS_A
+
+async def main() -> None:
+    store = create_async_storage("fsspec", None, url=sys.argv[1], storage_options=json.loads(sys.argv[2]),
+                                 namespace=NS_A)
+    async with store:
+        val, i = torch.zeros(4 << 20, dtype=torch.uint8), 0
+        while True:
+            await store.batch_set([f"k{i + j}" for j in range(8)], [val] * 8)
+            if i == 0:
+                print("writing", flush=True)
+            i += 8
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.parametrize("kind", ["file", "dir"])
+async def test_an_open_removes_the_temporary_files_of_writers_killed_mid_write(tmp_path: Any, kind: str) -> None:
+    """A local writer SIGKILLed mid-write leaves ``<page>.<pid>-<n>.<machine>.tmp`` files. Only a
+    clear removed them, so under a crash loop the folder grew for good. An open sweeps the
+    namespace for those whose writer is surely gone (the file store's rule,
+    :func:`hicache_backends.writers.tmp_abandoned`), and never a live writer's."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from hicache_backends.writers import MACHINE_HEX
+
+    root = tmp_path / "root"
+    url, opts = ((f"file://{root}/store", {}) if kind == "file"
+                 else ("dir://store", {"path": str(root), "target_protocol": "file"}))
+    script = tmp_path / "writer.py"
+    script.write_text(_KILLED_WRITER)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    for _ in range(3):  # (a kill between two writes leaves none: kill until some are left)
+        writer = subprocess.Popen([sys.executable, str(script), url, json.dumps(opts)], stdout=subprocess.PIPE,
+                                  env=env)
+        assert writer.stdout is not None and writer.stdout.readline() == b"writing\n"
+        time.sleep(0.3)
+        writer.send_signal(signal.SIGKILL)
+        assert writer.wait() == -signal.SIGKILL
+        writer.stdout.close()
+        if list(root.rglob("*.tmp")):
+            break
+    assert list(root.rglob("*.tmp")), "no writer was killed mid-write"
+    ns_dir = root / "store" / NS_A.digest
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        live = {  # writes in flight: this process's, and another live process's
+            ns_dir / "pages" / "00" / f"x.{os.getpid()}-999.{MACHINE_HEX}.tmp",
+            ns_dir / f"manifest.json.{sleeper.pid}-0.{MACHINE_HEX}.tmp",
+        }
+        for path in live:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(b"x")
+        store = create_async_storage("fsspec", None, url=url, storage_options=opts, namespace=NS_A)
+        async with store:
+            deadline = time.monotonic() + 30
+            while set(root.rglob("*.tmp")) != live and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            assert set(root.rglob("*.tmp")) == live
+    finally:
+        sleeper.kill()
+        sleeper.wait()

@@ -53,7 +53,9 @@ from hicache_backends.s3.bodies import BodyBuffers
 from hicache_backends.s3.breaker import BreakerState, CircuitBreaker
 from hicache_backends.s3.cache import ExistsCache
 from hicache_backends.s3 import fs as s3_fs
-from hicache_backends.s3.fs import LoopLocal, LoopResources, ObjectOps, close_all, is_s3fs, make_ops
+from hicache_backends.s3.fs import (
+    LoopLocal, LoopResources, ObjectOps, ThreadObjectOps, close_all, is_s3fs, make_ops,
+)
 from hicache_backends.s3.naming import ObjectNames, Redactor, redact_options, redact_url
 from hicache_backends.s3.runs import MAX_BYTES as MAX_INDEX_BYTES, MIN_RUN, decode_run, encode_run
 from hicache_backends.s3.retry import RetryPolicy, is_transient
@@ -314,6 +316,9 @@ class FsspecStorage(AsyncHiCacheStorage):
         self._manifest_ok = False
         self._manifest_refused = False  # the store refused the manifest (read-only): retried at the check interval
         self._prober: asyncio.Task[None] | None = None
+        #: the open's sweep of killed local writers' temporary files, and what stops it (a close)
+        self._tmp_sweep: asyncio.Task[None] | None = None
+        self._tmp_sweep_stop = threading.Event()
         # (changed and read from every loop that uses the store: under this lock)
         self._tasks_lock = threading.Lock()
         self._index_writes: set[asyncio.Task[None]] = set()  # run indexes still being stored
@@ -462,6 +467,27 @@ class FsspecStorage(AsyncHiCacheStorage):
         except TimeoutError:
             self.stats.incr("manifest_errors")
         self._prober = asyncio.get_running_loop().create_task(self._probe_loop(), name="hicache-s3-prober")
+        self._tmp_sweep_stop = threading.Event()
+        self._tmp_sweep = asyncio.get_running_loop().create_task(self._sweep_tmps(), name="hicache-s3-tmp-sweep")
+
+    async def _sweep_tmps(self) -> None:
+        """Remove the temporary files that local writers killed mid-write left in this namespace
+        (see :meth:`ThreadObjectOps.remove_abandoned_tmps`): only a clear removed them, so a
+        crash loop grew the folder for good. In the background: a big namespace takes a while
+        to walk. Never raises."""
+        ops = self._local.get().ops
+        if not isinstance(ops, ThreadObjectOps):
+            return
+        try:
+            removed = await ops.remove_abandoned_tmps(self.names.namespace_dir, self._tmp_sweep_stop)
+        except Exception as exc:  # noqa: BLE001 - a sweep that fails leaves the files for the next one
+            logger.warning("%s: sweeping %s for temporary files of killed writers failed: %s: %s",
+                           type(self).__name__, redact_url(self.url), type(exc).__name__,
+                           self._redactor.scrub(str(exc)))
+            return
+        if removed:
+            logger.info("%s: removed %d temporary file(s) of killed writers under %s", type(self).__name__,
+                        removed, redact_url(self.url))
 
     async def _close(self) -> None:
         # clears and writes in progress finish first, within call_timeout (which bounds each of
@@ -482,6 +508,7 @@ class FsspecStorage(AsyncHiCacheStorage):
                            "failed, though the store may hold some", type(self).__name__,
                            redact_url(self.url), cut, self.call_timeout)
         await self.wait_index_writes()  # (after the writes: each finished one leaves an index behind)
+        await self._stop_tmp_sweep()
         self.runner.closed = True  # calls still in flight give up rather than open a new client
         prober, self._prober = self._prober, None
         if prober is not None and not prober.done():
@@ -494,6 +521,14 @@ class FsspecStorage(AsyncHiCacheStorage):
                 except RuntimeError:  # its loop is closed, and the task with it
                     pass
         await close_all(self._local)
+
+    async def _stop_tmp_sweep(self) -> None:
+        """Stop the open's sweep (:meth:`_sweep_tmps`) at its next folder and, on its loop, wait
+        for it: its thread would otherwise go on walking the store after the close."""
+        self._tmp_sweep_stop.set()
+        sweep, self._tmp_sweep = self._tmp_sweep, None
+        if sweep is not None and sweep.get_loop() is asyncio.get_running_loop():
+            await asyncio.gather(sweep, return_exceptions=True)
 
     async def wait_index_writes(self) -> None:
         """Wait for the run indexes of finished writes (this loop's; others' are cancelled)."""

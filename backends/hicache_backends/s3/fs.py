@@ -640,6 +640,13 @@ class ThreadObjectOps:
             return 0
         return _removed_all(prefix, files, await self.remove_many(files), strays)
 
+    async def remove_abandoned_tmps(self, prefix: str, stop: threading.Event) -> int:
+        """Remove the temporary files under ``prefix`` of local writers that are surely gone
+        (:func:`remove_abandoned_tmps`); 0 where files are not local ones."""
+        if self._local_path is None:
+            return 0
+        return await asyncio.to_thread(remove_abandoned_tmps, self._local_path(prefix), stop)
+
     async def close(self) -> None:
         return None
 
@@ -676,28 +683,61 @@ def _not_in_flight(files: list[str], local_path: Callable[[str], str] = str) -> 
     return [f for f in files if not (f.endswith(".tmp") and _in_flight(local_path(f)))]
 
 
-def _in_flight(tmp: str) -> bool:
-    """Whether ``<page>.<pid>-<n>.<machine>.tmp`` (``<page>.<pid>-<n>.tmp`` before names
-    carried the machine) may be a write still going on. The file store's rule
-    (:func:`hicache_backends.writers.tmp_abandoned`): a ``file://`` root may be a shared mount,
-    and a writer in another container or on another machine has pids of its own, so its pid
-    is judged only on its own machine; any other writer's file goes by its age alone. A name
-    not of this form is no write of ours."""
+def _tmp_writer(tmp: str) -> tuple[int, int | None] | None:
+    """The writer (pid, machine) that ``<page>.<pid>-<n>.<machine>.tmp`` names (machine ``None``
+    in ``<page>.<pid>-<n>.tmp``, before names carried it): :func:`_put_local`'s temporary file;
+    ``None`` for any other name."""
+    if not tmp.endswith(".tmp"):
+        return None
     parts = tmp[: -len(".tmp")].rsplit(".", 2)
     machine = None
     if len(parts) == 3 and "-" not in parts[2]:
         machine = parse_machine(parts[2])
         if machine is None:
-            return False
+            return None
         parts.pop()
     try:
-        pid = int(parts[-1].split("-", 1)[0])
+        return int(parts[-1].split("-", 1)[0]), machine
     except (IndexError, ValueError):
+        return None
+
+
+def _in_flight(tmp: str) -> bool:
+    """Whether the temporary file ``tmp`` (:func:`_tmp_writer`) may be a write still going on.
+    The file store's rule (:func:`hicache_backends.writers.tmp_abandoned`): a ``file://`` root
+    may be a shared mount, and a writer in another container or on another machine has pids of
+    its own, so its pid is judged only on its own machine; any other writer's file goes by its
+    age alone. A name not of this form is no write of ours."""
+    writer = _tmp_writer(tmp)
+    if writer is None:
         return False
     try:
-        return not tmp_abandoned(tmp, pid, machine)
+        return not tmp_abandoned(tmp, *writer)
     except OSError:  # gone meanwhile (renamed into place) or not a local file: nothing to spare
         return False
+
+
+def remove_abandoned_tmps(folder: str, stop: threading.Event) -> int:
+    """Remove, under the local ``folder``, the temporary files of :func:`_put_local` whose writer
+    surely gave up (:func:`_in_flight`): killed mid-write, it left them, and only a clear
+    removed them, so a crash loop grew the folder for good. Never a live writer's. Stops at the
+    next folder once ``stop`` is set (a close). Returns how many were removed."""
+    removed = 0
+    for here, _dirs, names in os.walk(folder):
+        if stop.is_set():
+            break
+        for name in names:
+            path = os.path.join(here, name)
+            if _tmp_writer(name) is None or _in_flight(path):
+                continue
+            try:
+                os.unlink(path)
+                removed += 1
+            except FileNotFoundError:  # renamed into place, or removed by another sweep
+                pass
+            except OSError as exc:
+                logger.warning("could not remove %s: %s", path, exc)
+    return removed
 
 
 def _under(fs: Any, prefix: str, listed: list[str]) -> tuple[list[str], int]:
