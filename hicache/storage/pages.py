@@ -24,6 +24,7 @@ __all__ = [
     "ReadTarget",
     "as_bytes",
     "checked_starts",
+    "indices_refusal",
     "page_nbytes",
     "read_targets",
     "commit_reads",
@@ -83,6 +84,23 @@ def _fits(host_indices: torch.Tensor | None, num_keys: int, page_size: int) -> b
         and host_indices.numel() == num_keys * page_size
         and not (host_indices.is_floating_point() or host_indices.is_complex() or host_indices.dtype is torch.bool)
     )
+
+
+def indices_refusal(host_indices: object) -> str:
+    """What is wrong with host indices :func:`checked_starts` refused as a whole, for its error
+    ("got ..."): no tensor, a dtype that is no integer one, or the count (and shape, where not
+    1-D). Why: the error once named the count alone, so float indices of the right count read
+    "expects 48 integer host indices ..., got 48", and a list read "got None"."""
+    if host_indices is None:
+        return "got None"
+    if not isinstance(host_indices, torch.Tensor):
+        return f"got a {type(host_indices).__name__}, not a tensor"
+    got = f"got {host_indices.numel()}"
+    if host_indices.dim() != 1:
+        got += f" (shape {tuple(host_indices.shape)})"
+    if host_indices.is_floating_point() or host_indices.is_complex() or host_indices.dtype is torch.bool:
+        got += f" of dtype {host_indices.dtype}, not an integer dtype"
+    return got
 
 
 def checked_starts(host_indices: torch.Tensor | None, num_keys: int, page_size: int) -> tuple[list[int] | None, list[int]]:

@@ -76,11 +76,10 @@ def _starts(
     starts, bad = page_io.checked_starts(host_indices, len(keys), pool.page_size)
     if starts is None:
         host.stats.incr("invalid_requests")
-        got = host_indices.numel() if isinstance(host_indices, torch.Tensor) else None
         logger.error(
-            "%s %s: pool %r expects %d integer host indices (%d keys x page %d), got %s",
+            "%s %s: pool %r expects %d integer host indices (%d keys x page %d), %s",
             type(host).__name__, op, name, len(keys) * pool.page_size, len(keys),
-            pool.page_size, got,
+            pool.page_size, page_io.indices_refusal(host_indices),
         )
         return pool, None
     if bad:

@@ -228,6 +228,33 @@ async def test_pages_with_scattered_or_negative_indices_fail_alone() -> None:
     assert await store.batch_set_v1(["f"], src.indices(0, 1).float()) == [False]
 
 
+@pytest.mark.parametrize(
+    ("indices", "said"),
+    [
+        (torch.arange(8).float(), "got 8 of dtype torch.float32, not an integer dtype"),
+        (torch.arange(8).bool(), "got 8 of dtype torch.bool, not an integer dtype"),
+        (torch.arange(7), "got 7"),
+        (torch.arange(6).reshape(2, 3), "got 6 (shape (2, 3))"),
+        (None, "got None"),
+        ([0, 1, 2, 3, 4, 5, 6, 7], "got a list, not a tensor"),
+    ],
+)
+async def test_a_batch_of_malformed_host_indices_is_logged_as_what_is_wrong(
+    indices: Any, said: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Float indices were logged as "expects 8 integer host indices ..., got 8": the count,
+    which was right, not the dtype, which was wrong. The log says what is wrong: the dtype,
+    the count (and the shape where it is not 1-D), or that there is no tensor."""
+    store = MemoryStorage()
+    store.register_mem_pool_host(filled_pool())
+    for call in (store.batch_set_v1, store.batch_get_v1):
+        caplog.clear()
+        with caplog.at_level("ERROR", logger="hicache.storage"):
+            assert await call(["a", "b"], indices) == [False, False]
+        assert f"expects 8 integer host indices (2 keys x page {PAGE}), {said}" in caplog.text
+    assert store.get_stats()["invalid_requests"] == 2
+
+
 async def test_pool_names_are_validated_with_clear_errors() -> None:
     store = MemoryStorage()
     pool = filled_pool()
