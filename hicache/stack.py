@@ -327,6 +327,10 @@ def stack_config_from(config: Any) -> StackConfig:
                         qk_rope_head_dim=m.qk_rope_head_dim)
     # a ratio's product is rounded to 6 places before the floor: int(100 * 0.29) is 28, since the
     # float product is 28.999999999999996, and a ratio naming whole pages lost one of them
+    if not h.size_bytes and not math.isfinite(device_pages * h.ratio):
+        # a finite ratio whose product is not (1e308): math.floor(inf) was an OverflowError
+        raise ConfigError(f"host: host.ratio ({h.ratio:g}) of {device_pages} device pages is more pages than can be "
+                          "counted; size the host pool with a ratio of a few, or with host.size_bytes")
     host_pages = (h.size_bytes // probe.page_nbytes) if h.size_bytes else math.floor(round(device_pages * h.ratio, 6))
     if host_pages <= 0:
         # named by what sized it: with ratio the message read "None bytes hold no page"

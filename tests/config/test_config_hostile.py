@@ -24,6 +24,8 @@ def _stack(data: dict) -> None:  # type: ignore[type-arg]
         ({"device": {"max_context_len": 10**9}}, r"device\.max_context_len \(1000000000\) needs 476\.8 GiB"),
         ({"device": {"size_tokens": 16 * 10**10}}, r"device\.size_tokens .* needs .* GiB for the device KV pool"),
         ({"host": {"ratio": 1e9}}, r"host\.ratio .* needs .* GiB for the host KV pool"),
+        # finite, but its product with the device pages is not: int(inf) was an OverflowError
+        ({"host": {"ratio": 1e308}}, r"host\.ratio \(1e\+308\) .* more pages than can be counted"),
         ({"extra_pools": [{"slots": 10**9, "state_shapes": {"s": [1 << 20]}}]}, r"extra_pools\[0\]\.slots"),
     ],
 )
