@@ -257,6 +257,11 @@ def _all_tiers() -> list[Literal["device", "host", "storage"]]:
     return ["device", "host", "storage"]
 
 
+#: the largest count the events' buffers take: ZMQ's high-water mark is a C int, and a bigger
+#: replay buffer (a deque's length) was an OverflowError traceback when the publisher started
+_C_INT_MAX = (1 << 31) - 1
+
+
 class EventsConfig(_Section):
     """KV events for cache-aware routers (vLLM's schema over ZMQ; ``hicache.events``). Off by default."""
 
@@ -266,9 +271,9 @@ class EventsConfig(_Section):
     replay_endpoint: str | None = Field(
         "tcp://*:5558", description="ZMQ ROUTER address where consumers ask for batches since a sequence; null: no replay.")
     topic: str = Field("", description="First frame of every message.")
-    buffer_steps: int = Field(10_000, gt=0, description="Batches kept for replay.")
+    buffer_steps: int = Field(10_000, gt=0, le=_C_INT_MAX, description="Batches kept for replay.")
     max_queue_events: int = Field(100_000, gt=0, description="Event lists queued before new ones are dropped (counted).")
-    hwm: int = Field(100_000, gt=0, description="ZMQ high-water mark of the PUB socket.")
+    hwm: int = Field(100_000, gt=0, le=_C_INT_MAX, description="ZMQ high-water mark of the PUB socket.")
     hash_format: Literal["bytes", "int"] = Field("bytes", description="Block hashes: 32 sha256 bytes, or their low 64 bits.")
     tiers: list[Literal["device", "host", "storage"]] = Field(
         default_factory=_all_tiers, description="Tiers to publish.")

@@ -44,6 +44,10 @@ def test_absurd_sizes_name_the_field_and_the_memory(data: dict, words: str) -> N
         # lax mode read true as 1: a pool of the wrong size, silently
         ({"extra_pools": [{"state_shapes": {"conv": [True, 64]}}]}, r"state_shapes\.conv\.0: .*must be a number, got true"),
         ({"extra_pools": [{"name": "m"}, {"name": "m"}]}, r"\['m'\] given more than once"),
+        # a deque's length and ZMQ's high-water mark are C integers: an OverflowError traceback at
+        # start (buffer_steps), or a socket error that named neither field (hwm)
+        ({"events": {"buffer_steps": 10**20}}, r"events\.buffer_steps: .*less than or equal to 2147483647"),
+        ({"events": {"hwm": 10**11}}, r"events\.hwm: .*less than or equal to 2147483647"),
     ],
 )
 def test_bad_values_are_field_named_errors(data: dict, words: str) -> None:  # type: ignore[type-arg]
