@@ -6,7 +6,8 @@ use. Our own backends are registered exactly like a third-party plugin::
     [project.entry-points."hicache.backends"]
     mybackend = "my_package.module:MyStorage"
 
-``register_backend`` adds one at run time (for applications that do not install a package).
+A plugin registering a built-in name (``file``, ``s3``...) is ignored, with a warning, wherever
+it is installed. ``register_backend`` adds one at run time (for applications that do not install a package).
 """
 
 from __future__ import annotations
@@ -50,15 +51,27 @@ def _discover() -> dict[str, EntryPoint]:
         if _discovered is None:
             found: dict[str, EntryPoint] = {}
             for ep in entry_points(group=ENTRY_POINT_GROUP):
-                if ep.name in found and found[ep.name].value != ep.value:
+                first = found.get(ep.name)
+                if first is not None and first.value != ep.value:
+                    # a built-in name stays hicache's: which came first was sys.path's order, and
+                    # a plugin installed ahead of hicache replaced its store for every config
+                    # naming it (a plugin must register a name of its own)
+                    if _built_in(ep) and not _built_in(first):
+                        found[ep.name] = ep
                     logger.warning(
-                        "two distributions register backend %r (%s and %s); using the first",
-                        ep.name, found[ep.name].value, ep.value,
+                        "two distributions register backend %r (%s and %s); using %s",
+                        ep.name, first.value, ep.value,
+                        f"the built-in {found[ep.name].value}" if _built_in(found[ep.name]) else "the first",
                     )
                     continue
                 found[ep.name] = ep
             _discovered = found
         return _discovered
+
+
+def _built_in(ep: EntryPoint) -> bool:
+    """Whether ``ep`` is one of hicache's own backends (registered by the ``hicache`` distribution)."""
+    return ep.dist is not None and ep.dist.name.lower() == "hicache"
 
 
 def refresh_backends() -> None:
