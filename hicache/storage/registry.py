@@ -19,7 +19,7 @@ import threading
 from importlib.metadata import EntryPoint, entry_points
 from typing import Any
 
-from hicache.errors import BackendLoadError, BackendNotFoundError, ConfigError
+from hicache.errors import BackendLoadError, BackendNotFoundError, ConfigError, HiCacheError
 from hicache.storage.base import AsyncHiCacheStorage
 from hicache.storage.sync import HiCacheStorage
 from hicache.storage.types import HiCacheStorageConfig
@@ -204,6 +204,10 @@ def create_async_storage(
         if isinstance(exc, ConfigError):
             raise
         raise ConfigError(f"storage backend {name!r}: {exc}") from exc
+    except (HiCacheError, OSError):
+        raise  # said already (a root that cannot be made names itself)
+    except Exception as exc:  # noqa: BLE001 - a plugin whose constructor crashes, as at import
+        raise BackendLoadError(f"storage backend {name!r} could not be created: {type(exc).__name__}: {exc}") from exc
 
 
 def create_storage(

@@ -8,11 +8,13 @@ import logging
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+from hicache_backends.memory import MemoryStorage
 
-from hicache.errors import ConfigError
-from hicache.storage import refresh_backends
+from hicache.errors import BackendLoadError
+from hicache.storage import create_async_storage, refresh_backends, register_backend
 from hicache.storage.registry import backend_class
 
 _ENTRY_POINTS = """[hicache.backends]
@@ -55,3 +57,28 @@ def test_a_plugin_never_replaces_a_built_in_backend(caplog: pytest.LogCaptureFix
     with caplog.at_level(logging.WARNING, logger="hicache.storage"):
         assert backend_class("file") is FileStorage
     assert "hostile_plugin:Shadow" in caplog.text and "built-in" in caplog.text
+
+
+class _Exploding(MemoryStorage):
+    """A plugin whose constructor fails on something of its own (a client library's bug)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("plugin constructor exploded")
+
+
+def test_a_plugin_that_raises_in_its_constructor_is_one_error_line(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """A ``RuntimeError`` from a plugin's ``__init__`` went through the command line as a
+    traceback (only ``TypeError`` and ``ValueError`` were reported, as bad options); it is a
+    :class:`BackendLoadError` naming the backend and the cause, and the command exits 2."""
+    from hicache.cli import main
+
+    register_backend("exploding", _Exploding)
+    with pytest.raises(BackendLoadError, match=r"'exploding'.*RuntimeError: plugin constructor exploded"):
+        create_async_storage("exploding", None)
+    config = tmp_path / "replay.toml"
+    config.write_text('[storage]\nbackend = "exploding"\noptions = { max_bytes = 1000000 }\n')
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"timestamp": 0, "input_length": 512, "output_length": 1, "hash_ids": [1]}\n')
+    assert main(["replay", "-c", str(config), "--trace", str(trace), "--no-progress", "--policies", "lru"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "plugin constructor exploded" in err and "'exploding'" in err
