@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
-__all__ = ["int_list", "non_negative_int", "output_file", "positive_float", "positive_int", "unwritable_file"]
+__all__ = ["int_list", "name_list", "non_negative_int", "output_file", "positive_float", "positive_int",
+           "unwritable_file"]
 
 
 def _int(text: str) -> int:
@@ -51,6 +53,23 @@ def int_list(text: str) -> list[int]:
     if not values:
         raise argparse.ArgumentTypeError("needs at least one integer")
     return values
+
+
+def name_list(allowed: Sequence[str]) -> Callable[[str], list[str]]:
+    """An argparse type: comma-separated names out of ``allowed``, at least one
+    (``"runs,scattered"``): a misspelt name was a ``KeyError`` traceback halfway through a run,
+    or ran another case under its label."""
+
+    def names(text: str) -> list[str]:
+        chosen = [part.strip() for part in text.split(",") if part.strip()]
+        for name in chosen:
+            if name not in allowed:
+                raise argparse.ArgumentTypeError(f"unknown {name!r}; allowed: {', '.join(allowed)}")
+        if not chosen:
+            raise argparse.ArgumentTypeError("needs at least one name")
+        return chosen
+
+    return names
 
 
 def unwritable_file(text: str) -> str | None:

@@ -51,7 +51,7 @@ from hicache.memory import (  # noqa: E402
     device_for,
 )
 from hicache.memory.spans import NATIVE_AVAILABLE, STREAM_KIND  # noqa: E402
-from hicache.bench_args import non_negative_int, output_file, positive_int  # noqa: E402
+from hicache.bench_args import name_list, non_negative_int, output_file, positive_int  # noqa: E402
 from hicache.bench_output import emit_report  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -64,6 +64,21 @@ def _sig(x: float, digits: int = 4) -> float:
     """``x`` to ``digits`` significant digits: tiny test sizes must not round a real rate to 0."""
     return float(f"{x:.{digits}g}")
 
+#: the index patterns and CPU copy paths a run can measure (see the module docstring)
+PATTERNS = ("runs", "scattered")
+PATHS = ("native", "numpy")
+
+
+def _device_arg(text: str) -> str:
+    """An argparse type: a torch device name (``cpu``, ``cuda``, ``cuda:1``); another was a
+    ``RuntimeError`` traceback from torch."""
+    try:
+        torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a torch device (cpu or cuda)") from None
+    return text
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layers", type=positive_int, default=32)
@@ -73,11 +88,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--page-size", type=positive_int, default=64)
     p.add_argument("--pages", type=positive_int, default=32, help="pages moved per operation")
     p.add_argument("--reps", type=positive_int, default=7)
-    p.add_argument("--layouts", default=",".join(LAYOUTS))
-    p.add_argument("--patterns", default="runs,scattered")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
+    p.add_argument("--layouts", type=name_list(LAYOUTS), default=",".join(LAYOUTS))
+    p.add_argument("--patterns", type=name_list(PATTERNS), default=",".join(PATTERNS))
+    p.add_argument("--device", type=_device_arg, default=None, help="cpu or cuda (default: cuda if present)")
     p.add_argument("--threads", type=positive_int, default=None, help="torch intra-op threads")
-    p.add_argument("--paths", default=None,
+    p.add_argument("--paths", type=name_list(PATHS), default=None,
                    help="CPU copy paths, comma-separated: native, numpy (default: both where native is built)")
     p.add_argument("--seed", type=non_negative_int, default=0)
     p.add_argument("--quick", action="store_true", help="small run for a few seconds")
@@ -157,14 +172,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if device.type == "cuda":
         paths = ["cuda"]
     else:
-        paths = [s for s in (args.paths or ("native,numpy" if NATIVE_AVAILABLE else "numpy")).split(",") if s]
+        paths = args.paths or (list(PATHS) if NATIVE_AVAILABLE else ["numpy"])
     default_path = paths[0]
-    for layout, path in [(lo, pa) for lo in args.layouts.split(",") if lo for pa in paths]:
+    for layout, path in [(lo, pa) for lo in args.layouts for pa in paths]:
         host = MHATokenToKVPoolHost(dev, host_size_bytes=pool_pages * ps * dev.bytes_per_token,
                                     page_size=ps, layout=layout)
         native = None if path == "cuda" else path == "native"
         with CopyEngine(dev, host, native=native) as eng:
-            for pattern in [s for s in args.patterns.split(",") if s]:
+            for pattern in args.patterns:
                 d_pages, h_pages = patterns[pattern]
                 d_idx, h_idx = token_indices(d_pages, ps), token_indices(h_pages, ps)
                 ops = {

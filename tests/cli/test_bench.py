@@ -53,6 +53,13 @@ def test_bench_evict_checks_victims_and_reports(capsys, monkeypatch) -> None:
     (["evict", "--sizes", "10"], "--sizes [10]: each size must be at least --reps (20)"),
     (["copy", "--layers", "0"], "argument --layers: must be at least 1, got 0"),
     (["copy", "--seed", "-1"], "argument --seed: must not be negative, got -1"),
+    # a misspelt name was a KeyError or ValueError traceback mid-run, and a copy path not
+    # known ran the numpy path under the misspelt name's label
+    (["copy", "--layouts", "page_frist"], "argument --layouts: unknown 'page_frist'; allowed: layer_first, page_first"),
+    (["copy", "--patterns", "runs,scatter"], "argument --patterns: unknown 'scatter'; allowed: runs, scattered"),
+    (["copy", "--paths", "numpi"], "argument --paths: unknown 'numpi'; allowed: native, numpy"),
+    (["copy", "--layouts", ","], "argument --layouts: needs at least one name"),
+    (["copy", "--device", "tpu"], "argument --device: 'tpu' is not a torch device"),
     (["storage", "--pages", "0"], "argument --pages: must be at least 1, got 0"),
     (["storage", "--exists-scales", "1,x"], "argument --exists-scales: 'x' is not an integer"),
     (["s3", "--concurrency", "0"], "argument --concurrency: must be at least 1, got 0"),
