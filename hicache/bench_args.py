@@ -9,8 +9,8 @@ import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-__all__ = ["int_list", "name_list", "non_negative_int", "output_file", "positive_float", "positive_int",
-           "unwritable_file"]
+__all__ = ["int_list", "name_list", "non_negative_float", "non_negative_int", "output_file", "positive_float",
+           "positive_int", "unwritable_file"]
 
 
 def _int(text: str) -> int:
@@ -36,14 +36,27 @@ def non_negative_int(text: str) -> int:
     return value
 
 
-def positive_float(text: str) -> float:
-    """A finite number > 0."""
+def _float(text: str) -> float:
     try:
-        value = float(text)
+        return float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+
+
+def positive_float(text: str) -> float:
+    """A finite number > 0."""
+    value = _float(text)
     if not 0 < value < float("inf"):
         raise argparse.ArgumentTypeError(f"must be a finite number above 0, got {text}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    """A finite number >= 0 (a delay that may be none): a negative or nan one reached
+    ``time.sleep`` as an error on every call, inf as one that never returned."""
+    value = _float(text)
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number of at least 0, got {text}")
     return value
 
 

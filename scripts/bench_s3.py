@@ -61,7 +61,7 @@ import torch
 from hicache.keys import Namespace
 from hicache.storage import PoolTransfer, create_async_storage
 from hicache.testing import ArrayHostPool
-from hicache.bench_args import output_file, positive_int  # noqa: E402
+from hicache.bench_args import non_negative_float, output_file, positive_int  # noqa: E402
 from hicache.bench_output import emit_report  # noqa: E402
 
 KEY, SECRET = "bench-key", "bench-secret"
@@ -357,9 +357,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--endpoint", help="S3 endpoint URL (default: start a moto server on loopback)")
     parser.add_argument("--bucket", default="hicache-bench")
     parser.add_argument(
-        "--lookup-pages", type=int, default=512, help="pages of the prompt whose existence check is timed (default 512)")
+        "--lookup-pages", type=positive_int, default=512, help="pages of the prompt whose existence check is timed (default 512)")
     parser.add_argument(
-        "--latency-ms", type=float, default=50.0,
+        "--latency-ms", type=non_negative_float, default=50.0,
         help="delay moto adds to each request (default 50; AWS quotes 100-200 ms first-byte latency "
         "for S3; 0 = raw loopback, where a CPU-bound moto hides what concurrency buys)",
     )

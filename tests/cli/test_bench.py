@@ -63,6 +63,11 @@ def test_bench_evict_checks_victims_and_reports(capsys, monkeypatch) -> None:
     (["storage", "--pages", "0"], "argument --pages: must be at least 1, got 0"),
     (["storage", "--exists-scales", "1,x"], "argument --exists-scales: 'x' is not an integer"),
     (["s3", "--concurrency", "0"], "argument --concurrency: must be at least 1, got 0"),
+    # moto slept a negative or nan delay: every request failed, and the run ended in an
+    # AssertionError traceback; a prompt of no pages was timed as nothing
+    (["s3", "--latency-ms", "nan"], "argument --latency-ms: must be a finite number of at least 0, got nan"),
+    (["s3", "--latency-ms", "-5"], "argument --latency-ms: must be a finite number of at least 0, got -5"),
+    (["s3", "--lookup-pages", "0"], "argument --lookup-pages: must be at least 1, got 0"),
 ])
 def test_bench_arguments_out_of_range_are_usage_errors(args: list[str], message: str, capsys, monkeypatch) -> None:
     """They were tracebacks halfway through a run (a page size of 0, an empty size list), or a
