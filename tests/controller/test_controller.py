@@ -81,6 +81,21 @@ def test_a_zero_io_timeout_is_refused_at_start_on_every_path() -> None:
     assert ControllerConfig(storage_io_timeout_s=0.001, storage_stall_s=0).storage_io_timeout_s == 0.001
 
 
+@pytest.mark.parametrize(("name", "bad"), [
+    ("storage_batch_pages", 1.5), ("backup_queue_size", "64"), ("storage_health_errors", math.inf),
+    ("max_concurrent_prefetches", math.nan), ("prefetch_batch_pages", None), ("backup_batch_pages", True),
+    ("storage_max_retries", 2.5), ("prefetch_threshold", "256"), ("storage_retry_base_s", "x"),
+    ("storage_stall_s", math.nan), ("close_timeout_s", False),
+])
+def test_controller_options_of_the_wrong_type_are_config_errors(name: str, bad: object) -> None:
+    """A replay config's ``[controller]`` table and a vLLM connector's ``controller`` options reach
+    these fields as written: a string was an ``int()``-checked pass, then a ``TypeError`` mid-run
+    (``"x"`` one at once), inf and nan an ``OverflowError`` or ``ValueError`` traceback, a
+    fractional page count or a nan stall limit a controller that ran on them silently."""
+    with pytest.raises(ConfigError, match=name):
+        ControllerConfig.from_dict({name: bad})
+
+
 def test_metrics_snapshot_and_prometheus_text() -> None:
     m = ControllerMetrics()
     m.hit("host", 128)
