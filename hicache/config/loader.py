@@ -78,18 +78,53 @@ async def _aread_file(path: Path) -> dict[str, Any]:
     return _parse_file(path, text)
 
 
+class _DuplicateKey(ValueError):
+    """A key given twice in one JSON object or YAML mapping."""
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """One JSON object, refusing a key given twice (``json`` kept the last, silently)."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKey(f"key {key!r} is given twice in one object")
+        out[key] = value
+    return out
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """``yaml.safe_load``'s loader, refusing a key given twice in one mapping: it kept the last,
+    silently, so a section pasted twice lost everything the first one set (TOML refuses them).
+    A merge (``<<: *base``) is no such key: a key beside it overrides the merged one."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=deep)
+            try:
+                repeated = key in seen
+            except TypeError:  # an unhashable key: the constructor refuses it itself
+                continue
+            if repeated:
+                raise _DuplicateKey(f"key {key!r} is given twice in one mapping (line {key_node.start_mark.line + 1})")
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
 def _parse_file(path: Path, text: str) -> dict[str, Any]:
     suffix = path.suffix.lower()
     try:
         if suffix == ".toml":
             data = tomllib.loads(text)
         elif suffix == ".json":
-            data = json.loads(text)
+            data = json.loads(text, object_pairs_hook=_unique_keys)
         elif suffix in (".yaml", ".yml"):
-            data = yaml.safe_load(text) or {}
+            data = yaml.load(text, Loader=_UniqueKeyLoader) or {}  # noqa: S506 - a SafeLoader
         else:
             raise ConfigError(f"config file {path}: unknown extension {suffix!r}; use .toml, .json, .yaml or .yml")
-    except (tomllib.TOMLDecodeError, json.JSONDecodeError, yaml.YAMLError) as exc:
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError, yaml.YAMLError, _DuplicateKey) as exc:
         raise ConfigError(f"config file {path} is not valid {suffix[1:].upper()}: {exc}") from exc
     except RecursionError:
         raise ConfigError(f"config file {path} nests too deeply to be a configuration") from None

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from hicache.config import env_overrides, load_config
+from hicache.config.loader import read_config_file
 from hicache.errors import ConfigError
 from hicache.stack import stack_config_from
 
@@ -68,6 +69,28 @@ def test_deeply_nested_files_are_config_errors(tmp_path: Path) -> None:
             node["x"] = {}
             node = node["x"]
         load_config({"storage": {"options": nested}, "model": nested}, environ={}, check=False)
+
+
+@pytest.mark.parametrize(("name", "text", "words"), [
+    # a second [storage] pasted below the first: the first one's backend and root were dropped
+    ("dup.yaml", "storage:\n  backend: file\n  options: {root: /data/kv}\ndevice:\n  page_size: 16\n"
+                 "storage:\n  namespace_salt: tenant-a\n", r"dup\.yaml.*'storage'.*twice.*line 6"),
+    ("dup.yaml", "device:\n  page_size: 16\n  page_size: 32\n", r"'page_size'.*twice.*line 3"),
+    ("dup.json", '{"device": {"page_size": 16, "size_tokens": 1024, "page_size": 32}}', r"dup\.json.*'page_size'.*twice"),
+])
+def test_a_key_given_twice_in_a_file_is_an_error(tmp_path: Path, name: str, text: str, words: str) -> None:
+    """JSON and YAML kept the last of two equal keys, silently (TOML refuses them): a repeated
+    section lost everything the first one set, as a misspelt key would have."""
+    (tmp_path / name).write_text(text)
+    with pytest.raises(ConfigError, match=words):
+        load_config(tmp_path / name, environ={}, check=False)
+
+
+def test_yaml_merge_keys_may_still_be_overridden(tmp_path: Path) -> None:
+    """A merge (``<<: *base``) and a key that overrides one of it are not a key given twice."""
+    (tmp_path / "merge.yaml").write_text("base: &base {page_size: 16, size_tokens: 1024}\n"
+                                         "device:\n  <<: *base\n  page_size: 32\n")
+    assert read_config_file(tmp_path / "merge.yaml")["device"] == {"page_size": 32, "size_tokens": 1024}
 
 
 def test_a_yaml_alias_bomb_is_reported_quickly(tmp_path: Path) -> None:
