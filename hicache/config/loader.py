@@ -184,6 +184,12 @@ def env_overrides(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
             if tuple(path[:i]) in leaves:
                 raise ConfigError(f"environment variables {leaves[tuple(path[:i])]} and {name} conflict: "
                                   f"one sets {'.'.join(path[:i])}, the other a field inside it")
+        twin = leaves.get(tuple(path))
+        if twin is not None and environ[twin] != raw:
+            # case does not matter in a name: two spellings of one field, and the one sorted last
+            # won silently
+            raise ConfigError(f"environment variables {twin} and {name} conflict: both set {'.'.join(path)}, "
+                              "to different values")
         inside = next((v for p, v in leaves.items() if len(p) > len(path) and list(p[: len(path)]) == path), None)
         if inside is not None:
             raise ConfigError(f"environment variables {name} and {inside} conflict: "

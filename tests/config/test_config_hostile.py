@@ -106,6 +106,16 @@ def test_a_yaml_alias_bomb_is_reported_quickly(tmp_path: Path) -> None:
     assert "model.name" in str(err.value) and len(str(err.value)) < 5000
 
 
+def test_two_spellings_of_one_variable_that_disagree_are_an_error() -> None:
+    """Case does not matter in a variable's name, so two spellings set one field: the one that
+    sorted last won, silently (a deployment's ``HICACHE__DEVICE__PAGE_SIZE=16`` lost to a stray
+    lower-case ``hicache__device__page_size=64``). Spellings that agree are the same setting."""
+    with pytest.raises(ConfigError, match=r"HICACHE__DEVICE__PAGE_SIZE and hicache__device__page_size .*device\.page_size"):
+        env_overrides({"HICACHE__DEVICE__PAGE_SIZE": "16", "hicache__device__page_size": "64"})
+    assert env_overrides({"HICACHE__DEVICE__PAGE_SIZE": "16", "Hicache__Device__Page_Size": "16"}) == \
+        {"device": {"page_size": 16}}
+
+
 def test_environment_strings_conflicts_and_foreign_options(caplog: pytest.LogCaptureFixture) -> None:
     cfg = load_config(None, environ={"HICACHE__MODEL__REVISION": "2024"}, check=False)
     assert cfg.model.revision == "2024"  # a string field takes the text, not the JSON number
