@@ -54,7 +54,9 @@ _SHORT.maxstring, _SHORT.maxother, _SHORT.maxlong = 80, 80, 40
 
 def _read_file(path: Path) -> dict[str, Any]:
     try:
-        text = path.read_text(encoding="utf-8")
+        # utf-8-sig: a byte-order mark (a Windows editor's UTF-8) is no part of the text; TOML
+        # refused it as an "Invalid statement" at line 1, column 1
+        text = path.read_text(encoding="utf-8-sig")
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"cannot read config file {path}: {getattr(exc, 'strerror', None) or exc}") from exc
     return _parse_file(path, text)
@@ -71,7 +73,7 @@ async def _aread_file(path: Path) -> dict[str, Any]:
     """The file read without blocking the loop: a config on a network filesystem (a shared
     deployment folder) can take seconds to open, and a server reloading it must keep serving."""
     try:
-        async with aiofiles.open(path, encoding="utf-8") as f:
+        async with aiofiles.open(path, encoding="utf-8-sig") as f:  # as _read_file
             text = await f.read()
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"cannot read config file {path}: {getattr(exc, 'strerror', None) or exc}") from exc

@@ -93,6 +93,23 @@ def test_yaml_merge_keys_may_still_be_overridden(tmp_path: Path) -> None:
     assert read_config_file(tmp_path / "merge.yaml")["device"] == {"page_size": 32, "size_tokens": 1024}
 
 
+@pytest.mark.parametrize(("name", "text"), [
+    ("bom.toml", "[device]\r\npage_size = 32\r\n"),
+    ("bom.json", '{"device": {"page_size": 32}}\r\n'),
+    ("bom.yaml", "device:\r\n  page_size: 32\r\n"),
+])
+async def test_a_config_saved_with_a_byte_order_mark_loads(tmp_path: Path, name: str, text: str) -> None:
+    """Windows editors save UTF-8 with a byte-order mark (and CRLF): TOML refused such a file as
+    "Invalid statement (at line 1, column 1)", JSON as "Unexpected UTF-8 BOM", though nothing
+    shows there. The mark is no part of the text, as a trace's reader already takes it."""
+    from hicache.config import aload_config
+
+    path = tmp_path / name
+    path.write_bytes(b"\xef\xbb\xbf" + text.encode())
+    assert load_config(path, environ={}, check=False).device.page_size == 32
+    assert (await aload_config(path, environ={}, check=False)).device.page_size == 32
+
+
 def test_a_yaml_alias_bomb_is_reported_quickly(tmp_path: Path) -> None:
     lines = ["a0: &a0 [x, x, x, x, x, x, x, x, x]"]
     for i in range(1, 9):
