@@ -226,7 +226,7 @@ class ReplayConfig:
             raise ConfigError(f"[tiers] basis must be 'trace' or 'replayed', got {basis!r}")
         cfg.capacity_basis = basis
         for key, value in tiers.items():
-            tier, _, kind = key.partition("_")
+            tier, _, kind = str(key).partition("_")  # a YAML key may be a number
             if tier not in _TIERS or kind not in ("fraction", "blocks"):
                 raise ConfigError(
                     f"[tiers] {key!r} unknown; use <tier>_fraction or <tier>_blocks with tier in {list(_TIERS)}"

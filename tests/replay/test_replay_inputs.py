@@ -176,6 +176,9 @@ def test_timestamps_that_go_back_are_served_in_file_order_with_a_warning(tmp_pat
     ({"replay": {"verify": "yes"}}, "verify"),
     ({"storage": {"backend": "memory", "options": []}}, "options"),
     ({"controller": "fast"}, "controller"),
+    # YAML keys need not be strings: an AttributeError and a TypeError (sorting 1 and "a") traceback
+    ({"tiers": {1: 0.5}}, r"\[tiers\] 1 unknown"),
+    ({"controller": {1: 2, "write_polcy": "write_back"}}, r"unknown controller option\(s\) \[1, 'write_polcy'\]"),
     ({"kv": {"dtype": "float8_e4m3fn"}}, "cannot hold exact synthetic KV"),  # 55 values for 8,192 KV: blind
     ({"replay": {"placement": "bogus"}}, r"unknown placement policy 'bogus'; allowed: \['lru'"),  # compare ignored it
     # found when the policy's replay came, after the others had run (and were thrown away)
