@@ -117,16 +117,18 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 
 def _parse_file(path: Path, text: str) -> dict[str, Any]:
     suffix = path.suffix.lower()
+    if suffix not in (".toml", ".json", ".yaml", ".yml"):
+        raise ConfigError(f"config file {path}: unknown extension {suffix!r}; use .toml, .json, .yaml or .yml")
     try:
         if suffix == ".toml":
             data = tomllib.loads(text)
         elif suffix == ".json":
             data = json.loads(text, object_pairs_hook=_unique_keys)
-        elif suffix in (".yaml", ".yml"):
-            data = yaml.load(text, Loader=_UniqueKeyLoader) or {}  # noqa: S506 - a SafeLoader
         else:
-            raise ConfigError(f"config file {path}: unknown extension {suffix!r}; use .toml, .json, .yaml or .yml")
-    except (tomllib.TOMLDecodeError, json.JSONDecodeError, yaml.YAMLError, _DuplicateKey) as exc:
+            data = yaml.load(text, Loader=_UniqueKeyLoader) or {}  # noqa: S506 - a SafeLoader
+    except (ValueError, yaml.YAMLError) as exc:
+        # ValueError: the parsers' own errors, a key given twice, and an integer of more than
+        # 4,300 digits, which Python refuses to read (every format's parser let it through)
         raise ConfigError(f"config file {path} is not valid {suffix[1:].upper()}: {exc}") from exc
     except RecursionError:
         raise ConfigError(f"config file {path} nests too deeply to be a configuration") from None

@@ -110,6 +110,20 @@ async def test_a_config_saved_with_a_byte_order_mark_loads(tmp_path: Path, name:
     assert (await aload_config(path, environ={}, check=False)).device.page_size == 32
 
 
+@pytest.mark.parametrize(("name", "text"), [
+    ("big.toml", "[device]\npage_size = {digits}\n"),
+    ("big.json", '{{"device": {{"page_size": {digits}}}}}'),
+    ("big.yaml", "device:\n  page_size: {digits}\n"),
+])
+def test_an_integer_of_thousands_of_digits_in_a_file_is_a_config_error(tmp_path: Path, name: str, text: str) -> None:
+    """Python refuses to read an integer of more than 4,300 digits (a ``ValueError``, not the
+    parsers' own errors): every format ended ``hicache`` in a traceback. The variable of the
+    same value was already an error naming the field."""
+    (tmp_path / name).write_text(text.format(digits="9" * 5000))
+    with pytest.raises(ConfigError, match=rf"config file .*{name} is not valid .*4300 digits"):
+        load_config(tmp_path / name, environ={}, check=False)
+
+
 def test_a_yaml_alias_bomb_is_reported_quickly(tmp_path: Path) -> None:
     lines = ["a0: &a0 [x, x, x, x, x, x, x, x, x]"]
     for i in range(1, 9):
