@@ -333,6 +333,18 @@ def _fraction_blocks(tier: str, fraction: float, unique: int) -> int:
     return int(blocks)
 
 
+def _warn_env_ignored(path: str | os.PathLike[str]) -> None:
+    """One warning naming the ``HICACHE__`` variables set, which a replay-native config does not
+    take (its fields are not the deployment schema's): ``--config`` says they override the file,
+    and ``HICACHE__STORAGE__BACKEND=none`` was ignored without a word."""
+    from hicache.config import ENV_PREFIX
+
+    names = sorted(n for n in os.environ if n.upper().startswith(ENV_PREFIX) and n[len(ENV_PREFIX):].strip("_"))
+    if names:
+        logger.warning("replay: %s is a replay config ([tiers], [kv], ...), which %s do not apply to; they are "
+                       "ignored (they override a deployment config's fields)", path, ", ".join(names))
+
+
 def _warn_unsized_storage(backend: str) -> None:
     """One warning line for a deployment's store the replay cannot size: the replay then runs
     the device and host tiers alone, and the tiers line's ``storage 0`` was the only sign. A
@@ -383,5 +395,6 @@ def load_replay_config(path: str | os.PathLike[str]) -> ReplayConfig:
 
     data = read_config_file(path)  # TOML, JSON or YAML; unreadable or malformed: ConfigError
     if set(data) & {"tiers", "kv", "replay", "controller"}:
+        _warn_env_ignored(path)
         return ReplayConfig.from_dict(data)
     return ReplayConfig.from_hicache_config(load_config(path))

@@ -230,6 +230,23 @@ def test_a_store_the_replay_cannot_size_is_a_warning_saying_how(tmp_path, caplog
     assert "\n" not in record.getMessage()
 
 
+def test_environment_overrides_a_replay_native_config_ignores_are_a_warning(tmp_path, caplog, monkeypatch) -> None:
+    """``--config``'s help says ``HICACHE__*`` variables override the file: they do for a
+    deployment config, but a replay-native one (``[tiers]``, ``[kv]``...) has none of those
+    fields, and ``HICACHE__STORAGE__BACKEND=none`` was ignored without a word."""
+    from hicache.replay import load_replay_config
+
+    cfg = tmp_path / "native.toml"
+    cfg.write_text('[tiers]\ndevice_blocks = 4\nhost_blocks = 8\nstorage_blocks = 16\n[storage]\nbackend = "memory"\n')
+    monkeypatch.setenv("HICACHE__STORAGE__BACKEND", "none")
+    with caplog.at_level(logging.WARNING, logger="hicache.replay.config"):
+        replay = load_replay_config(cfg)
+    assert replay.storage_backend == "memory"
+    [record] = [r for r in caplog.records if r.name == "hicache.replay.config"]
+    assert "HICACHE__STORAGE__BACKEND" in record.getMessage() and "ignored" in record.getMessage()
+    assert str(cfg) in record.getMessage()
+
+
 def test_a_policy_named_twice_replays_once_and_no_ratio_to_lru_prints_a_dash(tmp_path, monkeypatch) -> None:
     """``--policies lru,lru`` replayed ``lru`` twice for one row; "vs lru" printed ``nanx``
     where ``lru`` wrote nothing to storage (no storage tier) or was not replayed."""
