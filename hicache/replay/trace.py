@@ -121,6 +121,8 @@ def load_trace(path: str | os.PathLike[str], limit: int | None = None, *, progre
                 if not line.strip():
                     continue
                 try:
+                    if max(map(line.count, _QUOTED_FIELDS)) > 1:  # a field's name twice: given twice?
+                        _no_repeated_key(line)
                     out.append(_record(json.loads(line)))
                 except (ValueError, TypeError, KeyError, RecursionError) as exc:
                     # RecursionError: JSON nested deeper than the parser's stack (one line of
@@ -183,6 +185,22 @@ def prefix_blocks(requests: list[TraceRequest], source: str = "trace") -> list[T
     else:
         logger.info("%s: block ids above %d renamed to dense ids (token ids must fit in uint32)", source, MAX_BLOCK_ID)
     return [dataclasses.replace(req, hash_ids=tuple(ids)) for req, ids in zip(requests, dense)]
+
+
+#: a record's fields as they appear in its line (a cheap test for one given twice)
+_QUOTED_FIELDS = ('"timestamp"', '"input_length"', '"output_length"', '"hash_ids"')
+
+
+def _no_repeated_key(line: str) -> None:
+    """A ``ValueError`` when ``line``'s object gives a key twice: ``json`` keeps the last,
+    silently, so a record with two ``hash_ids`` was read as the second. Asked only of a line
+    that names a field twice (a name may also be inside a value), so a trace is parsed once."""
+    pairs = json.loads(line, object_pairs_hook=list)
+    if isinstance(pairs, list) and all(isinstance(p, tuple) for p in pairs):
+        keys = [k for k, _ in pairs]
+        repeated = next((k for k in keys if keys.count(k) > 1), None)
+        if repeated is not None:
+            raise ValueError(f"key {repeated!r} is given twice")
 
 
 def _record(d: object) -> TraceRequest:

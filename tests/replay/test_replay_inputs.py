@@ -143,6 +143,22 @@ def test_gzip_traces_are_read_and_undecodable_files_are_named(tmp_path) -> None:
         load_trace(gz, limit=-1)
 
 
+@pytest.mark.parametrize("suffix", [".jsonl", ".jsonl.gz"])
+def test_a_field_given_twice_in_a_record_is_refused(tmp_path, suffix) -> None:
+    """``json`` keeps the last of two equal keys: a record of an exporter that wrote
+    ``hash_ids`` twice was read with the second list, silently, and every hit ratio from it
+    was of ids nobody meant. It is a line-numbered error like any malformed record; a key's
+    name inside a value (an extra field's text) is no second key."""
+    good = json.dumps({**_record([1]), "note": 'says "hash_ids" twice: "hash_ids"'})
+    twice = '{"timestamp": 0, "input_length": 512, "output_length": 1, "hash_ids": [7], "hash_ids": [8]}'
+    path = tmp_path / f"t{suffix}"
+    text = f"{good}\n{twice}\n"
+    path.write_bytes(gzip.compress(text.encode()) if suffix.endswith(".gz") else text.encode())
+    with pytest.raises(TraceFormatError, match=r"line 2: .*'hash_ids' is given twice"):
+        load_trace(path)
+    assert load_trace(path, limit=1)[0].hash_ids == (1,)
+
+
 def test_timestamps_that_go_back_are_served_in_file_order_with_a_warning(tmp_path, caplog) -> None:
     """Requests are served in file order and timestamps were never looked at: a trace of
     concatenated logs replayed in an order it never arrived in, without a word."""
