@@ -134,12 +134,16 @@ class WriteBackQueue:
         return given_up
 
     def seal(self) -> None:
-        """No more entries: the cache closed after its last drain (see :meth:`enqueue`)."""
+        """No more entries: the cache closed after its last drain (see :meth:`enqueue`). An
+        entry still here (a close cut short by a cancellation drained nothing) can no longer
+        be followed: it ends now, counted, or ``writeback_pending`` stayed above 0 for good."""
         self._sealed = True
+        self._end_all("the cache closed before its copy was done")
 
     def discard_all(self) -> None:
-        """Forget every entry (the tree was reset)."""
-        self._entries.clear()
+        """Forget every entry (the tree is being reset), each counted: done when its host
+        copy existed, else lost (left uncounted, queued exceeded what ended for good)."""
+        self._end_all("the cache was reset before its copy was done")
 
     def _path(self, leaf: Any) -> list[Any]:
         root = self._tree.root_node
@@ -291,9 +295,18 @@ class WriteBackQueue:
         return True
 
     def _give_up_stuck(self) -> None:
+        self._end_all("it can no longer finish (the cache is closing, or the drain's deadline passed)")
+
+    def _end_all(self, why: str) -> None:
+        """End every entry now, without offering anything to the tree: counted done when its
+        copy was made (as :meth:`_advance` counts it), else lost, with ``why`` logged."""
         for e in self._entries:
-            self._count("writeback_lost", 1)
-            logger.warning("session %s: write-back of %d token(s) can no longer finish (the cache is closing, "
-                           "or the drain's deadline passed); given up", e.session_id, e.tokens)
+            path = self._path(e.leaf)
+            copied = all(n.host_value is not None and n.backup_op is None for n in path)
+            if (path and copied) or (not path and (e.started or e.kept)):
+                self._count("writeback_done", 1)
+            else:
+                self._count("writeback_lost", 1)
+                logger.warning("session %s: write-back of %d token(s) given up: %s", e.session_id, e.tokens, why)
             self._unkeep(e)  # an entry that ends lets go of what the tree kept for it
         self._entries.clear()

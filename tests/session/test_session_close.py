@@ -95,3 +95,61 @@ def test_a_handover_after_the_close_is_counted_lost() -> None:
     queue.enqueue("late", object(), 64)
     assert counts == {"writeback_queued": 1, "writeback_queued_tokens": 64, "writeback_lost": 1}
     assert len(queue) == 0
+
+
+async def test_a_cancelled_close_counts_every_queued_write_back_and_the_gauge_returns_to_zero() -> None:
+    """The close task cancelled while it waited for the write-backs (a shutdown sweep): the
+    cut close sealed the queue with its entries still in it, so they were never counted
+    (queued > done + lost + dropped for good) and ``writeback_pending`` stayed above 0."""
+    st = make_stack(controller={"close_timeout_s": 30.0})
+    gate = asyncio.Event()
+    real = st.engine.backup
+
+    async def hung(dev, host):  # type: ignore[no-untyped-def]
+        await gate.wait()
+        await real(dev, host)
+
+    st.engine.backup = hung  # type: ignore[method-assign]
+    for i in range(2):
+        await Conversation(st, f"s{i}", seed=i).turn(20, 3)  # their copies hang
+    closing = asyncio.ensure_future(st.cache.aclose())
+    for _ in range(5):
+        await asyncio.sleep(0)  # the close waits for the write-backs now
+    assert len(st.cache.writeback) == 2
+    task = st.cache._close_task
+    assert task is not None
+    task.cancel()  # the shutdown sweep cancels the close task itself
+    try:
+        await asyncio.wait_for(closing, 10)
+    finally:
+        gate.set()
+    c = st.cache.session_metrics.counters
+    assert len(st.cache.writeback) == 0 and st.cache.gauges()["writeback_pending"] == 0
+    assert c["writeback_queued"] == 2
+    assert c["writeback_done"] + c["writeback_lost"] + c["writeback_dropped"] == 2, c
+    await st.engine.aclose()
+
+
+async def test_reset_counts_the_queued_write_backs_it_forgets() -> None:
+    """``reset()`` forgot the queued write-backs without counting them: queued stayed above
+    done + lost + dropped for good."""
+    st = make_stack()
+    gate = asyncio.Event()
+    real = st.engine.backup
+
+    async def hung(dev, host):  # type: ignore[no-untyped-def]
+        await gate.wait()
+        await real(dev, host)
+
+    st.engine.backup = hung  # type: ignore[method-assign]
+    await Conversation(st, "A", seed=1).turn(20, 3)
+    st.cache.release_session("A")
+    assert len(st.cache.writeback) == 1
+    gate.set()
+    await st.inner.drain()  # the copy lands before the server flushes
+    st.cache.reset()
+    c = st.cache.session_metrics.counters
+    assert len(st.cache.writeback) == 0 and st.cache.gauges()["writeback_pending"] == 0
+    assert c["writeback_queued"] == 1
+    assert c["writeback_done"] + c["writeback_lost"] + c["writeback_dropped"] == 1, c
+    await st.engine.aclose()
