@@ -6,9 +6,8 @@ import inspect
 import typing
 from typing import Any
 
-from pydantic import TypeAdapter, ValidationError
-
 from hicache.errors import ConfigError
+from hicache.options import type_mismatch
 from hicache.placement.base import PlacementPolicy
 from hicache.placement.lru import LruPlacement
 from hicache.placement.tiered import ReusePlacement, TieredPlacement
@@ -45,10 +44,6 @@ def make_placement(
         raise ConfigError(f"placement {name!r}: {exc}") from None
 
 
-#: what an option of each pydantic error type must be, in the error an operator reads
-_MUST_BE = {"int_type": "an integer", "string_type": "a string", "float_type": "a number", "bool_type": "true or false"}
-
-
 def _check_types(name: str, cls: type[PlacementPolicy], options: dict[str, Any]) -> None:
     """A :class:`ConfigError` for an option of the wrong type, by the policy's signature
     (pydantic, strict: no ``true`` or ``1.5`` taken as an integer): a string reached a
@@ -58,10 +53,6 @@ def _check_types(name: str, cls: type[PlacementPolicy], options: dict[str, Any])
     for key, value in options.items():
         if key not in hints:
             continue
-        try:
-            TypeAdapter(hints[key]).validate_python(value, strict=True)
-        except ValidationError as exc:
-            error = exc.errors()[0]
-            what = _MUST_BE.get(error["type"], f"valid ({error['msg']})")
-            none = " or null" if type(None) in typing.get_args(hints[key]) else ""
-            raise ConfigError(f"placement {name!r}: option {key!r} must be {what}{none}, got {value!r:.40}") from None
+        must = type_mismatch(hints[key], value)
+        if must is not None:
+            raise ConfigError(f"placement {name!r}: option {key!r} must be {must}, got {value!r:.40}")

@@ -7,7 +7,7 @@ import math
 from typing import Any
 
 from hicache.errors import ConfigError
-from hicache.options import options_from_dict
+from hicache.options import check_option_types, options_from_dict
 
 __all__ = ["SessionConfig"]
 
@@ -46,6 +46,9 @@ class SessionConfig:
     preempt_queued_turns: bool = True
 
     def __post_init__(self) -> None:
+        # types first: true or 2.5 was taken as a count, "false" as a true flag, and a string
+        # failed below as a raw TypeError that named no field
+        check_option_types(self, "session")
         for name in ("idle_offload_s", "session_timeout_s", "reap_interval_s"):
             value = getattr(self, name)
             # NaN passed a "< 0" check: a reaper sleeping NaN seconds never woke and "idle > nan"

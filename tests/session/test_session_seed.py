@@ -256,6 +256,29 @@ def test_a_time_that_is_not_finite_is_refused(name: str, value: float) -> None:
         SessionConfig(**{name: value})
 
 
+@pytest.mark.parametrize("name, value", [
+    ("writeback_max_attempts", True), ("writeback_max_attempts", 2.5), ("writeback_max_attempts", "4"),
+    ("keep_closed_stats", 1.5), ("keep_closed_stats", False), ("keep_closed_stats", "10"),
+    ("idle_offload_s", True), ("idle_offload_s", "5"), ("session_timeout_s", "600"),
+    ("release_on_close", "false"), ("preempt_queued_turns", 1),
+])
+def test_a_value_of_the_wrong_type_is_a_config_error_naming_it(name: str, value: object) -> None:
+    """``true`` and ``2.5`` were taken as counts (a keep_closed_stats of 1.5 reached the
+    history's trimming as a float), ``"false"`` as a true flag, and a string failed with a raw
+    ``TypeError`` from a comparison that named no field."""
+    from hicache.errors import ConfigError
+    from hicache.session import SessionConfig
+
+    with pytest.raises(ConfigError, match=name):
+        SessionConfig(**{name: value})
+
+
+def test_whole_numbers_are_still_taken_for_seconds() -> None:
+    from hicache.session import SessionConfig
+
+    assert SessionConfig(idle_offload_s=5, session_timeout_s=None, reap_interval_s=1).idle_offload_s == 5
+
+
 async def test_closed_cache_refuses_turns_and_closes_once() -> None:
     from hicache.errors import CacheClosedError
 
