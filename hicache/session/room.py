@@ -79,6 +79,18 @@ class Room:
         self._metrics.incr("preempted_queued_turns")
         self._turns.detach(slot, fire=False)
 
+    def _close_if_released(self, slot: SessionSlot) -> None:
+        """A preempted turn's session released meanwhile closes even though giving its KV up
+        failed (counted and logged already): left ``closing`` with no turn, it was never closed
+        and every later turn of the id was served without it until ``session_timeout_s``. The
+        failed hand-over let go of what it could (see :func:`~hicache.session.handover.hand_over`);
+        the close forgets the session whatever a second try of it raises."""
+        try:
+            self._turns.after_detach(slot)
+        except Exception:  # noqa: BLE001 - the same failure, counted and logged above
+            logger.debug("session %s: closing it after its failed hand-over raised again", slot.session_id,
+                         exc_info=True)
+
     def offload_lru(self, *, tokens: int = 0, rows: int = 0) -> int:
         """Offload sessions until their held tokens cover ``tokens`` and ``rows`` rows were
         returned: idle ones least recently used first, then those whose next turn is only
@@ -98,6 +110,8 @@ class Room:
             except Exception:  # noqa: BLE001 - the request that needed room is not this session's
                 self._metrics.incr("release_errors")
                 logger.exception("session %s: giving its KV up under pressure failed", slot.session_id)
+                if preempted:
+                    self._close_if_released(slot)
                 continue
             tokens -= held
             rows -= 1

@@ -153,3 +153,30 @@ async def test_reset_counts_the_queued_write_backs_it_forgets() -> None:
     assert c["writeback_queued"] == 1
     assert c["writeback_done"] + c["writeback_lost"] + c["writeback_dropped"] == 1, c
     await st.engine.aclose()
+
+
+async def test_a_released_sessions_queued_turn_whose_hand_over_fails_closes_the_session() -> None:
+    """Pressure preempted the queued turn of a session being released and the hand-over raised
+    something other than ValueError: the session stayed ``closing`` for good (no KV, no turn),
+    and every later turn of the id was served without it until ``session_timeout_s``."""
+    st = make_stack(device_pages=16, config=SessionConfig())
+    a = Conversation(st, "A", seed=1)
+    await a.turn(n_in=20, n_out=3)
+    req = a.request(4)
+    st.cache.match_req(req)  # the next turn is matched, only queued
+    assert st.cache.release_session("A") and st.cache.slots["A"].closing
+    real_insert = st.inner.insert
+
+    def broken_insert(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise RuntimeError("the tree failed mid-insert")
+
+    st.inner.insert = broken_insert  # type: ignore[method-assign]
+    st.cache.ensure_req_slots(st.req_pool.size)  # pressure preempts the queued turn: hand-over fails
+    st.inner.insert = real_insert  # type: ignore[method-assign]
+    c = st.cache.session_metrics.counters
+    assert "A" not in st.cache.slots
+    assert c["sessions_released"] == 1 and c["release_errors"] == 1
+    st.cache.abort_req(req)  # the server gives the preempted turn up
+    later = await a.turn(n_in=6, n_out=2)  # the id opens a new session, not bypassed
+    assert st.cache.slots["A"].is_holding_kv and c["busy_bypass"] == 0, later
+    await st.aclose()
