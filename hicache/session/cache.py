@@ -147,7 +147,9 @@ class SessionAwareCache(ForwardingCache):
     # ------------------------------------------------------------------ match / restore
 
     def match_prefix(self, params: MatchPrefixParams, **kwargs: Any) -> MatchResult:
-        """Restore a streaming session's slot (no tree walk), else the inner cache's match."""
+        """Restore a streaming session's slot (no tree walk), else the inner cache's match.
+        Refused once the cache is closed (see :meth:`match_req`)."""
+        self._lifecycle.check_open()
         slot = self._turns.restorable(params.req, len(params.key))
         if slot is None:
             return self.inner.match_prefix(params, **kwargs)
@@ -156,7 +158,12 @@ class SessionAwareCache(ForwardingCache):
 
     def match_req(self, req: Req, max_prefix_len: int | None = None) -> MatchResult:
         """``HiRadixCache.match_req`` made session-aware: restore the slot, or let the inner
-        cache match; the result is recorded in ``req``'s fields; no lock is taken."""
+        cache match; the result is recorded in ``req``'s fields; no lock is taken.
+
+        Refused once the cache is closed (:class:`~hicache.errors.CacheClosedError`, as ``admit`` and the
+        facade refuse): a match after the close attached the request to a new slot that
+        nobody would ever release (the close and its reaper were over)."""
+        self._lifecycle.check_open()
         tokens = req.fill_ids or req.origin_input_ids
         if max_prefix_len is not None:
             tokens = tokens[:max_prefix_len]

@@ -294,6 +294,28 @@ async def test_closed_cache_refuses_turns_and_closes_once() -> None:
     await s.engine.aclose()
 
 
+async def test_a_match_after_the_close_is_refused_and_opens_no_session() -> None:
+    """``match_req`` (and SGLang's ``match_prefix``) after the close still attached the
+    request: a new slot per session id, never released (the reaper and the close were over),
+    so ``sessions_open`` grew and ``metrics()`` listed sessions of a closed cache."""
+    from hicache.errors import CacheClosedError
+
+    s = make_stack(hier=True)
+    conv = Conversation(s, "z", seed=10)
+    await conv.turn(9, 2)
+    await s.cache.aclose()
+    opened = s.cache.session_metrics.counters["sessions_opened"]
+    for sid in ("z", "new"):
+        req = Conversation(s, sid, seed=3).request(5)
+        with pytest.raises(CacheClosedError):
+            s.cache.match_req(req)
+        with pytest.raises(CacheClosedError):
+            s.cache.match_prefix(MatchPrefixParams(key=RadixKey(req.origin_input_ids), req=req))
+    assert not s.cache.slots and s.cache.gauges()["sessions_open"] == 0
+    assert s.cache.session_metrics.counters["sessions_opened"] == opened
+    await s.engine.aclose()
+
+
 async def test_a_restored_turn_the_scheduler_locked_is_never_preempted_by_eviction() -> None:
     """SGLang's flow: match_prefix, inc_lock_ref on the node it gave (the batch takes the
     request), then allocation, which evicts. The lock is the turn's admission: eviction must
