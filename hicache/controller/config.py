@@ -11,7 +11,7 @@ import math
 from typing import Any
 
 from hicache.errors import ConfigError
-from hicache.options import options_from_dict
+from hicache.options import check_option_types, options_from_dict
 
 __all__ = ["ControllerConfig", "WRITE_POLICIES", "PREFETCH_POLICIES"]
 
@@ -93,6 +93,10 @@ class ControllerConfig:
     io_thread_nice: int = 0
 
     def __post_init__(self) -> None:
+        # types first, strictly: a replay's [controller] table and a vLLM connector's options
+        # arrive as written, and int() let "64" and 1.5 through (a TypeError mid-run, a
+        # fractional batch), inf and nan out as tracebacks
+        check_option_types(self, "controller")
         if self.write_policy not in WRITE_POLICIES:
             raise ConfigError(f"write_policy {self.write_policy!r} unknown; allowed: {list(WRITE_POLICIES)}")
         if self.prefetch_policy not in PREFETCH_POLICIES:
@@ -109,12 +113,8 @@ class ControllerConfig:
             "prefetch_batch_pages", "max_inflight_prefetch_tokens", "max_concurrent_prefetches",
             "write_through_threshold", "storage_health_errors",
         )
-        # checked for their type too: a replay's [controller] table and a vLLM connector's options
-        # arrive as written, and int() let "64" and 1.5 through (a TypeError mid-run, a fractional
-        # batch), inf and nan out as tracebacks; a nan limit compared false and ran silently
-        counts = {f.name for f in dataclasses.fields(self) if f.type in ("int", "int | None")}
         for name in positive:
-            if not _is_number(getattr(self, name), name in counts) or getattr(self, name) <= 0:
+            if not getattr(self, name) > 0:  # (types checked first: nan is refused here too)
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)!r}")
         non_negative = (
             "storage_max_retries", "storage_retry_base_s", "storage_retry_max_s", "prefetch_threshold",
@@ -123,7 +123,7 @@ class ControllerConfig:
             "io_thread_nice", "storage_hop_bytes", "storage_stall_s", "storage_probe_base_s", "storage_probe_max_s",
         )
         for name in non_negative:
-            if not _is_number(getattr(self, name), name in counts) or getattr(self, name) < 0:
+            if not getattr(self, name) >= 0:
                 raise ConfigError(f"{name} must not be negative, got {getattr(self, name)!r}")
         # 0 (or NaN) is a limit no storage call can meet: every call would time out and mark the
         # store down before it was even made (and, before this check, the controller's wait loop
@@ -141,10 +141,3 @@ class ControllerConfig:
     def from_dict(cls, data: dict[str, Any]) -> ControllerConfig:
         return options_from_dict(cls, data, "controller")
 
-
-def _is_number(value: Any, integer: bool) -> bool:
-    """Whether ``value`` is an integer (``integer``) or a number that is not nan; ``True`` is
-    neither (a bool is an int to Python, and ``true`` a count of 1 to nobody)."""
-    if isinstance(value, bool):
-        return False
-    return isinstance(value, int) if integer else isinstance(value, (int, float)) and not math.isnan(value)
