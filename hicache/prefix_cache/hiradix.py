@@ -186,6 +186,7 @@ class HiRadixCache(RadixCache):
         #: device nodes whose backup found no host room or a full queue, oldest first
         self._deferred: dict[TreeNode, bool] = {}  # node -> keep it on device meanwhile
         self._close_begun = False  # aclose() ran its steps before the controller's close
+        self._close_cancelled_prefetches = 0  # the prefetches those steps cancelled (the report's)
         #: device nodes whose host copy became redundant (storage holds it too), oldest first
         self._sheddable: dict[TreeNode, None] = {}
         #: nodes whose storage write landed short (failed, refused, skipped while the store was
@@ -1215,13 +1216,15 @@ class HiRadixCache(RadixCache):
         deferred backups, the undeleted storage pages) exists only here."""
         if not self._close_begun:
             self._close_begun = True
-            self.prefetches.close()
+            self._close_cancelled_prefetches = self.prefetches.close()
             self.storage_writes.unsubscribe()
             self._start_backups()  # drained by the close, or reported
             self._offer_refused_writes()  # as is each write the queue refused (re-offered as it drains)
             self._retry_deferred()
             self.storage_writes.send_doomed()
         report = await self.controller.aclose(timeout)
+        if isinstance(report, CloseReport):  # cancelled above: the controller found none left
+            report.cancelled_prefetches += self._close_cancelled_prefetches
         # backups still waiting for host room: only the tree knows them, so the tree reports
         # them (committed KV that reached no tier below the device is never lost silently;
         # a node storage holds lost nothing)

@@ -91,10 +91,15 @@ class Prefetches:
         self.running = {}
         self.held = {}
 
-    def close(self) -> None:
-        """Cancel every prefetch and release every hold (the cache closes)."""
-        for rid in list(self.running) + list(self.held):
-            self.cancel_prefetch(rid)
+    def close(self) -> int:
+        """Cancel every prefetch and release every hold (the cache closes); returns how many
+        prefetches were cancelled. Why counted here: the close report's
+        ``cancelled_prefetches`` was the controller's count, and its close ran after this one,
+        when no prefetch was left to count (0 however many were reading)."""
+        cancelled = sum(self._abort(rid, state) for rid, state in list(self.running.items()))
+        for rid in list(self.held):
+            self.release_prefetched(rid)
+        return cancelled
 
     def prefetch_from_storage(
         self,
@@ -160,12 +165,14 @@ class Prefetches:
             self._abort(req_id, state)
         self.release_prefetched(req_id, holder)
 
-    def _abort(self, req_id: str, state: Prefetch) -> None:
-        """Abort the running prefetch ``state`` of ``req_id``: host pages, anchor and pins."""
-        self.cache.controller.abort_prefetch(req_id)
+    def _abort(self, req_id: str, state: Prefetch) -> bool:
+        """Abort the running prefetch ``state`` of ``req_id``: host pages, anchor and pins;
+        whether the controller still had its op (not yet taken) to cancel."""
+        cancelled = self.cache.controller.abort_prefetch(req_id)
         del self.running[req_id]
         self.cache._dec_host_ref(state.anchor)
         self._unpin(state)
+        return cancelled
 
     def drop_for_room(self, node: TreeNode) -> bool:
         """Abort the running prefetches that continue from ``node`` or from a node below it,

@@ -1134,3 +1134,31 @@ async def test_an_abort_before_the_admit_task_ran_leaves_nothing_locked(where: s
         await task
     assert req.last_node is None and not cache.is_admitted(req)
     await nothing_held_then_close(stack)
+
+
+async def test_the_close_report_counts_the_prefetches_the_cache_close_cancelled() -> None:
+    """A request's prefetch is still reading (its store slow) when the cache closes. The
+    cache cancelled its prefetches before the controller's close counted them, so the report
+    said ``cancelled_prefetches=0`` for every cache close, whatever was in flight."""
+    a = toks(0, 8)
+    store = await _memory_store_holding(a, "close-prefetch")
+    stack = build_stack(dataclasses.replace(cfg(), storage_backend="memory", storage_options={"store_id": store}))
+    cache = stack.cache
+    gate = threading.Event()
+    real_get = stack.storage.batch_get_v2
+
+    async def slow_get(transfers, *args, **kwargs):  # type: ignore[no-untyped-def]
+        await asyncio.get_running_loop().run_in_executor(None, gate.wait, 10)
+        return await real_get(transfers, *args, **kwargs)
+
+    stack.storage.batch_get_v2 = slow_get  # type: ignore[method-assign]
+    req = Req(rid="r", origin_input_ids=a)
+    cache.match_req(req)
+    assert cache.start_prefetch(req)
+    op = stack.controller.prefetch_op("r")
+    await eventually(lambda: op.found_pages == 2)  # reading now
+    closing = asyncio.ensure_future(stack.aclose())
+    await asyncio.sleep(0.05)
+    gate.set()
+    report = await asyncio.wait_for(closing, 10)
+    assert report.cancelled_prefetches == 1
