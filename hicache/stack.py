@@ -29,6 +29,7 @@ from hicache.memory import (
     ReqToTokenPool,
     device_for,
 )
+from hicache.memory.host_alloc import units_of_ratio
 from hicache.memory.layouts import PAGE_FORMAT
 from hicache.observability.attribution import Attributor
 from hicache.observability.attribution_flow import TreeAttribution
@@ -325,13 +326,11 @@ def stack_config_from(config: Any) -> StackConfig:
     probe = StackConfig(page_size=ps, layer_num=m.num_layers, head_num=m.num_kv_heads, head_dim=m.head_dim,
                         dtype=m.kv_dtype, attention=m.attention, kv_lora_rank=m.kv_lora_rank,
                         qk_rope_head_dim=m.qk_rope_head_dim)
-    # a ratio's product is rounded to 6 places before the floor: int(100 * 0.29) is 28, since the
-    # float product is 28.999999999999996, and a ratio naming whole pages lost one of them
     if not h.size_bytes and not math.isfinite(device_pages * h.ratio):
         # a finite ratio whose product is not (1e308): math.floor(inf) was an OverflowError
         raise ConfigError(f"host: host.ratio ({h.ratio:g}) of {device_pages} device pages is more pages than can be "
                           "counted; size the host pool with a ratio of a few, or with host.size_bytes")
-    host_pages = (h.size_bytes // probe.page_nbytes) if h.size_bytes else math.floor(round(device_pages * h.ratio, 6))
+    host_pages = (h.size_bytes // probe.page_nbytes) if h.size_bytes else units_of_ratio(device_pages, h.ratio)
     if host_pages <= 0:
         # named by what sized it: with ratio the message read "None bytes hold no page"
         given = (f"host.size_bytes ({h.size_bytes})" if h.size_bytes else

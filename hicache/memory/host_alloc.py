@@ -8,10 +8,18 @@ limits on locked memory.
 from __future__ import annotations
 
 import logging
+import math
 
 import torch
 
-__all__ = ["resolve_host_units", "alloc_host_bytes", "want_pinned", "available_host_memory", "pinned_footprint"]
+__all__ = [
+    "resolve_host_units",
+    "alloc_host_bytes",
+    "want_pinned",
+    "available_host_memory",
+    "pinned_footprint",
+    "units_of_ratio",
+]
 
 logger = logging.getLogger("hicache.memory")
 
@@ -28,6 +36,13 @@ def available_host_memory() -> int | None:
     except (OSError, ValueError, IndexError):
         return None
     return None
+
+
+def units_of_ratio(device_units: int, ratio: float) -> int:
+    """Whole units in ``device_units * ratio``. The product is rounded to 6 places before the
+    floor: in floats ``100 * 0.29`` is 28.999999999999996, and a ratio naming 29 of 100 pages
+    lost one of them."""
+    return math.floor(round(device_units * ratio, 6))
 
 
 def resolve_host_units(
@@ -57,7 +72,7 @@ def resolve_host_units(
         ratio = DEFAULT_HOST_TO_DEVICE_RATIO if host_to_device_ratio is None else float(host_to_device_ratio)
         if ratio <= 0:
             raise ValueError(f"{what}: host_to_device_ratio must be positive, got {ratio}")
-        units = int(device_units * ratio)
+        units = units_of_ratio(device_units, ratio)
     if units < 1:
         raise ValueError(
             f"{what}: host pool would hold no page (one page is {unit_nbytes} bytes; "

@@ -88,6 +88,18 @@ def test_host_sizing_bytes_and_ratio():
     assert h.pin_memory == torch.cuda.is_available()
 
 
+@pytest.mark.parametrize("ratio", [0.29, 0.57, 1.13])
+def test_a_ratio_naming_whole_pages_sizes_the_host_pool_to_all_of_them(ratio):
+    """``100 * 0.29`` is 28.999999999999996 in floats: a host pool sized by a ratio that names
+    29 of 100 device pages got 28 (KV and Mamba pools alike), one page short of what was asked,
+    where a config's ``host.ratio`` gives all of them."""
+    want = round(100 * ratio)
+    dev = MHATokenToKVPool(100 * 4, 4, torch.float16, head_num=1, head_dim=8, layer_num=1, device="cpu")
+    assert MHATokenToKVPoolHost(dev, host_to_device_ratio=ratio, page_size=4).num_pages == want
+    state = MambaStatePool(100, {"ssm": (4,)}, torch.float32, "cpu")
+    assert MambaHostPool(state, host_to_device_ratio=ratio).size == want
+
+
 def test_host_validation():
     dev = MHATokenToKVPool(16, 4, torch.float16, head_num=2, head_dim=4, layer_num=2, device="cpu")
     with pytest.raises(ValueError, match="not both"):
