@@ -65,6 +65,8 @@ def as_index_array(indices: IndexLike, *, what: str = "indices") -> np.ndarray:
         if indices.is_floating_point() or indices.is_complex() or indices.dtype == torch.bool:
             raise TypeError(f"{what} must be an integer tensor, got {indices.dtype}")
         arr = integer_tensor_array(indices)
+    elif isinstance(indices, bool):  # an int to Python: free(True) freed slot 1
+        raise TypeError(f"{what} must be integers, got a bool")
     elif isinstance(indices, (int, np.integer)):
         arr = np.asarray([int(indices)], dtype=np.int64)
     else:

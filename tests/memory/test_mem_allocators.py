@@ -90,6 +90,20 @@ def test_float_indices_rejected():
         a.free(torch.tensor([0.0, 1.0]))
 
 
+@pytest.mark.parametrize("page_size", [1, 2])
+def test_a_bool_is_no_slot(page_size):
+    """``True`` is an int in Python: ``free(True)`` freed slot 1 (another request's, page size
+    1: the Mamba state pool's) where ``free([True])`` and a bool tensor are refused."""
+    a = PagedTokenAllocator(16, page_size)
+    a.alloc(16)
+    for bad in (True, False):
+        with pytest.raises(TypeError, match="bool"):
+            a.free(bad)
+        with pytest.raises(TypeError, match="bool"):
+            pages_of(bad, page_size, 16)
+    assert a.available_size() == 0 and a.is_allocated(torch.arange(16))
+
+
 def test_reserved_padding_page():
     a = PagedTokenAllocator(16, 4, reserve_first_page=True)
     assert a.available_size() == 12 and a.capacity == 12
