@@ -230,6 +230,7 @@ class CopyEngine:
         )
         self._closed = False
         self._lock = threading.Lock()
+        self._close_done = threading.Event()  # set once the first close() has finished
         # CPU: a second copy thread, started on first use, that copies half of a step of big
         # scattered units (see ``prefers_unitwise_split``)
         self._split_ok: bool = not self.is_cuda and (os.cpu_count() or 1) >= 2
@@ -271,11 +272,22 @@ class CopyEngine:
 
     # -- lifecycle
     def close(self) -> None:
-        """Finish queued copies and release the owned executor. Idempotent."""
+        """Finish queued copies and release the owned executor. Idempotent: a close while
+        another thread's is still draining returns when that one is done, so no caller gets
+        back from a close with a copy still writing into its pages."""
         with self._lock:
-            if self._closed:
-                return
+            closing = self._closed
             self._closed = True
+        if closing:
+            self._close_done.wait()
+            return
+        try:
+            self._drain()
+        finally:
+            self._close_done.set()
+
+    def _drain(self) -> None:
+        """Wait for the queued copies and stop the copy threads (the first close's work)."""
         if self._owns_executor:
             self._executor.shutdown(wait=True)
         else:  # a shared executor outlives the engine: its queued copies must still land first

@@ -322,6 +322,38 @@ def test_a_close_racing_a_submit_waits_for_that_copy(pools, shared):
             executor.shutdown()
 
 
+@pytest.mark.parametrize("shared", [True, False], ids=["shared-executor", "own-executor"])
+def test_a_second_close_returns_only_when_the_queued_copies_landed(pools, shared):
+    """``close()`` finishes queued copies, for every caller: a close while another thread's
+    close was still draining returned at once (the engine was already marked closed), with a
+    load still writing device pages its caller then freed or reused."""
+    src, dst, host = pools(layers=3)
+    gate = threading.Event()
+
+    class Gated(CopyEngine):
+        def _load_layer(self, plan, layer):  # type: ignore[no-untyped-def]
+            assert gate.wait(10)
+            super()._load_layer(plan, layer)
+
+    executor = concurrent.futures.ThreadPoolExecutor(max_workers=1) if shared else None
+    eng = Gated(dst, host, executor=executor, inline_max_bytes=0)
+    try:
+        handle = eng.load(token_idx([0, 1], 4), token_idx([2, 3], 4))
+        first = threading.Thread(target=eng.close)
+        first.start()
+        deadline = time.monotonic() + 5
+        while not eng._closed and time.monotonic() < deadline:  # the first close is draining
+            time.sleep(0.001)
+        threading.Timer(0.2, gate.set).start()
+        eng.close()
+        assert handle.counter.ended()  # landed before the second close returned
+        first.join(5)
+    finally:
+        gate.set()
+        if executor is not None:
+            executor.shutdown()
+
+
 def test_geometry_mismatch_rejected(device_pool_factory, host_pool_factory):
     a = device_pool_factory("mha", size=16, page_size=4, layers=2)
     b = device_pool_factory("mha", size=16, page_size=4, layers=3)
