@@ -33,12 +33,19 @@ from typing import Any, Literal
 import aiohttp
 
 from hicache.bench_args import non_negative_int, positive_int
+from hicache.errors import HiCacheError
 
-__all__ = ["RequestRecord", "Workload", "conversation_turn_tokens", "main", "run_load", "run_load_sync", "summarize"]
+__all__ = ["LoadError", "RequestRecord", "Workload", "conversation_turn_tokens", "main", "run_load", "run_load_sync",
+           "summarize"]
 
 logger = logging.getLogger("hicache.server")
 
 Verify = Literal["none", "server", "client"]
+
+
+class LoadError(HiCacheError, RuntimeError):
+    """The load could not start: the server refused its warm-up request (the message says how;
+    a HiCacheError, so ``hicache demo`` says it in one line too)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -242,6 +249,21 @@ async def _verify_client(http: aiohttp.ClientSession, url: str, records: list[Re
     await asyncio.to_thread(check)
 
 
+async def _warm_up(http: aiohttp.ClientSession, url: str, system: list[int], tag: str) -> None:
+    """Send the system prompt once before the load. A refusal (a prompt past the server's
+    context, a vocabulary its model lacks, a 503) is a :class:`LoadError` naming it: raised as
+    the bare ``RuntimeError`` of :func:`_post` it ended the CLI in a traceback, though the same
+    refusal of any later request is a record in the report. An unreachable server stays an
+    ``aiohttp.ClientError``."""
+    warm = RequestRecord(client=-1, turn=-1, prompt=system)
+    try:
+        await _post(http, url, {"tokens": system, "max_new_tokens": 1, "stream": False, "rid": f"{tag}-warmup"},
+                    warm, False)
+    except (RuntimeError, asyncio.TimeoutError) as exc:
+        raise LoadError(f"the warm-up request ({len(system)}-token system prompt) failed: "
+                        f"{str(exc) or type(exc).__name__}") from exc
+
+
 async def run_load(
     url: str,
     workload: Workload | None = None,
@@ -258,9 +280,7 @@ async def run_load(
     timeout = aiohttp.ClientTimeout(total=timeout_s)
     async with aiohttp.ClientSession(timeout=timeout) as http:
         if w.warmup and system:
-            warm = RequestRecord(client=-1, turn=-1, prompt=system)
-            await _post(http, url, {"tokens": system, "max_new_tokens": 1, "stream": False, "rid": f"{tag}-warmup"},
-                        warm, False)
+            await _warm_up(http, url, system, tag)
         t0 = time.perf_counter()
         per_client = await asyncio.gather(
             *(_conversation(http, url, w, c, system, verify, tag) for c in range(w.clients))
@@ -308,6 +328,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         report = run_load_sync(args.url, w, verify=args.verify)
     except aiohttp.ClientError as exc:
         print(json.dumps({"error": f"cannot reach {args.url}: {exc}"}), file=sys.stderr)
+        return 2
+    except LoadError as exc:
+        print(json.dumps({"error": str(exc)}), file=sys.stderr)
         return 2
     if not args.records:
         report.pop("records")

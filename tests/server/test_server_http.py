@@ -187,3 +187,20 @@ async def test_a_text_answer_shows_tokens_that_are_no_byte_as_the_replacement_ch
     assert wide, out["tokens"]  # (the seeded model answers some)
     assert out["text"].count("?") == out["tokens"].count(ord("?")), out  # only a real "?" reads as one
     assert out["text"].count("\ufffd") >= len(wide), out
+
+
+async def test_loadgen_names_a_refused_warmup_instead_of_a_traceback(capsys: pytest.CaptureFixture[str]) -> None:
+    """``scripts/loadgen.py`` against a server that refuses its warm-up (a system prompt past
+    the server's context, a vocabulary the server's model lacks) ended in a RuntimeError
+    traceback, though the same refusal of a later request is a record in the report. It is a
+    one-line JSON error naming the refusal, exit status 2, as an unreachable server is."""
+    from hicache.server.loadgen import main as loadgen_main
+
+    async with running_server(small_config(), mode="recompute", port=0) as srv:
+        rc = await asyncio.to_thread(loadgen_main, ["--url", srv.url, "--system-tokens", "3000",
+                                                    "--clients", "1", "--turns", "1"])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    error = json.loads(err)["error"]
+    assert "warm-up" in error and "HTTP 400" in error and "context limit" in error
