@@ -29,6 +29,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
+from urllib.parse import quote
 
 import aiohttp
 
@@ -145,9 +146,10 @@ async def _release_session(http: aiohttp.ClientSession, url: str, session: str, 
     timeout the server may still be running the turn; it queues the release behind the
     session's pending turns, so the release applies after it, in order. A failed release is
     recorded (``session_released=False``, counted in the summary) and logged, never raised:
-    the run's result is the turns'."""
+    the run's result is the turns'. The id is quoted as one path segment: sent as it was, a ``/``,
+    ``?``, ``#`` or space of a run tag sent the release elsewhere, and its 404 read as ended."""
     try:
-        async with http.post(f"{url}/v1/sessions/{session}/release") as resp:
+        async with http.post(f"{url}/v1/sessions/{quote(session, safe='')}/release") as resp:
             if resp.status not in (200, 404):
                 raise RuntimeError(f"HTTP {resp.status}: {(await resp.text())[:300]}")
         record.session_released = True

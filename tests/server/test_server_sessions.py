@@ -398,3 +398,21 @@ async def test_loadgen_releases_the_session_of_a_conversation_cut_short() -> Non
         s = report["summary"]
         assert (s["requests"], s["errors"], s["session_release_failures"]) == (2 + 2 + 3, 2, 0), s
         assert [r["session_released"] for r in report["records"] if r["error"]] == [True, True]
+
+
+@requires_facade
+async def test_loadgen_releases_a_session_whose_id_is_no_plain_path_segment() -> None:
+    """loadgen put the session id into the release URL as it was: a run tag with ``/``, ``?``,
+    ``#`` or a space (``run_load(run_tag=...)``) sent the release to another path, whose 404
+    loadgen takes for "already ended", so the session stayed open while its record said it was
+    released. The id is quoted as one path segment now."""
+    from hicache.server.loadgen import Workload, run_load
+
+    # the second turn (66 tokens with its answer) passes the 64-token context: a real 400
+    async with running_server(small_config(device={"max_context_len": 64}), mode="hicache", port=0) as srv:
+        sessions = srv.state.cache.cache  # type: ignore[attr-defined]
+        w = Workload(clients=1, turns=3, system_tokens=32, user_tokens=16, max_new_tokens=2, warmup=False)
+        report = await run_load(srv.url, w, run_tag="team/a b?x#1")
+        assert [r["error"] is not None for r in report["records"]] == [False, True]
+        assert report["records"][1]["session_released"] is True
+        _nothing_held(sessions)
