@@ -70,6 +70,34 @@ async def test_hostile_bodies_are_400_with_one_log_line(raw: bytes, words: str, 
             assert resp.status == 200  # and the server goes on serving
 
 
+@pytest.mark.parametrize(
+    "body, field",
+    [
+        ({"tokens": [1], **{f"k{i}": 1 for i in range(100_000)}}, "unknown field"),
+        ({"tokens": [1], "x" * 1_000_000: 1}, "unknown field"),
+        ({"tokens": [1], "max_new_tokens": "9" * 1_000_000}, "max_new_tokens"),
+        ({"tokens": [1], "stream": "y" * 1_000_000}, "stream"),
+    ],
+    ids=["100k-unknown-fields", "megabyte-field-name", "megabyte-max-new-tokens", "megabyte-flag"],
+)
+async def test_an_error_quotes_a_bounded_part_of_what_the_client_sent(
+        body: dict, field: str, caplog: pytest.LogCaptureFixture) -> None:  # type: ignore[type-arg]
+    """A 400 quoted the offending value or field names whole: a body of 100k unknown fields or a
+    megabyte string was echoed into a megabyte answer and a megabyte log line per request (any
+    client could flood the log it is meant to keep to one line). The quote is cut short, and
+    the message still names the field."""
+    caplog.set_level(logging.INFO)
+    async with running_server(small_config(), mode="recompute", port=0) as srv, aiohttp.ClientSession() as http:
+        caplog.clear()
+        async with http.post(f"{srv.url}/v1/generate", data=json.dumps(body),
+                             headers={"Content-Type": "application/json"}) as resp:
+            assert resp.status == 400
+            error = (await resp.json())["error"]
+        assert field in error and len(error) < 1024, error[:2000]
+        lines = [r.getMessage() for r in caplog.records if "bad request" in r.getMessage()]
+        assert len(lines) == 1 and len(lines[0]) < 1024
+
+
 async def test_clients_that_hang_up_while_queued_are_not_generated_for() -> None:
     cfg = small_config(server={"max_batch": 1})
     async with running_server(cfg, mode="recompute", port=0) as srv, aiohttp.ClientSession() as http:
