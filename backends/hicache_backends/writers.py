@@ -13,11 +13,12 @@ its age alone.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import time
 
 __all__ = ["MACHINE", "MACHINE_HEX", "STALE_TMP_SECONDS", "machine_id", "parse_machine", "pid_alive",
-           "tmp_abandoned", "writer_gone"]
+           "remove_if_abandoned", "tmp_abandoned", "writer_gone"]
 
 #: a temporary file older than this is garbage whoever wrote it (no write takes an hour)
 STALE_TMP_SECONDS = 3600.0
@@ -85,3 +86,19 @@ def tmp_abandoned(path: str, pid: int, machine: int | None, stale_seconds: float
         return True
     age = (time.time() if now is None else now) - os.stat(path, follow_symlinks=False).st_mtime
     return age > stale_seconds
+
+
+def remove_if_abandoned(path: str, pid: int, machine: int | None) -> bool:
+    """Unlink the temporary file at ``path``, written by ``pid`` of ``machine``, if it is
+    garbage (:func:`tmp_abandoned`): whether it was removed. Gone meanwhile (renamed into place,
+    removed by another sweep) is no error; another failure is logged, and the file left for
+    the next sweep. A link planted there: only the link goes."""
+    try:
+        if tmp_abandoned(path, pid, machine):
+            os.unlink(path)
+            return True
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        logging.getLogger("hicache.storage").warning("could not remove %s: %s", path, exc)
+    return False

@@ -205,6 +205,15 @@ async def _four_pages_with_a_peer(root, bound: int, page: int) -> AsyncIterator[
         yield store, peer
 
 
+def _flip_a_byte(root, store: FileStorage, keys: tuple[str, ...]) -> None:
+    """Flip one byte in the middle of each of ``keys``' page files: corrupt pages."""
+    for key in keys:
+        path = page_path(root, store.namespace.digest, key)
+        data = bytearray(Path(path).read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        Path(path).write_bytes(data)
+
+
 async def _settled_by_the_next_write(store: FileStorage, ledger: str) -> None:
     """A write of ``store`` takes the ledger's lock, which settles a dead process's marked
     bytes: the shared count is then what the namespace holds on disk."""
@@ -957,11 +966,7 @@ async def test_a_reader_killed_between_removing_a_corrupt_page_and_its_subtracti
     child = _killed_after("_discard", "s.get('k1', torch.empty(int(sys.argv[3]), dtype=torch.uint8))")
     async with _four_pages_with_a_peer(tmp_path, bound, page) as (store, peer):
         ledger = os.path.join(store.layout.ns_dir, LEDGER_NAME)
-        for key in ("k1", "k2"):
-            path = page_path(tmp_path, store.namespace.digest, key)
-            data = bytearray(Path(path).read_bytes())
-            data[len(data) // 2] ^= 0xFF  # a flipped byte: a read removes the page
-            Path(path).write_bytes(data)
+        _flip_a_byte(tmp_path, store, ("k1", "k2"))  # a read removes those pages
         # a live reader's removal leaves the count at once, not with its next write
         assert await within(peer.get("k2", torch.empty(page, dtype=torch.uint8))) is None
         on_disk = sum(p.stat().st_size for p in Path(store.layout.ns_dir).rglob("*.page"))
@@ -987,11 +992,7 @@ async def test_an_observer_killed_between_removing_a_corrupt_page_and_its_give_b
                           "import asyncio, os, sys, torch\nfrom hicache.storage.types import PageKey\n")
     async with _four_pages_with_a_peer(tmp_path, bound, page) as (store, peer):
         ledger = os.path.join(store.layout.ns_dir, LEDGER_NAME)
-        for key in ("k1", "k2"):
-            path = page_path(tmp_path, store.namespace.digest, key)
-            data = bytearray(Path(path).read_bytes())
-            data[len(data) // 2] ^= 0xFF  # a flipped byte: a verification removes the page
-            Path(path).write_bytes(data)
+        _flip_a_byte(tmp_path, store, ("k1", "k2"))  # a verification removes those pages
         # a live observer's removal leaves the count, and leaves no slot of its own behind
         async with FileStorage(None, root=str(tmp_path), namespace=NS_A, min_free_bytes=0, read_only=True) as observer:
             assert await within(observer.check_page(PageKey("k2", "kv"))) == "corrupt"

@@ -8,6 +8,7 @@ against a full recompute exactly, without a model.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import random
 from typing import Any
@@ -111,6 +112,19 @@ class Stack:
             assert self.host_pool.available_size() == self.host_pool.size
         assert self.cache.session_held_tokens() == 0
         assert self.cache.session_held_req_count() == 0
+
+    def hold_backups(self) -> asyncio.Event:
+        """Hold every device->host copy until the returned event is set (a wedged copy stream)."""
+        assert self.engine is not None
+        gate = asyncio.Event()
+        real = self.engine.backup
+
+        async def held(dev, host):  # type: ignore[no-untyped-def]
+            await gate.wait()
+            await real(dev, host)
+
+        self.engine.backup = held  # type: ignore[method-assign]
+        return gate
 
     async def aclose(self) -> None:
         await self.cache.aclose()

@@ -102,14 +102,7 @@ async def test_a_cancelled_close_counts_every_queued_write_back_and_the_gauge_re
     cut close sealed the queue with its entries still in it, so they were never counted
     (queued > done + lost + dropped for good) and ``writeback_pending`` stayed above 0."""
     st = make_stack(controller={"close_timeout_s": 30.0})
-    gate = asyncio.Event()
-    real = st.engine.backup
-
-    async def hung(dev, host):  # type: ignore[no-untyped-def]
-        await gate.wait()
-        await real(dev, host)
-
-    st.engine.backup = hung  # type: ignore[method-assign]
+    gate = st.hold_backups()
     for i in range(2):
         await Conversation(st, f"s{i}", seed=i).turn(20, 3)  # their copies hang
     closing = asyncio.ensure_future(st.cache.aclose())
@@ -134,14 +127,7 @@ async def test_reset_counts_the_queued_write_backs_it_forgets() -> None:
     """``reset()`` forgot the queued write-backs without counting them: queued stayed above
     done + lost + dropped for good."""
     st = make_stack()
-    gate = asyncio.Event()
-    real = st.engine.backup
-
-    async def hung(dev, host):  # type: ignore[no-untyped-def]
-        await gate.wait()
-        await real(dev, host)
-
-    st.engine.backup = hung  # type: ignore[method-assign]
+    gate = st.hold_backups()
     await Conversation(st, "A", seed=1).turn(20, 3)
     st.cache.release_session("A")
     assert len(st.cache.writeback) == 1

@@ -284,14 +284,7 @@ async def test_a_close_whose_write_back_copy_hangs_ends_within_the_close_timeout
     import time
 
     st = make_stack(controller={"close_timeout_s": 0.5})
-    gate = asyncio.Event()
-    real = st.engine.backup
-
-    async def hung(dev, host):  # type: ignore[no-untyped-def]
-        await gate.wait()
-        await real(dev, host)
-
-    st.engine.backup = hung  # type: ignore[method-assign]
+    gate = st.hold_backups()
     await Conversation(st, "A", seed=1).turn(20, 3)  # its KV is on device, its copy hangs
     t0 = time.monotonic()
     try:

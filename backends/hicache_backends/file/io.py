@@ -51,7 +51,9 @@ from hicache_backends.file.layout import (
     parse_tmp_name,
 )
 from hicache_backends.file.locks import create_in_place
-from hicache_backends.writers import MACHINE, MACHINE_HEX, STALE_TMP_SECONDS, parse_machine, pid_alive, tmp_abandoned
+from hicache_backends.writers import (
+    MACHINE, MACHINE_HEX, STALE_TMP_SECONDS, parse_machine, pid_alive, remove_if_abandoned, tmp_abandoned,
+)
 
 __all__ = [
     "Discard",
@@ -882,17 +884,8 @@ def remove_stale_manifest_tmps(layout: NamespaceLayout) -> int:
     removed = 0
     for name in names:
         writer = parse_manifest_tmp_name(name)
-        if writer is None:
-            continue
-        path = os.path.join(layout.ns_dir, name)
-        try:
-            if tmp_abandoned(path, *writer):
-                os.unlink(path)  # a link planted there: only the link goes
-                removed += 1
-        except FileNotFoundError:  # renamed into place, or removed by another sweep
-            continue
-        except OSError as exc:
-            logger.warning("could not remove %s: %s", path, exc)
+        if writer is not None and remove_if_abandoned(os.path.join(layout.ns_dir, name), *writer):
+            removed += 1
     return removed
 
 

@@ -32,7 +32,7 @@ from fsspec.implementations.memory import MemoryFileSystem
 
 from hicache.storage.offload import OFFLOAD_MIN_BYTES, run_to_completion
 from hicache_backends.s3.bodies import BodyBuffers
-from hicache_backends.writers import MACHINE_HEX, parse_machine, tmp_abandoned
+from hicache_backends.writers import MACHINE_HEX, parse_machine, remove_if_abandoned, tmp_abandoned
 
 if TYPE_CHECKING:  # botocore is there only with s3fs; the fsspec backend works without it
     from hicache_backends.s3.direct import Route
@@ -727,16 +727,9 @@ def remove_abandoned_tmps(folder: str, stop: threading.Event) -> int:
         if stop.is_set():
             break
         for name in names:
-            path = os.path.join(here, name)
-            if _tmp_writer(name) is None or _in_flight(path):
-                continue
-            try:
-                os.unlink(path)
+            writer = _tmp_writer(name)
+            if writer is not None and remove_if_abandoned(os.path.join(here, name), *writer):
                 removed += 1
-            except FileNotFoundError:  # renamed into place, or removed by another sweep
-                pass
-            except OSError as exc:
-                logger.warning("could not remove %s: %s", path, exc)
     return removed
 
 
