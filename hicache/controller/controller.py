@@ -225,6 +225,10 @@ class HiCacheController:
         #: the close task was cancelled: the rest of the close goes on, hurried (see _hurry)
         self._close_cancelled = False
         self._free_host: Callable[[torch.Tensor], None] = host_pool.free
+        #: the owner's count of the pages it meant for storage that are not there at close (see
+        #: set_unstored_count), and the keys close reported ``unwritten`` (that count leaves them out)
+        self._count_unstored: Callable[[set[str]], int] | None = None
+        self._unwritten_keys: set[str] = set()
         self._prefetcher: Prefetcher | None = None
         self.health = StorageHealth(
             errors_to_trip=self.config.storage_health_errors,
@@ -283,6 +287,15 @@ class HiCacheController:
     def set_host_free(self, free: Callable[[torch.Tensor], None]) -> None:
         """Route host-page frees through the cache (which keeps its own accounting)."""
         self._free_host = free
+
+    def set_unstored_count(self, count: Callable[[set[str]], int]) -> None:
+        """Let the close report's ``failed_storage_pages`` come from ``count(unwritten_keys)``:
+        the pages the owner meant for storage that are not there once the close has drained,
+        but for ``unwritten_keys`` (reported in ``unwritten``). Why: only the owner knows what
+        a later write landed (the tree offers a skipped or failed write again when the store
+        comes back); the controller's counters are lifetime totals, and summed as "never
+        written" they named pages storage held at close."""
+        self._count_unstored = count
 
     def start(self) -> None:
         """Create queues and workers on the running loop (called lazily on first use)."""
@@ -528,13 +541,7 @@ class HiCacheController:
         if stuck:
             await self._wait_tasks(1.0)
         self.state = ControllerState.CLOSED
-        counters = self.metrics.counters
-        report.failed_storage_pages = int(counters.get("storage_write_failures", 0) + counters.get(
-            "storage_write_skipped_unhealthy", 0) + counters.get("storage_write_dropped_pages", 0))
-        if report.failed_storage_pages:
-            logger.warning("controller close: %d page(s) meant for storage were never written there (writes "
-                           "failed, skipped while storage was down, or dropped from host before their turn)",
-                           report.failed_storage_pages)
+        self._count_failed_storage(report)
         if stuck:  # the stuck calls beside all else the close left (the report's fields are final now)
             logger.warning("controller %s", report.summary())
         try:
@@ -542,6 +549,32 @@ class HiCacheController:
         except asyncio.CancelledError:  # they left all the same (its finally): keep the report
             self._hurry("while its metrics closed")
         return report
+
+    def _count_failed_storage(self, report: CloseReport) -> None:
+        """Fill the report's storage failures: the lifetime total of the failure counters, and
+        the pages not in storage at close (the owner's count, see :meth:`set_unstored_count`;
+        without one, the lifetime total: nothing here offers a write again)."""
+        counters = self.metrics.counters
+        lifetime = int(counters.get("storage_write_failures", 0) + counters.get(
+            "storage_write_skipped_unhealthy", 0) + counters.get("storage_write_dropped_pages", 0))
+        report.lifetime_failed_storage_pages = lifetime
+        report.failed_storage_pages = lifetime
+        counted = False
+        if self._count_unstored is not None:
+            try:
+                report.failed_storage_pages = self._count_unstored(self._unwritten_keys)
+                counted = True
+            except Exception:  # noqa: BLE001 - the close goes on; the lifetime total stands in
+                logger.exception("controller close: counting the pages not in storage failed")
+        self._unwritten_keys = set()
+        if report.failed_storage_pages and counted:
+            logger.warning("controller close: %d page(s) meant for storage are not there (their writes failed, "
+                           "were skipped while storage was down or wait for their prefix's, and nothing wrote "
+                           "them since)", report.failed_storage_pages)
+        elif report.failed_storage_pages:
+            logger.warning("controller close: over its life, %d page(s) meant for storage were not written there "
+                           "(writes failed, skipped while storage was down, or dropped from host before their turn)",
+                           report.failed_storage_pages)
 
     def _hurry(self, where: str) -> None:
         """The close task was cancelled (asyncio.run's shutdown sweep, a caller's cleanup):
@@ -637,6 +670,7 @@ class HiCacheController:
                     first = job.keys[landed]
                     reason = "stuck" if job in stuck else "closed"
                     report.unwritten.append(UnwrittenBackup(first, pages, reason))
+                    self._unwritten_keys.update(job.keys[landed:])
                     self.metrics.incr("unwritten_on_close", pages)
                     logger.warning("controller close: %d page(s) from key %.16s... were not written to storage%s",
                                    pages, first, " (their write call is stuck; it may still land them)"

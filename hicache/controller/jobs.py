@@ -178,10 +178,18 @@ class CloseReport:
     unwritten: list[UnwrittenBackup] = dataclasses.field(default_factory=list)
     cancelled_prefetches: int = 0
     failed_device_backups: int = 0
-    #: pages whose storage write failed (retries spent), was skipped while storage was down,
-    #: or never started because host dropped the pages first (their prefix's write was still
-    #: in flight), over the controller's whole life: never "queued at close"
+    #: pages meant for storage that are not there when the cache closes, besides those in
+    #: ``unwritten`` (queued or in flight at close): their write failed (retries spent), was
+    #: skipped while storage was down and no re-offer landed it since, or never started (it
+    #: waits for its prefix's). Counted by the tree that holds them (see
+    #: ``HiCacheController.set_unstored_count``); a controller used alone, which never offers
+    #: a write again by itself, reports ``lifetime_failed_storage_pages``
     failed_storage_pages: int = 0
+    #: storage write pages that failed, were skipped while storage was down, or that host
+    #: dropped before their write could start, over the controller's whole life (the sum of
+    #: those counters): a page offered again counts at each skip, and one a later write
+    #: landed still counts, so this is a history, not what storage lacks at close
+    lifetime_failed_storage_pages: int = 0
     #: pages committed on device whose copy to host waited for host room and had not started
     #: when the cache closed (filled in by the tree, which alone holds those backups): written
     #: nowhere

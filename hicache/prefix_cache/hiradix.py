@@ -155,6 +155,7 @@ class HiRadixCache(RadixCache):
         controller.set_host_free(self._free_host)
         if storage is not None:
             controller.on_storage_up(self._offer_short_writes)
+            controller.set_unstored_count(self._unstored_pages)
         share = getattr(host_pool, "share_slots", None)
         if share is not None:
             share()  # host slot tensors are views of it (see _alloc_host): made now, not on a request
@@ -963,6 +964,24 @@ class HiRadixCache(RadixCache):
                 self._maybe_write_storage(n)
         if nodes:
             self.metrics.incr("storage_writes_reoffered", len(nodes))
+
+    def _unstored_pages(self, reported: set[str]) -> int:
+        """(At close.) Pages of the nodes on host that the placement wants in storage and
+        storage does not hold, but for ``reported`` (the close listed them unwritten): what the
+        close report names as never written there. Why from the nodes: a write skipped or
+        failed and re-offered since may have landed, and a child waiting for its prefix's write
+        never had one. Nodes without a host copy are left out: their backups are reported
+        apart (``deferred_backup_pages``, ``failed_device_backups``), and pages host dropped
+        are no longer the cache's to write (``storage_write_dropped_pages``, a lifetime total)."""
+        missing = 0
+        for node in self._nodes():
+            if node.host_value is None:
+                continue
+            want = self.placement.storage_pages(node)
+            if want <= node.storage_pages:
+                continue  # (asked first: a node's keys are hashed on first use, and most need none)
+            missing += sum(1 for key in node.hash_value[node.storage_pages : want] if key not in reported)
+        return missing
 
     def _prune_lists(self) -> None:
         """Forget listed nodes that left the tree or the device (amortized: the limit doubles

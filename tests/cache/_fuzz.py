@@ -552,4 +552,4 @@ class Fuzz:
         # every queued write drained, or what was not is reported
         assert report.drained or report.unwritten_pages or report.deferred_backup_pages, report
         skipped = counters.get("storage_write_skipped_unhealthy", 0) + counters.get("storage_write_failures", 0)
-        assert report.failed_storage_pages >= skipped, (report, skipped)
+        assert report.lifetime_failed_storage_pages >= skipped, (report, skipped)

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 import uuid
 
+import pytest
 from _hicache_faults import FaultyStorage
 from hicache.controller import ControllerConfig
+from hicache.prefix_cache import fast_page_hashes, namespace_seed
 from hicache.replay import StackConfig, build_stack, serve_request
 
 PS = 4
@@ -228,6 +231,79 @@ async def test_the_close_report_counts_pages_storage_never_got() -> None:
     report = await stack.aclose()
     assert report.drained and not report.unwritten
     assert report.failed_storage_pages == 2
+
+
+async def test_pages_a_reoffer_wrote_once_the_store_came_back_are_not_reported_as_never_written(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Pages whose write was skipped while the store was down, and that the re-offer wrote
+    once it came back, are in storage at close. The report summed lifetime counters and said
+    they were never written there (with a warning), a false alarm at every shutdown after an
+    outage; the lifetime total is kept apart, named as one."""
+    store = FaultyStorage(store_id=f"faulty-{uuid.uuid4()}")
+    cfg = StackConfig(page_size=PS, device_pages=16, host_pages=64, storage_backend=None,
+                      controller=ControllerConfig(prefetch_threshold=PS, storage_probe_base_s=0.01,
+                                                  storage_probe_max_s=0.02))
+    stack = build_stack(cfg, storage=store)
+    ctl = stack.controller
+    await serve_request(stack, list(range(8)), rid="a")
+    ctl.health.trip("test: the store went away")
+    await stack.cache.drain()  # the 2 pages' write is skipped: the store is down
+    for _ in range(200):  # the probe finds it back; the re-offer writes them
+        if ctl.health.up and ctl.metrics.counters["storage_writes_reoffered"]:
+            break
+        await asyncio.sleep(0.01)
+    await stack.cache.drain()
+    assert ctl.metrics.counters["storage_write_skipped_unhealthy"] == 2
+    keys = fast_page_hashes(list(range(8)), PS, namespace_seed(None))
+    assert (await store.batch_exists_v2(keys)).kv_hit_pages == 2
+    with caplog.at_level(logging.WARNING, logger="hicache"):
+        report = await stack.aclose()
+    assert report.drained and not report.unwritten
+    assert report.failed_storage_pages == 0, report
+    assert report.lifetime_failed_storage_pages == 2
+    assert "failed_storage_pages" not in report.summary()
+    assert not [r for r in caplog.records if "meant for storage" in r.getMessage()]
+
+
+async def test_the_close_report_counts_pages_still_out_of_storage_including_those_waiting_for_their_prefix() -> None:
+    """The store is down until the close: the prefix's page was skipped, and its child's 2
+    pages never had a write (a page is written only after its prefix). All 3 are missing from
+    storage at close; the lifetime counters count skips, not pages: the prefix's page once per
+    offer the store was down for (its second request offered it again), the child's never."""
+    store = FaultyStorage(store_id=f"faulty-{uuid.uuid4()}")
+    cfg = StackConfig(page_size=PS, device_pages=16, host_pages=64, storage_backend=None,
+                      controller=ControllerConfig(prefetch_threshold=PS, storage_probe_base_s=60.0,
+                                                  storage_probe_max_s=60.0))
+    stack = build_stack(cfg, storage=store)
+    ctl = stack.controller
+    ctl.health.trip("test: the store went away")
+    await serve_request(stack, list(range(PS)), rid="a")
+    await stack.cache.drain()
+    await serve_request(stack, list(range(3 * PS)), rid="ab", prefetch=False)
+    await stack.cache.drain()
+    report = await stack.aclose()
+    assert report.drained and not report.unwritten
+    assert report.failed_storage_pages == 3, report
+    assert report.lifetime_failed_storage_pages == ctl.metrics.counters["storage_write_skipped_unhealthy"] == 2
+    assert "failed_storage_pages=3" in report.summary()
+
+
+async def test_pages_listed_unwritten_at_close_are_not_counted_again_as_failed() -> None:
+    """The prefix's write hangs at close: its 2 pages are listed ``unwritten`` (stuck), and
+    only the child's 2, which waited for that write, are counted in ``failed_storage_pages``."""
+    store = FaultyStorage(store_id=f"faulty-{uuid.uuid4()}")
+    stack = make(store)
+    store.hang_now()
+    try:
+        await serve_request(stack, list(range(8)), rid="a")
+        await serve_request(stack, list(range(16)), rid="ab", prefetch=False)
+        await stack.controller.drain_backups()
+        report = await stack.aclose()
+    finally:
+        store.release()
+    assert not report.drained and report.unwritten_pages == 2, report
+    assert report.failed_storage_pages == 2, report
+    assert report.lifetime_failed_storage_pages == 0
 
 
 async def test_a_stack_whose_cache_close_fails_still_stops_its_copy_threads() -> None:
