@@ -184,6 +184,33 @@ async def test_memory_evictions_are_reported() -> None:
     assert removed == keys[:3]
 
 
+
+async def test_a_page_another_big_batch_evicts_meanwhile_is_never_left_stored() -> None:
+    """Batches of big pages (1 MiB and more: every real model's) are copied on threads. A batch
+    evicting a page that a concurrent batch had just put reported the removal from its thread,
+    before the other batch reported the page stored on the loop: a subscriber (a router) saw
+    REMOVED then STORED and held the page in storage for good. Half of the runs did."""
+    from hicache.storage.types import PageKey
+
+    for run in range(20):
+        a, b = keys_for(1, salt=100 + run), keys_for(2, salt=500 + run)
+        pool = ArrayHostPool(3, PAGE, token_elems=1 << 17)  # 1 MiB pages: written on threads
+        store = create_async_storage("memory", None, namespace=NS_A, max_bytes=2 * pool.page_nbytes)
+        store.register_mem_pool_host(pool)
+        view: set[str] = set()
+
+        def apply(change: TierChange, view: set[str] = view) -> None:
+            if change.kind is ChangeKind.STORED:
+                view.update(change.keys)
+            else:
+                view.difference_update(change.keys)
+
+        store.tier_changes.subscribe(apply)
+        async with store:
+            await asyncio.gather(store.batch_set_v1(a, pool.indices(0, 1)), store.batch_set_v1(b, pool.indices(1, 2)))
+            held = {k for k in a + b if store.medium.has(store._entry(PageKey(k, "kv")))}
+        assert view == held, f"run {run}: subscribers hold {len(view - held)} evicted page(s) as stored"
+
 def test_a_subscriber_that_raises_never_breaks_a_tier() -> None:
     stack = stack_for()
 

@@ -561,8 +561,28 @@ class MemoryStorage(AsyncHiCacheStorage):
         self, pages: Sequence[PageKey], buffers: Sequence[memoryview], parents: Sequence[PageKey | None]
     ) -> list[bool]:
         if sum(map(len, buffers)) >= OFFLOAD_MIN_BYTES:
-            return await run_to_completion(self._store, pages, buffers, parents)
+            return await self._store_offloaded(pages, buffers, parents)
         return self._store(pages, buffers, parents)
+
+    async def _store_offloaded(
+        self, pages: Sequence[PageKey], buffers: Sequence[memoryview], parents: Sequence[PageKey | None]
+    ) -> list[bool]:
+        """:meth:`_store` on a thread; what it evicted is reported back on the loop, and a page
+        another batch evicted meanwhile is not stored (``False``, no STORED for it).
+
+        Why: the STORED of a batch is reported on the loop once this returns (the base class),
+        while a concurrent batch on another thread may have evicted its pages in between.
+        Reported from that thread, the removal came before the STORED, and a subscriber (a
+        router) held the page stored for good. Checked and reported here, in one step of the
+        loop with that STORED, every removal follows the STORED of the page it removes."""
+        removals: list[Callable[[], None]] = []
+        try:
+            ok = await run_to_completion(self._store, pages, buffers, parents, removals)
+            held = self.medium.present(list(self._entries(pages[: len(ok)])))
+            return [done and now for done, now in zip(ok, held)]
+        finally:  # a cancelled caller too: the thread's evictions happened
+            for report in removals:
+                report()
 
     def _entries(self, pages: Sequence[PageKey]) -> Iterable[_Entry]:
         """The medium's entry of each page, built in C (a page key is a ``(key, pool)`` tuple):
@@ -572,13 +592,16 @@ class MemoryStorage(AsyncHiCacheStorage):
         return zip(repeat(self.namespace.digest), *zip(*pages))
 
     def _store(self, pages: Sequence[PageKey], buffers: Sequence[memoryview],
-               parents: Sequence[PageKey | None] | None = None) -> list[bool]:
+               parents: Sequence[PageKey | None] | None = None,
+               removals: list[Callable[[], None]] | None = None) -> list[bool]:
         """Store a batch; ``parents`` (the page before each) chain it: then it never evicts
         its own pages or what they chain from, and stores the leading pages that fit
         (:func:`put_in_order`). Pages refused for room are counted in
         ``rejected_pages_no_space``, and, since nothing this store may evict could make that
         room (a page bigger than the medium, ``oversized_pages``, or a chain longer than it),
-        in ``rejected_pages_beyond_capacity``: that tells a writer retrying them is useless."""
+        in ``rejected_pages_beyond_capacity``: that tells a writer retrying them is useless.
+        ``removals``: the reports of what it evicted are added there, not made (see
+        :meth:`_store_offloaded`)."""
         evicted = _Evictions()
         n = min(len(pages), len(buffers))
         entries = list(self._entries(pages[:n]))
@@ -605,7 +628,7 @@ class MemoryStorage(AsyncHiCacheStorage):
         if evicted:
             self.stats.incr("evicted_pages", len(evicted))
             self.stats.incr("evicted_bytes", evicted.nbytes)
-            self._settle_evictions(pages[:n], entries, ok, was, evicted)
+            self._settle_evictions(pages[:n], entries, ok, was, evicted, removals)
         if not all(ok):
             oversized = sum(1 for b, f in zip(buffers, ok) if not f and len(b) > medium.max_bytes)
             if oversized:
@@ -616,7 +639,8 @@ class MemoryStorage(AsyncHiCacheStorage):
         return ok
 
     def _settle_evictions(self, pages: Sequence[PageKey], entries: list[_Entry], ok: list[bool],
-                          was: list[bool] | None, evicted: list[_Entry]) -> None:
+                          was: list[bool] | None, evicted: list[_Entry],
+                          removals: list[Callable[[], None]] | None = None) -> None:
         """After a batch that evicted: a page of the batch it evicted again (a batch bigger than
         the medium) was not stored (``False``, and no STORED for it); the batch's pages held
         before and gone now, and older pages of ours it evicted, are reported REMOVED. A page
@@ -633,9 +657,16 @@ class MemoryStorage(AsyncHiCacheStorage):
             if was is not None and was[i] and not now[i]:
                 removed.append(page)  # it was reported stored before this batch
         removed = list(dict.fromkeys(removed))
-        if removed:
-            self.report_removed(removed, reason="evicted")
-        self._tell_sharers(evicted, removed)
+
+        def report() -> None:
+            if removed:
+                self.report_removed(removed, reason="evicted")
+            self._tell_sharers(evicted, removed)
+
+        if removals is None:
+            report()
+        else:
+            removals.append(report)
 
     def _tell_sharers(self, evicted: list[_Entry], ours: list[PageKey]) -> None:
         """Report to the other open stores on the medium the pages of theirs a write evicted
