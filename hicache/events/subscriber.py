@@ -103,8 +103,10 @@ class EventSubscriber:
         replay_timeout_s: float = 5.0,
         idle_timeout_s: float = 1.0,
     ) -> None:
-        if isinstance(idle_timeout_s, bool) or not isinstance(idle_timeout_s, int | float) or not idle_timeout_s > 0:
-            raise ValueError(f"idle_timeout_s must be a positive number of seconds, got {idle_timeout_s!r}")
+        # a negative replay timeout polled without limit: a silent publisher hung the consumer
+        for name, value in (("idle_timeout_s", idle_timeout_s), ("replay_timeout_s", replay_timeout_s)):
+            if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
+                raise ValueError(f"{name} must be a positive, finite number of seconds, got {value!r}")
         if start_seq is not None and (isinstance(start_seq, bool) or not isinstance(start_seq, int)
                                       or not 0 <= start_seq < (1 << 63) - 1):
             raise ValueError(f"start_seq must be an integer from 0 to 2**63 - 2, got {start_seq!r}")
@@ -119,7 +121,7 @@ class EventSubscriber:
         self._tail_due: float | None = None  # when to ask for batches lost at the tail (None: nothing to ask)
         self._sub = self._connect()
         self._replay: zmq.Socket | None = None
-        self._replay_timeout = replay_timeout_s
+        self._replay_timeout = float(replay_timeout_s)
         self.next_seq: int | None = start_seq
         self._last_live: int | None = None  # the last sequence seen on the live socket
         self._catch_up = start_seq is not None

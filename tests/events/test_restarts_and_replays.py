@@ -273,6 +273,17 @@ def test_replay_limits_are_validated() -> None:
             EventPublisher(None, **bad)
 
 
+
+def test_a_subscribers_timeouts_are_validated() -> None:
+    """``replay_timeout_s`` was taken unchecked: ``None`` raised a TypeError from inside
+    ``receive()`` at the first replay, and a negative one made every replay wait forever for a
+    publisher that does not answer (ZMQ polls without limit on a negative timeout); an infinite
+    one of either raised an OverflowError from inside ``receive()``."""
+    for name in ("replay_timeout_s", "idle_timeout_s"):
+        for bad in (None, -1.0, 0, True, float("nan"), float("inf")):
+            with pytest.raises(ValueError, match=name):
+                EventSubscriber("tcp://127.0.0.1:9", **{name: bad})
+
 # ---------------------------------------------------------------------------------- tail gaps
 # A gap was noticed only when a later batch arrived: batches lost at the end of a burst, or
 # published while the subscriber reconnected, were never fetched (``lost`` stayed 0 and the
