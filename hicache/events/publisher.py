@@ -237,7 +237,7 @@ class EventPublisher:
             if stream in self._streams:
                 self._streams = tuple(s for s in self._streams if s is not stream)
                 # its drops so far (a batch that raced its end marker is counted on the stream alone)
-                self.dropped_events += stream.dropped
+                self.dropped_events += stream.dropped_events
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
@@ -245,7 +245,7 @@ class EventPublisher:
                 "next_seq": self.next_seq,
                 "published_batches": self.published_batches,
                 "published_events": self.published_events,
-                "dropped_events": self.dropped_events + sum(s.dropped for s in self._streams),
+                "dropped_events": self.dropped_events + sum(s.dropped_events for s in self._streams),
                 "queued": self._queue.qsize(),
                 "replay_requests": self.replay_requests,
                 "replays_served": self.replays_served,

@@ -2,8 +2,9 @@
 
 Why per-consumer queues: one slow consumer must neither block the publisher thread nor make
 another consumer miss events. The publisher thread hands each batch to the consumer's event
-loop (``call_soon_threadsafe``); a full queue drops the batch and counts it (``dropped``), and
-the consumer sees the gap in the sequence numbers.
+loop (``call_soon_threadsafe``); a full queue drops the batch and counts it (``dropped``, and its
+events in ``dropped_events``, which the publisher's ``dropped_events`` adds up), and the
+consumer sees the gap in the sequence numbers.
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ class EventStream:
         self._sealed = False  # the end marker is queued (on the loop): a later batch is dropped
         self._lock = threading.Lock()
         self.dropped = 0
+        #: the events of the dropped batches (the unit of the publisher's ``dropped_events``)
+        self.dropped_events = 0
         self.delivered = 0
 
     @property
@@ -58,6 +61,7 @@ class EventStream:
         if self._sealed or self._queue.qsize() >= self._maxsize:
             with self._lock:
                 self.dropped += 1
+                self.dropped_events += len(item[1].events)
             return
         self._queue.put_nowait(item)
 
