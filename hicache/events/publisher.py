@@ -71,7 +71,7 @@ from hicache.errors import ConfigError
 from hicache.events.schema import KVEvent, KVEventBatch, encode_batch
 from hicache.events.stream import EventStream
 
-__all__ = ["END_SEQ", "RUN_PREFIX", "EventPublisher", "is_bind_endpoint", "parse_run_frame", "run_frame"]
+__all__ = ["END_SEQ", "RUN_PREFIX", "EventPublisher", "allow_ipv6", "is_bind_endpoint", "parse_run_frame", "run_frame"]
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +115,14 @@ def is_bind_endpoint(endpoint: str) -> bool:
     (a proxy in front of several replicas)."""
     return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://")) \
         or endpoint.startswith(("tcp://127.0.0.1:", "tcp://localhost:", "tcp://0.0.0.0:"))
+
+
+def allow_ipv6(sock: zmq.Socket, endpoint: str) -> None:
+    """Turn on ``sock``'s IPV6 option for an IPv6 address (``tcp://[::]:5557``), before it
+    binds or connects: without it ZMQ refuses one ("No such device"). vLLM's publisher does
+    the same."""
+    if endpoint.startswith("tcp://") and ":" in endpoint[len("tcp://"):].rpartition(":")[0]:
+        sock.setsockopt(zmq.IPV6, 1)
 
 
 class EventPublisher:
@@ -277,6 +285,7 @@ class EventPublisher:
                 pub = ctx.socket(zmq.PUB)
                 pub.setsockopt(zmq.SNDHWM, self._hwm)
                 pub.setsockopt(zmq.LINGER, 0)
+                allow_ipv6(pub, self.endpoint)
                 if is_bind_endpoint(self.endpoint):
                     pub.bind(self.endpoint)
                     self.endpoint = pub.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -287,6 +296,7 @@ class EventPublisher:
                 replay.setsockopt(zmq.LINGER, 0)
                 replay.setsockopt(zmq.SNDHWM, self._replay_hwm)  # bounded: see the module docstring
                 replay.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a full or gone consumer raises, never queues
+                allow_ipv6(replay, self.replay_endpoint)
                 replay.bind(self.replay_endpoint)
                 self.replay_endpoint = replay.getsockopt_string(zmq.LAST_ENDPOINT)
         except BaseException:

@@ -52,7 +52,7 @@ import msgspec
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from hicache.events.publisher import END_SEQ, parse_run_frame
+from hicache.events.publisher import END_SEQ, allow_ipv6, parse_run_frame
 from hicache.events.schema import KVEventBatch, decode_batch
 
 __all__ = ["EventSubscriber", "Received"]
@@ -149,6 +149,7 @@ class EventSubscriber:
             log.warning("kv events: no socket monitor (%s); restarts are told by sequence numbers only", exc)
             self._monitor = None
         self._connected = self._monitor is None  # without a monitor, assume a connection
+        allow_ipv6(sub, self.endpoint)
         sub.connect(self.endpoint)
         return sub
 
@@ -407,6 +408,7 @@ class EventSubscriber:
         if self._replay is None:
             self._replay = self._ctx.socket(zmq.DEALER)
             self._replay.setsockopt(zmq.LINGER, 0)
+            allow_ipv6(self._replay, self.replay_endpoint)
             self._replay.connect(self.replay_endpoint)
         replay = self._replay
         replay.send_multipart((b"", start.to_bytes(8, "big")))

@@ -336,6 +336,27 @@ def test_malformed_replay_requests_and_foreign_messages_are_survived() -> None:
     assert pub.close()["errors"] == 0
 
 
+def test_ipv6_endpoints_publish_and_replay() -> None:
+    """An IPv6 address (``tcp://[::]:5557``, which the bind rule names) failed the start with
+    "No such device", and a consumer could not connect to one: ZMQ takes IPv6 addresses only on
+    sockets with its IPV6 option, which vLLM's publisher sets and ours did not."""
+    import socket
+
+    import pytest
+
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+    except OSError:
+        pytest.skip("no IPv6 loopback here")
+    pub = EventPublisher("tcp://[::1]:0", "tcp://[::1]:0")
+    assert pub.endpoint.startswith("tcp://[::1]:")
+    pub.publish([stored(1)])
+    with EventSubscriber(pub.endpoint, pub.replay_endpoint, start_seq=0) as sub:
+        got = [r.seq for r in sub.receive(timeout_s=1.0)]
+        assert got == [0] and sub.lost == 0 and sub.run_id == pub.run_id
+    assert pub.close()["errors"] == 0
+
 def test_the_cli_names_a_bad_endpoint() -> None:
     out = subprocess.run([sys.executable, "-m", "hicache.cli", "events", "nonsense://x", "--timeout", "0.1"],
                          capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(REPO)), cwd=REPO)
