@@ -108,7 +108,7 @@ def decode_batch(payload: bytes) -> KVEventBatch:
 
 
 def event_to_dict(event: KVEvent) -> dict[str, Any]:
-    """A JSON-friendly dict of one event (hashes as hex when bytes), for ``hicache events --json``."""
+    """A JSON-friendly dict of one event (hashes and other bytes as hex), for ``hicache events --json``."""
     out: dict[str, Any] = {"type": type(event).__name__}
     for name in event.__struct_fields__:
         value = getattr(event, name)
@@ -116,9 +116,20 @@ def event_to_dict(event: KVEvent) -> dict[str, Any]:
             value = [_hash_text(h) for h in value]
         elif name == "parent_block_hash":
             value = None if value is None else _hash_text(value)
+        elif name == "extra_keys":  # vLLM's prompt-embeds digests are bytes
+            value = _plain(value)
         out[name] = value
     return out
 
 
 def _hash_text(h: BlockHash) -> str | int:
     return h.hex() if isinstance(h, bytes) else h
+
+
+def _plain(value: Any) -> Any:
+    """``value`` with every ``bytes`` in it as hex and tuples as lists: what JSON can write."""
+    if isinstance(value, bytes):
+        return value.hex()
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    return value

@@ -69,3 +69,20 @@ def test_changes_become_events_with_chained_parents() -> None:
     assert ev == BlockRemoved(block_hashes=[bytes.fromhex(keys[0])], medium="STORAGE")
     assert to_event(TierChange(ChangeKind.CLEARED, Tier.DEVICE)) == AllBlocksCleared(medium="GPU")
     assert to_event(TierChange(ChangeKind.REMOVED, Tier.DEVICE, ())) is None
+
+
+def test_the_json_form_of_a_vllm_event_with_prompt_embeds_digests() -> None:
+    """vLLM publishes each block's extra keys (LoRA name, ``(mm_identifier, offset)``, cache
+    salt, and the prompt-embeds digest, 32 bytes). ``hicache events --json`` reading vLLM's
+    publisher ended in a TypeError traceback ("bytes is not JSON serializable") at the first
+    request with prompt embeddings; digests are hex now, as block hashes are."""
+    import json
+
+    from hicache.events.schema import event_to_dict
+
+    digest = hashlib.sha256(b"embeds").digest()
+    ev = stored([b"\x01" * 32], extra_keys=[("lora-a", ("mm-1", 4), "salt", digest), None])
+    (back,) = decode_batch(encode_batch(KVEventBatch(ts=1.0, events=[ev]))).events
+    out = json.loads(json.dumps(event_to_dict(back)))
+    assert out["extra_keys"] == [["lora-a", ["mm-1", 4], "salt", digest.hex()], None]
+    assert out["block_hashes"] == ["01" * 32]
