@@ -41,10 +41,12 @@ def wait_for(cond: Callable[[], bool], within_s: float = 20.0) -> None:
 
 def publish_batches(pub: EventPublisher, n: int) -> None:
     """Publish ``n`` batches of one event each (``stored(0..n-1)``) and wait until all are out."""
+    start = pub.stats()["next_seq"]
     for i in range(n):
         pub.publish([stored(i)])
-        time.sleep(0.02)  # one event a batch: the thread takes each before the next
-    wait_for(lambda: pub.stats()["next_seq"] == n)
+        # one event a batch: the thread takes each before the next (publishes it finds queued
+        # together become one batch, as a slowed thread finds them)
+        wait_for(lambda i=i: pub.stats()["next_seq"] == start + i + 1)  # type: ignore[misc]
 
 
 def until_live(sub: EventSubscriber, pub: EventPublisher, first: int, work_s: float = 0.0) -> list[Received]:
@@ -436,8 +438,9 @@ def test_a_consumer_behind_when_the_publisher_restarts_keeps_both_runs_apart() -
     got.append(next(items))  # connected, run known
     for i in range(1, 30):  # the consumer is busy: these wait in its socket
         pub.publish([stored(i)])
-        time.sleep(0.005)
-    wait_for(lambda: pub.stats()["next_seq"] == 30)
+        # one batch each (the publisher takes what is queued together into one batch, as a
+        # slowed thread does with publishes a few ms apart)
+        wait_for(lambda i=i: pub.stats()["next_seq"] == i + 1)  # type: ignore[misc]
     time.sleep(0.1)
     pub.close()
     new = rebind(pub.endpoint, pub.replay_endpoint)
@@ -446,8 +449,7 @@ def test_a_consumer_behind_when_the_publisher_restarts_keeps_both_runs_apart() -
         time.sleep(0.5)  # the consumer's socket reconnects (its monitor tells) before it reads on
         for i in range(40):
             new.publish([stored(1000 + i)])
-            time.sleep(0.005)
-        wait_for(lambda: new.stats()["next_seq"] == 40)
+            wait_for(lambda i=i: new.stats()["next_seq"] == i + 1)  # type: ignore[misc]  # one batch each, as above
         for received in items:
             got.append(received)
             time.sleep(0.01)  # a slow consumer

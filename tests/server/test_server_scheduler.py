@@ -187,7 +187,8 @@ async def test_a_request_waiting_for_memory_is_served_before_newcomers_and_does_
     sched = Scheduler(engine, max_active=2, queue_size=20, max_memory_retries=0)  # type: ignore[arg-type]
     await sched.start()
     first = sched.submit(req("s0"))
-    await asyncio.sleep(0.005)  # s0 is running
+    while not engine.active:  # s0 is running (a fixed sleep could outlast its 20 ms on a busy machine)
+        await asyncio.sleep(0)
     big = sched.submit(req("big"))
     later = [sched.submit(req(f"s{i}")) for i in range(1, 6)]
     assert (await big.future).rid == "big"
@@ -205,7 +206,8 @@ async def test_waiting_behind_running_requests_is_bounded_in_time() -> None:
     sched = Scheduler(engine, max_active=2, queue_size=20, max_memory_retries=0, memory_wait_s=0.02, memory_wait_total_s=0.1)  # type: ignore[arg-type]
     await sched.start()
     first = sched.submit(req("s0"))
-    await asyncio.sleep(0.005)
+    while not engine.active:  # s0 is running
+        await asyncio.sleep(0)
     big = sched.submit(req("big"))
     after = sched.submit(req("s1"))
     with pytest.raises(OutOfKVSlotsError):
