@@ -229,9 +229,11 @@ class WriteBackQueue:
 
     async def drain(self, deadline: float | None = None) -> None:
         """Wait until every entry finished: copies complete (the tree's controller drains),
-        refused ones are retried up to the attempt limit. ``deadline`` (the loop's clock)
-        bounds the waits for copies and for host room; default :meth:`close_budget` from now.
-        Past it nothing is waited for: what still cannot finish is given up and reported."""
+        refused ones are retried up to the attempt limit. ``deadline`` (the loop's clock, a
+        close's) bounds the waits for copies and for host room: past it nothing is waited for,
+        and what still cannot finish is given up and reported. Without one (a plain drain, the
+        cache staying open) copies are waited for as long as they take, since one given up
+        then is counted lost though it lands, and host room up to :meth:`close_budget`."""
         # Only the host copies are followed here: wait for the device->host copies, not for
         # the storage writes queued behind them (a slow or hung backend would hold up a
         # session close, or aclose() past its close timeout; the controller's close bounds
@@ -239,6 +241,7 @@ class WriteBackQueue:
         # is full of pages those writes hold waits for the next to land (_wait_for_host_room).
         drain = getattr(self._tree, "drain_backups", None) or getattr(self._tree, "drain", None)
         loop = asyncio.get_running_loop()
+        bounded = deadline is not None
         if deadline is None:
             deadline = loop.time() + self.close_budget()
         idle = 0
@@ -250,7 +253,9 @@ class WriteBackQueue:
             if drain is None:
                 return
             before = [(e.attempts, e.submits, e.started) for e in self._entries]
-            if not late:
+            if not bounded:
+                await drain()
+            elif not late:
                 # bounded as the controller's own close is: a copy that never returns (a wedged
                 # copy stream) held aclose() for good, its close timeout never reached
                 try:

@@ -298,3 +298,19 @@ async def test_a_close_whose_write_back_copy_hangs_ends_within_the_close_timeout
     assert not st.cache.slots and len(st.cache.writeback) == 0
     assert m["writeback_queued"] == 1 and m["writeback_lost"] + m["writeback_dropped"] == 1, m  # reported
     await st.engine.aclose()
+
+
+async def test_a_plain_drain_waits_for_a_copy_slower_than_the_close_timeout() -> None:
+    """Only a close bounds the wait for copies: a drain while the cache stays open
+    (``drain_writeback()``, the replay's ``drain()``) that gave a copy up at ``close_timeout_s``
+    counted it lost though it landed a moment later."""
+    st = make_stack(controller={"close_timeout_s": 0.2})
+    gate = st.hold_backups()
+    await Conversation(st, "A", seed=1).turn(20, 3)
+    st.cache.release_session("A")
+    asyncio.get_running_loop().call_later(0.5, gate.set)  # the copy lands after the close timeout
+    await asyncio.wait_for(st.cache.drain_writeback(), 10)
+    m = st.cache.metrics()
+    assert len(st.cache.writeback) == 0
+    assert m["writeback_queued"] == 1 and m["writeback_done"] == 1 and m["writeback_lost"] == 0, m
+    await st.aclose()
