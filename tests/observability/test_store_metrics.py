@@ -123,3 +123,31 @@ async def test_evictions_on_a_shared_memory_medium_sum_to_the_mediums_over_cache
         for owner in owners:
             owner.close()
         MemoryMedium.drop_shared(sid)
+
+
+async def test_private_memory_stores_each_count_in_the_dashboards_per_store_figure() -> None:
+    """The dashboard's storage panel counts a store once per server, ``sum(max by (instance,
+    store) (hicache_backend_stored_bytes))``, and the README says ``store`` names the medium.
+    Private memory stores (no ``store_id``) all carried ``store=""``: the max took one of them,
+    so two caches with a private medium each showed as one (TP ranks on one server, half the
+    pages). Each private medium now has a ``store`` of its own."""
+    import torch
+
+    stores = [create_async_storage("memory", None, namespace={"model": m}) for m in ("a", "b")]
+    owners = [InstanceMetrics() for _ in stores]
+    try:
+        async with stores[0], stores[1]:
+            for i, store in enumerate(stores):
+                assert await store.batch_set([f"p{i}"], [torch.zeros(1000, dtype=torch.uint8)])
+            for owner, store in zip(owners, stores):
+                _export_storage(owner, store)
+            scrape = Scrape(exposition_text())
+            mine = [s for s in scrape.select("hicache_backend_stored_bytes") if s.labels["cache"] in {o.label for o in owners}]
+            assert sorted(s.value for s in mine) == [1000.0, 1000.0]
+            per_store: dict[str, float] = {}
+            for s in mine:  # max by (store), as the dashboard's query takes it
+                per_store[s.labels["store"]] = max(per_store.get(s.labels["store"], 0.0), s.value)
+            assert sum(per_store.values()) == 2000.0, per_store
+    finally:
+        for owner in owners:
+            owner.close()

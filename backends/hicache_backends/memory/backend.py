@@ -12,6 +12,7 @@ of 8 MiB pages is hundreds of MiB), and a cancelled caller waits for that copy t
 from __future__ import annotations
 
 import heapq
+import os
 import threading
 import weakref
 from collections import Counter, OrderedDict
@@ -719,9 +720,11 @@ class MemoryStorage(AsyncHiCacheStorage):
             "stored_bytes": self.medium.nbytes,
             "max_bytes": self.medium.max_bytes,
         }
-        if self.store_id:
-            # the medium the store-wide figures describe, shared by every store naming its
-            # store_id: a scrape counts it once, not once per cache on it (a private one has
-            # no other store to be counted with)
-            out["store"] = f"memory:{self.store_id}"
+        # the medium the store-wide figures describe, shared by every store of this process
+        # naming its store_id: a scrape counts it once, not once per cache on it. Every medium
+        # has one of its own (a medium lives in one process; a private one is its store's):
+        # left empty, ``max by (instance, store)`` took all private ones, or one store_id's in
+        # several processes of a server, for one medium
+        medium = f"id={self.store_id}" if self.store_id else f"private@{id(self.medium):x}"
+        out["store"] = f"memory:{os.getpid()}:{medium}"
         return out
