@@ -162,9 +162,10 @@ def _cmd_replay(args: argparse.Namespace) -> Any:
         print(format_comparison(report))
     failed = {name: row["verification_failures"] for name, row in report["policies"].items() if row["verification_failures"]}
     if failed:
-        # the replay is the bit-exact check: a job gating on it must not pass on corrupted KV
+        # the replay is the bit-exact check: a job gating on it must not pass on corrupted KV.
+        # The count is of tokens (verify_kv's): named pages, one bad page read as 512
         raise _Failed(result, 1, "KV restored from the tiers differed from the KV computed, bit for bit: "
-                                 + ", ".join(f"{name} {n} page(s)" for name, n in failed.items()))
+                                 + ", ".join(f"{name} {n} token(s)" for name, n in failed.items()))
     return result
 
 

@@ -333,6 +333,34 @@ def test_replay_that_restores_corrupted_kv_exits_1(tmp_path, capsys, monkeypatch
         assert "lru" in out
 
 
+def test_replay_failure_line_counts_the_tokens_it_counted(tmp_path, capsys, monkeypatch) -> None:
+    """The verify failures are tokens (``verify_kv`` counts tokens whose KV differs), but the
+    exit line called them pages: a whole 512-token page served wrong read as 512 pages."""
+    from hicache_backends.memory.backend import MemoryStorage
+
+    real = MemoryStorage._read_into
+
+    def garbled(self, pages, buffers):  # type: ignore[no-untyped-def]
+        ok = real(self, pages, buffers)
+        for good, buf in zip(ok, buffers):
+            if good:
+                buf[:] = bytes(len(buf))  # every byte of the page: every token differs
+        return ok
+
+    monkeypatch.setattr(MemoryStorage, "_read_into", garbled)
+    prompts = [[1, 2, 3], [4, 5, 6], [7, 8, 9]]
+    trace = _trace(tmp_path / "t.jsonl", *({**RECORD, "timestamp": i, "input_length": 1536, "hash_ids": prompts[i % 3]}
+                                            for i in range(9)))
+    cfg = tmp_path / "tiny.toml"
+    cfg.write_text('[tiers]\ndevice_blocks = 3\nhost_blocks = 3\nstorage_fraction = 1\n[storage]\nbackend = "memory"\n')
+    argv = ["replay", "-c", str(cfg), "--trace", str(trace), "--no-progress", "--policies", "lru", "--json"]
+    assert main(argv) == 1
+    out, err = capsys.readouterr()
+    tokens = json.loads(out)["policies"]["lru"]["verification_failures"]
+    assert tokens and tokens % 512 == 0  # whole pages' worth of tokens
+    assert f"lru {tokens} token(s)" in err and "page(s)" not in err
+
+
 @pytest.mark.parametrize("model, words", [('attention = "mla"', "model.attention"), ("head_dim = 33", "model.head_dim")])
 @pytest.mark.parametrize("command", [["serve", "--port", "0"], ["demo", "--quick"]])
 def test_a_model_the_demo_engine_cannot_run_is_one_line(tmp_path, capsys, model: str, words: str,
