@@ -41,7 +41,10 @@ def _text(s: str) -> str:
 def _write_whole(path: str | os.PathLike[str], data: bytes) -> None:
     """Write ``data`` to ``path`` whole (see :func:`written_whole`)."""
     with written_whole(path) as tmp:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask's mode, as open()
+        # a temporary file is new (O_EXCL); a pipe or device is written in place, where O_EXCL
+        # failed with 'File exists'
+        fresh = os.O_CREAT | os.O_EXCL if tmp != os.fspath(path) else 0
+        fd = os.open(tmp, os.O_WRONLY | fresh, 0o666)  # the umask's mode, as open()
         with os.fdopen(fd, "wb") as f:
             f.write(data)
 

@@ -21,9 +21,11 @@ def written_whole(path: str | os.PathLike[str]) -> Iterator[str]:
     a plot or a trace was truncated to part of the new one, or left empty). A symlink's target
     is replaced, as ``open()`` would have written it. A target that exists and is no regular
     file (a pipe, ``/dev/stdout``, a device) is written in place: there is nothing to keep, and
-    a temporary file beside ``/proc/self/fd/pipe:[...]`` cannot be made."""
+    a temporary file beside ``/proc/self/fd/pipe:[...]`` cannot be made. Asked of ``path``
+    itself, not of its real path: ``/dev/stdout`` into a pipe resolves to that name, which is no
+    path, so the pipe was taken for a file not there yet."""
     final = os.path.realpath(path)
-    if os.path.exists(final) and not os.path.isfile(final):
+    if os.path.exists(path) and not os.path.isfile(path):
         yield os.fspath(path)
         return
     tmp = f"{final}.{os.getpid()}.tmp"

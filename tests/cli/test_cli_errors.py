@@ -4,6 +4,7 @@ a traceback and never a silent substitute (another trace, defaults for a config 
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -458,3 +459,42 @@ def test_a_workload_written_to_a_pipe_streams_through_it(tmp_path) -> None:
     reader.join(10)
     assert b'"hash_ids": [1]' in got[0]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["pipe"]
+
+
+@pytest.mark.parametrize("argv", [["workload", "agents", "/dev/stdout"],
+                                  ["size", "TRACE", "--no-progress", "--plot", "/dev/stdout"]], ids=["workload", "plot"])
+def test_dev_stdout_into_a_pipe_is_written_through_it(tmp_path, argv) -> None:
+    """``hicache workload agents /dev/stdout | ...`` (and a plot sent there): /dev/stdout into a
+    pipe resolves to ``/proc/PID/fd/pipe:[N]``, no path at all, so it was taken for a file
+    not there yet and a temporary file beside it could not be made: exit 2, nothing written."""
+    trace = _trace(tmp_path / "t.jsonl", RECORD, {**RECORD, "timestamp": 1})
+    argv = [str(trace) if a == "TRACE" else a for a in argv]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.run([sys.executable, "-m", "hicache.cli", *argv], stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, env=env, cwd=tmp_path, timeout=120)
+    assert proc.returncode == 0, proc.stderr.decode()
+    assert b'"hash_ids": [' in proc.stdout or b"</svg>" in proc.stdout
+
+
+def test_a_plot_written_to_a_named_pipe_streams_through_it(tmp_path) -> None:
+    """A target that is no regular file is written in place, but the plot opened it with
+    ``O_CREAT | O_EXCL`` (meant for its temporary file), which fails on any existing path:
+    ``--plot some.fifo.svg`` ended in 'File exists'."""
+    import threading
+
+    from hicache.replay.plot import write_svg_plot
+
+    fifo = tmp_path / "plot.svg"
+    os.mkfifo(fifo)
+    got: list[bytes] = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_bytes()))
+    reader.start()
+    try:
+        write_svg_plot(fifo, {"lru": [(1, 0.1), (10, 0.5)]}, title="t", x_label="x", y_label="y")
+    finally:
+        if not got and reader.is_alive():
+            with open(fifo, "wb"):  # let the reader go
+                pass
+        reader.join(10)
+    assert got[0].rstrip().endswith(b"</svg>")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plot.svg"]
