@@ -110,6 +110,9 @@ class StackConfig:
     #: ``hash_format`` and ``tiers``; ``None``: every tier)
     events_hash_format: HashFormat = "bytes"
     events_tiers: list[str] | None = None
+    #: storage calls on the controller's private I/O loop thread (a server's choice); ``False``
+    #: runs them on the cache's loop, so when a write lands does not hang on thread timing
+    storage_thread: bool = True
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -209,7 +212,8 @@ def build_stack(cfg: StackConfig, *, storage: AsyncHiCacheStorage | None = None)
     if storage is not None and "kv" not in storage.registered_pools:
         storage.register_mem_pool_host(host_pool)
     controller = HiCacheController(
-        copy_engine=engine, host_pool=host_pool, storage=storage, config=cfg.controller, own_storage=own
+        copy_engine=engine, host_pool=host_pool, storage=storage, config=cfg.controller, own_storage=own,
+        storage_thread=cfg.storage_thread,
     )
     hub = TierChangeHub()
     cache = HiRadixCache(

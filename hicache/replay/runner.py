@@ -178,6 +178,10 @@ async def replay_requests(
         controller=cfg.controller_config(),
         attribution_ledger_pages=cfg.attribution_ledger_pages,
         explain_misses=cfg.explain_misses,
+        # storage on this loop: on the I/O thread a write-back queued mid-eviction landed before
+        # the next eviction or not by thread timing, and tiered's figures changed run to run
+        # (0.294 to 0.336 on small tiers) where the replay promises the same numbers twice
+        storage_thread=False,
         namespace=Namespace(model="hicache-replay", kv_dtype=cfg.dtype, page_size=cfg.page_size,
                             num_layers=cfg.layer_num, num_kv_heads=cfg.head_num, head_dim=cfg.head_dim,
                             layout=cfg.host_layout, salt=f"run-{os.getpid()}-{uuid.uuid4().hex[:12]}"),
