@@ -292,11 +292,13 @@ class AsyncHiCacheStorage(ABC):
         trips overrides it to stop at the first miss (and never to answer past one)."""
         return leading_run(await self._exists(pages))
 
-    def _exists_prefix_now(self, pages: Sequence[PageKey]) -> int | None:
+    def _exists_prefix_now(self, pages: Sequence[PageKey], deadline: float | None = None) -> int | None:
         """(Any thread; optional.) :meth:`_exists_prefix` answered on the calling thread from
         what the backend holds in memory (and at most a quick look at its medium), or ``None``
-        when only the event loop can answer. It must not change loop-owned state. The default
-        answers ``None`` (every lookup goes through the loop)."""
+        when only the event loop can answer. It must not change loop-owned state. A look at the
+        medium still unanswered at ``deadline`` (``time.monotonic()``) is a miss: a hung mount
+        must not hold the caller past its timeout. The default answers ``None`` (every lookup
+        goes through the loop)."""
         return None
 
     def _read_now(self, pages: Sequence[PageKey], buffers: Sequence[Any], deadline: float | None = None) -> list[bool] | None:
@@ -616,10 +618,13 @@ class AsyncHiCacheStorage(ABC):
         await self._ensure_open()
         return await self._kv_prefix([PageKey(k, pool_name_str(pool)) for k in keys])
 
-    def exists_prefix_now(self, keys: Sequence[str], pool: PoolName | str = PoolName.KV) -> int | None:
+    def exists_prefix_now(self, keys: Sequence[str], pool: PoolName | str = PoolName.KV,
+                          timeout: float | None = None) -> int | None:
         """:meth:`exists_prefix` answered on the calling thread, or ``None`` when it cannot be
         (not open, keys the loop's path must refuse, or a backend that answers only on its
         loop: then await :meth:`exists_prefix`). Thread-safe; counted like a lookup.
+        ``timeout`` bounds it as a facade's ``call_timeout`` bounds a call on the loop: a look
+        at the medium (a shared file store's disk probe) not answered by then is a miss.
 
         Counted as a backend that stops at the first miss counts a prefix lookup:
         ``exists_hits`` grows by the run. A subclass that overrides ``_exists`` or
@@ -640,8 +645,9 @@ class AsyncHiCacheStorage(ABC):
         if not pages:
             return 0
         t0 = time.perf_counter()
+        deadline = None if timeout is None else time.monotonic() + timeout
         try:
-            run = self._exists_prefix_now(pages)
+            run = self._exists_prefix_now(pages, deadline)
         except Exception:  # noqa: BLE001 - see module docstring
             self.stats.incr("backend_errors")
             logger.exception("%s: a lookup on the calling thread failed; asking on the loop", type(self).__name__)

@@ -102,12 +102,15 @@ class LoopThread:
                 coro.close()
                 result.set_exception(_stopped_error())
 
-    def call(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+    def call(self, coro: Coroutine[Any, Any, T], timeout: float | None = None, *, wait_cancelled: bool = True) -> T:
         """Run ``coro`` on the loop and wait for its result.
 
         If the wait ends early (``timeout``, ``KeyboardInterrupt``...), the coroutine is
         cancelled and *waited for* before the exception reaches the caller: it may be reading
         into the caller's host pool, which the caller is free to reuse once we return.
+        ``wait_cancelled=False`` (a lookup, which fills no buffer): cancelled, not waited for;
+        one stuck in a thread that cannot be cut (a disk probe on a hung mount) would otherwise
+        hold its caller for as long, past ``timeout``.
         """
         try:
             asyncio.get_running_loop()
@@ -166,7 +169,7 @@ class LoopThread:
                 try:
                     self.loop.call_soon_threadsafe(cancel)  # runs after start(): FIFO
                     # wait until the task has really ended (or the loop died under it)
-                    while not result.done() and self._thread.is_alive():
+                    while wait_cancelled and not result.done() and self._thread.is_alive():
                         concurrent.futures.wait([result], timeout=0.5)
                 except BaseException:  # noqa: BLE001 - loop closed, or a second interrupt
                     pass
@@ -291,12 +294,14 @@ class HiCacheStorage:
         self._timeout_log = Throttle()
         _open_facades.add(self)
 
-    def _call(self, coro: Coroutine[Any, Any, T]) -> T:
+    def _call(self, coro: Coroutine[Any, Any, T], *, lookup: bool = False) -> T:
+        """``coro`` on the loop, under ``call_timeout``; a ``lookup`` (it fills no buffer) past
+        it is cancelled and not waited for (see :meth:`LoopThread.call`)."""
         if self._closed:
             coro.close()
             raise StorageStateError("HiCacheStorage is closed")
         try:
-            return self._loop_thread.call(coro, self.call_timeout)
+            return self._loop_thread.call(coro, self.call_timeout, wait_cancelled=not lookup)
         except TimeoutError:
             # counted where every other failure of the store is (an engine adapter turns the
             # exception into misses, so without this a slow store would look merely quiet)
@@ -312,11 +317,12 @@ class HiCacheStorage:
         not inside a running event loop (that misuse is the loop call's to report)."""
         return not self._closed and not _in_running_loop()
 
-    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+    def run(self, coro: Coroutine[Any, Any, T], *, lookup: bool = False) -> T:
         """Run a coroutine of the caller's on the facade's loop (where the backend lives) and
         wait for it, under ``call_timeout``: for engine adapters that compose several backend
-        calls into one blocking call. A timeout cancels the coroutine and waits for it."""
-        return self._call(coro)
+        calls into one blocking call. A timeout cancels the coroutine and waits for it, unless
+        it is a ``lookup`` (it fills no buffer: then its caller's timeout is kept)."""
+        return self._call(coro, lookup=lookup)
 
     # lifecycle
     def open(self) -> None:
@@ -449,7 +455,8 @@ class HiCacheStorage:
         pool_transfers: list[PoolTransfer] | None = None,
         extra_info: HiCacheStorageExtraInfo | None = None,
     ) -> PoolTransferResult:
-        return self._call(self.backend.batch_exists_v2(self.storable_prefix(keys), pool_transfers, extra_info))
+        return self._call(self.backend.batch_exists_v2(self.storable_prefix(keys), pool_transfers, extra_info),
+                          lookup=True)
 
     def batch_get_v2(
         self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None
@@ -551,7 +558,7 @@ class HiCacheStorage:
         if not is_storable(key):
             self._count_unstorable([key])
             return False
-        return self._call(self.backend.exists(key))
+        return self._call(self.backend.exists(key), lookup=True)
 
     def exists_prefix(self, keys: list[str], pool: PoolName | str = PoolName.KV) -> int:
         """How many of ``keys``' pages in ``pool`` exist from the first: on the calling thread
@@ -559,20 +566,22 @@ class HiCacheStorage:
         :meth:`batch_get_v1` for why). An unstorable key is a miss (the prefix stops there)."""
         keys = self.storable_prefix(keys)
         now = self.exists_prefix_now(keys, pool, screened=True)
-        return now if now is not None else self._call(self.backend.exists_prefix(keys, pool))
+        return now if now is not None else self._call(self.backend.exists_prefix(keys, pool), lookup=True)
 
     def exists_prefix_now(self, keys: list[str], pool: PoolName | str = PoolName.KV, *,
                           screened: bool = False) -> int | None:
         """:meth:`exists_prefix` answered on the calling thread, or ``None`` where the store
         cannot (or the caller is inside a running loop, or the facade closed): for an engine
         adapter that composes the rest of a lookup itself. ``screened``: ``keys`` went through
-        :meth:`storable_prefix` already."""
+        :meth:`storable_prefix` already. Bounded by ``call_timeout``: a look at the store's
+        medium not answered by then is a miss."""
         if not self._blocking_caller():
             return None
-        return self.backend.exists_prefix_now(keys if screened else self.storable_prefix(keys), pool)
+        return self.backend.exists_prefix_now(keys if screened else self.storable_prefix(keys), pool,
+                                              self.call_timeout)
 
     def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
-        return self._call(self.backend.batch_exists(self.storable_prefix(keys), extra_info))
+        return self._call(self.backend.batch_exists(self.storable_prefix(keys), extra_info), lookup=True)
 
     def clear(self) -> bool:
         return self._call(self.backend.clear())

@@ -101,14 +101,14 @@ async def test_lookups_are_counted_and_a_failing_backend_falls_back(tmp_path: Pa
         assert after["exists_keys"] - before["exists_keys"] == 3
         assert after["exists_hits"] - before["exists_hits"] == 2
 
-        def broken(pages):  # type: ignore[no-untyped-def]
+        def broken(pages, deadline=None):  # type: ignore[no-untyped-def]
             raise RuntimeError("index gone")
 
         monkeypatch.setattr(store, "_exists_prefix_now", broken)
         assert store.exists_prefix_now(["a"]) is None
-        monkeypatch.setattr(store, "_exists_prefix_now", lambda pages: 5)  # more than asked
+        monkeypatch.setattr(store, "_exists_prefix_now", lambda pages, deadline=None: 5)  # more than asked
         assert store.exists_prefix_now(["a"]) is None
-        monkeypatch.setattr(store, "_exists_prefix_now", lambda pages: True)  # not a count
+        monkeypatch.setattr(store, "_exists_prefix_now", lambda pages, deadline=None: True)  # not a count
         assert store.exists_prefix_now(["a"]) is None
         assert store.get_stats()["backend_errors"] - before["backend_errors"] == 3
         assert await store.exists_prefix(["a", "b"]) == 2  # the loop's path is untouched
@@ -166,3 +166,54 @@ async def test_subclasses_that_change_the_lookup_are_asked_on_the_loop(tmp_path:
         monkeypatch.setattr(store, "_exists", none_exist)  # on the instance
         assert store.exists_prefix_now(["a"]) is None
         assert await store.exists_prefix(["a"]) == 0
+
+
+def test_lookups_on_a_hung_mount_answer_within_the_call_timeout(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A shared store probes on disk the first page its index lacks; on a slow or hung mount
+    that probe takes seconds and cannot be cut. Every lookup of the blocking facade still
+    answers within ``call_timeout``: the on-thread one as a miss at that page, the ones on the
+    loop with a TimeoutError, not once the probe returned. Stuck probes do not pile up."""
+    from hicache.storage.sync import HiCacheStorage
+    from hicache_backends.file import io as page_io
+
+    facade = HiCacheStorage(_store(tmp_path, shared=True, min_free_bytes=0), call_timeout=0.5)
+    facade.open()
+    assert facade.batch_set(["a", "b"], _pages(2))
+    release = threading.Event()
+    probe = page_io.probe_page
+    running = [0]
+    peak = [0]
+    lock = threading.Lock()
+
+    def hung_probe(path):  # type: ignore[no-untyped-def]
+        with lock:
+            running[0] += 1
+            peak[0] = max(peak[0], running[0])
+        try:
+            release.wait(3.0)  # the mount answers 3 s late
+            return probe(path)
+        finally:
+            with lock:
+                running[0] -= 1
+
+    monkeypatch.setattr(page_io, "probe_page", hung_probe)
+    try:
+        t0 = time.monotonic()
+        assert facade.exists_prefix(["a", "b", "c"]) == 2  # the probe of "c" outlived the timeout
+        assert time.monotonic() - t0 < 1.5
+        assert facade.exists_prefix(["a", "b"]) == 2  # indexed: no probe, answered at once
+        for call in (lambda: facade.exists("c"), lambda: facade.batch_exists(["a", "c"]),
+                     lambda: facade.batch_exists_v2(["a", "c"])):
+            t0 = time.monotonic()
+            try:
+                call()
+            except TimeoutError:
+                pass
+            assert time.monotonic() - t0 < 1.5
+        for _ in range(20):  # a lookup storm while the mount hangs: misses, at once once stuck
+            assert facade.exists_prefix(["a", "b", "c"]) == 2
+        assert peak[0] <= 8  # the store's I/O threads and a few probe threads, not one per lookup
+        assert facade.get_stats()["lookup_probe_timeouts"] >= 21
+    finally:
+        release.set()
+        facade.close()

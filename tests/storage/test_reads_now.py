@@ -314,9 +314,9 @@ def test_the_blocking_facade_reads_and_looks_up_on_the_callers_thread(tmp_path, 
         on_loop: list[object] = []
         real = facade._loop_thread.call
 
-        def counted(coro, timeout=None):  # type: ignore[no-untyped-def]
+        def counted(coro, timeout=None, **options):  # type: ignore[no-untyped-def]
             on_loop.append(coro)
-            return real(coro, timeout)
+            return real(coro, timeout, **options)
 
         monkeypatch.setattr(facade._loop_thread, "call", counted)
         assert facade.exists_prefix(["a", "b", "c"]) == 2

@@ -54,7 +54,7 @@ from hicache_backends.file.peers import PeerRemovals
 from hicache_backends.file.pins import PagePins
 from hicache_backends.file.scan import IndexScanner
 from hicache_backends.file.space import Reservation, SpaceAccountant
-from hicache_backends.file.threads import BatchOutcome, CallerCalls, PageThreads, page_threads
+from hicache_backends.file.threads import UNANSWERED, BatchOutcome, CallerCalls, PageThreads, ProbeThreads, page_threads
 
 __all__ = ["DEFAULT_MAX_BYTES", "DEFAULT_MIN_FREE_BYTES", "FileStorage"]
 
@@ -90,6 +90,8 @@ def _tracked(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 _CLOSE_CALLS_WAIT_SECONDS = 30.0  # what a close waits for calls in progress before it stops the threads
+#: probes of lookups on callers' threads running at once, stuck ones included (see ProbeThreads)
+_PROBE_THREADS = 4
 
 
 @dataclass(slots=True)
@@ -209,6 +211,7 @@ class FileStorage(AsyncHiCacheStorage):
         self._threads = PageThreads(io_threads)  # the I/O threads, started at open
         self._loop: asyncio.AbstractEventLoop | None = None  # the store's loop, while open
         self._caller_reads = CallerCalls()  # reads on blocking callers' threads (a close waits for them)
+        self._probes = ProbeThreads(_PROBE_THREADS, "hicache-file-probe")  # lookups' disk probes, bounded
         self._scan_executor: ThreadPoolExecutor | None = None
         self._pins = PagePins()  # pages being read or written, pages being unlinked
         self._generation = 0  # bumped by clear(): older writes do not re-enter the index
@@ -243,6 +246,7 @@ class FileStorage(AsyncHiCacheStorage):
         self._write_error_warnings = Throttle(_WARN_SECONDS)
         self._read_error_warnings = Throttle(_WARN_SECONDS)
         self._read_only_warnings = Throttle(_WARN_SECONDS)
+        self._probe_log = Throttle(_WARN_SECONDS)  # lookups whose disk probe timed out
         self._background: set[asyncio.Task[None]] = set()
         self._rehousing: asyncio.Task[None] | None = None  # housekeeping after the folder was deleted
         self._pruning: asyncio.Task[None] | None = None  # the index checked against the disk (journal lines lost)
@@ -281,6 +285,7 @@ class FileStorage(AsyncHiCacheStorage):
         self._codec = PageCodec(self.namespace.digest_bytes)
         self._threads.start()
         assert self._threads.executor is not None
+        self._probes.start()
         # The scan gets its own thread so it never queues in front of requests.
         self._scan_executor = ThreadPoolExecutor(1, thread_name_prefix="hicache-file-scan")
         self._scanner.prepare()
@@ -351,6 +356,7 @@ class FileStorage(AsyncHiCacheStorage):
         return [e for e in (self._threads.executor, self._scan_executor, journal) if e is not None]
 
     def _shutdown_executors(self, wait: bool) -> None:
+        self._probes.shutdown()  # never waited for: a probe stuck on a hung mount holds nothing
         for e in self._executors():
             e.shutdown(wait=wait)
 
@@ -477,12 +483,17 @@ class FileStorage(AsyncHiCacheStorage):
                     out[i] = True
         return out
 
-    def _exists_prefix_now(self, pages: Sequence[PageKey]) -> int | None:
+    def _exists_prefix_now(self, pages: Sequence[PageKey], deadline: float | None = None) -> int | None:
         """(Any thread.) The run of indexed pages up to the first that is not; that one is
         probed on disk when another process may have written it (a shared store, or the scan
         still running): found there, it must be indexed on the loop, so the answer is then
         ``None``. Reads the index and the pins only (dictionary and set lookups, atomic under
-        the GIL); an answer is as fresh as one the loop would give a moment later."""
+        the GIL); an answer is as fresh as one the loop would give a moment later.
+
+        With a ``deadline`` the probe runs on :class:`ProbeThreads` and one unanswered by then
+        (a slow or hung mount) is a miss, counted in ``call_timeouts`` and
+        ``lookup_probe_timeouts``: on the caller's thread it held SGLang's prefetch thread for
+        as long as the mount took, whatever ``hicache_call_timeout`` said."""
         layout = self._layout
         if layout is None:
             return None
@@ -497,10 +508,24 @@ class FileStorage(AsyncHiCacheStorage):
             if pid in entries:
                 run += 1
                 continue
-            if probe and page_io.probe_page(layout.path(pid)).status is not page_io.ReadStatus.MISSING:
-                return None  # written by another process (or unreadable): the loop's lookup sorts it out
+            if probe:
+                found = self._probes.call(page_io.probe_page, layout.path(pid), deadline=deadline)
+                if found is UNANSWERED:
+                    self._probe_timed_out()
+                elif found.status is not page_io.ReadStatus.MISSING:
+                    return None  # written by another process (or unreadable): the loop's lookup sorts it out
             break
         return run
+
+    def _probe_timed_out(self) -> None:
+        """A lookup's probe outlived its caller's deadline (or found every probe thread still
+        stuck): counted, and logged now and then, since the lookup answers a miss instead."""
+        self.stats.incr("call_timeouts")
+        self.stats.incr("lookup_probe_timeouts")
+        count = self._probe_log.due()
+        if count:
+            logger.warning("file store %s: %d lookup(s) answered as misses: a probe of the disk took longer "
+                           "than the call timeout (%d probe(s) still running)", self.root, count, self._probes.stuck())
 
     @_tracked
     async def _read(self, pages: Sequence[PageKey], buffers: Sequence[memoryview | PageSegments | StagedPage]) -> list[bool]:

@@ -10,8 +10,10 @@ the disk under the index.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from concurrent.futures import ThreadPoolExecutor
@@ -20,7 +22,7 @@ from typing import Any, TypeVar
 from hicache.storage.io_threads import io_executor
 from hicache.storage.offload import run_to_completion
 
-__all__ = ["BatchOutcome", "CallerCalls", "PageThreads", "page_threads"]
+__all__ = ["BatchOutcome", "CallerCalls", "PageThreads", "ProbeThreads", "UNANSWERED", "page_threads"]
 
 T = TypeVar("T")
 
@@ -173,6 +175,71 @@ class CallerCalls:
             self._open = False
             self._cond.wait_for(lambda: not self._running, timeout)
             return self._running
+
+
+#: What :meth:`ProbeThreads.call` answers for a call it gave up on (see there).
+UNANSWERED: Any = object()
+
+
+class ProbeThreads:
+    """A few threads for the quick looks a blocking caller takes at the disk (a lookup's probe
+    of a page its index lacks), so that the caller waits only until its deadline.
+
+    Why: a ``stat`` on a slow or hung mount cannot be cut, and run on the caller's own thread
+    (SGLang's prefetch thread) it held that thread, and every request behind it, for as long as
+    the mount took, whatever the call timeout. A call outliving its caller's deadline is left
+    to end on its own; at most ``threads`` run at once, so stuck ones never pile up: a call
+    finding every thread busy is not started at all (answered :data:`UNANSWERED` at once).
+    :meth:`stuck` counts those still running. Threads start on first use."""
+
+    __slots__ = ("threads", "_name", "_executor", "_running", "_lock")
+
+    def __init__(self, threads: int, name: str) -> None:
+        self.threads = threads
+        self._name = name
+        self._executor: ThreadPoolExecutor | None = None
+        self._running = 0
+        self._lock = threading.Lock()
+
+    def start(self) -> None:
+        with self._lock:
+            self._executor = ThreadPoolExecutor(self.threads, thread_name_prefix=self._name)
+
+    def shutdown(self) -> None:
+        """Take no more calls; never waits (a call stuck on a hung mount holds nothing of ours)."""
+        with self._lock:
+            executor, self._executor = self._executor, None
+        if executor is not None:
+            executor.shutdown(wait=False)
+
+    def stuck(self) -> int:
+        """Calls running now (past their callers' deadlines, when the mount hangs)."""
+        with self._lock:
+            return self._running
+
+    def call(self, fn: Callable[..., T], *args: Any, deadline: float | None) -> T | Any:
+        """``fn(*args)``, waited for until ``deadline`` (``time.monotonic()``; ``None``: on the
+        calling thread, unbounded), else :data:`UNANSWERED`; also when every thread is still
+        busy, or the threads are shut down."""
+        if deadline is None:
+            return fn(*args)
+        with self._lock:
+            if self._executor is None or self._running >= self.threads:
+                return UNANSWERED
+            try:
+                fut = self._executor.submit(fn, *args)
+            except RuntimeError:  # shut down by a close meanwhile
+                return UNANSWERED
+            self._running += 1
+        fut.add_done_callback(self._ended)
+        try:
+            return fut.result(max(0.0, deadline - time.monotonic()))
+        except concurrent.futures.TimeoutError:
+            return UNANSWERED
+
+    def _ended(self, _fut: concurrent.futures.Future[Any]) -> None:
+        with self._lock:
+            self._running -= 1
 
 
 @dataclass(frozen=True, slots=True)

@@ -541,7 +541,7 @@ class HiCacheSGLangStorage(_SGLangStorage):
             if kv_now is not None and (not transfers or not kv_now):
                 hits = resolve(kv_now, {})  # nothing left to ask the loop
             else:
-                hits = f.run(query(self._backend, lookup, kv_now))
+                hits = f.run(query(self._backend, lookup, kv_now), lookup=True)
             return _SGLangResult(hits.kv_hit_pages, hits.extra_pool_hit_pages, hits.restorable_prefix_pages)
 
         return self._do("batch_exists_v2", run, _SGLangResult(0, {}, []))

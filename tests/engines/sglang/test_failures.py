@@ -325,3 +325,40 @@ def test_an_open_slower_than_the_call_timeout_still_attaches(store_root, monkeyp
         drive.write_then_read(ctl, host, ctl, host, 4, LAYERS)
     finally:
         ctl.detach_storage_backend()
+
+
+def test_lookups_on_a_hung_mount_answer_misses_within_the_call_timeout(store_root, monkeypatch):
+    """A shared file store (the default) checks on disk the first page its index lacks; on a
+    slow or hung mount that check takes seconds. SGLang's batch_exists, batch_exists_v2 and
+    exists (on its prefetch thread) still answer within hicache_call_timeout, the unchecked
+    page a miss, instead of holding the prefetch thread until the mount answers."""
+    import threading
+
+    import hicache_backends.file.io as file_io
+
+    host, ctl = _ctl("file", "page_first", hicache_options={"root": store_root}, hicache_call_timeout=0.5)
+    st = ctl.storage_backend
+    release = threading.Event()
+    real_probe = file_io.probe_page
+    try:
+        toks = drive.tokens(PAGE * 4)
+        src = ctl.mem_pool_host.alloc(len(toks))
+        assert drive.backup(ctl, toks, src) == len(toks)
+        keys = drive.get_storage_hash_str(toks, None, page_size=PAGE)
+        assert st.backend.shared
+        monkeypatch.setattr(file_io, "probe_page", lambda path: (release.wait(3.0), real_probe(path))[1])
+        asked = keys + ["not-stored-" + keys[-1]]
+        calls = {
+            "batch_exists": (lambda: st.batch_exists(asked), 4),
+            "batch_exists_v2": (lambda: st.batch_exists_v2(asked).kv_hit_pages, 4),
+            "exists": (lambda: st.exists(asked[-1]), False),
+        }
+        for name, (call, want) in calls.items():
+            t0 = time.monotonic()
+            assert call() == want, name
+            assert time.monotonic() - t0 < 1.5, name  # the timeout (0.5 s), not the disk (3 s)
+        assert st.batch_exists(keys) == 4  # indexed pages need no probe
+        assert st.hicache_stats()["call_timeouts"] >= 3
+    finally:
+        release.set()
+        ctl.detach_storage_backend()
