@@ -106,11 +106,13 @@ async def test_a_file_store_refusal_that_clears_up_is_retried(tmp_path: Any) -> 
     own to evict), which starts its rescan; the retry, with A's pages indexed, evicts them and
     lands. Taking every refusal for room as final left B's pages out of storage."""
     root = tmp_path / "shared"
-    b = _stack("file", root, storage_retry_base_s=0.05)
+    # retries spread over seconds: the rescan the refusal starts must end before they run out,
+    # which a loaded machine may take longer than three quick retries for
+    b = _stack("file", root, storage_retry_base_s=0.05, storage_max_retries=8)
     a = _stack("file", root)
     try:
         await b.controller.open_storage()
-        await asyncio.sleep(0.2)  # B's opening scan ends (an empty store)
+        await asyncio.wait_for(b.controller._on_io(b.storage.wait_background()), 30)  # B's opening scan ends
         await serve_request(a, list(range(12)), rid="x")
         await a.cache.drain()
         await serve_request(b, list(range(100, 112)), rid="y")
