@@ -7,6 +7,7 @@ import logging
 import threading
 import time
 import uuid
+from typing import Any
 
 import pytest
 from _hicache_faults import FaultyStorage
@@ -233,17 +234,23 @@ async def test_the_close_report_counts_pages_storage_never_got() -> None:
     assert report.failed_storage_pages == 2
 
 
+def _faulty_stack(probe_s: float) -> tuple[FaultyStorage, Any]:
+    """A stack over a fresh ``FaultyStorage``, probing a store marked down every ``probe_s``
+    (twice that at most)."""
+    store = FaultyStorage(store_id=f"faulty-{uuid.uuid4()}")
+    cfg = StackConfig(page_size=PS, device_pages=16, host_pages=64, storage_backend=None,
+                      controller=ControllerConfig(prefetch_threshold=PS, storage_probe_base_s=probe_s,
+                                                  storage_probe_max_s=2 * probe_s))
+    return store, build_stack(cfg, storage=store)
+
+
 async def test_pages_a_reoffer_wrote_once_the_store_came_back_are_not_reported_as_never_written(
         caplog: pytest.LogCaptureFixture) -> None:
     """Pages whose write was skipped while the store was down, and that the re-offer wrote
     once it came back, are in storage at close. The report summed lifetime counters and said
     they were never written there (with a warning), a false alarm at every shutdown after an
     outage; the lifetime total is kept apart, named as one."""
-    store = FaultyStorage(store_id=f"faulty-{uuid.uuid4()}")
-    cfg = StackConfig(page_size=PS, device_pages=16, host_pages=64, storage_backend=None,
-                      controller=ControllerConfig(prefetch_threshold=PS, storage_probe_base_s=0.01,
-                                                  storage_probe_max_s=0.02))
-    stack = build_stack(cfg, storage=store)
+    store, stack = _faulty_stack(probe_s=0.01)
     ctl = stack.controller
     await serve_request(stack, list(range(8)), rid="a")
     ctl.health.trip("test: the store went away")
@@ -270,11 +277,7 @@ async def test_the_close_report_counts_pages_still_out_of_storage_including_thos
     pages never had a write (a page is written only after its prefix). All 3 are missing from
     storage at close; the lifetime counters count skips, not pages: the prefix's page once per
     offer the store was down for (its second request offered it again), the child's never."""
-    store = FaultyStorage(store_id=f"faulty-{uuid.uuid4()}")
-    cfg = StackConfig(page_size=PS, device_pages=16, host_pages=64, storage_backend=None,
-                      controller=ControllerConfig(prefetch_threshold=PS, storage_probe_base_s=60.0,
-                                                  storage_probe_max_s=60.0))
-    stack = build_stack(cfg, storage=store)
+    store, stack = _faulty_stack(probe_s=60.0)
     ctl = stack.controller
     ctl.health.trip("test: the store went away")
     await serve_request(stack, list(range(PS)), rid="a")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from typing import Any
 
 from session_helpers import Conversation, make_stack
 
@@ -97,6 +98,15 @@ def test_a_handover_after_the_close_is_counted_lost() -> None:
     assert len(queue) == 0
 
 
+def _every_write_back_counted(st: Any, queued: int) -> None:
+    """The queue is empty, its gauge back to 0, and each of the ``queued`` write-backs ended
+    counted (done, lost or dropped)."""
+    c = st.cache.session_metrics.counters
+    assert len(st.cache.writeback) == 0 and st.cache.gauges()["writeback_pending"] == 0
+    assert c["writeback_queued"] == queued
+    assert c["writeback_done"] + c["writeback_lost"] + c["writeback_dropped"] == queued, c
+
+
 async def test_a_cancelled_close_counts_every_queued_write_back_and_the_gauge_returns_to_zero() -> None:
     """The close task cancelled while it waited for the write-backs (a shutdown sweep): the
     cut close sealed the queue with its entries still in it, so they were never counted
@@ -116,10 +126,7 @@ async def test_a_cancelled_close_counts_every_queued_write_back_and_the_gauge_re
         await asyncio.wait_for(closing, 10)
     finally:
         gate.set()
-    c = st.cache.session_metrics.counters
-    assert len(st.cache.writeback) == 0 and st.cache.gauges()["writeback_pending"] == 0
-    assert c["writeback_queued"] == 2
-    assert c["writeback_done"] + c["writeback_lost"] + c["writeback_dropped"] == 2, c
+    _every_write_back_counted(st, 2)
     await st.engine.aclose()
 
 
@@ -134,10 +141,7 @@ async def test_reset_counts_the_queued_write_backs_it_forgets() -> None:
     gate.set()
     await st.inner.drain()  # the copy lands before the server flushes
     st.cache.reset()
-    c = st.cache.session_metrics.counters
-    assert len(st.cache.writeback) == 0 and st.cache.gauges()["writeback_pending"] == 0
-    assert c["writeback_queued"] == 1
-    assert c["writeback_done"] + c["writeback_lost"] + c["writeback_dropped"] == 1, c
+    _every_write_back_counted(st, 1)
     await st.engine.aclose()
 
 
