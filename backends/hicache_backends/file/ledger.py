@@ -54,7 +54,7 @@ from dataclasses import dataclass
 from hicache_backends.file.locks import SharedFile, flock_within
 from hicache_backends.writers import MACHINE, pid_alive
 
-__all__ = ["LEDGER_NAME", "USERS_NAME", "Usage", "UsageLedger", "give_back", "mark", "read_usage"]
+__all__ = ["LEDGER_NAME", "USERS_NAME", "Usage", "UsageLedger", "give_back", "read_usage"]
 
 logger = logging.getLogger("hicache.storage.file")
 
@@ -236,29 +236,13 @@ def read_usage(path: str) -> Usage | None:
         os.close(fd)
 
 
-def give_back(path: str, nbytes: int, token: int, release: int = 0) -> bool | None:
+def give_back(path: str, nbytes: int, token: int) -> bool | None:
     """Subtract ``nbytes`` of pages an observer removed (a corrupt page ``hicache inspect``'s
     verification dropped) from the ledger at ``path``, if it is still the file ``token`` names
-    (a clear since replaced it: the fresh namespace never counted that page), and free the
-    ``release`` bytes its slot marked for them (:func:`mark`). An observer keeps out of the
-    ledger (see ``FileStorage``'s ``read_only``): this neither creates it nor joins its
-    ``users`` lock nor reclaims dead writers' slots; only the counters and its own slot change.
+    (a clear since replaced it: the fresh namespace never counted that page). An observer
+    keeps out of the ledger (see ``FileStorage``'s ``read_only``): this neither creates it
+    nor joins its ``users`` lock nor reclaims dead writers' slots; only the counters change.
     Whether it was applied; ``None`` when the ledger could not be used (lock held too long)."""
-    return _observer_change(path, token, -nbytes, -release)
-
-
-def mark(path: str, nbytes: int, token: int) -> bool | None:
-    """Mark ``nbytes`` of a page an observer is about to remove in a slot of its own in the
-    ledger at ``path`` (if still the file ``token`` names), as a writer marks a corrupt page
-    before its unlink: an observer killed between the unlink and its :func:`give_back` left
-    the bytes counted for as long as any writer kept the namespace open; its dead slot now
-    has the next process to take the lock give them back. What :func:`give_back` answers."""
-    return _observer_change(path, token, 0, nbytes)
-
-
-def _observer_change(path: str, token: int, delta: int, own: int) -> bool | None:
-    """Add ``delta`` to ``used`` and ``own`` to this process's slot in the ledger at ``path``
-    without creating or joining it (:func:`give_back`, :func:`mark`)."""
     try:
         fd = os.open(path, os.O_RDWR | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
                      | getattr(os, "O_CLOEXEC", 0))
@@ -272,16 +256,11 @@ def _observer_change(path: str, token: int, delta: int, own: int) -> bool | None
             return False
         flock_within(fd, fcntl.LOCK_EX)
         try:
-            raw = os.pread(fd, _SIZE, 0)
-            if len(raw) < _FORMAT.size or raw[: len(_MAGIC)] != _MAGIC:
+            raw = os.pread(fd, _FORMAT.size, 0)
+            if len(raw) != _FORMAT.size or raw[: len(_MAGIC)] != _MAGIC:
                 return False
-            used, nref, at, seq = _decode(raw[: _FORMAT.size])
-            out = _FORMAT.pack(_MAGIC, max(0, used + delta), nref, at, seq + 1)
-            if own:
-                slots = _decode_slots(raw)
-                _move_own(slots, own)
-                out += _encode_slots(slots)
-            os.pwrite(fd, out, 0)
+            used, nref, at, seq = _decode(raw)
+            os.pwrite(fd, _FORMAT.pack(_MAGIC, max(0, used - nbytes), nref, at, seq + 1), 0)
         finally:
             fcntl.flock(fd, fcntl.LOCK_UN)
         return True
