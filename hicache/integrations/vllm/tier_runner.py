@@ -163,19 +163,13 @@ class TierRunner:
         thread). A timeout or failure is all misses."""
         if self._closed or not keys:
             return [False] * len(keys)
-        coro = self.storage.exists_pages(list(keys))
         try:
-            fut = asyncio.run_coroutine_threadsafe(coro, self._loop_thread.loop)
-        except RuntimeError:  # the loop is gone (closing)
-            coro.close()
-            return [False] * len(keys)
-        try:
-            return fut.result(self.lookup_timeout)
-        except Exception as exc:  # noqa: BLE001 - a lookup that fails is a miss
-            # cancelled, not waited for (as LoopThread.call would): a lookup fills no buffer,
-            # and one stuck in a thread that cannot be cut (a disk probe on a hung mount) would
-            # hold vLLM's lookup thread, and every request asking the tier, for as long
-            fut.cancel()
+            # cancelled at the timeout, not waited for: a lookup fills no buffer, and one stuck
+            # in a thread that cannot be cut (a disk probe on a hung mount) would hold vLLM's
+            # lookup thread, and every request asking the tier, for as long
+            return self._loop_thread.call(self.storage.exists_pages(list(keys)), self.lookup_timeout,
+                                          wait_cancelled=False)
+        except Exception as exc:  # noqa: BLE001 - a lookup that fails (or the loop is gone) is a miss
             logger.warning("hicache tier lookup of %d pages failed: %s: %s", len(keys), type(exc).__name__, exc)
             return [False] * len(keys)
 
