@@ -39,6 +39,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from hicache.config.schema import HiCacheConfig, storage_backend_name, union_args
 from hicache.errors import BackendLoadError, BackendNotFoundError, ConfigError
+from hicache.json_keys import DuplicateKeyError, unique_keys
 
 __all__ = ["ENV_PREFIX", "load_config", "aload_config", "config_from_dict", "env_overrides", "check_backend"]
 
@@ -80,20 +81,6 @@ async def _aread_file(path: Path) -> dict[str, Any]:
     return _parse_file(path, text)
 
 
-class _DuplicateKey(ValueError):
-    """A key given twice in one JSON object or YAML mapping."""
-
-
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    """One JSON object, refusing a key given twice (``json`` kept the last, silently)."""
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise _DuplicateKey(f"key {key!r} is given twice in one object")
-        out[key] = value
-    return out
-
-
 class _UniqueKeyLoader(yaml.SafeLoader):
     """``yaml.safe_load``'s loader, refusing a key given twice in one mapping: it kept the last,
     silently, so a section pasted twice lost everything the first one set (TOML refuses them).
@@ -110,7 +97,7 @@ class _UniqueKeyLoader(yaml.SafeLoader):
             except TypeError:  # an unhashable key: the constructor refuses it itself
                 continue
             if repeated:
-                raise _DuplicateKey(f"key {key!r} is given twice in one mapping (line {key_node.start_mark.line + 1})")
+                raise DuplicateKeyError(f"key {key!r} is given twice in one mapping (line {key_node.start_mark.line + 1})")
             seen.add(key)
         return super().construct_mapping(node, deep=deep)
 
@@ -123,7 +110,7 @@ def _parse_file(path: Path, text: str) -> dict[str, Any]:
         if suffix == ".toml":
             data = tomllib.loads(text)
         elif suffix == ".json":
-            data = json.loads(text, object_pairs_hook=_unique_keys)
+            data = json.loads(text, object_pairs_hook=unique_keys)
         else:
             data = yaml.load(text, Loader=_UniqueKeyLoader) or {}  # noqa: S506 - a SafeLoader
     except (ValueError, yaml.YAMLError) as exc:

@@ -35,6 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from hicache.errors import TraceFormatError
+from hicache.json_keys import unique_keys
 
 __all__ = ["TraceRequest", "block_references", "load_trace", "find_trace", "prefix_blocks", "request_tokens",
            "DEFAULT_TRACE_NAME"]
@@ -121,9 +122,9 @@ def load_trace(path: str | os.PathLike[str], limit: int | None = None, *, progre
                 if not line.strip():
                     continue
                 try:
-                    if max(map(line.count, _QUOTED_FIELDS)) > 1:  # a field's name twice: given twice?
-                        _no_repeated_key(line)
-                    out.append(_record(json.loads(line)))
+                    # a field's name twice in the line: given twice? (refused, not read as the last)
+                    hook = unique_keys if max(map(line.count, _QUOTED_FIELDS)) > 1 else None
+                    out.append(_record(json.loads(line, object_pairs_hook=hook)))
                 except (ValueError, TypeError, KeyError, RecursionError) as exc:
                     # RecursionError: JSON nested deeper than the parser's stack (one line of
                     # ``[[[[...`` is enough), a malformed line like any other, not a traceback
@@ -187,20 +188,9 @@ def prefix_blocks(requests: list[TraceRequest], source: str = "trace") -> list[T
     return [dataclasses.replace(req, hash_ids=tuple(ids)) for req, ids in zip(requests, dense)]
 
 
-#: a record's fields as they appear in its line (a cheap test for one given twice)
+#: a record's fields as they appear in its line: a cheap test for one given twice, which only
+#: such a line pays the check of (:func:`~hicache.json_keys.unique_keys`)
 _QUOTED_FIELDS = ('"timestamp"', '"input_length"', '"output_length"', '"hash_ids"')
-
-
-def _no_repeated_key(line: str) -> None:
-    """A ``ValueError`` when ``line``'s object gives a key twice: ``json`` keeps the last,
-    silently, so a record with two ``hash_ids`` was read as the second. Asked only of a line
-    that names a field twice (a name may also be inside a value), so a trace is parsed once."""
-    pairs = json.loads(line, object_pairs_hook=list)
-    if isinstance(pairs, list) and all(isinstance(p, tuple) for p in pairs):
-        keys = [k for k, _ in pairs]
-        repeated = next((k for k in keys if keys.count(k) > 1), None)
-        if repeated is not None:
-            raise ValueError(f"key {repeated!r} is given twice")
 
 
 def _record(d: object) -> TraceRequest:
