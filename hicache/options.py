@@ -4,6 +4,7 @@ wrong type as clear errors."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import typing
 from typing import Any, TypeVar
 
@@ -19,12 +20,22 @@ T = TypeVar("T")
 _MUST_BE = {"int_type": "an integer", "string_type": "a string", "float_type": "a number", "bool_type": "true or false"}
 
 
+@functools.lru_cache(maxsize=256)
+def _adapter(hint: Any) -> TypeAdapter[Any]:
+    """One validator per type, built once: building it is most of a check's cost."""
+    return TypeAdapter(hint)
+
+
 def type_mismatch(hint: Any, value: Any) -> str | None:
     """What ``value`` must be to be of type ``hint`` (``"an integer or null"``), or ``None``
     when it is one. Strict (pydantic's strict mode): ``true`` or ``1.5`` is no integer, ``"4"``
     no number and ``"false"`` no flag, where a lax reading took them silently."""
     try:
-        TypeAdapter(hint).validate_python(value, strict=True)
+        try:
+            adapter = _adapter(hint)
+        except TypeError:  # a hint that cannot be hashed: built for this check alone
+            adapter = TypeAdapter(hint)
+        adapter.validate_python(value, strict=True)
     except ValidationError as exc:
         error = exc.errors()[0]
         none = " or null" if type(None) in typing.get_args(hint) else ""
