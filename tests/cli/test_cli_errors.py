@@ -301,30 +301,39 @@ def test_policies_are_a_list_of_names_spaces_allowed_none_refused(tmp_path, caps
         assert "names no placement policy" in _error(capsys, ["replay", "--trace", str(ok), "--policies", empty])
 
 
-@pytest.mark.parametrize("as_json", [False, True], ids=["table", "json"])
-def test_replay_that_restores_corrupted_kv_exits_1(tmp_path, capsys, monkeypatch, as_json) -> None:
-    """The replay is the bit-exact check: it printed the verify failures and exited 0, so a job
-    gating on it passed on corrupted KV. Its result is still printed, then one line and 1."""
+def _replay_with_stored_reads(tmp_path, monkeypatch, alter) -> list[str]:  # type: ignore[no-untyped-def]
+    """The arguments of an ``lru`` replay over the memory store whose reads ``alter(buf)``
+    every page read whole: three prompts take turns, each filling the device and the host, so
+    turns after the first three come from storage."""
     from hicache_backends.memory.backend import MemoryStorage
 
     real = MemoryStorage._read_into
 
-    def flipped(self, pages, buffers):  # type: ignore[no-untyped-def]
+    def altered(self, pages, buffers):  # type: ignore[no-untyped-def]
         ok = real(self, pages, buffers)
         for good, buf in zip(ok, buffers):
             if good:
-                buf[-1] ^= 0x40  # a bit of the payload's last byte
+                alter(buf)
         return ok
 
-    monkeypatch.setattr(MemoryStorage, "_read_into", flipped)
-    # three prompts taking turns, each filling the device and the host: turns after the first
-    # three come from storage
+    monkeypatch.setattr(MemoryStorage, "_read_into", altered)
     prompts = [[1, 2, 3], [4, 5, 6], [7, 8, 9]]
     trace = _trace(tmp_path / "t.jsonl", *({**RECORD, "timestamp": i, "input_length": 1536, "hash_ids": prompts[i % 3]}
                                             for i in range(9)))
     cfg = tmp_path / "tiny.toml"
     cfg.write_text('[tiers]\ndevice_blocks = 3\nhost_blocks = 3\nstorage_fraction = 1\n[storage]\nbackend = "memory"\n')
-    argv = ["replay", "-c", str(cfg), "--trace", str(trace), "--no-progress", "--policies", "lru"]
+    return ["replay", "-c", str(cfg), "--trace", str(trace), "--no-progress", "--policies", "lru"]
+
+
+@pytest.mark.parametrize("as_json", [False, True], ids=["table", "json"])
+def test_replay_that_restores_corrupted_kv_exits_1(tmp_path, capsys, monkeypatch, as_json) -> None:
+    """The replay is the bit-exact check: it printed the verify failures and exited 0, so a job
+    gating on it passed on corrupted KV. Its result is still printed, then one line and 1."""
+
+    def flip(buf) -> None:  # type: ignore[no-untyped-def]
+        buf[-1] ^= 0x40  # a bit of the payload's last byte
+
+    argv = _replay_with_stored_reads(tmp_path, monkeypatch, flip)
     assert main(argv + (["--json"] if as_json else [])) == 1
     out, err = capsys.readouterr()
     assert "Traceback" not in err and "differed from the KV computed" in err and "lru" in err
@@ -337,25 +346,11 @@ def test_replay_that_restores_corrupted_kv_exits_1(tmp_path, capsys, monkeypatch
 def test_replay_failure_line_counts_the_tokens_it_counted(tmp_path, capsys, monkeypatch) -> None:
     """The verify failures are tokens (``verify_kv`` counts tokens whose KV differs), but the
     exit line called them pages: a whole 512-token page served wrong read as 512 pages."""
-    from hicache_backends.memory.backend import MemoryStorage
 
-    real = MemoryStorage._read_into
+    def zero(buf) -> None:  # type: ignore[no-untyped-def]
+        buf[:] = bytes(len(buf))  # every byte of the page: every token differs
 
-    def garbled(self, pages, buffers):  # type: ignore[no-untyped-def]
-        ok = real(self, pages, buffers)
-        for good, buf in zip(ok, buffers):
-            if good:
-                buf[:] = bytes(len(buf))  # every byte of the page: every token differs
-        return ok
-
-    monkeypatch.setattr(MemoryStorage, "_read_into", garbled)
-    prompts = [[1, 2, 3], [4, 5, 6], [7, 8, 9]]
-    trace = _trace(tmp_path / "t.jsonl", *({**RECORD, "timestamp": i, "input_length": 1536, "hash_ids": prompts[i % 3]}
-                                            for i in range(9)))
-    cfg = tmp_path / "tiny.toml"
-    cfg.write_text('[tiers]\ndevice_blocks = 3\nhost_blocks = 3\nstorage_fraction = 1\n[storage]\nbackend = "memory"\n')
-    argv = ["replay", "-c", str(cfg), "--trace", str(trace), "--no-progress", "--policies", "lru", "--json"]
-    assert main(argv) == 1
+    assert main(_replay_with_stored_reads(tmp_path, monkeypatch, zero) + ["--json"]) == 1
     out, err = capsys.readouterr()
     tokens = json.loads(out)["policies"]["lru"]["verification_failures"]
     assert tokens and tokens % 512 == 0  # whole pages' worth of tokens

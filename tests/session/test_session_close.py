@@ -31,15 +31,22 @@ async def test_close_with_a_turn_running_writes_back_the_history_before_it() -> 
     st.cache.abort_req(req)  # what the server does with the turn it can no longer run: harmless now
 
 
-async def test_a_session_released_while_its_turn_is_queued_closes_when_pressure_preempts_it() -> None:
-    """Preempting the queued turn used to leave the releasing slot open for good: no KV, no
-    turn, ``closing`` set, every later turn of the id served without it."""
+async def _released_with_its_next_turn_queued() -> tuple[Any, Conversation, Any]:
+    """A stack whose session "A" is released (``closing``) while its next turn is matched,
+    only queued; with the conversation and that turn's request."""
     st = make_stack(device_pages=16, config=SessionConfig())
     a = Conversation(st, "A", seed=1)
     await a.turn(n_in=20, n_out=3)
     req = a.request(4)
     st.cache.match_req(req)  # the next turn is matched, only queued
     assert st.cache.release_session("A") and st.cache.slots["A"].closing
+    return st, a, req
+
+
+async def test_a_session_released_while_its_turn_is_queued_closes_when_pressure_preempts_it() -> None:
+    """Preempting the queued turn used to leave the releasing slot open for good: no KV, no
+    turn, ``closing`` set, every later turn of the id served without it."""
+    st, _, _ = await _released_with_its_next_turn_queued()
     st.cache.ensure_req_slots(st.req_pool.size)  # pressure: offloads idle and queued slots
     assert "A" not in st.cache.slots
     assert st.cache.session_metrics.counters["sessions_released"] == 1
@@ -149,12 +156,7 @@ async def test_a_released_sessions_queued_turn_whose_hand_over_fails_closes_the_
     """Pressure preempted the queued turn of a session being released and the hand-over raised
     something other than ValueError: the session stayed ``closing`` for good (no KV, no turn),
     and every later turn of the id was served without it until ``session_timeout_s``."""
-    st = make_stack(device_pages=16, config=SessionConfig())
-    a = Conversation(st, "A", seed=1)
-    await a.turn(n_in=20, n_out=3)
-    req = a.request(4)
-    st.cache.match_req(req)  # the next turn is matched, only queued
-    assert st.cache.release_session("A") and st.cache.slots["A"].closing
+    st, a, req = await _released_with_its_next_turn_queued()
     real_insert = st.inner.insert
 
     def broken_insert(*args, **kwargs):  # type: ignore[no-untyped-def]
