@@ -54,7 +54,7 @@ from hicache_backends.s3.breaker import BreakerState, CircuitBreaker
 from hicache_backends.s3.cache import ExistsCache
 from hicache_backends.s3 import fs as s3_fs
 from hicache_backends.s3.fs import (
-    LoopLocal, LoopResources, ObjectOps, ThreadObjectOps, close_all, is_s3fs, make_ops,
+    LoopLocal, LoopResources, ObjectOps, ThreadObjectOps, built_target, close_all, is_s3fs, make_ops,
 )
 from hicache_backends.s3.naming import ObjectNames, Redactor, redact_options, redact_url
 from hicache_backends.s3.runs import MAX_BYTES as MAX_INDEX_BYTES, MIN_RUN, decode_run, encode_run
@@ -414,7 +414,8 @@ class FsspecStorage(AsyncHiCacheStorage):
     def _make_resources(self) -> LoopResources:
         fs = self._fs_class(**self._filesystem_options())
         # (a dir:// store's target may be S3: the one it built, never a filesystem the caller gave)
-        s3 = fs.fs if isinstance(fs, DirFileSystem) and fs.storage_options.get("fs") is None else fs
+        target = built_target(fs)
+        s3 = fs if target is None else target
         if is_s3fs(s3):
             # s3fs's own retry loop: one attempt (see _filesystem_options). It still sleeps 0.1 s
             # after a transient error before giving up; the breaker keeps that rare.

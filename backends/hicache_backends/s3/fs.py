@@ -47,7 +47,9 @@ __all__ = [
     "NextView",
     "ThreadObjectOps",
     "ViewFiller",
+    "built_target",
     "fill_views",
+    "is_s3fs",
     "make_ops",
 ]
 
@@ -205,9 +207,9 @@ class AsyncObjectOps:
     async def close(self) -> None:
         fs = self.fs
         if isinstance(fs, DirFileSystem):  # it holds no session: its target does
-            if fs.storage_options.get("fs") is not None:
+            fs = built_target(fs)
+            if fs is None:
                 return  # a filesystem the caller gave, theirs to close
-            fs = fs.fs  # built per loop with it, from target_protocol
         if is_s3fs(fs):
             await _close_s3_client(fs)
             return
@@ -765,10 +767,19 @@ def make_ops(fs: Any) -> ObjectOps:
     """The adapter for ``fs``: native coroutines where the filesystem has them and was built
     for them (a DirFileSystem over a synchronous filesystem is built synchronous)."""
     if getattr(fs, "async_impl", False) and getattr(fs, "asynchronous", False):
-        if isinstance(fs, DirFileSystem) and is_s3fs(fs.fs) and fs.storage_options.get("fs") is None:
+        if is_s3fs(built_target(fs)):
             return DirS3ObjectOps(fs)
         return S3ObjectOps(fs) if is_s3fs(fs) else AsyncObjectOps(fs)
     return ThreadObjectOps(fs)
+
+
+def built_target(fs: Any) -> Any | None:
+    """The filesystem a DirFileSystem ``fs`` built itself from its ``target_protocol`` (one per
+    loop with it: the store configures and closes it); ``None`` for any other ``fs``, and for a
+    DirFileSystem given a filesystem object (the caller's, never configured or closed here)."""
+    if isinstance(fs, DirFileSystem) and fs.storage_options.get("fs") is None:
+        return fs.fs
+    return None
 
 
 def is_s3fs(fs: Any) -> bool:
