@@ -108,11 +108,9 @@ def _export_storage(metrics: InstanceMetrics, storage: Any) -> None:
     store_wide = {**labels, "store": str(stats.get("store", ""))}
     for key, value in numeric_items(stats):
         kind = "counter" if key in counters else "gauge"
-        if kind == "gauge" and key in _STORE_WIDE:
-            metrics.mirror(kind, f"backend_{key}", value, f"storage backend {key.replace('_', ' ')}", store_wide,
-                           mode="livemax")
-            continue
-        metrics.mirror(kind, f"backend_{key}", value, f"storage backend {key.replace('_', ' ')}", labels)
+        wide = kind == "gauge" and key in _STORE_WIDE
+        metrics.mirror(kind, f"backend_{key}", value, f"storage backend {key.replace('_', ' ')}",
+                       store_wide if wide else labels, **({"mode": "livemax"} if wide else {}))
     state = stats.get("breaker_state")
     if isinstance(state, str) and state in BREAKER_STATES:
         metrics.mirror("gauge", "backend_breaker_state", BREAKER_STATES[state],
