@@ -1,6 +1,6 @@
 """Config-driven deployment: the schema and its loader."""
 
-from hicache.config.loader import ENV_PREFIX, aload_config, check_backend, config_from_dict, env_overrides, load_config
+from hicache.config.loader import ENV_PREFIX, aload_config, check_backend, config_from_dict, env_overrides, env_variables, load_config
 from hicache.config.schema import (
     CacheConfig,
     DeviceConfig,
@@ -34,5 +34,6 @@ __all__ = [
     "check_backend",
     "config_from_dict",
     "env_overrides",
+    "env_variables",
     "load_config",
 ]

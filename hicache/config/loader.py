@@ -41,7 +41,7 @@ from hicache.config.schema import HiCacheConfig, storage_backend_name, union_arg
 from hicache.errors import BackendLoadError, BackendNotFoundError, ConfigError
 from hicache.json_keys import DuplicateKeyError, unique_keys
 
-__all__ = ["ENV_PREFIX", "load_config", "aload_config", "config_from_dict", "env_overrides", "check_backend"]
+__all__ = ["ENV_PREFIX", "load_config", "aload_config", "config_from_dict", "env_overrides", "env_variables", "check_backend"]
 
 logger = logging.getLogger("hicache.config")
 
@@ -160,6 +160,12 @@ def _env_path(name: str) -> list[str] | None:
     if not name.upper().startswith(ENV_PREFIX):
         return None
     return [p.lower() for p in name[len(ENV_PREFIX) :].split("__") if p]
+
+
+def env_variables(environ: Mapping[str, str] | None = None) -> list[str]:
+    """The ``HICACHE__...`` variables set that name a config field, sorted."""
+    environ = os.environ if environ is None else environ
+    return sorted(name for name in environ if _env_path(name))
 
 
 def env_overrides(environ: Mapping[str, str] | None = None) -> dict[str, Any]:

@@ -337,9 +337,9 @@ def _warn_env_ignored(path: str | os.PathLike[str]) -> None:
     """One warning naming the ``HICACHE__`` variables set, which a replay-native config does not
     take (its fields are not the deployment schema's): ``--config`` says they override the file,
     and ``HICACHE__STORAGE__BACKEND=none`` was ignored without a word."""
-    from hicache.config import ENV_PREFIX
+    from hicache.config import env_variables
 
-    names = sorted(n for n in os.environ if n.upper().startswith(ENV_PREFIX) and n[len(ENV_PREFIX):].strip("_"))
+    names = env_variables()
     if names:
         logger.warning("replay: %s is a replay config ([tiers], [kv], ...), which %s do not apply to; they are "
                        "ignored (they override a deployment config's fields)", path, ", ".join(names))
