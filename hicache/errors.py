@@ -23,7 +23,11 @@ corrupt or unreachable, because in a cache a miss is the normal path.
 
 from __future__ import annotations
 
+import reprlib
+from typing import Any
+
 __all__ = [
+    "quoted",
     "HiCacheError",
     "ConfigError",
     "BackendNotFoundError",
@@ -38,6 +42,18 @@ __all__ = [
     "PrefixLoadError",
     "ChainGoneError",
 ]
+
+
+# what an error message shows of a value a user sent: a few levels, a few items, a short string
+# (quoted whole, a megabyte string or 100k field names made a megabyte message per request)
+_SHORT = reprlib.Repr()
+_SHORT.maxlevel, _SHORT.maxdict, _SHORT.maxlist, _SHORT.maxtuple, _SHORT.maxset = 3, 6, 6, 6, 6
+_SHORT.maxstring, _SHORT.maxother, _SHORT.maxlong = 80, 80, 40
+
+
+def quoted(value: Any) -> str:
+    """``repr(value)`` cut short, for an error message that names a bad value."""
+    return _SHORT.repr(value)
 
 
 class HiCacheError(Exception):

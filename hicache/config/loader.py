@@ -27,7 +27,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import reprlib
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
@@ -38,7 +37,7 @@ import yaml
 from pydantic import TypeAdapter, ValidationError
 
 from hicache.config.schema import HiCacheConfig, storage_backend_name, union_args
-from hicache.errors import BackendLoadError, BackendNotFoundError, ConfigError
+from hicache.errors import BackendLoadError, BackendNotFoundError, ConfigError, quoted
 from hicache.json_keys import DuplicateKeyError, unique_keys
 
 __all__ = ["ENV_PREFIX", "load_config", "aload_config", "config_from_dict", "env_overrides", "env_variables", "check_backend"]
@@ -46,11 +45,6 @@ __all__ = ["ENV_PREFIX", "load_config", "aload_config", "config_from_dict", "env
 logger = logging.getLogger("hicache.config")
 
 ENV_PREFIX = "HICACHE__"
-
-# what an error message shows of a bad value: a few levels, a few items, a short string
-_SHORT = reprlib.Repr()
-_SHORT.maxlevel, _SHORT.maxdict, _SHORT.maxlist, _SHORT.maxtuple, _SHORT.maxset = 3, 6, 6, 6, 6
-_SHORT.maxstring, _SHORT.maxother, _SHORT.maxlong = 80, 80, 40
 
 
 def _read_file(path: Path) -> dict[str, Any]:
@@ -218,7 +212,7 @@ def _format_errors(exc: ValidationError, source: str) -> str:
             parent = _allowed_fields(err["loc"][:-1])
             msg = f"unknown key; allowed here: {', '.join(parent)}" if parent else "unknown key"
         elif "input" in err and err["type"] not in ("missing",):
-            msg = f"{msg} (got {_SHORT.repr(err['input'])})"
+            msg = f"{msg} (got {quoted(err['input'])})"
         lines.append(f"  - {loc}: {msg}")
     return "\n".join(lines)
 

@@ -17,23 +17,16 @@ Body::
 from __future__ import annotations
 
 import json
-import reprlib
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from hicache.errors import HiCacheError
+from hicache.errors import HiCacheError, quoted
 
 __all__ = ["GenerateRequest", "RequestError", "decode_generate", "parse_generate", "text_of_tokens", "tokens_of_text"]
 
 _KNOWN = {"tokens", "prompt", "max_new_tokens", "session_id", "end_session", "stream", "debug_reference", "rid"}
 
-# what an error quotes of the client's value or field names: a few items, a short string. The
-# message is answered and logged, and quoted whole a megabyte string (or 100k field names) made
-# a megabyte answer and log line per request
-_SHORT = reprlib.Repr()
-_SHORT.maxlevel, _SHORT.maxdict, _SHORT.maxlist, _SHORT.maxtuple, _SHORT.maxset = 2, 6, 6, 6, 6
-_SHORT.maxstring, _SHORT.maxother, _SHORT.maxlong = 60, 60, 40
 
 
 class RequestError(HiCacheError, ValueError):
@@ -90,7 +83,7 @@ def text_of_tokens(tokens: list[int]) -> str:
 def _flag(body: dict[str, Any], name: str) -> bool:
     value = body.get(name, False)
     if not isinstance(value, bool):
-        raise RequestError(f"{name} must be true or false, got {_SHORT.repr(value)}")
+        raise RequestError(f"{name} must be true or false, got {quoted(value)}")
     return value
 
 
@@ -115,7 +108,7 @@ def parse_generate(
         raise RequestError("the body must be a JSON object")
     unknown = sorted(set(body) - _KNOWN)
     if unknown:
-        raise RequestError(f"{len(unknown)} unknown field(s) {_SHORT.repr(unknown)}; allowed: {sorted(_KNOWN)}")
+        raise RequestError(f"{len(unknown)} unknown field(s) {quoted(unknown)}; allowed: {sorted(_KNOWN)}")
     has_tokens, has_prompt = "tokens" in body, "prompt" in body
     if has_tokens == has_prompt:
         raise RequestError("give exactly one of 'tokens' (list of ints) or 'prompt' (string)")
@@ -132,13 +125,13 @@ def parse_generate(
         raise RequestError("the prompt is empty")
     bad = next((t for t in tokens if not 0 <= t < vocab_size), None)
     if bad is not None:
-        raise RequestError(f"token {_SHORT.repr(bad)} is outside the vocabulary [0, {vocab_size})")
+        raise RequestError(f"token {quoted(bad)} is outside the vocabulary [0, {vocab_size})")
     n_new = body.get("max_new_tokens", default_max_new_tokens)
     if not isinstance(n_new, int) or isinstance(n_new, bool) or n_new <= 0:
-        raise RequestError(f"max_new_tokens must be a positive integer, got {_SHORT.repr(n_new)}")
+        raise RequestError(f"max_new_tokens must be a positive integer, got {quoted(n_new)}")
     if len(tokens) + n_new > max_context_len:
         raise RequestError(
-            f"prompt ({len(tokens)} tokens) plus max_new_tokens ({_SHORT.repr(n_new)}) exceeds the context limit "
+            f"prompt ({len(tokens)} tokens) plus max_new_tokens ({quoted(n_new)}) exceeds the context limit "
             f"{max_context_len}"
         )
     return GenerateRequest(
