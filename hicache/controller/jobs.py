@@ -15,6 +15,7 @@ from collections.abc import Callable
 import torch
 
 from hicache.keys import validate_key, validate_keys
+from hicache.memory.device import has_integer_dtype
 from hicache.controller.transfers import slice_transfer
 from hicache.storage import PoolTransfer
 
@@ -70,8 +71,7 @@ class StorageWriteJob:
         if self.prior_key is not None:
             validate_key(self.prior_key)
         hi = self.host_indices
-        if not isinstance(hi, torch.Tensor) or hi.dim() != 1 or hi.dtype.is_floating_point \
-                or hi.dtype.is_complex or hi.dtype == torch.bool:
+        if not isinstance(hi, torch.Tensor) or hi.dim() != 1 or not has_integer_dtype(hi):
             raise ValueError(f"host_indices must be a 1-D integer tensor, got {type(hi).__name__} "
                              f"{getattr(hi, 'dtype', '')} {tuple(getattr(hi, 'shape', ()))}")
         if hi.numel() != len(self.keys) * page_size:

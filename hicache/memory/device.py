@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-__all__ = ["device_for", "as_index_array", "integer_tensor_array", "is_one_run"]
+__all__ = ["device_for", "as_index_array", "has_integer_dtype", "integer_tensor_array", "is_one_run"]
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +43,12 @@ def is_one_run(arr: np.ndarray) -> bool:
     return int(arr[-1]) - int(arr[0]) == arr.size - 1 and np.count_nonzero(arr[1:] > arr[:-1]) == arr.size - 1
 
 
+def has_integer_dtype(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` holds integers that can index: not floats, complex numbers or bools
+    (a bool tensor indexes as a mask)."""
+    return not (tensor.is_floating_point() or tensor.is_complex() or tensor.dtype == torch.bool)
+
+
 def integer_tensor_array(indices: torch.Tensor) -> np.ndarray:
     """An integer tensor's values as a 1-D int64 numpy array on the host (a view when the tensor
     is a CPU int64 one). The caller has checked the dtype (:func:`as_index_array` does)."""
@@ -62,7 +68,7 @@ def as_index_array(indices: IndexLike, *, what: str = "indices") -> np.ndarray:
     thousand integers at most, and doing it in torch on a GPU would force a sync per call anyway.
     """
     if isinstance(indices, torch.Tensor):
-        if indices.is_floating_point() or indices.is_complex() or indices.dtype == torch.bool:
+        if not has_integer_dtype(indices):
             raise TypeError(f"{what} must be an integer tensor, got {indices.dtype}")
         arr = integer_tensor_array(indices)
     elif isinstance(indices, bool):  # an int to Python: free(True) freed slot 1

@@ -17,7 +17,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 import torch
 
-from hicache.memory.device import integer_tensor_array, is_one_run
+from hicache.memory.device import has_integer_dtype, integer_tensor_array, is_one_run
 
 __all__ = [
     "HostPagePool",
@@ -82,7 +82,7 @@ def _fits(host_indices: torch.Tensor | None, num_keys: int, page_size: int) -> b
     return (
         isinstance(host_indices, torch.Tensor)
         and host_indices.numel() == num_keys * page_size
-        and not (host_indices.is_floating_point() or host_indices.is_complex() or host_indices.dtype is torch.bool)
+        and has_integer_dtype(host_indices)
     )
 
 
@@ -98,7 +98,7 @@ def indices_refusal(host_indices: object) -> str:
     got = f"got {host_indices.numel()}"
     if host_indices.dim() != 1:
         got += f" (shape {tuple(host_indices.shape)})"
-    if host_indices.is_floating_point() or host_indices.is_complex() or host_indices.dtype is torch.bool:
+    if not has_integer_dtype(host_indices):
         got += f" of dtype {host_indices.dtype}, not an integer dtype"
     return got
 
