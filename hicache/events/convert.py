@@ -53,14 +53,21 @@ def block_hash(key: str, fmt: HashFormat = "bytes") -> BlockHash:
 
 
 def to_event(change: TierChange, fmt: HashFormat = "bytes") -> KVEvent | None:
-    """The event of one change; ``None`` for a change that says nothing (no keys)."""
+    """The event of one change; ``None`` for a change that says nothing (no keys).
+
+    A clear is ``AllBlocksCleared`` only when the tier cannot name what it dropped (a store's
+    ``clear()``); one that lists its pages (``keys_complete``) is a ``BlockRemoved`` of exactly
+    those on its medium, since vLLM-schema consumers take any ``AllBlocksCleared`` as "every
+    tier of the replica is empty"."""
     medium = MEDIUMS[change.tier]
-    if change.kind is ChangeKind.CLEARED:
+    if change.kind is ChangeKind.CLEARED and not change.keys_complete:
         return AllBlocksCleared(medium=medium)
     if not change.keys:
         return None
     hashes = [block_hash(k, fmt) for k in change.keys]
-    if change.kind is ChangeKind.REMOVED:
+    if change.kind is not ChangeKind.STORED:
+        # a clear that names its pages (the tree's reset of device and host) is their removal:
+        # vLLM's AllBlocksCleared has no medium, so a router would forget what storage still serves
         return BlockRemoved(block_hashes=hashes, medium=medium)
     parent = block_hash(change.parent_key, fmt) if change.parent_key else None
     return BlockStored(

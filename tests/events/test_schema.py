@@ -68,6 +68,10 @@ def test_changes_become_events_with_chained_parents() -> None:
     ev = to_event(TierChange(ChangeKind.REMOVED, Tier.STORAGE, (keys[0],)))
     assert ev == BlockRemoved(block_hashes=[bytes.fromhex(keys[0])], medium="STORAGE")
     assert to_event(TierChange(ChangeKind.CLEARED, Tier.DEVICE)) == AllBlocksCleared(medium="GPU")
+    # a reset names what device and host dropped: their removal, never a clear of every tier
+    ev = to_event(TierChange(ChangeKind.CLEARED, Tier.HOST, tuple(keys[:2]), keys_complete=True))
+    assert ev == BlockRemoved(block_hashes=[bytes.fromhex(k) for k in keys[:2]], medium="CPU")
+    assert to_event(TierChange(ChangeKind.CLEARED, Tier.DEVICE, (), keys_complete=True)) is None
     assert to_event(TierChange(ChangeKind.REMOVED, Tier.DEVICE, ())) is None
 
 

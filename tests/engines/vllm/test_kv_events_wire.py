@@ -87,3 +87,45 @@ def test_our_consumer_reads_and_replays_vllms_publisher(tmp_path: Path) -> None:
         assert [g.batch.events[0].block_hashes for g in got] == [[i] for i in range(5)]
     finally:
         pub.shutdown()
+
+
+def apply_as_a_router(index: dict[bytes | int, set[str | None]], batch: vk.KVEventBatch) -> None:
+    """A cache-aware router's view of one replica (what llm-d, Dynamo, sgl-router keep), fed
+    vLLM's own event objects: block -> the media holding it. vLLM's ``AllBlocksCleared`` has no
+    fields, so a router can only forget every block of the replica on one."""
+    for event in batch.events:
+        if isinstance(event, vk.AllBlocksCleared):
+            index.clear()
+        elif isinstance(event, vk.BlockStored):
+            for h in event.block_hashes:
+                index.setdefault(h, set()).add(event.medium)
+        else:
+            for h in event.block_hashes:
+                index.get(h, set()).discard(event.medium)
+                if not index.get(h, True):
+                    del index[h]
+
+
+async def test_a_reset_leaves_a_vllm_consumer_knowing_the_pages_storage_still_holds() -> None:
+    """A reset (``flush_cache``, a weight update) drops device and host pages, not storage:
+    a router must keep routing to this replica for the prefixes storage still serves. An
+    ``AllBlocksCleared`` per tier made it forget them all (vLLM's class drops our medium)."""
+    cfg = {"device": {"device": "cpu", "size_tokens": 256, "page_size": 16}, "storage": {"backend": "memory"}}
+    async with HiCache.from_config(cfg) as cache:
+        stream = cache.events()
+        h = await cache.begin("r", list(range(64)))
+        await cache.commit(h)
+        await cache.drain()
+        cache.cache.reset()
+        await cache.drain()
+        index: dict[bytes | int, set[str | None]] = {}
+        seen = 0
+        while True:
+            try:
+                _, batch = await asyncio.wait_for(stream.get(), 1.0)
+            except TimeoutError:
+                break
+            apply_as_a_router(index, DECODER.decode(encode_batch(batch)))
+            seen += len(batch.events)
+    assert seen
+    assert len(index) == 4 and all(media == {vk.MEDIUM_STORAGE} for media in index.values()), index
