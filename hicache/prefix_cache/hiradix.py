@@ -306,7 +306,10 @@ class HiRadixCache(RadixCache):
         tell a page the tiers held from one never seen, so after one ``flush_cache`` every
         later miss read ``unknown`` for good (a server that flushes on each weight update lost
         its miss reasons). Keys not computed yet are hashed here, once per page, as an
-        eviction would hash them; nothing is hashed when no subscriber wants clears."""
+        eviction would hash them; nothing is hashed when no subscriber wants clears. A host
+        copy still being made (``backup_op``) is left out: host is announced when the copy
+        lands, which a reset discards, and routers must not see a removal of a block never
+        stored there."""
         hub = self.tier_changes
         wanted = [tier for tier in (Tier.DEVICE, Tier.HOST) if hub.wants(ChangeKind.CLEARED, tier)]
         held: dict[Tier, list[str]] = {Tier.DEVICE: [], Tier.HOST: []}
@@ -314,8 +317,8 @@ class HiRadixCache(RadixCache):
             if wanted:
                 if node.value is not None:
                     held[Tier.DEVICE] += node.hash_value
-                if node.host_value is not None:
-                    held[Tier.HOST] += node.hash_value
+                if node.host_value is not None and node.backup_op is None:
+                    held[Tier.HOST] += node.hash_value  # a copy still running was never announced
             if (node.host_value is not None and node.backup_op is None and node.storage_op is None
                     and not self.load_backs.reads_dropped_host(node)):
                 self._free_host(node.host_value)

@@ -272,3 +272,23 @@ async def test_take_events_honours_the_config_files_hash_format_and_tiers(tmp_pa
     assert events, "no event for the host tier"
     assert {e.medium for e in events} == {"CPU"}
     assert [h for e in events for h in e.block_hashes] == [block_hash(k, "int") for k in page_hashes(tokens, PS)]
+
+
+async def test_a_reset_during_a_backup_names_only_the_host_pages_announced() -> None:
+    """A reset lists the pages host dropped; a page whose device->host copy was still running
+    was never announced stored on host (that comes when the copy lands, and the reset discards
+    it), so naming it made routers see a CPU removal of a block never stored there."""
+    stack = stack_for()
+    seen = record(stack.tier_changes)
+    await serve_request(stack, toks(0, 16), rid="a")
+    await asyncio.sleep(0)  # the write-through backup starts; it has not landed
+    assert any(n.backup_op is not None for n in stack.cache._nodes())
+    stack.cache.reset()
+    announced = {k for c in of(seen, ChangeKind.STORED, Tier.HOST) for k in c.keys}
+    (host,) = of(seen, ChangeKind.CLEARED, Tier.HOST)
+    (device,) = of(seen, ChangeKind.CLEARED, Tier.DEVICE)
+    assert host.keys_complete and set(host.keys) <= announced, (host.keys, announced)
+    assert device.keys == tuple(page_hashes(toks(0, 16), PS))
+    await stack.cache.drain()
+    assert not of(seen, ChangeKind.STORED, Tier.HOST)  # the copy of the dropped tree is not announced
+    await stack.aclose()
