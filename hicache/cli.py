@@ -145,8 +145,10 @@ def _cmd_serve(args: argparse.Namespace) -> Any:
     from hicache.server import serve
 
     config = _load(args.config)
-    if args.port is not None:
-        config = config.model_copy(update={"server": config.server.model_copy(update={"port": args.port})})
+    server = {name: value for name, value in (("port", args.port), ("shutdown_timeout_s", args.shutdown_timeout))
+              if value is not None}
+    if server:
+        config = config.model_copy(update={"server": config.server.model_copy(update=server)})
     serve(config)
     return None
 
@@ -211,6 +213,15 @@ def _seconds_arg(text: str) -> float:
         raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
     if not 0 < value < 1e9:
         raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text}")
+    return value
+
+
+def _drain_seconds_arg(text: str) -> float:
+    """An argparse type for ``serve --shutdown-timeout``: seconds > 0, at most the config
+    field's bound (an hour)."""
+    value = _seconds_arg(text)
+    if value > 3600:
+        raise argparse.ArgumentTypeError(f"must be at most 3600 seconds, got {text}")
     return value
 
 
@@ -345,6 +356,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="run the demo HTTP server")
     _config_arg(p)
     p.add_argument("--port", type=int, default=None)
+    p.add_argument("--shutdown-timeout", type=_drain_seconds_arg, default=None, metavar="SECONDS",
+                   help="the whole drain on SIGTERM, requests then the cache's close (default: server.shutdown_timeout_s, "
+                        "20 s; env HICACHE__SERVER__SHUTDOWN_TIMEOUT_S); keep it under the container's grace period")
     p.set_defaults(func=_cmd_serve)
 
     p = sub.add_parser("replay", help="replay a Mooncake-format trace through the real cache")

@@ -288,6 +288,7 @@ def controller_options(config: Any) -> dict[str, Any]:
         "storage_queue_size": cache.queue_size,
         "storage_batch_pages": cache.backup_batch_pages,
         "storage_max_retries": cache.backup_retries,
+        "close_timeout_s": cache.close_timeout_s,
         "prefetch_policy": prefetch.policy,
         "prefetch_threshold": prefetch.threshold_tokens,
         "prefetch_timeout_base_s": prefetch.timeout_base_s,

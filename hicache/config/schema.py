@@ -192,6 +192,9 @@ class CacheConfig(_Section):
     backup_batch_pages: int = Field(64, gt=0, description="Pages per host->storage batch.")
     queue_size: int = Field(1024, gt=0, description="Bound of every controller queue (backpressure).")
     backup_retries: int = Field(3, ge=0)
+    close_timeout_s: float = Field(
+        30.0, ge=0, le=3600, description="How long closing the cache waits for queued writes to reach storage; "
+                                         "what is left is in the close report. The server caps it to fit its drain.")
     prefetch: PrefetchConfig = Field(default_factory=PrefetchConfig)
     explain_misses: bool = Field(
         False, description="Explain mode of the miss attribution: probe other namespaces of the store (one page, "
@@ -251,6 +254,11 @@ class ServerConfig(_Section):
     port: int = Field(8471, ge=0, le=65535)
     max_batch: int = Field(8, gt=0, description="Requests prefilled together.")
     max_new_tokens: int = Field(16, gt=0)
+    shutdown_timeout_s: float = Field(
+        20.0, gt=0, le=3600,
+        description="The whole drain on SIGTERM/SIGINT: requests in flight, then the cache's close (its queued "
+                    "writes). Keep it under the container's grace period (Kubernetes' terminationGracePeriodSeconds, "
+                    "30 s by default): a process killed mid-drain loses its queued writes unreported.")
 
 
 def _all_tiers() -> list[Literal["device", "host", "storage"]]:

@@ -61,27 +61,33 @@ async def running_server(
     host: str | None = None,
     port: int | None = None,
     spec: ModelSpec | None = None,
-    shutdown_timeout: float = 30.0,
+    shutdown_timeout: float | None = None,
 ) -> AsyncIterator[RunningServer]:
     """Serve on ``host:port`` (default: ``config.server``; port 0 picks a free one) until the
-    block exits, then drain: stop listening, finish in-flight requests, close the cache. A
-    request that has not started within ``shutdown_timeout`` is answered 503 (retry elsewhere);
-    one still running just before twice that (when aiohttp would cut it) is stopped and answered
-    503 too (a stream already under way: its last line carries the error).
+    block exits, then drain: stop listening, finish in-flight requests, close the cache, all
+    within ``shutdown_timeout`` (default ``config.server.shutdown_timeout_s``; see
+    :func:`_drain_shares`). A request that has not started within a quarter of it is answered
+    503 (retry elsewhere); one still running just before half of it (when aiohttp would cut it)
+    is stopped and answered 503 too (a stream already under way: its last line carries the
+    error). The cache's close drains its queued writes for at most a quarter (less when
+    ``cache.close_timeout_s`` says so) and its report is logged.
 
     ``mode="recompute"`` serves with no cache at all (the baseline); ``cache`` serves an
     already entered cache that the caller keeps ownership of.
     """
     host = config.server.host if host is None else host
     port = config.server.port if port is None else port
+    budget = config.server.shutdown_timeout_s if shutdown_timeout is None else shutdown_timeout
+    requests_s, close_s = _drain_shares(budget)
     external = cache is not None
     async with contextlib.AsyncExitStack() as stack:
         if cache is None:
-            opened: CacheLike = await stack.enter_async_context(_open_cache(config, mode))
+            opened: CacheLike = await _open_cache(_close_within(config, close_s), mode).__aenter__()
+            stack.push_async_callback(_close_and_report, opened)
             cache = opened
         app = create_app(cache, config, spec=spec)
-        _answer_unfinished_at_drain_end(app, shutdown_timeout, stack)
-        runner = web.AppRunner(app, access_log=None, shutdown_timeout=shutdown_timeout,
+        _answer_unfinished_at_drain_end(app, requests_s, stack)
+        runner = web.AppRunner(app, access_log=None, shutdown_timeout=requests_s,
                                logger=ProtocolLog(app[STATE].metrics))  # a request it cannot parse: one line
         await runner.setup()
         stack.push_async_callback(runner.cleanup)
@@ -96,6 +102,37 @@ async def running_server(
         logger.info("serving on %s (%s)", server.url, "caller's cache" if external else mode)
         yield server
     logger.info("server stopped")
+
+
+async def _close_and_report(cache: Any) -> None:
+    """Close ``cache`` and log its close report: what its drain left unwritten, if anything.
+    The report was dropped (``__aexit__`` returns nothing), so a drain cut by its bound left
+    no trace of the writes it gave up."""
+    report = await cache.aclose()
+    summary = getattr(report, "summary", None)
+    if summary is None:  # a cache with nothing to write (the recompute baseline)
+        return
+    clean = report.drained and not report.unwritten
+    logger.log(logging.INFO if clean else logging.WARNING, "cache closed: %s", summary())
+
+
+def _drain_shares(budget: float) -> tuple[float, float]:
+    """How a drain of ``budget`` seconds is shared: aiohttp's ``shutdown_timeout`` (the
+    requests get twice that: a wait, then the cut) and the cache close's drain of its queued
+    writes, each a quarter. The last quarter is for what follows a drain that timed out (the
+    store's close and its thread's stop, each bounded by the close's limit too).
+
+    Why: the bound was a fixed 30 s for aiohttp alone (60 s for the requests) and the cache's
+    close 30 s more; a container's grace (Kubernetes': 30 s by default) ended first, and the
+    SIGKILL lost the queued writes with no close report."""
+    return budget / 4, budget / 4
+
+
+def _close_within(config: HiCacheConfig, seconds: float) -> HiCacheConfig:
+    """``config`` with the cache's close bounded by ``seconds`` (its own bound when lower)."""
+    if config.cache.close_timeout_s <= seconds:
+        return config
+    return config.model_copy(update={"cache": config.cache.model_copy(update={"close_timeout_s": seconds})})
 
 
 def _answer_unfinished_at_drain_end(app: web.Application, delay: float, stack: contextlib.AsyncExitStack) -> None:
@@ -137,7 +174,9 @@ async def _serve_until_signal(config: HiCacheConfig, mode: Literal["hicache", "r
     async with running_server(config, mode=mode) as server:
         print(f"hicache server on {server.url} (Ctrl-C to stop)", flush=True)
         await stop.wait()
-        logger.info("shutting down: draining requests and the cache")
+        scheduler = server.state.scheduler
+        logger.info("shutting down: draining %d queued and %d running request(s) and the cache, for at most %g s",
+                    scheduler.queued, scheduler.running, config.server.shutdown_timeout_s)
 
 
 def serve(config: HiCacheConfig, *, mode: Literal["hicache", "recompute"] = "hicache") -> None:

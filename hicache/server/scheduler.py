@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from hicache.engine.runner import Engine, GenerateResult
-from hicache.errors import CacheClosedError, HiCacheError, OutOfKVSlotsError
+from hicache.errors import CacheClosedError, HiCacheError, OutOfKVSlotsError, quoted
 from hicache.server.metrics import ServerMetrics
 from hicache.server.protocol import GenerateRequest
 from hicache.server.session_order import SessionOrder, SessionTurn
@@ -87,6 +87,14 @@ def status_of(exc: BaseException) -> tuple[int, str]:
 
 
 _STOP = object()
+#: how many request ids a drain's log line names
+_LOGGED_RIDS = 8
+
+
+def _rids(jobs: list[Job]) -> str:
+    """The ids of ``jobs`` for a log line, quoted (a client chose them), the first few only."""
+    shown = ", ".join(quoted(job.request.rid) for job in jobs[:_LOGGED_RIDS])
+    return shown + (f" and {len(jobs) - _LOGGED_RIDS} more" if len(jobs) > _LOGGED_RIDS else "")
 
 
 @dataclass(frozen=True)
@@ -166,6 +174,16 @@ class Scheduler:
     @property
     def closing(self) -> bool:
         return self._closing
+
+    @property
+    def queued(self) -> int:
+        """Requests that have not started: queued, or waiting for their session or a slot."""
+        return len(self._waiting)
+
+    @property
+    def running(self) -> int:
+        """Requests started and not ended."""
+        return sum(1 for job in self._started if not job.queued)
 
     # -- submission
     def submit(self, request: GenerateRequest, *, arrival: float | None = None,
@@ -273,7 +291,7 @@ class Scheduler:
             if job.task is not None and not job.task.done():
                 job.task.cancel()
         if refused:
-            logger.warning("drain timed out: %d request(s) that %s", len(refused), logged)
+            logger.warning("drain timed out: %d request(s) that %s: %s", len(refused), logged, _rids(refused))
         return len(refused)
 
     # -- internals
