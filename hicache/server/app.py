@@ -41,7 +41,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from hicache.config.schema import HiCacheConfig
 from hicache.engine.model import ModelSpec, TinyTransformer
 from hicache.engine.runner import CacheLike, Engine, GenerateResult
-from hicache.errors import HiCacheError
+from hicache.errors import HiCacheError, quoted
 from hicache.observability.metrics import CONTENT_TYPE, exposition
 from hicache.server.metrics import ServerMetrics
 from hicache.server.protocol import GenerateRequest, RequestError, decode_generate, text_of_tokens
@@ -88,7 +88,7 @@ async def _wait_for_client(request: web.Request, st: ServerState, job: Job,
             if done:
                 return True
             if _client_gone(request):
-                logger.info("request %s: the client hung up; dropped", job.request.rid)
+                logger.info("request %s: the client hung up; dropped", quoted(job.request.rid))
                 st.scheduler.abandon(job)
                 return False
     except asyncio.CancelledError:
@@ -102,7 +102,7 @@ def _cut(st: ServerState, job: Job) -> None:
     ``running_server`` answers them before, an app run by another runner may not)."""
     if st.draining and not job.future.done():
         logger.warning("request %s: cut by the server's shutdown before it finished; no answer was sent",
-                       job.request.rid)
+                       quoted(job.request.rid))
     st.scheduler.abandon(job)
 
 
@@ -128,12 +128,13 @@ def _error_of(exc: BaseException) -> web.Response:
     return _error(status, str(exc) or type(exc).__name__, **({"Retry-After": "1"} if status == 503 else {}))
 
 
-def _failure(rid: str, exc: BaseException) -> web.Response:
+def _failure(what: str, exc: BaseException) -> web.Response:
     """The answer to a request that failed while served: its status for an error of the cache
-    or of the request (:func:`_error_of`), else a 500 whose traceback goes to the log."""
+    or of the request (:func:`_error_of`), else a 500 whose traceback goes to the log. ``what``
+    names the request in that log line, quoted (:func:`quoted`: a client chose its id)."""
     if isinstance(exc, (HiCacheError, MemoryError, ValueError)):
         return _error_of(exc)
-    logger.error("request %s failed", rid, exc_info=exc)
+    logger.error("request %s failed", what, exc_info=exc)
     return _error(500, f"internal error: {type(exc).__name__}")
 
 
@@ -151,7 +152,7 @@ async def _json_http_errors(request: web.Request, handler: Any) -> web.StreamRes
             raise
         if exc.status < 500:
             request.app[STATE].metrics.requests["bad_request"] += 1
-            logger.info("bad request from %s: %s %s: %d %s", request.remote, request.method, request.path,
+            logger.info("bad request from %s: %s %s: %d %s", request.remote, request.method, quoted(request.path),
                         exc.status, exc.reason)
         headers = {k: v for k, v in exc.headers.items() if k.lower() not in ("content-type", "content-length")}  # keeps Allow
         return _error(exc.status, exc.text or exc.reason, **headers)
@@ -239,7 +240,7 @@ async def _generate(request: web.Request) -> web.StreamResponse:
     except Exception as exc:
         if job is None:  # refused by submit; a job that ran was counted by the scheduler, the same way
             st.metrics.requests[status_of(exc)[1]] += 1
-        return _failure(req.rid, exc)
+        return _failure(quoted(req.rid), exc)
     if job.reference is not None:
         st.metrics.reference_checks["match" if job.reference == result.tokens else "mismatch"] += 1
     return web.json_response(_payload(req, result, job))
@@ -253,7 +254,7 @@ async def _generate_stream(request: web.Request, st: ServerState, req: GenerateR
         job = st.scheduler.submit(req, arrival=arrival, on_token=tokens.put_nowait)
     except Exception as exc:  # refused by submit (queue full, shutting down): as a plain request's refusal
         st.metrics.requests[status_of(exc)[1]] += 1
-        return _failure(req.rid, exc)
+        return _failure(quoted(req.rid), exc)
     resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
     try:
         failed = await _stream_tokens(request, st, req, job, tokens, resp)
@@ -261,7 +262,7 @@ async def _generate_stream(request: web.Request, st: ServerState, req: GenerateR
             return failed
     except ConnectionError as exc:  # aiohttp's reset error on a write is one too
         # the client hung up mid-stream: one line, no traceback, and the work is dropped
-        logger.info("request %s: the client hung up while streaming (%s); dropped", req.rid, type(exc).__name__)
+        logger.info("request %s: the client hung up while streaming (%s); dropped", quoted(req.rid), type(exc).__name__)
         st.scheduler.abandon(job)
     except asyncio.CancelledError:
         _cut(st, job)
@@ -296,7 +297,7 @@ async def _stream_tokens(request: web.Request, st: ServerState, req: GenerateReq
     if not resp.prepared:
         failed = None if job.future.cancelled() or not tokens.empty() else job.future.exception()
         if failed is not None:
-            return _failure(req.rid, failed)
+            return _failure(quoted(req.rid), failed)
         await resp.prepare(request)
     while not tokens.empty():  # tokens produced in the same step as completion
         await resp.write(json.dumps({"token": tokens.get_nowait(), "index": index}).encode() + b"\n")
@@ -327,11 +328,11 @@ async def _release(request: web.Request) -> web.Response:
     except Exception as exc:  # noqa: BLE001 - a closed cache, a bad id: an answer, not a traceback
         # a release that failed still closed the session (hicache's let go of what it could);
         # the answer says it failed (a JSON 500, not aiohttp's bare page), the log has the trace
-        return _failure(f"release of session {sid!r}", exc)
+        return _failure(f"release of session {quoted(sid)}", exc)
     if outcome == "missing":
         # a 200 for an id the cache never had made a client's typo or a double release look
         # like success
-        return _error(404, f"no session {sid!r} (never opened, released, or expired)")
+        return _error(404, f"no session {quoted(sid)} (never opened, released, or expired)")
     if outcome == "deferred":
         return web.json_response({"released": sid, "deferred": True})
     return web.json_response({"released": sid})

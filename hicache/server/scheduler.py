@@ -372,7 +372,7 @@ class Scheduler:
         except Exception as exc:  # a failed request must not take the scheduler down
             # labelled as it is answered (status_of): 503 rejected, 400 bad_request, 500 error
             self.metrics.requests[status_of(exc)[1]] += 1
-            logger.warning("request %s failed: %r", req.rid, exc)
+            logger.warning("request %s failed: %r", quoted(req.rid), exc)
             if not job.future.done():
                 job.future.set_exception(exc)
         finally:
@@ -398,7 +398,7 @@ class Scheduler:
             await self.engine.cache.release_session(turn.session_id)
         except Exception as exc:  # noqa: BLE001 - the turn's own failure is the one to answer
             logger.warning("request %s: ending session %s after the turn failed failed too: %r",
-                           req.rid, turn.session_id, exc)
+                           quoted(req.rid), quoted(turn.session_id), exc)
         turn.after = None
 
     async def _generate_with_memory_retry(self, job: Job) -> GenerateResult:
@@ -437,7 +437,7 @@ class Scheduler:
                         self._memory_waiters += 1
                         self._admit.clear()
                     if not alone:
-                        logger.info("request %s: device full, waiting for a running request to finish", req.rid)
+                        logger.info("request %s: device full, waiting for a running request to finish", quoted(req.rid))
                         async with self._finished:
                             with contextlib.suppress(TimeoutError):
                                 async with asyncio.timeout(max(0.0, min(self.memory_wait_s, deadline - time.monotonic()))):

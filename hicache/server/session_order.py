@@ -17,6 +17,8 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 
+from hicache.errors import quoted
+
 __all__ = ["SessionOrder", "SessionTurn"]
 
 logger = logging.getLogger("hicache.server")
@@ -98,7 +100,7 @@ class SessionOrder:
         try:
             await after()
         except Exception as exc:  # noqa: BLE001 - whoever owed it is gone; the cache counts it
-            logger.warning("ending session %s in its turn failed: %r", turn.session_id, exc)
+            logger.warning("ending session %s in its turn failed: %r", quoted(turn.session_id), exc)
         finally:
             self._pass_on(turn)
 

@@ -451,3 +451,52 @@ async def test_an_app_under_another_runner_logs_a_request_its_drain_cuts(caplog:
                 await asyncio.wait_for(post, 10)
     assert any("cut by the server's shutdown" in r.getMessage() and r.levelno == logging.WARNING
                for r in caplog.records)
+
+
+#: a request id built to forge log lines: a newline, a NUL, an ANSI colour escape, a CR
+EVIL_ID = "x\nERROR hicache forged line\x00\x1b[31m\r"
+
+
+def _control_characters_in(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records
+            if any(ord(c) < 32 or ord(c) == 127 for c in r.getMessage())]
+
+
+async def test_client_supplied_ids_and_paths_are_quoted_in_the_log(caplog: pytest.LogCaptureFixture) -> None:
+    """A request id, a session id or a path is the client's text, and was written raw into log
+    lines: a newline in it forged a line of its own, an ANSI escape recoloured a terminal, a NUL
+    cut a line in some collectors. Every line that carries one quotes it (``quoted``)."""
+    cfg = small_config(server={"max_batch": 1})
+    caplog.set_level(logging.INFO)
+    async with running_server(cfg, mode="recompute", port=0) as srv, aiohttp.ClientSession() as http:
+        gate = _Gate(srv.state.engine)
+        failing = gate._generate
+
+        async def fail_the_failing(rid, *args, **kwargs):  # type: ignore[no-untyped-def]
+            if rid.startswith("fail"):
+                raise RuntimeError("engine broke")
+            return await failing(rid, *args, **kwargs)
+
+        gate._generate = fail_the_failing
+        try:
+            first = asyncio.ensure_future(http.post(f"{srv.url}/v1/generate", json={"tokens": [1, 2, 3]}))
+            await eventually(lambda: gate.calls == 1)
+            caplog.clear()
+            # hangs up while queued: "request ...: the client hung up"
+            await _post_and_hang_up(srv.port, {"tokens": [4, 5], "rid": EVIL_ID, "session_id": EVIL_ID})
+            await eventually(lambda: srv.state.metrics.requests["abandoned"] == 1)
+            gate.open.set()
+            async with await first as resp:
+                assert resp.status == 200
+            # fails while served (500): "request ... failed", from the scheduler and the handler
+            async with http.post(f"{srv.url}/v1/generate", json={"tokens": [6], "rid": "fail" + EVIL_ID}) as resp:
+                assert resp.status == 500
+            # a path of no route (404), percent-encoded control characters
+            async with http.post(f"{srv.url}/v1/x%0AERROR%20forged%1B[31m%00") as resp:
+                assert resp.status == 404
+        finally:
+            gate.open.set()
+        logged = [r.getMessage() for r in caplog.records]
+        assert any("hung up" in m for m in logged) and any("failed" in m for m in logged), logged
+        assert any("bad request" in m and "404" in m for m in logged), logged
+        assert _control_characters_in(caplog) == []
