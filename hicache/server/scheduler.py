@@ -138,6 +138,10 @@ class Scheduler:
         # jobs per session id from submit until done (queued, waiting, running): a release
         # while any is pending must wait for them, or the next of them re-opened the session
         self._session_jobs: dict[str, int] = {}
+        # sessions with a release queued behind their turns and no turn submitted since: a
+        # second release is that same one (queued again, a client looping on it piled up
+        # releases without bound)
+        self._release_queued: set[str] = set()
         self._finished = asyncio.Condition()  # notified whenever a request ends
         self.max_memory_retries = max_memory_retries
         self.memory_wait_s = memory_wait_s
@@ -201,6 +205,7 @@ class Scheduler:
         self.metrics.queue_depth = len(self._waiting)
         if request.session_id is not None:
             self._session_jobs[request.session_id] = self._session_jobs.get(request.session_id, 0) + 1
+            self._release_queued.discard(request.session_id)
         return job
 
     def _job_done(self, job: Job, turn: SessionTurn | None = None, _task: object = None) -> None:
@@ -217,6 +222,7 @@ class Scheduler:
             self._session_jobs[sid] = left
         else:
             self._session_jobs.pop(sid, None)
+            self._release_queued.discard(sid)
 
     async def release_session(self, session_id: str) -> Literal["released", "deferred", "missing"]:
         """The client ended the conversation: release the session in its turn.
@@ -228,14 +234,17 @@ class Scheduler:
         its session, or device memory between two attempts) was invisible to the cache: the
         release closed the session and the turn then re-opened it, holding its row and pages
         until ``idle_offload_s``/``session_timeout_s`` though the client was told it was
-        released. A turn submitted after the release runs after it, on a fresh session.
+        released. A turn submitted after the release runs after it, on a fresh session; a
+        release again before any such turn is the one already queued (not queued twice).
         Raises :class:`SchedulerClosedError` while draining with turns of it pending."""
         if not self._session_jobs.get(session_id):
             existed = await self.engine.cache.release_session(session_id)
             return "missing" if existed is False else "released"  # (None: a cache without sessions)
         if self._closing:  # the dispatcher may be past its last item: nothing would apply it
             raise SchedulerClosedError("the server is shutting down")
-        self._queue.put_nowait(_Release(session_id))
+        if session_id not in self._release_queued:
+            self._release_queued.add(session_id)
+            self._queue.put_nowait(_Release(session_id))
         return "deferred"
 
     def _dequeued(self, job: Job) -> None:

@@ -416,3 +416,49 @@ async def test_loadgen_releases_a_session_whose_id_is_no_plain_path_segment() ->
         assert [r["error"] is not None for r in report["records"]] == [False, True]
         assert report["records"][1]["session_released"] is True
         _nothing_held(sessions)
+
+
+async def test_repeated_releases_behind_a_running_turn_queue_one_release() -> None:
+    """A release behind a pending turn of its session is deferred; each one was queued, so a
+    client retrying (or a hostile one looping) on ``/release`` while a long turn ran piled up
+    one queue item, one place in the session's order and one release call per request, past
+    any bound (``queue_size`` bounds the turns only). A release already pending and not
+    followed by a turn is the same release: answered ``deferred`` again, queued once."""
+    import asyncio
+
+    from hicache.testing import eventually
+
+    async with running_server(small_config(server={"max_batch": 1}), mode="recompute", port=0) as srv, \
+            aiohttp.ClientSession() as http:
+        engine, cache = srv.state.engine, srv.state.cache
+        opened, generate, released = asyncio.Event(), engine.generate, []
+
+        async def held(*args: Any, **kwargs: Any) -> Any:
+            await opened.wait()
+            return await generate(*args, **kwargs)
+
+        async def count_release(session_id: str) -> Any:
+            released.append(session_id)
+
+        engine.generate, cache.release_session = held, count_release  # type: ignore[method-assign]
+        turn = asyncio.ensure_future(http.post(f"{srv.url}/v1/generate", json={"tokens": [1, 2], "session_id": "s"}))
+        try:
+            await eventually(lambda: srv.state.metrics.active == 1)
+            for _ in range(20):
+                async with http.post(f"{srv.url}/v1/sessions/s/release") as resp:
+                    assert (resp.status, await resp.json()) == (200, {"released": "s", "deferred": True})
+        finally:
+            opened.set()
+        async with await turn as resp:
+            assert resp.status == 200
+        await eventually(lambda: released == ["s"])
+        # a turn after the release, then a release again: queued behind that turn, as ever
+        opened.clear()
+        turn = asyncio.ensure_future(http.post(f"{srv.url}/v1/generate", json={"tokens": [3, 4], "session_id": "s"}))
+        await eventually(lambda: srv.state.metrics.active == 1)
+        async with http.post(f"{srv.url}/v1/sessions/s/release") as resp:
+            assert (await resp.json()) == {"released": "s", "deferred": True}
+        opened.set()
+        async with await turn as resp:
+            assert resp.status == 200
+        await eventually(lambda: released == ["s", "s"])
