@@ -18,7 +18,8 @@ too-long integers, lone surrogates) is a 400 with one log line. What aiohttp ref
 body over 8 MiB: 413; a wrong method: 405; an unknown path: 404) is answered in the same JSON
 shape, counted as ``bad_request`` and logged once too. A request whose head aiohttp cannot parse gets
 aiohttp's plain 400, counted and logged once the same way (:class:`ProtocolLog`, which
-``running_server`` gives the runner). A client that hangs up, queued or mid-stream, has its request dropped (:meth:`Scheduler.abandon`): aiohttp does not cancel the
+``running_server`` gives the runner). A body that stops arriving part-way is a 408 once
+:data:`BODY_READ_TIMEOUT_S` has passed. A client that hangs up, queued or mid-stream, has its request dropped (:meth:`Scheduler.abandon`): aiohttp does not cancel the
 handler on disconnect, so the handler watches the connection itself while it waits.
 
 The app does not own the cache: whoever created it (``serve``, ``running_server``, a test)
@@ -71,6 +72,9 @@ STATE: web.AppKey[ServerState] = web.AppKey("hicache_state", ServerState)
 OFFLOOP_BODY_BYTES = 64 * 1024
 #: how often a waiting handler checks that its client is still connected
 DISCONNECT_POLL_S = 0.05
+#: how long a request's body may take to arrive (8 MiB, the largest, at ~150 KB/s); a client
+#: that stops sending part-way is answered 408 then, not waited for as long as the socket lives
+BODY_READ_TIMEOUT_S = 60.0
 
 
 def _client_gone(request: web.Request) -> bool:
@@ -192,7 +196,18 @@ async def _generate(request: web.Request) -> web.StreamResponse:
     if st.draining:
         return _draining()
     try:
-        raw = await request.read()
+        async with asyncio.timeout(BODY_READ_TIMEOUT_S):
+            raw = await request.read()
+    except TimeoutError:
+        # a client that went silent part-way (a dead machine, a partition: no FIN, no RST) held
+        # this handler and its socket for as long as the socket lived, which is for good with
+        # no TCP keepalive; the rest of its body is never read: the connection closes
+        request.content.feed_eof()
+        st.metrics.requests["bad_request"] += 1
+        logger.info("bad request from %s: the body did not arrive within %g s", request.remote, BODY_READ_TIMEOUT_S)
+        resp = _error(408, f"the body did not arrive within {BODY_READ_TIMEOUT_S:g} s")
+        resp.force_close()
+        return resp
     except web.RequestPayloadError as exc:
         # a body aiohttp cannot decode (``Content-Encoding: gzip`` over bytes that are no gzip
         # stream) is the client's bad input; raised out of the handler it was a plain-text 500

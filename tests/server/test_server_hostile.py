@@ -500,3 +500,35 @@ async def test_client_supplied_ids_and_paths_are_quoted_in_the_log(caplog: pytes
         assert any("hung up" in m for m in logged) and any("failed" in m for m in logged), logged
         assert any("bad request" in m and "404" in m for m in logged), logged
         assert _control_characters_in(caplog) == []
+
+
+async def test_a_body_that_stops_arriving_is_a_408_not_a_handler_held_for_good(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A client that sent its head and part of its body, then nothing (its machine died, a
+    network partition: no FIN, no RST), held its handler in ``request.read`` for good: a
+    coroutine and a socket per such client, never freed (the server enables no TCP keepalive),
+    and a slow-body client could hold any number. The body has ``BODY_READ_TIMEOUT_S`` to
+    arrive: then a 408, the connection closed, counted ``bad_request`` and logged once."""
+    from hicache.server import app as server_app
+
+    monkeypatch.setattr(server_app, "BODY_READ_TIMEOUT_S", 0.5)
+    caplog.set_level(logging.INFO)
+    async with running_server(small_config(), mode="recompute", port=0) as srv, aiohttp.ClientSession() as http:
+        caplog.clear()
+        reader, writer = await asyncio.open_connection("127.0.0.1", srv.port)
+        try:
+            writer.write(b"POST /v1/generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 100\r\n\r\n" + b'{"tokens": [1')
+            await writer.drain()
+            answer = await asyncio.wait_for(reader.read(), 10)  # answered, and closed
+        finally:
+            writer.close()
+            await writer.wait_closed()
+        assert answer.startswith(b"HTTP/1.1 408 "), answer[:200]
+        assert b"the body did not arrive" in answer
+        await asyncio.sleep(0.1)
+        assert dict(srv.state.metrics.requests) == {"bad_request": 1}
+        assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR]
+        assert len([r for r in caplog.records if "did not arrive" in r.getMessage()]) == 1
+        async with http.post(f"{srv.url}/v1/generate", json={"tokens": [1, 2, 3]}) as resp:
+            assert resp.status == 200  # and the server goes on serving
