@@ -308,6 +308,33 @@ async def test_one_store_on_two_event_loops(moto_endpoint: str, moto_bucket: str
         await asyncio.to_thread(facade.close)
 
 
+async def test_a_close_does_not_wait_for_a_loop_that_stops_without_closing_its_filesystem(
+    moto_endpoint: str, moto_bucket: str, prefix: str
+) -> None:
+    """A close waits for other running loops to close their filesystems (and abort their
+    uploads), but a loop that stops before it runs that close never will: the close waited its
+    whole bound for it (15 s) instead of giving up on it when it stopped."""
+    import threading
+    import time
+
+    store = make_s3(moto_endpoint, moto_bucket, prefix, NS_A)
+    await store.open()
+    other = asyncio.new_event_loop()
+    thread = threading.Thread(target=other.run_forever)
+    thread.start()
+    try:
+        await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(store.exists_pages(["a"]), other))
+        other.call_soon_threadsafe(time.sleep, 0.3)  # busy, then stopping: the close comes meanwhile
+        other.call_soon_threadsafe(other.stop)
+        started = time.monotonic()
+        await store.aclose()
+        assert time.monotonic() - started < 5.0
+    finally:
+        await asyncio.to_thread(thread.join, 20)
+        await asyncio.to_thread(other.run_until_complete, asyncio.sleep(0.2))  # (its owner runs the close late)
+        other.close()
+
+
 def test_loops_closed_since_leave_no_resources_behind(moto_endpoint: str, moto_bucket: str, prefix: str) -> None:
     """A caller that runs each call in a new loop (a CLI, a test, a server restarting its loop,
     ``asyncio.run``): each loop's S3 client and its HTTP session were left open when that loop

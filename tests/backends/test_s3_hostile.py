@@ -663,6 +663,56 @@ async def test_a_multipart_upload_cut_short_is_aborted(
         release.set()
 
 
+async def test_a_close_aborts_the_multipart_uploads_it_cuts(
+    moto_endpoint: str, moto_bucket: str, prefix: str, proxy: FaultProxy, monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A big page uploading in parts on another event loop (the blocking facade's) when the
+    store closes: the close cut its client, the upload's own abort was refused as "cut by a
+    close", and the upload stayed in the bucket for good (billed, listed by no listing). The
+    close aborts every multipart upload it cuts before the client goes, and the page is
+    counted and answered as not written."""
+    import threading
+
+    import torch
+
+    from hicache_backends.s3.fs import S3ObjectOps
+
+    monkeypatch.setattr(S3ObjectOps, "part_size", 5 << 20)  # S3's smallest part
+    release = asyncio.Event()
+
+    async def stall_second_part(request: Any) -> Any:
+        if request.method == "PUT" and request.query.get("partNumber") == "2":
+            await release.wait()  # never answered before the close
+        return None
+
+    proxy.answer = stall_second_part
+    client = raw_client(moto_endpoint)
+    store = make_s3(proxy.endpoint, moto_bucket, prefix, NS_A, request_timeout=30.0, call_timeout=30.0)
+    await store.open()
+    big = torch.rand(3 << 20)  # 12 MiB: three parts
+    answered: list[bool] = []
+    thread = threading.Thread(target=lambda: answered.append(asyncio.run(store.set("big", big))))
+    thread.start()
+    try:
+        async def uploading() -> bool:
+            out = await asyncio.to_thread(client.list_multipart_uploads, Bucket=moto_bucket, Prefix=prefix)
+            return bool(out.get("Uploads"))
+
+        await eventually(uploading)
+        await asyncio.sleep(0.3)  # its parts are on their way
+        caplog.set_level(logging.WARNING, logger="hicache")
+        await store.aclose()
+        out = await asyncio.to_thread(client.list_multipart_uploads, Bucket=moto_bucket, Prefix=prefix)
+        assert not out.get("Uploads"), out.get("Uploads")
+    finally:
+        release.set()
+        await asyncio.to_thread(thread.join, 20)
+    assert answered == [False]
+    assert store.get_stats()["close_cut_write_pages"] == 1
+    assert not any("not aborted" in r.getMessage() for r in caplog.records)
+
+
 async def test_verifying_a_page_does_not_download_a_huge_foreign_object(
     moto_endpoint: str, moto_bucket: str, prefix: str, proxy: FaultProxy
 ) -> None:

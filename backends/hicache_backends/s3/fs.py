@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import itertools
 import logging
 import os
 import sys
 import threading
+import time
 import weakref
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
@@ -248,6 +250,7 @@ class S3ObjectOps(AsyncObjectOps):
         #: the module needs botocore, which the fsspec backend does without)
         self._use_botocore: type[Exception] = UseBotocore
         self._aborts: set[asyncio.Task[None]] = set()  # multipart uploads being aborted
+        self._uploads: set[asyncio.Task[None]] = set()  # multipart uploads being sent (a close cuts them)
         self._closed = False
 
     async def _route(self, path: str, operation: str) -> tuple[Route, str, str] | None:
@@ -273,7 +276,7 @@ class S3ObjectOps(AsyncObjectOps):
 
     async def put(self, path: str, data: bytes | bytearray) -> None:
         if len(data) >= 2 * self.part_size:
-            await self._put_multipart(path, data)
+            await self._put_cuttable(path, data)
             return
         if len(data) >= self.direct.max_put or await self._try_direct(
                 path, "PutObject", lambda route, bucket, key: self.direct.put(route, bucket, key, data)) is _BOTOCORE:
@@ -281,6 +284,23 @@ class S3ObjectOps(AsyncObjectOps):
             return
         if self.fs.dircache:
             self.fs.invalidate_cache(path)
+
+    async def _put_cuttable(self, path: str, data: bytes | bytearray) -> None:
+        """:meth:`_put_multipart` in a task of its own that a close can cut (:meth:`close`),
+        so the upload is aborted while the client is still there: cut with the client (a
+        close from another loop, which cannot wait for this loop's writes), its abort was
+        refused and the upload stayed in the bucket. A cancelled caller cancels it, and waits
+        for its abort, as before; cut by a close, it fails as a request of a closed store."""
+        task = asyncio.get_running_loop().create_task(self._put_multipart(path, data))
+        self._uploads.add(task)
+        task.add_done_callback(self._uploads.discard)
+        try:
+            await task
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if task.cancelled() and not (current is not None and current.cancelling()):
+                raise ConnectionAbortedError(errno.ECONNABORTED, f"multipart upload of {path} cut by a close") from None
+            raise
 
     async def _put_multipart(self, path: str, data: bytes | bytearray) -> None:
         """``data`` as a multipart upload, parts sent ``fs.max_concurrency`` at a time, as s3fs's
@@ -430,13 +450,18 @@ class S3ObjectOps(AsyncObjectOps):
         return failed
 
     async def close(self) -> None:
-        self._closed = True
-        # uploads cut short are aborted with the client they need (on its loop: closed from
-        # another loop, this one's is closed, and its aborts never run)
+        # uploads still sending are cut (their parts stop first: a part landing after the abort
+        # stays in the bucket) and, like uploads cut short before, aborted with the client they
+        # need, within ABORT_TIMEOUT (on its loop: closed from another loop, this one's is
+        # closed, and its aborts never run)
         here = asyncio.get_running_loop()
-        aborts = [t for t in self._aborts if t.get_loop() is here]
-        if aborts:
-            await asyncio.wait(aborts, timeout=ABORT_TIMEOUT)
+        cut = [t for t in self._uploads if t.get_loop() is here]
+        for task in cut:
+            task.cancel()
+        waiting = cut + [t for t in self._aborts if t.get_loop() is here]
+        if waiting:
+            await asyncio.wait(waiting, timeout=ABORT_TIMEOUT)
+        self._closed = True
         await _close_s3_client(self.fs)
 
 
@@ -672,6 +697,9 @@ DELETE_BATCH = 1000
 
 #: seconds an abort of a multipart upload cut short may take (and a close waits for aborts)
 ABORT_TIMEOUT = 10.0
+#: seconds a close waits for another running loop to close its filesystem (and abort its
+#: uploads: see ``S3ObjectOps.close``)
+OTHER_LOOP_CLOSE_TIMEOUT = ABORT_TIMEOUT + 5.0
 
 #: objects a tree removal deletes concurrently, one request each (fsspec's own batch size)
 _REMOVE_CHUNK = 128
@@ -906,13 +934,36 @@ async def _close_each(closer: Callable[[T], Awaitable[None]], values: list[T]) -
 async def close_all(local: LoopLocal[LoopResources]) -> None:
     """Close every loop's filesystem: this loop's and closed loops' inline (a loop closed
     without a shutdown closed nothing; a closed loop's need no loop of theirs: see
-    :meth:`LoopLocal._close_stale`), running loops' through their thread."""
+    :meth:`LoopLocal._close_stale`), running loops' through their thread, waited for (see
+    :func:`_wait_elsewhere`): a close that returned at once had not yet aborted that loop's
+    multipart uploads, and a process that exited then left them in the bucket."""
     current = asyncio.get_running_loop()
+    elsewhere: dict[asyncio.Future[None], asyncio.AbstractEventLoop] = {}
     for loop, res in local.pop_all():
         try:
             if loop is current or loop.is_closed():
                 await res.ops.close()
             elif loop.is_running() and not loop.is_closed():
-                asyncio.run_coroutine_threadsafe(res.ops.close(), loop)
+                elsewhere[asyncio.wrap_future(asyncio.run_coroutine_threadsafe(res.ops.close(), loop))] = loop
         except Exception:  # noqa: BLE001 - closing must not raise into shutdown paths
             logger.warning("closing a filesystem failed", exc_info=True)
+    await _wait_elsewhere(elsewhere)
+
+
+async def _wait_elsewhere(closes: dict[asyncio.Future[None], asyncio.AbstractEventLoop]) -> None:
+    """Wait for the closes of other loops' filesystems (each close -> its loop), up to
+    :data:`OTHER_LOOP_CLOSE_TIMEOUT`, but not for one whose loop stopped: it never runs."""
+    deadline = time.monotonic() + OTHER_LOOP_CLOSE_TIMEOUT
+    pending = set(closes)
+    while pending and time.monotonic() < deadline:
+        done, pending = await asyncio.wait(pending, timeout=min(0.05, max(0.0, deadline - time.monotonic())))
+        for fut in done:
+            if not fut.cancelled() and fut.exception() is not None:
+                logger.warning("closing a filesystem failed", exc_info=fut.exception())
+        pending = {fut for fut in pending if closes[fut].is_running()}
+    if pending:
+        logger.warning("closing the filesystems of %d other event loop(s) took over %.0f s: left to finish there",
+                       len(pending), OTHER_LOOP_CLOSE_TIMEOUT)
+    for fut in closes:  # (an outcome not waited for is retrieved: no "exception was never retrieved")
+        if not fut.done():
+            fut.add_done_callback(lambda f: f.cancelled() or f.exception())
