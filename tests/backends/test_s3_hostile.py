@@ -713,6 +713,47 @@ async def test_a_close_aborts_the_multipart_uploads_it_cuts(
     assert not any("not aborted" in r.getMessage() for r in caplog.records)
 
 
+async def test_a_close_aborts_a_multipart_upload_still_being_begun(
+    moto_endpoint: str, moto_bucket: str, prefix: str, proxy: FaultProxy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A close cuts a big page's upload while the service is still answering the request that
+    begins it: the upload the service then began was never known here, so never aborted, and
+    stayed in the bucket for good. The close waits for that answer (within the abort's own
+    timeout) and aborts the upload."""
+    import threading
+
+    import torch
+
+    from hicache_backends.s3.fs import S3ObjectOps
+
+    monkeypatch.setattr(S3ObjectOps, "part_size", 5 << 20)  # S3's smallest part
+
+    async def slow_create(request: Any) -> Any:
+        if request.method == "POST" and "uploads" in request.query:
+            await asyncio.sleep(1.0)  # the close comes meanwhile; then the service begins it
+        return None
+
+    proxy.answer = slow_create
+    client = raw_client(moto_endpoint)
+    store = make_s3(proxy.endpoint, moto_bucket, prefix, NS_A, request_timeout=30.0, call_timeout=30.0)
+    await store.open()
+    answered: list[bool] = []
+    thread = threading.Thread(target=lambda: answered.append(asyncio.run(store.set("big", torch.rand(3 << 20)))))
+    thread.start()
+    try:
+        async def beginning() -> bool:
+            return any(method == "POST" for method, _, _ in proxy.seen)
+
+        await eventually(beginning)
+        await store.aclose()
+        await asyncio.sleep(1.5)  # the service has begun it by now
+        out = await asyncio.to_thread(client.list_multipart_uploads, Bucket=moto_bucket, Prefix=prefix)
+        assert not out.get("Uploads"), out.get("Uploads")
+    finally:
+        await asyncio.to_thread(thread.join, 20)
+    assert answered == [False]
+
+
 async def test_verifying_a_page_does_not_download_a_huge_foreign_object(
     moto_endpoint: str, moto_bucket: str, prefix: str, proxy: FaultProxy
 ) -> None:

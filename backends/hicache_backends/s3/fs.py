@@ -308,7 +308,14 @@ class S3ObjectOps(AsyncObjectOps):
         timeout, a batch cut at its deadline, a close) is aborted too: its parts stayed in the
         bucket, billed and listed by no listing, until a lifecycle rule removed them."""
         bucket, key, _ = self.fs.split_path(path)
-        upload = (await self.fs._call_s3("create_multipart_upload", Bucket=bucket, Key=key))["UploadId"]
+        # in a task of its own: cut while it waits (a request timeout, a close), the service may
+        # still begin the upload, never known here and so never aborted
+        create = asyncio.ensure_future(self.fs._call_s3("create_multipart_upload", Bucket=bucket, Key=key))
+        try:
+            upload = (await asyncio.shield(create))["UploadId"]
+        except asyncio.CancelledError:
+            await self._abort_upload(bucket, key, create)
+            raise
         size, window = self.part_size, max(1, int(getattr(self.fs, "max_concurrency", 1) or 1))
         count = -(-len(data) // size)
         parts: list[dict[str, Any]] = []
@@ -327,10 +334,13 @@ class S3ObjectOps(AsyncObjectOps):
         if self.fs.dircache:
             self.fs.invalidate_cache(path)
 
-    async def _abort_upload(self, bucket: str, key: str, upload: str) -> None:
-        """Abort an upload cut short. A task of its own, so a caller cancelled again while it
-        waits leaves it running (and a close waits for it before the client goes)."""
+    async def _abort_upload(self, bucket: str, key: str, upload: str | asyncio.Future[Any]) -> None:
+        """Abort an upload cut short (``upload``: its id, or the request that begins it, still
+        unanswered). A task of its own, so a caller cancelled again while it waits leaves it
+        running (and a close waits for it before the client goes)."""
         if self._closed:  # its request would build a client nobody closes
+            if not isinstance(upload, str):
+                upload.cancel()
             logger.warning("multipart upload of %s/%s cut by a close, not aborted: its parts stay until the "
                            "bucket's lifecycle rule (AbortIncompleteMultipartUpload) removes them", bucket, key)
             return
@@ -339,9 +349,14 @@ class S3ObjectOps(AsyncObjectOps):
         task.add_done_callback(self._aborts.discard)
         await asyncio.shield(task)
 
-    async def _abort(self, bucket: str, key: str, upload: str) -> None:
+    async def _abort(self, bucket: str, key: str, upload: str | asyncio.Future[Any]) -> None:
         try:
             async with asyncio.timeout(ABORT_TIMEOUT):
+                if not isinstance(upload, str):  # the upload is begun once the service answers
+                    try:
+                        upload = str((await upload)["UploadId"])
+                    except Exception:  # noqa: BLE001 - not begun: nothing to abort
+                        return
                 await self.fs._call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload)
         except Exception as exc:  # noqa: BLE001 - the put's own error is what its caller sees
             logger.warning("aborting a multipart upload of %s/%s failed (%s: %s): its parts stay until the "
