@@ -621,6 +621,43 @@ async def test_writes_a_close_cannot_wait_for_are_counted_and_logged(
     assert answered and False in answered[0]
 
 
+async def test_a_close_counts_only_the_pages_it_cut(
+    moto_endpoint: str, moto_bucket: str, prefix: str, proxy: FaultProxy
+) -> None:
+    """A close cutting a write batch on another event loop counted every page of the batch in
+    ``close_cut_write_pages`` (and its warning), the pages already stored and answered written
+    too: the counter said more pages were lost than the batch answered failed. It counts the
+    pages still being written."""
+    import threading
+
+    async def slow_put(request: Any) -> Any:
+        if request.method == "PUT" and "/pages/" in request.path:
+            await asyncio.sleep(0.2)
+        return None
+
+    keys = keys_for(16, salt=192)
+    store = make_s3(proxy.endpoint, moto_bucket, prefix, NS_A, concurrency=2, call_timeout=10)
+    await store.open()
+    src = ArrayHostPool(len(keys), PAGE)
+    src.fill_random(192)
+    store.register_mem_pool_host(src)
+    proxy.answer = slow_put
+    answered: list[list[bool]] = []
+    thread = threading.Thread(target=lambda: answered.append(
+        asyncio.run(store.batch_set_v1(keys, src.indices(0, len(keys))))))
+    thread.start()
+    try:
+        async def some_stored() -> bool:  # the other loop's batch has stored a few pages
+            return sum(method == "PUT" and "/pages/" in path for method, path, _ in proxy.served) >= 4
+
+        await eventually(some_stored)
+        await store.aclose()
+    finally:
+        await asyncio.to_thread(thread.join, 20)
+    assert answered and 0 < answered[0].count(False) < len(keys)
+    assert store.get_stats()["close_cut_write_pages"] == answered[0].count(False)
+
+
 async def test_a_multipart_upload_cut_short_is_aborted(
     moto_endpoint: str, moto_bucket: str, prefix: str, proxy: FaultProxy, monkeypatch: pytest.MonkeyPatch
 ) -> None:

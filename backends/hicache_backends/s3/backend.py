@@ -323,7 +323,8 @@ class FsspecStorage(AsyncHiCacheStorage):
         self._tasks_lock = threading.Lock()
         self._index_writes: set[asyncio.Task[None]] = set()  # run indexes still being stored
         self._clears: set[asyncio.Future[None]] = set()  # clears in progress: a close waits for them
-        self._writes: dict[asyncio.Future[None], int] = {}  # write calls in progress (-> pages): likewise
+        #: write calls in progress (-> how many of their pages are not answered yet): likewise
+        self._writes: dict[asyncio.Future[None], list[int]] = {}
 
     # ------------------------------------------------------------------ configuration
 
@@ -502,12 +503,11 @@ class FsspecStorage(AsyncHiCacheStorage):
         if running:
             await asyncio.wait(running, timeout=self.call_timeout)
         with self._tasks_lock:  # (another loop's are cut too: the close cannot wait on its loop)
-            cut = sum(n for f, n in self._writes.items() if not f.done())
-        if cut:
-            self.stats.incr("close_cut_write_pages", cut)
-            logger.warning("%s: closing %s with writes of %d page(s) still running after %.1f s: they answer "
-                           "failed, though the store may hold some", type(self).__name__,
-                           redact_url(self.url), cut, self.call_timeout)
+            cut = sum(left[0] for f, left in self._writes.items() if not f.done())
+        if cut:  # (close_cut_write_pages counts those that do answer failed: see _write_one)
+            logger.warning("%s: closing %s with writes of %d page(s) still running (after %.1f s on this event "
+                           "loop; another loop's are not waited for): they answer failed, though the store may "
+                           "hold some", type(self).__name__, redact_url(self.url), cut, self.call_timeout)
         await self.wait_index_writes()  # (after the writes: each finished one leaves an index behind)
         await self._stop_tmp_sweep()
         self.runner.closed = True  # calls still in flight give up rather than open a new client
@@ -897,10 +897,12 @@ class FsspecStorage(AsyncHiCacheStorage):
         generation = self.exists_cache.generation
         loop = asyncio.get_running_loop()
         done = loop.create_future()  # a close waits for it (see _close)
+        left = [len(pages)]
         with self._tasks_lock:
-            self._writes[done] = len(pages)
+            self._writes[done] = left
         try:
-            ok = await self.runner.batch("write", [self._write_one(p, b, generation) for p, b in zip(pages, buffers)])
+            ok = await self.runner.batch(
+                "write", [self._write_one(p, b, generation, left) for p, b in zip(pages, buffers)])
             # the index follows the pages in the background: the batch does not wait a round trip
             task = loop.create_task(self._write_run(list(pages), ok, list(parents), generation))
             with self._tasks_lock:
@@ -916,7 +918,8 @@ class FsspecStorage(AsyncHiCacheStorage):
         with self._tasks_lock:
             self._index_writes.discard(task)
 
-    async def _write_one(self, page: PageKey, buf: memoryview, generation: int) -> bool:
+    async def _write_one(self, page: PageKey, buf: memoryview, generation: int, left: list[int]) -> bool:
+        """One page's PUT; ``left``: its call's pages not answered yet (one less when it ends)."""
         codec = self._codec or PageCodec(self.namespace.digest_bytes)
         path = self.names.page(page.key, page.pool)
         try:
@@ -949,7 +952,11 @@ class FsspecStorage(AsyncHiCacheStorage):
             logger.warning("%s: write to %s failed: bucket not found", type(self).__name__, redact_url(self.url))
             return False
         except GaveUp:
+            if self.runner.closed:  # cut by the close: counted here, where it is known to be lost
+                self.stats.incr("close_cut_write_pages")
             return False
+        finally:
+            left[0] -= 1
         self.exists_cache.add(path, generation)
         return True
 
