@@ -168,6 +168,28 @@ async def test_manifest_is_written_again_after_the_bucket_is_recreated(moto_endp
     await asyncio.to_thread(_delete_bucket, moto_endpoint, bucket)
 
 
+async def test_writes_to_a_deleted_bucket_are_said_once_a_minute(
+    moto_endpoint: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Every page written to a bucket that is gone logged its own warning ("bucket not found"):
+    a server writing back thousands of pages a second flooded its log. It is said once a
+    minute, with how many writes it stands for, as every other permanent failure is."""
+    bucket = f"hicache-gone-{uuid.uuid4().hex[:8]}"
+    await asyncio.to_thread(create_bucket, moto_endpoint, bucket)
+    keys = keys_for(24, salt=162)
+    async with make_s3(moto_endpoint, bucket, "ns", NS_A, **FAST) as store:
+        await asyncio.to_thread(_delete_bucket, moto_endpoint, bucket)
+        caplog.set_level(logging.WARNING, logger="hicache")
+        src = ArrayHostPool(len(keys), PAGE)
+        store.register_mem_pool_host(src)
+        for half in (keys[:12], keys[12:]):
+            assert await store.batch_set_v1(half, src.indices(0, len(half))) == [False] * len(half)
+        stats = store.get_stats()
+        assert stats["permanent_errors"] >= len(keys)
+    said = [r for r in caplog.records if r.name.startswith("hicache.storage.s3") and "write" in r.getMessage()]
+    assert len(said) == 1, [r.getMessage() for r in said]
+
+
 # ---------------------------------------------------------------------- reads cut mid-body, clears refused per key
 
 

@@ -946,10 +946,10 @@ class FsspecStorage(AsyncHiCacheStorage):
                     # An attempt given up (timed out) may still be flushing it from its
                     # transport (Python 3.12+ keeps a view, not a copy): never reused then
                     res.bodies.give_back(data)
-        except FileNotFoundError:
-            self.stats.incr("permanent_errors")
+        except FileNotFoundError as exc:
             self._manifest_ok = False  # the bucket is gone; if it comes back, so must the manifest
-            logger.warning("%s: write to %s failed: bucket not found", type(self).__name__, redact_url(self.url))
+            # (counted, and said once a minute: said per page, a write-back flooded the log)
+            self.runner.permanent("write", f"write to {self.runner.location} (bucket not found)", exc)
             return False
         except GaveUp:
             if self.runner.closed:  # cut by the close: counted here, where it is known to be lost

@@ -67,7 +67,7 @@ class RequestRunner:
         self.closed = False
         self._permanent_warnings: dict[tuple[str, str], Throttle] = {}
 
-    def _permanent(self, what: str, doing: str, exc: Exception) -> GaveUp:
+    def permanent(self, what: str, doing: str, exc: Exception) -> GaveUp:
         """The miss for a failure no retry mends (``doing`` failed with ``exc``), counted
         (``permanent_errors``) and said in one line a minute per ``doing`` and error kind, with
         how many it stands for: a refusal repeats for every page (no ListBucket right: a 403
@@ -86,7 +86,7 @@ class RequestRunner:
         try:
             return self.local.get()
         except Exception as exc:  # noqa: BLE001 - whatever a filesystem's constructor raises
-            raise self._permanent(what, "building the filesystem for this event loop", exc) from exc
+            raise self.permanent(what, "building the filesystem for this event loop", exc) from exc
 
     async def request(self, what: str, op: Callable[[ObjectOps], Awaitable[T]], timeout: float | None = None) -> T:
         """Run ``op`` with breaker gate, concurrency slot, timeout and retries.
@@ -124,7 +124,7 @@ class RequestRunner:
                     self.stats.incr("timeouts")
                 if not is_transient(exc):
                     self.breaker.record_success()  # the service answered, just not with data
-                    raise self._permanent(what, what, exc) from exc
+                    raise self.permanent(what, what, exc) from exc
                 self.stats.incr("transient_errors")
                 throttled = is_throttle(exc)
                 if throttled:
