@@ -605,6 +605,37 @@ async def test_a_close_lets_the_writes_in_progress_finish(
     assert sum("/runs/" not in o["Key"] for o in pages.get("Contents", [])) == len(keys)
 
 
+async def test_a_close_cancelled_while_it_waits_for_writes_still_releases_the_store(
+    moto_endpoint: str, moto_bucket: str, prefix: str, proxy: FaultProxy
+) -> None:
+    """A shutdown that gives the close less time than the writes in progress need (``wait_for``
+    on ``aclose``) cancelled it while it waited: the store was marked closed, so no later close
+    did anything, yet its prober went on probing the bucket and its client stayed open for good.
+    A cancelled close stops waiting and still releases them."""
+    async def slow_put(request: Any) -> Any:
+        if request.method == "PUT" and "/pages/" in request.path:
+            await asyncio.sleep(0.5)
+        return None
+
+    keys = keys_for(8, salt=193)
+    store = make_s3(proxy.endpoint, moto_bucket, prefix, NS_A, concurrency=2, call_timeout=10)
+    await store.open()
+    src = ArrayHostPool(len(keys), PAGE)
+    src.fill_random(193)
+    store.register_mem_pool_host(src)
+    proxy.answer = slow_put
+    writing = asyncio.create_task(store.batch_set_v1(keys, src.indices(0, len(keys))))
+    await asyncio.sleep(0.1)
+    prober = store._prober
+    assert prober is not None
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(store.aclose(), 0.2)
+    await asyncio.wait_for(asyncio.gather(writing, return_exceptions=True), 10)
+    assert prober.done() and store.runner.closed
+    assert len(store._local) == 0  # every loop's client closed
+    await store.aclose()  # (nothing left to do)
+
+
 async def test_writes_a_close_cannot_wait_for_are_counted_and_logged(
     moto_endpoint: str, moto_bucket: str, prefix: str, proxy: FaultProxy, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -498,17 +498,27 @@ class FsspecStorage(AsyncHiCacheStorage):
         # write batch at once - pages waiting for a slot dropped, pages whose PUT had landed
         # reported as failed, nothing said. Reads and lookups give up instead.
         here = asyncio.get_running_loop()
-        with self._tasks_lock:
-            running = [f for f in (*self._clears, *self._writes) if f.get_loop() is here]
-        if running:
-            await asyncio.wait(running, timeout=self.call_timeout)
-        with self._tasks_lock:  # (another loop's are cut too: the close cannot wait on its loop)
-            cut = sum(left[0] for f, left in self._writes.items() if not f.done())
-        if cut:  # (close_cut_write_pages counts those that do answer failed: see _write_one)
-            logger.warning("%s: closing %s with writes of %d page(s) still running (after %.1f s on this event "
-                           "loop; another loop's are not waited for): they answer failed, though the store may "
-                           "hold some", type(self).__name__, redact_url(self.url), cut, self.call_timeout)
-        await self.wait_index_writes()  # (after the writes: each finished one leaves an index behind)
+        try:
+            with self._tasks_lock:
+                running = [f for f in (*self._clears, *self._writes) if f.get_loop() is here]
+            if running:
+                await asyncio.wait(running, timeout=self.call_timeout)
+            with self._tasks_lock:  # (another loop's are cut too: the close cannot wait on its loop)
+                cut = sum(left[0] for f, left in self._writes.items() if not f.done())
+            if cut:  # (close_cut_write_pages counts those that do answer failed: see _write_one)
+                logger.warning("%s: closing %s with writes of %d page(s) still running (after %.1f s on this "
+                               "event loop; another loop's are not waited for): they answer failed, though the "
+                               "store may hold some", type(self).__name__, redact_url(self.url), cut,
+                               self.call_timeout)
+            await self.wait_index_writes()  # (after the writes: each finished one leaves an index behind)
+        finally:
+            # also when the close is cancelled while it waits (a shutdown's deadline): the store is
+            # marked closed then, so no later close releases it, and its prober went on probing
+            # the bucket and its clients stayed open for good
+            await self._release()
+
+    async def _release(self) -> None:
+        """Stop the background tasks and close every loop's filesystem (the end of a close)."""
         await self._stop_tmp_sweep()
         self.runner.closed = True  # calls still in flight give up rather than open a new client
         prober, self._prober = self._prober, None
