@@ -890,6 +890,62 @@ async def test_a_peer_clear_during_the_scan_leaves_the_fresh_namespace_counted_e
             go_last.set()
 
 
+@pytest.mark.parametrize("wait_at", ["last_folder", "floor"])
+async def test_a_page_a_peer_removes_during_the_scan_is_not_counted_again_by_its_floor(
+        tmp_path, monkeypatch, wait_at) -> None:
+    """Store b's opening scan (a peer is open: its measurement can only raise the shared
+    count, a floor) saw a page of a's, then a removed it (an eviction or a delete: unlinked,
+    its bytes taken off the count) before b's scan ended. The floor counted it again: the
+    shared count held a page no disk held, for as long as peers kept the namespace open
+    (floors never lower it), and a store bounded to 3 pages refused a chain's third page for
+    good, with only its own prefix left to evict (``test_a_file_store_refusal_that_clears_up_is_retried``,
+    intermittent). Forced order: b's scan reads the removed page's folder first and waits
+    (at its last folder, or with its floor queued for the ledger's lock), a deletes the page,
+    b's scan ends (b polls no journal meanwhile)."""
+    from hicache_backends.file.ledger import UsageLedger
+
+    page = make_store(tmp_path).layout.file_size("k0", "kv", 4096)
+    a = make_store(tmp_path, max_bytes=40 * page, min_free_bytes=0)
+    b = make_store(tmp_path, max_bytes=40 * page, min_free_bytes=0, journal_poll_s=3600)
+    keys = [f"k{i}" for i in range(8)]
+    waiting, go = threading.Event(), threading.Event()
+    real_list, real_scan, real_add = file_io.list_subdirs, file_io.scan_subdir, UsageLedger.add
+    async with a:
+        await a.wait_index_ready(30)
+        assert await a.batch_set(keys, [v0(4096, 1)] * 8)
+        await a.wait_background()
+        gone = a.layout.subdir(page_id(keys[0], "kv"))
+        order = [gone] + [d for d in real_list(a.layout) if d != gone]
+        assert len(order) > 1
+
+        def scan_subdir(path, stale):  # b's scan
+            if wait_at == "last_folder" and path == order[-1]:
+                waiting.set()
+                assert go.wait(30)
+            return real_scan(path, stale)
+
+        def add(self, delta, **kw):  # type: ignore[no-untyped-def]
+            if wait_at == "floor" and callable(kw.get("floor")):
+                waiting.set()
+                assert go.wait(30)
+            return real_add(self, delta, **kw)
+
+        monkeypatch.setattr(file_io, "list_subdirs", lambda layout: list(order))
+        monkeypatch.setattr(file_io, "scan_subdir", scan_subdir)
+        monkeypatch.setattr(UsageLedger, "add", add)
+        try:
+            async with b:
+                assert await asyncio.to_thread(waiting.wait, 30)  # b's scan saw keys[0]
+                assert await a.batch_delete([keys[0]]) == [True]
+                go.set()
+                assert await b.wait_index_ready(30)
+                await b.wait_background()
+                assert len(disk_pages(a)) == 7
+                assert read_usage(os.path.join(a.layout.ns_dir, LEDGER_NAME)).used == 7 * page
+        finally:
+            go.set()
+
+
 async def test_a_batch_in_flight_during_a_peer_clear_is_counted_in_the_new_ledger(tmp_path, monkeypatch) -> None:
     """Store b reserved a batch in the shared ledger, then a (another process's store) cleared
     the namespace before b's pages were written: they landed in the fresh folder, but b's

@@ -100,7 +100,6 @@ async def test_a_continuation_never_evicts_its_own_leading_pages(tmp_path: Any, 
         await stack.aclose()
 
 
-@pytest.mark.xfail(strict=False, reason="intermittent in whole-suite runs only (storage_write_failures 1): open, see the stop 47 note")
 async def test_a_file_store_refusal_that_clears_up_is_retried(tmp_path: Any) -> None:
     """Two stacks share one file namespace bounded to 3 pages; A fills it, then B writes 3
     pages. B has not indexed A's pages, so its first write is refused for room (nothing of its

@@ -162,6 +162,12 @@ class IndexScanner:
             self._scan(self._generation()), name=f"hicache-file-rescan-{self._tag}"
         )
 
+    def _on_disk(self, pages: dict[str, int]) -> dict[str, int]:
+        """(On the scan's thread.) ``pages`` (id -> size) less those no longer on disk."""
+        assert self._layout is not None
+        sizes = page_io.published_sizes([self._layout.path(pid) for pid in pages])
+        return {pid: size for (pid, size), now in zip(pages.items(), sizes) if now is not None}
+
     async def _scan(self, generation: int) -> None:
         """Index every page on disk, one hashed folder at a time, never dying on an error."""
         assert self._layout is not None and self._executor is not None
@@ -212,10 +218,19 @@ class IndexScanner:
                 # (one eviction too many). Summed under the ledger's lock from the live sets
                 # (a removal is tombstoned on the loop before its unlink and its subtraction,
                 # so every removal already subtracted is in them); membership tests only, safe
-                # from that thread.
-                def still_on_disk() -> int:
+                # from that thread. Nor is a page another process removed since the scan saw it
+                # (evicted, deleted: its bytes already off the count): counted, the floor raised
+                # the count by it for as long as peers kept the namespace open (floors never
+                # lower it), and a full store refused for good writes it had room for. Pages gone
+                # by now are dropped off the lock; under it, only a floor that would raise the
+                # count looks again (the lock is held briefly: peers' writes wait on it).
+                present = seen if before is not None else await loop.run_in_executor(self._executor, self._on_disk, seen)
+
+                def still_on_disk(used: int) -> int:
                     tombstones, deleting = self.tombstones or (), self._pins.deleting
-                    return sum(size for pid, size in seen.items() if pid not in tombstones and pid not in deleting)
+                    kept = {pid: size for pid, size in present.items() if pid not in tombstones and pid not in deleting}
+                    least = sum(kept.values())
+                    return least if least <= used else sum(self._on_disk(kept).values())
 
                 await self._space.measured(self._executor, before, token, sum(seen.values()), still_on_disk)
             self.seconds = time.perf_counter() - t0

@@ -236,7 +236,7 @@ class SpaceAccountant:
         token: int | None = None,
         if_seq: int | None = None,
         inflight: int = 0,
-        floor: int | Callable[[], int] | None = None,
+        floor: int | Callable[[int], int] | None = None,
     ) -> Usage | None:
         """``ledger.add`` on a thread (``None`` without a ledger or when it is unavailable)."""
         if self.ledger is None:
@@ -280,10 +280,10 @@ class SpaceAccountant:
 
     async def measured(
         self, executor: ThreadPoolExecutor, before: Usage | None, token: int | None, found: int,
-        still_on_disk: Callable[[], int],
+        still_on_disk: Callable[[int], int],
     ) -> None:
         """A complete scan found ``found`` bytes of pages: replace the shared count with them
-        (``before``: :meth:`baseline`), or, not alone, raise the count to ``still_on_disk()``
+        (``before``: :meth:`baseline`), or, not alone, raise the count to ``still_on_disk(count)``
         (summed under the ledger's lock) if it is below, in the ledger file ``token`` names
         only (a clear since the scan began replaced it: the floor is dropped, see
         :meth:`baseline`; so is one for a ledger that could not be read then)."""
