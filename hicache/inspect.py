@@ -95,6 +95,10 @@ async def inspect_store(
     if not _lists_namespaces(backend_class(backend)):
         raise _cannot_inspect(backend)
     opts = dict(options or {})
+    if "namespace" in opts:
+        # every namespace of the store is opened with its own: one given here was passed beside
+        # it, a TypeError traceback once the store held a namespace
+        raise ConfigError("inspect reads every namespace of the store; 'namespace' is not an option here")
     if root is not None:
         opts["root"] = root
     if backend_class(backend).supports_read_only:

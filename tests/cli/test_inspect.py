@@ -377,3 +377,15 @@ def test_a_namespace_whose_pages_is_a_file_is_reported_damaged_and_the_rest_norm
     lines = [line for line in out.getvalue().splitlines() if line.startswith(bad.digest[:12])]
     assert len(lines) == 1 and "damaged" in lines[0] and "not a folder" in lines[0], out.getvalue()
     assert (tmp_path / bad.digest / "pages").read_text() == "not a folder"  # inspecting changed nothing
+
+
+def test_a_namespace_option_is_one_line_not_a_traceback(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    """inspect opens every namespace of the store itself: a ``namespace`` among the options was
+    passed again beside the one inspect gives, a ``TypeError`` traceback out of the CLI once the
+    store held a namespace (an empty store took it silently)."""
+    import asyncio
+
+    asyncio.run(_fill(tmp_path, Namespace(model="cli"), 2))
+    assert main(["inspect", str(tmp_path), "--json", "--options", '{"namespace": {"model": "x"}}']) == 2
+    err = capsys.readouterr().err
+    assert "namespace" in err and "Traceback" not in err
