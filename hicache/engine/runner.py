@@ -194,13 +194,19 @@ class Engine:
     async def run(self, fn: Callable[..., T], *args: Any, priority: int = DECODE, **kwargs: Any) -> T:
         """Run ``fn`` on the worker thread (``PREFILL`` priority jumps queued decode steps). If
         the caller is cancelled, wait for ``fn`` to finish before re-raising: the forward writes
-        into slots the caller is about to give back."""
+        into slots the caller is about to give back. A ``fn`` still queued then is dropped
+        instead (it has written nothing): a gone client's prefill must not cost the worker a
+        forward and delay every request queued behind it."""
         if self._closed:
             raise RuntimeError("engine is closed")
-        fut = asyncio.wrap_future(self._worker.submit(lambda: fn(*args, **kwargs), priority))
-        if await wait_out(fut):  # however many times the caller was cancelled
-            raise asyncio.CancelledError
-        return fut.result()
+        work = self._worker.submit(lambda: fn(*args, **kwargs), priority)
+        fut = asyncio.wrap_future(work)
+        try:
+            return await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            work.cancel()  # only succeeds while it is queued: the worker then skips it
+            await wait_out(fut)  # a running one ends first, however often the caller is cancelled
+            raise
 
     # -- generation
     async def generate(

@@ -181,6 +181,47 @@ async def test_cancelled_request_waits_for_its_forward_then_aborts(spec) -> None
     await engine.aclose()
 
 
+async def test_a_request_cancelled_while_its_forward_waits_in_the_queue_never_runs_it(spec) -> None:
+    """A client gone while its prefill still waits behind another forward: the queued
+    forward was run anyway once its turn came (nothing had started writing its slots, yet the
+    cancellation waited for it), so every abandoned request cost the worker a whole prefill
+    and delayed the requests queued behind it. It is dropped from the queue instead."""
+    model = TinyTransformer(spec)
+    cache = DevicePrefixCache(spec)
+    engine = Engine(cache, model)
+    gate, held = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        held.set()
+        gate.wait(5)
+
+    blocker = asyncio.create_task(engine.run(hold))
+    while not held.is_set():
+        await asyncio.sleep(0.01)
+    calls = 0
+    real = model.forward
+
+    def counted(*args, **kwargs):
+        nonlocal calls
+        calls += 1
+        return real(*args, **kwargs)
+
+    model.forward = counted  # type: ignore[method-assign]
+    task = asyncio.create_task(engine.generate("gone", prompt_of(40, seed=8), 3))
+    while not engine._worker._queue.qsize():  # its prefill is queued behind the held forward
+        await asyncio.sleep(0.005)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(asyncio.shield(task), 1)  # at once: nothing of it is running
+    gate.set()
+    await blocker
+    await engine.run(lambda: None)  # everything queued before has been run (or skipped)
+    assert calls == 0
+    assert cache.aborted == 1 and cache.live == 0
+    model.forward = real  # type: ignore[method-assign]
+    await engine.aclose()
+
+
 def test_engine_rejects_a_pool_of_another_geometry(model: TinyTransformer) -> None:
     with pytest.raises(ValueError, match="does not fit"):
         Engine(DevicePrefixCache(small_spec(num_layers=2)), model)
