@@ -166,10 +166,12 @@ class Room:
                     return False
                 continue
             before = alloc.available_size()
-            await evict_async(short)
+            evicted = (await evict_async(short)).num_tokens_evicted
             self._writeback.pump()
-            # other turns ran meanwhile: some sessions may have become idle since
-            if alloc.available_size() == before and not offloaded and not self.candidates():
+            # other turns ran meanwhile: some sessions may have become idle since, and the room
+            # this eviction freed may be theirs already (as many free slots as before is then
+            # no sign that nothing can be freed: the device may be full of evictable pages)
+            if not evicted and alloc.available_size() == before and not offloaded and not self.candidates():
                 return alloc.available_size() >= num_tokens
         return alloc.available_size() >= num_tokens
 

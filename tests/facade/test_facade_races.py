@@ -410,3 +410,35 @@ async def test_close_while_a_session_turn_waits_for_device_room(device_room: boo
     assert stack.req_to_token_pool.available_size() == stack.req_to_token_pool.size
     assert alloc.available_size() + cache.cache.inner.all_device_indices().numel() == alloc.size
     assert not cache._live
+
+
+async def test_room_another_request_takes_while_a_begin_waits_for_write_backs_is_made_again() -> None:
+    """write_back: the tree's pages go only once their host copies land, so a begin that needs
+    room waits for those copies. When another request admitted meanwhile took exactly the room
+    they freed, the begin saw as many free slots as before it waited, read that as "nothing can
+    be freed" and failed with OutOfKVSlotsError while the device was full of evictable pages
+    (about one request in 700 under three concurrent clients). It evicts again instead."""
+    async with HiCache.from_config(config(cache={"write_policy": "write_back"})) as cache:
+        stack = cache._stack
+        for i in range(6):
+            await run(cache, f"fill{i}", prompt(40 + i, 10 * PS))  # 60 of 64 pages, no host copy yet
+        alloc, tree = stack.allocator, stack.cache
+        real_evict_async = tree.evict_async
+        taken: list[torch.Tensor] = []
+
+        async def another_request_takes_what_it_frees(params):  # type: ignore[no-untyped-def]
+            before = alloc.available_size()
+            result = await real_evict_async(params)
+            if not taken and alloc.available_size() > before:  # once, while the begin waited
+                taken.append(alloc.alloc(alloc.available_size() - before))
+            return result
+
+        tree.evict_async = another_request_takes_what_it_frees  # type: ignore[method-assign]
+        h = await cache.begin("x", prompt(9, 8 * PS))
+        assert taken and taken[0] is not None  # the room was taken meanwhile
+        write_synthetic_kv(cache.device_pool, h.kv_indices, torch.tensor(h.token_ids))
+        await cache.commit(h)
+        del tree.evict_async
+        alloc.free(taken[0])
+        await cache.drain()
+        assert_no_leak(cache)
