@@ -294,14 +294,25 @@ class HiCacheStorage:
         self._timeout_log = Throttle()
         _open_facades.add(self)
 
-    def _call(self, coro: Coroutine[Any, Any, T], *, lookup: bool = False) -> T:
-        """``coro`` on the loop, under ``call_timeout``; a ``lookup`` (it fills no buffer) past
-        it is cancelled and not waited for (see :meth:`LoopThread.call`)."""
+    def call_deadline(self) -> float | None:
+        """When a call started now must have answered (``time.monotonic()``), ``None`` without a
+        ``call_timeout``: for a caller that composes one call of several steps (a lookup on its
+        own thread, then one on the loop), each given what is left of it (see :meth:`run`)."""
+        return None if self.call_timeout is None else time.monotonic() + self.call_timeout
+
+    def _timeout_by(self, deadline: float | None) -> float | None:
+        """The wait a call may take: ``call_timeout``, or what is left until ``deadline``."""
+        return self.call_timeout if deadline is None else max(0.0, deadline - time.monotonic())
+
+    def _call(self, coro: Coroutine[Any, Any, T], *, lookup: bool = False, deadline: float | None = None) -> T:
+        """``coro`` on the loop, under ``call_timeout`` (or until ``deadline``, from
+        :meth:`call_deadline`); a ``lookup`` (it fills no buffer) past it is cancelled and not
+        waited for (see :meth:`LoopThread.call`)."""
         if self._closed:
             coro.close()
             raise StorageStateError("HiCacheStorage is closed")
         try:
-            return self._loop_thread.call(coro, self.call_timeout, wait_cancelled=not lookup)
+            return self._loop_thread.call(coro, self._timeout_by(deadline), wait_cancelled=not lookup)
         except TimeoutError:
             # counted where every other failure of the store is (an engine adapter turns the
             # exception into misses, so without this a slow store would look merely quiet)
@@ -317,12 +328,14 @@ class HiCacheStorage:
         not inside a running event loop (that misuse is the loop call's to report)."""
         return not self._closed and not _in_running_loop()
 
-    def run(self, coro: Coroutine[Any, Any, T], *, lookup: bool = False) -> T:
+    def run(self, coro: Coroutine[Any, Any, T], *, lookup: bool = False, deadline: float | None = None) -> T:
         """Run a coroutine of the caller's on the facade's loop (where the backend lives) and
         wait for it, under ``call_timeout``: for engine adapters that compose several backend
         calls into one blocking call. A timeout cancels the coroutine and waits for it, unless
-        it is a ``lookup`` (it fills no buffer: then its caller's timeout is kept)."""
-        return self._call(coro, lookup=lookup)
+        it is a ``lookup`` (it fills no buffer: then its caller's timeout is kept).
+        ``deadline`` (:meth:`call_deadline`, taken before an earlier step of the same call):
+        the wait ends then instead, so that the steps together keep one ``call_timeout``."""
+        return self._call(coro, lookup=lookup, deadline=deadline)
 
     # lifecycle
     def open(self) -> None:
@@ -569,16 +582,16 @@ class HiCacheStorage:
         return now if now is not None else self._call(self.backend.exists_prefix(keys, pool), lookup=True)
 
     def exists_prefix_now(self, keys: list[str], pool: PoolName | str = PoolName.KV, *,
-                          screened: bool = False) -> int | None:
+                          screened: bool = False, deadline: float | None = None) -> int | None:
         """:meth:`exists_prefix` answered on the calling thread, or ``None`` where the store
         cannot (or the caller is inside a running loop, or the facade closed): for an engine
         adapter that composes the rest of a lookup itself. ``screened``: ``keys`` went through
-        :meth:`storable_prefix` already. Bounded by ``call_timeout``: a look at the store's
-        medium not answered by then is a miss."""
+        :meth:`storable_prefix` already. Bounded by ``call_timeout`` (or ``deadline``, see
+        :meth:`run`): a look at the store's medium not answered by then is a miss."""
         if not self._blocking_caller():
             return None
         return self.backend.exists_prefix_now(keys if screened else self.storable_prefix(keys), pool,
-                                              self.call_timeout)
+                                              self._timeout_by(deadline))
 
     def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
         return self._call(self.backend.batch_exists(self.storable_prefix(keys), extra_info), lookup=True)

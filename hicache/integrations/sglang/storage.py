@@ -537,11 +537,19 @@ class HiCacheSGLangStorage(_SGLangStorage):
         def run(f: HiCacheStorage) -> Any:
             assert self._backend is not None
             lookup = f.storable_prefix(list(keys))  # a bad key is a miss from there, not a failed batch
-            kv_now = f.exists_prefix_now(lookup, KV, screened=True)  # on this thread where it can
+            # one call_timeout for the whole call: the KV prefix on this thread and the extra
+            # pools on the loop were bounded one after the other, twice it on a hung store
+            deadline = f.call_deadline()
+            kv_now = f.exists_prefix_now(lookup, KV, screened=True, deadline=deadline)  # on this thread where it can
             if kv_now is not None and (not transfers or not kv_now):
                 hits = resolve(kv_now, {})  # nothing left to ask the loop
             else:
-                hits = f.run(query(self._backend, lookup, kv_now), lookup=True)
+                try:
+                    hits = f.run(query(self._backend, lookup, kv_now), lookup=True, deadline=deadline)
+                except TimeoutError:  # counted and logged by the facade
+                    if kv_now is None:
+                        raise
+                    hits = resolve(kv_now, {})  # the KV prefix was answered; the pools not are misses
             return _SGLangResult(hits.kv_hit_pages, hits.extra_pool_hit_pages, hits.restorable_prefix_pages)
 
         return self._do("batch_exists_v2", run, _SGLangResult(0, {}, []))

@@ -110,6 +110,15 @@ def controller(
     )
 
 
+def swa_entry(page_size: int) -> tuple[Any, PoolEntry]:
+    """A hybrid model's SWA host pool (page_first, filled at random) and its pool entry, for
+    :func:`controller`'s ``extra_entries``."""
+    swa_dev = device_pool(page_size=page_size, layers=2, heads=1, head_dim=16)
+    swa_host = host_pool(swa_dev, "page_first")
+    fill_random(swa_host, 7)
+    return swa_host, PoolEntry(name=PoolName.SWA, host_pool=swa_host, device_pool=swa_dev, layer_mapper=lambda i: i)
+
+
 def mamba_server(root: str, ssm_dtype: torch.dtype = torch.bfloat16, ratio: float = 2.0, *,
                  metrics: bool = False, fill: bool = False, side_state: bool = False) -> tuple[Any, Any]:
     """A hybrid model's rank through SGLang's factory (``dynamic`` -> hicache's file store at

@@ -320,20 +320,11 @@ def test_sglang_fault_injector_never_yields_wrong_kv(store_root, monkeypatch):
 
 # ---------------------------------------------------------------- hybrid models
 
-def _swa_entry(dev_kv):
-    from sglang.srt.mem_cache.pool_host import PoolEntry
-
-    swa_dev = helpers.device_pool(page_size=PAGE, layers=2, heads=1, head_dim=16)
-    swa_host = helpers.host_pool(swa_dev, "page_first")
-    helpers.fill_random(swa_host, 7)
-    return swa_host, PoolEntry(name=PoolName.SWA, host_pool=swa_host, device_pool=swa_dev, layer_mapper=lambda i: i)
-
-
 def test_hybrid_extra_pool_round_trip_and_restorable_prefixes_as_sglang(store_root, tmp_path):
     dev = helpers.device_pool(page_size=PAGE, layers=LAYERS)
     host = helpers.host_pool(dev, "layer_first")
     helpers.fill_random(host, 1)
-    swa_host, entry = _swa_entry(dev)
+    swa_host, entry = helpers.swa_entry(PAGE)
     ctl = helpers.controller(dev, host, helpers.extra_config("file", root=store_root), extra_entries=[entry])
     try:
         st = ctl.storage_backend

@@ -362,3 +362,45 @@ def test_lookups_on_a_hung_mount_answer_misses_within_the_call_timeout(store_roo
     finally:
         release.set()
         ctl.detach_storage_backend()
+
+
+@pytest.mark.parametrize("policy", ["all_pages", "trailing_pages"])
+def test_a_hybrid_lookup_on_a_hung_mount_answers_within_one_call_timeout(store_root, monkeypatch, policy):
+    """A hybrid model's hit query (SGLang's controller calls batch_exists_v2 with its SWA or
+    Mamba pool) on a shared file store whose disk hangs: the KV prefix's check of the first
+    unindexed page (on the prefetch thread) and the extra pool's check (on the loop) were each
+    bounded by hicache_call_timeout, one after the other, so the prefetch thread waited twice
+    that. The whole call answers within it; the pool not answered is a miss, counted."""
+    import threading
+
+    import hicache_backends.file.io as file_io
+    from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle
+    from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import PrefetchOperation
+
+    timeout = 1.0
+    dev = helpers.device_pool(size=2048, page_size=PAGE, layers=LAYERS)
+    host = helpers.host_pool(dev, "page_first")
+    _, swa = helpers.swa_entry(PAGE)
+    ctl = helpers.controller(dev, host, helpers.extra_config("file", root=store_root) | {"hicache_call_timeout": timeout},
+                             extra_entries=[swa])
+    st = ctl.storage_backend
+    release = threading.Event()
+    real_probe = file_io.probe_page
+    try:
+        toks = drive.tokens(PAGE * 5)
+        assert drive.backup(ctl, toks[: PAGE * 4], ctl.mem_pool_host.alloc(PAGE * 4)) == PAGE * 4
+        assert st.backend.shared  # the 5th KV page and every SWA page are checked on disk
+        monkeypatch.setattr(file_io, "probe_page", lambda path: (release.wait(8.0), real_probe(path))[1])
+        swa_query = [PoolTransfer(PoolName.SWA, keys=[], hit_policy=PoolHitPolicy(policy))]
+        op = PrefetchOperation(CacheRequestHandle("r", 0), toks, None, prefix_keys=[], pool_transfers=swa_query)
+        t0 = time.monotonic()
+        _, hit_tokens = ctl._storage_hit_query(op)
+        took = time.monotonic() - t0
+        assert took < timeout * 1.6, took  # one call timeout, not one for the KV and one for the pool
+        assert hit_tokens == 0  # the SWA pages were never answered: a miss
+        assert op.query_pool_hit_pages == {PoolName.KV: 4}  # the KV prefix was answered; no SWA verdict
+        assert st.hicache_stats()["call_timeouts"] >= 2  # the KV page's check and the pool's
+    finally:
+        release.set()
+        ctl.detach_storage_backend()
