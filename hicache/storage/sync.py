@@ -578,8 +578,10 @@ class HiCacheStorage:
         where the store can answer from memory (``exists_prefix_now``), else on the loop (see
         :meth:`batch_get_v1` for why). An unstorable key is a miss (the prefix stops there)."""
         keys = self.storable_prefix(keys)
-        now = self.exists_prefix_now(keys, pool, screened=True)
-        return now if now is not None else self._call(self.backend.exists_prefix(keys, pool), lookup=True)
+        deadline = self.call_deadline()  # one call_timeout for both tries: each its own took twice it
+        now = self.exists_prefix_now(keys, pool, screened=True, deadline=deadline)
+        return now if now is not None else self._call(self.backend.exists_prefix(keys, pool), lookup=True,
+                                                      deadline=deadline)
 
     def exists_prefix_now(self, keys: list[str], pool: PoolName | str = PoolName.KV, *,
                           screened: bool = False, deadline: float | None = None) -> int | None:

@@ -404,3 +404,29 @@ def test_a_hybrid_lookup_on_a_hung_mount_answers_within_one_call_timeout(store_r
     finally:
         release.set()
         ctl.detach_storage_backend()
+
+
+def test_a_lookup_on_a_slow_mount_answers_within_one_call_timeout(store_root, monkeypatch):
+    """SGLang's batch_exists (every non-hybrid model's hit query) on a shared file store whose
+    disk is slow: the page another server wrote is checked on disk on the prefetch thread
+    (found just inside hicache_call_timeout), then looked up again on the loop, which had a
+    call timeout of its own; the prefetch thread waited nearly twice it. Both tries share one."""
+    import hicache_backends.file.io as file_io
+
+    timeout = 1.0
+    _, ctl = _ctl("file", "page_first", hicache_options={"root": store_root}, hicache_call_timeout=timeout)
+    _, other = _ctl("file", "page_first", hicache_options={"root": store_root})
+    real_probe = file_io.probe_page
+    try:
+        toks = drive.tokens(PAGE * 4)
+        assert drive.backup(other, toks, other.mem_pool_host.alloc(len(toks))) == len(toks)
+        keys = drive.get_storage_hash_str(toks, None, page_size=PAGE)
+        st = ctl.storage_backend
+        monkeypatch.setattr(file_io, "probe_page", lambda path: (time.sleep(0.7 * timeout), real_probe(path))[1])
+        t0 = time.monotonic()
+        assert st.batch_exists(keys) in (0, 4)
+        took = time.monotonic() - t0
+        assert took < timeout * 1.4, took  # one call timeout, not one on the thread and one on the loop
+    finally:
+        ctl.detach_storage_backend()
+        other.detach_storage_backend()
