@@ -409,13 +409,13 @@ class HiCacheStorage:
 
     def _transfers(
         self, call: TransferCall, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None,
-        *, reads: bool = False,
+        *, reads: bool = False, deadline: float | None = None,
     ) -> dict[str, list[bool]]:
         """A v2 get (``reads``) or set with every unstorable key failed alone: each run of good
         keys of a transfer goes to the backend with its own pages (a run after a bad key has no
-        parent)."""
+        parent). ``deadline``: see :meth:`run`."""
         if all(not _is_batch(t.keys) or first_unstorable(t.keys or []) is None for t in transfers):
-            return self._call(call(transfers, extra_info))
+            return self._call(call(transfers, extra_info), deadline=deadline)
 
         async def screened() -> dict[str, list[bool]]:
             results: dict[str, list[bool]] = {}
@@ -440,7 +440,7 @@ class HiCacheStorage:
                 results[pool_name_str(t.name)] = flags
             return results
 
-        return self._call(screened())
+        return self._call(screened(), deadline=deadline)
 
     def _clashing_reads(self, transfer: PoolTransfer, keys: Sequence[object]) -> set[int]:
         """Positions of the storable pages of a read ``transfer`` whose host memory another
@@ -472,45 +472,52 @@ class HiCacheStorage:
                           lookup=True)
 
     def batch_get_v2(
-        self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None
+        self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None,
+        *, deadline: float | None = None,
     ) -> dict[str, list[bool]]:
-        return self._transfers(self.backend.batch_get_v2, transfers, extra_info, reads=True)
+        """``deadline``: see :meth:`run` (an engine call of several pools keeps one timeout)."""
+        return self._transfers(self.backend.batch_get_v2, transfers, extra_info, reads=True, deadline=deadline)
 
     def batch_set_v2(
-        self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None
+        self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None,
+        *, deadline: float | None = None,
     ) -> dict[str, list[bool]]:
-        return self._transfers(self.backend.batch_set_v2, transfers, extra_info)
+        """``deadline``: see :meth:`run` (an engine call of several pools keeps one timeout)."""
+        return self._transfers(self.backend.batch_set_v2, transfers, extra_info, deadline=deadline)
 
     # v1
     def _v1(self, call: TransferCall, keys: list[str], host_indices: torch.Tensor, extra_info: Any,
-            *, reads: bool = False) -> list[bool]:
+            *, reads: bool = False, deadline: float | None = None) -> list[bool]:
         if PoolName.KV.value not in self.backend.registered_pools:
             raise StorageStateError("the v1 calls need register_mem_pool_host(host_pool) first")
         transfer = [PoolTransfer(PoolName.KV, host_indices, keys=keys)]
-        return self._transfers(call, transfer, extra_info, reads=reads)[PoolName.KV.value]
+        return self._transfers(call, transfer, extra_info, reads=reads, deadline=deadline)[PoolName.KV.value]
 
     def batch_get_v1(
-        self, keys: list[str], host_indices: torch.Tensor, extra_info: HiCacheStorageExtraInfo | None = None
+        self, keys: list[str], host_indices: torch.Tensor, extra_info: HiCacheStorageExtraInfo | None = None,
+        *, deadline: float | None = None,
     ) -> list[bool]:
         """Read KV pages into the registered host pool: on the calling thread where the store
         can (``batch_get_v1_now``: small pages straight into pool memory, bounded by
         ``call_timeout``), else on the facade's loop. Why: each hand-off to the loop, its I/O
         thread and back waits for the GIL, which a busy engine's threads hold; those waits
-        cost more than reading small pages."""
+        cost more than reading small pages. ``deadline``: see :meth:`run`."""
         if not _is_batch(keys) or first_unstorable(keys) is None:
             if self._blocking_caller():
-                now = self.backend.batch_get_v1_now(keys, host_indices, self.call_timeout)
+                now = self.backend.batch_get_v1_now(keys, host_indices, self._timeout_by(deadline))
                 if now is not None:
                     return now
-            return self._call(self.backend.batch_get_v1(keys, host_indices, extra_info))
-        return self._v1(self.backend.batch_get_v2, keys, host_indices, extra_info, reads=True)
+            return self._call(self.backend.batch_get_v1(keys, host_indices, extra_info), deadline=deadline)
+        return self._v1(self.backend.batch_get_v2, keys, host_indices, extra_info, reads=True, deadline=deadline)
 
     def batch_set_v1(
-        self, keys: list[str], host_indices: torch.Tensor, extra_info: HiCacheStorageExtraInfo | None = None
+        self, keys: list[str], host_indices: torch.Tensor, extra_info: HiCacheStorageExtraInfo | None = None,
+        *, deadline: float | None = None,
     ) -> list[bool]:
+        """``deadline``: see :meth:`run`."""
         if not _is_batch(keys) or first_unstorable(keys) is None:
-            return self._call(self.backend.batch_set_v1(keys, host_indices, extra_info))
-        return self._v1(self.backend.batch_set_v2, keys, host_indices, extra_info)
+            return self._call(self.backend.batch_set_v1(keys, host_indices, extra_info), deadline=deadline)
+        return self._v1(self.backend.batch_set_v2, keys, host_indices, extra_info, deadline=deadline)
 
     # v0
     def get(self, key: str, target_location: Any | None = None, target_sizes: Any | None = None) -> torch.Tensor | None:

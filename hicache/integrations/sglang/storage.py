@@ -570,19 +570,21 @@ class HiCacheSGLangStorage(_SGLangStorage):
         self._record("backup", self._written(sum(out), call), t0)
         return out
 
-    def _get_kv(self, facade: HiCacheStorage, keys: list[str], host_indices: torch.Tensor) -> list[bool]:
+    def _get_kv(self, facade: HiCacheStorage, keys: list[str], host_indices: torch.Tensor,
+                deadline: float | None = None) -> list[bool]:
         # as for writes: a batch with a key no store takes goes through the facade, which
         # misses that key alone (the mover's batch failed whole, the stored pages before it too)
         if self._mover is not None and not self._mover.moves_directly and first_unstorable(keys) is None:
-            return facade.run(self._mover.get(keys, host_indices))  # through the mover's staging
-        return facade.batch_get_v1(keys, host_indices)  # on this thread where the store can read there
+            return facade.run(self._mover.get(keys, host_indices), deadline=deadline)  # through the mover's staging
+        return facade.batch_get_v1(keys, host_indices, deadline=deadline)  # on this thread where the store can read there
 
-    def _set_kv(self, facade: HiCacheStorage, keys: list[str], host_indices: torch.Tensor, prefix: Any) -> list[bool]:
+    def _set_kv(self, facade: HiCacheStorage, keys: list[str], host_indices: torch.Tensor, prefix: Any,
+                deadline: float | None = None) -> list[bool]:
         # a batch with a key no store takes goes through the facade, which fails that key
         # alone; the mover sends its batches to the backend as they are
         if self._mover is not None and first_unstorable(keys) is None:
-            return facade.run(self._mover.set(keys, host_indices, prefix))
-        return facade.batch_set_v1(keys, host_indices, _extra(prefix))
+            return facade.run(self._mover.set(keys, host_indices, prefix), deadline=deadline)
+        return facade.batch_set_v1(keys, host_indices, _extra(prefix), deadline=deadline)
 
     # ------------------------------------------------------------------ v2 (hybrid models)
 
@@ -595,18 +597,24 @@ class HiCacheSGLangStorage(_SGLangStorage):
     def _v2(self, what: str, transfers: list[Any], extra_info: Any, *, write: bool) -> dict[Any, list[bool]]:
         prefix = getattr(extra_info, "prefix_keys", None)
         out: dict[Any, list[bool]] = {}
+        # one call_timeout for the whole call: each pool bounded on its own, SGLang's I/O
+        # thread waited once per pool on a stalled store
+        facade = self._facade  # read once: a close beside this call sets it to None
+        deadline = facade.call_deadline() if facade is not None else None
         for t in transfers:
             keys = list(t.keys or [])
 
             def one(f: HiCacheStorage, t: Any = t, keys: list[str] = keys) -> list[bool]:
                 name = self._pool(t.name)
                 if name == KV:
-                    return (self._set_kv if write else self._get_kv)(f, keys, t.host_indices, *((prefix,) if write else ()))
+                    if write:
+                        return self._set_kv(f, keys, t.host_indices, prefix, deadline)
+                    return self._get_kv(f, keys, t.host_indices, deadline)
                 if name in self._refused:
                     return [False] * len(keys)
                 call = f.batch_set_v2 if write else f.batch_get_v2
                 ours = PoolTransfer(name, t.host_indices, keys=keys)
-                return call([ours], _extra(prefix))[name]
+                return call([ours], _extra(prefix), deadline=deadline)[name]
 
             # each pool's I/O is recorded on its own, like a KV batch (SGLang's own backends
             # record the extra pools of the v2 calls too)

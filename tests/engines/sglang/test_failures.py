@@ -430,3 +430,47 @@ def test_a_lookup_on_a_slow_mount_answers_within_one_call_timeout(store_root, mo
     finally:
         ctl.detach_storage_backend()
         other.detach_storage_backend()
+
+
+@pytest.mark.parametrize("write", [False, True], ids=["get", "set"])
+def test_a_v2_call_of_several_pools_answers_within_one_call_timeout(monkeypatch, write):
+    """A hybrid model's batch_get_v2 / batch_set_v2 of its KV and SWA pools in one call on a
+    store that stalls: each pool's I/O was bounded by hicache_call_timeout on its own, so
+    SGLang's I/O thread waited once per pool. The whole call answers within one call timeout;
+    the pages not moved by then fail."""
+    from hicache_backends.memory import MemoryStorage
+
+    timeout = 1.0
+    dev = helpers.device_pool(size=2048, page_size=PAGE, layers=LAYERS)
+    host = helpers.host_pool(dev, "page_head")
+    helpers.fill_random(host, 1)
+    swa_host, swa = helpers.swa_entry(PAGE)
+    ctl = helpers.controller(dev, host, helpers.extra_config("memory") | {"hicache_call_timeout": timeout},
+                             extra_entries=[swa])
+    st = ctl.storage_backend
+    try:
+        keys = drive.get_storage_hash_str(drive.tokens(PAGE * 2), None, page_size=PAGE)
+
+        def transfers() -> list[PoolTransfer]:
+            return [PoolTransfer(PoolName.KV, ctl.mem_pool_host.alloc(PAGE * 2), keys=keys),
+                    PoolTransfer(PoolName.SWA, swa_host.alloc(PAGE * 2), keys=keys)]
+
+        assert st.batch_set_v2(transfers()) == {PoolName.KV: [True, True], PoolName.SWA: [True, True]}
+        primitive = "_write" if write else "_read"
+        original = getattr(MemoryStorage, primitive)
+
+        async def stalled(self, *args, **kwargs):
+            await asyncio.sleep(5.0)
+            return await original(self, *args, **kwargs)
+
+        monkeypatch.setattr(MemoryStorage, primitive, stalled)
+        if write:
+            keys = drive.get_storage_hash_str(drive.tokens(PAGE * 2, seed=9), None, page_size=PAGE)
+        t0 = time.monotonic()
+        got = (st.batch_set_v2 if write else st.batch_get_v2)(transfers())
+        took = time.monotonic() - t0
+        assert took < timeout * 1.5, took  # one call timeout, not one per pool
+        assert got == {PoolName.KV: [False, False], PoolName.SWA: [False, False]}
+        assert st.hicache_stats()["call_timeouts"] >= 1
+    finally:
+        ctl.detach_storage_backend()
