@@ -700,8 +700,11 @@ class HiCacheSGLangStorage(_SGLangStorage):
         return m
 
     def hicache_stats(self) -> dict[str, Any]:
-        """hicache's own counters (reads, hits, verification failures, bytes, evictions)."""
-        return self._facade.get_stats() if self._facade is not None else {}
+        """hicache's own counters (reads, hits, verification failures, bytes, evictions); ``{}``
+        once closed. The facade is read once: a close on another thread between a check and
+        its use made this raise ``AttributeError`` on ``None``."""
+        facade = self._facade
+        return facade.get_stats() if facade is not None else {}
 
     def close(self) -> None:
         """Drain queued writes and release the store (idempotent)."""
