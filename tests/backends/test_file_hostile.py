@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from hicache.inspect import inspect_store
+from hicache.storage.types import PageKey
 from hicache.testing.store_tests import NS_A, NS_B
 from hicache_backends.file import FileStorage
 from hicache_backends.file import io as file_io
@@ -224,17 +225,19 @@ async def _settled_by_the_next_write(store: FileStorage, ledger: str) -> None:
     assert read_usage(ledger).used == on_disk
 
 
-def _killed_after(func: str, op: str) -> str:
+def _killed_after(func: str, op: str, options: str = "") -> str:
     """A child script, run as ``python -c SCRIPT ROOT MAX_BYTES SIZE``: a file store at ROOT
-    bounded to MAX_BYTES runs ``op`` (SIZE is ``sys.argv[3]``), and is SIGKILLed right after
-    its ``page_io.<func>`` returns: files unlinked, their bytes not yet off the shared count."""
+    bounded to MAX_BYTES (more keyword arguments: ``options``, such as ``"read_only=True"``)
+    runs ``op`` (SIZE is ``sys.argv[3]``), and is SIGKILLed right after its ``page_io.<func>``
+    returns: files unlinked, their bytes not yet off the shared count."""
+    more = f", {options}" if options else ""
     return (
         "import asyncio, os, sys, torch\n"
         "from hicache.testing.store_tests import NS_A\n"
         "from hicache_backends.file import FileStorage\n"
         "from hicache_backends.file import io as page_io\n"
         "async def main():\n"
-        "    s = FileStorage(None, root=sys.argv[1], namespace=NS_A, min_free_bytes=0, max_bytes=int(sys.argv[2]))\n"
+        f"    s = FileStorage(None, root=sys.argv[1], namespace=NS_A, min_free_bytes=0, max_bytes=int(sys.argv[2]){more})\n"
         "    async with s:\n"
         "        await s.wait_background()\n"
         f"        real = page_io.{func}\n"
@@ -975,6 +978,55 @@ async def test_a_reader_killed_between_removing_a_corrupt_page_and_its_subtracti
         assert len(list(Path(store.layout.ns_dir).rglob("*.page"))) == 3  # 2 of the 4 and the new one
 
 
+async def test_an_observer_killed_between_removing_a_corrupt_page_and_its_give_back_leaves_no_over_count(
+    tmp_path, monkeypatch
+) -> None:
+    """A read-only observer (``hicache inspect --verify``) that finds a corrupt page unlinks it
+    and then gives its bytes back to the shared count. Killed in between (SIGKILL), it left
+    them counted for as long as any writer kept the namespace open: it keeps out of the
+    reservation table, so no dead slot told the next process to take them off. It now marks
+    the page's bytes in its process's observer slot before the unlink (freed by its give-back),
+    so the next writer to take the ledger's lock settles a dead observer's removal. That slot
+    is never the writer slot of the same process (here the observer shares its process with
+    two writers): one slot shared by both had each side's settlement move the other's bytes."""
+    from hicache_backends.file import ledger as L
+
+    page = 64 << 10
+    bound = 8 * (page + 512)
+    child = _killed_after("_discard", "s.check_page(PageKey('k1', 'kv'))", "read_only=True")
+    child = child.replace("import asyncio, os, sys, torch\n",
+                          "import asyncio, os, sys, torch\nfrom hicache.storage.types import PageKey\n")
+    async with _four_pages_with_a_peer(tmp_path, bound, page) as (store, peer):
+        ledger = os.path.join(store.layout.ns_dir, LEDGER_NAME)
+        _flip_a_byte(tmp_path, store, ("k1", "k2"))  # a verification removes those pages
+        tables: list[list[int]] = []
+        real = file_io._discard
+
+        def seen_after(*args):  # the table between the observer's unlink and its give-back
+            removed = real(*args)
+            tables.append(L._decode_slots(Path(ledger).read_bytes()))
+            return removed
+
+        monkeypatch.setattr(file_io, "_discard", seen_after)
+        # a live observer's removal leaves the count, and leaves no slot of its own behind
+        async with FileStorage(None, root=str(tmp_path), namespace=NS_A, min_free_bytes=0, read_only=True) as observer:
+            assert await within(observer.check_page(PageKey("k2", "kv"))) == "corrupt"
+            on_disk = sum(p.stat().st_size for p in Path(store.layout.ns_dir).rglob("*.page"))
+            usage = read_usage(ledger)
+            assert (usage.used, usage.inflight) == (on_disk, 0)
+        monkeypatch.undo()
+        (table,) = tables
+        marked = [table[i : i + 3] for i in L._taken(table)]
+        size = os.path.getsize(page_path(tmp_path, store.namespace.digest, "k0"))
+        assert [L._owner(), os.getpid() | L._OBSERVING, size] in marked
+        assert not [s for s in marked if s[1] == os.getpid()]  # the writers' slot: untouched
+        done = subprocess.run([sys.executable, "-c", child, str(tmp_path), str(bound), str(page)], timeout=120)
+        assert done.returncode == -9
+        assert not os.path.exists(page_path(tmp_path, store.namespace.digest, "k1"))
+        await _settled_by_the_next_write(store, ledger)
+        assert len(list(Path(store.layout.ns_dir).rglob("*.page"))) == 3  # 2 of the 4 and the new one
+
+
 async def test_a_damaged_reservation_slot_neither_fails_every_write_nor_raises_the_count(tmp_path) -> None:
     """The reservation table is read back from a file any damage can reach (a torn write, a
     bad block, a tool). A slot of this machine naming a pid no process can have (beyond the
@@ -1593,6 +1645,15 @@ def test_the_ledger_reservation_table_keeps_every_slot_it_cannot_judge() -> None
     assert slots[12:15] == [own, os.getpid(), 500] and slots[6:9] == [L._owner(), os.getpid(), 60]
     assert L._reclaim(slots) == 900 and slots[0:3] == slots[12:15] == [0, 0, 0]
     assert slots[6:12] == [L._owner(), os.getpid(), 60, L.MACHINE, os.getppid(), 300]  # ours; by the pid alone
+    # an observer's slot of this process is its own, apart from its writer slot; a dead
+    # process's observer slot is given back as its writer slot would be
+    L._move_own(slots, 70, L._OBSERVING)
+    L._move_own(slots, -60)
+    assert slots[0:3] == [L._owner(), os.getpid() | L._OBSERVING, 70] and slots[6:9] == [0, 0, 0]
+    slots[12:15] = (L.MACHINE, dead.pid | L._OBSERVING, 80)
+    assert L._reclaim(slots) == 80 and slots[12:15] == [0, 0, 0]
+    L._move_own(slots, -70, L._OBSERVING)
+    assert slots[0:3] == [0, 0, 0]
     full = [L.MACHINE ^ 1, 1, 1] * L._SLOTS
     L._move_own(full, 10)  # no free slot: counted in ``used`` only, the table unchanged
     assert full == [L.MACHINE ^ 1, 1, 1] * L._SLOTS

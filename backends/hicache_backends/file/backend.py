@@ -141,11 +141,13 @@ class FileStorage(AsyncHiCacheStorage):
             deletes are refused (``read_only_refused_pages``), a clear fails. The one
             removal left is a read's: a page that fails verification is deleted as on any
             read (counted ``corrupt_pages``), its bytes taken off the shared count at once
-            (the ledger's counters only, still not joined), and peers find it gone at their
-            next read. Left in the count for "a writer's scan" to correct, they stayed: a
-            writer's index still held the page (no rescan was due) and its scans correct the
-            count only with the namespace to themselves and no write in flight, so each drop
-            shrank ``max_bytes`` for as long as it served.
+            (the ledger's counters, and its process's observer slot - never a writer's -
+            marked for the page before the unlink, so that a kill in between leaves no
+            over-count: still not joined), and peers find it gone at their next read. Left
+            in the count for "a writer's scan" to correct, they stayed: a writer's index
+            still held the page (no rescan was due) and its scans correct the count only
+            with the namespace to themselves and no write in flight, so each drop shrank
+            ``max_bytes`` for as long as it served.
         namespace: override the namespace derived from the storage config.
     """
 

@@ -14,7 +14,8 @@ exclusive ``flock`` (released by the kernel when a holder dies, so a SIGKILL nev
   ``hicache inspect`` (another process) can say that writes are being refused and why;
 * ``seq`` - how many changes were made;
 * a table of in-flight reservations, one slot per writing process (machine and start time,
-  pid, bytes; the start time tells a reused pid's new process from the dead one):
+  pid, bytes; the start time tells a reused pid's new process from the dead one), and one per
+  observing process (its corrupt pages' removals, :func:`mark`; apart from its writer slot):
   whoever next takes the lock gives back the reservations of processes of this machine that
   are gone (killed between reserving and settling: the OOM killer, a SIGKILL; or between an
   eviction's unlinks, or a read's removal of a corrupt page, and its subtraction: the removed
@@ -54,7 +55,7 @@ from dataclasses import dataclass
 from hicache_backends.file.locks import SharedFile, flock_within
 from hicache_backends.writers import MACHINE, pid_alive
 
-__all__ = ["LEDGER_NAME", "USERS_NAME", "Usage", "UsageLedger", "give_back", "read_usage"]
+__all__ = ["LEDGER_NAME", "USERS_NAME", "Usage", "UsageLedger", "give_back", "mark", "read_usage"]
 
 logger = logging.getLogger("hicache.storage.file")
 
@@ -126,6 +127,10 @@ _TRUST_SECONDS = 1.0
 #: takes 0 and negative pids for process groups)
 _PID_LIMIT = 1 << 22
 _matched: dict[tuple[int, int], float] = {}  # (owner, pid) -> when its start time last matched
+#: set in the pid field of an observer's slot (:func:`mark`): a process may hold a writer's
+#: slot and an observer's at once (a server that runs ``hicache inspect`` in process, a test),
+#: and one slot shared by both had each side's settlement move the other's bytes
+_OBSERVING = 1 << 32
 
 
 def _started(pid: int) -> int | None:
@@ -164,6 +169,7 @@ def _gone(owner: int, pid: int) -> bool:
     its slot."""
     if owner != MACHINE and (owner ^ MACHINE) & _LOW:
         return False  # another machine or PID namespace: never judged here
+    pid &= ~_OBSERVING  # an observer's slot: judged by its process as a writer's is
     if not 0 < pid <= _PID_LIMIT:
         return True  # no process's: a damaged slot (judged alive, or raising, it stayed for good)
     if pid == os.getpid():
@@ -197,10 +203,11 @@ def _reclaim(slots: list[int]) -> int:
     return freed
 
 
-def _move_own(slots: list[int], amount: int) -> None:
-    """Add ``amount`` to this process's slot (taken when needed, freed at zero). With every
-    slot taken the bytes are still counted in ``used``, only not given back on a death."""
-    pid, owner = os.getpid(), _owner()
+def _move_own(slots: list[int], amount: int, role: int = 0) -> None:
+    """Add ``amount`` to this process's slot (taken when needed, freed at zero); ``role``
+    :data:`_OBSERVING` for its observer's slot. With every slot taken the bytes are still
+    counted in ``used``, only not given back on a death."""
+    pid, owner = os.getpid() | role, _owner()
     own = next((i for i in _taken(slots) if slots[i] == owner and slots[i + 1] == pid), None)
     if own is None:
         if amount <= 0:
@@ -236,13 +243,30 @@ def read_usage(path: str) -> Usage | None:
         os.close(fd)
 
 
-def give_back(path: str, nbytes: int, token: int) -> bool | None:
+def give_back(path: str, nbytes: int, token: int, release: int = 0) -> bool | None:
     """Subtract ``nbytes`` of pages an observer removed (a corrupt page ``hicache inspect``'s
     verification dropped) from the ledger at ``path``, if it is still the file ``token`` names
-    (a clear since replaced it: the fresh namespace never counted that page). An observer
-    keeps out of the ledger (see ``FileStorage``'s ``read_only``): this neither creates it
-    nor joins its ``users`` lock nor reclaims dead writers' slots; only the counters change.
+    (a clear since replaced it: the fresh namespace never counted that page), and free the
+    ``release`` bytes its slot marked for them (:func:`mark`). An observer keeps out of the
+    ledger (see ``FileStorage``'s ``read_only``): this neither creates it nor joins its
+    ``users`` lock nor reclaims dead writers' slots; only the counters and its own slot change.
     Whether it was applied; ``None`` when the ledger could not be used (lock held too long)."""
+    return _observer_change(path, token, -nbytes, -release)
+
+
+def mark(path: str, nbytes: int, token: int) -> bool | None:
+    """Mark ``nbytes`` of a page an observer is about to remove in its process's observer slot
+    (never its writer slot, see :data:`_OBSERVING`) of the ledger at ``path``, if still the
+    file ``token`` names, as a writer marks a corrupt page before its unlink: an observer
+    killed between the unlink and its :func:`give_back` left the bytes counted for as long as
+    any writer kept the namespace open; its dead slot now has the next writer to take the
+    lock give them back. What :func:`give_back` answers."""
+    return _observer_change(path, token, 0, nbytes)
+
+
+def _observer_change(path: str, token: int, delta: int, own: int) -> bool | None:
+    """Add ``delta`` to ``used`` and ``own`` to this process's observer slot in the ledger at
+    ``path`` without creating or joining it (:func:`give_back`, :func:`mark`)."""
     try:
         fd = os.open(path, os.O_RDWR | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
                      | getattr(os, "O_CLOEXEC", 0))
@@ -256,11 +280,16 @@ def give_back(path: str, nbytes: int, token: int) -> bool | None:
             return False
         flock_within(fd, fcntl.LOCK_EX)
         try:
-            raw = os.pread(fd, _FORMAT.size, 0)
-            if len(raw) != _FORMAT.size or raw[: len(_MAGIC)] != _MAGIC:
+            raw = os.pread(fd, _SIZE, 0)
+            if len(raw) < _FORMAT.size or raw[: len(_MAGIC)] != _MAGIC:
                 return False
-            used, nref, at, seq = _decode(raw)
-            os.pwrite(fd, _FORMAT.pack(_MAGIC, max(0, used - nbytes), nref, at, seq + 1), 0)
+            used, nref, at, seq = _decode(raw[: _FORMAT.size])
+            out = _FORMAT.pack(_MAGIC, max(0, used + delta), nref, at, seq + 1)
+            if own:
+                slots = _decode_slots(raw)
+                _move_own(slots, own, _OBSERVING)
+                out += _encode_slots(slots)
+            os.pwrite(fd, out, 0)
         finally:
             fcntl.flock(fd, fcntl.LOCK_UN)
         return True

@@ -32,7 +32,7 @@ from hicache.storage.stats import StorageStats, Throttle
 from hicache_backends.file import io as page_io
 from hicache_backends.file.index import PageIndex
 from hicache_backends.file.layout import PAGE_SUFFIX, NamespaceLayout
-from hicache_backends.file.ledger import LEDGER_NAME, Usage, UsageLedger, give_back, read_usage
+from hicache_backends.file.ledger import LEDGER_NAME, Usage, UsageLedger, give_back, mark, read_usage
 from hicache_backends.file.pins import PagePins
 
 __all__ = ["Reservation", "SpaceAccountant"]
@@ -170,15 +170,17 @@ class SpaceAccountant:
                     if generation == self._generation():
                         self.unreleased += release
             return
-        if not self.debt:
+        if not self.debt and not self.unreleased:
             return
-        amount, self.debt = self.debt, 0
+        amount, release = self.debt, self.unreleased
+        self.debt = self.unreleased = 0
         token = self._observed_token
         if token is None:
             return
-        done = await run_to_completion(give_back, self._observed, amount, token, executor=executor)
+        done = await run_to_completion(give_back, self._observed, amount, token, release, executor=executor)
         if done is None:
             self.debt += amount
+            self.unreleased += release
 
     def close(self) -> None:
         if self.ledger is not None:
@@ -313,16 +315,25 @@ class SpaceAccountant:
         learns what to settle by a callback (:meth:`_discarded`)."""
         generation = self._generation()
         marked = self.ledger.add(0, inflight=nbytes) if self.ledger is not None and nbytes else None
+        held = nbytes if marked is not None or self._observer_marks(nbytes) else 0
         removed = remove()
         if self._loop is not None:
             try:
-                self._loop.call_soon_threadsafe(
-                    self._discarded, path, nbytes if removed else 0, nbytes if marked is not None else 0, marked,
-                    generation,
-                )
+                self._loop.call_soon_threadsafe(self._discarded, path, nbytes if removed else 0, held, marked, generation)
             except RuntimeError:  # the loop closed under the read: nothing is left to settle into
                 pass
         return removed
+
+    def _observer_marks(self, nbytes: int) -> bool:
+        """(An observer's :meth:`discard`.) Whether ``nbytes`` it is about to remove are marked
+        in its process's observer slot of the ledger it observes (:func:`~.ledger.mark`; a
+        writer of the same process has a slot of its own), to be freed by its give-back
+        (:meth:`give_back_removed`): killed before that, a writer's next ledger call gives
+        them back with the dead process's slot."""
+        token = self._observed_token
+        if self._observed is None or token is None or not nbytes:
+            return False
+        return mark(self._observed, nbytes, token) is True
 
     def _discarded(self, path: str, freed: int, marked: int, usage: Usage | None, generation: int) -> None:
         """(Loop.) A read's removal (:meth:`discard`): the page leaves the running scan
