@@ -41,6 +41,7 @@ from hicache.errors import (
     OutOfKVSlotsError,
     PrefixLoadError,
     RequestAbortedError,
+    quoted,
 )
 from hicache.events.service import start_events
 from hicache.memory import MambaHostPool, MambaStatePool
@@ -125,7 +126,7 @@ class RequestHandle:
                             f"({type(layer).__name__})") from None
         n = self.num_layers if self.num_layers is not None else getattr(self.load, "num_layers", None)
         if n is not None and not 0 <= index < n:
-            raise IndexError(f"request {self.rid}: layer {index} out of range [0, {n})")
+            raise IndexError(f"request {quoted(self.rid)}: layer {index} out of range [0, {n})")
         return index
 
     async def wait_loaded(self) -> None:
@@ -145,7 +146,7 @@ class RequestHandle:
         except HiCacheError:
             raise
         except Exception as exc:
-            raise PrefixLoadError(f"request {self.rid}: its prefix KV could not be loaded from host ({exc}); "
+            raise PrefixLoadError(f"request {quoted(self.rid)}: its prefix KV could not be loaded from host ({exc}); "
                                   "abort it (commit aborts it too)") from exc
 
 
@@ -453,7 +454,7 @@ class HiCache:
         if not isinstance(rid, str):
             raise TypeError(f"rid must be a str, got {type(rid).__name__}")
         if session_id is not None and (not isinstance(session_id, str) or not session_id):
-            raise TypeError(f"session_id must be a non-empty str or None, got {session_id!r:.80}")
+            raise TypeError(f"session_id must be a non-empty str or None, got {quoted(session_id)}")
         if not tokens:
             raise ValueError("begin() needs at least one token")
         if len(tokens) > self.config.device.max_context_len:
@@ -495,7 +496,7 @@ class HiCache:
             self._rids.discard(cache_rid)
             if no_row:
                 raise OutOfKVSlotsError(
-                    f"no request slot for request {rid}: all {self.config.device.max_requests} "
+                    f"no request slot for request {quoted(rid)}: all {self.config.device.max_requests} "
                     "(device.max_requests) are held by running requests and session turns even after "
                     f"session offload ({self._require_stack().allocator.available_size()} device KV "
                     "tokens are free); retry when a request ends"
@@ -548,7 +549,7 @@ class HiCache:
         old = len(handle.token_ids)
         slots = await cache.alloc_extend(handle.req, old + len(new))
         if slots is None:
-            raise OutOfKVSlotsError(f"no room on device for {len(new)} more tokens of request {handle.rid}")
+            raise OutOfKVSlotsError(f"no room on device for {len(new)} more tokens of request {quoted(handle.rid)}")
         handle.token_ids.extend(new)
         handle.kv_indices = slots
         return slots[old:]
@@ -568,7 +569,7 @@ class HiCache:
             # would hand freed slots to the tree. Its KV is not reusable; the request is over.
             self._abort_now(handle)
             raise HiCacheError(
-                f"request {handle.rid}: loading its prefix from host failed; the request was "
+                f"request {quoted(handle.rid)}: loading its prefix from host failed; the request was "
                 "aborted (begin it again to recompute)"
             )
         self._check_open()
@@ -595,7 +596,7 @@ class HiCache:
                 if not handle.done:
                     self._abort_now(handle)
                 raise HiCacheError(
-                    f"request {handle.rid}: a prefix load it shares failed; the request was aborted"
+                    f"request {quoted(handle.rid)}: a prefix load it shares failed; the request was aborted"
                 )
 
     async def abort(self, handle: RequestHandle) -> None:
@@ -633,20 +634,20 @@ class HiCache:
             try:
                 await handle.load.wait()
             except Exception:  # noqa: BLE001 - a failed load only means the prefix is not reusable
-                logger.warning("request %s: load-back failed; its prefix is not reusable", handle.rid)
+                logger.warning("request %s: load-back failed; its prefix is not reusable", quoted(handle.rid))
                 return False
         return True
 
     def _check_live(self, handle: RequestHandle) -> None:
         if handle.done:
-            raise ValueError(f"request {handle.rid} is already committed or aborted")
+            raise ValueError(f"request {quoted(handle.rid)} is already committed or aborted")
         self._check_ours(handle)
 
     def _check_ours(self, handle: RequestHandle) -> None:
         """``handle`` is one this cache's :meth:`begin` returned (not another cache's, not a
         copy): its slots are this device pool's, so inserting or freeing them is safe."""
         if self._live.get(id(handle)) is not handle:
-            raise ValueError(f"request {getattr(handle, 'rid', handle)!r} was not begun by this cache (or is a copy)")
+            raise ValueError(f"request {quoted(getattr(handle, 'rid', handle))} was not begun by this cache (or is a copy)")
 
     async def release_session(self, session_id: str) -> bool:
         """The conversation is over: its KV is handed to the prefix cache (written back to host

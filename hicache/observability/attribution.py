@@ -23,6 +23,7 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from hicache.errors import quoted
 from hicache.observability.metrics import InstanceMetrics
 
 from hicache.observability.page_ledger import (
@@ -269,7 +270,7 @@ class Attributor:
             if n:
                 self.metrics.child("counter", "request_miss_tokens", _MISS_DOC, {"reason": reason}).inc(n)
         if logger.isEnabledFor(logging.DEBUG):
-            logger.debug("request %s: %s", a.rid, a.summary())
+            logger.debug("request %s: %s", quoted(a.rid), a.summary())
 
     async def explain(self, a: RequestAttribution, storage: Any) -> RequestAttribution:
         """Explain mode: ask the store whether the first ``never_stored`` page exists under
@@ -283,13 +284,13 @@ class Attributor:
                 try:
                     found = await asyncio.to_thread(probe, a.probe_key, limit=self.namespace_probe_limit)
                 except Exception:  # noqa: BLE001 - an explanation must never fail the request
-                    logger.debug("namespace probe of %s failed", a.rid, exc_info=True)
+                    logger.debug("namespace probe of %s failed", quoted(a.rid), exc_info=True)
             if found:
                 misses = dict(a.misses)
                 n = misses.pop(MissReason.NEVER_STORED.value, 0)
                 misses[MissReason.NAMESPACE_MISMATCH.value] = misses.get(MissReason.NAMESPACE_MISMATCH.value, 0) + n
                 logger.debug("request %s: its first missed page is stored under namespace(s) %s",
-                             a.rid, ", ".join(found))
+                             quoted(a.rid), quoted(found))
                 a = dataclasses.replace(a, misses=misses)
         a = dataclasses.replace(a, probe_key=None)
         self.record(a)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from hicache.errors import ChainGoneError
+from hicache.errors import ChainGoneError, quoted
 from hicache.observability.attribution import Attributor, PrefetchView, RequestAttribution
 
 __all__ = ["TreeAttribution"]
@@ -36,7 +36,7 @@ class TreeAttribution:
             start, keys, op = view
             return PrefetchView(start // self.attributor.page_size, keys, op)
         except Exception:  # noqa: BLE001 - attribution must never fail a request
-            logger.exception("reading the prefetch of request %s failed", req.rid)
+            logger.exception("reading the prefetch of request %s failed", quoted(req.rid))
             return None
 
     def _prior_hash(self, req: Any, m: Any) -> str | None:
@@ -68,5 +68,5 @@ class TreeAttribution:
         except ChainGoneError:  # its match ended on a node that left the tree: no keys to explain by
             return None
         except Exception:  # noqa: BLE001 - attribution must never fail an admitted request
-            logger.exception("attributing request %s failed", req.rid)
+            logger.exception("attributing request %s failed", quoted(req.rid))
             return None

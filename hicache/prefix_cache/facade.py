@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 import torch
 
-from hicache.errors import RequestAbortedError
+from hicache.errors import RequestAbortedError, quoted
 from hicache.prefix_cache.req import Req
 from hicache.prefix_cache.types import (
     DecLockRefResult,
@@ -185,7 +185,7 @@ class RequestFlow:
         if req in self._aborted_early:
             # nothing was taken yet: the request is gone, its admit must not lock a prefix
             # nobody would release (the abort released what there was)
-            raise RequestAbortedError(f"request {req.rid} was aborted before it was admitted")
+            raise RequestAbortedError(f"request {quoted(req.rid)} was aborted before it was admitted")
         self.admitting.add(req)
         try:
             return await self._admit(req, mem_quota, wait_load, max_prefix_len, make_room)
@@ -263,7 +263,7 @@ class RequestFlow:
             req.last_node = None
             req.prefix_indices = m.device_indices[:0]
             req.cache_protected_len = 0
-            raise RequestAbortedError(f"request {req.rid} was aborted while it was being admitted")
+            raise RequestAbortedError(f"request {quoted(req.rid)} was aborted while it was being admitted")
         self.admitted.add(req)
         storage = min(fetched, host)
         req.last_node = node

@@ -59,7 +59,7 @@ import torch
 
 from hicache.controller.close_task import CLOSE_CUT, start_close_task, wait_for_close
 from hicache.prefix_cache.base import BasePrefixCache
-from hicache.errors import RequestAbortedError
+from hicache.errors import RequestAbortedError, quoted
 from hicache.prefix_cache.facade import AdmitResult, remember_aborted
 from hicache.prefix_cache.req import Req
 from hicache.prefix_cache.types import (
@@ -198,7 +198,7 @@ class SessionAwareCache(ForwardingCache):
         if req in self._aborted:
             # before its match: matched again, the aborted turn took its session's slot back
             # (restored or attached) and kept it from every later turn, offload and release
-            raise RequestAbortedError(f"request {req.rid} was aborted before it was admitted")
+            raise RequestAbortedError(f"request {quoted(req.rid)} was aborted before it was admitted")
         self.writeback.pump()
         sid = session_id_of(req)
         m = self.match_req(req, max_prefix_len)
@@ -329,8 +329,9 @@ class SessionAwareCache(ForwardingCache):
             forget(req)
         req.prefix_indices = torch.empty((0,), dtype=torch.int64)
         self.session_metrics.turn_saved(slot.session_id, max(0, slot.kv_committed_len - slot.turn_prefix_len))
-        logger.debug("session %s: turn %s saved (%d committed, %d before)", sid, req.rid,
-                     slot.kv_committed_len, before)
+        if logger.isEnabledFor(logging.DEBUG):  # quoted only when logged: this runs every turn
+            logger.debug("session %s: turn %s saved (%d committed, %d before)", quoted(sid), quoted(req.rid),
+                         slot.kv_committed_len, before)
         self._turns.detach(slot)
 
     def release_req(self, req: Req, is_insert: bool = True) -> None:
@@ -564,7 +565,7 @@ class SessionAwareCache(ForwardingCache):
                 self.session_metrics.incr("turns_aborted_at_close")
             except Exception:  # noqa: BLE001 - one bad session must not stop the close
                 self.session_metrics.incr("release_errors")
-                logger.exception("session %s: aborting its running turn at close failed", slot.session_id)
+                logger.exception("session %s: aborting its running turn at close failed", quoted(slot.session_id))
         if self.config.release_on_close:
             for sid in list(self.slots):
                 try:
@@ -572,7 +573,7 @@ class SessionAwareCache(ForwardingCache):
                 except Exception:  # noqa: BLE001 - one bad session must not stop the close
                     # (the others' KV and the inner cache's queued writes still have to drain)
                     self.slots.pop(sid, None)
-                    logger.exception("session %s: releasing it at close failed; its KV is not kept", sid)
+                    logger.exception("session %s: releasing it at close failed; its KV is not kept", quoted(sid))
 
     async def __aenter__(self) -> SessionAwareCache:
         self.start()

@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 import torch
 
-from hicache.errors import RequestAbortedError
+from hicache.errors import RequestAbortedError, quoted
 from hicache.prefix_cache.radix import free_token_pages
 from hicache.prefix_cache.req import Req
 from hicache.session.handover import free_row
@@ -82,7 +82,7 @@ class RowExtender:
             req.kv_committed_len = n
         idx = req.req_pool_idx
         if idx is None:  # given one above when it had none
-            raise RuntimeError(f"request {req.rid} has no req_to_token row")
+            raise RuntimeError(f"request {quoted(req.rid)} has no req_to_token row")
         row = pool.req_to_token[idx]
         have = ceil_align(int(req.kv_allocated_len), ps)
         want = ceil_align(seq_len, ps)
@@ -106,7 +106,7 @@ class RowExtender:
                     req.req_pool_idx = None
                     req.kv_allocated_len = req.kv_committed_len = 0
                 self._lifecycle.check_open()
-                raise RequestAbortedError(f"request {req.rid} was aborted while it waited for device room")
+                raise RequestAbortedError(f"request {quoted(req.rid)} was aborted while it waited for device room")
             if new is None:
                 if new_row:  # leave the request as it came
                     free_row(pool, idx)

@@ -15,6 +15,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from hicache.errors import quoted
 from hicache.prefix_cache.radix import free_token_pages
 from hicache.prefix_cache.types import DecLockRefParams, InsertParams, MatchPrefixParams, RadixKey
 from hicache.session.slot import SessionSlot, ceil_align, floor_align
@@ -55,14 +56,14 @@ def _give_to_tree(inner: Any, slot: SessionSlot, ours: Any, protected: int, writ
         inner.insert(InsertParams(key=key, value=ours, priority=slot.priority, inserted_len=protected))
     except ValueError as exc:
         logger.warning("session %s: the tree refused its history (%s); its KV is freed, not kept",
-                       slot.session_id, exc)
+                       quoted(slot.session_id), exc)
         if refused is not None:
             refused()
         return protected, 0
     m = _match_quietly(inner, MatchPrefixParams(key=key))
     theirs = m.device_indices.to(ours.device)
     if theirs.numel() < aligned:  # cannot happen: an inserted path is on device
-        logger.error("session %s: the tree holds %d of %d inserted tokens", slot.session_id,
+        logger.error("session %s: the tree holds %d of %d inserted tokens", quoted(slot.session_id),
                      theirs.numel(), aligned)
     n = min(aligned, int(theirs.numel()))
     mine = ours[protected:n]

@@ -12,7 +12,7 @@ import enum
 import logging
 from collections.abc import Callable
 
-from hicache.errors import CacheClosedError
+from hicache.errors import CacheClosedError, quoted
 from hicache.session.config import SessionConfig
 from hicache.session.metrics import SessionMetrics
 from hicache.session.offload import Offloader
@@ -80,7 +80,7 @@ class Lifecycle:
                     acted += 1
             except Exception:  # noqa: BLE001 - one session's failure must not stop the others'
                 self._metrics.incr("release_errors")
-                logger.exception("session %s: the reaper could not let it go", slot.session_id)
+                logger.exception("session %s: the reaper could not let it go", quoted(slot.session_id))
         self._writeback.pump()
         return acted
 

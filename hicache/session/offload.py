@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 
+from hicache.errors import quoted
 from hicache.prefix_cache.base import BasePrefixCache
 from hicache.session.handover import hand_over
 from hicache.session.metrics import SessionMetrics
@@ -60,8 +61,9 @@ class Offloader:
                            refused=lambda: self._metrics.incr("release_errors"))
         freed = alloc.available_size() - before
         self._metrics.gave_up(slot.session_id, reason, handed=handed, freed=freed)
-        logger.debug("session %s: KV given up (%s): %d token(s) to the tree, %d freed",
-                     slot.session_id, reason, handed, freed)
+        if logger.isEnabledFor(logging.DEBUG):  # quoted only when logged: this runs every release
+            logger.debug("session %s: KV given up (%s): %d token(s) to the tree, %d freed",
+                         quoted(slot.session_id), reason, handed, freed)
         return freed
 
     def offload(self, session_id: str, *, reason: str) -> bool:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 
+from hicache.errors import quoted
 from hicache.prefix_cache.base import BasePrefixCache
 from hicache.prefix_cache.types import EvictParams, EvictResult
 from hicache.session.config import SessionConfig
@@ -88,7 +89,7 @@ class Room:
         try:
             self._turns.after_detach(slot)
         except Exception:  # noqa: BLE001 - the same failure, counted and logged above
-            logger.debug("session %s: closing it after its failed hand-over raised again", slot.session_id,
+            logger.debug("session %s: closing it after its failed hand-over raised again", quoted(slot.session_id),
                          exc_info=True)
 
     def offload_lru(self, *, tokens: int = 0, rows: int = 0) -> int:
@@ -109,7 +110,7 @@ class Room:
                     self._turns.after_detach(slot)  # a session released while its turn was queued closes now
             except Exception:  # noqa: BLE001 - the request that needed room is not this session's
                 self._metrics.incr("release_errors")
-                logger.exception("session %s: giving its KV up under pressure failed", slot.session_id)
+                logger.exception("session %s: giving its KV up under pressure failed", quoted(slot.session_id))
                 if preempted:
                     self._close_if_released(slot)
                 continue

@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 import torch
 
+from hicache.errors import quoted
 from hicache.prefix_cache.base import BasePrefixCache
 from hicache.prefix_cache.radix import free_token_pages
 from hicache.prefix_cache.req import Req
@@ -106,7 +107,7 @@ class Turns:
         if req.req_pool_idx == slot.req_pool_idx:
             if slot.admitted or int(req.kv_allocated_len) > slot.kv_allocated_len:
                 raise ValueError(
-                    f"session {slot.session_id}: request {req.rid} was admitted with a prefix of "
+                    f"session {quoted(slot.session_id)}: request {quoted(req.rid)} was admitted with a prefix of "
                     f"{slot.turn_prefix_len} tokens restored from its slot; it cannot be matched again "
                     f"with a key of {key_len} (max_prefix_len) inside the {slot.cache_protected_len} "
                     f"tree-protected tokens")
@@ -140,7 +141,7 @@ class Turns:
 
     def _bypass_req(self, req: Req, sid: str) -> None:
         logger.warning("session %s: request %s arrived while another turn runs or the session "
-                       "closes; served as a plain request", sid, req.rid)
+                       "closes; served as a plain request", quoted(sid), quoted(req.rid))
         self._metrics.incr("busy_bypass")
         self.bypass.add(req.rid)
 
@@ -164,7 +165,7 @@ class Turns:
         # never inside the tree-protected part either: restorable() gave such a slot up
         prefix_len = min(slot.kv_committed_len, key_len - 1)
         if prefix_len < slot.cache_protected_len:
-            raise ValueError(f"session {slot.session_id}: a key of {key_len} tokens cannot restore a slot "
+            raise ValueError(f"session {quoted(slot.session_id)}: a key of {key_len} tokens cannot restore a slot "
                              f"whose first {slot.cache_protected_len} tokens the tree protects")
         slot.restore_to_req(req, keep_allocated=keep)
         slot.turn_prefix_len = prefix_len

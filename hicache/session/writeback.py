@@ -22,6 +22,8 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from hicache.errors import quoted
+
 __all__ = ["WriteBackQueue"]
 
 logger = logging.getLogger("hicache.session")
@@ -83,7 +85,7 @@ class WriteBackQueue:
         if self._sealed and self.enabled:
             self._count("writeback_lost", 1)
             logger.warning("session %s: %d token(s) handed over after the cache closed; not written back",
-                           session_id, tokens)
+                           quoted(session_id), tokens)
             return
         if not self.enabled:
             self._count("writeback_done", 1)
@@ -105,7 +107,7 @@ class WriteBackQueue:
             except Exception:  # noqa: BLE001 - pump runs from the reaper, releases and pressure relief
                 # one entry the tree fails on is given up, counted and logged: kept, it raised
                 # again at every later pump, and each of those callers failed with it
-                logger.exception("session %s: the write-back of %d token(s) failed; given up", e.session_id, e.tokens)
+                logger.exception("session %s: the write-back of %d token(s) failed; given up", quoted(e.session_id), e.tokens)
                 self._count("writeback_dropped", 1)
                 going = False
             if going:
@@ -174,7 +176,7 @@ class WriteBackQueue:
         """Stop keeping ``e``'s ``todo`` nodes on device for their copy (device eviction may
         take them now); counted dropped."""
         self._count("writeback_dropped", 1)
-        logger.warning("session %s: giving up the write-back of %d token(s): %s", e.session_id, e.tokens, why)
+        logger.warning("session %s: giving up the write-back of %d token(s): %s", quoted(e.session_id), e.tokens, why)
         release = getattr(self._tree, "release_backup", None)
         if release is not None:
             for node in todo:
@@ -193,7 +195,7 @@ class WriteBackQueue:
                 self._count("writeback_done", 1)
                 return False
             self._count("writeback_lost", 1)  # evicted without a host copy (or tree reset)
-            logger.debug("session %s: write-back path left the tree before its backup", e.session_id)
+            logger.debug("session %s: write-back path left the tree before its backup", quoted(e.session_id))
             return False
         todo = self._todo(path)
         in_flight = any(n.backup_op is not None for n in path)
@@ -312,6 +314,6 @@ class WriteBackQueue:
                 self._count("writeback_done", 1)
             else:
                 self._count("writeback_lost", 1)
-                logger.warning("session %s: write-back of %d token(s) given up: %s", e.session_id, e.tokens, why)
+                logger.warning("session %s: write-back of %d token(s) given up: %s", quoted(e.session_id), e.tokens, why)
             self._unkeep(e)  # an entry that ends lets go of what the tree kept for it
         self._entries.clear()

@@ -261,7 +261,7 @@ async def test_counters_and_debug_log(caplog: pytest.LogCaptureFixture) -> None:
     # closed: its series left the scrape
     assert value("hicache_request_hit_tokens_total", cache=label, tier="device") == 0.0
     lines = [r.getMessage() for r in caplog.records if r.name == "hicache.attribution"]
-    assert any("request a: 42 tokens: hit device=0 host=0 storage=0; missed never_stored=40 partial_page=2" in m
+    assert any("request 'a': 42 tokens: hit device=0 host=0 storage=0; missed never_stored=40 partial_page=2" in m
                for m in lines), lines
 
 

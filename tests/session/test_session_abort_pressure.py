@@ -392,3 +392,26 @@ async def test_turns_queued_with_preemption_off_keep_their_slots() -> None:
     await stack.empty_everything()
     stack.assert_initial()
     await stack.aclose()
+
+
+async def test_an_aborted_turns_error_quotes_the_callers_ids(stack: Stack) -> None:
+    """The ids are the caller's text: a session and request id with a newline, a NUL and an
+    ANSI escape, a megabyte long, went raw into RequestAbortedError's message (and from there
+    into a server's log). The message quotes them (``hicache.errors.quoted``)."""
+    from hicache.errors import RequestAbortedError
+
+    evil = "x\nERROR forged\x00\x1b[31m\r" + "A" * 1_000_000
+    conv = Conversation(stack, evil, seed=26)
+    await conv.turn(10, 3)
+    req = conv.request(6)
+    stack.cache.match_req(req)
+    task = asyncio.ensure_future(stack.cache.admit(req))
+    stack.cache.abort_req(req)
+    with pytest.raises(RequestAbortedError) as aborted:
+        await task
+    message = str(aborted.value)
+    assert "aborted" in message and len(message) < 500
+    assert not any(ord(c) < 32 or ord(c) == 127 for c in message), message[:120]
+    stack.cache.release_session(evil)
+    await stack.empty_everything()
+    stack.assert_initial()
