@@ -56,7 +56,7 @@ from hicache.controller.jobs import (
 from hicache.controller.metrics import ControllerMetrics
 from hicache.controller.prefetch import Prefetcher
 from hicache.controller.transfers import all_pools_ok, call_back, slice_transfer
-from hicache.errors import CacheClosedError, ConfigError, InvalidKeyError, LoopMisuseError
+from hicache.errors import CacheClosedError, ConfigError, InvalidKeyError, LoopMisuseError, quoted
 from hicache.memory.slots import read_slots
 from hicache.observability import tracing
 from hicache.storage import (
@@ -361,7 +361,7 @@ class HiCacheController:
         self._tasks.discard(task)
         if not task.cancelled() and task.exception() is not None:
             self.metrics.incr("worker_errors")
-            logger.error("controller task %s died", task.get_name(), exc_info=task.exception())
+            logger.error("controller task %s died", quoted(task.get_name()), exc_info=task.exception())
 
     async def drain(self) -> None:
         """Wait until every queued and running backup and load has completed (a completion may
@@ -621,7 +621,8 @@ class HiCacheController:
         if pending:
             logger.warning(
                 "controller close: %d task(s) still wait for storage calls that have not returned: %s",
-                len(pending), ", ".join(sorted(t.get_name() for t in pending)),
+                # quoted, a few: a prefetch's name carries its request's id (the caller's text)
+                len(pending), quoted(sorted(t.get_name() for t in pending)),
             )
         return pending
 

@@ -33,6 +33,7 @@ from hicache.controller.jobs import PrefetchOp, PrefetchResult
 from hicache.controller.metrics import ControllerMetrics
 from hicache.controller.recompute import PrefillCost, ReadPace, give_up_at
 from hicache.controller.transfers import all_pools_ok, slice_transfer, trailing_at
+from hicache.errors import quoted
 from hicache.observability import tracing
 from hicache.storage import AsyncHiCacheStorage, PoolHitPolicy, PoolName, PoolTransfer
 from hicache.storage.hit_policy import leading_run
@@ -248,7 +249,7 @@ class Prefetcher:
         except Exception:  # noqa: BLE001
             op.stop = op.stop or "error"
             self.metrics.incr("worker_errors")
-            logger.exception("prefetch %s failed", op.rid)
+            logger.exception("prefetch %s failed", quoted(op.rid))
         finally:
             self._reading.discard(op)
             if op.completed_pages:

@@ -387,3 +387,41 @@ async def test_a_wait_for_storage_progress_ends_at_close() -> None:
     report = await asyncio.wait_for(stack.aclose(), 10.0)
     await asyncio.wait_for(waiting, 1.0)
     assert not report.drained and stack.controller.storage_writes_pending == 0
+
+
+class ExistsBlockingStorage(FaultyStorage):
+    """Lookups block the storage I/O loop's thread (a stat on a hung mount)."""
+
+    def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(*args, **kwargs)
+        self.unblock = threading.Event()
+
+    async def _exists(self, pages):  # type: ignore[no-untyped-def]
+        self.unblock.wait(10)
+        return await super()._exists(pages)
+
+
+async def test_the_close_names_stuck_prefetches_quoted_and_bounded(caplog: pytest.LogCaptureFixture) -> None:
+    """A prefetch task is named after its request's id, the caller's text: the close's warning
+    of tasks still waiting for storage wrote every name raw, so an id with a newline, a NUL or
+    an ANSI escape went into the log as it was, and many stuck prefetches of megabyte ids made
+    one line of many megabytes. It names them quoted, a few of them."""
+    from hicache.prefix_cache import Req
+
+    evil = "x\nERROR forged\x00\x1b[31m\r" + "A" * 1_000_000
+    store = ExistsBlockingStorage(store_id=f"faulty-{uuid.uuid4()}")
+    stack = make(store)
+    try:
+        for i in range(20):
+            req = Req(rid=f"{evil}{i}", origin_input_ids=list(range(100 * i, 100 * i + 8)))
+            stack.cache.match_req(req)
+            assert stack.cache.start_prefetch(req)
+        await asyncio.sleep(0.05)  # the first lookup blocks the I/O loop
+        with caplog.at_level(logging.WARNING, logger="hicache.controller"):
+            await asyncio.wait_for(stack.aclose(), 8.0)
+    finally:
+        store.unblock.set()
+    stuck = [r.getMessage() for r in caplog.records if "still wait for storage calls" in r.getMessage()]
+    assert stuck, [r.getMessage()[:200] for r in caplog.records]
+    for message in (r.getMessage() for r in caplog.records):
+        assert len(message) < 2_000 and not any(ord(c) < 32 or ord(c) == 127 for c in message), message[:200]
