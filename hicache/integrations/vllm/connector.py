@@ -47,6 +47,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm.v1.request import RequestStatus
 
+from hicache.errors import quoted
 from hicache.integrations.vllm.block_format import block_format, check_block_format
 from hicache.integrations.vllm.naming import KVGeometry, deployment_namespace
 from hicache.integrations.vllm.options import ConnectorOptions, close_timeout_in_grace
@@ -541,7 +542,7 @@ class HiCacheConnector(KVConnectorBase_V1):
             first = next((i for i, b in enumerate(held) if b in blocks), None)
             if first is not None:
                 logger.info("hicache: request %s shares a block whose load failed; recomputing from token %d",
-                            req_id, first * bs)
+                            quoted(req_id), first * bs)
                 request.num_computed_tokens = first * bs
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:

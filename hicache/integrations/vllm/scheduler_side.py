@@ -56,6 +56,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from hicache.errors import quoted
 from hicache.integrations.vllm.host_tree import HostMatch, HostPageTree
 from hicache.integrations.vllm.load_bound import LoadBound
 from hicache.integrations.vllm.naming import PageKeyChain
@@ -292,7 +293,7 @@ class SchedulerSide:
             self.stats["lookup_timeouts"] += 1
             lk.exists = []
         except BaseException as exc:  # noqa: BLE001 - a broken lookup is a miss
-            logger.warning("hicache: lookup of %s failed: %r", req_id, exc)
+            logger.warning("hicache: lookup of %s failed: %r", quoted(req_id), exc)
             lk.exists = []
         lk.answered = time.monotonic()
         return True
@@ -336,7 +337,7 @@ class SchedulerSide:
         end = start + n
         keys = state.chain.extend(state.tokens, end)
         if n <= 0 or end > len(block_ids) or end > len(keys):
-            logger.warning("hicache: %s: %d external tokens do not fit its blocks; not loading", req_id, num_external_tokens)
+            logger.warning("hicache: %s: %d external tokens do not fit its blocks; not loading", quoted(req_id), num_external_tokens)
             return
         host = self.tree.match(state.tokens, state.salt, end, count_hit=True)
         held = min(host.pages, end)

@@ -52,6 +52,7 @@ import torch
 
 from hicache.controller import ControllerConfig, HiCacheController
 from hicache.controller.jobs import StorageWriteJob
+from hicache.errors import quoted
 from hicache.integrations.vllm.host_pool import block_host_pool, slot_indices
 from hicache.integrations.vllm.naming import KVGeometry
 from hicache.integrations.vllm.options import ConnectorOptions
@@ -523,7 +524,7 @@ class WorkerSide:
                 self._report.tainted[spec.job] += 1
         self.stats["saves_tainted"] += len(new)
         logger.info("hicache: save of %s dropped: its KV read block(s) %s that failed to load",
-                    spec.req_id, sorted(failed.intersection(spec.depends_on)))
+                    quoted(spec.req_id), sorted(failed.intersection(spec.depends_on)))
         self._job_done(spec, [], 0)
 
     def _plan_save(self, spec: PageSave, claimed: dict[int, str]) -> tuple[PageSave, list[int], list[int]]:
@@ -554,7 +555,7 @@ class WorkerSide:
                 if not self._free_slot(slot) or slot in claimed:
                     break
                 if not self._valid_block(block):
-                    logger.error("hicache: save of %s names block %d of %d; not saved", spec.req_id, block,
+                    logger.error("hicache: save of %s names block %d of %d; not saved", quoted(spec.req_id), block,
                                  self._num_blocks)
                     break
                 copied.append(slot)
