@@ -52,6 +52,7 @@ import msgspec
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from hicache.errors import quoted
 from hicache.events.publisher import END_SEQ, allow_ipv6, parse_run_frame
 from hicache.events.schema import KVEventBatch, decode_batch
 
@@ -394,7 +395,8 @@ class EventSubscriber:
             return int.from_bytes(frames[1], "big"), decode_batch(frames[2])
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             self.bad_messages += 1
-            log.warning("kv events: undecodable batch (%s)", exc)
+            # quoted: msgspec repeats the bad value as it came, whoever sent it chose it
+            log.warning("kv events: undecodable batch (%s)", quoted(str(exc)))
             return None
 
     def _ask(self, start: int) -> Generator[tuple[int, KVEventBatch], None, None]:

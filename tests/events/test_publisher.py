@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -13,6 +14,8 @@ import threading
 import time
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from hicache.errors import ConfigError
 from hicache.events import BlockStored, KVEventBatch, encode_batch
@@ -334,6 +337,33 @@ def test_malformed_replay_requests_and_foreign_messages_are_survived() -> None:
         assert got == [3] and sub.bad_messages == 2
     foreign.close(0)
     assert pub.close()["errors"] == 0
+
+
+def test_a_foreign_batchs_text_is_quoted_in_the_subscribers_log(caplog: pytest.LogCaptureFixture) -> None:
+    """msgspec's error for a batch it cannot decode repeats the bad value as it came (an event
+    tag nobody knows): the subscriber logged it raw, so whatever reaches its socket put a
+    newline, a NUL or an ANSI escape into the log (a forged line) and a megabyte tag made a
+    megabyte line. The error is quoted (``hicache.errors.quoted``)."""
+    import msgspec
+    import zmq
+
+    ctx = zmq.Context.instance()
+    foreign = ctx.socket(zmq.PUB)
+    foreign.bind(LOOPBACK)
+    url = foreign.getsockopt_string(zmq.LAST_ENDPOINT)
+    evil = "x\nERROR forged\x00\x1b[31m\r" + "A" * 1_000_000
+    caplog.set_level(logging.WARNING, logger="hicache.events")
+    try:
+        with EventSubscriber(url) as sub:
+            time.sleep(0.3)
+            foreign.send_multipart([b"", (0).to_bytes(8, "big"), msgspec.msgpack.encode([1.0, [{"type": evil}]])])
+            foreign.send_multipart([b"", (1).to_bytes(8, "big"), encode_batch(KVEventBatch(ts=1.0, events=[stored(1)]))])
+            assert [r.seq for r in sub.receive(timeout_s=1.0)] == [1] and sub.bad_messages == 1
+    finally:
+        foreign.close(0)
+    logged = [r.getMessage() for r in caplog.records if "undecodable" in r.getMessage()]
+    assert len(logged) == 1
+    assert len(logged[0]) < 500 and not any(ord(c) < 32 or ord(c) == 127 for c in logged[0]), logged[0][:120]
 
 
 def test_ipv6_endpoints_publish_and_replay() -> None:
