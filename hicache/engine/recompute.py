@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from hicache.config.schema import HiCacheConfig
-from hicache.errors import CacheClosedError, ConfigError, OutOfKVSlotsError
+from hicache.errors import CacheClosedError, ConfigError, OutOfKVSlotsError, quoted
 from hicache.memory.allocator import PagedTokenAllocator
 from hicache.memory.device import device_for
 from hicache.memory.device_pool import MHATokenToKVPool
@@ -132,7 +132,7 @@ class RecomputeCache:
         if self._closed:
             raise CacheClosedError("RecomputeCache is closed")
         if self._live.get(id(handle)) is not handle:
-            raise ValueError(f"request {handle.rid!r} was already committed or aborted")
+            raise ValueError(f"request {quoted(handle.rid)} was already committed or aborted")
 
     async def abort(self, handle: RecomputeHandle) -> None:
         self._free(handle)

@@ -34,7 +34,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from hicache.errors import ConfigError
+from hicache.errors import ConfigError, quoted
 from hicache.keys import Namespace
 
 __all__ = ["AdapterSettings", "namespace_for", "PREFIX"]
@@ -76,14 +76,14 @@ class AdapterSettings:
         unknown = sorted(k for k in extra if isinstance(k, str) and k.startswith(PREFIX)
                          and k not in _KEYS and k not in _SGLANG_KEYS)
         if unknown:
-            raise ConfigError(f"SGLang extra config: unknown key(s) {unknown}; allowed: {list(_KEYS)}")
+            raise ConfigError(f"SGLang extra config: unknown key(s) {quoted(unknown)}; allowed: {list(_KEYS)}")
         backend: Any = None
         options: dict[str, Any] = {}
         file_salt: str | None = None
         path = extra.get("hicache_config")
         if path is not None:
             if not isinstance(path, str) or not path:
-                raise ConfigError(f"hicache_config must be a file path, got {path!r}")
+                raise ConfigError(f"hicache_config must be a file path, got {quoted(path)}")
             from hicache.config.loader import load_config
 
             storage = load_config(path).storage
@@ -91,13 +91,13 @@ class AdapterSettings:
             # the file's tenant/LoRA salt: ignored, two servers of other tenants shared pages
             file_salt = storage.namespace_salt
             if not backend:
-                raise ConfigError(f"hicache_config {path!r}: storage.backend is null; SGLang needs a backend")
+                raise ConfigError(f"hicache_config {quoted(path)}: storage.backend is null; SGLang needs a backend")
         if "hicache_backend" in extra:
             backend = extra["hicache_backend"]
         if backend is None:
             backend = "file"
         if not isinstance(backend, str) or not backend:
-            raise ConfigError(f"hicache_backend must be a backend name, got {backend!r}")
+            raise ConfigError(f"hicache_backend must be a backend name, got {quoted(backend)}")
         if "hicache_options" in extra:
             given = extra["hicache_options"]
             if not isinstance(given, Mapping):
@@ -113,21 +113,21 @@ class AdapterSettings:
         if timeout is not None and (
             isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0
         ):
-            raise ConfigError(f"hicache_call_timeout must be a positive number of seconds or null, got {timeout!r}")
+            raise ConfigError(f"hicache_call_timeout must be a positive number of seconds or null, got {quoted(timeout)}")
         if timeout is not None and timeout > threading.TIMEOUT_MAX:  # inf included: no limit, as null
             timeout = None  # a wait that long overflows the clock (every call raised OverflowError)
         staging = extra.get("hicache_staging_mib", DEFAULT_STAGING_MIB)
         if isinstance(staging, bool) or not isinstance(staging, int) or not 1 <= staging <= 4096:
-            raise ConfigError(f"hicache_staging_mib must be an integer in 1..4096, got {staging!r}")
+            raise ConfigError(f"hicache_staging_mib must be an integer in 1..4096, got {quoted(staging)}")
         salt = extra.get("hicache_namespace_salt", file_salt)  # the extra config's key wins
         if salt is not None and not isinstance(salt, str):
-            raise ConfigError(f"hicache_namespace_salt must be a string, got {salt!r}")
+            raise ConfigError(f"hicache_namespace_salt must be a string, got {quoted(salt)}")
         kv_dtype = extra.get("hicache_kv_cache_dtype")
         if kv_dtype is not None and (not isinstance(kv_dtype, str) or not kv_dtype):
-            raise ConfigError(f"hicache_kv_cache_dtype must be SGLang's --kv-cache-dtype (e.g. fp8_e4m3), got {kv_dtype!r}")
+            raise ConfigError(f"hicache_kv_cache_dtype must be SGLang's --kv-cache-dtype (e.g. fp8_e4m3), got {quoted(kv_dtype)}")
         model_id = extra.get("hicache_model_id")
         if model_id is not None and (not isinstance(model_id, str) or not model_id):
-            raise ConfigError(f"hicache_model_id must be a non-empty string naming the weights, got {model_id!r}")
+            raise ConfigError(f"hicache_model_id must be a non-empty string naming the weights, got {quoted(model_id)}")
         return cls(
             backend=backend,
             options=options,
