@@ -24,6 +24,7 @@ import json
 import sys
 from typing import Any, TextIO
 
+from hicache.errors import quoted
 from hicache.events.schema import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, event_to_dict
 from hicache.events.subscriber import EventSubscriber
 
@@ -39,15 +40,24 @@ def _blocks(hashes: list[Any]) -> str:
     return f"{len(hashes)} blocks {shown}" + (f"..({len(hashes)})" if len(hashes) > 2 else "")
 
 
+def _printable(value: Any) -> Any:
+    """``value`` as it is when it is short plain text (``GPU``), else quoted."""
+    if value is None or (isinstance(value, str) and value.isprintable() and len(value) <= 64):
+        return value
+    return quoted(value)
+
+
 def format_event(seq: int, event: KVEvent) -> str:
-    """One human-readable line for an event."""
+    """One human-readable line for an event (a medium off the wire that is not plain text is
+    quoted: a publisher's ``"GPU\\nseq=9 ..."`` printed as it came forged lines of output)."""
+    medium = _printable(event.medium)
     if isinstance(event, BlockStored):
         parent = _short(event.parent_block_hash) if event.parent_block_hash is not None else "-"
-        return f"seq={seq} {event.medium} stored {_blocks(event.block_hashes)} parent={parent} tokens={len(event.token_ids)}"
+        return f"seq={seq} {medium} stored {_blocks(event.block_hashes)} parent={parent} tokens={len(event.token_ids)}"
     if isinstance(event, BlockRemoved):
-        return f"seq={seq} {event.medium} removed {_blocks(event.block_hashes)}"
+        return f"seq={seq} {medium} removed {_blocks(event.block_hashes)}"
     if isinstance(event, AllBlocksCleared):
-        return f"seq={seq} {event.medium or 'ALL'} cleared"
+        return f"seq={seq} {medium or 'ALL'} cleared"
     return f"seq={seq} {type(event).__name__}"
 
 

@@ -477,3 +477,29 @@ def test_the_cli_stopping_inside_a_batch_reports_a_position_that_resumes_the_res
         assert stats["next_seq"] == 2  # a count that ends with a batch resumes after it
     finally:
         pub.close()
+
+
+def test_the_events_cli_quotes_a_medium_that_is_not_plain_text() -> None:
+    """``hicache events`` prints one line an event; a publisher's medium with a newline in it
+    (anything that reaches the socket can send one) printed as it came forged lines of its own.
+    A plain medium keeps the documented ``seq=0 GPU stored ...`` shape."""
+    import io
+
+    from hicache.events.cli import run
+
+    pub = EventPublisher(LOOPBACK, LOOPBACK)
+    try:
+        hostile = BlockStored(block_hashes=[b"\x01" * 32], parent_block_hash=None, token_ids=[1],
+                              block_size=16, lora_id=None, medium="GPU\nseq=99 GPU removed forged\x1b[2J", lora_name=None)
+        assert pub.publish([stored(0), hostile])
+        while pub.stats()["next_seq"] == 0:
+            time.sleep(0.01)
+        out = io.StringIO()
+        run(pub.endpoint, pub.replay_endpoint, start_seq=0, count=2, timeout_s=1.0, out=out, err=io.StringIO())
+        lines = out.getvalue().splitlines()
+        assert len(lines) == 2, lines
+        assert lines[0].startswith("seq=0 GPU stored ")
+        assert lines[1].startswith("seq=0 'GPU\\nseq=99 GPU removed forged\\x1b[2J' stored ")
+        assert all(ch.isprintable() for line in lines for ch in line)
+    finally:
+        pub.close()
