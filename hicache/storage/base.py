@@ -14,6 +14,7 @@ Primitives (override in a backend)::
     _read(pages, buffers)          -> list[bool]     payload lands in buffers (exact size;
                                                      PageSegments too if supports_segments)
     _write(pages, buffers, parents)-> list[bool]     parents: the page before each, or None
+                                                     (changes.Written: also which were held)
     _read_bytes(page)              -> bytes | None   payload of unknown size (v0 ``get``)
     _clear()                       -> None           this namespace only
     _open(), _close(), _backend_stats()              optional
@@ -261,7 +262,9 @@ class AsyncHiCacheStorage(ABC):
         buffers: Sequence[memoryview],
         parents: Sequence[PageKey | None],
     ) -> list[bool]:
-        """Store each buffer as the page's payload; ``False`` when not stored."""
+        """Store each buffer as the page's payload; ``False`` when not stored. A backend that
+        knows which pages it held before answers a :class:`~hicache.storage.changes.Written`
+        (those are not announced stored again)."""
 
     @abstractmethod
     async def _read_bytes(self, page: PageKey) -> bytes | None:
@@ -500,7 +503,9 @@ class AsyncHiCacheStorage(ABC):
         if not pages:
             return []
         t0 = time.perf_counter()
-        ok = await self._guard_flags("write", self._write(pages, buffers, parents), len(pages))
+        answer = await self._guard("write", self._write(pages, buffers, parents), _FAILED)
+        held = getattr(answer, "held", None)  # a :class:`changes.Written`: pages held before
+        ok = self._checked_flags("write", answer, len(pages))
         done = sum(ok)
         self.stats.incr("write_pages", len(pages))
         self.stats.incr("write_ok", done)
@@ -510,7 +515,8 @@ class AsyncHiCacheStorage(ABC):
         else:
             self.stats.incr("write_bytes", sum(len(b) for b, f in zip(buffers, ok) if f))
         self.stats.incr("write_seconds", time.perf_counter() - t0)
-        changes.report_written(self.tier_changes, self.backend_name, self._kv_page_size(), pages, parents, ok)
+        changes.report_written(self.tier_changes, self.backend_name, self._kv_page_size(), pages, parents,
+                               changes.new_pages(ok, held))
         return ok
 
     def _kv_page_size(self) -> int:

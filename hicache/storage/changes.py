@@ -8,19 +8,48 @@ backend-specific (file-store eviction, a corrupt page deleted, an S3 delete); ba
 extra pools (Mamba state, indexer) hang off the same keys.
 
 Storage knows keys and parents, not tokens: a stored event's ``token_ids`` is empty.
+
+A page is announced stored once per stay in the store: a write of a page the store already
+held (the same prompt served again after a cache reset) announces nothing. A backend says which
+pages it held by answering its write with :class:`Written`; a backend answering a plain list
+has every page it stored announced. Why: vLLM's contract lets a consumer reference-count
+``BlockStored`` against ``BlockRemoved``, and a page announced twice stayed stored for it
+after its one removal.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from operator import attrgetter
+from collections.abc import Iterable, Sequence
+from operator import and_, attrgetter, not_
 
 from hicache.observability.tier_events import ChangeKind, Tier, TierChange, TierChangeHub
 from hicache.storage.types import PageKey, PoolName
 
-__all__ = ["report_cleared", "report_removed", "report_written"]
+__all__ = ["Written", "new_pages", "report_cleared", "report_removed", "report_written"]
 
 KV = PoolName.KV.value
+
+
+class Written(list[bool]):
+    """A backend's write answer (one flag per page, as a plain list) that also says which pages
+    the store held before the write (``held``, one flag per page; ``None``: none held). A held
+    page stored again was announced already: it is not announced again (see the module
+    docstring)."""
+
+    __slots__ = ("held",)
+
+    def __init__(self, ok: Iterable[bool], held: Sequence[bool] | None = None) -> None:
+        super().__init__(ok)
+        self.held = held
+
+
+def new_pages(ok: Sequence[bool], held: Sequence[bool] | None) -> Sequence[bool]:
+    """The pages a write stored that the store did not hold before it (in C: no Python step
+    per page); a ``held`` of another length (a backend bug) announces every stored page, as a
+    backend that does not say does."""
+    if held is None or len(held) != len(ok):
+        return ok
+    return list(map(and_, ok, map(not_, held)))
 
 
 def report_written(
@@ -31,9 +60,10 @@ def report_written(
     parents: Sequence[PageKey | None],
     ok: Sequence[bool],
 ) -> None:
-    """Report the KV pages a write stored, as runs chained page to page (a run breaks where a
-    page failed or its parent is not the page before it)."""
-    if not hub.wants(ChangeKind.STORED, Tier.STORAGE):
+    """Report the KV pages a write stored (``ok``: those to announce, see :func:`new_pages`), as
+    runs chained page to page (a run breaks where a page is not announced or its parent is not
+    the page before it)."""
+    if not hub.wants(ChangeKind.STORED, Tier.STORAGE) or not any(ok):  # (a batch of held pages: no loop)
         return
     if _one_run(pages, parents, ok):  # the usual batch: one event, no loop over its pages
         parent = parents[0]

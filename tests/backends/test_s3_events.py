@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import uuid
+from collections import Counter
 
 from hicache.observability import ChangeKind, Tier, TierChange
 from hicache.testing import ArrayHostPool
@@ -33,3 +34,28 @@ async def test_s3_deletions_and_clears_are_reported(moto_endpoint: str, moto_buc
         seen.clear()
         assert await store.clear()
         assert [(c.kind, c.tier) for c in seen] == [(ChangeKind.CLEARED, Tier.STORAGE)]
+
+
+async def test_s3_pages_written_again_are_announced_stored_once(moto_endpoint: str, moto_bucket: str) -> None:
+    """Pages this process wrote and writes again (a cache reset, the same prompt served again)
+    were announced stored each time: a router counting BlockStored against BlockRemoved held
+    them stored after their one removal. Now what the exists cache knows is not announced again;
+    a page removed here (reported) is announced when written again."""
+    keys = keys_for(4, salt=19)
+    counts: Counter[str] = Counter()
+
+    def apply(c: TierChange) -> None:
+        counts.update({k: 1 if c.kind is ChangeKind.STORED else -1 for k in c.keys})
+
+    async with make_s3(moto_endpoint, moto_bucket, f"t/{uuid.uuid4().hex}", NS_A) as store:
+        store.tier_changes.subscribe(apply)
+        pool = ArrayHostPool(len(keys), PAGE)
+        pool.fill_random(4)
+        store.register_mem_pool_host(pool)
+        for _ in range(3):
+            assert all(await store.batch_set_v1(keys, pool.indices(0, len(keys))))
+        assert counts == Counter(dict.fromkeys(keys, 1))
+        assert await store.batch_delete(keys[2:]) == [True, True]
+        assert +counts == Counter(dict.fromkeys(keys[:2], 1))
+        assert all(await store.batch_set_v1(keys, pool.indices(0, len(keys))))
+        assert counts == Counter(dict.fromkeys(keys, 1))

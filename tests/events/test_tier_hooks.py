@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import os
+from collections import Counter
 from pathlib import Path
+
+import pytest
 
 from hicache.controller import ControllerConfig
 from hicache.events import BlockRemoved, BlockStored
@@ -292,3 +295,70 @@ async def test_a_reset_during_a_backup_names_only_the_host_pages_announced() -> 
     await stack.cache.drain()
     assert not of(seen, ChangeKind.STORED, Tier.HOST)  # the copy of the dropped tree is not announced
     await stack.aclose()
+
+
+
+def count_like_a_router(hub) -> Counter[str]:  # type: ignore[no-untyped-def]
+    """A router that reference-counts a replica's storage blocks, as vLLM's contract lets it
+    (``BlockStored`` up, ``BlockRemoved`` down, ``AllBlocksCleared`` forgets them all)."""
+    counts: Counter[str] = Counter()
+
+    def apply(change: TierChange) -> None:
+        if change.tier is not Tier.STORAGE:
+            return
+        if change.kind is ChangeKind.CLEARED:
+            counts.clear()
+            return
+        counts.update({k: 1 if change.kind is ChangeKind.STORED else -1 for k in change.keys})
+
+    hub.subscribe(apply)
+    return counts
+
+
+@pytest.mark.parametrize("backend, token_elems, chained", [
+    ("memory", 8, True), ("memory", 8, False), ("memory", 1 << 17, True), ("memory", 1 << 17, False),
+    ("file", 8, True), ("file", 8, False), ("file-rewrite", 8, True),
+])
+async def test_a_page_written_again_is_announced_stored_once(tmp_path: Path, backend: str, token_elems: int,
+                                                              chained: bool) -> None:
+    """Writing pages the store already holds (a cache reset, then the same prompt served
+    again) announced each again: a router counting BlockStored against BlockRemoved then held
+    a page stored after its one removal. A page held before the write is not announced again
+    (1 MiB pages: the memory store writes them on a thread; ``file-rewrite``: no skip_existing)."""
+    keys = keys_for(6, salt=31)
+    pool = ArrayHostPool(len(keys), PAGE, token_elems=token_elems)
+    pool.fill_random(5)
+    opts: dict = {"max_bytes": None}
+    if backend != "memory":
+        opts.update(root=str(tmp_path), skip_existing=backend == "file")
+    store = create_async_storage(backend.split("-")[0], None, namespace=NS_A, **opts)
+    store.register_mem_pool_host(pool)
+    counts = count_like_a_router(store.tier_changes)
+    async with store:
+        for _ in range(3):
+            if chained:  # one chained batch
+                assert all(await store.batch_set_v1(keys, pool.indices(0, len(keys))))
+            else:  # a page a call, no parent
+                for i in range(len(keys)):
+                    assert await store.batch_set_v1(keys[i:i + 1], pool.indices(i, 1)) == [True]
+        assert counts == Counter(dict.fromkeys(keys, 1))
+        assert await store.batch_delete(keys[-2:]) == [True, True]
+        assert +counts == Counter(dict.fromkeys(keys[:-2], 1))  # gone for the router too
+        # written again once gone: announced again
+        assert await store.batch_set_v1(keys[-2:], pool.indices(len(keys) - 2, 2)) == [True, True]
+        assert counts == Counter(dict.fromkeys(keys, 1))
+
+
+async def test_two_writes_racing_with_the_same_new_pages_announce_each_once() -> None:
+    """Batches of big pages are copied on threads, so two callers writing the same new pages
+    (two requests sharing a prefix) run at once: which one finds a page new is decided as each
+    page is put, under the medium's lock, so exactly one announces it."""
+    for run in range(10):
+        keys = keys_for(3, salt=700 + run)
+        pool = ArrayHostPool(3, PAGE, token_elems=1 << 17)  # 1 MiB pages: written on threads
+        store = create_async_storage("memory", None, namespace=NS_A)
+        store.register_mem_pool_host(pool)
+        counts = count_like_a_router(store.tier_changes)
+        async with store:
+            await asyncio.gather(*(store.batch_set_v1(keys, pool.indices(0, 3)) for _ in range(3)))
+        assert counts == Counter(dict.fromkeys(keys, 1)), f"run {run}"

@@ -38,7 +38,7 @@ from hicache.errors import ConfigError
 from hicache.keys import Namespace
 from hicache.observability.tier_events import ChangeKind, Tier
 from hicache.storage import AsyncHiCacheStorage, HiCacheStorageConfig, PageCodec, PageKey, StorageState
-from hicache.storage.changes import report_cleared
+from hicache.storage.changes import Written, report_cleared
 from hicache.storage.io_threads import copy_threads
 from hicache.storage.options import bool_option
 from hicache.storage.segments import PageSegments
@@ -103,6 +103,8 @@ class _WriteJob:
     parent: str | None
     size: int
     skip_size: int | None
+    #: the index held the page when the write began (it was announced stored, or found on disk)
+    held: bool = False
 
 
 class FileStorage(AsyncHiCacheStorage):
@@ -737,7 +739,7 @@ class FileStorage(AsyncHiCacheStorage):
             entry = self.index.get(pid)
             skip = size if self.skip_existing and entry is not None and entry.size == size else None
             ppid = page_id(parent.key, parent.pool) if parent is not None else None
-            jobs.append(_WriteJob(i, pid, page, buf, ppid, size, skip))
+            jobs.append(_WriteJob(i, pid, page, buf, ppid, size, skip, entry is not None))
         if not jobs:
             return ok
 
@@ -807,7 +809,7 @@ class FileStorage(AsyncHiCacheStorage):
             raise asyncio.CancelledError
         # Pages on disk are indexed even when the caller was cancelled meanwhile: an unindexed
         # page would escape max_bytes (and, unshared, lookups) until the next restart.
-        self._apply_writes(jobs, results, generation, ok)
+        held = self._apply_writes(jobs, results, generation, ok)
         if cancelled:
             # the caller answers every page of the batch as failed (an engine adapter, a miss)
             # and no write counter counts a cancelled call: the pages that landed anyway are
@@ -816,7 +818,7 @@ class FileStorage(AsyncHiCacheStorage):
             if landed:
                 self.stats.incr("write_late_pages", landed)
             raise asyncio.CancelledError
-        return ok
+        return Written(ok, held)
 
     def _chain_bytes(self, job: _WriteJob, batch: list[_WriteJob]) -> int:
         """Bytes of ``job``'s page and of every page it chains from (its parent, the parent's
@@ -903,13 +905,21 @@ class FileStorage(AsyncHiCacheStorage):
 
     def _apply_writes(
         self, jobs: list[_WriteJob], results: Sequence[page_io.WriteResult], generation: int, ok: list[bool]
-    ) -> None:
+    ) -> list[bool] | None:
+        """Index what landed and count it; answers which of the pages it stored were held since
+        the write began (announced stored before: not again, see :class:`Written`), ``None``
+        if none. Held when it began, not when it lands: the scan or a lookup's probe may index
+        the file this very write published before this runs (then it was never announced);
+        and one removed meanwhile (reported) is new again."""
         now = time.time()
         written = 0
         skipped = 0
+        held = [False] * len(ok)
+        index = self.index
         for j, r in zip(jobs, results):
             if r.ok:
                 ok[j.index] = True
+                held[j.index] = j.held and j.pid in index
                 # a page skip_existing found stored (a page written before a racing clear is
                 # marked skipped too, but it was written: it has no skip_size)
                 skipped += r.skipped and j.skip_size is not None
@@ -927,6 +937,7 @@ class FileStorage(AsyncHiCacheStorage):
             self.stats.incr("write_skipped_pages", skipped)
         if any(r.remade_namespace for r in results):
             self._namespace_remade()
+        return held if any(held) else None
 
     def _refused_read_only(self, what: str, n: int) -> list[bool]:
         """An observer's write or delete: refused, counted, and said at most once a minute (an

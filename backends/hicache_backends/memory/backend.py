@@ -26,7 +26,7 @@ import numpy as np
 from hicache.errors import ConfigError
 from hicache.keys import Namespace
 from hicache.storage import AsyncHiCacheStorage, HiCacheStorageConfig, PageKey
-from hicache.storage.changes import report_cleared
+from hicache.storage.changes import Written, report_cleared
 from hicache.storage.offload import OFFLOAD_MIN_BYTES, copy_bytes, run_to_completion
 
 __all__ = ["MemoryMedium", "MemoryStorage"]
@@ -178,14 +178,18 @@ class MemoryMedium:
             return list(stores) if stores is not None else []
 
     def put(self, entry: _Entry, payload: Payload, evicted: list[_Entry] | None = None, *,
-            parent: _Entry | None = None, protect: set[_Entry] | None = None) -> bool:
+            parent: _Entry | None = None, protect: set[_Entry] | None = None,
+            held: set[_Entry] | None = None) -> bool:
         """Store a page, evicting least recently used leaves for room (appended to ``evicted``),
-        never one of ``protect``: ``False`` (nothing evicted) when only they could make room."""
+        never one of ``protect``: ``False`` (nothing evicted) when only they could make room.
+        ``held``: the page is added there when it replaced a copy held (decided under the lock,
+        so of two writers racing with the same new page, one finds it new)."""
         with self.lock:
-            return self._put_locked(entry, payload, evicted, parent, protect)
+            return self._put_locked(entry, payload, evicted, parent, protect, held)
 
     def _put_locked(self, entry: _Entry, payload: Payload, evicted: list[_Entry] | None,
-                    parent: _Entry | None = None, protect: set[_Entry] | None = None) -> bool:
+                    parent: _Entry | None = None, protect: set[_Entry] | None = None,
+                    held: set[_Entry] | None = None) -> bool:
         """:meth:`put` with the lock held."""
         size = len(payload)
         if size > self.max_bytes:
@@ -206,6 +210,8 @@ class MemoryMedium:
         if old is not None:
             del pages[entry]  # put again: most recently used
             self.nbytes -= len(old)
+            if held is not None:
+                held.add(entry)
         pages[entry] = payload
         self.nbytes += size
         self._clock += 1
@@ -362,18 +368,19 @@ class MemoryMedium:
 
     def _put_chain_locked(self, entries: Sequence[_Entry], payloads: Sequence[Payload],
                           parents: Sequence[_Entry | None], evicted: list[_Entry] | None,
-                          keep: set[_Entry] | None = None) -> list[bool]:
+                          keep: set[_Entry] | None = None, held: set[_Entry] | None = None) -> list[bool]:
         """Each page in turn, never evicting the batch's own pages or what they chain from
         (:meth:`chain_of`); a page after one refused is refused too (no lookup reaches it).
         So a batch longer than the medium stores its leading pages that fit and refuses the
         rest, without evicting anything for them."""
         if keep is None and self.nbytes + sum(map(len, payloads)) > self.max_bytes:
             keep = self._chain_locked(entries, parents)  # only a batch that may evict needs it
-        return put_in_order(entries, parents, lambda i: self._put_locked(entries[i], payloads[i], evicted, parents[i], keep))
+        return put_in_order(entries, parents,
+                            lambda i: self._put_locked(entries[i], payloads[i], evicted, parents[i], keep, held))
 
     def put_many(
         self, entries: Sequence[_Entry], payloads: Sequence[Payload], evicted: list[_Entry] | None = None,
-        parents: Sequence[_Entry | None] | None = None,
+        parents: Sequence[_Entry | None] | None = None, held: set[_Entry] | None = None,
     ) -> list[bool]:
         """:meth:`put` of each ``(entry, payload)`` in turn, under one lock acquisition.
 
@@ -383,7 +390,8 @@ class MemoryMedium:
         batch of new pages that fits without evicting (the usual one) is stored by one
         ``update`` without a Python iteration per page, and a batch of new pages that must
         evict has its victims chosen once, for all of it. ``parents`` (the page before each):
-        a chained batch, stored as :meth:`_put_chain_locked` does.
+        a chained batch, stored as :meth:`_put_chain_locked` does. ``held``: as :meth:`put`
+        (a batch of new pages adds nothing).
         """
         n = len(entries)
         if len(payloads) != n or (parents is not None and len(parents) != n):
@@ -413,8 +421,8 @@ class MemoryMedium:
                         self._book_new_locked(entries, parents, chain)
                         return [True] * n
             if parents is not None:
-                return self._put_chain_locked(entries, payloads, parents, evicted, keep)
-            return [self._put_locked(e, p, evicted) for e, p in zip(entries, payloads)]
+                return self._put_chain_locked(entries, payloads, parents, evicted, keep, held)
+            return [self._put_locked(e, p, evicted, held=held) for e, p in zip(entries, payloads)]
 
     def _make_room_locked(self, need: int, keep: set[_Entry] | None, evicted: list[_Entry] | None) -> bool:
         """Evict for a batch of new pages what their puts one by one would, or nothing when
@@ -579,8 +587,8 @@ class MemoryStorage(AsyncHiCacheStorage):
         removals: list[Callable[[], None]] = []
         try:
             ok = await run_to_completion(self._store, pages, buffers, parents, removals)
-            held = self.medium.present(list(self._entries(pages[: len(ok)])))
-            return [done and now for done, now in zip(ok, held)]
+            now = self.medium.present(list(self._entries(pages[: len(ok)])))
+            return Written([done and there for done, there in zip(ok, now)], ok.held)
         finally:  # a cancelled caller too: the thread's evictions happened
             for report in removals:
                 report()
@@ -594,7 +602,7 @@ class MemoryStorage(AsyncHiCacheStorage):
 
     def _store(self, pages: Sequence[PageKey], buffers: Sequence[memoryview],
                parents: Sequence[PageKey | None] | None = None,
-               removals: list[Callable[[], None]] | None = None) -> list[bool]:
+               removals: list[Callable[[], None]] | None = None) -> Written:
         """Store a batch; ``parents`` (the page before each) chain it: then it never evicts
         its own pages or what they chain from, and stores the leading pages that fit
         (:func:`put_in_order`). Pages refused for room are counted in
@@ -602,8 +610,11 @@ class MemoryStorage(AsyncHiCacheStorage):
         room (a page bigger than the medium, ``oversized_pages``, or a chain longer than it),
         in ``rejected_pages_beyond_capacity``: that tells a writer retrying them is useless.
         ``removals``: the reports of what it evicted are added there, not made (see
-        :meth:`_store_offloaded`)."""
+        :meth:`_store_offloaded`). Answers which pages it held before (not announced stored
+        again): those a put found held, and those the batch itself evicted and put again
+        (held before it, as :meth:`_settle_evictions` counts them: no removal reported)."""
         evicted = _Evictions()
+        held: set[_Entry] = set()
         n = min(len(pages), len(buffers))
         entries = list(self._entries(pages[:n]))
         links = None
@@ -616,16 +627,16 @@ class MemoryStorage(AsyncHiCacheStorage):
         if buffers and max(map(len, buffers)) < _ARRAY_MIN_BYTES:
             # small pages (see _snapshot): snapshotted in C and stored under one lock; the
             # copies of a batch live together for a moment, a small batch by definition
-            ok = medium.put_many(entries, list(map(bytes, buffers[:n])), evicted, links)
+            ok = medium.put_many(entries, list(map(bytes, buffers[:n])), evicted, links, held)
         elif links is None:  # big pages are copied outside the lock, with the GIL released, one at a time
-            ok = [medium.put(e, _snapshot(b), evicted) for e, b in zip(entries, buffers)]
+            ok = [medium.put(e, _snapshot(b), evicted, held=held) for e, b in zip(entries, buffers)]
         else:
             # always (cheap: the walk moves the prefix to the MRU end): the pages are put one by
             # one, each under its own lock hold, and a writer filling the medium in between
             # would have them evict their own prefix if the batch had looked like it fit
             keep = medium.chain_of(entries, links)
             ok = put_in_order(entries, links, lambda i: medium.put(entries[i], _snapshot(buffers[i]), evicted,
-                                                                     parent=links[i], protect=keep))
+                                                                     parent=links[i], protect=keep, held=held))
         if evicted:
             self.stats.incr("evicted_pages", len(evicted))
             self.stats.incr("evicted_bytes", evicted.nbytes)
@@ -637,7 +648,9 @@ class MemoryStorage(AsyncHiCacheStorage):
             if n - sum(ok) - oversized:
                 self.stats.incr("rejected_pages_no_space", n - sum(ok) - oversized)
                 self.stats.incr("rejected_pages_beyond_capacity", n - sum(ok) - oversized)
-        return ok
+        if evicted:
+            held.update(evicted)
+        return Written(ok, list(map(held.__contains__, entries)) if held else None)
 
     def _settle_evictions(self, pages: Sequence[PageKey], entries: list[_Entry], ok: list[bool],
                           was: list[bool] | None, evicted: list[_Entry],

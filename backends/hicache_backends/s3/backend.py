@@ -46,6 +46,7 @@ from fsspec.implementations.dirfs import DirFileSystem
 from hicache.errors import BackendLoadError, ConfigError
 from hicache.keys import Namespace
 from hicache.storage import AsyncHiCacheStorage, HiCacheStorageConfig, PageCodec, PageKey, Verdict
+from hicache.storage.changes import Written
 from hicache.storage.hit_policy import leading_run
 from hicache.storage.offload import OFFLOAD_MIN_BYTES, copy_bytes, run_to_completion
 from hicache.storage.stats import Throttle
@@ -905,6 +906,11 @@ class FsspecStorage(AsyncHiCacheStorage):
         # a missing manifest is written by the prober, never on the write path: the manifest
         # only describes the namespace, and waiting for it would stretch a batch past its timeout
         generation = self.exists_cache.generation
+        cache = self.exists_cache
+        # the pages held before (see :meth:`_held_still`), asked before any PUT: a lookup's HEAD
+        # answered during this write would have the page found held though it was never announced
+        paths = [self.names.page(p.key, p.pool) for p in pages]
+        held = list(map(cache.known, paths))
         loop = asyncio.get_running_loop()
         done = loop.create_future()  # a close waits for it (see _close)
         left = [len(pages)]
@@ -922,7 +928,19 @@ class FsspecStorage(AsyncHiCacheStorage):
             with self._tasks_lock:
                 del self._writes[done]
             done.set_result(None)
-        return ok
+        return Written(ok, self._held_still(paths, held))
+
+    def _held_still(self, paths: list[str], held: list[bool]) -> list[bool] | None:
+        """Which pages of a write were held before it and still are (not announced stored again,
+        see :class:`~hicache.storage.changes.Written`): known to this process's exists cache
+        (written or found here, expired or not) when it began, and not removed since (a removal
+        this process made or saw drops the entry, and was reported). What it cannot know is
+        announced again: a page another process wrote, or one pushed out of a full cache
+        (``exists_cache_size``; with 0 every page written is announced)."""
+        if not any(held):
+            return None
+        known = self.exists_cache.known
+        return [was and known(path) for was, path in zip(held, paths)]
 
     def _index_write_done(self, task: asyncio.Task[None]) -> None:
         with self._tasks_lock:

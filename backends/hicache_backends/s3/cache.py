@@ -89,6 +89,13 @@ class ExistsCache:
             self._entries.move_to_end(path)
             return True
 
+    def known(self, path: str) -> bool:
+        """Whether ``path`` is remembered as present, expired or not: learned here (a write, a
+        HEAD, a read) with no removal made or seen here since. Unlike :meth:`contains`, changes
+        nothing. A write asks it to tell a page this process announced stored from a new one."""
+        with self._lock:
+            return path in self._entries
+
     def add(self, path: str, generation: int) -> None:
         """Remember ``path`` as present (a fresh answer about it: also clears a gone mark)."""
         with self._lock:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import Counter
 from pathlib import Path
 
 import msgspec
@@ -129,3 +130,31 @@ async def test_a_reset_leaves_a_vllm_consumer_knowing_the_pages_storage_still_ho
             seen += len(batch.events)
     assert seen
     assert len(index) == 4 and all(media == {vk.MEDIUM_STORAGE} for media in index.values()), index
+
+
+async def test_a_prompt_served_again_after_a_reset_is_counted_stored_once_by_a_vllm_consumer() -> None:
+    """After a reset, serving the same prompt again wrote its pages to storage again, and each
+    was announced stored a second time: a consumer counting vLLM's ``BlockStored`` against
+    ``BlockRemoved`` (vLLM's contract allows it) then kept the page stored after its one
+    eviction. Storage announces a page once while it holds it."""
+    cfg = {"device": {"device": "cpu", "size_tokens": 256, "page_size": 16}, "storage": {"backend": "memory"}}
+    counts: Counter[tuple[bytes | int, str | None]] = Counter()
+    async with HiCache.from_config(cfg) as cache:
+        stream = cache.events()
+        for rid in ("r1", "r2"):
+            h = await cache.begin(rid, list(range(64)))
+            await cache.commit(h)
+            await cache.drain()
+            cache.cache.reset()
+            await cache.drain()
+        while True:
+            try:
+                _, batch = await asyncio.wait_for(stream.get(), 1.0)
+            except TimeoutError:
+                break
+            for event in DECODER.decode(encode_batch(batch)).events:
+                assert not isinstance(event, vk.AllBlocksCleared)
+                step = 1 if isinstance(event, vk.BlockStored) else -1
+                counts.update({(h, event.medium): step for h in event.block_hashes})
+    stored = {key: n for key, n in counts.items() if n}
+    assert len(stored) == 4 and set(stored.values()) == {1} and {m for _, m in stored} == {vk.MEDIUM_STORAGE}, stored
