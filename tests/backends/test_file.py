@@ -1016,6 +1016,25 @@ async def test_delete_removes_a_page_another_process_wrote_that_the_index_has_no
         assert await b.exists("kept") and await a.exists("kept")
 
 
+async def test_a_page_named_twice_in_one_delete_is_deleted_and_counted_once(tmp_path) -> None:
+    """A page named twice in one ``batch_delete`` was answered ``[True, True]``, counted twice in
+    ``deleted_pages`` and reported REMOVED twice: a consumer counting BlockStored against
+    BlockRemoved went below zero and took the page's next store for no store at all. As the
+    memory and S3 backends answer: ``[True, False]``, one page counted, one REMOVED key."""
+    keys = keys_for(2, salt=5)
+    src = ArrayHostPool(2, PAGE)
+    src.fill_random(1)
+    store = make_store(tmp_path, max_bytes=None)
+    store.register_mem_pool_host(src)
+    async with store:
+        assert await store.batch_set_v1(keys, src.indices(0, 2)) == [True, True]
+        removed: list[str] = []
+        store.tier_changes.subscribe(lambda change: removed.extend(change.keys))
+        assert await store.batch_delete([keys[0], keys[0]]) == [True, False]
+        assert store.get_stats()["deleted_pages"] == 1 and removed == [keys[0]]
+        assert await store.exists_prefix(keys) == 0
+
+
 def _page_files(root) -> int:  # type: ignore[no-untyped-def]
     return sum(f.endswith(".page") for _, _, fs in os.walk(root) for f in fs)
 

@@ -464,7 +464,10 @@ class FileStorage(AsyncHiCacheStorage):
         for pid in doomed:
             self._scanner.forget(pid)
         _, _, kept = await self._space.remove(list(doomed), list(doomed.values()))
-        return [pid in doomed and pid not in kept for pid in ids]
+        # a page named twice is answered at its first place only (as the memory and S3 backends
+        # answer): deleted_pages and the REMOVED event count it once
+        deleted = {pid: pid not in kept for pid in doomed}
+        return [deleted.pop(pid, False) for pid in ids]
 
     # ------------------------------------------------------------------ primitives
 
