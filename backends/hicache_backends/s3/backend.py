@@ -36,6 +36,7 @@ import logging
 import math
 import threading
 import time
+import urllib.parse
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
@@ -55,7 +56,7 @@ from hicache_backends.s3.breaker import BreakerState, CircuitBreaker
 from hicache_backends.s3.cache import ExistsCache
 from hicache_backends.s3 import fs as s3_fs
 from hicache_backends.s3.fs import (
-    LoopLocal, LoopResources, ObjectOps, ThreadObjectOps, built_target, close_all, is_s3fs, make_ops,
+    LoopLocal, LoopResources, ObjectOps, S3ObjectOps, ThreadObjectOps, built_target, close_all, is_s3fs, make_ops,
 )
 from hicache_backends.s3.naming import ObjectNames, Redactor, redact_options, redact_url
 from hicache_backends.s3.runs import MAX_BYTES as MAX_INDEX_BYTES, MIN_RUN, decode_run, encode_run
@@ -151,6 +152,50 @@ def _text_credentials(options: dict[str, Any], backend: str) -> dict[str, Any]:
     if isinstance(client, dict):
         options["client_kwargs"] = fixed(client, _TEXT_CLIENT_OPTIONS, "storage_options.client_kwargs.")
     return options
+
+
+def _checked_s3_options(options: dict[str, Any], backend: str) -> dict[str, Any]:
+    """``options`` (s3fs's, after :func:`_text_credentials`) if what no request can mend is
+    right, else a :class:`ConfigError` naming the option: ``client_kwargs`` and
+    ``config_kwargs`` tables, an ``endpoint_url`` that is an http(s) url with a host (botocore
+    takes ``ftp://host`` and refuses it at every request), a ``region_name`` that is text. Left
+    wrong, the store opened and missed every call for good, a warning a minute."""
+    for name in ("client_kwargs", "config_kwargs"):
+        value = options.get(name)
+        if value is not None and not isinstance(value, dict):
+            raise ConfigError(f"{backend} backend: storage_options.{name} must be a table (dict), "
+                              f"got a {type(value).__name__}")
+    client = options.get("client_kwargs") or {}
+    for where, endpoint in (("", options.get("endpoint_url")), ("client_kwargs.", client.get("endpoint_url"))):
+        if endpoint is not None and not _is_http_url(endpoint):
+            raise ConfigError(f"{backend} backend: storage_options.{where}endpoint_url must be an http:// or "
+                              f"https:// url with a host, got {redact_url(str(endpoint))!r}")
+    for where, table in (("client_kwargs.", client), ("config_kwargs.", options.get("config_kwargs") or {})):
+        region = table.get("region_name")
+        if region is not None and not isinstance(region, str):
+            raise ConfigError(f"{backend} backend: storage_options.{where}region_name must be text, "
+                              f"got a {type(region).__name__}")
+    return options
+
+
+def _is_http_url(text: str) -> bool:
+    """Whether ``text`` is an http:// or https:// url with a host (and a port that is one)."""
+    try:
+        parts = urllib.parse.urlsplit(text)
+        port_ok = parts.port is None or parts.port > 0
+    except ValueError:  # a port that is no number or out of range, a bracketed host that is no address
+        return False
+    return parts.scheme.lower() in ("http", "https") and bool(parts.hostname) and port_ok
+
+
+def _client_config_errors() -> tuple[type[Exception], ...]:
+    """What building an S3 client raises for options that can never work (see
+    ``FsspecStorage._check_client``); not a credential source that fails to answer."""
+    from botocore import exceptions as bce
+
+    return (TypeError, ValueError, bce.ProfileNotFound, bce.PartialCredentialsError, bce.InvalidConfigError,
+            bce.UnknownSignatureVersionError, bce.InvalidS3AddressingStyleError, bce.ConfigParseError,
+            bce.UnknownCredentialError)
 
 
 def _positive(name: str, value: Any, kind: type = float, allow_zero: bool = False) -> Any:
@@ -263,10 +308,11 @@ class FsspecStorage(AsyncHiCacheStorage):
             raise ConfigError(f"{self.backend_name} backend: no fsspec filesystem for {self.protocol!r}: {exc}") from None
         self._storage_options: dict[str, Any] = dict(storage_options or {})
         if self.protocol in _S3_PROTOCOLS:  # s3fs's are text; other filesystems take objects (gcsfs's token)
-            self._storage_options = _text_credentials(self._storage_options, self.backend_name)
+            self._storage_options = _checked_s3_options(
+                _text_credentials(self._storage_options, self.backend_name), self.backend_name)
         elif _dir_over_s3(self._fs_class, self._storage_options):  # (before the redactor learns them)
-            self._storage_options["target_options"] = _text_credentials(
-                dict(self._storage_options.get("target_options") or {}), self.backend_name)
+            self._storage_options["target_options"] = _checked_s3_options(_text_credentials(
+                dict(self._storage_options.get("target_options") or {}), self.backend_name), self.backend_name)
         self._redactor = Redactor(self._storage_options, url)
         self.concurrency = _positive("concurrency", concurrency, int)
         self.request_timeout = float(_positive("request_timeout", request_timeout))
@@ -460,10 +506,11 @@ class FsspecStorage(AsyncHiCacheStorage):
         # refuses them is a configuration error, said once, not the filesystem's own TypeError
         # or ValueError out of open() and every call after it (each opening again), unredacted
         try:
-            self._local.get()
+            res = self._local.get()
         except Exception as exc:  # noqa: BLE001 - whatever a filesystem's constructor raises
             raise ConfigError(f"{self.backend_name} backend: the {self.protocol} filesystem refused its "
                               f"storage_options: {type(exc).__name__}: {self._redactor.scrub(str(exc))}") from None
+        await self._check_client(res.ops)
         try:  # never raises and never hangs: an unreachable store opens, misses, and probes
             async with asyncio.timeout(self.call_timeout):
                 await self._ensure_manifest()
@@ -472,6 +519,26 @@ class FsspecStorage(AsyncHiCacheStorage):
         self._prober = asyncio.get_running_loop().create_task(self._probe_loop(), name="hicache-s3-prober")
         self._tmp_sweep_stop = threading.Event()
         self._tmp_sweep = asyncio.get_running_loop().create_task(self._sweep_tmps(), name="hicache-s3-tmp-sweep")
+
+    async def _check_client(self, ops: ObjectOps) -> None:
+        """Build this loop's S3 client now, where s3fs builds it on the first request: options
+        the client refuses (a keyword it does not take, a profile that does not exist, a key
+        without its secret, a region that is no region) are a ConfigError here, said once.
+        Found by the first request, they were a permanent error of every call, the store open
+        and missing for good. Building a client sends no request; whatever else goes wrong
+        building it (a credential source that does not answer, within ``call_timeout``) may
+        mend by itself, and is left to the requests, as before."""
+        if not isinstance(ops, S3ObjectOps):
+            return
+        try:
+            async with asyncio.timeout(self.call_timeout):
+                await ops.fs.set_session()
+        except _client_config_errors() as exc:
+            await close_all(self._local)  # (the filesystem built for this loop, unused)
+            raise ConfigError(f"{self.backend_name} backend: the S3 client refused its storage_options: "
+                              f"{type(exc).__name__}: {self._redactor.scrub(str(exc))}") from None
+        except Exception:  # noqa: BLE001 - not the options' fault: the first request tries again
+            logger.debug("%s: building the S3 client at open failed", type(self).__name__, exc_info=True)
 
     async def _sweep_tmps(self) -> None:
         """Remove the temporary files that local writers killed mid-write left in this namespace
