@@ -11,10 +11,11 @@ from typing import Any
 
 import pytest
 
+from hicache.storage import create_async_storage
 from hicache.testing import ArrayHostPool
 from hicache.testing.store_tests import NS_A, PAGE, keys_for
 from s3_proxy import FaultProxy
-from s3_server import create_bucket, eventually, make_s3, raw_client, raw_get, raw_put
+from s3_server import create_bucket, eventually, make_s3, raw_client, raw_get, raw_put, s3_options, shared_session
 
 FAST: dict[str, Any] = dict(
     request_timeout=1.0, call_timeout=3.0, retries=1, retry_backoff=0.01, retry_backoff_max=0.05,
@@ -899,3 +900,88 @@ async def test_a_page_damaged_at_rest_outside_its_payload_is_deleted_by_verify_p
         stats = store.get_stats()
         assert stats["corrupt_pages"] == 1 and stats.get("transit_errors", 0) == 0, stats
         assert await asyncio.to_thread(raw_get, moto_endpoint, path) is None  # deleted
+
+
+async def test_a_multipart_upload_on_a_slow_link_gets_request_timeout_per_request(
+    moto_endpoint: str, moto_bucket: str, prefix: str, proxy: FaultProxy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A big page's multipart upload (create, each part, complete: 5 requests here, 0.5 s
+    each) was bounded by ``request_timeout`` as a whole: on a link where every request fits
+    well within it, the page never got written, every attempt counted as a timeout and a
+    transient error, and enough of them opened the circuit breaker. Each request gets
+    ``request_timeout`` now; a part that hangs still fails the write in about that time."""
+    import time
+
+    import torch
+
+    from hicache_backends.s3.fs import S3ObjectOps
+
+    monkeypatch.setattr(S3ObjectOps, "part_size", 5 << 20)  # S3's smallest part
+    hang = asyncio.Event()
+    release = asyncio.Event()
+
+    async def slow_link(request: Any) -> Any:
+        if request.method in ("POST", "PUT") and "/pages/" in request.path:
+            await asyncio.sleep(0.5)
+            if hang.is_set() and request.query.get("partNumber") == "2":
+                await release.wait()
+        return None
+
+    proxy.answer = slow_link
+    options = dict(FAST, request_timeout=2.0, call_timeout=30.0, breaker_threshold=3)
+    try:
+        store = create_async_storage(  # parts one after another (max_concurrency 1)
+            "s3", None, url=f"s3://{moto_bucket}/{prefix}", namespace=NS_A, **options,
+            storage_options={**s3_options(proxy.endpoint), "session": shared_session(), "max_concurrency": 1})
+        async with store:
+            big = torch.rand(3 << 20)  # 12 MiB: three parts
+            assert await store.set("big", big) is True
+            stats = store.get_stats()
+            assert stats.get("timeouts", 0) == 0 and stats.get("transient_errors", 0) == 0
+            got = await store.get("big", torch.empty(3 << 20))
+            assert got is not None and torch.equal(got, big)
+
+            hang.set()  # a part that never answers: the write fails, bounded by the part's timeout
+            t0 = time.monotonic()
+            assert await store.set("big2", big) is False
+            assert time.monotonic() - t0 < 15.0
+            assert store.get_stats()["timeouts"] >= 1
+    finally:
+        release.set()
+
+
+async def test_a_multipart_upload_begun_after_its_request_timed_out_is_aborted(
+    moto_endpoint: str, moto_bucket: str, prefix: str, proxy: FaultProxy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The request that begins a multipart upload has its own timeout now: the service may
+    still begin the upload after it, and that upload is aborted, not left in the bucket. (The
+    socket's read timeout is set longer here: when it ends the request first, the upload the
+    service begins after is never known, so never aborted.)"""
+    import torch
+
+    from hicache_backends.s3.fs import S3ObjectOps
+
+    monkeypatch.setattr(S3ObjectOps, "part_size", 5 << 20)  # S3's smallest part
+
+    async def slow_create(request: Any) -> Any:
+        if request.method == "POST" and "uploads" in request.query:
+            await asyncio.sleep(1.5)  # past request_timeout; then the service begins it
+        return None
+
+    proxy.answer = slow_create
+    client = raw_client(moto_endpoint)
+    options = dict(FAST, request_timeout=1.0, call_timeout=30.0, retries=0)
+    store = create_async_storage(
+        "s3", None, url=f"s3://{moto_bucket}/{prefix}", namespace=NS_A, **options,
+        storage_options={**s3_options(proxy.endpoint), "session": shared_session(),
+                         "config_kwargs": {"read_timeout": 10.0}})
+    async with store:
+        assert await store.set("big", torch.rand(3 << 20)) is False
+        assert store.get_stats()["timeouts"] == 1
+
+        async def no_upload_left() -> bool:
+            out = await asyncio.to_thread(client.list_multipart_uploads, Bucket=moto_bucket, Prefix=prefix)
+            return not out.get("Uploads")
+
+        await asyncio.sleep(1.0)  # the service has begun it by now
+        await eventually(no_upload_left, timeout=5.0)

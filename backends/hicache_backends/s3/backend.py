@@ -57,6 +57,7 @@ from hicache_backends.s3.cache import ExistsCache
 from hicache_backends.s3 import fs as s3_fs
 from hicache_backends.s3.fs import (
     LoopLocal, LoopResources, ObjectOps, S3ObjectOps, ThreadObjectOps, built_target, close_all, is_s3fs, make_ops,
+    put_requests,
 )
 from hicache_backends.s3.naming import ObjectNames, Redactor, redact_options, redact_url
 from hicache_backends.s3.runs import MAX_BYTES as MAX_INDEX_BYTES, MIN_RUN, decode_run, encode_run
@@ -220,7 +221,11 @@ class FsspecStorage(AsyncHiCacheStorage):
             ``key``/``secret``/``token``, ``client_kwargs={"region_name": ...}``,
             ``config_kwargs``...). Never logged, printed or shown in ``repr``.
         concurrency: requests in flight per event loop; also the HTTP connection pool size.
-        request_timeout: seconds one request attempt may take.
+        request_timeout: seconds one request attempt may take. A page from 100 MiB goes to S3
+            as a multipart upload: each of its requests (the create, each part, the complete)
+            gets this long, the upload as a whole as many times this as it makes requests one
+            after another (parts go ``max_concurrency`` at a time, an s3fs option, sharing the
+            link: on a slow one, raise this or lower that).
         call_timeout: seconds one backend call (a whole batch, retries included) may take;
             pages not done by then are misses/failures. A close waits as long for the writes
             and clears of its event loop in progress; writes still running after that (or on
@@ -470,7 +475,7 @@ class FsspecStorage(AsyncHiCacheStorage):
             s3.retries = 1
         # twice the request slots: every request in flight can have the next body ready
         return LoopResources(
-            make_ops(fs), asyncio.Semaphore(self.concurrency), asyncio.Semaphore(2 * self.concurrency),
+            make_ops(fs, self.request_timeout), asyncio.Semaphore(self.concurrency), asyncio.Semaphore(2 * self.concurrency),
             BodyBuffers(self.concurrency),
         )
 
@@ -1035,7 +1040,9 @@ class FsspecStorage(AsyncHiCacheStorage):
                     attempts += 1
                     return ops.put(path, data)
 
-                await self.runner.request("write", put)
+                # (a multipart upload: each of its requests gets request_timeout, see put_requests)
+                timeout = self.request_timeout * put_requests(res.ops, len(data))
+                await self.runner.request("write", put, timeout=timeout)
                 if isinstance(data, bytearray) and attempts == 1:
                     # answered, and no attempt was abandoned: nothing refers to it any more.
                     # An attempt given up (timed out) may still be flushing it from its

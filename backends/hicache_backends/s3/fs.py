@@ -53,6 +53,7 @@ __all__ = [
     "fill_views",
     "is_s3fs",
     "make_ops",
+    "put_requests",
 ]
 
 logger = logging.getLogger("hicache.storage.s3")
@@ -241,10 +242,12 @@ class S3ObjectOps(AsyncObjectOps):
     #: and default chunk; S3 takes parts from 5 MiB), smaller ones as one PUT
     part_size = 50 << 20
 
-    def __init__(self, fs: Any) -> None:
+    def __init__(self, fs: Any, request_timeout: float | None = None) -> None:
         from hicache_backends.s3.direct import DirectRequests, UseBotocore
 
         super().__init__(fs)
+        #: seconds each request of a multipart upload may take (``None``: no bound of its own)
+        self.request_timeout = request_timeout
         self.direct = DirectRequests(fs)
         #: what a direct request raises to be sent through botocore instead (imported here:
         #: the module needs botocore, which the fsspec backend does without)
@@ -273,6 +276,26 @@ class S3ObjectOps(AsyncObjectOps):
             return await send(*target)
         except self._use_botocore:
             return _BOTOCORE
+
+    def put_requests(self, nbytes: int) -> int:
+        """1 for a body sent in one PUT; for a multipart upload, its create, its rounds of parts
+        (``max_concurrency`` at a time) and its complete, each request bounded by
+        ``request_timeout`` on its own. Bounded as a whole by one request's timeout, a big page
+        whose requests each took well under it was never written when together they did not
+        (every attempt a timeout, counted as the service's failure, until the breaker opened)."""
+        if nbytes < 2 * self.part_size:
+            return 1
+        parts = -(-nbytes // self.part_size)
+        return 2 + -(-parts // self._window())
+
+    def _window(self) -> int:
+        """How many parts of an upload are sent at once (s3fs's ``max_concurrency``)."""
+        return max(1, int(getattr(self.fs, "max_concurrency", 1) or 1))
+
+    async def _within_request_timeout(self, request: Awaitable[T]) -> T:
+        """One request of a multipart upload, within ``request_timeout`` (``TimeoutError``)."""
+        async with asyncio.timeout(self.request_timeout):
+            return await request
 
     async def put(self, path: str, data: bytes | bytearray) -> None:
         if len(data) >= 2 * self.part_size:
@@ -311,23 +334,24 @@ class S3ObjectOps(AsyncObjectOps):
         # in a task of its own: cut while it waits (a request timeout, a close), the service may
         # still begin the upload, never known here and so never aborted
         create = asyncio.ensure_future(self.fs._call_s3("create_multipart_upload", Bucket=bucket, Key=key))
-        try:
-            upload = (await asyncio.shield(create))["UploadId"]
-        except asyncio.CancelledError:
+        try:  # (its timeout leaves it running: the upload it may begin is aborted once known)
+            upload = (await self._within_request_timeout(asyncio.shield(create)))["UploadId"]
+        except (asyncio.CancelledError, TimeoutError):
             await self._abort_upload(bucket, key, create)
             raise
-        size, window = self.part_size, max(1, int(getattr(self.fs, "max_concurrency", 1) or 1))
+        size, window = self.part_size, self._window()
         count = -(-len(data) // size)
         parts: list[dict[str, Any]] = []
         try:
             for first in range(1, count + 1, window):
                 numbers = range(first, min(first + window, count + 1))
-                sent = await _all_or_none([self.fs._call_s3(
+                sent = await _all_or_none([self._within_request_timeout(self.fs._call_s3(
                     "upload_part", Bucket=bucket, Key=key, UploadId=upload, PartNumber=n,
-                    Body=data[(n - 1) * size : n * size]) for n in numbers])
+                    Body=data[(n - 1) * size : n * size])) for n in numbers])
                 parts += [{"PartNumber": n, "ETag": out["ETag"]} for n, out in zip(numbers, sent)]
-            await self.fs._call_s3("complete_multipart_upload", Bucket=bucket, Key=key, UploadId=upload,
-                                   MultipartUpload={"Parts": parts})
+            await self._within_request_timeout(self.fs._call_s3(
+                "complete_multipart_upload", Bucket=bucket, Key=key, UploadId=upload,
+                MultipartUpload={"Parts": parts}))
         except BaseException:
             await self._abort_upload(bucket, key, upload)
             raise
@@ -500,8 +524,8 @@ class DirS3ObjectOps(S3ObjectOps):
     (:class:`AsyncObjectOps`) a page damaged at rest could not be proven so (no ETag) and stayed,
     a hit of every lookup whose every read failed; an empty object's 416 was an error."""
 
-    def __init__(self, dirfs: DirFileSystem) -> None:
-        super().__init__(dirfs.fs)
+    def __init__(self, dirfs: DirFileSystem, request_timeout: float | None = None) -> None:
+        super().__init__(dirfs.fs, request_timeout)
         self._join: Callable[[str], str] = dirfs._join
 
     async def put(self, path: str, data: bytes | bytearray) -> None:
@@ -806,13 +830,20 @@ def _removed_all(prefix: str, files: list[str], failed: set[str], strays: int = 
     return len(files)
 
 
-def make_ops(fs: Any) -> ObjectOps:
+def put_requests(ops: ObjectOps, nbytes: int) -> int:
+    """How many requests, one after another, ``ops.put`` of ``nbytes`` makes, each within the
+    store's ``request_timeout`` (:meth:`S3ObjectOps.put_requests`); 1 for other filesystems."""
+    return ops.put_requests(nbytes) if isinstance(ops, S3ObjectOps) else 1
+
+
+def make_ops(fs: Any, request_timeout: float | None = None) -> ObjectOps:
     """The adapter for ``fs``: native coroutines where the filesystem has them and was built
-    for them (a DirFileSystem over a synchronous filesystem is built synchronous)."""
+    for them (a DirFileSystem over a synchronous filesystem is built synchronous).
+    ``request_timeout`` bounds each request of an S3 multipart upload."""
     if getattr(fs, "async_impl", False) and getattr(fs, "asynchronous", False):
         if is_s3fs(built_target(fs)):
-            return DirS3ObjectOps(fs)
-        return S3ObjectOps(fs) if is_s3fs(fs) else AsyncObjectOps(fs)
+            return DirS3ObjectOps(fs, request_timeout)
+        return S3ObjectOps(fs, request_timeout) if is_s3fs(fs) else AsyncObjectOps(fs)
     return ThreadObjectOps(fs)
 
 
