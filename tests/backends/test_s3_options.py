@@ -40,9 +40,21 @@ def _store(endpoint: str, bucket: str, **options: Any) -> Any:
     ({"client_kwargs": {"region_name": "us east 1"}}, "region_name"),
     ({"session": None, "profile": f"no-such-profile-{uuid.uuid4().hex[:6]}"}, "profile"),
     ({"secret": None}, "secret"),
+    ({"config_kwargs": {"retries": "adaptive"}}, "retries"),
+    ({"config_kwargs": {"retries": {"mode": "eager"}}}, "mode"),
+    ({"config_kwargs": {"retries": {"max_attempts": -1}}}, "max_attempts"),
+    ({"config_kwargs": {"connect_timeout": "5"}}, "connect_timeout"),
+    ({"config_kwargs": {"read_timeout": -5}}, "read_timeout"),
+    ({"config_kwargs": {"signature_version": "v9"}}, "signature_version"),
+    ({"s3_additional_kwargs": "AES256"}, "s3_additional_kwargs"),
+    ({"session": "default"}, "session"),
+    ({"client_kwargs": {"region_name": "us-east-1", "api_version": "1999-01-01"}}, "1999-01-01"),
+    ({"client_kwargs": {"region_name": "us-east-1", "verify": "/no/such/ca-bundle.pem"}}, "verify"),
 ], ids=["not-a-url", "ftp", "no-host", "client-endpoint", "client-kwarg", "config-kwarg", "fs-kwarg",
         "region-int", "config-region-list", "client-kwargs-list", "config-kwargs-text", "region-format",
-        "profile", "key-without-secret"])
+        "profile", "key-without-secret", "retries-text", "retry-mode", "retry-attempts", "connect-timeout-text",
+        "read-timeout-negative", "signature-version", "additional-kwargs-text", "session-text", "api-version",
+        "ca-bundle-missing"])
 async def test_options_that_can_never_work_are_a_config_error_at_open(
     moto_endpoint: str, moto_bucket: str, options: dict[str, Any], named: str
 ) -> None:

@@ -34,6 +34,7 @@ import hashlib
 import json
 import logging
 import math
+import os
 import threading
 import time
 import urllib.parse
@@ -159,14 +160,24 @@ def _checked_s3_options(options: dict[str, Any], backend: str) -> dict[str, Any]
     """``options`` (s3fs's, after :func:`_text_credentials`) if what no request can mend is
     right, else a :class:`ConfigError` naming the option: ``client_kwargs`` and
     ``config_kwargs`` tables, an ``endpoint_url`` that is an http(s) url with a host (botocore
-    takes ``ftp://host`` and refuses it at every request), a ``region_name`` that is text. Left
+    takes ``ftp://host`` and refuses it at every request), a ``region_name`` that is text, a
+    ``session`` that is one, a CA bundle (``client_kwargs.verify``) that is there, and
+    ``config_kwargs`` botocore refuses only at a request (:func:`_check_config_kwargs`). Left
     wrong, the store opened and missed every call for good, a warning a minute."""
-    for name in ("client_kwargs", "config_kwargs"):
+    for name in ("client_kwargs", "config_kwargs", "s3_additional_kwargs"):
         value = options.get(name)
         if value is not None and not isinstance(value, dict):
             raise ConfigError(f"{backend} backend: storage_options.{name} must be a table (dict), "
                               f"got a {type(value).__name__}")
+    session = options.get("session")
+    if session is not None and not callable(getattr(session, "create_client", None)):
+        raise ConfigError(f"{backend} backend: storage_options.session must be an aiobotocore session, "
+                          f"got a {type(session).__name__}")
     client = options.get("client_kwargs") or {}
+    verify = client.get("verify")
+    if isinstance(verify, str) and not os.path.isfile(verify):
+        raise ConfigError(f"{backend} backend: storage_options.client_kwargs.verify names no CA bundle file: "
+                          f"{verify!r}")
     for where, endpoint in (("", options.get("endpoint_url")), ("client_kwargs.", client.get("endpoint_url"))):
         if endpoint is not None and not _is_http_url(endpoint):
             raise ConfigError(f"{backend} backend: storage_options.{where}endpoint_url must be an http:// or "
@@ -176,7 +187,29 @@ def _checked_s3_options(options: dict[str, Any], backend: str) -> dict[str, Any]
         if region is not None and not isinstance(region, str):
             raise ConfigError(f"{backend} backend: storage_options.{where}region_name must be text, "
                               f"got a {type(region).__name__}")
+    _check_config_kwargs(options.get("config_kwargs") or {}, backend)
     return options
+
+
+def _check_config_kwargs(config: dict[str, Any], backend: str) -> None:
+    """A :class:`ConfigError` for ``config_kwargs`` botocore takes when the client is built and
+    refuses at every request (or turns into a timeout of every request): ``retries`` that is
+    not a table, a timeout that is not a positive number, a signature version it does not know."""
+    retries = config.get("retries")
+    if retries is not None and not isinstance(retries, dict):
+        raise ConfigError(f"{backend} backend: storage_options.config_kwargs.retries must be a table (dict), "
+                          f"got a {type(retries).__name__}")
+    for name in ("connect_timeout", "read_timeout"):
+        if config.get(name) is not None:
+            _positive(f"storage_options.config_kwargs.{name}", config[name])
+    from botocore import UNSIGNED
+    from botocore.auth import AUTH_TYPE_MAPS
+
+    signature = config.get("signature_version")
+    if signature is not None and signature is not UNSIGNED and not (isinstance(signature, str)
+                                                                     and signature in AUTH_TYPE_MAPS):
+        raise ConfigError(f"{backend} backend: storage_options.config_kwargs.signature_version {signature!r} is "
+                          "not one botocore knows (S3's own is 's3v4')")
 
 
 def _is_http_url(text: str) -> bool:
@@ -196,7 +229,7 @@ def _client_config_errors() -> tuple[type[Exception], ...]:
 
     return (TypeError, ValueError, bce.ProfileNotFound, bce.PartialCredentialsError, bce.InvalidConfigError,
             bce.UnknownSignatureVersionError, bce.InvalidS3AddressingStyleError, bce.ConfigParseError,
-            bce.UnknownCredentialError)
+            bce.UnknownCredentialError, bce.InvalidRetryConfigurationError, bce.DataNotFoundError)
 
 
 def _positive(name: str, value: Any, kind: type = float, allow_zero: bool = False) -> Any:
