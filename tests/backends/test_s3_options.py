@@ -91,3 +91,15 @@ async def test_a_service_that_is_down_or_a_missing_bucket_still_open_and_recover
         assert await store.set("k", page) is True
         got = await store.get("k", torch.empty(16))
         assert got is not None and torch.equal(got, page)
+
+
+@pytest.mark.parametrize("bucket", ["bad!bucket", "a b", "bkt:1", "b" * 256])
+def test_a_bucket_name_botocore_refuses_is_a_config_error(bucket: str) -> None:
+    """botocore refuses such a bucket name before any request is sent: the store opened, and
+    every call was a permanent error for good (a multi-line warning a minute)."""
+    with pytest.raises(ConfigError, match="bucket"):
+        create_async_storage("s3", None, url=f"s3://{bucket}/kv", storage_options={"endpoint_url": "http://h:1"})
+
+
+def test_an_access_point_arn_is_not_refused_as_a_bucket_name() -> None:
+    create_async_storage("s3", None, url="s3://arn:aws:s3:us-east-1:123456789012:accesspoint/ap/kv")

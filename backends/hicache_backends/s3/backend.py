@@ -222,6 +222,17 @@ def _is_http_url(text: str) -> bool:
     return parts.scheme.lower() in ("http", "https") and bool(parts.hostname) and port_ok
 
 
+def _botocore_takes_bucket(bucket: str) -> bool:
+    """Whether botocore sends requests for ``bucket`` (the first part of an ``s3://`` url): its
+    own check of a name, or an access point ARN (whose first part holds no whole ARN: let
+    through). ``True`` without botocore: the missing package is said next."""
+    try:
+        from botocore.handlers import VALID_BUCKET
+    except ImportError:  # pragma: no cover
+        return True
+    return bucket.startswith("arn:") or VALID_BUCKET.match(bucket) is not None
+
+
 def _client_config_errors() -> tuple[type[Exception], ...]:
     """What building an S3 client raises for options that can never work (see
     ``FsspecStorage._check_client``); not a credential source that fails to answer."""
@@ -430,6 +441,10 @@ class FsspecStorage(AsyncHiCacheStorage):
         if not bucket:
             raise ConfigError(f"{self.backend_name} backend: url must name a bucket "
                               f"({self.protocol}://bucket/prefix), got {redact_url(self.url)!r}")
+        if self.protocol in _S3_PROTOCOLS and not _botocore_takes_bucket(bucket):
+            # refused before any request is sent: the store opened and every call failed for good
+            raise ConfigError(f"{self.backend_name} backend: {bucket!r} is not a bucket name S3 clients take "
+                              f"(letters, digits, '.', '-', '_'; at most 255), in {redact_url(self.url)!r}")
         if not key.startswith("/"):
             return self.url
         url = f"{self.protocol}://{bucket}/{key.lstrip('/')}"
