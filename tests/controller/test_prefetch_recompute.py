@@ -464,7 +464,9 @@ async def test_a_rate_learned_while_a_request_waits_applies_to_that_wait() -> No
 class _SomeReadsStuck(MemoryStorage):
     """Reads of the pages under ``stuck`` wait on a worker thread until ``free()`` (a hung
     mount, as the file backend's I/O threads hang: a cancelled call returns only when the
-    thread does); every other call answers at once."""
+    thread does); every other call answers at once. ``held`` is set once such a read has
+    reached the store: a call cancelled before that (on a loaded machine the I/O loop may
+    not have begun it yet) never hangs at all."""
 
     backend_name = "some-reads-stuck-memory"
 
@@ -472,12 +474,14 @@ class _SomeReadsStuck(MemoryStorage):
         super().__init__(*args, **kwargs)
         self.stuck: set[str] = set()
         self.gate = threading.Event()
+        self.held = threading.Event()
 
     def free(self) -> None:
         self.gate.set()
 
     def _gated(self, pages, buffers):  # type: ignore[no-untyped-def]
         if any(p.key in self.stuck for p in pages):
+            self.held.set()
             self.gate.wait(60)
         return self._read_into(pages, buffers)
 
@@ -497,7 +501,7 @@ async def test_a_read_given_up_on_does_not_set_the_pace_after_the_store_is_back(
     store_id = await _seeded(a, b)
     store = _SomeReadsStuck(store_id=store_id)
     stack, _ = _stack(store_id, store, device_pages=64, prefetch_recompute_tokens_per_s=100.0,  # 40 ms a page
-                      storage_io_timeout_s=0.2 if how == "timed_out" else 30.0, storage_stall_s=0.0,
+                      storage_io_timeout_s=1.0 if how == "timed_out" else 30.0, storage_stall_s=0.0,
                       storage_probe_base_s=0.05, storage_probe_max_s=0.1, cancelled_io_grace_s=0.0)
     ctl = stack.controller
     try:
@@ -507,13 +511,13 @@ async def test_a_read_given_up_on_does_not_set_the_pace_after_the_store_is_back(
         op = ctl.prefetch_op("first")
         assert op is not None
         store.stuck = set(op.keys)
+        await eventually(store.held.is_set, timeout=30.0)  # its first read hangs in the store
         if how == "timed_out":
             assert await stack.cache.wait_prefetch("first") == 0  # its read hangs: nothing fetched
             stack.cache.abort_req(first)
             await eventually(lambda: ctl.metrics.counters.get("storage_timeouts", 0) == 1)  # given up on
             await eventually(lambda: ctl.health.up, timeout=5.0)  # a probe took the store back
         else:
-            await eventually(lambda: bool(ctl._prefetcher._reading))
             stack.cache.abort_req(first)
         await asyncio.sleep(0.5)  # the read given up on, still stuck: 0.25 s a page and growing
         cuts = ctl.metrics.counters.get("prefetch_cut_recompute", 0)  # the first request's wait
