@@ -23,6 +23,7 @@ from hicache.events.publisher import EventPublisher
 from hicache.events.subscriber import EventSubscriber
 from event_helpers import rebind
 from hicache.facade import HiCache
+from hicache.testing import eventually
 
 LOOPBACK = "tcp://127.0.0.1:0"
 REPO = Path(__file__).resolve().parents[2]
@@ -277,9 +278,16 @@ async def test_in_process_streams_are_bounded_per_consumer(tmp_path: Path) -> No
                 seen.append(seq)
 
         reader = asyncio.create_task(read())
-        await workload(cache, 6)
-        total = await settled(cache._events.publisher)
-        await asyncio.sleep(0.2)  # the last batches reach the streams' loop
+        pub = cache._events.publisher
+        for i in range(6):  # a batch or more each: a loaded publisher thread merges what it finds queued
+            before = pub.stats()["next_seq"]
+            await workload(cache, 1, base=i)
+            await eventually(lambda before=before: pub.stats()["queued"] == 0 and pub.stats()["next_seq"] > before,
+                             timeout=30.0)
+        total = await settled(pub)
+        assert total > 2
+        # the last batches reach the streams' loop
+        await eventually(lambda: len(seen) >= total and slow.dropped >= total - 2, timeout=30.0)
         assert seen == list(range(total))  # the fast one lost nothing
         assert slow.dropped == total - 2 and cache.metrics()["events"]["dropped_events"] == slow.dropped_events > 0
     await asyncio.wait_for(reader, 5)  # the close ends every iteration
