@@ -179,17 +179,18 @@ class MemoryMedium:
 
     def put(self, entry: _Entry, payload: Payload, evicted: list[_Entry] | None = None, *,
             parent: _Entry | None = None, protect: set[_Entry] | None = None,
-            held: set[_Entry] | None = None) -> bool:
+            held: dict[_Entry, bool] | None = None) -> bool:
         """Store a page, evicting least recently used leaves for room (appended to ``evicted``),
         never one of ``protect``: ``False`` (nothing evicted) when only they could make room.
-        ``held``: the page is added there when it replaced a copy held (decided under the lock,
-        so of two writers racing with the same new page, one finds it new)."""
+        ``held``: whether the page replaced a copy held is recorded there, by its first put
+        only (decided under the lock, so of two writers racing with the same new page, one
+        finds it new; a batch naming a new page twice finds it new, not held by its own put)."""
         with self.lock:
             return self._put_locked(entry, payload, evicted, parent, protect, held)
 
     def _put_locked(self, entry: _Entry, payload: Payload, evicted: list[_Entry] | None,
                     parent: _Entry | None = None, protect: set[_Entry] | None = None,
-                    held: set[_Entry] | None = None) -> bool:
+                    held: dict[_Entry, bool] | None = None) -> bool:
         """:meth:`put` with the lock held."""
         size = len(payload)
         if size > self.max_bytes:
@@ -210,8 +211,8 @@ class MemoryMedium:
         if old is not None:
             del pages[entry]  # put again: most recently used
             self.nbytes -= len(old)
-            if held is not None:
-                held.add(entry)
+        if held is not None:
+            held.setdefault(entry, old is not None)
         pages[entry] = payload
         self.nbytes += size
         self._clock += 1
@@ -368,7 +369,7 @@ class MemoryMedium:
 
     def _put_chain_locked(self, entries: Sequence[_Entry], payloads: Sequence[Payload],
                           parents: Sequence[_Entry | None], evicted: list[_Entry] | None,
-                          keep: set[_Entry] | None = None, held: set[_Entry] | None = None) -> list[bool]:
+                          keep: set[_Entry] | None = None, held: dict[_Entry, bool] | None = None) -> list[bool]:
         """Each page in turn, never evicting the batch's own pages or what they chain from
         (:meth:`chain_of`); a page after one refused is refused too (no lookup reaches it).
         So a batch longer than the medium stores its leading pages that fit and refuses the
@@ -380,7 +381,7 @@ class MemoryMedium:
 
     def put_many(
         self, entries: Sequence[_Entry], payloads: Sequence[Payload], evicted: list[_Entry] | None = None,
-        parents: Sequence[_Entry | None] | None = None, held: set[_Entry] | None = None,
+        parents: Sequence[_Entry | None] | None = None, held: dict[_Entry, bool] | None = None,
     ) -> list[bool]:
         """:meth:`put` of each ``(entry, payload)`` in turn, under one lock acquisition.
 
@@ -614,7 +615,7 @@ class MemoryStorage(AsyncHiCacheStorage):
         again): those a put found held, and those the batch itself evicted and put again
         (held before it, as :meth:`_settle_evictions` counts them: no removal reported)."""
         evicted = _Evictions()
-        held: set[_Entry] = set()
+        held: dict[_Entry, bool] = {}
         n = min(len(pages), len(buffers))
         entries = list(self._entries(pages[:n]))
         links = None
@@ -649,8 +650,8 @@ class MemoryStorage(AsyncHiCacheStorage):
                 self.stats.incr("rejected_pages_no_space", n - sum(ok) - oversized)
                 self.stats.incr("rejected_pages_beyond_capacity", n - sum(ok) - oversized)
         if evicted:
-            held.update(evicted)
-        return Written(ok, list(map(held.__contains__, entries)) if held else None)
+            held.update(dict.fromkeys(evicted, True))
+        return Written(ok, list(map(held.get, entries, repeat(False))) if any(held.values()) else None)
 
     def _settle_evictions(self, pages: Sequence[PageKey], entries: list[_Entry], ok: list[bool],
                           was: list[bool] | None, evicted: list[_Entry],
