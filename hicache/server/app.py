@@ -190,6 +190,18 @@ def _draining() -> web.Response:
     return _error(503, "the server is shutting down", **{"Retry-After": "1"})
 
 
+def _unread_body(request: web.Request, st: ServerState, status: int, why: str) -> web.Response:
+    """The answer to a request whose body was not read whole (it stopped arriving, or could not
+    be decoded): counted and logged once as a bad request, and the connection closed after it;
+    aiohttp is told the body is over, or it would read the rest again after the answer."""
+    request.content.feed_eof()
+    st.metrics.requests["bad_request"] += 1
+    logger.info("bad request from %s: %s", request.remote, why)
+    resp = _error(status, why)
+    resp.force_close()
+    return resp
+
+
 async def _generate(request: web.Request) -> web.StreamResponse:
     arrival = time.perf_counter()
     st = request.app[STATE]
@@ -202,12 +214,7 @@ async def _generate(request: web.Request) -> web.StreamResponse:
         # a client that went silent part-way (a dead machine, a partition: no FIN, no RST) held
         # this handler and its socket for as long as the socket lived, which is for good with
         # no TCP keepalive; the rest of its body is never read: the connection closes
-        request.content.feed_eof()
-        st.metrics.requests["bad_request"] += 1
-        logger.info("bad request from %s: the body did not arrive within %g s", request.remote, BODY_READ_TIMEOUT_S)
-        resp = _error(408, f"the body did not arrive within {BODY_READ_TIMEOUT_S:g} s")
-        resp.force_close()
-        return resp
+        return _unread_body(request, st, 408, f"the body did not arrive within {BODY_READ_TIMEOUT_S:g} s")
     except web.RequestPayloadError as exc:
         # a body aiohttp cannot decode (``Content-Encoding: gzip`` over bytes that are no gzip
         # stream) is the client's bad input; raised out of the handler it was a plain-text 500
@@ -215,12 +222,7 @@ async def _generate(request: web.Request) -> web.StreamResponse:
         # closes after the answer, and aiohttp is told the body is over, or it read it again
         # after the answer and logged the same error as unhandled
         reason = getattr(exc.__cause__, "message", None) or str(exc)
-        request.content.feed_eof()
-        st.metrics.requests["bad_request"] += 1
-        logger.info("bad request from %s: the body could not be read: %s", request.remote, reason)
-        resp = _error(400, f"the body could not be read: {reason}")
-        resp.force_close()
-        return resp
+        return _unread_body(request, st, 400, f"the body could not be read: {reason}")
     except ConnectionError as exc:
         # the client went away before its whole body arrived (a timeout while uploading a long
         # prompt): raised out of the handler it was an ERROR traceback from aiohttp and the

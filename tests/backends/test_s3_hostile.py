@@ -637,14 +637,28 @@ async def test_a_close_cancelled_while_it_waits_for_writes_still_releases_the_st
     await store.aclose()  # (nothing left to do)
 
 
+def _write_on_another_loop(store: Any, keys: list[str], *, seed: int) -> tuple[Any, list[list[bool]]]:
+    """Start a batch write of random pages under ``keys`` on a thread's own event loop (the
+    blocking facade's way), which a close on the test's loop cannot wait for; the thread and
+    the list its answer lands in."""
+    import threading
+
+    src = ArrayHostPool(len(keys), PAGE)
+    src.fill_random(seed)
+    store.register_mem_pool_host(src)
+    answered: list[list[bool]] = []
+    thread = threading.Thread(target=lambda: answered.append(
+        asyncio.run(store.batch_set_v1(keys, src.indices(0, len(keys))))))
+    thread.start()
+    return thread, answered
+
+
 async def test_writes_a_close_cannot_wait_for_are_counted_and_logged(
     moto_endpoint: str, moto_bucket: str, prefix: str, proxy: FaultProxy, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A write on another event loop (the blocking facade's) cannot be waited for by a close on
     this one: it is cut, and the close says so - a warning and ``close_cut_write_pages`` - rather
     than leaving failed pages nobody can explain."""
-    import threading
-
     async def slow_put(request: Any) -> Any:
         if request.method == "PUT" and "/pages/" in request.path:
             await asyncio.sleep(0.5)
@@ -653,14 +667,8 @@ async def test_writes_a_close_cannot_wait_for_are_counted_and_logged(
     keys = keys_for(8, salt=191)
     store = make_s3(proxy.endpoint, moto_bucket, prefix, NS_A, concurrency=2, call_timeout=10)
     await store.open()
-    src = ArrayHostPool(len(keys), PAGE)
-    src.fill_random(191)
-    store.register_mem_pool_host(src)
     proxy.answer = slow_put
-    answered: list[list[bool]] = []
-    thread = threading.Thread(target=lambda: answered.append(
-        asyncio.run(store.batch_set_v1(keys, src.indices(0, len(keys))))))
-    thread.start()
+    thread, answered = _write_on_another_loop(store, keys, seed=191)
     try:
         async def putting() -> bool:  # the other loop's batch is uploading
             return any(method == "PUT" and "/pages/" in path for method, path, _ in proxy.seen)
@@ -682,8 +690,6 @@ async def test_a_close_counts_only_the_pages_it_cut(
     ``close_cut_write_pages`` (and its warning), the pages already stored and answered written
     too: the counter said more pages were lost than the batch answered failed. It counts the
     pages still being written."""
-    import threading
-
     async def slow_put(request: Any) -> Any:
         if request.method == "PUT" and "/pages/" in request.path:
             await asyncio.sleep(0.2)
@@ -692,14 +698,8 @@ async def test_a_close_counts_only_the_pages_it_cut(
     keys = keys_for(16, salt=192)
     store = make_s3(proxy.endpoint, moto_bucket, prefix, NS_A, concurrency=2, call_timeout=10)
     await store.open()
-    src = ArrayHostPool(len(keys), PAGE)
-    src.fill_random(192)
-    store.register_mem_pool_host(src)
     proxy.answer = slow_put
-    answered: list[list[bool]] = []
-    thread = threading.Thread(target=lambda: answered.append(
-        asyncio.run(store.batch_set_v1(keys, src.indices(0, len(keys))))))
-    thread.start()
+    thread, answered = _write_on_another_loop(store, keys, seed=192)
     try:
         async def some_stored() -> bool:  # the other loop's batch has stored a few pages
             return sum(method == "PUT" and "/pages/" in path for method, path, _ in proxy.served) >= 4
