@@ -1038,7 +1038,7 @@ class FsspecStorage(AsyncHiCacheStorage):
             self._writes[done] = left
         try:
             ok = await self.runner.batch(
-                "write", [self._write_one(p, b, generation, left) for p, b in zip(pages, buffers)])
+                "write", [self._write_one(p, path, b, generation, left) for p, path, b in zip(pages, paths, buffers)])
             # the index follows the pages in the background: the batch does not wait a round trip
             task = loop.create_task(self._write_run(list(pages), ok, list(parents), generation))
             with self._tasks_lock:
@@ -1066,10 +1066,10 @@ class FsspecStorage(AsyncHiCacheStorage):
         with self._tasks_lock:
             self._index_writes.discard(task)
 
-    async def _write_one(self, page: PageKey, buf: memoryview, generation: int, left: list[int]) -> bool:
-        """One page's PUT; ``left``: its call's pages not answered yet (one less when it ends)."""
+    async def _write_one(self, page: PageKey, path: str, buf: memoryview, generation: int, left: list[int]) -> bool:
+        """One page's PUT to ``path`` (its object, named once by the batch); ``left``: its
+        call's pages not answered yet (one less when it ends)."""
         codec = self._codec or PageCodec(self.namespace.digest_bytes)
-        path = self.names.page(page.key, page.pool)
         try:
             # (the runner's: a loop whose filesystem cannot be built is a counted miss, said
             # once a minute; got here, it was an ERROR with a traceback for every page)
