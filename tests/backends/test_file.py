@@ -1187,6 +1187,14 @@ async def test_a_refusal_for_max_bytes_reports_the_pages_stored_not_the_refused_
         assert f"{page} byte(s) reserved by writes in flight" in lines[0], lines[0]
 
 
+def flip_payload_byte(root: os.PathLike[str], store: FileStorage, key: str, page: int) -> None:
+    """Corrupt page ``key`` of ``store`` on disk: one byte of its payload (``page``: the file's
+    size), as a disk or another writer would."""
+    with open(page_path(root, store.layout.digest, key), "r+b") as f:
+        f.seek(page - 40)
+        f.write(b"\xff")
+
+
 async def test_a_corrupt_page_an_observer_drops_leaves_the_shared_count(tmp_path) -> None:
     """``hicache inspect --verify`` (a read-only observer) drops a page that fails verification,
     as any read does, but an observer keeps out of the usage ledger, so the dropped page's bytes
@@ -1200,9 +1208,7 @@ async def test_a_corrupt_page_an_observer_drops_leaves_the_shared_count(tmp_path
         assert await store.set("a", v0(64, 1))
         assert await store.set("b", v0(64, 2))
         ledger = os.path.join(store.layout.ns_dir, LEDGER_NAME)
-        with open(page_path(tmp_path, store.layout.digest, "a"), "r+b") as f:  # a payload byte
-            f.seek(page - 40)
-            f.write(b"\xff")
+        flip_payload_byte(tmp_path, store, "a", page)
         async with make_store(tmp_path, read_only=True, min_free_bytes=0) as observer:
             assert await observer.check_page(PageKey("a", "kv")) == "corrupt"
             assert read_usage(ledger).used == page  # given back at once, not only at close
@@ -1225,9 +1231,7 @@ async def test_an_observer_gives_back_nothing_to_a_ledger_a_clear_replaced(tmp_p
             assert await store.clear()
             assert await store.set("a", v0(64, 1))
             assert await store.set("b", v0(64, 2))
-            with open(page_path(tmp_path, store.layout.digest, "a"), "r+b") as f:
-                f.seek(page - 40)
-                f.write(b"\xff")
+            flip_payload_byte(tmp_path, store, "a", page)
             assert await observer.check_page(PageKey("a", "kv")) == "corrupt"
         # the page went, and the fresh ledger's count may only err high (never below the disk)
         assert read_usage(os.path.join(store.layout.ns_dir, LEDGER_NAME)).used >= page
@@ -1258,9 +1262,7 @@ async def test_a_scan_running_while_an_observer_drops_a_corrupt_page_leaves_the_
             await asyncio.wait_for(listed.wait(), 30)
             monkeypatch.undo()
             ledger = os.path.join(store.layout.ns_dir, LEDGER_NAME)
-            with open(page_path(tmp_path, store.layout.digest, "a"), "r+b") as f:  # a payload byte
-                f.seek(page - 40)
-                f.write(b"\xff")
+            flip_payload_byte(tmp_path, store, "a", page)
             async with make_store(tmp_path, read_only=True, min_free_bytes=0) as observer:
                 assert await observer.check_page(PageKey("a", "kv")) == "corrupt"
             assert read_usage(ledger).used == page
