@@ -313,8 +313,14 @@ class HiCache:
             raise CacheClosedError("HiCache was closed while it started")
 
     @coroutine_function
-    def aclose(self) -> Coroutine[Any, Any, Any]:
+    def aclose(self, *, deadline: float | None = None) -> Coroutine[Any, Any, Any]:
         """Release every session, drain write-backs and backups, close storage; idempotent.
+
+        ``deadline`` (``time.monotonic()``): when the close must end, the storage's close
+        included (a server passes what is left of its drain): each step takes a share of the
+        time left and the store stops waiting and says what it left, rather than overrunning
+        into the shutdown's SIGKILL. ``None``: ``cache.close_timeout_s`` and each step's own
+        bound. The first call's deadline holds.
 
         Returns the controller's close report (pages it could not write, if any). Raises
         :class:`~hicache.errors.LoopMisuseError` on another loop than the one that started the
@@ -327,10 +333,10 @@ class HiCache:
         run, and the cache was left open, its threads running and its queued writes neither
         written nor reported. The close itself runs in a task that a cancellation, however
         early, only hurries (:class:`~hicache.controller.close_task.CloseTask`)."""
-        self._begin_close_here()
-        return self._aclose()
+        self._begin_close_here(deadline)
+        return self._aclose(deadline)
 
-    def _begin_close_here(self) -> None:
+    def _begin_close_here(self, deadline: float | None = None) -> None:
         """Start the close task now when called on the cache's own running loop with the
         cache open (anything else is the coroutine's to sort out: another loop, a start
         still running, a close already begun)."""
@@ -341,16 +347,16 @@ class HiCache:
         except RuntimeError:
             return
         if running is self._loop:
-            self._start_close()
+            self._start_close(deadline)
 
-    def _start_close(self) -> None:
+    def _start_close(self, deadline: float | None = None) -> None:
         self._state = _State.CLOSED
         # One close, run to its end even if this caller is cancelled (a half-done close
         # would leave the copy thread and the storage open); a concurrent or later aclose()
         # waits for the same one.
-        self._close_task = start_close_task(self._close(), name="hicache-close")
+        self._close_task = start_close_task(self._close(deadline), name="hicache-close")
 
-    async def _aclose(self) -> Any:
+    async def _aclose(self, deadline: float | None = None) -> Any:
         if self._close_task is None or not self._close_task.done():
             self._check_loop()
         if self._close_task is None:
@@ -365,7 +371,7 @@ class HiCache:
                     async with self._start_lock:
                         pass
                 return self.close_report
-            self._start_close()
+            self._start_close(deadline)
         assert self._close_task is not None
         report = await wait_for_close(self._close_task)
         if report is not CLOSE_CUT:
@@ -373,13 +379,13 @@ class HiCache:
         # the close task, not this caller, was cancelled and could not go on: what it learned
         return self.close_report if self.close_report is not None else CloseReport(drained=False)
 
-    async def _close(self) -> Any:
+    async def _close(self, deadline: float | None = None) -> Any:
         assert self.cache is not None and self._stack is not None
         for handle in list(self._live.values()):
             self._abort_now(handle)
         try:
             try:
-                report = await self.cache.aclose()
+                report = await self.cache.aclose(deadline=deadline)
             except asyncio.CancelledError:
                 # This close task itself was cancelled (a shutdown sweep: asyncio.run cancels
                 # every task left at its end). Unwinding here left the controller running, its

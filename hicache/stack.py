@@ -151,12 +151,13 @@ class CacheStack:
     #: explains each request's misses (``None`` when ``config.attribution`` is off)
     attributor: Attributor | None = None
 
-    async def aclose(self) -> Any:
+    async def aclose(self, *, deadline: float | None = None) -> Any:
         """Close the cache and controller (which closes a storage the stack created) and
-        the copy engine. A storage passed to :func:`build_stack` stays open."""
+        the copy engine. A storage passed to :func:`build_stack` stays open. ``deadline``
+        (``time.monotonic()``): when the cache's close, the storage's included, must end."""
         try:
             try:
-                report = await self.cache.aclose()
+                report = await self.cache.aclose(deadline=deadline)
             finally:  # its copy threads go even when the cache's close failed
                 await self.copy_engine.aclose()
         finally:

@@ -65,6 +65,7 @@ from hicache.storage import (
     PoolName,
     PoolTransfer,
 )
+from hicache.storage.base import time_share
 from hicache.storage.hit_policy import leading_run
 from hicache.storage.offload import wait_out
 from hicache.storage.stats import CallCounts, Throttle, counting_call
@@ -440,7 +441,7 @@ class HiCacheController:
                 return
             await asyncio.wait(pending)
 
-    async def aclose(self, timeout: float | None = None) -> CloseReport:
+    async def aclose(self, timeout: float | None = None, *, deadline: float | None = None) -> CloseReport:
         """Stop accepting work, drain the queues (up to ``timeout``, default
         ``config.close_timeout_s``), report each backup left unwritten, and leave no task
         running. Idempotent: a call while another is closing waits for that close and gets its
@@ -451,7 +452,14 @@ class HiCacheController:
         already running is hurried as a cancellation of it would (its drain cut short now, what
         it leaves reported, each later wait capped at ``cancelled_io_grace_s``). Why: the caller
         falling back after a cancellation waited for the running drain (up to
-        ``close_timeout_s``) instead; a cancellation hurries a close wherever it lands."""
+        ``close_timeout_s``) instead; a cancellation hurries a close wherever it lands.
+
+        ``deadline`` (``time.monotonic()``): when the whole close must end (what is left of a
+        server's drain). The drain, the wait for the workers, the storage's close (handed what
+        is left, so it stops waiting and says what it left) and the I/O thread's stop each take
+        a share of the time left, none more than its own bound. Why: each step bounded on its
+        own, a close with a slow store took four times ``timeout``, past the server's drain.
+        ``None``: each step its own bound. The first call's deadline holds."""
         # the close task is looked at before the state: a first caller cancelled while the
         # close ran never got its report, and the close may have ended before the next call
         # (the state alone said "closed" and that call got an empty report: lost silently)
@@ -462,7 +470,7 @@ class HiCacheController:
             if timeout is not None and timeout <= 0:
                 self._close_cancelled = True  # hurried from the start: each wait capped as after a cancel
             # a CloseTask: cancelled before its first step, it still closes (hurried)
-            self._close_task = start_close_task(self._close(timeout), name="hicache-controller-close")
+            self._close_task = start_close_task(self._close(timeout, deadline), name="hicache-controller-close")
             try:
                 return await asyncio.shield(self._close_task)
             except asyncio.CancelledError:
@@ -479,13 +487,14 @@ class HiCacheController:
         # the first caller owns the report; later ones learn how it went, not its lists
         return CloseReport(drained=report.drained)
 
-    async def _close(self, timeout: float | None) -> CloseReport:
+    async def _close(self, timeout: float | None, deadline: float | None = None) -> CloseReport:
         was_running = self.state is ControllerState.RUNNING
         self.state = ControllerState.CLOSING
         report = CloseReport(drained=True)
         stuck = 0
         if was_running:
-            limit = self.config.close_timeout_s if timeout is None else timeout
+            # (the drain leaves half of the time left for the rest of the close)
+            limit = time_share(self.config.close_timeout_s if timeout is None else timeout, deadline, 0.5)
             if self._prefetcher is not None:
                 report.cancelled_prefetches += self._prefetcher.abort_all()
             try:
@@ -504,7 +513,7 @@ class HiCacheController:
                 report.drained = False
             for task in list(self._tasks):
                 task.cancel()
-            pending = await self._wait_tasks(self._hurried(limit))
+            pending = await self._wait_tasks(self._hurried(time_share(limit, deadline, 1 / 3)))
             stuck = len(pending)
             report.stuck_storage_calls = stuck
             writing = any(t.get_name() == _STORAGE_WORKER for t in pending)
@@ -522,17 +531,23 @@ class HiCacheController:
             # stopping the I/O thread below settles it instead
             # submitted, not a task of this loop: a shutdown sweep cancelling every task would
             # cancel the backend's close halfway (its threads left running)
-            closing = (self._io.submit(self.storage.aclose()) if self._io is not None
-                       else asyncio.ensure_future(self.storage.aclose()))
-            await self._close_wait({closing}, limit)
+            # With a deadline the store is given most of what is left (the rest: its answer
+            # and the I/O thread's stop), and is waited for a little past its own end
+            store_close = (self.storage.aclose() if deadline is None
+                           else self.storage.aclose(timeout=time_share(limit, deadline, 0.8)))
+            closing = (self._io.submit(store_close) if self._io is not None
+                       else asyncio.ensure_future(store_close))
+            waited = time_share(limit, deadline, 0.9)
+            await self._close_wait({closing}, waited)
             if not closing.done():
-                logger.warning("controller close: the storage backend did not close within %.1f s", limit)
+                logger.warning("controller close: the storage backend did not close within %.1f s", waited)
             elif not closing.cancelled() and closing.exception() is not None:
                 logger.error("closing the storage backend failed", exc_info=closing.exception())
         if self._io is not None:
             try:
                 # settles the calls its loop never finished
-                await self._io.stop(timeout=self._hurried(limit), cancelled_limit=self._hurried(limit, True))
+                stop_s = limit if deadline is None else max(0.1, time_share(limit, deadline))
+                await self._io.stop(timeout=self._hurried(stop_s), cancelled_limit=self._hurried(stop_s, True))
             except asyncio.CancelledError:  # raised once the stop is done: the thread was joined
                 self._hurry("while its I/O thread stopped")
         if closing is not None and not closing.done():

@@ -1228,9 +1228,10 @@ class HiRadixCache(RadixCache):
         self._start_backups()
         await self.controller.drain_backups()
 
-    async def aclose(self, timeout: float | None = None) -> Any:
+    async def aclose(self, timeout: float | None = None, *, deadline: float | None = None) -> Any:
         """Close the controller (drains backups for up to ``timeout``, default its
-        ``close_timeout_s``; reports what it could not write).
+        ``close_timeout_s``; reports what it could not write), the whole close ending by
+        ``deadline`` (``time.monotonic()``) if given (see ``HiCacheController.aclose``).
 
         Safe to call again after a cancelled call (a hurried close: ``timeout=0``): the steps
         before the controller's close run once, and the controller hands the whole report to
@@ -1244,7 +1245,7 @@ class HiRadixCache(RadixCache):
             self._offer_refused_writes()  # as is each write the queue refused (re-offered as it drains)
             self._retry_deferred()
             self.storage_writes.send_doomed()
-        report = await self.controller.aclose(timeout)
+        report = await self.controller.aclose(timeout, deadline=deadline)
         if isinstance(report, CloseReport):  # cancelled above: the controller found none left
             report.cancelled_prefetches += self._close_cancelled_prefetches
         # backups still waiting for host room: only the tree knows them, so the tree reports

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import logging
 import signal
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -80,10 +82,11 @@ async def running_server(
     budget = config.server.shutdown_timeout_s if shutdown_timeout is None else shutdown_timeout
     requests_s, close_s = _drain_shares(budget)
     external = cache is not None
+    drain = _Drain(budget)
     async with contextlib.AsyncExitStack() as stack:
         if cache is None:
             opened: CacheLike = await _open_cache(_close_within(config, close_s), mode).__aenter__()
-            stack.push_async_callback(_close_and_report, opened)
+            stack.push_async_callback(_close_and_report, opened, drain)
             cache = opened
         app = create_app(cache, config, spec=spec)
         _answer_unfinished_at_drain_end(app, requests_s, stack)
@@ -100,15 +103,32 @@ async def running_server(
         url_host = f"[{host}]" if ":" in host else host
         server = RunningServer(url=f"http://{url_host}:{bound}", port=bound, app=app, cache=cache)
         logger.info("serving on %s (%s)", server.url, "caller's cache" if external else mode)
+        stack.callback(drain.begin)  # the first callback out: the drain's budget counts from here
         yield server
     logger.info("server stopped")
 
 
-async def _close_and_report(cache: Any) -> None:
-    """Close ``cache`` and log its close report: what its drain left unwritten, if anything.
-    The report was dropped (``__aexit__`` returns nothing), so a drain cut by its bound left
-    no trace of the writes it gave up."""
-    report = await cache.aclose()
+class _Drain:
+    """When a drain of ``budget`` seconds must end, once it has begun (on the monotonic clock,
+    the one every close step below the server counts on)."""
+
+    def __init__(self, budget: float) -> None:
+        self.budget = budget
+        self.deadline: float | None = None
+
+    def begin(self) -> None:
+        self.deadline = time.monotonic() + self.budget
+
+
+async def _close_and_report(cache: Any, drain: _Drain | None = None) -> None:
+    """Close ``cache`` by the drain's deadline (what the requests left of its budget: the
+    storage's close stops waiting then and says what it left) and log its close report: what
+    its drain left unwritten, if anything. The report was dropped (``__aexit__`` returns
+    nothing), so a drain cut by its bound left no trace of the writes it gave up; and each
+    step of the close bounded on its own, a slow store's close took the drain past its budget."""
+    deadline = None if drain is None else drain.deadline
+    takes_deadline = "deadline" in inspect.signature(cache.aclose).parameters
+    report = await (cache.aclose(deadline=deadline) if deadline is not None and takes_deadline else cache.aclose())
     summary = getattr(report, "summary", None)
     if summary is None:  # a cache with nothing to write (the recompute baseline)
         return
@@ -120,7 +140,8 @@ def _drain_shares(budget: float) -> tuple[float, float]:
     """How a drain of ``budget`` seconds is shared: aiohttp's ``shutdown_timeout`` (the
     requests get twice that: a wait, then the cut) and the cache close's drain of its queued
     writes, each a quarter. The last quarter is for what follows a drain that timed out (the
-    store's close and its thread's stop, each bounded by the close's limit too).
+    store's close and its thread's stop): the close is handed the drain's deadline, so its
+    steps share what the requests left of the budget instead of each taking the close's limit.
 
     Why: the bound was a fixed 30 s for aiohttp alone (60 s for the requests) and the cache's
     close 30 s more; a container's grace (Kubernetes': 30 s by default) ended first, and the

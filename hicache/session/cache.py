@@ -83,6 +83,7 @@ from hicache.session.room import Room
 from hicache.session.slot import SessionSlot, VirtualNode, ceil_align
 from hicache.session.turns import Turns, session_id_of
 from hicache.session.writeback import WriteBackQueue
+from hicache.storage.base import time_share
 
 __all__ = ["SessionAwareCache", "TurnAdmit"]
 
@@ -472,7 +473,7 @@ class SessionAwareCache(ForwardingCache):
         if fn is not None:
             await fn()
 
-    async def aclose(self, *, close_inner: bool = True) -> Any:
+    async def aclose(self, *, close_inner: bool = True, deadline: float | None = None) -> Any:
         """Stop the reaper, release every session (when ``release_on_close``), wait for the
         write-backs, then close the inner cache (its controller drains to storage) and return
         its close report. Idempotent: every call waits for the one close (the first call's
@@ -482,16 +483,20 @@ class SessionAwareCache(ForwardingCache):
         while the first was still draining the write-backs; a caller that then went on with its
         shutdown (the copy engine, the storage) made every queued write-back fail. As with
         ``HiCache.aclose``, a cancelled caller leaves, the close goes on; the close task itself
-        cancelled (a shutdown sweep) closes without draining (see :meth:`finish_cut_close`)."""
+        cancelled (a shutdown sweep) closes without draining (see :meth:`finish_cut_close`).
+
+        ``deadline`` (``time.monotonic()``): when the whole close must end, the inner cache's
+        included (a server's drain budget); ``None``: the close timeout bounds it."""
         task = self._close_task
         if task is None:
             # a CloseTask: cancelled before its first step, it still closes (hurried)
-            task = self._close_task = start_close_task(self._close(close_inner), name="hicache-session-close")
+            task = self._close_task = start_close_task(self._close(close_inner, deadline),
+                                                       name="hicache-session-close")
         report = await wait_for_close(task)
         # CLOSE_CUT: the close task was cancelled even during its hurried end: finish it here
         return await self.finish_cut_close() if report is CLOSE_CUT else report
 
-    async def _close(self, close_inner: bool) -> Any:
+    async def _close(self, close_inner: bool, by: float | None = None) -> Any:
         """The close task's body; a cancellation hurries it to :meth:`_cut_close` (the
         write-backs not waited for, the inner cache closed without draining): a half-done
         close would leave the controller running and the queued writes unreported."""
@@ -500,12 +505,13 @@ class SessionAwareCache(ForwardingCache):
             # the inner cache's drain share the close timeout (each taking all of it, a close
             # with storage writes slow to land took twice the timeout)
             loop = asyncio.get_running_loop()
-            deadline = loop.time() + self.writeback.close_budget()
+            # (the caller's deadline is on the monotonic clock: this loop's may differ)
+            deadline = loop.time() + time_share(self.writeback.close_budget(), by)
             await self._lifecycle.close()
             self._let_go()
             await self.writeback.drain(deadline)
             self.writeback.seal()
-            return await self._close_inner(close_inner, max(0.0, deadline - loop.time()))
+            return await self._close_inner(close_inner, max(0.0, deadline - loop.time()), by)
         except asyncio.CancelledError:
             task = asyncio.current_task()
             if task is not None:
@@ -540,13 +546,17 @@ class SessionAwareCache(ForwardingCache):
         self.writeback.seal()
         return await self._close_inner(close_inner, 0.0)
 
-    async def _close_inner(self, close_inner: bool, timeout: float) -> Any:
-        """Close the inner cache within ``timeout`` (0: without draining) and return its report;
-        an inner cache whose close takes no timeout is closed as it closes."""
+    async def _close_inner(self, close_inner: bool, timeout: float, deadline: float | None = None) -> Any:
+        """Close the inner cache within ``timeout`` (0: without draining), the whole of it by
+        ``deadline`` where it takes one, and return its report; an inner cache whose close
+        takes no timeout is closed as it closes."""
         fn = getattr(self.inner, "aclose", None)
         if not close_inner or fn is None:
             return None
-        if "timeout" in inspect.signature(fn).parameters:
+        params = inspect.signature(fn).parameters
+        if "deadline" in params and deadline is not None:
+            return await fn(timeout=timeout, deadline=deadline)
+        if "timeout" in params:
             return await fn(timeout=timeout)
         return await fn()
 

@@ -103,6 +103,15 @@ class StorageState(enum.Enum):
     CLOSED = "closed"
 
 
+def time_share(limit: float, deadline: float | None, part: float = 1.0) -> float:
+    """``limit`` seconds, or ``part`` of what is left until ``deadline`` (``time.monotonic()``)
+    if less, never below 0: a step of a close that must leave time for the steps after it.
+    ``deadline`` ``None`` (no caller's deadline): ``limit``."""
+    if deadline is None:
+        return limit
+    return max(0.0, min(limit, part * (deadline - time.monotonic())))
+
+
 async def _wait_for_open(opening: concurrent.futures.Future[None]) -> None:
     """Wait for an open in progress, from any event loop; a cancelled waiter leaves it running
     (it belongs to the caller that started it)."""
@@ -166,6 +175,9 @@ class AsyncHiCacheStorage(ABC):
         self._opening_guard = threading.Lock()
         #: stores, removals and clears of KV pages are reported here (:mod:`hicache.storage.changes`)
         self.tier_changes = TierChangeHub()
+        #: when the close under way must end (``time.monotonic()``), the caller's ``aclose``
+        #: timeout; ``None``: the backend's own bounds (see :meth:`aclose`)
+        self._close_deadline: float | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -208,13 +220,20 @@ class AsyncHiCacheStorage(ABC):
                 self._opening = None  # failed or cancelled: the next caller opens again
             opening.set_result(None)
 
-    async def aclose(self) -> None:
+    async def aclose(self, timeout: float | None = None) -> None:
         """Release everything the backend holds (idempotent). An open in progress is waited
-        for and then undone, so nothing it creates outlives this call."""
+        for and then undone, so nothing it creates outlives this call.
+
+        ``timeout``: seconds the whole close may take (what is left of a caller's shutdown
+        budget). A backend whose close waits (writes in flight, uploads to abort, clients of
+        other event loops) stops waiting by then, leaves the rest and says what it left;
+        ``None``: the backend's own bounds. Why: each wait bounded on its own, a close summed
+        them past a server's drain, and the shutdown's SIGKILL came before its report."""
         if self._state is StorageState.CLOSED:
             return
         was_open = self._state is StorageState.OPEN
         self._state = StorageState.CLOSED
+        self._close_deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
         if was_open:
             await self._close_quietly()
         else:

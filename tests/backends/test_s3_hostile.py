@@ -845,6 +845,178 @@ async def test_a_close_aborts_a_multipart_upload_still_being_begun(
     assert answered == [False]
 
 
+def _abort_uploads_left(client: Any, bucket: str, prefix: str) -> None:
+    """Abort the multipart uploads under ``prefix`` that a close reported it left (one may be
+    aborted meanwhile: its own abort, let through at last)."""
+    import contextlib
+
+    for upload in client.list_multipart_uploads(Bucket=bucket, Prefix=prefix).get("Uploads", []):
+        with contextlib.suppress(client.exceptions.NoSuchUpload):
+            client.abort_multipart_upload(Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"])
+
+
+async def test_a_close_given_a_deadline_ends_by_it_and_reports_what_it_left(
+    moto_endpoint: str, moto_bucket: str, prefix: str, proxy: FaultProxy, monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A store used from two event loops (the server's and the blocking facade's) on a slow
+    service: writes stalled on this loop, a big page uploading in parts on the other, and
+    aborts that take longer than the shutdown has. Its close waited for the writes
+    (``call_timeout``), then the aborts (10 s), then the other loop (15 s): well past a
+    server's 20 s drain. Given what is left of the caller's budget (``aclose(timeout)``), it
+    ends by then and says what it left: the page writes cut, the upload not aborted."""
+    import threading
+    import time
+
+    import torch
+
+    from hicache_backends.s3.fs import S3ObjectOps
+
+    monkeypatch.setattr(S3ObjectOps, "part_size", 5 << 20)  # S3's smallest part
+    release = asyncio.Event()
+
+    async def slow_service(request: Any) -> Any:
+        if request.method == "PUT" and (request.query.get("partNumber") == "2" or "/pages/" in request.path):
+            await release.wait()  # a part, a page: not answered before the close
+        if request.method == "DELETE" and "uploadId" in request.query:
+            await release.wait()  # an abort: slower than the shutdown
+        return None
+
+    proxy.answer = slow_service
+    client = raw_client(moto_endpoint)
+    store = make_s3(proxy.endpoint, moto_bucket, prefix, NS_A, request_timeout=30.0, call_timeout=30.0)
+    await store.open()
+    big = torch.rand(3 << 20)  # 12 MiB: three parts
+    answered: list[bool] = []
+    thread = threading.Thread(target=lambda: answered.append(asyncio.run(store.set("big", big))))
+    thread.start()
+    keys = keys_for(4, salt=194)
+    src = ArrayHostPool(len(keys), PAGE)
+    src.fill_random(194)
+    store.register_mem_pool_host(src)
+    writing = asyncio.create_task(store.batch_set_v1(keys, src.indices(0, len(keys))))
+    try:
+        async def both_sending() -> bool:
+            out = await asyncio.to_thread(client.list_multipart_uploads, Bucket=moto_bucket, Prefix=prefix)
+            return bool(out.get("Uploads")) and any(
+                method == "PUT" and "/pages/" in path and "uploadId" not in path for method, path, _ in proxy.seen)
+
+        await eventually(both_sending)
+        caplog.set_level(logging.WARNING, logger="hicache")
+        started = time.monotonic()
+        await store.aclose(timeout=3.0)
+        took = time.monotonic() - started
+        assert took < 3.0 + 2.0, took  # (its own bounds: 30 s for the writes alone)
+        stats = store.get_stats()
+        assert stats["close_uploads_not_aborted"] == 1
+        report = [r.getMessage() for r in caplog.records if "leaving" in r.getMessage()]
+        assert report and "5 page write(s) cut, 1 multipart upload(s) not aborted" in report[0], report  # (4 + the big one)
+    finally:
+        release.set()
+        await asyncio.to_thread(thread.join, 30)
+        await asyncio.gather(writing, return_exceptions=True)
+        await asyncio.to_thread(_abort_uploads_left, client, moto_bucket, prefix)
+    assert answered == [False] and writing.result() == [False] * len(keys)
+
+
+#: ``hicache`` (the CLI) whose pages go to S3 as multipart uploads (parts of 1 KiB: moto checks
+#: a part's size only when the upload completes), with the engine's ``generate`` hanging for
+#: the request id ``hang`` (a request that outlasts any drain); says when its drain ended
+SERVE_S3_WITH_A_HANG = """
+import asyncio, sys, time
+from hicache.engine.runner import Engine
+from hicache_backends.s3.fs import S3ObjectOps
+S3ObjectOps.part_size = 1024
+generate = Engine.generate
+async def hanging(self, rid, *args, **kwargs):
+    if rid == "hang":
+        await asyncio.Event().wait()
+    return await generate(self, rid, *args, **kwargs)
+Engine.generate = hanging
+from hicache.cli import main
+code = main(sys.argv[1:])
+print(f"drained at {time.monotonic()}", file=sys.stderr, flush=True)
+sys.exit(code)
+"""
+
+
+async def test_a_server_drain_with_a_slow_store_ends_within_its_budget_and_says_what_the_store_left(
+    moto_endpoint: str, moto_bucket: str, prefix: str, proxy: FaultProxy, tmp_path: Any
+) -> None:
+    """SIGTERM to a server whose S3 store is slow: its pages' uploads hang, and so do their
+    aborts. The requests took half the drain's budget, the cache's close a quarter, and then
+    the wait for its workers (stuck aborting the uploads), the store's close and the I/O
+    thread's stop a quarter each: the drain ran past its budget, into a container's SIGKILL,
+    and the store's close was abandoned without a word of the uploads it left. The close is
+    handed the drain's deadline: it ends by it, and the store says what it left."""
+    import json
+    import signal
+    import sys
+    import time
+
+    import aiohttp
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parents[1] / "server"))
+    from server_helpers import small_config
+
+    release = asyncio.Event()
+
+    async def slow_service(request: Any) -> Any:
+        if (request.method == "PUT" and "/pages/" in request.path) or (
+                request.method == "DELETE" and "uploadId" in request.query):
+            await release.wait()  # a page, a part, an abort: not answered within the drain
+        return None
+
+    budget = 8.0
+    cfg = small_config().model_dump(mode="json")
+    cfg["storage"] = {"backend": "s3", "options": {
+        "url": f"s3://{moto_bucket}/{prefix}", "storage_options": s3_options(proxy.endpoint),
+        "request_timeout": 60.0, "call_timeout": 60.0}}
+    config_file = tmp_path / "server.json"
+    config_file.write_text(json.dumps(cfg))
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", SERVE_S3_WITH_A_HANG, "--log-level", "INFO", "serve", "-c", str(config_file),
+        "--shutdown-timeout", str(budget), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )
+    try:
+        line = (await asyncio.wait_for(proc.stdout.readline(), 120)).decode()
+        assert "hicache server on http://" in line, line + (await proc.stderr.read()).decode()
+        url = line.split(" on ", 1)[1].split()[0]
+        proxy.answer = slow_service
+        async with aiohttp.ClientSession() as http:
+            for n in range(3):  # their pages go to the store, and hang there
+                async with http.post(f"{url}/v1/generate", json={"tokens": list(range(n * 70, n * 70 + 64)),
+                                                                  "max_new_tokens": 2}) as resp:
+                    assert resp.status == 200, await resp.text()
+
+            async def uploading() -> bool:
+                return any(method == "PUT" and "partNumber=" in path for method, path, _ in proxy.seen) or any(
+                    method == "PUT" and "/pages/" in path for method, path, _ in proxy.seen)
+
+            await eventually(uploading, timeout=30)
+            request = asyncio.create_task(http.post(f"{url}/v1/generate", json={"tokens": [1, 2, 3], "rid": "hang"}))
+            for _ in range(400):
+                async with http.get(f"{url}/health") as resp:
+                    if (await resp.json())["active"] == 1:
+                        break
+                await asyncio.sleep(0.05)
+            sent = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            stderr = (await asyncio.wait_for(proc.stderr.read(), 120)).decode()
+            (await request).release()
+        assert await asyncio.wait_for(proc.wait(), 60) == 0, stderr
+        drained = float(stderr.rsplit("drained at ", 1)[1].split()[0])
+        assert drained - sent < budget + 1.5, (drained - sent, stderr)  # (it was 1.25 times the budget)
+        assert "cache closed: close: drained=False" in stderr, stderr
+        assert "multipart upload(s) not aborted" in stderr, stderr
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        release.set()
+        await asyncio.to_thread(_abort_uploads_left, raw_client(moto_endpoint), moto_bucket, prefix)
+
+
 async def test_verifying_a_page_does_not_download_a_huge_foreign_object(
     moto_endpoint: str, moto_bucket: str, prefix: str, proxy: FaultProxy
 ) -> None:

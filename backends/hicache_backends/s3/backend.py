@@ -48,6 +48,7 @@ from fsspec.implementations.dirfs import DirFileSystem
 from hicache.errors import BackendLoadError, ConfigError
 from hicache.keys import Namespace
 from hicache.storage import AsyncHiCacheStorage, HiCacheStorageConfig, PageCodec, PageKey, Verdict
+from hicache.storage.base import time_share
 from hicache.storage.changes import Written
 from hicache.storage.hit_policy import leading_run
 from hicache.storage.offload import OFFLOAD_MIN_BYTES, copy_bytes, run_to_completion
@@ -57,8 +58,8 @@ from hicache_backends.s3.breaker import BreakerState, CircuitBreaker
 from hicache_backends.s3.cache import ExistsCache
 from hicache_backends.s3 import fs as s3_fs
 from hicache_backends.s3.fs import (
-    LoopLocal, LoopResources, ObjectOps, S3ObjectOps, ThreadObjectOps, built_target, close_all, is_s3fs, make_ops,
-    put_requests,
+    CloseLeft, LoopLocal, LoopResources, ObjectOps, S3ObjectOps, ThreadObjectOps, built_target, close_all, is_s3fs,
+    make_ops, put_requests,
 )
 from hicache_backends.s3.naming import ObjectNames, Redactor, redact_options, redact_url
 from hicache_backends.s3.runs import MAX_BYTES as MAX_INDEX_BYTES, MIN_RUN, decode_run, encode_run
@@ -273,7 +274,11 @@ class FsspecStorage(AsyncHiCacheStorage):
         call_timeout: seconds one backend call (a whole batch, retries included) may take;
             pages not done by then are misses/failures. A close waits as long for the writes
             and clears of its event loop in progress; writes still running after that (or on
-            another loop) fail, counted in ``close_cut_write_pages`` and logged.
+            another loop) fail, counted in ``close_cut_write_pages`` and logged. A close given
+            a deadline (``aclose(timeout)``, a server's drain) waits at most half of what is
+            left for them, and ends by it: multipart uploads it could not see aborted by then
+            are counted in ``close_uploads_not_aborted``, other loops whose client had not
+            closed in ``close_loops_not_closed``, and said in one line.
         retries: extra attempts after a transient failure (connection, timeout, 5xx, throttling).
         retry_backoff, retry_backoff_max: first and largest wait between attempts (seconds).
         breaker_threshold: consecutive transient failures that open the circuit breaker.
@@ -618,28 +623,52 @@ class FsspecStorage(AsyncHiCacheStorage):
         # namespace half cleared, the clear logged at ERROR as the endpoint's fault), and cut a
         # write batch at once - pages waiting for a slot dropped, pages whose PUT had landed
         # reported as failed, nothing said. Reads and lookups give up instead.
+        # With a caller's deadline (``aclose(timeout)``), the waits for writes and run indexes
+        # take at most half of what is left each time: the rest is for aborting the uploads the
+        # close cuts and closing every loop's client, and what is left undone is reported.
         here = asyncio.get_running_loop()
+        deadline = self._close_deadline
+        cut = 0
         try:
             with self._tasks_lock:
                 running = [f for f in (*self._clears, *self._writes) if f.get_loop() is here]
+            waited = time_share(self.call_timeout, deadline, 0.5)
             if running:
-                await asyncio.wait(running, timeout=self.call_timeout)
+                await asyncio.wait(running, timeout=waited)
             with self._tasks_lock:  # (another loop's are cut too: the close cannot wait on its loop)
                 cut = sum(left[0] for f, left in self._writes.items() if not f.done())
             if cut:  # (close_cut_write_pages counts those that do answer failed: see _write_one)
                 logger.warning("%s: closing %s with writes of %d page(s) still running (after %.1f s on this "
                                "event loop; another loop's are not waited for): they answer failed, though the "
-                               "store may hold some", type(self).__name__, redact_url(self.url), cut,
-                               self.call_timeout)
-            await self.wait_index_writes()  # (after the writes: each finished one leaves an index behind)
+                               "store may hold some", type(self).__name__, redact_url(self.url), cut, waited)
+            # (after the writes: each finished one leaves an index behind)
+            await self.wait_index_writes(None if deadline is None else time_share(self.call_timeout, deadline, 0.5))
         finally:
             # also when the close is cancelled while it waits (a shutdown's deadline): the store is
             # marked closed then, so no later close releases it, and its prober went on probing
             # the bucket and its clients stayed open for good
-            await self._release()
+            self._report_close(cut, await self._release(deadline))
 
-    async def _release(self) -> None:
-        """Stop the background tasks and close every loop's filesystem (the end of a close)."""
+    def _report_close(self, cut: int, left: CloseLeft) -> None:
+        """Count and say, in one line, what the close left unfinished: the page writes it cut,
+        the multipart uploads it could not see aborted (billed until the bucket's lifecycle rule
+        removes them) and the other event loops whose client had not closed in time."""
+        if left.uploads:
+            self.stats.incr("close_uploads_not_aborted", left.uploads)
+        if left.loops:
+            self.stats.incr("close_loops_not_closed", left.loops)
+        parts = [f"{cut} page write(s) cut"] if cut else []
+        if left.uploads:
+            parts.append(f"{left.uploads} multipart upload(s) not aborted (their parts stay until the bucket's "
+                         "lifecycle rule AbortIncompleteMultipartUpload removes them)")
+        if left.loops:
+            parts.append(f"{left.loops} other event loop(s) still closing their client")
+        if parts:
+            logger.warning("%s: closed %s leaving %s", type(self).__name__, redact_url(self.url), ", ".join(parts))
+
+    async def _release(self, deadline: float | None = None) -> CloseLeft:
+        """Stop the background tasks and close every loop's filesystem (the end of a close),
+        by ``deadline`` if given; what it left unfinished."""
         await self._stop_tmp_sweep()
         self.runner.closed = True  # calls still in flight give up rather than open a new client
         prober, self._prober = self._prober, None
@@ -652,7 +681,7 @@ class FsspecStorage(AsyncHiCacheStorage):
                     prober.get_loop().call_soon_threadsafe(prober.cancel)
                 except RuntimeError:  # its loop is closed, and the task with it
                     pass
-        await close_all(self._local)
+        return await close_all(self._local, deadline)
 
     async def _stop_tmp_sweep(self) -> None:
         """Stop the open's sweep (:meth:`_sweep_tmps`) at its next folder and, on its loop, wait
@@ -662,8 +691,10 @@ class FsspecStorage(AsyncHiCacheStorage):
         if sweep is not None and sweep.get_loop() is asyncio.get_running_loop():
             await asyncio.gather(sweep, return_exceptions=True)
 
-    async def wait_index_writes(self) -> None:
-        """Wait for the run indexes of finished writes (this loop's; others' are cancelled)."""
+    async def wait_index_writes(self, timeout: float | None = None) -> None:
+        """Wait for the run indexes of finished writes (this loop's; others' are cancelled),
+        those of this loop for at most ``timeout`` if given (the rest cancelled: an index is
+        only an index)."""
         here = asyncio.get_running_loop()
         with self._tasks_lock:  # another loop's writes add and finish theirs meanwhile
             tasks = list(self._index_writes)
@@ -673,7 +704,11 @@ class FsspecStorage(AsyncHiCacheStorage):
                 t.get_loop().call_soon_threadsafe(t.cancel)
             except RuntimeError:  # that loop is closed, and the task with it
                 pass
-        if mine:
+        if mine and timeout is not None:
+            _, late = await asyncio.wait(mine, timeout=timeout)
+            for t in late:
+                t.cancel()
+        elif mine:
             await asyncio.gather(*mine, return_exceptions=True)
 
     async def _probe_loop(self) -> None:

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 from fsspec.implementations.dirfs import DirFileSystem
 from fsspec.implementations.memory import MemoryFileSystem
 
+from hicache.storage.base import time_share
 from hicache.storage.offload import OFFLOAD_MIN_BYTES, run_to_completion
 from hicache_backends.s3.bodies import BodyBuffers
 from hicache_backends.writers import MACHINE_HEX, parse_machine, remove_if_abandoned, tmp_abandoned
@@ -41,6 +42,7 @@ if TYPE_CHECKING:  # botocore is there only with s3fs; the fsspec backend works 
 
 __all__ = [
     "AsyncObjectOps",
+    "CloseLeft",
     "DirS3ObjectOps",
     "LoopLocal",
     "LoopResources",
@@ -50,6 +52,7 @@ __all__ = [
     "ThreadObjectOps",
     "ViewFiller",
     "built_target",
+    "close_all",
     "fill_views",
     "is_s3fs",
     "make_ops",
@@ -154,7 +157,10 @@ class ObjectOps(Protocol):
         """Delete every object under ``prefix``; returns how many."""
         ...
 
-    async def close(self) -> None: ...
+    async def close(self, deadline: float | None = None) -> int:
+        """Release the filesystem's client, done by ``deadline`` (``time.monotonic()``; ``None``:
+        the filesystem's own bounds); how many multipart uploads it cut and left unaborted."""
+        ...
 
 
 class AsyncObjectOps:
@@ -207,21 +213,22 @@ class AsyncObjectOps:
             failed |= await self.remove_many(files[at : at + _REMOVE_CHUNK])
         return _removed_all(prefix, files, failed, strays)
 
-    async def close(self) -> None:
+    async def close(self, deadline: float | None = None) -> int:
         fs = self.fs
         if isinstance(fs, DirFileSystem):  # it holds no session: its target does
             fs = built_target(fs)
             if fs is None:
-                return  # a filesystem the caller gave, theirs to close
+                return 0  # a filesystem the caller gave, theirs to close
         if is_s3fs(fs):
             await _close_s3_client(fs)
-            return
+            return 0
         session = getattr(fs, "_session", None)
         closer = getattr(session, "close", None)
         if callable(closer):
             result = closer()
             if asyncio.iscoroutine(result):
                 await result
+        return 0
 
 
 class S3ObjectOps(AsyncObjectOps):
@@ -383,9 +390,11 @@ class S3ObjectOps(AsyncObjectOps):
                         return
                 await self.fs._call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload)
         except Exception as exc:  # noqa: BLE001 - the put's own error is what its caller sees
-            logger.warning("aborting a multipart upload of %s/%s failed (%s: %s): its parts stay until the "
-                           "bucket's lifecycle rule (AbortIncompleteMultipartUpload) removes them",
-                           bucket, key, type(exc).__name__, exc)
+            # (cut by a close past its deadline, which took the client: counted in its report)
+            logger.log(logging.DEBUG if self._closed else logging.WARNING,
+                       "aborting a multipart upload of %s/%s failed (%s: %s): its parts stay until the "
+                       "bucket's lifecycle rule (AbortIncompleteMultipartUpload) removes them",
+                       bucket, key, type(exc).__name__, exc)
 
     async def get_range(self, path: str, start: int, end: int | None) -> bytes:
         """Bytes ``[start, end)`` (to the object's end if ``end`` is ``None``), sent directly
@@ -488,20 +497,28 @@ class S3ObjectOps(AsyncObjectOps):
                     self.fs.invalidate_cache(p)
         return failed
 
-    async def close(self) -> None:
+    async def close(self, deadline: float | None = None) -> int:
         # uploads still sending are cut (their parts stop first: a part landing after the abort
         # stays in the bucket) and, like uploads cut short before, aborted with the client they
-        # need, within ABORT_TIMEOUT (on its loop: closed from another loop, this one's is
-        # closed, and its aborts never run)
+        # need, within ABORT_TIMEOUT or by the close's deadline (on its loop: closed from another
+        # loop, this one's is closed, and its aborts never run). Those not aborted by then are
+        # counted: the client goes all the same, and their parts stay for the lifecycle rule
         here = asyncio.get_running_loop()
         cut = [t for t in self._uploads if t.get_loop() is here]
         for task in cut:
             task.cancel()
         waiting = cut + [t for t in self._aborts if t.get_loop() is here]
+        pending: set[asyncio.Task[None]] = set()
         if waiting:
-            await asyncio.wait(waiting, timeout=ABORT_TIMEOUT)
+            _, pending = await asyncio.wait(waiting, timeout=time_share(ABORT_TIMEOUT, deadline))
         self._closed = True
         await _close_s3_client(self.fs)
+        return len(pending)
+
+    def unfinished_uploads(self) -> int:
+        """Multipart uploads still sending or being aborted, on any loop (a close of another
+        loop that did not answer in time: what it may leave)."""
+        return len(self._uploads) + len(self._aborts)
 
 
 async def _close_s3_client(fs: Any) -> None:
@@ -713,8 +730,8 @@ class ThreadObjectOps:
             return 0
         return await asyncio.to_thread(remove_abandoned_tmps, self._local_path(prefix), stop)
 
-    async def close(self) -> None:
-        return None
+    async def close(self, deadline: float | None = None) -> int:
+        return 0
 
 
 #: the lock of fsspec's memory filesystem (see :func:`_shared_state_lock`)
@@ -739,6 +756,9 @@ ABORT_TIMEOUT = 10.0
 #: seconds a close waits for another running loop to close its filesystem (and abort its
 #: uploads: see ``S3ObjectOps.close``)
 OTHER_LOOP_CLOSE_TIMEOUT = ABORT_TIMEOUT + 5.0
+#: seconds before a close's deadline another loop's close must end, for its answer to cross
+#: back to the closing loop in time
+_HANDOFF_S = 0.2
 
 #: objects a tree removal deletes concurrently, one request each (fsspec's own batch size)
 _REMOVE_CHUNK = 128
@@ -977,39 +997,65 @@ async def _close_each(closer: Callable[[T], Awaitable[None]], values: list[T]) -
             logger.warning("closing the filesystem of a closed event loop failed", exc_info=True)
 
 
-async def close_all(local: LoopLocal[LoopResources]) -> None:
+@dataclass
+class CloseLeft:
+    """What a close of every loop's filesystem left unfinished (see :func:`close_all`)."""
+
+    #: multipart uploads it cut and did not see aborted: their parts stay in the bucket until
+    #: its lifecycle rule (AbortIncompleteMultipartUpload) removes them
+    uploads: int = 0
+    #: other running loops whose close did not answer in time (left to finish there)
+    loops: int = 0
+
+
+async def close_all(local: LoopLocal[LoopResources], deadline: float | None = None) -> CloseLeft:
     """Close every loop's filesystem: this loop's and closed loops' inline (a loop closed
     without a shutdown closed nothing; a closed loop's need no loop of theirs: see
     :meth:`LoopLocal._close_stale`), running loops' through their thread, waited for (see
     :func:`_wait_elsewhere`): a close that returned at once had not yet aborted that loop's
-    multipart uploads, and a process that exited then left them in the bucket."""
+    multipart uploads, and a process that exited then left them in the bucket. Every wait ends
+    by ``deadline`` (``time.monotonic()``; ``None``: each its own bound); what was left then is
+    returned, not waited for."""
     current = asyncio.get_running_loop()
-    elsewhere: dict[asyncio.Future[None], asyncio.AbstractEventLoop] = {}
+    left = CloseLeft()
+    elsewhere: dict[asyncio.Future[int], tuple[asyncio.AbstractEventLoop, ObjectOps]] = {}
+    # (another loop's close ends a little earlier: its answer must cross back by the deadline)
+    theirs = None if deadline is None else deadline - _HANDOFF_S
     for loop, res in local.pop_all():
         try:
             if loop is current or loop.is_closed():
-                await res.ops.close()
+                left.uploads += await res.ops.close(deadline)
             elif loop.is_running() and not loop.is_closed():
-                elsewhere[asyncio.wrap_future(asyncio.run_coroutine_threadsafe(res.ops.close(), loop))] = loop
+                future = asyncio.run_coroutine_threadsafe(res.ops.close(theirs), loop)
+                elsewhere[asyncio.wrap_future(future)] = (loop, res.ops)
         except Exception:  # noqa: BLE001 - closing must not raise into shutdown paths
             logger.warning("closing a filesystem failed", exc_info=True)
-    await _wait_elsewhere(elsewhere)
+    await _wait_elsewhere(elsewhere, deadline, left)
+    return left
 
 
-async def _wait_elsewhere(closes: dict[asyncio.Future[None], asyncio.AbstractEventLoop]) -> None:
-    """Wait for the closes of other loops' filesystems (each close -> its loop), up to
-    :data:`OTHER_LOOP_CLOSE_TIMEOUT`, but not for one whose loop stopped: it never runs."""
-    deadline = time.monotonic() + OTHER_LOOP_CLOSE_TIMEOUT
+async def _wait_elsewhere(closes: dict[asyncio.Future[int], tuple[asyncio.AbstractEventLoop, ObjectOps]],
+                          deadline: float | None, left: CloseLeft) -> None:
+    """Wait for the closes of other loops' filesystems (each close -> its loop and filesystem),
+    up to :data:`OTHER_LOOP_CLOSE_TIMEOUT` or ``deadline``, but not for one whose loop
+    stopped: it never runs. What they left is added to ``left``: their answers, and for a close
+    not done, its loop and the uploads its filesystem still had going."""
+    limit = time_share(OTHER_LOOP_CLOSE_TIMEOUT, deadline)
+    until = time.monotonic() + limit
     pending = set(closes)
-    while pending and time.monotonic() < deadline:
-        done, pending = await asyncio.wait(pending, timeout=min(0.05, max(0.0, deadline - time.monotonic())))
-        for fut in done:
-            if not fut.cancelled() and fut.exception() is not None:
-                logger.warning("closing a filesystem failed", exc_info=fut.exception())
-        pending = {fut for fut in pending if closes[fut].is_running()}
-    if pending:
-        logger.warning("closing the filesystems of %d other event loop(s) took over %.0f s: left to finish there",
-                       len(pending), OTHER_LOOP_CLOSE_TIMEOUT)
-    for fut in closes:  # (an outcome not waited for is retrieved: no "exception was never retrieved")
+    while pending and time.monotonic() < until:
+        done, pending = await asyncio.wait(pending, timeout=min(0.05, max(0.0, until - time.monotonic())))
+        pending = {fut for fut in pending if closes[fut][0].is_running()}
+    for fut, (_, ops) in closes.items():
         if not fut.done():
+            left.loops += 1
+            left.uploads += ops.unfinished_uploads() if isinstance(ops, S3ObjectOps) else 0
+            # (an outcome not waited for is retrieved: no "exception was never retrieved")
             fut.add_done_callback(lambda f: f.cancelled() or f.exception())
+        elif not fut.cancelled() and fut.exception() is not None:
+            logger.warning("closing a filesystem failed", exc_info=fut.exception())
+        elif not fut.cancelled():
+            left.uploads += fut.result()
+    if left.loops:
+        logger.warning("closing the filesystems of %d other event loop(s) took over %.1f s: left to finish there",
+                       left.loops, limit)
