@@ -113,8 +113,8 @@ def time_share(limit: float, deadline: float | None, part: float = 1.0) -> float
 
 
 async def _wait_for_open(opening: concurrent.futures.Future[None]) -> None:
-    """Wait for an open in progress, from any event loop; a cancelled waiter leaves it running
-    (it belongs to the caller that started it)."""
+    """Wait for an open (or a close) in progress, from any event loop; a cancelled waiter
+    leaves it running (it belongs to the caller that started it)."""
     await asyncio.shield(asyncio.wrap_future(opening))
 
 
@@ -173,6 +173,8 @@ class AsyncHiCacheStorage(ABC):
         #: too, as a backend that serves several loops is opened by whichever calls first)
         self._opening: concurrent.futures.Future[None] | None = None
         self._opening_guard = threading.Lock()
+        #: the close in progress (thread-safe, as ``_opening``): a second close waits for it
+        self._closing: concurrent.futures.Future[None] | None = None
         #: stores, removals and clears of KV pages are reported here (:mod:`hicache.storage.changes`)
         self.tier_changes = TierChangeHub()
         #: when the close under way must end (``time.monotonic()``), the caller's ``aclose``
@@ -222,7 +224,8 @@ class AsyncHiCacheStorage(ABC):
 
     async def aclose(self, timeout: float | None = None) -> None:
         """Release everything the backend holds (idempotent). An open in progress is waited
-        for and then undone, so nothing it creates outlives this call.
+        for and then undone, so nothing it creates outlives this call; so is a close in
+        progress (on this event loop or another one).
 
         ``timeout``: seconds the whole close may take (what is left of a caller's shutdown
         budget). A backend whose close waits (writes in flight, uploads to abort, clients of
@@ -230,12 +233,21 @@ class AsyncHiCacheStorage(ABC):
         ``None``: the backend's own bounds. Why: each wait bounded on its own, a close summed
         them past a server's drain, and the shutdown's SIGKILL came before its report."""
         if self._state is StorageState.CLOSED:
+            # a close in progress is waited for: returned at once, the second caller went on
+            # (exited, looked at the medium) with the first still writing and aborting
+            closing = self._closing
+            if closing is not None:
+                await _wait_for_open(closing)
             return
         was_open = self._state is StorageState.OPEN
         self._state = StorageState.CLOSED
         self._close_deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
         if was_open:
-            await self._close_quietly()
+            closing = self._closing = concurrent.futures.Future()
+            try:
+                await self._close_quietly()
+            finally:
+                closing.set_result(None)
         else:
             opening = self._opening
             if opening is not None:  # open() sees CLOSED and closes what it opened

@@ -637,6 +637,35 @@ async def test_a_close_cancelled_while_it_waits_for_writes_still_releases_the_st
     await store.aclose()  # (nothing left to do)
 
 
+async def test_a_second_close_waits_for_the_first(
+    moto_endpoint: str, moto_bucket: str, prefix: str, proxy: FaultProxy
+) -> None:
+    """Two closes at once (a shutdown handler and an ``async with`` exit): the second returned
+    at once, while the first still waited for the writes in progress, and its caller went on
+    (exited, checked the bucket) with the store's clients open and its writes unfinished. Every
+    close returns once the store is closed."""
+    async def slow_put(request: Any) -> Any:
+        if request.method == "PUT" and "/pages/" in request.path:
+            await asyncio.sleep(0.3)
+        return None
+
+    keys = keys_for(4, salt=195)
+    store = make_s3(proxy.endpoint, moto_bucket, prefix, NS_A, concurrency=2, call_timeout=10)
+    await store.open()
+    src = ArrayHostPool(len(keys), PAGE)
+    src.fill_random(195)
+    store.register_mem_pool_host(src)
+    proxy.answer = slow_put
+    writing = asyncio.create_task(store.batch_set_v1(keys, src.indices(0, len(keys))))
+    await asyncio.sleep(0.1)
+    first = asyncio.create_task(store.aclose())
+    await asyncio.sleep(0)  # the first close is waiting for the writes
+    await store.aclose()
+    assert writing.done() and writing.result() == [True] * len(keys)
+    assert store.runner.closed and len(store._local) == 0  # every client closed
+    await first
+
+
 def _write_on_another_loop(store: Any, keys: list[str], *, seed: int) -> tuple[Any, list[list[bool]]]:
     """Start a batch write of random pages under ``keys`` on a thread's own event loop (the
     blocking facade's way), which a close on the test's loop cannot wait for; the thread and
