@@ -402,6 +402,27 @@ def test_loops_closed_without_a_shutdown_leave_no_client_open(moto_endpoint: str
     assert not [w for w in caught if "Unclosed" in str(w.message)]
 
 
+def test_a_close_from_another_loop_leaves_an_idle_loops_client_to_its_shutdown(
+    moto_endpoint: str, moto_bucket: str, prefix: str
+) -> None:
+    """A store used through an ``asyncio.Runner`` (a blocking wrapper: its loop idles between
+    calls) and closed from another loop: the idle loop's client was taken from it and closed by
+    nobody (its loop not running, the close had no way to run there), its HTTP session open
+    until garbage collection ("Unclosed client session"). It is left to that loop, whose
+    shutdown closes it."""
+    store = make_s3(moto_endpoint, moto_bucket, prefix, NS_A)
+    with asyncio.Runner() as runner:
+        runner.run(store.open())
+        runner.run(store.exists_pages(["a"]))
+        client = store._local._values[runner.get_loop()].ops.fs._s3
+
+        async def close() -> None:
+            await store.aclose()
+
+        asyncio.run(close())  # another loop, while the runner's idles
+    assert client._endpoint.http_session._sessions is None  # aiobotocore's "closed"
+
+
 async def test_batch_delete_is_one_head_per_page_and_one_delete_request(moto_endpoint: str, moto_bucket: str, prefix: str) -> None:
     """An eviction of many pages: the HEADs tell which existed (and so what was freed), then a
     single DeleteObjects removes them all (was a DELETE per page)."""

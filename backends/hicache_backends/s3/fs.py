@@ -977,11 +977,15 @@ class LoopLocal(Generic[T]):
                 except Exception:  # noqa: BLE001 - a loop's shutdown must not fail for it
                     logger.warning("closing a filesystem at its event loop's shutdown failed", exc_info=True)
 
-    def pop_all(self) -> list[tuple[asyncio.AbstractEventLoop, T]]:
+    def pop_all(self, leave: Callable[[asyncio.AbstractEventLoop], bool] | None = None,
+                ) -> list[tuple[asyncio.AbstractEventLoop, T]]:
+        """Take every loop's value (and forget its shutdown hook), but those of loops ``leave``
+        says to leave: their hooks close them when their loops shut down."""
         with self._lock:
-            items = list(self._values.items())
-            self._values.clear()
-            self._hooks.clear()
+            items = [(loop, value) for loop, value in self._values.items() if leave is None or not leave(loop)]
+            for loop, _ in items:
+                del self._values[loop]
+                self._hooks.pop(loop, None)
         return items
 
     def __len__(self) -> int:
@@ -1021,7 +1025,10 @@ async def close_all(local: LoopLocal[LoopResources], deadline: float | None = No
     elsewhere: dict[asyncio.Future[int], tuple[asyncio.AbstractEventLoop, ObjectOps]] = {}
     # (another loop's close ends a little earlier: its answer must cross back by the deadline)
     theirs = None if deadline is None else deadline - _HANDOFF_S
-    for loop, res in local.pop_all():
+    # An idle loop's (neither running nor closed: an asyncio.Runner between calls) is left to
+    # its shutdown hook: nothing can run on it now, closed from here its session would be
+    # touched from another thread, and taken from it, nobody ever closed it
+    for loop, res in local.pop_all(leave=_idle):
         try:
             if loop is current or loop.is_closed():
                 left.uploads += await res.ops.close(deadline)
@@ -1032,6 +1039,11 @@ async def close_all(local: LoopLocal[LoopResources], deadline: float | None = No
             logger.warning("closing a filesystem failed", exc_info=True)
     await _wait_elsewhere(elsewhere, deadline, left)
     return left
+
+
+def _idle(loop: asyncio.AbstractEventLoop) -> bool:
+    """Whether ``loop`` is neither running nor closed (see :func:`close_all`)."""
+    return not loop.is_running() and not loop.is_closed()
 
 
 async def _wait_elsewhere(closes: dict[asyncio.Future[int], tuple[asyncio.AbstractEventLoop, ObjectOps]],
