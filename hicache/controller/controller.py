@@ -531,13 +531,15 @@ class HiCacheController:
             # stopping the I/O thread below settles it instead
             # submitted, not a task of this loop: a shutdown sweep cancelling every task would
             # cancel the backend's close halfway (its threads left running)
-            # With a deadline the store is given most of what is left (the rest: its answer
-            # and the I/O thread's stop), and is waited for a little past its own end
-            store_close = (self.storage.aclose() if deadline is None
-                           else self.storage.aclose(timeout=time_share(limit, deadline, 0.8)))
+            # The store is handed most of the time it is waited for (the rest: its answer),
+            # with a deadline most of what is left (the rest also for the I/O thread's stop).
+            # Why: a store whose own bounds were longer (an S3 store waiting for its writes)
+            # had its close abandoned mid-way, its I/O loop stopped under it, and the uploads
+            # it would have aborted were left in the bucket without a word
+            waited = time_share(limit, deadline, 0.9)
+            store_close = _store_close(self.storage, time_share(0.8 * limit, deadline, 0.8))
             closing = (self._io.submit(store_close) if self._io is not None
                        else asyncio.ensure_future(store_close))
-            waited = time_share(limit, deadline, 0.9)
             await self._close_wait({closing}, waited)
             if not closing.done():
                 logger.warning("controller close: the storage backend did not close within %.1f s", waited)
@@ -1426,3 +1428,11 @@ def _close_unstarted(coro: Coroutine[Any, Any, Any]) -> None:
     so it is released without a "never awaited" warning (a started one is its runner's)."""
     if inspect.getcoroutinestate(coro) == inspect.CORO_CREATED:
         coro.close()
+
+
+def _store_close(storage: Any, timeout: float) -> Coroutine[Any, Any, Any]:
+    """``storage``'s close within ``timeout``; a close that takes no timeout (a wrapper's, a
+    stand-in's) as it closes."""
+    if "timeout" in inspect.signature(storage.aclose).parameters:
+        return storage.aclose(timeout=timeout)
+    return storage.aclose()

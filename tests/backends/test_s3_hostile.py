@@ -948,6 +948,55 @@ async def test_a_close_given_a_deadline_ends_by_it_and_reports_what_it_left(
     assert answered == [False] and writing.result() == [False] * len(keys)
 
 
+async def test_a_cache_close_hands_the_store_the_time_it_waits_for_its_close(
+    moto_endpoint: str, moto_bucket: str, prefix: str, proxy: FaultProxy, monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A cache's close waits for its store's close ``close_timeout_s`` (at least 1 s), then
+    stops the storage I/O loop under it. An S3 store whose uploads hung on a slow service spent
+    that time waiting for them (its ``call_timeout``), so its close was abandoned mid-way: the
+    close returned with the store's client open and its uploads neither aborted nor reported.
+    The store is handed the time the close waits for it: it ends by then, closes its client,
+    and says what it left."""
+    from hicache.controller import ControllerConfig
+    from hicache.replay import StackConfig, build_stack, serve_request
+    from hicache_backends.s3.fs import S3ObjectOps
+
+    monkeypatch.setattr(S3ObjectOps, "part_size", 256)  # a 1 KiB page: four parts
+    release = asyncio.Event()
+
+    async def slow_service(request: Any) -> Any:
+        if (request.method == "PUT" and "/pages/" in request.path) or (
+                request.method == "DELETE" and "uploadId" in request.query):
+            await release.wait()  # a part, an abort: not answered before the close
+        return None
+
+    cfg = StackConfig(storage_backend="s3", storage_options={
+        "url": f"s3://{moto_bucket}/{prefix}", "storage_options": s3_options(proxy.endpoint),
+        "request_timeout": 60.0, "call_timeout": 60.0}, controller=ControllerConfig(close_timeout_s=1.0))
+    stack = build_stack(cfg)
+    try:
+        await stack.controller.open_storage()
+        store = stack.storage
+        proxy.answer = slow_service
+        await serve_request(stack, list(range(256)), rid="a")
+
+        async def uploading() -> bool:  # an upload begun (a POST), its parts on their way
+            seen = [method for method, path, _ in proxy.seen if "/pages/" in path]
+            return "POST" in seen and "PUT" in seen
+
+        await eventually(uploading)
+        client = next(iter(store._local._values.values())).ops.fs._s3  # the I/O loop's
+        caplog.set_level(logging.WARNING, logger="hicache")
+        report = await asyncio.wait_for(stack.aclose(), 30)
+        assert not report.drained
+        assert client._endpoint.http_session._sessions is None  # closed, not abandoned
+        assert any("multipart upload(s) not aborted" in r.getMessage() for r in caplog.records)
+    finally:
+        release.set()
+        await asyncio.to_thread(_abort_uploads_left, raw_client(moto_endpoint), moto_bucket, prefix)
+
+
 #: ``hicache`` (the CLI) whose pages go to S3 as multipart uploads (parts of 1 KiB: moto checks
 #: a part's size only when the upload completes), with the engine's ``generate`` hanging for
 #: the request id ``hang`` (a request that outlasts any drain); says when its drain ended
@@ -1018,9 +1067,9 @@ async def test_a_server_drain_with_a_slow_store_ends_within_its_budget_and_says_
                                                                   "max_new_tokens": 2}) as resp:
                     assert resp.status == 200, await resp.text()
 
-            async def uploading() -> bool:
-                return any(method == "PUT" and "partNumber=" in path for method, path, _ in proxy.seen) or any(
-                    method == "PUT" and "/pages/" in path for method, path, _ in proxy.seen)
+            async def uploading() -> bool:  # an upload begun (a POST), its parts on their way
+                seen = [method for method, path, _ in proxy.seen if "/pages/" in path]
+                return "POST" in seen and "PUT" in seen
 
             await eventually(uploading, timeout=30)
             request = asyncio.create_task(http.post(f"{url}/v1/generate", json={"tokens": [1, 2, 3], "rid": "hang"}))
