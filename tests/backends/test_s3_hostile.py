@@ -1084,7 +1084,8 @@ async def test_a_server_drain_with_a_slow_store_ends_within_its_budget_and_says_
             (await request).release()
         assert await asyncio.wait_for(proc.wait(), 60) == 0, stderr
         drained = float(stderr.rsplit("drained at ", 1)[1].split()[0])
-        assert drained - sent < budget + 1.5, (drained - sent, stderr)  # (it was 1.25 times the budget)
+        # room for a loaded 2-core machine; the old drain overran into the log line's absence below
+        assert drained - sent < budget + 3.0, (drained - sent, stderr)  # (it was 1.25 times the budget)
         assert "cache closed: close: drained=False" in stderr, stderr
         assert "multipart upload(s) not aborted" in stderr, stderr
     finally:
