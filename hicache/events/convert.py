@@ -56,9 +56,9 @@ def to_event(change: TierChange, fmt: HashFormat = "bytes") -> KVEvent | None:
     """The event of one change; ``None`` for a change that says nothing (no keys).
 
     A clear is ``AllBlocksCleared`` only when the tier cannot name what it dropped (a store's
-    ``clear()``); one that lists its pages (``keys_complete``) is a ``BlockRemoved`` of exactly
-    those on its medium, since vLLM-schema consumers take any ``AllBlocksCleared`` as "every
-    tier of the replica is empty"."""
+    ``clear()`` that cannot list them); one that lists its pages (``keys_complete``) is a
+    ``BlockRemoved`` of exactly those on its medium, since vLLM-schema consumers take any
+    ``AllBlocksCleared`` as "every tier of the replica is empty"."""
     medium = MEDIUMS[change.tier]
     if change.kind is ChangeKind.CLEARED and not change.keys_complete:
         return AllBlocksCleared(medium=medium)

@@ -11,8 +11,9 @@ Mediums: ``GPU`` for device pages, ``CPU`` for host pages, ``STORAGE`` for any s
 (vLLM's constants). Our :class:`AllBlocksCleared` carries a ``medium`` (which tier was cleared);
 vLLM's class has no fields and ignores it, so a vLLM consumer clears everything it knows of the
 replica - a safe over-clear (it routes less by cache, never to a prefix that is gone). It is
-sent only for a clear that cannot name its pages (a store's); a reset of device and host is
-their pages' ``BlockRemoved`` (:func:`~hicache.events.convert.to_event`).
+sent only for a clear that cannot name its pages (a store's that cannot list them); a reset of
+device and host, and a store's clear that names its pages, is their ``BlockRemoved``
+(:func:`~hicache.events.convert.to_event`).
 """
 
 from __future__ import annotations

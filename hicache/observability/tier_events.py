@@ -48,9 +48,10 @@ class TierChange:
 
     ``keys`` are hicache's chained page hashes (the storage keys), in prefix order for
     ``STORED``. A ``CLEARED`` change lists the pages the tier dropped when it knows them all
-    (``keys_complete``: the tree's reset of device and host); otherwise its keys are empty and
-    any page may have gone. ``token_ids`` and ``parent_key`` are filled when the tier
-    knows them (the tree does, a storage deletion does not). ``backend`` names the storage
+    (``keys_complete``: the tree's reset of device and host, a store that lists what it
+    dropped); otherwise its keys are empty and any page may have gone. ``token_ids`` and
+    ``parent_key`` are filled when the tier knows them (the tree does, a storage deletion
+    does not). ``backend`` names the storage
     backend (``"file"``, ``"s3"``...) for storage changes. ``origin`` is ``"local"`` for changes
     this process made and ``"peer"`` for ones another process sharing the store made and this
     process observed.

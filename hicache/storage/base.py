@@ -16,7 +16,8 @@ Primitives (override in a backend)::
     _write(pages, buffers, parents)-> list[bool]     parents: the page before each, or None
                                                      (changes.Written: also which were held)
     _read_bytes(page)              -> bytes | None   payload of unknown size (v0 ``get``)
-    _clear()                       -> None           this namespace only
+    _clear()                       -> pages | None   this namespace only (the pages it
+                                                     removed, where it can name them all)
     _open(), _close(), _backend_stats()              optional
 
 A bounded backend that refuses pages of a write for lack of room answers them ``False`` and
@@ -302,8 +303,10 @@ class AsyncHiCacheStorage(ABC):
         """The verified payload of one page whose size the caller does not know."""
 
     @abstractmethod
-    async def _clear(self) -> None:
-        """Remove every page of this namespace (and nothing else)."""
+    async def _clear(self) -> Sequence[PageKey] | None:
+        """Remove every page of this namespace (and nothing else); answer the pages removed
+        where the backend can name them all (their removal is reported, see
+        :func:`~hicache.storage.changes.report_cleared`), ``None`` where it cannot."""
 
     def _backend_stats(self) -> dict[str, Any]:
         """Backend-specific figures merged into :meth:`get_stats`."""
@@ -901,8 +904,8 @@ class AsyncHiCacheStorage(ABC):
         """Remove every page of this namespace; other namespaces are untouched."""
         await self._ensure_open()
         try:
-            await self._clear()
-            changes.report_cleared(self.tier_changes, self.backend_name)
+            removed = await self._clear()
+            changes.report_cleared(self.tier_changes, self.backend_name, removed)
             return True
         except asyncio.CancelledError:
             raise

@@ -118,8 +118,18 @@ def report_removed(
         hub.emit(TierChange(ChangeKind.REMOVED, Tier.STORAGE, keys, backend=backend, origin=origin, reason=reason))
 
 
-def report_cleared(hub: TierChangeHub, backend: str, *, origin: str = "local") -> None:
-    """Report that every page of the namespace is gone."""
+def report_cleared(
+    hub: TierChangeHub, backend: str, pages: Sequence[PageKey] | None = None, *, origin: str = "local"
+) -> None:
+    """Report that every page of the namespace is gone: ``pages``, where the store named them
+    all (the change lists their KV pages, ``keys_complete``), or any page (``None``).
+
+    Why name them: a vLLM-schema consumer takes the clear without pages (``AllBlocksCleared``,
+    which in vLLM has no medium) for "this replica holds nothing", and forgets the device and
+    host pages it still serves too; the named pages are published as their ``BlockRemoved``
+    (:func:`~hicache.events.convert.to_event`)."""
     if not hub.wants(ChangeKind.CLEARED, Tier.STORAGE):
         return
-    hub.emit(TierChange(ChangeKind.CLEARED, Tier.STORAGE, backend=backend, origin=origin, reason="clear"))
+    keys = () if pages is None else tuple(p.key for p in pages if p.pool == KV)
+    hub.emit(TierChange(ChangeKind.CLEARED, Tier.STORAGE, keys, backend=backend, origin=origin, reason="clear",
+                        keys_complete=pages is not None))

@@ -103,6 +103,60 @@ async def test_a_subscriber_in_another_process_gets_every_tiers_events(tmp_path:
     assert len(first["block_hashes"][0]) == 64 and first["token_ids"] == list(range(64))[: 16 * len(first["block_hashes"])]
 
 
+class Router:
+    """What a vLLM-schema router believes a replica holds, by medium, from its events: an
+    ``AllBlocksCleared`` forgets every block of the replica (vLLM's class has no medium)."""
+
+    def __init__(self) -> None:
+        self.held: dict[str, set[bytes | int]] = {"GPU": set(), "CPU": set(), "STORAGE": set()}
+        self.next_seq = 0
+        self.cleared = 0
+
+    async def follow(self, stream: Any) -> None:
+        from hicache.events import AllBlocksCleared, BlockRemoved
+
+        async for seq, batch in stream:
+            for event in batch.events:
+                if isinstance(event, AllBlocksCleared):
+                    self.cleared += 1
+                    for blocks in self.held.values():
+                        blocks.clear()
+                elif isinstance(event, BlockRemoved):
+                    self.held[event.medium].difference_update(event.block_hashes)
+                else:
+                    self.held[event.medium].update(event.block_hashes)
+            self.next_seq = seq + 1
+
+    async def caught_up(self, pub: EventPublisher) -> None:
+        total = await settled(pub)
+        await eventually(lambda: self.next_seq == total, timeout=30.0)
+
+
+@pytest.mark.parametrize("backend", ["memory"])
+async def test_a_store_clear_leaves_a_router_the_device_and_host_blocks(tmp_path: Path, backend: str) -> None:
+    """A store's clear was published as ``AllBlocksCleared``: a vLLM-schema router then forgot
+    every block of the replica, the device and host pages it still serves among them (nothing
+    announces those again). A store that can name the pages it dropped publishes their
+    ``BlockRemoved`` instead, as a reset of device and host does."""
+    cfg = config(tmp_path / "store", endpoint=None, replay_endpoint=None)
+    if backend == "memory":
+        cfg["storage"] = {"backend": "memory", "options": {"max_bytes": cfg["storage"]["options"]["max_bytes"]}}
+    async with HiCache.from_config(cfg) as cache:
+        router = Router()
+        reader = asyncio.create_task(router.follow(cache.events()))
+        pub = cache._events.publisher
+        await workload(cache, 4)
+        await router.caught_up(pub)
+        before = {medium: set(blocks) for medium, blocks in router.held.items()}
+        assert before["GPU"] and before["CPU"] and before["STORAGE"], before
+        stack = cache._require_stack()
+        assert await stack.controller._on_io(stack.storage.clear())
+        await router.caught_up(pub)
+        assert router.cleared == 0
+        assert router.held == {"GPU": before["GPU"], "CPU": before["CPU"], "STORAGE": set()}
+    await asyncio.wait_for(reader, 5)
+
+
 async def test_a_consumer_that_reconnects_catches_up_through_replay(tmp_path: Path) -> None:
     async with HiCache.from_config(config(tmp_path / "store")) as cache:
         pub = cache._events.publisher

@@ -495,14 +495,15 @@ class MemoryMedium:
             self.nbytes -= len(gone)
             return True
 
-    def drop_namespace(self, digest: str) -> int:
+    def drop_namespace(self, digest: str) -> list[PageKey]:
+        """Drop every page of namespace ``digest``; answers them."""
         with self.lock:
             doomed = [e for e in self.pages if e[0] == digest]
             for e in doomed:
                 self.nbytes -= len(self.pages.pop(e))
                 del self.stamps[e]
                 self._unlink_locked(e)
-            return len(doomed)
+        return [PageKey(k, p) for _, k, p in doomed]
 
 
 class MemoryStorage(AsyncHiCacheStorage):
@@ -716,12 +717,14 @@ class MemoryStorage(AsyncHiCacheStorage):
                 store.report_removed(gone, reason="deleted", origin="peer")
         return flags
 
-    async def _clear(self) -> None:
-        """Drop the namespace's pages; its other stores on the medium hear of a peer's clear."""
+    async def _clear(self) -> list[PageKey]:
+        """Drop the namespace's pages and name them; its other stores on the medium hear of a
+        peer's clear of the same pages."""
         digest = self.namespace.digest
-        self.medium.drop_namespace(digest)
+        dropped = self.medium.drop_namespace(digest)
         for store in self._sharers(digest):
-            report_cleared(store.tier_changes, store.backend_name, origin="peer")
+            report_cleared(store.tier_changes, store.backend_name, dropped, origin="peer")
+        return dropped
 
     async def list_pages(self) -> list[tuple[PageKey, int]]:
         digest = self.namespace.digest
