@@ -98,7 +98,7 @@ async def test_a_subscriber_in_another_process_gets_every_tiers_events(tmp_path:
     kinds = {(g["event"]["type"], g["event"]["medium"]) for g in got}
     for medium in ("GPU", "CPU", "STORAGE"):
         assert ("BlockStored", medium) in kinds and ("BlockRemoved", medium) in kinds, (medium, kinds)
-    assert ("AllBlocksCleared", "STORAGE") in kinds
+    assert not any(g["event"]["type"] == "AllBlocksCleared" for g in got)  # the clear named its pages
     first = next(g["event"] for g in got if g["event"]["type"] == "BlockStored")
     assert len(first["block_hashes"][0]) == 64 and first["token_ids"] == list(range(64))[: 16 * len(first["block_hashes"])]
 
@@ -132,7 +132,7 @@ class Router:
         await eventually(lambda: self.next_seq == total, timeout=30.0)
 
 
-@pytest.mark.parametrize("backend", ["memory"])
+@pytest.mark.parametrize("backend", ["memory", "file"])
 async def test_a_store_clear_leaves_a_router_the_device_and_host_blocks(tmp_path: Path, backend: str) -> None:
     """A store's clear was published as ``AllBlocksCleared``: a vLLM-schema router then forgot
     every block of the replica, the device and host pages it still serves among them (nothing
@@ -150,6 +150,8 @@ async def test_a_store_clear_leaves_a_router_the_device_and_host_blocks(tmp_path
         before = {medium: set(blocks) for medium, blocks in router.held.items()}
         assert before["GPU"] and before["CPU"] and before["STORAGE"], before
         stack = cache._require_stack()
+        if backend == "file":  # its opening scan indexed the folder (a clear before it cannot name all)
+            await stack.controller._on_io(stack.storage.wait_background())
         assert await stack.controller._on_io(stack.storage.clear())
         await router.caught_up(pub)
         assert router.cleared == 0

@@ -155,10 +155,20 @@ async def test_file_evictions_and_corrupt_pages_are_reported(tmp_path: Path) -> 
         assert await store.batch_get_v1(keys[:1], pool.indices(0, 1)) == [False]
         gone = of(seen, ChangeKind.REMOVED, Tier.STORAGE)
         assert [(c.keys, c.reason) for c in gone] == [((keys[0],), "corrupt")]
-        # clear() reports the storage tier cleared
+        # clear() reports the storage tier cleared, naming the pages it dropped (once its
+        # opening scan indexed the folder)
+        await store.wait_background()
         seen.clear()
         assert await store.clear()
-        assert [(c.kind, c.tier, c.origin) for c in seen] == [(ChangeKind.CLEARED, Tier.STORAGE, "local")]
+        assert [(c.kind, c.tier, c.origin, c.keys_complete, sorted(c.keys)) for c in seen] == [
+            (ChangeKind.CLEARED, Tier.STORAGE, "local", True, sorted(keys[1:]))]
+        # a page whose header cannot be read cannot be named: the clear says "any page"
+        assert all(await store.batch_set_v1(keys, pool.indices(0, len(keys))))
+        with open(store.layout.path(page_id(keys[3], "kv")), "r+b") as f:
+            f.write(b"\0" * 16)
+        seen.clear()
+        assert await store.clear()
+        assert [(c.kind, c.keys, c.keys_complete) for c in seen] == [(ChangeKind.CLEARED, (), False)]
     # a bounded store evicts to make room: the victims are reported by key
     page = store.layout.file_size(keys[0], "kv", pool.page_nbytes)
     small = create_async_storage("file", None, root=str(tmp_path / "b"), namespace=NS_A, max_bytes=4 * page)

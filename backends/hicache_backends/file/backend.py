@@ -992,12 +992,14 @@ class FileStorage(AsyncHiCacheStorage):
                                self.root, count, job.page.label()[:80], r.reason)
 
     @_tracked
-    async def _clear(self) -> None:
+    async def _clear(self) -> list[PageKey] | None:
+        """Empty the namespace; answers the pages it dropped (:meth:`_cleared_pages`)."""
         assert self._layout is not None
         if self.read_only:
             raise ConfigError(f"file store {self.root}: opened read_only, a clear is refused")
         self._generation += 1
         await self._scanner.stop()
+        held = list(self.index.entries) if self._names_cleared_pages() else None
         self.index.clear()
         self._scanner.cleared()
         self._space.cleared()
@@ -1012,6 +1014,7 @@ class FileStorage(AsyncHiCacheStorage):
             raise
         if self._peers is not None:
             await self._peers.append_cleared()
+        dropped = await self._cleared_pages(trash, held)
         self._manifest_pending = not written
         if not written:
             self._warn_manifest_deferred()
@@ -1024,6 +1027,29 @@ class FileStorage(AsyncHiCacheStorage):
             # A small namespace is gone before clear() returns (its space is free at once); a
             # huge one keeps being deleted in the background instead of stalling the caller.
             await asyncio.wait({task}, timeout=_CLEAR_WAIT_SECONDS)
+        return dropped
+
+    def _names_cleared_pages(self) -> bool:
+        """Whether a clear names the pages it drops: when KV-event consumers listen (a vLLM-schema
+        router reads a clear without pages as "this replica holds nothing", device and host
+        too), and the index lists every page this store announced (its opening scan is done:
+        until then a page an earlier run wrote may be on disk unindexed)."""
+        return self._scanner.is_ready and self.tier_changes.wants(ChangeKind.CLEARED, Tier.STORAGE)
+
+    async def _cleared_pages(self, trash: str | None, held: list[str] | None) -> list[PageKey] | None:
+        """The pages a clear dropped (``held``: the ids the index listed), named from their
+        headers in the folder set aside before it is deleted: one header read per page, on the
+        I/O threads, only where :meth:`_names_cleared_pages`. ``None`` where it cannot name
+        them all (not asked to, or a header unreadable): the clear is then reported without
+        pages."""
+        if held is None:
+            return None
+        if not held:  # an empty index: nothing dropped that was announced
+            return []
+        if trash is None:  # the folder was gone already (deleted under the store): unknown when
+            return None
+        named = await self._threads.run(page_io.cleared_identities, self._layout, trash, held)
+        return None if named is None else [PageKey(k, p) for k, p in named]
 
     # ------------------------------------------------------------------ removal journal
 

@@ -63,6 +63,7 @@ __all__ = [
     "ScanEntry",
     "WriteResult",
     "clear_namespace",
+    "cleared_identities",
     "ensure_subdirs",
     "free_bytes",
     "is_no_space",
@@ -1001,6 +1002,19 @@ def clear_namespace(layout: NamespaceLayout, manifest: dict) -> tuple[str | None
     except FileNotFoundError:
         return None, prepare_namespace(layout, manifest)
     return trash, prepare_namespace(layout, manifest)
+
+
+def cleared_identities(layout: NamespaceLayout, trash: str, pids: Sequence[str]) -> list[tuple[str, str]] | None:
+    """(key, pool) of each page of ``pids``, from its header in ``trash`` (the folder
+    :func:`clear_namespace` set aside, not deleted yet); ``None`` at the first one that cannot
+    be read: the clear cannot name every page it dropped."""
+    out: list[tuple[str, str]] = []
+    for pid in pids:
+        ident = page_identity(os.path.join(trash, os.path.relpath(layout.path(pid), layout.ns_dir)))
+        if ident is None:
+            return None
+        out.append(ident)
+    return out
 
 
 _removing: set[str] = set()  # trash folders this process is deleting right now

@@ -1237,7 +1237,9 @@ class FsspecStorage(AsyncHiCacheStorage):
 
     async def _clear(self) -> None:
         """Remove this namespace's pages (the manifest stays: it only describes the namespace).
-        Bounded by ``max(call_timeout, 300)`` s: a big namespace takes many list/delete calls."""
+        Bounded by ``max(call_timeout, 300)`` s: a big namespace takes many list/delete calls.
+        Names no pages (reported as a clear of any page): an object's name is a hash of its
+        key, which only its header holds, a read per object."""
         done = asyncio.get_running_loop().create_future()
         with self._tasks_lock:
             self._clears.add(done)
