@@ -8,7 +8,7 @@ from collections import Counter
 from hicache.observability import ChangeKind, Tier, TierChange
 from hicache.testing import ArrayHostPool
 from hicache.testing.store_tests import NS_A, PAGE, keys_for
-from s3_server import make_s3, raw_get, raw_put
+from s3_server import make_s3, raw_client, raw_get, raw_put
 
 
 async def test_s3_deletions_and_clears_are_reported(moto_endpoint: str, moto_bucket: str) -> None:
@@ -59,3 +59,32 @@ async def test_s3_pages_written_again_are_announced_stored_once(moto_endpoint: s
         assert +counts == Counter(dict.fromkeys(keys[:2], 1))
         assert all(await store.batch_set_v1(keys, pool.indices(0, len(keys))))
         assert counts == Counter(dict.fromkeys(keys, 1))
+
+
+async def test_s3_a_page_a_lookup_finds_expired_is_not_announced_stored_again(moto_endpoint: str,
+                                                                              moto_bucket: str) -> None:
+    """A lookup past the exists cache's TTL dropped the page's entry, so the store forgot it
+    had announced the page: written again, it was announced a second time, and a router
+    counting BlockStored against BlockRemoved held it after its one removal. An expired entry
+    is asked about again (its HEAD), but still known as announced. Here the object went behind
+    the store's back (a lifecycle rule), so the HEAD does not bring the entry back either."""
+    keys = keys_for(2, salt=23)
+    counts: Counter[str] = Counter()
+
+    def apply(c: TierChange) -> None:
+        counts.update({k: 1 if c.kind is ChangeKind.STORED else -1 for k in c.keys})
+
+    async with make_s3(moto_endpoint, moto_bucket, f"t/{uuid.uuid4().hex}", NS_A, exists_cache_ttl=0.0) as store:
+        store.tier_changes.subscribe(apply)
+        pool = ArrayHostPool(len(keys), PAGE)
+        pool.fill_random(5)
+        store.register_mem_pool_host(pool)
+        assert all(await store.batch_set_v1(keys, pool.indices(0, len(keys))))
+        bucket, key = store.names.page(keys[1], "kv").split("/", 1)
+        raw_client(moto_endpoint).delete_object(Bucket=bucket, Key=key)
+        assert await store.exists_pages(keys) == [True, False]  # every entry expired (TTL 0): HEADs
+        assert all(await store.batch_set_v1(keys, pool.indices(0, len(keys))))
+        assert counts == Counter(dict.fromkeys(keys, 1))
+        # our own removal of both: each counted down once, to nothing
+        assert await store.batch_delete(keys) == [True, True]
+        assert +counts == Counter()

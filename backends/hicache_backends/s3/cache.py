@@ -77,14 +77,16 @@ class ExistsCache:
         return len(self._entries)
 
     def contains(self, path: str) -> bool:
+        """Whether ``path`` is present on evidence younger than the TTL. An expired entry
+        answers no (the caller asks the store again) but is kept: it is what :meth:`known`
+        reads, and a write of a page this process announced must not announce it again (a
+        router that counts stores against removals held it after its one removal); a removal
+        made or seen here, the LRU bound and a clear are what drop it."""
         if not self.max_entries:
             return False
         with self._lock:
             stamp = self._entries.get(path)
-            if stamp is None:
-                return False
-            if self._clock() - stamp > self.ttl:
-                del self._entries[path]
+            if stamp is None or self._clock() - stamp > self.ttl:
                 return False
             self._entries.move_to_end(path)
             return True
