@@ -34,7 +34,8 @@ class Written(list[bool]):
     """A backend's write answer (one flag per page, as a plain list) that also says which pages
     the store held before the write (``held``, one flag per page; ``None``: none held). A held
     page stored again was announced already: it is not announced again (see the module
-    docstring)."""
+    docstring). A backend also flags a page it answers stored that a racing clear took
+    before the write returned: announced, nothing would ever remove it."""
 
     __slots__ = ("held",)
 

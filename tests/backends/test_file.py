@@ -990,6 +990,52 @@ async def test_a_batch_in_flight_during_a_peer_clear_is_counted_in_the_new_ledge
             if f.endswith(".page"))
 
 
+async def test_a_page_that_landed_before_a_racing_clear_is_not_announced_stored(tmp_path, monkeypatch) -> None:
+    """A page written while the store was cleared, that landed before the clear (it went with
+    the old folder), is answered written, as designed; it was also announced stored, after the
+    clear, and nothing removed it again: a router believed the store held a page it never
+    held again. Such a page is not announced. Forced order: the page lands, the store clears,
+    the write returns."""
+    from collections import Counter
+
+    from hicache.observability import ChangeKind, Tier
+
+    store = make_store(tmp_path)
+    counts: Counter[str] = Counter()
+
+    def apply(change) -> None:  # a router counting BlockStored against BlockRemoved
+        if change.kind is ChangeKind.CLEARED and not change.keys_complete:
+            counts.clear()
+        counts.update({k: 1 if change.kind is ChangeKind.STORED else -1 for k in change.keys})
+
+    store.tier_changes.subscribe(apply, wants={(k, Tier.STORAGE) for k in ChangeKind})
+    landed, go = threading.Event(), threading.Event()
+    real_write = file_io.write_page
+
+    def write_page(*args):  # the page is published, then its write waits for the clear
+        out = real_write(*args)
+        if not landed.is_set():
+            landed.set()
+            assert go.wait(30)
+        return out
+
+    async with store:
+        await store.wait_index_ready(30)
+        assert await store.batch_set(["old"], [v0(4096, 1)])
+        monkeypatch.setattr(file_io, "write_page", write_page)
+        try:
+            task = asyncio.create_task(store.batch_set(["raced"], [v0(4096, 2)]))
+            assert await asyncio.to_thread(landed.wait, 30)
+            assert await store.clear()
+            go.set()
+            assert await task  # written (then cleared): the caller's answer is unchanged
+        finally:
+            go.set()
+        assert store.get_stats()["writes_racing_clear"] == 1
+        assert await store.exists_pages(["old", "raced"]) == [False, False]
+        assert +counts == Counter()
+
+
 async def test_delete_removes_a_page_another_process_wrote_that_the_index_has_not_seen(tmp_path) -> None:
     """A page written by another store on the root after this one indexed the namespace is on
     disk but not in this store's index: a delete answered False and left it there (and in the

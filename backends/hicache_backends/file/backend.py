@@ -909,11 +909,13 @@ class FileStorage(AsyncHiCacheStorage):
     def _apply_writes(
         self, jobs: list[_WriteJob], results: Sequence[page_io.WriteResult], generation: int, ok: list[bool]
     ) -> list[bool] | None:
-        """Index what landed and count it; answers which of the pages it stored were held since
-        the write began (announced stored before: not again, see :class:`Written`), ``None``
-        if none. Held when it began, not when it lands: the scan or a lookup's probe may index
-        the file this very write published before this runs (then it was never announced);
-        and one removed meanwhile (reported) is new again."""
+        """Index what landed and count it; answers which of the pages it stored are not to be
+        announced (see :class:`Written`), ``None`` if none: those held since the write began
+        (announced stored before), and those a racing clear took (landed before it, or
+        another clear since: answered written, but the store does not hold them, and no
+        removal of them follows). Held when it began, not when it lands: the scan or a
+        lookup's probe may index the file this very write published before this runs (then it
+        was never announced); and one removed meanwhile (reported) is new again."""
         now = time.time()
         written = 0
         skipped = 0
@@ -922,7 +924,8 @@ class FileStorage(AsyncHiCacheStorage):
         for j, r in zip(jobs, results):
             if r.ok:
                 ok[j.index] = True
-                held[j.index] = j.held and j.pid in index
+                cleared = generation != self._generation or (r.skipped and j.skip_size is None)
+                held[j.index] = cleared or (j.held and j.pid in index)
                 # a page skip_existing found stored (a page written before a racing clear is
                 # marked skipped too, but it was written: it has no skip_size)
                 skipped += r.skipped and j.skip_size is not None
