@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections import Counter
 
+import pytest
+
 from hicache.observability import ChangeKind, Tier, TierChange
-from hicache.testing import ArrayHostPool
+from hicache.testing import ArrayHostPool, eventually
 from hicache.testing.store_tests import NS_A, PAGE, keys_for
 from s3_server import make_s3, raw_client, raw_get, raw_put
 
@@ -88,3 +91,45 @@ async def test_s3_a_page_a_lookup_finds_expired_is_not_announced_stored_again(mo
         # our own removal of both: each counted down once, to nothing
         assert await store.batch_delete(keys) == [True, True]
         assert +counts == Counter()
+
+
+async def test_s3_pages_a_racing_clear_removed_are_not_announced_stored(moto_endpoint: str, moto_bucket: str,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A write batch in flight when the store is cleared: the pages that had landed went with
+    the clear, and the batch (answered written, as designed) announced them stored after the
+    clear: a router believed the store held pages it did not, and no removal followed. A batch
+    a clear raced announces none of its pages (the store cannot tell which landed before the
+    clear's listing): a router misses a hint, never believes in a page that is gone."""
+    from hicache_backends.s3.fs import S3ObjectOps
+
+    keys = keys_for(4, salt=29)
+    counts: Counter[str] = Counter()
+
+    def apply(c: TierChange) -> None:  # a router: a clear without pages forgets all
+        if c.kind is ChangeKind.CLEARED and not c.keys_complete:
+            counts.clear()
+        counts.update({k: 1 if c.kind is ChangeKind.STORED else -1 for k in c.keys})
+
+    async with make_s3(moto_endpoint, moto_bucket, f"t/{uuid.uuid4().hex}", NS_A, concurrency=8) as store:
+        store.tier_changes.subscribe(apply)
+        pool = ArrayHostPool(len(keys), PAGE)
+        pool.fill_random(6)
+        store.register_mem_pool_host(pool)
+        slow = store.names.page(keys[0], "kv")
+        gate = asyncio.Event()
+        real_put = S3ObjectOps.put
+
+        async def put(self, path, data):  # type: ignore[no-untyped-def]
+            if path == slow:  # lands after the clear
+                await gate.wait()
+            return await real_put(self, path, data)
+
+        monkeypatch.setattr(S3ObjectOps, "put", put)
+        write = asyncio.create_task(store.batch_set_v1(keys, pool.indices(0, len(keys))))
+        await eventually(lambda: all(raw_get(moto_endpoint, store.names.page(k, "kv")) for k in keys[1:]))
+        assert await store.clear() is True
+        gate.set()
+        assert await write == [True] * len(keys)
+        held = {k for k in keys if raw_get(moto_endpoint, store.names.page(k, "kv")) is not None}
+        assert held == {keys[0]}
+        assert set(+counts) <= held, +counts

@@ -1083,15 +1083,21 @@ class FsspecStorage(AsyncHiCacheStorage):
             with self._tasks_lock:
                 del self._writes[done]
             done.set_result(None)
-        return Written(ok, self._held_still(paths, held))
+        return Written(ok, self._held_still(paths, held, generation))
 
-    def _held_still(self, paths: list[str], held: list[bool]) -> list[bool] | None:
-        """Which pages of a write were held before it and still are (not announced stored again,
-        see :class:`~hicache.storage.changes.Written`): known to this process's exists cache
-        (written or found here, expired or not) when it began, and not removed since (a removal
-        this process made or saw drops the entry, and was reported). What it cannot know is
-        announced again: a page another process wrote, or one pushed out of a full cache
-        (``exists_cache_size``; with 0 every page written is announced)."""
+    def _held_still(self, paths: list[str], held: list[bool], generation: int) -> list[bool] | None:
+        """Which pages of a write are not announced stored (see
+        :class:`~hicache.storage.changes.Written`): every one where a clear raced the batch
+        (``generation``: its ticket), since a page that landed before the clear's listing went
+        with it, and which did is unknown (a router then misses a hint, and never believes in
+        a page no removal will ever name); else those held before the write and still:
+        known to this process's exists cache (written or found here, expired or not) when it
+        began, and not removed since (a removal this process made or saw drops the entry, and
+        was reported). What it cannot know is announced again: a page another process wrote,
+        or one pushed out of a full cache (``exists_cache_size``; with 0 every page written is
+        announced)."""
+        if self.exists_cache.cleared_since(generation):
+            return [True] * len(paths)
         if not any(held):
             return None
         known = self.exists_cache.known
