@@ -133,3 +133,46 @@ async def test_s3_pages_a_racing_clear_removed_are_not_announced_stored(moto_end
         held = {k for k in keys if raw_get(moto_endpoint, store.names.page(k, "kv")) is not None}
         assert held == {keys[0]}
         assert set(+counts) <= held, +counts
+
+
+async def test_s3_a_page_deleted_while_its_write_is_answered_is_not_announced_after_its_removal(
+        moto_endpoint: str, moto_bucket: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A page's PUT landed, and before its answer came back a delete (a placement policy's
+    eviction) found it, removed it and reported the removal; then the write announced it
+    stored: a router, reading the events in order, held a page the store no longer had, and
+    nothing would ever remove it. A page removed here since its write began is not announced.
+    Forced order: the PUT lands, the delete runs, the PUT answers."""
+    from hicache_backends.s3.fs import S3ObjectOps
+
+    keys = keys_for(2, salt=31)
+    held: set[str] = set()
+
+    def apply(c: TierChange) -> None:  # a router: what the store holds, in event order
+        if c.kind is ChangeKind.STORED:
+            held.update(c.keys)
+        else:
+            held.difference_update(c.keys)
+
+    async with make_s3(moto_endpoint, moto_bucket, f"t/{uuid.uuid4().hex}", NS_A, concurrency=8) as store:
+        store.tier_changes.subscribe(apply)
+        pool = ArrayHostPool(len(keys), PAGE)
+        pool.fill_random(7)
+        store.register_mem_pool_host(pool)
+        slow = store.names.page(keys[1], "kv")
+        landed, gate = asyncio.Event(), asyncio.Event()
+        real_put = S3ObjectOps.put
+
+        async def put(self, path, data):  # type: ignore[no-untyped-def]
+            await real_put(self, path, data)
+            if path == slow:  # landed; its answer waits
+                landed.set()
+                await gate.wait()
+
+        monkeypatch.setattr(S3ObjectOps, "put", put)
+        write = asyncio.create_task(store.batch_set_v1(keys, pool.indices(0, len(keys))))
+        await landed.wait()
+        assert await store.batch_delete(keys[1:]) == [True]
+        gate.set()
+        assert await write == [True, True]
+        assert raw_get(moto_endpoint, slow) is None
+        assert held == {keys[0]}

@@ -1095,13 +1095,20 @@ class FsspecStorage(AsyncHiCacheStorage):
         began, and not removed since (a removal this process made or saw drops the entry, and
         was reported). What it cannot know is announced again: a page another process wrote,
         or one pushed out of a full cache (``exists_cache_size``; with 0 every page written is
-        announced)."""
-        if self.exists_cache.cleared_since(generation):
+        announced). Nor is a page a delete here overlapped since the write began: one that found
+        its PUT landed before the PUT answered reported its removal already, and announced after
+        it, the page stayed stored for a router for good (one that found nothing leaves a
+        stored page unannounced: a hint lost)."""
+        cache = self.exists_cache
+        if cache.cleared_since(generation):
             return [True] * len(paths)
-        if not any(held):
-            return None
-        known = self.exists_cache.known
-        return [was and known(path) for was, path in zip(held, paths)]
+        quiet = held
+        if any(held):
+            known = cache.known
+            quiet = [was and known(path) for was, path in zip(held, paths)]
+        if cache.generation != generation:  # something was removed here meanwhile (the usual batch: not)
+            quiet = [q or cache.removed_since(path, generation) for q, path in zip(quiet, paths)]
+        return quiet if any(quiet) else None
 
     def _index_write_done(self, task: asyncio.Task[None]) -> None:
         with self._tasks_lock:

@@ -132,6 +132,13 @@ class ExistsCache:
                 self._gone.popitem(last=False)
             return known
 
+    def removed_since(self, path: str, generation: int) -> bool:
+        """Whether a removal of ``path`` was made or seen here after the ticket ``generation``
+        (see :attr:`generation`), with no fresh answer about it since."""
+        with self._lock:
+            removed = self._gone.get(path)
+            return removed is not None and removed > generation
+
     def is_gone(self, path: str) -> bool:
         """Whether a read found ``path`` missing, with no fresh answer about it since."""
         with self._lock:
