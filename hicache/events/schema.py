@@ -130,9 +130,15 @@ def _hash_text(h: BlockHash) -> str | int:
 
 
 def _plain(value: Any) -> Any:
-    """``value`` with every ``bytes`` in it as hex and tuples as lists: what JSON can write."""
+    """``value`` with every ``bytes`` in it as hex, tuples as lists, maps as objects (their
+    keys as text) and anything else JSON has no form for (a msgpack extension, a timestamp) as
+    its text: what JSON can write, whatever a publisher put in a field typed ``Any``."""
     if isinstance(value, bytes):
         return value.hex()
     if isinstance(value, list | tuple):
         return [_plain(v) for v in value]
-    return value
+    if isinstance(value, dict):
+        return {k if isinstance(k, str) else str(_plain(k)): _plain(v) for k, v in value.items()}
+    if value is None or isinstance(value, str | int | float):
+        return value
+    return str(value)

@@ -90,3 +90,26 @@ def test_the_json_form_of_a_vllm_event_with_prompt_embeds_digests() -> None:
     out = json.loads(json.dumps(event_to_dict(back)))
     assert out["extra_keys"] == [["lora-a", ["mm-1", 4], "salt", digest.hex()], None]
     assert out["block_hashes"] == ["01" * 32]
+
+
+def test_the_json_form_of_any_decodable_extra_keys() -> None:
+    """``extra_keys`` holds whatever a publisher put there (vLLM's schema types it ``Any``): a
+    map in it (with bytes keys or values), a msgpack extension or a timestamp decoded fine and
+    then ended ``hicache events --json`` in a TypeError traceback. Each has a JSON form now:
+    bytes as hex, a map as an object, anything else JSON has no form for as its text."""
+    import datetime
+    import json
+
+    from hicache.events.schema import event_to_dict
+
+    when = datetime.datetime(2026, 1, 2, tzinfo=datetime.timezone.utc)
+    extra = [[{"mm": b"\x01\x02", b"\x03": 1, 7: None}], [msgspec.msgpack.Ext(5, b"\xff"), when]]
+    raw = msgspec.msgpack.encode([1.0, [{"type": "BlockStored", "block_hashes": [b"\x01" * 32],
+                                         "parent_block_hash": None, "token_ids": [1], "block_size": 1,
+                                         "lora_id": None, "medium": "GPU", "lora_name": None,
+                                         "extra_keys": extra}]])
+    (ev,) = decode_batch(raw).events
+    out = json.loads(json.dumps(event_to_dict(ev)))
+    first, second = out["extra_keys"]
+    assert first == [{"mm": "0102", "03": 1, "7": None}]
+    assert len(second) == 2 and all(isinstance(v, str) for v in second)
