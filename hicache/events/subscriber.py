@@ -388,7 +388,11 @@ class EventSubscriber:
         return self._answer_run
 
     def _decode(self, frames: list[bytes]) -> tuple[int, KVEventBatch] | None:
-        if len(frames) != 3 or len(frames[1]) != 8:
+        """``(seq, batch)`` of a message, or ``None`` (counted in ``bad_messages``) for one that
+        is no batch, one numbered where no publisher gets among them (from ``_PROBE_SEQ`` on:
+        vLLM's numbers are signed 64-bit, and ``-1``, all ones, is the replay's end marker):
+        followed, it counted 2**64 batches lost and broke the next replay request."""
+        if len(frames) != 3 or len(frames[1]) != 8 or int.from_bytes(frames[1], "big") >= _PROBE_SEQ:
             self.bad_messages += 1
             return None
         try:

@@ -462,3 +462,35 @@ def test_a_consumer_behind_when_the_publisher_restarts_keeps_both_runs_apart() -
     finally:
         new.close()
         sub.close()
+
+
+def test_a_live_message_numbered_past_any_batch_is_counted_bad_not_followed() -> None:
+    """A message on the live socket numbered ``-1`` (all ones: the replay's end marker, or a
+    foreign publisher's garbage that still decodes) was taken for a batch 2**64 - 1: the
+    subscriber counted 2**64 batches lost, then ended in an OverflowError asking for the
+    replay from there. A number no publisher reaches (from 2**63 - 1: vLLM's are signed
+    64-bit) is a bad message, and the batches after it are followed as before."""
+    from hicache.events import KVEventBatch, encode_batch
+
+    pub = EventPublisher(LOOPBACK, LOOPBACK, max_batch_events=1)
+    link = LossyLink(pub.endpoint)
+    sub = EventSubscriber(link.endpoint, pub.replay_endpoint, idle_timeout_s=0.3)
+    try:
+        time.sleep(0.3)  # subscribed to the link
+        pub.publish([stored(0)])
+        link.forward(1)
+        got, _ = collect(sub, 1)
+        assert tokens(got) == [0]
+        forged = encode_batch(KVEventBatch(ts=1.0, events=[stored(99)]))
+        link._down.send_multipart([b"", END_SEQ, forged])  # type: ignore[union-attr]
+        link._down.send_multipart([b"", PROBE, forged])  # type: ignore[union-attr]
+        for i in range(1, 4):
+            pub.publish([stored(i)])
+        link.forward(3)
+        got = list(sub.receive(timeout_s=1.5))  # until the link is quiet
+        assert tokens(got) == [1, 2, 3] and sub.next_seq == 4
+        assert sub.bad_messages == 2 and sub.lost == 0
+    finally:
+        sub.close()
+        link.close()
+        pub.close()
