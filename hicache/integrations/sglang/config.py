@@ -7,7 +7,8 @@ SGLang hands a dynamic backend one dict: its own keys (``backend_name``, ``modul
     hicache_backend       backend name: file (default), s3, fsspec, memory, or any plugin
     hicache_options       dict of that backend's keyword options (e.g. {"root": "/data/kv"})
     hicache_config        path of a hicache config file (TOML/JSON/YAML); its [storage]
-                          section gives backend and options (the two keys above override it)
+                          section gives backend and options (the two keys above override it;
+                          hicache_backend naming another backend takes none of its options)
     hicache_call_timeout  seconds one storage call may take before it is cancelled and
                           answered as a miss (default 60; null: no limit)
     hicache_staging_mib   staging memory per direction for layouts without a contiguous
@@ -90,10 +91,14 @@ class AdapterSettings:
             backend, options = storage.backend, dict(storage.options)
             # the file's tenant/LoRA salt: ignored, two servers of other tenants shared pages
             file_salt = storage.namespace_salt
-            if not backend:
-                raise ConfigError(f"hicache_config {quoted(path)}: storage.backend is null; SGLang needs a backend")
         if "hicache_backend" in extra:
+            if extra["hicache_backend"] != backend:
+                # the file's options are its own backend's: handed to another, they failed the
+                # factory ('memory' has no option 'root')
+                options = {}
             backend = extra["hicache_backend"]
+        elif path is not None and not backend:
+            raise ConfigError(f"hicache_config {quoted(path)}: storage.backend is null; SGLang needs a backend")
         if backend is None:
             backend = "file"
         if not isinstance(backend, str) or not backend:

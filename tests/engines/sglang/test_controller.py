@@ -122,6 +122,26 @@ def test_config_file_selects_backend_and_options(tmp_path):
         ctl.detach_storage_backend()
 
 
+@pytest.mark.parametrize("file_storage", ['backend = "none"', 'backend = "file"\noptions = { root = "/nowhere/kv" }'])
+def test_hicache_backend_overrides_the_config_files_backend(tmp_path, file_storage):
+    """``hicache_backend`` overrides the file's backend, as documented; but a file whose L3 is
+    off failed the factory with 'storage.backend is null' although the key named one, and a
+    file of another backend handed that backend's options to this one ('memory' has no option
+    'root'). The file's options are its own backend's: another backend takes none of them."""
+    cfg = tmp_path / "hicache.toml"
+    cfg.write_text(f"[storage]\n{file_storage}\n")
+    extra = {k: v for k, v in helpers.extra_config().items() if not k.startswith("hicache_")}
+    extra.update(hicache_config=str(cfg), hicache_backend="memory")
+    host, ctl = _pair(extra)
+    try:
+        assert ctl.storage_backend.backend.backend_name == "memory"
+        toks = drive.tokens(PAGE * 2)
+        assert drive.backup(ctl, toks, ctl.mem_pool_host.alloc(len(toks))) == len(toks)
+        assert drive.prefetch(ctl, toks)[0] == len(toks)
+    finally:
+        ctl.detach_storage_backend()
+
+
 def test_get_stats_is_sglang_storage_metrics(store_root):
     host, ctl = _pair(helpers.extra_config("file", root=store_root), metrics=True)
     try:
