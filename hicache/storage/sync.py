@@ -261,6 +261,12 @@ CLOSE_TIMEOUT_S = 120.0
 #: failed an engine's launch; this only keeps a hung open from hanging its caller for good.
 OPEN_TIMEOUT_S = 120.0
 
+#: How long a clear through a facade (:meth:`HiCacheStorage.clear`) may take. Not
+#: ``call_timeout`` either: a clear removes a whole namespace (many list and delete calls on an
+#: object store, which the S3 store bounds at 300 s), and one cut at one I/O's limit left part
+#: of the namespace stored; this only keeps a hung clear from hanging its caller for good.
+CLEAR_TIMEOUT_S = 300.0
+
 #: Facades not closed yet, closed at interpreter exit by :func:`_close_at_exit`.
 _open_facades: weakref.WeakSet[HiCacheStorage] = weakref.WeakSet()
 
@@ -606,7 +612,13 @@ class HiCacheStorage:
         return self._call(self.backend.batch_exists(self.storable_prefix(keys), extra_info), lookup=True)
 
     def clear(self) -> bool:
-        return self._call(self.backend.clear())
+        """Remove every page of this namespace, waiting up to :data:`CLEAR_TIMEOUT_S` (or
+        ``call_timeout`` where that is longer; no limit without one), not ``call_timeout``:
+        that bounds one I/O."""
+        if self.call_timeout is None:
+            return self._call(self.backend.clear())
+        limit = max(CLEAR_TIMEOUT_S, self.call_timeout)
+        return self._call(self.backend.clear(), deadline=time.monotonic() + limit)
 
     def get_stats(self) -> dict[str, Any]:
         return self.backend.get_stats()

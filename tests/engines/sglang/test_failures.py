@@ -221,6 +221,31 @@ def test_a_close_longer_than_the_call_timeout_is_finished_and_frees_the_store(st
     assert _users_lock_free(root)
 
 
+def test_a_clear_longer_than_the_call_timeout_clears_the_whole_namespace(monkeypatch):
+    """call_timeout bounds one I/O, not a clear, which removes a whole namespace (many list and
+    delete calls on an object store; the S3 store gives its clear 300 s): SGLang's flush of the
+    store was cancelled at call_timeout and left the pages stored."""
+    from hicache_backends.memory import MemoryStorage
+
+    host, ctl = _ctl("memory", hicache_call_timeout=0.2)
+    try:
+        toks = drive.tokens(PAGE * 4)
+        assert drive.backup(ctl, toks, ctl.mem_pool_host.alloc(len(toks))) == len(toks)
+        keys = drive.get_storage_hash_str(toks, None, page_size=PAGE)
+        original = MemoryStorage._clear
+
+        async def slow_clear(self):  # a namespace of many objects
+            await asyncio.sleep(1.0)
+            await original(self)
+
+        monkeypatch.setattr(MemoryStorage, "_clear", slow_clear)
+        assert ctl.storage_backend.clear() is True
+        assert ctl.storage_backend.batch_exists(keys) == 0
+        assert ctl.storage_backend.hicache_stats()["call_timeouts"] == 0
+    finally:
+        ctl.detach_storage_backend()
+
+
 def test_a_store_left_open_closes_cleanly_at_interpreter_exit(store_root):
     """A server that exits without closing the backend: its facade closes the store before
     Python stops the executors the close needs (no error, nothing left unwritten)."""
