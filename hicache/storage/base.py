@@ -145,6 +145,10 @@ class AsyncHiCacheStorage(ABC):
     #: Whether the constructor takes ``read_only=True``: an observer's store that changes
     #: nothing on its medium (``hicache inspect`` opens stores so where they can be).
     supports_read_only: ClassVar[bool] = False
+    #: Whether the store keeps its pages in the memory of the process that wrote them, so that
+    #: no other process reads them (another rank of an engine whose ranks are processes): a
+    #: class's, or a store's own where its location says (an fsspec ``memory://`` url).
+    process_local: bool = False
 
     @classmethod
     def stored_page_nbytes(cls, payload_nbytes: int) -> int:

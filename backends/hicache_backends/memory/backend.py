@@ -523,6 +523,7 @@ class MemoryStorage(AsyncHiCacheStorage):
     backend_name = "memory"
     # a separate inspect process has none of the pages, whatever ROOT it is given
     not_inspectable_why = "keeps its pages in the memory of the process that wrote them: there is nothing on disk to inspect"
+    process_local = True
 
     def __init__(
         self,

@@ -334,6 +334,7 @@ class FsspecStorage(AsyncHiCacheStorage):
                 "storage_options={'path': '/data/kv', 'target_protocol': 'file'}"
             )
         self.protocol = scheme.lower()
+        self.process_local = self.protocol == "memory"  # fsspec's memory filesystem: one per process
         # the path is taken as given from here on: with the scheme as typed ("FILE://") it was
         # stripped as a relative path (pages written under the working directory) or a bucket
         # named "S3:"

@@ -33,7 +33,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage as _SGLangStorag
 from sglang.srt.mem_cache.hicache_storage import PoolName as _SGLangPoolName
 from sglang.srt.mem_cache.hicache_storage import PoolTransferResult as _SGLangResult
 
-from hicache.errors import HiCacheError
+from hicache.errors import ConfigError, HiCacheError
 from hicache.integrations.sglang.config import AdapterSettings, namespace_for
 from hicache.integrations.sglang.hits import resolve_hits
 from hicache.integrations.sglang.pages import CanonicalPagePool, LogicalIndexPool, adapt_host_pool, is_mla_pool
@@ -208,6 +208,28 @@ def _hicache_config(cfg: Any) -> HiCacheStorageConfig:
     )
 
 
+def _kv_read_from_another_rank(cfg: Any) -> bool:
+    """Whether SGLang writes the KV from some TP ranks only, for the others to read: an MLA
+    model's KV is whole on every TP rank, and SGLang backs it up from one rank per DCP shard
+    (``HiCacheStorageConfig.is_storage_writer``: ``tp_rank == dcp_rank``)."""
+    tp_size, dcp_size = int(getattr(cfg, "tp_size", 1)), int(getattr(cfg, "dcp_size", 1) or 1)
+    return bool(getattr(cfg, "is_mla_model", False)) and tp_size > dcp_size
+
+
+def _check_ranks_share(backend: AsyncHiCacheStorage, name: str, cfg: Any) -> None:
+    """Refuse a store that keeps its pages in one process (``process_local``: the memory store)
+    where SGLang's ranks, each a process, read the KV another rank wrote: they never found a
+    page, and as SGLang takes the least hit over the ranks, no rank ever had an L3 hit while
+    every page was still stored."""
+    if backend.process_local and _kv_read_from_another_rank(cfg):
+        raise ConfigError(
+            f"hicache backend {name!r} keeps its pages in the memory of the process that wrote them, but "
+            f"SGLang writes an MLA model's KV from one of its {int(cfg.tp_size)} TP ranks (each a process) "
+            "for the others to read: they would never find a page, and as a hit is the least over the "
+            "ranks, no rank would have one; use a store the ranks share (file, s3)"
+        )
+
+
 def _no_flat_pages(pool: Any) -> str | None:
     """Why SGLang gives no flat pages of ``pool`` (what a pass-through pool's pages are stored
     as), or ``None`` where it does. A pool whose page methods raise ``NotImplementedError``
@@ -252,7 +274,8 @@ class HiCacheSGLangStorage(_SGLangStorage):
         self.storage_config = storage_config
         self.enable_metrics = bool(getattr(storage_config, "enable_storage_metrics", False))
         # fails the factory on an unknown backend or option, before any pool exists
-        create_async_storage(self.settings.backend, _hicache_config(storage_config), **self.settings.options)
+        probe = create_async_storage(self.settings.backend, _hicache_config(storage_config), **self.settings.options)
+        _check_ranks_share(probe, self.settings.backend, storage_config)
         self.mem_pool_host: Any = None
         self.registered_pools: dict[Any, Any] = {}
         self._adapted: dict[str, Any] = {}

@@ -16,6 +16,7 @@ from sglang.srt.mem_cache.pool_host.mha_mxfp8 import MHATokenToKVPoolMXFP8Host
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
+from hicache.errors import ConfigError
 from hicache.integrations.sglang.pages import CanonicalPagePool
 from hicache.integrations.sglang.storage import SGLangAttachError
 
@@ -98,6 +99,44 @@ def test_mla_ranks_share_kv_but_each_reads_back_its_own_mamba_shard(tmp_path) ->
     finally:
         r0.close()
         r1.close()
+
+
+def _memory_store(extra=None, **cfg):  # type: ignore[no-untyped-def]
+    extra = extra or helpers.extra_config("memory")
+    return StorageBackendFactory.create_backend("dynamic", _config(extra, **cfg), None)
+
+
+@pytest.mark.parametrize("extra", [helpers.extra_config("memory"),
+                                   helpers.extra_config("fsspec", url="memory://hicache-ranks")])
+def test_mla_ranks_on_a_store_of_one_process_fail_the_factory_naming_why(tmp_path, extra) -> None:
+    """SGLang writes an MLA model's KV from TP rank 0 only (``is_storage_writer``) and every
+    other rank, a process of its own, reads it there. The memory store keeps pages in the
+    process that wrote them, so rank 1 never found one, and as SGLang takes the least hit over
+    the ranks no rank ever had an L3 hit: the server stored every page for nothing, silently.
+    Such a server now fails at the factory, naming a store that processes share."""
+    with pytest.raises(ConfigError, match="memory.*file"):
+        _memory_store(extra, tp_rank=1, tp_size=2, mla=True)
+    # what it would have been: rank 0's pages are not rank 1's to find (two processes are two
+    # media; two stores of one process without a store_id are too)
+    dev = helpers.device_pool(page_size=PS, layers=2, mla=True)
+    ranks = []
+    for tp in (0, 1):
+        host = helpers.host_pool(dev, "page_first")
+        st = _memory_store(tp_rank=tp, tp_size=1, mla=True)  # TP 1: accepted, to show the miss
+        st.register_mem_pool_host(host)
+        st.on_host_pools_registered()
+        ranks.append(st)
+    try:
+        assert ranks[0].batch_set_v1(KEYS, torch.arange(2 * PS)) == [True, True]
+        assert ranks[1].batch_exists(KEYS) == 0
+    finally:
+        for st in ranks:
+            st.close()
+    # every rank writes its own pages (MHA; MLA at TP 1 or one writer per DCP shard), or the
+    # ranks share a store: accepted
+    _memory_store(tp_rank=1, tp_size=2).close()
+    _memory_store(tp_rank=0, tp_size=1, mla=True).close()
+    _store(tmp_path / "s", tp_rank=1, tp_size=2, mla=True).close()
 
 
 def _mxfp8_pool() -> MHATokenToKVPoolMXFP8Host:
