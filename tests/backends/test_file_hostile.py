@@ -1680,3 +1680,49 @@ async def test_a_journal_line_left_torn_is_ended_by_the_next_append_and_counted(
             lines = f.read().split(b"\n")
         assert lines[0] == b'{"w":"dead","rm":[["gone"' and lines[1].startswith(b'{"w":')
         assert all(line.startswith(b'{"w":') for line in lines[1:-1]) and lines[-1] == b""
+
+
+def test_two_ledgers_never_both_find_the_namespace_to_themselves(tmp_path, monkeypatch) -> None:
+    """``alone`` asks for an exclusive ``flock`` on ``users`` over its shared one. The kernel
+    converts by dropping the shared lock first, and a conversion refused (a peer is open) left
+    none until it was taken again: a peer asking then found the namespace to itself, and its
+    scan replaced the shared count, a write in flight of the first store's left out of it (an
+    under-count: the namespace then held more than ``max_bytes``). Forced order: ``a``'s
+    conversion is refused and held there, then ``b`` asks."""
+    import fcntl
+
+    from hicache_backends.file.ledger import UsageLedger
+
+    a, b = UsageLedger(str(tmp_path)), UsageLedger(str(tmp_path))
+    try:
+        assert a.read() is not None and b.read() is not None  # both joined (a shared lock each)
+        real, users_a = fcntl.flock, a._users.fd
+        refused, go_on = threading.Event(), threading.Event()
+
+        def flock(fd: int, op: int) -> None:
+            try:
+                real(fd, op)
+            except BlockingIOError:
+                if fd == users_a and op & fcntl.LOCK_EX and not refused.is_set():
+                    refused.set()  # a's shared lock is gone now: held here until b has asked
+                    go_on.wait(LIMIT)
+                raise
+
+        monkeypatch.setattr(fcntl, "flock", flock)
+        answers: list[bool] = []
+        asking = threading.Thread(target=lambda: answers.append(a.alone()))
+        asking.start()
+        try:
+            assert refused.wait(LIMIT)
+            assert not b.alone()  # a still has the namespace open
+        finally:
+            go_on.set()
+            asking.join(LIMIT)
+        assert answers == [False]
+        monkeypatch.undo()
+        assert not a.alone() and not b.alone()  # each still holds its shared lock
+        b.close()
+        assert a.alone()
+    finally:
+        a.close()
+        b.close()

@@ -28,7 +28,8 @@ Correcting the count: a scan measures the pages on disk, but a write reserved be
 and published during it may be missed by the scan, so a measured total replaces ``used`` only
 when nothing can have been in flight: this process had no write in flight when the scan began,
 no other process had the namespace open at its start or its end (each open store holds a
-shared ``flock`` on the ``users`` file; :meth:`UsageLedger.alone` tries for an exclusive one),
+shared ``flock`` on the ``users`` file; :meth:`UsageLedger.alone` tries for an exclusive one,
+under the ledger's lock: see there),
 and ``seq`` did not move in between (nobody changed anything). Killed writers' reservations
 are exactly what such a scan removes, slots included: those of writers on another machine or
 in another PID namespace, which no process here may judge dead, go only then.
@@ -377,10 +378,23 @@ class UsageLedger:
 
     def alone(self) -> bool:
         """Whether no other process has this namespace open right now (never blocks long:
-        the exclusive lock is only tried, and given back at once)."""
+        the ledger's lock is waited for as any call waits, the exclusive lock only tried, and
+        given back at once).
+
+        The exclusive lock is tried under the ledger's lock: the kernel converts a ``flock``
+        by dropping the held one first, and a conversion refused (a peer is open) leaves none
+        until it is taken again. Without the ledger's lock, a peer asking in that moment found
+        the namespace to itself, and its scan replaced the count while this process had a write
+        in flight (an under-count). Now every process that lets go of its shared lock while it
+        still has the namespace open does so holding the ledger's lock, which the asker holds."""
         with self._lock:
             try:
                 fd = self._join()
+                counters, _ = self._counters.current()
+                flock_within(counters, fcntl.LOCK_EX)
+            except OSError:  # not known (a peer frozen holding the ledger's lock): not alone
+                return False
+            try:
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError:
@@ -392,6 +406,8 @@ class UsageLedger:
             except OSError:
                 self._users.close()  # rejoin on the next call
                 return False
+            finally:
+                fcntl.flock(counters, fcntl.LOCK_UN)
 
     def close(self) -> None:
         with self._lock:
