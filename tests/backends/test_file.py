@@ -947,6 +947,95 @@ async def test_a_page_a_peer_removes_during_the_scan_is_not_counted_again_by_its
             go.set()
 
 
+async def test_a_scans_floor_stats_its_pages_with_the_ledger_free_for_peers(tmp_path, monkeypatch) -> None:
+    """A scan that is not alone raises the shared count to the pages it found on disk when
+    the count is below them (a dead writer's reclaim took pages it had published along). It
+    looked at every page again with the ledger's lock held: 100k pages held it for ~0.5 s on
+    a local disk (a peer's ledger call waits ``LOCK_PATIENCE``, 0.5 s, then runs on its own
+    count), far longer on a network mount. Pages are now looked at with the lock free; under
+    it the scan only checks that nothing changed since. Forced: each look at the pages asks
+    for the ledger as a peer would (another ``UsageLedger``: a lock of its own)."""
+    from hicache_backends.file.ledger import UsageLedger
+
+    page = make_store(tmp_path).layout.file_size("k0", "kv", 4096)
+    keys = [f"k{i}" for i in range(8)]
+    async with make_store(tmp_path, max_bytes=40 * page, min_free_bytes=0) as a:
+        await a.wait_index_ready(30)
+        assert await a.batch_set(keys, [v0(4096, 1)] * 8)
+        await a.wait_background()
+        peer = UsageLedger(a.layout.ns_dir)
+        try:
+            assert peer.add(-4 * page) is not None  # four pages on disk the count no longer holds
+            served: list[bool] = []
+            real = file_io.published_sizes
+
+            def published_sizes(paths):  # type: ignore[no-untyped-def]
+                served.append(peer.read() is not None)
+                return real(paths)
+
+            monkeypatch.setattr(file_io, "published_sizes", published_sizes)
+            async with make_store(tmp_path, max_bytes=40 * page, min_free_bytes=0) as b:
+                assert await b.wait_index_ready(30)
+                await b.wait_background()
+            monkeypatch.undo()
+            assert served and all(served)
+            assert read_usage(os.path.join(a.layout.ns_dir, LEDGER_NAME)).used == 8 * page  # raised to the disk
+        finally:
+            peer.close()
+
+
+async def test_a_floor_looks_again_when_its_own_call_gives_back_a_dead_evictors_pages(tmp_path, monkeypatch) -> None:
+    """The floor skips looking at the pages again when the ledger has not changed since the
+    reading taken before it looked at them; its own call's reclaim is a change. An evictor
+    that marked a page before that reading, unlinked it after the scan saw it and was killed
+    before subtracting it is given back by the floor's call: counted as unchanged, the floor
+    raised the count by the page no disk held. Forced order: the evictor (a child process)
+    marks, the scan looks at the pages, the evictor unlinks and is killed, the floor runs."""
+    import sys
+
+    page = make_store(tmp_path).layout.file_size("k0", "kv", 4096)
+    keys = [f"k{i}" for i in range(8)]
+    async with make_store(tmp_path, max_bytes=40 * page, min_free_bytes=0) as a:
+        await a.wait_index_ready(30)
+        assert await a.batch_set(keys, [v0(4096, 1)] * 8)
+        await a.wait_background()
+        victim = a.layout.path(page_id(keys[0], "kv"))
+        child = (
+            "import os, sys\n"
+            "from hicache_backends.file.ledger import UsageLedger\n"
+            "led = UsageLedger(sys.argv[1])\n"
+            "led.add(-4 * int(sys.argv[3]))  # four pages on disk the count no longer holds\n"
+            "led.add(0, inflight=int(sys.argv[3]))  # the victim marked, as an eviction does\n"
+            "print('marked', flush=True)\n"
+            "sys.stdin.readline()\n"
+            "os.unlink(sys.argv[2])\n"
+            "os.kill(os.getpid(), 9)  # before the subtraction\n"
+        )
+        evictor = subprocess.Popen([sys.executable, "-c", child, a.layout.ns_dir, victim, str(page)],
+                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        try:
+            assert evictor.stdout is not None and evictor.stdout.readline() == "marked\n"
+            real = file_io.published_sizes
+
+            def published_sizes(paths):  # type: ignore[no-untyped-def]
+                out = real(paths)  # the scan saw the victim
+                if evictor.poll() is None:
+                    evictor.communicate("go\n", timeout=60)
+                return out
+
+            monkeypatch.setattr(file_io, "published_sizes", published_sizes)
+            async with make_store(tmp_path, max_bytes=40 * page, min_free_bytes=0) as b:
+                assert await b.wait_index_ready(30)
+                await b.wait_background()
+            monkeypatch.undo()
+            assert evictor.returncode == -9 and not os.path.exists(victim)
+            assert read_usage(os.path.join(a.layout.ns_dir, LEDGER_NAME)).used == 7 * page
+        finally:
+            if evictor.poll() is None:
+                evictor.kill()
+                evictor.wait()
+
+
 async def test_a_batch_in_flight_during_a_peer_clear_is_counted_in_the_new_ledger(tmp_path, monkeypatch) -> None:
     """Store b reserved a batch in the shared ledger, then a (another process's store) cleared
     the namespace before b's pages were written: they landed in the fresh folder, but b's

@@ -312,7 +312,7 @@ class UsageLedger:
 
     def add(
         self, delta: int, *, refused: int = 0, token: int | None = None, if_seq: int | None = None,
-        inflight: int = 0, floor: int | Callable[[int], int] | None = None,
+        inflight: int = 0, floor: int | Callable[[int, int], int] | None = None,
     ) -> Usage | None:
         """Add ``delta`` bytes (and ``refused`` pages) atomically; the new totals, or ``None``
         when the ledger cannot be used. With ``token``, a delta meant for a ledger file that has
@@ -325,8 +325,11 @@ class UsageLedger:
         ``floor``: bytes a scan found on disk; the count is raised to it if below (never
         lowered: always safe, whoever else is writing, since every page on disk is counted
         unless a dead writer's reclaimed reservation took it along). A callable ``floor`` is
-        evaluated under the lock, given the count there: what is on disk once every removal
-        subtracted so far is in (it need only look closely when that would raise the count)."""
+        evaluated under the lock, given the count there and ``seq`` as it stands (a change this
+        call made first, a reclaim, counted): what is on disk once every removal subtracted so
+        far is in. A removal is subtracted after its unlink, so pages looked at after a reading
+        with that same ``seq`` are all still counted; only otherwise, and only when that would
+        raise the count, need it look at them again."""
         with self._lock:
             try:
                 self._join()
@@ -353,7 +356,7 @@ class UsageLedger:
                         _move_own(slots, inflight)
                         changed = True
                     if floor is not None and applies:
-                        least = floor(used) if callable(floor) else floor
+                        least = floor(used, seq + 1 if changed else seq) if callable(floor) else floor
                         if used < least:
                             used, changed = least, True
                     if refused:

@@ -238,7 +238,7 @@ class SpaceAccountant:
         token: int | None = None,
         if_seq: int | None = None,
         inflight: int = 0,
-        floor: int | Callable[[int], int] | None = None,
+        floor: int | Callable[[int, int], int] | None = None,
     ) -> Usage | None:
         """``ledger.add`` on a thread (``None`` without a ledger or when it is unavailable)."""
         if self.ledger is None:
@@ -282,11 +282,11 @@ class SpaceAccountant:
 
     async def measured(
         self, executor: ThreadPoolExecutor, before: Usage | None, token: int | None, found: int,
-        still_on_disk: Callable[[int], int],
+        still_on_disk: Callable[[int, int], int],
     ) -> None:
         """A complete scan found ``found`` bytes of pages: replace the shared count with them
-        (``before``: :meth:`baseline`), or, not alone, raise the count to ``still_on_disk(count)``
-        (summed under the ledger's lock) if it is below, in the ledger file ``token`` names
+        (``before``: :meth:`baseline`), or, not alone, raise the count to ``still_on_disk(count,
+        seq)`` (summed under the ledger's lock) if it is below, in the ledger file ``token`` names
         only (a clear since the scan began replaced it: the floor is dropped, see
         :meth:`baseline`; so is one for a ledger that could not be read then)."""
         if before is not None and not self.debt and not self.unreleased:
