@@ -1726,3 +1726,24 @@ def test_two_ledgers_never_both_find_the_namespace_to_themselves(tmp_path, monke
     finally:
         a.close()
         b.close()
+
+
+@pytest.mark.parametrize("left", [0, 20])
+async def test_a_ledger_cut_short_under_open_stores_is_raised_back_to_the_pages_on_disk(tmp_path, left) -> None:
+    """The usage ledger cut short while stores have it open (truncated by hand, a repair after
+    a crash) read as an empty namespace: the count lost every page on disk, and with a peer
+    keeping the namespace open (no lone scan corrects it) the namespace went on to hold up to
+    twice ``max_bytes`` for as long as peers kept it open. A ledger call that finds the file
+    it had open cut short now has its store index the namespace again, and the scan's floor
+    raises the count back to the pages on disk (the writes after it evict what is over)."""
+    page = 64 << 10
+    bound = 6 * (page + 512)
+    async with _four_pages_with_a_peer(tmp_path, bound, page) as (store, peer):
+        ledger = os.path.join(store.layout.ns_dir, LEDGER_NAME)
+        os.truncate(ledger, left)
+        for i in range(4, 8):
+            assert await within(store.set(f"k{i}", v0(page, i)))
+            await within(store.wait_background(), 10.0)
+        on_disk = sum(p.stat().st_size for p in Path(store.layout.ns_dir).rglob("*.page"))
+        assert on_disk <= bound
+        assert read_usage(ledger).used == on_disk

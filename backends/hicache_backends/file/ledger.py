@@ -36,9 +36,12 @@ in another PID namespace, which no process here may judge dead, go only then.
 
 A clear renames the namespace folder away, and with it the ledger; the next operation notices
 that the path now names another file and reopens it, and a delta reserved against the old file
-is dropped (:class:`Token`). Every call here blocks (``flock``) and runs on executor threads.
-Any OS error makes the ledger *unavailable* for that call (``None``): the store then falls back
-to its own count, and a full disk never breaks the store.
+is dropped (:class:`Token`). A ledger found cut short or overwritten (by hand, a repair after a
+crash) reads as zeros: the call says so (:attr:`Usage.lost`), and its store indexes the
+namespace again, its scan's floor counting the pages on disk back. Every call here blocks
+(``flock``) and runs on executor threads. Any OS error makes the ledger *unavailable* for
+that call (``None``): the store then falls back to its own count, and a full disk never breaks
+the store.
 """
 
 from __future__ import annotations
@@ -86,6 +89,10 @@ class Usage:
     #: bytes every process reserved and has not settled (the reservation table's sum, in
     #: ``used``): writes in flight, each of which makes its own room before it writes
     inflight: int = 0
+    #: this call found the counters it had read before gone (the file cut short or
+    #: overwritten: by hand, a repair after a crash) and started them afresh, the pages on
+    #: disk left out: the caller re-indexes the namespace, as after a reclaim
+    lost: bool = False
 
 
 def _decode(raw: bytes) -> tuple[int, int, float, int]:
@@ -95,6 +102,16 @@ def _decode(raw: bytes) -> tuple[int, int, float, int]:
     if magic != _MAGIC:
         return 0, 0, 0.0, 0
     return max(0, used), max(0, refused), refused_at, seq
+
+
+def _lost(raw: bytes, fresh: bool) -> bool:
+    """Whether the counters read as ``raw`` from a file this process had open before (not
+    ``fresh``) are gone: cut short or overwritten, read as zeros. Every ledger call leaves the
+    whole ledger written, so only a hand or a repair after a crash does that; a file just
+    opened may be empty still (its creator writes it in its first call)."""
+    if raw[: len(_MAGIC)] == _MAGIC and len(raw) >= _FORMAT.size:
+        return False
+    return bool(raw) or not fresh
 
 
 def _decode_slots(raw: bytes) -> list[int]:
@@ -333,11 +350,15 @@ class UsageLedger:
         with self._lock:
             try:
                 self._join()
-                fd, _ = self._counters.current()
+                fd, fresh = self._counters.current()
                 flock_within(fd, fcntl.LOCK_EX)
                 try:
                     raw = os.pread(fd, _SIZE, 0)
                     used, nref, at, seq = _decode(raw[: _FORMAT.size])
+                    lost = _lost(raw, fresh)
+                    if lost:
+                        logger.warning("file store: usage ledger %s was cut short or overwritten; counting the "
+                                       "namespace's pages again", self.path)
                     slots = _decode_slots(raw)
                     changed = len(raw) != _SIZE
                     applies = token is None or token == self._counters.ino
@@ -373,7 +394,7 @@ class UsageLedger:
                     logger.warning("file store: usage ledger %s unavailable (%s); counting this process only", self.path, exc)
                 return None
             self._warned = False
-            return Usage(used, nref, at, seq, self._counters.ino, reclaimed, sum(slots[2::3]))
+            return Usage(used, nref, at, seq, self._counters.ino, reclaimed, sum(slots[2::3]), lost)
 
     def read(self) -> Usage | None:
         """The current totals (a locked read)."""

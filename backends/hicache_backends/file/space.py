@@ -250,10 +250,11 @@ class SpaceAccountant:
         return usage
 
     def after_reclaim(self, usage: Usage | None) -> None:
-        """A ledger call gave back a dead writer's reservation (see :class:`Usage`): index the
-        namespace again, so the pages it published before dying are found, evictable, and
-        counted again by the scan's ``floor``."""
-        if usage is not None and usage.reclaimed:
+        """A ledger call gave back a dead writer's reservation (see :class:`Usage`), or found
+        the ledger's counters lost: index the namespace again, so the pages it published
+        before dying (all pages, for a lost count) are found, evictable, and counted again by
+        the scan's ``floor``."""
+        if usage is not None and (usage.reclaimed or usage.lost):
             self._on_reclaim(usage)
 
     async def baseline(self, executor: ThreadPoolExecutor) -> tuple[Usage | None, int | None]:
@@ -661,7 +662,7 @@ class SpaceAccountant:
             if usage is None:  # both given to the next reservation (debt, unreleased)
                 return _Removal(freed, idents, kept, owed=freed, unreleased=claimed, usage=marked)
             if usage.token == marked.token or not freed:
-                return _Removal(freed, idents, kept, usage=usage if usage.reclaimed else marked)
+                return _Removal(freed, idents, kept, usage=usage if usage.reclaimed or usage.lost else marked)
         if freed and ledger.add(-freed) is None:
             return _Removal(freed, idents, kept, owed=freed, usage=marked)
         return _Removal(freed, idents, kept, usage=marked)
