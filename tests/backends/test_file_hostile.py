@@ -1747,3 +1747,34 @@ async def test_a_ledger_cut_short_under_open_stores_is_raised_back_to_the_pages_
         on_disk = sum(p.stat().st_size for p in Path(store.layout.ns_dir).rglob("*.page"))
         assert on_disk <= bound
         assert read_usage(ledger).used == on_disk
+
+
+async def test_a_lone_scan_leaves_the_count_alone_while_an_observer_is_removing_a_page(tmp_path) -> None:
+    """An observer (``hicache inspect --verify``) keeps out of the ``users`` lock: a writer's
+    scan finds the namespace to itself while an observer is between the unlink of a corrupt
+    page (its bytes marked in its slot) and giving them back. The scan replaced the count
+    with the pages it found, the page already left out, and emptied the table, mark and all;
+    the give-back then took the page off a second time: the count a page below the disk for
+    as long as peers kept the namespace open (the namespace over ``max_bytes`` by as much).
+    A slot of a live process of this machine now keeps the count as it is. Forced order: the
+    observer's steps are this test's, the writer opens between the unlink and the give-back."""
+    from hicache_backends.file.ledger import give_back, mark
+
+    page = 64 << 10
+    bound = 8 * (page + 512)
+    async with make_store(tmp_path, max_bytes=bound) as store:
+        await within(store.wait_background())
+        for i in range(4):
+            assert await within(store.set(f"k{i}", v0(page, i)))
+        ledger = os.path.join(store.layout.ns_dir, LEDGER_NAME)
+        victim = page_path(tmp_path, store.namespace.digest, "k0")
+    size = os.path.getsize(victim)
+    token = read_usage(ledger).token
+    assert mark(ledger, size, token) is True  # the observer marks the page, then unlinks it
+    os.unlink(victim)
+    async with make_store(tmp_path, max_bytes=bound) as store:  # alone: its scan may correct the count
+        await within(store.wait_background())
+        assert give_back(ledger, size, token, size) is True
+        on_disk = sum(p.stat().st_size for p in Path(store.layout.ns_dir).rglob("*.page"))
+        assert on_disk == 3 * size
+        assert read_usage(ledger).used >= on_disk

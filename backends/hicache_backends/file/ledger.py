@@ -209,6 +209,14 @@ def _gone(owner: int, pid: int) -> bool:
     return False
 
 
+def _held_here(slots: list[int]) -> bool:
+    """Whether a slot in use is a live process's of this machine: a removal in flight (an
+    observer's, which no ``users`` lock shows) whose page a lone scan may have found gone, its
+    bytes then given back a second time once the scan's measure replaced the count."""
+    return any((owner == MACHINE or not (owner ^ MACHINE) & _LOW) and not _gone(owner, pid)
+               for owner, pid in (slots[i : i + 2] for i in _taken(slots)))
+
+
 def _reclaim(slots: list[int]) -> int:
     """Free the slots of this machine's dead processes; returns the bytes they held (none
     below zero, which only a damaged slot holds: given back, they raised the count)."""
@@ -335,8 +343,9 @@ class UsageLedger:
         when the ledger cannot be used. With ``token``, a delta meant for a ledger file that has
         since been replaced (a clear) is not applied; the current totals are still returned.
         With ``if_seq``, the delta is applied only if nobody changed the ledger since the
-        reading that had that ``seq`` (a scan's correction, see the module docstring), and the
-        reservation table is then emptied (only a scan of the namespace alone passes it).
+        reading that had that ``seq`` (a scan's correction, see the module docstring) and no
+        live process of this machine holds a slot, and the reservation table is then emptied
+        (only a scan of the namespace alone passes it).
         ``inflight``: bytes this process starts (> 0, with its reservation) or stops (< 0, when
         it settles) having reserved and not settled; given back for it if it dies between.
         ``floor``: bytes a scan found on disk; the count is raised to it if below (never
@@ -362,9 +371,10 @@ class UsageLedger:
                     slots = _decode_slots(raw)
                     changed = len(raw) != _SIZE
                     applies = token is None or token == self._counters.ino
-                    if delta and applies and if_seq in (None, seq):
+                    lone = applies and if_seq == seq and not _held_here(slots)
+                    if delta and applies and (if_seq is None or lone):
                         used, changed = max(0, used + delta), True
-                    if applies and if_seq == seq and any(slots[2::3]):
+                    if lone and any(slots[2::3]):
                         # a lone scan's correction: nothing is in flight, so a slot left is a
                         # dead writer's that nobody here may judge (another machine or PID
                         # namespace); kept, its bytes passed for a write in flight for good
