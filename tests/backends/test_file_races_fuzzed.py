@@ -102,3 +102,49 @@ async def test_a_peer_clear_landing_inside_makedirs_is_set_up_again(tmp_path, mo
         monkeypatch.setattr(file_io.os, "makedirs", real)
         assert raced and not [r for r in caplog.records if r.levelno >= logging.ERROR]
         assert await a.set("k2", torch.zeros(16, dtype=torch.uint8))
+
+
+async def test_a_close_cut_short_leaves_the_namespace_to_others(tmp_path, monkeypatch) -> None:
+    """A close cancelled (past a caller's limit) while a batch's page write was on an I/O
+    thread released the ledger's files, then the batch's settlement on that thread opened
+    them again, the ``users`` lock with them, and held it for the life of the process: every
+    later store of the namespace found another process using it, and no scan of theirs
+    corrected the count again. A closed ledger now lets go of its files after each call.
+    Forced order: the write waits until the close was cancelled."""
+    import threading
+
+    import pytest
+
+    from hicache_backends.file.ledger import UsageLedger
+
+    store = make_store(tmp_path, max_bytes=1 << 20)
+    await store.open()
+    await store.wait_index_ready()
+    started, go = threading.Event(), threading.Event()
+    real = file_io.write_page
+
+    def held(*args):  # type: ignore[no-untyped-def]
+        started.set()
+        assert go.wait(30)
+        return real(*args)
+
+    monkeypatch.setattr(file_io, "write_page", held)
+    write = asyncio.create_task(store.batch_set(["a"], [torch.full((64,), 1, dtype=torch.uint8)]))
+    try:
+        assert await asyncio.to_thread(started.wait, 30)
+        closing = asyncio.create_task(store.aclose())
+        await asyncio.sleep(0.05)
+        closing.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await closing
+    finally:
+        go.set()
+    await asyncio.gather(write, return_exceptions=True)
+    on_disk = sum(os.path.getsize(f) for f in all_files(tmp_path) if f.endswith(".page"))
+    usage = read_usage(os.path.join(store.layout.ns_dir, LEDGER_NAME))
+    assert usage is not None and usage.used == on_disk and usage.inflight == 0  # the settlement still landed
+    other = UsageLedger(store.layout.ns_dir)  # another store's, opening the namespace now
+    try:
+        assert other.alone()
+    finally:
+        other.close()

@@ -334,6 +334,7 @@ class UsageLedger:
         self._counters = SharedFile(self.path)
         self._users = SharedFile(os.path.join(ns_dir, USERS_NAME))
         self._warned = False
+        self._closed = False
 
     def add(
         self, delta: int, *, refused: int = 0, token: int | None = None, if_seq: int | None = None,
@@ -358,7 +359,8 @@ class UsageLedger:
         raise the count, need it look at them again."""
         with self._lock:
             try:
-                self._join()
+                if not self._closed:
+                    self._join()
                 fd, fresh = self._counters.current()
                 flock_within(fd, fcntl.LOCK_EX)
                 try:
@@ -397,14 +399,17 @@ class UsageLedger:
                         os.pwrite(fd, _FORMAT.pack(_MAGIC, used, nref, at, seq) + _encode_slots(slots), 0)
                 finally:
                     fcntl.flock(fd, fcntl.LOCK_UN)
+                self._warned = False
+                return Usage(used, nref, at, seq, self._counters.ino, reclaimed, sum(slots[2::3]), lost)
             except OSError as exc:  # TimeoutError included
                 self._counters.close()
                 if not self._warned:
                     self._warned = True
                     logger.warning("file store: usage ledger %s unavailable (%s); counting this process only", self.path, exc)
                 return None
-            self._warned = False
-            return Usage(used, nref, at, seq, self._counters.ino, reclaimed, sum(slots[2::3]), lost)
+            finally:
+                if self._closed:  # a call left running by a close cut short: see close
+                    self._counters.close()
 
     def read(self) -> Usage | None:
         """The current totals (a locked read)."""
@@ -422,6 +427,8 @@ class UsageLedger:
         in flight (an under-count). Now every process that lets go of its shared lock while it
         still has the namespace open does so holding the ledger's lock, which the asker holds."""
         with self._lock:
+            if self._closed:
+                return False
             try:
                 fd = self._join()
                 counters, _ = self._counters.current()
@@ -444,7 +451,12 @@ class UsageLedger:
                 fcntl.flock(counters, fcntl.LOCK_UN)
 
     def close(self) -> None:
+        """Let go of the files, the ``users`` lock with them, for good: a call still running
+        (a settlement on an I/O thread a close cut short, see ``FileStorage``) is applied
+        without joining and lets go of them again. Joined anew, it held the ``users`` lock for
+        the life of the process, and no later store of the namespace found it to itself."""
         with self._lock:
+            self._closed = True
             self._counters.close()
             self._users.close()
 
