@@ -1778,3 +1778,47 @@ async def test_a_lone_scan_leaves_the_count_alone_while_an_observer_is_removing_
         on_disk = sum(p.stat().st_size for p in Path(store.layout.ns_dir).rglob("*.page"))
         assert on_disk == 3 * size
         assert read_usage(ledger).used >= on_disk
+
+
+def test_a_forked_child_takes_the_ledgers_lock_on_a_file_of_its_own(tmp_path) -> None:
+    """A child forked from a process with the usage ledger open (a server forking workers
+    after its store opened) used the parent's descriptors: a ``flock`` on one open file does
+    not exclude its sharers, so the child changed the counters while the parent was in the
+    middle of changing them (one change lost); and a child forked while a thread of the parent
+    was in a ledger call waited for the parent's mutex forever. The child now opens the files
+    (and takes a mutex) of its own, as the removal journal does. Forced: the parent is inside
+    a ledger call (its mutex and its file's lock held) when it forks."""
+    import fcntl
+    import select
+
+    from hicache_backends.file.ledger import UsageLedger
+
+    ledger = UsageLedger(str(tmp_path))
+    assert ledger.add(100) is not None
+    fd = ledger._counters.fd
+    assert fd is not None
+    read, write = os.pipe()
+    ledger._lock.acquire()
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    child = os.fork()
+    if child == 0:  # pragma: no cover - the child reports through the pipe
+        try:
+            os.write(write, b"1" if ledger.add(10) is None else b"0")  # the parent holds the lock
+        finally:
+            os._exit(0)
+    os.close(write)
+    answered = select.select([read], [], [], 20)[0]
+    try:
+        if not answered:
+            os.kill(child, 9)
+        assert answered, "the forked child hung on the ledger"
+        assert os.read(read, 1) == b"1"  # excluded by the parent's lock: it waited, then gave up
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        ledger._lock.release()
+        os.close(read)
+        os.waitpid(child, 0)
+    assert ledger._counters.fd == fd
+    usage = ledger.read()
+    assert usage is not None and usage.used == 100
+    ledger.close()

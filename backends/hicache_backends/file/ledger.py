@@ -335,6 +335,7 @@ class UsageLedger:
         self._users = SharedFile(os.path.join(ns_dir, USERS_NAME))
         self._warned = False
         self._closed = False
+        self._pid = os.getpid()  # the process whose mutex and descriptors these are
 
     def add(
         self, delta: int, *, refused: int = 0, token: int | None = None, if_seq: int | None = None,
@@ -357,7 +358,7 @@ class UsageLedger:
         far is in. A removal is subtracted after its unlink, so pages looked at after a reading
         with that same ``seq`` are all still counted; only otherwise, and only when that would
         raise the count, need it look at them again."""
-        with self._lock:
+        with self._own():
             try:
                 if not self._closed:
                     self._join()
@@ -426,7 +427,7 @@ class UsageLedger:
         the namespace to itself, and its scan replaced the count while this process had a write
         in flight (an under-count). Now every process that lets go of its shared lock while it
         still has the namespace open does so holding the ledger's lock, which the asker holds."""
-        with self._lock:
+        with self._own():
             if self._closed:
                 return False
             try:
@@ -455,10 +456,25 @@ class UsageLedger:
         (a settlement on an I/O thread a close cut short, see ``FileStorage``) is applied
         without joining and lets go of them again. Joined anew, it held the ``users`` lock for
         the life of the process, and no later store of the namespace found it to itself."""
-        with self._lock:
+        with self._own():
             self._closed = True
             self._counters.close()
             self._users.close()
+
+    def _own(self) -> threading.Lock:
+        """This process's mutex, and its files: a child forked from a process with the ledger
+        open takes a mutex and opens the files of its own (the inherited descriptors are left
+        to the parent, as the removal journal leaves its lock file). Sharing the parent's, its
+        ``flock`` did not exclude the parent (one open file's sharers are not excluded), so a
+        change of each could be lost; and a child forked while a thread of the parent was in
+        a ledger call waited for the parent's mutex forever (only the forking thread lives on
+        in a child)."""
+        if self._pid != os.getpid():
+            self._lock = threading.Lock()
+            self._counters = SharedFile(self._counters.path)
+            self._users = SharedFile(self._users.path)
+            self._pid = os.getpid()
+        return self._lock
 
     def _join(self) -> int:
         """Hold the shared ``users`` lock on the current namespace folder's file."""
