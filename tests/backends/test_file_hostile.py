@@ -1728,19 +1728,23 @@ def test_two_ledgers_never_both_find_the_namespace_to_themselves(tmp_path, monke
         b.close()
 
 
-@pytest.mark.parametrize("left", [0, 20])
+@pytest.mark.parametrize("left", [0, 20, None])
 async def test_a_ledger_cut_short_under_open_stores_is_raised_back_to_the_pages_on_disk(tmp_path, left) -> None:
-    """The usage ledger cut short while stores have it open (truncated by hand, a repair after
-    a crash) read as an empty namespace: the count lost every page on disk, and with a peer
-    keeping the namespace open (no lone scan corrects it) the namespace went on to hold up to
-    twice ``max_bytes`` for as long as peers kept it open. A ledger call that finds the file
-    it had open cut short now has its store index the namespace again, and the scan's floor
-    raises the count back to the pages on disk (the writes after it evict what is over)."""
+    """The usage ledger cut short (or deleted) while stores have it open (by hand, a repair
+    after a crash) read as an empty namespace: the count lost every page on disk, and with a
+    peer keeping the namespace open (no lone scan corrects it) the namespace went on to hold
+    up to twice ``max_bytes`` for as long as peers kept it open. A ledger call that finds the
+    file it had open cut short (or made anew in its folder) now has its store index the
+    namespace again, and the scan's floor raises the count back to the pages on disk (the
+    writes after it evict what is over)."""
     page = 64 << 10
     bound = 6 * (page + 512)
     async with _four_pages_with_a_peer(tmp_path, bound, page) as (store, peer):
         ledger = os.path.join(store.layout.ns_dir, LEDGER_NAME)
-        os.truncate(ledger, left)
+        if left is None:
+            os.unlink(ledger)  # deleted: the next call creates it anew
+        else:
+            os.truncate(ledger, left)
         for i in range(4, 8):
             assert await within(store.set(f"k{i}", v0(page, i)))
             await within(store.wait_background(), 10.0)
@@ -1822,3 +1826,20 @@ def test_a_forked_child_takes_the_ledgers_lock_on_a_file_of_its_own(tmp_path) ->
     usage = ledger.read()
     assert usage is not None and usage.used == 100
     ledger.close()
+
+
+async def test_a_clear_is_not_taken_for_a_lost_ledger(tmp_path, caplog) -> None:
+    """A clear renames the namespace folder away, and the fresh folder's ledger starts empty:
+    no store takes that for a ledger cut short (no warning, no scan of the namespace again)."""
+    page = 64 << 10
+    async with make_store(tmp_path, max_bytes=8 * (page + 512)) as a, make_store(tmp_path, max_bytes=8 * (page + 512)) as b:
+        await within(a.wait_background())
+        await within(b.wait_background())
+        assert await within(a.set("k0", v0(page, 0)))
+        with caplog.at_level(logging.WARNING):
+            assert await within(b.clear())
+            for store in (a, b):
+                assert await within(store.set(f"k-{id(store)}", v0(page, 1)))
+                await within(store.wait_background())
+        assert not [r for r in caplog.records if "cut short" in r.getMessage()]
+        assert a.get_stats().get("rescans", 0) == b.get_stats().get("rescans", 0) == 0

@@ -36,12 +36,12 @@ in another PID namespace, which no process here may judge dead, go only then.
 
 A clear renames the namespace folder away, and with it the ledger; the next operation notices
 that the path now names another file and reopens it, and a delta reserved against the old file
-is dropped (:class:`Token`). A ledger found cut short or overwritten (by hand, a repair after a
-crash) reads as zeros: the call says so (:attr:`Usage.lost`), and its store indexes the
-namespace again, its scan's floor counting the pages on disk back. Every call here blocks
-(``flock``) and runs on executor threads. Any OS error makes the ledger *unavailable* for
-that call (``None``): the store then falls back to its own count, and a full disk never breaks
-the store.
+is dropped (:class:`Token`). A ledger found cut short, overwritten or deleted (by hand, a
+repair after a crash) reads as zeros: the call says so (:attr:`Usage.lost`), and its store
+indexes the namespace again, its scan's floor counting the pages on disk back. Every call
+here blocks (``flock``) and runs on executor threads. Any OS error makes the ledger
+*unavailable* for that call (``None``): the store then falls back to its own count, and a
+full disk never breaks the store.
 """
 
 from __future__ import annotations
@@ -89,8 +89,8 @@ class Usage:
     #: bytes every process reserved and has not settled (the reservation table's sum, in
     #: ``used``): writes in flight, each of which makes its own room before it writes
     inflight: int = 0
-    #: this call found the counters it had read before gone (the file cut short or
-    #: overwritten: by hand, a repair after a crash) and started them afresh, the pages on
+    #: this call found the counters it had read before gone (the file cut short, overwritten
+    #: or deleted: by hand, a repair after a crash) and started them afresh, the pages on
     #: disk left out: the caller re-indexes the namespace, as after a reclaim
     lost: bool = False
 
@@ -104,14 +104,15 @@ def _decode(raw: bytes) -> tuple[int, int, float, int]:
     return max(0, used), max(0, refused), refused_at, seq
 
 
-def _lost(raw: bytes, fresh: bool) -> bool:
-    """Whether the counters read as ``raw`` from a file this process had open before (not
-    ``fresh``) are gone: cut short or overwritten, read as zeros. Every ledger call leaves the
-    whole ledger written, so only a hand or a repair after a crash does that; a file just
-    opened may be empty still (its creator writes it in its first call)."""
+def _lost(raw: bytes, first: bool) -> bool:
+    """Whether the counters read as ``raw`` are gone: cut short or overwritten (read as
+    zeros), or, unless the file is ``first`` opened in its folder, empty (it was deleted and
+    made anew). Every ledger call leaves the whole ledger written, so only a hand or a repair
+    after a crash does that; a file opened the first time may be empty still (its creator
+    writes it in its first call)."""
     if raw[: len(_MAGIC)] == _MAGIC and len(raw) >= _FORMAT.size:
         return False
-    return bool(raw) or not fresh
+    return bool(raw) or not first
 
 
 def _decode_slots(raw: bytes) -> list[int]:
@@ -336,6 +337,7 @@ class UsageLedger:
         self._warned = False
         self._closed = False
         self._pid = os.getpid()  # the process whose mutex and descriptors these are
+        self._folder = 0  # the namespace folder's inode when the ledger file was last opened
 
     def add(
         self, delta: int, *, refused: int = 0, token: int | None = None, if_seq: int | None = None,
@@ -362,15 +364,16 @@ class UsageLedger:
             try:
                 if not self._closed:
                     self._join()
+                had = self._counters.ino  # 0: not open before
                 fd, fresh = self._counters.current()
                 flock_within(fd, fcntl.LOCK_EX)
                 try:
                     raw = os.pread(fd, _SIZE, 0)
                     used, nref, at, seq = _decode(raw[: _FORMAT.size])
-                    lost = _lost(raw, fresh)
+                    lost = _lost(raw, fresh and not self._made_anew(had))
                     if lost:
-                        logger.warning("file store: usage ledger %s was cut short or overwritten; counting the "
-                                       "namespace's pages again", self.path)
+                        logger.warning("file store: usage ledger %s was cut short, overwritten or deleted; "
+                                       "counting the namespace's pages again", self.path)
                     slots = _decode_slots(raw)
                     changed = len(raw) != _SIZE
                     applies = token is None or token == self._counters.ino
@@ -460,6 +463,17 @@ class UsageLedger:
             self._closed = True
             self._counters.close()
             self._users.close()
+
+    def _made_anew(self, had: int) -> bool:
+        """(The ledger file just opened.) Whether it replaced the one open before (``had``) in
+        the same folder: deleted and created again, not gone with its folder (a clear renames
+        the folder away, and the fresh folder's ledger is empty as it should be)."""
+        try:
+            folder = os.stat(os.path.dirname(self.path)).st_ino
+        except OSError:
+            folder = 0
+        same, self._folder = bool(had) and folder == self._folder, folder
+        return same
 
     def _own(self) -> threading.Lock:
         """This process's mutex, and its files: a child forked from a process with the ledger
