@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from hicache.config.budget import check_memory, memory_needs, system_memory_bytes
+from hicache.config.schema import UNNAMED_MODEL
 from hicache.controller.config import ControllerConfig
 from hicache.controller.controller import HiCacheController
 from hicache.errors import ConfigError
@@ -45,6 +46,7 @@ __all__ = [
     "build_stack",
     "controller_options",
     "placement_defaults",
+    "require_model_name",
     "stack_config_from",
     "storage_namespace",
     "torch_dtype",
@@ -307,7 +309,9 @@ def config_namespace(config: Any) -> Namespace:
     """The storage namespace of a deployment: what makes its pages incompatible with others'.
 
     The layout is the canonical flat page format (the same bytes whatever the host layout), so
-    deployments that differ only in host layout share pages."""
+    deployments that differ only in host layout share pages. A store other than the in-process
+    ``memory`` one needs ``model.name`` set (:func:`require_model_name`)."""
+    require_model_name(config)
     m = config.model
     return Namespace(
         model=m.name,
@@ -323,8 +327,32 @@ def config_namespace(config: Any) -> Namespace:
     )
 
 
-def stack_config_from(config: Any) -> StackConfig:
-    """A :class:`StackConfig` for a deployment config (``hicache.config.HiCacheConfig``)."""
+def require_model_name(config: Any) -> None:
+    """A :class:`ConfigError` where ``config`` names no model (``model.name`` left unset, or
+    blank) and its storage backend is any but the in-process ``memory`` one.
+
+    Why: a page is found by its token hashes within the namespace, and a file, S3 or plugin
+    store outlives the process and is shared; two models of one geometry whose configs both
+    left the name unset had one namespace, and each was served the other's KV (wrong answers,
+    no error). A ``memory`` store dies with the process that wrote it, so a test or demo need
+    not name its model."""
+    backend = config.storage.backend
+    if backend is None or backend == "memory":
+        return
+    name = config.model.name
+    if name.strip() and name != UNNAMED_MODEL:
+        return
+    raise ConfigError(f"model.name is not set: storage backend {backend!r} keeps pages beyond this process, "
+                      "found by model and geometry, and unnamed models of one geometry would read each other's KV; "
+                      "set model.name (or HICACHE__MODEL__NAME) to the served model's id, e.g. "
+                      "meta-llama/Llama-3.1-8B-Instruct")
+
+
+def stack_config_from(config: Any, *, namespace: bool = True) -> StackConfig:
+    """A :class:`StackConfig` for a deployment config (``hicache.config.HiCacheConfig``).
+
+    ``namespace=False``: the caller stores pages under a namespace of its own (the replay's, one
+    per run), so the config's is not made, nor its model name required; ``namespace`` is ``None``."""
     m, d, h, st = config.model, config.device, config.host, config.storage
     device = str(device_for(None if d.device == "auto" else d.device))
     ps = d.page_size
@@ -363,7 +391,7 @@ def stack_config_from(config: Any) -> StackConfig:
         req_slots=d.max_requests,
         max_context_len=d.max_context_len,
         controller=ControllerConfig.from_dict(controller_options(config)),
-        namespace=config_namespace(config),
+        namespace=config_namespace(config) if namespace else None,
         explain_misses=config.cache.explain_misses,
         attribution_ledger_pages=config.cache.attribution_ledger_pages,
         events_hash_format=config.events.hash_format,

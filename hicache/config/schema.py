@@ -30,6 +30,7 @@ __all__ = [
     "SessionConfig",
     "StorageConfig",
     "TracingConfig",
+    "UNNAMED_MODEL",
     "storage_backend_name",
 ]
 
@@ -75,10 +76,17 @@ def _not_bool(value: Any) -> Any:
 _Dim = Annotated[int, BeforeValidator(_not_bool), Field(gt=0, le=1 << 31)]
 
 
+#: ``model.name`` of a config that names no model: no model's id (it cannot be a hub id), so
+#: that no real model's pages ever share its namespace. A cache whose store outlives the process
+#: refuses it (:func:`hicache.stack.require_model_name`)
+UNNAMED_MODEL = "(unnamed)"
+
+
 class ModelConfig(_Section):
     """KV geometry of the served model; it decides the pools' shapes and the storage namespace."""
 
-    name: str = Field("hicache/tiny-gqa", description="Model id; part of the storage namespace.")
+    name: str = Field(UNNAMED_MODEL, description="Model id; part of the storage namespace. Required with any "
+                      "storage backend but 'memory': unnamed models of one geometry would read each other's KV.")
     revision: str | None = Field(None, description="Model revision; part of the namespace.")
     attention: Literal["mha", "mla"] = Field("mha", description="MHA/GQA keeps K and V; MLA one latent.")
     num_layers: int = Field(4, gt=0, description="Transformer layers (one KV buffer each).")

@@ -282,7 +282,7 @@ class ReplayConfig:
             raise ConfigError("replay: only MHA geometry is supported (model.attention = 'mha')")
         if model.kv_dtype not in _EXACT_DTYPES:
             raise ConfigError(f"replay: model.kv_dtype {model.kv_dtype!r} cannot hold exact synthetic KV")
-        st = stack_config_from(config)
+        st = stack_config_from(config, namespace=False)  # each run's pages have a namespace of their own
         ps = st.page_size
         pages = {"device": st.device_pages, "host": st.host_pages}
         if st.storage_backend and "max_bytes" in st.storage_options:

@@ -31,7 +31,7 @@ def tier_config(root: Path, device_tokens: int = 512) -> HiCacheConfig:
     """A device pool of a few pages (so other traffic evicts a prefix to host), a large host
     pool, and the file backend under ``root`` with prefetch of any length, waited for."""
     return HiCacheConfig.model_validate({
-        "model": {"num_layers": 3, "num_kv_heads": 2, "head_dim": 16},
+        "model": {"name": "tests/engine-model", "num_layers": 3, "num_kv_heads": 2, "head_dim": 16},
         "device": {"device": "cpu", "size_tokens": device_tokens, "page_size": 16, "max_context_len": 1024},
         "host": {"ratio": 8.0},
         "storage": {"backend": "file", "options": {"root": str(root), "max_bytes": 1 << 30, "min_free_bytes": 0}},

@@ -39,7 +39,7 @@ def config(root: Path, **events: Any) -> dict[str, Any]:
     ev.update(events)
     page = 16 * 2 * 4 * 2 * 32 * 4  # tokens x (K, V) x layers x heads x head_dim x float32
     return {
-        "model": {"num_layers": 4, "num_kv_heads": 2, "head_dim": 32, "kv_dtype": "float32"},
+        "model": {"name": "tests/events-model", "num_layers": 4, "num_kv_heads": 2, "head_dim": 32, "kv_dtype": "float32"},
         "device": {"device": "cpu", "size_tokens": 128, "page_size": 16, "max_context_len": 1024},
         "host": {"ratio": 1.0},
         "storage": {"backend": "file", "options": {"root": str(root), "max_bytes": 10 * (page + 512)}},

@@ -26,7 +26,7 @@ TOKENS = [(7 * i + 3) % 97 for i in range(8 * PS + 3)]  # inside the tiny model'
 
 def small_config(root: Path) -> HiCacheConfig:
     return HiCacheConfig.model_validate({
-        "model": {"num_layers": 3, "num_kv_heads": 2, "head_dim": 16},
+        "model": {"name": "tests/stats-model", "num_layers": 3, "num_kv_heads": 2, "head_dim": 16},
         "device": {"device": "cpu", "size_tokens": 4096, "page_size": PS, "max_context_len": 2048},
         "host": {"ratio": 2.0},
         "storage": {"backend": "file", "options": {"root": str(root), "max_bytes": 1 << 30, "min_free_bytes": 0}},

@@ -16,7 +16,7 @@ def small_config(storage_root: Path | None = None, **sections: Any) -> HiCacheCo
     """A fast deployment: 3 layers, 2 KV heads of 16, a CPU device pool, loopback port 0; the
     file backend under ``storage_root`` when given, else no storage tier."""
     data: dict[str, Any] = {
-        "model": {"num_layers": 3, "num_kv_heads": 2, "head_dim": 16},
+        "model": {"name": "tests/server-model", "num_layers": 3, "num_kv_heads": 2, "head_dim": 16},
         "device": {"device": "cpu", "size_tokens": 4096, "page_size": PAGE, "max_context_len": 2048},
         "host": {"ratio": 2.0},
         "storage": {"backend": None} if storage_root is None else
