@@ -329,23 +329,26 @@ def config_namespace(config: Any) -> Namespace:
 
 def require_model_name(config: Any) -> None:
     """A :class:`ConfigError` where ``config`` names no model (``model.name`` left unset, or
-    blank) and its storage backend is any but the in-process ``memory`` one.
+    blank) and its store is shared: any backend but ``memory``, and ``memory`` with a
+    ``store_id`` (a medium every store of the process naming it shares).
 
     Why: a page is found by its token hashes within the namespace, and a file, S3 or plugin
     store outlives the process and is shared; two models of one geometry whose configs both
     left the name unset had one namespace, and each was served the other's KV (wrong answers,
-    no error). A ``memory`` store dies with the process that wrote it, so a test or demo need
-    not name its model."""
+    no error). A private ``memory`` store dies with the cache that wrote it, so a test or demo
+    need not name its model."""
     backend = config.storage.backend
-    if backend is None or backend == "memory":
+    store_id = config.storage.options.get("store_id") if backend == "memory" else None
+    if backend is None or (backend == "memory" and not store_id):
         return
     name = config.model.name
     if name.strip() and name != UNNAMED_MODEL:
         return
-    raise ConfigError(f"model.name is not set: storage backend {backend!r} keeps pages beyond this process, "
-                      "found by model and geometry, and unnamed models of one geometry would read each other's KV; "
-                      "set model.name (or HICACHE__MODEL__NAME) to the served model's id, e.g. "
-                      "meta-llama/Llama-3.1-8B-Instruct")
+    shared = (f"storage backend 'memory' with store_id {store_id!r} shares its pages with every store of this "
+              "process naming it" if store_id else f"storage backend {backend!r} keeps pages beyond this process")
+    raise ConfigError(f"model.name is not set: {shared}, found by model and geometry, and unnamed models of one "
+                      "geometry would read each other's KV; set model.name (or HICACHE__MODEL__NAME) to the served "
+                      "model's id, e.g. meta-llama/Llama-3.1-8B-Instruct")
 
 
 def stack_config_from(config: Any, *, namespace: bool = True) -> StackConfig:

@@ -85,8 +85,9 @@ UNNAMED_MODEL = "(unnamed)"
 class ModelConfig(_Section):
     """KV geometry of the served model; it decides the pools' shapes and the storage namespace."""
 
-    name: str = Field(UNNAMED_MODEL, description="Model id; part of the storage namespace. Required with any "
-                      "storage backend but 'memory': unnamed models of one geometry would read each other's KV.")
+    name: str = Field(UNNAMED_MODEL, description="Model id; part of the storage namespace. Required with any storage "
+                      "backend but a private 'memory' one (no store_id): unnamed models of one geometry would read "
+                      "each other's KV.")
     revision: str | None = Field(None, description="Model revision; part of the namespace.")
     attention: Literal["mha", "mla"] = Field("mha", description="MHA/GQA keeps K and V; MLA one latent.")
     num_layers: int = Field(4, gt=0, description="Transformer layers (one KV buffer each).")

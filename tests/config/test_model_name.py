@@ -59,6 +59,18 @@ def test_an_unnamed_model_on_a_plugin_store_is_refused_too(tmp_path: Path) -> No
         HiCache(cfg)
 
 
+async def test_an_unnamed_model_on_a_shared_memory_store_is_refused(tmp_path: Path) -> None:
+    """Memory stores naming one ``store_id`` share a medium in this process: two caches of
+    other models, one geometry and no name would read each other's KV there as on a file."""
+    data = config(tmp_path, backend="memory")
+    data["storage"]["options"] = {"store_id": f"model-name-{tmp_path.name}"}
+    with pytest.raises(ConfigError, match=r"model\.name is not set.*'memory'.*store_id.*HICACHE__MODEL__NAME"):
+        HiCache(load_config(data, environ={}))
+    data["model"]["name"] = "org/model-a"
+    async with HiCache(load_config(data, environ={})) as cache:
+        assert cache.storage is not None
+
+
 @pytest.mark.parametrize("backend", ["memory", None])
 async def test_an_unnamed_model_in_memory_or_without_storage_runs(tmp_path: Path, backend: str | None) -> None:
     cfg = load_config(config(tmp_path, backend=backend), environ={})
