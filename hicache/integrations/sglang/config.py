@@ -154,6 +154,7 @@ def namespace_for(
     model: str | None = None,
     revision: str | None = None,
     draft: Mapping[str, str] | None = None,
+    quantization: str | None = None,
 ) -> Namespace:
     """The namespace of an SGLang server's pages.
 
@@ -163,7 +164,9 @@ def namespace_for(
     different weights often share (``default``), and page keys are token hashes alone, so
     that alias would let one model restore another's KV. ``draft``: the speculative draft's
     settings when the KV pool (or another pool in the namespace: one in SGLang's own bytes)
-    packs its MTP layers, whose KV is then in those pages.
+    packs its MTP layers, whose KV is then in those pages. ``quantization``: the server's
+    ``--quantization``, weights quantized as they load, which compute other KV for the same
+    tokens; named only when set, so unquantized servers' namespaces stay what they were.
 
     From SGLang's ``HiCacheStorageConfig``: TP/PP ranks, attention-CP and decode-CP shards (not the
     DP-attention rank: DP groups hold the same KV), and MLA (MLA latents are replicated over TP, so TP does not split those namespaces,
@@ -186,6 +189,8 @@ def namespace_for(
     for key in ("page_format", "kv_lora_rank", "qk_rope_head_dim", "page_nbytes", "kv_cache_dtype"):
         if key in sig:
             extra[key] = str(sig[key])
+    if quantization:
+        extra["quantization"] = quantization
     for key, value in sorted((draft or {}).items()):
         extra[f"draft.{key}"] = value
     for pool, tag in sorted((pool_formats or {}).items()):

@@ -152,6 +152,13 @@ def _target_settings() -> dict[str, str] | None:
     return _server_settings("model_path", "revision")
 
 
+def _weights_quantization() -> str | None:
+    """The server's ``--quantization`` (``None``: unset, or no settings to read). Weights
+    quantized as they load are other weights than the checkpoint's: servers of one
+    ``--model-path`` with and without it restored each other's KV, as valid."""
+    return (_server_settings("quantization") or {}).get("quantization")
+
+
 _DRAFT_DTYPE = "speculative_draft_kv_cache_dtype"
 
 
@@ -422,6 +429,7 @@ class HiCacheSGLangStorage(_SGLangStorage):
                 model=model,
                 revision=revision,
                 draft=draft,
+                quantization=_weights_quantization(),
             )
             options = dict(self.settings.options)
             options["namespace"] = namespace

@@ -16,11 +16,11 @@ PS = 16
 KEYS = ["ab" * 32, "cd" * 32]
 
 
-def _server(root, monkeypatch, model_path, revision=None, served="default", **extra_keys):
+def _server(root, monkeypatch, model_path, revision=None, served="default", quantization=None, **extra_keys):
     """A server as SGLang starts one: its settings published, and the storage config's
     ``model_name`` filled from ``--served-model-name``."""
     args = types.SimpleNamespace(model_path=model_path, revision=revision, served_model_name=served,
-                                 kv_cache_dtype="auto")
+                                 kv_cache_dtype="auto", quantization=quantization)
     monkeypatch.setattr(runtime_context, "get_server_args", lambda: args)
     cfg = helpers.storage_config(root, served, extra=extra_keys)
     host = helpers.host_pool(helpers.device_pool(), "page_first")
@@ -56,6 +56,23 @@ def test_the_same_weights_share_pages_whatever_their_served_name(tmp_path, monke
     finally:
         a.close()
         b.close()
+
+
+def test_weights_quantized_as_they_load_are_other_weights(tmp_path, monkeypatch):
+    """``--quantization fp8`` on a checkpoint of other precision computes other KV for the same
+    tokens: servers of one ``--model-path`` with and without it restored each other's KV (vLLM's
+    connector names the quantization too). Servers quantized alike share pages."""
+    a = _server(tmp_path / "s", monkeypatch, "org/llama-8b")
+    b = _server(tmp_path / "s", monkeypatch, "org/llama-8b", quantization="fp8")
+    c = _server(tmp_path / "s", monkeypatch, "org/llama-8b", quantization="fp8")
+    try:
+        assert a.batch_set_v1(KEYS, torch.arange(2 * PS)) == [True, True]
+        assert b.batch_exists(KEYS) == 0
+        assert b.batch_set_v1(KEYS, torch.arange(2 * PS)) == [True, True]
+        assert c.batch_exists(KEYS) == 2
+    finally:
+        for st in (a, b, c):
+            st.close()
 
 
 def test_hicache_model_id_names_the_weights_in_place_of_their_path(tmp_path, monkeypatch):
