@@ -208,6 +208,22 @@ class ReplayConfig:
                 out[tier] = _fraction_blocks(tier, float(self.fractions.get(tier, 0.0)), unique)
         return out
 
+    def sized_by_trace(self) -> bool:
+        """Whether a tier is a fraction of the trace's unique blocks (as :meth:`capacity_blocks`
+        sizes it) and the basis is the whole trace: only then must a replay of its first
+        requests read all of it."""
+        if self.capacity_basis != "trace":
+            return False
+        bound = self.storage_bound_pages()
+        for tier in _TIERS:
+            if tier in self.pages or tier in self.blocks:
+                continue
+            if tier == "storage" and (self.storage_backend is None or bound is not None):
+                continue
+            if self.fractions.get(tier, 0.0):
+                return True
+        return False
+
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ReplayConfig:
         data = dict(data)

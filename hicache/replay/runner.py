@@ -121,11 +121,14 @@ def replay_inputs(
     limit = max_requests if max_requests is not None else cfg.max_requests
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
         raise ConfigError(f"the number of requests to replay must be an integer >= 0, got {limit!r}")
-    everything = load_trace(path)
+    # tiers of their own size need only the requests replayed: the whole file (all of it in
+    # memory, a last line still being written) for a few requests was read to be sliced
+    read = None if limit is None or cfg.sized_by_trace() else max(limit, 1)
+    everything = load_trace(path, read)
     if not everything:
         raise TraceFormatError(f"{path}: no requests")
     requests = everything[:limit] if limit is not None else everything
-    basis = unique_blocks(everything) if cfg.capacity_basis == "trace" else None
+    basis = unique_blocks(everything) if cfg.sized_by_trace() else None
     return cfg, requests, basis, path
 
 

@@ -586,3 +586,25 @@ def test_a_write_back_replay_gives_the_same_numbers_every_time() -> None:
     runs = [asyncio.run(figures()) for _ in range(4)]
     assert runs[0][3] > 0  # write-backs happened (what the timing decided)
     assert all(r == runs[0] for r in runs), runs
+
+
+def test_a_limited_replay_on_tiers_of_fixed_size_reads_only_the_requests_it_replays(tmp_path, capsys) -> None:
+    """``--limit N`` with a deployment config (tiers in bytes, no fraction of the trace) read
+    and held the whole trace only to slice its first N requests: the memory of a trace of
+    millions of requests for a replay of a few, and a trace still being written (its last
+    line cut off) was refused for a line it never replays. Tiers that are fractions of the
+    whole trace still read all of it: its unique blocks size them."""
+    from _replay_paths import CONFIG
+
+    from hicache.replay.runner import replay_inputs
+
+    trace = _prefix_reuse_trace(tmp_path / "t.jsonl")
+    with trace.open("a") as f:
+        f.write('{"timestamp": 9, "input_length": 10')  # the writer is still at it
+    cfg, requests, basis, _ = replay_inputs(str(CONFIG), trace, 5)
+    assert [r.hash_ids for r in requests] == [r.hash_ids for r in load_trace(trace, limit=5)]
+    assert basis is None  # the deployment's tiers are its own sizes
+    assert main(["replay", "--trace", str(trace), "--limit", "5", "--policies", "lru", "--no-progress"]) == 0
+    assert "5 requests" in capsys.readouterr().out
+    with pytest.raises(TraceFormatError, match=r"t\.jsonl, line 37"):  # fractions of the whole trace
+        replay_inputs({"tiers": {"device_fraction": 0.5, "host_fraction": 0.5}}, trace, 5)
