@@ -40,7 +40,7 @@ def run_comparison(
 ) -> dict[str, Any]:
     """:func:`compare_policies` on a trace file (blocking; runs its own event loop); ``config``
     and ``trace_path`` as :func:`~hicache.replay.runner.arun_replay` takes them."""
-    cfg, requests, basis, path = replay_inputs(config, trace_path, max_requests)
+    cfg, requests, basis, path = replay_inputs(config, trace_path, max_requests, progress=progress)
     unknown = sorted(set(policies or ()) - set(PLACEMENT_POLICIES))
     if unknown:
         raise ConfigError(f"unknown placement policy {unknown}; allowed: {sorted(PLACEMENT_POLICIES)}")

@@ -66,7 +66,8 @@ async def arun_replay(
     dict. ``config``: a path (a ``configs/*.toml`` deployment config), a ``HiCacheConfig``, a
     :class:`ReplayConfig`, a replay-native dict, or ``None`` (1% / 5% / 20% of the trace).
     ``trace_path``: default ``$HICACHE_TRACE`` or ``../shared/traces/`` next to the repo."""
-    cfg, requests, basis, path = replay_inputs(config, trace_path, max_requests if max_requests is not None else limit)
+    cfg, requests, basis, path = replay_inputs(config, trace_path, max_requests if max_requests is not None else limit,
+                                               progress=progress)
     result = await replay_requests(cfg, requests, progress=progress, basis_unique_blocks=basis)
     result["trace"] = str(path)
     return result
@@ -104,9 +105,12 @@ def replay_inputs(
     config: ReplayConfig | str | os.PathLike[str] | dict[str, Any] | None,
     trace_path: str | os.PathLike[str] | None,
     max_requests: int | None = None,
+    *,
+    progress: bool = False,
 ) -> tuple[ReplayConfig, list[TraceRequest], int | None, Path]:
     """The config, the requests to replay, the unique blocks capacities are fractions of, and
-    the trace's path, from what :func:`arun_replay` takes."""
+    the trace's path, from what :func:`arun_replay` takes. ``progress``: the reading's bar, on
+    a terminal (as ``hicache size`` shows it: a large trace takes minutes to read)."""
     if config is None:
         cfg = ReplayConfig()
     elif isinstance(config, ReplayConfig):
@@ -124,7 +128,7 @@ def replay_inputs(
     # tiers of their own size need only the requests replayed: the whole file (all of it in
     # memory, a last line still being written) for a few requests was read to be sliced
     read = None if limit is None or cfg.sized_by_trace() else max(limit, 1)
-    everything = load_trace(path, read)
+    everything = load_trace(path, read, progress=progress)
     if not everything:
         raise TraceFormatError(f"{path}: no requests")
     requests = everything[:limit] if limit is not None else everything

@@ -182,6 +182,28 @@ def test_replay_progress_shows_on_a_terminal_only(monkeypatch: pytest.MonkeyPatc
         assert ("replay" in stderr.getvalue()) is shown, stderr.getvalue()[:200]
 
 
+def test_replay_shows_its_reading_of_the_trace_on_a_terminal(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``hicache size`` shows a bar while it reads a trace; the replay read it (seconds to
+    minutes for a trace of millions of requests) before its first bar, without a sign."""
+    import io
+
+    from hicache.replay.compare import run_comparison
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(json.dumps({"timestamp": i, "input_length": 1024, "output_length": 1,
+                                         "hash_ids": [i % 3, 10 + i % 6]}) + "\n" for i in range(20)))
+    cfg = ReplayConfig.from_dict({"tiers": {"device_blocks": 8, "host_blocks": 8}})
+    for progress in (True, False):
+        stderr = Terminal()
+        monkeypatch.setattr("sys.stderr", stderr)
+        run_comparison(cfg, trace, ["lru"], progress=progress)
+        assert ("reading" in stderr.getvalue()) is progress, stderr.getvalue()[:200]
+
+
 @pytest.mark.parametrize("args, words", [
     (["--config", "{tmp}/bad.toml"], "is not valid TOML"),
     (["--config", "{tmp}/missing.toml"], "cannot read config file"),
