@@ -50,7 +50,7 @@ logger = logging.getLogger(__name__)
 
 @dataclasses.dataclass(frozen=True)
 class TraceRequest:
-    timestamp: int
+    timestamp: float  # ms, as written (an integer stays one)
     input_length: int
     output_length: int
     hash_ids: tuple[int, ...]
@@ -201,7 +201,7 @@ def _record(d: object) -> TraceRequest:
     if not isinstance(ids, list):
         raise TypeError(f"hash_ids must be a list, got {type(ids).__name__}")
     req = TraceRequest(
-        _count(d["timestamp"], "timestamp"), _count(d["input_length"], "input_length"),
+        _timestamp(d["timestamp"]), _count(d["input_length"], "input_length"),
         _count(d["output_length"], "output_length"), tuple(_count(h, "a hash id") for h in ids),
     )
     # one id per block of the prompt, the last block partial: any other count makes blocks of
@@ -220,6 +220,15 @@ def _count(value: object, what: str) -> int:
             or (isinstance(value, float) and (value == float("inf") or not value.is_integer())):
         raise ValueError(f"{what} must be a non-negative integer, got {value!r:.40}")
     return int(value)
+
+
+def _timestamp(value: object) -> float:
+    """A non-negative number, kept as written: it is only compared with the one before (the
+    warning of :func:`load_trace`), so a fraction (``1733.25`` ms, seconds as floats) is no
+    reason to refuse the trace, as an integer count was."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
+        raise ValueError(f"timestamp must be a non-negative number, got {value!r:.40}")
+    return value
 
 
 def find_trace(explicit: str | os.PathLike[str] | None = None) -> Path:

@@ -176,6 +176,23 @@ def test_timestamps_that_go_back_are_served_in_file_order_with_a_warning(tmp_pat
     assert not caplog.records
 
 
+def test_timestamps_with_a_fraction_are_read_and_their_order_checked(tmp_path, caplog) -> None:
+    """Timestamps are read only to warn when they go back; an exporter that writes them with a
+    fraction (``1733.25`` ms, or seconds as floats) had its whole trace refused, line 1, for a
+    field no figure uses. They are kept as written, and a fraction going back still counts."""
+    rows = [dict(_record(ids), timestamp=ts) for ids, ts in (([1], 1733.25), ([2], 1733.5), ([1], 1733.375))]
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with caplog.at_level(logging.WARNING, logger="hicache.replay.trace"):
+        requests = load_trace(trace)
+    assert [(r.timestamp, r.hash_ids) for r in requests] == [(1733.25, (1,)), (1733.5, (2,)), (1733.375, (1,))]
+    assert "1 request(s) with a timestamp earlier" in caplog.text
+    for bad in ("-1.5", "NaN", "Infinity", '"1733"', "true"):
+        trace.write_text(json.dumps(_record([1])).replace('"timestamp": 0', f'"timestamp": {bad}') + "\n")
+        with pytest.raises(TraceFormatError, match="line 1: .*timestamp must be a non-negative number"):
+            load_trace(trace)
+
+
 # ---------------------------------------------------------------------- configs
 
 
