@@ -3,8 +3,8 @@
 Format (``shared/traces/README.md`` beside the repository): one JSON object per line with ``timestamp`` (ms),
 ``input_length``, ``output_length`` and ``hash_ids``; each hash id stands for one block of 512
 prompt tokens and identifies the whole prefix through that block. Block ``h`` becomes tokens
-``h * 512 + j``; the last block is cut to ``input_length``. A file ending in ``.gz`` is read
-through gzip.
+``h * 512 + j``; the last block is cut to ``input_length``. A gzip file (one ending in ``.gz``, or
+starting with gzip's magic bytes, whatever its name) is read through gzip.
 
 Two kinds of trace are renamed on loading (:func:`prefix_blocks`), the same way for every
 consumer (replay, bounds, ``hicache size``): one whose ids do not each name a single prefix (an
@@ -21,14 +21,16 @@ call (equal timestamps are not out of order).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gzip
+import io
 import json
 import logging
 import os
 import sys
 import zlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 from pathlib import Path
 
@@ -105,9 +107,8 @@ def load_trace(path: str | os.PathLike[str], limit: int | None = None, *, progre
     if limit is not None and limit < 0:
         raise ValueError(f"limit must be >= 0, got {limit}")
     out: list[TraceRequest] = []
-    opener = gzip.open if str(path).endswith(".gz") else open
     try:
-        with opener(path, "rb") as f, progress_bar(progress, desc="reading", unit=" lines", unit_scale=True, leave=False) as bar:
+        with _open_trace(path) as f, progress_bar(progress, desc="reading", unit=" lines", unit_scale=True, leave=False) as bar:
             for number, raw in enumerate(f, 1):
                 bar.update(1)
                 if limit is not None and len(out) >= limit:
@@ -138,6 +139,23 @@ def load_trace(path: str | os.PathLike[str], limit: int | None = None, *, progre
                        "served in file order, not sorted by time (sort the trace to replay it as it arrived)",
                        path, back)
     return prefix_blocks(out, source=str(path))
+
+
+#: the first bytes of every gzip file
+_GZIP_MAGIC = b"\x1f\x8b"
+
+
+@contextlib.contextmanager
+def _open_trace(path: str | os.PathLike[str]) -> Iterator[io.BufferedIOBase]:
+    """``path``'s bytes, through gzip where it is gzip: named ``.gz``, or starting with gzip's
+    magic bytes (a compressed trace saved as ``.GZ``, ``.gzip`` or under the name it was
+    downloaded as was refused as "not UTF-8 text"). Peeked, not read: a pipe reads on."""
+    with open(path, "rb") as raw:
+        if str(path).endswith(".gz") or raw.peek(len(_GZIP_MAGIC)).startswith(_GZIP_MAGIC):
+            with gzip.GzipFile(fileobj=raw, mode="rb") as unzipped:
+                yield unzipped
+        else:
+            yield raw
 
 
 #: the trace tools report progress every this many + 1 references (``tick`` callbacks)

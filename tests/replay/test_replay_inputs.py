@@ -143,6 +143,17 @@ def test_gzip_traces_are_read_and_undecodable_files_are_named(tmp_path) -> None:
         load_trace(gz, limit=-1)
 
 
+@pytest.mark.parametrize("name", ["t.jsonl", "T.JSONL.GZ", "t.jsonl.gzip", "t"])
+def test_a_gzip_trace_is_read_whatever_its_name(tmp_path, name) -> None:
+    """Only a name ending in ``.gz`` was read through gzip: a compressed trace saved as
+    ``.GZ``, ``.gzip`` or with the name it was downloaded under was refused as "not UTF-8
+    text" at line 1. The first bytes say gzip; a plain trace under any name reads as ever."""
+    path = _write(tmp_path / "x.jsonl.gz", [1, 2], [1, 3]).rename(tmp_path / name)
+    assert [r.hash_ids for r in load_trace(path)] == [(1, 2), (1, 3)]
+    plain = _write(tmp_path / "plain", [4])
+    assert [r.hash_ids for r in load_trace(plain)] == [(4,)]
+
+
 @pytest.mark.parametrize("suffix", [".jsonl", ".jsonl.gz"])
 def test_a_field_given_twice_in_a_record_is_refused(tmp_path, suffix) -> None:
     """``json`` keeps the last of two equal keys: a record of an exporter that wrote
