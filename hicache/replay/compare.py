@@ -25,7 +25,7 @@ from hicache.replay.bounds import belady, infinite_cache
 from hicache.replay.config import ReplayConfig
 from hicache.replay.reference import unique_blocks
 from hicache.replay.runner import replay_inputs, replay_requests
-from hicache.replay.trace import TraceRequest
+from hicache.replay.trace import TraceRequest, shown_name
 
 __all__ = ["compare_policies", "format_comparison", "run_comparison"]
 
@@ -111,7 +111,7 @@ def format_comparison(report: dict[str, Any]) -> str:
     "verify" is ``off`` where nothing was verified (``verify = false``)."""
     cols = ("device", "host", "storage", "total", "host MiB", "storage MiB", "vs lru", "st. del MiB", "verify")
     lines = [
-        f"trace {report.get('trace', '?')}",
+        f"trace {shown_name(report.get('trace', '?'))}",
         f"{report['requests']} requests, {report['unique_blocks']} unique blocks, tiers (blocks): "
         + ", ".join(f"{k} {v}" for k, v in report["capacities_blocks"].items()),
         f"{'policy':<12}" + "".join(f"{c:>12}" for c in cols),

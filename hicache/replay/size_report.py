@@ -9,14 +9,13 @@ unique blocks, and writes the curve as an SVG.
 from __future__ import annotations
 
 import os
-import re
 from typing import Any
 
 from hicache.errors import TraceFormatError
 from hicache.replay.bounds import belady, infinite_cache
 from hicache.replay.plot import write_svg_plot
 from hicache.replay.sizing import lru_miss_ratio_curve
-from hicache.replay.trace import BLOCK_TOKENS, block_references, load_trace, progress_bar
+from hicache.replay.trace import BLOCK_TOKENS, block_references, load_trace, progress_bar, shown_name
 
 __all__ = ["format_size_report", "size_report"]
 
@@ -103,16 +102,10 @@ def _belady_label(row: dict[str, Any]) -> str:
     return f"{asked}: {row['hit_tokens']:.4f}" if asked == real else f"{asked} ({blocks} = {real}): {row['hit_tokens']:.4f}"
 
 
-def _shown(name: str) -> str:
-    """A file name as text any terminal takes: one that is not UTF-8 (``café`` saved in latin-1)
-    holds surrogates, which a strict UTF-8 stdout refused with a traceback after the sizing."""
-    return re.sub("[\ud800-\udfff]", "\ufffd", name)
-
-
 def format_size_report(report: dict[str, Any]) -> str:
     """The sizing report as text: one line per capacity."""
     lines = [
-        f"{_shown(report['trace'])}: {report['requests']} requests, {report['block_references']} block references, "
+        f"{shown_name(report['trace'])}: {report['requests']} requests, {report['block_references']} block references, "
         f"{report['unique_blocks']} unique blocks of {BLOCK_TOKENS} tokens",
         f"infinite cache: {report['infinite_cache_hit_tokens']:.4f} of prompt tokens; Belady (offline bound) at "
         + ", ".join(_belady_label(b) for b in report["belady"]),
@@ -126,5 +119,5 @@ def format_size_report(report: dict[str, Any]) -> str:
             line += f"{row['bytes']:>16,}"
         lines.append(line)
     if "plot" in report:
-        lines.append(f"plot: {_shown(report['plot'])}")
+        lines.append(f"plot: {shown_name(report['plot'])}")
     return "\n".join(lines)

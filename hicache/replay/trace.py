@@ -28,6 +28,7 @@ import io
 import json
 import logging
 import os
+import re
 import sys
 import zlib
 from collections.abc import Iterator, Sequence
@@ -40,7 +41,7 @@ from hicache.errors import TraceFormatError
 from hicache.json_keys import unique_keys
 
 __all__ = ["TraceRequest", "block_references", "load_trace", "find_trace", "prefix_blocks", "request_tokens",
-           "DEFAULT_TRACE_NAME"]
+           "DEFAULT_TRACE_NAME", "shown_name"]
 
 DEFAULT_TRACE_NAME = "mooncake_fast25_synthetic_trace.jsonl"
 BLOCK_TOKENS = 512
@@ -272,6 +273,13 @@ def find_trace(explicit: str | os.PathLike[str] | None = None) -> Path:
         "trace not found; pass --trace or set HICACHE_TRACE (looked in: "
         + ", ".join(str(c) for c in candidates) + ")"
     )
+
+
+def shown_name(name: str) -> str:
+    """A file name as text any terminal takes: one that is not UTF-8 (``café`` saved in latin-1)
+    holds surrogates, which a strict UTF-8 stdout refused with a traceback after the sizing
+    or the replay (``hicache size``'s report, ``hicache replay``'s table)."""
+    return re.sub("[\ud800-\udfff]", "\ufffd", name)
 
 
 def request_tokens(req: TraceRequest, block_tokens: int = BLOCK_TOKENS) -> list[int]:

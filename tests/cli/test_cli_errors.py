@@ -292,6 +292,21 @@ def test_size_plots_a_trace_whose_name_is_not_utf8_or_has_a_control_character(tm
     assert sorted(os.listdir(tmp_path)) == sorted([trace, "out.svg"])  # no temporary file left
 
 
+def test_replay_prints_its_table_for_a_trace_whose_name_is_not_utf8(tmp_path) -> None:
+    """``hicache size`` shows such a name with U+FFFD; the replay's table named the trace as
+    it was, and a strict UTF-8 stdout refused it with a UnicodeEncodeError traceback, exit 1,
+    after every policy had been replayed."""
+    import os
+
+    trace = os.fsdecode(b"caf\xe9.jsonl")
+    _trace(tmp_path / trace, RECORD, RECORD)
+    env = {**os.environ, "PYTHONIOENCODING": "utf-8:strict"}  # a UTF-8 terminal's stdout
+    proc = subprocess.run([sys.executable, "-m", "hicache.cli", "replay", "--trace", trace, "--policies", "lru",
+                           "--no-progress"], cwd=tmp_path, env=env, capture_output=True, timeout=120)
+    assert proc.returncode == 0 and b"Traceback" not in proc.stderr, proc.stderr.decode(errors="replace")
+    assert proc.stdout.decode().startswith("trace caf\ufffd.jsonl\n2 requests")
+
+
 def test_policies_are_a_list_of_names_spaces_allowed_none_refused(tmp_path, capsys) -> None:
     """``lru, reuse`` failed on the policy ' reuse'; ``,`` replayed every policy, silently."""
     ok = _trace(tmp_path / "ok.jsonl", RECORD)
