@@ -253,12 +253,13 @@ def _timestamp(value: object) -> float:
 def find_trace(explicit: str | os.PathLike[str] | None = None) -> Path:
     """The trace: ``explicit``, else ``$HICACHE_TRACE``, else ``../shared/traces/`` next to the
     repository (and the current directory's equivalents). A trace named (``explicit`` or
-    ``$HICACHE_TRACE``) that is not there is an error, never a fall back to another trace: a
-    misspelt path would report the hit rates of a workload nobody asked about."""
+    ``$HICACHE_TRACE``) that is not there, or is a folder, is an error, never a fall back to
+    another trace: a misspelt path would report the hit rates of a workload nobody asked
+    about. A pipe is a trace (``--trace <(head -n 1000 t.jsonl)``): it is read once."""
     for named, how in ((explicit, "the trace"), (os.environ.get("HICACHE_TRACE"), "$HICACHE_TRACE")):
         if named:
             path = Path(named)
-            if not path.is_file():
+            if not path.exists() or path.is_dir():
                 raise FileNotFoundError(f"{how} {str(path)!r} is not a file")
             return path
     repo = Path(__file__).resolve().parents[2]

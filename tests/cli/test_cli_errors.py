@@ -45,6 +45,21 @@ def test_replay_names_its_trace_and_refuses_an_empty_one(tmp_path, capsys) -> No
     assert "no requests" in _error(capsys, ["replay", "--trace", str(empty), "--no-progress"])
 
 
+def test_replay_reads_a_trace_from_a_pipe_as_size_does(tmp_path, capsys) -> None:
+    """``hicache replay --trace <(head -n 1000 trace.jsonl)`` was refused, "not a file", where
+    ``hicache size`` reads the same pipe: the trace is read once, a pipe serves. A folder and
+    a missing path are still refused, never a fall back to another trace."""
+    import threading
+
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    text = "".join(json.dumps({**RECORD, "timestamp": i}) + "\n" for i in range(3))
+    threading.Thread(target=fifo.write_text, args=(text,), daemon=True).start()
+    assert main(["replay", "--trace", str(fifo), "--no-progress", "--policies", "lru"]) == 0
+    assert "3 requests" in capsys.readouterr().out
+    assert "not a file" in _error(capsys, ["replay", "--trace", str(tmp_path), "--no-progress"])
+
+
 @pytest.mark.parametrize("ids", [[1, 2, 3], [1]])
 def test_a_record_whose_ids_do_not_cover_its_prompt_is_refused(tmp_path, ids) -> None:
     """Three ids for 1,024 tokens would make a block of negative length (hit ratios below 0);
