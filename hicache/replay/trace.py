@@ -21,6 +21,7 @@ call (equal timestamps are not out of order).
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import dataclasses
 import gzip
@@ -115,9 +116,10 @@ def load_trace(path: str | os.PathLike[str], limit: int | None = None, *, progre
                 if limit is not None and len(out) >= limit:
                     break
                 try:
-                    # a byte-order mark before the first record (an editor's or a Windows
-                    # tool's UTF-8) is no part of it: json refused the line
-                    line = raw.decode("utf-8-sig" if number == 1 else "utf-8")
+                    # a byte-order mark before a record (an editor's or a Windows tool's
+                    # UTF-8) is no part of it: json refused the line. Before any record, not
+                    # the first only: such files concatenated have one at each seam
+                    line = raw.decode("utf-8-sig" if raw.startswith(codecs.BOM_UTF8) else "utf-8")
                 except UnicodeDecodeError as exc:
                     raise TraceFormatError(f"{path}, line {number}: not UTF-8 text ({exc.reason}); a trace is "
                                            "JSON lines, plain or gzip-compressed (.gz)") from None

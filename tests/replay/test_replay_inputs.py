@@ -143,6 +143,16 @@ def test_gzip_traces_are_read_and_undecodable_files_are_named(tmp_path) -> None:
         load_trace(gz, limit=-1)
 
 
+def test_traces_of_a_windows_tool_concatenated_are_read(tmp_path) -> None:
+    """A byte-order mark was read past before the first record only: two traces saved by a
+    Windows tool and concatenated (``cat day1.jsonl day2.jsonl``, the logs of several servers
+    the timestamp warning expects) were refused at the first line of the second."""
+    day = b"\xef\xbb\xbf" + json.dumps(_record([1, 2])).encode() + b"\r\n"
+    trace = tmp_path / "week.jsonl"
+    trace.write_bytes(day + day)
+    assert [r.hash_ids for r in load_trace(trace)] == [(1, 2), (1, 2)]
+
+
 @pytest.mark.parametrize("name", ["t.jsonl", "T.JSONL.GZ", "t.jsonl.gzip", "t"])
 def test_a_gzip_trace_is_read_whatever_its_name(tmp_path, name) -> None:
     """Only a name ending in ``.gz`` was read through gzip: a compressed trace saved as
