@@ -239,7 +239,8 @@ def _json_object_arg(text: str) -> dict[str, Any]:
 
 
 #: file types a plot named so would be expected in, which are not what ``hicache size`` writes
-_NOT_SVG = (".png", ".jpg", ".jpeg", ".gif", ".webp", ".pdf", ".eps", ".bmp", ".tif", ".tiff")
+#: (``.svgz`` is gzip-compressed SVG: a viewer gunzips it, and plain text is no gzip)
+_NOT_SVG = (".png", ".jpg", ".jpeg", ".gif", ".webp", ".pdf", ".eps", ".bmp", ".tif", ".tiff", ".svgz")
 
 
 def _svg_path(text: str) -> str | None:
