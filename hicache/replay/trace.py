@@ -10,7 +10,7 @@ Two kinds of trace are renamed on loading (:func:`prefix_blocks`), the same way 
 consumer (replay, bounds, ``hicache size``): one whose ids do not each name a single prefix (an
 id repeated within a request, or following different ids in different requests), since a prefix
 cache can hit a block only after the same prefix, and one whose ids are too large for token ids
-(storage keys hash uint32 tokens: ``h * 512 + j`` must fit).
+(storage keys hash uint32 tokens: ``h * 512 + j`` must fit) or negative (signed hashes).
 
 Requests are served in file order, the order the trace's own figures are measured in; timestamps
 are read but not used (the replay drains between requests). A trace whose timestamps go back
@@ -183,7 +183,8 @@ def prefix_blocks(requests: list[TraceRequest], source: str = "trace") -> list[T
     (prefix, id) pair becomes a block of its own, which is what a prefix cache can hit: an
     id seen after another prefix is a different block to it. Such a trace, and one with ids
     above :data:`MAX_BLOCK_ID`, is renamed to dense ids in order of first appearance (the
-    same hits: only equality of prefixes matters); any other is returned as it is."""
+    same hits: only equality of prefixes matters), and so is one with negative ids (signed
+    hashes); any other is returned as it is."""
     names: dict[tuple[int, int], int] = {}  # (block before, id) -> dense id
     raw: set[int] = set()
     dense: list[list[int]] = []
@@ -196,7 +197,7 @@ def prefix_blocks(requests: list[TraceRequest], source: str = "trace") -> list[T
         raw.update(req.hash_ids)
         dense.append(ids)
     split = len(names) - len(raw)  # ids that name more than one prefix (one block each)
-    if not split and (not raw or max(raw) <= MAX_BLOCK_ID):
+    if not split and (not raw or 0 <= min(raw) and max(raw) <= MAX_BLOCK_ID):
         return requests
     if len(names) > MAX_BLOCK_ID + 1:
         raise TraceFormatError(f"{source}: {len(names)} distinct blocks; at most {MAX_BLOCK_ID + 1} fit in "
@@ -205,7 +206,8 @@ def prefix_blocks(requests: list[TraceRequest], source: str = "trace") -> list[T
         logger.warning("%s: %d block id(s) follow more than one prefix (or repeat within a request); each "
                        "(prefix, id) is counted as its own block, as a prefix cache sees it", source, split)
     else:
-        logger.info("%s: block ids above %d renamed to dense ids (token ids must fit in uint32)", source, MAX_BLOCK_ID)
+        logger.info("%s: block ids outside 0..%d renamed to dense ids (token ids must fit in uint32)", source,
+                    MAX_BLOCK_ID)
     return [dataclasses.replace(req, hash_ids=tuple(ids)) for req, ids in zip(requests, dense)]
 
 
@@ -223,7 +225,7 @@ def _record(d: object) -> TraceRequest:
         raise TypeError(f"hash_ids must be a list, got {type(ids).__name__}")
     req = TraceRequest(
         _timestamp(d["timestamp"]), _count(d["input_length"], "input_length"),
-        _count(d["output_length"], "output_length"), tuple(_count(h, "a hash id") for h in ids),
+        _count(d["output_length"], "output_length"), tuple(_block_id(h) for h in ids),
     )
     # one id per block of the prompt, the last block partial: any other count makes blocks of
     # negative length (ids past the prompt) or a prompt longer than its ids say, and every
@@ -240,6 +242,16 @@ def _count(value: object, what: str) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or value < 0 \
             or (isinstance(value, float) and (value == float("inf") or not value.is_integer())):
         raise ValueError(f"{what} must be a non-negative integer, got {value!r:.40}")
+    return int(value)
+
+
+def _block_id(value: object) -> int:
+    """An integer of any sign (a float with no fraction is one): ids are opaque hashes, and a
+    signed 64-bit one (Python's ``hash()``) was refused where an unsigned one above 2**54 was
+    renamed; :func:`prefix_blocks` renames either."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or (isinstance(value, float) and not value.is_integer()):  # nan and inf are no integers
+        raise ValueError(f"a hash id must be an integer, got {value!r:.40}")
     return int(value)
 
 
@@ -286,12 +298,13 @@ def shown_name(name: str) -> str:
 
 
 def request_tokens(req: TraceRequest, block_tokens: int = BLOCK_TOKENS) -> list[int]:
-    """Token ids of a request's prompt (ids too large for uint32 tokens are a ``ValueError``:
+    """Token ids of a request's prompt (ids too large for uint32 tokens, or negative, are a ``ValueError``:
     :func:`load_trace` renames them; see :func:`prefix_blocks`)."""
     if not req.hash_ids:
         return []
-    if max(req.hash_ids) * block_tokens + block_tokens - 1 >= 1 << 32:
-        raise ValueError(f"block id {max(req.hash_ids)} makes token ids past uint32; rename the trace's ids "
+    if max(req.hash_ids) * block_tokens + block_tokens - 1 >= 1 << 32 or min(req.hash_ids) < 0:
+        worst = max(req.hash_ids) if min(req.hash_ids) >= 0 else min(req.hash_ids)
+        raise ValueError(f"block id {worst} makes token ids outside uint32; rename the trace's ids "
                          "with prefix_blocks() (load_trace does)")
     ids = np.asarray(req.hash_ids, dtype=np.int64)[:, None] * block_tokens + np.arange(block_tokens, dtype=np.int64)
     return ids.reshape(-1)[: req.input_length].tolist()

@@ -115,6 +115,21 @@ def test_huge_ids_are_renamed_so_tokens_neither_wrap_nor_overflow(tmp_path) -> N
         request_tokens(TraceRequest(0, 512, 1, (MAX_BLOCK_ID + 1,)))
 
 
+def test_negative_ids_of_signed_hashes_are_renamed_like_huge_ones(tmp_path) -> None:
+    """Ids are opaque hashes: one above 2**54 is renamed, but a signed 64-bit hash (Python's
+    ``hash()``, which an exporter of an engine's block hashes writes) was refused at line 1
+    for being negative. Only equality matters: the same hits as the ids made positive."""
+    signed = load_trace(_write(tmp_path / "s.jsonl", [-5, -(1 << 63)], [-5, 7], [-5, -(1 << 63)]))
+    plain = load_trace(_write(tmp_path / "p.jsonl", [5, 1 << 63], [5, 7], [5, 1 << 63]))
+    assert [r.hash_ids for r in signed] == [r.hash_ids for r in plain] == [(0, 1), (0, 2), (0, 1)]
+    assert all(0 <= t < 1 << 32 for r in signed for t in request_tokens(r))
+    assert reference_lru(signed, [8])["hit_blocks"] == reference_lru(plain, [8])["hit_blocks"] == 3
+    with pytest.raises(ValueError, match="uint32"):
+        request_tokens(TraceRequest(0, 512, 1, (-1,)))
+    with pytest.raises(TraceFormatError, match=r"line 1: .*a hash id must be an integer, got -1\.5"):
+        load_trace(_write(tmp_path / "f.jsonl", [-1.5]))
+
+
 # ---------------------------------------------------------------------- files
 
 
