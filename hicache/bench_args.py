@@ -92,6 +92,10 @@ def unwritable_file(text: str) -> str | None:
     path = Path(text)
     if path.is_dir():
         return f"{text!r} is a folder; name a file"
+    if path.exists() and not path.is_file():
+        # a pipe or a device (/dev/stdout) is written in place, no temporary file beside it: its
+        # folder need not be writable (/dev is root's: every other user's plot there was refused)
+        return None if os.access(path, os.W_OK) else f"{text!r}: not writable; name another file"
     folder = path.parent
     if not folder.is_dir():
         return f"{text!r}: no folder {str(folder)!r} to write it in"

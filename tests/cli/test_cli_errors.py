@@ -285,6 +285,32 @@ def test_a_plot_that_cannot_be_written_is_refused_before_the_trace_is_read(tmp_p
         assert usage.value.code == 2 and words in err and "Traceback" not in err, err
 
 
+def test_a_plot_to_a_pipe_in_a_folder_not_writable_is_allowed(tmp_path, capsys, monkeypatch) -> None:
+    """``--plot /dev/stdout`` (or ``/dev/null``) as any user but root was refused, "not
+    writable": the check asked for the folder a temporary file is made in, but a pipe or a
+    device is written in place, and only root may write in ``/dev`` (played here by a folder
+    ``os.access`` says is not writable). A new file there is still refused."""
+    import os
+    import threading
+
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    fifo = ro / "plot.svg"
+    os.mkfifo(fifo)
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: Path(p) != ro and real_access(p, mode))
+    got: list[bytes] = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_bytes()), daemon=True)
+    reader.start()
+    ok = _trace(tmp_path / "ok.jsonl", RECORD)
+    assert main(["size", str(ok), "--plot", str(fifo), "--no-progress"]) == 0
+    reader.join(10)
+    assert got and got[0].rstrip().endswith(b"</svg>")
+    with pytest.raises(SystemExit):
+        main(["size", str(ok), "--plot", str(ro / "new.svg")])
+    assert "not writable" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("name", [b"caf\xe9.jsonl", b"a\x01b.jsonl"])
 def test_size_plots_a_trace_whose_name_is_not_utf8_or_has_a_control_character(tmp_path, name: bytes) -> None:
     """A trace named ``café`` in latin-1 (the plot's title is its name) ended ``size`` with a
