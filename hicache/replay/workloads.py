@@ -16,11 +16,14 @@ Deterministic for a seed (numpy's PCG64), so tests and the README reproduce the 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import gzip
+import io
 import json
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import TextIO
 
 import numpy as np
 
@@ -126,17 +129,31 @@ def write_trace(path: str | os.PathLike[str], requests: Sequence[TraceRequest]) 
 
     Written to a temporary file renamed over ``path``: written in place, a write that failed
     halfway (a full disk, Ctrl-C) left the trace that was there truncated to part of the new one."""
-    opener = gzip.open if str(path).endswith(".gz") else open
     final = os.path.realpath(path)  # a symlink's target is the trace, as open() wrote it
     # errors name the operator's path, not the temporary one
     if os.path.isdir(final):
         raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), os.fspath(path))
     if not os.path.isdir(os.path.dirname(final)):
         raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), os.fspath(path))
-    with written_whole(path) as tmp, opener(tmp, "wt", encoding="utf-8") as f:
+    with written_whole(path) as tmp, _text_writer(tmp, final if str(path).endswith(".gz") else None) as f:
         for r in requests:
             f.write(json.dumps({"timestamp": r.timestamp, "input_length": r.input_length,
                                 "output_length": r.output_length, "hash_ids": list(r.hash_ids)}) + "\n")
+
+
+@contextlib.contextmanager
+def _text_writer(tmp: str, gzip_name: str | None) -> Iterator[TextIO]:
+    """``tmp`` open for UTF-8 text, gzip-compressed when ``gzip_name`` (the trace's own path) is
+    given. The gzip header names that file, as gzip does, and holds no time: it named the
+    temporary file (``gunzip -N`` restored ``t.jsonl.gz.1234.tmp``), and the time of writing
+    made one seed's trace other bytes every run."""
+    if gzip_name is None:
+        with open(tmp, "w", encoding="utf-8") as plain:
+            yield plain
+        return
+    with open(tmp, "wb") as raw, gzip.GzipFile(os.path.basename(gzip_name), "wb", fileobj=raw, mtime=0) as packed, \
+            io.TextIOWrapper(packed, encoding="utf-8") as text:
+        yield text
 
 
 WORKLOADS: dict[str, Callable[..., list[TraceRequest]]] = {"agents": agent_workload, "chat": chat_workload}

@@ -207,6 +207,23 @@ def test_a_workload_written_to_a_gz_name_is_gzip_and_reads_back(tmp_path, capsys
     assert out.read_bytes()[:2] == b"\x1f\x8b" and len(load_trace(out)) == written
 
 
+def test_a_gzip_workload_names_itself_and_is_the_same_bytes_for_a_seed(tmp_path, capsys) -> None:
+    """The gzip header named the temporary file it was written as (``gunzip -N`` restored
+    ``agents.jsonl.gz.1234.tmp``) and held the time of writing, so one seed's trace was other
+    bytes every run (a checksum or a data-version tool saw a new trace each time). It names the
+    trace, as gzip does, with no time: the same bytes for the same seed."""
+    out = tmp_path / "agents.jsonl.gz"
+    assert main(["workload", "agents", str(out)]) == 0
+    header = out.read_bytes()
+    flags, mtime = header[3], int.from_bytes(header[4:8], "little")
+    assert flags & 0x08 and header[10:header.index(b"\0", 10)] == b"agents.jsonl"  # FNAME
+    assert mtime == 0
+    assert [p.name for p in tmp_path.iterdir()] == ["agents.jsonl.gz"]
+    assert main(["workload", "agents", str(out), "--seed", "1"]) == main(["workload", "agents", str(out)]) == 0
+    assert out.read_bytes() == header
+    capsys.readouterr()
+
+
 def test_output_to_a_reader_that_went_away_ends_quietly(tmp_path) -> None:
     """``hicache ... | head``: printing the report to a closed pipe was a BrokenPipeError
     traceback (one 'Broken pipe' error line where the command printed it itself)."""
