@@ -337,6 +337,10 @@ class HiCacheConnector(KVConnectorBase_V1):
             #: multimodal inputs each request had when its salt was taken: a streaming-input
             #: session that gains an image changes its salt (see :meth:`build_connector_meta`)
             self._mm_counts: dict[str, int] = {}
+            #: each request's blocks in the steps whose outcome has not been reported yet (step ->
+            #: request -> block ids): a request finished or preempted before its failed load's
+            #: report holds them no more (see :meth:`_uncache_failed_blocks`)
+            self._step_blocks: dict[int, dict[str, list[int]]] = {}
         else:
             tp, pp = _worker_ranks()
             self._worker = WorkerSide(
@@ -497,6 +501,8 @@ class HiCacheConnector(KVConnectorBase_V1):
             n_after = n_before + num_scheduled.get(req_id, 0)
             scheduled.append((req_id, n_before, n_after, request.all_token_ids, block_ids))
         plan = self._scheduler.plan_step(scheduled)
+        self._step_blocks = {step: held for step, held in self._step_blocks.items() if step > plan.resolved}
+        self._step_blocks[plan.step] = {req_id: block_ids for req_id, _, _, _, block_ids in scheduled}
         return HiCacheConnectorMetadata(loads=plan.loads, saves=plan.saves, commit=plan.commit, abort=plan.abort,
                                         epoch=plan.epoch, step=plan.step, resolved=plan.resolved)
 
@@ -510,17 +516,31 @@ class HiCacheConnector(KVConnectorBase_V1):
             self._scheduler.on_report(meta.report)
 
     def _uncache_failed_blocks(self, blocks: set[int] | None) -> None:
-        """Take the blocks whose load failed out of vLLM's prefix cache (vLLM calls this after
-        its own handling of them). vLLM caches a step's loaded blocks as computed when it plans
-        the load, and evicts failed ones only for the requests running when the failure is
-        reported (and only under ``kv_load_failure_policy: fail``). With async scheduling the
-        next step is planned first, and may preempt the loading request: vLLM then never saw
-        it affected, its failed blocks stayed cached, and the request resumed (or any request
-        of the same prefix) was served them as its KV, and its saves stored what it computed
-        over them. Evicting a block only drops its hash: a request holding it keeps it."""
+        """Take the blocks whose load failed, and every block after one in a request that held
+        it, out of vLLM's prefix cache (vLLM calls this after its own handling of them). vLLM
+        caches a step's blocks as computed when it plans the step, those it loads and those it
+        computes over them, and evicts them only for the requests running when the failure is
+        reported, and only under ``kv_load_failure_policy: fail``. Under ``recompute`` it evicts
+        none (the request is to compute them again in place), and with async scheduling the next
+        step is planned first and may preempt the loading request: a request aborted or
+        preempted before it computed them again left them cached, and any later request of the
+        same prefix (once the prefix's blocks were cached again) was served what was computed
+        over the failed load as its KV, and its saves stored what it computed over that. The
+        blocks come from the steps not reported yet (a request preempted since holds none now).
+        Evicting a block only drops its hash: a request holding it keeps it."""
         manager = self._kv_cache_manager
-        if blocks and manager is not None:
-            manager.evict_blocks(set(blocks))
+        if not blocks or manager is None:
+            return
+        evict = set(blocks)
+        for held in self._step_blocks.values():
+            for block_ids in held.values():
+                first = next((i for i, b in enumerate(block_ids) if b in blocks), None)
+                if first is not None:
+                    evict.update(block_ids[first:])
+        if len(evict) > len(blocks):
+            logger.info("hicache: %d block(s) failed to load; %d block(s) computed over them leave vLLM's prefix cache",
+                        len(blocks), len(evict) - len(blocks))
+        manager.evict_blocks(evict)
 
     def _recompute_shared_failed_blocks(self, blocks: set[int] | None) -> None:
         """Under ``kv_load_failure_policy: recompute``, have every request that shares a block

@@ -367,3 +367,35 @@ def test_under_recompute_every_request_sharing_a_failed_block_computes_it_again(
         assert second.bad == []
     finally:
         second.close()
+
+
+def test_blocks_computed_over_a_failed_load_leave_vllms_prefix_cache(model_dir: str, tmp_path: Path) -> None:  # noqa: F811
+    """A request loads a stored prefix (every page damaged) and computes the rest of its prompt
+    in the same step, over the failed load: vLLM caches those blocks (full) under their hashes.
+    Under ``kv_load_failure_policy: recompute`` vLLM evicts nothing (the request is to compute
+    them again in place) and the connector evicted only the failed blocks; with the request
+    aborted before it did, the blocks computed over the failed load stayed cached, and once
+    later requests had cached the prefix's blocks again, one of that prompt was served them as
+    its KV (and stored what it computed over them)."""
+    from vllm.v1.request import RequestStatus
+
+    rng = random.Random(3)
+    prefix = [rng.randrange(1, 500) for _ in range(4 * BS)]
+    prompt = [*prefix, *(rng.randrange(1, 500) for _ in range(3 * BS))]
+    _store_damaged(model_dir, tmp_path, prefix, num_blocks=30, policy="recompute")
+    second = Engine(model_dir, tmp_path, num_blocks=30, policy="recompute", batch_tokens=256)
+    try:
+        second.add("x", prompt, max_tokens=5)
+        for _ in range(50):  # the storage lookup may answer "not yet" first
+            out = second.step()
+            if out.kv_connector_metadata.loads:
+                break
+        assert out.kv_connector_metadata.loads and out.num_scheduled_tokens["x"] > 2 * BS
+        second.scheduler.finish_requests(["x"], RequestStatus.FINISHED_ABORTED)  # before it recomputed
+        # each of these caches more of the prefix's blocks again, until one walks the whole chain
+        for req_id, tail in (("y", []), ("z", [3, 4, 5]), ("w", [7, 8, 9])):
+            second.add(req_id, [*prompt, *tail], max_tokens=2)
+            second.run()
+        assert second.bad == []
+    finally:
+        second.close()
