@@ -310,6 +310,7 @@ class WorkerSide:
                 with self._lock:
                     self._report.reads.append((landed, time.perf_counter() - t0))
             bad: set[int] = set()
+            failures: list[tuple[PageLoad, int, str]] = []  # (load, its first failed page, why)
             with self._lock:
                 landed_by_spec = [fetched.get(fetch.rid, 0) if fetch is not None else 0 for fetch in fetches]
                 # every page read in this step first: a request's host pages may be pages another
@@ -318,7 +319,7 @@ class WorkerSide:
                 for spec, got in zip(loads, landed_by_spec):
                     for key, slot in zip(spec.keys[spec.from_host :][:got], spec.slots[spec.from_host :][:got]):
                         self._resident[slot] = key
-                for spec, got in zip(loads, landed_by_spec):
+                for spec, got, fetch in zip(loads, landed_by_spec, fetches):
                     broken = False
                     for i, (key, slot, block) in enumerate(zip(spec.keys, spec.slots, spec.block_ids)):
                         if i < spec.from_host:
@@ -332,12 +333,17 @@ class WorkerSide:
                             plan.append((slot, block))
                             self.stats[source] += 1
                             continue
+                        if not broken:
+                            failures.append((spec, i, self._why_failed(spec, i, len(fetch.keys) if fetch else 0)))
                         broken = True
                         job.failed_blocks.add(block)
                         self.stats["pages_failed"] += 1
                         if self._valid_slot(slot) and self._resident[slot] != key:
                             bad.add(slot)  # the scheduler believes (or will believe) it holds key
                 self._report.bad_slots |= bad
+            for spec, first, why in failures:
+                logger.warning("hicache: %d of %d page(s) of %s did not load, from page %d on: %s; their blocks go to "
+                               "vLLM as load errors", len(spec.keys) - first, len(spec.keys), quoted(spec.req_id), first, why)
             # known before any byte is copied: published now, so a vLLM that asks for the step's
             # failures as soon as the forward's last layer is in (speculative decoding finalizes
             # the connector before wait_for_save) already sees them
@@ -351,6 +357,18 @@ class WorkerSide:
         finally:
             self._fail(job.failed_blocks - published)
             job.done.set()
+
+    def _why_failed(self, spec: PageLoad, i: int, asked: int) -> str:
+        """Why page ``i`` of ``spec``, the first of it that fails, is not good to copy (for the
+        log: under vLLM's default ``kv_load_failure_policy`` its request fails on it).
+        ``asked``: how many of its storage pages were handed to the read. Under the lock."""
+        if not self._valid_block(spec.block_ids[i]):
+            return f"its block {spec.block_ids[i]} is outside vLLM's cache"
+        if i < spec.from_host:
+            return "its host slot no longer holds it"
+        if i - spec.from_host >= asked:
+            return "no free host slot to read it into"
+        return "storage did not return it (missing, damaged or too slow)"
 
     def _fetch(self, fetches: list[_Fetch]) -> dict[str, int]:
         """Read each fetch's pages into its slots through the controller; how many leading

@@ -5,6 +5,7 @@ tree over host slots, the worker's HostKVPool and controller, and the reports be
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import subprocess
 import sys
@@ -273,6 +274,31 @@ def test_a_damaged_page_fails_with_the_pages_after_it_and_writes_nothing(tmp_pat
         assert w2.holds(0) == keys[0] and w2.holds(1) is None
     finally:
         w2.close(timeout=10)
+
+
+def test_a_failed_load_says_in_the_log_which_request_and_why(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A load the scheduler promised that fails (pages the store lost since its lookup, a host
+    page the worker no longer holds, no host slot to read into) fails its blocks, and under
+    vLLM's default ``kv_load_failure_policy`` its request; the worker said nothing then (its
+    ``pages_failed`` count came only at close), so an operator saw vLLM's "KV load failure"
+    with no word of which pages failed or why. Each request's failure is logged, with the
+    reason of its first failed page (the pages after it fail with it)."""
+    _, keys = stored(tmp_path, seed=3, num_pages=3)
+    for page in page_files(tmp_path):
+        page.unlink()  # the store lost them after the scheduler's lookup
+    w = worker(tmp_path, kv_layers(seed=None), host_pages=8)
+    try:
+        with caplog.at_level(logging.WARNING, logger="hicache.integrations.vllm"):
+            failed = load(w, [PageLoad("lost", tuple(keys), (0, 1, 2), (3, 4, 5)),
+                              PageLoad("gone", tuple(keys[:1]), (6,), (6,), from_host=1),
+                              PageLoad("full", tuple(keys[:2]), (-1, -1), (7, 8))])
+    finally:
+        w.close(timeout=10)
+    assert failed == {3, 4, 5, 6, 7, 8}
+    said = {r.getMessage() for r in caplog.records}
+    for rid, n, why in (("lost", 3, "storage did not return it"), ("gone", 1, "its host slot no longer holds it"),
+                        ("full", 2, "no free host slot to read it into")):
+        assert any(f"{n} of {n} page(s) of '{rid}'" in m and why in m for m in said), (rid, said)
 
 
 def test_a_read_slower_than_the_load_timeout_fails_its_blocks_and_writes_nothing(tmp_path: Path) -> None:
