@@ -855,6 +855,16 @@ def test_workers_report_their_reads_and_load_waits_and_the_scheduler_learns_both
     stored(tmp_path, seed=21, num_pages=3)
     s = scheduler("file", {"root": str(tmp_path)})
     w = worker(tmp_path, kv_layers(None))
+    backend = w.controller.storage
+    real_read = backend._read
+
+    async def slow_read(pages, buffers):  # type: ignore[no-untyped-def]
+        # a read far longer than the engine thread takes to reach its first layer's wait, on a
+        # loaded machine too (a read of a few ms was often done before the forward waited)
+        await asyncio.sleep(0.5)
+        return await real_read(pages, buffers)
+
+    backend._read = slow_read  # type: ignore[method-assign]
     try:
         assert s.bound.read_pace.seconds_per_page is None and s.bound.prefill.observations == 0
         blocks = list(range(6))
