@@ -79,7 +79,10 @@ def test_under_vllms_scheduler_request_ids_are_quoted_in_the_connectors_log(
     prompt = prompts(7, 1, shared=40)[0]
     _store_damaged(model_dir, tmp_path, prompt, num_blocks=30, policy="recompute")
     caplog.set_level(logging.INFO, logger="hicache")
-    engine = Engine(model_dir, tmp_path, num_blocks=30, policy="recompute", batch_tokens=256)
+    # both lookups answered in the step that admits them (the default 5 ms budget split them
+    # over two steps on a loaded machine: each loaded alone, and none shared a failed block)
+    engine = Engine(model_dir, tmp_path, num_blocks=30, policy="recompute", batch_tokens=256,
+                    extra={"lookup_wait_s": 5.0})
     x, y = EVIL + "x", EVIL + "y"
     try:
         engine.add(x, prompt, max_tokens=5)

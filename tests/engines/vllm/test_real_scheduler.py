@@ -351,7 +351,9 @@ def test_under_recompute_every_request_sharing_a_failed_block_computes_it_again(
 
     prompt = prompts(7, 1, shared=40)[0]
     _store_damaged(model_dir, tmp_path, prompt, num_blocks=30, policy="recompute")
-    second = Engine(model_dir, tmp_path, num_blocks=30, policy="recompute", batch_tokens=256)
+    # both lookups answered in the step that admits them (see test_hostile_ids)
+    second = Engine(model_dir, tmp_path, num_blocks=30, policy="recompute", batch_tokens=256,
+                    extra={"lookup_wait_s": 5.0})
     try:
         second.add("x", prompt, max_tokens=5)
         second.add("y", [*prompt, 3, 4, 5], max_tokens=5)
