@@ -394,3 +394,32 @@ async def test_a_new_page_named_twice_in_one_write_is_announced_once(tmp_path: P
         assert counts[keys[0]] == 1, counts
         assert await store.batch_delete([keys[0]]) == [True]
         assert counts[keys[0]] == 0, counts
+
+
+async def test_a_clear_whose_page_headers_fail_to_read_still_clears_and_reports(tmp_path: Path, monkeypatch) -> None:
+    """A file store's clear names the pages it dropped from their headers in the folder set
+    aside. An I/O error there (EIO on a failing disk, a cancelled clear) came after the rename:
+    the clear answered failed though the namespace was gone, reported no clear at all (a router
+    kept believing every page held), and never removed the folder set aside (its bytes held on
+    disk, off the count). It is a clear of any page instead, finished as any other."""
+    from hicache_backends.file import io as file_io
+
+    keys = keys_for(6, salt=41)
+    pool = await _pool_with(keys)
+    store = create_async_storage("file", None, root=str(tmp_path / "a"), namespace=NS_A, max_bytes=None)
+    store.register_mem_pool_host(pool)
+    seen = record(store.tier_changes)
+    async with store:
+        assert all(await store.batch_set_v1(keys, pool.indices(0, len(keys))))
+        await store.wait_background()
+
+        def failing_disk(*args: object) -> None:
+            raise OSError(5, "Input/output error")
+
+        monkeypatch.setattr(file_io, "cleared_identities", failing_disk)
+        seen.clear()
+        assert await store.clear()
+        assert [(c.kind, c.keys, c.keys_complete) for c in seen] == [(ChangeKind.CLEARED, (), False)]
+        await store.wait_background()
+        assert not [n for n in os.listdir(store.layout.root) if n.startswith(".trash-")]  # the folder set aside went
+        assert await store.batch_exists(keys) == 0

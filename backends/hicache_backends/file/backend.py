@@ -1017,16 +1017,27 @@ class FileStorage(AsyncHiCacheStorage):
             raise
         if self._peers is not None:
             await self._peers.append_cleared()
-        dropped = await self._cleared_pages(trash, held)
         self._manifest_pending = not written
         if not written:
             self._warn_manifest_deferred()
         self._scanner.complete()
-        if trash is not None or self._manifest_pending:
-            work = self._remove_trash(trash) if trash is not None else self._housekeeping()
-            task = asyncio.get_running_loop().create_task(work)
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
+        task: asyncio.Task[None] | None = None
+        try:
+            # after the rename, whatever happens here: the namespace is cleared. A header that
+            # failed to read (EIO) or a cancellation while they were read skipped the rest: the
+            # clear answered failed, reported nothing, and never removed the folder set aside
+            dropped = await self._cleared_pages(trash, held)
+        except Exception as exc:  # noqa: BLE001 - the pages are gone; only their names are lost
+            logger.warning("file store %s: naming the pages a clear dropped failed (%s); reported as a clear "
+                           "of any page", self.root, exc)
+            dropped = None
+        finally:  # (the headers are read before the folder set aside goes)
+            if trash is not None or self._manifest_pending:
+                work = self._remove_trash(trash) if trash is not None else self._housekeeping()
+                task = asyncio.get_running_loop().create_task(work)
+                self._background.add(task)
+                task.add_done_callback(self._background.discard)
+        if task is not None:
             # A small namespace is gone before clear() returns (its space is free at once); a
             # huge one keeps being deleted in the background instead of stalling the caller.
             await asyncio.wait({task}, timeout=_CLEAR_WAIT_SECONDS)
