@@ -1843,3 +1843,28 @@ async def test_a_clear_is_not_taken_for_a_lost_ledger(tmp_path, caplog) -> None:
                 await within(store.wait_background())
         assert not [r for r in caplog.records if "cut short" in r.getMessage()]
         assert a.get_stats().get("rescans", 0) == b.get_stats().get("rescans", 0) == 0
+
+
+def test_a_peers_clear_met_first_by_alone_is_no_lost_ledger(tmp_path, caplog) -> None:
+    """A peer's clear renames the namespace folder away; the fresh folder has no ledger until
+    a call makes it. Where ``alone`` (a scan's check, after its reading) was the call that
+    opened it, the next ``add`` took the empty file it had not read for one it had read and
+    that was since cut short: "usage ledger was cut short, overwritten or deleted" at WARNING
+    and a re-index of the namespace, for an ordinary clear. A file the ledger has not read yet
+    is a first reading, whichever call opened it."""
+    from hicache_backends.file.ledger import UsageLedger
+
+    ns = tmp_path / "ns"
+    ns.mkdir()
+    ledger = UsageLedger(str(ns))
+    try:
+        assert ledger.add(4096) is not None
+        os.rename(ns, tmp_path / ".trash-peer")  # the peer's clear
+        ns.mkdir()
+        assert ledger.alone()
+        caplog.set_level(logging.WARNING, logger="hicache")
+        usage = ledger.add(0)
+        assert usage is not None and not usage.lost and usage.used == 0
+        assert not [r for r in caplog.records if "cut short" in r.getMessage()]
+    finally:
+        ledger.close()

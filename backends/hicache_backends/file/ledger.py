@@ -338,6 +338,11 @@ class UsageLedger:
         self._closed = False
         self._pid = os.getpid()  # the process whose mutex and descriptors these are
         self._folder = 0  # the namespace folder's inode when the ledger file was last opened
+        #: the ledger file whose counters ``add`` read last (its inode; 0: none yet). Whether a
+        #: file is new to this ledger is asked of it, not of ``current()``: ``alone`` opens the
+        #: file too, and one it opened first (a peer's clear's fresh folder, no ledger in it
+        #: yet) was taken for a file read before and since emptied (a lost count)
+        self._read_ino = 0
 
     def add(
         self, delta: int, *, refused: int = 0, token: int | None = None, if_seq: int | None = None,
@@ -364,11 +369,13 @@ class UsageLedger:
             try:
                 if not self._closed:
                     self._join()
-                had = self._counters.ino  # 0: not open before
-                fd, fresh = self._counters.current()
+                fd, _ = self._counters.current()
+                had, ino = self._read_ino, self._counters.ino
+                fresh = had != ino  # a file this ledger has not read yet
                 flock_within(fd, fcntl.LOCK_EX)
                 try:
                     raw = os.pread(fd, _SIZE, 0)
+                    self._read_ino = ino
                     used, nref, at, seq = _decode(raw[: _FORMAT.size])
                     lost = _lost(raw, fresh and not self._made_anew(had))
                     if lost:
@@ -465,9 +472,9 @@ class UsageLedger:
             self._users.close()
 
     def _made_anew(self, had: int) -> bool:
-        """(The ledger file just opened.) Whether it replaced the one open before (``had``) in
-        the same folder: deleted and created again, not gone with its folder (a clear renames
-        the folder away, and the fresh folder's ledger is empty as it should be)."""
+        """(A ledger file ``add`` has not read yet.) Whether it replaced the one read before
+        (``had``) in the same folder: deleted and created again, not gone with its folder (a
+        clear renames the folder away, and the fresh folder's ledger is empty as it should be)."""
         try:
             folder = os.stat(os.path.dirname(self.path)).st_ino
         except OSError:
