@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import enum
 import functools
 import logging
@@ -240,9 +241,14 @@ class AsyncHiCacheStorage(ABC):
         if self._state is StorageState.CLOSED:
             # a close in progress is waited for: returned at once, the second caller went on
             # (exited, looked at the medium) with the first still writing and aborting
+            # (no longer than this caller's own timeout: a step bounded by its budget must not
+            # hang with a first close stuck on a hung medium)
             closing = self._closing
-            if closing is not None:
+            if closing is not None and timeout is None:
                 await _wait_for_open(closing)
+            elif closing is not None:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(_wait_for_open(closing), max(0.0, timeout))
             return
         was_open = self._state is StorageState.OPEN
         self._state = StorageState.CLOSED

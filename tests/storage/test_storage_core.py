@@ -598,3 +598,32 @@ async def test_reads_into_overlapping_host_pages_fail_except_the_first() -> None
     assert dst.page_bytes(3 * PAGE) == src.page_bytes(2 * PAGE)
     # writes may share a source page: both keys get its bytes
     assert await store.batch_set_v1(["x", "y"], torch.cat([src.indices(0, 1), src.indices(0, 1)])) == [True, True]
+
+
+async def test_a_second_close_given_a_timeout_waits_for_the_first_no_longer() -> None:
+    """A close while another is closing waits for it, but no longer than its own ``timeout``
+    (what is left of its caller's shutdown budget): it waited for the first close whatever it
+    was given, so a shutdown step that bounded its store's close by its budget (a cache's
+    close, a server's drain) hung with the first close (a store stuck on a hung mount or a
+    stalled service), past the budget the caller meant to keep."""
+    gate = asyncio.Event()
+
+    class SlowToClose(DictStore):
+        async def _close(self) -> None:
+            await gate.wait()
+            await super()._close()
+
+    store = SlowToClose()
+    await store.open()
+    first = asyncio.create_task(store.aclose())
+    await asyncio.sleep(0)  # the first close is under way
+    try:
+        second = asyncio.create_task(store.aclose(timeout=0.2))
+        done, _ = await asyncio.wait({second}, timeout=20)
+        assert second in done and not first.done()  # by its own bound, the first still closing
+        assert store.closed == 0
+    finally:
+        gate.set()
+        await first
+    assert store.closed == 1
+    await store.aclose(timeout=0.2)  # closed: at once
