@@ -19,7 +19,7 @@ import types
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar, cast
 
-__all__ = ["CLOSE_CUT", "CloseTask", "coroutine_function", "start_close_task", "wait_for_close"]
+__all__ = ["CLOSE_CUT", "CloseTask", "close_with", "coroutine_function", "start_close_task", "wait_for_close"]
 
 _T = TypeVar("_T")
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -126,3 +126,13 @@ async def wait_for_close(task: asyncio.Task[_T]) -> Any:
         if not task.cancelled() or (me is not None and me.cancelling()):
             raise  # this caller was cancelled
     return CLOSE_CUT
+
+
+def close_with(aclose: Callable[..., Coroutine[Any, Any, _T]], **bounds: float | None) -> Coroutine[Any, Any, _T]:
+    """``aclose(**bounds)`` with only the bounds it takes (``timeout``, ``deadline``...) and
+    that are set (not ``None``). Why: a close is handed the time it may take down a chain of
+    closes (server, caches, controller, store), and a link that takes no bound (a wrapper's, an
+    engine's stand-in, a plugin written before the bound existed) is still closed, as it
+    closes."""
+    params = inspect.signature(aclose).parameters
+    return aclose(**{k: v for k, v in bounds.items() if v is not None and k in params})

@@ -41,7 +41,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from hicache.controller.close_task import start_close_task
+from hicache.controller.close_task import close_with, start_close_task
 from hicache.controller.config import ControllerConfig
 from hicache.controller.health import HealthState, StorageHealth
 from hicache.controller.io_thread import IoThread
@@ -537,7 +537,7 @@ class HiCacheController:
             # had its close abandoned mid-way, its I/O loop stopped under it, and the uploads
             # it would have aborted were left in the bucket without a word
             waited = time_share(limit, deadline, 0.9)
-            store_close = _store_close(self.storage, time_share(0.8 * limit, deadline, 0.8))
+            store_close = close_with(self.storage.aclose, timeout=time_share(0.8 * limit, deadline, 0.8))
             closing = (self._io.submit(store_close) if self._io is not None
                        else asyncio.ensure_future(store_close))
             await self._close_wait({closing}, waited)
@@ -1429,10 +1429,3 @@ def _close_unstarted(coro: Coroutine[Any, Any, Any]) -> None:
     if inspect.getcoroutinestate(coro) == inspect.CORO_CREATED:
         coro.close()
 
-
-def _store_close(storage: Any, timeout: float) -> Coroutine[Any, Any, Any]:
-    """``storage``'s close within ``timeout``; a close that takes no timeout (a wrapper's, a
-    stand-in's) as it closes."""
-    if "timeout" in inspect.signature(storage.aclose).parameters:
-        return storage.aclose(timeout=timeout)
-    return storage.aclose()

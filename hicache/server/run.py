@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import inspect
 import logging
 import signal
 import time
@@ -21,6 +20,7 @@ from typing import Any, Literal
 from aiohttp import web
 
 from hicache.config.schema import HiCacheConfig
+from hicache.controller.close_task import close_with
 from hicache.engine.model import ModelSpec
 from hicache.engine.recompute import RecomputeCache
 from hicache.engine.runner import CacheLike
@@ -127,8 +127,7 @@ async def _close_and_report(cache: Any, drain: _Drain | None = None) -> None:
     nothing), so a drain cut by its bound left no trace of the writes it gave up; and each
     step of the close bounded on its own, a slow store's close took the drain past its budget."""
     deadline = None if drain is None else drain.deadline
-    takes_deadline = "deadline" in inspect.signature(cache.aclose).parameters
-    report = await (cache.aclose(deadline=deadline) if deadline is not None and takes_deadline else cache.aclose())
+    report = await close_with(cache.aclose, deadline=deadline)
     summary = getattr(report, "summary", None)
     if summary is None:  # a cache with nothing to write (the recompute baseline)
         return

@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import inspect
 import logging
 import time
 import weakref
@@ -57,7 +56,7 @@ from typing import Any
 
 import torch
 
-from hicache.controller.close_task import CLOSE_CUT, start_close_task, wait_for_close
+from hicache.controller.close_task import CLOSE_CUT, close_with, start_close_task, wait_for_close
 from hicache.prefix_cache.base import BasePrefixCache
 from hicache.errors import RequestAbortedError, quoted
 from hicache.prefix_cache.facade import AdmitResult, remember_aborted
@@ -553,12 +552,7 @@ class SessionAwareCache(ForwardingCache):
         fn = getattr(self.inner, "aclose", None)
         if not close_inner or fn is None:
             return None
-        params = inspect.signature(fn).parameters
-        if "deadline" in params and deadline is not None:
-            return await fn(timeout=timeout, deadline=deadline)
-        if "timeout" in params:
-            return await fn(timeout=timeout)
-        return await fn()
+        return await close_with(fn, timeout=timeout, deadline=deadline)
 
     def _let_go(self) -> None:
         """Abort each running turn and release every session (``release_on_close``); once

@@ -244,11 +244,13 @@ class AsyncHiCacheStorage(ABC):
             # (no longer than this caller's own timeout: a step bounded by its budget must not
             # hang with a first close stuck on a hung medium)
             closing = self._closing
-            if closing is not None and timeout is None:
+            if closing is None:
+                return
+            if timeout is None:
                 await _wait_for_open(closing)
-            elif closing is not None:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(_wait_for_open(closing), max(0.0, timeout))
+                return
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(_wait_for_open(closing), max(0.0, timeout))
             return
         was_open = self._state is StorageState.OPEN
         self._state = StorageState.CLOSED
