@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
@@ -578,25 +579,39 @@ async def test_a_clear_racing_a_close_is_not_an_error_of_the_endpoint(
         assert cleared is True and left.get("KeyCount") == 0
 
 
+
+def slow_page_puts(delay: float, *, runs_too: bool = True) -> Callable[[Any], Awaitable[None]]:
+    """A proxy answer that holds each page PUT (a run object's too, unless not ``runs_too``)
+    ``delay`` seconds before it reaches the server: writes a close finds in progress."""
+    async def slow_put(request: Any) -> None:
+        if request.method == "PUT" and "/pages/" in request.path and (runs_too or "/runs/" not in request.path):
+            await asyncio.sleep(delay)
+
+    return slow_put
+
+
+async def writing_slowly(
+    proxy: FaultProxy, bucket: str, prefix: str, pages: int, *, salt: int, concurrency: int, put_delay: float,
+    runs_too: bool = True,
+) -> tuple[Any, list[str], asyncio.Task[list[bool]]]:
+    """An open S3 store (through ``proxy``) with a write batch of ``pages`` pages in progress on
+    this loop, each page PUT held ``put_delay`` seconds: (store, keys, the batch's task)."""
+    keys = keys_for(pages, salt=salt)
+    store = make_s3(proxy.endpoint, bucket, prefix, NS_A, concurrency=concurrency, call_timeout=10)
+    await store.open()
+    src = ArrayHostPool(len(keys), PAGE)
+    src.fill_random(salt)
+    store.register_mem_pool_host(src)
+    proxy.answer = slow_page_puts(put_delay, runs_too=runs_too)
+    return store, keys, asyncio.create_task(store.batch_set_v1(keys, src.indices(0, len(keys))))
+
 async def test_a_close_lets_the_writes_in_progress_finish(
     moto_endpoint: str, moto_bucket: str, prefix: str, proxy: FaultProxy
 ) -> None:
     """A server shutting down after its last write-back: the close cut the write batch at once,
     the pages waiting for a slot were dropped and those whose PUT had landed were reported as
     failed, and nothing was logged. The close waits for the writes (as for a clear)."""
-    async def slow_put(request: Any) -> Any:
-        if request.method == "PUT" and "/pages/" in request.path and "/runs/" not in request.path:
-            await asyncio.sleep(0.2)
-        return None
-
-    keys = keys_for(16, salt=181)
-    store = make_s3(proxy.endpoint, moto_bucket, prefix, NS_A, concurrency=4, call_timeout=10)
-    await store.open()
-    src = ArrayHostPool(len(keys), PAGE)
-    src.fill_random(181)
-    store.register_mem_pool_host(src)
-    proxy.answer = slow_put
-    writing = asyncio.create_task(store.batch_set_v1(keys, src.indices(0, len(keys))))  # four rounds of PUTs
+    store, keys, writing = await writing_slowly(proxy, moto_bucket, prefix, 16, salt=181, concurrency=4, put_delay=0.2, runs_too=False)  # four rounds of PUTs
     await asyncio.sleep(0.1)
     await store.aclose()
     assert writing.done() and writing.result() == [True] * len(keys)
@@ -613,19 +628,7 @@ async def test_a_close_cancelled_while_it_waits_for_writes_still_releases_the_st
     on ``aclose``) cancelled it while it waited: the store was marked closed, so no later close
     did anything, yet its prober went on probing the bucket and its client stayed open for good.
     A cancelled close stops waiting and still releases them."""
-    async def slow_put(request: Any) -> Any:
-        if request.method == "PUT" and "/pages/" in request.path:
-            await asyncio.sleep(0.5)
-        return None
-
-    keys = keys_for(8, salt=193)
-    store = make_s3(proxy.endpoint, moto_bucket, prefix, NS_A, concurrency=2, call_timeout=10)
-    await store.open()
-    src = ArrayHostPool(len(keys), PAGE)
-    src.fill_random(193)
-    store.register_mem_pool_host(src)
-    proxy.answer = slow_put
-    writing = asyncio.create_task(store.batch_set_v1(keys, src.indices(0, len(keys))))
+    store, keys, writing = await writing_slowly(proxy, moto_bucket, prefix, 8, salt=193, concurrency=2, put_delay=0.5)
     await asyncio.sleep(0.1)
     prober = store._prober
     assert prober is not None
@@ -644,19 +647,7 @@ async def test_a_second_close_waits_for_the_first(
     at once, while the first still waited for the writes in progress, and its caller went on
     (exited, checked the bucket) with the store's clients open and its writes unfinished. Every
     close returns once the store is closed."""
-    async def slow_put(request: Any) -> Any:
-        if request.method == "PUT" and "/pages/" in request.path:
-            await asyncio.sleep(0.3)
-        return None
-
-    keys = keys_for(4, salt=195)
-    store = make_s3(proxy.endpoint, moto_bucket, prefix, NS_A, concurrency=2, call_timeout=10)
-    await store.open()
-    src = ArrayHostPool(len(keys), PAGE)
-    src.fill_random(195)
-    store.register_mem_pool_host(src)
-    proxy.answer = slow_put
-    writing = asyncio.create_task(store.batch_set_v1(keys, src.indices(0, len(keys))))
+    store, keys, writing = await writing_slowly(proxy, moto_bucket, prefix, 4, salt=195, concurrency=2, put_delay=0.3)
     await asyncio.sleep(0.1)
     first = asyncio.create_task(store.aclose())
     await asyncio.sleep(0)  # the first close is waiting for the writes
@@ -688,15 +679,10 @@ async def test_writes_a_close_cannot_wait_for_are_counted_and_logged(
     """A write on another event loop (the blocking facade's) cannot be waited for by a close on
     this one: it is cut, and the close says so - a warning and ``close_cut_write_pages`` - rather
     than leaving failed pages nobody can explain."""
-    async def slow_put(request: Any) -> Any:
-        if request.method == "PUT" and "/pages/" in request.path:
-            await asyncio.sleep(0.5)
-        return None
-
     keys = keys_for(8, salt=191)
     store = make_s3(proxy.endpoint, moto_bucket, prefix, NS_A, concurrency=2, call_timeout=10)
     await store.open()
-    proxy.answer = slow_put
+    proxy.answer = slow_page_puts(0.5)
     thread, answered = _write_on_another_loop(store, keys, seed=191)
     try:
         async def putting() -> bool:  # the other loop's batch is uploading
@@ -719,15 +705,10 @@ async def test_a_close_counts_only_the_pages_it_cut(
     ``close_cut_write_pages`` (and its warning), the pages already stored and answered written
     too: the counter said more pages were lost than the batch answered failed. It counts the
     pages still being written."""
-    async def slow_put(request: Any) -> Any:
-        if request.method == "PUT" and "/pages/" in request.path:
-            await asyncio.sleep(0.2)
-        return None
-
     keys = keys_for(16, salt=192)
     store = make_s3(proxy.endpoint, moto_bucket, prefix, NS_A, concurrency=2, call_timeout=10)
     await store.open()
-    proxy.answer = slow_put
+    proxy.answer = slow_page_puts(0.2)
     thread, answered = _write_on_another_loop(store, keys, seed=192)
     try:
         async def some_stored() -> bool:  # the other loop's batch has stored a few pages
