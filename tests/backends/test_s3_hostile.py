@@ -673,6 +673,20 @@ def _write_on_another_loop(store: Any, keys: list[str], *, seed: int) -> tuple[A
     return thread, answered
 
 
+def _multipart_on_another_loop(store: Any) -> tuple[Any, list[bool]]:
+    """Start a 12 MiB tensor's ``set`` (a multipart upload of three parts) on a thread's own
+    event loop; the thread and the list its answer lands in."""
+    import threading
+
+    import torch
+
+    big = torch.rand(3 << 20)  # 12 MiB: three parts
+    answered: list[bool] = []
+    thread = threading.Thread(target=lambda: answered.append(asyncio.run(store.set("big", big))))
+    thread.start()
+    return thread, answered
+
+
 async def test_writes_a_close_cannot_wait_for_are_counted_and_logged(
     moto_endpoint: str, moto_bucket: str, prefix: str, proxy: FaultProxy, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -773,10 +787,6 @@ async def test_a_close_aborts_the_multipart_uploads_it_cuts(
     close", and the upload stayed in the bucket for good (billed, listed by no listing). The
     close aborts every multipart upload it cuts before the client goes, and the page is
     counted and answered as not written."""
-    import threading
-
-    import torch
-
     from hicache_backends.s3.fs import S3ObjectOps
 
     monkeypatch.setattr(S3ObjectOps, "part_size", 5 << 20)  # S3's smallest part
@@ -791,10 +801,7 @@ async def test_a_close_aborts_the_multipart_uploads_it_cuts(
     client = raw_client(moto_endpoint)
     store = make_s3(proxy.endpoint, moto_bucket, prefix, NS_A, request_timeout=30.0, call_timeout=30.0)
     await store.open()
-    big = torch.rand(3 << 20)  # 12 MiB: three parts
-    answered: list[bool] = []
-    thread = threading.Thread(target=lambda: answered.append(asyncio.run(store.set("big", big))))
-    thread.start()
+    thread, answered = _multipart_on_another_loop(store)
     try:
         async def uploading() -> bool:
             out = await asyncio.to_thread(client.list_multipart_uploads, Bucket=moto_bucket, Prefix=prefix)
@@ -875,10 +882,7 @@ async def test_a_close_given_a_deadline_ends_by_it_and_reports_what_it_left(
     (``call_timeout``), then the aborts (10 s), then the other loop (15 s): well past a
     server's 20 s drain. Given what is left of the caller's budget (``aclose(timeout)``), it
     ends by then and says what it left: the page writes cut, the upload not aborted."""
-    import threading
     import time
-
-    import torch
 
     from hicache_backends.s3.fs import S3ObjectOps
 
@@ -896,10 +900,7 @@ async def test_a_close_given_a_deadline_ends_by_it_and_reports_what_it_left(
     client = raw_client(moto_endpoint)
     store = make_s3(proxy.endpoint, moto_bucket, prefix, NS_A, request_timeout=30.0, call_timeout=30.0)
     await store.open()
-    big = torch.rand(3 << 20)  # 12 MiB: three parts
-    answered: list[bool] = []
-    thread = threading.Thread(target=lambda: answered.append(asyncio.run(store.set("big", big))))
-    thread.start()
+    thread, answered = _multipart_on_another_loop(store)
     keys = keys_for(4, salt=194)
     src = ArrayHostPool(len(keys), PAGE)
     src.fill_random(194)
