@@ -114,10 +114,10 @@ def time_share(limit: float, deadline: float | None, part: float = 1.0) -> float
     return max(0.0, min(limit, part * (deadline - time.monotonic())))
 
 
-async def _wait_for_open(opening: concurrent.futures.Future[None]) -> None:
+async def _wait_in_progress(step: concurrent.futures.Future[None]) -> None:
     """Wait for an open (or a close) in progress, from any event loop; a cancelled waiter
     leaves it running (it belongs to the caller that started it)."""
-    await asyncio.shield(asyncio.wrap_future(opening))
+    await asyncio.shield(asyncio.wrap_future(step))
 
 
 class AsyncHiCacheStorage(ABC):
@@ -214,7 +214,7 @@ class AsyncHiCacheStorage(ABC):
                 if opening is None:
                     opening = self._opening = concurrent.futures.Future()
                     break
-            await _wait_for_open(opening)
+            await _wait_in_progress(opening)
         try:
             await self._open()
             if self._state is StorageState.CLOSED:
@@ -247,10 +247,10 @@ class AsyncHiCacheStorage(ABC):
             if closing is None:
                 return
             if timeout is None:
-                await _wait_for_open(closing)
+                await _wait_in_progress(closing)
                 return
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(_wait_for_open(closing), max(0.0, timeout))
+                await asyncio.wait_for(_wait_in_progress(closing), max(0.0, timeout))
             return
         was_open = self._state is StorageState.OPEN
         self._state = StorageState.CLOSED
@@ -264,7 +264,7 @@ class AsyncHiCacheStorage(ABC):
         else:
             opening = self._opening
             if opening is not None:  # open() sees CLOSED and closes what it opened
-                await _wait_for_open(opening)
+                await _wait_in_progress(opening)
 
     async def _close_quietly(self) -> None:
         try:
