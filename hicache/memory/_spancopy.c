@@ -94,13 +94,14 @@ static int holds_objects(const char *fmt) {
 
 PyDoc_STRVAR(copy_spans_doc,
 "copy_spans(dst, src, spans, dst_shift=0, src_shift=0, streaming=False) -> int\n\n"
-"For each row (d, s, n) of ``spans`` (a C-contiguous native int64 buffer of n rows of 3), copy\n"
-"``n`` bytes from ``src[s + src_shift:]`` to ``dst[d + dst_shift:]``. ``dst`` is a writable\n"
-"buffer, ``src`` any buffer. Every span is bounds-checked first and copied from a private\n"
-"snapshot of the table, so a table that changes during the copy cannot redirect it; a bad span\n"
-"raises ValueError and nothing is copied. ``streaming`` uses non-temporal stores for spans of\n"
-"128 bytes and more (copies whose destination is not read again soon). The GIL is released\n"
-"while copying. Returns the bytes copied.");
+"For each row (d, s, n) of ``spans`` (a C-contiguous native int64 buffer of n rows of 3, or of\n"
+"3n values), copy ``n`` bytes from ``src[s + src_shift:]`` to ``dst[d + dst_shift:]``. ``dst``\n"
+"is a writable buffer, ``src`` any buffer. Every span is bounds-checked first and copied from a\n"
+"private snapshot of the table, so a table that changes during the copy cannot redirect it; a\n"
+"bad span, or rows of other than 3 values, raises ValueError and nothing is copied.\n"
+"``streaming`` uses non-temporal stores for spans of 128 bytes and more (copies whose\n"
+"destination is not read again soon). The GIL is released while copying. Returns the bytes\n"
+"copied.");
 
 static PyObject *copy_spans(PyObject *self, PyObject *args, PyObject *kwargs) {
     static char *keywords[] = {"dst", "src", "spans", "dst_shift", "src_shift", "streaming", NULL};
@@ -129,6 +130,16 @@ static PyObject *copy_spans(PyObject *self, PyObject *args, PyObject *kwargs) {
     if (!is_native_int64(spans.format, spans.itemsize)) {
         PyErr_Format(PyExc_TypeError, "spans must hold native int64 values, not format '%s' of %zd bytes",
                      spans.format ? spans.format : "B", spans.itemsize);
+        goto done;
+    }
+    /* a table of rows (n, k) must have k == 3: a (3, 4) table holds 96 bytes, a whole number of
+     * 24-byte rows, and was read as four rows it does not hold (bytes copied from and to where
+     * the caller never said). A flat (3n,) table is rows of 3 in order. */
+    if (spans.ndim >= 2 && spans.shape != NULL && spans.shape[spans.ndim - 1] != 3) {
+        PyErr_Format(PyExc_ValueError,
+                     "spans must be rows of 3 int64 values (dst, src, nbytes), not rows of %zd; "
+                     "nothing was copied",
+                     spans.shape[spans.ndim - 1]);
         goto done;
     }
     const Py_ssize_t row = (Py_ssize_t)sizeof(span_t);

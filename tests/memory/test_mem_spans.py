@@ -155,6 +155,23 @@ def test_malformed_tables_and_read_only_destinations_are_rejected():
 
 
 @native_only
+@pytest.mark.parametrize("shape", [(3, 4), (6, 2), (4, 6), (3, 2, 2)])
+def test_a_table_of_rows_other_than_three_is_refused(shape):
+    """A (3, 4) table is 96 bytes, a whole number of 24-byte rows: it was read as four rows it
+    does not hold and copied bytes from and to where no row said. Only rows of 3 (or a flat table of 3n
+    values) are tables."""
+    src, dst = np.arange(1, 65, dtype=np.uint8), np.zeros(64, dtype=np.uint8)
+    table = np.zeros(shape, dtype=np.int64)
+    table.reshape(-1)[:3] = (0, 0, 8)  # one span the copier would find if it read the bytes as rows
+    assert table.nbytes % 24 == 0
+    with pytest.raises(ValueError, match="rows of 3 .*nothing was copied"):
+        copy_spans(dst, src, table)
+    assert not dst.any()
+    assert copy_spans(dst, src, table.reshape(-1)) == 8  # the same values, flat: rows of 3 in order
+    assert dst[:8].tolist() == list(range(1, 9))
+
+
+@native_only
 def test_a_table_that_changes_during_the_copy_cannot_redirect_it():
     """The table is checked, then copied from a snapshot: here the first span rewrites the second
     row (the table lives in ``dst``) into one far outside the buffer, after the check."""
