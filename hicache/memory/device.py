@@ -7,12 +7,13 @@ same code paths (and tests) run on a laptop and on a server.
 from __future__ import annotations
 
 import logging
+import operator
 from collections.abc import Sequence
 
 import numpy as np
 import torch
 
-__all__ = ["device_for", "as_index_array", "has_integer_dtype", "integer_tensor_array", "is_one_run"]
+__all__ = ["device_for", "as_index", "as_index_array", "has_integer_dtype", "integer_tensor_array", "is_one_run"]
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +60,18 @@ def integer_tensor_array(indices: torch.Tensor) -> np.ndarray:
     if flat.device.type != "cpu" or flat.dtype != torch.int64:
         flat = flat.to("cpu", torch.int64)
     return flat.numpy()
+
+
+def as_index(value: object, *, what: str = "index") -> int:
+    """One index (a page's first token, a state slot) as a Python int: an int, a numpy integer or
+    a one-element integer tensor. A bool, a float or a string is a ``TypeError``: ``int()`` made
+    8.5 index 8 and ``True`` slot 1, so another page's bytes were read or overwritten."""
+    if isinstance(value, (bool, np.bool_)) or (isinstance(value, torch.Tensor) and not has_integer_dtype(value)):
+        raise TypeError(f"{what} must be an integer, got {value!r}")
+    try:
+        return operator.index(value)  # type: ignore[arg-type]  # TypeError below for what has no __index__
+    except TypeError:
+        raise TypeError(f"{what} must be an integer, got {type(value).__name__} {value!r}") from None
 
 
 def as_index_array(indices: IndexLike, *, what: str = "indices") -> np.ndarray:

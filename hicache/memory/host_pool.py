@@ -11,10 +11,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
 import torch
 
 from hicache.memory.allocator import AllocatorBacked, PagedTokenAllocator
+from hicache.memory.device import as_index, as_index_array
 from hicache.memory.device_pool import KVPool
 from hicache.memory.host_alloc import alloc_host_bytes, resolve_host_units, want_pinned
 from hicache.memory.layouts import (
@@ -106,7 +106,7 @@ class HostKVPool(AllocatorBacked):
 
     # -- page protocol
     def _page(self, index: int) -> int:
-        index = int(index)
+        index = as_index(index, what="page index")
         if index < 0 or index >= self.size or index % self.page_size:
             raise IndexError(
                 f"page index {index} is not the first token of a page in a host pool of "
@@ -123,14 +123,15 @@ class HostKVPool(AllocatorBacked):
 
     def page_views(self, starts: Sequence[int]) -> list[memoryview] | None:
         """Live writable byte views of the pages at token indices ``starts`` (``page_first``
-        only, else ``None``); ``IndexError`` when any index is not a page start.
+        only, else ``None``); ``IndexError`` when any index is not a page start, ``TypeError``
+        when one is not an integer.
 
         What :meth:`page_view` gives one page at a time, for a whole storage batch: asking for
         each view through torch cost ~10 us a page, more than moving a small page's bytes, and
         the storage thread held the GIL the server's loop waits for."""
         if self.layout != PAGE_FIRST:
             return None
-        first = np.asarray(starts, dtype=np.int64)
+        first = as_index_array(starts, what="page indices")
         ps = self.page_size
         if first.size and (int(first.min()) < 0 or int(first.max()) >= self.size or (first % ps).any()):
             raise IndexError(f"page indices must be first tokens of pages in [0, {self.size}) (page_size={ps})")

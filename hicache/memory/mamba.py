@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from hicache.memory.allocator import AllocatorBacked, PagedTokenAllocator
+from hicache.memory.device import as_index
 from hicache.memory.host_alloc import alloc_host_bytes, resolve_host_units, want_pinned
 
 __all__ = ["MambaStatePool", "MambaHostPool"]
@@ -126,7 +127,7 @@ class MambaHostPool(AllocatorBacked):
 
     # -- page protocol (page_size 1: a page is one slot)
     def _slot(self, index: int) -> int:
-        index = int(index)
+        index = as_index(index, what="state slot")
         if not 0 <= index < self.size:
             raise IndexError(f"state slot {index} outside a host pool of {self.size} slots")
         return index

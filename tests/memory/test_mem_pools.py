@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -219,6 +220,51 @@ def test_mamba_host_pool_round_trip(fill_bytes):
         host.set_from_flat_data_page(0, dummy[:-1])
     with pytest.raises(ValueError):
         MambaHostPool(dev, host_size=2, host_to_device_ratio=1.0)
+
+
+NOT_INDICES = [True, np.True_, torch.tensor(True), 8.5, 8.0, np.float64(8.0), torch.tensor(8.0), "8"]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("bad", NOT_INDICES, ids=repr)
+def test_kv_host_page_protocol_refuses_indices_that_are_not_integers(layout, bad):
+    """``int(index)`` made 8.5 (or 8.0, or "8") page 1 of a page size of 8 and True token 1:
+    a storage read committed into, or a write taken from, a page nobody named. Page size 1 makes
+    True a page start, so it lands in another page's bytes there too."""
+    dev = MHATokenToKVPool(16, 1, torch.float16, head_num=2, head_dim=4, layer_num=2, device="cpu")
+    for ps, pool in ((8, MHATokenToKVPool(16, 8, torch.float16, 2, 4, 2, "cpu")), (1, dev)):
+        host = MHATokenToKVPoolHost(pool, host_size_bytes=2 * ps * pool.bytes_per_token, page_size=ps, layout=layout)
+        host._buf.zero_()
+        page = torch.full((host.page_nbytes,), 7, dtype=torch.uint8)
+        with pytest.raises(TypeError, match="page index must be an integer"):
+            host.set_from_flat_data_page(bad, page)
+        assert not host._buf.any()
+        for ask in (host.get_data_page, host.page_view):
+            with pytest.raises(TypeError, match="page index must be an integer"):
+                ask(bad)
+        if layout == "page_first":
+            with pytest.raises(TypeError, match="page indices must be integers"):
+                host.page_views([bad])
+        host.set_from_flat_data_page(np.int64(ps), page)  # a numpy integer is an index
+        assert host.get_data_page(torch.tensor(ps)).view(torch.uint8).eq(7).all()
+
+
+@pytest.mark.parametrize("bad", NOT_INDICES, ids=repr)
+def test_mamba_host_page_protocol_refuses_slots_that_are_not_integers(bad):
+    """The state pool's pages are slots (page size 1): ``int(True)`` was slot 1, another
+    request's state, and ``int(8.5)`` slot 8."""
+    dev = MambaStatePool(4, {"conv": (2, 3)}, torch.float16, "cpu")
+    host = MambaHostPool(dev, host_size=10)
+    host._buf.zero_()
+    page = torch.full((host.page_nbytes,), 7, dtype=torch.uint8)
+    with pytest.raises(TypeError, match="state slot must be an integer"):
+        host.set_from_flat_data_page(bad, page)
+    assert not host._buf.any()
+    for ask in (host.get_data_page, host.page_view):
+        with pytest.raises(TypeError, match="state slot must be an integer"):
+            ask(bad)
+    host.set_from_flat_data_page(np.int32(1), page)
+    assert host.get_data_page(torch.tensor(1)).view(torch.uint8).eq(7).all()
 
 
 def test_pinned_footprint_is_what_torch_locks() -> None:
