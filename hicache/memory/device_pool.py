@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from hicache.memory.device import IndexLike
+from hicache.memory.device import IndexLike, as_index, as_index_array, has_integer_dtype
 from hicache.memory.layouts import KVGeometry
 
 __all__ = ["KVPool", "MHATokenToKVPool", "MLATokenToKVPool", "layer_id_of"]
@@ -25,8 +25,9 @@ _FP8 = {getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3
 
 
 def layer_id_of(layer: Any) -> int:
-    """Accept an int or an attention module with ``layer_id`` (SGLang passes the module)."""
-    return int(getattr(layer, "layer_id", layer))
+    """Accept an int or an attention module with ``layer_id`` (SGLang passes the module); a
+    float or a bool is a ``TypeError`` (``int()`` made 1.7 and True layer 1)."""
+    return as_index(getattr(layer, "layer_id", layer), what="layer")
 
 
 def _byte_store(t: torch.Tensor) -> torch.Tensor:
@@ -108,8 +109,14 @@ class KVPool:
     def _write(self, comp: int, layer: int, loc: IndexLike, value: torch.Tensor) -> None:
         dst = self.kv_data[comp, layer]
         src = value.to(device=self.device, dtype=self.dtype).reshape(-1, *self.geometry.token_shape)
+        # slots are integers: a list of floats was cast to int64 (1.7 wrote slot 1), and torch
+        # takes a uint8 or bool tensor for a mask (uint8 slots [2, 1, 3, 1] wrote slots 0 to 3)
         if not isinstance(loc, torch.Tensor):
-            loc = torch.as_tensor(loc, dtype=torch.int64)
+            loc = torch.from_numpy(as_index_array(loc, what="loc"))
+        elif not has_integer_dtype(loc):
+            raise TypeError(f"loc must hold integer slots, got a {loc.dtype} tensor")
+        elif loc.dtype not in (torch.int64, torch.int32):
+            loc = loc.to(torch.int64)
         # a negative slot would wrap to the pool's last slots (past the end torch refuses);
         # checked where it costs no device sync: on CUDA a kernel's indices come from the allocator
         if loc.device.type == "cpu" and loc.numel() and int(loc.min()) < 0:

@@ -291,6 +291,37 @@ def test_negative_slots_and_layers_are_refused_not_wrapped() -> None:
     assert torch.equal(pool.get_key_buffer(1)[15], k[0])
 
 
+@pytest.mark.parametrize("kind", ["mha", "mla"])
+def test_slots_and_layers_that_are_not_integers_are_refused_not_truncated(kind) -> None:
+    """A list of float slots was cast to int64 (1.7 wrote slot 1), a uint8 slot tensor was taken
+    by torch for a mask ([2, 1, 3, 1] in a pool of 4: slots 0 to 3 written, in order), and a
+    float or bool layer went through int() (1.7 and True: layer 1): KV written where nobody
+    said."""
+    if kind == "mha":
+        pool = MHATokenToKVPool(4, 1, torch.float32, head_num=1, head_dim=2, layer_num=2, device="cpu")
+        write = lambda layer, loc, k: pool.set_kv_buffer(layer, loc, k, k)  # noqa: E731
+    else:
+        pool = MLATokenToKVPool(4, 1, torch.float32, kv_lora_rank=1, qk_rope_head_dim=1, layer_num=2, device="cpu")
+        write = lambda layer, loc, k: pool.set_kv_buffer(layer, loc, k)  # noqa: E731
+    one = torch.ones(1, 1, 2)
+    for loc in ([1.7], torch.tensor([1.0]), torch.tensor([True, False, False, False]), [True]):
+        with pytest.raises(TypeError, match="loc"):
+            write(0, loc, one)
+    for layer in (1.7, True, np.float32(1.0)):
+        with pytest.raises(TypeError, match="layer must be an integer"):
+            write(layer, [0], one)
+        with pytest.raises(TypeError, match="layer must be an integer"):
+            pool.get_key_buffer(layer)
+    assert not pool.kv_data.any()
+    # uint8 (or int16) slots are slots, not a mask (as a mask, [2, 1, 3, 1] is all four slots)
+    k = torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0], [3.0, 4.0]]).view(4, 1, 2)
+    write(np.int64(1), torch.tensor([2, 1, 3, 1], dtype=torch.uint8), k)
+    got = pool.get_key_buffer(1)
+    assert [got[s].tolist() for s in range(4)] == [[[0.0, 0.0]], [[3.0, 4.0]], [[1.0, 2.0]], [[5.0, 6.0]]]
+    write(0, torch.tensor([3], dtype=torch.int16), k[:1])
+    assert pool.get_key_buffer(0)[3].tolist() == [[1.0, 2.0]]
+
+
 def test_a_pinned_pool_must_fit_with_what_torch_locks(monkeypatch) -> None:
     """40 units of 1 GiB fit in 50 GiB unpinned; pinned, torch locks 64 GiB for them."""
     from hicache.memory import host_alloc
