@@ -1868,3 +1868,46 @@ def test_a_peers_clear_met_first_by_alone_is_no_lost_ledger(tmp_path, caplog) ->
         assert not [r for r in caplog.records if "cut short" in r.getMessage()]
     finally:
         ledger.close()
+
+
+async def test_a_close_given_a_deadline_ends_by_it_and_reports_the_writes_it_left(tmp_path, monkeypatch, caplog) -> None:
+    """A write stuck on a hung mount when the store closes. The close waited 30 s for the
+    calls in progress whatever the caller's budget (``aclose(timeout)``: what is left of a
+    server's drain), then for the I/O threads with no bound at all: past the drain, the
+    shutdown's SIGKILL came before a word of the write it left. Given a budget, it ends by it
+    and counts and logs the pages of the writes it left running."""
+    import threading
+
+    from hicache.testing.pools import ArrayHostPool
+    from hicache.testing.store_tests import keys_for
+
+    entered, release = threading.Event(), threading.Event()
+    real = file_io.write_page
+
+    def hung_write(*args):
+        entered.set()
+        release.wait(60)
+        return real(*args)
+
+    store = make_store(tmp_path)
+    await store.open()
+    keys = keys_for(3, salt=77)
+    src = ArrayHostPool(len(keys), 4096)
+    src.fill_random(77)
+    store.register_mem_pool_host(src)
+    monkeypatch.setattr(file_io, "write_page", hung_write)
+    writing = asyncio.create_task(store.batch_set_v1(keys, src.indices(0, len(keys))))
+    try:
+        while not entered.is_set():
+            await asyncio.sleep(0.005)
+        caplog.set_level(logging.WARNING, logger="hicache")
+        started = time.monotonic()
+        await asyncio.wait_for(store.aclose(timeout=3.0), 30.0)
+        took = time.monotonic() - started
+        assert took < 3.0 + 5.0, took  # (its own bounds: 30 s for the calls, the threads' end unbounded)
+        assert store.get_stats()["close_left_write_pages"] == len(keys)
+        said = [r.getMessage() for r in caplog.records if "still running" in r.getMessage()]
+        assert said and f"writes of {len(keys)} page(s)" in said[0], said
+    finally:
+        release.set()
+        await asyncio.wait_for(asyncio.gather(writing, return_exceptions=True), 30.0)

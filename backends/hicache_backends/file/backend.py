@@ -38,6 +38,7 @@ from hicache.errors import ConfigError
 from hicache.keys import Namespace
 from hicache.observability.tier_events import ChangeKind, Tier
 from hicache.storage import AsyncHiCacheStorage, HiCacheStorageConfig, PageCodec, PageKey, StorageState
+from hicache.storage.base import time_share
 from hicache.storage.changes import Written, report_cleared
 from hicache.storage.io_threads import copy_threads
 from hicache.storage.options import bool_option
@@ -73,15 +74,20 @@ _WARN_SECONDS = 60.0  # at most one warning of a kind (disk full, I/O errors) pe
 
 
 def _tracked(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """A primitive that :meth:`FileStorage._close` waits for before it shuts the executors."""
+    """A primitive that :meth:`FileStorage._close` waits for before it shuts the executors
+    (a write's pages counted while it runs: what a close cut short leaves, see there)."""
+    writes = fn.__name__ == "_write"
 
     @functools.wraps(fn)
     async def call(self: FileStorage, *args: Any) -> Any:
         self._calls += 1
         self._calls_idle.clear()
+        pages = len(args[0]) if writes else 0
+        self._writing_pages += pages
         try:
             return await fn(self, *args)
         finally:
+            self._writing_pages -= pages
             self._calls -= 1
             if not self._calls:
                 self._calls_idle.set()
@@ -242,6 +248,7 @@ class FileStorage(AsyncHiCacheStorage):
         self._calls = 0
         self._calls_idle = asyncio.Event()
         self._calls_idle.set()
+        self._writing_pages = 0  # pages of the write calls in progress (what a close cut short leaves)
         self._enospc_warnings = Throttle(_WARN_SECONDS)
         self._pool_warnings = Throttle(_WARN_SECONDS)
         # I/O errors repeat for every page while their cause lasts (a root remounted read-only,
@@ -319,36 +326,62 @@ class FileStorage(AsyncHiCacheStorage):
 
     async def _close(self) -> None:
         self._stop.set()  # background deletions stop at the next file; the next open resumes them
+        # With a caller's deadline (``aclose(timeout)``: what is left of a server's drain), the
+        # waits take shares of what is left (the calls half, the background work half of the
+        # rest, the threads' end the rest) and what the close leaves is logged, the pages of the
+        # writes left running counted (close_left_write_pages).
+        # Why: each wait bounded on its own (30 s for the calls, the threads' end unbounded),
+        # a write stuck on a hung mount held the close past the caller's budget, and the
+        # shutdown's SIGKILL came before a word of the writes it left.
+        deadline = self._close_deadline
+        cut = 0
         try:
             # calls already running finish first: their settlement, indexing and trash need the
             # executors (new calls are refused: the store's state is CLOSED already)
             # one limit for both kinds of call (the loop's and the callers' threads'), not one each
-            deadline = time.monotonic() + _CLOSE_CALLS_WAIT_SECONDS
+            waited = time_share(_CLOSE_CALLS_WAIT_SECONDS, deadline, 0.5)
+            calls_by = time.monotonic() + waited
             try:
-                async with asyncio.timeout(_CLOSE_CALLS_WAIT_SECONDS):
+                async with asyncio.timeout(waited):
                     await self._calls_idle.wait()
             except TimeoutError:  # a call stuck in its I/O: close anyway (it fails when it resumes)
-                logger.warning("file store %s: closing with %d call(s) still running after %.0f s",
-                               self.root, self._calls, _CLOSE_CALLS_WAIT_SECONDS)
-            left = await asyncio.to_thread(self._caller_reads.close, max(0.0, deadline - time.monotonic()))
+                cut = self._writing_pages
+                logger.warning("file store %s: closing with %d call(s) still running after %.1f s%s", self.root,
+                               self._calls, waited, f", writes of {cut} page(s) among them: left running, they "
+                               "may yet land or fail" if cut else "")
+            left = await asyncio.to_thread(self._caller_reads.close, max(0.0, calls_by - time.monotonic()))
             if left:
-                logger.warning("file store %s: closing with %d read(s) on callers' threads still running after %.0f s",
-                               self.root, left, _CLOSE_CALLS_WAIT_SECONDS)
+                logger.warning("file store %s: closing with %d read(s) on callers' threads still running after %.1f s",
+                               self.root, left, waited)
             await self._scanner.stop()
             if self._peers is not None:
                 await self._peers.stop_tailing()
             if self._background:
-                await asyncio.gather(*self._background, return_exceptions=True)
+                background = set(self._background)
+                _, late = await asyncio.wait(
+                    background, timeout=None if deadline is None else time_share(float("inf"), deadline, 0.5))
+                if late:
+                    logger.warning("file store %s: closing with %d background task(s) (deletions) still running; "
+                                   "the next open finishes them", self.root, len(late))
+                    for task in late:
+                        task.cancel()  # (each stops at its next file anyway: the close set _stop)
             # what settlements could not tell the shared ledger, told now (no write is left to
             # carry it: see SpaceAccountant.settle_owed)
             await self._space.settle_owed(self._threads.executor)
             # in-flight page writes finish (each cleans up after itself), off the loop
-            await asyncio.to_thread(self._shutdown_executors, True)
+            ending = asyncio.ensure_future(asyncio.to_thread(self._shutdown_executors, True))
+            ending.add_done_callback(lambda f: f.cancelled() or f.exception())  # (an outcome nobody may await)
+            _, late = await asyncio.wait({ending}, timeout=None if deadline is None else time_share(float("inf"), deadline))
+            if late:  # (the threads end on their own: nothing here waits for them any more)
+                logger.warning("file store %s: closing with its I/O threads still busy (a call stuck on the medium)",
+                               self.root)
         finally:
             # released however the close ends, cut short included (cancelled past a caller's
             # limit; at interpreter exit, where no executor takes work): a ledger file left
             # open keeps its shared lock, and every later store of the namespace would believe
             # another process still uses it (its scans never correct the usage again)
+            if cut:
+                self.stats.incr("close_left_write_pages", cut)
             self._shutdown_executors(wait=False)
             self._space.close()
             if self._peers is not None:
