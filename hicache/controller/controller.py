@@ -552,11 +552,14 @@ class HiCacheController:
                 await self._io.stop(timeout=self._hurried(stop_s), cancelled_limit=self._hurried(stop_s, True))
             except asyncio.CancelledError:  # raised once the stop is done: the thread was joined
                 self._hurry("while its I/O thread stopped")
+        # the last two waits (1 s each at most) take what the deadline leaves, no more: a
+        # store's close that outlives its cancellation and calls stuck in a hung store held a
+        # close with a deadline up to 2 s past it (what they leave is reported all the same)
         if closing is not None and not closing.done():
             closing.cancel()  # its I/O call was settled by stop(): this only ends the wrapper
-            await self._close_wait({closing}, 1.0)
+            await self._close_wait({closing}, time_share(1.0, deadline))
         if stuck:
-            await self._wait_tasks(1.0)
+            await self._wait_tasks(time_share(1.0, deadline))
         self.state = ControllerState.CLOSED
         self._count_failed_storage(report)
         if stuck:  # the stuck calls beside all else the close left (the report's fields are final now)

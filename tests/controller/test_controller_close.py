@@ -425,3 +425,57 @@ async def test_the_close_names_stuck_prefetches_quoted_and_bounded(caplog: pytes
     assert stuck, [r.getMessage()[:200] for r in caplog.records]
     for message in (r.getMessage() for r in caplog.records):
         assert len(message) < 2_000 and not any(ord(c) < 32 or ord(c) == 127 for c in message), message[:200]
+
+
+class StuckStorage(FaultyStorage):
+    """A hung medium: a write waits on a thread that does not return (its cancelled caller
+    waits for the thread, as every backend's must), and the close flushes on that medium and
+    outlives its cancellation."""
+
+    def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(*args, **kwargs)
+        self.unblock = threading.Event()
+        self.writing = threading.Event()
+
+    async def _write(self, pages, buffers, parents):  # type: ignore[no-untyped-def]
+        from hicache.storage.offload import run_to_completion
+
+        self.writing.set()
+        await run_to_completion(self.unblock.wait, 60)
+        return await super()._write(pages, buffers, parents)
+
+    async def _close(self) -> None:
+        flush = asyncio.ensure_future(asyncio.to_thread(self.unblock.wait, 60))
+        while not flush.done():
+            try:
+                await asyncio.shield(flush)
+            except asyncio.CancelledError:
+                pass  # a close that does not take its cancellation
+        await super()._close()
+
+
+async def test_a_close_with_a_deadline_ends_by_it_with_its_store_and_a_write_stuck() -> None:
+    """A store whose write hangs on its medium and whose close outlives its cancellation: the
+    controller's close waited 1 s more for that close and 1 s more for the worker stuck in the
+    write, whatever the deadline, ending up to 2 s past it (a server's drain budget, with its
+    SIGKILL behind). Those waits take what the deadline leaves; the report still names the
+    pages of the stuck write."""
+    store = StuckStorage(store_id=f"faulty-{uuid.uuid4()}")
+    cfg = StackConfig(page_size=PS, device_pages=16, host_pages=64, storage_backend=None, storage_thread=False,
+                      controller=ControllerConfig(prefetch_threshold=PS, storage_io_timeout_s=60.0, storage_stall_s=0,
+                                                  cancelled_io_grace_s=0.0, close_timeout_s=60.0))
+    stack = build_stack(cfg, storage=store)
+    stack.controller.own_storage = True  # as build_stack makes it for a configured backend
+    try:
+        await serve_request(stack, list(range(8)), rid="a")
+        assert await asyncio.to_thread(store.writing.wait, 30)
+        budget = 3.0
+        t0 = time.monotonic()
+        report = await asyncio.wait_for(stack.aclose(deadline=t0 + budget), 30.0)
+        took = time.monotonic() - t0
+        assert took < budget + 1.0, took  # (the two waits' own bound: 1 s each)
+        assert not report.drained and report.stuck_storage_calls == 1
+        assert report.unwritten_pages == 2 and [u.reason for u in report.unwritten] == ["stuck"]
+    finally:
+        store.unblock.set()
+        await asyncio.sleep(0.2)  # the store's close and the stuck write end
