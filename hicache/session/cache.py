@@ -508,7 +508,11 @@ class SessionAwareCache(ForwardingCache):
             deadline = loop.time() + time_share(self.writeback.close_budget(), by)
             await self._lifecycle.close()
             self._let_go()
-            await self.writeback.drain(deadline)
+            # the write-backs take half of what is left, the inner cache the rest. Why: a copy
+            # that never landed (a wedged copy stream) held the drain to the deadline, and the
+            # inner cache was then closed with no time at all: its controller hurried, its
+            # store handed nothing to end its own close with (a flush, an S3 store's aborts)
+            await self.writeback.drain(loop.time() + 0.5 * max(0.0, deadline - loop.time()))
             self.writeback.seal()
             return await self._close_inner(close_inner, max(0.0, deadline - loop.time()), by)
         except asyncio.CancelledError:

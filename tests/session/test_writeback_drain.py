@@ -314,3 +314,69 @@ async def test_a_plain_drain_waits_for_a_copy_slower_than_the_close_timeout() ->
     assert len(st.cache.writeback) == 0
     assert m["writeback_queued"] == 1 and m["writeback_done"] == 1 and m["writeback_lost"] == 0, m
     await st.aclose()
+
+
+async def test_a_close_whose_write_back_copy_hangs_leaves_its_store_time_to_close() -> None:
+    """A write-back's copy that never lands (a wedged copy stream) held the write-backs' drain
+    to the close's deadline, and the inner cache was then closed with no time left: its
+    controller hurried, its store handed nothing to end its own close with (here a flush; an
+    S3 store's aborts of the uploads it cut). The write-backs take half of what is left, and
+    the store's close gets its share of the rest; the whole close still ends by the deadline."""
+    import time
+    import uuid
+
+    from hicache.controller import ControllerConfig
+    from hicache.prefix_cache import Session
+    from hicache.session import SessionAwareCache
+    from hicache.stack import StackConfig, build_stack
+    from hicache.storage.base import time_share
+    from hicache_backends.memory import MemoryStorage
+
+    class FlushingStorage(MemoryStorage):
+        """A store whose close has half a second of work to do, cut at its deadline."""
+
+        flushed = False
+
+        async def _close(self) -> None:
+            try:
+                async with asyncio.timeout(time_share(60.0, self._close_deadline)):
+                    await asyncio.sleep(0.5)
+                    self.flushed = True
+            except TimeoutError:
+                pass
+            await super()._close()
+
+    store = FlushingStorage(store_id=f"flushing-{uuid.uuid4()}")
+    cfg = StackConfig(page_size=4, device_pages=16, host_pages=64, storage_backend=None,
+                      controller=ControllerConfig(prefetch_threshold=4, close_timeout_s=60.0))
+    stack = build_stack(cfg, storage=store)
+    stack.controller.own_storage = True  # as build_stack makes it for a configured backend
+    await stack.controller.open_storage()
+    cache = SessionAwareCache(stack.cache)
+    gate = asyncio.Event()
+    real = stack.copy_engine.backup
+
+    async def held(dev, host):  # type: ignore[no-untyped-def]
+        await gate.wait()
+        await real(dev, host)
+
+    stack.copy_engine.backup = held  # type: ignore[method-assign]
+    try:
+        req = Req(rid="turn", origin_input_ids=list(range(100, 112)), session=Session("chat", streaming=True))
+        cache.match_req(req)
+        await cache.admit(req)
+        assert await cache.alloc_extend(req, 12) is not None
+        req.kv_committed_len = 12
+        cache.release_req(req)
+        budget = 8.0
+        t0 = time.monotonic()
+        report = await asyncio.wait_for(cache.aclose(deadline=t0 + budget), 30.0)
+        took = time.monotonic() - t0
+        assert took < budget + 2.0, took
+        assert store.flushed  # the store's close had time for its work
+        assert report is not None and not report.drained
+        m = cache.metrics()
+        assert m["writeback_queued"] == 1 and m["writeback_lost"] + m["writeback_dropped"] == 1, m  # reported
+    finally:
+        gate.set()
+        await stack.copy_engine.aclose()
