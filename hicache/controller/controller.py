@@ -85,6 +85,9 @@ _OPS = {"exists": "exists", "read": "get", "write": "set"}
 #: storage write jobs the worker takes at once (see HiCacheController._write_jobs)
 _HOP_MAX_JOBS = 64
 _STORAGE_WORKER = "hicache-storage-write"  # the storage worker's task name (close looks for it)
+#: the close's last two waits (a store close that outlived its cancellation, workers stuck in a
+#: hung store's write), each at most this long and never past the close's deadline
+_LAST_CLOSE_WAIT_S = 1.0
 #: one storage call made inside a hop: its result (or the exception it raised), its seconds,
 #: whether the backend counted an error meanwhile (judged on the loop, see _judge), and the
 #: pages it refused for room (see _no_room)
@@ -552,14 +555,14 @@ class HiCacheController:
                 await self._io.stop(timeout=self._hurried(stop_s), cancelled_limit=self._hurried(stop_s, True))
             except asyncio.CancelledError:  # raised once the stop is done: the thread was joined
                 self._hurry("while its I/O thread stopped")
-        # the last two waits (1 s each at most) take what the deadline leaves, no more: a
+        # the last two waits (_LAST_CLOSE_WAIT_S each at most) take what the deadline leaves, no more: a
         # store's close that outlives its cancellation and calls stuck in a hung store held a
         # close with a deadline up to 2 s past it (what they leave is reported all the same)
         if closing is not None and not closing.done():
             closing.cancel()  # its I/O call was settled by stop(): this only ends the wrapper
-            await self._close_wait({closing}, time_share(1.0, deadline))
+            await self._close_wait({closing}, time_share(_LAST_CLOSE_WAIT_S, deadline))
         if stuck:
-            await self._wait_tasks(time_share(1.0, deadline))
+            await self._wait_tasks(time_share(_LAST_CLOSE_WAIT_S, deadline))
         self.state = ControllerState.CLOSED
         self._count_failed_storage(report)
         if stuck:  # the stuck calls beside all else the close left (the report's fields are final now)
