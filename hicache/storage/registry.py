@@ -70,8 +70,19 @@ def _discover() -> dict[str, EntryPoint]:
 
 
 def _built_in(ep: EntryPoint) -> bool:
-    """Whether ``ep`` is one of hicache's own backends (registered by the ``hicache`` distribution)."""
-    return ep.dist is not None and ep.dist.name.lower() == "hicache"
+    """Whether ``ep`` is one of hicache's own backends (registered by the ``hicache`` distribution).
+
+    A distribution whose metadata names none (a ``.dist-info`` without ``METADATA``, or one
+    without a ``Name``) is not hicache: its name was ``None``, and ``.lower()`` of it an
+    ``AttributeError`` out of every backend lookup, ``file`` included, once it registered a
+    name another distribution registers."""
+    if ep.dist is None:
+        return False
+    try:
+        name = ep.dist.metadata["Name"]
+    except Exception:  # noqa: BLE001 - metadata that cannot be read names no distribution
+        return False
+    return isinstance(name, str) and name.lower() == "hicache"
 
 
 def refresh_backends() -> None:

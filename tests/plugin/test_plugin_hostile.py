@@ -14,7 +14,7 @@ import pytest
 from hicache_backends.memory import MemoryStorage
 
 from hicache.errors import BackendLoadError
-from hicache.storage import create_async_storage, refresh_backends, register_backend
+from hicache.storage import available_backends, create_async_storage, refresh_backends, register_backend
 from hicache.storage.registry import backend_class
 
 _ENTRY_POINTS = """[hicache.backends]
@@ -82,3 +82,35 @@ def test_a_plugin_that_raises_in_its_constructor_is_one_error_line(tmp_path: Pat
     assert main(["replay", "-c", str(config), "--trace", str(trace), "--no-progress", "--policies", "lru"]) == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err and "plugin constructor exploded" in err and "'exploding'" in err
+
+
+@pytest.mark.parametrize("metadata", [None, "Metadata-Version: 2.1\nVersion: 0.1\n"], ids=["no-METADATA", "no-Name"])
+def test_a_distribution_without_a_name_sharing_a_backend_name_is_no_crash(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, metadata: str | None
+) -> None:
+    """A ``.dist-info`` whose metadata names no distribution (no ``METADATA`` file, as a
+    half-removed package or a hand-made plugin folder leaves it, or one without ``Name``)
+    that registered a backend name another distribution registers made every backend lookup
+    an ``AttributeError`` (``None.lower()``), ``file`` included: no cache could start. The
+    built-in keeps its name, with the usual warning."""
+    from hicache_backends.file import FileStorage
+
+    site = tmp_path / "site"
+    info = site / "nameless-0.1.dist-info"
+    info.mkdir(parents=True)
+    if metadata is not None:
+        (info / "METADATA").write_text(metadata)
+    (info / "entry_points.txt").write_text("[hicache.backends]\nfile = hostile_plugin:Shadow\n")
+    (site / "hostile_plugin.py").write_text(_MODULE)
+    monkeypatch.syspath_prepend(str(site))
+    refresh_backends()
+    try:
+        with caplog.at_level(logging.WARNING, logger="hicache.storage"):
+            assert "memory" in available_backends()
+            assert backend_class("file") is FileStorage
+        assert "hostile_plugin:Shadow" in caplog.text and "built-in" in caplog.text
+    finally:
+        monkeypatch.undo()
+        sys.modules.pop("hostile_plugin", None)
+        refresh_backends()
+
