@@ -6,7 +6,7 @@ from the built-in it resembles, so callers may catch either::
     HiCacheError
     ├── ConfigError (ValueError)            bad option, unknown key, value out of range
     ├── BackendNotFoundError (LookupError)  no backend registered under that name
-    ├── BackendLoadError (ImportError)      a backend is registered but cannot be imported
+    ├── BackendLoadError (ImportError)      a backend is registered but cannot be imported, built or opened
     ├── InvalidKeyError (ValueError)        a page key that can never be stored
     ├── StorageStateError (RuntimeError)    storage used before open / after close
     ├── LoopMisuseError (RuntimeError)      blocking facade called inside a loop; cache used on another loop
@@ -69,7 +69,8 @@ class BackendNotFoundError(HiCacheError, LookupError):
 
 
 class BackendLoadError(HiCacheError, ImportError):
-    """A backend is registered but importing it failed (usually a missing extra)."""
+    """A backend is registered but importing it failed (usually a missing extra), or its
+    constructor or open failed on an error of its own."""
 
 
 class InvalidKeyError(HiCacheError, ValueError):

@@ -55,7 +55,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from hicache.errors import StorageStateError
+from hicache.errors import BackendLoadError, HiCacheError, StorageStateError
 from hicache.keys import Namespace, validate_key, validate_keys
 from hicache.observability.tier_events import TierChangeHub
 from hicache.storage import changes, pool_pages, staging, tensor_pages
@@ -216,7 +216,7 @@ class AsyncHiCacheStorage(ABC):
                     break
             await _wait_in_progress(opening)
         try:
-            await self._open()
+            await self._open_checked()
             if self._state is StorageState.CLOSED:
                 # aclose() ran while _open() was awaiting: release what _open() just built
                 # (aclose waits for this open, so it returns only once that is done).
@@ -227,6 +227,23 @@ class AsyncHiCacheStorage(ABC):
             with self._opening_guard:
                 self._opening = None  # failed or cancelled: the next caller opens again
             opening.set_result(None)
+
+    async def _open_checked(self) -> None:
+        """:meth:`_open`, where an error of the backend's own (a plugin's ``RuntimeError``, a
+        client library's exception) is a :class:`BackendLoadError` naming the backend and the
+        cause: raised as it came, it ended ``hicache demo``/``serve`` in a traceback and an
+        embedding server's ``HiCache.start()`` in an exception of no hicache type, as a
+        constructor's once did (:func:`~hicache.storage.registry.create_async_storage`).
+        Errors said already (ours, a folder or a network's ``OSError``) pass as they are."""
+        try:
+            await self._open()
+        except (HiCacheError, OSError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - a backend's own failure, reported whole
+            raise BackendLoadError(
+                f"storage backend {self.backend_name!r} ({type(self).__qualname__}) could not be opened: "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
 
     async def aclose(self, timeout: float | None = None) -> None:
         """Release everything the backend holds (idempotent). An open in progress is waited

@@ -4,6 +4,7 @@ backend (or, for a taken name, a warning), never a traceback or another store in
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import sys
 from collections.abc import Iterator
@@ -114,3 +115,38 @@ def test_a_distribution_without_a_name_sharing_a_backend_name_is_no_crash(
         sys.modules.pop("hostile_plugin", None)
         refresh_backends()
 
+
+class _OpenExploding(MemoryStorage):
+    """A plugin whose open fails on something of its own (its client library's exception)."""
+
+    async def _open(self) -> None:
+        raise RuntimeError("plugin open exploded")
+
+
+async def test_a_plugin_that_raises_in_its_open_is_one_error_naming_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """A ``RuntimeError`` from a plugin's ``_open`` came out of ``HiCache.start()`` as it was,
+    no hicache error for an embedding server to catch, and ended ``hicache demo`` in a
+    traceback with exit 1; it is a :class:`BackendLoadError` naming the backend and the cause,
+    and the command is one line, exit 2. A later open tries again, as after any failed open."""
+    from hicache.cli import main
+    from hicache.facade import HiCache
+
+    register_backend("open-exploding", _OpenExploding)
+    store = create_async_storage("open-exploding", None)
+    for _ in range(2):
+        with pytest.raises(BackendLoadError, match=r"could not be opened: RuntimeError: plugin open exploded") as raised:
+            await store.open()
+        assert isinstance(raised.value.__cause__, RuntimeError)
+    await store.aclose()
+
+    config = {"model": {"name": "plugin-test"}, "storage": {"backend": "open-exploding"}}
+    with pytest.raises(BackendLoadError, match="plugin open exploded"):
+        await HiCache.from_config(config).start()
+
+    path = tmp_path / "demo.toml"
+    path.write_text('[model]\nname = "plugin-test"\n[storage]\nbackend = "open-exploding"\n')
+    assert await asyncio.to_thread(main, ["demo", "--quick", "-c", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "plugin open exploded" in err and "could not be opened" in err
