@@ -891,3 +891,27 @@ async def test_an_open_removes_the_temporary_files_of_writers_killed_mid_write(t
     finally:
         sleeper.kill()
         sleeper.wait()
+
+
+@pytest.mark.parametrize("url", ["file://", "file:///", "FILE://", "local:///"])
+async def test_a_local_url_that_names_no_folder_is_refused(
+    url: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``file://`` (the url of an empty variable, ``file://${KV_DIR}``) is the working
+    directory to fsspec, and ``file:///`` gave relative names (its root ``/`` stripped to
+    nothing), so both wrote their pages and manifest under whatever folder the process
+    started in. Each is now a ConfigError saying to name the store's folder; a url naming one
+    still works."""
+    monkeypatch.chdir(tmp_path)
+    try:
+        store = create_async_storage("fsspec", None, url=url, namespace=NS_A)
+    except ConfigError as exc:
+        assert "names no folder" in str(exc)
+    else:
+        async with store:
+            await store.set("k", torch.arange(16, dtype=torch.float32))
+    assert list(tmp_path.iterdir()) == []  # nothing under the working directory
+    store = create_async_storage("fsspec", None, url=f"file://{tmp_path}/kv", namespace=NS_A)
+    async with store:
+        assert await store.set("k", torch.arange(16, dtype=torch.float32))
+    assert [p.name for p in tmp_path.iterdir()] == ["kv"]

@@ -44,6 +44,7 @@ from typing import Any, ClassVar
 import fsspec
 import numpy as np
 from fsspec.implementations.dirfs import DirFileSystem
+from fsspec.implementations.local import LocalFileSystem
 
 from hicache.errors import BackendLoadError, ConfigError
 from hicache.keys import Namespace
@@ -395,6 +396,13 @@ class FsspecStorage(AsyncHiCacheStorage):
         # memory:// or file:// deliver what they hold
         self._remote = self._async_fs
         self._transit_warnings = Throttle(60.0)
+        if issubclass(self._fs_class, LocalFileSystem) and not rest.strip("/"):
+            # fsspec takes 'file://' for the working directory and the names under 'file:///'
+            # were relative ones, so either wrote its pages under whatever folder the process
+            # started in (the url of an empty variable, 'file://${KV_DIR}'), as the file
+            # backend's root '' is refused for
+            raise ConfigError(f"{self.backend_name} backend: url {url!r} names no folder; give the store's own, "
+                              f"e.g. '{self.protocol}:///data/kv'")
         self.root = self._fs_class._strip_protocol(url).rstrip("/")
         if issubclass(self._fs_class, DirFileSystem) and ".." in self.root.split("/"):
             # the dir's root is the store's bound: a DirFileSystem refuses such a path only over
