@@ -498,7 +498,8 @@ async def test_options_the_filesystem_refuses_are_a_config_error_at_open(tmp_pat
     (each tried to open again), unredacted. It is now a ConfigError naming the backend and the
     filesystem's complaint, with the options' secrets scrubbed from it."""
     store = create_async_storage("fsspec", None, url="dir://", namespace=NS_A,
-                                 storage_options={"target_protocol": "file", "password": "hunter2-secret"})
+                                 storage_options={"path": str(tmp_path), "target_protocol": "no-such-protocol",
+                                                  "password": "hunter2-secret"})
     with pytest.raises(ConfigError, match="dir filesystem") as info:
         await store.open()
     assert "hunter2-secret" not in str(info.value)
@@ -915,3 +916,13 @@ async def test_a_local_url_that_names_no_folder_is_refused(
     async with store:
         assert await store.set("k", torch.arange(16, dtype=torch.float32))
     assert [p.name for p in tmp_path.iterdir()] == ["kv"]
+
+
+@pytest.mark.parametrize("options", [None, {"target_protocol": "file"}, {"path": "", "target_protocol": "memory"}])
+def test_a_dir_url_without_its_path_says_so(options: dict[str, Any] | None) -> None:
+    """A ``dir://`` store needs the folder its paths are under (storage_options ``path``);
+    without it the store was made, passed the config check, and failed to open with fsspec's
+    "'NoneType' object has no attribute 'startswith'". It is a ConfigError naming the option
+    when the store is made."""
+    with pytest.raises(ConfigError, match=r"needs storage_options 'path'"):
+        create_async_storage("fsspec", None, url="dir://kv", storage_options=options, namespace=NS_A)

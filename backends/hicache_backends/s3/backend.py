@@ -363,6 +363,13 @@ class FsspecStorage(AsyncHiCacheStorage):
         except ValueError as exc:
             raise ConfigError(f"{self.backend_name} backend: no fsspec filesystem for {self.protocol!r}: {exc}") from None
         self._storage_options: dict[str, Any] = dict(storage_options or {})
+        if issubclass(self._fs_class, DirFileSystem) and not (
+                self._storage_options.get("path") or self._storage_options.get("fo")):
+            # without one the store failed to open with fsspec's "'NoneType' object has no
+            # attribute 'startswith'", which names neither the option nor the store
+            raise ConfigError(f"{self.backend_name} backend: a {self.protocol}:// url needs storage_options 'path', "
+                              "the folder (or bucket and prefix) its paths are under, e.g. "
+                              "{'path': '/data/kv', 'target_protocol': 'file'}")
         if self.protocol in _S3_PROTOCOLS:  # s3fs's are text; other filesystems take objects (gcsfs's token)
             self._storage_options = _checked_s3_options(
                 _text_credentials(self._storage_options, self.backend_name), self.backend_name)
