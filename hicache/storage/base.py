@@ -98,6 +98,11 @@ _FAILED: Any = object()
 
 KV = PoolName.KV.value
 
+#: seconds an open may take before a warning says it has not answered (and again each as long
+#: after): an open waits as long as its backend does, and one whose medium does not answer (a
+#: plugin's service, a hung network mount) held a cache's start with nothing in the log
+OPEN_WARN_S = 30.0
+
 
 class StorageState(enum.Enum):
     UNOPENED = "unopened"
@@ -234,7 +239,20 @@ class AsyncHiCacheStorage(ABC):
         cause: raised as it came, it ended ``hicache demo``/``serve`` in a traceback and an
         embedding server's ``HiCache.start()`` in an exception of no hicache type, as a
         constructor's once did (:func:`~hicache.storage.registry.create_async_storage`).
-        Errors said already (ours, a folder or a network's ``OSError``) pass as they are."""
+        Errors said already (ours, a folder or a network's ``OSError``) pass as they are. An
+        open still running after :data:`OPEN_WARN_S` is said in a warning, and again each as
+        long after."""
+        loop = asyncio.get_running_loop()
+        began = time.monotonic()
+        warning: asyncio.TimerHandle
+
+        def still_opening() -> None:
+            nonlocal warning
+            logger.warning("%s: storage backend %r has not opened after %.0f s; whatever needs it (a cache's "
+                           "start) waits on", type(self).__name__, self.backend_name, time.monotonic() - began)
+            warning = loop.call_later(OPEN_WARN_S, still_opening)
+
+        warning = loop.call_later(OPEN_WARN_S, still_opening)
         try:
             await self._open()
         except (HiCacheError, OSError):
@@ -244,6 +262,8 @@ class AsyncHiCacheStorage(ABC):
                 f"storage backend {self.backend_name!r} ({type(self).__qualname__}) could not be opened: "
                 f"{type(exc).__name__}: {exc}"
             ) from exc
+        finally:
+            warning.cancel()
 
     async def aclose(self, timeout: float | None = None) -> None:
         """Release everything the backend holds (idempotent). An open in progress is waited

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -150,3 +151,43 @@ async def test_a_plugin_that_raises_in_its_open_is_one_error_naming_it(
     assert await asyncio.to_thread(main, ["demo", "--quick", "-c", str(path)]) == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err and "plugin open exploded" in err and "could not be opened" in err
+
+
+class _OpenWaiting(MemoryStorage):
+    """A plugin whose open waits for a service that does not answer (until ``answer`` is set)."""
+
+    backend_name = "open-waiting"
+    answer = threading.Event()
+
+    async def _open(self) -> None:
+        while not self.answer.is_set():
+            await asyncio.sleep(0.05)
+
+
+async def test_an_open_that_does_not_answer_is_said_in_the_log(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A backend whose open does not answer held ``HiCache.start()`` with nothing in the log
+    (a server that never came up, and no line saying why); a warning now names the backend
+    while the open goes on, and the start completes once the backend answers."""
+    import hicache.storage.base as base
+    from hicache.facade import HiCache
+
+    monkeypatch.setattr(base, "OPEN_WARN_S", 0.2, raising=False)
+    register_backend("open-waiting", _OpenWaiting)
+    _OpenWaiting.answer.clear()
+    cache = HiCache.from_config({"model": {"name": "plugin-test"}, "storage": {"backend": "open-waiting"},
+                                 "device": {"device": "cpu"}})
+    with caplog.at_level(logging.WARNING, logger="hicache.storage"):
+        start = asyncio.create_task(cache.start())
+        try:
+            for _ in range(600):  # up to 60 s on a loaded machine
+                if "'open-waiting' has not opened" in caplog.text or start.done():
+                    break
+                await asyncio.sleep(0.1)
+            assert not start.done()
+            assert "'open-waiting' has not opened" in caplog.text
+        finally:
+            _OpenWaiting.answer.set()
+            await asyncio.wait_for(start, 60)
+            await cache.aclose()
