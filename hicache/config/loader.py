@@ -303,7 +303,13 @@ def _finish(
             label += " + HICACHE__ environment"
     config = config_from_dict(data, source=label)
     if check:
-        check_backend(config)
+        try:
+            check_backend(config)
+        except ConfigError as exc:
+            # named like the schema's errors: which file (and whether the environment) set the
+            # backend or option was not said, and a HICACHE__STORAGE__BACKEND that named a
+            # missing plugin read as a fault of a file that names none
+            raise ConfigError(f"invalid configuration ({label}): {exc}") from None
     return config
 
 

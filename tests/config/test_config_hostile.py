@@ -247,3 +247,19 @@ def test_a_host_ratio_gives_the_pages_it_says(pages: int, ratio: float, want: in
     config = load_config({"device": {"size_tokens": 16 * pages, "page_size": 16}, "host": {"ratio": ratio},
                           "storage": {"backend": None}}, environ={})
     assert stack_config_from(config).host_pages == want
+
+
+def test_a_backend_or_option_error_names_the_file_and_the_environment(tmp_path: Path) -> None:
+    """The schema's errors say which file (and whether the environment) they come from; the
+    storage backend's check did not: an option the backend lacks gave no file, and a
+    ``HICACHE__STORAGE__BACKEND`` naming a plugin that is not installed read as the fault of a
+    file that names ``file``. Both now name their source as the schema's errors do."""
+    path = tmp_path / "deploy.toml"
+    path.write_text(f'[storage]\nbackend = "file"\noptions = {{ root = "{tmp_path}", rot = "typo" }}\n')
+    with pytest.raises(ConfigError, match=r"storage\.options: backend 'file' has no option\(s\) \['rot'\]") as info:
+        load_config(path, environ={})
+    assert str(path) in str(info.value)
+    path.write_text(f'[storage]\nbackend = "file"\noptions = {{ root = "{tmp_path}" }}\n')
+    with pytest.raises(ConfigError, match="no storage backend named 'not-installed'") as info:
+        load_config(path, environ={"HICACHE__STORAGE__BACKEND": "not-installed"})
+    assert str(path) in str(info.value) and "HICACHE__ environment" in str(info.value)
