@@ -57,6 +57,7 @@ import torch
 
 from hicache.errors import BackendLoadError, HiCacheError, StorageStateError
 from hicache.keys import Namespace, validate_key, validate_keys
+from hicache.observability.throttle import Throttle
 from hicache.observability.tier_events import TierChangeHub
 from hicache.storage import changes, pool_pages, staging, tensor_pages
 from hicache.storage.hit_policy import checked_policies, leading_run, resolve_v2_hits
@@ -97,6 +98,9 @@ logger = logging.getLogger("hicache.storage")
 _FAILED: Any = object()
 
 KV = PoolName.KV.value
+
+#: a failing primitive's traceback is logged at most once per this many seconds (per primitive)
+FAILURE_LOG_PERIOD_S = 60.0
 
 #: seconds an open may take before a warning says it has not answered (and again each as long
 #: after): an open waits as long as its backend does, and one whose medium does not answer (a
@@ -468,10 +472,22 @@ class AsyncHiCacheStorage(ABC):
             return fallback
 
     def _failed(self, what: str) -> None:
-        """A primitive raised (called from its ``except``): counted and logged; the caller
-        answers with misses."""
+        """A primitive raised (called from its ``except``): counted, and logged with its
+        traceback at most once per :data:`FAILURE_LOG_PERIOD_S` per primitive, the line saying
+        how many failures it stands for; the caller answers with misses.
+
+        Why the throttle: a broken backend fails every call, a page at a time under load, and a
+        traceback per failure flooded the server's log (every failure is still counted in
+        ``backend_errors``)."""
         self.stats.incr("backend_errors")
-        logger.exception("%s: %s failed; answering with misses", type(self).__name__, what)
+        throttles = self.__dict__.setdefault("_failure_logs", {})  # (set here: a subclass may skip __init__)
+        throttle = throttles.get(what)
+        if throttle is None:
+            throttle = throttles.setdefault(what, Throttle(FAILURE_LOG_PERIOD_S))
+        count = throttle.due()
+        if count:
+            since = "" if count == 1 else f" ({count} failures of it since its last report)"
+            logger.exception("%s: %s failed%s; answering with misses", type(self).__name__, what, since)
 
     async def _guard_flags(self, what: str, coro: Any, n: int) -> list[bool]:
         """A guarded primitive that answers one flag per page; a list of another length is a

@@ -627,3 +627,36 @@ async def test_a_second_close_given_a_timeout_waits_for_the_first_no_longer() ->
         await first
     assert store.closed == 1
     await store.aclose(timeout=0.2)  # closed: at once
+
+
+async def test_a_primitive_that_fails_every_call_logs_its_traceback_once_a_period_with_the_count(
+        caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A broken backend fails every call, a page at a time under load: a traceback per failure
+    flooded the server's log. One traceback per primitive per period, saying how many failures
+    it stands for; every failure is still counted."""
+    import logging
+
+    import hicache.storage.base as storage_base
+
+    class Broken(MemoryStorage):
+        async def _exists(self, pages):  # type: ignore[no-untyped-def]
+            raise RuntimeError("the service is down")
+
+        async def _read(self, pages, buffers):  # type: ignore[no-untyped-def]
+            raise RuntimeError("the service is down")
+
+    store = Broken()
+    caplog.set_level(logging.ERROR, logger="hicache.storage.base")
+    for _ in range(50):
+        assert await store.batch_exists(["a", "b"]) == 0
+        assert await store.get("a", torch.empty(4, dtype=torch.uint8)) is None
+    assert store.get_stats()["backend_errors"] == 100
+    failed = [r for r in caplog.records if "failed" in r.getMessage()]
+    assert len(failed) == 2, [r.getMessage() for r in failed]  # one per primitive: exists, read
+    assert all(r.exc_info is not None for r in failed)
+    monkeypatch.setattr(storage_base, "FAILURE_LOG_PERIOD_S", 0.0)
+    caplog.clear()
+    quiet = Broken()  # (a store's throttles take the period they were made with)
+    await quiet.batch_exists(["a"])
+    await quiet.batch_exists(["a"])
+    assert len([r for r in caplog.records if "exists failed" in r.getMessage()]) == 2
