@@ -1,9 +1,10 @@
 """One vLLM engine, in its own process: ``python engine_run.py SPEC.json``.
 
 The spec names the model, the connector config (or none), the prompts (token ids) and where to
-write the result: every prompt's generated token ids and how many prompt tokens vLLM reported
-as cached. Optional ``phases`` run prompt groups one after the other with a file barrier in
-between (two engines sharing one store), and ``reset_before`` resets vLLM's prefix cache and the
+write the result: every prompt's generated token ids, how many prompt tokens vLLM reported
+as cached and, with ``logprobs``: N, the logprobs of the N most likely tokens at every step.
+Optional ``phases`` run prompt groups one after the other with a file barrier in between (two
+engines sharing one store), and ``reset_before`` resets vLLM's prefix cache and the
 connector's before a phase. Used by the end-to-end tests and the benchmark.
 """
 
@@ -59,7 +60,9 @@ def main(spec_path: str) -> None:
         distributed_executor_backend=None if spec.get("multiprocess") else "uni", **kwargs,
     )
     started = time.monotonic() - t0
-    sp = SamplingParams(max_tokens=spec.get("max_tokens", 16), temperature=0.0, ignore_eos=True, detokenize=False)
+    logprobs = spec.get("logprobs")  # the top ones at each step, with the chosen token's
+    sp = SamplingParams(max_tokens=spec.get("max_tokens", 16), temperature=0.0, ignore_eos=True, detokenize=False,
+                        logprobs=logprobs)
     phases = spec.get("phases") or [{"prompts": spec["prompts"]}]
     results = []
     for phase in phases:
@@ -72,6 +75,8 @@ def main(spec_path: str) -> None:
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in phase["prompts"]], sp, use_tqdm=False)
         results.append({
             "outputs": [list(o.outputs[0].token_ids) for o in outs],
+            "logprobs": [[{str(t): lp.logprob for t, lp in step.items()} for step in o.outputs[0].logprobs or []]
+                         for o in outs] if logprobs else None,
             "cached": [int(o.num_cached_tokens or 0) for o in outs],
             "seconds": time.monotonic() - t,
             "reset": reset,
