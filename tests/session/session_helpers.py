@@ -116,15 +116,7 @@ class Stack:
     def hold_backups(self) -> asyncio.Event:
         """Hold every device->host copy until the returned event is set (a wedged copy stream)."""
         assert self.engine is not None
-        gate = asyncio.Event()
-        real = self.engine.backup
-
-        async def held(dev, host):  # type: ignore[no-untyped-def]
-            await gate.wait()
-            await real(dev, host)
-
-        self.engine.backup = held  # type: ignore[method-assign]
-        return gate
+        return hold_backups(self.engine)
 
     async def aclose(self) -> None:
         await self.cache.aclose()
@@ -274,3 +266,17 @@ class Conversation:
         assert slot.token_ids == self.history[:n]
         row = self.stack.req_pool.req_to_token[slot.req_pool_idx][:n]
         assert kv_matches(self.stack.device_pool, row, self.history[:n]), f"{self.sid}: slot KV is wrong"
+
+
+def hold_backups(engine: CopyEngine) -> asyncio.Event:
+    """Hold every device->host copy of ``engine`` until the returned event is set (a wedged
+    copy stream)."""
+    gate = asyncio.Event()
+    real = engine.backup
+
+    async def held(dev, host):  # type: ignore[no-untyped-def]
+        await gate.wait()
+        await real(dev, host)
+
+    engine.backup = held  # type: ignore[method-assign]
+    return gate

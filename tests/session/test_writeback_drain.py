@@ -8,7 +8,7 @@ import types
 
 from hicache.prefix_cache import Req
 from hicache.session.writeback import WriteBackQueue
-from session_helpers import Conversation, make_stack, write_kv
+from session_helpers import Conversation, hold_backups, make_stack, write_kv
 
 
 class _ClosedTree:
@@ -353,14 +353,7 @@ async def test_a_close_whose_write_back_copy_hangs_leaves_its_store_time_to_clos
     stack.controller.own_storage = True  # as build_stack makes it for a configured backend
     await stack.controller.open_storage()
     cache = SessionAwareCache(stack.cache)
-    gate = asyncio.Event()
-    real = stack.copy_engine.backup
-
-    async def held(dev, host):  # type: ignore[no-untyped-def]
-        await gate.wait()
-        await real(dev, host)
-
-    stack.copy_engine.backup = held  # type: ignore[method-assign]
+    gate = hold_backups(stack.copy_engine)
     try:
         req = Req(rid="turn", origin_input_ids=list(range(100, 112)), session=Session("chat", streaming=True))
         cache.match_req(req)
