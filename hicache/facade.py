@@ -159,6 +159,11 @@ class HiCache:
     """
 
     def __init__(self, config: HiCacheConfig) -> None:
+        if not isinstance(config, HiCacheConfig):
+            # a path or a dict (what from_config takes) failed deep in the wiring with
+            # "'dict' object has no attribute 'model'", naming neither the mistake nor the fix
+            raise TypeError(f"HiCache() takes a HiCacheConfig, got {type(config).__name__}; build one from a "
+                            "config file or dict with HiCache.from_config(...) (or afrom_config on a running loop)")
         self.config = config
         self._stack_config = stack_config_from(config)
         self._stack: CacheStack | None = None

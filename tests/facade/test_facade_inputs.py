@@ -107,3 +107,14 @@ def test_an_iterator_of_token_ids_is_read_once_and_a_bad_one_named() -> None:
         token_ids_of(t for t in (1, -7, 3))
     with pytest.raises(TypeError, match="not int"):
         token_ids_of(5)
+
+
+@pytest.mark.parametrize("source", ["configs/default.toml", "__dict__", None])
+def test_a_config_that_is_no_hicacheconfig_is_refused_with_the_way_to_build_one(source) -> None:
+    """``HiCache(...)`` takes a loaded :class:`HiCacheConfig`; a path or a dict (what
+    ``from_config`` takes) failed with ``AttributeError: 'dict' object has no attribute
+    'model'``, which named neither the mistake nor the fix."""
+    if source == "__dict__":
+        source = config()
+    with pytest.raises(TypeError, match=r"HiCacheConfig.*HiCache\.from_config"):
+        HiCache(source)  # type: ignore[arg-type]
