@@ -23,6 +23,8 @@ import asyncio
 import contextlib
 import enum
 import logging
+import math
+import numbers
 import operator
 import os
 from collections.abc import Awaitable, Coroutine, Iterator
@@ -337,7 +339,16 @@ class HiCache:
         shutdown sweep when ``main`` returned right after starting it): none of its code would
         run, and the cache was left open, its threads running and its queued writes neither
         written nor reported. The close itself runs in a task that a cancellation, however
-        early, only hurries (:class:`~hicache.controller.close_task.CloseTask`)."""
+        early, only hurries (:class:`~hicache.controller.close_task.CloseTask`).
+
+        A ``deadline`` that is no time (not a number, a bool, NaN) raises ``TypeError`` /
+        ``ValueError`` from the returned coroutine and changes nothing: the cache stays open."""
+        bad = _deadline_error(deadline)
+        if bad is not None:
+            # refused before the close starts: a string used to fail inside the close task
+            # after the cache was marked closed, leaving the controller running, its storage
+            # open and its queued writes unreported, and every later aclose() failing alike
+            return _raise(bad)
         self._begin_close_here(deadline)
         return self._aclose(deadline)
 
@@ -741,6 +752,22 @@ async def _smoke() -> None:  # pragma: no cover - manual check
 
 if __name__ == "__main__":  # pragma: no cover
     asyncio.run(_smoke())
+
+
+def _deadline_error(deadline: object) -> Exception | None:
+    """Why ``deadline`` is no :meth:`HiCache.aclose` deadline (``None`` when it is one)."""
+    if deadline is None:
+        return None
+    if isinstance(deadline, bool) or not isinstance(deadline, numbers.Real):
+        return TypeError(f"aclose(): deadline must be a time.monotonic() value or None, got {quoted(deadline)} "
+                         f"({type(deadline).__name__})")
+    if math.isnan(float(deadline)):
+        return ValueError("aclose(): deadline must be a time.monotonic() value or None, got nan")
+    return None
+
+
+async def _raise(exc: Exception) -> Any:
+    raise exc
 
 
 async def _through_cancel(aw: Awaitable[_T]) -> _T | None:

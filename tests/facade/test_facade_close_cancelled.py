@@ -239,3 +239,25 @@ async def test_a_cancellation_of_the_close_task_alone_hurries_the_controllers_dr
     assert not report.drained and report.unwritten_pages == SESSIONS * PAGES
     assert cache.close_report is report
     _assert_no_new_hicache_threads(before)
+
+
+@pytest.mark.parametrize("deadline, error", [("30", TypeError), (True, TypeError), (float("nan"), ValueError)])
+async def test_a_bad_close_deadline_is_refused_before_the_close_starts(tmp_path: Path, deadline: Any,
+                                                                       error: type[Exception]) -> None:
+    """``aclose(deadline=...)`` with a deadline that is no time (a string from a setting, a
+    flag, NaN): refused at once with the cache still open, so a plain ``aclose()`` then drains
+    every queued write and ends every thread. A string used to fail inside the close task after
+    the cache was marked closed: the controller stayed running with its storage open and its
+    threads alive, the queued writes were neither written nor reported, and every later
+    ``aclose()`` raised the same ``TypeError``: the cache could not be closed at all."""
+    before = _thread_idents()
+    cache = await HiCache.from_config(config(tmp_path)).start()
+    for i in range(SESSIONS):
+        await run(cache, f"r{i}", prompt(i, PAGES * PS))
+    with pytest.raises(error, match="deadline"):
+        await cache.aclose(deadline=deadline)
+    await run(cache, "after", prompt(SESSIONS, PAGES * PS))  # still open and serving
+    report = await asyncio.wait_for(cache.aclose(), 60)
+    assert report.drained and not report.unwritten, report
+    assert cache._stack.controller.state is ControllerState.CLOSED
+    _assert_no_new_hicache_threads(before)
