@@ -35,6 +35,7 @@ from hicache.memory.layouts import PAGE_FORMAT
 from hicache.observability.attribution import Attributor
 from hicache.observability.attribution_flow import TreeAttribution
 from hicache.observability.tier_events import TierChangeHub
+from hicache.options import check_option_types
 from hicache.placement import make_placement
 from hicache.prefix_cache.hiradix import HiRadixCache
 from hicache.storage import AsyncHiCacheStorage, HiCacheStorageConfig, create_async_storage
@@ -115,6 +116,11 @@ class StackConfig:
     #: storage calls on the controller's private I/O loop thread (a server's choice); ``False``
     #: runs them on the cache's loop, so when a write lands does not hang on thread timing
     storage_thread: bool = True
+
+    def __post_init__(self) -> None:
+        # a value of another type failed deep in the build, naming no field ("'dict' object
+        # has no attribute 'io_thread_nice'" for a dict given as ``controller``)
+        check_option_types(self, "stack")
 
     @property
     def torch_dtype(self) -> torch.dtype:
