@@ -43,7 +43,8 @@ directory, so whichever process serves the scrape shows all of them. Gauges take
 ``multiprocess_mode``: ``livesum`` (queue depths, pages: the deployment's total over live
 workers) unless a family says otherwise (``storage_up`` is ``livemin``: one worker that lost its
 store shows). A process marks its live gauges dead when it exits (``atexit``); counters of dead
-workers keep counting, as totals should.
+workers keep counting, as totals should. A worker killed by a signal runs no ``atexit``: a
+scrape marks dead every worker whose live gauge files name a pid that no longer exists.
 
 Metric names: ``hicache_`` then the name the owner gives; counters get ``_total`` from
 ``prometheus_client``; label values are lower case.
@@ -164,9 +165,42 @@ def _scrape_registry() -> CollectorRegistry:
         return prometheus_client.REGISTRY
     from prometheus_client import multiprocess
 
+    _mark_killed_dead(path)
     registry = CollectorRegistry()
     multiprocess.MultiProcessCollector(registry, path=path)
     return registry
+
+
+_LIVE_FILE = re.compile(r"^gauge_live[a-z]+_(\d+)\.db$")
+
+
+def _mark_killed_dead(path: str) -> None:
+    """Mark dead the workers whose live gauge files outlived them: a worker killed by a signal
+    (the OOM killer, a supervisor's SIGKILL) runs no ``atexit``, and its last queue depths,
+    sizes and ``storage_up`` stayed in every scrape for good. A pid that no longer exists is
+    dead; one that exists (or that this process may not signal) is left alone. The files are
+    named by pid, so the workers of one directory share a pid namespace already (two namespaces
+    would write one another's files)."""
+    from prometheus_client import multiprocess
+
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return
+    me = os.getpid()
+    for pid in sorted({int(m.group(1)) for m in map(_LIVE_FILE.match, names) if m is not None}):
+        if pid == me or pid <= 0:
+            continue
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            try:
+                multiprocess.mark_process_dead(pid, path)
+                logger.info("metrics: worker %d is gone without marking its gauges dead (killed?); done now", pid)
+            except OSError:
+                logger.debug("could not mark pid %d dead in %s", pid, path, exc_info=True)
+        except OSError:  # EPERM: it exists, under another user
+            continue
 
 
 def exposition() -> bytes:

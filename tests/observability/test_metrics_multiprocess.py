@@ -252,3 +252,28 @@ def test_store_wide_figures_are_not_summed_over_workers(tmp_path: Path) -> None:
         if second is not None:
             _stop(second)
         _stop(first)
+
+
+def test_a_killed_workers_gauges_leave_the_scrape(tmp_path: Path) -> None:
+    """A worker killed by a signal (the OOM killer, SIGKILL from a supervisor) runs no atexit:
+    its live gauge files stayed in the directory, and every scrape kept adding its host size
+    (and would keep its last ``storage_up = 0``) for as long as the deployment ran."""
+    mp_dir, root = tmp_path / "prom", tmp_path / "store"
+    mp_dir.mkdir()
+    first, a = _worker(mp_dir, root, seed=1, requests=2)
+    second = None
+    try:
+        second, b = _worker(mp_dir, root, seed=2, requests=2)
+        assert _scrape(mp_dir).value("hicache_host_size_tokens", cache="0") == a["host_size"] + b["host_size"]
+        first.kill()
+        first.wait(timeout=60)
+        scrape = _scrape(mp_dir)
+        assert scrape.value("hicache_requests_total", cache="0") == a["requests"] + b["requests"]  # counts stay
+        assert scrape.value("hicache_host_size_tokens", cache="0") == b["host_size"]  # the live one only
+        assert scrape.value("hicache_storage_up", cache="0") == 1
+        _stop(second)
+    finally:
+        for proc in (first, second):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait()
