@@ -814,13 +814,13 @@ async def test_eviction_after_the_opening_scan_leaves_a_write_in_flight_to_make_
         assert go_scan.wait(30)
         return real_list(layout)
 
-    def remove_files(paths, sizes):  # the write's eviction: the scan runs to its end meanwhile
+    def remove_files(paths, sizes, *rest):  # the write's eviction: the scan runs to its end meanwhile
         nonlocal removals
         removals += 1
         if removals == 1:
             go_scan.set()
             scan_done.wait(10)
-        return real_remove(paths, sizes)
+        return real_remove(paths, sizes, *rest)
 
     def remove_stale_trash(*args):  # the scan's housekeeping: its eviction is over
         scan_done.set()

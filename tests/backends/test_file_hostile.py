@@ -661,10 +661,10 @@ async def test_a_page_written_while_its_unlink_is_pending_survives_the_unlink(tm
     unlinking, release = threading.Event(), threading.Event()
     real = file_io.remove_files
 
-    def slow_remove(paths, sizes):
+    def slow_remove(paths, sizes, *rest):
         unlinking.set()
         release.wait(LIMIT)
-        return real(paths, sizes)
+        return real(paths, sizes, *rest)
 
     max_bytes = 2 * (size + 512) if how == "evict" else 1 << 20
     async with make_store(tmp_path, shared=False, max_bytes=max_bytes) as store:
@@ -1911,3 +1911,29 @@ async def test_a_close_given_a_deadline_ends_by_it_and_reports_the_writes_it_lef
     finally:
         release.set()
         await asyncio.wait_for(asyncio.gather(writing, return_exceptions=True), 30.0)
+
+
+def test_evictions_the_medium_refuses_log_one_line_not_one_per_page(tmp_path: Path, caplog) -> None:
+    """An eviction whose unlinks the medium refuses (a file system remounted read-only after an
+    error, a folder another user took) logged a WARNING per page, at every eviction pass: a
+    store evicting hundreds of pages a second flooded the server's log. One line says how many
+    of the batch were kept and why (the first error), at most once a minute."""
+    import logging
+
+    from hicache.observability.throttle import Throttle
+    from hicache_backends.file import io as page_io
+
+    victims = []
+    for i in range(200):  # unlink refuses a folder, also as root: the medium's refusal, for real
+        (tmp_path / f"p{i}").mkdir()
+        victims.append(str(tmp_path / f"p{i}"))
+    with caplog.at_level(logging.WARNING, logger="hicache.storage.file"):
+        warn = Throttle(60.0)  # the store's own, as SpaceAccountant passes it
+        freed, kept = page_io.remove_files(victims, [4096] * len(victims), warn)
+        assert (freed, kept) == (0, list(range(200)))  # every page is still there: none is told gone
+        first = [r for r in caplog.records if r.levelno >= logging.WARNING]
+        assert len(first) == 1, [r.getMessage() for r in first[:3]]
+        assert "200 of 200" in first[0].getMessage()
+        caplog.clear()
+        assert page_io.remove_files(victims, [4096] * len(victims), warn)[1] == list(range(200))
+        assert not [r for r in caplog.records if r.levelno >= logging.WARNING]  # the next pass: counted, quiet

@@ -35,6 +35,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 
+from hicache.observability.throttle import Throttle
 from hicache.storage.page_format import PageCodec, PageHeader, Verdict, checksum, checksum_stream
 from hicache.storage.segments import RUN_BYTES, PageSegments, StridedPiece, bounce, io_runs
 from hicache.storage.staging import PoolPage, StagedPage
@@ -791,13 +792,18 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def remove_files(paths: Sequence[str], sizes: Sequence[int]) -> tuple[int, list[int]]:
+def remove_files(paths: Sequence[str], sizes: Sequence[int], warn: Throttle | None = None) -> tuple[int, list[int]]:
     """Unlink each path; returns the bytes (``sizes``) of those this call removed (a file
     gone already - another process evicted it - frees nothing here), and the positions of
     those left in place (an unlink refused: another user's folder; a folder replaced by a
-    link): still pages every read finds, which no one may be told are gone."""
+    link): still pages every read finds, which no one may be told are gone.
+
+    Refused unlinks are logged as one line per call, naming the first error, and at most once
+    a period of ``warn`` (the store's; this module's own when None): a medium that refuses
+    every unlink (remounted read-only) logged a warning per page at every eviction pass."""
     freed = 0
     kept: list[int] = []
+    refused: tuple[str, OSError] | None = None
     for i, (p, size) in enumerate(zip(paths, sizes)):
         if not _inside_root(p):  # a folder replaced by a link: not ours to empty
             kept.append(i)
@@ -809,7 +815,12 @@ def remove_files(paths: Sequence[str], sizes: Sequence[int]) -> tuple[int, list[
             pass
         except OSError as exc:
             kept.append(i)
-            logger.warning("could not remove %s: %s", p, exc)
+            refused = refused or (p, exc)
+    if refused is not None:
+        count = (warn or _REMOVAL_WARNINGS).due(len(kept))
+        if count:
+            logger.warning("could not remove %d of %d evicted page(s) (%d since the last warning); they stay "
+                           "stored; the first: %r: %s", len(kept), len(paths), count, refused[0], refused[1])
     return freed, kept
 
 
@@ -900,6 +911,8 @@ def is_no_space(exc: BaseException) -> bool:
 
 #: times a namespace is set up again when another process's clear renamed it away meanwhile
 _PREPARE_ATTEMPTS = 8
+# refused removals of evicted pages, for callers without a throttle of their own (remove_files)
+_REMOVAL_WARNINGS = Throttle(60.0)
 
 
 def prepare_namespace(layout: NamespaceLayout, manifest: dict) -> bool:

@@ -130,6 +130,7 @@ class SpaceAccountant:
         self.writes_in_flight = 0  # batches between their reservation and its settlement
         self.writes_started = 0
         self._refusal_warnings = Throttle(_REFUSAL_WARN_SECONDS)
+        self._removal_warnings = Throttle(_REFUSAL_WARN_SECONDS)  # evicted pages the medium kept
 
     def open(self, layout: NamespaceLayout, executor: ThreadPoolExecutor, *, shared: bool, observer: bool = False) -> None:
         """``observer``: a read-only store of a shared namespace, which keeps out of the ledger
@@ -653,7 +654,7 @@ class SpaceAccountant:
         named = list(map(page_io.page_identity, paths)) if self._wants_identities() else []
         ledger, claimed = self.ledger, sum(sizes)
         marked = ledger.add(0, inflight=claimed) if ledger is not None and claimed else None
-        freed, kept = page_io.remove_files(paths, sizes)
+        freed, kept = page_io.remove_files(paths, sizes, self._removal_warnings)
         idents = [n for i, n in enumerate(named) if n is not None and i not in kept]
         if ledger is None:
             return _Removal(freed, idents, kept)
