@@ -178,6 +178,7 @@ class Prefetcher:
         t0 = time.perf_counter()
         traced = tracing.span("hicache.prefetch")  # entered and left by hand: the body is long
         span = traced.__enter__()
+        failure: Exception | None = None  # handed to the span's exit: it records it, status ERROR
         try:
             async with self._sem:
                 if op.stop_requested:
@@ -246,7 +247,8 @@ class Prefetcher:
                         break
         except asyncio.CancelledError:
             pass  # abort: the finally block gives the pages back
-        except Exception:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001
+            failure = exc
             op.stop = op.stop or "error"
             self.metrics.incr("worker_errors")
             logger.exception("prefetch %s failed", quoted(op.rid))
@@ -255,7 +257,13 @@ class Prefetcher:
             if op.completed_pages:
                 self.metrics.observe("prefetch", "storage", time.perf_counter() - t0)
             span.set_attribute("hicache.pages", op.completed_pages)
-            traced.__exit__(None, None, None)
+            if op.stop:
+                span.set_attribute("hicache.stop", op.stop)
+            # the exception it raised (already handled here), so the span is not a clean one
+            if failure is None:
+                traced.__exit__(None, None, None)
+            else:
+                traced.__exit__(type(failure), failure, failure.__traceback__)
             self._finish_op(op)
 
     def _below_threshold(self, op: PrefetchOp, tokens: int) -> bool:

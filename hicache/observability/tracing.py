@@ -5,7 +5,8 @@ Spans: ``hicache.begin`` (a request's whole admission) with children ``hicache.m
 storage fetch, on its own task) and ``hicache.load_back`` (host->device, until the last layer
 landed); ``hicache.backup`` (device->host batch) and ``hicache.backup.storage`` (host->storage
 job) run on the controller's workers, outside any request, so they are roots. Attributes say
-the pages, tokens and tiers involved.
+the pages, tokens and tiers involved; a prefetch that stopped short says why (``hicache.stop``), and
+one that raised carries the error status and the exception.
 
 Why process-wide and off by default: a tracer provider is process-wide in OpenTelemetry too,
 and tracing costs an allocation and a context switch per span. While off, :func:`span` returns

@@ -134,3 +134,35 @@ async def test_backup_spans_are_roots_not_in_the_first_requests_trace(exporter) 
     for s in backups:
         assert s.parent is None, (s.name, "parented to another span")
         assert s.context.trace_id not in begins, (s.name, "in a request's trace")
+
+
+async def test_a_prefetch_that_failed_has_a_span_that_says_so(exporter) -> None:
+    """The ``hicache.prefetch`` span is the one entered and left by hand: a prefetch that
+    raised (its error logged, ``worker_errors`` counted) ended its span as if it had succeeded,
+    so a trace showed a failed fetch as a clean one. It now carries the error status and the
+    exception, and the reason the fetch stopped."""
+    from opentelemetry.trace import StatusCode
+
+    store = uuid.uuid4().hex
+    tokens = [30_000 + i for i in range(6 * PS + 5)]
+    async with HiCache.from_config(config(store)) as first:
+        await _serve(first, "w", tokens)
+        await first.drain()
+    exporter.clear()
+    async with HiCache.from_config(config(store)) as second:  # the prefix is only in storage
+        storage = second._stack.storage
+
+        class Garbled:  # a backend answering a lookup with something that is not a hit count
+            kv_hit_pages = None
+
+        async def garbled_exists(keys, extra=None):
+            return Garbled()
+
+        storage.batch_exists_v2 = garbled_exists  # type: ignore[method-assign]
+        await _serve(second, "r", tokens)  # computed, not fetched: the request itself is served
+        await second.drain()
+        assert second._stack.controller.metrics.counters["worker_errors"] == 1
+    (prefetch,) = [s for s in exporter.get_finished_spans() if s.name == "hicache.prefetch"]
+    assert prefetch.status.status_code is StatusCode.ERROR
+    assert any(e.name == "exception" for e in prefetch.events)
+    assert prefetch.attributes["hicache.stop"] == "error"
