@@ -463,9 +463,8 @@ class AsyncHiCacheStorage(ABC):
                 raise  # the caller was cancelled: let it unwind
             # nobody cancelled this task: the backend (or a library under it) raised a stray
             # CancelledError, which is an error of the store like any other
-            self.stats.incr("backend_errors")
-            logger.error("%s: %s raised CancelledError without being cancelled; answering with misses",
-                         type(self).__name__, what)
+            self._bad_answer(what, "%s: %s raised CancelledError without being cancelled; answering with misses",
+                             type(self).__name__, what)
             return fallback
         except Exception:  # noqa: BLE001 - see module docstring
             self._failed(what)
@@ -489,6 +488,21 @@ class AsyncHiCacheStorage(ABC):
             since = "" if count == 1 else f" ({count} failures of it since its last report)"
             logger.exception("%s: %s failed%s; answering with misses", type(self).__name__, what, since)
 
+    def _bad_answer(self, what: str, message: str, *args: Any) -> None:
+        """A primitive answered what no store may (flags of another count, a prefix run out of
+        range, a stray CancelledError): counted in ``backend_errors``, and ``message`` logged
+        at most once per :data:`FAILURE_LOG_PERIOD_S` per primitive, as :meth:`_failed` does: a
+        buggy backend answers every call so, and a line per call flooded the log under load."""
+        self.stats.incr("backend_errors")
+        throttles = self.__dict__.setdefault("_failure_logs", {})
+        throttle = throttles.get(("answer", what))
+        if throttle is None:
+            throttle = throttles.setdefault(("answer", what), Throttle(FAILURE_LOG_PERIOD_S))
+        count = throttle.due()
+        if count:
+            since = "" if count == 1 else f" ({count} such answers since the last report)"
+            logger.error(message + "%s", *args, since)
+
     async def _guard_flags(self, what: str, coro: Any, n: int) -> list[bool]:
         """A guarded primitive that answers one flag per page; a list of another length is a
         backend bug, and trusting it would shift every answer onto the wrong page."""
@@ -506,11 +520,8 @@ class AsyncHiCacheStorage(ABC):
         except TypeError:  # None (a forgotten return) or no list at all
             flags = []
         if len(flags) != n:
-            self.stats.incr("backend_errors")
-            logger.error(
-                "%s: %s answered %d flags for %d pages; answering with misses",
-                type(self).__name__, what, len(flags), n,
-            )
+            self._bad_answer(what, "%s: %s answered %d flags for %d pages; answering with misses",
+                             type(self).__name__, what, len(flags), n)
             return [False] * n
         return flags
 
@@ -542,8 +553,7 @@ class AsyncHiCacheStorage(ABC):
         """A prefix lookup's answer as a count of pages from the first (any integral type);
         ``None`` for anything else, a backend bug, counted and logged."""
         if isinstance(run, bool) or not isinstance(run, numbers.Integral) or not 0 <= int(run) <= n:
-            self.stats.incr("backend_errors")
-            logger.error("%s: exists answered %r for %d pages", type(self).__name__, run, n)
+            self._bad_answer("exists", "%s: exists answered %r for %d pages", type(self).__name__, run, n)
             return None
         return int(run)
 

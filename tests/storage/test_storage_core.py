@@ -660,3 +660,29 @@ async def test_a_primitive_that_fails_every_call_logs_its_traceback_once_a_perio
     await quiet.batch_exists(["a"])
     await quiet.batch_exists(["a"])
     assert len([r for r in caplog.records if "exists failed" in r.getMessage()]) == 2
+
+
+async def test_a_primitive_that_answers_wrongly_every_call_logs_once_a_period_with_the_count(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A buggy backend that answers every lookup with flags of the wrong count (or a stray
+    CancelledError) logged an ERROR line per call: under load, one per request. As for a
+    primitive that raises, one line per primitive per period, saying how many it stands for;
+    every bad answer is still counted."""
+    import logging
+
+    class Miscounts(MemoryStorage):
+        async def _exists(self, pages):  # type: ignore[no-untyped-def]
+            return [True] * (len(pages) + 1)  # one flag too many: trusting it shifts every answer
+
+        async def _read(self, pages, buffers):  # type: ignore[no-untyped-def]
+            raise asyncio.CancelledError  # nobody cancelled the call
+
+    store = Miscounts()
+    caplog.set_level(logging.ERROR, logger="hicache.storage.base")
+    for _ in range(50):
+        assert await store.batch_exists(["a", "b"]) == 0
+        assert await store.get("a", torch.empty(4, dtype=torch.uint8)) is None
+    assert store.get_stats()["backend_errors"] == 100
+    lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(lines) == 2, lines[:4]  # one per primitive: exists, read
+    assert any("flags for" in line for line in lines) and any("CancelledError" in line for line in lines)
