@@ -478,12 +478,7 @@ class AsyncHiCacheStorage(ABC):
         Why the throttle: a broken backend fails every call, a page at a time under load, and a
         traceback per failure flooded the server's log (every failure is still counted in
         ``backend_errors``)."""
-        self.stats.incr("backend_errors")
-        throttles = self.__dict__.setdefault("_failure_logs", {})  # (set here: a subclass may skip __init__)
-        throttle = throttles.get(what)
-        if throttle is None:
-            throttle = throttles.setdefault(what, Throttle(FAILURE_LOG_PERIOD_S))
-        count = throttle.due()
+        count = self._backend_error(what)
         if count:
             since = "" if count == 1 else f" ({count} failures of it since its last report)"
             logger.exception("%s: %s failed%s; answering with misses", type(self).__name__, what, since)
@@ -493,15 +488,21 @@ class AsyncHiCacheStorage(ABC):
         range, a stray CancelledError): counted in ``backend_errors``, and ``message`` logged
         at most once per :data:`FAILURE_LOG_PERIOD_S` per primitive, as :meth:`_failed` does: a
         buggy backend answers every call so, and a line per call flooded the log under load."""
-        self.stats.incr("backend_errors")
-        throttles = self.__dict__.setdefault("_failure_logs", {})
-        throttle = throttles.get(("answer", what))
-        if throttle is None:
-            throttle = throttles.setdefault(("answer", what), Throttle(FAILURE_LOG_PERIOD_S))
-        count = throttle.due()
+        count = self._backend_error(("answer", what))
         if count:
             since = "" if count == 1 else f" ({count} such answers since the last report)"
             logger.error(message + "%s", *args, since)
+
+    def _backend_error(self, kind: object) -> int:
+        """Count one error of the backend (``backend_errors``); returns how many errors of
+        ``kind`` to report now (0: stay quiet), by a throttle of :data:`FAILURE_LOG_PERIOD_S`
+        per kind."""
+        self.stats.incr("backend_errors")
+        throttles = self.__dict__.setdefault("_failure_logs", {})  # (set here: a subclass may skip __init__)
+        throttle = throttles.get(kind)
+        if throttle is None:
+            throttle = throttles.setdefault(kind, Throttle(FAILURE_LOG_PERIOD_S))
+        return throttle.due()
 
     async def _guard_flags(self, what: str, coro: Any, n: int) -> list[bool]:
         """A guarded primitive that answers one flag per page; a list of another length is a
