@@ -40,15 +40,12 @@ from hicache_backends.memory import MemoryStorage
 BACKEND = "fuzz-switch-memory"
 
 
-class SwitchStorage(MemoryStorage):
-    """The memory backend whose calls raise while ``down`` (a store that went away)."""
-
-    backend_name = BACKEND
-    down = False
+class GatedMemoryStorage(MemoryStorage):
+    """The memory backend whose primitives (exists, read, write) first call :meth:`_gate`,
+    which a subclass makes raise (a store that fails calls)."""
 
     def _gate(self) -> None:
-        if self.down:
-            raise OSError("fuzz: the store is down")
+        pass
 
     async def _exists(self, pages):  # type: ignore[no-untyped-def]
         self._gate()
@@ -61,6 +58,17 @@ class SwitchStorage(MemoryStorage):
     async def _write(self, pages, buffers, parents):  # type: ignore[no-untyped-def]
         self._gate()
         return await super()._write(pages, buffers, parents)
+
+
+class SwitchStorage(GatedMemoryStorage):
+    """The memory backend whose calls raise while ``down`` (a store that went away)."""
+
+    backend_name = BACKEND
+    down = False
+
+    def _gate(self) -> None:
+        if self.down:
+            raise OSError("fuzz: the store is down")
 
 
 register_backend(BACKEND, SwitchStorage)

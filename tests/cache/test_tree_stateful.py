@@ -35,7 +35,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from _fuzz import kv_ids
+from _fuzz import GatedMemoryStorage, kv_ids
 from hicache.controller import ControllerConfig
 from hicache.errors import RequestAbortedError
 from hicache.keys import Namespace
@@ -43,7 +43,6 @@ from hicache.prefix_cache import MatchPrefixParams, RadixKey, Req
 from hicache.replay.synthetic import verify_kv, write_synthetic_kv
 from hicache.stack import StackConfig, build_stack, stored_page_nbytes
 from hicache.storage.registry import register_backend
-from hicache_backends.memory import MemoryStorage
 
 PS = 4
 #: pages of device, host and storage (``HICACHE_TREE_TIERS="10,6,8"`` tries others by hand)
@@ -53,7 +52,7 @@ EXAMPLES = int(os.environ.get("HICACHE_TREE_EXAMPLES", "50"))
 STEPS = int(os.environ.get("HICACHE_TREE_STEPS", "30"))
 
 
-class FlakyStorage(MemoryStorage):
+class FlakyStorage(GatedMemoryStorage):
     """The memory backend, whose next ``fail_next`` primitive calls raise (a store that fails
     some calls and then comes back)."""
 
@@ -66,18 +65,6 @@ class FlakyStorage(MemoryStorage):
             self.fail_next -= 1
             self.failed += 1
             raise OSError("tree-stateful: the store failed this call")
-
-    async def _exists(self, pages):  # type: ignore[no-untyped-def]
-        self._gate()
-        return await super()._exists(pages)
-
-    async def _read(self, pages, buffers):  # type: ignore[no-untyped-def]
-        self._gate()
-        return await super()._read(pages, buffers)
-
-    async def _write(self, pages, buffers, parents):  # type: ignore[no-untyped-def]
-        self._gate()
-        return await super()._write(pages, buffers, parents)
 
 
 register_backend(BACKEND, FlakyStorage)
