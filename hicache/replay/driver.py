@@ -17,7 +17,7 @@ from hicache.prefix_cache.req import Req
 from hicache.stack import CacheStack
 from hicache.replay.synthetic import verify_kv, write_synthetic_kv
 
-__all__ = ["RequestOutcome", "serve_request", "OutOfDeviceMemory"]
+__all__ = ["RequestOutcome", "alloc_evicting", "serve_request", "OutOfDeviceMemory"]
 
 
 class OutOfDeviceMemory(HiCacheError, RuntimeError):
@@ -36,6 +36,25 @@ class RequestOutcome:
     verify_failures: int
     #: hits per tier and misses per reason (``None`` when the stack's attribution is off)
     attribution: Any = None
+
+
+async def alloc_evicting(stack: CacheStack, n: int) -> torch.Tensor | None:
+    """``n`` device slots, evicting for them, and once more after the copies and loads in
+    flight have landed; ``None`` when they still do not fit."""
+    cache = stack.cache
+    dev = stack.allocator.alloc(n)
+    if dev is None:
+        await cache.evict_async(n - stack.allocator.available_size())
+        dev = stack.allocator.alloc(n)
+    if dev is None:
+        # device pages whose host copy or load is still in flight are not evictable yet (with
+        # drain_between_requests = false the copies go on between requests): the room is
+        # there once they land, so wait for them before calling it out of memory
+        await stack.controller.wait_prefetches()
+        await cache.drain()
+        await cache.evict_async(n - stack.allocator.available_size())
+        dev = stack.allocator.alloc(n)
+    return dev
 
 
 async def serve_request(
@@ -68,18 +87,7 @@ async def serve_request(
     failures = verify_kv(stack.device_pool, prefix, token_tensor[:p]) if verify and p else 0
     need = len(tokens) - p
     n_alloc = -(-need // ps) * ps
-    dev = stack.allocator.alloc(n_alloc)
-    if dev is None:
-        await cache.evict_async(n_alloc - stack.allocator.available_size())
-        dev = stack.allocator.alloc(n_alloc)
-    if dev is None:
-        # device pages whose host copy or load is still in flight are not evictable yet (with
-        # drain_between_requests = false the copies go on between requests): the room is
-        # there once they land, so wait for them before calling it out of memory
-        await stack.controller.wait_prefetches()
-        await cache.drain()
-        await cache.evict_async(n_alloc - stack.allocator.available_size())
-        dev = stack.allocator.alloc(n_alloc)
+    dev = await alloc_evicting(stack, n_alloc)
     if dev is None:
         cache.abort_req(req)
         raise OutOfDeviceMemory(f"request {rid}: {n_alloc} tokens do not fit on device")

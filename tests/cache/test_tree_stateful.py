@@ -40,6 +40,7 @@ from hicache.controller import ControllerConfig
 from hicache.errors import RequestAbortedError
 from hicache.keys import Namespace
 from hicache.prefix_cache import MatchPrefixParams, RadixKey, Req
+from hicache.replay.driver import alloc_evicting
 from hicache.replay.synthetic import verify_kv, write_synthetic_kv
 from hicache.stack import StackConfig, build_stack, stored_page_nbytes
 from hicache.storage.registry import register_backend
@@ -166,15 +167,7 @@ class TreeMachine(RuleBasedStateMachine):
         self.verify(prefix, tokens, f"admit {req.rid}", req.extra_key)
         need = len(tokens) - p
         n_alloc = -(-need // PS) * PS
-        dev = stack.allocator.alloc(n_alloc) if n_alloc else torch.empty(0, dtype=torch.int64)
-        if dev is None:
-            await cache.evict_async(n_alloc - stack.allocator.available_size())
-            dev = stack.allocator.alloc(n_alloc)
-        if dev is None:
-            await stack.controller.wait_prefetches()
-            await cache.drain()
-            await cache.evict_async(n_alloc - stack.allocator.available_size())
-            dev = stack.allocator.alloc(n_alloc)
+        dev = await alloc_evicting(stack, n_alloc) if n_alloc else torch.empty(0, dtype=torch.int64)
         if dev is None:  # the locks held by this machine keep the room
             cache.abort_req(req)
             return None
