@@ -73,10 +73,10 @@ _FILE_OP_COST = 32 << 10  # an open+close costs about as much as copying 32 KiB
 _WARN_SECONDS = 60.0  # at most one warning of a kind (disk full, I/O errors) per store this often
 
 
-def _tracked(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """A primitive that :meth:`FileStorage._close` waits for before it shuts the executors
-    (a write's pages counted while it runs: what a close cut short leaves, see there)."""
-    writes = fn.__name__ == "_write"
+def _tracked(fn: Callable[..., Any], *, writes: bool = False) -> Callable[..., Any]:
+    """A primitive that :meth:`FileStorage._close` waits for before it shuts the executors;
+    ``writes``: its first argument's pages are counted while it runs (what a close cut short
+    leaves, see there)."""
 
     @functools.wraps(fn)
     async def call(self: FileStorage, *args: Any) -> Any:
@@ -93,6 +93,11 @@ def _tracked(fn: Callable[..., Any]) -> Callable[..., Any]:
                 self._calls_idle.set()
 
     return call
+
+
+def _tracked_write(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """:func:`_tracked` for the write primitive, whose pages are counted while it runs."""
+    return _tracked(fn, writes=True)
 
 
 _CLOSE_CALLS_WAIT_SECONDS = 30.0  # what a close waits for calls in progress before it stops the threads
@@ -752,7 +757,7 @@ class FileStorage(AsyncHiCacheStorage):
             return "ok"
         return "vanished" if r.status is page_io.ReadStatus.MISSING else "corrupt"
 
-    @_tracked
+    @_tracked_write
     async def _write(
         self,
         pages: Sequence[PageKey],
