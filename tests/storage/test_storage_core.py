@@ -629,6 +629,15 @@ async def test_a_second_close_given_a_timeout_waits_for_the_first_no_longer() ->
     await store.aclose(timeout=0.2)  # closed: at once
 
 
+async def _misses_50_lookups_and_reads(store: MemoryStorage) -> None:
+    """50 lookups and 50 reads of a store whose primitives fail every call: each answers a
+    miss, and each failure is counted."""
+    for _ in range(50):
+        assert await store.batch_exists(["a", "b"]) == 0
+        assert await store.get("a", torch.empty(4, dtype=torch.uint8)) is None
+    assert store.get_stats()["backend_errors"] == 100
+
+
 async def test_a_primitive_that_fails_every_call_logs_its_traceback_once_a_period_with_the_count(
         caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
     """A broken backend fails every call, a page at a time under load: a traceback per failure
@@ -647,10 +656,7 @@ async def test_a_primitive_that_fails_every_call_logs_its_traceback_once_a_perio
 
     store = Broken()
     caplog.set_level(logging.ERROR, logger="hicache.storage.base")
-    for _ in range(50):
-        assert await store.batch_exists(["a", "b"]) == 0
-        assert await store.get("a", torch.empty(4, dtype=torch.uint8)) is None
-    assert store.get_stats()["backend_errors"] == 100
+    await _misses_50_lookups_and_reads(store)
     failed = [r for r in caplog.records if "failed" in r.getMessage()]
     assert len(failed) == 2, [r.getMessage() for r in failed]  # one per primitive: exists, read
     assert all(r.exc_info is not None for r in failed)
@@ -679,10 +685,7 @@ async def test_a_primitive_that_answers_wrongly_every_call_logs_once_a_period_wi
 
     store = Miscounts()
     caplog.set_level(logging.ERROR, logger="hicache.storage.base")
-    for _ in range(50):
-        assert await store.batch_exists(["a", "b"]) == 0
-        assert await store.get("a", torch.empty(4, dtype=torch.uint8)) is None
-    assert store.get_stats()["backend_errors"] == 100
+    await _misses_50_lookups_and_reads(store)
     lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert len(lines) == 2, lines[:4]  # one per primitive: exists, read
     assert any("flags for" in line for line in lines) and any("CancelledError" in line for line in lines)
